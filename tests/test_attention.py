@@ -1,0 +1,189 @@
+"""dot_product_attention and MultiHeadAttention against references and the theory."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import masks
+from transformer.attention import MultiHeadAttention, dot_product_attention
+
+
+def random_qkv(seed, batch=2, q_len=5, kv_len=6, heads=4, kv_heads=2, head_dim=8):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(batch, q_len, heads, head_dim))
+    k = rng.normal(size=(batch, kv_len, kv_heads, head_dim))
+    v = rng.normal(size=(batch, kv_len, kv_heads, head_dim))
+    return q, k, v
+
+
+def numpy_attention(q, k, v, allowed=None, bias=None):
+    """The seeds' formula in float64, one head at a time: softmax(Q K^T / sqrt(d_k) + bias) V.
+
+    Masked logits are excluded from the softmax; a row with no allowed key returns zeros.
+    """
+    batch, q_len, heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    out = np.zeros(q.shape)
+    weights = np.zeros((batch, heads, q_len, kv_len))
+    for b in range(batch):
+        for n in range(heads):
+            kv = n // (heads // kv_heads)  # query head n reads kv head n // group
+            logits = q[b, :, n] @ k[b, :, kv].T / np.sqrt(head_dim)
+            if bias is not None:
+                logits = logits + np.broadcast_to(bias, (batch, heads, q_len, kv_len))[b, n]
+            ok = np.ones_like(logits, bool) if allowed is None else np.broadcast_to(
+                allowed, (batch, heads, q_len, kv_len))[b, n]
+            for t in range(q_len):
+                if not ok[t].any():
+                    continue
+                e = np.exp(logits[t, ok[t]] - logits[t, ok[t]].max())
+                weights[b, n, t, ok[t]] = e / e.sum()
+            out[b, :, n] = weights[b, n] @ v[b, :, kv]
+    return out, weights
+
+
+MASKS = {
+    "none": None,
+    "causal": masks.Causal(),
+    "prefix_padding": masks.PrefixLM(jnp.array([2, 4])) & masks.Padding(
+        kv_lengths=jnp.array([6, 3])),
+    "window": masks.SlidingWindow(left=1, right=1),
+}
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])  # MHA, GQA, MQA
+def test_attention_equals_float64_numpy_reference(mask_name, kv_heads):
+    q, k, v = random_qkv(0, kv_heads=kv_heads)
+    bias = np.random.default_rng(1).normal(size=(1, 4, 5, 6))
+    mask = MASKS[mask_name]
+    allowed = None if mask is None else np.asarray(mask.dense(5, 6))
+    expected_out, expected_w = numpy_attention(q, k, v, allowed, bias)
+    out, w = dot_product_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), mask,
+                                   jnp.asarray(bias, jnp.float32), return_weights=True)
+    np.testing.assert_allclose(out, expected_out, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(w, expected_w, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_attention_equals_jax_nn_dot_product_attention(kv_heads):
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(2, q_len=6, kv_heads=kv_heads))
+    bias = jax.random.normal(jax.random.key(0), (2, 4, 6, 6))
+    allowed = masks.Causal() & masks.Padding(kv_lengths=jnp.array([6, 4]))
+    dense = allowed.dense(6, 6)
+    ours = dot_product_attention(q, k, v, allowed, bias)
+    theirs = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=dense)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+    ours_causal = dot_product_attention(q, k, v, masks.Causal())
+    theirs_causal = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # square: same alignment
+    np.testing.assert_allclose(ours_causal, theirs_causal, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_sum_to_one_and_masked_keys_get_exactly_zero_weight():
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(3, q_len=6, kv_len=6))
+    mask = masks.Causal() & masks.Padding(kv_lengths=jnp.array([6, 4]))
+    _, w = dot_product_attention(q, k, v, mask, return_weights=True)
+    allowed = np.broadcast_to(np.asarray(mask.dense(6, 6)), w.shape)
+    np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-6)
+    assert (np.asarray(w)[~allowed] == 0.0).all()
+    assert (np.asarray(w)[allowed] > 0.0).all()
+
+
+def test_fully_masked_rows_give_zeros_and_finite_gradients():
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(4, q_len=4, kv_len=4))
+    mask = masks.Padding(q_lengths=jnp.array([2, 4]), kv_lengths=jnp.array([0, 4]))
+    out = dot_product_attention(q, k, v, mask)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(out)[0], 0.0)  # no key allowed in example 0
+    grads = jax.grad(lambda *a: dot_product_attention(*a, mask).sum(), argnums=(0, 1, 2))(q, k, v)
+    for g in grads:
+        assert np.isfinite(np.asarray(g)).all()
+    np.testing.assert_array_equal(np.asarray(grads[0])[0], 0.0)
+
+
+def test_bfloat16_inputs_use_float32_softmax():
+    q, k, v = random_qkv(5, q_len=16, kv_len=16)
+    bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    out, w = dot_product_attention(*bf16, masks.Causal(), return_weights=True)
+    assert out.dtype == jnp.bfloat16 and w.dtype == jnp.float32
+    expected, _ = numpy_attention(*(np.asarray(x, np.float64) for x in bf16),
+                                  np.asarray(masks.Causal().dense(16, 16)))
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_attention_dropout_needs_rng_and_rescales():
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(6))
+    with pytest.raises(ValueError, match="dropout_rng"):
+        dot_product_attention(q, k, v, dropout_rate=0.5)
+    a = dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(0))
+    b = dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(1))
+    assert not np.allclose(a, b)
+
+
+def test_bad_shapes_are_rejected():
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(7, heads=3, kv_heads=2))
+    with pytest.raises(ValueError, match="3 query heads: expected a multiple of 2"):
+        dot_product_attention(q, k, v)
+
+
+# --- the Linen layer -------------------------------------------------------------------------
+
+D_MODEL, HEADS = 16, 4
+
+
+def init_mha(seed=0, **kwargs):
+    layer = MultiHeadAttention(num_heads=HEADS, head_dim=D_MODEL // HEADS, **kwargs)
+    x = jax.random.normal(jax.random.key(seed), (2, 6, D_MODEL))
+    variables = layer.init(jax.random.key(seed + 1), x)
+    return layer, variables, x
+
+
+def test_mha_equals_per_head_projection_concat_and_output_projection():
+    layer, variables, x = init_mha(num_kv_heads=2, use_bias=True)
+    p = nn.unbox(variables)["params"]
+    xs = np.asarray(x, np.float64)
+    q = np.einsum("btd,dnh->btnh", xs, p["query"]) + p["query_bias"]
+    k = np.einsum("btd,dnh->btnh", xs, p["key"]) + p["key_bias"]
+    v = np.einsum("btd,dnh->btnh", xs, p["value"]) + p["value_bias"]
+    heads, _ = numpy_attention(q, k, v, np.asarray(masks.Causal().dense(6, 6)))
+    concat = heads.reshape(2, 6, -1)  # concatenation of the heads
+    expected = concat @ np.asarray(p["out"]).reshape(-1, D_MODEL) + p["out_bias"]
+    np.testing.assert_allclose(layer.apply(variables, x, mask=masks.Causal()), expected,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_mha_params_carry_logical_axis_names():
+    _, variables, _ = init_mha(num_kv_heads=2, use_bias=True)
+    names = {k: v.names for k, v in variables["params"].items()}
+    assert names["query"] == ("embed", "heads", "kv")
+    assert names["key"] == names["value"] == ("embed", "kv_heads", "kv")
+    assert names["out"] == ("heads", "kv", "embed")
+    assert names["out_bias"] == ("embed",)
+    assert variables["params"]["key"].value.shape == (D_MODEL, 2, D_MODEL // HEADS)
+
+
+def test_mha_returns_and_sows_attention_weights():
+    layer, variables, x = init_mha()
+    (out, weights), state = layer.apply(variables, x, mask=masks.Causal(), return_weights=True,
+                                        mutable=["intermediates"])
+    assert out.shape == x.shape and weights.shape == (2, HEADS, 6, 6)
+    np.testing.assert_array_equal(state["intermediates"]["attention_weights"][0], weights)
+
+
+def test_attention_is_not_symmetric():
+    layer, variables, x = init_mha(seed=3)
+    _, weights = layer.apply(variables, x, return_weights=True)
+    assert not np.allclose(weights, np.swapaxes(weights, -1, -2), atol=1e-3)
+
+
+def test_cross_attention_reads_keys_and_values_from_the_other_sequence():
+    layer, variables, x = init_mha(seed=4)
+    memory = jax.random.normal(jax.random.key(9), (2, 3, D_MODEL))
+    mask = masks.Padding(kv_lengths=jnp.array([3, 2]))
+    out, weights = layer.apply(variables, x, memory, mask=mask, return_weights=True)
+    assert out.shape == (2, 6, D_MODEL) and weights.shape == (2, HEADS, 6, 3)
+    assert (np.asarray(weights)[1, :, :, 2] == 0).all()
+    changed = memory.at[1, 2].set(100.0)  # a padded encoder position changes nothing
+    np.testing.assert_allclose(layer.apply(variables, x, changed, mask=mask)[1], out[1], atol=1e-6)

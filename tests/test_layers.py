@@ -1,0 +1,223 @@
+"""Feed-forward, norms, pre/post-LN blocks and stacks: formulas, causality, symmetry, scan."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import masks
+from transformer.attention import MultiHeadAttention
+from transformer.layers import (
+    MLP,
+    TransformerBlock,
+    TransformerConfig,
+    TransformerStack,
+    stack_layers,
+    unstack_layers,
+)
+
+SMALL = dict(num_layers=2, d_model=16, num_heads=4, d_ff=32)
+B, T = 2, 7
+
+
+def inputs(seed=0, length=T, batch=B, d_model=16):
+    return jax.random.normal(jax.random.key(seed), (batch, length, d_model))
+
+
+def layer_norm(x, p, eps):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * p["scale"] + p.get("bias", 0.0)
+
+
+def rms_norm(x, p, eps):
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * p["scale"]
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "swiglu"])
+def test_feed_forward_equals_formula(activation):
+    cfg = TransformerConfig(**SMALL, activation=activation)
+    x = inputs()
+    variables = MLP(cfg).init(jax.random.key(1), x)
+    p = jax.tree.map(np.asarray, nn.unbox(variables)["params"])
+    xs = np.asarray(x, np.float64)
+    if activation == "swiglu":  # (silu(x W_g) * x W_u) W_o
+        gate = xs @ p["wi_gate"] + p["wi_gate_bias"]
+        hidden = gate / (1 + np.exp(-gate)) * (xs @ p["wi_up"] + p["wi_up_bias"])
+    elif activation == "relu":  # max(0, x W1 + b1) W2 + b2
+        hidden = np.maximum(0.0, xs @ p["wi"] + p["wi_bias"])
+    else:
+        hidden = np.asarray(jax.nn.gelu(jnp.asarray(xs @ p["wi"] + p["wi_bias"])))
+    expected = hidden @ p["wo"] + p["wo_bias"]
+    np.testing.assert_allclose(MLP(cfg).apply(variables, x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_block_residuals_follow_pre_and_post_ln_formulas(placement, norm):
+    cfg = TransformerConfig(**SMALL, norm_placement=placement, norm=norm, position="none")
+    x, mask = inputs(), masks.Causal()
+    block = TransformerBlock(cfg)
+    variables = block.init(jax.random.key(2), x, mask, None, None)
+    p = nn.unbox(variables)["params"]
+    normed = lambda h, name: (layer_norm if norm == "layernorm" else rms_norm)(
+        np.asarray(h, np.float64), jax.tree.map(np.asarray, p[f"{name}_norm"]), cfg.norm_epsilon)
+    attention = lambda h: np.asarray(MultiHeadAttention(HEADS := 4, 16 // HEADS, use_bias=True)
+                                     .apply({"params": p["self_attention"]}, h, mask=mask))
+    mlp = lambda h: np.asarray(MLP(cfg).apply({"params": p["mlp"]}, jnp.asarray(h, jnp.float32)))
+    if placement == "pre":  # x + f(LN(x))
+        h = np.asarray(x) + attention(jnp.asarray(normed(x, "self_attention"), jnp.float32))
+        expected = h + mlp(normed(h, "mlp"))
+    else:  # LN(x + f(x))
+        h = normed(np.asarray(x) + attention(x), "self_attention")
+        expected = normed(h + mlp(h), "mlp")
+    np.testing.assert_allclose(block.apply(variables, x, mask, None, None), expected,
+                               atol=1e-4, rtol=1e-4)
+
+
+def init_stack(cfg, x, mask, cross=False, bidirectional=True, **kwargs):
+    stack = TransformerStack(cfg, cross_attention=cross, bidirectional=bidirectional)
+    variables = stack.init(jax.random.key(3), x, mask, **kwargs)
+    return stack, variables
+
+
+@pytest.mark.parametrize("position", ["none", "learned", "rope", "alibi", "t5"])
+def test_decoder_stack_leaks_no_future(position):
+    cfg = TransformerConfig(**SMALL, position=position, max_len=16)
+    x = inputs()
+    stack, variables = init_stack(cfg, x, masks.Causal(), bidirectional=False)
+    apply = jax.jit(lambda x: stack.apply(variables, x, masks.Causal()))
+    base = apply(x)
+    for t in range(T - 1):
+        changed = x.at[:, t + 1:].set(inputs(seed=10 + t)[:, t + 1:])
+        out = apply(changed)
+        np.testing.assert_allclose(out[:, :t + 1], base[:, :t + 1], atol=1e-5)
+        assert not np.allclose(out[:, t + 1:], base[:, t + 1:])
+
+
+def test_prefix_lm_stack_is_causal_after_the_prefix_and_bidirectional_within():
+    cfg = TransformerConfig(**SMALL, position="rope")
+    prefix = 3
+    mask = masks.PrefixLM(jnp.array([prefix, prefix]))
+    x = inputs()
+    stack, variables = init_stack(cfg, x, mask)
+    apply = jax.jit(lambda x: stack.apply(variables, x, mask))
+    base = apply(x)
+    noise = inputs(seed=99)  # (a constant shift would vanish under LayerNorm)
+    for t in range(prefix, T - 1):  # beyond the prefix: no future leaks
+        out = apply(x.at[:, t + 1:].add(noise[:, t + 1:]))
+        np.testing.assert_allclose(out[:, :t + 1], base[:, :t + 1], atol=1e-5)
+        assert not np.allclose(out[:, t + 1:], base[:, t + 1:])
+    out = apply(x.at[:, prefix - 1].add(noise[:, prefix - 1]))  # position 0 sees the last prefix
+    assert not np.allclose(out[:, 0], base[:, 0])
+
+
+@pytest.mark.parametrize("position", ["none", "sinusoidal", "learned", "rope", "alibi", "t5"])
+def test_self_attention_is_permutation_equivariant_only_without_positions(position):
+    cfg = TransformerConfig(**SMALL, position=position, max_len=16)
+    x = inputs()
+    stack, variables = init_stack(cfg, x, masks.Full())
+    perm = np.random.default_rng(0).permutation(T)
+    out = stack.apply(variables, x, masks.Full())
+    out_of_permuted = stack.apply(variables, x[:, perm], masks.Full())
+    if position == "none":
+        np.testing.assert_allclose(out_of_permuted, out[:, perm], atol=1e-5)
+    else:
+        assert not np.allclose(out_of_permuted, out[:, perm], atol=1e-3)
+
+
+@pytest.mark.parametrize("position", ["none", "learned", "rope", "alibi", "t5"])
+def test_packed_batch_equals_each_document_alone(position):
+    cfg = TransformerConfig(**SMALL, position=position, max_len=16)
+    lengths = [3, 4, 2]  # three documents packed into one row of 9 (+ 1 padding)
+    docs = [inputs(seed=20 + i, length=n, batch=1) for i, n in enumerate(lengths)]
+    packed = jnp.concatenate(docs + [jnp.zeros((1, 1, 16))], axis=1)
+    segment_ids = jnp.array([[1] * 3 + [2] * 4 + [3] * 2 + [0]])
+    doc_positions = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0, 1, 0]])  # positions restart per document
+    mask = masks.Segment(segment_ids) & masks.Causal()
+    stack, variables = init_stack(cfg, packed, mask, bidirectional=False, positions=doc_positions)
+    out = stack.apply(variables, packed, mask, positions=doc_positions)
+    start = 0
+    for doc, n in zip(docs, lengths, strict=True):
+        alone = stack.apply(variables, doc, masks.Causal())
+        np.testing.assert_allclose(out[:, start:start + n], alone, atol=1e-5)
+        start += n
+
+
+@pytest.mark.parametrize("position,cross,remat", [("rope", False, "none"), ("t5", True, "full"),
+                                                 ("learned", True, "dots")])
+def test_scanned_and_unrolled_stacks_agree(position, cross, remat):
+    x, enc = inputs(), inputs(seed=5, length=4)
+    cross_mask = masks.Padding(kv_lengths=jnp.array([4, 2]))
+    kwargs = dict(encoded=enc, cross_mask=cross_mask) if cross else {}
+    scanned_cfg = TransformerConfig(**SMALL, num_kv_heads=2, position=position, max_len=16,
+                                    scan_layers=True, remat_policy=remat)
+    unrolled_cfg = TransformerConfig(**SMALL, num_kv_heads=2, position=position, max_len=16)
+    scanned, variables = init_stack(scanned_cfg, x, masks.Causal(), cross, False, **kwargs)
+    unrolled = TransformerStack(unrolled_cfg, cross_attention=cross, bidirectional=False)
+    params = nn.unbox(variables)["params"]
+    unrolled_params = unstack_layers(params, 2)
+    assert "layers_1" in unrolled_params and "layers" not in unrolled_params
+
+    def loss(p, stack):
+        return (stack.apply({"params": p}, x, masks.Causal(), **kwargs) ** 2).mean()
+
+    np.testing.assert_allclose(loss(params, scanned), loss(unrolled_params, unrolled), rtol=1e-6)
+    g_scanned = jax.grad(loss)(params, scanned)
+    g_unrolled = stack_layers(jax.grad(loss)(unrolled_params, unrolled), 2)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5),
+                 g_scanned, g_unrolled)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_every_param_has_logical_axis_names(scan):
+    cfg = TransformerConfig(**SMALL, position="t5", activation="swiglu", scan_layers=scan)
+    x = inputs()
+    _, variables = init_stack(cfg, x, masks.Causal(), cross=True, encoded=x)
+    leaves = jax.tree.leaves(variables["params"],
+                             is_leaf=lambda v: isinstance(v, nn.LogicallyPartitioned))
+    assert len(leaves) > 10
+    for leaf in leaves:
+        assert isinstance(leaf, nn.LogicallyPartitioned)
+        assert len(leaf.names) == leaf.value.ndim
+    scan_axes = {leaf.names[0] for leaf in leaves if leaf.value.ndim == len(leaf.names) and
+                 "layers" in leaf.names}
+    assert scan_axes == ({"layers"} if scan else set())
+
+
+def test_dropout_only_when_not_deterministic():
+    cfg = TransformerConfig(**SMALL, dropout_rate=0.3, attention_dropout_rate=0.3)
+    x = inputs()
+    stack, variables = init_stack(cfg, x, masks.Causal())
+    eval_a = stack.apply(variables, x, masks.Causal())
+    eval_b = stack.apply(variables, x, masks.Causal(), rngs={"dropout": jax.random.key(1)})
+    np.testing.assert_array_equal(eval_a, eval_b)
+    train = lambda seed: stack.apply(variables, x, masks.Causal(), deterministic=False,
+                                     rngs={"dropout": jax.random.key(seed)})
+    assert not np.allclose(train(1), eval_a)
+    assert not np.allclose(train(1), train(2))
+    np.testing.assert_array_equal(train(3), train(3))
+
+
+def test_bfloat16_compute_keeps_float32_params():
+    cfg = TransformerConfig(**SMALL, dtype="bfloat16")
+    x = inputs()
+    stack, variables = init_stack(cfg, x, masks.Causal())
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nn.unbox(variables)))
+    assert stack.apply(variables, x, masks.Causal()).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(d_model=30, num_heads=4), "d_model=30: expected a multiple of num_heads=4"),
+    (dict(num_kv_heads=3), "num_kv_heads=3: expected a divisor of num_heads=4"),
+    (dict(activation="tanh"), "activation='tanh': expected one of"),
+    (dict(position="rotary"), "position='rotary': expected one of"),
+    (dict(norm_placement="sandwich"), "norm_placement='sandwich'"),
+    (dict(num_layers=0), "num_layers=0: expected a positive int"),
+    (dict(dropout_rate=1.0), "dropout_rate=1.0"),
+    (dict(head_dim=5, position="rope"), "head_dim=5: RoPE needs an even head dim"),
+])
+def test_bad_config_values_raise_one_line_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        TransformerConfig(**{**SMALL, **overrides})

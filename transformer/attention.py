@@ -1,0 +1,209 @@
+"""Scaled dot-product attention (a pure function) and the Linen multi-head attention layer.
+
+Shapes: B batch, T query length, S key length, N query heads, K key/value heads (N % K == 0:
+K == N is multi-head, 1 < K < N grouped-query, K == 1 multi-query), G = N // K, H head dim,
+D model width.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer import positions as positions_lib
+from transformer.masks import Mask, as_dense
+
+Array = jax.Array
+_MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so fully masked rows stay NaN-free
+
+
+def dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    mask: Mask | Array | None = None,
+    bias: Array | None = None,
+    *,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    return_weights: bool = False,
+):
+    """softmax(Q K^T * scale + bias) V over the keys the mask allows.
+
+    Args:
+      query: [B, T, N, H]; key, value: [B, S, K, H] with N divisible by K.
+      mask: a `masks.Mask`, a boolean array broadcastable to [B, N, T, S], or None (all allowed).
+      bias: float array broadcastable to [B, N, T, S] added to the logits (ALiBi, T5 buckets).
+      scale: logit scale, default 1 / sqrt(H).
+      dropout_rate, dropout_rng: dropout on the attention weights (training only).
+      return_weights: also return the weights [B, N, T, S] (float32).
+
+    Logits and softmax are float32 whatever the input dtype. Masked keys get exactly zero weight,
+    and a query row with no allowed key returns zeros (its gradient is finite).
+    """
+    batch, q_len, num_heads, head_dim = query.shape
+    _, kv_len, num_kv_heads, _ = key.shape
+    if key.shape != value.shape or key.shape[0] != batch or key.shape[3] != head_dim:
+        raise ValueError(
+            f"query {query.shape}, key {key.shape}, value {value.shape}: expected query "
+            "[B, T, N, H] and key == value shape [B, S, K, H]"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads: expected a multiple of {num_kv_heads} kv heads")
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+
+    query_BTKGH = query.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    logits_BKGTS = jnp.einsum(
+        "btkgh,bskh->bkgts", query_BTKGH, key, preferred_element_type=jnp.float32
+    )
+    logits_BNTS = logits_BKGTS.reshape(batch, num_heads, q_len, kv_len) * scale
+    if bias is not None:
+        logits_BNTS = logits_BNTS + bias.astype(jnp.float32)
+    allowed = as_dense(mask, q_len, kv_len)
+    if allowed is not None:
+        logits_BNTS = jnp.where(allowed, logits_BNTS, _MASKED)
+    weights_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
+    if allowed is not None:
+        weights_BNTS = jnp.where(allowed, weights_BNTS, 0.0)  # zero rows where nothing is allowed
+
+    probs_BNTS = weights_BNTS
+    if dropout_rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng")
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BNTS.shape)
+        probs_BNTS = jnp.where(keep, probs_BNTS / (1.0 - dropout_rate), 0.0)
+
+    probs_BKGTS = probs_BNTS.reshape(batch, num_kv_heads, group, q_len, kv_len)
+    out_BTKGH = jnp.einsum(
+        "bkgts,bskh->btkgh", probs_BKGTS.astype(value.dtype), value,
+        preferred_element_type=jnp.float32,
+    )
+    out_BTNH = out_BTKGH.reshape(batch, q_len, num_heads, head_dim).astype(query.dtype)
+    return (out_BTNH, weights_BNTS) if return_weights else out_BTNH
+
+
+def projection_init(std: float | None, in_axis, out_axis) -> nn.initializers.Initializer:
+    """Normal(std) if std is given, else fan-in variance scaling over the given kernel axes."""
+    if std is not None:
+        return nn.initializers.normal(stddev=std)
+    return nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
+    )
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention: per-head W_q, W_k, W_v, attention per head, concat, W_o.
+
+    Self-attention when `inputs_kv` is None, cross-attention otherwise. Grouped-query and
+    multi-query attention via `num_kv_heads`. RoPE (if `rope_theta` is set) rotates q and k at
+    `q_positions` / `kv_positions`. Params carry logical axis names: query [embed, heads, kv],
+    key/value [embed, kv_heads, kv], out [heads, kv, embed].
+
+    The attention weights are sown into the 'intermediates' collection as `attention_weights`
+    when that collection is mutable (for attention-map pictures), and returned as a second
+    output when `return_weights=True`.
+    """
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int | None = None
+    use_bias: bool = False
+    rope_theta: float | None = None
+    rope_layout: str = "half"
+    rope_scale: float = 1.0
+    dropout_rate: float = 0.0
+    init_std: float | None = None
+    out_init_std: float | None = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_kv: Array | None = None,
+        *,
+        mask: Mask | Array | None = None,
+        bias: Array | None = None,
+        q_positions: Array | None = None,
+        kv_positions: Array | None = None,
+        deterministic: bool = True,
+        return_weights: bool = False,
+    ):
+        num_kv_heads = self.num_kv_heads or self.num_heads
+        if self.num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads}: expected a multiple of num_kv_heads={num_kv_heads}"
+            )
+        self_attention = inputs_kv is None
+        inputs_kv = inputs_q if self_attention else inputs_kv
+        d_model = inputs_q.shape[-1]
+
+        def project(name, x, heads, names):
+            kernel = self.param(
+                name,
+                nn.with_logical_partitioning(projection_init(self.init_std, 0, (1, 2)), names),
+                (x.shape[-1], heads, self.head_dim),
+                self.param_dtype,
+            )
+            y = jnp.einsum("btd,dnh->btnh", x.astype(self.dtype), kernel.astype(self.dtype))
+            if self.use_bias:
+                b = self.param(
+                    f"{name}_bias",
+                    nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
+                    (heads, self.head_dim),
+                    self.param_dtype,
+                )
+                y = y + b.astype(self.dtype)
+            return y
+
+        query_BTNH = project("query", inputs_q, self.num_heads, ("embed", "heads", "kv"))
+        key_BSKH = project("key", inputs_kv, num_kv_heads, ("embed", "kv_heads", "kv"))
+        value_BSKH = project("value", inputs_kv, num_kv_heads, ("embed", "kv_heads", "kv"))
+
+        if self.rope_theta is not None:
+            q_positions = _default_positions(q_positions, inputs_q.shape[1])
+            kv_positions = q_positions if self_attention and kv_positions is None else (
+                _default_positions(kv_positions, inputs_kv.shape[1]))
+            rope = dict(theta=self.rope_theta, layout=self.rope_layout, scale=self.rope_scale)
+            query_BTNH = positions_lib.apply_rope(query_BTNH, q_positions, **rope)
+            key_BSKH = positions_lib.apply_rope(key_BSKH, kv_positions, **rope)
+
+        dropout = self.dropout_rate if not deterministic else 0.0
+        out_BTNH, weights_BNTS = dot_product_attention(
+            query_BTNH, key_BSKH, value_BSKH, mask, bias,
+            dropout_rate=dropout,
+            dropout_rng=self.make_rng("dropout") if dropout > 0.0 else None,
+            return_weights=True,
+        )
+        if self.is_mutable_collection("intermediates"):
+            self.sow("intermediates", "attention_weights", weights_BNTS)
+
+        out_init = projection_init(
+            self.out_init_std if self.out_init_std is not None else self.init_std, (0, 1), 2
+        )
+        w_out = self.param(
+            "out",
+            nn.with_logical_partitioning(out_init, ("heads", "kv", "embed")),
+            (self.num_heads, self.head_dim, d_model),
+            self.param_dtype,
+        )
+        out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, w_out.astype(self.dtype))
+        if self.use_bias:
+            b_out = self.param(
+                "out_bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+                (d_model,),
+                self.param_dtype,
+            )
+            out_BTD = out_BTD + b_out.astype(self.dtype)
+        return (out_BTD, weights_BNTS) if return_weights else out_BTD
+
+
+def _default_positions(positions: Array | None, length: int) -> Array:
+    return jnp.arange(length, dtype=jnp.int32)[None] if positions is None else positions

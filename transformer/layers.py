@@ -1,0 +1,294 @@
+"""Transformer layers: norms, feed-forward, blocks (pre/post-LN) and (scanned) stacks of blocks.
+
+`TransformerConfig` holds every architectural choice; models build one and pass it down.
+Shapes: B batch, T length, D model width, F feed-forward width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer import positions as positions_lib
+from transformer.attention import MultiHeadAttention, projection_init
+from transformer.masks import Mask
+
+Array = jax.Array
+
+POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+NORM_PLACEMENTS = ("pre", "post")
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(map(repr, choices))}")
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r}: expected a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Architecture of one stack of blocks (and of the layers inside it)."""
+
+    num_layers: int = 2
+    d_model: int = 64
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: = num_heads (MHA); 1: MQA; otherwise GQA
+    head_dim: int | None = None  # None: d_model // num_heads
+    d_ff: int = 256
+    activation: str = "gelu"  # relu | gelu | swiglu
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_placement: str = "pre"  # pre: x + f(LN(x)); post: LN(x + f(x))
+    norm_epsilon: float = 1e-5
+    position: str = "rope"  # none | sinusoidal | learned | rope | alibi | t5
+    max_len: int = 512  # learned positions only
+    rope_theta: float = 10000.0
+    rope_layout: str = "half"  # half | interleaved
+    rope_scale: float = 1.0
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
+    use_bias: bool = True
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    init_std: float | None = None  # None: fan-in scaling; GPT-2 uses 0.02
+    dtype: Any = jnp.float32  # compute dtype
+    param_dtype: Any = jnp.float32
+    scan_layers: bool = False
+    remat_policy: str = "none"  # none | full | dots | dots_no_batch
+
+    def __post_init__(self):
+        for name in ("num_layers", "d_model", "num_heads", "d_ff", "max_len"):
+            _check_positive(name, getattr(self, name))
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        _check_choice("norm", self.norm, NORMS)
+        _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        _check_choice("position", self.position, POSITIONS)
+        _check_choice("rope_layout", self.rope_layout, ("half", "interleaved"))
+        _check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+        if self.num_kv_heads is not None:
+            _check_positive("num_kv_heads", self.num_kv_heads)
+            if self.num_heads % self.num_kv_heads:
+                raise ValueError(
+                    f"num_kv_heads={self.num_kv_heads}: expected a divisor of "
+                    f"num_heads={self.num_heads}"
+                )
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model={self.d_model}: expected a multiple of num_heads={self.num_heads} "
+                "(or set head_dim)"
+            )
+        if self.head_dim is not None:
+            _check_positive("head_dim", self.head_dim)
+        if self.position == "rope" and self.resolved_head_dim % 2:
+            raise ValueError(f"head_dim={self.resolved_head_dim}: RoPE needs an even head dim")
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"d_model={self.d_model}: sinusoidal positions need an even width")
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected 0 <= rate < 1")
+        for name in ("dtype", "param_dtype"):
+            object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+
+def _norm(config: TransformerConfig, name: str) -> nn.Module:
+    """LayerNorm or RMSNorm over the model width, with logical names on its params."""
+    scale_init = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+    common = dict(epsilon=config.norm_epsilon, dtype=config.dtype,
+                  param_dtype=config.param_dtype, scale_init=scale_init, name=name)
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(**common)
+    bias_init = nn.with_logical_partitioning(nn.initializers.zeros, ("embed",))
+    return nn.LayerNorm(use_bias=config.use_bias, bias_init=bias_init, **common)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: act(x W_i + b_i) W_o + b_o; SwiGLU: (silu(x W_g) * x W_u) W_o."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x_BTD: Array) -> Array:
+        cfg = self.config
+        d_model = x_BTD.shape[-1]
+        x_BTD = x_BTD.astype(cfg.dtype)
+
+        def dense(name, x, features, names):
+            kernel = self.param(
+                name,
+                nn.with_logical_partitioning(projection_init(cfg.init_std, 0, 1), names),
+                (x.shape[-1], features),
+                cfg.param_dtype,
+            )
+            y = x @ kernel.astype(cfg.dtype)
+            if cfg.use_bias:
+                b = self.param(f"{name}_bias",
+                               nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
+                               (features,), cfg.param_dtype)
+                y = y + b.astype(cfg.dtype)
+            return y
+
+        if cfg.activation == "swiglu":
+            gate_BTF = dense("wi_gate", x_BTD, cfg.d_ff, ("embed", "mlp"))
+            up_BTF = dense("wi_up", x_BTD, cfg.d_ff, ("embed", "mlp"))
+            hidden_BTF = nn.silu(gate_BTF) * up_BTF
+        else:
+            act = nn.relu if cfg.activation == "relu" else nn.gelu
+            hidden_BTF = act(dense("wi", x_BTD, cfg.d_ff, ("embed", "mlp")))
+        return dense("wo", hidden_BTF, d_model, ("mlp", "embed"))
+
+
+class TransformerBlock(nn.Module):
+    """Self-attention, optional cross-attention, feed-forward; each a residual sublayer.
+
+    Pre-LN: x + Dropout(f(LN(x))). Post-LN (the original Transformer): LN(x + Dropout(f(x))).
+    An encoder block is self-attention (with a Full/Padding mask) + FFN; a decoder block uses a
+    Causal mask and, with `cross_attention=True`, attends to `encoded` in between.
+    `scanned=True` makes it return (x, None), the carry/output pair `nn.scan` expects.
+    """
+
+    config: TransformerConfig
+    cross_attention: bool = False
+    deterministic: bool = True
+    scanned: bool = False
+
+    @nn.compact
+    def __call__(self, x_BTD, mask, bias, positions, encoded=None, cross_mask=None):
+        cfg = self.config
+        attention = lambda name, rope: MultiHeadAttention(
+            num_heads=cfg.num_heads,
+            head_dim=cfg.resolved_head_dim,
+            num_kv_heads=cfg.num_kv_heads,
+            use_bias=cfg.use_bias,
+            rope_theta=cfg.rope_theta if rope and cfg.position == "rope" else None,
+            rope_layout=cfg.rope_layout,
+            rope_scale=cfg.rope_scale,
+            dropout_rate=cfg.attention_dropout_rate,
+            init_std=cfg.init_std,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name=name,
+        )
+
+        def residual(x, name, sublayer):
+            if cfg.norm_placement == "pre":
+                y = sublayer(_norm(cfg, f"{name}_norm")(x))
+            else:
+                y = sublayer(x)
+            y = nn.Dropout(cfg.dropout_rate)(y, deterministic=self.deterministic)
+            x = x + y
+            return x if cfg.norm_placement == "pre" else _norm(cfg, f"{name}_norm")(x)
+
+        x_BTD = residual(x_BTD, "self_attention", lambda h: attention("self_attention", True)(
+            h, mask=mask, bias=bias, q_positions=positions, deterministic=self.deterministic))
+        if self.cross_attention:
+            if encoded is None:
+                raise ValueError("a block with cross_attention=True needs `encoded` inputs")
+            x_BTD = residual(x_BTD, "cross_attention", lambda h: attention("cross_attention",
+                             False)(h, encoded, mask=cross_mask, deterministic=self.deterministic))
+        x_BTD = residual(x_BTD, "mlp", lambda h: MLP(cfg, name="mlp")(h))
+        return (x_BTD, None) if self.scanned else x_BTD
+
+
+class TransformerStack(nn.Module):
+    """N blocks plus what a stack owns: absolute positions, shared position biases, final norm.
+
+    Adds sinusoidal/learned positions to the input, computes the ALiBi or T5 bias once (the T5
+    bias table is shared by all layers of the stack; `bidirectional=False` uses causal buckets),
+    runs the blocks (unrolled as `layers_0..N-1`, or one `nn.scan` over `layers` with a leading
+    layer axis so compile time does not grow with depth), then the final norm for pre-LN.
+    """
+
+    config: TransformerConfig
+    cross_attention: bool = False
+    bidirectional: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        x_BTD: Array,
+        mask: Mask | Array | None = None,
+        positions: Array | None = None,
+        encoded: Array | None = None,
+        cross_mask: Mask | Array | None = None,
+        deterministic: bool = True,
+    ) -> Array:
+        cfg = self.config
+        length = x_BTD.shape[1]
+        if positions is None:
+            positions = jnp.arange(length, dtype=jnp.int32)[None]
+        x_BTD = x_BTD.astype(cfg.dtype)
+        if cfg.position == "sinusoidal":
+            x_BTD = x_BTD + positions_lib.sinusoidal_positions(positions, cfg.d_model).astype(
+                cfg.dtype)
+        elif cfg.position == "learned":
+            x_BTD = x_BTD + positions_lib.LearnedPositionEmbedding(
+                cfg.max_len, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                name="position_embedding")(positions)
+        bias = None
+        if cfg.position == "alibi":
+            bias = positions_lib.alibi_bias(positions, positions, cfg.num_heads)
+        elif cfg.position == "t5":
+            bias = positions_lib.T5RelativePositionBias(
+                cfg.num_heads, bidirectional=self.bidirectional, num_buckets=cfg.t5_num_buckets,
+                max_distance=cfg.t5_max_distance, param_dtype=cfg.param_dtype,
+                name="relative_position_bias")(positions, positions)
+        x_BTD = nn.Dropout(cfg.dropout_rate)(x_BTD, deterministic=deterministic)
+
+        block = TransformerBlock
+        if cfg.remat_policy != "none":
+            block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy],
+                             prevent_cse=not cfg.scan_layers)
+        args = (mask, bias, positions, encoded, cross_mask)
+        kwargs = dict(cross_attention=self.cross_attention, deterministic=deterministic)
+        if cfg.scan_layers:
+            scanned = nn.scan(
+                block,
+                variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast,) * len(args),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x_BTD, _ = scanned(cfg, scanned=True, name="layers", **kwargs)(x_BTD, *args)
+        else:
+            for i in range(cfg.num_layers):
+                x_BTD = block(cfg, name=f"layers_{i}", **kwargs)(x_BTD, *args)
+        if cfg.norm_placement == "pre":
+            x_BTD = _norm(cfg, "final_norm")(x_BTD)
+        return x_BTD
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+    """Unrolled stack params {layers_0: p0, ...} -> scanned {layers: stacked along axis 0}."""
+    params = dict(params)
+    layers = [params.pop(f"layers_{i}") for i in range(num_layers)]
+    params["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    return params
+
+
+def unstack_layers(params: dict, num_layers: int) -> dict:
+    """Scanned stack params {layers: stacked} -> unrolled {layers_0: p0, ...}."""
+    params = dict(params)
+    stacked = params.pop("layers")
+    for i in range(num_layers):
+        params[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return params

@@ -1,0 +1,235 @@
+"""Position information for attention: absolute embeddings (sinusoidal, learned),
+rotary embeddings (RoPE), and relative attention biases (ALiBi, T5 buckets).
+
+Shapes: B=batch, T=query length, S=key length, N=heads, H=head dim, D=model dim.
+"""
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_ROPE_LAYOUTS = ("half", "interleaved")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _as_batched(positions) -> jax.Array:
+    """[T] -> [1, T]; [B, T] unchanged."""
+    positions = jnp.asarray(positions)
+    if positions.ndim not in (1, 2):
+        raise ValueError(f"positions must have shape [T] or [B, T], got shape {positions.shape}")
+    return positions[None] if positions.ndim == 1 else positions
+
+
+# -----------------------------------------------------------------------------
+# absolute position embeddings
+
+
+def sinusoidal_positions(positions, dim: int, max_timescale: float = 10000.0) -> jax.Array:
+    """Fixed sin/cos embeddings from "Attention Is All You Need", interleaved.
+
+    PE(pos, 2i) = sin(pos / max_timescale^(2i/dim)), PE(pos, 2i+1) = cos(same).
+    positions: int [T] or [B, T] -> float32 [..., T, dim].
+
+    >>> np.round(np.asarray(sinusoidal_positions(jnp.arange(2), 4), float), 3).tolist()
+    [[0.0, 1.0, 0.0, 1.0], [0.841, 0.54, 0.01, 1.0]]
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim <= 0 or dim % 2:
+        raise ValueError(f"dim must be a positive even int, got {dim!r}")
+    if max_timescale <= 0:
+        raise ValueError(f"max_timescale must be > 0, got {max_timescale}")
+    i = np.arange(dim // 2, dtype=np.float64)
+    inv_timescale = jnp.asarray(max_timescale ** (-2.0 * i / dim), jnp.float32)  # [dim/2]
+    angle = jnp.asarray(positions, jnp.float32)[..., None] * inv_timescale  # [..., T, dim/2]
+    pe = jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1)  # [..., T, dim/2, 2]
+    return pe.reshape(*angle.shape[:-1], dim)
+
+
+class LearnedPositionEmbedding(nn.Module):
+    """A trainable table of absolute position vectors, looked up by position id."""
+
+    max_len: int
+    features: int
+    dtype: Any = jnp.float32  # output dtype
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, positions) -> jax.Array:
+        """positions: int [T] or [B, T] -> [..., T, features]."""
+        _check_positive_int("max_len", self.max_len)
+        _check_positive_int("features", self.features)
+        init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("length", "embed"))
+        embedding = self.param("embedding", init, (self.max_len, self.features), self.param_dtype)
+        # Out-of-range ids give NaN (jnp.take's default "fill" mode) rather than a silent clip.
+        return jnp.take(embedding, jnp.asarray(positions), axis=0).astype(self.dtype)
+
+
+# -----------------------------------------------------------------------------
+# rotary position embeddings (RoPE)
+
+
+def apply_rope(
+    x, positions, *, theta: float = 10000.0, layout: str = "half", scale: float = 1.0
+) -> jax.Array:
+    """Rotate pairs of head dims of x by angle (pos / scale) * theta^(-2i/H).
+
+    x: [B, T, N, H]; positions: int [T] or [B, T] (absolute, e.g. decode offsets).
+    layout="half" pairs dims (i, i + H/2) (GPT-NeoX / Llama "rotate_half");
+    layout="interleaved" pairs dims (2i, 2i + 1) (RoFormer / GPT-J).
+    scale > 1 is linear position interpolation. Math in float32; returns x.dtype.
+    """
+    if layout not in _ROPE_LAYOUTS:
+        raise ValueError(f"layout must be one of {_ROPE_LAYOUTS}, got {layout!r}")
+    if theta <= 0:
+        raise ValueError(f"theta must be > 0, got {theta}")
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    x = jnp.asarray(x)
+    if x.ndim != 4:
+        raise ValueError(f"x must have shape [B, T, N, H], got shape {x.shape}")
+    H = x.shape[-1]
+    if H % 2:
+        raise ValueError(f"head dim H must be even for RoPE, got H={H}")
+    pos_BT = _as_batched(positions)
+
+    i = np.arange(H // 2, dtype=np.float64)
+    inv_freq = jnp.asarray(theta ** (-2.0 * i / H) / scale, jnp.float32)  # [H/2]
+    angle = pos_BT.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+
+    xf = x.astype(jnp.float32)
+    if layout == "half":
+        x1, x2 = xf[..., : H // 2], xf[..., H // 2 :]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        pairs = xf.reshape(*xf.shape[:-1], H // 2, 2)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        out = out.reshape(xf.shape)
+    return out.astype(x.dtype)
+
+
+# -----------------------------------------------------------------------------
+# ALiBi (attention with linear biases)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """Per-head ALiBi slopes, float32 [N] (static NumPy).
+
+    Power of two n: 2^(-8/n), 2^(-16/n), ..., 2^(-8). Otherwise the slopes for the
+    largest power of two p < n, then the first n - p of the 2p-head slopes [0::2].
+
+    >>> alibi_slopes(4).tolist()
+    [0.25, 0.0625, 0.015625, 0.00390625]
+    >>> np.log2(alibi_slopes(6)).tolist()
+    [-2.0, -4.0, -6.0, -8.0, -1.0, -3.0]
+    """
+    _check_positive_int("num_heads", num_heads)
+
+    def pow2_slopes(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
+
+    p = 1 << (int(num_heads).bit_length() - 1)  # largest power of two <= num_heads
+    slopes = pow2_slopes(p) + pow2_slopes(2 * p)[0::2][: num_heads - p]
+    return np.asarray(slopes, dtype=np.float32)
+
+
+def alibi_bias(q_positions, kv_positions, num_heads: int) -> jax.Array:
+    """ALiBi bias -slope_n * |q_pos - kv_pos|, float32 [B or 1, N, T, S].
+
+    On the causal region (kv_pos <= q_pos) this is the usual ALiBi bias; for
+    bidirectional attention it is the symmetric version.
+
+    >>> np.asarray(alibi_bias(jnp.arange(3), jnp.arange(3), 1)[0, 0] * 256).tolist()
+    [[0.0, -1.0, -2.0], [-1.0, 0.0, -1.0], [-2.0, -1.0, 0.0]]
+    """
+    slopes_N = jnp.asarray(alibi_slopes(num_heads))
+    q_BT, kv_BS = _as_batched(q_positions), _as_batched(kv_positions)
+    neg_dist_BTS = -jnp.abs(q_BT[:, :, None] - kv_BS[:, None, :])  # int: the diagonal is +0.0
+    return slopes_N[None, :, None, None] * neg_dist_BTS[:, None].astype(jnp.float32)
+
+
+# -----------------------------------------------------------------------------
+# T5 relative position buckets
+
+
+def t5_relative_position_bucket(
+    relative_position,
+    *,
+    bidirectional: bool = True,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> jax.Array:
+    """Map relative_position = key_pos - query_pos to a T5 bucket id (int32, same shape).
+
+    Bidirectional: buckets [0, nb) for rel <= 0 and [nb, 2nb) for rel > 0, nb = num_buckets//2.
+    Causal: only rel <= 0 is distinguished, nb = num_buckets. Magnitudes below nb//2 get
+    their own bucket; larger ones share log-spaced buckets up to max_distance.
+
+    >>> t5_relative_position_bucket(jnp.array([-200, -16, -1, 0, 1, 16, 200])).tolist()
+    [15, 10, 1, 0, 17, 26, 31]
+    """
+    _check_positive_int("num_buckets", num_buckets)
+    _check_positive_int("max_distance", max_distance)
+    if bidirectional and (num_buckets % 2 or num_buckets < 4):
+        raise ValueError(f"num_buckets must be even and >= 4 if bidirectional, got {num_buckets}")
+    if not bidirectional and num_buckets < 2:
+        raise ValueError(f"num_buckets must be >= 2 if causal, got {num_buckets}")
+    nb = num_buckets // 2 if bidirectional else num_buckets
+    max_exact = nb // 2
+    if max_distance <= max_exact:
+        raise ValueError(
+            f"max_distance must be > {max_exact} (the exact-bucket range), got {max_distance}"
+        )
+
+    rel = jnp.asarray(relative_position).astype(jnp.int32)
+    if bidirectional:
+        offset = jnp.where(rel > 0, nb, 0).astype(jnp.int32)
+        mag = jnp.abs(rel)
+    else:
+        offset = jnp.zeros_like(rel)
+        mag = jnp.maximum(-rel, 0)
+
+    # log-spaced buckets for mag >= max_exact (clamp so log never sees 0)
+    ratio = jnp.maximum(mag, max_exact).astype(jnp.float32) / max_exact
+    log_bucket = max_exact + (
+        jnp.log(ratio) / math.log(max_distance / max_exact) * (nb - max_exact)
+    ).astype(jnp.int32)
+    log_bucket = jnp.minimum(log_bucket, nb - 1)
+    return offset + jnp.where(mag < max_exact, mag, log_bucket)
+
+
+class T5RelativePositionBias(nn.Module):
+    """Learned per-head attention bias indexed by T5 relative-position bucket."""
+
+    num_heads: int
+    bidirectional: bool = True
+    num_buckets: int = 32
+    max_distance: int = 128
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, q_positions, kv_positions) -> jax.Array:
+        """q_positions [T] or [B, T], kv_positions [S] or [B, S] -> bias [B or 1, N, T, S]."""
+        _check_positive_int("num_heads", self.num_heads)
+        q_BT, kv_BS = _as_batched(q_positions), _as_batched(kv_positions)
+        bucket_BTS = t5_relative_position_bucket(
+            kv_BS[:, None, :] - q_BT[:, :, None],
+            bidirectional=self.bidirectional,
+            num_buckets=self.num_buckets,
+            max_distance=self.max_distance,
+        )
+        names = ("relpos_buckets", "heads")
+        init = nn.with_logical_partitioning(nn.initializers.normal(1.0), names)
+        shape = (self.num_buckets, self.num_heads)
+        table_KN = self.param("rel_embedding", init, shape, self.param_dtype)  # K=buckets
+        bias_BTSN = jnp.take(table_KN, bucket_BTS, axis=0)
+        return jnp.transpose(bias_BTSN, (0, 3, 1, 2)).astype(self.dtype)
