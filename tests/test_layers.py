@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy.special import erf
 
 from transformer import masks
 from transformer.attention import MultiHeadAttention
@@ -35,20 +36,22 @@ def rms_norm(x, p, eps):
     return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * p["scale"]
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "swiglu", "geglu"])
 def test_feed_forward_equals_formula(activation):
     cfg = TransformerConfig(**SMALL, activation=activation)
     x = inputs()
     variables = MLP(cfg).init(jax.random.key(1), x)
     p = jax.tree.map(np.asarray, nn.unbox(variables)["params"])
     xs = np.asarray(x, np.float64)
-    if activation == "swiglu":  # (silu(x W_g) * x W_u) W_o
+    gelu = lambda z: 0.5 * z * (1 + erf(z / np.sqrt(2)))
+    gelu_tanh = lambda z: 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
+    if activation in ("swiglu", "geglu"):  # (act(x W_g) * x W_u) W_o
         gate = xs @ p["wi_gate"] + p["wi_gate_bias"]
-        hidden = gate / (1 + np.exp(-gate)) * (xs @ p["wi_up"] + p["wi_up_bias"])
-    elif activation == "relu":  # max(0, x W1 + b1) W2 + b2
-        hidden = np.maximum(0.0, xs @ p["wi"] + p["wi_bias"])
-    else:
-        hidden = np.asarray(jax.nn.gelu(jnp.asarray(xs @ p["wi"] + p["wi_bias"])))
+        act = (lambda z: z / (1 + np.exp(-z))) if activation == "swiglu" else gelu_tanh
+        hidden = act(gate) * (xs @ p["wi_up"] + p["wi_up_bias"])
+    else:  # e.g. ReLU: max(0, x W1 + b1) W2 + b2
+        act = {"relu": lambda z: np.maximum(0.0, z), "gelu": gelu, "gelu_tanh": gelu_tanh}
+        hidden = act[activation](xs @ p["wi"] + p["wi_bias"])
     expected = hidden @ p["wo"] + p["wo_bias"]
     np.testing.assert_allclose(MLP(cfg).apply(variables, x), expected, atol=1e-5, rtol=1e-5)
 

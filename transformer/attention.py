@@ -40,10 +40,10 @@ def dot_product_attention(
       bias: float array broadcastable to [B, N, T, S] added to the logits (ALiBi, T5 buckets).
       scale: logit scale, default 1 / sqrt(H).
       dropout_rate, dropout_rng: dropout on the attention weights (training only).
-      return_weights: also return the weights [B, N, T, S] (float32).
+      return_weights: also return the weights [B, N, T, S] (float32, or float64).
 
-    Logits and softmax are float32 whatever the input dtype. Masked keys get exactly zero weight,
-    and a query row with no allowed key returns zeros (its gradient is finite).
+    Logits and softmax are float32 for every lower-precision input dtype. Masked keys get exactly
+    zero weight, and a query row with no allowed key returns zeros (its gradient is finite).
     """
     batch, q_len, num_heads, head_dim = query.shape
     _, kv_len, num_kv_heads, _ = key.shape
@@ -56,14 +56,15 @@ def dot_product_attention(
         raise ValueError(f"{num_heads} query heads: expected a multiple of {num_kv_heads} kv heads")
     group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
+    acc = jnp.promote_types(query.dtype, jnp.float32)  # float32, or float64 for float64 inputs
 
     query_BTKGH = query.reshape(batch, q_len, num_kv_heads, group, head_dim)
     logits_BKGTS = jnp.einsum(
-        "btkgh,bskh->bkgts", query_BTKGH, key, preferred_element_type=jnp.float32
+        "btkgh,bskh->bkgts", query_BTKGH, key, preferred_element_type=acc
     )
     logits_BNTS = logits_BKGTS.reshape(batch, num_heads, q_len, kv_len) * scale
     if bias is not None:
-        logits_BNTS = logits_BNTS + bias.astype(jnp.float32)
+        logits_BNTS = logits_BNTS + bias.astype(acc)
     allowed = as_dense(mask, q_len, kv_len)
     if allowed is not None:
         logits_BNTS = jnp.where(allowed, logits_BNTS, _MASKED)
@@ -81,7 +82,7 @@ def dot_product_attention(
     probs_BKGTS = probs_BNTS.reshape(batch, num_kv_heads, group, q_len, kv_len)
     out_BTKGH = jnp.einsum(
         "bkgts,bskh->btkgh", probs_BKGTS.astype(value.dtype), value,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=acc,
     )
     out_BTNH = out_BTKGH.reshape(batch, q_len, num_heads, head_dim).astype(query.dtype)
     return (out_BTNH, weights_BNTS) if return_weights else out_BTNH
@@ -113,6 +114,7 @@ class MultiHeadAttention(nn.Module):
     head_dim: int
     num_kv_heads: int | None = None
     use_bias: bool = False
+    scale: float | None = None  # logit scale; None: 1/sqrt(head_dim)
     rope_theta: float | None = None
     rope_layout: str = "half"
     rope_scale: float = 1.0
@@ -177,6 +179,7 @@ class MultiHeadAttention(nn.Module):
         dropout = self.dropout_rate if not deterministic else 0.0
         out_BTNH, weights_BNTS = dot_product_attention(
             query_BTNH, key_BSKH, value_BSKH, mask, bias,
+            scale=self.scale,
             dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0.0 else None,
             return_weights=True,

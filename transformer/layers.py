@@ -20,7 +20,6 @@ from transformer.masks import Mask
 Array = jax.Array
 
 POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
-ACTIVATIONS = ("relu", "gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 REMAT_POLICIES = {
@@ -51,7 +50,7 @@ class TransformerConfig:
     num_kv_heads: int | None = None  # None: = num_heads (MHA); 1: MQA; otherwise GQA
     head_dim: int | None = None  # None: d_model // num_heads
     d_ff: int = 256
-    activation: str = "gelu"  # relu | gelu | swiglu
+    activation: str = "gelu"  # relu | gelu (erf) | gelu_tanh (GPT-2) | swiglu | geglu (T5 v1.1)
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_placement: str = "pre"  # pre: x + f(LN(x)); post: LN(x + f(x))
     norm_epsilon: float = 1e-5
@@ -63,6 +62,8 @@ class TransformerConfig:
     t5_num_buckets: int = 32
     t5_max_distance: int = 128
     use_bias: bool = True
+    attention_scale: float | None = None  # logit scale; None: 1/sqrt(head_dim); T5 uses 1.0
+    embedding_norm: bool = False  # norm after adding absolute positions (BERT)
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     init_std: float | None = None  # None: fan-in scaling; GPT-2 uses 0.02
@@ -74,7 +75,7 @@ class TransformerConfig:
     def __post_init__(self):
         for name in ("num_layers", "d_model", "num_heads", "d_ff", "max_len"):
             _check_positive(name, getattr(self, name))
-        _check_choice("activation", self.activation, ACTIVATIONS)
+        _check_choice("activation", self.activation, tuple(ACTIVATIONS))
         _check_choice("norm", self.norm, NORMS)
         _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
         _check_choice("position", self.position, POSITIONS)
@@ -109,7 +110,7 @@ class TransformerConfig:
         return self.head_dim or self.d_model // self.num_heads
 
 
-def _norm(config: TransformerConfig, name: str) -> nn.Module:
+def norm_layer(config: TransformerConfig, name: str) -> nn.Module:
     """LayerNorm or RMSNorm over the model width, with logical names on its params."""
     scale_init = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
     common = dict(epsilon=config.norm_epsilon, dtype=config.dtype,
@@ -120,8 +121,20 @@ def _norm(config: TransformerConfig, name: str) -> nn.Module:
     return nn.LayerNorm(use_bias=config.use_bias, bias_init=bias_init, **common)
 
 
+ACTIVATIONS = {  # name -> nonlinearity (for gated variants: of the gate)
+    "relu": nn.relu,
+    "gelu": lambda x: nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: nn.gelu(x, approximate=True),
+    "swiglu": nn.silu,
+    "geglu": lambda x: nn.gelu(x, approximate=True),
+}
+
+
 class MLP(nn.Module):
-    """Position-wise feed-forward: act(x W_i + b_i) W_o + b_o; SwiGLU: (silu(x W_g) * x W_u) W_o."""
+    """Position-wise feed-forward: act(x W_i + b_i) W_o + b_o.
+
+    Gated variants (SwiGLU, GeGLU): (act(x W_gate) * x W_up) W_o.
+    """
 
     config: TransformerConfig
 
@@ -146,12 +159,12 @@ class MLP(nn.Module):
                 y = y + b.astype(cfg.dtype)
             return y
 
-        if cfg.activation == "swiglu":
+        act = ACTIVATIONS[cfg.activation]
+        if cfg.activation in ("swiglu", "geglu"):
             gate_BTF = dense("wi_gate", x_BTD, cfg.d_ff, ("embed", "mlp"))
             up_BTF = dense("wi_up", x_BTD, cfg.d_ff, ("embed", "mlp"))
-            hidden_BTF = nn.silu(gate_BTF) * up_BTF
+            hidden_BTF = act(gate_BTF) * up_BTF
         else:
-            act = nn.relu if cfg.activation == "relu" else nn.gelu
             hidden_BTF = act(dense("wi", x_BTD, cfg.d_ff, ("embed", "mlp")))
         return dense("wo", hidden_BTF, d_model, ("mlp", "embed"))
 
@@ -178,6 +191,7 @@ class TransformerBlock(nn.Module):
             head_dim=cfg.resolved_head_dim,
             num_kv_heads=cfg.num_kv_heads,
             use_bias=cfg.use_bias,
+            scale=cfg.attention_scale,
             rope_theta=cfg.rope_theta if rope and cfg.position == "rope" else None,
             rope_layout=cfg.rope_layout,
             rope_scale=cfg.rope_scale,
@@ -190,12 +204,12 @@ class TransformerBlock(nn.Module):
 
         def residual(x, name, sublayer):
             if cfg.norm_placement == "pre":
-                y = sublayer(_norm(cfg, f"{name}_norm")(x))
+                y = sublayer(norm_layer(cfg, f"{name}_norm")(x))
             else:
                 y = sublayer(x)
             y = nn.Dropout(cfg.dropout_rate)(y, deterministic=self.deterministic)
             x = x + y
-            return x if cfg.norm_placement == "pre" else _norm(cfg, f"{name}_norm")(x)
+            return x if cfg.norm_placement == "pre" else norm_layer(cfg, f"{name}_norm")(x)
 
         x_BTD = residual(x_BTD, "self_attention", lambda h: attention("self_attention", True)(
             h, mask=mask, bias=bias, q_positions=positions, deterministic=self.deterministic))
@@ -211,7 +225,8 @@ class TransformerBlock(nn.Module):
 class TransformerStack(nn.Module):
     """N blocks plus what a stack owns: absolute positions, shared position biases, final norm.
 
-    Adds sinusoidal/learned positions to the input, computes the ALiBi or T5 bias once (the T5
+    Adds sinusoidal/learned positions to the input (then the embedding norm, if configured, and
+    dropout), computes the ALiBi or T5 bias once (the T5
     bias table is shared by all layers of the stack; `bidirectional=False` uses causal buckets),
     runs the blocks (unrolled as `layers_0..N-1`, or one `nn.scan` over `layers` with a leading
     layer axis so compile time does not grow with depth), then the final norm for pre-LN.
@@ -250,7 +265,10 @@ class TransformerStack(nn.Module):
             bias = positions_lib.T5RelativePositionBias(
                 cfg.num_heads, bidirectional=self.bidirectional, num_buckets=cfg.t5_num_buckets,
                 max_distance=cfg.t5_max_distance, param_dtype=cfg.param_dtype,
+                dtype=jnp.promote_types(cfg.dtype, jnp.float32),
                 name="relative_position_bias")(positions, positions)
+        if cfg.embedding_norm:
+            x_BTD = norm_layer(cfg, "embedding_norm")(x_BTD)
         x_BTD = nn.Dropout(cfg.dropout_rate)(x_BTD, deterministic=deterministic)
 
         block = TransformerBlock
@@ -273,7 +291,7 @@ class TransformerStack(nn.Module):
             for i in range(cfg.num_layers):
                 x_BTD = block(cfg, name=f"layers_{i}", **kwargs)(x_BTD, *args)
         if cfg.norm_placement == "pre":
-            x_BTD = _norm(cfg, "final_norm")(x_BTD)
+            x_BTD = norm_layer(cfg, "final_norm")(x_BTD)
         return x_BTD
 
 
@@ -292,3 +310,51 @@ def unstack_layers(params: dict, num_layers: int) -> dict:
     for i in range(num_layers):
         params[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
     return params
+
+
+class TokenEmbedding(nn.Module):
+    """Token id -> vector lookup, and its transpose (`attend`) for a tied output head."""
+
+    vocab_size: int
+    features: int
+    init_std: float = 0.02
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        init = nn.with_logical_partitioning(nn.initializers.normal(self.init_std),
+                                            ("vocab", "embed"))
+        self.embedding = self.param("embedding", init, (self.vocab_size, self.features),
+                                    self.param_dtype)
+
+    def __call__(self, tokens_BT: Array) -> Array:
+        return jnp.take(self.embedding, tokens_BT, axis=0).astype(self.dtype)
+
+    def attend(self, x_BTD: Array) -> Array:
+        """Logits x E^T, accumulated in float32 (at least): [B, T, D] -> [B, T, V]."""
+        return jnp.einsum("btd,vd->btv", x_BTD.astype(self.dtype),
+                          self.embedding.astype(self.dtype),
+                          preferred_element_type=jnp.promote_types(self.dtype, jnp.float32))
+
+
+class OutputHead(nn.Module):
+    """An untied projection to the vocabulary (or to classes), float32 logits."""
+
+    features: int
+    use_bias: bool = False
+    init_std: float | None = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    names: tuple[str, str] = ("embed", "vocab")
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        kernel = self.param("kernel", nn.with_logical_partitioning(
+            projection_init(self.init_std, 0, 1), self.names), (x.shape[-1], self.features),
+            self.param_dtype)
+        y = jnp.einsum("...d,dv->...v", x.astype(self.dtype), kernel.astype(self.dtype),
+                       preferred_element_type=jnp.promote_types(self.dtype, jnp.float32))
+        if self.use_bias:
+            y = y + self.param("bias", nn.with_logical_partitioning(
+                nn.initializers.zeros, self.names[1:]), (self.features,), self.param_dtype)
+        return y

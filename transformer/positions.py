@@ -100,11 +100,12 @@ def apply_rope(
     pos_BT = _as_batched(positions)
 
     i = np.arange(H // 2, dtype=np.float64)
-    inv_freq = jnp.asarray(theta ** (-2.0 * i / H) / scale, jnp.float32)  # [H/2]
-    angle = pos_BT.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
+    compute = jnp.promote_types(x.dtype, jnp.float32)  # float32 (float64 stays float64)
+    inv_freq = jnp.asarray(theta ** (-2.0 * i / H) / scale, compute)  # [H/2]
+    angle = pos_BT.astype(compute)[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
 
-    xf = x.astype(jnp.float32)
+    xf = x.astype(compute)
     if layout == "half":
         x1, x2 = xf[..., : H // 2], xf[..., H // 2 :]
         out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

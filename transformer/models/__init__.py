@@ -1,0 +1,76 @@
+"""Model families, and `build_model` to make one from an ml_collections `model` config group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import ml_collections
+
+from transformer.layers import TransformerConfig
+from transformer.models.bert import EncoderModel
+from transformer.models.gpt import DecoderLM
+from transformer.models.lstm import LSTMLM
+from transformer.models.t5 import EncoderDecoder, shift_right
+
+FAMILIES = ("gpt", "prefix_lm", "bert", "t5", "lstm")
+_OPTIONAL_FIELDS = {"num_kv_heads": int, "head_dim": int, "init_std": float,
+                    "attention_scale": float}
+_STACK_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+def default_model_config() -> ml_collections.ConfigDict:
+    """Every model key with its default: the `model` group of an experiment config."""
+    stack = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    stack["dtype"] = stack["param_dtype"] = "float32"
+    for name, kind in _OPTIONAL_FIELDS.items():  # None defaults keep their type for overrides
+        stack[name] = ml_collections.FieldReference(stack[name], field_type=kind)
+    return ml_collections.ConfigDict({
+        "family": "gpt",  # gpt | prefix_lm | bert | t5 | lstm
+        "vocab_size": 256,
+        "tie_embeddings": True,
+        **stack,
+        # Encoder-decoder: decoder depth (None: = num_layers).
+        "num_decoder_layers": ml_collections.FieldReference(None, field_type=int),
+        # Encoder-decoder: scale the decoder output by d_model^-0.5 before the head (T5 v1.0).
+        "scale_decoder_output": True,
+        # BERT: sentence A/B vocabulary, head ("mlm" | "classify") and classes.
+        "type_vocab_size": 2,
+        "head": "mlm",
+        "num_classes": 0,
+    })
+
+
+def transformer_config(model_config: ml_collections.ConfigDict, **overrides) -> TransformerConfig:
+    """The stack architecture from a model config group (validated by TransformerConfig)."""
+    values = {k: model_config[k] for k in _STACK_FIELDS if k in model_config}
+    return TransformerConfig(**{**values, **overrides})
+
+
+def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
+    """The Linen module for `model_config.family`, configured from the group's keys."""
+    unknown = sorted(set(model_config.keys()) - set(default_model_config().keys()))
+    if unknown:
+        raise ValueError(f"unknown model config keys {unknown}: expected keys of "
+                         "transformer.models.default_model_config()")
+    family = model_config.family
+    if family not in FAMILIES:
+        raise ValueError(f"model.family={family!r}: expected one of {FAMILIES}")
+    vocab, tie = model_config.vocab_size, model_config.tie_embeddings
+    if family == "lstm":
+        cfg = transformer_config(model_config)  # validates dims and dtypes
+        return LSTMLM(vocab, cfg.d_model, cfg.num_layers, cfg.dropout_rate, tie, cfg.dtype,
+                      cfg.param_dtype)
+    cfg = transformer_config(model_config)
+    if family in ("gpt", "prefix_lm"):
+        return DecoderLM(cfg, vocab, tie)
+    if family == "bert":
+        return EncoderModel(cfg, vocab, model_config.type_vocab_size, model_config.head,
+                            model_config.num_classes)
+    decoder_layers = model_config.get("num_decoder_layers") or cfg.num_layers
+    return EncoderDecoder(cfg, transformer_config(model_config, num_layers=decoder_layers),
+                          vocab, tie, model_config.scale_decoder_output)
+
+
+__all__ = ["FAMILIES", "DecoderLM", "EncoderModel", "EncoderDecoder", "LSTMLM", "shift_right",
+           "build_model", "default_model_config", "transformer_config"]
