@@ -1,0 +1,152 @@
+"""Model families: each trains on its objective, plus the properties each family promises."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from transformer import objectives
+from transformer.models import (
+    LSTMLM,
+    EncoderDecoder,
+    build_model,
+    default_model_config,
+    shift_right,
+)
+
+VOCAB, B, T = 64, 4, 16
+PAD, EOS, MASK, CLS = 0, 1, 2, 3
+
+
+def small_config(family, **overrides):
+    config = default_model_config()
+    config.update(dict(family=family, vocab_size=VOCAB, num_layers=2, d_model=32, num_heads=4,
+                       d_ff=64, max_len=64), **overrides)
+    return config
+
+
+def family_loss(family, model, params, tokens_BT, rng):
+    """The pretraining objective of each family on a batch of token rows."""
+    if family in ("gpt", "lstm"):
+        inputs, targets, weights = objectives.next_token_targets(tokens_BT)
+        logits = model.apply({"params": params}, inputs)
+    elif family == "prefix_lm":
+        inputs, targets, _ = objectives.next_token_targets(tokens_BT)
+        prefix_lengths, weights = objectives.prefix_lm_split(rng, tokens_BT)
+        logits = model.apply({"params": params}, inputs, prefix_lengths=prefix_lengths)
+    elif family == "bert":
+        inputs, targets, weights = objectives.mlm_corrupt(
+            rng, tokens_BT, vocab_size=VOCAB, mask_id=MASK, special_ids=(PAD, EOS, MASK, CLS),
+            rate=0.3)
+        logits = model.apply({"params": params}, inputs)
+    else:  # t5
+        inputs, targets = objectives.span_corrupt(rng, tokens_BT, vocab_size=VOCAB, eos_id=EOS)
+        weights = jnp.ones(targets.shape, jnp.float32)
+        logits = model.apply({"params": params}, inputs, shift_right(targets, PAD))
+    loss, _ = objectives.cross_entropy(logits, targets, weights)
+    return loss
+
+
+@pytest.mark.parametrize("family", ["gpt", "prefix_lm", "bert", "t5", "lstm"])
+def test_every_family_trains_with_decreasing_loss(family):
+    model = build_model(small_config(family))
+    rng = np.random.default_rng(0)
+    # Learnable data: each row counts up from a random start (mod the non-special ids).
+    starts = rng.integers(0, VOCAB - 4, (B, 1))
+    tokens = jnp.asarray(4 + (starts + np.arange(T)) % (VOCAB - 4), jnp.int32)
+    init_args = (tokens, tokens) if family == "t5" else (tokens,)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), *init_args))["params"]
+    optimizer = optax.adamw(3e-3)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state, key):
+        loss, grads = jax.value_and_grad(
+            lambda p: family_loss(family, model, p, tokens, key))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for i in range(100):
+        params, opt_state, loss = step(params, opt_state, jax.random.key(i))
+        losses.append(float(loss))
+    assert np.isfinite(losses).all()
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
+
+
+def test_prefix_lm_sees_the_prefix_bidirectionally_and_the_rest_causally():
+    model = build_model(small_config("prefix_lm", position="rope"))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(4, VOCAB, (1, 10)))
+    params = jax.jit(model.init)(jax.random.key(0), tokens)
+    prefix = jnp.array([4])
+    apply = jax.jit(lambda t: model.apply(params, t, prefix_lengths=prefix))
+    base = apply(tokens)
+    after = apply(tokens.at[0, 7].set(5))  # a continuation token: earlier logits unchanged
+    np.testing.assert_allclose(after[0, :7], base[0, :7], atol=1e-5)
+    inside = apply(tokens.at[0, 3].set(5))  # a prefix token: the whole prefix sees it
+    assert not np.allclose(inside[0, 0], base[0, 0])
+    causal = model.apply(params, tokens)  # without a prefix it is a causal LM
+    assert not np.allclose(causal[0, 0], base[0, 0])
+
+
+def test_bert_classifier_reads_cls_and_ignores_padding():
+    model = build_model(small_config("bert", head="classify", num_classes=3))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(4, VOCAB, (2, 8))).at[:, 0].set(CLS)
+    segment_ids = jnp.array([[1] * 8, [1] * 5 + [0] * 3])
+    params = jax.jit(model.init)(jax.random.key(0), tokens)
+    logits = model.apply(params, tokens, segment_ids=segment_ids)
+    assert logits.shape == (2, 3)
+    changed = model.apply(params, tokens.at[1, 6].set(7), segment_ids=segment_ids)
+    np.testing.assert_allclose(changed[1], logits[1], atol=1e-5)  # padding is invisible
+
+
+def test_t5_padding_in_the_encoder_is_invisible_to_the_decoder():
+    model = build_model(small_config("t5", position="t5", norm="rmsnorm", use_bias=False))
+    assert isinstance(model, EncoderDecoder)
+    enc = jnp.asarray(np.random.default_rng(3).integers(4, VOCAB, (1, 9)))
+    dec = shift_right(jnp.asarray(np.random.default_rng(4).integers(4, VOCAB, (1, 5))), PAD)
+    enc_ids = jnp.array([[1] * 6 + [0] * 3])
+    params = jax.jit(model.init)(jax.random.key(0), enc, dec)
+    logits = model.apply(params, enc, dec, encoder_segment_ids=enc_ids)
+    changed = model.apply(params, enc.at[0, 7].set(9), dec, encoder_segment_ids=enc_ids)
+    np.testing.assert_allclose(changed, logits, atol=1e-5)
+    assert "relative_position_bias" in params["params"]["encoder"]  # one table per stack
+    assert "relative_position_bias" not in params["params"]["encoder"]["layers_0"]
+
+
+def test_lstm_is_causal_and_resets_at_document_boundaries():
+    model = LSTMLM(VOCAB, d_model=16, num_layers=2)
+    docs = [jnp.asarray(np.random.default_rng(5 + i).integers(4, VOCAB, (1, n)))
+            for i, n in enumerate((5, 3))]
+    packed = jnp.concatenate(docs, axis=1)
+    segment_ids = jnp.array([[1] * 5 + [2] * 3])
+    params = jax.jit(model.init)(jax.random.key(0), packed)
+    out = model.apply(params, packed, segment_ids=segment_ids)
+    np.testing.assert_allclose(out[:, 5:], model.apply(params, docs[1]), atol=1e-5)
+    np.testing.assert_allclose(out[:, :5], model.apply(params, docs[0]), atol=1e-5)
+    future = model.apply(params, packed.at[0, 4].set(9))
+    np.testing.assert_allclose(future[:, :4], model.apply(params, packed)[:, :4], atol=1e-6)
+
+
+def test_build_model_rejects_unknown_keys_and_families():
+    with pytest.raises(ValueError, match="model.family='gtp'"):
+        build_model(small_config("gtp"))
+    config = default_model_config().to_dict()
+    config["num_layer"] = 3
+    with pytest.raises(ValueError, match=r"unknown model config keys \['num_layer'\]"):
+        build_model(ml_collections.ConfigDict(config))
+
+
+def test_optional_config_fields_accept_typed_overrides():
+    config = default_model_config()
+    config.num_kv_heads = 2
+    config.init_std = 0.02
+    with pytest.raises(TypeError):
+        config.num_kv_heads = "two"
+    model = build_model(small_config("gpt", num_kv_heads=2))
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    assert params["params"]["decoder"]["layers_0"]["self_attention"]["key"].value.shape == (
+        32, 2, 8)
