@@ -1,0 +1,91 @@
+"""Input pipeline throughput vs. what the default experiment's train step consumes.
+
+    python benchmarks/data_throughput.py [--batches=200]
+
+Prints tokens/s of the Grain pipeline on the embedded corpus (byte and SentencePiece BPE
+tokenizers, each objective) beside the train step's tokens/s for experiments/gpt_tiny.py, and
+the ratio (the pipeline must deliver >= 10x).
+"""
+
+import importlib.util
+import pathlib
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from absl import app, flags
+
+from transformer import objectives
+from transformer.data import inputs, tokenizers
+from transformer.models import build_model
+
+_BATCHES = flags.DEFINE_integer("batches", 200, "Batches to time per pipeline.")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def default_config():
+    spec = importlib.util.spec_from_file_location("gpt_tiny", ROOT / "experiments/gpt_tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def train_step_tokens_per_second(config, vocab_size, steps=20):
+    """A plain AdamW step of the default model (no data loading) in tokens/s."""
+    config.model.vocab_size = vocab_size
+    model = build_model(config.model)
+    tokens = jnp.zeros((config.batch_size, config.seq_len), jnp.int32)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens))["params"]
+    optimizer = optax.adamw(1e-3)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        def loss_fn(p):
+            return objectives.cross_entropy(model.apply({"params": p}, tokens), tokens)[0]
+        grads = jax.grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = jax.block_until_ready(step(params, opt_state))  # compile
+    start = time.perf_counter()
+    for _ in range(steps):
+        params, opt_state = step(params, opt_state)
+    jax.block_until_ready(params)
+    return steps * config.batch_size * config.seq_len / (time.perf_counter() - start)
+
+
+def pipeline_tokens_per_second(config, tokenizer, num_batches):
+    it = iter(inputs.get_dataset(config, tokenizer, "train"))
+    next(it)  # warm up (first epoch shuffle, jit of the host-side objectives)
+    start = time.perf_counter()
+    for _ in range(num_batches):
+        next(it)
+    return num_batches * config.batch_size * config.seq_len / (time.perf_counter() - start)
+
+
+def main(argv):
+    del argv
+    config = default_config()
+    byte = tokenizers.build_tokenizer("byte")
+    consumed = train_step_tokens_per_second(default_config(), byte.vocab_size)
+    start = time.perf_counter()
+    train_texts = [d.text for d in inputs._documents(config, "train")]
+    bpe = tokenizers.build_tokenizer("sentencepiece_bpe", train_texts, vocab_size=4096)
+    print(f"(SentencePiece BPE 4096 trained on the embedded corpus in "
+          f"{time.perf_counter() - start:.0f} s)")
+    print(f"train step (experiments/gpt_tiny.py, batch {config.batch_size} x {config.seq_len}): "
+          f"{consumed:,.0f} tokens/s\n")
+    print(f"{'tokenizer':<18} {'objective':<16} {'tokens/s':>12} {'x train step':>13}")
+    for name, tokenizer in (("byte", byte), ("sentencepiece_bpe", bpe)):
+        for family in ("gpt", "prefix_lm", "bert", "t5"):
+            config.model.family = family
+            rate = pipeline_tokens_per_second(config, tokenizer, _BATCHES.value)
+            objective = inputs.pipeline.objective_for(config)
+            print(f"{name:<18} {objective:<16} {rate:>12,.0f} {rate / consumed:>12.1f}x")
+
+
+if __name__ == "__main__":
+    app.run(main)

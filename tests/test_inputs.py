@@ -1,0 +1,75 @@
+"""An experiment's data: saved tokenizer, text vs. prepared ArrayRecord sources, embedded corpus."""
+
+import numpy as np
+import pytest
+
+from transformer.configs import base_config
+from transformer.data import inputs, prepare, tokenizers
+
+TEXT = "".join(f"Paragraph {i}: the quick brown fox {i * 7} jumps.\n\n" for i in range(300))
+
+
+def config_for(path, **data):
+    config = base_config()
+    config.seq_len, config.batch_size = 16, 4
+    config.data.path = str(path)
+    config.data.update(data)
+    return config
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def take(dataset, n):
+    it = iter(dataset)
+    return [next(it) for _ in range(n)]
+
+
+def test_the_tokenizer_saved_in_the_workdir_wins_on_resume(text_file, tmp_path):
+    workdir = tmp_path / "run"
+    first = inputs.get_tokenizer(config_for(text_file, tokenizer="char"), str(workdir))
+    assert (workdir / "tokenizer" / "tokenizer.json").exists()
+    again = inputs.get_tokenizer(config_for(text_file, tokenizer="byte"), str(workdir))
+    assert again.kind == "char" and again.vocab_size == first.vocab_size
+
+
+def test_prepared_array_records_give_the_same_batches_as_the_text(text_file, tmp_path):
+    prepared = tmp_path / "prepared"
+    prepare.prepare(str(prepared), str(text_file), tokenizer="byte")
+    from_text = config_for(text_file)
+    from_records = config_for(prepared)
+    tokenizer = inputs.get_tokenizer(from_records)
+    assert tokenizer.kind == "byte"
+    for split in ("train", "validation"):
+        a = take(inputs.get_dataset(from_text, tokenizer, split), 5)
+        b = take(inputs.get_dataset(from_records, tokenizer, split), 5)
+        for x, y in zip(a, b, strict=True):
+            for k in x:
+                np.testing.assert_array_equal(x[k], y[k])
+    assert inputs.bytes_per_token(from_text, tokenizer, "train") == pytest.approx(
+        inputs.bytes_per_token(from_records, tokenizer, "train"))
+
+
+def test_embedded_corpus_feeds_every_objective_without_a_download():
+    config = base_config()
+    config.seq_len, config.batch_size = 32, 2
+    tokenizer = inputs.get_tokenizer(config)
+    for family in ("gpt", "prefix_lm", "bert", "t5"):
+        config.model.family = family
+        batch = take(inputs.get_dataset(config, tokenizer, "train"), 1)[0]
+        key = "encoder_inputs" if family == "t5" else "inputs"
+        assert batch[key].shape == (2, 32) and batch[key].max() < tokenizer.vocab_size
+    ratio = inputs.bytes_per_token(config, tokenizer, "validation")
+    assert 0.9 < ratio < 1.0  # bytes, plus one <eos> per document
+
+
+def test_validation_batches_are_a_finite_pass(text_file):
+    config = config_for(text_file)
+    tokenizer = tokenizers.build_tokenizer("byte")
+    batches = list(inputs.get_dataset(config, tokenizer, "validation", num_epochs=1,
+                                      shuffle=False))
+    assert 0 < len(batches) < 100

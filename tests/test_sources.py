@@ -1,0 +1,277 @@
+"""Text sources, the train/validation split, ArrayRecord shards and the prepare command."""
+
+import importlib.util
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+
+import grain
+import numpy as np
+import pytest
+
+from transformer.data import sources
+from transformer.data.sources import Document
+
+HAS_TOKENIZERS = importlib.util.find_spec("transformer.data.tokenizers") is not None
+needs_tokenizers = pytest.mark.skipif(not HAS_TOKENIZERS, reason="tokenizers.py not there yet")
+
+TEXT = ("\n\nFIRST CITIZEN:\nBefore we proceed any further, hear me speak.\n\n"
+        "ALL:\nSpeak, speak.\n \n\t\n"
+        "FIRST CITIZEN:\nYou are all resolved rather to die than to famish?\n\n\n"
+        "ALL:\nResolved. resolved.")
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8", newline="")
+    return str(path)
+
+
+# --- embedded corpus -------------------------------------------------------------------------
+
+
+def test_embedded_corpus_is_real_deterministic_text():
+    docs = sources.embedded_corpus()
+    assert docs == sources.embedded_corpus()
+    names = [d.name for d in docs]
+    assert names == sorted(names) and len(set(names)) == len(names)
+    assert "pydoc:assert" in names and "stdlib:os.py" in names
+    assert {n.split(":")[0] for n in names} == {"pydoc", "stdlib"}
+    assert all(isinstance(d.text, str) and d.text.strip() for d in docs)
+    assert sum(len(d.text) for d in docs) > 1_000_000
+    docs.clear()  # callers get a copy; the cache is untouched
+    assert sources.embedded_corpus()
+
+
+# --- read_text -------------------------------------------------------------------------------
+
+
+def test_paragraphs_lose_no_text(tmp_path):
+    file = write(tmp_path / "speeches.txt", TEXT)
+    docs = sources.read_text(file)
+    assert "".join(d.text for d in docs) == TEXT
+    assert [d.name for d in docs] == [f"{file}#{k}" for k in range(4)]
+    assert [d.text.strip().splitlines()[0] for d in docs] == ["FIRST CITIZEN:", "ALL:"] * 2
+    assert docs[1].text == "ALL:\nSpeak, speak.\n \n\t\n"
+    assert sources.read_text(file, split="file") == [Document(file, TEXT)]
+
+
+def test_crlf_and_form_feed_paragraphs_join_back(tmp_path):
+    text = "a\r\nb\r\n\r\nc\x0c\nd\r\n\r\n\r\n"
+    docs = sources.read_text(write(tmp_path / "x.txt", text))
+    assert [d.text for d in docs] == ["a\r\nb\r\n\r\n", "c\x0c\n", "d\r\n\r\n\r\n"]
+
+
+def test_directory_and_glob(tmp_path):
+    a = write(tmp_path / "b" / "a.txt", "alpha\n\nbeta\n")
+    b = write(tmp_path / "a.md", "gamma")
+    write(tmp_path / ".hidden.txt", "secret")
+    write(tmp_path / ".git" / "config", "secret")
+    write(tmp_path / "empty.txt", "")
+    docs = sources.read_text(str(tmp_path))
+    assert [(d.name, d.text) for d in docs] == [
+        (f"{b}#0", "gamma"), (f"{a}#0", "alpha\n\n"), (f"{a}#1", "beta\n")]
+    assert [d.name for d in sources.read_text(str(tmp_path), split="file")] == [b, a]
+    assert [d.name for d in sources.read_text(str(tmp_path / "*" / "*.txt"))] == [
+        f"{a}#0", f"{a}#1"]
+    assert [d.name for d in sources.read_text(str(tmp_path / "**" / "*.md"))] == [f"{b}#0"]
+
+
+def test_invalid_utf8_names_file_and_byte(tmp_path):
+    path = tmp_path / "x.txt"
+    path.write_bytes(b"ok\n\xff rest")
+    with pytest.raises(ValueError, match="invalid UTF-8") as e:
+        sources.read_text(str(path))
+    assert str(path) in str(e.value) and "byte 3" in str(e.value)
+
+
+def test_missing_and_empty_inputs(tmp_path):
+    for missing in (tmp_path / "nope.txt", tmp_path / "*.nope"):
+        with pytest.raises(FileNotFoundError, match="nope"):
+            sources.read_text(str(missing))
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        sources.read_text(str(tmp_path))  # an empty directory
+    empty = write(tmp_path / "empty.txt", "")
+    with pytest.raises(ValueError, match="empty.txt"):
+        sources.read_text(empty)
+    write(tmp_path / "blank.txt", " \n\n\t\n")
+    for split in sources.UNITS:
+        with pytest.raises(ValueError, match=f"{tmp_path}: no text"):
+            sources.read_text(str(tmp_path), split=split)
+    with pytest.raises(ValueError, match="split='line'"):
+        sources.read_text(empty, split="line")
+
+
+# --- train / validation split ----------------------------------------------------------------
+
+
+def names(docs):
+    return {d.name for d in docs}
+
+
+def test_split_is_a_partition_with_the_asked_fraction():
+    docs = [Document(str(i), f"document {i}") for i in range(4000)]
+    train = sources.split_documents(docs, "train", 0.1)
+    validation = sources.split_documents(docs, "validation", 0.1)
+    assert not names(train) & names(validation)
+    assert names(train) | names(validation) == names(docs)
+    assert 0.085 < len(validation) / len(docs) < 0.115
+    assert sources.split_documents(docs, "train", 0.0) == docs
+    assert sources.split_documents(docs, "validation", 1.0) == docs
+
+
+def test_split_ignores_order_and_position_and_keeps_duplicates_together():
+    docs = [Document(f"{i}", f"text {i % 300}") for i in range(1000)]
+    shuffled = random.Random(0).sample(docs, len(docs))
+    for split in sources.SPLITS:
+        assert names(sources.split_documents(docs, split, 0.3)) == names(
+            sources.split_documents(shuffled, split, 0.3))
+    validation = sources.split_documents(docs, "validation", 0.3)
+    texts = {d.text for d in validation}
+    assert texts and all((d.text in texts) == (d in validation) for d in docs)
+    renamed = [Document("other", d.text) for d in docs[:50]]
+    assert [d.text for d in sources.split_documents(renamed, "validation", 0.3)] == [
+        d.text for d in docs[:50] if d.text in texts]
+
+
+def test_split_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="split='test'"):
+        sources.split_documents([], "test")
+    for fraction in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="validation_fraction"):
+            sources.split_documents([], "train", fraction)
+
+
+def test_load_documents(tmp_path):
+    corpus = sources.embedded_corpus()
+    validation = sources.load_documents(None, "validation")
+    assert validation == sources.load_documents("", "validation")
+    assert 0 < len(validation) < len(corpus) / 5
+    assert set(validation) <= set(corpus)
+    file = write(tmp_path / "a.txt", TEXT)
+    assert sources.load_documents(file, "train", validation_fraction=0.0) == sources.read_text(file)
+    assert len(sources.load_documents(file, "train", unit="file", validation_fraction=0)) == 1
+    with pytest.raises(ValueError, match="validation split .* is empty"):
+        sources.load_documents(file, "validation", validation_fraction=0.0)
+
+
+# --- ArrayRecord -----------------------------------------------------------------------------
+
+
+def sequences(n=11):
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(-2**31, 2**31, size=rng.integers(0, 40)) for _ in range(n)]
+    seqs[3] = np.array([], np.int64)
+    seqs[4] = [5, 6, 7]  # any 1-D integer sequence
+    return seqs
+
+
+def test_array_records_round_trip(tmp_path):
+    seqs = sequences()
+    prefix = str(tmp_path / "out" / "train")
+    paths = sources.write_array_records(prefix, iter(seqs), num_shards=3)
+    assert paths == [f"{prefix}-{i:05d}-of-00003.array_record" for i in range(3)]
+    assert sorted(os.listdir(tmp_path / "out")) == [os.path.basename(p) for p in paths]
+    source = sources.array_record_source(f"{prefix}-*.array_record")
+    assert len(source) == len(seqs)
+    # Shard-major: sequence j is record j // 3 of shard j % 3.
+    expected = [seqs[j] for i in range(3) for j in range(i, len(seqs), 3)]
+    for got, want in zip([source[i] for i in range(len(source))], expected, strict=True):
+        assert got.dtype == np.int32 and got.tolist() == list(want)
+    assert [a.tolist() for a in source.__getitems__([5, 0])] == [source[5].tolist(),
+                                                                 source[0].tolist()]
+    again = pickle.loads(pickle.dumps(source))
+    assert [a.tolist() for a in grain.MapDataset.source(again)] == [list(s) for s in expected]
+
+
+def test_array_records_never_show_partial_shards(tmp_path):
+    during = []
+
+    def failing():
+        yield np.arange(3)
+        during.extend(sorted(os.listdir(tmp_path)))  # what a crash right now would leave
+        raise RuntimeError("tokenizer crashed")
+
+    with pytest.raises(RuntimeError, match="crashed"):
+        sources.write_array_records(str(tmp_path / "x"), failing(), num_shards=2)
+    assert len(during) == 2 and not any(name.endswith(".array_record") for name in during)
+    with pytest.raises(ValueError, match="expected a 1-D array of integers"):
+        sources.write_array_records(str(tmp_path / "x"), [np.zeros(3)])
+    with pytest.raises(ValueError, match="int32"):
+        sources.write_array_records(str(tmp_path / "x"), [np.array([2**31])])
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(FileNotFoundError, match="x-\\*.array_record"):
+        sources.array_record_source(str(tmp_path / "x-*.array_record"))
+
+
+# --- prepare ---------------------------------------------------------------------------------
+
+
+def snapshot(directory):
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in directory.iterdir()}
+
+
+def shakespeare(directory):
+    speeches = [f"SPEAKER {i % 3}:\nLine {i} of the speech,\nand é{i * 7} {chr(0x4E00 + i)}.\n\n"
+                for i in range(30)]
+    for act in range(6):
+        write(directory / "play" / f"act{act}.txt", "".join(speeches[act * 5:act * 5 + 5]))
+    return str(directory / "play")
+
+
+@needs_tokenizers
+@pytest.mark.parametrize("kind", ["byte", "sentencepiece_bpe"])
+def test_prepare_writes_tokenizer_shards_and_counts(tmp_path, kind):
+    if kind.startswith("sentencepiece") and importlib.util.find_spec("sentencepiece") is None:
+        pytest.skip("sentencepiece not installed")
+    from transformer.data import prepare, tokenizers
+
+    text_dir, out = shakespeare(tmp_path), tmp_path / "prepared"
+    vocab_size = 400 if kind.startswith("sentencepiece") else None
+    counts = prepare.prepare(str(out), text_dir, tokenizer=kind, vocab_size=vocab_size,
+                             num_shards=2, validation_fraction=0.3)
+    assert json.loads((out / "prepare.json").read_text()) == counts
+    tok = tokenizers.load_tokenizer(str(out))
+    assert counts["tokenizer"] == tok.kind == kind and counts["vocab_size"] == tok.vocab_size
+    for split in sources.SPLITS:
+        docs = sources.load_documents(text_dir, split, validation_fraction=0.3)
+        records = sources.array_record_source(str(out / f"{split}-*.array_record"))
+        ordered = docs[0::2] + docs[1::2]  # shard-major order of 2 shards
+        assert len(records) == len(docs) == counts[split]["documents"]
+        for doc, ids in zip(ordered, records, strict=True):
+            assert ids[-1] == tokenizers.EOS_ID and tok.decode(ids[:-1]) == doc.text
+            assert ids[:-1].tolist() == tok.encode(doc.text).tolist()
+        assert counts[split]["tokens"] == sum(len(ids) for ids in records)
+        assert counts[split]["bytes"] == sum(len(d.text.encode()) for d in docs)
+    assert sorted(counts["train"]["files"] + counts["validation"]["files"]) == sorted(
+        p for p in os.listdir(out) if p.endswith(".array_record"))
+
+    before = snapshot(out)
+    with pytest.raises(FileExistsError, match="already holds 4 ArrayRecord files"):
+        prepare.prepare(str(out), text_dir, tokenizer="byte")
+    assert snapshot(out) == before
+
+
+@needs_tokenizers
+def test_prepare_command_and_train_split_tokenizer(tmp_path):
+    text_dir, out = shakespeare(tmp_path), tmp_path / "prepared"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(sources.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-m", "transformer.data.prepare", f"--output_dir={out}",
+         f"--input={text_dir}", "--tokenizer=char", "--validation_fraction=0.5", "--unit=file"],
+        capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    counts = json.loads(result.stdout)
+    assert counts == json.loads((out / "prepare.json").read_text())
+    train = sources.load_documents(text_dir, "train", validation_fraction=0.5, unit="file")
+    assert counts["train"]["documents"] == len(train) < 6
+    assert counts["train"]["documents"] + counts["validation"]["documents"] == 6
+    from transformer.data import tokenizers
+
+    # The char tokenizer is built from the train split only.
+    assert tokenizers.load_tokenizer(str(out)).chars == "".join(
+        sorted(set("".join(d.text for d in train))))

@@ -1,0 +1,56 @@
+"""The base experiment config: every key an experiment file may set, with its default.
+
+Experiment files (`experiments/*.py`) start from `base_config()` and override what they change.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from transformer.models import default_model_config
+
+
+def base_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.experiment = "base"
+    config.seed = 0
+    config.steps = 1000
+    config.batch_size = 16  # global, across all processes
+    config.seq_len = 128
+    config.log_every = 50
+    config.eval_every = 250
+    config.eval_steps = 20
+    config.checkpoint_every = 500
+
+    config.model = default_model_config()
+    config.model.vocab_size = 0  # 0: the tokenizer's vocabulary size
+
+    config.data = ml_collections.ConfigDict()
+    config.data.path = ""  # "": the embedded corpus; or a text file, directory or glob
+    config.data.unit = "paragraph"  # how text files are cut into documents: paragraph | file
+    config.data.validation_fraction = 0.05
+    config.data.tokenizer = "byte"  # byte | char | sentencepiece_bpe | sentencepiece_unigram
+    config.data.vocab_size = 0  # SentencePiece vocabulary size (required for SentencePiece)
+    config.data.num_sentinels = 100
+    config.data.objective = ""  # "": the model family's (next_token, prefix_lm, mlm, ...)
+    config.data.mlm_rate = 0.15
+    config.data.noise_density = 0.15
+    config.data.mean_span_length = 3.0
+    config.data.prefetch = 2
+
+    config.optimizer = ml_collections.ConfigDict()
+    config.optimizer.learning_rate = 1e-3
+    config.optimizer.warmup_steps = 100
+    config.optimizer.decay = "cosine"  # cosine | linear | constant
+    config.optimizer.min_learning_rate_ratio = 0.1
+    config.optimizer.b1 = 0.9
+    config.optimizer.b2 = 0.99
+    config.optimizer.weight_decay = 0.1
+    config.optimizer.grad_clip_norm = 1.0
+    config.optimizer.grad_accumulation_steps = 1
+
+    config.mesh = ml_collections.ConfigDict()
+    config.mesh.data = -1  # -1: all remaining devices
+    config.mesh.fsdp = 1
+    config.mesh.tensor = 1
+    return config

@@ -1,0 +1,84 @@
+"""An experiment's data: its tokenizer (saved in the workdir) and its Grain datasets per split.
+
+`data.path` is empty (the embedded corpus), a text file / directory / glob, or a directory
+written by `python -m transformer.data.prepare` (pre-tokenized ArrayRecord shards and their
+tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import grain
+import ml_collections
+
+from transformer.data import pipeline, sources
+from transformer.data import tokenizers as tokenizers_lib
+
+TOKENIZER_DIR = "tokenizer"
+
+
+def _prepared_dir(config: ml_collections.ConfigDict) -> str | None:
+    path = config.data.path
+    return path if path and os.path.isfile(os.path.join(path, "prepare.json")) else None
+
+
+def _documents(config: ml_collections.ConfigDict, split: str) -> list[sources.Document]:
+    return sources.load_documents(config.data.path or None, split, unit=config.data.unit,
+                                  validation_fraction=config.data.validation_fraction)
+
+
+def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None):
+    """The experiment's tokenizer: the one saved in `workdir`, else built and saved there.
+
+    A resumed run and an evaluation thus always use the tokenizer the run started with. Char and
+    SentencePiece tokenizers are trained on the train split only.
+    """
+    saved = os.path.join(workdir, TOKENIZER_DIR) if workdir else None
+    if saved and os.path.isdir(saved):
+        return tokenizers_lib.load_tokenizer(saved)
+    if prepared := _prepared_dir(config):
+        tokenizer = tokenizers_lib.load_tokenizer(prepared)
+    else:
+        kind = config.data.tokenizer
+        texts = None if kind == "byte" else [d.text for d in _documents(config, "train")]
+        tokenizer = tokenizers_lib.build_tokenizer(
+            kind, texts, vocab_size=config.data.vocab_size or None,
+            num_sentinels=config.data.num_sentinels)
+    if saved:
+        tokenizer.save(saved)
+    return tokenizer
+
+
+def token_source(config: ml_collections.ConfigDict, tokenizer, split: str):
+    """One int32 token array per document (ending in <eos>) of a split, as a Grain MapDataset."""
+    if prepared := _prepared_dir(config):
+        source = sources.array_record_source(os.path.join(prepared, f"{split}-*.array_record"))
+        return grain.MapDataset.source(source)
+    return pipeline.tokenize_documents(_documents(config, split), tokenizer)
+
+
+def bytes_per_token(config: ml_collections.ConfigDict, tokenizer, split: str) -> float:
+    """UTF-8 bytes per token of a split (for bits-per-byte), <eos> tokens included."""
+    if prepared := _prepared_dir(config):
+        with open(os.path.join(prepared, "prepare.json")) as f:
+            stats = json.load(f)[split]
+        return stats["bytes"] / stats["tokens"]
+    docs = _documents(config, split)
+    tokens = sum(len(tokenizer.encode(d.text)) + 1 for d in docs)
+    return sum(len(d.text.encode("utf-8")) for d in docs) / tokens
+
+
+def get_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
+                num_epochs: int | None = None, shuffle: bool = True,
+                process_index: int | None = None,
+                process_count: int | None = None) -> grain.IterDataset:
+    """This process's batches of `split` for the experiment's objective."""
+    data = config.data
+    return pipeline.make_dataset(
+        token_source(config, tokenizer, split), objective=pipeline.objective_for(config),
+        tokenizer=tokenizer, seq_len=config.seq_len, batch_size=config.batch_size,
+        seed=config.seed, num_epochs=num_epochs, shuffle=shuffle, process_index=process_index,
+        process_count=process_count, mlm_rate=data.mlm_rate, noise_density=data.noise_density,
+        mean_span_length=data.mean_span_length, prefetch=data.prefetch)

@@ -1,0 +1,267 @@
+"""Text sources: the embedded corpus, text files cut into documents, a deterministic
+train/validation split, and int32 token sequences stored as ArrayRecord shards for Grain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import hashlib
+import operator
+import os
+import pydoc_data.topics
+import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
+from typing import SupportsIndex
+
+import numpy as np
+
+SPLITS = ("train", "validation")
+UNITS = ("paragraph", "file")
+_INT32 = np.dtype("<i4")  # the on-disk record format: raw little-endian int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One unit of text. `name` says where it came from: "pydoc:assert", "stdlib:os.py",
+    "/path/file.txt#12" (paragraph 12, counting from 0, of that file)."""
+
+    name: str
+    text: str
+
+
+@functools.cache
+def _embedded_corpus() -> tuple[Document, ...]:
+    docs = [Document(f"pydoc:{topic}", text)
+            for topic, text in pydoc_data.topics.topics.items() if text.strip()]
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for entry in os.scandir(stdlib):
+        if entry.name.endswith(".py") and entry.is_file():
+            text = _read_utf8(entry.path)
+            if text.strip():
+                docs.append(Document(f"stdlib:{entry.name}", text))
+    return tuple(sorted(docs, key=lambda doc: doc.name))
+
+
+def embedded_corpus() -> list[Document]:
+    """Text every Python installation ships, so no download is needed: one document per topic of
+    `pydoc_data.topics` ("pydoc:<topic>") and per top-level standard-library `*.py` file
+    ("stdlib:<file>"), sorted by name. About 5 MB; read once per process."""
+    return list(_embedded_corpus())
+
+
+def _read_utf8(path: str) -> str:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: invalid UTF-8 at byte {e.start}: expected UTF-8 text") from None
+
+
+def _files_under(directory: str) -> list[str]:
+    """Regular files under `directory`, recursively, skipping hidden files and directories."""
+    files = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [os.path.join(root, n) for n in names
+                  if not n.startswith(".") and os.path.isfile(os.path.join(root, n))]
+    return files
+
+
+def _files(path: str) -> list[str]:
+    """A file, a directory or a glob pattern -> the sorted regular files it names."""
+    if os.path.isdir(path):
+        files = _files_under(path)
+        if not files:
+            raise FileNotFoundError(f"{path}: no regular non-hidden files under this directory")
+        return sorted(files)
+    if os.path.isfile(path):
+        return [path]
+    files = set()
+    for match in glob.glob(path, recursive=True):
+        if os.path.isdir(match):
+            files.update(_files_under(match))
+        elif os.path.isfile(match):
+            files.add(match)
+    if not files:
+        raise FileNotFoundError(f"{path}: no such file or directory, and no file matches it as "
+                                "a glob pattern")
+    return sorted(files)
+
+
+def split_paragraphs(text: str) -> list[str]:
+    """Cuts text at blank lines. Each paragraph keeps the blank lines after it (the first also
+    any before it), so the pieces join back to `text`; whitespace-only text gives no pieces.
+
+    >>> split_paragraphs("\\nTo be,\\nor not.\\n\\n \\nThat is\\n\\nthe question")
+    ['\\nTo be,\\nor not.\\n\\n \\n', 'That is\\n\\n', 'the question']
+    """
+    paragraphs, lines, has_text, ended = [], [], False, False
+    for line in text.splitlines(keepends=True):
+        blank = not line.strip()
+        if not blank and ended:  # text after a blank line starts the next paragraph
+            paragraphs.append("".join(lines))
+            lines, ended = [], False
+        lines.append(line)
+        has_text |= not blank
+        ended |= blank and has_text
+    if has_text:
+        paragraphs.append("".join(lines))
+    return paragraphs
+
+
+def read_text(path: str, *, split: str = "paragraph") -> list[Document]:
+    """Reads UTF-8 text from a file, a directory (every regular non-hidden file under it) or a glob
+    pattern, files in sorted order.
+
+    split="paragraph" cuts each file at blank lines (`split_paragraphs`) into documents named
+    "<file>#<k>", k = 0, 1, ...; joining a file's documents gives back the file exactly.
+    split="file" makes one document per file, named "<file>". Files that are empty or hold only
+    whitespace give no documents.
+    """
+    if split not in UNITS:
+        raise ValueError(f"split={split!r}: expected one of {UNITS}")
+    path = os.fspath(path)
+    files = _files(path)
+    docs = []
+    for file in files:
+        text = _read_utf8(file)
+        if split == "file":
+            docs += [Document(file, text)] if text.strip() else []
+        else:
+            docs += [Document(f"{file}#{k}", p) for k, p in enumerate(split_paragraphs(text))]
+    if not docs:
+        raise ValueError(f"{path}: no text in {len(files)} file(s), all empty or whitespace: "
+                         "expected some text")
+    return docs
+
+
+def _unit_hash(text: str) -> float:
+    """sha256 of the UTF-8 text -> a number uniform in [0, 1)."""
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def split_documents(docs: Iterable[Document], split: str,
+                    validation_fraction: float = 0.05) -> list[Document]:
+    """The documents of one split, in input order. A document is in "validation" when the sha256
+    of its text, read as a number in [0, 1), is below `validation_fraction`, else in "train": the
+    split ignores names, order and position, and identical texts share a side.
+
+    >>> docs = [Document(str(i), text) for i, text in enumerate(["a", "b", "c", "h", "a"])]
+    >>> [d.name for d in split_documents(docs, "train", validation_fraction=0.25)]
+    ['0', '3', '4']
+    >>> [d.name for d in split_documents(docs, "validation", validation_fraction=0.25)]
+    ['1', '2']
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {SPLITS}")
+    if not 0.0 <= validation_fraction <= 1.0:
+        raise ValueError(f"validation_fraction={validation_fraction}: expected a number in [0, 1]")
+    validation = split == "validation"
+    return [d for d in docs if (_unit_hash(d.text) < validation_fraction) == validation]
+
+
+def load_documents(path: str | None, split: str, *, validation_fraction: float = 0.05,
+                   unit: str = "paragraph") -> list[Document]:
+    """One split of the embedded corpus (`path` None or "") or of `read_text(path, split=unit)`."""
+    docs = embedded_corpus() if not path else read_text(path, split=unit)
+    chosen = split_documents(docs, split, validation_fraction)
+    if not chosen:
+        raise ValueError(f"the {split} split of {path or 'the embedded corpus'} is empty "
+                         f"({len(docs)} documents, validation_fraction={validation_fraction}): "
+                         "expected more documents or another validation_fraction")
+    return chosen
+
+
+# --- ArrayRecord shards of int32 token sequences ------------------------------------------------
+
+
+def _record(sequence) -> bytes:
+    array = np.asarray(sequence)
+    if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
+        raise ValueError(f"sequence of dtype {array.dtype} and shape {array.shape}: expected a "
+                         "1-D array of integers")
+    info = np.iinfo(np.int32)
+    if array.size and (array.min() < info.min or array.max() > info.max):
+        raise ValueError(f"sequence with values in [{array.min()}, {array.max()}]: expected "
+                         "values that fit in int32")
+    return array.astype(_INT32).tobytes()
+
+
+def write_array_records(path_prefix: str, sequences: Iterable[np.ndarray],
+                        num_shards: int = 1) -> list[str]:
+    """Writes int32 token sequences into `num_shards` ArrayRecord files
+    "{path_prefix}-{i:05d}-of-{num_shards:05d}.array_record", one record per sequence holding its
+    raw little-endian int32 bytes, sequence j into shard j % num_shards. Each shard is written
+    under a ".tmp" name and renamed when complete. Returns the shard paths.
+    """
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    if num_shards < 1:
+        raise ValueError(f"num_shards={num_shards}: expected a positive integer")
+    path_prefix = os.fspath(path_prefix)
+    os.makedirs(os.path.dirname(path_prefix) or ".", exist_ok=True)
+    paths = [f"{path_prefix}-{i:05d}-of-{num_shards:05d}.array_record" for i in range(num_shards)]
+    temps = [f"{p}.tmp" for p in paths]
+    writers = []
+    try:
+        for temp in temps:  # group_size:1 is what Grain needs for fast random access
+            writers.append(ArrayRecordWriter(temp, "group_size:1"))
+        for j, sequence in enumerate(sequences):
+            writers[j % num_shards].write(_record(sequence))
+        for writer in writers:
+            writer.close()
+        for temp, path in zip(temps, paths, strict=True):
+            os.replace(temp, path)
+    except BaseException:
+        for writer in writers:
+            if writer.is_open():
+                writer.close()
+        for temp in temps:
+            if os.path.exists(temp):
+                os.remove(temp)
+        raise
+    return paths
+
+
+class ArrayRecordTokens:
+    """A Grain random-access source over ArrayRecord files of int32 token sequences (see
+    `write_array_records`): the records of the first file in order, then the next file's, ...
+    Items are 1-D np.int32 arrays."""
+
+    def __init__(self, paths: Sequence[str]):
+        import grain
+
+        self.paths = list(paths)
+        self._source = grain.sources.ArrayRecordDataSource(self.paths)
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: SupportsIndex) -> np.ndarray:
+        i = operator.index(index)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"record {i} of {len(self)}: expected an index in [0, {len(self)})")
+        return np.frombuffer(self._source[i % len(self)], dtype=_INT32).astype(np.int32)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self)))
+
+    def __getitems__(self, indices: Sequence[SupportsIndex]) -> list[np.ndarray]:
+        records = self._source.__getitems__(indices)
+        return [np.frombuffer(r, dtype=_INT32).astype(np.int32) for r in records]
+
+    def __repr__(self) -> str:
+        return f"ArrayRecordTokens({len(self.paths)} files, {len(self)} records)"
+
+
+def array_record_source(pattern: str) -> ArrayRecordTokens:
+    """The token sequences in the ArrayRecord files matching the glob `pattern` (sorted)."""
+    pattern = os.fspath(pattern)
+    paths = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+    if not paths:
+        raise FileNotFoundError(f"{pattern}: no ArrayRecord files match this pattern")
+    return ArrayRecordTokens(paths)

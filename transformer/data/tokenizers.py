@@ -1,0 +1,406 @@
+"""Tokenizers: text <-> int32 ids with special tokens and T5 sentinels laid out identically for
+every kind (byte, char, SentencePiece BPE / unigram), plus save / load so a resumed run re-uses
+the exact same mapping.
+
+Id layout, for every kind:
+  * 0..6: the specials `SPECIAL_TOKENS` (<pad>, <bos>, <eos>, <unk>, <mask>, <cls>, <sep>),
+  * then the kind's regular tokens (bytes, characters or SentencePiece pieces),
+  * then `num_sentinels` T5 sentinels at the top: <extra_id_i> = vocab_size - 1 - i.
+`encode` never adds BOS / EOS; `decode` drops <pad> and writes other specials and sentinels as
+their names, so `decode(encode(text)) == text` for any text a kind can represent (all text for
+byte and SentencePiece, which falls back to UTF-8 bytes for unseen characters).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>", "<mask>", "<cls>", "<sep>")
+PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID, CLS_ID, SEP_ID = range(7)
+NUM_SPECIAL = 7
+KINDS = ("byte", "char", "sentencepiece_bpe", "sentencepiece_unigram")
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "tokenizer.json"
+SENTENCEPIECE_FILE = "sentencepiece.model"
+
+# SentencePiece training: at most this many sentences are used (a seeded sample beyond that), and
+# a sentence is at most this many UTF-8 bytes; longer paragraphs are cut at line ends (or, for a
+# single huge line, at character boundaries) before training.
+_MAX_TRAINING_SENTENCES = 1_000_000
+_MAX_SENTENCE_BYTES = 4096
+# Fixed, not os.cpu_count(): unigram EM sums per-thread statistics, so the thread count is part
+# of what makes training reproducible across machines.
+_TRAINING_THREADS = 16
+_TRAINING_SEED = 0
+_SPACE_MARK = "\u2581"  # SentencePiece's "▁", which it substitutes for " " in input text.
+_MODEL_TYPES = {1: "unigram", 2: "bpe"}  # TrainerSpec.ModelType values in the .model protobuf
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _check_num_sentinels(num_sentinels: Any) -> int:
+    if not _is_int(num_sentinels) or num_sentinels < 0:
+        raise ValueError(f"num_sentinels={num_sentinels!r}: expected an int >= 0")
+    return int(num_sentinels)
+
+
+def _special_bytes() -> list[bytes]:
+    """How `decode` writes ids 0..6: <pad> vanishes, every other special as its name."""
+    return [b""] + [name.encode() for name in SPECIAL_TOKENS[1:]]
+
+
+class Tokenizer:
+    """Base class. A subclass sets `kind`, calls `_finish(regular_token_bytes, num_sentinels)`
+    from `__init__` and implements `encode` and `_config` (kind-specific fields of tokenizer.json).
+
+    `decode` is shared: every id maps to a byte string (a byte, a character's UTF-8, a piece, or a
+    special / sentinel name); the concatenation is decoded as UTF-8 with errors="replace".
+    """
+
+    kind: str = ""
+    vocab_size: int
+    num_sentinels: int
+
+    def _finish(self, regular: list[bytes], num_sentinels: int) -> None:
+        self.num_sentinels = _check_num_sentinels(num_sentinels)
+        sentinels = [f"<extra_id_{i}>".encode() for i in reversed(range(self.num_sentinels))]
+        self._id_bytes = _special_bytes() + regular + sentinels
+        self.vocab_size = len(self._id_bytes)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Text -> int32 ids [N]. Adds no BOS / EOS."""
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        """Ids [N] (list, NumPy or JAX array) -> text. Drops <pad>; writes other specials and
+        sentinels as their names (e.g. "<eos>", "<extra_id_3>")."""
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"ids of shape {ids.shape}, dtype {ids.dtype}: expected 1-D integers")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
+            raise ValueError(f"id {int(bad)} out of range: expected 0 <= id < {self.vocab_size}")
+        table = self._id_bytes
+        return b"".join([table[i] for i in ids.tolist()]).decode("utf-8", errors="replace")
+
+    def sentinel_id(self, i: int) -> int:
+        """The id of <extra_id_i>: vocab_size - 1 - i, for 0 <= i < num_sentinels."""
+        if not _is_int(i) or not 0 <= i < self.num_sentinels:
+            raise ValueError(f"sentinel index {i!r}: expected an int in [0, {self.num_sentinels})")
+        return self.vocab_size - 1 - int(i)
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        """Ids 0..6 and every sentinel id, ascending: what MLM masking must never select."""
+        return tuple(range(NUM_SPECIAL)) + tuple(
+            range(self.vocab_size - self.num_sentinels, self.vocab_size))
+
+    def _config(self, directory: str) -> dict[str, Any]:
+        """Kind-specific tokenizer.json fields; may write extra files into `directory`."""
+        return {}
+
+    def save(self, directory: str) -> None:
+        """Writes directory/tokenizer.json (and any model file), creating the directory."""
+        os.makedirs(directory, exist_ok=True)
+        config = {"format_version": FORMAT_VERSION, "kind": self.kind,
+                  "num_sentinels": self.num_sentinels, "vocab_size": self.vocab_size}
+        config.update(self._config(directory))
+        _write_atomic(os.path.join(directory, CONFIG_FILE),
+                      (json.dumps(config, indent=1) + "\n").encode())
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(vocab_size={self.vocab_size}, "
+                f"num_sentinels={self.num_sentinels})")
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    """Writes via a temporary file and a rename, so a crash never leaves a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes: byte b -> id 7 + b; vocab_size = 7 + 256 + num_sentinels.
+
+    >>> tok = ByteTokenizer(num_sentinels=2)
+    >>> tok.encode("hé").tolist(), tok.vocab_size, tok.sentinel_id(0)
+    ([111, 202, 176], 265, 264)
+    >>> tok.decode([BOS_ID, 111, 202, 176, EOS_ID, 264, PAD_ID])
+    '<bos>hé<eos><extra_id_0>'
+    """
+
+    kind = "byte"
+
+    def __init__(self, num_sentinels: int = 100):
+        self._finish([bytes([b]) for b in range(256)], num_sentinels)
+
+    def encode(self, text: str) -> np.ndarray:
+        data = np.frombuffer(text.encode("utf-8"), np.uint8)
+        return data.astype(np.int32) + NUM_SPECIAL
+
+
+class CharTokenizer(Tokenizer):
+    """Characters: character i of the sorted distinct `chars` -> id 7 + i; any other character
+    encodes to UNK_ID. Saved with its character list, so a reloaded tokenizer maps identically.
+
+    >>> tok = CharTokenizer("hello", num_sentinels=1)
+    >>> tok.chars, tok.vocab_size
+    ('ehlo', 12)
+    >>> tok.encode("hole!").tolist()
+    [8, 10, 9, 7, 3]
+    >>> tok.decode(tok.encode("hole!"))
+    'hole<unk>'
+    """
+
+    kind = "char"
+
+    def __init__(self, chars: str, num_sentinels: int = 100):
+        if not isinstance(chars, str) or not chars:
+            raise ValueError(f"chars={chars!r}: expected a non-empty str")
+        self.chars = "".join(sorted(set(chars)))
+        self._index = {c: NUM_SPECIAL + i for i, c in enumerate(self.chars)}
+        self._finish([c.encode("utf-8", errors="surrogatepass") for c in self.chars],
+                     num_sentinels)
+
+    def encode(self, text: str) -> np.ndarray:
+        index = self._index
+        return np.fromiter((index.get(c, UNK_ID) for c in text), np.int32, count=len(text))
+
+    def _config(self, directory: str) -> dict[str, Any]:
+        return {"chars": list(self.chars)}
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece BPE or unigram model whose pieces 0..6 are exactly `SPECIAL_TOKENS` and
+    which has byte-fallback pieces, so no text is lost to <unk>. Build one with
+    `build_tokenizer("sentencepiece_bpe" | "sentencepiece_unigram", texts, vocab_size=N)`;
+    vocab_size = N + num_sentinels. `model_proto` is the serialized .model file.
+
+    Text is not normalized (identity rule, whitespace kept, no dummy "▁" prefix), so encoding
+    is lossless and decoding is plain concatenation of pieces.
+    """
+
+    def __init__(self, model_proto: bytes, num_sentinels: int = 100):
+        import sentencepiece
+        from sentencepiece import sentencepiece_model_pb2
+
+        self.model_proto = bytes(model_proto)
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(self.model_proto)
+        self.model_type = _MODEL_TYPES.get(proto.trainer_spec.model_type)
+        if self.model_type is None:
+            raise ValueError(f"SentencePiece model_type={proto.trainer_spec.model_type}: "
+                             "expected 1 (unigram) or 2 (bpe)")
+        self.kind = f"sentencepiece_{self.model_type}"
+        norm = proto.normalizer_spec
+        found = (norm.name, norm.add_dummy_prefix, norm.remove_extra_whitespaces)
+        if found != ("identity", False, False):
+            raise ValueError(f"SentencePiece normalizer (name, add_dummy_prefix, "
+                             f"remove_extra_whitespaces) = {found}: expected lossless "
+                             f"('identity', False, False)")
+        sp = self._sp = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
+        found = tuple(sp.id_to_piece(i) for i in range(min(NUM_SPECIAL, sp.get_piece_size())))
+        if found != SPECIAL_TOKENS or any(sp.piece_to_id(p) != i
+                                          for i, p in enumerate(SPECIAL_TOKENS)):
+            raise ValueError(f"SentencePiece pieces 0..6 are {found}: expected {SPECIAL_TOKENS}")
+        byte_ids = [sp.piece_to_id(f"<0x{b:02X}>") for b in range(256)]
+        if not all(sp.is_byte(i) for i in byte_ids):
+            raise ValueError("SentencePiece model has no byte pieces <0x00>..<0xFF>: expected "
+                             "one trained with byte_fallback=True")
+        self._space_mark_ids = [byte_ids[b] for b in _SPACE_MARK.encode()]
+        regular = [bytes([int(sp.id_to_piece(i)[3:5], 16)]) if sp.is_byte(i)
+                   else sp.id_to_piece(i).replace(_SPACE_MARK, " ").encode()
+                   for i in range(NUM_SPECIAL, sp.get_piece_size())]
+        self._finish(regular, num_sentinels)
+
+    def encode(self, text: str) -> np.ndarray:
+        if _SPACE_MARK not in text:
+            return np.asarray(self._sp.encode(text), np.int32)
+        # SentencePiece reads a literal "▁" as a space; emit its UTF-8 bytes instead.
+        parts = [self._sp.encode(part) for part in text.split(_SPACE_MARK)]
+        ids = parts[0]
+        for part in parts[1:]:
+            ids += self._space_mark_ids + part
+        return np.asarray(ids, np.int32)
+
+    def _config(self, directory: str) -> dict[str, Any]:
+        _write_atomic(os.path.join(directory, SENTENCEPIECE_FILE), self.model_proto)
+        return {"model_file": SENTENCEPIECE_FILE}
+
+    def __getstate__(self) -> dict[str, Any]:  # for multiprocess data loaders
+        return {"model_proto": self.model_proto, "num_sentinels": self.num_sentinels}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["model_proto"], state["num_sentinels"])
+
+
+def load_tokenizer(directory: str) -> Tokenizer:
+    """Reads a tokenizer written by `Tokenizer.save(directory)`.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     CharTokenizer("abc", num_sentinels=3).save(d)
+    ...     load_tokenizer(d).encode("cab").tolist()
+    [9, 7, 8]
+    """
+    path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path!r} not found: expected a directory written by save()")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    version = config.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path!r} has format_version={version!r}: expected {FORMAT_VERSION}")
+    kind, num_sentinels = config.get("kind"), config.get("num_sentinels")
+    if kind == "byte":
+        tokenizer: Tokenizer = ByteTokenizer(num_sentinels)
+    elif kind == "char":
+        tokenizer = CharTokenizer("".join(config["chars"]), num_sentinels)
+    elif kind in ("sentencepiece_bpe", "sentencepiece_unigram"):
+        with open(os.path.join(directory, config["model_file"]), "rb") as f:
+            tokenizer = SentencePieceTokenizer(f.read(), num_sentinels)
+        if tokenizer.kind != kind:
+            raise ValueError(f"{path!r} says kind={kind!r} but its model is {tokenizer.kind!r}")
+    else:
+        raise ValueError(f"{path!r} has kind={kind!r}: expected one of {KINDS}")
+    if tokenizer.vocab_size != config.get("vocab_size"):
+        raise ValueError(f"{path!r} says vocab_size={config.get('vocab_size')!r} but the loaded "
+                         f"tokenizer has {tokenizer.vocab_size}")
+    return tokenizer
+
+
+def build_tokenizer(kind: str, texts: Iterable[str] | None = None, *,
+                    vocab_size: int | None = None, num_sentinels: int = 100) -> Tokenizer:
+    """Builds (for char / SentencePiece: trains on `texts`) a tokenizer of one of `KINDS`.
+
+    byte needs no texts and char no vocab_size (both derive their size, so passing vocab_size is
+    an error rather than silently ignored). For SentencePiece, `vocab_size` counts its pieces
+    including the 7 specials and 256 byte pieces; the tokenizer's vocab_size adds the sentinels.
+    A vocab_size the corpus cannot fill raises ValueError naming the largest feasible value.
+    Training is deterministic: the same texts give the same model.
+
+    >>> tok = build_tokenizer("char", ["to be", "or not"], num_sentinels=0)
+    >>> tok.chars, tok.vocab_size
+    (' benort', 14)
+    >>> build_tokenizer("bpe")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: kind='bpe': expected one of ('byte', 'char', ...)
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
+    num_sentinels = _check_num_sentinels(num_sentinels)
+    if isinstance(texts, str | bytes):
+        raise ValueError(f"texts={texts[:20]!r}...: expected an iterable of str, not one string")
+    if kind in ("byte", "char") and vocab_size is not None:
+        raise ValueError(f"vocab_size={vocab_size!r}: the {kind} kind derives its own size, "
+                         f"expected None")
+    if kind == "byte":
+        return ByteTokenizer(num_sentinels)
+    if texts is None:
+        raise ValueError(f"texts=None: the {kind} kind is built from texts, expected an iterable")
+    if kind == "char":
+        chars: set[str] = set()
+        for text in _checked(texts):
+            chars.update(text)
+        if not chars:
+            raise ValueError("texts contain no characters: expected at least one")
+        return CharTokenizer("".join(chars), num_sentinels)
+    if not _is_int(vocab_size) or vocab_size <= NUM_SPECIAL + 256:
+        raise ValueError(f"vocab_size={vocab_size!r}: expected an int > {NUM_SPECIAL + 256} "
+                         f"(7 specials + 256 byte pieces + characters and merges)")
+    model_type = kind.removeprefix("sentencepiece_")
+    return SentencePieceTokenizer(_train_sentencepiece(texts, model_type, int(vocab_size)),
+                                  num_sentinels)
+
+
+def _checked(texts: Iterable[Any]) -> Iterator[str]:
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ValueError(f"texts[{i}] is a {type(text).__name__}: expected str")
+        yield text
+
+
+def _sentences(texts: Iterable[str]) -> Iterator[str]:
+    """Splits texts into SentencePiece training sentences of <= _MAX_SENTENCE_BYTES: paragraphs
+    (at blank lines), cut at line ends if too long, and at character boundaries as a last resort.
+    Newlines inside a paragraph are kept, so pieces can learn them."""
+    limit = _MAX_SENTENCE_BYTES
+    for text in _checked(texts):
+        for paragraph in text.split("\n\n"):
+            if len(paragraph.encode()) <= limit:
+                if paragraph.strip():
+                    yield paragraph
+                continue
+            chunk, size = [], 0
+            for line in paragraph.splitlines(keepends=True):
+                n = len(line.encode())
+                if size + n > limit and chunk:
+                    yield "".join(chunk)
+                    chunk, size = [], 0
+                if n > limit:  # <= 4 bytes per character, so limit // 4 characters always fit
+                    yield from (line[j:j + limit // 4] for j in range(0, len(line), limit // 4))
+                else:
+                    chunk.append(line)
+                    size += n
+            if chunk:
+                yield "".join(chunk)
+
+
+def _sample(sentences: Iterable[str], k: int, seed: int) -> list[str]:
+    """A seeded uniform sample of k sentences (all of them if fewer), by reservoir sampling.
+    Done here because SentencePiece's own sampling (shuffle_input_sentence) differs from run to
+    run even with `set_random_generator_seed`."""
+    rng, sample = random.Random(seed), []
+    for n, sentence in enumerate(sentences):
+        if n < k:
+            sample.append(sentence)
+        elif (j := rng.randrange(n + 1)) < k:
+            sample[j] = sentence
+    return sample
+
+
+def _train_sentencepiece(texts: Iterable[str], model_type: str, vocab_size: int) -> bytes:
+    """Trains in memory (no files) and returns the serialized model."""
+    import sentencepiece
+
+    sentences = _sample(_sentences(texts), _MAX_TRAINING_SENTENCES, _TRAINING_SEED)
+    if not sentences:
+        raise ValueError("texts contain no non-blank text: expected at least one")
+    model = io.BytesIO()
+    sentencepiece.set_random_generator_seed(_TRAINING_SEED)
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_writer=model, model_type=model_type,
+            vocab_size=vocab_size, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+            pad_piece="<pad>", bos_piece="<bos>", eos_piece="<eos>", unk_piece="<unk>",
+            user_defined_symbols=list(SPECIAL_TOKENS[MASK_ID:]), byte_fallback=True,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=False, input_sentence_size=0, max_sentence_length=_MAX_SENTENCE_BYTES,
+            num_threads=_TRAINING_THREADS, minloglevel=2)
+    except RuntimeError as e:
+        message = str(e)
+        too_high = re.search(r"value <= (\d+)", message)
+        if too_high:
+            raise ValueError(f"vocab_size={vocab_size}: too large for these texts, expected "
+                             f"<= {too_high.group(1)} for {model_type}") from None
+        too_low = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
+        if too_low:
+            raise ValueError(f"vocab_size={vocab_size}: too small for the characters of these "
+                             f"texts, expected >= {too_low.group(1)}") from None
+        raise ValueError(f"SentencePiece training failed for vocab_size={vocab_size}: "
+                         f"{message.strip().splitlines()[0]}") from None
+    return model.getvalue()
