@@ -21,6 +21,12 @@ def base_config() -> ml_collections.ConfigDict:
     config.eval_every = 250
     config.eval_steps = 20
     config.checkpoint_every = 500
+    config.keep_checkpoints = 3
+    config.nonfinite = "stop"  # NaN/Inf loss or grads: stop (keep the last good checkpoint) | skip
+    config.max_nonfinite_skips = 10  # with "skip": stop after this many bad steps in a row
+    config.z_loss = 0.0
+    config.label_smoothing = 0.0
+    config.peak_flops_per_device = 0.0  # for MFU in the logs; 0: not reported
 
     config.model = default_model_config()
     config.model.vocab_size = 0  # 0: the tokenizer's vocabulary size

@@ -1,0 +1,419 @@
+"""Pretraining: the train state, the pure jitted train/eval steps and the loop around them.
+
+    python -m transformer.train --config=experiments/<name>.py --workdir=DIR [--config.KEY=VALUE]
+
+With no flags it trains the default experiment (experiments/gpt_tiny.py) into runs/gpt_tiny.
+Rerunning the same command on an existing workdir resumes from its latest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from transformer import checkpoint as checkpoint_lib
+from transformer import objectives
+from transformer.data import inputs, pipeline
+from transformer.models import build_model
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "experiments", "gpt_tiny.py")
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    first_nonfinite_step: jax.Array  # -1 until a step's loss or grads are NaN/Inf
+
+
+# --- optimizer ------------------------------------------------------------------------------
+
+
+def learning_rate_schedule(opt: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
+    """Linear warmup, then cosine or linear decay to min_learning_rate_ratio, or constant."""
+    peak, warmup = opt.learning_rate, min(opt.warmup_steps, steps)
+    end = peak * opt.min_learning_rate_ratio
+    if opt.decay == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, peak, max(warmup, 1),
+                                                  max(steps, warmup + 1), end)
+    if opt.decay == "linear":
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, max(warmup, 1)),
+                                     optax.linear_schedule(peak, end, max(steps - warmup, 1))],
+                                    [warmup])
+    if opt.decay == "constant":
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, max(warmup, 1)),
+                                     optax.constant_schedule(peak)], [warmup])
+    raise ValueError(f"optimizer.decay={opt.decay!r}: expected cosine, linear or constant")
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """AdamW with warmup + decay and global-norm clipping; matrices decay, vectors do not."""
+    opt = config.optimizer
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    tx = optax.chain(
+        optax.clip_by_global_norm(opt.grad_clip_norm) if opt.grad_clip_norm else
+        optax.identity(),
+        optax.adamw(learning_rate_schedule(opt, config.steps), b1=opt.b1, b2=opt.b2,
+                    weight_decay=opt.weight_decay, mask=decay_mask))
+    if config.get("nonfinite", "stop") == "skip":
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=config.max_nonfinite_skips)
+    return tx
+
+
+# --- loss per objective ---------------------------------------------------------------------
+
+
+def model_logits(model, family: str, params, batch, *, rngs=None, deterministic=True):
+    """The model's logits for a batch of pipeline features (see transformer.data.pipeline)."""
+    kwargs = dict(rngs=rngs or {}, deterministic=deterministic)
+    variables = {"params": params}
+    if family == "t5":
+        return model.apply(variables, batch["encoder_inputs"], batch["decoder_inputs"], **kwargs)
+    if family == "lstm":
+        return model.apply(variables, batch["inputs"], segment_ids=batch["segment_ids"], **kwargs)
+    features = dict(segment_ids=batch["segment_ids"], positions=batch["positions"])
+    if family == "prefix_lm":
+        features["prefix_lengths"] = batch["prefix_lengths"]
+    return model.apply(variables, batch["inputs"], **features, **kwargs)
+
+
+def loss_and_metrics(model, config, params, batch, rng, deterministic):
+    logits = model_logits(model, config.model.family, params, batch,
+                          rngs=None if rng is None else {"dropout": rng},
+                          deterministic=deterministic)
+    return objectives.cross_entropy(logits, batch["targets"], batch["weights"],
+                                    z_loss=config.get("z_loss", 0.0),
+                                    label_smoothing=config.get("label_smoothing", 0.0))
+
+
+def make_train_step(model, config, optimizer):
+    """(state, batch) -> (state, metrics): one optimizer update on the global batch.
+
+    With optimizer.grad_accumulation_steps = k the batch is split into k micro-batches whose
+    gradients are averaged (weighted by their token counts) before the update.
+    """
+    accumulation = config.optimizer.grad_accumulation_steps
+    base_rng = jax.random.key(config.seed)
+
+    def grads_of(params, batch, rng):
+        def loss_fn(p):
+            loss, metrics = loss_and_metrics(model, config, p, batch, rng, deterministic=False)
+            return loss, metrics
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return grads, metrics
+
+    def train_step(state: TrainState, batch):
+        rng = jax.random.fold_in(base_rng, state.step)
+        if accumulation == 1:
+            grads, metrics = grads_of(state.params, batch, rng)
+        else:
+            micro = jax.tree.map(
+                lambda x: x.reshape(accumulation, x.shape[0] // accumulation, *x.shape[1:]),
+                batch)
+
+            def accumulate(carry, inputs):
+                grads_sum, tokens, loss_sum, correct = carry
+                micro_batch, i = inputs
+                grads, m = grads_of(state.params, micro_batch, jax.random.fold_in(rng, i))
+                n = m["num_tokens"]
+                grads_sum = jax.tree.map(lambda a, g: a + g * n, grads_sum, grads)
+                return (grads_sum, tokens + n, loss_sum + m["loss"] * n,
+                        correct + m["accuracy"] * n), None
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            (grads_sum, tokens, loss_sum, correct), _ = jax.lax.scan(
+                accumulate, (zeros, 0.0, 0.0, 0.0), (micro, jnp.arange(accumulation)))
+            denominator = jnp.maximum(tokens, 1.0)
+            grads = jax.tree.map(lambda g: g / denominator, grads_sum)
+            loss = loss_sum / denominator
+            metrics = {"loss": loss, "perplexity": jnp.exp(loss),
+                       "accuracy": correct / denominator, "num_tokens": tokens}
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        first_bad = jnp.where((state.first_nonfinite_step < 0) & ~finite, state.step,
+                              state.first_nonfinite_step)
+        metrics = {**metrics, "grad_norm": grad_norm}
+        return TrainState(state.step + 1, params, opt_state, first_bad), metrics
+
+    return train_step
+
+
+def make_eval_step(model, config):
+    """(params, batch) -> summed metrics, so batches can be added up before dividing."""
+
+    def eval_step(params, batch):
+        loss, metrics = loss_and_metrics(model, config, params, batch, None, deterministic=True)
+        n = metrics["num_tokens"]
+        return {"loss_sum": metrics["loss"] * n, "correct_sum": metrics["accuracy"] * n,
+                "num_tokens": n}
+
+    return eval_step
+
+
+# --- FLOPs and progress ---------------------------------------------------------------------
+
+
+def flops_per_token(config, num_params: int) -> float:
+    """Model FLOPs per trained token: 6 N (matmuls, forward + backward) + attention scores."""
+    m = config.model
+    attention = 0 if m.family == "lstm" else 12 * m.num_layers * m.d_model * config.seq_len
+    return 6 * num_params + attention
+
+
+def _format_eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class _Logger:
+    """Metrics to JSONL + TensorBoard (process 0), progress lines to the terminal."""
+
+    def __init__(self, workdir: str, enabled: bool):
+        self.enabled = enabled
+        self.interactive = sys.stdout.isatty()
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
+            self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
+        self.jsonl.flush()
+        for name, value in metrics.items():
+            self.tensorboard.add_scalar(f"{split}/{name}", value, step)
+        self.tensorboard.flush()
+
+    def print(self, line: str, transient: bool = False) -> None:
+        if not self.enabled:
+            return
+        if self.interactive and transient:
+            print("\r" + line.ljust(120), end="", flush=True)
+        else:
+            print(("\r" if self.interactive else "") + line, flush=True)
+
+    def close(self):
+        if self.enabled:
+            self.jsonl.close()
+            self.tensorboard.close()
+
+
+# --- the loop -------------------------------------------------------------------------------
+
+
+def _abstract_state(model, config, optimizer, example_batch):
+    def init(rng):
+        args = (example_batch["encoder_inputs"], example_batch["decoder_inputs"]) \
+            if config.model.family == "t5" else (example_batch["inputs"],)
+        params = nn.unbox(model.init(rng, *args))["params"]
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+                          jnp.full((), -1, jnp.int32))
+    return init
+
+
+def evaluate(params, eval_step, config, tokenizer, steps: int | None) -> dict[str, float]:
+    """Loss, perplexity, accuracy (and bits per byte for byte/char) on the validation split."""
+    dataset = inputs.get_dataset(config, tokenizer, "validation", num_epochs=1, shuffle=False)
+    totals = None
+    for i, batch in enumerate(dataset):
+        if steps is not None and i >= steps:
+            break
+        sums = eval_step(params, batch)
+        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    if totals is None:
+        raise ValueError("the validation split yields no full batch: expected more validation "
+                         f"text or a smaller batch_size ({config.batch_size}) / seq_len")
+    totals = jax.device_get(totals)
+    n = max(float(totals["num_tokens"]), 1.0)
+    loss = float(totals["loss_sum"]) / n
+    metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+               "accuracy": float(totals["correct_sum"]) / n, "num_tokens": n}
+    if tokenizer.kind in ("byte", "char") and pipeline.objective_for(config) == "next_token":
+        metrics["bits_per_byte"] = loss / math.log(2) / inputs.bytes_per_token(
+            config, tokenizer, "validation")
+    return metrics
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Trains `config` in `workdir` (resuming if it holds checkpoints); returns final metrics."""
+    config = ml_collections.ConfigDict(config.to_dict())
+    validate_config(config)
+    os.makedirs(workdir, exist_ok=True)
+    is_main = jax.process_index() == 0
+    tokenizer = inputs.get_tokenizer(config, workdir)
+    if not config.model.vocab_size:
+        config.model.vocab_size = tokenizer.vocab_size
+    elif config.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size={config.model.vocab_size}: expected >= the "
+                         f"tokenizer's {tokenizer.vocab_size}")
+    model = build_model(config.model)
+    optimizer = make_optimizer(config)
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("data",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+    to_device = lambda local: pipeline.make_global_batch(local, batch_sharding)
+
+    train_data = iter(inputs.get_dataset(config, tokenizer, "train"))
+    manager = checkpoint_lib.Manager(workdir, config)
+    first_batch = next(iter(inputs.get_dataset(config, tokenizer, "train")))
+    init = _abstract_state(model, config, optimizer, first_batch)
+    abstract = jax.eval_shape(init, jax.random.key(config.seed))
+    state_sharding = jax.tree.map(lambda _: replicated, abstract)
+    restored = manager.restore_latest(abstract, state_sharding, train_data)
+    if restored is None:
+        state = jax.jit(init, out_shardings=state_sharding)(jax.random.key(config.seed))
+        start_step = 0
+    else:
+        state, start_step = restored, int(restored.step)
+    num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(state.params))
+
+    train_step = jax.jit(make_train_step(model, config, optimizer), donate_argnums=0,
+                         out_shardings=(state_sharding, replicated))
+    eval_step = jax.jit(make_eval_step(model, config))
+    logger = _Logger(workdir, is_main)
+    logger.print(f"{config.experiment}: {config.model.family}, {num_params:,} params, "
+                 f"{len(jax.devices())} device(s), batch {config.batch_size} x {config.seq_len}, "
+                 f"steps {start_step}..{config.steps}, workdir {workdir}")
+
+    stop = {"signal": None}
+    previous = {sig: signal.signal(sig, lambda s, _: stop.update(signal=s))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    flops = flops_per_token(config, num_params)
+    peak = config.get("peak_flops_per_device", 0.0) or None
+    last_log_time, last_log_step = time.perf_counter(), start_step
+    run_start = time.perf_counter()
+    last_metrics: dict[str, Any] = {}
+    step = start_step
+    try:
+        while step < config.steps and stop["signal"] is None:
+            state, metrics = train_step(state, to_device(next(train_data)))
+            step += 1
+            if step % config.log_every == 0 or step == config.steps:
+                metrics = jax.device_get(metrics)
+                _check_finite(state, config)
+                now = time.perf_counter()
+                seconds = (now - last_log_time) / max(step - last_log_step, 1)
+                tokens_per_s = config.batch_size * config.seq_len / seconds
+                lr = float(learning_rate_schedule(config.optimizer, config.steps)(step - 1))
+                record = {k: float(v) for k, v in metrics.items()}
+                record.update(learning_rate=lr, step_time=seconds, tokens_per_s=tokens_per_s)
+                if peak:
+                    record["mfu"] = tokens_per_s * flops / (peak * len(jax.devices()))
+                logger.write(step, "train", record)
+                eta = (config.steps - step) * seconds
+                logger.print(f"step {step}/{config.steps} loss {record['loss']:.4f} "
+                             f"acc {record['accuracy']:.3f} lr {lr:.2e} "
+                             f"gnorm {record['grad_norm']:.2f} {tokens_per_s:,.0f} tok/s "
+                             f"ETA {_format_eta(eta)}", transient=True)
+                last_log_time, last_log_step, last_metrics = now, step, record
+            if step % config.eval_every == 0 or step == config.steps:
+                evaluation = evaluate(state.params, eval_step, config, tokenizer,
+                                      config.eval_steps)
+                logger.write(step, "validation", evaluation)
+                logger.print(f"step {step}: validation " + " ".join(
+                    f"{k} {v:.4f}" for k, v in evaluation.items() if k != "num_tokens"))
+                last_metrics = {**last_metrics, **{f"val_{k}": v for k, v in
+                                                   evaluation.items()}}
+            if step % config.checkpoint_every == 0 or step == config.steps or stop["signal"]:
+                _check_finite(state, config)
+                manager.save(step, state, train_data)
+        if stop["signal"] is not None:
+            logger.print(f"received signal {stop['signal']}: saved step {step}, exiting")
+    finally:
+        manager.close()  # waits for async saves to finish
+        logger.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    wall = time.perf_counter() - run_start
+    summary = {"step": step, "wall_seconds": wall, **last_metrics}
+    if is_main:
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return {"summary": summary, "state": state, "model": model, "tokenizer": tokenizer,
+            "config": config}
+
+
+def _check_finite(state: TrainState, config) -> None:
+    """Stops the run (before any checkpoint of the bad state) at the first non-finite step."""
+    bad = int(jax.device_get(state.first_nonfinite_step))
+    if bad >= 0 and config.get("nonfinite", "stop") == "stop":
+        raise FloatingPointError(f"loss or gradients became NaN/Inf at step {bad}; the last "
+                                 "good checkpoint is kept (set nonfinite='skip' to skip such "
+                                 "batches)")
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Checks values the config types cannot, with one-line errors, before anything runs."""
+    for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every",
+                 "checkpoint_every"):
+        if not isinstance(config[name], int) or config[name] < 1:
+            raise ValueError(f"{name}={config[name]!r}: expected a positive int")
+    if config.seq_len < 2:
+        raise ValueError(f"seq_len={config.seq_len}: expected >= 2")
+    k = config.optimizer.grad_accumulation_steps
+    if k < 1 or config.batch_size % (k * jax.process_count()):
+        raise ValueError(f"batch_size={config.batch_size}: expected a multiple of "
+                         f"grad_accumulation_steps={k} x processes={jax.process_count()}")
+    if config.batch_size // k % len(jax.devices()):
+        raise ValueError(f"batch_size={config.batch_size}: each micro-batch of "
+                         f"{config.batch_size // k} rows must split over {len(jax.devices())} "
+                         "devices")
+    if config.get("nonfinite", "stop") not in ("stop", "skip"):
+        raise ValueError(f"nonfinite={config.nonfinite!r}: expected 'stop' or 'skip'")
+    pipeline.objective_for(config)
+    learning_rate_schedule(config.optimizer, config.steps)
+
+
+def main(argv) -> None:
+    from absl import flags
+
+    del argv
+    config = flags.FLAGS.config
+    workdir = flags.FLAGS.workdir or os.path.join("runs", config.experiment)
+    result = train_and_evaluate(config, workdir)
+    if config.model.family in ("gpt", "prefix_lm", "lstm"):
+        from transformer import generate
+
+        print("\nsamples:")
+        for text in generate.sample_texts(result["model"], result["state"].params,
+                                          result["tokenizer"], config, num_samples=3):
+            print("---\n" + text)
+    print(json.dumps(result["summary"], indent=2))
+
+
+def _define_flags() -> None:
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment file (get_config).",
+                                    lock_config=True)
+    flags.DEFINE_string("workdir", None, "Run directory (default runs/<experiment>).")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    app.run(main)
