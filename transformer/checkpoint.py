@@ -59,6 +59,9 @@ class Manager:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
     def save(self, step: int, state, iterator) -> None:
         if step in self._manager.all_steps():
             return

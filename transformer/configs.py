@@ -26,7 +26,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.max_nonfinite_skips = 10  # with "skip": stop after this many bad steps in a row
     config.z_loss = 0.0
     config.label_smoothing = 0.0
-    config.peak_flops_per_device = 0.0  # for MFU in the logs; 0: not reported
+    config.peak_flops_per_device = 0.0  # for MFU in the logs; 0: measure a float32 matmul
 
     config.model = default_model_config()
     config.model.vocab_size = 0  # 0: the tokenizer's vocabulary size

@@ -178,6 +178,18 @@ def flops_per_token(config, num_params: int) -> float:
     return 6 * num_params + attention
 
 
+def measured_peak_flops(size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a square float32 matmul on one device: the peak MFU is measured against."""
+    a = jax.random.normal(jax.random.key(0), (size, size))
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a = matmul(a) * (1.0 / size)
+    a.block_until_ready()
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
 def _format_eta(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
@@ -298,10 +310,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                  f"steps {start_step}..{config.steps}, workdir {workdir}")
 
     stop = {"signal": None}
-    previous = {sig: signal.signal(sig, lambda s, _: stop.update(signal=s))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def request_stop(signum, frame):
+        if stop["signal"] is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now (no half-written checkpoint
+        stop["signal"] = signum  # is ever picked up: Orbax commits a step only when complete)
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     flops = flops_per_token(config, num_params)
-    peak = config.get("peak_flops_per_device", 0.0) or None
+    peak = config.get("peak_flops_per_device", 0.0) or measured_peak_flops()
     last_log_time, last_log_step = time.perf_counter(), start_step
     run_start = time.perf_counter()
     last_metrics: dict[str, Any] = {}
@@ -319,13 +336,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 lr = float(learning_rate_schedule(config.optimizer, config.steps)(step - 1))
                 record = {k: float(v) for k, v in metrics.items()}
                 record.update(learning_rate=lr, step_time=seconds, tokens_per_s=tokens_per_s)
-                if peak:
-                    record["mfu"] = tokens_per_s * flops / (peak * len(jax.devices()))
+                record["mfu"] = tokens_per_s * flops / (peak * len(jax.devices()))
                 logger.write(step, "train", record)
                 eta = (config.steps - step) * seconds
                 logger.print(f"step {step}/{config.steps} loss {record['loss']:.4f} "
                              f"acc {record['accuracy']:.3f} lr {lr:.2e} "
                              f"gnorm {record['grad_norm']:.2f} {tokens_per_s:,.0f} tok/s "
+                             f"MFU {record['mfu']:.0%} "
                              f"ETA {_format_eta(eta)}", transient=True)
                 last_log_time, last_log_step, last_metrics = now, step, record
             if step % config.eval_every == 0 or step == config.steps:
@@ -387,9 +404,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 
 def main(argv) -> None:
-    from absl import flags
+    from absl import flags, logging
 
     del argv
+    logging.set_verbosity(logging.WARNING)  # progress lines, not every library's INFO logs
     config = flags.FLAGS.config
     workdir = flags.FLAGS.workdir or os.path.join("runs", config.experiment)
     result = train_and_evaluate(config, workdir)

@@ -1,0 +1,74 @@
+"""Evaluate a run's checkpoint on its validation split.
+
+    python -m transformer.evaluate --workdir=DIR [--step=N] [--eval_steps=N]
+
+Uses the config and tokenizer saved in the workdir; prints the metrics and writes them to
+DIR/eval_<step>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_collections
+from jax.sharding import NamedSharding, PartitionSpec
+
+from transformer import checkpoint as checkpoint_lib
+from transformer import train as train_lib
+from transformer.data import inputs
+from transformer.models import build_model
+
+
+def evaluate_workdir(workdir: str, step: int | None = None,
+                     eval_steps: int | None = None) -> dict[str, float]:
+    """Restores `step` (default: the latest) of the run in `workdir` and evaluates it."""
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise FileNotFoundError(f"{workdir!r} holds no checkpoints: expected a training workdir")
+    probe = checkpoint_lib.Manager(workdir, ml_collections.ConfigDict())
+    steps = probe.all_steps()
+    if not steps:
+        raise FileNotFoundError(f"{workdir!r} holds no complete checkpoint")
+    step = max(steps) if step is None else step
+    if step not in steps:
+        raise ValueError(f"step={step}: expected one of the saved steps {steps}")
+    config = ml_collections.ConfigDict(probe.saved_config(step))
+    probe.close()
+    tokenizer = inputs.get_tokenizer(config, workdir)
+    model = build_model(config.model)
+    optimizer = train_lib.make_optimizer(config)
+    example = next(iter(inputs.get_dataset(config, tokenizer, "validation", num_epochs=1,
+                                           shuffle=False)))
+    abstract = jax.eval_shape(train_lib._abstract_state(model, config, optimizer, example),
+                              jax.random.key(config.seed))
+    mesh = jax.make_mesh((len(jax.devices()),), ("data",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract)
+    manager = checkpoint_lib.Manager(workdir, config)
+    state = manager.restore(step, abstract, shardings)
+    manager.close()
+    eval_step = jax.jit(train_lib.make_eval_step(model, config))
+    metrics = train_lib.evaluate(state.params, eval_step, config, tokenizer, eval_steps)
+    metrics["step"] = step
+    with open(os.path.join(workdir, f"eval_{step}.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    return metrics
+
+
+def main(argv) -> None:
+    from absl import flags, logging
+
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    metrics = evaluate_workdir(flags.FLAGS.workdir, flags.FLAGS.step, flags.FLAGS.eval_steps)
+    print(json.dumps(metrics, indent=2))
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    flags.DEFINE_string("workdir", None, "Training workdir to evaluate.", required=True)
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_integer("eval_steps", None, "Validation batches (default: the whole split).")
+    app.run(main)
