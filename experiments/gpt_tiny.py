@@ -10,11 +10,11 @@ from transformer.configs import base_config
 def get_config():
     config = base_config()
     config.experiment = "gpt_tiny"
-    config.steps = 600
+    config.steps = 900
     config.batch_size = 16
     config.seq_len = 128
-    config.eval_every = 200
-    config.checkpoint_every = 200
+    config.eval_every = 300
+    config.checkpoint_every = 300
     config.model.update(family="gpt", num_layers=4, d_model=128, num_heads=4, d_ff=512,
                         position="rope", norm="layernorm", activation="gelu_tanh",
                         dropout_rate=0.0, tie_embeddings=True, init_std=0.02)

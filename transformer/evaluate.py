@@ -42,8 +42,7 @@ def evaluate_workdir(workdir: str, step: int | None = None,
                                            shuffle=False)))
     abstract = jax.eval_shape(train_lib._abstract_state(model, config, optimizer, example),
                               jax.random.key(config.seed))
-    mesh = jax.make_mesh((len(jax.devices()),), ("data",),
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = train_lib.data_parallel_mesh()
     shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract)
     manager = checkpoint_lib.Manager(workdir, config)
     state = manager.restore(step, abstract, shardings)

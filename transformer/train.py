@@ -147,8 +147,11 @@ def make_train_step(model, config, optimizer):
         grad_norm = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-        first_bad = jnp.where((state.first_nonfinite_step < 0) & ~finite, state.step,
+        params_finite = jax.tree.reduce(
+            jnp.logical_and, jax.tree.map(lambda p: jnp.isfinite(p).all(), params))
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & params_finite
+        step = state.step + 1  # the number the logs and checkpoints give this step
+        first_bad = jnp.where((state.first_nonfinite_step < 0) & ~finite, step,
                               state.first_nonfinite_step)
         metrics = {**metrics, "grad_norm": grad_norm}
         return TrainState(state.step + 1, params, opt_state, first_bad), metrics
@@ -243,6 +246,12 @@ def _abstract_state(model, config, optimizer, example_batch):
     return init
 
 
+def data_parallel_mesh() -> jax.sharding.Mesh:
+    """All devices on one "data" axis: batches split, state replicated."""
+    return jax.make_mesh((len(jax.devices()),), ("data",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
 def evaluate(params, eval_step, config, tokenizer, steps: int | None) -> dict[str, float]:
     """Loss, perplexity, accuracy (and bits per byte for byte/char) on the validation split."""
     dataset = inputs.get_dataset(config, tokenizer, "validation", num_epochs=1, shuffle=False)
@@ -281,8 +290,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     model = build_model(config.model)
     optimizer = make_optimizer(config)
 
-    mesh = jax.make_mesh((len(jax.devices()),), ("data",),
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = data_parallel_mesh()
     replicated = NamedSharding(mesh, PartitionSpec())
     batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
     to_device = lambda local: pipeline.make_global_batch(local, batch_sharding)
@@ -356,7 +364,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             if step % config.checkpoint_every == 0 or step == config.steps or stop["signal"]:
                 _check_finite(state, config)
                 manager.save(step, state, train_data)
-        if stop["signal"] is not None:
+        if stop["signal"] is not None:  # also when it arrived after this step's save check
+            _check_finite(state, config)
+            manager.save(step, state, train_data)
             logger.print(f"received signal {stop['signal']}: saved step {step}, exiting")
     finally:
         manager.close()  # waits for async saves to finish
@@ -374,11 +384,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 def _check_finite(state: TrainState, config) -> None:
     """Stops the run (before any checkpoint of the bad state) at the first non-finite step."""
+    if config.get("nonfinite", "stop") == "skip":
+        in_a_row = int(jax.device_get(state.opt_state.notfinite_count))
+        if in_a_row > config.max_nonfinite_skips:
+            raise FloatingPointError(
+                f"{in_a_row} steps in a row had NaN/Inf gradients (max_nonfinite_skips="
+                f"{config.max_nonfinite_skips}); the last good checkpoint is kept")
+        return
     bad = int(jax.device_get(state.first_nonfinite_step))
-    if bad >= 0 and config.get("nonfinite", "stop") == "stop":
-        raise FloatingPointError(f"loss or gradients became NaN/Inf at step {bad}; the last "
-                                 "good checkpoint is kept (set nonfinite='skip' to skip such "
-                                 "batches)")
+    if bad >= 0:
+        raise FloatingPointError(f"loss, gradients or parameters became NaN/Inf at step {bad}; "
+                                 "the last good checkpoint is kept (set nonfinite='skip' to "
+                                 "skip such batches)")
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -401,6 +418,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"nonfinite={config.nonfinite!r}: expected 'stop' or 'skip'")
     pipeline.objective_for(config)
     learning_rate_schedule(config.optimizer, config.steps)
+    build_model(config.model)  # validates the architecture (TransformerConfig) up front
 
 
 def main(argv) -> None:

@@ -1,0 +1,460 @@
+"""The training loop end to end: every experiment through the CLI, exact resume after SIGTERM,
+config errors, evaluation of a saved run, structural restore checks, NaN handling and gradient
+accumulation.
+
+Subprocesses run the real CLI (`python -m transformer.train`). They are compiled with
+XLA_FLAGS=--xla_backend_optimization_level=0, which roughly halves their compile time; it
+changes no loop or checkpoint logic, and the runs that are compared bitwise all use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from transformer import evaluate as evaluate_lib
+from transformer import train
+
+REPO = Path(__file__).resolve().parents[1]
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+TIMEOUT = 300
+TINY_MODEL = dict(num_layers=1, d_model=32, num_heads=2, d_ff=64)
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+
+def experiment_config(name: str, *args):
+    """get_config(*args) of experiments/<name>.py."""
+    spec = importlib.util.spec_from_file_location(f"experiment_{name}",
+                                                  REPO / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(*args)
+
+
+def tiny_config(name: str = "gpt_tiny", *, steps: int = 2, **overrides):
+    """An experiment shrunk to seconds: the same overrides as `tiny_flags`."""
+    config = experiment_config(name)
+    config.update(steps=steps, batch_size=2, seq_len=16, log_every=1, eval_every=steps,
+                  eval_steps=1, checkpoint_every=steps)
+    config.update(**overrides)
+    config.model.update(**TINY_MODEL)
+    return config
+
+
+def tiny_flags(steps: int, *, checkpoint_every: int | None = None, family: str = "gpt"):
+    flags = [f"--config.steps={steps}", "--config.batch_size=2", "--config.seq_len=16",
+             "--config.log_every=1", f"--config.eval_every={steps}", "--config.eval_steps=1",
+             f"--config.checkpoint_every={checkpoint_every or steps}"]
+    flags += [f"--config.model.{key}={value}" for key, value in TINY_MODEL.items()]
+    if family == "t5":
+        flags.append("--config.model.num_decoder_layers=1")
+    return flags
+
+
+def cli_env() -> dict[str, str]:
+    xla_flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+            "XLA_FLAGS": xla_flags.strip()}
+
+
+@dataclasses.dataclass
+class CliRun:
+    """A CLI subprocess whose stdout/stderr go to files (so it never blocks on a full pipe)."""
+
+    args: list[str]
+    process: subprocess.Popen
+    stdout_path: Path
+    stderr_path: Path
+
+    def wait(self, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+        try:
+            returncode = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+        return subprocess.CompletedProcess(
+            self.args, returncode, self.stdout_path.read_text(errors="replace"),
+            self.stderr_path.read_text(errors="replace"))
+
+
+def start_cli(module: str, *args: str, logs: Path) -> CliRun:
+    """Starts `python -m <module> <args>` from the repo root; output goes to files in `logs`."""
+    logs.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", module, *args]
+    stdout_path, stderr_path = logs / "stdout.txt", logs / "stderr.txt"
+    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
+        process = subprocess.Popen(command, cwd=REPO, env=cli_env(), stdout=stdout,
+                                   stderr=stderr, stdin=subprocess.DEVNULL)
+    return CliRun(command, process, stdout_path, stderr_path)
+
+
+def run_cli(module: str, *args: str, logs: Path) -> subprocess.CompletedProcess:
+    return start_cli(module, *args, logs=logs).wait()
+
+
+def describe(result: subprocess.CompletedProcess) -> str:
+    return (f"{' '.join(map(str, result.args))}\nexit code {result.returncode}\n"
+            f"--- stdout (tail) ---\n{result.stdout[-2000:]}\n"
+            f"--- stderr (tail) ---\n{result.stderr[-4000:]}")
+
+
+def assert_succeeded(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, describe(result)
+
+
+def read_metrics(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(workdir: Path) -> dict[int, float]:
+    """step -> logged train loss; fails if a step was logged twice (i.e. trained twice)."""
+    steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
+    assert len(steps) == len(set(steps)), f"train steps logged more than once: {steps}"
+    return {r["step"]: r["loss"] for r in read_metrics(workdir) if r["split"] == "train"}
+
+
+def checkpoint_steps(workdir: Path) -> list[int]:
+    """The complete checkpoints (Orbax renames a step's tmp directory to `<step>` at commit)."""
+    directory = workdir / "checkpoints"
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def load_state(workdir: Path, step: int) -> dict:
+    """The saved train state of a checkpoint, restored without a target, as numpy arrays."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        state = checkpointer.restore(workdir / "checkpoints" / str(step) / "state")
+    return jax.device_get(state)
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def all_finite(tree) -> bool:
+    return all(np.isfinite(leaf).all() for leaf in flat(tree).values())
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `directory` with its size and modification time."""
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+# --- 1. every experiment through the CLI ----------------------------------------------------
+
+EXPERIMENT_STEPS = 2
+EXPERIMENTS = [
+    "gpt_tiny.py",
+    pytest.param("gpt_shakespeare_char.py:cpu", marks=pytest.mark.skipif(
+        not SHAKESPEARE.is_file(), reason=f"{SHAKESPEARE} is absent")),
+    "bert_mlm.py",
+    "t5_span.py",
+    "prefix_lm.py",
+    "lstm_lm.py",
+]
+_EXPERIMENT_TEST = "test_every_experiment_runs_end_to_end_through_the_cli"
+
+
+def _launch_experiment(spec: str, root: Path) -> tuple[Path, CliRun]:
+    name = spec.split(".py")[0]
+    config = experiment_config(name, *spec.split(":")[1:])
+    workdir = root / name / "workdir"
+    args = [f"--config=experiments/{spec}", f"--workdir={workdir}",
+            *tiny_flags(EXPERIMENT_STEPS, family=config.model.family)]
+    if name == "gpt_shakespeare_char":
+        args.append(f"--config.data.path={SHAKESPEARE}")
+    return workdir, start_cli("transformer.train", *args, logs=root / name)
+
+
+@pytest.fixture(scope="module")
+def experiment_runs(request, tmp_path_factory):
+    """spec -> (workdir, finished CliRun result): the experiments every selected test of this
+    module needs are started together at first use (they overlap on the 2 cores)."""
+    root = tmp_path_factory.mktemp("experiments")
+    runs: dict[str, tuple[Path, CliRun]] = {}
+
+    def launch(spec: str) -> None:
+        if spec not in runs and (SHAKESPEARE.is_file() or "shakespeare" not in spec):
+            runs[spec] = _launch_experiment(spec, root)
+
+    for item in request.session.items:
+        if "experiment_runs" in getattr(item, "fixturenames", ()):
+            callspec = getattr(item, "callspec", None)
+            launch(callspec.params["spec"] if item.originalname == _EXPERIMENT_TEST
+                   else "gpt_tiny.py")
+
+    def finished(spec: str) -> tuple[Path, subprocess.CompletedProcess]:
+        launch(spec)
+        workdir, run = runs[spec]
+        return workdir, run.wait()
+
+    yield finished
+    for _, run in runs.values():
+        if run.process.poll() is None:
+            run.process.kill()
+            run.process.wait()
+
+
+@pytest.mark.parametrize("spec", EXPERIMENTS)
+def test_every_experiment_runs_end_to_end_through_the_cli(experiment_runs, spec):
+    workdir, result = experiment_runs(spec)
+    assert_succeeded(result)
+    assert (workdir / "checkpoints" / str(EXPERIMENT_STEPS)).is_dir(), describe(result)
+    records = read_metrics(workdir)
+    train_records = [r for r in records if r["split"] == "train"]
+    validation = [r for r in records if r["split"] == "validation"]
+    assert [r["step"] for r in train_records] == list(range(1, EXPERIMENT_STEPS + 1))
+    assert [r["step"] for r in validation] == [EXPERIMENT_STEPS]
+    for record in train_records + validation:
+        assert math.isfinite(record["loss"]), record
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["step"] == EXPERIMENT_STEPS
+    assert summary["val_loss"] == validation[-1]["loss"]
+
+
+# --- 2. SIGTERM, then exact resume ----------------------------------------------------------
+
+
+def test_sigterm_saves_exits_cleanly_and_the_resumed_run_is_bitwise_identical(tmp_path):
+    """One run is stopped by SIGTERM mid-way and rerun to the end; another runs uninterrupted.
+    Both must end with the same bits in every array of the train state, and log the same
+    loss at every step (each step trained once overall). SIGTERM comes right after step 2 is
+    reported, so the run normally stops at step 2 or 3: a checkpoint only the signal writes
+    (checkpoint_every is 4)."""
+    steps = 6
+
+    def args(workdir: Path) -> list[str]:
+        # Dropout on, so the per-step RNG must be resumed exactly too.
+        return ["--config=experiments/gpt_tiny.py", f"--workdir={workdir}",
+                *tiny_flags(steps, checkpoint_every=4), "--config.model.dropout_rate=0.1"]
+
+    reference_dir, resumed_dir = tmp_path / "uninterrupted", tmp_path / "resumed"
+    reference = start_cli("transformer.train", *args(reference_dir), logs=tmp_path / "ref")
+    try:
+        _interrupt_resume_and_compare(args, steps, reference, reference_dir, resumed_dir,
+                                      tmp_path)
+    finally:
+        if reference.process.poll() is None:
+            reference.process.kill()
+            reference.process.wait()
+
+
+def _interrupt_resume_and_compare(args, steps, reference, reference_dir, resumed_dir,
+                                  tmp_path):
+
+    # The interrupted run: SIGTERM as soon as step 2 is reported.
+    with open(tmp_path / "interrupted_stderr.txt", "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "transformer.train", *args(resumed_dir)], cwd=REPO,
+            env=cli_env(), stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+            text=True, errors="replace")
+    watchdog = threading.Timer(TIMEOUT, process.kill)
+    watchdog.start()
+    lines, signalled = [], False
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if not signalled and line.startswith("step 2/"):
+                process.send_signal(signal.SIGTERM)
+                signalled = True
+        process.wait()
+    finally:
+        watchdog.cancel()
+    (tmp_path / "interrupted_stdout.txt").write_text("".join(lines))
+    interrupted = subprocess.CompletedProcess(
+        process.args, process.returncode, "".join(lines),
+        (tmp_path / "interrupted_stderr.txt").read_text(errors="replace"))
+    assert signalled, describe(interrupted)
+    assert_succeeded(interrupted)
+    assert "signal" in interrupted.stdout, describe(interrupted)
+    stopped_at = json.loads((resumed_dir / "summary.json").read_text())["step"]
+    assert 2 <= stopped_at < steps, describe(interrupted)
+    assert max(checkpoint_steps(resumed_dir)) == stopped_at, (
+        f"stopped at step {stopped_at} but saved {checkpoint_steps(resumed_dir)}")
+    assert sorted(train_losses(resumed_dir)) == list(range(1, stopped_at + 1))
+
+    assert_succeeded(run_cli("transformer.train", *args(resumed_dir), logs=tmp_path / "rerun"))
+    assert_succeeded(reference.wait())
+
+    assert checkpoint_steps(resumed_dir)[-1] == checkpoint_steps(reference_dir)[-1] == steps
+    expected, actual = flat(load_state(reference_dir, steps)), flat(load_state(resumed_dir, steps))
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_array_equal(actual[key], value, err_msg=key)
+    assert train_losses(resumed_dir) == train_losses(reference_dir)
+    assert sorted(train_losses(reference_dir)) == list(range(1, steps + 1))
+    validation = lambda workdir: [(r["step"], r["loss"]) for r in read_metrics(workdir)
+                                  if r["split"] == "validation"]
+    assert validation(resumed_dir) == validation(reference_dir)
+
+
+# --- 3. config errors -----------------------------------------------------------------------
+
+
+def test_config_errors_are_rejected_before_anything_is_written(tmp_path):
+    cases = {"unknown_key": ("--config.model.num_layer=3", "num_layer"),
+             "wrong_type": ("--config.steps=abc", "steps")}
+    runs = {name: start_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                            f"--workdir={tmp_path / name / 'workdir'}", flag,
+                            logs=tmp_path / name)
+            for name, (flag, _) in cases.items()}
+    for name, (_, key) in cases.items():
+        result = runs[name].wait()
+        assert result.returncode != 0, describe(result)
+        assert key in result.stderr, describe(result)
+        assert not (tmp_path / name / "workdir").exists(), describe(result)
+
+    # A value only the model checks: a one-line error before even the workdir (and the
+    # tokenizer a later run would silently reuse from it) is written.
+    workdir = tmp_path / "bad_value"
+    with pytest.raises(ValueError, match=r"position='rotary': expected one of") as error:
+        train.train_and_evaluate(tiny_config(model=dict(position="rotary")), str(workdir))
+    assert "\n" not in str(error.value)
+    assert not workdir.exists(), sorted(p.name for p in workdir.iterdir())
+
+
+# --- 4. evaluation of a saved run -----------------------------------------------------------
+
+
+def test_evaluate_restores_a_saved_workdir(experiment_runs, tmp_path):
+    workdir, result = experiment_runs("gpt_tiny.py")
+    assert_succeeded(result)
+    evaluation = run_cli("transformer.evaluate", f"--workdir={workdir}", "--eval_steps=1",
+                         logs=tmp_path)
+    assert_succeeded(evaluation)
+    metrics = json.loads(evaluation.stdout[evaluation.stdout.index("{"):])
+    assert metrics["step"] == EXPERIMENT_STEPS
+    assert math.isfinite(metrics["loss"])
+    assert metrics["perplexity"] == pytest.approx(math.exp(metrics["loss"]), rel=1e-6)
+    # The same first validation batch as the run's own evaluation of that step: same params.
+    logged = [r for r in read_metrics(workdir) if r["split"] == "validation"][-1]
+    assert logged["step"] == EXPERIMENT_STEPS
+    assert metrics["loss"] == pytest.approx(logged["loss"], rel=1e-5)
+    assert json.loads((workdir / f"eval_{EXPERIMENT_STEPS}.json").read_text()) == metrics
+
+    with pytest.raises(ValueError, match=re.escape(f"[{EXPERIMENT_STEPS}]")) as error:
+        evaluate_lib.evaluate_workdir(str(workdir), step=999)
+    assert "999" in str(error.value)
+    (tmp_path / "not_a_run").mkdir()
+    with pytest.raises(FileNotFoundError):
+        evaluate_lib.evaluate_workdir(str(tmp_path / "not_a_run"))
+    (tmp_path / "no_complete_checkpoint" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError):
+        evaluate_lib.evaluate_workdir(str(tmp_path / "no_complete_checkpoint"))
+
+
+# --- 5. structural restore check ------------------------------------------------------------
+
+
+def test_restore_names_structural_differences(experiment_runs):
+    workdir, result = experiment_runs("gpt_tiny.py")
+    assert_succeeded(result)
+    before = snapshot(workdir)
+    config = tiny_config(steps=EXPERIMENT_STEPS)
+    config.model.num_layers = 2
+    with pytest.raises(ValueError, match="model.num_layers: checkpoint 1, config 2") as error:
+        train.train_and_evaluate(config, str(workdir))
+    assert ";" not in str(error.value), "only num_layers differs from the CLI run's config"
+    assert snapshot(workdir) == before
+
+
+# --- 6. NaN / Inf ---------------------------------------------------------------------------
+
+DIVERGING = dict(optimizer=dict(learning_rate=1e30, grad_clip_norm=0.0))
+
+
+@pytest.fixture(scope="module")
+def diverged_run(tmp_path_factory):
+    """lr 1e30: step 1 has lr 0 (warmup), step 2 makes params ~1e29, step 3's loss is NaN.
+    Nothing is logged before step 6, so only the check before each save can stop the run."""
+    workdir = tmp_path_factory.mktemp("diverged")
+    config = tiny_config(steps=6, checkpoint_every=1, log_every=6, **DIVERGING)
+    with pytest.raises(FloatingPointError) as error:
+        train.train_and_evaluate(config, str(workdir))
+    return workdir, str(error.value)
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(diverged_run,
+                                                                         tmp_path):
+    workdir, message = diverged_run
+    assert re.search(r"step \d+", message), message
+    saved = checkpoint_steps(workdir)
+    assert saved == [1, 2], saved  # nothing from the NaN step on
+    for step in saved:
+        assert all_finite(load_state(workdir, step)), f"checkpoint {step} holds NaN/Inf"
+
+    # nonfinite="skip": the NaN steps are skipped (params stay finite) and the run completes.
+    skip_dir = tmp_path / "skip"
+    config = tiny_config(steps=4, nonfinite="skip", **DIVERGING)
+    result = train.train_and_evaluate(config, str(skip_dir))
+    assert result["summary"]["step"] == 4
+    assert not math.isfinite(train_losses(skip_dir)[3])  # it did meet a NaN loss
+    assert checkpoint_steps(skip_dir) == [4]
+    assert all_finite(load_state(skip_dir, 4)["params"])
+    assert all_finite(result["state"].params)
+
+
+def test_nan_error_names_the_step_the_logs_call_it(diverged_run):
+    _, message = diverged_run
+    assert re.search(r"\bstep 3\b", message), message
+
+
+def test_a_non_finite_update_is_never_checkpointed(tmp_path):
+    # lr 1e39 overflows float32: the schedule gives NaN, so step 1's update is NaN while step
+    # 1's loss and gradients (computed before the update) are finite.
+    config = tiny_config(steps=2, checkpoint_every=1,
+                         optimizer=dict(learning_rate=1e39, grad_clip_norm=0.0))
+    with pytest.raises(FloatingPointError):
+        train.train_and_evaluate(config, str(tmp_path))
+    for step in checkpoint_steps(tmp_path):
+        assert all_finite(load_state(tmp_path, step)), f"checkpoint {step} holds NaN/Inf"
+
+
+def test_skip_stops_after_max_nonfinite_skips_in_a_row(tmp_path):
+    config = tiny_config(steps=6, checkpoint_every=1, nonfinite="skip", max_nonfinite_skips=1,
+                         **DIVERGING)
+    with pytest.raises(FloatingPointError):  # steps 3, 4, ... are all NaN: 2 in a row > 1
+        train.train_and_evaluate(config, str(tmp_path))
+    for step in checkpoint_steps(tmp_path):
+        assert all_finite(load_state(tmp_path, step)["params"]), f"checkpoint {step} is NaN"
+
+
+# --- 7. gradient accumulation ---------------------------------------------------------------
+
+
+def test_gradient_accumulation_matches_the_full_batch(tmp_path):
+    """Token-weighted micro-batch gradients equal the full batch's. Prefix-LM rows carry loss
+    on a random number of tokens, so the micro-batches' token counts differ and a plain mean
+    of their gradients would not match."""
+    results = {}
+    for k in (1, 2):
+        config = tiny_config("prefix_lm", steps=2, batch_size=4,
+                             optimizer=dict(grad_accumulation_steps=k, warmup_steps=1))
+        config.model.dropout_rate = 0.0
+        results[k] = train.train_and_evaluate(config, str(tmp_path / f"accumulate_{k}"))
+    full, accumulated = (flat(jax.device_get(results[k]["state"].params)) for k in (1, 2))
+    assert results[1]["summary"]["learning_rate"] > 0  # step 2 really updated the params
+    assert full.keys() == accumulated.keys()
+    for key, value in full.items():
+        np.testing.assert_allclose(accumulated[key], value, rtol=0, atol=1e-5, err_msg=key)
+    for name in ("loss", "accuracy", "num_tokens"):
+        assert results[2]["summary"][name] == pytest.approx(results[1]["summary"][name],
+                                                            rel=1e-5), name
