@@ -26,19 +26,16 @@ def get_config(variant: str = "gpu"):
     config.model.update(family="gpt", position="learned", norm="layernorm", norm_placement="pre",
                         activation="gelu_tanh", tie_embeddings=True, use_bias=False,
                         init_std=0.02)
-    config.optimizer.update(b2=0.99, weight_decay=0.1, grad_clip_norm=1.0, decay="cosine")
+    config.optimizer.update(learning_rate=1e-3, warmup_steps=100, min_learning_rate_ratio=0.1,
+                            b2=0.99, weight_decay=0.1, grad_clip_norm=1.0, decay="cosine")
     if variant == "gpu":
         config.update(steps=5000, batch_size=64, seq_len=256, eval_every=250, eval_steps=50,
                       log_every=10, checkpoint_every=1000)
         config.model.update(num_layers=6, num_heads=6, d_model=384, d_ff=1536, max_len=256,
                             dropout_rate=0.2)
-        config.optimizer.update(learning_rate=1e-3, warmup_steps=100,
-                                min_learning_rate_ratio=0.1)
     else:
         config.update(steps=2000, batch_size=12, seq_len=64, eval_every=250, eval_steps=50,
                       log_every=50, checkpoint_every=500)
         config.model.update(num_layers=4, num_heads=4, d_model=128, d_ff=512, max_len=64,
                             dropout_rate=0.0)
-        config.optimizer.update(learning_rate=1e-3, warmup_steps=100,
-                                min_learning_rate_ratio=0.1)
     return config

@@ -297,7 +297,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     train_data = iter(inputs.get_dataset(config, tokenizer, "train"))
     manager = checkpoint_lib.Manager(workdir, config)
-    first_batch = next(iter(inputs.get_dataset(config, tokenizer, "train")))
+    start_position = train_data.get_state()  # peek at one batch for shapes, then rewind
+    first_batch = next(train_data)
+    train_data.set_state(start_position)
     init = _abstract_state(model, config, optimizer, first_batch)
     abstract = jax.eval_shape(init, jax.random.key(config.seed))
     state_sharding = jax.tree.map(lambda _: replicated, abstract)
@@ -371,6 +373,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     finally:
         manager.close()  # waits for async saves to finish
         logger.close()
+        train_data.close()  # stops Grain's prefetch thread before interpreter shutdown
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     wall = time.perf_counter() - run_start
