@@ -8,6 +8,7 @@ Rerunning the same command on an existing workdir resumes from its latest comple
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -252,8 +253,13 @@ def data_parallel_mesh() -> jax.sharding.Mesh:
                          axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def evaluate(params, eval_step, config, tokenizer, steps: int | None) -> dict[str, float]:
-    """Loss, perplexity, accuracy (and bits per byte for byte/char) on the validation split."""
+def evaluate(params, eval_step, config, tokenizer, steps: int | None,
+             bytes_per_token=None) -> dict[str, float]:
+    """Loss, perplexity, accuracy (and bits per byte for byte/char) on the validation split.
+
+    `bytes_per_token` is a function giving the validation split's UTF-8 bytes per token, called
+    only when bits per byte apply; pass a cached one when evaluating repeatedly.
+    """
     dataset = inputs.get_dataset(config, tokenizer, "validation", num_epochs=1, shuffle=False)
     totals = None
     for i, batch in enumerate(dataset):
@@ -270,8 +276,10 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None) -> dict[st
     metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
                "accuracy": float(totals["correct_sum"]) / n, "num_tokens": n}
     if tokenizer.kind in ("byte", "char") and pipeline.objective_for(config) == "next_token":
-        metrics["bits_per_byte"] = loss / math.log(2) / inputs.bytes_per_token(
-            config, tokenizer, "validation")
+        if bytes_per_token is None:
+            bytes_per_token = functools.partial(inputs.bytes_per_token, config, tokenizer,
+                                                "validation")
+        metrics["bits_per_byte"] = loss / math.log(2) / bytes_per_token()
     return metrics
 
 
@@ -314,6 +322,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     train_step = jax.jit(make_train_step(model, config, optimizer), donate_argnums=0,
                          out_shardings=(state_sharding, replicated))
     eval_step = jax.jit(make_eval_step(model, config))
+    validation_bytes_per_token = functools.cache(
+        lambda: inputs.bytes_per_token(config, tokenizer, "validation"))
     logger = _Logger(workdir, is_main)
     logger.print(f"{config.experiment}: {config.model.family}, {num_params:,} params, "
                  f"{len(jax.devices())} device(s), batch {config.batch_size} x {config.seq_len}, "
@@ -357,7 +367,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 last_log_time, last_log_step, last_metrics = now, step, record
             if step % config.eval_every == 0 or step == config.steps:
                 evaluation = evaluate(state.params, eval_step, config, tokenizer,
-                                      config.eval_steps)
+                                      config.eval_steps, validation_bytes_per_token)
                 logger.write(step, "validation", evaluation)
                 logger.print(f"step {step}: validation " + " ".join(
                     f"{k} {v:.4f}" for k, v in evaluation.items() if k != "num_tokens"))
