@@ -1,10 +1,12 @@
 """Input pipeline throughput vs. what the default experiment's train step consumes.
 
     python benchmarks/data_throughput.py [--batches=200]
+    python benchmarks/data_throughput.py --batch_size=64 --seq_len=256 --families=gpt,bert
 
-Prints tokens/s of the Grain pipeline on the embedded corpus (byte and SentencePiece BPE
-tokenizers, each objective) beside the train step's tokens/s for experiments/gpt_tiny.py, and
-the ratio (the pipeline must deliver >= 10x).
+Prints tokens/s (and batches/s) of the Grain pipeline on the embedded corpus (byte and
+SentencePiece BPE tokenizers, each objective) beside the train step's tokens/s for
+experiments/gpt_tiny.py, and the ratio (the pipeline must deliver >= 10x). `--batch_size` /
+`--seq_len` override the pipeline's shape (the train step keeps gpt_tiny's).
 """
 
 import importlib.util
@@ -22,6 +24,12 @@ from transformer.data import inputs, tokenizers
 from transformer.models import build_model
 
 _BATCHES = flags.DEFINE_integer("batches", 200, "Batches to time per pipeline.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Pipeline batch size (default gpt_tiny's).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Pipeline sequence length (default gpt_tiny's).")
+_TOKENIZERS = flags.DEFINE_list("tokenizers", ["byte", "sentencepiece_bpe"],
+                                "Tokenizers to time: byte, sentencepiece_bpe.")
+_FAMILIES = flags.DEFINE_list("families", ["gpt", "prefix_lm", "bert", "t5"],
+                              "Model families whose objectives to time.")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -63,7 +71,8 @@ def pipeline_tokens_per_second(config, tokenizer, num_batches):
     start = time.perf_counter()
     for _ in range(num_batches):
         next(it)
-    return num_batches * config.batch_size * config.seq_len / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return num_batches * config.batch_size * config.seq_len / seconds, num_batches / seconds
 
 
 def main(argv):
@@ -71,20 +80,33 @@ def main(argv):
     config = default_config()
     byte = tokenizers.build_tokenizer("byte")
     consumed = train_step_tokens_per_second(default_config(), byte.vocab_size)
-    start = time.perf_counter()
-    train_texts = [d.text for d in inputs._documents(config, "train")]
-    bpe = tokenizers.build_tokenizer("sentencepiece_bpe", train_texts, vocab_size=4096)
-    print(f"(SentencePiece BPE 4096 trained on the embedded corpus in "
-          f"{time.perf_counter() - start:.0f} s)")
     print(f"train step (experiments/gpt_tiny.py, batch {config.batch_size} x {config.seq_len}): "
           f"{consumed:,.0f} tokens/s\n")
-    print(f"{'tokenizer':<18} {'objective':<16} {'tokens/s':>12} {'x train step':>13}")
-    for name, tokenizer in (("byte", byte), ("sentencepiece_bpe", bpe)):
-        for family in ("gpt", "prefix_lm", "bert", "t5"):
+    config.batch_size = _BATCH_SIZE.value or config.batch_size
+    config.seq_len = _SEQ_LEN.value or config.seq_len
+    named = {}
+    for name in _TOKENIZERS.value:
+        if name == "byte":
+            named[name] = byte
+        elif name == "sentencepiece_bpe":
+            start = time.perf_counter()
+            train_texts = [d.text for d in inputs._documents(config, "train")]
+            named[name] = tokenizers.build_tokenizer("sentencepiece_bpe", train_texts,
+                                                     vocab_size=4096)
+            print(f"(SentencePiece BPE 4096 trained on the embedded corpus in "
+                  f"{time.perf_counter() - start:.0f} s)")
+        else:
+            raise app.UsageError(f"--tokenizers={name}: expected byte or sentencepiece_bpe")
+    print(f"pipeline batch {config.batch_size} x {config.seq_len}, {_BATCHES.value} batches")
+    print(f"{'tokenizer':<18} {'objective':<16} {'tokens/s':>12} {'batches/s':>10} "
+          f"{'x train step':>13}")
+    for name, tokenizer in named.items():
+        for family in _FAMILIES.value:
             config.model.family = family
-            rate = pipeline_tokens_per_second(config, tokenizer, _BATCHES.value)
+            rate, batch_rate = pipeline_tokens_per_second(config, tokenizer, _BATCHES.value)
             objective = inputs.pipeline.objective_for(config)
-            print(f"{name:<18} {objective:<16} {rate:>12,.0f} {rate / consumed:>12.1f}x")
+            print(f"{name:<18} {objective:<16} {rate:>12,.0f} {batch_rate:>10,.1f} "
+                  f"{rate / consumed:>12.1f}x")
 
 
 if __name__ == "__main__":

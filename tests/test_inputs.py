@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from transformer.configs import base_config
-from transformer.data import inputs, prepare, tokenizers
+from transformer.data import inputs, prepare, sources, tokenizers
 
 TEXT = "".join(f"Paragraph {i}: the quick brown fox {i * 7} jumps.\n\n" for i in range(300))
 
@@ -65,6 +65,25 @@ def test_embedded_corpus_feeds_every_objective_without_a_download():
         assert batch[key].shape == (2, 32) and batch[key].max() < tokenizer.vocab_size
     ratio = inputs.bytes_per_token(config, tokenizer, "validation")
     assert 0.9 < ratio < 1.0  # bytes, plus one <eos> per document
+    # Each batch row streams its own documents: 64 rows need more than the split's 17 files,
+    # so the longest are halved (at paragraph breaks) until there are 64.
+    config.batch_size, config.model.family = 64, "gpt"
+    docs = inputs._documents(config, "validation")
+    assert len(docs) == 64 and len(sources.load_documents(None, "validation")) < 64
+    assert "".join(d.text for d in docs) == "".join(
+        d.text for d in sources.load_documents(None, "validation"))
+    batch = next(iter(inputs.get_dataset(config, tokenizer, "validation", num_epochs=1)))
+    assert batch["inputs"].shape == (64, config.seq_len)
+
+
+def test_rows_select_the_global_batch_rows_this_process_produces(text_file):
+    config = config_for(text_file, tokenizer="byte", objective="mlm")
+    tokenizer = tokenizers.build_tokenizer("byte")
+    full = take(inputs.get_dataset(config, tokenizer, "train"), 3)
+    mine = take(inputs.get_dataset(config, tokenizer, "train", rows=[3, 1]), 3)
+    for whole, part in zip(full, mine, strict=True):
+        for k in whole:
+            np.testing.assert_array_equal(part[k], whole[k][[3, 1]])
 
 
 def test_validation_batches_are_a_finite_pass(text_file):

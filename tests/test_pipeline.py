@@ -1,5 +1,13 @@
-"""Grain pipeline: packing, determinism, exact resume, host sharding, objective features."""
+"""Grain pipeline: packing, determinism, exact resume, per-row streams (process-invariant
+global batches), objective features, global batch assembly."""
 
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 import types
 
 import numpy as np
@@ -87,15 +95,15 @@ def test_same_seed_same_batches_and_different_seed_different_order():
 
 @pytest.mark.parametrize("objective", pipeline.OBJECTIVES)
 def test_restored_iterator_continues_with_exactly_the_next_batches(objective):
-    kwargs = dict(objective=objective, tokenizer=TOKENIZER, seq_len=8, batch_size=2, seed=1,
-                  num_epochs=None, process_index=0, process_count=1)
+    kwargs = dict(objective=objective, tokenizer=TOKENIZER, seq_len=8, batch_size=4, seed=1,
+                  num_epochs=None, rows=[3, 0])
     it = iter(pipeline.make_dataset(documents(), **kwargs))
     for _ in range(5):
         next(it)
     state = it.get_state()
     expected = [next(it) for _ in range(4)]
     fresh = iter(pipeline.make_dataset(documents(), **kwargs))
-    fresh.set_state(state)
+    fresh.set_state(json.loads(json.dumps(state)))  # as a checkpoint stores it
     for want in expected:
         got = next(fresh)
         assert got.keys() == want.keys()
@@ -103,15 +111,90 @@ def test_restored_iterator_continues_with_exactly_the_next_batches(objective):
             np.testing.assert_array_equal(got[k], want[k])
 
 
-def test_two_hosts_together_see_what_one_host_sees_without_overlap():
+def assert_same_batches(got, want):
+    assert len(got) == len(want)
+    for x, y in zip(got, want, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+def select_rows(batch_list, rows):
+    return [{k: v[list(rows)] for k, v in b.items()} for b in batch_list]
+
+
+@pytest.mark.parametrize("objective", pipeline.OBJECTIVES)
+def test_the_global_batch_does_not_depend_on_which_process_reads_which_rows(objective):
+    kw = dict(objective=objective, batch_size=4, num_epochs=None, n=6)
+    full = batches(**kw)
+    assert full[0][next(iter(full[0]))].shape[0] == 4
+    halves = [batches(rows=range(0, 2), **kw), batches(rows=range(2, 4), **kw)]
+    assert_same_batches([{k: np.concatenate([a[k], b[k]]) for k in a}
+                         for a, b in zip(*halves, strict=True)], full)
+    # The default rows of process p of P are its contiguous block of the global batch.
+    assert_same_batches(batches(process_index=1, process_count=2, **kw), halves[1])
+    # Any subset, in any order: local row i is global row rows[i].
+    for rows in ([0, 2], [3, 1], [2]):
+        assert_same_batches(batches(rows=rows, **kw), select_rows(full, rows))
+
+
+def test_the_global_batch_does_not_depend_on_the_process_count_over_a_finite_epoch():
     docs = documents(n=41)
-    one = rebuild_documents(batches(docs=docs, batch_size=1))
-    hosts = [rebuild_documents(batches(docs=docs, batch_size=2, process_index=i,
-                                       process_count=2)) for i in range(2)]
-    assert not set(hosts[0]) & set(hosts[1])
-    assert sorted(hosts[0] + hosts[1]) == sorted(one)
-    first = batches(docs=docs, batch_size=2, process_index=1, process_count=2)[0]
-    assert first["inputs"].shape == (1, 8)  # each process yields its share of the global batch
+    full = batches(docs=docs, batch_size=4)
+    assert len(full) > 1
+    parts = [batches(docs=docs, batch_size=4, process_index=i, process_count=4)
+             for i in range(4)]
+    # One process stops when its first stream runs out, the global pipeline when any does: a
+    # process may have more batches than the global pass (the caller bounds multi-host eval).
+    assert min(len(part) for part in parts) >= len(full)
+    heads = [part[:len(full)] for part in parts]
+    assert_same_batches([{k: np.concatenate([b[k] for b in group]) for k in group[0]}
+                         for group in zip(*heads, strict=True)], full)
+
+
+def marked_documents(n=23):
+    """Document d is made of the token 7 + d only (then EOS), so a row tells what it read."""
+    rng = np.random.default_rng(1)
+    return [np.array([7 + d] * int(rng.integers(1, 20)) + [EOS_ID], np.int32)
+            for d in range(n)]
+
+
+@pytest.mark.parametrize("objective", pipeline.OBJECTIVES)
+def test_each_row_streams_only_its_own_documents(objective):
+    B = 4  # noqa: N806
+    seen = [set() for _ in range(B)]
+    for batch in batches(objective, docs=marked_documents(), batch_size=B, num_epochs=None,
+                         n=12):
+        fields = {"span_corruption": ("targets", "encoder_inputs"),  # less sentinels
+                  "mlm": ("targets",)}.get(objective, ("inputs", "targets"))  # not random ids
+        for r in range(B):
+            tokens = np.concatenate([batch[f][r] for f in fields])
+            seen[r] |= {int(t) - 7 for t in tokens if not np.isin(t, TOKENIZER.special_ids)}
+    for r in range(B):
+        assert seen[r] and all(d % B == r for d in seen[r]), (r, sorted(seen[r]))
+
+
+@pytest.mark.parametrize("objective", ["mlm", "span_corruption", "prefix_lm"])
+def test_converting_a_batch_equals_converting_each_row_in_turn(objective):
+    raw = batches("next_token", docs=documents(), batch_size=3, seq_len=16, n=1)[0]
+    tokens = np.concatenate([raw["inputs"], raw["targets"][:, -1:]], axis=1)  # [3, 17]
+    if objective == "prefix_lm":
+        batch, convert = {"tokens": tokens}, pipeline.prefix_lm_features
+    elif objective == "mlm":
+        batch = {"tokens": tokens, "tokens_segment_ids": tokens * 0 + 1,
+                 "tokens_positions": tokens * 0}
+        convert = functools.partial(pipeline.mlm_features, tokenizer=TOKENIZER, rate=0.3)
+    else:
+        batch = {"tokens": tokens}
+        convert = functools.partial(pipeline.span_corruption_features, tokenizer=TOKENIZER,
+                                    noise_density=0.3, mean_span_length=2.0)
+    whole = convert(batch, np.random.default_rng(5))
+    rng = np.random.default_rng(5)  # the same keys, drawn row by row
+    rows = [convert({k: v[i:i + 1] for k, v in batch.items()}, rng) for i in range(3)]
+    for k in whole:
+        np.testing.assert_array_equal(whole[k], np.concatenate([r[k] for r in rows]), k)
+    other = convert(batch, np.random.default_rng(6))
+    assert any(not np.array_equal(whole[k], other[k]) for k in whole)
 
 
 def test_mlm_features_corrupt_only_selected_non_special_tokens():
@@ -149,20 +232,147 @@ def test_prefix_lm_features_weight_only_the_continuation():
     (dict(seq_len=1), "seq_len=1: expected an int >= 2"),
     (dict(batch_size=3, process_count=2), "batch_size=3: expected a multiple"),
     (dict(objective="clm"), "objective='clm'"),
+    (dict(rows=[]), r"rows=\[\]: expected at least one global batch row"),
+    (dict(rows=[0, 2]), r"rows contains 2: expected ints in \[0, 2\)"),
+    (dict(rows=[-1]), r"rows contains -1: expected ints in \[0, 2\)"),
+    (dict(rows=[0.0]), r"rows contains 0.0: expected ints"),
+    (dict(rows=[1, 0, 1]), r"rows repeats \[1\]: expected each global batch row once"),
+    (dict(docs=documents(n=3), batch_size=4),
+     r"the data has 3 documents, fewer than batch_size=4 \(each batch row streams its own "
+     r"documents\): use more, smaller documents \(data.unit='paragraph'\) or a smaller "
+     r"batch_size"),
 ])
 def test_bad_pipeline_arguments_raise_one_line_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as error:
         batches(**kwargs)
+    assert "\n" not in str(error.value)
 
 
-def test_make_global_batch_lays_out_the_process_rows_on_the_mesh():
+def test_make_global_batch_on_one_device_puts_local_row_i_at_global_row_rows_i():
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh = jax.make_mesh((len(jax.devices()),), ("data",),
                          axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, PartitionSpec("data"))
     batch = batches(batch_size=len(jax.devices()), n=1)[0]
-    global_batch = pipeline.make_global_batch(batch, NamedSharding(mesh, PartitionSpec("data")))
+    rows = pipeline.process_rows(sharding, len(jax.devices()))
+    np.testing.assert_array_equal(rows, np.arange(len(jax.devices())))
+    global_batch = pipeline.make_global_batch(batch, sharding, rows,
+                                              batch_size=len(jax.devices()))
     for k, v in batch.items():
         np.testing.assert_array_equal(np.asarray(global_batch[k]), v)
         assert global_batch[k].sharding.spec == PartitionSpec("data")
+
+
+# Four host CPU devices need their own process (XLA reads the flag once, at startup).
+MULTI_DEVICE_CHECK = textwrap.dedent("""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from transformer.data import pipeline
+
+    assert len(jax.devices()) == 4
+    B = 8
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    for spec in (P("data"), P(("data", "model")), P(), P("data", "model")):
+        rows = pipeline.process_rows(NamedSharding(mesh, spec), B)
+        np.testing.assert_array_equal(rows, np.arange(B))  # one process: every row, once
+    rows = np.array([5, 0, 7, 2, 1, 3, 6, 4])  # local row i is global row rows[i]
+    local = {"x": rows[:, None] * 10 + np.arange(4), "y": rows.astype(np.float32)}
+    want = {"x": np.arange(B)[:, None] * 10 + np.arange(4), "y": np.arange(B)}
+    for spec in (P("data"), P(("data", "model")), P(), P("data", "model")):
+        sharding = NamedSharding(mesh, spec)
+        for k in ("x",) if len(spec) == 2 else ("x", "y"):
+            out = pipeline.make_global_batch({k: local[k]}, sharding, rows, batch_size=B)[k]
+            assert out.shape == want[k].shape and out.sharding == sharding
+            np.testing.assert_array_equal(np.asarray(out), want[k])
+            for shard in out.addressable_shards:  # each device holds its own rows
+                np.testing.assert_array_equal(shard.data, want[k][shard.index])
+    try:
+        pipeline.make_global_batch({"y": local["y"][:6]}, NamedSharding(mesh, P("data")),
+                                   rows[:6], batch_size=B)
+    except ValueError as e:
+        assert "global rows [4, 6] on this process" in str(e), e  # shard 4:8 of P("data")
+    else:
+        raise AssertionError("rows missing from the local batch must raise")
+    print("ok")
+""")
+
+
+def test_process_rows_and_make_global_batch_on_a_four_device_mesh():
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(repo),
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                         + " --xla_force_host_platform_device_count=4").strip()}
+    result = subprocess.run([sys.executable, "-c", MULTI_DEVICE_CHECK], cwd=repo, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+# Two JAX processes of two CPU devices each, as in a multi-host run: each process reads only its
+# rows' streams, yet the global batches it assembles hold exactly the single-process batches.
+TWO_PROCESS_CHECK = textwrap.dedent("""
+    import json
+    import sys
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    jax.distributed.initialize(coordinator_address=sys.argv[2], num_processes=2,
+                               process_id=int(sys.argv[1]))
+    sys.path.insert(0, sys.argv[3])
+    from test_pipeline import TOKENIZER, documents
+    from transformer.data import pipeline
+
+    B = 8
+    layouts = [(jax.make_mesh((4,), ("data",)), P("data")),  # half the rows per process
+               (jax.make_mesh((2, 2), ("data", "model")), P("model"))]
+    all_rows = []
+    for mesh, spec in layouts:
+        sharding = NamedSharding(mesh, spec)
+        rows = pipeline.process_rows(sharding, B)
+        all_rows.append(rows.tolist())
+        for objective in pipeline.OBJECTIVES:
+            kw = dict(objective=objective, tokenizer=TOKENIZER, seq_len=8, batch_size=B, seed=0,
+                      num_epochs=None, prefetch=0)
+            mine = iter(pipeline.make_dataset(documents(), rows=rows, **kw))
+            full = iter(pipeline.make_dataset(documents(), rows=range(B), **kw))
+            for _ in range(2):
+                global_batch = pipeline.make_global_batch(next(mine), sharding, rows,
+                                                          batch_size=B)
+                want = next(full)
+                for k, array in global_batch.items():
+                    assert array.shape == want[k].shape, k
+                    for shard in array.addressable_shards:
+                        np.testing.assert_array_equal(shard.data, want[k][shard.index], k)
+    print(json.dumps(all_rows))
+""")
+
+
+def test_two_processes_assemble_exactly_the_single_process_global_batches():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        address = f"localhost:{s.getsockname()[1]}"
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(repo),
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                         + " --xla_force_host_platform_device_count=2").strip()}
+    processes = [subprocess.Popen(
+        [sys.executable, "-c", TWO_PROCESS_CHECK, str(i), address, str(repo / "tests")],
+        cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=120))
+    finally:
+        for process in processes:
+            process.kill()
+    for process, (_, stderr) in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, stderr[-3000:]
+    rows = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+    assert sorted(rows[0][0] + rows[1][0]) == list(range(8))  # the data axis spans processes
+    assert not set(rows[0][0]) & set(rows[1][0])

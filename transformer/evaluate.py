@@ -13,9 +13,9 @@ import os
 
 import jax
 import ml_collections
-from jax.sharding import NamedSharding, PartitionSpec
 
 from transformer import checkpoint as checkpoint_lib
+from transformer import sharding
 from transformer import train as train_lib
 from transformer.data import inputs
 from transformer.models import build_model
@@ -38,20 +38,24 @@ def evaluate_workdir(workdir: str, step: int | None = None,
     tokenizer = inputs.get_tokenizer(config, workdir)
     model = build_model(config.model)
     optimizer = train_lib.make_optimizer(config)
+    placement = train_lib.Placement(sharding.make_mesh(config.mesh), config.batch_size)
     example = next(iter(inputs.get_dataset(config, tokenizer, "validation", num_epochs=1,
-                                           shuffle=False)))
-    abstract = jax.eval_shape(train_lib._abstract_state(model, config, optimizer, example),
-                              jax.random.key(config.seed))
-    mesh = train_lib.data_parallel_mesh()
-    shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract)
+                                           shuffle=False, rows=placement.rows)))
+    abstract, shardings, _ = sharding.sharded_init(
+        train_lib.init_fn(model, config, optimizer, example), placement.mesh,
+        jax.random.key(config.seed))
     manager = checkpoint_lib.Manager(workdir, config)
     state = manager.restore(step, abstract, shardings)
     manager.close()
-    eval_step = jax.jit(train_lib.make_eval_step(model, config))
-    metrics = train_lib.evaluate(state.params, eval_step, config, tokenizer, eval_steps)
+    eval_step = placement.jit_eval_step(train_lib.make_eval_step(model, config),
+                                        shardings.params)
+    with placement.context():
+        metrics = train_lib.evaluate(state.params, eval_step, config, tokenizer, eval_steps,
+                                     placement)
     metrics["step"] = step
-    with open(os.path.join(workdir, f"eval_{step}.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, f"eval_{step}.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
     return metrics
 
 

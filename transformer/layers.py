@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer import positions as positions_lib
+from transformer import sharding
 from transformer.attention import MultiHeadAttention, projection_init
 from transformer.masks import Mask
 
@@ -219,6 +220,7 @@ class TransformerBlock(nn.Module):
             x_BTD = residual(x_BTD, "cross_attention", lambda h: attention("cross_attention",
                              False)(h, encoded, mask=cross_mask, deterministic=self.deterministic))
         x_BTD = residual(x_BTD, "mlp", lambda h: MLP(cfg, name="mlp")(h))
+        x_BTD = sharding.constrain(x_BTD, sharding.ACTIVATIONS)
         return (x_BTD, None) if self.scanned else x_BTD
 
 
@@ -270,6 +272,7 @@ class TransformerStack(nn.Module):
         if cfg.embedding_norm:
             x_BTD = norm_layer(cfg, "embedding_norm")(x_BTD)
         x_BTD = nn.Dropout(cfg.dropout_rate)(x_BTD, deterministic=deterministic)
+        x_BTD = sharding.constrain(x_BTD, sharding.ACTIVATIONS)
 
         block = TransformerBlock
         if cfg.remat_policy != "none":
@@ -332,9 +335,11 @@ class TokenEmbedding(nn.Module):
 
     def attend(self, x_BTD: Array) -> Array:
         """Logits x E^T, accumulated in float32 (at least): [B, T, D] -> [B, T, V]."""
-        return jnp.einsum("btd,vd->btv", x_BTD.astype(self.dtype),
-                          self.embedding.astype(self.dtype),
-                          preferred_element_type=jnp.promote_types(self.dtype, jnp.float32))
+        logits_BTV = jnp.einsum("btd,vd->btv", x_BTD.astype(self.dtype),
+                                self.embedding.astype(self.dtype),
+                                preferred_element_type=jnp.promote_types(self.dtype,
+                                                                         jnp.float32))
+        return sharding.constrain(logits_BTV, sharding.LOGITS)
 
 
 class OutputHead(nn.Module):
@@ -357,4 +362,4 @@ class OutputHead(nn.Module):
         if self.use_bias:
             y = y + self.param("bias", nn.with_logical_partitioning(
                 nn.initializers.zeros, self.names[1:]), (self.features,), self.param_dtype)
-        return y
+        return sharding.constrain(y, sharding.LOGITS) if y.ndim == 3 else y

@@ -8,6 +8,7 @@ Rerunning the same command on an existing workdir resumes from its latest comple
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -24,10 +25,11 @@ import ml_collections
 import numpy as np
 import optax
 from flax import struct
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import objectives
+from transformer import objectives, sharding
 from transformer.data import inputs, pipeline
 from transformer.models import build_model
 
@@ -124,9 +126,11 @@ def make_train_step(model, config, optimizer):
         if accumulation == 1:
             grads, metrics = grads_of(state.params, batch, rng)
         else:
+            # Micro-batch i takes rows i, i + k, i + 2k, ...: each device keeps its own rows
+            # (a contiguous split would move rows between data-parallel shards).
             micro = jax.tree.map(
-                lambda x: x.reshape(accumulation, x.shape[0] // accumulation, *x.shape[1:]),
-                batch)
+                lambda x: x.reshape(x.shape[0] // accumulation, accumulation,
+                                    *x.shape[1:]).swapaxes(0, 1), batch)
 
             def accumulate(carry, inputs):
                 grads_sum, tokens, loss_sum, correct = carry
@@ -237,40 +241,76 @@ class _Logger:
 # --- the loop -------------------------------------------------------------------------------
 
 
-def _abstract_state(model, config, optimizer, example_batch):
+def init_fn(model, config, optimizer, example_batch):
+    """rng -> a fresh TrainState whose params (and optimizer moments) are boxed with their
+    logical axis names, for `sharding.sharded_init`."""
     def init(rng):
         args = (example_batch["encoder_inputs"], example_batch["decoder_inputs"]) \
             if config.model.family == "t5" else (example_batch["inputs"],)
-        params = nn.unbox(model.init(rng, *args))["params"]
+        params = model.init(rng, *args)["params"]
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
                           jnp.full((), -1, jnp.int32))
     return init
 
 
-def data_parallel_mesh() -> jax.sharding.Mesh:
-    """All devices on one "data" axis: batches split, state replicated."""
-    return jax.make_mesh((len(jax.devices()),), ("data",),
-                         axis_types=(jax.sharding.AxisType.Auto,))
+class Placement:
+    """How a run lays out its arrays on the mesh: state shardings from the logical rules, batch
+    rows over the data-parallel axes, and which global batch rows this process feeds."""
+
+    def __init__(self, mesh: jax.sharding.Mesh, batch_size: int):
+        self.mesh = mesh
+        self.batch_size = batch_size
+        self.batch_sharding = sharding.batch_sharding(mesh)
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.rows = pipeline.process_rows(self.batch_sharding, batch_size)
+
+    def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return pipeline.make_global_batch(local_batch, self.batch_sharding, self.rows,
+                                          batch_size=self.batch_size)
+
+    def jit_train_step(self, train_step, state_sharding):
+        """The jitted (state, global batch) -> (state, metrics); the input state is donated."""
+        return jax.jit(train_step, donate_argnums=0,
+                       in_shardings=(state_sharding, self.batch_sharding),
+                       out_shardings=(state_sharding, self.replicated))
+
+    def jit_eval_step(self, eval_step, params_sharding):
+        return jax.jit(eval_step, in_shardings=(params_sharding, self.batch_sharding),
+                       out_shardings=self.replicated)
+
+    @contextlib.contextmanager
+    def context(self):
+        """The mesh and logical rules the model's activation constraints are traced under."""
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
+            yield
 
 
-def evaluate(params, eval_step, config, tokenizer, steps: int | None,
+def fetch(tree):
+    """Host copies of replicated arrays (also when they span processes)."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+
+def evaluate(params, eval_step, config, tokenizer, steps: int | None, placement: Placement,
              bytes_per_token=None) -> dict[str, float]:
     """Loss, perplexity, accuracy (and bits per byte for byte/char) on the validation split.
 
     `bytes_per_token` is a function giving the validation split's UTF-8 bytes per token, called
     only when bits per byte apply; pass a cached one when evaluating repeatedly.
     """
-    dataset = inputs.get_dataset(config, tokenizer, "validation", num_epochs=1, shuffle=False)
-    totals = None
-    for i, batch in enumerate(dataset):
-        if steps is not None and i >= steps:
+    dataset = inputs.get_dataset(config, tokenizer, "validation", num_epochs=1, shuffle=False,
+                                 rows=placement.rows)
+    totals, iterator, i = None, iter(dataset), 0
+    while steps is None or i < steps:
+        batch = next(iterator, None)
+        if _agreed(batch is None):  # processes' streams can run out at different batches
             break
-        sums = eval_step(params, batch)
+        sums = eval_step(params, placement.global_batch(batch))
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+        i += 1
     if totals is None:
         raise ValueError("the validation split yields no full batch: expected more validation "
                          f"text or a smaller batch_size ({config.batch_size}) / seq_len")
-    totals = jax.device_get(totals)
+    totals = fetch(totals)
     n = max(float(totals["num_tokens"]), 1.0)
     loss = float(totals["loss_sum"]) / n
     metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
@@ -298,36 +338,33 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     model = build_model(config.model)
     optimizer = make_optimizer(config)
 
-    mesh = data_parallel_mesh()
-    replicated = NamedSharding(mesh, PartitionSpec())
-    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
-    to_device = lambda local: pipeline.make_global_batch(local, batch_sharding)
-
-    train_data = iter(inputs.get_dataset(config, tokenizer, "train"))
+    placement = Placement(sharding.make_mesh(config.mesh), config.batch_size)
+    train_data = iter(inputs.get_dataset(config, tokenizer, "train", rows=placement.rows))
     manager = checkpoint_lib.Manager(workdir, config)
     start_position = train_data.get_state()  # peek at one batch for shapes, then rewind
     first_batch = next(train_data)
     train_data.set_state(start_position)
-    init = _abstract_state(model, config, optimizer, first_batch)
-    abstract = jax.eval_shape(init, jax.random.key(config.seed))
-    state_sharding = jax.tree.map(lambda _: replicated, abstract)
+    abstract, state_sharding, init = sharding.sharded_init(
+        init_fn(model, config, optimizer, first_batch), placement.mesh,
+        jax.random.key(config.seed))
     restored = manager.restore_latest(abstract, state_sharding, train_data)
     if restored is None:
-        state = jax.jit(init, out_shardings=state_sharding)(jax.random.key(config.seed))
+        state = init(jax.random.key(config.seed))
         start_step = 0
     else:
-        state, start_step = restored, int(restored.step)
-    num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(state.params))
+        state, start_step = restored, int(fetch(restored.step))
+    num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(abstract.params))
 
-    train_step = jax.jit(make_train_step(model, config, optimizer), donate_argnums=0,
-                         out_shardings=(state_sharding, replicated))
-    eval_step = jax.jit(make_eval_step(model, config))
+    train_step = placement.jit_train_step(make_train_step(model, config, optimizer),
+                                          state_sharding)
+    eval_step = placement.jit_eval_step(make_eval_step(model, config), state_sharding.params)
     validation_bytes_per_token = functools.cache(
         lambda: inputs.bytes_per_token(config, tokenizer, "validation"))
     logger = _Logger(workdir, is_main)
     logger.print(f"{config.experiment}: {config.model.family}, {num_params:,} params, "
-                 f"{len(jax.devices())} device(s), batch {config.batch_size} x {config.seq_len}, "
+                 f"batch {config.batch_size} x {config.seq_len}, "
                  f"steps {start_step}..{config.steps}, workdir {workdir}")
+    logger.print(sharding.summary(placement.mesh, abstract, state_sharding, config.batch_size))
 
     stop = {"signal": None}
 
@@ -343,49 +380,53 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     run_start = time.perf_counter()
     last_metrics: dict[str, Any] = {}
     step = start_step
-    try:
-        while step < config.steps and stop["signal"] is None:
-            state, metrics = train_step(state, to_device(next(train_data)))
-            step += 1
-            if step % config.log_every == 0 or step == config.steps:
-                metrics = jax.device_get(metrics)
-                _check_finite(state, config)
-                now = time.perf_counter()
-                seconds = (now - last_log_time) / max(step - last_log_step, 1)
-                tokens_per_s = config.batch_size * config.seq_len / seconds
-                lr = float(learning_rate_schedule(config.optimizer, config.steps)(step - 1))
-                record = {k: float(v) for k, v in metrics.items()}
-                record.update(learning_rate=lr, step_time=seconds, tokens_per_s=tokens_per_s)
-                record["mfu"] = tokens_per_s * flops / (peak * len(jax.devices()))
-                logger.write(step, "train", record)
-                eta = (config.steps - step) * seconds
-                logger.print(f"step {step}/{config.steps} loss {record['loss']:.4f} "
-                             f"acc {record['accuracy']:.3f} lr {lr:.2e} "
-                             f"gnorm {record['grad_norm']:.2f} {tokens_per_s:,.0f} tok/s "
-                             f"MFU {record['mfu']:.0%} "
-                             f"ETA {_format_eta(eta)}", transient=True)
-                last_log_time, last_log_step, last_metrics = now, step, record
-            if step % config.eval_every == 0 or step == config.steps:
-                evaluation = evaluate(state.params, eval_step, config, tokenizer,
-                                      config.eval_steps, validation_bytes_per_token)
-                logger.write(step, "validation", evaluation)
-                logger.print(f"step {step}: validation " + " ".join(
-                    f"{k} {v:.4f}" for k, v in evaluation.items() if k != "num_tokens"))
-                last_metrics = {**last_metrics, **{f"val_{k}": v for k, v in
-                                                   evaluation.items()}}
-            if step % config.checkpoint_every == 0 or step == config.steps or stop["signal"]:
+    with placement.context():  # activation sharding constraints trace under the mesh
+        try:
+            stopping = False
+            while step < config.steps and not stopping:
+                state, metrics = train_step(state, placement.global_batch(next(train_data)))
+                step += 1
+                if step % config.log_every == 0 or step == config.steps:
+                    metrics = fetch(metrics)
+                    _check_finite(state, config)
+                    now = time.perf_counter()
+                    seconds = (now - last_log_time) / max(step - last_log_step, 1)
+                    tokens_per_s = config.batch_size * config.seq_len / seconds
+                    lr = float(learning_rate_schedule(config.optimizer, config.steps)(step - 1))
+                    record = {k: float(v) for k, v in metrics.items()}
+                    record.update(learning_rate=lr, step_time=seconds, tokens_per_s=tokens_per_s)
+                    record["mfu"] = tokens_per_s * flops / (peak * len(jax.devices()))
+                    logger.write(step, "train", record)
+                    eta = (config.steps - step) * seconds
+                    logger.print(f"step {step}/{config.steps} loss {record['loss']:.4f} "
+                                 f"acc {record['accuracy']:.3f} lr {lr:.2e} "
+                                 f"gnorm {record['grad_norm']:.2f} {tokens_per_s:,.0f} tok/s "
+                                 f"MFU {record['mfu']:.0%} "
+                                 f"ETA {_format_eta(eta)}", transient=True)
+                    last_log_time, last_log_step, last_metrics = now, step, record
+                if step % config.eval_every == 0 or step == config.steps:
+                    evaluation = evaluate(state.params, eval_step, config, tokenizer,
+                                          config.eval_steps, placement, validation_bytes_per_token)
+                    logger.write(step, "validation", evaluation)
+                    logger.print(f"step {step}: validation " + " ".join(
+                        f"{k} {v:.4f}" for k, v in evaluation.items() if k != "num_tokens"))
+                    last_metrics = {**last_metrics, **{f"val_{k}": v for k, v in
+                                                       evaluation.items()}}
+                stopping = _agreed(stop["signal"] is not None)
+                if step % config.checkpoint_every == 0 or step == config.steps or stopping:
+                    _check_finite(state, config)
+                    manager.save(step, state, train_data)
+            if stopping or _agreed(stop["signal"] is not None):  # also after the last save check
                 _check_finite(state, config)
                 manager.save(step, state, train_data)
-        if stop["signal"] is not None:  # also when it arrived after this step's save check
-            _check_finite(state, config)
-            manager.save(step, state, train_data)
-            logger.print(f"received signal {stop['signal']}: saved step {step}, exiting")
-    finally:
-        manager.close()  # waits for async saves to finish
-        logger.close()
-        train_data.close()  # stops Grain's prefetch thread before interpreter shutdown
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+                logger.print(f"received signal {stop['signal'] or 'on another process'}: "
+                             f"saved step {step}, exiting")
+        finally:
+            manager.close()  # waits for async saves to finish
+            logger.close()
+            train_data.close()  # stops Grain's prefetch thread before interpreter shutdown
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     wall = time.perf_counter() - run_start
     summary = {"step": step, "wall_seconds": wall, **last_metrics}
     if is_main:
@@ -395,16 +436,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             "config": config}
 
 
+def _agreed(flag: bool) -> bool:
+    """Whether any process raised `flag`: every process must stop (and save) at the same step.
+
+    Costs a tiny all-gather per call on multi-process runs; free on one process.
+    """
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+
+
 def _check_finite(state: TrainState, config) -> None:
     """Stops the run (before any checkpoint of the bad state) at the first non-finite step."""
     if config.get("nonfinite", "stop") == "skip":
-        in_a_row = int(jax.device_get(state.opt_state.notfinite_count))
+        in_a_row = int(fetch(state.opt_state.notfinite_count))
         if in_a_row > config.max_nonfinite_skips:
             raise FloatingPointError(
                 f"{in_a_row} steps in a row had NaN/Inf gradients (max_nonfinite_skips="
                 f"{config.max_nonfinite_skips}); the last good checkpoint is kept")
         return
-    bad = int(jax.device_get(state.first_nonfinite_step))
+    bad = int(fetch(state.first_nonfinite_step))
     if bad >= 0:
         raise FloatingPointError(f"loss, gradients or parameters became NaN/Inf at step {bad}; "
                                  "the last good checkpoint is kept (set nonfinite='skip' to "
@@ -423,10 +474,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if k < 1 or config.batch_size % (k * jax.process_count()):
         raise ValueError(f"batch_size={config.batch_size}: expected a multiple of "
                          f"grad_accumulation_steps={k} x processes={jax.process_count()}")
-    if config.batch_size // k % len(jax.devices()):
+    mesh = sharding.mesh_shape(config.mesh, jax.device_count())
+    data_parallel = mesh["data"] * mesh["fsdp"]
+    if config.batch_size // k % data_parallel:
         raise ValueError(f"batch_size={config.batch_size}: each micro-batch of "
-                         f"{config.batch_size // k} rows must split over {len(jax.devices())} "
-                         "devices")
+                         f"{config.batch_size // k} rows must split over the data-parallel "
+                         f"size {data_parallel} (mesh.data x mesh.fsdp)")
     if config.get("nonfinite", "stop") not in ("stop", "skip"):
         raise ValueError(f"nonfinite={config.nonfinite!r}: expected 'stop' or 'skip'")
     pipeline.objective_for(config)
@@ -439,10 +492,15 @@ def main(argv) -> None:
 
     del argv
     logging.set_verbosity(logging.WARNING)  # progress lines, not every library's INFO logs
-    config = flags.FLAGS.config
-    workdir = flags.FLAGS.workdir or os.path.join("runs", config.experiment)
+    FLAGS = flags.FLAGS
+    sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
+                                    FLAGS.process_id)
+    config = FLAGS.config
+    workdir = FLAGS.workdir or os.path.join("runs", config.experiment)
     result = train_and_evaluate(config, workdir)
-    if config.model.family in ("gpt", "prefix_lm", "lstm"):
+    if jax.process_index() != 0:
+        return
+    if config.model.family in ("gpt", "prefix_lm", "lstm") and jax.process_count() == 1:
         from transformer import generate
 
         print("\nsamples:")
@@ -459,6 +517,11 @@ def _define_flags() -> None:
     config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment file (get_config).",
                                     lock_config=True)
     flags.DEFINE_string("workdir", None, "Run directory (default runs/<experiment>).")
+    flags.DEFINE_string("coordinator_address", None,
+                        "host:port of process 0, to run as one of several processes "
+                        "(auto-detected on multi-host Cloud TPU).")
+    flags.DEFINE_integer("num_processes", None, "With --coordinator_address: process count.")
+    flags.DEFINE_integer("process_id", None, "With --coordinator_address: this process's id.")
 
 
 if __name__ == "__main__":

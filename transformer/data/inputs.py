@@ -25,8 +25,11 @@ def _prepared_dir(config: ml_collections.ConfigDict) -> str | None:
 
 
 def _documents(config: ml_collections.ConfigDict, split: str) -> list[sources.Document]:
-    return sources.load_documents(config.data.path or None, split, unit=config.data.unit,
+    """A split's documents; at least batch_size of them (long ones halved, see
+    `sources.at_least`), since each global batch row streams its own documents."""
+    docs = sources.load_documents(config.data.path or None, split, unit=config.data.unit,
                                   validation_fraction=config.data.validation_fraction)
+    return sources.at_least(docs, config.batch_size)
 
 
 def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None):
@@ -71,14 +74,20 @@ def bytes_per_token(config: ml_collections.ConfigDict, tokenizer, split: str) ->
 
 
 def get_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
-                num_epochs: int | None = None, shuffle: bool = True,
+                num_epochs: int | None = None, shuffle: bool = True, rows=None,
                 process_index: int | None = None,
                 process_count: int | None = None) -> grain.IterDataset:
-    """This process's batches of `split` for the experiment's objective."""
+    """This process's batches of `split` for the experiment's objective.
+
+    `rows` are the global batch rows this process produces (see `pipeline.make_dataset`), e.g.
+    `pipeline.process_rows(batch_sharding, config.batch_size)`; by default this process's
+    contiguous block of `config.batch_size // process_count` rows.
+    """
     data = config.data
     return pipeline.make_dataset(
         token_source(config, tokenizer, split), objective=pipeline.objective_for(config),
         tokenizer=tokenizer, seq_len=config.seq_len, batch_size=config.batch_size,
-        seed=config.seed, num_epochs=num_epochs, shuffle=shuffle, process_index=process_index,
+        seed=config.seed, num_epochs=num_epochs, shuffle=shuffle, rows=rows,
+        process_index=process_index,
         process_count=process_count, mlm_rate=data.mlm_rate, noise_density=data.noise_density,
         mean_span_length=data.mean_span_length, prefetch=data.prefetch)

@@ -164,6 +164,40 @@ def split_documents(docs: Iterable[Document], split: str,
     return [d for d in docs if (_unit_hash(d.text) < validation_fraction) == validation]
 
 
+def at_least(docs: Sequence[Document], count: int) -> list[Document]:
+    r"""`docs`, with the longest halved until there are `count` (each batch row streams its own
+    documents, so a split needs at least batch_size of them). A document is cut at the paragraph
+    break (else the line break, else the character) nearest its middle; the pieces stay in its
+    place and are named "<name>@<start>" by their start offset; the text is unchanged.
+
+    >>> docs = [Document("a", "one\n\ntwo\n\nthree four"), Document("b", "x")]
+    >>> [(d.name, d.text) for d in at_least(docs, 3)]
+    [('a@0', 'one\n\ntwo\n\n'), ('a@10', 'three four'), ('b', 'x')]
+    """
+    pieces = [(d.name, 0, d.text) for d in docs]
+    while len(pieces) < count:
+        i = max(range(len(pieces)), key=lambda j: len(pieces[j][2]))
+        name, start, text = pieces[i]
+        if len(text) < 2:
+            break
+        middle = len(text) // 2
+        cut = next((c for c in (_nearest(text, sep, middle) for sep in ("\n\n", "\n"))
+                    if c is not None), middle)
+        pieces[i:i + 1] = [(name, start, text[:cut]), (name, start + cut, text[cut:])]
+    split = {name for name, start, _ in pieces if start}
+    return [Document(f"{name}@{start}" if name in split else name, text)
+            for name, start, text in pieces]
+
+
+def _nearest(text: str, separator: str, middle: int) -> int | None:
+    """The offset just after the `separator` nearest `middle`, strictly inside `text`."""
+    before = text.rfind(separator, 0, middle)
+    after = text.find(separator, middle)
+    cuts = [i + len(separator) for i in (before, after) if i != -1]
+    cuts = [c for c in cuts if 0 < c < len(text)]
+    return min(cuts, key=lambda c: abs(c - middle)) if cuts else None
+
+
 def load_documents(path: str | None, split: str, *, validation_fraction: float = 0.05,
                    unit: str = "paragraph") -> list[Document]:
     """One split of the embedded corpus (`path` None or "") or of `read_text(path, split=unit)`."""

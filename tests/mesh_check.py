@@ -1,0 +1,133 @@
+"""Trains a small GPT on several meshes of 8 forced CPU devices; prints the results as JSON.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_check.py DIR
+
+Run by tests/test_sharding.py in a subprocess (the device count is fixed when JAX starts).
+For each mesh: the loss of every step, the largest parameter difference from the single-device
+run, and how a few params are laid out. Then: 2 steps on fsdp=8, a checkpoint, a restore onto 4
+devices as data=2 x fsdp=2 and 2 more steps, against 4 uninterrupted steps on fsdp=8.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import grain
+import jax
+import numpy as np
+
+from transformer import checkpoint as checkpoint_lib
+from transformer import configs, sharding, train
+from transformer.models import build_model
+
+MESHES = {"single": None, "8,1,1": (8, 1, 1), "1,8,1": (1, 8, 1), "2,2,2": (2, 2, 2),
+          "1,2,4": (1, 2, 4)}
+BATCH, LENGTH, VOCAB, STEPS = 8, 16, 64, 4
+
+
+def small_config(mesh=(1, 1, 1)):
+    config = configs.base_config()
+    config.update(steps=STEPS, batch_size=BATCH, seq_len=LENGTH)
+    config.optimizer.warmup_steps = 1
+    config.model.update(family="gpt", num_layers=2, d_model=32, num_heads=4, d_ff=64,
+                        vocab_size=VOCAB, position="rope", dropout_rate=0.0)
+    config.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
+    return config
+
+
+def batches(n: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(7, VOCAB, (BATCH, LENGTH + 1)).astype(np.int32)
+        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                    "weights": np.ones((BATCH, LENGTH), np.float32),
+                    "segment_ids": np.ones((BATCH, LENGTH), np.int32),
+                    "positions": np.tile(np.arange(LENGTH, dtype=np.int32), (BATCH, 1))})
+    return out
+
+
+class Run:
+    """A model, its optimizer and jitted step on one mesh."""
+
+    def __init__(self, config, devices):
+        self.config = config
+        self.model = build_model(config.model)
+        self.optimizer = train.make_optimizer(config)
+        self.placement = train.Placement(sharding.make_mesh(config.mesh, devices),
+                                         config.batch_size)
+        self.abstract, self.shardings, self.init = sharding.sharded_init(
+            train.init_fn(self.model, config, self.optimizer, batches(1)[0]),
+            self.placement.mesh, jax.random.key(config.seed))
+        self.step = self.placement.jit_train_step(
+            train.make_train_step(self.model, config, self.optimizer), self.shardings)
+
+    def train(self, state, data):
+        losses = []
+        with self.placement.context():
+            for batch in data:
+                state, metrics = self.step(state, self.placement.global_batch(batch))
+                losses.append(float(train.fetch(metrics)["loss"]))
+        return state, losses
+
+
+def layout(params) -> dict[str, dict]:
+    """Spec and per-device shard shape of a few params."""
+    block = params["decoder"]["layers_0"]
+    chosen = {"embedding": params["embed"]["embedding"],
+              "query": block["self_attention"]["query"], "mlp_wi": block["mlp"]["wi"]}
+    return {name: {"spec": str(p.sharding.spec),
+                   "shard_shape": list(p.addressable_shards[0].data.shape),
+                   "num_shards": len({str(s.index) for s in p.addressable_shards})}
+            for name, p in chosen.items()}
+
+
+def host(params):
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
+
+
+def main(workdir: str) -> None:
+    devices = jax.devices()
+    data = batches(STEPS)
+    results = {}
+    reference = None
+    for name, mesh in MESHES.items():
+        run = Run(small_config(mesh or (1, 1, 1)), devices[:1] if mesh is None else devices)
+        state, losses = run.train(run.init(jax.random.key(0)), data)
+        params = host(state.params)
+        if reference is None:
+            reference = params
+        diff = max(float(np.max(np.abs(a - b))) for a, b in
+                   zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True))
+        results[name] = {"losses": losses, "max_param_diff": diff,
+                         "layout": layout(state.params)}
+
+    # Save on fsdp=8, restore on 4 devices as data=2 x fsdp=2, continue.
+    config = small_config((1, 8, 1))
+    fsdp8 = Run(config, devices)
+    uninterrupted, uninterrupted_losses = fsdp8.train(fsdp8.init(jax.random.key(0)), data)
+    state, first = fsdp8.train(fsdp8.init(jax.random.key(0)), data[:2])
+    iterator = iter(grain.MapDataset.range(10).to_iter_dataset())
+    manager = checkpoint_lib.Manager(workdir, config)
+    manager.save(2, state, iterator)
+    manager.close()
+    config4 = small_config((2, 2, 1))
+    run4 = Run(config4, devices[:4])
+    manager = checkpoint_lib.Manager(workdir, config4)
+    restored = manager.restore(2, run4.abstract, run4.shardings)
+    manager.close()
+    restored_layout = layout(restored.params)
+    restored, second = run4.train(restored, data[2:])
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(
+        jax.tree.leaves(host(restored.params)), jax.tree.leaves(host(uninterrupted.params)),
+        strict=True))
+    results["reshard"] = {"losses": first + second, "uninterrupted": uninterrupted_losses,
+                          "max_param_diff": diff, "layout": restored_layout,
+                          "devices": len(restored.params["embed"]["embedding"].sharding
+                                         .device_set)}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,262 @@
+"""Meshes, logical axis rules and multi-host training.
+
+The 8-device checks run tests/mesh_check.py in a subprocess with forced host devices; the
+multi-host test starts two real processes of the training CLI joined by a 127.0.0.1 coordinator
+(gloo collectives), kills them after a checkpoint, resumes, and compares every step's loss with
+a single-process run on the same number of devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec
+
+from transformer import configs, sharding, train
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 300
+
+
+def env(devices: int) -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
+                         "--xla_backend_optimization_level=0"}
+
+
+# --- mesh shapes and rules ------------------------------------------------------------------
+
+
+def test_mesh_shape_fills_the_minus_one_axis():
+    assert sharding.mesh_shape({"data": -1, "fsdp": 2, "tensor": 2}, 8) == {
+        "data": 2, "fsdp": 2, "tensor": 2}
+    assert sharding.mesh_shape({"data": 1, "fsdp": -1, "tensor": 1}, 4)["fsdp"] == 4
+
+
+@pytest.mark.parametrize("mesh, devices, message", [
+    ({"data": 2, "fsdp": 2, "tensor": 4}, 8, "= 16 devices: expected the 8 devices"),
+    ({"data": -1, "fsdp": -1, "tensor": 1}, 8, "at most one axis set to -1"),
+    ({"data": -1, "fsdp": 3, "tensor": 1}, 8, "must divide the 8 devices"),
+    ({"data": 0, "fsdp": 1, "tensor": 1}, 8, "mesh.data=0: expected a positive int or -1"),
+    ({"data": 1, "fsdp": 1.5, "tensor": 1}, 8, "mesh.fsdp=1.5"),
+])
+def test_mesh_shape_errors_name_the_bad_sizes(mesh, devices, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        sharding.mesh_shape(mesh, devices)
+
+
+def test_the_rules_map_each_logical_axis_once_and_onto_mesh_axes():
+    names = [name for name, _ in sharding.LOGICAL_AXIS_RULES]
+    assert len(names) == len(set(names))
+    for _, axes in sharding.LOGICAL_AXIS_RULES:
+        for axis in (axes,) if isinstance(axes, str) else axes or ():
+            assert axis in sharding.MESH_AXES
+
+
+def test_every_param_name_the_models_use_has_a_rule():
+    """A param whose logical name has no rule would silently stay replicated."""
+    from transformer.models import build_model
+
+    ruled = {name for name, _ in sharding.LOGICAL_AXIS_RULES}
+    for family, extra in [("gpt", {}), ("bert", {}), ("t5", {}), ("lstm", {}),
+                          ("gpt", {"position": "learned"}), ("t5", {"scan_layers": True})]:
+        config = configs.base_config()
+        config.model.update(family=family, num_layers=1, d_model=16, num_heads=2, d_ff=32,
+                            vocab_size=32, **extra)
+        model = build_model(config.model)
+        tokens = jnp.zeros((1, 8), jnp.int32)
+        args = (tokens, tokens) if family == "t5" else (tokens,)
+        boxed = jax.eval_shape(lambda m=model, a=args: m.init(jax.random.key(0), *a))
+        specs = jax.tree.leaves(nn.get_partition_spec(boxed),
+                                is_leaf=lambda x: isinstance(x, PartitionSpec))
+        used = {name for spec in specs for name in spec if name is not None}
+        assert used <= ruled, (family, used - ruled)
+
+
+def test_dimensions_the_mesh_does_not_divide_stay_replicated():
+    mesh = AbstractMesh((1, 2, 4), sharding.MESH_AXES)
+    rules = sharding.LOGICAL_AXIS_RULES
+    # 2 KV heads cannot split over tensor=4; the embed dimension still splits over fsdp=2.
+    assert sharding._mesh_spec(PartitionSpec("embed", "kv_heads", "kv"), (32, 2, 8), mesh,
+                               rules) == PartitionSpec("fsdp", None, None)
+    assert sharding._mesh_spec(PartitionSpec("embed", "heads", "kv"), (32, 4, 8), mesh,
+                               rules) == PartitionSpec("fsdp", "tensor", None)
+    # A vocabulary of 262 bytes does not split over 4 either.
+    assert sharding._mesh_spec(PartitionSpec("vocab", "embed"), (262, 32), mesh,
+                               rules) == PartitionSpec(None, "fsdp")
+    assert sharding._mesh_spec(PartitionSpec("activation_batch", "activation_length"), (8, 16),
+                               mesh, rules) == PartitionSpec(("data", "fsdp"), None)
+
+
+def test_constrain_is_a_no_op_without_a_mesh_and_rules():
+    x = jnp.ones((2, 3, 4))
+    assert sharding.constrain(x, sharding.ACTIVATIONS) is x
+
+
+def test_initialize_distributed_checks_its_arguments():
+    assert sharding.initialize_distributed() is False  # not on a multi-host TPU slice
+    with pytest.raises(ValueError, match="expected num_processes and process_id too"):
+        sharding.initialize_distributed("127.0.0.1:1234", num_processes=2)
+    with pytest.raises(ValueError, match="process_id=2: expected 0 <= id < num_processes=2"):
+        sharding.initialize_distributed("127.0.0.1:1234", num_processes=2, process_id=2)
+
+
+def test_summary_reports_per_device_bytes_and_batch():
+    config = configs.base_config()
+    config.model.update(num_layers=1, d_model=16, num_heads=2, d_ff=32, vocab_size=32)
+    from transformer.models import build_model
+
+    model = build_model(config.model)
+    optimizer = train.make_optimizer(config)
+    example = {"inputs": np.zeros((2, 8), np.int32)}
+    mesh = sharding.make_mesh(config.mesh)
+    abstract, shardings, _ = sharding.sharded_init(
+        train.init_fn(model, config, optimizer, example), mesh, jax.random.key(0))
+    params = sum(x.size * 4 for x in jax.tree.leaves(abstract.params))
+    assert sharding.bytes_per_device(abstract.params, shardings.params) == params
+    text = sharding.summary(mesh, abstract, shardings, 16)
+    assert "mesh data=1 x fsdp=1 x tensor=1" in text
+    assert "batch 16 global, 16 per data-parallel shard" in text
+
+
+# --- 8 devices: every mesh trains like one device --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory):
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "mesh_check.py"),
+                             str(tmp_path_factory.mktemp("mesh_check"))],
+                            env=env(8), capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh", ["8,1,1", "1,8,1", "2,2,2", "1,2,4"])
+def test_each_mesh_gives_the_single_device_losses(mesh_results, mesh):
+    single, sharded = mesh_results["single"], mesh_results[mesh]
+    np.testing.assert_allclose(sharded["losses"], single["losses"], rtol=2e-6)
+    assert sharded["max_param_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("mesh, name, spec, shard_shape, num_shards", [
+    # embedding [vocab 64, embed 32]: vocab over tensor, embed over fsdp
+    ("8,1,1", "embedding", "P('tensor', 'fsdp')", [64, 32], 1),  # pure data parallel
+    ("1,8,1", "embedding", "P('tensor', 'fsdp')", [64, 4], 8),
+    ("1,8,1", "mlp_wi", "P('fsdp', 'tensor')", [4, 64], 8),
+    ("2,2,2", "query", "P('fsdp', 'tensor', None)", [16, 2, 8], 4),
+    ("1,2,4", "query", "P('fsdp', 'tensor', None)", [16, 1, 8], 8),
+    ("1,2,4", "mlp_wi", "P('fsdp', 'tensor')", [16, 16], 8),
+])
+def test_params_are_sharded_by_the_rules(mesh_results, mesh, name, spec, shard_shape,
+                                         num_shards):
+    layout = mesh_results[mesh]["layout"][name]
+    assert layout == {"spec": spec, "shard_shape": shard_shape, "num_shards": num_shards}
+
+
+def test_a_checkpoint_saved_on_one_mesh_continues_on_another(mesh_results):
+    """Saved on 8 devices with fsdp=8, restored on 4 as data=2 x fsdp=2."""
+    reshard = mesh_results["reshard"]
+    assert reshard["devices"] == 4
+    assert reshard["layout"]["embedding"]["shard_shape"] == [64, 16]  # 32 / fsdp 2
+    np.testing.assert_allclose(reshard["losses"], reshard["uninterrupted"], rtol=2e-6)
+    assert reshard["max_param_diff"] < 1e-5
+
+
+# --- two processes ----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+RUN_FLAGS = ["--config=experiments/gpt_tiny.py", "--config.steps=40", "--config.batch_size=8",
+             "--config.seq_len=32", "--config.log_every=1", "--config.eval_every=40",
+             "--config.eval_steps=1", "--config.checkpoint_every=5",
+             "--config.model.num_layers=2", "--config.model.d_model=32",
+             "--config.model.num_heads=4", "--config.model.d_ff=64",
+             "--config.mesh.data=2", "--config.mesh.fsdp=2",
+             "--config.peak_flops_per_device=1e11"]
+
+
+def start(workdir: Path, logs: Path, tag: str, *, processes: int,
+          devices: int) -> list[subprocess.Popen]:
+    port = free_port()
+    runs = []
+    for i in range(processes):
+        extra = [] if processes == 1 else [
+            f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
+            f"--process_id={i}"]
+        out = open(logs / f"{tag}-{i}.log", "w")  # noqa: SIM115
+        runs.append(subprocess.Popen(
+            [sys.executable, "-m", "transformer.train", *RUN_FLAGS, f"--workdir={workdir}",
+             *extra], cwd=REPO, env=env(devices), stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL))
+    return runs
+
+
+def wait(runs: list[subprocess.Popen], logs: Path) -> None:
+    for run in runs:
+        try:
+            code = run.wait(TIMEOUT)
+        except subprocess.TimeoutExpired:
+            for r in runs:
+                r.kill()
+            raise
+        assert code == 0, "\n".join(p.read_text()[-3000:] for p in logs.iterdir())
+
+
+def step_losses(workdir: Path) -> dict[int, float]:
+    """The loss logged at each step (the last record wins: resumed steps are logged again)."""
+    losses = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["split"] == "train":
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+def test_two_processes_train_checkpoint_resume_like_one(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    reference = start(single, logs, "single", processes=1, devices=4)
+    first = start(multi, logs, "first", processes=2, devices=2)
+    deadline = time.time() + TIMEOUT
+    checkpoints = multi / "checkpoints"
+    while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+        assert all(r.poll() is None for r in first), "\n".join(
+            p.read_text()[-3000:] for p in logs.iterdir())
+        assert time.time() < deadline, "no checkpoint was written"
+        time.sleep(0.2)
+    for run in first:  # kill -9 both processes right after the first complete checkpoint
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+    killed_at = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    assert killed_at < 40
+    wait(start(multi, logs, "resumed", processes=2, devices=2), logs)
+    wait(reference, logs)
+    expected, resumed = step_losses(single), step_losses(multi)
+    assert sorted(resumed) == sorted(expected) == list(range(1, 41))
+    np.testing.assert_allclose([resumed[s] for s in range(1, 41)],
+                               [expected[s] for s in range(1, 41)], rtol=2e-6)
+    # Process 0 alone writes the logs and the summary; both wrote checkpoint shards.
+    assert json.loads((multi / "summary.json").read_text())["step"] == 40
+    log_text = (logs / "resumed-0.log").read_text()
+    assert f"steps {killed_at}..40" in log_text
+    assert "mesh data=2 x fsdp=2 x tensor=1 (4 devices, 2 process(es))" in log_text
+    assert "batch 8 global, 2 per data-parallel shard" in log_text
+    assert "steps" not in (logs / "resumed-1.log").read_text()  # process 1 prints nothing

@@ -1,0 +1,241 @@
+"""Device meshes, and the one table that maps logical axis names to mesh axes.
+
+Params carry logical axis names (`embed`, `heads`, `mlp`, `vocab`, ... set where each param is
+declared); activations get `activation_*` names at block boundaries. `LOGICAL_AXIS_RULES` maps
+both onto the three mesh axes:
+
+    data    pure data parallelism: the batch is split, params and optimizer state replicated
+            (across slices of a multi-slice job this is the DCN axis)
+    fsdp    the batch is split *and* params/optimizer state are sharded on their `embed`
+            dimension (ZeRO-3 / fully sharded data parallelism: gathered per layer when used)
+    tensor  Megatron-style tensor parallelism: heads, MLP hidden units and the vocabulary split
+
+An axis of size 1 is a no-op, so the same rules serve every mesh. A dimension that the mesh axes
+mapped to it do not divide (e.g. 2 KV heads over tensor=4) stays replicated.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
+    # activations (nn.with_logical_constraint at block boundaries)
+    ("activation_batch", BATCH_AXES),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    # params
+    ("embed", "fsdp"),
+    ("mlp_in", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("kv", None),
+    ("gates", None),
+    ("classes", None),
+    ("length", None),
+    ("relpos_buckets", None),
+    ("layers", None),
+)
+
+
+def mesh_shape(mesh_config: ml_collections.ConfigDict | dict, num_devices: int) -> dict[str, int]:
+    """The mesh axis sizes, with a -1 entry filled by the devices the others leave.
+
+    >>> mesh_shape({"data": -1, "fsdp": 2, "tensor": 1}, 8)
+    {'data': 4, 'fsdp': 2, 'tensor': 1}
+    """
+    sizes = {axis: mesh_config[axis] for axis in MESH_AXES}
+    for axis, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise ValueError(f"mesh.{axis}={size!r}: expected a positive int or -1")
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ValueError(f"mesh {_describe(sizes)}: expected at most one axis set to -1")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        if num_devices % known:
+            raise ValueError(f"mesh {_describe(sizes)}: the other axes ({known} devices) must "
+                             f"divide the {num_devices} devices available")
+        sizes[fill[0]] = num_devices // known
+    if math.prod(sizes.values()) != num_devices:
+        raise ValueError(f"mesh {_describe(sizes)} = {math.prod(sizes.values())} devices: "
+                         f"expected the {num_devices} devices available (set one axis to -1 "
+                         "to fill the rest)")
+    return sizes
+
+
+def _describe(sizes: dict[str, int]) -> str:
+    return " x ".join(f"{axis}={size}" for axis, size in sizes.items())
+
+
+def num_slices(devices) -> int:
+    """How many TPU slices (ICI islands joined by DCN) `devices` span; 1 off multi-slice TPU."""
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def make_mesh(mesh_config: ml_collections.ConfigDict | dict, devices=None) -> Mesh:
+    """The (data, fsdp, tensor) mesh of `mesh_config` over all (or the given) devices.
+
+    Axes are `Auto` (GSPMD propagates shardings from the logical rules). When the devices span
+    several slices, the data axis is split across slices (DCN) and everything else stays inside
+    a slice (ICI): data must then be a multiple of the number of slices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_shape(mesh_config, len(devices))
+    shape = tuple(sizes[axis] for axis in MESH_AXES)
+    axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    slices = num_slices(devices)
+    if slices > 1:
+        if sizes["data"] % slices:
+            raise ValueError(f"mesh.data={sizes['data']}: expected a multiple of the "
+                             f"{slices} slices (data parallelism spans slices over DCN)")
+        ici = (sizes["data"] // slices, sizes["fsdp"], sizes["tensor"])
+        array = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices)
+        return Mesh(array, MESH_AXES, axis_types=axis_types)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches: rows split over every data-parallel axis (data and fsdp)."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
+def _mesh_spec(logical: PartitionSpec | None, shape: tuple[int, ...], mesh, rules) -> PartitionSpec:
+    """Logical names -> mesh axes for one array, leaving dimensions they do not divide whole."""
+    if logical is None or not shape:
+        return PartitionSpec()
+    mesh_axes = nn.logical_to_mesh_axes(tuple(logical), rules)
+    spec = []
+    for size, axes in zip(shape, mesh_axes, strict=True):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        if not names or size % math.prod(mesh.shape[a] for a in names):
+            spec.append(None)
+        else:
+            spec.append(axes)
+    return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """`with_sharding_constraint` by logical names under the current mesh and rules.
+
+    A no-op outside `jax.set_mesh(...)` + `nn.logical_axis_rules(...)` (e.g. in unit tests and
+    single-device tools); dimensions the mapped mesh axes do not divide stay unsharded.
+    """
+    rules = nn.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(
+        x, _mesh_spec(PartitionSpec(*names), x.shape, mesh, rules))
+
+
+ACTIVATIONS = ("activation_batch", "activation_length", "activation_embed")
+LOGITS = ("activation_batch", "activation_length", "activation_vocab")
+
+
+def logical_shardings(boxed_tree, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
+    """NamedShardings for a tree whose leaves may be `nn.LogicallyPartitioned` boxes.
+
+    Unboxed leaves (step counters, ...) are replicated. The result matches `nn.unbox(tree)`.
+    """
+    is_box = lambda x: isinstance(x, nn.Partitioned)
+    specs = nn.get_partition_spec(boxed_tree)
+    shapes = jax.tree.map(lambda x: x.value.shape if is_box(x) else np.shape(x), boxed_tree,
+                          is_leaf=is_box)
+    return jax.tree.map(
+        lambda spec, shape: NamedSharding(mesh, _mesh_spec(spec, shape, mesh, rules)),
+        specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+
+
+def sharded_init(init: Callable, mesh: Mesh, *args, rules=LOGICAL_AXIS_RULES):
+    """(abstract state, shardings, jitted init) for `init(*args)` returning a boxed tree.
+
+    The jitted init creates each array directly in its shards: nothing is materialized whole on
+    one device.
+    """
+    boxed = jax.eval_shape(init, *args)
+    shardings = logical_shardings(boxed, mesh, rules)
+    abstract = nn.unbox(boxed)
+    jitted = jax.jit(lambda *a: nn.unbox(init(*a)), out_shardings=shardings)
+    return abstract, shardings, jitted
+
+
+def bytes_per_device(abstract_tree, shardings) -> int:
+    """The bytes one device holds of a tree laid out by `shardings` (shards are even)."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings),
+                              strict=True):
+        shard = sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def summary(mesh: Mesh, abstract_state, shardings, batch_size: int) -> str:
+    """Mesh shape, per-device params/optimizer bytes, global and per-device batch."""
+    params = bytes_per_device(abstract_state.params, shardings.params)
+    optimizer = bytes_per_device(abstract_state.opt_state, shardings.opt_state)
+    total_params = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                       for x in jax.tree.leaves(abstract_state.params))
+    data = data_parallel_size(mesh)
+    mesh_text = " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+    return (f"mesh {mesh_text} ({mesh.size} devices, {jax.process_count()} process(es)); "
+            f"per device: params {format_bytes(params)} (of {format_bytes(total_params)}), "
+            f"optimizer {format_bytes(optimizer)}; batch {batch_size} global, "
+            f"{batch_size // data} per data-parallel shard")
+
+
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None,
+                           process_id: int | None = None) -> bool:
+    """Starts JAX's multi-controller runtime when asked to, or on a multi-host TPU slice.
+
+    With a coordinator address (e.g. "127.0.0.1:1234" for several processes on one machine)
+    every process passes the same address and process count and its own id; CPU processes then
+    exchange collectives over gloo. On a Cloud TPU slice with several workers the arguments are
+    detected from the environment. Returns whether the runtime was started. Call it before any
+    other JAX call.
+    """
+    if coordinator_address:
+        if num_processes is None or process_id is None:
+            raise ValueError(f"coordinator_address={coordinator_address!r}: expected "
+                             "num_processes and process_id too")
+        if not 0 <= process_id < num_processes:
+            raise ValueError(f"process_id={process_id}: expected 0 <= id < num_processes="
+                             f"{num_processes}")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+        return True
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if "," in hosts or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize()
+        return True
+    return False
