@@ -108,6 +108,13 @@ class MultiHeadAttention(nn.Module):
     The attention weights are sown into the 'intermediates' collection as `attention_weights`
     when that collection is mutable (for attention-map pictures), and returned as a second
     output when `return_weights=True`.
+
+    `decode=True` uses the 'cache' collection (apply with `mutable=["cache"]`). Self-attention
+    writes the new (rotated) keys and values into slots `q_positions` of its [B, L, K, H]
+    buffers and attends over the whole buffer, so the caller's mask must hide the slots not
+    written yet (slot j > the query's position). A `cross=True` layer caches the keys and values
+    of `inputs_kv` when given them and reuses them when `inputs_kv` is None. The decode call
+    inside `init` only creates the buffers, shaped like its inputs (L = the input length).
     """
 
     num_heads: int
@@ -123,6 +130,7 @@ class MultiHeadAttention(nn.Module):
     out_init_std: float | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    cross: bool = False  # cross-attention: under decode, K/V are cached once and reused
 
     @nn.compact
     def __call__(
@@ -136,13 +144,15 @@ class MultiHeadAttention(nn.Module):
         kv_positions: Array | None = None,
         deterministic: bool = True,
         return_weights: bool = False,
+        decode: bool = False,
     ):
         num_kv_heads = self.num_kv_heads or self.num_heads
         if self.num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads}: expected a multiple of num_kv_heads={num_kv_heads}"
             )
-        self_attention = inputs_kv is None
+        reuse_kv = decode and self.cross and inputs_kv is None  # a cross-attention decode step
+        self_attention = inputs_kv is None and not self.cross
         inputs_kv = inputs_q if self_attention else inputs_kv
         d_model = inputs_q.shape[-1]
 
@@ -165,16 +175,30 @@ class MultiHeadAttention(nn.Module):
             return y
 
         query_BTNH = project("query", inputs_q, self.num_heads, ("embed", "heads", "kv"))
-        key_BSKH = project("key", inputs_kv, num_kv_heads, ("embed", "kv_heads", "kv"))
-        value_BSKH = project("value", inputs_kv, num_kv_heads, ("embed", "kv_heads", "kv"))
+        if reuse_kv:
+            key_BSKH = self.variable("cache", "cross_key").value
+            value_BSKH = self.variable("cache", "cross_value").value
+        else:
+            key_BSKH = project("key", inputs_kv, num_kv_heads, ("embed", "kv_heads", "kv"))
+            value_BSKH = project("value", inputs_kv, num_kv_heads, ("embed", "kv_heads", "kv"))
 
         if self.rope_theta is not None:
-            q_positions = _default_positions(q_positions, inputs_q.shape[1])
-            kv_positions = q_positions if self_attention and kv_positions is None else (
-                _default_positions(kv_positions, inputs_kv.shape[1]))
             rope = dict(theta=self.rope_theta, layout=self.rope_layout, scale=self.rope_scale)
+            q_positions = _default_positions(q_positions, inputs_q.shape[1])
             query_BTNH = positions_lib.apply_rope(query_BTNH, q_positions, **rope)
-            key_BSKH = positions_lib.apply_rope(key_BSKH, kv_positions, **rope)
+            if not reuse_kv:
+                kv_positions = q_positions if self_attention and kv_positions is None else (
+                    _default_positions(kv_positions, inputs_kv.shape[1]))
+                key_BSKH = positions_lib.apply_rope(key_BSKH, kv_positions, **rope)
+
+        if decode and self.cross and not reuse_kv:
+            key_BSKH = self._cache("cross_key", key_BSKH, None)
+            value_BSKH = self._cache("cross_value", value_BSKH, None)
+        elif decode and not self.cross:
+            if q_positions is None:
+                raise ValueError("decode=True needs q_positions: the cache slots to write")
+            key_BSKH = self._cache("key", key_BSKH, q_positions)
+            value_BSKH = self._cache("value", value_BSKH, q_positions)
 
         dropout = self.dropout_rate if not deterministic else 0.0
         out_BTNH, weights_BNTS = dot_product_attention(
@@ -206,6 +230,21 @@ class MultiHeadAttention(nn.Module):
             )
             out_BTD = out_BTD + b_out.astype(self.dtype)
         return (out_BTD, weights_BNTS) if return_weights else out_BTD
+
+    def _cache(self, name: str, new: Array, slots_BT: Array | None) -> Array:
+        """Cache buffer `name` with `new` [B, T, K, H] written at slots `slots_BT` [B, T] (or
+        replacing it, when None). Inside `init` the buffer is only created, shaped like `new`."""
+        initialized = self.has_variable("cache", name)
+        buffer = self.variable("cache", name, jnp.zeros, new.shape, new.dtype)
+        if not initialized:
+            return new
+        new = new.astype(buffer.value.dtype)
+        if slots_BT is None:
+            buffer.value = new
+        else:
+            rows = jnp.arange(new.shape[0])[:, None]
+            buffer.value = buffer.value.at[rows, slots_BT].set(new)
+        return buffer.value
 
 
 def _default_positions(positions: Array | None, length: int) -> Array:

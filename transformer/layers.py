@@ -183,23 +183,25 @@ class TransformerBlock(nn.Module):
     cross_attention: bool = False
     deterministic: bool = True
     scanned: bool = False
+    decode: bool = False  # KV-cache decoding (see MultiHeadAttention)
 
     @nn.compact
     def __call__(self, x_BTD, mask, bias, positions, encoded=None, cross_mask=None):
         cfg = self.config
-        attention = lambda name, rope: MultiHeadAttention(
+        attention = lambda name, is_self: MultiHeadAttention(
             num_heads=cfg.num_heads,
             head_dim=cfg.resolved_head_dim,
             num_kv_heads=cfg.num_kv_heads,
             use_bias=cfg.use_bias,
             scale=cfg.attention_scale,
-            rope_theta=cfg.rope_theta if rope and cfg.position == "rope" else None,
+            rope_theta=cfg.rope_theta if is_self and cfg.position == "rope" else None,
             rope_layout=cfg.rope_layout,
             rope_scale=cfg.rope_scale,
             dropout_rate=cfg.attention_dropout_rate,
             init_std=cfg.init_std,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
+            cross=not is_self,
             name=name,
         )
 
@@ -213,12 +215,14 @@ class TransformerBlock(nn.Module):
             return x if cfg.norm_placement == "pre" else norm_layer(cfg, f"{name}_norm")(x)
 
         x_BTD = residual(x_BTD, "self_attention", lambda h: attention("self_attention", True)(
-            h, mask=mask, bias=bias, q_positions=positions, deterministic=self.deterministic))
+            h, mask=mask, bias=bias, q_positions=positions, deterministic=self.deterministic,
+            decode=self.decode))
         if self.cross_attention:
-            if encoded is None:
+            if encoded is None and not self.decode:  # decode steps reuse the cached K/V
                 raise ValueError("a block with cross_attention=True needs `encoded` inputs")
             x_BTD = residual(x_BTD, "cross_attention", lambda h: attention("cross_attention",
-                             False)(h, encoded, mask=cross_mask, deterministic=self.deterministic))
+                             False)(h, encoded, mask=cross_mask, deterministic=self.deterministic,
+                                    decode=self.decode))
         x_BTD = residual(x_BTD, "mlp", lambda h: MLP(cfg, name="mlp")(h))
         x_BTD = sharding.constrain(x_BTD, sharding.ACTIVATIONS)
         return (x_BTD, None) if self.scanned else x_BTD
@@ -247,7 +251,12 @@ class TransformerStack(nn.Module):
         encoded: Array | None = None,
         cross_mask: Mask | Array | None = None,
         deterministic: bool = True,
+        decode: bool = False,
+        kv_positions: Array | None = None,
     ) -> Array:
+        """`decode=True` runs the blocks' attention on the KV cache (see MultiHeadAttention);
+        `kv_positions` [1 or B, L] are then the positions of the cache slots, for the ALiBi and
+        T5 biases (default: `positions`)."""
         cfg = self.config
         length = x_BTD.shape[1]
         if positions is None:
@@ -261,14 +270,15 @@ class TransformerStack(nn.Module):
                 cfg.max_len, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                 name="position_embedding")(positions)
         bias = None
+        kv_positions = positions if kv_positions is None else kv_positions
         if cfg.position == "alibi":
-            bias = positions_lib.alibi_bias(positions, positions, cfg.num_heads)
+            bias = positions_lib.alibi_bias(positions, kv_positions, cfg.num_heads)
         elif cfg.position == "t5":
             bias = positions_lib.T5RelativePositionBias(
                 cfg.num_heads, bidirectional=self.bidirectional, num_buckets=cfg.t5_num_buckets,
                 max_distance=cfg.t5_max_distance, param_dtype=cfg.param_dtype,
                 dtype=jnp.promote_types(cfg.dtype, jnp.float32),
-                name="relative_position_bias")(positions, positions)
+                name="relative_position_bias")(positions, kv_positions)
         if cfg.embedding_norm:
             x_BTD = norm_layer(cfg, "embedding_norm")(x_BTD)
         x_BTD = nn.Dropout(cfg.dropout_rate)(x_BTD, deterministic=deterministic)
@@ -279,11 +289,12 @@ class TransformerStack(nn.Module):
             block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy],
                              prevent_cse=not cfg.scan_layers)
         args = (mask, bias, positions, encoded, cross_mask)
-        kwargs = dict(cross_attention=self.cross_attention, deterministic=deterministic)
+        kwargs = dict(cross_attention=self.cross_attention, deterministic=deterministic,
+                      decode=decode)
         if cfg.scan_layers:
             scanned = nn.scan(
                 block,
-                variable_axes={"params": 0, "intermediates": 0},
+                variable_axes={"params": 0, "intermediates": 0, "cache": 0},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast,) * len(args),
                 length=cfg.num_layers,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import ml_collections
 
 from transformer.layers import TransformerConfig
@@ -72,5 +74,30 @@ def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
                           vocab, tie, model_config.scale_decoder_output)
 
 
+def init_cache(model: nn.Module, batch_size: int, cache_length: int,
+               encoder_length: int | None = None):
+    """A zero KV cache (the 'cache' collection) for decoding `batch_size` rows of up to
+    `cache_length` tokens with a `DecoderLM`, or an `EncoderDecoder` over encoder inputs of
+    `encoder_length` tokens."""
+    tokens = jnp.zeros((batch_size, cache_length), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(cache_length, dtype=jnp.int32), tokens.shape)
+    rng = jax.random.key(0)
+    if isinstance(model, EncoderDecoder):
+        if encoder_length is None:
+            raise ValueError("init_cache of an EncoderDecoder: expected encoder_length")
+        cfg = model.decoder_config
+        encoded = jnp.zeros((batch_size, encoder_length, cfg.d_model), cfg.dtype)
+        init = lambda: model.init(rng, encoded, tokens, decoder_positions=positions, decode=True,
+                                  cache_length=cache_length, method=model.decode)
+    elif isinstance(model, DecoderLM):
+        init = lambda: model.init(rng, tokens, positions=positions, decode=True,
+                                  cache_length=cache_length)
+    else:
+        raise ValueError(f"{type(model).__name__}: expected a DecoderLM or EncoderDecoder (the "
+                         "models with a KV cache)")
+    shapes = jax.eval_shape(init)["cache"]
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
 __all__ = ["FAMILIES", "DecoderLM", "EncoderModel", "EncoderDecoder", "LSTMLM", "shift_right",
-           "build_model", "default_model_config", "transformer_config"]
+           "build_model", "default_model_config", "transformer_config", "init_cache"]

@@ -5,11 +5,29 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from transformer import masks
 from transformer.layers import OutputHead, TokenEmbedding, TransformerConfig, TransformerStack
 
 Array = jax.Array
+
+
+def decode_mask(positions_BT: Array, cache_length: int,
+                prefix_lengths_B: Array | None = None) -> tuple[Array, Array]:
+    """(mask [B, 1, T, L], slot positions [1, L]) of queries at `positions` over a KV cache of
+    L slots, slot j holding the token at position j: j <= the query's position, or j in the
+    prefix. Queries at positions 3 and 4 over 6 slots, prefix 2:
+
+    >>> mask, _ = decode_mask(jnp.array([[3, 4]]), 6, jnp.array([2]))
+    >>> mask[0, 0].astype(int).tolist()
+    [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]
+    """
+    slots_L = jnp.arange(cache_length, dtype=jnp.int32)
+    allowed_BTL = slots_L[None, None, :] <= positions_BT[:, :, None]
+    if prefix_lengths_B is not None:
+        allowed_BTL |= slots_L[None, None, :] < prefix_lengths_B[:, None, None]
+    return allowed_BTL[:, None], slots_L[None]
 
 
 class DecoderLM(nn.Module):
@@ -19,6 +37,10 @@ class DecoderLM(nn.Module):
 
     Packed rows pass `segment_ids` (1, 2, ... per document, 0 for padding) and per-document
     `positions`; attention then stays within each document.
+
+    `decode=True` runs on the KV cache (`init_cache`; apply with `mutable=["cache"]`): each
+    token is written into cache slot `positions[b, t]` and attends to slots <= its position
+    (and to the prefix, slots < `prefix_lengths[b]`), out of `cache_length` slots.
     """
 
     config: TransformerConfig
@@ -42,11 +64,22 @@ class DecoderLM(nn.Module):
         segment_ids: Array | None = None,
         prefix_lengths: Array | None = None,
         deterministic: bool = True,
+        decode: bool = False,
+        cache_length: int | None = None,
     ) -> Array:
         """int tokens [B, T] -> float32 logits [B, T, V] (position t predicts token t + 1)."""
-        mask = masks.Causal() if prefix_lengths is None else masks.PrefixLM(prefix_lengths)
-        if segment_ids is not None:
-            mask = mask & masks.Segment(segment_ids)
+        kv_positions = None
+        if decode:
+            if positions is None or segment_ids is not None:
+                raise ValueError("decode=True needs positions [B, T] (the cache slots) and no "
+                                 "segment_ids")
+            mask, kv_positions = decode_mask(positions, cache_length or tokens_BT.shape[1],
+                                             prefix_lengths)
+        else:
+            mask = masks.Causal() if prefix_lengths is None else masks.PrefixLM(prefix_lengths)
+            if segment_ids is not None:
+                mask = mask & masks.Segment(segment_ids)
         x_BTD = self.embed(tokens_BT)
-        x_BTD = self.decoder(x_BTD, mask, positions, deterministic=deterministic)
+        x_BTD = self.decoder(x_BTD, mask, positions, deterministic=deterministic, decode=decode,
+                             kv_positions=kv_positions)
         return self.embed.attend(x_BTD) if self.tie_embeddings else self.lm_head(x_BTD)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from transformer import masks
 from transformer.layers import OutputHead, TokenEmbedding, TransformerConfig, TransformerStack
+from transformer.models.gpt import decode_mask
 
 Array = jax.Array
 
@@ -61,11 +62,24 @@ class EncoderDecoder(nn.Module):
         return self.encoder(self.embed(tokens_BS), mask, positions, deterministic=deterministic)
 
     def decode(self, encoded_BSD, decoder_tokens_BT, *, encoder_segment_ids=None,
-               decoder_segment_ids=None, decoder_positions=None, deterministic=True):
-        """Decoder inputs [B, T] (BOS-shifted targets) over encoded [B, S, D] -> logits."""
-        self_mask = masks.Causal()
-        if decoder_segment_ids is not None:
-            self_mask = self_mask & masks.Segment(decoder_segment_ids)
+               decoder_segment_ids=None, decoder_positions=None, deterministic=True,
+               decode=False, cache_length=None):
+        """Decoder inputs [B, T] (BOS-shifted targets) over encoded [B, S, D] -> logits.
+
+        `decode=True` runs on the KV cache like `DecoderLM` (slots = `decoder_positions`); the
+        call given `encoded_BSD` caches the cross-attention keys/values, later calls pass None.
+        """
+        kv_positions = None
+        if decode:
+            if decoder_positions is None or decoder_segment_ids is not None:
+                raise ValueError("decode=True needs decoder_positions [B, T] (the cache slots) "
+                                 "and no decoder_segment_ids")
+            self_mask, kv_positions = decode_mask(
+                decoder_positions, cache_length or decoder_tokens_BT.shape[1])
+        else:
+            self_mask = masks.Causal()
+            if decoder_segment_ids is not None:
+                self_mask = self_mask & masks.Segment(decoder_segment_ids)
         cross_mask = None
         if encoder_segment_ids is not None:
             dec_ids = (jnp.ones_like(decoder_tokens_BT) if decoder_segment_ids is None
@@ -73,7 +87,8 @@ class EncoderDecoder(nn.Module):
             cross_mask = masks.Segment(dec_ids, encoder_segment_ids)
         x_BTD = self.decoder(self.embed(decoder_tokens_BT), self_mask, decoder_positions,
                              encoded=encoded_BSD, cross_mask=cross_mask,
-                             deterministic=deterministic)
+                             deterministic=deterministic, decode=decode,
+                             kv_positions=kv_positions)
         if self.scale_output:
             x_BTD = x_BTD * self.decoder_config.d_model**-0.5
         return self.embed.attend(x_BTD) if self.tie_embeddings else self.lm_head(x_BTD)
