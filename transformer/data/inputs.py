@@ -11,7 +11,9 @@ import json
 import os
 
 import grain
+import jax
 import ml_collections
+from jax.experimental import multihost_utils
 
 from transformer.data import pipeline, sources
 from transformer.data import tokenizers as tokenizers_lib
@@ -36,10 +38,15 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
     """The experiment's tokenizer: the one saved in `workdir`, else built and saved there.
 
     A resumed run and an evaluation thus always use the tokenizer the run started with. Char and
-    SentencePiece tokenizers are trained on the train split only.
+    SentencePiece tokenizers are trained on the train split only (deterministically, so every
+    process of a multi-host run builds the same one; process 0 saves it).
     """
     saved = os.path.join(workdir, TOKENIZER_DIR) if workdir else None
-    if saved and os.path.isdir(saved):
+    # Written last (atomically), so its presence means the tokenizer was saved completely.
+    exists = bool(saved) and os.path.isfile(os.path.join(saved, tokenizers_lib.CONFIG_FILE))
+    if jax.process_count() > 1:  # every process looks before process 0 may write
+        multihost_utils.sync_global_devices("transformer.data.inputs.get_tokenizer")
+    if exists:
         return tokenizers_lib.load_tokenizer(saved)
     if prepared := _prepared_dir(config):
         tokenizer = tokenizers_lib.load_tokenizer(prepared)
@@ -49,7 +56,7 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
         tokenizer = tokenizers_lib.build_tokenizer(
             kind, texts, vocab_size=config.data.vocab_size or None,
             num_sentinels=config.data.num_sentinels)
-    if saved:
+    if saved and jax.process_index() == 0:  # the others built the same one
         tokenizer.save(saved)
     return tokenizer
 
