@@ -262,3 +262,32 @@ def test_mask_spec_is_traced_per_loop_body_not_per_tile():
     finally:
         masks.Causal._allowed = original
     assert 1 <= traced["n"] <= 2  # forward PARTIAL loop and backward PARTIAL loop, 36 tiles
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi"])
+def test_a_model_with_chunked_attention_equals_the_dense_model(position):
+    """`model.attention_impl="chunked"`: same params, same logits and gradients (packed rows)."""
+    from transformer.configs import base_config
+    from transformer.models import build_model
+
+    config = base_config().model
+    config.update(family="gpt", vocab_size=50, num_layers=2, d_model=32, num_heads=4,
+                  num_kv_heads=2, d_ff=64, position=position)
+    dense = build_model(config)
+    config.attention_impl = "chunked"
+    chunked = build_model(config)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 50, (2, 37)), jnp.int32)
+    segments = jnp.asarray(np.repeat([[1] * 20 + [2] * 17], 2, axis=0), jnp.int32)
+    params = dense.init(jax.random.key(0), tokens)["params"]
+
+    def loss(model, p):
+        logits = model.apply({"params": p}, tokens, segment_ids=segments)
+        return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
+
+    (_, dense_logits), dense_grads = jax.value_and_grad(
+        lambda p: loss(dense, p), has_aux=True)(params)
+    (_, chunked_logits), chunked_grads = jax.value_and_grad(
+        lambda p: loss(chunked, p), has_aux=True)(params)
+    np.testing.assert_allclose(chunked_logits, dense_logits, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(dense_grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer import positions as positions_lib
+from transformer.chunked_attention import chunked_attention
 from transformer.masks import Mask, as_dense
 
 Array = jax.Array
@@ -131,6 +132,9 @@ class MultiHeadAttention(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     cross: bool = False  # cross-attention: under decode, K/V are cached once and reused
+    # "dense" (dot_product_attention) or "chunked" (O(T) memory; falls back to dense for
+    # attention dropout and when the weights are requested)
+    impl: str = "dense"
 
     @nn.compact
     def __call__(
@@ -201,13 +205,19 @@ class MultiHeadAttention(nn.Module):
             value_BSKH = self._cache("value", value_BSKH, q_positions)
 
         dropout = self.dropout_rate if not deterministic else 0.0
-        out_BTNH, weights_BNTS = dot_product_attention(
-            query_BTNH, key_BSKH, value_BSKH, mask, bias,
-            scale=self.scale,
-            dropout_rate=dropout,
-            dropout_rng=self.make_rng("dropout") if dropout > 0.0 else None,
-            return_weights=True,
-        )
+        weights_BNTS = None
+        if self.impl == "chunked" and not (dropout or return_weights or
+                                           self.is_mutable_collection("intermediates")):
+            out_BTNH = chunked_attention(query_BTNH, key_BSKH, value_BSKH, mask, bias,
+                                         scale=self.scale)
+        else:
+            out_BTNH, weights_BNTS = dot_product_attention(
+                query_BTNH, key_BSKH, value_BSKH, mask, bias,
+                scale=self.scale,
+                dropout_rate=dropout,
+                dropout_rng=self.make_rng("dropout") if dropout > 0.0 else None,
+                return_weights=True,
+            )
         if self.is_mutable_collection("intermediates"):
             self.sow("intermediates", "attention_weights", weights_BNTS)
 

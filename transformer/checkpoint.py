@@ -16,7 +16,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 # Model settings that may change between a checkpoint and the run restoring it.
-_NON_STRUCTURAL = {"dropout_rate", "attention_dropout_rate", "remat_policy", "dtype"}
+_NON_STRUCTURAL = {"dropout_rate", "attention_dropout_rate", "remat_policy", "dtype",
+                   "attention_impl"}
 
 
 def structural_differences(saved: dict, current: dict) -> list[str]:

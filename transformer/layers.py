@@ -72,6 +72,7 @@ class TransformerConfig:
     param_dtype: Any = jnp.float32
     scan_layers: bool = False
     remat_policy: str = "none"  # none | full | dots | dots_no_batch
+    attention_impl: str = "dense"  # dense | chunked (O(T) memory, see chunked_attention.py)
 
     def __post_init__(self):
         for name in ("num_layers", "d_model", "num_heads", "d_ff", "max_len"):
@@ -82,6 +83,7 @@ class TransformerConfig:
         _check_choice("position", self.position, POSITIONS)
         _check_choice("rope_layout", self.rope_layout, ("half", "interleaved"))
         _check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+        _check_choice("attention_impl", self.attention_impl, ("dense", "chunked"))
         if self.num_kv_heads is not None:
             _check_positive("num_kv_heads", self.num_kv_heads)
             if self.num_heads % self.num_kv_heads:
@@ -202,6 +204,7 @@ class TransformerBlock(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             cross=not is_self,
+            impl=cfg.attention_impl,
             name=name,
         )
 
