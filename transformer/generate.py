@@ -458,6 +458,15 @@ def _as_batch(prompts, lengths, vocab_size: int) -> tuple[np.ndarray, np.ndarray
     return batch.astype(np.int32), lengths.astype(np.int32)
 
 
+def _check_seed_and_eos(seed, eos_id) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not (
+            -2**31 <= seed < 2**31):
+        raise ValueError(f"seed={seed!r}: expected an int32")
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(
+            eos_id, numbers.Integral) or eos_id < 0):
+        raise ValueError(f"eos_id={eos_id!r}: expected a token id >= 0 or None")
+
+
 def _learned_max_len(config) -> int | None:
     return config.max_len if config.position == "learned" else None
 
@@ -514,9 +523,7 @@ def decode(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarr
     program = _program(model, inputs.shape[1], max_new_tokens, prefix_lm=prefix_lm)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size={chunk_size!r}: expected an int >= 1 or None")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not (
-            -2**31 <= seed < 2**31):
-        raise ValueError(f"seed={seed!r}: expected an int32")
+    _check_seed_and_eos(seed, eos_id)
     n = int(max_new_tokens)
     mode, knobs = _split(s, eos_id)
     state = _prefill(params, inputs, lengths, np.int32(seed), knobs, program=program, mode=mode,
@@ -550,6 +557,7 @@ def beam_search(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.
     if not isinstance(length_penalty, int | float) or not (
             math.isfinite(length_penalty) and length_penalty >= 0):
         raise ValueError(f"length_penalty={length_penalty!r}: expected a finite float >= 0")
+    _check_seed_and_eos(0, eos_id)
     inputs, lengths = _as_batch(prompts, lengths, model.vocab_size)
     program = _program(model, inputs.shape[1], max_new_tokens, prefix_lm=prefix_lm,
                        repeat=beam_size)
@@ -563,23 +571,18 @@ def beam_search(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.
 # --- text ---------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("apply_fn", "length", "temperature"))
-def _sample_loop(params, buffer, start, rng, *, apply_fn, length, temperature):
+@functools.partial(jax.jit, static_argnames=("apply_fn", "length", "mode"))
+def _sample_loop(params, buffer, start, seed, knobs, *, apply_fn, length, mode):
     """Fills buffer[:, start:length] one token at a time, rerunning the whole prefix per token
     (models without a KV cache: the LSTM)."""
+    keys = jax.random.split(jax.random.key(seed), buffer.shape[0])
 
-    def step(t, carry):
-        buffer, rng = carry
+    def step(t, buffer):
         logits = apply_fn(params, buffer)[:, t - 1]  # position t - 1 predicts token t
-        rng, key = jax.random.split(rng)
-        if temperature == 0.0:
-            token = jnp.argmax(logits, axis=-1)
-        else:
-            token = jax.random.categorical(key, logits / temperature)
-        return buffer.at[:, t].set(token.astype(buffer.dtype)), rng
+        keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
+        return buffer.at[:, t].set(_pick(logits, keys_B, mode, knobs).astype(buffer.dtype))
 
-    buffer, _ = jax.lax.fori_loop(start, length, step, (buffer, rng))
-    return buffer
+    return jax.lax.fori_loop(start, length, step, buffer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -608,6 +611,7 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     """
     family = config.model.family
     s = sampling(temperature, top_k, top_p)
+    _check_seed_and_eos(seed, None)
     if isinstance(model, EncoderDecoder):
         prompt_ids = np.concatenate([tokenizer.encode(prompt), [EOS_ID]]).astype(np.int32)
         keep = np.zeros(0, np.int32)
@@ -625,9 +629,9 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
         length = len(prompt_ids) + n
         buffer = np.zeros((num_samples, length), np.int32)
         buffer[:, :len(prompt_ids)] = prompt_ids
-        out = _sample_loop(params, jnp.asarray(buffer), len(prompt_ids), jax.random.key(seed),
-                           apply_fn=_ApplyTokens(model), length=length,
-                           temperature=s.temperature)
+        mode, knobs = _split(s)
+        out = _sample_loop(params, jnp.asarray(buffer), len(prompt_ids), np.int32(seed), knobs,
+                           apply_fn=_ApplyTokens(model), length=length, mode=mode)
         texts = to_texts(np.asarray(out)[:, len(prompt_ids):])
         if callback is not None:
             callback(texts)

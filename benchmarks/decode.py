@@ -1,0 +1,109 @@
+"""KV-cache decoding speed against Hugging Face transformers, same model and weights.
+
+    python benchmarks/decode.py [--batch_sizes=1,8] [--new_tokens=128] [--prompt_len=16]
+        [--layers=6 --d_model=384 --heads=6 --vocab=50257 --context=256] [--repeats=3]
+
+Builds a GPT-2-shaped `GPT2LMHeadModel` (seeded random weights), converts it with
+`transformer.convert.from_hf`, and times greedy decoding of `new_tokens` tokens from random
+`prompt_len`-token prompts with `transformer.generate.decode` (prefill + jitted while loop) and
+with HF `generate` (do_sample=False, min_new_tokens=new_tokens so neither stops early; torch on
+2 threads). After a warm-up the two alternate for `repeats` runs and each shows its best run
+(the least disturbed by other load on the machine); the JAX compile time (first call minus a
+typical run) is shown separately. Prints tokens/s (batch x new tokens / wall time) per batch
+size, the ratio, and whether both produced the same tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+import torch
+import transformers
+from absl import app, flags
+
+from transformer import convert, generate
+from transformer.models import build_model
+
+_BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes to time.")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Tokens generated per row.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per row.")
+_LAYERS = flags.DEFINE_integer("layers", 6, "Transformer blocks.")
+_D_MODEL = flags.DEFINE_integer("d_model", 384, "Model width.")
+_HEADS = flags.DEFINE_integer("heads", 6, "Attention heads.")
+_VOCAB = flags.DEFINE_integer("vocab", 50257, "Vocabulary size.")
+_CONTEXT = flags.DEFINE_integer("context", 256, "Context length (learned positions).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per setting (the best is shown).")
+_THREADS = flags.DEFINE_integer("torch_threads", 2, "torch.set_num_threads.")
+
+
+def seconds(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def main(argv) -> None:
+    del argv
+    torch.set_num_threads(_THREADS.value)
+    torch.manual_seed(0)
+    hf_config = transformers.GPT2Config(
+        n_layer=_LAYERS.value, n_embd=_D_MODEL.value, n_head=_HEADS.value,
+        vocab_size=_VOCAB.value, n_positions=_CONTEXT.value, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0)
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    model_config, params = convert.from_hf(hf_config, hf.state_dict())
+    model = build_model(model_config)
+    params = jax.device_put(params)
+    n, p = _NEW_TOKENS.value, _PROMPT_LEN.value
+    num_params = sum(x.numel() for x in hf.parameters())
+    print(f"GPT-2 shape: {_LAYERS.value} layers, d_model {_D_MODEL.value}, {_HEADS.value} heads, "
+          f"vocab {_VOCAB.value}, context {_CONTEXT.value} ({num_params / 1e6:.1f}M params); "
+          f"greedy, {p}-token prompts, {n} new tokens; best of {_REPEATS.value} runs; "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
+
+    rows = []
+    for batch in map(int, _BATCH_SIZES.value):
+        prompts = np.random.default_rng(batch).integers(1, _VOCAB.value, (batch, p))
+
+        def run_jax(prompts=prompts):
+            return generate.decode(model, params, prompts, max_new_tokens=n, eos_id=None)[0]
+
+        first, _ = seconds(run_jax)  # compile + one run
+        ids = torch.from_numpy(prompts)
+        mask = torch.ones_like(ids)
+
+        def run_hf(tokens=n, ids=ids, mask=mask):
+            with torch.inference_mode():
+                return hf.generate(ids, attention_mask=mask, max_new_tokens=tokens,
+                                   min_new_tokens=tokens, do_sample=False, pad_token_id=0,
+                                   eos_token_id=0)[:, p:].numpy()
+
+        run_hf(8)  # warm-up
+        jax_times, hf_times = [], []
+        for _ in range(_REPEATS.value):  # alternate, so load from elsewhere hits both alike
+            t, ours = seconds(run_jax)
+            jax_times.append(t)
+            t, theirs = seconds(run_hf)
+            hf_times.append(t)
+        jax_seconds, hf_seconds = min(jax_times), min(hf_times)
+        compile_seconds = first - statistics.median(jax_times)
+        same = np.array_equal(ours, theirs)
+        agree = (ours == theirs).mean()
+        rows.append((batch, batch * n / jax_seconds, compile_seconds, batch * n / hf_seconds,
+                     hf_seconds / jax_seconds, same, agree))
+
+    print()
+    print("| batch | ours tokens/s | ours compile s | HF tokens/s | ratio | same tokens |")
+    print("| ---: | ---: | ---: | ---: | ---: | :--- |")
+    for batch, ours_tps, compile_s, hf_tps, ratio, same, agree in rows:
+        match = "yes" if same else f"no ({agree:.1%} of tokens agree)"
+        print(f"| {batch} | {ours_tps:,.0f} | {compile_s:.1f} | {hf_tps:,.0f} | {ratio:.2f}x | "
+              f"{match} |")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,301 @@
+"""Generation: sampling filters and their statistics, the while-loop drivers on fake models,
+KV-cache decoding of batched prompts of different lengths (gpt, prefix_lm, t5), beam search
+against brute force, streaming, text sampling and argument errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from transformer import generate
+from transformer.data import tokenizers
+from transformer.models import build_model, default_model_config
+
+VOCAB = 48
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Tiny untrained models with spread-out logits (init_std=1), one per cached family."""
+    out = {}
+    for family, position in (("gpt", "learned"), ("prefix_lm", "rope"), ("t5", "t5")):
+        config = default_model_config()
+        config.update(family=family, num_layers=2, d_model=32, num_heads=4, d_ff=64,
+                      vocab_size=VOCAB, position=position, max_len=32, init_std=1.0)
+        if family == "t5":
+            config.num_layers = 1
+        model = build_model(config)
+        tokens = jnp.ones((1, 4), jnp.int32)
+        args = (tokens, tokens) if family == "t5" else (tokens,)
+        out[family] = model, jax.jit(model.init)(jax.random.key(0), *args)["params"]
+    return out
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11]]  # different lengths: the batch pads the second
+
+
+# --- sampling filters ---------------------------------------------------------------------------
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3]]))
+    kept = lambda **kw: np.flatnonzero(generate.kept_tokens(logits, **kw)[0]).tolist()
+    assert kept(top_p=0.4) == [1]  # 0.4 alone reaches 0.4
+    assert kept(top_p=0.41) == [1, 3]
+    assert kept(top_p=0.7) == [1, 3]  # exactly reached (up to rounding)
+    assert kept(top_p=0.71) == [1, 2, 3]
+    assert kept(top_p=0.05) == [1]  # the best token is always kept
+    assert kept(top_p=1.0) == [0, 1, 2, 3]
+    assert kept(top_k=2) == [1, 3]
+    assert kept(top_k=3, top_p=0.6) == [1, 3]  # top-p over the renormalized top 3: 4/9 < 0.6
+    ties = jnp.zeros((1, 4))  # four tokens of 0.25: the lower ids win, deterministically
+    assert np.flatnonzero(generate.kept_tokens(ties, top_p=0.5)[0]).tolist() == [0, 1]
+    assert np.flatnonzero(generate.kept_tokens(ties, top_k=3)[0]).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.75)])
+def test_sampled_frequencies_match_the_filtered_softmax(top_k, top_p):
+    """Chi-square over 40k draws from one fixed logits vector, drawn in one vectorised call."""
+    probs = np.array([0.3, 0.25, 0.2, 0.1, 0.08, 0.05, 0.02])
+    logits = np.log(probs) * 2.0  # temperature 2 recovers `probs`
+    n = 40_000
+    tokens = generate.sample_tokens(jnp.broadcast_to(jnp.asarray(logits, jnp.float32),
+                                                     (n, len(probs))),
+                                    jax.random.key(1), temperature=2.0, top_k=top_k, top_p=top_p)
+    counts = np.bincount(np.asarray(tokens), minlength=len(probs))
+    keep = np.ones(len(probs), bool)
+    if top_k:
+        keep[top_k:] = False
+    if top_p < 1.0:  # cumulative 0.3, 0.55, 0.75: the first three reach 0.75
+        keep[3:] = False
+    assert counts[~keep].sum() == 0
+    expected = probs[keep] / probs[keep].sum() * n
+    assert stats.chisquare(counts[keep], expected).pvalue > 1e-3
+
+
+def test_greedy_picks_the_argmax_and_low_temperature_converges_to_it():
+    logits = jax.random.normal(jax.random.key(0), (64, 50)) * 3
+    greedy = generate.sample_tokens(logits, jax.random.key(0), temperature=0.0)
+    np.testing.assert_array_equal(greedy, jnp.argmax(logits, -1))
+    for kw in (dict(temperature=1e-6), dict(temperature=1.0, top_k=1),
+               dict(temperature=1.0, top_p=1e-3)):
+        np.testing.assert_array_equal(
+            generate.sample_tokens(logits, jax.random.key(3), **kw), greedy, err_msg=str(kw))
+
+
+# --- the loops on fake models -------------------------------------------------------------------
+
+
+def _counting_step(params, context, cache, tokens_B1, positions_B1):
+    """A fake model: the next token is (token + context) % V; the cache records the positions
+    it was fed at and how many steps ran."""
+    positions, steps = cache
+    rows = jnp.arange(tokens_B1.shape[0])
+    positions = positions.at[rows, steps].set(positions_B1[:, 0])
+    logits = jax.nn.one_hot((tokens_B1[:, 0] + context) % 10, 10) * 10.0
+    return logits, (positions, steps + 1)
+
+
+def test_generate_tokens_loop_stops_at_eos_and_max_length():
+    first = jax.nn.one_hot(jnp.array([3, 7]), 10) * 10.0
+    cache = (jnp.full((2, 8), -1), jnp.zeros((), jnp.int32))
+    run = jax.jit(lambda first, cache, start: generate.generate_tokens(
+        _counting_step, None, jnp.array([1, 2]), cache, first, start, max_new_tokens=6,
+        eos_id=9))
+    tokens, lengths = run(first, cache, jnp.array([4, 2]))
+    # Row 0 counts up by 1 from 3 and stops at 9; row 1 by 2 from 7: 7, 9 (EOS), then pads.
+    np.testing.assert_array_equal(tokens, [[3, 4, 5, 6, 7, 8], [7, 9, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(lengths, [6, 2])
+    no_eos = jax.jit(lambda first, cache: generate.generate_tokens(
+        _counting_step, None, jnp.array([1, 2]), cache, first, jnp.array([4, 2]),
+        max_new_tokens=4, eos_id=None))
+    np.testing.assert_array_equal(no_eos(first, cache)[0], [[3, 4, 5, 6], [7, 9, 1, 3]])
+
+
+def test_generate_tokens_feeds_positions_and_exits_once_every_row_is_done():
+    first = jax.nn.one_hot(jnp.array([7, 8]), 10) * 10.0
+    mode, knobs = generate._split(generate.Sampling(), eos_id=9)
+    state = generate._start_state((jnp.full((2, 8), -1), jnp.zeros((), jnp.int32)),
+                                  jnp.array([1, 1]), first, jnp.array([4, 2]), 0, knobs,
+                                  max_new_tokens=8, mode=mode)
+    state = generate._run(_counting_step, None, state, 8, mode)
+    positions, steps = state.cache
+    assert int(steps) == 2 and int(state.step) == 3  # row 0: 7 8 9, row 1: 8 9; then stop
+    np.testing.assert_array_equal(positions[:, :2], [[4, 5], [2, 3]])
+
+
+def _history_step(params, context, cache, tokens_B1, positions_B1):
+    """A fake model whose next-token logits depend on the whole history held in its cache, so
+    beam search must reorder the cache rows with the beams."""
+    rows = jnp.arange(tokens_B1.shape[0])
+    cache = cache.at[rows, positions_B1[:, 0]].set(tokens_B1[:, 0])
+    code = (cache * jnp.array([1, 5, 25, 125])).sum(1) % params.shape[0] + context
+    return params[code % params.shape[0]], cache
+
+
+def _best_by_enumeration(table, first_logits, context, alpha, eos_id, n):
+    """The highest-scoring sequence over every sequence of up to n tokens (EOS only last)."""
+    vocab = table.shape[1]
+    logp = lambda x: np.asarray(jax.nn.log_softmax(jnp.asarray(x, jnp.float32)))
+    best, best_score = None, -np.inf
+    for length in range(1, n + 1):
+        for seq in itertools.product(range(vocab), repeat=length):
+            if eos_id in seq[:-1] or (length < n and seq[-1] != eos_id):
+                continue
+            history, total = np.zeros(4, np.int64), logp(first_logits)[seq[0]]
+            for t in range(1, length):
+                history[t] = seq[t - 1]
+                code = (history * np.array([1, 5, 25, 125])).sum() % len(table) + context
+                total += logp(table[code % len(table)])[seq[t]]
+            score = total / generate.length_penalty_factor(length, alpha)
+            if score > best_score:
+                best, best_score = list(seq) + [0] * (n - length), score
+    return best, best_score
+
+
+@pytest.mark.parametrize("alpha", [0.0, 2.0])
+def test_beam_search_with_every_prefix_kept_finds_the_best_sequence(alpha):
+    vocab, n, eos_id, batch = 4, 3, 2, 2
+    beam = vocab ** (n - 1)  # wide enough to keep every prefix: the search is exhaustive
+    table = np.asarray(jax.random.normal(jax.random.key(2), (11, vocab)) * 1.5)
+    first = np.asarray(jax.random.normal(jax.random.key(3), (batch, vocab)))
+    context = np.array([0, 3])
+    rows = lambda x: jnp.repeat(jnp.asarray(x), beam, axis=0)
+    search = jax.jit(lambda: generate.beam_search_tokens(
+        _history_step, jnp.asarray(table), rows(context), jnp.zeros((batch * beam, 4), jnp.int32),
+        rows(first), jnp.ones(batch * beam, jnp.int32), beam_size=beam, max_new_tokens=n,
+        length_penalty=alpha, eos_id=eos_id))
+    tokens, lengths, scores = search()
+    for b in range(batch):
+        want, want_score = _best_by_enumeration(table, first[b], context[b], alpha, eos_id, n)
+        assert tokens[b].tolist() == want
+        assert lengths[b] == (want.index(eos_id) + 1 if eos_id in want else n)
+        np.testing.assert_allclose(scores[b], want_score, rtol=1e-5)
+
+
+# --- models -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["gpt", "prefix_lm", "t5"])
+def test_batched_prompts_of_different_lengths_decode_as_alone(models, family):
+    model, params = models[family]
+    kw = dict(max_new_tokens=6, prefix_lm=family == "prefix_lm")
+    tokens, lengths = generate.decode(model, params, PROMPTS, **kw)
+    assert tokens.shape == (2, 6)
+    for prompt, row in zip(PROMPTS, tokens, strict=True):
+        alone, _ = generate.decode(model, params, [prompt], **kw)
+        np.testing.assert_array_equal(alone[0], row)
+    again, _ = generate.decode(model, params, PROMPTS, **kw)
+    np.testing.assert_array_equal(again, tokens)  # greedy is deterministic
+    if family != "t5":  # the cached tokens are the full forward's argmax, token by token
+        seq = list(PROMPTS[0]) + tokens[0].tolist()
+        kwargs = dict(prefix_lengths=jnp.array([5])) if family == "prefix_lm" else {}
+        logits = jax.jit(model.apply)({"params": params}, jnp.array([seq[:-1]]), **kwargs)
+        np.testing.assert_array_equal(jnp.argmax(logits[0, 4:], -1), tokens[0])
+
+
+def test_decode_stops_each_row_at_eos_and_sampling_is_seeded(models):
+    model, params = models["gpt"]
+    greedy, _ = generate.decode(model, params, PROMPTS, max_new_tokens=6, eos_id=None)
+    eos = int(greedy[0, 2])
+    tokens, lengths = generate.decode(model, params, PROMPTS, max_new_tokens=6, eos_id=eos)
+    first_eos = [int(np.flatnonzero(np.append(r, eos) == eos)[0]) for r in greedy]
+    for row, full, end in zip(tokens, greedy, first_eos, strict=True):
+        np.testing.assert_array_equal(row[:end + 1], full[:end + 1])
+        assert (row[end + 1:] == tokenizers.PAD_ID).all()
+    assert lengths.tolist() == [min(e + 1, 6) for e in first_eos]
+    for kw in (dict(temperature=1e-6), dict(temperature=1.0, top_k=1)):
+        same, _ = generate.decode(model, params, PROMPTS, max_new_tokens=6, eos_id=None, **kw)
+        np.testing.assert_array_equal(same, greedy, err_msg=str(kw))
+    same_prompt = [PROMPTS[0], PROMPTS[0]]  # the shapes of PROMPTS: no new compile
+    sample = lambda seed: generate.decode(model, params, same_prompt, max_new_tokens=6,
+                                          temperature=1.0, seed=seed, eos_id=None)[0]
+    a = sample(0)
+    np.testing.assert_array_equal(a, sample(0))
+    assert not np.array_equal(a, sample(1))
+    assert not np.array_equal(a[0], a[1])  # the same prompt in two rows draws differently
+
+
+def test_streaming_in_chunks_gives_the_same_tokens(models):
+    model, params = models["gpt"]
+    seen = []
+    tokens, _ = generate.decode(model, params, PROMPTS, max_new_tokens=7, temperature=1.0,
+                                top_p=0.9, seed=3, eos_id=None, chunk_size=3,
+                                callback=seen.append)
+    whole, _ = generate.decode(model, params, PROMPTS, max_new_tokens=7, temperature=1.0,
+                               top_p=0.9, seed=3, eos_id=None)
+    np.testing.assert_array_equal(tokens, whole)
+    assert [s.shape[1] for s in seen] == [1, 4, 7]
+    np.testing.assert_array_equal(seen[-1], tokens)
+
+
+def test_t5_beam_search_scores_are_length_penalized_log_probabilities(models):
+    model, params = models["t5"]
+    tokens, lengths, scores = generate.beam_search(model, params, PROMPTS, beam_size=3,
+                                                   max_new_tokens=6, length_penalty=0.6)
+    alone = generate.beam_search(model, params, PROMPTS[1:], beam_size=3, max_new_tokens=6,
+                                 length_penalty=0.6)  # the prompt the batch pads
+    np.testing.assert_array_equal(alone[0][0], tokens[1])
+    np.testing.assert_allclose(alone[2][0], scores[1], rtol=1e-5)
+    # Teacher-forced log-probabilities of the returned sequences (both rows in one batch).
+    encoder_inputs, encoder_lengths = generate._as_batch(PROMPTS, None, VOCAB)
+    segments = (np.arange(encoder_inputs.shape[1]) < encoder_lengths[:, None]).astype(np.int32)
+    decoder_inputs = np.concatenate([np.full((2, 1), tokenizers.BOS_ID), tokens[:, :-1]], 1)
+    logits = jax.jit(model.apply)({"params": params}, encoder_inputs, decoder_inputs,
+                                  encoder_segment_ids=segments)
+    logp = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, -1)),
+                              tokens[:, :, None], -1)[:, :, 0]
+    logp = (logp * (np.arange(6) < lengths[:, None])).sum(1)
+    np.testing.assert_allclose(
+        scores, logp / generate.length_penalty_factor(lengths, 0.6), rtol=1e-4)
+    # One beam is greedy among the non-EOS continuations: greedy up to greedy's first EOS.
+    greedy, _ = generate.decode(model, params, PROMPTS, max_new_tokens=6)
+    one_beam, _, _ = generate.beam_search(model, params, PROMPTS, beam_size=1,
+                                          max_new_tokens=6, length_penalty=0.0)
+    for row, beam_row in zip(greedy, one_beam, strict=True):
+        stop = int(np.flatnonzero(np.append(row, tokenizers.EOS_ID) == tokenizers.EOS_ID)[0])
+        np.testing.assert_array_equal(beam_row[:stop], row[:stop])
+
+
+def test_sample_texts():
+    tokenizer = tokenizers.ByteTokenizer(num_sentinels=0)
+    small = default_model_config()
+    small.update(vocab_size=tokenizer.vocab_size, num_layers=1, d_model=16, num_heads=2,
+                 d_ff=32)
+    config = type("Config", (), {})()
+    config.seq_len, config.model = 12, small
+    for family in ("gpt", "lstm"):
+        small.family = family
+        model = build_model(small)
+        params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"]
+        texts = generate.sample_texts(model, params, tokenizer, config, num_samples=2,
+                                      prompt="ab", seed=1)
+        assert len(texts) == 2 and all(t.startswith("ab") for t in texts), texts
+        assert texts == generate.sample_texts(model, params, tokenizer, config, num_samples=2,
+                                              prompt="ab", seed=1)
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.5), r"temperature=-0.5: expected a finite float >= 0"),
+    (dict(top_p=0.0), r"top_p=0.0: expected a float in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p=1.5: expected a float in \(0, 1\]"),
+    (dict(top_k=-1), r"top_k=-1: expected an int >= 0"),
+    (dict(max_new_tokens=0), r"max_new_tokens=0: expected an int >= 1"),
+    (dict(max_new_tokens=29), r"prompt of 5 tokens \+ max_new_tokens=29 - 1 = 33 positions: "
+                              r"expected <= the model's max_len=32"),
+    (dict(prompts=[[1], []]), r"prompt lengths \[1, 0\]: expected every prompt"),
+    (dict(prompts=[[1, VOCAB]]), rf"prompt token {VOCAB}: expected ids in \[0, {VOCAB}\)"),
+])
+def test_bad_arguments_fail_before_compiling(models, kwargs, match):
+    model, params = models["gpt"]
+    kwargs = {"prompts": PROMPTS, "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        generate.decode(model, params, kwargs.pop("prompts"), **kwargs)
