@@ -180,8 +180,8 @@ class MultiHeadAttention(nn.Module):
 
         query_BTNH = project("query", inputs_q, self.num_heads, ("embed", "heads", "kv"))
         if reuse_kv:
-            key_BSKH = self.variable("cache", "cross_key").value
-            value_BSKH = self.variable("cache", "cross_value").value
+            key_BSKH = self._cached("cross_key")
+            value_BSKH = self._cached("cross_value")
         else:
             key_BSKH = project("key", inputs_kv, num_kv_heads, ("embed", "kv_heads", "kv"))
             value_BSKH = project("value", inputs_kv, num_kv_heads, ("embed", "kv_heads", "kv"))
@@ -230,7 +230,12 @@ class MultiHeadAttention(nn.Module):
             (self.num_heads, self.head_dim, d_model),
             self.param_dtype,
         )
-        out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, w_out.astype(self.dtype))
+        # One [B*T, N*H] x [N*H, D] matmul: the 3-index einsum made XLA CPU transpose W_out on
+        # every call (measurable in per-token decoding).
+        batch, length = out_BTNH.shape[:2]
+        out_BTD = (out_BTNH.reshape(batch, length, self.num_heads * self.head_dim).astype(
+            self.dtype) @ w_out.reshape(self.num_heads * self.head_dim, d_model).astype(
+            self.dtype))
         if self.use_bias:
             b_out = self.param(
                 "out_bias",
@@ -241,20 +246,29 @@ class MultiHeadAttention(nn.Module):
             out_BTD = out_BTD + b_out.astype(self.dtype)
         return (out_BTD, weights_BNTS) if return_weights else out_BTD
 
-    def _cache(self, name: str, new: Array, slots_BT: Array | None) -> Array:
+    def _cache(self, name: str, new_BTKH: Array, slots_BT: Array | None) -> Array:
         """Cache buffer `name` with `new` [B, T, K, H] written at slots `slots_BT` [B, T] (or
-        replacing it, when None). Inside `init` the buffer is only created, shaped like `new`."""
+        replacing it, when None), returned as [B, L, K, H]. Inside `init` the buffer is only
+        created, shaped like `new`. Buffers are stored [B, K, L, H], the layout the attention
+        dots read without a transpose per step."""
         initialized = self.has_variable("cache", name)
-        buffer = self.variable("cache", name, jnp.zeros, new.shape, new.dtype)
+        new_BKTH = new_BTKH.transpose(0, 2, 1, 3)
+        buffer = self.variable("cache", name, jnp.zeros, new_BKTH.shape, new_BKTH.dtype)
         if not initialized:
-            return new
-        new = new.astype(buffer.value.dtype)
+            return new_BTKH
+        new_BKTH = new_BKTH.astype(buffer.value.dtype)
         if slots_BT is None:
-            buffer.value = new
+            buffer.value = new_BKTH
         else:
-            rows = jnp.arange(new.shape[0])[:, None]
-            buffer.value = buffer.value.at[rows, slots_BT].set(new)
-        return buffer.value
+            batch, heads = new_BKTH.shape[:2]
+            rows = jnp.arange(batch)[:, None, None]
+            kv_heads = jnp.arange(heads)[None, :, None]
+            buffer.value = buffer.value.at[rows, kv_heads, slots_BT[:, None, :]].set(new_BKTH)
+        return buffer.value.transpose(0, 2, 1, 3)
+
+    def _cached(self, name: str) -> Array:
+        """A cache buffer as [B, L, K, H], for decode steps that only read it."""
+        return self.variable("cache", name).value.transpose(0, 2, 1, 3)
 
 
 def _default_positions(positions: Array | None, length: int) -> Array:
