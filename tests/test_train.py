@@ -364,6 +364,27 @@ def test_evaluate_restores_a_saved_workdir(experiment_runs, tmp_path):
 # --- 5. structural restore check ------------------------------------------------------------
 
 
+def test_generate_cli_continues_a_prompt_from_a_saved_workdir(experiment_runs, tmp_path):
+    """The generation CLI loads the latest checkpoint and tokenizer: greedy decoding of a GPT
+    equals the library call on the same params; a T5 run answers with beam search."""
+    from transformer import generate
+
+    workdir, result = experiment_runs("gpt_tiny.py")
+    assert_succeeded(result)
+    run = run_cli("transformer.generate", f"--workdir={workdir}", "--prompt=def",
+                  "--temperature=0", "--max_new_tokens=6", logs=tmp_path)
+    assert_succeeded(run)
+    model, params, tokenizer, config = generate.load_workdir(str(workdir))
+    expected = generate.sample_texts(model, params, tokenizer, config, num_samples=1,
+                                     prompt="def", temperature=0.0, max_new_tokens=6)[0]
+    assert expected.strip() and expected in run.stdout
+    workdir, result = experiment_runs("t5_span.py")
+    assert_succeeded(result)
+    beam = run_cli("transformer.generate", f"--workdir={workdir}", "--prompt=import os",
+                   "--beam_size=2", "--max_new_tokens=4", logs=tmp_path)
+    assert_succeeded(beam)
+
+
 def test_restore_names_structural_differences(experiment_runs):
     workdir, result = experiment_runs("gpt_tiny.py")
     assert_succeeded(result)
