@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer import positions as positions_lib
-from transformer.chunked_attention import chunked_attention
+from transformer.chunked_attention import check_qkv, chunked_attention
 from transformer.masks import Mask, as_dense
 
 Array = jax.Array
@@ -46,15 +46,9 @@ def dot_product_attention(
     Logits and softmax are float32 for every lower-precision input dtype. Masked keys get exactly
     zero weight, and a query row with no allowed key returns zeros (its gradient is finite).
     """
+    check_qkv(query, key, value)
     batch, q_len, num_heads, head_dim = query.shape
     _, kv_len, num_kv_heads, _ = key.shape
-    if key.shape != value.shape or key.shape[0] != batch or key.shape[3] != head_dim:
-        raise ValueError(
-            f"query {query.shape}, key {key.shape}, value {value.shape}: expected query "
-            "[B, T, N, H] and key == value shape [B, S, K, H]"
-        )
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads: expected a multiple of {num_kv_heads} kv heads")
     group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
     acc = jnp.promote_types(query.dtype, jnp.float32)  # float32, or float64 for float64 inputs

@@ -99,3 +99,21 @@ class Manager:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collections.ConfigDict]:
+    """(step, resolved config) of checkpoint `step` (default: the latest complete one) of a
+    training workdir, with one-line errors for a workdir without (that) checkpoint."""
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise FileNotFoundError(f"{workdir!r} holds no checkpoints: expected a training workdir")
+    probe = Manager(workdir, ml_collections.ConfigDict())
+    try:
+        steps = probe.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"{workdir!r} holds no complete checkpoint")
+        step = max(steps) if step is None else step
+        if step not in steps:
+            raise ValueError(f"step={step}: expected one of the saved steps {steps}")
+        return step, ml_collections.ConfigDict(probe.saved_config(step))
+    finally:
+        probe.close()

@@ -444,9 +444,10 @@ def _backward(t: _Tiles, q, k, v, mask_args, bias_args, out, lse, d_out):
 # Public entry point
 
 
-def _prepare(query, key, value, mask, bias, scale, q_chunk, kv_chunk):
-    batch, q_len, num_heads, head_dim = query.shape
-    _, kv_len, num_kv_heads, _ = key.shape
+def check_qkv(query, key, value) -> None:
+    """One-line errors unless query is [B, T, N, H] and key == value [B, S, K, H], K | N."""
+    batch, _, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[2]
     if key.shape != value.shape or key.shape[0] != batch or key.shape[3] != head_dim:
         raise ValueError(
             f"query {query.shape}, key {key.shape}, value {value.shape}: expected query "
@@ -454,6 +455,11 @@ def _prepare(query, key, value, mask, bias, scale, q_chunk, kv_chunk):
         )
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads: expected a multiple of {num_kv_heads} kv heads")
+
+
+def _prepare(query, key, value, mask, bias, scale, q_chunk, kv_chunk):
+    check_qkv(query, key, value)
+    q_len, kv_len = query.shape[1], key.shape[1]
     if mask is not None and not isinstance(mask, Mask):
         mask = as_dense(mask, q_len, kv_len)  # validates: bool, 4D
     t = _Tiles(query.shape, key.shape, query.dtype, mask, bias, scale, q_chunk, kv_chunk)

@@ -12,7 +12,6 @@ import json
 import os
 
 import jax
-import ml_collections
 
 from transformer import checkpoint as checkpoint_lib
 from transformer import sharding
@@ -24,17 +23,7 @@ from transformer.models import build_model
 def evaluate_workdir(workdir: str, step: int | None = None,
                      eval_steps: int | None = None) -> dict[str, float]:
     """Restores `step` (default: the latest) of the run in `workdir` and evaluates it."""
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        raise FileNotFoundError(f"{workdir!r} holds no checkpoints: expected a training workdir")
-    probe = checkpoint_lib.Manager(workdir, ml_collections.ConfigDict())
-    steps = probe.all_steps()
-    if not steps:
-        raise FileNotFoundError(f"{workdir!r} holds no complete checkpoint")
-    step = max(steps) if step is None else step
-    if step not in steps:
-        raise ValueError(f"step={step}: expected one of the saved steps {steps}")
-    config = ml_collections.ConfigDict(probe.saved_config(step))
-    probe.close()
+    step, config = checkpoint_lib.saved_run(workdir, step)
     tokenizer = inputs.get_tokenizer(config, workdir)
     model = build_model(config.model)
     optimizer = train_lib.make_optimizer(config)

@@ -666,7 +666,6 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
 def load_workdir(workdir: str, step: int | None = None):
     """(model, params, tokenizer, config) of checkpoint `step` (default: the latest) of a
     training workdir, with the tokenizer saved beside the checkpoints."""
-    import ml_collections
 
     from transformer import checkpoint as checkpoint_lib
     from transformer import sharding
@@ -674,17 +673,7 @@ def load_workdir(workdir: str, step: int | None = None):
     from transformer.data import inputs
     from transformer.models import build_model
 
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        raise FileNotFoundError(f"{workdir!r} holds no checkpoints: expected a training workdir")
-    probe = checkpoint_lib.Manager(workdir, ml_collections.ConfigDict())
-    steps = probe.all_steps()
-    if not steps:
-        raise FileNotFoundError(f"{workdir!r} holds no complete checkpoint")
-    step = max(steps) if step is None else step
-    if step not in steps:
-        raise ValueError(f"step={step}: expected one of the saved steps {steps}")
-    config = ml_collections.ConfigDict(probe.saved_config(step))
-    probe.close()
+    step, config = checkpoint_lib.saved_run(workdir, step)
     tokenizer = tokenizers_lib.load_tokenizer(os.path.join(workdir, inputs.TOKENIZER_DIR))
     model = build_model(config.model)
     # Param shapes do not depend on the batch: a one-row dummy batch stands in for the data.
