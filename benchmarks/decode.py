@@ -11,6 +11,10 @@ with HF `generate` (do_sample=False, min_new_tokens=new_tokens so neither stops 
 (the least disturbed by other load on the machine); the JAX compile time (first call minus a
 typical run) is shown separately. Prints tokens/s (batch x new tokens / wall time) per batch
 size, the ratio, and whether both produced the same tokens.
+
+Batch-1 decoding reads every weight once per token, so it is bound by memory bandwidth: the
+script also measures the bandwidth (a jitted sum over a buffer the size of the weights) and
+prints the resulting ceiling, weight bytes / bandwidth per token, next to the measured speed.
 """
 
 from __future__ import annotations
@@ -45,6 +49,14 @@ def seconds(fn) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
+def read_time(num_bytes: int, repeats: int = 20) -> float:
+    """Best time of a jitted sum over a float32 buffer of `num_bytes` (one read of each byte)."""
+    buffer = jax.numpy.ones((num_bytes // 4,), jax.numpy.float32)
+    total = jax.jit(lambda x: x.sum())
+    total(buffer).block_until_ready()
+    return min(seconds(lambda: total(buffer).block_until_ready())[0] for _ in range(repeats))
+
+
 def main(argv) -> None:
     del argv
     torch.set_num_threads(_THREADS.value)
@@ -65,7 +77,11 @@ def main(argv) -> None:
           f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
 
-    rows = []
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    read_seconds = read_time(weight_bytes)
+    bandwidth, ceiling = weight_bytes / read_seconds, 1 / read_seconds
+
+    rows, hf_token_seconds = [], None
     for batch in map(int, _BATCH_SIZES.value):
         prompts = np.random.default_rng(batch).integers(1, _VOCAB.value, (batch, p))
 
@@ -93,6 +109,8 @@ def main(argv) -> None:
         compile_seconds = first - statistics.median(jax_times)
         same = np.array_equal(ours, theirs)
         agree = (ours == theirs).mean()
+        if batch == 1:
+            hf_token_seconds = hf_seconds / n
         rows.append((batch, batch * n / jax_seconds, compile_seconds, batch * n / hf_seconds,
                      hf_seconds / jax_seconds, same, agree))
 
@@ -103,7 +121,11 @@ def main(argv) -> None:
         match = "yes" if same else f"no ({agree:.1%} of tokens agree)"
         print(f"| {batch} | {ours_tps:,.0f} | {compile_s:.1f} | {hf_tps:,.0f} | {ratio:.2f}x | "
               f"{match} |")
-
+    line = (f"\nMemory-bandwidth ceiling at batch 1: {weight_bytes / 1e6:.0f} MB of weights read "
+            f"per token at {bandwidth / 1e9:.1f} GB/s (measured) = {ceiling:,.0f} tokens/s at most")
+    if hf_token_seconds:
+        line += f", {ceiling * hf_token_seconds:.2f}x HF's batch-1 speed"
+    print(line + ".")
 
 if __name__ == "__main__":
     app.run(main)
