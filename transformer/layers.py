@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from transformer import positions as positions_lib
 from transformer import sharding
-from transformer.attention import MultiHeadAttention, projection_init
+from transformer.attention import MultiHeadAttention, matmul, projection_init
 from transformer.masks import Mask
 
 Array = jax.Array
@@ -154,7 +154,7 @@ class MLP(nn.Module):
                 (x.shape[-1], features),
                 cfg.param_dtype,
             )
-            y = x @ kernel.astype(cfg.dtype)
+            y = matmul(x, kernel, dtype=cfg.dtype)
             if cfg.use_bias:
                 b = self.param(f"{name}_bias",
                                nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
@@ -349,10 +349,8 @@ class TokenEmbedding(nn.Module):
 
     def attend(self, x_BTD: Array) -> Array:
         """Logits x E^T, accumulated in float32 (at least): [B, T, D] -> [B, T, V]."""
-        logits_BTV = jnp.einsum("btd,vd->btv", x_BTD.astype(self.dtype),
-                                self.embedding.astype(self.dtype),
-                                preferred_element_type=jnp.promote_types(self.dtype,
-                                                                         jnp.float32))
+        logits_BTV = matmul(x_BTD, self.embedding.T, dtype=self.dtype,
+                            preferred_element_type=jnp.promote_types(self.dtype, jnp.float32))
         return sharding.constrain(logits_BTV, sharding.LOGITS)
 
 
@@ -371,8 +369,8 @@ class OutputHead(nn.Module):
         kernel = self.param("kernel", nn.with_logical_partitioning(
             projection_init(self.init_std, 0, 1), self.names), (x.shape[-1], self.features),
             self.param_dtype)
-        y = jnp.einsum("...d,dv->...v", x.astype(self.dtype), kernel.astype(self.dtype),
-                       preferred_element_type=jnp.promote_types(self.dtype, jnp.float32))
+        y = matmul(x, kernel, dtype=self.dtype,
+                   preferred_element_type=jnp.promote_types(self.dtype, jnp.float32))
         if self.use_bias:
             y = y + self.param("bias", nn.with_logical_partitioning(
                 nn.initializers.zeros, self.names[1:]), (self.features,), self.param_dtype)

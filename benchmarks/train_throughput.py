@@ -1,0 +1,200 @@
+"""Train-step throughput against karpathy/nanoGPT (PyTorch) on this machine, same model.
+
+    python benchmarks/train_throughput.py --nanogpt_dir=PATH/TO/nanoGPT [--shapes=small,medium]
+        [--steps=10] [--repeats=3] [--torch_threads=2]
+
+Both sides train the same GPT: GPT-2 style (pre-LN, GELU (erf) MLP 4x wide, learned positions,
+tied embeddings, no biases), character vocabulary of 65, dropout 0, AdamW (weight decay on
+matrices) with global-norm clipping at 1.0, on the same random tokens. Ours is the real jitted
+`train.make_train_step` from `experiments/gpt_shakespeare_char.py`; nanoGPT's is its `model.py`
+and `configure_optimizers` imported from a local checkout (`--nanogpt_dir`; nothing of it is
+copied here): forward, backward, clip, step, zero_grad, exactly its train.py loop body.
+
+Shapes: `small` = 4 layers / 4 heads / 128 wide, context 64, batch 12 (nanoGPT's CPU recipe);
+`medium` = 6/6/384, context 256, batch 8. After a warm-up the two alternate `repeats` times,
+`steps` steps each, and each shows its best run. Also prints model FLOPs per step (6 N per token
+plus attention scores, the PaLM formula), the achieved FLOP/s, and the float32 matmul peak each
+framework reaches on this machine (2048^2), so MFU is against a measured peak.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+
+from absl import app, flags
+
+_NANOGPT = flags.DEFINE_string("nanogpt_dir", None, "A checkout of karpathy/nanoGPT.")
+_SHAPES = flags.DEFINE_list("shapes", ["small", "medium"], "small, medium.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Train steps per timed run.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per side (the best is shown).")
+_THREADS = flags.DEFINE_integer("torch_threads", 2, "torch.set_num_threads.")
+_OURS_ONLY = flags.DEFINE_bool("ours_only", False, "Skip nanoGPT (for profiling ours).")
+
+SHAPES = {  # layers, heads, width, context, batch
+    "small": (4, 4, 128, 64, 12),
+    "medium": (6, 6, 384, 256, 8),
+}
+VOCAB = 65
+
+
+def ours(shape, tokens):
+    """A `step()` that runs one jitted train step of this project, and its parameter count."""
+    import jax
+    import numpy as np
+
+    from transformer import sharding, train
+    from transformer.models import build_model
+
+    layers, heads, width, context, batch = shape
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "gpt_shakespeare_char", os.path.join(root, "experiments", "gpt_shakespeare_char.py"))
+    experiment = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(experiment)
+    config = experiment.get_config("cpu")
+    config.update(batch_size=batch, seq_len=context)
+    config.model.update(num_layers=layers, num_heads=heads, d_model=width, d_ff=4 * width,
+                        max_len=context, vocab_size=VOCAB, dropout_rate=0.0,
+                        activation="gelu")  # nanoGPT's nn.GELU() is the exact (erf) GELU
+    model = build_model(config.model)
+    optimizer = train.make_optimizer(config)
+    x, y = tokens
+    features = {"inputs": x, "targets": y, "weights": np.ones(x.shape, np.float32),
+                "segment_ids": np.ones(x.shape, np.int32),
+                "positions": np.broadcast_to(np.arange(context, dtype=np.int32), x.shape)}
+    placement = train.Placement(sharding.make_mesh(config.mesh), batch)
+    init = train.init_fn(model, config, optimizer, features)
+    _, state_sharding, jit_init = sharding.sharded_init(init, placement.mesh, jax.random.key(0))
+    state = jit_init(jax.random.key(0))
+    with placement.context():
+        step_fn = placement.jit_train_step(train.make_train_step(model, config, optimizer),
+                                           state_sharding)
+        batch_arrays = placement.global_batch(features)
+    num_params = sum(p.size for p in jax.tree.leaves(state.params))
+    holder = [state]
+
+    def step(n):
+        with placement.context():
+            s = holder[0]
+            for _ in range(n):
+                s, metrics = step_fn(s, batch_arrays)
+            metrics["loss"].block_until_ready()
+            holder[0] = s
+        return float(metrics["loss"])
+
+    return step, num_params
+
+
+def nanogpt(shape, tokens, directory):
+    """The same `step()` for nanoGPT's model and optimizer, imported from `directory`."""
+    import torch
+
+    sys.path.insert(0, directory)
+    from model import GPT, GPTConfig  # nanoGPT's model.py
+
+    layers, heads, width, context, batch = shape
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=context, vocab_size=VOCAB, n_layer=layers, n_head=heads,
+                          n_embd=width, dropout=0.0, bias=False))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+    x, y = (torch.from_numpy(t.astype("int64")) for t in tokens)
+
+    def step(n):
+        for _ in range(n):
+            _, loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return step
+
+
+def timed(step, n):
+    start = time.perf_counter()
+    loss = step(n)
+    return time.perf_counter() - start, loss
+
+
+def matmul_peaks(size=2048, repeats=20):
+    """Float32 FLOP/s of a size^2 matmul in XLA and in torch on this machine."""
+    import jax
+    import numpy as np
+    import torch
+
+    a = np.random.default_rng(0).standard_normal((size, size), np.float32) / np.sqrt(size)
+    xla = jax.jit(lambda x: x @ x)
+    x = jax.device_put(a)
+    xla(x).block_until_ready()
+    xla_seconds = min(timed(lambda n: xla(x).block_until_ready(), 1)[0] for _ in range(repeats))
+    t = torch.from_numpy(a)
+    for _ in range(3):
+        t @ t
+    torch_seconds = min(timed(lambda n: t @ t, 1)[0] for _ in range(repeats))
+    flops = 2 * size**3
+    return flops / xla_seconds, flops / torch_seconds
+
+
+def main(argv) -> None:
+    del argv
+    import jax
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if not _OURS_ONLY.value and not (_NANOGPT.value and
+                                     os.path.exists(os.path.join(_NANOGPT.value, "model.py"))):
+        raise app.UsageError(f"--nanogpt_dir={_NANOGPT.value!r}: expected a checkout of "
+                             "karpathy/nanoGPT (a directory with model.py), or --ours_only")
+    for name in _SHAPES.value:
+        if name not in SHAPES:
+            raise app.UsageError(f"--shapes: {name!r} is not one of {sorted(SHAPES)}")
+    torch.set_num_threads(_THREADS.value)
+    xla_peak, torch_peak = matmul_peaks()
+    print(f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} "
+          f"threads); float32 matmul 2048^2 peak: XLA {xla_peak / 1e9:.0f} GFLOP/s, torch "
+          f"{torch_peak / 1e9:.0f} GFLOP/s; {_STEPS.value} steps per run, best of "
+          f"{_REPEATS.value}")
+
+    rows = []
+    for name in _SHAPES.value:
+        shape = SHAPES[name]
+        layers, heads, width, context, batch = shape
+        rng = np.random.default_rng(0)
+        tokens = (rng.integers(0, VOCAB, (batch, context), dtype=np.int32),
+                  rng.integers(0, VOCAB, (batch, context), dtype=np.int32))
+        ours_step, num_params = ours(shape, tokens)
+        sides = {"ours": ours_step}
+        if not _OURS_ONLY.value:
+            sides["nanoGPT"] = nanogpt(shape, tokens, os.path.abspath(_NANOGPT.value))
+        compile_seconds, _ = timed(ours_step, 1)
+        for step in sides.values():
+            step(2)  # warm-up
+        best = {side: float("inf") for side in sides}
+        for _ in range(_REPEATS.value):  # alternate, so load from elsewhere hits both alike
+            for side, step in sides.items():
+                best[side] = min(best[side], timed(step, _STEPS.value)[0] / _STEPS.value)
+        # Embedding params are looked up, not multiplied: count the tied table once (the head).
+        flops = (6 * num_params + 12 * layers * width * context) * batch * context
+        rows.append((name, shape, best, flops, compile_seconds))
+
+    print()
+    print("| shape | layers/heads/width, context, batch | side | ms/step | tokens/s | ratio | "
+          "GFLOP/s | MFU of XLA peak |")
+    print("| :--- | :--- | :--- | ---: | ---: | ---: | ---: | ---: |")
+    for name, (layers, heads, width, context, batch), best, flops, _ in rows:
+        for side, seconds in best.items():
+            ratio = best.get("nanoGPT", seconds) / seconds
+            print(f"| {name} | {layers}/{heads}/{width}, {context}, {batch} | {side} | "
+                  f"{seconds * 1e3:.1f} | {batch * context / seconds:,.0f} | {ratio:.2f}x | "
+                  f"{flops / seconds / 1e9:.0f} | {flops / seconds / xla_peak:.0%} |")
+    print("\nratio = nanoGPT's ms/step / this side's; compile time of ours (first step): " +
+          ", ".join(f"{name} {c:.1f} s" for name, *_, c in rows))
+
+
+if __name__ == "__main__":
+    app.run(main)
