@@ -479,3 +479,76 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
     for name in ("loss", "accuracy", "num_tokens"):
         assert results[2]["summary"][name] == pytest.approx(results[1]["summary"][name],
                                                             rel=1e-5), name
+
+
+def test_bfloat16_compute_tracks_float32_training(tmp_path):
+    """Mixed precision (params float32, matmuls in bfloat16, softmax and loss in float32) gives
+    the float32 run's losses within bfloat16 rounding over several steps, and leaves the params
+    (and the optimizer's updates to them) in float32."""
+    losses, params = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        config = tiny_config(steps=6, optimizer=dict(warmup_steps=1, learning_rate=3e-3))
+        config.model.dtype = dtype
+        workdir = tmp_path / dtype
+        result = train.train_and_evaluate(config, str(workdir))
+        losses[dtype] = train_losses(workdir)
+        params[dtype] = flat(jax.device_get(result["state"].params))
+    assert losses["float32"].keys() == losses["bfloat16"].keys() == set(range(1, 7))
+    first, last = losses["float32"][1], losses["float32"][6]
+    assert last < first - 0.05  # float32 really trained, so tracking it means something
+    for step, loss in losses["float32"].items():
+        assert losses["bfloat16"][step] == pytest.approx(loss, rel=2e-2), step
+    assert all(v.dtype == np.float32 for v in params["bfloat16"].values())
+    changed = [k for k in params["float32"]
+               if not np.array_equal(params["float32"][k], params["bfloat16"][k])]
+    assert changed  # bfloat16 compute really ran (it rounds differently)
+
+
+def _damage(step_dir: Path, how: str) -> None:
+    state = step_dir / "state"
+    if how == "truncate":  # every data file of the saved arrays cut in half
+        for f in (state / "ocdbt.process_0" / "d").iterdir():
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    else:  # "delete": the arrays' metadata file is gone
+        (state / "_METADATA").unlink()
+
+
+def test_damaged_checkpoints_fall_back_to_the_newest_usable_one(tmp_path, caplog):
+    """A truncated newest step and a step with a deleted file are skipped with warnings naming
+    them and moved to checkpoints.damaged/; the run resumes from the newest usable step and ends
+    bitwise equal to an uninterrupted run. With every step damaged it refuses to start fresh
+    (and touches nothing) until fresh_start=True, which sets the checkpoints aside."""
+    config = tiny_config(steps=6, checkpoint_every=2)
+    reference = flat(jax.device_get(
+        train.train_and_evaluate(config, str(tmp_path / "reference"))["state"].params))
+    workdir = tmp_path / "run"
+    train.train_and_evaluate(config, str(workdir))
+    assert checkpoint_steps(workdir) == [2, 4, 6]
+    _damage(workdir / "checkpoints" / "6", "truncate")
+    _damage(workdir / "checkpoints" / "4", "delete")
+    with caplog.at_level("WARNING"):
+        resumed = train.train_and_evaluate(config, str(workdir))
+    warnings = [r.getMessage() for r in caplog.records if " is unusable" in r.getMessage()]
+    assert len(warnings) == 2 and "checkpoints/6 is unusable" in warnings[0], warnings
+    assert "checkpoints/4 is unusable" in warnings[1], warnings
+    assert sorted(p.name.split("-")[0] for p in (workdir / "checkpoints.damaged").iterdir()) \
+        == ["4", "6"]
+    assert checkpoint_steps(workdir) == [2, 4, 6]  # 4 and 6 saved again by the resumed run
+    resumed = flat(jax.device_get(resumed["state"].params))
+    for key, value in reference.items():
+        np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+
+    for step in (2, 4, 6):
+        _damage(workdir / "checkpoints" / str(step), "delete")
+    before = snapshot(workdir / "checkpoints")
+    with pytest.raises(RuntimeError, match=r"no usable checkpoint .*step 6 .*step 4 .*step 2 "
+                                           r".*fresh_start=True"):
+        train.train_and_evaluate(config, str(workdir))
+    assert snapshot(workdir / "checkpoints") == before
+    config.fresh_start = True
+    fresh = flat(jax.device_get(train.train_and_evaluate(config, str(workdir))["state"].params))
+    for key, value in reference.items():
+        np.testing.assert_array_equal(fresh[key], value, err_msg=key)
+    aside = [p for p in workdir.iterdir() if p.name.startswith("checkpoints.set-aside-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()
+                                      if p.name.isdigit()) == ["2", "4", "6"]

@@ -4,16 +4,28 @@ A checkpoint holds everything needed to continue exactly: params, optimizer stat
 per-step RNG is derived from the seed and the step), the data iterator's position and the
 config. The tokenizer lives beside the checkpoints in the workdir. Restoring checks that the
 structural settings of the checkpoint and the current config agree, and names every difference.
+
+Orbax writes each step into a temporary directory and renames it when complete, so a run killed
+mid-write leaves no half-written step behind. A complete step whose files were later damaged
+(truncated, deleted) fails to restore: `restore_latest` then falls back to the previous step
+with a warning naming the error (moving the damaged step to WORKDIR/checkpoints.damaged/, so the
+run can save that step again), and raises if no step is usable. It never starts fresh over a
+workdir that holds checkpoints; `set_aside` (config `fresh_start=True`) moves them out of the way
+instead, so nothing saved is deleted.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import time
 
 import grain
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 # Model settings that may change between a checkpoint and the run restoring it.
 _NON_STRUCTURAL = {"dropout_rate", "attention_dropout_rate", "remat_policy", "dtype",
@@ -40,6 +52,10 @@ def structural_differences(saved: dict, current: dict) -> list[str]:
     if saved_tok != current_tok:
         differences.append(f"data.tokenizer: checkpoint {saved_tok!r}, config {current_tok!r}")
     return differences
+
+
+class ConfigMismatch(ValueError):
+    """A checkpoint was written by a different model or tokenizer than the config asks for."""
 
 
 class Manager:
@@ -80,7 +96,7 @@ class Manager:
         naming every structural difference between that checkpoint and the current config."""
         differences = structural_differences(self.saved_config(step), self.config.to_dict())
         if differences:
-            raise ValueError(f"checkpoint {self.directory}/{step} does not match the config: "
+            raise ConfigMismatch(f"checkpoint {self.directory}/{step} does not match the config: "
                              + "; ".join(differences))
         target = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -91,14 +107,61 @@ class Manager:
         return self._manager.restore(step, args=ocp.args.Composite(**items))["state"]
 
     def restore_latest(self, abstract_state, shardings, iterator=None):
-        step = self.latest_step()
-        if step is None:
-            return None
-        return self.restore(step, abstract_state, shardings, iterator)
+        """The newest usable checkpoint's state (None if there are none), falling back past
+        damaged ones with a warning; an error if every one is unusable. A checkpoint of a
+        different model is an error at once (it is not damage)."""
+        failures, damaged = [], []
+        for step in reversed(self.all_steps()):
+            try:
+                state = self.restore(step, abstract_state, shardings, iterator)
+            except ConfigMismatch:
+                raise
+            except Exception as error:  # noqa: BLE001 - damaged files raise many types
+                while error.__cause__ is not None:  # the root cause names the bad file
+                    error = error.__cause__
+                reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
+                failures.append(f"step {step} ({reason})")
+                logging.warning("checkpoint %s/%d is unusable (%s); trying the previous one",
+                                self.directory, step, reason)
+                damaged.append(step)
+                continue
+            if damaged:
+                self._set_aside_damaged(damaged)
+            return state
+        if failures:
+            raise RuntimeError(f"no usable checkpoint in {self.directory}: " +
+                               "; ".join(failures) + ". Fix or move them, or set "
+                               "fresh_start=True to set them aside and start from step 0")
+        return None
+
+    def _set_aside_damaged(self, steps: list[int]) -> None:
+        """Moves damaged step directories to WORKDIR/checkpoints.damaged/ (kept for inspection,
+        out of the way of the steps this run will save again)."""
+        if jax.process_index() == 0:
+            target = f"{self.directory}.damaged"
+            os.makedirs(target, exist_ok=True)
+            for step in steps:
+                name = f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+                shutil.move(os.path.join(self.directory, str(step)), os.path.join(target, name))
+                logging.warning("moved the unusable checkpoint %d to %s/%s", step, target, name)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("transformer.checkpoint.set_aside_damaged")
+        self._manager.reload()
 
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def set_aside(workdir: str) -> str | None:
+    """Renames WORKDIR/checkpoints to checkpoints.set-aside-<time> (for an explicit fresh start);
+    returns the new path, or None if there were none. Nothing is deleted."""
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    if not os.path.isdir(directory) or not os.listdir(directory):
+        return None
+    target = f"{directory}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
+    shutil.move(directory, target)
+    return target
 
 
 def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collections.ConfigDict]:

@@ -22,6 +22,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.eval_steps = 20
     config.checkpoint_every = 500
     config.keep_checkpoints = 3
+    config.fresh_start = False  # True: set the workdir's checkpoints aside and start at step 0
     config.nonfinite = "stop"  # NaN/Inf loss or grads: stop (keep the last good checkpoint) | skip
     config.max_nonfinite_skips = 10  # with "skip": stop after this many bad steps in a row
     config.z_loss = 0.0

@@ -149,7 +149,7 @@ def make_train_step(model, config, optimizer):
             loss = loss_sum / denominator
             metrics = {"loss": loss, "perplexity": jnp.exp(loss),
                        "accuracy": correct / denominator, "num_tokens": tokens}
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         params_finite = jax.tree.reduce(
@@ -339,6 +339,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     optimizer = make_optimizer(config)
 
     placement = Placement(sharding.make_mesh(config.mesh), config.batch_size)
+    if config.get("fresh_start") and is_main:
+        moved = checkpoint_lib.set_aside(workdir)
+        if moved:
+            print(f"fresh_start: moved the existing checkpoints to {moved}")
+    _sync("fresh_start")
     train_data = iter(inputs.get_dataset(config, tokenizer, "train", rows=placement.rows))
     manager = checkpoint_lib.Manager(workdir, config)
     start_position = train_data.get_state()  # peek at one batch for shapes, then rewind
@@ -434,6 +439,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             json.dump(summary, f, indent=2)
     return {"summary": summary, "state": state, "model": model, "tokenizer": tokenizer,
             "config": config}
+
+
+def _sync(name: str) -> None:
+    """All processes wait here (a no-op with one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"transformer.train.{name}")
 
 
 def _agreed(flag: bool) -> bool:
