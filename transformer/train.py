@@ -203,16 +203,37 @@ def _format_eta(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def _keep_records_up_to(path: str, step: int) -> None:
+    """Drops the metrics a killed run logged after its last checkpoint (they are trained and
+    logged again on resume) and any line it left half-written; rewrites the file atomically."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
 class _Logger:
     """Metrics to JSONL + TensorBoard (process 0), progress lines to the terminal."""
 
-    def __init__(self, workdir: str, enabled: bool):
+    def __init__(self, workdir: str, enabled: bool, start_step: int = 0):
         self.enabled = enabled
         self.interactive = sys.stdout.isatty()
         if enabled:
             from tensorboardX import SummaryWriter
 
-            self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
+            path = os.path.join(workdir, "metrics.jsonl")
+            _keep_records_up_to(path, start_step)
+            self.jsonl = open(path, "a")  # noqa: SIM115
             self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
     def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
@@ -365,7 +386,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     eval_step = placement.jit_eval_step(make_eval_step(model, config), state_sharding.params)
     validation_bytes_per_token = functools.cache(
         lambda: inputs.bytes_per_token(config, tokenizer, "validation"))
-    logger = _Logger(workdir, is_main)
+    logger = _Logger(workdir, is_main, start_step)
     logger.print(f"{config.experiment}: {config.model.family}, {num_params:,} params, "
                  f"batch {config.batch_size} x {config.seq_len}, "
                  f"steps {start_step}..{config.steps}, workdir {workdir}")
