@@ -552,3 +552,31 @@ def test_damaged_checkpoints_fall_back_to_the_newest_usable_one(tmp_path, caplog
     aside = [p for p in workdir.iterdir() if p.name.startswith("checkpoints.set-aside-")]
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()
                                       if p.name.isdigit()) == ["2", "4", "6"]
+
+
+def test_a_failed_checkpoint_write_is_reported_and_keeps_the_previous_one(tmp_path,
+                                                                          monkeypatch):
+    """Disk full while saving step 4 (an injected ENOSPC from Orbax): the run stops with an
+    error naming the step, the cause and the intact checkpoints; step 2 stays restorable and a
+    rerun resumes from it."""
+    import errno
+
+    original = ocp.CheckpointManager.save
+
+    def save(self, step, *args, **kwargs):
+        if step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, step, *args, **kwargs)
+
+    config = tiny_config(steps=6, checkpoint_every=2)
+    workdir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(ocp.CheckpointManager, "save", save)
+        with pytest.raises(OSError, match=r"checkpoint step 4 .*No space left on device.*"
+                                          r"checkpoints \[2\] are intact"):
+            train.train_and_evaluate(config, str(workdir))
+    assert checkpoint_steps(workdir) == [2]
+    assert int(load_state(workdir, 2)["step"]) == 2
+    result = train.train_and_evaluate(config, str(workdir))
+    assert result["summary"]["step"] == 6 and checkpoint_steps(workdir) == [2, 4, 6]
+    assert sorted(train_losses(workdir)) == list(range(1, 7))

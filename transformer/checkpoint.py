@@ -82,10 +82,18 @@ class Manager:
     def save(self, step: int, state, iterator) -> None:
         if step in self._manager.all_steps():
             return
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=grain.checkpoint.CheckpointSave(iterator),
-            config=ocp.args.JsonSave(self.config.to_dict())))
+        try:  # also raises an earlier async write's error
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=grain.checkpoint.CheckpointSave(iterator),
+                config=ocp.args.JsonSave(self.config.to_dict())))
+        except OSError as error:
+            raise self._write_error(f"step {step}", error) from error
+
+    def _write_error(self, what: str, error: OSError) -> OSError:
+        return OSError(error.errno, f"writing checkpoint {what} to {self.directory} failed "
+                       f"({error.strerror or error}); the complete checkpoints "
+                       f"{self.all_steps()} are intact")
 
     def saved_config(self, step: int) -> dict:
         return self._manager.restore(step, args=ocp.args.Composite(
@@ -149,8 +157,12 @@ class Manager:
         self._manager.reload()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self._manager.wait_until_finished()
+        except OSError as error:
+            raise self._write_error("(async)", error) from error
+        finally:
+            self._manager.close()
 
 
 def set_aside(workdir: str) -> str | None:
