@@ -580,3 +580,27 @@ def test_a_failed_checkpoint_write_is_reported_and_keeps_the_previous_one(tmp_pa
     result = train.train_and_evaluate(config, str(workdir))
     assert result["summary"]["step"] == 6 and checkpoint_steps(workdir) == [2, 4, 6]
     assert sorted(train_losses(workdir)) == list(range(1, 7))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(model=dict(num_heads=3)), r"d_model=32: expected a multiple of num_heads=3"),
+    (dict(model=dict(num_heads=4, num_kv_heads=3)), r"num_kv_heads=3: expected a divisor"),
+    (dict(seq_len=128, model=dict(position="learned", max_len=64)),
+     r"seq_len=128: expected <= model.max_len=64"),
+    (dict(mesh=dict(data=3)), r"mesh data=3 .* expected the 1 devices available"),
+    (dict(steps=0), r"steps=0: expected a positive int"),
+    (dict(batch_size=3, optimizer=dict(grad_accumulation_steps=2)), r"batch_size=3: expected "
+     r"a multiple of grad_accumulation_steps=2"),
+    (dict(nonfinite="ignore"), r"nonfinite='ignore'"),
+    (dict(optimizer=dict(decay="step")), r"optimizer.decay='step'"),
+])
+def test_config_values_get_one_line_errors_before_anything_runs(overrides, message):
+    config = tiny_config()
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            config[key].update(value)
+        else:
+            config[key] = value
+    with pytest.raises(ValueError, match=message) as error:
+        train.validate_config(config)
+    assert "\n" not in str(error.value)

@@ -514,6 +514,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                          f"size {data_parallel} (mesh.data x mesh.fsdp)")
     if config.get("nonfinite", "stop") not in ("stop", "skip"):
         raise ValueError(f"nonfinite={config.nonfinite!r}: expected 'stop' or 'skip'")
+    if config.model.get("position") == "learned" and config.seq_len > config.model.max_len:
+        raise ValueError(f"seq_len={config.seq_len}: expected <= model.max_len="
+                         f"{config.model.max_len}, the learned position table's size")
     pipeline.objective_for(config)
     learning_rate_schedule(config.optimizer, config.steps)
     build_model(config.model)  # validates the architecture (TransformerConfig) up front
