@@ -264,9 +264,13 @@ def test_mask_spec_is_traced_per_loop_body_not_per_tile():
     assert 1 <= traced["n"] <= 2  # forward PARTIAL loop and backward PARTIAL loop, 36 tiles
 
 
-@pytest.mark.parametrize("position", ["rope", "alibi"])
-def test_a_model_with_chunked_attention_equals_the_dense_model(position):
-    """`model.attention_impl="chunked"`: same params, same logits and gradients (packed rows)."""
+@pytest.mark.parametrize("impl, position, length", [
+    ("chunked", "rope", 37), ("chunked", "alibi", 37),
+    ("splash", "rope", 128),  # the Pallas TPU kernel in interpret mode; lengths of 128k
+])
+def test_a_model_with_chunked_attention_equals_the_dense_model(impl, position, length):
+    """`model.attention_impl="chunked"` (or "splash"): same params, same logits and gradients
+    as the dense model, on packed rows (segment ids + causal)."""
     from transformer.configs import base_config
     from transformer.models import build_model
 
@@ -274,10 +278,12 @@ def test_a_model_with_chunked_attention_equals_the_dense_model(position):
     config.update(family="gpt", vocab_size=50, num_layers=2, d_model=32, num_heads=4,
                   num_kv_heads=2, d_ff=64, position=position)
     dense = build_model(config)
-    config.attention_impl = "chunked"
+    config.attention_impl = impl
     chunked = build_model(config)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 50, (2, 37)), jnp.int32)
-    segments = jnp.asarray(np.repeat([[1] * 20 + [2] * 17], 2, axis=0), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 50, (2, length)), jnp.int32)
+    first = length * 5 // 9
+    segments = jnp.asarray(np.repeat([[1] * first + [2] * (length - first)], 2, axis=0),
+                           jnp.int32)
     params = dense.init(jax.random.key(0), tokens)["params"]
 
     def loss(model, p):

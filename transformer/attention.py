@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer import kernels
 from transformer import positions as positions_lib
 from transformer.chunked_attention import check_qkv, chunked_attention
 from transformer.masks import Mask, as_dense
@@ -226,10 +227,17 @@ class MultiHeadAttention(nn.Module):
 
         dropout = self.dropout_rate if not deterministic else 0.0
         weights_BNTS = None
-        if self.impl == "chunked" and not (dropout or return_weights or
-                                           self.is_mutable_collection("intermediates")):
+        impl = self._kernel(query_BTNH, key_BSKH, mask, bias, dropout, return_weights)
+        if impl == "chunked":
             out_BTNH = chunked_attention(query_BTNH, key_BSKH, value_BSKH, mask, bias,
                                          scale=self.scale)
+        elif impl == "splash":
+            out_BTNH = kernels.splash_attention(  # off TPU: Pallas interpret mode (tests)
+                query_BTNH, key_BSKH, value_BSKH, mask, scale=self.scale,
+                interpret=jax.default_backend() != "tpu")
+        elif impl == "cudnn":
+            out_BTNH = kernels.cudnn_attention(query_BTNH, key_BSKH, value_BSKH, mask,
+                                               scale=self.scale)
         else:
             out_BTNH, weights_BNTS = dot_product_attention(
                 query_BTNH, key_BSKH, value_BSKH, mask, bias,
@@ -280,6 +288,23 @@ class MultiHeadAttention(nn.Module):
             kv_heads = jnp.arange(heads)[None, :, None]
             buffer.value = buffer.value.at[rows, kv_heads, slots_BT[:, None, :]].set(new_BKTH)
         return buffer.value.transpose(0, 2, 1, 3)
+
+    def _kernel(self, query, key, mask, bias, dropout, return_weights) -> str:
+        """The attention implementation for these inputs (see `kernels.select`). Dropout on
+        the weights and requests for the weights always run the dense path. The splash
+        kernel is called per device, so "auto" uses it only when there is one device."""
+        if dropout or return_weights or self.is_mutable_collection("intermediates"):
+            return "dense"
+        platform = jax.default_backend()
+        if self.impl == "auto" and platform == "tpu" and jax.device_count() > 1:
+            platform = "tpu (sharded)"  # no splash without shard_map: chunked/dense instead
+        if self.impl == "splash" and jax.device_count() > 1:
+            raise ValueError(f"impl='splash' runs on one device (got {jax.device_count()}); "
+                             "use 'auto', 'chunked' or 'dense' on a mesh")
+        return kernels.select(self.impl, platform=platform, mask=mask, bias=bias, dropout=0.0,
+                              q_len=query.shape[1], kv_len=key.shape[1],
+                              head_dim=query.shape[-1], dtype=query.dtype,
+                              interpret=self.impl == "splash" and platform != "tpu")
 
     def _cached(self, name: str) -> Array:
         """A cache buffer as [B, L, K, H], for decode steps that only read it."""

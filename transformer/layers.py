@@ -13,8 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer import kernels, sharding
 from transformer import positions as positions_lib
-from transformer import sharding
 from transformer.attention import MultiHeadAttention, matmul, projection_init
 from transformer.masks import Mask
 
@@ -72,7 +72,7 @@ class TransformerConfig:
     param_dtype: Any = jnp.float32
     scan_layers: bool = False
     remat_policy: str = "none"  # none | full | dots | dots_no_batch
-    attention_impl: str = "dense"  # dense | chunked (O(T) memory, see chunked_attention.py)
+    attention_impl: str = "dense"  # dense | chunked (O(T) memory) | auto | splash | cudnn
 
     def __post_init__(self):
         for name in ("num_layers", "d_model", "num_heads", "d_ff", "max_len"):
@@ -83,7 +83,7 @@ class TransformerConfig:
         _check_choice("position", self.position, POSITIONS)
         _check_choice("rope_layout", self.rope_layout, ("half", "interleaved"))
         _check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
-        _check_choice("attention_impl", self.attention_impl, ("dense", "chunked"))
+        _check_choice("attention_impl", self.attention_impl, kernels.IMPLS)
         if self.num_kv_heads is not None:
             _check_positive("num_kv_heads", self.num_kv_heads)
             if self.num_heads % self.num_kv_heads:

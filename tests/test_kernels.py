@@ -1,0 +1,282 @@
+"""Kernel selection, splash attention (Pallas interpret mode on CPU) and the cuDNN mapping."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import masks
+from transformer.attention import dot_product_attention
+from transformer.kernels import (
+    IMPLS,
+    cudnn_arguments,
+    cudnn_attention,
+    select,
+    splash_attention,
+    supports,
+)
+
+B, H, L = 2, 64, 256  # batch, head dim, sequence length (two 128-blocks)
+
+
+def qkv(seed, q_len=L, kv_len=L, heads=2, kv_heads=2, batch=B, head_dim=H):
+    rng = np.random.default_rng(seed)
+    shapes = [(batch, q_len, heads, head_dim), (batch, kv_len, kv_heads, head_dim),
+              (batch, kv_len, kv_heads, head_dim), (batch, q_len, heads, head_dim)]
+    return tuple(jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes)
+
+
+def packed_ids():
+    """Two rows of packed documents; the second ends in 56 padding positions (id 0)."""
+    ids = np.repeat([[1] * 100 + [2] * 100 + [3] * 56], B, axis=0)
+    ids[1, 200:] = 0
+    return jnp.asarray(ids)
+
+
+def splash(q, k, v, mask, **kw):
+    return splash_attention(q, k, v, mask, block_size=128, interpret=True, **kw)
+
+
+# -----------------------------------------------------------------------------
+# Splash attention against the dense reference
+
+
+SPLASH_CASES = {
+    # name: (mask, q_len, kv_len, heads, kv_heads)
+    "full": (masks.Full(), L, L, 2, 2),
+    "causal": (masks.Causal(), L, L, 2, 2),
+    "sliding_window": (masks.SlidingWindow(left=40, right=7), L, L, 2, 2),
+    "chunked_causal": (masks.ChunkedCausal(chunk_size=96), L, L, 2, 2),
+    "segment_causal": (masks.Segment(packed_ids()) & masks.Causal(), L, L, 2, 2),
+    # Padded queries (rows 200.. of example 0) have no allowed key: the reference returns zeros
+    # there (the raw kernel would average the masked values), so whole outputs are compared.
+    "padding": (masks.Padding(q_lengths=jnp.array([200, 256]), kv_lengths=jnp.array([130, 256])),
+                L, L, 2, 2),
+    "gqa": (masks.Causal(), L, L, 4, 2),
+    "mqa": (masks.Causal(), L, L, 4, 1),
+    # Per-example masks splash cannot express statically go through its dynamic-mask path.
+    "prefix_lm": (masks.PrefixLM(prefix_lengths=jnp.array([10, 150])), L, L, 2, 2),
+    "or_static": (masks.SlidingWindow(left=10) | masks.ChunkedCausal(chunk_size=64), L, L, 2, 2),
+    # Fewer queries than keys: bottom-right alignment via splash's mask offset.
+    "causal_decode_aligned": (masks.Causal(), 128, L, 2, 2),
+    "window_decode_aligned": (masks.SlidingWindow(left=30), 128, L, 2, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLASH_CASES))
+def test_splash_matches_reference(name):
+    mask, q_len, kv_len, heads, kv_heads = SPLASH_CASES[name]
+    q, k, v, _ = qkv(0, q_len, kv_len, heads, kv_heads)
+    want = dot_product_attention(q, k, v, mask)
+    got = splash(q, k, v, mask)
+    assert got.shape == want.shape == q.shape
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_splash_scale_and_empty_rows():
+    """A custom scale is applied; rows of a fully masked query block (NaN in the raw kernel)
+    come back as zeros, like the reference's."""
+    mask = masks.Causal()  # 256 queries over 128 keys: the first 128 queries see nothing
+    q, k, v, _ = qkv(1, q_len=L, kv_len=128)
+    got = splash(q, k, v, mask, scale=0.3)
+    np.testing.assert_allclose(got, dot_product_attention(q, k, v, mask, scale=0.3), atol=1e-5)
+    assert not np.asarray(got[:, :128]).any()
+
+
+def value_and_grads(attend, q, k, v, w):
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v) * w)
+    return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+
+
+@pytest.mark.parametrize("mask", [
+    masks.Causal(),
+    masks.Causal() & masks.Padding(q_lengths=jnp.array([200, 256]),
+                                   kv_lengths=jnp.array([130, 256])),
+], ids=["causal", "causal_padding"])
+def test_splash_gradients_match_reference(mask):
+    q, k, v, w = qkv(2)
+    got = value_and_grads(lambda q, k, v: splash(q, k, v, mask), q, k, v, w)
+    want = value_and_grads(lambda q, k, v: dot_product_attention(q, k, v, mask), q, k, v, w)
+    for name, g, r in zip(("dq", "dk", "dv"), got, want, strict=True):
+        np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-5, err_msg=name)
+
+
+def test_splash_refuses_what_it_cannot_run():
+    q, k, v, _ = qkv(3)
+    if jax.default_backend() != "tpu":
+        with pytest.raises(ValueError, match="needs platform tpu"):
+            splash_attention(q, k, v, masks.Causal())  # interpret=False off TPU
+    q, k, v, _ = qkv(3, q_len=200, kv_len=200)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        splash(q, k, v, masks.Causal())
+
+
+# -----------------------------------------------------------------------------
+# Selection
+
+
+CAUSAL = masks.Causal()
+
+
+def choose(impl="auto", *, platform="cpu", mask=CAUSAL, bias=None, dropout=0.0,
+           q_len=4096, kv_len=4096, head_dim=128, **kw):
+    return select(impl, platform=platform, mask=mask, bias=bias, dropout=dropout, q_len=q_len,
+                  kv_len=kv_len, head_dim=head_dim, **kw)
+
+
+def test_impls():
+    assert IMPLS == ("auto", "dense", "chunked", "splash", "cudnn")
+
+
+def test_auto_picks_the_platform_kernel():
+    assert choose(platform="tpu") == "splash"
+    assert choose(platform="tpu", mask=masks.Segment(packed_ids()) & masks.Causal()) == "splash"
+    assert choose(platform="gpu", head_dim=64) == "cudnn"
+    assert choose(platform="gpu", head_dim=64, dtype=jnp.bfloat16) == "cudnn"
+    assert choose(platform="cpu") == "chunked"
+    assert choose(platform="cpu", q_len=256, kv_len=256) == "dense"
+    assert choose(platform="cpu", q_len=1, kv_len=2048) == "chunked"  # threshold is on kv_len
+    assert choose(platform="cpu", kv_len=4096, chunk_threshold=8192) == "dense"
+
+
+def test_auto_falls_back_when_the_kernel_cannot_run():
+    bias = jnp.zeros((1, 1, 1, 1))
+    prefix = masks.PrefixLM(prefix_lengths=jnp.array([3, 5]))
+    assert choose(platform="tpu", bias=bias) == "chunked"
+    assert choose(platform="tpu", bias=bias, q_len=256, kv_len=256) == "dense"
+    assert choose(platform="tpu", mask=prefix) == "chunked"  # would need a dense splash mask
+    assert choose(platform="tpu", q_len=4000, kv_len=4000) == "chunked"  # not 128-aligned
+    assert choose(platform="gpu", head_dim=256) == "chunked"
+    assert choose(platform="gpu", head_dim=60) == "chunked"
+    assert choose(platform="gpu", dtype=jnp.float32) == "chunked"
+    assert choose(platform="gpu", bias=bias) == "chunked"
+    assert choose(platform="tpu", dropout=0.1) == "dense"  # only dense has attention dropout
+
+
+@pytest.mark.parametrize("impl, kw, words", [
+    ("splash", dict(platform="cpu"), ["impl='splash'", "tpu", "cpu"]),
+    ("splash", dict(platform="tpu", bias=jnp.zeros((1, 1, 1, 1))), ["impl='splash'", "bias"]),
+    ("splash", dict(platform="tpu", q_len=100, kv_len=100), ["impl='splash'", "128"]),
+    ("splash", dict(platform="tpu", dropout=0.1), ["impl='splash'", "dropout"]),
+    ("cudnn", dict(platform="tpu"), ["impl='cudnn'", "gpu"]),
+    ("cudnn", dict(platform="gpu", head_dim=256), ["impl='cudnn'", "head_dim"]),
+    ("cudnn", dict(platform="gpu", dtype=jnp.float32), ["impl='cudnn'", "float32"]),
+    ("chunked", dict(dropout=0.1), ["impl='chunked'", "dropout", "'dense'"]),
+    ("flash", dict(), ["impl='flash'", "auto"]),
+])
+def test_explicit_unsupported_impl_raises(impl, kw, words):
+    with pytest.raises(ValueError) as info:
+        choose(impl, **kw)
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_explicit_supported_impl_is_kept():
+    assert choose("dense", dropout=0.1, bias=jnp.zeros((1, 1, 1, 1))) == "dense"
+    assert choose("chunked", q_len=8, kv_len=8) == "chunked"
+    assert choose("splash", platform="tpu", mask=masks.PrefixLM(jnp.array([3]))) == "splash"
+    assert choose("splash", platform="cpu", interpret=True) == "splash"
+    assert choose("cudnn", platform="gpu", head_dim=64) == "cudnn"
+
+
+def test_supports():
+    common = dict(mask=masks.Causal(), bias=None, dropout=0.0, q_len=256, kv_len=256,
+                  head_dim=64)
+    assert [supports(i, platform="cpu", **common) for i in IMPLS] == [
+        True, True, True, False, False]
+    assert supports("splash", platform="cpu", interpret=True, **common)
+    assert supports("splash", platform="tpu", **common)
+    assert supports("cudnn", platform="gpu", **common)
+    assert not supports("unknown", platform="cpu", **common)
+
+
+# -----------------------------------------------------------------------------
+# cuDNN: the argument mapping (pure) and the wrapper run through XLA on CPU
+
+
+def test_cudnn_arguments_mapping():
+    none = dict(is_causal=False, local_window_size=None, query_seq_lengths=None,
+                key_value_seq_lengths=None, mask=None)
+    assert cudnn_arguments(None, 8, 8) == none
+    assert cudnn_arguments(masks.Full(), 8, 8) == none
+    assert cudnn_arguments(masks.Causal(), 8, 8) == {**none, "is_causal": True}
+    assert cudnn_arguments(masks.SlidingWindow(left=3), 8, 8) == {
+        **none, "is_causal": True, "local_window_size": (3, 0)}
+    assert cudnn_arguments(masks.SlidingWindow(left=5) & masks.SlidingWindow(left=3), 8, 8)[
+        "local_window_size"] == (3, 0)
+
+    args = cudnn_arguments(masks.Causal() & masks.Padding(q_lengths=jnp.array([5, 8]),
+                                                          kv_lengths=jnp.array([6, 7])), 8, 8)
+    assert args["is_causal"] and args["mask"] is None
+    assert args["query_seq_lengths"].dtype == jnp.int32
+    np.testing.assert_array_equal(args["query_seq_lengths"], [5, 8])
+    np.testing.assert_array_equal(args["key_value_seq_lengths"], [6, 7])
+
+
+@pytest.mark.parametrize("mask, q_len, kv_len", [
+    (masks.Causal(), 4, 8),  # jax's is_causal is top-left aligned: needs the dense mask
+    (masks.SlidingWindow(left=3, right=1), 8, 8),  # cuDNN has no right window
+    (masks.ChunkedCausal(chunk_size=3), 8, 8),
+    (masks.PrefixLM(prefix_lengths=jnp.array([3, 5])), 8, 8),
+], ids=["causal_rect", "two_sided_window", "chunked", "prefix"])
+def test_cudnn_arguments_dense_fallback(mask, q_len, kv_len):
+    args = cudnn_arguments(mask, q_len, kv_len)
+    assert not args["is_causal"] and args["local_window_size"] is None
+    np.testing.assert_array_equal(args["mask"], mask.dense(q_len, kv_len))
+
+
+def test_cudnn_arguments_keep_structure_and_densify_the_rest():
+    ids = jnp.array([[1, 1, 1, 2, 2, 2, 0, 0]])
+    args = cudnn_arguments(masks.Segment(ids) & masks.Causal(), 8, 8)
+    assert args["is_causal"]
+    np.testing.assert_array_equal(args["mask"], masks.Segment(ids).dense(8, 8))
+
+
+CUDNN_CASES = {
+    "full": masks.Full(),
+    "causal": masks.Causal(),
+    "window": masks.SlidingWindow(left=3),
+    "causal_padding": masks.Causal() & masks.Padding(q_lengths=jnp.array([9, 16]),
+                                                     kv_lengths=jnp.array([5, 16])),
+    "padding_only_keys": masks.Padding(kv_lengths=jnp.array([5, 11])),
+    "segment_causal": masks.Segment(jnp.array([[1] * 6 + [2] * 8 + [0] * 2] * 2)) & masks.Causal(),
+    "two_sided_window": masks.SlidingWindow(left=2, right=2),
+}
+
+
+@pytest.mark.parametrize("name", list(CUDNN_CASES))
+def test_cudnn_wrapper_matches_reference_through_xla(name):
+    """The same jax.nn.dot_product_attention call with implementation="xla": checks that the
+    mapped arguments mean what the mask means (alignment, windows, lengths, empty rows)."""
+    mask = CUDNN_CASES[name]
+    q, k, v, _ = qkv(4, q_len=16, kv_len=16, heads=4, kv_heads=2, head_dim=8)
+    want = dot_product_attention(q, k, v, mask)
+    got = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, mask, implementation="xla"))(q, k, v)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_cudnn_xla_decode_aligned():
+    mask = masks.Causal()
+    q, k, v, _ = qkv(5, q_len=4, kv_len=16, head_dim=8)
+    got = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, mask, implementation="xla"))(q, k, v)
+    np.testing.assert_allclose(got, dot_product_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the off-GPU error")
+def test_cudnn_refuses_off_gpu():
+    q, k, v, _ = qkv(6, q_len=16, kv_len=16, head_dim=8)
+    with pytest.raises(ValueError, match="needs platform gpu"):
+        cudnn_attention(q, k, v, masks.Causal())
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU with cuDNN")
+@pytest.mark.parametrize("name", list(CUDNN_CASES))
+def test_cudnn_kernel_matches_reference(name):
+    mask = CUDNN_CASES[name]
+    q, k, v, _ = qkv(7, q_len=16, kv_len=16, heads=4, kv_heads=2)
+    want = dot_product_attention(q, k, v, mask)
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got = cudnn_attention(*bf16, mask).astype(jnp.float32)
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
