@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -604,3 +605,41 @@ def test_config_values_get_one_line_errors_before_anything_runs(overrides, messa
     with pytest.raises(ValueError, match=message) as error:
         train.validate_config(config)
     assert "\n" not in str(error.value)
+
+
+def test_ctrl_c_twice_exits_at_once_and_leaves_only_complete_checkpoints(tmp_path):
+    """The first Ctrl-C asks for a checkpoint at the next step boundary; a second one right
+    after exits without waiting for the run to finish. Whatever is on disk then is complete:
+    the rerun resumes from it and finishes."""
+    workdir = tmp_path / "run"
+    args = ["--config=experiments/gpt_tiny.py", f"--workdir={workdir}",
+            *tiny_flags(500, checkpoint_every=1)]
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "transformer.train", *args], cwd=REPO, env=cli_env(),
+            stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, text=True)
+    watchdog = threading.Timer(TIMEOUT, process.kill)
+    watchdog.start()
+    try:
+        for line in process.stdout:
+            if line.startswith("step 3/"):
+                process.send_signal(signal.SIGINT)
+                time.sleep(0.3)  # two signals before the handler runs would count as one
+                process.send_signal(signal.SIGINT)
+                break
+        process.stdout.read()
+        returncode = process.wait()
+    finally:
+        watchdog.cancel()
+    log = (tmp_path / "stderr.txt").read_text(errors="replace")
+    assert returncode != 0, log[-3000:]  # interrupted, not a clean stop
+    assert "KeyboardInterrupt" in log, log[-3000:]
+    saved = checkpoint_steps(workdir)
+    assert saved and max(saved) < 500, saved
+    for step in saved:
+        assert int(load_state(workdir, step)["step"]) == step
+    final = max(saved) + 2
+    args = [a for a in args if not a.startswith("--config.steps=")]
+    assert_succeeded(run_cli("transformer.train", *args, f"--config.steps={final}",
+                             logs=tmp_path / "rerun"))
+    assert max(checkpoint_steps(workdir)) == final
