@@ -265,12 +265,13 @@ def test_mask_spec_is_traced_per_loop_body_not_per_tile():
 
 
 @pytest.mark.parametrize("impl, position, length", [
-    ("chunked", "rope", 37), ("chunked", "alibi", 37),
+    ("chunked", "rope", 37), ("chunked", "alibi", 37), ("chunked", "t5", 37),
     ("splash", "rope", 128),  # the Pallas TPU kernel in interpret mode; lengths of 128k
 ])
 def test_a_model_with_chunked_attention_equals_the_dense_model(impl, position, length):
     """`model.attention_impl="chunked"` (or "splash"): same params, same logits and gradients
-    as the dense model, on packed rows (segment ids + causal)."""
+    as the dense model, on packed rows (segment ids + causal). With chunked attention the ALiBi
+    and T5 biases are per-tile functions, not [B, N, T, S] arrays."""
     from transformer.configs import base_config
     from transformer.models import build_model
 
@@ -297,3 +298,26 @@ def test_a_model_with_chunked_attention_equals_the_dense_model(impl, position, l
     np.testing.assert_allclose(chunked_logits, dense_logits, atol=1e-5)
     for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(dense_grads), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("position", ["alibi", "t5"])
+def test_chunked_models_never_hold_a_full_position_bias(position):
+    """At 2048 tokens a [1, 4, T, T] float32 bias is 64 MiB; the chunked model's whole forward
+    pass (compiled memory analysis) needs less than that, the dense model's more."""
+    from transformer.configs import base_config
+    from transformer.models import build_model
+
+    config = base_config().model
+    config.update(family="gpt", vocab_size=50, num_layers=1, d_model=32, num_heads=4,
+                  d_ff=64, position=position)
+    tokens = jnp.zeros((1, 2048), jnp.int32)
+    params = build_model(config).init(jax.random.key(0), tokens[:, :8])["params"]
+    temp = {}
+    for impl in ("dense", "chunked"):
+        config.attention_impl = impl
+        model = build_model(config)
+        compiled = jax.jit(lambda p, t, m=model: m.apply({"params": p}, t)).lower(
+            params, tokens).compile()
+        temp[impl] = compiled.memory_analysis().temp_size_in_bytes
+    full_bias = 4 * 2048 * 2048 * 4
+    assert temp["chunked"] < full_bias < temp["dense"], temp

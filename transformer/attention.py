@@ -8,6 +8,7 @@ D model width.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -137,6 +138,10 @@ class MultiHeadAttention(nn.Module):
     written yet (slot j > the query's position). A `cross=True` layer caches the keys and values
     of `inputs_kv` when given them and reuses them when `inputs_kv` is None. The decode call
     inside `init` only creates the buffers, shaped like its inputs (L = the input length).
+
+    `bias` is an array broadcastable to [B, N, T, S] or a function `bias(q_idx, kv_idx)` of
+    query and key indices (see `chunked_attention`), which the chunked path evaluates per tile
+    and the others materialise.
     """
 
     num_heads: int
@@ -153,8 +158,8 @@ class MultiHeadAttention(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     cross: bool = False  # cross-attention: under decode, K/V are cached once and reused
-    # "dense" (dot_product_attention) or "chunked" (O(T) memory; falls back to dense for
-    # attention dropout and when the weights are requested)
+    # kernels.IMPLS: "dense", "chunked" (O(T) memory), "splash", "cudnn" or "auto"; dropout on
+    # the weights and requests for the weights use dense
     impl: str = "dense"
 
     @nn.compact
@@ -164,7 +169,7 @@ class MultiHeadAttention(nn.Module):
         inputs_kv: Array | None = None,
         *,
         mask: Mask | Array | None = None,
-        bias: Array | None = None,
+        bias: Array | Callable | None = None,
         q_positions: Array | None = None,
         kv_positions: Array | None = None,
         deterministic: bool = True,
@@ -228,6 +233,8 @@ class MultiHeadAttention(nn.Module):
         dropout = self.dropout_rate if not deterministic else 0.0
         weights_BNTS = None
         impl = self._kernel(query_BTNH, key_BSKH, mask, bias, dropout, return_weights)
+        if callable(bias) and impl != "chunked":  # a per-tile bias function, materialised
+            bias = bias(jnp.arange(query_BTNH.shape[1]), jnp.arange(key_BSKH.shape[1]))
         if impl == "chunked":
             out_BTNH = chunked_attention(query_BTNH, key_BSKH, value_BSKH, mask, bias,
                                          scale=self.scale)

@@ -274,14 +274,18 @@ class TransformerStack(nn.Module):
                 name="position_embedding")(positions)
         bias = None
         kv_positions = positions if kv_positions is None else kv_positions
+        # With chunked attention (or "auto", which may pick it) the biases are functions of
+        # (query, key) indices, evaluated per tile: never a [B, N, T, S] array.
+        as_function = cfg.attention_impl in ("chunked", "auto")
         if cfg.position == "alibi":
-            bias = positions_lib.alibi_bias(positions, kv_positions, cfg.num_heads)
+            bias = (positions_lib.alibi_bias_fn if as_function else positions_lib.alibi_bias)(
+                positions, kv_positions, cfg.num_heads)
         elif cfg.position == "t5":
             bias = positions_lib.T5RelativePositionBias(
                 cfg.num_heads, bidirectional=self.bidirectional, num_buckets=cfg.t5_num_buckets,
                 max_distance=cfg.t5_max_distance, param_dtype=cfg.param_dtype,
                 dtype=jnp.promote_types(cfg.dtype, jnp.float32),
-                name="relative_position_bias")(positions, kv_positions)
+                name="relative_position_bias")(positions, kv_positions, as_function=as_function)
         if cfg.embedding_norm:
             x_BTD = norm_layer(cfg, "embedding_norm")(x_BTD)
         x_BTD = nn.Dropout(cfg.dropout_rate)(x_BTD, deterministic=deterministic)

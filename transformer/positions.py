@@ -142,6 +142,23 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.asarray(slopes, dtype=np.float32)
 
 
+def _take(positions_BT, idx):
+    """Positions at indices `idx` (indices past the end repeat the last position)."""
+    return jnp.take(positions_BT, jnp.minimum(idx, positions_BT.shape[1] - 1), axis=1)
+
+
+def alibi_bias_fn(q_positions, kv_positions, num_heads: int):
+    """`bias(q_idx, kv_idx)`: `alibi_bias` of the queries and keys at those indices, for
+    chunked attention to evaluate per tile (never [T, S] at once).
+
+    >>> fn = alibi_bias_fn(jnp.arange(3), jnp.arange(3), 1)
+    >>> np.asarray(fn(jnp.array([2]), jnp.arange(3))[0, 0] * 256).tolist()
+    [[-2.0, -1.0, 0.0]]
+    """
+    q_BT, kv_BS = _as_batched(q_positions), _as_batched(kv_positions)
+    return lambda q_idx, kv_idx: alibi_bias(_take(q_BT, q_idx), _take(kv_BS, kv_idx), num_heads)
+
+
 def alibi_bias(q_positions, kv_positions, num_heads: int) -> jax.Array:
     """ALiBi bias -slope_n * |q_pos - kv_pos|, float32 [B or 1, N, T, S].
 
@@ -218,19 +235,29 @@ class T5RelativePositionBias(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, q_positions, kv_positions) -> jax.Array:
-        """q_positions [T] or [B, T], kv_positions [S] or [B, S] -> bias [B or 1, N, T, S]."""
+    def __call__(self, q_positions, kv_positions, as_function: bool = False):
+        """q_positions [T] or [B, T], kv_positions [S] or [B, S] -> bias [B or 1, N, T, S].
+
+        `as_function=True` returns `bias(q_idx, kv_idx)` instead: the bias of the queries and
+        keys at those indices, evaluated only where asked (per tile, by chunked attention).
+        """
         _check_positive_int("num_heads", self.num_heads)
-        q_BT, kv_BS = _as_batched(q_positions), _as_batched(kv_positions)
-        bucket_BTS = t5_relative_position_bucket(
-            kv_BS[:, None, :] - q_BT[:, :, None],
-            bidirectional=self.bidirectional,
-            num_buckets=self.num_buckets,
-            max_distance=self.max_distance,
-        )
         names = ("relpos_buckets", "heads")
         init = nn.with_logical_partitioning(nn.initializers.normal(1.0), names)
         shape = (self.num_buckets, self.num_heads)
         table_KN = self.param("rel_embedding", init, shape, self.param_dtype)  # K=buckets
-        bias_BTSN = jnp.take(table_KN, bucket_BTS, axis=0)
-        return jnp.transpose(bias_BTSN, (0, 3, 1, 2)).astype(self.dtype)
+        q_BT, kv_BS = _as_batched(q_positions), _as_batched(kv_positions)
+
+        def bias(q_BT, kv_BS):
+            bucket_BTS = t5_relative_position_bucket(
+                kv_BS[:, None, :] - q_BT[:, :, None],
+                bidirectional=self.bidirectional,
+                num_buckets=self.num_buckets,
+                max_distance=self.max_distance,
+            )
+            bias_BTSN = jnp.take(table_KN, bucket_BTS, axis=0)
+            return jnp.transpose(bias_BTSN, (0, 3, 1, 2)).astype(self.dtype)
+
+        if as_function:
+            return lambda q_idx, kv_idx: bias(_take(q_BT, q_idx), _take(kv_BS, kv_idx))
+        return bias(q_BT, kv_BS)
