@@ -126,6 +126,15 @@ def main(workdir: str) -> None:
                           "max_param_diff": diff, "layout": restored_layout,
                           "devices": len(restored.params["embed"]["embedding"].sharding
                                          .device_set)}
+
+    # A global batch the data-parallel size (here 4 x 2) does not divide: one-line error.
+    bad = small_config((4, 2, 1))
+    bad.batch_size = 12
+    try:
+        train.validate_config(bad)
+        results["batch_error"] = None
+    except ValueError as error:
+        results["batch_error"] = str(error)
     print(json.dumps(results))
 
 

@@ -143,6 +143,12 @@ def mesh_results(tmp_path_factory):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def test_a_batch_the_data_parallel_size_does_not_divide_is_a_one_line_error(mesh_results):
+    error = mesh_results["batch_error"]
+    assert error is not None and "\n" not in error
+    assert "batch_size=12" in error and "data-parallel size 8" in error, error
+
+
 @pytest.mark.parametrize("mesh", ["8,1,1", "1,8,1", "2,2,2", "1,2,4"])
 def test_each_mesh_gives_the_single_device_losses(mesh_results, mesh):
     single, sharded = mesh_results["single"], mesh_results[mesh]
