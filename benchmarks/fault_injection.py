@@ -1,12 +1,13 @@
 """kill -9 stress test: training killed at random moments resumes to the same bits.
 
-    python benchmarks/fault_injection.py [--trials=20] [--steps=12] [--max_kills=3] [--seed=0]
+    python benchmarks/fault_injection.py [--trials=20] [--steps=40] [--max_kills=3] [--seed=0]
         [--root=/tmp/fault_injection]
 
 Trains a tiny GPT (experiments/gpt_tiny.py shrunk, dropout on, a checkpoint every 2 steps,
 written asynchronously) through the real CLI, once uninterrupted as the reference. Then, per
 trial, starts the same command in a fresh workdir and SIGKILLs it at a random moment (up to
-`max_kills` times, each at a uniformly random time within the reference's wall time), restarts
+`max_kills` times; each kill, with equal odds, at a uniform time within the reference's whole
+wall time or within its training phase, counted from the first logged step), restarts
 it, and finally lets it finish. A kill can land anywhere: during start-up, compilation, a step,
 or an async checkpoint write (counted when a temporary Orbax directory was left behind). Each
 trial then checks that the final train state is bitwise equal to the reference's and that every
@@ -79,31 +80,54 @@ def losses(workdir: Path) -> dict[int, float]:
     return dict(train)
 
 
-def reference_run(root: Path, steps: int) -> tuple[Path, float]:
-    workdir = root / "reference"
+def wait_for_training(process: subprocess.Popen, log: Path, offset: int) -> bool:
+    """Waits until the run logs its first step (past byte `offset` of its log); False if it
+    exits first."""
+    while process.poll() is None:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            if b"\nstep " in f.read():
+                return True
+        time.sleep(0.02)
+    return False
+
+
+def reference_run(root: Path, steps: int) -> tuple[Path, float, float]:
+    """The uninterrupted run: (workdir, wall seconds, seconds from the first step to exit)."""
+    workdir, log = root / "reference", root / "reference.log"
     began = time.perf_counter()
-    process = start(workdir, steps, root / "reference.log")
+    process = start(workdir, steps, log)
+    wait_for_training(process, log, 0)
+    training = time.perf_counter()
     if process.wait() != 0:
-        raise RuntimeError(f"the reference run failed: see {root / 'reference.log'}")
-    return workdir, time.perf_counter() - began
+        raise RuntimeError(f"the reference run failed: see {log}")
+    end = time.perf_counter()
+    return workdir, end - began, end - training
 
 
-def trial(root: Path, index: int, steps: int, max_kills: int, wall: float, rng: random.Random,
-          reference: dict, reference_losses: dict) -> dict:
-    """One trial: kill -9 up to `max_kills` times at random moments, then run to the end."""
+def trial(root: Path, index: int, steps: int, max_kills: int, wall: float, training: float,
+          rng: random.Random, reference: dict, reference_losses: dict) -> dict:
+    """One trial: kill -9 up to `max_kills` times at random moments, then run to the end. Each
+    kill is, with equal odds, uniform over the whole run or over its training phase (from the
+    first logged step), where the async checkpoint writes happen."""
     workdir, log = root / f"trial_{index:02d}", root / f"trial_{index:02d}.log"
     kills, mid_write, resumed_from = [], 0, []
     for _ in range(rng.randint(1, max_kills)):
         resumed_from.append(max(checkpoints(workdir)[0], default=0))
+        offset = log.stat().st_size if log.exists() else 0
         process = start(workdir, steps, log)
-        delay = rng.uniform(0.0, wall)
+        during_training = rng.random() < 0.5
+        delay = rng.uniform(0.0, training if during_training else wall)
+        if during_training and not wait_for_training(process, log, offset):
+            delay = 0.0  # it exited before training (nothing left to do)
         try:
             process.wait(timeout=delay)  # finished before the kill: nothing to kill
         except subprocess.TimeoutExpired:
             process.kill()  # SIGKILL
             process.wait()
             saved, unfinished = checkpoints(workdir)
-            kills.append((round(delay, 1), max(saved, default=0)))
+            kills.append((("after step 1: " if during_training else "") + f"{delay:.2f} s",
+                          max(saved, default=0)))
             mid_write += unfinished > 0
     resumed_from.append(max(checkpoints(workdir)[0], default=0))
     process = start(workdir, steps, log)
@@ -123,18 +147,20 @@ def trial(root: Path, index: int, steps: int, max_kills: int, wall: float, rng: 
 def run(root: Path, trials: int, steps: int, max_kills: int, seed: int, report=print) -> list:
     """Runs the reference and `trials` kill/resume trials under `root`; returns the rows."""
     root.mkdir(parents=True, exist_ok=True)
-    reference_dir, wall = reference_run(root, steps)
+    reference_dir, wall, training = reference_run(root, steps)
     reference = final_state(reference_dir, steps)
     reference_losses = losses(reference_dir)
-    report(f"reference: {steps} steps in {wall:.1f} s (kills land uniformly in [0, {wall:.1f}] s)")
+    report(f"reference: {steps} steps in {wall:.1f} s, {training:.1f} s of it from the first "
+           f"step on; each kill at a uniform time in one of the two, with equal odds")
     report("| trial | kill -9 at (s, newest complete checkpoint then) | mid-write kills | "
            "resumed from steps | final state bitwise equal | losses equal |")
     report("| ---: | :--- | ---: | :--- | :--- | :--- |")
     rng, rows = random.Random(seed), []
     for index in range(trials):
-        row = trial(root, index, steps, max_kills, wall, rng, reference, reference_losses)
+        row = trial(root, index, steps, max_kills, wall, training, rng, reference,
+                    reference_losses)
         rows.append(row)
-        kills = ", ".join(f"{t} s (step {s})" for t, s in row["kills"]) or "finished first"
+        kills = ", ".join(f"{t} (step {s})" for t, s in row["kills"]) or "finished first"
         report(f"| {index} | {kills} | {row['mid_write']} | {row['resumed_from']} | "
                f"{'yes' if row['params_equal'] else 'NO'} | "
                f"{'yes' if row['losses_equal'] else 'NO'} {row['error']} |")
@@ -142,7 +168,7 @@ def run(root: Path, trials: int, steps: int, max_kills: int, seed: int, report=p
 
 
 _TRIALS = flags.DEFINE_integer("trials", 20, "Kill/resume trials.")
-_STEPS = flags.DEFINE_integer("steps", 12, "Train steps per run.")
+_STEPS = flags.DEFINE_integer("steps", 40, "Train steps per run.")
 _MAX_KILLS = flags.DEFINE_integer("max_kills", 3, "Kills per trial: uniform in 1..max_kills.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the kill times.")
 _ROOT = flags.DEFINE_string("root", "/tmp/fault_injection", "Where the workdirs go (wiped).")
