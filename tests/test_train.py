@@ -643,3 +643,24 @@ def test_ctrl_c_twice_exits_at_once_and_leaves_only_complete_checkpoints(tmp_pat
     assert_succeeded(run_cli("transformer.train", *args, f"--config.steps={final}",
                              logs=tmp_path / "rerun"))
     assert max(checkpoint_steps(workdir)) == final
+
+
+def test_an_exploding_gradient_norm_stops_or_is_skipped_like_nan(tmp_path):
+    """max_grad_norm: a finite but exploding step is bad. "stop" names the step and its batch
+    and saves nothing from it; "skip" leaves the params untouched and counts the skips."""
+    config = tiny_config(steps=3, checkpoint_every=1, max_grad_norm=1e-6)  # every step exceeds
+    with pytest.raises(FloatingPointError, match=r"exceeded max_grad_norm=1e-06, at step 1 "
+                                                 r"\(batch 0 of the data stream"):
+        train.train_and_evaluate(config, str(tmp_path / "stop"))
+    assert not (tmp_path / "stop" / "checkpoints").exists() or \
+        checkpoint_steps(tmp_path / "stop") == []
+
+    config = tiny_config(steps=3, checkpoint_every=1, max_grad_norm=1e-6, nonfinite="skip",
+                         max_nonfinite_skips=5)
+    result = train.train_and_evaluate(config, str(tmp_path / "skip"))
+    assert int(jax.device_get(result["state"].opt_state.notfinite_count)) == 3
+    start = flat(jax.device_get(train.train_and_evaluate(
+        tiny_config(steps=1, optimizer=dict(learning_rate=0.0)),
+        str(tmp_path / "init"))["state"].params))
+    for key, value in flat(jax.device_get(result["state"].params)).items():
+        np.testing.assert_array_equal(value, start[key], err_msg=key)  # no update applied

@@ -25,6 +25,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.fresh_start = False  # True: set the workdir's checkpoints aside and start at step 0
     config.nonfinite = "stop"  # NaN/Inf loss or grads: stop (keep the last good checkpoint) | skip
     config.max_nonfinite_skips = 10  # with "skip": stop after this many bad steps in a row
+    config.max_grad_norm = 0.0  # > 0: a step whose gradient norm exceeds it is bad like NaN
     config.z_loss = 0.0
     config.label_smoothing = 0.0
     config.peak_flops_per_device = 0.0  # for MFU in the logs; 0: measure a float32 matmul

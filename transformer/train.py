@@ -150,11 +150,17 @@ def make_train_step(model, config, optimizer):
             metrics = {"loss": loss, "perplexity": jnp.exp(loss),
                        "accuracy": correct / denominator, "num_tokens": tokens}
         grad_norm = optax.tree.norm(grads)
+        exploded = jnp.asarray(False)
+        if config.get("max_grad_norm", 0.0):
+            exploded = grad_norm > config.max_grad_norm
+            # Under nonfinite="skip", optax.apply_if_finite then skips (and counts) the step.
+            grads = jax.tree.map(lambda g: jnp.where(exploded, jnp.nan, g), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         params_finite = jax.tree.reduce(
             jnp.logical_and, jax.tree.map(lambda p: jnp.isfinite(p).all(), params))
-        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & params_finite
+        finite = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & params_finite
+                  & ~exploded)
         step = state.step + 1  # the number the logs and checkpoints give this step
         first_bad = jnp.where((state.first_nonfinite_step < 0) & ~finite, step,
                               state.first_nonfinite_step)
@@ -484,14 +490,21 @@ def _check_finite(state: TrainState, config) -> None:
         in_a_row = int(fetch(state.opt_state.notfinite_count))
         if in_a_row > config.max_nonfinite_skips:
             raise FloatingPointError(
-                f"{in_a_row} steps in a row had NaN/Inf gradients (max_nonfinite_skips="
-                f"{config.max_nonfinite_skips}); the last good checkpoint is kept")
+                f"{in_a_row} steps in a row had NaN/Inf gradients{_or_exploded(config)} "
+                f"(max_nonfinite_skips={config.max_nonfinite_skips}); the last good checkpoint "
+                "is kept")
         return
     bad = int(fetch(state.first_nonfinite_step))
     if bad >= 0:
-        raise FloatingPointError(f"loss, gradients or parameters became NaN/Inf at step {bad}; "
-                                 "the last good checkpoint is kept (set nonfinite='skip' to "
-                                 "skip such batches)")
+        raise FloatingPointError(
+            f"loss, gradients or parameters became NaN/Inf{_or_exploded(config)} at step {bad} "
+            f"(batch {bad - 1} of the data stream, counting from 0); the last good checkpoint "
+            "is kept (set nonfinite='skip' to skip such batches)")
+
+
+def _or_exploded(config) -> str:
+    limit = config.get("max_grad_norm", 0.0)
+    return f", or the gradient norm exceeded max_grad_norm={limit}," if limit else ""
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -512,6 +525,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"batch_size={config.batch_size}: each micro-batch of "
                          f"{config.batch_size // k} rows must split over the data-parallel "
                          f"size {data_parallel} (mesh.data x mesh.fsdp)")
+    if not isinstance(config.get("max_grad_norm", 0.0), (int, float)) or \
+            config.get("max_grad_norm", 0.0) < 0:
+        raise ValueError(f"max_grad_norm={config.max_grad_norm!r}: expected a number >= 0 "
+                         "(0: off)")
     if config.get("nonfinite", "stop") not in ("stop", "skip"):
         raise ValueError(f"nonfinite={config.nonfinite!r}: expected 'stop' or 'skip'")
     if config.model.get("position") == "learned" and config.seq_len > config.model.max_len:
