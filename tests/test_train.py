@@ -553,6 +553,9 @@ def test_damaged_checkpoints_fall_back_to_the_newest_usable_one(tmp_path, caplog
     aside = [p for p in workdir.iterdir() if p.name.startswith("checkpoints.set-aside-")]
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()
                                       if p.name.isdigit()) == ["2", "4", "6"]
+    old_steps = [json.loads(line)["step"] for line in
+                 (aside[0] / "metrics.jsonl").read_text().splitlines()]
+    assert max(old_steps) == 6  # the old run's metrics moved along, not dropped
 
 
 def test_a_failed_checkpoint_write_is_reported_and_keeps_the_previous_one(tmp_path,

@@ -166,13 +166,17 @@ class Manager:
 
 
 def set_aside(workdir: str) -> str | None:
-    """Renames WORKDIR/checkpoints to checkpoints.set-aside-<time> (for an explicit fresh start);
-    returns the new path, or None if there were none. Nothing is deleted."""
+    """Renames WORKDIR/checkpoints to checkpoints.set-aside-<time> and moves the run's
+    metrics.jsonl into it (for an explicit fresh start); returns the new path, or None if there
+    were no checkpoints. Nothing is deleted."""
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     if not os.path.isdir(directory) or not os.listdir(directory):
         return None
     target = f"{directory}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
     shutil.move(directory, target)
+    metrics = os.path.join(os.path.abspath(workdir), "metrics.jsonl")
+    if os.path.exists(metrics):
+        shutil.move(metrics, os.path.join(target, "metrics.jsonl"))
     return target
 
 
