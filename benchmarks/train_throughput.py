@@ -19,7 +19,6 @@ framework reaches on this machine (2048^2), so MFU is against a measured peak.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
@@ -40,49 +39,25 @@ SHAPES = {  # layers, heads, width, context, batch
 VOCAB = 65
 
 
-def ours(shape, tokens):
+def ours(shape, features):
     """A `step()` that runs one jitted train step of this project, and its parameter count."""
     import jax
-    import numpy as np
-
-    from transformer import sharding, train
-    from transformer.models import build_model
+    from compile_time import build_train_step, gpt_config  # benchmarks/compile_time.py
 
     layers, heads, width, context, batch = shape
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(
-        "gpt_shakespeare_char", os.path.join(root, "experiments", "gpt_shakespeare_char.py"))
-    experiment = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(experiment)
-    config = experiment.get_config("cpu")
-    config.update(batch_size=batch, seq_len=context)
-    config.model.update(num_layers=layers, num_heads=heads, d_model=width, d_ff=4 * width,
-                        max_len=context, vocab_size=VOCAB, dropout_rate=0.0,
-                        activation="gelu")  # nanoGPT's nn.GELU() is the exact (erf) GELU
-    model = build_model(config.model)
-    optimizer = train.make_optimizer(config)
-    x, y = tokens
-    features = {"inputs": x, "targets": y, "weights": np.ones(x.shape, np.float32),
-                "segment_ids": np.ones(x.shape, np.int32),
-                "positions": np.broadcast_to(np.arange(context, dtype=np.int32), x.shape)}
-    placement = train.Placement(sharding.make_mesh(config.mesh), batch)
-    init = train.init_fn(model, config, optimizer, features)
-    _, state_sharding, jit_init = sharding.sharded_init(init, placement.mesh, jax.random.key(0))
-    state = jit_init(jax.random.key(0))
-    with placement.context():
-        step_fn = placement.jit_train_step(train.make_train_step(model, config, optimizer),
-                                           state_sharding)
-        batch_arrays = placement.global_batch(features)
-    num_params = sum(p.size for p in jax.tree.leaves(state.params))
-    holder = [state]
+    config = gpt_config(layers=layers, d_model=width, heads=heads, d_ff=4 * width,
+                        seq_len=context, batch=batch, vocab=VOCAB)
+    config.model.activation = "gelu"  # nanoGPT's nn.GELU() is the exact (erf) GELU
+    built = build_train_step(config, features)
+    num_params = sum(p.size for p in jax.tree.leaves(built.state.params))
 
     def step(n):
-        with placement.context():
-            s = holder[0]
+        with built.placement.context():
+            s = built.state
             for _ in range(n):
-                s, metrics = step_fn(s, batch_arrays)
+                s, metrics = built.jitted(s, built.batch)
             metrics["loss"].block_until_ready()
-            holder[0] = s
+            built.state = s
         return float(metrics["loss"])
 
     return step, num_params
@@ -143,10 +118,9 @@ def matmul_peaks(size=2048, repeats=20):
 def main(argv) -> None:
     del argv
     import jax
-    import numpy as np
     import torch
+    from compile_time import random_batch  # benchmarks/compile_time.py (adds the repo to the path)
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not _OURS_ONLY.value and not (_NANOGPT.value and
                                      os.path.exists(os.path.join(_NANOGPT.value, "model.py"))):
         raise app.UsageError(f"--nanogpt_dir={_NANOGPT.value!r}: expected a checkout of "
@@ -165,10 +139,9 @@ def main(argv) -> None:
     for name in _SHAPES.value:
         shape = SHAPES[name]
         layers, heads, width, context, batch = shape
-        rng = np.random.default_rng(0)
-        tokens = (rng.integers(0, VOCAB, (batch, context), dtype=np.int32),
-                  rng.integers(0, VOCAB, (batch, context), dtype=np.int32))
-        ours_step, num_params = ours(shape, tokens)
+        features = random_batch(batch, context, VOCAB)  # the same tokens for both sides
+        tokens = features["inputs"], features["targets"]
+        ours_step, num_params = ours(shape, features)
         sides = {"ours": ours_step}
         if not _OURS_ONLY.value:
             sides["nanoGPT"] = nanogpt(shape, tokens, os.path.abspath(_NANOGPT.value))
