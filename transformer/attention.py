@@ -298,20 +298,15 @@ class MultiHeadAttention(nn.Module):
 
     def _kernel(self, query, key, mask, bias, dropout, return_weights) -> str:
         """The attention implementation for these inputs (see `kernels.select`). Dropout on
-        the weights and requests for the weights always run the dense path. The splash
-        kernel is called per device, so "auto" uses it only when there is one device."""
+        the weights and requests for the weights always run the dense path."""
         if dropout or return_weights or self.is_mutable_collection("intermediates"):
             return "dense"
         platform = jax.default_backend()
-        if self.impl == "auto" and platform == "tpu" and jax.device_count() > 1:
-            platform = "tpu (sharded)"  # no splash without shard_map: chunked/dense instead
-        if self.impl == "splash" and jax.device_count() > 1:
-            raise ValueError(f"impl='splash' runs on one device (got {jax.device_count()}); "
-                             "use 'auto', 'chunked' or 'dense' on a mesh")
         return kernels.select(self.impl, platform=platform, mask=mask, bias=bias, dropout=0.0,
                               q_len=query.shape[1], kv_len=key.shape[1],
                               head_dim=query.shape[-1], dtype=query.dtype,
-                              interpret=self.impl == "splash" and platform != "tpu")
+                              interpret=self.impl == "splash" and platform != "tpu",
+                              devices=jax.device_count())
 
     def _cached(self, name: str) -> Array:
         """A cache buffer as [B, L, K, H], for decode steps that only read it."""

@@ -15,7 +15,8 @@ choice cannot run the inputs); "auto" picks the first row that applies:
     any        kv_len >= chunk_threshold and no dropout              "chunked"
     any        otherwise                                            "dense"
 
-    splash   no bias, no dropout, q_len and kv_len multiples of 128, platform tpu (or interpret)
+    splash   no bias, no dropout, q_len and kv_len multiples of 128, platform tpu (or interpret),
+             one device (no shard_map yet)
     cudnn    no bias, no dropout, head_dim <= 128 and a multiple of 8, fp16 / bf16, platform gpu
     chunked  no dropout
     dense    everything
@@ -79,7 +80,7 @@ def _splash_lowering(mask) -> str:
 
 
 def _reason(impl, *, mask, bias, dropout, q_len, kv_len, head_dim, platform, interpret=False,
-            dtype=None) -> str | None:
+            dtype=None, devices=1) -> str | None:
     """Why `impl` cannot run these inputs (None: it can)."""
     if impl not in IMPLS:
         return f"is not one of {IMPLS}"
@@ -96,6 +97,8 @@ def _reason(impl, *, mask, bias, dropout, q_len, kv_len, head_dim, platform, int
             return f"needs platform tpu (got {platform}); pass interpret=True to emulate it"
         if q_len % _LANES or kv_len % _LANES:
             return f"needs q_len and kv_len multiples of {_LANES} (got {q_len}, {kv_len})"
+        if devices > 1:
+            return f"runs on one device here (got {devices}; a mesh needs shard_map)"
         return None
     # cudnn
     if platform != "gpu":
@@ -109,25 +112,28 @@ def _reason(impl, *, mask, bias, dropout, q_len, kv_len, head_dim, platform, int
 
 def supports(impl: str, *, mask: Mask | Array | None, bias: Any, dropout: float, q_len: int,
              kv_len: int, head_dim: int, platform: str, interpret: bool = False,
-             dtype: Any = None) -> bool:
+             dtype: Any = None, devices: int = 1) -> bool:
     """Whether `impl` can compute attention for these inputs on `platform` ("cpu"/"gpu"/"tpu").
 
     `interpret=True`: splash would run in Pallas interpret mode (any platform). `dtype`, when
-    given, is the query dtype (cuDNN takes only float16 / bfloat16).
+    given, is the query dtype (cuDNN takes only float16 / bfloat16). `devices`: how many devices
+    the computation spans (splash is called per device, without shard_map).
     """
     return _reason(impl, mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
-                   head_dim=head_dim, platform=platform, interpret=interpret, dtype=dtype) is None
+                   head_dim=head_dim, platform=platform, interpret=interpret, dtype=dtype,
+                   devices=devices) is None
 
 
 def select(impl: str, *, platform: str, mask: Mask | Array | None, bias: Any, dropout: float,
            q_len: int, kv_len: int, head_dim: int, chunk_threshold: int = 2048,
-           interpret: bool = False, dtype: Any = None) -> str:
+           interpret: bool = False, dtype: Any = None, devices: int = 1) -> str:
     """Resolves `impl` (one of `IMPLS`) to a concrete implementation name (see module docstring).
 
     An explicit impl that cannot run the inputs raises ValueError naming it and the reason.
     """
     args = dict(mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
-                head_dim=head_dim, platform=platform, interpret=interpret, dtype=dtype)
+                head_dim=head_dim, platform=platform, interpret=interpret, dtype=dtype,
+                devices=devices)
     if impl != "auto":
         reason = _reason(impl, **args)
         if reason is not None:
