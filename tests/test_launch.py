@@ -198,20 +198,23 @@ def test_a_tiny_gpt_compiles_for_a_v5p_slice_and_reports_its_memory():
 
     config = base_config()
     config.update(batch_size=8, seq_len=32)
-    config.model.update(num_layers=2, d_model=64, num_heads=4, d_ff=128, vocab_size=512)
+    # Scanned: XLA counts a loop body once, so the FLOPs must come from the unrolled compiles.
+    config.model.update(num_layers=3, d_model=64, num_heads=4, d_ff=128, vocab_size=512,
+                        scan_layers=True)
     config.mesh.update(data=1, fsdp=4)
     accelerator = accelerators.parse("v5p-8")
     devices = aot.tpu_topology(accelerator)
     assert len(devices) == 4 and "TPU" in devices[0].device_kind
     report = aot.compile_train_step(config, devices, accelerator)
     assert report.fits and not report.error
-    params = 2 * (4 * 64 * 64 + 2 * 64 * 128) + 512 * 64
+    params = 3 * (4 * 64 * 64 + 2 * 64 * 128) + 512 * 64
     assert report.num_params >= params
     # fsdp=4: each chip holds about a quarter of the params and Adam moments (float32).
     assert 3 * 4 * report.num_params / 4 <= report.argument_bytes < 3 * 4 * report.num_params
     assert report.temp_bytes > 0 and report.total_bytes < report.hbm_bytes
-    # XLA's FLOPs for the whole slice are close to the model's 6N + attention per token.
-    assert 0.7 < report.flops_per_chip * 4 / report.model_flops < 1.5
+    # XLA's FLOPs for the whole slice are close to the model's 6N + attention per token
+    # (counting the scanned body once would give about half).
+    assert 0.8 < report.flops_per_chip * 4 / report.model_flops < 1.25
     assert "fits" in aot.format_report(report, config).splitlines()[-1]
 
 
