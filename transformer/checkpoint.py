@@ -196,3 +196,18 @@ def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collection
         return step, ml_collections.ConfigDict(probe.saved_config(step))
     finally:
         probe.close()
+
+
+def parse_init_from(spec: str) -> tuple[str, str, int | None]:
+    """`init_from` -> (kind, path, step): "hf:DIR" is ("hf", DIR, None); "WORKDIR" and
+    "WORKDIR@STEP" are ("workdir", WORKDIR, None or STEP).
+
+    >>> parse_init_from("runs/bert@600"), parse_init_from("hf:/models/bert-base")
+    (('workdir', 'runs/bert', 600), ('hf', '/models/bert-base', None))
+    """
+    if spec.startswith("hf:"):
+        return "hf", spec[3:], None
+    path, at, step = spec.rpartition("@")
+    if at and step.isdigit():
+        return "workdir", path, int(step)
+    return "workdir", spec, None

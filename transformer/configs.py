@@ -5,6 +5,9 @@ Experiment files (`experiments/*.py`) start from `base_config()` and override wh
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import ml_collections
 
 from transformer.models import default_model_config
@@ -31,6 +34,8 @@ def base_config() -> ml_collections.ConfigDict:
     config.z_loss = 0.0
     config.label_smoothing = 0.0
     config.peak_flops_per_device = 0.0  # for MFU in the logs; 0: measure a float32 matmul
+    # Fine-tuning: start params from "WORKDIR", "WORKDIR@STEP" or "hf:DIR" (transformer.finetune).
+    config.init_from = ""
 
     config.model = default_model_config()
     config.model.vocab_size = 0  # 0: the tokenizer's vocabulary size
@@ -47,6 +52,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.data.noise_density = 0.15
     config.data.mean_span_length = 3.0
     config.data.prefetch = 2
+    # Labeled tasks (objective "classification" | "text2text"): transformer.data.tasks.
+    config.data.task = ""  # speakers (play text at data.path) | modules (the embedded corpus)
+    config.data.num_classes = 0  # the task's most frequent labels kept as classes
 
     config.optimizer = ml_collections.ConfigDict()
     config.optimizer.learning_rate = 1e-3
@@ -58,6 +66,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.weight_decay = 0.1
     config.optimizer.grad_clip_norm = 1.0
     config.optimizer.grad_accumulation_steps = 1
+    config.optimizer.freeze = ""  # regex of param names ("encoder/layers/...") that stay fixed
+    config.optimizer.head = ""  # regex of param names trained at head_learning_rate
+    config.optimizer.head_learning_rate = 0.0  # 0: optimizer.learning_rate
 
     config.mesh = ml_collections.ConfigDict()
     config.mesh.data = -1  # -1: all remaining devices
@@ -81,3 +92,32 @@ def small_char_lm() -> ml_collections.ConfigDict:
     config.data.num_sentinels = 0
     config.optimizer.update(learning_rate=2e-3, warmup_steps=50)
     return config
+
+
+EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "experiments")
+
+
+def experiment(name: str, *args) -> ml_collections.ConfigDict:
+    """`get_config(*args)` of experiments/<name>.py: fine-tuning experiments start from their
+    pretraining experiment, so the model they load into has the same architecture."""
+    path = os.path.join(EXPERIMENTS_DIR, f"{name}.py")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"experiment {name!r}: expected {path}")
+    spec = importlib.util.spec_from_file_location(f"_experiment_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(*args)
+
+
+def finetune_task(config: ml_collections.ConfigDict, task: str) -> None:
+    """Points a fine-tuning config at a labeled task (transformer.data.tasks): "modules" (the
+    embedded corpus: which of 8 standard-library modules a paragraph comes from) or "speakers"
+    (which of the 8 most frequent speakers says a speech; play text given by data.path).
+    Splits of 15% test and 15% validation: pretrain with the same data.validation_fraction so
+    that pretraining never reads a test paragraph."""
+    if task not in ("modules", "speakers"):
+        raise ValueError(f"task={task!r}: expected 'modules' or 'speakers'")
+    config.data.update(task=task, num_classes=8, validation_fraction=0.15)
+    config.update(log_every=25, eval_every=100, eval_steps=100, checkpoint_every=500,
+                  keep_checkpoints=1)

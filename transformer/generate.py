@@ -622,8 +622,11 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
         if n < 1:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens: expected < seq_len="
                              f"{config.seq_len} (or pass max_new_tokens)")
-    to_texts = lambda rows: [tokenizer.decode(np.concatenate([keep, _until_eos(r)]))
-                             for r in rows]
+    # A model whose vocabulary is padded past the tokenizer's (e.g. to a multiple of 128) can
+    # draw ids the tokenizer lacks: they have no text.
+    def to_texts(rows):
+        ids = [np.concatenate([keep, _until_eos(r)]) for r in rows]
+        return [tokenizer.decode(i[i < tokenizer.vocab_size]) for i in ids]
     if isinstance(model, LSTMLM) or family == "lstm":
         length = len(prompt_ids) + n
         buffer = np.zeros((num_samples, length), np.int32)

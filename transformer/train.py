@@ -48,9 +48,12 @@ class TrainState:
 # --- optimizer ------------------------------------------------------------------------------
 
 
-def learning_rate_schedule(opt: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
-    """Linear warmup, then cosine or linear decay to min_learning_rate_ratio, or constant."""
-    peak, warmup = opt.learning_rate, min(opt.warmup_steps, steps)
+def learning_rate_schedule(opt: ml_collections.ConfigDict, steps: int,
+                           peak: float | None = None) -> optax.Schedule:
+    """Linear warmup to `peak` (default optimizer.learning_rate), then cosine or linear decay to
+    min_learning_rate_ratio of it, or constant."""
+    peak = opt.learning_rate if peak is None else peak
+    warmup = min(opt.warmup_steps, steps)
     end = peak * opt.min_learning_rate_ratio
     if opt.decay == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, peak, max(warmup, 1),
@@ -66,14 +69,32 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, steps: int) -> optax.
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """AdamW with warmup + decay and global-norm clipping; matrices decay, vectors do not."""
+    """AdamW with warmup + decay and global-norm clipping; matrices decay, vectors do not.
+
+    Fine-tuning groups (`finetune.param_labels`): params matching the regex optimizer.freeze
+    never change (their gradients are zeroed before clipping), and those matching
+    optimizer.head train at optimizer.head_learning_rate (0: the same rate).
+    """
     opt = config.optimizer
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    tx = optax.chain(
-        optax.clip_by_global_norm(opt.grad_clip_norm) if opt.grad_clip_norm else
-        optax.identity(),
-        optax.adamw(learning_rate_schedule(opt, config.steps), b1=opt.b1, b2=opt.b2,
-                    weight_decay=opt.weight_decay, mask=decay_mask))
+
+    def adamw(peak):
+        return optax.adamw(learning_rate_schedule(opt, config.steps, peak), b1=opt.b1,
+                           b2=opt.b2, weight_decay=opt.weight_decay, mask=decay_mask)
+
+    clip = optax.clip_by_global_norm(opt.grad_clip_norm) if opt.grad_clip_norm else \
+        optax.identity()
+    freeze, head = opt.get("freeze", ""), opt.get("head", "")
+    if freeze or head:
+        from transformer import finetune
+
+        labels = lambda params: finetune.param_labels(params, freeze, head)
+        frozen = lambda params: jax.tree.map(lambda label: label == "frozen", labels(params))
+        tx = optax.chain(optax.masked(optax.set_to_zero(), frozen), clip, optax.multi_transform(
+            {"frozen": optax.set_to_zero(), "backbone": adamw(opt.learning_rate),
+             "head": adamw(opt.get("head_learning_rate", 0.0) or opt.learning_rate)}, labels))
+    else:
+        tx = optax.chain(clip, adamw(opt.learning_rate))
     if config.get("nonfinite", "stop") == "skip":
         tx = optax.apply_if_finite(tx, max_consecutive_errors=config.max_nonfinite_skips)
     return tx
@@ -86,8 +107,9 @@ def model_logits(model, family: str, params, batch, *, rngs=None, deterministic=
     """The model's logits for a batch of pipeline features (see transformer.data.pipeline)."""
     kwargs = dict(rngs=rngs or {}, deterministic=deterministic)
     variables = {"params": params}
-    if family == "t5":
-        return model.apply(variables, batch["encoder_inputs"], batch["decoder_inputs"], **kwargs)
+    if family == "t5":  # padded rows (fine-tuning) mark their padding with segment ids
+        return model.apply(variables, batch["encoder_inputs"], batch["decoder_inputs"],
+                           encoder_segment_ids=batch.get("encoder_segment_ids"), **kwargs)
     if family == "lstm":
         return model.apply(variables, batch["inputs"], segment_ids=batch["segment_ids"], **kwargs)
     features = dict(segment_ids=batch["segment_ids"], positions=batch["positions"])
@@ -170,16 +192,87 @@ def make_train_step(model, config, optimizer):
     return train_step
 
 
-def make_eval_step(model, config):
-    """(params, batch) -> summed metrics, so batches can be added up before dividing."""
+def make_eval_step(model, config, tokenizer=None):
+    """(params, batch) -> summed metrics, so batches can be added up before dividing.
+
+    Labeled tasks also sum a confusion matrix [true class, predicted class] over examples. A
+    text-to-text model predicts the class whose name it scores highest (rank classification)
+    and counts an exact match where greedy decoding gives the name exactly (every teacher-forced
+    argmax right: then greedy decoding follows the same path).
+    """
+    objective = pipeline.objective_for(config)
+    if objective == "text2text":
+        from transformer.data import tasks
+
+        task = tasks.task_for(config)
+        names, target_len = tasks.label_names(task, tokenizer or inputs.get_tokenizer(config))
+        candidates = [tasks.text2text_features(np.zeros(1, np.int32), c, name, seq_len=2,
+                                               target_len=target_len)
+                      for c, name in enumerate(names)]
+        candidates = {k: np.stack([c[k] for c in candidates])
+                      for k in ("decoder_inputs", "targets", "weights")}
 
     def eval_step(params, batch):
         loss, metrics = loss_and_metrics(model, config, params, batch, None, deterministic=True)
         n = metrics["num_tokens"]
-        return {"loss_sum": metrics["loss"] * n, "correct_sum": metrics["accuracy"] * n,
+        sums = {"loss_sum": metrics["loss"] * n, "correct_sum": metrics["accuracy"] * n,
                 "num_tokens": n}
+        if objective == "classification":
+            logits = model_logits(model, config.model.family, params, batch)
+            sums["confusion"] = _confusion(batch["targets"], jnp.argmax(logits, -1),
+                                           batch["weights"], logits.shape[-1])
+        elif objective == "text2text":
+            sums.update(_text2text_sums(model, params, batch, candidates))
+        return sums
 
     return eval_step
+
+
+def _confusion(labels_B, predictions_B, weights_B, num_classes: int) -> jax.Array:
+    return jnp.einsum("bi,bj->ij", jax.nn.one_hot(labels_B, num_classes) * weights_B[:, None],
+                      jax.nn.one_hot(predictions_B, num_classes))
+
+
+def _text2text_sums(model, params, batch, candidates):
+    """Exact matches and the rank-classification confusion matrix of a text2text batch."""
+    variables = {"params": params}
+    weights_BT = batch["weights"]
+    example_B = weights_BT[:, 0]  # 1 for real rows, 0 for the rows padding a last batch
+    encoded_BSD = model.apply(variables, batch["encoder_inputs"],
+                              segment_ids=batch["encoder_segment_ids"], method="encode")
+    logits_BTV = model.apply(variables, encoded_BSD, batch["decoder_inputs"],
+                             encoder_segment_ids=batch["encoder_segment_ids"], method="decode")
+    right_BT = (jnp.argmax(logits_BTV, -1) == batch["targets"]) | (weights_BT == 0)
+    exact = jnp.sum(jnp.all(right_BT, axis=1) * example_B)
+    # Score every class name: the batch repeated once per class [C * B, ...].
+    C, B = candidates["targets"].shape[0], example_B.shape[0]
+    repeat = lambda x: jnp.repeat(x[None], C, axis=0).reshape(C * B, *x.shape[1:])
+    tile = lambda x: jnp.repeat(jnp.asarray(x)[:, None], B, axis=1).reshape(C * B, -1)
+    logits = model.apply(variables, repeat(encoded_BSD), tile(candidates["decoder_inputs"]),
+                         encoder_segment_ids=repeat(batch["encoder_segment_ids"]),
+                         method="decode")
+    log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
+                                    tile(candidates["targets"])[..., None], -1)[..., 0]
+    scores_CB = jnp.sum(log_probs * tile(candidates["weights"]), -1).reshape(C, B)
+    return {"exact_match_sum": exact, "num_examples": jnp.sum(example_B),
+            "confusion": _confusion(batch["label"], jnp.argmax(scores_CB, 0), example_B, C)}
+
+
+def classification_metrics(confusion: np.ndarray) -> dict[str, float]:
+    """Accuracy and macro-F1 (the mean over classes of F1; a class never predicted nor present
+    counts 0) from a confusion matrix [true, predicted].
+
+    >>> classification_metrics(np.array([[2, 0], [1, 1]]))
+    {'accuracy': 0.75, 'macro_f1': 0.7333333333333334}
+    """
+    confusion = np.asarray(confusion, np.float64)
+    true_positive = np.diag(confusion)
+    precision = true_positive / np.maximum(confusion.sum(0), 1e-12)
+    recall = true_positive / np.maximum(confusion.sum(1), 1e-12)
+    f1 = np.where(precision + recall > 0,
+                  2 * precision * recall / np.maximum(precision + recall, 1e-12), 0.0)
+    return {"accuracy": float(true_positive.sum() / max(confusion.sum(), 1.0)),
+            "macro_f1": float(f1.mean())}
 
 
 # --- FLOPs and progress ---------------------------------------------------------------------
@@ -335,13 +428,16 @@ def fetch(tree):
 
 
 def evaluate(params, eval_step, config, tokenizer, steps: int | None, placement: Placement,
-             bytes_per_token=None) -> dict[str, float]:
-    """Loss, perplexity, accuracy (and bits per byte for byte/char) on the validation split.
+             bytes_per_token=None, split: str = "validation",
+             with_confusion: bool = False) -> dict[str, float]:
+    """Loss, perplexity, accuracy (and bits per byte for byte/char) on `split`; for labeled
+    tasks accuracy and macro-F1 over examples (and exact match for text2text), with the
+    confusion matrix [true, predicted] if `with_confusion`.
 
     `bytes_per_token` is a function giving the validation split's UTF-8 bytes per token, called
     only when bits per byte apply; pass a cached one when evaluating repeatedly.
     """
-    dataset = inputs.get_dataset(config, tokenizer, "validation", num_epochs=1, shuffle=False,
+    dataset = inputs.get_dataset(config, tokenizer, split, num_epochs=1, shuffle=False,
                                  rows=placement.rows)
     totals, iterator, i = None, iter(dataset), 0
     while steps is None or i < steps:
@@ -359,6 +455,14 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None, placement:
     loss = float(totals["loss_sum"]) / n
     metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
                "accuracy": float(totals["correct_sum"]) / n, "num_tokens": n}
+    if "confusion" in totals:  # a labeled task: accuracy and macro-F1 over examples
+        if "exact_match_sum" in totals:
+            examples = max(float(totals["num_examples"]), 1.0)
+            metrics.update(token_accuracy=metrics["accuracy"], num_examples=examples,
+                           exact_match=float(totals["exact_match_sum"]) / examples)
+        metrics.update(classification_metrics(totals["confusion"]))
+        if with_confusion:
+            metrics["confusion"] = totals["confusion"].astype(int).tolist()
     if tokenizer.kind in ("byte", "char") and pipeline.objective_for(config) == "next_token":
         if bytes_per_token is None:
             bytes_per_token = functools.partial(inputs.bytes_per_token, config, tokenizer,
@@ -402,6 +506,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     elif config.model.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size={config.model.vocab_size}: expected >= the "
                          f"tokenizer's {tokenizer.vocab_size}")
+    task = None
+    if pipeline.objective_for(config) in pipeline.TASK_OBJECTIVES:
+        from transformer.data import tasks
+
+        task = tasks.task_for(config)
+        if config.model.head == "classify" and not config.model.num_classes:
+            config.model.num_classes = len(task.labels)
     model = build_model(config.model)
     optimizer = make_optimizer(config)
 
@@ -423,13 +534,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if restored is None:
         state = init(jax.random.key(config.seed))
         start_step = 0
+        if config.get("init_from"):
+            from transformer import finetune
+
+            params, report = finetune.load_params(config.init_from, state.params,
+                                                  state_sharding.params)
+            state = state.replace(params=params)
+            if is_main:
+                print(report)
     else:
         state, start_step = restored, int(fetch(restored.step))
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(abstract.params))
 
     train_step = placement.jit_train_step(make_train_step(model, config, optimizer),
                                           state_sharding)
-    eval_step = placement.jit_eval_step(make_eval_step(model, config), state_sharding.params)
+    eval_step = placement.jit_eval_step(make_eval_step(model, config, tokenizer),
+                                        state_sharding.params)
     validation_bytes_per_token = functools.cache(
         lambda: inputs.bytes_per_token(config, tokenizer, "validation"))
     logger = _Logger(workdir, is_main, start_step)
@@ -437,6 +557,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                  f"batch {config.batch_size} x {config.seq_len}, "
                  f"steps {start_step}..{config.steps}, workdir {workdir}")
     logger.print(sharding.summary(placement.mesh, abstract, state_sharding, config.batch_size))
+    if task is not None:
+        logger.print(f"task {task.name}: {len(task.labels)} classes; examples per class:\n"
+                     + task.balance())
 
     stop = {"signal": None}
 
@@ -493,6 +616,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 manager.save(step, state, train_data)
                 logger.print(f"received signal {stop['signal'] or 'on another process'}: "
                              f"saved step {step}, exiting")
+            if step == config.steps and task is not None and not stopping:
+                evaluation = evaluate(state.params, eval_step, config, tokenizer, None,
+                                      placement, split="test")
+                logger.write(step, "test", evaluation)
+                logger.print(f"step {step}: test " + " ".join(
+                    f"{k} {v:.4f}" for k, v in evaluation.items() if k != "num_tokens"))
+                last_metrics.update({f"test_{k}": v for k, v in evaluation.items()})
             if step == config.steps and config.get("eval_seq_lens") and not stopping:
                 for seq_len in config.eval_seq_lens:
                     try:
@@ -597,9 +727,50 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     if config.model.get("position") == "learned" and config.seq_len > config.model.max_len:
         raise ValueError(f"seq_len={config.seq_len}: expected <= model.max_len="
                          f"{config.model.max_len}, the learned position table's size")
-    pipeline.objective_for(config)
+    _validate_finetuning(config)
     learning_rate_schedule(config.optimizer, config.steps)
     build_model(config.model)  # validates the architecture (TransformerConfig) up front
+
+
+def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
+    """One-line errors for labeled-task and init_from settings."""
+    import re
+
+    objective, family = pipeline.objective_for(config), config.model.family
+    task = config.data.get("task", "")
+    if objective in pipeline.TASK_OBJECTIVES:
+        from transformer.data import tasks
+
+        if task not in tasks.TASKS:
+            raise ValueError(f"data.task={task!r}: data.objective={objective!r} expected one "
+                             f"of {tasks.TASKS}")
+        if objective == "text2text" and family != "t5":
+            raise ValueError(f"data.objective='text2text' with model.family={family!r}: "
+                             "expected 't5'")
+        if objective == "classification" and (family not in ("bert", "gpt", "prefix_lm")
+                                              or config.model.head != "classify"):
+            raise ValueError(f"data.objective='classification' with model.family={family!r}, "
+                             f"model.head={config.model.head!r}: expected family bert or gpt "
+                             "with head 'classify'")
+    elif task:
+        raise ValueError(f"data.task={task!r} with data.objective={objective!r}: expected "
+                         f"objective 'classification' or 'text2text'")
+    for key in ("freeze", "head"):
+        try:
+            re.compile(config.optimizer.get(key, ""))
+        except re.error as error:
+            raise ValueError(f"optimizer.{key}={config.optimizer[key]!r}: expected a regular "
+                             f"expression ({error})") from None
+    if config.optimizer.get("head_learning_rate", 0.0) < 0:
+        raise ValueError(f"optimizer.head_learning_rate={config.optimizer.head_learning_rate}: "
+                         "expected >= 0 (0: optimizer.learning_rate)")
+    if config.get("init_from"):
+        kind, path, step = checkpoint_lib.parse_init_from(config.init_from)
+        if kind == "workdir":
+            checkpoint_lib.saved_run(path, step)  # a workdir with that checkpoint, or an error
+        elif not fileio.path(path).joinpath("config.json").is_file():
+            raise FileNotFoundError(f"init_from={config.init_from!r}: expected a save_pretrained "
+                                    "directory with config.json")
 
 
 def main(argv) -> None:

@@ -15,8 +15,9 @@ import jax
 import ml_collections
 from jax.experimental import multihost_utils
 
+from transformer import checkpoint as checkpoint_lib
 from transformer import fileio
-from transformer.data import pipeline, sources
+from transformer.data import pipeline, sources, tasks
 from transformer.data import tokenizers as tokenizers_lib
 
 TOKENIZER_DIR = "tokenizer"
@@ -49,7 +50,10 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
         multihost_utils.sync_global_devices("transformer.data.inputs.get_tokenizer")
     if exists:
         return tokenizers_lib.load_tokenizer(saved)
-    if prepared := _prepared_dir(config):
+    kind, source, _ = checkpoint_lib.parse_init_from(config.get("init_from", ""))
+    if source and kind == "workdir":  # fine-tuning reads text as it was pretrained
+        tokenizer = tokenizers_lib.load_tokenizer(fileio.join(source, TOKENIZER_DIR))
+    elif prepared := _prepared_dir(config):
         tokenizer = tokenizers_lib.load_tokenizer(prepared)
     else:
         kind = config.data.tokenizer
@@ -92,6 +96,9 @@ def get_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
     contiguous block of `config.batch_size // process_count` rows.
     """
     data = config.data
+    if pipeline.objective_for(config) in tasks.OBJECTIVES:
+        return tasks.make_dataset(config, tokenizer, split, num_epochs=num_epochs,
+                                  shuffle=shuffle, rows=rows)
     return pipeline.make_dataset(
         token_source(config, tokenizer, split), objective=pipeline.objective_for(config),
         tokenizer=tokenizer, seq_len=config.seq_len, batch_size=config.batch_size,

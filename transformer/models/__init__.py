@@ -36,7 +36,8 @@ def default_model_config() -> ml_collections.ConfigDict:
         "num_decoder_layers": ml_collections.FieldReference(None, field_type=int),
         # Encoder-decoder: scale the decoder output by d_model^-0.5 before the head (T5 v1.0).
         "scale_decoder_output": True,
-        # BERT: sentence A/B vocabulary, head ("mlm" | "classify") and classes.
+        # BERT: sentence A/B vocabulary. BERT and GPT: head ("mlm" | "classify": a sequence
+        # classifier; GPT's default LM head is "mlm" too) and its classes (0: the task's).
         "type_vocab_size": 2,
         "head": "mlm",
         "num_classes": 0,
@@ -65,7 +66,10 @@ def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
                       cfg.param_dtype)
     cfg = transformer_config(model_config)
     if family in ("gpt", "prefix_lm"):
-        return DecoderLM(cfg, vocab, tie)
+        classes = model_config.num_classes if model_config.head == "classify" else 0
+        if model_config.head == "classify" and classes < 1:
+            raise ValueError(f"model.num_classes={classes}: the classify head needs >= 1")
+        return DecoderLM(cfg, vocab, tie, classes)
     if family == "bert":
         return EncoderModel(cfg, vocab, model_config.type_vocab_size, model_config.head,
                             model_config.num_classes)

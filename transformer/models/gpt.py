@@ -38,6 +38,10 @@ class DecoderLM(nn.Module):
     Packed rows pass `segment_ids` (1, 2, ... per document, 0 for padding) and per-document
     `positions`; attention then stays within each document.
 
+    `num_classes > 0` makes it a sequence classifier: logits [B, num_classes] from the last
+    token's final vector (the last position with segment_ids > 0, or T - 1), through a new
+    `classifier` head.
+
     `decode=True` runs on the KV cache (`init_cache`; apply with `mutable=["cache"]`): each
     token is written into cache slot `positions[b, t]` and attends to slots <= its position
     (and to the prefix, slots < `prefix_lengths[b]`), out of `cache_length` slots.
@@ -46,6 +50,7 @@ class DecoderLM(nn.Module):
     config: TransformerConfig
     vocab_size: int
     tie_embeddings: bool = True
+    num_classes: int = 0
 
     def setup(self):
         cfg = self.config
@@ -55,6 +60,10 @@ class DecoderLM(nn.Module):
         if not self.tie_embeddings:
             self.lm_head = OutputHead(self.vocab_size, init_std=cfg.init_std, dtype=cfg.dtype,
                                       param_dtype=cfg.param_dtype)
+        if self.num_classes:
+            self.classifier = OutputHead(self.num_classes, use_bias=True, init_std=cfg.init_std,
+                                         names=("embed", "classes"), dtype=cfg.dtype,
+                                         param_dtype=cfg.param_dtype)
 
     def __call__(
         self,
@@ -67,7 +76,8 @@ class DecoderLM(nn.Module):
         decode: bool = False,
         cache_length: int | None = None,
     ) -> Array:
-        """int tokens [B, T] -> float32 logits [B, T, V] (position t predicts token t + 1)."""
+        """int tokens [B, T] -> float32 logits [B, T, V] (position t predicts token t + 1), or
+        [B, num_classes] for a classifier."""
         kv_positions = None
         if decode:
             if positions is None or segment_ids is not None:
@@ -82,4 +92,8 @@ class DecoderLM(nn.Module):
         x_BTD = self.embed(tokens_BT)
         x_BTD = self.decoder(x_BTD, mask, positions, deterministic=deterministic, decode=decode,
                              kv_positions=kv_positions)
+        if self.num_classes:
+            last_B = (jnp.full(tokens_BT.shape[:1], tokens_BT.shape[1] - 1) if segment_ids is None
+                      else jnp.sum(segment_ids > 0, axis=1) - 1)
+            return self.classifier(x_BTD[jnp.arange(x_BTD.shape[0]), jnp.maximum(last_B, 0)])
         return self.embed.attend(x_BTD) if self.tie_embeddings else self.lm_head(x_BTD)

@@ -1,0 +1,255 @@
+"""Labeled tasks for fine-tuning: examples, stable splits, features and Grain datasets.
+
+A task turns text into (text, label) examples of `data.num_classes` classes:
+
+* `"speakers"`: which speaker says a speech of play text (`data.path`: tinyshakespeare-style
+  text, one speech per paragraph, its first line `NAME:`); the classes are the most frequent
+  speakers.
+* `"modules"`: which standard-library module a paragraph of source comes from, derived from the
+  embedded corpus (no `data.path`); the classes are the modules with the most paragraphs.
+
+Splits use the same hash as pretraining (`sources.split_documents`) on the *whole paragraph*:
+hash < f (f = `data.validation_fraction`) is "test", [f, 2f) "validation", the rest "train". So
+a model pretrained on the same text with the same f never saw a test paragraph.
+
+Features per objective (`data.objective`):
+* `"classification"` (bert, gpt): token rows + one integer target per row, weight 1 (0 for the
+  rows that pad the last evaluation batch);
+* `"text2text"` (t5): the text to the encoder, the label's name (its tokens + <eos>) as the
+  decoder's target, and the class id under "label".
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import re
+
+import grain
+import jax
+import ml_collections
+import numpy as np
+
+from transformer.data import pipeline, sources
+from transformer.data.tokenizers import BOS_ID, CLS_ID, EOS_ID, SEP_ID
+
+TASKS = ("speakers", "modules")
+OBJECTIVES = pipeline.TASK_OBJECTIVES  # ("classification", "text2text")
+SPLITS = ("train", "validation", "test")
+_SPEAKER = re.compile(r"([A-Z][A-Za-z' .-]*):[ \t]*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    text: str
+    label: int
+    source: str  # the paragraph the example came from (what the split hashes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    name: str
+    labels: tuple[str, ...]  # class names; class id = index
+    splits: dict[str, tuple[Example, ...]]
+
+    def balance(self) -> str:
+        """One line per split: examples per class."""
+        lines = []
+        for split, examples in self.splits.items():
+            counts = collections.Counter(e.label for e in examples)
+            lines.append(f"{split} ({len(examples)}): " + ", ".join(
+                f"{name} {counts[i]}" for i, name in enumerate(self.labels)))
+        return "\n".join(lines)
+
+
+def speaker_speeches(text: str) -> list[tuple[str, str, str]]:
+    """(speaker, speech, paragraph) of each paragraph of play text whose first line is `NAME:`.
+
+    >>> speaker_speeches("ROMEO:\\nBut soft!\\n\\nJULIET:\\nAy me!\\nO Romeo.\\n\\nStage.\\n")
+    [('ROMEO', 'But soft!', 'ROMEO:\\nBut soft!\\n\\n'), ('JULIET', 'Ay me!\\nO Romeo.', \
+'JULIET:\\nAy me!\\nO Romeo.\\n\\n')]
+    """
+    speeches = []
+    for paragraph in sources.split_paragraphs(text):
+        first, _, rest = paragraph.strip("\n").partition("\n")
+        match = _SPEAKER.fullmatch(first.strip())
+        if match and rest.strip():
+            speeches.append((match.group(1), rest.strip(), paragraph))
+    return speeches
+
+
+def module_paragraphs() -> list[tuple[str, str, str]]:
+    """(module, paragraph, paragraph) of the embedded corpus's standard-library files."""
+    out = []
+    for doc in sources.embedded_corpus():
+        if doc.name.startswith("stdlib:"):
+            module = doc.name.removeprefix("stdlib:").removesuffix(".py")
+            out += [(module, p.strip(), p) for p in sources.split_paragraphs(doc.text)
+                    if p.strip()]
+    return out
+
+
+def split_of(paragraph: str, fraction: float) -> str:
+    """"test" / "validation" / "train" by the paragraph's hash (see the module docstring)."""
+    h = sources._unit_hash(paragraph)
+    return "test" if h < fraction else "validation" if h < 2 * fraction else "train"
+
+
+def make_task(name: str, path: str, num_classes: int, fraction: float) -> Task:
+    """The task's examples of its `num_classes` most frequent labels (ties by name), split."""
+    if name not in TASKS:
+        raise ValueError(f"data.task={name!r}: expected one of {TASKS}")
+    if not isinstance(num_classes, int) or num_classes < 2:
+        raise ValueError(f"data.num_classes={num_classes!r}: expected an int >= 2")
+    if not 0.0 < fraction < 0.5:
+        raise ValueError(f"data.validation_fraction={fraction}: expected a number in (0, 0.5) "
+                         "(test and validation take that fraction each)")
+    if name == "speakers":
+        if not path:
+            raise ValueError("data.task='speakers' reads play text: expected data.path (e.g. "
+                             "tinyshakespeare.txt)")
+        rows = [r for doc in sources.read_text(path, split="file")
+                for r in speaker_speeches(doc.text)]
+    else:
+        if path:
+            raise ValueError(f"data.task='modules' derives its text from the embedded corpus: "
+                             f"expected data.path='', not {path!r}")
+        rows = module_paragraphs()
+    counts = collections.Counter(label for label, _, _ in rows)
+    if len(counts) < num_classes:
+        raise ValueError(f"data.num_classes={num_classes}: the text has only {len(counts)} "
+                         f"labels ({sorted(counts)[:10]}...)")
+    labels = tuple(sorted(counts, key=lambda k: (-counts[k], k))[:num_classes])
+    index = {label: i for i, label in enumerate(labels)}
+    splits: dict[str, list[Example]] = {s: [] for s in SPLITS}
+    for label, text, paragraph in rows:
+        if label in index:
+            splits[split_of(paragraph, fraction)].append(Example(text, index[label], paragraph))
+    for split, examples in splits.items():
+        if not examples:
+            raise ValueError(f"the {split} split of task {name!r} is empty: expected more text "
+                             "or a larger data.validation_fraction")
+    return Task(name, labels, {s: tuple(e) for s, e in splits.items()})
+
+
+@functools.cache
+def _cached_task(name, path, num_classes, fraction) -> Task:
+    return make_task(name, path, num_classes, fraction)
+
+
+def task_for(config: ml_collections.ConfigDict) -> Task:
+    """The config's task (built once per process)."""
+    data = config.data
+    return _cached_task(data.task, data.path, data.num_classes, data.validation_fraction)
+
+
+# --- feature converters ---------------------------------------------------------------------
+
+
+def _pad(ids, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids right-padded with 0 to `length`, segment ids: 1 on tokens, 0 on padding)."""
+    out = np.zeros(length, np.int32)
+    out[:len(ids)] = ids
+    return out, (np.arange(length) < len(ids)).astype(np.int32)
+
+
+def classification_features(ids: np.ndarray, label: int, *, seq_len: int,
+                            family: str) -> dict[str, np.ndarray]:
+    """A text's token ids and its class -> one classification row of `seq_len` tokens.
+
+    BERT reads [CLS] text [SEP] (the head reads [CLS]); GPT reads <eos> text (the head reads the
+    last token; <eos> starts a document, as in pretraining). Long texts are cut.
+
+    >>> f = classification_features(np.array([11, 12, 13]), 2, seq_len=6, family="bert")
+    >>> f["inputs"].tolist(), f["segment_ids"].tolist(), int(f["targets"])
+    ([5, 11, 12, 13, 6, 0], [1, 1, 1, 1, 1, 0], 2)
+    >>> classification_features(np.array([11, 12, 13]), 2, seq_len=3, family="gpt")["inputs"]
+    array([ 2, 11, 12], dtype=int32)
+    """
+    if family == "bert":
+        tokens = [CLS_ID, *ids[:seq_len - 2], SEP_ID]
+    else:
+        tokens = [EOS_ID, *ids[:seq_len - 1]]
+    inputs, segment_ids = _pad(tokens, seq_len)
+    return {"inputs": inputs, "segment_ids": segment_ids,
+            "positions": (np.arange(seq_len) * segment_ids).astype(np.int32),
+            "targets": np.int32(label), "weights": np.float32(1.0)}
+
+
+def text2text_features(ids: np.ndarray, label: int, target_ids: np.ndarray, *, seq_len: int,
+                       target_len: int) -> dict[str, np.ndarray]:
+    """A text, its class and the class name's token ids -> one T5 row: the encoder reads the
+    text + <eos> (cut to `seq_len`), the decoder the name + <eos> behind <bos>.
+
+    >>> f = text2text_features(np.array([11, 12]), 1, np.array([40, 41]), seq_len=4,
+    ...                        target_len=4)
+    >>> f["encoder_inputs"].tolist(), f["encoder_segment_ids"].tolist()
+    ([11, 12, 2, 0], [1, 1, 1, 0])
+    >>> f["decoder_inputs"].tolist(), f["targets"].tolist(), f["weights"].tolist()
+    ([1, 40, 41, 2], [40, 41, 2, 0], [1.0, 1.0, 1.0, 0.0])
+    """
+    encoder_inputs, encoder_segment_ids = _pad([*ids[:seq_len - 1], EOS_ID], seq_len)
+    targets, mask = _pad([*target_ids, EOS_ID][:target_len], target_len)
+    decoder_inputs = np.concatenate([[BOS_ID], targets[:-1]]).astype(np.int32)
+    return {"encoder_inputs": encoder_inputs, "encoder_segment_ids": encoder_segment_ids,
+            "decoder_inputs": decoder_inputs, "targets": targets,
+            "weights": mask.astype(np.float32), "label": np.int32(label)}
+
+
+def label_names(task: Task, tokenizer) -> tuple[list[np.ndarray], int]:
+    """(each class name's token ids, the decoder length: the longest + 1 for <eos>)."""
+    names = [np.asarray(tokenizer.encode(name), np.int32) for name in task.labels]
+    return names, max(len(n) for n in names) + 1
+
+
+# --- datasets -------------------------------------------------------------------------------
+
+
+class _PadBatch(grain.transforms.Map):
+    """Pads a short (final evaluation) batch to `batch_size` rows of weight 0."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+
+    def map(self, batch):
+        missing = self.batch_size - len(batch["weights"])
+        if not missing:
+            return batch
+        return {k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)])
+                for k, v in batch.items()}
+
+
+def make_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
+                 num_epochs: int | None = None, shuffle: bool = True,
+                 rows=None) -> grain.IterDataset:
+    """This process's `rows` of each global batch of the task's `split` (see module docstring).
+
+    Training (`num_epochs=None`) repeats and reshuffles every epoch; evaluation (`num_epochs=1`,
+    `shuffle=False`) reads every example once, the last batch padded with rows of weight 0.
+    """
+    objective = config.data.objective
+    if objective not in OBJECTIVES:
+        raise ValueError(f"data.objective={objective!r}: expected one of {OBJECTIVES}")
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {SPLITS}")
+    task = task_for(config)
+    batch_size, seq_len = config.batch_size, config.seq_len
+    if objective == "text2text":
+        names, target_len = label_names(task, tokenizer)
+        featurize = lambda e: text2text_features(tokenizer.encode(e.text), e.label,
+                                                 names[e.label], seq_len=seq_len,
+                                                 target_len=target_len)
+    else:
+        family = config.model.family
+        featurize = lambda e: classification_features(tokenizer.encode(e.text), e.label,
+                                                      seq_len=seq_len, family=family)
+    rows = list(range(batch_size // jax.process_count() * jax.process_index(),
+                      batch_size // jax.process_count() * (jax.process_index() + 1))) \
+        if rows is None else list(rows)
+    dataset = grain.MapDataset.source(task.splits[split]).repeat(num_epochs)
+    if shuffle:
+        dataset = dataset.shuffle(seed=config.seed)  # a new order each epoch
+    dataset = dataset.map(featurize).batch(batch_size, drop_remainder=num_epochs is None)
+    dataset = dataset.map(_PadBatch(batch_size)).map(lambda b: {k: v[rows] for k, v in b.items()})
+    return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
