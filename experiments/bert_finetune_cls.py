@@ -21,6 +21,7 @@ def get_config(task: str = "modules"):
     config = configs.experiment("bert_mlm")
     config.experiment = "bert_finetune_cls"
     configs.finetune_task(config, task)
+    config.init_from = "runs/bert_mlm"  # the pretraining run's default workdir; "": from scratch
     config.update(steps=400, batch_size=16, seq_len=128)
     config.model.update(head="classify", num_classes=0)  # 0: the task's classes
     config.data.objective = "classification"

@@ -17,6 +17,7 @@ def get_config(task: str = "modules"):
     config = configs.experiment("gpt_tiny")
     config.experiment = "gpt_finetune_cls"
     configs.finetune_task(config, task)
+    config.init_from = "runs/gpt_tiny"  # the pretraining run's default workdir; "": from scratch
     config.update(steps=400, batch_size=16, seq_len=128)
     config.model.update(head="classify", num_classes=0)  # 0: the task's classes
     config.data.objective = "classification"

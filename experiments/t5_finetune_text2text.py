@@ -19,6 +19,7 @@ def get_config(task: str = "modules"):
     config = configs.experiment("t5_span")
     config.experiment = "t5_finetune_text2text"
     configs.finetune_task(config, task)
+    config.init_from = "runs/t5_span"  # the pretraining run's default workdir; "": from scratch
     config.update(steps=400, batch_size=16, seq_len=128)
     config.data.objective = "text2text"
     config.optimizer.update(learning_rate=3e-4, warmup_steps=40)

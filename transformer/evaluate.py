@@ -1,10 +1,12 @@
-"""Evaluate a run's checkpoint on its validation split.
+"""Evaluate a run's checkpoint on its validation (or test) split.
 
-    python -m transformer.evaluate --workdir=DIR [--step=N] [--eval_steps=N]
+    python -m transformer.evaluate --workdir=DIR [--step=N] [--eval_steps=N] [--split=test]
     python -m transformer.evaluate --workdir=DIR --eval_seq_len=128,256,512
 
 Uses the config and tokenizer saved in the workdir; prints the metrics and writes them to
-DIR/eval_<step>.json. `--eval_seq_len` evaluates at other sequence lengths than the run trained
+DIR/eval_<step>.json (eval_<step>_test.json for the test split). A fine-tuned classifier
+(a labeled task, transformer.data.tasks) gets accuracy, macro-F1 and its confusion matrix, also
+drawn to DIR/confusion_<step>_<split>.png. `--eval_seq_len` evaluates at other sequence lengths than the run trained
 at (length extrapolation), reading about the same number of tokens at each length; a model with
 learned positions cannot go beyond its table (model.max_len) and says so.
 """
@@ -18,18 +20,23 @@ import jax
 from transformer import checkpoint as checkpoint_lib
 from transformer import fileio, sharding
 from transformer import train as train_lib
-from transformer.data import inputs
+from transformer.data import inputs, pipeline
 from transformer.models import build_model
 
 
 def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | None = None,
-                     seq_lens: tuple[int, ...] = ()) -> dict:
-    """Restores `step` (default: the latest) of the run in `workdir` and evaluates it.
+                     seq_lens: tuple[int, ...] = (), split: str = "validation") -> dict:
+    """Restores `step` (default: the latest) of the run in `workdir` and evaluates it on
+    `split` ("test" only for labeled tasks, which hold one out).
 
     Returns the metrics at the training length, or with `seq_lens`
     {"step": ..., "train_seq_len": ..., "by_seq_len": {L: metrics at length L}}.
     """
     step, config = checkpoint_lib.saved_run(workdir, step)
+    is_task = pipeline.objective_for(config) in pipeline.TASK_OBJECTIVES
+    if split not in ("validation", "test") or (split == "test" and not is_task):
+        raise ValueError(f"split={split!r}: expected 'validation'" +
+                         (" or 'test'" if is_task else " (only labeled tasks have a test split)"))
     for seq_len in seq_lens:  # before anything is restored or compiled
         train_lib.check_eval_seq_len(config, seq_len)
     tokenizer = inputs.get_tokenizer(config, workdir)
@@ -44,7 +51,7 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     manager = checkpoint_lib.Manager(workdir, config)
     state = manager.restore(step, abstract, shardings)
     manager.close()
-    eval_step = placement.jit_eval_step(train_lib.make_eval_step(model, config),
+    eval_step = placement.jit_eval_step(train_lib.make_eval_step(model, config, tokenizer),
                                         shardings.params)
     with placement.context():
         if seq_lens:
@@ -54,12 +61,49 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
                 for seq_len in seq_lens}}
         else:
             metrics = train_lib.evaluate(state.params, eval_step, config, tokenizer,
-                                         eval_steps, placement)
+                                         eval_steps, placement, split=split,
+                                         with_confusion=is_task)
     metrics["step"] = step
     if jax.process_index() == 0:
-        name = f"eval_{step}" + ("_len" + "_".join(map(str, seq_lens)) if seq_lens else "")
+        name = f"eval_{step}" + ("_len" + "_".join(map(str, seq_lens)) if seq_lens else "") + \
+            ("_test" if split == "test" else "")
+        if is_task:
+            from transformer.data import tasks
+
+            metrics["labels"] = list(tasks.task_for(config).labels)
+            metrics["confusion_png"] = fileio.join(workdir, f"confusion_{step}_{split}.png")
+            save_confusion(metrics["confusion"], metrics["labels"], metrics["confusion_png"],
+                           f"{config.experiment} step {step}, {split}: accuracy "
+                           f"{metrics['accuracy']:.3f}, macro-F1 {metrics['macro_f1']:.3f}")
         fileio.write_atomic(fileio.join(workdir, f"{name}.json"), json.dumps(metrics, indent=2))
     return metrics
+
+
+def save_confusion(confusion, labels, path: str, title: str) -> None:
+    """The confusion matrix [true, predicted] as a PNG heatmap with the counts written in."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    counts = np.asarray(confusion)
+    size = 1.5 + 0.55 * len(labels)
+    figure, axes = plt.subplots(figsize=(size + 1.5, size))
+    image = axes.imshow(counts, cmap="Blues")
+    axes.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+    axes.set_yticks(range(len(labels)), labels)
+    axes.set_xlabel("predicted")
+    axes.set_ylabel("true")
+    axes.set_title(title, fontsize=9)
+    for (i, j), count in np.ndenumerate(counts):
+        axes.text(j, i, str(count), ha="center", va="center", fontsize=8,
+                  color="white" if count > counts.max() / 2 else "black")
+    figure.colorbar(image, ax=axes, fraction=0.046)
+    figure.tight_layout()
+    with fileio.path(path).open("wb") as f:
+        figure.savefig(f, format="png", dpi=100)
+    plt.close(figure)
 
 
 def main(argv) -> None:
@@ -69,11 +113,32 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)
     FLAGS = flags.FLAGS
     seq_lens = tuple(_positive_int(value) for value in FLAGS.eval_seq_len or ())
-    metrics = evaluate_workdir(FLAGS.workdir, FLAGS.step, FLAGS.eval_steps, seq_lens)
+    metrics = evaluate_workdir(FLAGS.workdir, FLAGS.step, FLAGS.eval_steps, seq_lens,
+                               FLAGS.split)
     if seq_lens:
         print(f"step {metrics['step']}, trained at seq_len {metrics['train_seq_len']}")
         print(format_length_table(metrics["by_seq_len"]))
+    if "confusion" in metrics:
+        print(format_confusion(metrics["confusion"], metrics["labels"]))
+        metrics = {k: v for k, v in metrics.items() if k not in ("confusion", "labels")}
     print(json.dumps(metrics, indent=2))
+
+
+def format_confusion(confusion, labels) -> str:
+    """The confusion matrix as text: one row per true class, one column per prediction.
+
+    >>> print(format_confusion([[2, 0], [1, 1]], ["ab", "c"]))
+    true \\ predicted     ab      c
+    ab                    2      0
+    c                     1      1
+    """
+    corner = "true \\ predicted"
+    first = max(len(corner), *(len(label) for label in labels)) + 1
+    width = max(6, *(len(label) + 1 for label in labels))
+    lines = [corner.ljust(first) + "".join(label.rjust(width) for label in labels)]
+    lines += [label.ljust(first) + "".join(str(count).rjust(width) for count in row)
+              for label, row in zip(labels, confusion)]
+    return "\n".join(lines)
 
 
 def format_length_table(by_seq_len: dict) -> str:
@@ -100,6 +165,8 @@ if __name__ == "__main__":
     flags.DEFINE_string("workdir", None, "Training workdir to evaluate.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.DEFINE_integer("eval_steps", None, "Validation batches (default: the whole split).")
+    flags.DEFINE_enum("split", "validation", ["validation", "test"],
+                      "Split to evaluate (test: labeled tasks only).")
     flags.DEFINE_list("eval_seq_len", None, "Evaluate at these sequence lengths, e.g. 256,512 "
                       "(length extrapolation; default: the training length).")
     app.run(main)

@@ -161,6 +161,9 @@ def logical_shardings(boxed_tree, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
     Unboxed leaves (step counters, ...) are replicated. The result matches `nn.unbox(tree)`.
     """
     is_box = lambda x: isinstance(x, nn.Partitioned)
+    # optax.masked / multi_transform state keeps a param's box around an empty MaskedNode.
+    boxed_tree = jax.tree.map(lambda x: x.value if is_box(x) and not hasattr(x.value, "shape")
+                              else x, boxed_tree, is_leaf=is_box)
     specs = nn.get_partition_spec(boxed_tree)
     shapes = jax.tree.map(lambda x: x.value.shape if is_box(x) else np.shape(x), boxed_tree,
                           is_leaf=is_box)

@@ -320,6 +320,11 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
+# Labeled tasks (fine-tuning) evaluate the held-out test split at the end of training.
+TEST_COLUMNS = {"test_accuracy": "test acc", "test_macro_f1": "test macro-F1",
+                "test_exact_match": "test exact match"}
+
+
 def variant_row(name: str, config, directory: str) -> dict[str, Any]:
     """One report row: final metrics, params, tokens/s (median over the logs) and wall time."""
     records, summary = _records(directory), _summary(directory)
@@ -336,8 +341,8 @@ def variant_row(name: str, config, directory: str) -> dict[str, Any]:
            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[1:] or train)
            if train else None,
            "elapsed": records[-1]["elapsed"] if records else None}
-    for key, value in summary.items():  # length extrapolation: val_loss@L
-        if key.startswith("val_loss@"):
+    for key, value in summary.items():  # length extrapolation: val_loss@L; labeled tasks
+        if key.startswith("val_loss@") or key in TEST_COLUMNS:
             row[key] = value
     if row["status"] == "failed":
         with open(os.path.join(directory, "error.txt")) as f:
@@ -355,7 +360,9 @@ def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequen
                       if key.startswith("val_loss@")})
     bpb = any(row["val_bits_per_byte"] is not None for row in rows)
     header = ["variant", "overrides", "params", "steps", "train loss", "val loss", "val acc"]
+    tests = [key for key in TEST_COLUMNS if any(key in row for row in rows)]
     header += ["val bits/byte"] * bpb + [f"val loss @{n}" for n in lengths]
+    header += [TEST_COLUMNS[key] for key in tests]
     header += ["tokens/s", "wall time", "status"]
     lines = [f"# {title}", "",
              f"{len(rows)} variants, written {time.strftime('%Y-%m-%d %H:%M:%S')}. "
@@ -373,6 +380,7 @@ def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequen
                  _fmt(row["train_loss"]), _fmt(row["val_loss"]), _fmt(row["val_accuracy"], 3)]
         cells += [_fmt(row["val_bits_per_byte"])] * bpb
         cells += [_fmt(row.get(f"val_loss@{n}")) for n in lengths]
+        cells += [_fmt(row.get(key), 3) for key in tests]
         cells += [_fmt(row["tokens_per_s"], 0) if row["tokens_per_s"] else "-",
                   _duration(row["elapsed"]), row["status"]]
         lines.append("| " + " | ".join(cells) + " |")

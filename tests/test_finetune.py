@@ -1,0 +1,272 @@
+"""Pretrain, then adapt: labeled tasks and their splits, init_from (workdir and Hugging Face),
+frozen and re-weighted parameter groups, the classifier heads, and a pretrain -> fine-tune ->
+evaluate run through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from transformer import checkpoint as checkpoint_lib
+from transformer import configs, finetune, train
+from transformer.configs import base_config
+from transformer.data import tasks, tokenizers
+from transformer.models import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+SPEAKERS = ["ROMEO", "JULIET", "NURSE", "FRIAR", "PARIS"]
+TINY_MODEL = dict(num_layers=1, d_model=32, num_heads=2, d_ff=64)
+
+
+def play_text(speeches: int = 400) -> str:
+    """Play text in tinyshakespeare's format: speaker k says words that favour k, so the task
+    is learnable; speaker frequencies fall off so the class order is known."""
+    rng = np.random.default_rng(0)
+    words = ["love", "night", "death", "wine", "grace", "cup", "sword", "moon", "ring", "star"]
+    lines = []
+    for i in range(speeches):
+        k = min(int(rng.geometric(0.35)) - 1, len(SPEAKERS) - 1)
+        said = [words[2 * k + int(rng.integers(2))] if rng.random() < 0.6
+                else words[int(rng.integers(len(words)))] for _ in range(6)]
+        lines.append(f"{SPEAKERS[k]}:\n{' '.join(said)} {i}.\n")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def play(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("play") / "play.txt"
+    path.write_text(play_text())
+    return path
+
+
+def task_config(path, *, family="bert", objective="classification", steps=4):
+    config = base_config()
+    config.update(steps=steps, batch_size=4, seq_len=24, log_every=1, eval_every=steps,
+                  eval_steps=50, checkpoint_every=steps)
+    config.model.update(family=family, head="classify" if family != "t5" else "mlm",
+                        **TINY_MODEL)
+    if family == "t5":
+        config.model.num_decoder_layers = 1
+    config.data.update(path=str(path), task="speakers", num_classes=3, objective=objective,
+                       validation_fraction=0.15, num_sentinels=0 if family != "t5" else 100)
+    return config
+
+
+# --- tasks ----------------------------------------------------------------------------------
+
+
+def test_speaker_splits_are_disjoint_stable_and_follow_the_pretraining_split(play):
+    task = tasks.make_task("speakers", str(play), 3, 0.15)
+    assert task.labels == ("ROMEO", "JULIET", "NURSE")  # the most frequent three, in order
+    again = tasks.make_task("speakers", str(play), 3, 0.15)
+    assert task.splits == again.splits
+    sources = {split: {e.source for e in examples} for split, examples in task.splits.items()}
+    assert not sources["train"] & sources["test"] and not sources["validation"] & sources["test"]
+    assert not sources["train"] & sources["validation"]
+    assert sum(map(len, task.splits.values())) == sum(
+        1 for _ in tasks.speaker_speeches(play.read_text())
+        if _[0] in task.labels)
+    # Test paragraphs are exactly the ones pretraining with the same fraction holds out.
+    from transformer.data import sources as sources_lib
+
+    pretrain_validation = {d.text for d in sources_lib.load_documents(
+        str(play), "validation", validation_fraction=0.15)}
+    assert sources["test"] <= pretrain_validation
+    assert not (sources["train"] | sources["validation"]) & pretrain_validation
+    assert "train (" in task.balance() and "ROMEO" in task.balance()
+
+
+def test_task_errors_name_the_bad_value(play):
+    with pytest.raises(ValueError, match="data.num_classes=9: the text has only 5 labels"):
+        tasks.make_task("speakers", str(play), 9, 0.15)
+    with pytest.raises(ValueError, match="expected data.path"):
+        tasks.make_task("speakers", "", 3, 0.15)
+    with pytest.raises(ValueError, match="data.task='poems'"):
+        tasks.make_task("poems", str(play), 3, 0.15)
+    config = task_config(play, family="t5")
+    with pytest.raises(ValueError, match="data.task='speakers' with data.objective='mlm'"):
+        config.data.objective = "mlm"
+        train.validate_config(config)
+    config = task_config(play, family="bert", objective="text2text")
+    with pytest.raises(ValueError, match="model.family='bert': expected 't5'"):
+        train.validate_config(config)
+
+
+def test_evaluation_batches_read_every_example_once(play):
+    config = task_config(play)
+    tokenizer = tokenizers.build_tokenizer("byte", num_sentinels=0)
+    batches = list(tasks.make_dataset(config, tokenizer, "test", num_epochs=1, shuffle=False))
+    test = tasks.task_for(config).splits["test"]
+    assert sum(float(b["weights"].sum()) for b in batches) == len(test)
+    labels = np.concatenate([b["targets"][b["weights"] > 0] for b in batches])
+    assert labels.tolist() == [e.label for e in test]
+
+
+# --- loading params -------------------------------------------------------------------------
+
+
+def test_match_reports_loaded_new_and_dropped_and_rejects_mismatches():
+    source = {"embed/embedding": (10, 4), "encoder/layers/w": (2, 4, 4), "mlm_bias": (10,)}
+    target = {"embed/embedding": (10, 4), "encoder/layers/w": (2, 4, 4), "classifier/w": (4, 3)}
+    report = finetune.match(source, target, "src")
+    assert (report.loaded, report.new, report.dropped) == (
+        ["embed/embedding", "encoder/layers/w"], ["classifier/w"], ["mlm_bias"])
+    with pytest.raises(ValueError, match=r"param embed/embedding has shape \(10, 4\) there but "
+                                         r"\(12, 4\)"):
+        finetune.match(source, {**target, "embed/embedding": (12, 4)}, "src")
+    unrolled = {"embed/embedding": (10, 4), "encoder/layers_0/w": (4, 4)}
+    with pytest.raises(ValueError, match="num_layers and model.scan_layers"):
+        finetune.match(source, unrolled, "src")
+
+
+def test_init_from_a_hugging_face_bert_loads_the_converted_weights(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from transformer import convert
+
+    hf = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=24))
+    hf.save_pretrained(tmp_path)
+    model_config, converted = convert.from_hf(hf.config, hf.state_dict())
+    model_config.update(head="classify", num_classes=3)
+    model = build_model(model_config)
+    fresh = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    shardings = jax.tree.map(lambda x: x.sharding, fresh)
+    params, report = finetune.load_params(f"hf:{tmp_path}", fresh, shardings)
+    flat, source = finetune._flat(params), finetune._flat(converted)
+    assert report.loaded and all(np.array_equal(flat[k], source[k]) for k in report.loaded)
+    assert sorted(report.new) == sorted(k for k in flat if k.startswith(("pooler", "classifier")))
+    assert all(k.startswith("mlm") for k in report.dropped)
+    fresh_flat = finetune._flat(fresh)
+    assert all(np.array_equal(flat[k], fresh_flat[k]) for k in report.new)
+
+
+# --- optimizer groups -----------------------------------------------------------------------
+
+
+def test_frozen_params_stay_and_the_head_trains_at_its_own_rate():
+    config = base_config()
+    config.optimizer.update(freeze="^embed/", head="^classifier/", head_learning_rate=1e-2,
+                            learning_rate=1e-3, warmup_steps=0, decay="constant",
+                            weight_decay=0.0, grad_clip_norm=0.0)
+    params = {"embed": {"w": jnp.ones((3, 2))}, "encoder": {"w": jnp.ones((2, 2))},
+              "classifier": {"w": jnp.ones((2, 2))}}
+    tx = train.make_optimizer(config)
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    # Adam's first step moves each param by about its learning rate.
+    assert float(jnp.abs(updates["embed"]["w"]).max()) == 0.0
+    np.testing.assert_allclose(updates["encoder"]["w"], -1e-3, rtol=1e-3)
+    np.testing.assert_allclose(updates["classifier"]["w"], -1e-2, rtol=1e-3)
+    with pytest.raises(ValueError, match=r"optimizer.freeze='\(': expected a regular"):
+        config.optimizer.freeze = "("
+        train.validate_config(config)
+
+
+def test_the_gpt_classifier_reads_the_last_real_token():
+    config = base_config().model
+    config.update(family="gpt", head="classify", num_classes=3, vocab_size=40, **TINY_MODEL)
+    model = build_model(config)
+    tokens = jnp.array([[5, 6, 7, 0, 0], [5, 6, 7, 9, 9]])
+    segments = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 0, 0]])
+    params = model.init(jax.random.key(0), tokens)["params"]
+    logits = model.apply({"params": params}, tokens, segment_ids=segments)
+    assert logits.shape == (2, 3)
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-6)  # padding never read
+    shorter = model.apply({"params": params}, tokens[:, :3])
+    np.testing.assert_allclose(shorter[0], logits[0], atol=1e-5)
+
+
+# --- end to end -----------------------------------------------------------------------------
+
+
+def cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                         + " --xla_backend_optimization_level=0").strip()}
+    result = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def restored_params(workdir: Path) -> dict:
+    step = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    with ocp.CheckpointManager(workdir / "checkpoints", item_handlers={
+            "state": ocp.PyTreeCheckpointHandler()}) as manager:
+        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore()))
+    return finetune._flat(state["state"]["params"])
+
+
+def test_pretrain_then_fine_tune_a_frozen_encoder_then_evaluate_through_the_cli(play, tmp_path):
+    pretrained = tmp_path / "pretrained"
+    config = configs.experiment("bert_mlm")  # the architecture bert_finetune_cls.py starts from
+    config.update(steps=2, batch_size=4, seq_len=24, log_every=1, eval_every=2, eval_steps=1,
+                  checkpoint_every=2)
+    config.model.update(**TINY_MODEL)
+    config.data.update(path=str(play), validation_fraction=0.15)
+    train.train_and_evaluate(config, str(pretrained))
+    source = restored_params(pretrained)
+
+    finetuned = tmp_path / "finetuned"
+    flags = [f"--config.{k}={v}" for k, v in dict(
+        steps=4, batch_size=4, seq_len=24, log_every=1, eval_every=4, eval_steps=50,
+        checkpoint_every=4).items()]
+    flags += [f"--config.model.{k}={v}" for k, v in TINY_MODEL.items()]
+    result = cli("transformer.train", "--config=experiments/bert_finetune_cls.py:speakers",
+                 f"--workdir={finetuned}", f"--config.init_from={pretrained}",
+                 f"--config.data.path={play}", "--config.data.num_classes=3",
+                 "--config.optimizer.freeze=^(encoder|embed|type_embed)/", *flags)
+    assert "init_from" in result.stdout and "loaded" in result.stdout
+    assert ("dropped 5 (mlm_bias, mlm_dense/bias, mlm_dense/kernel, mlm_norm/bias, "
+            "mlm_norm/scale)") in result.stdout
+    tuned = restored_params(finetuned)
+    frozen = [k for k in tuned if k.startswith(("encoder/", "embed/", "type_embed/"))]
+    assert frozen and all(np.array_equal(tuned[k], source[k]) for k in frozen)
+    assert {k for k in tuned if k not in source} == {
+        "classifier/bias", "classifier/kernel", "pooler/bias", "pooler/kernel"}
+    assert (finetuned / "tokenizer").is_dir()  # the pretraining tokenizer, saved with the run
+    summary = json.loads((finetuned / "summary.json").read_text())
+    assert 0.0 <= summary["test_accuracy"] <= 1.0 and "test_macro_f1" in summary
+
+    result = cli("transformer.evaluate", f"--workdir={finetuned}", "--split=test")
+    metrics = json.loads((finetuned / "eval_4_test.json").read_text())
+    assert metrics["labels"] == ["ROMEO", "JULIET", "NURSE"]
+    confusion = np.array(metrics["confusion"])
+    assert confusion.sum() == len(tasks.make_task("speakers", str(play), 3, 0.15).splits["test"])
+    assert metrics["accuracy"] == pytest.approx(np.trace(confusion) / confusion.sum())
+    assert metrics["accuracy"] == pytest.approx(summary["test_accuracy"])
+    assert (finetuned / "confusion_4_test.png").read_bytes()[:4] == b"\x89PNG"
+    assert "true \\ predicted" in result.stdout
+
+
+def test_t5_text_to_text_fine_tuning_loads_everything_and_scores_exact_match(play, tmp_path):
+    config = task_config(play, family="t5", objective="span_corruption", steps=2)
+    config.data.task = ""
+    train.train_and_evaluate(config, str(tmp_path / "t5"))
+    config = task_config(play, family="t5", objective="text2text", steps=2)
+    config.init_from = f"{tmp_path / 't5'}@2"
+    result = train.train_and_evaluate(config, str(tmp_path / "t5_text2text"))
+    summary = result["summary"]
+    assert 0.0 <= summary["test_exact_match"] <= 1.0 and 0.0 <= summary["test_macro_f1"] <= 1.0
+    assert summary["test_num_examples"] == len(tasks.task_for(config).splits["test"])
+    # Every T5 param came from the pretrained run (none new, none dropped).
+    with pytest.raises(ValueError, match="step=3: expected one of the saved steps"):
+        config.init_from = f"{tmp_path / 't5'}@3"
+        train.validate_config(config)
+    manager, step, metadata = finetune._workdir_params_metadata(str(tmp_path / "t5"), None)
+    manager.close()
+    assert step == 2
+    assert set(metadata) == set(finetune._flat(result["state"].params))
+    assert checkpoint_lib.parse_init_from("x@2") == ("workdir", "x", 2)
