@@ -6,9 +6,11 @@
 Uses the config and tokenizer saved in the workdir; prints the metrics and writes them to
 DIR/eval_<step>.json (eval_<step>_test.json for the test split). A fine-tuned classifier
 (a labeled task, transformer.data.tasks) gets accuracy, macro-F1 and its confusion matrix, also
-drawn to DIR/confusion_<step>_<split>.png. `--eval_seq_len` evaluates at other sequence lengths than the run trained
-at (length extrapolation), reading about the same number of tokens at each length; a model with
-learned positions cannot go beyond its table (model.max_len) and says so.
+drawn to DIR/confusion_<step>_<split>.png.
+
+`--eval_seq_len` evaluates at other sequence lengths than the run trained at (length
+extrapolation), reading about the same number of tokens at each length; a model with learned
+positions cannot go beyond its table (model.max_len) and says so.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def format_confusion(confusion, labels) -> str:
     width = max(6, *(len(label) + 1 for label in labels))
     lines = [corner.ljust(first) + "".join(label.rjust(width) for label in labels)]
     lines += [label.ljust(first) + "".join(str(count).rjust(width) for count in row)
-              for label, row in zip(labels, confusion)]
+              for label, row in zip(labels, confusion, strict=True)]
     return "\n".join(lines)
 
 

@@ -4,12 +4,14 @@ classifier), T5 (text to text) or GPT (last-token classifier). The report's test
 the accuracy gap on the task's held-out test split.
 
 Pretrain first, with the fine-tuning validation fraction so the test split stays unseen, then
-sweep with --config.init_from pointing at it (default: runs/<pretraining experiment>) (here for speakers of tinyshakespeare; drop the
-data.path flags and the `:speakers` for the embedded corpus's module task):
+sweep with --config.init_from pointing at it (default: runs/<pretraining experiment>). For
+speakers of tinyshakespeare (for the embedded corpus's module task drop the data.path flags and
+the ",speakers"):
 
     python -m transformer.train --config=experiments/bert_mlm.py --workdir=runs/bert_mlm_sh \
         --config.data.path=tinyshakespeare.txt --config.data.validation_fraction=0.15
-    python -m transformer.sweep --config=experiments/ablations/pretrain_vs_scratch.py:bert,speakers \
+    python -m transformer.sweep \
+        --config=experiments/ablations/pretrain_vs_scratch.py:bert,speakers \
         --workdir=runs/ablations/pretrain_vs_scratch_bert \
         --config.init_from=runs/bert_mlm_sh --config.data.path=tinyshakespeare.txt
 
