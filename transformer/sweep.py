@@ -130,8 +130,10 @@ def apply(config: ml_collections.ConfigDict, variant: Variant) -> ml_collections
 
 
 def load_sweep(config_file: str) -> list[Variant]:
-    """The variants of an experiment file's `get_sweep()`, checked for unique, usable names."""
-    spec = importlib.util.spec_from_file_location("sweep_experiment", config_file)
+    """The variants of an experiment file's `get_sweep()`, checked for unique, usable names.
+    `config_file` may carry get_config's argument ("file.py:bert"), which get_sweep ignores."""
+    path = config_file.split(".py:", 1)[0] + ".py" if ".py:" in config_file else config_file
+    spec = importlib.util.spec_from_file_location("sweep_experiment", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_sweep"):
