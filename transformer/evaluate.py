@@ -22,7 +22,7 @@ import jax
 from transformer import checkpoint as checkpoint_lib
 from transformer import fileio, sharding
 from transformer import train as train_lib
-from transformer.data import inputs, pipeline
+from transformer.data import inputs
 from transformer.models import build_model
 
 
@@ -35,7 +35,7 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     {"step": ..., "train_seq_len": ..., "by_seq_len": {L: metrics at length L}}.
     """
     step, config = checkpoint_lib.saved_run(workdir, step)
-    is_task = pipeline.objective_for(config) in pipeline.TASK_OBJECTIVES
+    is_task = inputs.labeled_task(config) is not None
     if split not in ("validation", "test") or (split == "test" and not is_task):
         raise ValueError(f"split={split!r}: expected 'validation'" +
                          (" or 'test'" if is_task else " (only labeled tasks have a test split)"))
@@ -70,9 +70,7 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
         name = f"eval_{step}" + ("_len" + "_".join(map(str, seq_lens)) if seq_lens else "") + \
             ("_test" if split == "test" else "")
         if is_task:
-            from transformer.data import tasks
-
-            metrics["labels"] = list(tasks.task_for(config).labels)
+            metrics["labels"] = list(inputs.labeled_task(config).labels)
             metrics["confusion_png"] = fileio.join(workdir, f"confusion_{step}_{split}.png")
             save_confusion(metrics["confusion"], metrics["labels"], metrics["confusion_png"],
                            f"{config.experiment} step {step}, {split}: accuracy "

@@ -50,6 +50,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("kv", None),
     ("gates", None),
     ("classes", None),
+    ("patch", None),
+    ("projection", None),
     ("length", None),
     ("relpos_buckets", None),
     ("layers", None),

@@ -107,6 +107,11 @@ def model_logits(model, family: str, params, batch, *, rngs=None, deterministic=
     """The model's logits for a batch of pipeline features (see transformer.data.pipeline)."""
     kwargs = dict(rngs=rngs or {}, deterministic=deterministic)
     variables = {"params": params}
+    if family == "vit":
+        return model.apply(variables, batch["images"], **kwargs)
+    if family == "clip":
+        return model.apply(variables, batch["images"], batch["texts"], batch["text_segment_ids"],
+                           **kwargs)
     if family == "t5":  # padded rows (fine-tuning) mark their padding with segment ids
         return model.apply(variables, batch["encoder_inputs"], batch["decoder_inputs"],
                            encoder_segment_ids=batch.get("encoder_segment_ids"), **kwargs)
@@ -122,6 +127,12 @@ def loss_and_metrics(model, config, params, batch, rng, deterministic):
     logits = model_logits(model, config.model.family, params, batch,
                           rngs=None if rng is None else {"dropout": rng},
                           deterministic=deterministic)
+    if config.model.family == "clip":
+        from transformer.models import vision
+
+        return vision.contrastive_loss(logits, batch["weights"],
+                                       z_loss=config.get("z_loss", 0.0),
+                                       label_smoothing=config.get("label_smoothing", 0.0))
     return objectives.cross_entropy(logits, batch["targets"], batch["weights"],
                                     z_loss=config.get("z_loss", 0.0),
                                     label_smoothing=config.get("label_smoothing", 0.0))
@@ -212,15 +223,29 @@ def make_eval_step(model, config, tokenizer=None):
         candidates = {k: np.stack([c[k] for c in candidates])
                       for k in ("decoder_inputs", "targets", "weights")}
 
+    if objective == "contrastive":
+        from transformer.data import images
+
+        captions = images.class_captions(tokenizer or inputs.get_tokenizer(config),
+                                         config.seq_len)
+
     def eval_step(params, batch):
         loss, metrics = loss_and_metrics(model, config, params, batch, None, deterministic=True)
         n = metrics["num_tokens"]
         sums = {"loss_sum": metrics["loss"] * n, "correct_sum": metrics["accuracy"] * n,
                 "num_tokens": n}
-        if objective == "classification":
+        if objective in ("classification", "image_classification"):
             logits = model_logits(model, config.model.family, params, batch)
             sums["confusion"] = _confusion(batch["targets"], jnp.argmax(logits, -1),
                                            batch["weights"], logits.shape[-1])
+        elif objective == "contrastive":  # zero-shot: the class caption closest to the image
+            images_BE = model.apply({"params": params}, batch["images"],
+                                    method="embed_images")
+            classes_CE = model.apply({"params": params}, captions["texts"],
+                                     captions["text_segment_ids"], method="embed_texts")
+            sums["confusion"] = _confusion(batch["targets"],
+                                           jnp.argmax(images_BE @ classes_CE.T, -1),
+                                           batch["weights"], classes_CE.shape[0])
         elif objective == "text2text":
             sums.update(_text2text_sums(model, params, batch, candidates))
         return sums
@@ -382,8 +407,10 @@ def init_fn(model, config, optimizer, example_batch):
     """rng -> a fresh TrainState whose params (and optimizer moments) are boxed with their
     logical axis names, for `sharding.sharded_init`."""
     def init(rng):
-        args = (example_batch["encoder_inputs"], example_batch["decoder_inputs"]) \
-            if config.model.family == "t5" else (example_batch["inputs"],)
+        family = config.model.family
+        args = {"t5": ("encoder_inputs", "decoder_inputs"), "vit": ("images",),
+                "clip": ("images", "texts", "text_segment_ids")}.get(family, ("inputs",))
+        args = [example_batch[name] for name in args]
         params = model.init(rng, *args)["params"]
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
                           jnp.full((), -1, jnp.int32))
@@ -506,13 +533,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     elif config.model.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size={config.model.vocab_size}: expected >= the "
                          f"tokenizer's {tokenizer.vocab_size}")
-    task = None
-    if pipeline.objective_for(config) in pipeline.TASK_OBJECTIVES:
-        from transformer.data import tasks
-
-        task = tasks.task_for(config)
-        if config.model.head == "classify" and not config.model.num_classes:
-            config.model.num_classes = len(task.labels)
+    task = inputs.labeled_task(config)  # labeled tasks hold out a test split (end of run)
+    classifier = config.model.family == "vit" or (
+        config.model.family in ("bert", "gpt", "prefix_lm") and config.model.head == "classify")
+    if task is not None and classifier and not config.model.num_classes:
+        config.model.num_classes = len(task.labels)
     model = build_model(config.model)
     optimizer = make_optimizer(config)
 
@@ -752,7 +777,13 @@ def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
             raise ValueError(f"data.objective='classification' with model.family={family!r}, "
                              f"model.head={config.model.head!r}: expected family bert or gpt "
                              "with head 'classify'")
-    elif task:
+    elif objective in pipeline.IMAGE_OBJECTIVES or family in ("vit", "clip"):
+        wanted = {"vit": "image_classification", "clip": "contrastive"}.get(family)
+        if wanted != objective:
+            raise ValueError(f"data.objective={objective!r} with model.family={family!r}: "
+                             "expected vit with 'image_classification' or clip with "
+                             "'contrastive'")
+    if task and objective not in pipeline.TASK_OBJECTIVES:
         raise ValueError(f"data.task={task!r} with data.objective={objective!r}: expected "
                          f"objective 'classification' or 'text2text'")
     for key in ("freeze", "head"):

@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 
 from transformer import checkpoint as checkpoint_lib
 from transformer import fileio
-from transformer.data import pipeline, sources, tasks
+from transformer.data import images, pipeline, sources, tasks
 from transformer.data import tokenizers as tokenizers_lib
 
 TOKENIZER_DIR = "tokenizer"
@@ -96,9 +96,11 @@ def get_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
     contiguous block of `config.batch_size // process_count` rows.
     """
     data = config.data
-    if pipeline.objective_for(config) in tasks.OBJECTIVES:
-        return tasks.make_dataset(config, tokenizer, split, num_epochs=num_epochs,
-                                  shuffle=shuffle, rows=rows)
+    objective = pipeline.objective_for(config)
+    if objective in tasks.OBJECTIVES or objective in images.OBJECTIVES:
+        module = tasks if objective in tasks.OBJECTIVES else images
+        return module.make_dataset(config, tokenizer, split, num_epochs=num_epochs,
+                                   shuffle=shuffle, rows=rows)
     return pipeline.make_dataset(
         token_source(config, tokenizer, split), objective=pipeline.objective_for(config),
         tokenizer=tokenizer, seq_len=config.seq_len, batch_size=config.batch_size,
@@ -106,3 +108,14 @@ def get_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
         process_index=process_index,
         process_count=process_count, mlm_rate=data.mlm_rate, noise_density=data.noise_density,
         mean_span_length=data.mean_span_length, prefetch=data.prefetch)
+
+
+def labeled_task(config: ml_collections.ConfigDict) -> tasks.Task | None:
+    """The config's labeled task (fine-tuning text or the digits images), or None when it
+    pretrains on raw text. Labeled tasks hold out a test split."""
+    objective = pipeline.objective_for(config)
+    if objective in tasks.OBJECTIVES:
+        return tasks.task_for(config)
+    if objective in images.OBJECTIVES:
+        return images.digits_task(config)
+    return None

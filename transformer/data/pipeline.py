@@ -25,16 +25,18 @@ from transformer.data import tokenizers as tokenizers_lib
 
 OBJECTIVES = ("next_token", "prefix_lm", "mlm", "span_corruption")
 TASK_OBJECTIVES = ("classification", "text2text")  # labeled tasks: transformer.data.tasks
+IMAGE_OBJECTIVES = ("image_classification", "contrastive")  # transformer.data.images
 FAMILY_OBJECTIVES = {"gpt": "next_token", "lstm": "next_token", "prefix_lm": "prefix_lm",
-                     "bert": "mlm", "t5": "span_corruption"}
+                     "bert": "mlm", "t5": "span_corruption", "vit": "image_classification",
+                     "clip": "contrastive"}
 
 
 def objective_for(config: ml_collections.ConfigDict) -> str:
     """`data.objective`, or the model family's pretraining objective when it is empty."""
     objective = config.data.get("objective") or FAMILY_OBJECTIVES.get(config.model.family)
-    if objective not in OBJECTIVES + TASK_OBJECTIVES:
-        raise ValueError(f"data.objective={objective!r}: expected one of "
-                         f"{OBJECTIVES + TASK_OBJECTIVES}")
+    known = OBJECTIVES + TASK_OBJECTIVES + IMAGE_OBJECTIVES
+    if objective not in known:
+        raise ValueError(f"data.objective={objective!r}: expected one of {known}")
     return objective
 
 

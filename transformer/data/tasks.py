@@ -206,7 +206,7 @@ def label_names(task: Task, tokenizer) -> tuple[list[np.ndarray], int]:
 # --- datasets -------------------------------------------------------------------------------
 
 
-class _PadBatch(grain.transforms.Map):
+class PadBatch(grain.transforms.Map):
     """Pads a short (final evaluation) batch to `batch_size` rows of weight 0."""
 
     def __init__(self, batch_size: int):
@@ -218,6 +218,15 @@ class _PadBatch(grain.transforms.Map):
             return batch
         return {k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)])
                 for k, v in batch.items()}
+
+
+def local_rows(batch_size: int, rows=None) -> list[int]:
+    """`rows`, or this process's contiguous block of the global batch rows."""
+    if rows is not None:
+        return list(rows)
+    per_process = batch_size // jax.process_count()
+    return list(range(per_process * jax.process_index(),
+                      per_process * (jax.process_index() + 1)))
 
 
 def make_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
@@ -244,12 +253,17 @@ def make_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
         family = config.model.family
         featurize = lambda e: classification_features(tokenizer.encode(e.text), e.label,
                                                       seq_len=seq_len, family=family)
-    rows = list(range(batch_size // jax.process_count() * jax.process_index(),
-                      batch_size // jax.process_count() * (jax.process_index() + 1))) \
-        if rows is None else list(rows)
     dataset = grain.MapDataset.source(task.splits[split]).repeat(num_epochs)
     if shuffle:
         dataset = dataset.shuffle(seed=config.seed)  # a new order each epoch
-    dataset = dataset.map(featurize).batch(batch_size, drop_remainder=num_epochs is None)
-    dataset = dataset.map(_PadBatch(batch_size)).map(lambda b: {k: v[rows] for k, v in b.items()})
+    return batched(dataset.map(featurize), batch_size, local_rows(batch_size, rows),
+                   training=num_epochs is None)
+
+
+def batched(examples: grain.MapDataset, batch_size: int, rows: list[int], *,
+            training: bool) -> grain.IterDataset:
+    """Global batches of feature dicts (training: full ones; evaluation: the last padded with
+    rows of weight 0), cut to this process's `rows`."""
+    dataset = examples.batch(batch_size, drop_remainder=training).map(PadBatch(batch_size))
+    dataset = dataset.map(lambda b: {k: v[rows] for k, v in b.items()})
     return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))

@@ -14,8 +14,9 @@ from transformer.models.bert import EncoderModel
 from transformer.models.gpt import DecoderLM
 from transformer.models.lstm import LSTMLM
 from transformer.models.t5 import EncoderDecoder, shift_right
+from transformer.models.vision import CLIP, ViTClassifier
 
-FAMILIES = ("gpt", "prefix_lm", "bert", "t5", "lstm")
+FAMILIES = ("gpt", "prefix_lm", "bert", "t5", "lstm", "vit", "clip")
 _OPTIONAL_FIELDS = {"num_kv_heads": int, "head_dim": int, "init_std": float,
                     "attention_scale": float}
 _STACK_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
@@ -41,6 +42,16 @@ def default_model_config() -> ml_collections.ConfigDict:
         "type_vocab_size": 2,
         "head": "mlm",
         "num_classes": 0,
+        # Images (vit, clip): square images of image_size^2 x channels cut into patch_size^2
+        # patches; pooling "cls" | "mean"; patch_position "sinusoidal_2d" | "learned" | "none"
+        # (the stack's own `position` should then be "none").
+        "image_size": 8,
+        "patch_size": 2,
+        "channels": 1,
+        "pooling": "cls",
+        "patch_position": "sinusoidal_2d",
+        # CLIP: the shared embedding width of the image and text projections.
+        "projection_dim": 64,
     })
 
 
@@ -65,6 +76,12 @@ def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
         return LSTMLM(vocab, cfg.d_model, cfg.num_layers, cfg.dropout_rate, tie, cfg.dtype,
                       cfg.param_dtype)
     cfg = transformer_config(model_config)
+    if family in ("vit", "clip"):
+        image = {k: model_config[k] for k in ("image_size", "patch_size", "channels", "pooling",
+                                              "patch_position")}
+        if family == "vit":
+            return ViTClassifier(cfg, model_config.num_classes, **image)
+        return CLIP(cfg, vocab, model_config.projection_dim, **image)
     if family in ("gpt", "prefix_lm"):
         classes = model_config.num_classes if model_config.head == "classify" else 0
         if model_config.head == "classify" and classes < 1:
