@@ -170,6 +170,10 @@ EXPERIMENTS = [
     "t5_span.py",
     "prefix_lm.py",
     "lstm_lm.py",
+    "gpt_finetune_cls.py",
+    "t5_finetune_text2text.py",
+    "vit_digits.py",
+    "clip_digits.py",
 ]
 _EXPERIMENT_TEST = "test_every_experiment_runs_end_to_end_through_the_cli"
 
@@ -182,6 +186,8 @@ def _launch_experiment(spec: str, root: Path) -> tuple[Path, CliRun]:
             *tiny_flags(EXPERIMENT_STEPS, family=config.model.family)]
     if name == "gpt_shakespeare_char":
         args.append(f"--config.data.path={SHAKESPEARE}")
+    if "finetune" in name:  # from scratch: the pretraining run is not there
+        args.append("--config.init_from=")
     return workdir, start_cli("transformer.train", *args, logs=root / name)
 
 

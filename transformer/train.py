@@ -754,7 +754,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
                          f"{config.model.max_len}, the learned position table's size")
     _validate_finetuning(config)
     learning_rate_schedule(config.optimizer, config.steps)
-    build_model(config.model)  # validates the architecture (TransformerConfig) up front
+    model = ml_collections.ConfigDict(config.model.to_dict())
+    model.num_classes = model.num_classes or 1  # 0: the task's, known once its data is read
+    build_model(model)  # validates the architecture (TransformerConfig) up front
 
 
 def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
@@ -817,7 +819,9 @@ def main(argv) -> None:
     result = train_and_evaluate(config, workdir)
     if jax.process_index() != 0:
         return
-    if config.model.family in ("gpt", "prefix_lm", "lstm") and jax.process_count() == 1:
+    language_model = config.model.family in ("gpt", "prefix_lm", "lstm") and \
+        pipeline.objective_for(config) in pipeline.OBJECTIVES
+    if language_model and jax.process_count() == 1:
         from transformer import generate
 
         print("\nsamples:")

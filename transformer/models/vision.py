@@ -96,7 +96,8 @@ class ImageEncoder(nn.Module):
             raise ValueError(f"image_size={self.image_size}: expected a multiple of "
                              f"patch_size={self.patch_size}")
         common = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        self.patch_embed = OutputHead(cfg.d_model, use_bias=True, init_std=cfg.init_std,
+        # Fan-in init (not the 0.02 of token tables): pixels in [0, 1] must make O(1) vectors.
+        self.patch_embed = OutputHead(cfg.d_model, use_bias=True, init_std=None,
                                       names=("patch", "embed"), **common)
         if self.pooling == "cls":
             self.cls = self.param("cls", nn.with_logical_partitioning(

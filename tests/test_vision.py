@@ -1,0 +1,154 @@
+"""Patch tokenization (ViT) and the CLIP dual encoder: patchify round trip, permutation
+symmetry without positions, the contrastive loss against the CLIP paper's pseudo-code, the
+temperature clip, the digits data, and zero-shot evaluation."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import train
+from transformer.configs import base_config
+from transformer.data import images, tokenizers
+from transformer.models import build_model, transformer_config, vision
+
+TINY = dict(num_layers=2, d_model=32, num_heads=2, d_ff=64, position="none", image_size=8,
+            patch_size=2, channels=1)
+
+
+@pytest.mark.parametrize("shape,patch", [((2, 8, 8, 1), 2), ((1, 12, 6, 3), 3), ((3, 4, 4, 2), 4)])
+def test_patchify_round_trips_and_each_patch_is_a_square_of_the_image(shape, patch):
+    x = jax.random.normal(jax.random.key(0), shape)
+    patches = vision.patchify(x, patch)
+    B, H, W, C = shape
+    assert patches.shape == (B, (H // patch) * (W // patch), patch * patch * C)
+    np.testing.assert_array_equal(vision.unpatchify(patches, patch, H, W), x)
+    # Patch (row r, column c) of the grid is the square at (r * p, c * p).
+    r, c = H // patch - 1, 0
+    square = x[:, r * patch:(r + 1) * patch, c * patch:(c + 1) * patch].reshape(B, -1)
+    np.testing.assert_array_equal(patches[:, r * (W // patch) + c], square)
+    with pytest.raises(ValueError, match="divisible by patch_size=5"):
+        vision.patchify(x, 5)
+
+
+def permute_patches(image, patch, order):
+    patches = vision.patchify(image, patch)
+    return vision.unpatchify(patches[:, order], patch, image.shape[1], image.shape[2])
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_vit_without_positions_ignores_the_order_of_patches(pooling):
+    config = base_config().model
+    config.update(family="vit", num_classes=5, pooling=pooling, **TINY)
+    image = jax.random.uniform(jax.random.key(1), (2, 8, 8, 1))
+    order = np.random.default_rng(0).permutation(16)
+    shuffled = permute_patches(image, 2, order)
+    for patch_position, invariant in (("none", True), ("sinusoidal_2d", False)):
+        config.patch_position = patch_position
+        model = build_model(config)
+        params = model.init(jax.random.key(0), image)["params"]
+        logits = model.apply({"params": params}, image)
+        moved = model.apply({"params": params}, shuffled)
+        assert np.allclose(logits, moved, atol=1e-5) == invariant, patch_position
+
+
+def test_vit_encoder_is_permutation_equivariant_over_patches_without_positions():
+    config = base_config().model
+    config.update(family="vit", num_classes=3, pooling="mean", patch_position="none", **TINY)
+    stack = vision.TransformerStack(transformer_config(config), bidirectional=True)
+    tokens = jax.random.normal(jax.random.key(2), (1, 16, 32))
+    params = stack.init(jax.random.key(0), tokens, vision.masks.Full(), None)
+    order = np.random.default_rng(1).permutation(16)
+    out = stack.apply(params, tokens, vision.masks.Full(), None)
+    out_permuted = stack.apply(params, tokens[:, order], vision.masks.Full(), None)
+    np.testing.assert_allclose(out_permuted, out[:, order], atol=1e-5)
+
+
+def clip_reference_loss(image_embeddings, text_embeddings, t):
+    """The CLIP paper's pseudo-code (Radford et al. 2021, Figure 3) in NumPy."""
+    def cross_entropy(logits, labels, axis):
+        logits = logits - logits.max(axis=axis, keepdims=True)
+        log_probs = logits - np.log(np.exp(logits).sum(axis=axis, keepdims=True))
+        picked = np.take_along_axis(log_probs, np.expand_dims(labels, axis), axis)
+        return -picked.mean()
+
+    I_e = image_embeddings / np.linalg.norm(image_embeddings, axis=1, keepdims=True)
+    T_e = text_embeddings / np.linalg.norm(text_embeddings, axis=1, keepdims=True)
+    logits = np.dot(I_e, T_e.T) * np.exp(t)
+    labels = np.arange(len(logits))
+    loss_i = cross_entropy(logits, labels, axis=1)  # each image over the texts
+    loss_t = cross_entropy(logits, labels, axis=0)  # each text over the images
+    return (loss_i + loss_t) / 2, logits
+
+
+def test_contrastive_loss_matches_the_papers_pseudo_code_and_is_symmetric():
+    rng = np.random.default_rng(0)
+    image_e, text_e = rng.normal(size=(6, 5)), rng.normal(size=(6, 5))
+    expected, logits = clip_reference_loss(image_e, text_e, math.log(1 / 0.07))
+    loss, metrics = vision.contrastive_loss(jnp.asarray(logits, jnp.float32))
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    swapped, _ = vision.contrastive_loss(jnp.asarray(logits.T, jnp.float32))
+    assert float(swapped) == pytest.approx(float(loss), rel=1e-6)
+    # Padded pairs count neither as pairs nor as negatives: the loss of the first 4.
+    weights = jnp.array([1, 1, 1, 1, 0, 0], jnp.float32)
+    padded, _ = vision.contrastive_loss(jnp.asarray(logits, jnp.float32), weights)
+    expected_4, _ = clip_reference_loss(image_e[:4], text_e[:4], math.log(1 / 0.07))
+    assert float(padded) == pytest.approx(expected_4, rel=1e-5)
+    assert float(metrics["num_tokens"]) == 12
+
+
+def test_clip_logits_are_scaled_cosines_with_a_clipped_temperature():
+    config = base_config().model
+    config.update(family="clip", projection_dim=16, vocab_size=300, **TINY)
+    model = build_model(config)
+    image = jax.random.uniform(jax.random.key(1), (3, 8, 8, 1))
+    texts = jnp.array([[10, 11, 2, 0], [12, 2, 0, 0], [13, 14, 15, 2]])
+    segments = (texts > 0).astype(jnp.int32)
+    params = model.init(jax.random.key(0), image, texts, segments)["params"]
+    logits = model.apply({"params": params}, image, texts, segments)
+    image_e = model.apply({"params": params}, image, method="embed_images")
+    text_e = model.apply({"params": params}, texts, segments, method="embed_texts")
+    np.testing.assert_allclose(jnp.linalg.norm(image_e, axis=-1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(logits, (1 / 0.07) * image_e @ text_e.T, rtol=1e-4, atol=1e-5)
+    hot = {**params, "logit_scale": jnp.asarray(10.0)}
+    np.testing.assert_allclose(model.apply({"params": hot}, image, texts, segments),
+                               100.0 * image_e @ text_e.T, rtol=1e-4, atol=1e-4)
+
+
+def test_digits_splits_are_disjoint_and_captions_name_the_digit():
+    splits = {s: images.split_digits(s, 0.15) for s in images.SPLITS}
+    assert sum(len(labels) for _, labels in splits.values()) == 1797
+    seen = {s: {x.tobytes() for x in imgs} for s, (imgs, _) in splits.items()}
+    assert not seen["train"] & seen["test"] and not seen["validation"] & seen["test"]
+    assert images.caption(7) == "a photo of the digit seven"
+    config = base_config()
+    config.update(batch_size=8, seq_len=32)
+    config.model.family = "clip"
+    config.data.update(objective="contrastive", validation_fraction=0.15)
+    tokenizer = tokenizers.build_tokenizer("byte", num_sentinels=0)
+    batch = next(iter(images.make_dataset(config, tokenizer, "test", num_epochs=1,
+                                          shuffle=False)))
+    texts = [tokenizer.decode(t[s > 0][:-1]) for t, s in zip(batch["texts"],
+                                                              batch["text_segment_ids"],
+                                                              strict=True)]
+    assert texts == [images.caption(int(label)) for label in batch["targets"]]
+    assert batch["images"].shape == (8, 8, 8, 1) and 0 <= batch["images"].min()
+
+
+def test_clip_trains_and_evaluates_zero_shot_on_the_test_split(tmp_path):
+    config = base_config()
+    config.update(steps=2, batch_size=8, seq_len=32, log_every=1, eval_every=2, eval_steps=100,
+                  checkpoint_every=2)
+    config.model.update(family="clip", projection_dim=16, **TINY)
+    config.data.update(objective="contrastive", validation_fraction=0.15, num_sentinels=0)
+    summary = train.train_and_evaluate(config, str(tmp_path))["summary"]
+    test = len(images.split_digits("test", 0.15)[1])
+    assert summary["test_num_tokens"] == 2 * test  # each test pair is scored both ways
+    assert 0.0 <= summary["test_accuracy"] <= 1.0 and "test_macro_f1" in summary
+    config.model.family = "vit"
+    with pytest.raises(ValueError, match="'contrastive' with model.family='vit'"):
+        train.validate_config(config)
