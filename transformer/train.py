@@ -112,6 +112,8 @@ def model_logits(model, family: str, params, batch, *, rngs=None, deterministic=
     if family == "clip":
         return model.apply(variables, batch["images"], batch["texts"], batch["text_segment_ids"],
                            **kwargs)
+    if family == "captioner":
+        return model.apply(variables, batch["images"], batch["decoder_inputs"], **kwargs)
     if family == "t5":  # padded rows (fine-tuning) mark their padding with segment ids
         return model.apply(variables, batch["encoder_inputs"], batch["decoder_inputs"],
                            encoder_segment_ids=batch.get("encoder_segment_ids"), **kwargs)
@@ -212,22 +214,19 @@ def make_eval_step(model, config, tokenizer=None):
     argmax right: then greedy decoding follows the same path).
     """
     objective = pipeline.objective_for(config)
-    if objective == "text2text":
+    if objective == "text2text":  # every class name as a decoder target: [C, target_len]
         from transformer.data import tasks
 
-        task = tasks.task_for(config)
-        names, target_len = tasks.label_names(task, tokenizer or inputs.get_tokenizer(config))
-        candidates = [tasks.text2text_features(np.zeros(1, np.int32), c, name, seq_len=2,
-                                               target_len=target_len)
-                      for c, name in enumerate(names)]
-        candidates = {k: np.stack([c[k] for c in candidates])
-                      for k in ("decoder_inputs", "targets", "weights")}
-
-    if objective == "contrastive":
+        names, target_len = tasks.label_names(tasks.task_for(config),
+                                              tokenizer or inputs.get_tokenizer(config))
+        rows = [tasks.decoder_features(name, target_len) for name in names]
+        candidates = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    elif objective in ("contrastive", "captioning"):  # every class's caption
         from transformer.data import images
 
         captions = images.class_captions(tokenizer or inputs.get_tokenizer(config),
-                                         config.seq_len)
+                                         config.seq_len, decoder=objective == "captioning")
+        candidates = captions
 
     def eval_step(params, batch):
         loss, metrics = loss_and_metrics(model, config, params, batch, None, deterministic=True)
@@ -246,7 +245,7 @@ def make_eval_step(model, config, tokenizer=None):
             sums["confusion"] = _confusion(batch["targets"],
                                            jnp.argmax(images_BE @ classes_CE.T, -1),
                                            batch["weights"], classes_CE.shape[0])
-        elif objective == "text2text":
+        elif objective in ("text2text", "captioning"):
             sums.update(_text2text_sums(model, params, batch, candidates))
         return sums
 
@@ -263,10 +262,12 @@ def _text2text_sums(model, params, batch, candidates):
     variables = {"params": params}
     weights_BT = batch["weights"]
     example_B = weights_BT[:, 0]  # 1 for real rows, 0 for the rows padding a last batch
-    encoded_BSD = model.apply(variables, batch["encoder_inputs"],
-                              segment_ids=batch["encoder_segment_ids"], method="encode")
+    # The encoder reads text (T5) or an image (the captioner: every patch is real).
+    encoder_inputs = batch["encoder_inputs"] if "encoder_inputs" in batch else batch["images"]
+    segments = batch.get("encoder_segment_ids")
+    encoded_BSD = model.apply(variables, encoder_inputs, segment_ids=segments, method="encode")
     logits_BTV = model.apply(variables, encoded_BSD, batch["decoder_inputs"],
-                             encoder_segment_ids=batch["encoder_segment_ids"], method="decode")
+                             encoder_segment_ids=segments, method="decode")
     right_BT = (jnp.argmax(logits_BTV, -1) == batch["targets"]) | (weights_BT == 0)
     exact = jnp.sum(jnp.all(right_BT, axis=1) * example_B)
     # Score every class name: the batch repeated once per class [C * B, ...].
@@ -274,7 +275,7 @@ def _text2text_sums(model, params, batch, candidates):
     repeat = lambda x: jnp.repeat(x[None], C, axis=0).reshape(C * B, *x.shape[1:])
     tile = lambda x: jnp.repeat(jnp.asarray(x)[:, None], B, axis=1).reshape(C * B, -1)
     logits = model.apply(variables, repeat(encoded_BSD), tile(candidates["decoder_inputs"]),
-                         encoder_segment_ids=repeat(batch["encoder_segment_ids"]),
+                         encoder_segment_ids=None if segments is None else repeat(segments),
                          method="decode")
     log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
                                     tile(candidates["targets"])[..., None], -1)[..., 0]
@@ -409,7 +410,8 @@ def init_fn(model, config, optimizer, example_batch):
     def init(rng):
         family = config.model.family
         args = {"t5": ("encoder_inputs", "decoder_inputs"), "vit": ("images",),
-                "clip": ("images", "texts", "text_segment_ids")}.get(family, ("inputs",))
+                "clip": ("images", "texts", "text_segment_ids"),
+                "captioner": ("images", "decoder_inputs")}.get(family, ("inputs",))
         args = [example_batch[name] for name in args]
         params = model.init(rng, *args)["params"]
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
@@ -779,12 +781,13 @@ def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
             raise ValueError(f"data.objective='classification' with model.family={family!r}, "
                              f"model.head={config.model.head!r}: expected family bert or gpt "
                              "with head 'classify'")
-    elif objective in pipeline.IMAGE_OBJECTIVES or family in ("vit", "clip"):
-        wanted = {"vit": "image_classification", "clip": "contrastive"}.get(family)
+    elif objective in pipeline.IMAGE_OBJECTIVES or family in ("vit", "clip", "captioner"):
+        wanted = {"vit": "image_classification", "clip": "contrastive",
+                  "captioner": "captioning"}.get(family)
         if wanted != objective:
             raise ValueError(f"data.objective={objective!r} with model.family={family!r}: "
-                             "expected vit with 'image_classification' or clip with "
-                             "'contrastive'")
+                             "expected vit with 'image_classification', clip with "
+                             "'contrastive' or captioner with 'captioning'")
     if task and objective not in pipeline.TASK_OBJECTIVES:
         raise ValueError(f"data.task={task!r} with data.objective={objective!r}: expected "
                          f"objective 'classification' or 'text2text'")

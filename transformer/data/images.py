@@ -8,7 +8,10 @@ Objectives (`data.objective`):
 * `"image_classification"` (vit): images [B, 8, 8, 1] in [0, 1], targets [B], weights [B];
 * `"contrastive"` (clip): the images with captions (byte tokens, padded: `texts`,
   `text_segment_ids`), one of several templates drawn per example and epoch in training
-  ("a photo of the digit three", "a handwritten 3", ...), the first template in evaluation.
+  ("a photo of the digit three", "a handwritten 3", ...), the first template in evaluation;
+* `"captioning"` (captioner): the images, the caption "a photo of the digit N" as the
+  decoder's target (`decoder_inputs`, `targets`, `weights` over seq_len tokens) and the class
+  under `label`.
 """
 
 from __future__ import annotations
@@ -90,9 +93,11 @@ def caption_features(text: str, tokenizer, seq_len: int) -> dict[str, np.ndarray
     return {"texts": texts, "text_segment_ids": (np.arange(seq_len) < len(ids)).astype(np.int32)}
 
 
-def class_captions(tokenizer, seq_len: int) -> dict[str, np.ndarray]:
-    """Each class's caption in the first template (zero-shot classification): [10, seq_len]."""
-    rows = [caption_features(caption(c), tokenizer, seq_len) for c in range(len(DIGIT_NAMES))]
+def class_captions(tokenizer, seq_len: int, *, decoder: bool = False) -> dict[str, np.ndarray]:
+    """Each class's caption in the first template, [10, seq_len] rows: text-tower inputs
+    (zero-shot CLIP), or with `decoder` the captioner's targets (rank classification)."""
+    rows = [tasks.decoder_features(tokenizer.encode(caption(c)), seq_len) if decoder else
+            caption_features(caption(c), tokenizer, seq_len) for c in range(len(DIGIT_NAMES))]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
@@ -103,6 +108,9 @@ class _Featurize(grain.transforms.RandomMap):
 
     def random_map(self, example, rng: np.random.Generator):
         image, label = example
+        if self.objective == "captioning":
+            return {"images": image, "label": np.int32(label), **tasks.decoder_features(
+                self.tokenizer.encode(caption(int(label))), self.seq_len)}
         out = {"images": image, "targets": np.int32(label), "weights": np.float32(1.0)}
         if self.objective == "contrastive":
             template = int(rng.integers(len(TEMPLATES))) if self.training else 0

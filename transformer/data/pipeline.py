@@ -25,10 +25,10 @@ from transformer.data import tokenizers as tokenizers_lib
 
 OBJECTIVES = ("next_token", "prefix_lm", "mlm", "span_corruption")
 TASK_OBJECTIVES = ("classification", "text2text")  # labeled tasks: transformer.data.tasks
-IMAGE_OBJECTIVES = ("image_classification", "contrastive")  # transformer.data.images
+IMAGE_OBJECTIVES = ("image_classification", "contrastive", "captioning")  # data.images
 FAMILY_OBJECTIVES = {"gpt": "next_token", "lstm": "next_token", "prefix_lm": "prefix_lm",
                      "bert": "mlm", "t5": "span_corruption", "vit": "image_classification",
-                     "clip": "contrastive"}
+                     "clip": "contrastive", "captioner": "captioning"}
 
 
 def objective_for(config: ml_collections.ConfigDict) -> str:

@@ -190,11 +190,21 @@ def text2text_features(ids: np.ndarray, label: int, target_ids: np.ndarray, *, s
     ([1, 40, 41, 2], [40, 41, 2, 0], [1.0, 1.0, 1.0, 0.0])
     """
     encoder_inputs, encoder_segment_ids = _pad([*ids[:seq_len - 1], EOS_ID], seq_len)
-    targets, mask = _pad([*target_ids, EOS_ID][:target_len], target_len)
-    decoder_inputs = np.concatenate([[BOS_ID], targets[:-1]]).astype(np.int32)
     return {"encoder_inputs": encoder_inputs, "encoder_segment_ids": encoder_segment_ids,
-            "decoder_inputs": decoder_inputs, "targets": targets,
-            "weights": mask.astype(np.float32), "label": np.int32(label)}
+            **decoder_features(target_ids, target_len), "label": np.int32(label)}
+
+
+def decoder_features(target_ids: np.ndarray, target_len: int) -> dict[str, np.ndarray]:
+    """A decoder's teacher-forced features for a target: targets = ids + <eos> (cut and padded
+    to `target_len`), decoder_inputs = the targets shifted right behind <bos>, weights 1 on
+    the target tokens.
+
+    >>> decoder_features(np.array([40, 41]), 4)["decoder_inputs"].tolist()
+    [1, 40, 41, 2]
+    """
+    targets, mask = _pad([*target_ids, EOS_ID][:target_len], target_len)
+    return {"decoder_inputs": np.concatenate([[BOS_ID], targets[:-1]]).astype(np.int32),
+            "targets": targets, "weights": mask.astype(np.float32)}
 
 
 def label_names(task: Task, tokenizer) -> tuple[list[np.ndarray], int]:

@@ -14,9 +14,9 @@ from transformer.models.bert import EncoderModel
 from transformer.models.gpt import DecoderLM
 from transformer.models.lstm import LSTMLM
 from transformer.models.t5 import EncoderDecoder, shift_right
-from transformer.models.vision import CLIP, ViTClassifier
+from transformer.models.vision import CLIP, Captioner, ViTClassifier
 
-FAMILIES = ("gpt", "prefix_lm", "bert", "t5", "lstm", "vit", "clip")
+FAMILIES = ("gpt", "prefix_lm", "bert", "t5", "lstm", "vit", "clip", "captioner")
 _OPTIONAL_FIELDS = {"num_kv_heads": int, "head_dim": int, "init_std": float,
                     "attention_scale": float}
 _STACK_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
@@ -76,9 +76,12 @@ def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
         return LSTMLM(vocab, cfg.d_model, cfg.num_layers, cfg.dropout_rate, tie, cfg.dtype,
                       cfg.param_dtype)
     cfg = transformer_config(model_config)
-    if family in ("vit", "clip"):
+    if family in ("vit", "clip", "captioner"):
         image = {k: model_config[k] for k in ("image_size", "patch_size", "channels", "pooling",
                                               "patch_position")}
+        if family == "captioner":
+            del image["pooling"]  # the decoder attends to every patch
+            return Captioner(cfg, vocab, **image)
         if family == "vit":
             return ViTClassifier(cfg, model_config.num_classes, **image)
         return CLIP(cfg, vocab, model_config.projection_dim, **image)

@@ -16,7 +16,7 @@ from transformer import masks, objectives, positions
 from transformer.layers import OutputHead, TokenEmbedding, TransformerConfig, TransformerStack
 
 Array = jax.Array
-POOLINGS = ("cls", "mean")
+POOLINGS = ("cls", "mean", "none")  # none: every patch's vector [B, N, D] (cross-attention)
 PATCH_POSITIONS = ("sinusoidal_2d", "learned", "none")
 MAX_LOGIT_SCALE = 100.0  # CLIP clips its learned temperature so logits stay <= 100 x cosine
 
@@ -76,7 +76,8 @@ def sinusoidal_2d(grid_height: int, grid_width: int, dim: int) -> Array:
 
 class ImageEncoder(nn.Module):
     """Patch embedding -> (+ [CLS]) -> 2-D or learned positions -> bidirectional stack -> pooled
-    vector [B, D] ([CLS]'s final vector, or the mean over patches)."""
+    vector [B, D] ([CLS]'s final vector, or the mean over patches), or with pooling "none" the
+    patch vectors [B, N, D]."""
 
     config: TransformerConfig  # position="none": the encoder adds its own patch positions
     image_size: int
@@ -136,6 +137,8 @@ class ImageEncoder(nn.Module):
                                                                  x_BND.shape[-1]))
             x_BND = jnp.concatenate([cls, x_BND], axis=1)
         x_BND = self.encoder(x_BND, masks.Full(), None, deterministic=deterministic)
+        if self.pooling == "none":
+            return x_BND
         return x_BND[:, 0] if self.pooling == "cls" else x_BND.mean(axis=1)
 
 
@@ -181,6 +184,47 @@ class TextEncoder(nn.Module):
             x_BTD, mask, None, deterministic=deterministic)
         last_B = jnp.maximum(jnp.sum(segment_ids_BT > 0, axis=1) - 1, 0)
         return x_BTD[jnp.arange(x_BTD.shape[0]), last_B]
+
+
+class Captioner(nn.Module):
+    """Image captioning by cross-attention from text to image patches: the ViT encoder's patch
+    vectors [B, N, D] are the memory of a causal text decoder (T5's decoder stack: self-attention,
+    then cross-attention to the patches, then the MLP), with a tied output embedding.
+
+    `encode` / `decode` mirror `EncoderDecoder`'s, so the text-to-text scoring (teacher-forced
+    exact match, rank classification over captions) applies unchanged.
+    """
+
+    config: TransformerConfig
+    vocab_size: int
+    image_size: int
+    patch_size: int
+    channels: int = 1
+    patch_position: str = "sinusoidal_2d"
+
+    def setup(self):
+        cfg = self.config
+        self.image_encoder = ImageEncoder(cfg, self.image_size, self.patch_size, self.channels,
+                                          "none", self.patch_position)
+        self.embed = TokenEmbedding(self.vocab_size, cfg.d_model, cfg.init_std or 0.02,
+                                    dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        self.decoder = TransformerStack(cfg, cross_attention=True, bidirectional=False)
+
+    def encode(self, images_BHWC, *, segment_ids=None, deterministic=True) -> Array:
+        del segment_ids  # every patch is real
+        return self.image_encoder(images_BHWC, deterministic=deterministic)
+
+    def decode(self, encoded_BND, decoder_tokens_BT, *, encoder_segment_ids=None,
+               deterministic=True) -> Array:
+        del encoder_segment_ids
+        x_BTD = self.decoder(self.embed(decoder_tokens_BT), masks.Causal(), None,
+                             encoded=encoded_BND, deterministic=deterministic)
+        return self.embed.attend(x_BTD)
+
+    def __call__(self, images_BHWC, decoder_tokens_BT, *, deterministic=True) -> Array:
+        """Teacher-forced logits [B, T, V] of the caption given the image."""
+        return self.decode(self.encode(images_BHWC, deterministic=deterministic),
+                           decoder_tokens_BT, deterministic=deterministic)
 
 
 def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
