@@ -152,3 +152,19 @@ def test_clip_trains_and_evaluates_zero_shot_on_the_test_split(tmp_path):
     config.model.family = "vit"
     with pytest.raises(ValueError, match="'contrastive' with model.family='vit'"):
         train.validate_config(config)
+
+
+def test_the_captioner_reads_the_image_through_cross_attention_and_writes_causally():
+    config = base_config().model
+    config.update(family="captioner", vocab_size=300, **{**TINY, "position": "learned"})
+    model = build_model(config)
+    image = jax.random.uniform(jax.random.key(1), (2, 8, 8, 1))
+    tokens = jnp.array([[1, 40, 41, 42, 43], [1, 40, 41, 42, 43]])
+    params = model.init(jax.random.key(0), image, tokens)["params"]
+    apply = jax.jit(lambda i, t: model.apply({"params": params}, i, t))
+    logits = apply(image, tokens)
+    assert logits.shape == (2, 5, 300)
+    assert not np.allclose(logits[0], logits[1], atol=1e-4)  # different images, same text
+    later = tokens.at[:, 3:].set(7)
+    np.testing.assert_allclose(apply(image, later)[:, :3], logits[:, :3], atol=1e-5)
+    assert not np.allclose(apply(image, later)[:, 3:], logits[:, 3:], atol=1e-4)
