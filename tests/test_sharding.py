@@ -71,13 +71,17 @@ def test_every_param_name_the_models_use_has_a_rule():
 
     ruled = {name for name, _ in sharding.LOGICAL_AXIS_RULES}
     for family, extra in [("gpt", {}), ("bert", {}), ("t5", {}), ("lstm", {}),
-                          ("gpt", {"position": "learned"}), ("t5", {"scan_layers": True})]:
+                          ("gpt", {"position": "learned"}), ("t5", {"scan_layers": True}),
+                          ("vit", {"num_classes": 3, "patch_position": "learned"}),
+                          ("clip", {}), ("captioner", {})]:
         config = configs.base_config()
         config.model.update(family=family, num_layers=1, d_model=16, num_heads=2, d_ff=32,
                             vocab_size=32, **extra)
         model = build_model(config.model)
         tokens = jnp.zeros((1, 8), jnp.int32)
-        args = (tokens, tokens) if family == "t5" else (tokens,)
+        image = jnp.zeros((1, 8, 8, 1))
+        args = {"t5": (tokens, tokens), "vit": (image,), "clip": (image, tokens, tokens),
+                "captioner": (image, tokens)}.get(family, (tokens,))
         boxed = jax.eval_shape(lambda m=model, a=args: m.init(jax.random.key(0), *a))
         specs = jax.tree.leaves(nn.get_partition_spec(boxed),
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))

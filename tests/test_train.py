@@ -173,7 +173,6 @@ EXPERIMENTS = [
     "gpt_finetune_cls.py",
     "t5_finetune_text2text.py",
     "vit_digits.py",
-    "clip_digits.py",
     "caption_digits.py",
 ]
 _EXPERIMENT_TEST = "test_every_experiment_runs_end_to_end_through_the_cli"

@@ -4,7 +4,12 @@ temperature clip, the digits data, and zero-shot evaluation."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +21,7 @@ from transformer.configs import base_config
 from transformer.data import images, tokenizers
 from transformer.models import build_model, transformer_config, vision
 
+REPO = Path(__file__).resolve().parents[1]
 TINY = dict(num_layers=2, d_model=32, num_heads=2, d_ff=64, position="none", image_size=8,
             patch_size=2, channels=1)
 
@@ -139,17 +145,31 @@ def test_digits_splits_are_disjoint_and_captions_name_the_digit():
     assert batch["images"].shape == (8, 8, 8, 1) and 0 <= batch["images"].min()
 
 
-def test_clip_trains_and_evaluates_zero_shot_on_the_test_split(tmp_path):
-    config = base_config()
-    config.update(steps=2, batch_size=8, seq_len=32, log_every=1, eval_every=2, eval_steps=100,
-                  checkpoint_every=2)
-    config.model.update(family="clip", projection_dim=16, **TINY)
-    config.data.update(objective="contrastive", validation_fraction=0.15, num_sentinels=0)
-    summary = train.train_and_evaluate(config, str(tmp_path))["summary"]
+def test_clip_shards_checkpoints_and_resumes_through_the_cli(tmp_path):
+    """CLIP is just another param tree: 4 devices as data=2 x fsdp=2, 2 steps, then a resumed
+    run to step 3, evaluated zero-shot on the test split."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4 "
+                        "--xla_backend_optimization_level=0"}
+    args = [sys.executable, "-m", "transformer.train", "--config=experiments/clip_digits.py",
+            f"--workdir={tmp_path}", "--config.batch_size=8", "--config.log_every=1",
+            "--config.eval_every=100", "--config.eval_steps=2", "--config.checkpoint_every=2",
+            "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.model.num_layers=1",
+            "--config.model.d_model=32", "--config.model.d_ff=64"]
+    for steps in (2, 3):
+        result = subprocess.run([*args, f"--config.steps={steps}"], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "data=2 x fsdp=2" in result.stdout and "steps 2..3" in result.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3]
+    summary = json.loads((tmp_path / "summary.json").read_text())
     test = len(images.split_digits("test", 0.15)[1])
     assert summary["test_num_tokens"] == 2 * test  # each test pair is scored both ways
     assert 0.0 <= summary["test_accuracy"] <= 1.0 and "test_macro_f1" in summary
+    config = base_config()
     config.model.family = "vit"
+    config.data.objective = "contrastive"
     with pytest.raises(ValueError, match="'contrastive' with model.family='vit'"):
         train.validate_config(config)
 
