@@ -16,7 +16,7 @@ def get_config():
     config = base_config()
     config.experiment = "vit_digits"
     # seq_len counts the patch tokens (+ [CLS]), so tokens/s in the logs is patch tokens/s.
-    config.update(steps=2000, batch_size=64, seq_len=17, log_every=50, eval_every=500,
+    config.update(steps=4000, batch_size=64, seq_len=17, log_every=50, eval_every=500,
                   eval_steps=100, checkpoint_every=1000, keep_checkpoints=1)
     config.model.update(family="vit", num_layers=4, d_model=64, num_heads=4, d_ff=128,
                         position="none", norm="layernorm", norm_placement="pre",
