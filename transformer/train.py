@@ -502,13 +502,17 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None, placement:
 
 def check_eval_seq_len(config, seq_len: int) -> None:
     """One-line error for a validation length the model cannot run at."""
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
-        raise ValueError(f"eval_seq_len={seq_len!r}: expected an int >= 2")
+    _check_length(seq_len, "eval_seq_len")
     if config.model.get("position") == "learned" and seq_len > config.model.max_len:
         raise ValueError(f"eval_seq_len={seq_len}: the model learned positions for "
                          f"{config.model.max_len} tokens (model.max_len), and a learned "
                          "position table cannot extrapolate: expected <= "
                          f"{config.model.max_len}")
+
+
+def _check_length(seq_len, name: str) -> None:
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
+        raise ValueError(f"{name}={seq_len!r}: expected an int >= 2")
 
 
 def evaluate_at_length(params, eval_step, config, tokenizer, seq_len: int,
@@ -747,10 +751,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
                          "(0: off)")
     if config.get("nonfinite", "stop") not in ("stop", "skip"):
         raise ValueError(f"nonfinite={config.nonfinite!r}: expected 'stop' or 'skip'")
-    for seq_len in config.get("eval_seq_lens", ()):
-        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
-            raise ValueError(f"eval_seq_lens={tuple(config.eval_seq_lens)!r}: expected ints "
-                             ">= 2")
+    for seq_len in config.get("eval_seq_lens", ()):  # lengths past a learned table: skipped
+        _check_length(seq_len, "eval_seq_lens entry")
     if config.model.get("position") == "learned" and config.seq_len > config.model.max_len:
         raise ValueError(f"seq_len={config.seq_len}: expected <= model.max_len="
                          f"{config.model.max_len}, the learned position table's size")
