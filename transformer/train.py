@@ -362,11 +362,14 @@ class _Logger:
             from tensorboardX import SummaryWriter
 
             self.path = fileio.join(workdir, "metrics.jsonl")
-            self.lines = _keep_records_up_to(self.path, start_step)
-            if self.lines:
-                self.elapsed_before = json.loads(self.lines[-1]).get("elapsed", 0.0)
-            # Object stores cannot append: a remote file is rewritten whole at each record.
-            self.jsonl = None if fileio.is_remote(self.path) else open(self.path, "a")  # noqa: SIM115
+            lines = _keep_records_up_to(self.path, start_step)
+            if lines:
+                self.elapsed_before = json.loads(lines[-1]).get("elapsed", 0.0)
+            # Object stores cannot append: a remote file is kept in memory and rewritten whole
+            # at each record; a local one is appended to.
+            remote = fileio.is_remote(self.path)
+            self.lines = lines if remote else None
+            self.jsonl = None if remote else open(self.path, "a")  # noqa: SIM115
             self.tensorboard = SummaryWriter(fileio.join(workdir, "tensorboard"))
 
     def elapsed(self) -> float:
@@ -375,12 +378,13 @@ class _Logger:
     def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, "split": split, **metrics, "elapsed": self.elapsed()}
-        self.lines.append(json.dumps(record) + "\n")
+        line = json.dumps({"step": step, "split": split, **metrics,
+                           "elapsed": self.elapsed()}) + "\n"
         if self.jsonl is None:
+            self.lines.append(line)
             fileio.write_atomic(self.path, "".join(self.lines))
         else:
-            self.jsonl.write(self.lines[-1])
+            self.jsonl.write(line)
             self.jsonl.flush()
         for name, value in metrics.items():
             self.tensorboard.add_scalar(f"{split}/{name}", value, step)
