@@ -171,7 +171,6 @@ EXPERIMENTS = [
     "prefix_lm.py",
     "lstm_lm.py",
     "gpt_finetune_cls.py",
-    "t5_finetune_text2text.py",
     "vit_digits.py",
     "caption_digits.py",
 ]
