@@ -179,11 +179,12 @@ def test_the_gpt_classifier_reads_the_last_real_token():
     model = build_model(config)
     tokens = jnp.array([[5, 6, 7, 0, 0], [5, 6, 7, 9, 9]])
     segments = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 0, 0]])
-    params = model.init(jax.random.key(0), tokens)["params"]
-    logits = model.apply({"params": params}, tokens, segment_ids=segments)
+    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    apply = jax.jit(lambda t, s=None: model.apply({"params": params}, t, segment_ids=s))
+    logits = apply(tokens, segments)
     assert logits.shape == (2, 3)
     np.testing.assert_allclose(logits[0], logits[1], atol=1e-6)  # padding never read
-    shorter = model.apply({"params": params}, tokens[:, :3])
+    shorter = apply(tokens[:, :3])
     np.testing.assert_allclose(shorter[0], logits[0], atol=1e-5)
 
 
