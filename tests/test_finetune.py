@@ -112,6 +112,19 @@ def test_evaluation_batches_read_every_example_once(play):
     assert labels.tolist() == [e.label for e in test]
 
 
+def test_training_reads_every_example_once_per_epoch_in_a_new_order(play):
+    config = task_config(play)
+    config.update(batch_size=1, seq_len=80)  # long enough for every speech
+    tokenizer = tokenizers.build_tokenizer("byte", num_sentinels=0)
+    train_split = tasks.task_for(config).splits["train"]
+    n = len(train_split)
+    iterator = iter(tasks.make_dataset(config, tokenizer, "train"))
+    epochs = [[next(iterator)["inputs"][0].tobytes() for _ in range(n)] for _ in range(2)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) and len(set(epochs[0])) == len(
+        {e.text for e in train_split})
+    assert epochs[0] != epochs[1]
+
+
 # --- loading params -------------------------------------------------------------------------
 
 

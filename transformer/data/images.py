@@ -132,9 +132,9 @@ def make_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
         raise ValueError(f"data.objective={objective!r}: expected one of {OBJECTIVES}")
     images, labels = split_digits(split, config.data.validation_fraction)
     dataset = grain.MapDataset.source(list(zip(images, labels, strict=True)))
-    dataset = dataset.repeat(num_epochs)
     if shuffle:
-        dataset = dataset.shuffle(seed=config.seed)
+        dataset = pipeline.shuffle_each_epoch(dataset, config.seed)
+    dataset = dataset.repeat(num_epochs)
     dataset = dataset.random_map(_Featurize(objective, tokenizer, config.seq_len,
                                             training=num_epochs is None), seed=config.seed)
     return tasks.batched(dataset, config.batch_size, tasks.local_rows(config.batch_size, rows),

@@ -389,8 +389,7 @@ def _stream(docs: grain.MapDataset, row: int, *, objective, seq_len, batch_size,
     shuffle_seed = _stream_seeds(seed, row)[0]
     docs = docs[row::batch_size]
     if shuffle:  # a new order each epoch
-        docs = docs.shuffle(seed=shuffle_seed) if len(docs) >= _SMALL_STREAM else \
-            _ShuffleEachEpoch(docs, shuffle_seed)
+        docs = shuffle_each_epoch(docs, shuffle_seed)
     docs = docs.repeat(num_epochs)
     # Read in the calling thread: one reader thread pool (and read-ahead buffer) per stream
     # would be batch_size pools fighting over the GIL; the batches are prefetched as a whole.
@@ -418,6 +417,14 @@ def _stream(docs: grain.MapDataset, row: int, *, objective, seq_len, batch_size,
 # on a stream of a few documents (~10 ms for 4); below this size a stream draws each epoch's
 # permutation once instead.
 _SMALL_STREAM = 1 << 16
+
+
+def shuffle_each_epoch(dataset: grain.MapDataset, seed: int) -> grain.MapDataset:
+    """`dataset` shuffled so that a following `.repeat()` gives every epoch its own order.
+    (Shuffling *after* repeat would sample across epochs, some items twice before others
+    once.)"""
+    return dataset.shuffle(seed=seed) if len(dataset) >= _SMALL_STREAM else \
+        _ShuffleEachEpoch(dataset, seed)
 
 
 class _ShuffleEachEpoch(grain.MapDataset):

@@ -263,9 +263,10 @@ def make_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
         family = config.model.family
         featurize = lambda e: classification_features(tokenizer.encode(e.text), e.label,
                                                       seq_len=seq_len, family=family)
-    dataset = grain.MapDataset.source(task.splits[split]).repeat(num_epochs)
+    dataset = grain.MapDataset.source(task.splits[split])
     if shuffle:
-        dataset = dataset.shuffle(seed=config.seed)  # a new order each epoch
+        dataset = pipeline.shuffle_each_epoch(dataset, config.seed)
+    dataset = dataset.repeat(num_epochs)
     return batched(dataset.map(featurize), batch_size, local_rows(batch_size, rows),
                    training=num_epochs is None)
 
