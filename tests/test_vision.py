@@ -117,12 +117,13 @@ def test_clip_logits_are_scaled_cosines_with_a_clipped_temperature():
     segments = (texts > 0).astype(jnp.int32)
     params = jax.jit(model.init)(jax.random.key(0), image, texts, segments)["params"]
     logits = jax.jit(model.apply)({"params": params}, image, texts, segments)
-    image_e = model.apply({"params": params}, image, method="embed_images")
-    text_e = model.apply({"params": params}, texts, segments, method="embed_texts")
+    image_e = jax.jit(lambda i: model.apply({"params": params}, i, method="embed_images"))(image)
+    text_e = jax.jit(lambda t, s: model.apply({"params": params}, t, s,
+                                              method="embed_texts"))(texts, segments)
     np.testing.assert_allclose(jnp.linalg.norm(image_e, axis=-1), 1.0, rtol=1e-5)
     np.testing.assert_allclose(logits, (1 / 0.07) * image_e @ text_e.T, rtol=1e-4, atol=1e-5)
     hot = {**params, "logit_scale": jnp.asarray(10.0)}
-    np.testing.assert_allclose(model.apply({"params": hot}, image, texts, segments),
+    np.testing.assert_allclose(jax.jit(model.apply)({"params": hot}, image, texts, segments),
                                100.0 * image_e @ text_e.T, rtol=1e-4, atol=1e-4)
 
 
