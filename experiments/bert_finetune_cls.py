@@ -11,7 +11,7 @@ fine-tune from it, and evaluate accuracy, macro-F1 and the confusion matrix on t
     python -m transformer.evaluate --workdir=runs/bert_cls --split=test
 
 `get_config("speakers")` classifies speakers of play text instead (pass
---config.data.path=tinyshakespeare.txt to both runs). Without init_from it trains from scratch.
+--config.data.path=tinyshakespeare.txt to both runs). `--config.init_from=` trains from scratch.
 """
 
 from transformer import configs
