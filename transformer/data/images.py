@@ -26,7 +26,7 @@ import numpy as np
 from transformer.data import pipeline, tasks
 from transformer.data.tokenizers import EOS_ID
 
-OBJECTIVES = pipeline.IMAGE_OBJECTIVES  # ("image_classification", "contrastive")
+OBJECTIVES = pipeline.IMAGE_OBJECTIVES  # image_classification, contrastive, captioning
 SPLITS = ("train", "validation", "test")
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 TEMPLATES = ("a photo of the digit {name}", "a handwritten {digit}", "the number {name}",
