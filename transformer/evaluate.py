@@ -35,7 +35,8 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     {"step": ..., "train_seq_len": ..., "by_seq_len": {L: metrics at length L}}.
     """
     step, config = checkpoint_lib.saved_run(workdir, step)
-    is_task = inputs.labeled_task(config) is not None
+    task = inputs.labeled_task(config)
+    is_task = task is not None
     if split not in ("validation", "test") or (split == "test" and not is_task):
         raise ValueError(f"split={split!r}: expected 'validation'" +
                          (" or 'test'" if is_task else " (only labeled tasks have a test split)"))
@@ -69,8 +70,8 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     if jax.process_index() == 0:
         name = f"eval_{step}" + ("_len" + "_".join(map(str, seq_lens)) if seq_lens else "") + \
             ("_test" if split == "test" else "")
-        if is_task:
-            metrics["labels"] = list(inputs.labeled_task(config).labels)
+        if is_task and not seq_lens:  # per-length results carry no confusion matrix
+            metrics["labels"] = list(task.labels)
             metrics["confusion_png"] = fileio.join(workdir, f"confusion_{step}_{split}.png")
             save_confusion(metrics["confusion"], metrics["labels"], metrics["confusion_png"],
                            f"{config.experiment} step {step}, {split}: accuracy "

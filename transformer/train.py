@@ -224,9 +224,8 @@ def make_eval_step(model, config, tokenizer=None):
     elif objective in ("contrastive", "captioning"):  # every class's caption
         from transformer.data import images
 
-        captions = images.class_captions(tokenizer or inputs.get_tokenizer(config),
-                                         config.seq_len, decoder=objective == "captioning")
-        candidates = captions
+        candidates = images.class_captions(tokenizer or inputs.get_tokenizer(config),
+                                           config.seq_len, decoder=objective == "captioning")
 
     def eval_step(params, batch):
         loss, metrics = loss_and_metrics(model, config, params, batch, None, deterministic=True)
@@ -240,8 +239,8 @@ def make_eval_step(model, config, tokenizer=None):
         elif objective == "contrastive":  # zero-shot: the class caption closest to the image
             images_BE = model.apply({"params": params}, batch["images"],
                                     method="embed_images")
-            classes_CE = model.apply({"params": params}, captions["texts"],
-                                     captions["text_segment_ids"], method="embed_texts")
+            classes_CE = model.apply({"params": params}, candidates["texts"],
+                                     candidates["text_segment_ids"], method="embed_texts")
             sums["confusion"] = _confusion(batch["targets"],
                                            jnp.argmax(images_BE @ classes_CE.T, -1),
                                            batch["weights"], classes_CE.shape[0])
