@@ -10,11 +10,14 @@ devices as data=2 x fsdp=2 and 2 more steps, against 4 uninterrupted steps on fs
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
+import flax.linen as nn
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from transformer import checkpoint as checkpoint_lib
@@ -87,6 +90,71 @@ def host(params):
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
 
 
+def splash_on_meshes(devices) -> dict[str, dict]:
+    """Splash (Pallas interpret mode) shard_mapped over meshes vs the dense reference on one
+    device: forward and q/k/v gradients, packed causal rows, GQA; plus a whole GPT's loss and
+    gradients with `attention_impl="splash"` on data=2 x fsdp=2 x tensor=2."""
+    from transformer import attention, kernels, masks
+
+    rng = np.random.default_rng(0)
+    batch, length, heads, kv_heads, dim = 4, 128, 4, 2, 16
+    q = rng.standard_normal((batch, length, heads, dim)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, length, kv_heads, dim)).astype(np.float32)
+            for _ in range(2))
+    ids = np.repeat(np.array([[1] * 50 + [2] * 70 + [0] * 8]), batch, 0).astype(np.int32)
+    ids[1, :30] = 3
+    mask = masks.Segment(ids) & masks.Causal()
+    probe = rng.standard_normal(q.shape).astype(np.float32)
+
+    def loss_and_grads(fn):
+        return jax.jit(jax.value_and_grad(
+            lambda q, k, v, mask: jnp.sum(fn(q, k, v, mask) * probe), argnums=(0, 1, 2)))
+
+    want = jax.device_get(loss_and_grads(
+        attention.dot_product_attention)(q, k, v, mask))
+    out = {}
+    for name, shape in {"2,2,2": (2, 2, 2), "4,1,2": (4, 1, 2)}.items():
+        mesh = sharding.make_mesh(dict(zip(sharding.MESH_AXES, shape, strict=True)), devices)
+        fn = functools.partial(kernels.splash_attention, block_size=128, interpret=True)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
+            got = jax.device_get(loss_and_grads(fn)(q, k, v, mask))
+            jaxpr = jax.make_jaxpr(fn)(q, k, v, mask).jaxpr
+        specs = [str(e.params["out_specs"]) for e in jaxpr.eqns
+                 if e.primitive.name == "shard_map"]
+        out[name] = {"out_specs": specs, "max_diff": max(
+            float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))}
+
+    # The whole model: same params, same batch; splash on the mesh vs dense on one device.
+    config = small_config((2, 2, 2))
+    config.model.position = "learned"
+    config.seq_len = config.model.max_len = length
+    data = {"inputs": rng.integers(7, VOCAB, (BATCH, length)).astype(np.int32),
+            "segment_ids": np.ones((BATCH, length), np.int32),
+            "positions": np.tile(np.arange(length, dtype=np.int32), (BATCH, 1))}
+    params = host(build_model(config.model).init(jax.random.key(0), data["inputs"])["params"])
+    results = {}
+    for impl in ("dense", "splash"):
+        config.model.attention_impl = impl
+        model = build_model(config.model)
+
+        def loss(params, model=model):
+            logits = model.apply({"params": params}, data["inputs"],
+                                 segment_ids=data["segment_ids"], positions=data["positions"])
+            return jnp.mean(jnp.sum(logits * logits, -1))
+
+        if impl == "dense":  # one device, no mesh
+            results[impl] = jax.device_get(jax.jit(jax.value_and_grad(loss))(params))
+            continue
+        with jax.set_mesh(sharding.make_mesh(config.mesh, devices)), nn.logical_axis_rules(
+                sharding.LOGICAL_AXIS_RULES):
+            results[impl] = jax.device_get(jax.jit(jax.value_and_grad(loss))(params))
+    out["gpt_2,2,2"] = {"max_diff": max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
+        zip(jax.tree.leaves(results["splash"]), jax.tree.leaves(results["dense"]), strict=True))}
+    return out
+
+
 def main(workdir: str) -> None:
     devices = jax.devices()
     data = batches(STEPS)
@@ -126,6 +194,8 @@ def main(workdir: str) -> None:
                           "max_param_diff": diff, "layout": restored_layout,
                           "devices": len(restored.params["embed"]["embedding"].sharding
                                          .device_set)}
+
+    results["splash"] = splash_on_meshes(devices)
 
     # A global batch the data-parallel size (here 4 x 2) does not divide: one-line error.
     bad = small_config((4, 2, 1))

@@ -285,16 +285,16 @@ def test_a_model_with_chunked_attention_equals_the_dense_model(impl, position, l
     first = length * 5 // 9
     segments = jnp.asarray(np.repeat([[1] * first + [2] * (length - first)], 2, axis=0),
                            jnp.int32)
-    params = dense.init(jax.random.key(0), tokens)["params"]
+    params = jax.jit(dense.init)(jax.random.key(0), tokens)["params"]
 
     def loss(model, p):
         logits = model.apply({"params": p}, tokens, segment_ids=segments)
         return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
 
-    (_, dense_logits), dense_grads = jax.value_and_grad(
-        lambda p: loss(dense, p), has_aux=True)(params)
-    (_, chunked_logits), chunked_grads = jax.value_and_grad(
-        lambda p: loss(chunked, p), has_aux=True)(params)
+    (_, dense_logits), dense_grads = jax.jit(jax.value_and_grad(
+        lambda p: loss(dense, p), has_aux=True))(params)
+    (_, chunked_logits), chunked_grads = jax.jit(jax.value_and_grad(
+        lambda p: loss(chunked, p), has_aux=True))(params)
     np.testing.assert_allclose(chunked_logits, dense_logits, atol=1e-5)
     for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(dense_grads), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)

@@ -40,9 +40,9 @@ def cached_logits(model, params, tokens_BT, prompt_lengths, prefix_lengths=None)
     prompt_lengths = np.asarray(prompt_lengths)
     width = int(prompt_lengths.max())
     cache = init_cache(model, batch, length)
+    step_fn = jax.jit(lambda *args: _step(model, *args, length))  # compiles prefill and step
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    logits, mutated = _step(model, params, cache, tokens_BT[:, :width], positions,
-                            prefix_lengths, length)
+    logits, mutated = step_fn(params, cache, tokens_BT[:, :width], positions, prefix_lengths)
     cache = mutated["cache"]
     out = np.zeros((batch, length, VOCAB), np.float32)
     for b in range(batch):
@@ -50,8 +50,8 @@ def cached_logits(model, params, tokens_BT, prompt_lengths, prefix_lengths=None)
     for step in range(length - int(prompt_lengths.min())):
         position = jnp.minimum(jnp.asarray(prompt_lengths) + step, length - 1)[:, None]
         token = jnp.take_along_axis(tokens_BT, position, axis=1)
-        logits, mutated = _step(model, params, cache, token, position.astype(jnp.int32),
-                                prefix_lengths, length)
+        logits, mutated = step_fn(params, cache, token, position.astype(jnp.int32),
+                                  prefix_lengths)
         cache = mutated["cache"]
         for b in range(batch):
             if prompt_lengths[b] + step < length:
@@ -69,8 +69,8 @@ def cached_logits(model, params, tokens_BT, prompt_lengths, prefix_lengths=None)
 def test_cached_decoding_equals_full_recomputation(overrides):
     model = build_model(model_config(**overrides))
     sequence = tokens((2, LENGTH))
-    params = model.init(jax.random.key(0), sequence)["params"]
-    full = np.asarray(model.apply({"params": params}, sequence))
+    params = jax.jit(model.init)(jax.random.key(0), sequence)["params"]
+    full = np.asarray(jax.jit(model.apply)({"params": params}, sequence))
     # Row 0 has a 3-token prompt, row 1 a 5-token one: per-row positions in the same batch.
     cached = cached_logits(model, params, sequence, [PROMPT, PROMPT + 2])
     np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
@@ -95,11 +95,11 @@ def test_t5_cached_decoding_reuses_the_encoder_and_equals_full_recomputation(sca
                                      num_decoder_layers=2))
     encoder_tokens, decoder_tokens = tokens((2, 6), seed=2), tokens((2, LENGTH), seed=3)
     valid = jnp.array([[1] * 6, [1] * 4 + [0] * 2], jnp.int32)  # row 1 has 2 padded tokens
-    params = model.init(jax.random.key(0), encoder_tokens, decoder_tokens)["params"]
-    full = np.asarray(model.apply({"params": params}, encoder_tokens, decoder_tokens,
-                                  encoder_segment_ids=valid))
-    encoded = model.apply({"params": params}, encoder_tokens, segment_ids=valid,
-                          method=model.encode)
+    params = jax.jit(model.init)(jax.random.key(0), encoder_tokens, decoder_tokens)["params"]
+    full = np.asarray(jax.jit(lambda p: model.apply({"params": p}, encoder_tokens, decoder_tokens,
+                                                    encoder_segment_ids=valid))(params))
+    encoded = jax.jit(lambda p: model.apply({"params": p}, encoder_tokens, segment_ids=valid,
+                                            method=model.encode))(params)
     cache = init_cache(model, 2, LENGTH, encoder_length=6)
     decode = jax.jit(lambda cache, encoded, token, position: model.apply(
         {"params": params, "cache": cache}, encoded, token, encoder_segment_ids=valid,

@@ -14,7 +14,10 @@ transformers = pytest.importorskip("transformers")
 from transformer import convert  # noqa: E402
 from transformer.models import build_model  # noqa: E402
 
-TOLERANCE = {"float32": 1e-4, "float64": 1e-9}  # max abs logit difference
+# Max |logit difference| / max(1, max |HF logit|). float32 differences come from summation
+# order (about 1e-6 here, up to 3e-5 seen when other processes load the two cores); a wrong
+# weight or formula shows at 1e-2 and above. float64 is the exact check.
+TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 VOCAB = 101
 
 
@@ -84,7 +87,8 @@ def t5_norm_in_float64(self, hidden):
 
 
 def max_logit_difference(case: str, dtype: str) -> float:
-    """Max |our logits - HF logits| for one model, both run in `dtype` from the same weights."""
+    """Max |our logits - HF logits| / max(1, max |HF logits|) for one model, both run in `dtype`
+    from the same weights."""
     torch.manual_seed(0)  # HF initializes its weights from torch's global generator
     hf, hf_inputs, args, kwargs, valid = CASES[case]()
     hf = randomized(hf).to(getattr(torch, dtype))
@@ -100,7 +104,7 @@ def max_logit_difference(case: str, dtype: str) -> float:
             **{k: jnp.asarray(v) for k, v in kwargs.items()}))
     if valid is not None:
         got, expected = got[valid], expected[valid]
-    return float(np.abs(got - expected).max())
+    return float(np.abs(got - expected).max() / max(1.0, np.abs(expected).max()))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

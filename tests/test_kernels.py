@@ -151,7 +151,7 @@ def test_auto_falls_back_when_the_kernel_cannot_run():
     assert choose(platform="gpu", dtype=jnp.float32) == "chunked"
     assert choose(platform="gpu", bias=bias) == "chunked"
     assert choose(platform="tpu", dropout=0.1) == "dense"  # only dense has attention dropout
-    assert choose(platform="tpu", devices=8) == "chunked"  # splash is not shard_mapped yet
+    assert choose(platform="tpu", devices=8) == "chunked"  # 8 devices but no mesh to shard_map
 
 
 @pytest.mark.parametrize("impl, kw, words", [
@@ -159,7 +159,7 @@ def test_auto_falls_back_when_the_kernel_cannot_run():
     ("splash", dict(platform="tpu", bias=jnp.zeros((1, 1, 1, 1))), ["impl='splash'", "bias"]),
     ("splash", dict(platform="tpu", q_len=100, kv_len=100), ["impl='splash'", "128"]),
     ("splash", dict(platform="tpu", dropout=0.1), ["impl='splash'", "dropout"]),
-    ("splash", dict(platform="tpu", devices=8), ["impl='splash'", "one device", "8"]),
+    ("splash", dict(platform="tpu", devices=8), ["impl='splash'", "8 devices", "set_mesh"]),
     ("cudnn", dict(platform="tpu"), ["impl='cudnn'", "gpu"]),
     ("cudnn", dict(platform="gpu", head_dim=256), ["impl='cudnn'", "head_dim"]),
     ("cudnn", dict(platform="gpu", dtype=jnp.float32), ["impl='cudnn'", "float32"]),

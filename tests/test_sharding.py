@@ -93,14 +93,14 @@ def test_dimensions_the_mesh_does_not_divide_stay_replicated():
     mesh = AbstractMesh((1, 2, 4), sharding.MESH_AXES)
     rules = sharding.LOGICAL_AXIS_RULES
     # 2 KV heads cannot split over tensor=4; the embed dimension still splits over fsdp=2.
-    assert sharding._mesh_spec(PartitionSpec("embed", "kv_heads", "kv"), (32, 2, 8), mesh,
+    assert sharding.mesh_spec(PartitionSpec("embed", "kv_heads", "kv"), (32, 2, 8), mesh,
                                rules) == PartitionSpec("fsdp", None, None)
-    assert sharding._mesh_spec(PartitionSpec("embed", "heads", "kv"), (32, 4, 8), mesh,
+    assert sharding.mesh_spec(PartitionSpec("embed", "heads", "kv"), (32, 4, 8), mesh,
                                rules) == PartitionSpec("fsdp", "tensor", None)
     # A vocabulary of 262 bytes does not split over 4 either.
-    assert sharding._mesh_spec(PartitionSpec("vocab", "embed"), (262, 32), mesh,
+    assert sharding.mesh_spec(PartitionSpec("vocab", "embed"), (262, 32), mesh,
                                rules) == PartitionSpec(None, "fsdp")
-    assert sharding._mesh_spec(PartitionSpec("activation_batch", "activation_length"), (8, 16),
+    assert sharding.mesh_spec(PartitionSpec("activation_batch", "activation_length"), (8, 16),
                                mesh, rules) == PartitionSpec(("data", "fsdp"), None)
 
 
@@ -182,6 +182,19 @@ def test_a_checkpoint_saved_on_one_mesh_continues_on_another(mesh_results):
     assert reshard["layout"]["embedding"]["shard_shape"] == [64, 16]  # 32 / fsdp 2
     np.testing.assert_allclose(reshard["losses"], reshard["uninterrupted"], rtol=2e-6)
     assert reshard["max_param_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("mesh", ["2,2,2", "4,1,2"])
+def test_splash_runs_per_device_in_shard_map_and_matches_dense(mesh_results, mesh):
+    """Packed causal rows with GQA (4 query heads, 2 KV heads): output and q/k/v gradients of
+    the interpret-mode kernel, batch and heads split over the mesh, equal the dense reference."""
+    result = mesh_results["splash"][mesh]
+    assert result["out_specs"] == ["(P(('data', 'fsdp'), None, 'tensor', None),)"]
+    assert result["max_diff"] < 1e-4
+
+
+def test_a_gpt_with_splash_on_a_mesh_matches_dense_on_one_device(mesh_results):
+    assert mesh_results["splash"]["gpt_2,2,2"]["max_diff"] < 1e-5
 
 
 # --- two processes ----------------------------------------------------------------------------

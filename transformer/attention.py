@@ -306,7 +306,8 @@ class MultiHeadAttention(nn.Module):
                               q_len=query.shape[1], kv_len=key.shape[1],
                               head_dim=query.shape[-1], dtype=query.dtype,
                               interpret=self.impl == "splash" and platform != "tpu",
-                              devices=jax.device_count())
+                              devices=1 if not jax.sharding.get_abstract_mesh().empty
+                              else jax.device_count())
 
     def _cached(self, name: str) -> Array:
         """A cache buffer as [B, L, K, H], for decode steps that only read it."""

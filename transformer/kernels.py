@@ -16,7 +16,7 @@ choice cannot run the inputs); "auto" picks the first row that applies:
     any        otherwise                                            "dense"
 
     splash   no bias, no dropout, q_len and kv_len multiples of 128, platform tpu (or interpret),
-             one device (no shard_map yet)
+             one device or a mesh in context (then the kernel runs per device in shard_map)
     cudnn    no bias, no dropout, head_dim <= 128 and a multiple of 8, fp16 / bf16, platform gpu
     chunked  no dropout
     dense    everything
@@ -31,12 +31,16 @@ boolean array) goes through splash's dynamic-mask path, which materialises a boo
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from transformer import sharding
 from transformer.chunked_attention import check_qkv
 from transformer.masks import (
     And,
@@ -98,7 +102,8 @@ def _reason(impl, *, mask, bias, dropout, q_len, kv_len, head_dim, platform, int
         if q_len % _LANES or kv_len % _LANES:
             return f"needs q_len and kv_len multiples of {_LANES} (got {q_len}, {kv_len})"
         if devices > 1:
-            return f"runs on one device here (got {devices}; a mesh needs shard_map)"
+            return (f"spans {devices} devices without a mesh to shard_map over; set one with "
+                    "jax.set_mesh")
         return None
     # cudnn
     if platform != "gpu":
@@ -117,7 +122,8 @@ def supports(impl: str, *, mask: Mask | Array | None, bias: Any, dropout: float,
 
     `interpret=True`: splash would run in Pallas interpret mode (any platform). `dtype`, when
     given, is the query dtype (cuDNN takes only float16 / bfloat16). `devices`: how many devices
-    the computation spans (splash is called per device, without shard_map).
+    the computation spans outside a mesh (splash shard_maps over a mesh set with `jax.set_mesh`,
+    and cannot split over devices without one).
     """
     return _reason(impl, mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
                    head_dim=head_dim, platform=platform, interpret=interpret, dtype=dtype,
@@ -268,12 +274,10 @@ def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array 
 
     Query rows with no allowed key return zeros (the kernel itself would return an average of
     masked values or NaN there, so those rows are zeroed explicitly). Differentiable (splash's
-    custom VJP). Single-device call: on a TPU mesh with sharded arrays wrap it in `shard_map`
-    (splash's `manual_sharding_spec` gives the kernel's partition spec).
+    custom VJP). Under a mesh (`jax.set_mesh`) of more than one device the kernel runs per device
+    in `shard_map`: batch split as the rules table splits "activation_batch", heads as it splits
+    "activation_heads" (kept whole when the KV heads would not split with them), sequence whole.
     """
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
     check_qkv(query, key, value)
     batch, q_len, num_heads, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[1], key.shape[2]
@@ -282,6 +286,58 @@ def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array 
     if reason is not None:
         raise ValueError(f"splash_attention {reason}")
     scale = head_dim**-0.5 if scale is None else scale
+    lowering = _splash_lowering(mask)
+    static_mask, extras = None, ()
+    if lowering == "dense":  # per-example boolean [N, T, S] masks through the dynamic path
+        extras = (jnp.broadcast_to(as_dense(mask, q_len, kv_len),
+                                   (batch, num_heads, q_len, kv_len)),)
+    else:
+        static = [p for p in _parts(mask) if p.is_static]
+        dynamic = [p for p in _parts(mask) if not p.is_static]
+        static_mask = None if not static else static[0] if len(static) == 1 else And(
+            tuple(static))
+        if dynamic:
+            extras = _segment_ids(dynamic, batch, q_len, kv_len)
+    local = functools.partial(_splash_local, lowering=lowering, static_mask=static_mask,
+                              scale=scale, block_size=block_size, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        out_BTNH = local(query, key, value, *extras)
+    else:
+        b, h, kv_h = _splash_partition(mesh, batch, num_heads, num_kv_heads)
+        qkv_specs = (P(b, None, h, None), P(b, None, kv_h, None), P(b, None, kv_h, None))
+        extra_specs = (P(b, h, None, None),) if lowering == "dense" else (P(b, None),) * len(
+            extras)
+        out_BTNH = jax.shard_map(local, in_specs=qkv_specs + extra_specs,
+                                 out_specs=qkv_specs[0], check_vma=False)(query, key, value,
+                                                                          *extras)
+    return _zero_empty_rows(out_BTNH.astype(query.dtype), _rows_with_keys(mask, q_len, kv_len))
+
+
+def _splash_partition(mesh, batch: int, num_heads: int, num_kv_heads: int):
+    """Mesh axes of the batch, query-head and KV-head dims of splash's shard_map (None: whole).
+
+    Query heads split only together with their KV heads (or with one shared MQA head), so every
+    device keeps whole GQA groups.
+    """
+    rules = nn.get_logical_axis_rules() or sharding.LOGICAL_AXIS_RULES
+    b = sharding.mesh_spec(P("activation_batch"), (batch,), mesh, rules)[0]
+    h = sharding.mesh_spec(P("activation_heads"), (num_heads,), mesh, rules)[0]
+    if num_kv_heads == 1:
+        return b, h, None
+    if sharding.mesh_spec(P("activation_heads"), (num_kv_heads,), mesh, rules)[0] is None:
+        h = None
+    return b, h, h
+
+
+def _splash_local(query, key, value, *extras, lowering, static_mask, scale, block_size,
+                  interpret):
+    """The splash kernel on one device's [B, T, N, H] / [B, S, K, H] shards (and mask inputs)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    _, q_len, num_heads, _ = query.shape
+    kv_len, num_kv_heads = key.shape[1], key.shape[2]
     bq, bkv = _block(q_len, block_size), _block(kv_len, block_size)
     blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                            block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq,
@@ -306,29 +362,19 @@ def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array 
     k_BKSH, v_BKSH = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
     if mqa:
         k_BKSH, v_BKSH = k_BKSH[:, 0], v_BKSH[:, 0]
-
-    lowering = _splash_lowering(mask)
-    if lowering == "dense":  # per-example boolean [N, T, S] masks through the dynamic path
-        dense = jnp.broadcast_to(as_dense(mask, q_len, kv_len), (batch, num_heads, q_len, kv_len))
+    if lowering == "dense":
         out_BNTH = jax.vmap(lambda q, k, v, m: kernel_for(m)(q, k, v))(q_BNTH, k_BKSH, v_BKSH,
-                                                                        dense)
+                                                                        *extras)
     else:
-        parts = _parts(mask)
-        static = [p for p in parts if p.is_static]
-        static_mask = None if not static else static[0] if len(static) == 1 else And(
-            tuple(static))
         head_mask = _splash_mask(static_mask, q_len, kv_len)
         kernel = kernel_for(sm.MultiHeadMask([head_mask] * num_heads))
-        dynamic = [p for p in parts if not p.is_static]
-        if not dynamic:
+        if not extras:
             out_BNTH = jax.vmap(kernel)(q_BNTH, k_BKSH, v_BKSH)
         else:
-            q_ids, kv_ids = _segment_ids(dynamic, batch, q_len, kv_len)
             out_BNTH = jax.vmap(lambda q, k, v, qs, ks: kernel(
                 q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks)))(q_BNTH, k_BKSH, v_BKSH,
-                                                                  q_ids, kv_ids)
-    out_BTNH = out_BNTH.transpose(0, 2, 1, 3).astype(query.dtype)
-    return _zero_empty_rows(out_BTNH, _rows_with_keys(mask, q_len, kv_len))
+                                                                  *extras)
+    return out_BNTH.transpose(0, 2, 1, 3)
 
 
 # -----------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def data_parallel_size(mesh: Mesh) -> int:
     return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
 
 
-def _mesh_spec(logical: PartitionSpec | None, shape: tuple[int, ...], mesh, rules) -> PartitionSpec:
+def mesh_spec(logical: PartitionSpec | None, shape: tuple[int, ...], mesh, rules) -> PartitionSpec:
     """Logical names -> mesh axes for one array, leaving dimensions they do not divide whole."""
     if logical is None or not shape:
         return PartitionSpec()
@@ -150,7 +150,7 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     if not rules or mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(
-        x, _mesh_spec(PartitionSpec(*names), x.shape, mesh, rules))
+        x, mesh_spec(PartitionSpec(*names), x.shape, mesh, rules))
 
 
 ACTIVATIONS = ("activation_batch", "activation_length", "activation_embed")
@@ -170,7 +170,7 @@ def logical_shardings(boxed_tree, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
     shapes = jax.tree.map(lambda x: x.value.shape if is_box(x) else np.shape(x), boxed_tree,
                           is_leaf=is_box)
     return jax.tree.map(
-        lambda spec, shape: NamedSharding(mesh, _mesh_spec(spec, shape, mesh, rules)),
+        lambda spec, shape: NamedSharding(mesh, mesh_spec(spec, shape, mesh, rules)),
         specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
 
 
