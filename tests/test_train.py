@@ -328,6 +328,15 @@ def test_config_errors_are_rejected_before_anything_is_written(tmp_path):
         assert key in result.stderr, describe(result)
         assert not (tmp_path / name / "workdir").exists(), describe(result)
 
+    # An XLA option this jaxlib does not know: named, before the workdir is written.
+    workdir = tmp_path / "bad_option"
+    with pytest.raises(ValueError, match=r"compiler_options=.*xla_cpu_no_such_flag.*XLA "
+                                         r"rejects") as error:
+        train.train_and_evaluate(tiny_config(compiler_options={"xla_cpu_no_such_flag": 1}),
+                                 str(workdir))
+    assert "\n" not in str(error.value)
+    assert not workdir.exists()
+
     # A value only the model checks: a one-line error before even the workdir (and the
     # tokenizer a later run would silently reuse from it) is written.
     workdir = tmp_path / "bad_value"
@@ -335,6 +344,20 @@ def test_config_errors_are_rejected_before_anything_is_written(tmp_path):
         train.train_and_evaluate(tiny_config(model=dict(position="rotary")), str(workdir))
     assert "\n" not in str(error.value)
     assert not workdir.exists(), sorted(p.name for p in workdir.iterdir())
+
+
+def test_compiler_options_default_per_compute_dtype_and_config_options_extend_them(capsys):
+    from transformer import sharding
+
+    config = tiny_config()
+    mesh = sharding.make_mesh(config.mesh)
+    assert train.compiler_options(config, mesh) == train.CPU_FLOAT32_OPTIONS  # float32 on CPU
+    config.model.dtype = "bfloat16"  # keeps XLA's bf16-capable dot library
+    config.compiler_options = {"xla_cpu_multi_thread_eigen": False}
+    assert train.compiler_options(config, mesh) == {"xla_cpu_multi_thread_eigen": False}
+    # A default a newer jaxlib no longer knows is dropped with a warning, not an error.
+    assert train._accepted((("xla_cpu_renamed_in_some_release", True),)) == {}
+    assert "xla_cpu_renamed_in_some_release" in capsys.readouterr().err
 
 
 # --- 4. evaluation of a saved run -----------------------------------------------------------

@@ -34,6 +34,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.z_loss = 0.0
     config.label_smoothing = 0.0
     config.peak_flops_per_device = 0.0  # for MFU in the logs; 0: measure a float32 matmul
+    # XLA options for the jitted steps, on top of train.compiler_options' CPU defaults,
+    # e.g. {'xla_cpu_multi_thread_eigen': False}.
+    config.compiler_options = ml_collections.ConfigDict()
     # Fine-tuning: start params from "WORKDIR", "WORKDIR@STEP" or "hf:DIR" (transformer.finetune).
     config.init_from = ""
 
