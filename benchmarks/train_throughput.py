@@ -1,7 +1,7 @@
 """Train-step throughput against karpathy/nanoGPT (PyTorch) on this machine, same model.
 
     python benchmarks/train_throughput.py --nanogpt_dir=PATH/TO/nanoGPT [--shapes=small,medium]
-        [--steps=10] [--repeats=3] [--torch_threads=2]
+        [--steps=10] [--repeats=3] [--torch_threads=2] [--breakdown=medium]
 
 Both sides train the same GPT: GPT-2 style (pre-LN, GELU (erf) MLP 4x wide, learned positions,
 tied embeddings, no biases), character vocabulary of 65, dropout 0, AdamW (weight decay on
@@ -14,7 +14,13 @@ Shapes: `small` = 4 layers / 4 heads / 128 wide, context 64, batch 12 (nanoGPT's
 `medium` = 6/6/384, context 256, batch 8. After a warm-up the two alternate `repeats` times,
 `steps` steps each, and each shows its best run. Also prints model FLOPs per step (6 N per token
 plus attention scores, the PaLM formula), the achieved FLOP/s, and the float32 matmul peak each
-framework reaches on this machine (2048^2), so MFU is against a measured peak.
+framework reaches on this machine (2048^2), so MFU is against a measured peak. Ours is jitted
+with the compiler options training uses (`train.compiler_options`).
+
+Then, for the `--breakdown` shapes, where our step's time goes: forward, forward + backward and
+the optimizer update alone, and the two kinds of matmul work inside, each timed alone: the
+attention core (softmax(QK^T)V, causal) and the projection + MLP GEMMs with nothing between them.
+What the GEMMs alone cannot account for is attention's softmax/masking and the elementwise work.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ _STEPS = flags.DEFINE_integer("steps", 10, "Train steps per timed run.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per side (the best is shown).")
 _THREADS = flags.DEFINE_integer("torch_threads", 2, "torch.set_num_threads.")
 _OURS_ONLY = flags.DEFINE_bool("ours_only", False, "Skip nanoGPT (for profiling ours).")
+_BREAKDOWN = flags.DEFINE_list("breakdown", ["medium"], "Shapes whose step time to split into "
+                               "parts (forward, backward, optimizer, attention, GEMMs).")
 
 SHAPES = {  # layers, heads, width, context, batch
     "small": (4, 4, 128, 64, 12),
@@ -87,6 +95,67 @@ def nanogpt(shape, tokens, directory):
         return float(loss.detach())
 
     return step
+
+
+def breakdown(shape, features):
+    """Rows (part, ms, GFLOP) splitting our train step at `shape`, each part jitted alone with
+    the train step's compiler options: forward, forward + backward, the optimizer update, the
+    attention core (softmax(QK^T)V, causal) fwd+bwd x layers, and the layers' projection and
+    MLP matmuls alone (the same GEMMs, fwd+bwd, without anything between them) x layers."""
+    import jax
+    import jax.numpy as jnp
+    from compile_time import build_train_step, gpt_config
+
+    from transformer import attention, masks, train
+
+    layers, heads, width, context, batch = shape
+    config = gpt_config(layers=layers, d_model=width, heads=heads, d_ff=4 * width,
+                        seq_len=context, batch=batch, vocab=VOCAB)
+    config.model.activation = "gelu"
+    built = build_train_step(config, features)
+    options = built.placement.compiler_options
+    params, opt_state = built.state.params, built.state.opt_state
+
+    def ms(f, *args, n=5, repeats=3):
+        compiled = jax.jit(f, compiler_options=options)
+        jax.block_until_ready(compiled(*args))
+        return 1e3 * min(timed(lambda k: jax.block_until_ready(
+            [compiled(*args) for _ in range(k)][-1]), n)[0] / n for _ in range(repeats))
+
+    def loss(p):
+        return train.loss_and_metrics(built.model, config, p, built.batch, None, True)[0]
+
+    def update(grads, state, p):
+        updates, state = built.optimizer.update(grads, state, p)
+        return jax.tree.map(jnp.add, p, updates), state
+
+    tokens, head_dim = batch * context, width // heads
+    key = jax.random.split(jax.random.key(0), 8)
+    qkv = [jax.random.normal(k, (batch, context, heads, head_dim)) for k in key[:3]]
+    core = lambda q, k, v: jnp.sum(attention.dot_product_attention(q, k, v, masks.Causal()))
+    x = jax.random.normal(key[3], (tokens, width))
+    weights = [jax.random.normal(k, s) * 0.02 for k, s in zip(
+        key[4:], [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)],
+        strict=True)]
+
+    def gemms(x, w_qkv, w_out, w_in, w_mlp):  # the block's matmuls, chained linearly
+        h = (x @ w_qkv)[:, :width] @ w_out
+        return jnp.sum((h @ w_in) @ w_mlp)
+
+    num_params = sum(p.size for p in jax.tree.leaves(params))
+    step_gflop = (6 * num_params + 12 * layers * width * context) * tokens / 1e9  # main table's
+    with built.placement.context():
+        grads = jax.jit(jax.grad(loss))(params)
+        rows = [("forward (loss)", ms(loss, params), step_gflop / 3),
+                ("forward + backward", ms(jax.grad(loss), params), step_gflop),
+                ("optimizer update (clip, AdamW)", ms(update, grads, opt_state, params), 0.0)]
+    rows.append((f"attention core fwd+bwd x {layers}",
+                 layers * ms(jax.grad(core, argnums=(0, 1, 2)), *qkv),
+                 12 * batch * heads * context * context * head_dim * layers / 1e9))
+    rows.append((f"projection + MLP GEMMs alone fwd+bwd x {layers}",  # 12 w^2 weights a layer
+                 layers * ms(jax.grad(gemms, argnums=(0, 1, 2, 3, 4)), x, *weights),
+                 6 * 12 * width * width * tokens * layers / 1e9))
+    return rows
 
 
 def timed(step, n):
@@ -168,6 +237,17 @@ def main(argv) -> None:
                   f"{flops / seconds / 1e9:.0f} | {flops / seconds / xla_peak:.0%} |")
     print("\nratio = nanoGPT's ms/step / this side's; compile time of ours (first step): " +
           ", ".join(f"{name} {c:.1f} s" for name, *_, c in rows))
+    for name in _BREAKDOWN.value:
+        if name not in SHAPES:
+            continue
+        layers, heads, width, context, batch = SHAPES[name]
+        parts = breakdown(SHAPES[name], random_batch(batch, context, VOCAB))
+        print(f"\nwhere ours spends a {name} step (each part jitted and timed alone):\n")
+        print("| part | ms | GFLOP | GFLOP/s |")
+        print("| :--- | ---: | ---: | ---: |")
+        for part, seconds_ms, gflop in parts:
+            rate = f"{gflop / seconds_ms * 1e3:.0f}" if gflop else "-"
+            print(f"| {part} | {seconds_ms:.1f} | {gflop:.1f} | {rate} |")
 
 
 if __name__ == "__main__":
