@@ -108,8 +108,7 @@ def build_train_step(config, features=None, seed: int = 0) -> TrainStep:
         features = random_batch(config.batch_size, config.seq_len, config.model.vocab_size)
     model = build_model(config.model)
     optimizer = train.make_optimizer(config)
-    mesh = sharding.make_mesh(config.mesh)
-    placement = train.Placement(mesh, config.batch_size, train.compiler_options(config, mesh))
+    placement = train.Placement.from_config(config)
     init = train.init_fn(model, config, optimizer, features)
     _, state_sharding, jit_init = sharding.sharded_init(init, placement.mesh,
                                                         jax.random.key(seed))

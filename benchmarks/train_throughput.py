@@ -194,9 +194,10 @@ def main(argv) -> None:
                                      os.path.exists(os.path.join(_NANOGPT.value, "model.py"))):
         raise app.UsageError(f"--nanogpt_dir={_NANOGPT.value!r}: expected a checkout of "
                              "karpathy/nanoGPT (a directory with model.py), or --ours_only")
-    for name in _SHAPES.value:
-        if name not in SHAPES:
-            raise app.UsageError(f"--shapes: {name!r} is not one of {sorted(SHAPES)}")
+    for flag in (_SHAPES, _BREAKDOWN):
+        for name in flag.value:
+            if name not in SHAPES:
+                raise app.UsageError(f"--{flag.name}: {name!r} is not one of {sorted(SHAPES)}")
     torch.set_num_threads(_THREADS.value)
     xla_peak, torch_peak = matmul_peaks()
     print(f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} "
@@ -238,8 +239,6 @@ def main(argv) -> None:
     print("\nratio = nanoGPT's ms/step / this side's; compile time of ours (first step): " +
           ", ".join(f"{name} {c:.1f} s" for name, *_, c in rows))
     for name in _BREAKDOWN.value:
-        if name not in SHAPES:
-            continue
         layers, heads, width, context, batch = SHAPES[name]
         parts = breakdown(SHAPES[name], random_batch(batch, context, VOCAB))
         print(f"\nwhere ours spends a {name} step (each part jitted and timed alone):\n")

@@ -90,6 +90,12 @@ def host(params):
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
 
 
+def max_diff(a, b) -> float:
+    """Max |a - b| over the leaves of two pytrees of the same structure (host copies)."""
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
 def splash_on_meshes(devices) -> dict[str, dict]:
     """Splash (Pallas interpret mode) shard_mapped over meshes vs the dense reference on one
     device: forward and q/k/v gradients, packed causal rows, GQA; plus a whole GPT's loss and
@@ -121,9 +127,7 @@ def splash_on_meshes(devices) -> dict[str, dict]:
             jaxpr = jax.make_jaxpr(fn)(q, k, v, mask).jaxpr
         specs = [str(e.params["out_specs"]) for e in jaxpr.eqns
                  if e.primitive.name == "shard_map"]
-        out[name] = {"out_specs": specs, "max_diff": max(
-            float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))}
+        out[name] = {"out_specs": specs, "max_diff": max_diff(got, want)}
 
     # The whole model: same params, same batch; splash on the mesh vs dense on one device.
     config = small_config((2, 2, 2))
@@ -149,9 +153,7 @@ def splash_on_meshes(devices) -> dict[str, dict]:
         with jax.set_mesh(sharding.make_mesh(config.mesh, devices)), nn.logical_axis_rules(
                 sharding.LOGICAL_AXIS_RULES):
             results[impl] = jax.device_get(jax.jit(jax.value_and_grad(loss))(params))
-    out["gpt_2,2,2"] = {"max_diff": max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
-        zip(jax.tree.leaves(results["splash"]), jax.tree.leaves(results["dense"]), strict=True))}
+    out["gpt_2,2,2"] = {"max_diff": max_diff(results["splash"], results["dense"])}
     return out
 
 
@@ -166,9 +168,7 @@ def main(workdir: str) -> None:
         params = host(state.params)
         if reference is None:
             reference = params
-        diff = max(float(np.max(np.abs(a - b))) for a, b in
-                   zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True))
-        results[name] = {"losses": losses, "max_param_diff": diff,
+        results[name] = {"losses": losses, "max_param_diff": max_diff(params, reference),
                          "layout": layout(state.params)}
 
     # Save on fsdp=8, restore on 4 devices as data=2 x fsdp=2, continue.
@@ -187,11 +187,10 @@ def main(workdir: str) -> None:
     manager.close()
     restored_layout = layout(restored.params)
     restored, second = run4.train(restored, data[2:])
-    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(
-        jax.tree.leaves(host(restored.params)), jax.tree.leaves(host(uninterrupted.params)),
-        strict=True))
     results["reshard"] = {"losses": first + second, "uninterrupted": uninterrupted_losses,
-                          "max_param_diff": diff, "layout": restored_layout,
+                          "max_param_diff": max_diff(host(restored.params),
+                                                     host(uninterrupted.params)),
+                          "layout": restored_layout,
                           "devices": len(restored.params["embed"]["embedding"].sharding
                                          .device_set)}
 

@@ -45,9 +45,7 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     tokenizer = inputs.get_tokenizer(config, workdir)
     model = build_model(config.model)
     optimizer = train_lib.make_optimizer(config)
-    mesh = sharding.make_mesh(config.mesh)
-    placement = train_lib.Placement(mesh, config.batch_size,
-                                    train_lib.compiler_options(config, mesh))
+    placement = train_lib.Placement.from_config(config)
     example = next(iter(inputs.get_dataset(config, tokenizer, "validation", num_epochs=1,
                                            shuffle=False, rows=placement.rows)))
     abstract, shardings, _ = sharding.sharded_init(

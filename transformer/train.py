@@ -432,10 +432,10 @@ CPU_FLOAT32_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 def compiler_options(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> dict:
     """XLA options for the jitted steps: the CPU defaults (float32 on a CPU mesh), then
     config.compiler_options (any XLA option, e.g. {"xla_cpu_multi_thread_eigen": False})."""
-    options = {}
-    if mesh.devices.flat[0].platform == "cpu" and config.model.get("dtype") == "float32":
-        options.update(_accepted(tuple(CPU_FLOAT32_OPTIONS.items())))
-    return {**options, **_user_compiler_options(config)}
+    cpu_float32 = (mesh.devices.flat[0].platform == "cpu"
+                   and config.model.get("dtype") == "float32")
+    defaults = _accepted(tuple(CPU_FLOAT32_OPTIONS.items())) if cpu_float32 else {}
+    return {**defaults, **_user_compiler_options(config)}
 
 
 def _user_compiler_options(config: ml_collections.ConfigDict) -> dict:
@@ -479,6 +479,12 @@ class Placement:
         self.batch_sharding = sharding.batch_sharding(mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.rows = pipeline.process_rows(self.batch_sharding, batch_size)
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> Placement:
+        """The placement of `config`: its mesh over all devices, its batch size and options."""
+        mesh = sharding.make_mesh(config.mesh)
+        return cls(mesh, config.batch_size, compiler_options(config, mesh))
 
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return pipeline.make_global_batch(local_batch, self.batch_sharding, self.rows,
@@ -598,8 +604,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     model = build_model(config.model)
     optimizer = make_optimizer(config)
 
-    mesh = sharding.make_mesh(config.mesh)
-    placement = Placement(mesh, config.batch_size, compiler_options(config, mesh))
+    placement = Placement.from_config(config)
     if config.get("fresh_start") and is_main:
         moved = checkpoint_lib.set_aside(workdir)
         if moved:
