@@ -4,7 +4,7 @@
         [--heads=4] [--d_ff=1024] [--seq_len=128] [--batch=8] [--vocab=256]
 
 Builds this project's train step (`train.make_train_step` of `experiments/gpt_shakespeare_char.py`
-resized to the flags, dropout 0, jitted by `train.Placement` as `train.py` does) for each depth
+resized to the flags, dropout 0, jitted by `placement.Placement` as `train.py` does) for each depth
 in `--layers`, with `scan_layers` False (blocks unrolled as `layers_0..N-1`) and True (one
 `nn.scan` over a stacked `layers` axis), and measures the wall time of
 `jitted.lower(state, batch)` (tracing + lowering to StableHLO) and of `.compile()` (XLA) on it,
@@ -89,11 +89,11 @@ class TrainStep:
 
     def fresh_jit(self):
         """A new jitted train step (not yet traced, so lowering it times the full trace)."""
-        from transformer import train
+        from transformer.train import make_train_step
 
         with self.placement.context():
             return self.placement.jit_train_step(
-                train.make_train_step(self.model, self.config, self.optimizer),
+                make_train_step(self.model, self.config, self.optimizer),
                 self.state_sharding)
 
 
@@ -101,17 +101,18 @@ def build_train_step(config, features=None, seed: int = 0) -> TrainStep:
     """The initialized state and jitted train step of `config` (one experiment config)."""
     import jax
 
-    from transformer import sharding, train
+    from transformer import optim
+    from transformer import placement as placement_lib
+    from transformer import state as state_lib
     from transformer.models import build_model
 
     if features is None:
         features = random_batch(config.batch_size, config.seq_len, config.model.vocab_size)
     model = build_model(config.model)
-    optimizer = train.make_optimizer(config)
-    placement = train.Placement.from_config(config)
-    init = train.init_fn(model, config, optimizer, features)
-    _, state_sharding, jit_init = sharding.sharded_init(init, placement.mesh,
-                                                        jax.random.key(seed))
+    optimizer = optim.make_optimizer(config)
+    placement = placement_lib.Placement.from_config(config)
+    _, state_sharding, jit_init = state_lib.initial_state(config, model, placement.mesh, features,
+                                                          optimizer)
     state = jit_init(jax.random.key(seed))
     with placement.context():
         batch = placement.global_batch(features)
@@ -146,7 +147,7 @@ def check_scan_matches_unrolled(unrolled: TrainStep, scanned: TrainStep, compile
     import jax
     import numpy as np
 
-    from transformer import train
+    from transformer import state as state_lib
     from transformer.layers import stack_layers, unstack_layers
 
     layers = unrolled.config.model.num_layers
@@ -158,7 +159,7 @@ def check_scan_matches_unrolled(unrolled: TrainStep, scanned: TrainStep, compile
     shapes = jax.tree.map(lambda a, b: a.shape == b.shape, stacked, scanned.state.params)
     if not all(jax.tree.leaves(shapes)):
         return "scanned vs unrolled: param shapes differ after stack_layers"
-    state_s = train.TrainState(scanned.state.step, stacked, unrolled.optimizer.init(stacked),
+    state_s = state_lib.TrainState(scanned.state.step, stacked, unrolled.optimizer.init(stacked),
                                scanned.state.first_nonfinite_step)
     state_s = jax.device_put(state_s, scanned.state_sharding)
     state_u = jax.tree.map(lambda x: x.copy(), unrolled.state)  # the step donates its input

@@ -27,7 +27,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from transformer import configs, sharding, train
+    from transformer import configs, optim, sharding, state
     from transformer.models import build_model
 
     n = args.devices
@@ -35,9 +35,8 @@ def main() -> None:
     config.model.update(family="gpt", num_layers=12, d_model=768, num_heads=12, d_ff=3072,
                         vocab_size=32768, position="rope", tie_embeddings=True)
     model = build_model(config.model)
-    optimizer = train.make_optimizer(config)
+    optimizer = optim.make_optimizer(config)
     example = {"inputs": np.zeros((n, 8), np.int32)}
-    init = train.init_fn(model, config, optimizer, example)
     meshes = [(n, 1, 1), (1, n, 1), (2, n // 2, 1), (1, n // 2, 2), (1, 2, n // 2),
               (2, 2, n // 4), (1, 1, n)]
     header = (f"{'mesh (data,fsdp,tensor)':>24} {'params/device':>14} {'adam/device':>12} "
@@ -47,7 +46,8 @@ def main() -> None:
     baseline = None
     for shape in meshes:
         mesh = sharding.make_mesh(dict(zip(sharding.MESH_AXES, shape, strict=True)))
-        abstract, shardings, jitted = sharding.sharded_init(init, mesh, jax.random.key(0))
+        abstract, shardings, jitted = state.initial_state(config, model, mesh, example,
+                                                          optimizer)
         params = sharding.bytes_per_device(abstract.params, shardings.params)
         adam = sharding.bytes_per_device(abstract.opt_state, shardings.opt_state)
         compiled = jitted.lower(jax.random.key(0)).compile().memory_analysis()

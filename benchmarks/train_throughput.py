@@ -15,7 +15,7 @@ Shapes: `small` = 4 layers / 4 heads / 128 wide, context 64, batch 12 (nanoGPT's
 `steps` steps each, and each shows its best run. Also prints model FLOPs per step (6 N per token
 plus attention scores, the PaLM formula), the achieved FLOP/s, and the float32 matmul peak each
 framework reaches on this machine (2048^2), so MFU is against a measured peak. Ours is jitted
-with the compiler options training uses (`train.compiler_options`).
+with the compiler options training uses (`placement.compiler_options`).
 
 Then, for the `--breakdown` shapes, where our step's time goes: forward, forward + backward and
 the optimizer update alone, and the two kinds of matmul work inside, each timed alone: the
@@ -106,7 +106,8 @@ def breakdown(shape, features):
     import jax.numpy as jnp
     from compile_time import build_train_step, gpt_config
 
-    from transformer import attention, masks, train
+    from transformer import attention, masks
+    from transformer.models import family_of
 
     layers, heads, width, context, batch = shape
     config = gpt_config(layers=layers, d_model=width, heads=heads, d_ff=4 * width,
@@ -123,7 +124,7 @@ def breakdown(shape, features):
             [compiled(*args) for _ in range(k)][-1]), n)[0] / n for _ in range(repeats))
 
     def loss(p):
-        return train.loss_and_metrics(built.model, config, p, built.batch, None, True)[0]
+        return family_of(config).loss_and_metrics(built.model, config, p, built.batch)[0]
 
     def update(grads, state, p):
         updates, state = built.optimizer.update(grads, state, p)

@@ -105,33 +105,33 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
     import flax.linen as nn
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from transformer import sharding
-    from transformer import train as train_lib
+    from transformer import metrics, optim, sharding, state
+    from transformer.configs import validate_config
     from transformer.models import build_model
+    from transformer.train import make_train_step
 
     config.model.vocab_size = resolved_vocab_size(config)
     processes = accelerator.hosts * sharding.num_slices(devices)
-    train_lib.validate_config(config, len(devices), processes)
+    validate_config(config, len(devices), processes)
     model = build_model(config.model)
-    optimizer = train_lib.make_optimizer(config)
+    optimizer = optim.make_optimizer(config)
     mesh = sharding.make_mesh(config.mesh, devices)
     batch = batch_spec(config)
     example = {k: np.zeros(v.shape[1:], v.dtype)[None] for k, v in batch.items()}
-    abstract, state_sharding, _ = sharding.sharded_init(
-        train_lib.init_fn(model, config, optimizer, example), mesh, jax.random.key(config.seed))
-    num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(abstract.params))
+    abstract, state_sharding, _ = state.initial_state(config, model, mesh, example, optimizer)
+    num_params = state.num_params(abstract)
     batch_sharding = sharding.batch_sharding(mesh)
     state_in = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_sharding)
     batch_in = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
                 for k, v in batch.items()}
-    step = jax.jit(train_lib.make_train_step(model, config, optimizer), donate_argnums=0,
+    step = jax.jit(make_train_step(model, config, optimizer), donate_argnums=0,
                    in_shardings=(state_sharding, batch_sharding),
                    out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())))
     report = Report(accelerator.name, len(devices), num_params,
                     hbm_bytes=accelerator.hbm_bytes)
     tokens = config.batch_size * config.seq_len
-    report.model_flops = train_lib.flops_per_token(config, num_params) * tokens
+    report.model_flops = metrics.flops_per_token(config, num_params) * tokens
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
         lowered = step.lower(state_in, batch_in)
     try:
@@ -148,11 +148,11 @@ def _flops(compiled) -> float:
 
 
 def _stack_depths(model) -> dict[str, int]:
-    """The model's layer stacks and their depths (T5 has an encoder and a decoder stack)."""
-    if model.family != "t5":
-        return {"num_layers": model.num_layers}
-    return {"num_layers": model.num_layers,
-            "num_decoder_layers": model.get("num_decoder_layers") or model.num_layers}
+    """The model's layer stacks and their depths (T5 has an encoder and a decoder stack; a
+    depth of None is num_layers)."""
+    from transformer.models import family_of
+
+    return {key: model.get(key) or model.num_layers for key in family_of(model).stacks}
 
 
 def compile_train_step(config, devices, accelerator: accelerators.Accelerator) -> Report:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import configs, sharding, train
+from transformer import configs, optim, placement, sharding, state, train
 from transformer.models import build_model
 
 MESHES = {"single": None, "8,1,1": (8, 1, 1), "1,8,1": (1, 8, 1), "2,2,2": (2, 2, 2),
@@ -57,12 +57,11 @@ class Run:
     def __init__(self, config, devices):
         self.config = config
         self.model = build_model(config.model)
-        self.optimizer = train.make_optimizer(config)
-        self.placement = train.Placement(sharding.make_mesh(config.mesh, devices),
-                                         config.batch_size)
-        self.abstract, self.shardings, self.init = sharding.sharded_init(
-            train.init_fn(self.model, config, self.optimizer, batches(1)[0]),
-            self.placement.mesh, jax.random.key(config.seed))
+        self.optimizer = optim.make_optimizer(config)
+        self.placement = placement.Placement(sharding.make_mesh(config.mesh, devices),
+                                             config.batch_size)
+        self.abstract, self.shardings, self.init = state.initial_state(
+            config, self.model, self.placement.mesh, batches(1)[0], self.optimizer)
         self.step = self.placement.jit_train_step(
             train.make_train_step(self.model, config, self.optimizer), self.shardings)
 
@@ -71,7 +70,7 @@ class Run:
         with self.placement.context():
             for batch in data:
                 state, metrics = self.step(state, self.placement.global_batch(batch))
-                losses.append(float(train.fetch(metrics)["loss"]))
+                losses.append(float(placement.fetch(metrics)["loss"]))
         return state, losses
 
 
@@ -200,7 +199,7 @@ def main(workdir: str) -> None:
     bad = small_config((4, 2, 1))
     bad.batch_size = 12
     try:
-        train.validate_config(bad)
+        configs.validate_config(bad)
         results["batch_error"] = None
     except ValueError as error:
         results["batch_error"] = str(error)

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import configs, finetune, train
+from transformer import configs, finetune, optim, train
 from transformer.configs import base_config
 from transformer.data import tasks, tokenizers
 from transformer.models import build_model
@@ -96,10 +96,10 @@ def test_task_errors_name_the_bad_value(play):
     config = task_config(play, family="t5")
     with pytest.raises(ValueError, match="data.task='speakers' with data.objective='mlm'"):
         config.data.objective = "mlm"
-        train.validate_config(config)
+        configs.validate_config(config)
     config = task_config(play, family="bert", objective="text2text")
     with pytest.raises(ValueError, match="model.family='bert': expected 't5'"):
-        train.validate_config(config)
+        configs.validate_config(config)
 
 
 def test_evaluation_batches_read_every_example_once(play):
@@ -174,7 +174,7 @@ def test_frozen_params_stay_and_the_head_trains_at_its_own_rate():
                             weight_decay=0.0, grad_clip_norm=0.0)
     params = {"embed": {"w": jnp.ones((3, 2))}, "encoder": {"w": jnp.ones((2, 2))},
               "classifier": {"w": jnp.ones((2, 2))}}
-    tx = train.make_optimizer(config)
+    tx = optim.make_optimizer(config)
     grads = jax.tree.map(jnp.ones_like, params)
     updates, _ = tx.update(grads, tx.init(params), params)
     # Adam's first step moves each param by about its learning rate.
@@ -183,7 +183,7 @@ def test_frozen_params_stay_and_the_head_trains_at_its_own_rate():
     np.testing.assert_allclose(updates["classifier"]["w"], -1e-2, rtol=1e-3)
     with pytest.raises(ValueError, match=r"optimizer.freeze='\(': expected a regular"):
         config.optimizer.freeze = "("
-        train.validate_config(config)
+        configs.validate_config(config)
 
 
 def test_the_gpt_classifier_reads_the_last_real_token():

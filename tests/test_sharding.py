@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from transformer import configs, sharding, train
+from transformer import configs, optim, sharding, state
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300
@@ -123,11 +123,9 @@ def test_summary_reports_per_device_bytes_and_batch():
     from transformer.models import build_model
 
     model = build_model(config.model)
-    optimizer = train.make_optimizer(config)
-    example = {"inputs": np.zeros((2, 8), np.int32)}
+    optimizer = optim.make_optimizer(config)
     mesh = sharding.make_mesh(config.mesh)
-    abstract, shardings, _ = sharding.sharded_init(
-        train.init_fn(model, config, optimizer, example), mesh, jax.random.key(0))
+    abstract, shardings, _ = state.initial_state(config, model, mesh, optimizer=optimizer)
     params = sum(x.size * 4 for x in jax.tree.leaves(abstract.params))
     assert sharding.bytes_per_device(abstract.params, shardings.params) == params
     text = sharding.summary(mesh, abstract, shardings, 16)

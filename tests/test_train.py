@@ -27,8 +27,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from transformer import configs, placement, train
 from transformer import evaluate as evaluate_lib
-from transformer import train
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -351,12 +351,13 @@ def test_compiler_options_default_per_compute_dtype_and_config_options_extend_th
 
     config = tiny_config()
     mesh = sharding.make_mesh(config.mesh)
-    assert train.compiler_options(config, mesh) == train.CPU_FLOAT32_OPTIONS  # float32 on CPU
+    # float32 on CPU
+    assert placement.compiler_options(config, mesh) == placement.CPU_FLOAT32_OPTIONS
     config.model.dtype = "bfloat16"  # keeps XLA's bf16-capable dot library
     config.compiler_options = {"xla_cpu_multi_thread_eigen": False}
-    assert train.compiler_options(config, mesh) == {"xla_cpu_multi_thread_eigen": False}
+    assert placement.compiler_options(config, mesh) == {"xla_cpu_multi_thread_eigen": False}
     # A default a newer jaxlib no longer knows is dropped with a warning, not an error.
-    assert train._accepted((("xla_cpu_renamed_in_some_release", True),)) == {}
+    assert placement._accepted((("xla_cpu_renamed_in_some_release", True),)) == {}
     assert "xla_cpu_renamed_in_some_release" in capsys.readouterr().err
 
 
@@ -634,7 +635,7 @@ def test_config_values_get_one_line_errors_before_anything_runs(overrides, messa
         else:
             config[key] = value
     with pytest.raises(ValueError, match=message) as error:
-        train.validate_config(config)
+        configs.validate_config(config)
     assert "\n" not in str(error.value)
 
 

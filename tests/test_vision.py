@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import train
+from transformer import configs
 from transformer.configs import base_config
 from transformer.data import images, tokenizers
 from transformer.models import build_model, transformer_config, vision
@@ -173,7 +173,7 @@ def test_clip_shards_checkpoints_and_resumes_through_the_cli(tmp_path):
     config.model.family = "vit"
     config.data.objective = "contrastive"
     with pytest.raises(ValueError, match="'contrastive' with model.family='vit'"):
-        train.validate_config(config)
+        configs.validate_config(config)
 
 
 def test_the_captioner_reads_the_image_through_cross_attention_and_writes_causally():

@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any, NamedTuple
 
 import grain
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from flax import traverse_util
 from jax.experimental import multihost_utils
 
-from transformer import fileio
+from transformer import fileio, sharding
+from transformer import state as state_lib
+from transformer.models import build_model
+
+CHECKPOINTS = "checkpoints"  # WORKDIR/checkpoints/<step>/{state,data,config}
 
 # Model settings that may change between a checkpoint and the run restoring it.
 _NON_STRUCTURAL = {"dropout_rate", "attention_dropout_rate", "remat_policy", "dtype",
@@ -66,7 +72,7 @@ class Manager:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.get("keep_checkpoints", 3), create=True,
             enable_async_checkpointing=True, cleanup_tmp_directories=True)
-        self.directory = fileio.join(workdir, "checkpoints")
+        self.directory = fileio.join(workdir, CHECKPOINTS)
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -169,7 +175,7 @@ def set_aside(workdir: str) -> str | None:
     """Renames WORKDIR/checkpoints to checkpoints.set-aside-<time> and moves the run's
     metrics.jsonl into it (for an explicit fresh start); returns the new path, or None if there
     were no checkpoints. Nothing is deleted."""
-    directory = fileio.path(workdir) / "checkpoints"
+    directory = fileio.path(workdir) / CHECKPOINTS
     if not directory.is_dir() or not any(directory.iterdir()):
         return None
     target = f"{directory}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -183,7 +189,7 @@ def set_aside(workdir: str) -> str | None:
 def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collections.ConfigDict]:
     """(step, resolved config) of checkpoint `step` (default: the latest complete one) of a
     training workdir, with one-line errors for a workdir without (that) checkpoint."""
-    if not (fileio.path(workdir) / "checkpoints").is_dir():
+    if not (fileio.path(workdir) / CHECKPOINTS).is_dir():
         raise FileNotFoundError(f"{workdir!r} holds no checkpoints: expected a training workdir")
     probe = Manager(workdir, ml_collections.ConfigDict())
     try:
@@ -211,3 +217,51 @@ def parse_init_from(spec: str) -> tuple[str, str, int | None]:
     if at and step.isdigit():
         return "workdir", path, int(step)
     return "workdir", spec, None
+
+
+class SavedParams(NamedTuple):
+    step: int
+    config: ml_collections.ConfigDict  # the run's resolved config
+    params: Any
+
+
+def restore_params(workdir: str, step: int | None = None,
+                   mesh: jax.sharding.Mesh | None = None) -> SavedParams:
+    """The params of checkpoint `step` (default: the latest) of a training workdir, read
+    straight into their shardings on `mesh` (default: the run's mesh over this runtime's
+    devices); the optimizer state is not read."""
+    step, config = saved_run(workdir, step)
+    mesh = sharding.make_mesh(config.mesh) if mesh is None else mesh
+    abstract, shardings, _ = state_lib.initial_state(config, build_model(config.model), mesh)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract.params, shardings.params)
+    return SavedParams(step, config, read_params(workdir, step, target))
+
+
+def params_metadata(workdir: str, step: int | None = None) -> tuple[int, dict[str, Any]]:
+    """(step, {"/"-joined param name: its shape and dtype metadata}) of a saved checkpoint."""
+    step, _ = saved_run(workdir, step)
+    manager = _params_manager(workdir)
+    try:
+        metadata = manager.item_metadata(step)["state"]["params"]
+    finally:
+        manager.close()
+    return step, {"/".join(k): v for k, v in traverse_util.flatten_dict(dict(metadata)).items()}
+
+
+def read_params(workdir: str, step: int, target):
+    """The saved params named in `target` (a nested dict of `jax.ShapeDtypeStruct`s with
+    shardings, possibly a subset of the checkpoint's), read into those shardings."""
+    manager = _params_manager(workdir)
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), target)
+    try:
+        return manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            {"params": target}, restore_args={"params": restore_args},
+            partial_restore=True)))["state"]["params"]
+    finally:
+        manager.close()
+
+
+def _params_manager(workdir: str) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(fileio.join(workdir, CHECKPOINTS),
+                                 item_handlers={"state": ocp.PyTreeCheckpointHandler()})

@@ -1,4 +1,5 @@
-"""The base experiment config: every key an experiment file may set, with its default.
+"""The base experiment config: every key an experiment file may set, with its default, and
+`validate_config`, which checks a config before anything runs.
 
 Experiment files (`experiments/*.py`) start from `base_config()` and override what they change.
 """
@@ -7,10 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
+import jax
 import ml_collections
 
-from transformer.models import default_model_config
+from transformer import checkpoint as checkpoint_lib
+from transformer import evaluation, fileio, optim, placement, sharding
+from transformer.data import pipeline
+from transformer.models import FAMILIES, build_model, default_model_config, family_of
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -34,7 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.z_loss = 0.0
     config.label_smoothing = 0.0
     config.peak_flops_per_device = 0.0  # for MFU in the logs; 0: measure a float32 matmul
-    # XLA options for the jitted steps, on top of train.compiler_options' CPU defaults,
+    # XLA options for the jitted steps, on top of placement.compiler_options' CPU defaults,
     # e.g. {'xla_cpu_multi_thread_eigen': False}.
     config.compiler_options = ml_collections.ConfigDict()
     # Fine-tuning: start params from "WORKDIR", "WORKDIR@STEP" or "hf:DIR" (transformer.finetune).
@@ -124,3 +130,86 @@ def finetune_task(config: ml_collections.ConfigDict, task: str) -> None:
     config.data.update(task=task, num_classes=8, validation_fraction=0.15)
     config.update(log_every=25, eval_every=100, eval_steps=100, checkpoint_every=500,
                   keep_checkpoints=1)
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None,
+                    num_processes: int | None = None) -> None:
+    """Checks values the config types cannot, with one-line errors, before anything runs
+    (against this runtime's devices and processes, or the given counts)."""
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    num_processes = jax.process_count() if num_processes is None else num_processes
+    for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every",
+                 "checkpoint_every"):
+        if not isinstance(config[name], int) or config[name] < 1:
+            raise ValueError(f"{name}={config[name]!r}: expected a positive int")
+    if config.seq_len < 2:
+        raise ValueError(f"seq_len={config.seq_len}: expected >= 2")
+    k = config.optimizer.grad_accumulation_steps
+    if k < 1 or config.batch_size % (k * num_processes):
+        raise ValueError(f"batch_size={config.batch_size}: expected a multiple of "
+                         f"grad_accumulation_steps={k} x processes={num_processes}")
+    mesh = sharding.mesh_shape(config.mesh, num_devices)
+    data_parallel = mesh["data"] * mesh["fsdp"]
+    if config.batch_size // k % data_parallel:
+        raise ValueError(f"batch_size={config.batch_size}: each micro-batch of "
+                         f"{config.batch_size // k} rows must split over the data-parallel "
+                         f"size {data_parallel} (mesh.data x mesh.fsdp)")
+    if not isinstance(config.get("max_grad_norm", 0.0), (int, float)) or \
+            config.get("max_grad_norm", 0.0) < 0:
+        raise ValueError(f"max_grad_norm={config.max_grad_norm!r}: expected a number >= 0 "
+                         "(0: off)")
+    if config.get("nonfinite", "stop") not in ("stop", "skip"):
+        raise ValueError(f"nonfinite={config.nonfinite!r}: expected 'stop' or 'skip'")
+    placement.user_compiler_options(config)
+    for seq_len in config.get("eval_seq_lens", ()):  # lengths past a learned table: skipped
+        evaluation.check_length(seq_len, "eval_seq_lens entry")
+    if config.model.get("position") == "learned" and config.seq_len > config.model.max_len:
+        raise ValueError(f"seq_len={config.seq_len}: expected <= model.max_len="
+                         f"{config.model.max_len}, the learned position table's size")
+    _validate_finetuning(config)
+    optim.learning_rate_schedule(config.optimizer, config.steps)
+    model = ml_collections.ConfigDict(config.model.to_dict())
+    model.num_classes = model.num_classes or 1  # 0: the task's, known once its data is read
+    build_model(model)  # validates the architecture (TransformerConfig) up front
+
+
+def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
+    """One-line errors for labeled-task, image and init_from settings."""
+    objective, family = pipeline.objective_for(config), family_of(config)
+    task = config.data.get("task", "")
+    if objective in pipeline.TASK_OBJECTIVES:
+        from transformer.data import tasks
+
+        if task not in tasks.TASKS:
+            raise ValueError(f"data.task={task!r}: data.objective={objective!r} expected one "
+                             f"of {tasks.TASKS}")
+    # Labeled tasks and images need a family built for them; text pretraining objectives
+    # (next_token, prefix_lm, mlm, span_corruption) run on every text family.
+    special = pipeline.TASK_OBJECTIVES + pipeline.IMAGE_OBJECTIVES
+    if (objective in special or family.objective in special) and \
+            objective not in family.objectives:
+        able = [name for name, f in FAMILIES.items() if objective in f.objectives]
+        raise ValueError(f"data.objective={objective!r} with model.family={family.name!r}: "
+                         f"expected {' or '.join(map(repr, able))}")
+    if objective == "classification" and not family.classifier(config.model):
+        raise ValueError(f"data.objective='classification' with model.head="
+                         f"{config.model.head!r}: expected head 'classify'")
+    if task and objective not in pipeline.TASK_OBJECTIVES:
+        raise ValueError(f"data.task={task!r} with data.objective={objective!r}: expected "
+                         f"objective 'classification' or 'text2text'")
+    for key in ("freeze", "head"):
+        try:
+            re.compile(config.optimizer.get(key, ""))
+        except re.error as error:
+            raise ValueError(f"optimizer.{key}={config.optimizer[key]!r}: expected a regular "
+                             f"expression ({error})") from None
+    if config.optimizer.get("head_learning_rate", 0.0) < 0:
+        raise ValueError(f"optimizer.head_learning_rate={config.optimizer.head_learning_rate}: "
+                         "expected >= 0 (0: optimizer.learning_rate)")
+    if config.get("init_from"):
+        kind, path, step = checkpoint_lib.parse_init_from(config.init_from)
+        if kind == "workdir":
+            checkpoint_lib.saved_run(path, step)  # a workdir with that checkpoint, or an error
+        elif not fileio.path(path).joinpath("config.json").is_file():
+            raise FileNotFoundError(f"init_from={config.init_from!r}: expected a save_pretrained "
+                                    "directory with config.json")

@@ -20,8 +20,8 @@ import json
 import jax
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import fileio, sharding
-from transformer import train as train_lib
+from transformer import evaluation, fileio
+from transformer import placement as placement_lib
 from transformer.data import inputs
 from transformer.models import build_model
 
@@ -41,31 +41,22 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
         raise ValueError(f"split={split!r}: expected 'validation'" +
                          (" or 'test'" if is_task else " (only labeled tasks have a test split)"))
     for seq_len in seq_lens:  # before anything is restored or compiled
-        train_lib.check_eval_seq_len(config, seq_len)
+        evaluation.check_eval_seq_len(config, seq_len)
     tokenizer = inputs.get_tokenizer(config, workdir)
     model = build_model(config.model)
-    optimizer = train_lib.make_optimizer(config)
-    placement = train_lib.Placement.from_config(config)
-    example = next(iter(inputs.get_dataset(config, tokenizer, "validation", num_epochs=1,
-                                           shuffle=False, rows=placement.rows)))
-    abstract, shardings, _ = sharding.sharded_init(
-        train_lib.init_fn(model, config, optimizer, example), placement.mesh,
-        jax.random.key(config.seed))
-    manager = checkpoint_lib.Manager(workdir, config)
-    state = manager.restore(step, abstract, shardings)
-    manager.close()
-    eval_step = placement.jit_eval_step(train_lib.make_eval_step(model, config, tokenizer),
-                                        shardings.params)
+    placement = placement_lib.Placement.from_config(config)
+    params = checkpoint_lib.restore_params(workdir, step, placement.mesh).params
+    eval_step = placement.jit_eval_step(evaluation.make_eval_step(model, config, tokenizer),
+                                        jax.tree.map(lambda x: x.sharding, params))
     with placement.context():
         if seq_lens:
             metrics = {"step": step, "train_seq_len": config.seq_len, "by_seq_len": {
-                seq_len: train_lib.evaluate_at_length(state.params, eval_step, config,
-                                                      tokenizer, seq_len, placement, eval_steps)
+                seq_len: evaluation.evaluate_at_length(params, eval_step, config, tokenizer,
+                                                       seq_len, placement, eval_steps)
                 for seq_len in seq_lens}}
         else:
-            metrics = train_lib.evaluate(state.params, eval_step, config, tokenizer,
-                                         eval_steps, placement, split=split,
-                                         with_confusion=is_task)
+            metrics = evaluation.evaluate(params, eval_step, config, tokenizer, eval_steps,
+                                          placement, split=split, with_confusion=is_task)
     metrics["step"] = step
     if jax.process_index() == 0:
         name = f"eval_{step}" + ("_len" + "_".join(map(str, seq_lens)) if seq_lens else "") + \

@@ -22,11 +22,9 @@ import re
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import fileio
 
 
 @dataclasses.dataclass
@@ -48,13 +46,6 @@ class LoadReport:
 
 def _flat(tree) -> dict[str, object]:
     return {"/".join(k): v for k, v in traverse_util.flatten_dict(dict(tree)).items()}
-
-
-def _workdir_params_metadata(workdir: str, step: int | None):
-    step, _ = checkpoint_lib.saved_run(workdir, step)
-    manager = ocp.CheckpointManager(fileio.join(workdir, "checkpoints"),
-                                    item_handlers={"state": ocp.PyTreeCheckpointHandler()})
-    return manager, step, _flat(manager.item_metadata(step)["state"]["params"])
 
 
 def _hf_params(directory: str) -> dict[str, np.ndarray]:
@@ -104,39 +95,14 @@ def load_params(init_from: str, params, shardings) -> tuple[object, LoadReport]:
         values = {k: jax.device_put(np.asarray(source[k], target[k].dtype), target_shardings[k])
                   for k in report.loaded}
     else:
-        manager, step, metadata = _workdir_params_metadata(path, step)
-        try:
-            report = match({k: m.shape for k, m in metadata.items()},
-                           {k: v.shape for k, v in target.items()}, f"{path}@{step}")
-            wanted = {k: jax.ShapeDtypeStruct(metadata[k].shape, metadata[k].dtype,
-                                              sharding=target_shardings[k])
-                      for k in report.loaded}
-            item = traverse_util.unflatten_dict({tuple(k.split("/")): v
-                                                 for k, v in wanted.items()})
-            restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding),
-                                        item)
-            restored = manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore({"params": item}, restore_args={
-                    "params": restore_args}, partial_restore=True)))["state"]["params"]
-        finally:
-            manager.close()
+        step, metadata = checkpoint_lib.params_metadata(path, step)
+        report = match({k: m.shape for k, m in metadata.items()},
+                       {k: v.shape for k, v in target.items()}, f"{path}@{step}")
+        wanted = {tuple(k.split("/")): jax.ShapeDtypeStruct(
+            metadata[k].shape, metadata[k].dtype, sharding=target_shardings[k])
+            for k in report.loaded}
+        restored = checkpoint_lib.read_params(path, step, traverse_util.unflatten_dict(wanted))
         values = {k: v.astype(target[k].dtype) for k, v in _flat(restored).items()}
     merged = {k: values.get(k, v) for k, v in target.items()}
     out = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in merged.items()})
     return type(params)(out) if not isinstance(params, dict) else out, report
-
-
-def param_labels(params, freeze: str, head: str):
-    """Each param's optimizer group by its "/"-joined name: "frozen" if it matches the regex
-    `freeze`, else "head" if it matches `head`, else "backbone" (empty regexes match nothing).
-
-    >>> param_labels({"encoder": {"w": 0}, "classifier": {"w": 0}}, "^encoder/", "^classifier/")
-    {'classifier': {'w': 'head'}, 'encoder': {'w': 'frozen'}}
-    """
-    def label(path, _):
-        name = "/".join(getattr(k, "key", str(k)) for k in path)
-        if freeze and re.search(freeze, name):
-            return "frozen"
-        return "head" if head and re.search(head, name) else "backbone"
-
-    return jax.tree_util.tree_map_with_path(label, params)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.data import tokenizers as tokenizers_lib
-from transformer.models import LSTMLM, DecoderLM, EncoderDecoder, init_cache
+from transformer.models import FAMILIES, DecoderLM, EncoderDecoder, family_of, init_cache
 
 PAD_ID, BOS_ID, EOS_ID = tokenizers_lib.PAD_ID, tokenizers_lib.BOS_ID, tokenizers_lib.EOS_ID
 # Top-p counts a set as reaching p when its mass is within this of p (float32 cumsum rounding).
@@ -608,10 +608,10 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     encoder-decoder reads prompt + <eos> and returns what it decodes (default: seq_len tokens).
     With `chunk_size`, `callback` gets the texts so far after every chunk of tokens.
     """
-    family = config.model.family
+    decoding = _decoding(config)
     s = sampling(temperature, top_k, top_p)
     _check_seed_and_eos(seed, None)
-    if isinstance(model, EncoderDecoder):
+    if decoding == "encoder_decoder":
         prompt_ids = np.concatenate([tokenizer.encode(prompt), [EOS_ID]]).astype(np.int32)
         keep = np.zeros(0, np.int32)
         n = max_new_tokens or config.seq_len
@@ -627,7 +627,7 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     def to_texts(rows):
         ids = [np.concatenate([keep, _until_eos(r)]) for r in rows]
         return [tokenizer.decode(i[i < tokenizer.vocab_size]) for i in ids]
-    if isinstance(model, LSTMLM) or family == "lstm":
+    if decoding == "recompute":
         length = len(prompt_ids) + n
         buffer = np.zeros((num_samples, length), np.int32)
         buffer[:, :len(prompt_ids)] = prompt_ids
@@ -641,16 +641,26 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     on_tokens = None if callback is None else (lambda tokens: callback(to_texts(tokens)))
     tokens, _ = decode(model, params, [prompt_ids] * num_samples, max_new_tokens=n,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed,
-                       prefix_lm=family == "prefix_lm", chunk_size=chunk_size,
+                       prefix_lm=decoding == "prefix", chunk_size=chunk_size,
                        callback=on_tokens)
     return to_texts(tokens)
+
+
+def _decoding(config) -> str:
+    """How the config's model family generates (`Family.decoding`), or a one-line error."""
+    family = family_of(config)
+    if family.decoding is None:
+        raise ValueError(f"model.family={family.name!r} does not generate text: expected one of "
+                         f"{[name for name, f in FAMILIES.items() if f.decoding]}")
+    return family.decoding
 
 
 def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size: int = 4,
                      max_new_tokens: int | None = None, length_penalty: float = 0.6) -> str:
     """The best beam for `prompt` (an encoder-decoder reads prompt + <eos>; a decoder LM
     continues <eos> + prompt and the result includes the prompt)."""
-    if isinstance(model, EncoderDecoder):
+    decoding = _decoding(config)
+    if decoding == "encoder_decoder":
         ids, keep = np.concatenate([tokenizer.encode(prompt), [EOS_ID]]), np.zeros(0, np.int32)
         n = max_new_tokens or config.seq_len
     else:
@@ -658,7 +668,7 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
         keep, n = ids[1:], max_new_tokens or config.seq_len - len(ids)
     tokens, _, _ = beam_search(model, params, [ids.astype(np.int32)], beam_size=beam_size,
                                max_new_tokens=n, length_penalty=length_penalty,
-                               prefix_lm=config.model.family == "prefix_lm")
+                               prefix_lm=decoding == "prefix")
     return tokenizer.decode(np.concatenate([keep, _until_eos(tokens[0])]))
 
 
@@ -668,26 +678,14 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
 def load_workdir(workdir: str, step: int | None = None):
     """(model, params, tokenizer, config) of checkpoint `step` (default: the latest) of a
     training workdir, with the tokenizer saved beside the checkpoints."""
-
     from transformer import checkpoint as checkpoint_lib
-    from transformer import fileio, sharding
-    from transformer import train as train_lib
+    from transformer import fileio
     from transformer.data import inputs
     from transformer.models import build_model
 
-    step, config = checkpoint_lib.saved_run(workdir, step)
+    saved = checkpoint_lib.restore_params(workdir, step)
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
-    model = build_model(config.model)
-    # Param shapes do not depend on the batch: a one-row dummy batch stands in for the data.
-    dummy = np.zeros((1, 8), np.int32)
-    example = {"inputs": dummy, "encoder_inputs": dummy, "decoder_inputs": dummy}
-    abstract, shardings, _ = sharding.sharded_init(
-        train_lib.init_fn(model, config, train_lib.make_optimizer(config), example),
-        sharding.make_mesh(config.mesh), jax.random.key(config.seed))
-    manager = checkpoint_lib.Manager(workdir, config)
-    state = manager.restore(step, abstract, shardings)
-    manager.close()
-    return model, state.params, tokenizer, config
+    return build_model(saved.config.model), saved.params, tokenizer, saved.config
 
 
 class _Streamer:
@@ -719,7 +717,7 @@ def main(argv) -> None:
                                beam_size=f.beam_size, max_new_tokens=f.max_new_tokens,
                                length_penalty=f.length_penalty))
         return
-    stream = sys.stdout.isatty() and f.num_samples == 1 and config.model.family != "lstm"
+    stream = sys.stdout.isatty() and f.num_samples == 1 and _decoding(config) != "recompute"
     streamer = _Streamer() if stream else None
     texts = sample_texts(model, params, tokenizer, config, num_samples=f.num_samples,
                          prompt=f.prompt, temperature=s.temperature, seed=f.seed, top_k=s.top_k,

@@ -152,7 +152,7 @@ def load_sweep(config_file: str) -> list[Variant]:
 
 def variant_configs(config, variants: Sequence[Variant], only: Sequence[str] = ()):
     """{name: config} of the selected variants (all if `only` is empty), each validated."""
-    from transformer import train
+    from transformer.configs import validate_config
 
     unknown = sorted(set(only) - {v.name for v in variants})
     if unknown:
@@ -164,7 +164,7 @@ def variant_configs(config, variants: Sequence[Variant], only: Sequence[str] = (
             continue
         configs[variant.name] = apply(config, variant)
         try:
-            train.validate_config(configs[variant.name])
+            validate_config(configs[variant.name])
         except ValueError as error:
             raise ValueError(f"variant {variant.name!r}: {error}") from None
     return configs

@@ -25,18 +25,18 @@ import jax
 import numpy as np
 
 from transformer.data import tokenizers as tokenizers_lib
-from transformer.models import shift_right
+from transformer.models import FAMILIES, Family, family_of, shift_right
 
-ATTENTION_FAMILIES = ("gpt", "prefix_lm", "bert", "t5")
+ATTENTION_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.attention_maps)
 _WHITESPACE = {" ": "␣", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 _MAX_TICK_LABELS = 128  # longer texts label every k-th token of the per-head pictures
 
 
-def _check_family(config) -> str:
-    family = config.model.family
-    if family not in ATTENTION_FAMILIES:
-        raise ValueError(f"model.family={family!r} has no attention to visualize: expected "
-                         "gpt, prefix_lm, bert or t5")
+def _check_family(config) -> Family:
+    family = family_of(config)
+    if not family.attention_maps:
+        raise ValueError(f"model.family={family.name!r} has no attention to visualize: expected "
+                         f"{', '.join(ATTENTION_FAMILIES[:-1])} or {ATTENTION_FAMILIES[-1]}")
     return family
 
 
@@ -51,14 +51,15 @@ def encode_text(config, tokenizer, text: str, target: str = "") -> tuple[np.ndar
     family = _check_family(config)
     ids = np.asarray(tokenizer.encode(text), np.int32)
     eos = np.array([tokenizers_lib.EOS_ID], np.int32)
-    if family == "t5":
+    if family.decoding == "encoder_decoder":
         targets = np.concatenate([np.asarray(tokenizer.encode(target), np.int32), eos])
         decoder_tokens = np.asarray(shift_right(targets[None], tokenizers_lib.BOS_ID))[0]
         return np.concatenate([ids, eos]), decoder_tokens.astype(np.int32)
     if target:
         raise ValueError(f"target={target!r}: only a t5 model reads a target, this is "
-                         f"model.family={family!r}")
-    return (np.concatenate([eos, ids]) if family in ("gpt", "prefix_lm") else ids), None
+                         f"model.family={family.name!r}")
+    # A decoder LM reads <eos> + text, as in generation: <eos> marks a document start.
+    return (np.concatenate([eos, ids]) if family.continues_text else ids), None
 
 
 def _check_tokens(name: str, tokens, config) -> np.ndarray:
@@ -90,22 +91,22 @@ def attention_maps(model, params, config, tokens, *, decoder_tokens=None,
     """
     family = _check_family(config)
     tokens = _check_tokens("tokens", tokens, config)
-    if family != "t5" and decoder_tokens is not None:
+    if family.decoding != "encoder_decoder" and decoder_tokens is not None:
         raise ValueError(f"decoder_tokens: only a t5 model has a decoder input, this is "
-                         f"model.family={family!r}")
-    if family != "prefix_lm" and prefix_length is not None:
+                         f"model.family={family.name!r}")
+    if family.decoding != "prefix" and prefix_length is not None:
         raise ValueError(f"prefix_length={prefix_length}: only a prefix_lm has a prefix, this "
-                         f"is model.family={family!r}")
+                         f"is model.family={family.name!r}")
     variables = {"params": params}
     # Jitted: one compile beats dispatching (and compiling) every op of the model on its own.
     apply = jax.jit(lambda variables, *args, **kwargs: model.apply(
         variables, *args, mutable=["intermediates"], **kwargs)[1])
-    if family == "t5":
+    if family.decoding == "encoder_decoder":
         if decoder_tokens is None:
             decoder_tokens = np.array([tokenizers_lib.BOS_ID], np.int32)
         decoder_tokens = _check_tokens("decoder_tokens", decoder_tokens, config)
         state = apply(variables, tokens[None], decoder_tokens[None])
-    elif family == "prefix_lm":
+    elif family.decoding == "prefix":
         prefix = len(tokens) // 2 if prefix_length is None else prefix_length
         if not 0 <= prefix <= len(tokens):
             raise ValueError(f"prefix_length={prefix}: expected 0..{len(tokens)} (the number "

@@ -22,18 +22,17 @@ from grain import experimental as grain_experimental
 
 from transformer import objectives
 from transformer.data import tokenizers as tokenizers_lib
+from transformer.models import FAMILIES
 
 OBJECTIVES = ("next_token", "prefix_lm", "mlm", "span_corruption")
 TASK_OBJECTIVES = ("classification", "text2text")  # labeled tasks: transformer.data.tasks
 IMAGE_OBJECTIVES = ("image_classification", "contrastive", "captioning")  # data.images
-FAMILY_OBJECTIVES = {"gpt": "next_token", "lstm": "next_token", "prefix_lm": "prefix_lm",
-                     "bert": "mlm", "t5": "span_corruption", "vit": "image_classification",
-                     "clip": "contrastive", "captioner": "captioning"}
 
 
 def objective_for(config: ml_collections.ConfigDict) -> str:
     """`data.objective`, or the model family's pretraining objective when it is empty."""
-    objective = config.data.get("objective") or FAMILY_OBJECTIVES.get(config.model.family)
+    family = FAMILIES.get(config.model.family)
+    objective = config.data.get("objective") or (family and family.objective)
     known = OBJECTIVES + TASK_OBJECTIVES + IMAGE_OBJECTIVES
     if objective not in known:
         raise ValueError(f"data.objective={objective!r}: expected one of {known}")

@@ -1,4 +1,10 @@
-"""Model families, and `build_model` to make one from an ml_collections `model` config group."""
+"""Model families: the one table of them (`FAMILIES`), and `build_model` to make one from an
+ml_collections `model` config group.
+
+A family is declared once, beside its model, as a `family.Family` (how a batch feeds it, its
+loss and objectives, whether and how it decodes); code outside transformer/models looks the
+family up here instead of branching on its name.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +16,27 @@ import jax.numpy as jnp
 import ml_collections
 
 from transformer.layers import TransformerConfig
+from transformer.models import bert, gpt, lstm, t5, vision
 from transformer.models.bert import EncoderModel
+from transformer.models.family import Family, transformer_config
 from transformer.models.gpt import DecoderLM
 from transformer.models.lstm import LSTMLM
 from transformer.models.t5 import EncoderDecoder, shift_right
 from transformer.models.vision import CLIP, Captioner, ViTClassifier
 
-FAMILIES = ("gpt", "prefix_lm", "bert", "t5", "lstm", "vit", "clip", "captioner")
+FAMILIES: dict[str, Family] = {family.name: family for family in (
+    gpt.GPT, gpt.PREFIX_LM, bert.BERT, t5.T5, lstm.LSTM, vision.VIT, vision.CLIP_FAMILY,
+    vision.CAPTIONER)}
 _OPTIONAL_FIELDS = {"num_kv_heads": int, "head_dim": int, "init_std": float,
                     "attention_scale": float}
-_STACK_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+def family_of(config: ml_collections.ConfigDict) -> Family:
+    """The `Family` of a run config (or of its `model` group), or a one-line error."""
+    name = (config.model if "model" in config else config).family
+    if name not in FAMILIES:
+        raise ValueError(f"model.family={name!r}: expected one of {tuple(FAMILIES)}")
+    return FAMILIES[name]
 
 
 def default_model_config() -> ml_collections.ConfigDict:
@@ -29,7 +46,7 @@ def default_model_config() -> ml_collections.ConfigDict:
     for name, kind in _OPTIONAL_FIELDS.items():  # None defaults keep their type for overrides
         stack[name] = ml_collections.FieldReference(stack[name], field_type=kind)
     return ml_collections.ConfigDict({
-        "family": "gpt",  # gpt | prefix_lm | bert | t5 | lstm
+        "family": "gpt",  # a key of FAMILIES: gpt | prefix_lm | bert | t5 | lstm | vit | ...
         "vocab_size": 256,
         "tie_embeddings": True,
         **stack,
@@ -55,47 +72,13 @@ def default_model_config() -> ml_collections.ConfigDict:
     })
 
 
-def transformer_config(model_config: ml_collections.ConfigDict, **overrides) -> TransformerConfig:
-    """The stack architecture from a model config group (validated by TransformerConfig)."""
-    values = {k: model_config[k] for k in _STACK_FIELDS if k in model_config}
-    return TransformerConfig(**{**values, **overrides})
-
-
 def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
     """The Linen module for `model_config.family`, configured from the group's keys."""
     unknown = sorted(set(model_config.keys()) - set(default_model_config().keys()))
     if unknown:
         raise ValueError(f"unknown model config keys {unknown}: expected keys of "
                          "transformer.models.default_model_config()")
-    family = model_config.family
-    if family not in FAMILIES:
-        raise ValueError(f"model.family={family!r}: expected one of {FAMILIES}")
-    vocab, tie = model_config.vocab_size, model_config.tie_embeddings
-    if family == "lstm":
-        cfg = transformer_config(model_config)  # validates dims and dtypes
-        return LSTMLM(vocab, cfg.d_model, cfg.num_layers, cfg.dropout_rate, tie, cfg.dtype,
-                      cfg.param_dtype)
-    cfg = transformer_config(model_config)
-    if family in ("vit", "clip", "captioner"):
-        image = {k: model_config[k] for k in ("image_size", "patch_size", "channels", "pooling",
-                                              "patch_position")}
-        if family == "captioner":
-            del image["pooling"]  # the decoder attends to every patch
-            return Captioner(cfg, vocab, **image)
-        if family == "vit":
-            return ViTClassifier(cfg, model_config.num_classes, **image)
-        return CLIP(cfg, vocab, model_config.projection_dim, **image)
-    if family in ("gpt", "prefix_lm"):
-        classes = model_config.num_classes if model_config.head == "classify" else 0
-        if model_config.head == "classify" and classes < 1:
-            raise ValueError(f"model.num_classes={classes}: the classify head needs >= 1")
-        return DecoderLM(cfg, vocab, tie, classes)
-    if family == "bert":
-        return EncoderModel(cfg, vocab, model_config.type_vocab_size, model_config.head,
-                            model_config.num_classes)
-    decoder_layers = model_config.get("num_decoder_layers") or cfg.num_layers
-    return EncoderDecoder(cfg, transformer_config(model_config, num_layers=decoder_layers),
-                          vocab, tie, model_config.scale_decoder_output)
+    return family_of(model_config).build(model_config)
 
 
 def init_cache(model: nn.Module, batch_size: int, cache_length: int,
@@ -123,5 +106,6 @@ def init_cache(model: nn.Module, batch_size: int, cache_length: int,
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-__all__ = ["FAMILIES", "DecoderLM", "EncoderModel", "EncoderDecoder", "LSTMLM", "shift_right",
-           "build_model", "default_model_config", "transformer_config", "init_cache"]
+__all__ = ["FAMILIES", "Family", "family_of", "CLIP", "Captioner", "ViTClassifier", "DecoderLM",
+           "EncoderModel", "EncoderDecoder", "LSTMLM", "shift_right", "build_model",
+           "default_model_config", "transformer_config", "init_cache"]

@@ -16,6 +16,7 @@ from transformer.layers import (
     TransformerStack,
     norm_layer,
 )
+from transformer.models.family import Family, transformer_config
 
 Array = jax.Array
 HEADS = ("mlm", "classify")
@@ -82,3 +83,14 @@ class EncoderModel(nn.Module):
         pooled_BD = jnp.tanh(self.pooler(x_BTD[:, 0]))
         pooled_BD = self.head_dropout(pooled_BD, deterministic=deterministic)
         return self.classifier(pooled_BD)
+
+
+def _build(model_config) -> EncoderModel:
+    return EncoderModel(transformer_config(model_config), model_config.vocab_size,
+                        model_config.type_vocab_size, model_config.head,
+                        model_config.num_classes)
+
+
+BERT = Family("bert", _build, inputs=("inputs",), features=("segment_ids", "positions"),
+              objectives=("mlm", "classification"), attention_maps=True,
+              classifier=lambda model_config: model_config.head == "classify")

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from transformer import masks
 from transformer.layers import OutputHead, TokenEmbedding, TransformerConfig, TransformerStack
+from transformer.models.family import Family, transformer_config
 
 Array = jax.Array
 
@@ -97,3 +98,22 @@ class DecoderLM(nn.Module):
                       else jnp.sum(segment_ids > 0, axis=1) - 1)
             return self.classifier(x_BTD[jnp.arange(x_BTD.shape[0]), jnp.maximum(last_B, 0)])
         return self.embed.attend(x_BTD) if self.tie_embeddings else self.lm_head(x_BTD)
+
+
+def _build(model_config) -> DecoderLM:
+    classes = model_config.num_classes if model_config.head == "classify" else 0
+    if model_config.head == "classify" and classes < 1:
+        raise ValueError(f"model.num_classes={classes}: the classify head needs >= 1")
+    return DecoderLM(transformer_config(model_config), model_config.vocab_size,
+                     model_config.tie_embeddings, classes)
+
+
+_classifies = lambda model_config: model_config.head == "classify"
+GPT = Family("gpt", _build, inputs=("inputs",), features=("segment_ids", "positions"),
+             objectives=("next_token", "classification"), decoding="causal",
+             attention_maps=True, classifier=_classifies)
+# A prefix LM reads its prefix bidirectionally: the batch says how long each row's prefix is.
+PREFIX_LM = Family("prefix_lm", _build, inputs=("inputs",),
+                   features=("segment_ids", "positions", "prefix_lengths"),
+                   objectives=("prefix_lm", "classification"), decoding="prefix",
+                   attention_maps=True, classifier=_classifies)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from transformer.attention import projection_init
 from transformer.layers import OutputHead, TokenEmbedding
+from transformer.models.family import Family, transformer_config
 
 Array = jax.Array
 
@@ -94,3 +95,13 @@ class LSTMLM(nn.Module):
             return embed.attend(x_BTD)
         return OutputHead(self.vocab_size, dtype=self.dtype, param_dtype=self.param_dtype,
                           name="lm_head")(x_BTD)
+
+
+def _build(model_config) -> LSTMLM:
+    cfg = transformer_config(model_config)  # validates dims and dtypes
+    return LSTMLM(model_config.vocab_size, cfg.d_model, cfg.num_layers, cfg.dropout_rate,
+                  model_config.tie_embeddings, cfg.dtype, cfg.param_dtype)
+
+
+LSTM = Family("lstm", _build, inputs=("inputs",), features=("segment_ids",),
+              objectives=("next_token",), decoding="recompute", attention=False)

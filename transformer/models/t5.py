@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from transformer import masks
 from transformer.layers import OutputHead, TokenEmbedding, TransformerConfig, TransformerStack
+from transformer.models.family import Family, transformer_config
 from transformer.models.gpt import decode_mask
 
 Array = jax.Array
@@ -102,3 +103,18 @@ class EncoderDecoder(nn.Module):
         return self.decode(encoded, decoder_tokens_BT, encoder_segment_ids=encoder_segment_ids,
                            decoder_segment_ids=decoder_segment_ids,
                            decoder_positions=decoder_positions, deterministic=deterministic)
+
+
+def _build(model_config) -> EncoderDecoder:
+    encoder = transformer_config(model_config)
+    decoder_layers = model_config.get("num_decoder_layers") or encoder.num_layers
+    return EncoderDecoder(encoder, transformer_config(model_config, num_layers=decoder_layers),
+                          model_config.vocab_size, model_config.tie_embeddings,
+                          model_config.scale_decoder_output)
+
+
+# Padded rows (fine-tuning) mark their encoder padding with segment ids.
+T5 = Family("t5", _build, inputs=("encoder_inputs", "decoder_inputs"),
+            features=("encoder_segment_ids",), objectives=("span_corruption", "text2text"),
+            decoding="encoder_decoder", attention_maps=True,
+            stacks=("num_layers", "num_decoder_layers"))

@@ -14,6 +14,7 @@ import numpy as np
 
 from transformer import masks, objectives, positions
 from transformer.layers import OutputHead, TokenEmbedding, TransformerConfig, TransformerStack
+from transformer.models.family import Family, transformer_config
 
 Array = jax.Array
 POOLINGS = ("cls", "mean", "none")  # none: every patch's vector [B, N, D] (cross-attention)
@@ -298,3 +299,36 @@ def contrastive_loss(logits_IT: Array, weights_B: Array | None = None, **kwargs)
     targets_2B = jnp.broadcast_to(jnp.arange(n), (2, n))
     return objectives.cross_entropy(both_2BB, targets_2B,
                                     jnp.broadcast_to(weights_B, (2, n)), **kwargs)
+
+
+def _image_settings(model_config) -> dict:
+    return {k: model_config[k] for k in ("image_size", "patch_size", "channels", "pooling",
+                                         "patch_position")}
+
+
+def _build_vit(model_config) -> ViTClassifier:
+    return ViTClassifier(transformer_config(model_config), model_config.num_classes,
+                         **_image_settings(model_config))
+
+
+def _build_clip(model_config) -> CLIP:
+    return CLIP(transformer_config(model_config), model_config.vocab_size,
+                model_config.projection_dim, **_image_settings(model_config))
+
+
+def _build_captioner(model_config) -> Captioner:
+    image = _image_settings(model_config)
+    del image["pooling"]  # the decoder attends to every patch
+    return Captioner(transformer_config(model_config), model_config.vocab_size, **image)
+
+
+def _contrastive_loss(logits, batch, **kwargs):
+    return contrastive_loss(logits, batch["weights"], **kwargs)
+
+
+VIT = Family("vit", _build_vit, inputs=("images",), objectives=("image_classification",),
+             classifier=lambda model_config: True)
+CLIP_FAMILY = Family("clip", _build_clip, inputs=("images", "texts", "text_segment_ids"),
+                     objectives=("contrastive",), loss=_contrastive_loss)
+CAPTIONER = Family("captioner", _build_captioner, inputs=("images", "decoder_inputs"),
+                   objectives=("captioning",))

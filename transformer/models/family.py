@@ -1,0 +1,90 @@
+"""What the training, evaluation, generation and launch code needs to know about a model family.
+
+Each family module (gpt.py, bert.py, t5.py, lstm.py, vision.py) declares its `Family` next to
+its model, and `transformer.models.FAMILIES` is the one table of them. Nothing outside the
+family modules branches on `model.family`: adding a family is its module plus a table entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import flax.linen as nn
+import ml_collections
+
+from transformer import objectives
+from transformer.layers import TransformerConfig
+
+_STACK_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+def transformer_config(model_config: ml_collections.ConfigDict, **overrides) -> TransformerConfig:
+    """The stack architecture from a model config group (validated by TransformerConfig)."""
+    values = {k: model_config[k] for k in _STACK_FIELDS if k in model_config}
+    return TransformerConfig(**{**values, **overrides})
+
+
+def token_loss(logits, batch, *, z_loss: float = 0.0, label_smoothing: float = 0.0):
+    """Cross-entropy of the logits against the batch's targets, weighted by its weights."""
+    return objectives.cross_entropy(logits, batch["targets"], batch["weights"], z_loss=z_loss,
+                                    label_smoothing=label_smoothing)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family: how to build it, feed it a batch, train it, evaluate and decode it.
+
+    name: the `model.family` value.
+    build: model config group -> the Linen module.
+    inputs: batch features passed positionally to `model.apply` (and to `model.init`).
+    features: batch features passed by keyword (None when the batch lacks them).
+    objectives: the `data.objective`s it trains on; the first is its pretraining objective.
+    loss: (logits, batch, z_loss=, label_smoothing=) -> (loss, metrics with num_tokens).
+    decoding: how it generates text: "causal" (KV cache), "prefix" (bidirectional prompt, KV
+      cache), "encoder_decoder" (encode the prompt, decode with a KV cache), "recompute"
+      (re-run the whole sequence per token), or None (no generation).
+    attention: whether its layers attend (FLOPs accounting counts the attention scores).
+    attention_maps: whether `transformer.visualize` can draw its attention weights.
+    classifier: model config group -> whether the model ends in a class head (its
+      `num_classes` then comes from the labeled task when 0).
+    stacks: the config keys that give its layer stacks' depths.
+    """
+
+    name: str
+    build: Callable[[ml_collections.ConfigDict], nn.Module]
+    inputs: tuple[str, ...]
+    objectives: tuple[str, ...]
+    features: tuple[str, ...] = ()
+    loss: Callable = token_loss
+    decoding: str | None = None
+    attention: bool = True
+    attention_maps: bool = False
+    classifier: Callable[[ml_collections.ConfigDict], bool] = lambda model_config: False
+    stacks: tuple[str, ...] = ("num_layers",)
+
+    @property
+    def objective(self) -> str:
+        return self.objectives[0]
+
+    @property
+    def continues_text(self) -> bool:
+        """Whether it continues a prompt (a language model that can print samples)."""
+        return self.decoding in ("causal", "prefix", "recompute")
+
+    def init_args(self, batch) -> list:
+        return [batch[name] for name in self.inputs]
+
+    def logits(self, model: nn.Module, params, batch, *, rngs=None, deterministic=True):
+        """The model's logits for a batch of pipeline features (transformer.data.pipeline)."""
+        return model.apply({"params": params}, *self.init_args(batch),
+                           **{name: batch.get(name) for name in self.features},
+                           rngs=rngs or {}, deterministic=deterministic)
+
+    def loss_and_metrics(self, model, config, params, batch, rng=None, deterministic=True):
+        """(loss, metrics) of a batch under the run's z_loss and label smoothing; `rng` seeds
+        dropout."""
+        logits = self.logits(model, params, batch, deterministic=deterministic,
+                             rngs=None if rng is None else {"dropout": rng})
+        return self.loss(logits, batch, z_loss=config.get("z_loss", 0.0),
+                         label_smoothing=config.get("label_smoothing", 0.0))
