@@ -10,6 +10,7 @@ import os
 
 import ml_collections
 
+from transformer import sharding
 from transformer.models import default_model_config
 
 
@@ -73,10 +74,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.head = ""  # regex of param names trained at head_learning_rate
     config.optimizer.head_learning_rate = 0.0  # 0: optimizer.learning_rate
 
-    config.mesh = ml_collections.ConfigDict()
-    config.mesh.data = -1  # -1: all remaining devices
-    config.mesh.fsdp = 1
-    config.mesh.tensor = 1
+    # Devices per mesh axis (transformer.sharding.MESH_AXIS_TABLE); -1: all remaining devices.
+    config.mesh = ml_collections.ConfigDict(
+        {axis.name: axis.default for axis in sharding.MESH_AXIS_TABLE})
     return config
 
 
