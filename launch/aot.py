@@ -188,11 +188,10 @@ def compile_train_step(config, devices, accelerator: accelerators.Accelerator) -
 
 
 def format_report(report: Report, config) -> str:
-    from transformer.sharding import format_bytes, mesh_shape
+    from transformer.sharding import describe_mesh, format_bytes, mesh_shape
 
     m = config.model
-    mesh = " x ".join(f"{axis}={size}" for axis, size in
-                      mesh_shape(config.mesh, report.chips).items())
+    mesh = describe_mesh(mesh_shape(config.mesh, report.chips))
     lines = [f"{config.experiment}: {m.family}, {report.num_params:,} params, "
              f"{m.num_layers} layers x {m.d_model} wide, batch {config.batch_size} x "
              f"{config.seq_len}, on {report.accelerator} ({report.chips} chips), mesh {mesh}"]

@@ -89,17 +89,13 @@ def validate(launch: Launch) -> None:
                          "workdir every host sees: expected gs://BUCKET/PATH")
     chips = launch.accelerator.chips * launch.num_slices
     mesh = sharding.mesh_shape(config.mesh, chips)
-    if mesh["data"] % launch.num_slices:
-        raise ValueError(f"mesh.data={mesh['data']}: expected a multiple of num_slices="
-                         f"{launch.num_slices} (data parallelism spans the slices)")
-    data_parallel = mesh["data"] * mesh["fsdp"]
-    accumulation = config.optimizer.grad_accumulation_steps
-    if config.batch_size % (accumulation * data_parallel) or \
-            config.batch_size % launch.processes:
-        raise ValueError(f"batch_size={config.batch_size}: expected a multiple of the "
-                         f"data-parallel size {data_parallel} (x grad_accumulation_steps="
-                         f"{accumulation}) and of the {launch.processes} hosts of "
-                         f"{launch.num_slices} x {launch.accelerator.name}")
+    try:
+        sharding.check_batch_split(config.batch_size, mesh,
+                                   accumulation=config.optimizer.grad_accumulation_steps,
+                                   processes=launch.processes, num_slices=launch.num_slices)
+    except ValueError as error:
+        raise ValueError(f"{error}; on {launch.num_slices} x {launch.accelerator.name} "
+                         f"({launch.processes} hosts)") from None
 
 
 def train_flag(args: Sequence[str], name: str) -> str | None:

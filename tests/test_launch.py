@@ -63,6 +63,9 @@ def test_accelerator_types_know_their_chips_hosts_and_memory():
     (dict(accelerator="v5p-32", num_slices=2), TRAIN + ("--config.mesh.data=1",
                                                         "--config.mesh.fsdp=-1"),
      "mesh.data=1: expected a multiple of num_slices=2"),
+    (dict(accelerator="v5p-32", num_slices=2), TRAIN[:2] + ("--config.batch_size=12",),
+     "batch_size=12: expected a multiple of grad_accumulation_steps=1 x processes=8; "
+     "on 2 x v5p-32 (8 hosts)"),
     (dict(accelerator="v6e-8", spot=True, reserved=True), TRAIN, "--spot and --reserved"),
     (dict(accelerator="v6e-8"), ("--workdir=gs://b/r",), "include --config=FILE"),
     (dict(accelerator="v6e-8"), TRAIN + ("--config.model.num_layrs=2",), "num_layrs"),

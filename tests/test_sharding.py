@@ -8,6 +8,7 @@ a single-process run on the same number of devices.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import flax.linen as nn
 import jax
@@ -55,6 +57,84 @@ def test_mesh_shape_fills_the_minus_one_axis():
 def test_mesh_shape_errors_name_the_bad_sizes(mesh, devices, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
         sharding.mesh_shape(mesh, devices)
+
+
+def test_the_mesh_axis_table_drives_the_axes_the_config_and_the_batch_sharding():
+    table = sharding.MESH_AXIS_TABLE
+    assert sharding.MESH_AXES == tuple(axis.name for axis in table) == ("data", "fsdp", "tensor")
+    assert sharding.BATCH_AXES == tuple(a.name for a in table if a.shards_batch) == ("data", "fsdp")
+    assert sharding.SLICE_AXIS == "data"
+    defaults = configs.base_config().mesh
+    assert defaults.to_dict() == {axis.name: axis.default for axis in table} == {
+        "data": -1, "fsdp": 1, "tensor": 1}
+    mesh = sharding.make_mesh(defaults)
+    assert mesh.axis_names == sharding.MESH_AXES
+    assert sharding.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp"))
+    assert sharding.data_parallel_size(mesh) == sharding.data_parallel_size(dict(mesh.shape)) == 1
+    docstring = " ".join(sharding.__doc__.split())
+    for axis in table:  # the module docstring lists every axis with its description
+        assert f"{axis.name} {axis.doc}" in docstring
+
+
+@pytest.mark.parametrize("batch_size, sizes, kwargs", [
+    (8, (8, 1, 1), {}),
+    (6, (1, 1, 8), dict(accumulation=3)),  # tensor parallelism does not split the batch
+    (64, (4, 4, 2), dict(accumulation=4, processes=4, num_slices=2)),
+    (32, (2, 8, 1), dict(accumulation=2, processes=8, num_slices=2)),
+])
+def test_check_batch_split_accepts_batches_that_split(batch_size, sizes, kwargs):
+    sharding.check_batch_split(batch_size, dict(zip(sharding.MESH_AXES, sizes, strict=True)),
+                               **kwargs)
+
+
+@pytest.mark.parametrize("batch_size, sizes, kwargs, message", [
+    (8, (1, 1, 1), dict(accumulation=0),
+     "batch_size=8: expected a multiple of grad_accumulation_steps=0 x processes=1"),
+    (8, (1, 1, 1), dict(accumulation=3),
+     "batch_size=8: expected a multiple of grad_accumulation_steps=3 x processes=1"),
+    (12, (8, 1, 1), dict(processes=8),
+     "batch_size=12: expected a multiple of grad_accumulation_steps=1 x processes=8"),
+    # checked first: the slices and the data-parallel size are wrong too
+    (6, (3, 1, 1), dict(accumulation=4, num_slices=2),
+     "batch_size=6: expected a multiple of grad_accumulation_steps=4 x processes=1"),
+    (16, (2, 4, 1), dict(num_slices=4),
+     "mesh.data=2: expected a multiple of num_slices=4 (data parallelism spans the slices)"),
+    # checked before the data-parallel size, which does not divide 8 either
+    (8, (3, 1, 1), dict(num_slices=2),
+     "mesh.data=3: expected a multiple of num_slices=2 (data parallelism spans the slices)"),
+    (24, (4, 4, 1), {},
+     "batch_size=24: expected a multiple of the data-parallel size 16 x "
+     "grad_accumulation_steps=1 (each micro-batch of 24 rows splits over mesh.data x mesh.fsdp)"),
+    # 32 rows split over 16, but each of the 4 micro-batches of 8 does not
+    (32, (2, 8, 1), dict(accumulation=4, processes=2, num_slices=2),
+     "batch_size=32: expected a multiple of the data-parallel size 16 x "
+     "grad_accumulation_steps=4 (each micro-batch of 8 rows splits over mesh.data x mesh.fsdp)"),
+])
+def test_check_batch_split_refuses_each_bad_split_with_one_line(batch_size, sizes, kwargs,
+                                                                message):
+    with pytest.raises(ValueError) as error:
+        sharding.check_batch_split(batch_size, dict(zip(sharding.MESH_AXES, sizes, strict=True)),
+                                   **kwargs)
+    assert str(error.value) == message
+
+
+def test_a_multi_slice_mesh_needs_data_to_be_a_multiple_of_the_slices():
+    devices = [SimpleNamespace(slice_index=i // 4) for i in range(8)]
+    with pytest.raises(ValueError, match=r"mesh\.data=1: expected a multiple of num_slices=2"):
+        sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the tpu "
+                    "extra) to describe a multi-slice TPU topology")
+def test_a_multi_slice_mesh_spans_the_slices_only_on_the_data_axis():
+    from launch import accelerators, aot
+
+    devices = aot.tpu_topology(accelerators.parse("v5p-32"), num_slices=2)  # 2 x 16 chips
+    mesh = sharding.make_mesh({"data": 4, "fsdp": -1, "tensor": 2}, devices)
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 4, "tensor": 2}
+    slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    # data rows 0-1 lie in slice 0, rows 2-3 in slice 1: fsdp and tensor stay inside a slice
+    np.testing.assert_array_equal(slices, np.arange(4)[:, None, None] // 2 + np.zeros((4, 4, 2)))
 
 
 def test_the_rules_map_each_logical_axis_once_and_onto_mesh_axes():

@@ -79,10 +79,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer.head = ""  # regex of param names trained at head_learning_rate
     config.optimizer.head_learning_rate = 0.0  # 0: optimizer.learning_rate
 
-    config.mesh = ml_collections.ConfigDict()
-    config.mesh.data = -1  # -1: all remaining devices
-    config.mesh.fsdp = 1
-    config.mesh.tensor = 1
+    # Devices per mesh axis (transformer.sharding.MESH_AXIS_TABLE); -1: all remaining devices.
+    config.mesh = ml_collections.ConfigDict(
+        {axis.name: axis.default for axis in sharding.MESH_AXIS_TABLE})
     return config
 
 
@@ -144,16 +143,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
             raise ValueError(f"{name}={config[name]!r}: expected a positive int")
     if config.seq_len < 2:
         raise ValueError(f"seq_len={config.seq_len}: expected >= 2")
-    k = config.optimizer.grad_accumulation_steps
-    if k < 1 or config.batch_size % (k * num_processes):
-        raise ValueError(f"batch_size={config.batch_size}: expected a multiple of "
-                         f"grad_accumulation_steps={k} x processes={num_processes}")
-    mesh = sharding.mesh_shape(config.mesh, num_devices)
-    data_parallel = mesh["data"] * mesh["fsdp"]
-    if config.batch_size // k % data_parallel:
-        raise ValueError(f"batch_size={config.batch_size}: each micro-batch of "
-                         f"{config.batch_size // k} rows must split over the data-parallel "
-                         f"size {data_parallel} (mesh.data x mesh.fsdp)")
+    sharding.check_batch_split(config.batch_size, sharding.mesh_shape(config.mesh, num_devices),
+                               accumulation=config.optimizer.grad_accumulation_steps,
+                               processes=num_processes)
     if not isinstance(config.get("max_grad_norm", 0.0), (int, float)) or \
             config.get("max_grad_norm", 0.0) < 0:
         raise ValueError(f"max_grad_norm={config.max_grad_norm!r}: expected a number >= 0 "

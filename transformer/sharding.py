@@ -1,14 +1,8 @@
-"""Device meshes, and the one table that maps logical axis names to mesh axes.
+"""Device meshes, and the tables that define the mesh axes and map logical axis names onto them.
 
 Params carry logical axis names (`embed`, `heads`, `mlp`, `vocab`, ... set where each param is
 declared); activations get `activation_*` names at block boundaries. `LOGICAL_AXIS_RULES` maps
-both onto the three mesh axes:
-
-    data    pure data parallelism: the batch is split, params and optimizer state replicated
-            (across slices of a multi-slice job this is the DCN axis)
-    fsdp    the batch is split *and* params/optimizer state are sharded on their `embed`
-            dimension (ZeRO-3 / fully sharded data parallelism: gathered per layer when used)
-    tensor  Megatron-style tensor parallelism: heads, MLP hidden units and the vocabulary split
+both onto the mesh axes of `MESH_AXIS_TABLE` (listed below, from the table).
 
 An axis of size 1 is a no-op, so the same rules serve every mesh. A dimension that the mesh axes
 mapped to it do not divide (e.g. 2 KV heads over tensor=4) stays replicated.
@@ -16,9 +10,11 @@ mapped to it do not divide (e.g. 2 KV heads over tensor=4) stays replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -29,8 +25,40 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxis:
+    """One axis of the device mesh: whether it splits the batch, whether it is the one axis that
+    spans the slices of a multi-slice job (over DCN), its `config.mesh` default, and what it
+    parallelizes (listed in this module's docstring)."""
+
+    name: str
+    shards_batch: bool
+    spans_slices: bool
+    default: int  # -1: the devices the other axes leave
+    doc: str
+
+
+MESH_AXIS_TABLE = (
+    MeshAxis("data", shards_batch=True, spans_slices=True, default=-1,
+             doc="pure data parallelism: the batch is split, params and optimizer state "
+                 "replicated (across slices of a multi-slice job this is the DCN axis)"),
+    MeshAxis("fsdp", shards_batch=True, spans_slices=False, default=1,
+             doc="the batch is split *and* params/optimizer state are sharded on their `embed` "
+                 "dimension (ZeRO-3 / fully sharded data parallelism: gathered per layer when "
+                 "used)"),
+    MeshAxis("tensor", shards_batch=False, spans_slices=False, default=1,
+             doc="Megatron-style tensor parallelism: heads, MLP hidden units and the vocabulary "
+                 "split"),
+)
+MESH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE)
+BATCH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE if axis.shards_batch)
+(SLICE_AXIS,) = (axis.name for axis in MESH_AXIS_TABLE if axis.spans_slices)
+
+if __doc__:  # None under python -OO
+    __doc__ += "\nMesh axes:\n\n" + "".join(
+        textwrap.fill(axis.doc, 96, initial_indent=f"    {axis.name:<8}",
+                      subsequent_indent=" " * 12) + "\n" for axis in MESH_AXIS_TABLE)
 
 LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     # activations (nn.with_logical_constraint at block boundaries)
@@ -70,21 +98,22 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict | dict, num_devices: int) 
             raise ValueError(f"mesh.{axis}={size!r}: expected a positive int or -1")
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
-        raise ValueError(f"mesh {_describe(sizes)}: expected at most one axis set to -1")
+        raise ValueError(f"mesh {describe_mesh(sizes)}: expected at most one axis set to -1")
     known = math.prod(size for size in sizes.values() if size != -1)
     if fill:
         if num_devices % known:
-            raise ValueError(f"mesh {_describe(sizes)}: the other axes ({known} devices) must "
+            raise ValueError(f"mesh {describe_mesh(sizes)}: the other axes ({known} devices) must "
                              f"divide the {num_devices} devices available")
         sizes[fill[0]] = num_devices // known
     if math.prod(sizes.values()) != num_devices:
-        raise ValueError(f"mesh {_describe(sizes)} = {math.prod(sizes.values())} devices: "
+        raise ValueError(f"mesh {describe_mesh(sizes)} = {math.prod(sizes.values())} devices: "
                          f"expected the {num_devices} devices available (set one axis to -1 "
                          "to fill the rest)")
     return sizes
 
 
-def _describe(sizes: dict[str, int]) -> str:
+def describe_mesh(sizes: dict[str, int]) -> str:
+    """E.g. "data=4 x fsdp=2 x tensor=1"."""
     return " x ".join(f"{axis}={size}" for axis, size in sizes.items())
 
 
@@ -94,34 +123,70 @@ def num_slices(devices) -> int:
 
 
 def make_mesh(mesh_config: ml_collections.ConfigDict | dict, devices=None) -> Mesh:
-    """The (data, fsdp, tensor) mesh of `mesh_config` over all (or the given) devices.
+    """The mesh of `mesh_config` (axes `MESH_AXES`) over all (or the given) devices.
 
     Axes are `Auto` (GSPMD propagates shardings from the logical rules). When the devices span
-    several slices, the data axis is split across slices (DCN) and everything else stays inside
-    a slice (ICI): data must then be a multiple of the number of slices.
+    several slices, the `SLICE_AXIS` is split across slices (DCN) and everything else stays
+    inside a slice (ICI): that axis must then be a multiple of the number of slices.
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_shape(mesh_config, len(devices))
-    shape = tuple(sizes[axis] for axis in MESH_AXES)
     axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     slices = num_slices(devices)
     if slices > 1:
-        if sizes["data"] % slices:
-            raise ValueError(f"mesh.data={sizes['data']}: expected a multiple of the "
-                             f"{slices} slices (data parallelism spans slices over DCN)")
-        ici = (sizes["data"] // slices, sizes["fsdp"], sizes["tensor"])
-        array = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices)
+        _check_slices(sizes, slices)
+        ici = tuple(size // slices if axis == SLICE_AXIS else size
+                    for axis, size in sizes.items())
+        dcn = tuple(slices if axis == SLICE_AXIS else 1 for axis in sizes)
+        array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
         return Mesh(array, MESH_AXES, axis_types=axis_types)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    return jax.make_mesh(tuple(sizes.values()), MESH_AXES, axis_types=axis_types,
+                         devices=devices)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Batches: rows split over every data-parallel axis (data and fsdp)."""
+    """Batches: rows split over every data-parallel axis (`BATCH_AXES`)."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
-def data_parallel_size(mesh: Mesh) -> int:
-    return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+def data_parallel_size(mesh: Mesh | dict[str, int]) -> int:
+    """How many ways a batch splits: the product of the `BATCH_AXES` sizes of a mesh or dict.
+
+    >>> data_parallel_size({"data": 2, "fsdp": 4, "tensor": 8})
+    8
+    """
+    sizes = mesh if isinstance(mesh, dict) else mesh.shape
+    return math.prod(sizes[axis] for axis in BATCH_AXES)
+
+
+def check_batch_split(batch_size: int, mesh_sizes: dict[str, int], *, accumulation: int = 1,
+                      processes: int = 1, num_slices: int = 1) -> None:
+    """One-line errors unless `batch_size` rows split into `accumulation` micro-batches, over
+    `processes` hosts, and each micro-batch over the data-parallel axes of `mesh_sizes` (as
+    `mesh_shape` gives them), whose slice-spanning axis must split over `num_slices`.
+
+    >>> sizes = {"data": 4, "fsdp": 2, "tensor": 2}
+    >>> check_batch_split(32, sizes, accumulation=4)
+    >>> check_batch_split(32, sizes, accumulation=8)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: batch_size=32: expected a multiple of the data-parallel size 8 x ...
+    """
+    if accumulation < 1 or batch_size % (accumulation * processes):
+        raise ValueError(f"batch_size={batch_size}: expected a multiple of "
+                         f"grad_accumulation_steps={accumulation} x processes={processes}")
+    _check_slices(mesh_sizes, num_slices)
+    data_parallel = data_parallel_size(mesh_sizes)
+    if batch_size // accumulation % data_parallel:
+        axes = " x ".join(f"mesh.{axis}" for axis in BATCH_AXES)
+        raise ValueError(f"batch_size={batch_size}: expected a multiple of the data-parallel "
+                         f"size {data_parallel} x grad_accumulation_steps={accumulation} (each "
+                         f"micro-batch of {batch_size // accumulation} rows splits over {axes})")
+
+
+def _check_slices(mesh_sizes: dict[str, int], slices: int) -> None:
+    if mesh_sizes[SLICE_AXIS] % slices:
+        raise ValueError(f"mesh.{SLICE_AXIS}={mesh_sizes[SLICE_AXIS]}: expected a multiple of "
+                         f"num_slices={slices} (data parallelism spans the slices)")
 
 
 def mesh_spec(logical: PartitionSpec | None, shape: tuple[int, ...], mesh, rules) -> PartitionSpec:
@@ -212,8 +277,8 @@ def summary(mesh: Mesh, abstract_state, shardings, batch_size: int) -> str:
     total_params = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
                        for x in jax.tree.leaves(abstract_state.params))
     data = data_parallel_size(mesh)
-    mesh_text = " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
-    return (f"mesh {mesh_text} ({mesh.size} devices, {jax.process_count()} process(es)); "
+    return (f"mesh {describe_mesh(mesh.shape)} ({mesh.size} devices, "
+            f"{jax.process_count()} process(es)); "
             f"per device: params {format_bytes(params)} (of {format_bytes(total_params)}), "
             f"optimizer {format_bytes(optimizer)}; batch {batch_size} global, "
             f"{batch_size // data} per data-parallel shard")
