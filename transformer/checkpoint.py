@@ -186,6 +186,11 @@ def set_aside(workdir: str) -> str | None:
     return target
 
 
+def has_checkpoints(workdir: str) -> bool:
+    """Whether `workdir` has a checkpoints directory (possibly with no complete step yet)."""
+    return (fileio.path(workdir) / CHECKPOINTS).is_dir()
+
+
 def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collections.ConfigDict]:
     """(step, resolved config) of checkpoint `step` (default: the latest complete one) of a
     training workdir, with one-line errors for a workdir without (that) checkpoint."""

@@ -37,6 +37,8 @@ from typing import Any
 
 import ml_collections
 
+from transformer import checkpoint as checkpoint_lib
+
 PLOTS = (("val_loss_vs_step.png", "validation", "step", "validation loss vs step"),
          ("val_loss_vs_time.png", "validation", "elapsed", "validation loss vs wall time"),
          ("train_loss_vs_step.png", "train", "step", "training loss vs step"))
@@ -182,7 +184,7 @@ def status(workdir: str, config) -> str:
                 return "finished"
     if os.path.exists(os.path.join(workdir, "error.txt")):
         return "failed"
-    if os.path.isdir(os.path.join(workdir, "checkpoints")):
+    if checkpoint_lib.has_checkpoints(workdir):
         return "partial"
     return "new"
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from transformer.data import pipeline, sources
 from transformer.data.tokenizers import BOS_ID, CLS_ID, EOS_ID, SEP_ID
+from transformer.models import family_of
 
 TASKS = ("speakers", "modules")
 OBJECTIVES = pipeline.TASK_OBJECTIVES  # ("classification", "text2text")
@@ -155,19 +156,20 @@ def _pad(ids, length: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def classification_features(ids: np.ndarray, label: int, *, seq_len: int,
-                            family: str) -> dict[str, np.ndarray]:
+                            cls: bool) -> dict[str, np.ndarray]:
     """A text's token ids and its class -> one classification row of `seq_len` tokens.
 
-    BERT reads [CLS] text [SEP] (the head reads [CLS]); GPT reads <eos> text (the head reads the
-    last token; <eos> starts a document, as in pretraining). Long texts are cut.
+    With `cls` (BERT) the model reads [CLS] text [SEP] (the head reads [CLS]); otherwise (GPT)
+    <eos> text (the head reads the last token; <eos> starts a document, as in pretraining).
+    Long texts are cut.
 
-    >>> f = classification_features(np.array([11, 12, 13]), 2, seq_len=6, family="bert")
+    >>> f = classification_features(np.array([11, 12, 13]), 2, seq_len=6, cls=True)
     >>> f["inputs"].tolist(), f["segment_ids"].tolist(), int(f["targets"])
     ([5, 11, 12, 13, 6, 0], [1, 1, 1, 1, 1, 0], 2)
-    >>> classification_features(np.array([11, 12, 13]), 2, seq_len=3, family="gpt")["inputs"]
+    >>> classification_features(np.array([11, 12, 13]), 2, seq_len=3, cls=False)["inputs"]
     array([ 2, 11, 12], dtype=int32)
     """
-    if family == "bert":
+    if cls:
         tokens = [CLS_ID, *ids[:seq_len - 2], SEP_ID]
     else:
         tokens = [EOS_ID, *ids[:seq_len - 1]]
@@ -260,9 +262,9 @@ def make_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
                                                  names[e.label], seq_len=seq_len,
                                                  target_len=target_len)
     else:
-        family = config.model.family
+        cls = family_of(config).cls_token
         featurize = lambda e: classification_features(tokenizer.encode(e.text), e.label,
-                                                      seq_len=seq_len, family=family)
+                                                      seq_len=seq_len, cls=cls)
     dataset = grain.MapDataset.source(task.splits[split])
     if shuffle:
         dataset = pipeline.shuffle_each_epoch(dataset, config.seed)

@@ -92,5 +92,5 @@ def _build(model_config) -> EncoderModel:
 
 
 BERT = Family("bert", _build, inputs=("inputs",), features=("segment_ids", "positions"),
-              objectives=("mlm", "classification"), attention_maps=True,
+              objectives=("mlm", "classification"), attention_maps=True, cls_token=True,
               classifier=lambda model_config: model_config.head == "classify")

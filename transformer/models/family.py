@@ -48,6 +48,8 @@ class Family:
     attention_maps: whether `transformer.visualize` can draw its attention weights.
     classifier: model config group -> whether the model ends in a class head (its
       `num_classes` then comes from the labeled task when 0).
+    cls_token: whether it reads a text to classify as [CLS] text [SEP] (its head pools [CLS])
+      rather than as <eos> text (its head reads the last token).
     stacks: the config keys that give its layer stacks' depths.
     """
 
@@ -61,6 +63,7 @@ class Family:
     attention: bool = True
     attention_maps: bool = False
     classifier: Callable[[ml_collections.ConfigDict], bool] = lambda model_config: False
+    cls_token: bool = False
     stacks: tuple[str, ...] = ("num_layers",)
 
     @property
