@@ -213,28 +213,12 @@ def save_attention_maps(maps: Mapping[str, np.ndarray],
     pictures are written; both, and the label lengths, are checked before anything is written.
     Each heatmap is scaled from 0 to its largest weight.
     """
-    if not maps:
-        raise ValueError("maps={}: expected at least one attention map")
-    if "://" in str(output_dir):
-        raise ValueError(f"output_dir={output_dir!r}: expected a local directory")
-    for name, weights in maps.items():  # check everything before writing anything
-        num_layers, num_heads, t, s = np.shape(weights)
-        if layer is not None and not 0 <= layer < num_layers:
-            raise ValueError(f"layer={layer}: expected 0..{num_layers - 1} ({name} has "
-                             f"{num_layers} layers)")
-        if head is not None and not 0 <= head < num_heads:
-            raise ValueError(f"head={head}: expected 0..{num_heads - 1} ({name} has "
-                             f"{num_heads} heads)")
-        found = (len(_per_map(query_labels, name)), len(_per_map(key_labels, name)))
-        if found != (t, s):
-            raise ValueError(f"{name} is {t} queries x {s} keys but got {found[0]} query and "
-                             f"{found[1]} key labels")
+    _check_maps(maps, query_labels, key_labels, output_dir, layer, head)
 
     import matplotlib
 
     matplotlib.use("Agg")  # headless
     import matplotlib.pyplot as plt
-    from mpl_toolkits.axes_grid1 import make_axes_locatable
 
     os.makedirs(output_dir, exist_ok=True)
     stems = {name: name.replace("/", ".") for name in maps}
@@ -267,26 +251,55 @@ def save_attention_maps(maps: Mapping[str, np.ndarray],
         save(figure, os.path.join(output_dir, f"{stems[name]}_grid.png"))
 
         queries, keys = _per_map(query_labels, name), _per_map(key_labels, name)
-        size = lambda n: min(40.0, max(2.5, 0.16 * min(n, 4 * _MAX_TICK_LABELS)))
-        figsize = (size(len(keys)) + 2.5, size(len(queries)) + 1.5)
         for i in range(num_layers) if layer is None else [layer]:
             for h in range(num_heads) if head is None else [head]:
-                figure, ax = plt.subplots(figsize=figsize)
-                image = ax.imshow(weights[i, h], cmap="viridis", vmin=0.0,
-                                  vmax=weights[i, h].max() or 1.0, interpolation="nearest")
-                for axis, labels in ((ax.xaxis, keys), (ax.yaxis, queries)):
-                    every = math.ceil(len(labels) / _MAX_TICK_LABELS)
-                    ticks = range(0, len(labels), every)
-                    axis.set_ticks(list(ticks), [labels[j] for j in ticks], fontsize=7)
-                ax.tick_params(axis="x", labelrotation=90)
-                ax.set_xlabel("key")
-                ax.set_ylabel("query")
-                ax.set_title(f"{name}: layer {i}, head {h}")
-                bar = make_axes_locatable(ax).append_axes("right", size=0.15, pad=0.1)
-                figure.colorbar(image, cax=bar)  # as tall as the heatmap
-                figure.tight_layout()
-                save(figure, os.path.join(output_dir, f"{stems[name]}_L{i}_H{h}.png"))
+                save(_head_figure(weights[i, h], queries, keys, f"{name}: layer {i}, head {h}"),
+                     os.path.join(output_dir, f"{stems[name]}_L{i}_H{h}.png"))
     return written
+
+
+def _check_maps(maps, query_labels, key_labels, output_dir, layer, head) -> None:
+    """One-line errors for anything `save_attention_maps` cannot write, before it writes."""
+    if not maps:
+        raise ValueError("maps={}: expected at least one attention map")
+    if "://" in str(output_dir):
+        raise ValueError(f"output_dir={output_dir!r}: expected a local directory")
+    for name, weights in maps.items():
+        num_layers, num_heads, t, s = np.shape(weights)
+        if layer is not None and not 0 <= layer < num_layers:
+            raise ValueError(f"layer={layer}: expected 0..{num_layers - 1} ({name} has "
+                             f"{num_layers} layers)")
+        if head is not None and not 0 <= head < num_heads:
+            raise ValueError(f"head={head}: expected 0..{num_heads - 1} ({name} has "
+                             f"{num_heads} heads)")
+        found = (len(_per_map(query_labels, name)), len(_per_map(key_labels, name)))
+        if found != (t, s):
+            raise ValueError(f"{name} is {t} queries x {s} keys but got {found[0]} query and "
+                             f"{found[1]} key labels")
+
+
+def _head_figure(weights_TS: np.ndarray, queries: Sequence[str], keys: Sequence[str],
+                 title: str):
+    """One head's heatmap with its token labels (every k-th on long texts) and a colorbar."""
+    import matplotlib.pyplot as plt
+    from mpl_toolkits.axes_grid1 import make_axes_locatable
+
+    size = lambda n: min(40.0, max(2.5, 0.16 * min(n, 4 * _MAX_TICK_LABELS)))
+    figure, ax = plt.subplots(figsize=(size(len(keys)) + 2.5, size(len(queries)) + 1.5))
+    image = ax.imshow(weights_TS, cmap="viridis", vmin=0.0, vmax=weights_TS.max() or 1.0,
+                      interpolation="nearest")
+    for axis, labels in ((ax.xaxis, keys), (ax.yaxis, queries)):
+        every = math.ceil(len(labels) / _MAX_TICK_LABELS)
+        ticks = range(0, len(labels), every)
+        axis.set_ticks(list(ticks), [labels[j] for j in ticks], fontsize=7)
+    ax.tick_params(axis="x", labelrotation=90)
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    ax.set_title(title)
+    bar = make_axes_locatable(ax).append_axes("right", size=0.15, pad=0.1)
+    figure.colorbar(image, cax=bar)  # as tall as the heatmap
+    figure.tight_layout()
+    return figure
 
 
 def visualize_workdir(workdir: str, text: str, *, target: str = "", step: int | None = None,
