@@ -1,4 +1,4 @@
-"""dot_product_attention and MultiHeadAttention against references and the theory."""
+"""dot_product_attention, attend and MultiHeadAttention against references and the theory."""
 
 import flax.linen as nn
 import jax
@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import masks
-from transformer.attention import MultiHeadAttention, dot_product_attention
+from transformer import attention as attention_lib
+from transformer import kernels, masks
+from transformer.attention import MultiHeadAttention, attend, dot_product_attention
 
 
 def random_qkv(seed, batch=2, q_len=5, kv_len=6, heads=4, kv_heads=2, head_dim=8):
@@ -126,6 +127,68 @@ def test_bad_shapes_are_rejected():
     q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(7, heads=3, kv_heads=2))
     with pytest.raises(ValueError, match="3 query heads: expected a multiple of 2"):
         dot_product_attention(q, k, v)
+
+
+# --- attend: the kernel dispatcher ------------------------------------------------------------
+
+
+def spy(monkeypatch, module, name):
+    """Records the calls of `module.name` (which still runs)."""
+    calls, fn = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or fn(*a, **kw))
+    return calls
+
+
+ATTEND_KERNELS = {"chunked": (attention_lib, "chunked_attention"),
+                  "splash": (kernels, "splash_attention")}  # splash: Pallas interpret mode
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked", "splash"])
+def test_attend_runs_the_named_kernel_and_matches_dense(impl, monkeypatch):
+    # GQA (4 query heads, 2 KV heads), a causal mask, a non-default scale; splash needs
+    # lengths that are multiples of 128.
+    q, k, v = (jnp.asarray(x, jnp.float32)
+               for x in random_qkv(8, q_len=128, kv_len=128, head_dim=64))
+    calls = spy(monkeypatch, *ATTEND_KERNELS[impl]) if impl in ATTEND_KERNELS else None
+    out = attend(q, k, v, mask=masks.Causal(), impl=impl, scale=0.3)
+    want = dot_product_attention(q, k, v, masks.Causal(), scale=0.3)
+    assert out.shape == q.shape
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    if calls is not None:
+        assert calls == [1]
+
+
+def test_attend_callable_bias_is_evaluated_per_tile_on_chunked_and_materialised_on_dense(
+        monkeypatch):
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(9, q_len=5, kv_len=7))
+    slopes_N = jnp.array([0.5, 0.25, 0.125, 0.0625])
+    bias_fn = lambda q_idx, kv_idx: -slopes_N[None, :, None, None] * jnp.abs(
+        q_idx[:, None] + 2 - kv_idx[None, :]).astype(jnp.float32)[None, None]
+    bias_BNTS = bias_fn(jnp.arange(5), jnp.arange(7))
+    want = dot_product_attention(q, k, v, masks.Causal(), bias_BNTS)
+    np.testing.assert_array_equal(attend(q, k, v, mask=masks.Causal(), bias=bias_fn), want)
+    calls = spy(monkeypatch, attention_lib, "chunked_attention")
+    out = attend(q, k, v, mask=masks.Causal(), bias=bias_fn, impl="chunked")
+    assert calls == [1]
+    np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
+
+
+def test_attend_return_weights_runs_dense_whatever_the_impl():
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(10))
+    out, weights = attend(q, k, v, mask=masks.Causal(), impl="chunked", return_weights=True)
+    want_out, want_weights = dot_product_attention(q, k, v, masks.Causal(), return_weights=True)
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(weights, want_weights)
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+def test_attend_dropout_needs_an_rng(impl):
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(11))
+    with pytest.raises(ValueError, match="dropout_rng"):
+        attend(q, k, v, impl=impl, dropout_rate=0.1)
+    dropped = attend(q, k, v, impl=impl, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    np.testing.assert_array_equal(dropped, dot_product_attention(
+        q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0)))
 
 
 # --- the Linen layer -------------------------------------------------------------------------

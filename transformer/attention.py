@@ -1,4 +1,5 @@
-"""Scaled dot-product attention (a pure function) and the Linen multi-head attention layer.
+"""Scaled dot-product attention as pure functions, `dot_product_attention` (the dense math) and
+`attend` (picks a kernel and runs it), and the Linen multi-head attention layer.
 
 Shapes: B batch, T query length, S key length, N query heads, K key/value heads (N % K == 0:
 K == N is multi-head, 1 < K < N grouped-query, K == 1 multi-query), G = N // K, H head dim,
@@ -87,6 +88,69 @@ def dot_product_attention(
     return (out_BTNH, weights_BNTS) if return_weights else out_BTNH
 
 
+def attend(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    mask: Mask | Array | None = None,
+    bias: Array | Callable | None = None,
+    impl: str = "dense",
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    return_weights: bool = False,
+):
+    """Attention through the kernel `impl` names: what `dot_product_attention` computes.
+
+    Args:
+      query: [B, T, N, H]; key, value: [B, S, K, H] with N divisible by K.
+      mask: a `masks.Mask`, a boolean array broadcastable to [B, N, T, S], or None.
+      bias: a float array broadcastable to [B, N, T, S], or a function `bias(q_idx, kv_idx)` of
+        query and key indices (see `chunked_attention`): the chunked kernel evaluates it per
+        tile, the others materialise it.
+      impl: one of `kernels.IMPLS`, resolved by `kernels.select`: "dense"
+        (`dot_product_attention`, [B, N, T, S] logits), "chunked" (`chunked_attention`, O(T + S)
+        memory), "splash" (the Pallas TPU kernel; Pallas interpret mode elsewhere), "cudnn"
+        (cuDNN flash attention on GPU) or "auto" (by platform and length; see `kernels`).
+      scale: logit scale, default 1 / sqrt(H).
+      dropout_rate, dropout_rng: dropout on the attention weights (training only).
+      return_weights: also return the weights [B, N, T, S].
+
+    Dropout and `return_weights` always run the dense path. Returns out [B, T, N, H], or
+    (out, weights) with `return_weights`.
+
+    >>> from transformer import masks
+    >>> q, kv = jnp.ones((2, 4, 8, 16)), jnp.ones((2, 6, 2, 16))
+    >>> attend(q, kv, kv, mask=masks.Causal(), impl="chunked").shape
+    (2, 4, 8, 16)
+    >>> attend(q, kv, kv, impl="chunked", return_weights=True)[1].shape  # ran dense
+    (2, 8, 4, 6)
+    """
+    if dropout_rate or return_weights:
+        impl = "dense"
+    else:
+        platform = jax.default_backend()
+        mesh_set = not jax.sharding.get_abstract_mesh().empty
+        impl = kernels.select(impl, platform=platform, mask=mask, bias=bias, dropout=0.0,
+                              q_len=query.shape[1], kv_len=key.shape[1],
+                              head_dim=query.shape[-1], dtype=query.dtype,
+                              interpret=impl == "splash" and platform != "tpu",
+                              devices=1 if mesh_set else jax.device_count())
+    if callable(bias) and impl != "chunked":
+        bias = bias(jnp.arange(query.shape[1]), jnp.arange(key.shape[1]))
+    if impl == "chunked":
+        return chunked_attention(query, key, value, mask, bias, scale=scale)
+    if impl == "splash":
+        return kernels.splash_attention(query, key, value, mask, scale=scale,
+                                        interpret=jax.default_backend() != "tpu")
+    if impl == "cudnn":
+        return kernels.cudnn_attention(query, key, value, mask, scale=scale)
+    return dot_product_attention(query, key, value, mask, bias, scale=scale,
+                                 dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                                 return_weights=return_weights)
+
+
 def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,
            preferred_element_type=None) -> Array:
     """x [..., *kernel.shape[:contract]] times kernel -> [..., *kernel.shape[contract:]].
@@ -139,9 +203,8 @@ class MultiHeadAttention(nn.Module):
     of `inputs_kv` when given them and reuses them when `inputs_kv` is None. The decode call
     inside `init` only creates the buffers, shaped like its inputs (L = the input length).
 
-    `bias` is an array broadcastable to [B, N, T, S] or a function `bias(q_idx, kv_idx)` of
-    query and key indices (see `chunked_attention`), which the chunked path evaluates per tile
-    and the others materialise.
+    The attention itself is `attend` with `impl`: `mask` and `bias` (an array or a function of
+    query and key indices) are passed to it as given.
     """
 
     num_heads: int
@@ -176,86 +239,93 @@ class MultiHeadAttention(nn.Module):
         return_weights: bool = False,
         decode: bool = False,
     ):
+        num_kv_heads = self._num_kv_heads()
+        reuse_kv = decode and self.cross and inputs_kv is None  # a cross-attention decode step
+        self_attention = inputs_kv is None and not self.cross
+        inputs_kv = inputs_q if self_attention else inputs_kv
+        query_BTNH = self._project("query", inputs_q, self.num_heads, "heads")
+        if reuse_kv:
+            key_BSKH, value_BSKH = self._cached("cross_key"), self._cached("cross_value")
+        else:
+            key_BSKH = self._project("key", inputs_kv, num_kv_heads, "kv_heads")
+            value_BSKH = self._project("value", inputs_kv, num_kv_heads, "kv_heads")
+        if self.rope_theta is not None:
+            q_positions = _default_positions(q_positions, inputs_q.shape[1])
+            query_BTNH = self._rotate(query_BTNH, q_positions)
+            if not reuse_kv:  # cached keys were rotated before they were written
+                kv_positions = q_positions if self_attention and kv_positions is None else (
+                    _default_positions(kv_positions, inputs_kv.shape[1]))
+                key_BSKH = self._rotate(key_BSKH, kv_positions)
+        if decode and not reuse_kv:
+            key_BSKH, value_BSKH = self._update_cache(key_BSKH, value_BSKH, q_positions)
+        out_BTNH, weights_BNTS = self._attend(query_BTNH, key_BSKH, value_BSKH, mask, bias,
+                                              deterministic, return_weights)
+        out_BTD = self._output(out_BTNH, inputs_q.shape[-1])
+        return (out_BTD, weights_BNTS) if return_weights else out_BTD
+
+    def _num_kv_heads(self) -> int:
         num_kv_heads = self.num_kv_heads or self.num_heads
         if self.num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads}: expected a multiple of num_kv_heads={num_kv_heads}"
             )
-        reuse_kv = decode and self.cross and inputs_kv is None  # a cross-attention decode step
-        self_attention = inputs_kv is None and not self.cross
-        inputs_kv = inputs_q if self_attention else inputs_kv
-        d_model = inputs_q.shape[-1]
+        return num_kv_heads
 
-        def project(name, x, heads, names):
-            kernel = self.param(
-                name,
-                nn.with_logical_partitioning(projection_init(self.init_std, 0, (1, 2)), names),
-                (x.shape[-1], heads, self.head_dim),
+    def _project(self, name: str, x_BTD: Array, heads: int, heads_axis: str) -> Array:
+        """x [B, T, D] -> [B, T, heads, H] through param `name` (and `name`_bias)."""
+        names = ("embed", heads_axis, "kv")
+        kernel = self.param(
+            name,
+            nn.with_logical_partitioning(projection_init(self.init_std, 0, (1, 2)), names),
+            (x_BTD.shape[-1], heads, self.head_dim),
+            self.param_dtype,
+        )
+        y_BTNH = matmul(x_BTD, kernel, dtype=self.dtype)
+        if self.use_bias:
+            b = self.param(
+                f"{name}_bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
+                (heads, self.head_dim),
                 self.param_dtype,
             )
-            y = matmul(x, kernel, dtype=self.dtype)
-            if self.use_bias:
-                b = self.param(
-                    f"{name}_bias",
-                    nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
-                    (heads, self.head_dim),
-                    self.param_dtype,
-                )
-                y = y + b.astype(self.dtype)
-            return y
+            y_BTNH = y_BTNH + b.astype(self.dtype)
+        return y_BTNH
 
-        query_BTNH = project("query", inputs_q, self.num_heads, ("embed", "heads", "kv"))
-        if reuse_kv:
-            key_BSKH = self._cached("cross_key")
-            value_BSKH = self._cached("cross_value")
-        else:
-            key_BSKH = project("key", inputs_kv, num_kv_heads, ("embed", "kv_heads", "kv"))
-            value_BSKH = project("value", inputs_kv, num_kv_heads, ("embed", "kv_heads", "kv"))
+    def _rotate(self, x_BTNH: Array, positions: Array) -> Array:
+        """RoPE at `positions` [B or 1, T]."""
+        return positions_lib.apply_rope(x_BTNH, positions, theta=self.rope_theta,
+                                        layout=self.rope_layout, scale=self.rope_scale)
 
-        if self.rope_theta is not None:
-            rope = dict(theta=self.rope_theta, layout=self.rope_layout, scale=self.rope_scale)
-            q_positions = _default_positions(q_positions, inputs_q.shape[1])
-            query_BTNH = positions_lib.apply_rope(query_BTNH, q_positions, **rope)
-            if not reuse_kv:
-                kv_positions = q_positions if self_attention and kv_positions is None else (
-                    _default_positions(kv_positions, inputs_kv.shape[1]))
-                key_BSKH = positions_lib.apply_rope(key_BSKH, kv_positions, **rope)
+    def _update_cache(self, key_BSKH: Array, value_BSKH: Array,
+                      q_positions: Array | None) -> tuple[Array, Array]:
+        """Decode: writes the new keys and values into the cache (cross-attention: replaces
+        them; self-attention: at slots `q_positions`) and returns what to attend over."""
+        if self.cross:
+            return (self._cache("cross_key", key_BSKH, None),
+                    self._cache("cross_value", value_BSKH, None))
+        if q_positions is None:
+            raise ValueError("decode=True needs q_positions: the cache slots to write")
+        return (self._cache("key", key_BSKH, q_positions),
+                self._cache("value", value_BSKH, q_positions))
 
-        if decode and self.cross and not reuse_kv:
-            key_BSKH = self._cache("cross_key", key_BSKH, None)
-            value_BSKH = self._cache("cross_value", value_BSKH, None)
-        elif decode and not self.cross:
-            if q_positions is None:
-                raise ValueError("decode=True needs q_positions: the cache slots to write")
-            key_BSKH = self._cache("key", key_BSKH, q_positions)
-            value_BSKH = self._cache("value", value_BSKH, q_positions)
-
+    def _attend(self, query_BTNH, key_BSKH, value_BSKH, mask, bias, deterministic,
+                return_weights) -> tuple[Array, Array | None]:
+        """`attend` with this layer's kernel, scale and dropout; sows the weights into
+        'intermediates' when mutable. Returns (out [B, T, N, H], weights or None)."""
         dropout = self.dropout_rate if not deterministic else 0.0
-        weights_BNTS = None
-        impl = self._kernel(query_BTNH, key_BSKH, mask, bias, dropout, return_weights)
-        if callable(bias) and impl != "chunked":  # a per-tile bias function, materialised
-            bias = bias(jnp.arange(query_BTNH.shape[1]), jnp.arange(key_BSKH.shape[1]))
-        if impl == "chunked":
-            out_BTNH = chunked_attention(query_BTNH, key_BSKH, value_BSKH, mask, bias,
-                                         scale=self.scale)
-        elif impl == "splash":
-            out_BTNH = kernels.splash_attention(  # off TPU: Pallas interpret mode (tests)
-                query_BTNH, key_BSKH, value_BSKH, mask, scale=self.scale,
-                interpret=jax.default_backend() != "tpu")
-        elif impl == "cudnn":
-            out_BTNH = kernels.cudnn_attention(query_BTNH, key_BSKH, value_BSKH, mask,
-                                               scale=self.scale)
-        else:
-            out_BTNH, weights_BNTS = dot_product_attention(
-                query_BTNH, key_BSKH, value_BSKH, mask, bias,
-                scale=self.scale,
-                dropout_rate=dropout,
-                dropout_rng=self.make_rng("dropout") if dropout > 0.0 else None,
-                return_weights=True,
-            )
-        if self.is_mutable_collection("intermediates"):
+        sow = self.is_mutable_collection("intermediates")
+        want_weights = return_weights or sow  # forces the dense path
+        result = attend(query_BTNH, key_BSKH, value_BSKH, mask=mask, bias=bias, impl=self.impl,
+                        scale=self.scale, dropout_rate=dropout,
+                        dropout_rng=self.make_rng("dropout") if dropout > 0.0 else None,
+                        return_weights=want_weights)
+        out_BTNH, weights_BNTS = result if want_weights else (result, None)
+        if sow:
             self.sow("intermediates", "attention_weights", weights_BNTS)
+        return out_BTNH, weights_BNTS
 
+    def _output(self, out_BTNH: Array, d_model: int) -> Array:
+        """W_o: [B, T, N, H] -> [B, T, D] (plus the output bias)."""
         out_init = projection_init(
             self.out_init_std if self.out_init_std is not None else self.init_std, (0, 1), 2
         )
@@ -274,7 +344,7 @@ class MultiHeadAttention(nn.Module):
                 self.param_dtype,
             )
             out_BTD = out_BTD + b_out.astype(self.dtype)
-        return (out_BTD, weights_BNTS) if return_weights else out_BTD
+        return out_BTD
 
     def _cache(self, name: str, new_BTKH: Array, slots_BT: Array | None) -> Array:
         """Cache buffer `name` with `new` [B, T, K, H] written at slots `slots_BT` [B, T] (or
@@ -295,19 +365,6 @@ class MultiHeadAttention(nn.Module):
             kv_heads = jnp.arange(heads)[None, :, None]
             buffer.value = buffer.value.at[rows, kv_heads, slots_BT[:, None, :]].set(new_BKTH)
         return buffer.value.transpose(0, 2, 1, 3)
-
-    def _kernel(self, query, key, mask, bias, dropout, return_weights) -> str:
-        """The attention implementation for these inputs (see `kernels.select`). Dropout on
-        the weights and requests for the weights always run the dense path."""
-        if dropout or return_weights or self.is_mutable_collection("intermediates"):
-            return "dense"
-        platform = jax.default_backend()
-        return kernels.select(self.impl, platform=platform, mask=mask, bias=bias, dropout=0.0,
-                              q_len=query.shape[1], kv_len=key.shape[1],
-                              head_dim=query.shape[-1], dtype=query.dtype,
-                              interpret=self.impl == "splash" and platform != "tpu",
-                              devices=1 if not jax.sharding.get_abstract_mesh().empty
-                              else jax.device_count())
 
     def _cached(self, name: str) -> Array:
         """A cache buffer as [B, L, K, H], for decode steps that only read it."""
