@@ -25,7 +25,7 @@ import ml_collections
 import optax
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation, fileio, optim, sharding
+from transformer import evaluation, fileio, finetune, optim, sharding
 from transformer import metrics as metrics_lib
 from transformer import placement as placement_lib
 from transformer.configs import validate_config
@@ -172,8 +172,6 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     if state is None:
         state = init(jax.random.key(config.seed))
         if config.get("init_from"):
-            from transformer import finetune
-
             params, report = finetune.load_params(config.init_from, state.params,
                                                   state_sharding.params)
             state = state.replace(params=params)

@@ -33,7 +33,7 @@ _OPTIONAL_FIELDS = {"num_kv_heads": int, "head_dim": int, "init_std": float,
 
 def family_of(config: ml_collections.ConfigDict) -> Family:
     """The `Family` of a run config (or of its `model` group), or a one-line error."""
-    name = (config.model if "model" in config else config).family
+    name = getattr(config, "model", config).family
     if name not in FAMILIES:
         raise ValueError(f"model.family={name!r}: expected one of {tuple(FAMILIES)}")
     return FAMILIES[name]
