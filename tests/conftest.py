@@ -1,10 +1,24 @@
 """Shared test settings."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # With the tpu extra installed, every process that starts JAX loads libtpu, which by default
 # locks /tmp/libtpu_lockfile for the process's lifetime: the AOT tests' subprocesses need it too.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+# One persistent XLA compilation cache per test session, shared with the CLI subprocesses
+# (they inherit the environment): dozens of runs compile the same tiny train and eval steps.
+# A compiled program is the same with or without the cache; `JAX_COMPILATION_CACHE_DIR=` (empty)
+# turns it off.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="transformer-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 import jax  # noqa: E402
 

@@ -203,6 +203,7 @@ def init_mha(seed=0, **kwargs):
     return layer, variables, x
 
 
+@pytest.mark.slow
 def test_mha_equals_per_head_projection_concat_and_output_projection():
     layer, variables, x = init_mha(num_kv_heads=2, use_bias=True)
     p = nn.unbox(variables)["params"]

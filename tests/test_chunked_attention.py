@@ -71,12 +71,14 @@ MASKS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MASKS))
 def test_matches_dense_reference(name):
     """T = S = 37 with 16-tiles: ragged last tiles on both sides, GQA (4 query, 2 kv heads)."""
     assert_matches(*qkvw(0), MASKS[name]())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q_len,kv_len,mask", [
     (21, 37, masks.Causal()),
     (1, 37, masks.Causal()),
@@ -87,6 +89,7 @@ def test_fewer_queries_than_keys(q_len, kv_len, mask):
     assert_matches(*qkvw(1, q_len=q_len, kv_len=kv_len), mask, q_chunk=8, kv_chunk=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads", [4, 1])  # MHA, MQA (every other test is GQA)
 def test_grouped_query_heads(kv_heads):
     assert_matches(*qkvw(2, kv_heads=kv_heads), masks.Causal())
@@ -162,6 +165,7 @@ def test_alibi_bias_callable():
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_learned_t5_bias_callable_gets_gradients():
     """A bias callable closing over learned parameters: the table's gradient matches dense."""
     q, k, v, w = qkvw(9)
@@ -264,6 +268,7 @@ def test_mask_spec_is_traced_per_loop_body_not_per_tile():
     assert 1 <= traced["n"] <= 2  # forward PARTIAL loop and backward PARTIAL loop, 36 tiles
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl, position, length", [
     ("chunked", "rope", 37), ("chunked", "alibi", 37), ("chunked", "t5", 37),
     ("splash", "rope", 128),  # the Pallas TPU kernel in interpret mode; lengths of 128k
@@ -300,6 +305,7 @@ def test_a_model_with_chunked_attention_equals_the_dense_model(impl, position, l
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("position", ["alibi", "t5"])
 def test_chunked_models_never_hold_a_full_position_bias(position):
     """At 2048 tokens a [1, 4, T, T] float32 bias is 64 MiB; the chunked model's whole forward

@@ -59,6 +59,7 @@ def cached_logits(model, params, tokens_BT, prompt_lengths, prefix_lengths=None)
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     dict(position="rope"), dict(position="learned"), dict(position="sinusoidal"),
     dict(position="alibi"), dict(position="t5"), dict(position="none"),
@@ -76,6 +77,7 @@ def test_cached_decoding_equals_full_recomputation(overrides):
     np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_prefix_lm_cached_decoding_equals_full_recomputation():
     model = build_model(model_config("prefix_lm", position="rope"))
     sequence = tokens((2, LENGTH), seed=1)
@@ -89,6 +91,7 @@ def test_prefix_lm_cached_decoding_equals_full_recomputation():
     assert np.abs(causal[:, :PROMPT] - full[:, :PROMPT]).max() > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_t5_cached_decoding_reuses_the_encoder_and_equals_full_recomputation(scan_layers):
     model = build_model(model_config("t5", position="t5", scan_layers=scan_layers,

@@ -142,6 +142,7 @@ def test_match_reports_loaded_new_and_dropped_and_rejects_mismatches():
         finetune.match(source, unrolled, "src")
 
 
+@pytest.mark.slow
 def test_init_from_a_hugging_face_bert_loads_the_converted_weights(tmp_path):
     transformers = pytest.importorskip("transformers")
     from transformer import convert
@@ -222,6 +223,7 @@ def restored_params(workdir: Path) -> dict:
     return finetune._flat(state["state"]["params"])
 
 
+@pytest.mark.slow
 def test_pretrain_then_fine_tune_a_frozen_encoder_then_evaluate_through_the_cli(play, tmp_path):
     pretrained = tmp_path / "pretrained"
     config = configs.experiment("bert_mlm")  # the architecture bert_finetune_cls.py starts from
@@ -264,6 +266,7 @@ def test_pretrain_then_fine_tune_a_frozen_encoder_then_evaluate_through_the_cli(
     assert "true \\ predicted" in result.stdout
 
 
+@pytest.mark.slow
 def test_t5_text_to_text_scores_exact_match_and_ranks_the_class_names(play, tmp_path):
     config = task_config(play, family="t5", objective="text2text", steps=2)
     result = train.train_and_evaluate(config, str(tmp_path / "t5_text2text"))

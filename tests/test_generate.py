@@ -181,6 +181,7 @@ def test_beam_search_with_every_prefix_kept_finds_the_best_sequence(alpha):
 # --- models -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt", "prefix_lm", "t5"])
 def test_batched_prompts_of_different_lengths_decode_as_alone(models, family):
     model, params = models[family]
@@ -199,6 +200,7 @@ def test_batched_prompts_of_different_lengths_decode_as_alone(models, family):
         np.testing.assert_array_equal(jnp.argmax(logits[0, 4:], -1), tokens[0])
 
 
+@pytest.mark.slow
 def test_decode_stops_each_row_at_eos_and_sampling_is_seeded(models):
     model, params = models["gpt"]
     greedy, _ = generate.decode(model, params, PROMPTS, max_new_tokens=6, eos_id=None)
@@ -234,6 +236,7 @@ def test_streaming_in_chunks_gives_the_same_tokens(models):
     np.testing.assert_array_equal(seen[-1], tokens)
 
 
+@pytest.mark.slow
 def test_t5_beam_search_scores_are_length_penalized_log_probabilities(models):
     model, params = models["t5"]
     tokens, lengths, scores = generate.beam_search(model, params, PROMPTS, beam_size=3,
@@ -262,6 +265,7 @@ def test_t5_beam_search_scores_are_length_penalized_log_probabilities(models):
         np.testing.assert_array_equal(beam_row[:stop], row[:stop])
 
 
+@pytest.mark.slow
 def test_sample_texts():
     tokenizer = tokenizers.ByteTokenizer(num_sentinels=0)
     small = default_model_config()

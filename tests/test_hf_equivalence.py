@@ -107,6 +107,7 @@ def max_logit_difference(case: str, dtype: str) -> float:
     return float(np.abs(got - expected).max() / max(1.0, np.abs(expected).max()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_hf(case, dtype):
@@ -123,6 +124,7 @@ def test_gpt2_conversion_is_causal():
     assert not np.allclose(apply(changed)[:, 7:], apply(ids)[:, 7:])
 
 
+@pytest.mark.slow
 def test_scanned_conversion_gives_the_same_logits():
     hf = randomized(transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=3, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0,

@@ -63,6 +63,7 @@ SPLASH_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SPLASH_CASES))
 def test_splash_matches_reference(name):
     mask, q_len, kv_len, heads, kv_heads = SPLASH_CASES[name]
@@ -88,6 +89,7 @@ def value_and_grads(attend, q, k, v, w):
     return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mask", [
     masks.Causal(),
     masks.Causal() & masks.Padding(q_lengths=jnp.array([200, 256]),

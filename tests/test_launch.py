@@ -194,6 +194,7 @@ def _step(call: list[str]) -> str:
 # --- ahead-of-time compilation ------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_a_tiny_gpt_compiles_for_a_v5p_slice_and_reports_its_memory():
     from launch import aot
@@ -221,6 +222,7 @@ def test_a_tiny_gpt_compiles_for_a_v5p_slice_and_reports_its_memory():
     assert "fits" in aot.format_report(report, config).splitlines()[-1]
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_a_model_too_big_for_hbm_exits_non_zero():
     result = subprocess.run(

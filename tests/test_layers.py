@@ -60,6 +60,7 @@ def test_feed_forward_equals_formula(activation):
     np.testing.assert_allclose(MLP(cfg).apply(variables, x), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("approximate", [False, True])
 def test_gelu_with_its_own_jvp_equals_jax_nn_gelu_to_second_order(approximate):
     fn = gelu_tanh if approximate else gelu
@@ -110,6 +111,7 @@ def init_stack(cfg, x, mask, cross=False, bidirectional=True, **kwargs):
     return stack, variables
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("position", ["none", "learned", "rope", "alibi", "t5"])
 def test_decoder_stack_leaks_no_future(position):
     cfg = TransformerConfig(**SMALL, position=position, max_len=16)
@@ -155,6 +157,7 @@ def test_self_attention_is_permutation_equivariant_only_without_positions(positi
         assert not np.allclose(out_of_permuted, out[:, perm], atol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("position", ["none", "learned", "rope", "alibi", "t5"])
 def test_packed_batch_equals_each_document_alone(position):
     cfg = TransformerConfig(**SMALL, position=position, max_len=16)
@@ -173,6 +176,7 @@ def test_packed_batch_equals_each_document_alone(position):
         start += n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("position,cross,remat", [("rope", False, "none"), ("t5", True, "full"),
                                                  ("learned", True, "dots")])
 def test_scanned_and_unrolled_stacks_agree(position, cross, remat):
@@ -228,6 +232,7 @@ def test_dropout_only_when_not_deterministic():
     np.testing.assert_array_equal(train(3), train(3))
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_params():
     cfg = TransformerConfig(**SMALL, dtype="bfloat16")
     x = inputs()

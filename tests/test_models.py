@@ -50,6 +50,7 @@ def family_loss(family, model, params, tokens_BT, rng):
     return loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt", "prefix_lm", "bert", "t5", "lstm"])
 def test_every_family_trains_with_decreasing_loss(family):
     model = build_model(small_config(family))
@@ -77,6 +78,7 @@ def test_every_family_trains_with_decreasing_loss(family):
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
 
 
+@pytest.mark.slow
 def test_prefix_lm_sees_the_prefix_bidirectionally_and_the_rest_causally():
     model = build_model(small_config("prefix_lm", position="rope"))
     tokens = jnp.asarray(np.random.default_rng(1).integers(4, VOCAB, (1, 10)))
@@ -103,6 +105,7 @@ def test_bert_classifier_reads_cls_and_ignores_padding():
     np.testing.assert_allclose(changed[1], logits[1], atol=1e-5)  # padding is invisible
 
 
+@pytest.mark.slow
 def test_t5_padding_in_the_encoder_is_invisible_to_the_decoder():
     model = build_model(small_config("t5", position="t5", norm="rmsnorm", use_bias=False))
     assert isinstance(model, EncoderDecoder)
@@ -117,6 +120,7 @@ def test_t5_padding_in_the_encoder_is_invisible_to_the_decoder():
     assert "relative_position_bias" not in params["params"]["encoder"]["layers_0"]
 
 
+@pytest.mark.slow
 def test_lstm_is_causal_and_resets_at_document_boundaries():
     model = LSTMLM(VOCAB, d_model=16, num_layers=2)
     docs = [jnp.asarray(np.random.default_rng(5 + i).integers(4, VOCAB, (1, n)))
@@ -150,3 +154,55 @@ def test_optional_config_fields_accept_typed_overrides():
     params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     assert params["params"]["decoder"]["layers_0"]["self_attention"]["key"].value.shape == (
         32, 2, 8)
+
+
+# --- the family table -----------------------------------------------------------------------
+
+
+def _pretraining_batch(config):
+    """One batch of the real pipeline for the family's pretraining objective (text families)."""
+    from transformer.data import pipeline, tokenizers
+
+    tokenizer = tokenizers.build_tokenizer("byte", num_sentinels=config.data.num_sentinels)
+    docs = [(np.arange(n) % 200 + 10).astype(np.int32) for n in (70, 23)]  # uneven lengths
+    dataset = pipeline.make_dataset(
+        docs, objective=pipeline.objective_for(config), tokenizer=tokenizer,
+        seq_len=config.seq_len, batch_size=2, seed=0, rows=[0, 1], prefetch=0,
+        mlm_rate=config.data.mlm_rate, noise_density=config.data.noise_density,
+        mean_span_length=config.data.mean_span_length)
+    return next(iter(dataset))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "prefix_lm", "bert", "t5", "lstm", "vit", "clip",
+                                  "captioner"])
+def test_every_family_in_the_table_builds_initializes_and_runs_from_its_entry(name):
+    """A family's table entry alone drives building, initializing (`state.initial_state`) and
+    the loss: its declared inputs and features are what the pipeline feeds it."""
+    from transformer import sharding, state
+    from transformer.configs import base_config
+    from transformer.data import pipeline
+    from transformer.models import FAMILIES, family_of
+
+    family = FAMILIES[name]
+    config = base_config()
+    config.seq_len = 16
+    config.model.update(family=name, num_layers=1, d_model=16, num_heads=2, d_ff=32,
+                        vocab_size=384, num_classes=3 if family.classifier(config.model) else 0)
+    assert family_of(config) is family and family.name == name
+    assert pipeline.objective_for(config) == family.objective
+    model = build_model(config.model)
+    abstract, shardings, init = state.initial_state(
+        config, model, sharding.make_mesh(config.mesh, jax.devices()[:1]))
+    assert abstract.opt_state is None and state.num_params(abstract) > 0
+    params = init(jax.random.key(0)).params
+    if family.objective in pipeline.OBJECTIVES:  # text: a real pipeline batch
+        batch = _pretraining_batch(config)
+        assert set(family.inputs + family.features) <= set(batch), sorted(batch)
+        assert all(family.loss_and_metrics(model, config, params, {**batch, name: None})
+                   for name in family.optional_features)  # absent optional features
+        loss, metrics = family.loss_and_metrics(model, config, params, batch)
+        assert np.isfinite(loss) and metrics["num_tokens"] > 0
+    else:  # images: the example batch the state was built from
+        logits = family.logits(model, params, state.example_batch(config))
+        assert logits.shape[0] == 1 and np.all(np.isfinite(logits))

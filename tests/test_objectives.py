@@ -391,6 +391,7 @@ def span_batch(length, density, mean, batch=64, seed=0):
     return tokens, np.asarray(inputs), np.asarray(targets)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length,density,mean", SPAN_CONFIGS)
 def test_span_corrupt_static_shapes_match_lengths_formula(length, density, mean):
     tokens, inputs, targets = span_batch(length, density, mean)

@@ -123,6 +123,7 @@ def select_rows(batch_list, rows):
     return [{k: v[list(rows)] for k, v in b.items()} for b in batch_list]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", pipeline.OBJECTIVES)
 def test_the_global_batch_does_not_depend_on_which_process_reads_which_rows(objective):
     kw = dict(objective=objective, batch_size=4, num_epochs=None, n=6)
@@ -174,6 +175,7 @@ def test_each_row_streams_only_its_own_documents(objective):
         assert seen[r] and all(d % B == r for d in seen[r]), (r, sorted(seen[r]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["mlm", "span_corruption", "prefix_lm"])
 def test_converting_a_batch_equals_converting_each_row_in_turn(objective):
     raw = batches("next_token", docs=documents(), batch_size=3, seq_len=16, n=1)[0]
@@ -350,6 +352,7 @@ TWO_PROCESS_CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_processes_assemble_exactly_the_single_process_global_batches():
     import socket
 

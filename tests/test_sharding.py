@@ -225,12 +225,14 @@ def mesh_results(tmp_path_factory):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_batch_the_data_parallel_size_does_not_divide_is_a_one_line_error(mesh_results):
     error = mesh_results["batch_error"]
     assert error is not None and "\n" not in error
     assert "batch_size=12" in error and "data-parallel size 8" in error, error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["8,1,1", "1,8,1", "2,2,2", "1,2,4"])
 def test_each_mesh_gives_the_single_device_losses(mesh_results, mesh):
     single, sharded = mesh_results["single"], mesh_results[mesh]
@@ -238,6 +240,7 @@ def test_each_mesh_gives_the_single_device_losses(mesh_results, mesh):
     assert sharded["max_param_diff"] < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, name, spec, shard_shape, num_shards", [
     # embedding [vocab 64, embed 32]: vocab over tensor, embed over fsdp
     ("8,1,1", "embedding", "P('tensor', 'fsdp')", [64, 32], 1),  # pure data parallel
@@ -253,6 +256,7 @@ def test_params_are_sharded_by_the_rules(mesh_results, mesh, name, spec, shard_s
     assert layout == {"spec": spec, "shard_shape": shard_shape, "num_shards": num_shards}
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_on_one_mesh_continues_on_another(mesh_results):
     """Saved on 8 devices with fsdp=8, restored on 4 as data=2 x fsdp=2."""
     reshard = mesh_results["reshard"]
@@ -262,6 +266,7 @@ def test_a_checkpoint_saved_on_one_mesh_continues_on_another(mesh_results):
     assert reshard["max_param_diff"] < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["2,2,2", "4,1,2"])
 def test_splash_runs_per_device_in_shard_map_and_matches_dense(mesh_results, mesh):
     """Packed causal rows with GQA (4 query heads, 2 KV heads): output and q/k/v gradients of
@@ -271,6 +276,7 @@ def test_splash_runs_per_device_in_shard_map_and_matches_dense(mesh_results, mes
     assert result["max_diff"] < 1e-4
 
 
+@pytest.mark.slow
 def test_a_gpt_with_splash_on_a_mesh_matches_dense_on_one_device(mesh_results):
     assert mesh_results["splash"]["gpt_2,2,2"]["max_diff"] < 1e-5
 
@@ -330,6 +336,7 @@ def step_losses(workdir: Path) -> dict[int, float]:
     return losses
 
 
+@pytest.mark.slow
 def test_two_processes_train_checkpoint_resume_like_one(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()

@@ -19,6 +19,8 @@ from transformer import evaluate as evaluate_lib
 from transformer import sweep
 from transformer.configs import base_config
 
+pytestmark = pytest.mark.slow  # end-to-end runs through the CLI
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
 TRAIN_LEN, LONG_LEN = 16, 40

@@ -219,6 +219,7 @@ def experiment_runs(request, tmp_path_factory):
             run.process.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", EXPERIMENTS)
 def test_every_experiment_runs_end_to_end_through_the_cli(experiment_runs, spec):
     workdir, result = experiment_runs(spec)
@@ -239,6 +240,7 @@ def test_every_experiment_runs_end_to_end_through_the_cli(experiment_runs, spec)
 # --- 2. SIGTERM, then exact resume ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_cleanly_and_the_resumed_run_is_bitwise_identical(tmp_path):
     """One run is stopped by SIGTERM mid-way and rerun to the end; another runs uninterrupted.
     Both must end with the same bits in every array of the train state, and log the same
@@ -364,6 +366,7 @@ def test_compiler_options_default_per_compute_dtype_and_config_options_extend_th
 # --- 4. evaluation of a saved run -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_evaluate_restores_a_saved_workdir(experiment_runs, tmp_path):
     workdir, result = experiment_runs("gpt_tiny.py")
     assert_succeeded(result)
@@ -391,9 +394,30 @@ def test_evaluate_restores_a_saved_workdir(experiment_runs, tmp_path):
         evaluate_lib.evaluate_workdir(str(tmp_path / "no_complete_checkpoint"))
 
 
+@pytest.mark.slow
+def test_restore_params_reads_the_saved_params_into_the_given_mesh(experiment_runs):
+    """Params only: bitwise the checkpoint's, laid out on the mesh given (or the run's)."""
+    from transformer import checkpoint as checkpoint_lib
+    from transformer import sharding
+
+    workdir, result = experiment_runs("gpt_tiny.py")
+    assert_succeeded(result)
+    saved = load_state(workdir, EXPERIMENT_STEPS)["params"]
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    restored = checkpoint_lib.restore_params(str(workdir), mesh=mesh)
+    assert restored.step == EXPERIMENT_STEPS and restored.config.experiment == "gpt_tiny"
+    assert flat(jax.device_get(restored.params)).keys() == flat(saved).keys()
+    for name, value in flat(jax.device_get(restored.params)).items():
+        np.testing.assert_array_equal(value, flat(saved)[name], err_msg=name)
+    assert all(leaf.sharding.mesh == mesh for leaf in jax.tree.leaves(restored.params))
+    with pytest.raises(ValueError, match=re.escape("expected one of the saved steps")):
+        checkpoint_lib.restore_params(str(workdir), step=EXPERIMENT_STEPS + 1)
+
+
 # --- 5. structural restore check ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_generate_cli_continues_a_prompt_from_a_saved_workdir(experiment_runs, tmp_path):
     """The generation CLI loads the latest checkpoint and tokenizer: greedy decoding of a GPT
     equals the library call on the same params; a T5 run answers with beam search."""
@@ -415,6 +439,7 @@ def test_generate_cli_continues_a_prompt_from_a_saved_workdir(experiment_runs, t
     assert_succeeded(beam)
 
 
+@pytest.mark.slow
 def test_restore_names_structural_differences(experiment_runs):
     workdir, result = experiment_runs("gpt_tiny.py")
     assert_succeeded(result)
@@ -443,6 +468,7 @@ def diverged_run(tmp_path_factory):
     return workdir, str(error.value)
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(diverged_run,
                                                                          tmp_path):
     workdir, message = diverged_run
@@ -468,6 +494,7 @@ def test_nan_error_names_the_step_the_logs_call_it(diverged_run):
     assert re.search(r"\bstep 3\b", message), message
 
 
+@pytest.mark.slow
 def test_a_non_finite_update_is_never_checkpointed(tmp_path):
     # lr 1e39 overflows float32: the schedule gives NaN, so step 1's update is NaN while step
     # 1's loss and gradients (computed before the update) are finite.
@@ -479,6 +506,7 @@ def test_a_non_finite_update_is_never_checkpointed(tmp_path):
         assert all_finite(load_state(tmp_path, step)), f"checkpoint {step} holds NaN/Inf"
 
 
+@pytest.mark.slow
 def test_skip_stops_after_max_nonfinite_skips_in_a_row(tmp_path):
     config = tiny_config(steps=6, checkpoint_every=1, nonfinite="skip", max_nonfinite_skips=1,
                          **DIVERGING)
@@ -491,6 +519,7 @@ def test_skip_stops_after_max_nonfinite_skips_in_a_row(tmp_path):
 # --- 7. gradient accumulation ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_the_full_batch(tmp_path):
     """Token-weighted micro-batch gradients equal the full batch's. Prefix-LM rows carry loss
     on a random number of tokens, so the micro-batches' token counts differ and a plain mean
@@ -511,6 +540,7 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
                                                             rel=1e-5), name
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_tracks_float32_training(tmp_path):
     """Mixed precision (params float32, matmuls in bfloat16, softmax and loss in float32) gives
     the float32 run's losses within bfloat16 rounding over several steps, and leaves the params
@@ -543,6 +573,7 @@ def _damage(step_dir: Path, how: str) -> None:
         (state / "_METADATA").unlink()
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_fall_back_to_the_newest_usable_one(tmp_path, caplog):
     """A truncated newest step and a step with a deleted file are skipped with warnings naming
     them and moved to checkpoints.damaged/; the run resumes from the newest usable step and ends
@@ -587,6 +618,7 @@ def test_damaged_checkpoints_fall_back_to_the_newest_usable_one(tmp_path, caplog
     assert max(old_steps) == 6  # the old run's metrics moved along, not dropped
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_write_is_reported_and_keeps_the_previous_one(tmp_path,
                                                                           monkeypatch):
     """Disk full while saving step 4 (an injected ENOSPC from Orbax): the run stops with an
@@ -639,6 +671,7 @@ def test_config_values_get_one_line_errors_before_anything_runs(overrides, messa
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_ctrl_c_twice_exits_at_once_and_leaves_only_complete_checkpoints(tmp_path):
     """The first Ctrl-C asks for a checkpoint at the next step boundary; a second one right
     after exits without waiting for the run to finish. Whatever is on disk then is complete:
@@ -677,6 +710,7 @@ def test_ctrl_c_twice_exits_at_once_and_leaves_only_complete_checkpoints(tmp_pat
     assert max(checkpoint_steps(workdir)) == final
 
 
+@pytest.mark.slow
 def test_an_exploding_gradient_norm_stops_or_is_skipped_like_nan(tmp_path):
     """max_grad_norm: a finite but exploding step is bad. "stop" names the step and its batch
     and saves nothing from it; "skip" leaves the params untouched and counts the skips."""

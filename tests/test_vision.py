@@ -46,6 +46,7 @@ def permute_patches(image, patch, order):
     return vision.unpatchify(patches[:, order], patch, image.shape[1], image.shape[2])
 
 
+@pytest.mark.slow
 def test_vit_without_positions_ignores_the_order_of_patches():
     """[CLS] pooling (mean pooling is symmetric by construction; the encoder's equivariance
     is tested below)."""
@@ -63,6 +64,7 @@ def test_vit_without_positions_ignores_the_order_of_patches():
         assert np.allclose(logits, moved, atol=1e-5) == invariant, patch_position
 
 
+@pytest.mark.slow
 def test_vit_encoder_is_permutation_equivariant_over_patches_without_positions():
     config = base_config().model
     config.update(family="vit", num_classes=3, pooling="mean", patch_position="none", **TINY)
@@ -108,6 +110,7 @@ def test_contrastive_loss_matches_the_papers_pseudo_code_and_is_symmetric():
     assert float(metrics["num_tokens"]) == 12
 
 
+@pytest.mark.slow
 def test_clip_logits_are_scaled_cosines_with_a_clipped_temperature():
     config = base_config().model
     config.update(family="clip", projection_dim=16, vocab_size=300, **TINY)
@@ -147,6 +150,7 @@ def test_digits_splits_are_disjoint_and_captions_name_the_digit():
     assert batch["images"].shape == (8, 8, 8, 1) and 0 <= batch["images"].min()
 
 
+@pytest.mark.slow
 def test_clip_shards_checkpoints_and_resumes_through_the_cli(tmp_path):
     """CLIP is just another param tree: 4 devices as data=2 x fsdp=2, 2 steps, then a resumed
     run to step 3, evaluated zero-shot on the test split."""
@@ -176,6 +180,7 @@ def test_clip_shards_checkpoints_and_resumes_through_the_cli(tmp_path):
         configs.validate_config(config)
 
 
+@pytest.mark.slow
 def test_the_captioner_reads_the_image_through_cross_attention_and_writes_causally():
     config = base_config().model
     config.update(family="captioner", vocab_size=300, **{**TINY, "position": "learned"})

@@ -250,6 +250,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_cli_draws_a_saved_run(tmp_path):
     from transformer import train
 

@@ -38,7 +38,8 @@ class Family:
     name: the `model.family` value.
     build: model config group -> the Linen module.
     inputs: batch features passed positionally to `model.apply` (and to `model.init`).
-    features: batch features passed by keyword (None when the batch lacks them).
+    features: batch features passed by keyword.
+    optional_features: batch features passed by keyword when the batch has them.
     objectives: the `data.objective`s it trains on; the first is its pretraining objective.
     loss: (logits, batch, z_loss=, label_smoothing=) -> (loss, metrics with num_tokens).
     decoding: how it generates text: "causal" (KV cache), "prefix" (bidirectional prompt, KV
@@ -58,6 +59,7 @@ class Family:
     inputs: tuple[str, ...]
     objectives: tuple[str, ...]
     features: tuple[str, ...] = ()
+    optional_features: tuple[str, ...] = ()
     loss: Callable = token_loss
     decoding: str | None = None
     attention: bool = True
@@ -80,8 +82,9 @@ class Family:
 
     def logits(self, model: nn.Module, params, batch, *, rngs=None, deterministic=True):
         """The model's logits for a batch of pipeline features (transformer.data.pipeline)."""
-        return model.apply({"params": params}, *self.init_args(batch),
-                           **{name: batch.get(name) for name in self.features},
+        features = {name: batch[name] for name in self.features}
+        features.update({name: batch[name] for name in self.optional_features if name in batch})
+        return model.apply({"params": params}, *self.init_args(batch), **features,
                            rngs=rngs or {}, deterministic=deterministic)
 
     def loss_and_metrics(self, model, config, params, batch, rng=None, deterministic=True):

@@ -115,6 +115,6 @@ def _build(model_config) -> EncoderDecoder:
 
 # Padded rows (fine-tuning) mark their encoder padding with segment ids.
 T5 = Family("t5", _build, inputs=("encoder_inputs", "decoder_inputs"),
-            features=("encoder_segment_ids",), objectives=("span_corruption", "text2text"),
+            optional_features=("encoder_segment_ids",), objectives=("span_corruption", "text2text"),
             decoding="encoder_decoder", attention_maps=True,
             stacks=("num_layers", "num_decoder_layers"))
