@@ -95,6 +95,7 @@ def test_grouped_query_heads(kv_heads):
     assert_matches(*qkvw(2, kv_heads=kv_heads), masks.Causal())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q_chunk,kv_chunk", [(8, 16), (64, 64), (1, 5)])
 def test_tile_sizes(q_chunk, kv_chunk):
     """Unequal tiles, tiles longer than the sequence, single-query tiles."""
@@ -151,6 +152,7 @@ def test_dense_bias_and_its_gradient(shape):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=f"d{name}")
 
 
+@pytest.mark.slow
 def test_alibi_bias_callable():
     q, k, v, w = qkvw(8, q_len=21, kv_len=37)
     offset = 37 - 21  # queries are the last 21 positions

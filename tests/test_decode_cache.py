@@ -117,6 +117,7 @@ def test_t5_cached_decoding_reuses_the_encoder_and_equals_full_recomputation(sca
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_decode_needs_positions():
     model = build_model(model_config())
     sequence = tokens((1, LENGTH))

@@ -114,6 +114,7 @@ def test_logits_match_hf(case, dtype):
     assert max_logit_difference(case, dtype) <= TOLERANCE[dtype]
 
 
+@pytest.mark.slow
 def test_gpt2_conversion_is_causal():
     hf, _, (ids,), _, _ = gpt2()
     config, params = convert.from_hf(randomized(hf).config, hf.state_dict())

@@ -202,6 +202,7 @@ def test_scanned_and_unrolled_stacks_agree(position, cross, remat):
                  g_scanned, g_unrolled)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True])
 def test_every_param_has_logical_axis_names(scan):
     cfg = TransformerConfig(**SMALL, position="t5", activation="swiglu", scan_layers=scan)

@@ -94,6 +94,7 @@ def test_prefix_lm_sees_the_prefix_bidirectionally_and_the_rest_causally():
     assert not np.allclose(causal[0, 0], base[0, 0])
 
 
+@pytest.mark.slow
 def test_bert_classifier_reads_cls_and_ignores_padding():
     model = build_model(small_config("bert", head="classify", num_classes=3))
     tokens = jnp.asarray(np.random.default_rng(2).integers(4, VOCAB, (2, 8))).at[:, 0].set(CLS)

@@ -306,6 +306,7 @@ def _t5_setup(**kw):
     return mod, params
 
 
+@pytest.mark.slow
 def test_t5_bias_equals_rel_embedding_gathered_by_bucket():
     for bidirectional in [True, False]:
         kw = dict(bidirectional=bidirectional, num_buckets=8, max_distance=20)

@@ -489,6 +489,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(diverge
     assert all_finite(result["state"].params)
 
 
+@pytest.mark.slow
 def test_nan_error_names_the_step_the_logs_call_it(diverged_run):
     _, message = diverged_run
     assert re.search(r"\bstep 3\b", message), message
