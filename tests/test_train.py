@@ -620,6 +620,23 @@ def test_damaged_checkpoints_fall_back_to_the_newest_usable_one(tmp_path, caplog
 
 
 @pytest.mark.slow
+def test_old_checkpoints_leave_by_one_rename_then_are_removed(tmp_path, monkeypatch):
+    """Steps past keep_checkpoints are renamed into checkpoints/deleted/ before removal (so a
+    run stopped mid-removal, e.g. by a second Ctrl-C, leaves no half-deleted step behind), and
+    that folder is emptied before the next save and at the end."""
+    from transformer import checkpoint as checkpoint_lib
+
+    config = tiny_config(steps=4, checkpoint_every=1, keep_checkpoints=2)
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["3", "4"]
+    monkeypatch.setattr(checkpoint_lib.Manager, "_empty_deleted", lambda self: None)
+    train.train_and_evaluate(config, str(tmp_path / "kept"))
+    checkpoints = tmp_path / "kept" / "checkpoints"
+    assert checkpoint_steps(tmp_path / "kept") == [3, 4]
+    assert sorted(p.name for p in (checkpoints / "deleted").iterdir()) == ["1", "2"]
+
+
+@pytest.mark.slow
 def test_a_failed_checkpoint_write_is_reported_and_keeps_the_previous_one(tmp_path,
                                                                           monkeypatch):
     """Disk full while saving step 4 (an injected ENOSPC from Orbax): the run stops with an

@@ -32,6 +32,7 @@ from transformer import state as state_lib
 from transformer.models import build_model
 
 CHECKPOINTS = "checkpoints"  # WORKDIR/checkpoints/<step>/{state,data,config}
+_DELETED = "deleted"  # WORKDIR/checkpoints/deleted/<step>: old steps on their way out
 
 # Model settings that may change between a checkpoint and the run restoring it.
 _NON_STRUCTURAL = {"dropout_rate", "attention_dropout_rate", "remat_policy", "dtype",
@@ -69,9 +70,13 @@ class Manager:
 
     def __init__(self, workdir: str, config: ml_collections.ConfigDict):
         self.config = config
+        # Steps past keep_checkpoints are first renamed into WORKDIR/checkpoints/deleted/ (one
+        # atomic rename), then removed from there: a run stopped mid-removal never leaves a
+        # half-deleted step that looks like a checkpoint.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.get("keep_checkpoints", 3), create=True,
-            enable_async_checkpointing=True, cleanup_tmp_directories=True)
+            enable_async_checkpointing=True, cleanup_tmp_directories=True,
+            todelete_subdir=_DELETED)
         self.directory = fileio.join(workdir, CHECKPOINTS)
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
@@ -89,6 +94,8 @@ class Manager:
         if step in self._manager.all_steps():
             return
         try:  # also raises an earlier async write's error
+            self._manager.wait_until_finished()
+            self._empty_deleted()
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data=grain.checkpoint.CheckpointSave(iterator),
@@ -162,9 +169,17 @@ class Manager:
             multihost_utils.sync_global_devices("transformer.checkpoint.set_aside_damaged")
         self._manager.reload()
 
+    def _empty_deleted(self) -> None:
+        """Removes the steps Orbax set aside for deletion (only between writes: it renames
+        into the folder while a save finishes)."""
+        deleted = fileio.path(self.directory) / _DELETED
+        if jax.process_index() == 0 and deleted.exists():
+            deleted.rmtree()
+
     def close(self) -> None:
         try:
             self._manager.wait_until_finished()
+            self._empty_deleted()
         except OSError as error:
             raise self._write_error("(async)", error) from error
         finally:
