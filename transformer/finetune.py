@@ -1,5 +1,6 @@
 """Pretrain, then adapt: start a run's params from a pretrained workdir or a Hugging Face
-checkpoint (`config.init_from`), and freeze or re-weight parameter groups in the optimizer.
+checkpoint (`config.init_from`). Freezing and re-weighting parameter groups (optimizer.freeze,
+optimizer.head) is the optimizer's: `transformer.optim.param_labels`.
 
     init_from = "runs/bert_mlm"            # the latest checkpoint of a training workdir
     init_from = "runs/bert_mlm@600"        # a given step
