@@ -78,6 +78,7 @@ class Manager:
             enable_async_checkpointing=True, cleanup_tmp_directories=True,
             todelete_subdir=_DELETED)
         self.directory = fileio.join(workdir, CHECKPOINTS)
+        self._saved = False
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -96,6 +97,7 @@ class Manager:
         try:  # also raises an earlier async write's error
             self._manager.wait_until_finished()
             self._empty_deleted()
+            self._saved = True
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data=grain.checkpoint.CheckpointSave(iterator),
@@ -179,7 +181,8 @@ class Manager:
     def close(self) -> None:
         try:
             self._manager.wait_until_finished()
-            self._empty_deleted()
+            if self._saved:  # a manager that only reads may share the folder with a run
+                self._empty_deleted()
         except OSError as error:
             raise self._write_error("(async)", error) from error
         finally:
