@@ -212,7 +212,7 @@ def has_checkpoints(workdir: str) -> bool:
 def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collections.ConfigDict]:
     """(step, resolved config) of checkpoint `step` (default: the latest complete one) of a
     training workdir, with one-line errors for a workdir without (that) checkpoint."""
-    if not (fileio.path(workdir) / CHECKPOINTS).is_dir():
+    if not has_checkpoints(workdir):
         raise FileNotFoundError(f"{workdir!r} holds no checkpoints: expected a training workdir")
     probe = Manager(workdir, ml_collections.ConfigDict())
     try:
