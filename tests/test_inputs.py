@@ -32,7 +32,8 @@ def take(dataset, n):
 def test_the_tokenizer_saved_in_the_workdir_wins_on_resume(text_file, tmp_path):
     workdir = tmp_path / "run"
     first = inputs.get_tokenizer(config_for(text_file, tokenizer="char"), str(workdir))
-    assert (workdir / "tokenizer" / "tokenizer.json").exists()
+    assert not workdir.exists()  # a run saves it with its first checkpoint, not when built
+    inputs.save_tokenizer(first, str(workdir))
     again = inputs.get_tokenizer(config_for(text_file, tokenizer="byte"), str(workdir))
     assert again.kind == "char" and again.vocab_size == first.vocab_size
 
@@ -52,6 +53,15 @@ def test_prepared_array_records_give_the_same_batches_as_the_text(text_file, tmp
                 np.testing.assert_array_equal(x[k], y[k])
     assert inputs.bytes_per_token(from_text, tokenizer, "train") == pytest.approx(
         inputs.bytes_per_token(from_records, tokenizer, "train"))
+
+
+def test_prepared_data_tokenized_otherwise_than_the_config_says_is_refused(text_file, tmp_path):
+    prepared = tmp_path / "prepared"
+    prepare.prepare(str(prepared), str(text_file), tokenizer="char")
+    with pytest.raises(ValueError, match="data.tokenizer='byte': the prepared data .* was "
+                       "tokenized with 'char': expected data.tokenizer='char'"):
+        inputs.get_tokenizer(config_for(prepared, tokenizer="byte"))
+    assert inputs.get_tokenizer(config_for(prepared, tokenizer="char")).kind == "char"
 
 
 def test_embedded_corpus_feeds_every_objective_without_a_download():

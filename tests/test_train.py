@@ -133,7 +133,9 @@ def train_losses(workdir: Path) -> dict[int, float]:
 
 def checkpoint_steps(workdir: Path) -> list[int]:
     """The complete checkpoints (Orbax renames a step's tmp directory to `<step>` at commit)."""
-    directory = workdir / "checkpoints"
+    directory = workdir / "checkpoints"  # created with the first checkpoint
+    if not directory.exists():
+        return []
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 

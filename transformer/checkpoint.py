@@ -1,9 +1,14 @@
 """Orbax checkpoints of a run: train state, Grain iterator state and the resolved config.
 
 A checkpoint holds everything needed to continue exactly: params, optimizer state and step (the
-per-step RNG is derived from the seed and the step), the data iterator's position and the
-config. The tokenizer lives beside the checkpoints in the workdir. Restoring checks that the
-structural settings of the checkpoint and the current config agree, and names every difference.
+per-step RNG is derived from the seed and the step), the data iterator's position, the config
+and what defines the data stream (`transformer.data.inputs.data_stream`). The tokenizer lives
+beside the checkpoints in the workdir. Restoring checks that the structural settings of the
+checkpoint and the current config agree, and that the data stream is the same one the iterator
+position belongs to, and names every difference.
+
+A run deletes only the steps it saved itself, in this process, beyond `keep_checkpoints` (>= 1):
+the checkpoints a workdir held when the run started are never deleted by it.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a run killed
 mid-write leaves no half-written step behind. A complete step whose files were later damaged
@@ -61,29 +66,64 @@ def structural_differences(saved: dict, current: dict) -> list[str]:
     return differences
 
 
+def stream_differences(saved: dict, current: dict) -> list[str]:
+    """What differs between two data streams (`inputs.data_stream` dicts). A different data.path
+    with the same content fingerprint is data that moved, not a difference.
+
+    >>> stream_differences({"batch_size": 8, "data": {"path": "a"}, "fingerprint": "f0"},
+    ...                    {"batch_size": 16, "data": {"path": "b"}, "fingerprint": "f0"})
+    ['batch_size: checkpoint 8, config 16']
+    """
+    def flat(tree, prefix=""):
+        items = {}
+        for key, value in tree.items():
+            items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict)
+                         else {f"{prefix}{key}": value})
+        return items
+
+    saved, current = flat(saved), flat(current)
+    same_content = saved.get("fingerprint") == current.get("fingerprint")
+    differences = []
+    for key in sorted(set(saved) | set(current)):
+        if key == "data.path" and same_content:
+            continue
+        if saved.get(key) != current.get(key):
+            what = "content fingerprint" if key == "fingerprint" else key
+            differences.append(f"{what}: checkpoint {saved.get(key)!r}, config "
+                               f"{current.get(key)!r}")
+    return differences
+
+
 class ConfigMismatch(ValueError):
-    """A checkpoint was written by a different model or tokenizer than the config asks for."""
+    """A checkpoint was written by a different model, tokenizer or data stream than the config
+    asks for."""
 
 
 class Manager:
     """Saves and restores a run's checkpoints under WORKDIR/checkpoints (async, keep-last-N)."""
 
-    def __init__(self, workdir: str, config: ml_collections.ConfigDict):
-        self.config = config
-        # Steps past keep_checkpoints are first renamed into WORKDIR/checkpoints/deleted/ (one
-        # atomic rename), then removed from there: a run stopped mid-removal never leaves a
-        # half-deleted step that looks like a checkpoint.
+    def __init__(self, workdir: str, config: ml_collections.ConfigDict,
+                 stream: dict | None = None):
+        """`stream`: the run's `inputs.data_stream`, saved with each step and compared on
+        restore (None: a manager that only reads)."""
+        self.config, self.stream = config, stream
+        self.stream_changes: list[str] = []  # set by restore under new_data=True
+        self._keep = config.get("keep_checkpoints", 3)
+        self._written: list[int] = []  # steps this manager saved: the only ones it may delete
+        # Orbax keeps every step (max_to_keep=None); `_prune` deletes this run's old ones. A
+        # deleted step is first renamed into WORKDIR/checkpoints/deleted/ (one atomic rename),
+        # then removed from there: a run stopped mid-removal never leaves a half-deleted step
+        # that looks like a checkpoint.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=config.get("keep_checkpoints", 3), create=True,
-            enable_async_checkpointing=True, cleanup_tmp_directories=True,
-            todelete_subdir=_DELETED)
+            max_to_keep=None, create=False, enable_async_checkpointing=True,
+            cleanup_tmp_directories=True, todelete_subdir=_DELETED)
         self.directory = fileio.join(workdir, CHECKPOINTS)
-        self._saved = False
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "data": grain.checkpoint.CheckpointHandler(),
-                           "config": ocp.JsonCheckpointHandler()})
+                           "config": ocp.JsonCheckpointHandler(),
+                           "stream": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -96,14 +136,26 @@ class Manager:
             return
         try:  # also raises an earlier async write's error
             self._manager.wait_until_finished()
+            self._prune()
             self._empty_deleted()
-            self._saved = True
-            self._manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=grain.checkpoint.CheckpointSave(iterator),
-                config=ocp.args.JsonSave(self.config.to_dict())))
+            fileio.path(self.directory).mkdir(parents=True, exist_ok=True)  # the first save's
+            self._written.append(step)
+            items = {"state": ocp.args.StandardSave(state),
+                     "data": grain.checkpoint.CheckpointSave(iterator),
+                     "config": ocp.args.JsonSave(self.config.to_dict())}
+            if self.stream is not None:
+                items["stream"] = ocp.args.JsonSave(self.stream)
+            self._manager.save(step, args=ocp.args.Composite(**items))
         except OSError as error:
             raise self._write_error(f"step {step}", error) from error
+
+    def _prune(self) -> None:
+        """Deletes the steps this manager saved beyond the newest `keep_checkpoints` (all of
+        them committed: called after `wait_until_finished`)."""
+        old, self._written = self._written[:-self._keep], self._written[-self._keep:]
+        for step in old:
+            if step in self._manager.all_steps():
+                self._manager.delete(step)
 
     def _write_error(self, what: str, error: OSError) -> OSError:
         return OSError(error.errno, f"writing checkpoint {what} to {self.directory} failed "
@@ -114,13 +166,41 @@ class Manager:
         return self._manager.restore(step, args=ocp.args.Composite(
             config=ocp.args.JsonRestore()))["config"]
 
-    def restore(self, step: int, abstract_state, shardings, iterator=None):
-        """The train state at `step` (and the iterator moved to where it was), or an error
-        naming every structural difference between that checkpoint and the current config."""
+    def saved_stream(self, step: int) -> dict | None:
+        """The data stream saved with `step` (None for checkpoints written before streams were
+        saved)."""
+        if "stream" not in (self._manager.item_metadata(step) or {}):
+            return None
+        return self._manager.restore(step, args=ocp.args.Composite(
+            stream=ocp.args.JsonRestore()))["stream"]
+
+    def check(self, step: int) -> list[str]:
+        """Raises ConfigMismatch naming every structural difference between checkpoint `step`
+        and the config, and every difference in the data stream unless the config says
+        new_data=True; returns the data-stream differences (empty when it is the same)."""
+        where = f"checkpoint {self.directory}/{step}"
         differences = structural_differences(self.saved_config(step), self.config.to_dict())
         if differences:
-            raise ConfigMismatch(f"checkpoint {self.directory}/{step} does not match the config: "
-                             + "; ".join(differences))
+            raise ConfigMismatch(f"{where} does not match the config: " + "; ".join(differences))
+        saved = self.saved_stream(step)
+        if self.stream is None or saved is None:
+            return []
+        differences = stream_differences(saved, self.stream)
+        if differences and not self.config.get("new_data"):
+            raise ConfigMismatch(
+                f"{where} was trained on another data stream: " + "; ".join(differences) +
+                ". Expected the same data and settings to resume its position; set "
+                "new_data=True to continue its params on this data from the stream's start")
+        return differences
+
+    def restore(self, step: int, abstract_state, shardings, iterator=None):
+        """The train state at `step` (and the iterator moved to where it was), or an error
+        naming every difference between that checkpoint and the config (`check`). Under
+        new_data=True a different data stream leaves the iterator at its start and the
+        differences in `stream_changes`."""
+        self.stream_changes = self.check(step)
+        if self.stream_changes:
+            iterator = None
         target = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             abstract_state, shardings)
@@ -181,7 +261,8 @@ class Manager:
     def close(self) -> None:
         try:
             self._manager.wait_until_finished()
-            if self._saved:  # a manager that only reads may share the folder with a run
+            if self._written:  # a manager that only reads may share the folder with a run
+                self._prune()
                 self._empty_deleted()
         except OSError as error:
             raise self._write_error("(async)", error) from error

@@ -34,6 +34,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.checkpoint_every = 500
     config.keep_checkpoints = 3
     config.fresh_start = False  # True: set the workdir's checkpoints aside and start at step 0
+    # True: resume the checkpoint's params and optimizer on a different data stream (data,
+    # batch_size, seq_len or seed changed), from that stream's start; False refuses.
+    config.new_data = False
     config.nonfinite = "stop"  # NaN/Inf loss or grads: stop (keep the last good checkpoint) | skip
     config.max_nonfinite_skips = 10  # with "skip": stop after this many bad steps in a row
     config.max_grad_norm = 0.0  # > 0: a step whose gradient norm exceeds it is bad like NaN

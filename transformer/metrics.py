@@ -97,7 +97,8 @@ class MetricsLogger:
             self.jsonl.write(line)
             self.jsonl.flush()
         for name, value in metrics.items():
-            self.tensorboard.add_scalar(f"{split}/{name}", value, step)
+            if isinstance(value, int | float):  # e.g. not new_data's list of changes
+                self.tensorboard.add_scalar(f"{split}/{name}", value, step)
         self.tensorboard.flush()
 
     def print(self, line: str, transient: bool = False) -> None:

@@ -122,6 +122,7 @@ class Run:
     logger: metrics_lib.MetricsLogger
     validation_bytes_per_token: Any
     step: int = 0
+    tokenizer_saved: bool = False  # saved into the workdir with the first checkpoint
     last_metrics: dict = dataclasses.field(default_factory=dict)
     signal: int | None = None  # SIGTERM / SIGINT received: save and stop
 
@@ -129,9 +130,9 @@ class Run:
         return placement_lib.agreed(self.signal is not None)
 
 
-def _resolve(config: ml_collections.ConfigDict, workdir: str):
-    """(tokenizer, task): the workdir's tokenizer and labeled task, with the vocabulary size and
-    a classifier's classes filled into `config` from them."""
+def _resolve(config: ml_collections.ConfigDict, workdir: str | None):
+    """(tokenizer, task): the tokenizer (the one saved in `workdir`, if given) and the labeled
+    task, with the vocabulary size and a classifier's classes filled into `config` from them."""
     tokenizer = inputs.get_tokenizer(config, workdir)
     if not config.model.vocab_size:
         config.model.vocab_size = tokenizer.vocab_size
@@ -145,23 +146,88 @@ def _resolve(config: ml_collections.ConfigDict, workdir: str):
     return tokenizer, task
 
 
+class Finished(Exception):
+    """The workdir's run already reached config.steps: there is nothing to train."""
+
+
+def _check_workdir(config: ml_collections.ConfigDict, workdir: str,
+                   manager: checkpoint_lib.Manager) -> None:
+    """Before anything is written: the latest checkpoint must match the config (model, data
+    stream) and not be past config.steps; a finished run raises `Finished`."""
+    latest = manager.latest_step()
+    if latest is None:
+        return
+    manager.check(latest)
+    if latest > config.steps:
+        raise ValueError(f"steps={config.steps}: {workdir} already holds step {latest}: expected "
+                         f"steps >= {latest} (or fresh_start=True, or another workdir)")
+    summary = fileio.path(workdir) / "summary.json"
+    if latest == config.steps and summary.exists() and \
+            json.loads(summary.read_text()).get("step") == latest:
+        raise Finished(f"{workdir} already finished at step {latest} (summary.json); nothing "
+                       "to do: raise steps to train further, or set fresh_start=True")
+
+
+def _check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> None:
+    """Every split the run evaluates yields at least one full batch (at every length it is
+    evaluated at), so a data problem stops the run before its first step, not at its first
+    evaluation."""
+    splits = ["validation"] + (["test"] if inputs.labeled_task(config) is not None else [])
+    lengths = [config.seq_len] + [n for n in config.get("eval_seq_lens") or ()
+                                  if _evaluable(config, n)]
+    for split in splits:
+        for seq_len in lengths if split == "validation" else lengths[:1]:
+            at = ml_collections.ConfigDict(config.to_dict())
+            at.seq_len = seq_len
+            iterator = iter(inputs.get_dataset(at, tokenizer, split, num_epochs=1, shuffle=False,
+                                               rows=placement.rows))
+            empty = placement_lib.agreed(next(iterator, None) is None)
+            getattr(iterator, "close", lambda: None)()
+            if empty:
+                entry = "" if seq_len == config.seq_len else " (an eval_seq_lens entry)"
+                raise ValueError(
+                    f"the {split} split yields no full batch of {config.batch_size} x "
+                    f"{seq_len}{entry}: expected more {split} text (data.path, "
+                    f"data.validation_fraction={config.data.validation_fraction}) or a smaller "
+                    "batch_size / seq_len")
+
+
+def _evaluable(config: ml_collections.ConfigDict, seq_len: int) -> bool:
+    """Whether `finish` evaluates at `seq_len` (it skips lengths the model cannot run at)."""
+    try:
+        evaluation.check_eval_seq_len(config, seq_len)
+    except ValueError:
+        return False
+    return True
+
+
 def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
-    """Validates the config, then builds or restores everything the loop needs."""
+    """Validates the config and checks the workdir and the data, then builds or restores
+    everything the loop needs. Nothing in an existing workdir changes before every check has
+    passed; raises `Finished` if the run is already complete."""
     config = ml_collections.ConfigDict(config.to_dict())
     validate_config(config)
-    fileio.path(workdir).mkdir(parents=True, exist_ok=True)
+    if fileio.path(workdir).exists() and not fileio.path(workdir).is_dir():
+        raise NotADirectoryError(f"workdir={workdir}: is a regular file, expected a directory")
     is_main = jax.process_index() == 0
-    tokenizer, task = _resolve(config, workdir)
+    stream = inputs.data_stream(config)
+    fresh = config.get("fresh_start")
+    manager = None if fresh else checkpoint_lib.Manager(workdir, config, stream)
+    resuming = manager is not None and manager.latest_step() is not None
+    tokenizer, task = _resolve(config, workdir if resuming else None)
+    if manager is not None:
+        _check_workdir(config, workdir, manager)
     model = build_model(config.model)
     optimizer = optim.make_optimizer(config)
     placement = placement_lib.Placement.from_config(config)
-    if config.get("fresh_start") and is_main:
-        moved = checkpoint_lib.set_aside(workdir)
-        if moved:
-            print(f"fresh_start: moved the existing checkpoints to {moved}")
-    placement_lib.sync("fresh_start")
     train_data = iter(inputs.get_dataset(config, tokenizer, "train", rows=placement.rows))
-    manager = checkpoint_lib.Manager(workdir, config)
+    _check_splits(config, tokenizer, placement)
+    if fresh:  # every check passed: only now set the old run aside
+        if is_main and (moved := checkpoint_lib.set_aside(workdir)):
+            print(f"fresh_start: moved the existing checkpoints to {moved}")
+        placement_lib.sync("fresh_start")
+        manager = checkpoint_lib.Manager(workdir, config, stream)
+    fileio.path(workdir).mkdir(parents=True, exist_ok=True)
     start_position = train_data.get_state()  # peek at one batch for shapes, then rewind
     first_batch = next(train_data)
     train_data.set_state(start_position)
@@ -185,10 +251,14 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
                                       state_sharding.params),
               metrics_lib.MetricsLogger(workdir, is_main, start_step),
               functools.cache(lambda: inputs.bytes_per_token(config, tokenizer, "validation")),
-              step=start_step)
+              step=start_step, tokenizer_saved=resuming)
     run.logger.print(f"{config.experiment}: {config.model.family}, {run.num_params:,} params, "
                      f"batch {config.batch_size} x {config.seq_len}, "
                      f"steps {start_step}..{config.steps}, workdir {workdir}")
+    if manager.stream_changes:
+        run.logger.print(f"new_data: step {start_step}'s params continue on a new data stream, "
+                         "from its start (" + "; ".join(manager.stream_changes) + ")")
+        run.logger.write(start_step, "new_data", {"changes": manager.stream_changes})
     run.logger.print(sharding.summary(placement.mesh, abstract, state_sharding,
                                       config.batch_size))
     if task is not None:
@@ -260,15 +330,23 @@ def loop(run: Run, peak_flops: float) -> bool:
                                 **{f"val_{k}": v for k, v in result.items()}}
         stopping = run.stop_requested()
         if run.step % config.checkpoint_every == 0 or last or stopping:
-            check_finite(run.state, config)
-            run.manager.save(run.step, run.state, run.train_data)
+            _save(run)
     if stopping or run.stop_requested():  # also after the last save check
-        check_finite(run.state, config)
-        run.manager.save(run.step, run.state, run.train_data)
+        _save(run)
         run.logger.print(f"received signal {run.signal or 'on another process'}: "
                          f"saved step {run.step}, exiting")
         return True
     return False
+
+
+def _save(run: Run) -> None:
+    """Checkpoints the current step (a fresh run's tokenizer goes into the workdir with its
+    first checkpoint, so a run that fails before it leaves none behind)."""
+    check_finite(run.state, run.config)
+    if not run.tokenizer_saved:
+        inputs.save_tokenizer(run.tokenizer, run.workdir)
+        run.tokenizer_saved = True
+    run.manager.save(run.step, run.state, run.train_data)
 
 
 def finish(run: Run) -> None:
@@ -290,8 +368,16 @@ def finish(run: Run) -> None:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Trains `config` in `workdir` (resuming if it holds checkpoints); returns final metrics."""
-    run = setup(config, workdir)
+    """Trains `config` in `workdir` (resuming if it holds checkpoints); returns final metrics.
+    A run already finished is left as it is: its summary is returned, with no state."""
+    try:
+        run = setup(config, workdir)
+    except Finished as done:
+        if jax.process_index() == 0:
+            print(done)
+        summary = json.loads((fileio.path(workdir) / "summary.json").read_text())
+        return {"summary": summary, "state": None, "model": None, "tokenizer": None,
+                "config": config}
 
     def request_stop(signum, frame):
         if run.signal is not None and signum == signal.SIGINT:
@@ -358,7 +444,7 @@ def main(argv) -> None:
         return
     language_model = family_of(config).continues_text and \
         pipeline.objective_for(config) in pipeline.OBJECTIVES
-    if language_model and jax.process_count() == 1:
+    if language_model and jax.process_count() == 1 and result["state"] is not None:
         from transformer import generate
 
         print("\nsamples:")

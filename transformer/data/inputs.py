@@ -13,7 +13,6 @@ import os
 import grain
 import jax
 import ml_collections
-from jax.experimental import multihost_utils
 
 from transformer import checkpoint as checkpoint_lib
 from transformer import fileio
@@ -37,33 +36,56 @@ def _documents(config: ml_collections.ConfigDict, split: str) -> list[sources.Do
 
 
 def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None):
-    """The experiment's tokenizer: the one saved in `workdir`, else built and saved there.
+    """The experiment's tokenizer: the one saved in `workdir` (pass it only for a workdir with
+    checkpoints: a run saves its tokenizer with its first checkpoint, `save_tokenizer`), else
+    the fine-tuning source's, the prepared data's, or one built from the train split.
 
-    A resumed run and an evaluation thus always use the tokenizer the run started with. Char and
-    SentencePiece tokenizers are trained on the train split only (deterministically, so every
-    process of a multi-host run builds the same one; process 0 saves it).
+    A resumed run and an evaluation thus always use the tokenizer the run started with, and a
+    run that failed before its first checkpoint leaves no tokenizer for the next run to pick
+    up. Char and SentencePiece tokenizers are trained on the train split only
+    (deterministically, so every process of a multi-host run builds the same one).
     """
     saved = fileio.join(workdir, TOKENIZER_DIR) if workdir else None
     # Written last (atomically), so its presence means the tokenizer was saved completely.
-    exists = bool(saved) and fileio.path(saved).joinpath(tokenizers_lib.CONFIG_FILE).is_file()
-    if jax.process_count() > 1:  # every process looks before process 0 may write
-        multihost_utils.sync_global_devices("transformer.data.inputs.get_tokenizer")
-    if exists:
+    if saved and fileio.path(saved).joinpath(tokenizers_lib.CONFIG_FILE).is_file():
         return tokenizers_lib.load_tokenizer(saved)
     kind, source, _ = checkpoint_lib.parse_init_from(config.get("init_from", ""))
     if source and kind == "workdir":  # fine-tuning reads text as it was pretrained
         tokenizer = tokenizers_lib.load_tokenizer(fileio.join(source, TOKENIZER_DIR))
+        origin = f"init_from={config.init_from!r}"
     elif prepared := _prepared_dir(config):
         tokenizer = tokenizers_lib.load_tokenizer(prepared)
+        origin = f"the prepared data {prepared!r}"
     else:
         kind = config.data.tokenizer
         texts = None if kind == "byte" else [d.text for d in _documents(config, "train")]
-        tokenizer = tokenizers_lib.build_tokenizer(
+        return tokenizers_lib.build_tokenizer(
             kind, texts, vocab_size=config.data.vocab_size or None,
             num_sentinels=config.data.num_sentinels)
-    if saved and jax.process_index() == 0:  # the others built the same one
-        tokenizer.save(saved)
+    if tokenizer.kind != config.data.tokenizer:  # the checkpoint would record the wrong one
+        raise ValueError(f"data.tokenizer={config.data.tokenizer!r}: {origin} was tokenized "
+                         f"with {tokenizer.kind!r}: expected data.tokenizer={tokenizer.kind!r}")
     return tokenizer
+
+
+def save_tokenizer(tokenizer, workdir: str) -> None:
+    """Saves a run's tokenizer into its workdir (process 0; the others built the same one)."""
+    if jax.process_index() == 0:
+        tokenizer.save(fileio.join(workdir, TOKENIZER_DIR))
+
+
+# Data settings that do not change which batches a run reads.
+_NOT_STREAM = ("prefetch",)
+
+
+def data_stream(config: ml_collections.ConfigDict) -> dict:
+    """What defines the sequence of batches a run reads, so a checkpoint's iterator position
+    means something only together with it: the data settings, batch size, length and seed, and
+    a fingerprint of the data's content (`sources.fingerprint`; a prepared directory's shards)."""
+    data = {k: v for k, v in config.data.to_dict().items() if k not in _NOT_STREAM}
+    data["objective"] = pipeline.objective_for(config)
+    return {"batch_size": config.batch_size, "seq_len": config.seq_len, "seed": config.seed,
+            "data": data, "fingerprint": sources.fingerprint(config.data.path or None)}
 
 
 def token_source(config: ml_collections.ConfigDict, tokenizer, split: str):
