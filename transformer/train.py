@@ -153,7 +153,7 @@ class Finished(Exception):
 def _check_workdir(config: ml_collections.ConfigDict, workdir: str,
                    manager: checkpoint_lib.Manager) -> None:
     """Before anything is written: the latest checkpoint must match the config (model, data
-    stream) and not be past config.steps; a finished run raises `Finished`."""
+    stream) and not be past config.steps."""
     latest = manager.latest_step()
     if latest is None:
         return
@@ -161,10 +161,14 @@ def _check_workdir(config: ml_collections.ConfigDict, workdir: str,
     if latest > config.steps:
         raise ValueError(f"steps={config.steps}: {workdir} already holds step {latest}: expected "
                          f"steps >= {latest} (or fresh_start=True, or another workdir)")
+
+
+def _check_finished(config: ml_collections.ConfigDict, workdir: str, step: int) -> None:
+    """Raises `Finished` when the restored `step` is the last and summary.json says so."""
     summary = fileio.path(workdir) / "summary.json"
-    if latest == config.steps and summary.exists() and \
-            json.loads(summary.read_text()).get("step") == latest:
-        raise Finished(f"{workdir} already finished at step {latest} (summary.json); nothing "
+    if step == config.steps and summary.exists() and \
+            json.loads(summary.read_text()).get("step") == step:
+        raise Finished(f"{workdir} already finished at step {step} (summary.json); nothing "
                        "to do: raise steps to train further, or set fresh_start=True")
 
 
@@ -235,6 +239,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
                                                    optimizer)
     state = manager.restore_latest(abstract, state_sharding, train_data)
     start_step = 0 if state is None else int(placement_lib.fetch(state.step))
+    _check_finished(config, workdir, start_step)
     if state is None:
         state = init(jax.random.key(config.seed))
         if config.get("init_from"):
