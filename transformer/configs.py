@@ -252,6 +252,9 @@ CHECKS: dict[str, Check] = {
 CHECKED_ELSEWHERE = ("compiler_options", "mesh", "model")
 
 
+_MISSING = object()
+
+
 def _lookup(config: ml_collections.ConfigDict, key: str):
     """config["a.b"] for a dotted key, or `_MISSING` (an older config without the key)."""
     value = config
@@ -260,9 +263,6 @@ def _lookup(config: ml_collections.ConfigDict, key: str):
             return _MISSING
         value = value[part]
     return value
-
-
-_MISSING = object()
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None,
@@ -298,16 +298,18 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
 
 def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:
     """data.vocab_size against data.tokenizer: byte and char derive their size, SentencePiece
-    needs one, unless the tokenizer is loaded (a prepared data.path, or init_from a workdir)."""
+    needs one. Neither matters when the tokenizer is loaded instead (from a prepared data.path,
+    as inputs.get_tokenizer does, or from the init_from workdir)."""
+    init_from = config.get("init_from", "")
+    if os.path.isfile(os.path.join(config.data.path, "prepare.json")) or (
+            init_from and checkpoint_lib.parse_init_from(init_from)[0] == "workdir"):
+        return
     kind, size = config.data.tokenizer, config.data.vocab_size
     if kind in ("byte", "char") and size:
         raise ValueError(f"data.vocab_size={size}: expected 0 with data.tokenizer={kind!r}, "
                          "which derives its own size")
-    init_from = config.get("init_from", "")
-    loaded = os.path.isfile(os.path.join(config.data.path, "prepare.json")) or (
-        init_from and checkpoint_lib.parse_init_from(init_from)[0] == "workdir")
     minimum = tokenizers.NUM_SPECIAL + 256 + 1
-    if kind.startswith("sentencepiece") and not loaded and size < minimum:
+    if kind.startswith("sentencepiece") and size < minimum:
         raise ValueError(f"data.vocab_size={size}: expected >= {minimum} with data.tokenizer="
                          f"{kind!r} (7 specials + 256 byte pieces + characters and merges)")
 
