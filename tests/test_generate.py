@@ -119,7 +119,7 @@ def test_generate_tokens_loop_stops_at_eos_and_max_length():
 
 def test_generate_tokens_feeds_positions_and_exits_once_every_row_is_done():
     first = jax.nn.one_hot(jnp.array([7, 8]), 10) * 10.0
-    mode, knobs = generate._split(generate.Sampling(), eos_id=9)
+    mode, knobs = generate._split(generate.Sampling(), 10, eos_id=9)
     state = generate._start_state((jnp.full((2, 8), -1), jnp.zeros((), jnp.int32)),
                                   jnp.array([1, 1]), first, jnp.array([4, 2]), 0, knobs,
                                   max_new_tokens=8, mode=mode)
@@ -303,3 +303,103 @@ def test_bad_arguments_fail_before_compiling(models, kwargs, match):
     kwargs = {"prompts": PROMPTS, "max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=match):
         generate.decode(model, params, kwargs.pop("prompts"), **kwargs)
+
+
+# --- text decoders never emit ids without text ---------------------------------------------------
+
+TEXT_TOKENIZER = tokenizers.CharTokenizer("abcdefgh", num_sentinels=3)  # ids 7..14, 15..17
+TEXT_VOCAB = 24  # padded past the tokenizer's 18: ids 18..23 have no text
+SENTINELS = [15, 16, 17]
+UNUSABLE = [0, 1, 3, 4, 5, 6] + list(range(18, TEXT_VOCAB))  # specials but <eos>, and padding
+
+
+def _preferring_specials(params, family):
+    """Params whose logits are one fixed vector at every position: the specials and padding
+    ids +12, sentinels +10, <eos> -4, the characters small random values. The decoder's final
+    norm gives a constant (scale 0, bias 1) that the head maps onto the vector; the LSTM (no
+    norm) gets a zero head: every id equally likely, most of them unusable."""
+    preference = np.asarray(jax.random.normal(jax.random.key(5), (TEXT_VOCAB,))) * 0.5
+    preference[UNUSABLE], preference[SENTINELS], preference[tokenizers.EOS_ID] = 12, 10, -4
+
+    def change(path, x):
+        name = jax.tree_util.keystr(path)
+        if "['decoder']['final_norm']" in name:
+            return jnp.zeros_like(x) if "['scale']" in name else jnp.ones_like(x)
+        if "['lm_head']['kernel']" in name:
+            scale = 0.0 if family == "lstm" else 1.0 / x.shape[0]
+            return jnp.broadcast_to(jnp.asarray(preference * scale, x.dtype), x.shape)
+        return x
+
+    return jax.tree_util.tree_map_with_path(change, params)
+
+
+def _text_setup(family, objective=""):
+    from transformer import configs
+
+    config = configs.base_config()
+    config.seq_len = 12
+    config.data.objective = objective
+    config.model.update(family=family, num_layers=1, d_model=16, num_heads=2, d_ff=32,
+                        vocab_size=TEXT_VOCAB, position="t5" if family == "t5" else "rope",
+                        norm="layernorm", use_bias=True, tie_embeddings=False,
+                        scale_decoder_output=False)
+    model = build_model(config.model)
+    tokens = jnp.ones((1, 4), jnp.int32)
+    args = (tokens, tokens) if family == "t5" else (tokens,)
+    params = jax.jit(model.init)(jax.random.key(0), *args)["params"]
+    return model, _preferring_specials(params, family), config
+
+
+@pytest.mark.parametrize("family,objective", [("gpt", ""), ("t5", "text2text"), ("lstm", "")])
+def test_text_decoders_never_emit_specials_sentinels_or_ids_past_the_tokenizer(family,
+                                                                              objective):
+    model, params, config = _text_setup(family, objective)
+    if family != "lstm":  # the raw decoder, unbanned, prefers exactly those ids
+        raw, _ = generate.decode(model, params, [[tokenizers.EOS_ID, 7]], max_new_tokens=3)
+        assert set(raw[0].tolist()) <= set(UNUSABLE)
+    texts = []
+    for temperature in (0.0, 1.0, 2.0):
+        texts += generate.sample_texts(model, params, TEXT_TOKENIZER, config, num_samples=4,
+                                       prompt="ab", temperature=temperature, seed=1,
+                                       max_new_tokens=8)
+    if family != "lstm":
+        texts.append(generate.beam_search_text(model, params, TEXT_TOKENIZER, config,
+                                               prompt="ab", beam_size=3, max_new_tokens=6))
+    # Special and sentinel names start with "<"; an id past the tokenizer would not decode.
+    assert all("<" not in text for text in texts), texts
+    assert any(len(text) > 4 for text in texts), texts  # the decoders did write characters
+
+
+def test_span_corruption_t5_writes_sentinels_and_no_other_special():
+    """A T5 pretrained on span corruption is trained to write `<extra_id_0> c d <eos>`: its
+    sentinels stay allowed (the best allowed id here), the other specials do not."""
+    model, params, config = _text_setup("t5", "")  # the family's objective: span_corruption
+    text, = generate.sample_texts(model, params, TEXT_TOKENIZER, config, num_samples=1,
+                                  prompt="ab", temperature=0.0, max_new_tokens=4)
+    beam = generate.beam_search_text(model, params, TEXT_TOKENIZER, config, prompt="ab",
+                                     beam_size=2, max_new_tokens=4)
+    for out in (text, beam):
+        assert "<extra_id_" in out
+        assert not {"<pad>", "<bos>", "<unk>", "<mask>", "<cls>", "<sep>"} & set(
+            out.replace(">", "> ").replace("<", " <").split()), out
+
+
+def test_banned_ids_lists_what_has_no_text():
+    banned = generate.banned_ids(TEXT_TOKENIZER, TEXT_VOCAB)
+    assert sorted(banned) == sorted(UNUSABLE + SENTINELS)
+    assert tokenizers.EOS_ID not in banned
+    assert sorted(generate.banned_ids(TEXT_TOKENIZER, TEXT_VOCAB, sentinels_allowed=True)) == \
+        sorted(UNUSABLE)
+
+
+def test_a_prompt_with_unknown_characters_warns_once_naming_them(capsys):
+    model, params, config = _text_setup("gpt")
+    generate.sample_texts(model, params, TEXT_TOKENIZER, config, num_samples=1,
+                          prompt="a€bßc€", temperature=0.0, max_new_tokens=2)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning:"), err
+    assert "'€', 'ß'" in err and "<unk>" in err
+    generate.sample_texts(model, params, TEXT_TOKENIZER, config, num_samples=1, prompt="abc",
+                          temperature=0.0, max_new_tokens=2)
+    assert capsys.readouterr().err == ""
+    assert tokenizers.ByteTokenizer().unknown_chars("a€ß") == []

@@ -673,7 +673,7 @@ def test_a_failed_checkpoint_write_is_reported_and_keeps_the_previous_one(tmp_pa
     (dict(seq_len=128, model=dict(position="learned", max_len=64)),
      r"seq_len=128: expected <= model.max_len=64"),
     (dict(mesh=dict(data=3)), r"mesh data=3 .* expected the 1 devices available"),
-    (dict(steps=0), r"steps=0: expected a positive int"),
+    (dict(steps=0), r"steps=0: expected an int >= 1"),
     (dict(batch_size=3, optimizer=dict(grad_accumulation_steps=2)), r"batch_size=3: expected "
      r"a multiple of grad_accumulation_steps=2"),
     (dict(nonfinite="ignore"), r"nonfinite='ignore'"),

@@ -7,15 +7,19 @@ Experiment files (`experiments/*.py`) start from `base_config()` and override wh
 from __future__ import annotations
 
 import importlib.util
+import math
+import numbers
 import os
 import re
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import ml_collections
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation, fileio, optim, placement, sharding
-from transformer.data import pipeline
+from transformer import fileio, optim, placement, sharding
+from transformer.data import pipeline, sources, tokenizers
 from transformer.models import FAMILIES, build_model, default_model_config, family_of
 
 
@@ -134,38 +138,183 @@ def finetune_task(config: ml_collections.ConfigDict, task: str) -> None:
                   keep_checkpoints=1)
 
 
+# --- validation: one table of what every key means ----------------------------------------------
+
+# A check: (test of one value, what the value is expected to be). `test` never raises.
+Check = tuple[Callable[[Any], bool], str]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """Ints count as numbers (ml_collections may give an int for a float key); bools do not."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and \
+        math.isfinite(value)
+
+
+def _bounded(kind: str, is_kind, ge=None, gt=None, le=None, lt=None, note: str = "") -> Check:
+    """`kind` ("an int" | "a number") within the given bounds: "a number > 0", "an int >= 1",
+    or with two bounds an interval, "a number in [0, 1)"."""
+    low = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else ""
+    high = f"{le}]" if le is not None else f"{lt})" if lt is not None else ""
+    if low and high:
+        text = f"{kind} in {low}, {high}"
+    else:
+        text = kind + "".join(f" {op} {bound}" for op, bound in
+                              ((">=", ge), (">", gt), ("<=", le), ("<", lt)) if bound is not None)
+
+    def test(v):
+        return is_kind(v) and (ge is None or v >= ge) and (gt is None or v > gt) and \
+            (le is None or v <= le) and (lt is None or v < lt)
+
+    return test, text + (f" ({note})" if note else "")
+
+
+def _int(note: str = "", **bounds) -> Check:
+    return _bounded("an int", _is_int, note=note, **bounds)
+
+
+def _number(note: str = "", **bounds) -> Check:
+    return _bounded("a number", _is_number, note=note, **bounds)
+
+
+def _one_of(choices: Sequence[str]) -> Check:
+    return (lambda v: isinstance(v, str) and v in choices), f"one of {tuple(choices)}"
+
+
+def _regex(value) -> bool:
+    try:
+        re.compile(value)
+    except (re.error, TypeError):
+        return False
+    return True
+
+
+_STR: Check = (lambda v: isinstance(v, str), "a str")
+_BOOL: Check = (lambda v: isinstance(v, bool), "a bool")
+_REGEX: Check = (lambda v: isinstance(v, str) and _regex(v),
+                 "a regular expression of param names (\"\": none)")
+
+# What every key of base_config() must be, by its dotted path; a new key gets its line here.
+# Not listed: mesh.* (sharding.mesh_shape checks it), compiler_options (placement asks XLA) and
+# the model keys that building the model checks. Rules joining keys follow in validate_config.
+CHECKS: dict[str, Check] = {
+    "experiment": _STR,  # names the default workdir, runs/<experiment>
+    "seed": (lambda v: _is_int(v) and 0 <= v < 2**31, "an int in [0, 2**31)"),
+    "steps": _int(ge=1),
+    "batch_size": _int(ge=1),
+    "seq_len": _int(ge=2),
+    "log_every": _int(ge=1),
+    "eval_every": _int(ge=1),
+    "eval_steps": _int(ge=1, note="validation batches at each evaluation"),
+    "checkpoint_every": _int(ge=1),
+    "keep_checkpoints": _int(ge=1, note="the newest checkpoint is always kept"),
+    "fresh_start": _BOOL,
+    "nonfinite": _one_of(("stop", "skip")),
+    "max_nonfinite_skips": _int(ge=0),
+    "max_grad_norm": _number(ge=0, note="0: off"),
+    "z_loss": _number(ge=0, note="0: off"),
+    "label_smoothing": _number(ge=0, lt=1),
+    "peak_flops_per_device": _number(ge=0, note="0: measure"),
+    "eval_seq_lens": (lambda v: isinstance(v, tuple | list) and
+                      all(_is_int(n) and n >= 2 for n in v), "a tuple of ints >= 2"),
+    "init_from": _STR,  # its form and target: checkpoint.parse_init_from, below
+    "data.path": _STR,
+    "data.unit": _one_of(sources.UNITS),
+    "data.validation_fraction": _number(ge=0, lt=1),
+    "data.tokenizer": _one_of(tokenizers.KINDS),
+    "data.vocab_size": _int(ge=0, note="0 for byte and char; required for SentencePiece"),
+    "data.num_sentinels": _int(ge=0),
+    "data.objective": _STR,  # its choices: pipeline.objective_for, below
+    "data.mlm_rate": _number(gt=0, lt=1),
+    "data.noise_density": _number(gt=0, lt=1),
+    "data.mean_span_length": _number(ge=1),
+    "data.prefetch": _int(ge=0, note="0: no prefetching"),
+    "data.task": _STR,  # its choices: _validate_finetuning
+    "data.num_classes": _int(ge=0, note="0: the task's"),
+    "optimizer.learning_rate": _number(gt=0),
+    "optimizer.warmup_steps": _int(ge=0),
+    "optimizer.decay": _one_of(optim.DECAYS),
+    "optimizer.min_learning_rate_ratio": _number(ge=0, le=1),
+    "optimizer.b1": _number(ge=0, lt=1),
+    "optimizer.b2": _number(ge=0, lt=1),
+    "optimizer.weight_decay": _number(ge=0),
+    "optimizer.grad_clip_norm": _number(ge=0, note="0: no clipping"),
+    "optimizer.grad_accumulation_steps": _int(ge=1),
+    "optimizer.freeze": _REGEX,
+    "optimizer.head": _REGEX,
+    "optimizer.head_learning_rate": _number(ge=0, note="0: optimizer.learning_rate"),
+    # The model keys its constructors leave unchecked (the family picks the constructor).
+    "model.family": _one_of(tuple(FAMILIES)),
+    "model.vocab_size": _int(ge=0, note="0: the tokenizer's"),
+    "model.num_classes": _int(ge=0, note="0: the task's"),
+}
+# Keys whose values are checked by code they belong to (called from validate_config).
+CHECKED_ELSEWHERE = ("compiler_options", "mesh", "model")
+
+
+_MISSING = object()
+
+
+def _lookup(config: ml_collections.ConfigDict, key: str):
+    """config["a.b"] for a dotted key, or `_MISSING` (an older config without the key)."""
+    value = config
+    for part in key.split("."):
+        if part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None,
                     num_processes: int | None = None) -> None:
-    """Checks values the config types cannot, with one-line errors, before anything runs
-    (against this runtime's devices and processes, or the given counts)."""
+    """Checks every value against its meaning (`CHECKS`, then the rules joining several keys),
+    with one-line errors `KEY=VALUE: expected ...`, before anything runs (against this
+    runtime's devices and processes, or the given counts)."""
     num_devices = jax.device_count() if num_devices is None else num_devices
     num_processes = jax.process_count() if num_processes is None else num_processes
-    for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every",
-                 "checkpoint_every"):
-        if not isinstance(config[name], int) or config[name] < 1:
-            raise ValueError(f"{name}={config[name]!r}: expected a positive int")
-    if config.seq_len < 2:
-        raise ValueError(f"seq_len={config.seq_len}: expected >= 2")
+    for key, (test, expected) in CHECKS.items():
+        value = _lookup(config, key)
+        if value is not _MISSING and not test(value):
+            raise ValueError(f"{key}={value!r}: expected {expected}")
     sharding.check_batch_split(config.batch_size, sharding.mesh_shape(config.mesh, num_devices),
                                accumulation=config.optimizer.grad_accumulation_steps,
                                processes=num_processes)
-    if not isinstance(config.get("max_grad_norm", 0.0), (int, float)) or \
-            config.get("max_grad_norm", 0.0) < 0:
-        raise ValueError(f"max_grad_norm={config.max_grad_norm!r}: expected a number >= 0 "
-                         "(0: off)")
-    if config.get("nonfinite", "stop") not in ("stop", "skip"):
-        raise ValueError(f"nonfinite={config.nonfinite!r}: expected 'stop' or 'skip'")
     placement.user_compiler_options(config)
-    for seq_len in config.get("eval_seq_lens", ()):  # lengths past a learned table: skipped
-        evaluation.check_length(seq_len, "eval_seq_lens entry")
     if config.model.get("position") == "learned" and config.seq_len > config.model.max_len:
         raise ValueError(f"seq_len={config.seq_len}: expected <= model.max_len="
                          f"{config.model.max_len}, the learned position table's size")
+    _validate_tokenizer(config)
     _validate_finetuning(config)
-    optim.learning_rate_schedule(config.optimizer, config.steps)
     model = ml_collections.ConfigDict(config.model.to_dict())
     model.num_classes = model.num_classes or 1  # 0: the task's, known once its data is read
-    build_model(model)  # validates the architecture (TransformerConfig) up front
+    try:
+        build_model(model)  # validates the architecture (TransformerConfig) up front
+    except ValueError as error:  # "num_heads=0: ..." -> "model.num_heads=0: ..."
+        name = str(error).split("=", 1)[0]
+        if name in config.model:
+            raise ValueError(f"model.{error}") from None
+        raise
+
+
+def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:
+    """data.vocab_size against data.tokenizer: byte and char derive their size, SentencePiece
+    needs one. Neither matters when the tokenizer is loaded instead (from a prepared data.path,
+    as inputs.get_tokenizer does, or from the init_from workdir)."""
+    init_from = config.get("init_from", "")
+    if os.path.isfile(os.path.join(config.data.path, "prepare.json")) or (
+            init_from and checkpoint_lib.parse_init_from(init_from)[0] == "workdir"):
+        return
+    kind, size = config.data.tokenizer, config.data.vocab_size
+    if kind in ("byte", "char") and size:
+        raise ValueError(f"data.vocab_size={size}: expected 0 with data.tokenizer={kind!r}, "
+                         "which derives its own size")
+    minimum = tokenizers.NUM_SPECIAL + 256 + 1
+    if kind.startswith("sentencepiece") and size < minimum:
+        raise ValueError(f"data.vocab_size={size}: expected >= {minimum} with data.tokenizer="
+                         f"{kind!r} (7 specials + 256 byte pieces + characters and merges)")
 
 
 def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
@@ -192,15 +341,6 @@ def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
     if task and objective not in pipeline.TASK_OBJECTIVES:
         raise ValueError(f"data.task={task!r} with data.objective={objective!r}: expected "
                          f"objective 'classification' or 'text2text'")
-    for key in ("freeze", "head"):
-        try:
-            re.compile(config.optimizer.get(key, ""))
-        except re.error as error:
-            raise ValueError(f"optimizer.{key}={config.optimizer[key]!r}: expected a regular "
-                             f"expression ({error})") from None
-    if config.optimizer.get("head_learning_rate", 0.0) < 0:
-        raise ValueError(f"optimizer.head_learning_rate={config.optimizer.head_learning_rate}: "
-                         "expected >= 0 (0: optimizer.learning_rate)")
     if config.get("init_from"):
         kind, path, step = checkpoint_lib.parse_init_from(config.init_from)
         if kind == "workdir":

@@ -16,7 +16,9 @@ Layers:
     tokens_B1, positions_B1) -> (logits_BV, cache)`, pure and jittable.
   * `decode` / `beam_search`: those loops over a `DecoderLM` (gpt, prefix_lm) or `EncoderDecoder`
     (t5), each compiled once per shape and setting.
-  * `sample_texts`: text in, texts out, for a model of any family (LSTM: full recomputation).
+  * `sample_texts` / `beam_search_text`: text in, texts out, for a model of any family (LSTM:
+    full recomputation). They never emit ids without text (`banned_ids`: specials other than
+    <eos>, sentinels, ids past the tokenizer), and warn on prompt characters the tokenizer lacks.
 """
 
 from __future__ import annotations
@@ -83,13 +85,33 @@ class _Knobs(NamedTuple):
     temperature: Array  # float32 scalar
     top_p: Array  # float32 scalar
     eos_id: Array  # int32 scalar; -1: none
+    banned_V: Array  # bool [V]: ids never drawn (a traced array: another set does not recompile)
 
 
-def _split(s: Sampling, eos_id: int | None = None) -> tuple[_Mode, _Knobs]:
+def _split(s: Sampling, vocab_size: int, eos_id: int | None = None,
+           banned_ids: Sequence[int] | None = None) -> tuple[_Mode, _Knobs]:
     mode = _Mode(s.temperature == 0.0, s.top_k, s.top_p < 1.0)
     knobs = _Knobs(np.float32(s.temperature or 1.0), np.float32(s.top_p),
-                   np.int32(-1 if eos_id is None else eos_id))
+                   np.int32(-1 if eos_id is None else eos_id),
+                   _banned_mask(banned_ids, vocab_size))
     return mode, knobs
+
+
+def _banned_mask(banned_ids: Sequence[int] | None, vocab_size: int) -> np.ndarray:
+    """bool [vocab_size], True at `banned_ids` (None: none)."""
+    mask = np.zeros(vocab_size, bool)
+    if banned_ids is not None:
+        ids = np.asarray(banned_ids, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"banned_ids with {int(ids.min())}..{int(ids.max())}: expected "
+                             f"ids in [0, {vocab_size})")
+        mask[ids] = True
+    return mask
+
+
+def _allowed(logits_BV: Array, banned_V: Array) -> Array:
+    """Banned ids get -inf, before temperature and filters: no setting can draw them."""
+    return jnp.where(banned_V, -jnp.inf, logits_BV.astype(jnp.float32))
 
 
 def _candidates(logits_BV: Array, top_k: int, top_p: Array | None) -> tuple[Array, Array | None]:
@@ -118,6 +140,7 @@ def _filtered(logits_BV: Array, mode: _Mode, knobs: _Knobs):
 
 
 def _pick(logits_BV: Array, keys_B: Array, mode: _Mode, knobs: _Knobs) -> Array:
+    logits_BV = _allowed(logits_BV, knobs.banned_V)
     if mode.greedy:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     values_BC, ids_BC = _filtered(logits_BV, mode, knobs)
@@ -129,6 +152,7 @@ def _pick(logits_BV: Array, keys_B: Array, mode: _Mode, knobs: _Knobs) -> Array:
 
 @functools.partial(jax.jit, static_argnames="mode")
 def _kept(logits_BV, knobs, *, mode):
+    logits_BV = _allowed(logits_BV, knobs.banned_V)
     if mode.greedy:
         return jax.nn.one_hot(jnp.argmax(logits_BV, -1), logits_BV.shape[-1], dtype=bool)
     values_BC, ids_BC = _filtered(logits_BV, mode, knobs)
@@ -146,7 +170,7 @@ def kept_tokens(logits_BV: Array, *, top_k: int = 0, top_p: float = 1.0,
     >>> kept_tokens(logits, top_p=0.7).astype(int).tolist()
     [[0, 1, 0, 1]]
     """
-    mode, knobs = _split(sampling(temperature, top_k, top_p))
+    mode, knobs = _split(sampling(temperature, top_k, top_p), logits_BV.shape[-1])
     return _kept(logits_BV, knobs, mode=mode)
 
 
@@ -159,7 +183,7 @@ def sample_tokens(logits_BV: Array, keys: Array, *, temperature: float = 1.0, to
                   top_p: float = 1.0) -> Array:
     """One token per row of logits [B, V]: int32 [B]. `keys` is one PRNG key (split per row)
     or B keys, one per row."""
-    mode, knobs = _split(sampling(temperature, top_k, top_p))
+    mode, knobs = _split(sampling(temperature, top_k, top_p), logits_BV.shape[-1])
     if keys.ndim == 0:
         keys = jax.random.split(keys, logits_BV.shape[0])
     return _sample(logits_BV, keys, knobs, mode=mode)
@@ -230,16 +254,18 @@ def _lengths(tokens_BN, eos_id: int | None):
 def generate_tokens(step_fn: StepFn, params, context, cache, first_logits_BV: Array,
                     start_B: Array, *, max_new_tokens: int, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, seed: int | Array = 0,
-                    eos_id: int | None = EOS_ID) -> tuple[Array, Array]:
+                    eos_id: int | None = EOS_ID,
+                    banned_ids: Sequence[int] | None = None) -> tuple[Array, Array]:
     """The sampling loop over any model: (tokens [B, N], lengths [B]), pure and jittable.
 
     `first_logits_BV` predict the first new token (from the prefill); `step_fn(params, context,
     cache, tokens_B1, positions_B1) -> (logits_BV, cache)` feeds token t of each row at position
     start_B + t. Each row samples with its own key (`seed` split per row, folded with the step),
     so a row's tokens do not depend on the rest of the batch. After EOS a row emits PAD_ID;
-    lengths count the tokens up to and including EOS.
+    lengths count the tokens up to and including EOS. `banned_ids` are never drawn.
     """
-    mode, knobs = _split(sampling(temperature, top_k, top_p), eos_id)
+    mode, knobs = _split(sampling(temperature, top_k, top_p), first_logits_BV.shape[-1], eos_id,
+                         banned_ids)
     state = _start_state(cache, context, first_logits_BV, start_B, seed, knobs,
                          max_new_tokens=max_new_tokens, mode=mode)
     state = _run(step_fn, params, state, max_new_tokens, mode)
@@ -265,13 +291,15 @@ class _Beams(NamedTuple):
     finished_scores: Array  # [B, K], best first; -inf: empty slot
 
 
-def _expand(beams: _Beams, logits_RV: Array, *, alpha, eos_id, cache_batch_axis) -> _Beams:
-    """Extends every alive beam by every token, keeps the 2K best: those ending in EOS compete
-    for the finished set, the others for the alive set; reorders the cache rows to match."""
+def _expand(beams: _Beams, logits_RV: Array, banned_V: Array, *, alpha, eos_id,
+            cache_batch_axis) -> _Beams:
+    """Extends every alive beam by every allowed token, keeps the 2K best: those ending in EOS
+    compete for the finished set, the others for the alive set; reorders the cache rows to
+    match. Log-probabilities are renormalized over the allowed tokens."""
     batch, k, n = beams.alive.shape
     vocab = logits_RV.shape[-1]
     t = beams.step
-    logp_BKV = jax.nn.log_softmax(logits_RV.astype(jnp.float32), -1).reshape(batch, k, vocab)
+    logp_BKV = jax.nn.log_softmax(_allowed(logits_RV, banned_V), -1).reshape(batch, k, vocab)
     scores_BX = (beams.alive_logp[:, :, None] + logp_BKV).reshape(batch, k * vocab)
     top_B2, flat_B2 = jax.lax.top_k(scores_BX, 2 * k)
     beam_B2, token_B2 = flat_B2 // vocab, (flat_B2 % vocab).astype(jnp.int32)
@@ -296,7 +324,8 @@ def _expand(beams: _Beams, logits_RV: Array, *, alpha, eos_id, cache_batch_axis)
 def beam_search_tokens(step_fn: StepFn, params, context, cache, first_logits_RV: Array,
                        start_R: Array, *, beam_size: int, max_new_tokens: int,
                        length_penalty: float = 0.6, eos_id: int | None = EOS_ID,
-                       cache_batch_axis: int = 0) -> tuple[Array, Array, Array]:
+                       cache_batch_axis: int = 0,
+                       banned: Array | Sequence[int] | None = None) -> tuple[Array, Array, Array]:
     """Beam search over any model: the best sequence of each of B inputs, (tokens [B, N],
     lengths [B], scores [B]); pure and jittable.
 
@@ -304,15 +333,19 @@ def beam_search_tokens(step_fn: StepFn, params, context, cache, first_logits_RV:
     first logits, start positions), with `step_fn` as in `generate_tokens`. A sequence's score
     is its log-probability / ((5 + length) / 6) ** length_penalty (GNMT), length counting the
     EOS; a sequence reaching N tokens without EOS also finishes. The search stops early once no
-    alive beam can beat the K finished ones.
+    alive beam can beat the K finished ones. `banned`: ids never chosen, as a list or a bool
+    [V] mask (an array, which may be traced).
     """
     k, n = beam_size, max_new_tokens
     batch = first_logits_RV.shape[0] // k
+    vocab = first_logits_RV.shape[-1]
+    if not isinstance(banned, jax.Array | np.ndarray) or banned.dtype != bool:
+        banned = _banned_mask(banned, vocab)  # ids (or None) -> bool [V]
     empty = jnp.full((batch, k, n), PAD_ID, jnp.int32)
     first_logp = jnp.full((batch, k), -jnp.inf).at[:, 0].set(0.0)  # the K copies are one beam
     beams = _Beams(cache, context, jnp.zeros((), jnp.int32), jnp.asarray(start_R, jnp.int32),
                    empty, first_logp, empty, jnp.full((batch, k), -jnp.inf))
-    expand = functools.partial(_expand, alpha=length_penalty, eos_id=eos_id,
+    expand = functools.partial(_expand, banned_V=banned, alpha=length_penalty, eos_id=eos_id,
                                cache_batch_axis=cache_batch_axis)
     beams = expand(beams, first_logits_RV)
     best_possible = length_penalty_factor(n, length_penalty)  # logp only falls as beams grow
@@ -420,13 +453,13 @@ def _continue(params, state, limit, *, program, mode):
 
 @functools.partial(jax.jit, static_argnames=("program", "beam_size", "max_new_tokens",
                                              "length_penalty", "eos_id"))
-def _beam_search(params, inputs, lengths, *, program, beam_size, max_new_tokens, length_penalty,
-                 eos_id):
+def _beam_search(params, inputs, lengths, banned_V, *, program, beam_size, max_new_tokens,
+                 length_penalty, eos_id):
     first, cache, context, start = program.prefill(params, inputs, lengths)
     return beam_search_tokens(program.step, params, context, cache, first, start,
                               beam_size=beam_size, max_new_tokens=max_new_tokens,
                               length_penalty=length_penalty, eos_id=eos_id,
-                              cache_batch_axis=program.cache_batch_axis)
+                              cache_batch_axis=program.cache_batch_axis, banned=banned_V)
 
 
 def _as_batch(prompts, lengths, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -505,14 +538,16 @@ def decode(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarr
            max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            seed: int = 0, eos_id: int | None = EOS_ID, prefix_lm: bool = False,
            lengths: Sequence[int] | None = None, chunk_size: int | None = None,
-           callback: Callable[[np.ndarray], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+           callback: Callable[[np.ndarray], None] | None = None,
+           banned_ids: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """New tokens for a batch of prompts: (tokens [B, max_new_tokens], lengths [B]) as NumPy.
 
     `prompts` are token lists of any lengths, or a right-padded [B, P] array with `lengths`.
     For a `DecoderLM` they are the sequence's start (`prefix_lm=True`: the bidirectional prefix
     of a prefix LM); for an `EncoderDecoder` the encoder inputs, decoding starting from BOS_ID.
     Sampling is per `Sampling`, seeded per row. A row stops after `eos_id` (None: never) and is
-    PAD_ID after; lengths count the tokens up to and including EOS.
+    PAD_ID after; lengths count the tokens up to and including EOS. `banned_ids` are never
+    emitted (for text, `banned_ids(tokenizer, ...)`); changing them does not recompile.
 
     With `chunk_size`, the jitted loop runs `chunk_size` tokens at a time and `callback` gets
     the tokens so far, [B, n], after each chunk (for streaming).
@@ -524,7 +559,7 @@ def decode(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarr
         raise ValueError(f"chunk_size={chunk_size!r}: expected an int >= 1 or None")
     _check_seed_and_eos(seed, eos_id)
     n = int(max_new_tokens)
-    mode, knobs = _split(s, eos_id)
+    mode, knobs = _split(s, model.vocab_size, eos_id, banned_ids)
     state = _prefill(params, inputs, lengths, np.int32(seed), knobs, program=program, mode=mode,
                      max_new_tokens=n)
     streaming = callback is not None and chunk_size is not None
@@ -546,11 +581,12 @@ def decode(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarr
 def beam_search(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarray, *,
                 beam_size: int = 4, max_new_tokens: int, length_penalty: float = 0.6,
                 eos_id: int | None = EOS_ID, prefix_lm: bool = False,
-                lengths: Sequence[int] | None = None
+                lengths: Sequence[int] | None = None, banned_ids: Sequence[int] | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The best of `beam_size` beams per prompt: (tokens [B, N], lengths [B], scores [B]) as
     NumPy; score = log-probability / ((5 + length) / 6) ** length_penalty. Prompts as in
-    `decode` (encoder inputs of an `EncoderDecoder`, or the start of a `DecoderLM` sequence)."""
+    `decode` (encoder inputs of an `EncoderDecoder`, or the start of a `DecoderLM` sequence).
+    `banned_ids` are never chosen; the log-probabilities are then over the allowed ids."""
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size={beam_size!r}: expected an int >= 1")
     if not isinstance(length_penalty, int | float) or not (
@@ -560,7 +596,8 @@ def beam_search(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.
     inputs, lengths = _as_batch(prompts, lengths, model.vocab_size)
     program = _program(model, inputs.shape[1], max_new_tokens, prefix_lm=prefix_lm,
                        repeat=beam_size)
-    out = _beam_search(params, inputs, lengths, program=program, beam_size=beam_size,
+    banned_V = _banned_mask(banned_ids, model.vocab_size)
+    out = _beam_search(params, inputs, lengths, banned_V, program=program, beam_size=beam_size,
                        max_new_tokens=int(max_new_tokens), length_penalty=float(length_penalty),
                        eos_id=eos_id)
     tokens, _, scores = (np.asarray(x) for x in out)
@@ -592,6 +629,41 @@ class _ApplyTokens:
         return self.model.apply({"params": params}, tokens)
 
 
+@functools.lru_cache(maxsize=8)
+def banned_ids(tokenizer: tokenizers_lib.Tokenizer, vocab_size: int, *,
+               sentinels_allowed: bool = False) -> tuple[int, ...]:
+    """The ids a text decoder never emits, below the model's `vocab_size`: the specials except
+    <eos> (which ends a sample), the sentinels unless `sentinels_allowed`, and the ids past
+    the tokenizer's vocabulary (a model's padded vocabulary), which have no text."""
+    specials = [i for i in range(tokenizers_lib.NUM_SPECIAL) if i != EOS_ID]
+    sentinels = [] if sentinels_allowed else tokenizer.special_ids[tokenizers_lib.NUM_SPECIAL:]
+    return tuple(specials + list(sentinels) + list(range(tokenizer.vocab_size, vocab_size)))
+
+
+def _emits_sentinels(config) -> bool:
+    """Whether the config's model legitimately writes sentinels: a T5-style encoder-decoder
+    trained on span corruption, whose targets are `<extra_id_0> c d <extra_id_1> ... <eos>`.
+    Every other text model saw sentinels never (or only as inputs)."""
+    from transformer.data import pipeline
+
+    return _decoding(config) == "encoder_decoder" and \
+        pipeline.objective_for(config) == "span_corruption"
+
+
+def _banned_for(tokenizer, model, config) -> tuple[int, ...]:
+    return banned_ids(tokenizer, model.vocab_size, sentinels_allowed=_emits_sentinels(config))
+
+
+def _encode_prompt(tokenizer, prompt: str) -> np.ndarray:
+    """The prompt's ids, with one warning line on stderr naming the characters the tokenizer
+    has no ids for (they become <unk>)."""
+    missing = tokenizer.unknown_chars(prompt)
+    if missing:
+        print(f"warning: the tokenizer has no ids for {', '.join(map(repr, missing))} in the "
+              "prompt; they become <unk>", file=sys.stderr)
+    return tokenizer.encode(prompt)
+
+
 def _until_eos(ids: np.ndarray) -> np.ndarray:
     ends = np.flatnonzero(ids == EOS_ID)
     return ids[:ends[0]] if ends.size else ids
@@ -611,27 +683,26 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     decoding = _decoding(config)
     s = sampling(temperature, top_k, top_p)
     _check_seed_and_eos(seed, None)
+    encoded = _encode_prompt(tokenizer, prompt)
+    banned = _banned_for(tokenizer, model, config)
     if decoding == "encoder_decoder":
-        prompt_ids = np.concatenate([tokenizer.encode(prompt), [EOS_ID]]).astype(np.int32)
+        prompt_ids = np.concatenate([encoded, [EOS_ID]]).astype(np.int32)
         keep = np.zeros(0, np.int32)
         n = max_new_tokens or config.seq_len
     else:
-        prompt_ids = np.concatenate([[EOS_ID], tokenizer.encode(prompt)]).astype(np.int32)
+        prompt_ids = np.concatenate([[EOS_ID], encoded]).astype(np.int32)
         keep = prompt_ids[1:]
         n = max_new_tokens or config.seq_len - len(prompt_ids)
         if n < 1:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens: expected < seq_len="
                              f"{config.seq_len} (or pass max_new_tokens)")
-    # A model whose vocabulary is padded past the tokenizer's (e.g. to a multiple of 128) can
-    # draw ids the tokenizer lacks: they have no text.
     def to_texts(rows):
-        ids = [np.concatenate([keep, _until_eos(r)]) for r in rows]
-        return [tokenizer.decode(i[i < tokenizer.vocab_size]) for i in ids]
+        return [tokenizer.decode(np.concatenate([keep, _until_eos(r)])) for r in rows]
     if decoding == "recompute":
         length = len(prompt_ids) + n
         buffer = np.zeros((num_samples, length), np.int32)
         buffer[:, :len(prompt_ids)] = prompt_ids
-        mode, knobs = _split(s)
+        mode, knobs = _split(s, model.vocab_size, banned_ids=banned)
         out = _sample_loop(params, jnp.asarray(buffer), len(prompt_ids), np.int32(seed), knobs,
                            apply_fn=_ApplyTokens(model), length=length, mode=mode)
         texts = to_texts(np.asarray(out)[:, len(prompt_ids):])
@@ -642,7 +713,7 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     tokens, _ = decode(model, params, [prompt_ids] * num_samples, max_new_tokens=n,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed,
                        prefix_lm=decoding == "prefix", chunk_size=chunk_size,
-                       callback=on_tokens)
+                       callback=on_tokens, banned_ids=banned)
     return to_texts(tokens)
 
 
@@ -660,15 +731,17 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
     """The best beam for `prompt` (an encoder-decoder reads prompt + <eos>; a decoder LM
     continues <eos> + prompt and the result includes the prompt)."""
     decoding = _decoding(config)
+    encoded = _encode_prompt(tokenizer, prompt)
     if decoding == "encoder_decoder":
-        ids, keep = np.concatenate([tokenizer.encode(prompt), [EOS_ID]]), np.zeros(0, np.int32)
+        ids, keep = np.concatenate([encoded, [EOS_ID]]), np.zeros(0, np.int32)
         n = max_new_tokens or config.seq_len
     else:
-        ids = np.concatenate([[EOS_ID], tokenizer.encode(prompt)])
+        ids = np.concatenate([[EOS_ID], encoded])
         keep, n = ids[1:], max_new_tokens or config.seq_len - len(ids)
     tokens, _, _ = beam_search(model, params, [ids.astype(np.int32)], beam_size=beam_size,
                                max_new_tokens=n, length_penalty=length_penalty,
-                               prefix_lm=decoding == "prefix")
+                               prefix_lm=decoding == "prefix",
+                               banned_ids=_banned_for(tokenizer, model, config))
     return tokenizer.decode(np.concatenate([keep, _until_eos(tokens[0])]))
 
 

@@ -9,6 +9,8 @@ import jax
 import ml_collections
 import optax
 
+DECAYS = ("cosine", "linear", "constant")  # optimizer.decay after the warmup
+
 
 def learning_rate_schedule(opt: ml_collections.ConfigDict, steps: int,
                            peak: float | None = None) -> optax.Schedule:
@@ -27,11 +29,12 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, steps: int,
     if opt.decay == "constant":
         return optax.join_schedules([optax.linear_schedule(0.0, peak, max(warmup, 1)),
                                      optax.constant_schedule(peak)], [warmup])
-    raise ValueError(f"optimizer.decay={opt.decay!r}: expected cosine, linear or constant")
+    raise ValueError(f"optimizer.decay={opt.decay!r}: expected one of {DECAYS}")
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """AdamW with warmup + decay and global-norm clipping; matrices decay, vectors do not.
+    """AdamW with warmup + decay and global-norm clipping (optimizer.grad_clip_norm; 0: no
+    clipping); matrices decay, vectors do not.
 
     Fine-tuning groups (`param_labels`): params matching the regex optimizer.freeze
     never change (their gradients are zeroed before clipping), and those matching

@@ -83,6 +83,11 @@ class Tokenizer:
         """Text -> int32 ids [N]. Adds no BOS / EOS."""
         raise NotImplementedError
 
+    def unknown_chars(self, text: str) -> list[str]:
+        """The distinct characters of `text` this tokenizer has no ids for (they encode to
+        <unk>), in order of first appearance. None for byte and SentencePiece (byte fallback)."""
+        return []
+
     def decode(self, ids) -> str:
         """Ids [N] (list, NumPy or JAX array) -> text. Drops <pad>; writes other specials and
         sentinels as their names (e.g. "<eos>", "<extra_id_3>")."""
@@ -156,6 +161,8 @@ class CharTokenizer(Tokenizer):
     [8, 10, 9, 7, 3]
     >>> tok.decode(tok.encode("hole!"))
     'hole<unk>'
+    >>> tok.unknown_chars("hole!?!")
+    ['!', '?']
     """
 
     kind = "char"
@@ -171,6 +178,9 @@ class CharTokenizer(Tokenizer):
     def encode(self, text: str) -> np.ndarray:
         index = self._index
         return np.fromiter((index.get(c, UNK_ID) for c in text), np.int32, count=len(text))
+
+    def unknown_chars(self, text: str) -> list[str]:
+        return [c for c in dict.fromkeys(text) if c not in self._index]
 
     def _config(self, directory: str) -> dict[str, Any]:
         return {"chars": list(self.chars)}

@@ -1,0 +1,209 @@
+"""Config validation: every key of base_config() checked for its meaning with one-line errors
+naming the dotted key, every experiment (and sweep variant) still valid, and a bad value
+stopping the CLI before it writes a checkpoint."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import inspect
+import math
+import os
+
+import ml_collections
+import pytest
+from test_train import REPO, run_cli
+
+from transformer import configs, sweep
+
+
+def _with(overrides: dict) -> ml_collections.ConfigDict:
+    """base_config() with dotted-key overrides, rebuilt from a dict as train.setup does (so any
+    type gets through, as in a config built from a dict)."""
+    tree = configs.base_config().to_dict()
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return ml_collections.ConfigDict(tree)
+
+
+def test_the_base_config_is_valid():
+    configs.validate_config(configs.base_config(), num_devices=1, num_processes=1)
+
+
+def _leaves(config, prefix=""):
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict) and key not in ("compiler_options",):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key
+
+
+def test_every_base_config_key_has_a_check():
+    """A key added to base_config() gets a line in configs.CHECKS (or is checked by the code
+    it belongs to, configs.CHECKED_ELSEWHERE)."""
+    unchecked = [key for key in _leaves(configs.base_config()) if key not in configs.CHECKS
+                 and key.split(".")[0] not in configs.CHECKED_ELSEWHERE]
+    assert not unchecked, f"add these keys to transformer.configs.CHECKS: {unchecked}"
+
+
+BAD_VALUES = [
+    # top level
+    ({"experiment": 3}, "expected a str"),
+    ({"seed": -1}, "expected an int in [0, 2**31)"),
+    ({"seed": 1.5}, "expected an int"),
+    ({"steps": 0}, "expected an int >= 1"),
+    ({"batch_size": True}, "expected an int >= 1"),
+    ({"seq_len": 1}, "expected an int >= 2"),
+    ({"log_every": 0}, "expected an int >= 1"),
+    ({"eval_every": -1}, "expected an int >= 1"),
+    ({"eval_steps": 0}, "expected an int >= 1"),
+    ({"checkpoint_every": 0}, "expected an int >= 1"),
+    ({"keep_checkpoints": 0}, "newest checkpoint is always kept"),
+    ({"fresh_start": 1}, "expected a bool"),
+    ({"nonfinite": "ignore"}, "one of ('stop', 'skip')"),
+    ({"max_nonfinite_skips": -1}, "expected an int >= 0"),
+    ({"max_grad_norm": -1.0}, "expected a number >= 0 (0: off)"),
+    ({"max_grad_norm": math.nan}, "expected a number >= 0"),
+    ({"z_loss": -0.1}, "expected a number >= 0"),
+    ({"label_smoothing": 1.0}, "expected a number in [0, 1)"),
+    ({"peak_flops_per_device": -1.0}, "expected a number >= 0"),
+    ({"init_from": None}, "expected a str"),
+    ({"eval_seq_lens": (128, 1)}, "expected a tuple of ints >= 2"),
+    ({"compiler_options": {"xla_no_such_option": True}}, "XLA rejects them"),
+    # data
+    ({"data.path": None}, "expected a str"),
+    ({"data.unit": "sentence"}, "one of ('paragraph', 'file')"),
+    ({"data.validation_fraction": 1.0}, "expected a number in [0, 1)"),
+    ({"data.tokenizer": "bpe"}, "one of ('byte', 'char', 'sentencepiece_bpe'"),
+    ({"data.vocab_size": -1}, "expected an int >= 0"),
+    ({"data.vocab_size": 500}, "expected 0 with data.tokenizer='byte'"),
+    ({"data.vocab_size": 100, "data.tokenizer": "sentencepiece_unigram"}, "expected >= 264"),
+    ({"data.num_sentinels": -1}, "expected an int >= 0"),
+    ({"data.objective": "denoise"}, "expected one of ('next_token'"),
+    ({"data.mlm_rate": 0.0}, "expected a number in (0, 1)"),
+    ({"data.noise_density": 1.0}, "expected a number in (0, 1)"),
+    ({"data.mean_span_length": 0.5}, "expected a number >= 1"),
+    ({"data.prefetch": -1}, "expected an int >= 0"),
+    ({"data.task": "sentiment", "data.objective": "classification"}, "expected one of"),
+    ({"data.num_classes": -2}, "expected an int >= 0"),
+    # optimizer
+    ({"optimizer.learning_rate": -1.0}, "expected a number > 0"),
+    ({"optimizer.learning_rate": 0.0}, "expected a number > 0"),
+    ({"optimizer.learning_rate": math.inf}, "expected a number > 0"),
+    ({"optimizer.warmup_steps": -5}, "expected an int >= 0"),
+    ({"optimizer.warmup_steps": 2.5}, "expected an int >= 0"),
+    ({"optimizer.decay": "step"}, "one of ('cosine', 'linear', 'constant')"),
+    ({"optimizer.min_learning_rate_ratio": 1.5}, "expected a number in [0, 1]"),
+    ({"optimizer.b1": 1.5}, "expected a number in [0, 1)"),
+    ({"optimizer.b2": -0.1}, "expected a number in [0, 1)"),
+    ({"optimizer.weight_decay": -1.0}, "expected a number >= 0"),
+    ({"optimizer.grad_clip_norm": -1.0}, "(0: no clipping)"),
+    ({"optimizer.grad_accumulation_steps": 0}, "expected an int >= 1"),
+    ({"optimizer.freeze": "("}, "expected a regular expression"),
+    ({"optimizer.head": "[a-"}, "expected a regular expression"),
+    ({"optimizer.head_learning_rate": -1.0}, "(0: optimizer.learning_rate)"),
+    # mesh
+    ({"mesh.data": 0}, "expected a positive int or -1"),
+    ({"mesh.tensor": 1.0}, "expected a positive int or -1"),
+    # model (the constructors' own checks, named with their dotted key)
+    ({"model.vocab_size": -3}, "expected an int >= 0"),
+    ({"model.num_classes": -1}, "expected an int >= 0"),
+    ({"model.num_heads": 0}, "expected a positive int"),
+    ({"model.d_model": -1}, "expected a positive int"),
+    ({"model.dropout_rate": 1.5}, "expected 0 <= rate < 1"),
+    ({"model.position": "relative"}, "expected one of"),
+    ({"model.family": "rnn"}, "expected one of"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", BAD_VALUES,
+                         ids=[",".join(f"{k}={v!r}" for k, v in o.items()) for o, _ in BAD_VALUES])
+def test_a_bad_value_is_a_one_line_error_naming_its_dotted_key(overrides, expected):
+    """The message starts `KEY=VALUE: expected ...`, KEY being the first override's."""
+    key, value = next(iter(overrides.items()))
+    with pytest.raises(ValueError) as error:
+        configs.validate_config(_with(overrides), num_devices=1, num_processes=1)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"{key}="), message
+    assert expected in message, message
+
+
+@pytest.mark.parametrize("overrides", [
+    {"optimizer.learning_rate": 1},  # an int for a float key
+    {"optimizer.grad_clip_norm": 0},  # no clipping
+    {"optimizer.warmup_steps": 0, "optimizer.weight_decay": 0},
+    {"optimizer.min_learning_rate_ratio": 1, "optimizer.b1": 0},
+    {"data.validation_fraction": 0, "data.prefetch": 0, "max_nonfinite_skips": 0},
+    {"data.tokenizer": "sentencepiece_bpe", "data.vocab_size": 1000},
+    {"mesh.data": 1, "mesh.fsdp": -1},
+])
+def test_edge_values_that_mean_something_are_accepted(overrides):
+    configs.validate_config(_with(overrides), num_devices=1, num_processes=1)
+
+
+# --- every experiment file ----------------------------------------------------------------------
+
+# The arguments each experiment taking one accepts (its config-file suffix, "file.py:ARG").
+ARGUMENTS = {
+    "gpt_shakespeare_char": ["gpu", "cpu"],
+    "bert_finetune_cls": ["modules", "speakers"],
+    "gpt_finetune_cls": ["modules", "speakers"],
+    "t5_finetune_text2text": ["modules", "speakers"],
+    "ablations/pretrain_vs_scratch": [f"{family}{task}" for family in ("bert", "t5", "gpt")
+                                      for task in ("", ",speakers")],
+}
+
+
+def _experiment_files():
+    root = os.path.join(REPO, "experiments")
+    return sorted(os.path.relpath(p, root)[:-3] for p in glob.glob(f"{root}/**/*.py",
+                                                                   recursive=True))
+
+
+def _load(name: str):
+    path = os.path.join(REPO, "experiments", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_experiment_{name.replace('/', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_experiment_taking_an_argument_lists_its_choices_here():
+    taking = [name for name in _experiment_files()
+              if inspect.signature(_load(name).get_config).parameters]
+    assert sorted(taking) == sorted(ARGUMENTS)
+
+
+@pytest.mark.parametrize("name,args", [(name, args) for name in _experiment_files()
+                                       for args in ([(a,) for a in ARGUMENTS[name]]
+                                                    if name in ARGUMENTS else [()])])
+def test_every_experiment_and_sweep_variant_validates(name, args):
+    """init_from names a pretraining workdir that need not exist here: that check reads the
+    disk, not the config."""
+    module = _load(name)
+    config = module.get_config(*args)
+    config.init_from = ""
+    configs.validate_config(config, num_devices=1, num_processes=1)
+    if hasattr(module, "get_sweep"):
+        for variant in module.get_sweep():
+            configs.validate_config(sweep.apply(config, variant), num_devices=1,
+                                    num_processes=1)
+
+
+# --- through the CLI ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_cli_rejects_a_bad_value_before_writing_a_checkpoint(tmp_path):
+    workdir = tmp_path / "run"
+    result = run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                     f"--workdir={workdir}", "--config.optimizer.learning_rate=-1",
+                     logs=tmp_path / "logs")
+    assert result.returncode != 0
+    assert "optimizer.learning_rate" in result.stderr
+    assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
