@@ -68,7 +68,24 @@ SAME_DATA = (f"--config.data.path={SHAKESPEARE}", "--config.data.tokenizer=char"
      "data.tokenizer: checkpoint 'char', config 'byte'"),
     # steps below the latest checkpoint.
     ((*SAME_DATA, "--config.steps=2"), "steps=2: "),
-], ids=["data_path", "batch_size", "seq_len", "seed", "tokenizer", "steps_below_latest"])
+    # Values that made training go wrong, or deleted every checkpoint.
+    ((*SAME_DATA, "--config.keep_checkpoints=0"),
+     "keep_checkpoints=0: expected an int >= 1 (the newest checkpoint is always kept)"),
+    ((*SAME_DATA, "--config.optimizer.learning_rate=-1"),
+     "optimizer.learning_rate=-1.0: expected a number > 0"),
+    ((*SAME_DATA, "--config.optimizer.grad_clip_norm=-1"),
+     "optimizer.grad_clip_norm=-1.0: expected a number >= 0 (0: no clipping)"),
+    ((*SAME_DATA, "--config.optimizer.b1=1.5"), "optimizer.b1=1.5: expected a number in [0, 1)"),
+    ((*SAME_DATA, "--config.optimizer.warmup_steps=-5"),
+     "optimizer.warmup_steps=-5: expected an int >= 0"),
+    ((*SAME_DATA, "--config.optimizer.weight_decay=-1"),
+     "optimizer.weight_decay=-1.0: expected a number >= 0"),
+    ((*SAME_DATA, "--config.data.unit=sentence"),
+     "data.unit='sentence': expected one of ('paragraph', 'file')"),
+    ((*SAME_DATA, "--config.eval_steps=0"), "eval_steps=0: expected an int >= 1"),
+], ids=["data_path", "batch_size", "seq_len", "seed", "tokenizer", "steps_below_latest",
+        "keep_checkpoints_0", "negative_lr", "negative_clip", "b1", "warmup", "weight_decay",
+        "unit", "eval_steps_0"])
 def test_a_refused_resume_changes_nothing(run_copy, flags, message):
     before = hashes(run_copy)
     result = train(run_copy, *flags)

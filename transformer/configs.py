@@ -212,6 +212,7 @@ CHECKS: dict[str, Check] = {
     "checkpoint_every": _int(ge=1),
     "keep_checkpoints": _int(ge=1, note="the newest checkpoint is always kept"),
     "fresh_start": _BOOL,
+    "new_data": _BOOL,
     "nonfinite": _one_of(("stop", "skip")),
     "max_nonfinite_skips": _int(ge=0),
     "max_grad_norm": _number(ge=0, note="0: off"),
