@@ -14,12 +14,10 @@ A failure prints `error: <message>` and exits with
 from __future__ import annotations
 
 import ast
-import gc
 import glob
 import os
 import re
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -71,10 +69,7 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
                 raise
             usage = isinstance(error, (*USAGE_ERRORS, flags.Error, app.UsageError))
             failure = (message(error), 2 if usage else 1)
-            del error  # its traceback holds the frames (and their open iterators)
-        finally:
-            _close_prefetching_iterators()
-        _exit(*failure)
+        _exit(*failure)  # outside `except`: main's frames (the traceback's) are freed first
 
     app.run(guarded, flags_parser=parse)
 
@@ -169,19 +164,3 @@ def _cpu_without_accelerators() -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"  # read when jax is imported
     elif jax.config.jax_platforms is None:
         jax.config.update("jax_platforms", "cpu")  # read when the backends start
-
-
-def _close_prefetching_iterators() -> None:
-    """Closes Grain iterators whose prefetch thread still runs (e.g. one kept alive by a
-    reference cycle). Left to interpreter shutdown, their __del__ runs after Grain's modules
-    were torn down and prints an ignored `AttributeError: 'NoneType' object has no attribute
-    'Empty'`."""
-    if not any(t.name.startswith("grain-thread-prefetch") for t in threading.enumerate()):
-        return
-    gc.collect()  # unreachable ones close now, while the modules they use still exist
-    grain = sys.modules.get("grain")
-    if grain is None:
-        return
-    for obj in gc.get_objects():
-        if isinstance(obj, grain.DatasetIterator):
-            obj.close()
