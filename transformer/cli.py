@@ -76,7 +76,13 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
 
 def message(error: BaseException) -> str:
     """An exception as one line: a missing key as `unknown key 'name'`, an embedded traceback
-    reduced to its last line, the other lines joined to the first."""
+    reduced to its last line, the other lines joined to the first.
+
+    >>> message(KeyError("stpes"))
+    "unknown key 'stpes'"
+    >>> message(ValueError("steps=0: bad value\nexpected a positive int"))
+    'steps=0: bad value; expected a positive int'
+    """
     args = error.args
     text = args[0] if len(args) == 1 and isinstance(args[0], str) else str(error)
     if isinstance(error, (KeyError, AttributeError)):
