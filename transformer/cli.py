@@ -80,7 +80,7 @@ def message(error: BaseException) -> str:
 
     >>> message(KeyError("stpes"))
     "unknown key 'stpes'"
-    >>> message(ValueError("steps=0: bad value\nexpected a positive int"))
+    >>> message(ValueError("steps=0: bad value\\nexpected a positive int"))
     'steps=0: bad value; expected a positive int'
     """
     args = error.args
