@@ -152,7 +152,9 @@ def _positive_int(text: str) -> int:
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
+
+    from transformer import cli
 
     flags.DEFINE_string("workdir", None, "Training workdir to evaluate.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -161,4 +163,4 @@ if __name__ == "__main__":
                       "Split to evaluate (test: labeled tasks only).")
     flags.DEFINE_list("eval_seq_len", None, "Evaluate at these sequence lengths, e.g. 256,512 "
                       "(length extrapolation; default: the training length).")
-    app.run(main)
+    cli.run(main)

@@ -807,7 +807,9 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
+
+    from transformer import cli
 
     flags.DEFINE_string("workdir", None, "Training workdir to sample from.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -822,4 +824,4 @@ if __name__ == "__main__":
     flags.DEFINE_integer("beam_size", 0, "Beam search with this many beams (0: sample).")
     flags.DEFINE_float("length_penalty", 0.6, "Beam search: GNMT length penalty alpha.")
     flags.DEFINE_integer("chunk_size", 8, "Streaming: tokens per jitted chunk on a terminal.")
-    app.run(main)
+    cli.run(main)

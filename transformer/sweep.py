@@ -479,8 +479,10 @@ def _config_arg() -> str:
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
     from ml_collections import config_flags
+
+    from transformer import cli
 
     config_flags.DEFINE_config_file("config", None, "Experiment file with get_config() and "
                                     "get_sweep().", lock_config=True)
@@ -491,4 +493,4 @@ if __name__ == "__main__":
     flags.DEFINE_bool("report_only", False, "Write the report from what has run; train nothing.")
     flags.DEFINE_bool("print_launch", False, "Print one train command per variant instead of "
                       "training (to run each on its own machine).")
-    app.run(main)
+    cli.run(main)

@@ -444,6 +444,8 @@ def main(argv) -> None:
                                     FLAGS.process_id, cluster=FLAGS.jax_distributed)
     config = FLAGS.config
     workdir = FLAGS.workdir or os.path.join("runs", config.experiment)
+    if fileio.path(workdir).is_file():  # before anything is written
+        raise NotADirectoryError(f"workdir={workdir}: is a regular file, expected a directory")
     result = train_and_evaluate(config, workdir)
     if jax.process_index() != 0:
         return
@@ -476,7 +478,6 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    from absl import app
+    from transformer import cli
 
-    _define_flags()
-    app.run(main)
+    cli.run(main, _define_flags)

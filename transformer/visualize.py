@@ -324,20 +324,14 @@ def visualize_workdir(workdir: str, text: str, *, target: str = "", step: int | 
 
 
 def main(argv) -> None:
-    import sys
-
     from absl import flags, logging
 
     del argv
     logging.set_verbosity(logging.WARNING)
     f = flags.FLAGS
-    try:
-        maps, paths = visualize_workdir(f.workdir, f.text, target=f.target, step=f.step,
-                                        layer=f.layer, head=f.head, output_dir=f.output_dir,
-                                        prefix_length=f.prefix_length)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(1)
+    maps, paths = visualize_workdir(f.workdir, f.text, target=f.target, step=f.step,
+                                    layer=f.layer, head=f.head, output_dir=f.output_dir,
+                                    prefix_length=f.prefix_length)
     for name, weights in maps.items():
         layers, heads, t, s = weights.shape
         print(f"{name}: [{layers}, {heads}, {t}, {s}] ({layers} layers x {heads} heads, "
@@ -347,7 +341,9 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
+
+    from transformer import cli
 
     flags.DEFINE_string("workdir", None, "Training workdir to load.", required=True)
     flags.DEFINE_string("text", None, "Text to read (t5: the encoder input).", required=True)
@@ -357,4 +353,4 @@ if __name__ == "__main__":
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.DEFINE_integer("prefix_length", None, "prefix_lm: prefix tokens (default: half).")
     flags.DEFINE_string("output_dir", None, "Where to write (default: WORKDIR/attention).")
-    app.run(main)
+    cli.run(main)

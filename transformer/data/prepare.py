@@ -104,7 +104,6 @@ def _define_flags():
 
 
 if __name__ == "__main__":
-    from absl import app
+    from transformer import cli
 
-    _define_flags()
-    app.run(_main)
+    cli.run(_main, _define_flags)

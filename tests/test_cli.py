@@ -1,0 +1,108 @@
+"""Every command through its real CLI: bad input is one line on stderr (`error: ...`), with exit
+status 2 for usage/config errors and 1 for runtime failures, and nothing in the workdir changes;
+--verbose shows the traceback; a successful CPU run's stderr is free of libtpu's probe warnings
+and of shutdown noise."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_train import REPO, cli_env, describe, run_cli, tiny_flags
+
+ACCELERATOR_DEVICES = ("/dev/accel*", "/dev/vfio", "/dev/nvidia*", "/dev/kfd")
+
+
+def file_hashes(directory: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file under `directory` ({} if it does not exist)."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, status: int, *words: str):
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == status, describe(result)
+    assert len(lines) == 1 and lines[0].startswith("error: "), describe(result)
+    for word in words:
+        assert word in lines[0], describe(result)
+    assert "Traceback" not in result.stderr
+
+
+# (module, args (WORKDIR, FILE: paths in tmp_path), exit status, words in the error line)
+CASES = {
+    "unknown_key": ("transformer.train", ["--workdir=WORKDIR", "--config.modle=x"], 2,
+                    ["unknown key 'modle'", 'Did you mean "model"']),
+    "unknown_flag": ("transformer.train", ["--workdir=WORKDIR", "--nosuchflag"], 2,
+                     ["nosuchflag"]),
+    "missing_config_train": ("transformer.train", ["--config=nope.py", "--workdir=WORKDIR"], 2,
+                             ["--config=nope.py", "No such file"]),
+    "missing_config_sweep": ("transformer.sweep", ["--config=nope.py", "--workdir=WORKDIR"], 2,
+                             ["--config=nope.py", "No such file"]),
+    "bad_value": ("transformer.train", ["--workdir=WORKDIR", "--config.steps=0"], 2,
+                  ["steps=0", "expected"]),
+    "wrong_type": ("transformer.train", ["--workdir=WORKDIR", "--config.steps=abc"], 2,
+                   ["--config.steps=abc"]),
+    "workdir_is_a_file": ("transformer.train", ["--workdir=FILE", "--config.steps=1"], 2,
+                          ["workdir=", "is a regular file, expected a directory"]),
+    "evaluate_no_checkpoints": ("transformer.evaluate", ["--workdir=WORKDIR"], 2,
+                                ["holds no checkpoints"]),
+    "generate_no_checkpoints": ("transformer.generate", ["--workdir=WORKDIR"], 2,
+                                ["holds no checkpoints"]),
+    "visualize_no_checkpoints": ("transformer.visualize", ["--workdir=WORKDIR", "--text=hi"], 2,
+                                 ["holds no checkpoints"]),
+    "prepare_missing_input": ("transformer.data.prepare",
+                              ["--output_dir=WORKDIR/prepared", "--input=WORKDIR/nope.txt"], 2,
+                              ["nope.txt", "no such file"]),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_is_one_line_and_changes_nothing(name, tmp_path):
+    module, args, status, words = CASES[name]
+    workdir, file = tmp_path / "workdir", tmp_path / "file"
+    file.write_text("not a directory\n")
+    if module != "transformer.train" or name == "workdir_is_a_file":
+        workdir.mkdir()  # an existing workdir whose files must stay as they are
+        (workdir / "notes.txt").write_text("keep me\n")
+    before = file_hashes(tmp_path / "workdir"), file.read_bytes()
+    args = [a.replace("WORKDIR", str(workdir)).replace("FILE", str(file)) for a in args]
+    result = run_cli(module, *args, logs=tmp_path / "logs")
+    assert_one_line_error(result, status, *words)
+    assert (file_hashes(tmp_path / "workdir"), file.read_bytes()) == before
+
+
+def test_verbose_shows_the_traceback(tmp_path):
+    result = run_cli("transformer.train", "--config.modle=x", "--verbose",
+                     f"--workdir={tmp_path / 'workdir'}", logs=tmp_path / "logs")
+    assert result.returncode != 0, describe(result)
+    assert "Traceback (most recent call last)" in result.stderr, describe(result)
+    assert not (tmp_path / "workdir").exists()
+
+
+def test_a_tiny_cpu_run_has_a_quiet_stderr(tmp_path):
+    """No libtpu probe warnings (JAX_PLATFORMS unset, as a user runs it) and no exceptions
+    ignored at interpreter exit."""
+    env = {k: v for k, v in cli_env().items() if k != "JAX_PLATFORMS"}
+    result = subprocess.run(
+        [sys.executable, "-m", "transformer.train", "--config=experiments/gpt_tiny.py",
+         f"--workdir={tmp_path / 'workdir'}", *tiny_flags(2)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, describe(result)
+    if not any(glob.glob(d) for d in ACCELERATOR_DEVICES):  # a TPU/GPU machine may log more
+        assert "Failed to find host bounds" not in result.stderr, describe(result)
+        assert "INVALID_ARGUMENT" not in result.stderr, describe(result)
+    assert "Exception ignored" not in result.stderr, describe(result)
+    assert "AttributeError" not in result.stderr, describe(result)
+    assert "Traceback" not in result.stderr, describe(result)
+
+
+def test_a_runtime_failure_exits_1(tmp_path):
+    """NaN loss (a huge learning rate) stops the run: one line naming the step, exit 1."""
+    result = run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                     f"--workdir={tmp_path / 'workdir'}", *tiny_flags(4),
+                     "--config.optimizer.learning_rate=1e30", logs=tmp_path / "logs")
+    assert_one_line_error(result, 1, "NaN/Inf", "at step")
