@@ -444,8 +444,6 @@ def main(argv) -> None:
                                     FLAGS.process_id, cluster=FLAGS.jax_distributed)
     config = FLAGS.config
     workdir = FLAGS.workdir or os.path.join("runs", config.experiment)
-    if fileio.path(workdir).is_file():  # before anything is written
-        raise NotADirectoryError(f"workdir={workdir}: is a regular file, expected a directory")
     result = train_and_evaluate(config, workdir)
     if jax.process_index() != 0:
         return
