@@ -29,9 +29,10 @@ def train(workdir, *flags, steps=4, logs=None):
 
 
 def error_line(result) -> str:
-    """The last stderr line, where the CLI's one-line error is."""
+    """The CLI's one-line error: stderr's only line (transformer.cli)."""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
+    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ SAME_DATA = (f"--config.data.path={SHAKESPEARE}", "--config.data.tokenizer=char"
 def test_a_refused_resume_changes_nothing(run_copy, flags, message):
     before = hashes(run_copy)
     result = train(run_copy, *flags)
-    assert result.returncode != 0
+    assert result.returncode == 2  # bad usage or config
     assert message in error_line(result), result.stderr[-3000:]
     assert "step 5" not in result.stdout
     assert hashes(run_copy) == before
@@ -108,7 +109,7 @@ def test_data_errors_stop_the_run_before_anything_is_written(tmp_path, data, fla
     (tmp_path / "one.txt").write_text("To be, or not to be, that is the question.\n")
     workdir = tmp_path / "run"
     result = train(workdir, f"--config.data.path={path}", *flags)
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert message.format(path=path) in error_line(result), result.stderr[-3000:]
     assert not workdir.exists()
 
@@ -152,7 +153,7 @@ def test_a_failed_run_leaves_no_tokenizer_for_the_next_run(tmp_path):
     unknown.write_text("".join(f"{chr(0x4e00 + i) * 30}\n\n" for i in range(400)))
     failed = train(workdir, f"--config.data.path={unknown}", "--config.data.tokenizer=char",
                    "--config.max_grad_norm=1e-9")
-    assert failed.returncode != 0 and "NaN/Inf" in error_line(failed), failed.stderr[-2000:]
+    assert failed.returncode == 1 and "NaN/Inf" in error_line(failed)  # a runtime failure
     assert not (workdir / "tokenizer").exists() and checkpoint_steps(workdir) == []
     assert_succeeded(train(workdir, *SAME_DATA))
     tokenizer = tokenizers.load_tokenizer(str(workdir / "tokenizer"))

@@ -173,7 +173,7 @@ def _check_finished(config: ml_collections.ConfigDict, workdir: str, step: int) 
 
 
 def _check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> None:
-    """Every split the run evaluates yields at least one full batch (at every length it is
+    """Every split the run evaluates yields at least one batch (at every length it is
     evaluated at), so a data problem stops the run before its first step, not at its first
     evaluation."""
     splits = ["validation"] + (["test"] if inputs.labeled_task(config) is not None else [])
@@ -190,7 +190,7 @@ def _check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> No
             if empty:
                 entry = "" if seq_len == config.seq_len else " (an eval_seq_lens entry)"
                 raise ValueError(
-                    f"the {split} split yields no full batch of {config.batch_size} x "
+                    f"the {split} split yields no batch of {config.batch_size} x "
                     f"{seq_len}{entry}: expected more {split} text (data.path, "
                     f"data.validation_fraction={config.data.validation_fraction}) or a smaller "
                     "batch_size / seq_len")
