@@ -8,10 +8,16 @@ import hashlib
 import shutil
 
 import pytest
+from test_train import (
+    SHAKESPEARE,
+    assert_succeeded,
+    checkpoint_steps,
+    read_metrics,
+    run_cli,
+    tiny_flags,
+)
 
 from transformer.data import tokenizers
-from test_train import (SHAKESPEARE, assert_succeeded, checkpoint_steps, read_metrics, run_cli,
-                        tiny_flags)
 
 pytestmark = pytest.mark.skipif(not SHAKESPEARE.exists(), reason="needs tinyshakespeare")
 

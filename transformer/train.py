@@ -11,6 +11,7 @@ model families' table in transformer.models.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -213,10 +214,20 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     validate_config(config)
     if fileio.path(workdir).exists() and not fileio.path(workdir).is_dir():
         raise NotADirectoryError(f"workdir={workdir}: is a regular file, expected a directory")
+    with contextlib.ExitStack() as opened:  # if a check fails, what was opened is closed
+        run = _build(config, workdir, opened)
+        opened.pop_all()  # the run owns them now
+    return run
+
+
+def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.ExitStack) -> Run:
+    """setup's checks and building, registering what needs closing with `opened`."""
     is_main = jax.process_index() == 0
     stream = inputs.data_stream(config)
     fresh = config.get("fresh_start")
     manager = None if fresh else checkpoint_lib.Manager(workdir, config, stream)
+    if manager is not None:
+        opened.callback(manager.close)
     resuming = manager is not None and manager.latest_step() is not None
     tokenizer, task = _resolve(config, workdir if resuming else None)
     if manager is not None:
@@ -225,12 +236,14 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     optimizer = optim.make_optimizer(config)
     placement = placement_lib.Placement.from_config(config)
     train_data = iter(inputs.get_dataset(config, tokenizer, "train", rows=placement.rows))
+    opened.callback(train_data.close)
     _check_splits(config, tokenizer, placement)
     if fresh:  # every check passed: only now set the old run aside
         if is_main and (moved := checkpoint_lib.set_aside(workdir)):
             print(f"fresh_start: moved the existing checkpoints to {moved}")
         placement_lib.sync("fresh_start")
         manager = checkpoint_lib.Manager(workdir, config, stream)
+        opened.callback(manager.close)
     fileio.path(workdir).mkdir(parents=True, exist_ok=True)
     start_position = train_data.get_state()  # peek at one batch for shapes, then rewind
     first_batch = next(train_data)
