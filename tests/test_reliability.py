@@ -17,7 +17,7 @@ from test_train import (
     tiny_flags,
 )
 
-from transformer.data import tokenizers
+from transformer.data import prepare, tokenizers
 
 pytestmark = pytest.mark.skipif(not SHAKESPEARE.exists(), reason="needs tinyshakespeare")
 
@@ -108,11 +108,17 @@ def test_a_refused_resume_changes_nothing(run_copy, flags, message):
     ("shakespeare", ("--config.data.validation_fraction=0.0",),
      "the validation split of {path} is empty (7222 documents, validation_fraction=0.0)"),
     ("one_line", (), "the validation split of {path} is empty (1 documents"),
-], ids=["unit_file", "no_validation_fraction", "one_line_file"])
+    ("prepared_char", ("--config.data.tokenizer=byte",),
+     "data.tokenizer='byte': the prepared data '{path}' was tokenized with 'char': expected "
+     "data.tokenizer='char'"),
+], ids=["unit_file", "no_validation_fraction", "one_line_file", "prepared_char_as_byte"])
 def test_data_errors_stop_the_run_before_anything_is_written(tmp_path, data, flags, message):
     """Each of these trained until the first evaluation before, and lost that training."""
-    path = {"shakespeare": SHAKESPEARE, "one_line": tmp_path / "one.txt"}[data]
+    path = {"shakespeare": SHAKESPEARE, "one_line": tmp_path / "one.txt",
+            "prepared_char": tmp_path / "prepared"}[data]
     (tmp_path / "one.txt").write_text("To be, or not to be, that is the question.\n")
+    if data == "prepared_char":
+        prepare.prepare(str(path), str(SHAKESPEARE), tokenizer="char")
     workdir = tmp_path / "run"
     result = train(workdir, f"--config.data.path={path}", *flags)
     assert result.returncode == 2
