@@ -1,17 +1,21 @@
-"""Grain input pipelines: documents -> token ids -> packed rows -> objective features -> batches.
+"""Grain input pipelines: documents -> one token sequence -> windows -> objective features ->
+global batches.
 
-Each global batch row has its own stream of documents (row r reads documents r, r + B, ...),
-so the global batches do not depend on the number of processes, and each process reads only
-the documents of the rows it holds. The iterator state (Grain's `get_state`/`set_state`) is
-what a checkpoint saves to resume at exactly the next batch. The objectives that need
-randomness (MLM, span corruption, prefix split) run in the pipeline on the host CPU, each row
-keyed by its stream and its position in the stream, so a row's noise does not depend on the
-process either, and a restored iterator draws the same noise again.
+A split's documents are laid end to end (`Corpus`) and read as windows of the row length
+(`_Windows`): in training each epoch shuffles the documents, shifts the windows by a seeded
+offset and visits them in a seeded order, so every token is read once per epoch whatever the
+document lengths; an evaluation pass reads every token exactly once. Global batch b holds
+samples b * B .. b * B + B - 1, so the batches depend only on the data, the batch size and the
+seed: each process computes just its rows, and the iterator's state (Grain's `get_state`) is
+one batch index that resumes on any number of processes. The objectives that need randomness
+(MLM, span corruption, prefix split) run here on the host CPU, each row keyed by its sample
+index, so a restored iterator draws the same noise again.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Sequence
 
 import grain
@@ -206,87 +210,208 @@ def _prefix_lm_features(batch, keys):
 # --- the pipeline ---------------------------------------------------------------------------
 
 
-def _chunks(tokens: np.ndarray, length: int) -> list[np.ndarray]:
-    """A document's tokens cut into pieces of at most `length` (longer documents are split)."""
-    return [tokens[i:i + length] for i in range(0, len(tokens), length)]
+class Corpus:
+    """One split's tokens: its documents laid end to end in one token sequence.
+
+    `tokens` is an int32 array or anything with `len()` and `read(start, stop)` (e.g.
+    `shards.TokenShards`, memory-mapped); document d is tokens[doc_starts[d]:doc_starts[d + 1]]
+    (the last runs to the end). `stream=True` reads it as one continuous text: windows cross
+    document ends without masking and the order is never shuffled (nanoGPT's train.bin).
+
+    >>> corpus = Corpus.from_documents([np.array([5, 6, 2]), np.array([7, 2])])
+    >>> len(corpus), corpus.doc_starts.tolist(), corpus.read(1, 4).tolist()
+    (5, [0, 3], [6, 2, 7])
+    """
+
+    def __init__(self, tokens, doc_starts=None, *, stream: bool = False):
+        self.tokens = tokens
+        n = len(tokens)
+        starts = np.zeros(1, np.int64) if doc_starts is None else \
+            np.asarray(doc_starts, np.int64)
+        if n and (len(starts) == 0 or starts[0] != 0 or np.any(np.diff(starts) <= 0)
+                  or starts[-1] >= n):
+            raise ValueError("doc_starts: expected ascending offsets starting at 0, each "
+                             f"inside the {n} tokens")
+        self.doc_starts, self.stream = starts, stream
+        self.doc_lengths = np.diff(np.append(starts, n))
+
+    @classmethod
+    def from_documents(cls, documents: Sequence[np.ndarray], *, stream: bool = False) -> Corpus:
+        lengths = [len(d) for d in documents]
+        tokens = np.concatenate([np.asarray(d, np.int32) for d in documents]) if documents \
+            else np.zeros(0, np.int32)
+        starts = np.cumsum([0] + lengths[:-1], dtype=np.int64)
+        keep = np.asarray(lengths) > 0  # empty documents have no place in the sequence
+        return cls(tokens, starts[keep] if len(starts) else None, stream=stream)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        if isinstance(self.tokens, np.ndarray):
+            return self.tokens[start:stop]
+        return self.tokens.read(start, stop)
 
 
-def _stream_seeds(seed: int, row: int) -> tuple[int, np.ndarray]:
-    """(shuffle seed, raw threefry noise key [2] uint32) of global batch row `row`'s stream,
-    both derived from (seed, row)."""
-    state = np.random.SeedSequence((seed % 2**64, row)).generate_state(3)
-    return int(state[0]), state[1:].astype(np.uint32)
+class _Windows:
+    """The rows of one split: windows of `width` tokens every `stride` tokens through the
+    split's token sequence, as global sample indices 0, 1, 2, ... (epoch after epoch).
+
+    Training (`training=True`): each epoch lays the documents end to end in a new seeded order
+    (a stream keeps its order), starts the windows at a new seeded offset in [0, stride), and
+    visits them in a new seeded order; every epoch has the same number of windows, so sample i
+    is window perm_e[i % R] of epoch e = i // R. Every token is read once per epoch (except up
+    to about 2 * stride tokens the offset leaves out at the ends), whatever the document lengths.
+    Evaluation (`training=False`): offset 0, documents in order, every token exactly once, the
+    last window padded; still a fixed seeded window order, so a prefix of the pass is a sample.
+
+    With `pack`, a window's pieces of different documents get their own segment ids (1, 2, ...)
+    and positions from 0; a stream's window is one segment with positions 0..width-1.
+    """
+
+    def __init__(self, corpus: Corpus, *, width: int, stride: int, seed: int, training: bool,
+                 shuffle: bool, full_only: bool = False):
+        self.corpus, self.width, self.stride = corpus, width, stride
+        self.seed, self.training, self.shuffle = seed, training, shuffle
+        n, overlap = len(corpus), width - stride
+        if training:
+            self.max_offset = stride if n >= width + stride else 1  # tiny splits: offset 0
+            self.rows = (n - width - (self.max_offset - 1)) // stride + 1 if n >= width else 0
+        elif full_only:  # a partial window would be padded: drop it (span corruption)
+            self.rows = (n - width) // stride + 1 if n >= width else 0
+        else:
+            self.rows = -(-(n - overlap) // stride) if n > overlap else 0
+        self._epochs: dict[int, tuple] = {}
+
+    def _epoch(self, epoch: int):
+        """(document order, their ends in it, window offset, window order) of an epoch."""
+        if epoch not in self._epochs:
+            rng = np.random.default_rng((self.seed, epoch))
+            docs = len(self.corpus.doc_lengths)
+            order = rng.permutation(docs) if self.training and self.shuffle and \
+                not self.corpus.stream else np.arange(docs)
+            ends = np.cumsum(self.corpus.doc_lengths[order])
+            offset = int(rng.integers(self.max_offset)) if self.training and self.shuffle else 0
+            windows = rng.permutation(self.rows) if self.shuffle else np.arange(self.rows)
+            if len(self._epochs) >= 2:  # consecutive samples touch at most two epochs
+                self._epochs.pop(min(self._epochs))
+            self._epochs[epoch] = (order, ends, offset, windows)
+        return self._epochs[epoch]
+
+    def row(self, i: int) -> dict[str, np.ndarray]:
+        """Sample i: {"tokens", "tokens_segment_ids", "tokens_positions"}, each [width]; past
+        the end of an evaluation pass, a row of padding (segment 0)."""
+        tokens = np.zeros(self.width, np.int32)
+        segments = np.zeros(self.width, np.int32)
+        positions = np.zeros(self.width, np.int32)
+        if self.rows == 0 or (not self.training and i >= self.rows):
+            return {"tokens": tokens, "tokens_segment_ids": segments,
+                    "tokens_positions": positions}
+        epoch, k = divmod(i, self.rows)
+        order, ends, offset, windows = self._epoch(epoch)
+        start = offset + int(windows[k]) * self.stride
+        stop = min(start + self.width, len(self.corpus))
+        if self.corpus.stream:
+            tokens[:stop - start] = self.corpus.read(start, stop)
+            segments[:stop - start] = 1
+            positions[:stop - start] = np.arange(stop - start)
+        else:
+            j, at, segment = int(np.searchsorted(ends, start, side="right")), start, 1
+            while at < stop:
+                doc = int(order[j])
+                doc_begin = int(ends[j]) - int(self.corpus.doc_lengths[doc])
+                piece_end = min(int(ends[j]), stop)
+                source = int(self.corpus.doc_starts[doc]) + at - doc_begin
+                out = slice(at - start, piece_end - start)
+                tokens[out] = self.corpus.read(source, source + piece_end - at)
+                segments[out] = segment
+                positions[out] = np.arange(piece_end - at)
+                at, j, segment = piece_end, j + 1, segment + 1
+        return {"tokens": tokens, "tokens_segment_ids": segments, "tokens_positions": positions}
+
+
+class _Chunks:
+    """prefix_lm's rows: one document chunk of at most `width` tokens each (documents cut into
+    pieces of `width`; a stream into consecutive pieces), right-padded, in a seeded order per
+    epoch. Every token is in exactly one chunk."""
+
+    def __init__(self, corpus: Corpus, *, width: int, seed: int, training: bool,
+                 shuffle: bool):
+        self.corpus, self.width, self.seed = corpus, width, seed
+        self.training, self.shuffle = training, shuffle
+        if corpus.stream:
+            starts = np.arange(0, len(corpus), width, dtype=np.int64)
+            lengths = np.minimum(width, len(corpus) - starts)
+        else:
+            pieces = -(-corpus.doc_lengths // width)
+            doc = np.repeat(np.arange(len(pieces)), pieces)
+            index = np.arange(len(doc)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+            starts = corpus.doc_starts[doc] + index * width
+            lengths = np.minimum(width, corpus.doc_starts[doc] + corpus.doc_lengths[doc]
+                                 - starts)
+        self.starts, self.lengths, self.rows = starts, lengths, len(starts)
+        self._order: tuple[int, np.ndarray] = (-1, np.arange(0))
+
+    def row(self, i: int) -> dict[str, np.ndarray]:
+        tokens = np.zeros(self.width, np.int32)
+        if self.rows and (self.training or i < self.rows):
+            epoch, k = divmod(i, self.rows)
+            if self._order[0] != epoch:
+                rng = np.random.default_rng((self.seed, epoch))
+                self._order = (epoch, rng.permutation(self.rows) if self.shuffle
+                               else np.arange(self.rows))
+            chunk = int(self._order[1][k])
+            start, length = int(self.starts[chunk]), int(self.lengths[chunk])
+            tokens[:length] = self.corpus.read(start, start + length)
+        return {"tokens": tokens}
 
 
 @jax.jit
-def _fold_in(keys, index):
-    """Raw threefry keys [B, 2] -> each folded in with `index`: the keys of a stream's row."""
-    def one(key):
-        key = jax.random.wrap_key_data(key, impl="threefry2x32")
-        return jax.random.key_data(jax.random.fold_in(key, index))
-    return jax.vmap(one)(keys)
+def _sample_keys(base, indices):
+    """Raw threefry key data [2] -> one key per global sample index: [n, 2]."""
+    key = jax.random.wrap_key_data(base, impl="threefry2x32")
+    return jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(indices)
 
 
-class _Batches(grain.IterDataset):
-    """The zipped streams -> local batches: each batch stacks the streams' next rows, then
-    `convert`s them into the objective's features.
+class _GlobalBatches(grain.MapDataset):
+    """Item b: this process's `rows` of global batch b, converted into the objective's
+    features. Global batch b holds samples b * B .. b * B + B - 1 (row r is sample b * B + r),
+    so a batch depends only on the data, B and the seed, never on the processes, and the
+    iterator's state is one batch index that any number of processes can resume from.
 
-    With `stream_keys` (one raw threefry key per stream) `convert` also gets one noise key per
-    row: the row's stream key folded in with the row's position in its stream (which is the
-    batch index: every stream yields one row per batch). So a row's noise depends only on its
-    stream and position, and, as the converters corrupt rows independently (`_per_row_keys`),
-    converting the stacked rows equals converting each row in its stream on its own. The batch
-    count is part of the iterator state, so a restored iterator draws the same noise again.
+    With `noise_base` (a raw threefry key) `convert` also gets one noise key per row: the base
+    folded in with the row's sample index, so a row's noise depends on nothing else either.
     """
 
-    def __init__(self, parent: grain.IterDataset, convert, stream_keys: np.ndarray | None):
-        super().__init__(parent)
-        self._convert, self._stream_keys = convert, stream_keys
+    def __init__(self, source, convert, *, batch_size: int, rows: list[int],
+                 num_batches: int, noise_base: np.ndarray | None):
+        super().__init__()
+        self._source, self._convert = source, convert
+        self._batch_size, self._rows = batch_size, np.asarray(rows, np.int64)
+        self._length, self._noise_base = num_batches, noise_base
 
-    def __iter__(self):
-        return _BatchesIterator(self._parent.__iter__(), self._convert, self._stream_keys)
+    def __len__(self) -> int:
+        return self._length
 
+    def __str__(self) -> str:
+        return f"GlobalBatches(batch_size={self._batch_size}, rows={len(self._rows)})"
 
-class _BatchesIterator(grain.DatasetIterator):
-    def __init__(self, parent, convert, stream_keys):
-        super().__init__(parent)
-        self._convert, self._stream_keys = convert, stream_keys
-        self._index = 0
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        rows = next(self._parent)
+    def __getitem__(self, b):
+        if isinstance(b, slice):
+            return self.slice(b)
+        samples = int(b) * self._batch_size + self._rows
+        rows = [self._source.row(int(i)) for i in samples]
         batch = {k: np.stack([row[k] for row in rows]) for k in rows[0]}
-        if self._stream_keys is None:
+        valid = batch.get("tokens_segment_ids", batch["tokens"]).any(axis=1)
+        if self._noise_base is None:
             features = self._convert(batch)
         else:
             with jax.default_device(_cpu()):
-                keys = np.asarray(_fold_in(self._stream_keys, np.uint32(self._index)))
+                keys = np.asarray(_sample_keys(self._noise_base,
+                                               samples.astype(np.uint32)))
             features = self._convert(batch, keys)
-        self._index += 1
+        features["weights"] = features["weights"] * valid[:, None]  # padding rows count 0
         return features
-
-    def get_state(self):
-        return {"parent": self._parent.get_state(), "batches": self._index}
-
-    def set_state(self, state):
-        self._parent.set_state(_tuple_slices(state["parent"]))
-        self._index = state["batches"]
-
-
-def _tuple_slices(state):
-    """A copy of an iterator state with ConcatThenSplit's `remainder_slices` pairs as tuples.
-
-    `grain.checkpoint` saves the state as JSON, which turns them into lists, and Grain's
-    ConcatThenSplit tests "no remainder" as `slices != (-1, -1)`: a list [-1, -1] restored
-    as-is makes the packer re-emit a finished document's tail. With a packer per batch row, some
-    row is often at a document boundary when a checkpoint is taken.
-    """
-    if isinstance(state, dict):
-        return {k: {f: tuple(v) for f, v in value.items()} if k == "remainder_slices"
-                else _tuple_slices(value) for k, value in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(_tuple_slices(value) for value in state)
-    return state
 
 
 def _check_rows(rows, batch_size: int) -> list[int]:
@@ -305,7 +430,7 @@ def _check_rows(rows, batch_size: int) -> list[int]:
 
 
 def make_dataset(
-    token_source: Sequence[np.ndarray] | grain.MapDataset,
+    corpus: Corpus | Sequence[np.ndarray],
     *,
     objective: str,
     tokenizer,
@@ -324,24 +449,29 @@ def make_dataset(
 ) -> grain.IterDataset:
     """A Grain dataset of this process's rows of the global batches of objective features.
 
-    `token_source` holds one int32 token array per document (EOS already appended), e.g.
-    `tokenize_documents(...)` or an ArrayRecord source. `batch_size` is the *global* batch B.
-    Global batch row r is fed by its own stream: documents r, r + B, r + 2B, ... shuffled (each
-    epoch anew) with a seed derived from (seed, r), packed into rows, and turned into features
-    with noise seeded from (seed, r). So the global batches depend only on the data, B and the
-    seed, never on how many processes read them; each process reads only its rows' documents.
+    `corpus` is a `Corpus` or a list of int32 token arrays, one per document (EOS already
+    appended). `batch_size` is the *global* batch B. The rows are windows through the split's
+    token sequence (`_Windows`; prefix_lm: document chunks, `_Chunks`): next_token reads
+    seq_len + 1 tokens every seq_len (so each token is a target once), mlm seq_len, and span
+    corruption the raw length its targets need, every width.
 
-    A local batch stacks the next row of each stream in `rows` (global row indices, in that
-    order); by default the contiguous block range(p * B // P, (p + 1) * B // P) of process p of
-    P (`process_index` / `process_count`, default JAX's). `num_epochs=None` repeats forever
-    (training); with 1 (eval) the iteration ends when any of the `rows`' streams runs out (so
-    processes may yield different numbers of batches: bound a multi-host pass by a step count).
-    The same seed gives the same batches. The data needs at least `batch_size` documents.
+    `num_epochs=None` trains: an endless stream of batches, every epoch in a new order.
+    `num_epochs=1` evaluates: every token of the split exactly once, the last batch padded with
+    rows of weight 0; `len()` of the underlying pass is ceil(windows / B). With `shuffle` (the
+    default) the windows come in a fixed seeded order, so the first batches of a pass are a
+    sample of the split; without, in order.
+
+    A local batch stacks global rows `rows` (in that order); by default the contiguous block
+    range(p * B // P, (p + 1) * B // P) of process p of P (`process_index` / `process_count`,
+    default JAX's). The same seed gives the same batches; the iterator state (Grain's
+    `get_state`) is the next batch index, the same on every process.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r}: expected one of {OBJECTIVES}")
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"seq_len={seq_len!r}: expected an int >= 2")
+    if num_epochs not in (None, 1):
+        raise ValueError(f"num_epochs={num_epochs!r}: expected None (training) or 1 (a pass)")
     if rows is None:
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
@@ -351,17 +481,23 @@ def make_dataset(
         rows = range(process_index * batch_size // process_count,
                      (process_index + 1) * batch_size // process_count)
     rows = _check_rows(rows, batch_size)
-
-    docs = token_source if isinstance(token_source, grain.MapDataset) else \
-        grain.MapDataset.source(token_source)
-    if len(docs) < batch_size:
-        raise ValueError(f"the data has {len(docs)} documents, fewer than batch_size="
-                         f"{batch_size} (each batch row streams its own documents): use more, "
-                         f"smaller documents (data.unit='paragraph') or a smaller batch_size")
-    streams = [_stream(docs, row, objective=objective, seq_len=seq_len, batch_size=batch_size,
-                       seed=seed, num_epochs=num_epochs, shuffle=shuffle,
-                       noise_density=noise_density, mean_span_length=mean_span_length)
-               for row in rows]
+    corpus = corpus if isinstance(corpus, Corpus) else Corpus.from_documents(list(corpus))
+    training = num_epochs is None
+    if objective == "prefix_lm":
+        source = _Chunks(corpus, width=seq_len + 1, seed=seed, training=training,
+                         shuffle=shuffle)
+    else:
+        if objective == "span_corruption":
+            width = objectives.span_corruption_lengths(seq_len, noise_density,
+                                                       mean_span_length)[0]
+        else:
+            width = seq_len + 1 if objective == "next_token" else seq_len
+        stride = seq_len if objective == "next_token" else width
+        source = _Windows(corpus, width=width, stride=stride, seed=seed, training=training,
+                          shuffle=shuffle, full_only=objective == "span_corruption")
+    if source.rows == 0:
+        raise ValueError(f"the split has {len(corpus)} tokens, too few for one row of "
+                         f"seq_len={seq_len}: expected more text or a smaller seq_len")
     if objective == "next_token":
         convert = next_token_features
     elif objective == "prefix_lm":
@@ -372,44 +508,16 @@ def make_dataset(
         convert = functools.partial(_span_corruption_features, tokenizer=tokenizer,
                                     noise_density=noise_density,
                                     mean_span_length=mean_span_length)
-    stream_keys = None if objective == "next_token" else \
-        np.stack([_stream_seeds(seed, row)[1] for row in rows])
-    batches = _Batches(grain_experimental.ZipIterDataset(streams, strict=False), convert,
-                       stream_keys)
+    noise_base = None if objective == "next_token" else \
+        np.random.SeedSequence((seed % 2**64, 1)).generate_state(2).astype(np.uint32)
+    num_batches = sys.maxsize if training else -(-source.rows // batch_size)
+    batches = _GlobalBatches(source, convert, batch_size=batch_size, rows=rows,
+                             num_batches=num_batches, noise_base=noise_base)
+    dataset = batches.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     if prefetch:
-        batches = grain_experimental.ThreadPrefetchIterDataset(batches,
+        dataset = grain_experimental.ThreadPrefetchIterDataset(dataset,
                                                                prefetch_buffer_size=prefetch)
-    return batches
-
-
-def _stream(docs: grain.MapDataset, row: int, *, objective, seq_len, batch_size, seed,
-            num_epochs, shuffle, noise_density, mean_span_length) -> grain.IterDataset:
-    """Global batch row `row`'s packed rows: its documents, shuffled each epoch, packed."""
-    shuffle_seed = _stream_seeds(seed, row)[0]
-    docs = docs[row::batch_size]
-    if shuffle:  # a new order each epoch
-        docs = shuffle_each_epoch(docs, shuffle_seed)
-    docs = docs.repeat(num_epochs)
-    # Read in the calling thread: one reader thread pool (and read-ahead buffer) per stream
-    # would be batch_size pools fighting over the GIL; the batches are prefetched as a whole.
-    read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-
-    if objective == "prefix_lm":  # one (padded) document chunk per row: the prefix is per row
-        rows = docs.to_iter_dataset(read)
-        rows = grain_experimental.FlatMapIterDataset(rows, _ChunkTransform(seq_len + 1))
-        rows = rows.map(lambda t: {"tokens": _padded(t, seq_len + 1)})
-    else:
-        if objective == "span_corruption":
-            row_len = objectives.span_corruption_lengths(seq_len, noise_density,
-                                                         mean_span_length)[0]
-        else:
-            row_len = seq_len + 1 if objective == "next_token" else seq_len
-        rows = grain_experimental.ConcatThenSplitIterDataset(
-            docs.map(lambda t: {"tokens": np.asarray(t, np.int32)}).to_iter_dataset(read),
-            length_struct={"tokens": row_len})
-        if objective == "span_corruption":  # T5 corrupts full rows only
-            rows = rows.filter(lambda r: bool(r["tokens_segment_ids"][-1]))
-    return rows
+    return dataset
 
 
 # Grain's shuffle permutes index by index (a Feistel network), which costs milliseconds per index
@@ -453,23 +561,12 @@ class _ShuffleEachEpoch(grain.MapDataset):
         return self._parent[int(order[index_in_epoch]) + epoch * self._length]
 
 
-class _ChunkTransform(grain_experimental.FlatMapTransform):
-    """Splits a document into rows of at most `length` tokens."""
-
-    def __init__(self, length: int):
-        self.length = length
-        self.max_fan_out = 1 << 20
-
-    def flat_map(self, tokens):
-        return _chunks(np.asarray(tokens, np.int32), self.length)
-
-
-def tokenize_documents(documents, tokenizer) -> grain.MapDataset:
-    """Documents -> a lazy MapDataset of int32 token arrays, each ending with <eos>."""
-    texts = [d.text for d in documents]
+def tokenize_documents(documents, tokenizer, *, stream: bool = False) -> Corpus:
+    """Documents -> a `Corpus` of their tokens, each document ending with <eos>."""
     eos = np.array([tokenizers_lib.EOS_ID], np.int32)
-    return grain.MapDataset.source(texts).map(
-        lambda text: np.concatenate([np.asarray(tokenizer.encode(text), np.int32), eos]))
+    return Corpus.from_documents(
+        [np.concatenate([np.asarray(tokenizer.encode(d.text), np.int32), eos])
+         for d in documents], stream=stream)
 
 
 def process_rows(sharding: jax.sharding.Sharding, batch_size: int) -> np.ndarray:
