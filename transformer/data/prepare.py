@@ -1,11 +1,16 @@
-"""Text -> tokenizer + ArrayRecord shards of token ids, one record per document ending in <eos>:
+"""Text -> tokenizer + token shards of each split, every document followed by <eos>:
 
     python -m transformer.data.prepare --output_dir=DIR [--input=PATH] \
         [--tokenizer=byte|char|sentencepiece_bpe|sentencepiece_unigram] [--vocab_size=N] \
-        [--num_shards=N] [--validation_fraction=0.05] [--unit=paragraph|file]
+        [--format=array_record|bin] [--num_shards=N] [--tokens_per_shard=N] \
+        [--validation_fraction=0.05] [--unit=paragraph|file]
 
-DIR receives the tokenizer, train-*.array_record, validation-*.array_record and prepare.json
-(counts). Without --input the embedded corpus is used. A DIR that already holds ArrayRecord files
+DIR receives the tokenizer, prepare.json (counts) and, by --format:
+  * array_record (default): train-*.array_record, validation-*.array_record, one record per
+    document, --num_shards files per split, document j in file j % num_shards;
+  * bin: modded-nanogpt uint16 shards train_000000.bin, ..., validation_000000.bin, ... of
+    --tokens_per_shard tokens, each split one token stream in document order (see shards.py).
+Without --input the embedded corpus is used. A DIR that already holds ArrayRecord or .bin files
 is refused, so prepared data is never overwritten.
 """
 
@@ -19,40 +24,63 @@ import sys
 import numpy as np
 import tqdm
 
-from transformer.data import sources
+from transformer.data import shards, sources
 from transformer.data import tokenizers as tokenizers_lib
 
+FORMATS = ("array_record", "bin")
+MAX_BIN_VOCAB = 65536  # uint16 ids
 
-def _existing_shards(output_dir: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(glob.escape(output_dir), "*.array_record")))
+
+def _existing_shards(output_dir: str) -> str | None:
+    """What prepared data `output_dir` already holds, e.g. "2 ArrayRecord files (train-...)"."""
+    for pattern, kind in (("*.array_record", "ArrayRecord"), ("*.bin", ".bin")):
+        if found := sorted(glob.glob(os.path.join(glob.escape(output_dir), pattern))):
+            return f"{len(found)} {kind} files ({os.path.basename(found[0])}, ...)"
+    return None
 
 
 def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "byte",
             vocab_size: int | None = None, num_shards: int = 1, validation_fraction: float = 0.05,
-            unit: str = "paragraph") -> dict:
+            unit: str = "paragraph", format: str = "array_record",
+            tokens_per_shard: int = 100_000_000) -> dict:
     """Builds the tokenizer on the train split of `input_path` (the embedded corpus if None),
     saves it to `output_dir`, and writes each split's documents, tokenized with <eos> appended,
-    to "{output_dir}/{split}-*.array_record". Returns the counts also written to prepare.json:
-    documents, tokens (<eos> included) and UTF-8 bytes per split, tokenizer kind, vocab size.
+    to "{output_dir}/{split}-*.array_record" (format="array_record", `num_shards` files) or as
+    one token stream to modded-nanogpt shards "{output_dir}/{split}_{i:06d}.bin" (format="bin",
+    `tokens_per_shard` tokens each). Returns the counts also written to prepare.json: format,
+    documents, tokens (<eos> included), UTF-8 bytes and files per split, tokenizer kind, vocab
+    size.
     """
     output_dir = os.fspath(output_dir)
     if existing := _existing_shards(output_dir):
-        raise FileExistsError(f"{output_dir}: already holds {len(existing)} ArrayRecord files "
-                              f"({os.path.basename(existing[0])}, ...): expected a directory "
+        raise FileExistsError(f"{output_dir}: already holds {existing}: expected a directory "
                               "without prepared data")
     if tokenizer not in tokenizers_lib.KINDS:
         raise ValueError(f"tokenizer={tokenizer!r}: expected one of {tokenizers_lib.KINDS}")
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r}: expected one of {FORMATS}")
     if num_shards < 1:
         raise ValueError(f"num_shards={num_shards}: expected a positive integer")
+    if format == "bin" and num_shards != 1:
+        raise ValueError(f"num_shards={num_shards} with format='bin': expected tokens_per_shard "
+                         "to size .bin shards")
+    if format == "bin" and (vocab_size or 0) > MAX_BIN_VOCAB:  # before a long tokenizer training
+        raise ValueError(f"vocab_size={vocab_size} with format='bin': expected at most "
+                         f"{MAX_BIN_VOCAB} (uint16 token ids)")
     splits = {split: sources.load_documents(input_path, split, unit=unit,
                                             validation_fraction=validation_fraction)
               for split in sources.SPLITS}
     tok = tokenizers_lib.build_tokenizer(tokenizer, [d.text for d in splits["train"]],
                                          vocab_size=vocab_size)
+    if format == "bin" and tok.vocab_size > MAX_BIN_VOCAB:  # sentinels come on top of vocab_size
+        raise ValueError(f"tokenizer vocab_size {tok.vocab_size} with format='bin': expected at "
+                         f"most {MAX_BIN_VOCAB} (uint16 token ids)")
     os.makedirs(output_dir, exist_ok=True)
     tok.save(output_dir)
     counts = {"input": input_path or None, "unit": unit, "validation_fraction": validation_fraction,
-              "tokenizer": tok.kind, "vocab_size": tok.vocab_size, "num_shards": num_shards}
+              "tokenizer": tok.kind, "vocab_size": tok.vocab_size, "format": format}
+    counts.update({"num_shards": num_shards} if format == "array_record"
+                  else {"tokens_per_shard": tokens_per_shard})
     eos = np.array([tokenizers_lib.EOS_ID], dtype=np.int32)
     for split, docs in splits.items():
         stats = counts[split] = {"documents": len(docs), "tokens": 0, "bytes": 0}
@@ -65,8 +93,11 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
                 stats["bytes"] += len(doc.text.encode("utf-8"))
                 yield ids
 
-        paths = sources.write_array_records(os.path.join(output_dir, split), encoded(),
-                                            num_shards)
+        prefix = os.path.join(output_dir, split)
+        if format == "bin":  # one stream of the documents, each followed by <eos>, cut every N
+            paths = shards.write_token_shards(prefix, encoded(), tokens_per_shard=tokens_per_shard)
+        else:
+            paths = sources.write_array_records(prefix, encoded(), num_shards)
         stats["files"] = [os.path.basename(p) for p in paths]
     summary = os.path.join(output_dir, "prepare.json")
     with open(summary + ".tmp", "w") as f:
@@ -84,7 +115,7 @@ def _main(argv):
     f = flags.FLAGS
     counts = prepare(f.output_dir, f.input, tokenizer=f.tokenizer, vocab_size=f.vocab_size,
                      num_shards=f.num_shards, validation_fraction=f.validation_fraction,
-                     unit=f.unit)
+                     unit=f.unit, format=f.format, tokens_per_shard=f.tokens_per_shard)
     print(json.dumps(counts, indent=2))
 
 
@@ -97,7 +128,10 @@ def _define_flags():
     flags.DEFINE_string("input", None, "Text file, directory or glob; default: embedded corpus.")
     flags.DEFINE_enum("tokenizer", "byte", tokenizers_lib.KINDS, "Tokenizer kind.")
     flags.DEFINE_integer("vocab_size", None, "Vocabulary size of trained tokenizers.")
+    flags.DEFINE_enum("format", "array_record", FORMATS,
+                      "array_record: one record per document; bin: modded-nanogpt uint16 shards.")
     flags.DEFINE_integer("num_shards", 1, "ArrayRecord files per split.", lower_bound=1)
+    flags.DEFINE_integer("tokens_per_shard", 100_000_000, "Tokens per .bin shard.", lower_bound=1)
     flags.DEFINE_float("validation_fraction", 0.05, "Fraction of documents for validation.",
                        lower_bound=0.0, upper_bound=1.0)
     flags.DEFINE_enum("unit", "paragraph", sources.UNITS, "Document unit of text files.")

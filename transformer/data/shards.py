@@ -1,0 +1,244 @@
+"""Pre-tokenized uint16 token shards, read through memory maps as one concatenated sequence.
+
+Two on-disk formats, told apart per file by its first 4 bytes:
+  * nanoGPT ("nanogpt"): raw little-endian uint16 token ids, no header (train.bin, val.bin).
+  * modded-nanogpt ("modded"): 256 little-endian int32 (magic 20240520, version 1, token count,
+    then zeros), followed by that many little-endian uint16 token ids.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import operator
+import os
+from collections.abc import Iterable, Sequence
+from typing import SupportsIndex
+
+import numpy as np
+
+from transformer.data import sources
+
+FORMATS = ("modded", "nanogpt")
+MAGIC, VERSION = 20240520, 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4  # 1024
+_TOKEN = np.dtype("<u2")  # both formats store little-endian uint16 ids
+_MAX_OPEN = 128  # memory maps kept open at once (each holds a file descriptor)
+
+
+def shard_format(path: str) -> tuple[str, int, int]:
+    """(format, byte offset of the first token, number of tokens) of one shard file, from its
+    size and header; a file whose size does not match its format raises a one-line ValueError.
+
+    >>> import tempfile
+    >>> path = write_token_shards(tempfile.mkdtemp() + "/x", [np.arange(5)])[0]
+    >>> shard_format(path)
+    ('modded', 1024, 5)
+    """
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(12)
+    # A nanoGPT file whose first two tokens are 54984, 308 would read as the magic; the version
+    # and size checks then reject it rather than misread it (GPT-2's ids stop at 50256).
+    if len(head) >= 4 and int(np.frombuffer(head[:4], "<i4")[0]) == MAGIC:
+        if len(head) < 12:
+            raise ValueError(f"{path}: modded-nanogpt shard of {size} bytes: expected at least "
+                             f"a {HEADER_BYTES}-byte header")
+        _, version, count = (int(v) for v in np.frombuffer(head, "<i4"))
+        if version != VERSION:
+            raise ValueError(f"{path}: modded-nanogpt shard version {version}: expected {VERSION}")
+        expected = HEADER_BYTES + _TOKEN.itemsize * count
+        if count < 0 or size != expected:
+            raise ValueError(f"{path}: modded-nanogpt shard of {count} tokens is {size} bytes: "
+                             f"expected {expected} ({HEADER_BYTES}-byte header + 2 per token)")
+        return "modded", HEADER_BYTES, count
+    if size % _TOKEN.itemsize:
+        raise ValueError(f"{path}: raw uint16 token file of {size} bytes: expected an even size")
+    return "nanogpt", 0, size // _TOKEN.itemsize
+
+
+def _shard_files(path: str) -> list[str]:
+    """`sources._files(path)`, keeping only *.bin files when `path` is a directory (a prepared
+    directory also holds the tokenizer and prepare.json); other non-.bin files are an error."""
+    path = os.fspath(path)
+    files = sources._files(path)
+    if os.path.isdir(path):
+        files = [f for f in files if f.endswith(".bin")]
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.bin files under this directory")
+    elif others := [f for f in files if not f.endswith(".bin")]:
+        raise ValueError(f"{others[0]}: not a .bin file: expected token shards named *.bin")
+    return files
+
+
+class TokenShards:
+    """Token shards (nanoGPT or modded-nanogpt, detected per file) as one sequence: the tokens
+    of the first file, then the next file's, ... `path` is a file, a directory (its *.bin files)
+    or a glob, or a list of them; each expands to its files in sorted order.
+
+    Reads map only the shards they touch and copy only the requested range. A pickle holds the
+    paths and lengths; memory maps are opened again on first use (e.g. in a Grain worker).
+
+    >>> import tempfile
+    >>> prefix = tempfile.mkdtemp() + "/train"
+    >>> _ = write_token_shards(prefix, [np.arange(7)], tokens_per_shard=3)
+    >>> shards = TokenShards(prefix + "_*.bin")
+    >>> len(shards), shards.shard_lengths
+    (7, [3, 3, 1])
+    >>> shards.read(2, 5)  # across the first boundary
+    array([2, 3, 4], dtype=int32)
+    >>> shards[-2:].tolist()
+    [5, 6]
+    """
+
+    def __init__(self, path: str | os.PathLike | Sequence[str | os.PathLike]):
+        patterns = [path] if isinstance(path, str | os.PathLike) else list(path)
+        self.paths = [f for pattern in patterns for f in _shard_files(pattern)]
+        if not self.paths:
+            raise FileNotFoundError("no token shards given: expected a file, directory or glob")
+        layouts = [shard_format(p) for p in self.paths]
+        self.formats = [fmt for fmt, _, _ in layouts]
+        self._offsets = [offset for _, offset, _ in layouts]  # bytes before the first token
+        self.shard_lengths = [count for _, _, count in layouts]
+        # starts[i] = index of shard i's first token in the whole sequence; starts[-1] = total
+        self._starts = [0, *itertools.accumulate(self.shard_lengths)]
+        self._maps: dict[int, np.memmap] = {}
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def _map(self, i: int) -> np.memmap:
+        if (memmap := self._maps.get(i)) is None:
+            if len(self._maps) >= _MAX_OPEN:  # drop the longest-open map: fds are finite
+                self._maps.pop(next(iter(self._maps)))
+            memmap = self._maps[i] = np.memmap(self.paths[i], dtype=_TOKEN, mode="r",
+                                               offset=self._offsets[i],
+                                               shape=(self.shard_lengths[i],))
+        return memmap
+
+    def read(self, start: SupportsIndex, stop: SupportsIndex) -> np.ndarray:
+        """Tokens [start, stop) of the concatenated sequence as a new int32 array; needs
+        0 <= start <= stop <= len(self)."""
+        start, stop = operator.index(start), operator.index(stop)
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"tokens [{start}, {stop}) of {len(self)}: expected "
+                             f"0 <= start <= stop <= {len(self)}")
+        out = np.empty(stop - start, np.int32)
+        # The shard holding token `start`, then each following one until `stop`; empty shards
+        # are skipped by bisect_right (their start equals the next shard's).
+        i = bisect.bisect_right(self._starts, start) - 1
+        position = start
+        while position < stop:
+            begin, end = self._starts[i], self._starts[i + 1]
+            if end > position:
+                take = min(stop, end) - position
+                # One copy, from the page cache straight into int32.
+                out[position - start:position - start + take] = self._map(i)[
+                    position - begin:position - begin + take]
+                position += take
+            i += 1
+        return out
+
+    def __getitem__(self, index: SupportsIndex | slice) -> np.ndarray | int:
+        """A slice with step 1 (Python's clamping and negative indices) -> `read`; an int -> one
+        token."""
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError(f"slice step {step}: expected 1 (contiguous reads only)")
+            return self.read(start, max(start, stop))
+        i = operator.index(index)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"token {i} of {len(self)}: expected an index in [0, {len(self)})")
+        return int(self.read(i % len(self), i % len(self) + 1)[0])
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": {}}  # memory maps are reopened lazily after unpickling
+
+    def __repr__(self) -> str:
+        return f"TokenShards({len(self.paths)} files, {len(self)} tokens)"
+
+
+def _uint16(array) -> np.ndarray:
+    array = np.asarray(array)
+    if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
+        raise ValueError(f"tokens of dtype {array.dtype} and shape {array.shape}: expected a 1-D "
+                         "array of integers")
+    if array.size and (array.min() < 0 or array.max() > 65535):
+        bad = array[(array < 0) | (array > 65535)][0]
+        raise ValueError(f"token id {int(bad)}: expected ids in [0, 65535] for uint16 shards")
+    return array.astype(_TOKEN)
+
+
+def write_token_shards(path_prefix: str, tokens: Iterable[np.ndarray], *,
+                       tokens_per_shard: int | None = None, format: str = "modded") -> list[str]:
+    """Writes the concatenation of the `tokens` arrays as uint16 shards of `tokens_per_shard`
+    tokens (the last may be shorter; None: one shard) named "{path_prefix}_{i:06d}.bin", or
+    "{path_prefix}.bin" for a single nanoGPT file (format="nanogpt", tokens_per_shard=None).
+    No tokens at all still gives one, empty, shard. Every shard is written under a ".tmp" name
+    and all are renamed once the last is complete. Returns the shard paths.
+
+    >>> import tempfile
+    >>> prefix = tempfile.mkdtemp() + "/val"
+    >>> paths = write_token_shards(prefix, [[1, 2], [3]], format="nanogpt")
+    >>> [os.path.basename(p) for p in paths], np.fromfile(paths[0], "<u2").tolist()
+    (['val.bin'], [1, 2, 3])
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r}: expected one of {FORMATS}")
+    if tokens_per_shard is not None and (not isinstance(tokens_per_shard, int)
+                                         or tokens_per_shard < 1):
+        raise ValueError(f"tokens_per_shard={tokens_per_shard!r}: expected a positive integer")
+    # The modded header stores the count as int32.
+    capacity = tokens_per_shard or (2**31 - 1 if format == "modded" else None)
+    if format == "modded" and capacity > 2**31 - 1:
+        raise ValueError(f"tokens_per_shard={tokens_per_shard}: expected at most 2**31 - 1 for "
+                         "modded-nanogpt shards (int32 count)")
+    path_prefix = os.fspath(path_prefix)
+    os.makedirs(os.path.dirname(path_prefix) or ".", exist_ok=True)
+    single = format == "nanogpt" and tokens_per_shard is None
+    paths, temps, counts = [], [], []
+    f = None
+
+    def open_shard():
+        nonlocal f
+        paths.append(f"{path_prefix}.bin" if single else f"{path_prefix}_{len(paths):06d}.bin")
+        temps.append(paths[-1] + ".tmp")
+        counts.append(0)
+        f = open(temps[-1], "wb")
+        if format == "modded":
+            f.write(bytes(HEADER_BYTES))  # the count is filled in when the shard is closed
+
+    def close_shard():
+        if format == "modded":
+            header = np.zeros(HEADER_INTS, "<i4")
+            header[:3] = MAGIC, VERSION, counts[-1]
+            f.seek(0)
+            f.write(header.tobytes())
+        f.close()
+
+    try:
+        open_shard()
+        for array in tokens:
+            ids = _uint16(array)
+            while ids.size:
+                if capacity is not None and counts[-1] == capacity:
+                    close_shard()
+                    open_shard()
+                take = ids.size if capacity is None else min(ids.size, capacity - counts[-1])
+                f.write(ids[:take].tobytes())
+                counts[-1] += take
+                ids = ids[take:]
+        close_shard()
+        for temp, path in zip(temps, paths, strict=True):
+            os.replace(temp, path)
+    except BaseException:
+        if f is not None:
+            f.close()
+        for temp in temps:
+            if os.path.exists(temp):
+                os.remove(temp)
+        raise
+    return paths
