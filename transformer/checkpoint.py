@@ -1,7 +1,8 @@
-"""Orbax checkpoints of a run: train state, Grain iterator state and the resolved config.
+"""Orbax checkpoints of a run: train state, data iterator position and the resolved config.
 
 A checkpoint holds everything needed to continue exactly: params, optimizer state and step (the
-per-step RNG is derived from the seed and the step), the data iterator's position, the config
+per-step RNG is derived from the seed and the step), the data iterator's position (one global
+batch index, the same on every process, so a run resumes on any number of processes), the config
 and what defines the data stream (`transformer.data.inputs.data_stream`). The tokenizer lives
 beside the checkpoints in the workdir. Restoring checks that the structural settings of the
 checkpoint and the current config agree, and that the data stream is the same one the iterator
@@ -25,7 +26,6 @@ import logging
 import time
 from typing import Any, NamedTuple
 
-import grain
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
@@ -82,11 +82,11 @@ def stream_differences(saved: dict, current: dict) -> list[str]:
         return items
 
     saved, current = flat(saved), flat(current)
-    same_content = saved.get("fingerprint") == current.get("fingerprint")
+    moved = {"data.path": "fingerprint", "data.validation_path": "validation_fingerprint"}
     differences = []
     for key in sorted(set(saved) | set(current)):
-        if key == "data.path" and same_content:
-            continue
+        if key in moved and saved.get(moved[key]) == current.get(moved[key]):
+            continue  # the same content elsewhere
         if saved.get(key) != current.get(key):
             what = "content fingerprint" if key == "fingerprint" else key
             differences.append(f"{what}: checkpoint {saved.get(key)!r}, config "
@@ -121,7 +121,7 @@ class Manager:
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "data": grain.checkpoint.CheckpointHandler(),
+                           "data": ocp.JsonCheckpointHandler(),
                            "config": ocp.JsonCheckpointHandler(),
                            "stream": ocp.JsonCheckpointHandler()})
 
@@ -141,7 +141,7 @@ class Manager:
             fileio.path(self.directory).mkdir(parents=True, exist_ok=True)  # the first save's
             self._written.append(step)
             items = {"state": ocp.args.StandardSave(state),
-                     "data": grain.checkpoint.CheckpointSave(iterator),
+                     "data": ocp.args.JsonSave(iterator.get_state()),
                      "config": ocp.args.JsonSave(self.config.to_dict())}
             if self.stream is not None:
                 items["stream"] = ocp.args.JsonSave(self.stream)
@@ -182,10 +182,11 @@ class Manager:
         differences = structural_differences(self.saved_config(step), self.config.to_dict())
         if differences:
             raise ConfigMismatch(f"{where} does not match the config: " + "; ".join(differences))
-        saved = self.saved_stream(step)
-        if self.stream is None or saved is None:
+        if self.stream is None:
             return []
-        differences = stream_differences(saved, self.stream)
+        saved = self.saved_stream(step)
+        differences = ["the checkpoint records no data stream (an older version wrote it)"] \
+            if saved is None else stream_differences(saved, self.stream)
         if differences and not self.config.get("new_data"):
             raise ConfigMismatch(
                 f"{where} was trained on another data stream: " + "; ".join(differences) +
@@ -206,8 +207,11 @@ class Manager:
             abstract_state, shardings)
         items = {"state": ocp.args.StandardRestore(target)}
         if iterator is not None:
-            items["data"] = grain.checkpoint.CheckpointRestore(iterator)
-        return self._manager.restore(step, args=ocp.args.Composite(**items))["state"]
+            items["data"] = ocp.args.JsonRestore()
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        if iterator is not None:
+            iterator.set_state(restored["data"])
+        return restored["state"]
 
     def restore_latest(self, abstract_state, shardings, iterator=None):
         """The newest usable checkpoint's state (None if there are none), falling back past

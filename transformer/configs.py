@@ -58,7 +58,11 @@ def base_config() -> ml_collections.ConfigDict:
 
     config.data = ml_collections.ConfigDict()
     config.data.path = ""  # "": the embedded corpus; or a text file, directory or glob
-    config.data.unit = "paragraph"  # how text files are cut into documents: paragraph | file
+    # How text is cut: paragraph | file (documents, hash-split) | stream (each file one stream,
+    # windows cross paragraphs; validation is the last validation_fraction of the text).
+    config.data.unit = "paragraph"
+    # Explicit validation text (file, directory or glob): no split is applied to it or data.path.
+    config.data.validation_path = ""
     config.data.validation_fraction = 0.05
     config.data.tokenizer = "byte"  # byte | char | sentencepiece_bpe | sentencepiece_unigram
     config.data.vocab_size = 0  # SentencePiece vocabulary size (required for SentencePiece)
@@ -224,6 +228,7 @@ CHECKS: dict[str, Check] = {
     "init_from": _STR,  # its form and target: checkpoint.parse_init_from, below
     "data.path": _STR,
     "data.unit": _one_of(sources.UNITS),
+    "data.validation_path": _STR,
     "data.validation_fraction": _number(ge=0, lt=1),
     "data.tokenizer": _one_of(tokenizers.KINDS),
     "data.vocab_size": _int(ge=0, note="0 for byte and char; required for SentencePiece"),

@@ -122,7 +122,7 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None,
     `bytes_per_token` is a function giving the validation split's UTF-8 bytes per token, called
     only when bits per byte apply; pass a cached one when evaluating repeatedly.
     """
-    dataset = inputs.get_dataset(config, tokenizer, split, num_epochs=1, shuffle=False,
+    dataset = inputs.get_dataset(config, tokenizer, split, num_epochs=1, shuffle=True,
                                  rows=placement.rows)
     totals, iterator, i = None, iter(dataset), 0
     while steps is None or i < steps:

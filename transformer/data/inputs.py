@@ -16,7 +16,7 @@ import ml_collections
 
 from transformer import checkpoint as checkpoint_lib
 from transformer import fileio
-from transformer.data import images, pipeline, sources, tasks
+from transformer.data import images, pipeline, shards, sources, tasks
 from transformer.data import tokenizers as tokenizers_lib
 
 TOKENIZER_DIR = "tokenizer"
@@ -28,11 +28,11 @@ def _prepared_dir(config: ml_collections.ConfigDict) -> str | None:
 
 
 def _documents(config: ml_collections.ConfigDict, split: str) -> list[sources.Document]:
-    """A split's documents; at least batch_size of them (long ones halved, see
-    `sources.at_least`), since each global batch row streams its own documents."""
-    docs = sources.load_documents(config.data.path or None, split, unit=config.data.unit,
-                                  validation_fraction=config.data.validation_fraction)
-    return sources.at_least(docs, config.batch_size)
+    """A split's documents (`sources.load_documents`)."""
+    data = config.data
+    return sources.load_documents(data.path or None, split, unit=data.unit,
+                                  validation_fraction=data.validation_fraction,
+                                  validation_path=data.get("validation_path", ""))
 
 
 def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None):
@@ -74,6 +74,9 @@ def save_tokenizer(tokenizer, workdir: str) -> None:
         tokenizer.save(fileio.join(workdir, TOKENIZER_DIR))
 
 
+# Changes whenever the same settings and data would give other batches (a checkpoint's
+# iterator position then means nothing): 2 = windows through one token sequence per split.
+PIPELINE_VERSION = 2
 # Data settings that do not change which batches a run reads.
 _NOT_STREAM = ("prefetch",)
 
@@ -84,16 +87,28 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
     a fingerprint of the data's content (`sources.fingerprint`; a prepared directory's shards)."""
     data = {k: v for k, v in config.data.to_dict().items() if k not in _NOT_STREAM}
     data["objective"] = pipeline.objective_for(config)
-    return {"batch_size": config.batch_size, "seq_len": config.seq_len, "seed": config.seed,
-            "data": data, "fingerprint": sources.fingerprint(config.data.path or None)}
+    stream = {"pipeline": PIPELINE_VERSION, "batch_size": config.batch_size,
+              "seq_len": config.seq_len, "seed": config.seed, "data": data,
+              "fingerprint": sources.fingerprint(config.data.path or None)}
+    if config.data.get("validation_path"):
+        stream["validation_fingerprint"] = sources.fingerprint(config.data.validation_path)
+    return stream
 
 
-def token_source(config: ml_collections.ConfigDict, tokenizer, split: str):
-    """One int32 token array per document (ending in <eos>) of a split, as a Grain MapDataset."""
+def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> pipeline.Corpus:
+    """A split's tokens as a `pipeline.Corpus`: its documents (each ending in <eos>) end to end,
+    read as one stream under data.unit="stream". A prepared directory's .bin shards are always a
+    stream (memory-mapped); its ArrayRecord documents are read into memory."""
+    stream = config.data.unit == "stream"
     if prepared := _prepared_dir(config):
-        source = sources.array_record_source(os.path.join(prepared, f"{split}-*.array_record"))
-        return grain.MapDataset.source(source)
-    return pipeline.tokenize_documents(_documents(config, split), tokenizer)
+        with open(os.path.join(prepared, "prepare.json")) as f:
+            layout = json.load(f).get("format", "array_record")
+        if layout == "bin":
+            return pipeline.Corpus(
+                shards.TokenShards(os.path.join(prepared, f"{split}_*.bin")), stream=True)
+        records = sources.array_record_source(os.path.join(prepared, f"{split}-*.array_record"))
+        return pipeline.Corpus.from_documents(list(records), stream=stream)
+    return pipeline.tokenize_documents(_documents(config, split), tokenizer, stream=stream)
 
 
 def bytes_per_token(config: ml_collections.ConfigDict, tokenizer, split: str) -> float:
@@ -124,7 +139,7 @@ def get_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
         return module.make_dataset(config, tokenizer, split, num_epochs=num_epochs,
                                    shuffle=shuffle, rows=rows)
     return pipeline.make_dataset(
-        token_source(config, tokenizer, split), objective=pipeline.objective_for(config),
+        corpus(config, tokenizer, split), objective=pipeline.objective_for(config),
         tokenizer=tokenizer, seq_len=config.seq_len, batch_size=config.batch_size,
         seed=config.seed, num_epochs=num_epochs, shuffle=shuffle, rows=rows,
         process_index=process_index,

@@ -18,7 +18,7 @@ from typing import SupportsIndex
 import numpy as np
 
 SPLITS = ("train", "validation")
-UNITS = ("paragraph", "file")
+UNITS = ("paragraph", "file", "stream")
 _INT32 = np.dtype("<i4")  # the on-disk record format: raw little-endian int32
 
 
@@ -198,49 +198,56 @@ def split_documents(docs: Iterable[Document], split: str,
     return [d for d in docs if (_unit_hash(d.text) < validation_fraction) == validation]
 
 
-def at_least(docs: Sequence[Document], count: int) -> list[Document]:
-    r"""`docs`, with the longest halved until there are `count` (each batch row streams its own
-    documents, so a split needs at least batch_size of them). A document is cut at the paragraph
-    break (else the line break, else the character) nearest its middle; the pieces stay in its
-    place and are named "<name>@<start>" by their start offset; the text is unchanged.
+def split_stream(docs: Sequence[Document], split: str,
+                 validation_fraction: float = 0.05) -> list[Document]:
+    """One split of a text read as one stream (documents in order): "train" is its first
+    1 - validation_fraction of the characters, "validation" the rest (nanoGPT's convention).
+    The document the cut falls in is cut there; its pieces are named "<name>@<offset>".
 
-    >>> docs = [Document("a", "one\n\ntwo\n\nthree four"), Document("b", "x")]
-    >>> [(d.name, d.text) for d in at_least(docs, 3)]
-    [('a@0', 'one\n\ntwo\n\n'), ('a@10', 'three four'), ('b', 'x')]
+    >>> docs = [Document("a", "abcdef"), Document("b", "ghij")]
+    >>> [(d.name, d.text) for d in split_stream(docs, "train", 0.3)]
+    [('a', 'abcdef'), ('b@0', 'g')]
+    >>> [(d.name, d.text) for d in split_stream(docs, "validation", 0.3)]
+    [('b@1', 'hij')]
     """
-    pieces = [(d.name, 0, d.text) for d in docs]
-    while len(pieces) < count:
-        i = max(range(len(pieces)), key=lambda j: len(pieces[j][2]))
-        name, start, text = pieces[i]
-        if len(text) < 2:
-            break
-        middle = len(text) // 2
-        cut = next((c for c in (_nearest(text, sep, middle) for sep in ("\n\n", "\n"))
-                    if c is not None), middle)
-        pieces[i:i + 1] = [(name, start, text[:cut]), (name, start + cut, text[cut:])]
-    split = {name for name, start, _ in pieces if start}
-    return [Document(f"{name}@{start}" if name in split else name, text)
-            for name, start, text in pieces]
-
-
-def _nearest(text: str, separator: str, middle: int) -> int | None:
-    """The offset just after the `separator` nearest `middle`, strictly inside `text`."""
-    before = text.rfind(separator, 0, middle)
-    after = text.find(separator, middle)
-    cuts = [i + len(separator) for i in (before, after) if i != -1]
-    cuts = [c for c in cuts if 0 < c < len(text)]
-    return min(cuts, key=lambda c: abs(c - middle)) if cuts else None
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {SPLITS}")
+    total = sum(len(d.text) for d in docs)
+    cut, start, chosen = round(total * (1.0 - validation_fraction)), 0, []
+    for doc in docs:
+        end = start + len(doc.text)
+        lo, hi = (start, min(end, cut)) if split == "train" else (max(start, cut), end)
+        if lo < hi:
+            whole = (lo, hi) == (start, end)
+            chosen.append(doc if whole else Document(f"{doc.name}@{lo - start}",
+                                                     doc.text[lo - start:hi - start]))
+        start = end
+    return chosen
 
 
 def load_documents(path: str | None, split: str, *, validation_fraction: float = 0.05,
-                   unit: str = "paragraph") -> list[Document]:
-    """One split of the embedded corpus (`path` None or "") or of `read_text(path, split=unit)`."""
-    docs = embedded_corpus() if not path else read_text(path, split=unit)
-    chosen = split_documents(docs, split, validation_fraction)
-    if not chosen:
-        raise ValueError(f"the {split} split of {path or 'the embedded corpus'} is empty "
-                         f"({len(docs)} documents, validation_fraction={validation_fraction}): "
-                         "expected more documents or another validation_fraction")
+                   unit: str = "paragraph", validation_path: str = "") -> list[Document]:
+    """One split of the embedded corpus (`path` None or "") or of the text at `path`, cut into
+    `unit`s: paragraph and file documents are split by `split_documents` (a hash of the text),
+    a stream's (one document per file, in order) by `split_stream` (its last characters).
+    With `validation_path` the splits are explicit: "train" is all of `path`, "validation"
+    all of `validation_path`."""
+    if unit not in UNITS:
+        raise ValueError(f"unit={unit!r}: expected one of {UNITS}")
+    read_as = "file" if unit == "stream" else unit
+    if validation_path:
+        source = path if split == "train" else validation_path
+        chosen = read_text(source, split=read_as) if source else embedded_corpus()
+        where = f"{source or 'the embedded corpus'} (explicit {split} split)"
+    else:
+        docs = embedded_corpus() if not path else read_text(path, split=read_as)
+        chosen = split_stream(docs, split, validation_fraction) if unit == "stream" else \
+            split_documents(docs, split, validation_fraction)
+        where = f"{path or 'the embedded corpus'}"
+        if not chosen:
+            raise ValueError(f"the {split} split of {where} is empty ({len(docs)} documents, "
+                             f"validation_fraction={validation_fraction}): expected more "
+                             "documents or another validation_fraction")
     return chosen
 
 
