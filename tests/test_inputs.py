@@ -75,15 +75,33 @@ def test_embedded_corpus_feeds_every_objective_without_a_download():
         assert batch[key].shape == (2, 32) and batch[key].max() < tokenizer.vocab_size
     ratio = inputs.bytes_per_token(config, tokenizer, "validation")
     assert 0.9 < ratio < 1.0  # bytes, plus one <eos> per document
-    # Each batch row streams its own documents: 64 rows need more than the split's 17 files,
-    # so the longest are halved (at paragraph breaks) until there are 64.
+    # 64 rows from a split of 17 documents: rows are windows through the split's tokens, not
+    # documents, so any batch size works.
     config.batch_size, config.model.family = 64, "gpt"
-    docs = inputs._documents(config, "validation")
-    assert len(docs) == 64 and len(sources.load_documents(None, "validation")) < 64
-    assert "".join(d.text for d in docs) == "".join(
-        d.text for d in sources.load_documents(None, "validation"))
+    assert len(sources.load_documents(None, "validation")) < 64
     batch = next(iter(inputs.get_dataset(config, tokenizer, "validation", num_epochs=1)))
-    assert batch["inputs"].shape == (64, config.seq_len)
+    assert batch["inputs"].shape == (64, config.seq_len) and batch["weights"].all()
+
+
+def test_stream_unit_splits_the_text_at_its_last_validation_fraction(text_file, tmp_path):
+    """data.unit="stream" (nanoGPT's convention): train is the first 95% of the characters,
+    validation the rest; a window crosses paragraphs. data.validation_path makes the splits
+    explicit: all of data.path trains, all of the other file validates."""
+    config = config_for(text_file, tokenizer="byte", unit="stream")
+    tokenizer = tokenizers.build_tokenizer("byte")
+    text = text_file.read_text()
+    cut = round(len(text) * 0.95)
+    train, validation = (inputs.corpus(config, tokenizer, s) for s in ("train", "validation"))
+    assert train.stream and validation.stream
+    assert tokenizer.decode(train.read(0, len(train) - 1)) == text[:cut]  # then <eos>
+    assert tokenizer.decode(validation.read(0, len(validation) - 1)) == text[cut:]
+    other = tmp_path / "held_out.txt"
+    other.write_text("Held out.\n\nEntirely.\n")
+    config = config_for(text_file, tokenizer="byte", validation_path=str(other))
+    assert [d.text for d in inputs._documents(config, "train")] == \
+        sources.split_paragraphs(text)
+    assert [d.text for d in inputs._documents(config, "validation")] == \
+        ["Held out.\n\n", "Entirely.\n"]
 
 
 def test_rows_select_the_global_batch_rows_this_process_produces(text_file):
