@@ -265,6 +265,10 @@ class Manager:
     def close(self) -> None:
         try:
             self._manager.wait_until_finished()
+            # Orbax removes leftover temporary steps in a thread started with the manager and
+            # awaits it only before a save: a manager closed unsaved (a run refused at start-up)
+            # must await it too, or the thread runs into interpreter shutdown.
+            getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
             if self._written:  # a manager that only reads may share the folder with a run
                 self._prune()
                 self._empty_deleted()
