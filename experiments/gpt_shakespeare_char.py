@@ -21,7 +21,7 @@ def get_config(variant: str = "gpu"):
     config.experiment = f"shakespeare_char_{variant}"
     config.data.tokenizer = "char"
     config.data.num_sentinels = 0
-    config.data.unit = "paragraph"
+    config.data.unit = "stream"  # nanoGPT's data: one text, validation its last 10%
     config.data.validation_fraction = 0.1
     config.model.update(family="gpt", position="learned", norm="layernorm", norm_placement="pre",
                         activation="gelu_tanh", tie_embeddings=True, use_bias=False,

@@ -336,35 +336,52 @@ def step_losses(workdir: Path) -> dict[int, float]:
     return losses
 
 
-@pytest.mark.slow
-def test_two_processes_train_checkpoint_resume_like_one(tmp_path):
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    reference = start(single, logs, "single", processes=1, devices=4)
-    first = start(multi, logs, "first", processes=2, devices=2)
+def kill_after_first_checkpoint(runs: list[subprocess.Popen], workdir: Path, logs: Path) -> int:
+    """kill -9 every process right after the run's first complete checkpoint; its step."""
     deadline = time.time() + TIMEOUT
-    checkpoints = multi / "checkpoints"
+    checkpoints = workdir / "checkpoints"
     while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
-        assert all(r.poll() is None for r in first), "\n".join(
+        assert all(r.poll() is None for r in runs), "\n".join(
             p.read_text()[-3000:] for p in logs.iterdir())
         assert time.time() < deadline, "no checkpoint was written"
         time.sleep(0.2)
-    for run in first:  # kill -9 both processes right after the first complete checkpoint
+    for run in runs:
         run.send_signal(signal.SIGKILL)
         run.wait()
-    killed_at = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
-    assert killed_at < 40
-    wait(start(multi, logs, "resumed", processes=2, devices=2), logs)
-    wait(reference, logs)
-    expected, resumed = step_losses(single), step_losses(multi)
-    assert sorted(resumed) == sorted(expected) == list(range(1, 41))
-    np.testing.assert_allclose([resumed[s] for s in range(1, 41)],
-                               [expected[s] for s in range(1, 41)], rtol=2e-6)
-    # Process 0 alone writes the logs and the summary; both wrote checkpoint shards.
-    assert json.loads((multi / "summary.json").read_text())["step"] == 40
-    log_text = (logs / "resumed-0.log").read_text()
-    assert f"steps {killed_at}..40" in log_text
-    assert "mesh data=2 x fsdp=2 x tensor=1 (4 devices, 2 process(es))" in log_text
-    assert "batch 8 global, 2 per data-parallel shard" in log_text
-    assert "steps" not in (logs / "resumed-1.log").read_text()  # process 1 prints nothing
+    return max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+
+
+@pytest.mark.slow
+def test_a_run_resumes_on_another_process_count_like_one_uninterrupted_run(tmp_path):
+    """Saved by 2 processes, resumed by 1 (and 1 -> 2), on the same 4 devices: the data
+    position is one global batch index, so the resumed run reads the same global batches and
+    logs the uninterrupted run's losses."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    single = tmp_path / "single"
+    reference = start(single, logs, "single", processes=1, devices=4)
+    expected = None
+    for before, after in ((2, 1), (1, 2)):
+        workdir = tmp_path / f"{before}to{after}"
+        per_process = 4 // before
+        killed_at = kill_after_first_checkpoint(
+            start(workdir, logs, f"first-{before}", processes=before, devices=per_process),
+            workdir, logs)
+        assert killed_at < 40
+        wait(start(workdir, logs, f"resumed-{after}", processes=after, devices=4 // after),
+             logs)
+        if expected is None:
+            wait(reference, logs)
+            expected = step_losses(single)
+        resumed = step_losses(workdir)
+        assert sorted(resumed) == sorted(expected) == list(range(1, 41))
+        np.testing.assert_allclose([resumed[s] for s in range(1, 41)],
+                                   [expected[s] for s in range(1, 41)], rtol=2e-6)
+        # Process 0 alone writes the logs and the summary.
+        assert json.loads((workdir / "summary.json").read_text())["step"] == 40
+        log_text = (logs / f"resumed-{after}-0.log").read_text()
+        assert f"steps {killed_at}..40" in log_text
+        assert f"mesh data=2 x fsdp=2 x tensor=1 (4 devices, {after} process(es))" in log_text
+        assert "batch 8 global, 2 per data-parallel shard" in log_text
+        if after == 2:
+            assert "steps" not in (logs / "resumed-2-1.log").read_text()  # process 1 is quiet
