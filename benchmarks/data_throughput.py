@@ -7,20 +7,29 @@ Prints tokens/s (and batches/s) of the Grain pipeline on the embedded corpus (by
 SentencePiece BPE tokenizers, each objective) beside the train step's tokens/s for
 experiments/gpt_tiny.py, and the ratio (the pipeline must deliver >= 10x). `--batch_size` /
 `--seq_len` override the pipeline's shape (the train step keeps gpt_tiny's).
+
+    taskset -c 0 python benchmarks/data_throughput.py --shard_tokens=20000000
+
+times next-token rows of 64 x 1024 from modded-nanogpt token shards (written to a temp
+directory, memory-mapped) instead: read as one stream, and as documents of uneven lengths
+(10..2000 tokens) packed with segment ids. Target: >= 1M tokens/s on one core.
 """
 
+import glob
 import importlib.util
 import pathlib
+import tempfile
 import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from absl import app, flags
 
 from transformer import objectives
-from transformer.data import inputs, tokenizers
+from transformer.data import inputs, pipeline, shards, tokenizers
 from transformer.models import build_model
 
 _BATCHES = flags.DEFINE_integer("batches", 200, "Batches to time per pipeline.")
@@ -30,6 +39,8 @@ _TOKENIZERS = flags.DEFINE_list("tokenizers", ["byte", "sentencepiece_bpe"],
                                 "Tokenizers to time: byte, sentencepiece_bpe.")
 _FAMILIES = flags.DEFINE_list("families", ["gpt", "prefix_lm", "bert", "t5"],
                               "Model families whose objectives to time.")
+_SHARD_TOKENS = flags.DEFINE_integer("shard_tokens", 0, "> 0: time the pipeline on token shards "
+                                     "of this many tokens instead (see above).")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -75,8 +86,39 @@ def pipeline_tokens_per_second(config, tokenizer, num_batches):
     return num_batches * config.batch_size * config.seq_len / seconds, num_batches / seconds
 
 
+def shard_throughput(total: int, num_batches: int) -> None:
+    """Next-token rows of 64 x 1024 from memory-mapped shards: a stream, and packed documents."""
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as directory:
+        pieces = (rng.integers(0, 50_000, size=min(1_000_000, total - i), dtype=np.int64)
+                  for i in range(0, total, 1_000_000))
+        shards.write_token_shards(f"{directory}/train", pieces, tokens_per_shard=10_000_000)
+        tokens = shards.TokenShards(sorted(glob.glob(f"{directory}/train_*.bin")))
+        lengths = rng.integers(10, 2000, size=len(tokens) // 1000)
+        starts = np.cumsum(np.concatenate([[0], lengths[:-1]]))
+        corpora = {"stream": pipeline.Corpus(tokens, stream=True),
+                   "documents": pipeline.Corpus(tokens, starts[starts < len(tokens)])}
+        print(f"{len(tokens):,} tokens in {len(tokens.paths)} shards; next-token rows of "
+              f"64 x 1024, {num_batches} batches")
+        print(f"{'read as':<10} {'tokens/s':>12} {'batches/s':>10}")
+        for name, corpus in corpora.items():
+            it = iter(pipeline.make_dataset(corpus, objective="next_token", tokenizer=None,
+                                            seq_len=1024, batch_size=64, seed=0,
+                                            process_index=0, process_count=1, prefetch=0))
+            next(it)  # the first epoch's orders
+            start = time.perf_counter()
+            for _ in range(num_batches):
+                next(it)
+            seconds = time.perf_counter() - start
+            print(f"{name:<10} {num_batches * 64 * 1024 / seconds:>12,.0f} "
+                  f"{num_batches / seconds:>10,.1f}")
+
+
 def main(argv):
     del argv
+    if _SHARD_TOKENS.value:
+        shard_throughput(_SHARD_TOKENS.value, _BATCHES.value)
+        return
     config = default_config()
     byte = tokenizers.build_tokenizer("byte")
     consumed = train_step_tokens_per_second(default_config(), byte.vocab_size)
