@@ -88,7 +88,7 @@ SAME_DATA = (f"--config.data.path={SHAKESPEARE}", "--config.data.tokenizer=char"
     ((*SAME_DATA, "--config.optimizer.weight_decay=-1"),
      "optimizer.weight_decay=-1.0: expected a number >= 0"),
     ((*SAME_DATA, "--config.data.unit=sentence"),
-     "data.unit='sentence': expected one of ('paragraph', 'file')"),
+     "data.unit='sentence': expected one of ('paragraph', 'file', 'stream')"),
     ((*SAME_DATA, "--config.eval_steps=0"), "eval_steps=0: expected an int >= 1"),
 ], ids=["data_path", "batch_size", "seq_len", "seed", "tokenizer", "steps_below_latest",
         "keep_checkpoints_0", "negative_lr", "negative_clip", "b1", "warmup", "weight_decay",
