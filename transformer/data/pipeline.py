@@ -9,7 +9,8 @@ samples b * B .. b * B + B - 1, so the batches depend only on the data, the batc
 seed: each process computes just its rows, and the iterator's state (Grain's `get_state`) is
 one batch index that resumes on any number of processes. The objectives that need randomness
 (MLM, span corruption, prefix split) run here on the host CPU, each row keyed by its sample
-index, so a restored iterator draws the same noise again.
+index, so a restored iterator draws the same noise again. A weighted mixture of sources
+(`Mixture`) gives each source its own windows and says which source each sample reads.
 """
 
 from __future__ import annotations
