@@ -10,7 +10,7 @@ import pytest
 from test_train import assert_succeeded, read_metrics, run_cli, tiny_flags
 
 from transformer import configs
-from transformer.data import inputs, pipeline
+from transformer.data import inputs, pipeline, prepare
 from transformer.data.tokenizers import EOS_ID
 
 TOKENIZER = types.SimpleNamespace(vocab_size=300, special_ids=tuple(range(7)))
@@ -189,6 +189,35 @@ def test_the_data_stream_names_the_sources_their_weights_and_fingerprints(two_te
     assert inputs.data_stream(mixture_config(*two_texts, weights=(0.5, 0.5))) != stream
     two_texts[1].write_text("other text\n\n" * 50)
     assert inputs.data_stream(config)["fingerprint"]["code"] != stream["fingerprint"]["code"]
+
+
+def test_the_tokenizer_is_built_on_the_union_of_the_sources_train_splits(two_texts):
+    config = mixture_config(*two_texts)
+    config.data.tokenizer = "char"
+    tokenizer = inputs.get_tokenizer(config)
+    both = "".join(path.read_text() for path in two_texts)
+    assert set(tokenizer.decode(tokenizer.encode(both))) == set(both)  # no <unk> from either
+    prose_only = configs.base_config()
+    prose_only.data.update(path=str(two_texts[0]), tokenizer="char")
+    assert inputs.get_tokenizer(prose_only).vocab_size < tokenizer.vocab_size
+
+
+def test_a_prepared_source_brings_the_tokenizer_and_must_agree_with_the_others(two_texts,
+                                                                              tmp_path):
+    for name, kind in (("char_a", "char"), ("char_b", "char"), ("bytes", "byte")):
+        prepare.prepare(str(tmp_path / name), str(two_texts[0]), tokenizer=kind)
+    config = configs.base_config()
+    config.data.update(tokenizer="char", sources=(f"path={tmp_path / 'char_a'},weight=1",
+                                                  f"path={two_texts[1]},weight=1"))
+    tokenizer = inputs.get_tokenizer(config)
+    assert tokenizer.kind == "char"
+    batch = next(iter(inputs.get_dataset(config, tokenizer, "train")))  # text + prepared
+    assert batch["inputs"].shape == (config.batch_size, config.seq_len)
+    config.data.sources += (f"path={tmp_path / 'char_b'},weight=1",)
+    inputs.get_tokenizer(config)  # prepared with the same tokenizer: fine
+    config.data.sources += (f"path={tmp_path / 'bytes'},weight=1",)
+    with pytest.raises(ValueError, match="'bytes'.* was prepared with another tokenizer"):
+        inputs.get_tokenizer(config)
 
 
 # --- end to end -------------------------------------------------------------------------------

@@ -101,11 +101,15 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
 
 def _check_same_tokenizer(config: ml_collections.ConfigDict, prepared: str) -> None:
     """A mixture's prepared sources must share one tokenizer (the text sources then use it)."""
-    saved = fileio.path(prepared).joinpath(tokenizers_lib.CONFIG_FILE).read_text()
+    def files(directory: str) -> list[bytes | None]:
+        paths = [fileio.path(directory).joinpath(name) for name in
+                 (tokenizers_lib.CONFIG_FILE, tokenizers_lib.SENTENCEPIECE_FILE)]
+        return [path.read_bytes() if path.is_file() else None for path in paths]
+
+    saved = files(prepared)
     for name, one in source_configs(config).items():
         other = _prepared_dir(one)
-        if other and fileio.path(other).joinpath(tokenizers_lib.CONFIG_FILE).read_text() \
-                != saved:
+        if other and files(other) != saved:
             raise ValueError(f"data.sources {name!r}: {other!r} was prepared with another "
                              f"tokenizer than {prepared!r}: expected one tokenizer for all")
 
