@@ -76,7 +76,7 @@ BAD_VALUES = [
     ({"compiler_options": {"xla_no_such_option": True}}, "XLA rejects them"),
     # data
     ({"data.path": None}, "expected a str"),
-    ({"data.unit": "sentence"}, "one of ('paragraph', 'file')"),
+    ({"data.unit": "sentence"}, "one of ('paragraph', 'file', 'stream')"),
     ({"data.validation_fraction": 1.0}, "expected a number in [0, 1)"),
     ({"data.tokenizer": "bpe"}, "one of ('byte', 'char', 'sentencepiece_bpe'"),
     ({"data.vocab_size": -1}, "expected an int >= 0"),

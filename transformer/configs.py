@@ -64,6 +64,11 @@ def base_config() -> ml_collections.ConfigDict:
     # Explicit validation text (file, directory or glob): no split is applied to it or data.path.
     config.data.validation_path = ""
     config.data.validation_fraction = 0.05
+    # A weighted mixture instead of data.path (which stays ""): one "key=value,..." string per
+    # source, path and weight required, unit / validation_path / name optional, e.g.
+    # ("path=web.txt,weight=0.7", "path=code/,weight=0.3,unit=file"). The tokenizer is built on
+    # the union of the sources' train splits; each validation split is evaluated on its own.
+    config.data.sources = ()
     config.data.tokenizer = "byte"  # byte | char | sentencepiece_bpe | sentencepiece_unigram
     config.data.vocab_size = 0  # SentencePiece vocabulary size (required for SentencePiece)
     config.data.num_sentinels = 100
@@ -230,6 +235,9 @@ CHECKS: dict[str, Check] = {
     "data.unit": _one_of(sources.UNITS),
     "data.validation_path": _STR,
     "data.validation_fraction": _number(ge=0, lt=1),
+    # Each entry's fields, and data.path alongside: _validate_sources.
+    "data.sources": (lambda v: isinstance(v, tuple | list) and all(isinstance(x, str) for x in v),
+                     "a tuple of 'path=...,weight=...' strings (\"()\": data.path alone)"),
     "data.tokenizer": _one_of(tokenizers.KINDS),
     "data.vocab_size": _int(ge=0, note="0 for byte and char; required for SentencePiece"),
     "data.num_sentinels": _int(ge=0),
@@ -292,6 +300,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     if config.model.get("position") == "learned" and config.seq_len > config.model.max_len:
         raise ValueError(f"seq_len={config.seq_len}: expected <= model.max_len="
                          f"{config.model.max_len}, the learned position table's size")
+    _validate_sources(config)
     _validate_tokenizer(config)
     _validate_finetuning(config)
     model = ml_collections.ConfigDict(config.model.to_dict())
@@ -305,12 +314,31 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         raise
 
 
+def _validate_sources(config: ml_collections.ConfigDict) -> None:
+    """A mixture (data.sources): every entry well formed (`sources.parse_sources`: weights
+    finite and > 0, units known, paths present), data.path and data.validation_path left empty
+    (each source has its own), and a text pretraining objective."""
+    specs = config.data.get("sources") or ()
+    if not specs:
+        return
+    sources.parse_sources(specs)
+    for key in ("path", "validation_path"):
+        if config.data.get(key):
+            raise ValueError(f"data.{key}={config.data[key]!r}: expected '' with data.sources "
+                             f"(each source has its own {key})")
+    if (objective := pipeline.objective_for(config)) not in pipeline.OBJECTIVES:
+        raise ValueError(f"data.sources with data.objective={objective!r}: expected a text "
+                         f"pretraining objective {pipeline.OBJECTIVES}")
+
+
 def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:
     """data.vocab_size against data.tokenizer: byte and char derive their size, SentencePiece
     needs one. Neither matters when the tokenizer is loaded instead (from a prepared data.path,
     as inputs.get_tokenizer does, or from the init_from workdir)."""
     init_from = config.get("init_from", "")
-    if os.path.isfile(os.path.join(config.data.path, "prepare.json")) or (
+    paths = [config.data.path] + [s.path for s in
+                                  sources.parse_sources(config.data.get("sources") or ())]
+    if any(os.path.isfile(os.path.join(p, "prepare.json")) for p in paths) or (
             init_from and checkpoint_lib.parse_init_from(init_from)[0] == "workdir"):
         return
     kind, size = config.data.tokenizer, config.data.vocab_size

@@ -121,7 +121,14 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None,
 
     `bytes_per_token` is a function giving the validation split's UTF-8 bytes per token, called
     only when bits per byte apply; pass a cached one when evaluating repeatedly.
+
+    A mixture (data.sources) evaluates each source's validation split on its own (`steps`
+    batches each, or all of it) and returns their token-weighted total with the sources'
+    metrics under "by_source"; `bytes_per_token` then takes the source's name.
     """
+    if split == "validation" and (mixture := inputs.source_configs(config)):
+        return _evaluate_mixture(params, eval_step, mixture, tokenizer, steps, placement,
+                                 bytes_per_token)
     dataset = inputs.get_dataset(config, tokenizer, split, num_epochs=1, shuffle=True,
                                  rows=placement.rows)
     totals, iterator, i = None, iter(dataset), 0
@@ -154,6 +161,30 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None,
                                                 "validation")
         metrics["bits_per_byte"] = loss / math.log(2) / bytes_per_token()
     return metrics
+
+
+def _evaluate_mixture(params, eval_step, mixture, tokenizer, steps, placement,
+                      bytes_per_token) -> dict:
+    """Each source's validation metrics and their total, every token counting once: the loss
+    and accuracy averaged over all sources' tokens, bits per byte over all their bytes."""
+    by_source, source_bytes_per_token = {}, {}
+    for name, one in mixture.items():
+        source_bytes_per_token[name] = functools.cache(
+            functools.partial(inputs.bytes_per_token, one, tokenizer, "validation")
+            if bytes_per_token is None else functools.partial(bytes_per_token, name))
+        by_source[name] = evaluate(params, eval_step, one, tokenizer, steps, placement,
+                                   source_bytes_per_token[name])
+    tokens = {name: m["num_tokens"] for name, m in by_source.items()}
+    n = sum(tokens.values())
+    loss = sum(m["loss"] * tokens[name] for name, m in by_source.items()) / n
+    total = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+             "accuracy": sum(m["accuracy"] * tokens[name] for name, m in by_source.items()) / n,
+             "num_tokens": n}
+    if all("bits_per_byte" in m for m in by_source.values()):
+        # bits per byte = all the sources' bits over all their bytes (cached: computed above)
+        num_bytes = sum(source_bytes_per_token[name]() * tokens[name] for name in by_source)
+        total["bits_per_byte"] = loss * n / math.log(2) / num_bytes
+    return {**total, "by_source": by_source}
 
 
 def check_eval_seq_len(config, seq_len: int) -> None:

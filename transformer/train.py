@@ -122,6 +122,7 @@ class Run:
     eval_step: Any
     logger: metrics_lib.MetricsLogger
     validation_bytes_per_token: Any
+    mixture: pipeline.Mixture | None = None  # data.sources' schedule (tokens per source)
     step: int = 0
     tokenizer_saved: bool = False  # saved into the workdir with the first checkpoint
     last_metrics: dict = dataclasses.field(default_factory=dict)
@@ -180,9 +181,13 @@ def _check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> No
     splits = ["validation"] + (["test"] if inputs.labeled_task(config) is not None else [])
     lengths = [config.seq_len] + [n for n in config.get("eval_seq_lens") or ()
                                   if _evaluable(config, n)]
-    for split in splits:
+    # A mixture evaluates each source's validation split on its own.
+    mixture = inputs.source_configs(config)
+    for split, one, where in [("validation", c, f"data.sources {name!r}")
+                              for name, c in mixture.items()] or \
+            [(split, config, "data.path") for split in splits]:
         for seq_len in lengths if split == "validation" else lengths[:1]:
-            at = ml_collections.ConfigDict(config.to_dict())
+            at = ml_collections.ConfigDict(one.to_dict())
             at.seq_len = seq_len
             iterator = iter(inputs.get_dataset(at, tokenizer, split, num_epochs=1, shuffle=False,
                                                rows=placement.rows))
@@ -192,7 +197,7 @@ def _check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> No
                 entry = "" if seq_len == config.seq_len else " (an eval_seq_lens entry)"
                 raise ValueError(
                     f"the {split} split yields no batch of {config.batch_size} x "
-                    f"{seq_len}{entry}: expected more {split} text (data.path, "
+                    f"{seq_len}{entry}: expected more {split} text ({where}, "
                     f"data.validation_fraction={config.data.validation_fraction}) or a smaller "
                     "batch_size / seq_len")
 
@@ -268,7 +273,11 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
               placement.jit_eval_step(evaluation.make_eval_step(model, config, tokenizer),
                                       state_sharding.params),
               metrics_lib.MetricsLogger(workdir, is_main, start_step),
-              functools.cache(lambda: inputs.bytes_per_token(config, tokenizer, "validation")),
+              functools.cache(lambda source=None: inputs.bytes_per_token(
+                  config if source is None else inputs.source_configs(config)[source],
+                  tokenizer, "validation")),
+              pipeline.Mixture(inputs.mixture_weights(config), config.seed)
+              if config.data.get("sources") else None,
               step=start_step, tokenizer_saved=resuming)
     run.logger.print(f"{config.experiment}: {config.model.family}, {run.num_params:,} params, "
                      f"batch {config.batch_size} x {config.seq_len}, "
@@ -298,6 +307,11 @@ def _log_train(run: Run, metrics, since: tuple[float, int], flops: float, peak: 
     record = {k: float(v) for k, v in metrics.items()}
     record.update(learning_rate=lr, step_time=seconds, tokens_per_s=tokens_per_s)
     record["mfu"] = tokens_per_s * flops / (peak * len(jax.devices()))
+    if run.mixture is not None:  # rows read from each source so far, in closed form
+        batches = run.train_data.get_state().get("next_index", step)  # the stream's position
+        counts = run.mixture.counts(batches * config.batch_size)
+        for name, rows in zip(inputs.source_configs(config), counts, strict=True):
+            record[f"tokens/{name}"] = int(rows) * config.seq_len
     run.logger.write(step, "train", record)
     eta = (config.steps - step) * seconds
     run.logger.print(f"step {step}/{config.steps} loss {record['loss']:.4f} "
@@ -320,8 +334,13 @@ def _evaluate(run: Run, split: str, steps: int | None, seq_len: int | None = Non
         result = evaluation.evaluate_at_length(params, run.eval_step, config, run.tokenizer,
                                                seq_len, run.placement, steps)
     name = split if seq_len is None else f"{split}@{seq_len}"
-    run.logger.write(run.step, name, result)
     at = "" if seq_len is None else f" at length {seq_len}"
+    # A mixture's sources, each its own record ("validation/web"), then their total.
+    for source, metrics in result.pop("by_source", {}).items():
+        run.logger.write(run.step, f"{name}/{source}", metrics)
+        run.logger.print(f"step {run.step}: {split}/{source}{at} " + " ".join(
+            f"{k} {v:.4f}" for k, v in metrics.items() if k != "num_tokens"))
+    run.logger.write(run.step, name, result)
     run.logger.print(f"step {run.step}: {split}{at} " + " ".join(
         f"{k} {v:.4f}" for k, v in result.items() if k != "num_tokens"))
     return result

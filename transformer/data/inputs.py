@@ -2,7 +2,8 @@
 
 `data.path` is empty (the embedded corpus), a text file / directory / glob, or a directory
 written by `python -m transformer.data.prepare` (pre-tokenized ArrayRecord shards and their
-tokenizer).
+tokenizer). `data.sources` instead trains on a weighted mixture of such paths
+(`source_configs`, `pipeline.Mixture`); each source's validation split is evaluated on its own.
 """
 
 from __future__ import annotations
@@ -22,13 +23,42 @@ from transformer.data import tokenizers as tokenizers_lib
 TOKENIZER_DIR = "tokenizer"
 
 
+def source_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collections.ConfigDict]:
+    """A mixture's sources (`data.sources`) by name, each as the config of a run on that source
+    alone (its data.path, unit and validation_path filled in, data.sources empty); {} for a
+    single-source config.
+
+    >>> web = f"path={sources.__file__},weight=0.7,unit=file"  # any existing file
+    >>> config = ml_collections.ConfigDict({"data": {"path": "", "unit": "paragraph",
+    ...     "validation_path": "", "sources": (web,)}})
+    >>> {name: c.data.unit for name, c in source_configs(config).items()}
+    {'sources': 'file'}
+    """
+    configs = {}
+    for source in sources.parse_sources(config.data.get("sources") or ()):
+        one = ml_collections.ConfigDict(config.to_dict())
+        one.data.update(path=source.path, unit=source.unit or config.data.unit,
+                        validation_path=source.validation_path, sources=())
+        configs[source.name] = one
+    return configs
+
+
+def mixture_weights(config: ml_collections.ConfigDict) -> list[float]:
+    """The weights of `data.sources`, in order (as given: `pipeline.Mixture` normalizes)."""
+    return [source.weight for source in sources.parse_sources(config.data.get("sources") or ())]
+
+
 def _prepared_dir(config: ml_collections.ConfigDict) -> str | None:
-    path = config.data.path
-    return path if path and os.path.isfile(os.path.join(path, "prepare.json")) else None
+    """data.path if it is a prepared directory; for a mixture, its first prepared source's."""
+    paths = [c.data.path for c in source_configs(config).values()] or [config.data.path]
+    prepared = [p for p in paths if p and os.path.isfile(os.path.join(p, "prepare.json"))]
+    return prepared[0] if prepared else None
 
 
 def _documents(config: ml_collections.ConfigDict, split: str) -> list[sources.Document]:
-    """A split's documents (`sources.load_documents`)."""
+    """A split's documents (`sources.load_documents`); a mixture's are its sources' in order."""
+    if mixture := source_configs(config):
+        return [doc for one in mixture.values() for doc in _documents(one, split)]
     data = config.data
     return sources.load_documents(data.path or None, split, unit=data.unit,
                                   validation_fraction=data.validation_fraction,
@@ -56,6 +86,7 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
     elif prepared := _prepared_dir(config):
         tokenizer = tokenizers_lib.load_tokenizer(prepared)
         origin = f"the prepared data {prepared!r}"
+        _check_same_tokenizer(config, prepared)
     else:
         kind = config.data.tokenizer
         texts = None if kind == "byte" else [d.text for d in _documents(config, "train")]
@@ -66,6 +97,21 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
         raise ValueError(f"data.tokenizer={config.data.tokenizer!r}: {origin} was tokenized "
                          f"with {tokenizer.kind!r}: expected data.tokenizer={tokenizer.kind!r}")
     return tokenizer
+
+
+def _check_same_tokenizer(config: ml_collections.ConfigDict, prepared: str) -> None:
+    """A mixture's prepared sources must share one tokenizer (the text sources then use it)."""
+    def files(directory: str) -> list[bytes | None]:
+        paths = [fileio.path(directory).joinpath(name) for name in
+                 (tokenizers_lib.CONFIG_FILE, tokenizers_lib.SENTENCEPIECE_FILE)]
+        return [path.read_bytes() if path.is_file() else None for path in paths]
+
+    saved = files(prepared)
+    for name, one in source_configs(config).items():
+        other = _prepared_dir(one)
+        if other and files(other) != saved:
+            raise ValueError(f"data.sources {name!r}: {other!r} was prepared with another "
+                             f"tokenizer than {prepared!r}: expected one tokenizer for all")
 
 
 def save_tokenizer(tokenizer, workdir: str) -> None:
@@ -84,21 +130,33 @@ _NOT_STREAM = ("prefetch",)
 def data_stream(config: ml_collections.ConfigDict) -> dict:
     """What defines the sequence of batches a run reads, so a checkpoint's iterator position
     means something only together with it: the data settings, batch size, length and seed, and
-    a fingerprint of the data's content (`sources.fingerprint`; a prepared directory's shards)."""
+    a fingerprint of the data's content (`sources.fingerprint`; a prepared directory's shards).
+    A mixture's sources (paths, weights, units) are among the data settings, and its
+    fingerprints are per source: {"fingerprint": {"web": ..., "code": ...}}."""
     data = {k: v for k, v in config.data.to_dict().items() if k not in _NOT_STREAM}
     data["objective"] = pipeline.objective_for(config)
+    if "sources" in data:
+        data["sources"] = list(data["sources"])  # as JSON gives it back from a checkpoint
     stream = {"pipeline": PIPELINE_VERSION, "batch_size": config.batch_size,
               "seq_len": config.seq_len, "seed": config.seed, "data": data,
               "fingerprint": sources.fingerprint(config.data.path or None)}
     if config.data.get("validation_path"):
         stream["validation_fingerprint"] = sources.fingerprint(config.data.validation_path)
+    if mixture := source_configs(config):
+        stream["fingerprint"] = {name: data_stream(one)["fingerprint"]
+                                 for name, one in mixture.items()}
+        stream["validation_fingerprint"] = {
+            name: data_stream(one).get("validation_fingerprint", "")
+            for name, one in mixture.items()}
     return stream
 
 
 def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> pipeline.Corpus:
     """A split's tokens as a `pipeline.Corpus`: its documents (each ending in <eos>) end to end,
     read as one stream under data.unit="stream". A prepared directory's .bin shards are always a
-    stream (memory-mapped); its ArrayRecord documents are read into memory."""
+    stream (memory-mapped); its ArrayRecord documents are read into memory. A mixture has one
+    corpus per source: call this with each of `source_configs(config)`."""
+    _single_source(config, "corpus")
     stream = config.data.unit == "stream"
     if prepared := _prepared_dir(config):
         with open(os.path.join(prepared, "prepare.json")) as f:
@@ -113,6 +171,7 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> pipeline
 
 def bytes_per_token(config: ml_collections.ConfigDict, tokenizer, split: str) -> float:
     """UTF-8 bytes per token of a split (for bits-per-byte), <eos> tokens included."""
+    _single_source(config, "bytes_per_token")
     if prepared := _prepared_dir(config):
         with open(os.path.join(prepared, "prepare.json")) as f:
             stats = json.load(f)[split]
@@ -138,13 +197,25 @@ def get_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
         module = tasks if objective in tasks.OBJECTIVES else images
         return module.make_dataset(config, tokenizer, split, num_epochs=num_epochs,
                                    shuffle=shuffle, rows=rows)
+    weights = None
+    if (mixture := source_configs(config)) and split == "train" and num_epochs is None:
+        weights = mixture_weights(config)
+        split_tokens = [corpus(one, tokenizer, split) for one in mixture.values()]
+    else:
+        split_tokens = corpus(config, tokenizer, split)
     return pipeline.make_dataset(
-        corpus(config, tokenizer, split), objective=pipeline.objective_for(config),
+        split_tokens, weights=weights, objective=objective,
         tokenizer=tokenizer, seq_len=config.seq_len, batch_size=config.batch_size,
         seed=config.seed, num_epochs=num_epochs, shuffle=shuffle, rows=rows,
         process_index=process_index,
         process_count=process_count, mlm_rate=data.mlm_rate, noise_density=data.noise_density,
         mean_span_length=data.mean_span_length, prefetch=data.prefetch)
+
+
+def _single_source(config: ml_collections.ConfigDict, what: str) -> None:
+    if config.data.get("sources"):
+        raise ValueError(f"{what}: data.sources is a mixture: expected one source's config "
+                         "(inputs.source_configs); only training reads the mixture")
 
 
 def labeled_task(config: ml_collections.ConfigDict) -> tasks.Task | None:

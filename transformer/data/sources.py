@@ -251,6 +251,86 @@ def load_documents(path: str | None, split: str, *, validation_fraction: float =
     return chosen
 
 
+# --- weighted mixtures of sources (data.sources) -----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureSource:
+    """One source of a weighted mixture (`data.sources`): a `data.path`-like path (text file,
+    directory, glob, or a prepared directory), its sampling weight, and its own `unit` and
+    `validation_path` ("" for the run's data.unit / no explicit validation split)."""
+
+    name: str
+    path: str
+    weight: float
+    unit: str = ""
+    validation_path: str = ""
+
+
+_SOURCE_KEYS = ("path", "weight", "unit", "validation_path", "name")
+
+
+def parse_source(spec: str) -> MixtureSource:
+    """A `data.sources` entry, comma-separated key=value pairs (path and weight required;
+    unit, validation_path and name optional; name defaults to the path's last part without
+    its extension), -> a `MixtureSource`. Paths may hold ':' (gs://...), not ','.
+
+    >>> parse_source("path=data/web.txt,weight=0.7")
+    MixtureSource(name='web', path='data/web.txt', weight=0.7, unit='', validation_path='')
+    >>> parse_source("path=code/,weight=0.3,unit=file,name=py").name
+    'py'
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"data.sources entry {spec!r}: expected a str like "
+                         "'path=web.txt,weight=0.7'")
+    fields = {}
+    for part in spec.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in _SOURCE_KEYS or key in fields:
+            raise ValueError(f"data.sources entry {spec!r}: {part!r}: expected comma-separated "
+                             f"key=value pairs, each key once, keys {_SOURCE_KEYS}")
+        fields[key] = value.strip()
+    if "path" not in fields or "weight" not in fields:
+        raise ValueError(f"data.sources entry {spec!r}: expected path=... and weight=...")
+    try:
+        weight = float(fields["weight"])
+    except ValueError:
+        raise ValueError(f"data.sources entry {spec!r}: weight={fields['weight']!r}: expected "
+                         "a number > 0") from None
+    path = fields["path"]
+    name = fields.get("name") or os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+    return MixtureSource(name, path, weight, fields.get("unit", ""),
+                         fields.get("validation_path", ""))
+
+
+def parse_sources(specs: Sequence[str]) -> list[MixtureSource]:
+    """`data.sources` -> its `MixtureSource`s, checked: one-line errors naming the source for a
+    weight that is not a finite number > 0, an unknown unit, a missing path, or a name that is
+    repeated or not a plain word (it names log records: `tokens/<name>`)."""
+    parsed = [parse_source(spec) for spec in specs]
+    for source in parsed:
+        where = f"data.sources {source.name!r}"
+        if not (source.weight > 0 and np.isfinite(source.weight)):
+            raise ValueError(f"{where}: weight={source.weight!r}: expected a finite number > 0")
+        if source.unit and source.unit not in UNITS:
+            raise ValueError(f"{where}: unit={source.unit!r}: expected one of {UNITS}")
+        if not source.name.replace("_", "").replace("-", "").replace(".", "").isalnum():
+            raise ValueError(f"{where}: expected a name of letters, digits, '_', '-', '.' "
+                             "(add name=... to the entry)")
+        for key in ("path", "validation_path"):
+            if path := getattr(source, key):
+                try:
+                    _files(path)
+                except FileNotFoundError as error:  # a config error like the others
+                    raise ValueError(f"{where}: {key} {error}") from None
+    names = [source.name for source in parsed]
+    if repeated := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"data.sources repeats the names {repeated}: expected one name per "
+                         "source (add name=... to the entries)")
+    return parsed
+
+
 # --- ArrayRecord shards of int32 token sequences ------------------------------------------------
 
 
