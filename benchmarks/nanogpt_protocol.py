@@ -3,7 +3,7 @@ on the same validation windows (issue 24).
 
     python benchmarks/nanogpt_protocol.py --nanogpt_dir=PATH/TO/nanoGPT \
         --data=PATH/tinyshakespeare.txt [--steps=2000] [--windows=2400] [--seed=0] \
-        [--workdir=DIR] [--output=results.json] [--skip_nanogpt] [--skip_ours]
+        [--workdir=DIR] [--output=results.json] [--torch_threads=N] [--skip_nanogpt] [--skip_ours]
 
 1. Writes nanoGPT's `data/shakespeare_char/` (train.bin / val.bin: uint16 char ids, an id being
    the character's index in the sorted set of the text's characters; the first 90% / last 10% of
@@ -252,6 +252,7 @@ def versions() -> dict:
 def main(argv) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax's restore logs
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a CPU recipe; libtpu need not probe
     if not _DATA.value:
         raise app.UsageError("--data=PATH/tinyshakespeare.txt is required")
     if not _NANOGPT.value:
