@@ -7,6 +7,7 @@ import types
 
 import numpy as np
 import pytest
+from test_pipeline import assert_same_batches
 from test_train import assert_succeeded, read_metrics, run_cli, tiny_flags
 
 from transformer import configs
@@ -42,14 +43,6 @@ def mixture_dataset(weights=(0.75, 0.25), *, batch_size=4, **kwargs):
 
 def take(iterator, n):
     return [next(iterator) for _ in range(n)]
-
-
-def assert_same_batches(got, want):
-    assert len(got) == len(want)
-    for x, y in zip(got, want, strict=True):
-        assert x.keys() == y.keys()
-        for k in x:
-            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
 
 
 # --- the schedule -----------------------------------------------------------------------------

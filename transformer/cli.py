@@ -125,6 +125,12 @@ def _unquote_key(text: str, bare_is_key: bool) -> str:
 
 def _exit(text: str, status: int) -> None:
     print(f"error: {text}", file=sys.stderr, flush=True)
+    if status == INTERRUPTED:
+        # At once, like the kill it stands for: interpreter shutdown would wait for the
+        # background threads of an interrupted save (Orbax, Grain), which then fail noisily.
+        # What is on disk is safe either way (tests/test_faults.py kills runs with -9).
+        sys.stdout.flush()
+        os._exit(status)
     sys.exit(status)
 
 
