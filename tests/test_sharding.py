@@ -290,8 +290,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-RUN_FLAGS = ["--config=experiments/gpt_tiny.py", "--config.steps=40", "--config.batch_size=8",
-             "--config.seq_len=32", "--config.log_every=1", "--config.eval_every=40",
+STEPS = 20
+RUN_FLAGS = ["--config=experiments/gpt_tiny.py", f"--config.steps={STEPS}",
+             "--config.batch_size=8", "--config.seq_len=32", "--config.log_every=1",
+             f"--config.eval_every={STEPS}",
              "--config.eval_steps=1", "--config.checkpoint_every=5",
              "--config.model.num_layers=2", "--config.model.d_model=32",
              "--config.model.num_heads=4", "--config.model.d_ff=64",
@@ -367,20 +369,20 @@ def test_a_run_resumes_on_another_process_count_like_one_uninterrupted_run(tmp_p
         killed_at = kill_after_first_checkpoint(
             start(workdir, logs, f"first-{before}", processes=before, devices=per_process),
             workdir, logs)
-        assert killed_at < 40
+        assert killed_at < STEPS
         wait(start(workdir, logs, f"resumed-{after}", processes=after, devices=4 // after),
              logs)
         if expected is None:
             wait(reference, logs)
             expected = step_losses(single)
         resumed = step_losses(workdir)
-        assert sorted(resumed) == sorted(expected) == list(range(1, 41))
-        np.testing.assert_allclose([resumed[s] for s in range(1, 41)],
-                                   [expected[s] for s in range(1, 41)], rtol=2e-6)
+        assert sorted(resumed) == sorted(expected) == list(range(1, STEPS + 1))
+        np.testing.assert_allclose([resumed[s] for s in range(1, STEPS + 1)],
+                                   [expected[s] for s in range(1, STEPS + 1)], rtol=2e-6)
         # Process 0 alone writes the logs and the summary.
-        assert json.loads((workdir / "summary.json").read_text())["step"] == 40
+        assert json.loads((workdir / "summary.json").read_text())["step"] == STEPS
         log_text = (logs / f"resumed-{after}-0.log").read_text()
-        assert f"steps {killed_at}..40" in log_text
+        assert f"steps {killed_at}..{STEPS}" in log_text
         assert f"mesh data=2 x fsdp=2 x tensor=1 (4 devices, {after} process(es))" in log_text
         assert "batch 8 global, 2 per data-parallel shard" in log_text
         if after == 2:
