@@ -16,6 +16,8 @@ from test_train import REPO, cli_env, describe, run_cli, tiny_flags
 
 ACCELERATOR_DEVICES = ("/dev/accel*", "/dev/vfio", "/dev/nvidia*", "/dev/kfd")
 
+pytestmark = pytest.mark.slow  # every test runs a command line
+
 
 def file_hashes(directory: Path) -> dict[str, str]:
     """relative path -> sha256 of every file under `directory` ({} if it does not exist)."""

@@ -4,10 +4,10 @@ step, touching nothing already saved (every file's hash is compared before and a
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 
 import pytest
+from test_cli import file_hashes
 from test_train import (
     SHAKESPEARE,
     assert_succeeded,
@@ -19,13 +19,8 @@ from test_train import (
 
 from transformer.data import prepare, tokenizers
 
-pytestmark = pytest.mark.skipif(not SHAKESPEARE.exists(), reason="needs tinyshakespeare")
-
-
-def hashes(directory) -> dict[str, str]:
-    """Every file under `directory` -> its sha256."""
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+pytestmark = [pytest.mark.skipif(not SHAKESPEARE.exists(), reason="needs tinyshakespeare"),
+              pytest.mark.slow]  # 21 runs of the CLI
 
 
 def train(workdir, *flags, steps=4, logs=None):
@@ -94,12 +89,12 @@ SAME_DATA = (f"--config.data.path={SHAKESPEARE}", "--config.data.tokenizer=char"
         "keep_checkpoints_0", "negative_lr", "negative_clip", "b1", "warmup", "weight_decay",
         "unit", "eval_steps_0"])
 def test_a_refused_resume_changes_nothing(run_copy, flags, message):
-    before = hashes(run_copy)
+    before = file_hashes(run_copy)
     result = train(run_copy, *flags)
     assert result.returncode == 2  # bad usage or config
     assert message in error_line(result), result.stderr[-3000:]
     assert "step 5" not in result.stdout
-    assert hashes(run_copy) == before
+    assert file_hashes(run_copy) == before
 
 
 @pytest.mark.parametrize("data, flags, message", [
@@ -127,11 +122,11 @@ def test_data_errors_stop_the_run_before_anything_is_written(tmp_path, data, fla
 
 
 def test_rerunning_a_finished_run_is_a_no_op(run_copy):
-    before = hashes(run_copy)
+    before = file_hashes(run_copy)
     result = train(run_copy, *SAME_DATA)
     assert_succeeded(result)
     assert "already finished at step 4" in result.stdout
-    assert hashes(run_copy) == before
+    assert file_hashes(run_copy) == before
 
 
 def test_new_data_continues_the_params_on_a_fresh_stream_and_says_so(run_copy):
