@@ -143,11 +143,10 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
     if config.data.get("validation_path"):
         stream["validation_fingerprint"] = sources.fingerprint(config.data.validation_path)
     if mixture := source_configs(config):
-        stream["fingerprint"] = {name: data_stream(one)["fingerprint"]
-                                 for name, one in mixture.items()}
+        per_source = {name: data_stream(one) for name, one in mixture.items()}
+        stream["fingerprint"] = {name: s["fingerprint"] for name, s in per_source.items()}
         stream["validation_fingerprint"] = {
-            name: data_stream(one).get("validation_fingerprint", "")
-            for name, one in mixture.items()}
+            name: s.get("validation_fingerprint", "") for name, s in per_source.items()}
     return stream
 
 

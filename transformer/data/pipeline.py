@@ -79,10 +79,6 @@ def next_token_features(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def _padded(tokens: np.ndarray, length: int) -> np.ndarray:
-    return np.pad(tokens, (0, length - len(tokens)), constant_values=tokenizers_lib.PAD_ID)
-
-
 # The randomized objectives are jitted once per shape and run on the host CPU device. Each row
 # gets its own key (raw threefry key data: building JAX keys on the host costs more than
 # corrupting a row): the converters below draw one per row from their NumPy `rng`, the pipeline
