@@ -278,7 +278,7 @@ def test_t5_text_to_text_scores_exact_match_and_ranks_the_class_names(play, tmp_
     model, params, tokenizer = result["model"], result["state"].params, result["tokenizer"]
     names, target_len = tasks.label_names(tasks.task_for(config), tokenizer)
     rows = [tasks.text2text_features(tokenizer.encode(e.text), c, name, seq_len=config.seq_len,
-                                     target_len=target_len)
+                                     target_len=target_len, tokenizer=tokenizer)
             for e in test for c, name in enumerate(names)]  # [example, class] flattened
     batch = {k: jnp.stack([r[k] for r in rows]) for k in rows[0]}
     logits = model.apply({"params": params}, batch["encoder_inputs"], batch["decoder_inputs"],

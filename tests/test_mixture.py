@@ -3,18 +3,17 @@ access, does not depend on the processes and resumes exactly; config errors; and
 through the CLI with per-source token counts and validation records."""
 
 import json
-import types
 
 import numpy as np
 import pytest
-from test_pipeline import assert_same_batches
+from test_pipeline import assert_same_batches, fake_tokenizer
 from test_train import assert_succeeded, read_metrics, run_cli, tiny_flags
 
 from transformer import configs
 from transformer.data import inputs, pipeline, prepare
 from transformer.data.tokenizers import EOS_ID
 
-TOKENIZER = types.SimpleNamespace(vocab_size=300, special_ids=tuple(range(7)))
+TOKENIZER = fake_tokenizer(300, 0)
 WEIGHTS = [(0.7, 0.2, 0.1), (0.55, 0.45), (1, 1, 1), (0.6, 0.25, 0.15), (5, 0.3, 0.01)]
 # Each source's tokens in its own range, so a row tells which source it came from.
 RANGES = [(10, 90), (100, 180), (200, 280)]

@@ -9,17 +9,24 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import types
 
 import numpy as np
 import pytest
 
-from transformer.data import pipeline
+from transformer.data import pipeline, tokenizers
 from transformer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
 
 VOCAB = 300
-TOKENIZER = types.SimpleNamespace(  # ids 7..199 are ordinary tokens; 200.. are sentinels
-    vocab_size=VOCAB, special_ids=tuple(range(7)) + tuple(range(200, VOCAB)))
+
+
+def fake_tokenizer(vocab_size: int, num_sentinels: int) -> tokenizers.Tokenizer:
+    """The project's id layout (specials 0..6, sentinels at the top) without any text."""
+    tokenizer = tokenizers.Tokenizer()
+    tokenizer.vocab_size, tokenizer.num_sentinels = vocab_size, num_sentinels
+    return tokenizer
+
+
+TOKENIZER = fake_tokenizer(VOCAB, 100)  # ids 7..199 are ordinary tokens; 200.. are sentinels
 
 
 def documents(n=40, seed=0):
@@ -262,7 +269,8 @@ def test_converting_a_batch_equals_converting_each_row_in_turn(objective):
     raw = batches("next_token", docs=documents(), batch_size=3, seq_len=16, n=1)[0]
     tokens = np.concatenate([raw["inputs"], raw["targets"][:, -1:]], axis=1)  # [3, 17]
     if objective == "prefix_lm":
-        batch, convert = {"tokens": tokens}, pipeline.prefix_lm_features
+        batch = {"tokens": tokens, "tokens_segment_ids": (np.arange(17) < [[17], [9], [4]]) * 1}
+        convert = pipeline.prefix_lm_features
     elif objective == "mlm":
         batch = {"tokens": tokens, "tokens_segment_ids": tokens * 0 + 1,
                  "tokens_positions": tokens * 0}

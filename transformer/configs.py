@@ -69,7 +69,11 @@ def base_config() -> ml_collections.ConfigDict:
     # ("path=web.txt,weight=0.7", "path=code/,weight=0.3,unit=file"). The tokenizer is built on
     # the union of the sources' train splits; each validation split is evaluated on its own.
     config.data.sources = ()
-    config.data.tokenizer = "byte"  # byte | char | sentencepiece_bpe | sentencepiece_unigram
+    # byte | char | sentencepiece_bpe | sentencepiece_unigram | hf (a Hugging Face tokenizer.json)
+    config.data.tokenizer = "byte"
+    # data.tokenizer="hf": a tokenizer.json or a directory holding one (e.g. a save_pretrained
+    # directory); "" with init_from="hf:DIR" reads DIR's.
+    config.data.tokenizer_path = ""
     config.data.vocab_size = 0  # SentencePiece vocabulary size (required for SentencePiece)
     config.data.num_sentinels = 100
     config.data.objective = ""  # "": the model family's (next_token, prefix_lm, mlm, ...)
@@ -239,6 +243,7 @@ CHECKS: dict[str, Check] = {
     "data.sources": (lambda v: isinstance(v, tuple | list) and all(isinstance(x, str) for x in v),
                      "a tuple of 'path=...,weight=...' strings (\"()\": data.path alone)"),
     "data.tokenizer": _one_of(tokenizers.KINDS),
+    "data.tokenizer_path": _STR,  # with which kind, and whether it exists: _validate_tokenizer
     "data.vocab_size": _int(ge=0, note="0 for byte and char; required for SentencePiece"),
     "data.num_sentinels": _int(ge=0),
     "data.objective": _STR,  # its choices: pipeline.objective_for, below
@@ -336,12 +341,29 @@ def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:
     needs one. Neither matters when the tokenizer is loaded instead (from a prepared data.path,
     as inputs.get_tokenizer does, or from the init_from workdir)."""
     init_from = config.get("init_from", "")
+    kind, size = config.data.tokenizer, config.data.vocab_size
+    path = config.data.get("tokenizer_path", "")
+    if path and kind != "hf":
+        raise ValueError(f"data.tokenizer_path={path!r} with data.tokenizer={kind!r}: expected "
+                         "data.tokenizer='hf' (a Hugging Face tokenizer.json) or no path")
+    if path and not (fileio.path(path).is_file() or
+                     fileio.path(path).joinpath("tokenizer.json").is_file()):
+        raise FileNotFoundError(f"data.tokenizer_path={path!r}: expected a Hugging Face "
+                                "tokenizer.json or a directory holding one")
     paths = [config.data.path] + [s.path for s in
                                   sources.parse_sources(config.data.get("sources") or ())]
     if any(os.path.isfile(os.path.join(p, "prepare.json")) for p in paths) or (
             init_from and checkpoint_lib.parse_init_from(init_from)[0] == "workdir"):
         return
-    kind, size = config.data.tokenizer, config.data.vocab_size
+    if kind == "hf":
+        hf_dir = checkpoint_lib.parse_init_from(init_from)[1] if init_from.startswith("hf:") \
+            else ""
+        if not path and not fileio.path(hf_dir or ".").joinpath("tokenizer.json").is_file():
+            raise ValueError("data.tokenizer='hf' without data.tokenizer_path: expected a "
+                             "tokenizer.json path, or init_from='hf:DIR' with DIR/tokenizer.json")
+        if size:
+            raise ValueError(f"data.vocab_size={size}: expected 0 with data.tokenizer='hf', "
+                             "whose vocabulary is the tokenizer's")
     if kind in ("byte", "char") and size:
         raise ValueError(f"data.vocab_size={size}: expected 0 with data.tokenizer={kind!r}, "
                          "which derives its own size")
@@ -382,3 +404,9 @@ def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
         elif not fileio.path(path).joinpath("config.json").is_file():
             raise FileNotFoundError(f"init_from={config.init_from!r}: expected a save_pretrained "
                                     "directory with config.json")
+        elif fileio.path(path).joinpath("tokenizer.json").is_file() and \
+                config.data.tokenizer != "hf":
+            # Its weights read the ids of its own tokenizer; no other tokenizer's ids mean the same.
+            raise ValueError(f"data.tokenizer={config.data.tokenizer!r}: init_from="
+                             f"{config.init_from!r} comes with its Hugging Face tokenizer: "
+                             "expected data.tokenizer='hf'")

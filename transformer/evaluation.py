@@ -29,9 +29,9 @@ def make_eval_step(model, config, tokenizer=None):
     if objective == "text2text":  # every class name as a decoder target: [C, target_len]
         from transformer.data import tasks
 
-        names, target_len = tasks.label_names(tasks.task_for(config),
-                                              tokenizer or inputs.get_tokenizer(config))
-        rows = [tasks.decoder_features(name, target_len) for name in names]
+        tokenizer = tokenizer or inputs.get_tokenizer(config)
+        names, target_len = tasks.label_names(tasks.task_for(config), tokenizer)
+        rows = [tasks.decoder_features(name, target_len, tokenizer) for name in names]
         candidates = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     elif objective in ("contrastive", "captioning"):  # every class's caption
         from transformer.data import images

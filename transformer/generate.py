@@ -413,6 +413,7 @@ class _Seq2SeqProgram:
     cache_length: int
     repeat: int = 1
     cache_batch_axis: int = 0
+    start_id: int = BOS_ID  # what the decoder reads first (the tokenizer's decoder_start_id)
 
     def prefill(self, params, inputs_BS, lengths_B):
         segments_BS = (jnp.arange(inputs_BS.shape[1]) < lengths_B[:, None]).astype(jnp.int32)
@@ -422,7 +423,7 @@ class _Seq2SeqProgram:
         segments_BS = jnp.repeat(segments_BS, self.repeat, axis=0)
         batch, length = segments_BS.shape
         cache = init_cache(self.model, batch, self.cache_length, encoder_length=length)
-        bos_B1 = jnp.full((batch, 1), BOS_ID, jnp.int32)
+        bos_B1 = jnp.full((batch, 1), self.start_id, jnp.int32)
         logits_B1V, cache = self._apply(params, segments_BS, cache, bos_B1,
                                         jnp.zeros((batch, 1), jnp.int32), encoded_BSD)
         return logits_B1V[:, 0], cache, segments_BS, jnp.ones(batch, jnp.int32)
@@ -504,7 +505,7 @@ def _learned_max_len(config) -> int | None:
 
 
 def _program(model, prompt_length: int, max_new_tokens: int, *, prefix_lm: bool,
-             repeat: int = 1):
+             repeat: int = 1, start_id: int = BOS_ID):
     """The model's prefill/step program, after checking that the lengths fit it."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
             or max_new_tokens < 1:
@@ -529,7 +530,7 @@ def _program(model, prompt_length: int, max_new_tokens: int, *, prefix_lm: bool,
             if max_len is not None and length > max_len:
                 raise ValueError(f"{name} of {length} tokens: expected <= max_len={max_len}")
         axis = 1 if model.decoder_config.scan_layers else 0
-        return _Seq2SeqProgram(model, max_new_tokens, repeat, axis)
+        return _Seq2SeqProgram(model, max_new_tokens, repeat, axis, int(start_id))
     raise ValueError(f"{type(model).__name__}: expected a DecoderLM or EncoderDecoder (the models "
                      "with a KV cache)")
 
@@ -539,12 +540,14 @@ def decode(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarr
            seed: int = 0, eos_id: int | None = EOS_ID, prefix_lm: bool = False,
            lengths: Sequence[int] | None = None, chunk_size: int | None = None,
            callback: Callable[[np.ndarray], None] | None = None,
-           banned_ids: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+           banned_ids: Sequence[int] | None = None,
+           start_id: int = BOS_ID) -> tuple[np.ndarray, np.ndarray]:
     """New tokens for a batch of prompts: (tokens [B, max_new_tokens], lengths [B]) as NumPy.
 
     `prompts` are token lists of any lengths, or a right-padded [B, P] array with `lengths`.
     For a `DecoderLM` they are the sequence's start (`prefix_lm=True`: the bidirectional prefix
-    of a prefix LM); for an `EncoderDecoder` the encoder inputs, decoding starting from BOS_ID.
+    of a prefix LM); for an `EncoderDecoder` the encoder inputs, decoding starting from
+    `start_id` (a tokenizer's `decoder_start_id`).
     Sampling is per `Sampling`, seeded per row. A row stops after `eos_id` (None: never) and is
     PAD_ID after; lengths count the tokens up to and including EOS. `banned_ids` are never
     emitted (for text, `banned_ids(tokenizer, ...)`); changing them does not recompile.
@@ -554,7 +557,8 @@ def decode(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarr
     """
     s = sampling(temperature, top_k, top_p)
     inputs, lengths = _as_batch(prompts, lengths, model.vocab_size)
-    program = _program(model, inputs.shape[1], max_new_tokens, prefix_lm=prefix_lm)
+    program = _program(model, inputs.shape[1], max_new_tokens, prefix_lm=prefix_lm,
+                       start_id=start_id)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size={chunk_size!r}: expected an int >= 1 or None")
     _check_seed_and_eos(seed, eos_id)
@@ -581,8 +585,8 @@ def decode(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarr
 def beam_search(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarray, *,
                 beam_size: int = 4, max_new_tokens: int, length_penalty: float = 0.6,
                 eos_id: int | None = EOS_ID, prefix_lm: bool = False,
-                lengths: Sequence[int] | None = None, banned_ids: Sequence[int] | None = None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                lengths: Sequence[int] | None = None, banned_ids: Sequence[int] | None = None,
+                start_id: int = BOS_ID) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The best of `beam_size` beams per prompt: (tokens [B, N], lengths [B], scores [B]) as
     NumPy; score = log-probability / ((5 + length) / 6) ** length_penalty. Prompts as in
     `decode` (encoder inputs of an `EncoderDecoder`, or the start of a `DecoderLM` sequence).
@@ -595,7 +599,7 @@ def beam_search(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.
     _check_seed_and_eos(0, eos_id)
     inputs, lengths = _as_batch(prompts, lengths, model.vocab_size)
     program = _program(model, inputs.shape[1], max_new_tokens, prefix_lm=prefix_lm,
-                       repeat=beam_size)
+                       repeat=beam_size, start_id=start_id)
     banned_V = _banned_mask(banned_ids, model.vocab_size)
     out = _beam_search(params, inputs, lengths, banned_V, program=program, beam_size=beam_size,
                        max_new_tokens=int(max_new_tokens), length_penalty=float(length_penalty),
@@ -635,9 +639,10 @@ def banned_ids(tokenizer: tokenizers_lib.Tokenizer, vocab_size: int, *,
     """The ids a text decoder never emits, below the model's `vocab_size`: the specials except
     <eos> (which ends a sample), the sentinels unless `sentinels_allowed`, and the ids past
     the tokenizer's vocabulary (a model's padded vocabulary), which have no text."""
-    specials = [i for i in range(tokenizers_lib.NUM_SPECIAL) if i != EOS_ID]
-    sentinels = [] if sentinels_allowed else tokenizer.special_ids[tokenizers_lib.NUM_SPECIAL:]
-    return tuple(specials + list(sentinels) + list(range(tokenizer.vocab_size, vocab_size)))
+    sentinels = set(tokenizer.sentinel_ids)
+    banned = [i for i in tokenizer.special_ids if i != tokenizer.eos_id and
+              not (sentinels_allowed and i in sentinels)]
+    return tuple(banned + list(range(tokenizer.vocab_size, vocab_size)))
 
 
 def _emits_sentinels(config) -> bool:
@@ -664,8 +669,8 @@ def _encode_prompt(tokenizer, prompt: str) -> np.ndarray:
     return tokenizer.encode(prompt)
 
 
-def _until_eos(ids: np.ndarray) -> np.ndarray:
-    ends = np.flatnonzero(ids == EOS_ID)
+def _until_eos(ids: np.ndarray, eos_id: int) -> np.ndarray:
+    ends = np.flatnonzero(ids == eos_id)
     return ids[:ends[0]] if ends.size else ids
 
 
@@ -685,19 +690,20 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     _check_seed_and_eos(seed, None)
     encoded = _encode_prompt(tokenizer, prompt)
     banned = _banned_for(tokenizer, model, config)
+    eos = tokenizer.eos_id
     if decoding == "encoder_decoder":
-        prompt_ids = np.concatenate([encoded, [EOS_ID]]).astype(np.int32)
+        prompt_ids = np.concatenate([encoded, [eos]]).astype(np.int32)
         keep = np.zeros(0, np.int32)
         n = max_new_tokens or config.seq_len
     else:
-        prompt_ids = np.concatenate([[EOS_ID], encoded]).astype(np.int32)
+        prompt_ids = np.concatenate([[eos], encoded]).astype(np.int32)
         keep = prompt_ids[1:]
         n = max_new_tokens or config.seq_len - len(prompt_ids)
         if n < 1:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens: expected < seq_len="
                              f"{config.seq_len} (or pass max_new_tokens)")
     def to_texts(rows):
-        return [tokenizer.decode(np.concatenate([keep, _until_eos(r)])) for r in rows]
+        return [tokenizer.decode(np.concatenate([keep, _until_eos(r, eos)])) for r in rows]
     if decoding == "recompute":
         length = len(prompt_ids) + n
         buffer = np.zeros((num_samples, length), np.int32)
@@ -713,7 +719,9 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     tokens, _ = decode(model, params, [prompt_ids] * num_samples, max_new_tokens=n,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed,
                        prefix_lm=decoding == "prefix", chunk_size=chunk_size,
-                       callback=on_tokens, banned_ids=banned)
+                       callback=on_tokens, banned_ids=banned, eos_id=eos,
+                       start_id=tokenizer.decoder_start_id if decoding == "encoder_decoder"
+                       else BOS_ID)
     return to_texts(tokens)
 
 
@@ -732,17 +740,20 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
     continues <eos> + prompt and the result includes the prompt)."""
     decoding = _decoding(config)
     encoded = _encode_prompt(tokenizer, prompt)
+    eos = tokenizer.eos_id
     if decoding == "encoder_decoder":
-        ids, keep = np.concatenate([encoded, [EOS_ID]]), np.zeros(0, np.int32)
+        ids, keep = np.concatenate([encoded, [eos]]), np.zeros(0, np.int32)
         n = max_new_tokens or config.seq_len
     else:
-        ids = np.concatenate([[EOS_ID], encoded])
+        ids = np.concatenate([[eos], encoded])
         keep, n = ids[1:], max_new_tokens or config.seq_len - len(ids)
     tokens, _, _ = beam_search(model, params, [ids.astype(np.int32)], beam_size=beam_size,
                                max_new_tokens=n, length_penalty=length_penalty,
                                prefix_lm=decoding == "prefix",
-                               banned_ids=_banned_for(tokenizer, model, config))
-    return tokenizer.decode(np.concatenate([keep, _until_eos(tokens[0])]))
+                               banned_ids=_banned_for(tokenizer, model, config), eos_id=eos,
+                               start_id=tokenizer.decoder_start_id
+                               if decoding == "encoder_decoder" else BOS_ID)
+    return tokenizer.decode(np.concatenate([keep, _until_eos(tokens[0], eos)]))
 
 
 # --- command line -------------------------------------------------------------------------------

@@ -50,10 +50,10 @@ def encode_text(config, tokenizer, text: str, target: str = "") -> tuple[np.ndar
     """
     family = _check_family(config)
     ids = np.asarray(tokenizer.encode(text), np.int32)
-    eos = np.array([tokenizers_lib.EOS_ID], np.int32)
+    eos = np.array([tokenizer.eos_id], np.int32)
     if family.decoding == "encoder_decoder":
         targets = np.concatenate([np.asarray(tokenizer.encode(target), np.int32), eos])
-        decoder_tokens = np.asarray(shift_right(targets[None], tokenizers_lib.BOS_ID))[0]
+        decoder_tokens = np.asarray(shift_right(targets[None], tokenizer.decoder_start_id))[0]
         return np.concatenate([ids, eos]), decoder_tokens.astype(np.int32)
     if target:
         raise ValueError(f"target={target!r}: only a t5 model reads a target, this is "
@@ -83,8 +83,8 @@ def attention_maps(model, params, config, tokens, *, decoder_tokens=None,
     """Every attention layer's weights for one example: {name: float32 [layers, heads, T, S]}.
 
     `tokens` [T] are the ids the model reads (see `encode_text`; for T5 the encoder's), with
-    `decoder_tokens` [T_dec] for T5 (default: just <bos>). Names are "<stack>/<attention
-    module>", in sorted order: "decoder/self_attention" (GPT, prefix LM),
+    `decoder_tokens` [T_dec] for T5 (default: just the project tokenizers' <bos>). Names are
+    "<stack>/<attention module>", in sorted order: "decoder/self_attention" (GPT, prefix LM),
     "encoder/self_attention" (BERT), and for T5 "decoder/cross_attention" ([L, N, T_dec, T]),
     "decoder/self_attention" and "encoder/self_attention". A prefix LM attends bidirectionally
     over its first `prefix_length` tokens (default: half of them, rounded down).
@@ -155,14 +155,14 @@ def token_labels(tokenizer, ids) -> list[str]:
         bad = ids[(ids < 0) | (ids >= tokenizer.vocab_size)][0]
         raise ValueError(f"id {int(bad)} out of range: expected 0 <= id < "
                          f"{tokenizer.vocab_size}")
-    names = dict(enumerate(tokenizers_lib.SPECIAL_TOKENS))
+    names = tokenizer.special_names
     first_sentinel = tokenizer.vocab_size - tokenizer.num_sentinels
     labels = []
     for i in ids.tolist():
         if i in names or i >= first_sentinel:
             labels.append(names.get(i) or tokenizer.decode([i]))
             continue
-        raw = tokenizer._id_bytes[i]  # the id's bytes: `decode` would make a lone byte "\ufffd"
+        raw = tokenizer.token_bytes(i)  # `decode` would make a lone byte "\ufffd"
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:

@@ -24,7 +24,6 @@ import ml_collections
 import numpy as np
 
 from transformer.data import pipeline, tasks
-from transformer.data.tokenizers import EOS_ID
 
 OBJECTIVES = pipeline.IMAGE_OBJECTIVES  # image_classification, contrastive, captioning
 SPLITS = ("train", "validation", "test")
@@ -87,7 +86,7 @@ def caption_features(text: str, tokenizer, seq_len: int) -> dict[str, np.ndarray
     >>> f["texts"].tolist(), f["text_segment_ids"].tolist()
     ([111, 112, 2, 0, 0], [1, 1, 1, 0, 0])
     """
-    ids = [*tokenizer.encode(text)[:seq_len - 1], EOS_ID]
+    ids = [*tokenizer.encode(text)[:seq_len - 1], tokenizer.eos_id]
     texts = np.zeros(seq_len, np.int32)
     texts[:len(ids)] = ids
     return {"texts": texts, "text_segment_ids": (np.arange(seq_len) < len(ids)).astype(np.int32)}
@@ -96,7 +95,7 @@ def caption_features(text: str, tokenizer, seq_len: int) -> dict[str, np.ndarray
 def class_captions(tokenizer, seq_len: int, *, decoder: bool = False) -> dict[str, np.ndarray]:
     """Each class's caption in the first template, [10, seq_len] rows: text-tower inputs
     (zero-shot CLIP), or with `decoder` the captioner's targets (rank classification)."""
-    rows = [tasks.decoder_features(tokenizer.encode(caption(c)), seq_len) if decoder else
+    rows = [tasks.decoder_features(tokenizer.encode(caption(c)), seq_len, tokenizer) if decoder else
             caption_features(caption(c), tokenizer, seq_len) for c in range(len(DIGIT_NAMES))]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
@@ -110,7 +109,7 @@ class _Featurize(grain.transforms.RandomMap):
         image, label = example
         if self.objective == "captioning":
             return {"images": image, "label": np.int32(label), **tasks.decoder_features(
-                self.tokenizer.encode(caption(int(label))), self.seq_len)}
+                self.tokenizer.encode(caption(int(label))), self.seq_len, self.tokenizer)}
         out = {"images": image, "targets": np.int32(label), "weights": np.float32(1.0)}
         if self.objective == "contrastive":
             template = int(rng.integers(len(TEMPLATES))) if self.training else 0

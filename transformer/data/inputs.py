@@ -78,7 +78,9 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
     saved = fileio.join(workdir, TOKENIZER_DIR) if workdir else None
     # Written last (atomically), so its presence means the tokenizer was saved completely.
     if saved and fileio.path(saved).joinpath(tokenizers_lib.CONFIG_FILE).is_file():
-        return tokenizers_lib.load_tokenizer(saved)
+        tokenizer = tokenizers_lib.load_tokenizer(saved)
+        _check_hf_path(config, tokenizer, f"the tokenizer {workdir!r} was trained with")
+        return tokenizer
     kind, source, _ = checkpoint_lib.parse_init_from(config.get("init_from", ""))
     if source and kind == "workdir":  # fine-tuning reads text as it was pretrained
         tokenizer = tokenizers_lib.load_tokenizer(fileio.join(source, TOKENIZER_DIR))
@@ -87,6 +89,10 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
         tokenizer = tokenizers_lib.load_tokenizer(prepared)
         origin = f"the prepared data {prepared!r}"
         _check_same_tokenizer(config, prepared)
+        _check_hf_path(config, tokenizer, f"the tokenizer of the prepared data {prepared!r}")
+    elif config.data.tokenizer == "hf":
+        return tokenizers_lib.load_hf_tokenizer(_hf_tokenizer_path(config),
+                                                config.data.num_sentinels)
     else:
         kind = config.data.tokenizer
         texts = None if kind == "byte" else [d.text for d in _documents(config, "train")]
@@ -97,6 +103,26 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
         raise ValueError(f"data.tokenizer={config.data.tokenizer!r}: {origin} was tokenized "
                          f"with {tokenizer.kind!r}: expected data.tokenizer={tokenizer.kind!r}")
     return tokenizer
+
+
+def _hf_tokenizer_path(config: ml_collections.ConfigDict) -> str:
+    """data.tokenizer_path, else the init_from="hf:DIR" directory's tokenizer ("" if none)."""
+    if path := config.data.get("tokenizer_path", ""):
+        return path
+    kind, source, _ = checkpoint_lib.parse_init_from(config.get("init_from", ""))
+    return source if kind == "hf" and fileio.path(source).joinpath("tokenizer.json").is_file() \
+        else ""
+
+
+def _check_hf_path(config: ml_collections.ConfigDict, tokenizer, what: str) -> None:
+    """A Hugging Face tokenizer the config names must be the one already in use (`what`)."""
+    if config.data.tokenizer != "hf" or not (path := _hf_tokenizer_path(config)):
+        return
+    given = tokenizers_lib.load_hf_tokenizer(path)
+    if (given.tokenizer_json, given.specials) != (getattr(tokenizer, "tokenizer_json", None),
+                                                  getattr(tokenizer, "specials", None)):
+        raise ValueError(f"data.tokenizer_path / init_from: {path!r} is not {what}: expected "
+                         "that tokenizer")
 
 
 def _check_same_tokenizer(config: ml_collections.ConfigDict, prepared: str) -> None:
@@ -124,7 +150,9 @@ def save_tokenizer(tokenizer, workdir: str) -> None:
 # iterator position then means nothing): 2 = windows through one token sequence per split.
 PIPELINE_VERSION = 2
 # Data settings that do not change which batches a run reads.
-_NOT_STREAM = ("prefetch",)
+# (data.tokenizer_path: a resumed run reads the tokenizer saved in its workdir and refuses a
+# different one, get_tokenizer.)
+_NOT_STREAM = ("prefetch", "tokenizer_path")
 
 
 def data_stream(config: ml_collections.ConfigDict) -> dict:

@@ -28,7 +28,6 @@ import numpy as np
 from grain import experimental as grain_experimental
 
 from transformer import objectives
-from transformer.data import tokenizers as tokenizers_lib
 from transformer.models import FAMILIES
 
 OBJECTIVES = ("next_token", "prefix_lm", "mlm", "span_corruption")
@@ -111,25 +110,27 @@ def _per_row_keys(corrupt):
     return batched
 
 
-@functools.partial(jax.jit, static_argnames=("vocab_size", "special_ids", "rate"))
-def _mlm(keys, tokens, *, vocab_size, special_ids, rate):
+@functools.partial(jax.jit, static_argnames=("vocab_size", "mask_id", "special_ids", "rate"))
+def _mlm(keys, tokens, *, vocab_size, mask_id, special_ids, rate):
     return _per_row_keys(objectives.mlm_corrupt)(
-        keys, tokens, vocab_size=vocab_size, mask_id=tokenizers_lib.MASK_ID,
-        special_ids=special_ids, rate=rate)
+        keys, tokens, vocab_size=vocab_size, mask_id=mask_id, special_ids=special_ids, rate=rate)
 
 
-@functools.partial(jax.jit, static_argnames=("vocab_size", "noise_density", "mean_span_length"))
-def _span(keys, tokens, *, vocab_size, noise_density, mean_span_length):
+@functools.partial(jax.jit, static_argnames=("vocab_size", "eos_id", "start_id", "noise_density",
+                                             "mean_span_length"))
+def _span(keys, tokens, *, vocab_size, eos_id, start_id, noise_density, mean_span_length):
     inputs, targets = _per_row_keys(objectives.span_corrupt)(
-        keys, tokens, vocab_size=vocab_size, eos_id=tokenizers_lib.EOS_ID,
+        keys, tokens, vocab_size=vocab_size, eos_id=eos_id,
         noise_density=noise_density, mean_span_length=mean_span_length)
-    bos = jax.numpy.full_like(targets[:, :1], tokenizers_lib.BOS_ID)
-    return inputs, jax.numpy.concatenate([bos, targets[:, :-1]], axis=1), targets
+    start = jax.numpy.full_like(targets[:, :1], start_id)
+    return inputs, jax.numpy.concatenate([start, targets[:, :-1]], axis=1), targets
 
 
 @jax.jit
-def _prefix_split(keys, tokens):
-    return _per_row_keys(objectives.prefix_lm_split)(keys, tokens, pad_id=tokenizers_lib.PAD_ID)
+def _prefix_split(keys, segments):
+    # The split only needs to know which slots hold tokens: it reads the segment ids as "tokens"
+    # with pad_id 0, so no token id (a pretrained vocabulary's id 0 is a real token) is padding.
+    return _per_row_keys(objectives.prefix_lm_split)(keys, segments, pad_id=0)
 
 
 def mlm_features(batch, rng, *, tokenizer, rate):
@@ -150,6 +151,7 @@ def _mlm_features(batch, keys, *, tokenizer, rate):
     with jax.default_device(_cpu()):
         inputs, targets, weights = _mlm(
             keys, batch["tokens"], vocab_size=tokenizer.vocab_size,
+            mask_id=tokenizer.require("mask", "for data.objective='mlm'"),
             special_ids=tuple(tokenizer.special_ids), rate=rate)
     return {"inputs": np.asarray(inputs), "targets": np.asarray(targets),
             "weights": np.asarray(weights), "segment_ids": batch["tokens_segment_ids"],
@@ -174,18 +176,21 @@ def span_corruption_features(batch, rng, *, tokenizer, noise_density, mean_span_
 def _span_corruption_features(batch, keys, *, tokenizer, noise_density, mean_span_length):
     with jax.default_device(_cpu()):
         enc, dec, targets = _span(
-            keys, batch["tokens"], vocab_size=tokenizer.vocab_size,
-            noise_density=noise_density, mean_span_length=mean_span_length)
+            keys, batch["tokens"], vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+            start_id=tokenizer.decoder_start_id, noise_density=noise_density,
+            mean_span_length=mean_span_length)
     return {"encoder_inputs": np.asarray(enc), "decoder_inputs": np.asarray(dec),
             "targets": np.asarray(targets), "weights": np.ones(targets.shape, np.float32)}
 
 
 def prefix_lm_features(batch, rng):
-    """One document chunk per row (T + 1 tokens, right-padded) -> prefix-LM features.
+    """One document chunk per row (T + 1 tokens, right-padded; `tokens_segment_ids` 1 on the
+    chunk, 0 on padding) -> prefix-LM features.
 
     A split point p is drawn per row (`objectives.prefix_lm_split`): attention is bidirectional
     over the first p inputs and the loss covers only what follows (position p - 1 predicts the
-    first continuation token). Row [a b c d e <eos> 0 0 0] with p = 2:
+    first continuation token). Row [a b c d e <eos> 0 0 0] (segment ids [1 1 1 1 1 1 0 0 0])
+    with p = 2:
 
         inputs       a  b  c  d  e  E  0  0       prefix_lengths  2
         targets      b  c  d  e  E  0  0  0
@@ -196,10 +201,10 @@ def prefix_lm_features(batch, rng):
 
 
 def _prefix_lm_features(batch, keys):
-    tokens = batch["tokens"]
+    tokens, row_segments = batch["tokens"], batch["tokens_segment_ids"]
     with jax.default_device(_cpu()):
-        prefix_lengths, weights = _prefix_split(keys, tokens)
-    segments = (tokens[:, :-1] != tokenizers_lib.PAD_ID).astype(np.int32)
+        prefix_lengths, weights = _prefix_split(keys, row_segments)
+    segments = row_segments[:, :-1]
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.asarray(weights),
             "prefix_lengths": np.asarray(prefix_lengths), "segment_ids": segments,
             "positions": np.broadcast_to(np.arange(tokens.shape[1] - 1, dtype=np.int32),
@@ -353,6 +358,7 @@ class _Chunks:
 
     def row(self, i: int) -> dict[str, np.ndarray]:
         tokens = np.zeros(self.width, np.int32)
+        segments = np.zeros(self.width, np.int32)  # 1 on the chunk's tokens, 0 on padding
         if self.rows and (self.training or i < self.rows):
             epoch, k = divmod(i, self.rows)
             if self._order[0] != epoch:
@@ -362,7 +368,8 @@ class _Chunks:
             chunk = int(self._order[1][k])
             start, length = int(self.starts[chunk]), int(self.lengths[chunk])
             tokens[:length] = self.corpus.read(start, start + length)
-        return {"tokens": tokens}
+            segments[:length] = 1
+        return {"tokens": tokens, "tokens_segment_ids": segments}
 
 
 class Mixture:
@@ -676,10 +683,10 @@ class _ShuffleEachEpoch(grain.MapDataset):
 
 def tokenize_documents(documents, tokenizer, *, stream: bool = False) -> Corpus:
     """Documents -> a `Corpus` of their tokens, each document ending with <eos>."""
-    eos = np.array([tokenizers_lib.EOS_ID], np.int32)
+    eos = np.array([tokenizer.require("eos", "(or sep) to end each document")], np.int32)
     return Corpus.from_documents(
-        [np.concatenate([np.asarray(tokenizer.encode(d.text), np.int32), eos])
-         for d in documents], stream=stream)
+        [np.concatenate([np.asarray(ids, np.int32), eos])
+         for ids in tokenizer.encode_batch([d.text for d in documents])], stream=stream)
 
 
 def process_rows(sharding: jax.sharding.Sharding, batch_size: int) -> np.ndarray:

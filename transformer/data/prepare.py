@@ -2,6 +2,7 @@
 
     python -m transformer.data.prepare --output_dir=DIR [--input=PATH] \
         [--tokenizer=byte|char|sentencepiece_bpe|sentencepiece_unigram] [--vocab_size=N] \
+        [--tokenizer=hf --tokenizer_path=TOKENIZER_JSON_OR_DIR] \
         [--format=array_record|bin] [--num_shards=N] [--tokens_per_shard=N] \
         [--validation_fraction=0.05] [--unit=paragraph|file]
 
@@ -28,6 +29,7 @@ from transformer.data import shards, sources
 from transformer.data import tokenizers as tokenizers_lib
 
 FORMATS = ("array_record", "bin")
+_ENCODE_BATCH = 1024  # documents encoded at once (a Hugging Face tokenizer does them in parallel)
 MAX_BIN_VOCAB = 65536  # uint16 ids
 
 
@@ -42,9 +44,10 @@ def _existing_shards(output_dir: str) -> str | None:
 def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "byte",
             vocab_size: int | None = None, num_shards: int = 1, validation_fraction: float = 0.05,
             unit: str = "paragraph", format: str = "array_record",
-            tokens_per_shard: int = 100_000_000) -> dict:
-    """Builds the tokenizer on the train split of `input_path` (the embedded corpus if None),
-    saves it to `output_dir`, and writes each split's documents, tokenized with <eos> appended,
+            tokens_per_shard: int = 100_000_000, tokenizer_path: str = "") -> dict:
+    """Builds the tokenizer on the train split of `input_path` (the embedded corpus if None; a
+    Hugging Face tokenizer="hf" is loaded from `tokenizer_path` instead), saves it to
+    `output_dir`, and writes each split's documents, tokenized with <eos> appended,
     to "{output_dir}/{split}-*.array_record" (format="array_record", `num_shards` files) or as
     one token stream to modded-nanogpt shards "{output_dir}/{split}_{i:06d}.bin" (format="bin",
     `tokens_per_shard` tokens each). Returns the counts also written to prepare.json: format,
@@ -57,6 +60,9 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
                               "without prepared data")
     if tokenizer not in tokenizers_lib.KINDS:
         raise ValueError(f"tokenizer={tokenizer!r}: expected one of {tokenizers_lib.KINDS}")
+    if (tokenizer == "hf") != bool(tokenizer_path):
+        raise ValueError(f"tokenizer={tokenizer!r} with tokenizer_path={tokenizer_path!r}: "
+                         "expected a path exactly with tokenizer='hf'")
     if format not in FORMATS:
         raise ValueError(f"format={format!r}: expected one of {FORMATS}")
     if num_shards < 1:
@@ -70,8 +76,11 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
     splits = {split: sources.load_documents(input_path, split, unit=unit,
                                             validation_fraction=validation_fraction)
               for split in sources.SPLITS}
-    tok = tokenizers_lib.build_tokenizer(tokenizer, [d.text for d in splits["train"]],
-                                         vocab_size=vocab_size)
+    if tokenizer == "hf":
+        tok = tokenizers_lib.load_hf_tokenizer(tokenizer_path)
+    else:
+        tok = tokenizers_lib.build_tokenizer(tokenizer, [d.text for d in splits["train"]],
+                                             vocab_size=vocab_size)
     if format == "bin" and tok.vocab_size > MAX_BIN_VOCAB:  # sentinels come on top of vocab_size
         raise ValueError(f"tokenizer vocab_size {tok.vocab_size} with format='bin': expected at "
                          f"most {MAX_BIN_VOCAB} (uint16 token ids)")
@@ -81,17 +90,22 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
               "tokenizer": tok.kind, "vocab_size": tok.vocab_size, "format": format}
     counts.update({"num_shards": num_shards} if format == "array_record"
                   else {"tokens_per_shard": tokens_per_shard})
-    eos = np.array([tokenizers_lib.EOS_ID], dtype=np.int32)
+    eos = np.array([tok.require("eos", "(or sep) to end each document")], dtype=np.int32)
     for split, docs in splits.items():
         stats = counts[split] = {"documents": len(docs), "tokens": 0, "bytes": 0}
 
         def encoded(docs=docs, stats=stats, split=split):
-            for doc in tqdm.tqdm(docs, desc=f"tokenizing {split}", unit="doc", file=sys.stderr,
-                                 disable=None):
-                ids = np.concatenate([np.asarray(tok.encode(doc.text), dtype=np.int32), eos])
-                stats["tokens"] += int(ids.size)
-                stats["bytes"] += len(doc.text.encode("utf-8"))
-                yield ids
+            with tqdm.tqdm(total=len(docs), desc=f"tokenizing {split}", unit="doc",
+                           file=sys.stderr, disable=None) as progress:
+                for start in range(0, len(docs), _ENCODE_BATCH):
+                    batch = docs[start:start + _ENCODE_BATCH]
+                    for doc, ids in zip(batch, tok.encode_batch([d.text for d in batch]),
+                                        strict=True):
+                        ids = np.concatenate([np.asarray(ids, dtype=np.int32), eos])
+                        stats["tokens"] += int(ids.size)
+                        stats["bytes"] += len(doc.text.encode("utf-8"))
+                        yield ids
+                    progress.update(len(batch))
 
         prefix = os.path.join(output_dir, split)
         if format == "bin":  # one stream of the documents, each followed by <eos>, cut every N
@@ -115,7 +129,8 @@ def _main(argv):
     f = flags.FLAGS
     counts = prepare(f.output_dir, f.input, tokenizer=f.tokenizer, vocab_size=f.vocab_size,
                      num_shards=f.num_shards, validation_fraction=f.validation_fraction,
-                     unit=f.unit, format=f.format, tokens_per_shard=f.tokens_per_shard)
+                     unit=f.unit, format=f.format, tokens_per_shard=f.tokens_per_shard,
+                     tokenizer_path=f.tokenizer_path)
     print(json.dumps(counts, indent=2))
 
 
@@ -128,6 +143,8 @@ def _define_flags():
     flags.DEFINE_string("input", None, "Text file, directory or glob; default: embedded corpus.")
     flags.DEFINE_enum("tokenizer", "byte", tokenizers_lib.KINDS, "Tokenizer kind.")
     flags.DEFINE_integer("vocab_size", None, "Vocabulary size of trained tokenizers.")
+    flags.DEFINE_string("tokenizer_path", "", "--tokenizer=hf: a Hugging Face tokenizer.json or "
+                        "a directory holding one.")
     flags.DEFINE_enum("format", "array_record", FORMATS,
                       "array_record: one record per document; bin: modded-nanogpt uint16 shards.")
     flags.DEFINE_integer("num_shards", 1, "ArrayRecord files per split.", lower_bound=1)

@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 
 from transformer.data import pipeline, sources
-from transformer.data.tokenizers import BOS_ID, CLS_ID, EOS_ID, SEP_ID
+from transformer.data.tokenizers import ByteTokenizer  # noqa: F401 (the doctests')
 from transformer.models import family_of
 
 TASKS = ("speakers", "modules")
@@ -155,24 +155,27 @@ def _pad(ids, length: int) -> tuple[np.ndarray, np.ndarray]:
     return out, (np.arange(length) < len(ids)).astype(np.int32)
 
 
-def classification_features(ids: np.ndarray, label: int, *, seq_len: int,
-                            cls: bool) -> dict[str, np.ndarray]:
+def classification_features(ids: np.ndarray, label: int, *, seq_len: int, cls: bool,
+                            tokenizer) -> dict[str, np.ndarray]:
     """A text's token ids and its class -> one classification row of `seq_len` tokens.
 
     With `cls` (BERT) the model reads [CLS] text [SEP] (the head reads [CLS]); otherwise (GPT)
     <eos> text (the head reads the last token; <eos> starts a document, as in pretraining).
     Long texts are cut.
 
-    >>> f = classification_features(np.array([11, 12, 13]), 2, seq_len=6, cls=True)
+    >>> tok = ByteTokenizer(num_sentinels=0)  # [CLS] = 5, [SEP] = 6, <eos> = 2
+    >>> f = classification_features(np.array([11, 12, 13]), 2, seq_len=6, cls=True, tokenizer=tok)
     >>> f["inputs"].tolist(), f["segment_ids"].tolist(), int(f["targets"])
     ([5, 11, 12, 13, 6, 0], [1, 1, 1, 1, 1, 0], 2)
-    >>> classification_features(np.array([11, 12, 13]), 2, seq_len=3, cls=False)["inputs"]
+    >>> classification_features(np.array([11, 12, 13]), 2, seq_len=3, cls=False,
+    ...                         tokenizer=tok)["inputs"]
     array([ 2, 11, 12], dtype=int32)
     """
     if cls:
-        tokens = [CLS_ID, *ids[:seq_len - 2], SEP_ID]
+        tokens = [tokenizer.require("cls", "for a [CLS] classifier"), *ids[:seq_len - 2],
+                  tokenizer.require("sep", "for a [CLS] classifier")]
     else:
-        tokens = [EOS_ID, *ids[:seq_len - 1]]
+        tokens = [tokenizer.eos_id, *ids[:seq_len - 1]]
     inputs, segment_ids = _pad(tokens, seq_len)
     return {"inputs": inputs, "segment_ids": segment_ids,
             "positions": (np.arange(seq_len) * segment_ids).astype(np.int32),
@@ -180,32 +183,35 @@ def classification_features(ids: np.ndarray, label: int, *, seq_len: int,
 
 
 def text2text_features(ids: np.ndarray, label: int, target_ids: np.ndarray, *, seq_len: int,
-                       target_len: int) -> dict[str, np.ndarray]:
+                       target_len: int, tokenizer) -> dict[str, np.ndarray]:
     """A text, its class and the class name's token ids -> one T5 row: the encoder reads the
     text + <eos> (cut to `seq_len`), the decoder the name + <eos> behind <bos>.
 
     >>> f = text2text_features(np.array([11, 12]), 1, np.array([40, 41]), seq_len=4,
-    ...                        target_len=4)
+    ...                        target_len=4, tokenizer=ByteTokenizer(num_sentinels=0))
     >>> f["encoder_inputs"].tolist(), f["encoder_segment_ids"].tolist()
     ([11, 12, 2, 0], [1, 1, 1, 0])
     >>> f["decoder_inputs"].tolist(), f["targets"].tolist(), f["weights"].tolist()
     ([1, 40, 41, 2], [40, 41, 2, 0], [1.0, 1.0, 1.0, 0.0])
     """
-    encoder_inputs, encoder_segment_ids = _pad([*ids[:seq_len - 1], EOS_ID], seq_len)
+    encoder_inputs, encoder_segment_ids = _pad([*ids[:seq_len - 1], tokenizer.eos_id], seq_len)
     return {"encoder_inputs": encoder_inputs, "encoder_segment_ids": encoder_segment_ids,
-            **decoder_features(target_ids, target_len), "label": np.int32(label)}
+            **decoder_features(target_ids, target_len, tokenizer), "label": np.int32(label)}
 
 
-def decoder_features(target_ids: np.ndarray, target_len: int) -> dict[str, np.ndarray]:
+def decoder_features(target_ids: np.ndarray, target_len: int,
+                     tokenizer) -> dict[str, np.ndarray]:
     """A decoder's teacher-forced features for a target: targets = ids + <eos> (cut and padded
     to `target_len`), decoder_inputs = the targets shifted right behind <bos>, weights 1 on
-    the target tokens.
+    the target tokens. (<bos> is the tokenizer's `decoder_start_id`: T5's own vocabulary starts
+    the decoder with <pad>.)
 
-    >>> decoder_features(np.array([40, 41]), 4)["decoder_inputs"].tolist()
+    >>> decoder_features(np.array([40, 41]), 4, ByteTokenizer(0))["decoder_inputs"].tolist()
     [1, 40, 41, 2]
     """
-    targets, mask = _pad([*target_ids, EOS_ID][:target_len], target_len)
-    return {"decoder_inputs": np.concatenate([[BOS_ID], targets[:-1]]).astype(np.int32),
+    targets, mask = _pad([*target_ids, tokenizer.eos_id][:target_len], target_len)
+    return {"decoder_inputs": np.concatenate([[tokenizer.decoder_start_id],
+                                              targets[:-1]]).astype(np.int32),
             "targets": targets, "weights": mask.astype(np.float32)}
 
 
@@ -260,11 +266,12 @@ def make_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
         names, target_len = label_names(task, tokenizer)
         featurize = lambda e: text2text_features(tokenizer.encode(e.text), e.label,
                                                  names[e.label], seq_len=seq_len,
-                                                 target_len=target_len)
+                                                 target_len=target_len, tokenizer=tokenizer)
     else:
         cls = family_of(config).cls_token
         featurize = lambda e: classification_features(tokenizer.encode(e.text), e.label,
-                                                      seq_len=seq_len, cls=cls)
+                                                      seq_len=seq_len, cls=cls,
+                                                      tokenizer=tokenizer)
     dataset = grain.MapDataset.source(task.splits[split])
     if shuffle:
         dataset = pipeline.shuffle_each_epoch(dataset, config.seed)

@@ -1,14 +1,19 @@
-"""Tokenizers: text <-> int32 ids with special tokens and T5 sentinels laid out identically for
-every kind (byte, char, SentencePiece BPE / unigram), plus save / load so a resumed run re-uses
-the exact same mapping.
+"""Tokenizers: text <-> int32 ids with special tokens and T5 sentinels, plus save / load so a
+resumed run re-uses the exact same mapping.
 
-Id layout, for every kind:
+The kinds this project builds (byte, char, SentencePiece BPE / unigram) share one id layout:
   * 0..6: the specials `SPECIAL_TOKENS` (<pad>, <bos>, <eos>, <unk>, <mask>, <cls>, <sep>),
   * then the kind's regular tokens (bytes, characters or SentencePiece pieces),
   * then `num_sentinels` T5 sentinels at the top: <extra_id_i> = vocab_size - 1 - i.
 `encode` never adds BOS / EOS; `decode` drops <pad> and writes other specials and sentinels as
 their names, so `decode(encode(text)) == text` for any text a kind can represent (all text for
 byte and SentencePiece, which falls back to UTF-8 bytes for unseen characters).
+
+The "hf" kind (`HFTokenizer`) wraps a Hugging Face `tokenizer.json` (GPT-2 or Llama BPE, BERT
+WordPiece, T5 unigram, ...) and keeps its own ids: its specials are wherever that vocabulary has
+them (`pad_id`, `eos_id`, ... may be None), and its sentinels are its own `<extra_id_i>` tokens
+or, if it has none, `num_sentinels` ids appended above its vocabulary. Code that needs a special
+reads it from the tokenizer (`tokenizer.eos_id`), never from the constants below.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from transformer import fileio
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>", "<mask>", "<cls>", "<sep>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID, CLS_ID, SEP_ID = range(7)
 NUM_SPECIAL = 7
-KINDS = ("byte", "char", "sentencepiece_bpe", "sentencepiece_unigram")
+KINDS = ("byte", "char", "sentencepiece_bpe", "sentencepiece_unigram", "hf")
+ROLES = ("pad", "bos", "eos", "unk", "mask", "cls", "sep")  # the special tokens, by role
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "tokenizer.json"
 SENTENCEPIECE_FILE = "sentencepiece.model"
+HF_FILE = "hf_tokenizer.json"  # an "hf" tokenizer's own tokenizer.json, beside CONFIG_FILE
 
 # SentencePiece training: at most this many sentences are used (a seeded sample beyond that), and
 # a sentence is at most this many UTF-8 bytes; longer paragraphs are cut at line ends (or, for a
@@ -72,6 +79,14 @@ class Tokenizer:
     kind: str = ""
     vocab_size: int
     num_sentinels: int
+    # The specials' ids (an "hf" tokenizer: None where its vocabulary has no such token).
+    pad_id: int | None = PAD_ID
+    bos_id: int | None = BOS_ID
+    eos_id: int | None = EOS_ID  # also what ends every document in the token stream
+    unk_id: int | None = UNK_ID
+    mask_id: int | None = MASK_ID
+    cls_id: int | None = CLS_ID
+    sep_id: int | None = SEP_ID
 
     def _finish(self, regular: list[bytes], num_sentinels: int) -> None:
         self.num_sentinels = _check_num_sentinels(num_sentinels)
@@ -83,22 +98,57 @@ class Tokenizer:
         """Text -> int32 ids [N]. Adds no BOS / EOS."""
         raise NotImplementedError
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """`encode` of each text (an "hf" tokenizer encodes them in parallel)."""
+        return [self.encode(text) for text in texts]
+
+    @property
+    def decoder_start_id(self) -> int:
+        """What an encoder-decoder's decoder reads first: <bos>, or <pad> where there is no
+        <bos> (T5's own convention)."""
+        start = self.bos_id if self.bos_id is not None else self.pad_id
+        if start is None:
+            raise ValueError(f"{self!r} has neither a bos nor a pad token: expected one to "
+                             "start the decoder")
+        return start
+
+    def require(self, role: str, why: str) -> int:
+        """The id of special `role` ("mask", "cls", ...), or a one-line error saying `why` it
+        is needed."""
+        value = getattr(self, f"{role}_id")
+        if value is None:
+            raise ValueError(f"{self!r} has no {role} token: expected one {why}")
+        return value
+
     def unknown_chars(self, text: str) -> list[str]:
         """The distinct characters of `text` this tokenizer has no ids for (they encode to
         <unk>), in order of first appearance. None for byte and SentencePiece (byte fallback)."""
         return []
 
-    def decode(self, ids) -> str:
-        """Ids [N] (list, NumPy or JAX array) -> text. Drops <pad>; writes other specials and
-        sentinels as their names (e.g. "<eos>", "<extra_id_3>")."""
+    def _checked_ids(self, ids) -> list[int]:
         ids = np.asarray(ids)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             raise ValueError(f"ids of shape {ids.shape}, dtype {ids.dtype}: expected 1-D integers")
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
             raise ValueError(f"id {int(bad)} out of range: expected 0 <= id < {self.vocab_size}")
+        return ids.tolist()
+
+    def decode(self, ids) -> str:
+        """Ids [N] (list, NumPy or JAX array) -> text. Drops <pad>; writes other specials and
+        sentinels as their names (e.g. "<eos>", "<extra_id_3>")."""
         table = self._id_bytes
-        return b"".join([table[i] for i in ids.tolist()]).decode("utf-8", errors="replace")
+        return b"".join([table[i] for i in self._checked_ids(ids)]).decode("utf-8",
+                                                                        errors="replace")
+
+    def token_bytes(self, i: int) -> bytes:
+        """Id i's own bytes (a lone byte of a multi-byte character is not valid UTF-8)."""
+        return self._id_bytes[i]
+
+    @property
+    def special_names(self) -> dict[int, str]:
+        """{id: name} of the specials (not the sentinels)."""
+        return dict(enumerate(SPECIAL_TOKENS))
 
     def sentinel_id(self, i: int) -> int:
         """The id of <extra_id_i>: vocab_size - 1 - i, for 0 <= i < num_sentinels."""
@@ -107,10 +157,14 @@ class Tokenizer:
         return self.vocab_size - 1 - int(i)
 
     @property
+    def sentinel_ids(self) -> tuple[int, ...]:
+        """Every sentinel id, ascending (the top `num_sentinels` ids)."""
+        return tuple(range(self.vocab_size - self.num_sentinels, self.vocab_size))
+
+    @property
     def special_ids(self) -> tuple[int, ...]:
-        """Ids 0..6 and every sentinel id, ascending: what MLM masking must never select."""
-        return tuple(range(NUM_SPECIAL)) + tuple(
-            range(self.vocab_size - self.num_sentinels, self.vocab_size))
+        """The specials' and sentinels' ids, ascending: what MLM masking must never select."""
+        return tuple(sorted(self.special_names)) + self.sentinel_ids
 
     def _config(self, directory: str) -> dict[str, Any]:
         """Kind-specific tokenizer.json fields; may write extra files into `directory`."""
@@ -250,6 +304,165 @@ class SentencePieceTokenizer(Tokenizer):
         self.__init__(state["model_proto"], state["num_sentinels"])
 
 
+# Where a Hugging Face directory names no roles (a bare tokenizer.json), a role is taken by the
+# first of these tokens its vocabulary has: the names GPT-2, BERT, Llama and T5 use.
+_WELL_KNOWN = {
+    "pad": ("<pad>", "[PAD]", "<|pad|>"),
+    "bos": ("<s>", "<bos>", "<|begin_of_text|>", "<|endoftext|>"),
+    "eos": ("</s>", "<eos>", "<|end_of_text|>", "<|endoftext|>"),
+    "unk": ("<unk>", "[UNK]"),
+    "mask": ("<mask>", "[MASK]"),
+    "cls": ("[CLS]", "<cls>"),
+    "sep": ("[SEP]", "<sep>"),
+}
+_SENTINEL = re.compile(r"<extra_id_(\d+)>")
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers` tokenizer (`tokenizer_json`: the text of a tokenizer.json)
+    with its own ids. `specials` maps roles (`ROLES`) to token strings of its vocabulary, or
+    None where it has no such token; read them from a save_pretrained directory with
+    `load_hf_tokenizer`.
+
+    - Documents end with <eos>; a vocabulary without one but with [SEP] (BERT) ends them with
+      [SEP]. A role a feature needs and the vocabulary lacks is a clear error there (e.g. the
+      mask token for MLM), never a stand-in id.
+    - Sentinels: a vocabulary with its own `<extra_id_i>` (T5: <extra_id_0> is its last id)
+      uses those, and `num_sentinels` must equal their count (None: whatever it has); otherwise
+      `num_sentinels` ids are appended above the vocabulary, written "<extra_id_i>" by `decode`
+      as for the other kinds.
+    - `encode` adds no specials (no BOS / EOS / [CLS]); `decode` drops <pad> and writes other
+      specials as their text, so decode(encode(text)) == text wherever the tokenizer is
+      lossless (byte-level BPE is; BERT's lower-casing WordPiece is not).
+    """
+
+    kind = "hf"
+
+    def __init__(self, tokenizer_json: str, specials: dict[str, str | None],
+                 num_sentinels: int | None = None):
+        import tokenizers
+
+        self.tokenizer_json = tokenizer_json
+        self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        size = max(vocab.values()) + 1
+        unknown = sorted(set(specials) - set(ROLES))
+        if unknown:
+            raise ValueError(f"special roles {unknown}: expected some of {ROLES}")
+        self.specials = {role: specials.get(role) for role in ROLES}
+        for role, token in self.specials.items():
+            if token is not None and token not in vocab:
+                raise ValueError(f"{role} token {token!r} is not in the tokenizer's vocabulary")
+            setattr(self, f"{role}_id", None if token is None else vocab[token])
+        if self.eos_id is None:
+            self.eos_id = self.sep_id
+        own = sorted(int(m.group(1)) for t in vocab if (m := _SENTINEL.fullmatch(t)))
+        num_sentinels = _check_num_sentinels(len(own) if num_sentinels is None else num_sentinels)
+        if own:
+            if own != list(range(len(own))) or any(
+                    vocab[f"<extra_id_{i}>"] != size - 1 - i for i in own):
+                raise ValueError(f"the tokenizer's <extra_id_i> tokens are not its last ids in "
+                                 f"reverse order: expected <extra_id_i> = {size - 1} - i (T5)")
+            if num_sentinels != len(own):
+                raise ValueError(f"num_sentinels={num_sentinels}: the tokenizer has its own "
+                                 f"{len(own)} sentinels <extra_id_i>: expected {len(own)}")
+        self._base_size = size - len(own)
+        self.num_sentinels = num_sentinels
+        self.vocab_size = self._base_size + num_sentinels
+        self._names = {vocab[t.content]: t.content
+                       for t in self._tok.get_added_tokens_decoder().values()
+                       if t.special and not _SENTINEL.fullmatch(t.content)}
+        for token in self.specials.values():
+            if token is not None and not _SENTINEL.fullmatch(token):
+                self._names[vocab[token]] = token
+        self._pad_dropped = (self.specials["pad"] is not None and
+                             self.pad_id not in (self.eos_id, self.bos_id, self.unk_id))
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, np.int32) for e in
+                self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def unknown_chars(self, text: str) -> list[str]:
+        if self.unk_id is None:
+            return []
+        return [c for c in dict.fromkeys(text) if self.unk_id in self.encode(c).tolist()]
+
+    def decode(self, ids) -> str:
+        out, run = [], []
+        for i in self._checked_ids(ids):
+            if i >= self._base_size:  # an appended or own sentinel
+                out += [self._tok.decode(run, skip_special_tokens=False),
+                        f"<extra_id_{self.vocab_size - 1 - i}>"]
+                run = []
+            elif not (self._pad_dropped and i == self.pad_id):
+                run.append(i)
+        return "".join(out) + self._tok.decode(run, skip_special_tokens=False)
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.decode([i]).encode()
+
+    @property
+    def special_names(self) -> dict[int, str]:
+        return dict(self._names)
+
+    def _config(self, directory: str) -> dict[str, Any]:
+        fileio.write_atomic(fileio.join(directory, HF_FILE), self.tokenizer_json.encode())
+        return {"model_file": HF_FILE, "specials": self.specials}
+
+    def __getstate__(self) -> dict[str, Any]:  # for multiprocess data loaders
+        return {"tokenizer_json": self.tokenizer_json, "specials": self.specials,
+                "num_sentinels": self.num_sentinels}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
+
+    def __repr__(self) -> str:
+        return (f"HFTokenizer(vocab_size={self.vocab_size}, num_sentinels={self.num_sentinels}, "
+                f"specials={ {r: t for r, t in self.specials.items() if t is not None} })")
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json / special_tokens_map.json write it: a string
+    or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenizer:
+    """An `HFTokenizer` from a Hugging Face tokenizer.json, or a directory holding one (e.g. a
+    `save_pretrained` directory). The roles come from the directory's tokenizer_config.json
+    (else special_tokens_map.json): its `bos_token`, `eos_token`, ... entries. A bare
+    tokenizer.json names none, so each role is then the first well-known token (<pad>, [PAD],
+    </s>, <|endoftext|>, [CLS], ...) its vocabulary has.
+    """
+    location = fileio.path(path)
+    file = location.joinpath("tokenizer.json") if location.is_dir() else location
+    if not file.is_file():
+        raise FileNotFoundError(f"{path!r}: expected a Hugging Face tokenizer.json or a "
+                                "directory holding one")
+    text = file.read_text(encoding="utf-8")
+    named = None
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (meta := file.parent.joinpath(name)).is_file():
+            config = json.loads(meta.read_text(encoding="utf-8"))
+            named = {role: _token_content(config.get(f"{role}_token")) for role in ROLES}
+            break
+    try:
+        tokenizer = HFTokenizer(text, named or {}, num_sentinels)
+    except Exception as e:
+        raise ValueError(f"{str(file)!r}: {e}") from None
+    if named is None:
+        vocab = tokenizer._tok.get_vocab(with_added_tokens=True)
+        guessed = {role: next((t for t in names if t in vocab), None)
+                   for role, names in _WELL_KNOWN.items()}
+        tokenizer = HFTokenizer(text, guessed, num_sentinels)
+    return tokenizer
+
+
 def load_tokenizer(directory: str) -> Tokenizer:
     """Reads a tokenizer written by `Tokenizer.save(directory)`.
 
@@ -276,6 +489,9 @@ def load_tokenizer(directory: str) -> Tokenizer:
         tokenizer = SentencePieceTokenizer(model_proto, num_sentinels)
         if tokenizer.kind != kind:
             raise ValueError(f"{path!r} says kind={kind!r} but its model is {tokenizer.kind!r}")
+    elif kind == "hf":
+        text = fileio.path(directory).joinpath(config["model_file"]).read_text(encoding="utf-8")
+        tokenizer = HFTokenizer(text, config["specials"], num_sentinels)
     else:
         raise ValueError(f"{path!r} has kind={kind!r}: expected one of {KINDS}")
     if tokenizer.vocab_size != config.get("vocab_size"):
@@ -289,7 +505,8 @@ def build_tokenizer(kind: str, texts: Iterable[str] | None = None, *,
     """Builds (for char / SentencePiece: trains on `texts`) a tokenizer of one of `KINDS`.
 
     byte needs no texts and char no vocab_size (both derive their size, so passing vocab_size is
-    an error rather than silently ignored). For SentencePiece, `vocab_size` counts its pieces
+    an error rather than silently ignored). The "hf" kind is loaded, not built:
+    `load_hf_tokenizer`. For SentencePiece, `vocab_size` counts its pieces
     including the 7 specials and 256 byte pieces; the tokenizer's vocab_size adds the sentinels.
     A vocab_size the corpus cannot fill raises ValueError naming the largest feasible value.
     Training is deterministic: the same texts give the same model.
@@ -304,6 +521,9 @@ def build_tokenizer(kind: str, texts: Iterable[str] | None = None, *,
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
+    if kind == "hf":
+        raise ValueError("kind='hf': a Hugging Face tokenizer is loaded, not built: expected "
+                         "load_hf_tokenizer(path)")
     num_sentinels = _check_num_sentinels(num_sentinels)
     if isinstance(texts, str | bytes):
         raise ValueError(f"texts={texts[:20]!r}...: expected an iterable of str, not one string")

@@ -1,0 +1,284 @@
+"""Hugging Face tokenizers (data.tokenizer="hf"): each tokenizer is built in the test with the
+`tokenizers` library (GPT-2 byte-level BPE, BERT WordPiece, a T5-style vocabulary with its own
+sentinels, a bare tokenizer.json); ids must be exactly those of the library and of
+`transformers.AutoTokenizer`, specials keep their pretrained ids, and a run trains, resumes,
+fine-tunes an imported model and generates with them."""
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tokenizers_hf = pytest.importorskip("tokenizers")
+transformers = pytest.importorskip("transformers")
+
+from test_train import SHAKESPEARE, TINY_MODEL, assert_succeeded, run_cli, tiny_flags  # noqa: E402
+
+from transformer import configs, train  # noqa: E402
+from transformer.data import inputs, pipeline, prepare, sources  # noqa: E402
+from transformer.data import tokenizers as tokenizers_lib  # noqa: E402
+
+TEXTS = [
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n",
+    "naïve café — 日本語 😀",
+    "",
+    "  leading,  double  spaces\t\ttabs\r\n\n\n\nblank lines ",
+    "<extra_id_0> and <mask> look like specials",
+]
+
+
+def corpus() -> list[str]:
+    if SHAKESPEARE.is_file():
+        return SHAKESPEARE.read_text(encoding="utf-8")[:100_000].split("\n\n")
+    return ["to be or not to be, that is the question"] * 200 + TEXTS
+
+
+def gpt2_style(directory: Path, vocab_size: int = 400) -> Path:
+    """A byte-level BPE with <|endoftext|> as bos, eos and unk (GPT-2's layout), written with
+    `save_pretrained` (tokenizer.json + tokenizer_config.json naming the roles)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus(), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    end = "<|endoftext|>"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=end, eos_token=end,
+                                         unk_token=end).save_pretrained(directory)
+    return directory
+
+
+def bert_style(directory: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(corpus(), trainers.WordPieceTrainer(
+        vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
+    transformers.BertTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    return directory
+
+
+def t5_style(path: Path, num_sentinels: int = 5) -> Path:
+    """A bare tokenizer.json (no tokenizer_config.json) with T5's layout: <pad> 0, </s> 1,
+    <unk> 2, and <extra_id_i> as the last ids in reverse order."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(corpus(), trainers.UnigramTrainer(
+        vocab_size=200, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"))
+    tok.add_special_tokens([f"<extra_id_{i}>" for i in reversed(range(num_sentinels))])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    return gpt2_style(tmp_path_factory.mktemp("gpt2_tokenizer"))
+
+
+def test_ids_are_the_librarys_and_transformers_and_decode_is_lossless(gpt2_dir):
+    tok = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir), num_sentinels=3)
+    library = tokenizers_hf.Tokenizer.from_file(str(gpt2_dir / "tokenizer.json"))
+    auto = transformers.AutoTokenizer.from_pretrained(gpt2_dir)
+    for text in TEXTS + corpus()[:50]:
+        ids = tok.encode(text)
+        assert ids.dtype == np.int32
+        assert ids.tolist() == library.encode(text, add_special_tokens=False).ids
+        assert ids.tolist() == auto(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text  # "<extra_id_0>" is not a token here: plain text
+    assert [a.tolist() for a in tok.encode_batch(TEXTS)] == [tok.encode(t).tolist() for t in TEXTS]
+
+
+def test_specials_keep_their_pretrained_ids_and_sentinels_go_on_top(gpt2_dir):
+    tok = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir), num_sentinels=3)
+    end = tokenizers_hf.Tokenizer.from_file(str(gpt2_dir / "tokenizer.json")).token_to_id(
+        "<|endoftext|>")
+    assert (tok.bos_id, tok.eos_id, tok.unk_id) == (end, end, end)
+    assert (tok.pad_id, tok.mask_id, tok.cls_id, tok.sep_id) == (None, None, None, None)
+    base = len(transformers.AutoTokenizer.from_pretrained(gpt2_dir))
+    assert tok.vocab_size == base + 3 and tok.sentinel_id(0) == base + 2
+    assert tok.special_ids == (end, base, base + 1, base + 2)
+    assert tok.decode([*tok.encode("to be"), tok.sentinel_id(0), end]) == \
+        "to be<extra_id_0><|endoftext|>"
+    with pytest.raises(ValueError, match="has no mask token: expected one for data.objective"):
+        tok.require("mask", "for data.objective='mlm'")
+
+
+def test_save_load_and_pickle_give_the_same_mapping(gpt2_dir, tmp_path):
+    tok = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir), num_sentinels=2)
+    tok.save(str(tmp_path / "saved"))
+    for other in (tokenizers_lib.load_tokenizer(str(tmp_path / "saved")),
+                  pickle.loads(pickle.dumps(tok))):
+        assert other.kind == "hf" and other.vocab_size == tok.vocab_size
+        assert other.specials == tok.specials and other.eos_id == tok.eos_id
+        assert [other.encode(t).tolist() for t in TEXTS] == [tok.encode(t).tolist() for t in TEXTS]
+
+
+def test_documents_end_with_the_tokenizers_own_eos(gpt2_dir):
+    tok = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir))
+    docs = [sources.Document("a", TEXTS[0]), sources.Document("b", TEXTS[1])]
+    corpus_ = pipeline.tokenize_documents(docs, tok)
+    expected = [*tok.encode(TEXTS[0]), tok.eos_id, *tok.encode(TEXTS[1]), tok.eos_id]
+    assert corpus_.read(0, len(corpus_)).tolist() == expected
+    assert tok.eos_id != tokenizers_lib.EOS_ID  # not the project's fixed id
+
+
+def test_bert_wordpiece_roles_and_sep_ends_documents(tmp_path):
+    tok = tokenizers_lib.load_hf_tokenizer(str(bert_style(tmp_path)))
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    roles = {r: getattr(tok, f"{r}_id") for r in ("pad", "unk", "cls", "sep", "mask")}
+    assert roles == {r: auto.convert_tokens_to_ids(getattr(auto, f"{r}_token")) for r in roles}
+    assert tok.bos_id is None and tok.eos_id == tok.sep_id  # BERT ends a segment with [SEP]
+    assert set(tok.special_ids) == set(roles.values()) and tok.num_sentinels == 0
+    assert tok.decode(tok.encode("Hear me speak")) == "hear me speak"  # lower-cased
+    # MLM corruption never selects a special; [MASK] is the tokenizer's own.
+    rows = np.stack([np.concatenate([tok.encode("before we proceed any further hear me"),
+                                     [tok.sep_id]])[:8]] * 64)
+    batch = {"tokens": rows, "tokens_segment_ids": np.ones_like(rows),
+             "tokens_positions": np.zeros_like(rows)}
+    features = pipeline.mlm_features(batch, np.random.default_rng(0), tokenizer=tok, rate=0.5)
+    selected = features["weights"] == 1
+    assert selected.any() and not np.isin(rows[selected], tok.special_ids).any()
+    assert (features["inputs"][selected] == tok.mask_id).mean() > 0.6
+
+
+def test_own_sentinels_of_a_t5_style_vocabulary(tmp_path):
+    path = t5_style(tmp_path / "t5" / "tokenizer.json")
+    tok = tokenizers_lib.load_hf_tokenizer(str(path))  # bare file: roles by well-known names
+    library = tokenizers_hf.Tokenizer.from_file(str(path))
+    size = library.get_vocab_size()
+    assert (tok.pad_id, tok.eos_id, tok.unk_id, tok.bos_id) == (0, 1, 2, None)
+    assert tok.decoder_start_id == 0  # T5 starts its decoder with <pad>
+    assert tok.num_sentinels == 5 and tok.vocab_size == size
+    assert [tok.sentinel_id(i) for i in range(5)] == [
+        library.token_to_id(f"<extra_id_{i}>") for i in range(5)]
+    ids = tok.encode("to be <extra_id_1> or not")
+    assert tok.sentinel_id(1) in ids.tolist()
+    assert "<extra_id_1>" in tok.decode(ids)
+    with pytest.raises(ValueError, match="its own 5 sentinels <extra_id_i>: expected 5"):
+        tokenizers_lib.load_hf_tokenizer(str(path), num_sentinels=100)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda c: c.update(eos_token="<nope>"), "eos token '<nope>' is not in the tokenizer's"),
+    (lambda c: c.update(pad_token={"content": "<also nope>"}), "pad token '<also nope>'"),
+])
+def test_a_role_naming_a_missing_token_is_a_one_line_error(gpt2_dir, tmp_path, change, match):
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_bytes((gpt2_dir / "tokenizer.json").read_bytes())
+    config = json.loads((gpt2_dir / "tokenizer_config.json").read_text())
+    change(config)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match) as error:
+        tokenizers_lib.load_hf_tokenizer(str(directory))
+    assert "\n" not in str(error.value)
+
+
+def hf_config(tokenizer_dir: Path, workdir_steps: int = 4):
+    config = configs.experiment("gpt_tiny")
+    config.update(steps=workdir_steps, batch_size=2, seq_len=16, log_every=1,
+                  eval_every=workdir_steps, eval_steps=1, checkpoint_every=2)
+    config.model.update(**TINY_MODEL)
+    config.data.update(path=str(SHAKESPEARE), unit="stream", tokenizer="hf",
+                       tokenizer_path=str(tokenizer_dir), num_sentinels=0)
+    return config
+
+
+@pytest.mark.slow
+def test_a_run_trains_on_hf_ids_saves_the_tokenizer_and_refuses_another_on_resume(
+        gpt2_dir, tmp_path):
+    if not SHAKESPEARE.is_file():
+        pytest.skip("tinyshakespeare.txt not found")
+    config = hf_config(gpt2_dir)
+    workdir = tmp_path / "run"
+    result = train.train_and_evaluate(config, str(workdir))
+    tok = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir), num_sentinels=0)
+    saved = tokenizers_lib.load_tokenizer(str(workdir / inputs.TOKENIZER_DIR))
+    assert saved.kind == "hf" and saved.tokenizer_json == tok.tokenizer_json
+    assert result["config"].model.vocab_size == tok.vocab_size
+    # The training stream is the library's ids of the text, <|endoftext|> after it.
+    batch = next(iter(inputs.get_dataset(result["config"], saved, "validation", num_epochs=1,
+                                         shuffle=False)))
+    text = SHAKESPEARE.read_text(encoding="utf-8")
+    held_out = text[len(text) - round(len(text) * config.data.validation_fraction):]
+    expected = tok.encode(held_out)
+    assert set(batch["inputs"][0]) <= set(expected.tolist()) | {tok.eos_id}
+    assert np.isfinite(result["summary"]["val_loss"])
+    # Resuming with another tokenizer at data.tokenizer_path is refused before anything runs.
+    other = gpt2_style(tmp_path / "other", vocab_size=350)
+    config = hf_config(other, workdir_steps=6)
+    with pytest.raises(ValueError, match="is not the tokenizer .* was trained with"):
+        train.train_and_evaluate(config, str(workdir))
+
+
+@pytest.mark.slow
+def test_init_from_hf_takes_the_checkpoints_tokenizer_and_fine_tunes_and_generates(
+        gpt2_dir, tmp_path):
+    """A save_pretrained directory with weights and tokenizer: data.tokenizer='hf' reads the
+    tokenizer from init_from, the weights load, and the workdir generates text."""
+    if not SHAKESPEARE.is_file():
+        pytest.skip("tinyshakespeare.txt not found")
+    from transformer import convert
+
+    checkpoint = tmp_path / "hf_gpt2"
+    auto = transformers.AutoTokenizer.from_pretrained(gpt2_dir)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=len(auto), n_positions=32, n_embd=32, n_layer=1, n_head=2,
+        bos_token_id=auto.bos_token_id, eos_token_id=auto.eos_token_id))
+    hf.save_pretrained(checkpoint)
+    auto.save_pretrained(checkpoint)
+    model_config, _ = convert.from_hf(hf.config, hf.state_dict())
+    base = configs.experiment("gpt_tiny").model
+    flags = [f"--config.model.{k}={v}" for k, v in model_config.items()
+             if v is not None and v != base.get(k)]
+    workdir = tmp_path / "finetuned"
+    args = ["--config=experiments/gpt_tiny.py", f"--workdir={workdir}",
+            f"--config.init_from=hf:{checkpoint}", "--config.data.tokenizer=hf",
+            "--config.data.num_sentinels=0", f"--config.data.path={SHAKESPEARE}",
+            "--config.data.unit=stream", *[f for f in tiny_flags(2) if ".model." not in f],
+            *flags]
+    result = run_cli("transformer.train", *args, logs=tmp_path)
+    assert_succeeded(result)
+    assert "init_from hf:" in result.stdout and "new 0" in result.stdout
+    saved = tokenizers_lib.load_tokenizer(str(workdir / inputs.TOKENIZER_DIR))
+    assert saved.tokenizer_json == (checkpoint / "tokenizer.json").read_text(encoding="utf-8")
+    result = run_cli("transformer.generate", f"--workdir={workdir}", "--prompt=ROMEO:",
+                     "--num_samples=1", logs=tmp_path)
+    assert_succeeded(result)
+    assert "ROMEO:" in result.stdout
+    # The same directory with the project's byte tokenizer would read other ids: refused.
+    args = [a for a in args if "data.tokenizer=" not in a] + ["--config.data.tokenizer=byte"]
+    result = run_cli("transformer.train", *args[:1], f"--workdir={tmp_path / 'byte'}", *args[2:],
+                     logs=tmp_path)
+    assert result.returncode == 2
+    assert "comes with its Hugging Face tokenizer: expected data.tokenizer='hf'" in result.stderr
+    assert not (tmp_path / "byte").exists()
+
+
+@pytest.mark.slow
+def test_prepare_writes_token_shards_with_an_hf_tokenizer(gpt2_dir, tmp_path):
+    if not SHAKESPEARE.is_file():
+        pytest.skip("tinyshakespeare.txt not found")
+    counts = prepare.prepare(str(tmp_path / "prepared"), str(SHAKESPEARE), tokenizer="hf",
+                             tokenizer_path=str(gpt2_dir), format="bin", unit="stream")
+    tok = tokenizers_lib.load_tokenizer(str(tmp_path / "prepared"))
+    assert counts["tokenizer"] == "hf" and tok.kind == "hf"
+    config = hf_config(gpt2_dir)
+    config.data.update(path=str(tmp_path / "prepared"), tokenizer_path="")
+    corpus_ = inputs.corpus(config, tok, "train")
+    text = SHAKESPEARE.read_text(encoding="utf-8")
+    head = tok.encode(text[:2000])[:200]
+    assert corpus_.read(0, 200).tolist() == head.tolist()
+    with pytest.raises(ValueError, match="expected a path exactly with tokenizer='hf'"):
+        prepare.prepare(str(tmp_path / "x"), str(SHAKESPEARE), tokenizer="hf")
