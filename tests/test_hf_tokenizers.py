@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from test_train import SHAKESPEARE, TINY_MODEL, assert_succeeded, run_cli, tiny_flags  # noqa: E402
 
 from transformer import configs, train  # noqa: E402
-from transformer.data import inputs, pipeline, prepare, sources  # noqa: E402
+from transformer.data import inputs, pipeline, prepare, shards, sources  # noqa: E402
 from transformer.data import tokenizers as tokenizers_lib  # noqa: E402
 
 TEXTS = [
@@ -282,3 +282,44 @@ def test_prepare_writes_token_shards_with_an_hf_tokenizer(gpt2_dir, tmp_path):
     assert corpus_.read(0, 200).tolist() == head.tolist()
     with pytest.raises(ValueError, match="expected a path exactly with tokenizer='hf'"):
         prepare.prepare(str(tmp_path / "x"), str(SHAKESPEARE), tokenizer="hf")
+
+
+@pytest.mark.slow
+def test_nanogpt_train_bin_and_val_bin_as_data_path(gpt2_dir, tmp_path):
+    """nanoGPT's prepared layout (train.bin, val.bin: raw uint16 ids) trains as data.path with
+    the tokenizer it was written with; ids past that tokenizer are refused before any step."""
+    if not SHAKESPEARE.is_file():
+        pytest.skip("tinyshakespeare.txt not found")
+    tok = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir))
+    text = SHAKESPEARE.read_text(encoding="utf-8")
+    split = int(len(text) * 0.9)
+    data = tmp_path / "shakespeare"
+    data.mkdir()
+    for name, part in (("train", text[:split]), ("val", text[split:])):
+        shards.write_token_shards(str(data / name), [tok.encode(part)], format="nanogpt")
+    config = hf_config(gpt2_dir)
+    config.data.path = str(data)
+    result = train.train_and_evaluate(config, str(tmp_path / "run"))
+    validation = inputs.corpus(result["config"], tok, "validation")
+    assert validation.read(0, len(validation)).tolist() == tok.encode(text[split:]).tolist()
+    assert np.isfinite(result["summary"]["val_loss"])
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "train.bin").write_bytes((data / "train.bin").read_bytes())
+    ids = np.fromfile(data / "val.bin", "<u2")
+    ids[5] = tok.vocab_size + 7
+    ids.tofile(bad / "val.bin")
+    args = ["--config=experiments/gpt_tiny.py", f"--workdir={tmp_path / 'bad_run'}",
+            f"--config.data.path={bad}", "--config.data.tokenizer=hf",
+            f"--config.data.tokenizer_path={gpt2_dir}", "--config.data.num_sentinels=0",
+            *tiny_flags(2)]
+    result = run_cli("transformer.train", *args, logs=tmp_path)
+    assert result.returncode != 0
+    assert f"val.bin holds token id {tok.vocab_size + 7}: expected ids < the tokenizer's " \
+        f"vocab_size {tok.vocab_size}" in result.stderr
+    assert not (tmp_path / "bad_run").exists()
+    result = run_cli("transformer.train", *args[:2], f"--config.data.path={data}", *tiny_flags(2),
+                     logs=tmp_path)
+    assert result.returncode == 2 and "holds token shards (*.bin): expected data.tokenizer='hf'" \
+        in result.stderr

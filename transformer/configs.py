@@ -19,7 +19,7 @@ import ml_collections
 
 from transformer import checkpoint as checkpoint_lib
 from transformer import fileio, optim, placement, sharding
-from transformer.data import pipeline, sources, tokenizers
+from transformer.data import inputs, pipeline, sources, tokenizers
 from transformer.models import FAMILIES, build_model, default_model_config, family_of
 
 
@@ -352,6 +352,11 @@ def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:
                                 "tokenizer.json or a directory holding one")
     paths = [config.data.path] + [s.path for s in
                                   sources.parse_sources(config.data.get("sources") or ())]
+    shard_dirs = [p for p in paths if inputs.token_shard_dir(p)]
+    if shard_dirs and kind != "hf":
+        raise ValueError(f"data.path={shard_dirs[0]!r} holds token shards (*.bin): expected "
+                         "data.tokenizer='hf' with the tokenizer they were written with "
+                         "(data.tokenizer_path)")
     if any(os.path.isfile(os.path.join(p, "prepare.json")) for p in paths) or (
             init_from and checkpoint_lib.parse_init_from(init_from)[0] == "workdir"):
         return

@@ -140,7 +140,9 @@ def _resolve(config: ml_collections.ConfigDict, workdir: str | None):
         config.model.vocab_size = tokenizer.vocab_size
     elif config.model.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size={config.model.vocab_size}: expected >= the "
-                         f"tokenizer's {tokenizer.vocab_size}")
+                         f"tokenizer's {tokenizer.vocab_size} ({tokenizer.num_sentinels} of them "
+                         "sentinels: data.num_sentinels)")
+    inputs.check_token_shards(config, tokenizer)
     task = inputs.labeled_task(config)  # labeled tasks hold out a test split (end of run)
     if task is not None and family_of(config).classifier(config.model) and \
             not config.model.num_classes:

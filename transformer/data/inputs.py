@@ -8,12 +8,14 @@ tokenizer). `data.sources` instead trains on a weighted mixture of such paths
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
 import grain
 import jax
 import ml_collections
+import numpy as np
 
 from transformer import checkpoint as checkpoint_lib
 from transformer import fileio
@@ -53,6 +55,49 @@ def _prepared_dir(config: ml_collections.ConfigDict) -> str | None:
     paths = [c.data.path for c in source_configs(config).values()] or [config.data.path]
     prepared = [p for p in paths if p and os.path.isfile(os.path.join(p, "prepare.json"))]
     return prepared[0] if prepared else None
+
+
+# A directory of token shards given as data.path (no prepare.json): each split's files by name,
+# as nanoGPT (train.bin, val.bin) and modded-nanogpt (fineweb_train_000001.bin,
+# fineweb_val_000000.bin) name them.
+SHARD_SPLITS = {"train": "*train*.bin", "validation": "*val*.bin"}
+# Ids checked against the tokenizer at start-up: the first this many tokens of every shard.
+_SHARD_CHECK_TOKENS = 1 << 20
+
+
+def token_shard_dir(path: str) -> bool:
+    """Whether `path` is a directory of token shards (*.bin) that prepare.py did not write."""
+    return bool(path) and os.path.isdir(path) and not os.path.isfile(
+        os.path.join(path, "prepare.json")) and bool(glob.glob(os.path.join(glob.escape(path),
+                                                                             "*.bin")))
+
+
+def _token_shards(config: ml_collections.ConfigDict, split: str) -> shards.TokenShards:
+    """data.path's shards of `split`, or a one-line error naming what is missing."""
+    path = config.data.path
+    pattern = os.path.join(glob.escape(path), SHARD_SPLITS[split])
+    if not glob.glob(pattern):
+        raise FileNotFoundError(f"data.path={path!r}: no {SHARD_SPLITS[split]} shards for the "
+                                f"{split} split: expected token shards named as nanoGPT's "
+                                "train.bin / val.bin")
+    return shards.TokenShards(pattern)
+
+
+def check_token_shards(config: ml_collections.ConfigDict, tokenizer) -> None:
+    """Token shards at data.path must hold ids of `tokenizer`: each shard's first ids are read
+    (a shard written with another vocabulary shows within its first million tokens)."""
+    for one in list(source_configs(config).values()) or [config]:
+        if not token_shard_dir(one.data.path):
+            continue
+        for split in SHARD_SPLITS:
+            tokens = _token_shards(one, split)
+            for path, length, start in zip(tokens.paths, tokens.shard_lengths,
+                                           np.cumsum([0, *tokens.shard_lengths]), strict=False):
+                head = tokens.read(int(start), int(start) + min(length, _SHARD_CHECK_TOKENS))
+                if head.size and int(head.max()) >= tokenizer.vocab_size:
+                    raise ValueError(f"{path} holds token id {int(head.max())}: expected ids < "
+                                     f"the tokenizer's vocab_size {tokenizer.vocab_size} (the "
+                                     "shards were written with another vocabulary)")
 
 
 def _documents(config: ml_collections.ConfigDict, split: str) -> list[sources.Document]:
@@ -185,6 +230,8 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> pipeline
     corpus per source: call this with each of `source_configs(config)`."""
     _single_source(config, "corpus")
     stream = config.data.unit == "stream"
+    if token_shard_dir(config.data.path):
+        return pipeline.Corpus(_token_shards(config, split), stream=True)
     if prepared := _prepared_dir(config):
         with open(os.path.join(prepared, "prepare.json")) as f:
             layout = json.load(f).get("format", "array_record")
