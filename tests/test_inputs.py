@@ -120,3 +120,67 @@ def test_validation_batches_are_a_finite_pass(text_file):
     batches = list(inputs.get_dataset(config, tokenizer, "validation", num_epochs=1,
                                       shuffle=False))
     assert 0 < len(batches) < 100
+
+
+def test_test_path_is_a_split_of_its_own_that_nothing_trains_on(text_file, tmp_path):
+    held_out = tmp_path / "test.txt"
+    held_out.write_text("Never trained on.\n\nNor validated.\n")
+    config = config_for(text_file, tokenizer="byte", unit="stream", test_path=str(held_out))
+    tokenizer = tokenizers.build_tokenizer("byte")
+    test = inputs.corpus(config, tokenizer, "test")
+    assert tokenizer.decode(test.read(0, len(test))) == held_out.read_text() + "<eos>"
+    for split in ("train", "validation"):  # the stream split of data.path is unchanged
+        assert "Never" not in "".join(d.text for d in inputs._documents(config, split))
+        without = config_for(text_file, tokenizer="byte", unit="stream")
+        assert inputs._documents(config, split) == inputs._documents(without, split)
+    assert inputs.has_test_split(config) and not inputs.has_test_split(without)
+    assert inputs.data_stream(config) == inputs.data_stream(without)  # resumes either way
+    with pytest.raises(ValueError, match="split='test' without a test_path"):
+        inputs.corpus(without, tokenizer, "test")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="empty.txt: no text in 1 file"):
+        inputs.corpus(config_for(text_file, test_path=str(empty)), tokenizer, "test")
+
+
+@pytest.mark.parametrize("data,match", [
+    (dict(test_path="missing.txt"), "missing.txt"),
+    (dict(test_path="{text}", objective="classification", task="modules"),
+     "with data.objective='classification': expected a text pretraining objective"),
+    (dict(path="", test_path="{text}", sources=("path={text},weight=1",)),
+     "with data.sources: expected '' \\(a mixture has no test split\\)"),
+])
+def test_bad_test_paths_are_one_line_errors(text_file, data, match):
+    from transformer import configs
+
+    config = config_for(text_file)
+    config.data.update({k: v.format(text=text_file) if isinstance(v, str) else
+                        tuple(x.format(text=text_file) for x in v) for k, v in data.items()})
+    if data.get("objective") == "classification":
+        config.model.update(family="bert", head="classify")
+    with pytest.raises((ValueError, FileNotFoundError), match=match) as error:
+        configs.validate_config(config)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_run_with_test_path_reports_the_whole_test_split_at_its_end(text_file, tmp_path):
+    from test_train import TINY_MODEL
+
+    from transformer import evaluate, train
+
+    held_out = tmp_path / "test.txt"
+    held_out.write_text("".join(f"Test {i}: a lazy dog {i * 3}.\n\n" for i in range(40)))
+    config = config_for(text_file, tokenizer="byte", test_path=str(held_out))
+    config.update(steps=2, log_every=1, eval_every=2, eval_steps=1, checkpoint_every=2)
+    config.model.update(**TINY_MODEL)
+    workdir = tmp_path / "run"
+    summary = train.train_and_evaluate(config, str(workdir))["summary"]
+    again = evaluate.evaluate_workdir(str(workdir), split="test")
+    assert summary["test_loss"] == pytest.approx(again["loss"], rel=1e-6)
+    # The whole split: every next-token prediction of the test text, once.
+    tokenizer = inputs.get_tokenizer(config, str(workdir))
+    docs = sources.read_text(str(held_out))
+    assert again["num_tokens"] == sum(len(tokenizer.encode(d.text)) for d in docs)
+    assert summary["test_bits_per_byte"] == pytest.approx(
+        summary["test_loss"] / np.log(2) / inputs.bytes_per_token(config, tokenizer, "test"))

@@ -63,6 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.data.unit = "paragraph"
     # Explicit validation text (file, directory or glob): no split is applied to it or data.path.
     config.data.validation_path = ""
+    # Held-out test text (file, directory or glob), evaluated whole at the end of training and by
+    # `transformer.evaluate --split=test`; never trained or validated on.
+    config.data.test_path = ""
     config.data.validation_fraction = 0.05
     # A weighted mixture instead of data.path (which stays ""): one "key=value,..." string per
     # source, path and weight required, unit / validation_path / name optional, e.g.
@@ -238,6 +241,7 @@ CHECKS: dict[str, Check] = {
     "data.path": _STR,
     "data.unit": _one_of(sources.UNITS),
     "data.validation_path": _STR,
+    "data.test_path": _STR,  # exists, and goes with a text objective: _validate_sources
     "data.validation_fraction": _number(ge=0, lt=1),
     # Each entry's fields, and data.path alongside: _validate_sources.
     "data.sources": (lambda v: isinstance(v, tuple | list) and all(isinstance(x, str) for x in v),
@@ -307,6 +311,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
                          f"{config.model.max_len}, the learned position table's size")
     _validate_sources(config)
     _validate_tokenizer(config)
+    _validate_test_path(config)
     _validate_finetuning(config)
     model = ml_collections.ConfigDict(config.model.to_dict())
     model.num_classes = model.num_classes or 1  # 0: the task's, known once its data is read
@@ -334,6 +339,27 @@ def _validate_sources(config: ml_collections.ConfigDict) -> None:
     if (objective := pipeline.objective_for(config)) not in pipeline.OBJECTIVES:
         raise ValueError(f"data.sources with data.objective={objective!r}: expected a text "
                          f"pretraining objective {pipeline.OBJECTIVES}")
+
+
+def _validate_test_path(config: ml_collections.ConfigDict) -> None:
+    """data.test_path: text that exists, for a single-source text pretraining run (a labeled
+    task holds out its own test split)."""
+    path = config.data.get("test_path", "")
+    if not path:
+        return
+    if config.data.get("sources"):
+        raise ValueError(f"data.test_path={path!r} with data.sources: expected '' (a mixture "
+                         "has no test split)")
+    if (objective := pipeline.objective_for(config)) not in pipeline.OBJECTIVES:
+        raise ValueError(f"data.test_path={path!r} with data.objective={objective!r}: expected "
+                         f"a text pretraining objective {pipeline.OBJECTIVES} (labeled tasks "
+                         "hold out their own test split)")
+    data_path = config.data.path
+    if data_path and (inputs.token_shard_dir(data_path) or
+                      os.path.isfile(os.path.join(data_path, "prepare.json"))):
+        raise ValueError(f"data.test_path={path!r} with the token shards at data.path="
+                         f"{data_path!r}: expected text data.path (shards hold no test split)")
+    sources._files(path)  # exists, or a one-line error (an empty split: train._check_splits)
 
 
 def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:

@@ -29,7 +29,7 @@ from transformer.models import build_model
 def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | None = None,
                      seq_lens: tuple[int, ...] = (), split: str = "validation") -> dict:
     """Restores `step` (default: the latest) of the run in `workdir` and evaluates it on
-    `split` ("test" only for labeled tasks, which hold one out).
+    `split` ("test" for labeled tasks, which hold one out, and runs with data.test_path).
 
     Returns the metrics at the training length, or with `seq_lens`
     {"step": ..., "train_seq_len": ..., "by_seq_len": {L: metrics at length L}}.
@@ -37,9 +37,11 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     step, config = checkpoint_lib.saved_run(workdir, step)
     task = inputs.labeled_task(config)
     is_task = task is not None
-    if split not in ("validation", "test") or (split == "test" and not is_task):
-        raise ValueError(f"split={split!r}: expected 'validation'" +
-                         (" or 'test'" if is_task else " (only labeled tasks have a test split)"))
+    has_test = inputs.has_test_split(config)
+    if split not in ("validation", "test") or (split == "test" and not has_test):
+        raise ValueError(f"split={split!r}: expected 'validation'" + (
+            " or 'test'" if has_test else
+            " (only labeled tasks and runs with data.test_path have a test split)"))
     for seq_len in seq_lens:  # before anything is restored or compiled
         evaluation.check_eval_seq_len(config, seq_len)
     tokenizer = inputs.get_tokenizer(config, workdir)

@@ -140,7 +140,7 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None,
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
         i += 1
     if totals is None:
-        raise ValueError("the validation split yields no full batch: expected more validation "
+        raise ValueError(f"the {split} split yields no full batch: expected more {split} "
                          f"text or a smaller batch_size ({config.batch_size}) / seq_len")
     totals = placement_lib.fetch(totals)
     n = max(float(totals["num_tokens"]), 1.0)
@@ -158,7 +158,7 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None,
     if tokenizer.kind in ("byte", "char") and pipeline.objective_for(config) == "next_token":
         if bytes_per_token is None:
             bytes_per_token = functools.partial(inputs.bytes_per_token, config, tokenizer,
-                                                "validation")
+                                                split)
         metrics["bits_per_byte"] = loss / math.log(2) / bytes_per_token()
     return metrics
 

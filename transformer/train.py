@@ -180,7 +180,7 @@ def _check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> No
     """Every split the run evaluates yields at least one batch (at every length it is
     evaluated at), so a data problem stops the run before its first step, not at its first
     evaluation."""
-    splits = ["validation"] + (["test"] if inputs.labeled_task(config) is not None else [])
+    splits = ["validation"] + (["test"] if inputs.has_test_split(config) else [])
     lengths = [config.seq_len] + [n for n in config.get("eval_seq_lens") or ()
                                   if _evaluable(config, n)]
     # A mixture evaluates each source's validation split on its own.
@@ -389,9 +389,10 @@ def _save(run: Run) -> None:
 
 
 def finish(run: Run) -> None:
-    """After the last step: the labeled task's test split, then validation at other lengths."""
+    """After the last step: the test split (a labeled task's, or data.test_path: all of it),
+    then validation at other lengths."""
     config = run.config
-    if run.task is not None:
+    if inputs.has_test_split(config):
         result = _evaluate(run, "test", None)
         run.last_metrics.update({f"test_{k}": v for k, v in result.items()})
     for seq_len in config.get("eval_seq_lens") or ():

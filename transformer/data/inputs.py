@@ -107,7 +107,8 @@ def _documents(config: ml_collections.ConfigDict, split: str) -> list[sources.Do
     data = config.data
     return sources.load_documents(data.path or None, split, unit=data.unit,
                                   validation_fraction=data.validation_fraction,
-                                  validation_path=data.get("validation_path", ""))
+                                  validation_path=data.get("validation_path", ""),
+                                  test_path=data.get("test_path", ""))
 
 
 def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None):
@@ -197,7 +198,7 @@ PIPELINE_VERSION = 2
 # Data settings that do not change which batches a run reads.
 # (data.tokenizer_path: a resumed run reads the tokenizer saved in its workdir and refuses a
 # different one, get_tokenizer.)
-_NOT_STREAM = ("prefetch", "tokenizer_path")
+_NOT_STREAM = ("prefetch", "tokenizer_path", "test_path")  # (test_path: never trained on)
 
 
 def data_stream(config: ml_collections.ConfigDict) -> dict:
@@ -290,6 +291,11 @@ def _single_source(config: ml_collections.ConfigDict, what: str) -> None:
     if config.data.get("sources"):
         raise ValueError(f"{what}: data.sources is a mixture: expected one source's config "
                          "(inputs.source_configs); only training reads the mixture")
+
+
+def has_test_split(config: ml_collections.ConfigDict) -> bool:
+    """Whether the run holds out a test split: a labeled task's, or data.test_path."""
+    return bool(config.data.get("test_path")) or labeled_task(config) is not None
 
 
 def labeled_task(config: ml_collections.ConfigDict) -> tasks.Task | None:

@@ -226,19 +226,24 @@ def split_stream(docs: Sequence[Document], split: str,
 
 
 def load_documents(path: str | None, split: str, *, validation_fraction: float = 0.05,
-                   unit: str = "paragraph", validation_path: str = "") -> list[Document]:
+                   unit: str = "paragraph", validation_path: str = "",
+                   test_path: str = "") -> list[Document]:
     """One split of the embedded corpus (`path` None or "") or of the text at `path`, cut into
     `unit`s: paragraph and file documents are split by `split_documents` (a hash of the text),
     a stream's (one document per file, in order) by `split_stream` (its last characters).
     With `validation_path` the splits are explicit: "train" is all of `path`, "validation"
-    all of `validation_path`."""
+    all of `validation_path`. Split "test" is all of `test_path`, which nothing else reads."""
     if unit not in UNITS:
         raise ValueError(f"unit={unit!r}: expected one of {UNITS}")
     read_as = "file" if unit == "stream" else unit
-    if validation_path:
+    if split == "test":
+        if not test_path:
+            raise ValueError("split='test' without a test_path: expected data.test_path (text "
+                             "pretraining holds out no test split of data.path)")
+        chosen = read_text(test_path, split=read_as)  # (text that is all blank is an error)
+    elif validation_path:
         source = path if split == "train" else validation_path
         chosen = read_text(source, split=read_as) if source else embedded_corpus()
-        where = f"{source or 'the embedded corpus'} (explicit {split} split)"
     else:
         docs = embedded_corpus() if not path else read_text(path, split=read_as)
         chosen = split_stream(docs, split, validation_fraction) if unit == "stream" else \
