@@ -1,5 +1,6 @@
-"""Our GPT-2, BERT and T5 equal Hugging Face's PyTorch models given the same weights."""
+"""Our GPT-2, BERT, T5 and Llama equal Hugging Face's PyTorch models given the same weights."""
 
+import contextlib
 from unittest import mock
 
 import flax.linen as nn
@@ -73,9 +74,28 @@ def t5(v1_1=False):
             (enc_ids, dec_ids), dict(encoder_segment_ids=enc_mask), None)
 
 
+def llama(tie=False, rope=None, head_dim=None, kv_heads=2):
+    """Llama: GQA (4 query heads over `kv_heads`), RMSNorm, SwiGLU, RoPE, no biases; right
+    padding in the second row."""
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads,
+        head_dim=head_dim, intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64,
+        rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 500000.0}))
+    ids = tokens(6, (2, 12))
+    mask = np.ones((2, 12), np.int64)
+    mask[1, 9:] = 0
+    return hf, dict(input_ids=ids, attention_mask=mask), (ids,), dict(segment_ids=mask), \
+        mask.astype(bool)
+
+
 CASES = {
     "gpt2": gpt2, "gpt2_untied": lambda: gpt2(tie=False), "bert_mlm": bert,
     "bert_classifier": lambda: bert("classify"), "t5_v1_0": t5, "t5_v1_1": lambda: t5(True),
+    "llama_gqa": llama,
+    "llama_tied_linear_rope": lambda: llama(
+        tie=True, kv_heads=4, rope={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "llama_mqa_head_dim_16": lambda: llama(head_dim=16, kv_heads=1),
 }
 
 
@@ -86,16 +106,40 @@ def t5_norm_in_float64(self, hidden):
     return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def llama_norm_in_float64(self, hidden):
+    """HF's LlamaRMSNorm also normalizes in float32; the same formula at full precision."""
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def llama_rope_in_float64(self, x, position_ids):
+    """HF's rotary angles are float32 whatever the model's dtype; the same angles in float64
+    (default and linear scaling: inv_freq / factor)."""
+    rope = self.config.rope_parameters
+    dim = 2 * self.inv_freq.shape[0]
+    inv_freq = 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = position_ids[..., None].double() * inv_freq / rope.get("factor", 1.0)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+
 def max_logit_difference(case: str, dtype: str) -> float:
     """Max |our logits - HF logits| / max(1, max |HF logits|) for one model, both run in `dtype`
     from the same weights."""
     torch.manual_seed(0)  # HF initializes its weights from torch's global generator
     hf, hf_inputs, args, kwargs, valid = CASES[case]()
     hf = randomized(hf).to(getattr(torch, dtype))
+    from transformers.models.llama import modeling_llama
     from transformers.models.t5 import modeling_t5
-    norm = t5_norm_in_float64 if dtype == "float64" else modeling_t5.T5LayerNorm.forward
-    with torch.no_grad(), mock.patch.object(modeling_t5.T5LayerNorm, "forward", norm):
-        expected = hf(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).logits.numpy()
+    patches = [(modeling_t5.T5LayerNorm, t5_norm_in_float64),
+               (modeling_llama.LlamaRMSNorm, llama_norm_in_float64),
+               (modeling_llama.LlamaRotaryEmbedding, llama_rope_in_float64)]
+    with contextlib.ExitStack() as stack:
+        if dtype == "float64":
+            for cls, forward in patches:
+                stack.enter_context(mock.patch.object(cls, "forward", forward))
+        with torch.no_grad():
+            expected = hf(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).logits.numpy()
     with jax.enable_x64(dtype == "float64"):
         config, params = convert.from_hf(hf.config, hf.state_dict(), dtype=getattr(np, dtype))
         config.dtype = config.param_dtype = dtype
@@ -151,8 +195,8 @@ def test_missing_and_unexpected_parameters_are_named():
     extra = {**state, "transformer.h.0.attn.rotary.weight": state["transformer.ln_f.bias"]}
     with pytest.raises(ValueError, match="transformer.h.0.attn.rotary.weight"):
         convert.from_hf(hf.config, extra)
-    with pytest.raises(ValueError, match="model_type='llama'"):
-        convert.from_hf(type("C", (), {"model_type": "llama"})(), state)
+    with pytest.raises(ValueError, match="model_type='falcon'"):
+        convert.from_hf(type("C", (), {"model_type": "falcon"})(), state)
 
 
 def test_converted_params_match_a_fresh_init_in_structure_and_shape():
@@ -171,3 +215,65 @@ if __name__ == "__main__":  # the tolerance table for the issue note
     for name in CASES:
         print(f"{name:<16} {max_logit_difference(name, 'float32'):>10.2e} "
               f"{max_logit_difference(name, 'float64'):>10.2e}")
+
+
+def relative_difference(got, expected) -> float:
+    return float(np.abs(got - expected).max() / max(1.0, np.abs(expected).max()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefixed", [False, True])
+def test_a_bert_base_model_without_a_head_imports_with_old_buffers(prefixed):
+    """BertModel (every sentence-transformers checkpoint) as saved, with the position_ids buffer
+    older transformers versions wrote: its encoder equals HF's last_hidden_state, and the
+    pooler comes along for a classifier."""
+    torch.manual_seed(0)
+    hf, hf_inputs, (ids,), kwargs, valid = bert()
+    base = randomized(transformers.BertModel(hf.config))
+    state = {("bert." if prefixed else "") + k: v for k, v in base.state_dict().items()}
+    state[("bert." if prefixed else "") + "embeddings.position_ids"] = torch.arange(64)[None]
+    with torch.no_grad():
+        expected = base(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).last_hidden_state
+    config, params = convert.from_hf(hf.config, state)
+    assert "pooler" in params and not any(k.startswith("mlm") for k in params)
+    model = build_model(config)  # (head "mlm": fresh head params, as init_from would add)
+    fresh = nn.unbox(model.init(jax.random.key(0), jnp.asarray(ids))["params"])
+    merged = {**fresh, **{k: v for k, v in params.items() if k in fresh}}
+    got = model.apply({"params": merged}, jnp.asarray(ids), method="encode",
+                      **{k: jnp.asarray(v) for k, v in kwargs.items()})
+    assert relative_difference(np.asarray(got)[valid], expected.numpy()[valid]) <= 1e-4
+
+
+@pytest.mark.slow
+def test_gpt2_and_llama_base_models_without_a_head_import():
+    torch.manual_seed(0)
+    hf, _, (ids,), _, _ = gpt2()
+    base = randomized(transformers.GPT2Model(hf.config))
+    state = dict(base.state_dict())  # keys without "transformer."
+    config, params = convert.from_hf(hf.config, state)
+    with torch.no_grad():
+        hidden = base(input_ids=torch.tensor(ids)).last_hidden_state
+    expected = (hidden @ base.wte.weight.T).detach().numpy()  # the tied head of GPT2LMHeadModel
+    got = np.asarray(build_model(config).apply({"params": params}, jnp.asarray(ids)))
+    assert relative_difference(got, expected) <= 1e-4
+    hf, *_ = llama()
+    config, params = convert.from_hf(hf.config, dict(transformers.LlamaModel(
+        hf.config).state_dict()))
+    assert set(params) == {"embed", "decoder"}  # init_from starts the untied head fresh
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 32}),
+     "rope scaling type 'llama3': expected 'default' or 'linear'"),
+    (dict(attention_bias=True), "Llama attention_bias=True: expected False"),
+    (dict(mlp_bias=True), "Llama mlp_bias=True: expected False"),
+    (dict(hidden_act="gelu"), "Llama hidden_act='gelu': expected 'silu'"),
+])
+def test_llama_settings_the_model_cannot_represent_are_refused(change, match):
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16,
+                                      num_attention_heads=2, intermediate_size=24,
+                                      vocab_size=VOCAB, **change)
+    with pytest.raises(ValueError, match=match):
+        convert.from_hf(config, {})

@@ -1,4 +1,4 @@
-"""Import Hugging Face checkpoints (GPT-2, BERT, T5 families) into this project's models.
+"""Import Hugging Face checkpoints (GPT-2, BERT, T5, Llama families) into this project's models.
 
 `from_hf(hf_config, state_dict)` returns (model config group, params). The state dict may hold
 torch tensors or NumPy arrays (torch itself is not needed here). Any parameter the model needs
@@ -95,7 +95,8 @@ def gpt2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
         max_len=hf_config.n_positions, use_bias=True, init_std=hf_config.initializer_range,
         dropout_rate=hf_config.resid_pdrop, attention_dropout_rate=hf_config.attn_pdrop)
     root = "transformer." if any(k.startswith("transformer.") for k in state_dict) else ""
-    ckpt = _Checkpoint(state_dict, ("lm_head.weight",) if tie else (), dtype)
+    buffers = tuple(k for k in state_dict if k.endswith((".attn.bias", ".attn.masked_bias")))
+    ckpt = _Checkpoint(state_dict, buffers + (("lm_head.weight",) if tie else ()), dtype)
     decoder = {"position_embedding": {"embedding": ckpt(f"{root}wpe.weight")},
                "final_norm": _norm(ckpt, f"{root}ln_f")}
     for i in range(hf_config.n_layer):
@@ -123,12 +124,16 @@ def gpt2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
 
 
 def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
-    """BertForMaskedLM / BertForPreTraining (MLM part) / BertForSequenceClassification."""
+    """BertForMaskedLM / BertForPreTraining (MLM part) / BertForSequenceClassification, or a
+    BertModel (no head; keys with or without "bert."): then the params are the encoder's (and
+    its pooler's, if any) and the MLM head is absent (`init_from` starts any head fresh)."""
     if getattr(hf_config, "position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"BERT position_embedding_type={hf_config.position_embedding_type!r}: "
                          "expected 'absolute'")
     d, n = hf_config.hidden_size, hf_config.num_attention_heads
+    root = "bert." if any(k.startswith("bert.") for k in state_dict) else ""
     classify = any(k.startswith("classifier.") for k in state_dict)
+    mlm = any(k.startswith("cls.predictions.") for k in state_dict)
     num_classes = int(np.shape(state_dict["classifier.weight"])[0]) if classify else 0
     config = _model_config(
         family="bert", vocab_size=hf_config.vocab_size, num_layers=hf_config.num_hidden_layers,
@@ -141,15 +146,16 @@ def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
         type_vocab_size=hf_config.type_vocab_size, head="classify" if classify else "mlm",
         num_classes=num_classes)
     ignored = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias",
-               "cls.seq_relationship.weight", "cls.seq_relationship.bias")
-    if not classify:  # the MLM checkpoints' pooler is unused by the MLM head
-        ignored += ("bert.pooler.dense.weight", "bert.pooler.dense.bias")
+               "cls.seq_relationship.weight", "cls.seq_relationship.bias",
+               f"{root}embeddings.position_ids")  # a buffer older versions saved
+    if mlm:  # the MLM checkpoints' pooler is unused by the MLM head
+        ignored += (f"{root}pooler.dense.weight", f"{root}pooler.dense.bias")
     ckpt = _Checkpoint(state_dict, ignored, dtype)
-    e = "bert.embeddings."
+    e = f"{root}embeddings."
     encoder = {"position_embedding": {"embedding": ckpt(e + "position_embeddings.weight")},
                "embedding_norm": _norm(ckpt, e + "LayerNorm")}
     for i in range(hf_config.num_hidden_layers):
-        p = f"bert.encoder.layer.{i}."
+        p = f"{root}encoder.layer.{i}."
         attn = {}
         for ours, theirs in (("query", "query"), ("key", "key"), ("value", "value")):
             attn[ours] = _heads(ckpt(f"{p}attention.self.{theirs}.weight", True), n)
@@ -168,12 +174,13 @@ def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
     params = {"embed": {"embedding": ckpt(e + "word_embeddings.weight")},
               "type_embed": {"embedding": ckpt(e + "token_type_embeddings.weight")},
               "encoder": encoder}
+    if not mlm and ckpt.has(f"{root}pooler.dense.weight"):
+        params["pooler"] = {"kernel": ckpt(f"{root}pooler.dense.weight", True),
+                            "bias": ckpt(f"{root}pooler.dense.bias")}
     if classify:
-        params["pooler"] = {"kernel": ckpt("bert.pooler.dense.weight", True),
-                            "bias": ckpt("bert.pooler.dense.bias")}
         params["classifier"] = {"kernel": ckpt("classifier.weight", True),
                                 "bias": ckpt("classifier.bias")}
-    else:
+    elif mlm:
         t = "cls.predictions."
         params["mlm_dense"] = {"kernel": ckpt(t + "transform.dense.weight", True),
                                "bias": ckpt(t + "transform.dense.bias")}
@@ -246,9 +253,76 @@ def t5(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDi
     return config, _maybe_scan(config, params, "encoder", "decoder")
 
 
+def _rope(hf_config) -> tuple[float, float]:
+    """(rope_theta, rope_scale) of a Llama-family config: transformers 5 keeps them in
+    `rope_parameters` ({"rope_type", "rope_theta", "factor", ...}), older configs in
+    `rope_theta` / `rope_scaling`. Scaling types other than linear are refused."""
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None) or {}
+    rope = {**legacy, **rope}
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return float(theta), 1.0
+    if kind == "linear":
+        return float(theta), float(rope["factor"])
+    raise ValueError(f"rope scaling type {kind!r}: expected 'default' or 'linear' (this model "
+                     "has no other position interpolation)")
+
+
+def llama(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
+    """LlamaForCausalLM / LlamaModel -> (config for `DecoderLM`: RMSNorm, SwiGLU, RoPE, GQA, no
+    biases; params). Settings this model cannot represent are refused, naming them."""
+    refused = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+               "hidden_act": "silu"}
+    for name, supported in refused.items():
+        if getattr(hf_config, name, supported) != supported:
+            raise ValueError(f"Llama {name}={getattr(hf_config, name)!r}: expected "
+                             f"{supported!r} (the only value this model represents)")
+    theta, scale = _rope(hf_config)
+    d, n = hf_config.hidden_size, hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or n
+    head_dim = getattr(hf_config, "head_dim", None) or d // n
+    tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+    config = _model_config(
+        family="gpt", vocab_size=hf_config.vocab_size, tie_embeddings=tie,
+        num_layers=hf_config.num_hidden_layers, d_model=d, num_heads=n,
+        num_kv_heads=None if kv == n else kv, head_dim=None if head_dim * n == d else head_dim,
+        d_ff=hf_config.intermediate_size, activation="swiglu", norm="rmsnorm",
+        norm_placement="pre", norm_epsilon=hf_config.rms_norm_eps, position="rope",
+        rope_theta=theta, rope_layout="half", rope_scale=scale,
+        max_len=hf_config.max_position_embeddings, use_bias=False,
+        init_std=hf_config.initializer_range, dropout_rate=0.0,
+        attention_dropout_rate=getattr(hf_config, "attention_dropout", 0.0))
+    root = "model." if any(k.startswith("model.") for k in state_dict) else ""
+    ignored = tuple(k for k in state_dict if k.endswith("rotary_emb.inv_freq"))  # old buffers
+    ckpt = _Checkpoint(state_dict, ignored + (("lm_head.weight",) if tie else ()), dtype)
+    decoder = {"final_norm": _norm(ckpt, f"{root}norm", bias=False)}
+    for i in range(hf_config.num_hidden_layers):
+        p = f"{root}layers.{i}."
+        decoder[f"layers_{i}"] = {
+            "self_attention_norm": _norm(ckpt, p + "input_layernorm", bias=False),
+            "self_attention": {
+                "query": _heads(ckpt(p + "self_attn.q_proj.weight", True), n),
+                "key": _heads(ckpt(p + "self_attn.k_proj.weight", True), kv),
+                "value": _heads(ckpt(p + "self_attn.v_proj.weight", True), kv),
+                "out": ckpt(p + "self_attn.o_proj.weight", True).reshape(n, head_dim, d)},
+            "mlp_norm": _norm(ckpt, p + "post_attention_layernorm", bias=False),
+            "mlp": {"wi_gate": ckpt(p + "mlp.gate_proj.weight", True),
+                    "wi_up": ckpt(p + "mlp.up_proj.weight", True),
+                    "wo": ckpt(p + "mlp.down_proj.weight", True)},
+        }
+    params = {"embed": {"embedding": ckpt(f"{root}embed_tokens.weight")}, "decoder": decoder}
+    if not tie and ckpt.has("lm_head.weight"):  # (a LlamaModel has none: init_from adds one)
+        params["lm_head"] = {"kernel": ckpt("lm_head.weight", transpose=True)}
+    ckpt.check_all_used()
+    return config, _maybe_scan(config, params, "decoder")
+
+
 def from_hf(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
-    """Dispatches on `hf_config.model_type` (gpt2, bert, t5); params as `dtype` arrays."""
-    converters = {"gpt2": gpt2, "bert": bert, "t5": t5}
+    """Dispatches on `hf_config.model_type` (gpt2, bert, t5, llama); params as `dtype`
+    arrays."""
+    converters = {"gpt2": gpt2, "bert": bert, "t5": t5, "llama": llama}
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in converters:
         raise ValueError(f"model_type={model_type!r}: expected one of {sorted(converters)}")
