@@ -74,14 +74,16 @@ def t5(v1_1=False):
             (enc_ids, dec_ids), dict(encoder_segment_ids=enc_mask), None)
 
 
-def llama(tie=False, rope=None, head_dim=None, kv_heads=2):
-    """Llama: GQA (4 query heads over `kv_heads`), RMSNorm, SwiGLU, RoPE, no biases; right
-    padding in the second row."""
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+def llama(tie=False, rope=None, head_dim=None, kv_heads=2, kind="Llama", **more):
+    """Llama (or Mistral, Qwen2): GQA (4 query heads over `kv_heads`), RMSNorm, SwiGLU, RoPE;
+    right padding in the second row."""
+    config = getattr(transformers, f"{kind}Config")(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads,
-        head_dim=head_dim, intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64,
+        **({"head_dim": head_dim} if head_dim else {}), intermediate_size=48, vocab_size=VOCAB,
+        max_position_embeddings=64,
         rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
-        rope_parameters=rope or {"rope_type": "default", "rope_theta": 500000.0}))
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 500000.0}, **more)
+    hf = getattr(transformers, f"{kind}ForCausalLM")(config)
     ids = tokens(6, (2, 12))
     mask = np.ones((2, 12), np.int64)
     mask[1, 9:] = 0
@@ -96,6 +98,8 @@ CASES = {
     "llama_tied_linear_rope": lambda: llama(
         tie=True, kv_heads=4, rope={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
     "llama_mqa_head_dim_16": lambda: llama(head_dim=16, kv_heads=1),
+    "mistral_window_4": lambda: llama(kind="Mistral", sliding_window=4),
+    "qwen2_qkv_bias": lambda: llama(kind="Qwen2"),
 }
 
 
@@ -130,10 +134,14 @@ def max_logit_difference(case: str, dtype: str) -> float:
     hf, hf_inputs, args, kwargs, valid = CASES[case]()
     hf = randomized(hf).to(getattr(torch, dtype))
     from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+    from transformers.models.qwen2 import modeling_qwen2
     from transformers.models.t5 import modeling_t5
-    patches = [(modeling_t5.T5LayerNorm, t5_norm_in_float64),
-               (modeling_llama.LlamaRMSNorm, llama_norm_in_float64),
-               (modeling_llama.LlamaRotaryEmbedding, llama_rope_in_float64)]
+    patches = [(modeling_t5.T5LayerNorm, t5_norm_in_float64)]
+    for module, kind in ((modeling_llama, "Llama"), (modeling_mistral, "Mistral"),
+                         (modeling_qwen2, "Qwen2")):
+        patches += [(getattr(module, f"{kind}RMSNorm"), llama_norm_in_float64),
+                    (getattr(module, f"{kind}RotaryEmbedding"), llama_rope_in_float64)]
     with contextlib.ExitStack() as stack:
         if dtype == "float64":
             for cls, forward in patches:
@@ -277,3 +285,22 @@ def test_llama_settings_the_model_cannot_represent_are_refused(change, match):
                                       vocab_size=VOCAB, **change)
     with pytest.raises(ValueError, match=match):
         convert.from_hf(config, {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "mistral_window_4", "qwen2_qkv_bias"])
+def test_kv_cache_greedy_decoding_matches_hf_generate(case):
+    """12 new tokens after a 5-token prompt: the window of mistral_window_4 slides past the
+    prompt, so the decode-time window mask is exercised as well as the training one."""
+    from transformer import generate
+
+    torch.manual_seed(0)
+    hf = randomized(CASES[case]()[0])
+    prompt = tokens(7, (1, 5))
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False,
+                               min_new_tokens=12, attention_mask=torch.ones(1, 5, dtype=int),
+                               pad_token_id=0).numpy()[0, 5:]
+    config, params = convert.from_hf(hf.config, hf.state_dict())
+    got, _ = generate.decode(build_model(config), params, prompt, max_new_tokens=12, eos_id=None)
+    np.testing.assert_array_equal(got[0], expected)

@@ -211,6 +211,7 @@ class MultiHeadAttention(nn.Module):
     head_dim: int
     num_kv_heads: int | None = None
     use_bias: bool = False
+    qkv_bias: bool | None = None  # biases on the q/k/v projections; None: = use_bias
     scale: float | None = None  # logit scale; None: 1/sqrt(head_dim)
     rope_theta: float | None = None
     rope_layout: str = "half"
@@ -281,7 +282,7 @@ class MultiHeadAttention(nn.Module):
             self.param_dtype,
         )
         y_BTNH = matmul(x_BTD, kernel, dtype=self.dtype)
-        if self.use_bias:
+        if self.use_bias if self.qkv_bias is None else self.qkv_bias:
             b = self.param(
                 f"{name}_bias",
                 nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),

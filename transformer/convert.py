@@ -1,4 +1,5 @@
-"""Import Hugging Face checkpoints (GPT-2, BERT, T5, Llama families) into this project's models.
+"""Import Hugging Face checkpoints (GPT-2, BERT, T5, Llama, Mistral, Qwen2) into this project's
+models.
 
 `from_hf(hf_config, state_dict)` returns (model config group, params). The state dict may hold
 torch tensors or NumPy arrays (torch itself is not needed here). Any parameter the model needs
@@ -273,11 +274,32 @@ def _rope(hf_config) -> tuple[float, float]:
 def llama(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """LlamaForCausalLM / LlamaModel -> (config for `DecoderLM`: RMSNorm, SwiGLU, RoPE, GQA, no
     biases; params). Settings this model cannot represent are refused, naming them."""
+    return _llama_like("Llama", hf_config, state_dict, dtype)
+
+
+def mistral(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
+    """MistralForCausalLM / MistralModel: Llama with sliding-window attention (each token sees
+    the last `sliding_window` positions: model.sliding_window)."""
+    return _llama_like("Mistral", hf_config, state_dict, dtype,
+                       window=getattr(hf_config, "sliding_window", None))
+
+
+def qwen2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
+    """Qwen2ForCausalLM / Qwen2Model: Llama with biases on the q/k/v projections
+    (model.qkv_bias). Per-layer sliding windows (use_sliding_window) are refused."""
+    kinds = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
+    if getattr(hf_config, "use_sliding_window", False) and kinds != {"full_attention"}:
+        raise ValueError(f"Qwen2 use_sliding_window=True (layer_types {sorted(kinds)}): expected "
+                         "False (one attention pattern for every layer)")
+    return _llama_like("Qwen2", hf_config, state_dict, dtype, qkv_bias=True)
+
+
+def _llama_like(name, hf_config, state_dict, dtype, *, window=None, qkv_bias=False):
     refused = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
                "hidden_act": "silu"}
-    for name, supported in refused.items():
-        if getattr(hf_config, name, supported) != supported:
-            raise ValueError(f"Llama {name}={getattr(hf_config, name)!r}: expected "
+    for key, supported in refused.items():
+        if getattr(hf_config, key, supported) != supported:
+            raise ValueError(f"{name} {key}={getattr(hf_config, key)!r}: expected "
                              f"{supported!r} (the only value this model represents)")
     theta, scale = _rope(hf_config)
     d, n = hf_config.hidden_size, hf_config.num_attention_heads
@@ -292,6 +314,7 @@ def llama(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Confi
         norm_placement="pre", norm_epsilon=hf_config.rms_norm_eps, position="rope",
         rope_theta=theta, rope_layout="half", rope_scale=scale,
         max_len=hf_config.max_position_embeddings, use_bias=False,
+        qkv_bias=True if qkv_bias else None, sliding_window=window,
         init_std=hf_config.initializer_range, dropout_rate=0.0,
         attention_dropout_rate=getattr(hf_config, "attention_dropout", 0.0))
     root = "model." if any(k.startswith("model.") for k in state_dict) else ""
@@ -300,13 +323,18 @@ def llama(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Confi
     decoder = {"final_norm": _norm(ckpt, f"{root}norm", bias=False)}
     for i in range(hf_config.num_hidden_layers):
         p = f"{root}layers.{i}."
+        attention = {
+            "query": _heads(ckpt(p + "self_attn.q_proj.weight", True), n),
+            "key": _heads(ckpt(p + "self_attn.k_proj.weight", True), kv),
+            "value": _heads(ckpt(p + "self_attn.v_proj.weight", True), kv),
+            "out": ckpt(p + "self_attn.o_proj.weight", True).reshape(n, head_dim, d)}
+        if qkv_bias:
+            for ours, theirs, heads in (("query", "q", n), ("key", "k", kv), ("value", "v", kv)):
+                attention[f"{ours}_bias"] = ckpt(f"{p}self_attn.{theirs}_proj.bias").reshape(
+                    heads, head_dim)
         decoder[f"layers_{i}"] = {
             "self_attention_norm": _norm(ckpt, p + "input_layernorm", bias=False),
-            "self_attention": {
-                "query": _heads(ckpt(p + "self_attn.q_proj.weight", True), n),
-                "key": _heads(ckpt(p + "self_attn.k_proj.weight", True), kv),
-                "value": _heads(ckpt(p + "self_attn.v_proj.weight", True), kv),
-                "out": ckpt(p + "self_attn.o_proj.weight", True).reshape(n, head_dim, d)},
+            "self_attention": attention,
             "mlp_norm": _norm(ckpt, p + "post_attention_layernorm", bias=False),
             "mlp": {"wi_gate": ckpt(p + "mlp.gate_proj.weight", True),
                     "wi_up": ckpt(p + "mlp.up_proj.weight", True),
@@ -320,9 +348,10 @@ def llama(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Confi
 
 
 def from_hf(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
-    """Dispatches on `hf_config.model_type` (gpt2, bert, t5, llama); params as `dtype`
-    arrays."""
-    converters = {"gpt2": gpt2, "bert": bert, "t5": t5, "llama": llama}
+    """Dispatches on `hf_config.model_type` (gpt2, bert, t5, llama, mistral, qwen2); params as
+    `dtype` arrays."""
+    converters = {"gpt2": gpt2, "bert": bert, "t5": t5, "llama": llama, "mistral": mistral,
+                  "qwen2": qwen2}
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in converters:
         raise ValueError(f"model_type={model_type!r}: expected one of {sorted(converters)}")

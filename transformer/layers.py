@@ -64,6 +64,10 @@ class TransformerConfig:
     t5_num_buckets: int = 32
     t5_max_distance: int = 128
     use_bias: bool = True
+    qkv_bias: bool | None = None  # biases on the q/k/v projections; None: = use_bias (Qwen2: True)
+    # Decoder LMs: each token attends to the last `sliding_window` positions, itself included
+    # (Mistral); None: no limit.
+    sliding_window: int | None = None
     attention_scale: float | None = None  # logit scale; None: 1/sqrt(head_dim); T5 uses 1.0
     embedding_norm: bool = False  # norm after adding absolute positions (BERT)
     scale_embeddings: bool = False  # inputs x sqrt(d_model) before positions (Vaswani et al.)
@@ -86,6 +90,8 @@ class TransformerConfig:
         _check_choice("rope_layout", self.rope_layout, ("half", "interleaved"))
         _check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
         _check_choice("attention_impl", self.attention_impl, kernels.IMPLS)
+        if self.sliding_window is not None:
+            _check_positive("sliding_window", self.sliding_window)
         if self.num_kv_heads is not None:
             _check_positive("num_kv_heads", self.num_kv_heads)
             if self.num_heads % self.num_kv_heads:
@@ -238,6 +244,7 @@ class TransformerBlock(nn.Module):
             head_dim=cfg.resolved_head_dim,
             num_kv_heads=cfg.num_kv_heads,
             use_bias=cfg.use_bias,
+            qkv_bias=cfg.qkv_bias,
             scale=cfg.attention_scale,
             rope_theta=cfg.rope_theta if is_self and cfg.position == "rope" else None,
             rope_layout=cfg.rope_layout,

@@ -28,7 +28,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
     gpt.GPT, gpt.PREFIX_LM, bert.BERT, t5.T5, lstm.LSTM, vision.VIT, vision.CLIP_FAMILY,
     vision.CAPTIONER)}
 _OPTIONAL_FIELDS = {"num_kv_heads": int, "head_dim": int, "init_std": float,
-                    "attention_scale": float}
+                    "attention_scale": float, "qkv_bias": bool, "sliding_window": int}
 
 
 def family_of(config: ml_collections.ConfigDict) -> Family:
@@ -78,6 +78,9 @@ def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
     if unknown:
         raise ValueError(f"unknown model config keys {unknown}: expected keys of "
                          "transformer.models.default_model_config()")
+    if model_config.get("sliding_window") is not None and model_config.family != "gpt":
+        raise ValueError(f"sliding_window={model_config.sliding_window} with family="
+                         f"{model_config.family!r}: expected family 'gpt' (a causal decoder LM)")
     return family_of(model_config).build(model_config)
 
 

@@ -14,20 +14,25 @@ from transformer.models.family import Family, transformer_config
 Array = jax.Array
 
 
-def decode_mask(positions_BT: Array, cache_length: int,
-                prefix_lengths_B: Array | None = None) -> tuple[Array, Array]:
+def decode_mask(positions_BT: Array, cache_length: int, prefix_lengths_B: Array | None = None,
+                window: int | None = None) -> tuple[Array, Array]:
     """(mask [B, 1, T, L], slot positions [1, L]) of queries at `positions` over a KV cache of
     L slots, slot j holding the token at position j: j <= the query's position, or j in the
-    prefix. Queries at positions 3 and 4 over 6 slots, prefix 2:
+    prefix; with `window`, only the last `window` positions (j > position - window). Queries
+    at positions 3 and 4 over 6 slots, prefix 2:
 
     >>> mask, _ = decode_mask(jnp.array([[3, 4]]), 6, jnp.array([2]))
     >>> mask[0, 0].astype(int).tolist()
     [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]
+    >>> decode_mask(jnp.array([[4]]), 6, window=2)[0][0, 0].astype(int).tolist()
+    [[0, 0, 0, 1, 1, 0]]
     """
     slots_L = jnp.arange(cache_length, dtype=jnp.int32)
     allowed_BTL = slots_L[None, None, :] <= positions_BT[:, :, None]
     if prefix_lengths_B is not None:
         allowed_BTL |= slots_L[None, None, :] < prefix_lengths_B[:, None, None]
+    if window is not None:
+        allowed_BTL &= slots_L[None, None, :] > positions_BT[:, :, None] - window
     return allowed_BTL[:, None], slots_L[None]
 
 
@@ -46,6 +51,9 @@ class DecoderLM(nn.Module):
     `decode=True` runs on the KV cache (`init_cache`; apply with `mutable=["cache"]`): each
     token is written into cache slot `positions[b, t]` and attends to slots <= its position
     (and to the prefix, slots < `prefix_lengths[b]`), out of `cache_length` slots.
+
+    `config.sliding_window` = W limits every token to the last W positions, itself included
+    (Mistral), in training and in decoding; the cache still holds every position.
     """
 
     config: TransformerConfig
@@ -80,14 +88,20 @@ class DecoderLM(nn.Module):
         """int tokens [B, T] -> float32 logits [B, T, V] (position t predicts token t + 1), or
         [B, num_classes] for a classifier."""
         kv_positions = None
+        window = self.config.sliding_window
+        if window is not None and prefix_lengths is not None:
+            raise ValueError(f"sliding_window={window} with prefix_lengths: expected one of them "
+                             "(a window would cut into the bidirectional prefix)")
         if decode:
             if positions is None or segment_ids is not None:
                 raise ValueError("decode=True needs positions [B, T] (the cache slots) and no "
                                  "segment_ids")
             mask, kv_positions = decode_mask(positions, cache_length or tokens_BT.shape[1],
-                                             prefix_lengths)
+                                             prefix_lengths, window)
         else:
             mask = masks.Causal() if prefix_lengths is None else masks.PrefixLM(prefix_lengths)
+            if window is not None:
+                mask = mask & masks.SlidingWindow(left=window - 1)
             if segment_ids is not None:
                 mask = mask & masks.Segment(segment_ids)
         x_BTD = self.embed(tokens_BT)
