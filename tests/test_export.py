@@ -1,0 +1,169 @@
+"""Export to Hugging Face (transformer.export): to_hf inverts convert.from_hf exactly, an exported
+workdir loads with AutoModel*.from_pretrained and gives our logits and greedy tokens, and
+architectures no Hugging Face class represents are refused before anything is written."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_hf_equivalence import CASES, randomized, relative_difference, tokens  # noqa: E402
+from test_train import TINY_MODEL, assert_succeeded, run_cli, tiny_flags  # noqa: E402
+
+from transformer import convert, export, generate  # noqa: E402
+from transformer.models import build_model, default_model_config  # noqa: E402
+
+EXPORTABLE = ["gpt2", "gpt2_untied", "llama_gqa", "llama_tied_linear_rope",
+              "llama_mqa_head_dim_16", "mistral_window_4", "qwen2_qkv_bias", "bert_mlm",
+              "bert_classifier"]
+
+
+def flat(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}/"))
+        else:
+            out[prefix + key] = np.asarray(value)
+    return out
+
+
+@pytest.mark.parametrize("case", EXPORTABLE)
+def test_to_hf_inverts_from_hf_bit_for_bit(case):
+    torch.manual_seed(0)
+    hf = randomized(CASES[case]()[0])
+    state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    config, params = convert.from_hf(hf.config, state)
+    hf_config, exported = export.to_hf(config, params)
+    assert type(hf_config) is type(hf.config)
+    for key, value in exported.items():  # every tensor written is HF's own, exactly
+        np.testing.assert_array_equal(value, state[key], err_msg=key)
+    again_config, again = convert.from_hf(hf_config, exported)
+    assert again_config.to_dict() == config.to_dict()
+    expected = flat(params)
+    assert flat(again).keys() == expected.keys()
+    for key, value in flat(again).items():
+        np.testing.assert_array_equal(value, expected[key], err_msg=key)
+
+
+def test_scanned_params_export_as_the_unrolled_ones():
+    torch.manual_seed(0)
+    hf = randomized(CASES["llama_gqa"]()[0])
+    config, params = convert.from_hf(hf.config, hf.state_dict())
+    _, unrolled = export.to_hf(config, params)
+    config.scan_layers = True
+    _, scanned = export.to_hf(config, convert._maybe_scan(config, params, "decoder"))
+    assert scanned.keys() == unrolled.keys()
+    assert all(np.array_equal(scanned[k], unrolled[k]) for k in unrolled)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(position="alibi"), "model.position='alibi': the GPT export needs 'learned'"),
+    (dict(position="learned", norm_placement="post"),
+     "model.norm_placement='post': the GPT-2 export needs 'pre'"),
+    (dict(position="rope", norm="layernorm", activation="swiglu", use_bias=False),
+     "model.norm='layernorm': the Llama export needs 'rmsnorm'"),
+    (dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False,
+          qkv_bias=True, sliding_window=8), "no Hugging Face class has both"),
+    (dict(family="t5"), "model.family='t5': expected 'gpt' or 'bert'"),
+    (dict(head="classify", num_classes=2), "a GPT classifier is not exported"),
+])
+def test_architectures_without_a_hugging_face_class_are_refused(overrides, match):
+    config = default_model_config()
+    config.update(**TINY_MODEL, **overrides)
+    with pytest.raises(ValueError, match=match) as error:
+        export.to_hf(config, {})
+    assert "\n" not in str(error.value)
+
+
+LLAMA_SHAPED = dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False,
+                    num_kv_heads=1, tie_embeddings=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ["GPT2LMHeadModel", "LlamaForCausalLM"])
+def test_a_trained_workdir_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp_path,
+                                                                             architecture):
+    workdir, output = tmp_path / "run", tmp_path / "hf"
+    model = {"position": "learned", "max_len": 64} if architecture == "GPT2LMHeadModel" \
+        else LLAMA_SHAPED
+    flags = [f"--config.model.{k}={v}" for k, v in model.items()]
+    assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                             f"--workdir={workdir}", *tiny_flags(3), *flags, logs=tmp_path))
+    result = run_cli("transformer.export", f"--workdir={workdir}", f"--output={output}",
+                     logs=tmp_path)
+    assert_succeeded(result)
+    assert f"as {architecture}" in result.stdout
+    hf = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
+    assert type(hf).__name__ == architecture
+
+    from transformer import checkpoint
+
+    saved = checkpoint.restore_params(str(workdir))
+    ours = build_model(saved.config.model)
+    ids = tokens(8, (2, 16)) % saved.config.model.vocab_size
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor(ids)).logits.numpy()
+    got = np.asarray(ours.apply({"params": saved.params}, jnp.asarray(ids)))
+    assert relative_difference(got, expected) <= 1e-4
+    prompt = ids[:1, :5]
+    with torch.no_grad():
+        hf_tokens = hf.generate(torch.tensor(prompt), max_new_tokens=10, do_sample=False,
+                                min_new_tokens=10, pad_token_id=0).numpy()[0, 5:]
+    our_tokens, _ = generate.decode(ours, saved.params, prompt, max_new_tokens=10, eos_id=None)
+    np.testing.assert_array_equal(our_tokens[0], hf_tokens)
+    # Importing the export gives back the very params.
+    _, imported = convert.from_hf(hf.config, hf.state_dict())
+    expected = flat(jax.tree.map(np.asarray, dict(saved.params)))
+    assert all(np.array_equal(v, expected[k]) for k, v in flat(imported).items())
+    # An existing output is never overwritten.
+    result = run_cli("transformer.export", f"--workdir={workdir}", f"--output={output}",
+                     logs=tmp_path)
+    assert result.returncode != 0 and "exists: expected a new directory" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_refused_export_writes_nothing(tmp_path):
+    workdir, output = tmp_path / "run", tmp_path / "hf"
+    assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                             f"--workdir={workdir}", *tiny_flags(2),
+                             "--config.model.position=alibi", logs=tmp_path))
+    result = run_cli("transformer.export", f"--workdir={workdir}", f"--output={output}",
+                     logs=tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: model.position='alibi': the GPT export needs")
+    assert not output.exists() and [p.name for p in tmp_path.iterdir() if
+                                    p.name.startswith(".export")] == []
+
+
+@pytest.mark.slow
+def test_a_hugging_face_tokenizer_is_exported_with_its_roles(tmp_path):
+    from test_hf_tokenizers import SHAKESPEARE, gpt2_style
+
+    from transformer.data import tokenizers
+
+    if not SHAKESPEARE.is_file():
+        pytest.skip("tinyshakespeare.txt not found")
+    tokenizer_dir = gpt2_style(tmp_path / "tokenizer")
+    workdir, output = tmp_path / "run", tmp_path / "hf"
+    assert_succeeded(run_cli(
+        "transformer.train", "--config=experiments/gpt_tiny.py", f"--workdir={workdir}",
+        *tiny_flags(2), "--config.model.position=learned", "--config.model.max_len=64",
+        f"--config.data.path={SHAKESPEARE}", "--config.data.unit=stream",
+        "--config.data.tokenizer=hf", f"--config.data.tokenizer_path={tokenizer_dir}",
+        "--config.data.num_sentinels=0", logs=tmp_path))
+    result = run_cli("transformer.export", f"--workdir={workdir}", f"--output={output}",
+                     logs=tmp_path)
+    assert_succeeded(result)
+    assert "with its tokenizer" in result.stdout
+    ours = tokenizers.load_hf_tokenizer(str(tokenizer_dir))
+    auto = transformers.AutoTokenizer.from_pretrained(output)
+    text = SHAKESPEARE.read_text(encoding="utf-8")[:3000]
+    assert auto(text, add_special_tokens=False)["input_ids"] == ours.encode(text).tolist()
+    assert auto.eos_token_id == ours.eos_id
+    hf_config = transformers.AutoConfig.from_pretrained(output)
+    assert hf_config.eos_token_id == ours.eos_id and hf_config.vocab_size == ours.vocab_size

@@ -1,0 +1,306 @@
+"""Export a trained model as a Hugging Face `save_pretrained` directory (config.json,
+model.safetensors and, for a Hugging Face tokenizer, tokenizer.json + tokenizer_config.json):
+
+    python -m transformer.export --workdir=runs/gpt --output=hf/gpt [--step=N]
+
+`to_hf(model_config, params)` is the inverse of `transformer.convert.from_hf`: a GPT becomes
+GPT-2 (learned positions, LayerNorm, biases) or Llama (RoPE, RMSNorm, SwiGLU, no biases; with
+q/k/v biases Qwen2, with a sliding window Mistral), and a BERT BertForMaskedLM (or
+BertForSequenceClassification for a [CLS] classifier). An architecture no Hugging Face class
+represents (ALiBi or T5-bias positions, post-LN GPT, ...) is refused with a one-line reason
+naming the setting, before anything is written. T5 export is not there yet.
+
+Needs `transformers` (pip install transformers); torch is not needed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+from flax import traverse_util
+
+from transformer import checkpoint as checkpoint_lib
+from transformer import fileio
+from transformer.layers import unstack_layers
+
+_GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+_BERT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+
+
+def _require(config, target: str, **expected) -> None:
+    """A one-line refusal naming the first model setting `target` cannot represent."""
+    for key, allowed in expected.items():
+        allowed = allowed if isinstance(allowed, tuple) else (allowed,)
+        if config.get(key) not in allowed:
+            want = " or ".join(map(repr, allowed))
+            raise ValueError(f"model.{key}={config.get(key)!r}: the {target} export needs "
+                             f"{want} (no Hugging Face class represents this architecture)")
+
+
+def _numpy(params) -> dict:
+    return traverse_util.unflatten_dict({k: np.asarray(v, np.float32) for k, v in
+                                         traverse_util.flatten_dict(dict(params)).items()})
+
+
+def _unscanned(config, params, *stacks) -> dict:
+    params = dict(params)
+    if config.scan_layers:
+        for name in stacks:
+            layers = config.num_decoder_layers if name == "decoder" and \
+                config.num_decoder_layers else config.num_layers
+            params[name] = unstack_layers(params[name], layers)
+    return params
+
+
+def _flat_heads(kernel_DNH: np.ndarray) -> np.ndarray:
+    """[D, N, H] -> [D, N * H], HF's head-by-head output layout."""
+    return kernel_DNH.reshape(kernel_DNH.shape[0], -1)
+
+
+def _ln(norm: dict, prefix: str, out: dict, weight="weight", bias="bias") -> None:
+    out[f"{prefix}.{weight}"] = norm["scale"]
+    if "bias" in norm:
+        out[f"{prefix}.{bias}"] = norm["bias"]
+
+
+def _gpt2(config, params, transformers):
+    _require(config, "GPT-2", norm="layernorm", norm_placement="pre", use_bias=True,
+             qkv_bias=(None, True), activation=tuple(_GPT2_ACTIVATIONS), num_kv_heads=None,
+             attention_scale=None, scale_embeddings=False, embedding_norm=False,
+             sliding_window=None)
+    if config.head_dim not in (None, config.d_model // config.num_heads):
+        raise ValueError(f"model.head_dim={config.head_dim}: the GPT-2 export needs d_model / "
+                         "num_heads")
+    hf_config = transformers.GPT2Config(
+        vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model,
+        n_layer=config.num_layers, n_head=config.num_heads, n_inner=config.d_ff,
+        activation_function=_GPT2_ACTIVATIONS[config.activation],
+        layer_norm_epsilon=config.norm_epsilon, tie_word_embeddings=config.tie_embeddings,
+        resid_pdrop=config.dropout_rate, embd_pdrop=config.dropout_rate,
+        attn_pdrop=config.attention_dropout_rate, initializer_range=config.init_std or 0.02,
+        architectures=["GPT2LMHeadModel"])
+    decoder, out = params["decoder"], {}
+    out["transformer.wte.weight"] = params["embed"]["embedding"]
+    out["transformer.wpe.weight"] = decoder["position_embedding"]["embedding"]
+    _ln(decoder["final_norm"], "transformer.ln_f", out)
+    for i in range(config.num_layers):
+        layer, p = decoder[f"layers_{i}"], f"transformer.h.{i}."
+        attn = layer["self_attention"]
+        out[p + "attn.c_attn.weight"] = np.concatenate(
+            [_flat_heads(attn[k]) for k in ("query", "key", "value")], axis=1)
+        out[p + "attn.c_attn.bias"] = np.concatenate(
+            [attn[f"{k}_bias"].reshape(-1) for k in ("query", "key", "value")])
+        out[p + "attn.c_proj.weight"] = attn["out"].reshape(-1, config.d_model)
+        out[p + "attn.c_proj.bias"] = attn["out_bias"]
+        _ln(layer["self_attention_norm"], p + "ln_1", out)
+        _ln(layer["mlp_norm"], p + "ln_2", out)
+        mlp = layer["mlp"]
+        out.update({p + "mlp.c_fc.weight": mlp["wi"], p + "mlp.c_fc.bias": mlp["wi_bias"],
+                    p + "mlp.c_proj.weight": mlp["wo"], p + "mlp.c_proj.bias": mlp["wo_bias"]})
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = params["lm_head"]["kernel"].T
+    return hf_config, out
+
+
+def _llama(config, params, transformers):
+    _require(config, "Llama", norm="rmsnorm", norm_placement="pre", activation="swiglu",
+             use_bias=False, rope_layout="half", attention_scale=None, scale_embeddings=False,
+             embedding_norm=False)
+    if config.qkv_bias and config.sliding_window is not None:
+        raise ValueError("model.qkv_bias=True with model.sliding_window: no Hugging Face class "
+                         "has both (Qwen2 has the biases, Mistral the window)")
+    kind = "Qwen2" if config.qkv_bias else "Mistral" if config.sliding_window else "Llama"
+    head_dim = config.head_dim or config.d_model // config.num_heads
+    kv = config.num_kv_heads or config.num_heads
+    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    if config.rope_scale != 1.0:
+        rope.update(rope_type="linear", factor=float(config.rope_scale))
+    more = {"sliding_window": config.sliding_window} if kind == "Mistral" else {}
+    if kind == "Qwen2":
+        more = {"use_sliding_window": False}
+    hf_config = getattr(transformers, f"{kind}Config")(
+        vocab_size=config.vocab_size, hidden_size=config.d_model,
+        intermediate_size=config.d_ff, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=kv, head_dim=head_dim,
+        max_position_embeddings=config.max_len, rms_norm_eps=config.norm_epsilon,
+        tie_word_embeddings=config.tie_embeddings, rope_parameters=rope, hidden_act="silu",
+        attention_dropout=config.attention_dropout_rate,
+        initializer_range=config.init_std or 0.02, architectures=[f"{kind}ForCausalLM"], **more)
+    decoder, out = params["decoder"], {"model.embed_tokens.weight": params["embed"]["embedding"]}
+    _ln(decoder["final_norm"], "model.norm", out)
+    for i in range(config.num_layers):
+        layer, p = decoder[f"layers_{i}"], f"model.layers.{i}."
+        attn = layer["self_attention"]
+        for ours, theirs in (("query", "q"), ("key", "k"), ("value", "v")):
+            out[f"{p}self_attn.{theirs}_proj.weight"] = _flat_heads(attn[ours]).T
+            if kind == "Qwen2":
+                out[f"{p}self_attn.{theirs}_proj.bias"] = attn[f"{ours}_bias"].reshape(-1)
+        out[p + "self_attn.o_proj.weight"] = attn["out"].reshape(-1, config.d_model).T
+        _ln(layer["self_attention_norm"], p + "input_layernorm", out)
+        _ln(layer["mlp_norm"], p + "post_attention_layernorm", out)
+        mlp = layer["mlp"]
+        out.update({p + "mlp.gate_proj.weight": mlp["wi_gate"].T,
+                    p + "mlp.up_proj.weight": mlp["wi_up"].T,
+                    p + "mlp.down_proj.weight": mlp["wo"].T})
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = params["lm_head"]["kernel"].T
+    return hf_config, out
+
+
+def _bert(config, params, transformers):
+    _require(config, "BERT", position="learned", norm="layernorm", norm_placement="post",
+             use_bias=True, qkv_bias=(None, True), embedding_norm=True, scale_embeddings=False,
+             activation=tuple(_BERT_ACTIVATIONS), num_kv_heads=None, attention_scale=None,
+             head=("mlm", "classify"))
+    classify = config.head == "classify"
+    hf_config = transformers.BertConfig(
+        vocab_size=config.vocab_size, hidden_size=config.d_model,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        intermediate_size=config.d_ff, hidden_act=_BERT_ACTIVATIONS[config.activation],
+        max_position_embeddings=config.max_len, type_vocab_size=config.type_vocab_size,
+        layer_norm_eps=config.norm_epsilon, hidden_dropout_prob=config.dropout_rate,
+        attention_probs_dropout_prob=config.attention_dropout_rate,
+        initializer_range=config.init_std or 0.02,
+        num_labels=config.num_classes if classify else 2,
+        architectures=["BertForSequenceClassification" if classify else "BertForMaskedLM"])
+    if not config.type_vocab_size:
+        raise ValueError("model.type_vocab_size=0: the BERT export needs token type embeddings "
+                         "(>= 1)")
+    encoder, e = params["encoder"], "bert.embeddings."
+    out = {e + "word_embeddings.weight": params["embed"]["embedding"],
+           e + "position_embeddings.weight": encoder["position_embedding"]["embedding"],
+           e + "token_type_embeddings.weight": params["type_embed"]["embedding"]}
+    _ln(encoder["embedding_norm"], e + "LayerNorm", out)
+    for i in range(config.num_layers):
+        layer, p = encoder[f"layers_{i}"], f"bert.encoder.layer.{i}."
+        attn = layer["self_attention"]
+        for name in ("query", "key", "value"):
+            out[f"{p}attention.self.{name}.weight"] = _flat_heads(attn[name]).T
+            out[f"{p}attention.self.{name}.bias"] = attn[f"{name}_bias"].reshape(-1)
+        out[p + "attention.output.dense.weight"] = attn["out"].reshape(-1, config.d_model).T
+        out[p + "attention.output.dense.bias"] = attn["out_bias"]
+        _ln(layer["self_attention_norm"], p + "attention.output.LayerNorm", out)
+        mlp = layer["mlp"]
+        out.update({p + "intermediate.dense.weight": mlp["wi"].T,
+                    p + "intermediate.dense.bias": mlp["wi_bias"],
+                    p + "output.dense.weight": mlp["wo"].T,
+                    p + "output.dense.bias": mlp["wo_bias"]})
+        _ln(layer["mlp_norm"], p + "output.LayerNorm", out)
+    if classify:
+        out["bert.pooler.dense.weight"] = params["pooler"]["kernel"].T
+        out["bert.pooler.dense.bias"] = params["pooler"]["bias"]
+        out["classifier.weight"] = params["classifier"]["kernel"].T
+        out["classifier.bias"] = params["classifier"]["bias"]
+    else:
+        t = "cls.predictions."
+        out[t + "transform.dense.weight"] = params["mlm_dense"]["kernel"].T
+        out[t + "transform.dense.bias"] = params["mlm_dense"]["bias"]
+        _ln(params["mlm_norm"], t + "transform.LayerNorm", out)
+        out[t + "bias"] = params["mlm_bias"]
+    return hf_config, out
+
+
+def to_hf(model_config, params) -> tuple[Any, dict[str, np.ndarray]]:
+    """(transformers config, state dict of float32 NumPy arrays) of a model of this project:
+    the checkpoint `convert.from_hf` reads back into the same params. Refuses, with a one-line
+    ValueError naming the setting, what no Hugging Face class represents."""
+    import transformers
+
+    family = model_config.family
+    if family == "gpt":
+        if model_config.head != "mlm":
+            raise ValueError(f"model.head={model_config.head!r}: the GPT export writes a causal "
+                             "LM (head 'mlm'); a GPT classifier is not exported")
+        exporter = {"learned": _gpt2, "rope": _llama}.get(model_config.position)
+        if exporter is None:
+            raise ValueError(f"model.position={model_config.position!r}: the GPT export needs "
+                             "'learned' (GPT-2) or 'rope' (Llama); no Hugging Face causal LM "
+                             "has these positions with this architecture")
+        params = _unscanned(model_config, _numpy(params), "decoder")
+    elif family == "bert":
+        exporter, params = _bert, _unscanned(model_config, _numpy(params), "encoder")
+    else:
+        raise ValueError(f"model.family={family!r}: expected 'gpt' or 'bert' (T5 export is not "
+                         "there yet; other families have no Hugging Face counterpart)")
+    hf_config, state = exporter(model_config, params, transformers)
+    return hf_config, {k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}
+
+
+def _tokenizer_files(tokenizer, directory: str) -> None:
+    """A Hugging Face tokenizer's tokenizer.json and tokenizer_config.json (its roles)."""
+    import json
+
+    fileio.path(directory).joinpath("tokenizer.json").write_text(tokenizer.tokenizer_json,
+                                                                  encoding="utf-8")
+    roles = {f"{role}_token": token for role, token in tokenizer.specials.items()
+             if token is not None}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **roles}
+    fileio.path(directory).joinpath("tokenizer_config.json").write_text(
+        json.dumps(config, indent=1) + "\n", encoding="utf-8")
+
+
+def export_workdir(workdir: str, output: str, step: int | None = None) -> dict:
+    """Writes checkpoint `step` (default: the latest) of `workdir` as a `save_pretrained`
+    directory `output`, which must not exist yet. Returns what was written."""
+    from safetensors.numpy import save_file
+
+    from transformer.data import inputs
+    from transformer.data import tokenizers as tokenizers_lib
+
+    if fileio.path(output).exists():
+        raise FileExistsError(f"output={output!r} exists: expected a new directory (nothing is "
+                              "overwritten)")
+    step, config = checkpoint_lib.saved_run(workdir, step)
+    tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
+    params = checkpoint_lib.restore_params(workdir, step).params
+    hf_config, state = to_hf(config.model, params)
+    for role in ("bos", "eos", "pad"):
+        value = getattr(tokenizer, f"{role}_id", None)
+        if value is not None:
+            setattr(hf_config, f"{role}_token_id", int(value))
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)  # complete, then renamed
+    try:
+        hf_config.save_pretrained(staging)
+        save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer.kind == "hf":
+            _tokenizer_files(tokenizer, staging)
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {"step": step, "output": output, "architecture": hf_config.architectures[0],
+            "tokenizer": tokenizer.kind == "hf"}
+
+
+def _main(argv):
+    from absl import app, flags
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}: expected only flags")
+    f = flags.FLAGS
+    written = export_workdir(f.workdir, f.output, f.step)
+    tokenizer = "with its tokenizer" if written["tokenizer"] else \
+        "without a tokenizer (only Hugging Face tokenizers are exported)"
+    print(f"step {written['step']} of {f.workdir} -> {written['output']} as "
+          f"{written['architecture']}, {tokenizer}")
+
+
+def _define_flags():
+    from absl import flags
+
+    flags.DEFINE_string("workdir", None, "Training workdir to export.", required=True)
+    flags.DEFINE_string("output", None, "New directory for the save_pretrained files.",
+                        required=True)
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+
+
+if __name__ == "__main__":
+    from transformer import cli
+
+    cli.run(_main, _define_flags)
