@@ -16,7 +16,7 @@ from test_train import TINY_MODEL, assert_succeeded, run_cli, tiny_flags  # noqa
 from transformer import convert, export, generate  # noqa: E402
 from transformer.models import build_model, default_model_config  # noqa: E402
 
-EXPORTABLE = ["gpt2", "gpt2_untied", "llama_gqa", "llama_tied_linear_rope",
+EXPORTABLE = ["gpt2", "gpt2_untied", "gpt2_unscaled_attention", "llama_gqa", "llama_tied_linear_rope",
               "llama_mqa_head_dim_16", "mistral_window_4", "qwen2_qkv_bias", "bert_mlm",
               "bert_classifier"]
 

@@ -36,10 +36,10 @@ def tokens(seed, shape):
     return np.random.default_rng(seed).integers(0, VOCAB, shape)
 
 
-def gpt2(tie=True):
+def gpt2(tie=True, **more):
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64,
-        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0))
+        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, **more))
     ids = tokens(0, (2, 12))
     return hf, dict(input_ids=ids), (ids,), {}, None
 
@@ -92,7 +92,8 @@ def llama(tie=False, rope=None, head_dim=None, kv_heads=2, kind="Llama", **more)
 
 
 CASES = {
-    "gpt2": gpt2, "gpt2_untied": lambda: gpt2(tie=False), "bert_mlm": bert,
+    "gpt2": gpt2, "gpt2_untied": lambda: gpt2(tie=False),
+    "gpt2_unscaled_attention": lambda: gpt2(scale_attn_weights=False), "bert_mlm": bert,
     "bert_classifier": lambda: bert("classify"), "t5_v1_0": t5, "t5_v1_1": lambda: t5(True),
     "llama_gqa": llama,
     "llama_tied_linear_rope": lambda: llama(
@@ -304,3 +305,15 @@ def test_kv_cache_greedy_decoding_matches_hf_generate(case):
     config, params = convert.from_hf(hf.config, hf.state_dict())
     got, _ = generate.decode(build_model(config), params, prompt, max_new_tokens=12, eos_id=None)
     np.testing.assert_array_equal(got[0], expected)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(scale_attn_by_inverse_layer_idx=True), "GPT-2 scale_attn_by_inverse_layer_idx=True"),
+    (dict(reorder_and_upcast_attn=True), "GPT-2 reorder_and_upcast_attn=True"),
+    (dict(add_cross_attention=True), "GPT-2 add_cross_attention=True"),
+    (dict(embd_pdrop=0.0), "GPT-2 embd_pdrop=0.0 with resid_pdrop=0.1: expected them equal"),
+])
+def test_gpt2_settings_the_model_cannot_represent_are_refused(change, match):
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, **change)
+    with pytest.raises(ValueError, match=match):
+        convert.from_hf(config, {})

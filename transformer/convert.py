@@ -82,10 +82,14 @@ def _activation(name: str) -> str:
 
 def gpt2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """GPT2LMHeadModel / GPT2Model -> (config for `DecoderLM`, params)."""
-    if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False) or getattr(
-            hf_config, "reorder_and_upcast_attn", False):
-        raise ValueError("GPT-2 variants with scale_attn_by_inverse_layer_idx or "
-                         "reorder_and_upcast_attn are not supported")
+    for name in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+                 "add_cross_attention"):
+        if getattr(hf_config, name, False):
+            raise ValueError(f"GPT-2 {name}=True: expected False (this model does not "
+                             "represent it)")
+    if getattr(hf_config, "embd_pdrop", hf_config.resid_pdrop) != hf_config.resid_pdrop:
+        raise ValueError(f"GPT-2 embd_pdrop={hf_config.embd_pdrop} with resid_pdrop="
+                         f"{hf_config.resid_pdrop}: expected them equal (one model.dropout_rate)")
     d, n = hf_config.n_embd, hf_config.n_head
     tie = getattr(hf_config, "tie_word_embeddings", True)
     config = _model_config(
@@ -94,6 +98,8 @@ def gpt2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
         activation=_activation(hf_config.activation_function), norm="layernorm",
         norm_placement="pre", norm_epsilon=hf_config.layer_norm_epsilon, position="learned",
         max_len=hf_config.n_positions, use_bias=True, init_std=hf_config.initializer_range,
+        # scale_attn_weights=False: logits q.k unscaled
+        attention_scale=None if getattr(hf_config, "scale_attn_weights", True) else 1.0,
         dropout_rate=hf_config.resid_pdrop, attention_dropout_rate=hf_config.attn_pdrop)
     root = "transformer." if any(k.startswith("transformer.") for k in state_dict) else ""
     buffers = tuple(k for k in state_dict if k.endswith((".attn.bias", ".attn.masked_bias")))

@@ -70,7 +70,7 @@ def _ln(norm: dict, prefix: str, out: dict, weight="weight", bias="bias") -> Non
 def _gpt2(config, params, transformers):
     _require(config, "GPT-2", norm="layernorm", norm_placement="pre", use_bias=True,
              qkv_bias=(None, True), activation=tuple(_GPT2_ACTIVATIONS), num_kv_heads=None,
-             attention_scale=None, scale_embeddings=False, embedding_norm=False,
+             attention_scale=(None, 1.0), scale_embeddings=False, embedding_norm=False,
              sliding_window=None)
     if config.head_dim not in (None, config.d_model // config.num_heads):
         raise ValueError(f"model.head_dim={config.head_dim}: the GPT-2 export needs d_model / "
@@ -82,7 +82,7 @@ def _gpt2(config, params, transformers):
         layer_norm_epsilon=config.norm_epsilon, tie_word_embeddings=config.tie_embeddings,
         resid_pdrop=config.dropout_rate, embd_pdrop=config.dropout_rate,
         attn_pdrop=config.attention_dropout_rate, initializer_range=config.init_std or 0.02,
-        architectures=["GPT2LMHeadModel"])
+        scale_attn_weights=config.attention_scale is None, architectures=["GPT2LMHeadModel"])
     decoder, out = params["decoder"], {}
     out["transformer.wte.weight"] = params["embed"]["embedding"]
     out["transformer.wpe.weight"] = decoder["position_embedding"]["embedding"]
