@@ -16,9 +16,9 @@ from test_train import TINY_MODEL, assert_succeeded, run_cli, tiny_flags  # noqa
 from transformer import convert, export, generate  # noqa: E402
 from transformer.models import build_model, default_model_config  # noqa: E402
 
-EXPORTABLE = ["gpt2", "gpt2_untied", "gpt2_unscaled_attention", "llama_gqa", "llama_tied_linear_rope",
-              "llama_mqa_head_dim_16", "mistral_window_4", "qwen2_qkv_bias", "bert_mlm",
-              "bert_classifier"]
+EXPORTABLE = ["gpt2", "gpt2_untied", "gpt2_unscaled_attention", "llama_gqa",
+              "llama_tied_linear_rope", "llama_mqa_head_dim_16", "mistral_window_4",
+              "qwen2_qkv_bias", "bert_mlm", "bert_classifier", "t5_v1_0", "t5_v1_1"]
 
 
 def flat(tree, prefix=""):
@@ -68,7 +68,9 @@ def test_scanned_params_export_as_the_unrolled_ones():
      "model.norm='layernorm': the Llama export needs 'rmsnorm'"),
     (dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False,
           qkv_bias=True, sliding_window=8), "no Hugging Face class has both"),
-    (dict(family="t5"), "model.family='t5': expected 'gpt' or 'bert'"),
+    (dict(family="lstm"), "model.family='lstm': expected 'gpt', 'bert' or 't5'"),
+    (dict(family="t5", position="t5", norm="rmsnorm", use_bias=False, attention_scale=1.0,
+          activation="relu", tie_embeddings=False), "the T5 export needs a tied head"),
     (dict(head="classify", num_classes=2), "a GPT classifier is not exported"),
 ])
 def test_architectures_without_a_hugging_face_class_are_refused(overrides, match):
@@ -167,3 +169,32 @@ def test_a_hugging_face_tokenizer_is_exported_with_its_roles(tmp_path):
     assert auto.eos_token_id == ours.eos_id
     hf_config = transformers.AutoConfig.from_pretrained(output)
     assert hf_config.eos_token_id == ours.eos_id and hf_config.vocab_size == ours.vocab_size
+
+
+@pytest.mark.slow
+def test_a_trained_t5_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp_path):
+    workdir, output = tmp_path / "run", tmp_path / "hf"
+    assert_succeeded(run_cli("transformer.train", "--config=experiments/t5_span.py",
+                             f"--workdir={workdir}", *tiny_flags(2, family="t5"),
+                             logs=tmp_path))
+    assert_succeeded(run_cli("transformer.export", f"--workdir={workdir}",
+                             f"--output={output}", logs=tmp_path))
+    hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(output).eval()
+    assert type(hf).__name__ == "T5ForConditionalGeneration"
+
+    from transformer import checkpoint
+
+    saved = checkpoint.restore_params(str(workdir))
+    ours = build_model(saved.config.model)
+    vocab = saved.config.model.vocab_size
+    enc, dec = tokens(9, (2, 12)) % vocab, tokens(10, (2, 6)) % vocab
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor(enc), decoder_input_ids=torch.tensor(dec)).logits
+    got = np.asarray(ours.apply({"params": saved.params}, jnp.asarray(enc), jnp.asarray(dec)))
+    assert relative_difference(got, expected.numpy()) <= 1e-4
+    with torch.no_grad():
+        hf_tokens = hf.generate(torch.tensor(enc[:1]), max_new_tokens=8, do_sample=False,
+                                min_new_tokens=8).numpy()[0, 1:]  # after the start token
+    our_tokens, _ = generate.decode(ours, saved.params, enc[:1], max_new_tokens=8, eos_id=None,
+                                    start_id=hf.config.decoder_start_token_id)
+    np.testing.assert_array_equal(our_tokens[0], hf_tokens)

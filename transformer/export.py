@@ -6,9 +6,10 @@ model.safetensors and, for a Hugging Face tokenizer, tokenizer.json + tokenizer_
 `to_hf(model_config, params)` is the inverse of `transformer.convert.from_hf`: a GPT becomes
 GPT-2 (learned positions, LayerNorm, biases) or Llama (RoPE, RMSNorm, SwiGLU, no biases; with
 q/k/v biases Qwen2, with a sliding window Mistral), and a BERT BertForMaskedLM (or
-BertForSequenceClassification for a [CLS] classifier). An architecture no Hugging Face class
-represents (ALiBi or T5-bias positions, post-LN GPT, ...) is refused with a one-line reason
-naming the setting, before anything is written. T5 export is not there yet.
+BertForSequenceClassification for a [CLS] classifier), and a T5 T5ForConditionalGeneration
+(tied head, v1.0 or v1.1 feed-forward). An architecture no Hugging Face class represents (ALiBi
+or T5-bias positions in a GPT, post-LN GPT, ...) is refused with a one-line reason naming the
+setting, before anything is written.
 
 Needs `transformers` (pip install transformers); torch is not needed.
 """
@@ -204,6 +205,64 @@ def _bert(config, params, transformers):
     return hf_config, out
 
 
+_T5_ACTIVATIONS = {"relu": "relu", "geglu": "gated-gelu", "swiglu": "gated-silu"}
+
+
+def _t5(config, params, transformers):
+    _require(config, "T5", position="t5", norm="rmsnorm", norm_placement="pre", use_bias=False,
+             qkv_bias=(None, False), attention_scale=1.0, activation=tuple(_T5_ACTIVATIONS),
+             num_kv_heads=None, embedding_norm=False, scale_embeddings=False,
+             sliding_window=None)
+    if not config.tie_embeddings:  # transformers 5 always ties T5's head to `shared`
+        raise ValueError("model.tie_embeddings=False: the T5 export needs a tied head "
+                         "(transformers 5's T5ForConditionalGeneration always ties it)")
+    head_dim = config.head_dim or config.d_model // config.num_heads
+    decoder_layers = config.num_decoder_layers or config.num_layers
+    hf_config = transformers.T5Config(
+        vocab_size=config.vocab_size, d_model=config.d_model, d_kv=head_dim, d_ff=config.d_ff,
+        num_layers=config.num_layers, num_decoder_layers=decoder_layers,
+        num_heads=config.num_heads, relative_attention_num_buckets=config.t5_num_buckets,
+        relative_attention_max_distance=config.t5_max_distance,
+        dropout_rate=config.dropout_rate, layer_norm_epsilon=config.norm_epsilon,
+        feed_forward_proj=_T5_ACTIVATIONS[config.activation], tie_word_embeddings=True,
+        architectures=["T5ForConditionalGeneration"])
+    hf_config.scale_decoder_outputs = bool(config.scale_decoder_output)
+    shared = params["embed"]["embedding"]
+    out = {"shared.weight": shared, "encoder.embed_tokens.weight": shared,
+           "decoder.embed_tokens.weight": shared, "lm_head.weight": shared}
+
+    def attention(attn, prefix):
+        for name, theirs in (("query", "q"), ("key", "k"), ("value", "v")):
+            out[f"{prefix}{theirs}.weight"] = _flat_heads(attn[name]).T
+        out[f"{prefix}o.weight"] = attn["out"].reshape(-1, config.d_model).T
+
+    def stack(name, num_layers, cross):
+        tree = params[name]
+        out[f"{name}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = \
+            tree["relative_position_bias"]["rel_embedding"]
+        _ln(tree["final_norm"], f"{name}.final_layer_norm", out)
+        for i in range(num_layers):
+            layer, p = tree[f"layers_{i}"], f"{name}.block.{i}.layer."
+            attention(layer["self_attention"], p + "0.SelfAttention.")
+            _ln(layer["self_attention_norm"], p + "0.layer_norm", out)
+            if cross:
+                attention(layer["cross_attention"], p + "1.EncDecAttention.")
+                _ln(layer["cross_attention_norm"], p + "1.layer_norm", out)
+            ff = f"{p}{2 if cross else 1}."
+            mlp = layer["mlp"]
+            if "wi_gate" in mlp:
+                out[ff + "DenseReluDense.wi_0.weight"] = mlp["wi_gate"].T
+                out[ff + "DenseReluDense.wi_1.weight"] = mlp["wi_up"].T
+            else:
+                out[ff + "DenseReluDense.wi.weight"] = mlp["wi"].T
+            out[ff + "DenseReluDense.wo.weight"] = mlp["wo"].T
+            _ln(layer["mlp_norm"], ff + "layer_norm", out)
+
+    stack("encoder", config.num_layers, False)
+    stack("decoder", decoder_layers, True)
+    return hf_config, out
+
+
 def to_hf(model_config, params) -> tuple[Any, dict[str, np.ndarray]]:
     """(transformers config, state dict of float32 NumPy arrays) of a model of this project:
     the checkpoint `convert.from_hf` reads back into the same params. Refuses, with a one-line
@@ -223,9 +282,12 @@ def to_hf(model_config, params) -> tuple[Any, dict[str, np.ndarray]]:
         params = _unscanned(model_config, _numpy(params), "decoder")
     elif family == "bert":
         exporter, params = _bert, _unscanned(model_config, _numpy(params), "encoder")
+    elif family == "t5":
+        exporter = _t5
+        params = _unscanned(model_config, _numpy(params), "encoder", "decoder")
     else:
-        raise ValueError(f"model.family={family!r}: expected 'gpt' or 'bert' (T5 export is not "
-                         "there yet; other families have no Hugging Face counterpart)")
+        raise ValueError(f"model.family={family!r}: expected 'gpt', 'bert' or 't5' (the "
+                         "families with a Hugging Face counterpart)")
     hf_config, state = exporter(model_config, params, transformers)
     return hf_config, {k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}
 
@@ -262,6 +324,8 @@ def export_workdir(workdir: str, output: str, step: int | None = None) -> dict:
         value = getattr(tokenizer, f"{role}_id", None)
         if value is not None:
             setattr(hf_config, f"{role}_token_id", int(value))
+    if config.model.family == "t5":
+        hf_config.decoder_start_token_id = int(tokenizer.decoder_start_id)
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)  # complete, then renamed
