@@ -1,0 +1,149 @@
+"""lm-evaluation-harness adapter (transformer.harness): tasks defined here from local JSONL files
+(nothing is downloaded) give the numbers computed directly from the model's log-probabilities."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from test_train import TINY_MODEL, assert_succeeded, run_cli  # noqa: E402
+
+from transformer import configs, generate, train  # noqa: E402
+from transformer.harness import TransformerLM  # noqa: E402
+
+QUESTIONS = [
+    {"question": "The capital of France is", "choices": ["Paris", "a fish", "blue"], "answer": 0},
+    {"question": "def main(argv):", "choices": ["\n    return 0", " 42", "!!"], "answer": 0},
+    {"question": "import os\nimport", "choices": [" sys", " 12345", "()"], "answer": 0},
+    {"question": "for i in range(", "choices": ["10):", "zebra", "\t\t"], "answer": 1},
+]
+TEXTS = [{"text": "Return the number of items in a container."},
+         {"text": "x = 1\n" * 30}]  # longer than max_length: several rolling windows
+PROMPTS = [{"prompt": "def f(x):\n    return", "target": " x"},
+           {"prompt": "import", "target": " os"}]
+
+
+def write_tasks(directory):
+    directory.mkdir(exist_ok=True)
+    for name, rows in (("mc", QUESTIONS), ("rolling", TEXTS), ("gen", PROMPTS)):
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = "dataset_path: json\ntest_split: test\n"
+    (directory / "mc.yaml").write_text(
+        f"task: local_mc\n{common}dataset_kwargs:\n  data_files:\n    test: "
+        f"{directory / 'mc.jsonl'}\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: answer\n"
+        "metric_list:\n  - metric: acc\n")
+    (directory / "rolling.yaml").write_text(
+        f"task: local_rolling\n{common}dataset_kwargs:\n  data_files:\n    test: "
+        f"{directory / 'rolling.jsonl'}\noutput_type: loglikelihood_rolling\n"
+        "doc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: bits_per_byte\n")
+    (directory / "gen.yaml").write_text(
+        f"task: local_gen\n{common}dataset_kwargs:\n  data_files:\n    test: "
+        f"{directory / 'gen.jsonl'}\noutput_type: generate_until\n"
+        "doc_to_text: '{{prompt}}'\ndoc_to_target: '{{target}}'\n"
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("harness") / "run"
+    config = configs.experiment("gpt_tiny")
+    config.update(steps=30, batch_size=8, seq_len=32, log_every=10, eval_every=30,
+                  eval_steps=1, checkpoint_every=30)
+    config.model.update(**TINY_MODEL)
+    train.train_and_evaluate(config, str(workdir))
+    return workdir
+
+
+def direct_logprob(lm, context: str, continuation: str) -> float:
+    """log p(continuation | <eos> context) from one forward pass, byte tokens (concatenative)."""
+    ids = [lm.eos] + lm.tokenizer.encode(context + continuation).tolist()
+    n = len(lm.tokenizer.encode(continuation))
+    logits = lm.model.apply({"params": lm.params}, jnp.asarray([ids[:-1]]))
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)))[0]
+    return float(sum(logp[t, ids[t + 1]] for t in range(len(ids) - 1 - n, len(ids) - 1)))
+
+
+def evaluate(lm, tmp_path, task):
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(write_tasks(tmp_path / "tasks")))
+    return lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager,
+                                   log_samples=False)["results"][task]
+
+
+@pytest.mark.slow
+def test_multiple_choice_accuracy_is_the_direct_log_likelihood_argmax(workdir, tmp_path):
+    lm = TransformerLM(workdir=str(workdir), batch_size=3)
+    result = evaluate(lm, tmp_path, "local_mc")
+    picks = [int(np.argmax([direct_logprob(lm, q["question"], " " + c) for c in q["choices"]]))
+             for q in QUESTIONS]
+    expected = np.mean([p == q["answer"] for p, q in zip(picks, QUESTIONS, strict=True)])
+    assert result["acc,none"] == pytest.approx(expected)
+    # And the scores themselves, through the adapter's batched, padded path.
+    requests = [type("R", (), {"args": (q["question"], " " + c)})()
+                for q in QUESTIONS for c in q["choices"]]
+    scores = lm.loglikelihood(requests)
+    direct = [direct_logprob(lm, *r.args) for r in requests]
+    np.testing.assert_allclose([s for s, _ in scores], direct, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_rolling_log_likelihood_covers_every_token_once(workdir, tmp_path):
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    lm = TransformerLM(workdir=str(workdir), max_length=16)
+    result = evaluate(lm, tmp_path, "local_rolling")
+    total, n_bytes, predicted = 0.0, 0, 0
+    for doc in TEXTS:  # the harness's windows, each scored by one direct forward pass
+        ids = lm.tokenizer.encode(doc["text"]).tolist()
+        for context, target in map(make_disjoint_window, get_rolling_token_windows(
+                ids, prefix_token=lm.eos, max_seq_len=16, context_len=1)):
+            fed = (context + target)[:-1]
+            logits = lm.model.apply({"params": lm.params}, jnp.asarray([fed]))
+            logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)))[0]
+            total += sum(logp[len(fed) - len(target) + k, t] for k, t in enumerate(target))
+            predicted += len(target)
+        n_bytes += len(doc["text"].encode())
+    assert predicted == sum(len(lm.tokenizer.encode(d["text"])) for d in TEXTS)
+    assert len(lm.tokenizer.encode(TEXTS[1]["text"])) > 3 * 16  # several windows
+    assert result["bits_per_byte,none"] == pytest.approx(-total / n_bytes / math.log(2),
+                                                         rel=1e-4)
+
+
+@pytest.mark.slow
+def test_generate_until_is_greedy_kv_cache_decoding_cut_at_the_stop_string(workdir, tmp_path):
+    lm = TransformerLM(workdir=str(workdir))
+    requests = [type("R", (), {"args": (p["prompt"], {"until": ["\n"], "max_gen_toks": 8})})()
+                for p in PROMPTS]
+    got = lm.generate_until(requests)
+    for text, p in zip(got, PROMPTS, strict=True):
+        prompt = [lm.eos] + lm.tokenizer.encode(p["prompt"]).tolist()
+        tokens, lengths = generate.decode(lm.model, lm.params, [prompt], max_new_tokens=8,
+                                          eos_id=lm.eos, banned_ids=lm.banned)
+        ids = tokens[0, :lengths[0]]
+        assert text == lm.tokenizer.decode(ids[ids != lm.eos]).split("\n")[0]
+    result = evaluate(lm, tmp_path, "local_gen")
+    expected = np.mean([t == p["target"] for t, p in zip(got, PROMPTS, strict=True)])
+    assert result["exact_match,none"] == pytest.approx(expected)
+
+
+@pytest.mark.slow
+def test_the_lm_eval_command_runs_with_the_model_registered(workdir, tmp_path):
+    tasks = write_tasks(tmp_path / "tasks")
+    result = run_cli("transformer.harness", "--model", "transformer", "--model_args",
+                     f"workdir={workdir},batch_size=4", "--tasks", "local_mc",
+                     "--include_path", str(tasks), "--output_path", str(tmp_path / "out"),
+                     logs=tmp_path)
+    assert_succeeded(result)
+    assert "local_mc" in result.stdout and "acc" in result.stdout
+    assert any(f.endswith(".json") for _, _, files in os.walk(tmp_path / "out") for f in files)
