@@ -21,8 +21,9 @@ import numpy as np
 from transformer.layers import stack_layers
 from transformer.models import default_model_config
 
+# GPT-2's activation_function and BERT's hidden_act (T5's feed-forward: _t5_activation).
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
-                "relu": "relu", "gated-gelu": "geglu", "gated-silu": "swiglu"}
+                "relu": "relu"}
 
 
 class _Checkpoint:
@@ -137,6 +138,16 @@ def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
     if getattr(hf_config, "position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"BERT position_embedding_type={hf_config.position_embedding_type!r}: "
                          "expected 'absolute'")
+    for name, supported in (("is_decoder", False), ("add_cross_attention", False),
+                            ("tie_word_embeddings", True)):
+        if getattr(hf_config, name, supported) != supported:
+            raise ValueError(f"BERT {name}={getattr(hf_config, name)!r}: expected {supported!r} "
+                             "(this model does not represent it)")
+    dropout = getattr(hf_config, "classifier_dropout", None)
+    if dropout is not None and dropout != hf_config.hidden_dropout_prob:
+        raise ValueError(f"BERT classifier_dropout={dropout} with hidden_dropout_prob="
+                         f"{hf_config.hidden_dropout_prob}: expected None or equal (one "
+                         "model.dropout_rate)")
     d, n = hf_config.hidden_size, hf_config.num_attention_heads
     root = "bert." if any(k.startswith("bert.") for k in state_dict) else ""
     classify = any(k.startswith("classifier.") for k in state_dict)
@@ -197,8 +208,24 @@ def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
     return config, _maybe_scan(config, params, "encoder")
 
 
+def _t5_activation(hf_config) -> str:
+    """T5's feed-forward as the model builds it: `is_gated_act` and `dense_act_fn` (which
+    T5Config derives from feed_forward_proj, and which a config may also set directly)."""
+    gated = bool(getattr(hf_config, "is_gated_act", False))
+    act = getattr(hf_config, "dense_act_fn", "relu")
+    table = {"gelu_new": "geglu", "gelu_pytorch_tanh": "geglu", "silu": "swiglu"} if gated \
+        else {"relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+              "gelu": "gelu"}
+    if act not in table:
+        raise ValueError(f"T5 dense_act_fn={act!r} with is_gated_act={gated}: expected one of "
+                         f"{sorted(table)}")
+    return table[act]
+
+
 def t5(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """T5ForConditionalGeneration (T5 v1.0 and v1.1 / gated-GELU) -> (config, params)."""
+    if getattr(hf_config, "is_decoder", False):
+        raise ValueError("T5 is_decoder=True: expected False (an encoder-decoder checkpoint)")
     d, n = hf_config.d_model, hf_config.num_heads
     # transformers 5 always ties T5's head and records the original choice as
     # `scale_decoder_outputs`; older configs say `tie_word_embeddings`. Trust the tensors.
@@ -211,7 +238,7 @@ def t5(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDi
         scale_decoder_output=bool(scale),
         num_layers=hf_config.num_layers, num_decoder_layers=hf_config.num_decoder_layers,
         d_model=d, num_heads=n, head_dim=hf_config.d_kv, d_ff=hf_config.d_ff,
-        activation=_activation(hf_config.feed_forward_proj), norm="rmsnorm",
+        activation=_t5_activation(hf_config), norm="rmsnorm",
         norm_placement="pre", norm_epsilon=hf_config.layer_norm_epsilon, position="t5",
         t5_num_buckets=hf_config.relative_attention_num_buckets,
         t5_max_distance=hf_config.relative_attention_max_distance, use_bias=False,
@@ -294,9 +321,10 @@ def qwen2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Confi
     """Qwen2ForCausalLM / Qwen2Model: Llama with biases on the q/k/v projections
     (model.qkv_bias). Per-layer sliding windows (use_sliding_window) are refused."""
     kinds = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
-    if getattr(hf_config, "use_sliding_window", False) and kinds != {"full_attention"}:
-        raise ValueError(f"Qwen2 use_sliding_window=True (layer_types {sorted(kinds)}): expected "
-                         "False (one attention pattern for every layer)")
+    if kinds != {"full_attention"}:
+        raise ValueError(f"Qwen2 layer_types {sorted(kinds)} (use_sliding_window="
+                         f"{getattr(hf_config, 'use_sliding_window', False)}): expected only "
+                         "'full_attention' (one attention pattern for every layer)")
     return _llama_like("Qwen2", hf_config, state_dict, dtype, qkv_bias=True)
 
 

@@ -1,0 +1,212 @@
+"""Every field of every supported Hugging Face config class is honoured, refused or inert.
+
+For each config class the converter reads (GPT-2, BERT, T5, Llama, Mistral, Qwen2), every key of
+`config.to_dict()` is in exactly one table below:
+- HONOURED: changing it changes our logits exactly as it changes HF's (both compared to 1e-4);
+- REFUSED: `convert.from_hf` raises a ValueError naming it;
+- INERT: it does not change HF's logits at all (checked: the same weights under the changed
+  config give the same HF logits), so there is nothing to honour; or METADATA (names, output
+  flags, label maps), which no forward pass reads.
+A field a new transformers version adds fails the coverage test until it is decided here.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax.numpy as jnp  # noqa: E402
+from test_hf_equivalence import VOCAB, randomized, relative_difference, tokens  # noqa: E402
+
+from transformer import convert  # noqa: E402
+from transformer.models import build_model  # noqa: E402
+
+LLAMA_BASE = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=48, vocab_size=VOCAB,
+                  max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+MODELS = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
+        eos_token_id=0)),
+    "bert": ("BertConfig", "BertForMaskedLM", dict(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0)),
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(
+        num_layers=2, num_decoder_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=48,
+        vocab_size=VOCAB, relative_attention_num_buckets=8, relative_attention_max_distance=20,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_BASE),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA_BASE, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA_BASE),
+}
+METADATA = {"_name_or_path", "architectures", "model_type", "transformers_version",
+            "return_dict", "output_attentions", "output_hidden_states", "problem_type",
+            "id2label", "label2id", "dtype", "is_encoder_decoder", "use_cache"}
+ROPE_LINEAR = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA_HONOURED = {
+    "num_hidden_layers": {"num_hidden_layers": 3}, "hidden_size": {"hidden_size": 48},
+    "num_attention_heads": {"num_attention_heads": 8}, "intermediate_size":
+    {"intermediate_size": 40}, "num_key_value_heads": {"num_key_value_heads": 1},
+    "head_dim": {"head_dim": 16}, "rms_norm_eps": {"rms_norm_eps": 0.5},
+    "rope_parameters": {"rope_parameters": ROPE_LINEAR}, "vocab_size": {"vocab_size": 77},
+    "tie_word_embeddings": {"tie_word_embeddings": True},
+}
+LLAMA_INERT = {"attention_dropout": {"attention_dropout": 0.5}, "initializer_range":
+               {"initializer_range": 0.5}, "bos_token_id": {"bos_token_id": 3},
+               "eos_token_id": {"eos_token_id": 3}, "pad_token_id": {"pad_token_id": 3},
+               "chunk_size_feed_forward": {"chunk_size_feed_forward": 2},
+               # RoPE positions have no table: the length bound changes no logit
+               "max_position_embeddings": {"max_position_embeddings": 32}}
+HONOURED = {
+    "gpt2": {"n_layer": {"n_layer": 3}, "n_embd": {"n_embd": 48}, "n_head": {"n_head": 8},
+             "n_inner": {"n_inner": 40}, "activation_function": {"activation_function": "relu"},
+             "layer_norm_epsilon": {"layer_norm_epsilon": 0.5}, "n_positions":
+             {"n_positions": 32}, "vocab_size": {"vocab_size": 77}, "scale_attn_weights":
+             {"scale_attn_weights": False}, "tie_word_embeddings": {"tie_word_embeddings": False}},
+    "bert": {"num_hidden_layers": {"num_hidden_layers": 3}, "hidden_size": {"hidden_size": 48},
+             "num_attention_heads": {"num_attention_heads": 8}, "intermediate_size":
+             {"intermediate_size": 40}, "hidden_act": {"hidden_act": "relu"}, "layer_norm_eps":
+             {"layer_norm_eps": 0.5}, "max_position_embeddings": {"max_position_embeddings": 32},
+             "type_vocab_size": {"type_vocab_size": 3}, "vocab_size": {"vocab_size": 77}},
+    "t5": {"num_layers": {"num_layers": 3}, "num_decoder_layers": {"num_decoder_layers": 3},
+           "d_model": {"d_model": 48}, "d_kv": {"d_kv": 4}, "num_heads": {"num_heads": 8},
+           "d_ff": {"d_ff": 40}, "feed_forward_proj": {"feed_forward_proj": "gated-gelu"},
+           "layer_norm_epsilon": {"layer_norm_epsilon": 0.5}, "relative_attention_num_buckets":
+           {"relative_attention_num_buckets": 16}, "relative_attention_max_distance":
+           {"relative_attention_max_distance": 8}, "vocab_size": {"vocab_size": 77},
+           "scale_decoder_outputs": {"scale_decoder_outputs": False},
+           # what the model is built from (T5Config derives them from feed_forward_proj)
+           "is_gated_act": {"is_gated_act": True, "dense_act_fn": "gelu_new"},
+           "dense_act_fn": {"dense_act_fn": "gelu_new"},
+           "tie_word_embeddings": {"tie_word_embeddings": False}},
+    "llama": LLAMA_HONOURED,
+    "mistral": {**LLAMA_HONOURED, "sliding_window": {"sliding_window": 3}},
+    "qwen2": {k: v for k, v in LLAMA_HONOURED.items() if k != "head_dim"},
+}
+REFUSED = {
+    "gpt2": {"add_cross_attention": {"add_cross_attention": True}, "reorder_and_upcast_attn":
+             {"reorder_and_upcast_attn": True}, "scale_attn_by_inverse_layer_idx":
+             {"scale_attn_by_inverse_layer_idx": True}, "embd_pdrop": {"embd_pdrop": 0.0}},
+    "bert": {"is_decoder": {"is_decoder": True}, "add_cross_attention":
+             {"add_cross_attention": True}, "tie_word_embeddings": {"tie_word_embeddings": False},
+             "classifier_dropout": {"classifier_dropout": 0.5}},
+    "t5": {"is_decoder": {"is_decoder": True}, "dense_act_fn": {"dense_act_fn": "tanh"}},
+    "llama": {"attention_bias": {"attention_bias": True}, "mlp_bias": {"mlp_bias": True},
+              "pretraining_tp": {"pretraining_tp": 2}, "hidden_act": {"hidden_act": "gelu"},
+              "rope_parameters": {"rope_parameters": LLAMA3}},
+    "mistral": {"hidden_act": {"hidden_act": "gelu"}, "rope_parameters":
+                {"rope_parameters": LLAMA3}},
+    "qwen2": {"hidden_act": {"hidden_act": "gelu"}, "rope_parameters": {"rope_parameters": LLAMA3},
+              "use_sliding_window": {"use_sliding_window": True, "sliding_window": 4,
+                                     "max_window_layers": 1},
+              "layer_types": {"layer_types": ["sliding_attention", "full_attention"]}},
+}
+INERT = {
+    "gpt2": {"attn_pdrop": {"attn_pdrop": 0.5}, "resid_pdrop": {"resid_pdrop": 0.5,
+                                                                "embd_pdrop": 0.5},
+             "initializer_range": {"initializer_range": 0.5}, "bos_token_id": {"bos_token_id": 3},
+             "eos_token_id": {"eos_token_id": 3}, "pad_token_id": {"pad_token_id": 3},
+             # the summary head of GPT2DoubleHeadsModel, which the LM does not have
+             "summary_activation": {"summary_activation": "tanh"}, "summary_first_dropout":
+             {"summary_first_dropout": 0.5}, "summary_proj_to_labels":
+             {"summary_proj_to_labels": False}, "summary_type": {"summary_type": "last"},
+             "summary_use_proj": {"summary_use_proj": False},
+             "chunk_size_feed_forward": {"chunk_size_feed_forward": 2}},
+    "bert": {"attention_probs_dropout_prob": {"attention_probs_dropout_prob": 0.5},
+             "hidden_dropout_prob": {"hidden_dropout_prob": 0.5}, "initializer_range":
+             {"initializer_range": 0.5}, "bos_token_id": {"bos_token_id": 3}, "eos_token_id":
+             {"eos_token_id": 3}, "pad_token_id": {"pad_token_id": 3},
+             "chunk_size_feed_forward": {"chunk_size_feed_forward": 2}},
+    "t5": {"dropout_rate": {"dropout_rate": 0.5}, "initializer_factor":
+           {"initializer_factor": 0.5}, "classifier_dropout": {"classifier_dropout": 0.5},
+           "eos_token_id": {"eos_token_id": 3}, "pad_token_id": {"pad_token_id": 3},
+           "decoder_start_token_id": {"decoder_start_token_id": 3},  # generation only
+           "chunk_size_feed_forward": {"chunk_size_feed_forward": 2}},
+    "llama": LLAMA_INERT,
+    "mistral": LLAMA_INERT,
+    # without use_sliding_window (and sliding layer_types, refused) Qwen2 reads neither
+    "qwen2": {**LLAMA_INERT, "sliding_window": {"sliding_window": 3}, "max_window_layers":
+              {"max_window_layers": 1}},
+}
+
+
+def hf_config(name: str, **changes):
+    config_class, _, base = MODELS[name]
+    return getattr(transformers, config_class)(**{**base, **changes})
+
+
+def hf_model(name: str, config, seed=0):
+    torch.manual_seed(seed)
+    return randomized(getattr(transformers, MODELS[name][1])(config))
+
+
+def inputs(name: str, vocab: int):
+    ids = tokens(11, (2, 12)) % vocab
+    if name == "t5":
+        dec = tokens(12, (2, 6)) % vocab
+        return dict(input_ids=ids, decoder_input_ids=dec), (ids, dec)
+    return dict(input_ids=ids), (ids,)
+
+
+def hf_logits(model, hf_inputs):
+    with torch.no_grad():
+        return model(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).logits.numpy()
+
+
+def our_logits(model, args):
+    config, params = convert.from_hf(model.config, model.state_dict())
+    return np.asarray(build_model(config).apply({"params": params}, *map(jnp.asarray, args)))
+
+
+def cases(table):
+    return [(name, field, change) for name, fields in table.items()
+            for field, change in fields.items()]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_config_field_is_decided(name):
+    keys = set(hf_config(name).to_dict())
+    decided = set(HONOURED[name]) | set(REFUSED[name]) | set(INERT[name]) | METADATA
+    assert not keys - decided, f"{name}: decide these fields: {sorted(keys - decided)}"
+    assert not (set(HONOURED[name]) & set(INERT[name])) and not (
+        set(REFUSED[name]) & set(INERT[name]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,field,change", cases(HONOURED))
+def test_honoured_fields_change_our_logits_as_they_change_hfs(name, field, change):
+    config = hf_config(name, **change)
+    model = hf_model(name, config)
+    hf_inputs, args = inputs(name, config.vocab_size)
+    expected = hf_logits(model, hf_inputs)
+    assert relative_difference(our_logits(model, args), expected) <= 1e-4
+    # ... and it does change them: the same field at its default differs (shapes or values).
+    default = hf_model(name, hf_config(name))
+    before = hf_logits(default, hf_inputs if config.vocab_size == VOCAB else
+                       inputs(name, VOCAB)[0])
+    assert before.shape != expected.shape or not np.allclose(before, expected)
+
+
+@pytest.mark.parametrize("name,field,change", cases(REFUSED))
+def test_refused_fields_raise_naming_the_field(name, field, change):
+    config = hf_config(name, **change)
+    state = hf_model(name, hf_config(name)).state_dict()
+    with pytest.raises(ValueError, match=field.split("_")[0] if field == "rope_parameters"
+                       else field) as error:
+        convert.from_hf(config, state)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,field,change", cases(INERT))
+def test_inert_fields_do_not_change_hf_logits(name, field, change):
+    default = hf_model(name, hf_config(name))
+    changed_config = hf_config(name, **change)
+    changed = getattr(transformers, MODELS[name][1])(changed_config).eval()
+    changed.load_state_dict(default.state_dict())
+    hf_inputs, args = inputs(name, VOCAB)
+    np.testing.assert_array_equal(hf_logits(changed, hf_inputs), hf_logits(default, hf_inputs))
+    assert relative_difference(our_logits(changed, args), hf_logits(default, hf_inputs)) <= 1e-4
