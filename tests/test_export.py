@@ -17,7 +17,8 @@ from transformer import convert, export, generate  # noqa: E402
 from transformer.models import build_model, default_model_config  # noqa: E402
 
 EXPORTABLE = ["gpt2", "gpt2_untied", "gpt2_unscaled_attention", "llama_gqa",
-              "llama_tied_linear_rope", "llama_mqa_head_dim_16", "mistral_window_4",
+              "llama_tied_linear_rope", "llama_mqa_head_dim_16", "llama_rope_llama3",
+              "mistral_window_4",
               "qwen2_qkv_bias", "bert_mlm", "bert_classifier", "t5_v1_0", "t5_v1_1"]
 
 

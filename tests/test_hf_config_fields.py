@@ -44,8 +44,8 @@ METADATA = {"_name_or_path", "architectures", "model_type", "transformers_versio
             "return_dict", "output_attentions", "output_hidden_states", "problem_type",
             "id2label", "label2id", "dtype", "is_encoder_decoder", "use_cache"}
 ROPE_LINEAR = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+        "original_max_position_embeddings": 16}
 LLAMA_HONOURED = {
     "num_hidden_layers": {"num_hidden_layers": 3}, "hidden_size": {"hidden_size": 48},
     "num_attention_heads": {"num_attention_heads": 8}, "intermediate_size":
@@ -96,10 +96,10 @@ REFUSED = {
     "t5": {"is_decoder": {"is_decoder": True}, "dense_act_fn": {"dense_act_fn": "tanh"}},
     "llama": {"attention_bias": {"attention_bias": True}, "mlp_bias": {"mlp_bias": True},
               "pretraining_tp": {"pretraining_tp": 2}, "hidden_act": {"hidden_act": "gelu"},
-              "rope_parameters": {"rope_parameters": LLAMA3}},
+              "rope_parameters": {"rope_parameters": YARN}},
     "mistral": {"hidden_act": {"hidden_act": "gelu"}, "rope_parameters":
-                {"rope_parameters": LLAMA3}},
-    "qwen2": {"hidden_act": {"hidden_act": "gelu"}, "rope_parameters": {"rope_parameters": LLAMA3},
+                {"rope_parameters": YARN}},
+    "qwen2": {"hidden_act": {"hidden_act": "gelu"}, "rope_parameters": {"rope_parameters": YARN},
               "use_sliding_window": {"use_sliding_window": True, "sliding_window": 4,
                                      "max_window_layers": 1},
               "layer_types": {"layer_types": ["sliding_attention", "full_attention"]}},

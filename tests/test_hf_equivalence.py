@@ -1,6 +1,7 @@
 """Our GPT-2, BERT, T5 and Llama equal Hugging Face's PyTorch models given the same weights."""
 
 import contextlib
+import math
 from unittest import mock
 
 import flax.linen as nn
@@ -99,6 +100,11 @@ CASES = {
     "llama_tied_linear_rope": lambda: llama(
         tie=True, kv_heads=4, rope={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
     "llama_mqa_head_dim_16": lambda: llama(head_dim=16, kv_heads=1),
+    # Llama 3.1's frequency-dependent scaling: with head_dim 16, theta 500 and an original
+    # context of 32, wavelengths fall in all three bands (kept < 8 <= blended <= 32 < scaled)
+    "llama_rope_llama3": lambda: llama(head_dim=16, rope={
+        "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
     "mistral_window_4": lambda: llama(kind="Mistral", sliding_window=4),
     "qwen2_qkv_bias": lambda: llama(kind="Qwen2"),
 }
@@ -119,11 +125,22 @@ def llama_norm_in_float64(self, hidden):
 
 def llama_rope_in_float64(self, x, position_ids):
     """HF's rotary angles are float32 whatever the model's dtype; the same angles in float64
-    (default and linear scaling: inv_freq / factor)."""
+    (default, linear: inv_freq / factor, and llama3, Llama 3.1's published formula)."""
     rope = self.config.rope_parameters
     dim = 2 * self.inv_freq.shape[0]
     inv_freq = 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    angles = position_ids[..., None].double() * inv_freq / rope.get("factor", 1.0)
+    factor = rope.get("factor", 1.0)
+    if rope["rope_type"] == "llama3":
+        old = rope["original_max_position_embeddings"]
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        inv_freq = torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq,
+                               scaled)
+        factor = 1.0
+    angles = position_ids[..., None].double() * inv_freq / factor
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
@@ -272,10 +289,9 @@ def test_gpt2_and_llama_base_models_without_a_head_import():
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 32}),
-     "rope scaling type 'llama3': expected 'default' or 'linear'"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                           "original_max_position_embeddings": 16}),
+     "rope scaling type 'yarn': expected 'default', 'linear' or 'llama3'"),
     (dict(attention_bias=True), "Llama attention_bias=True: expected False"),
     (dict(mlp_bias=True), "Llama mlp_bias=True: expected False"),
     (dict(hidden_act="gelu"), "Llama hidden_act='gelu': expected 'silu'"),

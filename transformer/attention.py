@@ -216,6 +216,10 @@ class MultiHeadAttention(nn.Module):
     rope_theta: float | None = None
     rope_layout: str = "half"
     rope_scale: float = 1.0
+    rope_scaling: str = "linear"  # how rope_scale stretches positions: linear | llama3
+    rope_low_freq_factor: float = 1.0  # llama3 only (positions.rope_frequencies)
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     dropout_rate: float = 0.0
     init_std: float | None = None
     out_init_std: float | None = None
@@ -295,7 +299,11 @@ class MultiHeadAttention(nn.Module):
     def _rotate(self, x_BTNH: Array, positions: Array) -> Array:
         """RoPE at `positions` [B or 1, T]."""
         return positions_lib.apply_rope(x_BTNH, positions, theta=self.rope_theta,
-                                        layout=self.rope_layout, scale=self.rope_scale)
+                                        layout=self.rope_layout, scale=self.rope_scale,
+                                        scaling=self.rope_scaling,
+                                        low_freq_factor=self.rope_low_freq_factor,
+                                        high_freq_factor=self.rope_high_freq_factor,
+                                        original_max_len=self.rope_original_max_len)
 
     def _update_cache(self, key_BSKH: Array, value_BSKH: Array,
                       q_positions: Array | None) -> tuple[Array, Array]:

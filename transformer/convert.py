@@ -287,21 +287,27 @@ def t5(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDi
     return config, _maybe_scan(config, params, "encoder", "decoder")
 
 
-def _rope(hf_config) -> tuple[float, float]:
-    """(rope_theta, rope_scale) of a Llama-family config: transformers 5 keeps them in
+def _rope(hf_config) -> dict[str, Any]:
+    """The model's RoPE settings of a Llama-family config: transformers 5 keeps them in
     `rope_parameters` ({"rope_type", "rope_theta", "factor", ...}), older configs in
-    `rope_theta` / `rope_scaling`. Scaling types other than linear are refused."""
+    `rope_theta` / `rope_scaling`. Types other than default, linear and llama3 are refused."""
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     legacy = getattr(hf_config, "rope_scaling", None) or {}
     rope = {**legacy, **rope}
-    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    settings = {"rope_theta": float(rope.get("rope_theta", getattr(hf_config, "rope_theta",
+                                                                      10000.0)))}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return float(theta), 1.0
     if kind == "linear":
-        return float(theta), float(rope["factor"])
-    raise ValueError(f"rope scaling type {kind!r}: expected 'default' or 'linear' (this model "
-                     "has no other position interpolation)")
+        settings["rope_scale"] = float(rope["factor"])
+    elif kind == "llama3":
+        settings.update(rope_scale=float(rope["factor"]), rope_scaling="llama3",
+                        rope_low_freq_factor=float(rope["low_freq_factor"]),
+                        rope_high_freq_factor=float(rope["high_freq_factor"]),
+                        rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    elif kind != "default":
+        raise ValueError(f"rope scaling type {kind!r}: expected 'default', 'linear' or "
+                         "'llama3' (this model has no other position interpolation)")
+    return settings
 
 
 def llama(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
@@ -335,7 +341,7 @@ def _llama_like(name, hf_config, state_dict, dtype, *, window=None, qkv_bias=Fal
         if getattr(hf_config, key, supported) != supported:
             raise ValueError(f"{name} {key}={getattr(hf_config, key)!r}: expected "
                              f"{supported!r} (the only value this model represents)")
-    theta, scale = _rope(hf_config)
+    rope = _rope(hf_config)
     d, n = hf_config.hidden_size, hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or n
     head_dim = getattr(hf_config, "head_dim", None) or d // n
@@ -346,7 +352,7 @@ def _llama_like(name, hf_config, state_dict, dtype, *, window=None, qkv_bias=Fal
         num_kv_heads=None if kv == n else kv, head_dim=None if head_dim * n == d else head_dim,
         d_ff=hf_config.intermediate_size, activation="swiglu", norm="rmsnorm",
         norm_placement="pre", norm_epsilon=hf_config.rms_norm_eps, position="rope",
-        rope_theta=theta, rope_layout="half", rope_scale=scale,
+        rope_layout="half", **rope,
         max_len=hf_config.max_position_embeddings, use_bias=False,
         qkv_bias=True if qkv_bias else None, sliding_window=window,
         init_std=hf_config.initializer_range, dropout_rate=0.0,

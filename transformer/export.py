@@ -118,7 +118,12 @@ def _llama(config, params, transformers):
     head_dim = config.head_dim or config.d_model // config.num_heads
     kv = config.num_kv_heads or config.num_heads
     rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
-    if config.rope_scale != 1.0:
+    if config.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=float(config.rope_scale),
+                    low_freq_factor=float(config.rope_low_freq_factor),
+                    high_freq_factor=float(config.rope_high_freq_factor),
+                    original_max_position_embeddings=int(config.rope_original_max_len))
+    elif config.rope_scale != 1.0:
         rope.update(rope_type="linear", factor=float(config.rope_scale))
     more = {"sliding_window": config.sliding_window} if kind == "Mistral" else {}
     if kind == "Qwen2":

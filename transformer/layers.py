@@ -60,7 +60,11 @@ class TransformerConfig:
     max_len: int = 512  # learned positions only
     rope_theta: float = 10000.0
     rope_layout: str = "half"  # half | interleaved
-    rope_scale: float = 1.0
+    rope_scale: float = 1.0  # > 1: positions stretched by this factor, as rope_scaling says
+    rope_scaling: str = "linear"  # linear (position interpolation) | llama3 (Llama 3.1)
+    rope_low_freq_factor: float = 1.0  # llama3 only (positions.rope_frequencies)
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_len: int = 8192  # llama3 only: the context length trained at
     t5_num_buckets: int = 32
     t5_max_distance: int = 128
     use_bias: bool = True
@@ -88,6 +92,12 @@ class TransformerConfig:
         _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
         _check_choice("position", self.position, POSITIONS)
         _check_choice("rope_layout", self.rope_layout, ("half", "interleaved"))
+        _check_choice("rope_scaling", self.rope_scaling, ("linear", "llama3"))
+        if self.rope_scaling == "llama3" and not (
+                0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ValueError(f"rope_low_freq_factor={self.rope_low_freq_factor}, "
+                             f"rope_high_freq_factor={self.rope_high_freq_factor}: expected "
+                             "0 < low < high")
         _check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
         _check_choice("attention_impl", self.attention_impl, kernels.IMPLS)
         if self.sliding_window is not None:
@@ -249,6 +259,10 @@ class TransformerBlock(nn.Module):
             rope_theta=cfg.rope_theta if is_self and cfg.position == "rope" else None,
             rope_layout=cfg.rope_layout,
             rope_scale=cfg.rope_scale,
+            rope_scaling=cfg.rope_scaling,
+            rope_low_freq_factor=cfg.rope_low_freq_factor,
+            rope_high_freq_factor=cfg.rope_high_freq_factor,
+            rope_original_max_len=cfg.rope_original_max_len,
             dropout_rate=cfg.attention_dropout_rate,
             init_std=cfg.init_std,
             dtype=cfg.dtype,

@@ -75,15 +75,50 @@ class LearnedPositionEmbedding(nn.Module):
 # rotary position embeddings (RoPE)
 
 
+def rope_frequencies(H: int, *, theta: float = 10000.0, scale: float = 1.0,
+                     scaling: str = "linear", low_freq_factor: float = 1.0,
+                     high_freq_factor: float = 4.0, original_max_len: int = 8192) -> np.ndarray:
+    """The angle per position of each pair of head dims, float64 [H/2]: theta^(-2i/H) / scale
+    (scaling="linear": position interpolation), or Llama 3.1's scaling="llama3": wavelengths
+    shorter than original_max_len / high_freq_factor are kept, longer than original_max_len /
+    low_freq_factor divided by `scale`, and those between interpolated smoothly.
+
+    >>> rope_frequencies(4, theta=100.0, scale=2.0).tolist()
+    [0.5, 0.05]
+    >>> rope_frequencies(4, theta=100.0, scale=8.0, scaling="llama3", original_max_len=16,
+    ...                  low_freq_factor=1.0, high_freq_factor=4.0).round(4).tolist()
+    [0.5761, 0.0125]
+    """
+    if scaling not in ("linear", "llama3"):
+        raise ValueError(f"scaling={scaling!r}: expected 'linear' or 'llama3'")
+    inv_freq = theta ** (-2.0 * np.arange(H // 2, dtype=np.float64) / H)
+    if scaling == "linear":
+        return inv_freq / scale
+    if not 0 < low_freq_factor < high_freq_factor:
+        raise ValueError(f"low_freq_factor={low_freq_factor}, high_freq_factor="
+                         f"{high_freq_factor}: expected 0 < low < high")
+    wavelength = 2 * np.pi / inv_freq
+    smooth = (original_max_len / wavelength - low_freq_factor) / (
+        high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / scale + smooth * inv_freq
+    return np.where(wavelength < original_max_len / high_freq_factor, inv_freq,
+                    np.where(wavelength > original_max_len / low_freq_factor, inv_freq / scale,
+                             blended))
+
+
 def apply_rope(
-    x, positions, *, theta: float = 10000.0, layout: str = "half", scale: float = 1.0
+    x, positions, *, theta: float = 10000.0, layout: str = "half", scale: float = 1.0,
+    scaling: str = "linear", low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+    original_max_len: int = 8192,
 ) -> jax.Array:
-    """Rotate pairs of head dims of x by angle (pos / scale) * theta^(-2i/H).
+    """Rotate pairs of head dims of x by angle pos * `rope_frequencies(...)`, by default
+    (pos / scale) * theta^(-2i/H).
 
     x: [B, T, N, H]; positions: int [T] or [B, T] (absolute, e.g. decode offsets).
     layout="half" pairs dims (i, i + H/2) (GPT-NeoX / Llama "rotate_half");
     layout="interleaved" pairs dims (2i, 2i + 1) (RoFormer / GPT-J).
-    scale > 1 is linear position interpolation. Math in float32; returns x.dtype.
+    scale > 1 is linear position interpolation (scaling="llama3": Llama 3.1's per-frequency
+    version). Math in float32; returns x.dtype.
     """
     if layout not in _ROPE_LAYOUTS:
         raise ValueError(f"layout must be one of {_ROPE_LAYOUTS}, got {layout!r}")
@@ -99,9 +134,10 @@ def apply_rope(
         raise ValueError(f"head dim H must be even for RoPE, got H={H}")
     pos_BT = _as_batched(positions)
 
-    i = np.arange(H // 2, dtype=np.float64)
     compute = jnp.promote_types(x.dtype, jnp.float32)  # float32 (float64 stays float64)
-    inv_freq = jnp.asarray(theta ** (-2.0 * i / H) / scale, compute)  # [H/2]
+    inv_freq = jnp.asarray(rope_frequencies(
+        H, theta=theta, scale=scale, scaling=scaling, low_freq_factor=low_freq_factor,
+        high_freq_factor=high_freq_factor, original_max_len=original_max_len), compute)
     angle = pos_BT.astype(compute)[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
 
