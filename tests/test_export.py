@@ -121,6 +121,7 @@ def test_a_trained_workdir_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp
     # Importing the export gives back the very params.
     _, imported = convert.from_hf(hf.config, hf.state_dict())
     expected = flat(jax.tree.map(np.asarray, dict(saved.params)))
+    assert flat(imported).keys() == expected.keys()
     assert all(np.array_equal(v, expected[k]) for k, v in flat(imported).items())
     # An existing output is never overwritten.
     result = run_cli("transformer.export", f"--workdir={workdir}", f"--output={output}",
@@ -199,3 +200,40 @@ def test_a_trained_t5_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp_path
     our_tokens, _ = generate.decode(ours, saved.params, enc[:1], max_new_tokens=8, eos_id=None,
                                     start_id=hf.config.decoder_start_token_id)
     np.testing.assert_array_equal(our_tokens[0], hf_tokens)
+    _, imported = convert.from_hf(hf.config, hf.state_dict())
+    expected = flat(jax.tree.map(np.asarray, dict(saved.params)))
+    assert flat(imported).keys() == expected.keys()
+    assert all(np.array_equal(v, expected[k]) for k, v in flat(imported).items())
+
+
+@pytest.mark.slow
+def test_a_trained_bert_exports_and_hf_gives_our_logits(tmp_path):
+    workdir, output = tmp_path / "run", tmp_path / "hf"
+    assert_succeeded(run_cli("transformer.train", "--config=experiments/bert_mlm.py",
+                             f"--workdir={workdir}", *tiny_flags(2, family="bert"),
+                             logs=tmp_path))
+    assert_succeeded(run_cli("transformer.export", f"--workdir={workdir}",
+                             f"--output={output}", logs=tmp_path))
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(output).eval()
+    assert type(hf).__name__ == "BertForMaskedLM"
+
+    from transformer import checkpoint
+
+    saved = checkpoint.restore_params(str(workdir))
+    ids = tokens(13, (2, 12)) % saved.config.model.vocab_size
+    mask = np.ones_like(ids)
+    mask[1, 7:] = 0  # padding
+    types = np.zeros_like(ids)
+    types[:, 6:] = 1
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                      token_type_ids=torch.tensor(types)).logits.numpy()
+    got = np.asarray(build_model(saved.config.model).apply(
+        {"params": saved.params}, jnp.asarray(ids), token_types=jnp.asarray(types),
+        segment_ids=jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    assert relative_difference(got[valid], expected[valid]) <= 1e-4
+    _, imported = convert.from_hf(hf.config, hf.state_dict())
+    expected = flat(jax.tree.map(np.asarray, dict(saved.params)))
+    assert flat(imported).keys() == expected.keys()
+    assert all(np.array_equal(v, expected[k]) for k, v in flat(imported).items())
