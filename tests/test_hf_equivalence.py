@@ -264,7 +264,7 @@ def test_a_bert_base_model_without_a_head_imports_with_old_buffers(prefixed):
 
 
 @pytest.mark.slow
-def test_gpt2_and_llama_base_models_without_a_head_import():
+def test_gpt2_llama_and_t5_base_models_without_a_head_import():
     torch.manual_seed(0)
     hf, _, (ids,), _, _ = gpt2()
     base = randomized(transformers.GPT2Model(hf.config))
@@ -279,6 +279,16 @@ def test_gpt2_and_llama_base_models_without_a_head_import():
     config, params = convert.from_hf(hf.config, dict(transformers.LlamaModel(
         hf.config).state_dict()))
     assert set(params) == {"embed", "decoder"}  # init_from starts the untied head fresh
+    # T5Model: no lm_head; T5 v1.0's head is the shared embedding behind d_model^-0.5.
+    hf, hf_inputs, args, kwargs, _ = t5()
+    base = randomized(transformers.T5Model(hf.config))
+    config, params = convert.from_hf(hf.config, base.state_dict())
+    with torch.no_grad():
+        hidden = base(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).last_hidden_state
+    expected = (hidden * hf.config.d_model ** -0.5 @ base.shared.weight.T).detach().numpy()
+    got = np.asarray(build_model(config).apply({"params": params}, *map(jnp.asarray, args),
+                                               **{k: jnp.asarray(v) for k, v in kwargs.items()}))
+    assert relative_difference(got, expected) <= 1e-4
 
 
 @pytest.mark.parametrize("change,match", [
