@@ -32,6 +32,14 @@ def flat(tree, prefix=""):
     return out
 
 
+def assert_imports_back(hf, params) -> None:
+    """Importing the loaded export gives back exactly `params`, every key."""
+    _, imported = convert.from_hf(hf.config, hf.state_dict())
+    expected = flat(jax.tree.map(np.asarray, dict(params)))
+    assert flat(imported).keys() == expected.keys()
+    assert all(np.array_equal(v, expected[k]) for k, v in flat(imported).items())
+
+
 @pytest.mark.parametrize("case", EXPORTABLE)
 def test_to_hf_inverts_from_hf_bit_for_bit(case):
     torch.manual_seed(0)
@@ -118,11 +126,7 @@ def test_a_trained_workdir_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp
                                 min_new_tokens=10, pad_token_id=0).numpy()[0, 5:]
     our_tokens, _ = generate.decode(ours, saved.params, prompt, max_new_tokens=10, eos_id=None)
     np.testing.assert_array_equal(our_tokens[0], hf_tokens)
-    # Importing the export gives back the very params.
-    _, imported = convert.from_hf(hf.config, hf.state_dict())
-    expected = flat(jax.tree.map(np.asarray, dict(saved.params)))
-    assert flat(imported).keys() == expected.keys()
-    assert all(np.array_equal(v, expected[k]) for k, v in flat(imported).items())
+    assert_imports_back(hf, saved.params)
     # An existing output is never overwritten.
     result = run_cli("transformer.export", f"--workdir={workdir}", f"--output={output}",
                      logs=tmp_path)
@@ -173,20 +177,25 @@ def test_a_hugging_face_tokenizer_is_exported_with_its_roles(tmp_path):
     assert hf_config.eos_token_id == ours.eos_id and hf_config.vocab_size == ours.vocab_size
 
 
-@pytest.mark.slow
-def test_a_trained_t5_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp_path):
+def train_export_and_load(tmp_path, experiment: str, family: str, auto_class: str):
+    """(HF model loaded from the export, our restored params) of a tiny run of `experiment`
+    trained and exported through the CLI."""
+    from transformer import checkpoint
+
     workdir, output = tmp_path / "run", tmp_path / "hf"
-    assert_succeeded(run_cli("transformer.train", "--config=experiments/t5_span.py",
-                             f"--workdir={workdir}", *tiny_flags(2, family="t5"),
+    assert_succeeded(run_cli("transformer.train", f"--config=experiments/{experiment}.py",
+                             f"--workdir={workdir}", *tiny_flags(2, family=family),
                              logs=tmp_path))
     assert_succeeded(run_cli("transformer.export", f"--workdir={workdir}",
                              f"--output={output}", logs=tmp_path))
-    hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(output).eval()
+    hf = getattr(transformers, auto_class).from_pretrained(output).eval()
+    return hf, checkpoint.restore_params(str(workdir))
+
+
+@pytest.mark.slow
+def test_a_trained_t5_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp_path):
+    hf, saved = train_export_and_load(tmp_path, "t5_span", "t5", "AutoModelForSeq2SeqLM")
     assert type(hf).__name__ == "T5ForConditionalGeneration"
-
-    from transformer import checkpoint
-
-    saved = checkpoint.restore_params(str(workdir))
     ours = build_model(saved.config.model)
     vocab = saved.config.model.vocab_size
     enc, dec = tokens(9, (2, 12)) % vocab, tokens(10, (2, 6)) % vocab
@@ -200,26 +209,13 @@ def test_a_trained_t5_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp_path
     our_tokens, _ = generate.decode(ours, saved.params, enc[:1], max_new_tokens=8, eos_id=None,
                                     start_id=hf.config.decoder_start_token_id)
     np.testing.assert_array_equal(our_tokens[0], hf_tokens)
-    _, imported = convert.from_hf(hf.config, hf.state_dict())
-    expected = flat(jax.tree.map(np.asarray, dict(saved.params)))
-    assert flat(imported).keys() == expected.keys()
-    assert all(np.array_equal(v, expected[k]) for k, v in flat(imported).items())
+    assert_imports_back(hf, saved.params)
 
 
 @pytest.mark.slow
 def test_a_trained_bert_exports_and_hf_gives_our_logits(tmp_path):
-    workdir, output = tmp_path / "run", tmp_path / "hf"
-    assert_succeeded(run_cli("transformer.train", "--config=experiments/bert_mlm.py",
-                             f"--workdir={workdir}", *tiny_flags(2, family="bert"),
-                             logs=tmp_path))
-    assert_succeeded(run_cli("transformer.export", f"--workdir={workdir}",
-                             f"--output={output}", logs=tmp_path))
-    hf = transformers.AutoModelForMaskedLM.from_pretrained(output).eval()
+    hf, saved = train_export_and_load(tmp_path, "bert_mlm", "bert", "AutoModelForMaskedLM")
     assert type(hf).__name__ == "BertForMaskedLM"
-
-    from transformer import checkpoint
-
-    saved = checkpoint.restore_params(str(workdir))
     ids = tokens(13, (2, 12)) % saved.config.model.vocab_size
     mask = np.ones_like(ids)
     mask[1, 7:] = 0  # padding
@@ -233,10 +229,7 @@ def test_a_trained_bert_exports_and_hf_gives_our_logits(tmp_path):
         segment_ids=jnp.asarray(mask)))
     valid = mask.astype(bool)
     assert relative_difference(got[valid], expected[valid]) <= 1e-4
-    _, imported = convert.from_hf(hf.config, hf.state_dict())
-    expected = flat(jax.tree.map(np.asarray, dict(saved.params)))
-    assert flat(imported).keys() == expected.keys()
-    assert all(np.array_equal(v, expected[k]) for k, v in flat(imported).items())
+    assert_imports_back(hf, saved.params)
 
 
 def export_difference(case: str, directory) -> float:
