@@ -184,3 +184,19 @@ def test_a_run_with_test_path_reports_the_whole_test_split_at_its_end(text_file,
     assert again["num_tokens"] == sum(len(tokenizer.encode(d.text)) for d in docs)
     assert summary["test_bits_per_byte"] == pytest.approx(
         summary["test_loss"] / np.log(2) / inputs.bytes_per_token(config, tokenizer, "test"))
+
+
+def test_evaluation_splits_are_tokenized_once_and_again_when_the_text_changes(tmp_path):
+    text_file = tmp_path / "corpus.txt"
+    text_file.write_text(TEXT)
+    config = config_for(text_file, tokenizer="byte", unit="stream")
+    tokenizer = tokenizers.build_tokenizer("byte")
+    first = inputs.corpus(config, tokenizer, "validation")
+    assert inputs.corpus(config, tokenizer, "validation") is first  # every evaluation
+    assert inputs.corpus(config, tokenizer, "train") is not inputs.corpus(config, tokenizer,
+                                                                          "train")
+    text_file.write_text(TEXT + "One more paragraph.\n")
+    changed = inputs.corpus(config, tokenizer, "validation")
+    assert changed is not first
+    assert tokenizer.decode(changed.read(len(changed) - 21, len(changed) - 1)) == \
+        "One more paragraph.\n"

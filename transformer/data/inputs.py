@@ -241,7 +241,24 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> pipeline
                 shards.TokenShards(os.path.join(prepared, f"{split}_*.bin")), stream=True)
         records = sources.array_record_source(os.path.join(prepared, f"{split}-*.array_record"))
         return pipeline.Corpus.from_documents(list(records), stream=stream)
-    return pipeline.tokenize_documents(_documents(config, split), tokenizer, stream=stream)
+    if split == "train":  # built once per run
+        return pipeline.tokenize_documents(_documents(config, split), tokenizer, stream=stream)
+    # A run reads its validation / test text again at every evaluation: keep the tokens of the
+    # last few, keyed by the data settings, the files' fingerprints and the tokenizer.
+    data = config.data
+    paths = (data.path, data.get("validation_path", ""), data.get("test_path", ""))
+    key = (json.dumps(data.to_dict(), sort_keys=True, default=str), split, tokenizer,
+           tuple(sources.fingerprint(p) if p else "" for p in paths))
+    if key not in _EVAL_CORPORA:
+        _EVAL_CORPORA[key] = pipeline.tokenize_documents(_documents(config, split), tokenizer,
+                                                         stream=stream)
+        while len(_EVAL_CORPORA) > _EVAL_CORPORA_KEPT:
+            _EVAL_CORPORA.pop(next(iter(_EVAL_CORPORA)))
+    return _EVAL_CORPORA[key]
+
+
+_EVAL_CORPORA: dict = {}  # insertion-ordered: the oldest goes first
+_EVAL_CORPORA_KEPT = 8
 
 
 def bytes_per_token(config: ml_collections.ConfigDict, tokenizer, split: str) -> float:
