@@ -46,7 +46,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.max_grad_norm = 0.0  # > 0: a step whose gradient norm exceeds it is bad like NaN
     config.z_loss = 0.0
     config.label_smoothing = 0.0
-    config.peak_flops_per_device = 0.0  # for MFU in the logs; 0: measure a float32 matmul
+    # MFU's peak per device; 0: the published peak of the accelerator (metrics.PEAK_FLOPS) or,
+    # on CPU, this host's measured float32 matmul peak
+    config.peak_flops_per_device = 0.0
     # XLA options for the jitted steps, on top of placement.compiler_options' CPU defaults,
     # e.g. {'xla_cpu_multi_thread_eigen': False}.
     config.compiler_options = ml_collections.ConfigDict()
@@ -234,7 +236,7 @@ CHECKS: dict[str, Check] = {
     "max_grad_norm": _number(ge=0, note="0: off"),
     "z_loss": _number(ge=0, note="0: off"),
     "label_smoothing": _number(ge=0, lt=1),
-    "peak_flops_per_device": _number(ge=0, note="0: measure"),
+    "peak_flops_per_device": _number(ge=0, note="0: published or measured"),
     "eval_seq_lens": (lambda v: isinstance(v, tuple | list) and
                       all(_is_int(n) and n >= 2 for n in v), "a tuple of ints >= 2"),
     "init_from": _STR,  # its form and target: checkpoint.parse_init_from, below

@@ -1,9 +1,12 @@
 """What a run reports: the metrics logger (JSONL, TensorBoard, progress lines) and the FLOPs
-and MFU accounting."""
+and MFU accounting (model FLOPs per token, the peak they are measured against, and hardware
+FLOPs with rematerialisation)."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import sys
 import time
 
@@ -12,25 +15,132 @@ import jax
 from transformer import fileio
 from transformer.models import family_of
 
+# Dense (no sparsity) peak FLOP/s per chip, (device_kind prefix, bfloat16, float32 compute),
+# first match wins. TPU: Google Cloud's TPU system-architecture pages (v4, v5e, v5p, v6e); a
+# float32 matmul runs on the MXU at the bf16 rate under JAX's default precision. NVIDIA: the
+# A100 / H100 / H200 datasheets, bf16 Tensor Core and, for float32, TF32 Tensor Core, which
+# XLA uses for float32 matmuls by default.
+PEAK_FLOPS = (
+    ("TPU v4", 275e12, 275e12),
+    ("TPU v5 lite", 197e12, 197e12),  # v5e
+    ("TPU v5e", 197e12, 197e12),
+    ("TPU v5", 459e12, 459e12),  # v5p reports "TPU v5" (or "TPU v5p")
+    ("TPU v6", 918e12, 918e12),  # v6e / Trillium ("TPU v6 lite")
+    ("NVIDIA A100", 312e12, 156e12),
+    ("NVIDIA H100 PCIe", 756e12, 378e12),
+    ("NVIDIA H100", 989e12, 494e12),  # SXM
+    ("NVIDIA H200", 989e12, 494e12),
+)
+CPU_PEAK_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "transformer", "cpu_peak.json")
+
+
+def matmul_params(config, num_params: int) -> int:
+    """The params that multiply activations: all of them but the tables only looked up (learned
+    positions, and the token embedding when the output head is separate)."""
+    m = config.model
+    lookups = m.max_len * m.d_model if m.get("position") == "learned" else 0
+    if not m.get("tie_embeddings", True):
+        lookups += m.vocab_size * m.d_model
+    return num_params - lookups
+
 
 def flops_per_token(config, num_params: int) -> float:
-    """Model FLOPs per trained token: 6 N (matmuls, forward + backward) + attention scores."""
+    """Model FLOPs per trained token, the PaLM / nanoGPT convention: 6 N (N = matmul params,
+    forward + backward) + 12 L D T for the attention scores and values (D = heads x head_dim,
+    T = seq_len). Causal attention is *not* halved (MaxText halves it), so numbers compare with
+    nanoGPT's `estimate_mfu`. An encoder-decoder counts its decoder's self- and cross-attention
+    layers too."""
     m = config.model
-    attends = family_of(config).attention
-    attention = 12 * m.num_layers * m.d_model * config.seq_len if attends else 0
-    return 6 * num_params + attention
+    attention = 0
+    if family_of(config).attention:
+        width = m.num_heads * (m.get("head_dim") or m.d_model // m.num_heads)
+        layers = m.num_layers
+        if m.family == "t5":
+            layers += 2 * (m.get("num_decoder_layers") or m.num_layers)
+        attention = 12 * layers * width * config.seq_len
+    return 6 * matmul_params(config, num_params) + attention
 
 
-def measured_peak_flops(size: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of a square float32 matmul on one device: the peak MFU is measured against."""
-    a = jax.random.normal(jax.random.key(0), (size, size))
+def hardware_flops_per_token(config, num_params: int) -> float:
+    """FLOPs the hardware runs per token: the model FLOPs plus the forward pass that full
+    rematerialisation recomputes (2 N + a third of the attention); the "dots" policies save the
+    matmul outputs, so they recompute no matmuls."""
+    model = flops_per_token(config, num_params)
+    if config.model.get("remat_policy") != "full":
+        return model
+    attention = model - 6 * matmul_params(config, num_params)
+    return model + 2 * matmul_params(config, num_params) + attention / 3
+
+
+def _host_id() -> str:
+    model = ""
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), "")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model or platform.processor()} | {cores} cores | jax {jax.__version__}"
+
+
+def measured_cpu_peak(size: int = 2048, repeats: int = 5,
+                      cache: str | None = CPU_PEAK_CACHE) -> float:
+    """FLOP/s of this host's CPU on a float32 [size, size] matmul: compiled and warmed up,
+    best of `repeats` timings. Cached per CPU model, core count and jax version, so a machine
+    measures once (a run started while another is busy would otherwise read its contention)."""
+    key = _host_id()
+    if cache and os.path.isfile(cache):
+        try:
+            with open(cache) as f:
+                if (value := json.load(f).get(key)):
+                    return float(value)
+        except (OSError, ValueError):
+            pass
+    cpu = jax.local_devices(backend="cpu")[0]
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (size, size)), cpu)
     matmul = jax.jit(lambda x: x @ x)
     matmul(a).block_until_ready()
-    start = time.perf_counter()
+    matmul(a).block_until_ready()
+    best = float("inf")
     for _ in range(repeats):
-        a = matmul(a) * (1.0 / size)
-    a.block_until_ready()
-    return 2 * size**3 * repeats / (time.perf_counter() - start)
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    peak = 2 * size**3 / best
+    if cache:
+        try:
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            entries = {}
+            if os.path.isfile(cache):
+                with open(cache) as f:
+                    entries = json.load(f)
+            entries[key] = peak
+            fileio.write_atomic(cache, json.dumps(entries, indent=1))
+        except (OSError, ValueError):
+            pass  # an unwritable home: measure again next time
+    return peak
+
+
+def peak_flops(config, devices=None) -> tuple[float | None, str]:
+    """(peak FLOP/s per device, where it comes from) for MFU; (None, why) where there is no
+    honest figure. `config.peak_flops_per_device` > 0 wins; accelerators use `PEAK_FLOPS` by
+    device_kind and compute dtype; CPU devices share the host's measured peak."""
+    if configured := config.get("peak_flops_per_device", 0.0):
+        return float(configured), "config.peak_flops_per_device"
+    devices = devices or jax.devices()
+    device = devices[0]
+    if device.platform == "cpu":
+        local = sum(d.process_index == device.process_index for d in devices)
+        host = measured_cpu_peak()
+        return host / local, (f"measured: best float32 2048x2048 matmul on this host, "
+                              f"{host / 1e9:.0f} GFLOP/s shared by {local} CPU device(s)")
+    bf16 = config.model.get("dtype") == "bfloat16"
+    for prefix, bf16_peak, float32_peak in PEAK_FLOPS:
+        if device.device_kind.startswith(prefix):
+            return (bf16_peak if bf16 else float32_peak,
+                    f"published {'bf16' if bf16 else 'float32'} dense peak of "
+                    f"{device.device_kind}")
+    return None, (f"no published peak for device_kind {device.device_kind!r}: set "
+                  "peak_flops_per_device for MFU")
 
 
 def format_eta(seconds: float) -> str:

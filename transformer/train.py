@@ -127,6 +127,7 @@ class Run:
     tokenizer_saved: bool = False  # saved into the workdir with the first checkpoint
     last_metrics: dict = dataclasses.field(default_factory=dict)
     signal: int | None = None  # SIGTERM / SIGINT received: save and stop
+    peak: tuple = (None, "")  # (peak FLOP/s per device or None, its source): metrics.peak_flops
 
     def stop_requested(self) -> bool:
         return placement_lib.agreed(self.signal is not None)
@@ -242,6 +243,8 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     model = build_model(config.model)
     optimizer = optim.make_optimizer(config)
     placement = placement_lib.Placement.from_config(config)
+    # Before any data thread runs: a CPU peak measured for the first time must not compete.
+    peak = metrics_lib.peak_flops(config)
     train_data = iter(inputs.get_dataset(config, tokenizer, "train", rows=placement.rows))
     opened.callback(train_data.close)
     _check_splits(config, tokenizer, placement)
@@ -280,7 +283,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
                   tokenizer, "validation")),
               pipeline.Mixture(inputs.mixture_weights(config), config.seed)
               if config.data.get("sources") else None,
-              step=start_step, tokenizer_saved=resuming)
+              step=start_step, tokenizer_saved=resuming, peak=peak)
     run.logger.print(f"{config.experiment}: {config.model.family}, {run.num_params:,} params, "
                      f"batch {config.batch_size} x {config.seq_len}, "
                      f"steps {start_step}..{config.steps}, workdir {workdir}")
@@ -296,7 +299,8 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     return run
 
 
-def _log_train(run: Run, metrics, since: tuple[float, int], flops: float, peak: float) -> float:
+def _log_train(run: Run, metrics, since: tuple[float, int], flops: tuple[float, float],
+               peak: float | None) -> float:
     """Logs the train metrics of the current step, timed against `since` (time, step); returns
     the time it was timed at."""
     config, step = run.config, run.step
@@ -308,7 +312,10 @@ def _log_train(run: Run, metrics, since: tuple[float, int], flops: float, peak: 
     lr = float(optim.learning_rate_schedule(config.optimizer, config.steps)(step - 1))
     record = {k: float(v) for k, v in metrics.items()}
     record.update(learning_rate=lr, step_time=seconds, tokens_per_s=tokens_per_s)
-    record["mfu"] = tokens_per_s * flops / (peak * len(jax.devices()))
+    if peak:  # model and hardware FLOPs utilisation against the run's named peak
+        record["mfu"] = tokens_per_s * flops[0] / (peak * len(jax.devices()))
+        if flops[1] != flops[0]:
+            record["hfu"] = tokens_per_s * flops[1] / (peak * len(jax.devices()))
     if run.mixture is not None:  # rows read from each source so far, in closed form
         batches = run.train_data.get_state().get("next_index", step)  # the stream's position
         counts = run.mixture.counts(batches * config.batch_size)
@@ -319,7 +326,7 @@ def _log_train(run: Run, metrics, since: tuple[float, int], flops: float, peak: 
     run.logger.print(f"step {step}/{config.steps} loss {record['loss']:.4f} "
                      f"acc {record['accuracy']:.3f} lr {lr:.2e} "
                      f"gnorm {record['grad_norm']:.2f} {tokens_per_s:,.0f} tok/s "
-                     f"MFU {record['mfu']:.0%} "
+                     + (f"MFU {record['mfu']:.0%} " if "mfu" in record else "") +
                      f"ETA {metrics_lib.format_eta(eta)}", transient=True)
     run.last_metrics = record
     return now
@@ -348,12 +355,13 @@ def _evaluate(run: Run, split: str, steps: int | None, seq_len: int | None = Non
     return result
 
 
-def loop(run: Run, peak_flops: float) -> bool:
+def loop(run: Run, peak_flops: float | None) -> bool:
     """Trains from run.step to config.steps, logging (MFU against `peak_flops` per device),
     evaluating and checkpointing on the way; returns whether it stopped early on a signal
     (after saving)."""
     config = run.config
-    flops = metrics_lib.flops_per_token(config, run.num_params)
+    flops = (metrics_lib.flops_per_token(config, run.num_params),
+             metrics_lib.hardware_flops_per_token(config, run.num_params))
     since = (time.perf_counter(), run.start_step)
     stopping = False
     while run.step < config.steps and not stopping:
@@ -425,7 +433,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         run.signal = signum  # is ever picked up: Orbax commits a step only when complete)
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    peak = run.config.get("peak_flops_per_device", 0.0) or metrics_lib.measured_peak_flops()
+    peak, source = run.peak
+    run.logger.print(f"MFU against {peak:.3g} FLOP/s per device ({source})" if peak else
+                     f"no MFU: {source}")
     run_start = time.perf_counter()
     with run.placement.context():  # activation sharding constraints trace under the mesh
         try:
@@ -487,9 +497,12 @@ def main(argv) -> None:
     if language_model and jax.process_count() == 1 and result["state"] is not None:
         from transformer import generate
 
-        print("\nsamples:")
+        # nanoGPT's sampling settings, continuing the start of a validation document
+        prompt = inputs.sample_prompt(config)
+        print(f"\nsamples (temperature 0.8, top-k 200, prompt {prompt!r}):")
         for text in generate.sample_texts(result["model"], result["state"].params,
-                                          result["tokenizer"], config, num_samples=3):
+                                          result["tokenizer"], config, num_samples=3,
+                                          prompt=prompt, temperature=0.8, top_k=200):
             print("---\n" + text)
     print(json.dumps(result["summary"], indent=2))
 

@@ -261,6 +261,24 @@ _EVAL_CORPORA: dict = {}  # insertion-ordered: the oldest goes first
 _EVAL_CORPORA_KEPT = 8
 
 
+def sample_prompt(config: ml_collections.ConfigDict, max_chars: int = 32) -> str:
+    """A prompt suited to the data for end-of-training samples: the first line (at most
+    `max_chars` characters) of the first validation document; "" for token shards, prepared
+    data and mixtures, whose text is not at hand.
+
+    >>> config = ml_collections.ConfigDict({"data": {"path": "", "unit": "paragraph",
+    ...     "validation_fraction": 0.05, "validation_path": "", "sources": ()}})
+    >>> 0 < len(sample_prompt(config)) <= 32
+    True
+    """
+    data = config.data
+    if data.get("sources") or token_shard_dir(data.path) or _prepared_dir(config):
+        return ""
+    docs = _documents(config, "validation")
+    first_line = docs[0].text.lstrip("\n").split("\n", 1)[0] if docs else ""
+    return first_line[:max_chars]
+
+
 def bytes_per_token(config: ml_collections.ConfigDict, tokenizer, split: str) -> float:
     """UTF-8 bytes per token of a split (for bits-per-byte), <eos> tokens included."""
     _single_source(config, "bytes_per_token")

@@ -1,0 +1,96 @@
+"""FLOPs and MFU accounting (transformer.metrics): the formula against a hand count, the peak
+table by device kind, and the cached CPU measurement."""
+
+import json
+import types
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from transformer import configs, metrics
+from transformer.models import build_model
+
+# 2 layers, width 64, 4 heads, MLP 256, byte vocabulary of 256, learned positions up to 64.
+HAND_PARAMS = {
+    "embed": 256 * 64,
+    "positions": 64 * 64,
+    # q, k, v, out kernels + their biases; MLP in + out kernels + biases; two LayerNorms
+    "per layer": 4 * 64 * 64 + 4 * 64 + 64 * 256 + 256 + 256 * 64 + 64 + 2 * (64 + 64),
+    "final norm": 64 + 64,
+}
+
+
+def small_config(**model):
+    config = configs.base_config()
+    config.seq_len = 32
+    config.model.update(family="gpt", vocab_size=256, num_layers=2, d_model=64, num_heads=4,
+                        d_ff=256, position="learned", max_len=64, use_bias=True, **model)
+    return config
+
+
+def count_params(config) -> int:
+    variables = build_model(config.model).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    return sum(x.size for x in jax.tree.leaves(nn.unbox(variables["params"])))
+
+
+def test_flops_per_token_is_6n_plus_attention_against_a_hand_count():
+    config = small_config()
+    total = HAND_PARAMS["embed"] + HAND_PARAMS["positions"] + 2 * HAND_PARAMS["per layer"] + \
+        HAND_PARAMS["final norm"]
+    assert count_params(config) == total == 120_576
+    # N counts the matmul params: not the position table, which is only looked up; the tied
+    # token embedding is the output head's matmul too.
+    n = total - HAND_PARAMS["positions"]
+    attention = 12 * 2 * (4 * 16) * 32  # 12 L (heads x head_dim) T, causal not halved
+    assert metrics.flops_per_token(config, total) == 6 * n + attention == 748_032
+    # Untied: the head's kernel (64 x 256) is a matmul, the embedding a lookup: same N.
+    untied = small_config(tie_embeddings=False)
+    assert metrics.flops_per_token(untied, count_params(untied)) == 748_032
+    # Full rematerialisation recomputes the forward: + 2 N + a third of the attention.
+    remat = small_config(remat_policy="full")
+    assert metrics.hardware_flops_per_token(remat, total) == 748_032 + 2 * n + attention // 3
+    assert metrics.hardware_flops_per_token(config, total) == 748_032
+
+
+@pytest.mark.parametrize("kind,dtype,expected", [
+    ("TPU v4", "float32", 275e12),
+    ("TPU v5 lite", "bfloat16", 197e12),
+    ("TPU v5p", "bfloat16", 459e12),
+    ("TPU v6 lite", "bfloat16", 918e12),
+    ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
+    ("NVIDIA A100-SXM4-80GB", "float32", 156e12),
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12),
+    ("NVIDIA H100 PCIe", "bfloat16", 756e12),
+    ("NVIDIA H200", "float32", 494e12),
+])
+def test_accelerator_peaks_come_from_the_published_table(kind, dtype, expected):
+    device = types.SimpleNamespace(platform="tpu" if "TPU" in kind else "gpu",
+                                   device_kind=kind, process_index=0)
+    peak, source = metrics.peak_flops(small_config(dtype=dtype), [device])
+    assert peak == expected and kind in source and "published" in source
+
+
+def test_an_unknown_accelerator_gets_no_mfu_and_a_configured_peak_wins():
+    device = types.SimpleNamespace(platform="tpu", device_kind="TPU v9", process_index=0)
+    peak, source = metrics.peak_flops(small_config(), [device])
+    assert peak is None and "TPU v9" in source and "peak_flops_per_device" in source
+    config = small_config()
+    config.peak_flops_per_device = 1e12
+    assert metrics.peak_flops(config, [device]) == (1e12, "config.peak_flops_per_device")
+
+
+def test_the_cpu_peak_is_measured_once_per_host_and_shared_by_its_devices(tmp_path,
+                                                                           monkeypatch):
+    cache = tmp_path / "cpu_peak.json"
+    first = metrics.measured_cpu_peak(size=256, repeats=2, cache=str(cache))
+    assert first > 1e8  # any CPU this runs on does > 0.1 GFLOP/s
+    assert json.loads(cache.read_text()) == {metrics._host_id(): first}
+    monkeypatch.setattr(metrics.jax, "jit", lambda *a, **k: pytest.fail("measured again"))
+    assert metrics.measured_cpu_peak(size=256, cache=str(cache)) == first
+    monkeypatch.setattr(metrics, "CPU_PEAK_CACHE", str(cache))
+    monkeypatch.setattr(metrics, "measured_cpu_peak", lambda: first)
+    cpus = [types.SimpleNamespace(platform="cpu", device_kind="cpu", process_index=0)] * 4
+    peak, source = metrics.peak_flops(small_config(), cpus)
+    assert peak == pytest.approx(first / 4) and "shared by 4 CPU device(s)" in source
