@@ -323,3 +323,23 @@ def test_nanogpt_train_bin_and_val_bin_as_data_path(gpt2_dir, tmp_path):
                      logs=tmp_path)
     assert result.returncode == 2 and "holds token shards (*.bin): expected data.tokenizer='hf'" \
         in result.stderr
+
+
+@pytest.mark.parametrize("data,match", [
+    (dict(tokenizer="hf"), "data.tokenizer='hf' without data.tokenizer_path"),
+    (dict(tokenizer="byte", tokenizer_path="{dir}"), "expected data.tokenizer='hf'"),
+    (dict(tokenizer="hf", tokenizer_path="{dir}/nope"), "expected a Hugging Face tokenizer"),
+    (dict(tokenizer="hf", tokenizer_path="{dir}", vocab_size=500),
+     "data.vocab_size=500: expected 0 with data.tokenizer='hf'"),
+])
+def test_hf_tokenizer_settings_are_checked_before_anything_runs(gpt2_dir, tmp_path,
+                                                                monkeypatch, data, match):
+    # A tokenizer.json in the working directory must not stand in for a missing path.
+    (tmp_path / "tokenizer.json").write_bytes((gpt2_dir / "tokenizer.json").read_bytes())
+    monkeypatch.chdir(tmp_path)
+    config = configs.base_config()
+    config.data.update({k: v.format(dir=gpt2_dir) if isinstance(v, str) else v
+                        for k, v in data.items()})
+    with pytest.raises((ValueError, FileNotFoundError), match=match) as error:
+        configs.validate_config(config)
+    assert "\n" not in str(error.value)

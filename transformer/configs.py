@@ -391,7 +391,7 @@ def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:
     if kind == "hf":
         hf_dir = checkpoint_lib.parse_init_from(init_from)[1] if init_from.startswith("hf:") \
             else ""
-        if not path and not fileio.path(hf_dir or ".").joinpath("tokenizer.json").is_file():
+        if not path and not (hf_dir and fileio.path(hf_dir).joinpath("tokenizer.json").is_file()):
             raise ValueError("data.tokenizer='hf' without data.tokenizer_path: expected a "
                              "tokenizer.json path, or init_from='hf:DIR' with DIR/tokenizer.json")
         if size:
