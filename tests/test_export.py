@@ -269,3 +269,23 @@ if __name__ == "__main__":  # the export half of the tolerance table for the iss
     for name in EXPORTABLE:
         with tempfile.TemporaryDirectory() as d:
             print(f"{name:<26} {export_difference(name, d):>10.2e}")
+
+
+@pytest.mark.slow
+def test_a_run_sharded_over_four_devices_exports_on_one(tmp_path, monkeypatch):
+    workdir, output = tmp_path / "run", tmp_path / "hf"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                             f"--workdir={workdir}", *tiny_flags(2), "--config.batch_size=4",
+                             "--config.mesh.fsdp=4", "--config.mesh.data=1",
+                             *[f"--config.model.{k}={v}" for k, v in LLAMA_SHAPED.items()],
+                             logs=tmp_path))
+    monkeypatch.delenv("XLA_FLAGS")
+    assert_succeeded(run_cli("transformer.export", f"--workdir={workdir}",
+                             f"--output={output}", logs=tmp_path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
+    from transformer import checkpoint, sharding
+
+    one_device = sharding.make_mesh({axis: 1 for axis in sharding.MESH_AXES},
+                                    devices=jax.local_devices()[:1])
+    assert_imports_back(hf, checkpoint.restore_params(str(workdir), mesh=one_device).params)

@@ -21,11 +21,12 @@ import shutil
 import tempfile
 from typing import Any
 
+import jax
 import numpy as np
 from flax import traverse_util
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import fileio
+from transformer import fileio, sharding
 from transformer.layers import unstack_layers
 
 _GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -323,7 +324,10 @@ def export_workdir(workdir: str, output: str, step: int | None = None) -> dict:
                               "overwritten)")
     step, config = checkpoint_lib.saved_run(workdir, step)
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
-    params = checkpoint_lib.restore_params(workdir, step).params
+    # Read onto one local device, whatever mesh the run trained on (Orbax reshards).
+    one_device = sharding.make_mesh({axis: 1 for axis in sharding.MESH_AXES},
+                                    devices=jax.local_devices()[:1])
+    params = checkpoint_lib.restore_params(workdir, step, one_device).params
     hf_config, state = to_hf(config.model, params)
     for role in ("bos", "eos", "pad"):
         value = getattr(tokenizer, f"{role}_id", None)
