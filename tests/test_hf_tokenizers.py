@@ -323,6 +323,10 @@ def test_nanogpt_train_bin_and_val_bin_as_data_path(gpt2_dir, tmp_path):
                      logs=tmp_path)
     assert result.returncode == 2 and "holds token shards (*.bin): expected data.tokenizer='hf'" \
         in result.stderr
+    config = hf_config(gpt2_dir)
+    config.data.update(path=str(data), validation_path=str(SHAKESPEARE))
+    with pytest.raises(ValueError, match="their \\*val\\*.bin files are the validation split"):
+        configs.validate_config(config)
 
 
 @pytest.mark.parametrize("data,match", [

@@ -385,6 +385,10 @@ def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"data.path={shard_dirs[0]!r} holds token shards (*.bin): expected "
                          "data.tokenizer='hf' with the tokenizer they were written with "
                          "(data.tokenizer_path)")
+    if inputs.token_shard_dir(config.data.path) and config.data.get("validation_path"):
+        raise ValueError(f"data.validation_path={config.data.validation_path!r} with the token "
+                         f"shards at data.path={config.data.path!r}: expected '' (their "
+                         "*val*.bin files are the validation split)")
     if any(os.path.isfile(os.path.join(p, "prepare.json")) for p in paths) or (
             init_from and checkpoint_lib.parse_init_from(init_from)[0] == "workdir"):
         return
