@@ -243,7 +243,7 @@ CHECKS: dict[str, Check] = {
     "data.path": _STR,
     "data.unit": _one_of(sources.UNITS),
     "data.validation_path": _STR,
-    "data.test_path": _STR,  # exists, and goes with a text objective: _validate_sources
+    "data.test_path": _STR,  # exists, and goes with a text objective: _validate_test_path
     "data.validation_fraction": _number(ge=0, lt=1),
     # Each entry's fields, and data.path alongside: _validate_sources.
     "data.sources": (lambda v: isinstance(v, tuple | list) and all(isinstance(x, str) for x in v),
@@ -385,7 +385,7 @@ def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"data.path={shard_dirs[0]!r} holds token shards (*.bin): expected "
                          "data.tokenizer='hf' with the tokenizer they were written with "
                          "(data.tokenizer_path)")
-    if inputs.token_shard_dir(config.data.path) and config.data.get("validation_path"):
+    if config.data.path in shard_dirs and config.data.get("validation_path"):
         raise ValueError(f"data.validation_path={config.data.validation_path!r} with the token "
                          f"shards at data.path={config.data.path!r}: expected '' (their "
                          "*val*.bin files are the validation split)")

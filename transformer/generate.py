@@ -669,6 +669,11 @@ def _encode_prompt(tokenizer, prompt: str) -> np.ndarray:
     return tokenizer.encode(prompt)
 
 
+def _start_id(tokenizer, decoding: str) -> int:
+    """An encoder-decoder's first decoder token (the tokenizer's); decoder LMs read none."""
+    return tokenizer.decoder_start_id if decoding == "encoder_decoder" else BOS_ID
+
+
 def _until_eos(ids: np.ndarray, eos_id: int) -> np.ndarray:
     ends = np.flatnonzero(ids == eos_id)
     return ids[:ends[0]] if ends.size else ids
@@ -720,8 +725,7 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed,
                        prefix_lm=decoding == "prefix", chunk_size=chunk_size,
                        callback=on_tokens, banned_ids=banned, eos_id=eos,
-                       start_id=tokenizer.decoder_start_id if decoding == "encoder_decoder"
-                       else BOS_ID)
+                       start_id=_start_id(tokenizer, decoding))
     return to_texts(tokens)
 
 
@@ -751,8 +755,7 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
                                max_new_tokens=n, length_penalty=length_penalty,
                                prefix_lm=decoding == "prefix",
                                banned_ids=_banned_for(tokenizer, model, config), eos_id=eos,
-                               start_id=tokenizer.decoder_start_id
-                               if decoding == "encoder_decoder" else BOS_ID)
+                               start_id=_start_id(tokenizer, decoding))
     return tokenizer.decode(np.concatenate([keep, _until_eos(tokens[0], eos)]))
 
 
