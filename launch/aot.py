@@ -7,8 +7,9 @@ Needs libtpu (`pip install -e ".[tpu]"`, which works without a TPU): the slice's
 from `jax.experimental.topologies`, the mesh and shardings from the config exactly as training
 makes them, and XLA:TPU compiles the real train step. Prints per-chip memory (arguments,
 outputs, temporaries, code) against the chip's HBM, FLOPs per step from XLA's cost analysis,
-and whether it fits; exits 1 if it does not. `launch.tpu run` runs this before creating
-machines.
+the attention kernel compiled into the step (with the default "auto": splash where the masks
+allow it, since the step is compiled for the topology's TPU devices), and whether it fits;
+exits 1 if it does not. `launch.tpu run` runs this before creating machines.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Report:
     hbm_bytes: int = 0
     flops_per_chip: float = 0.0
     model_flops: float = 0.0
+    attention: tuple[str, ...] = ()  # the attention kernels traced into the step
     error: str = ""
 
     @property
@@ -105,7 +107,7 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
     import flax.linen as nn
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from transformer import metrics, optim, sharding, state
+    from transformer import kernels, metrics, optim, sharding, state
     from transformer.configs import validate_config
     from transformer.models import build_model
     from transformer.train import make_train_step
@@ -132,8 +134,10 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
                     hbm_bytes=accelerator.hbm_bytes)
     tokens = config.batch_size * config.seq_len
     report.model_flops = metrics.flops_per_token(config, num_params) * tokens
-    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
+    with (jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES),
+          kernels.recording() as chosen):
         lowered = step.lower(state_in, batch_in)
+    report.attention = tuple(sorted(set(chosen)))
     try:
         return lowered.compile(), report
     except Exception as error:  # noqa: BLE001 - XLA:TPU refuses programs that exceed HBM
@@ -210,6 +214,9 @@ def format_report(report: Report, config) -> str:
                  f"{report.model_flops:.3e} (6N per token + attention, without remat). XLA "
                  "counts a loop body once, also of the loops it makes itself (e.g. collective "
                  "matmuls on large slices), so its figure can be low")
+    kernel = ", ".join(report.attention) or "none (no attention layer)"
+    lines.append(f"attention kernel compiled into the step: {kernel} (model.attention_impl="
+                 f"{m.attention_impl!r})")
     lines.append("fits" if report.fits else "does not fit in HBM")
     return "\n".join(lines)
 

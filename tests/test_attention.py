@@ -114,6 +114,40 @@ def test_bfloat16_inputs_use_float32_softmax():
     np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=3e-2, rtol=3e-2)
 
 
+def test_bfloat16_attention_keeps_no_float32_scores_for_the_backward_pass():
+    """The [B, N, T, S] tensors the backward pass keeps are bfloat16 (half the memory of float32
+    scores), and the gradients still match the float32 computation's."""
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(6, q_len=32, kv_len=32))
+    mask = masks.And((masks.Causal(), masks.Segment(jnp.array([[0] * 20 + [1] * 12]))))
+
+    def f(q, k, v):
+        return dot_product_attention(q, k, v, mask)
+
+    _, vjp = jax.vjp(f, q, k, v)
+    kept = [x for x in jax.tree.leaves(vjp) if x.ndim == 4 and x.shape[-2:] == (32, 32)]
+    assert kept and all(x.dtype in (jnp.bfloat16, jnp.bool_) for x in kept), [
+        (x.shape, x.dtype) for x in kept]
+
+    cotangent = jnp.asarray(random_qkv(7, q_len=32, kv_len=32)[0], jnp.bfloat16)
+    grads = vjp(cotangent)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = jax.vjp(f, *f32)[1](cotangent.astype(jnp.float32))
+    for got, ref in zip(grads, want, strict=True):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), ref, atol=4e-2, rtol=4e-2)
+
+
+def test_low_precision_softmax_gradient_is_the_softmax_jacobian():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 9)) * 3, jnp.bfloat16)
+    g = jnp.asarray(np.random.default_rng(1).normal(size=(3, 9)), jnp.bfloat16)
+    y, vjp = jax.vjp(attention_lib.low_precision_softmax, x)
+    want_y, want_vjp = jax.vjp(jax.nn.softmax, x.astype(jnp.float32))
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), want_y, atol=4e-3)
+    np.testing.assert_allclose(np.asarray(vjp(g)[0], np.float32),
+                               want_vjp(g.astype(jnp.float32))[0], atol=1e-2)
+
+
 def test_attention_dropout_needs_rng_and_rescales():
     q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(6))
     with pytest.raises(ValueError, match="dropout_rng"):

@@ -220,6 +220,29 @@ def test_a_tiny_gpt_compiles_for_a_v5p_slice_and_reports_its_memory():
     # (counting the scanned body once would give about half).
     assert 0.8 < report.flops_per_chip * 4 / report.model_flops < 1.25
     assert "fits" in aot.format_report(report, config).splitlines()[-1]
+    assert report.attention == ("dense",)  # "auto" at 32 tokens: splash needs multiples of 128
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_auto_attention_compiles_splash_for_a_tpu_topology_from_a_cpu_host():
+    """The kernel is chosen for the devices the step is compiled for (the TPU topology), not for
+    the host's CPU backend: "auto" puts splash into the compiled step, and the report says so."""
+    from launch import aot
+    from transformer.configs import base_config
+
+    config = base_config()
+    config.update(batch_size=8, seq_len=128)
+    config.model.update(num_layers=2, d_model=128, num_heads=2, d_ff=256, vocab_size=512,
+                        max_len=128, dtype="bfloat16")
+    config.mesh.update(data=1, fsdp=4)
+    assert config.model.attention_impl == "auto"  # the default
+    accelerator = accelerators.parse("v5p-8")
+    devices = aot.tpu_topology(accelerator)
+    assert aot.jax.default_backend() == "cpu"
+    report = aot.compile_train_step(config, devices, accelerator)
+    assert report.attention == ("splash",) and not report.error
+    assert "attention kernel compiled into the step: splash" in aot.format_report(report, config)
 
 
 @pytest.mark.slow

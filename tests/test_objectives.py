@@ -182,6 +182,40 @@ def test_cross_entropy_computes_in_float32_for_bfloat16_logits():
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
 
 
+def test_bfloat16_logits_are_kept_in_bfloat16_for_the_backward_pass():
+    """No float32 copy of the [B, T, V] logits is kept for the gradient, which is bfloat16 and
+    equals the float32 computation's (softmax - labels, scaled by the weights)."""
+    logits, targets, weights = random_case(10)
+    low = jnp.asarray(logits, jnp.bfloat16)
+
+    def loss(x):
+        return objectives.cross_entropy(x, targets, weights, label_smoothing=0.1,
+                                        z_loss=1e-3)[0]
+
+    _, vjp = jax.vjp(loss, low)
+    kept = [x for x in jax.tree.leaves(vjp) if x.shape == low.shape]
+    assert kept and all(x.dtype in (jnp.bfloat16, jnp.bool_) for x in kept), [
+        x.dtype for x in kept]
+    grad = vjp(jnp.float32(1.0))[0]
+    want = jax.grad(loss)(low.astype(jnp.float32))
+    assert grad.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(grad, np.float32), want, atol=2e-4, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_log_normalizer_and_its_gradient_equal_logsumexp(dtype):
+    with jax.enable_x64(dtype == jnp.float64):
+        x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 7)) * 5, dtype)
+        x = x.at[0, 3].set(-jnp.inf)  # a banned entry: weight exactly 0
+        got, vjp = jax.vjp(objectives.log_normalizer, x)
+        want, want_vjp = jax.vjp(lambda x: jax.nn.logsumexp(x, axis=-1), x)
+        g = jnp.arange(1.0, 5.0, dtype=dtype)
+        tol = 1e-12 if dtype == jnp.float64 else 1e-6
+        np.testing.assert_allclose(got, want, rtol=tol)
+        np.testing.assert_allclose(vjp(g)[0], want_vjp(g)[0], rtol=tol, atol=tol)
+        assert float(vjp(g)[0][0, 3]) == 0.0
+
+
 # -----------------------------------------------------------------------------
 # next-token targets
 

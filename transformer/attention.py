@@ -22,7 +22,6 @@ from transformer.chunked_attention import check_qkv, chunked_attention
 from transformer.masks import Mask, as_dense
 
 Array = jax.Array
-_MASKED = float(jnp.finfo(jnp.float32).min)  # finite, so fully masked rows stay NaN-free
 
 
 def dot_product_attention(
@@ -47,8 +46,11 @@ def dot_product_attention(
       dropout_rate, dropout_rng: dropout on the attention weights (training only).
       return_weights: also return the weights [B, N, T, S] (float32, or float64).
 
-    Logits and softmax are float32 for every lower-precision input dtype. Masked keys get exactly
-    zero weight, and a query row with no allowed key returns zeros (its gradient is finite).
+    Float32 (or float64) inputs keep logits and weights in their dtype. Bfloat16 / float16 inputs
+    keep the [B, N, T, S] logits and weights in that dtype, half the memory, as MaxText does: the
+    matmuls accumulate in float32 and the softmax's max and sum run in float32
+    (`low_precision_softmax`). Masked keys get exactly zero weight, and a query row with no
+    allowed key returns zeros (its gradient is finite).
     """
     check_qkv(query, key, value)
     batch, q_len, num_heads, head_dim = query.shape
@@ -56,20 +58,26 @@ def dot_product_attention(
     group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
     acc = jnp.promote_types(query.dtype, jnp.float32)  # float32, or float64 for float64 inputs
+    low_precision = jnp.dtype(query.dtype).itemsize < 4  # bfloat16 / float16
+    scores = query.dtype if low_precision else acc  # the dtype of the [B, N, T, S] tensors
 
     # Batched matmuls in their canonical form, [batch..., M, K] x [batch..., K, N], with the
     # query group folded into M: XLA CPU runs the 5-index einsums 3x slower.
     query_BKMH = query.reshape(batch, q_len, num_kv_heads, group, head_dim).transpose(
         0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * q_len, head_dim)
     key_BKHS = key.transpose(0, 2, 3, 1)
-    logits_BKMS = jnp.matmul(query_BKMH, key_BKHS, preferred_element_type=acc)
+    logits_BKMS = jnp.matmul(query_BKMH, key_BKHS, preferred_element_type=scores)
     logits_BNTS = logits_BKMS.reshape(batch, num_heads, q_len, kv_len) * scale
     if bias is not None:
-        logits_BNTS = logits_BNTS + bias.astype(acc)
+        logits_BNTS = logits_BNTS + bias.astype(scores)
     allowed = as_dense(mask, q_len, kv_len)
     if allowed is not None:
-        logits_BNTS = jnp.where(allowed, logits_BNTS, _MASKED)
-    weights_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
+        # the dtype's most negative finite value, so fully masked rows stay NaN-free
+        logits_BNTS = jnp.where(allowed, logits_BNTS, float(jnp.finfo(scores).min))
+    if low_precision:
+        weights_BNTS = low_precision_softmax(logits_BNTS)
+    else:
+        weights_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
     if allowed is not None:
         weights_BNTS = jnp.where(allowed, weights_BNTS, 0.0)  # zero rows where nothing is allowed
 
@@ -85,7 +93,34 @@ def dot_product_attention(
                           preferred_element_type=acc)
     out_BTNH = out_BKMH.reshape(batch, num_heads, q_len, head_dim).transpose(0, 2, 1, 3).astype(
         query.dtype)
-    return (out_BTNH, weights_BNTS) if return_weights else out_BTNH
+    return (out_BTNH, weights_BNTS.astype(acc)) if return_weights else out_BTNH
+
+
+@jax.custom_vjp
+def low_precision_softmax(logits: Array) -> Array:
+    """softmax over the last axis of bfloat16 / float16 `logits`, computed in float32 and returned
+    in the input dtype; its backward pass keeps only that output (not a float32 copy) for the
+    gradient y * (g - sum(g * y)), which it also computes in float32.
+
+    >>> x = jnp.array([0.0, 1.0, 2.0], jnp.bfloat16)
+    >>> y = low_precision_softmax(x)
+    >>> y.dtype, [round(float(v), 2) for v in y]
+    (dtype(bfloat16), [0.09, 0.25, 0.66])
+    """
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
+
+
+def _low_precision_softmax_fwd(logits):
+    weights = low_precision_softmax(logits)
+    return weights, weights
+
+
+def _low_precision_softmax_bwd(weights, grad):
+    y, g = weights.astype(jnp.float32), grad.astype(jnp.float32)
+    return ((y * (g - jnp.sum(g * y, axis=-1, keepdims=True))).astype(weights.dtype),)
+
+
+low_precision_softmax.defvjp(_low_precision_softmax_fwd, _low_precision_softmax_bwd)
 
 
 def attend(
@@ -130,7 +165,7 @@ def attend(
     if dropout_rate or return_weights:
         impl = "dense"
     else:
-        platform = jax.default_backend()
+        platform = kernels.target_platform()
         mesh_set = not jax.sharding.get_abstract_mesh().empty
         impl = kernels.select(impl, platform=platform, mask=mask, bias=bias, dropout=0.0,
                               q_len=query.shape[1], kv_len=key.shape[1],
@@ -143,7 +178,7 @@ def attend(
         return chunked_attention(query, key, value, mask, bias, scale=scale)
     if impl == "splash":
         return kernels.splash_attention(query, key, value, mask, scale=scale,
-                                        interpret=jax.default_backend() != "tpu")
+                                        interpret=kernels.target_platform() != "tpu")
     if impl == "cudnn":
         return kernels.cudnn_attention(query, key, value, mask, scale=scale)
     return dot_product_attention(query, key, value, mask, bias, scale=scale,
@@ -226,9 +261,9 @@ class MultiHeadAttention(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     cross: bool = False  # cross-attention: under decode, K/V are cached once and reused
-    # kernels.IMPLS: "dense", "chunked" (O(T) memory), "splash", "cudnn" or "auto"; dropout on
+    # kernels.IMPLS: "auto", "dense", "chunked" (O(T) memory), "splash" or "cudnn"; dropout on
     # the weights and requests for the weights use dense
-    impl: str = "dense"
+    impl: str = "auto"
 
     @nn.compact
     def __call__(

@@ -31,6 +31,7 @@ boolean array) goes through splash's dynamic-mask path, which materialises a boo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -67,6 +68,38 @@ _CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 
 # -----------------------------------------------------------------------------
 # Selection
+
+
+def target_platform() -> str:
+    """The platform ("cpu" / "gpu" / "tpu") of the devices the computation being traced is for.
+
+    Under a mesh (`jax.set_mesh`) that is the mesh's devices, which for `launch.aot` are the TPU
+    topology's even on a CPU host; otherwise the default backend.
+    """
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = getattr(device, "platform", None)
+    return platform or jax.default_backend()
+
+
+_selected: list[list[str]] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Collects the implementation `select` resolves for each attention traced inside.
+
+    >>> with recording() as chosen:
+    ...     _ = select("auto", platform="cpu", mask=None, bias=None, dropout=0.0, q_len=8,
+    ...                kv_len=8, head_dim=16)
+    >>> chosen
+    ['dense']
+    """
+    chosen: list[str] = []
+    _selected.append(chosen)
+    try:
+        yield chosen
+    finally:
+        _selected.remove(chosen)
 
 
 def _splash_lowering(mask) -> str:
@@ -145,14 +178,17 @@ def select(impl: str, *, platform: str, mask: Mask | Array | None, bias: Any, dr
         if reason is not None:
             fallback = "'dense'" if dropout else "'chunked' or 'dense'"
             raise ValueError(f"impl={impl!r} {reason}; use impl={fallback} or 'auto'")
-        return impl
-    if platform == "tpu" and supports("splash", **args) and _splash_lowering(mask) != "dense":
-        return "splash"
-    if platform == "gpu" and supports("cudnn", **args):
-        return "cudnn"
-    if kv_len >= chunk_threshold and not dropout:
-        return "chunked"
-    return "dense"
+    elif platform == "tpu" and supports("splash", **args) and _splash_lowering(mask) != "dense":
+        impl = "splash"
+    elif platform == "gpu" and supports("cudnn", **args):
+        impl = "cudnn"
+    elif kv_len >= chunk_threshold and not dropout:
+        impl = "chunked"
+    else:
+        impl = "dense"
+    for chosen in _selected:
+        chosen.append(impl)
+    return impl
 
 
 # -----------------------------------------------------------------------------
@@ -282,7 +318,7 @@ def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array 
     batch, q_len, num_heads, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[1], key.shape[2]
     reason = _reason("splash", mask=mask, bias=None, dropout=0.0, q_len=q_len, kv_len=kv_len,
-                     head_dim=head_dim, platform=jax.default_backend(), interpret=interpret)
+                     head_dim=head_dim, platform=target_platform(), interpret=interpret)
     if reason is not None:
         raise ValueError(f"splash_attention {reason}")
     scale = head_dim**-0.5 if scale is None else scale
@@ -443,7 +479,7 @@ def cudnn_attention(query: Array, key: Array, value: Array, mask: Mask | Array |
     kv_len = key.shape[1]
     if implementation == "cudnn":
         reason = _reason("cudnn", mask=mask, bias=None, dropout=0.0, q_len=q_len, kv_len=kv_len,
-                         head_dim=head_dim, platform=jax.default_backend(), dtype=query.dtype)
+                         head_dim=head_dim, platform=target_platform(), dtype=query.dtype)
         if reason is not None:
             raise ValueError(f"cudnn_attention {reason}")
     args = cudnn_arguments(mask, q_len, kv_len)
@@ -455,5 +491,5 @@ def cudnn_attention(query: Array, key: Array, value: Array, mask: Mask | Array |
     return _zero_empty_rows(out, _rows_with_keys(mask, q_len, kv_len))
 
 
-__all__ = ["IMPLS", "cudnn_arguments", "cudnn_attention", "select", "splash_attention",
-           "supports"]
+__all__ = ["IMPLS", "cudnn_arguments", "cudnn_attention", "recording", "select",
+           "splash_attention", "supports", "target_platform"]

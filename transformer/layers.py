@@ -82,7 +82,9 @@ class TransformerConfig:
     param_dtype: Any = jnp.float32
     scan_layers: bool = False
     remat_policy: str = "none"  # none | full | dots | dots_no_batch
-    attention_impl: str = "dense"  # dense | chunked (O(T) memory) | auto | splash | cudnn
+    # auto (splash on TPU, cuDNN on GPU, chunked for long sequences, else dense; chosen for the
+    # devices the step is compiled for) | dense | chunked (O(T) memory) | splash | cudnn
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         for name in ("num_layers", "d_model", "num_heads", "d_ff", "max_len"):
@@ -418,14 +420,17 @@ class TokenEmbedding(nn.Module):
         return jnp.take(self.embedding, tokens_BT, axis=0).astype(self.dtype)
 
     def attend(self, x_BTD: Array) -> Array:
-        """Logits x E^T, accumulated in float32 (at least): [B, T, D] -> [B, T, V]."""
-        logits_BTV = matmul(x_BTD, self.embedding.T, dtype=self.dtype,
-                            preferred_element_type=jnp.promote_types(self.dtype, jnp.float32))
+        """Logits x E^T in the compute dtype: [B, T, D] -> [B, T, V].
+
+        Bfloat16 logits, as MaxText and t5x keep them: the loss upcasts inside its fused
+        reduction (`objectives.cross_entropy`), so [B, T, V] never exists whole in float32.
+        """
+        logits_BTV = matmul(x_BTD, self.embedding.T, dtype=self.dtype)
         return sharding.constrain(logits_BTV, sharding.LOGITS)
 
 
 class OutputHead(nn.Module):
-    """An untied projection to the vocabulary (or to classes), float32 logits."""
+    """An untied projection to the vocabulary (or to classes), logits in the compute dtype."""
 
     features: int
     use_bias: bool = False
@@ -439,8 +444,7 @@ class OutputHead(nn.Module):
         kernel = self.param("kernel", nn.with_logical_partitioning(
             projection_init(self.init_std, 0, 1), self.names), (x.shape[-1], self.features),
             self.param_dtype)
-        y = matmul(x, kernel, dtype=self.dtype,
-                   preferred_element_type=jnp.promote_types(self.dtype, jnp.float32))
+        y = matmul(x, kernel, dtype=self.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.with_logical_partitioning(
                 nn.initializers.zeros, self.names[1:]), (self.features,), self.param_dtype)

@@ -79,14 +79,15 @@ def cross_entropy(logits, targets, weights=None, *, label_smoothing: float = 0.0
         keep_BT = weights_BT != 0
         logits_BTV = jnp.where(keep_BT[..., None], logits_BTV, 0)
         targets_BT = jnp.where(keep_BT, targets_BT, 0)
-    logits_BTV = logits_BTV.astype(jnp.float32)
-
-    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    # Bfloat16 logits stay bfloat16: each reduction upcasts as it reads them, so no float32
+    # [B, T, V] copy is made or kept for the backward pass.
+    acc = jnp.promote_types(logits_BTV.dtype, jnp.float32)
+    lse_BT = log_normalizer(logits_BTV)
     target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    nll_BT = lse_BT - target_logit_BT  # unsmoothed ce
+    nll_BT = lse_BT - target_logit_BT.astype(acc)  # unsmoothed ce
     if label_smoothing:
-        mean_logit_BT = jnp.mean(logits_BTV, axis=-1)
-        ce_BT = lse_BT - (1 - label_smoothing) * target_logit_BT - label_smoothing * mean_logit_BT
+        mean_logit_BT = jnp.mean(logits_BTV, axis=-1, dtype=acc)
+        ce_BT = nll_BT + label_smoothing * (target_logit_BT.astype(acc) - mean_logit_BT)
     else:
         ce_BT = nll_BT
     z_BT = z_loss * jnp.square(lse_BT)
@@ -104,6 +105,35 @@ def cross_entropy(logits, targets, weights=None, *, label_smoothing: float = 0.0
         "num_tokens": num_tokens,
     }
     return loss, metrics
+
+
+@jax.custom_vjp
+def log_normalizer(logits: jax.Array) -> jax.Array:
+    """logsumexp over the last axis, in float32 (float64 for float64 logits) whatever the logits'
+    dtype. The backward pass keeps only the logits as given (bfloat16 stays bfloat16) and the
+    result, and returns g * softmax(logits) in the logits' dtype.
+
+    >>> float(log_normalizer(jnp.zeros(4, jnp.bfloat16)))  # log 4
+    1.3862943649291992
+    """
+    x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    peak = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    peak = jnp.where(jnp.isfinite(peak), peak, 0)
+    return jnp.log(jnp.sum(jnp.exp(x - peak), axis=-1)) + peak[..., 0]
+
+
+def _log_normalizer_fwd(logits):
+    lse = log_normalizer(logits)
+    return lse, (logits, lse)
+
+
+def _log_normalizer_bwd(residuals, g):
+    logits, lse = residuals
+    x = logits.astype(lse.dtype)
+    return ((g[..., None] * jnp.exp(x - lse[..., None])).astype(logits.dtype),)
+
+
+log_normalizer.defvjp(_log_normalizer_fwd, _log_normalizer_bwd)
 
 
 # -----------------------------------------------------------------------------

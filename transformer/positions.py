@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 _ROPE_LAYOUTS = ("half", "interleaved")
 
@@ -183,16 +184,28 @@ def _take(positions_BT, idx):
     return jnp.take(positions_BT, jnp.minimum(idx, positions_BT.shape[1] - 1), axis=1)
 
 
-def alibi_bias_fn(q_positions, kv_positions, num_heads: int):
+@struct.dataclass
+class AlibiBiasFn:
     """`bias(q_idx, kv_idx)`: `alibi_bias` of the queries and keys at those indices, for
-    chunked attention to evaluate per tile (never [T, S] at once).
+    chunked attention to evaluate per tile (never [T, S] at once). A pytree of arrays rather than
+    a closure, so it can be passed through `nn.scan`, `nn.remat` and `jit`.
 
     >>> fn = alibi_bias_fn(jnp.arange(3), jnp.arange(3), 1)
     >>> np.asarray(fn(jnp.array([2]), jnp.arange(3))[0, 0] * 256).tolist()
     [[-2.0, -1.0, 0.0]]
     """
-    q_BT, kv_BS = _as_batched(q_positions), _as_batched(kv_positions)
-    return lambda q_idx, kv_idx: alibi_bias(_take(q_BT, q_idx), _take(kv_BS, kv_idx), num_heads)
+
+    q_BT: jax.Array
+    kv_BS: jax.Array
+    num_heads: int = struct.field(pytree_node=False)
+
+    def __call__(self, q_idx, kv_idx) -> jax.Array:
+        return alibi_bias(_take(self.q_BT, q_idx), _take(self.kv_BS, kv_idx), self.num_heads)
+
+
+def alibi_bias_fn(q_positions, kv_positions, num_heads: int) -> AlibiBiasFn:
+    """`alibi_bias` as a function of query and key indices (`AlibiBiasFn`)."""
+    return AlibiBiasFn(_as_batched(q_positions), _as_batched(kv_positions), num_heads)
 
 
 def alibi_bias(q_positions, kv_positions, num_heads: int) -> jax.Array:
@@ -282,18 +295,35 @@ class T5RelativePositionBias(nn.Module):
         init = nn.with_logical_partitioning(nn.initializers.normal(1.0), names)
         shape = (self.num_buckets, self.num_heads)
         table_KN = self.param("rel_embedding", init, shape, self.param_dtype)  # K=buckets
-        q_BT, kv_BS = _as_batched(q_positions), _as_batched(kv_positions)
+        bias = T5BiasFn(_as_batched(q_positions), _as_batched(kv_positions), table_KN,
+                        self.bidirectional, self.num_buckets, self.max_distance,
+                        jnp.dtype(self.dtype))
+        return bias if as_function else bias.table(bias.q_BT, bias.kv_BS)
 
-        def bias(q_BT, kv_BS):
-            bucket_BTS = t5_relative_position_bucket(
-                kv_BS[:, None, :] - q_BT[:, :, None],
-                bidirectional=self.bidirectional,
-                num_buckets=self.num_buckets,
-                max_distance=self.max_distance,
-            )
-            bias_BTSN = jnp.take(table_KN, bucket_BTS, axis=0)
-            return jnp.transpose(bias_BTSN, (0, 3, 1, 2)).astype(self.dtype)
 
-        if as_function:
-            return lambda q_idx, kv_idx: bias(_take(q_BT, q_idx), _take(kv_BS, kv_idx))
-        return bias(q_BT, kv_BS)
+@struct.dataclass
+class T5BiasFn:
+    """`bias(q_idx, kv_idx)`: T5's bucketed relative bias of the queries and keys at those
+    indices (`T5RelativePositionBias(as_function=True)`); a pytree, like `AlibiBiasFn`."""
+
+    q_BT: jax.Array
+    kv_BS: jax.Array
+    table_KN: jax.Array  # the learned embedding, [buckets, heads]
+    bidirectional: bool = struct.field(pytree_node=False)
+    num_buckets: int = struct.field(pytree_node=False)
+    max_distance: int = struct.field(pytree_node=False)
+    dtype: Any = struct.field(pytree_node=False)
+
+    def table(self, q_BT, kv_BS) -> jax.Array:
+        """The bias [B, N, T, S] of queries at positions q_BT and keys at kv_BS."""
+        bucket_BTS = t5_relative_position_bucket(
+            kv_BS[:, None, :] - q_BT[:, :, None],
+            bidirectional=self.bidirectional,
+            num_buckets=self.num_buckets,
+            max_distance=self.max_distance,
+        )
+        bias_BTSN = jnp.take(self.table_KN, bucket_BTS, axis=0)
+        return jnp.transpose(bias_BTSN, (0, 3, 1, 2)).astype(self.dtype)
+
+    def __call__(self, q_idx, kv_idx) -> jax.Array:
+        return self.table(_take(self.q_BT, q_idx), _take(self.kv_BS, kv_idx))

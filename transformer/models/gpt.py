@@ -85,8 +85,8 @@ class DecoderLM(nn.Module):
         decode: bool = False,
         cache_length: int | None = None,
     ) -> Array:
-        """int tokens [B, T] -> float32 logits [B, T, V] (position t predicts token t + 1), or
-        [B, num_classes] for a classifier."""
+        """int tokens [B, T] -> logits [B, T, V] in the compute dtype (position t predicts token
+        t + 1), or [B, num_classes] for a classifier."""
         kv_positions = None
         window = self.config.sliding_window
         if window is not None and prefix_lengths is not None:
