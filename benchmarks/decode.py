@@ -25,8 +25,6 @@ import time
 
 import jax
 import numpy as np
-import torch
-import transformers
 from absl import app, flags
 
 from transformer import convert, generate
@@ -69,6 +67,9 @@ def benchmark(*, batch_sizes, new_tokens: int, prompt_len: int, layers: int, d_m
     (batch, ours_tokens_s, compile_s, hf_tokens_s, ratio, same, agree), "ceiling": the
     batch-1 memory-bandwidth line}; `table(result)` formats it.
     """
+    import torch  # here, so that importing this module (for its flags) stays cheap
+    import transformers
+
     torch.manual_seed(0)
     hf_config = transformers.GPT2Config(
         n_layer=layers, n_embd=d_model, n_head=heads, vocab_size=vocab, n_positions=context,
@@ -143,6 +144,8 @@ def table(result: dict) -> str:
 
 
 def main(argv) -> None:
+    import torch
+
     del argv
     torch.set_num_threads(_THREADS.value)
     result = benchmark(batch_sizes=_BATCH_SIZES.value, new_tokens=_NEW_TOKENS.value,
