@@ -93,11 +93,10 @@ NANOGPT_LOG = """\
    60.000 | iter 0: loss 4.2654, time 29715.36ms, mfu -100.00%
    60.500 | iter 10: loss 3.2457, time 20.15ms, mfu 18.54%
    60.700 | iter 20: loss 2.7990, time 20.05ms, mfu 18.53%
-   60.900 | iter 30: loss 2.6213, time 19.93ms, mfu 18.54%
-   62.000 | step 40: train loss 2.4965, val loss 2.5108
-   62.001 | saving checkpoint to out
-   62.100 | iter 40: loss 2.5193, time 1152.11ms, mfu 16.81%
-   62.300 | iter 50: loss 2.4655, time 20.11ms, mfu 17.01%
+   61.800 | step 30: train loss 2.4965, val loss 2.5108
+   61.801 | saving checkpoint to out
+   61.900 | iter 30: loss 2.5193, time 1152.11ms, mfu 16.81%
+   62.150 | iter 40: loss 2.4655, time 20.11ms, mfu 17.01%
 """
 
 OURS_LOG = """\
@@ -114,10 +113,10 @@ OURS_LOG = """\
 
 def test_parse_nanogpt_log():
     parsed = ac.parse_nanogpt_log(NANOGPT_LOG)
-    assert [i["iter"] for i in parsed["iters"]] == [0, 10, 20, 30, 40, 50]
+    assert [i["iter"] for i in parsed["iters"]] == [0, 10, 20, 30, 40]
     assert parsed["iters"][0] == dict(iter=0, loss=4.2654, ms=29715.36, mfu=-100.0, t=60.0)
     assert parsed["evals"] == [dict(step=0, train=4.2874, val=4.2823, t=40.0),
-                               dict(step=40, train=2.4965, val=2.5108, t=62.0)]
+                               dict(step=30, train=2.4965, val=2.5108, t=61.8)]
     # nanoGPT's own lines, as it prints them (no timestamps)
     bare = "iter 7: loss 1.0000, time 3.50ms, mfu 1.25%\nstep 8: train loss 1.5, val loss 1.6\n"
     assert ac.parse_nanogpt_log(bare) == {
@@ -134,10 +133,10 @@ def test_parse_ours_log():
 
 def test_window_tokens_per_s_leaves_out_the_first_window_and_evaluations():
     parsed = ac.parse_nanogpt_log(NANOGPT_LOG)
-    # windows: 0-10 (first: left out), 10-20 and 20-30 (0.2 s), 30-40 (the eval at 40 ran in
-    # it: left out), 40-50 (0.2 s)
+    # windows: 0-10 (the first: left out), 10-20 (0.2 s), 20-30 (the eval at 30 ran in it:
+    # left out), 30-40 (0.25 s)
     rate = ac.window_tokens_per_s(parsed["iters"], parsed["evals"], tokens_per_iter=16384)
-    assert rate == pytest.approx(10 * 16384 / 0.2)
+    assert rate == pytest.approx((10 * 16384 / 0.2 + 10 * 16384 / 0.25) / 2)
     assert ac.window_tokens_per_s(parsed["iters"][:2], [], 16384) is None  # one window: skipped
     ours = ac.parse_ours_log(OURS_LOG)
     assert ac.window_tokens_per_s(ours["iters"], ours["evals"], 16384) == pytest.approx(
@@ -162,18 +161,18 @@ def test_train_table_computes_mfu_alike_for_both_sides():
                               own_mfu=0.1701, **sizes)
     ours = ac.side_summary("ours (JAX)", ac.parse_ours_log(OURS_LOG), wall_s=34.0,
                            attention="cudnn", dtype="bfloat16", own_mfu=0.18, **sizes)
-    assert nanogpt["val_loss"] == 2.5108 and nanogpt["val_step"] == 40
-    assert nanogpt["iters"] == 50 and nanogpt["wall_to_val_s"] == 62.0
+    assert nanogpt["val_loss"] == 2.5108 and nanogpt["val_step"] == 30
+    assert nanogpt["iters"] == 40 and nanogpt["wall_to_val_s"] == 61.8
     assert ours["val_loss"] == 2.4812 and ours["iters"] == 40 and ours["wall_to_val_s"] == 31.0
     table = ac.train_table([ours, nanogpt, {"side": "other", "error": "exited 1"}], peak=989e12)
     lines = table.splitlines()
     assert lines[0].startswith("| side | attention | dtype | iters | tokens/s | MFU (chip peak)")
     mfu_ours = 10 * 16384 / 0.1 * 6.6e7 / 989e12  # 10.9%
-    mfu_nanogpt = 10 * 16384 / 0.2 * 6.6e7 / 989e12
+    mfu_nanogpt = 737280 * 6.6e7 / 989e12
     assert lines[2] == (f"| ours (JAX) | cudnn | bfloat16 | 40 | 1,638,400 | {mfu_ours:.1%} | "
                         "18.0% | 2.4812 (40) | 31 | 34 |")
-    assert lines[3] == (f"| nanoGPT (PyTorch) | SDPA (flash) | bfloat16 | 50 | 819,200 | "
-                        f"{mfu_nanogpt:.1%} | 17.0% | 2.5108 (40) | 62 | 70 |")
+    assert lines[3] == (f"| nanoGPT (PyTorch) | SDPA (flash) | bfloat16 | 40 | 737,280 | "
+                        f"{mfu_nanogpt:.1%} | 17.0% | 2.5108 (30) | 62 | 70 |")
     assert lines[4].startswith("| other | **failed:** exited 1 |")
     assert "| - |" in ac.train_table([{**ours, "tokens_per_s": None}], peak=None)
 
