@@ -105,6 +105,7 @@ CPU_SIZES = dict(max_iters=20, batch_size=8, block_size=32, n_layer=2, n_head=2,
 # Relative error below which a kernel passes whatever the dense path's own error is.
 TOLERANCE_FLOOR = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 TOLERANCE_FACTOR = 4.0  # x the dense path's error in the same dtype
+_PREALLOCATE_SET_HERE = False  # main turned JAX's GPU memory preallocation off in this process
 
 
 # -----------------------------------------------------------------------------
@@ -514,8 +515,8 @@ def train_check(text_path: str, nanogpt_dir: str | None, workdir: str, *, gpu: b
     os.makedirs(ours_dir, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    if os.environ.get("_ACCELERATOR_CHECK_SET_PREALLOCATE"):
-        env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)  # the run's own default
+    if _PREALLOCATE_SET_HERE:
+        env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)  # the training run's own default
     command = ours_command(os.path.abspath(text_path), ours_dir, **shared)
     notes.append("ours: `" + " ".join(command[1:]) + "`")
     log = os.path.join(ours_dir, "train.log")
@@ -571,6 +572,9 @@ def train_check(text_path: str, nanogpt_dir: str | None, workdir: str, *, gpu: b
                  f"{_fmt(peak, '.3g')} FLOP/s ({source}). own log's MFU: ours' median "
                  "(against the same peak); nanoGPT's last running value, against an A100's "
                  "312 TFLOP/s and its own per-iteration times.")
+    notes.append("evaluations (in the wall times): nanoGPT averages eval_iters random batches of "
+                 "each split every eval_interval; ours eval_steps batches of a fixed sample of "
+                 "the validation split every eval_every, then writes 3 samples after the last.")
     notes.append("tokens/s: median over the log windows between synced train log lines "
                  "(the first window and those an evaluation ran in left out). Wall to final "
                  "val: from the command's start to its last evaluation's line (start-up, "
@@ -611,8 +615,6 @@ def _apply_cpu_sizes() -> None:
 
 
 def _environment() -> str:
-    import jax
-
     device = jax.devices()[0]
     line = (f"device: {device.device_kind} ({device.platform}, {jax.device_count()} "
             f"device(s)); jax {jax.__version__}")
@@ -630,11 +632,12 @@ def _environment() -> str:
 
 def main(argv) -> int:
     del argv
+    global _PREALLOCATE_SET_HERE
     if not os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"):
-        # Our own arrays are small: leave the GPU's memory to the training runs.
+        # Before JAX starts its backend: this process's arrays are small, so it leaves the
+        # GPU's memory to the training runs (which take JAX's default) and to torch.
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        os.environ["_ACCELERATOR_CHECK_SET_PREALLOCATE"] = "1"
-    import jax
+        _PREALLOCATE_SET_HERE = True
 
     unknown = sorted(set(_SKIP.value) - set(SECTIONS))
     if unknown:
@@ -643,8 +646,8 @@ def main(argv) -> int:
     gpu = device.platform == "gpu"
     if not gpu and not _ALLOW_CPU.value:
         raise ValueError(f"no GPU: this machine's first device is {device.platform} "
-                         f"({device.device_kind}); the GPU run is pending, or pass "
-                         "--allow_cpu for the CPU stand-in at tiny sizes")
+                         f"({device.device_kind}); run the check on a GPU machine, or pass "
+                         "--allow_cpu for its CPU stand-in at tiny sizes")
     if not gpu:
         _apply_cpu_sizes()
     if "train" not in _SKIP.value and not _TEXT.value:
