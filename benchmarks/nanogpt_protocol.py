@@ -60,15 +60,20 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import platform
 import re
-import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 from absl import app, flags, logging
+from nanogpt_common import (  # benchmarks/nanogpt_common.py
+    cpu_model,
+    link_configurator,
+    prepare_nanogpt_data,
+    split_text,
+    timed_run,
+    versions,
+)
 
 _NANOGPT = flags.DEFINE_string("nanogpt_dir", None, "A checkout of karpathy/nanoGPT.")
 _DATA = flags.DEFINE_string("data", None, "tinyshakespeare.txt (the text both sides train on).")
@@ -87,48 +92,16 @@ _SKIP_OURS = flags.DEFINE_bool("skip_ours", False, "Do not train ours (score the
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTEXT = 64
-VALIDATION_FRACTION = 0.1
 NANOGPT_ARGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1",
                 "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
                 "--n_embd=128", "--dropout=0.0", "--always_save_checkpoint=True"]
-
-
-def split_text(text: str) -> tuple[str, str]:
-    """nanoGPT's split: the first 90% of the characters, the last 10%."""
-    cut = int(len(text) * (1 - VALIDATION_FRACTION))
-    return text[:cut], text[cut:]
-
-
-def prepare_nanogpt_data(text: str, directory: str) -> None:
-    """train.bin, val.bin and meta.pkl of `text` in nanoGPT's shakespeare_char layout."""
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    os.makedirs(directory, exist_ok=True)
-    for name, part in zip(("train.bin", "val.bin"), split_text(text), strict=True):
-        np.array([stoi[c] for c in part], np.uint16).tofile(os.path.join(directory, name))
-    with open(os.path.join(directory, "meta.pkl"), "wb") as f:
-        pickle.dump({"vocab_size": len(chars), "stoi": stoi,
-                     "itos": dict(enumerate(chars))}, f)
-
-
-def timed_run(command: list[str], cwd: str, log_path: str, env=None) -> float:
-    """Runs `command`, its output to `log_path`; its wall time in seconds."""
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        result = subprocess.run(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    seconds = time.perf_counter() - start
-    if result.returncode:
-        raise RuntimeError(f"{' '.join(command)} exited {result.returncode}; see {log_path}")
-    return seconds
 
 
 def train_nanogpt(nanogpt_dir: str, text: str, directory: str, steps: int,
                   threads: int = 0) -> dict:
     os.makedirs(directory, exist_ok=True)
     prepare_nanogpt_data(text, os.path.join(directory, "data", "shakespeare_char"))
-    link = os.path.join(directory, "configurator.py")
-    if not os.path.lexists(link):
-        os.symlink(os.path.join(nanogpt_dir, "configurator.py"), link)
+    link_configurator(nanogpt_dir, directory)
     command = [sys.executable, os.path.join(nanogpt_dir, "train.py"),
                os.path.join(nanogpt_dir, "config", "train_shakespeare_char.py"), *NANOGPT_ARGS,
                f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}",
@@ -226,27 +199,6 @@ def score_ours(workdir: str, texts: dict[str, list[str]]) -> dict:
         summary = json.load(f)
     return {"losses": scores, "own_train_loss": summary["loss"],
             "own_val_loss": summary.get("val_loss"), "checkpoint_step": summary["step"]}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = re.findall(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-        return f"{names[0]} ({len(names)} logical CPUs)" if names else platform.processor()
-    except OSError:
-        return platform.processor() or "unknown"
-
-
-def versions() -> dict:
-    import jax
-
-    out = {"python": platform.python_version(), "jax": jax.__version__}
-    try:
-        import torch
-        out["torch"] = torch.__version__
-    except ImportError:
-        pass
-    return out
 
 
 def main(argv) -> None:
