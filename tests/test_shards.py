@@ -281,3 +281,26 @@ def test_prepare_bin_refuses_a_vocab_over_65536(tmp_path, monkeypatch):
         prepare.prepare(str(tmp_path / "out"), shakespeare(tmp_path), format="bin",
                         validation_fraction=0.3)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("writer", ["bin", "array_record"])
+def test_a_write_that_fails_midway_leaves_the_old_files_and_no_partial_ones(tmp_path, writer):
+    """Shards are staged under .tmp names and renamed together only when all are complete."""
+    def tokens():
+        yield np.arange(100)
+        yield np.arange(50)
+        raise RuntimeError("the tokenizer died")
+
+    if writer == "bin":
+        write = lambda: shards.write_token_shards(tmp_path / "train", tokens(),  # noqa: E731
+                                                  tokens_per_shard=60)
+        old = shards.write_token_shards(tmp_path / "train", [np.arange(7)], tokens_per_shard=60)
+    else:
+        write = lambda: sources.write_array_records(tmp_path / "train", tokens(),  # noqa: E731
+                                                    num_shards=2)
+        old = sources.write_array_records(tmp_path / "train", [np.arange(7)], num_shards=2)
+    before = {p: open(p, "rb").read() for p in old}
+    with pytest.raises(RuntimeError, match="tokenizer died"):
+        write()
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in old)
+    assert {p: open(p, "rb").read() for p in old} == before

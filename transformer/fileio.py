@@ -8,8 +8,10 @@ Remote paths need the `tpu` extra (gcsfs).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Callable, Iterator
 
 from etils import epath
 
@@ -42,6 +44,41 @@ def write_atomic(p, data: str | bytes) -> None:
     tmp = p.with_name(f"{p.name}.tmp{os.getpid()}")
     tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
     os.replace(tmp, p)
+
+
+@contextlib.contextmanager
+def staged() -> Iterator[Callable[[str], str]]:
+    """Files written under temporary names and given their real ones together at the end.
+
+    Yields `stage(path) -> temp`, the name ("{path}.tmp") to write `path` under. When the block
+    completes every staged file is renamed to its path; if it raises, every staged file is removed,
+    so a failed write never leaves a partial file under a real name. Local paths only.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> with staged() as stage:
+    ...     with open(stage(d + "/a.bin"), "wb") as f:
+    ...         _ = f.write(b"x")
+    ...     os.path.exists(d + "/a.bin")
+    False
+    >>> os.listdir(d)
+    ['a.bin']
+    """
+    moves: list[tuple[str, str]] = []
+
+    def stage(p: str) -> str:
+        moves.append((f"{p}.tmp", p))
+        return moves[-1][0]
+
+    try:
+        yield stage
+        for temp, p in moves:
+            os.replace(temp, p)
+    except BaseException:
+        for temp, _ in moves:
+            if os.path.exists(temp):
+                os.remove(temp)
+        raise
 
 
 def move(src, dst) -> None:

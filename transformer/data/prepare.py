@@ -25,6 +25,7 @@ import sys
 import numpy as np
 import tqdm
 
+from transformer import fileio
 from transformer.data import shards, sources
 from transformer.data import tokenizers as tokenizers_lib
 
@@ -114,10 +115,7 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
             paths = sources.write_array_records(prefix, encoded(), num_shards)
         stats["files"] = [os.path.basename(p) for p in paths]
     summary = os.path.join(output_dir, "prepare.json")
-    with open(summary + ".tmp", "w") as f:
-        json.dump(counts, f, indent=2)
-        f.write("\n")
-    os.replace(summary + ".tmp", summary)
+    fileio.write_atomic(summary, json.dumps(counts, indent=2) + "\n")
     return counts
 
 

@@ -17,6 +17,7 @@ from typing import SupportsIndex
 
 import numpy as np
 
+from transformer import fileio
 from transformer.data import sources
 
 FORMATS = ("modded", "nanogpt")
@@ -199,15 +200,14 @@ def write_token_shards(path_prefix: str, tokens: Iterable[np.ndarray], *,
     path_prefix = os.fspath(path_prefix)
     os.makedirs(os.path.dirname(path_prefix) or ".", exist_ok=True)
     single = format == "nanogpt" and tokens_per_shard is None
-    paths, temps, counts = [], [], []
+    paths, counts = [], []
     f = None
 
     def open_shard():
         nonlocal f
         paths.append(f"{path_prefix}.bin" if single else f"{path_prefix}_{len(paths):06d}.bin")
-        temps.append(paths[-1] + ".tmp")
         counts.append(0)
-        f = open(temps[-1], "wb")
+        f = open(stage(paths[-1]), "wb")
         if format == "modded":
             f.write(bytes(HEADER_BYTES))  # the count is filled in when the shard is closed
 
@@ -219,26 +219,20 @@ def write_token_shards(path_prefix: str, tokens: Iterable[np.ndarray], *,
             f.write(header.tobytes())
         f.close()
 
-    try:
-        open_shard()
-        for array in tokens:
-            ids = _uint16(array)
-            while ids.size:
-                if capacity is not None and counts[-1] == capacity:
-                    close_shard()
-                    open_shard()
-                take = ids.size if capacity is None else min(ids.size, capacity - counts[-1])
-                f.write(ids[:take].tobytes())
-                counts[-1] += take
-                ids = ids[take:]
-        close_shard()
-        for temp, path in zip(temps, paths, strict=True):
-            os.replace(temp, path)
-    except BaseException:
-        if f is not None:
+    with fileio.staged() as stage:
+        try:
+            open_shard()
+            for array in tokens:
+                ids = _uint16(array)
+                while ids.size:
+                    if capacity is not None and counts[-1] == capacity:
+                        close_shard()
+                        open_shard()
+                    take = ids.size if capacity is None else min(ids.size, capacity - counts[-1])
+                    f.write(ids[:take].tobytes())
+                    counts[-1] += take
+                    ids = ids[take:]
+            close_shard()
+        finally:
             f.close()
-        for temp in temps:
-            if os.path.exists(temp):
-                os.remove(temp)
-        raise
     return paths

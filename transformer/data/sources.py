@@ -17,6 +17,8 @@ from typing import SupportsIndex
 
 import numpy as np
 
+from transformer import fileio
+
 SPLITS = ("train", "validation")
 UNITS = ("paragraph", "file", "stream")
 _INT32 = np.dtype("<i4")  # the on-disk record format: raw little-endian int32
@@ -365,25 +367,17 @@ def write_array_records(path_prefix: str, sequences: Iterable[np.ndarray],
     path_prefix = os.fspath(path_prefix)
     os.makedirs(os.path.dirname(path_prefix) or ".", exist_ok=True)
     paths = [f"{path_prefix}-{i:05d}-of-{num_shards:05d}.array_record" for i in range(num_shards)]
-    temps = [f"{p}.tmp" for p in paths]
     writers = []
-    try:
-        for temp in temps:  # group_size:1 is what Grain needs for fast random access
-            writers.append(ArrayRecordWriter(temp, "group_size:1"))
-        for j, sequence in enumerate(sequences):
-            writers[j % num_shards].write(_record(sequence))
-        for writer in writers:
-            writer.close()
-        for temp, path in zip(temps, paths, strict=True):
-            os.replace(temp, path)
-    except BaseException:
-        for writer in writers:
-            if writer.is_open():
-                writer.close()
-        for temp in temps:
-            if os.path.exists(temp):
-                os.remove(temp)
-        raise
+    with fileio.staged() as stage:
+        try:
+            for p in paths:  # group_size:1 is what Grain needs for fast random access
+                writers.append(ArrayRecordWriter(stage(p), "group_size:1"))
+            for j, sequence in enumerate(sequences):
+                writers[j % num_shards].write(_record(sequence))
+        finally:
+            for writer in writers:
+                if writer.is_open():
+                    writer.close()
     return paths
 
 
