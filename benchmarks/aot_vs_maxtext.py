@@ -246,6 +246,7 @@ _VALUE = re.compile(r"^ value: <\d+ (\S+?)(\{[^}]*\})?(?: \(phi\))? @\d+> "
 _RANGE = re.compile(r"^\s+(\S+?)(\{[^}]*\})?:(\d+)-(\d+)$")
 _SEQUENCE = re.compile(r"^\s+(\d+):(\S+)$")
 _OP_NAME = re.compile(r"^\s*(?:ROOT )?%?(\S+) = .*?metadata=\{[^}]*?op_name=\"([^\"]*)\"")
+_OPERAND = re.compile(r"^\s*(?:ROOT )?%?(\S+) = \S+ ([\w-]+)\(%?([^,)\s]+)")
 
 
 @dataclasses.dataclass
@@ -295,8 +296,15 @@ def live_ranges(live_range: str) -> tuple[dict[str, tuple[int, int]], dict[int, 
 
 
 def op_names(hlo: str) -> dict[str, str]:
-    """Instruction -> the JAX op that made it (its metadata op_name), from HLO text."""
-    return {m.group(1): m.group(2) for m in map(_OP_NAME.match, hlo.splitlines()) if m}
+    """Instruction -> the JAX op that made it (its metadata op_name), from HLO text; for one
+    XLA added without metadata (a layout copy), its opcode and first operand."""
+    names = {}
+    for line in hlo.splitlines():
+        if match := _OP_NAME.match(line):
+            names[match.group(1)] = match.group(2)
+        elif match := _OPERAND.match(line):
+            names[match.group(1)] = f"{match.group(2)} of {match.group(3)}"
+    return names
 
 
 def _union(intervals) -> int:

@@ -126,6 +126,7 @@ HLO = """\
 ENTRY %main {
   %logits = f32[150]{0} dot(%a, %b), metadata={op_name="jit(train_step)/embed.attend/dot_general" stack_frame_id=1}
   ROOT %grad = bf16[200]{0} fusion(%logits), kind=kLoop, metadata={op_name="jit(train_step)/transpose(jvp())/div"}
+  %copy.1 = bf16[300]{0:T(128)} copy(%grad), backend_config={"flag_configs":[]}
 }
 """  # noqa: E501
 
@@ -141,6 +142,7 @@ def test_peak_buffers_finds_the_most_live_temp_bytes_and_who_made_them():
     assert text.splitlines()[0].startswith(
         "peak at schedule step 2 (grad: jit(train_step)/transpose(jvp())/div): 0.00 GiB live")
     assert "f32[150]" in text and "logits{}" in text and "in the 1 smaller ones" in text
+    assert bench.op_names(HLO)["copy.1"] == "copy of grad"  # no metadata: what it copies
 
 
 def test_loop_carried_values_count_and_overlaps_count_once():
