@@ -1,0 +1,470 @@
+"""Per-chip TPU memory of this project's train step against MaxText's, compiled ahead of time for
+the same slice and model: a Llama-style 1.71B decoder (experiments/llama_1b7.py: 24 x 2048, 16
+heads, SwiGLU 8192, RMSNorm, RoPE, tied 50,304 vocabulary, batch 128 x 2048, bfloat16 compute,
+float32 params and AdamW moments, scanned layers with full remat, FSDP over all chips).
+
+    python benchmarks/aot_vs_maxtext.py --maxtext_python=/work/venv-maxtext/bin/python \
+        --ours_python=/work/venv-ours312/bin/python [--topology=v5p-32] \
+        [--attention=splash,dense] [--dump_dir=DIR [--top_buffers=12]] [--output_dir=DIR]
+
+Each side compiles in its own process with its own Python (this file run with --side): ours
+through `launch.aot` (the topology from `jax.experimental.topologies`, the mesh, shardings and
+train step exactly as training builds them); MaxText through its own
+`maxtext.trainers.pre_train.train_compile.main`, run unchanged with the overrides of
+`maxtext_overrides` (its `jit_and_compile` is wrapped only to keep the compiled object). Both
+report XLA's `compiled.memory_analysis()` per chip. Attention "splash" is MaxText's
+`attention=flash` (its splash kernel on TPU), "dense" its `attention=dot_product`. The total is
+arguments + outputs not aliased to them + temporaries + generated code, as `launch.aot` counts
+it. A comparison is printed only if both sides ran the same jax, jaxlib and libtpu.
+
+With --dump_dir each compile also dumps XLA's buffer assignment (DIR/<side>-<attention>/) and
+the largest buffers live at the temporaries' peak are listed, with the op that made each.
+
+Setup (Python 3.12; MaxText 0.2.5 resolves to jax 0.12.0.1 and libtpu 0.0.52, pinned here so
+that both sides match; neither needs a TPU to compile):
+
+    # MaxText in its own venv (about 4 minutes)
+    python3.12 -m venv /work/venv-maxtext
+    /work/venv-maxtext/bin/pip install "maxtext[tpu]==0.2.5" jax==0.12.0.1 jaxlib==0.12.0.1 \
+        libtpu==0.0.52
+    # this project beside the same jax (about 2.5 minutes)
+    python3.12 -m venv /work/venv-ours312
+    /work/venv-ours312/bin/pip install jax==0.12.0.1 jaxlib==0.12.0.1 libtpu==0.0.52 \
+        "flax>=0.12,<0.14" "optax>=0.2.6,<0.3" "orbax-checkpoint>=0.11,<0.14" \
+        "grain>=0.2.12,<0.3" absl-py ml_collections numpy "sentencepiece>=0.2,<0.3" \
+        array_record tqdm tensorboardX matplotlib scikit-learn
+    /work/venv-ours312/bin/pip install --no-deps -e .
+
+(`--no-deps` because setup.cfg's jax cap may lag the jax MaxText wants.) One compile takes about
+2 to 3.5 minutes and under 2 GiB of RAM on 2 cores; they run one at a time.
+
+Measured on this project's c1a39ba (jax 0.12.0.1, libtpu 0.0.52, MaxText 0.2.5, v5p-32; both
+sides count 1,713,735,680 params):
+
+| side | attention | arguments | temporaries | program | total per chip |
+| --- | --- | --- | --- | --- | --- |
+| ours | splash | 1.20 GiB | 6.63 GiB | 0.04 GiB | 7.87 GiB |
+| MaxText | flash (splash) | 1.20 GiB | 5.20 GiB | 0.04 GiB | 6.44 GiB |
+| ours | dense | 1.20 GiB | 7.60 GiB | 0.04 GiB | 8.84 GiB |
+| MaxText | dot_product (dense) | 1.20 GiB | 6.70 GiB | 0.04 GiB | 7.94 GiB |
+
+Ours / MaxText: 1.223x with splash, 1.114x dense. At the splash peak (the loss) ours holds
+float32 logits [8, 2048, 50304] (3.07 GiB) beside their bfloat16 gradient (1.54 GiB) where
+MaxText holds the bfloat16 gradient and a transposed copy of it; dense, ours keeps float32
+[B, N, T, S] scores (2 GiB, and a 1 GiB bfloat16 copy) in each layer's backward where MaxText
+keeps one bfloat16 [B, N, T, S] tensor (but also the logits' gradient, 1.54 GiB, across the
+layers' backward loop). Both keep the scanned layers' bfloat16 inputs (1.5 GiB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MARKER = "AOT_VS_MAXTEXT_RESULT "
+ATTENTIONS = {"splash": "flash", "dense": "dot_product"}  # ours -> MaxText's `attention`
+VERSION_KEYS = ("jax", "jaxlib", "libtpu")
+
+
+# --- one side, in its own process ------------------------------------------------------------
+
+
+def maxtext_overrides(topology: str, attention: str) -> list[str]:
+    """MaxText `key=value` overrides for the Llama-style 1.71B (decoder_block llama2: RMSNorm,
+    SwiGLU, RoPE, no biases) on `topology` with our `attention` path."""
+    chips = int(topology.rsplit("-", 1)[1]) // (2 if topology.startswith(("v4", "v5p")) else 1)
+    return [f"compile_topology={topology}", "compile_topology_num_slices=1",
+            "decoder_block=llama2", "base_emb_dim=2048", "base_num_query_heads=16",
+            "base_num_kv_heads=16", "head_dim=128", "base_mlp_dim=8192",
+            "base_num_decoder_layers=24", "vocab_size=50304", "logits_via_embedding=true",
+            f"per_device_batch_size={128 // chips}", "max_target_length=2048",
+            f"attention={ATTENTIONS[attention]}", "remat_policy=full", "scan_layers=true",
+            "dtype=bfloat16", "weight_dtype=float32", "ici_fsdp_parallelism=-1",
+            "dataset_type=synthetic", "enable_checkpointing=false", "run_name=aot_vs_maxtext",
+            f"base_output_directory={tempfile.gettempdir()}/aot_vs_maxtext"]
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {}
+    for key, dists in (("jax", ["jax"]), ("jaxlib", ["jaxlib"]),
+                       ("libtpu", ["libtpu", "libtpu-nightly"]), ("flax", ["flax"]),
+                       ("maxtext", ["maxtext"])):
+        for dist in dists:
+            try:
+                versions[key] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+        else:
+            versions[key] = ""
+    versions["python"] = sys.version.split()[0]
+    return versions
+
+
+def _memory(compiled) -> dict[str, int]:
+    stats = compiled.memory_analysis()
+    return {"argument_bytes": stats.argument_size_in_bytes,
+            "output_bytes": stats.output_size_in_bytes,
+            "alias_bytes": stats.alias_size_in_bytes,
+            "temp_bytes": stats.temp_size_in_bytes,
+            "code_bytes": stats.generated_code_size_in_bytes}
+
+
+def compile_ours(topology: str, attention: str) -> dict:
+    sys.path.insert(0, ROOT)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from launch import accelerators, aot
+    from transformer import configs
+
+    config = configs.experiment("llama_1b7")
+    config.model.attention_impl = attention
+    accelerator = accelerators.parse(topology)
+    # aot._compile, not compile_train_step: the same compile without its FLOP extrapolation.
+    compiled, report = aot._compile(config, aot.tpu_topology(accelerator), accelerator)
+    result = {"num_params": report.num_params, "error": report.error}
+    if compiled is not None:
+        result.update(_memory(compiled))
+    return result
+
+
+def compile_maxtext(topology: str, attention: str) -> dict:
+    import jax
+    import maxtext.utils.globals as maxtext_globals
+    from flax import nnx
+    from maxtext.trainers.pre_train import train_compile
+
+    captured = {}
+    jit_and_compile = train_compile.jit_and_compile
+
+    def capture(func, args, *rest, **kwargs):
+        captured["state"] = args[0]
+        captured["compiled"] = jit_and_compile(func, args, *rest, **kwargs)
+        return captured["compiled"]
+
+    train_compile.jit_and_compile = capture
+    argv = ["train_compile", os.path.join(maxtext_globals.MAXTEXT_CONFIGS_DIR, "base.yml"),
+            *maxtext_overrides(topology, attention)]
+    try:
+        train_compile.main(argv)
+    except Exception as error:  # noqa: BLE001 - report XLA's refusal (e.g. out of HBM) as ours
+        if "compiled" in captured or "state" not in captured:
+            raise
+        result = {"error": str(error).strip().splitlines()[0][:400]}
+    else:
+        result = {"error": "", **_memory(captured["compiled"])}
+    _, params, _ = nnx.split(captured["state"]["model"], nnx.Param, ...)
+    result["num_params"] = int(sum(leaf.size for leaf in jax.tree.leaves(params)))
+    return result
+
+
+def run_side(side: str, topology: str, attention: str) -> None:
+    start = time.time()
+    result = (compile_ours if side == "ours" else compile_maxtext)(topology, attention)
+    result.update(side=side, attention=attention, topology=topology,
+                  seconds=round(time.time() - start, 1), versions=_versions())
+    print(MARKER + json.dumps(result, sort_keys=True), flush=True)
+
+
+# --- the comparison (pure: tested with canned output) ----------------------------------------
+
+
+def parse_result(output: str) -> dict:
+    """The result a side's process printed (its last MARKER line) from all it printed."""
+    lines = [line for line in output.splitlines() if line.startswith(MARKER)]
+    if not lines:
+        tail = "\n".join(output.strip().splitlines()[-15:])
+        raise ValueError(f"no {MARKER.strip()} line in the output; its end:\n{tail}")
+    return json.loads(lines[-1][len(MARKER):])
+
+
+def total_bytes(result: dict) -> int:
+    """Per-chip peak as launch.aot counts it: arguments, outputs not aliased to them,
+    temporaries and the program."""
+    return (result["argument_bytes"] + result["output_bytes"] - result["alias_bytes"]
+            + result["temp_bytes"] + result["code_bytes"])
+
+
+def version_mismatch(results: list[dict]) -> str:
+    """'' if every result ran the same jax, jaxlib and libtpu; otherwise what differs."""
+    seen = {key: sorted({r["versions"].get(key, "") for r in results}) for key in VERSION_KEYS}
+    return "; ".join(f"{key}: {' vs '.join(v or '(none)' for v in values)}"
+                     for key, values in seen.items() if len(values) > 1)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def format_table(results: list[dict]) -> str:
+    """Markdown table of every result (ours and MaxText per attention path), then ours/MaxText
+    per path."""
+    label = {"ours": "ours", "maxtext": "MaxText"}
+    lines = ["| side | attention | params | arguments | outputs not aliased | temporaries | "
+             "program | total per chip |", "|" + " --- |" * 8]
+    for r in results:
+        attention = r["attention"] if r["side"] == "ours" else \
+            f"{ATTENTIONS[r['attention']]} ({r['attention']})"
+        if r.get("error"):
+            lines.append(f"| {label[r['side']]} | {attention} | {r['num_params']:,} | "
+                         f"does not compile: {r['error']} |||||")
+            continue
+        lines.append(
+            f"| {label[r['side']]} | {attention} | {r['num_params']:,} | "
+            f"{_gib(r['argument_bytes'])} | {_gib(r['output_bytes'] - r['alias_bytes'])} | "
+            f"{_gib(r['temp_bytes'])} | {_gib(r['code_bytes'])} | {_gib(total_bytes(r))} |")
+    lines.append("")
+    for attention in dict.fromkeys(r["attention"] for r in results):
+        pair = {r["side"]: r for r in results if r["attention"] == attention}
+        if set(pair) != {"ours", "maxtext"} or any(r.get("error") for r in pair.values()):
+            continue
+        ours, theirs = pair["ours"], pair["maxtext"]
+        ratio = total_bytes(ours) / total_bytes(theirs)
+        diff = total_bytes(ours) - total_bytes(theirs)
+        lines.append(f"{attention}: ours / MaxText total {ratio:.3f}x "
+                     f"({'+' if diff >= 0 else '-'}{_gib(abs(diff))}), temporaries "
+                     f"{ours['temp_bytes'] / theirs['temp_bytes']:.3f}x; target ours <= MaxText: "
+                     f"{'met' if ratio <= 1 else 'not met'}")
+    return "\n".join(lines)
+
+
+# --- the buffers live at the temporaries' peak (from an XLA dump) ----------------------------
+
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+)(, color \d+)?.*?(preallocated-temp)?:$")
+_VALUE = re.compile(r"^ value: <\d+ (\S+?)(\{[^}]*\})?(?: \(phi\))? @\d+> "
+                    r"\(size=(\d+),offset=(\d+)\): (.*)$")
+_RANGE = re.compile(r"^\s+(\S+?)(\{[^}]*\})?:(\d+)-(\d+)$")
+_SEQUENCE = re.compile(r"^\s+(\d+):(\S+)$")
+_OP_NAME = re.compile(r"^\s*(?:ROOT )?%?(\S+) = .*?metadata=\{[^}]*?op_name=\"([^\"]*)\"")
+_OPERAND = re.compile(r"^\s*(?:ROOT )?%?(\S+) = \S+ ([\w-]+)\(%?([^,)\s]+)")
+
+
+@dataclasses.dataclass
+class Buffer:
+    name: str  # HLO value: instruction{tuple index}
+    size: int
+    offset: int
+    shape: str
+    op_name: str = ""
+
+
+def temp_buffers(buffer_assignment: str) -> tuple[int, list[Buffer]]:
+    """(size, values) of the largest preallocated-temp allocation in the default memory space
+    (no color) of an XLA `*buffer-assignment.txt`: the temporaries memory_analysis reports."""
+    best, current = (0, []), None
+    for line in buffer_assignment.splitlines():
+        allocation = _ALLOCATION.match(line)
+        if allocation:
+            current = None
+            if allocation.group(3) and not allocation.group(2):
+                current = (int(allocation.group(1)), [])
+                if current[0] > best[0]:
+                    best = current
+            continue
+        value = _VALUE.match(line) if current is not None else None
+        if value:
+            current[1].append(Buffer(value.group(1) + (value.group(2) or "{}"),
+                                     int(value.group(3)), int(value.group(4)), value.group(5)))
+    return best
+
+
+def live_ranges(live_range: str) -> tuple[dict[str, tuple[int, int]], dict[int, str]]:
+    """From an XLA `*live-range.txt`: each value's [start, end] in the flattened schedule, and
+    the schedule (time -> instruction)."""
+    ranges, sequence, section = {}, {}, ""
+    for line in live_range.splitlines():
+        stripped = line.strip()
+        if stripped.endswith(":") and " " not in stripped:
+            section = stripped[:-1]
+            continue
+        if section == "InstructionSequence" and (match := _SEQUENCE.match(line)):
+            sequence[int(match.group(1))] = match.group(2)
+        elif section == "BufferLiveRange" and (match := _RANGE.match(line)):
+            ranges[match.group(1) + (match.group(2) or "{}")] = (int(match.group(3)),
+                                                                 int(match.group(4)))
+    return ranges, sequence
+
+
+def op_names(hlo: str) -> dict[str, str]:
+    """Instruction -> the JAX op that made it (its metadata op_name), from HLO text; for one
+    XLA added without metadata (a layout copy), its opcode and first operand."""
+    names = {}
+    for line in hlo.splitlines():
+        if match := _OP_NAME.match(line):
+            names[match.group(1)] = match.group(2)
+        elif match := _OPERAND.match(line):
+            names[match.group(1)] = f"{match.group(2)} of {match.group(3)}"
+    return names
+
+
+def _union(intervals) -> int:
+    total, end = 0, -1
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+@dataclasses.dataclass
+class Peak:
+    time: int
+    instruction: str
+    live_bytes: int  # bytes of the temp allocation in use at `time`
+    allocation_bytes: int
+    buffers: list[Buffer]  # live at `time`, largest first, one per (offset, size)
+
+
+def peak_buffers(buffer_assignment: str, live_range: str, hlo: str = "") -> Peak:
+    """The point of the schedule where the most temp bytes are live, and the buffers live then."""
+    size, values = temp_buffers(buffer_assignment)
+    ranges, sequence = live_ranges(live_range)
+    values = [v for v in values if v.name in ranges]
+    starts, ends = {}, {}
+    for v in values:
+        start, end = ranges[v.name]
+        starts.setdefault(start, []).append(v)
+        ends.setdefault(end + 1, []).append(v)
+    active: dict[str, Buffer] = {}
+    best = (-1, 0)
+    for t in sorted(set(starts) | set(ends)):
+        for v in ends.get(t, ()):
+            active.pop(v.name, None)
+        for v in starts.get(t, ()):
+            active[v.name] = v
+        used = _union((v.offset, v.offset + v.size) for v in active.values())
+        if used > best[0]:
+            best = (used, t)
+    used, t = best
+    names = op_names(hlo) if hlo else {}
+    live, regions = [], set()
+    for v in sorted((v for v in values if ranges[v.name][0] <= t <= ranges[v.name][1]),
+                    key=lambda v: (-v.size, v.name)):
+        if (v.offset, v.size) in regions:
+            continue
+        regions.add((v.offset, v.size))
+        v.op_name = names.get(v.name.split("{")[0], "")
+        live.append(v)
+    instruction = sequence.get(t, "")
+    return Peak(t, instruction, max(used, 0), size, live)
+
+
+def format_peak(peak: Peak, top: int, hlo: str = "") -> str:
+    names = op_names(hlo) if hlo else {}
+    at = names.get(peak.instruction, "")
+    lines = [f"peak at schedule step {peak.time} ({peak.instruction}"
+             f"{': ' + at if at else ''}): {_gib(peak.live_bytes)} live of the "
+             f"{_gib(peak.allocation_bytes)} temp allocation"]
+    for v in peak.buffers[:top]:
+        shape = v.shape.split("{")[0] if not v.shape.startswith("(") else v.shape[:60]
+        lines.append(f"  {v.size / 2**20:9.1f} MiB  {shape:<28} {v.name:<36} {v.op_name}")
+    rest = sum(v.size for v in peak.buffers[top:])
+    if rest:
+        lines.append(f"  {rest / 2**20:9.1f} MiB  in the {len(peak.buffers) - top} smaller ones")
+    return "\n".join(lines)
+
+
+def dump_files(directory: str) -> dict[str, str]:
+    """The train step's buffer assignment, live ranges and optimized HLO in an XLA dump."""
+    found = {}
+    for name in sorted(os.listdir(directory)):
+        if "jit_train_step" not in name:
+            continue
+        for key, suffix in (("buffer_assignment", "after_optimizations-buffer-assignment.txt"),
+                            ("live_range", "after_optimizations-live-range.txt"),
+                            ("hlo", "after_optimizations.txt")):
+            if name.endswith(suffix):
+                found[key] = os.path.join(directory, name)
+    return found
+
+
+# --- the driver ------------------------------------------------------------------------------
+
+
+def _run(python: str, side: str, attention: str, log_dir: str, dump_dir: str) -> dict:
+    env = dict(os.environ)
+    if dump_dir:
+        target = os.path.join(dump_dir, f"{side}-{attention}")
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={target} "
+                            "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*")
+    command = [python, os.path.abspath(__file__), f"--side={side}",
+               f"--topology={flags.FLAGS.topology}", f"--attention={attention}"]
+    log = os.path.join(log_dir, f"{side}-{attention}.log")
+    print(f"compiling {side} / {attention} ({log}) ...", flush=True)
+    with open(log, "w") as out:
+        subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                       check=False)
+    with open(log) as f:
+        result = parse_result(f.read())
+    print(f"  {result['seconds']:.0f} s", flush=True)
+    return result
+
+
+def main(argv) -> None:
+    del argv
+    FLAGS = flags.FLAGS
+    if FLAGS.side:
+        run_side(FLAGS.side, FLAGS.topology, FLAGS.attention[0])
+        return
+    if not FLAGS.maxtext_python:
+        raise app.UsageError("--maxtext_python is required (see the module docstring)")
+    unknown = [a for a in FLAGS.attention if a not in ATTENTIONS]
+    if unknown:
+        raise app.UsageError(f"--attention={','.join(unknown)}: expected {', '.join(ATTENTIONS)}")
+    log_dir = FLAGS.output_dir or tempfile.mkdtemp(prefix="aot_vs_maxtext_")
+    os.makedirs(log_dir, exist_ok=True)
+    results = []
+    for attention in FLAGS.attention:
+        for side, python in (("ours", FLAGS.ours_python), ("maxtext", FLAGS.maxtext_python)):
+            results.append(_run(python, side, attention, log_dir, FLAGS.dump_dir))
+    for r in results:
+        v = r["versions"]
+        print(f"{r['side']:>8} / {r['attention']}: jax {v['jax']}, jaxlib {v['jaxlib']}, "
+              f"libtpu {v['libtpu']}, flax {v['flax']}, python {v['python']}"
+              + (f", maxtext {v['maxtext']}" if r["side"] == "maxtext" else ""))
+    mismatch = version_mismatch(results)
+    if mismatch:
+        sys.exit(f"not comparable: the sides ran different versions ({mismatch})")
+    print(f"\nper chip on {FLAGS.topology}:\n")
+    print(format_table(results))
+    if FLAGS.dump_dir:
+        for r in results:
+            files = dump_files(os.path.join(FLAGS.dump_dir, f"{r['side']}-{r['attention']}"))
+            if len(files) < 3:
+                print(f"\n{r['side']} / {r['attention']}: no buffer assignment in the dump")
+                continue
+            text = {key: open(path).read() for key, path in files.items()}
+            peak = peak_buffers(text["buffer_assignment"], text["live_range"], text["hlo"])
+            print(f"\n{r['side']} / {r['attention']}: "
+                  + format_peak(peak, FLAGS.top_buffers, text["hlo"]))
+
+
+def _define_flags() -> None:
+    flags.DEFINE_string("maxtext_python", None,
+                        "Python of a venv with MaxText (see the docstring).")
+    flags.DEFINE_string("ours_python", sys.executable,
+                        "Python with this project and MaxText's jax, jaxlib and libtpu.")
+    flags.DEFINE_string("topology", "v5p-32", "TPU slice to compile for.")
+    flags.DEFINE_list("attention", ["splash", "dense"],
+                      f"Attention paths: {', '.join(ATTENTIONS)}.")
+    flags.DEFINE_string("dump_dir", "", "Dump XLA's buffer assignment here and list the top "
+                        "buffers at the temporaries' peak.")
+    flags.DEFINE_integer("top_buffers", 12, "Buffers listed per compile with --dump_dir.")
+    flags.DEFINE_string("output_dir", "", "Keep each compile's log here (default: a temp dir).")
+    flags.DEFINE_enum("side", None, ["ours", "maxtext"], "Internal: compile one side in this "
+                      "process and print its result line.")
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main)
