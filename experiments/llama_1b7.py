@@ -18,7 +18,7 @@ def get_config():
     config = experiment("gpt_1b")
     config.experiment = "llama_1b7"
     config.model.update(norm="rmsnorm", activation="swiglu", use_bias=False, position="rope",
-                        tie_embeddings=True, attention_impl="splash")
+                        tie_embeddings=True)
     # 50,176 pieces + 100 sentinels, padded to a multiple of 128 (GPT-2's 50,257 padded alike).
     config.model.vocab_size = 50_304
     config.data.vocab_size = 50_176
