@@ -48,9 +48,10 @@ def dot_product_attention(
 
     Float32 (or float64) inputs keep logits and weights in their dtype. Bfloat16 / float16 inputs
     keep the [B, N, T, S] logits and weights in that dtype, half the memory, as MaxText does: the
-    matmuls accumulate in float32 and the softmax's max and sum run in float32
-    (`low_precision_softmax`). Masked keys get exactly zero weight, and a query row with no
-    allowed key returns zeros (its gradient is finite).
+    matmuls accumulate in float32 and the softmax's max and sum run in float32; the backward pass
+    keeps only the weights (`softmax_values`). Masked keys get exactly zero weight, and a query
+    row with no allowed key returns zeros (its gradient is finite). Dropout and `return_weights`
+    compute the weights in float32.
     """
     check_qkv(query, key, value)
     batch, q_len, num_heads, head_dim = query.shape
@@ -74,53 +75,69 @@ def dot_product_attention(
     if allowed is not None:
         # the dtype's most negative finite value, so fully masked rows stay NaN-free
         logits_BNTS = jnp.where(allowed, logits_BNTS, float(jnp.finfo(scores).min))
-    if low_precision:
-        weights_BNTS = low_precision_softmax(logits_BNTS)
+    value_BKSH = value.transpose(0, 2, 1, 3)
+    if dropout_rate > 0.0 or return_weights:
+        weights_BNTS = jax.nn.softmax(logits_BNTS.astype(acc), axis=-1)
+        if allowed is not None:  # zero rows where nothing is allowed
+            weights_BNTS = jnp.where(allowed, weights_BNTS, 0.0)
+        probs_BNTS = weights_BNTS
+        if dropout_rate > 0.0:
+            if dropout_rng is None:
+                raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng")
+            keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BNTS.shape)
+            probs_BNTS = jnp.where(keep, probs_BNTS / (1.0 - dropout_rate), 0.0)
+        probs_BKMS = probs_BNTS.reshape(batch, num_kv_heads, group * q_len, kv_len)
+        out_BKMH = jnp.matmul(probs_BKMS.astype(value.dtype), value_BKSH,
+                              preferred_element_type=acc)
     else:
-        weights_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
-    if allowed is not None:
-        weights_BNTS = jnp.where(allowed, weights_BNTS, 0.0)  # zero rows where nothing is allowed
-
-    probs_BNTS = weights_BNTS
-    if dropout_rate > 0.0:
-        if dropout_rng is None:
-            raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng")
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BNTS.shape)
-        probs_BNTS = jnp.where(keep, probs_BNTS / (1.0 - dropout_rate), 0.0)
-
-    probs_BKMS = probs_BNTS.reshape(batch, num_kv_heads, group * q_len, kv_len)
-    out_BKMH = jnp.matmul(probs_BKMS.astype(value.dtype), value.transpose(0, 2, 1, 3),
-                          preferred_element_type=acc)
-    out_BTNH = out_BKMH.reshape(batch, num_heads, q_len, head_dim).transpose(0, 2, 1, 3).astype(
-        query.dtype)
-    return (out_BTNH, weights_BNTS.astype(acc)) if return_weights else out_BTNH
+        out_BKMH = softmax_values(logits_BNTS.reshape(batch, num_kv_heads, group * q_len,
+                                                      kv_len), value_BKSH)
+    out_BNTH = out_BKMH.reshape(batch, num_heads, q_len, head_dim)
+    if allowed is not None and not return_weights:  # rows with no allowed key return zeros
+        rows_BNT = jnp.any(allowed, axis=-1)
+        out_BNTH = jnp.where(rows_BNT[..., None], out_BNTH, 0.0)
+    out_BTNH = out_BNTH.transpose(0, 2, 1, 3).astype(query.dtype)
+    return (out_BTNH, weights_BNTS) if return_weights else out_BTNH
 
 
 @jax.custom_vjp
-def low_precision_softmax(logits: Array) -> Array:
-    """softmax over the last axis of bfloat16 / float16 `logits`, computed in float32 and returned
-    in the input dtype; its backward pass keeps only that output (not a float32 copy) for the
-    gradient y * (g - sum(g * y)), which it also computes in float32.
+def softmax_values(logits: Array, values: Array) -> Array:
+    """softmax(logits) @ values over the last axis of logits [..., M, S] and values [..., S, H],
+    in the accumulation dtype (float32 for bfloat16 / float16 / float32 inputs).
 
-    >>> x = jnp.array([0.0, 1.0, 2.0], jnp.bfloat16)
-    >>> y = low_precision_softmax(x)
-    >>> y.dtype, [round(float(v), 2) for v in y]
-    (dtype(bfloat16), [0.09, 0.25, 0.66])
+    The softmax's max and sum run in float32 and the weights are kept in the logits' dtype. The
+    backward pass keeps only those weights P (not a float32 copy, not the logits) and uses the
+    flash-attention identity sum_j P_ij dP_ij = dO_i . O_i: d logits = P (dO V^T - rowsum(dO O)),
+    one pass over the [M, S] tensors that XLA can fuse into the dO V^T matmul.
+
+    >>> x = jnp.log(jnp.array([[1.0, 3.0]], jnp.bfloat16))
+    >>> softmax_values(x, jnp.array([[1.0], [5.0]], jnp.bfloat16)).tolist()  # 1/4 + 15/4
+    [[4.0]]
     """
-    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
+    return _softmax_values_fwd(logits, values)[0]
 
 
-def _low_precision_softmax_fwd(logits):
-    weights = low_precision_softmax(logits)
-    return weights, weights
+def _softmax_values_fwd(logits, values):
+    acc = jnp.promote_types(values.dtype, jnp.float32)
+    x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    probs = jax.nn.softmax(x, axis=-1).astype(logits.dtype)
+    out = jnp.matmul(probs.astype(values.dtype), values, preferred_element_type=acc)
+    return out, (probs, values, out)
 
 
-def _low_precision_softmax_bwd(weights, grad):
-    y, g = weights.astype(jnp.float32), grad.astype(jnp.float32)
-    return ((y * (g - jnp.sum(g * y, axis=-1, keepdims=True))).astype(weights.dtype),)
+def _softmax_values_bwd(residuals, grad_out):
+    probs, values, out = residuals
+    acc = out.dtype
+    grad_values = jnp.matmul(jnp.swapaxes(probs, -1, -2).astype(values.dtype),
+                             grad_out.astype(values.dtype), preferred_element_type=acc)
+    grad_probs = jnp.matmul(grad_out.astype(values.dtype), jnp.swapaxes(values, -1, -2),
+                            preferred_element_type=acc)
+    row = jnp.sum(grad_out * out, axis=-1, keepdims=True)  # = sum_j P_ij dP_ij
+    grad_logits = probs.astype(acc) * (grad_probs - row)
+    return grad_logits.astype(probs.dtype), grad_values.astype(values.dtype)
 
 
-low_precision_softmax.defvjp(_low_precision_softmax_fwd, _low_precision_softmax_bwd)
+softmax_values.defvjp(_softmax_values_fwd, _softmax_values_bwd)
 
 
 def attend(

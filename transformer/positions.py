@@ -184,7 +184,7 @@ def _take(positions_BT, idx):
     return jnp.take(positions_BT, jnp.minimum(idx, positions_BT.shape[1] - 1), axis=1)
 
 
-@struct.dataclass
+@struct.dataclass(eq=False)  # hashed by identity: jax.closure_convert hashes it
 class AlibiBiasFn:
     """`bias(q_idx, kv_idx)`: `alibi_bias` of the queries and keys at those indices, for
     chunked attention to evaluate per tile (never [T, S] at once). A pytree of arrays rather than
@@ -301,7 +301,7 @@ class T5RelativePositionBias(nn.Module):
         return bias if as_function else bias.table(bias.q_BT, bias.kv_BS)
 
 
-@struct.dataclass
+@struct.dataclass(eq=False)  # hashed by identity: jax.closure_convert hashes it
 class T5BiasFn:
     """`bias(q_idx, kv_idx)`: T5's bucketed relative bias of the queries and keys at those
     indices (`T5RelativePositionBias(as_function=True)`); a pytree, like `AlibiBiasFn`."""
