@@ -38,22 +38,24 @@ that both sides match; neither needs a TPU to compile):
 (`--no-deps` because setup.cfg's jax cap may lag the jax MaxText wants.) One compile takes about
 2 to 3.5 minutes and under 2 GiB of RAM on 2 cores; they run one at a time.
 
-Measured on this project's c1a39ba (jax 0.12.0.1, libtpu 0.0.52, MaxText 0.2.5, v5p-32; both
-sides count 1,713,735,680 params):
+Measured before and after this project's TPU memory work (jax 0.12.0.1, libtpu 0.0.52, MaxText
+0.2.5, v5p-32; both sides count 1,713,735,680 params; per chip):
 
-| side | attention | arguments | temporaries | program | total per chip |
-| --- | --- | --- | --- | --- | --- |
-| ours | splash | 1.20 GiB | 6.63 GiB | 0.04 GiB | 7.87 GiB |
-| MaxText | flash (splash) | 1.20 GiB | 5.20 GiB | 0.04 GiB | 6.44 GiB |
-| ours | dense | 1.20 GiB | 7.60 GiB | 0.04 GiB | 8.84 GiB |
-| MaxText | dot_product (dense) | 1.20 GiB | 6.70 GiB | 0.04 GiB | 7.94 GiB |
+| side | attention | arguments | temporaries | program | total (before) | total (now) |
+| --- | --- | --- | --- | --- | --- | --- |
+| ours | splash | 1.20 GiB | 5.17 GiB | 0.04 GiB | 7.87 GiB | 6.41 GiB |
+| MaxText | flash (splash) | 1.20 GiB | 5.20 GiB | 0.04 GiB | 6.44 GiB | 6.44 GiB |
+| ours | dense | 1.20 GiB | 5.19 GiB | 0.04 GiB | 8.84 GiB | 6.43 GiB |
+| MaxText | dot_product (dense) | 1.20 GiB | 6.70 GiB | 0.04 GiB | 7.94 GiB | 7.94 GiB |
 
-Ours / MaxText: 1.223x with splash, 1.114x dense. At the splash peak (the loss) ours holds
-float32 logits [8, 2048, 50304] (3.07 GiB) beside their bfloat16 gradient (1.54 GiB) where
-MaxText holds the bfloat16 gradient and a transposed copy of it; dense, ours keeps float32
-[B, N, T, S] scores (2 GiB, and a 1 GiB bfloat16 copy) in each layer's backward where MaxText
-keeps one bfloat16 [B, N, T, S] tensor (but also the logits' gradient, 1.54 GiB, across the
-layers' backward loop). Both keep the scanned layers' bfloat16 inputs (1.5 GiB).
+Ours / MaxText now: 0.996x with splash, 0.809x dense (before: 1.223x, 1.114x). Before, ours
+held float32 logits [8, 2048, 50304] (3.07 GiB) at the loss, and float32 [B, N, T, S] scores
+(2 GiB, twice) in each layer's dense backward. Now the logits are bfloat16 with the loss's
+float32 reductions reading them (`objectives.log_normalizer`), and dense attention keeps one
+bfloat16 [B, N, T, S] tensor, the weights, for its backward (`attention.softmax_values`), so
+both paths peak at the loss: the bfloat16 logits' gradient and a transposed copy (1.54 GiB
+each) and the scanned layers' bfloat16 inputs (1.5 GiB), as MaxText's splash path does. MaxText's
+dense path keeps the logits' gradient alive across the layers' backward loop as well.
 """
 
 from __future__ import annotations
