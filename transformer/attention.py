@@ -110,9 +110,10 @@ def softmax_values(logits: Array, values: Array) -> Array:
     flash-attention identity sum_j P_ij dP_ij = dO_i . O_i: d logits = P (dO V^T - rowsum(dO O)),
     one pass over the [M, S] tensors that XLA can fuse into the dO V^T matmul.
 
-    >>> x = jnp.log(jnp.array([[1.0, 3.0]], jnp.bfloat16))
-    >>> softmax_values(x, jnp.array([[1.0], [5.0]], jnp.bfloat16)).tolist()  # 1/4 + 15/4
-    [[4.0]]
+    >>> x = jnp.log(jnp.array([[1.0, 3.0]], jnp.bfloat16))  # weights 1/4, 3/4
+    >>> out = softmax_values(x, jnp.array([[1.0], [5.0]], jnp.bfloat16))  # 1/4 + 15/4
+    >>> out.dtype, round(float(out[0, 0]), 2)
+    (dtype('float32'), 4.0)
     """
     return _softmax_values_fwd(logits, values)[0]
 
