@@ -234,5 +234,6 @@ def write_token_shards(path_prefix: str, tokens: Iterable[np.ndarray], *,
                     ids = ids[take:]
             close_shard()
         finally:
-            f.close()
+            if f is not None:
+                f.close()
     return paths
