@@ -180,10 +180,10 @@ def attend(
     >>> attend(q, kv, kv, impl="chunked", return_weights=True)[1].shape  # ran dense
     (2, 8, 4, 6)
     """
+    platform = kernels.target_platform()
     if dropout_rate or return_weights:
         impl = "dense"
     else:
-        platform = kernels.target_platform()
         mesh_set = not jax.sharding.get_abstract_mesh().empty
         impl = kernels.select(impl, platform=platform, mask=mask, bias=bias, dropout=0.0,
                               q_len=query.shape[1], kv_len=key.shape[1],
@@ -196,7 +196,7 @@ def attend(
         return chunked_attention(query, key, value, mask, bias, scale=scale)
     if impl == "splash":
         return kernels.splash_attention(query, key, value, mask, scale=scale,
-                                        interpret=kernels.target_platform() != "tpu")
+                                        interpret=platform != "tpu")
     if impl == "cudnn":
         return kernels.cudnn_attention(query, key, value, mask, scale=scale)
     return dot_product_attention(query, key, value, mask, bias, scale=scale,
