@@ -97,8 +97,9 @@ class TrainStep:
                 self.state_sharding)
 
 
-def build_train_step(config, features=None, seed: int = 0) -> TrainStep:
-    """The initialized state and jitted train step of `config` (one experiment config)."""
+def build_train_step(config, features=None, seed: int = 0, devices=None) -> TrainStep:
+    """The initialized state and jitted train step of `config` (one experiment config), on all
+    (or the given) devices."""
     import jax
 
     from transformer import optim
@@ -110,7 +111,7 @@ def build_train_step(config, features=None, seed: int = 0) -> TrainStep:
         features = random_batch(config.batch_size, config.seq_len, config.model.vocab_size)
     model = build_model(config.model)
     optimizer = optim.make_optimizer(config)
-    placement = placement_lib.Placement.from_config(config)
+    placement = placement_lib.Placement.from_config(config, devices)
     _, state_sharding, jit_init = state_lib.initial_state(config, model, placement.mesh, features,
                                                           optimizer)
     state = jit_init(jax.random.key(seed))

@@ -159,8 +159,10 @@ def _stack_depths(model) -> dict[str, int]:
     return {key: model.get(key) or model.num_layers for key in family_of(model).stacks}
 
 
-def compile_train_step(config, devices, accelerator: accelerators.Accelerator) -> Report:
-    """Compiles the config's train step over `devices`: the per-chip memory and FLOPs report.
+def compile_train_step(config, devices, accelerator: accelerators.Accelerator,
+                       flops: bool = True) -> Report:
+    """Compiles the config's train step over `devices`: the per-chip memory and FLOPs report
+    (`flops=False`: memory only, one compile).
 
     XLA's cost analysis counts a loop body once, so for a scanned layer stack
     (`model.scan_layers`) the FLOPs come from small unrolled compiles instead: 1-layer stacks
@@ -177,7 +179,7 @@ def compile_train_step(config, devices, accelerator: accelerators.Accelerator) -
     report.temp_bytes = memory.temp_size_in_bytes
     report.code_bytes = memory.generated_code_size_in_bytes
     report.flops_per_chip = _flops(compiled)
-    if config.model.scan_layers:
+    if config.model.scan_layers and flops:
         depths = _stack_depths(config.model)
 
         def unrolled_flops(**layers):

@@ -76,7 +76,7 @@ def validate(launch: Launch) -> None:
     """One-line errors for a run that cannot work on this slice, before anything is created."""
     import ml_collections  # noqa: F401 (the config machinery below needs it)
 
-    from transformer import sharding
+    from transformer import configs, sharding
 
     if launch.spot and launch.reserved:
         raise ValueError("--spot and --reserved: expected at most one")
@@ -93,6 +93,7 @@ def validate(launch: Launch) -> None:
         sharding.check_batch_split(config.batch_size, mesh,
                                    accumulation=config.optimizer.grad_accumulation_steps,
                                    processes=launch.processes, num_slices=launch.num_slices)
+        configs.check_sequence_split(config, mesh)
     except ValueError as error:
         raise ValueError(f"{error}; on {launch.num_slices} x {launch.accelerator.name} "
                          f"({launch.processes} hosts)") from None

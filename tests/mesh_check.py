@@ -119,7 +119,8 @@ def splash_on_meshes(devices) -> dict[str, dict]:
         attention.dot_product_attention)(q, k, v, mask))
     out = {}
     for name, shape in {"2,2,2": (2, 2, 2), "4,1,2": (4, 1, 2)}.items():
-        mesh = sharding.make_mesh(dict(zip(sharding.MESH_AXES, shape, strict=True)), devices)
+        mesh = sharding.make_mesh(dict(zip(("data", "fsdp", "tensor"), shape, strict=True)),
+                                  devices)
         fn = functools.partial(kernels.splash_attention, block_size=128, interpret=True)
         with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
             got = jax.device_get(loss_and_grads(fn)(q, k, v, mask))

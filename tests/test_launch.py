@@ -57,7 +57,7 @@ def test_accelerator_types_know_their_chips_hosts_and_memory():
     (dict(accelerator="v5p-32"), (TRAIN[0], "--workdir=/local/run", TRAIN[2]),
      "workdir='/local/run': a run on 4 hosts"),
     (dict(accelerator="v5p-32"), TRAIN + ("--config.mesh.data=3",),
-     "mesh data=3 x fsdp=1 x tensor=1 = 3 devices: expected the 16"),
+     "mesh data=3 x fsdp=1 x sequence=1 x tensor=1 = 3 devices: expected the 16"),
     (dict(accelerator="v5p-32"), TRAIN[:2] + ("--config.batch_size=24",),
      "batch_size=24: expected a multiple of the data-parallel size 16"),
     (dict(accelerator="v5p-32", num_slices=2), TRAIN + ("--config.mesh.data=1",
@@ -66,6 +66,10 @@ def test_accelerator_types_know_their_chips_hosts_and_memory():
     (dict(accelerator="v5p-32", num_slices=2), TRAIN[:2] + ("--config.batch_size=12",),
      "batch_size=12: expected a multiple of grad_accumulation_steps=1 x processes=8; "
      "on 2 x v5p-32 (8 hosts)"),
+    (dict(accelerator="v5p-32"), TRAIN + ("--config.mesh.data=1", "--config.mesh.sequence=16",
+                                          "--config.seq_len=48"),
+     "seq_len=48: expected a multiple of 2 x mesh.sequence=16 (load-balanced chunks); on 1 x "
+     "v5p-32 (4 hosts)"),
     (dict(accelerator="v6e-8", spot=True, reserved=True), TRAIN, "--spot and --reserved"),
     (dict(accelerator="v6e-8"), ("--workdir=gs://b/r",), "include --config=FILE"),
     (dict(accelerator="v6e-8"), TRAIN + ("--config.model.num_layrs=2",), "num_layrs"),

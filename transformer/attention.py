@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from transformer import kernels
 from transformer import positions as positions_lib
+from transformer import sequence_parallel as sequence_parallel_lib
 from transformer.chunked_attention import check_qkv, chunked_attention
 from transformer.masks import Mask, as_dense
 
@@ -153,6 +154,7 @@ def attend(
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
     return_weights: bool = False,
+    sequence_parallel: str = "all_gather",
 ):
     """Attention through the kernel `impl` names: what `dot_product_attention` computes.
 
@@ -169,9 +171,12 @@ def attend(
       scale: logit scale, default 1 / sqrt(H).
       dropout_rate, dropout_rng: dropout on the attention weights (training only).
       return_weights: also return the weights [B, N, T, S].
+      sequence_parallel: "all_gather" or "ring": the strategy when the mesh in context splits
+        the length over its `sequence` axis (see `sequence_parallel`); `impl` is then chunked
+        per device.
 
-    Dropout and `return_weights` always run the dense path. Returns out [B, T, N, H], or
-    (out, weights) with `return_weights`.
+    Dropout and `return_weights` always run the dense path (also under a `sequence` axis, where
+    XLA then partitions it). Returns out [B, T, N, H], or (out, weights) with `return_weights`.
 
     >>> from transformer import masks
     >>> q, kv = jnp.ones((2, 4, 8, 16)), jnp.ones((2, 6, 2, 16))
@@ -181,6 +186,13 @@ def attend(
     (2, 8, 4, 6)
     """
     platform = kernels.target_platform()
+    split = sequence_parallel_lib.shards()
+    if (split > 1 and not (dropout_rate or return_weights)
+            and (mask is None or isinstance(mask, Mask)) and (bias is None or callable(bias))
+            and query.shape[1] % split == 0 and key.shape[1] % split == 0):
+        kernels.record(f"chunked per device, {sequence_parallel} over sequence={split}")
+        return sequence_parallel_lib.attention(query, key, value, mask, bias,
+                                               strategy=sequence_parallel, scale=scale)
     if dropout_rate or return_weights:
         impl = "dense"
     else:
@@ -282,6 +294,7 @@ class MultiHeadAttention(nn.Module):
     # kernels.IMPLS: "auto", "dense", "chunked" (O(T) memory), "splash" or "cudnn"; dropout on
     # the weights and requests for the weights use dense
     impl: str = "auto"
+    sequence_parallel: str = "all_gather"  # under a `sequence` mesh axis: all_gather | ring
 
     @nn.compact
     def __call__(
@@ -380,7 +393,7 @@ class MultiHeadAttention(nn.Module):
         result = attend(query_BTNH, key_BSKH, value_BSKH, mask=mask, bias=bias, impl=self.impl,
                         scale=self.scale, dropout_rate=dropout,
                         dropout_rng=self.make_rng("dropout") if dropout > 0.0 else None,
-                        return_weights=want_weights)
+                        return_weights=want_weights, sequence_parallel=self.sequence_parallel)
         out_BTNH, weights_BNTS = result if want_weights else (result, None)
         if sow:
             self.sow("intermediates", "attention_weights", weights_BNTS)

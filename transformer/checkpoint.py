@@ -41,7 +41,7 @@ _DELETED = "deleted"  # WORKDIR/checkpoints/deleted/<step>: old steps on their w
 
 # Model settings that may change between a checkpoint and the run restoring it.
 _NON_STRUCTURAL = {"dropout_rate", "attention_dropout_rate", "remat_policy", "dtype",
-                   "attention_impl"}
+                   "attention_impl", "sequence_parallel", "sequence_load_balance"}
 
 
 def structural_differences(saved: dict, current: dict) -> list[str]:

@@ -42,9 +42,10 @@ Bias. `bias` may be
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -138,12 +139,27 @@ def _unbroadcast(x: Array, shape: tuple[int, ...]) -> Array:
     return x.sum(axes, keepdims=True) if axes else x
 
 
+class _Unknown(Mask):
+    """Plans every tile PARTIAL: a mask whose tiles are only known at run time."""
+
+    is_static: ClassVar[bool] = False
+
+
 class _Tiles:
     """Static sizes and the per-tile mask / bias / logits of one `chunked_attention` call."""
 
-    def __init__(self, q_shape, kv_shape, q_dtype, mask, bias, scale, q_chunk, kv_chunk):
+    def __init__(self, q_shape, kv_shape, q_dtype, mask, bias, scale, q_chunk, kv_chunk,
+                 totals=None):
         self.batch, self.q_len, self.num_heads, self.head_dim = q_shape
         _, self.kv_len, self.num_kv_heads, _ = kv_shape
+        # `totals` (q_total, kv_total): these queries and keys are blocks of longer sequences
+        # (sequence parallelism). The mask and bias then see indices shifted by `offsets`, set
+        # per block with `at`, in sequences of the total lengths, and every tile the mask may
+        # touch is planned PARTIAL (the offsets are traced), skipped at run time when empty.
+        self.blocked = totals is not None
+        self.q_total, self.kv_total = totals if self.blocked else (self.q_len, self.kv_len)
+        self.offsets = (0, 0)
+        self.out_dtype = None  # outputs and gradients in the inputs' dtypes; see `at`
         self.group = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5 if scale is None else scale
         self.acc = jnp.promote_types(q_dtype, jnp.float32)
@@ -151,7 +167,14 @@ class _Tiles:
             raise ValueError(f"q_chunk={q_chunk}, kv_chunk={kv_chunk}: expected >= 1")
         self.qb = min(q_chunk, self.q_len)
         self.kb = min(kv_chunk, self.kv_len)
-        self.plan = plan_tiles(mask, self.q_len, self.kv_len, self.qb, self.kb)
+        if self.blocked and not (mask is None or isinstance(mask, Mask)):
+            raise ValueError("attention over sequence blocks takes a Mask spec or None, not a "
+                             "dense mask array")
+        if self.blocked and not (bias is None or callable(bias)):
+            raise ValueError("attention over sequence blocks takes a bias function "
+                             "bias(q_idx, kv_idx) or None, not a dense bias array")
+        planned = mask if not self.blocked or mask is None else _Unknown()
+        self.plan = plan_tiles(planned, self.q_len, self.kv_len, self.qb, self.kb)
         self.nq, self.nk = self.plan.num_q_tiles, self.plan.num_kv_tiles
         self.q_pad, self.kv_pad = self.nq * self.qb, self.nk * self.kb
         self.ragged_kv = self.kv_len % self.kb != 0
@@ -160,7 +183,7 @@ class _Tiles:
         if mask is None:
             self.mask_kind, self.dynamic = "none", False
         elif isinstance(mask, Mask):
-            self.mask_kind, self.dynamic = "spec", not mask.is_static
+            self.mask_kind, self.dynamic = "spec", not mask.is_static or self.blocked
             _, self.mask_tree = jax.tree.flatten(mask)
         else:
             self.mask_kind, self.dynamic = "array", True
@@ -180,6 +203,15 @@ class _Tiles:
         else:
             self.bias_kind = "array"
             self.bias_shape = _to_4d(jnp.shape(bias), "bias")
+
+    def at(self, q_offset, kv_offset, out_dtype=None) -> _Tiles:
+        """These tiles for the query / key blocks starting at `q_offset` / `kv_offset` (traced
+        ints) of the total sequences (needs `totals`); `out_dtype`: the dtype of the forward's
+        output and the backward's gradients (default: the inputs'), e.g. float32 for partial
+        results that are summed over blocks."""
+        shifted = copy.copy(self)
+        shifted.offsets, shifted.out_dtype = (q_offset, kv_offset), out_dtype
+        return shifted
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -235,15 +267,17 @@ class _Tiles:
     # -- per tile ---------------------------------------------------------------------------------
 
     def indices(self, i, j):
-        q_idx = i * self.qb + jnp.arange(self.qb, dtype=jnp.int32)
-        kv_idx = j * self.kb + jnp.arange(self.kb, dtype=jnp.int32)
+        """Tile (i, j)'s query and key indices in the total sequences."""
+        q_idx = self.offsets[0] + i * self.qb + jnp.arange(self.qb, dtype=jnp.int32)
+        kv_idx = self.offsets[1] + j * self.kb + jnp.arange(self.kb, dtype=jnp.int32)
         return q_idx, kv_idx
 
     def allowed(self, mask_args, i, j) -> Array:
         """bool [b, K or 1, G or 1, qb, kb] for tile (i, j), including the key-padding bound."""
         if self.mask_kind == "spec":
             mask = jax.tree.unflatten(self.mask_tree, mask_args)
-            ok = mask.tile(i * self.qb, j * self.kb, self.qb, self.kb, self.q_len, self.kv_len)
+            ok = mask.tile(self.offsets[0] + i * self.qb, self.offsets[1] + j * self.kb,
+                           self.qb, self.kb, self.q_total, self.kv_total)
         elif self.mask_kind == "array":
             starts, sizes = self.dense_window(self.mask_shape, i, j)
             ok = lax.dynamic_slice(mask_args[0], starts, sizes)
@@ -251,8 +285,7 @@ class _Tiles:
             ok = jnp.ones((1, 1, 1, 1), bool)
         ok = self._heads(ok)
         if self.ragged_kv:
-            _, kv_idx = self.indices(i, j)
-            ok = ok & (kv_idx < self.kv_len)
+            ok = ok & (j * self.kb + jnp.arange(self.kb) < self.kv_len)
         return ok
 
     def bias_tile(self, bias_args, i, j) -> Array | None:
@@ -355,7 +388,7 @@ def _forward(t: _Tiles, q, k, v, mask_args, bias_args):
         l_safe = jnp.where(nonzero, total, 1.0)
         out = jnp.where(nonzero[..., None], acc / l_safe[..., None], 0.0)
         lse = jnp.where(nonzero, m + jnp.log(l_safe), jnp.inf)
-        out = out.astype(q.dtype)  # [B, K, G, qb, H]
+        out = out.astype(t.out_dtype or q.dtype)  # [B, K, G, qb, H]
         return count, (out, lse)
 
     xs = (jnp.arange(t.nq, dtype=jnp.int32), q_t, full_ids, full_n, part_ids, part_n)
@@ -430,12 +463,13 @@ def _backward(t: _Tiles, q, k, v, mask_args, bias_args, out, lse, d_out):
         if has_part:
             inner = lax.fori_loop(0, p_n, part_body, inner)
         dk, dv, dq_buf, dbias, count = inner
-        return (dq_buf, dbias, count), (dk.astype(k.dtype), dv.astype(v.dtype))
+        return (dq_buf, dbias, count), (dk.astype(t.out_dtype or k.dtype),
+                                         dv.astype(t.out_dtype or v.dtype))
 
     dq0 = jnp.zeros(q_t.shape, t.acc)
     xs = (jnp.arange(t.nk, dtype=jnp.int32), k_t, v_t, full_ids, full_n, part_ids, part_n)
     (dq_buf, dbias, count), (dk_t, dv_t) = lax.scan(kv_step, (dq0, dbias0, jnp.int32(0)), xs)
-    dq = t.q_untile(dq_buf).astype(q.dtype)
+    dq = t.q_untile(dq_buf).astype(t.out_dtype or q.dtype)
     dk, dv = t.kv_untile(dk_t), t.kv_untile(dv_t)
     return dq, dk, dv, dbias, count
 
@@ -457,12 +491,13 @@ def check_qkv(query, key, value) -> None:
         raise ValueError(f"{num_heads} query heads: expected a multiple of {num_kv_heads} kv heads")
 
 
-def _prepare(query, key, value, mask, bias, scale, q_chunk, kv_chunk):
+def _prepare(query, key, value, mask, bias, scale, q_chunk, kv_chunk, totals=None):
     check_qkv(query, key, value)
     q_len, kv_len = query.shape[1], key.shape[1]
     if mask is not None and not isinstance(mask, Mask):
         mask = as_dense(mask, q_len, kv_len)  # validates: bool, 4D
-    t = _Tiles(query.shape, key.shape, query.dtype, mask, bias, scale, q_chunk, kv_chunk)
+    t = _Tiles(query.shape, key.shape, query.dtype, mask, bias, scale, q_chunk, kv_chunk,
+               totals)
 
     if t.mask_kind == "spec":
         mask_args = tuple(jnp.asarray(x) for x in jax.tree.leaves(mask))
@@ -474,9 +509,18 @@ def _prepare(query, key, value, mask, bias, scale, q_chunk, kv_chunk):
     if t.bias_kind == "array":
         bias_args = (t.pad_dense(jnp.asarray(bias), t.bias_shape, 0),)
     elif t.bias_kind == "fn":
-        example = (jnp.zeros((t.qb,), jnp.int32), jnp.zeros((t.kb,), jnp.int32))
-        t.bias_fn, consts = jax.closure_convert(bias, *example)
-        bias_args = tuple(consts)
+        leaves, tree = jax.tree.flatten(bias)
+        if all(isinstance(x, jax.Array | np.ndarray) for x in leaves):
+            # A pytree of arrays (positions.AlibiBiasFn, T5BiasFn): every leaf is an argument.
+            # (closure_convert would keep integer tracers inside the function it caches, which
+            # escape when the backward pass is traced apart from the forward, as in shard_map.)
+            t.bias_fn = lambda q_idx, kv_idx, *args: jax.tree.unflatten(tree, args)(q_idx,
+                                                                                   kv_idx)
+            bias_args = tuple(leaves)
+        else:
+            example = (jnp.zeros((t.qb,), jnp.int32), jnp.zeros((t.kb,), jnp.int32))
+            t.bias_fn, consts = jax.closure_convert(bias, *example)
+            bias_args = tuple(consts)
     else:
         bias_args = ()
     return t, mask_args, bias_args
@@ -492,6 +536,8 @@ def chunked_attention(
     scale: float | None = None,
     q_chunk: int = 512,
     kv_chunk: int = 512,
+    totals: tuple[int, int] | None = None,
+    offsets: tuple[Array, Array] | None = None,
 ) -> Array:
     """softmax(Q K^T * scale + bias) V, computed tile by tile in O(T + S) memory.
 
@@ -504,36 +550,45 @@ def chunked_attention(
         tile (see the module docstring). Both forms are differentiable.
       scale: logit scale, default 1 / sqrt(H).
       q_chunk, kv_chunk: tile sizes (clipped to T and S). Lengths need not be multiples.
+      totals, offsets: the queries and keys are the blocks starting at `offsets` (ints, may be
+        traced) of sequences of lengths `totals` (sequence parallelism): the mask and the bias
+        function see indices in the whole sequences. Dense mask / bias arrays are refused.
 
     Same result as `attention.dot_product_attention(query, key, value, mask, bias, scale=scale)`
     (no dropout, no weights output): float32 logits / softmax statistics for lower-precision
     inputs, masked keys get zero weight, a query row with no allowed key returns zeros and
     zero (finite) gradients. Gradients flow to query, key, value and the bias.
     """
-    t, mask_args, bias_args = _prepare(query, key, value, mask, bias, scale, q_chunk, kv_chunk)
+    t, mask_args, bias_args = _prepare(query, key, value, mask, bias, scale, q_chunk, kv_chunk,
+                                       totals)
+    if (totals is None) != (offsets is None):
+        raise ValueError(f"totals={totals}, offsets={offsets}: expected both or neither")
+    offsets = tuple(jnp.asarray(o, jnp.int32) for o in offsets or (0, 0))
+    at = lambda offsets: t.at(*offsets) if t.blocked else t
 
     @jax.custom_vjp
-    def attend(q, k, v, mask_args, bias_args):
-        return _forward(t, q, k, v, mask_args, bias_args)[0]
+    def attend(q, k, v, mask_args, bias_args, offsets):
+        return _forward(at(offsets), q, k, v, mask_args, bias_args)[0]
 
-    def attend_fwd(q, k, v, mask_args, bias_args):
-        out, lse, _ = _forward(t, q, k, v, mask_args, bias_args)
-        return out, (q, k, v, mask_args, bias_args, out, lse)
+    def attend_fwd(q, k, v, mask_args, bias_args, offsets):
+        out, lse, _ = _forward(at(offsets), q, k, v, mask_args, bias_args)
+        return out, (q, k, v, mask_args, bias_args, offsets, out, lse)
 
     def attend_bwd(res, d_out):
-        q, k, v, mask_args, bias_args, out, lse = res
-        dq, dk, dv, dbias, _ = _backward(t, q, k, v, mask_args, bias_args, out, lse, d_out)
+        q, k, v, mask_args, bias_args, offsets, out, lse = res
+        dq, dk, dv, dbias, _ = _backward(at(offsets), q, k, v, mask_args, bias_args, out, lse,
+                                         d_out)
         d_mask = tuple(None for _ in mask_args)
         if t.bias_kind == "array":
             dbias = (dbias[0].astype(bias_args[0].dtype),)
         else:
             dbias = tuple(d.astype(c.dtype) for d, c in zip(dbias, bias_args, strict=True))
-        return dq, dk, dv, d_mask, dbias
+        return dq, dk, dv, d_mask, dbias, (None, None)
 
     attend.defvjp(attend_fwd, attend_bwd)
     # A dense bias was padded (jnp.pad) outside `attend`, so its cotangent flows back through
     # the pad to the caller's unpadded array.
-    return attend(query, key, value, mask_args, bias_args)
+    return attend(query, key, value, mask_args, bias_args, offsets)
 
 
 def chunked_attention_stats(query, key, value, mask=None, bias=None, *, scale=None,

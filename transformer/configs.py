@@ -18,7 +18,7 @@ import jax
 import ml_collections
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import fileio, optim, placement, sharding
+from transformer import fileio, optim, placement, sequence_parallel, sharding
 from transformer.data import inputs, pipeline, sources, tokenizers
 from transformer.models import FAMILIES, build_model, default_model_config, family_of
 
@@ -293,6 +293,16 @@ def _lookup(config: ml_collections.ConfigDict, key: str):
     return value
 
 
+def check_sequence_split(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int]) -> None:
+    """One-line error unless seq_len splits over mesh.sequence (decoder LMs lay it out in
+    2 x sequence chunks for load balancing, see `transformer.sequence_parallel`)."""
+    if mesh_sizes["sequence"] > 1:
+        balanced = (family_of(config.model).decoding in ("causal", "prefix")
+                    and config.model.get("sequence_load_balance", True))
+        sequence_parallel.check_length(config.seq_len, mesh_sizes["sequence"],
+                                       load_balance=balanced, what="seq_len")
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None,
                     num_processes: int | None = None) -> None:
     """Checks every value against its meaning (`CHECKS`, then the rules joining several keys),
@@ -304,9 +314,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         value = _lookup(config, key)
         if value is not _MISSING and not test(value):
             raise ValueError(f"{key}={value!r}: expected {expected}")
-    sharding.check_batch_split(config.batch_size, sharding.mesh_shape(config.mesh, num_devices),
+    mesh_sizes = sharding.mesh_shape(config.mesh, num_devices)
+    sharding.check_batch_split(config.batch_size, mesh_sizes,
                                accumulation=config.optimizer.grad_accumulation_steps,
                                processes=num_processes)
+    check_sequence_split(config, mesh_sizes)
     placement.user_compiler_options(config)
     if config.model.get("position") == "learned" and config.seq_len > config.model.max_len:
         raise ValueError(f"seq_len={config.seq_len}: expected <= model.max_len="

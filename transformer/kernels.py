@@ -186,9 +186,14 @@ def select(impl: str, *, platform: str, mask: Mask | Array | None, bias: Any, dr
         impl = "chunked"
     else:
         impl = "dense"
-    for chosen in _selected:
-        chosen.append(impl)
+    record(impl)
     return impl
+
+
+def record(kernel: str) -> None:
+    """Notes `kernel` in every open `recording()`."""
+    for chosen in _selected:
+        chosen.append(kernel)
 
 
 # -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import kernels, sharding
+from transformer import kernels, sequence_parallel, sharding
 from transformer import positions as positions_lib
 from transformer.attention import MultiHeadAttention, matmul, projection_init
 from transformer.masks import Mask
@@ -85,6 +85,11 @@ class TransformerConfig:
     # auto (splash on TPU, cuDNN on GPU, chunked for long sequences, else dense; chosen for the
     # devices the step is compiled for) | dense | chunked (O(T) memory) | splash | cudnn
     attention_impl: str = "auto"
+    # Under a `sequence` mesh axis (transformer.sequence_parallel): how attention crosses the
+    # split (all_gather | ring), and whether decoder LMs lay the sequence out zig-zag so every
+    # device gets the same share of the causal mask.
+    sequence_parallel: str = "all_gather"
+    sequence_load_balance: bool = True
 
     def __post_init__(self):
         for name in ("num_layers", "d_model", "num_heads", "d_ff", "max_len"):
@@ -102,6 +107,8 @@ class TransformerConfig:
                              "0 < low < high")
         _check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
         _check_choice("attention_impl", self.attention_impl, kernels.IMPLS)
+        _check_choice("sequence_parallel", self.sequence_parallel,
+                      sequence_parallel.STRATEGIES)
         if self.sliding_window is not None:
             _check_positive("sliding_window", self.sliding_window)
         if self.num_kv_heads is not None:
@@ -271,6 +278,7 @@ class TransformerBlock(nn.Module):
             param_dtype=cfg.param_dtype,
             cross=not is_self,
             impl=cfg.attention_impl,
+            sequence_parallel=cfg.sequence_parallel,
             name=name,
         )
 
@@ -344,7 +352,8 @@ class TransformerStack(nn.Module):
         kv_positions = positions if kv_positions is None else kv_positions
         # With chunked attention (or "auto", which may pick it) the biases are functions of
         # (query, key) indices, evaluated per tile: never a [B, N, T, S] array.
-        as_function = cfg.attention_impl in ("chunked", "auto")
+        as_function = (cfg.attention_impl in ("chunked", "auto")
+                       or sequence_parallel.shards() > 1)
         if cfg.position == "alibi":
             bias = (positions_lib.alibi_bias_fn if as_function else positions_lib.alibi_bias)(
                 positions, kv_positions, cfg.num_heads)

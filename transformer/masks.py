@@ -391,6 +391,39 @@ class Segment(Mask):
         return (q_ids == kv_ids) & (q_ids != 0)
 
 
+@struct.dataclass
+class Permuted(Mask):
+    """`mask` on a reordered sequence: row / column i of this mask is query `q_order[i]` / key
+    `kv_order[i]` of `mask` (`kv_order` defaults to `q_order`). Sequence parallelism lays the
+    sequence out zig-zag so that every device gets the same share of a causal mask's work; the
+    mask is still evaluated at the original positions, so packed segments, prefixes and windows
+    stay exact. `mask`'s per-example arrays (segment ids, ...) stay in the original order.
+
+    Causal attention over 4 positions laid out as 0 3 1 2 (row i is the query at `order[i]`):
+
+    >>> print(show(Permuted(Causal(), jnp.array([0, 3, 1, 2])), 4, 4))
+    1 0 0 0
+    1 1 1 1
+    1 0 1 0
+    1 0 1 1
+    """
+
+    mask: Mask
+    q_order: jax.Array  # [Q] int: original query index of each row
+    kv_order: jax.Array | None = None  # [K] int: original key index of each column
+
+    is_static: ClassVar[bool] = False
+
+    @property
+    def batch_size(self) -> int:
+        return self.mask.batch_size
+
+    def _allowed(self, q_idx, kv_idx, q_len, kv_len):
+        kv_order = self.q_order if self.kv_order is None else self.kv_order
+        return self.mask._allowed(jnp.take(self.q_order, q_idx, mode="clip"),
+                                  jnp.take(kv_order, kv_idx, mode="clip"), q_len, kv_len)
+
+
 def as_dense(mask: Mask | jax.Array | None, q_len: int, kv_len: int) -> jax.Array | None:
     """A Mask, a boolean array broadcastable to [B, N, q_len, kv_len], or None -> dense or None."""
     if mask is None:
@@ -408,5 +441,5 @@ def as_dense(mask: Mask | jax.Array | None, q_len: int, kv_len: int) -> jax.Arra
 
 __all__ = [
     "EMPTY", "PARTIAL", "FULL", "Mask", "And", "Or", "Full", "Causal", "SlidingWindow",
-    "ChunkedCausal", "PrefixLM", "Padding", "Segment", "as_dense", "show",
+    "ChunkedCausal", "PrefixLM", "Padding", "Permuted", "Segment", "as_dense", "show",
 ]

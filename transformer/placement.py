@@ -76,9 +76,10 @@ class Placement:
         self.rows = pipeline.process_rows(self.batch_sharding, batch_size)
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> Placement:
-        """The placement of `config`: its mesh over all devices, its batch size and options."""
-        mesh = sharding.make_mesh(config.mesh)
+    def from_config(cls, config: ml_collections.ConfigDict, devices=None) -> Placement:
+        """The placement of `config`: its mesh over all (or the given) devices, its batch size
+        and options."""
+        mesh = sharding.make_mesh(config.mesh, devices)
         return cls(mesh, config.batch_size, compiler_options(config, mesh))
 
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:

@@ -47,6 +47,10 @@ MESH_AXIS_TABLE = (
              doc="the batch is split *and* params/optimizer state are sharded on their `embed` "
                  "dimension (ZeRO-3 / fully sharded data parallelism: gathered per layer when "
                  "used)"),
+    MeshAxis("sequence", shards_batch=False, spans_slices=False, default=1,
+             doc="sequence (context) parallelism: every activation's length dimension split; "
+                 "attention crosses the split by gathering K and V or passing them round a ring "
+                 "(transformer.sequence_parallel); params unaffected, batch rows repeated"),
     MeshAxis("tensor", shards_batch=False, spans_slices=False, default=1,
              doc="Megatron-style tensor parallelism: heads, MLP hidden units and the vocabulary "
                  "split"),
@@ -57,13 +61,13 @@ BATCH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE if axis.shards_batch)
 
 if __doc__:  # None under python -OO
     __doc__ += "\nMesh axes:\n\n" + "".join(
-        textwrap.fill(axis.doc, 96, initial_indent=f"    {axis.name:<8}",
-                      subsequent_indent=" " * 12) + "\n" for axis in MESH_AXIS_TABLE)
+        textwrap.fill(axis.doc, 96, initial_indent=f"    {axis.name:<10}",
+                      subsequent_indent=" " * 14) + "\n" for axis in MESH_AXIS_TABLE)
 
 LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     # activations (nn.with_logical_constraint at block boundaries)
     ("activation_batch", BATCH_AXES),
-    ("activation_length", None),
+    ("activation_length", "sequence"),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
     ("activation_mlp", "tensor"),
@@ -90,9 +94,9 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict | dict, num_devices: int) 
     """The mesh axis sizes, with a -1 entry filled by the devices the others leave.
 
     >>> mesh_shape({"data": -1, "fsdp": 2, "tensor": 1}, 8)
-    {'data': 4, 'fsdp': 2, 'tensor': 1}
+    {'data': 4, 'fsdp': 2, 'sequence': 1, 'tensor': 1}
     """
-    sizes = {axis: mesh_config[axis] for axis in MESH_AXES}
+    sizes = {axis.name: mesh_config.get(axis.name, axis.default) for axis in MESH_AXIS_TABLE}
     for axis, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
             raise ValueError(f"mesh.{axis}={size!r}: expected a positive int or -1")
@@ -113,7 +117,7 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict | dict, num_devices: int) 
 
 
 def describe_mesh(sizes: dict[str, int]) -> str:
-    """E.g. "data=4 x fsdp=2 x tensor=1"."""
+    """E.g. "data=4 x fsdp=2 x sequence=1 x tensor=1"."""
     return " x ".join(f"{axis}={size}" for axis, size in sizes.items())
 
 
@@ -138,7 +142,9 @@ def make_mesh(mesh_config: ml_collections.ConfigDict | dict, devices=None) -> Me
         ici = tuple(size // slices if axis == SLICE_AXIS else size
                     for axis, size in sizes.items())
         dcn = tuple(slices if axis == SLICE_AXIS else 1 for axis in sizes)
-        array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+        # With more axes than the slice has physical ones, some axis must split a physical one.
+        array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices,
+                                                     allow_split_physical_axes=True)
         return Mesh(array, MESH_AXES, axis_types=axis_types)
     return jax.make_mesh(tuple(sizes.values()), MESH_AXES, axis_types=axis_types,
                          devices=devices)

@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import masks
+from transformer import masks, sequence_parallel, sharding
 from transformer.layers import OutputHead, TokenEmbedding, TransformerConfig, TransformerStack
 from transformer.models.family import Family, transformer_config
 
@@ -104,9 +104,21 @@ class DecoderLM(nn.Module):
                 mask = mask & masks.SlidingWindow(left=window - 1)
             if segment_ids is not None:
                 mask = mask & masks.Segment(segment_ids)
+        split = sequence_parallel.shards()
+        balance = split > 1 and self.config.sequence_load_balance and not decode
+        if balance:  # lay the sequence out zig-zag; the mask still sees original positions
+            length = tokens_BT.shape[1]
+            if positions is None:
+                positions = jnp.arange(length, dtype=jnp.int32)[None]
+            tokens_BT = sequence_parallel.to_zigzag(tokens_BT, split)
+            positions = sequence_parallel.to_zigzag(positions, split)
+            mask = masks.Permuted(mask, jnp.asarray(sequence_parallel.zigzag(length, split)))
         x_BTD = self.embed(tokens_BT)
         x_BTD = self.decoder(x_BTD, mask, positions, deterministic=deterministic, decode=decode,
                              kv_positions=kv_positions)
+        if balance:
+            x_BTD = sharding.constrain(sequence_parallel.from_zigzag(x_BTD, split),
+                                       sharding.ACTIVATIONS)
         if self.num_classes:
             last_B = (jnp.full(tokens_BT.shape[:1], tokens_BT.shape[1] - 1) if segment_ids is None
                       else jnp.sum(segment_ids > 0, axis=1) - 1)

@@ -1,0 +1,167 @@
+"""Sequence (context) parallelism: the zig-zag layout, masks on permuted sequences, attention
+over sequence blocks, and (slow, 8 forced CPU devices in tests/sequence_check.py) both
+strategies against one device, in attention and in training."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_sharding import REPO, TIMEOUT, env
+
+from transformer import attention, configs, masks, sequence_parallel, sharding
+from transformer.chunked_attention import chunked_attention
+
+# --- the layout ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length, shards", [(8, 2), (48, 3), (64, 8)])
+def test_zigzag_is_a_permutation_that_to_and_from_zigzag_apply(length, shards):
+    order = sequence_parallel.zigzag(length, shards)
+    assert sorted(order.tolist()) == list(range(length))
+    x = np.arange(2 * length).reshape(2, length) * 10
+    np.testing.assert_array_equal(sequence_parallel.to_zigzag(x, shards), x[:, order])
+    np.testing.assert_array_equal(sequence_parallel.from_zigzag(x[:, order], shards), x)
+    moved = sequence_parallel.to_zigzag(jnp.asarray(x)[..., None], shards)  # traced arrays too
+    np.testing.assert_array_equal(moved[..., 0], x[:, order])
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_zigzag_gives_every_device_the_same_share_of_a_causal_mask(shards):
+    """The contiguous split gives the last device about 2n - 1 times the first one's query-key
+    pairs; zig-zag gives each device exactly 1/n of them."""
+    length = 16 * shards
+    causal = np.tril(np.ones((length, length), bool))
+    per_device = lambda rows: [int(causal[r].sum()) for r in np.split(rows, shards)]
+    contiguous = per_device(np.arange(length))
+    assert contiguous[-1] > 0.9 * (2 * shards - 1) * contiguous[0]
+    balanced = per_device(sequence_parallel.zigzag(length, shards))
+    assert len(set(balanced)) == 1 and sum(balanced) == causal.sum()
+
+
+def test_permuted_mask_is_the_mask_with_rows_and_columns_reordered():
+    ids = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0], [3, 3, 3, 3, 3, 3, 0, 0]])
+    inner = masks.PrefixLM(jnp.array([2, 5])) & masks.Segment(ids) & masks.SlidingWindow(left=3)
+    order = sequence_parallel.zigzag(8, 2)
+    got = masks.Permuted(inner, jnp.asarray(order)).dense(8, 8)
+    want = np.asarray(inner.dense(8, 8))[:, :, order][:, :, :, order]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_without_a_sequence_axis_nothing_is_split():
+    assert sequence_parallel.shards() == 1  # no mesh
+    mesh = sharding.make_mesh({"data": -1}, jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        assert sequence_parallel.shards() == 1  # a mesh but no rules
+        with nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
+            assert sequence_parallel.shards() == 1  # sequence=1
+
+
+def test_lengths_that_do_not_split_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"^length=12: expected a multiple of 2 x "
+                                         r"mesh.sequence=4 \(load-balanced chunks\)$"):
+        sequence_parallel.zigzag(12, 4)
+    with pytest.raises(ValueError, match=r"^seq_len=30: expected a multiple of "
+                                         r"mesh.sequence=4$"):
+        sequence_parallel.check_length(30, 4, load_balance=False, what="seq_len")
+    config = configs.base_config()
+    config.update(seq_len=48, batch_size=8)
+    config.mesh.update(data=1, sequence=32)
+    with pytest.raises(ValueError, match=r"^seq_len=48: expected a multiple of 2 x "
+                                         r"mesh.sequence=32"):
+        configs.validate_config(config, num_devices=32, num_processes=1)
+    config.model.update(family="bert")  # bidirectional: contiguous blocks, no load balancing
+    config.seq_len = 64
+    configs.validate_config(config, num_devices=32, num_processes=1)
+
+
+# --- attention over blocks of a longer sequence (what each device computes) ------------------
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "packed_zigzag", "prefix"])
+def test_attention_over_a_query_block_is_those_rows_of_the_whole(mask_name):
+    """chunked_attention(totals, offsets) on queries a:b (what one device of the all-gather
+    strategy computes) gives rows a:b of attention over the whole sequence."""
+    rng = np.random.default_rng(0)
+    length, split = 24, 3
+    q, k, v = (jnp.asarray(rng.standard_normal((2, length, 2, 4)), jnp.float32)
+               for _ in range(3))
+    ids = jnp.array([[1] * 7 + [2] * 13 + [0] * 4, [5] * 24])
+    mask = {"causal": masks.Causal(),
+            "packed_zigzag": masks.Permuted(masks.Causal() & masks.Segment(ids),
+                                            jnp.asarray(sequence_parallel.zigzag(length, 3))),
+            "prefix": masks.PrefixLM(jnp.array([9, 0]))}[mask_name]
+    bias = lambda qi, ki: -0.1 * jnp.abs(qi[:, None] - ki[None, :]).astype(jnp.float32)
+    whole = attention.dot_product_attention(q, k, v, mask, bias(jnp.arange(length),
+                                                                 jnp.arange(length)))
+    block = length // split
+    for a in range(0, length, block):
+        rows = chunked_attention(q[:, a:a + block], k, v, mask, bias, q_chunk=4, kv_chunk=4,
+                                 totals=(length, length), offsets=(a, 0))
+        np.testing.assert_allclose(rows, whole[:, a:a + block], atol=1e-6)
+    with pytest.raises(ValueError, match="dense mask array"):
+        chunked_attention(q, k, v, mask.dense(length, length), totals=(length, length),
+                          offsets=(0, 0))
+
+
+# --- 8 devices ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "sequence_check.py"),
+                             str(tmp_path_factory.mktemp("sequence_check"))],
+                            env=env(8), capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_both_strategies_give_dense_attention_on_one_device(results):
+    """Causal, packed, prefix-LM, sliding-window, bottom-right and zig-zag masks; outputs and
+    q/k/v/T5-table gradients; sequence 2, 4, 8 and data x sequence x tensor."""
+    diffs = results["attention"]
+    assert len(diffs) == 6 * 2 * 2 + 2 * 2 and all(
+        strategy in " ".join(diffs) for strategy in sequence_parallel.STRATEGIES)
+    bad = {case: diff for case, diff in diffs.items() if diff > 2e-5}
+    assert not bad, bad
+
+
+@pytest.mark.slow
+def test_training_on_each_sequence_mesh_matches_one_device(results):
+    runs = results["training"]
+    assert {name.split("/")[0] for name in runs} == {"gpt", "prefix_lm"}
+    for name, run in runs.items():
+        np.testing.assert_allclose(run["losses"], run["want"], rtol=2e-6, err_msg=name)
+        assert run["max_param_diff"] < 1e-5, name
+
+
+@pytest.mark.slow
+def test_the_ring_holds_less_per_device_as_the_axis_grows(results):
+    """Compiled temp bytes per device of attention fwd + bwd at 16k tokens, sequence 1, 2, 4,
+    8: the ring's fall with the axis (its K/V blocks are T / n); the all-gather's do not (it
+    holds the whole K/V)."""
+    ring, gather = results["memory"]["ring"], results["memory"]["all_gather"]
+    assert ring[1] > ring[2] > ring[3]
+    assert ring[3] < 0.5 * ring[1] and ring[3] < 0.5 * gather[3]
+    assert min(gather) > 0.9 * gather[0]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_on_one_sequence_mesh_continues_on_another(results):
+    """Saved on sequence=4 (ring), restored on data=2 x sequence=2 (all-gather)."""
+    reshard = results["reshard"]
+    np.testing.assert_allclose(reshard["losses"], reshard["want"], rtol=2e-6)
+    assert reshard["max_param_diff"] < 1e-5
+
+
+@pytest.mark.slow
+def test_a_seq_len_the_axis_does_not_split_is_refused_before_anything_runs(results):
+    assert results["errors"]["seq_len"] == (
+        "seq_len=40: expected a multiple of 2 x mesh.sequence=8 (load-balanced chunks)")
