@@ -8,9 +8,10 @@ starts). Parts:
              and q/k/v gradients, plus the T5 bias table's gradient), for causal, packed
              causal, prefix-LM, sliding-window, bottom-right causal (fewer queries than keys)
              and zig-zag (`masks.Permuted`) masks, on meshes with sequence = 2, 4, 8;
-  training   a few train steps of a GPT (causal and packed rows) and of a prefix LM on meshes
-             with sequence = 2, 4, 8, alone and with data / fsdp / tensor, both strategies:
-             losses and final params against one device;
+  training   a few train steps of a GPT (packed rows of uneven documents) and of a prefix LM
+             on meshes with sequence = 2, 4, 8, alone and with data / fsdp / tensor, both
+             strategies, RoPE, ALiBi, T5 and learned positions: losses and final params
+             against one device;
   memory     compiled temp bytes per device of attention fwd + bwd at 4096 tokens against
              the axis size, per strategy;
   reshard    2 steps on sequence=4, a checkpoint, a restore on data=2 x sequence=2 and 2 more
@@ -94,13 +95,16 @@ def attention_cases(devices) -> dict[str, float]:
     return results
 
 
-def training_config(family, mesh, strategy="all_gather", balance=True):
+def training_config(family, mesh, strategy="all_gather", balance=True, position="rope"):
     config = configs.base_config()
     config.update(steps=STEPS, batch_size=BATCH, seq_len=LENGTH)
     config.optimizer.warmup_steps = 1
     config.model.update(family=family, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
-                        d_ff=64, vocab_size=VOCAB, position="rope", dropout_rate=0.0,
+                        d_ff=64, vocab_size=VOCAB, position=position, dropout_rate=0.0,
                         sequence_parallel=strategy, sequence_load_balance=balance)
+    # A key bias shifts every logit of a row alike, so without RoPE its exact gradient is 0 and
+    # Adam turns float noise (1e-9, different on every mesh) into full-size updates.
+    config.model.qkv_bias = position == "rope"
     config.mesh.update(mesh)
     return config
 
@@ -135,33 +139,37 @@ def training_batches(family: str) -> list[dict[str, np.ndarray]]:
     return out
 
 
-# (family, strategy, mesh, load balance): every axis size, alone and beside data / fsdp / tensor,
-# each strategy, both decoder families, and one run without the zig-zag layout.
+# (family, strategy, mesh, load balance, positions): every axis size, alone and beside data /
+# fsdp / tensor, each strategy, both decoder families, one run without the zig-zag layout, and
+# each kind of positions (RoPE unless named).
 TRAINING = [
-    ("gpt", "all_gather", {"sequence": 8}, True),
-    ("gpt", "all_gather", {"data": 2, "sequence": 4}, True),
-    ("gpt", "ring", {"sequence": 2}, True),
-    ("gpt", "ring", {"sequence": 8}, True),
-    ("gpt", "ring", {"fsdp": 2, "sequence": 2, "tensor": 2}, True),
-    ("gpt", "ring", {"sequence": 4}, False),
-    ("prefix_lm", "all_gather", {"fsdp": 2, "sequence": 4}, True),
-    ("prefix_lm", "ring", {"data": 2, "sequence": 4}, True),
+    ("gpt", "all_gather", {"sequence": 8}, True, "rope"),
+    ("gpt", "all_gather", {"data": 2, "sequence": 4}, True, "rope"),
+    ("gpt", "ring", {"sequence": 2}, True, "rope"),
+    ("gpt", "ring", {"sequence": 8}, True, "rope"),
+    ("gpt", "ring", {"fsdp": 2, "sequence": 2, "tensor": 2}, True, "rope"),
+    ("gpt", "ring", {"sequence": 4}, False, "rope"),
+    ("gpt", "ring", {"sequence": 4}, True, "alibi"),
+    ("gpt", "all_gather", {"data": 2, "sequence": 4}, True, "t5"),
+    ("gpt", "ring", {"data": 2, "sequence": 4}, True, "learned"),
+    ("prefix_lm", "all_gather", {"fsdp": 2, "sequence": 4}, True, "rope"),
+    ("prefix_lm", "ring", {"data": 2, "sequence": 4}, True, "rope"),
 ]
 
 
 def training(devices) -> dict[str, dict]:
     results, reference = {}, {}
-    for family, strategy, mesh, balance in TRAINING:
+    for family, strategy, mesh, balance, position in TRAINING:
         data = training_batches(family)[:STEPS]
-        if family not in reference:
-            single = Run(training_config(family, {}), devices[:1])
+        if (family, position) not in reference:
+            single = Run(training_config(family, {}, position=position), devices[:1])
             state, losses = single.train(single.init(jax.random.key(0)), data)
-            reference[family] = losses, host(state.params)
-        want_losses, want = reference[family]
-        run = Run(training_config(family, mesh, strategy, balance), devices)
+            reference[family, position] = losses, host(state.params)
+        want_losses, want = reference[family, position]
+        run = Run(training_config(family, mesh, strategy, balance, position), devices)
         state, losses = run.train(run.init(jax.random.key(0)), data)
         name = ",".join(f"{axis}={size}" for axis, size in mesh.items())
-        results[f"{family}/{strategy}/{name}" + ("" if balance else "/unbalanced")] = {
+        results[f"{family}/{strategy}/{name}/{position}" + ("" if balance else "/unbalanced")] = {
             "losses": losses, "want": want_losses,
             "max_param_diff": max_diff(host(state.params), want)}
     return results

@@ -137,6 +137,7 @@ def test_both_strategies_give_dense_attention_on_one_device(results):
 def test_training_on_each_sequence_mesh_matches_one_device(results):
     runs = results["training"]
     assert {name.split("/")[0] for name in runs} == {"gpt", "prefix_lm"}
+    assert {name.split("/")[3] for name in runs} == {"rope", "alibi", "t5", "learned"}
     for name, run in runs.items():
         np.testing.assert_allclose(run["losses"], run["want"], rtol=2e-6, err_msg=name)
         assert run["max_param_diff"] < 1e-5, name
