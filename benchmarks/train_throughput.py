@@ -101,9 +101,13 @@ def breakdown(shape, features):
     """Rows (part, ms, GFLOP) splitting our train step at `shape`, each part jitted alone with
     the train step's compiler options: forward, forward + backward, the optimizer update, the
     attention core (softmax(QK^T)V, causal) fwd+bwd x layers, and the layers' projection and
-    MLP matmuls alone (the same GEMMs, fwd+bwd, without anything between them) x layers."""
+    MLP matmuls alone (the same GEMMs, fwd+bwd, without anything between them) x layers. For
+    comparison, the same attention core in PyTorch as nanoGPT runs it (the fused CPU kernel of
+    `scaled_dot_product_attention`, causal) on the same inputs."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
+    import torch
     from compile_time import build_train_step, gpt_config
 
     from transformer import attention, masks
@@ -150,9 +154,22 @@ def breakdown(shape, features):
         rows = [("forward (loss)", ms(loss, params), step_gflop / 3),
                 ("forward + backward", ms(jax.grad(loss), params), step_gflop),
                 ("optimizer update (clip, AdamW)", ms(update, grads, opt_state, params), 0.0)]
+    core_gflop = 12 * batch * heads * context * context * head_dim * layers / 1e9
     rows.append((f"attention core fwd+bwd x {layers}",
-                 layers * ms(jax.grad(core, argnums=(0, 1, 2)), *qkv),
-                 12 * batch * heads * context * context * head_dim * layers / 1e9))
+                 layers * ms(jax.grad(core, argnums=(0, 1, 2)), *qkv), core_gflop))
+    q_t, k_t, v_t = (torch.from_numpy(np.asarray(a)).transpose(1, 2).contiguous()
+                     .requires_grad_(True) for a in qkv)  # [B, N, T, H], as nanoGPT's
+
+    def torch_core(n):
+        for _ in range(n):
+            out = torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True)
+            out.sum().backward()
+        return None
+
+    torch_core(1)
+    torch_ms = 1e3 * min(timed(torch_core, 5)[0] / 5 for _ in range(3))
+    rows.append((f"nanoGPT's attention core (PyTorch SDPA) fwd+bwd x {layers}",
+                 layers * torch_ms, core_gflop))
     rows.append((f"projection + MLP GEMMs alone fwd+bwd x {layers}",  # 12 w^2 weights a layer
                  layers * ms(jax.grad(gemms, argnums=(0, 1, 2, 3, 4)), x, *weights),
                  6 * 12 * width * width * tokens * layers / 1e9))
