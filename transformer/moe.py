@@ -1,0 +1,189 @@
+"""Mixture-of-experts feed-forward (GShard / Switch routing with expert capacity).
+
+Each row of the batch is one routing group. A float32 router scores every token against E
+experts; each token goes to its top-k experts, into per-expert buffers of `capacity` slots:
+
+    capacity = ceil(capacity_factor * T * k / E)      (capacity_factor = 0: T, nothing dropped)
+
+Slots are handed out in priority order, every token's first choice before any token's second
+(GShard), and in token order within a choice. A (token, expert) choice that finds its expert's
+buffer full is dropped: that expert contributes nothing to the token (its other choices still
+do; the residual connection carries it). The buffers are computed as one batched matmul over
+experts and combined back with the gate weights:
+
+    dispatch [B, T, E, C]  one-hot: token t fills slot c of expert e
+    combine  [B, T, E, C]  the same, times the token's gate for e
+    y = combine . FFN_e(dispatch . x)
+
+Auxiliary quantities (`Routing`), all float32:
+  load_balance  E * sum_e f_e * P_e: f_e the fraction of (token, choice) pairs routed to expert
+                e, P_e the mean router probability of e (Switch / GShard; 1 when balanced);
+  router_z      mean over tokens of logsumexp(router logits)^2 (ST-MoE);
+  dropped       the fraction of (token, choice) pairs dropped for capacity.
+
+Shapes: B batch, T tokens per row, D model width, E experts, C capacity, K = top_k, F d_ff.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+Array = jax.Array
+
+
+@struct.dataclass
+class Routing:
+    """How one batch was routed: dispatch / combine tensors and the auxiliary quantities."""
+
+    dispatch_BTEC: Array
+    combine_BTEC: Array
+    load_balance: Array
+    router_z: Array
+    dropped: Array
+
+
+def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Slots per expert per routing group (0 capacity_factor: every token fits).
+
+    >>> capacity(tokens=64, num_experts=8, top_k=2, capacity_factor=1.25)
+    20
+    """
+    if capacity_factor == 0:
+        return tokens
+    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def route(logits_BTE: Array, top_k: int, slots: int, normalize: bool = True) -> Routing:
+    """Top-k routing of router logits [B, T, E] into `slots` per expert (see module docstring).
+
+    `normalize`: the k gates of a token sum to 1 (Mixtral); otherwise they are the router
+    probabilities (Switch with k = 1).
+
+    Two tokens, two experts, one slot each, top-1: both prefer expert 0, so the second is
+    dropped.
+
+    >>> r = route(jnp.array([[[2.0, 0.0], [1.0, 0.0]]]), top_k=1, slots=1)
+    >>> r.dispatch_BTEC[0, :, :, 0].astype(int).tolist(), float(r.dropped)
+    ([[1, 0], [0, 0]], 0.5)
+    """
+    logits_BTE = logits_BTE.astype(jnp.float32)
+    batch, tokens, experts = logits_BTE.shape
+    probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
+    gates_BTK, choice_BTK = jax.lax.top_k(probs_BTE, top_k)
+    if normalize:
+        gates_BTK = gates_BTK / jnp.sum(gates_BTK, axis=-1, keepdims=True)
+    # Priority order: choice-major (all first choices, then all second ...), token order within.
+    chosen_BKTE = jax.nn.one_hot(choice_BTK.transpose(0, 2, 1), experts, dtype=jnp.int32)
+    flat_BNE = chosen_BKTE.reshape(batch, top_k * tokens, experts)
+    slot_BNE = jnp.cumsum(flat_BNE, axis=1) - 1  # this pair's slot in its expert's buffer
+    kept_BNE = flat_BNE * (slot_BNE < slots)
+    slot_onehot_BNEC = jax.nn.one_hot(jnp.where(kept_BNE > 0, slot_BNE, -1), slots,
+                                      dtype=jnp.float32)  # -1: all zeros
+    slot_onehot_BKTEC = slot_onehot_BNEC.reshape(batch, top_k, tokens, experts, slots)
+    dispatch_BTEC = jnp.sum(slot_onehot_BKTEC, axis=1)
+    combine_BTEC = jnp.einsum("bktec,btk->btec", slot_onehot_BKTEC, gates_BTK)
+    pairs = top_k * tokens * batch
+    fraction_E = jnp.sum(flat_BNE, axis=(0, 1)) / pairs
+    mean_prob_E = jnp.mean(probs_BTE, axis=(0, 1))
+    return Routing(
+        dispatch_BTEC=dispatch_BTEC,
+        combine_BTEC=combine_BTEC,
+        load_balance=experts * jnp.sum(fraction_E * mean_prob_E),
+        router_z=jnp.mean(jax.nn.logsumexp(logits_BTE, axis=-1) ** 2),
+        dropped=1.0 - jnp.sum(kept_BNE) / pairs,
+    )
+
+
+class MoEFeedForward(nn.Module):
+    """A feed-forward layer of `num_experts` expert FFNs, each token through its top-k.
+
+    Experts are act(x W_i) W_o, or (act(x W_gate) * x W_up) W_o when `gated`; their params
+    carry the logical axis `expert` first. `num_shared` > 0 adds an always-on dense FFN of
+    `num_shared * d_ff` hidden units (DeepSeek's shared experts). Returns (y [B, T, D], Routing).
+    """
+
+    num_experts: int
+    d_ff: int
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    num_shared: int = 0
+    activation: Callable[[Array], Array] = nn.gelu
+    gated: bool = False
+    normalize_gates: bool = True
+    init_std: float | None = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BTD: Array) -> tuple[Array, Routing]:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k}: expected 1 <= top_k <= num_experts="
+                             f"{self.num_experts}")
+        if self.capacity_factor < 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor}: expected >= 0 (0: no "
+                             "token is dropped)")
+        _, tokens, d_model = x_BTD.shape
+        router = self.param("router", nn.with_logical_partitioning(self._init(), ("embed", None)),
+                            (d_model, self.num_experts), jnp.float32)
+        # The router runs in float32 whatever the compute dtype: its softmax picks the experts.
+        routing = route(jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), router),
+                        self.top_k, capacity(tokens, self.num_experts, self.top_k,
+                                             self.capacity_factor), self.normalize_gates)
+
+        def expert_param(name, shape, names):  # [E, in, out]: fan-in per expert
+            init = self._init(in_axis=1, out_axis=2, batch_axis=(0,))
+            return self.param(name, nn.with_logical_partitioning(init, names), shape,
+                              self.param_dtype).astype(self.dtype)
+
+        x_BTD = x_BTD.astype(self.dtype)
+        dispatch = routing.dispatch_BTEC.astype(self.dtype)
+        x_BECD = jnp.einsum("btec,btd->becd", dispatch, x_BTD)
+        shape_in, names_in = (self.num_experts, d_model, self.d_ff), ("expert", "embed", "mlp")
+        if self.gated:
+            h_BECF = self.activation(jnp.einsum(
+                "becd,edf->becf", x_BECD, expert_param("wi_gate", shape_in, names_in)))
+            h_BECF = h_BECF * jnp.einsum("becd,edf->becf", x_BECD,
+                                         expert_param("wi_up", shape_in, names_in))
+        else:
+            h_BECF = self.activation(jnp.einsum("becd,edf->becf", x_BECD,
+                                                expert_param("wi", shape_in, names_in)))
+        wo = expert_param("wo", (self.num_experts, self.d_ff, d_model),
+                          ("expert", "mlp", "embed"))
+        y_BECD = jnp.einsum("becf,efd->becd", h_BECF, wo)
+        y_BTD = jnp.einsum("btec,becd->btd", routing.combine_BTEC.astype(self.dtype), y_BECD)
+        if self.num_shared:
+            y_BTD = y_BTD + self._shared(x_BTD)
+        return y_BTD, routing
+
+    def _init(self, **axes) -> nn.initializers.Initializer:
+        """Normal(init_std) if given, else fan-in variance scaling (over `axes`)."""
+        if self.init_std is not None:
+            return nn.initializers.normal(self.init_std)
+        return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", **axes)
+
+    def _shared(self, x_BTD: Array) -> Array:
+        hidden = self.num_shared * self.d_ff
+        d_model = x_BTD.shape[-1]
+
+        def param(name, shape, names):
+            return self.param(name, nn.with_logical_partitioning(self._init(), names), shape,
+                              self.param_dtype).astype(self.dtype)
+
+        h_BTF = jnp.einsum("btd,df->btf", x_BTD, param("shared_wi", (d_model, hidden),
+                                                        ("embed", "mlp")))
+        h_BTF = self.activation(h_BTF)
+        if self.gated:
+            h_BTF = h_BTF * jnp.einsum("btd,df->btf", x_BTD, param(
+                "shared_wi_up", (d_model, hidden), ("embed", "mlp")))
+        return jnp.einsum("btf,fd->btd", h_BTF, param("shared_wo", (hidden, d_model),
+                                                       ("mlp", "embed")))
+
+
+__all__ = ["MoEFeedForward", "Routing", "capacity", "route"]
