@@ -4,16 +4,12 @@ strategies against one device, in attention and in training."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_sharding import REPO, TIMEOUT, env
+from test_sharding import run_check
 
 from transformer import attention, configs, masks, sequence_parallel, sharding
 from transformer.chunked_attention import chunked_attention
@@ -115,11 +111,7 @@ def test_attention_over_a_query_block_is_those_rows_of_the_whole(mask_name):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "sequence_check.py"),
-                             str(tmp_path_factory.mktemp("sequence_check"))],
-                            env=env(8), capture_output=True, text=True, timeout=TIMEOUT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_check("sequence_check.py", tmp_path_factory)
 
 
 @pytest.mark.slow

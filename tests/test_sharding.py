@@ -226,13 +226,18 @@ def test_summary_reports_per_device_bytes_and_batch():
 # --- 8 devices: every mesh trains like one device --------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def mesh_results(tmp_path_factory):
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "mesh_check.py"),
-                             str(tmp_path_factory.mktemp("mesh_check"))],
+def run_check(script: str, tmp_path_factory) -> dict:
+    """Runs tests/`script` on 8 forced CPU devices with a fresh directory; its JSON results."""
+    result = subprocess.run([sys.executable, str(REPO / "tests" / script),
+                             str(tmp_path_factory.mktemp(Path(script).stem))],
                             env=env(8), capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory):
+    return run_check("mesh_check.py", tmp_path_factory)
 
 
 @pytest.mark.slow
