@@ -32,6 +32,7 @@ class Report:
     accelerator: str
     chips: int
     num_params: int
+    active_params: int = 0  # per token (less the experts a token skips); 0: = num_params
     argument_bytes: int = 0
     output_bytes: int = 0
     alias_bytes: int = 0
@@ -122,6 +123,7 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
     example = {k: np.zeros(v.shape[1:], v.dtype)[None] for k, v in batch.items()}
     abstract, state_sharding, _ = state.initial_state(config, model, mesh, example, optimizer)
     num_params = state.num_params(abstract)
+    active = state.active_params(abstract, config)
     batch_sharding = sharding.batch_sharding(mesh)
     state_in = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_sharding)
@@ -130,10 +132,10 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
     step = jax.jit(make_train_step(model, config, optimizer), donate_argnums=0,
                    in_shardings=(state_sharding, batch_sharding),
                    out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())))
-    report = Report(accelerator.name, len(devices), num_params,
+    report = Report(accelerator.name, len(devices), num_params, active,
                     hbm_bytes=accelerator.hbm_bytes)
     tokens = config.batch_size * config.seq_len
-    report.model_flops = metrics.flops_per_token(config, num_params) * tokens
+    report.model_flops = metrics.flops_per_token(config, active) * tokens
     with (jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES),
           kernels.recording() as chosen):
         lowered = step.lower(state_in, batch_in)
@@ -167,7 +169,8 @@ def compile_train_step(config, devices, accelerator: accelerators.Accelerator,
     XLA's cost analysis counts a loop body once, so for a scanned layer stack
     (`model.scan_layers`) the FLOPs come from small unrolled compiles instead: 1-layer stacks
     give the cost outside the layers, one more layer in a stack its per-layer cost, and these
-    extrapolate exactly to the config's depths (the layers of a stack are identical).
+    extrapolate exactly to the config's depths (the layers of a stack are identical). With MoE
+    layers every n-th layer, the unit is a group of n layers.
     """
     compiled, report = _compile(config, devices, accelerator)
     if compiled is None:
@@ -181,15 +184,18 @@ def compile_train_step(config, devices, accelerator: accelerators.Accelerator,
     report.flops_per_chip = _flops(compiled)
     if config.model.scan_layers and flops:
         depths = _stack_depths(config.model)
+        moe = config.model.get("moe")
+        unit = moe.every_n_layers if moe and moe.num_experts else 1
 
         def unrolled_flops(**layers):
             shallow = config.copy_and_resolve_references()
-            shallow.model.update({**{k: 1 for k in depths}, **layers, "scan_layers": False})
+            shallow.model.update({**{k: unit for k in depths}, **layers, "scan_layers": False})
             return _flops(_compile(shallow, devices, accelerator)[0])
 
         base = unrolled_flops()
         report.flops_per_chip = base + sum(
-            (depth - 1) * (unrolled_flops(**{key: 2}) - base) for key, depth in depths.items())
+            (depth // unit - 1) * (unrolled_flops(**{key: 2 * unit}) - base)
+            for key, depth in depths.items())
     return report
 
 
@@ -198,7 +204,9 @@ def format_report(report: Report, config) -> str:
 
     m = config.model
     mesh = describe_mesh(mesh_shape(config.mesh, report.chips))
-    lines = [f"{config.experiment}: {m.family}, {report.num_params:,} params, "
+    active = (f" ({report.active_params:,} active per token)"
+              if report.active_params and report.active_params != report.num_params else "")
+    lines = [f"{config.experiment}: {m.family}, {report.num_params:,} params{active}, "
              f"{m.num_layers} layers x {m.d_model} wide, batch {config.batch_size} x "
              f"{config.seq_len}, on {report.accelerator} ({report.chips} chips), mesh {mesh}"]
     if report.error:

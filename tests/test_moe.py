@@ -1,6 +1,11 @@
-"""The mixture-of-experts feed-forward block against a plain loop over tokens and experts."""
+"""Mixture of experts: the block against a plain loop over tokens and experts; in the stacks
+(every n-th layer, scanned and rematerialised, the router losses in the training loss, active
+params); config and restore checks; and (slow, 8 forced CPU devices in tests/expert_check.py)
+the expert mesh axis against one device."""
 
 from __future__ import annotations
+
+import re
 
 import flax.linen as nn
 import jax
@@ -8,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import moe
+from transformer import checkpoint as checkpoint_lib
+from transformer import configs, metrics, models, moe, sharding
+from transformer import state as state_lib
 
 B, T, D, F = 2, 8, 8, 12
 
@@ -130,3 +137,182 @@ def test_the_router_runs_in_float32_and_experts_carry_the_expert_axis():
 def test_bad_settings_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         moe.MoEFeedForward(**kwargs).init(jax.random.key(0), jnp.ones((1, 4, D)))
+
+
+# --- in the stacks ------------------------------------------------------------------------------
+
+
+def gpt_config(**moe_settings):
+    config = configs.base_config()
+    config.update(batch_size=4, seq_len=16)
+    config.model.update(family="gpt", num_layers=4, d_model=32, num_heads=4, d_ff=48,
+                        vocab_size=64, activation="swiglu", use_bias=False)
+    config.model.moe.update({**dict(num_experts=4, top_k=2, every_n_layers=2,
+                                     capacity_factor=1.0), **moe_settings})
+    return config
+
+
+def text_batch(rows=4, length=16, vocab=64):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, vocab, (rows, length + 1)).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "weights": np.ones((rows, length), np.float32),
+            "segment_ids": np.ones((rows, length), np.int32),
+            "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1))}
+
+
+def grouped(unrolled: dict, num_layers: int, every: int) -> dict:
+    """Unrolled decoder params {layers_i} -> the scanned groups {layers: {block_j: [L/n]}}."""
+    decoder = dict(unrolled["decoder"])
+    layers = [decoder.pop(f"layers_{i}") for i in range(num_layers)]
+    decoder["layers"] = {f"block_{j}": jax.tree.map(lambda *xs: jnp.stack(xs),
+                                                    *layers[j::every]) for j in range(every)}
+    return {**unrolled, "decoder": decoder}
+
+
+def test_every_nth_layer_is_moe_and_a_scanned_rematerialised_stack_equals_the_unrolled_one():
+    config = gpt_config()
+    batch = text_batch()
+    family = models.family_of(config)
+    unrolled_model = models.build_model(config.model)
+    params = nn.unbox(unrolled_model.init(jax.random.key(0), batch["inputs"])["params"])
+    assert [("moe" in params["decoder"][f"layers_{i}"]) for i in range(4)] == [
+        False, True, False, True]
+    assert "mlp" in params["decoder"]["layers_0"] and "mlp" not in params["decoder"]["layers_1"]
+    config.model.update(scan_layers=True, remat_policy="full")
+    scanned_model = models.build_model(config.model)
+    scanned = grouped(params, 4, 2)
+    shapes = jax.eval_shape(scanned_model.init, jax.random.key(0), batch["inputs"])["params"]
+    assert jax.tree.map(lambda x: x.shape, nn.unbox(shapes)) == jax.tree.map(
+        lambda x: x.shape, scanned)
+
+    def loss(model, p):
+        return family.loss_and_metrics(model, config, p, batch)
+
+    (want, want_metrics), want_grads = jax.value_and_grad(
+        lambda p: loss(unrolled_model, p), has_aux=True)(params)
+    (got, got_metrics), got_grads = jax.value_and_grad(
+        lambda p: loss(scanned_model, p), has_aux=True)(scanned)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    for name in ("moe_load_balance", "moe_router_z", "moe_dropped"):
+        assert float(got_metrics[name]) == pytest.approx(float(want_metrics[name]), rel=1e-6)
+    for got_leaf, want_leaf in zip(jax.tree.leaves(got_grads),
+                                   jax.tree.leaves(grouped(want_grads, 4, 2)), strict=True):
+        np.testing.assert_allclose(got_leaf, want_leaf, atol=2e-6)
+
+
+def test_the_training_loss_adds_the_weighted_router_losses_averaged_over_the_moe_layers():
+    config = gpt_config(load_balance_loss=0.5, router_z_loss=0.25)
+    batch = text_batch()
+    family = models.family_of(config)
+    model = models.build_model(config.model)
+    params = nn.unbox(model.init(jax.random.key(0), batch["inputs"])["params"])
+    loss, metrics = family.loss_and_metrics(model, config, params, batch)
+    # The per-layer routing, recomputed from the MoE layers' own inputs.
+    _, state = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
+                           segment_ids=batch["segment_ids"], mutable=["losses"])
+    per_layer = state["losses"]["decoder"]
+    assert sorted(per_layer) == ["layers_1", "layers_3"]
+    mean = lambda name: np.mean([per_layer[f"layers_{i}"][f"moe_{name}"][0] for i in (1, 3)])
+    assert float(metrics["moe_load_balance"]) == pytest.approx(mean("load_balance"))
+    assert float(metrics["moe_router_z"]) == pytest.approx(mean("router_z"))
+    logits = family.logits(model, params, batch)
+    ce, _ = family.loss(logits, batch)
+    assert float(metrics["loss"]) == pytest.approx(float(ce), rel=1e-6)  # the task's loss
+    assert float(loss) == pytest.approx(float(ce) + 0.5 * mean("load_balance")
+                                        + 0.25 * mean("router_z"), rel=1e-6)
+    assert 0.0 <= float(metrics["moe_dropped"]) < 1.0
+    # The balance loss reaches the router: its gradient changes with the loss's weight.
+    grad = lambda c: jax.grad(lambda p: family.loss_and_metrics(model, c, p, batch)[0])(
+        params)["decoder"]["layers_1"]["moe"]["router"]
+    config0 = gpt_config(load_balance_loss=0.0, router_z_loss=0.0)
+    assert float(jnp.max(jnp.abs(grad(config) - grad(config0)))) > 1e-4
+
+
+def test_active_params_leave_out_the_experts_a_token_skips_and_flops_count_them():
+    config = gpt_config(num_shared=1)
+    model = models.build_model(config.model)
+    abstract, _, _ = state_lib.initial_state(config, model, sharding.make_mesh(config.mesh,
+                                                                              jax.devices()[:1]))
+    total = state_lib.num_params(abstract)
+    # Per MoE layer, 4 experts of SwiGLU (gate, up, down: 3 x 32 x 48), 2 of them skipped.
+    assert state_lib.active_params(abstract, config) == total - 2 * 2 * 3 * 32 * 48
+    dense = configs.base_config()
+    dense.model.update(gpt_config().model.to_dict())
+    dense.model.moe.num_experts = 0
+    dense_abstract, _, _ = state_lib.initial_state(
+        dense, models.build_model(dense.model), sharding.make_mesh(dense.mesh, jax.devices()[:1]))
+    assert state_lib.active_params(dense_abstract, dense) == state_lib.num_params(dense_abstract)
+    active = state_lib.active_params(abstract, config)
+    assert metrics.flops_per_token(config, active) == pytest.approx(
+        6 * active + 12 * 4 * 32 * 16)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(every_n_layers=3), "model.moe.every_n_layers=3: expected a divisor of num_layers=4"),
+    (dict(top_k=5), "model.moe.top_k=5: expected an int in [1, num_experts=4]"),
+    (dict(capacity_factor=-1.0), "model.moe.capacity_factor=-1.0: expected a number >= 0"),
+    (dict(num_experts=-2), "model.moe.num_experts=-2: expected an int >= 0"),
+])
+def test_bad_moe_settings_are_one_line_errors_before_anything_runs(settings, message):
+    config = gpt_config()
+    config.model.moe.update(settings)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        configs.validate_config(config)
+
+
+def test_an_lstm_with_experts_and_an_moe_export_are_refused():
+    config = gpt_config()
+    config.model.family = "lstm"
+    with pytest.raises(ValueError, match=re.escape("moe.num_experts=4 with family='lstm'")):
+        configs.validate_config(config)
+    from transformer import export
+
+    with pytest.raises(ValueError, match="a mixture of experts is not exported"):
+        export.to_hf(gpt_config().model, {})
+
+
+def test_restoring_checks_the_moe_structure_but_not_its_loss_weights():
+    saved = gpt_config().to_dict()
+    changed = gpt_config(capacity_factor=2.0, load_balance_loss=0.1, router_z_loss=0.0)
+    assert checkpoint_lib.structural_differences(saved, changed.to_dict()) == []
+    other = gpt_config(top_k=1)
+    assert checkpoint_lib.structural_differences(saved, other.to_dict()) == [
+        "model.moe.top_k: checkpoint 2, config 1"]
+    # A checkpoint from before `moe` existed is a dense model: it restores into a dense config.
+    dense = configs.base_config().to_dict()
+    old = {**dense, "model": {k: v for k, v in dense["model"].items() if k != "moe"}}
+    assert checkpoint_lib.structural_differences(old, dense) == []
+    assert "model.moe.num_experts: checkpoint 0, config 4" in \
+        checkpoint_lib.structural_differences(old, saved)
+
+
+@pytest.fixture(scope="module")
+def expert_results(tmp_path_factory):
+    from test_sharding import run_check
+
+    return run_check("expert_check.py", tmp_path_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["expert=2", "expert=4", "expert=8", "data=2,expert=4",
+                                  "fsdp=2,expert=4", "fsdp=2,expert=2,tensor=2",
+                                  "expert=4 scanned", "fsdp=2,expert=4 scanned"])
+def test_each_expert_mesh_trains_like_one_device_with_the_experts_split(expert_results, mesh):
+    result = expert_results[mesh]
+    single = expert_results["single scanned" if "scanned" in mesh else "single"]["records"]
+    for got, want in zip(result["records"], single, strict=True):
+        for name in ("loss", "moe_load_balance", "moe_router_z", "moe_dropped", "grad_norm"):
+            assert got[name] == pytest.approx(want[name], rel=2e-5, abs=1e-7), (name, got, want)
+    assert single[0]["moe_dropped"] > 0.05  # the capacity really drops tokens
+    assert result["max_param_diff"] < 2e-5
+    sizes = dict(part.split("=") for part in mesh.split()[0].split(","))
+    experts = int(sizes["expert"])
+    layout = result["layout"]
+    layer = [2] if "scanned" in mesh else []  # a scanned stack's layer axis: 2 groups
+    fsdp = int(sizes.get("fsdp", 1))
+    tensor = int(sizes.get("tensor", 1))
+    assert layout["wi_gate"]["shard_shape"] == layer + [8 // experts, 32 // fsdp, 48 // tensor]
+    assert layout["wo"]["shard_shape"] == layer + [8 // experts, 48 // tensor, 32 // fsdp]
+    assert layout["router"]["num_shards"] == fsdp  # routers are not split over experts
+    assert result["all_to_all"] > 0  # tokens travel to their experts and back

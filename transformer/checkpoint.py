@@ -34,14 +34,28 @@ from jax.experimental import multihost_utils
 
 from transformer import fileio, sharding
 from transformer import state as state_lib
-from transformer.models import build_model
+from transformer.models import build_model, default_model_config
 
 CHECKPOINTS = "checkpoints"  # WORKDIR/checkpoints/<step>/{state,data,config}
 _DELETED = "deleted"  # WORKDIR/checkpoints/deleted/<step>: old steps on their way out
 
 # Model settings that may change between a checkpoint and the run restoring it.
 _NON_STRUCTURAL = {"dropout_rate", "attention_dropout_rate", "remat_policy", "dtype",
-                   "attention_impl", "sequence_parallel", "sequence_load_balance"}
+                   "attention_impl", "sequence_parallel", "sequence_load_balance",
+                   "moe.capacity_factor", "moe.load_balance_loss", "moe.router_z_loss"}
+
+
+def _model_settings(config: dict) -> dict:
+    """A config's model group with nested groups flattened ("moe.top_k"); a key missing from an
+    older config has its default (a checkpoint from before `moe` existed is dense)."""
+    flat = {}
+    for group in (default_model_config().to_dict(), config.get("model", {})):
+        for key, value in group.items():
+            if isinstance(value, dict):
+                flat.update({f"{key}.{k}": v for k, v in value.items()})
+            else:
+                flat[key] = value
+    return flat
 
 
 def structural_differences(saved: dict, current: dict) -> list[str]:
@@ -52,7 +66,7 @@ def structural_differences(saved: dict, current: dict) -> list[str]:
     ['model.num_layers: checkpoint 4, config 6']
     """
     differences = []
-    saved_model, current_model = saved.get("model", {}), current.get("model", {})
+    saved_model, current_model = _model_settings(saved), _model_settings(current)
     for key in sorted(set(saved_model) | set(current_model)):
         if key in _NON_STRUCTURAL:
             continue

@@ -332,8 +332,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     try:
         build_model(model)  # validates the architecture (TransformerConfig) up front
     except ValueError as error:  # "num_heads=0: ..." -> "model.num_heads=0: ..."
-        name = str(error).split("=", 1)[0]
-        if name in config.model:
+        name = str(error).split("=", 1)[0].split(":", 1)[0]
+        if name.split(".")[0] in config.model:
             raise ValueError(f"model.{error}") from None
         raise
 

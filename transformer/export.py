@@ -276,6 +276,10 @@ def to_hf(model_config, params) -> tuple[Any, dict[str, np.ndarray]]:
     import transformers
 
     family = model_config.family
+    moe = model_config.get("moe")
+    if moe and moe.num_experts:
+        raise ValueError(f"model.moe.num_experts={moe.num_experts}: the export writes dense "
+                         "models only (a mixture of experts is not exported)")
     if family == "gpt":
         if model_config.head != "mlm":
             raise ValueError(f"model.head={model_config.head!r}: the GPT export writes a causal "

@@ -18,6 +18,7 @@ from transformer import kernels, sequence_parallel, sharding
 from transformer import positions as positions_lib
 from transformer.attention import MultiHeadAttention, matmul, projection_init
 from transformer.masks import Mask
+from transformer.moe import MoEConfig, MoEFeedForward
 
 Array = jax.Array
 
@@ -90,6 +91,7 @@ class TransformerConfig:
     # device gets the same share of the causal mask.
     sequence_parallel: str = "all_gather"
     sequence_load_balance: bool = True
+    moe: MoEConfig = MoEConfig()  # mixture-of-experts feed-forward layers (transformer.moe)
 
     def __post_init__(self):
         for name in ("num_layers", "d_model", "num_heads", "d_ff", "max_len"):
@@ -111,6 +113,16 @@ class TransformerConfig:
                       sequence_parallel.STRATEGIES)
         if self.sliding_window is not None:
             _check_positive("sliding_window", self.sliding_window)
+        if not isinstance(self.moe, MoEConfig):  # e.g. the `model.moe` config group
+            values = dict(self.moe)
+            unknown = sorted(set(values) - {f.name for f in dataclasses.fields(MoEConfig)})
+            if unknown:
+                raise ValueError(f"moe: unknown keys {unknown}: expected keys of "
+                                 "transformer.moe.MoEConfig")
+            object.__setattr__(self, "moe", MoEConfig(**values))
+        if self.moe.num_experts and self.num_layers % self.moe.every_n_layers:
+            raise ValueError(f"moe.every_n_layers={self.moe.every_n_layers}: expected a divisor "
+                             f"of num_layers={self.num_layers}")
         if self.num_kv_heads is not None:
             _check_positive("num_kv_heads", self.num_kv_heads)
             if self.num_heads % self.num_kv_heads:
@@ -199,6 +211,7 @@ ACTIVATIONS = {  # name -> nonlinearity (for gated variants: of the gate)
     "swiglu": nn.silu,
     "geglu": gelu_tanh,
 }
+GATED = ("swiglu", "geglu")
 
 
 class MLP(nn.Module):
@@ -231,7 +244,7 @@ class MLP(nn.Module):
             return y
 
         act = ACTIVATIONS[cfg.activation]
-        if cfg.activation in ("swiglu", "geglu"):
+        if cfg.activation in GATED:
             gate_BTF = dense("wi_gate", x_BTD, cfg.d_ff, ("embed", "mlp"))
             up_BTF = dense("wi_up", x_BTD, cfg.d_ff, ("embed", "mlp"))
             hidden_BTF = act(gate_BTF) * up_BTF
@@ -246,6 +259,8 @@ class TransformerBlock(nn.Module):
     Pre-LN: x + Dropout(f(LN(x))). Post-LN (the original Transformer): LN(x + Dropout(f(x))).
     An encoder block is self-attention (with a Full/Padding mask) + FFN; a decoder block uses a
     Causal mask and, with `cross_attention=True`, attends to `encoded` in between.
+    `moe_layer=True` makes the feed-forward a mixture of experts (`config.moe`), which sows
+    its auxiliary quantities into the 'losses' collection (`moe_aux`).
     `scanned=True` makes it return (x, None), the carry/output pair `nn.scan` expects.
     """
 
@@ -254,6 +269,7 @@ class TransformerBlock(nn.Module):
     deterministic: bool = True
     scanned: bool = False
     decode: bool = False  # KV-cache decoding (see MultiHeadAttention)
+    moe_layer: bool = False
 
     @nn.compact
     def __call__(self, x_BTD, mask, bias, positions, encoded=None, cross_mask=None):
@@ -300,9 +316,57 @@ class TransformerBlock(nn.Module):
             x_BTD = residual(x_BTD, "cross_attention", lambda h: attention("cross_attention",
                              False)(h, encoded, mask=cross_mask, deterministic=self.deterministic,
                                     decode=self.decode))
-        x_BTD = residual(x_BTD, "mlp", lambda h: MLP(cfg, name="mlp")(h))
+        x_BTD = residual(x_BTD, "mlp", self._moe if self.moe_layer else MLP(cfg, name="mlp"))
         x_BTD = sharding.constrain(x_BTD, sharding.ACTIVATIONS)
         return (x_BTD, None) if self.scanned else x_BTD
+
+    def _moe(self, x_BTD: Array) -> Array:
+        cfg = self.config
+        y_BTD, routing = MoEFeedForward(
+            num_experts=cfg.moe.num_experts, d_ff=cfg.d_ff, top_k=cfg.moe.top_k,
+            capacity_factor=cfg.moe.capacity_factor, num_shared=cfg.moe.num_shared,
+            activation=ACTIVATIONS[cfg.activation], gated=cfg.activation in GATED,
+            init_std=cfg.init_std, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+            name="moe")(x_BTD)
+        for name in MOE_AUX:
+            self.sow("losses", f"moe_{name}", getattr(routing, name))
+        return y_BTD
+
+
+class _BlockGroup(nn.Module):
+    """`moe.every_n_layers` consecutive blocks, the last one MoE: what one step of the scan runs
+    when MoE layers alternate with dense ones (params `layers/block_0..n-1`)."""
+
+    config: TransformerConfig
+    block: Any  # the block class (possibly rematerialised)
+    cross_attention: bool = False
+    deterministic: bool = True
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x_BTD, *args):
+        n = self.config.moe.every_n_layers
+        for i in range(n):
+            x_BTD = self.block(self.config, cross_attention=self.cross_attention,
+                               deterministic=self.deterministic, decode=self.decode,
+                               moe_layer=i == n - 1, name=f"block_{i}")(x_BTD, *args)
+        return x_BTD, None
+
+
+MOE_AUX = ("load_balance", "router_z", "dropped")  # sown per MoE layer as losses/moe_<name>
+
+
+def moe_aux(losses) -> dict[str, Array]:
+    """{"load_balance", "router_z", "dropped"}: each the mean over the MoE layers of what they
+    sowed into the 'losses' collection (`{}` for a model without MoE layers)."""
+    leaves = {name: [] for name in MOE_AUX}
+    flat = jax.tree_util.tree_flatten_with_path(losses)[0]
+    for path, value in flat:
+        keys = [getattr(k, "key", None) for k in path]
+        for name in MOE_AUX:
+            if f"moe_{name}" in keys:
+                leaves[name].append(jnp.ravel(value))
+    return {name: jnp.mean(jnp.concatenate(values)) for name, values in leaves.items() if values}
 
 
 class TransformerStack(nn.Module):
@@ -375,19 +439,25 @@ class TransformerStack(nn.Module):
         args = (mask, bias, positions, encoded, cross_mask)
         kwargs = dict(cross_attention=self.cross_attention, deterministic=deterministic,
                       decode=decode)
+        moe = cfg.moe
         if cfg.scan_layers:
+            grouped = moe.num_experts and moe.every_n_layers > 1
             scanned = nn.scan(
-                block,
-                variable_axes={"params": 0, "intermediates": 0, "cache": 0},
+                _BlockGroup if grouped else block,
+                variable_axes={"params": 0, "intermediates": 0, "cache": 0, "losses": 0},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast,) * len(args),
-                length=cfg.num_layers,
+                length=cfg.num_layers // (moe.every_n_layers if grouped else 1),
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x_BTD, _ = scanned(cfg, scanned=True, name="layers", **kwargs)(x_BTD, *args)
+            unit = (scanned(cfg, block, name="layers", **kwargs) if grouped else
+                    scanned(cfg, scanned=True, moe_layer=moe.num_experts > 0, name="layers",
+                            **kwargs))
+            x_BTD, _ = unit(x_BTD, *args)
         else:
             for i in range(cfg.num_layers):
-                x_BTD = block(cfg, name=f"layers_{i}", **kwargs)(x_BTD, *args)
+                x_BTD = block(cfg, name=f"layers_{i}", moe_layer=moe.is_moe_layer(i),
+                              **kwargs)(x_BTD, *args)
         if cfg.norm_placement == "pre":
             x_BTD = norm_layer(cfg, "final_norm")(x_BTD)
         return x_BTD

@@ -47,7 +47,9 @@ def matmul_params(config, num_params: int) -> int:
 def flops_per_token(config, num_params: int) -> float:
     """Model FLOPs per trained token, the PaLM / nanoGPT convention: 6 N (N = matmul params,
     forward + backward) + 12 L D T for the attention scores and values (D = heads x head_dim,
-    T = seq_len). Causal attention is *not* halved (MaxText halves it), so numbers compare with
+    T = seq_len). For a mixture of experts pass its active params (`state.active_params`):
+    the experts a token skips, and routing work such as the dispatch einsums, are not useful
+    FLOPs. Causal attention is *not* halved (MaxText halves it), so numbers compare with
     nanoGPT's `estimate_mfu`. An encoder-decoder counts its decoder's self- and cross-attention
     layers too."""
     m = config.model

@@ -21,11 +21,20 @@ Auxiliary quantities (`Routing`), all float32:
   router_z      mean over tokens of logsumexp(router logits)^2 (ST-MoE);
   dropped       the fraction of (token, choice) pairs dropped for capacity.
 
+Expert parallelism (the `expert` mesh axis, `transformer.sharding`): outside the MoE layers the
+axis splits the batch like data parallelism; the experts' params are split over it. Two
+sharding constraints around the experts' matmuls move the buffers x_BECD from batch-split to
+expert-split and y_BECD back, which GSPMD lowers to an all-to-all each way (GShard's own
+formulation). Constraints rather than a shard_map: routing stays per row and local, the
+experts' matmuls keep the fsdp and tensor splits of their params without hand-written
+collectives, and the same code runs unsharded, under scan and under remat.
+
 Shapes: B batch, T tokens per row, D model width, E experts, C capacity, K = top_k, F d_ff.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +44,56 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from transformer import sharding
+
 Array = jax.Array
+# Expert buffers [B, E, C, D] on the experts' side of the all-to-all, and on the tokens' side.
+EXPERT_BUFFERS = ("activation_moe_batch", "activation_expert", None, "activation_embed")
+TOKEN_BUFFERS = ("activation_batch", None, None, "activation_embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts settings of a stack (`model.moe.*`); `num_experts=0`: dense layers.
+
+    Layer i (from 0) has an MoE feed-forward when (i + 1) % every_n_layers == 0 (2: every
+    other layer, as Switch and GShard); its experts have the stack's d_ff and activation, no
+    biases. The auxiliary losses are averaged over the MoE layers and added to the training
+    loss with these weights (Switch: 0.01; ST-MoE's z-loss: 0.001).
+    """
+
+    num_experts: int = 0
+    top_k: int = 2
+    every_n_layers: int = 1
+    capacity_factor: float = 1.25  # slots = ceil(cf * T * k / E) per row; 0: dropless
+    num_shared: int = 0  # always-on shared experts (DeepSeek), num_shared * d_ff hidden units
+    load_balance_loss: float = 0.01
+    router_z_loss: float = 0.001
+
+    def __post_init__(self):
+        def check(name, ok, expected):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not ok(value):
+                raise ValueError(f"moe.{name}={value!r}: expected {expected}")
+
+        is_int = lambda v: isinstance(v, int)
+        check("num_experts", lambda v: is_int(v) and v >= 0, "an int >= 0 (0: dense)")
+        check("every_n_layers", lambda v: is_int(v) and v >= 1, "an int >= 1")
+        check("num_shared", lambda v: is_int(v) and v >= 0, "an int >= 0")
+        check("top_k", lambda v: is_int(v) and v >= 1 and (
+            not self.num_experts or v <= self.num_experts),
+            f"an int in [1, num_experts={self.num_experts}]")
+        for name in ("capacity_factor", "load_balance_loss", "router_z_loss"):
+            check(name, lambda v: isinstance(v, int | float) and math.isfinite(v) and v >= 0,
+                  "a number >= 0")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (from 0) of the stack has the MoE feed-forward.
+
+        >>> [MoEConfig(num_experts=4, every_n_layers=2).is_moe_layer(i) for i in range(4)]
+        [False, True, False, True]
+        """
+        return self.num_experts > 0 and (layer + 1) % self.every_n_layers == 0
 
 
 @struct.dataclass
@@ -144,7 +202,9 @@ class MoEFeedForward(nn.Module):
 
         x_BTD = x_BTD.astype(self.dtype)
         dispatch = routing.dispatch_BTEC.astype(self.dtype)
-        x_BECD = jnp.einsum("btec,btd->becd", dispatch, x_BTD)
+        # The all-to-all into the experts' layout (see the module docstring).
+        x_BECD = sharding.constrain(jnp.einsum("btec,btd->becd", dispatch, x_BTD),
+                                    EXPERT_BUFFERS)
         shape_in, names_in = (self.num_experts, d_model, self.d_ff), ("expert", "embed", "mlp")
         if self.gated:
             h_BECF = self.activation(jnp.einsum(
@@ -156,7 +216,8 @@ class MoEFeedForward(nn.Module):
                                                 expert_param("wi", shape_in, names_in)))
         wo = expert_param("wo", (self.num_experts, self.d_ff, d_model),
                           ("expert", "mlp", "embed"))
-        y_BECD = jnp.einsum("becf,efd->becd", h_BECF, wo)
+        y_BECD = sharding.constrain(jnp.einsum("becf,efd->becd", h_BECF, wo), EXPERT_BUFFERS)
+        y_BECD = sharding.constrain(y_BECD, TOKEN_BUFFERS)  # and back to the tokens' layout
         y_BTD = jnp.einsum("btec,becd->btd", routing.combine_BTEC.astype(self.dtype), y_BECD)
         if self.num_shared:
             y_BTD = y_BTD + self._shared(x_BTD)
@@ -186,4 +247,4 @@ class MoEFeedForward(nn.Module):
                                                        ("mlp", "embed")))
 
 
-__all__ = ["MoEFeedForward", "Routing", "capacity", "route"]
+__all__ = ["MoEConfig", "MoEFeedForward", "Routing", "capacity", "route"]

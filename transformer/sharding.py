@@ -47,6 +47,10 @@ MESH_AXIS_TABLE = (
              doc="the batch is split *and* params/optimizer state are sharded on their `embed` "
                  "dimension (ZeRO-3 / fully sharded data parallelism: gathered per layer when "
                  "used)"),
+    MeshAxis("expert", shards_batch=True, spans_slices=False, default=1,
+             doc="expert parallelism: the experts of mixture-of-experts layers split (their "
+                 "params, and the token buffers they compute on, moved there and back by an "
+                 "all-to-all); elsewhere it splits the batch like `data`"),
     MeshAxis("sequence", shards_batch=False, spans_slices=False, default=1,
              doc="sequence (context) parallelism: every activation's length dimension split; "
                  "attention crosses the split by gathering K and V or passing them round a ring "
@@ -58,6 +62,7 @@ MESH_AXIS_TABLE = (
 MESH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE)
 BATCH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE if axis.shards_batch)
 (SLICE_AXIS,) = (axis.name for axis in MESH_AXIS_TABLE if axis.spans_slices)
+EXPERT_AXIS = "expert"
 
 if __doc__:  # None under python -OO
     __doc__ += "\nMesh axes:\n\n" + "".join(
@@ -68,12 +73,16 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     # activations (nn.with_logical_constraint at block boundaries)
     ("activation_batch", BATCH_AXES),
     ("activation_length", "sequence"),
+    # inside MoE layers, token buffers split over the experts instead of the batch
+    ("activation_moe_batch", tuple(axis for axis in BATCH_AXES if axis != EXPERT_AXIS)),
+    ("activation_expert", EXPERT_AXIS),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
     ("activation_mlp", "tensor"),
     ("activation_vocab", "tensor"),
     # params
     ("embed", "fsdp"),
+    ("expert", EXPERT_AXIS),
     ("mlp_in", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -94,7 +103,7 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict | dict, num_devices: int) 
     """The mesh axis sizes, with a -1 entry filled by the devices the others leave.
 
     >>> mesh_shape({"data": -1, "fsdp": 2, "tensor": 1}, 8)
-    {'data': 4, 'fsdp': 2, 'sequence': 1, 'tensor': 1}
+    {'data': 4, 'fsdp': 2, 'expert': 1, 'sequence': 1, 'tensor': 1}
     """
     sizes = {axis.name: mesh_config.get(axis.name, axis.default) for axis in MESH_AXIS_TABLE}
     for axis, size in sizes.items():
@@ -117,7 +126,7 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict | dict, num_devices: int) 
 
 
 def describe_mesh(sizes: dict[str, int]) -> str:
-    """E.g. "data=4 x fsdp=2 x sequence=1 x tensor=1"."""
+    """E.g. "data=4 x fsdp=2 x expert=1 x sequence=1 x tensor=1"."""
     return " x ".join(f"{axis}={size}" for axis, size in sizes.items())
 
 
@@ -162,7 +171,7 @@ def data_parallel_size(mesh: Mesh | dict[str, int]) -> int:
     8
     """
     sizes = mesh if isinstance(mesh, dict) else mesh.shape
-    return math.prod(sizes[axis] for axis in BATCH_AXES)
+    return math.prod(sizes.get(axis, 1) for axis in BATCH_AXES)
 
 
 def check_batch_split(batch_size: int, mesh_sizes: dict[str, int], *, accumulation: int = 1,

@@ -64,3 +64,23 @@ def initial_state(config: ml_collections.ConfigDict, model: nn.Module, mesh: jax
 
 def num_params(abstract_state: TrainState) -> int:
     return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(abstract_state.params))
+
+
+EXPERT_PARAMS = ("wi", "wi_gate", "wi_up", "wo")  # in a `moe` module: [..., E, in, out]
+
+
+def active_params(abstract_state: TrainState, config: ml_collections.ConfigDict) -> int:
+    """The params a token passes through: all of them less, in each mixture-of-experts layer,
+    the experts it is not routed to (E - top_k of E; the router and shared experts are active).
+    A dense model's active params are all its params."""
+    moe = config.model.get("moe")
+    total = num_params(abstract_state)
+    if not moe or not moe.num_experts:
+        return total
+    inactive = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
+        keys = [getattr(k, "key", None) for k in path]
+        if "moe" in keys[:-1] and keys[-1] in EXPERT_PARAMS:
+            inactive += int(np.prod(leaf.shape)) * (moe.num_experts - moe.top_k) \
+                // moe.num_experts
+    return total - inactive

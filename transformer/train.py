@@ -32,7 +32,7 @@ from transformer import placement as placement_lib
 from transformer.configs import validate_config
 from transformer.data import inputs, pipeline
 from transformer.models import build_model, family_of
-from transformer.state import TrainState, initial_state, num_params
+from transformer.state import TrainState, active_params, initial_state, num_params
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "experiments", "gpt_tiny.py")
@@ -66,22 +66,25 @@ def make_train_step(model, config, optimizer):
                                     *x.shape[1:]).swapaxes(0, 1), batch)
 
             def accumulate(carry, inputs):
-                grads_sum, tokens, loss_sum, correct = carry
+                grads_sum, tokens, sums = carry
                 micro_batch, i = inputs
                 grads, m = grads_of(state.params, micro_batch, jax.random.fold_in(rng, i))
                 n = m["num_tokens"]
                 grads_sum = jax.tree.map(lambda a, g: a + g * n, grads_sum, grads)
-                return (grads_sum, tokens + n, loss_sum + m["loss"] * n,
-                        correct + m["accuracy"] * n), None
+                sums = {k: sums[k] + m[k] * n for k in sums}
+                return (grads_sum, tokens + n, sums), None
 
+            # Every metric but the counts is a token-weighted mean over the micro-batches.
+            shapes = jax.eval_shape(grads_of, state.params, jax.tree.map(lambda x: x[0], micro),
+                                    rng)[1]
             zeros = jax.tree.map(jnp.zeros_like, state.params)
-            (grads_sum, tokens, loss_sum, correct), _ = jax.lax.scan(
-                accumulate, (zeros, 0.0, 0.0, 0.0), (micro, jnp.arange(accumulation)))
+            sums = {k: 0.0 for k in shapes if k not in ("num_tokens", "perplexity")}
+            (grads_sum, tokens, sums), _ = jax.lax.scan(
+                accumulate, (zeros, 0.0, sums), (micro, jnp.arange(accumulation)))
             denominator = jnp.maximum(tokens, 1.0)
             grads = jax.tree.map(lambda g: g / denominator, grads_sum)
-            loss = loss_sum / denominator
-            metrics = {"loss": loss, "perplexity": jnp.exp(loss),
-                       "accuracy": correct / denominator, "num_tokens": tokens}
+            metrics = {k: v / denominator for k, v in sums.items()}
+            metrics.update(perplexity=jnp.exp(metrics["loss"]), num_tokens=tokens)
         grad_norm = optax.tree.norm(grads)
         exploded = jnp.asarray(False)
         if config.get("max_grad_norm", 0.0):
@@ -118,6 +121,7 @@ class Run:
     state: TrainState
     start_step: int
     num_params: int
+    active_params: int  # per token: less the experts a token is not routed to (MoE)
     train_step: Any
     eval_step: Any
     logger: metrics_lib.MetricsLogger
@@ -272,7 +276,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
             if is_main:
                 print(report)
     run = Run(config, workdir, tokenizer, task, model, placement, manager, train_data, state,
-              start_step, num_params(abstract),
+              start_step, num_params(abstract), active_params(abstract, config),
               placement.jit_train_step(make_train_step(model, config, optimizer),
                                        state_sharding),
               placement.jit_eval_step(evaluation.make_eval_step(model, config, tokenizer),
@@ -284,7 +288,10 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
               pipeline.Mixture(inputs.mixture_weights(config), config.seed)
               if config.data.get("sources") else None,
               step=start_step, tokenizer_saved=resuming, peak=peak)
-    run.logger.print(f"{config.experiment}: {config.model.family}, {run.num_params:,} params, "
+    active = ("" if run.active_params == run.num_params else
+              f" ({run.active_params:,} active per token)")
+    run.logger.print(f"{config.experiment}: {config.model.family}, {run.num_params:,} params"
+                     f"{active}, "
                      f"batch {config.batch_size} x {config.seq_len}, "
                      f"steps {start_step}..{config.steps}, workdir {workdir}")
     if manager.stream_changes:
@@ -360,8 +367,8 @@ def loop(run: Run, peak_flops: float | None) -> bool:
     evaluating and checkpointing on the way; returns whether it stopped early on a signal
     (after saving)."""
     config = run.config
-    flops = (metrics_lib.flops_per_token(config, run.num_params),
-             metrics_lib.hardware_flops_per_token(config, run.num_params))
+    flops = (metrics_lib.flops_per_token(config, run.active_params),
+             metrics_lib.hardware_flops_per_token(config, run.active_params))
     since = (time.perf_counter(), run.start_step)
     stopping = False
     while run.step < config.steps and not stopping:
@@ -449,6 +456,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 signal.signal(sig, handler)
     summary = {"step": run.step, "wall_seconds": time.perf_counter() - run_start,
                "elapsed": run.logger.elapsed(), "num_params": run.num_params,
+               "active_params": run.active_params,
                **run.last_metrics}
     if jax.process_index() == 0:
         fileio.write_atomic(fileio.join(workdir, "summary.json"), json.dumps(summary, indent=2))

@@ -43,6 +43,8 @@ def default_model_config() -> ml_collections.ConfigDict:
     """Every model key with its default: the `model` group of an experiment config."""
     stack = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
     stack["dtype"] = stack["param_dtype"] = "float32"
+    # Mixture of experts (transformer.moe.MoEConfig): num_experts 0 keeps dense layers.
+    stack["moe"] = ml_collections.ConfigDict(dataclasses.asdict(stack["moe"]))
     for name, kind in _OPTIONAL_FIELDS.items():  # None defaults keep their type for overrides
         stack[name] = ml_collections.FieldReference(stack[name], field_type=kind)
     return ml_collections.ConfigDict({
@@ -81,6 +83,11 @@ def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
     if model_config.get("sliding_window") is not None and model_config.family != "gpt":
         raise ValueError(f"sliding_window={model_config.sliding_window} with family="
                          f"{model_config.family!r}: expected family 'gpt' (a causal decoder LM)")
+    moe = model_config.get("moe")
+    if moe and moe.get("num_experts") and not family_of(model_config).attention:
+        raise ValueError(f"moe.num_experts={moe.num_experts} with family="
+                         f"{model_config.family!r}: expected a transformer family (its "
+                         "feed-forward layers become experts)")
     return family_of(model_config).build(model_config)
 
 

@@ -14,7 +14,7 @@ import flax.linen as nn
 import ml_collections
 
 from transformer import objectives
-from transformer.layers import TransformerConfig
+from transformer.layers import TransformerConfig, moe_aux
 
 _STACK_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
 
@@ -80,17 +80,28 @@ class Family:
     def init_args(self, batch) -> list:
         return [batch[name] for name in self.inputs]
 
-    def logits(self, model: nn.Module, params, batch, *, rngs=None, deterministic=True):
-        """The model's logits for a batch of pipeline features (transformer.data.pipeline)."""
+    def logits(self, model: nn.Module, params, batch, *, rngs=None, deterministic=True,
+               with_aux: bool = False):
+        """The model's logits for a batch of pipeline features (transformer.data.pipeline);
+        with `with_aux`, (logits, its MoE layers' auxiliary quantities, `layers.moe_aux`)."""
         features = {name: batch[name] for name in self.features}
         features.update({name: batch[name] for name in self.optional_features if name in batch})
-        return model.apply({"params": params}, *self.init_args(batch), **features,
-                           rngs=rngs or {}, deterministic=deterministic)
+        out = model.apply({"params": params}, *self.init_args(batch), **features,
+                          rngs=rngs or {}, deterministic=deterministic,
+                          mutable=["losses"] if with_aux else False)
+        return (out[0], moe_aux(out[1].get("losses", {}))) if with_aux else out
 
     def loss_and_metrics(self, model, config, params, batch, rng=None, deterministic=True):
         """(loss, metrics) of a batch under the run's z_loss and label smoothing; `rng` seeds
-        dropout."""
-        logits = self.logits(model, params, batch, deterministic=deterministic,
-                             rngs=None if rng is None else {"dropout": rng})
-        return self.loss(logits, batch, z_loss=config.get("z_loss", 0.0),
-                         label_smoothing=config.get("label_smoothing", 0.0))
+        dropout. MoE models add their routers' weighted load-balance and z losses to the loss
+        (metrics["loss"] stays the task's) and report them as `moe_*` metrics."""
+        logits, aux = self.logits(model, params, batch, deterministic=deterministic,
+                                  rngs=None if rng is None else {"dropout": rng}, with_aux=True)
+        loss, metrics = self.loss(logits, batch, z_loss=config.get("z_loss", 0.0),
+                                  label_smoothing=config.get("label_smoothing", 0.0))
+        if aux:
+            moe = config.model.moe
+            loss = (loss + moe.load_balance_loss * aux["load_balance"]
+                    + moe.router_z_loss * aux["router_z"])
+            metrics = {**metrics, **{f"moe_{name}": value for name, value in aux.items()}}
+        return loss, metrics

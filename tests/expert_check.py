@@ -1,0 +1,119 @@
+"""Expert parallelism on 8 forced CPU devices; prints the results as JSON.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/expert_check.py DIR
+
+Run by tests/test_moe.py in a subprocess (the device count is fixed when JAX starts). A GPT
+with 8 experts per layer (top-2, a capacity factor that drops tokens) trains a few steps on
+meshes with expert = 2, 4, 8, alone and with data / fsdp / tensor, unrolled and scanned with
+remat: per mesh the losses and MoE metrics of every step, the largest parameter difference
+from one device, how the expert params are laid out, and whether the compiled step moves
+tokens with all-to-alls.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+from mesh_check import Run, host, max_diff  # tests/, this script's directory
+
+from transformer import configs
+
+BATCH, LENGTH, VOCAB, STEPS = 8, 16, 64, 3
+MESHES = {  # name -> (mesh sizes, scanned with every other layer MoE)
+    "expert=2": (dict(expert=2), False),
+    "expert=4": (dict(expert=4), False),
+    "expert=8": (dict(expert=8), False),
+    "data=2,expert=4": (dict(data=2, expert=4), False),
+    "fsdp=2,expert=4": (dict(fsdp=2, expert=4), False),
+    "fsdp=2,expert=2,tensor=2": (dict(fsdp=2, expert=2, tensor=2), False),
+    "expert=4 scanned": (dict(expert=4), True),
+    "fsdp=2,expert=4 scanned": (dict(fsdp=2, expert=4), True),
+}
+
+
+def moe_config(mesh: dict, scanned: bool):
+    config = configs.base_config()
+    config.update(steps=STEPS, batch_size=BATCH, seq_len=LENGTH)
+    config.optimizer.warmup_steps = 1
+    config.model.update(family="gpt", num_layers=2, d_model=32, num_heads=4, d_ff=48,
+                        vocab_size=VOCAB, position="rope", dropout_rate=0.0,
+                        activation="swiglu", use_bias=False)
+    config.model.moe.update(num_experts=8, top_k=2, capacity_factor=1.0, num_shared=1)
+    if scanned:
+        config.model.update(num_layers=4, scan_layers=True, remat_policy="full")
+        config.model.moe.every_n_layers = 2
+    config.mesh.update({"data": 1, **mesh})
+    return config
+
+
+def batches() -> list[dict[str, np.ndarray]]:
+    """Packed rows of uneven documents."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(STEPS):
+        tokens = rng.integers(7, VOCAB, (BATCH, LENGTH + 1)).astype(np.int32)
+        ids = np.ones((BATCH, LENGTH), np.int32)
+        ids[::2, 5:] = 2
+        ids[1::3, 11:] = 0
+        positions = np.where(ids == 2, np.arange(LENGTH) - 5, np.arange(LENGTH))
+        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                    "weights": (ids > 0).astype(np.float32), "segment_ids": ids,
+                    "positions": positions.astype(np.int32)})
+    return out
+
+
+def train(run: Run, params) -> tuple[dict, dict]:
+    """Steps from `params` on the fixed batches: (metrics per step, final params on host)."""
+    state = run.init(jax.random.key(0)).replace(params=params)
+    records = []
+    with run.placement.context():
+        for batch in batches():
+            state, metrics = run.step(state, run.placement.global_batch(batch))
+            records.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+    return records, state.params
+
+
+def layout(params, scanned: bool) -> dict:
+    moe = params["decoder"]["layers"]["block_1"]["moe"] if scanned else \
+        params["decoder"]["layers_0"]["moe"]
+    return {name: {"spec": str(p.sharding.spec),
+                   "shard_shape": list(p.addressable_shards[0].data.shape),
+                   "num_shards": len({str(s.index) for s in p.addressable_shards})}
+            for name, p in (("wi_gate", moe["wi_gate"]), ("wo", moe["wo"]),
+                            ("router", moe["router"]))}
+
+
+def main() -> None:
+    devices = jax.devices()
+    assert len(devices) == 8, devices
+    results = {}
+    singles = {}
+    for scanned in (False, True):
+        run = Run(moe_config({}, scanned), devices[:1])
+        params = host(run.init(jax.random.key(0)).params)
+        records, final = train(run, params)
+        singles[scanned] = (params, records, host(final))
+        results["single scanned" if scanned else "single"] = {"records": records}
+    for name, (mesh, scanned) in MESHES.items():
+        params, single_records, single_final = singles[scanned]
+        size = int(np.prod(list(mesh.values())))
+        run = Run(moe_config(mesh, scanned), devices[:size])
+        placed = jax.device_put(params, run.shardings.params)
+        records, final = train(run, placed)
+        with run.placement.context():
+            hlo = run.step.lower(run.init(jax.random.key(0)), run.placement.global_batch(
+                batches()[0])).compile().as_text()
+        results[name] = {
+            "records": records,
+            "max_param_diff": max_diff(host(final), single_final),
+            "layout": layout(final, scanned),
+            "all_to_all": hlo.count("all-to-all"),
+        }
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
