@@ -4,10 +4,11 @@
 
 Run by tests/test_moe.py in a subprocess (the device count is fixed when JAX starts). A GPT
 with 8 experts per layer (top-2, a capacity factor that drops tokens) trains a few steps on
-meshes with expert = 2, 4, 8, alone and with data / fsdp / tensor, unrolled and scanned with
-remat: per mesh the losses and MoE metrics of every step, the largest parameter difference
-from one device, how the expert params are laid out, and whether the compiled step moves
-tokens with all-to-alls.
+meshes with expert = 2, 4, 8, alone and with data / fsdp / tensor; unrolled, scanned with
+remat, and dropless (ragged matmuls on one device, T slots per expert on the mesh). Per mesh:
+the losses and MoE metrics of every step, the largest parameter difference from one device,
+how the expert params are laid out, and whether the compiled step moves tokens with
+all-to-alls.
 """
 
 from __future__ import annotations
@@ -22,19 +23,22 @@ from mesh_check import Run, host, max_diff  # tests/, this script's directory
 from transformer import configs
 
 BATCH, LENGTH, VOCAB, STEPS = 8, 16, 64, 3
-MESHES = {  # name -> (mesh sizes, scanned with every other layer MoE)
-    "expert=2": (dict(expert=2), False),
-    "expert=4": (dict(expert=4), False),
-    "expert=8": (dict(expert=8), False),
-    "data=2,expert=4": (dict(data=2, expert=4), False),
-    "fsdp=2,expert=4": (dict(fsdp=2, expert=4), False),
-    "fsdp=2,expert=2,tensor=2": (dict(fsdp=2, expert=2, tensor=2), False),
-    "expert=4 scanned": (dict(expert=4), True),
-    "fsdp=2,expert=4 scanned": (dict(fsdp=2, expert=4), True),
+VARIANTS = ("unrolled", "scanned", "dropless")
+MESHES = {  # name -> (mesh sizes, variant)
+    "expert=2": (dict(expert=2), "unrolled"),
+    "expert=4": (dict(expert=4), "unrolled"),
+    "expert=8": (dict(expert=8), "unrolled"),
+    "data=2,expert=4": (dict(data=2, expert=4), "unrolled"),
+    "fsdp=2,expert=4": (dict(fsdp=2, expert=4), "unrolled"),
+    "fsdp=2,expert=2,tensor=2": (dict(fsdp=2, expert=2, tensor=2), "unrolled"),
+    "expert=4 scanned": (dict(expert=4), "scanned"),
+    "fsdp=2,expert=4 scanned": (dict(fsdp=2, expert=4), "scanned"),
+    # Dropless: one device sorts tokens for ragged matmuls, the expert mesh uses T slots.
+    "expert=4 dropless": (dict(expert=4), "dropless"),
 }
 
 
-def moe_config(mesh: dict, scanned: bool):
+def moe_config(mesh: dict, variant: str):
     config = configs.base_config()
     config.update(steps=STEPS, batch_size=BATCH, seq_len=LENGTH)
     config.optimizer.warmup_steps = 1
@@ -42,9 +46,11 @@ def moe_config(mesh: dict, scanned: bool):
                         vocab_size=VOCAB, position="rope", dropout_rate=0.0,
                         activation="swiglu", use_bias=False)
     config.model.moe.update(num_experts=8, top_k=2, capacity_factor=1.0, num_shared=1)
-    if scanned:
+    if variant == "scanned":  # every other layer MoE: scanned in groups of 2
         config.model.update(num_layers=4, scan_layers=True, remat_policy="full")
         config.model.moe.every_n_layers = 2
+    if variant == "dropless":
+        config.model.moe.capacity_factor = 0.0
     config.mesh.update({"data": 1, **mesh})
     return config
 
@@ -76,8 +82,8 @@ def train(run: Run, params) -> tuple[dict, dict]:
     return records, state.params
 
 
-def layout(params, scanned: bool) -> dict:
-    moe = params["decoder"]["layers"]["block_1"]["moe"] if scanned else \
+def layout(params, variant: str) -> dict:
+    moe = params["decoder"]["layers"]["block_1"]["moe"] if variant == "scanned" else \
         params["decoder"]["layers_0"]["moe"]
     return {name: {"spec": str(p.sharding.spec),
                    "shard_shape": list(p.addressable_shards[0].data.shape),
@@ -91,16 +97,16 @@ def main() -> None:
     assert len(devices) == 8, devices
     results = {}
     singles = {}
-    for scanned in (False, True):
-        run = Run(moe_config({}, scanned), devices[:1])
+    for variant in VARIANTS:
+        run = Run(moe_config({}, variant), devices[:1])
         params = host(run.init(jax.random.key(0)).params)
         records, final = train(run, params)
-        singles[scanned] = (params, records, host(final))
-        results["single scanned" if scanned else "single"] = {"records": records}
-    for name, (mesh, scanned) in MESHES.items():
-        params, single_records, single_final = singles[scanned]
+        singles[variant] = (params, records, host(final))
+        results[f"single {variant}"] = {"records": records}
+    for name, (mesh, variant) in MESHES.items():
+        params, _, single_final = singles[variant]
         size = int(np.prod(list(mesh.values())))
-        run = Run(moe_config(mesh, scanned), devices[:size])
+        run = Run(moe_config(mesh, variant), devices[:size])
         placed = jax.device_put(params, run.shardings.params)
         records, final = train(run, placed)
         with run.placement.context():
@@ -109,7 +115,7 @@ def main() -> None:
         results[name] = {
             "records": records,
             "max_param_diff": max_diff(host(final), single_final),
-            "layout": layout(final, scanned),
+            "layout": layout(final, variant),
             "all_to_all": hlo.count("all-to-all"),
         }
     print(json.dumps(results))

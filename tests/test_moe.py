@@ -51,7 +51,9 @@ def reference(params, x, kept, *, gated, normalize, shared):
 
     out = {(b, t): [] for b in range(x.shape[0]) for t in range(x.shape[1])}
     for b, t, e, top in kept:
-        gate = probs[b, t, e] / (sum(probs[b, t, j] for j in top) if normalize else 1.0)
+        # Top-1 keeps the raw probability (a normalized gate of 1 would not train the router).
+        gate = probs[b, t, e] / (sum(probs[b, t, j] for j in top)
+                                 if normalize and len(top) > 1 else 1.0)
         if gated:
             y = ffn(x[b, t], params["wi_gate"][e], params["wo"][e], params["wi_up"][e])
         else:
@@ -69,6 +71,7 @@ def reference(params, x, kept, *, gated, normalize, shared):
     (4, 2, 1.25, False, True, 0),
     (4, 2, 0.5, True, True, 0),  # tight: many (token, expert) pairs are dropped
     (5, 1, 1.0, False, False, 0),  # Switch: top-1, raw probabilities as gates
+    (5, 1, 1.0, False, True, 0),  # top-1 is never normalized
     (4, 3, 0.0, True, True, 1),  # dropless, with a shared expert
 ])
 def test_the_block_equals_a_loop_over_tokens_and_experts(experts, top_k, capacity_factor,
@@ -94,7 +97,8 @@ def test_the_block_equals_a_loop_over_tokens_and_experts(experts, top_k, capacit
     np.testing.assert_allclose(y, want, atol=1e-5)
     assert float(routing.dropped) == pytest.approx(dropped)
     probe = jnp.asarray(np.random.default_rng(1).standard_normal(y.shape), jnp.float32)
-    zero = jax.tree.map(jnp.zeros_like, routing)
+    zero = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0)
+                        if jnp.issubdtype(a.dtype, jnp.integer) else jnp.zeros_like(a), routing)
     got_grads, want_grads = vjp((probe, zero)), want_vjp(probe)
     for got, expected in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads),
                              strict=True):
@@ -297,19 +301,24 @@ def expert_results(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["expert=2", "expert=4", "expert=8", "data=2,expert=4",
                                   "fsdp=2,expert=4", "fsdp=2,expert=2,tensor=2",
-                                  "expert=4 scanned", "fsdp=2,expert=4 scanned"])
+                                  "expert=4 scanned", "fsdp=2,expert=4 scanned",
+                                  "expert=4 dropless"])
 def test_each_expert_mesh_trains_like_one_device_with_the_experts_split(expert_results, mesh):
     result = expert_results[mesh]
-    single = expert_results["single scanned" if "scanned" in mesh else "single"]["records"]
+    variant = mesh.split()[1] if " " in mesh else "unrolled"
+    single = expert_results[f"single {variant}"]["records"]
     for got, want in zip(result["records"], single, strict=True):
         for name in ("loss", "moe_load_balance", "moe_router_z", "moe_dropped", "grad_norm"):
             assert got[name] == pytest.approx(want[name], rel=2e-5, abs=1e-7), (name, got, want)
-    assert single[0]["moe_dropped"] > 0.05  # the capacity really drops tokens
+    if variant == "dropless":
+        assert all(record["moe_dropped"] == 0 for record in single)
+    else:
+        assert single[0]["moe_dropped"] > 0.05  # the capacity really drops tokens
     assert result["max_param_diff"] < 2e-5
     sizes = dict(part.split("=") for part in mesh.split()[0].split(","))
     experts = int(sizes["expert"])
     layout = result["layout"]
-    layer = [2] if "scanned" in mesh else []  # a scanned stack's layer axis: 2 groups
+    layer = [2] if variant == "scanned" else []  # a scanned stack's layer axis: 2 groups
     fsdp = int(sizes.get("fsdp", 1))
     tensor = int(sizes.get("tensor", 1))
     assert layout["wi_gate"]["shard_shape"] == layer + [8 // experts, 32 // fsdp, 48 // tensor]

@@ -15,6 +15,10 @@ experts and combined back with the gate weights:
     combine  [B, T, E, C]  the same, times the token's gate for e
     y = combine . FFN_e(dispatch . x)
 
+Dropless routing (capacity_factor = 0) builds no buffers: the (token, choice) pairs are sorted
+by expert and each expert's run of rows goes through `jax.lax.ragged_dot`, O(T k) per row.
+When the experts are split over devices it is the buffer path with C = T instead.
+
 Auxiliary quantities (`Routing`), all float32:
   load_balance  E * sum_e f_e * P_e: f_e the fraction of (token, choice) pairs routed to expert
                 e, P_e the mean router probability of e (Switch / GShard; 1 when balanced);
@@ -98,13 +102,28 @@ class MoEConfig:
 
 @struct.dataclass
 class Routing:
-    """How one batch was routed: dispatch / combine tensors and the auxiliary quantities."""
+    """How one batch was routed: each token's k experts and gates, the dispatch / combine
+    tensors (None when dropless: no slots), and the auxiliary quantities."""
 
-    dispatch_BTEC: Array
-    combine_BTEC: Array
+    choice_BTK: Array
+    gates_BTK: Array
+    dispatch_BTEC: Array | None
+    combine_BTEC: Array | None
     load_balance: Array
     router_z: Array
     dropped: Array
+
+
+def expert_shards() -> int:
+    """How many ways the experts are split where this is traced: the size of the `expert` mesh
+    axis in context when the logical rules map "activation_expert" onto it, else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = nn.get_logical_axis_rules()
+    if mesh.empty or sharding.EXPERT_AXIS not in mesh.axis_names or not rules:
+        return 1
+    mapped = nn.logical_to_mesh_axes(("activation_expert",), rules)[0]
+    names = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
+    return mesh.shape[sharding.EXPERT_AXIS] if sharding.EXPERT_AXIS in names else 1
 
 
 def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -118,11 +137,13 @@ def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) 
     return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
 
 
-def route(logits_BTE: Array, top_k: int, slots: int, normalize: bool = True) -> Routing:
-    """Top-k routing of router logits [B, T, E] into `slots` per expert (see module docstring).
+def route(logits_BTE: Array, top_k: int, slots: int | None, normalize: bool = True) -> Routing:
+    """Top-k routing of router logits [B, T, E] into `slots` per expert (see module docstring);
+    `slots=None`: dropless, every choice kept and no dispatch tensors built.
 
     `normalize`: the k gates of a token sum to 1 (Mixtral); otherwise they are the router
-    probabilities (Switch with k = 1).
+    probabilities. Top-1 routing never normalizes: a gate of 1 would cut the router off from
+    the task's gradient (Switch keeps the probability).
 
     Two tokens, two experts, one slot each, top-1: both prefer expert 0, so the second is
     dropped.
@@ -135,27 +156,33 @@ def route(logits_BTE: Array, top_k: int, slots: int, normalize: bool = True) -> 
     batch, tokens, experts = logits_BTE.shape
     probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
     gates_BTK, choice_BTK = jax.lax.top_k(probs_BTE, top_k)
-    if normalize:
+    if normalize and top_k > 1:
         gates_BTK = gates_BTK / jnp.sum(gates_BTK, axis=-1, keepdims=True)
     # Priority order: choice-major (all first choices, then all second ...), token order within.
     chosen_BKTE = jax.nn.one_hot(choice_BTK.transpose(0, 2, 1), experts, dtype=jnp.int32)
     flat_BNE = chosen_BKTE.reshape(batch, top_k * tokens, experts)
-    slot_BNE = jnp.cumsum(flat_BNE, axis=1) - 1  # this pair's slot in its expert's buffer
-    kept_BNE = flat_BNE * (slot_BNE < slots)
-    slot_onehot_BNEC = jax.nn.one_hot(jnp.where(kept_BNE > 0, slot_BNE, -1), slots,
-                                      dtype=jnp.float32)  # -1: all zeros
-    slot_onehot_BKTEC = slot_onehot_BNEC.reshape(batch, top_k, tokens, experts, slots)
-    dispatch_BTEC = jnp.sum(slot_onehot_BKTEC, axis=1)
-    combine_BTEC = jnp.einsum("bktec,btk->btec", slot_onehot_BKTEC, gates_BTK)
     pairs = top_k * tokens * batch
+    dispatch_BTEC = combine_BTEC = None
+    dropped = jnp.zeros((), jnp.float32)
+    if slots is not None:
+        slot_BNE = jnp.cumsum(flat_BNE, axis=1) - 1  # this pair's slot in its expert's buffer
+        kept_BNE = flat_BNE * (slot_BNE < slots)
+        slot_onehot_BNEC = jax.nn.one_hot(jnp.where(kept_BNE > 0, slot_BNE, -1), slots,
+                                          dtype=jnp.float32)  # -1: all zeros
+        slot_onehot_BKTEC = slot_onehot_BNEC.reshape(batch, top_k, tokens, experts, slots)
+        dispatch_BTEC = jnp.sum(slot_onehot_BKTEC, axis=1)
+        combine_BTEC = jnp.einsum("bktec,btk->btec", slot_onehot_BKTEC, gates_BTK)
+        dropped = 1.0 - jnp.sum(kept_BNE) / pairs
     fraction_E = jnp.sum(flat_BNE, axis=(0, 1)) / pairs
     mean_prob_E = jnp.mean(probs_BTE, axis=(0, 1))
     return Routing(
+        choice_BTK=choice_BTK,
+        gates_BTK=gates_BTK,
         dispatch_BTEC=dispatch_BTEC,
         combine_BTEC=combine_BTEC,
         load_balance=experts * jnp.sum(fraction_E * mean_prob_E),
         router_z=jnp.mean(jax.nn.logsumexp(logits_BTE, axis=-1) ** 2),
-        dropped=1.0 - jnp.sum(kept_BNE) / pairs,
+        dropped=dropped,
     )
 
 
@@ -190,38 +217,66 @@ class MoEFeedForward(nn.Module):
         _, tokens, d_model = x_BTD.shape
         router = self.param("router", nn.with_logical_partitioning(self._init(), ("embed", None)),
                             (d_model, self.num_experts), jnp.float32)
+        # Dropless routing sorts the tokens by expert for ragged matmuls, unless the experts
+        # are split over devices: then it is the capacity path with a slot for every token.
+        ragged = self.capacity_factor == 0 and expert_shards() == 1
+        slots = None if ragged else capacity(tokens, self.num_experts, self.top_k,
+                                             self.capacity_factor)
         # The router runs in float32 whatever the compute dtype: its softmax picks the experts.
         routing = route(jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), router),
-                        self.top_k, capacity(tokens, self.num_experts, self.top_k,
-                                             self.capacity_factor), self.normalize_gates)
+                        self.top_k, slots, self.normalize_gates)
 
         def expert_param(name, shape, names):  # [E, in, out]: fan-in per expert
             init = self._init(in_axis=1, out_axis=2, batch_axis=(0,))
             return self.param(name, nn.with_logical_partitioning(init, names), shape,
                               self.param_dtype).astype(self.dtype)
 
-        x_BTD = x_BTD.astype(self.dtype)
-        dispatch = routing.dispatch_BTEC.astype(self.dtype)
-        # The all-to-all into the experts' layout (see the module docstring).
-        x_BECD = sharding.constrain(jnp.einsum("btec,btd->becd", dispatch, x_BTD),
-                                    EXPERT_BUFFERS)
         shape_in, names_in = (self.num_experts, d_model, self.d_ff), ("expert", "embed", "mlp")
-        if self.gated:
-            h_BECF = self.activation(jnp.einsum(
-                "becd,edf->becf", x_BECD, expert_param("wi_gate", shape_in, names_in)))
-            h_BECF = h_BECF * jnp.einsum("becd,edf->becf", x_BECD,
-                                         expert_param("wi_up", shape_in, names_in))
+        weights = {name: expert_param(name, shape_in, names_in)
+                   for name in (("wi_gate", "wi_up") if self.gated else ("wi",))}
+        weights["wo"] = expert_param("wo", (self.num_experts, self.d_ff, d_model),
+                                     ("expert", "mlp", "embed"))
+        x_BTD = x_BTD.astype(self.dtype)
+        if ragged:
+            y_BTD = self._ragged(x_BTD, routing, weights)
         else:
-            h_BECF = self.activation(jnp.einsum("becd,edf->becf", x_BECD,
-                                                expert_param("wi", shape_in, names_in)))
-        wo = expert_param("wo", (self.num_experts, self.d_ff, d_model),
-                          ("expert", "mlp", "embed"))
-        y_BECD = sharding.constrain(jnp.einsum("becf,efd->becd", h_BECF, wo), EXPERT_BUFFERS)
-        y_BECD = sharding.constrain(y_BECD, TOKEN_BUFFERS)  # and back to the tokens' layout
-        y_BTD = jnp.einsum("btec,becd->btd", routing.combine_BTEC.astype(self.dtype), y_BECD)
+            dispatch = routing.dispatch_BTEC.astype(self.dtype)
+            # The all-to-all into the experts' layout (see the module docstring).
+            x_BECD = sharding.constrain(jnp.einsum("btec,btd->becd", dispatch, x_BTD),
+                                        EXPERT_BUFFERS)
+            matmul = lambda x_BECI, w_EIO: jnp.einsum("beci,eio->beco", x_BECI, w_EIO)
+            y_BECD = sharding.constrain(self._experts(x_BECD, weights, matmul), EXPERT_BUFFERS)
+            y_BECD = sharding.constrain(y_BECD, TOKEN_BUFFERS)  # and back to the tokens' layout
+            y_BTD = jnp.einsum("btec,becd->btd", routing.combine_BTEC.astype(self.dtype),
+                               y_BECD)
         if self.num_shared:
             y_BTD = y_BTD + self._shared(x_BTD)
         return y_BTD, routing
+
+    def _experts(self, x, weights, matmul):
+        """The expert FFNs on buffers x, with `matmul(x, w [E, in, out])` per expert."""
+        if self.gated:
+            h = self.activation(matmul(x, weights["wi_gate"])) * matmul(x, weights["wi_up"])
+        else:
+            h = self.activation(matmul(x, weights["wi"]))
+        return matmul(h, weights["wo"])
+
+    def _ragged(self, x_BTD: Array, routing: Routing, weights) -> Array:
+        """Dropless experts: the (token, choice) pairs sorted by expert, each expert's run of
+        rows through its weights by `jax.lax.ragged_dot`, then scattered back with the gates.
+        O(T k) work and memory per row, against O(T^2 E) for a dispatch tensor with T slots."""
+        batch, tokens, d_model = x_BTD.shape
+        expert_N = routing.choice_BTK.reshape(-1)
+        order_N = jnp.argsort(expert_N, stable=True)
+        token_N = order_N // self.top_k  # index into the B * T tokens
+        sizes_E = jnp.bincount(expert_N, length=self.num_experts).astype(jnp.int32)
+        x_ND = x_BTD.reshape(batch * tokens, d_model)[token_N]
+        matmul = lambda x, w: jax.lax.ragged_dot(x, w, sizes_E)
+        y_ND = self._experts(x_ND, weights, matmul)
+        gates_N = routing.gates_BTK.reshape(-1)[order_N].astype(self.dtype)
+        y_TD = jnp.zeros((batch * tokens, d_model), self.dtype).at[token_N].add(
+            y_ND * gates_N[:, None])
+        return y_TD.reshape(batch, tokens, d_model)
 
     def _init(self, **axes) -> nn.initializers.Initializer:
         """Normal(init_std) if given, else fan-in variance scaling (over `axes`)."""

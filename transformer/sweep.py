@@ -336,6 +336,9 @@ def variant_row(name: str, config, directory: str) -> dict[str, Any]:
     validation = [r for r in records if r["split"] == "validation"]
     row = {"variant": name, "status": status(directory, config),
            "params": summary.get("num_params"),
+           "active_params": summary.get("active_params", summary.get("num_params")),
+           # Mixtures of experts: the last logged share of (token, expert) choices dropped.
+           "moe_dropped": train[-1].get("moe_dropped") if train else None,
            "step": (train[-1]["step"] if train else 0),
            "train_loss": train[-1]["loss"] if train else None,
            "val_loss": validation[-1]["loss"] if validation else None,
@@ -363,7 +366,9 @@ def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequen
     lengths = sorted({int(key.split("@")[1]) for row in rows for key in row
                       if key.startswith("val_loss@")})
     bpb = any(row["val_bits_per_byte"] is not None for row in rows)
-    header = ["variant", "overrides", "params", "steps", "train loss", "val loss", "val acc"]
+    sparse = any(row["active_params"] != row["params"] for row in rows)  # mixtures of experts
+    header = ["variant", "overrides", "params"] + ["active params", "moe dropped"] * sparse
+    header += ["steps", "train loss", "val loss", "val acc"]
     tests = [key for key in TEST_COLUMNS if any(key in row for row in rows)]
     header += ["val bits/byte"] * bpb + [f"val loss @{n}" for n in lengths]
     header += [TEST_COLUMNS[key] for key in tests]
@@ -380,7 +385,11 @@ def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequen
         cells = [row["variant"],
                  ", ".join(f"`{k}={_flag_value(v)}`" for k, v in overrides[row["variant"]].items())
                  or "(base)",
-                 f"{row['params']:,}" if row["params"] else "-", str(row["step"]),
+                 f"{row['params']:,}" if row["params"] else "-"]
+        if sparse:
+            cells += [f"{row['active_params']:,}" if row["active_params"] else "-",
+                      "-" if row["moe_dropped"] is None else f"{row['moe_dropped']:.1%}"]
+        cells += [str(row["step"]),
                  _fmt(row["train_loss"]), _fmt(row["val_loss"]), _fmt(row["val_accuracy"], 3)]
         cells += [_fmt(row["val_bits_per_byte"])] * bpb
         cells += [_fmt(row.get(f"val_loss@{n}")) for n in lengths]

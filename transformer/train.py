@@ -332,7 +332,10 @@ def _log_train(run: Run, metrics, since: tuple[float, int], flops: tuple[float, 
     eta = (config.steps - step) * seconds
     run.logger.print(f"step {step}/{config.steps} loss {record['loss']:.4f} "
                      f"acc {record['accuracy']:.3f} lr {lr:.2e} "
-                     f"gnorm {record['grad_norm']:.2f} {tokens_per_s:,.0f} tok/s "
+                     f"gnorm {record['grad_norm']:.2f} "
+                     + (f"moe balance {record['moe_load_balance']:.2f} dropped "
+                        f"{record['moe_dropped']:.1%} " if "moe_dropped" in record else "")
+                     + f"{tokens_per_s:,.0f} tok/s "
                      + (f"MFU {record['mfu']:.0%} " if "mfu" in record else "") +
                      f"ETA {metrics_lib.format_eta(eta)}", transient=True)
     run.last_metrics = record
