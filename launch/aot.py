@@ -217,7 +217,9 @@ def format_report(report: Report, config) -> str:
             ("total per chip", report.total_bytes), ("HBM per chip", report.hbm_bytes)]
     lines += [f"  {name:<28}{format_bytes(value):>12}" for name, value in rows]
     lines.append(f"  {'use of HBM':<28}{report.total_bytes / report.hbm_bytes:>12.1%}")
-    how = ("XLA cost analysis of 1- and 2-layer unrolled stacks, extrapolated"
+    moe = m.get("moe")
+    unit = moe.every_n_layers if moe and moe.num_experts else 1  # compile_train_step's unit
+    how = (f"XLA cost analysis of {unit}- and {2 * unit}-layer unrolled stacks, extrapolated"
            if config.model.scan_layers else "XLA cost analysis")
     lines.append(f"FLOPs per step: {report.flops_per_chip:.3e} per chip ({how}), "
                  f"{report.flops_per_chip * report.chips:.3e} in all; model FLOPs "

@@ -184,13 +184,14 @@ def test_dimensions_the_mesh_does_not_divide_stay_replicated():
     mesh = AbstractMesh((1, 2, 1, 3, 4), sharding.MESH_AXES)  # data fsdp expert sequence tensor
     rules = sharding.LOGICAL_AXIS_RULES
     # 2 KV heads cannot split over tensor=4; the embed dimension still splits over fsdp=2.
+    fsdp = ("fsdp", "expert")  # outside the experts, the expert axis shards like fsdp
     assert sharding.mesh_spec(PartitionSpec("embed", "kv_heads", "kv"), (32, 2, 8), mesh,
-                               rules) == PartitionSpec("fsdp", None, None)
+                               rules) == PartitionSpec(fsdp, None, None)
     assert sharding.mesh_spec(PartitionSpec("embed", "heads", "kv"), (32, 4, 8), mesh,
-                               rules) == PartitionSpec("fsdp", "tensor", None)
+                               rules) == PartitionSpec(fsdp, "tensor", None)
     # A vocabulary of 262 bytes does not split over 4 either.
     assert sharding.mesh_spec(PartitionSpec("vocab", "embed"), (262, 32), mesh,
-                               rules) == PartitionSpec(None, "fsdp")
+                               rules) == PartitionSpec(None, fsdp)
     # A length of 16 does not split over sequence=3; 24 does.
     assert sharding.mesh_spec(PartitionSpec("activation_batch", "activation_length"), (8, 16),
                                mesh, rules) == PartitionSpec(("data", "fsdp", "expert"), None)
@@ -262,12 +263,13 @@ def test_each_mesh_gives_the_single_device_losses(mesh_results, mesh):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, name, spec, shard_shape, num_shards", [
     # embedding [vocab 64, embed 32]: vocab over tensor, embed over fsdp
-    ("8,1,1", "embedding", "P('tensor', 'fsdp')", [64, 32], 1),  # pure data parallel
-    ("1,8,1", "embedding", "P('tensor', 'fsdp')", [64, 4], 8),
-    ("1,8,1", "mlp_wi", "P('fsdp', 'tensor')", [4, 64], 8),
-    ("2,2,2", "query", "P('fsdp', 'tensor', None)", [16, 2, 8], 4),
-    ("1,2,4", "query", "P('fsdp', 'tensor', None)", [16, 1, 8], 8),
-    ("1,2,4", "mlp_wi", "P('fsdp', 'tensor')", [16, 16], 8),
+    # (embed maps to fsdp x expert; expert is 1 here)
+    ("8,1,1", "embedding", "P('tensor', ('fsdp', 'expert'))", [64, 32], 1),  # pure data parallel
+    ("1,8,1", "embedding", "P('tensor', ('fsdp', 'expert'))", [64, 4], 8),
+    ("1,8,1", "mlp_wi", "P(('fsdp', 'expert'), 'tensor')", [4, 64], 8),
+    ("2,2,2", "query", "P(('fsdp', 'expert'), 'tensor', None)", [16, 2, 8], 4),
+    ("1,2,4", "query", "P(('fsdp', 'expert'), 'tensor', None)", [16, 1, 8], 8),
+    ("1,2,4", "mlp_wi", "P(('fsdp', 'expert'), 'tensor')", [16, 16], 8),
 ])
 def test_params_are_sharded_by_the_rules(mesh_results, mesh, name, spec, shard_shape,
                                          num_shards):
@@ -291,7 +293,7 @@ def test_splash_runs_per_device_in_shard_map_and_matches_dense(mesh_results, mes
     """Packed causal rows with GQA (4 query heads, 2 KV heads): output and q/k/v gradients of
     the interpret-mode kernel, batch and heads split over the mesh, equal the dense reference."""
     result = mesh_results["splash"][mesh]
-    assert result["out_specs"] == ["(P(('data', 'fsdp'), None, 'tensor', None),)"]
+    assert result["out_specs"] == ["(P(('data', 'fsdp', 'expert'), None, 'tensor', None),)"]
     assert result["max_diff"] < 1e-4
 
 

@@ -117,13 +117,7 @@ class Routing:
 def expert_shards() -> int:
     """How many ways the experts are split where this is traced: the size of the `expert` mesh
     axis in context when the logical rules map "activation_expert" onto it, else 1."""
-    mesh = jax.sharding.get_abstract_mesh()
-    rules = nn.get_logical_axis_rules()
-    if mesh.empty or sharding.EXPERT_AXIS not in mesh.axis_names or not rules:
-        return 1
-    mapped = nn.logical_to_mesh_axes(("activation_expert",), rules)[0]
-    names = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
-    return mesh.shape[sharding.EXPERT_AXIS] if sharding.EXPERT_AXIS in names else 1
+    return sharding.traced_split("activation_expert", sharding.EXPERT_AXIS)
 
 
 def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -231,19 +225,22 @@ class MoEFeedForward(nn.Module):
             return self.param(name, nn.with_logical_partitioning(init, names), shape,
                               self.param_dtype).astype(self.dtype)
 
-        shape_in, names_in = (self.num_experts, d_model, self.d_ff), ("expert", "embed", "mlp")
+        shape_in = (self.num_experts, d_model, self.d_ff)
+        names_in = ("expert", "expert_embed", "mlp")
         weights = {name: expert_param(name, shape_in, names_in)
                    for name in (("wi_gate", "wi_up") if self.gated else ("wi",))}
         weights["wo"] = expert_param("wo", (self.num_experts, self.d_ff, d_model),
-                                     ("expert", "mlp", "embed"))
+                                     ("expert", "mlp", "expert_embed"))
         x_BTD = x_BTD.astype(self.dtype)
         if ragged:
             y_BTD = self._ragged(x_BTD, routing, weights)
         else:
             dispatch = routing.dispatch_BTEC.astype(self.dtype)
-            # The all-to-all into the experts' layout (see the module docstring).
+            # Filled where the tokens are, then the all-to-all into the experts' layout (left
+            # to itself, GSPMD may move the inputs instead and fill the buffers redundantly).
             x_BECD = sharding.constrain(jnp.einsum("btec,btd->becd", dispatch, x_BTD),
-                                        EXPERT_BUFFERS)
+                                        TOKEN_BUFFERS)
+            x_BECD = sharding.constrain(x_BECD, EXPERT_BUFFERS)
             matmul = lambda x_BECI, w_EIO: jnp.einsum("beci,eio->beco", x_BECI, w_EIO)
             y_BECD = sharding.constrain(self._experts(x_BECD, weights, matmul), EXPERT_BUFFERS)
             y_BECD = sharding.constrain(y_BECD, TOKEN_BUFFERS)  # and back to the tokens' layout

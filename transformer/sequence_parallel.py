@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from transformer import sharding
 from transformer.chunked_attention import _backward, _forward, _prepare, chunked_attention
 
 AXIS = "sequence"
@@ -50,13 +50,7 @@ def shards() -> int:
     """How many ways activations' length dimension is split where this is traced: the size of
     the `sequence` axis of the mesh in context when the logical rules map "activation_length"
     onto it, else 1."""
-    mesh = jax.sharding.get_abstract_mesh()
-    rules = nn.get_logical_axis_rules()
-    if mesh.empty or AXIS not in mesh.axis_names or not rules:
-        return 1
-    mapped = nn.logical_to_mesh_axes(("activation_length",), rules)[0]
-    names = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
-    return mesh.shape[AXIS] if AXIS in names else 1
+    return sharding.traced_split("activation_length", AXIS)
 
 
 def zigzag(length: int, num_shards: int) -> np.ndarray:

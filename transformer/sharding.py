@@ -50,7 +50,8 @@ MESH_AXIS_TABLE = (
     MeshAxis("expert", shards_batch=True, spans_slices=False, default=1,
              doc="expert parallelism: the experts of mixture-of-experts layers split (their "
                  "params, and the token buffers they compute on, moved there and back by an "
-                 "all-to-all); elsewhere it splits the batch like `data`"),
+                 "all-to-all); elsewhere it acts like `fsdp` (the batch and the other params' "
+                 "`embed` dimension split)"),
     MeshAxis("sequence", shards_batch=False, spans_slices=False, default=1,
              doc="sequence (context) parallelism: every activation's length dimension split; "
                  "attention crosses the split by gathering K and V or passing them round a ring "
@@ -81,8 +82,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("activation_mlp", "tensor"),
     ("activation_vocab", "tensor"),
     # params
-    ("embed", "fsdp"),
+    # Outside the experts the expert axis shards like fsdp (MaxText does the same); inside,
+    # it splits the experts, so their width uses fsdp alone.
+    ("embed", ("fsdp", EXPERT_AXIS)),
     ("expert", EXPERT_AXIS),
+    ("expert_embed", "fsdp"),
     ("mlp_in", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -231,6 +235,19 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
         return x
     return jax.lax.with_sharding_constraint(
         x, mesh_spec(PartitionSpec(*names), x.shape, mesh, rules))
+
+
+def traced_split(logical: str, axis: str) -> int:
+    """How many ways the logical dimension `logical` is split over mesh axis `axis` where this
+    is traced: that axis's size when the mesh in context has it and the rules map `logical`
+    onto it, else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = nn.get_logical_axis_rules()
+    if mesh.empty or axis not in mesh.axis_names or not rules:
+        return 1
+    mapped = nn.logical_to_mesh_axes((logical,), rules)[0]
+    names = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
+    return mesh.shape[axis] if axis in names else 1
 
 
 ACTIVATIONS = ("activation_batch", "activation_length", "activation_embed")
