@@ -35,6 +35,7 @@ MESHES = {  # name -> (mesh sizes, variant)
     "fsdp=2,expert=4 scanned": (dict(fsdp=2, expert=4), "scanned"),
     # Dropless: one device sorts tokens for ragged matmuls, the expert mesh uses T slots.
     "expert=4 dropless": (dict(expert=4), "dropless"),
+    "data=8 dropless": (dict(data=8), "dropless"),
 }
 
 COLLECTIVES = ("expert=8", "fsdp=2,expert=4 scanned")  # meshes whose compiled HLO is read

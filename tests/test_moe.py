@@ -302,7 +302,7 @@ def expert_results(tmp_path_factory):
 @pytest.mark.parametrize("mesh", ["expert=2", "expert=4", "expert=8", "data=2,expert=4",
                                   "fsdp=2,expert=4", "fsdp=2,expert=2,tensor=2",
                                   "expert=4 scanned", "fsdp=2,expert=4 scanned",
-                                  "expert=4 dropless"])
+                                  "expert=4 dropless", "data=8 dropless"])
 def test_each_expert_mesh_trains_like_one_device_with_the_experts_split(expert_results, mesh):
     result = expert_results[mesh]
     variant = mesh.split()[1] if " " in mesh else "unrolled"
@@ -316,7 +316,7 @@ def test_each_expert_mesh_trains_like_one_device_with_the_experts_split(expert_r
         assert single[0]["moe_dropped"] > 0.05  # the capacity really drops tokens
     assert result["max_param_diff"] < 2e-5
     sizes = dict(part.split("=") for part in mesh.split()[0].split(","))
-    experts = int(sizes["expert"])
+    experts = int(sizes.get("expert", 1))
     layout = result["layout"]
     layer = [2] if variant == "scanned" else []  # a scanned stack's layer axis: 2 groups
     fsdp = int(sizes.get("fsdp", 1))

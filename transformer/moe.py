@@ -17,7 +17,8 @@ experts and combined back with the gate weights:
 
 Dropless routing (capacity_factor = 0) builds no buffers: the (token, choice) pairs are sorted
 by expert and each expert's run of rows goes through `jax.lax.ragged_dot`, O(T k) per row.
-When the experts are split over devices it is the buffer path with C = T instead.
+When a mesh axis splits the tokens (batch, expert or sequence) it is the buffer path with
+C = T instead: a sort across shards would gather every token onto every device.
 
 Auxiliary quantities (`Routing`), all float32:
   load_balance  E * sum_e f_e * P_e: f_e the fraction of (token, choice) pairs routed to expert
@@ -114,10 +115,12 @@ class Routing:
     dropped: Array
 
 
-def expert_shards() -> int:
-    """How many ways the experts are split where this is traced: the size of the `expert` mesh
-    axis in context when the logical rules map "activation_expert" onto it, else 1."""
-    return sharding.traced_split("activation_expert", sharding.EXPERT_AXIS)
+def token_shards() -> int:
+    """How many ways the tokens of a batch are split where this is traced: over the batch axes
+    (expert included) and the sequence axis."""
+    return math.prod([sharding.traced_split("activation_batch", axis)
+                      for axis in sharding.BATCH_AXES]
+                     + [sharding.traced_split("activation_length", "sequence")])
 
 
 def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -211,9 +214,10 @@ class MoEFeedForward(nn.Module):
         _, tokens, d_model = x_BTD.shape
         router = self.param("router", nn.with_logical_partitioning(self._init(), ("embed", None)),
                             (d_model, self.num_experts), jnp.float32)
-        # Dropless routing sorts the tokens by expert for ragged matmuls, unless the experts
-        # are split over devices: then it is the capacity path with a slot for every token.
-        ragged = self.capacity_factor == 0 and expert_shards() == 1
+        # Dropless routing sorts the tokens by expert for ragged matmuls where no mesh axis
+        # splits them (a sort across shards would gather every token onto every device);
+        # otherwise it is the capacity path with a slot for every token.
+        ragged = self.capacity_factor == 0 and token_shards() == 1
         slots = None if ragged else capacity(tokens, self.num_experts, self.top_k,
                                              self.capacity_factor)
         # The router runs in float32 whatever the compute dtype: its softmax picks the experts.
