@@ -161,6 +161,13 @@ def _stack_depths(model) -> dict[str, int]:
     return {key: model.get(key) or model.num_layers for key in family_of(model).stacks}
 
 
+def _layer_unit(model) -> int:
+    """The layers of a stack that repeat identically: 1, or a group of `moe.every_n_layers`
+    whose last layer is a mixture of experts."""
+    moe = model.get("moe")
+    return moe.every_n_layers if moe and moe.num_experts else 1
+
+
 def compile_train_step(config, devices, accelerator: accelerators.Accelerator,
                        flops: bool = True) -> Report:
     """Compiles the config's train step over `devices`: the per-chip memory and FLOPs report
@@ -184,8 +191,7 @@ def compile_train_step(config, devices, accelerator: accelerators.Accelerator,
     report.flops_per_chip = _flops(compiled)
     if config.model.scan_layers and flops:
         depths = _stack_depths(config.model)
-        moe = config.model.get("moe")
-        unit = moe.every_n_layers if moe and moe.num_experts else 1
+        unit = _layer_unit(config.model)
 
         def unrolled_flops(**layers):
             shallow = config.copy_and_resolve_references()
@@ -217,8 +223,7 @@ def format_report(report: Report, config) -> str:
             ("total per chip", report.total_bytes), ("HBM per chip", report.hbm_bytes)]
     lines += [f"  {name:<28}{format_bytes(value):>12}" for name, value in rows]
     lines.append(f"  {'use of HBM':<28}{report.total_bytes / report.hbm_bytes:>12.1%}")
-    moe = m.get("moe")
-    unit = moe.every_n_layers if moe and moe.num_experts else 1  # compile_train_step's unit
+    unit = _layer_unit(m)
     how = (f"XLA cost analysis of {unit}- and {2 * unit}-layer unrolled stacks, extrapolated"
            if config.model.scan_layers else "XLA cost analysis")
     lines.append(f"FLOPs per step: {report.flops_per_chip:.3e} per chip ({how}), "

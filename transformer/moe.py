@@ -52,6 +52,7 @@ from flax import struct
 from transformer import sharding
 
 Array = jax.Array
+EXPERT_WEIGHTS = ("wi", "wi_gate", "wi_up", "wo")  # the experts' own params: [E, in, out]
 # Expert buffers [B, E, C, D] on the experts' side of the all-to-all, and on the tokens' side.
 EXPERT_BUFFERS = ("activation_moe_batch", "activation_expert", None, "activation_embed")
 TOKEN_BUFFERS = ("activation_batch", None, None, "activation_embed")

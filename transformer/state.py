@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from flax import struct
 
+from transformer import moe as moe_lib
 from transformer import sharding
 from transformer.models import family_of
 
@@ -66,9 +67,6 @@ def num_params(abstract_state: TrainState) -> int:
     return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(abstract_state.params))
 
 
-EXPERT_PARAMS = ("wi", "wi_gate", "wi_up", "wo")  # in a `moe` module: [..., E, in, out]
-
-
 def active_params(abstract_state: TrainState, config: ml_collections.ConfigDict) -> int:
     """The params a token passes through: all of them less, in each mixture-of-experts layer,
     the experts it is not routed to (E - top_k of E; the router and shared experts are active).
@@ -80,7 +78,7 @@ def active_params(abstract_state: TrainState, config: ml_collections.ConfigDict)
     inactive = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
         keys = [getattr(k, "key", None) for k in path]
-        if "moe" in keys[:-1] and keys[-1] in EXPERT_PARAMS:
+        if "moe" in keys[:-1] and keys[-1] in moe_lib.EXPERT_WEIGHTS:
             inactive += int(np.prod(leaf.shape)) * (moe.num_experts - moe.top_k) \
                 // moe.num_experts
     return total - inactive
