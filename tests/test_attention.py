@@ -82,6 +82,52 @@ def test_attention_equals_jax_nn_dot_product_attention(kv_heads):
     np.testing.assert_allclose(ours_causal, theirs_causal, atol=1e-5, rtol=1e-5)
 
 
+BLOCKED_MASKS = {  # (mask, q_len, kv_len): blocks of 8 queries
+    "causal": (masks.Causal(), 20, 20),  # the last block has 4 queries
+    "bottom_right_causal": (masks.Causal(), 12, 20),
+    "queries_without_keys": (masks.Causal(), 20, 12),  # queries 0-7 see no key
+    "sliding_window": (masks.SlidingWindow(left=3, right=0), 20, 20),  # blocks start past key 0
+    "chunked_causal": (masks.ChunkedCausal(chunk_size=8), 24, 24),
+    "packed_documents": (masks.Causal() & masks.Segment(jnp.array(  # uneven documents, padding
+        [[1] * 7 + [2] * 11 + [0] * 2, [1] * 3 + [2] * 4 + [3] * 13])), 20, 20),
+}
+
+
+@pytest.mark.parametrize("name", list(BLOCKED_MASKS))
+def test_query_blocks_skip_masked_keys_and_equal_the_reference(name):
+    """Blocks of 8 queries over only the keys their mask allows: the float64 NumPy reference's
+    output, the one-block kernel's gradients, and fewer logits than the whole [T, S]."""
+    mask, q_len, kv_len = BLOCKED_MASKS[name]
+    q, k, v = random_qkv(5, q_len=q_len, kv_len=kv_len)
+    bias = np.random.default_rng(6).normal(size=(1, 4, q_len, kv_len))
+    expected, _ = numpy_attention(q, k, v, np.asarray(mask.dense(q_len, kv_len)), bias)
+    q, k, v, bias = (jnp.asarray(x, jnp.float32) for x in (q, k, v, bias))
+    blocked = lambda q, k, v, b: dot_product_attention(q, k, v, mask, b, q_block=8)
+    whole = lambda q, k, v, b: dot_product_attention(q, k, v, mask, b)
+    np.testing.assert_allclose(blocked(q, k, v, bias), expected, atol=2e-5, rtol=2e-5)
+    cotangent = jax.random.normal(jax.random.key(1), q.shape)
+    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cotangent), argnums=(0, 1, 2, 3))(
+        q, k, v, bias) for f in (blocked, whole)]
+    for got, want in zip(*grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+    def logits_computed(f):  # entries of the [.., T, S] query-key products in the forward
+        eqns = jax.make_jaxpr(f)(q, k, v, bias).eqns
+        return sum(np.prod(e.outvars[0].aval.shape[-2:]) for e in eqns
+                   if e.primitive.name == "dot_general" and e.params["dimension_numbers"][0][0]
+                   == (3,))
+    assert logits_computed(blocked) < logits_computed(whole)
+
+
+def test_query_blocks_are_one_block_where_nothing_can_be_skipped():
+    from transformer.attention import _query_blocks
+    assert _query_blocks(masks.Causal(), 16, 16, 8) == [(0, 8, 0, 8), (8, 16, 0, 16)]
+    assert _query_blocks(masks.Causal(), 8, 8, 8) == [(0, 8, 0, 8)]  # one block already
+    assert _query_blocks(masks.PrefixLM(jnp.array([3])), 16, 16, 8) == [(0, 16, 0, 16)]
+    assert _query_blocks(masks.Causal(), 1, 16, 8) == [(0, 1, 0, 16)]  # a decoding step
+    assert _query_blocks(masks.Full(), 16, 16, 8) == [(0, 16, 0, 16)]
+
+
 def test_rows_sum_to_one_and_masked_keys_get_exactly_zero_weight():
     q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(3, q_len=6, kv_len=6))
     mask = masks.Causal() & masks.Padding(kv_lengths=jnp.array([6, 4]))

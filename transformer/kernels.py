@@ -206,7 +206,7 @@ def _parts(mask) -> tuple:
     return mask.parts if isinstance(mask, And) else (mask,)
 
 
-def _rows_with_keys(mask, q_len: int, kv_len: int) -> Array | np.ndarray | None:
+def rows_with_keys(mask, q_len: int, kv_len: int) -> Array | np.ndarray | None:
     """bool [B or 1, T, N or 1] "this query row has an allowed key", or None if every row has.
 
     The built-in static masks with q_len <= kv_len always allow the diagonal key, so they need no
@@ -229,7 +229,7 @@ def _allows_diagonal(mask: Mask) -> bool:
     return isinstance(mask, Full | Causal | SlidingWindow | ChunkedCausal)
 
 
-def _zero_empty_rows(out_BTNH: Array, rows) -> Array:
+def zero_empty_rows(out_BTNH: Array, rows) -> Array:
     if rows is None:
         return out_BTNH
     return jnp.where(jnp.asarray(rows)[..., None], out_BTNH, 0).astype(out_BTNH.dtype)
@@ -352,7 +352,7 @@ def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array 
         out_BTNH = jax.shard_map(local, in_specs=qkv_specs + extra_specs,
                                  out_specs=qkv_specs[0], check_vma=False)(query, key, value,
                                                                           *extras)
-    return _zero_empty_rows(out_BTNH.astype(query.dtype), _rows_with_keys(mask, q_len, kv_len))
+    return zero_empty_rows(out_BTNH.astype(query.dtype), rows_with_keys(mask, q_len, kv_len))
 
 
 def _splash_partition(mesh, batch: int, num_heads: int, num_kv_heads: int):
@@ -493,7 +493,7 @@ def cudnn_attention(query: Array, key: Array, value: Array, mask: Mask | Array |
             args[name] = jnp.broadcast_to(args[name], (batch,))
     out = jax.nn.dot_product_attention(query, key, value, scale=scale,
                                        implementation=implementation, **args)
-    return _zero_empty_rows(out, _rows_with_keys(mask, q_len, kv_len))
+    return zero_empty_rows(out, rows_with_keys(mask, q_len, kv_len))
 
 
 __all__ = ["IMPLS", "cudnn_arguments", "cudnn_attention", "recording", "select",
