@@ -128,6 +128,16 @@ def test_query_blocks_are_one_block_where_nothing_can_be_skipped():
     assert _query_blocks(masks.Full(), 16, 16, 8) == [(0, 16, 0, 16)]
 
 
+def test_attend_on_cpu_runs_dense_in_at_most_8_query_blocks():
+    q = jnp.ones((1, 256, 2, 8))
+    jaxpr = jax.make_jaxpr(lambda q: attend(q, q, q, mask=masks.Causal(), impl="dense"))(q)
+    logits = [e.outvars[0].aval.shape[-2:] for e in jaxpr.eqns if e.primitive.name ==
+              "dot_general" and e.outvars[0].aval.shape[-1] != 8]
+    assert logits == [(64, 64), (64, 128), (64, 192), (64, 256)]
+    assert attention_lib._cpu_query_block(4096, "cpu") == 512
+    assert attention_lib._cpu_query_block(256, "gpu") is None
+
+
 def test_rows_sum_to_one_and_masked_keys_get_exactly_zero_weight():
     q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(3, q_len=6, kv_len=6))
     mask = masks.Causal() & masks.Padding(kv_lengths=jnp.array([6, 4]))

@@ -25,10 +25,11 @@ from transformer.masks import EMPTY, Mask, as_dense
 
 Array = jax.Array
 
-# On CPU the dense kernel runs 64 queries at a time over only the keys their mask allows
-# (`dot_product_attention(q_block=...)`). Measured on a 2-core AVX-512 EPYC, causal fwd+bwd at
-# B8 N6 H64: T=256 35 -> 21 ms, T=512 168 -> 101 ms; at T=64 blocks of 32 were slower than one.
-CPU_QUERY_BLOCK = 64
+# On CPU the dense kernel runs blocks of at least 64 queries, at most 8 blocks (compile time
+# grows with their number), each over only the keys its mask allows (`dot_product_attention(
+# q_block=...)`). Measured on a 2-core AVX-512 EPYC, causal fwd+bwd at B8 N6 H64: T=256
+# 35 -> 21 ms, T=512 168 -> 101 ms; at T=64 blocks of 32 were slower than one.
+CPU_QUERY_BLOCK, CPU_MAX_BLOCKS = 64, 8
 
 
 def dot_product_attention(
@@ -280,7 +281,13 @@ def attend(
     return dot_product_attention(query, key, value, mask, bias, scale=scale,
                                  dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                                  return_weights=return_weights,
-                                 q_block=CPU_QUERY_BLOCK if platform == "cpu" else None)
+                                 q_block=_cpu_query_block(query.shape[1], platform))
+
+
+def _cpu_query_block(q_len: int, platform: str) -> int | None:
+    if platform != "cpu":
+        return None
+    return max(CPU_QUERY_BLOCK, -(-q_len // CPU_MAX_BLOCKS))
 
 
 def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,
