@@ -137,7 +137,8 @@ def breakdown(shape, features):
     tokens, head_dim = batch * context, width // heads
     key = jax.random.split(jax.random.key(0), 8)
     qkv = [jax.random.normal(k, (batch, context, heads, head_dim)) for k in key[:3]]
-    core = lambda q, k, v: jnp.sum(attention.dot_product_attention(q, k, v, masks.Causal()))
+    # as the model runs it: `attend` picks the kernel (dense, in query blocks on CPU)
+    core = lambda q, k, v: jnp.sum(attention.attend(q, k, v, mask=masks.Causal(), impl="auto"))
     x = jax.random.normal(key[3], (tokens, width))
     weights = [jax.random.normal(k, s) * 0.02 for k, s in zip(
         key[4:], [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)],
