@@ -28,7 +28,8 @@ Array = jax.Array
 # On CPU the dense kernel runs blocks of at least 64 queries, at most 8 blocks (compile time
 # grows with their number), each over only the keys its mask allows (`dot_product_attention(
 # q_block=...)`). Measured on a 2-core AVX-512 EPYC, causal fwd+bwd at B8 N6 H64: T=256
-# 35 -> 21 ms, T=512 168 -> 101 ms; at T=64 blocks of 32 were slower than one.
+# 38 -> 32 ms (35 -> 21 ms in a quieter hour), T=512 168 -> 101 ms; at T=64 blocks of 32 were
+# slower than one.
 CPU_QUERY_BLOCK, CPU_MAX_BLOCKS = 64, 8
 
 

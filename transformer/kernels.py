@@ -496,5 +496,5 @@ def cudnn_attention(query: Array, key: Array, value: Array, mask: Mask | Array |
     return zero_empty_rows(out, rows_with_keys(mask, q_len, kv_len))
 
 
-__all__ = ["IMPLS", "cudnn_arguments", "cudnn_attention", "recording", "select",
-           "splash_attention", "supports", "target_platform"]
+__all__ = ["IMPLS", "cudnn_arguments", "cudnn_attention", "recording", "rows_with_keys", "select",
+           "splash_attention", "supports", "target_platform", "zero_empty_rows"]
