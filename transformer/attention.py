@@ -233,9 +233,10 @@ def attend(
         query and key indices (see `chunked_attention`): the chunked kernel evaluates it per
         tile, the others materialise it.
       impl: one of `kernels.IMPLS`, resolved by `kernels.select`: "dense"
-        (`dot_product_attention`, [B, N, T, S] logits), "chunked" (`chunked_attention`, O(T + S)
-        memory), "splash" (the Pallas TPU kernel; Pallas interpret mode elsewhere), "cudnn"
-        (cuDNN flash attention on GPU) or "auto" (by platform and length; see `kernels`).
+        (`dot_product_attention`, [B, N, T, S] logits; on CPU in query blocks), "chunked"
+        (`chunked_attention`, O(T + S) memory), "splash" (the Pallas TPU kernel; Pallas
+        interpret mode elsewhere), "cudnn" (cuDNN flash attention on GPU) or "auto" (by
+        platform and length; see `kernels`).
       scale: logit scale, default 1 / sqrt(H).
       dropout_rate, dropout_rng: dropout on the attention weights (training only).
       return_weights: also return the weights [B, N, T, S].

@@ -19,7 +19,7 @@ choice cannot run the inputs); "auto" picks the first row that applies:
              one device or a mesh in context (then the kernel runs per device in shard_map)
     cudnn    no bias, no dropout, head_dim <= 128 and a multiple of 8, fp16 / bf16, platform gpu
     chunked  no dropout
-    dense    everything
+    dense    everything (on CPU in query blocks that skip the keys a Mask never allows)
 
 Mask lowering for splash: static masks (Full, Causal, SlidingWindow, ChunkedCausal, And/Or of
 them) become splash's lazy masks; Segment and Padding become `SegmentIds` (and-ed with the static
