@@ -2,6 +2,8 @@
 workdir loads with AutoModel*.from_pretrained and gives our logits and greedy tokens, and
 architectures no Hugging Face class represents are refused before anything is written."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,13 +276,14 @@ if __name__ == "__main__":  # the export half of the tolerance table for the iss
 @pytest.mark.slow
 def test_a_run_sharded_over_four_devices_exports_on_one(tmp_path, monkeypatch):
     workdir, output = tmp_path / "run", tmp_path / "hf"
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} "
+                       "--xla_force_host_platform_device_count=4")
     assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
                              f"--workdir={workdir}", *tiny_flags(2), "--config.batch_size=4",
                              "--config.mesh.fsdp=4", "--config.mesh.data=1",
                              *[f"--config.model.{k}={v}" for k, v in LLAMA_SHAPED.items()],
                              logs=tmp_path))
-    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.undo()
     assert_succeeded(run_cli("transformer.export", f"--workdir={workdir}",
                              f"--output={output}", logs=tmp_path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(output).eval()

@@ -138,12 +138,14 @@ def test_training_on_each_sequence_mesh_matches_one_device(results):
 @pytest.mark.slow
 def test_the_ring_holds_less_per_device_as_the_axis_grows(results):
     """Compiled temp bytes per device of attention fwd + bwd at 16k tokens, sequence 1, 2, 4,
-    8: the ring's fall with the axis (its K/V blocks are T / n); the all-gather's do not (it
-    holds the whole K/V)."""
+    8: the ring's fall with the axis (its K/V blocks are T / n); the all-gather's do not: on
+    every split axis it holds the whole K and V, and their gradients before the reduce-scatter
+    (4 x 16 MiB)."""
     ring, gather = results["memory"]["ring"], results["memory"]["all_gather"]
+    whole = 4 * 16384 * 4 * 64 * 4  # K, V, dK, dV: [16384, 4, 64] float32 each
     assert ring[1] > ring[2] > ring[3]
     assert ring[3] < 0.5 * ring[1] and ring[3] < 0.5 * gather[3]
-    assert min(gather) > 0.9 * gather[0]
+    assert min(gather[1:]) > whole > ring[3]
 
 
 @pytest.mark.slow

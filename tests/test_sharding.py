@@ -34,8 +34,8 @@ TIMEOUT = 300
 
 def env(devices: int) -> dict[str, str]:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
-                         "--xla_backend_optimization_level=0"}
+            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                         f"--xla_force_host_platform_device_count={devices}".strip()}
 
 
 # --- mesh shapes and rules ------------------------------------------------------------------

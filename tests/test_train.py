@@ -2,9 +2,9 @@
 config errors, evaluation of a saved run, structural restore checks, NaN handling and gradient
 accumulation.
 
-Subprocesses run the real CLI (`python -m transformer.train`). They are compiled with
-XLA_FLAGS=--xla_backend_optimization_level=0, which roughly halves their compile time; it
-changes no loop or checkpoint logic, and the runs that are compared bitwise all use it.
+Subprocesses run the real CLI (`python -m transformer.train`). They inherit the test session's
+XLA_FLAGS (tests/conftest.py: -O0 codegen, about half the compile time), which change no loop or
+checkpoint logic; the runs that are compared bitwise all use them.
 """
 
 from __future__ import annotations
@@ -69,9 +69,7 @@ def tiny_flags(steps: int, *, checkpoint_every: int | None = None, family: str =
 
 
 def cli_env() -> dict[str, str]:
-    xla_flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-            "XLA_FLAGS": xla_flags.strip()}
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
 
 
 @dataclasses.dataclass

@@ -155,8 +155,8 @@ def test_clip_shards_checkpoints_and_resumes_through_the_cli(tmp_path):
     """CLIP is just another param tree: 4 devices as data=2 x fsdp=2, 2 steps, then a resumed
     run to step 3, evaluated zero-shot on the test split."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4 "
-                        "--xla_backend_optimization_level=0"}
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                        "--xla_force_host_platform_device_count=4".strip()}
     args = [sys.executable, "-m", "transformer.train", "--config=experiments/clip_digits.py",
             f"--workdir={tmp_path}", "--config.batch_size=8", "--config.log_every=1",
             "--config.eval_every=100", "--config.eval_steps=2", "--config.checkpoint_every=2",
