@@ -19,8 +19,9 @@ with the compiler options training uses (`placement.compiler_options`).
 
 Then, for the `--breakdown` shapes, where our step's time goes: forward, forward + backward and
 the optimizer update alone, and the two kinds of matmul work inside, each timed alone: the
-attention core (softmax(QK^T)V, causal) and the projection + MLP GEMMs with nothing between them.
-What the GEMMs alone cannot account for is attention's softmax/masking and the elementwise work.
+attention core (softmax(QK^T)V, causal) and the projection + MLP GEMMs with nothing between them,
+each also in PyTorch on the same inputs. What the GEMMs alone cannot account for is attention's
+softmax/masking and the elementwise work.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def breakdown(shape, features):
     attention core (softmax(QK^T)V, causal) fwd+bwd x layers, and the layers' projection and
     MLP matmuls alone (the same GEMMs, fwd+bwd, without anything between them) x layers. For
     comparison, the same attention core in PyTorch as nanoGPT runs it (the fused CPU kernel of
-    `scaled_dot_product_attention`, causal) on the same inputs."""
+    `scaled_dot_product_attention`, causal) and the same GEMMs in PyTorch, on the same inputs."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -145,8 +146,8 @@ def breakdown(shape, features):
         strict=True)]
 
     def gemms(x, w_qkv, w_out, w_in, w_mlp):  # the block's matmuls, chained linearly
-        h = (x @ w_qkv)[:, :width] @ w_out
-        return jnp.sum((h @ w_in) @ w_mlp)
+        h = (x @ w_qkv)[:, :width] @ w_out  # (runs on jax and torch arrays alike)
+        return ((h @ w_in) @ w_mlp).sum()
 
     num_params = sum(p.size for p in jax.tree.leaves(params))
     step_gflop = (6 * num_params + 12 * layers * width * context) * tokens / 1e9  # main table's
@@ -158,7 +159,7 @@ def breakdown(shape, features):
     core_gflop = 12 * batch * heads * context * context * head_dim * layers / 1e9
     rows.append((f"attention core fwd+bwd x {layers}",
                  layers * ms(jax.grad(core, argnums=(0, 1, 2)), *qkv), core_gflop))
-    q_t, k_t, v_t = (torch.from_numpy(np.asarray(a)).transpose(1, 2).contiguous()
+    q_t, k_t, v_t = (torch.from_numpy(np.array(a)).transpose(1, 2).contiguous()
                      .requires_grad_(True) for a in qkv)  # [B, N, T, H], as nanoGPT's
 
     def torch_core(n):
@@ -171,9 +172,22 @@ def breakdown(shape, features):
     torch_ms = 1e3 * min(timed(torch_core, 5)[0] / 5 for _ in range(3))
     rows.append((f"nanoGPT's attention core (PyTorch SDPA) fwd+bwd x {layers}",
                  layers * torch_ms, core_gflop))
-    rows.append((f"projection + MLP GEMMs alone fwd+bwd x {layers}",  # 12 w^2 weights a layer
-                 layers * ms(jax.grad(gemms, argnums=(0, 1, 2, 3, 4)), x, *weights),
-                 6 * 12 * width * width * tokens * layers / 1e9))
+    gemm_gflop = 6 * 12 * width * width * tokens * layers / 1e9  # 12 w^2 weights a layer
+    rows.append((f"projection + MLP GEMMs alone fwd+bwd x {layers}",
+                 layers * ms(jax.grad(gemms, argnums=(0, 1, 2, 3, 4)), x, *weights), gemm_gflop))
+    x_t, *weights_t = (torch.from_numpy(np.array(a)).requires_grad_(True)
+                       for a in (x, *weights))
+
+    def torch_gemms(n):
+        for _ in range(n):
+            for t in (x_t, *weights_t):
+                t.grad = None  # as nanoGPT's zero_grad(set_to_none=True)
+            gemms(x_t, *weights_t).backward()
+        return None
+
+    torch_gemms(1)
+    rows.append((f"the same GEMMs in PyTorch fwd+bwd x {layers}",
+                 layers * 1e3 * min(timed(torch_gemms, 5)[0] / 5 for _ in range(3)), gemm_gflop))
     return rows
 
 
