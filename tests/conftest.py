@@ -24,9 +24,10 @@ def _fast_compile_flags() -> str:
     XLA:CPU's older loop emitters, each only if this jaxlib knows it (an unknown flag in
     XLA_FLAGS aborts every JAX process, and jaxlib 0.12 dropped the emitter flag).
 
-    They change how XLA:CPU generates code, not what it computes: no test depends on code
-    speed, and runs compared bitwise (resumes, meshes, the CLI's subprocesses, which inherit
-    XLA_FLAGS) all compile with the same flags. The newest-jax CI tier keeps the default
+    They change how XLA:CPU turns a program into machine code (results may differ from a
+    default build in the last bits), not the program: no test depends on code speed, and runs
+    compared bitwise (resumes, meshes, the CLI's subprocesses, which inherit XLA_FLAGS) all
+    compile with the same flags. The newest-jax CI tier keeps the default
     emitters. Tried in a subprocess: XLA reads XLA_FLAGS once, when JAX starts."""
     import subprocess
     import sys
