@@ -2,8 +2,6 @@
 workdir loads with AutoModel*.from_pretrained and gives our logits and greedy tokens, and
 architectures no Hugging Face class represents are refused before anything is written."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_hf_equivalence import CASES, randomized, relative_difference, tokens  # noqa: E402
-from test_train import TINY_MODEL, assert_succeeded, run_cli, tiny_flags  # noqa: E402
+from test_train import TINY_MODEL, assert_succeeded, cli_env, run_cli, tiny_flags  # noqa: E402
 
 from transformer import convert, export, generate  # noqa: E402
 from transformer.models import build_model, default_model_config  # noqa: E402
@@ -276,8 +274,7 @@ if __name__ == "__main__":  # the export half of the tolerance table for the iss
 @pytest.mark.slow
 def test_a_run_sharded_over_four_devices_exports_on_one(tmp_path, monkeypatch):
     workdir, output = tmp_path / "run", tmp_path / "hf"
-    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} "
-                       "--xla_force_host_platform_device_count=4")
+    monkeypatch.setenv("XLA_FLAGS", cli_env(4)["XLA_FLAGS"])
     assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
                              f"--workdir={workdir}", *tiny_flags(2), "--config.batch_size=4",
                              "--config.mesh.fsdp=4", "--config.mesh.data=1",

@@ -4,7 +4,6 @@ objective features, global batch assembly."""
 
 import functools
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from test_train import cli_env
 
 from transformer.data import pipeline, tokenizers
 from transformer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
@@ -392,9 +392,7 @@ MULTI_DEVICE_CHECK = textwrap.dedent("""
 
 def test_process_rows_and_make_global_batch_on_a_four_device_mesh():
     repo = pathlib.Path(__file__).resolve().parents[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(repo),
-           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
-                         + " --xla_force_host_platform_device_count=4").strip()}
+    env = cli_env(4)
     result = subprocess.run([sys.executable, "-c", MULTI_DEVICE_CHECK], cwd=repo, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
@@ -448,9 +446,7 @@ def test_two_processes_assemble_exactly_the_single_process_global_batches():
         s.bind(("localhost", 0))
         address = f"localhost:{s.getsockname()[1]}"
     repo = pathlib.Path(__file__).resolve().parents[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(repo),
-           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
-                         + " --xla_force_host_platform_device_count=2").strip()}
+    env = cli_env(2)
     processes = [subprocess.Popen(
         [sys.executable, "-c", TWO_PROCESS_CHECK, str(i), address, str(repo / "tests")],
         cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

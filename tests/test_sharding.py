@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -25,17 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
+from test_train import cli_env
 
 from transformer import configs, optim, sharding, state
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300
-
-
-def env(devices: int) -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-                         f"--xla_force_host_platform_device_count={devices}".strip()}
 
 
 # --- mesh shapes and rules ------------------------------------------------------------------
@@ -235,7 +229,7 @@ def run_check(script: str, tmp_path_factory) -> dict:
     """Runs tests/`script` on 8 forced CPU devices with a fresh directory; its JSON results."""
     result = subprocess.run([sys.executable, str(REPO / "tests" / script),
                              str(tmp_path_factory.mktemp(Path(script).stem))],
-                            env=env(8), capture_output=True, text=True, timeout=TIMEOUT)
+                            env=cli_env(8), capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -333,7 +327,7 @@ def start(workdir: Path, logs: Path, tag: str, *, processes: int,
         out = open(logs / f"{tag}-{i}.log", "w")  # noqa: SIM115
         runs.append(subprocess.Popen(
             [sys.executable, "-m", "transformer.train", *RUN_FLAGS, f"--workdir={workdir}",
-             *extra], cwd=REPO, env=env(devices), stdout=out, stderr=subprocess.STDOUT,
+             *extra], cwd=REPO, env=cli_env(devices), stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL))
     return runs
 

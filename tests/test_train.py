@@ -68,8 +68,14 @@ def tiny_flags(steps: int, *, checkpoint_every: int | None = None, family: str =
     return flags
 
 
-def cli_env() -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+def cli_env(devices: int | None = None) -> dict[str, str]:
+    """A subprocess's environment: this session's (with its XLA_FLAGS, tests/conftest.py) on
+    CPU, and `devices` forced host devices if given."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    if devices:
+        env["XLA_FLAGS"] = " ".join((env.get("XLA_FLAGS", ""),
+                                     f"--xla_force_host_platform_device_count={devices}")).strip()
+    return env
 
 
 @dataclasses.dataclass

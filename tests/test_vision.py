@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_train import cli_env
 
 from transformer import configs
 from transformer.configs import base_config
@@ -154,9 +154,7 @@ def test_digits_splits_are_disjoint_and_captions_name_the_digit():
 def test_clip_shards_checkpoints_and_resumes_through_the_cli(tmp_path):
     """CLIP is just another param tree: 4 devices as data=2 x fsdp=2, 2 steps, then a resumed
     run to step 3, evaluated zero-shot on the test split."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-                        "--xla_force_host_platform_device_count=4".strip()}
+    env = cli_env(4)
     args = [sys.executable, "-m", "transformer.train", "--config=experiments/clip_digits.py",
             f"--workdir={tmp_path}", "--config.batch_size=8", "--config.log_every=1",
             "--config.eval_every=100", "--config.eval_steps=2", "--config.checkpoint_every=2",
