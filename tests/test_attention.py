@@ -9,6 +9,7 @@ import pytest
 from transformer import attention as attention_lib
 from transformer import kernels, masks
 from transformer.attention import MultiHeadAttention, attend, dot_product_attention
+from transformer.layers import TransformerConfig
 
 
 def random_qkv(seed, batch=2, q_len=5, kv_len=6, heads=4, kv_heads=2, head_dim=8):
@@ -211,6 +212,27 @@ def test_softmax_values_gradients_equal_autodiff_of_the_plain_formula(dtype):
     for got, ref in zip(vjp(g), want_vjp(g), strict=True):
         assert got.dtype == dtype
         np.testing.assert_allclose(np.asarray(got, np.float32), ref, atol=tol * 4, rtol=tol)
+
+
+def test_attention_keeps_one_weights_tensor_per_layer_for_the_backward_pass(monkeypatch):
+    """softmax_values' weights written as exp(x - max - log sum), not exp(x - max) / sum: with
+    the division XLA keeps exp(x - max) beside the weights until the backward pass."""
+    from test_layers import backward_temp_bytes
+
+    cfg = TransformerConfig(num_layers=3, d_model=32, num_heads=2, d_ff=128, use_bias=False)
+    ours = backward_temp_bytes(cfg, batch=4, length=32)
+
+    def textbook_forward(logits, values):
+        probs = jnp.exp(logits - logits.max(-1, keepdims=True))
+        probs = probs / probs.sum(-1, keepdims=True)
+        out = probs @ values
+        return out, (probs, values, out)
+
+    textbook = jax.custom_vjp(lambda logits, values: textbook_forward(logits, values)[0])
+    textbook.defvjp(textbook_forward, attention_lib._softmax_values_bwd)
+    monkeypatch.setattr(attention_lib, "softmax_values", textbook)
+    one_weights_tensor = 4 * 2 * 32 * 32 * 4  # [B, N, T, S] float32
+    assert ours <= backward_temp_bytes(cfg, batch=4, length=32) - 2 * one_weights_tensor
 
 
 def test_attention_dropout_needs_rng_and_rescales():

@@ -5,11 +5,12 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from scipy.special import erf
 
-from transformer import masks
+from transformer import masks, placement
 from transformer.attention import MultiHeadAttention
 from transformer.layers import (
     MLP,
@@ -80,6 +81,33 @@ def test_gelu_with_its_own_jvp_equals_jax_nn_gelu_to_second_order(approximate):
         truth = grad(ref_fn, x.astype(jnp.float64))
     ours_error = np.abs(grad(fn, x) - truth).max()
     assert ours_error <= max(2e-7, 1.5 * np.abs(grad(ref_fn, x) - truth).max()), ours_error
+
+
+def backward_temp_bytes(cfg: TransformerConfig, batch: int = 4, length: int = 32) -> int:
+    """Scratch bytes XLA allocates for forward + backward of `cfg.num_layers` causal blocks,
+    compiled with the options the train step uses on CPU (placement.compiler_options)."""
+    config = ml_collections.ConfigDict({"model": {"dtype": "float32"}, "compiler_options": {}})
+    options = placement.compiler_options(config, jax.make_mesh((1,), ("data",)))
+    block, x, mask = TransformerBlock(cfg), inputs(length=length, batch=batch,
+                                                    d_model=cfg.d_model), masks.Causal()
+    params = [block.init(jax.random.key(i), x, mask, None, None) for i in range(cfg.num_layers)]
+
+    def loss(params, x):
+        for p in params:
+            x = block.apply(p, x, mask, None, None)
+        return jnp.sum(x * x)
+
+    compiled = jax.jit(jax.grad(loss)).lower(params, x).compile(compiler_options=options)
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_gelu_keeps_for_the_backward_pass_no_more_than_relu(activation):
+    """Its derivative is recomputed from the pre-activation alone: XLA must not keep erf(u) or
+    tanh(u) from the forward pass as well, one more [tokens, d_ff] tensor per layer."""
+    cfg = lambda act: TransformerConfig(num_layers=3, d_model=32, num_heads=2, d_ff=128,  # noqa: E731
+                                        activation=act, use_bias=False)
+    assert backward_temp_bytes(cfg(activation)) <= backward_temp_bytes(cfg("relu"))
 
 
 @pytest.mark.parametrize("placement", ["pre", "post"])

@@ -177,7 +177,10 @@ def softmax_values(logits: Array, values: Array) -> Array:
     The softmax's max and sum run in float32 and the weights are kept in the logits' dtype. The
     backward pass keeps only those weights P (not a float32 copy, not the logits) and uses the
     flash-attention identity sum_j P_ij dP_ij = dO_i . O_i: d logits = P (dO V^T - rowsum(dO O)),
-    one pass over the [M, S] tensors that XLA can fuse into the dO V^T matmul.
+    one pass over the [M, S] tensors that XLA can fuse into the dO V^T matmul. P is computed as
+    exp(x - max - log(sum)), not exp(x - max) / sum: XLA would fuse the cheap division into the
+    backward pass and keep exp(x - max) alive beside P until then (one more [M, S] tensor per
+    layer, 12.6 MB at GPT 6/6/384, batch 8 x 256).
 
     >>> x = jnp.log(jnp.array([[1.0, 3.0]], jnp.bfloat16))  # weights 1/4, 3/4
     >>> out = softmax_values(x, jnp.array([[1.0], [5.0]], jnp.bfloat16))  # 1/4 + 15/4
@@ -190,7 +193,9 @@ def softmax_values(logits: Array, values: Array) -> Array:
 def _softmax_values_fwd(logits, values):
     acc = jnp.promote_types(values.dtype, jnp.float32)
     x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    probs = jax.nn.softmax(x, axis=-1).astype(logits.dtype)
+    shifted = x - jnp.max(x, axis=-1, keepdims=True)
+    log_sum = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+    probs = jnp.exp(shifted - log_sum).astype(logits.dtype)
     out = jnp.matmul(probs.astype(values.dtype), values, preferred_element_type=acc)
     return out, (probs, values, out)
 
