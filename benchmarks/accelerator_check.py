@@ -33,8 +33,10 @@ finished). Exits 1 if an attention row is out of tolerance or a section failed.
    both, tokens/s x FLOPs per token / the chip's published peak (`metrics.peak_flops`; on CPU
    the measured one), FLOPs per token by the one formula, 6 N + 12 L D T (N: each side's params
    that multiply activations). nanoGPT's own mfu column is against an A100's 312 TFLOP/s with
-   its own per-iteration timing, so it is shown apart. Validation loss is each side's last
-   evaluation (nanoGPT: eval_iters random batches; ours: eval_steps batches of a fixed sample).
+   its own per-iteration timing, so it is shown apart. Validation loss: each side's last
+   evaluation, and its best (the number nanoGPT's README quotes: it checkpoints only when
+   validation improves, and the recipe overfits after about 1,500 iterations); nanoGPT
+   averages eval_iters random batches, ours eval_steps batches of a fixed sample.
 3. Decode (`decode_check`): `benchmarks/decode.py`'s benchmark (its flags --batch_sizes,
    --new_tokens, --prompt_len, --layers, --d_model, --heads, --vocab, --context and --repeats
    apply), with the HF model on the GPU when there is one.
@@ -373,6 +375,7 @@ def side_summary(name: str, parsed: dict, *, tokens_per_iter: int, flops_per_tok
                  start_t: float = 0.0) -> dict:
     """One side's row of the training table from its parsed log (see `train_table`)."""
     last_eval = parsed["evals"][-1] if parsed["evals"] else None
+    best_eval = min(parsed["evals"], key=lambda e: e["val"]) if parsed["evals"] else None
     iters = parsed["iters"][-1]["iter"] if parsed["iters"] else 0
     return dict(side=name, attention=attention, dtype=dtype, iters=iters,
                 tokens_per_s=window_tokens_per_s(parsed["iters"], parsed["evals"],
@@ -380,6 +383,8 @@ def side_summary(name: str, parsed: dict, *, tokens_per_iter: int, flops_per_tok
                 flops_per_token=flops_per_token, own_mfu=own_mfu,
                 val_loss=last_eval["val"] if last_eval else None,
                 val_step=last_eval["step"] if last_eval else None,
+                best_val_loss=best_eval["val"] if best_eval else None,
+                best_val_step=best_eval["step"] if best_eval else None,
                 wall_to_val_s=(last_eval["t"] - start_t) if last_eval and last_eval["t"]
                 is not None else None, wall_s=wall_s)
 
@@ -392,18 +397,20 @@ def train_table(sides: list[dict], peak: float | None) -> str:
     """Markdown: one row per side (`side_summary` dicts, or {side, error}); MFU is tokens/s x
     FLOPs per token / `peak` for every side alike."""
     lines = ["| side | attention | dtype | iters | tokens/s | MFU (chip peak) | own log's MFU | "
-             "val loss (at iter) | wall to final val (s) | command wall (s) |",
-             "| :--- | :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "final val loss (at iter) | best val loss (at iter) | wall to final val (s) | "
+             "command wall (s) |",
+             "| :--- | :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for s in sides:
         if "error" in s:
-            lines.append(f"| {s['side']} | **failed:** {s['error']} |" + " |" * 8)
+            lines.append(f"| {s['side']} | **failed:** {s['error']} |" + " |" * 9)
             continue
         mfu = (s["tokens_per_s"] * s["flops_per_token"] / peak
                if peak and s["tokens_per_s"] else None)
-        val = (f"{s['val_loss']:.4f} ({s['val_step']})" if s["val_loss"] is not None else "-")
+        val, best = (f"{s[k + 'loss']:.4f} ({s[k + 'step']})" if s[k + "loss"] is not None
+                     else "-" for k in ("val_", "best_val_"))
         lines.append(f"| {s['side']} | {s['attention']} | {s['dtype']} | {s['iters']} | "
                      f"{_fmt(s['tokens_per_s'], ',.0f')} | {_fmt(mfu, '.1%')} | "
-                     f"{_fmt(s['own_mfu'], '.1%')} | {val} | "
+                     f"{_fmt(s['own_mfu'], '.1%')} | {val} | {best} | "
                      f"{_fmt(s['wall_to_val_s'], '.0f')} | {s['wall_s']:.0f} |")
     return "\n".join(lines)
 

@@ -164,15 +164,22 @@ def test_train_table_computes_mfu_alike_for_both_sides():
     assert nanogpt["val_loss"] == 2.5108 and nanogpt["val_step"] == 30
     assert nanogpt["iters"] == 40 and nanogpt["wall_to_val_s"] == 61.8
     assert ours["val_loss"] == 2.4812 and ours["iters"] == 40 and ours["wall_to_val_s"] == 31.0
+    # nanoGPT's step-0 evaluation (4.2823) is not its best; the best need not be the last
+    assert (nanogpt["best_val_loss"], nanogpt["best_val_step"]) == (2.5108, 30)
+    overfit = ac.side_summary("x", ac.parse_nanogpt_log(
+        NANOGPT_LOG + "   70.000 | step 40: train loss 2.3, val loss 2.6000\n"), wall_s=80.0,
+        attention="", dtype="", own_mfu=None, **sizes)
+    assert (overfit["val_loss"], overfit["best_val_loss"], overfit["best_val_step"]) == (
+        2.6, 2.5108, 30)
     table = ac.train_table([ours, nanogpt, {"side": "other", "error": "exited 1"}], peak=989e12)
     lines = table.splitlines()
     assert lines[0].startswith("| side | attention | dtype | iters | tokens/s | MFU (chip peak)")
     mfu_ours = 10 * 16384 / 0.1 * 6.6e7 / 989e12  # 10.9%
     mfu_nanogpt = 737280 * 6.6e7 / 989e12
     assert lines[2] == (f"| ours (JAX) | cudnn | bfloat16 | 40 | 1,638,400 | {mfu_ours:.1%} | "
-                        "18.0% | 2.4812 (40) | 31 | 34 |")
+                        "18.0% | 2.4812 (40) | 2.4812 (40) | 31 | 34 |")
     assert lines[3] == (f"| nanoGPT (PyTorch) | SDPA (flash) | bfloat16 | 40 | 737,280 | "
-                        f"{mfu_nanogpt:.1%} | 17.0% | 2.5108 (30) | 62 | 70 |")
+                        f"{mfu_nanogpt:.1%} | 17.0% | 2.5108 (30) | 2.5108 (30) | 62 | 70 |")
     assert lines[4].startswith("| other | **failed:** exited 1 |")
     assert "| - |" in ac.train_table([{**ours, "tokens_per_s": None}], peak=None)
 
