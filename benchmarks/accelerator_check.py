@@ -2,7 +2,7 @@
 shakespeare_char recipe in bf16 next to nanoGPT's own GPU recipe, and the decode benchmark.
 
     python benchmarks/accelerator_check.py --text=PATH/tinyshakespeare.txt \
-        --nanogpt_dir=PATH/TO/nanoGPT [--max_iters=2000] [--output=accelerator_check.md] \
+        --nanogpt_dir=PATH/TO/nanoGPT [--max_iters=5000] [--output=accelerator_check.md] \
         [--skip=attention,train,decode] [--workdir=DIR]
 
 On a machine without a GPU it stops with one line, unless `--allow_cpu`: then the same logic
@@ -78,8 +78,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "", "Where the training runs go (defau
 _SKIP = flags.DEFINE_list("skip", [], f"Sections to leave out, of {','.join(SECTIONS)}.")
 _ALLOW_CPU = flags.DEFINE_bool("allow_cpu", False, "Run without a GPU, at CPU_SIZES (chunked "
                                "attention stands in for cuDNN).")
-_MAX_ITERS = flags.DEFINE_integer("max_iters", 2000, "Training iterations of each side "
-                                  "(the recipe's full run is 5000).")
+_MAX_ITERS = flags.DEFINE_integer("max_iters", 5000, "Training iterations of each side "
+                                  "(the recipe's full run).")
 _BATCH = flags.DEFINE_integer("batch_size", 64, "Training batch (the recipe's 64).")
 _CONTEXT = flags.DEFINE_integer("block_size", 256, "Training context (the recipe's 256).")
 _LAYERS = flags.DEFINE_integer("n_layer", 6, "Layers (the recipe's 6).")

@@ -539,6 +539,34 @@ def test_skip_stops_after_max_nonfinite_skips_in_a_row(tmp_path):
 # --- 7. gradient accumulation ---------------------------------------------------------------
 
 
+def test_speed_is_timed_over_training_steps_alone_and_the_eta_counts_evaluations(
+        tmp_path, monkeypatch, capsys):
+    """tok/s, MFU and step_time time training steps only: not the first step (which
+    compiles) and not the evaluations between steps (made to take 1.5 s here). The ETA adds
+    the evaluations still to come at the time they took."""
+    evaluate = train._evaluate
+
+    def slow_evaluate(*args, **kwargs):
+        time.sleep(1.5)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train, "_evaluate", slow_evaluate)
+    result = train.train_and_evaluate(tiny_config(steps=6, eval_every=2), str(tmp_path))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in records if r["split"] == "train" and "tokens_per_s" in r]
+    assert [r["step"] for r in timed] == [2, 3, 4, 5, 6]  # step 1's log times no steps
+    assert max(r["step_time"] for r in timed) < 0.75, timed  # evaluations after 2 and 4
+    assert 0 < result["summary"]["first_step_seconds"] < result["summary"]["wall_seconds"]
+    out = capsys.readouterr().out
+    assert re.search(r"step 1: the first step \(compilation included\) took [\d.]+ s", out)
+    assert re.search(r"step 1/6 loss [\d.]+ acc [\d.]+ lr \S+ gnorm [\d.]+ *$", out, re.M)
+    eta = re.search(r"step 3/6 .* ETA 0:00:(\d\d)", out)  # evaluations at 4 and 6 to come
+    assert eta and int(eta[1]) >= 3, out
+    # steps after `step` that evaluate (or save): multiples of `every`, and the last
+    assert [train._remaining(step, 7, 2) for step in (0, 3, 6, 7)] == [4, 3, 1, 0]
+    assert train._remaining(0, 5, 10) == 1 and train._remaining(3, 6, 2) == 2
+
+
 @pytest.mark.slow
 def test_gradient_accumulation_matches_the_full_batch(tmp_path):
     """Token-weighted micro-batch gradients equal the full batch's. Prefix-LM rows carry loss

@@ -329,6 +329,13 @@ TEST_COLUMNS = {"test_accuracy": "test acc", "test_macro_f1": "test macro-F1",
                 "test_exact_match": "test exact match"}
 
 
+def _median_speed(train: list[dict]) -> float | None:
+    """Median tokens/s of the train records that timed a window of steps (the log of a run's
+    first step, which compiles, times none)."""
+    rates = [r["tokens_per_s"] for r in train if "tokens_per_s" in r]
+    return statistics.median(rates) if rates else None
+
+
 def variant_row(name: str, config, directory: str) -> dict[str, Any]:
     """One report row: final metrics, params, tokens/s (median over the logs) and wall time."""
     records, summary = _records(directory), _summary(directory)
@@ -344,9 +351,7 @@ def variant_row(name: str, config, directory: str) -> dict[str, Any]:
            "val_loss": validation[-1]["loss"] if validation else None,
            "val_accuracy": validation[-1]["accuracy"] if validation else None,
            "val_bits_per_byte": validation[-1].get("bits_per_byte") if validation else None,
-           # The first log's interval includes compiling the step.
-           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[1:] or train)
-           if train else None,
+           "tokens_per_s": _median_speed(train),
            "elapsed": records[-1]["elapsed"] if records else None}
     for key, value in summary.items():  # length extrapolation: val_loss@L; labeled tasks
         if key.startswith("val_loss@") or key in TEST_COLUMNS:

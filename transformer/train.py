@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import signal
+import statistics
 import time
 from typing import Any
 
@@ -132,6 +133,7 @@ class Run:
     last_metrics: dict = dataclasses.field(default_factory=dict)
     signal: int | None = None  # SIGTERM / SIGINT received: save and stop
     peak: tuple = (None, "")  # (peak FLOP/s per device or None, its source): metrics.peak_flops
+    first_step_seconds: float | None = None  # this process's first step, compilation included
 
     def stop_requested(self) -> bool:
         return placement_lib.agreed(self.signal is not None)
@@ -306,40 +308,55 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     return run
 
 
+def _remaining(step: int, steps: int, every: int) -> int:
+    """How many of steps step+1..steps are multiples of `every` or the last (the steps that
+    evaluate, or save, after `step`)."""
+    return steps // every - step // every + (steps % every != 0 and step < steps)
+
+
 def _log_train(run: Run, metrics, since: tuple[float, int], flops: tuple[float, float],
-               peak: float | None) -> float:
-    """Logs the train metrics of the current step, timed against `since` (time, step); returns
-    the time it was timed at."""
+               peak: float | None, pauses: dict[str, list[float]]) -> float:
+    """Logs the train metrics of the current step, timed against `since` (time, step): the
+    training steps since then, nothing else ran in between. Returns the time it finished at.
+    A window of no steps (the log falls on the first step, whose compile is not training
+    speed) logs no speed. The ETA adds the evaluations and saves still to come, at the mean
+    time each took so far (`pauses`: their seconds)."""
     config, step = run.config, run.step
     metrics = placement_lib.fetch(metrics)
     check_finite(run.state, config)
     now = time.perf_counter()
-    seconds = (now - since[0]) / max(step - since[1], 1)
-    tokens_per_s = config.batch_size * config.seq_len / seconds
     lr = float(optim.learning_rate_schedule(config.optimizer, config.steps)(step - 1))
     record = {k: float(v) for k, v in metrics.items()}
-    record.update(learning_rate=lr, step_time=seconds, tokens_per_s=tokens_per_s)
-    if peak:  # model and hardware FLOPs utilisation against the run's named peak
-        record["mfu"] = tokens_per_s * flops[0] / (peak * len(jax.devices()))
-        if flops[1] != flops[0]:
-            record["hfu"] = tokens_per_s * flops[1] / (peak * len(jax.devices()))
+    record["learning_rate"] = lr
+    speed = ""
+    if step > since[1]:
+        seconds = (now - since[0]) / (step - since[1])
+        tokens_per_s = config.batch_size * config.seq_len / seconds
+        record.update(step_time=seconds, tokens_per_s=tokens_per_s)
+        if peak:  # model and hardware FLOPs utilisation against the run's named peak
+            record["mfu"] = tokens_per_s * flops[0] / (peak * len(jax.devices()))
+            if flops[1] != flops[0]:
+                record["hfu"] = tokens_per_s * flops[1] / (peak * len(jax.devices()))
+        eta = (config.steps - step) * seconds + sum(
+            _remaining(step, config.steps, every) * statistics.fmean(pauses[kind])
+            for kind, every in (("eval", config.eval_every), ("save", config.checkpoint_every))
+            if pauses[kind])
+        speed = (f"{tokens_per_s:,.0f} tok/s " + (f"MFU {record['mfu']:.0%} " if "mfu" in record
+                                                   else "") + f"ETA {metrics_lib.format_eta(eta)}")
     if run.mixture is not None:  # rows read from each source so far, in closed form
         batches = run.train_data.get_state().get("next_index", step)  # the stream's position
         counts = run.mixture.counts(batches * config.batch_size)
         for name, rows in zip(inputs.source_configs(config), counts, strict=True):
             record[f"tokens/{name}"] = int(rows) * config.seq_len
     run.logger.write(step, "train", record)
-    eta = (config.steps - step) * seconds
     run.logger.print(f"step {step}/{config.steps} loss {record['loss']:.4f} "
                      f"acc {record['accuracy']:.3f} lr {lr:.2e} "
                      f"gnorm {record['grad_norm']:.2f} "
                      + (f"moe balance {record['moe_load_balance']:.2f} dropped "
                         f"{record['moe_dropped']:.1%} " if "moe_dropped" in record else "")
-                     + f"{tokens_per_s:,.0f} tok/s "
-                     + (f"MFU {record['mfu']:.0%} " if "mfu" in record else "") +
-                     f"ETA {metrics_lib.format_eta(eta)}", transient=True)
+                     + speed, transient=True)
     run.last_metrics = record
-    return now
+    return time.perf_counter()  # the next window starts after this log's own host work
 
 
 def _evaluate(run: Run, split: str, steps: int | None, seq_len: int | None = None) -> dict:
@@ -372,22 +389,40 @@ def loop(run: Run, peak_flops: float | None) -> bool:
     config = run.config
     flops = (metrics_lib.flops_per_token(config, run.active_params),
              metrics_lib.hardware_flops_per_token(config, run.active_params))
-    since = (time.perf_counter(), run.start_step)
+    # Speed is timed over windows of training steps alone (from `since`, a (time, step), to
+    # the next log): the first step of the process, which compiles, and every evaluation and
+    # save happen outside them, timed apart (`pauses`: the ETA counts them).
+    start, since, pauses = time.perf_counter(), None, {"eval": [], "save": []}
     stopping = False
     while run.step < config.steps and not stopping:
         batch = run.placement.global_batch(next(run.train_data))
         run.state, metrics = run.train_step(run.state, batch)
         run.step += 1
         last = run.step == config.steps
+        if since is None:
+            jax.block_until_ready(metrics)
+            since = (time.perf_counter(), run.step)
+            run.first_step_seconds = since[0] - start
+            run.logger.print(f"step {run.step}: the first step (compilation included) took "
+                             f"{run.first_step_seconds:.1f} s")
         if run.step % config.log_every == 0 or last:
-            since = (_log_train(run, metrics, since, flops, peak_flops), run.step)
+            since = (_log_train(run, metrics, since, flops, peak_flops, pauses), run.step)
+        paused = False  # whether an evaluation or a save ran after this step
         if run.step % config.eval_every == 0 or last:
+            began = time.perf_counter()
             result = _evaluate(run, "validation", config.eval_steps)
             run.last_metrics = {**run.last_metrics,
                                 **{f"val_{k}": v for k, v in result.items()}}
+            pauses["eval"].append(time.perf_counter() - began)
+            paused = True
         stopping = run.stop_requested()
         if run.step % config.checkpoint_every == 0 or last or stopping:
+            began = time.perf_counter()
             _save(run)
+            pauses["save"].append(time.perf_counter() - began)
+            paused = True
+        if paused:  # the next window starts after it
+            since = (time.perf_counter(), run.step)
     if stopping or run.stop_requested():  # also after the last save check
         _save(run)
         run.logger.print(f"received signal {run.signal or 'on another process'}: "
@@ -460,7 +495,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     summary = {"step": run.step, "wall_seconds": time.perf_counter() - run_start,
                "elapsed": run.logger.elapsed(), "num_params": run.num_params,
                "active_params": run.active_params,
-               **run.last_metrics}
+               "first_step_seconds": run.first_step_seconds, **run.last_metrics}
     if jax.process_index() == 0:
         fileio.write_atomic(fileio.join(workdir, "summary.json"), json.dumps(summary, indent=2))
     return {"summary": summary, "state": run.state, "model": run.model,
