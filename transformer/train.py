@@ -17,7 +17,6 @@ import functools
 import json
 import os
 import signal
-import statistics
 import time
 from typing import Any
 
@@ -319,8 +318,8 @@ def _log_train(run: Run, metrics, since: tuple[float, int], flops: tuple[float, 
     """Logs the train metrics of the current step, timed against `since` (time, step): the
     training steps since then, nothing else ran in between. Returns the time it finished at.
     A window of no steps (the log falls on the first step, whose compile is not training
-    speed) logs no speed. The ETA adds the evaluations and saves still to come, at the mean
-    time each took so far (`pauses`: their seconds)."""
+    speed) logs no speed. The ETA adds the evaluations and saves still to come, each at the
+    time the latest one took (`pauses`: their seconds; the first evaluation also compiles)."""
     config, step = run.config, run.step
     metrics = placement_lib.fetch(metrics)
     check_finite(run.state, config)
@@ -338,7 +337,7 @@ def _log_train(run: Run, metrics, since: tuple[float, int], flops: tuple[float, 
             if flops[1] != flops[0]:
                 record["hfu"] = tokens_per_s * flops[1] / (peak * len(jax.devices()))
         eta = (config.steps - step) * seconds + sum(
-            _remaining(step, config.steps, every) * statistics.fmean(pauses[kind])
+            _remaining(step, config.steps, every) * pauses[kind][-1]
             for kind, every in (("eval", config.eval_every), ("save", config.checkpoint_every))
             if pauses[kind])
         speed = (f"{tokens_per_s:,.0f} tok/s " + (f"MFU {record['mfu']:.0%} " if "mfu" in record
