@@ -22,7 +22,8 @@ finished). Exits 1 if an attention row is out of tolerance or a section failed.
    `kernels.cudnn_arguments`: what the mask becomes in `jax.nn.dot_product_attention`. All
    masks compile as one program per side (reference, kernel), case by case if that fails.
 2. Training (`train_check`): `python -m transformer.train --config=experiments/
-   gpt_shakespeare_char.py` (bf16, attention_impl=cudnn on a GPU) and nanoGPT's unmodified
+   gpt_shakespeare_char.py` as it is on a GPU (bf16; "auto" attention, whose kernel the table
+   takes from the run's log; float32 on CPU) and nanoGPT's unmodified
    `train.py config/train_shakespeare_char.py` (its defaults on a GPU: torch.compile, bf16
    autocast, flash attention through scaled_dot_product_attention) from `--nanogpt_dir`, in a
    directory holding the shakespeare_char data written from `--text` as its prepare.py would,
@@ -318,6 +319,7 @@ _NANOGPT_EVAL = re.compile(_STAMP + r"step (?P<step>\d+): train loss (?P<train>[
                            r"val loss (?P<val>[-\w.]+)", re.M)
 _OURS_TRAIN = re.compile(_STAMP + r"step (?P<iter>\d+)/\d+ loss (?P<loss>[-\w.]+) ", re.M)
 _OURS_EVAL = re.compile(_STAMP + r"step (?P<step>\d+): validation loss (?P<val>[-\w.]+)", re.M)
+_OURS_KERNEL = re.compile(r"the first step \(compilation included, attention (?P<kernel>[\w/]+)\)")
 
 
 def _number(text: str | None) -> float | None:
@@ -337,12 +339,14 @@ def parse_nanogpt_log(text: str) -> dict:
 
 def parse_ours_log(text: str) -> dict:
     """`transformer.train`'s progress lines ("step N/M loss X ...", "step N: validation loss
-    X ..."), optionally prefixed "SECONDS | ", in the same form as `parse_nanogpt_log`."""
+    X ..."), optionally prefixed "SECONDS | ", in the same form as `parse_nanogpt_log`, plus
+    "attention": the kernel its first-step line names (None if none)."""
     iters = [dict(iter=int(m["iter"]), loss=float(m["loss"]), t=_number(m["t"]))
              for m in _OURS_TRAIN.finditer(text)]
     evals = [dict(step=int(m["step"]), val=float(m["val"]), t=_number(m["t"]))
              for m in _OURS_EVAL.finditer(text)]
-    return {"iters": iters, "evals": evals}
+    kernel = _OURS_KERNEL.search(text)
+    return {"iters": iters, "evals": evals, "attention": kernel and kernel["kernel"]}
 
 
 def window_tokens_per_s(iters: list[dict], evals: list[dict], tokens_per_iter: int,
@@ -477,8 +481,8 @@ def ours_command(text: str, workdir: str, *, gpu: bool, iters: int, sizes: dict,
         command.append(f"--config.optimizer.warmup_steps={iters // 10}")
     if eval_batches:
         command.append(f"--config.eval_steps={eval_batches}")
-    if gpu:
-        command += ["--config.model.dtype=bfloat16", "--config.model.attention_impl=cudnn"]
+    if not gpu:  # the CPU stand-in computes in float32, as nanoGPT's CPU run does
+        command.append("--config.model.dtype=float32")
     return command
 
 
@@ -540,7 +544,7 @@ def train_check(text_path: str, nanogpt_dir: str | None, workdir: str, *, gpu: b
         flops = _ours_flops(vocab, sizes, summary["num_params"])
         sides.append(side_summary(
             "ours (JAX)", parsed, tokens_per_iter=tokens_per_iter, flops_per_token=flops,
-            wall_s=wall, attention="cudnn" if gpu else "dense", dtype=dtype,
+            wall_s=wall, attention=parsed["attention"] or "not logged", dtype=dtype,
             own_mfu=statistics.median(mfus) if mfus else None))
         notes.append(f"ours: {summary['num_params']:,} params, vocab {vocab}, "
                      f"{flops / 1e6:.1f} MFLOP/token")

@@ -1,6 +1,6 @@
 """nanoGPT's shakespeare_char recipes: a character-level GPT on tinyshakespeare.
 
-GPU recipe (6 layers, 6 heads, 384 wide, context 256, batch 64, 5000 steps):
+GPU recipe (6 layers, 6 heads, 384 wide, context 256, batch 64, 5000 steps, bfloat16):
 
     python -m transformer.train --config=experiments/gpt_shakespeare_char.py \
         --config.data.path=PATH/tinyshakespeare.txt --workdir=runs/shakespeare_char
@@ -35,8 +35,10 @@ def get_config(variant: str = "gpu"):
     if variant == "gpu":
         config.update(steps=5000, batch_size=64, seq_len=256, eval_every=250, eval_steps=50,
                       log_every=10, checkpoint_every=1000)
+        # bfloat16 compute (float32 params, softmax and loss), as nanoGPT's train.py autocasts
+        # on a GPU; "auto" attention then runs cuDNN there.
         config.model.update(num_layers=6, num_heads=6, d_model=384, d_ff=1536, max_len=256,
-                            dropout_rate=0.2)
+                            dropout_rate=0.2, dtype="bfloat16")
     else:
         config.update(steps=2000, batch_size=12, seq_len=64, eval_every=250, eval_steps=50,
                       log_every=50, checkpoint_every=500)

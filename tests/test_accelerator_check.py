@@ -102,6 +102,7 @@ NANOGPT_LOG = """\
 OURS_LOG = """\
     12.712 | shakespeare_char_gpu: gpt, 10,745,088 params, batch 64 x 256, steps 0..40
     12.755 | MFU against 9.89e+14 FLOP/s per device (published bf16 dense peak of NVIDIA H100)
+    29.100 | step 1: the first step (compilation included, attention cudnn) took 16.3 s
     30.000 | step 10/40 loss 3.1002 acc 0.120 lr 1.00e-03 gnorm 1.45 47 tok/s MFU 0% ETA 0:01:38
     30.100 | step 20/40 loss 2.7191 acc 0.205 lr 9.93e-04 gnorm 1.61 1,638,400 tok/s MFU 18%
     30.200 | step 30/40 loss 2.5134 acc 0.237 lr 9.40e-04 gnorm 1.25 1,638,400 tok/s MFU 18%
@@ -129,6 +130,8 @@ def test_parse_ours_log():
     assert [(i["iter"], i["loss"], i["t"]) for i in parsed["iters"]] == [
         (10, 3.1002, 30.0), (20, 2.7191, 30.1), (30, 2.5134, 30.2), (40, 2.444, 30.3)]
     assert parsed["evals"] == [dict(step=40, val=2.4812, t=31.0)]
+    assert parsed["attention"] == "cudnn"
+    assert ac.parse_ours_log(OURS_LOG.replace(", attention cudnn", ""))["attention"] is None
 
 
 def test_window_tokens_per_s_leaves_out_the_first_window_and_evaluations():
@@ -198,14 +201,14 @@ def test_commands_share_iterations_batch_and_context():
                            eval_batches=0)
     for arg in ("--config=experiments/gpt_shakespeare_char.py", "--config.steps=2000",
                 "--config.eval_every=250", "--config.batch_size=64", "--config.seq_len=256",
-                "--config.model.d_ff=1536", "--config.model.dtype=bfloat16",
-                "--config.model.attention_impl=cudnn"):
+                "--config.model.d_ff=1536"):
         assert arg in ours
+    assert not any("dtype" in a or "attention_impl" in a for a in ours)  # the recipe's own
     cpu = ac.nanogpt_command("/x", gpu=False, iters=20, sizes=sizes, log_interval=2,
                              eval_batches=2)
     assert {"--device=cpu", "--compile=False", "--dtype=float32", "--eval_iters=2",
             "--eval_interval=20", "--warmup_iters=2"} <= set(cpu)
-    assert "--config.model.dtype=bfloat16" not in ac.ours_command(
+    assert "--config.model.dtype=float32" in ac.ours_command(
         "t", "w", gpu=False, iters=20, sizes=sizes, log_interval=2, eval_batches=2)
 
 

@@ -558,7 +558,8 @@ def test_speed_is_timed_over_training_steps_alone_and_the_eta_counts_evaluations
     assert max(r["step_time"] for r in timed) < 0.75, timed  # evaluations after 2 and 4
     assert 0 < result["summary"]["first_step_seconds"] < result["summary"]["wall_seconds"]
     out = capsys.readouterr().out
-    assert re.search(r"step 1: the first step \(compilation included\) took [\d.]+ s", out)
+    assert re.search(r"step 1: the first step \(compilation included, attention dense\) "
+                     r"took [\d.]+ s", out)
     assert re.search(r"step 1/6 loss [\d.]+ acc [\d.]+ lr \S+ gnorm [\d.]+ *$", out, re.M)
     eta = re.search(r"step 3/6 .* ETA 0:00:(\d\d)", out)  # evaluations at 4 and 6 to come
     assert eta and int(eta[1]) >= 3, out

@@ -26,7 +26,7 @@ import ml_collections
 import optax
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation, fileio, finetune, optim, sharding
+from transformer import evaluation, fileio, finetune, kernels, optim, sharding
 from transformer import metrics as metrics_lib
 from transformer import placement as placement_lib
 from transformer.configs import validate_config
@@ -395,15 +395,18 @@ def loop(run: Run, peak_flops: float | None) -> bool:
     stopping = False
     while run.step < config.steps and not stopping:
         batch = run.placement.global_batch(next(run.train_data))
-        run.state, metrics = run.train_step(run.state, batch)
+        # The first call traces the step: record the attention kernels it compiles.
+        with kernels.recording() if since is None else contextlib.nullcontext() as chosen:
+            run.state, metrics = run.train_step(run.state, batch)
         run.step += 1
         last = run.step == config.steps
         if since is None:
             jax.block_until_ready(metrics)
             since = (time.perf_counter(), run.step)
             run.first_step_seconds = since[0] - start
-            run.logger.print(f"step {run.step}: the first step (compilation included) took "
-                             f"{run.first_step_seconds:.1f} s")
+            attention = f", attention {'/'.join(sorted(set(chosen)))}" if chosen else ""
+            run.logger.print(f"step {run.step}: the first step (compilation included"
+                             f"{attention}) took {run.first_step_seconds:.1f} s")
         if run.step % config.log_every == 0 or last:
             since = (_log_train(run, metrics, since, flops, peak_flops, pauses), run.step)
         paused = False  # whether an evaluation or a save ran after this step
