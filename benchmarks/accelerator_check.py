@@ -42,10 +42,10 @@ finished). Exits 1 if an attention row is out of tolerance or a section failed.
    --new_tokens, --prompt_len, --layers, --d_model, --heads, --vocab, --context and --repeats
    apply), with the HF model on the GPU when there is one.
 
-What differs between the two training recipes: nanoGPT's dropout 0.2 also drops attention
-weights inside SDPA; ours drops embeddings and residual branches only (attention dropout would
-force the dense kernel); plus the differences `benchmarks/nanogpt_protocol.py` lists (c_proj
-init, warmup by one step, data order, vocabulary, seeds).
+What differs between the two training recipes: the differences `benchmarks/nanogpt_protocol.py`
+lists (c_proj init, warmup by one step, data order, vocabulary, seeds). Both drop attention
+weights (dropout 0.2), which runs our dense kernel; `--ours_flags=model.attention_dropout_rate=0`
+runs ours with cuDNN instead.
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ _OUTPUT = flags.DEFINE_string("output", "", "Also write the markdown report here
 _WORKDIR = flags.DEFINE_string("workdir", "", "Where the training runs go (default: a temp "
                                "dir).")
 _SKIP = flags.DEFINE_list("skip", [], f"Sections to leave out, of {','.join(SECTIONS)}.")
+_OURS_FLAGS = flags.DEFINE_list("ours_flags", [], "Extra config overrides for our run, each "
+                                 "KEY=VALUE passed as --config.KEY=VALUE (e.g. "
+                                 "model.attention_dropout_rate=0: cuDNN instead of dense).")
 _ALLOW_CPU = flags.DEFINE_bool("allow_cpu", False, "Run without a GPU, at CPU_SIZES (chunked "
                                "attention stands in for cuDNN).")
 _MAX_ITERS = flags.DEFINE_integer("max_iters", 5000, "Training iterations of each side "
@@ -464,8 +467,9 @@ def nanogpt_command(nanogpt_dir: str, *, gpu: bool, iters: int, sizes: dict,
 
 
 def ours_command(text: str, workdir: str, *, gpu: bool, iters: int, sizes: dict,
-                 log_interval: int, eval_batches: int) -> list[str]:
-    """`transformer.train` on experiments/gpt_shakespeare_char.py with the shared settings."""
+                 log_interval: int, eval_batches: int, extra: list[str] = ()) -> list[str]:
+    """`transformer.train` on experiments/gpt_shakespeare_char.py with the shared settings, then
+    `extra` overrides ("KEY=VALUE": --config.KEY=VALUE)."""
     width = sizes["n_embd"]
     command = [sys.executable, "-m", "transformer.train",
                "--config=experiments/gpt_shakespeare_char.py", f"--config.data.path={text}",
@@ -483,6 +487,7 @@ def ours_command(text: str, workdir: str, *, gpu: bool, iters: int, sizes: dict,
         command.append(f"--config.eval_steps={eval_batches}")
     if not gpu:  # the CPU stand-in computes in float32, as nanoGPT's CPU run does
         command.append("--config.model.dtype=float32")
+    command += [f"--config.{override}" for override in extra]
     return command
 
 
@@ -511,7 +516,8 @@ def _ours_flops(text_vocab: int, sizes: dict, num_params: int) -> float:
 
 
 def train_check(text_path: str, nanogpt_dir: str | None, workdir: str, *, gpu: bool,
-                iters: int, sizes: dict, log_interval: int, eval_batches: int) -> dict:
+                iters: int, sizes: dict, log_interval: int, eval_batches: int,
+                ours_flags: list[str] = ()) -> dict:
     """Trains ours, then nanoGPT (if `nanogpt_dir`), in `workdir`; {"table", "notes", "sides"}."""
     with open(text_path, encoding="utf-8") as f:
         text = f.read()
@@ -528,7 +534,7 @@ def train_check(text_path: str, nanogpt_dir: str | None, workdir: str, *, gpu: b
         [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     if _PREALLOCATE_SET_HERE:
         env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)  # the training run's own default
-    command = ours_command(os.path.abspath(text_path), ours_dir, **shared)
+    command = ours_command(os.path.abspath(text_path), ours_dir, **shared, extra=ours_flags)
     notes.append("ours: `" + " ".join(command[1:]) + "`")
     log = os.path.join(ours_dir, "train.log")
     try:
@@ -661,6 +667,10 @@ def main(argv) -> int:
                          "--allow_cpu for its CPU stand-in at tiny sizes")
     if not gpu:
         _apply_cpu_sizes()
+    bad = [f for f in _OURS_FLAGS.value if "=" not in f or f.startswith(("-", "config."))]
+    if bad:
+        raise ValueError(f"--ours_flags: {bad[0]!r}: expected KEY=VALUE of our config, e.g. "
+                         "model.attention_dropout_rate=0")
     if "train" not in _SKIP.value and not _TEXT.value:
         raise ValueError("--text=PATH/tinyshakespeare.txt is required (or --skip=train)")
 
@@ -741,7 +751,7 @@ def _run_section(section: str, gpu: bool) -> tuple[str, bool]:
                                 "checkout of karpathy/nanoGPT)")
     result = train_check(_TEXT.value, nanogpt_dir, workdir, gpu=gpu, iters=_MAX_ITERS.value,
                          sizes=sizes, log_interval=_LOG_INTERVAL.value,
-                         eval_batches=_EVAL_BATCHES.value)
+                         eval_batches=_EVAL_BATCHES.value, ours_flags=_OURS_FLAGS.value)
     recipe = sizes == dict(batch_size=64, block_size=256, n_layer=6, n_head=6, n_embd=384)
     shape = (f"layers/heads/width {sizes['n_layer']}/{sizes['n_head']}/{sizes['n_embd']}, "
              f"context {sizes['block_size']}, batch {sizes['batch_size']} "

@@ -204,6 +204,9 @@ def test_commands_share_iterations_batch_and_context():
                 "--config.model.d_ff=1536"):
         assert arg in ours
     assert not any("dtype" in a or "attention_impl" in a for a in ours)  # the recipe's own
+    assert ac.ours_command("t", "w", gpu=True, iters=20, sizes=sizes, log_interval=2,
+                           eval_batches=0, extra=["model.attention_dropout_rate=0"])[-1] == (
+        "--config.model.attention_dropout_rate=0")
     cpu = ac.nanogpt_command("/x", gpu=False, iters=20, sizes=sizes, log_interval=2,
                              eval_batches=2)
     assert {"--device=cpu", "--compile=False", "--dtype=float32", "--eval_iters=2",
@@ -235,6 +238,11 @@ def test_allow_cpu_runs_end_to_end(tmp_path):
     assert refused.returncode == 2, refused.stderr
     assert refused.stderr.strip().splitlines() == [refused.stderr.strip()]
     assert refused.stderr.startswith("error: no GPU:") and "--allow_cpu" in refused.stderr
+    bad = subprocess.run(script + ["--allow_cpu", "--text=x", "--ours_flags=steps"], env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "error: --ours_flags: 'steps': expected KEY=VALUE of our config, e.g. "
+        "model.attention_dropout_rate=0"), bad.stderr
 
     nanogpt = os.environ.get("NANOGPT_DIR")
     report = tmp_path / "check.md"

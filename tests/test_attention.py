@@ -302,6 +302,17 @@ def test_attend_return_weights_runs_dense_whatever_the_impl():
     np.testing.assert_array_equal(weights, want_weights)
 
 
+def test_attend_records_the_kernel_it_runs_also_when_dropout_forces_dense():
+    """What the train log's first-step line and launch.aot name (`kernels.recording`)."""
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(10))
+    with kernels.recording() as chosen:
+        attend(q, k, v, mask=masks.Causal(), impl="chunked")
+        attend(q, k, v, mask=masks.Causal(), impl="chunked", dropout_rate=0.2,
+               dropout_rng=jax.random.key(0))
+        attend(q, k, v, impl="chunked", return_weights=True)
+    assert chosen == ["chunked", "dense", "dense"]
+
+
 @pytest.mark.parametrize("impl", ["dense", "chunked"])
 def test_attend_dropout_needs_an_rng(impl):
     q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(11))

@@ -269,6 +269,7 @@ def attend(
                                                strategy=sequence_parallel, scale=scale)
     if dropout_rate or return_weights:
         impl = "dense"
+        kernels.record(impl)
     else:
         mesh_set = not jax.sharding.get_abstract_mesh().empty
         impl = kernels.select(impl, platform=platform, mask=mask, bias=bias, dropout=0.0,
