@@ -52,11 +52,12 @@ def _experiment():
 
 def gpt_config(*, layers: int, d_model: int, heads: int, d_ff: int, seq_len: int, batch: int,
                vocab: int, scan_layers: bool = False, remat_policy: str = "none"):
-    """The shakespeare_char GPT experiment config at this shape, dropout 0, float32."""
+    """The shakespeare_char GPT experiment config at this shape, no dropout, float32."""
     config = _experiment().get_config("gpu")
     config.update(batch_size=batch, seq_len=seq_len)
     config.model.update(num_layers=layers, num_heads=heads, d_model=d_model, d_ff=d_ff,
-                        max_len=seq_len, vocab_size=vocab, dropout_rate=0.0, dtype="float32",
+                        max_len=seq_len, vocab_size=vocab, dropout_rate=0.0,
+                        attention_dropout_rate=0.0, dtype="float32",
                         scan_layers=scan_layers, remat_policy=remat_policy)
     return config
 

@@ -207,3 +207,22 @@ def test_the_cli_rejects_a_bad_value_before_writing_a_checkpoint(tmp_path):
     assert result.returncode != 0
     assert "optimizer.learning_rate" in result.stderr
     assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
+
+
+def test_the_cpu_benchmarks_time_the_gpu_recipe_without_dropout_in_float32():
+    """benchmarks/compile_time.py's `gpt_config` (train_throughput, remat, compile_time) takes
+    the shapes of the GPU recipe, but what nanoGPT's side runs on CPU: no dropout of any kind,
+    float32. The recipe's own dropout and bfloat16 must not leak in."""
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from compile_time import gpt_config
+
+    recipe = _load("gpt_shakespeare_char").get_config("gpu").model
+    assert recipe.dropout_rate and recipe.attention_dropout_rate and recipe.dtype == "bfloat16"
+    model = gpt_config(layers=2, d_model=64, heads=2, d_ff=256, seq_len=32, batch=2,
+                       vocab=65).model
+    assert (model.dropout_rate, model.attention_dropout_rate, model.dtype) == (
+        0.0, 0.0, "float32")
+    assert (model.use_bias, model.activation, model.tie_embeddings) == (
+        recipe.use_bias, recipe.activation, recipe.tie_embeddings)
