@@ -19,6 +19,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 
 
+# The CPU peak that MFU is measured against (metrics.measured_cpu_peak) is cached per machine.
+# Measured while the suite loads every core, it would be a fraction of the machine's, so the
+# session (and its subprocesses) cache it in a temporary file, never in the user's ~/.cache.
+if "TRANSFORMER_CPU_PEAK_CACHE" not in os.environ:
+    _peak = tempfile.mkdtemp(prefix="transformer-tests-cpu-peak-")
+    atexit.register(shutil.rmtree, _peak, ignore_errors=True)
+    os.environ["TRANSFORMER_CPU_PEAK_CACHE"] = os.path.join(_peak, "cpu_peak.json")
+
+
 def _fast_compile_flags() -> str:
     """XLA flags that cut the suite's compile time (most of its time) by half: LLVM at -O0 and
     XLA:CPU's older loop emitters, each only if this jaxlib knows it (an unknown flag in

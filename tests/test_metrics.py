@@ -2,6 +2,9 @@
 table by device kind, and the cached CPU measurement."""
 
 import json
+import os
+import subprocess
+import sys
 import types
 
 import flax.linen as nn
@@ -94,3 +97,19 @@ def test_the_cpu_peak_is_measured_once_per_host_and_shared_by_its_devices(tmp_pa
     cpus = [types.SimpleNamespace(platform="cpu", device_kind="cpu", process_index=0)] * 4
     peak, source = metrics.peak_flops(small_config(), cpus)
     assert peak == pytest.approx(first / 4) and "shared by 4 CPU device(s)" in source
+
+
+def test_the_cpu_peak_cache_moves_with_its_variable_and_the_suite_keeps_out_of_home(tmp_path):
+    """A peak measured while the suite loads every core must not become the user's: the
+    suite's processes (this one and the CLI runs it starts) cache in a temporary file."""
+    home = os.path.join(os.path.expanduser("~"), ".cache", "transformer", "cpu_peak.json")
+    assert metrics.CPU_PEAK_CACHE == os.environ["TRANSFORMER_CPU_PEAK_CACHE"] != home
+    code = "from transformer import metrics; print(metrics.CPU_PEAK_CACHE)"
+    moved = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "TRANSFORMER_CPU_PEAK_CACHE": str(tmp_path / "p")},
+                           check=True)
+    assert moved.stdout.strip() == str(tmp_path / "p")
+    unset = {k: v for k, v in os.environ.items() if k != "TRANSFORMER_CPU_PEAK_CACHE"}
+    default = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=unset, check=True)
+    assert default.stdout.strip() == home

@@ -31,7 +31,10 @@ PEAK_FLOPS = (
     ("NVIDIA H100", 989e12, 494e12),  # SXM
     ("NVIDIA H200", 989e12, 494e12),
 )
-CPU_PEAK_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "transformer", "cpu_peak.json")
+# Where `measured_cpu_peak` caches; TRANSFORMER_CPU_PEAK_CACHE moves it (the test suite uses a
+# temporary file: a peak measured while the tests load every core is far below the machine's).
+CPU_PEAK_CACHE = os.environ.get("TRANSFORMER_CPU_PEAK_CACHE") or os.path.join(
+    os.path.expanduser("~"), ".cache", "transformer", "cpu_peak.json")
 
 
 def matmul_params(config, num_params: int) -> int:
