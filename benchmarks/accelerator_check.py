@@ -521,8 +521,9 @@ def train_check(text_path: str, nanogpt_dir: str | None, workdir: str, *, gpu: b
     """Trains ours, then nanoGPT (if `nanogpt_dir`), in `workdir`; {"table", "notes", "sides"}."""
     with open(text_path, encoding="utf-8") as f:
         text = f.read()
+    recipe_dtype = "bfloat16" if gpu else "float32"  # both recipes' compute dtype
     dtype = next((f.split("=", 1)[1] for f in ours_flags if f.startswith("model.dtype=")),
-                 "bfloat16" if gpu else "float32")  # ours' compute dtype, for the table
+                 recipe_dtype)  # ours', for the table
     tokens_per_iter = sizes["batch_size"] * sizes["block_size"]
     shared = dict(gpu=gpu, iters=iters, sizes=sizes, log_interval=log_interval,
                   eval_batches=eval_batches)
@@ -585,7 +586,7 @@ def train_check(text_path: str, nanogpt_dir: str | None, workdir: str, *, gpu: b
     else:
         notes.append("nanoGPT: not run (no --nanogpt_dir)")
 
-    peak, source = chip_peak("bfloat16" if gpu else "float32")  # both recipes' compute dtype
+    peak, source = chip_peak(recipe_dtype)
     notes.append(f"MFU (chip peak) = tokens/s x FLOPs per token (6 N + 12 L D T, both sides) / "
                  f"{_fmt(peak, '.3g')} FLOP/s ({source}). own log's MFU: ours' median "
                  "(against the same peak); nanoGPT's last running value, against an A100's "

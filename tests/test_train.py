@@ -536,7 +536,7 @@ def test_skip_stops_after_max_nonfinite_skips_in_a_row(tmp_path):
         assert all_finite(load_state(tmp_path, step)["params"]), f"checkpoint {step} is NaN"
 
 
-# --- 7. gradient accumulation ---------------------------------------------------------------
+# --- 7. speed and ETA in the log -----------------------------------------------------------
 
 
 def test_speed_is_timed_over_training_steps_alone_and_the_eta_counts_evaluations(
@@ -566,6 +566,9 @@ def test_speed_is_timed_over_training_steps_alone_and_the_eta_counts_evaluations
     # steps after `step` that evaluate (or save): multiples of `every`, and the last
     assert [train._remaining(step, 7, 2) for step in (0, 3, 6, 7)] == [4, 3, 1, 0]
     assert train._remaining(0, 5, 10) == 1 and train._remaining(3, 6, 2) == 2
+
+
+# --- 8. gradient accumulation ---------------------------------------------------------------
 
 
 @pytest.mark.slow

@@ -409,21 +409,20 @@ def loop(run: Run, peak_flops: float | None) -> bool:
                              f"{attention}) took {run.first_step_seconds:.1f} s")
         if run.step % config.log_every == 0 or last:
             since = (_log_train(run, metrics, since, flops, peak_flops, pauses), run.step)
-        paused = False  # whether an evaluation or a save ran after this step
-        if run.step % config.eval_every == 0 or last:
+        evaluate = run.step % config.eval_every == 0 or last
+        if evaluate:
             began = time.perf_counter()
             result = _evaluate(run, "validation", config.eval_steps)
             run.last_metrics = {**run.last_metrics,
                                 **{f"val_{k}": v for k, v in result.items()}}
             pauses["eval"].append(time.perf_counter() - began)
-            paused = True
         stopping = run.stop_requested()
-        if run.step % config.checkpoint_every == 0 or last or stopping:
+        save = run.step % config.checkpoint_every == 0 or last or stopping
+        if save:
             began = time.perf_counter()
             _save(run)
             pauses["save"].append(time.perf_counter() - began)
-            paused = True
-        if paused:  # the next window starts after it
+        if evaluate or save:  # the next window starts after them
             since = (time.perf_counter(), run.step)
     if stopping or run.stop_requested():  # also after the last save check
         _save(run)
