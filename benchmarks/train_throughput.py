@@ -21,7 +21,10 @@ Then, for the `--breakdown` shapes, where our step's time goes: forward, forward
 the optimizer update alone, and the two kinds of matmul work inside, each timed alone: the
 attention core (softmax(QK^T)V, causal) and the projection + MLP GEMMs with nothing between them,
 each also in PyTorch on the same inputs. What the GEMMs alone cannot account for is attention's
-softmax/masking and the elementwise work.
+softmax/masking and the elementwise work. Last, the attention core as each whole train step runs
+it: the step's time less the same step with q + k + v in the core's place (the projections stay),
+both sides alternating. A part can cost more inside the step than alone (caches, the other work
+the step runs beside it).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def nanogpt(shape, tokens, directory):
     return step
 
 
-def breakdown(shape, features):
+def breakdown(shape, features, nanogpt_dir=None):
     """Rows (part, ms, GFLOP) splitting our train step at `shape`, each part jitted alone with
     the train step's compiler options: forward, forward + backward, the optimizer update, the
     attention core (softmax(QK^T)V, causal) fwd+bwd x layers, and the layers' projection and
@@ -188,7 +191,55 @@ def breakdown(shape, features):
     torch_gemms(1)
     rows.append((f"the same GEMMs in PyTorch fwd+bwd x {layers}",
                  layers * 1e3 * min(timed(torch_gemms, 5)[0] / 5 for _ in range(3)), gemm_gflop))
+    rows += attention_in_step(shape, features, nanogpt_dir, core_gflop)
     return rows
+
+
+def attention_in_step(shape, features, nanogpt_dir, core_gflop, steps=5, repeats=3):
+    """Rows (part, ms, GFLOP): the attention core's share of each side's whole train step, i.e.
+    the step's ms less the ms of the same step with q + k + v in the core's place (ours:
+    `attention.dot_product_attention`, the CPU kernel `attend` runs; nanoGPT: torch's
+    `scaled_dot_product_attention`). The four steps alternate `repeats` times, best of each."""
+    import torch
+
+    from transformer import attention
+
+    def stand_in(q, k, v, *args, **kwargs):
+        return q + k + v
+
+    real_core = attention.dot_product_attention
+    attention.dot_product_attention = stand_in  # read when the step is traced, in ours()
+    try:
+        without, _ = ours(shape, features)
+        without(1)  # traces and compiles with the stand-in
+    finally:
+        attention.dot_product_attention = real_core
+    sides = {"ours": ours(shape, features)[0], "ours without": without}
+    if nanogpt_dir:
+        tokens = features["inputs"], features["targets"]
+        real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def nanogpt_without(step):
+            def run(n):
+                torch.nn.functional.scaled_dot_product_attention = stand_in
+                try:
+                    return step(n)
+                finally:
+                    torch.nn.functional.scaled_dot_product_attention = real_sdpa
+            return run
+
+        sides["nanoGPT"] = nanogpt(shape, tokens, nanogpt_dir)
+        sides["nanoGPT without"] = nanogpt_without(nanogpt(shape, tokens, nanogpt_dir))
+    for step in sides.values():
+        step(1)
+    best = {side: float("inf") for side in sides}
+    for _ in range(repeats):
+        for side, step in sides.items():
+            best[side] = min(best[side], timed(step, steps)[0] / steps)
+    return [(f"{side}: attention core in the step (step - step without it: "
+             f"{best[side] * 1e3:.0f} - {best[side + ' without'] * 1e3:.0f} ms)",
+             (best[side] - best[side + " without"]) * 1e3, core_gflop)
+            for side in ("ours", "nanoGPT") if side in best]
 
 
 def timed(step, n):
@@ -273,7 +324,8 @@ def main(argv) -> None:
           ", ".join(f"{name} {c:.1f} s" for name, *_, c in rows))
     for name in _BREAKDOWN.value:
         layers, heads, width, context, batch = SHAPES[name]
-        parts = breakdown(SHAPES[name], random_batch(batch, context, VOCAB))
+        parts = breakdown(SHAPES[name], random_batch(batch, context, VOCAB),
+                          None if _OURS_ONLY.value else os.path.abspath(_NANOGPT.value))
         print(f"\nwhere ours spends a {name} step (each part jitted and timed alone):\n")
         print("| part | ms | GFLOP | GFLOP/s |")
         print("| :--- | ---: | ---: | ---: |")
