@@ -107,7 +107,8 @@ def breakdown(shape, features, nanogpt_dir=None):
     attention core (softmax(QK^T)V, causal) fwd+bwd x layers, and the layers' projection and
     MLP matmuls alone (the same GEMMs, fwd+bwd, without anything between them) x layers. For
     comparison, the same attention core in PyTorch as nanoGPT runs it (the fused CPU kernel of
-    `scaled_dot_product_attention`, causal) and the same GEMMs in PyTorch, on the same inputs."""
+    `scaled_dot_product_attention`, causal) and the same GEMMs in PyTorch, on the same inputs.
+    Last, `attention_in_step`'s rows: ours, and nanoGPT's from `nanogpt_dir` when given."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -326,7 +327,8 @@ def main(argv) -> None:
         layers, heads, width, context, batch = SHAPES[name]
         parts = breakdown(SHAPES[name], random_batch(batch, context, VOCAB),
                           None if _OURS_ONLY.value else os.path.abspath(_NANOGPT.value))
-        print(f"\nwhere ours spends a {name} step (each part jitted and timed alone):\n")
+        print(f"\nwhere ours spends a {name} step (each part jitted and timed alone; the "
+              "last rows inside whole steps):\n")
         print("| part | ms | GFLOP | GFLOP/s |")
         print("| :--- | ---: | ---: | ---: |")
         for part, seconds_ms, gflop in parts:
