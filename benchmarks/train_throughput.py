@@ -233,14 +233,21 @@ def attention_in_step(shape, features, nanogpt_dir, core_gflop, steps=5, repeats
         sides["nanoGPT without"] = nanogpt_without(nanogpt(shape, tokens, nanogpt_dir))
     for step in sides.values():
         step(1)
-    best = {side: float("inf") for side in sides}
-    for _ in range(repeats):
-        for side, step in sides.items():
-            best[side] = min(best[side], timed(step, steps)[0] / steps)
+    best = alternate(sides, steps, repeats)
     return [(f"{side}: attention core in the step (step - step without it: "
              f"{best[side] * 1e3:.0f} - {best[side + ' without'] * 1e3:.0f} ms)",
              (best[side] - best[side + " without"]) * 1e3, core_gflop)
             for side in ("ours", "nanoGPT") if side in best]
+
+
+def alternate(sides, steps, repeats):
+    """{side: best seconds per step}: each side's `step(steps)` in turn, `repeats` times over,
+    so load from elsewhere hits every side alike."""
+    best = {side: float("inf") for side in sides}
+    for _ in range(repeats):
+        for side, step in sides.items():
+            best[side] = min(best[side], timed(step, steps)[0] / steps)
+    return best
 
 
 def timed(step, n):
@@ -303,10 +310,7 @@ def main(argv) -> None:
         compile_seconds, _ = timed(ours_step, 1)
         for step in sides.values():
             step(2)  # warm-up
-        best = {side: float("inf") for side in sides}
-        for _ in range(_REPEATS.value):  # alternate, so load from elsewhere hits both alike
-            for side, step in sides.items():
-                best[side] = min(best[side], timed(step, _STEPS.value)[0] / _STEPS.value)
+        best = alternate(sides, _STEPS.value, _REPEATS.value)
         # Embedding params are looked up, not multiplied: count the tied table once (the head).
         flops = (6 * num_params + 12 * layers * width * context) * batch * context
         rows.append((name, shape, best, flops, compile_seconds))
