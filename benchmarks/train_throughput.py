@@ -15,7 +15,9 @@ Shapes: `small` = 4 layers / 4 heads / 128 wide, context 64, batch 12 (nanoGPT's
 `steps` steps each, and each shows its best run. Also prints model FLOPs per step (6 N per token
 plus attention scores, the PaLM formula), the achieved FLOP/s, and the float32 matmul peak each
 framework reaches on this machine (2048^2), so MFU is against a measured peak. Ours is jitted
-with the compiler options training uses (`placement.compiler_options`).
+with the compiler options training uses (`placement.compiler_options`). Both sides run under
+the process's malloc, which the header names: under glibc's, XLA's per-step scratch block is
+page-faulted in afresh every step (`transformer/hostmem.py`; README, "CPU runs").
 
 Then, for the `--breakdown` shapes, where our step's time goes: forward, forward + backward and
 the optimizer update alone, and the two kinds of matmul work inside, each timed alone: the
@@ -282,6 +284,8 @@ def main(argv) -> None:
     import torch
     from compile_time import random_batch  # benchmarks/compile_time.py (adds the repo to the path)
 
+    from transformer import hostmem
+
     if not _OURS_ONLY.value and not (_NANOGPT.value and
                                      os.path.exists(os.path.join(_NANOGPT.value, "model.py"))):
         raise app.UsageError(f"--nanogpt_dir={_NANOGPT.value!r}: expected a checkout of "
@@ -295,7 +299,7 @@ def main(argv) -> None:
     print(f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} "
           f"threads); float32 matmul 2048^2 peak: XLA {xla_peak / 1e9:.0f} GFLOP/s, torch "
           f"{torch_peak / 1e9:.0f} GFLOP/s; {_STEPS.value} steps per run, best of "
-          f"{_REPEATS.value}")
+          f"{_REPEATS.value}; malloc: {hostmem.allocator()}")
 
     rows = []
     for name in _SHAPES.value:

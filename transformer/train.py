@@ -26,7 +26,7 @@ import ml_collections
 import optax
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation, fileio, finetune, kernels, optim, sharding
+from transformer import evaluation, fileio, finetune, hostmem, kernels, optim, sharding
 from transformer import metrics as metrics_lib
 from transformer import placement as placement_lib
 from transformer.configs import validate_config
@@ -482,6 +482,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     peak, source = run.peak
     run.logger.print(f"MFU against {peak:.3g} FLOP/s per device ({source})" if peak else
                      f"no MFU: {source}")
+    if line := hostmem.advice(jax.default_backend()):
+        run.logger.print(line)
     run_start = time.perf_counter()
     with run.placement.context():  # activation sharding constraints trace under the mesh
         try:
