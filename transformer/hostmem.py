@@ -53,9 +53,9 @@ def advice(platform: str, name: str | None = None) -> str | None:
     library = ctypes.util.find_library("jemalloc")
     preload = (f"LD_PRELOAD={_path(library)}" if library else
                "LD_PRELOAD=libjemalloc.so.2 (apt install libjemalloc2)")
-    return ("host allocator: glibc malloc, which maps XLA's per-step temporaries afresh each "
-            f"step (page faults); to keep them: {preload} MALLOC_CONF={JEMALLOC_CONF} "
-            "(README: CPU runs)")
+    return ("host allocator: glibc malloc, which maps XLA's per-step scratch memory afresh each "
+            f"step once it is over 32 MB (page faults); to keep it: {preload} "
+            f"MALLOC_CONF={JEMALLOC_CONF} (README: CPU runs)")
 
 
 def _path(library: str) -> str:
