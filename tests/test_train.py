@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from transformer import configs, hostmem, placement, train
+from transformer import configs, placement, train
 from transformer import evaluate as evaluate_lib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -241,7 +241,8 @@ def test_every_experiment_runs_end_to_end_through_the_cli(experiment_runs, spec)
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["step"] == EXPERIMENT_STEPS
     assert summary["val_loss"] == validation[-1]["loss"]
-    assert hostmem.advice("cpu") in result.stdout, describe(result)  # the allocator line
+    # tiny steps' scratch memory stays under glibc's 32 MB: no allocator line
+    assert "host allocator" not in result.stdout, describe(result)
 
 
 # --- 2. SIGTERM, then exact resume ----------------------------------------------------------

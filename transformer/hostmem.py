@@ -11,7 +11,8 @@ the step's peak (1.7 GB there, against 1.2 GB). Beside nanoGPT in one process
 `oversize_threshold:0`, which also keeps the block, slowed PyTorch's by 10-40%.
 
 The allocator is chosen when the process starts (LD_PRELOAD), so this module only reports it
-and says how to change it; `python -m transformer.train` logs that line on CPU.
+and says how to change it: `python -m transformer.train` counts the page faults of its first
+logged steps and, on CPU under glibc, names the command when they reach 32 MB a step.
 """
 
 from __future__ import annotations
@@ -36,26 +37,36 @@ def allocator(maps_path: str = "/proc/self/maps") -> str:
     return "glibc"
 
 
-def advice(platform: str, name: str | None = None) -> str | None:
-    """One line for the start of a run on `platform`: the allocator and, for a CPU run under
-    glibc malloc, the command that keeps XLA's per-step temporaries mapped. None off CPU.
+def faulted_bytes() -> int:
+    """Bytes this process has page-faulted in so far: minor faults (getrusage) x the page
+    size; 0 where that is unavailable."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt * resource.getpagesize()
 
-    >>> advice("cpu", "jemalloc")
-    'host allocator: jemalloc'
-    >>> advice("tpu", "glibc") is None
+
+def advice(platform: str, faulted_bytes_per_step: float, name: str | None = None) -> str | None:
+    """One line for a run on `platform` whose train steps each page-faulted in
+    `faulted_bytes_per_step` (measured over steps after the first): under glibc malloc on CPU,
+    with at least 32 MB faulted per step (glibc keeps freed blocks below that), the command
+    that keeps XLA's scratch memory mapped. None otherwise: nothing to gain.
+
+    >>> advice("cpu", 443.7e6, "jemalloc") is None
+    True
+    >>> advice("cpu", 4e6, "glibc") is None  # a small step's scratch memory is reused
     True
     """
-    if platform != "cpu":
-        return None
     name = allocator() if name is None else name
-    if name != "glibc":
-        return f"host allocator: {name}"
+    if platform != "cpu" or name != "glibc" or faulted_bytes_per_step < 32 * 2**20:
+        return None
     library = ctypes.util.find_library("jemalloc")
     preload = (f"LD_PRELOAD={_path(library)}" if library else
                "LD_PRELOAD=libjemalloc.so.2 (apt install libjemalloc2)")
-    return ("host allocator: glibc malloc, which maps XLA's per-step scratch memory afresh each "
-            f"step once it is over 32 MB (page faults); to keep it: {preload} "
-            f"MALLOC_CONF={JEMALLOC_CONF} (README: CPU runs)")
+    return (f"host allocator: glibc malloc page-faulted {faulted_bytes_per_step / 1e6:,.0f} MB "
+            "per train step (XLA's scratch memory, mapped afresh each step); to keep it: "
+            f"{preload} MALLOC_CONF={JEMALLOC_CONF} (README: CPU runs)")
 
 
 def _path(library: str) -> str:

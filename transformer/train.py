@@ -392,6 +392,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
     # the next log): the first step of the process, which compiles, and every evaluation and
     # save happen outside them, timed apart (`pauses`: the ETA counts them).
     start, since, pauses = time.perf_counter(), None, {"eval": [], "save": []}
+    faulted = None  # bytes page-faulted in when the first timed window began
     stopping = False
     while run.step < config.steps and not stopping:
         batch = run.placement.global_batch(next(run.train_data))
@@ -407,8 +408,15 @@ def loop(run: Run, peak_flops: float | None) -> bool:
             attention = f", attention {'/'.join(sorted(set(chosen)))}" if chosen else ""
             run.logger.print(f"step {run.step}: the first step (compilation included"
                              f"{attention}) took {run.first_step_seconds:.1f} s")
+            faulted = hostmem.faulted_bytes()
         if run.step % config.log_every == 0 or last:
+            window = run.step - since[1]
             since = (_log_train(run, metrics, since, flops, peak_flops, pauses), run.step)
+            if faulted is not None and window:  # once, after the first window's steps ran
+                per_step = (hostmem.faulted_bytes() - faulted) / window
+                if line := hostmem.advice(jax.default_backend(), per_step):
+                    run.logger.print(line)
+                faulted = None
         evaluate = run.step % config.eval_every == 0 or last
         if evaluate:
             began = time.perf_counter()
@@ -482,8 +490,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     peak, source = run.peak
     run.logger.print(f"MFU against {peak:.3g} FLOP/s per device ({source})" if peak else
                      f"no MFU: {source}")
-    if line := hostmem.advice(jax.default_backend()):
-        run.logger.print(line)
     run_start = time.perf_counter()
     with run.placement.context():  # activation sharding constraints trace under the mesh
         try:
