@@ -4,13 +4,12 @@ import ctypes.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from test_train import REPO, cli_env, describe
 
 from transformer import hostmem
 
-REPO = Path(__file__).resolve().parents[1]
 LIBC = "7f00-7f10 r-xp 00000000 08:01 42  /usr/lib/x86_64-linux-gnu/libc.so.6\n"
 
 
@@ -67,7 +66,7 @@ def test_faulted_bytes_counts_fresh_pages():
 def test_a_cpu_run_with_a_big_step_logs_the_allocator_line_once(tmp_path):
     """Through the CLI: a GPT step with ~0.3 GB of scratch memory under glibc malloc logs the
     measured faults and the command, once; under jemalloc as advised it logs nothing."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    env = cli_env()
     env.pop("LD_PRELOAD", None)
     flags = ["--config=experiments/gpt_tiny.py", "--config.steps=4", "--config.log_every=2",
              "--config.batch_size=64", "--config.seq_len=128", "--config.eval_every=4",
@@ -79,7 +78,7 @@ def test_a_cpu_run_with_a_big_step_logs_the_allocator_line_once(tmp_path):
                               capture_output=True, text=True, timeout=600)
 
     glibc = run("glibc", env)
-    assert glibc.returncode == 0, glibc.stderr[-3000:]
+    assert glibc.returncode == 0, describe(glibc)
     lines = [line for line in glibc.stdout.splitlines() if "host allocator" in line]
     assert len(lines) == 1, glibc.stdout
     megabytes = float(lines[0].split("page-faulted ")[1].split(" MB")[0].replace(",", ""))
@@ -89,5 +88,5 @@ def test_a_cpu_run_with_a_big_step_logs_the_allocator_line_once(tmp_path):
         pytest.skip("no libjemalloc installed")
     kept = run("jemalloc", {**env, "LD_PRELOAD": hostmem._path(library),
                             "MALLOC_CONF": hostmem.JEMALLOC_CONF})
-    assert kept.returncode == 0, kept.stderr[-3000:]
+    assert kept.returncode == 0, describe(kept)
     assert "host allocator" not in kept.stdout, kept.stdout
