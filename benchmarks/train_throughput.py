@@ -16,8 +16,9 @@ Shapes: `small` = 4 layers / 4 heads / 128 wide, context 64, batch 12 (nanoGPT's
 plus attention scores, the PaLM formula), the achieved FLOP/s, and the float32 matmul peak each
 framework reaches on this machine (2048^2), so MFU is against a measured peak. Ours is jitted
 with the compiler options training uses (`placement.compiler_options`). Both sides run under
-the process's malloc, which the header names: under glibc's, XLA's per-step scratch block is
-page-faulted in afresh every step (`transformer/hostmem.py`; README, "CPU runs").
+the process's malloc, which the header names, set up as `python -m transformer.train` sets it
+(`hostmem.keep_freed_memory`: glibc keeps XLA's scratch memory between steps; README, "CPU
+runs"); `--nokeep_freed_memory` leaves glibc as it starts.
 
 Then, for the `--breakdown` shapes, where our step's time goes: forward, forward + backward and
 the optimizer update alone, and the two kinds of matmul work inside, each timed alone: the
@@ -41,6 +42,8 @@ _NANOGPT = flags.DEFINE_string("nanogpt_dir", None, "A checkout of karpathy/nano
 _SHAPES = flags.DEFINE_list("shapes", ["small", "medium"], "small, medium.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Train steps per timed run.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per side (the best is shown).")
+_KEEP = flags.DEFINE_bool("keep_freed_memory", True, "Under glibc malloc, keep freed memory "
+                          "as python -m transformer.train does (hostmem.keep_freed_memory).")
 _THREADS = flags.DEFINE_integer("torch_threads", 2, "torch.set_num_threads.")
 _OURS_ONLY = flags.DEFINE_bool("ours_only", False, "Skip nanoGPT (for profiling ours).")
 _BREAKDOWN = flags.DEFINE_list("breakdown", ["medium"], "Shapes whose step time to split into "
@@ -295,11 +298,13 @@ def main(argv) -> None:
             if name not in SHAPES:
                 raise app.UsageError(f"--{flag.name}: {name!r} is not one of {sorted(SHAPES)}")
     torch.set_num_threads(_THREADS.value)
+    kept = _KEEP.value and hostmem.keep_freed_memory()
     xla_peak, torch_peak = matmul_peaks()
     print(f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} "
           f"threads); float32 matmul 2048^2 peak: XLA {xla_peak / 1e9:.0f} GFLOP/s, torch "
           f"{torch_peak / 1e9:.0f} GFLOP/s; {_STEPS.value} steps per run, best of "
-          f"{_REPEATS.value}; malloc: {hostmem.allocator()}")
+          f"{_REPEATS.value}; malloc: {hostmem.allocator()}"
+          f"{' (keeping freed memory)' if kept else ''}")
 
     rows = []
     for name in _SHAPES.value:

@@ -375,10 +375,12 @@ def test_compiler_options_default_per_compute_dtype_and_config_options_extend_th
     config = tiny_config()
     mesh = sharding.make_mesh(config.mesh)
     # float32 on CPU
-    assert placement.compiler_options(config, mesh) == placement.CPU_FLOAT32_OPTIONS
+    assert placement.compiler_options(config, mesh) == {**placement.CPU_OPTIONS,
+                                                        **placement.CPU_FLOAT32_OPTIONS}
     config.model.dtype = "bfloat16"  # keeps XLA's bf16-capable dot library
     config.compiler_options = {"xla_cpu_multi_thread_eigen": False}
-    assert placement.compiler_options(config, mesh) == {"xla_cpu_multi_thread_eigen": False}
+    assert placement.compiler_options(config, mesh) == {**placement.CPU_OPTIONS,
+                                                        "xla_cpu_multi_thread_eigen": False}
     # A default a newer jaxlib no longer knows is dropped with a warning, not an error.
     assert placement._accepted((("xla_cpu_renamed_in_some_release", True),)) == {}
     assert "xla_cpu_renamed_in_some_release" in capsys.readouterr().err

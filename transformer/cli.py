@@ -36,6 +36,7 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
     from absl import app, flags
 
     _cpu_without_accelerators()
+    _keep_freed_memory_on_cpu()
     verbose = _verbose_requested(sys.argv)
     try:
         if "verbose" not in flags.FLAGS:
@@ -157,6 +158,17 @@ def _check_config_files(flag_values) -> None:
             cause = re.sub(r"^\[Errno \d+\] ", "", cause)
             raise FileNotFoundError(f"--{name}={config_flags.get_config_filename(flag)}: "
                                     f"{cause}") from None
+
+
+def _keep_freed_memory_on_cpu() -> None:
+    """A run on the CPU has glibc keep XLA's freed scratch memory for the next step instead of
+    unmapping it and page-faulting it in again (hostmem.keep_freed_memory)."""
+    from transformer import hostmem
+
+    jax = sys.modules.get("jax")
+    platforms = os.environ.get("JAX_PLATFORMS") if jax is None else jax.config.jax_platforms
+    if platforms == "cpu":
+        hostmem.keep_freed_memory()
 
 
 def _cpu_without_accelerators() -> None:

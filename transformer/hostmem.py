@@ -1,18 +1,24 @@
-"""Which malloc serves this process, and what that costs an XLA:CPU train step.
+"""Which malloc serves this process, and keeping XLA:CPU's scratch memory mapped across steps.
 
-XLA:CPU allocates each execution's temporaries as one block (443.7 MB for GPT 6/6/384, batch
-8 x 256) and frees it when the step ends. glibc malloc serves a block that size with a fresh
-mmap and unmaps it on free (its arenas keep only blocks under 32-64 MB), so every step
-page-faults it in again: 109k minor faults and about 200 ms of kernel time per 950 ms step on
-a 2-core EPYC. jemalloc told never to return freed pages (`JEMALLOC_CONF`) reuses the block:
-under 10 faults, 5 ms of kernel time and 830-900 ms steps, for resident memory that stays at
-the step's peak (1.7 GB there, against 1.2 GB). Beside nanoGPT in one process
-(`benchmarks/train_throughput.py`) it left PyTorch's step as it was; jemalloc's
-`oversize_threshold:0`, which also keeps the block, slowed PyTorch's by 10-40%.
+XLA:CPU allocates each execution's temporaries as one block by default (443.7 MB for GPT
+6/6/384, batch 8 x 256) and frees it when the step ends. glibc malloc serves a block over 32 MiB
+(its largest mmap threshold; its thread arenas grow in 64 MiB heaps) with a fresh mmap and
+unmaps it on free, so every step page-faulted it in again: 109k minor faults and about 200 ms
+of kernel time per 950 ms step on a 2-core EPYC. Two settings keep it, in the process itself:
 
-The allocator is chosen when the process starts (LD_PRELOAD), so this module only reports it
-and says how to change it: `python -m transformer.train` counts the page faults of its first
-logged steps and, on CPU under glibc, names the command when they reach 32 MB a step.
+- `SCRATCH_HEAP_BYTES`: the train steps' CPU compiler option (`placement.compiler_options`)
+  that splits XLA's scratch memory into heaps of at most 30 MiB, each under the threshold;
+- `keep_freed_memory()`: under glibc, a fixed 32 MiB mmap threshold (glibc otherwise starts at
+  128 KiB and raises it only as mapped blocks are freed) and a 64 MiB top pad, so glibc keeps
+  an arena heap whose blocks were all freed instead of unmapping it at the end of each step.
+
+Together they bring that step to about 1k faults and 5 ms of kernel time (825 ms a step),
+what jemalloc told never to return freed pages (`JEMALLOC_CONF`, with LD_PRELOAD) gives; as
+with jemalloc, resident memory stays at the step's peak (1.7 GB there, against 1.2 GB).
+A step can still fault every time where one buffer is over 32 MiB (logits of a large
+vocabulary on CPU): `python -m transformer.train` counts the page faults of its steps between
+its second and third logs and, on CPU under glibc, names the jemalloc command when they reach
+32 MB a step.
 """
 
 from __future__ import annotations
@@ -21,6 +27,15 @@ import ctypes.util
 import os
 
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+# The largest scratch heap XLA:CPU allocates (xla_multiheap_size_constraint_per_heap): under
+# MMAP_THRESHOLD with room for malloc's alignment padding. A single buffer larger than this
+# still gets a heap of its own.
+SCRATCH_HEAP_BYTES = 30 * 2**20
+MMAP_THRESHOLD = 32 * 2**20  # the largest glibc accepts on 64-bit (half its arena heap size)
+# glibc unmaps an emptied arena heap only where the heap before it has this much room to
+# spare, which a 64 MiB heap never has; the main heap, trimmed, keeps it too
+TOP_PAD = 64 * 2**20
+_M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3  # mallopt's parameters (<malloc.h>)
 
 
 def allocator(maps_path: str = "/proc/self/maps") -> str:
@@ -35,6 +50,19 @@ def allocator(maps_path: str = "/proc/self/maps") -> str:
         if f"lib{name}" in text:
             return name
     return "glibc"
+
+
+def keep_freed_memory() -> bool:
+    """Under glibc, has malloc keep freed memory for the next train step: blocks up to
+    MMAP_THRESHOLD come from its arenas, and an arena heap whose blocks are all freed stays
+    mapped (the module docstring has the measurements). Process-wide, so the CLIs call it at
+    start-up; a library does not. Returns whether it applied (False under any other malloc)."""
+    if allocator() != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    # mallopt returns 1 on success; setting either also fixes glibc's dynamic thresholds
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+                and libc.mallopt(_M_TOP_PAD, TOP_PAD))
 
 
 def faulted_bytes() -> int:

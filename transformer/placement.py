@@ -14,7 +14,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from transformer import sharding
+from transformer import hostmem, sharding
 from transformer.data import pipeline
 
 # XLA:CPU defaults for the jitted steps, measured side by side with
@@ -22,14 +22,19 @@ from transformer.data import pipeline
 # (Eigen) dots beat its YNNPACK dot fusions at transformer shapes (GPT 6/6/384 train step 1.11x
 # faster). Lower-precision compute keeps YNNPACK, which uses the CPU's bfloat16 dot instructions.
 CPU_FLOAT32_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# Every CPU step: scratch memory in heaps malloc keeps between steps (hostmem's docstring).
+CPU_OPTIONS = {"xla_multiheap_size_constraint_per_heap": hostmem.SCRATCH_HEAP_BYTES}
 
 
 def compiler_options(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> dict:
-    """XLA options for the jitted steps: the CPU defaults (float32 on a CPU mesh), then
-    config.compiler_options (any XLA option, e.g. {"xla_cpu_multi_thread_eigen": False})."""
-    cpu_float32 = (mesh.devices.flat[0].platform == "cpu"
-                   and config.model.get("dtype") == "float32")
-    defaults = _accepted(tuple(CPU_FLOAT32_OPTIONS.items())) if cpu_float32 else {}
+    """XLA options for the jitted steps: the CPU defaults (CPU_OPTIONS on a CPU mesh, and
+    CPU_FLOAT32_OPTIONS with float32 compute), then config.compiler_options (any XLA option,
+    e.g. {"xla_cpu_multi_thread_eigen": False})."""
+    defaults = {}
+    if mesh.devices.flat[0].platform == "cpu":
+        defaults = CPU_OPTIONS | (CPU_FLOAT32_OPTIONS if config.model.get("dtype") == "float32"
+                                  else {})
+        defaults = _accepted(tuple(defaults.items()))
     return {**defaults, **user_compiler_options(config)}
 
 

@@ -392,7 +392,9 @@ def loop(run: Run, peak_flops: float | None) -> bool:
     # the next log): the first step of the process, which compiles, and every evaluation and
     # save happen outside them, timed apart (`pauses`: the ETA counts them).
     start, since, pauses = time.perf_counter(), None, {"eval": [], "save": []}
-    faulted = None  # bytes page-faulted in when the first timed window began
+    # Host page faults are counted over the third timed window, once: the first steps still map
+    # in the memory malloc then keeps (hostmem). (bytes faulted in, step) when it began.
+    logs, faults = 0, None
     stopping = False
     while run.step < config.steps and not stopping:
         batch = run.placement.global_batch(next(run.train_data))
@@ -408,15 +410,14 @@ def loop(run: Run, peak_flops: float | None) -> bool:
             attention = f", attention {'/'.join(sorted(set(chosen)))}" if chosen else ""
             run.logger.print(f"step {run.step}: the first step (compilation included"
                              f"{attention}) took {run.first_step_seconds:.1f} s")
-            faulted = hostmem.faulted_bytes()
-        if run.step % config.log_every == 0 or last:
-            window = run.step - since[1]
+        logged = run.step % config.log_every == 0 or last
+        if logged:
             since = (_log_train(run, metrics, since, flops, peak_flops, pauses), run.step)
-            if faulted is not None and window:  # once, after the first window's steps ran
-                per_step = (hostmem.faulted_bytes() - faulted) / window
+            logs += 1
+            if logs == 3:
+                per_step = (hostmem.faulted_bytes() - faults[0]) / (run.step - faults[1])
                 if line := hostmem.advice(jax.default_backend(), per_step):
                     run.logger.print(line)
-                faulted = None
         evaluate = run.step % config.eval_every == 0 or last
         if evaluate:
             began = time.perf_counter()
@@ -432,6 +433,8 @@ def loop(run: Run, peak_flops: float | None) -> bool:
             pauses["save"].append(time.perf_counter() - began)
         if evaluate or save:  # the next window starts after them
             since = (time.perf_counter(), run.step)
+        if logged and logs == 2:
+            faults = (hostmem.faulted_bytes(), run.step)
     if stopping or run.stop_requested():  # also after the last save check
         _save(run)
         run.logger.print(f"received signal {run.signal or 'on another process'}: "
