@@ -69,7 +69,7 @@ from transformer import hostmem, placement
 options = {}
 if sys.argv[1] == "keep":
     assert hostmem.keep_freed_memory()
-    options = placement.CPU_OPTIONS
+    options = placement.GLIBC_CPU_OPTIONS
 
 def loss(ws, x):
     for w in ws:

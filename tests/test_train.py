@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from transformer import configs, placement, train
+from transformer import configs, hostmem, placement, train
 from transformer import evaluate as evaluate_lib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -375,11 +375,13 @@ def test_compiler_options_default_per_compute_dtype_and_config_options_extend_th
     config = tiny_config()
     mesh = sharding.make_mesh(config.mesh)
     # float32 on CPU
-    assert placement.compiler_options(config, mesh) == {**placement.CPU_OPTIONS,
+    # under glibc malloc, scratch heaps it keeps
+    glibc = placement.GLIBC_CPU_OPTIONS if hostmem.allocator() == "glibc" else {}
+    assert placement.compiler_options(config, mesh) == {**glibc,
                                                         **placement.CPU_FLOAT32_OPTIONS}
     config.model.dtype = "bfloat16"  # keeps XLA's bf16-capable dot library
     config.compiler_options = {"xla_cpu_multi_thread_eigen": False}
-    assert placement.compiler_options(config, mesh) == {**placement.CPU_OPTIONS,
+    assert placement.compiler_options(config, mesh) == {**glibc,
                                                         "xla_cpu_multi_thread_eigen": False}
     # A default a newer jaxlib no longer knows is dropped with a warning, not an error.
     assert placement._accepted((("xla_cpu_renamed_in_some_release", True),)) == {}

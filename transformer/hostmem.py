@@ -6,15 +6,18 @@ XLA:CPU allocates each execution's temporaries as one block by default (443.7 MB
 unmaps it on free, so every step page-faulted it in again: 109k minor faults and about 200 ms
 of kernel time per 950 ms step on a 2-core EPYC. Two settings keep it, in the process itself:
 
-- `SCRATCH_HEAP_BYTES`: the train steps' CPU compiler option (`placement.compiler_options`)
-  that splits XLA's scratch memory into heaps of at most 30 MiB, each under the threshold;
+- `SCRATCH_HEAP_BYTES`: the train steps' compiler option on CPU under glibc
+  (`placement.GLIBC_CPU_OPTIONS`) that splits XLA's scratch memory into heaps of at most
+  30 MiB, each under the threshold;
 - `keep_freed_memory()`: under glibc, a fixed 32 MiB mmap threshold (glibc otherwise starts at
   128 KiB and raises it only as mapped blocks are freed) and a 64 MiB top pad, so glibc keeps
   an arena heap whose blocks were all freed instead of unmapping it at the end of each step.
 
-Together they bring that step to about 1k faults and 5 ms of kernel time (825 ms a step),
-what jemalloc told never to return freed pages (`JEMALLOC_CONF`, with LD_PRELOAD) gives; as
-with jemalloc, resident memory stays at the step's peak (1.7 GB there, against 1.2 GB).
+Together they bring that step to 1k-3.5k faults and 5-13 ms of kernel time (825-860 ms a
+step), what jemalloc told never to return freed pages (`JEMALLOC_CONF`, with LD_PRELOAD)
+gives; as with jemalloc, resident memory stays at the step's peak (1.7-1.9 GB there, against
+1.2 GB). Either half alone falls short: the heaps alone left 35k-65k faults a step, the
+mallopt alone all 109k. Under jemalloc the heaps only cost time (20-35 ms a step there).
 A step can still fault every time where one buffer is over 32 MiB (logits of a large
 vocabulary on CPU): `python -m transformer.train` counts the page faults of its steps between
 its second and third logs and, on CPU under glibc, names the jemalloc command when they reach

@@ -22,18 +22,22 @@ from transformer.data import pipeline
 # (Eigen) dots beat its YNNPACK dot fusions at transformer shapes (GPT 6/6/384 train step 1.11x
 # faster). Lower-precision compute keeps YNNPACK, which uses the CPU's bfloat16 dot instructions.
 CPU_FLOAT32_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-# Every CPU step: scratch memory in heaps malloc keeps between steps (hostmem's docstring).
-CPU_OPTIONS = {"xla_multiheap_size_constraint_per_heap": hostmem.SCRATCH_HEAP_BYTES}
+# CPU steps under glibc malloc: scratch memory in heaps glibc keeps between steps (hostmem's
+# docstring). Under jemalloc, which keeps the one block anyway, the cap cost 20-35 ms of an
+# 850 ms GPT 6/6/384 step.
+GLIBC_CPU_OPTIONS = {"xla_multiheap_size_constraint_per_heap": hostmem.SCRATCH_HEAP_BYTES}
 
 
 def compiler_options(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> dict:
-    """XLA options for the jitted steps: the CPU defaults (CPU_OPTIONS on a CPU mesh, and
-    CPU_FLOAT32_OPTIONS with float32 compute), then config.compiler_options (any XLA option,
-    e.g. {"xla_cpu_multi_thread_eigen": False})."""
+    """XLA options for the jitted steps: the CPU defaults (on a CPU mesh, GLIBC_CPU_OPTIONS
+    under glibc malloc and CPU_FLOAT32_OPTIONS with float32 compute), then
+    config.compiler_options (any XLA option, e.g. {"xla_cpu_multi_thread_eigen": False})."""
     defaults = {}
     if mesh.devices.flat[0].platform == "cpu":
-        defaults = CPU_OPTIONS | (CPU_FLOAT32_OPTIONS if config.model.get("dtype") == "float32"
-                                  else {})
+        if hostmem.allocator() == "glibc":
+            defaults |= GLIBC_CPU_OPTIONS
+        if config.model.get("dtype") == "float32":
+            defaults |= CPU_FLOAT32_OPTIONS
         defaults = _accepted(tuple(defaults.items()))
     return {**defaults, **user_compiler_options(config)}
 
