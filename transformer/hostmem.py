@@ -62,10 +62,11 @@ def keep_freed_memory() -> bool:
     start-up; a library does not. Returns whether it applied (False under any other malloc)."""
     if allocator() != "glibc":
         return False
-    libc = ctypes.CDLL(None)
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # not in every Linux libc (musl)
+    if mallopt is None:
+        return False
     # mallopt returns 1 on success; setting either also fixes glibc's dynamic thresholds
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-                and libc.mallopt(_M_TOP_PAD, TOP_PAD))
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TOP_PAD, TOP_PAD))
 
 
 def faulted_bytes() -> int:
