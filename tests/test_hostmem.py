@@ -78,7 +78,7 @@ def loss(ws, x):
 
 ws, x = [jnp.eye(128) * 0.5 + 0.01] * 16, jnp.ones((8192, 128))
 step = jax.jit(jax.grad(loss)).lower(ws, x).compile(compiler_options=options)
-for _ in range(4):  # malloc maps in what it will keep
+for _ in range(8):  # malloc maps in what it will keep (in each arena its threads use)
     jax.block_until_ready(step(ws, x))
 before = hostmem.faulted_bytes()
 for _ in range(4):
@@ -104,7 +104,8 @@ def test_kept_scratch_memory_is_not_faulted_in_again():
     temp, per_step = faulted("glibc")
     assert per_step >= 0.9 * temp, (temp, per_step)
     temp, per_step = faulted("keep")
-    assert per_step < 2**20, (temp, per_step)
+    # 0.003 MiB alone, 7 MiB under CI load; glibc with its own top pad, 49 MiB
+    assert per_step < temp / 4, (temp, per_step)
 
 
 def test_keep_freed_memory_leaves_other_allocators_alone(monkeypatch):
