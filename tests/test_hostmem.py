@@ -131,9 +131,9 @@ def get_config():
     config.compiler_options = {{"xla_multiheap_size_constraint_per_heap": -1}}
     return config
 """)
-    flags = ["--config.steps=8", "--config.log_every=2", "--config.batch_size=64",
-             "--config.seq_len=128", "--config.eval_every=8", "--config.eval_steps=1",
-             "--config.checkpoint_every=8"]
+    flags = ["--config.steps=6", "--config.log_every=2", "--config.batch_size=64",
+             "--config.seq_len=128", "--config.eval_every=6", "--config.eval_steps=1",
+             "--config.checkpoint_every=6"]
 
     def run(name, config, env):
         result = subprocess.run([sys.executable, "-m", "transformer.train", f"--config={config}",

@@ -21,7 +21,7 @@ gives; resident memory stays at the step's peak (1.7-2.0 GB there, against 1.2 G
 mallopt alone all 109k. Under jemalloc the heaps only cost time (20-35 ms a step there).
 A step can still fault every time where one buffer is over 32 MiB (logits of a large
 vocabulary on CPU): `python -m transformer.train` counts the page faults of its steps between
-its third and fourth logs and, on CPU under glibc, names the jemalloc command when they reach
+its second and third logs and, on CPU under glibc, names the jemalloc command when they reach
 32 MB a step.
 """
 
@@ -39,14 +39,11 @@ MMAP_THRESHOLD = 32 * 2**20  # the largest glibc accepts on 64-bit (half its are
 # glibc unmaps an emptied arena heap only where the heap before it has this much room to
 # spare, which a 64 MiB heap never has; the main heap, trimmed, keeps it too
 TOP_PAD = 64 * 2**20
-# and the top of the main heap is trimmed only beyond this (mallopt takes an int)
-TRIM_THRESHOLD = 2**31 - 1
 # XLA runs a step on any thread of its pool and glibc gives each thread its own arena, which
 # then keeps its own copy of the scratch memory: at most this many arenas bounds the copies
 # (2-3 held one on 2 cores with glibc's default of 8 per core; 4 left the step as fast there)
 ARENAS = 4
-# mallopt's parameters (<malloc.h>)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
+_M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -2, -3, -8  # mallopt's parameters (<malloc.h>)
 
 
 def allocator(maps_path: str = "/proc/self/maps") -> str:
@@ -75,8 +72,7 @@ def keep_freed_memory() -> bool:
         return False
     # mallopt returns 1 on success; setting a threshold also fixes glibc's dynamic ones
     return all(mallopt(parameter, value) == 1 for parameter, value in (
-        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TOP_PAD, TOP_PAD),
-        (_M_TRIM_THRESHOLD, TRIM_THRESHOLD), (_M_ARENA_MAX, ARENAS)))
+        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TOP_PAD, TOP_PAD), (_M_ARENA_MAX, ARENAS)))
 
 
 def faulted_bytes() -> int:

@@ -392,8 +392,8 @@ def loop(run: Run, peak_flops: float | None) -> bool:
     # the next log): the first step of the process, which compiles, and every evaluation and
     # save happen outside them, timed apart (`pauses`: the ETA counts them).
     start, since, pauses = time.perf_counter(), None, {"eval": [], "save": []}
-    # Host page faults are counted once, between the third and fourth logs: the first steps
-    # still map in the memory malloc then keeps (hostmem). (bytes faulted in, step) then.
+    # Host page faults are counted over the third timed window, once: the first steps still map
+    # in the memory malloc then keeps (hostmem). (bytes faulted in, step) when it began.
     logs, faults = 0, None
     stopping = False
     while run.step < config.steps and not stopping:
@@ -414,7 +414,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
         if logged:
             since = (_log_train(run, metrics, since, flops, peak_flops, pauses), run.step)
             logs += 1
-            if logs == 4:
+            if logs == 3:
                 per_step = (hostmem.faulted_bytes() - faults[0]) / (run.step - faults[1])
                 if line := hostmem.advice(jax.default_backend(), per_step):
                     run.logger.print(line)
@@ -433,7 +433,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
             pauses["save"].append(time.perf_counter() - began)
         if evaluate or save:  # the next window starts after them
             since = (time.perf_counter(), run.step)
-        if logged and logs == 3:
+        if logged and logs == 2:
             faults = (hostmem.faulted_bytes(), run.step)
     if stopping or run.stop_requested():  # also after the last save check
         _save(run)
