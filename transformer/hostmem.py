@@ -11,13 +11,12 @@ of kernel time per 950 ms step on a 2-core EPYC. Two settings keep it, in the pr
   30 MiB, each under the threshold;
 - `keep_freed_memory()`: under glibc, a fixed 32 MiB mmap threshold (glibc otherwise starts at
   128 KiB and raises it only as mapped blocks are freed) and a 64 MiB top pad, so glibc keeps
-  an arena heap whose blocks were all freed instead of unmapping it at the end of each step;
-  and at most 4 arenas, each of which may keep a copy (XLA runs steps on several threads).
+  an arena heap whose blocks were all freed instead of unmapping it at the end of each step.
 
 Together they bring that step to 1k-3.5k faults and 5-13 ms of kernel time (825-860 ms a
 step), what jemalloc told never to return freed pages (`JEMALLOC_CONF`, with LD_PRELOAD)
-gives; resident memory stays at the step's peak (1.7-2.0 GB there, against 1.2 GB; jemalloc
-1.7-1.8 GB). Either half alone falls short: the heaps alone left 35k-65k faults a step, the
+gives; as with jemalloc, resident memory stays at the step's peak (1.7-1.9 GB there, against
+1.2 GB). Either half alone falls short: the heaps alone left 35k-65k faults a step, the
 mallopt alone all 109k. Under jemalloc the heaps only cost time (20-35 ms a step there).
 A step can still fault every time where one buffer is over 32 MiB (logits of a large
 vocabulary on CPU): `python -m transformer.train` counts the page faults of its steps between
@@ -39,11 +38,7 @@ MMAP_THRESHOLD = 32 * 2**20  # the largest glibc accepts on 64-bit (half its are
 # glibc unmaps an emptied arena heap only where the heap before it has this much room to
 # spare, which a 64 MiB heap never has; the main heap, trimmed, keeps it too
 TOP_PAD = 64 * 2**20
-# XLA runs a step on any thread of its pool and glibc gives each thread its own arena, which
-# then keeps its own copy of the scratch memory: at most this many arenas bounds the copies
-# (2-3 held one on 2 cores with glibc's default of 8 per core; 4 left the step as fast there)
-ARENAS = 4
-_M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -2, -3, -8  # mallopt's parameters (<malloc.h>)
+_M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3  # mallopt's parameters (<malloc.h>)
 
 
 def allocator(maps_path: str = "/proc/self/maps") -> str:
@@ -70,9 +65,8 @@ def keep_freed_memory() -> bool:
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # not in every Linux libc (musl)
     if mallopt is None:
         return False
-    # mallopt returns 1 on success; setting a threshold also fixes glibc's dynamic ones
-    return all(mallopt(parameter, value) == 1 for parameter, value in (
-        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TOP_PAD, TOP_PAD), (_M_ARENA_MAX, ARENAS)))
+    # mallopt returns 1 on success; setting either also fixes glibc's dynamic thresholds
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TOP_PAD, TOP_PAD))
 
 
 def faulted_bytes() -> int:
