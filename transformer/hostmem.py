@@ -18,6 +18,8 @@ step), what jemalloc told never to return freed pages (`JEMALLOC_CONF`, with LD_
 gives; as with jemalloc, resident memory stays at the step's peak (1.7-1.9 GB there, against
 1.2 GB). Either half alone falls short: the heaps alone left 35k-65k faults a step, the
 mallopt alone all 109k. Under jemalloc the heaps only cost time (20-35 ms a step there).
+Each thread that runs steps allocates from its own glibc arena, which keeps its own copy:
+2-3 copies on 2 cores, up to one per core of XLA's pool on larger machines (README).
 A step can still fault every time where one buffer is over 32 MiB (logits of a large
 vocabulary on CPU): `python -m transformer.train` counts the page faults of its steps between
 its second and third logs and, on CPU under glibc, names the jemalloc command when they reach
