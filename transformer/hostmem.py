@@ -83,9 +83,9 @@ def faulted_bytes() -> int:
 
 def advice(platform: str, faulted_bytes_per_step: float, name: str | None = None) -> str | None:
     """One line for a run on `platform` whose train steps each page-faulted in
-    `faulted_bytes_per_step` (measured over steps after the first): under glibc malloc on CPU,
-    with at least 32 MB faulted per step (glibc keeps freed blocks below that), the command
-    that keeps XLA's scratch memory mapped. None otherwise: nothing to gain.
+    `faulted_bytes_per_step` (measured once the first steps have run): under glibc malloc on
+    CPU, with at least MMAP_THRESHOLD faulted per step (glibc keeps freed blocks below it),
+    the command that keeps XLA's scratch memory mapped. None otherwise: nothing to gain.
 
     >>> advice("cpu", 443.7e6, "jemalloc") is None
     True
@@ -93,7 +93,7 @@ def advice(platform: str, faulted_bytes_per_step: float, name: str | None = None
     True
     """
     name = allocator() if name is None else name
-    if platform != "cpu" or name != "glibc" or faulted_bytes_per_step < 32 * 2**20:
+    if platform != "cpu" or name != "glibc" or faulted_bytes_per_step < MMAP_THRESHOLD:
         return None
     library = ctypes.util.find_library("jemalloc")
     preload = (f"LD_PRELOAD={_path(library)}" if library else
