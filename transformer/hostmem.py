@@ -10,16 +10,22 @@ of kernel time per 950 ms step on a 2-core EPYC. Two settings keep it, in the pr
   (`placement.GLIBC_CPU_OPTIONS`) that splits XLA's scratch memory into heaps of at most
   30 MiB, each under the threshold;
 - `keep_freed_memory()`: under glibc, a fixed 32 MiB mmap threshold (glibc otherwise starts at
-  128 KiB and raises it only as mapped blocks are freed) and a 64 MiB top pad, so glibc keeps
-  an arena heap whose blocks were all freed instead of unmapping it at the end of each step.
+  128 KiB and raises it only as mapped blocks are freed), a 64 MiB top pad (glibc unmaps an
+  emptied heap of a thread's arena otherwise) and a 2 GiB trim threshold (the main arena's
+  free top is given back past it), and JAX running single-device CPU computations on the
+  calling thread (`jax_cpu_enable_async_dispatch` off).
 
-Together they bring that step to 1k-3.5k faults and 5-13 ms of kernel time (825-860 ms a
-step), what jemalloc told never to return freed pages (`JEMALLOC_CONF`, with LD_PRELOAD)
-gives; as with jemalloc, resident memory stays at the step's peak (1.7-1.9 GB there, against
-1.2 GB). Either half alone falls short: the heaps alone left 35k-65k faults a step, the
-mallopt alone all 109k. Under jemalloc the heaps only cost time (20-35 ms a step there).
-Each thread that runs steps allocates from its own glibc arena, which keeps its own copy:
-2-3 copies on 2 cores, up to one per core of XLA's pool on larger machines (README).
+Either half alone falls short: the heaps alone left 35k-65k faults a step, the mallopt alone
+all 109k. Under jemalloc the heaps only cost time (20-35 ms a step there). The calling thread
+matters because JAX otherwise runs each computation on a thread of XLA's pool, one per core,
+and glibc gives each thread its own arena, which keeps its own copy: 2-3 copies on 2 cores
+(1.8-2.1 GB resident at 6/6/384, up to one copy per core on larger machines), each new
+thread faulting its copy in afresh (198 MB in the fourth step of a CI run). On the calling
+thread, every step allocates from the main arena. That step then faults 0-2 pages and holds
+one copy (1.18-1.24 GB resident, as much as glibc holds as it starts) at the same speed:
+834-854 ms against 833-858 ms on the pool, and 33.7-34.5 against 33.0-40.8 ms at 4/4/128
+(three alternating processes each). jemalloc told never to return freed pages
+(`JEMALLOC_CONF`, with LD_PRELOAD) faults 0-70 pages there, with 1.7-1.8 GB resident.
 A step can still fault every time where one buffer is over 32 MiB (logits of a large
 vocabulary on CPU): `python -m transformer.train` counts the page faults of its steps between
 its second and third logs and, on CPU under glibc, names the jemalloc command when they reach
@@ -40,7 +46,10 @@ MMAP_THRESHOLD = 32 * 2**20  # the largest glibc accepts on 64-bit (half its are
 # glibc unmaps an emptied arena heap only where the heap before it has this much room to
 # spare, which a 64 MiB heap never has; the main heap, trimmed, keeps it too
 TOP_PAD = 64 * 2**20
-_M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3  # mallopt's parameters (<malloc.h>)
+# glibc gives the main arena's free top back to the system above this; mallopt's largest value
+TRIM_THRESHOLD = 2**31 - 1
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's parameters (<malloc.h>)
+ASYNC_DISPATCH = "jax_cpu_enable_async_dispatch"
 
 
 def allocator(maps_path: str = "/proc/self/maps") -> str:
@@ -59,16 +68,27 @@ def allocator(maps_path: str = "/proc/self/maps") -> str:
 
 def keep_freed_memory() -> bool:
     """Under glibc, has malloc keep freed memory for the next train step: blocks up to
-    MMAP_THRESHOLD come from its arenas, and an arena heap whose blocks are all freed stays
-    mapped (the module docstring has the measurements). Process-wide, so the CLIs call it at
-    start-up; a library does not. Returns whether it applied (False under any other malloc)."""
+    MMAP_THRESHOLD come from its arenas, an arena heap whose blocks are all freed stays mapped,
+    and JAX runs single-device CPU computations on the calling thread, so that one arena (the
+    main one, trimmed only past TRIM_THRESHOLD) serves every step (the module docstring has
+    the measurements). Process-wide and read when JAX starts its CPU client, so the CLIs call
+    it at start-up, before any computation; a library does not. JAX_CPU_ENABLE_ASYNC_DISPATCH,
+    if set, wins. Returns whether it applied (False under any other malloc)."""
     if allocator() != "glibc":
         return False
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # not in every Linux libc (musl)
     if mallopt is None:
         return False
-    # mallopt returns 1 on success; setting either also fixes glibc's dynamic thresholds
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TOP_PAD, TOP_PAD))
+    # mallopt returns 1 on success; setting any of these also fixes glibc's dynamic thresholds
+    if not all(mallopt(param, value) for param, value in (
+            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TOP_PAD, TOP_PAD),
+            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD))):
+        return False
+    if ASYNC_DISPATCH.upper() not in os.environ:
+        import jax
+
+        jax.config.update(ASYNC_DISPATCH, False)
+    return True
 
 
 def faulted_bytes() -> int:
