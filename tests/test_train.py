@@ -764,7 +764,11 @@ def test_ctrl_c_twice_exits_at_once_and_leaves_only_complete_checkpoints(tmp_pat
         for line in process.stdout:
             if line.startswith("step 3/"):
                 process.send_signal(signal.SIGINT)
-                time.sleep(0.3)  # two signals before the handler runs would count as one
+                # Two signals before the handler runs would count as one: the second is sent
+                # once the handler has said it runs (a fixed wait lost that race in CI).
+                while process.poll() is None and "received SIGINT: saving" not in \
+                        (tmp_path / "stderr.txt").read_text(errors="replace"):
+                    time.sleep(0.005)
                 process.send_signal(signal.SIGINT)
                 break
         process.stdout.read()

@@ -488,6 +488,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if run.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now (no half-written checkpoint
         run.signal = signum  # is ever picked up: Orbax commits a step only when complete)
+        # os.write, not print: the handler may interrupt a print to the same stream
+        os.write(2, f"received {signal.Signals(signum).name}: saving a checkpoint after this "
+                    "step, then exiting (Ctrl-C again: exit at once)\n".encode())
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     peak, source = run.peak
