@@ -154,8 +154,6 @@ def test_a_hugging_face_tokenizer_is_exported_with_its_roles(tmp_path):
 
     from transformer.data import tokenizers
 
-    if not SHAKESPEARE.is_file():
-        pytest.skip("tinyshakespeare.txt not found")
     tokenizer_dir = gpt2_style(tmp_path / "tokenizer")
     workdir, output = tmp_path / "run", tmp_path / "hf"
     assert_succeeded(run_cli(

@@ -30,9 +30,7 @@ TEXTS = [
 
 
 def corpus() -> list[str]:
-    if SHAKESPEARE.is_file():
-        return SHAKESPEARE.read_text(encoding="utf-8")[:100_000].split("\n\n")
-    return ["to be or not to be, that is the question"] * 200 + TEXTS
+    return SHAKESPEARE.read_text(encoding="utf-8")[:100_000].split("\n\n")
 
 
 def gpt2_style(directory: Path, vocab_size: int = 400) -> Path:
@@ -198,8 +196,6 @@ def hf_config(tokenizer_dir: Path, workdir_steps: int = 4):
 @pytest.mark.slow
 def test_a_run_trains_on_hf_ids_saves_the_tokenizer_and_refuses_another_on_resume(
         gpt2_dir, tmp_path):
-    if not SHAKESPEARE.is_file():
-        pytest.skip("tinyshakespeare.txt not found")
     config = hf_config(gpt2_dir)
     workdir = tmp_path / "run"
     result = train.train_and_evaluate(config, str(workdir))
@@ -227,8 +223,6 @@ def test_init_from_hf_takes_the_checkpoints_tokenizer_and_fine_tunes_and_generat
         gpt2_dir, tmp_path):
     """A save_pretrained directory with weights and tokenizer: data.tokenizer='hf' reads the
     tokenizer from init_from, the weights load, and the workdir generates text."""
-    if not SHAKESPEARE.is_file():
-        pytest.skip("tinyshakespeare.txt not found")
     from transformer import convert
 
     checkpoint = tmp_path / "hf_gpt2"
@@ -268,8 +262,6 @@ def test_init_from_hf_takes_the_checkpoints_tokenizer_and_fine_tunes_and_generat
 
 @pytest.mark.slow
 def test_prepare_writes_token_shards_with_an_hf_tokenizer(gpt2_dir, tmp_path):
-    if not SHAKESPEARE.is_file():
-        pytest.skip("tinyshakespeare.txt not found")
     counts = prepare.prepare(str(tmp_path / "prepared"), str(SHAKESPEARE), tokenizer="hf",
                              tokenizer_path=str(gpt2_dir), format="bin", unit="stream")
     tok = tokenizers_lib.load_tokenizer(str(tmp_path / "prepared"))
@@ -288,8 +280,6 @@ def test_prepare_writes_token_shards_with_an_hf_tokenizer(gpt2_dir, tmp_path):
 def test_nanogpt_train_bin_and_val_bin_as_data_path(gpt2_dir, tmp_path):
     """nanoGPT's prepared layout (train.bin, val.bin: raw uint16 ids) trains as data.path with
     the tokenizer it was written with; ids past that tokenizer are refused before any step."""
-    if not SHAKESPEARE.is_file():
-        pytest.skip("tinyshakespeare.txt not found")
     tok = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir))
     text = SHAKESPEARE.read_text(encoding="utf-8")
     split = int(len(text) * 0.9)
