@@ -334,6 +334,8 @@ class HFTokenizer(Tokenizer):
     - `encode` adds no specials (no BOS / EOS / [CLS]); `decode` drops <pad> and writes other
       specials as their text, so decode(encode(text)) == text wherever the tokenizer is
       lossless (byte-level BPE is; BERT's lower-casing WordPiece is not).
+    - The tokenizer.json's `padding` and `truncation` are turned off: every text gives all of
+      its ids, as `AutoTokenizer(text, add_special_tokens=False)` does.
     """
 
     kind = "hf"
@@ -344,6 +346,10 @@ class HFTokenizer(Tokenizer):
 
         self.tokenizer_json = tokenizer_json
         self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
+        # A tokenizer.json may pad or cut every encoding to a fixed length (sentence-transformers
+        # saves `padding: Fixed 128` and `truncation: 128`): documents are encoded whole.
+        self._tok.no_padding()
+        self._tok.no_truncation()
         vocab = self._tok.get_vocab(with_added_tokens=True)
         size = max(vocab.values()) + 1
         unknown = sorted(set(specials) - set(ROLES))
@@ -432,6 +438,18 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _json_object(file, expected: str) -> dict[str, Any]:
+    """`file`'s JSON object, or a one-line error naming `file` and saying what was `expected`."""
+    try:
+        content = json.loads(file.read_bytes().decode("utf-8", errors="replace"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(file)!r} is not JSON ({e}): expected {expected}") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{str(file)!r} holds a JSON {type(content).__name__}: expected "
+                         f"{expected}")
+    return content
+
+
 def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenizer:
     """An `HFTokenizer` from a Hugging Face tokenizer.json, or a directory holding one (e.g. a
     `save_pretrained` directory). The roles come from the directory's tokenizer_config.json
@@ -444,11 +462,15 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
     if not file.is_file():
         raise FileNotFoundError(f"{path!r}: expected a Hugging Face tokenizer.json or a "
                                 "directory holding one")
+    expected = "a Hugging Face tokenizer.json or a directory holding one"
+    if not isinstance(_json_object(file, expected).get("model"), dict):
+        raise ValueError(f"{str(file)!r} is JSON but not a tokenizer (it has no \"model\"): "
+                         f"expected {expected}")
     text = file.read_text(encoding="utf-8")
     named = None
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (meta := file.parent.joinpath(name)).is_file():
-            config = json.loads(meta.read_text(encoding="utf-8"))
+            config = _json_object(meta, f"a Hugging Face {name}")
             named = {role: _token_content(config.get(f"{role}_token")) for role in ROLES}
             break
     try:
