@@ -117,6 +117,10 @@ BAD_VALUES = [
     ({"model.dropout_rate": 1.5}, "expected 0 <= rate < 1"),
     ({"model.position": "relative"}, "expected one of"),
     ({"model.family": "rnn"}, "expected one of"),
+    ({"model.dtype": "int8"}, "expected one of ('float32', 'bfloat16', 'float16')"),
+    ({"model.dtype": "bfloat61"}, "expected one of ('float32', 'bfloat16', 'float16')"),
+    ({"model.param_dtype": "int8"}, "expected one of ('float32', 'bfloat16', 'float16')"),
+    ({"model.param_dtype": "float64"}, "expected one of"),
 ]
 
 
@@ -141,6 +145,8 @@ def test_a_bad_value_is_a_one_line_error_naming_its_dotted_key(overrides, expect
     {"data.validation_fraction": 0, "data.prefetch": 0, "max_nonfinite_skips": 0},
     {"data.tokenizer": "sentencepiece_bpe", "data.vocab_size": 1000},
     {"mesh.data": 1, "mesh.fsdp": -1},
+    {"model.dtype": "bfloat16", "model.param_dtype": "float32"},
+    {"model.dtype": "float16", "model.param_dtype": "bfloat16"},
 ])
 def test_edge_values_that_mean_something_are_accepted(overrides):
     configs.validate_config(_with(overrides), num_devices=1, num_processes=1)
@@ -226,3 +232,15 @@ def test_the_cpu_benchmarks_time_the_gpu_recipe_without_dropout_in_float32():
         0.0, 0.0, "float32")
     assert (model.use_bias, model.activation, model.tie_embeddings) == (
         recipe.use_bias, recipe.activation, recipe.tie_embeddings)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["model.dtype=int8", "model.param_dtype=bfloat61"])
+def test_the_cli_names_a_dtype_it_cannot_compute_in(flag, tmp_path):
+    result = run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                     f"--workdir={tmp_path / 'run'}", f"--config.{flag}", logs=tmp_path / "logs")
+    key, value = flag.split("=")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {key}={value!r}: expected one of ('float32', 'bfloat16', 'float16')"]
+    assert not (tmp_path / "run").exists()

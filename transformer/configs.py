@@ -210,6 +210,8 @@ def _regex(value) -> bool:
     return True
 
 
+# The float dtypes the models compute in and keep params in (float64 needs jax_enable_x64).
+DTYPES = ("float32", "bfloat16", "float16")
 _STR: Check = (lambda v: isinstance(v, str), "a str")
 _BOOL: Check = (lambda v: isinstance(v, bool), "a bool")
 _REGEX: Check = (lambda v: isinstance(v, str) and _regex(v),
@@ -275,6 +277,8 @@ CHECKS: dict[str, Check] = {
     "model.family": _one_of(tuple(FAMILIES)),
     "model.vocab_size": _int(ge=0, note="0: the tokenizer's"),
     "model.num_classes": _int(ge=0, note="0: the task's"),
+    "model.dtype": _one_of(DTYPES),  # compute
+    "model.param_dtype": _one_of(DTYPES),
 }
 # Keys whose values are checked by code they belong to (called from validate_config).
 CHECKED_ELSEWHERE = ("compiler_options", "mesh", "model")
