@@ -124,8 +124,9 @@ def train_config(args: Sequence[str]):
         values(argv)
         return values.config
     except (flags.Error, KeyError, AttributeError, TypeError) as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        raise ValueError(f"train arguments: {message}") from None
+        from transformer import cli  # one line, as the train command would say it
+
+        raise ValueError(f"train arguments: {cli.message(error)}") from None
 
 
 # --- the gcloud commands --------------------------------------------------------------------

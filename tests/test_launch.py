@@ -80,6 +80,14 @@ def test_bad_launches_are_refused_before_anything_is_created(kwargs, train, mess
         tpu.validate(launch)
 
 
+def test_an_unknown_train_key_is_one_clean_line_naming_it():
+    launch = make_launch("v6e-8", train=TRAIN + ("--config.stpes=3",))
+    with pytest.raises(ValueError) as error:
+        tpu.validate(launch)
+    assert str(error.value) == ("train arguments: unknown key 'stpes'. Did you mean \"steps\" "
+                                "instead of \"stpes\"?")
+
+
 DRY_RUNS = {
     "single_host": dict(accelerator="v5p-8", train=("--config=experiments/gpt_tiny.py",
                                                     "--workdir=gs://bucket/runs/tiny")),
