@@ -10,7 +10,7 @@ from test_pipeline import assert_same_batches, fake_tokenizer
 from test_train import assert_succeeded, read_metrics, run_cli, tiny_flags
 
 from transformer import configs
-from transformer.data import inputs, pipeline, prepare
+from transformer.data import inputs, pipeline, prepare, sources
 from transformer.data.tokenizers import EOS_ID
 
 TOKENIZER = fake_tokenizer(300, 0)
@@ -181,6 +181,31 @@ def test_the_data_stream_names_the_sources_their_weights_and_fingerprints(two_te
     assert inputs.data_stream(mixture_config(*two_texts, weights=(0.5, 0.5))) != stream
     two_texts[1].write_text("other text\n\n" * 50)
     assert inputs.data_stream(config)["fingerprint"]["code"] != stream["fingerprint"]["code"]
+
+
+def test_the_same_sources_written_differently_are_the_same_data_stream(two_texts):
+    """0.7 and 0.70, spaces around '=' and ',', key order and a name equal to the default do
+    not change the mixture, so they do not make another data stream."""
+    prose, code = two_texts
+    config = configs.base_config()
+    stream = None
+    for first in (f"path={prose},weight=0.7", f"path={prose},weight=0.70",
+                  f"path = {prose} , weight = 0.7", f"weight=0.7, path={prose}",
+                  f"name=prose, path={prose}, weight=7e-1"):
+        config.data.sources = (first, f"path={code}, weight = 0.3, unit = stream")
+        configs.validate_config(config, num_devices=1, num_processes=1)
+        assert [(s.name, s.path, s.weight, s.unit) for s in sources.parse_sources(
+            config.data.sources)] == [("prose", str(prose), 0.7, ""),
+                                      ("code", str(code), 0.3, "stream")], first
+        assert inputs.mixture_weights(config) == [0.7, 0.3]
+        stream = stream or inputs.data_stream(config)
+        assert inputs.data_stream(config) == stream, first
+    assert stream["data"]["sources"] == [f"path={prose},weight=0.7",
+                                         f"path={code},weight=0.3,unit=stream"]
+    config.data.sources = (f"path={prose},weight=0.71", config.data.sources[1])
+    assert inputs.data_stream(config) != stream
+    config.data.sources = (f"path={prose},weight=0.7,name=other", config.data.sources[1])
+    assert inputs.data_stream(config) != stream
 
 
 def test_the_tokenizer_is_built_on_the_union_of_the_sources_train_splits(two_texts):

@@ -205,12 +205,13 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
     """What defines the sequence of batches a run reads, so a checkpoint's iterator position
     means something only together with it: the data settings, batch size, length and seed, and
     a fingerprint of the data's content (`sources.fingerprint`; a prepared directory's shards).
-    A mixture's sources (paths, weights, units) are among the data settings, and its
+    A mixture's sources (paths, weights, units; `sources.canonical_source`, so 0.7 and 0.70
+    are one stream) are among the data settings, and its
     fingerprints are per source: {"fingerprint": {"web": ..., "code": ...}}."""
     data = {k: v for k, v in config.data.to_dict().items() if k not in _NOT_STREAM}
     data["objective"] = pipeline.objective_for(config)
-    if "sources" in data:
-        data["sources"] = list(data["sources"])  # as JSON gives it back from a checkpoint
+    if "sources" in data:  # a list, as JSON gives it back from a checkpoint
+        data["sources"] = [sources.canonical_source(spec) for spec in data["sources"]]
     stream = {"pipeline": PIPELINE_VERSION, "batch_size": config.batch_size,
               "seq_len": config.seq_len, "seed": config.seed, "data": data,
               "fingerprint": sources.fingerprint(config.data.path or None)}

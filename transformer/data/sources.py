@@ -311,6 +311,25 @@ def parse_source(spec: str) -> MixtureSource:
                          fields.get("validation_path", ""))
 
 
+def canonical_source(spec: str) -> str:
+    """A `data.sources` entry written one way: keys in order, no spaces around '=' and ',', the
+    weight as a number (0.70 -> 0.7, 1.0 -> 1) and the name only if it is not the default, so
+    entries that mean the same source and weight read as the same data stream.
+
+    >>> canonical_source("weight = 0.70, path = web.txt, name = web")
+    'path=web.txt,weight=0.7'
+    >>> canonical_source("path=code/,weight=3.0,unit=file,name=py")
+    'path=code/,weight=3,unit=file,name=py'
+    """
+    source = parse_source(spec)
+    weight = repr(source.weight).removesuffix(".0")
+    default_name = parse_source(f"path={source.path},weight=1").name
+    fields = {"path": source.path, "weight": weight, "unit": source.unit,
+              "validation_path": source.validation_path,
+              "name": "" if source.name == default_name else source.name}
+    return ",".join(f"{key}={value}" for key, value in fields.items() if value)
+
+
 def parse_sources(specs: Sequence[str]) -> list[MixtureSource]:
     """`data.sources` -> its `MixtureSource`s, checked: one-line errors naming the source for a
     weight that is not a finite number > 0, an unknown unit, a missing path, or a name that is
