@@ -3,7 +3,9 @@ models.
 
 `from_hf(hf_config, state_dict)` returns (model config group, params). The state dict may hold
 torch tensors or NumPy arrays (torch itself is not needed here). Any parameter the model needs
-that the checkpoint lacks, and any checkpoint tensor left unused, is an error naming it.
+that the checkpoint lacks, and any checkpoint tensor left unused, is an error naming it. A base
+model without its head (BertModel, LlamaModel, T5EncoderModel, ...) gives `head="none"`: the
+model then returns its last layer's vectors, as the base model's `last_hidden_state`.
 
     import transformers
     hf = transformers.GPT2LMHeadModel.from_pretrained("gpt2")
@@ -82,7 +84,8 @@ def _activation(name: str) -> str:
 
 
 def gpt2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
-    """GPT2LMHeadModel / GPT2Model -> (config for `DecoderLM`, params)."""
+    """GPT2LMHeadModel / GPT2Model -> (config for `DecoderLM`, params). Tied embeddings are the
+    LM head; an untied GPT2Model without lm_head.weight gives head "none"."""
     for name in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
                  "add_cross_attention"):
         if getattr(hf_config, name, False):
@@ -93,8 +96,10 @@ def gpt2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
                          f"{hf_config.resid_pdrop}: expected them equal (one model.dropout_rate)")
     d, n = hf_config.n_embd, hf_config.n_head
     tie = getattr(hf_config, "tie_word_embeddings", True)
+    headless = not tie and "lm_head.weight" not in state_dict
     config = _model_config(
         family="gpt", vocab_size=hf_config.vocab_size, tie_embeddings=tie,
+        head="none" if headless else "mlm",
         num_layers=hf_config.n_layer, d_model=d, num_heads=n, d_ff=hf_config.n_inner or 4 * d,
         activation=_activation(hf_config.activation_function), norm="layernorm",
         norm_placement="pre", norm_epsilon=hf_config.layer_norm_epsilon, position="learned",
@@ -125,7 +130,7 @@ def gpt2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
                     "wo": ckpt(p + "mlp.c_proj.weight"), "wo_bias": ckpt(p + "mlp.c_proj.bias")},
         }
     params = {"embed": {"embedding": ckpt(f"{root}wte.weight")}, "decoder": decoder}
-    if not tie:
+    if not tie and not headless:
         params["lm_head"] = {"kernel": ckpt("lm_head.weight", transpose=True)}
     ckpt.check_all_used()
     return config, _maybe_scan(config, params, "decoder")
@@ -133,8 +138,9 @@ def gpt2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
 
 def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """BertForMaskedLM / BertForPreTraining (MLM part) / BertForSequenceClassification, or a
-    BertModel (no head; keys with or without "bert."): then the params are the encoder's (and
-    its pooler's, if any) and the MLM head is absent (`init_from` starts any head fresh)."""
+    BertModel (keys with or without "bert."; every sentence-transformers checkpoint): head
+    "none", the encoder's params, and its pooler's if it has one (unused by head "none"; a
+    classifier's `init_from` loads it; `init_from` starts any other head fresh)."""
     if getattr(hf_config, "position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"BERT position_embedding_type={hf_config.position_embedding_type!r}: "
                          "expected 'absolute'")
@@ -161,7 +167,8 @@ def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
         max_len=hf_config.max_position_embeddings, use_bias=True, embedding_norm=True,
         init_std=hf_config.initializer_range, dropout_rate=hf_config.hidden_dropout_prob,
         attention_dropout_rate=hf_config.attention_probs_dropout_prob,
-        type_vocab_size=hf_config.type_vocab_size, head="classify" if classify else "mlm",
+        type_vocab_size=hf_config.type_vocab_size,
+        head="classify" if classify else "mlm" if mlm else "none",
         num_classes=num_classes)
     ignored = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias",
                "cls.seq_relationship.weight", "cls.seq_relationship.bias",
@@ -223,7 +230,9 @@ def _t5_activation(hf_config) -> str:
 
 
 def t5(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
-    """T5ForConditionalGeneration (T5 v1.0 and v1.1 / gated-GELU) -> (config, params)."""
+    """T5ForConditionalGeneration / T5Model (T5 v1.0 and v1.1 / gated-GELU) -> (config,
+    params). A T5EncoderModel (no decoder.* weights) becomes the encoder-only family "bert"
+    with T5's settings (RMSNorm, relative position buckets, no token types) and head "none"."""
     if getattr(hf_config, "is_decoder", False):
         raise ValueError("T5 is_decoder=True: expected False (an encoder-decoder checkpoint)")
     d, n = hf_config.d_model, hf_config.num_heads
@@ -233,10 +242,12 @@ def t5(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDi
         _Checkpoint(state_dict)("lm_head.weight"), _Checkpoint(state_dict)("shared.weight"))
     scale = getattr(hf_config, "scale_decoder_outputs", getattr(
         hf_config, "tie_word_embeddings", True))
+    encoder_only = not any(k.startswith("decoder.") for k in state_dict)  # T5EncoderModel
     config = _model_config(
-        family="t5", vocab_size=hf_config.vocab_size, tie_embeddings=tie,
-        scale_decoder_output=bool(scale),
-        num_layers=hf_config.num_layers, num_decoder_layers=hf_config.num_decoder_layers,
+        family="bert" if encoder_only else "t5", vocab_size=hf_config.vocab_size,
+        tie_embeddings=tie, scale_decoder_output=bool(scale), num_layers=hf_config.num_layers,
+        num_decoder_layers=None if encoder_only else hf_config.num_decoder_layers,
+        **(dict(type_vocab_size=0, head="none") if encoder_only else {}),
         d_model=d, num_heads=n, head_dim=hf_config.d_kv, d_ff=hf_config.d_ff,
         activation=_t5_activation(hf_config), norm="rmsnorm",
         norm_placement="pre", norm_epsilon=hf_config.layer_norm_epsilon, position="t5",
@@ -279,12 +290,13 @@ def t5(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDi
         return params
 
     params = {"embed": {"embedding": ckpt("shared.weight")},
-              "encoder": stack("encoder", hf_config.num_layers, False),
-              "decoder": stack("decoder", hf_config.num_decoder_layers, True)}
+              "encoder": stack("encoder", hf_config.num_layers, False)}
+    if not encoder_only:
+        params["decoder"] = stack("decoder", hf_config.num_decoder_layers, True)
     if not tie:
         params["lm_head"] = {"kernel": ckpt("lm_head.weight", transpose=True)}
     ckpt.check_all_used()
-    return config, _maybe_scan(config, params, "encoder", "decoder")
+    return config, _maybe_scan(config, params, *(k for k in ("encoder", "decoder") if k in params))
 
 
 def _rope(hf_config) -> dict[str, Any]:
@@ -312,7 +324,8 @@ def _rope(hf_config) -> dict[str, Any]:
 
 def llama(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """LlamaForCausalLM / LlamaModel -> (config for `DecoderLM`: RMSNorm, SwiGLU, RoPE, GQA, no
-    biases; params). Settings this model cannot represent are refused, naming them."""
+    biases; params). A LlamaModel with untied embeddings (no lm_head.weight) gives head "none".
+    Settings this model cannot represent are refused, naming them."""
     return _llama_like("Llama", hf_config, state_dict, dtype)
 
 
@@ -346,9 +359,11 @@ def _llama_like(name, hf_config, state_dict, dtype, *, window=None, qkv_bias=Fal
     kv = getattr(hf_config, "num_key_value_heads", None) or n
     head_dim = getattr(hf_config, "head_dim", None) or d // n
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+    headless = not tie and "lm_head.weight" not in state_dict
     config = _model_config(
         family="gpt", vocab_size=hf_config.vocab_size, tie_embeddings=tie,
-        num_layers=hf_config.num_hidden_layers, d_model=d, num_heads=n,
+        head="none" if headless else "mlm", num_layers=hf_config.num_hidden_layers,
+        d_model=d, num_heads=n,
         num_kv_heads=None if kv == n else kv, head_dim=None if head_dim * n == d else head_dim,
         d_ff=hf_config.intermediate_size, activation="swiglu", norm="rmsnorm",
         norm_placement="pre", norm_epsilon=hf_config.rms_norm_eps, position="rope",
@@ -381,7 +396,7 @@ def _llama_like(name, hf_config, state_dict, dtype, *, window=None, qkv_bias=Fal
                     "wo": ckpt(p + "mlp.down_proj.weight", True)},
         }
     params = {"embed": {"embedding": ckpt(f"{root}embed_tokens.weight")}, "decoder": decoder}
-    if not tie and ckpt.has("lm_head.weight"):  # (a LlamaModel has none: init_from adds one)
+    if not tie and not headless:
         params["lm_head"] = {"kernel": ckpt("lm_head.weight", transpose=True)}
     ckpt.check_all_used()
     return config, _maybe_scan(config, params, "decoder")

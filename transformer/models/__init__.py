@@ -57,7 +57,8 @@ def default_model_config() -> ml_collections.ConfigDict:
         # Encoder-decoder: scale the decoder output by d_model^-0.5 before the head (T5 v1.0).
         "scale_decoder_output": True,
         # BERT: sentence A/B vocabulary. BERT and GPT: head ("mlm" | "classify": a sequence
-        # classifier; GPT's default LM head is "mlm" too) and its classes (0: the task's).
+        # classifier; GPT's default LM head is "mlm" too; "none": the last layer's vectors, an
+        # imported base model's outputs) and its classes (0: the task's).
         "type_vocab_size": 2,
         "head": "mlm",
         "num_classes": 0,

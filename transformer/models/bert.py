@@ -1,5 +1,6 @@
 """Encoder-only model (BERT): bidirectional encoder over [CLS] A [SEP] (B [SEP]) with a masked-LM
-head for pretraining and a sequence-classification head on [CLS] for fine-tuning."""
+head for pretraining and a sequence-classification head on [CLS] for fine-tuning, or no head (an
+imported base model: its encoder's vectors)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ from transformer.layers import (
 from transformer.models.family import Family, transformer_config
 
 Array = jax.Array
-HEADS = ("mlm", "classify")
+HEADS = ("mlm", "classify", "none")
 
 
 class EncoderModel(nn.Module):
     """BERT. `head="mlm"`: logits [B, T, V] over the vocabulary at every position (the MLM
     transform dense -> act -> norm, then the tied embedding plus a bias). `head="classify"`:
     logits [B, num_classes] from the pooled [CLS] vector (dense + tanh) at position 0.
+    `head="none"`: the encoder's vectors [B, T, D] (Hugging Face's `last_hidden_state` of a
+    BertModel), with no head params.
 
     `segment_ids` [B, T] (1 for real tokens, 0 for padding; 1, 2, ... for packed rows) is the
     padding mask; `token_types` [B, T] are BERT's sentence A/B ids.
@@ -55,7 +58,7 @@ class EncoderModel(nn.Module):
             self.mlm_norm = norm_layer(cfg, "mlm_norm")
             self.mlm_bias = self.param("mlm_bias", nn.with_logical_partitioning(
                 nn.initializers.zeros, ("vocab",)), (self.vocab_size,), cfg.param_dtype)
-        else:
+        elif self.head == "classify":
             self.pooler = OutputHead(cfg.d_model, use_bias=True, init_std=cfg.init_std,
                                      names=("embed", "mlp"), **common)
             self.classifier = OutputHead(self.num_classes, use_bias=True, init_std=cfg.init_std,
@@ -76,6 +79,8 @@ class EncoderModel(nn.Module):
                  deterministic=True) -> Array:
         x_BTD = self.encode(tokens_BT, token_types=token_types, segment_ids=segment_ids,
                             positions=positions, deterministic=deterministic)
+        if self.head == "none":
+            return x_BTD
         if self.head == "mlm":  # the transform uses the blocks' nonlinearity
             h_BTD = self.mlm_norm(ACTIVATIONS[self.config.activation](self.mlm_dense(x_BTD)))
             logits_BTV = self.embed.attend(h_BTD)

@@ -12,6 +12,7 @@ from transformer.layers import OutputHead, TokenEmbedding, TransformerConfig, Tr
 from transformer.models.family import Family, transformer_config
 
 Array = jax.Array
+HEADS = ("mlm", "classify", "none")  # model.head: the LM head, a classifier, or none
 
 
 def decode_mask(positions_BT: Array, cache_length: int, prefix_lengths_B: Array | None = None,
@@ -46,7 +47,8 @@ class DecoderLM(nn.Module):
 
     `num_classes > 0` makes it a sequence classifier: logits [B, num_classes] from the last
     token's final vector (the last position with segment_ids > 0, or T - 1), through a new
-    `classifier` head.
+    `classifier` head. `hidden_states=True` (model.head "none": an imported base model such as
+    LlamaModel) returns the final norm's vectors [B, T, D] and has no output head.
 
     `decode=True` runs on the KV cache (`init_cache`; apply with `mutable=["cache"]`): each
     token is written into cache slot `positions[b, t]` and attends to slots <= its position
@@ -60,13 +62,14 @@ class DecoderLM(nn.Module):
     vocab_size: int
     tie_embeddings: bool = True
     num_classes: int = 0
+    hidden_states: bool = False
 
     def setup(self):
         cfg = self.config
         self.embed = TokenEmbedding(self.vocab_size, cfg.d_model, init_std=cfg.init_std or 0.02,
                                     dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         self.decoder = TransformerStack(cfg, bidirectional=False)
-        if not self.tie_embeddings:
+        if not self.tie_embeddings and not self.hidden_states:
             self.lm_head = OutputHead(self.vocab_size, init_std=cfg.init_std, dtype=cfg.dtype,
                                       param_dtype=cfg.param_dtype)
         if self.num_classes:
@@ -119,6 +122,8 @@ class DecoderLM(nn.Module):
         if balance:
             x_BTD = sharding.constrain(sequence_parallel.from_zigzag(x_BTD, split),
                                        sharding.ACTIVATIONS)
+        if self.hidden_states:
+            return x_BTD
         if self.num_classes:
             last_B = (jnp.full(tokens_BT.shape[:1], tokens_BT.shape[1] - 1) if segment_ids is None
                       else jnp.sum(segment_ids > 0, axis=1) - 1)
@@ -127,11 +132,13 @@ class DecoderLM(nn.Module):
 
 
 def _build(model_config) -> DecoderLM:
+    if model_config.head not in HEADS:
+        raise ValueError(f"head={model_config.head!r}: expected one of {HEADS}")
     classes = model_config.num_classes if model_config.head == "classify" else 0
     if model_config.head == "classify" and classes < 1:
         raise ValueError(f"model.num_classes={classes}: the classify head needs >= 1")
     return DecoderLM(transformer_config(model_config), model_config.vocab_size,
-                     model_config.tie_embeddings, classes)
+                     model_config.tie_embeddings, classes, model_config.head == "none")
 
 
 _classifies = lambda model_config: model_config.head == "classify"
