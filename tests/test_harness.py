@@ -1,9 +1,12 @@
 """lm-evaluation-harness adapter (transformer.harness): tasks defined here from local JSONL files
 (nothing is downloaded) give the numbers computed directly from the model's log-probabilities."""
 
+import glob
 import json
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +15,7 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from test_train import TINY_MODEL, assert_succeeded, run_cli  # noqa: E402
+from test_train import REPO, TINY_MODEL, assert_succeeded, describe, run_cli  # noqa: E402
 
 from transformer import configs, generate, train  # noqa: E402
 from transformer.harness import TransformerLM  # noqa: E402
@@ -147,3 +150,42 @@ def test_the_lm_eval_command_runs_with_the_model_registered(workdir, tmp_path):
     assert_succeeded(result)
     assert "local_mc" in result.stdout and "acc" in result.stdout
     assert any(f.endswith(".json") for _, _, files in os.walk(tmp_path / "out") for f in files)
+
+
+
+def run_main(evaluate: str, *args: str) -> subprocess.CompletedProcess:
+    """`harness.main()` in a fresh process without JAX_PLATFORMS (the command must choose it),
+    with `args` as its flags and lm_eval's command replaced by the code `evaluate` (cheap:
+    lm_eval's own task index takes 20 s to build)."""
+    probe = ("import sys, jax, lm_eval.__main__ as m\n"
+             "from transformer import harness\n"
+             f"m.cli_evaluate = lambda: {evaluate}\n"
+             f"sys.argv = ['python -m transformer.harness', *{list(args)!r}]\n"
+             "harness.main()\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("JAX_PLATFORMS", None)
+    return subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_chooses_its_platform_like_the_other_commands():
+    """As `cli.run` does for every command: the CPU where there is no TPU or GPU device, so
+    libtpu is never probed (it printed five lines of warnings)."""
+    if any(glob.glob(d) for d in ("/dev/accel*", "/dev/vfio", "/dev/nvidia*", "/dev/kfd")):
+        pytest.skip("this machine has an accelerator: JAX chooses it")
+    result = run_main("print(sys.argv, jax.config.jax_platforms, jax.default_backend())",
+                      "--model", "transformer", "--verbose")
+    assert_succeeded(result)
+    assert result.stdout.split() == ["['lm_eval',", "'--model',", "'transformer']", "cpu",
+                                     "cpu"]
+    assert "TPU" not in result.stderr and "libtpu" not in result.stderr, result.stderr
+
+
+def test_a_bad_workdir_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "none"
+    result = run_main(f"harness.TransformerLM(workdir={str(bad)!r})")
+    assert result.returncode == 2, describe(result)
+    assert result.stderr.splitlines() == \
+        [f"error: {str(bad)!r} holds no checkpoints: expected a training workdir"]
+    result = run_main(f"harness.TransformerLM(workdir={str(bad)!r})", "--verbose")
+    assert result.returncode == 1 and "Traceback" in result.stderr  # --verbose: the traceback

@@ -160,11 +160,24 @@ class TransformerLM(LM):
 
 
 def main() -> None:
-    """The `lm_eval` command with the "transformer" model registered."""
+    """The `lm_eval` command with the "transformer" model registered, run by `cli.run` as every
+    command is: the same platform choice (the CPU, where there is no TPU or GPU, without probing
+    libtpu) and one-line errors. The flags are lm_eval's, but for this project's --verbose."""
+    from absl import logging
     from lm_eval.__main__ import cli_evaluate
 
-    sys.argv[0] = "lm_eval"
-    cli_evaluate()
+    from transformer import cli
+
+    ours = [a for a in sys.argv[1:] if a.partition("=")[0] == "--verbose"]
+    theirs = [a for a in sys.argv[1:] if a not in ours]
+
+    def evaluate(argv: list[str]) -> None:
+        logging.set_verbosity(logging.WARNING)  # absl's; lm_eval's own logs are as they were
+        sys.argv = ["lm_eval", *theirs]
+        cli_evaluate()
+
+    sys.argv[1:] = ours
+    cli.run(evaluate)
 
 
 if __name__ == "__main__":
