@@ -22,8 +22,13 @@ instead, so nothing saved is deleted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import re
+import sys
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -108,6 +113,47 @@ def stream_differences(saved: dict, current: dict) -> list[str]:
     return differences
 
 
+def _not_orbax_error(record: logging.LogRecord) -> bool:
+    """Orbax logs each failed background write with its traceback, once per thread involved
+    (four of them for one step); the run reports it as one `WriteError` line instead."""
+    return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+logging.getLogger("absl").addFilter(_not_orbax_error)
+
+
+def _quiet_closed_loop(hook):
+    """sys.unraisablehook without the "Event loop is closed" errors that tensorstore reports for
+    each write still in flight when a failed save's event loop has closed (dozens on a full
+    disk): the failed save itself is reported as one `WriteError`."""
+    def quiet(unraisable):
+        if not (unraisable.exc_type is RuntimeError and
+                str(unraisable.exc_value) == "Event loop is closed"):
+            hook(unraisable)
+    quiet.quiet_closed_loop = True
+    return quiet
+
+
+class WriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions): the run stops (exit 1)."""
+
+
+def _cause(error: BaseException) -> str:
+    """The root cause of a failed write, short: the OS error's text where one is named
+    (tensorstore reports `... [os_error_code='28']` inside a long message).
+
+    >>> _cause(ValueError("OUT_OF_RANGE: Error writing ... [os_error_code='28']"))
+    'No space left on device'
+    """
+    while error.__cause__ is not None:
+        error = error.__cause__
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    if code := re.search(r"os_error_code='?(\d+)", str(error)):
+        return os.strerror(int(code.group(1)))
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
+
+
 class ConfigMismatch(ValueError):
     """A checkpoint was written by a different model, tokenizer or data stream than the config
     asks for."""
@@ -121,9 +167,13 @@ class Manager:
         """`stream`: the run's `inputs.data_stream`, saved with each step and compared on
         restore (None: a manager that only reads)."""
         self.config, self.stream = config, stream
+        if not getattr(sys.unraisablehook, "quiet_closed_loop", False):
+            sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
         self.stream_changes: list[str] = []  # set by restore under new_data=True
         self._keep = config.get("keep_checkpoints", 3)
         self._written: list[int] = []  # steps this manager saved: the only ones it may delete
+        self._pending: int | None = None  # the step written last (possibly still in progress)
+        self._failed = False  # a write failed and was reported
         # Orbax keeps every step (max_to_keep=None); `_prune` deletes this run's old ones. A
         # deleted step is first renamed into WORKDIR/checkpoints/deleted/ (one atomic rename),
         # then removed from there: a run stopped mid-removal never leaves a half-deleted step
@@ -148,8 +198,8 @@ class Manager:
     def save(self, step: int, state, iterator) -> None:
         if step in self._manager.all_steps():
             return
-        try:  # also raises an earlier async write's error
-            self._manager.wait_until_finished()
+        self._confirm_pending()  # the previous step's write, if it failed
+        try:
             self._prune()
             self._empty_deleted()
             fileio.path(self.directory).mkdir(parents=True, exist_ok=True)  # the first save's
@@ -159,9 +209,30 @@ class Manager:
                      "config": ocp.args.JsonSave(self.config.to_dict())}
             if self.stream is not None:
                 items["stream"] = ocp.args.JsonSave(self.stream)
+            self._pending = step
             self._manager.save(step, args=ocp.args.Composite(**items))
-        except OSError as error:
-            raise self._write_error(f"step {step}", error) from error
+        except Exception as error:  # noqa: BLE001 - tensorstore and Orbax raise many types
+            raise self._write_error(step, error) from error
+
+    def check_for_errors(self) -> None:
+        """Raises `WriteError` if the step written in the background failed; free while it is
+        still being written (called after every train step, so a failed save stops the run at
+        once)."""
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            self._confirm_pending()
+
+    def _confirm_pending(self) -> None:
+        """Waits for the step being written, then raises `WriteError` unless it is complete
+        (Orbax raises some failures here, and only logs others, leaving the temporary
+        directory: so the step's final directory is looked for)."""
+        step, self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001 - tensorstore and Orbax raise many types
+            raise self._write_error(step, error) from error
+        if step is not None and jax.process_index() == 0 and \
+                not (fileio.path(self.directory) / str(step)).exists():
+            raise self._write_error(step, RuntimeError("the write did not complete"))
 
     def _prune(self) -> None:
         """Deletes the steps this manager saved beyond the newest `keep_checkpoints` (all of
@@ -171,10 +242,13 @@ class Manager:
             if step in self._manager.all_steps():
                 self._manager.delete(step)
 
-    def _write_error(self, what: str, error: OSError) -> OSError:
-        return OSError(error.errno, f"writing checkpoint {what} to {self.directory} failed "
-                       f"({error.strerror or error}); the complete checkpoints "
-                       f"{self.all_steps()} are intact")
+    def _write_error(self, step: int | None, error: Exception) -> WriteError:
+        self._failed = True  # reported once: close() then only closes
+        if step in self._written:
+            self._written.remove(step)
+        return WriteError(f"writing checkpoint step {step} to {self.directory} failed "
+                          f"({_cause(error)}); the complete checkpoints {self.all_steps()} are "
+                          "intact")
 
     def saved_config(self, step: int) -> dict:
         return self._manager.restore(step, args=ocp.args.Composite(
@@ -247,7 +321,7 @@ class Manager:
                 damaged.append(step)
                 continue
             if damaged:
-                self._set_aside_damaged(damaged)
+                self._set_aside(damaged, "damaged", "unusable")
             return state
         if failures:
             raise RuntimeError(f"no usable checkpoint in {self.directory}: " +
@@ -255,19 +329,32 @@ class Manager:
                                "fresh_start=True to set them aside and start from step 0")
         return None
 
-    def _set_aside_damaged(self, steps: list[int]) -> None:
-        """Moves damaged step directories to WORKDIR/checkpoints.damaged/ (kept for inspection,
-        out of the way of the steps this run will save again)."""
+    def _set_aside(self, steps: list[int], kind: str, what: str) -> str:
+        """Moves step directories to WORKDIR/checkpoints.<kind>/<step>-<time> (kept for
+        inspection, out of the way of the steps this run will save again); returns that
+        folder."""
+        target = f"{self.directory}.{kind}"
         if jax.process_index() == 0:
-            target = f"{self.directory}.damaged"
             fileio.path(target).mkdir(parents=True, exist_ok=True)
             for step in steps:
                 name = f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
                 fileio.move(fileio.join(self.directory, str(step)), fileio.join(target, name))
-                logging.warning("moved the unusable checkpoint %d to %s/%s", step, target, name)
+                logging.warning("moved the %s checkpoint %d to %s/%s", what, step, target, name)
         if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("transformer.checkpoint.set_aside_damaged")
+            multihost_utils.sync_global_devices(f"transformer.checkpoint.set_aside_{kind}")
         self._manager.reload()
+        return target
+
+    def set_aside_from(self, step: int) -> tuple[list[int], str]:
+        """Moves the steps >= `step` that this run saved to WORKDIR/checkpoints.nonfinite/:
+        their params led to a NaN/Inf, so none of them is a good checkpoint to resume (steps the
+        workdir held before this run are left in place). Returns (the moved steps, where)."""
+        self._manager.wait_until_finished()
+        bad = [s for s in self._written if s >= step and s in self._manager.all_steps()]
+        self._written = [s for s in self._written if s < step]
+        if not bad:
+            return [], ""
+        return bad, self._set_aside(bad, "nonfinite", "non-finite")
 
     def _empty_deleted(self) -> None:
         """Removes the steps Orbax set aside for deletion (only between writes: it renames
@@ -277,8 +364,10 @@ class Manager:
             deleted.rmtree()
 
     def close(self) -> None:
+        if self._failed:  # already reported by save/check_for_errors
+            return
         try:
-            self._manager.wait_until_finished()
+            self._confirm_pending()
             # Orbax removes leftover temporary steps in a thread started with the manager and
             # awaits it only before a save: a manager closed unsaved (a run refused at start-up)
             # must await it too, or the thread runs into interpreter shutdown.
@@ -286,24 +375,27 @@ class Manager:
             if self._written:  # a manager that only reads may share the folder with a run
                 self._prune()
                 self._empty_deleted()
-        except OSError as error:
-            raise self._write_error("(async)", error) from error
         finally:
             self._manager.close()
 
 
+# What a run writes beside its checkpoints, set aside with them (a fresh run would append to its
+# records, mix its TensorBoard events in, or overwrite its summary and tokenizer).
+RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer")
+
+
 def set_aside(workdir: str) -> str | None:
-    """Renames WORKDIR/checkpoints to checkpoints.set-aside-<time> and moves the run's
-    metrics.jsonl into it (for an explicit fresh start); returns the new path, or None if there
-    were no checkpoints. Nothing is deleted."""
+    """Renames WORKDIR/checkpoints to checkpoints.set-aside-<time> and moves the run's other
+    records (`RUN_FILES`) into it (for an explicit fresh start); returns the new path, or None
+    if there were no checkpoints. Nothing is deleted."""
     directory = fileio.path(workdir) / CHECKPOINTS
     if not directory.is_dir() or not any(directory.iterdir()):
         return None
     target = f"{directory}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
     fileio.move(directory, target)
-    metrics = fileio.path(workdir) / "metrics.jsonl"
-    if metrics.exists():
-        fileio.move(metrics, fileio.join(target, "metrics.jsonl"))
+    for name in RUN_FILES:
+        if (fileio.path(workdir) / name).exists():
+            fileio.move(fileio.path(workdir) / name, fileio.join(target, name))
     return target
 
 
@@ -312,22 +404,46 @@ def has_checkpoints(workdir: str) -> bool:
     return (fileio.path(workdir) / CHECKPOINTS).is_dir()
 
 
+def _reader(workdir: str, **item_handlers) -> ocp.CheckpointManager:
+    """A manager that only reads WORKDIR/checkpoints: it creates, cleans up and deletes nothing,
+    so it is safe beside a training that is writing there (Orbax's temporary directories of a
+    step being saved are the training's; `all_steps` lists only the complete steps)."""
+    # (Orbax's read_only=True means the same, with a warning line on every command.)
+    options = ocp.CheckpointManagerOptions(create=False, cleanup_tmp_directories=False,
+                                           max_to_keep=None, enable_async_checkpointing=False)
+    return ocp.CheckpointManager(fileio.join(workdir, CHECKPOINTS), options=options,
+                                 item_handlers=item_handlers)
+
+
 def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collections.ConfigDict]:
     """(step, resolved config) of checkpoint `step` (default: the latest complete one) of a
     training workdir, with one-line errors for a workdir without (that) checkpoint."""
     if not has_checkpoints(workdir):
         raise FileNotFoundError(f"{workdir!r} holds no checkpoints: expected a training workdir")
-    probe = Manager(workdir, ml_collections.ConfigDict())
-    try:
-        steps = probe.all_steps()
+    with contextlib.closing(_reader(workdir, config=ocp.JsonCheckpointHandler())) as probe:
+        steps = sorted(probe.all_steps())
         if not steps:
             raise FileNotFoundError(f"{workdir!r} holds no complete checkpoint")
         step = max(steps) if step is None else step
         if step not in steps:
             raise ValueError(f"step={step}: expected one of the saved steps {steps}")
-        return step, ml_collections.ConfigDict(probe.saved_config(step))
-    finally:
-        probe.close()
+        return step, ml_collections.ConfigDict(probe.restore(step, args=ocp.args.Composite(
+            config=ocp.args.JsonRestore()))["config"])
+
+
+def _newest(workdir: str, step: int | None, read: Callable[[int], Any]) -> Any:
+    """`read(step)` of checkpoint `step`, or of the newest one when `step` is None: a training
+    writing the workdir may delete the step being read (its keep_checkpoints), and then the
+    then-newest step is read instead."""
+    for attempt in range(3):
+        chosen, _ = saved_run(workdir, step)
+        try:
+            return read(chosen)
+        except Exception:  # noqa: BLE001 - a step deleted mid-read fails in many ways
+            if step is not None or attempt == 2 or saved_run(workdir)[0] == chosen:
+                raise  # not a step that was replaced by a newer one: a real failure
+            logging.info("checkpoint %d was deleted while it was read; reading the newest",
+                         chosen)
 
 
 def parse_init_from(spec: str) -> tuple[str, str, int | None]:
@@ -356,23 +472,26 @@ def restore_params(workdir: str, step: int | None = None,
     """The params of checkpoint `step` (default: the latest) of a training workdir, read
     straight into their shardings on `mesh` (default: the run's mesh over this runtime's
     devices); the optimizer state is not read."""
-    step, config = saved_run(workdir, step)
-    mesh = sharding.make_mesh(config.mesh) if mesh is None else mesh
-    abstract, shardings, _ = state_lib.initial_state(config, build_model(config.model), mesh)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract.params, shardings.params)
-    return SavedParams(step, config, read_params(workdir, step, target))
+    def read(step: int) -> SavedParams:
+        _, config = saved_run(workdir, step)
+        where = sharding.make_mesh(config.mesh) if mesh is None else mesh
+        abstract, shardings, _ = state_lib.initial_state(config, build_model(config.model), where)
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              abstract.params, shardings.params)
+        return SavedParams(step, config, read_params(workdir, step, target))
+
+    return _newest(workdir, step, read)
 
 
 def params_metadata(workdir: str, step: int | None = None) -> tuple[int, dict[str, Any]]:
     """(step, {"/"-joined param name: its shape and dtype metadata}) of a saved checkpoint."""
-    step, _ = saved_run(workdir, step)
-    manager = _params_manager(workdir)
-    try:
-        metadata = manager.item_metadata(step)["state"]["params"]
-    finally:
-        manager.close()
-    return step, {"/".join(k): v for k, v in traverse_util.flatten_dict(dict(metadata)).items()}
+    def read(step: int) -> tuple[int, dict[str, Any]]:
+        with contextlib.closing(_params_manager(workdir)) as manager:
+            metadata = manager.item_metadata(step)["state"]["params"]
+        return step, {"/".join(k): v
+                      for k, v in traverse_util.flatten_dict(dict(metadata)).items()}
+
+    return _newest(workdir, step, read)
 
 
 def read_params(workdir: str, step: int, target):
@@ -389,5 +508,4 @@ def read_params(workdir: str, step: int, target):
 
 
 def _params_manager(workdir: str) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(fileio.join(workdir, CHECKPOINTS),
-                                 item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+    return _reader(workdir, state=ocp.PyTreeCheckpointHandler())

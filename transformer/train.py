@@ -26,9 +26,10 @@ import ml_collections
 import optax
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation, fileio, finetune, hostmem, kernels, optim, sharding
+from transformer import evaluation, fileio, finetune, hostmem, kernels, nonfinite, optim, sharding
 from transformer import metrics as metrics_lib
 from transformer import placement as placement_lib
+from transformer import workdir as workdir_lib
 from transformer.configs import validate_config
 from transformer.data import inputs, pipeline
 from transformer.models import build_model, family_of
@@ -133,6 +134,7 @@ class Run:
     signal: int | None = None  # SIGTERM / SIGINT received: save and stop
     peak: tuple = (None, "")  # (peak FLOP/s per device or None, its source): metrics.peak_flops
     first_step_seconds: float | None = None  # this process's first step, compilation included
+    lock: workdir_lib.Lock | None = None  # WORKDIR/train.lock, held to the end of the run
 
     def stop_requested(self) -> bool:
         return placement_lib.agreed(self.signal is not None)
@@ -168,6 +170,12 @@ def _check_workdir(config: ml_collections.ConfigDict, workdir: str,
     if latest is None:
         return
     manager.check(latest)
+    saved_init = manager.saved_config(latest).get("init_from", "")
+    if config.get("init_from", "") != saved_init:  # resuming a fine-tune keeps its init_from
+        raise ValueError(f"init_from={config.init_from!r}: {workdir} already holds checkpoint "
+                         f"{latest} (trained from init_from={saved_init!r}): expected to resume "
+                         "it (drop init_from), fresh_start=True to set it aside and start from "
+                         "init_from, or another workdir")
     if latest > config.steps:
         raise ValueError(f"steps={config.steps}: {workdir} already holds step {latest}: expected "
                          f"steps >= {latest} (or fresh_start=True, or another workdir)")
@@ -228,7 +236,10 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     if fileio.path(workdir).exists() and not fileio.path(workdir).is_dir():
         raise NotADirectoryError(f"workdir={workdir}: is a regular file, expected a directory")
     with contextlib.ExitStack() as opened:  # if a check fails, what was opened is closed
+        lock = workdir_lib.hold(workdir)  # before anything in the workdir changes
+        opened.callback(lock.release, failed=True)  # a workdir this start made is removed
         run = _build(config, workdir, opened)
+        run.lock = lock
         opened.pop_all()  # the run owns them now
     return run
 
@@ -253,18 +264,18 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     train_data = iter(inputs.get_dataset(config, tokenizer, "train", rows=placement.rows))
     opened.callback(train_data.close)
     _check_splits(config, tokenizer, placement)
-    if fresh:  # every check passed: only now set the old run aside
-        if is_main and (moved := checkpoint_lib.set_aside(workdir)):
-            print(f"fresh_start: moved the existing checkpoints to {moved}")
-        placement_lib.sync("fresh_start")
-        manager = checkpoint_lib.Manager(workdir, config, stream)
-        opened.callback(manager.close)
-    fileio.path(workdir).mkdir(parents=True, exist_ok=True)
     start_position = train_data.get_state()  # peek at one batch for shapes, then rewind
     first_batch = next(train_data)
     train_data.set_state(start_position)
     abstract, state_sharding, init = initial_state(config, model, placement.mesh, first_batch,
                                                    optimizer)
+    if fresh:  # every check passed and the model builds: only now set the old run aside
+        if is_main and (moved := checkpoint_lib.set_aside(workdir)):
+            print(f"fresh_start: moved the previous run's checkpoints, metrics, summary and "
+                  f"TensorBoard events to {moved}")
+        placement_lib.sync("fresh_start")
+        manager = checkpoint_lib.Manager(workdir, config, stream)
+        opened.callback(manager.close)
     state = manager.restore_latest(abstract, state_sharding, train_data)
     start_step = 0 if state is None else int(placement_lib.fetch(state.step))
     _check_finished(config, workdir, start_step)
@@ -322,7 +333,7 @@ def _log_train(run: Run, metrics, since: tuple[float, int], flops: tuple[float, 
     time the latest one took (`pauses`: their seconds; the first evaluation also compiles)."""
     config, step = run.config, run.step
     metrics = placement_lib.fetch(metrics)
-    check_finite(run.state, config)
+    nonfinite.check(run.state, config, step, run.manager)
     now = time.perf_counter()
     lr = float(optim.learning_rate_schedule(config.optimizer, config.steps)(step - 1))
     record = {k: float(v) for k, v in metrics.items()}
@@ -402,6 +413,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
         with kernels.recording() if since is None else contextlib.nullcontext() as chosen:
             run.state, metrics = run.train_step(run.state, batch)
         run.step += 1
+        run.manager.check_for_errors()  # a failed background save stops the run at once
         last = run.step == config.steps
         if since is None:
             jax.block_until_ready(metrics)
@@ -446,7 +458,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
 def _save(run: Run) -> None:
     """Checkpoints the current step (a fresh run's tokenizer goes into the workdir with its
     first checkpoint, so a run that fails before it leaves none behind)."""
-    check_finite(run.state, run.config)
+    nonfinite.check(run.state, run.config, run.step, run.manager, saving=True)
     if not run.tokenizer_saved:
         inputs.save_tokenizer(run.tokenizer, run.workdir)
         run.tokenizer_saved = True
@@ -483,6 +495,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         summary = json.loads((fileio.path(workdir) / "summary.json").read_text())
         return {"summary": summary, "state": None, "model": None, "tokenizer": None,
                 "config": config}
+    try:
+        return _train_to_end(run)
+    finally:
+        run.lock.release()  # after summary.json: the workdir is the run's until it is written
+
+
+def _train_to_end(run: Run) -> dict[str, Any]:
+    """train_and_evaluate's loop, finish and summary, with SIGTERM / SIGINT saving and
+    stopping."""
 
     def request_stop(signum, frame):
         if run.signal is not None and signum == signal.SIGINT:
@@ -512,32 +533,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                "active_params": run.active_params,
                "first_step_seconds": run.first_step_seconds, **run.last_metrics}
     if jax.process_index() == 0:
-        fileio.write_atomic(fileio.join(workdir, "summary.json"), json.dumps(summary, indent=2))
+        fileio.write_atomic(fileio.join(run.workdir, "summary.json"),
+                            json.dumps(summary, indent=2))
     return {"summary": summary, "state": run.state, "model": run.model,
             "tokenizer": run.tokenizer, "config": run.config}
-
-
-def check_finite(state: TrainState, config) -> None:
-    """Stops the run (before any checkpoint of the bad state) at the first non-finite step."""
-    if config.get("nonfinite", "stop") == "skip":
-        in_a_row = int(placement_lib.fetch(state.opt_state.notfinite_count))
-        if in_a_row > config.max_nonfinite_skips:
-            raise FloatingPointError(
-                f"{in_a_row} steps in a row had NaN/Inf gradients{_or_exploded(config)} "
-                f"(max_nonfinite_skips={config.max_nonfinite_skips}); the last good checkpoint "
-                "is kept")
-        return
-    bad = int(placement_lib.fetch(state.first_nonfinite_step))
-    if bad >= 0:
-        raise FloatingPointError(
-            f"loss, gradients or parameters became NaN/Inf{_or_exploded(config)} at step {bad} "
-            f"(batch {bad - 1} of the data stream, counting from 0); the last good checkpoint "
-            "is kept (set nonfinite='skip' to skip such batches)")
-
-
-def _or_exploded(config) -> str:
-    limit = config.get("max_grad_norm", 0.0)
-    return f", or the gradient norm exceeded max_grad_norm={limit}," if limit else ""
 
 
 def main(argv) -> None:
@@ -560,6 +559,8 @@ def main(argv) -> None:
 
         # nanoGPT's sampling settings, continuing the start of a validation document
         prompt = inputs.sample_prompt(config)
+        while len(result["tokenizer"].encode(prompt)) > config.seq_len // 2:  # room to continue
+            prompt = prompt[:-1]
         print(f"\nsamples (temperature 0.8, top-k 200, prompt {prompt!r}):")
         for text in generate.sample_texts(result["model"], result["state"].params,
                                           result["tokenizer"], config, num_samples=3,
