@@ -413,6 +413,14 @@ def from_hf(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Con
     return converters[model_type](hf_config, state_dict, dtype)
 
 
+def scan_params(config, params) -> dict:
+    """Unrolled `params` (as `from_hf` gives them) with each layer stack (encoder, decoder)
+    stacked along a leading axis: the layout of the same model with scan_layers=True."""
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.scan_layers = True
+    return _maybe_scan(config, params, *(k for k in ("encoder", "decoder") if k in params))
+
+
 def _maybe_scan(config, params, *stacks):
     """Stack per-layer params along a leading axis when the config scans layers."""
     if not config.scan_layers:

@@ -13,6 +13,10 @@ error naming the param, and so is a dropped param inside a layer stack (a differ
 `scan_layers`), which would otherwise silently train most of the model from scratch. Only
 params are loaded: the optimizer, step and data start fresh. A run that has its own
 checkpoints resumes from them and ignores `init_from`.
+
+With "hf:DIR" the architecture comes from DIR's config.json (`resolve_hf_config`, through the
+converter that maps the weights), and `data.num_sentinels` from its tokenizer (0 but for T5's
+own sentinels): the experiment file gives the family, the head and the training settings.
 """
 
 from __future__ import annotations
@@ -20,12 +24,26 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Collection
 
 import jax
+import ml_collections
 import numpy as np
 from flax import traverse_util
 
 from transformer import checkpoint as checkpoint_lib
+
+# Model keys a run chooses for itself over an imported checkpoint (its head, regularization,
+# precision and layout); every other model key is the checkpoint's architecture.
+RUN_SETTINGS = frozenset({
+    "family", "head", "num_classes", "dropout_rate", "attention_dropout_rate", "init_std",
+    "dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers", "sequence_parallel",
+    "sequence_load_balance", "image_size", "patch_size", "channels", "pooling",
+    "patch_position", "projection_dim", "moe.capacity_factor", "moe.every_n_layers",
+    "moe.load_balance_loss", "moe.num_shared", "moe.router_z_loss", "moe.top_k"})
+# A checkpoint of the first family runs as the second (the same modules and params).
+_SAME_PARAMS = {("gpt", "prefix_lm")}
+_EXAMPLES = {"gpt": "gpt_tiny", "bert": "bert_mlm", "t5": "t5_span"}
 
 
 @dataclasses.dataclass
@@ -49,7 +67,9 @@ def _flat(tree) -> dict[str, object]:
     return {"/".join(k): v for k, v in traverse_util.flatten_dict(dict(tree)).items()}
 
 
-def _hf_params(directory: str) -> dict[str, np.ndarray]:
+def _hf_convert(directory: str, scan: bool = False):
+    """(Hugging Face config, model config, flat params) of a save_pretrained directory; with
+    `scan`, its layer stacks stacked for a model with scan_layers=True."""
     import transformers
     from safetensors.numpy import load_file
 
@@ -59,9 +79,85 @@ def _hf_params(directory: str) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"init_from=hf:{directory}: expected a save_pretrained directory "
                                 "with config.json and model.safetensors")
     hf_config = transformers.AutoConfig.from_pretrained(directory)
-    _, params = convert.from_hf(hf_config, load_file(os.path.join(directory,
-                                                                  "model.safetensors")))
-    return _flat(params)
+    try:
+        model_config, params = convert.from_hf(hf_config, load_file(os.path.join(
+            directory, "model.safetensors")))
+    except ValueError as error:  # what the model cannot represent, naming the setting
+        raise ValueError(f"init_from=hf:{directory}: {error}") from None
+    if scan:
+        params = convert.scan_params(model_config, params)
+    return hf_config, model_config, _flat(params)
+
+
+def _hf_params(directory: str, scan: bool = False) -> dict[str, np.ndarray]:
+    return _hf_convert(directory, scan)[2]
+
+
+def resolve_hf_config(config: ml_collections.ConfigDict,
+                      explicit: Collection[str] = ()) -> ml_collections.ConfigDict:
+    """`config` with `init_from="hf:DIR"` resolved from DIR (any other config is returned as
+    it is): every model key but `RUN_SETTINGS` becomes the value `convert.from_hf` derives
+    from DIR's config.json, and `data.num_sentinels` DIR's tokenizer's own sentinel count (0
+    for BERT, GPT-2, Llama: a pretrained vocabulary has no room for more ids).
+
+    Which values the user chose: `explicit`, the dotted keys set on the command line
+    (`config_flags.get_override_values(FLAGS["config"])`: "model.num_layers", ...). The
+    experiment file's values are defaults, replaced by DIR's; an explicit value that differs
+    from DIR's is refused in one line naming the key. `model.family` always comes from the
+    experiment (it picks the objective and data), so a checkpoint of another family is refused.
+    In-process callers pass the keys they set themselves; with none, DIR's values replace
+    every model key but the run settings. Raises ValueError; reads DIR's files, changes
+    nothing (`config` included).
+    """
+    init_from = config.get("init_from")
+    if not isinstance(init_from, str) or not init_from.startswith("hf:") or \
+            not os.path.isfile(os.path.join(init_from[3:], "config.json")):
+        return config  # not an hf: source, or validate_config says what is missing
+    hf_config, theirs, _ = _hf_convert(init_from[3:])
+    family = config.model.get("family")
+    if family != theirs.family and (theirs.family, family) not in _SAME_PARAMS:
+        kind = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
+        raise ValueError(
+            f"model.family={family!r}: {init_from} is a {kind} ({theirs.family!r} family) "
+            f"checkpoint: expected model.family={theirs.family!r}, e.g. "
+            f"--config=experiments/{_EXAMPLES.get(theirs.family, theirs.family)}.py")
+    resolved = ml_collections.ConfigDict(config.to_dict())
+    ours = _flat_config(config.model)
+    for key, value in _flat_config(theirs).items():
+        if key in RUN_SETTINGS or (key in ours and ours[key] == value):
+            continue
+        if f"model.{key}" in explicit:
+            raise ValueError(f"model.{key}={ours.get(key)!r}: {init_from}'s config.json says "
+                             f"{value!r}")
+        resolved.model.update_from_flattened_dict({key: value})
+    _resolve_sentinels(resolved, init_from, theirs.vocab_size, explicit)
+    return resolved
+
+
+def _flat_config(group: ml_collections.ConfigDict) -> dict[str, object]:
+    return {".".join(k): v for k, v in traverse_util.flatten_dict(group.to_dict()).items()}
+
+
+def _resolve_sentinels(config, init_from: str, vocab_size: int, explicit) -> None:
+    """data.num_sentinels of a run on an imported vocabulary of `vocab_size` ids: its HF
+    tokenizer's own count, unless set explicitly; then it must fit the vocabulary."""
+    from transformer.data import tokenizers
+
+    directory = init_from[3:]
+    path = config.data.get("tokenizer_path") or (
+        directory if os.path.isfile(os.path.join(directory, "tokenizer.json")) else "")
+    if config.data.get("tokenizer") != "hf" or not path:
+        return
+    own = tokenizers.load_hf_tokenizer(path)  # with the sentinels its vocabulary has
+    if "data.num_sentinels" not in explicit:
+        config.data.num_sentinels = own.num_sentinels
+        return
+    wanted, base = config.data.num_sentinels, own.vocab_size - own.num_sentinels
+    if isinstance(wanted, int) and not own.num_sentinels and base + wanted > vocab_size:
+        raise ValueError(
+            f"data.num_sentinels={wanted}: {init_from}'s vocabulary has {vocab_size} ids, "
+            f"{base} of them its tokenizer's, so {base + wanted} would not fit its embedding: "
+            f"expected data.num_sentinels <= {vocab_size - base} (0 for a pretrained vocabulary)")
 
 
 def match(source: dict[str, tuple], target: dict[str, tuple], name: str) -> LoadReport:
@@ -90,7 +186,8 @@ def load_params(init_from: str, params, shardings) -> tuple[object, LoadReport]:
     target = _flat(params)
     target_shardings = _flat(shardings)
     if kind == "hf":
-        source = _hf_params(path)
+        scanned = any(re.search(r"(^|/)layers/", k) for k in target)  # scan_layers=True
+        source = _hf_params(path, scanned)
         report = match({k: np.shape(v) for k, v in source.items()},
                        {k: v.shape for k, v in target.items()}, init_from)
         values = {k: jax.device_put(np.asarray(source[k], target[k].dtype), target_shardings[k])
