@@ -13,6 +13,7 @@ import pytest
 from scipy import stats
 
 from transformer import generate
+from transformer.configs import base_config
 from transformer.data import tokenizers
 from transformer.models import build_model, default_model_config
 
@@ -282,6 +283,25 @@ def test_sample_texts():
         assert len(texts) == 2 and all(t.startswith("ab") for t in texts), texts
         assert texts == generate.sample_texts(model, params, tokenizer, config, num_samples=2,
                                               prompt="ab", seed=1)
+
+
+def test_max_new_tokens_0_gives_the_prompt_alone_and_a_negative_count_is_named():
+    """0 new tokens: the prompt (a decoder LM) or nothing (an encoder-decoder), without
+    decoding (params=None); -5 is an error naming max_new_tokens, not the prompt."""
+    tokenizer = tokenizers.ByteTokenizer(num_sentinels=0)
+    config = base_config()
+    config.seq_len, config.model.vocab_size = 12, tokenizer.vocab_size
+    for family, expected in (("gpt", "ab"), ("lstm", "ab"), ("t5", "")):
+        config.model.family = family
+        model = build_model(config.model)
+        assert generate.sample_texts(model, None, tokenizer, config, num_samples=2, prompt="ab",
+                                     max_new_tokens=0) == [expected] * 2
+        if family != "lstm":
+            assert generate.beam_search_text(model, None, tokenizer, config, prompt="ab",
+                                             max_new_tokens=0) == expected
+        for text in (generate.sample_texts, generate.beam_search_text):
+            with pytest.raises(ValueError, match=r"^max_new_tokens=-5: expected an int >= 0"):
+                text(model, None, tokenizer, config, prompt="ab", max_new_tokens=-5)
 
 
 # --- errors -------------------------------------------------------------------------------------

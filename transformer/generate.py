@@ -693,22 +693,25 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     decoding = _decoding(config)
     s = sampling(temperature, top_k, top_p)
     _check_seed_and_eos(seed, None)
+    check_max_new_tokens(max_new_tokens)
     encoded = _encode_prompt(tokenizer, prompt)
     banned = _banned_for(tokenizer, model, config)
     eos = tokenizer.eos_id
     if decoding == "encoder_decoder":
         prompt_ids = np.concatenate([encoded, [eos]]).astype(np.int32)
         keep = np.zeros(0, np.int32)
-        n = max_new_tokens or config.seq_len
     else:
         prompt_ids = np.concatenate([[eos], encoded]).astype(np.int32)
         keep = prompt_ids[1:]
-        n = max_new_tokens or config.seq_len - len(prompt_ids)
-        if n < 1:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens: expected < seq_len="
-                             f"{config.seq_len} (or pass max_new_tokens)")
+    n = _new_tokens(max_new_tokens, config, decoding, len(prompt_ids))
+
     def to_texts(rows):
         return [tokenizer.decode(np.concatenate([keep, _until_eos(r, eos)])) for r in rows]
+    if n == 0:
+        texts = to_texts(np.zeros((num_samples, 0), np.int32))
+        if callback is not None:
+            callback(texts)
+        return texts
     if decoding == "recompute":
         length = len(prompt_ids) + n
         buffer = np.zeros((num_samples, length), np.int32)
@@ -729,6 +732,29 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     return to_texts(tokens)
 
 
+def check_max_new_tokens(max_new_tokens) -> None:
+    """One-line error unless `max_new_tokens` is None (the default length) or an int >= 0
+    (0: no new tokens, the prompt alone)."""
+    if max_new_tokens is not None and (
+            isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer)
+            or max_new_tokens < 0):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int >= 0 "
+                         "(0: the prompt alone)")
+
+
+def _new_tokens(max_new_tokens: int | None, config, decoding: str, prompt_length: int) -> int:
+    """`max_new_tokens`, or by default seq_len tokens (an encoder-decoder's output) or what
+    fills the training context after the prompt (a decoder LM)."""
+    if max_new_tokens is not None:
+        return int(max_new_tokens)
+    if decoding == "encoder_decoder":
+        return config.seq_len
+    if prompt_length >= config.seq_len:
+        raise ValueError(f"prompt of {prompt_length} tokens: expected < seq_len="
+                         f"{config.seq_len} (or pass max_new_tokens)")
+    return config.seq_len - prompt_length
+
+
 def _decoding(config) -> str:
     """How the config's model family generates (`Family.decoding`), or a one-line error."""
     family = family_of(config)
@@ -743,14 +769,17 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
     """The best beam for `prompt` (an encoder-decoder reads prompt + <eos>; a decoder LM
     continues <eos> + prompt and the result includes the prompt)."""
     decoding = _decoding(config)
+    check_max_new_tokens(max_new_tokens)
     encoded = _encode_prompt(tokenizer, prompt)
     eos = tokenizer.eos_id
     if decoding == "encoder_decoder":
         ids, keep = np.concatenate([encoded, [eos]]), np.zeros(0, np.int32)
-        n = max_new_tokens or config.seq_len
     else:
         ids = np.concatenate([[eos], encoded])
-        keep, n = ids[1:], max_new_tokens or config.seq_len - len(ids)
+        keep = ids[1:]
+    n = _new_tokens(max_new_tokens, config, decoding, len(ids))
+    if n == 0:
+        return tokenizer.decode(keep)
     tokens, _, _ = beam_search(model, params, [ids.astype(np.int32)], beam_size=beam_size,
                                max_new_tokens=n, length_penalty=length_penalty,
                                prefix_lm=decoding == "prefix",
@@ -796,8 +825,12 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)
     f = flags.FLAGS
     s = sampling(f.temperature, f.top_k, f.top_p)  # bad flags fail before any loading
+    check_max_new_tokens(f.max_new_tokens)
     if f.num_samples < 1:
         raise ValueError(f"num_samples={f.num_samples}: expected >= 1")
+    if f.beam_size < 0:
+        raise ValueError(f"beam_size={f.beam_size}: expected an int >= 0 (0: sampling, no beam "
+                         "search)")
     model, params, tokenizer, config = load_workdir(f.workdir, f.step)
     if f.beam_size:
         print(beam_search_text(model, params, tokenizer, config, prompt=f.prompt,
@@ -828,8 +861,8 @@ if __name__ == "__main__":
     flags.DEFINE_string("workdir", None, "Training workdir to sample from.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.DEFINE_string("prompt", "", "Text to continue (t5: the encoder input).")
-    flags.DEFINE_integer("max_new_tokens", None,
-                         "Tokens to generate (default: fill the training context seq_len).")
+    flags.DEFINE_integer("max_new_tokens", None, "Tokens to generate (default: fill the "
+                         "training context seq_len; 0: print the prompt alone).")
     flags.DEFINE_float("temperature", 0.8, "0: greedy.")
     flags.DEFINE_integer("top_k", 0, "Sample among the k best tokens (0: all).")
     flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set reaching p (1: all).")
