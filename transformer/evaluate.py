@@ -3,8 +3,10 @@
     python -m transformer.evaluate --workdir=DIR [--step=N] [--eval_steps=N] [--split=test]
     python -m transformer.evaluate --workdir=DIR --eval_seq_len=128,256,512
 
-Uses the config and tokenizer saved in the workdir; prints the metrics and writes them to
-DIR/eval_<step>.json (eval_<step>_test.json for the test split). A fine-tuned classifier
+Uses the config and tokenizer saved in the workdir; prints the metrics, then writes them to
+DIR/eval_<step>.json (eval_<step>_test.json for the test split; a partial evaluation,
+--eval_steps=N, to eval_<step>_stepsN.json, never over the whole split's). If they cannot be
+written, one line says so (exit status 1) below the printed metrics. A fine-tuned classifier
 (a labeled task, transformer.data.tasks) gets accuracy, macro-F1 and its confusion matrix, also
 drawn to DIR/confusion_<step>_<split>.png.
 
@@ -16,6 +18,7 @@ positions cannot go beyond its table (model.max_len) and says so.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import jax
 
@@ -26,13 +29,33 @@ from transformer.data import inputs
 from transformer.models import build_model
 
 
+class NotWritten(RuntimeError):
+    """The metrics were computed but could not be written."""
+
+
+def results_name(step: int, *, eval_steps: int | None = None, seq_lens: tuple[int, ...] = (),
+                 split: str = "validation") -> str:
+    """The results file's name, distinct per evaluation: a partial one (`eval_steps`
+    batches) never overwrites the whole split's.
+
+    >>> results_name(400), results_name(400, eval_steps=5, seq_lens=(64, 128), split="test")
+    ('eval_400.json', 'eval_400_len64_128_steps5_test.json')
+    """
+    return (f"eval_{step}" + ("_len" + "_".join(map(str, seq_lens)) if seq_lens else "") +
+            (f"_steps{eval_steps}" if eval_steps is not None else "") +
+            ("_test" if split == "test" else "") + ".json")
+
+
 def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | None = None,
-                     seq_lens: tuple[int, ...] = (), split: str = "validation") -> dict:
+                     seq_lens: tuple[int, ...] = (), split: str = "validation", *,
+                     show: Callable[[dict], None] | None = None) -> dict:
     """Restores `step` (default: the latest) of the run in `workdir` and evaluates it on
     `split` ("test" for labeled tasks, which hold one out, and runs with data.test_path).
 
     Returns the metrics at the training length, or with `seq_lens`
-    {"step": ..., "train_seq_len": ..., "by_seq_len": {L: metrics at length L}}.
+    {"step": ..., "train_seq_len": ..., "by_seq_len": {L: metrics at length L}}, after
+    `show(metrics)` (if given) and writing them to WORKDIR/`results_name(...)`; a failed write
+    raises `NotWritten`, naming the file and the cause.
     """
     step, config = checkpoint_lib.saved_run(workdir, step)
     task = inputs.labeled_task(config)
@@ -60,17 +83,30 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
             metrics = evaluation.evaluate(params, eval_step, config, tokenizer, eval_steps,
                                           placement, split=split, with_confusion=is_task)
     metrics["step"] = step
+    path = fileio.join(workdir, results_name(step, eval_steps=eval_steps, seq_lens=seq_lens,
+                                             split=split))
+    if is_task and not seq_lens:  # per-length results carry no confusion matrix
+        metrics["labels"] = list(task.labels)
+        partial = "" if eval_steps is None else f"_steps{eval_steps}"
+        metrics["confusion_png"] = fileio.join(workdir, f"confusion_{step}_{split}{partial}.png")
+    if show is not None:
+        show(metrics)
     if jax.process_index() == 0:
-        name = f"eval_{step}" + ("_len" + "_".join(map(str, seq_lens)) if seq_lens else "") + \
-            ("_test" if split == "test" else "")
-        if is_task and not seq_lens:  # per-length results carry no confusion matrix
-            metrics["labels"] = list(task.labels)
-            metrics["confusion_png"] = fileio.join(workdir, f"confusion_{step}_{split}.png")
-            save_confusion(metrics["confusion"], metrics["labels"], metrics["confusion_png"],
-                           f"{config.experiment} step {step}, {split}: accuracy "
-                           f"{metrics['accuracy']:.3f}, macro-F1 {metrics['macro_f1']:.3f}")
-        fileio.write_atomic(fileio.join(workdir, f"{name}.json"), json.dumps(metrics, indent=2))
+        if "confusion_png" in metrics:
+            _writing(metrics["confusion_png"], save_confusion, metrics["confusion"],
+                     metrics["labels"], metrics["confusion_png"],
+                     f"{config.experiment} step {step}, {split}: accuracy "
+                     f"{metrics['accuracy']:.3f}, macro-F1 {metrics['macro_f1']:.3f}")
+        _writing(path, fileio.write_atomic, path, json.dumps(metrics, indent=2))
     return metrics
+
+
+def _writing(path: str, write: Callable, *args) -> None:
+    """`write(*args)`, an OSError raised as `NotWritten` naming `path` and the cause."""
+    try:
+        write(*args)
+    except OSError as error:
+        raise NotWritten(f"could not write {path} ({error.strerror or error})") from error
 
 
 def save_confusion(confusion, labels, path: str, title: str) -> None:
@@ -101,21 +137,37 @@ def save_confusion(confusion, labels, path: str, title: str) -> None:
 
 
 def main(argv) -> None:
+    import sys
+
     from absl import flags, logging
 
     del argv
     logging.set_verbosity(logging.WARNING)
     FLAGS = flags.FLAGS
     seq_lens = tuple(_positive_int(value) for value in FLAGS.eval_seq_len or ())
-    metrics = evaluate_workdir(FLAGS.workdir, FLAGS.step, FLAGS.eval_steps, seq_lens,
-                               FLAGS.split)
-    if seq_lens:
+    try:
+        metrics = evaluate_workdir(FLAGS.workdir, FLAGS.step, FLAGS.eval_steps, seq_lens,
+                                   FLAGS.split, show=print_metrics)
+    except NotWritten as error:
+        raise NotWritten(f"{error}; the metrics are above") from None
+    names = [results_name(metrics["step"], eval_steps=steps, seq_lens=seq_lens,
+                          split=FLAGS.split) for steps in (FLAGS.eval_steps, None)]
+    partial = "" if FLAGS.eval_steps is None else (
+        f" (a partial evaluation, --eval_steps={FLAGS.eval_steps}; the whole split's "
+        f"results go to {names[1]})")
+    print(f"wrote {fileio.join(FLAGS.workdir, names[0])}{partial}", file=sys.stderr)
+
+
+def print_metrics(metrics: dict) -> None:
+    """Prints evaluate_workdir's metrics: a per-length table, a confusion matrix, then the
+    metrics as JSON (without the matrix)."""
+    if "by_seq_len" in metrics:
         print(f"step {metrics['step']}, trained at seq_len {metrics['train_seq_len']}")
         print(format_length_table(metrics["by_seq_len"]))
     if "confusion" in metrics:
         print(format_confusion(metrics["confusion"], metrics["labels"]))
         metrics = {k: v for k, v in metrics.items() if k not in ("confusion", "labels")}
-    print(json.dumps(metrics, indent=2))
+    print(json.dumps(metrics, indent=2), flush=True)
 
 
 def format_confusion(confusion, labels) -> str:

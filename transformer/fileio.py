@@ -36,14 +36,19 @@ def join(p, *parts: str) -> str:
 
 
 def write_atomic(p, data: str | bytes) -> None:
-    """Writes a whole file so that readers see the old or the new content, never a part."""
+    """Writes a whole file so that readers see the old or the new content, never a part (and
+    a failed write leaves the old one, without a temporary file)."""
     p = path(p)
     if is_remote(p):
         p.write_bytes(data) if isinstance(data, bytes) else p.write_text(data)
         return
     tmp = p.with_name(f"{p.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
-    os.replace(tmp, p)
+    try:
+        tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
+        raise
 
 
 @contextlib.contextmanager
