@@ -5,6 +5,7 @@ pictures and data written only after every check, and the CLI on a saved run."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -256,20 +257,24 @@ def test_the_cli_draws_a_saved_run(tmp_path):
     train.train_and_evaluate(tiny_run_config(), str(workdir))
     result = run_cli(f"--workdir={workdir}", f"--text={TEXT}", "--layer=0", "--head=1")
     assert result.returncode == 0, result.stderr[-3000:]
-    out = workdir / "attention"  # the default output directory
+    # The default output directory: one per checkpoint and text.
+    out = Path(visualize.default_output_dir(str(workdir), 1, TEXT))
+    assert out.parent == workdir / "attention" and out.name.startswith("step1-")
     written = ["attention.npz", "decoder.self_attention_L0_H1.png",
-               "decoder.self_attention_grid.png"]
+               "decoder.self_attention_grid.png", "input.json"]
     assert sorted(p.name for p in out.iterdir()) == written
     assert result.stdout.splitlines() == [
         "decoder/self_attention: [1, 2, 10, 10] (1 layers x 2 heads, 10 queries x 10 keys)",
-        *(str(out / name) for name in (written[0], written[2], written[1]))]
+        *(str(out / name) for name in (written[0], written[2], written[1], written[3]))]
+    assert json.loads((out / "input.json").read_text()) == {
+        "step": 1, "text": TEXT, "target": "", "prefix_length": None}
     data = np.load(out / "attention.npz")
     weights = data["decoder.self_attention"]
     assert weights.shape == (1, 2, 10, 10)
     np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
     assert data["decoder.self_attention.query_labels"].tolist() == [
         "<eos>", "d", "e", "f", "␣", "f", "(", "x", ")", ":"]
-    for name in written[1:]:
+    for name in written[1:3]:
         image = matplotlib.image.imread(out / name)
         assert image.size and image.shape[0] > 100 and image.std() > 0
 
@@ -280,3 +285,14 @@ def test_the_cli_draws_a_saved_run(tmp_path):
         "error: head=9: expected 0..1 (decoder/self_attention has 2 heads)")
     assert "Traceback" not in bad.stderr
     assert not (tmp_path / "bad").exists()
+
+    # Another text's pictures go beside these, never over them; an empty text is refused.
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    other = run_cli(f"--workdir={workdir}", "--text=import os")
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert len(list((workdir / "attention").iterdir())) == 2
+    empty = run_cli(f"--workdir={workdir}", "--text=")
+    assert empty.returncode == 2
+    assert empty.stderr.strip().splitlines() == [
+        "error: text='': expected a text to read (--text=...)"]

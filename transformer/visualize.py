@@ -2,13 +2,15 @@
 on the axes, and a grid of every head of every layer.
 
     python -m transformer.visualize --workdir=DIR --text="def f(x):" [--target="..."] \
-        [--layer=L] [--head=H] [--step=N] [--prefix_length=P] [--output_dir=DIR/attention]
+        [--layer=L] [--head=H] [--step=N] [--prefix_length=P] [--output_dir=DIR]
 
 Loads checkpoint N (default: the latest) and the tokenizer of a training workdir, runs the text
 through the model with every attention layer's weights collected (they are sown into the
 'intermediates' collection), and writes to the output directory `attention.npz` (the weights
 and token labels), `<map>_grid.png` per map and `<map>_L<l>_H<h>.png` per layer and head (only
-layer L and/or head H if given), where <map> is e.g. `decoder.self_attention`.
+layer L and/or head H if given), where <map> is e.g. `decoder.self_attention`. The default
+directory, WORKDIR/attention/step<N>-<hash of the text>, is one per checkpoint and text (its
+input.json names them), so the pictures of another text never overwrite these.
 
 The model reads the text the way it was trained: GPT and prefix LMs after an <eos> (a document
 start), BERT as is, T5 with an <eos> appended in the encoder and `--target` after <bos> in the
@@ -17,6 +19,8 @@ decoder, which gives encoder self-, decoder self- and cross-attention maps.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -302,14 +306,29 @@ def _head_figure(weights_TS: np.ndarray, queries: Sequence[str], keys: Sequence[
     return figure
 
 
+def default_output_dir(workdir: str, step: int, text: str, target: str = "",
+                       prefix_length: int | None = None) -> str:
+    """WORKDIR/attention/step<N>-<hash>: one directory per checkpoint and input, so the maps
+    of another text (or step) never overwrite these; the hash is of the text, target and
+    prefix length (the directory's input.json holds them)."""
+    key = json.dumps([text, target, prefix_length])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+    return os.path.join(workdir, "attention", f"step{step}-{digest}")
+
+
 def visualize_workdir(workdir: str, text: str, *, target: str = "", step: int | None = None,
                       layer: int | None = None, head: int | None = None,
                       output_dir: str | None = None, prefix_length: int | None = None
                       ) -> tuple[dict[str, np.ndarray], list[str]]:
     """Loads a saved run (`generate.load_workdir`), computes its attention maps for `text`
-    (and a T5's `target`) and saves them (default: WORKDIR/attention); (maps, written paths)."""
+    (and a T5's `target`) and saves them (default: `default_output_dir`, with an input.json
+    naming the step and text); (maps, written paths)."""
+    from transformer import checkpoint as checkpoint_lib
     from transformer import generate
 
+    if not text:
+        raise ValueError("text='': expected a text to read (--text=...)")
+    step, _ = checkpoint_lib.saved_run(workdir, step)  # this step, even if training saves more
     model, params, tokenizer, config = generate.load_workdir(workdir, step)
     tokens, decoder_tokens = encode_text(config, tokenizer, text, target)
     maps = attention_maps(model, params, config, tokens, decoder_tokens=decoder_tokens,
@@ -317,9 +336,13 @@ def visualize_workdir(workdir: str, text: str, *, target: str = "", step: int | 
     queries, keys = axis_labels(
         list(maps), token_labels(tokenizer, tokens),
         None if decoder_tokens is None else token_labels(tokenizer, decoder_tokens))
-    paths = save_attention_maps(maps, queries, keys,
-                                output_dir or os.path.join(workdir, "attention"),
-                                layer=layer, head=head)
+    directory = output_dir or default_output_dir(workdir, step, text, target, prefix_length)
+    paths = save_attention_maps(maps, queries, keys, directory, layer=layer, head=head)
+    if not output_dir:
+        inputs = {"step": step, "text": text, "target": target, "prefix_length": prefix_length}
+        paths.append(os.path.join(directory, "input.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(inputs, f, indent=2)
     return maps, paths
 
 
@@ -352,5 +375,6 @@ if __name__ == "__main__":
     flags.DEFINE_integer("head", None, "Only this head's per-head pictures.")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.DEFINE_integer("prefix_length", None, "prefix_lm: prefix tokens (default: half).")
-    flags.DEFINE_string("output_dir", None, "Where to write (default: WORKDIR/attention).")
+    flags.DEFINE_string("output_dir", None, "Where to write (default: WORKDIR/attention/"
+                        "step<N>-<hash of the text>).")
     cli.run(main)
