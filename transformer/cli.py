@@ -51,6 +51,7 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
     def parse(argv: list[str]) -> list[str]:
         try:
             rest = flags.FLAGS(argv)
+            expand_home(flags.FLAGS)
             _check_config_files(flags.FLAGS)
             return rest
         except Exception as error:  # noqa: BLE001 - every parse failure is bad usage
@@ -140,6 +141,21 @@ def _verbose_requested(argv: list[str]) -> bool:
     args = argv[1:argv.index("--")] if "--" in argv else argv[1:]
     return any(a in ("--verbose", "--verbose=true", "--verbose=True", "--verbose=1")
                for a in args)
+
+
+# The commands' path flags: a leading `~` in them is the home directory.
+PATH_FLAGS = ("workdir", "output_dir", "output", "input", "tokenizer_path")
+
+
+def expand_home(flag_values) -> None:
+    """Expands a leading `~` (or `~user`) in the path flags: a shell leaves `--workdir=~/x`
+    as it is (it expands `~` only at a word's start), which would make a directory named `~`.
+    """
+    for name in PATH_FLAGS:
+        if name in flag_values:
+            value = flag_values[name].value
+            if isinstance(value, str) and value.startswith("~"):
+                flag_values[name].value = os.path.expanduser(value)
 
 
 def _check_config_files(flag_values) -> None:
