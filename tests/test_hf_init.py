@@ -276,17 +276,17 @@ def test_train_cli_with_init_from_hf_and_no_model_flags(minilm, tmp_path):
             "--config.seq_len=16", "--config.log_every=1", "--config.eval_every=2",
             "--config.eval_steps=1", "--config.checkpoint_every=2"]
     result = run_cli("transformer.train", *args, f"--workdir={tmp_path / 'run'}",
-                     logs=tmp_path / "ok")
+                     logs=tmp_path / "logs" / "ok")
     assert_succeeded(result)
     assert f"init_from hf:{directory}: loaded {BODY_PARAMS} params; new 5 ({HEAD})" in \
         result.stdout
     result = run_cli("transformer.train", *args, "--config.model.num_layers=4",
-                     f"--workdir={tmp_path / 'bad'}", logs=tmp_path / "bad")
+                     f"--workdir={tmp_path / 'bad'}", logs=tmp_path / "logs" / "bad")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == \
         f"error: model.num_layers=4: hf:{directory}'s config.json says 2"
     result = run_cli("transformer.train", *args[1:], f"--workdir={tmp_path / 'gpt'}",
-                     logs=tmp_path / "gpt")
+                     logs=tmp_path / "logs" / "gpt")
     assert result.returncode == 2
     assert "model.family='gpt': " in result.stderr and "experiments/bert_mlm.py" in result.stderr
     assert not (tmp_path / "bad").exists() and not (tmp_path / "gpt").exists()
