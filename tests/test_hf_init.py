@@ -263,7 +263,6 @@ def test_other_init_from_values_are_returned_unchanged(tmp_path):
 # --- the command line (train.setup calls resolve_hf_config) ---------------------------------
 
 
-@pytest.mark.skip(reason="wired by lead")
 @pytest.mark.slow
 def test_train_cli_with_init_from_hf_and_no_model_flags(minilm, tmp_path):
     from test_train import assert_succeeded, run_cli

@@ -408,7 +408,7 @@ def test_evaluate_restores_a_saved_workdir(experiment_runs, tmp_path):
     logged = [r for r in read_metrics(workdir) if r["split"] == "validation"][-1]
     assert logged["step"] == EXPERIMENT_STEPS
     assert metrics["loss"] == pytest.approx(logged["loss"], rel=1e-5)
-    assert json.loads((workdir / f"eval_{EXPERIMENT_STEPS}.json").read_text()) == metrics
+    assert json.loads((workdir / f"eval_{EXPERIMENT_STEPS}_steps1.json").read_text()) == metrics
 
     with pytest.raises(ValueError, match=re.escape(f"[{EXPERIMENT_STEPS}]")) as error:
         evaluate_lib.evaluate_workdir(str(workdir), step=999)

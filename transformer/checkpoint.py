@@ -339,7 +339,9 @@ class Manager:
             for step in steps:
                 name = f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
                 fileio.move(fileio.join(self.directory, str(step)), fileio.join(target, name))
-                logging.warning("moved the %s checkpoint %d to %s/%s", what, step, target, name)
+                # (the nonfinite error names them itself)
+                logging.log(logging.WARNING if kind == "damaged" else logging.INFO,
+                            "moved the %s checkpoint %d to %s/%s", what, step, target, name)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"transformer.checkpoint.set_aside_{kind}")
         self._manager.reload()
@@ -349,7 +351,7 @@ class Manager:
         """Moves the steps >= `step` that this run saved to WORKDIR/checkpoints.nonfinite/:
         their params led to a NaN/Inf, so none of them is a good checkpoint to resume (steps the
         workdir held before this run are left in place). Returns (the moved steps, where)."""
-        self._manager.wait_until_finished()
+        self._confirm_pending()
         bad = [s for s in self._written if s >= step and s in self._manager.all_steps()]
         self._written = [s for s in self._written if s < step]
         if not bad:
@@ -431,17 +433,21 @@ def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collection
             config=ocp.args.JsonRestore()))["config"])
 
 
-def _newest(workdir: str, step: int | None, read: Callable[[int], Any]) -> Any:
+def _newest(workdir: str, step: int | None, read: Callable[[int], Any],
+            or_newer: bool = False) -> Any:
     """`read(step)` of checkpoint `step`, or of the newest one when `step` is None: a training
     writing the workdir may delete the step being read (its keep_checkpoints), and then the
-    then-newest step is read instead."""
+    then-newest step is read instead (also for a given `step` with `or_newer`)."""
     for attempt in range(3):
-        chosen, _ = saved_run(workdir, step)
+        chosen = step
         try:
+            chosen, _ = saved_run(workdir, step)
             return read(chosen)
         except Exception:  # noqa: BLE001 - a step deleted mid-read fails in many ways
-            if step is not None or attempt == 2 or saved_run(workdir)[0] == chosen:
+            if not (step is None or or_newer) or chosen is None or attempt == 2 or \
+                    saved_run(workdir)[0] == chosen:
                 raise  # not a step that was replaced by a newer one: a real failure
+            step = None
             logging.info("checkpoint %d was deleted while it was read; reading the newest",
                          chosen)
 
@@ -468,10 +474,12 @@ class SavedParams(NamedTuple):
 
 
 def restore_params(workdir: str, step: int | None = None,
-                   mesh: jax.sharding.Mesh | None = None) -> SavedParams:
+                   mesh: jax.sharding.Mesh | None = None, or_newer: bool = False) -> SavedParams:
     """The params of checkpoint `step` (default: the latest) of a training workdir, read
     straight into their shardings on `mesh` (default: the run's mesh over this runtime's
-    devices); the optimizer state is not read."""
+    devices); the optimizer state is not read. `or_newer`: `step` was the newest when chosen,
+    and if a training deletes it meanwhile, the then-newest step is read (see `SavedParams.step`
+    for the one read)."""
     def read(step: int) -> SavedParams:
         _, config = saved_run(workdir, step)
         where = sharding.make_mesh(config.mesh) if mesh is None else mesh
@@ -480,7 +488,7 @@ def restore_params(workdir: str, step: int | None = None,
                               abstract.params, shardings.params)
         return SavedParams(step, config, read_params(workdir, step, target))
 
-    return _newest(workdir, step, read)
+    return _newest(workdir, step, read, or_newer)
 
 
 def params_metadata(workdir: str, step: int | None = None) -> tuple[int, dict[str, Any]]:

@@ -57,6 +57,7 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     `show(metrics)` (if given) and writing them to WORKDIR/`results_name(...)`; a failed write
     raises `NotWritten`, naming the file and the cause.
     """
+    newest = step is None
     step, config = checkpoint_lib.saved_run(workdir, step)
     task = inputs.labeled_task(config)
     is_task = task is not None
@@ -70,7 +71,9 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     tokenizer = inputs.get_tokenizer(config, workdir)
     model = build_model(config.model)
     placement = placement_lib.Placement.from_config(config)
-    params = checkpoint_lib.restore_params(workdir, step, placement.mesh).params
+    # A training beside it may delete the newest step meanwhile: then the next one is read.
+    step, _, params = checkpoint_lib.restore_params(workdir, step, placement.mesh,
+                                                    or_newer=newest)
     eval_step = placement.jit_eval_step(evaluation.make_eval_step(model, config, tokenizer),
                                         jax.tree.map(lambda x: x.sharding, params))
     with placement.context():

@@ -5,6 +5,7 @@ FLOPs with rematerialisation)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import sys
@@ -196,6 +197,8 @@ class MetricsLogger:
             self.lines = lines if remote else None
             self.jsonl = None if remote else open(self.path, "a")  # noqa: SIM115
             self.tensorboard = SummaryWriter(fileio.join(workdir, "tensorboard"))
+            # It warns at every NaN scalar; the run itself stops at the first one, in one line.
+            logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.start

@@ -227,11 +227,12 @@ def _evaluable(config: ml_collections.ConfigDict, seq_len: int) -> bool:
     return True
 
 
-def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
+def setup(config: ml_collections.ConfigDict, workdir: str, explicit=()) -> Run:
     """Validates the config and checks the workdir and the data, then builds or restores
     everything the loop needs. Nothing in an existing workdir changes before every check has
-    passed; raises `Finished` if the run is already complete."""
-    config = ml_collections.ConfigDict(config.to_dict())
+    passed; raises `Finished` if the run is already complete. `explicit`: the config keys the
+    user set (an init_from=hf:DIR's config.json fills the model's other keys)."""
+    config = finetune.resolve_hf_config(ml_collections.ConfigDict(config.to_dict()), explicit)
     validate_config(config)
     if fileio.path(workdir).exists() and not fileio.path(workdir).is_dir():
         raise NotADirectoryError(f"workdir={workdir}: is a regular file, expected a directory")
@@ -484,11 +485,12 @@ def finish(run: Run) -> None:
                                  if k in ("loss", "accuracy", "bits_per_byte")})
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       explicit=()) -> dict[str, Any]:
     """Trains `config` in `workdir` (resuming if it holds checkpoints); returns final metrics.
     A run already finished is left as it is: its summary is returned, with no state."""
     try:
-        run = setup(config, workdir)
+        run = setup(config, workdir, explicit)
     except Finished as done:
         if jax.process_index() == 0:
             print(done)
@@ -541,6 +543,7 @@ def _train_to_end(run: Run) -> dict[str, Any]:
 
 def main(argv) -> None:
     from absl import flags, logging
+    from ml_collections import config_flags
 
     del argv
     logging.set_verbosity(logging.WARNING)  # progress lines, not every library's INFO logs
@@ -549,9 +552,11 @@ def main(argv) -> None:
                                     FLAGS.process_id, cluster=FLAGS.jax_distributed)
     config = FLAGS.config
     workdir = FLAGS.workdir or os.path.join("runs", config.experiment)
-    result = train_and_evaluate(config, workdir)
+    result = train_and_evaluate(
+        config, workdir, explicit=config_flags.get_override_values(FLAGS["config"]))
     if jax.process_index() != 0:
         return
+    config = result["config"]  # resolved: an init_from=hf:DIR's model settings filled in
     language_model = family_of(config).continues_text and \
         pipeline.objective_for(config) in pipeline.OBJECTIVES
     if language_model and jax.process_count() == 1 and result["state"] is not None:

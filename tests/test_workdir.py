@@ -1,0 +1,314 @@
+"""A training's workdir is safe from every other command (issue 43): one training at a time
+(train.lock), readers that never clean up a writer's files, a failed save that stops the run
+at once, "last good" checkpoints that are good, and starts that change nothing when they fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_cli import file_hashes
+from test_train import (
+    REPO,
+    assert_succeeded,
+    checkpoint_steps,
+    cli_env,
+    describe,
+    read_metrics,
+    run_cli,
+    start_cli,
+    tiny_flags,
+)
+
+from transformer import checkpoint as checkpoint_lib
+from transformer import workdir as workdir_lib
+
+
+def write_text(path: Path, paragraphs: int = 300, seed: int = 0) -> Path:
+    """Play-like text: paragraphs of uneven length (4 to 80 words) from a small vocabulary."""
+    rng = np.random.default_rng(seed)
+    words = "the king of love and my lord sweet death thou art what say you now good".split()
+    path.write_text("\n\n".join(" ".join(rng.choice(words, rng.integers(4, 80)))
+                                for _ in range(paragraphs)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    return write_text(tmp_path_factory.mktemp("text") / "play.txt")
+
+
+def data_flags(text: Path) -> list[str]:
+    return [f"--config.data.path={text}", "--config.data.tokenizer=char"]
+
+
+def train(workdir: Path, text: Path, *flags: str, steps: int = 4, checkpoint_every: int = 2,
+          logs: str = "logs"):
+    return run_cli("transformer.train", f"--workdir={workdir}", *data_flags(text),
+                   *tiny_flags(steps, checkpoint_every=checkpoint_every), *flags,
+                   logs=workdir.parent / f"{logs}-{workdir.name}")
+
+
+def error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), describe(result)
+    return lines[0]
+
+
+# --- the lock ---------------------------------------------------------------------------------
+
+
+def test_a_second_lock_on_a_workdir_is_refused_naming_the_holder(tmp_path):
+    first = workdir_lib.Lock(str(tmp_path / "run")).acquire()
+    try:
+        with pytest.raises(workdir_lib.WorkdirBusy, match=rf"pid {os.getpid()} on "):
+            workdir_lib.Lock(str(tmp_path / "run")).acquire()
+    finally:
+        first.release()
+    workdir_lib.Lock(str(tmp_path / "run")).acquire().release()  # free again
+
+
+def test_the_lock_of_a_killed_process_is_taken_over(tmp_path):
+    script = ("import sys, time; from transformer import workdir; "
+              "workdir.Lock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "run")],
+                              cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(workdir_lib.WorkdirBusy, match=f"pid {holder.pid} "):
+            workdir_lib.Lock(str(tmp_path / "run")).acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    lock = workdir_lib.Lock(str(tmp_path / "run")).acquire()  # the kernel dropped its flock
+    lock.release()
+
+
+def test_a_lease_is_refused_while_renewed_and_taken_over_when_stale_or_dead(tmp_path,
+                                                                            monkeypatch):
+    """The gs:// lock (a lease file with a heartbeat), exercised on a local folder."""
+    monkeypatch.setattr(workdir_lib, "SETTLE", 0.0)
+    workdir = str(tmp_path / "run")
+    first = workdir_lib.Lock(workdir, lease=True).acquire()
+    with pytest.raises(workdir_lib.WorkdirBusy, match=r"renewed \d+ s ago"):
+        workdir_lib.Lock(workdir, lease=True).acquire()
+    first.release()
+    assert not (tmp_path / "run" / workdir_lib.LOCK).exists()  # a released lease is removed
+
+    lease = tmp_path / "run" / workdir_lib.LOCK
+    stale = {"host": "elsewhere", "pid": 1, "id": "x", "heartbeat": time.time() - 1000}
+    lease.write_text(json.dumps(stale))
+    workdir_lib.Lock(workdir, lease=True).acquire().release()  # not renewed for 1000 s
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    import socket
+    lease.write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead), "id": "y",
+                                 "heartbeat": time.time()}))
+    workdir_lib.Lock(workdir, lease=True).acquire().release()  # fresh, but its pid is gone
+    lease.write_text(json.dumps({"host": "elsewhere", "pid": int(dead), "id": "z",
+                                 "heartbeat": time.time()}))
+    with pytest.raises(workdir_lib.WorkdirBusy):  # another host's pid cannot be checked
+        workdir_lib.Lock(workdir, lease=True).acquire()
+
+
+def test_a_failed_start_removes_only_a_workdir_it_made(tmp_path):
+    made = workdir_lib.Lock(str(tmp_path / "new")).acquire()
+    made.release(failed=True)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "notes.txt").write_text("mine")
+    existing = workdir_lib.Lock(str(tmp_path / "old")).acquire()
+    existing.release(failed=True)
+    assert (tmp_path / "old" / "notes.txt").read_text() == "mine"
+
+
+# --- readers beside a training ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_readers_beside_a_training_never_fail_it_and_never_fail(tmp_path, text):
+    """A training saving every step while generate and evaluate read its workdir in a loop:
+    the training ends with every step saved and logged, and every read succeeds."""
+    workdir, steps = tmp_path / "run", 60
+    trainer = start_cli("transformer.train", f"--workdir={workdir}", *data_flags(text),
+                        *tiny_flags(steps, checkpoint_every=1), "--config.keep_checkpoints=2",
+                        logs=tmp_path / "logs-train")
+    reads = []
+    while trainer.process.poll() is None:
+        if not checkpoint_steps(workdir):
+            time.sleep(0.2)
+            continue
+        module, flags = [("transformer.generate", ["--max_new_tokens=4", "--prompt=the"]),
+                         ("transformer.evaluate", ["--eval_steps=1"])][len(reads) % 2]
+        reads.append(run_cli(module, f"--workdir={workdir}", *flags,
+                             logs=tmp_path / f"logs-read{len(reads)}"))
+    assert_succeeded(trainer.wait())
+    assert len(reads) >= 2, "the training ended before two reads"
+    for result in reads:
+        assert_succeeded(result)
+    train_steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
+    assert train_steps == list(range(1, steps + 1))
+    assert checkpoint_steps(workdir)[-1] == steps
+
+
+def test_readers_leave_a_step_being_written_alone(tmp_path, text):
+    """A step still being written (Orbax's temporary directory) survives every way of reading
+    the workdir; a training's Manager would have cleaned it up."""
+    workdir = tmp_path / "run"
+    assert_succeeded(train(workdir, text, steps=2))
+    writing = workdir / "checkpoints" / "3.orbax-checkpoint-tmp-1234"
+    (writing / "state").mkdir(parents=True)
+    step, config = checkpoint_lib.saved_run(str(workdir))
+    assert step == 2 and config.steps == 2
+    saved = checkpoint_lib.restore_params(str(workdir))
+    assert saved.step == 2
+    checkpoint_lib.params_metadata(str(workdir))
+    assert writing.is_dir()
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == \
+        ["2", writing.name]
+
+
+# --- two trainings ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_second_training_on_a_workdir_is_refused_and_the_first_is_untouched(tmp_path, text):
+    workdir, steps = tmp_path / "run", 40
+    first = start_cli("transformer.train", f"--workdir={workdir}", *data_flags(text),
+                      *tiny_flags(steps, checkpoint_every=5), logs=tmp_path / "logs-first")
+    while not (workdir / "metrics.jsonl").exists() and first.process.poll() is None:
+        time.sleep(0.1)
+    second = train(workdir, text, steps=steps, checkpoint_every=5, logs="second")
+    assert second.returncode == 1, describe(second)
+    line = error_line(second)
+    assert f"workdir={workdir} is in use by another training (pid {first.process.pid} " in line
+    assert_succeeded(first.wait())
+    train_steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
+    assert train_steps == list(range(1, steps + 1))  # every record of the first run is there
+    assert (workdir / "summary.json").exists()
+    assert_succeeded(train(workdir, text, steps=steps, checkpoint_every=5, logs="after"))
+
+
+# --- bad steps, bad saves, bad starts ---------------------------------------------------------
+
+
+DIVERGING = ("--config.optimizer.learning_rate=1e6", "--config.optimizer.warmup_steps=0")
+
+
+def test_a_checkpoint_whose_params_gave_nan_is_not_the_last_good_one(tmp_path, text):
+    """At learning rate 1e6 the params of step B-1 are finite (~1e6) and step B's loss is NaN:
+    checkpoint B-1 is set aside and the message names B-2, whose params evaluate finitely."""
+    workdir = tmp_path / "run"
+    result = train(workdir, text, *DIVERGING, steps=8, checkpoint_every=1)
+    assert result.returncode == 1, describe(result)
+    line = error_line(result)
+    bad = int(re.search(r"became NaN/Inf at step (\d+) \(batch", line).group(1))
+    assert bad >= 3, line
+    assert f"moved checkpoint(s) [{bad - 1}], whose params led to it, to {workdir}/checkpoints"\
+        f".nonfinite; the last good checkpoint is step {bad - 2} ({workdir}/checkpoints/" \
+        f"{bad - 2})" in line, line
+    assert checkpoint_steps(workdir)[-1] == bad - 2
+    assert [p.name.split("-")[0] for p in (workdir / "checkpoints.nonfinite").iterdir()] == \
+        [str(bad - 1)]
+    evaluated = run_cli("transformer.evaluate", f"--workdir={workdir}", "--eval_steps=1",
+                        logs=tmp_path / "logs-eval")
+    assert_succeeded(evaluated)
+    loss = json.loads((workdir / f"eval_{bad - 2}_steps1.json").read_text())["loss"]
+    assert np.isfinite(loss)
+
+
+def test_skipped_steps_set_aside_the_checkpoints_saved_while_skipping(tmp_path, text):
+    """Under nonfinite='skip' the params stay those of the step before the skips began: that
+    checkpoint and every one saved while skipping are set aside."""
+    workdir = tmp_path / "run"
+    result = train(workdir, text, *DIVERGING, "--config.nonfinite=skip",
+                   "--config.max_nonfinite_skips=2", steps=12, checkpoint_every=1)
+    assert result.returncode == 1, describe(result)
+    line = error_line(result)
+    began = int(re.search(r"3 steps in a row \(from step (\d+)\) had NaN/Inf gradients",
+                          line).group(1))
+    moved = list(range(began - 1, began + 2))  # the stop comes before step began+2 saves
+    assert f"moved checkpoint(s) {moved}" in line and \
+        f"the last good checkpoint is step {began - 2}" in line, line
+    assert checkpoint_steps(workdir)[-1] == began - 2  # (older ones left: keep_checkpoints)
+
+
+def fill_disk_at(limit_bytes: int):
+    """A preexec_fn: files of the process may grow to `limit_bytes` (RLIMIT_FSIZE), so writing
+    a bigger one fails as on a full disk (EFBIG; Python ignores SIGXFSZ)."""
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+
+def test_a_failed_save_stops_the_run_at_once_with_one_line(tmp_path, text):
+    workdir = tmp_path / "run"
+    assert_succeeded(train(workdir, text, steps=6, checkpoint_every=2))
+    sizes = [f.stat().st_size for f in (workdir / "checkpoints").rglob("*") if f.is_file()]
+    command = [sys.executable, "-m", "transformer.train", f"--workdir={workdir}",
+               *data_flags(text), *tiny_flags(40, checkpoint_every=2)]
+    before = file_hashes(workdir / "checkpoints")
+    result = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                            preexec_fn=fill_disk_at(max(sizes) // 2), timeout=300)
+    assert result.returncode == 1, describe(result)
+    line = error_line(result)
+    assert line == (f"error: writing checkpoint step 8 to {workdir}/checkpoints failed (File too "
+                    "large); the complete checkpoints [2, 4, 6] are intact"), line
+    after = file_hashes(workdir / "checkpoints")
+    assert {k: v for k, v in after.items() if k.split("/")[0] in "246"} == before
+    logged = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
+    assert max(logged) < 20, f"training went on after the failed save at step 8: {logged}"
+
+
+def test_init_from_over_another_runs_checkpoints_is_refused(tmp_path, text):
+    base, workdir = tmp_path / "base", tmp_path / "run"
+    assert_succeeded(train(base, text, steps=2))
+    assert_succeeded(train(workdir, text, steps=2))
+    before = file_hashes(workdir)
+    result = train(workdir, text, f"--config.init_from={base}", steps=4)
+    assert result.returncode == 2, describe(result)
+    assert error_line(result) == (
+        f"error: init_from='{base}': {workdir} already holds checkpoint 2 (trained from "
+        "init_from=''): expected to resume it (drop init_from), fresh_start=True to set it "
+        "aside and start from init_from, or another workdir")
+    assert file_hashes(workdir) == before
+    # A fine-tune relaunched with its own command resumes.
+    tuned = tmp_path / "tuned"
+    assert_succeeded(train(tuned, text, f"--config.init_from={base}", steps=2))
+    assert_succeeded(train(tuned, text, f"--config.init_from={base}", steps=4))
+    assert checkpoint_steps(tuned) == [2, 4]
+
+
+def test_a_failed_init_from_leaves_no_workdir(tmp_path, text):
+    base = tmp_path / "base"
+    assert_succeeded(train(base, text, steps=2))
+    workdir = tmp_path / "new"
+    result = train(workdir, text, f"--config.init_from={base}", "--config.model.d_model=48",
+                   steps=2)
+    assert result.returncode != 0, describe(result)
+    assert not workdir.exists()
+
+
+def test_fresh_start_sets_the_whole_previous_run_aside(tmp_path, text):
+    workdir = tmp_path / "run"
+    assert_succeeded(train(workdir, text, steps=2))
+    old = {name: file_hashes(workdir / name) if (workdir / name).is_dir() else
+           (workdir / name).read_bytes() for name in checkpoint_lib.RUN_FILES}
+    assert_succeeded(train(workdir, text, "--config.fresh_start=True", steps=2, logs="fresh"))
+    (aside,) = workdir.glob("checkpoints.set-aside-*")
+    for name, content in old.items():
+        moved = aside / name
+        assert (file_hashes(moved) if moved.is_dir() else moved.read_bytes()) == content, name
+    events = list((workdir / "tensorboard").rglob("*"))
+    assert events and all(p.stat().st_mtime >= aside.stat().st_mtime for p in events)
+    steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
+    assert steps == [1, 2]
+    assert json.loads((workdir / "summary.json").read_text())["step"] == 2
