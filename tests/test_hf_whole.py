@@ -150,3 +150,98 @@ def test_a_broken_tokenizer_config_json_names_its_file(minilm_dir, tmp_path):
     with pytest.raises(ValueError, match=r"tokenizer_config.json' is not JSON .*: expected a "
                                          r"Hugging Face tokenizer_config.json"):
         tokenizers_lib.load_hf_tokenizer(str(tmp_path / "tok"))
+
+
+# --- 3, 5. our own tokenizers export as a tokenizer.json; export follows the umask ----------
+
+LITERALS = "<eos> <pad> <mask> <cls> <sep> <extra_id_0> <unk> <0x41> <bos> as plain text"
+CORPUS = [play(seed, 40) for seed in range(20)]
+HTML = [f'<div class="c{i}">{play(i, 3)}</div>\n<span>0x{i:02X} <b>bold</b> {i * 37}</span>\n'
+        for i in range(300)]  # SentencePiece pieces such as "</": "<" inside a piece
+
+
+def auto_tokenizer(tok, directory: Path):
+    """`transformers.AutoTokenizer` of `tok.hugging_face()` written into `directory`."""
+    tokenizer_json, config = tok.hugging_face()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return transformers.AutoTokenizer.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("kind,texts,vocab_size", [
+    ("byte", None, None), ("char", CORPUS, None), ("sentencepiece_bpe", CORPUS, 600),
+    ("sentencepiece_unigram", CORPUS, 400), ("sentencepiece_unigram", HTML, 500),
+    ("sentencepiece_bpe", HTML, 600)])
+def test_our_tokenizers_load_in_autotokenizer_with_our_ids(tmp_path, kind, texts, vocab_size):
+    tok = tokenizers_lib.build_tokenizer(kind, texts, vocab_size=vocab_size, num_sentinels=3)
+    auto = auto_tokenizer(tok, tmp_path)
+    held_out = [play(1000 + seed, n) for seed, n in enumerate((1, 3, 30))]
+    for text in [*TEXTS, LONG, LITERALS, *held_out, HTML[7]]:
+        ids = tok.encode(text).tolist()
+        assert auto(text, add_special_tokens=False)["input_ids"] == ids, text[:40]
+        assert auto.decode(ids) == tok.decode(ids)
+        if kind != "char":  # char: the characters it has no ids for decode as "<unk>"
+            assert auto.decode(ids) == text
+    assert len(auto) == tok.vocab_size
+    assert [auto.convert_tokens_to_ids(name) for name in tokenizers_lib.SPECIAL_TOKENS] == \
+        list(range(tokenizers_lib.NUM_SPECIAL))
+    assert auto.convert_tokens_to_ids("<extra_id_0>") == tok.sentinel_id(0)
+    assert (auto.pad_token_id, auto.bos_token_id, auto.eos_token_id, auto.unk_token_id) == \
+        (tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id)
+    sentinels_and_eos = [*tok.encode("to be"), tok.sentinel_id(2), tok.eos_id]
+    assert auto.decode(sentinels_and_eos) == tok.decode(sentinels_and_eos)
+
+
+def test_a_unigram_vocabulary_autotokenizer_would_misread_is_refused():
+    """A Hugging Face Unigram matches every token in text, SentencePiece only its pieces: with
+    "<" going on in pieces ("</") and no piece "x", "<0x00>" in text would become the byte
+    token 7 there, and "<", "0", bytes of "x", ... here. Refused, in one line."""
+    no_x = [text.replace("x", "").replace("X", "") for text in HTML]
+    tok = tokenizers_lib.build_tokenizer("sentencepiece_unigram", no_x, vocab_size=500)
+    with pytest.raises(ValueError, match=r"its unigram pieces go on past a '<' but none is 'x': a "
+                                         r"Hugging Face Unigram would read '<0x00>' in text") \
+            as error:
+        tok.hugging_face()
+    assert "\n" not in str(error.value)
+
+
+def test_export_writes_our_tokenizer_with_the_umask_one_line_per_file(tmp_path):
+    import subprocess
+    import sys
+
+    from test_train import REPO, TINY_MODEL, cli_env, describe
+
+    from transformer import train
+
+    (tmp_path / "play.txt").write_text("\n".join(CORPUS[:4]), encoding="utf-8")
+    config = configs.experiment("gpt_tiny")
+    config.update(steps=1, batch_size=2, seq_len=16, log_every=1, eval_every=1, eval_steps=1,
+                  checkpoint_every=1)
+    config.model.update(**TINY_MODEL, position="learned", max_len=64)
+    config.data.update(path=str(tmp_path / "play.txt"), unit="stream", vocab_size=340,
+                       tokenizer="sentencepiece_unigram", num_sentinels=2)
+    workdir, output = tmp_path / "run", tmp_path / "hf" / "model"
+    train.train_and_evaluate(config, str(workdir))
+    result = subprocess.run(  # under umask 027: directories 750, files 640
+        ["sh", "-c", 'umask 027 && exec "$0" "$@"', sys.executable, "-m", "transformer.export",
+         f"--workdir={workdir}", f"--output={output}"], cwd=REPO, env=cli_env(),
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, describe(result)
+    assert result.stderr == ""  # no Orbax INFO, no warnings
+    names = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    lines = result.stdout.splitlines()
+    assert [line.split(" (")[0] for line in lines[:-1]] == [f"wrote {output / n}" for n in names]
+    size = (output / "model.safetensors").stat().st_size
+    assert lines[1] == f"wrote {output / 'model.safetensors'} ({size / 1e3:.1f} kB)"
+    assert lines[-1] == f"step 1 of {workdir} -> {output} as GPT2LMHeadModel, with its tokenizer"
+    assert sorted(p.name for p in output.iterdir()) == names
+    assert {oct(p.stat().st_mode & 0o777) for p in output.iterdir()} == {"0o640"}
+    assert oct(output.stat().st_mode & 0o777) == "0o750"
+    ours = tokenizers_lib.load_tokenizer(str(workdir / inputs.TOKENIZER_DIR))
+    auto = transformers.AutoTokenizer.from_pretrained(output)
+    for text in [*TEXTS, LONG]:
+        assert auto(text, add_special_tokens=False)["input_ids"] == ours.encode(text).tolist()
+    hf_config = json.loads((output / "config.json").read_text())
+    assert (hf_config["bos_token_id"], hf_config["eos_token_id"], hf_config["vocab_size"]) == \
+        (ours.bos_id, ours.eos_id, ours.vocab_size)

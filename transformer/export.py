@@ -1,5 +1,5 @@
 """Export a trained model as a Hugging Face `save_pretrained` directory (config.json,
-model.safetensors and, for a Hugging Face tokenizer, tokenizer.json + tokenizer_config.json):
+model.safetensors, tokenizer.json + tokenizer_config.json), with the user's umask:
 
     python -m transformer.export --workdir=runs/gpt --output=hf/gpt [--step=N]
 
@@ -17,8 +17,8 @@ Needs `transformers` (pip install transformers); torch is not needed.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
-import tempfile
 from typing import Any
 
 import jax
@@ -84,7 +84,8 @@ def _gpt2(config, params, transformers):
         layer_norm_epsilon=config.norm_epsilon, tie_word_embeddings=config.tie_embeddings,
         resid_pdrop=config.dropout_rate, embd_pdrop=config.dropout_rate,
         attn_pdrop=config.attention_dropout_rate, initializer_range=config.init_std or 0.02,
-        scale_attn_weights=config.attention_scale is None, architectures=["GPT2LMHeadModel"])
+        scale_attn_weights=config.attention_scale is None, architectures=["GPT2LMHeadModel"],
+        bos_token_id=None, eos_token_id=None)  # not GPT-2's 50256: the tokenizer's, if any
     decoder, out = params["decoder"], {}
     out["transformer.wte.weight"] = params["embed"]["embedding"]
     out["transformer.wpe.weight"] = decoder["position_embedding"]["embedding"]
@@ -303,21 +304,31 @@ def to_hf(model_config, params) -> tuple[Any, dict[str, np.ndarray]]:
 
 
 def _tokenizer_files(tokenizer, directory: str) -> None:
-    """A Hugging Face tokenizer's tokenizer.json and tokenizer_config.json (its roles)."""
+    """tokenizer.json and tokenizer_config.json, so `AutoTokenizer` gives the run's ids."""
     import json
 
-    fileio.path(directory).joinpath("tokenizer.json").write_text(tokenizer.tokenizer_json,
+    tokenizer_json, config = tokenizer.hugging_face()
+    fileio.path(directory).joinpath("tokenizer.json").write_text(tokenizer_json,
                                                                   encoding="utf-8")
-    roles = {f"{role}_token": token for role, token in tokenizer.specials.items()
-             if token is not None}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **roles}
     fileio.path(directory).joinpath("tokenizer_config.json").write_text(
         json.dumps(config, indent=1) + "\n", encoding="utf-8")
 
 
+def _new_directory(parent: str) -> str:
+    """A new hidden directory in `parent`, made with the user's umask (mkdtemp's is 0700)."""
+    while True:
+        path = os.path.join(parent, f".export-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+
+
 def export_workdir(workdir: str, output: str, step: int | None = None) -> dict:
     """Writes checkpoint `step` (default: the latest) of `workdir` as a `save_pretrained`
-    directory `output`, which must not exist yet. Returns what was written."""
+    directory `output`, which must not exist yet, with the user's umask. Returns what was
+    written: the step, the output, the architecture and `files`, [(path, bytes)]."""
     from safetensors.numpy import save_file
 
     from transformer.data import inputs
@@ -328,6 +339,7 @@ def export_workdir(workdir: str, output: str, step: int | None = None) -> dict:
                               "overwritten)")
     step, config = checkpoint_lib.saved_run(workdir, step)
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
+    tokenizer.hugging_face()  # refused, if it is, before anything is read or written
     # Read onto one local device, whatever mesh the run trained on (Orbax reshards).
     one_device = sharding.make_mesh({axis: 1 for axis in sharding.MESH_AXES},
                                     devices=jax.local_devices()[:1])
@@ -341,31 +353,43 @@ def export_workdir(workdir: str, output: str, step: int | None = None) -> dict:
         hf_config.decoder_start_token_id = int(tokenizer.decoder_start_id)
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)  # complete, then renamed
+    staging = _new_directory(parent)  # complete, then renamed
     try:
         hf_config.save_pretrained(staging)
         save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer.kind == "hf":
-            _tokenizer_files(tokenizer, staging)
+        _tokenizer_files(tokenizer, staging)
+        file_mode = os.stat(staging).st_mode & 0o666  # the umask's (safetensors' is 0600)
+        files = []
+        for name in sorted(os.listdir(staging)):
+            os.chmod(os.path.join(staging, name), file_mode)
+            files.append((os.path.join(output, name), os.path.getsize(os.path.join(staging, name))))
         os.replace(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return {"step": step, "output": output, "architecture": hf_config.architectures[0],
-            "tokenizer": tokenizer.kind == "hf"}
+            "files": files}
+
+
+def _size(num_bytes: int) -> str:
+    """'812 bytes', '1.4 kB', '25.0 MB'."""
+    if num_bytes < 1000:
+        return f"{num_bytes} bytes"
+    return f"{num_bytes / 1e3:.1f} kB" if num_bytes < 1e6 else f"{num_bytes / 1e6:.1f} MB"
 
 
 def _main(argv):
-    from absl import app, flags
+    from absl import app, flags, logging
 
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}: expected only flags")
+    logging.set_verbosity(logging.WARNING)  # one line per file, not Orbax's INFO logs
     f = flags.FLAGS
     written = export_workdir(f.workdir, f.output, f.step)
-    tokenizer = "with its tokenizer" if written["tokenizer"] else \
-        "without a tokenizer (only Hugging Face tokenizers are exported)"
+    for path, num_bytes in written["files"]:
+        print(f"wrote {path} ({_size(num_bytes)})")
     print(f"step {written['step']} of {f.workdir} -> {written['output']} as "
-          f"{written['architecture']}, {tokenizer}")
+          f"{written['architecture']}, with its tokenizer")
 
 
 def _define_flags():

@@ -8,6 +8,9 @@ The kinds this project builds (byte, char, SentencePiece BPE / unigram) share on
 `encode` never adds BOS / EOS; `decode` drops <pad> and writes other specials and sentinels as
 their names, so `decode(encode(text)) == text` for any text a kind can represent (all text for
 byte and SentencePiece, which falls back to UTF-8 bytes for unseen characters).
+`hugging_face()` gives the tokenizer.json (built with the `tokenizers` library) and
+tokenizer_config.json with which `transformers.AutoTokenizer` encodes and decodes like `encode`
+and `decode`: the export writes them beside the model.
 
 The "hf" kind (`HFTokenizer`) wraps a Hugging Face `tokenizer.json` (GPT-2 or Llama BPE, BERT
 WordPiece, T5 unigram, ...) and keeps its own ids: its specials are wherever that vocabulary has
@@ -170,6 +173,53 @@ class Tokenizer:
         """Kind-specific tokenizer.json fields; may write extra files into `directory`."""
         return {}
 
+    # Specials this kind finds in text as text, not as roles (SentencePiece's user-defined ones)
+    _found_in_text: tuple[str, ...] = ()
+
+    def _hf_tokenizer(self) -> Any:
+        """A `tokenizers.Tokenizer` of ids 0 .. vocab_size - num_sentinels - 1, for
+        `hugging_face`."""
+        raise ValueError(f"kind={self.kind!r}: expected byte, char, SentencePiece or hf to "
+                         "write a Hugging Face tokenizer")
+
+    def hugging_face(self) -> tuple[str, dict[str, Any]]:
+        """(tokenizer.json text, tokenizer_config.json) of this tokenizer for `transformers`:
+        `AutoTokenizer(text, add_special_tokens=False)` gives `encode(text)`'s ids, and its
+        `decode` gives text back. Built with the `tokenizers` library's own models:
+          * byte: BPE without merges over the 256 byte tokens <0x00>..<0xFF> (byte fallback);
+          * char: BPE without merges over the characters (other characters: <unk>);
+          * SentencePiece: its BPE (merges from the pieces' scores) or unigram pieces with
+            byte fallback, "▁" written as the space it stands for.
+        The specials keep their ids (named by role in the config), the sentinels are special
+        tokens on top, and `split_special_tokens` makes a special's literal name in text encode
+        as text, as `encode` does. SentencePiece finds <mask>, <cls> and <sep> in text, so
+        there they are plain added tokens, not roles (a role would not be found in text)."""
+        from tokenizers import AddedToken
+
+        tok = self._hf_tokenizer()
+        names = [f"<extra_id_{i}>" for i in reversed(range(self.num_sentinels))]
+        tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+        tok.add_tokens([AddedToken(n, special=False, normalized=False)
+                        for n in self._found_in_text])
+        if tok.get_vocab_size(with_added_tokens=True) != self.vocab_size:
+            raise ValueError(f"the Hugging Face tokenizer of {self!r} has "
+                             f"{tok.get_vocab_size(with_added_tokens=True)} ids: expected "
+                             f"{self.vocab_size}")
+        roles = {f"{role}_token": name for role, name in zip(ROLES, SPECIAL_TOKENS, strict=True)
+                 if name not in self._found_in_text}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **roles,
+                  "additional_special_tokens": names, "split_special_tokens": True,
+                  "clean_up_tokenization_spaces": False}
+        return tok.to_str(pretty=True), config
+
+    def _hf_vocab(self, regular: list[str]) -> dict[str, int]:
+        """{token: id} of the specials and the `regular` tokens that follow them."""
+        vocab = {name: i for i, name in enumerate([*SPECIAL_TOKENS, *regular])}
+        if len(vocab) != NUM_SPECIAL + len(regular):
+            raise ValueError(f"{self!r} has a token named like a special: expected distinct "
+                             "token names")
+        return vocab
+
     def save(self, directory: str) -> None:
         """Writes directory/tokenizer.json (and any model file), creating the directory."""
         fileio.path(directory).mkdir(parents=True, exist_ok=True)
@@ -202,6 +252,15 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> np.ndarray:
         data = np.frombuffer(text.encode("utf-8"), np.uint8)
         return data.astype(np.int32) + NUM_SPECIAL
+
+    def _hf_tokenizer(self) -> Any:
+        from tokenizers import Tokenizer, decoders, models
+
+        vocab = self._hf_vocab([f"<0x{b:02X}>" for b in range(256)])
+        # No token is a character: each character falls back to its UTF-8 bytes.
+        tok = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        return tok
 
 
 class CharTokenizer(Tokenizer):
@@ -238,6 +297,19 @@ class CharTokenizer(Tokenizer):
 
     def _config(self, directory: str) -> dict[str, Any]:
         return {"chars": list(self.chars)}
+
+    def _hf_tokenizer(self) -> Any:
+        from tokenizers import Tokenizer, decoders, models
+
+        bad = [c for c in self.chars if 0xD800 <= ord(c) <= 0xDFFF]
+        if bad:
+            raise ValueError(f"character {bad[0]!r} is a lone surrogate: expected characters "
+                             "a Hugging Face tokenizer can hold (valid Unicode)")
+        # Without merges, a BPE word is its characters; the text is one word (no pre-tokenizer).
+        tok = Tokenizer(models.BPE(self._hf_vocab(list(self.chars)), [],
+                                   unk_token=SPECIAL_TOKENS[UNK_ID]))
+        tok.decoder = decoders.Fuse()
+        return tok
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -296,6 +368,64 @@ class SentencePieceTokenizer(Tokenizer):
     def _config(self, directory: str) -> dict[str, Any]:
         fileio.write_atomic(fileio.join(directory, SENTENCEPIECE_FILE), self.model_proto)
         return {"model_file": SENTENCEPIECE_FILE}
+
+    _found_in_text = SPECIAL_TOKENS[MASK_ID:]  # its user-defined symbols
+
+    def _hf_tokenizer(self) -> Any:
+        """SentencePiece's pieces with "▁" as the space it stands for, so a literal "▁" in text
+        is no piece and falls back to its bytes, as in `encode`; no normalizer (ours is
+        identity, whitespace kept, no dummy prefix)."""
+        from tokenizers import Tokenizer, decoders, models
+
+        sp = self._sp
+        normal = [i for i in range(NUM_SPECIAL, sp.get_piece_size()) if not sp.is_byte(i)]
+        pieces = {i: sp.id_to_piece(i).replace(_SPACE_MARK, " ") for i in normal}
+        tokens = [*SPECIAL_TOKENS, *(pieces.get(i) or sp.id_to_piece(i)
+                                     for i in range(NUM_SPECIAL, sp.get_piece_size()))]
+        vocab = self._hf_vocab(tokens[NUM_SPECIAL:])
+        if self.model_type == "bpe":
+            # SentencePiece merges the adjacent pair whose concatenation is the best-scored
+            # piece: Hugging Face's merges, ranked by that score.
+            known, merges = set(pieces.values()), []
+            for i in sorted(normal, key=lambda i: (-sp.get_score(i), i)):
+                piece = pieces[i]
+                merges += [(piece[:k], piece[k:]) for k in range(1, len(piece))
+                           if piece[:k] in known and piece[k:] in known]
+            tok = Tokenizer(models.BPE(vocab, merges, unk_token=SPECIAL_TOKENS[UNK_ID],
+                                       byte_fallback=True))
+        else:
+            tok = self._hf_unigram(pieces, tokens)
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        return tok
+
+    def _hf_unigram(self, pieces: dict[int, str], tokens: list[str]) -> Any:
+        """SentencePiece's lattice holds only its normal and user-defined pieces; Hugging
+        Face's holds every token, so a literal "<eos>" or "<0x41>" in text could become that
+        token. Those tokens get a score below any path of known characters; one spanning an
+        unknown character would still win, so the text is cut after each "<" (every such name
+        starts with one) where no piece goes on past a "<" (then the cut changes nothing), or
+        else every character of those names must be a piece."""
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        sp = self._sp
+        lowest = min(sp.get_score(i) for i in pieces)
+        tok = Tokenizer(models.Unigram(
+            [(token, sp.get_score(i) if i in pieces else len(token) * lowest - 1.0)
+             for i, token in enumerate(tokens)], UNK_ID, True))
+        if not any("<" in piece[:-1] for piece in pieces.values()):
+            tok.pre_tokenizer = pre_tokenizers.Split("<", "merged_with_previous")
+            return tok
+        missing = {c for i, token in enumerate(tokens) if i not in pieces for c in token}
+        missing -= set(pieces.values())
+        if missing:
+            example = next(t for i, t in enumerate(tokens) if i not in pieces and
+                           missing & set(t))
+            raise ValueError(
+                f"{self!r}: its unigram pieces go on past a '<' but none is "
+                f"{''.join(sorted(missing))!r}: a Hugging Face Unigram would read {example!r} "
+                f"in text as one token, where SentencePiece reads it as text; expected every "
+                f"character of the special and byte token names as a piece")
+        return tok
 
     def __getstate__(self) -> dict[str, Any]:  # for multiprocess data loaders
         return {"model_proto": self.model_proto, "num_sentinels": self.num_sentinels}
@@ -417,6 +547,12 @@ class HFTokenizer(Tokenizer):
     def _config(self, directory: str) -> dict[str, Any]:
         fileio.write_atomic(fileio.join(directory, HF_FILE), self.tokenizer_json.encode())
         return {"model_file": HF_FILE, "specials": self.specials}
+
+    def hugging_face(self) -> tuple[str, dict[str, Any]]:
+        """Its own tokenizer.json, with its roles in the config."""
+        roles = {f"{role}_token": token for role, token in self.specials.items()
+                 if token is not None}
+        return self.tokenizer_json, {"tokenizer_class": "PreTrainedTokenizerFast", **roles}
 
     def __getstate__(self) -> dict[str, Any]:  # for multiprocess data loaders
         return {"tokenizer_json": self.tokenizer_json, "specials": self.specials,
