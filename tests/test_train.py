@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from transformer import configs, hostmem, placement, train
+from transformer import configs, hostmem, placement, progress, train
 from transformer import evaluate as evaluate_lib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -572,8 +572,8 @@ def test_speed_is_timed_over_training_steps_alone_and_the_eta_counts_evaluations
     eta = re.search(r"step 3/6 .* ETA 0:00:(\d\d)", out)  # evaluations at 4 and 6 to come
     assert eta and int(eta[1]) >= 3, out
     # steps after `step` that evaluate (or save): multiples of `every`, and the last
-    assert [train._remaining(step, 7, 2) for step in (0, 3, 6, 7)] == [4, 3, 1, 0]
-    assert train._remaining(0, 5, 10) == 1 and train._remaining(3, 6, 2) == 2
+    assert [progress.remaining(step, 7, 2) for step in (0, 3, 6, 7)] == [4, 3, 1, 0]
+    assert progress.remaining(0, 5, 10) == 1 and progress.remaining(3, 6, 2) == 2
 
 
 # --- 8. gradient accumulation ---------------------------------------------------------------

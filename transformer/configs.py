@@ -377,7 +377,7 @@ def _validate_test_path(config: ml_collections.ConfigDict) -> None:
                       os.path.isfile(os.path.join(data_path, "prepare.json"))):
         raise ValueError(f"data.test_path={path!r} with the token shards at data.path="
                          f"{data_path!r}: expected text data.path (shards hold no test split)")
-    sources._files(path)  # exists, or a one-line error (an empty split: train._check_splits)
+    sources._files(path)  # exists, or a one-line error (an empty split: startup.check_splits)
 
 
 def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:

@@ -1,12 +1,12 @@
-"""Pretraining: the pure jitted train step, the loop around it (setup, loop, finish) and the CLI.
+"""Pretraining: the loop around the pure jitted train step (setup, loop, finish) and the CLI.
 
     python -m transformer.train --config=experiments/<name>.py --workdir=DIR [--config.KEY=VALUE]
 
 With no flags it trains the default experiment (experiments/gpt_tiny.py) into runs/gpt_tiny.
 Rerunning the same command on an existing workdir resumes from its latest complete checkpoint.
-The pieces live beside it: optim (the optimizer), state (the train state on the mesh),
-evaluation, metrics (logging, FLOPs), placement (mesh, compiler options), checkpoint, and the
-model families' table in transformer.models.
+Beside it: step (the train step), startup (checks), progress (log lines), optim, state,
+evaluation, metrics, placement (mesh, compiler options), checkpoint, workdir (the lock),
+nonfinite, and the model families' table in transformer.models.
 """
 
 from __future__ import annotations
@@ -21,12 +21,21 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
-import optax
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation, fileio, finetune, hostmem, kernels, nonfinite, optim, sharding
+from transformer import (
+    evaluation,
+    fileio,
+    finetune,
+    hostmem,
+    kernels,
+    nonfinite,
+    optim,
+    progress,
+    sharding,
+    startup,
+)
 from transformer import metrics as metrics_lib
 from transformer import placement as placement_lib
 from transformer import workdir as workdir_lib
@@ -34,77 +43,10 @@ from transformer.configs import validate_config
 from transformer.data import inputs, pipeline
 from transformer.models import build_model, family_of
 from transformer.state import TrainState, active_params, initial_state, num_params
+from transformer.step import make_train_step
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "experiments", "gpt_tiny.py")
-
-
-def make_train_step(model, config, optimizer):
-    """(state, batch) -> (state, metrics): one optimizer update on the global batch.
-
-    With optimizer.grad_accumulation_steps = k the batch is split into k micro-batches whose
-    gradients are averaged (weighted by their token counts) before the update.
-    """
-    accumulation = config.optimizer.grad_accumulation_steps
-    base_rng = jax.random.key(config.seed)
-    family = family_of(config)
-
-    def grads_of(params, batch, rng):
-        def loss_fn(p):
-            return family.loss_and_metrics(model, config, p, batch, rng, deterministic=False)
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        return grads, metrics
-
-    def train_step(state: TrainState, batch):
-        rng = jax.random.fold_in(base_rng, state.step)
-        if accumulation == 1:
-            grads, metrics = grads_of(state.params, batch, rng)
-        else:
-            # Micro-batch i takes rows i, i + k, i + 2k, ...: each device keeps its own rows
-            # (a contiguous split would move rows between data-parallel shards).
-            micro = jax.tree.map(
-                lambda x: x.reshape(x.shape[0] // accumulation, accumulation,
-                                    *x.shape[1:]).swapaxes(0, 1), batch)
-
-            def accumulate(carry, inputs):
-                grads_sum, tokens, sums = carry
-                micro_batch, i = inputs
-                grads, m = grads_of(state.params, micro_batch, jax.random.fold_in(rng, i))
-                n = m["num_tokens"]
-                grads_sum = jax.tree.map(lambda a, g: a + g * n, grads_sum, grads)
-                sums = {k: sums[k] + m[k] * n for k in sums}
-                return (grads_sum, tokens + n, sums), None
-
-            # Every metric but the counts is a token-weighted mean over the micro-batches.
-            shapes = jax.eval_shape(grads_of, state.params, jax.tree.map(lambda x: x[0], micro),
-                                    rng)[1]
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            sums = {k: 0.0 for k in shapes if k not in ("num_tokens", "perplexity")}
-            (grads_sum, tokens, sums), _ = jax.lax.scan(
-                accumulate, (zeros, 0.0, sums), (micro, jnp.arange(accumulation)))
-            denominator = jnp.maximum(tokens, 1.0)
-            grads = jax.tree.map(lambda g: g / denominator, grads_sum)
-            metrics = {k: v / denominator for k, v in sums.items()}
-            metrics.update(perplexity=jnp.exp(metrics["loss"]), num_tokens=tokens)
-        grad_norm = optax.tree.norm(grads)
-        exploded = jnp.asarray(False)
-        if config.get("max_grad_norm", 0.0):
-            exploded = grad_norm > config.max_grad_norm
-            # Under nonfinite="skip", optax.apply_if_finite then skips (and counts) the step.
-            grads = jax.tree.map(lambda g: jnp.where(exploded, jnp.nan, g), grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        params_finite = jax.tree.reduce(
-            jnp.logical_and, jax.tree.map(lambda p: jnp.isfinite(p).all(), params))
-        finite = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & params_finite
-                  & ~exploded)
-        step = state.step + 1  # the number the logs and checkpoints give this step
-        first_bad = jnp.where((state.first_nonfinite_step < 0) & ~finite, step,
-                              state.first_nonfinite_step)
-        metrics = {**metrics, "grad_norm": grad_norm}
-        return TrainState(state.step + 1, params, opt_state, first_bad), metrics
-
-    return train_step
 
 
 @dataclasses.dataclass
@@ -140,93 +82,6 @@ class Run:
         return placement_lib.agreed(self.signal is not None)
 
 
-def _resolve(config: ml_collections.ConfigDict, workdir: str | None):
-    """(tokenizer, task): the tokenizer (the one saved in `workdir`, if given) and the labeled
-    task, with the vocabulary size and a classifier's classes filled into `config` from them."""
-    tokenizer = inputs.get_tokenizer(config, workdir)
-    if not config.model.vocab_size:
-        config.model.vocab_size = tokenizer.vocab_size
-    elif config.model.vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"model.vocab_size={config.model.vocab_size}: expected >= the "
-                         f"tokenizer's {tokenizer.vocab_size} ({tokenizer.num_sentinels} of them "
-                         "sentinels: data.num_sentinels)")
-    inputs.check_token_shards(config, tokenizer)
-    task = inputs.labeled_task(config)  # labeled tasks hold out a test split (end of run)
-    if task is not None and family_of(config).classifier(config.model) and \
-            not config.model.num_classes:
-        config.model.num_classes = len(task.labels)
-    return tokenizer, task
-
-
-class Finished(Exception):
-    """The workdir's run already reached config.steps: there is nothing to train."""
-
-
-def _check_workdir(config: ml_collections.ConfigDict, workdir: str,
-                   manager: checkpoint_lib.Manager) -> None:
-    """Before anything is written: the latest checkpoint must match the config (model, data
-    stream) and not be past config.steps."""
-    latest = manager.latest_step()
-    if latest is None:
-        return
-    manager.check(latest)
-    saved_init = manager.saved_config(latest).get("init_from", "")
-    if config.get("init_from", "") != saved_init:  # resuming a fine-tune keeps its init_from
-        raise ValueError(f"init_from={config.init_from!r}: {workdir} already holds checkpoint "
-                         f"{latest} (trained from init_from={saved_init!r}): expected to resume "
-                         "it (drop init_from), fresh_start=True to set it aside and start from "
-                         "init_from, or another workdir")
-    if latest > config.steps:
-        raise ValueError(f"steps={config.steps}: {workdir} already holds step {latest}: expected "
-                         f"steps >= {latest} (or fresh_start=True, or another workdir)")
-
-
-def _check_finished(config: ml_collections.ConfigDict, workdir: str, step: int) -> None:
-    """Raises `Finished` when the restored `step` is the last and summary.json says so."""
-    summary = fileio.path(workdir) / "summary.json"
-    if step == config.steps and summary.exists() and \
-            json.loads(summary.read_text()).get("step") == step:
-        raise Finished(f"{workdir} already finished at step {step} (summary.json); nothing "
-                       "to do: raise steps to train further, or set fresh_start=True")
-
-
-def _check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> None:
-    """Every split the run evaluates yields at least one batch (at every length it is
-    evaluated at), so a data problem stops the run before its first step, not at its first
-    evaluation."""
-    splits = ["validation"] + (["test"] if inputs.has_test_split(config) else [])
-    lengths = [config.seq_len] + [n for n in config.get("eval_seq_lens") or ()
-                                  if _evaluable(config, n)]
-    # A mixture evaluates each source's validation split on its own.
-    mixture = inputs.source_configs(config)
-    for split, one, where in [("validation", c, f"data.sources {name!r}")
-                              for name, c in mixture.items()] or \
-            [(split, config, "data.path") for split in splits]:
-        for seq_len in lengths if split == "validation" else lengths[:1]:
-            at = ml_collections.ConfigDict(one.to_dict())
-            at.seq_len = seq_len
-            iterator = iter(inputs.get_dataset(at, tokenizer, split, num_epochs=1, shuffle=False,
-                                               rows=placement.rows))
-            empty = placement_lib.agreed(next(iterator, None) is None)
-            getattr(iterator, "close", lambda: None)()
-            if empty:
-                entry = "" if seq_len == config.seq_len else " (an eval_seq_lens entry)"
-                raise ValueError(
-                    f"the {split} split yields no batch of {config.batch_size} x "
-                    f"{seq_len}{entry}: expected more {split} text ({where}, "
-                    f"data.validation_fraction={config.data.validation_fraction}) or a smaller "
-                    "batch_size / seq_len")
-
-
-def _evaluable(config: ml_collections.ConfigDict, seq_len: int) -> bool:
-    """Whether `finish` evaluates at `seq_len` (it skips lengths the model cannot run at)."""
-    try:
-        evaluation.check_eval_seq_len(config, seq_len)
-    except ValueError:
-        return False
-    return True
-
-
 def setup(config: ml_collections.ConfigDict, workdir: str, explicit=()) -> Run:
     """Validates the config and checks the workdir and the data, then builds or restores
     everything the loop needs. Nothing in an existing workdir changes before every check has
@@ -254,9 +109,9 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     if manager is not None:
         opened.callback(manager.close)
     resuming = manager is not None and manager.latest_step() is not None
-    tokenizer, task = _resolve(config, workdir if resuming else None)
+    tokenizer, task = startup.resolve(config, workdir if resuming else None)
     if manager is not None:
-        _check_workdir(config, workdir, manager)
+        startup.check_workdir(config, workdir, manager)
     model = build_model(config.model)
     optimizer = optim.make_optimizer(config)
     placement = placement_lib.Placement.from_config(config)
@@ -264,7 +119,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     peak = metrics_lib.peak_flops(config)
     train_data = iter(inputs.get_dataset(config, tokenizer, "train", rows=placement.rows))
     opened.callback(train_data.close)
-    _check_splits(config, tokenizer, placement)
+    startup.check_splits(config, tokenizer, placement)
     start_position = train_data.get_state()  # peek at one batch for shapes, then rewind
     first_batch = next(train_data)
     train_data.set_state(start_position)
@@ -279,7 +134,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
         opened.callback(manager.close)
     state = manager.restore_latest(abstract, state_sharding, train_data)
     start_step = 0 if state is None else int(placement_lib.fetch(state.step))
-    _check_finished(config, workdir, start_step)
+    startup.check_finished(config, workdir, start_step)
     if state is None:
         state = init(jax.random.key(config.seed))
         if config.get("init_from"):
@@ -317,57 +172,6 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
         run.logger.print(f"task {task.name}: {len(task.labels)} classes; examples per class:\n"
                          + task.balance())
     return run
-
-
-def _remaining(step: int, steps: int, every: int) -> int:
-    """How many of steps step+1..steps are multiples of `every` or the last (the steps that
-    evaluate, or save, after `step`)."""
-    return steps // every - step // every + (steps % every != 0 and step < steps)
-
-
-def _log_train(run: Run, metrics, since: tuple[float, int], flops: tuple[float, float],
-               peak: float | None, pauses: dict[str, list[float]]) -> float:
-    """Logs the train metrics of the current step, timed against `since` (time, step): the
-    training steps since then, nothing else ran in between. Returns the time it finished at.
-    A window of no steps (the log falls on the first step, whose compile is not training
-    speed) logs no speed. The ETA adds the evaluations and saves still to come, each at the
-    time the latest one took (`pauses`: their seconds; the first evaluation also compiles)."""
-    config, step = run.config, run.step
-    metrics = placement_lib.fetch(metrics)
-    nonfinite.check(run.state, config, step, run.manager)
-    now = time.perf_counter()
-    lr = float(optim.learning_rate_schedule(config.optimizer, config.steps)(step - 1))
-    record = {k: float(v) for k, v in metrics.items()}
-    record["learning_rate"] = lr
-    speed = ""
-    if step > since[1]:
-        seconds = (now - since[0]) / (step - since[1])
-        tokens_per_s = config.batch_size * config.seq_len / seconds
-        record.update(step_time=seconds, tokens_per_s=tokens_per_s)
-        if peak:  # model and hardware FLOPs utilisation against the run's named peak
-            record["mfu"] = tokens_per_s * flops[0] / (peak * len(jax.devices()))
-            if flops[1] != flops[0]:
-                record["hfu"] = tokens_per_s * flops[1] / (peak * len(jax.devices()))
-        eta = (config.steps - step) * seconds + sum(
-            _remaining(step, config.steps, every) * pauses[kind][-1]
-            for kind, every in (("eval", config.eval_every), ("save", config.checkpoint_every))
-            if pauses[kind])
-        speed = (f"{tokens_per_s:,.0f} tok/s " + (f"MFU {record['mfu']:.0%} " if "mfu" in record
-                                                   else "") + f"ETA {metrics_lib.format_eta(eta)}")
-    if run.mixture is not None:  # rows read from each source so far, in closed form
-        batches = run.train_data.get_state().get("next_index", step)  # the stream's position
-        counts = run.mixture.counts(batches * config.batch_size)
-        for name, rows in zip(inputs.source_configs(config), counts, strict=True):
-            record[f"tokens/{name}"] = int(rows) * config.seq_len
-    run.logger.write(step, "train", record)
-    run.logger.print(f"step {step}/{config.steps} loss {record['loss']:.4f} "
-                     f"acc {record['accuracy']:.3f} lr {lr:.2e} "
-                     f"gnorm {record['grad_norm']:.2f} "
-                     + (f"moe balance {record['moe_load_balance']:.2f} dropped "
-                        f"{record['moe_dropped']:.1%} " if "moe_dropped" in record else "")
-                     + speed, transient=True)
-    run.last_metrics = record
-    return time.perf_counter()  # the next window starts after this log's own host work
 
 
 def _evaluate(run: Run, split: str, steps: int | None, seq_len: int | None = None) -> dict:
@@ -425,7 +229,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
                              f"{attention}) took {run.first_step_seconds:.1f} s")
         logged = run.step % config.log_every == 0 or last
         if logged:
-            since = (_log_train(run, metrics, since, flops, peak_flops, pauses), run.step)
+            since = (progress.log_train(run, metrics, since, flops, peak_flops, pauses), run.step)
             logs += 1
             if logs == 3:
                 per_step = (hostmem.faulted_bytes() - faults[0]) / (run.step - faults[1])
@@ -491,7 +295,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     A run already finished is left as it is: its summary is returned, with no state."""
     try:
         run = setup(config, workdir, explicit)
-    except Finished as done:
+    except startup.Finished as done:
         if jax.process_index() == 0:
             print(done)
         summary = json.loads((fileio.path(workdir) / "summary.json").read_text())
@@ -504,8 +308,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
 
 def _train_to_end(run: Run) -> dict[str, Any]:
-    """train_and_evaluate's loop, finish and summary, with SIGTERM / SIGINT saving and
-    stopping."""
+    """train_and_evaluate's loop, finish and summary; SIGTERM / SIGINT save and stop."""
 
     def request_stop(signum, frame):
         if run.signal is not None and signum == signal.SIGINT:

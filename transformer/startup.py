@@ -1,0 +1,101 @@
+"""Before a training's first step: its tokenizer and task, and the checks that stop a run whose
+workdir or data cannot work (transformer.train.setup calls them before anything is written)."""
+
+from __future__ import annotations
+
+import json
+
+import ml_collections
+
+from transformer import checkpoint as checkpoint_lib
+from transformer import evaluation, fileio
+from transformer import placement as placement_lib
+from transformer.data import inputs
+from transformer.models import family_of
+
+
+def resolve(config: ml_collections.ConfigDict, workdir: str | None):
+    """(tokenizer, task): the tokenizer (the one saved in `workdir`, if given) and the labeled
+    task, with the vocabulary size and a classifier's classes filled into `config` from them."""
+    tokenizer = inputs.get_tokenizer(config, workdir)
+    if not config.model.vocab_size:
+        config.model.vocab_size = tokenizer.vocab_size
+    elif config.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size={config.model.vocab_size}: expected >= the "
+                         f"tokenizer's {tokenizer.vocab_size} ({tokenizer.num_sentinels} of them "
+                         "sentinels: data.num_sentinels)")
+    inputs.check_token_shards(config, tokenizer)
+    task = inputs.labeled_task(config)  # labeled tasks hold out a test split (end of run)
+    if task is not None and family_of(config).classifier(config.model) and \
+            not config.model.num_classes:
+        config.model.num_classes = len(task.labels)
+    return tokenizer, task
+
+
+class Finished(Exception):
+    """The workdir's run already reached config.steps: there is nothing to train."""
+
+
+def check_workdir(config: ml_collections.ConfigDict, workdir: str,
+                   manager: checkpoint_lib.Manager) -> None:
+    """Before anything is written: the latest checkpoint must match the config (model, data
+    stream) and not be past config.steps."""
+    latest = manager.latest_step()
+    if latest is None:
+        return
+    manager.check(latest)
+    saved_init = manager.saved_config(latest).get("init_from", "")
+    if config.get("init_from", "") != saved_init:  # resuming a fine-tune keeps its init_from
+        raise ValueError(f"init_from={config.init_from!r}: {workdir} already holds checkpoint "
+                         f"{latest} (trained from init_from={saved_init!r}): expected to resume "
+                         "it (drop init_from), fresh_start=True to set it aside and start from "
+                         "init_from, or another workdir")
+    if latest > config.steps:
+        raise ValueError(f"steps={config.steps}: {workdir} already holds step {latest}: expected "
+                         f"steps >= {latest} (or fresh_start=True, or another workdir)")
+
+
+def check_finished(config: ml_collections.ConfigDict, workdir: str, step: int) -> None:
+    """Raises `Finished` when the restored `step` is the last and summary.json says so."""
+    summary = fileio.path(workdir) / "summary.json"
+    if step == config.steps and summary.exists() and \
+            json.loads(summary.read_text()).get("step") == step:
+        raise Finished(f"{workdir} already finished at step {step} (summary.json); nothing "
+                       "to do: raise steps to train further, or set fresh_start=True")
+
+
+def check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> None:
+    """Every split the run evaluates yields at least one batch (at every length it is
+    evaluated at), so a data problem stops the run before its first step, not at its first
+    evaluation."""
+    splits = ["validation"] + (["test"] if inputs.has_test_split(config) else [])
+    lengths = [config.seq_len] + [n for n in config.get("eval_seq_lens") or ()
+                                  if evaluable(config, n)]
+    # A mixture evaluates each source's validation split on its own.
+    mixture = inputs.source_configs(config)
+    for split, one, where in [("validation", c, f"data.sources {name!r}")
+                              for name, c in mixture.items()] or \
+            [(split, config, "data.path") for split in splits]:
+        for seq_len in lengths if split == "validation" else lengths[:1]:
+            at = ml_collections.ConfigDict(one.to_dict())
+            at.seq_len = seq_len
+            iterator = iter(inputs.get_dataset(at, tokenizer, split, num_epochs=1, shuffle=False,
+                                               rows=placement.rows))
+            empty = placement_lib.agreed(next(iterator, None) is None)
+            getattr(iterator, "close", lambda: None)()
+            if empty:
+                entry = "" if seq_len == config.seq_len else " (an eval_seq_lens entry)"
+                raise ValueError(
+                    f"the {split} split yields no batch of {config.batch_size} x "
+                    f"{seq_len}{entry}: expected more {split} text ({where}, "
+                    f"data.validation_fraction={config.data.validation_fraction}) or a smaller "
+                    "batch_size / seq_len")
+
+
+def evaluable(config: ml_collections.ConfigDict, seq_len: int) -> bool:
+    """Whether `train.finish` evaluates at `seq_len` (it skips lengths the model cannot run at)."""
+    try:
+        evaluation.check_eval_seq_len(config, seq_len)
+    except ValueError:
+        return False
+    return True
