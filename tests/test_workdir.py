@@ -137,11 +137,14 @@ def test_a_failed_start_removes_only_a_workdir_it_made(tmp_path):
 
 @pytest.mark.slow
 def test_readers_beside_a_training_never_fail_it_and_never_fail(tmp_path, text):
-    """A training saving every step while generate and evaluate read its workdir in a loop:
+    """A training saving every step while generate, evaluate, visualize and export read its
+    workdir in turn:
     the training ends with every step saved and logged, and every read succeeds."""
-    workdir, steps = tmp_path / "run", 60
+    workdir, steps = tmp_path / "run", 150
     trainer = start_cli("transformer.train", f"--workdir={workdir}", *data_flags(text),
                         *tiny_flags(steps, checkpoint_every=1), "--config.keep_checkpoints=2",
+                        # GPT-2's shape, which export writes as GPT2LMHeadModel
+                        "--config.model.position=learned", "--config.model.max_len=64",
                         logs=tmp_path / "logs-train")
     reads = []
     while trainer.process.poll() is None:
@@ -149,11 +152,14 @@ def test_readers_beside_a_training_never_fail_it_and_never_fail(tmp_path, text):
             time.sleep(0.2)
             continue
         module, flags = [("transformer.generate", ["--max_new_tokens=4", "--prompt=the"]),
-                         ("transformer.evaluate", ["--eval_steps=1"])][len(reads) % 2]
+                         ("transformer.evaluate", ["--eval_steps=1"]),
+                         ("transformer.visualize", ["--text=the king"]),
+                         ("transformer.export", [f"--output={tmp_path}/hf{len(reads)}"]),
+                         ][len(reads) % 4]
         reads.append(run_cli(module, f"--workdir={workdir}", *flags,
                              logs=tmp_path / f"logs-read{len(reads)}"))
     assert_succeeded(trainer.wait())
-    assert len(reads) >= 2, "the training ended before two reads"
+    assert len(reads) >= 4, "the training ended before every reader ran"
     for result in reads:
         assert_succeeded(result)
     train_steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
@@ -254,18 +260,19 @@ def test_a_failed_save_stops_the_run_at_once_with_one_line(tmp_path, text):
     assert_succeeded(train(workdir, text, steps=6, checkpoint_every=2))
     sizes = [f.stat().st_size for f in (workdir / "checkpoints").rglob("*") if f.is_file()]
     command = [sys.executable, "-m", "transformer.train", f"--workdir={workdir}",
-               *data_flags(text), *tiny_flags(40, checkpoint_every=2)]
+               *data_flags(text), *tiny_flags(40, checkpoint_every=10)]
     before = file_hashes(workdir / "checkpoints")
     result = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True,
                             preexec_fn=fill_disk_at(max(sizes) // 2), timeout=300)
     assert result.returncode == 1, describe(result)
     line = error_line(result)
-    assert line == (f"error: writing checkpoint step 8 to {workdir}/checkpoints failed (File too "
+    assert line == (f"error: writing checkpoint step 10 to {workdir}/checkpoints failed (File too "
                     "large); the complete checkpoints [2, 4, 6] are intact"), line
     after = file_hashes(workdir / "checkpoints")
     assert {k: v for k, v in after.items() if k.split("/")[0] in "246"} == before
     logged = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
-    assert max(logged) < 20, f"training went on after the failed save at step 8: {logged}"
+    # Found by the step after the write failed, not by the next save (step 20) or the end.
+    assert max(logged) < 20, f"training went on after the failed save at step 10: {logged}"
 
 
 def test_init_from_over_another_runs_checkpoints_is_refused(tmp_path, text):
@@ -295,6 +302,19 @@ def test_a_failed_init_from_leaves_no_workdir(tmp_path, text):
                    steps=2)
     assert result.returncode != 0, describe(result)
     assert not workdir.exists()
+
+
+def test_fresh_start_with_a_bad_value_changes_nothing(tmp_path, text):
+    workdir = tmp_path / "run"
+    assert_succeeded(train(workdir, text, steps=2))
+    before = file_hashes(workdir)
+    result = train(workdir, text, "--config.fresh_start=True", "--config.model.dtype=int8",
+                   steps=2, logs="bad")
+    assert result.returncode == 2, describe(result)
+    assert "model.dtype='int8': expected one of" in error_line(result)
+    assert file_hashes(workdir) == before and not list(workdir.glob("checkpoints.set-aside-*"))
+    assert_succeeded(train(workdir, text, steps=4, logs="resumed"))  # still resumes from 2
+    assert [r["step"] for r in read_metrics(workdir) if r["split"] == "train"] == [1, 2, 3, 4]
 
 
 def test_fresh_start_sets_the_whole_previous_run_aside(tmp_path, text):

@@ -120,6 +120,10 @@ def _not_orbax_error(record: logging.LogRecord) -> bool:
 
 
 logging.getLogger("absl").addFilter(_not_orbax_error)
+# ... and asyncio, for each write of the failed step still in flight ("Task exception was never
+# retrieved", with a traceback).
+logging.getLogger("asyncio").addFilter(
+    lambda record: not (record.levelno >= logging.ERROR and "orbax" in record.getMessage()))
 
 
 def _quiet_closed_loop(hook):

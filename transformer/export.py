@@ -337,13 +337,15 @@ def export_workdir(workdir: str, output: str, step: int | None = None) -> dict:
     if fileio.path(output).exists():
         raise FileExistsError(f"output={output!r} exists: expected a new directory (nothing is "
                               "overwritten)")
+    newest = step is None
     step, config = checkpoint_lib.saved_run(workdir, step)
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
     tokenizer.hugging_face()  # refused, if it is, before anything is read or written
     # Read onto one local device, whatever mesh the run trained on (Orbax reshards).
     one_device = sharding.make_mesh({axis: 1 for axis in sharding.MESH_AXES},
                                     devices=jax.local_devices()[:1])
-    params = checkpoint_lib.restore_params(workdir, step, one_device).params
+    # A training beside it may delete the newest step meanwhile: then the next one is read.
+    step, _, params = checkpoint_lib.restore_params(workdir, step, one_device, or_newer=newest)
     hf_config, state = to_hf(config.model, params)
     for role in ("bos", "eos", "pad"):
         value = getattr(tokenizer, f"{role}_id", None)

@@ -324,12 +324,18 @@ def visualize_workdir(workdir: str, text: str, *, target: str = "", step: int | 
     (and a T5's `target`) and saves them (default: `default_output_dir`, with an input.json
     naming the step and text); (maps, written paths)."""
     from transformer import checkpoint as checkpoint_lib
-    from transformer import generate
+    from transformer import fileio
+    from transformer.data import inputs
+    from transformer.models import build_model
 
     if not text:
         raise ValueError("text='': expected a text to read (--text=...)")
+    newest = step is None
     step, _ = checkpoint_lib.saved_run(workdir, step)  # this step, even if training saves more
-    model, params, tokenizer, config = generate.load_workdir(workdir, step)
+    # ... unless a training deletes it while it is read: then the then-newest one.
+    step, config, params = checkpoint_lib.restore_params(workdir, step, or_newer=newest)
+    model = build_model(config.model)
+    tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
     tokens, decoder_tokens = encode_text(config, tokenizer, text, target)
     maps = attention_maps(model, params, config, tokens, decoder_tokens=decoder_tokens,
                           prefix_length=prefix_length)
