@@ -121,6 +121,7 @@ BAD_VALUES = [
     ({"model.dtype": "bfloat61"}, "expected one of ('float32', 'bfloat16', 'float16')"),
     ({"model.param_dtype": "int8"}, "expected one of ('float32', 'bfloat16', 'float16')"),
     ({"model.param_dtype": "float64"}, "expected one of"),
+    ({"model.head": "none"}, "expected 'mlm' or 'classify' to train"),
 ]
 
 

@@ -444,6 +444,9 @@ def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
         able = [name for name, f in FAMILIES.items() if objective in f.objectives]
         raise ValueError(f"data.objective={objective!r} with model.family={family.name!r}: "
                          f"expected {' or '.join(map(repr, able))}")
+    if config.model.get("head") == "none":  # an imported base model (convert.from_hf)
+        raise ValueError("model.head='none': expected 'mlm' or 'classify' to train (head 'none' "
+                         "gives an imported base model's last-layer vectors, with no loss)")
     if objective == "classification" and not family.classifier(config.model):
         raise ValueError(f"data.objective='classification' with model.head="
                          f"{config.model.head!r}: expected head 'classify'")
