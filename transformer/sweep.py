@@ -219,10 +219,12 @@ def changed_settings(directory: str, config) -> list[str]:
             if key not in _MAY_CHANGE and saved.get(key) != current.get(key)]
 
 
-def run(configs: dict[str, ml_collections.ConfigDict], workdir: str) -> bool:
+def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
+        explicit: dict[str, set[str]] | None = None) -> bool:
     """Trains each variant in workdir/<name>, skipping finished ones. A variant's exception is
     written to its error.txt and the sweep goes on. Returns False if a signal stopped a
-    variant (the sweep stops too; rerun to resume).
+    variant (the sweep stops too; rerun to resume). `explicit`: per variant, the keys the
+    command line and the variant set (an init_from=hf:DIR refuses ones that contradict DIR).
 
     Raises before training anything if a variant's settings differ from those its directory
     was trained with (an edited sweep must not mix results of two configs under one name).
@@ -252,7 +254,8 @@ def run(configs: dict[str, ml_collections.ConfigDict], workdir: str) -> bool:
             with open(os.path.join(directory, _CONFIG_FILE), "w") as f:
                 json.dump(_flat_dict(config.to_dict()), f, indent=1, default=str)
         try:
-            result = train.train_and_evaluate(config, directory)
+            result = train.train_and_evaluate(config, directory,
+                                              explicit=(explicit or {}).get(name, ()))
         except Exception as error:  # noqa: BLE001 - reported, and the other variants still run
             message = f"{type(error).__name__}: {error}"
             print(f"{header}: failed: {message}", flush=True)
@@ -475,7 +478,8 @@ def main(argv) -> None:
         print(f"sweep {FLAGS.config.experiment}: {len(configs)} variants in {workdir}: "
               + ", ".join(configs), flush=True)
         os.makedirs(workdir, exist_ok=True)
-        if not run(configs, workdir):
+        cli = set(_flat_dict(config_flags.get_override_values(FLAGS["config"])))
+        if not run(configs, workdir, {v.name: cli | set(v.overrides) for v in selected}):
             sys.exit(0)  # stopped by a signal: the interrupted variant saved a checkpoint
     if jax.process_index() == 0:
         path = write_report(configs, selected, workdir, f"Sweep: {FLAGS.config.experiment}")
