@@ -27,6 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from transformer import checkpoint as checkpoint_lib
 from transformer import configs, hostmem, placement, progress, train
 from transformer import evaluate as evaluate_lib
 
@@ -161,9 +162,10 @@ def all_finite(tree) -> bool:
 
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
-    """Every file under `directory` with its size and modification time."""
+    """Every file under `directory` with its size and modification time, but train.lock, which
+    every training start rewrites with its pid (transformer.workdir)."""
     return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != "train.lock"}
 
 
 # --- 1. every experiment through the CLI ----------------------------------------------------
@@ -501,7 +503,10 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(diverge
     workdir, message = diverged_run
     assert re.search(r"step \d+", message), message
     saved = checkpoint_steps(workdir)
-    assert saved == [1, 2], saved  # nothing from the NaN step on
+    # Step 2's params (~1e29) are finite but gave step 3's NaN: not a good checkpoint.
+    assert saved == [1], saved
+    assert [p.name.split("-")[0] for p in (workdir / "checkpoints.nonfinite").iterdir()] == ["2"]
+    assert "the last good checkpoint is step 1 " in message, message
     for step in saved:
         assert all_finite(load_state(workdir, step)), f"checkpoint {step} holds NaN/Inf"
 
@@ -714,8 +719,9 @@ def test_a_failed_checkpoint_write_is_reported_and_keeps_the_previous_one(tmp_pa
     workdir = tmp_path / "run"
     with monkeypatch.context() as patch:
         patch.setattr(ocp.CheckpointManager, "save", save)
-        with pytest.raises(OSError, match=r"checkpoint step 4 .*No space left on device.*"
-                                          r"checkpoints \[2\] are intact"):
+        with pytest.raises(checkpoint_lib.WriteError,
+                           match=r"checkpoint step 4 .*No space left on device.*"
+                                 r"checkpoints \[2\] are intact"):
             train.train_and_evaluate(config, str(workdir))
     assert checkpoint_steps(workdir) == [2]
     assert int(load_state(workdir, 2)["step"]) == 2
