@@ -258,12 +258,17 @@ def fill_disk_at(limit_bytes: int):
 def test_a_failed_save_stops_the_run_at_once_with_one_line(tmp_path, text):
     workdir = tmp_path / "run"
     assert_succeeded(train(workdir, text, steps=6, checkpoint_every=2))
-    sizes = [f.stat().st_size for f in (workdir / "checkpoints").rglob("*") if f.is_file()]
+    # A save writes ~150 KB of arrays in data files whose number and sizes vary from run to run,
+    # and ~25 KB files (_METADATA, _sharding) of the same size every time: a 16 KB limit fails
+    # every save, while the run's other files stay under it until well past step 10.
+    limit = 16 * 1024
+    small = [workdir / "metrics.jsonl", *(workdir / "tensorboard").rglob("*.tfevents.*")]
+    assert all(f.stat().st_size < limit // 2 for f in small), [f.stat().st_size for f in small]
     command = [sys.executable, "-m", "transformer.train", f"--workdir={workdir}",
                *data_flags(text), *tiny_flags(40, checkpoint_every=10)]
     before = file_hashes(workdir / "checkpoints")
     result = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True,
-                            preexec_fn=fill_disk_at(max(sizes) // 2), timeout=300)
+                            preexec_fn=fill_disk_at(limit), timeout=300)
     assert result.returncode == 1, describe(result)
     line = error_line(result)
     assert line == (f"error: writing checkpoint step 10 to {workdir}/checkpoints failed (File too "
@@ -300,8 +305,44 @@ def test_a_failed_init_from_leaves_no_workdir(tmp_path, text):
     workdir = tmp_path / "new"
     result = train(workdir, text, f"--config.init_from={base}", "--config.model.d_model=48",
                    steps=2)
-    assert result.returncode != 0, describe(result)
+    assert result.returncode == 2, describe(result)
+    assert "has shape (32,) there but (48,) in this model" in error_line(result)
     assert not workdir.exists()
+
+
+def test_fresh_start_with_an_init_from_that_fails_changes_nothing(tmp_path, text):
+    base, workdir = tmp_path / "base", tmp_path / "run"
+    assert_succeeded(train(base, text, steps=2))
+    assert_succeeded(train(workdir, text, "--config.model.d_model=48", steps=2))
+    before = file_hashes(workdir)
+    result = train(workdir, text, "--config.fresh_start=True", f"--config.init_from={base}",
+                   "--config.model.d_model=48", steps=2, logs="fresh")
+    assert result.returncode == 2, describe(result)
+    assert "has shape (32,) there but (48,) in this model" in error_line(result)
+    assert file_hashes(workdir) == before and not list(workdir.glob("checkpoints.set-aside-*"))
+
+
+def test_fresh_start_that_fails_to_build_changes_nothing(tmp_path, text, monkeypatch):
+    """The set-aside comes after every check and after the model builds: a start that fails in
+    the last of them (past validate_config, which a bad value never gets beyond) leaves the
+    previous run where it was."""
+    from test_train import tiny_config
+
+    from transformer import train as train_lib
+
+    workdir = tmp_path / "run"
+    assert_succeeded(train(workdir, text, steps=2))
+    before = file_hashes(workdir)
+
+    def does_not_build(*args, **kwargs):
+        raise RuntimeError("the model does not build")
+
+    monkeypatch.setattr(train_lib, "initial_state", does_not_build)
+    config = tiny_config(steps=2, fresh_start=True)
+    config.data.update(path=str(text), tokenizer="char")
+    with pytest.raises(RuntimeError, match="the model does not build"):
+        train_lib.train_and_evaluate(config, str(workdir))
+    assert file_hashes(workdir) == before and not list(workdir.glob("checkpoints.set-aside-*"))
 
 
 def test_fresh_start_with_a_bad_value_changes_nothing(tmp_path, text):
@@ -320,10 +361,13 @@ def test_fresh_start_with_a_bad_value_changes_nothing(tmp_path, text):
 def test_fresh_start_sets_the_whole_previous_run_aside(tmp_path, text):
     workdir = tmp_path / "run"
     assert_succeeded(train(workdir, text, steps=2))
+    # Named here, not read from checkpoint_lib.RUN_FILES: a name dropped there must fail this.
+    records = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer")
     old = {name: file_hashes(workdir / name) if (workdir / name).is_dir() else
-           (workdir / name).read_bytes() for name in checkpoint_lib.RUN_FILES}
+           (workdir / name).read_bytes() for name in records}
     assert_succeeded(train(workdir, text, "--config.fresh_start=True", steps=2, logs="fresh"))
     (aside,) = workdir.glob("checkpoints.set-aside-*")
+    assert sorted(p.name for p in aside.iterdir()) == sorted(["2", *records])
     for name, content in old.items():
         moved = aside / name
         assert (file_hashes(moved) if moved.is_dir() else moved.read_bytes()) == content, name

@@ -28,6 +28,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -173,6 +174,9 @@ class Manager:
         self.config, self.stream = config, stream
         if not getattr(sys.unraisablehook, "quiet_closed_loop", False):
             sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
+            # ... and the writes of a failed save that never started, collected at exit
+            warnings.filterwarnings("ignore", r"coroutine '.*serialize.*' was never awaited",
+                                    RuntimeWarning)
         self.stream_changes: list[str] = []  # set by restore under new_data=True
         self._keep = config.get("keep_checkpoints", 3)
         self._written: list[int] = []  # steps this manager saved: the only ones it may delete
@@ -426,15 +430,21 @@ def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collection
     training workdir, with one-line errors for a workdir without (that) checkpoint."""
     if not has_checkpoints(workdir):
         raise FileNotFoundError(f"{workdir!r} holds no checkpoints: expected a training workdir")
-    with contextlib.closing(_reader(workdir, config=ocp.JsonCheckpointHandler())) as probe:
-        steps = sorted(probe.all_steps())
-        if not steps:
-            raise FileNotFoundError(f"{workdir!r} holds no complete checkpoint")
-        step = max(steps) if step is None else step
-        if step not in steps:
-            raise ValueError(f"step={step}: expected one of the saved steps {steps}")
-        return step, ml_collections.ConfigDict(probe.restore(step, args=ocp.args.Composite(
-            config=ocp.args.JsonRestore()))["config"])
+    for attempt in range(3):
+        try:
+            with contextlib.closing(_reader(workdir, config=ocp.JsonCheckpointHandler())) as probe:
+                steps = sorted(probe.all_steps())
+                chosen = max(steps, default=None) if step is None else step
+                if chosen not in steps:
+                    break
+                return chosen, ml_collections.ConfigDict(probe.restore(
+                    chosen, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+        except FileNotFoundError:  # a training deleted a step while it was listed or read
+            if attempt == 2:
+                raise
+    if not steps:
+        raise FileNotFoundError(f"{workdir!r} holds no complete checkpoint")
+    raise ValueError(f"step={chosen}: expected one of the saved steps {steps}")
 
 
 def _newest(workdir: str, step: int | None, read: Callable[[int], Any],
@@ -448,8 +458,13 @@ def _newest(workdir: str, step: int | None, read: Callable[[int], Any],
             chosen, _ = saved_run(workdir, step)
             return read(chosen)
         except Exception:  # noqa: BLE001 - a step deleted mid-read fails in many ways
-            if not (step is None or or_newer) or chosen is None or attempt == 2 or \
-                    saved_run(workdir)[0] == chosen:
+            if not (step is None or or_newer) or chosen is None or attempt == 2:
+                raise
+            try:
+                newest = saved_run(workdir)[0]
+            except Exception:  # noqa: BLE001
+                newest = None
+            if newest == chosen:
                 raise  # not a step that was replaced by a newer one: a real failure
             step = None
             logging.info("checkpoint %d was deleted while it was read; reading the newest",
@@ -520,4 +535,7 @@ def read_params(workdir: str, step: int, target):
 
 
 def _params_manager(workdir: str) -> ocp.CheckpointManager:
-    return _reader(workdir, state=ocp.PyTreeCheckpointHandler())
+    # Every item has its handler, though only the state is read: Orbax warns about items it
+    # finds without one (six lines before an init_from error).
+    return _reader(workdir, state=ocp.PyTreeCheckpointHandler(),
+                   **{item: ocp.JsonCheckpointHandler() for item in ("data", "config", "stream")})

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
+import jax
 import ml_collections
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation, fileio
+from transformer import evaluation, fileio, finetune
 from transformer import placement as placement_lib
 from transformer.data import inputs
 from transformer.models import family_of
@@ -99,3 +100,15 @@ def evaluable(config: ml_collections.ConfigDict, seq_len: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+def fresh_state(config: ml_collections.ConfigDict, init, shardings, is_main: bool):
+    """Step 0's train state: `init` from the seed, with init_from's params loaded over it (the
+    report of what was loaded, new and dropped printed on process 0)."""
+    state = init(jax.random.key(config.seed))
+    if config.get("init_from"):
+        params, report = finetune.load_params(config.init_from, state.params, shardings.params)
+        state = state.replace(params=params)
+        if is_main:
+            print(report)
+    return state

@@ -125,24 +125,20 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     train_data.set_state(start_position)
     abstract, state_sharding, init = initial_state(config, model, placement.mesh, first_batch,
                                                    optimizer)
-    if fresh:  # every check passed and the model builds: only now set the old run aside
+    state = startup.fresh_state(config, init, state_sharding, is_main) if fresh else None
+    if fresh:  # every check passed, the model builds, init_from loads: now set the old run aside
         if is_main and (moved := checkpoint_lib.set_aside(workdir)):
             print(f"fresh_start: moved the previous run's checkpoints, metrics, summary and "
                   f"TensorBoard events to {moved}")
         placement_lib.sync("fresh_start")
         manager = checkpoint_lib.Manager(workdir, config, stream)
         opened.callback(manager.close)
-    state = manager.restore_latest(abstract, state_sharding, train_data)
+    else:
+        state = manager.restore_latest(abstract, state_sharding, train_data)
     start_step = 0 if state is None else int(placement_lib.fetch(state.step))
     startup.check_finished(config, workdir, start_step)
     if state is None:
-        state = init(jax.random.key(config.seed))
-        if config.get("init_from"):
-            params, report = finetune.load_params(config.init_from, state.params,
-                                                  state_sharding.params)
-            state = state.replace(params=params)
-            if is_main:
-                print(report)
+        state = startup.fresh_state(config, init, state_sharding, is_main)
     run = Run(config, workdir, tokenizer, task, model, placement, manager, train_data, state,
               start_step, num_params(abstract), active_params(abstract, config),
               placement.jit_train_step(make_train_step(model, config, optimizer),
