@@ -150,7 +150,8 @@ def test_the_report_over_seeds(tmp_path):
     sweep.write_report(configs, variants, str(tmp_path), "t", seeds=4, baseline="shifted")
     flipped = tables((tmp_path / "report.md").read_text())[1]
     assert flipped["base"]["val loss"].startswith(f"{-np.mean(np.subtract(SHIFTED, BASE)):+.4f}")
-    with pytest.raises(ValueError, match=r"--baseline='nope': expected one of the variants "
+    with pytest.raises(ValueError, match=r"baseline 'nope' \(--baseline or get_baseline\(\)\): "
+                                         r"expected one of the variants "
                                          r"\['base', 'shifted', 'noisy'\]"):
         sweep.write_report(configs, variants, str(tmp_path), "t", seeds=4, baseline="nope")
 
@@ -307,7 +308,8 @@ def test_seeds_with_a_seeded_variant_or_a_seed_flag_are_refused(tmp_path):
                        "--baseline=nope")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: --baseline='nope': expected one of the variants ['position=rope']"]
+        "error: baseline 'nope' (--baseline or get_baseline()): expected one of the variants "
+        "['position=rope']"]
     seeded = tmp_path / "seeded_variant.py"
     seeded.write_text(EXPERIMENT.replace('sweep.axis("model.position", ["rope", "alibi"])',
                                          'sweep.named({"a": {}, "s": {"seed": 3}})'))

@@ -213,7 +213,8 @@ def check_baseline(baseline: str | None, names: Sequence[str]) -> str:
     if baseline is None:
         return names[0]
     if baseline not in names:
-        raise ValueError(f"--baseline={baseline!r}: expected one of the variants {list(names)}")
+        raise ValueError(f"baseline {baseline!r} (--baseline or get_baseline()): expected one of "
+                         f"the variants {list(names)}")
     return baseline
 
 
