@@ -208,6 +208,19 @@ def seed_variants(variants: Sequence[Variant], seeds: int) -> list[Variant]:
             for v in variants for k in range(seeds)]
 
 
+def check_layout(workdir: str, names: Sequence[str], seeds: int) -> None:
+    """Refuses a sweep directory whose runs were made with one seed when `seeds` > 1, or with
+    several when it is 1 (the report would find no runs, and the layouts would mix)."""
+    for name in names:
+        directory = os.path.join(workdir, name)
+        if seeds == 1 and os.path.isdir(os.path.join(directory, "seed_0")):
+            raise ValueError(f"{directory} holds runs of several seeds (seed_0, ...): expected "
+                             "--seeds=N (or get_seeds()) with their number")
+        if seeds > 1 and os.path.exists(os.path.join(directory, _CONFIG_FILE)):
+            raise ValueError(f"{directory} holds a run of one seed: expected --seeds=1, or "
+                             f"another --workdir for --seeds={seeds}")
+
+
 def check_baseline(baseline: str | None, names: Sequence[str]) -> str:
     """The baseline variant's name: `baseline` if it is one of `names`, the first if None."""
     if baseline is None:
@@ -712,6 +725,7 @@ def main(argv) -> None:
                          f"0..{seeds - 1}: expected one of the two")
     runs = variant_configs(FLAGS.config, seed_variants(selected, seeds))
     workdir = FLAGS.workdir or os.path.join("runs", FLAGS.config.experiment)
+    check_layout(workdir, list(configs), seeds)
     if FLAGS.print_launch:
         for command in launch_commands(_config_arg(), cli_overrides,
                                        seed_variants(selected, seeds), workdir):
