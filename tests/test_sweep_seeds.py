@@ -201,6 +201,16 @@ def test_seed_runs_names_options_and_refusals(tmp_path):
     options.write_text("def get_seeds():\n    return 0\n")
     with pytest.raises(ValueError, match=r"options.py: get_seeds\(\)=0: expected an int >= 1"):
         sweep.load_options(str(options))
+    (tmp_path / "one" / "a").mkdir(parents=True)
+    (tmp_path / "one" / "a" / "sweep_config.json").write_text("{}")
+    (tmp_path / "many" / "a" / "seed_0").mkdir(parents=True)
+    sweep.check_layout(str(tmp_path / "one"), ["a", "b"], 1)
+    sweep.check_layout(str(tmp_path / "many"), ["a", "b"], 3)
+    with pytest.raises(ValueError, match=r"one/a holds a run of one seed: expected --seeds=1, "
+                                         r"or another --workdir for --seeds=2$"):
+        sweep.check_layout(str(tmp_path / "one"), ["a"], 2)
+    with pytest.raises(ValueError, match=r"many/a holds runs of several seeds"):
+        sweep.check_layout(str(tmp_path / "many"), ["a"], 1)
     assert sweep.check_baseline(None, ["a", "b"]) == "a"
     assert sweep.check_baseline("b", ["a", "b"]) == "b"
 
@@ -290,6 +300,13 @@ def test_a_sweep_over_two_seeds_through_the_cli(tmp_path):
     assert {name: [(workdir / name / f"seed_{k}" / "metrics.jsonl").read_text()
                    for k in range(2)] for name in NAMES} == before
     assert "## Difference from the baseline `position=rope`" in (workdir / "report.md").read_text()
+
+    # The same directory with one seed would find no runs: refused, nothing written.
+    single = run_sweep(f"--config={experiment}", f"--workdir={workdir}", "--report_only")
+    assert single.returncode == 2
+    assert single.stderr.strip().splitlines() == [
+        f"error: {workdir / NAMES[0]} holds runs of several seeds (seed_0, ...): expected "
+        "--seeds=N (or get_seeds()) with their number"]
 
 
 @pytest.mark.slow
