@@ -80,7 +80,11 @@ def test_a_sweep_trains_every_variant_and_writes_the_report_and_plots(swept):
     for name in names:
         summary = (workdir / name / "summary.json").read_text()
         assert f'"step": {STEPS}' in summary
-    rows = table_rows((workdir / "report.md").read_text())
+        assert not list((workdir / name).glob("seed_*"))  # one seed: no seed level
+    report = (workdir / "report.md").read_text()
+    assert report.splitlines()[2].startswith(f"{len(names)} variants, written ")
+    assert "Per seed" not in report and "baseline" not in report
+    rows = table_rows(report)
     assert sorted(rows) == sorted(names)
     for name, row in rows.items():
         assert row["status"] == "finished"

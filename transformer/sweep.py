@@ -1,13 +1,20 @@
 """Sweeps: train an experiment's variants one after another and compare them in a report.
 
     python -m transformer.sweep --config=experiments/ablations/<name>.py --workdir=DIR \
-        [--config.KEY=VALUE ...] [--only=NAME,...] [--report_only] [--print_launch]
+        [--config.KEY=VALUE ...] [--only=NAME,...] [--seeds=N] [--baseline=NAME] \
+        [--report_only] [--print_launch]
 
 An experiment file declares its variants next to `get_config()`, as config overrides:
 
     def get_sweep():
         return sweep.product(sweep.axis("model.position", ["rope", "alibi"]),
-                             sweep.axis("seed", [0, 1]))
+                             sweep.axis("model.num_heads", [2, 4]))
+
+    def get_seeds():      # optional: the default of --seeds
+        return 3
+
+    def get_baseline():   # optional: the default of --baseline (else the first variant)
+        return "position=rope,num_heads=2"
 
 Every variant is checked (unknown keys, wrong types, invalid values) before anything trains.
 Variant NAME trains in DIR/NAME like `transformer.train` would: rerunning the sweep resumes an
@@ -16,8 +23,17 @@ on. At the end (or with `--report_only`) DIR/report.md compares the variants (fi
 params, tokens/s, wall time) and links PNG plots of the validation loss against steps and wall
 time. `--print_launch` prints one `transformer.train` command per variant to run elsewhere
 (e.g. one Cloud TPU VM each) instead of training here.
-"""
 
+Seeds. With `--seeds=N` (N > 1) every variant runs N times, in DIR/NAME/seed_K with
+config.seed = K for K = 0..N-1 (each such run is resumed and skipped like a variant). The seed
+sets everything random in a run: the init (`jax.random.key(seed)`), the per-step randomness
+such as dropout (that key folded with the step), the training data's order (each epoch's seeded
+document order, window offset and window order; a mixture's source blocks; the MLM and span
+corruption noise) and which validation windows `eval_steps` samples. So seed K feeds every
+variant the same data, and the report compares variants seed by seed: mean ± std and a 95%
+Student-t interval per metric, and each variant's difference from the baseline, paired by seed,
+with its t interval. With one seed (the default) the runs keep the config's own seed, in DIR/NAME.
+"""
 from __future__ import annotations
 
 import copy
@@ -131,13 +147,19 @@ def apply(config: ml_collections.ConfigDict, variant: Variant) -> ml_collections
     return config
 
 
-def load_sweep(config_file: str) -> list[Variant]:
-    """The variants of an experiment file's `get_sweep()`, checked for unique, usable names.
-    `config_file` may carry get_config's argument ("file.py:bert"), which get_sweep ignores."""
+def _experiment(config_file: str):
+    """The experiment file as a module. `config_file` may carry get_config's argument
+    ("file.py:bert"), which the sweep's functions ignore."""
     path = config_file.split(".py:", 1)[0] + ".py" if ".py:" in config_file else config_file
     spec = importlib.util.spec_from_file_location("sweep_experiment", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def load_sweep(config_file: str) -> list[Variant]:
+    """The variants of an experiment file's `get_sweep()`, checked for unique, usable names."""
+    module = _experiment(config_file)
     if not hasattr(module, "get_sweep"):
         raise ValueError(f"{config_file}: expected a get_sweep() function declaring the variants")
     variants = list(module.get_sweep())
@@ -150,6 +172,63 @@ def load_sweep(config_file: str) -> list[Variant]:
         if not name or name.startswith(".") or os.sep in name:
             raise ValueError(f"variant name {name!r}: expected a non-empty directory name")
     return variants
+
+
+def load_options(config_file: str, seeds: int | None = None, baseline: str | None = None
+                 ) -> tuple[int, str | None]:
+    """(number of seeds, baseline variant): the command line's when given, else the experiment
+    file's `get_seeds()` / `get_baseline()` if it has them, else 1 and None (the first)."""
+    module = _experiment(config_file)
+    where = "--seeds"
+    if seeds is None and hasattr(module, "get_seeds"):
+        seeds, where = module.get_seeds(), f"{config_file}: get_seeds()"
+    seeds = 1 if seeds is None else seeds
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"{where}={seeds!r}: expected an int >= 1 (the number of seeds)")
+    if baseline is None and hasattr(module, "get_baseline"):
+        baseline = module.get_baseline()
+    return seeds, baseline
+
+
+def seed_variants(variants: Sequence[Variant], seeds: int) -> list[Variant]:
+    """With seeds = N > 1, each variant NAME N times: "NAME/seed_K" setting seed=K, K = 0..N-1
+    (the directory DIR/NAME/seed_K); with one seed, the variants themselves.
+
+    >>> [v.name for v in seed_variants(named({"a": {}}), 2)]
+    ['a/seed_0', 'a/seed_1']
+    """
+    if seeds == 1:
+        return list(variants)
+    for variant in variants:
+        if "seed" in variant.overrides:
+            raise ValueError(f"variant {variant.name!r} sets seed={variant.overrides['seed']!r} "
+                             f"and --seeds={seeds} sets seeds 0..{seeds - 1}: expected one of "
+                             "the two")
+    return [Variant(f"{v.name}/seed_{k}", {**v.overrides, "seed": k})
+            for v in variants for k in range(seeds)]
+
+
+def check_layout(workdir: str, names: Sequence[str], seeds: int) -> None:
+    """Refuses a sweep directory whose runs were made with one seed when `seeds` > 1, or with
+    several when it is 1 (the report would find no runs, and the layouts would mix)."""
+    for name in names:
+        directory = os.path.join(workdir, name)
+        if seeds == 1 and os.path.isdir(os.path.join(directory, "seed_0")):
+            raise ValueError(f"{directory} holds runs of several seeds (seed_0, ...): expected "
+                             "--seeds=N (or get_seeds()) with their number")
+        if seeds > 1 and os.path.exists(os.path.join(directory, _CONFIG_FILE)):
+            raise ValueError(f"{directory} holds a run of one seed: expected --seeds=1, or "
+                             f"another --workdir for --seeds={seeds}")
+
+
+def check_baseline(baseline: str | None, names: Sequence[str]) -> str:
+    """The baseline variant's name: `baseline` if it is one of `names`, the first if None."""
+    if baseline is None:
+        return names[0]
+    if baseline not in names:
+        raise ValueError(f"baseline {baseline!r} (--baseline or get_baseline()): expected one of "
+                         f"the variants {list(names)}")
+    return baseline
 
 
 def variant_configs(config, variants: Sequence[Variant], only: Sequence[str] = ()):
@@ -296,6 +375,52 @@ def _flag_value(value) -> str:
 # --- the report -----------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A mean over n seeds, its standard deviation (ddof=1) and its 95% Student-t confidence
+    interval [low, high] = mean -/+ t(0.975, n - 1) * std / sqrt(n); None with one seed."""
+
+    n: int
+    mean: float
+    std: float | None = None
+    low: float | None = None
+    high: float | None = None
+
+
+def estimate(values: Sequence[float | None], level: float = 0.95) -> Estimate | None:
+    """The Estimate of the values given (None ones left out); None when there are none."""
+    import numpy as np
+    from scipy import stats
+
+    x = np.asarray([v for v in values if v is not None], np.float64)
+    if len(x) == 0:
+        return None
+    if len(x) == 1:
+        return Estimate(1, float(x[0]))
+    mean, std = float(x.mean()), float(x.std(ddof=1))
+    half = float(stats.t.ppf((1 + level) / 2, len(x) - 1)) * std / math.sqrt(len(x))
+    return Estimate(len(x), mean, std, mean - half, mean + half)
+
+
+def paired_difference(values: dict[int, float | None], baseline: dict[int, float | None]
+                      ) -> Estimate | None:
+    """The Estimate of variant minus baseline, seed by seed, over the seeds both have a value
+    for (the same seed is the same data, so the pair differs only by the variant)."""
+    seeds = [k for k in sorted(set(values) & set(baseline))
+             if values[k] is not None and baseline[k] is not None]
+    return estimate([values[k] - baseline[k] for k in seeds])
+
+
+def verdict(difference: Estimate | None) -> str:
+    """"within noise" when the difference's interval includes 0, else "differs"; "-" without
+    an interval (fewer than two seeds, or a non-finite value)."""
+    if difference is None or difference.low is None or not (
+            math.isfinite(difference.low) and math.isfinite(difference.high)):
+        return "-"
+    return "within noise" if difference.low <= 0 <= difference.high else "differs"
+
+
+
 def _records(directory: str) -> list[dict]:
     path = os.path.join(directory, "metrics.jsonl")
     if not os.path.exists(path):
@@ -365,56 +490,156 @@ def variant_row(name: str, config, directory: str) -> dict[str, Any]:
     return row
 
 
-def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequence[Variant],
-                 workdir: str, title: str) -> str:
-    """Writes workdir/report.md and the PNG plots; returns the report's path."""
-    overrides = {v.name: v.overrides for v in variants}
-    rows = [variant_row(name, config, os.path.join(workdir, name))
-            for name, config in configs.items()]
+def _metric_columns(rows: Sequence[dict]) -> list[tuple[str, str, int]]:
+    """(row key, header, digits) of the report's metric columns that the rows call for."""
     lengths = sorted({int(key.split("@")[1]) for row in rows for key in row
                       if key.startswith("val_loss@")})
-    bpb = any(row["val_bits_per_byte"] is not None for row in rows)
+    columns = [("train_loss", "train loss", 4), ("val_loss", "val loss", 4),
+               ("val_accuracy", "val acc", 3)]
+    if any(row["val_bits_per_byte"] is not None for row in rows):
+        columns.append(("val_bits_per_byte", "val bits/byte", 4))
+    columns += [(f"val_loss@{n}", f"val loss @{n}", 4) for n in lengths]
+    columns += [(key, header, 3) for key, header in TEST_COLUMNS.items()
+                if any(key in row for row in rows)]
+    return columns
+
+
+def _table_head(header: Sequence[str]) -> list[str]:
+    return ["| " + " | ".join(header) + " |",
+            "| " + " | ".join("---" if h in ("variant", "overrides", "status") else "---:"
+                              for h in header) + " |"]
+
+
+def _overrides_cell(overrides: dict[str, Any]) -> str:
+    return ", ".join(f"`{k}={_flag_value(v)}`" for k, v in overrides.items()) or "(base)"
+
+
+def _run_table(rows: Sequence[dict], overrides: dict[str, dict], columns) -> list[str]:
+    """One line per run (a variant, or one seed of it): its final metrics, size and speed."""
     sparse = any(row["active_params"] != row["params"] for row in rows)  # mixtures of experts
     header = ["variant", "overrides", "params"] + ["active params", "moe dropped"] * sparse
-    header += ["steps", "train loss", "val loss", "val acc"]
-    tests = [key for key in TEST_COLUMNS if any(key in row for row in rows)]
-    header += ["val bits/byte"] * bpb + [f"val loss @{n}" for n in lengths]
-    header += [TEST_COLUMNS[key] for key in tests]
-    header += ["tokens/s", "wall time", "status"]
-    lines = [f"# {title}", "",
-             f"{len(rows)} variants, written {time.strftime('%Y-%m-%d %H:%M:%S')}. "
-             "Final metrics are the last logged; tokens/s is the median over the logs after the "
-             "first (which includes compiling); wall time sums the variant's runs (resumes "
-             "included).", "",
-             "| " + " | ".join(header) + " |",
-             "| " + " | ".join("---" if h in ("variant", "overrides", "status") else "---:"
-                               for h in header) + " |"]
+    header += ["steps"] + [title for _, title, _ in columns] + ["tokens/s", "wall time", "status"]
+    lines = _table_head(header)
     for row in rows:
-        cells = [row["variant"],
-                 ", ".join(f"`{k}={_flag_value(v)}`" for k, v in overrides[row["variant"]].items())
-                 or "(base)",
+        cells = [row["variant"], _overrides_cell(overrides[row["variant"]]),
                  f"{row['params']:,}" if row["params"] else "-"]
         if sparse:
             cells += [f"{row['active_params']:,}" if row["active_params"] else "-",
                       "-" if row["moe_dropped"] is None else f"{row['moe_dropped']:.1%}"]
-        cells += [str(row["step"]),
-                 _fmt(row["train_loss"]), _fmt(row["val_loss"]), _fmt(row["val_accuracy"], 3)]
-        cells += [_fmt(row["val_bits_per_byte"])] * bpb
-        cells += [_fmt(row.get(f"val_loss@{n}")) for n in lengths]
-        cells += [_fmt(row.get(key), 3) for key in tests]
+        cells += [str(row["step"])] + [_fmt(row.get(key), digits) for key, _, digits in columns]
         cells += [_fmt(row["tokens_per_s"], 0) if row["tokens_per_s"] else "-",
                   _duration(row["elapsed"]), row["status"]]
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _fmt_estimate(value: Estimate | None, digits: int = 4) -> str:
+    """"mean ± std [low, high]" (the mean alone from one seed)."""
+    if value is None:
+        return "-"
+    if value.std is None:
+        return _fmt(value.mean, digits)
+    return (f"{_fmt(value.mean, digits)} ± {_fmt(value.std, digits)} "
+            f"[{_fmt(value.low, digits)}, {_fmt(value.high, digits)}]")
+
+
+def _fmt_difference(value: Estimate | None, digits: int = 4) -> str:
+    """"+mean [low, high] within noise|differs" (the mean alone from one pair of seeds)."""
+    def signed(x):
+        return f"{x:+.{digits}f}" if x is not None and math.isfinite(x) else "-"
+
+    if value is None:
+        return "-"
+    if value.std is None:
+        return signed(value.mean)
+    return f"{signed(value.mean)} [{signed(value.low)}, {signed(value.high)}] {verdict(value)}"
+
+
+def _seed_status(rows: Sequence[dict]) -> str:
+    counts = {state: sum(row["status"] == state for row in rows)
+              for state in dict.fromkeys(row["status"] for row in rows)}
+    return "finished" if list(counts) == ["finished"] else \
+        ", ".join(f"{count} {state}" for state, count in counts.items())
+
+
+def _seed_tables(runs: dict[str, list[dict]], overrides: dict[str, dict], columns,
+                 baseline: str) -> list[str]:
+    """The statistics over the seeds (one line per variant), then each variant's difference
+    from the baseline, paired by seed. Only finished seeds count."""
+    seeds = len(next(iter(runs.values())))
+    done = {name: {k: row for k, row in enumerate(rows) if row["status"] == "finished"}
+            for name, rows in runs.items()}
+    header = ["variant", "overrides", "params", "seeds"] + [title for _, title, _ in columns]
+    lines = [f"{len(runs)} variants x {seeds} seeds, written {time.strftime('%Y-%m-%d %H:%M:%S')}."
+             f" Run NAME/seed_K trained with seed=K (its init, dropout and data order): seed K "
+             "gives every variant the same data. A metric is the mean ± std over the variant's "
+             "finished seeds [its 95% confidence interval: Student t, n - 1 degrees of freedom]; "
+             "tokens/s and wall time are means over those seeds.", ""]
+    lines += _table_head(header + ["tokens/s", "wall time", "status"])
+    for name, rows in runs.items():
+        finished = list(done[name].values())
+        speed, elapsed = (estimate([row[key] for row in finished])
+                          for key in ("tokens_per_s", "elapsed"))
+        cells = [name, _overrides_cell(overrides[name]),
+                 f"{rows[0]['params']:,}" if rows[0]["params"] else "-", f"{len(finished)}/{seeds}"]
+        cells += [_fmt_estimate(estimate([row.get(key) for row in finished]), digits)
+                  for key, _, digits in columns]
+        cells += [_fmt(speed.mean, 0) if speed else "-", _duration(elapsed and elapsed.mean),
+                  _seed_status(rows)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"## Difference from the baseline `{baseline}`", "",
+              "Each variant minus the baseline, seed by seed (same seed, same data), over the "
+              "seeds both finished: the mean difference [its 95% t interval]. **within noise**: "
+              "the interval includes 0, so other seeds could well reverse the sign; **differs**: "
+              "it excludes 0.", ""]
+    lines += _table_head(["variant"] + [title for _, title, _ in columns])
+    for name in runs:
+        cells = [name] + [
+            "baseline" if name == baseline else _fmt_difference(paired_difference(
+                {k: row.get(key) for k, row in done[name].items()},
+                {k: row.get(key) for k, row in done[baseline].items()}), digits)
+            for key, _, digits in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequence[Variant],
+                 workdir: str, title: str, seeds: int = 1, baseline: str | None = None) -> str:
+    """Writes workdir/report.md and the PNG plots; returns the report's path. With seeds > 1:
+    statistics over the seeds and the differences from `baseline` (default: the first)."""
+    overrides = {v.name: v.overrides for v in variants}
+    if seeds == 1:
+        runs = {name: [variant_row(name, config, os.path.join(workdir, name))]
+                for name, config in configs.items()}
+    else:
+        runs = {name: [variant_row(f"{name}/seed_{k}", config,
+                                   os.path.join(workdir, name, f"seed_{k}"))
+                       for k in range(seeds)] for name, config in configs.items()}
+        overrides.update({f"{name}/seed_{k}": {**overrides[name], "seed": k}
+                          for name in configs for k in range(seeds)})
+    rows = [row for variant_rows in runs.values() for row in variant_rows]
+    columns = _metric_columns(rows)
+    lines = [f"# {title}", ""]
+    if seeds == 1:
+        lines += [f"{len(rows)} variants, written {time.strftime('%Y-%m-%d %H:%M:%S')}. "
+                  "Final metrics are the last logged; tokens/s is the median over the logs after "
+                  "the first (which includes compiling); wall time sums the variant's runs "
+                  "(resumes included).", ""] + _run_table(rows, overrides, columns)
+    else:
+        lines += _seed_tables(runs, overrides, columns, check_baseline(baseline, list(runs)))
+        lines += ["", "## Per seed", "", "Final metrics are the last logged; tokens/s is the "
+                  "median over the logs after the first (which includes compiling); wall time "
+                  "sums the run's resumes.", ""] + _run_table(rows, overrides, columns)
     failed = [row for row in rows if row["status"] == "failed"]
     if failed:
         lines += ["", "Failed variants (see each one's error.txt):", ""]
         lines += [f"- {row['variant']}: {row['error']}" for row in failed]
-    if lengths:
+    if any(key.startswith("val_loss@") for key, _, _ in columns):
         lines += ["", "`val loss @L`: validation loss with rows of L tokens, for a model trained "
                   "at the config's `seq_len` (length extrapolation); `-` where the model cannot "
                   "run at that length (learned positions beyond their table)."]
-    plots = plot_curves({name: _records(os.path.join(workdir, name)) for name in configs},
-                        workdir)
+    plots = plot_curves({name: [_records(os.path.join(workdir, row["variant"])) for row in rows]
+                         for name, rows in runs.items()}, workdir)
     lines += [""] + [f"![{title}]({os.path.basename(path)})" for path, title in plots]
     path = os.path.join(workdir, "report.md")
     with open(path, "w") as f:
@@ -422,23 +647,47 @@ def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequen
     return path
 
 
-def plot_curves(records: dict[str, list[dict]], workdir: str) -> list[tuple[str, str]]:
-    """PNG line charts of every variant's loss (see PLOTS); returns (path, title) pairs."""
+def _mean_curve(runs: Sequence[list[dict]], split: str, x_key: str):
+    """(x, mean, min, max) over the runs of `split`'s loss at each step all of them logged (x:
+    x_key's mean); runs without such records are left out."""
+    by_step = [{r["step"]: r for r in rows
+                if r["split"] == split and x_key in r and math.isfinite(r["loss"])}
+               for rows in runs]
+    by_step = [steps for steps in by_step if steps]
+    common = sorted(set.intersection(*map(set, by_step))) if by_step else []
+    losses = [[steps[s]["loss"] for steps in by_step] for s in common]
+    return ([statistics.fmean(steps[s][x_key] for steps in by_step) for s in common],
+            [statistics.fmean(ys) for ys in losses], [min(ys) for ys in losses],
+            [max(ys) for ys in losses])
+
+
+def plot_curves(records: dict[str, list[list[dict]]], workdir: str) -> list[tuple[str, str]]:
+    """PNG line charts of every variant's loss (see PLOTS); returns (path, title) pairs.
+    `records`: per variant, the metrics records of each of its runs (one per seed); a variant
+    with several runs is drawn as their mean with a band from their min to their max."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    seeds = max(len(runs) for runs in records.values())
     written = []
     for filename, split, x_key, title in PLOTS:
+        if seeds > 1:
+            title += f" (mean of {seeds} seeds, band: min to max)"
         figure, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-        for name, rows in records.items():
-            points = [(r[x_key], r["loss"]) for r in rows
-                      if r["split"] == split and x_key in r and math.isfinite(r["loss"])]
-            if points:
-                xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker="o" if len(points) < 20 else None, markersize=3,
-                        label=name)
+        for name, runs in records.items():
+            if len(runs) == 1:
+                points = [(r[x_key], r["loss"]) for r in runs[0]
+                          if r["split"] == split and x_key in r and math.isfinite(r["loss"])]
+                xs, ys = zip(*points, strict=True) if points else ((), ())
+            else:
+                xs, ys, low, high = _mean_curve(runs, split, x_key)
+            if xs:
+                line, = ax.plot(xs, ys, marker="o" if len(xs) < 20 else None, markersize=3,
+                                label=name)
+                if len(runs) > 1:
+                    ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.2)
         ax.set_xlabel("step" if x_key == "step" else "wall time (s)")
         ax.set_ylabel(f"{split} loss")
         ax.set_title(title)
@@ -466,23 +715,34 @@ def main(argv) -> None:
     FLAGS = flags.FLAGS
     config_file = config_flags.get_config_filename(FLAGS["config"])
     variants = load_sweep(config_file)
+    seeds, baseline = load_options(config_file, FLAGS.seeds, FLAGS.baseline)
     configs = variant_configs(FLAGS.config, variants, FLAGS.only or ())
     selected = [v for v in variants if v.name in configs]
+    baseline = check_baseline(baseline, list(configs))
+    cli_overrides = _flat_dict(config_flags.get_override_values(FLAGS["config"]))
+    if seeds > 1 and "seed" in cli_overrides:
+        raise ValueError(f"--config.seed={cli_overrides['seed']} and --seeds={seeds} sets seeds "
+                         f"0..{seeds - 1}: expected one of the two")
+    runs = variant_configs(FLAGS.config, seed_variants(selected, seeds))
     workdir = FLAGS.workdir or os.path.join("runs", FLAGS.config.experiment)
+    check_layout(workdir, list(configs), seeds)
     if FLAGS.print_launch:
-        overrides = _flat_dict(config_flags.get_override_values(FLAGS["config"]))
-        for command in launch_commands(_config_arg(), overrides, selected, workdir):
+        for command in launch_commands(_config_arg(), cli_overrides,
+                                       seed_variants(selected, seeds), workdir):
             print(command)
         return
     if not FLAGS.report_only:
-        print(f"sweep {FLAGS.config.experiment}: {len(configs)} variants in {workdir}: "
+        print(f"sweep {FLAGS.config.experiment}: {len(configs)} variants"
+              + (f" x {seeds} seeds" if seeds > 1 else "") + f" in {workdir}: "
               + ", ".join(configs), flush=True)
         os.makedirs(workdir, exist_ok=True)
-        cli = set(_flat_dict(config_flags.get_override_values(FLAGS["config"])))
-        if not run(configs, workdir, {v.name: cli | set(v.overrides) for v in selected}):
-            sys.exit(0)  # stopped by a signal: the interrupted variant saved a checkpoint
+        explicit = {v.name: set(cli_overrides) | set(v.overrides)
+                    for v in seed_variants(selected, seeds)}
+        if not run(runs, workdir, explicit):
+            sys.exit(0)  # stopped by a signal: the interrupted run saved a checkpoint
     if jax.process_index() == 0:
-        path = write_report(configs, selected, workdir, f"Sweep: {FLAGS.config.experiment}")
+        path = write_report(configs, selected, workdir, f"Sweep: {FLAGS.config.experiment}",
+                            seeds, baseline)
         with open(path) as f:
             print(f.read())
         print(f"report: {path}")
@@ -508,6 +768,11 @@ if __name__ == "__main__":
     flags.DEFINE_string("workdir", None, "Sweep directory (default runs/<experiment>); each "
                         "variant trains in WORKDIR/<variant>.")
     flags.DEFINE_list("only", None, "Run (and report) only these variants.")
+    flags.DEFINE_integer("seeds", None, "Run every variant under seeds 0..N-1, in "
+                         "WORKDIR/<variant>/seed_K (default: the file's get_seeds(), else 1: "
+                         "WORKDIR/<variant> with the config's seed).")
+    flags.DEFINE_string("baseline", None, "The variant the report compares the others with, "
+                        "seed by seed (default: the file's get_baseline(), else the first).")
     flags.DEFINE_bool("report_only", False, "Write the report from what has run; train nothing.")
     flags.DEFINE_bool("print_launch", False, "Print one train command per variant instead of "
                       "training (to run each on its own machine).")

@@ -1,0 +1,337 @@
+"""Sweeps over seeds: the statistics (mean, std, Student-t intervals, seed-paired differences
+from the baseline) against a float64 NumPy/SciPy reference, the report they make from per-seed
+runs, and a real 2 variants x 2 seeds sweep through the CLI (layout, seeds that change the init
+and the data, skipped and resumed runs, refusals).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from transformer import sweep
+from transformer.configs import base_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def reference(values) -> tuple[float, float, float, float]:
+    """(mean, std, low, high): float64, ddof=1, the 95% Student-t interval of the mean."""
+    x = np.asarray(values, np.float64)
+    mean, std = x.mean(), x.std(ddof=1)
+    low, high = stats.t.interval(0.95, len(x) - 1, loc=mean, scale=std / np.sqrt(len(x)))
+    return mean, std, low, high
+
+
+BASE = [3.00, 3.20, 3.40, 3.10]                                 # the baseline's 4 seeds
+SHIFTED = [b + d for b, d in zip(BASE, [0.05, 0.06, 0.04, 0.05], strict=True)]  # a real effect
+NOISY = [b + d for b, d in zip(BASE, [0.05, -0.04, 0.02, -0.03], strict=True)]  # none
+
+
+def test_estimate_matches_numpy_and_scipy():
+    for values in (BASE, SHIFTED, [1.0, 2.0], [0.1, 0.5, 0.2, 0.9, 0.3, 0.7]):
+        got = sweep.estimate(values)
+        assert got.n == len(values)
+        np.testing.assert_allclose([got.mean, got.std, got.low, got.high], reference(values),
+                                   rtol=1e-12)
+    # Missing values (a seed without the metric) are left out; one value has no interval.
+    assert sweep.estimate([None, 2.0, None, 4.0]) == sweep.estimate([2.0, 4.0])
+    assert sweep.estimate([5.0]) == sweep.Estimate(1, 5.0)
+    assert sweep.estimate([None]) is None
+
+
+def test_the_paired_difference_and_its_verdict():
+    by_seed = dict(enumerate(BASE))
+    shifted = sweep.paired_difference(dict(enumerate(SHIFTED)), by_seed)
+    np.testing.assert_allclose([shifted.mean, shifted.std, shifted.low, shifted.high],
+                               reference(np.subtract(SHIFTED, BASE)), rtol=1e-9)
+    assert sweep.verdict(shifted) == "differs"
+    # Unpaired, the two variants' intervals overlap widely: pairing by seed is what finds it.
+    assert sweep.estimate(SHIFTED).low < sweep.estimate(BASE).high
+    noisy = sweep.paired_difference(dict(enumerate(NOISY)), by_seed)
+    np.testing.assert_allclose([noisy.mean, noisy.low, noisy.high],
+                               np.array(reference(np.subtract(NOISY, BASE)))[[0, 2, 3]],
+                               rtol=1e-9)
+    assert noisy.low < 0 < noisy.high and sweep.verdict(noisy) == "within noise"
+    # Only the seeds both have pair up; fewer than two pairs give no verdict.
+    partial = sweep.paired_difference({0: SHIFTED[0], 2: SHIFTED[2], 3: None}, by_seed)
+    assert partial.n == 2
+    assert partial.mean == pytest.approx(np.mean([SHIFTED[0] - BASE[0], SHIFTED[2] - BASE[2]]))
+    assert sweep.verdict(sweep.paired_difference({0: 1.0}, by_seed)) == "-"
+    assert sweep.verdict(sweep.paired_difference({0: float("nan"), 1: 3.0}, by_seed)) == "-"
+    assert sweep.verdict(sweep.Estimate(2, 0.0, 0.0, 0.0, 0.0)) == "within noise"
+
+
+def fake_run(directory: Path, val_losses: list[float], final_train: float, steps: int = 4,
+             failed: bool = False):
+    """A run's files as training leaves them: metrics.jsonl (train and validation records at
+    steps 2 and 4) and summary.json, or error.txt for a failed run."""
+    directory.mkdir(parents=True)
+    if failed:
+        (directory / "error.txt").write_text("RuntimeError: boom\n\ntraceback")
+        return
+    records = []
+    for i, (step, val) in enumerate(zip((2, 4), val_losses, strict=True)):
+        records.append({"split": "train", "step": step, "loss": final_train + 1 - i,
+                        "tokens_per_s": 1000.0, "elapsed": 10.0 * step})
+        records.append({"split": "validation", "step": step, "loss": val, "accuracy": 0.5,
+                        "elapsed": 10.0 * step + 1})
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (directory / "summary.json").write_text(json.dumps({"step": steps, "num_params": 1234}))
+
+
+def tables(report: str) -> list[dict[str, dict[str, str]]]:
+    """Each markdown table of the report as {first cell: {header: cell}}."""
+    found, lines = [], report.splitlines() + [""]
+    start = None
+    for i, line in enumerate(lines):
+        if line.startswith("|") and start is None:
+            start = i
+        elif not line.startswith("|") and start is not None:
+            rows = [[c.strip() for c in row.strip("|").split("|")] for row in lines[start:i]]
+            found.append({cells[0]: dict(zip(rows[0], cells, strict=True)) for cells in rows[2:]})
+            start = None
+    return found
+
+
+def test_the_report_over_seeds(tmp_path):
+    config = base_config()
+    config.steps = 4
+    variants = sweep.named({"base": {}, "shifted": {"model.num_heads": 4},
+                            "noisy": {"model.num_heads": 2}})
+    configs = sweep.variant_configs(config, variants)
+    for k in range(4):
+        fake_run(tmp_path / "base" / f"seed_{k}", [BASE[k] + 1, BASE[k]], 2.0 + k)
+        fake_run(tmp_path / "shifted" / f"seed_{k}", [SHIFTED[k] + 1, SHIFTED[k]], 2.0 + k)
+        fake_run(tmp_path / "noisy" / f"seed_{k}", [NOISY[k] + 1, NOISY[k]], 2.0 + k,
+                 failed=k == 3)
+    path = sweep.write_report(configs, variants, str(tmp_path), "t", seeds=4, baseline="base")
+    report = Path(path).read_text()
+    summary, differences, per_seed = tables(report)
+
+    def cell(values):
+        mean, std, low, high = reference(values)
+        return f"{mean:.4f} ± {std:.4f} [{low:.4f}, {high:.4f}]"
+
+    assert summary["base"]["val loss"] == cell(BASE)
+    assert summary["shifted"]["val loss"] == cell(SHIFTED)
+    assert summary["noisy"]["val loss"] == cell(NOISY[:3])  # the failed seed is left out
+    assert summary["base"]["train loss"] == cell([2.0, 3.0, 4.0, 5.0])
+    assert summary["noisy"]["seeds"] == "3/4"
+    assert summary["noisy"]["status"] == "3 finished, 1 failed"
+    assert summary["base"]["status"] == "finished" and summary["base"]["params"] == "1,234"
+    assert summary["base"]["overrides"] == "(base)"
+
+    mean, _, low, high = reference(np.subtract(SHIFTED, BASE))
+    assert differences["shifted"]["val loss"] == f"{mean:+.4f} [{low:+.4f}, {high:+.4f}] differs"
+    mean, _, low, high = reference(np.subtract(NOISY, BASE)[:3])
+    assert differences["noisy"]["val loss"] == \
+        f"{mean:+.4f} [{low:+.4f}, {high:+.4f}] within noise"
+    assert differences["base"]["val loss"] == "baseline"
+    assert "## Difference from the baseline `base`" in report
+
+    assert per_seed["shifted/seed_2"]["val loss"] == f"{SHIFTED[2]:.4f}"
+    assert per_seed["shifted/seed_2"]["overrides"] == "`model.num_heads=4`, `seed=2`"
+    assert per_seed["noisy/seed_3"]["status"] == "failed"
+    assert "- noisy/seed_3: RuntimeError: boom" in report
+    for png in ("val_loss_vs_step.png", "val_loss_vs_time.png", "train_loss_vs_step.png"):
+        assert (tmp_path / png).stat().st_size > 0 and f"]({png})" in report
+    assert "(mean of 4 seeds, band: min to max)" in report
+
+    # Another baseline flips the signs; an unknown one is refused.
+    sweep.write_report(configs, variants, str(tmp_path), "t", seeds=4, baseline="shifted")
+    flipped = tables((tmp_path / "report.md").read_text())[1]
+    assert flipped["base"]["val loss"].startswith(f"{-np.mean(np.subtract(SHIFTED, BASE)):+.4f}")
+    with pytest.raises(ValueError, match=r"baseline 'nope' \(--baseline or get_baseline\(\)\): "
+                                         r"expected one of the variants "
+                                         r"\['base', 'shifted', 'noisy'\]"):
+        sweep.write_report(configs, variants, str(tmp_path), "t", seeds=4, baseline="nope")
+
+
+def test_mean_curves_over_seeds():
+    runs = [[{"split": "validation", "step": 2, "loss": 4.0, "elapsed": 1.0},
+             {"split": "validation", "step": 4, "loss": 3.0, "elapsed": 3.0},
+             {"split": "train", "step": 4, "loss": 9.0, "elapsed": 3.0}],
+            [{"split": "validation", "step": 2, "loss": 5.0, "elapsed": 2.0},
+             {"split": "validation", "step": 4, "loss": float("nan"), "elapsed": 4.0}],
+            []]  # a seed that has not logged yet is left out
+    xs, mean, low, high = sweep._mean_curve(runs, "validation", "elapsed")
+    assert (xs, mean, low, high) == ([1.5], [4.5], [4.0], [5.0])  # step 4 is not finite in both
+    assert sweep._mean_curve(runs[:1], "validation", "step") == ([2, 4], [4.0, 3.0],
+                                                                  [4.0, 3.0], [4.0, 3.0])
+
+
+def test_seed_runs_names_options_and_refusals(tmp_path):
+    variants = sweep.named({"a": {"model.num_heads": 2}, "b": {}})
+    assert sweep.seed_variants(variants, 1) == variants
+    assert sweep.seed_variants(variants, 2) == [
+        sweep.Variant("a/seed_0", {"model.num_heads": 2, "seed": 0}),
+        sweep.Variant("a/seed_1", {"model.num_heads": 2, "seed": 1}),
+        sweep.Variant("b/seed_0", {"seed": 0}), sweep.Variant("b/seed_1", {"seed": 1})]
+    configs = sweep.variant_configs(base_config(), sweep.seed_variants(variants, 2))
+    assert configs["a/seed_1"].seed == 1 and configs["a/seed_1"].model.num_heads == 2
+    assert configs["a/seed_1"].experiment.endswith("/a/seed_1")
+    seeded = sweep.named({"a": {}, "s": {"seed": 3}})
+    assert sweep.seed_variants(seeded, 1) == seeded  # one seed: a variant may set it
+    with pytest.raises(ValueError, match=r"^variant 's' sets seed=3 and --seeds=2 sets seeds "
+                                         r"0..1: expected one of the two$"):
+        sweep.seed_variants(seeded, 2)
+    commands = sweep.launch_commands("x.py", {}, sweep.seed_variants(variants[1:], 2), "/w")
+    assert commands == ["python -m transformer.train --config=x.py --workdir=/w/b/seed_0 "
+                        "--config.seed=0", "python -m transformer.train --config=x.py "
+                        "--workdir=/w/b/seed_1 --config.seed=1"]
+
+    plain, options = tmp_path / "plain.py", tmp_path / "options.py"
+    plain.write_text("def get_sweep():\n    return []\n")
+    options.write_text("def get_seeds():\n    return 3\n\ndef get_baseline():\n    return 'b'\n")
+    assert sweep.load_options(str(plain)) == (1, None)
+    assert sweep.load_options(str(options)) == (3, "b")
+    assert sweep.load_options(f"{options}:arg", seeds=2, baseline="a") == (2, "a")
+    for bad in (0, -1, "3", True):
+        with pytest.raises(ValueError, match=rf"^--seeds={bad!r}: expected an int >= 1"):
+            sweep.load_options(str(plain), seeds=bad)
+    options.write_text("def get_seeds():\n    return 0\n")
+    with pytest.raises(ValueError, match=r"options.py: get_seeds\(\)=0: expected an int >= 1"):
+        sweep.load_options(str(options))
+    (tmp_path / "one" / "a").mkdir(parents=True)
+    (tmp_path / "one" / "a" / "sweep_config.json").write_text("{}")
+    (tmp_path / "many" / "a" / "seed_0").mkdir(parents=True)
+    sweep.check_layout(str(tmp_path / "one"), ["a", "b"], 1)
+    sweep.check_layout(str(tmp_path / "many"), ["a", "b"], 3)
+    with pytest.raises(ValueError, match=r"one/a holds a run of one seed: expected --seeds=1, "
+                                         r"or another --workdir for --seeds=2$"):
+        sweep.check_layout(str(tmp_path / "one"), ["a"], 2)
+    with pytest.raises(ValueError, match=r"many/a holds runs of several seeds"):
+        sweep.check_layout(str(tmp_path / "many"), ["a"], 1)
+    assert sweep.check_baseline(None, ["a", "b"]) == "a"
+    assert sweep.check_baseline("b", ["a", "b"]) == "b"
+
+
+# --- through the command line -----------------------------------------------------------------
+
+STEPS = 4
+EXPERIMENT = textwrap.dedent(f"""
+    from transformer import sweep
+    from transformer.configs import base_config
+
+
+    def get_config():
+        config = base_config()
+        config.experiment = "seeds"
+        config.update(steps={STEPS}, batch_size=2, seq_len=16, log_every=1, eval_every=2,
+                      eval_steps=2, checkpoint_every={STEPS})
+        config.model.update(num_layers=1, d_model=32, num_heads=2, d_ff=64, max_len=16)
+        return config
+
+
+    def get_sweep():
+        return sweep.axis("model.position", ["rope", "alibi"])
+""")
+NAMES = ["position=rope", "position=alibi"]
+
+
+def run_sweep(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "transformer.sweep", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def records(directory: Path) -> list[dict]:
+    return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_sweep_over_two_seeds_through_the_cli(tmp_path):
+    experiment, workdir = tmp_path / "seeds.py", tmp_path / "runs"
+    experiment.write_text(EXPERIMENT)
+    args = [f"--config={experiment}", f"--workdir={workdir}", "--seeds=2"]
+    # alibi's seeds first stop at step 2, so the full sweep resumes them.
+    first = run_sweep(*args, "--only=position=alibi", "--config.steps=2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    result = run_sweep(*args, "--baseline=position=alibi")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "sweep seeds: 2 variants x 2 seeds in" in result.stdout
+    for k in range(2):
+        assert f"[{1 + k}/4] position=rope/seed_{k}: training in " in result.stdout
+        assert f"[{3 + k}/4] position=alibi/seed_{k}: resuming in " in result.stdout
+    assert sorted(os.listdir(workdir)) == sorted(
+        NAMES + ["report.md", "val_loss_vs_step.png", "val_loss_vs_time.png",
+                 "train_loss_vs_step.png"])
+    for name in NAMES:
+        assert sorted(os.listdir(workdir / name)) == ["seed_0", "seed_1"]
+        for k in range(2):
+            run = workdir / name / f"seed_{k}"
+            assert json.loads((run / "summary.json").read_text())["step"] == STEPS
+            saved = json.loads((run / "sweep_config.json").read_text())
+            assert saved["seed"] == k and saved["experiment"] == f"seeds/{name}/seed_{k}"
+        # Another seed: another init and another batch, so another first loss.
+        first_losses = [records(workdir / name / f"seed_{k}")[0]["loss"] for k in range(2)]
+        assert first_losses[0] != first_losses[1]
+    # Resumed at step 2: alibi's runs log steps 1..4 once each.
+    train_steps = [r["step"] for r in records(workdir / "position=alibi" / "seed_1")
+                   if r["split"] == "train"]
+    assert train_steps == [1, 2, 3, 4]
+
+    report = (workdir / "report.md").read_text()
+    summary, differences, per_seed = tables(report)
+    assert sorted(summary) == sorted(NAMES) and summary["position=rope"]["seeds"] == "2/2"
+    val = [per_seed[f"position=rope/seed_{k}"]["val loss"] for k in range(2)]
+    mean, std, low, high = reference([float(v) for v in val])
+    # The cell is computed from unrounded losses: compare the numbers, not the text.
+    got = summary["position=rope"]["val loss"].replace("±", "").replace("[", "").replace(
+        "]", "").replace(",", "").split()
+    np.testing.assert_allclose([float(x) for x in got], [mean, std, low, high], atol=2e-4)
+    assert differences["position=alibi"]["val loss"] == "baseline"
+    assert differences["position=rope"]["val loss"].endswith(("within noise", "differs"))
+
+    before = {name: [(workdir / name / f"seed_{k}" / "metrics.jsonl").read_text()
+                     for k in range(2)] for name in NAMES}
+    again = run_sweep(*args)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count(": finished, skipped") == 4
+    assert {name: [(workdir / name / f"seed_{k}" / "metrics.jsonl").read_text()
+                   for k in range(2)] for name in NAMES} == before
+    assert "## Difference from the baseline `position=rope`" in (workdir / "report.md").read_text()
+
+    # The same directory with one seed would find no runs: refused, nothing written.
+    single = run_sweep(f"--config={experiment}", f"--workdir={workdir}", "--report_only")
+    assert single.returncode == 2
+    assert single.stderr.strip().splitlines() == [
+        f"error: {workdir / NAMES[0]} holds runs of several seeds (seed_0, ...): expected "
+        "--seeds=N (or get_seeds()) with their number"]
+
+
+@pytest.mark.slow
+def test_seeds_with_a_seeded_variant_or_a_seed_flag_are_refused(tmp_path):
+    experiment, workdir = tmp_path / "seeded.py", tmp_path / "runs"
+    experiment.write_text(EXPERIMENT.replace('["rope", "alibi"]', '["rope"]') + textwrap.dedent(
+        """
+        def get_seeds():
+            return 2
+        """))
+    result = run_sweep(f"--config={experiment}", f"--workdir={workdir}", "--config.seed=5")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --config.seed=5 and --seeds=2 sets seeds 0..1: expected one of the two"]
+    result = run_sweep(f"--config={experiment}", f"--workdir={workdir}", "--seeds=3",
+                       "--baseline=nope")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: baseline 'nope' (--baseline or get_baseline()): expected one of the variants "
+        "['position=rope']"]
+    seeded = tmp_path / "seeded_variant.py"
+    seeded.write_text(EXPERIMENT.replace('sweep.axis("model.position", ["rope", "alibi"])',
+                                         'sweep.named({"a": {}, "s": {"seed": 3}})'))
+    result = run_sweep(f"--config={seeded}", f"--workdir={workdir}", "--seeds=2")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: variant 's' sets seed=3 and --seeds=2 sets seeds 0..1: expected one of the two"]
+    assert not workdir.exists()
