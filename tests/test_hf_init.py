@@ -8,6 +8,7 @@ headless BertModel, layer_norm_eps 1e-12, a WordPiece tokenizer.json padded and 
 128 as that checkpoint's is), only tiny. No test reads ../shared."""
 
 import random
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -48,18 +49,13 @@ def randomized(hf_model):
 
 def minilm_style(directory):
     """A headless BertModel (MiniLM's settings, tiny sizes) with its WordPiece tokenizer, as
-    save_pretrained writes them."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    save_pretrained writes them (the tokenizer.json padded and truncated to 128, as
+    sentence-transformers saves it: test_hf_whole.minilm_style)."""
+    from test_hf_whole import minilm_style as minilm_tokenizer
+    from tokenizers import Tokenizer
 
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator([text(s, 50) for s in range(5)], trainers.WordPieceTrainer(
-        vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
-    tok.enable_padding(length=128, pad_id=0, pad_token="[PAD]")  # as sentence-transformers
-    tok.enable_truncation(128)
-    transformers.BertTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    minilm_tokenizer(Path(directory))
+    tok = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
     hf = randomized(transformers.BertModel(transformers.BertConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
         num_attention_heads=4, intermediate_size=64, max_position_embeddings=128,
