@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -249,10 +248,11 @@ def test_skipped_steps_set_aside_the_checkpoints_saved_while_skipping(tmp_path, 
     assert checkpoint_steps(workdir)[-1] == began - 2  # (older ones left: keep_checkpoints)
 
 
-def fill_disk_at(limit_bytes: int):
-    """A preexec_fn: files of the process may grow to `limit_bytes` (RLIMIT_FSIZE), so writing
-    a bigger one fails as on a full disk (EFBIG; Python ignores SIGXFSZ)."""
-    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+def with_file_limit(kib: int, command: list[str]) -> list[str]:
+    """`command` run with files limited to `kib` KiB (bash's `ulimit -f`, RLIMIT_FSIZE), so
+    writing a bigger one fails as on a full disk (EFBIG; Python ignores SIGXFSZ). Through bash,
+    not a preexec_fn: forking this multithreaded (JAX) process to run Python could deadlock."""
+    return ["bash", "-c", f'ulimit -f {kib} && exec "$@"', "bash", *command]
 
 
 def test_a_failed_save_stops_the_run_at_once_with_one_line(tmp_path, text):
@@ -261,14 +261,16 @@ def test_a_failed_save_stops_the_run_at_once_with_one_line(tmp_path, text):
     # A save writes ~150 KB of arrays in data files whose number and sizes vary from run to run,
     # and ~25 KB files (_METADATA, _sharding) of the same size every time: a 16 KB limit fails
     # every save, while the run's other files stay under it until well past step 10.
-    limit = 16 * 1024
+    limit = 16 * 1024  # bytes
     small = [workdir / "metrics.jsonl", *(workdir / "tensorboard").rglob("*.tfevents.*")]
     assert all(f.stat().st_size < limit // 2 for f in small), [f.stat().st_size for f in small]
     command = [sys.executable, "-m", "transformer.train", f"--workdir={workdir}",
                *data_flags(text), *tiny_flags(40, checkpoint_every=10)]
     before = file_hashes(workdir / "checkpoints")
-    result = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True,
-                            preexec_fn=fill_disk_at(limit), timeout=300)
+    # Without the tests' XLA compilation cache, whose entries would hit the limit too.
+    env = {**cli_env(), "JAX_COMPILATION_CACHE_DIR": ""}
+    result = subprocess.run(with_file_limit(limit // 1024, command), cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, describe(result)
     line = error_line(result)
     assert line == (f"error: writing checkpoint step 10 to {workdir}/checkpoints failed (File too "
