@@ -33,6 +33,11 @@ corruption noise) and which validation windows `eval_steps` samples. So seed K f
 variant the same data, and the report compares variants seed by seed: mean ± std and a 95%
 Student-t interval per metric, and each variant's difference from the baseline, paired by seed,
 with its t interval. With one seed (the default) the runs keep the config's own seed, in DIR/NAME.
+
+Windows. Each run saves its final validation pass's per-window losses (WORKDIR/val_windows.npz,
+`evaluation.save_windows`); the report adds each variant's difference from the baseline over
+those windows with a paired bootstrap interval (`window_bootstrap`), for runs whose windows are
+the same (`window_pairs`), and a note for those that are not.
 """
 from __future__ import annotations
 
