@@ -9,7 +9,7 @@ import pytest
 from test_pipeline import assert_same_batches, fake_tokenizer
 from test_train import assert_succeeded, read_metrics, run_cli, tiny_flags
 
-from transformer import configs
+from transformer import configs, evaluation
 from transformer.data import inputs, pipeline, prepare, sources
 from transformer.data.tokenizers import EOS_ID
 
@@ -266,6 +266,11 @@ def test_a_mixture_trains_through_the_cli_and_refuses_a_resume_with_other_weight
     assert splits["validation"]["loss"] == pytest.approx(
         sum(splits[f"validation/{s}"]["loss"] * splits[f"validation/{s}"]["num_tokens"]
             for s in ("prose", "code")) / n)
+    # The final pass's windows: each source's (eval_steps x batch_size), one after the other.
+    windows = evaluation.load_windows(str(workdir))
+    assert windows["step"] == 2 and len(windows["num_tokens"]) == 2 * 2
+    assert windows["num_tokens"].sum() == n
+    assert abs(windows["loss_sum"].sum() / n - splits["validation"]["loss"]) < 1e-6
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["tokens/prose"] == last_train["tokens/prose"]
 

@@ -65,8 +65,11 @@ def swept(tmp_path_factory):
     return experiment, workdir, result
 
 
-def table_rows(report: str) -> dict[str, dict[str, str]]:
-    lines = [line for line in report.splitlines() if line.startswith("|")]
+def table_rows(report: str, which: int = 0) -> dict[str, dict[str, str]]:
+    """The report's `which`-th table (0: the runs' metrics) as {variant: {header: cell}}."""
+    blocks = "\n".join(line if line.startswith("|") else "" for line in report.splitlines())
+    lines = [block for block in blocks.split("\n\n") if block.strip("\n")][which]
+    lines = lines.strip("\n").splitlines()
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     return {cells[0]: dict(zip(header, cells, strict=True))
             for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])}
@@ -83,7 +86,13 @@ def test_a_sweep_trains_every_variant_and_writes_the_report_and_plots(swept):
         assert not list((workdir / name).glob("seed_*"))  # one seed: no seed level
     report = (workdir / "report.md").read_text()
     assert report.splitlines()[2].startswith(f"{len(names)} variants, written ")
-    assert "Per seed" not in report and "baseline" not in report
+    assert "Per seed" not in report and "Not paired over windows" not in report
+    # One seed: the window bootstrap is the only interval of a difference from the baseline.
+    differences = table_rows(report, 1)
+    assert f"## Difference from the baseline `{names[0]}`" in report
+    assert differences[names[0]][sweep.WINDOW_COLUMN] == "baseline"
+    for name in names[1:]:
+        assert differences[name][sweep.WINDOW_COLUMN].endswith(("within noise", "differs"))
     rows = table_rows(report)
     assert sorted(rows) == sorted(names)
     for name, row in rows.items():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from transformer import sweep
+from transformer import evaluation, sweep
 from transformer.configs import base_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -219,7 +219,7 @@ def test_seed_runs_names_options_and_refusals(tmp_path):
 
 STEPS = 4
 EXPERIMENT = textwrap.dedent(f"""
-    from transformer import sweep
+    from transformer import evaluation, sweep
     from transformer.configs import base_config
 
 
@@ -291,6 +291,21 @@ def test_a_sweep_over_two_seeds_through_the_cli(tmp_path):
     np.testing.assert_allclose([float(x) for x in got], [mean, std, low, high], atol=2e-4)
     assert differences["position=alibi"]["val loss"] == "baseline"
     assert differences["position=rope"]["val loss"].endswith(("within noise", "differs"))
+    # Every run saved its final validation windows: a seed's are the same for both variants
+    # (another seed samples others), and the report pairs them by seed (the window bootstrap).
+    saved = {(name, k): evaluation.load_windows(str(workdir / name / f"seed_{k}"))
+             for name in NAMES for k in range(2)}
+    for k in range(2):
+        rope, alibi = saved["position=rope", k], saved["position=alibi", k]
+        assert saved["position=rope", k]["step"] == STEPS == saved["position=alibi", k]["step"]
+        assert rope["fingerprint"] == alibi["fingerprint"] and len(rope["loss_sum"]) == 2 * 2
+    assert saved["position=rope", 0]["fingerprint"] != saved["position=rope", 1]["fingerprint"]
+    want = sweep.window_bootstrap([(saved["position=rope", k], saved["position=alibi", k])
+                                   for k in range(2)])
+    assert differences["position=rope"][sweep.WINDOW_COLUMN] == \
+        f"{want.mean:+.4f} [{want.low:+.4f}, {want.high:+.4f}] {sweep.verdict(want)}"
+    assert differences["position=alibi"][sweep.WINDOW_COLUMN] == "baseline"
+    assert "Not paired over windows" not in report
 
     before = {name: [(workdir / name / f"seed_{k}" / "metrics.jsonl").read_text()
                      for k in range(2)] for name in NAMES}

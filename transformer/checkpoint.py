@@ -391,7 +391,7 @@ class Manager:
 
 # What a run writes beside its checkpoints, set aside with them (a fresh run would append to its
 # records, mix its TensorBoard events in, or overwrite its summary and tokenizer).
-RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer")
+RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer", "val_windows.npz")
 
 
 def set_aside(workdir: str) -> str | None:

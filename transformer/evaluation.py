@@ -4,7 +4,10 @@ sequence lengths."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
+import io
 import math
 
 import jax
@@ -12,6 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from transformer import fileio
 from transformer import placement as placement_lib
 from transformer.data import inputs, pipeline
 from transformer.models import family_of
@@ -23,7 +27,9 @@ def make_eval_step(model, config, tokenizer=None):
     Labeled tasks also sum a confusion matrix [true class, predicted class] over examples. A
     text-to-text model predicts the class whose name it scores highest (rank classification)
     and counts an exact match where greedy decoding gives the name exactly (every teacher-forced
-    argmax right: then greedy decoding follows the same path).
+    argmax right: then greedy decoding follows the same path). Where the family's loss is per
+    row (every family but CLIP), each row's summed loss and weight come too, "row_loss_sum"
+    and "row_num_tokens" [B] (`evaluate` takes them out).
     """
     objective, family = pipeline.objective_for(config), family_of(config)
     if objective == "text2text":  # every class name as a decoder target: [C, target_len]
@@ -40,10 +46,14 @@ def make_eval_step(model, config, tokenizer=None):
                                            config.seq_len, decoder=objective == "captioning")
 
     def eval_step(params, batch):
-        loss, metrics = family.loss_and_metrics(model, config, params, batch)
+        loss, metrics = family.loss_and_metrics(model, config, params, batch,
+                                                rows=family.per_row)
         n = metrics["num_tokens"]
         sums = {"loss_sum": metrics["loss"] * n, "correct_sum": metrics["accuracy"] * n,
                 "num_tokens": n}
+        if family.per_row:  # each row's (window's) own sums: `evaluate(windows=True)`
+            sums.update(row_loss_sum=metrics["row_loss_sum"],
+                        row_num_tokens=metrics["row_num_tokens"])
         if objective in ("classification", "image_classification"):
             logits = family.logits(model, params, batch)
             sums["confusion"] = _confusion(batch["targets"], jnp.argmax(logits, -1),
@@ -114,7 +124,7 @@ def classification_metrics(confusion: np.ndarray) -> dict[str, float]:
 
 def evaluate(params, eval_step, config, tokenizer, steps: int | None,
              placement: placement_lib.Placement, bytes_per_token=None, split: str = "validation",
-             with_confusion: bool = False) -> dict[str, float]:
+             with_confusion: bool = False, windows: bool = False) -> dict[str, float]:
     """Loss, perplexity, accuracy (and bits per byte for byte/char) on `split`; for labeled
     tasks accuracy and macro-F1 over examples (and exact match for text2text), with the
     confusion matrix [true, predicted] if `with_confusion`.
@@ -125,26 +135,19 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None,
     A mixture (data.sources) evaluates each source's validation split on its own (`steps`
     batches each, or all of it) and returns their token-weighted total with the sources'
     metrics under "by_source"; `bytes_per_token` then takes the source's name.
+
+    With `windows` (and a per-row loss, `make_eval_step`), the result also holds "windows":
+    `Windows`, each evaluated row's summed loss and weight in pass order, from this same pass;
+    its loss is then their float64 total over their tokens (to the last digit).
     """
     if split == "validation" and (mixture := inputs.source_configs(config)):
         return _evaluate_mixture(params, eval_step, mixture, tokenizer, steps, placement,
-                                 bytes_per_token)
-    dataset = inputs.get_dataset(config, tokenizer, split, num_epochs=1, shuffle=True,
-                                 rows=placement.rows)
-    totals, iterator, i = None, iter(dataset), 0
-    while steps is None or i < steps:
-        batch = next(iterator, None)
-        if placement_lib.agreed(batch is None):  # streams can run out at different batches
-            break
-        sums = eval_step(params, placement.global_batch(batch))
-        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-        i += 1
-    if totals is None:
-        raise ValueError(f"the {split} split yields no full batch: expected more {split} "
-                         f"text or a smaller batch_size ({config.batch_size}) / seq_len")
-    totals = placement_lib.fetch(totals)
+                                 bytes_per_token, windows)
+    totals, rows = _pass(params, eval_step, config, tokenizer, split, steps, placement, windows)
     n = max(float(totals["num_tokens"]), 1.0)
     loss = float(totals["loss_sum"]) / n
+    if rows is not None:
+        loss = float(np.sum(rows.loss_sum, dtype=np.float64)) / max(rows.num_tokens.sum(), 1.0)
     metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
                "accuracy": float(totals["correct_sum"]) / n, "num_tokens": n}
     if "confusion" in totals:  # a labeled task: accuracy and macro-F1 over examples
@@ -155,6 +158,8 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None,
         metrics.update(classification_metrics(totals["confusion"]))
         if with_confusion:
             metrics["confusion"] = totals["confusion"].astype(int).tolist()
+    if rows is not None:
+        metrics["windows"] = rows
     if tokenizer.kind in ("byte", "char") and pipeline.objective_for(config) == "next_token":
         if bytes_per_token is None:
             bytes_per_token = functools.partial(inputs.bytes_per_token, config, tokenizer,
@@ -163,17 +168,95 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None,
     return metrics
 
 
+def _pass(params, eval_step, config, tokenizer, split: str, steps: int | None,
+          placement: placement_lib.Placement, windows: bool):
+    """(the summed metrics, `Windows` if `windows` and the step gives rows, else None) of one
+    pass over `split` (`steps` batches, or all of it) in its fixed seeded window order."""
+    dataset = inputs.get_dataset(config, tokenizer, split, num_epochs=1, shuffle=True,
+                                 rows=placement.rows)
+    totals, iterator, i, rows, digest = None, iter(dataset), 0, [], hashlib.sha256()
+    while steps is None or i < steps:
+        batch = next(iterator, None)
+        if placement_lib.agreed(batch is None):  # streams can run out at different batches
+            break
+        if windows:  # what the rows hold (this process's rows of the global batch)
+            for key in sorted(batch):
+                digest.update(key.encode() + np.ascontiguousarray(batch[key]).tobytes())
+        sums = eval_step(params, placement.global_batch(batch))
+        row_sums = [sums.pop(k, None) for k in ("row_loss_sum", "row_num_tokens")]
+        if windows and row_sums[0] is not None:
+            rows.append(row_sums)
+        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+        i += 1
+    if totals is None:
+        raise ValueError(f"the {split} split yields no full batch: expected more {split} "
+                         f"text or a smaller batch_size ({config.batch_size}) / seq_len")
+    if not rows:
+        return placement_lib.fetch(totals), None
+    totals, rows = placement_lib.fetch((totals, rows))
+    loss_sum, num_tokens = (np.concatenate([r[j] for r in rows]).astype(np.float64)
+                            for j in (0, 1))
+    return totals, Windows(loss_sum, num_tokens, digest.hexdigest()[:16])
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """An evaluation pass's rows (windows of a text split, examples of a labeled one), in its
+    order: each one's summed loss and weight (its tokens), and `fingerprint`, a hash of their
+    content (the features of every row of the pass, padding rows included; on several
+    processes, the first process's rows). Two passes with one fingerprint read the same rows.
+    The pass's loss is loss_sum.sum() / num_tokens.sum()."""
+
+    loss_sum: np.ndarray  # [W] float64
+    num_tokens: np.ndarray  # [W] float64
+    fingerprint: str
+
+    @staticmethod
+    def concatenate(parts: list[Windows]) -> Windows:
+        return Windows(np.concatenate([w.loss_sum for w in parts]),
+                       np.concatenate([w.num_tokens for w in parts]),
+                       hashlib.sha256("".join(w.fingerprint for w in parts).encode()
+                                      ).hexdigest()[:16])
+
+
+WINDOWS_FILE = "val_windows.npz"
+
+
+def save_windows(workdir: str, step: int, windows: Windows) -> None:
+    """Writes WORKDIR/val_windows.npz (process 0 only): `step`, and the final validation pass's
+    per-window loss_sum, num_tokens and fingerprint (`Windows`), whose token-weighted mean
+    loss_sum.sum() / num_tokens.sum() is the val_loss logged at that step."""
+    if jax.process_index() != 0:
+        return
+    buffer = io.BytesIO()
+    np.savez(buffer, step=np.int64(step), loss_sum=windows.loss_sum,
+             num_tokens=windows.num_tokens, fingerprint=np.str_(windows.fingerprint))
+    fileio.write_atomic(fileio.join(workdir, WINDOWS_FILE), buffer.getvalue())
+
+
+def load_windows(workdir: str) -> dict | None:
+    """WORKDIR/val_windows.npz as {"step", "loss_sum", "num_tokens", "fingerprint"}, or None."""
+    path = fileio.path(workdir) / WINDOWS_FILE
+    if not path.exists():
+        return None
+    with np.load(io.BytesIO(path.read_bytes())) as saved:
+        return {"step": int(saved["step"]), "loss_sum": saved["loss_sum"],
+                "num_tokens": saved["num_tokens"], "fingerprint": str(saved["fingerprint"])}
+
+
 def _evaluate_mixture(params, eval_step, mixture, tokenizer, steps, placement,
-                      bytes_per_token) -> dict:
+                      bytes_per_token, windows: bool = False) -> dict:
     """Each source's validation metrics and their total, every token counting once: the loss
-    and accuracy averaged over all sources' tokens, bits per byte over all their bytes."""
+    and accuracy averaged over all sources' tokens, bits per byte over all their bytes. With
+    `windows`, the total's windows are the sources' one after another."""
     by_source, source_bytes_per_token = {}, {}
     for name, one in mixture.items():
         source_bytes_per_token[name] = functools.cache(
             functools.partial(inputs.bytes_per_token, one, tokenizer, "validation")
             if bytes_per_token is None else functools.partial(bytes_per_token, name))
         by_source[name] = evaluate(params, eval_step, one, tokenizer, steps, placement,
-                                   source_bytes_per_token[name])
+                                   source_bytes_per_token[name], windows=windows)
+    parts = [m.pop("windows") for m in by_source.values() if "windows" in m]
     tokens = {name: m["num_tokens"] for name, m in by_source.items()}
     n = sum(tokens.values())
     loss = sum(m["loss"] * tokens[name] for name, m in by_source.items()) / n
@@ -184,6 +267,8 @@ def _evaluate_mixture(params, eval_step, mixture, tokenizer, steps, placement,
         # bits per byte = all the sources' bits over all their bytes (cached: computed above)
         num_bytes = sum(source_bytes_per_token[name]() * tokens[name] for name in by_source)
         total["bits_per_byte"] = loss * n / math.log(2) / num_bytes
+    if parts and len(parts) == len(by_source):
+        total["windows"] = Windows.concatenate(parts)
     return {**total, "by_source": by_source}
 
 

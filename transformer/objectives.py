@@ -41,7 +41,8 @@ def _check_fraction(name: str, value: Any, low: float, high: float, *, open_low:
 
 
 def cross_entropy(logits, targets, weights=None, *, label_smoothing: float = 0.0,
-                  z_loss: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  z_loss: float = 0.0, rows: bool = False
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Weighted token cross-entropy with label smoothing and z-loss, computed in float32.
 
     Per token: lse = logsumexp(logits), ce = lse - (1 - ls) * logits[target] - ls * mean(logits)
@@ -49,7 +50,9 @@ def cross_entropy(logits, targets, weights=None, *, label_smoothing: float = 0.0
     logits [B, T, V], targets [B, T] int, weights [B, T] (None = all ones). Returns
     (loss, metrics): loss = sum(w * (ce + z_loss * lse^2)) / max(sum(w), 1) is what to
     differentiate; metrics hold the weighted means "loss" (ce), "z_loss", "accuracy",
-    "perplexity" = exp(mean unsmoothed ce), and "num_tokens" = sum(w). Positions with weight 0
+    "perplexity" = exp(mean unsmoothed ce), and "num_tokens" = sum(w); with `rows`, also per
+    row (the leading axis) "row_loss_sum" = sum(w * ce) and "row_num_tokens" = sum(w), [B] each
+    (per-window evaluation: `evaluation.evaluate`). Positions with weight 0
     contribute exactly zero to the loss and its gradient, whatever their logits (even inf/nan).
 
     Uniform logits over V = 4 give ce = log 4 and perplexity 4; the weight-0 position is ignored:
@@ -104,6 +107,10 @@ def cross_entropy(logits, targets, weights=None, *, label_smoothing: float = 0.0
         "accuracy": mean(correct_BT),
         "num_tokens": num_tokens,
     }
+    if rows:
+        axes = tuple(range(1, weights_BT.ndim))
+        metrics.update(row_loss_sum=jnp.sum(weights_BT * ce_BT, axis=axes),
+                       row_num_tokens=jnp.sum(weights_BT, axis=axes))
     return loss, metrics
 
 

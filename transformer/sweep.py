@@ -33,6 +33,11 @@ corruption noise) and which validation windows `eval_steps` samples. So seed K f
 variant the same data, and the report compares variants seed by seed: mean ± std and a 95%
 Student-t interval per metric, and each variant's difference from the baseline, paired by seed,
 with its t interval. With one seed (the default) the runs keep the config's own seed, in DIR/NAME.
+
+Windows. Each run saves its final validation pass's per-window losses (WORKDIR/val_windows.npz,
+`evaluation.save_windows`); the report adds each variant's difference from the baseline over
+those windows with a paired bootstrap interval (`window_bootstrap`), for runs whose windows are
+the same (`window_pairs`), and a note for those that are not.
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ from typing import Any
 import ml_collections
 
 from transformer import checkpoint as checkpoint_lib
+from transformer import evaluation
 
 PLOTS = (("val_loss_vs_step.png", "validation", "step", "validation loss vs step"),
          ("val_loss_vs_time.png", "validation", "elapsed", "validation loss vs wall time"),
@@ -420,6 +426,68 @@ def verdict(difference: Estimate | None) -> str:
     return "within noise" if difference.low <= 0 <= difference.high else "differs"
 
 
+# The window bootstrap: resamples of the validation windows, the same for every variant.
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+
+
+def window_bootstrap(pairs: Sequence[tuple[dict, dict]], resamples: int = BOOTSTRAP_RESAMPLES,
+                     level: float = 0.95, seed: int = BOOTSTRAP_SEED) -> Estimate:
+    """Paired bootstrap of a variant's validation loss minus the baseline's over the windows.
+
+    `pairs`: per seed, (variant's, baseline's) windows of the same validation pass (dicts with
+    per-window "loss_sum" and "num_tokens", `evaluation.load_windows`). The loss of a run is its
+    token-weighted mean over windows (its logged val_loss). Each resample draws the windows of
+    every seed with replacement, the same draw for both runs of a seed (paired), and averages
+    the seeds' differences (each seed weighs alike, as in the seed-paired t interval). Returns
+    the observed difference, the resamples' std and their percentile interval [low, high].
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    observed, draws = [], np.zeros(resamples)
+    for variant, baseline in pairs:
+        loss = np.stack([np.asarray(w["loss_sum"], np.float64) for w in (variant, baseline)])
+        tokens = np.asarray(baseline["num_tokens"], np.float64)
+        keep = tokens > 0  # padding rows of a last batch read nothing
+        loss, tokens = loss[:, keep], tokens[keep]
+        observed.append(loss[0].sum() / tokens.sum() - loss[1].sum() / tokens.sum())
+        for start in range(0, resamples, 256):  # blocks: [block, windows] indices at a time
+            picks = rng.integers(0, len(tokens), (min(256, resamples - start), len(tokens)))
+            diff = loss[0][picks].sum(1) - loss[1][picks].sum(1)
+            draws[start:start + len(picks)] += diff / tokens[picks].sum(1) / len(pairs)
+    low, high = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    return Estimate(len(pairs), float(np.mean(observed)), float(draws.std(ddof=1)), float(low),
+                    float(high))
+
+
+def window_pairs(variant: dict[int, dict | None], baseline: dict[int, dict | None]
+                 ) -> tuple[list[tuple[dict, dict]], list[str]]:
+    """(the seeds' (variant, baseline) windows that pair, notes on the seeds that do not).
+    Windows pair when both runs saved them for the same rows: same fingerprint and count, and
+    the same tokens per window."""
+    import numpy as np
+
+    pairs, notes = [], []
+    for k in sorted(set(variant) | set(baseline)):
+        mine, theirs = variant.get(k), baseline.get(k)
+        if mine is None or theirs is None:
+            notes.append(f"seed {k}: no {'' if mine is None else 'baseline '}val_windows.npz "
+                         "(unfinished, or trained before runs saved their windows)")
+        elif (mine["fingerprint"], len(mine["num_tokens"])) != (theirs["fingerprint"],
+                                                                len(theirs["num_tokens"])):
+            notes.append(f"seed {k}: other validation windows than the baseline's "
+                         f"({len(mine['num_tokens'])} windows, fingerprint "
+                         f"{mine['fingerprint']}; the baseline: {len(theirs['num_tokens'])}, "
+                         f"{theirs['fingerprint']}): not paired")
+        elif not np.array_equal(mine["num_tokens"], theirs["num_tokens"]):
+            notes.append(f"seed {k}: the windows' token counts differ from the baseline's: "
+                         "not paired")
+        else:
+            pairs.append((mine, theirs))
+    return pairs, notes
+
+
 
 def _records(directory: str) -> list[dict]:
     path = os.path.join(directory, "metrics.jsonl")
@@ -487,6 +555,10 @@ def variant_row(name: str, config, directory: str) -> dict[str, Any]:
     if row["status"] == "failed":
         with open(os.path.join(directory, "error.txt")) as f:
             row["error"] = f.readline().strip()
+    # The final validation pass's windows (window bootstrap), if they are that step's.
+    windows = evaluation.load_windows(directory) if row["status"] == "finished" else None
+    row["windows"] = windows if windows and validation and \
+        windows["step"] == validation[-1]["step"] else None
     return row
 
 
@@ -592,15 +664,58 @@ def _seed_tables(runs: dict[str, list[dict]], overrides: dict[str, dict], column
               "seeds both finished: the mean difference [its 95% t interval]. **within noise**: "
               "the interval includes 0, so other seeds could well reverse the sign; **differs**: "
               "it excludes 0.", ""]
-    lines += _table_head(["variant"] + [title for _, title, _ in columns])
+    windows, notes = _window_cells({name: dict(enumerate(rows)) for name, rows in runs.items()},
+                                   baseline)
+    lines += _table_head(["variant"] + [title for _, title, _ in columns] + [WINDOW_COLUMN])
     for name in runs:
         cells = [name] + [
             "baseline" if name == baseline else _fmt_difference(paired_difference(
                 {k: row.get(key) for k, row in done[name].items()},
                 {k: row.get(key) for k, row in done[baseline].items()}), digits)
             for key, _, digits in columns]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + [windows[name]]) + " |")
+    return lines + _window_notes(notes)
+
+
+WINDOW_COLUMN = "val loss (window bootstrap)"
+
+
+def _window_cells(runs: dict[str, dict[int, dict]], baseline: str
+                  ) -> tuple[dict[str, str], list[str]]:
+    """Per variant, the window bootstrap cell of its val loss minus the baseline's (`runs`: per
+    variant, its rows by seed); and a note for every run that could not be paired."""
+    base = {k: row["windows"] for k, row in runs[baseline].items()}
+    cells, notes = {baseline: "baseline"}, []
+    for name, rows in runs.items():
+        if name == baseline:
+            continue
+        pairs, refused = window_pairs({k: row["windows"] for k, row in rows.items()}, base)
+        cells[name] = _fmt_difference(window_bootstrap(pairs)) if pairs else "-"
+        notes += [f"- {name}, {note}" for note in refused]
+    return cells, notes
+
+
+def _window_notes(notes: list[str]) -> list[str]:
+    lines = ["", f"`{WINDOW_COLUMN}`: the same difference of validation loss measured over the "
+             "final evaluation's windows, with a 95% interval from "
+             f"{BOOTSTRAP_RESAMPLES:,} paired bootstrap resamples of the windows (the same "
+             "windows for both runs of a seed; with several seeds, each seed's difference and "
+             "their mean). It holds the trained models fixed: it asks whether the difference on "
+             "this validation set exceeds its sampling noise over windows, and leaves out "
+             "seed-to-seed variation, so it is narrower and a lower bound on the uncertainty."]
+    if notes:
+        lines += ["", "Not paired over windows:", ""] + notes
     return lines
+
+
+def _window_table(runs: dict[str, list[dict]], configs, baseline: str) -> list[str]:
+    """One seed: each variant's val loss minus the baseline's, with its window bootstrap."""
+    cells, notes = _window_cells({name: {configs[name].seed: rows[0]}
+                                  for name, rows in runs.items()}, baseline)
+    lines = ["", f"## Difference from the baseline `{baseline}`", ""]
+    lines += _table_head(["variant", WINDOW_COLUMN])
+    lines += [f"| {name} | {cells[name]} |" for name in runs]
+    return lines + _window_notes(notes)
 
 
 def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequence[Variant],
@@ -625,6 +740,8 @@ def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequen
                   "Final metrics are the last logged; tokens/s is the median over the logs after "
                   "the first (which includes compiling); wall time sums the variant's runs "
                   "(resumes included).", ""] + _run_table(rows, overrides, columns)
+        if len(runs) > 1:
+            lines += _window_table(runs, configs, check_baseline(baseline, list(runs)))
     else:
         lines += _seed_tables(runs, overrides, columns, check_baseline(baseline, list(runs)))
         lines += ["", "## Per seed", "", "Final metrics are the last logged; tokens/s is the "

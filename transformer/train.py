@@ -170,16 +170,20 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     return run
 
 
-def _evaluate(run: Run, split: str, steps: int | None, seq_len: int | None = None) -> dict:
-    """Evaluates the current params on `split` (at `seq_len`), logs and returns the metrics."""
+def _evaluate(run: Run, split: str, steps: int | None, seq_len: int | None = None,
+              windows: bool = False) -> dict:
+    """Evaluates the current params on `split` (at `seq_len`), logs and returns the metrics;
+    with `windows`, saves the per-window losses too (evaluation.save_windows)."""
     config, params = run.config, run.state.params
     if seq_len is None:
         bytes_per_token = run.validation_bytes_per_token if split == "validation" else None
         result = evaluation.evaluate(params, run.eval_step, config, run.tokenizer, steps,
-                                     run.placement, bytes_per_token, split=split)
+                                     run.placement, bytes_per_token, split=split, windows=windows)
     else:
         result = evaluation.evaluate_at_length(params, run.eval_step, config, run.tokenizer,
                                                seq_len, run.placement, steps)
+    if (per_window := result.pop("windows", None)) is not None:  # the final validation pass
+        evaluation.save_windows(run.workdir, run.step, per_window)
     name = split if seq_len is None else f"{split}@{seq_len}"
     at = "" if seq_len is None else f" at length {seq_len}"
     # A mixture's sources, each its own record ("validation/web"), then their total.
@@ -234,7 +238,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
         evaluate = run.step % config.eval_every == 0 or last
         if evaluate:
             began = time.perf_counter()
-            result = _evaluate(run, "validation", config.eval_steps)
+            result = _evaluate(run, "validation", config.eval_steps, windows=last)
             run.last_metrics = {**run.last_metrics,
                                 **{f"val_{k}": v for k, v in result.items()}}
             pauses["eval"].append(time.perf_counter() - began)

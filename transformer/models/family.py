@@ -25,10 +25,12 @@ def transformer_config(model_config: ml_collections.ConfigDict, **overrides) -> 
     return TransformerConfig(**{**values, **overrides})
 
 
-def token_loss(logits, batch, *, z_loss: float = 0.0, label_smoothing: float = 0.0):
-    """Cross-entropy of the logits against the batch's targets, weighted by its weights."""
+def token_loss(logits, batch, *, z_loss: float = 0.0, label_smoothing: float = 0.0,
+               rows: bool = False):
+    """Cross-entropy of the logits against the batch's targets, weighted by its weights (with
+    `rows`, also each row's sums: `objectives.cross_entropy`)."""
     return objectives.cross_entropy(logits, batch["targets"], batch["weights"], z_loss=z_loss,
-                                    label_smoothing=label_smoothing)
+                                    label_smoothing=label_smoothing, rows=rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +43,8 @@ class Family:
     features: batch features passed by keyword.
     optional_features: batch features passed by keyword when the batch has them.
     objectives: the `data.objective`s it trains on; the first is its pretraining objective.
-    loss: (logits, batch, z_loss=, label_smoothing=) -> (loss, metrics with num_tokens).
+    loss: (logits, batch, z_loss=, label_smoothing=) -> (loss, metrics with num_tokens);
+      token_loss also takes rows=True (per-row sums, for per-window evaluation).
     decoding: how it generates text: "causal" (KV cache), "prefix" (bidirectional prompt, KV
       cache), "encoder_decoder" (encode the prompt, decode with a KV cache), "recompute"
       (re-run the whole sequence per token), or None (no generation).
@@ -91,14 +94,22 @@ class Family:
                           mutable=["losses"] if with_aux else False)
         return (out[0], moe_aux(out[1].get("losses", {}))) if with_aux else out
 
-    def loss_and_metrics(self, model, config, params, batch, rng=None, deterministic=True):
+    @property
+    def per_row(self) -> bool:
+        """Whether its loss is a sum over rows (token_loss), so each row has its own."""
+        return self.loss is token_loss
+
+    def loss_and_metrics(self, model, config, params, batch, rng=None, deterministic=True,
+                         rows: bool = False):
         """(loss, metrics) of a batch under the run's z_loss and label smoothing; `rng` seeds
         dropout. MoE models add their routers' weighted load-balance and z losses to the loss
-        (metrics["loss"] stays the task's) and report them as `moe_*` metrics."""
+        (metrics["loss"] stays the task's) and report them as `moe_*` metrics. `rows` (only
+        where `per_row`): metrics also hold each row's sums (`objectives.cross_entropy`)."""
         logits, aux = self.logits(model, params, batch, deterministic=deterministic,
                                   rngs=None if rng is None else {"dropout": rng}, with_aux=True)
         loss, metrics = self.loss(logits, batch, z_loss=config.get("z_loss", 0.0),
-                                  label_smoothing=config.get("label_smoothing", 0.0))
+                                  label_smoothing=config.get("label_smoothing", 0.0),
+                                  **({"rows": True} if rows else {}))
         if aux:
             moe = config.model.moe
             loss = (loss + moe.load_balance_loss * aux["load_balance"]
