@@ -137,17 +137,15 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None,
     metrics under "by_source"; `bytes_per_token` then takes the source's name.
 
     With `windows` (and a per-row loss, `make_eval_step`), the result also holds "windows":
-    `Windows`, each evaluated row's summed loss and weight in pass order, from this same pass;
-    its loss is then their float64 total over their tokens (to the last digit).
+    `Windows`, each evaluated row's summed loss and weight in pass order, from this same pass
+    (their total over their tokens is the loss, to float32 rounding).
     """
     if split == "validation" and (mixture := inputs.source_configs(config)):
         return _evaluate_mixture(params, eval_step, mixture, tokenizer, steps, placement,
                                  bytes_per_token, windows)
     totals, rows = _pass(params, eval_step, config, tokenizer, split, steps, placement, windows)
     n = max(float(totals["num_tokens"]), 1.0)
-    loss = float(totals["loss_sum"]) / n
-    if rows is not None:
-        loss = float(np.sum(rows.loss_sum, dtype=np.float64)) / max(rows.num_tokens.sum(), 1.0)
+    loss = float(totals["loss_sum"]) / n  # (the windows' own total agrees: test_val_windows)
     metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
                "accuracy": float(totals["correct_sum"]) / n, "num_tokens": n}
     if "confusion" in totals:  # a labeled task: accuracy and macro-F1 over examples
