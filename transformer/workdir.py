@@ -118,7 +118,10 @@ class Lock:
 
     def _acquire_lease(self) -> None:
         holder = self._read_lease()
-        age = time.time() - holder.get("heartbeat", 0.0)
+        try:
+            age = time.time() - float(holder.get("heartbeat", 0.0))
+        except (TypeError, ValueError):  # a damaged lease: as good as none
+            age = float("inf")
         if holder and age < LEASE and not _pid_gone(holder):
             raise self._busy(holder, f", renewed {age:.0f} s ago")
         self._write_lease()
