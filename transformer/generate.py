@@ -679,6 +679,17 @@ def _until_eos(ids: np.ndarray, eos_id: int) -> np.ndarray:
     return ids[:ends[0]] if ends.size else ids
 
 
+def print_samples(model, params, tokenizer, config, prompt: str, num_samples: int = 3) -> None:
+    """Prints samples with nanoGPT's settings (temperature 0.8, top-k 200) continuing `prompt`,
+    shortened to at most half the context (room to continue); the end of a training run."""
+    while len(tokenizer.encode(prompt)) > config.seq_len // 2:
+        prompt = prompt[:-1]
+    print(f"\nsamples (temperature 0.8, top-k 200, prompt {prompt!r}):")
+    for text in sample_texts(model, params, tokenizer, config, num_samples=num_samples,
+                             prompt=prompt, temperature=0.8, top_k=200):
+        print("---\n" + text)
+
+
 def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prompt: str = "",
                  temperature: float = 0.8, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
                  max_new_tokens: int | None = None, chunk_size: int | None = None,

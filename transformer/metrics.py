@@ -182,6 +182,7 @@ class MetricsLogger:
     def __init__(self, workdir: str, enabled: bool, start_step: int = 0):
         self.enabled = enabled
         self.interactive = sys.stdout.isatty()
+        self.prefix = ""  # before every printed line ("seed 1: ": transformer.batched)
         self.start = time.perf_counter()
         self.elapsed_before = 0.0
         if enabled:
@@ -222,6 +223,7 @@ class MetricsLogger:
     def print(self, line: str, transient: bool = False) -> None:
         if not self.enabled:
             return
+        line = self.prefix + line
         if self.interactive and transient:
             print("\r" + line.ljust(120), end="", flush=True)
         else:

@@ -1,14 +1,15 @@
 """A training's progress lines: the train metrics of a step with its speed, MFU and ETA, timed
-over training steps alone (transformer.train.loop decides when)."""
+over training steps alone (transformer.train.loop decides when), and its summary.json."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import jax
 
+from transformer import fileio, nonfinite, optim
 from transformer import metrics as metrics_lib
-from transformer import nonfinite, optim
 from transformer import placement as placement_lib
 from transformer.data import inputs
 
@@ -62,3 +63,17 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
                      + speed, transient=True)
     run.last_metrics = record
     return time.perf_counter()  # the next window starts after this log's own host work
+
+
+def summarize(run, wall_seconds: float) -> dict:
+    """Writes the run's summary.json (its last metrics, size and times); returns
+    train.train_and_evaluate's result."""
+    summary = {"step": run.step, "wall_seconds": wall_seconds,
+               "elapsed": run.logger.elapsed(), "num_params": run.num_params,
+               "active_params": run.active_params,
+               "first_step_seconds": run.first_step_seconds, **run.last_metrics}
+    if jax.process_index() == 0:
+        fileio.write_atomic(fileio.join(run.workdir, "summary.json"),
+                            json.dumps(summary, indent=2))
+    return {"summary": summary, "state": run.state, "model": run.model,
+            "tokenizer": run.tokenizer, "config": run.config}

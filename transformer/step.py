@@ -15,10 +15,30 @@ def make_train_step(model, config, optimizer):
     """(state, batch) -> (state, metrics): one optimizer update on the global batch.
 
     With optimizer.grad_accumulation_steps = k the batch is split into k micro-batches whose
-    gradients are averaged (weighted by their token counts) before the update.
+    gradients are averaged (weighted by their token counts) before the update. The step's
+    randomness (dropout, ...) is `jax.random.key(config.seed)` folded with the step number.
     """
+    seeded = make_seeded_train_step(model, config, optimizer)
+    return lambda state, batch: seeded(state, batch, jax.random.key(config.seed))
+
+
+def make_seeded_train_step(model, config, optimizer):
+    """(state, batch, base_rng) -> (state, metrics): `make_train_step`'s step with the seed's
+    key as an argument. It is `update(state, *gradients(state, batch, base_rng))`, with the
+    two halves as attributes: transformer.batched vmaps the first over seeds."""
+    gradients, update = _halves(model, config, optimizer)
+
+    def train_step(state: TrainState, batch, base_rng):
+        return update(state, *gradients(state, batch, base_rng))
+
+    train_step.gradients, train_step.update = gradients, update
+    return train_step
+
+
+def _halves(model, config, optimizer):
+    """The train step's (gradients, update): (state, batch, base_rng) -> (grads, metrics), and
+    (state, grads, metrics) -> (state, metrics)."""
     accumulation = config.optimizer.grad_accumulation_steps
-    base_rng = jax.random.key(config.seed)
     family = family_of(config)
 
     def grads_of(params, batch, rng):
@@ -27,7 +47,7 @@ def make_train_step(model, config, optimizer):
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return grads, metrics
 
-    def train_step(state: TrainState, batch):
+    def gradients(state: TrainState, batch, base_rng):
         rng = jax.random.fold_in(base_rng, state.step)
         if accumulation == 1:
             grads, metrics = grads_of(state.params, batch, rng)
@@ -58,6 +78,9 @@ def make_train_step(model, config, optimizer):
             grads = jax.tree.map(lambda g: g / denominator, grads_sum)
             metrics = {k: v / denominator for k, v in sums.items()}
             metrics.update(perplexity=jnp.exp(metrics["loss"]), num_tokens=tokens)
+        return grads, metrics
+
+    def update(state: TrainState, grads, metrics):
         grad_norm = optax.tree.norm(grads)
         exploded = jnp.asarray(False)
         if config.get("max_grad_norm", 0.0):
@@ -76,4 +99,4 @@ def make_train_step(model, config, optimizer):
         metrics = {**metrics, "grad_norm": grad_norm}
         return TrainState(state.step + 1, params, opt_state, first_bad), metrics
 
-    return train_step
+    return gradients, update

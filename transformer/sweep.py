@@ -305,57 +305,86 @@ def changed_settings(directory: str, config) -> list[str]:
 
 
 def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
-        explicit: dict[str, set[str]] | None = None) -> bool:
+        explicit: dict[str, set[str]] | None = None, batched: bool = False) -> bool:
     """Trains each variant in workdir/<name>, skipping finished ones. A variant's exception is
     written to its error.txt and the sweep goes on. Returns False if a signal stopped a
     variant (the sweep stops too; rerun to resume). `explicit`: per variant, the keys the
     command line and the variant set (an init_from=hf:DIR refuses ones that contradict DIR).
+    `batched`: the seed runs NAME/seed_K of a variant train together (transformer.batched).
 
     Raises before training anything if a variant's settings differ from those its directory
     was trained with (an edited sweep must not mix results of two configs under one name).
     """
-    import jax
-
-    from transformer import train
-
     for name, config in configs.items():
         changed = changed_settings(os.path.join(workdir, name), config)
         if changed:
             raise ValueError(f"variant {name!r} in {workdir} was trained with other settings ("
                              + "; ".join(changed) + "): expected the same settings; use another "
                              "--workdir or move that variant's directory away")
-    for i, (name, config) in enumerate(configs.items()):
-        directory = os.path.join(workdir, name)
-        state = status(directory, config)
-        header = f"[{i + 1}/{len(configs)}] {name}"
-        if state == "finished":
-            print(f"{header}: finished, skipped", flush=True)
-            continue
-        print(f"{header}: {'resuming' if state == 'partial' else 'training'} in {directory}",
-              flush=True)
-        error_file = os.path.join(directory, "error.txt")
-        if jax.process_index() == 0 and not os.path.exists(os.path.join(directory, _CONFIG_FILE)):
-            os.makedirs(directory, exist_ok=True)
-            with open(os.path.join(directory, _CONFIG_FILE), "w") as f:
-                json.dump(_flat_dict(config.to_dict()), f, indent=1, default=str)
-        try:
-            result = train.train_and_evaluate(config, directory,
-                                              explicit=(explicit or {}).get(name, ()))
-        except Exception as error:  # noqa: BLE001 - reported, and the other variants still run
-            message = f"{type(error).__name__}: {error}"
-            print(f"{header}: failed: {message}", flush=True)
-            if jax.process_index() == 0:
-                os.makedirs(directory, exist_ok=True)
-                with open(error_file, "w") as f:
-                    f.write(message + "\n\n" + traceback.format_exc())
-            continue
-        if os.path.exists(error_file) and jax.process_index() == 0:
-            os.remove(error_file)
-        if result["summary"]["step"] < config.steps:
-            print(f"{header}: stopped at step {result['summary']['step']}; rerun the sweep to "
-                  "resume", flush=True)
-            return False
+    names = list(configs)
+    groups: dict[str, list[str]] = {}  # with `batched`, a variant's seed runs form one group
+    for name in names:
+        groups.setdefault(name.rsplit("/seed_", 1)[0] if batched else name, []).append(name)
+    for group in groups.values():
+        todo = [name for name in group
+                if _announce(f"[{names.index(name) + 1}/{len(names)}] {name}", configs[name],
+                             os.path.join(workdir, name))]
+        for name, result in _train(todo, configs, workdir, explicit or {}).items():
+            header = f"[{names.index(name) + 1}/{len(names)}] {name}"
+            error_file = os.path.join(workdir, name, "error.txt")
+            if isinstance(result, Exception):
+                message = f"{type(result).__name__}: {result}"
+                print(f"{header}: failed: {message}", flush=True)
+                if _is_main():
+                    os.makedirs(os.path.dirname(error_file), exist_ok=True)
+                    with open(error_file, "w") as f:
+                        f.write(message + "\n\n" + "".join(traceback.format_exception(result)))
+                continue
+            if os.path.exists(error_file) and _is_main():
+                os.remove(error_file)
+            if result["summary"]["step"] < configs[name].steps:
+                print(f"{header}: stopped at step {result['summary']['step']}; rerun the sweep "
+                      "to resume", flush=True)
+                return False
     return True
+
+
+def _is_main() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _announce(header: str, config, directory: str) -> bool:
+    """Prints what becomes of a run and writes its settings file; whether it is to train."""
+    state = status(directory, config)
+    if state == "finished":
+        print(f"{header}: finished, skipped", flush=True)
+        return False
+    print(f"{header}: {'resuming' if state == 'partial' else 'training'} in {directory}",
+          flush=True)
+    if _is_main() and not os.path.exists(os.path.join(directory, _CONFIG_FILE)):
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, _CONFIG_FILE), "w") as f:
+            json.dump(_flat_dict(config.to_dict()), f, indent=1, default=str)
+    return True
+
+
+def _train(names: list[str], configs, workdir: str, explicit: dict) -> dict[str, Any]:
+    """Trains the runs `names` (several: one batched group); per run, train_and_evaluate's
+    result or the exception it raised."""
+    from transformer import batched, train
+
+    directories = [os.path.join(workdir, name) for name in names]
+    try:
+        if len(names) == 1:
+            return {names[0]: train.train_and_evaluate(configs[names[0]], directories[0],
+                                                       explicit=explicit.get(names[0], ()))}
+        return dict(zip(names, batched.train_seeds(
+            [configs[name] for name in names], directories, explicit.get(names[0], ())),
+            strict=True))
+    except Exception as error:  # noqa: BLE001 - reported, and the other variants still run
+        return dict.fromkeys(names, error)
 
 
 def launch_commands(config_file: str, cli_overrides: dict[str, Any], variants: Sequence[Variant],
@@ -855,7 +884,7 @@ def main(argv) -> None:
         os.makedirs(workdir, exist_ok=True)
         explicit = {v.name: set(cli_overrides) | set(v.overrides)
                     for v in seed_variants(selected, seeds)}
-        if not run(runs, workdir, explicit):
+        if not run(runs, workdir, explicit, batched=FLAGS.batched_seeds):
             sys.exit(0)  # stopped by a signal: the interrupted run saved a checkpoint
     if jax.process_index() == 0:
         path = write_report(configs, selected, workdir, f"Sweep: {FLAGS.config.experiment}",
@@ -890,6 +919,8 @@ if __name__ == "__main__":
                          "WORKDIR/<variant> with the config's seed).")
     flags.DEFINE_string("baseline", None, "The variant the report compares the others with, "
                         "seed by seed (default: the file's get_baseline(), else the first).")
+    flags.DEFINE_bool("batched_seeds", False, "Train a variant's seeds together, as one "
+                      "jitted program over a leading seed axis (transformer.batched).")
     flags.DEFINE_bool("report_only", False, "Write the report from what has run; train nothing.")
     flags.DEFINE_bool("print_launch", False, "Print one train command per variant instead of "
                       "training (to run each on its own machine).")

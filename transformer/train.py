@@ -77,6 +77,7 @@ class Run:
     peak: tuple = (None, "")  # (peak FLOP/s per device or None, its source): metrics.peak_flops
     first_step_seconds: float | None = None  # this process's first step, compilation included
     lock: workdir_lib.Lock | None = None  # WORKDIR/train.lock, held to the end of the run
+    error: Exception | None = None  # why a run of a batched group stopped alone (NaN)
 
     def stop_requested(self) -> bool:
         return placement_lib.agreed(self.signal is not None)
@@ -170,7 +171,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     return run
 
 
-def _evaluate(run: Run, split: str, steps: int | None, seq_len: int | None = None,
+def evaluate_split(run: Run, split: str, steps: int | None, seq_len: int | None = None,
               windows: bool = False) -> dict:
     """Evaluates the current params on `split` (at `seq_len`), logs and returns the metrics;
     with `windows`, saves the per-window losses too (evaluation.save_windows)."""
@@ -238,7 +239,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
         evaluate = run.step % config.eval_every == 0 or last
         if evaluate:
             began = time.perf_counter()
-            result = _evaluate(run, "validation", config.eval_steps, windows=last)
+            result = evaluate_split(run, "validation", config.eval_steps, windows=last)
             run.last_metrics = {**run.last_metrics,
                                 **{f"val_{k}": v for k, v in result.items()}}
             pauses["eval"].append(time.perf_counter() - began)
@@ -246,21 +247,21 @@ def loop(run: Run, peak_flops: float | None) -> bool:
         save = run.step % config.checkpoint_every == 0 or last or stopping
         if save:
             began = time.perf_counter()
-            _save(run)
+            save_checkpoint(run)
             pauses["save"].append(time.perf_counter() - began)
         if evaluate or save:  # the next window starts after them
             since = (time.perf_counter(), run.step)
         if logged and logs == 2:
             faults = (hostmem.faulted_bytes(), run.step)
     if stopping or run.stop_requested():  # also after the last save check
-        _save(run)
+        save_checkpoint(run)
         run.logger.print(f"received signal {run.signal or 'on another process'}: "
                          f"saved step {run.step}, exiting")
         return True
     return False
 
 
-def _save(run: Run) -> None:
+def save_checkpoint(run: Run) -> None:
     """Checkpoints the current step (a fresh run's tokenizer goes into the workdir with its
     first checkpoint, so a run that fails before it leaves none behind)."""
     nonfinite.check(run.state, run.config, run.step, run.manager, saving=True)
@@ -275,7 +276,7 @@ def finish(run: Run) -> None:
     then validation at other lengths."""
     config = run.config
     if inputs.has_test_split(config):
-        result = _evaluate(run, "test", None)
+        result = evaluate_split(run, "test", None)
         run.last_metrics.update({f"test_{k}": v for k, v in result.items()})
     for seq_len in config.get("eval_seq_lens") or ():
         try:
@@ -284,7 +285,7 @@ def finish(run: Run) -> None:
             run.logger.print(f"validation at length {seq_len}: skipped: {error}")
             run.last_metrics[f"val_loss@{seq_len}"] = None
             continue
-        result = _evaluate(run, "validation", config.eval_steps, seq_len)
+        result = evaluate_split(run, "validation", config.eval_steps, seq_len)
         run.last_metrics.update({f"val_{k}@{seq_len}": v for k, v in result.items()
                                  if k in ("loss", "accuracy", "bits_per_byte")})
 
@@ -302,46 +303,46 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         return {"summary": summary, "state": None, "model": None, "tokenizer": None,
                 "config": config}
     try:
-        return _train_to_end(run)
+        return train_to_end([run], loop)[0]
     finally:
         run.lock.release()  # after summary.json: the workdir is the run's until it is written
 
 
-def _train_to_end(run: Run) -> dict[str, Any]:
-    """train_and_evaluate's loop, finish and summary; SIGTERM / SIGINT save and stop."""
+def train_to_end(runs: list[Run], loop_fn) -> list[dict[str, Any] | Exception]:
+    """train_and_evaluate's loop (`loop_fn(runs[0], peak)`, or transformer.batched's over
+    several runs), finish and summaries; SIGTERM / SIGINT save and stop. A run that stopped
+    alone (`run.error`) gets its error instead of a summary."""
 
     def request_stop(signum, frame):
-        if run.signal is not None and signum == signal.SIGINT:
+        if runs[0].signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now (no half-written checkpoint
-        run.signal = signum  # is ever picked up: Orbax commits a step only when complete)
+        for run in runs:  # is ever picked up: Orbax commits a step only when complete)
+            run.signal = signum
         # os.write, not print: the handler may interrupt a print to the same stream
         os.write(2, f"received {signal.Signals(signum).name}: saving a checkpoint after this "
                     "step, then exiting (Ctrl-C again: exit at once)\n".encode())
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    peak, source = run.peak
-    run.logger.print(f"MFU against {peak:.3g} FLOP/s per device ({source})" if peak else
-                     f"no MFU: {source}")
+    peak, source = runs[0].peak
+    for run in runs:
+        run.logger.print(f"MFU against {peak:.3g} FLOP/s per device ({source})" if peak else
+                         f"no MFU: {source}")
     run_start = time.perf_counter()
-    with run.placement.context():  # activation sharding constraints trace under the mesh
+    with runs[0].placement.context():  # activation sharding constraints trace under the mesh
         try:
-            if not loop(run, peak) and run.step == run.config.steps:
-                finish(run)
+            stopped = loop_fn(runs[0] if len(runs) == 1 else runs, peak)
+            for run in runs:
+                if not stopped and run.step == run.config.steps and run.error is None:
+                    finish(run)
         finally:
-            run.manager.close()  # waits for async saves to finish
-            run.logger.close()
-            run.train_data.close()  # stops Grain's prefetch thread before interpreter shutdown
+            for run in runs:
+                run.manager.close()  # waits for async saves to finish
+                run.logger.close()
+                run.train_data.close()  # stops Grain's prefetch thread before shutdown
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-    summary = {"step": run.step, "wall_seconds": time.perf_counter() - run_start,
-               "elapsed": run.logger.elapsed(), "num_params": run.num_params,
-               "active_params": run.active_params,
-               "first_step_seconds": run.first_step_seconds, **run.last_metrics}
-    if jax.process_index() == 0:
-        fileio.write_atomic(fileio.join(run.workdir, "summary.json"),
-                            json.dumps(summary, indent=2))
-    return {"summary": summary, "state": run.state, "model": run.model,
-            "tokenizer": run.tokenizer, "config": run.config}
+    return [run.error or progress.summarize(run, time.perf_counter() - run_start)
+            for run in runs]
 
 
 def main(argv) -> None:
@@ -365,15 +366,8 @@ def main(argv) -> None:
     if language_model and jax.process_count() == 1 and result["state"] is not None:
         from transformer import generate
 
-        # nanoGPT's sampling settings, continuing the start of a validation document
-        prompt = inputs.sample_prompt(config)
-        while len(result["tokenizer"].encode(prompt)) > config.seq_len // 2:  # room to continue
-            prompt = prompt[:-1]
-        print(f"\nsamples (temperature 0.8, top-k 200, prompt {prompt!r}):")
-        for text in generate.sample_texts(result["model"], result["state"].params,
-                                          result["tokenizer"], config, num_samples=3,
-                                          prompt=prompt, temperature=0.8, top_k=200):
-            print("---\n" + text)
+        generate.print_samples(result["model"], result["state"].params, result["tokenizer"],
+                               config, inputs.sample_prompt(config))
     print(json.dumps(result["summary"], indent=2))
 
 
