@@ -12,7 +12,8 @@ row block K is seed K's batch from seed K's own iterator and the step's key is s
 by seed in a `lax.map` (vmapped, XLA fuses it differently and rounds an ulp apart). So seed K
 trains as it would alone, with the same init, data order and dropout: on CPU its losses and
 params equal a separate run's bit for bit (tests/test_batched.py); elsewhere the batched
-matmuls may round differently.
+matmuls may round differently. That takes JAX's default PRNG, threefry, whose bits under vmap are
+each key's own; other PRNGs (`jax_default_prng_impl=rbg`) are refused.
 
 Checkpoints, evaluation, logs and the non-finite checks take one seed's slice of the stacked
 state, at the steps a separate run would. A kill -9 can leave the seeds at different steps (one
@@ -44,6 +45,11 @@ from transformer.step import make_seeded_train_step
 def check_group(configs: Sequence[ml_collections.ConfigDict]) -> None:
     """Refuses seed runs that differ in anything but `seed` (and their name, `experiment`):
     one program trains them."""
+    impl = jax.config.jax_default_prng_impl
+    if impl != "threefry2x32":  # rbg's bits under vmap are not the unbatched key's bits
+        raise ValueError(f"batched seeds: jax_default_prng_impl={impl!r} draws other random "
+                         "bits for a seed under jax.vmap than in a separate run: expected "
+                         "'threefry2x32' (JAX's default)")
     first = configs[0].to_dict()
     for config in configs[1:]:
         other = config.to_dict()
@@ -223,7 +229,7 @@ def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
     does them; returns whether an evaluation ran (a pause in the timed windows)."""
     config = runs[0].config
     trained = [(k, run) for k, run in enumerate(runs) if active[k] and run.error is None]
-    for k, run in trained:
+    for _, run in trained:
         run.step += 1
         run.manager.check_for_errors()
         if since[id(run)] is None:
@@ -233,13 +239,19 @@ def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
             attention = f", attention {'/'.join(sorted(set(chosen)))}" if chosen else ""
             run.logger.print(f"step {run.step}: the first step (compilation included"
                              f"{attention}) took {run.first_step_seconds:.1f} s")
-    for k, run in trained:  # every log before any evaluation: they time the same steps
-        if run.step % config.log_every == 0 or run.step == config.steps:
+    # Every log before any evaluation, all timed to the end of the same steps; the next
+    # windows start after all of them.
+    logging = [(k, run) for k, run in trained
+               if run.step % config.log_every == 0 or run.step == config.steps]
+    if logging:
+        now = time.perf_counter() if jax.block_until_ready(metrics) else None
+        for k, run in logging:
             mine = jax.tree.map(lambda m, k=k: m[k], metrics)
-            logged = _guarded(run, lambda r, k=k, mine=mine: _with_state(
+            _guarded(run, lambda r, k=k, mine=mine: _with_state(
                 r, group, k, lambda r: progress.log_train(r, mine, since[id(r)], flops, peak,
-                                                          pauses)))
-            since[id(run)] = (logged, run.step)
+                                                          pauses, now)))
+        for _, run in logging:
+            since[id(run)] = (time.perf_counter(), run.step)
     began = time.perf_counter()
     evaluating = [(k, run) for k, run in trained if run.error is None and (
         run.step % config.eval_every == 0 or run.step == config.steps)]

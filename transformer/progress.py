@@ -21,16 +21,18 @@ def remaining(step: int, steps: int, every: int) -> int:
 
 
 def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float],
-               peak: float | None, pauses: dict[str, list[float]]) -> float:
+              peak: float | None, pauses: dict[str, list[float]],
+              now: float | None = None) -> float:
     """Logs the train metrics of the current step, timed against `since` (time, step): the
     training steps since then, nothing else ran in between. Returns the time it finished at.
     A window of no steps (the log falls on the first step, whose compile is not training
     speed) logs no speed. The ETA adds the evaluations and saves still to come, each at the
-    time the latest one took (`pauses`: their seconds; the first evaluation also compiles)."""
+    time the latest one took (`pauses`: their seconds; the first evaluation also compiles).
+    `now`: when the timed steps ended (default: after fetching the metrics)."""
     config, step = run.config, run.step
     metrics = placement_lib.fetch(metrics)
     nonfinite.check(run.state, config, step, run.manager)
-    now = time.perf_counter()
+    now = time.perf_counter() if now is None else now
     lr = float(optim.learning_rate_schedule(config.optimizer, config.steps)(step - 1))
     record = {k: float(v) for k, v in metrics.items()}
     record["learning_rate"] = lr

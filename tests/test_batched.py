@@ -1,0 +1,262 @@
+"""Batched seeds (transformer.batched): a variant's seed runs trained as one program equal the
+same runs trained one after another, bit for bit (losses, validation windows, params), also
+after a kill -9 left the seeds at different steps; a seed that turns NaN stops alone; a group
+whose configs differ in more than the seed is refused. The sweep's --batched_seeds through the
+CLI, with a real kill -9 and a mesh, is in the slow tier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from transformer import batched, evaluation, train
+from transformer import checkpoint as checkpoint_lib
+from transformer.configs import base_config
+
+REPO = Path(__file__).resolve().parents[1]
+SEEDS = 3
+# Fields that time the run: the only ones a batched run's records may differ in.
+TIMING = {"elapsed", "step_time", "tokens_per_s", "mfu", "hfu"}
+
+
+def seed_config(seed: int, steps: int = 6, **overrides):
+    """A tiny GPT with dropout and clipping: every random and stateful piece of the step."""
+    config = base_config()
+    config.experiment = f"batched/seed_{seed}"
+    config.update(seed=seed, steps=steps, batch_size=2, seq_len=16, log_every=1, eval_every=3,
+                  eval_steps=2, checkpoint_every=2, keep_checkpoints=3)
+    config.update(**overrides)
+    config.model.update(num_layers=1, d_model=32, num_heads=2, d_ff=64, max_len=16,
+                        dropout_rate=0.1)
+    return config
+
+
+@pytest.fixture(autouse=True, scope="module")
+def threefry():
+    """JAX's default PRNG (tests/conftest.py sets the cheaper rbg, which batched seeds refuse:
+    its bits under vmap differ from a separate run's)."""
+    previous = jax.config.jax_default_prng_impl
+    jax.config.update("jax_default_prng_impl", "threefry2x32")
+    yield
+    jax.config.update("jax_default_prng_impl", previous)
+
+
+def records(workdir: Path) -> list[dict]:
+    """metrics.jsonl without its timing fields."""
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+            for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_params(workdir: Path):
+    return checkpoint_lib.restore_params(str(workdir)).params
+
+
+def assert_same_runs(separate: Path, together: Path, seeds=range(SEEDS), exact: bool = False):
+    """Every record, the validation windows, the final params and the summary equal: bit for
+    bit with `exact`, else to 1e-6. In-process tests compile with the suite's -O0 XLA flags
+    (tests/conftest.py), under which the vmapped gradients' reductions may round an ulp apart;
+    the CLI tests compile as users do, and compare bit for bit."""
+    def same(a, b):
+        if isinstance(a, list):  # a record's or summary's values: compare the numbers
+            assert [v for v in a if not isinstance(v, float)] == \
+                [v for v in b if not isinstance(v, float)]
+            a, b = ([v for v in x if isinstance(v, float)] for x in (a, b))
+        if exact:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+    for k in seeds:
+        a, b = separate / f"seed_{k}", together / f"seed_{k}"
+        ra, rb = records(a), records(b)
+        assert [(r["step"], r["split"], sorted(r)) for r in ra] == \
+            [(r["step"], r["split"], sorted(r)) for r in rb], k
+        for x, y in zip(ra, rb, strict=True):
+            same([x[key] for key in sorted(x)], [y[key] for key in sorted(x)])
+        wa, wb = evaluation.load_windows(str(a)), evaluation.load_windows(str(b))
+        assert wa["fingerprint"] == wb["fingerprint"] and wa["step"] == wb["step"]
+        for key in ("loss_sum", "num_tokens"):
+            same(wa[key], wb[key])
+        jax.tree.map(same, final_params(a), final_params(b))
+        summary_a, summary_b = ({k: v for k, v in json.loads((d / "summary.json").read_text())
+                                 .items() if k not in TIMING and "seconds" not in k}
+                                for d in (a, b))
+        assert sorted(summary_a) == sorted(summary_b), k
+        same([summary_a[key] for key in sorted(summary_a)],
+             [summary_b[key] for key in sorted(summary_a)])
+
+
+@pytest.fixture(scope="module")
+def separate(tmp_path_factory) -> Path:
+    """The seeds trained one after another, as `transformer.sweep --seeds` does."""
+    root = tmp_path_factory.mktemp("separate")
+    for k in range(SEEDS):
+        train.train_and_evaluate(seed_config(k), str(root / f"seed_{k}"))
+    return root
+
+
+def test_batched_seeds_equal_separate_runs_bit_for_bit(separate, tmp_path):
+    results = batched.train_seeds([seed_config(k) for k in range(SEEDS)],
+                                  [str(tmp_path / f"seed_{k}") for k in range(SEEDS)])
+    assert [r["summary"]["step"] for r in results] == [6] * SEEDS
+    assert_same_runs(separate, tmp_path)
+    # The seeds differ from one another (each its own init, data and dropout).
+    losses = [records(tmp_path / f"seed_{k}")[0]["loss"] for k in range(SEEDS)]
+    assert len(set(losses)) == SEEDS
+    # A finished group is skipped, its files untouched.
+    before = (tmp_path / "seed_1" / "metrics.jsonl").read_text()
+    again = batched.train_seeds([seed_config(k) for k in range(SEEDS)],
+                                [str(tmp_path / f"seed_{k}") for k in range(SEEDS)])
+    assert [r["state"] for r in again] == [None] * SEEDS
+    assert (tmp_path / "seed_1" / "metrics.jsonl").read_text() == before
+
+
+def test_a_resume_after_kill_catches_the_seeds_behind_up_first(separate, tmp_path):
+    """A kill -9 during saves leaves seed 1 at step 2 and seed 2 at step 4 while seed 0
+    finished: seed 1 trains alone to step 4 (the others masked), then 1 and 2 together."""
+    dirs = [tmp_path / f"seed_{k}" for k in range(SEEDS)]
+    for k, directory in enumerate(dirs):
+        shutil.copytree(separate / f"seed_{k}", directory)
+    for directory, newest in ((dirs[1], 2), (dirs[2], 4)):
+        for step in (4, 6):
+            if step > newest:
+                shutil.rmtree(directory / "checkpoints" / str(step))
+        for name in ("summary.json", "val_windows.npz"):
+            (directory / name).unlink()
+    results = batched.train_seeds([seed_config(k) for k in range(SEEDS)], [str(d) for d in dirs])
+    assert results[0]["state"] is None  # finished: skipped
+    assert [r["summary"]["step"] for r in results] == [6] * SEEDS
+    assert_same_runs(separate, tmp_path)
+
+
+def test_a_seed_that_turns_nan_stops_alone(tmp_path):
+    """max_grad_norm between the seeds' largest gradient norms: only the seed above it stops,
+    with the message and set-aside checkpoints a separate run gives; the others finish."""
+    probe = [tmp_path / "probe" / f"seed_{k}" for k in range(SEEDS)]
+    batched.train_seeds([seed_config(k) for k in range(SEEDS)], [str(p) for p in probe])
+    peaks = [max(r["grad_norm"] for r in records(p) if r["split"] == "train") for p in probe]
+    bad = int(np.argmax(peaks))
+    limit = (peaks[bad] + max(p for k, p in enumerate(peaks) if k != bad)) / 2
+    configs = [seed_config(k, max_grad_norm=limit) for k in range(SEEDS)]
+    dirs = [tmp_path / "together" / f"seed_{k}" for k in range(SEEDS)]
+    results = batched.train_seeds(configs, [str(d) for d in dirs])
+    assert isinstance(results[bad], FloatingPointError)
+    for k in set(range(SEEDS)) - {bad}:
+        assert results[k]["summary"]["step"] == 6
+        assert records(dirs[k])[-1]["split"] == "validation"
+    assert not (dirs[bad] / "summary.json").exists()
+    alone = tmp_path / "alone"
+    with pytest.raises(FloatingPointError) as error:
+        train.train_and_evaluate(configs[bad], str(alone))
+    assert str(results[bad]) == str(error.value).replace(str(alone), str(dirs[bad]))
+    assert records(dirs[bad]) == records(alone)
+
+
+def test_a_group_must_differ_only_in_seed(tmp_path):
+    configs = [seed_config(0), seed_config(1, batch_size=4)]
+    with pytest.raises(ValueError) as error:
+        batched.train_seeds(configs, [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert str(error.value) == ("batched seeds: config key 'batch_size' is 2 in one seed run "
+                                "and 4 in another: expected runs that differ only in seed")
+    assert not (tmp_path / "a").exists()
+    jax.config.update("jax_default_prng_impl", "rbg")
+    try:
+        with pytest.raises(ValueError, match=r"^batched seeds: jax_default_prng_impl='rbg' "
+                           r"draws other random bits .* expected 'threefry2x32'"):
+            batched.train_seeds([seed_config(0), seed_config(1)],
+                                [str(tmp_path / "a"), str(tmp_path / "b")])
+    finally:
+        jax.config.update("jax_default_prng_impl", "threefry2x32")
+
+
+# --- through the CLI ------------------------------------------------------------------------
+
+EXPERIMENT = textwrap.dedent("""
+    from transformer import sweep
+    from transformer.configs import base_config
+
+
+    def get_config():
+        config = base_config()
+        config.experiment = "batched"
+        config.update(steps=40, batch_size=2, seq_len=16, log_every=1, eval_every=20,
+                      eval_steps=2, checkpoint_every=2, keep_checkpoints=2)
+        config.model.update(num_layers=1, d_model=32, num_heads=2, d_ff=64, max_len=16,
+                            dropout_rate=0.1)
+        return config
+
+
+    def get_sweep():
+        return sweep.axis("model.position", ["rope", "alibi"])
+
+
+    def get_seeds():
+        return 2
+""")
+
+
+def run_sweep(*args: str, devices: int | None = None, wait: bool = True):
+    """The sweep CLI, compiling as users do (without the suite's -O0 flags)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}" if devices else ""}
+    command = [sys.executable, "-m", "transformer.sweep", *args]
+    if not wait:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_batched_seeds_through_the_cli_survive_kill_9(tmp_path):
+    experiment = tmp_path / "batched.py"
+    experiment.write_text(EXPERIMENT)
+    separate = run_sweep(f"--config={experiment}", f"--workdir={tmp_path / 'separate'}")
+    assert separate.returncode == 0, separate.stdout[-3000:] + separate.stderr[-3000:]
+    together = tmp_path / "together"
+    args = [f"--config={experiment}", f"--workdir={together}", "--batched_seeds"]
+    process = run_sweep(*args, wait=False)
+    checkpoints = together / "position=rope" / "seed_1" / "checkpoints"
+    deadline = time.time() + 300
+    while not (checkpoints.exists() and any(p.name.isdigit() and int(p.name) >= 8
+                                            for p in checkpoints.iterdir())):
+        assert process.poll() is None and time.time() < deadline, process.stdout.read()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    resumed = run_sweep(*args)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "position=rope/seed_0: resuming in" in resumed.stdout
+    assert "seed 1: batched seeds: seeds [0, 1] train in one program" in resumed.stdout
+    for name in ("position=rope", "position=alibi"):
+        assert_same_runs(tmp_path / "separate" / name, together / name, range(2), exact=True)
+    assert "## Difference from the baseline" in (together / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_batched_seeds_on_a_mesh_equal_separate_runs(tmp_path):
+    """fsdp=2 x data=2 on 4 CPU devices: the seed axis is unsharded, each seed's params and
+    rows shard as a separate run's."""
+    experiment = tmp_path / "batched.py"
+    experiment.write_text(EXPERIMENT.replace("steps=40", "steps=6").replace(
+        "batch_size=2", "batch_size=4"))
+    mesh = ["--config.mesh.fsdp=2", "--config.mesh.data=2", "--only=position=rope"]
+    for name, extra in (("separate", []), ("together", ["--batched_seeds"])):
+        result = run_sweep(f"--config={experiment}", f"--workdir={tmp_path / name}", *mesh,
+                           *extra, devices=4)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "fsdp=2" in result.stdout
+    assert_same_runs(tmp_path / "separate" / "position=rope",
+                     tmp_path / "together" / "position=rope", range(2), exact=True)
