@@ -200,6 +200,9 @@ def test_every_experiment_and_sweep_variant_validates(name, args):
         for variant in module.get_sweep():
             configs.validate_config(sweep.apply(config, variant), num_devices=1,
                                     num_processes=1)
+        # get_seeds() and get_baseline(), where given, are valid and name a variant
+        _, baseline = sweep.load_options(os.path.join(REPO, "experiments", f"{name}.py"))
+        sweep.check_baseline(baseline, [variant.name for variant in module.get_sweep()])
 
 
 # --- through the CLI ----------------------------------------------------------------------------

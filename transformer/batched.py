@@ -10,9 +10,10 @@ leading seed axis on the state (params, optimizer state, step counters) and on t
 row block K is seed K's batch from seed K's own iterator and the step's key is seed K's
 (`step.make_seeded_train_step`); the optimizer's update, cheap elementwise math, then runs seed
 by seed in a `lax.map` (vmapped, XLA fuses it differently and rounds an ulp apart). So seed K
-trains as it would alone, with the same init, data order and dropout: on CPU its losses and
-params equal a separate run's bit for bit (tests/test_batched.py); elsewhere the batched
-matmuls may round differently. That takes JAX's default PRNG, threefry, whose bits under vmap are
+trains as it would alone, with the same init, data order and dropout: on one CPU device its
+losses and params equal a separate run's bit for bit (tests/test_batched.py); on a mesh the
+vmapped gradients' cross-device reductions round differently (equal to 1e-6 on 4 CPU devices),
+and so may an accelerator's batched matmuls. That takes JAX's default PRNG, threefry, whose bits under vmap are
 each key's own; other PRNGs (`jax_default_prng_impl=rbg`) are refused.
 
 Checkpoints, evaluation, logs and the non-finite checks take one seed's slice of the stacked

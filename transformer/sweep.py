@@ -2,7 +2,7 @@
 
     python -m transformer.sweep --config=experiments/ablations/<name>.py --workdir=DIR \
         [--config.KEY=VALUE ...] [--only=NAME,...] [--seeds=N] [--baseline=NAME] \
-        [--report_only] [--print_launch]
+        [--batched_seeds] [--report_only] [--print_launch]
 
 An experiment file declares its variants next to `get_config()`, as config overrides:
 
@@ -33,6 +33,9 @@ corruption noise) and which validation windows `eval_steps` samples. So seed K f
 variant the same data, and the report compares variants seed by seed: mean ± std and a 95%
 Student-t interval per metric, and each variant's difference from the baseline, paired by seed,
 with its t interval. With one seed (the default) the runs keep the config's own seed, in DIR/NAME.
+
+Batched seeds. With `--batched_seeds`, a variant's N seed runs train together as one jitted
+program (transformer.batched): each still in DIR/NAME/seed_K, with what a separate run writes.
 
 Windows. Each run saves its final validation pass's per-window losses (WORKDIR/val_windows.npz,
 `evaluation.save_windows`); the report adds each variant's difference from the baseline over

@@ -23,3 +23,11 @@ def get_sweep():
         "gqa_8q_2kv": {"model.num_heads": 8, "model.num_kv_heads": 2},
         "mqa_8q_1kv": {"model.num_heads": 8, "model.num_kv_heads": 1},
     })
+
+
+def get_seeds():
+    return 3  # README's table: mean ± 95% CI over seeds 0, 1, 2
+
+
+def get_baseline():
+    return "heads_4"

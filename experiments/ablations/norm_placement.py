@@ -30,3 +30,11 @@ def get_sweep():
         "pre_rmsnorm": {"model.norm_placement": "pre", "model.norm": "rmsnorm"},
         "post_ln_warmup": {"model.norm_placement": "post", "optimizer.warmup_steps": 200},
     })
+
+
+def get_seeds():
+    return 3  # README's table: mean ± 95% CI over seeds 0, 1, 2
+
+
+def get_baseline():
+    return "pre_ln"

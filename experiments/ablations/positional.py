@@ -33,3 +33,11 @@ def get_sweep():
         "alibi": position("alibi"),
         "t5_bias": position("t5"),
     })
+
+
+def get_seeds():
+    return 3  # README's table: mean ± 95% CI over seeds 0, 1, 2
+
+
+def get_baseline():
+    return "rope"
