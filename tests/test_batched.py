@@ -1,5 +1,6 @@
 """Batched seeds (transformer.batched): a variant's seed runs trained as one program equal the
-same runs trained one after another, bit for bit (losses, validation windows, params), also
+same runs trained one after another, bit for bit on one device (losses, validation windows,
+params; to 1e-6 on a mesh and under the suite's -O0 flags), also
 after a kill -9 left the seeds at different steps; a seed that turns NaN stops alone; a group
 whose configs differ in more than the seed is refused. The sweep's --batched_seeds through the
 CLI, with a real kill -9 and a mesh, is in the slow tier.
@@ -24,6 +25,9 @@ import pytest
 from transformer import batched, evaluation, train
 from transformer import checkpoint as checkpoint_lib
 from transformer.configs import base_config
+from transformer.sharding import MESH_AXIS_TABLE
+
+MESH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE)
 
 REPO = Path(__file__).resolve().parents[1]
 SEEDS = 3
@@ -60,7 +64,10 @@ def records(workdir: Path) -> list[dict]:
 
 
 def final_params(workdir: Path):
-    return checkpoint_lib.restore_params(str(workdir)).params
+    """The newest checkpoint's params on this process's first device (whatever the run's mesh)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)),
+                             MESH_AXES)
+    return checkpoint_lib.restore_params(str(workdir), mesh=mesh).params
 
 
 def assert_same_runs(separate: Path, together: Path, seeds=range(SEEDS), exact: bool = False):
@@ -248,7 +255,8 @@ def test_batched_seeds_through_the_cli_survive_kill_9(tmp_path):
 @pytest.mark.slow
 def test_batched_seeds_on_a_mesh_equal_separate_runs(tmp_path):
     """fsdp=2 x data=2 on 4 CPU devices: the seed axis is unsharded, each seed's params and
-    rows shard as a separate run's."""
+    rows shard as a separate run's. Equal to 1e-6, not bit for bit: the vmapped gradients'
+    cross-device reductions round differently."""
     experiment = tmp_path / "batched.py"
     experiment.write_text(EXPERIMENT.replace("steps=40", "steps=6").replace(
         "batch_size=2", "batch_size=4"))
@@ -259,4 +267,4 @@ def test_batched_seeds_on_a_mesh_equal_separate_runs(tmp_path):
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "fsdp=2" in result.stdout
     assert_same_runs(tmp_path / "separate" / "position=rope",
-                     tmp_path / "together" / "position=rope", range(2), exact=True)
+                     tmp_path / "together" / "position=rope", range(2))
