@@ -94,35 +94,16 @@ def dot_product_attention(
     outs_BNTH = []
     for q0, q1, k0, k1 in blocks:
         rows, cols = q1 - q0, k1 - k0
-        query_BKMH = query_BKGTH[:, :, :, q0:q1].reshape(batch, num_kv_heads, group * rows,
-                                                          head_dim)
-        logits_BKMS = jnp.matmul(query_BKMH, key_BKHS[..., k0:k1], preferred_element_type=scores)
-        logits_BNTS = logits_BKMS.reshape(batch, num_heads, rows, cols) * scale
-        if bias is not None:
-            logits_BNTS = logits_BNTS + _window(bias, q0, q1, k0, k1).astype(scores)
-        if isinstance(mask, Mask):
-            allowed = mask.tile(q0, k0, rows, cols, q_len, kv_len)
-        else:
-            allowed = None if dense_mask is None else _window(dense_mask, q0, q1, k0, k1)
-        if allowed is not None:
-            # the dtype's most negative finite value, so fully masked rows stay NaN-free
-            logits_BNTS = jnp.where(allowed, logits_BNTS, float(jnp.finfo(scores).min))
+        logits_BNTS, allowed = _block_logits(query_BKGTH, key_BKHS, (q0, q1, k0, k1), mask,
+                                             dense_mask, bias, scale, scores, kv_len)
         if not keep_weights:
             out_BKMH = softmax_values(logits_BNTS.reshape(batch, num_kv_heads, group * rows, cols),
                                       value_BKSH[:, :, k0:k1])
             outs_BNTH.append(out_BKMH.reshape(batch, num_heads, rows, head_dim))
             continue
-        weights_BNTS = jax.nn.softmax(logits_BNTS.astype(acc), axis=-1)
-        if allowed is not None:  # zero rows where nothing is allowed
-            weights_BNTS = jnp.where(allowed, weights_BNTS, 0.0)
-        probs_BNTS = weights_BNTS
-        if dropout_rate > 0.0:
-            keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BNTS.shape)
-            probs_BNTS = jnp.where(keep, probs_BNTS / (1.0 - dropout_rate), 0.0)
-        probs_BKMS = probs_BNTS.reshape(batch, num_kv_heads, group * q_len, kv_len)
-        out_BKMH = jnp.matmul(probs_BKMS.astype(value.dtype), value_BKSH,
-                              preferred_element_type=acc)
-        outs_BNTH.append(out_BKMH.reshape(batch, num_heads, q_len, head_dim))
+        out_BNTH, weights_BNTS = _weighted_values(logits_BNTS, allowed, value_BKSH, dropout_rate,
+                                                  dropout_rng, acc)
+        outs_BNTH.append(out_BNTH)
     out_BNTH = outs_BNTH[0] if len(outs_BNTH) == 1 else jnp.concatenate(outs_BNTH, axis=2)
     out_BTNH = out_BNTH.transpose(0, 2, 1, 3).astype(query.dtype)
     if keep_weights:  # the zeroed weights already zero rows with no allowed key
@@ -130,6 +111,47 @@ def dot_product_attention(
     # rows with no allowed key return zeros (None: the mask provably allows a key in every row)
     return kernels.zero_empty_rows(out_BTNH, kernels.rows_with_keys(
         mask if isinstance(mask, Mask) else dense_mask, q_len, kv_len))
+
+
+def _weighted_values(logits_BNTS, allowed, value_BKSH, dropout_rate: float, dropout_rng, acc):
+    """(softmax(logits) V [B, N, T, H], the weights [B, N, T, S] in `acc`) of one whole block,
+    with dropout on the weights that multiply V (the weights returned are before dropout)."""
+    batch, num_heads, q_len, kv_len = logits_BNTS.shape
+    num_kv_heads, head_dim = value_BKSH.shape[1], value_BKSH.shape[-1]
+    weights_BNTS = jax.nn.softmax(logits_BNTS.astype(acc), axis=-1)
+    if allowed is not None:  # zero rows where nothing is allowed
+        weights_BNTS = jnp.where(allowed, weights_BNTS, 0.0)
+    probs_BNTS = weights_BNTS
+    if dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BNTS.shape)
+        probs_BNTS = jnp.where(keep, probs_BNTS / (1.0 - dropout_rate), 0.0)
+    probs_BKMS = probs_BNTS.reshape(batch, num_kv_heads, num_heads // num_kv_heads * q_len,
+                                    kv_len)
+    out_BKMH = jnp.matmul(probs_BKMS.astype(value_BKSH.dtype), value_BKSH,
+                          preferred_element_type=acc)
+    return out_BKMH.reshape(batch, num_heads, q_len, head_dim), weights_BNTS
+
+
+def _block_logits(query_BKGTH, key_BKHS, block, mask, dense_mask, bias, scale, scores,
+                  kv_len: int):
+    """dot_product_attention's scaled, biased and masked logits [B, N, rows, cols] of one
+    (q0, q1, k0, k1) block, in dtype `scores`, and the block's allowed keys (None: all)."""
+    batch, num_kv_heads, group, q_len, head_dim = query_BKGTH.shape
+    q0, q1, k0, k1 = block
+    rows, cols = q1 - q0, k1 - k0
+    query_BKMH = query_BKGTH[:, :, :, q0:q1].reshape(batch, num_kv_heads, group * rows, head_dim)
+    logits_BKMS = jnp.matmul(query_BKMH, key_BKHS[..., k0:k1], preferred_element_type=scores)
+    logits_BNTS = logits_BKMS.reshape(batch, num_kv_heads * group, rows, cols) * scale
+    if bias is not None:
+        logits_BNTS = logits_BNTS + _window(bias, q0, q1, k0, k1).astype(scores)
+    if isinstance(mask, Mask):
+        allowed = mask.tile(q0, k0, rows, cols, q_len, kv_len)
+    else:
+        allowed = None if dense_mask is None else _window(dense_mask, q0, q1, k0, k1)
+    if allowed is not None:
+        # the dtype's most negative finite value, so fully masked rows stay NaN-free
+        logits_BNTS = jnp.where(allowed, logits_BNTS, float(jnp.finfo(scores).min))
+    return logits_BNTS, allowed
 
 
 def _query_blocks(mask: Mask, q_len: int, kv_len: int, q_block: int) -> list[tuple[int, ...]]:
