@@ -581,13 +581,7 @@ def make_dataset(
     if num_epochs not in (None, 1):
         raise ValueError(f"num_epochs={num_epochs!r}: expected None (training) or 1 (a pass)")
     if rows is None:
-        process_index = jax.process_index() if process_index is None else process_index
-        process_count = jax.process_count() if process_count is None else process_count
-        if batch_size % process_count:
-            raise ValueError(f"batch_size={batch_size}: expected a multiple of the process "
-                             f"count {process_count}")
-        rows = range(process_index * batch_size // process_count,
-                     (process_index + 1) * batch_size // process_count)
+        rows = _process_block(batch_size, process_index, process_count)
     rows = _check_rows(rows, batch_size)
     training = num_epochs is None
     if weights is not None and not training:
@@ -597,37 +591,16 @@ def make_dataset(
     if weights is not None and len(corpora) != len(weights):
         raise ValueError(f"weights={list(weights)}: expected one per corpus ({len(corpora)})")
     corpora = [c if isinstance(c, Corpus) else Corpus.from_documents(list(c)) for c in corpora]
-
-    def rows_of(corpus: Corpus):
-        if objective == "prefix_lm":
-            return _Chunks(corpus, width=seq_len + 1, seed=seed, training=training,
-                           shuffle=shuffle)
-        if objective == "span_corruption":
-            width = objectives.span_corruption_lengths(seq_len, noise_density,
-                                                       mean_span_length)[0]
-        else:
-            width = seq_len + 1 if objective == "next_token" else seq_len
-        stride = seq_len if objective == "next_token" else width
-        return _Windows(corpus, width=width, stride=stride, seed=seed, training=training,
-                        shuffle=shuffle, full_only=objective == "span_corruption")
-
-    per_corpus = [rows_of(c) for c in corpora]
-    for i, (c, source) in enumerate(zip(corpora, per_corpus, strict=True)):
-        if source.rows == 0:
-            which = f"source {i} of the mixture" if weights is not None else "the split"
-            raise ValueError(f"{which} has {len(c)} tokens, too few for one row of "
-                             f"seq_len={seq_len}: expected more text or a smaller seq_len")
+    per_corpus = [_rows_of(c, objective, seq_len, seed, training, shuffle, noise_density,
+                           mean_span_length,
+                           f"source {i} of the mixture" if weights is not None else "the split")
+                  for i, c in enumerate(corpora)]
     source = per_corpus[0] if weights is None else _Mixed(per_corpus, Mixture(weights, seed))
-    if objective == "next_token":
-        convert = next_token_features
-    elif objective == "prefix_lm":
-        convert = _prefix_lm_features
-    elif objective == "mlm":
-        convert = functools.partial(_mlm_features, tokenizer=tokenizer, rate=mlm_rate)
-    else:
-        convert = functools.partial(_span_corruption_features, tokenizer=tokenizer,
-                                    noise_density=noise_density,
-                                    mean_span_length=mean_span_length)
+    convert = {"next_token": next_token_features, "prefix_lm": _prefix_lm_features,
+               "mlm": functools.partial(_mlm_features, tokenizer=tokenizer, rate=mlm_rate),
+               "span_corruption": functools.partial(
+                   _span_corruption_features, tokenizer=tokenizer,
+                   noise_density=noise_density, mean_span_length=mean_span_length)}[objective]
     noise_base = None if objective == "next_token" else \
         np.random.SeedSequence((seed % 2**64, 1)).generate_state(2).astype(np.uint32)
     num_batches = sys.maxsize if training else -(-source.rows // batch_size)
@@ -638,6 +611,38 @@ def make_dataset(
         dataset = grain_experimental.ThreadPrefetchIterDataset(dataset,
                                                                prefetch_buffer_size=prefetch)
     return dataset
+
+
+def _process_block(batch_size: int, process_index: int | None,
+                   process_count: int | None) -> range:
+    """make_dataset's default rows: process p of P reads global rows [p B / P, (p + 1) B / P)."""
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+    if batch_size % process_count:
+        raise ValueError(f"batch_size={batch_size}: expected a multiple of the process "
+                         f"count {process_count}")
+    return range(process_index * batch_size // process_count,
+                 (process_index + 1) * batch_size // process_count)
+
+
+def _rows_of(corpus: Corpus, objective: str, seq_len: int, seed: int, training: bool,
+             shuffle: bool, noise_density: float, mean_span_length: float, which: str):
+    """make_dataset's rows of one corpus (`which`, for the error): document chunks for
+    prefix_lm, else windows as wide as the objective reads (next_token: seq_len + 1 every
+    seq_len)."""
+    if objective == "prefix_lm":
+        rows = _Chunks(corpus, width=seq_len + 1, seed=seed, training=training, shuffle=shuffle)
+    else:
+        width = (objectives.span_corruption_lengths(seq_len, noise_density, mean_span_length)[0]
+                 if objective == "span_corruption" else
+                 seq_len + 1 if objective == "next_token" else seq_len)
+        rows = _Windows(corpus, width=width, stride=seq_len if objective == "next_token" else
+                        width, seed=seed, training=training, shuffle=shuffle,
+                        full_only=objective == "span_corruption")
+    if rows.rows == 0:
+        raise ValueError(f"{which} has {len(corpus)} tokens, too few for one row of "
+                         f"seq_len={seq_len}: expected more text or a smaller seq_len")
+    return rows
 
 
 # Grain's shuffle permutes index by index (a Feistel network), which costs milliseconds per index
