@@ -79,5 +79,5 @@ def _variant(budget: float, size: str) -> dict:
 
 
 def get_sweep():
-    return sweep.named({f"C{budget:.0e}_{size}".replace("+", ""): _variant(budget, size)
+    return sweep.named({f"C{budget:.2g}_{size}".replace("+", ""): _variant(budget, size)
                         for budget in BUDGETS for size in SIZES})
