@@ -354,7 +354,8 @@ def nearest_budget(flops: float, budgets: Sequence[float], name: str = "run") ->
     budget = min(budgets, key=lambda b: abs(math.log(flops / b)))
     if abs(math.log(flops / budget)) > math.log(BUDGET_TOLERANCE):
         raise ValueError(f"{name}: C={flops:.3g} FLOPs is not within a factor "
-                         f"{BUDGET_TOLERANCE} of any declared budget {list(budgets)}: expected "
+                         f"{BUDGET_TOLERANCE} of any declared budget "
+                         f"[{', '.join(f'{b:.3g}' for b in budgets)}]: expected "
                          "the experiment file's BUDGETS to match its runs")
     return budget
 
