@@ -454,8 +454,8 @@ def plot_power_laws(fit: Approach2, path: str) -> None:
     plt.close(figure)
 
 
-def _interval(value: Interval, digits: int = 3) -> str:
-    return f"{value.value:.{digits}f} [{value.low:.{digits}f}, {value.high:.{digits}f}]"
+def _interval(value: Interval, spec: str = ".3f") -> str:
+    return f"{value.value:{spec}} [{value.low:{spec}}, {value.high:{spec}}]"
 
 
 def _runs_table(runs: Sequence[Run]) -> list[str]:
@@ -500,9 +500,9 @@ def _approach3_lines(fit: Parametric, boot: Bootstrap) -> list[str]:
              "| parameter | fitted [95% bootstrap interval] | Chinchilla (approach 3) |",
              "| --- | ---: | ---: |"]
     for key, label in names.items():
-        digits = 1 if key in ("A", "B") else 3
-        lines.append(f"| {label} | {_interval(boot.intervals[key], digits)} | "
-                     f"{chinchilla[key]:.{digits}f} |")
+        spec = ".4g" if key in ("A", "B") else ".3f"
+        lines.append(f"| {label} | {_interval(boot.intervals[key], spec)} | "
+                     f"{chinchilla[key]:{spec}} |")
     lines += ["", f"Intervals: percentiles of {boot.used} bootstrap resamples of the runs (with "
               "replacement, seed 0), each refitted from the full fit's optimum and the best "
               "grid points. Chinchilla's a and b here follow from its rounded alpha and beta "
