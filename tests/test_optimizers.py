@@ -20,7 +20,7 @@ import optax
 import pytest
 from optax import contrib
 
-from transformer import batched, configs, optim, train
+from transformer import batched, configs, optim, sharding, train
 from transformer import checkpoint as checkpoint_lib
 from transformer import evaluate as evaluate_lib
 from transformer.models import build_model, family_of
@@ -342,3 +342,31 @@ def test_schedule_free_refuses_a_decay():
     with pytest.raises(ValueError, match=r"^optimizer.decay='cosine' with optimizer.name="
                                          r"'schedule_free_adamw': expected 'constant'"):
         configs.validate_config(config)
+
+
+@pytest.mark.parametrize("name", optim.NAMES)
+def test_the_optimizer_state_shards_like_the_params(name):
+    """On an fsdp=2 x tensor=2 mesh (abstract: no devices needed) every state leaf gets a
+    sharding its shape splits evenly under, the moments of `query` are split like `query`, and
+    adafactor's factored statistics are replicated."""
+    config = tiny(name, adafactor_min_dim_size_to_factor=16, adafactor_momentum=0.0)
+    config.model.vocab_size = 64
+    mesh = jax.sharding.AbstractMesh(
+        tuple(2 if axis in ("fsdp", "tensor") else 1 for axis in sharding.MESH_AXES),
+        sharding.MESH_AXES)
+    model, tx = build_model(config.model), optim.make_optimizer(config)
+    args = family_of(config).init_args(example_batch(config))
+    boxed = jax.eval_shape(lambda: tx.init(model.init(jax.random.key(0), *args)["params"]))
+    specs = sharding.logical_shardings(boxed, mesh)
+    query = {}
+    for (path, spec), leaf in zip(jax.tree_util.tree_flatten_with_path(specs)[0],
+                                  jax.tree.leaves(nn.unbox(boxed)), strict=True):
+        spec.shard_shape(leaf.shape)  # raises unless the mesh axes divide the dimensions
+        if "'query'" in jax.tree_util.keystr(path):
+            query[jax.tree_util.keystr(path)] = (leaf.shape, spec.spec)
+    assert query, name
+    for path, (shape, spec) in query.items():
+        if shape == (32, 2, 16):
+            assert spec == jax.sharding.PartitionSpec(("fsdp", "expert"), "tensor", None), path
+        else:
+            assert name == "adafactor" and spec == jax.sharding.PartitionSpec(), path
