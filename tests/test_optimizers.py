@@ -24,7 +24,7 @@ from transformer import batched, configs, optim, sharding, train
 from transformer import checkpoint as checkpoint_lib
 from transformer import evaluate as evaluate_lib
 from transformer.models import build_model, family_of
-from transformer.state import example_batch
+from transformer.state import TrainState, example_batch
 
 # Settings that exercise each optimizer's own keys (adafactor factors the tiny matrices).
 SETTINGS = {
@@ -370,3 +370,29 @@ def test_the_optimizer_state_shards_like_the_params(name):
             assert spec == jax.sharding.PartitionSpec(("fsdp", "expert"), "tensor", None), path
         else:
             assert name == "adafactor" and spec == jax.sharding.PartitionSpec(), path
+
+
+@pytest.mark.parametrize("name", optim.NAMES)
+def test_fine_tuning_groups_work_with_every_optimizer(gpt_params, name):
+    """optimizer.freeze keeps the embedding, optimizer.head trains the final norm at its own
+    rate, under every optimizer (muon's and schedule-free's groups nested in multi_transform);
+    schedule-free's evaluation params leave the frozen embedding too."""
+    _, params, _ = gpt_params
+    config = tiny(name, freeze="^embed/", head="final_norm", head_learning_rate=1e-2)
+    config.model.update(scan_layers=True, num_layers=2, vocab_size=64)
+    tx = optim.make_optimizer(config)
+    state, trained = tx.init(params), params
+    for i in range(2):
+        grads = jax.tree.map(lambda p, i=i: jnp.cos(p + i), trained)
+        update, state = jax.jit(tx.update)(grads, state, trained)
+        trained = optax.apply_updates(trained, update)
+    frozen = params["embed"]["embedding"]
+    np.testing.assert_array_equal(trained["embed"]["embedding"], frozen)
+    assert not np.array_equal(trained["decoder"]["final_norm"]["scale"],
+                              params["decoder"]["final_norm"]["scale"])
+    x = optim.eval_params(TrainState(jnp.zeros((), jnp.int32), trained, state,
+                                     jnp.full((), -1, jnp.int32)), config)
+    np.testing.assert_array_equal(x["embed"]["embedding"], frozen)
+    moved = [not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(x), jax.tree.leaves(trained), strict=True)]
+    assert sum(moved) == (len(moved) - 1 if name == "schedule_free_adamw" else 0)
