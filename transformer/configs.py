@@ -90,41 +90,47 @@ def base_config() -> ml_collections.ConfigDict:
     config.data.task = ""  # speakers (play text at data.path) | modules (the embedded corpus)
     config.data.num_classes = 0  # the task's most frequent labels kept as classes
 
-    config.optimizer = ml_collections.ConfigDict()
-    # adamw | adafactor | lion | muon | sgd | schedule_free_adamw (optim.update_rule); a resume
-    # keeps the checkpoint's
-    config.optimizer.name = "adamw"
-    config.optimizer.learning_rate = 1e-3
-    config.optimizer.warmup_steps = 100
-    # cosine | linear | constant | wsd | inverse_sqrt (optim.learning_rate_schedule);
-    # schedule_free_adamw takes constant
-    config.optimizer.decay = "cosine"
-    config.optimizer.min_learning_rate_ratio = 0.1
-    config.optimizer.decay_fraction = 0.2  # wsd: the last fraction of the steps decays
-    config.optimizer.decay_shape = "linear"  # wsd: linear | cosine | 1-sqrt
-    config.optimizer.b1 = 0.9
-    config.optimizer.b2 = 0.99
-    config.optimizer.weight_decay = 0.1
-    config.optimizer.momentum = 0.9  # sgd (0: none)
-    config.optimizer.nesterov = False  # sgd
-    config.optimizer.muon_learning_rate = 0.02  # muon's hidden matrices (the rest: learning_rate)
-    config.optimizer.muon_momentum = 0.95  # muon (Nesterov)
-    # adafactor (T5: learning_rate 0.01, decay inverse_sqrt, warmup_steps 10000, weight_decay 0)
-    config.optimizer.adafactor_decay_rate = 0.8  # second moments decay as 1 - step^-rate
-    config.optimizer.adafactor_clipping_threshold = 1.0  # update RMS clipping (0: off)
-    config.optimizer.adafactor_parameter_scale = True  # learning rate relative to param RMS
-    config.optimizer.adafactor_min_dim_size_to_factor = 128
-    config.optimizer.adafactor_momentum = 0.0  # 0: none
-    config.optimizer.grad_clip_norm = 1.0
-    config.optimizer.grad_accumulation_steps = 1
-    config.optimizer.freeze = ""  # regex of param names ("encoder/layers/...") that stay fixed
-    config.optimizer.head = ""  # regex of param names trained at head_learning_rate
-    config.optimizer.head_learning_rate = 0.0  # 0: optimizer.learning_rate
+    config.optimizer = optimizer_config()
 
     # Devices per mesh axis (transformer.sharding.MESH_AXIS_TABLE); -1: all remaining devices.
     config.mesh = ml_collections.ConfigDict(
         {axis.name: axis.default for axis in sharding.MESH_AXIS_TABLE})
     return config
+
+
+def optimizer_config() -> ml_collections.ConfigDict:
+    """base_config's optimizer group (transformer.optim reads it)."""
+    optimizer = ml_collections.ConfigDict()
+    # adamw | adafactor | lion | muon | sgd | schedule_free_adamw (optim.update_rule); a resume
+    # keeps the checkpoint's
+    optimizer.name = "adamw"
+    optimizer.learning_rate = 1e-3
+    optimizer.warmup_steps = 100
+    # cosine | linear | constant | wsd | inverse_sqrt (optim.learning_rate_schedule);
+    # schedule_free_adamw takes constant
+    optimizer.decay = "cosine"
+    optimizer.min_learning_rate_ratio = 0.1
+    optimizer.decay_fraction = 0.2  # wsd: the last fraction of the steps decays
+    optimizer.decay_shape = "linear"  # wsd: linear | cosine | 1-sqrt
+    optimizer.b1 = 0.9
+    optimizer.b2 = 0.99
+    optimizer.weight_decay = 0.1
+    optimizer.momentum = 0.9  # sgd (0: none)
+    optimizer.nesterov = False  # sgd
+    optimizer.muon_learning_rate = 0.02  # muon's hidden matrices (the rest: learning_rate)
+    optimizer.muon_momentum = 0.95  # muon (Nesterov)
+    # adafactor (T5: learning_rate 0.01, decay inverse_sqrt, warmup_steps 10000, weight_decay 0)
+    optimizer.adafactor_decay_rate = 0.8  # second moments decay as 1 - step^-rate
+    optimizer.adafactor_clipping_threshold = 1.0  # update RMS clipping (0: off)
+    optimizer.adafactor_parameter_scale = True  # learning rate relative to param RMS
+    optimizer.adafactor_min_dim_size_to_factor = 128
+    optimizer.adafactor_momentum = 0.0  # 0: none
+    optimizer.grad_clip_norm = 1.0
+    optimizer.grad_accumulation_steps = 1
+    optimizer.freeze = ""  # regex of param names ("encoder/layers/...") that stay fixed
+    optimizer.head = ""  # regex of param names trained at head_learning_rate
+    optimizer.head_learning_rate = 0.0  # 0: optimizer.learning_rate
+    return optimizer
 
 
 def small_char_lm() -> ml_collections.ConfigDict:
