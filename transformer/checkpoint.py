@@ -501,9 +501,9 @@ def restore_params(workdir: str, step: int | None = None,
                    mesh: jax.sharding.Mesh | None = None, or_newer: bool = False) -> SavedParams:
     """The params of checkpoint `step` (default: the latest) of a training workdir, read
     straight into their shardings on `mesh` (default: the run's mesh over this runtime's
-    devices); the optimizer state is read only for a schedule-free run. `or_newer`: `step` was the newest when chosen,
-    and if a training deletes it meanwhile, the then-newest step is read (see `SavedParams.step`
-    for the one read)."""
+    devices); the optimizer state is read only for a schedule-free run (`read_params`).
+    `or_newer`: `step` was the newest when chosen, and if a training deletes it meanwhile, the
+    then-newest step is read (see `SavedParams.step` for the one read)."""
     def read(step: int) -> SavedParams:
         _, config = saved_run(workdir, step)
         where = sharding.make_mesh(config.mesh) if mesh is None else mesh
