@@ -96,7 +96,7 @@ BAD_VALUES = [
     ({"optimizer.learning_rate": math.inf}, "expected a number > 0"),
     ({"optimizer.warmup_steps": -5}, "expected an int >= 0"),
     ({"optimizer.warmup_steps": 2.5}, "expected an int >= 0"),
-    ({"optimizer.decay": "step"}, "one of ('cosine', 'linear', 'constant')"),
+    ({"optimizer.decay": "step"}, "one of ('cosine', 'linear', 'constant', 'wsd', 'inverse_sqrt')"),
     ({"optimizer.min_learning_rate_ratio": 1.5}, "expected a number in [0, 1]"),
     ({"optimizer.b1": 1.5}, "expected a number in [0, 1)"),
     ({"optimizer.b2": -0.1}, "expected a number in [0, 1)"),

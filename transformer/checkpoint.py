@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 from jax.experimental import multihost_utils
 
-from transformer import fileio, sharding
+from transformer import fileio, optim, sharding
 from transformer import state as state_lib
 from transformer.models import build_model, default_model_config
 
@@ -65,7 +65,9 @@ def _model_settings(config: dict) -> dict:
 
 
 def structural_differences(saved: dict, current: dict) -> list[str]:
-    """Model settings (and the tokenizer) that differ between two resolved configs.
+    """Model settings, the tokenizer and optimizer.name (its state's layout; "adamw" for a
+    config from before the key) that differ between two resolved configs. Other optimizer
+    settings and `steps` may change on resume (a WSD run continued to a larger `steps`).
 
     >>> structural_differences({"model": {"num_layers": 4, "dropout_rate": 0.1}},
     ...                        {"model": {"num_layers": 6, "dropout_rate": 0.0}})
@@ -83,6 +85,9 @@ def structural_differences(saved: dict, current: dict) -> list[str]:
     current_tok = current.get("data", {}).get("tokenizer")
     if saved_tok != current_tok:
         differences.append(f"data.tokenizer: checkpoint {saved_tok!r}, config {current_tok!r}")
+    saved_opt, current_opt = (c.get("optimizer", {}).get("name", "adamw") for c in (saved, current))
+    if saved_opt != current_opt:
+        differences.append(f"optimizer.name: checkpoint {saved_opt!r}, config {current_opt!r}")
     return differences
 
 
@@ -496,9 +501,9 @@ def restore_params(workdir: str, step: int | None = None,
                    mesh: jax.sharding.Mesh | None = None, or_newer: bool = False) -> SavedParams:
     """The params of checkpoint `step` (default: the latest) of a training workdir, read
     straight into their shardings on `mesh` (default: the run's mesh over this runtime's
-    devices); the optimizer state is not read. `or_newer`: `step` was the newest when chosen,
-    and if a training deletes it meanwhile, the then-newest step is read (see `SavedParams.step`
-    for the one read)."""
+    devices); the optimizer state is read only for a schedule-free run (`read_params`).
+    `or_newer`: `step` was the newest when chosen, and if a training deletes it meanwhile, the
+    then-newest step is read (see `SavedParams.step` for the one read)."""
     def read(step: int) -> SavedParams:
         _, config = saved_run(workdir, step)
         where = sharding.make_mesh(config.mesh) if mesh is None else mesh
@@ -523,7 +528,10 @@ def params_metadata(workdir: str, step: int | None = None) -> tuple[int, dict[st
 
 def read_params(workdir: str, step: int, target):
     """The saved params named in `target` (a nested dict of `jax.ShapeDtypeStruct`s with
-    shardings, possibly a subset of the checkpoint's), read into those shardings."""
+    shardings, possibly a subset of the checkpoint's), read into those shardings. A
+    schedule-free run's are its evaluation params (`_schedule_free_params`)."""
+    if saved_run(workdir, step)[1].optimizer.get("name", "adamw") == "schedule_free_adamw":
+        return _schedule_free_params(workdir, step, target)
     manager = _params_manager(workdir)
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), target)
     try:
@@ -532,6 +540,26 @@ def read_params(workdir: str, step: int, target):
             partial_restore=True)))["state"]["params"]
     finally:
         manager.close()
+
+
+def _schedule_free_params(workdir: str, step: int, target):
+    """`read_params` of a schedule_free_adamw run: its whole train state is read (on the mesh of
+    `target`'s shardings), for optim.eval_params, which needs the optimizer state's z."""
+    _, config = saved_run(workdir, step)
+    mesh = jax.tree.leaves(target)[0].sharding.mesh
+    abstract, shardings, _ = state_lib.initial_state(config, build_model(config.model), mesh,
+                                                     optimizer=optim.make_optimizer(config))
+    full = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, shardings)
+    handlers = {item: ocp.JsonCheckpointHandler() for item in ("data", "config", "stream")}
+    with contextlib.closing(_reader(workdir, state=ocp.StandardCheckpointHandler(),
+                                    **handlers)) as manager:
+        state = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(full)))["state"]
+    params = traverse_util.flatten_dict(optim.eval_params(state, config))
+    return traverse_util.unflatten_dict({
+        key: jax.device_put(params[key], wanted.sharding)
+        for key, wanted in traverse_util.flatten_dict(target).items()})
 
 
 def _params_manager(workdir: str) -> ocp.CheckpointManager:

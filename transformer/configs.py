@@ -90,24 +90,47 @@ def base_config() -> ml_collections.ConfigDict:
     config.data.task = ""  # speakers (play text at data.path) | modules (the embedded corpus)
     config.data.num_classes = 0  # the task's most frequent labels kept as classes
 
-    config.optimizer = ml_collections.ConfigDict()
-    config.optimizer.learning_rate = 1e-3
-    config.optimizer.warmup_steps = 100
-    config.optimizer.decay = "cosine"  # cosine | linear | constant
-    config.optimizer.min_learning_rate_ratio = 0.1
-    config.optimizer.b1 = 0.9
-    config.optimizer.b2 = 0.99
-    config.optimizer.weight_decay = 0.1
-    config.optimizer.grad_clip_norm = 1.0
-    config.optimizer.grad_accumulation_steps = 1
-    config.optimizer.freeze = ""  # regex of param names ("encoder/layers/...") that stay fixed
-    config.optimizer.head = ""  # regex of param names trained at head_learning_rate
-    config.optimizer.head_learning_rate = 0.0  # 0: optimizer.learning_rate
+    config.optimizer = optimizer_config()
 
     # Devices per mesh axis (transformer.sharding.MESH_AXIS_TABLE); -1: all remaining devices.
     config.mesh = ml_collections.ConfigDict(
         {axis.name: axis.default for axis in sharding.MESH_AXIS_TABLE})
     return config
+
+
+def optimizer_config() -> ml_collections.ConfigDict:
+    """base_config's optimizer group (transformer.optim reads it)."""
+    optimizer = ml_collections.ConfigDict()
+    # adamw | adafactor | lion | muon | sgd | schedule_free_adamw (optim.update_rule); a resume
+    # keeps the checkpoint's
+    optimizer.name = "adamw"
+    optimizer.learning_rate = 1e-3
+    optimizer.warmup_steps = 100
+    # cosine | linear | constant | wsd | inverse_sqrt (optim.learning_rate_schedule);
+    # schedule_free_adamw takes constant
+    optimizer.decay = "cosine"
+    optimizer.min_learning_rate_ratio = 0.1
+    optimizer.decay_fraction = 0.2  # wsd: the last fraction of the steps decays
+    optimizer.decay_shape = "linear"  # wsd: linear | cosine | 1-sqrt
+    optimizer.b1 = 0.9
+    optimizer.b2 = 0.99
+    optimizer.weight_decay = 0.1
+    optimizer.momentum = 0.9  # sgd (0: none)
+    optimizer.nesterov = False  # sgd
+    optimizer.muon_learning_rate = 0.02  # muon's hidden matrices (the rest: learning_rate)
+    optimizer.muon_momentum = 0.95  # muon (Nesterov)
+    # adafactor (T5: learning_rate 0.01, decay inverse_sqrt, warmup_steps 10000, weight_decay 0)
+    optimizer.adafactor_decay_rate = 0.8  # second moments decay as 1 - step^-rate
+    optimizer.adafactor_clipping_threshold = 1.0  # update RMS clipping (0: off)
+    optimizer.adafactor_parameter_scale = True  # learning rate relative to param RMS
+    optimizer.adafactor_min_dim_size_to_factor = 128
+    optimizer.adafactor_momentum = 0.0  # 0: none
+    optimizer.grad_clip_norm = 1.0
+    optimizer.grad_accumulation_steps = 1
+    optimizer.freeze = ""  # regex of param names ("encoder/layers/...") that stay fixed
+    optimizer.head = ""  # regex of param names trained at head_learning_rate
+    optimizer.head_learning_rate = 0.0  # 0: optimizer.learning_rate
+    return optimizer
 
 
 def small_char_lm() -> ml_collections.ConfigDict:
@@ -261,13 +284,25 @@ CHECKS: dict[str, Check] = {
     "data.prefetch": _int(ge=0, note="0: no prefetching"),
     "data.task": _STR,  # its choices: _validate_finetuning
     "data.num_classes": _int(ge=0, note="0: the task's"),
+    "optimizer.name": _one_of(optim.NAMES),
     "optimizer.learning_rate": _number(gt=0),
     "optimizer.warmup_steps": _int(ge=0),
     "optimizer.decay": _one_of(optim.DECAYS),
     "optimizer.min_learning_rate_ratio": _number(ge=0, le=1),
+    "optimizer.decay_fraction": _number(ge=0, le=1, note="wsd: 0 never decays"),
+    "optimizer.decay_shape": _one_of(optim.DECAY_SHAPES),
     "optimizer.b1": _number(ge=0, lt=1),
     "optimizer.b2": _number(ge=0, lt=1),
     "optimizer.weight_decay": _number(ge=0),
+    "optimizer.momentum": _number(ge=0, lt=1, note="0: none"),
+    "optimizer.nesterov": _BOOL,
+    "optimizer.muon_learning_rate": _number(gt=0),
+    "optimizer.muon_momentum": _number(ge=0, lt=1),
+    "optimizer.adafactor_decay_rate": _number(ge=0, le=1),
+    "optimizer.adafactor_clipping_threshold": _number(ge=0, note="0: off"),
+    "optimizer.adafactor_parameter_scale": _BOOL,
+    "optimizer.adafactor_min_dim_size_to_factor": _int(ge=1),
+    "optimizer.adafactor_momentum": _number(ge=0, lt=1, note="0: none"),
     "optimizer.grad_clip_norm": _number(ge=0, note="0: no clipping"),
     "optimizer.grad_accumulation_steps": _int(ge=1),
     "optimizer.freeze": _REGEX,
@@ -328,6 +363,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         raise ValueError(f"seq_len={config.seq_len}: expected <= model.max_len="
                          f"{config.model.max_len}, the learned position table's size")
     _validate_sources(config)
+    _validate_optimizer(config)
     _validate_tokenizer(config)
     _validate_test_path(config)
     _validate_finetuning(config)
@@ -357,6 +393,16 @@ def _validate_sources(config: ml_collections.ConfigDict) -> None:
     if (objective := pipeline.objective_for(config)) not in pipeline.OBJECTIVES:
         raise ValueError(f"data.sources with data.objective={objective!r}: expected a text "
                          f"pretraining objective {pipeline.OBJECTIVES}")
+
+
+def _validate_optimizer(config: ml_collections.ConfigDict) -> None:
+    """schedule_free_adamw replaces the decay: optimizer.decay must be "constant" (its warmup is
+    optimizer.warmup_steps)."""
+    opt = config.optimizer
+    if opt.get("name") == "schedule_free_adamw" and opt.decay != "constant":
+        raise ValueError(f"optimizer.decay={opt.decay!r} with optimizer.name="
+                         "'schedule_free_adamw': expected 'constant' (schedule-free needs no "
+                         "decay; its warmup is optimizer.warmup_steps)")
 
 
 def _validate_test_path(config: ml_collections.ConfigDict) -> None:

@@ -210,7 +210,7 @@ def _check_slices(mesh_sizes: dict[str, int], slices: int) -> None:
 
 def mesh_spec(logical: PartitionSpec | None, shape: tuple[int, ...], mesh, rules) -> PartitionSpec:
     """Logical names -> mesh axes for one array, leaving dimensions they do not divide whole."""
-    if logical is None or not shape:
+    if not logical or not shape:  # (an unboxed leaf's spec is empty)
         return PartitionSpec()
     mesh_axes = nn.logical_to_mesh_axes(tuple(logical), rules)
     spec = []
@@ -260,9 +260,12 @@ def logical_shardings(boxed_tree, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
     Unboxed leaves (step counters, ...) are replicated. The result matches `nn.unbox(tree)`.
     """
     is_box = lambda x: isinstance(x, nn.Partitioned)
-    # optax.masked / multi_transform state keeps a param's box around an empty MaskedNode.
-    boxed_tree = jax.tree.map(lambda x: x.value if is_box(x) and not hasattr(x.value, "shape")
-                              else x, boxed_tree, is_leaf=is_box)
+    # optax.masked / multi_transform state keeps a param's box around an empty MaskedNode; a
+    # state leaf of another rank than its param keeps it too (adafactor's factored row and
+    # column statistics): unboxed, so replicated (they are a param's size over one dimension).
+    boxed_tree = jax.tree.map(
+        lambda x: x.value if is_box(x) and len(getattr(x.value, "shape", ())) != len(x.names)
+        else x, boxed_tree, is_leaf=is_box)
     specs = nn.get_partition_spec(boxed_tree)
     shapes = jax.tree.map(lambda x: x.value.shape if is_box(x) else np.shape(x), boxed_tree,
                           is_leaf=is_box)

@@ -173,9 +173,10 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
 
 def evaluate_split(run: Run, split: str, steps: int | None, seq_len: int | None = None,
               windows: bool = False) -> dict:
-    """Evaluates the current params on `split` (at `seq_len`), logs and returns the metrics;
-    with `windows`, saves the per-window losses too (evaluation.save_windows)."""
-    config, params = run.config, run.state.params
+    """Evaluates the current params (optim.eval_params: schedule-free's x) on `split` (at
+    `seq_len`), logs and returns the metrics; with `windows`, saves the per-window losses too
+    (evaluation.save_windows)."""
+    config, params = run.config, optim.eval_params(run.state, run.config)
     if seq_len is None:
         bytes_per_token = run.validation_bytes_per_token if split == "validation" else None
         result = evaluation.evaluate(params, run.eval_step, config, run.tokenizer, steps,
@@ -366,8 +367,8 @@ def main(argv) -> None:
     if language_model and jax.process_count() == 1 and result["state"] is not None:
         from transformer import generate
 
-        generate.print_samples(result["model"], result["state"].params, result["tokenizer"],
-                               config, inputs.sample_prompt(config))
+        generate.print_samples(result["model"], optim.eval_params(result["state"], config),
+                               result["tokenizer"], config, inputs.sample_prompt(config))
     print(json.dumps(result["summary"], indent=2))
 
 

@@ -1,0 +1,398 @@
+"""optimizer.name's optimizers and optimizer.decay's schedules: each update equals optax's own
+transformation (muon: its matrices Muon's, the rest AdamW's), each optimizer resumes bit for bit,
+a resume with another optimizer is refused, the logged learning rates follow their formulas (WSD
+also resumed with larger `steps`), bad settings get one-line errors, schedule-free runs evaluate
+at x, and batched seeds train a non-AdamW optimizer as separate runs do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from optax import contrib
+
+from transformer import batched, configs, optim, sharding, train
+from transformer import checkpoint as checkpoint_lib
+from transformer import evaluate as evaluate_lib
+from transformer.models import build_model, family_of
+from transformer.state import TrainState, example_batch
+
+# Settings that exercise each optimizer's own keys (adafactor factors the tiny matrices).
+SETTINGS = {
+    "adamw": {},
+    "adafactor": dict(adafactor_min_dim_size_to_factor=16, adafactor_momentum=0.9,
+                      learning_rate=1e-2),
+    "lion": dict(learning_rate=1e-4),
+    "muon": {},
+    "sgd": dict(momentum=0.9, nesterov=True, learning_rate=0.1),
+    "schedule_free_adamw": dict(decay="constant"),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def threefry():
+    """JAX's default PRNG, as batched seeds require (tests/conftest.py sets rbg)."""
+    previous = jax.config.jax_default_prng_impl
+    jax.config.update("jax_default_prng_impl", "threefry2x32")
+    yield
+    jax.config.update("jax_default_prng_impl", previous)
+
+
+def tiny(name: str = "adamw", steps: int = 4, seed: int = 0, **optimizer):
+    """A 1-layer GPT on the embedded corpus, `name`'s settings (`SETTINGS`) and `optimizer`."""
+    config = configs.base_config()
+    config.experiment = f"optim/{name}"
+    config.update(seed=seed, steps=steps, batch_size=2, seq_len=16, log_every=1,
+                  eval_every=steps, eval_steps=1, checkpoint_every=2, keep_checkpoints=5)
+    config.model.update(num_layers=1, d_model=32, num_heads=2, d_ff=64, max_len=16,
+                        vocab_size=0)
+    config.optimizer.update(name=name, warmup_steps=1, **SETTINGS[name])
+    config.optimizer.update(**optimizer)
+    return config
+
+
+def records(workdir: Path, split: str = "train") -> list[dict]:
+    return [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+            if r.get("split") == split]
+
+
+# --- each update is optax's -------------------------------------------------------------------
+
+
+def updates(tx, params, steps: int = 3):
+    """`tx`'s updates over `steps` steps of fixed pseudo-random gradients."""
+    state, out = tx.init(params), []
+    for i in range(steps):
+        grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 2.0) + 1.0), params)
+        update, state = jax.jit(tx.update)(grads, state, params)
+        out.append(update)
+        params = optax.apply_updates(params, update)
+    return out
+
+
+def direct(config) -> optax.GradientTransformation:
+    """optimizer.name's transformation built from optax directly (no clipping)."""
+    opt, mask = config.optimizer, lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    lr = optim.learning_rate_schedule(opt, config.steps)
+    return {
+        "adamw": lambda: optax.adamw(lr, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
+                                     mask=mask),
+        "adafactor": lambda: optax.adafactor(lr, min_dim_size_to_factor=16, momentum=0.9,
+                                             weight_decay_rate=opt.weight_decay,
+                                             weight_decay_mask=mask),
+        "lion": lambda: optax.lion(lr, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
+                                   mask=mask),
+        "sgd": lambda: optax.chain(optax.add_decayed_weights(opt.weight_decay, mask),
+                                   optax.sgd(lr, momentum=0.9, nesterov=True)),
+        "schedule_free_adamw": lambda: contrib.schedule_free_adamw(
+            opt.learning_rate, 1, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay),
+    }[opt.name]()
+
+
+@pytest.mark.parametrize("name", [n for n in optim.NAMES if n != "muon"])
+def test_each_update_is_optax_own(name):
+    config = tiny(name, steps=10, grad_clip_norm=0.0)
+    params = {"w": jnp.linspace(-1, 1, 32 * 16).reshape(32, 16), "b": jnp.linspace(0, 1, 16)}
+    for ours, theirs in zip(updates(optim.make_optimizer(config), params),
+                            updates(direct(config), params), strict=True):
+        jax.tree.map(np.testing.assert_array_equal, ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def gpt_params():
+    """A tiny scanned GPT's params (unboxed) and their logical axis names."""
+    config = tiny("muon")
+    config.model.update(scan_layers=True, num_layers=2, vocab_size=64)
+    model = build_model(config.model)
+    args = family_of(config).init_args(example_batch(config))
+    boxed = model.init(jax.random.key(0), *args)["params"]
+    is_box = lambda x: isinstance(x, nn.Partitioned)
+    names = jax.tree.map(lambda x: x.names, boxed, is_leaf=is_box)
+    return config, nn.unbox(boxed), names
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(gpt_params):
+    config, params, _ = gpt_params
+    dims = optim.muon_dimension_numbers(config)
+    flat = {"/".join(k.key for k in path): d for path, d in
+            jax.tree_util.tree_flatten_with_path(dims, is_leaf=optim._IS_DIMS)[0]}
+    attention, mlp = "decoder/layers/self_attention", "decoder/layers/mlp"
+    # [layers, embed, heads, kv]: the layers axis is a batch axis, rows embed.
+    assert flat[f"{attention}/query"] == contrib.MuonDimensionNumbers((1,), (2, 3))
+    assert flat[f"{attention}/out"] == contrib.MuonDimensionNumbers((1, 2), (3,))
+    assert flat[f"{mlp}/wi"] == contrib.MuonDimensionNumbers((1,), (2,))
+    assert flat[f"{mlp}/wo"] == contrib.MuonDimensionNumbers((1,), (2,))
+    assert sorted(k for k, d in flat.items() if d is not None) == sorted(
+        [f"{attention}/{n}" for n in ("query", "key", "value", "out")] +
+        [f"{mlp}/wi", f"{mlp}/wo"])
+    opt = config.optimizer
+    config.optimizer.grad_clip_norm = 0.0  # (clipping couples the leaves)
+    muon_alone = contrib.muon(
+        optim.learning_rate_schedule(opt, config.steps, opt.muon_learning_rate),
+        beta=opt.muon_momentum, weight_decay=opt.weight_decay, nesterov=True,
+        muon_weight_dimension_numbers=dims)
+    adamw_alone = optax.adamw(optim.learning_rate_schedule(opt, config.steps), b1=opt.b1,
+                              b2=opt.b2, weight_decay=opt.weight_decay,
+                              mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+    for ours, muon_update, adamw_update in updates_along(
+            [optim.make_optimizer(config), muon_alone, adamw_alone], params):
+        for (path, d), a, m, w in zip(
+                jax.tree_util.tree_flatten_with_path(dims, is_leaf=optim._IS_DIMS)[0],
+                *(jax.tree.leaves(u) for u in (ours, muon_update, adamw_update)), strict=True):
+            np.testing.assert_array_equal(a, w if d is None else m, err_msg=str(path))
+
+
+def updates_along(txs, params, steps: int = 3):
+    """Each of `txs`' updates on the params and gradients of the first one's trajectory."""
+    states = [tx.init(params) for tx in txs]
+    for i in range(steps):
+        grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 2.0) + 1.0), params)
+        out = [jax.jit(tx.update)(grads, state, params)
+               for tx, state in zip(txs, states, strict=True)]
+        states = [state for _, state in out]
+        yield [update for update, _ in out]
+        params = optax.apply_updates(params, out[0][0])
+
+
+# --- training: resume, refusal, batched seeds ----------------------------------------------
+
+
+def final_params(workdir: Path):
+    return checkpoint_lib.restore_params(str(workdir)).params
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """Each optimizer trained 4 steps straight (checkpoints at 2 and 4); muon on a scanned
+    stack, adafactor with nonfinite="skip" (optax.apply_if_finite) and accumulation."""
+    root, results = tmp_path_factory.mktemp("straight"), {}
+    for name in optim.NAMES:
+        config = tiny(name)
+        if name == "muon":
+            config.model.scan_layers = True
+        if name == "adafactor":
+            config.update(nonfinite="skip")
+            config.optimizer.grad_accumulation_steps = 2
+        results[name] = train.train_and_evaluate(config, str(root / name))
+    return root, results
+
+
+@pytest.mark.parametrize("name", optim.NAMES)
+def test_each_optimizer_resumes_bit_for_bit(straight_runs, tmp_path, name):
+    """Stopped at step 2 (the straight run's checkpoint, later steps removed), resumed to 4."""
+    straight_runs = straight_runs[0]
+    shutil.copytree(straight_runs / name, tmp_path / name)
+    shutil.rmtree(tmp_path / name / "checkpoints" / "4")
+    (tmp_path / name / "summary.json").unlink()
+    config = tiny(name)
+    config.model.scan_layers = name == "muon"
+    if name == "adafactor":
+        config.update(nonfinite="skip")
+        config.optimizer.grad_accumulation_steps = 2
+    train.train_and_evaluate(config, str(tmp_path / name))
+    jax.tree.map(np.testing.assert_array_equal, final_params(straight_runs / name),
+                 final_params(tmp_path / name))
+    assert records(tmp_path / name)[-1]["loss"] == records(straight_runs / name)[-1]["loss"]
+
+
+def test_a_resume_with_another_optimizer_is_refused(straight_runs, tmp_path):
+    shutil.copytree(straight_runs[0] / "adamw", tmp_path / "run")
+    with pytest.raises(checkpoint_lib.ConfigMismatch) as error:
+        train.train_and_evaluate(tiny("lion", steps=6), str(tmp_path / "run"))
+    assert "optimizer.name: checkpoint 'adamw', config 'lion'" in str(error.value)
+    assert "\n" not in str(error.value)
+    # A checkpoint from before optimizer.name was adamw's.
+    old = {key: value for key, value in tiny().to_dict().items() if key != "optimizer"}
+    assert checkpoint_lib.structural_differences(old, tiny().to_dict()) == []
+    assert checkpoint_lib.structural_differences(old, tiny("sgd").to_dict()) == [
+        "optimizer.name: checkpoint 'adamw', config 'sgd'"]
+
+
+def test_a_saved_schedule_free_run_evaluates_at_x(straight_runs):
+    """Training evaluates schedule-free's x, not the state's y, and so does evaluate (through
+    checkpoint.read_params): it gives the training's final validation loss."""
+    root, results = straight_runs
+    workdir = root / "schedule_free_adamw"
+    state, config = results["schedule_free_adamw"]["state"], tiny("schedule_free_adamw")
+    x = optim.eval_params(state, config)
+    assert not all(np.array_equal(a, b) for a, b in
+                   zip(jax.tree.leaves(x), jax.tree.leaves(state.params), strict=True))
+    jax.tree.map(np.testing.assert_array_equal, final_params(workdir), x)
+    final = records(workdir, "validation")[-1]
+    assert evaluate_lib.evaluate_workdir(str(workdir), eval_steps=1)["loss"] == final["loss"]
+
+
+def test_batched_seeds_train_muon_as_separate_runs(tmp_path):
+    configs_ = [tiny("muon", steps=3, seed=k) for k in range(2)]
+    for k, config in enumerate(configs_):
+        config.experiment = f"optim/seed_{k}"
+        train.train_and_evaluate(config, str(tmp_path / "separate" / str(k)))
+    batched.train_seeds(configs_, [str(tmp_path / "together" / str(k)) for k in range(2)])
+    for k in range(2):
+        a, b = (tmp_path / where / str(k) for where in ("separate", "together"))
+        np.testing.assert_allclose([r["loss"] for r in records(a)],
+                                   [r["loss"] for r in records(b)], rtol=1e-6)
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6),
+                     final_params(a), final_params(b))
+
+
+# --- schedules --------------------------------------------------------------------------------
+
+
+def wsd(step: int, steps: int, shape: str, peak=1e-3, warmup=2, fraction=0.4, ratio=0.1):
+    """WSD's rate at update `step` (1-based, as logged)."""
+    t, end = step - 1, peak * ratio
+    start = max(steps - round(fraction * steps), warmup)
+    if t < warmup:
+        return peak * t / warmup
+    if t < start:
+        return peak
+    p = (t - start) / (steps - start)
+    f = {"linear": 1 - p, "cosine": (1 + math.cos(math.pi * p)) / 2, "1-sqrt": 1 - math.sqrt(p)}
+    return end + (peak - end) * f[shape]
+
+
+def logged_rates(workdir: Path) -> dict[int, float]:
+    return {r["step"]: r["learning_rate"] for r in records(workdir)}
+
+
+def schedule_config(steps: int, **optimizer):
+    config = tiny("adamw", steps=steps, warmup_steps=2, learning_rate=1e-3, **optimizer)
+    config.update(eval_every=steps, checkpoint_every=steps)
+    return config
+
+
+@pytest.mark.parametrize("shape", ["cosine", "1-sqrt"])
+def test_wsd_rates_follow_the_formula(tmp_path, shape):
+    train.train_and_evaluate(schedule_config(10, decay="wsd", decay_fraction=0.4,
+                                             decay_shape=shape), str(tmp_path))
+    rates = logged_rates(tmp_path)
+    assert sorted(rates) == list(range(1, 11))
+    for step, rate in rates.items():
+        assert rate == pytest.approx(wsd(step, 10, shape), rel=1e-5, abs=1e-9), step
+
+
+def test_wsd_resumed_with_larger_steps_decays_at_its_new_end(tmp_path):
+    """A stable-phase checkpoint serves a longer budget: a 6-step run (stable through step 4,
+    then its decay) continues from its step-4 checkpoint to 12 steps, whose rates follow the
+    12-step schedule (stable through step 7, then the decay to its new end)."""
+    config = schedule_config(6, decay="wsd", decay_fraction=0.4)
+    config.checkpoint_every = 4
+    train.train_and_evaluate(config, str(tmp_path))
+    assert logged_rates(tmp_path)[6] < 1e-3  # it decayed at its end
+    shutil.rmtree(tmp_path / "checkpoints" / "6")
+    train.train_and_evaluate(schedule_config(12, decay="wsd", decay_fraction=0.4),
+                             str(tmp_path))
+    rates = logged_rates(tmp_path)
+    assert sorted(rates) == list(range(1, 13))
+    for step, rate in rates.items():
+        expected = wsd(step, 6 if step <= 4 else 12, "linear")
+        assert rate == pytest.approx(expected, rel=1e-5, abs=1e-9), step
+    assert rates[7] == pytest.approx(1e-3) and rates[8] < 1e-3
+
+
+@pytest.mark.parametrize("warmup", [3, 0])
+def test_inverse_sqrt_rates_follow_the_formula(tmp_path, warmup):
+    config = schedule_config(8, decay="inverse_sqrt")
+    config.optimizer.warmup_steps = warmup
+    train.train_and_evaluate(config, str(tmp_path))
+    for step, rate in logged_rates(tmp_path).items():
+        t, w = step - 1, max(warmup, 1)
+        expected = 1e-3 * t / w if t < warmup else 1e-3 * math.sqrt(w / max(t, w))
+        assert rate == pytest.approx(expected, rel=1e-6, abs=1e-12), step
+
+
+# --- config refusals ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("name", "adam", "optimizer.name='adam': expected one of ('adamw', 'adafactor', 'lion', "
+                     "'muon', 'sgd', 'schedule_free_adamw')"),
+    ("decay", "step", "optimizer.decay='step': expected one of"),
+    ("decay_shape", "exp", "optimizer.decay_shape='exp': expected one of ('linear', 'cosine', "
+                           "'1-sqrt')"),
+    ("decay_fraction", 1.5, "optimizer.decay_fraction=1.5: expected a number in [0, 1]"),
+    ("momentum", 1.0, "optimizer.momentum=1.0: expected a number in [0, 1)"),
+    ("adafactor_momentum", 1.0, "optimizer.adafactor_momentum=1.0: expected a number in "
+                                "[0, 1) (0: none)"),
+    ("muon_learning_rate", 0.0, "optimizer.muon_learning_rate=0.0: expected a number > 0"),
+    ("adafactor_min_dim_size_to_factor", 0, "optimizer.adafactor_min_dim_size_to_factor=0: "),
+    ("adafactor_clipping_threshold", -1.0, "optimizer.adafactor_clipping_threshold=-1.0: "),
+])
+def test_bad_optimizer_settings_are_refused_in_one_line(key, value, message):
+    config = tiny()
+    with config.optimizer.unlocked():
+        config.optimizer[key] = value
+    with pytest.raises(ValueError) as error:
+        configs.validate_config(config)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_schedule_free_refuses_a_decay():
+    config = tiny("schedule_free_adamw", decay="cosine")
+    with pytest.raises(ValueError, match=r"^optimizer.decay='cosine' with optimizer.name="
+                                         r"'schedule_free_adamw': expected 'constant'"):
+        configs.validate_config(config)
+
+
+@pytest.mark.parametrize("name", optim.NAMES)
+def test_the_optimizer_state_shards_like_the_params(name):
+    """On an fsdp=2 x tensor=2 mesh (abstract: no devices needed) every state leaf gets a
+    sharding its shape splits evenly under, the moments of `query` are split like `query`, and
+    adafactor's factored statistics are replicated."""
+    config = tiny(name, adafactor_min_dim_size_to_factor=16, adafactor_momentum=0.0)
+    config.model.vocab_size = 64
+    mesh = jax.sharding.AbstractMesh(
+        tuple(2 if axis in ("fsdp", "tensor") else 1 for axis in sharding.MESH_AXES),
+        sharding.MESH_AXES)
+    model, tx = build_model(config.model), optim.make_optimizer(config)
+    args = family_of(config).init_args(example_batch(config))
+    boxed = jax.eval_shape(lambda: tx.init(model.init(jax.random.key(0), *args)["params"]))
+    specs = sharding.logical_shardings(boxed, mesh)
+    query = {}
+    for (path, spec), leaf in zip(jax.tree_util.tree_flatten_with_path(specs)[0],
+                                  jax.tree.leaves(nn.unbox(boxed)), strict=True):
+        spec.shard_shape(leaf.shape)  # raises unless the mesh axes divide the dimensions
+        if "'query'" in jax.tree_util.keystr(path):
+            query[jax.tree_util.keystr(path)] = (leaf.shape, spec.spec)
+    assert query, name
+    for path, (shape, spec) in query.items():
+        if shape == (32, 2, 16):
+            assert spec == jax.sharding.PartitionSpec(("fsdp", "expert"), "tensor", None), path
+        else:
+            assert name == "adafactor" and spec == jax.sharding.PartitionSpec(), path
+
+
+@pytest.mark.parametrize("name", optim.NAMES)
+def test_fine_tuning_groups_work_with_every_optimizer(gpt_params, name):
+    """optimizer.freeze keeps the embedding, optimizer.head trains the final norm at its own
+    rate, under every optimizer (muon's and schedule-free's groups nested in multi_transform);
+    schedule-free's evaluation params leave the frozen embedding too."""
+    _, params, _ = gpt_params
+    config = tiny(name, freeze="^embed/", head="final_norm", head_learning_rate=1e-2)
+    config.model.update(scan_layers=True, num_layers=2, vocab_size=64)
+    tx = optim.make_optimizer(config)
+    state, trained = tx.init(params), params
+    for i in range(2):
+        grads = jax.tree.map(lambda p, i=i: jnp.cos(p + i), trained)
+        update, state = jax.jit(tx.update)(grads, state, trained)
+        trained = optax.apply_updates(trained, update)
+    frozen = params["embed"]["embedding"]
+    np.testing.assert_array_equal(trained["embed"]["embedding"], frozen)
+    assert not np.array_equal(trained["decoder"]["final_norm"]["scale"],
+                              params["decoder"]["final_norm"]["scale"])
+    x = optim.eval_params(TrainState(jnp.zeros((), jnp.int32), trained, state,
+                                     jnp.full((), -1, jnp.int32)), config)
+    np.testing.assert_array_equal(x["embed"]["embedding"], frozen)
+    moved = [not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(x), jax.tree.leaves(trained), strict=True)]
+    assert sum(moved) == (len(moved) - 1 if name == "schedule_free_adamw" else 0)
