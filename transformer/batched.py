@@ -13,8 +13,8 @@ by seed in a `lax.map` (vmapped, XLA fuses it differently and rounds an ulp apar
 trains as it would alone, with the same init, data order and dropout: on one CPU device its
 losses and params equal a separate run's bit for bit (tests/test_batched.py); on a mesh the
 vmapped gradients' cross-device reductions round differently (equal to 1e-6 on 4 CPU devices),
-and so may an accelerator's batched matmuls. That takes JAX's default PRNG, threefry, whose bits under vmap are
-each key's own; other PRNGs (`jax_default_prng_impl=rbg`) are refused.
+and so may an accelerator's batched matmuls. That takes JAX's default PRNG, threefry, whose
+bits under vmap are each key's own; other PRNGs (`jax_default_prng_impl=rbg`) are refused.
 
 Checkpoints, evaluation, logs and the non-finite checks take one seed's slice of the stacked
 state, at the steps a separate run would. A kill -9 can leave the seeds at different steps (one
