@@ -195,10 +195,10 @@ def loop(runs: Sequence[train.Run], peak_flops: float | None) -> bool:
         with kernels.recording() if first else contextlib.nullcontext() as chosen:
             metrics, compiled = group.train([batches.get(id(run), filler) for run in runs],
                                             active)
-        # A program's first call compiles: a pause too (the masked one compiles on a resume
-        # that catches up, the other one when the seeds are level).
+        # A program's first call compiles (the masked one on a resume that catches up, the
+        # other one when the seeds are level): that step is timed in no window.
         paused = _after_step(runs, group, active, metrics, since, start, chosen, flops,
-                             peak_flops and peak_flops / active.sum(), pauses) or compiled
+                             peak_flops and peak_flops / active.sum(), pauses, compiled)
         stopping = runs[0].stop_requested()
         saving = [k for k, run in enumerate(runs) if active[k] and run.error is None and (
             run.step % config.checkpoint_every == 0 or run.step == config.steps or stopping)]
@@ -225,9 +225,10 @@ def loop(runs: Sequence[train.Run], peak_flops: float | None) -> bool:
 
 
 def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
-                pauses) -> bool:
+                pauses, compiled: bool) -> bool:
     """Each trained seed's step count, first-step line, log, then evaluation, as `train.loop`
-    does them; returns whether an evaluation ran (a pause in the timed windows)."""
+    does them; returns whether an evaluation ran (a pause in the timed windows). `compiled`:
+    the step compiled its program, so the timed windows restart after it."""
     config = runs[0].config
     trained = [(k, run) for k, run in enumerate(runs) if active[k] and run.error is None]
     for _, run in trained:
@@ -240,6 +241,9 @@ def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
             attention = f", attention {'/'.join(sorted(set(chosen)))}" if chosen else ""
             run.logger.print(f"step {run.step}: the first step (compilation included"
                              f"{attention}) took {run.first_step_seconds:.1f} s")
+        elif compiled:
+            jax.block_until_ready(metrics)
+            since[id(run)] = (time.perf_counter(), run.step)
     # Every log before any evaluation, all timed to the end of the same steps; the next
     # windows start after all of them.
     logging = [(k, run) for k, run in trained
