@@ -172,7 +172,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
 
 
 def evaluate_split(run: Run, split: str, steps: int | None, seq_len: int | None = None,
-              windows: bool = False) -> dict:
+                   windows: bool = False) -> dict:
     """Evaluates the current params (optim.eval_params: schedule-free's x) on `split` (at
     `seq_len`), logs and returns the metrics; with `windows`, saves the per-window losses too
     (evaluation.save_windows)."""
