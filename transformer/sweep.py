@@ -332,6 +332,8 @@ def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
         todo = [name for name in group
                 if _announce(f"[{names.index(name) + 1}/{len(names)}] {name}", configs[name],
                              os.path.join(workdir, name))]
+        if not todo:
+            continue
         for name, result in _train(todo, configs, workdir, explicit or {}).items():
             header = f"[{names.index(name) + 1}/{len(names)}] {name}"
             error_file = os.path.join(workdir, name, "error.txt")
