@@ -510,7 +510,7 @@ def restore_params(workdir: str, step: int | None = None,
         abstract, shardings, _ = state_lib.initial_state(config, build_model(config.model), where)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract.params, shardings.params)
-        return SavedParams(step, config, read_params(workdir, step, target))
+        return SavedParams(step, config, read_params(workdir, step, target, config))
 
     return _newest(workdir, step, read, or_newer)
 
@@ -526,12 +526,14 @@ def params_metadata(workdir: str, step: int | None = None) -> tuple[int, dict[st
     return _newest(workdir, step, read)
 
 
-def read_params(workdir: str, step: int, target):
+def read_params(workdir: str, step: int, target, config: ml_collections.ConfigDict | None = None):
     """The saved params named in `target` (a nested dict of `jax.ShapeDtypeStruct`s with
     shardings, possibly a subset of the checkpoint's), read into those shardings. A
-    schedule-free run's are its evaluation params (`_schedule_free_params`)."""
-    if saved_run(workdir, step)[1].optimizer.get("name", "adamw") == "schedule_free_adamw":
-        return _schedule_free_params(workdir, step, target)
+    schedule-free run's are its evaluation params (`_schedule_free_params`). `config`: the
+    step's saved config, if the caller has read it (`saved_run`)."""
+    config = saved_run(workdir, step)[1] if config is None else config
+    if config.optimizer.get("name", "adamw") == "schedule_free_adamw":
+        return _schedule_free_params(workdir, step, target, config)
     manager = _params_manager(workdir)
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), target)
     try:
@@ -542,10 +544,10 @@ def read_params(workdir: str, step: int, target):
         manager.close()
 
 
-def _schedule_free_params(workdir: str, step: int, target):
-    """`read_params` of a schedule_free_adamw run: its whole train state is read (on the mesh of
-    `target`'s shardings), for optim.eval_params, which needs the optimizer state's z."""
-    _, config = saved_run(workdir, step)
+def _schedule_free_params(workdir: str, step: int, target, config: ml_collections.ConfigDict):
+    """`read_params` of a schedule_free_adamw run (`config`, its saved one): its whole train
+    state is read (on the mesh of `target`'s shardings), for optim.eval_params, which needs the
+    optimizer state's z."""
     mesh = jax.tree.leaves(target)[0].sharding.mesh
     abstract, shardings, _ = state_lib.initial_state(config, build_model(config.model), mesh,
                                                      optimizer=optim.make_optimizer(config))
