@@ -28,7 +28,6 @@ way. Log lines give each seed's own tokens/s; MFU counts the work of all the see
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Sequence
 
@@ -38,7 +37,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from transformer import fileio, kernels, optim, progress, startup, train
+from transformer import kernels, optim, progress, startup, train
 from transformer import metrics as metrics_lib
 from transformer.step import make_seeded_train_step
 
@@ -73,10 +72,7 @@ def train_seeds(configs: Sequence[ml_collections.ConfigDict], workdirs: Sequence
             try:
                 run = train.setup(config, workdir, explicit)
             except startup.Finished as done:
-                print(done)
-                summary = json.loads((fileio.path(workdir) / "summary.json").read_text())
-                results[k] = {"summary": summary, "state": None, "model": None,
-                              "tokenizer": None, "config": config}
+                results[k] = startup.finished_result(config, workdir, done)
                 continue
             except Exception as error:  # noqa: BLE001 - this seed fails, the others train
                 results[k] = error
@@ -236,11 +232,7 @@ def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
         run.manager.check_for_errors()
         if since[id(run)] is None:
             jax.block_until_ready(metrics)
-            since[id(run)] = (time.perf_counter(), run.step)
-            run.first_step_seconds = since[id(run)][0] - start
-            attention = f", attention {'/'.join(sorted(set(chosen)))}" if chosen else ""
-            run.logger.print(f"step {run.step}: the first step (compilation included"
-                             f"{attention}) took {run.first_step_seconds:.1f} s")
+            since[id(run)] = (progress.log_first_step(run, start, chosen), run.step)
         elif compiled:
             jax.block_until_ready(metrics)
             since[id(run)] = (time.perf_counter(), run.step)

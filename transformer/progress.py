@@ -20,6 +20,17 @@ def remaining(step: int, steps: int, every: int) -> int:
     return steps // every - step // every + (steps % every != 0 and step < steps)
 
 
+def log_first_step(run, start: float, chosen) -> float:
+    """Records and logs the run's first step (since `start`, its compilation included, and
+    the attention kernels `chosen` while it traced); returns when it ended."""
+    now = time.perf_counter()
+    run.first_step_seconds = now - start
+    attention = f", attention {'/'.join(sorted(set(chosen)))}" if chosen else ""
+    run.logger.print(f"step {run.step}: the first step (compilation included{attention}) took "
+                     f"{run.first_step_seconds:.1f} s")
+    return now
+
+
 def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float],
               peak: float | None, pauses: dict[str, list[float]],
               now: float | None = None) -> float:

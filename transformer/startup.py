@@ -37,6 +37,16 @@ class Finished(Exception):
     """The workdir's run already reached config.steps: there is nothing to train."""
 
 
+def finished_result(config: ml_collections.ConfigDict, workdir: str, done: Finished) -> dict:
+    """What train_and_evaluate returns for a finished run (`done` says so, on process 0): its
+    summary.json, and no state."""
+    if jax.process_index() == 0:
+        print(done)
+    summary = json.loads((fileio.path(workdir) / "summary.json").read_text())
+    return {"summary": summary, "state": None, "model": None, "tokenizer": None,
+            "config": config}
+
+
 def check_workdir(config: ml_collections.ConfigDict, workdir: str,
                    manager: checkpoint_lib.Manager) -> None:
     """Before anything is written: the latest checkpoint must match the config (model, data

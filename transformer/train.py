@@ -224,11 +224,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
         last = run.step == config.steps
         if since is None:
             jax.block_until_ready(metrics)
-            since = (time.perf_counter(), run.step)
-            run.first_step_seconds = since[0] - start
-            attention = f", attention {'/'.join(sorted(set(chosen)))}" if chosen else ""
-            run.logger.print(f"step {run.step}: the first step (compilation included"
-                             f"{attention}) took {run.first_step_seconds:.1f} s")
+            since = (progress.log_first_step(run, start, chosen), run.step)
         logged = run.step % config.log_every == 0 or last
         if logged:
             since = (progress.log_train(run, metrics, since, flops, peak_flops, pauses), run.step)
@@ -298,11 +294,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     try:
         run = setup(config, workdir, explicit)
     except startup.Finished as done:
-        if jax.process_index() == 0:
-            print(done)
-        summary = json.loads((fileio.path(workdir) / "summary.json").read_text())
-        return {"summary": summary, "state": None, "model": None, "tokenizer": None,
-                "config": config}
+        return startup.finished_result(config, workdir, done)
     try:
         return train_to_end([run], loop)[0]
     finally:
