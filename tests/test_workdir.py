@@ -278,8 +278,34 @@ def test_a_failed_save_stops_the_run_at_once_with_one_line(tmp_path, text):
     after = file_hashes(workdir / "checkpoints")
     assert {k: v for k, v in after.items() if k.split("/")[0] in "246"} == before
     logged = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
-    # Found by the step after the write failed, not by the next save (step 20) or the end.
-    assert max(logged) < 20, f"training went on after the failed save at step 10: {logged}"
+    # Found by the first step after the write failed (each step asks, without waiting), and at
+    # the latest by the next save: a fast machine may train steps 11-19 before the write fails.
+    assert max(logged) <= 20, f"training went on after the next save at step 20: {logged}"
+    assert not (workdir / "checkpoints" / "20").exists()
+
+
+def test_a_failed_background_write_is_found_by_the_next_check_not_the_next_save(tmp_path):
+    """The per-step check (train.loop calls it after every step) raises as soon as the
+    background write has failed, without waiting for one still in progress."""
+    import ml_collections
+
+    class Iterator:
+        def get_state(self):
+            return {"position": 3}
+
+    manager = checkpoint_lib.Manager(str(tmp_path), ml_collections.ConfigDict({"seed": 0}), None)
+    manager.save(2, {"w": np.ones(4, np.float32)}, Iterator())
+    manager.check_for_errors()  # the write succeeded (or is still running): nothing raised
+    manager._manager.wait_until_finished()
+    manager.save(4, {"w": np.ones(4, np.float32)}, Iterator())
+
+    def failed():
+        raise OSError(27, "File too large")
+    manager._manager.wait_until_finished = failed
+    manager._manager.is_saving_in_progress = lambda: False
+    with pytest.raises(checkpoint_lib.WriteError, match=r"step 4 .* failed \(File too large\); "
+                       r"the complete checkpoints \[2(, 4)?\] are intact"):
+        manager.check_for_errors()
 
 
 def test_init_from_over_another_runs_checkpoints_is_refused(tmp_path, text):
