@@ -62,6 +62,7 @@ def attention_cases(devices) -> dict[str, float]:
         "window": (masks.SlidingWindow(left=5), length),
         "bottom_right": (masks.Causal(), length // 2),  # 16 queries over 32 keys
         "zigzag": (masks.Permuted(masks.Causal() & masks.Segment(ids), order), length),
+        "softcap": (masks.Causal() & masks.Segment(ids), length),  # logits capped at 1.5
     }
 
     def run(fn, mask, q_len):
@@ -75,16 +76,18 @@ def attention_cases(devices) -> dict[str, float]:
         (_, out), grads = jax.jit(grad)(q[:, :q_len], k, v, table)
         return jax.device_get((out, grads))
 
-    def dense(q, k, v, mask, bias):
-        return attention.dot_product_attention(q, k, v, mask, bias.table(bias.q_BT, bias.kv_BS))
+    def dense(q, k, v, mask, bias, softcap=0.0):
+        return attention.dot_product_attention(q, k, v, mask, bias.table(bias.q_BT, bias.kv_BS),
+                                               softcap=softcap)
 
     results = {}
     meshes = ({"sequence": 4}, {"data": 2, "sequence": 2, "tensor": 2})
     for name, (mask, q_len) in cases.items():
-        want = run(dense, mask, q_len)
+        softcap = 1.5 if name == "softcap" else 0.0
+        want = run(functools.partial(dense, softcap=softcap), mask, q_len)
         for strategy in sequence_parallel.STRATEGIES:
             fn = functools.partial(sequence_parallel.attention, strategy=strategy, q_chunk=8,
-                                   kv_chunk=8)
+                                   kv_chunk=8, softcap=softcap)
             extra = ({"sequence": 2}, {"sequence": 8}) if name == "zigzag" else ()
             for sizes in meshes + extra:
                 with jax.set_mesh(mesh_of(**sizes, devices=devices)), nn.logical_axis_rules(
@@ -95,7 +98,8 @@ def attention_cases(devices) -> dict[str, float]:
     return results
 
 
-def training_config(family, mesh, strategy="all_gather", balance=True, position="rope"):
+def training_config(family, mesh, strategy="all_gather", balance=True, position="rope",
+                    knobs=None):
     config = configs.base_config()
     config.update(steps=STEPS, batch_size=BATCH, seq_len=LENGTH)
     config.optimizer.warmup_steps = 1
@@ -105,6 +109,7 @@ def training_config(family, mesh, strategy="all_gather", balance=True, position=
     # A key bias shifts every logit of a row alike, so without RoPE its exact gradient is 0 and
     # Adam turns float noise (1e-9, different on every mesh) into full-size updates.
     config.model.qkv_bias = position == "rope"
+    config.model.update(knobs or {})
     config.mesh.update(mesh)
     return config
 
@@ -139,9 +144,12 @@ def training_batches(family: str) -> list[dict[str, np.ndarray]]:
     return out
 
 
-# (family, strategy, mesh, load balance, positions): every axis size, alone and beside data /
-# fsdp / tensor, each strategy, both decoder families, one run without the zig-zag layout, and
-# each kind of positions (RoPE unless named).
+# (family, strategy, mesh, load balance, positions[, model knobs]): every axis size, alone and
+# beside data / fsdp / tensor, each strategy, both decoder families, one run without the zig-zag
+# layout, each kind of positions (RoPE unless named), and the attention / block knobs.
+GEMMA2_KNOBS = dict(qk_norm=True, attention_softcap=2.0, final_logit_softcap=5.0,
+                    sliding_window=8, sliding_window_pattern=2, norm_placement="sandwich")
+OLMO2_KNOBS = dict(qk_norm=True, qk_norm_scope="projection", norm_placement="post_sublayer")
 TRAINING = [
     ("gpt", "all_gather", {"sequence": 8}, True, "rope"),
     ("gpt", "all_gather", {"data": 2, "sequence": 4}, True, "rope"),
@@ -154,22 +162,29 @@ TRAINING = [
     ("gpt", "ring", {"data": 2, "sequence": 4}, True, "learned"),
     ("prefix_lm", "all_gather", {"fsdp": 2, "sequence": 4}, True, "rope"),
     ("prefix_lm", "ring", {"data": 2, "sequence": 4}, True, "rope"),
+    ("gpt", "ring", {"data": 2, "sequence": 4}, True, "rope", GEMMA2_KNOBS),
+    ("gpt", "all_gather", {"sequence": 4, "tensor": 2}, True, "rope", OLMO2_KNOBS),
+    ("prefix_lm", "ring", {"sequence": 2, "tensor": 2}, True, "rope", dict(parallel_block=True)),
 ]
 
 
 def training(devices) -> dict[str, dict]:
     results, reference = {}, {}
-    for family, strategy, mesh, balance, position in TRAINING:
+    for family, strategy, mesh, balance, position, *knobs in TRAINING:
         data = training_batches(family)[:STEPS]
-        if (family, position) not in reference:
-            single = Run(training_config(family, {}, position=position), devices[:1])
+        knobs = knobs[0] if knobs else {}
+        key = (family, position, json.dumps(knobs))
+        if key not in reference:
+            single = Run(training_config(family, {}, position=position, knobs=knobs),
+                         devices[:1])
             state, losses = single.train(single.init(jax.random.key(0)), data)
-            reference[family, position] = losses, host(state.params)
-        want_losses, want = reference[family, position]
-        run = Run(training_config(family, mesh, strategy, balance, position), devices)
+            reference[key] = losses, host(state.params)
+        want_losses, want = reference[key]
+        run = Run(training_config(family, mesh, strategy, balance, position, knobs), devices)
         state, losses = run.train(run.init(jax.random.key(0)), data)
         name = ",".join(f"{axis}={size}" for axis, size in mesh.items())
-        results[f"{family}/{strategy}/{name}/{position}" + ("" if balance else "/unbalanced")] = {
+        suffix = ("" if balance else "/unbalanced") + "".join(f"/{k}" for k in knobs)
+        results[f"{family}/{strategy}/{name}/{position}{suffix}"] = {
             "losses": losses, "want": want_losses,
             "max_param_diff": max_diff(host(state.params), want)}
     return results

@@ -275,7 +275,7 @@ def test_bfloat16_compute_keeps_float32_params():
     (dict(num_kv_heads=3), "num_kv_heads=3: expected a divisor of num_heads=4"),
     (dict(activation="tanh"), "activation='tanh': expected one of"),
     (dict(position="rotary"), "position='rotary': expected one of"),
-    (dict(norm_placement="sandwich"), "norm_placement='sandwich'"),
+    (dict(norm_placement="middle"), "norm_placement='middle'"),
     (dict(num_layers=0), "num_layers=0: expected a positive int"),
     (dict(dropout_rate=1.0), "dropout_rate=1.0"),
     (dict(head_dim=5, position="rope"), "head_dim=5: RoPE needs an even head dim"),

@@ -116,10 +116,11 @@ def results(tmp_path_factory):
 
 @pytest.mark.slow
 def test_both_strategies_give_dense_attention_on_one_device(results):
-    """Causal, packed, prefix-LM, sliding-window, bottom-right and zig-zag masks; outputs and
-    q/k/v/T5-table gradients; sequence 2, 4, 8 and data x sequence x tensor."""
+    """Causal, packed, prefix-LM, sliding-window, bottom-right and zig-zag masks, and soft-capped
+    logits; outputs and q/k/v/T5-table gradients; sequence 2, 4, 8 and data x sequence x
+    tensor."""
     diffs = results["attention"]
-    assert len(diffs) == 6 * 2 * 2 + 2 * 2 and all(
+    assert len(diffs) == 7 * 2 * 2 + 2 * 2 and all(
         strategy in " ".join(diffs) for strategy in sequence_parallel.STRATEGIES)
     bad = {case: diff for case, diff in diffs.items() if diff > 2e-5}
     assert not bad, bad
@@ -130,6 +131,8 @@ def test_training_on_each_sequence_mesh_matches_one_device(results):
     runs = results["training"]
     assert {name.split("/")[0] for name in runs} == {"gpt", "prefix_lm"}
     assert {name.split("/")[3] for name in runs} == {"rope", "alibi", "t5", "learned"}
+    assert {"qk_norm", "attention_softcap", "sliding_window_pattern", "parallel_block",
+            "qk_norm_scope"} <= {knob for name in runs for knob in name.split("/")[4:]}
     for name, run in runs.items():
         np.testing.assert_allclose(run["losses"], run["want"], rtol=2e-6, err_msg=name)
         assert run["max_param_diff"] < 1e-5, name

@@ -45,6 +45,7 @@ def dot_product_attention(
     dropout_rng: Array | None = None,
     return_weights: bool = False,
     q_block: int | None = None,
+    softcap: float = 0.0,
 ):
     """softmax(Q K^T * scale + bias) V over the keys the mask allows.
 
@@ -58,6 +59,8 @@ def dot_product_attention(
       q_block: compute q_block queries at a time, each block over only the keys its `Mask` can
         allow (`Mask.block_map`): causal attention then computes about half the logits. Used
         where the mask leaves keys out of some block, without dropout or weights; else one block.
+      softcap: > 0 caps the scaled logits at softcap * tanh(logits / softcap), before the bias
+        and the mask (Gemma 2's attention soft-cap); 0 leaves them.
 
     Float32 (or float64) inputs keep logits and weights in their dtype. Bfloat16 / float16 inputs
     keep the [B, N, T, S] logits and weights in that dtype, half the memory, as MaxText does: the
@@ -95,7 +98,7 @@ def dot_product_attention(
     for q0, q1, k0, k1 in blocks:
         rows, cols = q1 - q0, k1 - k0
         logits_BNTS, allowed = _block_logits(query_BKGTH, key_BKHS, (q0, q1, k0, k1), mask,
-                                             dense_mask, bias, scale, scores, kv_len)
+                                             dense_mask, bias, (scale, softcap), scores)
         if not keep_weights:
             out_BKMH = softmax_values(logits_BNTS.reshape(batch, num_kv_heads, group * rows, cols),
                                       value_BKSH[:, :, k0:k1])
@@ -132,16 +135,21 @@ def _weighted_values(logits_BNTS, allowed, value_BKSH, dropout_rate: float, drop
     return out_BKMH.reshape(batch, num_heads, q_len, head_dim), weights_BNTS
 
 
-def _block_logits(query_BKGTH, key_BKHS, block, mask, dense_mask, bias, scale, scores,
-                  kv_len: int):
-    """dot_product_attention's scaled, biased and masked logits [B, N, rows, cols] of one
-    (q0, q1, k0, k1) block, in dtype `scores`, and the block's allowed keys (None: all)."""
+def _block_logits(query_BKGTH, key_BKHS, block, mask, dense_mask, bias, scaling, scores):
+    """dot_product_attention's scaled (soft-capped), biased and masked logits [B, N, rows, cols]
+    of one (q0, q1, k0, k1) block, in dtype `scores`, and the block's allowed keys (None: all).
+    `scaling`: (scale, softcap)."""
     batch, num_kv_heads, group, q_len, head_dim = query_BKGTH.shape
+    kv_len = key_BKHS.shape[-1]
+    scale, softcap = scaling
     q0, q1, k0, k1 = block
     rows, cols = q1 - q0, k1 - k0
     query_BKMH = query_BKGTH[:, :, :, q0:q1].reshape(batch, num_kv_heads, group * rows, head_dim)
     logits_BKMS = jnp.matmul(query_BKMH, key_BKHS[..., k0:k1], preferred_element_type=scores)
     logits_BNTS = logits_BKMS.reshape(batch, num_kv_heads * group, rows, cols) * scale
+    if softcap:  # in float32 at least: tanh near +-cap loses the logits' differences in bf16
+        capped = jnp.tanh(logits_BNTS.astype(jnp.promote_types(scores, jnp.float32)) / softcap)
+        logits_BNTS = (softcap * capped).astype(scores)
     if bias is not None:
         logits_BNTS = logits_BNTS + _window(bias, q0, q1, k0, k1).astype(scores)
     if isinstance(mask, Mask):
@@ -250,6 +258,7 @@ def attend(
     dropout_rng: Array | None = None,
     return_weights: bool = False,
     sequence_parallel: str = "all_gather",
+    softcap: float = 0.0,
 ):
     """Attention through the kernel `impl` names: what `dot_product_attention` computes.
 
@@ -270,6 +279,8 @@ def attend(
       sequence_parallel: "all_gather" or "ring": the strategy when the mesh in context splits
         the length over its `sequence` axis (see `sequence_parallel`); `impl` is then chunked
         per device.
+      softcap: > 0 soft-caps the scaled logits (see `dot_product_attention`). Every kernel but
+        cuDNN takes it; "auto" then skips cuDNN.
 
     Dropout and `return_weights` always run the dense path (also under a `sequence` axis, where
     XLA then partitions it). Returns out [B, T, N, H], or (out, weights) with `return_weights`.
@@ -288,7 +299,8 @@ def attend(
             and query.shape[1] % split == 0 and key.shape[1] % split == 0):
         kernels.record(f"chunked per device, {sequence_parallel} over sequence={split}")
         return sequence_parallel_lib.attention(query, key, value, mask, bias,
-                                               strategy=sequence_parallel, scale=scale)
+                                               strategy=sequence_parallel, scale=scale,
+                                               softcap=softcap)
     if dropout_rate or return_weights:
         impl = "dense"
         kernels.record(impl)
@@ -298,20 +310,21 @@ def attend(
                               q_len=query.shape[1], kv_len=key.shape[1],
                               head_dim=query.shape[-1], dtype=query.dtype,
                               interpret=impl == "splash" and platform != "tpu",
-                              devices=1 if mesh_set else jax.device_count())
+                              devices=1 if mesh_set else jax.device_count(), softcap=softcap)
     if callable(bias) and impl != "chunked":
         bias = bias(jnp.arange(query.shape[1]), jnp.arange(key.shape[1]))
     if impl == "chunked":
-        return chunked_attention(query, key, value, mask, bias, scale=scale)
+        return chunked_attention(query, key, value, mask, bias, scale=scale, softcap=softcap)
     if impl == "splash":
         return kernels.splash_attention(query, key, value, mask, scale=scale,
-                                        interpret=platform != "tpu")
+                                        interpret=platform != "tpu", softcap=softcap)
     if impl == "cudnn":
         return kernels.cudnn_attention(query, key, value, mask, scale=scale)
     return dot_product_attention(query, key, value, mask, bias, scale=scale,
                                  dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                                  return_weights=return_weights,
-                                 q_block=_cpu_query_block(query.shape[1], platform))
+                                 q_block=_cpu_query_block(query.shape[1], platform),
+                                 softcap=softcap)
 
 
 def _cpu_query_block(q_len: int, platform: str) -> int | None:
@@ -344,12 +357,15 @@ def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,
     return y.reshape(*lead, *out_shape)
 
 
-def projection_init(std: float | None, in_axis, out_axis) -> nn.initializers.Initializer:
-    """Normal(std) if std is given, else fan-in variance scaling over the given kernel axes."""
+def projection_init(std: float | None, in_axis, out_axis,
+                    multiplier: float = 1.0) -> nn.initializers.Initializer:
+    """Normal(std) if std is given, else fan-in variance scaling over the given kernel axes;
+    either with its standard deviation times `multiplier` (GPT-2's 1 / sqrt(2 L) on the
+    projections into the residual stream, `TransformerConfig.scale_residual_init`)."""
     if std is not None:
-        return nn.initializers.normal(stddev=std)
+        return nn.initializers.normal(stddev=std * multiplier)
     return nn.initializers.variance_scaling(
-        1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
+        multiplier**2, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
     )
 
 
@@ -357,8 +373,9 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention: per-head W_q, W_k, W_v, attention per head, concat, W_o.
 
     Self-attention when `inputs_kv` is None, cross-attention otherwise. Grouped-query and
-    multi-query attention via `num_kv_heads`. RoPE (if `rope_theta` is set) rotates q and k at
-    `q_positions` / `kv_positions`. Params carry logical axis names: query [embed, heads, kv],
+    multi-query attention via `num_kv_heads`. `qk_norm` normalises q and k, then RoPE (if
+    `rope_theta` is set) rotates them at `q_positions` / `kv_positions`; the cache holds the
+    normalised, rotated keys. Params carry logical axis names: query [embed, heads, kv],
     key/value [embed, kv_heads, kv], out [heads, kv, embed].
 
     The attention weights are sown into the 'intermediates' collection as `attention_weights`
@@ -391,7 +408,12 @@ class MultiHeadAttention(nn.Module):
     rope_original_max_len: int = 8192
     dropout_rate: float = 0.0
     init_std: float | None = None
-    out_init_std: float | None = None
+    out_init_scale: float = 1.0  # W_o's init std multiplier (projection_init)
+    # RMSNorm with a learned scale on q and k after the projections, before RoPE: "head" over
+    # each head's H values (Qwen3, Gemma 3), "projection" over all N x H (OLMo 2); "": none
+    qk_norm: str = ""
+    norm_epsilon: float = 1e-6  # the q/k norms'
+    softcap: float = 0.0  # > 0: logit soft-cap, softcap * tanh(logits / softcap) (Gemma 2)
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     cross: bool = False  # cross-attention: under decode, K/V are cached once and reused
@@ -418,11 +440,13 @@ class MultiHeadAttention(nn.Module):
         reuse_kv = decode and self.cross and inputs_kv is None  # a cross-attention decode step
         self_attention = inputs_kv is None and not self.cross
         inputs_kv = inputs_q if self_attention else inputs_kv
-        query_BTNH = self._project("query", inputs_q, self.num_heads, "heads")
+        query_BTNH = self._normed("query", self._project("query", inputs_q, self.num_heads,
+                                                         "heads"), "heads")
         if reuse_kv:
             key_BSKH, value_BSKH = self._cached("cross_key"), self._cached("cross_value")
         else:
-            key_BSKH = self._project("key", inputs_kv, num_kv_heads, "kv_heads")
+            key_BSKH = self._normed("key", self._project("key", inputs_kv, num_kv_heads,
+                                                         "kv_heads"), "kv_heads")
             value_BSKH = self._project("value", inputs_kv, num_kv_heads, "kv_heads")
         if self.rope_theta is not None:
             q_positions = _default_positions(q_positions, inputs_q.shape[1])
@@ -466,6 +490,20 @@ class MultiHeadAttention(nn.Module):
             y_BTNH = y_BTNH + b.astype(self.dtype)
         return y_BTNH
 
+    def _normed(self, name: str, x_BTNH: Array, heads_axis: str) -> Array:
+        """`qk_norm`: RMSNorm of the projection `name` over each head's H values, or over all
+        its heads' (param `name`_norm/scale [H] or [heads, H]); `x` itself without it."""
+        if self.qk_norm not in ("", "head", "projection"):
+            raise ValueError(f"qk_norm={self.qk_norm!r}: expected '', 'head' or 'projection'")
+        if not self.qk_norm:
+            return x_BTNH
+        axes = (-2, -1) if self.qk_norm == "projection" else -1
+        names = (heads_axis, "kv") if self.qk_norm == "projection" else ("kv",)
+        return nn.RMSNorm(epsilon=self.norm_epsilon, dtype=self.dtype,
+                          param_dtype=self.param_dtype, reduction_axes=axes, feature_axes=axes,
+                          scale_init=nn.with_logical_partitioning(nn.initializers.ones, names),
+                          name=f"{name}_norm")(x_BTNH)
+
     def _rotate(self, x_BTNH: Array, positions: Array) -> Array:
         """RoPE at `positions` [B or 1, T]."""
         return positions_lib.apply_rope(x_BTNH, positions, theta=self.rope_theta,
@@ -497,7 +535,8 @@ class MultiHeadAttention(nn.Module):
         result = attend(query_BTNH, key_BSKH, value_BSKH, mask=mask, bias=bias, impl=self.impl,
                         scale=self.scale, dropout_rate=dropout,
                         dropout_rng=self.make_rng("dropout") if dropout > 0.0 else None,
-                        return_weights=want_weights, sequence_parallel=self.sequence_parallel)
+                        return_weights=want_weights, sequence_parallel=self.sequence_parallel,
+                        softcap=self.softcap)
         out_BTNH, weights_BNTS = result if want_weights else (result, None)
         if sow:
             self.sow("intermediates", "attention_weights", weights_BNTS)
@@ -505,9 +544,7 @@ class MultiHeadAttention(nn.Module):
 
     def _output(self, out_BTNH: Array, d_model: int) -> Array:
         """W_o: [B, T, N, H] -> [B, T, D] (plus the output bias)."""
-        out_init = projection_init(
-            self.out_init_std if self.out_init_std is not None else self.init_std, (0, 1), 2
-        )
+        out_init = projection_init(self.init_std, (0, 1), 2, self.out_init_scale)
         w_out = self.param(
             "out",
             nn.with_logical_partitioning(out_init, ("heads", "kv", "embed")),

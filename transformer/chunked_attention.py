@@ -149,7 +149,7 @@ class _Tiles:
     """Static sizes and the per-tile mask / bias / logits of one `chunked_attention` call."""
 
     def __init__(self, q_shape, kv_shape, q_dtype, mask, bias, scale, q_chunk, kv_chunk,
-                 totals=None):
+                 totals=None, softcap=0.0):
         self.batch, self.q_len, self.num_heads, self.head_dim = q_shape
         _, self.kv_len, self.num_kv_heads, _ = kv_shape
         # `totals` (q_total, kv_total): these queries and keys are blocks of longer sequences
@@ -162,6 +162,7 @@ class _Tiles:
         self.out_dtype = None  # outputs and gradients in the inputs' dtypes; see `at`
         self.group = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap  # > 0: scaled logits -> softcap * tanh(logits / softcap)
         self.acc = jnp.promote_types(q_dtype, jnp.float32)
         if q_chunk < 1 or kv_chunk < 1:
             raise ValueError(f"q_chunk={q_chunk}, kv_chunk={kv_chunk}: expected >= 1")
@@ -297,14 +298,19 @@ class _Tiles:
             return self.bias_fn(*self.indices(i, j), *bias_args).reshape(self.bias_tile_shape)
         return None
 
-    def logits(self, q_t, k_t, bias_args, i, j) -> Array:
-        """Scaled (and biased) logits [B, K, G, qb, kb] in the accumulation dtype."""
+    def logits(self, q_t, k_t, bias_args, i, j, slope: bool = False):
+        """Scaled (soft-capped, biased) logits [B, K, G, qb, kb] in the accumulation dtype;
+        with `slope`, (logits, d capped / d scaled logits: 1 - tanh^2, or None without a cap)."""
         s = jnp.einsum("bkgqh,bksh->bkgqs", q_t, k_t, preferred_element_type=self.acc)
         s = s * self.scale
+        derivative = None
+        if self.softcap:
+            tanh = jnp.tanh(s / self.softcap)
+            s, derivative = self.softcap * tanh, 1.0 - tanh * tanh
         bias = self.bias_tile(bias_args, i, j)
         if bias is not None:
             s = s + self._heads(bias.astype(self.acc))
-        return s
+        return (s, derivative) if slope else s
 
     def bias_grad_tile(self, bias_args, ds, i, j):
         """Cotangents for `bias_args` from tile (i, j)'s logits cotangent ds [B, K, G, qb, kb]."""
@@ -420,17 +426,18 @@ def _backward(t: _Tiles, q, k, v, mask_args, bias_args, out, lse, d_out):
         def grads(i, ok):
             """Tile (i, j)'s contributions: dq_i, dk_j, dv_j, bias pieces."""
             q_i, do_i = q_t[i], do_t[i]
-            s = t.logits(q_i, k_j, bias_args, i, j)
+            s, capped = t.logits(q_i, k_j, bias_args, i, j, slope=True)
             if ok is not None:
                 s = jnp.where(ok, s, -jnp.inf)
             p = jnp.exp(s - lse[i][..., None])  # [B, K, G, qb, kb]; 0 where masked
             dv = jnp.einsum("bkgqs,bkgqh->bksh", p.astype(do_i.dtype), do_i,
                             preferred_element_type=t.acc)
             dp = jnp.einsum("bkgqh,bksh->bkgqs", do_i, v_j, preferred_element_type=t.acc)
-            ds = p * (dp - delta[i][..., None])
-            dq = jnp.einsum("bkgqs,bksh->bkgqh", ds.astype(k_j.dtype), k_j,
+            ds = p * (dp - delta[i][..., None])  # d loss / d logits (the bias's cotangent)
+            ds_qk = ds if capped is None else ds * capped  # through the soft-cap's tanh
+            dq = jnp.einsum("bkgqs,bksh->bkgqh", ds_qk.astype(k_j.dtype), k_j,
                             preferred_element_type=t.acc) * t.scale
-            dk = jnp.einsum("bkgqs,bkgqh->bksh", ds.astype(q_i.dtype), q_i,
+            dk = jnp.einsum("bkgqs,bkgqh->bksh", ds_qk.astype(q_i.dtype), q_i,
                             preferred_element_type=t.acc) * t.scale
             return dq, dk, dv, t.bias_grad_tile(bias_args, ds, i, j)
 
@@ -491,13 +498,14 @@ def check_qkv(query, key, value) -> None:
         raise ValueError(f"{num_heads} query heads: expected a multiple of {num_kv_heads} kv heads")
 
 
-def _prepare(query, key, value, mask, bias, scale, q_chunk, kv_chunk, totals=None):
+def _prepare(query, key, value, mask, bias, scale, q_chunk, kv_chunk, totals=None,
+             softcap=0.0):
     check_qkv(query, key, value)
     q_len, kv_len = query.shape[1], key.shape[1]
     if mask is not None and not isinstance(mask, Mask):
         mask = as_dense(mask, q_len, kv_len)  # validates: bool, 4D
     t = _Tiles(query.shape, key.shape, query.dtype, mask, bias, scale, q_chunk, kv_chunk,
-               totals)
+               totals, softcap)
 
     if t.mask_kind == "spec":
         mask_args = tuple(jnp.asarray(x) for x in jax.tree.leaves(mask))
@@ -538,6 +546,7 @@ def chunked_attention(
     kv_chunk: int = 512,
     totals: tuple[int, int] | None = None,
     offsets: tuple[Array, Array] | None = None,
+    softcap: float = 0.0,
 ) -> Array:
     """softmax(Q K^T * scale + bias) V, computed tile by tile in O(T + S) memory.
 
@@ -553,6 +562,8 @@ def chunked_attention(
       totals, offsets: the queries and keys are the blocks starting at `offsets` (ints, may be
         traced) of sequences of lengths `totals` (sequence parallelism): the mask and the bias
         function see indices in the whole sequences. Dense mask / bias arrays are refused.
+      softcap: > 0 caps the scaled logits at softcap * tanh(logits / softcap) before the bias
+        and the mask (Gemma 2); 0 leaves them.
 
     Same result as `attention.dot_product_attention(query, key, value, mask, bias, scale=scale)`
     (no dropout, no weights output): float32 logits / softmax statistics for lower-precision
@@ -560,7 +571,7 @@ def chunked_attention(
     zero (finite) gradients. Gradients flow to query, key, value and the bias.
     """
     t, mask_args, bias_args = _prepare(query, key, value, mask, bias, scale, q_chunk, kv_chunk,
-                                       totals)
+                                       totals, softcap)
     if (totals is None) != (offsets is None):
         raise ValueError(f"totals={totals}, offsets={offsets}: expected both or neither")
     offsets = tuple(jnp.asarray(o, jnp.int32) for o in offsets or (0, 0))

@@ -17,7 +17,8 @@ choice cannot run the inputs); "auto" picks the first row that applies:
 
     splash   no bias, no dropout, q_len and kv_len multiples of 128, platform tpu (or interpret),
              one device or a mesh in context (then the kernel runs per device in shard_map)
-    cudnn    no bias, no dropout, head_dim <= 128 and a multiple of 8, fp16 / bf16, platform gpu
+    cudnn    no bias, no dropout, no logit soft-cap, head_dim <= 128 and a multiple of 8,
+             fp16 / bf16, platform gpu
     chunked  no dropout
     dense    everything (on CPU in query blocks that skip the keys a Mask never allows)
 
@@ -117,7 +118,7 @@ def _splash_lowering(mask) -> str:
 
 
 def _reason(impl, *, mask, bias, dropout, q_len, kv_len, head_dim, platform, interpret=False,
-            dtype=None, devices=1) -> str | None:
+            dtype=None, devices=1, softcap=0.0) -> str | None:
     """Why `impl` cannot run these inputs (None: it can)."""
     if impl not in IMPLS:
         return f"is not one of {IMPLS}"
@@ -139,6 +140,8 @@ def _reason(impl, *, mask, bias, dropout, q_len, kv_len, head_dim, platform, int
                     "jax.set_mesh")
         return None
     # cudnn
+    if softcap:
+        return f"has no logit soft-cap (attention_softcap={softcap})"
     if platform != "gpu":
         return f"needs platform gpu (got {platform})"
     if head_dim > 128 or head_dim % 8:
@@ -150,29 +153,31 @@ def _reason(impl, *, mask, bias, dropout, q_len, kv_len, head_dim, platform, int
 
 def supports(impl: str, *, mask: Mask | Array | None, bias: Any, dropout: float, q_len: int,
              kv_len: int, head_dim: int, platform: str, interpret: bool = False,
-             dtype: Any = None, devices: int = 1) -> bool:
+             dtype: Any = None, devices: int = 1, softcap: float = 0.0) -> bool:
     """Whether `impl` can compute attention for these inputs on `platform` ("cpu"/"gpu"/"tpu").
 
     `interpret=True`: splash would run in Pallas interpret mode (any platform). `dtype`, when
     given, is the query dtype (cuDNN takes only float16 / bfloat16). `devices`: how many devices
     the computation spans outside a mesh (splash shard_maps over a mesh set with `jax.set_mesh`,
-    and cannot split over devices without one).
+    and cannot split over devices without one). `softcap`: the attention logit soft-cap
+    (cuDNN has none).
     """
     return _reason(impl, mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
                    head_dim=head_dim, platform=platform, interpret=interpret, dtype=dtype,
-                   devices=devices) is None
+                   devices=devices, softcap=softcap) is None
 
 
 def select(impl: str, *, platform: str, mask: Mask | Array | None, bias: Any, dropout: float,
            q_len: int, kv_len: int, head_dim: int, chunk_threshold: int = 2048,
-           interpret: bool = False, dtype: Any = None, devices: int = 1) -> str:
+           interpret: bool = False, dtype: Any = None, devices: int = 1,
+           softcap: float = 0.0) -> str:
     """Resolves `impl` (one of `IMPLS`) to a concrete implementation name (see module docstring).
 
     An explicit impl that cannot run the inputs raises ValueError naming it and the reason.
     """
     args = dict(mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
                 head_dim=head_dim, platform=platform, interpret=interpret, dtype=dtype,
-                devices=devices)
+                devices=devices, softcap=softcap)
     if impl != "auto":
         reason = _reason(impl, **args)
         if reason is not None:
@@ -300,7 +305,7 @@ def _block(length: int, target: int) -> int:
 
 def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array | None = None,
                      *, scale: float | None = None, block_size: int = 512,
-                     interpret: bool = False) -> Array:
+                     interpret: bool = False, softcap: float = 0.0) -> Array:
     """Attention with the Pallas TPU splash kernel; same conventions and result as
     `dot_product_attention(query, key, value, mask, scale=scale)`.
 
@@ -312,6 +317,7 @@ def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array 
       scale: logit scale (default H ** -0.5); applied to the query before the kernel.
       block_size: target query / key block (the largest multiple of 128 <= it dividing T / S).
       interpret: run the kernel in Pallas interpret mode (any backend; slow, for tests).
+      softcap: > 0 soft-caps the scaled logits (splash's `attn_logits_soft_cap`).
 
     Query rows with no allowed key return zeros (the kernel itself would return an average of
     masked values or NaN there, so those rows are zeroed explicitly). Differentiable (splash's
@@ -340,7 +346,8 @@ def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array 
         if dynamic:
             extras = _segment_ids(dynamic, batch, q_len, kv_len)
     local = functools.partial(_splash_local, lowering=lowering, static_mask=static_mask,
-                              scale=scale, block_size=block_size, interpret=interpret)
+                              scale=scale, block_size=block_size, interpret=interpret,
+                              softcap=softcap)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         out_BTNH = local(query, key, value, *extras)
@@ -372,7 +379,7 @@ def _splash_partition(mesh, batch: int, num_heads: int, num_kv_heads: int):
 
 
 def _splash_local(query, key, value, *extras, lowering, static_mask, scale, block_size,
-                  interpret):
+                  interpret, softcap):
     """The splash kernel on one device's [B, T, N, H] / [B, S, K, H] shards (and mask inputs)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
@@ -387,8 +394,9 @@ def _splash_local(query, key, value, *extras, lowering, static_mask, scale, bloc
     make = sk.make_splash_mqa if mqa else sk.make_splash_mha
 
     def kernel_for(splash_mask):
+        # The query is scaled before the kernel, so its cap applies to the scaled logits.
         kernel = make(splash_mask, block_sizes=blocks, head_shards=1, q_seq_shards=1,
-                      interpret=interpret)
+                      interpret=interpret, attn_logits_soft_cap=softcap or None)
         if isinstance(splash_mask, jax.Array):
             # The installed splash turns the MaskInfo flag `is_dynamic_mask` into a jnp array,
             # which is a tracer under jit, and then branches on it in `__call__`

@@ -24,7 +24,10 @@ Array = jax.Array
 
 POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
 NORMS = ("layernorm", "rmsnorm")
-NORM_PLACEMENTS = ("pre", "post")
+# pre: x + f(N(x)); post: N(x + f(x)); sandwich: x + N'(f(N(x))) (Gemma 2); post_sublayer:
+# x + N'(f(x)) (OLMo 2)
+NORM_PLACEMENTS = ("pre", "post", "sandwich", "post_sublayer")
+QK_NORM_SCOPES = ("head", "projection")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -55,8 +58,22 @@ class TransformerConfig:
     d_ff: int = 256
     activation: str = "gelu"  # relu | gelu (erf) | gelu_tanh (GPT-2) | swiglu | geglu (T5 v1.1)
     norm: str = "layernorm"  # layernorm | rmsnorm
-    norm_placement: str = "pre"  # pre: x + f(LN(x)); post: LN(x + f(x))
+    norm_placement: str = "pre"  # NORM_PLACEMENTS
     norm_epsilon: float = 1e-5
+    # RMSNorm with a learned scale on q and k, before RoPE, over each head (qk_norm_scope
+    # "head": Qwen3, Gemma 3) or over the whole projection ("projection": OLMo 2).
+    qk_norm: bool = False
+    qk_norm_scope: str = "head"
+    # > 0: logits -> cap * tanh(logits / cap) (Gemma 2); 0: off. attention_softcap caps the
+    # scaled attention logits; final_logit_softcap a decoder LM's output logits.
+    attention_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
+    # x + attn(N(x)) + mlp(N(x)) with one norm (GPT-J, PaLM); pre-norm blocks without
+    # cross-attention only.
+    parallel_block: bool = False
+    # GPT-2: the kernels that write into the residual stream (attention W_o, the MLP's output,
+    # experts' too) start with their init std divided by sqrt(2 num_layers).
+    scale_residual_init: bool = False
     position: str = "rope"  # none | sinusoidal | learned | rope | alibi | t5
     max_len: int = 512  # learned positions only
     rope_theta: float = 10000.0
@@ -73,6 +90,10 @@ class TransformerConfig:
     # Decoder LMs: each token attends to the last `sliding_window` positions, itself included
     # (Mistral); None: no limit.
     sliding_window: int | None = None
+    # With sliding_window: every sliding_window_pattern-th layer (layers P-1, 2P-1, ...) attends
+    # to every earlier position, the others to the window (Gemma 2: 2, Gemma 3: 6); 0: every
+    # layer is windowed. With scan_layers, P (with moe.every_n_layers) must divide num_layers.
+    sliding_window_pattern: int = 0
     attention_scale: float | None = None  # logit scale; None: 1/sqrt(head_dim); T5 uses 1.0
     embedding_norm: bool = False  # norm after adding absolute positions (BERT)
     scale_embeddings: bool = False  # inputs x sqrt(d_model) before positions (Vaswani et al.)
@@ -99,6 +120,14 @@ class TransformerConfig:
         _check_choice("activation", self.activation, tuple(ACTIVATIONS))
         _check_choice("norm", self.norm, NORMS)
         _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        _check_choice("qk_norm_scope", self.qk_norm_scope, QK_NORM_SCOPES)
+        for name in ("attention_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}={value!r}: expected a number >= 0 (0: off)")
+        if self.parallel_block and self.norm_placement != "pre":
+            raise ValueError(f"parallel_block=True with norm_placement={self.norm_placement!r}: "
+                             "expected 'pre' (one norm feeds both branches)")
         _check_choice("position", self.position, POSITIONS)
         _check_choice("rope_layout", self.rope_layout, ("half", "interleaved"))
         _check_choice("rope_scaling", self.rope_scaling, ("linear", "llama3"))
@@ -146,10 +175,45 @@ class TransformerConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected 0 <= rate < 1")
         for name in ("dtype", "param_dtype"):
             object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
+        self._check_window_pattern()
+
+    def _check_window_pattern(self) -> None:
+        pattern = self.sliding_window_pattern
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 0:
+            raise ValueError(f"sliding_window_pattern={pattern!r}: expected an int >= 0")
+        if pattern and self.sliding_window is None:
+            raise ValueError(f"sliding_window_pattern={pattern}: expected a sliding_window")
+        if self.scan_layers and self.num_layers % self.layer_period:
+            raise ValueError(f"sliding_window_pattern={pattern}: with scan_layers, expected a "
+                             f"period ({self.layer_period}, with moe.every_n_layers) dividing "
+                             f"num_layers={self.num_layers}")
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def layer_period(self) -> int:
+        """How many consecutive layers repeat: MoE layers every n, global layers every P."""
+        moe = self.moe.every_n_layers if self.moe.num_experts else 1
+        return math.lcm(moe, self.sliding_window_pattern or 1)
+
+    def is_local_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (from 0) attends through the sliding window.
+
+        >>> cfg = TransformerConfig(sliding_window=4, sliding_window_pattern=3, num_layers=6)
+        >>> [cfg.is_local_layer(i) for i in range(6)]
+        [True, True, False, True, True, False]
+        """
+        if self.sliding_window is None:
+            return False
+        return not self.sliding_window_pattern or (layer + 1) % self.sliding_window_pattern > 0
+
+
+def residual_init_scale(config: TransformerConfig) -> float:
+    """The init std multiplier of the kernels writing into the residual stream: 1 / sqrt(2 L)
+    under `scale_residual_init` (two such kernels per layer), else 1."""
+    return (2 * config.num_layers) ** -0.5 if config.scale_residual_init else 1.0
 
 
 def norm_layer(config: TransformerConfig, name: str) -> nn.Module:
@@ -234,9 +298,10 @@ class MLP(nn.Module):
         x_BTD = x_BTD.astype(cfg.dtype)
 
         def dense(name, x, features, names):
+            scale = residual_init_scale(cfg) if name == "wo" else 1.0
             kernel = self.param(
                 name,
-                nn.with_logical_partitioning(projection_init(cfg.init_std, 0, 1), names),
+                nn.with_logical_partitioning(projection_init(cfg.init_std, 0, 1, scale), names),
                 (x.shape[-1], features),
                 cfg.param_dtype,
             )
@@ -261,9 +326,12 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     """Self-attention, optional cross-attention, feed-forward; each a residual sublayer.
 
-    Pre-LN: x + Dropout(f(LN(x))). Post-LN (the original Transformer): LN(x + Dropout(f(x))).
+    `config.norm_placement`: pre-LN x + Dropout(f(LN(x))); post-LN (the original Transformer)
+    LN(x + Dropout(f(x))); sandwich x + LN'(Dropout(f(LN(x)))); post_sublayer x + LN'(f(x)).
+    `config.parallel_block`: x + attn(LN(x)) + mlp(LN(x)), one norm for both.
     An encoder block is self-attention (with a Full/Padding mask) + FFN; a decoder block uses a
     Causal mask and, with `cross_attention=True`, attends to `encoded` in between.
+    `local=True`: self-attention under `local_mask` (the sliding window) instead of `mask`.
     `moe_layer=True` makes the feed-forward a mixture of experts (`config.moe`), which sows
     its auxiliary quantities into the 'losses' collection (`moe_aux`).
     `scanned=True` makes it return (x, None), the carry/output pair `nn.scan` expects.
@@ -275,11 +343,50 @@ class TransformerBlock(nn.Module):
     scanned: bool = False
     decode: bool = False  # KV-cache decoding (see MultiHeadAttention)
     moe_layer: bool = False
+    local: bool = False
 
     @nn.compact
-    def __call__(self, x_BTD, mask, bias, positions, encoded=None, cross_mask=None):
+    def __call__(self, x_BTD, mask, bias, positions, encoded=None, cross_mask=None,
+                 local_mask=None):
         cfg = self.config
-        attention = lambda name, is_self: MultiHeadAttention(
+        if self.cross_attention and encoded is None and not self.decode:
+            raise ValueError("a block with cross_attention=True needs `encoded` inputs")
+        self_mask = local_mask if self.local else mask
+        attend = lambda h: self._attention("self_attention", True)(
+            h, mask=self_mask, bias=bias, q_positions=positions,
+            deterministic=self.deterministic, decode=self.decode)
+        mlp = self._moe if self.moe_layer else MLP(cfg, name="mlp")
+        dropout = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=self.deterministic)
+        if cfg.parallel_block:
+            if self.cross_attention:
+                raise ValueError("parallel_block=True: expected a stack without cross-attention")
+            h_BTD = norm_layer(cfg, "self_attention_norm")(x_BTD)
+            x_BTD = x_BTD + dropout(attend(h_BTD)) + dropout(mlp(h_BTD))
+        else:
+            x_BTD = self._residual(x_BTD, "self_attention", attend)
+            if self.cross_attention:  # decode steps reuse the cached K/V (encoded is None)
+                x_BTD = self._residual(x_BTD, "cross_attention", lambda h: self._attention(
+                    "cross_attention", False)(h, encoded, mask=cross_mask,
+                                              deterministic=self.deterministic,
+                                              decode=self.decode))
+            x_BTD = self._residual(x_BTD, "mlp", mlp)
+        x_BTD = sharding.constrain(x_BTD, sharding.ACTIVATIONS)
+        return (x_BTD, None) if self.scanned else x_BTD
+
+    def _residual(self, x_BTD: Array, name: str, sublayer) -> Array:
+        """x plus the sublayer's dropped-out output, normed where `norm_placement` says: params
+        `name`_norm (on its input; post: on the sum) and `name`_output_norm (on its output)."""
+        cfg, placement = self.config, self.config.norm_placement
+        y_BTD = sublayer(norm_layer(cfg, f"{name}_norm")(x_BTD)
+                         if placement in ("pre", "sandwich") else x_BTD)
+        if placement in ("sandwich", "post_sublayer"):
+            y_BTD = norm_layer(cfg, f"{name}_output_norm")(y_BTD)
+        x_BTD = x_BTD + nn.Dropout(cfg.dropout_rate)(y_BTD, deterministic=self.deterministic)
+        return norm_layer(cfg, f"{name}_norm")(x_BTD) if placement == "post" else x_BTD
+
+    def _attention(self, name: str, is_self: bool) -> MultiHeadAttention:
+        cfg = self.config
+        return MultiHeadAttention(
             num_heads=cfg.num_heads,
             head_dim=cfg.resolved_head_dim,
             num_kv_heads=cfg.num_kv_heads,
@@ -295,6 +402,10 @@ class TransformerBlock(nn.Module):
             rope_original_max_len=cfg.rope_original_max_len,
             dropout_rate=cfg.attention_dropout_rate,
             init_std=cfg.init_std,
+            out_init_scale=residual_init_scale(cfg),
+            qk_norm=cfg.qk_norm_scope if cfg.qk_norm else "",
+            norm_epsilon=cfg.norm_epsilon,
+            softcap=cfg.attention_softcap,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             cross=not is_self,
@@ -303,44 +414,23 @@ class TransformerBlock(nn.Module):
             name=name,
         )
 
-        def residual(x, name, sublayer):
-            if cfg.norm_placement == "pre":
-                y = sublayer(norm_layer(cfg, f"{name}_norm")(x))
-            else:
-                y = sublayer(x)
-            y = nn.Dropout(cfg.dropout_rate)(y, deterministic=self.deterministic)
-            x = x + y
-            return x if cfg.norm_placement == "pre" else norm_layer(cfg, f"{name}_norm")(x)
-
-        x_BTD = residual(x_BTD, "self_attention", lambda h: attention("self_attention", True)(
-            h, mask=mask, bias=bias, q_positions=positions, deterministic=self.deterministic,
-            decode=self.decode))
-        if self.cross_attention:
-            if encoded is None and not self.decode:  # decode steps reuse the cached K/V
-                raise ValueError("a block with cross_attention=True needs `encoded` inputs")
-            x_BTD = residual(x_BTD, "cross_attention", lambda h: attention("cross_attention",
-                             False)(h, encoded, mask=cross_mask, deterministic=self.deterministic,
-                                    decode=self.decode))
-        x_BTD = residual(x_BTD, "mlp", self._moe if self.moe_layer else MLP(cfg, name="mlp"))
-        x_BTD = sharding.constrain(x_BTD, sharding.ACTIVATIONS)
-        return (x_BTD, None) if self.scanned else x_BTD
-
     def _moe(self, x_BTD: Array) -> Array:
         cfg = self.config
         y_BTD, routing = MoEFeedForward(
             num_experts=cfg.moe.num_experts, d_ff=cfg.d_ff, top_k=cfg.moe.top_k,
             capacity_factor=cfg.moe.capacity_factor, num_shared=cfg.moe.num_shared,
             activation=ACTIVATIONS[cfg.activation], gated=cfg.activation in GATED,
-            init_std=cfg.init_std, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-            name="moe")(x_BTD)
+            init_std=cfg.init_std, out_init_scale=residual_init_scale(cfg), dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype, name="moe")(x_BTD)
         for name in MOE_AUX:
             self.sow("losses", f"moe_{name}", getattr(routing, name))
         return y_BTD
 
 
 class _BlockGroup(nn.Module):
-    """`moe.every_n_layers` consecutive blocks, the last one MoE: what one step of the scan runs
-    when MoE layers alternate with dense ones (params `layers/block_0..n-1`)."""
+    """`config.layer_period` consecutive blocks: what one step of the scan runs when layers are
+    not all alike (MoE every n layers, a global layer every sliding_window_pattern), each block
+    the kind its index in the period gives (params `layers/block_0..n-1`)."""
 
     config: TransformerConfig
     block: Any  # the block class (possibly rematerialised)
@@ -350,11 +440,12 @@ class _BlockGroup(nn.Module):
 
     @nn.compact
     def __call__(self, x_BTD, *args):
-        n = self.config.moe.every_n_layers
-        for i in range(n):
-            x_BTD = self.block(self.config, cross_attention=self.cross_attention,
+        cfg = self.config
+        for i in range(cfg.layer_period):
+            x_BTD = self.block(cfg, cross_attention=self.cross_attention,
                                deterministic=self.deterministic, decode=self.decode,
-                               moe_layer=i == n - 1, name=f"block_{i}")(x_BTD, *args)
+                               moe_layer=cfg.moe.is_moe_layer(i), local=cfg.is_local_layer(i),
+                               name=f"block_{i}")(x_BTD, *args)
         return x_BTD, None
 
 
@@ -399,10 +490,12 @@ class TransformerStack(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         kv_positions: Array | None = None,
+        local_mask: Mask | Array | None = None,
     ) -> Array:
         """`decode=True` runs the blocks' attention on the KV cache (see MultiHeadAttention);
         `kv_positions` [1 or B, L] are then the positions of the cache slots, for the ALiBi and
-        T5 biases (default: `positions`)."""
+        T5 biases (default: `positions`). `local_mask`: the self-attention mask of the layers
+        `config.is_local_layer` names (the sliding window's; default `mask`)."""
         cfg = self.config
         length = x_BTD.shape[1]
         if positions is None:
@@ -441,29 +534,30 @@ class TransformerStack(nn.Module):
         if cfg.remat_policy != "none":
             block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy],
                              prevent_cse=not cfg.scan_layers)
-        args = (mask, bias, positions, encoded, cross_mask)
+        args = (mask, bias, positions, encoded, cross_mask,
+                mask if local_mask is None else local_mask)
         kwargs = dict(cross_attention=self.cross_attention, deterministic=deterministic,
                       decode=decode)
         moe = cfg.moe
         if cfg.scan_layers:
-            grouped = moe.num_experts and moe.every_n_layers > 1
+            grouped = cfg.layer_period > 1
             scanned = nn.scan(
                 _BlockGroup if grouped else block,
                 variable_axes={"params": 0, "intermediates": 0, "cache": 0, "losses": 0},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast,) * len(args),
-                length=cfg.num_layers // (moe.every_n_layers if grouped else 1),
+                length=cfg.num_layers // cfg.layer_period,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             unit = (scanned(cfg, block, name="layers", **kwargs) if grouped else
-                    scanned(cfg, scanned=True, moe_layer=moe.num_experts > 0, name="layers",
-                            **kwargs))
+                    scanned(cfg, scanned=True, moe_layer=moe.num_experts > 0,
+                            local=cfg.is_local_layer(0), name="layers", **kwargs))
             x_BTD, _ = unit(x_BTD, *args)
         else:
             for i in range(cfg.num_layers):
                 x_BTD = block(cfg, name=f"layers_{i}", moe_layer=moe.is_moe_layer(i),
-                              **kwargs)(x_BTD, *args)
-        if cfg.norm_placement == "pre":
+                              local=cfg.is_local_layer(i), **kwargs)(x_BTD, *args)
+        if cfg.norm_placement != "post":
             x_BTD = norm_layer(cfg, "final_norm")(x_BTD)
         return x_BTD
 

@@ -201,6 +201,7 @@ class MoEFeedForward(nn.Module):
     gated: bool = False
     normalize_gates: bool = True
     init_std: float | None = None
+    out_init_scale: float = 1.0  # the output kernels' init std multiplier (scale_residual_init)
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -226,7 +227,7 @@ class MoEFeedForward(nn.Module):
                         self.top_k, slots, self.normalize_gates)
 
         def expert_param(name, shape, names):  # [E, in, out]: fan-in per expert
-            init = self._init(in_axis=1, out_axis=2, batch_axis=(0,))
+            init = self._init(name == "wo", in_axis=1, out_axis=2, batch_axis=(0,))
             return self.param(name, nn.with_logical_partitioning(init, names), shape,
                               self.param_dtype).astype(self.dtype)
 
@@ -280,18 +281,21 @@ class MoEFeedForward(nn.Module):
             y_ND * gates_N[:, None])
         return y_TD.reshape(batch, tokens, d_model)
 
-    def _init(self, **axes) -> nn.initializers.Initializer:
-        """Normal(init_std) if given, else fan-in variance scaling (over `axes`)."""
+    def _init(self, output: bool = False, **axes) -> nn.initializers.Initializer:
+        """Normal(init_std) if given, else fan-in variance scaling (over `axes`); an `output`
+        kernel's std times `out_init_scale`."""
+        scale = self.out_init_scale if output else 1.0
         if self.init_std is not None:
-            return nn.initializers.normal(self.init_std)
-        return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", **axes)
+            return nn.initializers.normal(self.init_std * scale)
+        return nn.initializers.variance_scaling(scale**2, "fan_in", "truncated_normal", **axes)
 
     def _shared(self, x_BTD: Array) -> Array:
         hidden = self.num_shared * self.d_ff
         d_model = x_BTD.shape[-1]
 
         def param(name, shape, names):
-            return self.param(name, nn.with_logical_partitioning(self._init(), names), shape,
+            init = self._init(name == "shared_wo")
+            return self.param(name, nn.with_logical_partitioning(init, names), shape,
                               self.param_dtype).astype(self.dtype)
 
         h_BTF = jnp.einsum("btd,df->btf", x_BTD, param("shared_wi", (d_model, hidden),

@@ -101,12 +101,13 @@ def check_length(length: int, num_shards: int, *, load_balance: bool, what: str 
 
 def attention(query: Array, key: Array, value: Array, mask=None, bias=None, *,
               strategy: str = "all_gather", scale: float | None = None, q_chunk: int = 512,
-              kv_chunk: int = 512) -> Array:
+              kv_chunk: int = 512, softcap: float = 0.0) -> Array:
     """Attention of query [B, T, N, H] over key / value [B, S, K, H] whose T and S are split over
     the mesh's `sequence` axis; what `chunked_attention` computes on the whole sequences.
 
     `mask`: a `masks.Mask` or None; `bias`: a function bias(q_idx, kv_idx) or None; both see
-    indices in the whole sequences. Needs a mesh in context (`jax.set_mesh`) with the axis.
+    indices in the whole sequences; `softcap` as chunked_attention's. Needs a mesh in context
+    (`jax.set_mesh`) with the axis.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"sequence_parallel={strategy!r}: expected one of {STRATEGIES}")
@@ -117,27 +118,28 @@ def attention(query: Array, key: Array, value: Array, mask=None, bias=None, *,
         raise ValueError(f"query length {q_len}, key length {kv_len}: expected multiples of "
                          f"mesh.{AXIS}={n}")
     local = _ring if strategy == "ring" else _all_gather
-    local = functools.partial(local, scale=scale, q_chunk=q_chunk, kv_chunk=kv_chunk)
+    local = functools.partial(local, scale=scale, q_chunk=q_chunk, kv_chunk=kv_chunk,
+                              softcap=softcap)
     split = P(None, AXIS)  # the other mesh axes stay automatic (batch, heads as the rules say)
     return jax.shard_map(local, in_specs=(split, split, split, P(), P()), out_specs=split,
                          axis_names={AXIS}, check_vma=False)(query, key, value, mask, bias)
 
 
-def _all_gather(q, k, v, mask, bias, *, scale, q_chunk, kv_chunk):
+def _all_gather(q, k, v, mask, bias, *, scale, q_chunk, kv_chunk, softcap):
     n, i = lax.axis_size(AXIS), lax.axis_index(AXIS)
     k_all = lax.all_gather(k, AXIS, axis=1, tiled=True)
     v_all = lax.all_gather(v, AXIS, axis=1, tiled=True)
     q_len = q.shape[1]
     return chunked_attention(q, k_all, v_all, mask, bias, scale=scale, q_chunk=q_chunk,
                              kv_chunk=kv_chunk, totals=(q_len * n, k_all.shape[1]),
-                             offsets=(i * q_len, 0))
+                             offsets=(i * q_len, 0), softcap=softcap)
 
 
-def _ring(q, k, v, mask, bias, *, scale, q_chunk, kv_chunk):
+def _ring(q, k, v, mask, bias, *, scale, q_chunk, kv_chunk, softcap):
     n = lax.axis_size(AXIS)
     q_len, kv_len = q.shape[1], k.shape[1]
     t, mask_args, bias_args = _prepare(q, k, v, mask, bias, scale, q_chunk, kv_chunk,
-                                       totals=(q_len * n, kv_len * n))
+                                       totals=(q_len * n, kv_len * n), softcap=softcap)
     to_next = [(d, (d + 1) % n) for d in range(n)]
     shift = lambda tree: jax.tree.map(lambda x: lax.ppermute(x, AXIS, to_next), tree)
 

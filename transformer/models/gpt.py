@@ -55,7 +55,9 @@ class DecoderLM(nn.Module):
     (and to the prefix, slots < `prefix_lengths[b]`), out of `cache_length` slots.
 
     `config.sliding_window` = W limits every token to the last W positions, itself included
-    (Mistral), in training and in decoding; the cache still holds every position.
+    (Mistral), in training and in decoding; the cache still holds every position. With
+    `config.sliding_window_pattern` = P, every P-th layer attends to all earlier positions
+    (Gemma 2). `config.final_logit_softcap` = c > 0 caps the LM logits at c * tanh(x / c).
     """
 
     config: TransformerConfig
@@ -99,14 +101,15 @@ class DecoderLM(nn.Module):
             if positions is None or segment_ids is not None:
                 raise ValueError("decode=True needs positions [B, T] (the cache slots) and no "
                                  "segment_ids")
-            mask, kv_positions = decode_mask(positions, cache_length or tokens_BT.shape[1],
-                                             prefix_lengths, window)
+            length = cache_length or tokens_BT.shape[1]
+            mask, kv_positions = decode_mask(positions, length, prefix_lengths)
+            local_mask = mask if window is None else decode_mask(positions, length, None,
+                                                                 window)[0]
         else:
             mask = masks.Causal() if prefix_lengths is None else masks.PrefixLM(prefix_lengths)
-            if window is not None:
-                mask = mask & masks.SlidingWindow(left=window - 1)
             if segment_ids is not None:
                 mask = mask & masks.Segment(segment_ids)
+            local_mask = mask if window is None else mask & masks.SlidingWindow(left=window - 1)
         split = sequence_parallel.shards()
         balance = split > 1 and self.config.sequence_load_balance and not decode
         if balance:  # lay the sequence out zig-zag; the mask still sees original positions
@@ -115,10 +118,11 @@ class DecoderLM(nn.Module):
                 positions = jnp.arange(length, dtype=jnp.int32)[None]
             tokens_BT = sequence_parallel.to_zigzag(tokens_BT, split)
             positions = sequence_parallel.to_zigzag(positions, split)
-            mask = masks.Permuted(mask, jnp.asarray(sequence_parallel.zigzag(length, split)))
+            order = jnp.asarray(sequence_parallel.zigzag(length, split))
+            mask, local_mask = masks.Permuted(mask, order), masks.Permuted(local_mask, order)
         x_BTD = self.embed(tokens_BT)
         x_BTD = self.decoder(x_BTD, mask, positions, deterministic=deterministic, decode=decode,
-                             kv_positions=kv_positions)
+                             kv_positions=kv_positions, local_mask=local_mask)
         if balance:
             x_BTD = sharding.constrain(sequence_parallel.from_zigzag(x_BTD, split),
                                        sharding.ACTIVATIONS)
@@ -128,7 +132,20 @@ class DecoderLM(nn.Module):
             last_B = (jnp.full(tokens_BT.shape[:1], tokens_BT.shape[1] - 1) if segment_ids is None
                       else jnp.sum(segment_ids > 0, axis=1) - 1)
             return self.classifier(x_BTD[jnp.arange(x_BTD.shape[0]), jnp.maximum(last_B, 0)])
-        return self.embed.attend(x_BTD) if self.tie_embeddings else self.lm_head(x_BTD)
+        logits_BTV = self.embed.attend(x_BTD) if self.tie_embeddings else self.lm_head(x_BTD)
+        return softcap(logits_BTV, self.config.final_logit_softcap)
+
+
+def softcap(x: Array, cap: float) -> Array:
+    """cap * tanh(x / cap), computed in float32 at least (0: x as it is).
+
+    >>> softcap(jnp.array([0.5, 100.0]), 30.0).round(2).tolist()  # 30 tanh(10 / 3) = 29.92
+    [0.5, 29.920000076293945]
+    """
+    if not cap:
+        return x
+    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return (cap * jnp.tanh(wide / cap)).astype(x.dtype)
 
 
 def _build(model_config) -> DecoderLM:
