@@ -408,7 +408,8 @@ class MultiHeadAttention(nn.Module):
     rope_original_max_len: int = 8192
     dropout_rate: float = 0.0
     init_std: float | None = None
-    out_init_scale: float = 1.0  # W_o's init std multiplier (projection_init)
+    init_scale: float = 1.0  # W_q, W_k, W_v's init std multiplier (projection_init)
+    out_init_scale: float = 1.0  # W_o's
     # RMSNorm with a learned scale on q and k after the projections, before RoPE: "head" over
     # each head's H values (Qwen3, Gemma 3), "projection" over all N x H (OLMo 2); "": none
     qk_norm: str = ""
@@ -475,7 +476,8 @@ class MultiHeadAttention(nn.Module):
         names = ("embed", heads_axis, "kv")
         kernel = self.param(
             name,
-            nn.with_logical_partitioning(projection_init(self.init_std, 0, (1, 2)), names),
+            nn.with_logical_partitioning(projection_init(self.init_std, 0, (1, 2),
+                                                         self.init_scale), names),
             (x_BTD.shape[-1], heads, self.head_dim),
             self.param_dtype,
         )

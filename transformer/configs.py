@@ -397,8 +397,13 @@ def _validate_sources(config: ml_collections.ConfigDict) -> None:
 
 def _validate_optimizer(config: ml_collections.ConfigDict) -> None:
     """schedule_free_adamw replaces the decay: optimizer.decay must be "constant" (its warmup is
-    optimizer.warmup_steps)."""
+    optimizer.warmup_steps). muP's per-group learning rates are Adam's: an Adam-like optimizer."""
     opt = config.optimizer
+    adam_like = ("adamw", "lion", "schedule_free_adamw")
+    if config.model.get("parametrization", "standard") == "mup" and \
+            opt.get("name", "adamw") not in adam_like:
+        raise ValueError(f"optimizer.name={opt.name!r} with model.parametrization='mup': "
+                         f"expected one of {adam_like} (muP's learning rates here are Adam's)")
     if opt.get("name") == "schedule_free_adamw" and opt.decay != "constant":
         raise ValueError(f"optimizer.decay={opt.decay!r} with optimizer.name="
                          "'schedule_free_adamw': expected 'constant' (schedule-free needs no "

@@ -28,6 +28,7 @@ NORMS = ("layernorm", "rmsnorm")
 # x + N'(f(x)) (OLMo 2)
 NORM_PLACEMENTS = ("pre", "post", "sandwich", "post_sublayer")
 QK_NORM_SCOPES = ("head", "projection")
+PARAMETRIZATIONS = ("standard", "mup")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -74,6 +75,10 @@ class TransformerConfig:
     # GPT-2: the kernels that write into the residual stream (attention W_o, the MLP's output,
     # experts' too) start with their init std divided by sqrt(2 num_layers).
     scale_residual_init: bool = False
+    # muP (Tensor Programs V): "mup" makes a model m = d_model / mup_base_width times as wide as
+    # the base behave as the base does (`mup_width_multiplier`); "standard": none.
+    parametrization: str = "standard"
+    mup_base_width: int = 0  # the width the hyperparameters were tuned at; 0: d_model (m = 1)
     position: str = "rope"  # none | sinusoidal | learned | rope | alibi | t5
     max_len: int = 512  # learned positions only
     rope_theta: float = 10000.0
@@ -121,6 +126,10 @@ class TransformerConfig:
         _check_choice("norm", self.norm, NORMS)
         _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
         _check_choice("qk_norm_scope", self.qk_norm_scope, QK_NORM_SCOPES)
+        _check_choice("parametrization", self.parametrization, PARAMETRIZATIONS)
+        if not isinstance(self.mup_base_width, int) or self.mup_base_width < 0:
+            raise ValueError(f"mup_base_width={self.mup_base_width!r}: expected an int >= 0 "
+                             "(0: d_model)")
         for name in ("attention_softcap", "final_logit_softcap"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -191,6 +200,32 @@ class TransformerConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def mup_width_multiplier(self) -> float:
+        """muP's m = d_model / mup_base_width (1 under "standard"). It divides the hidden
+        matrices' init std by sqrt(m) (when init_std is given: fan-in init already scales so),
+        the attention logits by sqrt(m) more (1 / head_dim instead of 1 / sqrt(head_dim) as
+        head_dim grows with the width), a decoder LM's output logits by m, and (optim.make_
+        optimizer) the hidden matrices' learning rates by m."""
+        if self.parametrization != "mup" or not self.mup_base_width:
+            return 1.0
+        return self.d_model / self.mup_base_width
+
+    @property
+    def resolved_attention_scale(self) -> float | None:
+        """The attention logits' scale: `attention_scale` (None: 1 / sqrt(head_dim)), over
+        sqrt(m) under muP."""
+        m = self.mup_width_multiplier
+        if m == 1.0:
+            return self.attention_scale
+        return (self.attention_scale or self.resolved_head_dim**-0.5) * m**-0.5
+
+    def init_scale(self, residual: bool = False) -> float:
+        """The init std multiplier of a hidden matrix: muP's 1 / sqrt(m) when init_std is given,
+        times `residual_init_scale` for those writing into the residual stream."""
+        m = self.mup_width_multiplier if self.init_std is not None else 1.0
+        return m**-0.5 * (residual_init_scale(self) if residual else 1.0)
 
     @property
     def layer_period(self) -> int:
@@ -298,7 +333,7 @@ class MLP(nn.Module):
         x_BTD = x_BTD.astype(cfg.dtype)
 
         def dense(name, x, features, names):
-            scale = residual_init_scale(cfg) if name == "wo" else 1.0
+            scale = cfg.init_scale(residual=name == "wo")
             kernel = self.param(
                 name,
                 nn.with_logical_partitioning(projection_init(cfg.init_std, 0, 1, scale), names),
@@ -392,7 +427,7 @@ class TransformerBlock(nn.Module):
             num_kv_heads=cfg.num_kv_heads,
             use_bias=cfg.use_bias,
             qkv_bias=cfg.qkv_bias,
-            scale=cfg.attention_scale,
+            scale=cfg.resolved_attention_scale,
             rope_theta=cfg.rope_theta if is_self and cfg.position == "rope" else None,
             rope_layout=cfg.rope_layout,
             rope_scale=cfg.rope_scale,
@@ -402,7 +437,8 @@ class TransformerBlock(nn.Module):
             rope_original_max_len=cfg.rope_original_max_len,
             dropout_rate=cfg.attention_dropout_rate,
             init_std=cfg.init_std,
-            out_init_scale=residual_init_scale(cfg),
+            init_scale=cfg.init_scale(),
+            out_init_scale=cfg.init_scale(residual=True),
             qk_norm=cfg.qk_norm_scope if cfg.qk_norm else "",
             norm_epsilon=cfg.norm_epsilon,
             softcap=cfg.attention_softcap,
@@ -420,7 +456,8 @@ class TransformerBlock(nn.Module):
             num_experts=cfg.moe.num_experts, d_ff=cfg.d_ff, top_k=cfg.moe.top_k,
             capacity_factor=cfg.moe.capacity_factor, num_shared=cfg.moe.num_shared,
             activation=ACTIVATIONS[cfg.activation], gated=cfg.activation in GATED,
-            init_std=cfg.init_std, out_init_scale=residual_init_scale(cfg), dtype=cfg.dtype,
+            init_std=cfg.init_std, init_scale=cfg.init_scale(),
+            out_init_scale=cfg.init_scale(residual=True), dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, name="moe")(x_BTD)
         for name in MOE_AUX:
             self.sow("losses", f"moe_{name}", getattr(routing, name))

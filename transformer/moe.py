@@ -201,7 +201,8 @@ class MoEFeedForward(nn.Module):
     gated: bool = False
     normalize_gates: bool = True
     init_std: float | None = None
-    out_init_scale: float = 1.0  # the output kernels' init std multiplier (scale_residual_init)
+    init_scale: float = 1.0  # the experts' input kernels' init std multiplier (muP)
+    out_init_scale: float = 1.0  # their output kernels' (muP, scale_residual_init)
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -227,7 +228,8 @@ class MoEFeedForward(nn.Module):
                         self.top_k, slots, self.normalize_gates)
 
         def expert_param(name, shape, names):  # [E, in, out]: fan-in per expert
-            init = self._init(name == "wo", in_axis=1, out_axis=2, batch_axis=(0,))
+            init = self._init("wo" if name == "wo" else "in", in_axis=1, out_axis=2,
+                              batch_axis=(0,))
             return self.param(name, nn.with_logical_partitioning(init, names), shape,
                               self.param_dtype).astype(self.dtype)
 
@@ -281,10 +283,10 @@ class MoEFeedForward(nn.Module):
             y_ND * gates_N[:, None])
         return y_TD.reshape(batch, tokens, d_model)
 
-    def _init(self, output: bool = False, **axes) -> nn.initializers.Initializer:
-        """Normal(init_std) if given, else fan-in variance scaling (over `axes`); an `output`
-        kernel's std times `out_init_scale`."""
-        scale = self.out_init_scale if output else 1.0
+    def _init(self, kind: str = "router", **axes) -> nn.initializers.Initializer:
+        """Normal(init_std) if given, else fan-in variance scaling (over `axes`); an input
+        kernel's ("in") std times `init_scale`, an output kernel's ("wo") `out_init_scale`."""
+        scale = {"in": self.init_scale, "wo": self.out_init_scale}.get(kind, 1.0)
         if self.init_std is not None:
             return nn.initializers.normal(self.init_std * scale)
         return nn.initializers.variance_scaling(scale**2, "fan_in", "truncated_normal", **axes)
@@ -294,7 +296,7 @@ class MoEFeedForward(nn.Module):
         d_model = x_BTD.shape[-1]
 
         def param(name, shape, names):
-            init = self._init(name == "shared_wo")
+            init = self._init("wo" if name == "shared_wo" else "in")
             return self.param(name, nn.with_logical_partitioning(init, names), shape,
                               self.param_dtype).astype(self.dtype)
 

@@ -88,20 +88,30 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
 
     Fine-tuning groups (`param_labels`): params matching the regex optimizer.freeze
     never change (their gradients are zeroed before clipping), and those matching
-    optimizer.head train at optimizer.head_learning_rate (0: the same rate). Under
-    nonfinite="skip", optax.apply_if_finite wraps it all.
+    optimizer.head train at optimizer.head_learning_rate (0: the same rate). Under muP
+    (model.parametrization="mup") the hidden matrices (`muon_dimension_numbers`' matrices:
+    q/k/v, attention out, the MLPs' and experts' kernels) form groups of their own at those
+    rates / m (`mup_multiplier`); embeddings, the output head, norms and biases keep them.
+    Under nonfinite="skip", optax.apply_if_finite wraps it all.
     """
     opt = config.optimizer
     clip = optax.clip_by_global_norm(opt.grad_clip_norm) if opt.grad_clip_norm else \
         optax.identity()
     freeze, head = opt.get("freeze", ""), opt.get("head", "")
-    if freeze or head:
-        labels = lambda params: param_labels(params, freeze, head)
+    m = mup_multiplier(config)
+    if freeze or head or m != 1.0:
+        hidden = muon_dimension_numbers(config) if m != 1.0 else None
+        labels = lambda params: param_labels(params, freeze, head, hidden)
         frozen = lambda params: jax.tree.map(lambda label: label == "frozen", labels(params))
-        tx = optax.chain(optax.masked(optax.set_to_zero(), frozen), clip, optax.multi_transform(
-            {"frozen": optax.set_to_zero(), "backbone": update_rule(config, opt.learning_rate),
-             "head": update_rule(config, opt.get("head_learning_rate", 0.0) or
-                                 opt.learning_rate)}, labels))
+        rates = {"backbone": opt.learning_rate,
+                 "head": opt.get("head_learning_rate", 0.0) or opt.learning_rate}
+        groups = {"frozen": optax.set_to_zero(),
+                  **{name: update_rule(config, rate) for name, rate in rates.items()}}
+        if m != 1.0:
+            groups.update({f"{name}/hidden": update_rule(config, rate / m)
+                           for name, rate in rates.items()})
+        tx = optax.chain(optax.masked(optax.set_to_zero(), frozen), clip,
+                         optax.multi_transform(groups, labels))
     else:
         tx = optax.chain(clip, update_rule(config, opt.learning_rate))
     if config.get("nonfinite", "stop") == "skip":
@@ -255,9 +265,18 @@ def eval_params(state, config: ml_collections.ConfigDict):
     return params
 
 
-def param_labels(params, freeze: str, head: str):
+def mup_multiplier(config: ml_collections.ConfigDict) -> float:
+    """muP's width multiplier m = d_model / model.mup_base_width (1: standard, or no base)."""
+    model = config.model
+    if model.get("parametrization", "standard") != "mup" or not model.get("mup_base_width"):
+        return 1.0
+    return model.d_model / model.mup_base_width
+
+
+def param_labels(params, freeze: str, head: str, hidden=None):
     """Each param's optimizer group by its "/"-joined name: "frozen" if it matches the regex
-    `freeze`, else "head" if it matches `head`, else "backbone" (empty regexes match nothing).
+    `freeze`, else "head" if it matches `head`, else "backbone" (empty regexes match nothing);
+    with `hidden` (a tree of muon_dimension_numbers), "/hidden" added for its matrices.
 
     >>> param_labels({"encoder": {"w": 0}, "classifier": {"w": 0}}, "^encoder/", "^classifier/")
     {'classifier': {'w': 'head'}, 'encoder': {'w': 'frozen'}}
@@ -268,4 +287,9 @@ def param_labels(params, freeze: str, head: str):
             return "frozen"
         return "head" if head and re.search(head, name) else "backbone"
 
-    return jax.tree_util.tree_map_with_path(label, params)
+    labels = jax.tree_util.tree_map_with_path(label, params)
+    if hidden is None:
+        return labels
+    return jax.tree.map(lambda d, group: jax.tree.map(
+        lambda g: g if d is None or g == "frozen" else f"{g}/hidden", group),
+        hidden, labels, is_leaf=_IS_DIMS)

@@ -84,6 +84,11 @@ def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
     if model_config.get("sliding_window") is not None and model_config.family != "gpt":
         raise ValueError(f"sliding_window={model_config.sliding_window} with family="
                          f"{model_config.family!r}: expected family 'gpt' (a causal decoder LM)")
+    if model_config.get("parametrization", "standard") != "standard" and \
+            model_config.family not in ("gpt", "prefix_lm"):
+        raise ValueError(f"parametrization={model_config.parametrization!r} with family="
+                         f"{model_config.family!r}: expected family 'gpt' or 'prefix_lm' (muP's "
+                         "output multiplier is a decoder LM's)")
     if model_config.get("final_logit_softcap") and model_config.family not in ("gpt",
                                                                                 "prefix_lm"):
         raise ValueError(f"final_logit_softcap={model_config.final_logit_softcap} with family="

@@ -133,6 +133,8 @@ class DecoderLM(nn.Module):
                       else jnp.sum(segment_ids > 0, axis=1) - 1)
             return self.classifier(x_BTD[jnp.arange(x_BTD.shape[0]), jnp.maximum(last_B, 0)])
         logits_BTV = self.embed.attend(x_BTD) if self.tie_embeddings else self.lm_head(x_BTD)
+        if (m := self.config.mup_width_multiplier) != 1.0:  # muP's output multiplier
+            logits_BTV = logits_BTV * jnp.asarray(1 / m, logits_BTV.dtype)
         return softcap(logits_BTV, self.config.final_logit_softcap)
 
 

@@ -1,0 +1,132 @@
+"""muP (model.parametrization="mup"): the identity at the base width, each of its four scalings
+against the standard parametrization, and the coordinate check's slopes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import optim
+from transformer.configs import base_config, validate_config
+from transformer.models import build_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import mup_coord_check  # noqa: E402
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 16)), jnp.int32)
+
+
+def config(width=64, parametrization="mup", base=32, **model):
+    config = base_config()
+    config.steps = 10
+    config.model.update(family="gpt", vocab_size=64, num_layers=2, d_model=width, num_heads=4,
+                        d_ff=2 * width, init_std=0.02, use_bias=False,
+                        parametrization=parametrization, mup_base_width=base, **model)
+    config.optimizer.update(warmup_steps=0, decay="constant", grad_clip_norm=0.0)
+    return config
+
+
+def init(config, seed=0):
+    model = build_model(config.model)
+    return model, nn.unbox(jax.jit(model.init)(jax.random.key(seed), TOKENS)["params"])
+
+
+def test_at_the_base_width_mup_is_the_standard_parametrization_bit_for_bit():
+    standard, mup = config(32, "standard"), config(32, "mup")
+    (model_s, params_s), (model_m, params_m) = init(standard), init(mup)
+    assert jax.tree.all(jax.tree.map(np.array_equal, params_s, params_m))
+    np.testing.assert_array_equal(model_s.apply({"params": params_s}, TOKENS),
+                                  model_m.apply({"params": params_m}, TOKENS))
+    grads = jax.tree.map(jnp.ones_like, params_s)
+    tx_s, tx_m = optim.make_optimizer(standard), optim.make_optimizer(mup)
+    updates_s = tx_s.update(grads, tx_s.init(params_s), params_s)[0]
+    updates_m = tx_m.update(grads, tx_m.init(params_m), params_m)[0]
+    assert jax.tree.all(jax.tree.map(np.array_equal, updates_s, updates_m))
+
+
+def test_hidden_matrices_start_smaller_and_the_rest_as_they_were():
+    """init_std / sqrt(m) on q/k/v/out and the MLP kernels; the embedding keeps init_std."""
+    stds = {p: jax.tree.map(lambda x: float(np.std(x)), init(config(256, p))[1])
+            for p in ("standard", "mup")}
+    layer = lambda p: stds[p]["decoder"]["layers_0"]
+    m = 256 / 32
+    for get in (lambda x: x["self_attention"]["query"], lambda x: x["self_attention"]["out"],
+                lambda x: x["mlp"]["wi"], lambda x: x["mlp"]["wo"]):
+        assert get(layer("mup")) / get(layer("standard")) == pytest.approx(m**-0.5, rel=0.05)
+    assert stds["mup"]["embed"]["embedding"] == pytest.approx(
+        stds["standard"]["embed"]["embedding"], rel=1e-6)
+
+
+def test_logits_and_attention_are_scaled_by_the_width_multiplier():
+    """muP's model = the standard one with attention logits over sqrt(m) more (1 / head_dim as
+    head_dim grows) and output logits over m, on the same params."""
+    width, base = 128, 32
+    m, head_dim = width / base, width // 4
+    model_m, params = init(config(width, "mup", base))
+    model_s = build_model(config(width, "standard", attention_scale=(head_dim * m) ** -0.5).model)
+    np.testing.assert_allclose(model_m.apply({"params": params}, TOKENS),
+                               model_s.apply({"params": params}, TOKENS) / m, rtol=2e-5,
+                               atol=1e-6)
+
+
+def test_adam_steps_of_hidden_matrices_are_m_times_smaller():
+    width, base = 128, 32
+    _, params = init(config(width, "standard"))
+    grads = jax.tree.map(lambda x: jnp.asarray(np.random.default_rng(1).standard_normal(
+        x.shape), x.dtype), params)
+    updates = {}
+    for p in ("standard", "mup"):
+        tx = optim.make_optimizer(config(width, p, base))
+        state = tx.init(params)
+        for _ in range(2):
+            updates[p], state = tx.update(grads, state, params)
+    ratio = jax.tree.map(lambda a, b: float(np.max(np.abs(a / b))), updates["mup"],
+                         updates["standard"])
+    layer = ratio["decoder"]["layers_1"]
+    for value in (layer["self_attention"]["key"], layer["mlp"]["wi"], layer["mlp"]["wo"]):
+        assert value == pytest.approx(base / width, rel=1e-5)
+    for value in (ratio["embed"]["embedding"], layer["mlp_norm"]["scale"],
+                  ratio["decoder"]["final_norm"]["scale"]):
+        assert value == pytest.approx(1.0, rel=1e-5)
+
+
+def test_the_coordinate_check_is_flat_under_mup_and_grows_under_standard():
+    """benchmarks/mup_coord_check.py at widths 64-256: the hidden layers' outputs after three
+    Adam steps grow about linearly with the width under the standard parametrization and stay
+    flat under muP."""
+    tables = {p: {w: mup_coord_check.coordinates(w, p, steps=3) for w in (64, 128, 256)}
+              for p in ("standard", "mup")}
+    standard, mup = (mup_coord_check.slopes(tables[p]) for p in ("standard", "mup"))
+    assert standard["attention"] > 1.0 and standard["mlp"] > 1.0, standard
+    assert all(abs(s) < 0.3 for s in mup.values()), mup
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(parametrization="ntk"), "model.parametrization='ntk': expected one of 'standard', "
+                                  "'mup'"),
+    (dict(parametrization="mup", mup_base_width=-8), "model.mup_base_width=-8: expected an "
+                                                    "int >= 0"),
+    (dict(parametrization="mup", family="bert"),
+     "parametrization='mup' with family='bert': expected family 'gpt' or 'prefix_lm'"),
+])
+def test_bad_mup_settings_are_one_line_errors(overrides, message):
+    cfg = base_config()
+    cfg.model.update(overrides)
+    with pytest.raises(ValueError) as error:
+        validate_config(cfg)
+    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_mup_with_a_non_adam_optimizer_is_refused():
+    cfg = base_config()
+    cfg.model.update(parametrization="mup", mup_base_width=64)
+    cfg.optimizer.name = "muon"
+    with pytest.raises(ValueError, match=r"^optimizer.name='muon' with model.parametrization="
+                       r"'mup': expected one of \('adamw', 'lion', 'schedule_free_adamw'\)"):
+        validate_config(cfg)
