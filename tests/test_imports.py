@@ -74,3 +74,15 @@ def test_a_cycle_is_found_also_through_function_local_imports(tmp_path, source, 
         (root / name).write_text(text)
     found = find_cycle(import_graph(root))
     assert (found is not None) == cycle, found
+
+
+def test_the_code_rules_hold():
+    """train.py under 400 lines and no function of the package over 80 (docstring included):
+    the standing rules that keep each piece readable in one screen."""
+    assert len((PACKAGE / "train.py").read_text().splitlines()) < 400
+    long = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} "
+            f"({node.end_lineno - node.lineno + 1} lines)"
+            for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.end_lineno - node.lineno + 1 > 80]
+    assert not long, long

@@ -59,8 +59,7 @@ def dot_product_attention(
       q_block: compute q_block queries at a time, each block over only the keys its `Mask` can
         allow (`Mask.block_map`): causal attention then computes about half the logits. Used
         where the mask leaves keys out of some block, without dropout or weights; else one block.
-      softcap: > 0 caps the scaled logits at softcap * tanh(logits / softcap), before the bias
-        and the mask (Gemma 2's attention soft-cap); 0 leaves them.
+      softcap: > 0: scaled logits -> softcap * tanh(logits / softcap) before bias and mask.
 
     Float32 (or float64) inputs keep logits and weights in their dtype. Bfloat16 / float16 inputs
     keep the [B, N, T, S] logits and weights in that dtype, half the memory, as MaxText does: the
