@@ -84,19 +84,27 @@ def test_an_unknown_accelerator_gets_no_mfu_and_a_configured_peak_wins():
     assert metrics.peak_flops(config, [device]) == (1e12, "config.peak_flops_per_device")
 
 
-def test_the_cpu_peak_is_measured_once_per_host_and_shared_by_its_devices(tmp_path,
-                                                                           monkeypatch):
+def test_the_cpu_peak_is_the_best_measurement_seen_and_shared_by_its_devices(tmp_path,
+                                                                             monkeypatch):
+    """A first measurement taken on a busy machine (here: a slow clock) is outdone by the next
+    start's, which the cache then keeps; a later busy start does not lower it."""
     cache = tmp_path / "cpu_peak.json"
-    first = metrics.measured_cpu_peak(size=256, repeats=2, cache=str(cache))
-    assert first > 1e8  # any CPU this runs on does > 0.1 GFLOP/s
-    assert json.loads(cache.read_text()) == {metrics._host_id(): first}
-    monkeypatch.setattr(metrics.jax, "jit", lambda *a, **k: pytest.fail("measured again"))
-    assert metrics.measured_cpu_peak(size=256, cache=str(cache)) == first
-    monkeypatch.setattr(metrics, "CPU_PEAK_CACHE", str(cache))
-    monkeypatch.setattr(metrics, "measured_cpu_peak", lambda: first)
+    clock = metrics.time.perf_counter
+    slow = iter(range(10**6))
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock() + 3 * next(slow))
+    busy = metrics.measured_cpu_peak(size=256, repeats=2, cache=str(cache))
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    best, now = metrics.cpu_peak(size=256, cache=str(cache))
+    assert best == now > 100 * busy and now > 1e8  # any CPU does > 0.1 GFLOP/s
+    assert json.loads(cache.read_text()) == {metrics._host_id(): best}
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock() + 3 * next(slow))
+    assert metrics.cpu_peak(size=256, cache=str(cache)) == (best, pytest.approx(busy, rel=0.1))
+    assert json.loads(cache.read_text()) == {metrics._host_id(): best}
+    monkeypatch.setattr(metrics, "cpu_peak", lambda: (best, busy))
     cpus = [types.SimpleNamespace(platform="cpu", device_kind="cpu", process_index=0)] * 4
     peak, source = metrics.peak_flops(small_config(), cpus)
-    assert peak == pytest.approx(first / 4) and "shared by 4 CPU device(s)" in source
+    assert peak == pytest.approx(best / 4) and "shared by 4 CPU device(s)" in source
+    assert f"{best / 1e9:.0f} GFLOP/s (this start: {busy / 1e9:.0f})" in source
 
 
 def test_the_cpu_peak_cache_moves_with_its_variable_and_the_suite_keeps_out_of_home(tmp_path):
