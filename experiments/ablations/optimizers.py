@@ -1,8 +1,9 @@
-"""Optimizers on the small char-level GPT at equal steps (600), each over a 3-point learning-rate
-grid around its usual setting: AdamW (the baseline), Adafactor, Lion, Muon (its hidden matrices;
-AdamW at 2e-3 on the rest), SGD with Nesterov momentum and schedule-free AdamW (constant rate,
-evaluated at its averaged params). The same warmup (50 steps) and cosine decay for all but
-schedule-free, global-norm clipping at 1.0, 3 seeds.
+"""Optimizers on the small char-level GPT at equal steps (600), each over a 3-4 point
+learning-rate grid around its usual setting (widened where the best was at an edge): AdamW (the
+baseline), Adafactor, Lion, Muon (its hidden matrices; AdamW at 2e-3 on the rest), SGD with
+Nesterov momentum and schedule-free AdamW (constant rate, evaluated at its averaged params). The
+same warmup (50 steps) and cosine decay for all but schedule-free, global-norm clipping at 1.0,
+3 seeds.
 
     python -m transformer.sweep --config=experiments/ablations/optimizers.py \
         --workdir=runs/ablations/optimizers --batched_seeds
@@ -17,12 +18,12 @@ from transformer.configs import small_char_lm
 # (name, the rate the grid varies, its values, other settings)
 GRIDS = (
     ("adamw", "learning_rate", (1e-3, 2e-3, 4e-3), {}),
-    ("adafactor", "learning_rate", (3e-3, 1e-2, 3e-2), {"optimizer.weight_decay": 0.0}),
+    ("adafactor", "learning_rate", (3e-3, 1e-2, 3e-2, 1e-1), {"optimizer.weight_decay": 0.0}),
     ("lion", "learning_rate", (1e-4, 3e-4, 1e-3), {"optimizer.weight_decay": 0.3}),
     ("muon", "muon_learning_rate", (0.01, 0.02, 0.05), {}),
-    ("sgd", "learning_rate", (0.1, 0.3, 1.0), {"optimizer.nesterov": True,
+    ("sgd", "learning_rate", (0.03, 0.1, 0.3, 1.0), {"optimizer.nesterov": True,
                                                "optimizer.weight_decay": 0.0}),
-    ("schedule_free_adamw", "learning_rate", (1e-3, 2e-3, 4e-3),
+    ("schedule_free_adamw", "learning_rate", (1e-3, 2e-3, 4e-3, 8e-3),
      {"optimizer.decay": "constant", "optimizer.b1": 0.9}),
 )
 
