@@ -37,7 +37,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from transformer import kernels, optim, progress, startup, train
+from transformer import kernels, optim, progress, startup, task_eval, train
 from transformer import metrics as metrics_lib
 from transformer.step import make_seeded_train_step
 
@@ -257,9 +257,14 @@ def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
             r, "validation", config.eval_steps, windows=r.step == config.steps))
         run.last_metrics = {**run.last_metrics,
                             **{f"val_{key}": v for key, v in result.items()}}
-    if evaluating:
+    scoring = [(k, run) for k, run in trained if run.error is None
+               and task_eval.due(config, run.step, run.step == config.steps)]
+    for k, run in scoring:  # lm-eval tasks, as a separate run scores them
+        _with_state(run, group, k, lambda r: task_eval.evaluate(
+            r, optim.eval_params(r.state, r.config)))
+    if evaluating or scoring:
         pauses["eval"].append(time.perf_counter() - began)
-    return bool(evaluating)
+    return bool(evaluating or scoring)
 
 
 def _guarded(run: train.Run, use):

@@ -18,7 +18,7 @@ import jax
 import ml_collections
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import fileio, optim, placement, sequence_parallel, sharding
+from transformer import fileio, optim, placement, sequence_parallel, sharding, task_eval
 from transformer.data import inputs, pipeline, sources, tokenizers
 from transformer.models import FAMILIES, build_model, default_model_config, family_of
 
@@ -35,6 +35,12 @@ def base_config() -> ml_collections.ConfigDict:
     config.eval_steps = 20
     # Extra validation lengths at the end of training (length extrapolation), e.g. (256, 512).
     config.eval_seq_lens = ()
+    # lm-eval tasks scored during training (transformer.task_eval): names or local YAML files,
+    # every eval_tasks_every steps (0: after the last step only), eval_tasks_limit documents
+    # per task (0: all).
+    config.eval_tasks = ()
+    config.eval_tasks_every = 0
+    config.eval_tasks_limit = 0
     config.checkpoint_every = 500
     config.keep_checkpoints = 3
     config.fresh_start = False  # True: set the workdir's checkpoints aside and start at step 0
@@ -264,6 +270,11 @@ CHECKS: dict[str, Check] = {
     "peak_flops_per_device": _number(ge=0, note="0: published or measured"),
     "eval_seq_lens": (lambda v: isinstance(v, tuple | list) and
                       all(_is_int(n) and n >= 2 for n in v), "a tuple of ints >= 2"),
+    # Their family, process count, files and names: task_eval.check, in validate_config.
+    "eval_tasks": (lambda v: isinstance(v, tuple | list) and all(isinstance(x, str) for x in v),
+                   "a tuple of lm-eval task names or task YAML paths"),
+    "eval_tasks_every": _int(ge=0, note="0: after the last step only"),
+    "eval_tasks_limit": _int(ge=0, note="0: every document"),
     "init_from": _STR,  # its form and target: checkpoint.parse_init_from, below
     "data.path": _STR,
     "data.unit": _one_of(sources.UNITS),
@@ -367,6 +378,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     _validate_tokenizer(config)
     _validate_test_path(config)
     _validate_finetuning(config)
+    task_eval.check(config, family_of(config).decoding, num_processes)
     model = ml_collections.ConfigDict(config.model.to_dict())
     model.num_classes = model.num_classes or 1  # 0: the task's, known once its data is read
     try:

@@ -53,8 +53,20 @@ class TransformerLM(LM):
     def __init__(self, workdir: str, step: int | None = None, batch_size: int | str = 8,
                  max_length: int | None = None):
         super().__init__()
-        self.model, self.params, self.tokenizer, self.config = generate.load_workdir(
-            workdir, None if step in (None, "") else int(step))
+        self._setup(*generate.load_workdir(workdir, None if step in (None, "") else int(step)),
+                    batch_size, max_length)
+
+    @classmethod
+    def from_params(cls, model, params, tokenizer, config, batch_size: int | str = 8,
+                    max_length: int | None = None) -> TransformerLM:
+        """The adapter over params in memory (a training run's: `transformer.task_eval`)."""
+        lm = cls.__new__(cls)
+        LM.__init__(lm)
+        lm._setup(model, params, tokenizer, config, batch_size, max_length)
+        return lm
+
+    def _setup(self, model, params, tokenizer, config, batch_size, max_length) -> None:
+        self.model, self.params, self.tokenizer, self.config = model, params, tokenizer, config
         family = family_of(self.config)
         if family.decoding != "causal":
             raise ValueError(f"model.family={family.name!r}: the harness adapter scores causal "

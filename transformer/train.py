@@ -35,6 +35,7 @@ from transformer import (
     progress,
     sharding,
     startup,
+    task_eval,
 )
 from transformer import metrics as metrics_lib
 from transformer import placement as placement_lib
@@ -240,6 +241,8 @@ def loop(run: Run, peak_flops: float | None) -> bool:
             run.last_metrics = {**run.last_metrics,
                                 **{f"val_{k}": v for k, v in result.items()}}
             pauses["eval"].append(time.perf_counter() - began)
+        if task_eval.due(config, run.step, last):  # lm-eval tasks, logged as validation is
+            pauses["eval"].append(task_eval.evaluate(run, optim.eval_params(run.state, config)))
         stopping = run.stop_requested()
         save = run.step % config.checkpoint_every == 0 or last or stopping
         if save:

@@ -1,0 +1,72 @@
+"""lm-eval tasks during training (config.eval_tasks): logged like validation, equal to the harness
+adapter's scores of the saved params, and refused in one line where they cannot run."""
+
+import json
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from test_harness import evaluate, write_tasks  # noqa: E402
+from test_train import TINY_MODEL, read_metrics  # noqa: E402
+
+from transformer import configs, task_eval, train  # noqa: E402
+from transformer.harness import TransformerLM  # noqa: E402
+
+
+def tiny_config(tasks_dir, **more):
+    config = configs.experiment("gpt_tiny")
+    config.update(steps=20, batch_size=4, seq_len=32, log_every=10, eval_every=20, eval_steps=1,
+                  checkpoint_every=20, eval_tasks=(str(tasks_dir / "mc.yaml"),),
+                  eval_tasks_every=10, **more)
+    config.model.update(**TINY_MODEL)
+    return config
+
+
+@pytest.mark.slow
+def test_tasks_are_scored_during_training_and_logged_like_validation(tmp_path):
+    tasks_dir = write_tasks(tmp_path / "tasks")
+    workdir = tmp_path / "run"
+    train.train_and_evaluate(tiny_config(tasks_dir), str(workdir))
+    records = [r for r in read_metrics(workdir) if r["split"] == "tasks"]
+    assert [r["step"] for r in records] == [10, 20]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["tasks/local_mc/acc"] == records[-1]["local_mc/acc"]
+    # The last score is the harness adapter's on the saved step-20 params.
+    want = evaluate(TransformerLM(workdir=str(workdir), batch_size=4), tmp_path, "local_mc")
+    assert records[-1]["local_mc/acc"] == pytest.approx(want["acc,none"])
+
+
+@pytest.mark.parametrize("more, model, message", [
+    (dict(eval_tasks=("no_such_task_xyz",)), {},
+     "eval_tasks: unknown lm-eval task(s) ['no_such_task_xyz']"),
+    (dict(eval_tasks=("missing.yaml",)), {}, "eval_tasks: 'missing.yaml': no such task file"),
+    (dict(eval_tasks_every=-1), {}, "eval_tasks_every=-1: expected an int >= 0"),
+    ({}, dict(family="bert"), "eval_tasks with model.family='bert': expected a causal decoder "
+                              "LM ('gpt')"),
+])
+def test_tasks_that_cannot_run_are_refused_in_one_line_before_training(tmp_path, more, model,
+                                                                        message):
+    config = tiny_config(write_tasks(tmp_path / "tasks"))
+    config.update(more)
+    config.model.update(model)
+    with pytest.raises(ValueError) as error:
+        configs.validate_config(config)
+    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+    with pytest.raises(ValueError):
+        configs.validate_config(config, num_processes=1)
+
+
+def test_several_processes_are_refused():
+    config = configs.base_config()
+    config.eval_tasks = ("lambada_openai",)
+    with pytest.raises(ValueError, match=r"^eval_tasks on 2 processes: expected one"):
+        task_eval.check(config, "causal", num_processes=2)
+
+
+def test_results_flatten_to_task_and_metric_names():
+    results = {"mc": {"alias": "mc", "acc,none": 0.5, "acc_stderr,none": 0.1},
+               "gen": {"exact_match,strict": 1, "exact_match,none": 0.25, "sample_len": True}}
+    assert task_eval.flatten(results) == {"mc/acc": 0.5, "mc/acc_stderr": 0.1,
+                                          "gen/exact_match,strict": 1.0,
+                                          "gen/exact_match": 0.25}
