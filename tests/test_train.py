@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import configs, hostmem, placement, progress, train
+from transformer import configs, hostmem, placement, progress, run_eval, train
 from transformer import evaluate as evaluate_lib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -557,13 +557,13 @@ def test_speed_is_timed_over_training_steps_alone_and_the_eta_counts_evaluations
     """tok/s, MFU and step_time time training steps only: not the first step (which
     compiles) and not the evaluations between steps (made to take 1.5 s here). The ETA adds
     the evaluations still to come at the time they took."""
-    evaluate = train.evaluate_split
+    evaluate = run_eval.evaluate_split
 
     def slow_evaluate(*args, **kwargs):
         time.sleep(1.5)
         return evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(train, "evaluate_split", slow_evaluate)
+    monkeypatch.setattr(run_eval, "evaluate_split", slow_evaluate)
     result = train.train_and_evaluate(tiny_config(steps=6, eval_every=2), str(tmp_path))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if r["split"] == "train" and "tokens_per_s" in r]

@@ -390,7 +390,8 @@ def test_fresh_start_sets_the_whole_previous_run_aside(tmp_path, text):
     workdir = tmp_path / "run"
     assert_succeeded(train(workdir, text, steps=2))
     # Named here, not read from checkpoint_lib.RUN_FILES: a name dropped there must fail this.
-    records = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer", "val_windows.npz")
+    records = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer", "val_windows.npz",
+               "goodput.json")
     old = {name: file_hashes(workdir / name) if (workdir / name).is_dir() else
            (workdir / name).read_bytes() for name in records}
     assert_succeeded(train(workdir, text, "--config.fresh_start=True", steps=2, logs="fresh"))

@@ -37,7 +37,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from transformer import kernels, optim, progress, startup, task_eval, train
+from transformer import kernels, optim, progress, run_eval, startup, task_eval, train
 from transformer import metrics as metrics_lib
 from transformer.step import make_seeded_train_step
 
@@ -174,7 +174,9 @@ def loop(runs: Sequence[train.Run], peak_flops: float | None) -> bool:
     # One timer for all: every seed's step takes the whole program's time, and evaluations and
     # saves of any seed pause them all (outside the timed windows; the ETA counts them all).
     since = {id(run): None for run in runs}
-    pauses = {"eval": [], "save": []}
+    pauses = runs[0].goodput.pauses  # goodput reads them too: each seed's time is the group's
+    for run in runs[1:]:
+        run.goodput.pauses = pauses
     stopping = False
     while not stopping:
         live = [run for run in runs if run.error is None and run.step < config.steps]
@@ -184,11 +186,12 @@ def loop(runs: Sequence[train.Run], peak_flops: float | None) -> bool:
         behind = [run for run in live if run.step < ahead]  # after a kill -9: catch up first
         training = {id(run) for run in behind or live}
         active = np.array([id(run) in training for run in runs])
-        batches = {id(run): run.placement.global_batch(next(run.train_data))
+        batches = {id(run): run.placement.global_batch(run.goodput.next_batch(run.train_data))
                    for run, on in zip(runs, active, strict=True) if on}
         filler = next(iter(batches.values()))  # the masked seeds' rows: computed, not kept
         first = any(since[id(run)] is None for run in runs if id(run) in batches)
-        with kernels.recording() if first else contextlib.nullcontext() as chosen:
+        with runs[0].tracer.step(runs[0]), \
+                kernels.recording() if first else contextlib.nullcontext() as chosen:
             metrics, compiled = group.train([batches.get(id(run), filler) for run in runs],
                                             active)
         # A program's first call compiles (the masked one on a resume that catches up, the
@@ -253,7 +256,7 @@ def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
     evaluating = [(k, run) for k, run in trained if run.error is None and (
         run.step % config.eval_every == 0 or run.step == config.steps)]
     for k, run in evaluating:
-        result = _with_state(run, group, k, lambda r: train.evaluate_split(
+        result = _with_state(run, group, k, lambda r: run_eval.evaluate_split(
             r, "validation", config.eval_steps, windows=r.step == config.steps))
         run.last_metrics = {**run.last_metrics,
                             **{f"val_{key}": v for key, v in result.items()}}

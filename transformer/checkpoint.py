@@ -396,7 +396,8 @@ class Manager:
 
 # What a run writes beside its checkpoints, set aside with them (a fresh run would append to its
 # records, mix its TensorBoard events in, or overwrite its summary and tokenizer).
-RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer", "val_windows.npz")
+RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer", "val_windows.npz",
+             "goodput.json", "wandb.json", "wandb", "profile")
 
 
 def set_aside(workdir: str) -> str | None:

@@ -18,7 +18,15 @@ import jax
 import ml_collections
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import fileio, optim, placement, sequence_parallel, sharding, task_eval
+from transformer import (
+    fileio,
+    optim,
+    placement,
+    sequence_parallel,
+    sharding,
+    task_eval,
+    wandb_logging,
+)
 from transformer.data import inputs, pipeline, sources, tokenizers
 from transformer.models import FAMILIES, build_model, default_model_config, family_of
 
@@ -101,7 +109,26 @@ def base_config() -> ml_collections.ConfigDict:
     # Devices per mesh axis (transformer.sharding.MESH_AXIS_TABLE); -1: all remaining devices.
     config.mesh = ml_collections.ConfigDict(
         {axis.name: axis.default for axis in sharding.MESH_AXIS_TABLE})
+
+    config.profile, config.wandb = profile_config(), wandb_config()
     return config
+
+
+def profile_config() -> ml_collections.ConfigDict:
+    """base_config's profile group: a jax.profiler trace of steps start_step .. start_step +
+    num_steps - 1 (step 1 compiles) into WORKDIR/profile/, on process 0 or on every host
+    (transformer.profiling)."""
+    return ml_collections.ConfigDict(
+        {"start_step": 5, "num_steps": 0, "all_hosts": False})  # num_steps 0: no trace
+
+
+def wandb_config() -> ml_collections.ConfigDict:
+    """base_config's wandb group: Weights & Biases (transformer.wandb_logging, the `wandb`
+    extra), on when project is set."""
+    return ml_collections.ConfigDict(
+        {"project": "", "entity": "", "name": "",  # name "": the experiment's
+         "mode": "online",  # online | offline (files in WORKDIR/wandb/) | disabled
+         "variant": ""})  # set by transformer.sweep: the variant, a W&B config field
 
 
 def optimizer_config() -> ml_collections.ConfigDict:
@@ -325,6 +352,14 @@ CHECKS: dict[str, Check] = {
     "model.num_classes": _int(ge=0, note="0: the task's"),
     "model.dtype": _one_of(DTYPES),  # compute
     "model.param_dtype": _one_of(DTYPES),
+    "profile.start_step": _int(ge=1, note="the first traced step; step 1 compiles"),
+    "profile.num_steps": _int(ge=0, note="0: no trace"),
+    "profile.all_hosts": _BOOL,
+    "wandb.project": _STR,  # "": no W&B; set, it needs the wandb package: wandb_logging.check
+    "wandb.entity": _STR,
+    "wandb.name": _STR,
+    "wandb.mode": _one_of(wandb_logging.MODES),
+    "wandb.variant": _STR,
 }
 # Keys whose values are checked by code they belong to (called from validate_config).
 CHECKED_ELSEWHERE = ("compiler_options", "mesh", "model")
@@ -379,6 +414,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     _validate_test_path(config)
     _validate_finetuning(config)
     task_eval.check(config, family_of(config).decoding, num_processes)
+    wandb_logging.check(config)
     model = ml_collections.ConfigDict(config.model.to_dict())
     model.num_classes = model.num_classes or 1  # 0: the task's, known once its data is read
     try:

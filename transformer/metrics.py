@@ -180,8 +180,11 @@ class MetricsLogger:
     """Metrics to JSONL + TensorBoard (process 0), progress lines to the terminal.
 
     Every record carries `elapsed`: seconds of this run so far, summed over resumes (the time
-    a killed run spent after its last checkpoint is dropped with its records).
+    a killed run spent after its last checkpoint is dropped with its records). `sink` (W&B:
+    transformer.wandb_logging.Sink) gets every record too, and the summary at `finish`.
     """
+
+    sink = None
 
     def __init__(self, workdir: str, enabled: bool, start_step: int = 0):
         self.enabled = enabled
@@ -223,6 +226,8 @@ class MetricsLogger:
             if isinstance(value, int | float):  # e.g. not new_data's list of changes
                 self.tensorboard.add_scalar(f"{split}/{name}", value, step)
         self.tensorboard.flush()
+        if self.sink is not None:
+            self.sink.log(step, split, metrics)
 
     def print(self, line: str, transient: bool = False) -> None:
         if not self.enabled:
@@ -238,3 +243,11 @@ class MetricsLogger:
             if self.jsonl is not None:
                 self.jsonl.close()
             self.tensorboard.close()
+
+    def finish(self, summary: dict | None) -> None:
+        """Ends the sink's run after close: with the run's summary, or as failed (None)."""
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            if summary is not None:
+                sink.summary(summary)
+            sink.finish(exit_code=0 if summary is not None else 1)

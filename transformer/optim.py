@@ -247,7 +247,7 @@ def eval_params(state, config: ml_collections.ConfigDict):
     """The params to evaluate, sample from and export: `state.params`, except under
     schedule_free_adamw, whose train state holds the gradients' point y and whose evaluation
     point is x = (y - (1 - b1) z) / b1 (optax.contrib.schedule_free_eval_params, with each
-    group's z: a frozen param stays). train.evaluate_split (validation and test during training
+    group's z: a frozen param stays). run_eval.evaluate_split (validation and test during training
     and at its end) and the samples after training call it; checkpoint.read_params applies it to
     a saved schedule-free run for every command reading one (evaluate, generate, export,
     visualize, harness, fine-tuning's init_from)."""

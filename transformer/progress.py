@@ -8,7 +8,7 @@ import time
 
 import jax
 
-from transformer import fileio, nonfinite, optim
+from transformer import fileio, goodput, nonfinite, optim
 from transformer import metrics as metrics_lib
 from transformer import placement as placement_lib
 from transformer.data import inputs
@@ -25,6 +25,7 @@ def log_first_step(run, start: float, chosen) -> float:
     the attention kernels `chosen` while it traced); returns when it ended."""
     now = time.perf_counter()
     run.first_step_seconds = now - start
+    run.goodput.compiled(now)
     attention = f", attention {'/'.join(sorted(set(chosen)))}" if chosen else ""
     run.logger.print(f"step {run.step}: the first step (compilation included{attention}) took "
                      f"{run.first_step_seconds:.1f} s")
@@ -68,6 +69,7 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
         for name, rows in zip(inputs.source_configs(config), counts, strict=True):
             record[f"tokens/{name}"] = int(rows) * config.seq_len
     run.logger.write(step, "train", record)
+    run.goodput.heartbeat(step)
     run.logger.print(f"step {step}/{config.steps} loss {record['loss']:.4f} "
                      f"acc {record['accuracy']:.3f} lr {lr:.2e} "
                      f"gnorm {record['grad_norm']:.2f} "
@@ -84,7 +86,9 @@ def summarize(run, wall_seconds: float) -> dict:
     summary = {"step": run.step, "wall_seconds": wall_seconds,
                "elapsed": run.logger.elapsed(), "num_params": run.num_params,
                "active_params": run.active_params,
-               "first_step_seconds": run.first_step_seconds, **run.last_metrics}
+               "first_step_seconds": run.first_step_seconds, **run.last_metrics,
+               "goodput": run.goodput.close(run.step)}
+    run.logger.print(goodput.line(summary["goodput"]))
     if jax.process_index() == 0:
         fileio.write_atomic(fileio.join(run.workdir, "summary.json"),
                             json.dumps(summary, indent=2))

@@ -47,6 +47,25 @@ def finished_result(config: ml_collections.ConfigDict, workdir: str, done: Finis
             "config": config}
 
 
+def announce(run, mesh_summary: str) -> None:
+    """The lines a training's start prints: the run (model, size, batch, steps, workdir), a new
+    data stream (also a `new_data` record), the mesh and shardings, a labeled task's classes."""
+    config, start_step, changes = run.config, run.start_step, run.manager.stream_changes
+    active = ("" if run.active_params == run.num_params else
+              f" ({run.active_params:,} active per token)")
+    run.logger.print(f"{config.experiment}: {config.model.family}, {run.num_params:,} params"
+                     f"{active}, batch {config.batch_size} x {config.seq_len}, "
+                     f"steps {start_step}..{config.steps}, workdir {run.workdir}")
+    if changes:
+        run.logger.print(f"new_data: step {start_step}'s params continue on a new data stream, "
+                         "from its start (" + "; ".join(changes) + ")")
+        run.logger.write(start_step, "new_data", {"changes": changes})
+    run.logger.print(mesh_summary)
+    if run.task is not None:
+        run.logger.print(f"task {run.task.name}: {len(run.task.labels)} classes; examples per "
+                         "class:\n" + run.task.balance())
+
+
 def check_workdir(config: ml_collections.ConfigDict, workdir: str,
                    manager: checkpoint_lib.Manager) -> None:
     """Before anything is written: the latest checkpoint must match the config (model, data
@@ -104,7 +123,8 @@ def check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> Non
 
 
 def evaluable(config: ml_collections.ConfigDict, seq_len: int) -> bool:
-    """Whether `train.finish` evaluates at `seq_len` (it skips lengths the model cannot run at)."""
+    """Whether `run_eval.after_training` evaluates at `seq_len` (it skips lengths the model
+    cannot run at)."""
     try:
         evaluation.check_eval_seq_len(config, seq_len)
     except ValueError:

@@ -153,6 +153,8 @@ def apply(config: ml_collections.ConfigDict, variant: Variant) -> ml_collections
         except TypeError as error:
             raise ValueError(f"variant {variant.name!r}: {key}={value!r}: {error}") from None
     config.experiment = f"{config.experiment}/{variant.name}"
+    if "wandb" in config:  # W&B groups a variant's seeds
+        config.wandb.variant = variant.name.rsplit("/seed_", 1)[0]
     return config
 
 
@@ -279,7 +281,9 @@ def status(workdir: str, config) -> str:
 
 # Settings a variant may change between runs of a sweep without invalidating what it trained.
 _MAY_CHANGE = {"experiment", "steps", "log_every", "eval_every", "eval_steps", "eval_seq_lens",
-               "checkpoint_every", "keep_checkpoints", "fresh_start", "data.prefetch"}
+               "checkpoint_every", "keep_checkpoints", "fresh_start", "data.prefetch",
+               *(f"profile.{key}" for key in ("start_step", "num_steps", "all_hosts")),
+               *(f"wandb.{key}" for key in ("project", "entity", "name", "mode", "variant"))}
 _CONFIG_FILE = "sweep_config.json"
 
 

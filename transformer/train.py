@@ -1,11 +1,11 @@
-"""Pretraining: the loop around the pure jitted train step (setup, loop, finish) and the CLI.
+"""Pretraining: the loop around the pure jitted train step (setup, loop) and the CLI.
 
     python -m transformer.train --config=experiments/<name>.py --workdir=DIR [--config.KEY=VALUE]
 
 With no flags it trains the default experiment (experiments/gpt_tiny.py) into runs/gpt_tiny.
 Rerunning the same command on an existing workdir resumes from its latest complete checkpoint.
 Beside it: step (the train step), startup (checks), progress (log lines), optim, state,
-evaluation, metrics, placement (mesh, compiler options), checkpoint, workdir (the lock),
+run_eval (validation, lm-eval tasks, test) over evaluation, metrics, placement (mesh, compiler options), checkpoint, workdir (the lock),
 nonfinite, and the model families' table in transformer.models.
 """
 
@@ -28,14 +28,17 @@ from transformer import (
     evaluation,
     fileio,
     finetune,
+    goodput,
     hostmem,
     kernels,
     nonfinite,
     optim,
+    profiling,
     progress,
+    run_eval,
     sharding,
     startup,
-    task_eval,
+    wandb_logging,
 )
 from transformer import metrics as metrics_lib
 from transformer import placement as placement_lib
@@ -79,16 +82,21 @@ class Run:
     first_step_seconds: float | None = None  # this process's first step, compilation included
     lock: workdir_lib.Lock | None = None  # WORKDIR/train.lock, held to the end of the run
     error: Exception | None = None  # why a run of a batched group stopped alone (NaN)
+    goodput: goodput.Clock | None = None  # where the wall time goes (summary.json)
+    tracer: profiling.Tracer | None = None  # config.profile's trace
 
     def stop_requested(self) -> bool:
         return placement_lib.agreed(self.signal is not None)
 
 
-def setup(config: ml_collections.ConfigDict, workdir: str, explicit=()) -> Run:
+def setup(config: ml_collections.ConfigDict, workdir: str, explicit=(),
+          started: float | None = None) -> Run:
     """Validates the config and checks the workdir and the data, then builds or restores
     everything the loop needs. Nothing in an existing workdir changes before every check has
     passed; raises `Finished` if the run is already complete. `explicit`: the config keys the
-    user set (an init_from=hf:DIR's config.json fills the model's other keys)."""
+    user set (an init_from=hf:DIR's config.json fills the model's other keys); `started`: when
+    the run started (perf_counter; default now), its start-up's beginning (goodput)."""
+    started = time.perf_counter() if started is None else started
     config = finetune.resolve_hf_config(ml_collections.ConfigDict(config.to_dict()), explicit)
     validate_config(config)
     if fileio.path(workdir).exists() and not fileio.path(workdir).is_dir():
@@ -97,7 +105,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str, explicit=()) -> Run:
         lock = workdir_lib.hold(workdir)  # before anything in the workdir changes
         opened.callback(lock.release, failed=True)  # a workdir this start made is removed
         run = _build(config, workdir, opened)
-        run.lock = lock
+        run.lock, run.goodput = lock, goodput.Clock(workdir, run.start_step, started,
+                                                     enabled=jax.process_index() == 0)
         opened.pop_all()  # the run owns them now
     return run
 
@@ -153,51 +162,12 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
                   tokenizer, "validation")),
               pipeline.Mixture(inputs.mixture_weights(config), config.seed)
               if config.data.get("sources") else None,
-              step=start_step, tokenizer_saved=resuming, peak=peak)
-    active = ("" if run.active_params == run.num_params else
-              f" ({run.active_params:,} active per token)")
-    run.logger.print(f"{config.experiment}: {config.model.family}, {run.num_params:,} params"
-                     f"{active}, "
-                     f"batch {config.batch_size} x {config.seq_len}, "
-                     f"steps {start_step}..{config.steps}, workdir {workdir}")
-    if manager.stream_changes:
-        run.logger.print(f"new_data: step {start_step}'s params continue on a new data stream, "
-                         "from its start (" + "; ".join(manager.stream_changes) + ")")
-        run.logger.write(start_step, "new_data", {"changes": manager.stream_changes})
-    run.logger.print(sharding.summary(placement.mesh, abstract, state_sharding,
-                                      config.batch_size))
-    if task is not None:
-        run.logger.print(f"task {task.name}: {len(task.labels)} classes; examples per class:\n"
-                         + task.balance())
+              step=start_step, tokenizer_saved=resuming, peak=peak,
+              tracer=profiling.Tracer(config, workdir))
+    run.logger.sink = wandb_logging.sink(config, workdir, run.logger)
+    startup.announce(run, sharding.summary(placement.mesh, abstract, state_sharding,
+                                           config.batch_size))
     return run
-
-
-def evaluate_split(run: Run, split: str, steps: int | None, seq_len: int | None = None,
-                   windows: bool = False) -> dict:
-    """Evaluates the current params (optim.eval_params: schedule-free's x) on `split` (at
-    `seq_len`), logs and returns the metrics; with `windows`, saves the per-window losses too
-    (evaluation.save_windows)."""
-    config, params = run.config, optim.eval_params(run.state, run.config)
-    if seq_len is None:
-        bytes_per_token = run.validation_bytes_per_token if split == "validation" else None
-        result = evaluation.evaluate(params, run.eval_step, config, run.tokenizer, steps,
-                                     run.placement, bytes_per_token, split=split, windows=windows)
-    else:
-        result = evaluation.evaluate_at_length(params, run.eval_step, config, run.tokenizer,
-                                               seq_len, run.placement, steps)
-    if (per_window := result.pop("windows", None)) is not None:  # the final validation pass
-        evaluation.save_windows(run.workdir, run.step, per_window)
-    name = split if seq_len is None else f"{split}@{seq_len}"
-    at = "" if seq_len is None else f" at length {seq_len}"
-    # A mixture's sources, each its own record ("validation/web"), then their total.
-    for source, metrics in result.pop("by_source", {}).items():
-        run.logger.write(run.step, f"{name}/{source}", metrics)
-        run.logger.print(f"step {run.step}: {split}/{source}{at} " + " ".join(
-            f"{k} {v:.4f}" for k, v in metrics.items() if k != "num_tokens"))
-    run.logger.write(run.step, name, result)
-    run.logger.print(f"step {run.step}: {split}{at} " + " ".join(
-        f"{k} {v:.4f}" for k, v in result.items() if k != "num_tokens"))
-    return result
 
 
 def loop(run: Run, peak_flops: float | None) -> bool:
@@ -210,15 +180,16 @@ def loop(run: Run, peak_flops: float | None) -> bool:
     # Speed is timed over windows of training steps alone (from `since`, a (time, step), to
     # the next log): the first step of the process, which compiles, and every evaluation and
     # save happen outside them, timed apart (`pauses`: the ETA counts them).
-    start, since, pauses = time.perf_counter(), None, {"eval": [], "save": []}
+    start, since, pauses = time.perf_counter(), None, run.goodput.pauses
     # Host page faults are counted over the third timed window, once: the first steps still map
     # in the memory malloc then keeps (hostmem). (bytes faulted in, step) when it began.
     logs, faults = 0, None
     stopping = False
     while run.step < config.steps and not stopping:
-        batch = run.placement.global_batch(next(run.train_data))
+        batch = run.placement.global_batch(run.goodput.next_batch(run.train_data))
         # The first call traces the step: record the attention kernels it compiles.
-        with kernels.recording() if since is None else contextlib.nullcontext() as chosen:
+        with run.tracer.step(run), \
+                kernels.recording() if since is None else contextlib.nullcontext() as chosen:
             run.state, metrics = run.train_step(run.state, batch)
         run.step += 1
         run.manager.check_for_errors()  # a failed background save stops the run at once
@@ -234,27 +205,19 @@ def loop(run: Run, peak_flops: float | None) -> bool:
                 per_step = (hostmem.faulted_bytes() - faults[0]) / (run.step - faults[1])
                 if line := hostmem.advice(jax.default_backend(), per_step):
                     run.logger.print(line)
-        evaluate = run.step % config.eval_every == 0 or last
-        if evaluate:
-            began = time.perf_counter()
-            result = evaluate_split(run, "validation", config.eval_steps, windows=last)
-            run.last_metrics = {**run.last_metrics,
-                                **{f"val_{k}": v for k, v in result.items()}}
-            pauses["eval"].append(time.perf_counter() - began)
-        if task_eval.due(config, run.step, last):  # lm-eval tasks, logged as validation is
-            pauses["eval"].append(task_eval.evaluate(run, optim.eval_params(run.state, config)))
+        evaluate = run_eval.during_training(run, last)
         stopping = run.stop_requested()
         save = run.step % config.checkpoint_every == 0 or last or stopping
         if save:
-            began = time.perf_counter()
-            save_checkpoint(run)
-            pauses["save"].append(time.perf_counter() - began)
+            with run.goodput.pause("save"):
+                save_checkpoint(run)
         if evaluate or save:  # the next window starts after them
             since = (time.perf_counter(), run.step)
         if logged and logs == 2:
             faults = (hostmem.faulted_bytes(), run.step)
     if stopping or run.stop_requested():  # also after the last save check
-        save_checkpoint(run)
+        with run.goodput.pause("save"):
+            save_checkpoint(run)
         run.logger.print(f"received signal {run.signal or 'on another process'}: "
                          f"saved step {run.step}, exiting")
         return True
@@ -264,6 +227,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
 def save_checkpoint(run: Run) -> None:
     """Checkpoints the current step (a fresh run's tokenizer goes into the workdir with its
     first checkpoint, so a run that fails before it leaves none behind)."""
+    run.goodput.saved(run.step)  # first: the check below is part of the save's time
     nonfinite.check(run.state, run.config, run.step, run.manager, saving=True)
     if not run.tokenizer_saved:
         inputs.save_tokenizer(run.tokenizer, run.workdir)
@@ -271,31 +235,12 @@ def save_checkpoint(run: Run) -> None:
     run.manager.save(run.step, run.state, run.train_data)
 
 
-def finish(run: Run) -> None:
-    """After the last step: the test split (a labeled task's, or data.test_path: all of it),
-    then validation at other lengths."""
-    config = run.config
-    if inputs.has_test_split(config):
-        result = evaluate_split(run, "test", None)
-        run.last_metrics.update({f"test_{k}": v for k, v in result.items()})
-    for seq_len in config.get("eval_seq_lens") or ():
-        try:
-            evaluation.check_eval_seq_len(config, seq_len)
-        except ValueError as error:
-            run.logger.print(f"validation at length {seq_len}: skipped: {error}")
-            run.last_metrics[f"val_loss@{seq_len}"] = None
-            continue
-        result = evaluate_split(run, "validation", config.eval_steps, seq_len)
-        run.last_metrics.update({f"val_{k}@{seq_len}": v for k, v in result.items()
-                                 if k in ("loss", "accuracy", "bits_per_byte")})
-
-
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       explicit=()) -> dict[str, Any]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, explicit=(),
+                       started: float | None = None) -> dict[str, Any]:
     """Trains `config` in `workdir` (resuming if it holds checkpoints); returns final metrics.
     A run already finished is left as it is: its summary is returned, with no state."""
     try:
-        run = setup(config, workdir, explicit)
+        run = setup(config, workdir, explicit, started)
     except startup.Finished as done:
         return startup.finished_result(config, workdir, done)
     try:
@@ -323,22 +268,32 @@ def train_to_end(runs: list[Run], loop_fn) -> list[dict[str, Any] | Exception]:
     for run in runs:
         run.logger.print(f"MFU against {peak:.3g} FLOP/s per device ({source})" if peak else
                          f"no MFU: {source}")
-    run_start = time.perf_counter()
-    with runs[0].placement.context():  # activation sharding constraints trace under the mesh
-        try:
-            stopped = loop_fn(runs[0] if len(runs) == 1 else runs, peak)
-            for run in runs:
-                if not stopped and run.step == run.config.steps and run.error is None:
-                    finish(run)
-        finally:
-            for run in runs:
-                run.manager.close()  # waits for async saves to finish
-                run.logger.close()
-                run.train_data.close()  # stops Grain's prefetch thread before shutdown
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    return [run.error or progress.summarize(run, time.perf_counter() - run_start)
-            for run in runs]
+        run.goodput.begin_loop()
+    run_start, results = time.perf_counter(), []
+    try:
+        with runs[0].placement.context():  # activation sharding constraints trace under the mesh
+            try:
+                stopped = loop_fn(runs[0] if len(runs) == 1 else runs, peak)
+                for run in runs:
+                    if not stopped and run.step == run.config.steps and run.error is None:
+                        with run.goodput.after_loop("evaluation"):
+                            run_eval.after_training(run)
+            finally:
+                for run in runs:
+                    run.tracer.close(run)
+                    with run.goodput.after_loop("checkpoint"):
+                        run.manager.close()  # waits for async saves to finish
+                    run.logger.close()
+                    run.train_data.close()  # stops Grain's prefetch thread before shutdown
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+        results = [run.error or progress.summarize(run, time.perf_counter() - run_start)
+                   for run in runs]
+        return results
+    finally:  # W&B's run ends with the summary, or failed
+        for k, run in enumerate(runs):
+            result = results[k] if k < len(results) else None
+            run.logger.finish(result["summary"] if isinstance(result, dict) else None)
 
 
 def main(argv) -> None:
@@ -352,8 +307,9 @@ def main(argv) -> None:
                                     FLAGS.process_id, cluster=FLAGS.jax_distributed)
     config = FLAGS.config
     workdir = FLAGS.workdir or os.path.join("runs", config.experiment)
-    result = train_and_evaluate(
-        config, workdir, explicit=config_flags.get_override_values(FLAGS["config"]))
+    result = train_and_evaluate(  # start-up is timed from the process's start (goodput)
+        config, workdir, explicit=config_flags.get_override_values(FLAGS["config"]),
+        started=time.perf_counter() - goodput.process_age())
     if jax.process_index() != 0:
         return
     config = result["config"]  # resolved: an init_from=hf:DIR's model settings filled in
