@@ -154,8 +154,8 @@ def _llama_like_settings(config, kind: str, head_dim: int) -> dict[str, Any]:
                                  "export needs 1 / sqrt(an integer) (query_pre_attn_scalar)")
         return dict(sliding_window=window, layer_types=layer_types,
                     query_pre_attn_scalar=scalar,
-                    attn_logit_softcapping=config.attention_softcap or None,
-                    final_logit_softcapping=config.final_logit_softcap or None)
+                    attn_logit_softcapping=float(config.attention_softcap) or None,
+                    final_logit_softcapping=float(config.final_logit_softcap) or None)
     return {"Mistral": {"sliding_window": window}, "Qwen2": {"use_sliding_window": False},
             "Qwen3": {"use_sliding_window": window is not None, "sliding_window": window,
                       "layer_types": layer_types}}.get(kind, {})
