@@ -18,8 +18,16 @@ from transformer.models import build_model, default_model_config  # noqa: E402
 
 EXPORTABLE = ["gpt2", "gpt2_untied", "gpt2_unscaled_attention", "llama_gqa",
               "llama_tied_linear_rope", "llama_mqa_head_dim_16", "llama_rope_llama3",
-              "mistral_window_4",
-              "qwen2_qkv_bias", "bert_mlm", "bert_classifier", "t5_v1_0", "t5_v1_1"]
+              "mistral_window_4", "qwen2_qkv_bias", "qwen3_tied_qk_norm",
+              "gemma2_window_softcaps", "olmo2_untied", "bert_mlm", "bert_classifier", "t5_v1_0",
+              "t5_v1_1"]
+# Gemma's norms hold weight w as our scale 1 + w in float32: w comes back as (1 + w) - 1, within
+# half a float32 ulp of 1 (and our scale s exactly only for s in [0.5, 2], where s - 1 is exact).
+GEMMA_NORM_ATOL = 2.0 ** -24
+
+
+def tolerance(case: str, key: str) -> float:
+    return GEMMA_NORM_ATOL if case.startswith("gemma") and "norm" in key else 0.0
 
 
 def flat(tree, prefix=""):
@@ -49,13 +57,15 @@ def test_to_hf_inverts_from_hf_bit_for_bit(case):
     hf_config, exported = export.to_hf(config, params)
     assert type(hf_config) is type(hf.config)
     for key, value in exported.items():  # every tensor written is HF's own, exactly
-        np.testing.assert_array_equal(value, state[key], err_msg=key)
+        np.testing.assert_allclose(value, state[key], rtol=0, atol=tolerance(case, key),
+                                   err_msg=key)
     again_config, again = convert.from_hf(hf_config, exported)
     assert again_config.to_dict() == config.to_dict()
     expected = flat(params)
     assert flat(again).keys() == expected.keys()
     for key, value in flat(again).items():
-        np.testing.assert_array_equal(value, expected[key], err_msg=key)
+        np.testing.assert_allclose(value, expected[key], rtol=0, atol=tolerance(case, key),
+                                   err_msg=key)
 
 
 def test_scanned_params_export_as_the_unrolled_ones():
@@ -69,6 +79,9 @@ def test_scanned_params_export_as_the_unrolled_ones():
     assert all(np.array_equal(scanned[k], unrolled[k]) for k in unrolled)
 
 
+ROPE = dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False)
+
+
 @pytest.mark.parametrize("overrides,match", [
     (dict(position="alibi"), "model.position='alibi': the GPT export needs 'learned'"),
     (dict(position="learned", norm_placement="post"),
@@ -77,6 +90,24 @@ def test_scanned_params_export_as_the_unrolled_ones():
      "model.norm='layernorm': the Llama export needs 'rmsnorm'"),
     (dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False,
           qkv_bias=True, sliding_window=8), "no Hugging Face class has both"),
+    (dict(ROPE, qk_norm=True, qk_norm_scope="projection"),
+     "model.qk_norm_scope='projection': the Qwen3 export needs 'head'"),
+    (dict(ROPE, qk_norm=True, attention_softcap=5.0),
+     "model.attention_softcap=5.0: the Qwen3 export needs 0.0"),
+    (dict(ROPE, norm_placement="sandwich"), "model.activation='swiglu': the Gemma2 export needs "
+     "'geglu'"),
+    (dict(ROPE, norm_placement="sandwich", activation="geglu", scale_embeddings=True,
+          attention_scale=0.3), "model.attention_scale=0.3: the Gemma2 export needs 1 / sqrt"),
+    (dict(ROPE, norm_placement="post_sublayer"), "model.qk_norm=False: the Olmo2 export needs "
+     "True"),
+    (dict(ROPE, norm_placement="post_sublayer", qk_norm=True, qk_norm_scope="projection",
+          sliding_window=4), "model.sliding_window=4: the Olmo2 export needs None"),
+    (dict(ROPE, final_logit_softcap=30.0),
+     "model.final_logit_softcap=30.0: the Llama export needs 0.0"),
+    (dict(ROPE, parallel_block=True), "model.parallel_block=True: the Llama export needs False"),
+    (dict(ROPE, sliding_window=4, sliding_window_pattern=2),
+     "model.sliding_window_pattern=2: the Mistral export needs 0"),
+    (dict(position="learned", qk_norm=True), "model.qk_norm=True: the GPT-2 export needs False"),
     (dict(family="lstm"), "model.family='lstm': expected 'gpt', 'bert' or 't5'"),
     (dict(family="t5", position="t5", norm="rmsnorm", use_bias=False, attention_scale=1.0,
           activation="relu", tie_embeddings=False), "the T5 export needs a tied head"),

@@ -1,6 +1,7 @@
 """Every field of every supported Hugging Face config class is honoured, refused or inert.
 
-For each config class the converter reads (GPT-2, BERT, T5, Llama, Mistral, Qwen2), every key of
+For each config class the converter reads (GPT-2, BERT, T5, Llama, Mistral, Qwen2, Qwen3, Gemma 2,
+OLMo 2), every key of
 `config.to_dict()` is in exactly one table below:
 - HONOURED: changing it changes our logits exactly as it changes HF's (both compared to 1e-4);
 - REFUSED: `convert.from_hf` raises a ValueError naming it;
@@ -39,6 +40,11 @@ MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_BASE),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA_BASE, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA_BASE),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(LLAMA_BASE, head_dim=8)),
+    # layers sliding, full with a window of 4 < 12 tokens
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        LLAMA_BASE, head_dim=8, sliding_window=4, query_pre_attn_scalar=8)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", LLAMA_BASE),
 }
 METADATA = {"_name_or_path", "architectures", "model_type", "transformers_version",
             "return_dict", "output_attentions", "output_hidden_states", "problem_type",
@@ -85,6 +91,15 @@ HONOURED = {
     "llama": LLAMA_HONOURED,
     "mistral": {**LLAMA_HONOURED, "sliding_window": {"sliding_window": 3}},
     "qwen2": {k: v for k, v in LLAMA_HONOURED.items() if k != "head_dim"},
+    "qwen3": {**LLAMA_HONOURED, "use_sliding_window": {
+        "use_sliding_window": True, "sliding_window": 3, "max_window_layers": 0}},
+    "gemma2": {**LLAMA_HONOURED, "tie_word_embeddings": {"tie_word_embeddings": False},
+               "query_pre_attn_scalar": {"query_pre_attn_scalar": 3},
+               "sliding_window": {"sliding_window": 2},
+               "layer_types": {"layer_types": ["full_attention", "full_attention"]},
+               "final_logit_softcapping": {"final_logit_softcapping": 1.0},
+               "attn_logit_softcapping": {"attn_logit_softcapping": 0.5}},
+    "olmo2": {k: v for k, v in LLAMA_HONOURED.items() if k != "head_dim"},
 }
 REFUSED = {
     "gpt2": {"add_cross_attention": {"add_cross_attention": True}, "reorder_and_upcast_attn":
@@ -103,6 +118,15 @@ REFUSED = {
               "use_sliding_window": {"use_sliding_window": True, "sliding_window": 4,
                                      "max_window_layers": 1},
               "layer_types": {"layer_types": ["sliding_attention", "full_attention"]}},
+    "qwen3": {"attention_bias": {"attention_bias": True}, "hidden_act": {"hidden_act": "gelu"},
+              "rope_parameters": {"rope_parameters": YARN},
+              "layer_types": {"layer_types": ["full_attention", "sliding_attention"],
+                              "use_sliding_window": True, "sliding_window": 3}},
+    "gemma2": {"attention_bias": {"attention_bias": True}, "hidden_activation":
+               {"hidden_activation": "silu"}, "rope_parameters": {"rope_parameters": YARN},
+               "use_bidirectional_attention": {"use_bidirectional_attention": True}},
+    "olmo2": {"attention_bias": {"attention_bias": True}, "hidden_act": {"hidden_act": "gelu"},
+              "rope_parameters": {"rope_parameters": YARN}},
 }
 INERT = {
     "gpt2": {"attn_pdrop": {"attn_pdrop": 0.5}, "resid_pdrop": {"resid_pdrop": 0.5,
@@ -130,6 +154,12 @@ INERT = {
     # without use_sliding_window (and sliding layer_types, refused) Qwen2 reads neither
     "qwen2": {**LLAMA_INERT, "sliding_window": {"sliding_window": 3}, "max_window_layers":
               {"max_window_layers": 1}},
+    # without use_sliding_window Qwen3 reads neither (with it, a mixed max_window_layers gives
+    # layer_types that are refused)
+    "qwen3": {**LLAMA_INERT, "sliding_window": {"sliding_window": 3}, "max_window_layers":
+              {"max_window_layers": 1}},
+    "gemma2": LLAMA_INERT,
+    "olmo2": LLAMA_INERT,
 }
 
 

@@ -1,4 +1,5 @@
-"""Our GPT-2, BERT, T5 and Llama equal Hugging Face's PyTorch models given the same weights."""
+"""Our GPT-2, BERT, T5, Llama (Mistral, Qwen2, Qwen3, Gemma 2, OLMo 2) equal Hugging Face's PyTorch
+models given the same weights."""
 
 import contextlib
 import math
@@ -75,13 +76,13 @@ def t5(v1_1=False):
             (enc_ids, dec_ids), dict(encoder_segment_ids=enc_mask), None)
 
 
-def llama(tie=False, rope=None, head_dim=None, kv_heads=2, kind="Llama", **more):
-    """Llama (or Mistral, Qwen2): GQA (4 query heads over `kv_heads`), RMSNorm, SwiGLU, RoPE;
-    right padding in the second row."""
+def llama(tie=False, rope=None, head_dim=None, kv_heads=2, kind="Llama", layers=2, **more):
+    """Llama (or Mistral, Qwen2, Qwen3, Gemma2, Olmo2): GQA (4 query heads over `kv_heads`),
+    RMSNorm, SwiGLU, RoPE; right padding in the second row."""
     config = getattr(transformers, f"{kind}Config")(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads,
-        **({"head_dim": head_dim} if head_dim else {}), intermediate_size=48, vocab_size=VOCAB,
-        max_position_embeddings=64,
+        num_hidden_layers=layers, hidden_size=32, num_attention_heads=4,
+        num_key_value_heads=kv_heads, **({"head_dim": head_dim} if head_dim else {}),
+        intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64,
         rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
         rope_parameters=rope or {"rope_type": "default", "rope_theta": 500000.0}, **more)
     hf = getattr(transformers, f"{kind}ForCausalLM")(config)
@@ -107,6 +108,13 @@ CASES = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
     "mistral_window_4": lambda: llama(kind="Mistral", sliding_window=4),
     "qwen2_qkv_bias": lambda: llama(kind="Qwen2"),
+    "qwen3_tied_qk_norm": lambda: llama(kind="Qwen3", tie=True, head_dim=16),
+    # Layers sliding, full, sliding, full (pattern 2) with a window of 4 < 12 tokens; a logit
+    # scale of 12^-0.5 with head_dim 16; both caps bind (test_gemma2_caps_and_windows_bind).
+    "gemma2_window_softcaps": lambda: llama(
+        kind="Gemma2", tie=True, head_dim=16, layers=4, sliding_window=4,
+        query_pre_attn_scalar=12, attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
+    "olmo2_untied": lambda: llama(kind="Olmo2"),
 }
 
 
@@ -121,6 +129,28 @@ def llama_norm_in_float64(self, hidden):
     """HF's LlamaRMSNorm also normalizes in float32; the same formula at full precision."""
     variance = hidden.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def gemma_norm_in_float64(self, hidden):
+    """Gemma2RMSNorm normalizes in float32 and scales by (1 + weight); the same at full
+    precision."""
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return (1.0 + self.weight) * (hidden * torch.rsqrt(variance + self.eps))
+
+
+def gemma_attention_in_float64(module, query, key, value, attention_mask, scaling=None,
+                               softcap=None, **kwargs):
+    """Gemma 2's eager attention takes its softmax in float32; the same attention (GQA, scale,
+    soft-cap, additive mask) with the softmax at full precision."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    logits = query @ key.transpose(2, 3) * scaling
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if attention_mask is not None:
+        logits = logits + attention_mask
+    weights = logits.softmax(dim=-1)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
 
 
 def llama_rope_in_float64(self, x, position_ids):
@@ -145,25 +175,40 @@ def llama_rope_in_float64(self, x, position_ids):
     return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
 
+def float64_patches():
+    """(owner, attribute, replacement): HF's float32 islands replaced by the same formulas."""
+    from transformers.models.gemma2 import modeling_gemma2
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+    from transformers.models.olmo2 import modeling_olmo2
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen3 import modeling_qwen3
+    from transformers.models.t5 import modeling_t5
+    patches = [(modeling_t5.T5LayerNorm, "forward", t5_norm_in_float64),
+               (modeling_gemma2.Gemma2RMSNorm, "forward", gemma_norm_in_float64),
+               (modeling_gemma2, "eager_attention_forward", gemma_attention_in_float64),
+               (modeling_gemma2.Gemma2RotaryEmbedding, "forward", llama_rope_in_float64)]
+    for module, kind in ((modeling_llama, "Llama"), (modeling_mistral, "Mistral"),
+                         (modeling_qwen2, "Qwen2"), (modeling_qwen3, "Qwen3"),
+                         (modeling_olmo2, "Olmo2")):
+        patches += [(getattr(module, f"{kind}RMSNorm"), "forward", llama_norm_in_float64),
+                    (getattr(module, f"{kind}RotaryEmbedding"), "forward", llama_rope_in_float64)]
+    return patches
+
+
 def max_logit_difference(case: str, dtype: str) -> float:
     """Max |our logits - HF logits| / max(1, max |HF logits|) for one model, both run in `dtype`
     from the same weights."""
     torch.manual_seed(0)  # HF initializes its weights from torch's global generator
     hf, hf_inputs, args, kwargs, valid = CASES[case]()
     hf = randomized(hf).to(getattr(torch, dtype))
-    from transformers.models.llama import modeling_llama
-    from transformers.models.mistral import modeling_mistral
-    from transformers.models.qwen2 import modeling_qwen2
-    from transformers.models.t5 import modeling_t5
-    patches = [(modeling_t5.T5LayerNorm, t5_norm_in_float64)]
-    for module, kind in ((modeling_llama, "Llama"), (modeling_mistral, "Mistral"),
-                         (modeling_qwen2, "Qwen2")):
-        patches += [(getattr(module, f"{kind}RMSNorm"), llama_norm_in_float64),
-                    (getattr(module, f"{kind}RotaryEmbedding"), llama_rope_in_float64)]
     with contextlib.ExitStack() as stack:
         if dtype == "float64":
-            for cls, forward in patches:
-                stack.enter_context(mock.patch.object(cls, "forward", forward))
+            for owner, name, replacement in float64_patches():
+                stack.enter_context(mock.patch.object(owner, name, replacement))
+            embed = getattr(getattr(hf, "model", None), "embed_tokens", None)
+            if hasattr(embed, "scalar_embed_scale"):  # Gemma's sqrt(d_model), a float32 buffer
+                embed.embed_scale.fill_(embed.scalar_embed_scale)
         with torch.no_grad():
             expected = hf(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).logits.numpy()
     with jax.enable_x64(dtype == "float64"):
@@ -182,6 +227,31 @@ def max_logit_difference(case: str, dtype: str) -> float:
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_hf(case, dtype):
     assert max_logit_difference(case, dtype) <= TOLERANCE[dtype]
+
+
+def test_gemma2_caps_and_windows_bind():
+    """Each Gemma 2 feature of gemma2_window_softcaps changes HF's logits by far more than the
+    tolerance (so test_logits_match_hf checks it): the attention and final soft-caps, the
+    window (vs one as long as the input) and the global layers (vs all sliding)."""
+
+    def logits(change=lambda hf: None):
+        torch.manual_seed(0)
+        hf, hf_inputs, _, _, valid = CASES["gemma2_window_softcaps"]()
+        hf = randomized(hf)
+        change(hf)
+        with torch.no_grad():
+            return hf(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).logits.numpy()[valid]
+
+    expected = logits()
+    assert np.abs(expected).max() > 0.9 * 2.0  # the final cap's tanh saturates
+    changes = [
+        lambda hf: setattr(hf.config, "final_logit_softcapping", None),
+        lambda hf: [setattr(layer.self_attn, "attn_logit_softcapping", None)
+                    for layer in hf.model.layers],
+        lambda hf: setattr(hf.config, "sliding_window", 64),
+        lambda hf: setattr(hf.config, "layer_types", ["sliding_attention"] * 4)]
+    for change in changes:
+        assert relative_difference(logits(change), expected) > 1e-2
 
 
 @pytest.mark.slow
@@ -307,11 +377,45 @@ def test_llama_settings_the_model_cannot_represent_are_refused(change, match):
         convert.from_hf(config, {})
 
 
+MIXED = ["full_attention", "sliding_attention"]
+
+
+@pytest.mark.parametrize("kind,change,match", [
+    ("Qwen3", dict(attention_bias=True), "Qwen3 attention_bias=True: expected False"),
+    ("Qwen3", dict(hidden_act="gelu"), "Qwen3 hidden_act='gelu': expected 'silu'"),
+    ("Qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+     r"Qwen3 layer_types=\['full_attention', 'sliding_attention'\] with sliding_window=4: "
+     "expected a window and 'full_attention' exactly at layers P-1, 2P-1"),
+    ("Gemma2", dict(hidden_activation="silu"),
+     "Gemma2 hidden_activation='silu': expected 'gelu_pytorch_tanh' or 'gelu_new'"),
+    ("Gemma2", dict(attention_bias=True), "Gemma2 attention_bias=True: expected False"),
+    ("Gemma2", dict(use_bidirectional_attention=True),
+     "Gemma2 use_bidirectional_attention=True: expected False or None"),
+    ("Gemma2", dict(layer_types=MIXED), r"Gemma2 layer_types=\['full_attention', "),
+    ("Gemma2", dict(sliding_window=None), "Gemma2 layer_types=.* with sliding_window=None"),
+    ("Gemma2", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+     "rope scaling type 'dynamic': expected 'default', 'linear' or 'llama3'"),
+    ("Olmo2", dict(attention_bias=True), "Olmo2 attention_bias=True: expected False"),
+    ("Olmo2", dict(hidden_act="relu"), "Olmo2 hidden_act='relu': expected 'silu'"),
+])
+def test_qwen3_gemma2_olmo2_settings_the_model_cannot_represent_are_refused(kind, change,
+                                                                          match):
+    config = getattr(transformers, f"{kind}Config")(
+        num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=24,
+        vocab_size=VOCAB, head_dim=8, **change)
+    with pytest.raises(ValueError, match=match) as error:
+        convert.from_hf(config, {})
+    assert "\n" not in str(error.value)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "mistral_window_4", "qwen2_qkv_bias"])
+@pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "mistral_window_4", "qwen2_qkv_bias",
+                                  "qwen3_tied_qk_norm", "gemma2_window_softcaps",
+                                  "olmo2_untied"])
 def test_kv_cache_greedy_decoding_matches_hf_generate(case):
-    """12 new tokens after a 5-token prompt: the window of mistral_window_4 slides past the
-    prompt, so the decode-time window mask is exercised as well as the training one."""
+    """12 new tokens after a 5-token prompt: the windows of mistral_window_4 and Gemma 2's
+    sliding layers slide past the prompt, so the decode-time window mask is exercised as well
+    as the training one."""
     from transformer import generate
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
-"""Import Hugging Face checkpoints (GPT-2, BERT, T5, Llama, Mistral, Qwen2) into this project's
-models.
+"""Import Hugging Face checkpoints (GPT-2, BERT, T5, Llama, Mistral, Qwen2, Qwen3, Gemma 2,
+OLMo 2) into this project's models.
 
 `from_hf(hf_config, state_dict)` returns (model config group, params). The state dict may hold
 torch tensors or NumPy arrays (torch itself is not needed here). Any parameter the model needs
@@ -15,6 +15,7 @@ model then returns its last layer's vectors, as the base model's `last_hidden_st
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import ml_collections
@@ -322,6 +323,37 @@ def _rope(hf_config) -> dict[str, Any]:
     return settings
 
 
+@dataclasses.dataclass(frozen=True)
+class LlamaLike:
+    """What a Llama-like Hugging Face family lays out differently from Llama: the block's norm
+    placement (model.norm_placement) with each norm's HF name (ours, theirs), the q/k norm
+    scope ("": none), what its RMSNorm adds to the weight, and its activation key and values."""
+
+    placement: str = "pre"
+    norms: tuple[tuple[str, str], ...] = (("self_attention_norm", "input_layernorm"),
+                                          ("mlp_norm", "post_attention_layernorm"))
+    qk_norm: str = ""  # "head" (Qwen3) | "projection" (OLMo 2)
+    norm_offset: float = 0.0  # Gemma: RMSNorm(x) * (1 + weight), so our scale is weight + 1
+    activation_key: str = "hidden_act"
+    activations: tuple[tuple[str, str], ...] = (("silu", "swiglu"),)  # (HF's, ours)
+
+
+LLAMA_LIKE = {
+    "Llama": LlamaLike(), "Mistral": LlamaLike(), "Qwen2": LlamaLike(),
+    "Qwen3": LlamaLike(qk_norm="head"),
+    "Gemma2": LlamaLike(
+        "sandwich", (("self_attention_norm", "input_layernorm"),
+                     ("self_attention_output_norm", "post_attention_layernorm"),
+                     ("mlp_norm", "pre_feedforward_layernorm"),
+                     ("mlp_output_norm", "post_feedforward_layernorm")),
+        norm_offset=1.0, activation_key="hidden_activation",
+        activations=(("gelu_pytorch_tanh", "geglu"), ("gelu_new", "geglu"))),
+    "Olmo2": LlamaLike("post_sublayer", (("self_attention_output_norm", "post_attention_layernorm"),
+                                         ("mlp_output_norm", "post_feedforward_layernorm")),
+                       qk_norm="projection"),
+}
+
+
 def llama(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """LlamaForCausalLM / LlamaModel -> (config for `DecoderLM`: RMSNorm, SwiGLU, RoPE, GQA, no
     biases; params). A LlamaModel with untied embeddings (no lm_head.weight) gives head "none".
@@ -333,7 +365,7 @@ def mistral(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Con
     """MistralForCausalLM / MistralModel: Llama with sliding-window attention (each token sees
     the last `sliding_window` positions: model.sliding_window)."""
     return _llama_like("Mistral", hf_config, state_dict, dtype,
-                       window=getattr(hf_config, "sliding_window", None))
+                       sliding_window=getattr(hf_config, "sliding_window", None))
 
 
 def qwen2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
@@ -347,66 +379,135 @@ def qwen2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Confi
     return _llama_like("Qwen2", hf_config, state_dict, dtype, qkv_bias=True)
 
 
-def _llama_like(name, hf_config, state_dict, dtype, *, window=None, qkv_bias=False):
-    refused = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
-               "hidden_act": "silu"}
+def qwen3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
+    """Qwen3ForCausalLM / Qwen3Model: Llama with an RMSNorm over each head's q and k before
+    RoPE (model.qk_norm, scope "head"). Sliding windows on every layer, or on all but every
+    P-th, are kept; other per-layer mixes (max_window_layers) are refused."""
+    return _llama_like("Qwen3", hf_config, state_dict, dtype, **_windows("Qwen3", hf_config))
+
+
+def gemma2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
+    """Gemma2ForCausalLM / Gemma2Model: sandwich norms x + N'(f(N(x))), GeGLU through the tanh
+    GELU, embeddings times sqrt(d_model), logit scale query_pre_attn_scalar^-0.5, attention and
+    final-logit soft-caps, and sliding-window layers between global ones (layer_types)."""
+    if getattr(hf_config, "use_bidirectional_attention", None):
+        raise ValueError("Gemma2 use_bidirectional_attention=True: expected False or None (a "
+                         "causal decoder LM)")
+    scalar = hf_config.query_pre_attn_scalar
+    head_dim = getattr(hf_config, "head_dim", None) or \
+        hf_config.hidden_size // hf_config.num_attention_heads
+    return _llama_like(
+        "Gemma2", hf_config, state_dict, dtype, scale_embeddings=True,
+        attention_scale=None if scalar == head_dim else float(scalar) ** -0.5,
+        attention_softcap=float(hf_config.attn_logit_softcapping or 0.0),
+        final_logit_softcap=float(hf_config.final_logit_softcapping or 0.0),
+        **_windows("Gemma2", hf_config))
+
+
+def olmo2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
+    """Olmo2ForCausalLM / Olmo2Model: norms on the sublayers' outputs, x + N'(f(x))
+    (model.norm_placement "post_sublayer"), and an RMSNorm over the whole q and k projections
+    (all heads together) before RoPE (model.qk_norm, scope "projection")."""
+    return _llama_like("Olmo2", hf_config, state_dict, dtype)
+
+
+def _windows(name, hf_config) -> dict[str, Any]:
+    """model.sliding_window and sliding_window_pattern of HF's per-layer `layer_types`: all
+    full (no window), all sliding (pattern 0), or full exactly at layers P-1, 2P-1, ...
+    (pattern P). HF's window W lets query i see keys j > i - W, as model.sliding_window does."""
+    layers = hf_config.num_hidden_layers
+    kinds = list(getattr(hf_config, "layer_types", None) or ["full_attention"] * layers)
+    if set(kinds) == {"full_attention"}:
+        return {"sliding_window": None, "sliding_window_pattern": 0}
+    window = getattr(hf_config, "sliding_window", None)
+    period = kinds.index("full_attention") + 1 if "full_attention" in kinds else 0
+    periodic = ["full_attention" if period and (i + 1) % period == 0 else "sliding_attention"
+                for i in range(layers)]
+    if kinds != periodic or window is None:
+        raise ValueError(f"{name} layer_types={kinds} with sliding_window={window}: expected "
+                         "a window and 'full_attention' exactly at layers P-1, 2P-1, ... (or "
+                         "nowhere), 'sliding_attention' elsewhere")
+    return {"sliding_window": int(window), "sliding_window_pattern": period}
+
+
+def _llama_like_config(name, hf_config, state_dict, **knobs) -> ml_collections.ConfigDict:
+    """The model config of a Llama-like HF config; `knobs`: family settings beyond Llama's."""
+    family = LLAMA_LIKE[name]
+    refused = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
     for key, supported in refused.items():
         if getattr(hf_config, key, supported) != supported:
             raise ValueError(f"{name} {key}={getattr(hf_config, key)!r}: expected "
                              f"{supported!r} (the only value this model represents)")
-    rope = _rope(hf_config)
+    activations = dict(family.activations)
+    act = getattr(hf_config, family.activation_key, family.activations[0][0])
+    if act not in activations:
+        raise ValueError(f"{name} {family.activation_key}={act!r}: expected "
+                         f"{' or '.join(map(repr, activations))} (the only value this model "
+                         "represents)")
     d, n = hf_config.hidden_size, hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or n
     head_dim = getattr(hf_config, "head_dim", None) or d // n
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-    headless = not tie and "lm_head.weight" not in state_dict
-    config = _model_config(
+    return _model_config(
         family="gpt", vocab_size=hf_config.vocab_size, tie_embeddings=tie,
-        head="none" if headless else "mlm", num_layers=hf_config.num_hidden_layers,
-        d_model=d, num_heads=n,
+        head="none" if not tie and "lm_head.weight" not in state_dict else "mlm",
+        num_layers=hf_config.num_hidden_layers, d_model=d, num_heads=n,
         num_kv_heads=None if kv == n else kv, head_dim=None if head_dim * n == d else head_dim,
-        d_ff=hf_config.intermediate_size, activation="swiglu", norm="rmsnorm",
-        norm_placement="pre", norm_epsilon=hf_config.rms_norm_eps, position="rope",
-        rope_layout="half", **rope,
+        d_ff=hf_config.intermediate_size, activation=activations[act], norm="rmsnorm",
+        norm_placement=family.placement, qk_norm=bool(family.qk_norm),
+        qk_norm_scope=family.qk_norm or "head", norm_epsilon=hf_config.rms_norm_eps,
+        position="rope", rope_layout="half", **_rope(hf_config),
         max_len=hf_config.max_position_embeddings, use_bias=False,
-        qkv_bias=True if qkv_bias else None, sliding_window=window,
         init_std=hf_config.initializer_range, dropout_rate=0.0,
-        attention_dropout_rate=getattr(hf_config, "attention_dropout", 0.0))
+        attention_dropout_rate=getattr(hf_config, "attention_dropout", 0.0), **knobs)
+
+
+def _llama_like(name, hf_config, state_dict, dtype, *, qkv_bias=False, **knobs):
+    """(config, params) of a Llama-like family (LLAMA_LIKE[name]); `knobs`: model settings."""
+    family = LLAMA_LIKE[name]
+    config = _llama_like_config(name, hf_config, state_dict,
+                                qkv_bias=True if qkv_bias else None, **knobs)
+    n, d = config.num_heads, config.d_model
+    kv, head_dim = config.num_kv_heads or n, config.head_dim or d // n
     root = "model." if any(k.startswith("model.") for k in state_dict) else ""
     ignored = tuple(k for k in state_dict if k.endswith("rotary_emb.inv_freq"))  # old buffers
-    ckpt = _Checkpoint(state_dict, ignored + (("lm_head.weight",) if tie else ()), dtype)
-    decoder = {"final_norm": _norm(ckpt, f"{root}norm", bias=False)}
-    for i in range(hf_config.num_hidden_layers):
+    ckpt = _Checkpoint(state_dict, ignored + (("lm_head.weight",) if config.tie_embeddings
+                                              else ()), dtype)
+    norm = lambda prefix: {"scale": ckpt(f"{prefix}.weight") + family.norm_offset}
+    qk_shape = lambda heads: (heads, head_dim) if family.qk_norm == "projection" else (head_dim,)
+    decoder = {"final_norm": norm(f"{root}norm")}
+    for i in range(config.num_layers):
         p = f"{root}layers.{i}."
         attention = {
             "query": _heads(ckpt(p + "self_attn.q_proj.weight", True), n),
             "key": _heads(ckpt(p + "self_attn.k_proj.weight", True), kv),
             "value": _heads(ckpt(p + "self_attn.v_proj.weight", True), kv),
             "out": ckpt(p + "self_attn.o_proj.weight", True).reshape(n, head_dim, d)}
-        if qkv_bias:
-            for ours, theirs, heads in (("query", "q", n), ("key", "k", kv), ("value", "v", kv)):
+        for ours, theirs, heads in (("query", "q", n), ("key", "k", kv), ("value", "v", kv)):
+            if qkv_bias:
                 attention[f"{ours}_bias"] = ckpt(f"{p}self_attn.{theirs}_proj.bias").reshape(
                     heads, head_dim)
+            if family.qk_norm and ours != "value":  # not offset: plain RMSNorms in every family
+                attention[f"{ours}_norm"] = {"scale": ckpt(
+                    f"{p}self_attn.{theirs}_norm.weight").reshape(qk_shape(heads))}
         decoder[f"layers_{i}"] = {
-            "self_attention_norm": _norm(ckpt, p + "input_layernorm", bias=False),
+            **{ours: norm(p + theirs) for ours, theirs in family.norms},
             "self_attention": attention,
-            "mlp_norm": _norm(ckpt, p + "post_attention_layernorm", bias=False),
             "mlp": {"wi_gate": ckpt(p + "mlp.gate_proj.weight", True),
                     "wi_up": ckpt(p + "mlp.up_proj.weight", True),
-                    "wo": ckpt(p + "mlp.down_proj.weight", True)},
-        }
+                    "wo": ckpt(p + "mlp.down_proj.weight", True)}}
     params = {"embed": {"embedding": ckpt(f"{root}embed_tokens.weight")}, "decoder": decoder}
-    if not tie and not headless:
+    if config.head != "none" and not config.tie_embeddings:
         params["lm_head"] = {"kernel": ckpt("lm_head.weight", transpose=True)}
     ckpt.check_all_used()
     return config, _maybe_scan(config, params, "decoder")
 
 
 def from_hf(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
-    """Dispatches on `hf_config.model_type` (gpt2, bert, t5, llama, mistral, qwen2); params as
-    `dtype` arrays."""
+    """Dispatches on `hf_config.model_type` (gpt2, bert, t5, llama, mistral, qwen2, qwen3,
+    gemma2, olmo2); params as `dtype` arrays."""
     converters = {"gpt2": gpt2, "bert": bert, "t5": t5, "llama": llama, "mistral": mistral,
-                  "qwen2": qwen2}
+                  "qwen2": qwen2, "qwen3": qwen3, "gemma2": gemma2, "olmo2": olmo2}
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in converters:
         raise ValueError(f"model_type={model_type!r}: expected one of {sorted(converters)}")

@@ -5,7 +5,8 @@ model.safetensors, tokenizer.json + tokenizer_config.json), with the user's umas
 
 `to_hf(model_config, params)` is the inverse of `transformer.convert.from_hf`: a GPT becomes
 GPT-2 (learned positions, LayerNorm, biases) or Llama (RoPE, RMSNorm, SwiGLU, no biases; with
-q/k/v biases Qwen2, with a sliding window Mistral), and a BERT BertForMaskedLM (or
+q/k/v biases Qwen2, with a sliding window Mistral, with per-head qk-norm Qwen3, with sandwich
+norms Gemma 2, with post-sublayer norms OLMo 2), and a BERT BertForMaskedLM (or
 BertForSequenceClassification for a [CLS] classifier), and a T5 T5ForConditionalGeneration
 (tied head, v1.0 or v1.1 feed-forward). An architecture no Hugging Face class represents (ALiBi
 or T5-bias positions in a GPT, post-LN GPT, ...) is refused with a one-line reason naming the
@@ -26,7 +27,7 @@ import numpy as np
 from flax import traverse_util
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import fileio, sharding
+from transformer import convert, fileio, sharding
 from transformer.layers import unstack_layers
 
 _GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -73,7 +74,7 @@ def _gpt2(config, params, transformers):
     _require(config, "GPT-2", norm="layernorm", norm_placement="pre", use_bias=True,
              qkv_bias=(None, True), activation=tuple(_GPT2_ACTIVATIONS), num_kv_heads=None,
              attention_scale=(None, 1.0), scale_embeddings=False, embedding_norm=False,
-             sliding_window=None)
+             sliding_window=None, **_PLAIN)
     if config.head_dim not in (None, config.d_model // config.num_heads):
         raise ValueError(f"model.head_dim={config.head_dim}: the GPT-2 export needs d_model / "
                          "num_heads")
@@ -109,16 +110,66 @@ def _gpt2(config, params, transformers):
     return hf_config, out
 
 
-def _llama(config, params, transformers):
-    _require(config, "Llama", norm="rmsnorm", norm_placement="pre", activation="swiglu",
-             use_bias=False, rope_layout="half", attention_scale=None, scale_embeddings=False,
-             embedding_norm=False)
+# Settings of the newer knobs that only some Hugging Face classes have.
+_NO_CAPS = dict(attention_softcap=0.0, final_logit_softcap=0.0, parallel_block=False)
+_PLAIN = dict(_NO_CAPS, qk_norm=False)
+_LLAMA = dict(_PLAIN, sliding_window_pattern=0, attention_scale=None, scale_embeddings=False)
+# Beyond Llama's RMSNorm, RoPE and no biases, what each Llama-like class fixes (its norm
+# placement and activation come from convert.LLAMA_LIKE).
+_LLAMA_LIKE_NEEDS = {
+    "Llama": _LLAMA, "Mistral": _LLAMA, "Qwen2": _LLAMA,
+    "Qwen3": dict(_NO_CAPS, qk_norm=True, qk_norm_scope="head", qkv_bias=(None, False),
+                  attention_scale=None, scale_embeddings=False),
+    "Gemma2": dict(qk_norm=False, parallel_block=False, qkv_bias=(None, False),
+                   scale_embeddings=True),
+    "Olmo2": dict(_NO_CAPS, qk_norm=True, qk_norm_scope="projection", sliding_window=None,
+                  qkv_bias=(None, False), attention_scale=None, scale_embeddings=False),
+}
+
+
+def _llama_kind(config) -> str:
+    """The Llama-like class a RoPE GPT exports as: the norm placement, then qk-norm, biases
+    and the window pick it (the class's other requirements are checked after)."""
+    if config.norm_placement in ("sandwich", "post_sublayer"):
+        return "Gemma2" if config.norm_placement == "sandwich" else "Olmo2"
+    if config.qk_norm:
+        return "Qwen3"
     if config.qkv_bias and config.sliding_window is not None:
         raise ValueError("model.qkv_bias=True with model.sliding_window: no Hugging Face class "
                          "has both (Qwen2 has the biases, Mistral the window)")
-    kind = "Qwen2" if config.qkv_bias else "Mistral" if config.sliding_window else "Llama"
+    return "Qwen2" if config.qkv_bias else "Mistral" if config.sliding_window else "Llama"
+
+
+def _llama_like_settings(config, kind: str, head_dim: int) -> dict[str, Any]:
+    """The HF config keys of `kind` beyond Llama's: windows, soft-caps, logit scale."""
+    window, pattern = config.sliding_window, config.sliding_window_pattern
+    layer_types = ["full_attention" if window is None or pattern and (i + 1) % pattern == 0
+                   else "sliding_attention" for i in range(config.num_layers)]
+    if kind == "Gemma2":
+        scalar = head_dim
+        if config.attention_scale is not None:
+            scalar = round(config.attention_scale ** -2)
+            if not np.isclose(scalar ** -0.5, config.attention_scale, rtol=1e-9, atol=0):
+                raise ValueError(f"model.attention_scale={config.attention_scale}: the Gemma2 "
+                                 "export needs 1 / sqrt(an integer) (query_pre_attn_scalar)")
+        return dict(sliding_window=window, layer_types=layer_types,
+                    query_pre_attn_scalar=scalar,
+                    attn_logit_softcapping=float(config.attention_softcap) or None,
+                    final_logit_softcapping=float(config.final_logit_softcap) or None)
+    return {"Mistral": {"sliding_window": window}, "Qwen2": {"use_sliding_window": False},
+            "Qwen3": {"use_sliding_window": window is not None, "sliding_window": window,
+                      "layer_types": layer_types}}.get(kind, {})
+
+
+def _llama(config, params, transformers):
+    """Llama, Mistral, Qwen2, Qwen3, Gemma2 or Olmo2 (`_llama_kind`)."""
+    kind = _llama_kind(config)
+    family = convert.LLAMA_LIKE[kind]
+    activation = family.activations[0]  # (HF's name, ours)
+    _require(config, kind, norm="rmsnorm", norm_placement=family.placement,
+             activation=activation[1], use_bias=False, rope_layout="half", embedding_norm=False,
+             **_LLAMA_LIKE_NEEDS[kind])
     head_dim = config.head_dim or config.d_model // config.num_heads
-    kv = config.num_kv_heads or config.num_heads
     rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
     if config.rope_scaling == "llama3":
         rope.update(rope_type="llama3", factor=float(config.rope_scale),
@@ -127,43 +178,55 @@ def _llama(config, params, transformers):
                     original_max_position_embeddings=int(config.rope_original_max_len))
     elif config.rope_scale != 1.0:
         rope.update(rope_type="linear", factor=float(config.rope_scale))
-    more = {"sliding_window": config.sliding_window} if kind == "Mistral" else {}
-    if kind == "Qwen2":
-        more = {"use_sliding_window": False}
     hf_config = getattr(transformers, f"{kind}Config")(
         vocab_size=config.vocab_size, hidden_size=config.d_model,
         intermediate_size=config.d_ff, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=kv, head_dim=head_dim,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads or config.num_heads, head_dim=head_dim,
         max_position_embeddings=config.max_len, rms_norm_eps=config.norm_epsilon,
-        tie_word_embeddings=config.tie_embeddings, rope_parameters=rope, hidden_act="silu",
+        tie_word_embeddings=config.tie_embeddings, rope_parameters=rope,
+        **{family.activation_key: activation[0]},
         attention_dropout=config.attention_dropout_rate,
-        initializer_range=config.init_std or 0.02, architectures=[f"{kind}ForCausalLM"], **more)
+        initializer_range=config.init_std or 0.02, architectures=[f"{kind}ForCausalLM"],
+        **_llama_like_settings(config, kind, head_dim))
+    return hf_config, _llama_like_state(config, params, family)
+
+
+def _llama_like_state(config, params, family) -> dict[str, np.ndarray]:
+    """The state dict of a Llama-like class; Gemma's norm weights are our scales - 1."""
     decoder, out = params["decoder"], {"model.embed_tokens.weight": params["embed"]["embedding"]}
-    _ln(decoder["final_norm"], "model.norm", out)
+
+    def norm(tree, name):
+        out[f"{name}.weight"] = tree["scale"] - np.float32(family.norm_offset)
+
+    norm(decoder["final_norm"], "model.norm")
     for i in range(config.num_layers):
         layer, p = decoder[f"layers_{i}"], f"model.layers.{i}."
         attn = layer["self_attention"]
         for ours, theirs in (("query", "q"), ("key", "k"), ("value", "v")):
             out[f"{p}self_attn.{theirs}_proj.weight"] = _flat_heads(attn[ours]).T
-            if kind == "Qwen2":
+            if f"{ours}_bias" in attn:
                 out[f"{p}self_attn.{theirs}_proj.bias"] = attn[f"{ours}_bias"].reshape(-1)
+            if f"{ours}_norm" in attn:  # qk-norm scales: [H] per head, [heads, H] projection
+                out[f"{p}self_attn.{theirs}_norm.weight"] = attn[f"{ours}_norm"]["scale"] \
+                    .reshape(-1)
         out[p + "self_attn.o_proj.weight"] = attn["out"].reshape(-1, config.d_model).T
-        _ln(layer["self_attention_norm"], p + "input_layernorm", out)
-        _ln(layer["mlp_norm"], p + "post_attention_layernorm", out)
+        for ours, theirs in family.norms:
+            norm(layer[ours], p + theirs)
         mlp = layer["mlp"]
         out.update({p + "mlp.gate_proj.weight": mlp["wi_gate"].T,
                     p + "mlp.up_proj.weight": mlp["wi_up"].T,
                     p + "mlp.down_proj.weight": mlp["wo"].T})
     if not config.tie_embeddings:
         out["lm_head.weight"] = params["lm_head"]["kernel"].T
-    return hf_config, out
+    return out
 
 
 def _bert(config, params, transformers):
     _require(config, "BERT", position="learned", norm="layernorm", norm_placement="post",
              use_bias=True, qkv_bias=(None, True), embedding_norm=True, scale_embeddings=False,
              activation=tuple(_BERT_ACTIVATIONS), num_kv_heads=None, attention_scale=None,
-             head=("mlm", "classify"))
+             head=("mlm", "classify"), **_PLAIN)
     classify = config.head == "classify"
     hf_config = transformers.BertConfig(
         vocab_size=config.vocab_size, hidden_size=config.d_model,
@@ -219,7 +282,7 @@ def _t5(config, params, transformers):
     _require(config, "T5", position="t5", norm="rmsnorm", norm_placement="pre", use_bias=False,
              qkv_bias=(None, False), attention_scale=1.0, activation=tuple(_T5_ACTIVATIONS),
              num_kv_heads=None, embedding_norm=False, scale_embeddings=False,
-             sliding_window=None)
+             sliding_window=None, **_PLAIN)
     if not config.tie_embeddings:  # transformers 5 always ties T5's head to `shared`
         raise ValueError("model.tie_embeddings=False: the T5 export needs a tied head "
                          "(transformers 5's T5ForConditionalGeneration always ties it)")
