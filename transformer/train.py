@@ -5,8 +5,9 @@
 With no flags it trains the default experiment (experiments/gpt_tiny.py) into runs/gpt_tiny.
 Rerunning the same command on an existing workdir resumes from its latest complete checkpoint.
 Beside it: step (the train step), startup (checks), progress (log lines), optim, state,
-run_eval (validation, lm-eval tasks, test) over evaluation, metrics, placement (mesh, compiler options), checkpoint, workdir (the lock),
-nonfinite, and the model families' table in transformer.models.
+run_eval (validation, lm-eval tasks, test) over evaluation, metrics, placement (mesh, compiler
+options), checkpoint, workdir (the lock), nonfinite, goodput, profiling, wandb_logging, and the
+model families' table in transformer.models.
 """
 
 from __future__ import annotations
