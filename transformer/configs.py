@@ -43,12 +43,10 @@ def base_config() -> ml_collections.ConfigDict:
     config.eval_steps = 20
     # Extra validation lengths at the end of training (length extrapolation), e.g. (256, 512).
     config.eval_seq_lens = ()
-    # lm-eval tasks scored during training (transformer.task_eval): names or local YAML files,
-    # every eval_tasks_every steps (0: after the last step only), eval_tasks_limit documents
-    # per task (0: all).
+    # lm-eval tasks (names or local YAML files) scored during training (transformer.task_eval)
     config.eval_tasks = ()
-    config.eval_tasks_every = 0
-    config.eval_tasks_limit = 0
+    config.eval_tasks_every = 0  # steps between scorings (0: after the last step only)
+    config.eval_tasks_limit = 0  # documents per task (0: all)
     config.checkpoint_every = 500
     config.keep_checkpoints = 3
     config.fresh_start = False  # True: set the workdir's checkpoints aside and start at step 0
