@@ -42,7 +42,7 @@ decay to 1e-4 at STEPS. What still differs:
 - Residual projections' init: nanoGPT draws attention's and the MLP's output projections
   (c_proj) with std 0.02 / sqrt(2 n_layer) (0.0071 here); ours with 0.02, like every other
   projection. The library now has it (`model.scale_residual_init=True`); this protocol keeps
-  it off so that the table README quotes stays the one measured.
+  it off so that the table docs/performance.md quotes stays the one measured.
 - Warmup: nanoGPT's step i (0-based) uses lr (i + 1) / 101 of the peak, ours i / 100 (optax's
   warmup from 0: our first update has learning rate 0). The cosine part is the same.
 - Training data order: nanoGPT draws each batch's 12 windows at uniformly random offsets of

@@ -17,8 +17,8 @@ plus attention scores, the PaLM formula), the achieved FLOP/s, and the float32 m
 framework reaches on this machine (2048^2), so MFU is against a measured peak. Ours is jitted
 with the compiler options training uses (`placement.compiler_options`). Both sides run under
 the process's malloc, which the header names, set up as `python -m transformer.train` sets it
-(`hostmem.keep_freed_memory`: glibc keeps XLA's scratch memory between steps; README, "CPU
-runs"); `--nokeep_freed_memory` leaves glibc as it starts.
+(`hostmem.keep_freed_memory`: glibc keeps XLA's scratch memory between steps;
+docs/performance.md, "CPU runs"); `--nokeep_freed_memory` leaves glibc as it starts.
 
 Then, for the `--breakdown` shapes, where our step's time goes: forward, forward + backward and
 the optimizer update alone, and the two kinds of matmul work inside, each timed alone: the

@@ -2,7 +2,7 @@
 2048-token context, global batch 128 (262k tokens), bfloat16 compute with float32 params,
 scanned layers with full rematerialisation, and FSDP over every chip.
 
-Check that it fits, then launch (README, "Launching on Cloud TPU"):
+Check that it fits, then launch (docs/cloud-tpu.md):
 
     python -m launch.aot --config=experiments/gpt_1b.py --topology=v5p-32
     python -m launch.tpu run --name=gpt1b --project=P --zone=us-east5-a --accelerator=v5p-32 \

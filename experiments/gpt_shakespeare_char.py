@@ -38,7 +38,7 @@ def get_config(variant: str = "gpu"):
         # bfloat16 compute (float32 params, softmax and loss), as nanoGPT's train.py autocasts
         # on a GPU. nanoGPT's dropout 0.2 also drops attention weights (inside SDPA): so do we,
         # which runs the dense kernel rather than cuDNN (on an H100, 1.44M tokens/s against
-        # 1.63M-2.31M without it; validation loss then tracks nanoGPT's, see README).
+        # 1.63M-2.31M without it; validation loss then tracks nanoGPT's, see docs/performance.md).
         config.model.update(num_layers=6, num_heads=6, d_model=384, d_ff=1536, max_len=256,
                             dropout_rate=0.2, attention_dropout_rate=0.2, dtype="bfloat16")
     else:

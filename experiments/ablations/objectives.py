@@ -29,7 +29,7 @@ def get_sweep():
 
 
 def get_seeds():
-    return 3  # README's table: mean ± 95% CI over seeds 0, 1, 2
+    return 3  # docs/ablations.md's table: mean ± 95% CI over seeds 0, 1, 2
 
 
 def get_baseline():

@@ -8,8 +8,8 @@ same warmup (50 steps) and cosine decay for all but schedule-free, global-norm c
     python -m transformer.sweep --config=experiments/ablations/optimizers.py \
         --workdir=runs/ablations/optimizers --batched_seeds
 
-A variant's `lr` is the rate its grid varies (Muon's: muon_learning_rate). The README table
-takes each optimizer at its best grid point (the lowest mean validation loss).
+A variant's `lr` is the rate its grid varies (Muon's: muon_learning_rate). The table in
+docs/experiments.md takes each optimizer at its best grid point (the lowest mean validation loss).
 """
 
 from transformer import sweep
