@@ -12,7 +12,7 @@ from transformer import sweep
 from transformer.configs import small_char_lm
 
 WIDTHS = (64, 128, 256)
-RATES = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+RATES = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
 
 def get_config():
