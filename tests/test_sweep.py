@@ -136,6 +136,17 @@ def test_a_finished_sweep_is_skipped_and_launch_commands_carry_the_overrides(swe
                                          r"now 64"):
         sweep.run(changed, str(workdir))
     assert (workdir / "position=rope" / "metrics.jsonl").read_text() == before
+    # A key added to the code after the variant ran is no change at its default (the run had
+    # what the default does), and one at another value is.
+    record = workdir / "position=rope" / "sweep_config.json"
+    saved = json.loads(record.read_text())
+    record.write_text(json.dumps({k: v for k, v in saved.items()
+                                  if k not in ("model.qk_norm", "z_loss")}))
+    assert sweep.changed_settings(str(workdir / "position=rope"), configs["position=rope"]) == []
+    newer = sweep.apply(configs["position=rope"], sweep.Variant("q", {"model.qk_norm": True}))
+    assert sweep.changed_settings(str(workdir / "position=rope"), newer) == [
+        "model.qk_norm: trained with None, now True"]
+    record.write_text(json.dumps(saved))
 
     commands = sweep.launch_commands(str(experiment), {"steps": 10}, base[:2], "gs://b/sweep")
     assert commands[0] == (f"python -m transformer.train --config={experiment} "

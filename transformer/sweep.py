@@ -299,16 +299,22 @@ def _flat_dict(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 def changed_settings(directory: str, config) -> list[str]:
     """The settings of `config` that differ from those the variant in `directory` was trained
-    with (recorded at its first run), other than the harmless ones in _MAY_CHANGE."""
+    with (recorded at its first run), other than the harmless ones in _MAY_CHANGE. A key the
+    record lacks was added to the code since: at its default it is what that run did (a new
+    key's default keeps the old behaviour), so only another value is a change."""
+    from transformer.configs import base_config
+
     path = os.path.join(directory, _CONFIG_FILE)
     if not os.path.exists(path):
         return []
     with open(path) as f:
         saved = json.load(f)
-    current = json.loads(json.dumps(_flat_dict(config.to_dict()), default=str))
+    as_json = lambda config: json.loads(json.dumps(_flat_dict(config.to_dict()), default=str))
+    current, defaults = as_json(config), as_json(base_config())
     return [f"{key}: trained with {saved.get(key)!r}, now {current.get(key)!r}"
             for key in sorted(set(saved) | set(current))
-            if key not in _MAY_CHANGE and saved.get(key) != current.get(key)]
+            if key not in _MAY_CHANGE and saved.get(key) != current.get(key)
+            and not (key not in saved and key in defaults and current[key] == defaults[key])]
 
 
 def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
