@@ -18,6 +18,7 @@ from transformer.models import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import mup_coord_check  # noqa: E402
+import test_model_knobs  # noqa: E402
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 16)), jnp.int32)
 
@@ -116,11 +117,7 @@ def test_the_coordinate_check_is_flat_under_mup_and_grows_under_standard():
      "parametrization='mup' with family='bert': expected family 'gpt' or 'prefix_lm'"),
 ])
 def test_bad_mup_settings_are_one_line_errors(overrides, message):
-    cfg = base_config()
-    cfg.model.update(overrides)
-    with pytest.raises(ValueError) as error:
-        validate_config(cfg)
-    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+    test_model_knobs.test_bad_knob_values_are_one_line_errors(overrides, message)
 
 
 def test_mup_with_a_non_adam_optimizer_is_refused():
