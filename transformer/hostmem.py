@@ -120,7 +120,7 @@ def advice(platform: str, faulted_bytes_per_step: float, name: str | None = None
                "LD_PRELOAD=libjemalloc.so.2 (apt install libjemalloc2)")
     return (f"host allocator: glibc malloc page-faulted {faulted_bytes_per_step / 1e6:,.0f} MB "
             "per train step (XLA's scratch memory, mapped afresh each step); to keep it: "
-            f"{preload} MALLOC_CONF={JEMALLOC_CONF} (README: CPU runs)")
+            f"{preload} MALLOC_CONF={JEMALLOC_CONF} (docs/performance.md: CPU runs)")
 
 
 def _path(library: str) -> str:
