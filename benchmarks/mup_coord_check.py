@@ -28,8 +28,6 @@ from transformer.models import build_model
 
 KINDS = ("embed", "attention", "mlp", "logits")
 BASE_WIDTH = 64
-_WIDTHS = flags.DEFINE_list("widths", ["64", "128", "256", "512", "1024"], "d_model values.")
-_STEPS = flags.DEFINE_integer("steps", 4, "Adam steps before measuring.")
 
 
 def config_for(width: int, parametrization: str, learning_rate: float = 1e-2,
@@ -103,11 +101,11 @@ def slopes(table: dict[int, dict[str, float]]) -> dict[str, float]:
 
 def main(argv):
     del argv
-    widths = [int(w) for w in _WIDTHS.value]
-    print(f"mean |activation| after {_STEPS.value} Adam steps (lr 0.01, init_std 0.02); "
+    widths, steps = [int(w) for w in flags.FLAGS.widths], flags.FLAGS.steps
+    print(f"mean |activation| after {steps} Adam steps (lr 0.01, init_std 0.02); "
           f"muP base width {BASE_WIDTH}\n")
     for parametrization in ("standard", "mup"):
-        table = {w: coordinates(w, parametrization, _STEPS.value) for w in widths}
+        table = {w: coordinates(w, parametrization, steps) for w in widths}
         print(f"{parametrization}\n| width | " + " | ".join(KINDS) + " |")
         print("|---:|" + "---:|" * len(KINDS))
         for w in widths:
@@ -116,5 +114,7 @@ def main(argv):
               + " |\n")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only as a command: tests import this module beside others
+    flags.DEFINE_list("widths", ["64", "128", "256", "512", "1024"], "d_model values.")
+    flags.DEFINE_integer("steps", 4, "Adam steps before measuring.")
     app.run(main)
