@@ -22,11 +22,16 @@ def remaining(step: int, steps: int, every: int) -> int:
 
 def log_first_step(run, start: float, chosen) -> float:
     """Records and logs the run's first step (since `start`, its compilation included, and
-    the attention kernels `chosen` while it traced); returns when it ended."""
+    the attention kernels and MoE dispatch paths `chosen` while it traced); returns when it
+    ended."""
     now = time.perf_counter()
     run.first_step_seconds = now - start
     run.goodput.compiled(now)
-    attention = f", attention {'/'.join(sorted(set(chosen)))}" if chosen else ""
+    # MoE layers record their dispatch path ("moe dispatch: ...") next to the kernels.
+    moe = sorted({c for c in chosen or () if c.startswith("moe dispatch")})
+    kernels = sorted({c for c in chosen or () if not c.startswith("moe dispatch")})
+    attention = f", attention {'/'.join(kernels)}" if kernels else ""
+    attention += "".join(f", {path}" for path in moe)
     run.logger.print(f"step {run.step}: the first step (compilation included{attention}) took "
                      f"{run.first_step_seconds:.1f} s")
     return now
