@@ -5,10 +5,10 @@
 Run by tests/test_moe.py in a subprocess (the device count is fixed when JAX starts). A GPT
 with 8 experts per layer (top-2, a capacity factor that drops tokens) trains a few steps on
 meshes with expert = 2, 4, 8, alone and with data / fsdp / tensor; unrolled, scanned with
-remat, and dropless (ragged matmuls on one device, T slots per expert on the mesh). Per mesh:
-the losses and MoE metrics of every step, the largest parameter difference from one device,
-how the expert params are laid out, and whether the compiled step moves tokens with
-all-to-alls.
+remat, and dropless (ragged matmuls, on the mesh per device with the rows exchanged along
+`expert`). Per mesh: the losses and MoE metrics of every step, the largest parameter difference
+from one device, how the expert params are laid out, the MoE dispatch path traced, and whether
+the compiled step moves tokens with all-to-alls.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from mesh_check import Run, host, max_diff  # tests/, this script's directory
 
-from transformer import configs
+from transformer import configs, kernels
 
 BATCH, LENGTH, VOCAB, STEPS = 8, 16, 64, 3
 VARIANTS = ("unrolled", "scanned", "dropless")
@@ -33,8 +33,14 @@ MESHES = {  # name -> (mesh sizes, variant)
     "fsdp=2,expert=2,tensor=2": (dict(fsdp=2, expert=2, tensor=2), "unrolled"),
     "expert=4 scanned": (dict(expert=4), "scanned"),
     "fsdp=2,expert=4 scanned": (dict(fsdp=2, expert=4), "scanned"),
-    # Dropless: one device sorts tokens for ragged matmuls, the expert mesh uses T slots.
+    # Dropless: one device sorts tokens for ragged matmuls; a mesh does it per device, in a
+    # shard_map exchanging the sorted rows along `expert` (moe.sharded_experts).
+    "expert=2 dropless": (dict(expert=2), "dropless"),
     "expert=4 dropless": (dict(expert=4), "dropless"),
+    "expert=8 dropless": (dict(expert=8), "dropless"),
+    "data=2,expert=4 dropless": (dict(data=2, expert=4), "dropless"),
+    "fsdp=2,expert=4 dropless": (dict(fsdp=2, expert=4), "dropless"),
+    "fsdp=2,expert=2,tensor=2 dropless": (dict(fsdp=2, expert=2, tensor=2), "dropless"),
     "data=8 dropless": (dict(data=8), "dropless"),
 }
 
@@ -74,15 +80,16 @@ def batches() -> list[dict[str, np.ndarray]]:
     return out
 
 
-def train(run: Run, params) -> tuple[dict, dict]:
-    """Steps from `params` on the fixed batches: (metrics per step, final params on host)."""
+def train(run: Run, params) -> tuple[dict, dict, list[str]]:
+    """Steps from `params` on the fixed batches: (metrics per step, final params on host,
+    the MoE dispatch paths traced)."""
     state = run.init(jax.random.key(0)).replace(params=params)
     records = []
-    with run.placement.context():
+    with run.placement.context(), kernels.recording() as chosen:
         for batch in batches():
             state, metrics = run.step(state, run.placement.global_batch(batch))
             records.append({k: float(v) for k, v in jax.device_get(metrics).items()})
-    return records, state.params
+    return records, state.params, sorted({c for c in chosen if c.startswith("moe dispatch")})
 
 
 def layout(params, variant: str) -> dict:
@@ -103,17 +110,18 @@ def main() -> None:
     for variant in VARIANTS:
         run = Run(moe_config({}, variant), devices[:1])
         params = host(run.init(jax.random.key(0)).params)
-        records, final = train(run, params)
+        records, final, dispatch = train(run, params)
         singles[variant] = (params, records, host(final))
-        results[f"single {variant}"] = {"records": records}
+        results[f"single {variant}"] = {"records": records, "dispatch": dispatch}
     for name, (mesh, variant) in MESHES.items():
         params, _, single_final = singles[variant]
         size = int(np.prod(list(mesh.values())))
         run = Run(moe_config(mesh, variant), devices[:size])
         placed = jax.device_put(params, run.shardings.params)
-        records, final = train(run, placed)
+        records, final, dispatch = train(run, placed)
         results[name] = {
             "records": records,
+            "dispatch": dispatch,
             "max_param_diff": max_diff(host(final), single_final),
             "layout": layout(final, variant),
         }

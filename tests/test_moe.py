@@ -302,7 +302,9 @@ def expert_results(tmp_path_factory):
 @pytest.mark.parametrize("mesh", ["expert=2", "expert=4", "expert=8", "data=2,expert=4",
                                   "fsdp=2,expert=4", "fsdp=2,expert=2,tensor=2",
                                   "expert=4 scanned", "fsdp=2,expert=4 scanned",
-                                  "expert=4 dropless", "data=8 dropless"])
+                                  "expert=2 dropless", "expert=4 dropless", "expert=8 dropless",
+                                  "data=2,expert=4 dropless", "fsdp=2,expert=4 dropless",
+                                  "fsdp=2,expert=2,tensor=2 dropless", "data=8 dropless"])
 def test_each_expert_mesh_trains_like_one_device_with_the_experts_split(expert_results, mesh):
     result = expert_results[mesh]
     variant = mesh.split()[1] if " " in mesh else "unrolled"
@@ -312,6 +314,13 @@ def test_each_expert_mesh_trains_like_one_device_with_the_experts_split(expert_r
             assert got[name] == pytest.approx(want[name], rel=2e-5, abs=1e-7), (name, got, want)
     if variant == "dropless":
         assert all(record["moe_dropped"] == 0 for record in single)
+        for got, want in zip(result["records"], single, strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        experts = mesh.split()[0].split("expert=")[1].split(",")[0] if "expert" in mesh else 1
+        assert result["dispatch"] == ["moe dispatch: " + (
+            f"dense all-to-all over expert={experts}" if "expert" in mesh
+            else "ragged per shard")]  # the all-to-all XLA:CPU compiles
+        assert expert_results["single dropless"]["dispatch"] == ["moe dispatch: ragged"]
     else:
         assert single[0]["moe_dropped"] > 0.05  # the capacity really drops tokens
     assert result["max_param_diff"] < 2e-5
@@ -386,3 +395,21 @@ def test_sorted_apply_sends_each_expert_its_rows_and_sums_them_back_with_the_gat
 
     want = jnp.einsum("btk,btd->btd", gates * scale_E[choice], x)
     np.testing.assert_allclose(moe.sorted_apply(x, choice, gates, apply, 4), want, rtol=1e-6)
+
+
+def test_the_first_step_line_names_the_moe_dispatch_path_apart_from_attention():
+    import types
+
+    from transformer import kernels, progress
+
+    lines = []
+    run = types.SimpleNamespace(step=1, goodput=types.SimpleNamespace(compiled=lambda now: None),
+                                logger=types.SimpleNamespace(print=lines.append))
+    x = jnp.ones((2, 4, D))
+    layer = moe.MoEFeedForward(num_experts=4, d_ff=F, top_k=2, capacity_factor=0.0)
+    with kernels.recording() as chosen:
+        jax.eval_shape(layer.init, jax.random.key(0), x)
+        kernels.record("dense")
+    progress.log_first_step(run, 0.0, chosen)
+    assert re.match(r"step 1: the first step \(compilation included, attention dense, moe "
+                    r"dispatch: ragged\) took", lines[0]), lines

@@ -9,6 +9,7 @@ import time
 import jax
 
 from transformer import fileio, goodput, nonfinite, optim
+from transformer import kernels as kernels_lib
 from transformer import metrics as metrics_lib
 from transformer import placement as placement_lib
 from transformer.data import inputs
@@ -27,11 +28,9 @@ def log_first_step(run, start: float, chosen) -> float:
     now = time.perf_counter()
     run.first_step_seconds = now - start
     run.goodput.compiled(now)
-    # MoE layers record their dispatch path ("moe dispatch: ...") next to the kernels.
-    moe = sorted({c for c in chosen or () if c.startswith("moe dispatch")})
-    kernels = sorted({c for c in chosen or () if not c.startswith("moe dispatch")})
+    kernels, moe = kernels_lib.split_moe(chosen)
     attention = f", attention {'/'.join(kernels)}" if kernels else ""
-    attention += "".join(f", {path}" for path in moe)
+    attention += "".join(f", {path}" for path in moe)  # e.g. "moe dispatch: ragged"
     run.logger.print(f"step {run.step}: the first step (compilation included{attention}) took "
                      f"{run.first_step_seconds:.1f} s")
     return now
