@@ -34,7 +34,8 @@ sharding constraints around the experts' matmuls move the buffers x_BECD from ba
 expert-split and y_BECD back, which GSPMD lowers to an all-to-all each way (GShard's own
 formulation). Constraints rather than a shard_map: routing stays per row and local, the
 experts' matmuls keep the fsdp and tensor splits of their params without hand-written
-collectives, and the same code runs unsharded, under scan and under remat.
+collectives, and the same code runs unsharded, under scan and under remat. Dropless routing
+has no buffers to constrain: there `sharded_experts` moves the sorted rows itself.
 
 Shapes: B batch, T tokens per row, D model width, E experts, C capacity, K = top_k, F d_ff.
 """
