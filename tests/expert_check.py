@@ -23,7 +23,7 @@ from mesh_check import Run, host, max_diff  # tests/, this script's directory
 from transformer import configs, kernels
 
 BATCH, LENGTH, VOCAB, STEPS = 8, 16, 64, 3
-VARIANTS = ("unrolled", "scanned", "dropless")
+VARIANTS = ("unrolled", "scanned", "dropless", "scanned dropless")
 MESHES = {  # name -> (mesh sizes, variant)
     "expert=2": (dict(expert=2), "unrolled"),
     "expert=4": (dict(expert=4), "unrolled"),
@@ -42,6 +42,7 @@ MESHES = {  # name -> (mesh sizes, variant)
     "fsdp=2,expert=4 dropless": (dict(fsdp=2, expert=4), "dropless"),
     "fsdp=2,expert=2,tensor=2 dropless": (dict(fsdp=2, expert=2, tensor=2), "dropless"),
     "data=8 dropless": (dict(data=8), "dropless"),
+    "fsdp=2,expert=4 scanned dropless": (dict(fsdp=2, expert=4), "scanned dropless"),
 }
 
 COLLECTIVES = ("expert=8", "fsdp=2,expert=4 scanned")  # meshes whose compiled HLO is read
@@ -55,10 +56,10 @@ def moe_config(mesh: dict, variant: str):
                         vocab_size=VOCAB, position="rope", dropout_rate=0.0,
                         activation="swiglu", use_bias=False)
     config.model.moe.update(num_experts=8, top_k=2, capacity_factor=1.0, num_shared=1)
-    if variant == "scanned":  # every other layer MoE: scanned in groups of 2
+    if variant.startswith("scanned"):  # every other layer MoE: scanned in groups of 2
         config.model.update(num_layers=4, scan_layers=True, remat_policy="full")
         config.model.moe.every_n_layers = 2
-    if variant == "dropless":
+    if variant.endswith("dropless"):
         config.model.moe.capacity_factor = 0.0
     config.mesh.update({"data": 1, **mesh})
     return config
@@ -93,7 +94,7 @@ def train(run: Run, params) -> tuple[dict, dict, list[str]]:
 
 
 def layout(params, variant: str) -> dict:
-    moe = params["decoder"]["layers"]["block_1"]["moe"] if variant == "scanned" else \
+    moe = params["decoder"]["layers"]["block_1"]["moe"] if variant.startswith("scanned") else \
         params["decoder"]["layers_0"]["moe"]
     return {name: {"spec": str(p.sharding.spec),
                    "shard_shape": list(p.addressable_shards[0].data.shape),
