@@ -42,6 +42,7 @@ class Report:
     flops_per_chip: float = 0.0
     model_flops: float = 0.0
     attention: tuple[str, ...] = ()  # the attention kernels traced into the step
+    moe_dispatch: tuple[str, ...] = ()  # and the MoE layers' dispatch paths
     error: str = ""
 
     @property
@@ -139,7 +140,7 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
     with (jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES),
           kernels.recording() as chosen):
         lowered = step.lower(state_in, batch_in)
-    report.attention = tuple(sorted(set(chosen)))
+    report.attention, report.moe_dispatch = kernels.split_moe(chosen)
     try:
         return lowered.compile(), report
     except Exception as error:  # noqa: BLE001 - XLA:TPU refuses programs that exceed HBM
@@ -234,6 +235,8 @@ def format_report(report: Report, config) -> str:
     kernel = ", ".join(report.attention) or "none (no attention layer)"
     lines.append(f"attention kernel compiled into the step: {kernel} (model.attention_impl="
                  f"{m.attention_impl!r})")
+    if report.moe_dispatch:  # e.g. "moe dispatch: ragged all-to-all over expert=4"
+        lines.append(f"{', '.join(report.moe_dispatch)} (compiled into the step)")
     lines.append("fits" if report.fits else "does not fit in HBM")
     return "\n".join(lines)
 

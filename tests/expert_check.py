@@ -5,10 +5,10 @@
 Run by tests/test_moe.py in a subprocess (the device count is fixed when JAX starts). A GPT
 with 8 experts per layer (top-2, a capacity factor that drops tokens) trains a few steps on
 meshes with expert = 2, 4, 8, alone and with data / fsdp / tensor; unrolled, scanned with
-remat, and dropless (ragged matmuls on one device, T slots per expert on the mesh). Per mesh:
-the losses and MoE metrics of every step, the largest parameter difference from one device,
-how the expert params are laid out, and whether the compiled step moves tokens with
-all-to-alls.
+remat, and dropless (ragged matmuls, on the mesh per device with the rows exchanged along
+`expert`). Per mesh: the losses and MoE metrics of every step, the largest parameter difference
+from one device, how the expert params are laid out, the MoE dispatch path traced, and whether
+the compiled step moves tokens with all-to-alls.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import jax
 import numpy as np
 from mesh_check import Run, host, max_diff  # tests/, this script's directory
 
-from transformer import configs
+from transformer import configs, kernels
 
 BATCH, LENGTH, VOCAB, STEPS = 8, 16, 64, 3
-VARIANTS = ("unrolled", "scanned", "dropless")
+VARIANTS = ("unrolled", "scanned", "dropless", "scanned dropless")
 MESHES = {  # name -> (mesh sizes, variant)
     "expert=2": (dict(expert=2), "unrolled"),
     "expert=4": (dict(expert=4), "unrolled"),
@@ -33,9 +33,16 @@ MESHES = {  # name -> (mesh sizes, variant)
     "fsdp=2,expert=2,tensor=2": (dict(fsdp=2, expert=2, tensor=2), "unrolled"),
     "expert=4 scanned": (dict(expert=4), "scanned"),
     "fsdp=2,expert=4 scanned": (dict(fsdp=2, expert=4), "scanned"),
-    # Dropless: one device sorts tokens for ragged matmuls, the expert mesh uses T slots.
+    # Dropless: one device sorts tokens for ragged matmuls; a mesh does it per device, in a
+    # shard_map exchanging the sorted rows along `expert` (moe.sharded_experts).
+    "expert=2 dropless": (dict(expert=2), "dropless"),
     "expert=4 dropless": (dict(expert=4), "dropless"),
+    "expert=8 dropless": (dict(expert=8), "dropless"),
+    "data=2,expert=4 dropless": (dict(data=2, expert=4), "dropless"),
+    "fsdp=2,expert=4 dropless": (dict(fsdp=2, expert=4), "dropless"),
+    "fsdp=2,expert=2,tensor=2 dropless": (dict(fsdp=2, expert=2, tensor=2), "dropless"),
     "data=8 dropless": (dict(data=8), "dropless"),
+    "fsdp=2,expert=4 scanned dropless": (dict(fsdp=2, expert=4), "scanned dropless"),
 }
 
 COLLECTIVES = ("expert=8", "fsdp=2,expert=4 scanned")  # meshes whose compiled HLO is read
@@ -49,10 +56,10 @@ def moe_config(mesh: dict, variant: str):
                         vocab_size=VOCAB, position="rope", dropout_rate=0.0,
                         activation="swiglu", use_bias=False)
     config.model.moe.update(num_experts=8, top_k=2, capacity_factor=1.0, num_shared=1)
-    if variant == "scanned":  # every other layer MoE: scanned in groups of 2
+    if variant.startswith("scanned"):  # every other layer MoE: scanned in groups of 2
         config.model.update(num_layers=4, scan_layers=True, remat_policy="full")
         config.model.moe.every_n_layers = 2
-    if variant == "dropless":
+    if variant.endswith("dropless"):
         config.model.moe.capacity_factor = 0.0
     config.mesh.update({"data": 1, **mesh})
     return config
@@ -74,19 +81,20 @@ def batches() -> list[dict[str, np.ndarray]]:
     return out
 
 
-def train(run: Run, params) -> tuple[dict, dict]:
-    """Steps from `params` on the fixed batches: (metrics per step, final params on host)."""
+def train(run: Run, params) -> tuple[dict, dict, list[str]]:
+    """Steps from `params` on the fixed batches: (metrics per step, final params on host,
+    the MoE dispatch paths traced)."""
     state = run.init(jax.random.key(0)).replace(params=params)
     records = []
-    with run.placement.context():
+    with run.placement.context(), kernels.recording() as chosen:
         for batch in batches():
             state, metrics = run.step(state, run.placement.global_batch(batch))
             records.append({k: float(v) for k, v in jax.device_get(metrics).items()})
-    return records, state.params
+    return records, state.params, sorted({c for c in chosen if c.startswith("moe dispatch")})
 
 
 def layout(params, variant: str) -> dict:
-    moe = params["decoder"]["layers"]["block_1"]["moe"] if variant == "scanned" else \
+    moe = params["decoder"]["layers"]["block_1"]["moe"] if variant.startswith("scanned") else \
         params["decoder"]["layers_0"]["moe"]
     return {name: {"spec": str(p.sharding.spec),
                    "shard_shape": list(p.addressable_shards[0].data.shape),
@@ -103,17 +111,18 @@ def main() -> None:
     for variant in VARIANTS:
         run = Run(moe_config({}, variant), devices[:1])
         params = host(run.init(jax.random.key(0)).params)
-        records, final = train(run, params)
+        records, final, dispatch = train(run, params)
         singles[variant] = (params, records, host(final))
-        results[f"single {variant}"] = {"records": records}
+        results[f"single {variant}"] = {"records": records, "dispatch": dispatch}
     for name, (mesh, variant) in MESHES.items():
         params, _, single_final = singles[variant]
         size = int(np.prod(list(mesh.values())))
         run = Run(moe_config(mesh, variant), devices[:size])
         placed = jax.device_put(params, run.shardings.params)
-        records, final = train(run, placed)
+        records, final, dispatch = train(run, placed)
         results[name] = {
             "records": records,
+            "dispatch": dispatch,
             "max_param_diff": max_diff(host(final), single_final),
             "layout": layout(final, variant),
         }

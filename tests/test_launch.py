@@ -259,6 +259,29 @@ def test_auto_attention_compiles_splash_for_a_tpu_topology_from_a_cpu_host():
 
 @pytest.mark.slow
 @needs_libtpu
+def test_dropless_moe_on_an_expert_mesh_compiles_the_ragged_all_to_all_for_tpu():
+    """XLA:CPU has no ragged-all-to-all (the CPU checks run a padded dense all-to-all); XLA:TPU
+    compiles the exchange `moe.sharded_experts` makes with it, and the report names the path."""
+    from launch import aot
+    from transformer.configs import base_config
+
+    config = base_config()
+    config.update(batch_size=8, seq_len=128)
+    config.model.update(num_layers=2, d_model=128, num_heads=2, d_ff=256, vocab_size=512,
+                        max_len=128, dtype="bfloat16")
+    config.model.moe.update(num_experts=8, top_k=2, capacity_factor=0.0)
+    config.mesh.update(data=1, expert=4)
+    accelerator = accelerators.parse("v5p-8")
+    report = aot.compile_train_step(config, aot.tpu_topology(accelerator), accelerator,
+                                    flops=False)
+    assert not report.error, report.error
+    assert report.moe_dispatch == ("moe dispatch: ragged all-to-all over expert=4",)
+    assert "moe dispatch: ragged all-to-all over expert=4 (compiled into the step)" in \
+        aot.format_report(report, config)
+
+
+@pytest.mark.slow
+@needs_libtpu
 def test_a_model_too_big_for_hbm_exits_non_zero():
     result = subprocess.run(
         [sys.executable, "-m", "launch.aot", "--config=experiments/gpt_tiny.py",

@@ -302,23 +302,33 @@ def expert_results(tmp_path_factory):
 @pytest.mark.parametrize("mesh", ["expert=2", "expert=4", "expert=8", "data=2,expert=4",
                                   "fsdp=2,expert=4", "fsdp=2,expert=2,tensor=2",
                                   "expert=4 scanned", "fsdp=2,expert=4 scanned",
-                                  "expert=4 dropless", "data=8 dropless"])
+                                  "expert=2 dropless", "expert=4 dropless", "expert=8 dropless",
+                                  "data=2,expert=4 dropless", "fsdp=2,expert=4 dropless",
+                                  "fsdp=2,expert=2,tensor=2 dropless", "data=8 dropless",
+                                  "fsdp=2,expert=4 scanned dropless"])
 def test_each_expert_mesh_trains_like_one_device_with_the_experts_split(expert_results, mesh):
     result = expert_results[mesh]
-    variant = mesh.split()[1] if " " in mesh else "unrolled"
+    variant = mesh.split(" ", 1)[1] if " " in mesh else "unrolled"
     single = expert_results[f"single {variant}"]["records"]
     for got, want in zip(result["records"], single, strict=True):
         for name in ("loss", "moe_load_balance", "moe_router_z", "moe_dropped", "grad_norm"):
             assert got[name] == pytest.approx(want[name], rel=2e-5, abs=1e-7), (name, got, want)
-    if variant == "dropless":
+    if variant.endswith("dropless"):
         assert all(record["moe_dropped"] == 0 for record in single)
+        for got, want in zip(result["records"], single, strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        experts = mesh.split()[0].split("expert=")[1].split(",")[0] if "expert" in mesh else 1
+        assert result["dispatch"] == ["moe dispatch: " + (
+            f"dense all-to-all over expert={experts}" if "expert" in mesh
+            else "ragged per shard")]  # the all-to-all XLA:CPU compiles
+        assert expert_results[f"single {variant}"]["dispatch"] == ["moe dispatch: ragged"]
     else:
         assert single[0]["moe_dropped"] > 0.05  # the capacity really drops tokens
     assert result["max_param_diff"] < 2e-5
     sizes = dict(part.split("=") for part in mesh.split()[0].split(","))
     experts = int(sizes.get("expert", 1))
     layout = result["layout"]
-    layer = [2] if variant == "scanned" else []  # a scanned stack's layer axis: 2 groups
+    layer = [2] if variant.startswith("scanned") else []  # a scanned stack's layer axis: 2 groups
     fsdp = int(sizes.get("fsdp", 1))
     tensor = int(sizes.get("tensor", 1))
     assert layout["wi_gate"]["shard_shape"] == layer + [8 // experts, 32 // fsdp, 48 // tensor]
@@ -327,3 +337,80 @@ def test_each_expert_mesh_trains_like_one_device_with_the_experts_split(expert_r
     assert layout["router"]["shard_shape"] == layer + [32 // (fsdp * experts), 8]
     if mesh in ("expert=8", "fsdp=2,expert=4 scanned"):  # the programs the script reads
         assert result["all_to_all"] > 0  # tokens travel to their experts and back
+
+
+@pytest.fixture(scope="module")
+def dispatch_results(tmp_path_factory):
+    from test_sharding import run_check
+
+    return run_check("moe_dispatch_check.py", tmp_path_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, path", [
+    ("expert=2", "dense all-to-all over expert=2"),
+    ("expert=4", "dense all-to-all over expert=4"),
+    ("expert=8", "dense all-to-all over expert=8"),
+    ("data=2,expert=4", "dense all-to-all over expert=4"),
+    ("fsdp=2,expert=4", "dense all-to-all over expert=4"),
+    ("expert=4,tensor=2", "dense all-to-all over expert=4"),
+    ("fsdp=2,expert=2,tensor=2", "dense all-to-all over expert=2"),
+    ("expert=2,sequence=2,data=2", "dense all-to-all over expert=2"),
+    ("data=8", "ragged per shard"),
+    ("fsdp=2,sequence=2,tensor=2", "ragged per shard"),
+    # XLA:CPU has no ragged-all-to-all: the script emulates the primitive from its docstring.
+    ("expert=4 emulated ragged", "ragged all-to-all over expert=4"),
+    ("data=2,expert=2,tensor=2 emulated ragged", "ragged all-to-all over expert=2"),
+])
+def test_dropless_moe_on_a_mesh_equals_the_one_device_ragged_path(dispatch_results, mesh, path):
+    result = dispatch_results[mesh]
+    assert result["dispatch"] == [f"moe dispatch: {path}"]
+    assert result["loss_diff"] <= 1e-5 * abs(result["loss"])
+    assert result["output_diff"] < 1e-5 and result["grad_diff"] < 1e-5
+
+
+@pytest.mark.slow
+def test_dropless_moe_on_an_expert_mesh_needs_memory_linear_in_the_tokens(dispatch_results):
+    memory = dispatch_results["memory"]
+    sharded = memory["sharded T=256"]["temp_bytes"] / memory["sharded T=64"]["temp_bytes"]
+    buffers = memory["capacity T=256"]["temp_bytes"] / memory["capacity T=64"]["temp_bytes"]
+    assert memory["sharded T=64"]["dispatch"] == ["moe dispatch: dense all-to-all over expert=4"]
+    assert sharded < 5, sharded  # 4x the tokens: ~4x the bytes
+    assert buffers > 10, buffers  # what T slots per expert cost: ~16x
+
+
+def test_dropless_dispatch_without_a_mesh_is_the_ragged_path_and_capacity_is_buffers():
+    assert moe.dispatch_path(0, 8, (2, 8, 4)) == "ragged"
+    assert moe.dispatch_path(1.25, 8, (2, 8, 4)) == "capacity buffers"
+
+
+def test_sorted_apply_sends_each_expert_its_rows_and_sums_them_back_with_the_gates():
+    x = jax.random.normal(jax.random.key(0), (2, 5, 3))
+    choice = jax.random.randint(jax.random.key(1), (2, 5, 2), 0, 4)
+    gates = jax.random.uniform(jax.random.key(2), (2, 5, 2))
+    scale_E = jnp.array([1.0, -2.0, 3.0, 0.5])
+
+    def apply(x_ND, sizes_E):  # expert e multiplies its rows by scale_E[e]
+        assert int(sizes_E.sum()) == x_ND.shape[0] == 20
+        return x_ND * jnp.repeat(scale_E, sizes_E, total_repeat_length=20)[:, None]
+
+    want = jnp.einsum("btk,btd->btd", gates * scale_E[choice], x)
+    np.testing.assert_allclose(moe.sorted_apply(x, choice, gates, apply, 4), want, rtol=1e-6)
+
+
+def test_the_first_step_line_names_the_moe_dispatch_path_apart_from_attention():
+    import types
+
+    from transformer import kernels, progress
+
+    lines = []
+    run = types.SimpleNamespace(step=1, goodput=types.SimpleNamespace(compiled=lambda now: None),
+                                logger=types.SimpleNamespace(print=lines.append))
+    x = jnp.ones((2, 4, D))
+    layer = moe.MoEFeedForward(num_experts=4, d_ff=F, top_k=2, capacity_factor=0.0)
+    with kernels.recording() as chosen:
+        jax.eval_shape(layer.init, jax.random.key(0), x)
+        kernels.record("dense")
+    progress.log_first_step(run, 0.0, chosen)
+    assert re.match(r"step 1: the first step \(compilation included, attention dense, moe "
+                    r"dispatch: ragged\) took", lines[0]), lines

@@ -196,9 +196,20 @@ def select(impl: str, *, platform: str, mask: Mask | Array | None, bias: Any, dr
 
 
 def record(kernel: str) -> None:
-    """Notes `kernel` in every open `recording()`."""
+    """Notes `kernel` in every open `recording()` (MoE layers note their dispatch path too, as
+    "moe dispatch: ...")."""
     for chosen in _selected:
         chosen.append(kernel)
+
+
+def split_moe(chosen) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(attention kernels, MoE dispatch paths) of a `recording()`, each sorted and distinct.
+
+    >>> split_moe(["dense", "moe dispatch: ragged", "dense"])
+    (('dense',), ('moe dispatch: ragged',))
+    """
+    moe = {c for c in chosen or () if c.startswith("moe dispatch")}
+    return tuple(sorted(set(chosen or ()) - moe)), tuple(sorted(moe))
 
 
 # -----------------------------------------------------------------------------
@@ -505,4 +516,4 @@ def cudnn_attention(query: Array, key: Array, value: Array, mask: Mask | Array |
 
 
 __all__ = ["IMPLS", "cudnn_arguments", "cudnn_attention", "recording", "rows_with_keys", "select",
-           "splash_attention", "supports", "target_platform", "zero_empty_rows"]
+           "splash_attention", "split_moe", "supports", "target_platform", "zero_empty_rows"]

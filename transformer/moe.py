@@ -17,8 +17,10 @@ experts and combined back with the gate weights:
 
 Dropless routing (capacity_factor = 0) builds no buffers: the (token, choice) pairs are sorted
 by expert and each expert's run of rows goes through `jax.lax.ragged_dot`, O(T k) per row.
-When a mesh axis splits the tokens (batch, expert or sequence) it is the buffer path with
-C = T instead: a sort across shards would gather every token onto every device.
+When a mesh axis splits the tokens (batch, expert or sequence) the same runs per device in a
+`jax.shard_map` (`sharded_experts`): each device sorts its own pairs, sends them to the devices
+holding their experts along `expert` and back, O(T k) per row as well. Only where that cannot
+run (the experts or the batch not divisible by `expert`) is it the buffer path with C = T.
 
 Auxiliary quantities (`Routing`), all float32:
   load_balance  E * sum_e f_e * P_e: f_e the fraction of (token, choice) pairs routed to expert
@@ -32,7 +34,8 @@ sharding constraints around the experts' matmuls move the buffers x_BECD from ba
 expert-split and y_BECD back, which GSPMD lowers to an all-to-all each way (GShard's own
 formulation). Constraints rather than a shard_map: routing stays per row and local, the
 experts' matmuls keep the fsdp and tensor splits of their params without hand-written
-collectives, and the same code runs unsharded, under scan and under remat.
+collectives, and the same code runs unsharded, under scan and under remat. Dropless routing
+has no buffers to constrain: there `sharded_experts` moves the sorted rows itself.
 
 Shapes: B batch, T tokens per row, D model width, E experts, C capacity, K = top_k, F d_ff.
 """
@@ -49,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from transformer import sharding
+from transformer import kernels, sharding
 
 Array = jax.Array
 EXPERT_WEIGHTS = ("wi", "wi_gate", "wi_up", "wo")  # the experts' own params: [E, in, out]
@@ -217,10 +220,12 @@ class MoEFeedForward(nn.Module):
         _, tokens, d_model = x_BTD.shape
         router = self.param("router", nn.with_logical_partitioning(self._init(), ("embed", None)),
                             (d_model, self.num_experts), jnp.float32)
-        # Dropless routing sorts the tokens by expert for ragged matmuls where no mesh axis
-        # splits them (a sort across shards would gather every token onto every device);
-        # otherwise it is the capacity path with a slot for every token.
-        ragged = self.capacity_factor == 0 and token_shards() == 1
+        # Dropless routing sorts the tokens by expert for ragged matmuls: on one device, or
+        # per device in a shard_map when a mesh axis splits the tokens; the capacity path with
+        # a slot for every token only where the shard_map cannot split them (see `dispatch_path`).
+        path = dispatch_path(self.capacity_factor, self.num_experts, x_BTD.shape)
+        kernels.record(f"moe dispatch: {path}")
+        ragged = path != CAPACITY
         slots = None if ragged else capacity(tokens, self.num_experts, self.top_k,
                                              self.capacity_factor)
         # The router runs in float32 whatever the compute dtype: its softmax picks the experts.
@@ -241,7 +246,7 @@ class MoEFeedForward(nn.Module):
                                      ("expert", "mlp", "expert_embed"))
         x_BTD = x_BTD.astype(self.dtype)
         if ragged:
-            y_BTD = self._ragged(x_BTD, routing, weights)
+            y_BTD = self._ragged(x_BTD, routing, weights, path != RAGGED)
         else:
             dispatch = routing.dispatch_BTEC.astype(self.dtype)
             # Filled where the tokens are, then the all-to-all into the experts' layout (left
@@ -266,22 +271,22 @@ class MoEFeedForward(nn.Module):
             h = self.activation(matmul(x, weights["wi"]))
         return matmul(h, weights["wo"])
 
-    def _ragged(self, x_BTD: Array, routing: Routing, weights) -> Array:
+    def _ragged(self, x_BTD: Array, routing: Routing, weights, sharded: bool) -> Array:
         """Dropless experts: the (token, choice) pairs sorted by expert, each expert's run of
         rows through its weights by `jax.lax.ragged_dot`, then scattered back with the gates.
-        O(T k) work and memory per row, against O(T^2 E) for a dispatch tensor with T slots."""
-        batch, tokens, d_model = x_BTD.shape
-        expert_N = routing.choice_BTK.reshape(-1)
-        order_N = jnp.argsort(expert_N, stable=True)
-        token_N = order_N // self.top_k  # index into the B * T tokens
-        sizes_E = jnp.bincount(expert_N, length=self.num_experts).astype(jnp.int32)
-        x_ND = x_BTD.reshape(batch * tokens, d_model)[token_N]
-        matmul = lambda x, w: jax.lax.ragged_dot(x, w, sizes_E)
-        y_ND = self._experts(x_ND, weights, matmul)
-        gates_N = routing.gates_BTK.reshape(-1)[order_N].astype(self.dtype)
-        y_TD = jnp.zeros((batch * tokens, d_model), self.dtype).at[token_N].add(
-            y_ND * gates_N[:, None])
-        return y_TD.reshape(batch, tokens, d_model)
+        O(T k) work and memory per row, against O(T^2 E) for a dispatch tensor with T slots.
+        `sharded`: per device, in `sharded_experts`."""
+
+        def apply(x_ND, sizes_E, weights):  # rows sorted by expert, sizes_E rows each
+            matmul = lambda x, w: jax.lax.ragged_dot(x, w, sizes_E)
+            return self._experts(x_ND, weights, matmul)
+
+        if sharded:
+            return sharded_experts(x_BTD, routing.choice_BTK, routing.gates_BTK, weights,
+                                   apply, self.num_experts)
+        return sorted_apply(x_BTD, routing.choice_BTK, routing.gates_BTK,
+                            lambda x_ND, sizes_E: apply(x_ND, sizes_E, weights),
+                            self.num_experts)
 
     def _init(self, kind: str = "router", **axes) -> nn.initializers.Initializer:
         """Normal(init_std) if given, else fan-in variance scaling (over `axes`); an input
@@ -310,4 +315,152 @@ class MoEFeedForward(nn.Module):
                                                        ("mlp", "embed")))
 
 
-__all__ = ["MoEConfig", "MoEFeedForward", "Routing", "capacity", "route"]
+RAGGED = "ragged"  # the dispatch paths `dispatch_path` names
+CAPACITY = "capacity buffers"
+TOKENS = ("activation_batch", "activation_length", None)  # [B, T, D] and [B, T, K]
+
+
+def dispatch_path(capacity_factor: float, num_experts: int, shape_BTD: tuple[int, ...]) -> str:
+    """The MoE dispatch path traced here, as the run's start line names it:
+
+    "capacity buffers"   capacity_factor > 0; or dropless where `expert` > 1 does not divide
+                         the experts or split the batch (e.g. decoding one row): T slots
+    "ragged"             dropless, the tokens on one device
+    "ragged per shard"   dropless, mesh axes split the tokens, `expert` is 1: no exchange
+    "ragged all-to-all over expert=N"   dropless, `sharded_experts` with the exchange by
+                         `jax.lax.ragged_all_to_all`, or "dense all-to-all ..." with padded
+                         per-device blocks on CPU, whose XLA has no ragged-all-to-all
+
+    >>> dispatch_path(0, num_experts=8, shape_BTD=(4, 16, 32))  # no mesh in context
+    'ragged'
+    """
+    if capacity_factor:
+        return CAPACITY
+    if token_shards() == 1:
+        return RAGGED
+    mesh = jax.sharding.get_abstract_mesh()
+    ep = mesh.shape.get(sharding.EXPERT_AXIS, 1)
+    if ep == 1:
+        return "ragged per shard"
+    batch_axes = _tokens_spec(shape_BTD)[0]
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
+    if num_experts % ep or sharding.EXPERT_AXIS not in batch_axes:
+        return CAPACITY
+    kind = "dense" if kernels.target_platform() == "cpu" else "ragged"
+    return f"{kind} all-to-all over {sharding.EXPERT_AXIS}={ep}"
+
+
+def _tokens_spec(shape) -> jax.sharding.PartitionSpec:
+    return sharding.mesh_spec(jax.sharding.PartitionSpec(*TOKENS), shape,
+                              jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules())
+
+
+def sorted_apply(x_BTD: Array, choice_BTK: Array, gates_BTK: Array, apply, num_experts: int):
+    """The (token, choice) pairs of x sorted by expert, `apply(x_ND, sizes_E)` on them (rows
+    of expert e after those of e - 1, sizes_E[e] of them), and each token's k results summed
+    with its gates: [B, T, D].
+
+    >>> x = jnp.arange(3.0).reshape(1, 3, 1)  # tokens 0, 1, 2 choose experts 1, 0, 1 (k=1)
+    >>> def apply(x_ND, sizes_E):  # sorted rows: token 1 (expert 0), then tokens 0 and 2
+    ...     scale_N = jnp.repeat(jnp.array([10.0, 100.0]), sizes_E, total_repeat_length=3)
+    ...     return x_ND * scale_N[:, None]
+    >>> sorted_apply(x, jnp.array([[[1], [0], [1]]]), jnp.ones((1, 3, 1)), apply, 2)[0, :, 0]
+    Array([  0.,  10., 200.], dtype=float32)
+    """
+    batch, tokens, d_model = x_BTD.shape
+    top_k = choice_BTK.shape[-1]
+    expert_N = choice_BTK.reshape(-1)
+    order_N = jnp.argsort(expert_N, stable=True)
+    token_N = order_N // top_k  # index into the B * T tokens
+    sizes_E = jnp.bincount(expert_N, length=num_experts).astype(jnp.int32)
+    y_ND = apply(x_BTD.reshape(batch * tokens, d_model)[token_N], sizes_E)
+    gates_N = gates_BTK.reshape(-1)[order_N].astype(x_BTD.dtype)
+    y_TD = jnp.zeros((batch * tokens, d_model), x_BTD.dtype).at[token_N].add(
+        y_ND * gates_N[:, None])
+    return y_TD.reshape(batch, tokens, d_model)
+
+
+def sharded_experts(x_BTD: Array, choice_BTK: Array, gates_BTK: Array, weights, apply,
+                    num_experts: int) -> Array:
+    """Dropless experts under a mesh that splits the tokens, in a `jax.shard_map`: each device
+    runs `sorted_apply` on its own tokens, and with `expert` > 1 its sorted rows go to the
+    devices holding their experts and come back (`_exchange`); there `apply(x_ND, sizes_E,
+    weights)` runs that device's experts. The experts' kernels enter whole but for their
+    expert split and their `mlp` split (tensor): those devices sum their partial outputs.
+    Memory per device: the tokens' N = T k sorted rows, and expert x N received rows (what
+    the worst case, every pair choosing this device's experts, needs: no token dropped)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = nn.get_logical_axis_rules()
+    P = jax.sharding.PartitionSpec
+    ep = mesh.shape.get(sharding.EXPERT_AXIS, 1)
+    ragged = dispatch_path(0, num_experts, x_BTD.shape).startswith("ragged all-to-all")
+    tokens = _tokens_spec(x_BTD.shape)
+    names = {name: ("expert", "mlp", None) if name == "wo" else ("expert", None, "mlp")
+             for name in weights}
+    specs = {name: sharding.mesh_spec(P(*names[name]), w.shape, mesh, rules)
+             for name, w in weights.items()}
+    hidden = specs["wo"][1]  # the mesh axes splitting the experts' hidden units
+    hidden = (hidden,) if isinstance(hidden, str) else tuple(hidden or ())
+
+    def local(x_btD, choice_btK, gates_btK, weights):
+        run = lambda x_ND, sizes_E: apply(x_ND, sizes_E, weights)
+        experts = run if ep == 1 else lambda x_ND, sizes_E: _exchange(x_ND, sizes_E, run, ragged)
+        y_btD = sorted_apply(x_btD, choice_btK, gates_btK, experts, num_experts)
+        return jax.lax.psum(y_btD, hidden) if hidden else y_btD
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, specs),
+                         out_specs=tokens)(x_BTD, choice_BTK, gates_BTK, weights)
+
+
+def _exchange(x_ND: Array, sizes_E: Array, apply, ragged: bool) -> Array:
+    """Inside `sharded_experts`: this device's N rows, sorted by expert (sizes_E rows each
+    of all E experts), sent along `expert` to the devices holding their experts, `apply(x,
+    local sizes)` there on the rows all devices sent, sorted by local expert, and the results
+    returned to the rows' order here.
+
+    Each device receives ep blocks of N rows, block s holding (first) what device s sent: with
+    E = 4 on ep = 2 devices and sizes_E = [1, 2, 0, 1] here, rows 0:3 (experts 0, 1) stay on
+    device 0 and row 3 goes to device 1, into rows [N * me, N * me + 1) of its buffer."""
+    rows, _ = x_ND.shape
+    ep = jax.lax.axis_size(sharding.EXPERT_AXIS)
+    send_JL = sizes_E.reshape(ep, -1)  # rows to device j for its local expert l
+    # First the counts: recv_JL[s, l], rows device s sends here for local expert l.
+    recv_JL = jax.lax.all_to_all(send_JL, sharding.EXPERT_AXIS, 0, 0, tiled=True)
+    send_J, recv_J = send_JL.sum(1), recv_JL.sum(1)
+    start_J = jnp.cumsum(send_J) - send_J
+    x_JND = _all_to_all(x_ND, start_J, send_J, recv_J, rows, ragged)
+    # Every block is sorted by expert: regroup all rows expert-major, the padding (the rows
+    # past recv_J[s] in block s, local index L) last, which ragged_dot leaves out (zeros).
+    i_N = jnp.arange(rows)
+    local_JN = jax.vmap(lambda ends_L: jnp.searchsorted(ends_L, i_N, side="right"))(
+        jnp.cumsum(recv_JL, axis=1))
+    order_M = jnp.argsort(local_JN.reshape(-1), stable=True)
+    y_MD = apply(x_JND.reshape(ep * rows, -1)[order_M], recv_JL.sum(0))
+    y_MD = y_MD[jnp.argsort(order_M)]  # back to the blocks' order
+    y_JND = _all_to_all(y_MD, jnp.arange(ep, dtype=jnp.int32) * rows, recv_J, send_J, rows,
+                        ragged)  # block j: this device's rows device j computed
+    dest_N = jnp.searchsorted(jnp.cumsum(send_J), i_N, side="right")
+    return y_JND[dest_N, i_N - start_J[dest_N]]
+
+
+def _all_to_all(x_MD: Array, offsets_J: Array, sizes_J: Array, recv_J: Array, block: int,
+                ragged: bool) -> Array:
+    """Rows offsets_J[j] + [0, sizes_J[j]) of x to device j along `expert`; returns [ep, block,
+    D], block s starting with the recv_J[s] rows device s sent, zeros after. `ragged`: by
+    `jax.lax.ragged_all_to_all`; else padded to `block` rows per device and `all_to_all`."""
+    ep = sizes_J.shape[0]
+    if ragged:
+        here = jax.lax.axis_index(sharding.EXPERT_AXIS) * block
+        out = jnp.zeros((ep * block, x_MD.shape[1]), x_MD.dtype)
+        out = jax.lax.ragged_all_to_all(x_MD, out, offsets_J, sizes_J,
+                                        jnp.full((ep,), here, jnp.int32), recv_J,
+                                        axis_name=sharding.EXPERT_AXIS)
+        return out.reshape(ep, block, -1)
+    i = jnp.arange(block)
+    rows_JB = jnp.minimum(offsets_J[:, None] + i, x_MD.shape[0] - 1)
+    blocks = jnp.where((i < sizes_J[:, None])[..., None], x_MD[rows_JB], 0)
+    return jax.lax.all_to_all(blocks, sharding.EXPERT_AXIS, 0, 0, tiled=True)
+
+
+__all__ = ["MoEConfig", "MoEFeedForward", "Routing", "capacity", "dispatch_path", "route",
+           "sharded_experts", "sorted_apply"]

@@ -9,6 +9,7 @@ import time
 import jax
 
 from transformer import fileio, goodput, nonfinite, optim
+from transformer import kernels as kernels_lib
 from transformer import metrics as metrics_lib
 from transformer import placement as placement_lib
 from transformer.data import inputs
@@ -22,11 +23,14 @@ def remaining(step: int, steps: int, every: int) -> int:
 
 def log_first_step(run, start: float, chosen) -> float:
     """Records and logs the run's first step (since `start`, its compilation included, and
-    the attention kernels `chosen` while it traced); returns when it ended."""
+    the attention kernels and MoE dispatch paths `chosen` while it traced); returns when it
+    ended."""
     now = time.perf_counter()
     run.first_step_seconds = now - start
     run.goodput.compiled(now)
-    attention = f", attention {'/'.join(sorted(set(chosen)))}" if chosen else ""
+    kernels, moe = kernels_lib.split_moe(chosen)
+    attention = f", attention {'/'.join(kernels)}" if kernels else ""
+    attention += "".join(f", {path}" for path in moe)  # e.g. "moe dispatch: ragged"
     run.logger.print(f"step {run.step}: the first step (compilation included{attention}) took "
                      f"{run.first_step_seconds:.1f} s")
     return now
