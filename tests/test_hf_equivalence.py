@@ -1,5 +1,5 @@
-"""Our GPT-2, BERT, T5, Llama (Mistral, Qwen2, Qwen3, Gemma 2, OLMo 2) equal Hugging Face's PyTorch
-models given the same weights."""
+"""Our GPT-2, BERT, T5, Llama (Mistral, Qwen2, Qwen3, Gemma 2, OLMo 2) and MoE (Mixtral,
+Qwen2-MoE, Qwen3-MoE) models equal Hugging Face's PyTorch models given the same weights."""
 
 import contextlib
 import math
@@ -21,6 +21,9 @@ from transformer.models import build_model  # noqa: E402
 # order (about 1e-6 here, up to 3e-5 seen when other processes load the two cores); a wrong
 # weight or formula shows at 1e-2 and above. float64 is the exact check.
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
+# MoE routers take their softmax in float32 in both (HF's and ours) whatever the dtype: a gate
+# differs by float32 rounding, so float64 agrees to about 1e-7 there, not 1e-12.
+MOE_FLOAT64_TOLERANCE = 1e-6
 VOCAB = 101
 
 
@@ -93,6 +96,24 @@ def llama(tie=False, rope=None, head_dim=None, kv_heads=2, kind="Llama", layers=
         mask.astype(bool)
 
 
+def moe(kind="Mixtral", **more):
+    """`llama` of a mixture-of-experts class: 4 experts, top-2, in every layer unless
+    decoder_sparse_step says otherwise; Qwen's experts 16 wide, not intermediate_size 48. HF's
+    eager per-expert loop: its grouped_mm kernel takes no float64."""
+    experts = dict(num_local_experts=4) if kind == "Mixtral" else dict(
+        num_experts=4, moe_intermediate_size=16)
+    return llama(kind=kind, num_experts_per_tok=2, experts_implementation="eager", **experts,
+                 **more)
+
+
+MOE_CASES = {
+    "mixtral_top2": lambda: moe(),
+    # the shared expert 2 x 16 wide behind its sigmoid gate; gates are the router probabilities
+    "qwen2_moe_shared_gate": lambda: moe("Qwen2Moe", shared_expert_intermediate_size=32),
+    # layer 0 dense (48 wide), layer 1 MoE; renormalised gates; per-head qk-norm
+    "qwen3_moe_sparse_step_2": lambda: moe("Qwen3Moe", head_dim=16, decoder_sparse_step=2,
+                                           norm_topk_prob=True),
+}
 CASES = {
     "gpt2": gpt2, "gpt2_untied": lambda: gpt2(tie=False),
     "gpt2_unscaled_attention": lambda: gpt2(scale_attn_weights=False), "bert_mlm": bert,
@@ -115,6 +136,7 @@ CASES = {
         kind="Gemma2", tie=True, head_dim=16, layers=4, sliding_window=4,
         query_pre_attn_scalar=12, attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
     "olmo2_untied": lambda: llama(kind="Olmo2"),
+    **MOE_CASES,
 }
 
 
@@ -180,9 +202,12 @@ def float64_patches():
     from transformers.models.gemma2 import modeling_gemma2
     from transformers.models.llama import modeling_llama
     from transformers.models.mistral import modeling_mistral
+    from transformers.models.mixtral import modeling_mixtral
     from transformers.models.olmo2 import modeling_olmo2
     from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
     from transformers.models.qwen3 import modeling_qwen3
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
     from transformers.models.t5 import modeling_t5
     patches = [(modeling_t5.T5LayerNorm, "forward", t5_norm_in_float64),
                (modeling_gemma2.Gemma2RMSNorm, "forward", gemma_norm_in_float64),
@@ -190,7 +215,8 @@ def float64_patches():
                (modeling_gemma2.Gemma2RotaryEmbedding, "forward", llama_rope_in_float64)]
     for module, kind in ((modeling_llama, "Llama"), (modeling_mistral, "Mistral"),
                          (modeling_qwen2, "Qwen2"), (modeling_qwen3, "Qwen3"),
-                         (modeling_olmo2, "Olmo2")):
+                         (modeling_olmo2, "Olmo2"), (modeling_mixtral, "Mixtral"),
+                         (modeling_qwen2_moe, "Qwen2Moe"), (modeling_qwen3_moe, "Qwen3Moe")):
         patches += [(getattr(module, f"{kind}RMSNorm"), "forward", llama_norm_in_float64),
                     (getattr(module, f"{kind}RotaryEmbedding"), "forward", llama_rope_in_float64)]
     return patches
@@ -224,9 +250,42 @@ def max_logit_difference(case: str, dtype: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c in CASES if c not in MOE_CASES])
 def test_logits_match_hf(case, dtype):
     assert max_logit_difference(case, dtype) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_logits_match_hf(case, dtype):
+    """Dropless routing (capacity_factor 0) as HF's: no token is dropped."""
+    tolerance = MOE_FLOAT64_TOLERANCE if dtype == "float64" else TOLERANCE[dtype]
+    assert max_logit_difference(case, dtype) <= tolerance
+
+
+def test_moe_features_bind():
+    """Each MoE feature of the cases changes HF's logits by far more than the tolerance (so
+    test_moe_logits_match_hf checks it): the shared expert's gate, Qwen2-MoE's unnormalised
+    gates, the dense layer of decoder_sparse_step 2, and top-2 (vs top-1) routing."""
+
+    def logits(case, change=lambda hf: None):
+        torch.manual_seed(0)
+        hf, hf_inputs, _, _, valid = CASES[case]()
+        hf = randomized(hf)
+        with torch.no_grad():
+            change(hf)
+            return hf(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).logits.numpy()[valid]
+
+    ungated = lambda hf: [layer.mlp.shared_expert_gate.weight.zero_() for layer in hf.model.layers]
+    changes = [("qwen2_moe_shared_gate", ungated),  # sigmoid(0) = 1/2 for every token
+               ("qwen2_moe_shared_gate", lambda hf: [setattr(layer.mlp.gate, "norm_topk_prob",
+                                                             True) for layer in hf.model.layers]),
+               ("qwen3_moe_sparse_step_2", lambda hf: hf.model.layers[0].mlp.down_proj.weight
+                .zero_()),
+               ("mixtral_top2", lambda hf: [setattr(layer.mlp.gate, "top_k", 1)
+                                            for layer in hf.model.layers])]
+    for case, change in changes:
+        assert relative_difference(logits(case, change), logits(case)) > 1e-2, case
 
 
 def test_gemma2_caps_and_windows_bind():
@@ -411,7 +470,7 @@ def test_qwen3_gemma2_olmo2_settings_the_model_cannot_represent_are_refused(kind
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "mistral_window_4", "qwen2_qkv_bias",
                                   "qwen3_tied_qk_norm", "gemma2_window_softcaps",
-                                  "olmo2_untied"])
+                                  "olmo2_untied", *MOE_CASES])
 def test_kv_cache_greedy_decoding_matches_hf_generate(case):
     """12 new tokens after a 5-token prompt: the windows of mistral_window_4 and Gemma 2's
     sliding layers slide past the prompt, so the decode-time window mask is exercised as well
