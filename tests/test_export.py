@@ -20,7 +20,7 @@ EXPORTABLE = ["gpt2", "gpt2_untied", "gpt2_unscaled_attention", "llama_gqa",
               "llama_tied_linear_rope", "llama_mqa_head_dim_16", "llama_rope_llama3",
               "mistral_window_4", "qwen2_qkv_bias", "qwen3_tied_qk_norm",
               "gemma2_window_softcaps", "olmo2_untied", "bert_mlm", "bert_classifier", "t5_v1_0",
-              "t5_v1_1"]
+              "t5_v1_1", "mixtral_top2", "qwen2_moe_shared_gate", "qwen3_moe_sparse_step_2"]
 # Gemma's norms hold weight w as our scale 1 + w in float32: w comes back as (1 + w) - 1, within
 # half a float32 ulp of 1 (and our scale s exactly only for s in [0.5, 2], where s - 1 is exact).
 GEMMA_NORM_ATOL = 2.0 ** -24
@@ -112,6 +112,16 @@ ROPE = dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False
     (dict(family="t5", position="t5", norm="rmsnorm", use_bias=False, attention_scale=1.0,
           activation="relu", tie_embeddings=False), "the T5 export needs a tied head"),
     (dict(head="classify", num_classes=2), "a GPT classifier is not exported"),
+    (dict(ROPE, moe=dict(num_experts=4, normalize_gates=False)),
+     "model.moe.normalize_gates=False: the Mixtral export needs True"),
+    (dict(ROPE, moe=dict(num_experts=4, top_k=1)), "model.moe.top_k=1: the Mixtral export needs"),
+    (dict(ROPE, moe=dict(num_experts=4, d_ff=16)), "model.moe.d_ff=16: the Mixtral export needs"),
+    (dict(ROPE, qkv_bias=True, moe=dict(num_experts=4)),
+     "model.moe.shared_gate=False: the Qwen2Moe export needs True"),
+    (dict(ROPE, qk_norm=True, moe=dict(num_experts=4, num_shared=1)),
+     "model.moe.num_shared=1: the Qwen3Moe export needs 0"),
+    (dict(position="learned", moe=dict(num_experts=4)),
+     "a mixture of experts is not exported but as a RoPE GPT"),
 ])
 def test_architectures_without_a_hugging_face_class_are_refused(overrides, match):
     config = default_model_config()
