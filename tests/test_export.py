@@ -20,7 +20,8 @@ EXPORTABLE = ["gpt2", "gpt2_untied", "gpt2_unscaled_attention", "llama_gqa",
               "llama_tied_linear_rope", "llama_mqa_head_dim_16", "llama_rope_llama3",
               "mistral_window_4", "qwen2_qkv_bias", "qwen3_tied_qk_norm",
               "gemma2_window_softcaps", "olmo2_untied", "bert_mlm", "bert_classifier", "t5_v1_0",
-              "t5_v1_1", "mixtral_top2", "qwen2_moe_shared_gate", "qwen3_moe_sparse_step_2"]
+              "t5_v1_1", "mixtral_top2", "qwen2_moe_shared_gate", "qwen3_moe_sparse_step_2",
+              "qwen3_moe_window_4"]
 # Gemma's norms hold weight w as our scale 1 + w in float32: w comes back as (1 + w) - 1, within
 # half a float32 ulp of 1 (and our scale s exactly only for s in [0.5, 2], where s - 1 is exact).
 GEMMA_NORM_ATOL = 2.0 ** -24

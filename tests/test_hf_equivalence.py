@@ -113,6 +113,9 @@ MOE_CASES = {
     # layer 0 dense (48 wide), layer 1 MoE; renormalised gates; per-head qk-norm
     "qwen3_moe_sparse_step_2": lambda: moe("Qwen3Moe", head_dim=16, decoder_sparse_step=2,
                                            norm_topk_prob=True),
+    # a window of 4 < 12 tokens on every layer, as Mistral's
+    "qwen3_moe_window_4": lambda: moe("Qwen3Moe", head_dim=16, use_sliding_window=True,
+                                      sliding_window=4),
 }
 CASES = {
     "gpt2": gpt2, "gpt2_untied": lambda: gpt2(tie=False),
@@ -266,7 +269,8 @@ def test_moe_logits_match_hf(case, dtype):
 def test_moe_features_bind():
     """Each MoE feature of the cases changes HF's logits by far more than the tolerance (so
     test_moe_logits_match_hf checks it): the shared expert's gate, Qwen2-MoE's unnormalised
-    gates, the dense layer of decoder_sparse_step 2, and top-2 (vs top-1) routing."""
+    gates, the dense layer of decoder_sparse_step 2, top-2 (vs top-1) routing and Qwen3-MoE's
+    window (vs one as long as the input)."""
 
     def logits(case, change=lambda hf: None):
         torch.manual_seed(0)
@@ -283,7 +287,8 @@ def test_moe_features_bind():
                ("qwen3_moe_sparse_step_2", lambda hf: hf.model.layers[0].mlp.down_proj.weight
                 .zero_()),
                ("mixtral_top2", lambda hf: [setattr(layer.mlp.gate, "top_k", 1)
-                                            for layer in hf.model.layers])]
+                                            for layer in hf.model.layers]),
+               ("qwen3_moe_window_4", lambda hf: setattr(hf.config, "sliding_window", 64))]
     for case, change in changes:
         assert relative_difference(logits(case, change), logits(case)) > 1e-2, case
 

@@ -372,12 +372,16 @@ def mistral(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Con
 def qwen2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """Qwen2ForCausalLM / Qwen2Model: Llama with biases on the q/k/v projections
     (model.qkv_bias). Per-layer sliding windows (use_sliding_window) are refused."""
+    _full_attention_only("Qwen2", hf_config)
+    return _llama_like("Qwen2", hf_config, state_dict, dtype, qkv_bias=True)
+
+
+def _full_attention_only(name, hf_config) -> None:
     kinds = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
-        raise ValueError(f"Qwen2 layer_types {sorted(kinds)} (use_sliding_window="
+        raise ValueError(f"{name} layer_types {sorted(kinds)} (use_sliding_window="
                          f"{getattr(hf_config, 'use_sliding_window', False)}): expected only "
                          "'full_attention' (one attention pattern for every layer)")
-    return _llama_like("Qwen2", hf_config, state_dict, dtype, qkv_bias=True)
 
 
 def qwen3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
@@ -422,23 +426,20 @@ def mixtral(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Con
 
 def qwen2_moe(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """Qwen2MoeForCausalLM / Qwen2MoeModel: Qwen2 (q/k/v biases if `qkv_bias`) whose MoE layers
-    add a shared expert, its output times a per-token sigmoid gate (model.moe.shared_gate)."""
-    _no_windows("Qwen2Moe", hf_config)
+    add a shared expert, its output times a per-token sigmoid gate (model.moe.shared_gate).
+    Per-layer sliding windows (use_sliding_window) are refused."""
+    _full_attention_only("Qwen2Moe", hf_config)
     return _llama_like("Qwen2Moe", hf_config, state_dict, dtype,
                        qkv_bias=getattr(hf_config, "qkv_bias", True),
                        moe=_moe("Qwen2Moe", hf_config))
 
 
 def qwen3_moe(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
-    """Qwen3MoeForCausalLM / Qwen3MoeModel: Qwen3 (per-head qk-norm) with MoE layers."""
-    _no_windows("Qwen3Moe", hf_config)
-    return _llama_like("Qwen3Moe", hf_config, state_dict, dtype, moe=_moe("Qwen3Moe", hf_config))
-
-
-def _no_windows(name, hf_config) -> None:
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError(f"{name} use_sliding_window=True: expected False (its per-layer "
-                         "windows are not represented)")
+    """Qwen3MoeForCausalLM / Qwen3MoeModel: Qwen3 (per-head qk-norm) with MoE layers; its
+    `sliding_window` (set when use_sliding_window) windows every layer, as Mistral's."""
+    return _llama_like("Qwen3Moe", hf_config, state_dict, dtype,
+                       sliding_window=getattr(hf_config, "sliding_window", None),
+                       moe=_moe("Qwen3Moe", hf_config))
 
 
 def _moe(name, hf_config) -> dict[str, Any]:
@@ -456,6 +457,9 @@ def _moe(name, hf_config) -> dict[str, Any]:
     dense_layers = list(getattr(hf_config, "mlp_only_layers", None) or [])
     shared = getattr(hf_config, "shared_expert_intermediate_size", 0) if name == "Qwen2Moe" \
         else 0
+    if getattr(hf_config, "router_jitter_noise", 0.0):
+        raise ValueError(f"{name} router_jitter_noise={hf_config.router_jitter_noise}: expected "
+                         "0.0 (no router jitter in training here)")
     if dense_layers:
         raise ValueError(f"{name} mlp_only_layers={dense_layers}: expected [] (dense layers "
                          "only by decoder_sparse_step)")

@@ -128,7 +128,7 @@ _LLAMA_LIKE_NEEDS = {
     "Mixtral": dict(_LLAMA, qkv_bias=(None, False)),
     "Qwen2Moe": dict(_LLAMA, sliding_window=None),
 }
-_LLAMA_LIKE_NEEDS["Qwen3Moe"] = dict(_LLAMA_LIKE_NEEDS["Qwen3"], sliding_window=None)
+_LLAMA_LIKE_NEEDS["Qwen3Moe"] = dict(_LLAMA_LIKE_NEEDS["Qwen3"], sliding_window_pattern=0)
 
 
 def _llama_kind(config) -> str:
@@ -195,7 +195,9 @@ def _moe_settings(config, kind: str, window) -> dict[str, Any]:
         return dict(aux, num_local_experts=moe.num_experts, sliding_window=window)
     settings = dict(aux, num_experts=moe.num_experts, moe_intermediate_size=d_ff,
                     norm_topk_prob=moe.normalize_gates and moe.top_k > 1, mlp_only_layers=[],
-                    decoder_sparse_step=moe.every_n_layers, use_sliding_window=False)
+                    decoder_sparse_step=moe.every_n_layers, use_sliding_window=window is not None)
+    if kind == "Qwen3Moe":
+        settings.update(sliding_window=window)
     if kind == "Qwen2Moe":
         settings.update(shared_expert_intermediate_size=moe.num_shared * d_ff,
                         qkv_bias=bool(config.qkv_bias))
