@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -316,6 +317,27 @@ def test_gemma2_caps_and_windows_bind():
         lambda hf: setattr(hf.config, "layer_types", ["sliding_attention"] * 4)]
     for change in changes:
         assert relative_difference(logits(change), expected) > 1e-2
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_checkpoint_files_import_as_the_fused_state_dict(case, tmp_path):
+    """save_pretrained's files (as the hub's) hold each expert's tensors apart (Mixtral's under
+    block_sparse_moe.experts.j.w1 / w3 / w2): they import to exactly the params of the
+    in-memory model's fused experts.gate_up_proj / down_proj."""
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(0)
+    hf = randomized(CASES[case]()[0])
+    hf.save_pretrained(tmp_path)
+    files = load_file(tmp_path / "model.safetensors")
+    assert not any("gate_up_proj" in k for k in files)
+    assert any("block_sparse_moe.experts.0.w1" in k for k in files) == (case == "mixtral_top2")
+    _, expected = convert.from_hf(hf.config, hf.state_dict())
+    _, got = convert.from_hf(hf.config, files)
+    flat = lambda tree: {"/".join(k): np.asarray(v) for k, v in
+                         traverse_util.flatten_dict(tree).items()}
+    assert flat(got).keys() == flat(expected).keys()
+    assert all(np.array_equal(v, flat(expected)[k]) for k, v in flat(got).items())
 
 
 @pytest.mark.slow

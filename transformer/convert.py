@@ -478,13 +478,25 @@ def _moe(name, hf_config) -> dict[str, Any]:
 
 
 def _moe_params(ckpt, prefix, moe) -> dict[str, np.ndarray]:
-    """Our MoE layer's params from HF's `mlp.` tensors: router [D, E] is gate.weight.T, the
-    experts' [E, 2F, D] gate_up_proj splits into wi_gate and wi_up [E, D, F] (gate first),
-    down_proj [E, D, F] is wo [E, F, D]; Qwen2-MoE's shared expert and its gate [1, D]."""
-    gate_up = ckpt(prefix + "experts.gate_up_proj").transpose(0, 2, 1)
-    wi_gate, wi_up = np.split(gate_up, 2, axis=2)
+    """Our MoE layer's params from HF's `mlp.` tensors: router [D, E] is gate.weight.T; the
+    experts' wi_gate, wi_up [E, D, F] and wo [E, F, D] from transformers 5's fused [E, 2F, D]
+    gate_up_proj (gate first) and [E, D, F] down_proj, or from the per-expert tensors that
+    save_pretrained and the hub's files hold (Mixtral's block_sparse_moe.experts.j.w1 / w3 /
+    w2, Qwen's mlp.experts.j.gate_proj / up_proj / down_proj); Qwen2-MoE's shared expert and
+    its gate [1, D]."""
+    hub_mixtral = prefix.replace(".mlp.", ".block_sparse_moe.")
+    prefix = hub_mixtral if ckpt.has(hub_mixtral + "gate.weight") else prefix
+    if ckpt.has(prefix + "experts.gate_up_proj"):
+        gate_up = ckpt(prefix + "experts.gate_up_proj").transpose(0, 2, 1)
+        wi_gate, wi_up = np.split(gate_up, 2, axis=2)
+        wo = ckpt(prefix + "experts.down_proj").transpose(0, 2, 1)
+    else:
+        names = ("w1", "w3", "w2") if prefix == hub_mixtral else ("gate_proj", "up_proj",
+                                                                   "down_proj")
+        wi_gate, wi_up, wo = (np.stack([ckpt(f"{prefix}experts.{j}.{name}.weight", True)
+                                        for j in range(moe.num_experts)]) for name in names)
     params = {"router": ckpt(prefix + "gate.weight", True), "wi_gate": wi_gate,
-              "wi_up": wi_up, "wo": ckpt(prefix + "experts.down_proj").transpose(0, 2, 1)}
+              "wi_up": wi_up, "wo": wo}
     if moe.num_shared:
         s = prefix + "shared_expert."
         params.update(shared_wi=ckpt(s + "gate_proj.weight", True),
