@@ -243,6 +243,7 @@ def _llama_like_state(config, params, family) -> dict[str, np.ndarray]:
         out[f"{name}.weight"] = tree["scale"] - np.float32(family.norm_offset)
 
     norm(decoder["final_norm"], "model.norm")
+    mixtral = config.get("moe") and config.moe.num_experts and _llama_kind(config) == "Mixtral"
     for i in range(config.num_layers):
         layer, p = decoder[f"layers_{i}"], f"model.layers.{i}."
         attn = layer["self_attention"]
@@ -257,7 +258,7 @@ def _llama_like_state(config, params, family) -> dict[str, np.ndarray]:
         for ours, theirs in family.norms:
             norm(layer[ours], p + theirs)
         if "moe" in layer:
-            out.update(_moe_state(layer["moe"], p + "mlp."))
+            out.update(_moe_state(layer["moe"], p + ("block_sparse_moe." if mixtral else "mlp.")))
             continue
         mlp = layer["mlp"]
         out.update({p + "mlp.gate_proj.weight": mlp["wi_gate"].T,
@@ -269,11 +270,15 @@ def _llama_like_state(config, params, family) -> dict[str, np.ndarray]:
 
 
 def _moe_state(moe: dict, prefix: str) -> dict[str, np.ndarray]:
-    """HF's tensors of one MoE layer (the inverse of `convert._moe_params`)."""
-    out = {prefix + "gate.weight": moe["router"].T,
-           prefix + "experts.gate_up_proj": np.concatenate(
-               [moe["wi_gate"], moe["wi_up"]], axis=2).transpose(0, 2, 1),
-           prefix + "experts.down_proj": moe["wo"].transpose(0, 2, 1)}
+    """HF's tensors of one MoE layer as save_pretrained writes them, one per expert (Mixtral's
+    block_sparse_moe.experts.j.w1 / w3 / w2, Qwen's mlp.experts.j.gate_proj / up_proj /
+    down_proj), which the hub's tools read; the inverse of `convert._moe_params`."""
+    mixtral = "block_sparse_moe" in prefix
+    out = {prefix + "gate.weight": moe["router"].T}
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for ours, theirs in zip(("wi_gate", "wi_up", "wo"), names, strict=True):
+        for j, kernel in enumerate(moe[ours]):
+            out[f"{prefix}experts.{j}.{theirs}.weight"] = kernel.T
     for ours, theirs in (("shared_wi", "shared_expert.gate_proj.weight"),
                          ("shared_wi_up", "shared_expert.up_proj.weight"),
                          ("shared_wo", "shared_expert.down_proj.weight"),
