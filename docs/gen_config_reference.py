@@ -185,7 +185,15 @@ MEANINGS: dict[str, str] = {
                                 "num_layers.",
     "model.moe.capacity_factor": "Slots per expert and row, ceil(cf x T x k / E); choices over "
                                  "capacity are dropped; 0: dropless.",
-    "model.moe.num_shared": "Always-on shared experts (DeepSeek).",
+    "model.moe.num_shared": "Always-on shared experts (DeepSeek), num_shared x the experts' "
+                            "width hidden units.",
+    "model.moe.d_ff": "Each expert's hidden width; 0: `model.d_ff` (Qwen-MoE's "
+                      "moe_intermediate_size).",
+    "model.moe.normalize_gates": "A token's top-k gates renormalised to sum 1 (Mixtral); False: "
+                                 "its router probabilities (Qwen2-MoE). Top-1 keeps the "
+                                 "probability.",
+    "model.moe.shared_gate": "The shared experts' output times sigmoid(x . w) per token "
+                             "(Qwen2-MoE).",
     "model.moe.load_balance_loss": "Weight of the load-balancing loss (Switch / GShard).",
     "model.moe.router_z_loss": "Weight of the router z-loss (ST-MoE).",
     "model.num_decoder_layers": "Encoder-decoder: decoder depth; None: = num_layers.",
@@ -257,6 +265,9 @@ ALLOWED: dict[str, str] = {
     "model.moe.every_n_layers": "an int >= 1",
     "model.moe.capacity_factor": "a number >= 0 (0: dropless)",
     "model.moe.num_shared": "an int >= 0",
+    "model.moe.d_ff": "an int >= 0 (0: model.d_ff)",
+    "model.moe.normalize_gates": "a bool",
+    "model.moe.shared_gate": "a bool",
     "model.moe.load_balance_loss": "a number >= 0",
     "model.moe.router_z_loss": "a number >= 0",
     "model.num_decoder_layers": "None or an int > 0",

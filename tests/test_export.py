@@ -10,7 +10,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf_equivalence import CASES, randomized, relative_difference, tokens  # noqa: E402
+from test_hf_equivalence import (  # noqa: E402
+    CASES,
+    MOE_CASES,
+    randomized,
+    relative_difference,
+    tokens,
+)
 from test_train import TINY_MODEL, assert_succeeded, cli_env, run_cli, tiny_flags  # noqa: E402
 
 from transformer import convert, export, generate  # noqa: E402
@@ -20,7 +26,8 @@ EXPORTABLE = ["gpt2", "gpt2_untied", "gpt2_unscaled_attention", "llama_gqa",
               "llama_tied_linear_rope", "llama_mqa_head_dim_16", "llama_rope_llama3",
               "mistral_window_4", "qwen2_qkv_bias", "qwen3_tied_qk_norm",
               "gemma2_window_softcaps", "olmo2_untied", "bert_mlm", "bert_classifier", "t5_v1_0",
-              "t5_v1_1"]
+              "t5_v1_1", "mixtral_top2", "qwen2_moe_shared_gate", "qwen3_moe_sparse_step_2",
+              "qwen3_moe_window_4"]
 # Gemma's norms hold weight w as our scale 1 + w in float32: w comes back as (1 + w) - 1, within
 # half a float32 ulp of 1 (and our scale s exactly only for s in [0.5, 2], where s - 1 is exact).
 GEMMA_NORM_ATOL = 2.0 ** -24
@@ -49,13 +56,19 @@ def assert_imports_back(hf, params) -> None:
 
 
 @pytest.mark.parametrize("case", EXPORTABLE)
-def test_to_hf_inverts_from_hf_bit_for_bit(case):
+def test_to_hf_inverts_from_hf_bit_for_bit(case, tmp_path):
     torch.manual_seed(0)
     hf = randomized(CASES[case]()[0])
     state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    if case in MOE_CASES:  # experts one by one, as save_pretrained (and the export) writes them
+        from safetensors.numpy import load_file
+
+        hf.save_pretrained(tmp_path)
+        state = load_file(tmp_path / "model.safetensors")
     config, params = convert.from_hf(hf.config, state)
     hf_config, exported = export.to_hf(config, params)
     assert type(hf_config) is type(hf.config)
+    assert case not in MOE_CASES or exported.keys() == state.keys()
     for key, value in exported.items():  # every tensor written is HF's own, exactly
         np.testing.assert_allclose(value, state[key], rtol=0, atol=tolerance(case, key),
                                    err_msg=key)
@@ -112,6 +125,16 @@ ROPE = dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False
     (dict(family="t5", position="t5", norm="rmsnorm", use_bias=False, attention_scale=1.0,
           activation="relu", tie_embeddings=False), "the T5 export needs a tied head"),
     (dict(head="classify", num_classes=2), "a GPT classifier is not exported"),
+    (dict(ROPE, moe=dict(num_experts=4, normalize_gates=False)),
+     "model.moe.normalize_gates=False: the Mixtral export needs True"),
+    (dict(ROPE, moe=dict(num_experts=4, top_k=1)), "model.moe.top_k=1: the Mixtral export needs"),
+    (dict(ROPE, moe=dict(num_experts=4, d_ff=16)), "model.moe.d_ff=16: the Mixtral export needs"),
+    (dict(ROPE, qkv_bias=True, moe=dict(num_experts=4)),
+     "model.moe.shared_gate=False: the Qwen2Moe export needs True"),
+    (dict(ROPE, qk_norm=True, moe=dict(num_experts=4, num_shared=1)),
+     "model.moe.num_shared=1: the Qwen3Moe export needs 0"),
+    (dict(position="learned", moe=dict(num_experts=4)),
+     "a mixture of experts is not exported but as a RoPE GPT"),
 ])
 def test_architectures_without_a_hugging_face_class_are_refused(overrides, match):
     config = default_model_config()

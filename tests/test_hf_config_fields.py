@@ -1,7 +1,7 @@
 """Every field of every supported Hugging Face config class is honoured, refused or inert.
 
 For each config class the converter reads (GPT-2, BERT, T5, Llama, Mistral, Qwen2, Qwen3, Gemma 2,
-OLMo 2), every key of
+OLMo 2, Mixtral, Qwen2-MoE, Qwen3-MoE), every key of
 `config.to_dict()` is in exactly one table below:
 - HONOURED: changing it changes our logits exactly as it changes HF's (both compared to 1e-4);
 - REFUSED: `convert.from_hf` raises a ValueError naming it;
@@ -26,6 +26,8 @@ from transformer.models import build_model  # noqa: E402
 LLAMA_BASE = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=48, vocab_size=VOCAB,
                   max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+QWEN_MOE_BASE = dict(LLAMA_BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     decoder_sparse_step=2)
 MODELS = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
         n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
@@ -45,6 +47,12 @@ MODELS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         LLAMA_BASE, head_dim=8, sliding_window=4, query_pre_attn_scalar=8)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", LLAMA_BASE),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        LLAMA_BASE, num_local_experts=4, num_experts_per_tok=2)),
+    # layer 0 dense (intermediate_size 48), layer 1 MoE (experts 16 wide)
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(QWEN_MOE_BASE,
+                                                                shared_expert_intermediate_size=32)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(QWEN_MOE_BASE, head_dim=8)),
 }
 METADATA = {"_name_or_path", "architectures", "model_type", "transformers_version",
             "return_dict", "output_attentions", "output_hidden_states", "problem_type",
@@ -66,6 +74,16 @@ LLAMA_INERT = {"attention_dropout": {"attention_dropout": 0.5}, "initializer_ran
                "chunk_size_feed_forward": {"chunk_size_feed_forward": 2},
                # RoPE positions have no table: the length bound changes no logit
                "max_position_embeddings": {"max_position_embeddings": 32}}
+# 4 layers, not 3: decoder_sparse_step 2 (model.moe.every_n_layers) must divide the depth
+QWEN_MOE_HONOURED = {
+    "num_hidden_layers": {"num_hidden_layers": 4},
+    "num_experts_per_tok": {"num_experts_per_tok": 3},
+    "moe_intermediate_size": {"moe_intermediate_size": 8}, "norm_topk_prob":
+    {"norm_topk_prob": True}, "decoder_sparse_step": {"decoder_sparse_step": 1}}
+MOE_REFUSED = {"hidden_act": {"hidden_act": "gelu"}, "rope_parameters": {"rope_parameters": YARN},
+               "mlp_only_layers": {"mlp_only_layers": [1]}}
+MOE_INERT = {**LLAMA_INERT, "output_router_logits": {"output_router_logits": True},
+             "router_aux_loss_coef": {"router_aux_loss_coef": 0.5}}
 HONOURED = {
     "gpt2": {"n_layer": {"n_layer": 3}, "n_embd": {"n_embd": 48}, "n_head": {"n_head": 8},
              "n_inner": {"n_inner": 40}, "activation_function": {"activation_function": "relu"},
@@ -100,6 +118,16 @@ HONOURED = {
                "final_logit_softcapping": {"final_logit_softcapping": 1.0},
                "attn_logit_softcapping": {"attn_logit_softcapping": 0.5}},
     "olmo2": {k: v for k, v in LLAMA_HONOURED.items() if k != "head_dim"},
+    "mixtral": {**LLAMA_HONOURED, "sliding_window": {"sliding_window": 3},
+                "num_local_experts": {"num_local_experts": 3},
+                "num_experts_per_tok": {"num_experts_per_tok": 3}},
+    "qwen2_moe": {**{k: v for k, v in LLAMA_HONOURED.items() if k != "head_dim"},
+                  **QWEN_MOE_HONOURED, "num_experts": {"num_experts": 3},
+                  "shared_expert_intermediate_size": {"shared_expert_intermediate_size": 48},
+                  "qkv_bias": {"qkv_bias": False}},
+    "qwen3_moe": {**LLAMA_HONOURED, **QWEN_MOE_HONOURED, "num_local_experts": {"num_experts": 3},
+                  "use_sliding_window":
+                  {"use_sliding_window": True, "sliding_window": 3}},
 }
 REFUSED = {
     "gpt2": {"add_cross_attention": {"add_cross_attention": True}, "reorder_and_upcast_attn":
@@ -127,6 +155,15 @@ REFUSED = {
                "use_bidirectional_attention": {"use_bidirectional_attention": True}},
     "olmo2": {"attention_bias": {"attention_bias": True}, "hidden_act": {"hidden_act": "gelu"},
               "rope_parameters": {"rope_parameters": YARN}},
+    # top-1 with renormalised gates (HF's gate 1); training-time router noise
+    "mixtral": {"hidden_act": {"hidden_act": "gelu"}, "rope_parameters": {"rope_parameters": YARN},
+                "num_experts_per_tok": {"num_experts_per_tok": 1},
+                "router_jitter_noise": {"router_jitter_noise": 0.1}},
+    "qwen2_moe": {**MOE_REFUSED, "use_sliding_window": {
+        "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+        "layer_types": {"layer_types": ["sliding_attention", "full_attention"]},
+        "shared_expert_intermediate_size": {"shared_expert_intermediate_size": 24}},
+    "qwen3_moe": {**MOE_REFUSED, "attention_bias": {"attention_bias": True}},
 }
 INERT = {
     "gpt2": {"attn_pdrop": {"attn_pdrop": 0.5}, "resid_pdrop": {"resid_pdrop": 0.5,
@@ -160,6 +197,11 @@ INERT = {
               {"max_window_layers": 1}},
     "gemma2": LLAMA_INERT,
     "olmo2": LLAMA_INERT,
+    "mixtral": MOE_INERT,
+    # without use_sliding_window Qwen2-MoE reads neither, nor Qwen3-MoE its sliding_window
+    "qwen2_moe": {**MOE_INERT, "sliding_window": {"sliding_window": 3}, "max_window_layers":
+                  {"max_window_layers": 1}},
+    "qwen3_moe": {**MOE_INERT, "sliding_window": {"sliding_window": 3}},
 }
 
 

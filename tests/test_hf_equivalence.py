@@ -1,5 +1,5 @@
-"""Our GPT-2, BERT, T5, Llama (Mistral, Qwen2, Qwen3, Gemma 2, OLMo 2) equal Hugging Face's PyTorch
-models given the same weights."""
+"""Our GPT-2, BERT, T5, Llama (Mistral, Qwen2, Qwen3, Gemma 2, OLMo 2) and MoE (Mixtral,
+Qwen2-MoE, Qwen3-MoE) models equal Hugging Face's PyTorch models given the same weights."""
 
 import contextlib
 import math
@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -21,6 +22,9 @@ from transformer.models import build_model  # noqa: E402
 # order (about 1e-6 here, up to 3e-5 seen when other processes load the two cores); a wrong
 # weight or formula shows at 1e-2 and above. float64 is the exact check.
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
+# MoE routers take their softmax in float32 in both (HF's and ours) whatever the dtype: a gate
+# differs by float32 rounding, so float64 agrees to about 1e-7 there, not 1e-12.
+MOE_FLOAT64_TOLERANCE = 1e-6
 VOCAB = 101
 
 
@@ -93,6 +97,27 @@ def llama(tie=False, rope=None, head_dim=None, kv_heads=2, kind="Llama", layers=
         mask.astype(bool)
 
 
+def moe(kind="Mixtral", **more):
+    """`llama` of a mixture-of-experts class: 4 experts, top-2, in every layer unless
+    decoder_sparse_step says otherwise; Qwen's experts 16 wide, not intermediate_size 48. HF's
+    eager per-expert loop: its grouped_mm kernel takes no float64."""
+    experts = dict(num_local_experts=4) if kind == "Mixtral" else dict(
+        num_experts=4, moe_intermediate_size=16)
+    return llama(kind=kind, num_experts_per_tok=2, experts_implementation="eager", **experts,
+                 **more)
+
+
+MOE_CASES = {
+    "mixtral_top2": lambda: moe(),
+    # the shared expert 2 x 16 wide behind its sigmoid gate; gates are the router probabilities
+    "qwen2_moe_shared_gate": lambda: moe("Qwen2Moe", shared_expert_intermediate_size=32),
+    # layer 0 dense (48 wide), layer 1 MoE; renormalised gates; per-head qk-norm
+    "qwen3_moe_sparse_step_2": lambda: moe("Qwen3Moe", head_dim=16, decoder_sparse_step=2,
+                                           norm_topk_prob=True),
+    # a window of 4 < 12 tokens on every layer, as Mistral's
+    "qwen3_moe_window_4": lambda: moe("Qwen3Moe", head_dim=16, use_sliding_window=True,
+                                      sliding_window=4),
+}
 CASES = {
     "gpt2": gpt2, "gpt2_untied": lambda: gpt2(tie=False),
     "gpt2_unscaled_attention": lambda: gpt2(scale_attn_weights=False), "bert_mlm": bert,
@@ -115,6 +140,7 @@ CASES = {
         kind="Gemma2", tie=True, head_dim=16, layers=4, sliding_window=4,
         query_pre_attn_scalar=12, attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
     "olmo2_untied": lambda: llama(kind="Olmo2"),
+    **MOE_CASES,
 }
 
 
@@ -180,9 +206,12 @@ def float64_patches():
     from transformers.models.gemma2 import modeling_gemma2
     from transformers.models.llama import modeling_llama
     from transformers.models.mistral import modeling_mistral
+    from transformers.models.mixtral import modeling_mixtral
     from transformers.models.olmo2 import modeling_olmo2
     from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
     from transformers.models.qwen3 import modeling_qwen3
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
     from transformers.models.t5 import modeling_t5
     patches = [(modeling_t5.T5LayerNorm, "forward", t5_norm_in_float64),
                (modeling_gemma2.Gemma2RMSNorm, "forward", gemma_norm_in_float64),
@@ -190,7 +219,8 @@ def float64_patches():
                (modeling_gemma2.Gemma2RotaryEmbedding, "forward", llama_rope_in_float64)]
     for module, kind in ((modeling_llama, "Llama"), (modeling_mistral, "Mistral"),
                          (modeling_qwen2, "Qwen2"), (modeling_qwen3, "Qwen3"),
-                         (modeling_olmo2, "Olmo2")):
+                         (modeling_olmo2, "Olmo2"), (modeling_mixtral, "Mixtral"),
+                         (modeling_qwen2_moe, "Qwen2Moe"), (modeling_qwen3_moe, "Qwen3Moe")):
         patches += [(getattr(module, f"{kind}RMSNorm"), "forward", llama_norm_in_float64),
                     (getattr(module, f"{kind}RotaryEmbedding"), "forward", llama_rope_in_float64)]
     return patches
@@ -224,9 +254,44 @@ def max_logit_difference(case: str, dtype: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c in CASES if c not in MOE_CASES])
 def test_logits_match_hf(case, dtype):
     assert max_logit_difference(case, dtype) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_logits_match_hf(case, dtype):
+    """Dropless routing (capacity_factor 0) as HF's: no token is dropped."""
+    tolerance = MOE_FLOAT64_TOLERANCE if dtype == "float64" else TOLERANCE[dtype]
+    assert max_logit_difference(case, dtype) <= tolerance
+
+
+def test_moe_features_bind():
+    """Each MoE feature of the cases changes HF's logits by far more than the tolerance (so
+    test_moe_logits_match_hf checks it): the shared expert's gate, Qwen2-MoE's unnormalised
+    gates, the dense layer of decoder_sparse_step 2, top-2 (vs top-1) routing and Qwen3-MoE's
+    window (vs one as long as the input)."""
+
+    def logits(case, change=lambda hf: None):
+        torch.manual_seed(0)
+        hf, hf_inputs, _, _, valid = CASES[case]()
+        hf = randomized(hf)
+        with torch.no_grad():
+            change(hf)
+            return hf(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).logits.numpy()[valid]
+
+    ungated = lambda hf: [layer.mlp.shared_expert_gate.weight.zero_() for layer in hf.model.layers]
+    changes = [("qwen2_moe_shared_gate", ungated),  # sigmoid(0) = 1/2 for every token
+               ("qwen2_moe_shared_gate", lambda hf: [setattr(layer.mlp.gate, "norm_topk_prob",
+                                                             True) for layer in hf.model.layers]),
+               ("qwen3_moe_sparse_step_2", lambda hf: hf.model.layers[0].mlp.down_proj.weight
+                .zero_()),
+               ("mixtral_top2", lambda hf: [setattr(layer.mlp.gate, "top_k", 1)
+                                            for layer in hf.model.layers]),
+               ("qwen3_moe_window_4", lambda hf: setattr(hf.config, "sliding_window", 64))]
+    for case, change in changes:
+        assert relative_difference(logits(case, change), logits(case)) > 1e-2, case
 
 
 def test_gemma2_caps_and_windows_bind():
@@ -252,6 +317,27 @@ def test_gemma2_caps_and_windows_bind():
         lambda hf: setattr(hf.config, "layer_types", ["sliding_attention"] * 4)]
     for change in changes:
         assert relative_difference(logits(change), expected) > 1e-2
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_checkpoint_files_import_as_the_fused_state_dict(case, tmp_path):
+    """save_pretrained's files (as the hub's) hold each expert's tensors apart (Mixtral's under
+    block_sparse_moe.experts.j.w1 / w3 / w2): they import to exactly the params of the
+    in-memory model's fused experts.gate_up_proj / down_proj."""
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(0)
+    hf = randomized(CASES[case]()[0])
+    hf.save_pretrained(tmp_path)
+    files = load_file(tmp_path / "model.safetensors")
+    assert not any("gate_up_proj" in k for k in files)
+    assert any("block_sparse_moe.experts.0.w1" in k for k in files) == (case == "mixtral_top2")
+    _, expected = convert.from_hf(hf.config, hf.state_dict())
+    _, got = convert.from_hf(hf.config, files)
+    flat = lambda tree: {"/".join(k): np.asarray(v) for k, v in
+                         traverse_util.flatten_dict(tree).items()}
+    assert flat(got).keys() == flat(expected).keys()
+    assert all(np.array_equal(v, flat(expected)[k]) for k, v in flat(got).items())
 
 
 @pytest.mark.slow
@@ -411,7 +497,7 @@ def test_qwen3_gemma2_olmo2_settings_the_model_cannot_represent_are_refused(kind
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "mistral_window_4", "qwen2_qkv_bias",
                                   "qwen3_tied_qk_norm", "gemma2_window_softcaps",
-                                  "olmo2_untied"])
+                                  "olmo2_untied", *MOE_CASES])
 def test_kv_cache_greedy_decoding_matches_hf_generate(case):
     """12 new tokens after a 5-token prompt: the windows of mistral_window_4 and Gemma 2's
     sliding layers slide past the prompt, so the decode-time window mask is exercised as well

@@ -1,5 +1,5 @@
 """Import Hugging Face checkpoints (GPT-2, BERT, T5, Llama, Mistral, Qwen2, Qwen3, Gemma 2,
-OLMo 2) into this project's models.
+OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) into this project's models.
 
 `from_hf(hf_config, state_dict)` returns (model config group, params). The state dict may hold
 torch tensors or NumPy arrays (torch itself is not needed here). Any parameter the model needs
@@ -348,6 +348,7 @@ LLAMA_LIKE = {
                      ("mlp_output_norm", "post_feedforward_layernorm")),
         norm_offset=1.0, activation_key="hidden_activation",
         activations=(("gelu_pytorch_tanh", "geglu"), ("gelu_new", "geglu"))),
+    "Mixtral": LlamaLike(), "Qwen2Moe": LlamaLike(), "Qwen3Moe": LlamaLike(qk_norm="head"),
     "Olmo2": LlamaLike("post_sublayer", (("self_attention_output_norm", "post_attention_layernorm"),
                                          ("mlp_output_norm", "post_feedforward_layernorm")),
                        qk_norm="projection"),
@@ -371,12 +372,16 @@ def mistral(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Con
 def qwen2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """Qwen2ForCausalLM / Qwen2Model: Llama with biases on the q/k/v projections
     (model.qkv_bias). Per-layer sliding windows (use_sliding_window) are refused."""
+    _full_attention_only("Qwen2", hf_config)
+    return _llama_like("Qwen2", hf_config, state_dict, dtype, qkv_bias=True)
+
+
+def _full_attention_only(name, hf_config) -> None:
     kinds = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
-        raise ValueError(f"Qwen2 layer_types {sorted(kinds)} (use_sliding_window="
+        raise ValueError(f"{name} layer_types {sorted(kinds)} (use_sliding_window="
                          f"{getattr(hf_config, 'use_sliding_window', False)}): expected only "
                          "'full_attention' (one attention pattern for every layer)")
-    return _llama_like("Qwen2", hf_config, state_dict, dtype, qkv_bias=True)
 
 
 def qwen3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
@@ -409,6 +414,97 @@ def olmo2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Confi
     (model.norm_placement "post_sublayer"), and an RMSNorm over the whole q and k projections
     (all heads together) before RoPE (model.qk_norm, scope "projection")."""
     return _llama_like("Olmo2", hf_config, state_dict, dtype)
+
+
+def mixtral(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
+    """MixtralForCausalLM / MixtralModel: Mistral with a mixture of experts in every layer (see
+    `_moe`); transformers 5's fused expert tensors (experts.gate_up_proj, experts.down_proj)."""
+    return _llama_like("Mixtral", hf_config, state_dict, dtype,
+                       sliding_window=getattr(hf_config, "sliding_window", None),
+                       moe=_moe("Mixtral", hf_config))
+
+
+def qwen2_moe(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
+    """Qwen2MoeForCausalLM / Qwen2MoeModel: Qwen2 (q/k/v biases if `qkv_bias`) whose MoE layers
+    add a shared expert, its output times a per-token sigmoid gate (model.moe.shared_gate).
+    Per-layer sliding windows (use_sliding_window) are refused."""
+    _full_attention_only("Qwen2Moe", hf_config)
+    return _llama_like("Qwen2Moe", hf_config, state_dict, dtype,
+                       qkv_bias=getattr(hf_config, "qkv_bias", True),
+                       moe=_moe("Qwen2Moe", hf_config))
+
+
+def qwen3_moe(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
+    """Qwen3MoeForCausalLM / Qwen3MoeModel: Qwen3 (per-head qk-norm) with MoE layers; its
+    `sliding_window` (set when use_sliding_window) windows every layer, as Mistral's."""
+    return _llama_like("Qwen3Moe", hf_config, state_dict, dtype,
+                       sliding_window=getattr(hf_config, "sliding_window", None),
+                       moe=_moe("Qwen3Moe", hf_config))
+
+
+def _moe(name, hf_config) -> dict[str, Any]:
+    """model.moe of an HF mixture of experts. Routing is dropless (capacity_factor 0: HF drops
+    no token); the router's softmax is float32 in both; top-k gates renormalised to sum 1
+    (Mixtral always, Qwen with norm_topk_prob=True) or the router probabilities (Qwen's
+    norm_topk_prob=False: normalize_gates False); layer i is MoE when (i + 1) %
+    decoder_sparse_step == 0 (every_n_layers); experts are moe_intermediate_size wide (moe.d_ff)
+    and Qwen2-MoE's shared expert num_shared of them. HF's aux loss is training-only:
+    router_aux_loss_coef * top_k is load_balance_loss (HF's expert fractions sum to k, ours to
+    1) when output_router_logits, else 0; there is no z-loss."""
+    experts = getattr(hf_config, "num_local_experts", None) or hf_config.num_experts
+    top_k, d_ff = hf_config.num_experts_per_tok, getattr(hf_config, "moe_intermediate_size", 0)
+    normalize = bool(getattr(hf_config, "norm_topk_prob", True))  # Mixtral's always are
+    dense_layers = list(getattr(hf_config, "mlp_only_layers", None) or [])
+    shared = getattr(hf_config, "shared_expert_intermediate_size", 0) if name == "Qwen2Moe" \
+        else 0
+    if getattr(hf_config, "router_jitter_noise", 0.0):
+        raise ValueError(f"{name} router_jitter_noise={hf_config.router_jitter_noise}: expected "
+                         "0.0 (no router jitter in training here)")
+    if dense_layers:
+        raise ValueError(f"{name} mlp_only_layers={dense_layers}: expected [] (dense layers "
+                         "only by decoder_sparse_step)")
+    if top_k == 1 and normalize:
+        raise ValueError(f"{name} num_experts_per_tok=1 with renormalised gates: expected >= 2 "
+                         "or norm_topk_prob=False (our top-1 gate is the router probability)")
+    if name == "Qwen2Moe" and (not shared or shared % d_ff):
+        raise ValueError(f"{name} shared_expert_intermediate_size={shared}: expected a positive "
+                         f"multiple of moe_intermediate_size={d_ff}")
+    aux = getattr(hf_config, "router_aux_loss_coef", 0.0) * top_k \
+        if getattr(hf_config, "output_router_logits", False) else 0.0
+    return dict(num_experts=experts, top_k=top_k, capacity_factor=0.0, d_ff=d_ff,
+                every_n_layers=getattr(hf_config, "decoder_sparse_step", 1),
+                num_shared=shared // d_ff if shared else 0, shared_gate=bool(shared),
+                normalize_gates=normalize, load_balance_loss=float(aux), router_z_loss=0.0)
+
+
+def _moe_params(ckpt, prefix, moe) -> dict[str, np.ndarray]:
+    """Our MoE layer's params from HF's `mlp.` tensors: router [D, E] is gate.weight.T; the
+    experts' wi_gate, wi_up [E, D, F] and wo [E, F, D] from transformers 5's fused [E, 2F, D]
+    gate_up_proj (gate first) and [E, D, F] down_proj, or from the per-expert tensors that
+    save_pretrained and the hub's files hold (Mixtral's block_sparse_moe.experts.j.w1 / w3 /
+    w2, Qwen's mlp.experts.j.gate_proj / up_proj / down_proj); Qwen2-MoE's shared expert and
+    its gate [1, D]."""
+    hub_mixtral = prefix.replace(".mlp.", ".block_sparse_moe.")
+    prefix = hub_mixtral if ckpt.has(hub_mixtral + "gate.weight") else prefix
+    if ckpt.has(prefix + "experts.gate_up_proj"):
+        gate_up = ckpt(prefix + "experts.gate_up_proj").transpose(0, 2, 1)
+        wi_gate, wi_up = np.split(gate_up, 2, axis=2)
+        wo = ckpt(prefix + "experts.down_proj").transpose(0, 2, 1)
+    else:
+        names = ("w1", "w3", "w2") if prefix == hub_mixtral else ("gate_proj", "up_proj",
+                                                                   "down_proj")
+        wi_gate, wi_up, wo = (np.stack([ckpt(f"{prefix}experts.{j}.{name}.weight", True)
+                                        for j in range(moe.num_experts)]) for name in names)
+    params = {"router": ckpt(prefix + "gate.weight", True), "wi_gate": wi_gate,
+              "wi_up": wi_up, "wo": wo}
+    if moe.num_shared:
+        s = prefix + "shared_expert."
+        params.update(shared_wi=ckpt(s + "gate_proj.weight", True),
+                      shared_wi_up=ckpt(s + "up_proj.weight", True),
+                      shared_wo=ckpt(s + "down_proj.weight", True))
+    if moe.shared_gate:
+        params["shared_gate"] = ckpt(prefix + "shared_expert_gate.weight", True)
+    return params
 
 
 def _windows(name, hf_config) -> dict[str, Any]:
@@ -490,12 +586,14 @@ def _llama_like(name, hf_config, state_dict, dtype, *, qkv_bias=False, **knobs):
             if family.qk_norm and ours != "value":  # not offset: plain RMSNorms in every family
                 attention[f"{ours}_norm"] = {"scale": ckpt(
                     f"{p}self_attn.{theirs}_norm.weight").reshape(qk_shape(heads))}
+        moe = config.moe.num_experts and (i + 1) % config.moe.every_n_layers == 0
         decoder[f"layers_{i}"] = {
             **{ours: norm(p + theirs) for ours, theirs in family.norms},
             "self_attention": attention,
-            "mlp": {"wi_gate": ckpt(p + "mlp.gate_proj.weight", True),
-                    "wi_up": ckpt(p + "mlp.up_proj.weight", True),
-                    "wo": ckpt(p + "mlp.down_proj.weight", True)}}
+            **({"moe": _moe_params(ckpt, p + "mlp.", config.moe)} if moe else {
+                "mlp": {"wi_gate": ckpt(p + "mlp.gate_proj.weight", True),
+                        "wi_up": ckpt(p + "mlp.up_proj.weight", True),
+                        "wo": ckpt(p + "mlp.down_proj.weight", True)}})}
     params = {"embed": {"embedding": ckpt(f"{root}embed_tokens.weight")}, "decoder": decoder}
     if config.head != "none" and not config.tie_embeddings:
         params["lm_head"] = {"kernel": ckpt("lm_head.weight", transpose=True)}
@@ -505,9 +603,10 @@ def _llama_like(name, hf_config, state_dict, dtype, *, qkv_bias=False, **knobs):
 
 def from_hf(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """Dispatches on `hf_config.model_type` (gpt2, bert, t5, llama, mistral, qwen2, qwen3,
-    gemma2, olmo2); params as `dtype` arrays."""
+    gemma2, olmo2, mixtral, qwen2_moe, qwen3_moe); params as `dtype` arrays."""
     converters = {"gpt2": gpt2, "bert": bert, "t5": t5, "llama": llama, "mistral": mistral,
-                  "qwen2": qwen2, "qwen3": qwen3, "gemma2": gemma2, "olmo2": olmo2}
+                  "qwen2": qwen2, "qwen3": qwen3, "gemma2": gemma2, "olmo2": olmo2,
+                  "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in converters:
         raise ValueError(f"model_type={model_type!r}: expected one of {sorted(converters)}")

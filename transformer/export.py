@@ -6,7 +6,8 @@ model.safetensors, tokenizer.json + tokenizer_config.json), with the user's umas
 `to_hf(model_config, params)` is the inverse of `transformer.convert.from_hf`: a GPT becomes
 GPT-2 (learned positions, LayerNorm, biases) or Llama (RoPE, RMSNorm, SwiGLU, no biases; with
 q/k/v biases Qwen2, with a sliding window Mistral, with per-head qk-norm Qwen3, with sandwich
-norms Gemma 2, with post-sublayer norms OLMo 2), and a BERT BertForMaskedLM (or
+norms Gemma 2, with post-sublayer norms OLMo 2; with MoE layers Mixtral, with shared experts
+Qwen2-MoE, with per-head qk-norm Qwen3-MoE), and a BERT BertForMaskedLM (or
 BertForSequenceClassification for a [CLS] classifier), and a T5 T5ForConditionalGeneration
 (tied head, v1.0 or v1.1 feed-forward). An architecture no Hugging Face class represents (ALiBi
 or T5-bias positions in a GPT, post-LN GPT, ...) is refused with a one-line reason naming the
@@ -124,12 +125,19 @@ _LLAMA_LIKE_NEEDS = {
                    scale_embeddings=True),
     "Olmo2": dict(_NO_CAPS, qk_norm=True, qk_norm_scope="projection", sliding_window=None,
                   qkv_bias=(None, False), attention_scale=None, scale_embeddings=False),
+    "Mixtral": dict(_LLAMA, qkv_bias=(None, False)),
+    "Qwen2Moe": dict(_LLAMA, sliding_window=None),
 }
+_LLAMA_LIKE_NEEDS["Qwen3Moe"] = dict(_LLAMA_LIKE_NEEDS["Qwen3"], sliding_window_pattern=0)
 
 
 def _llama_kind(config) -> str:
     """The Llama-like class a RoPE GPT exports as: the norm placement, then qk-norm, biases
-    and the window pick it (the class's other requirements are checked after)."""
+    and the window pick it, and with MoE layers qk-norm and shared experts or biases (the
+    class's other requirements are checked after)."""
+    if config.get("moe") and config.moe.num_experts and config.norm_placement == "pre":
+        shared = config.moe.num_shared or config.qkv_bias
+        return "Qwen3Moe" if config.qk_norm else "Qwen2Moe" if shared else "Mixtral"
     if config.norm_placement in ("sandwich", "post_sublayer"):
         return "Gemma2" if config.norm_placement == "sandwich" else "Olmo2"
     if config.qk_norm:
@@ -156,9 +164,44 @@ def _llama_like_settings(config, kind: str, head_dim: int) -> dict[str, Any]:
                     query_pre_attn_scalar=scalar,
                     attn_logit_softcapping=float(config.attention_softcap) or None,
                     final_logit_softcapping=float(config.final_logit_softcap) or None)
+    if kind.endswith(("Moe", "Mixtral")):
+        return _moe_settings(config, kind, window)
     return {"Mistral": {"sliding_window": window}, "Qwen2": {"use_sliding_window": False},
             "Qwen3": {"use_sliding_window": window is not None, "sliding_window": window,
                       "layer_types": layer_types}}.get(kind, {})
+
+
+def _moe_settings(config, kind: str, window) -> dict[str, Any]:
+    """The HF config keys of a Mixtral, Qwen2-MoE or Qwen3-MoE (see `convert._moe`), after
+    refusing what the class cannot hold: HF routes dropless whatever model.moe.capacity_factor,
+    Mixtral renormalises the top-k gates of every layer's experts d_ff wide, Qwen2-MoE has a
+    gated shared expert, Qwen3-MoE none."""
+    moe, d_ff = config.moe, config.moe.d_ff or config.d_ff
+    needs = {"Mixtral": dict(num_shared=0, shared_gate=False, normalize_gates=True,
+                             every_n_layers=1, d_ff=(0, config.d_ff)),
+             "Qwen2Moe": dict(shared_gate=True), "Qwen3Moe": dict(num_shared=0,
+                                                                  shared_gate=False)}[kind]
+    for key, allowed in needs.items():
+        if moe[key] not in (allowed if isinstance(allowed, tuple) else (allowed,)):
+            raise ValueError(f"model.moe.{key}={moe[key]!r}: the {kind} export needs {allowed!r}")
+    if kind == "Mixtral" and moe.top_k == 1:
+        raise ValueError("model.moe.top_k=1: the Mixtral export needs >= 2 (its top-1 gate is "
+                         "1, ours the router probability)")
+    if kind == "Qwen2Moe" and not moe.num_shared:
+        raise ValueError("model.moe.num_shared=0: the Qwen2Moe export needs >= 1")
+    aux = dict(router_aux_loss_coef=moe.load_balance_loss / moe.top_k or 0.001,
+               output_router_logits=moe.load_balance_loss > 0, num_experts_per_tok=moe.top_k)
+    if kind == "Mixtral":
+        return dict(aux, num_local_experts=moe.num_experts, sliding_window=window)
+    settings = dict(aux, num_experts=moe.num_experts, moe_intermediate_size=d_ff,
+                    norm_topk_prob=moe.normalize_gates and moe.top_k > 1, mlp_only_layers=[],
+                    decoder_sparse_step=moe.every_n_layers, use_sliding_window=window is not None)
+    if kind == "Qwen3Moe":
+        settings.update(sliding_window=window)
+    if kind == "Qwen2Moe":
+        settings.update(shared_expert_intermediate_size=moe.num_shared * d_ff,
+                        qkv_bias=bool(config.qkv_bias))
+    return settings
 
 
 def _llama(config, params, transformers):
@@ -200,6 +243,7 @@ def _llama_like_state(config, params, family) -> dict[str, np.ndarray]:
         out[f"{name}.weight"] = tree["scale"] - np.float32(family.norm_offset)
 
     norm(decoder["final_norm"], "model.norm")
+    mixtral = config.get("moe") and config.moe.num_experts and _llama_kind(config) == "Mixtral"
     for i in range(config.num_layers):
         layer, p = decoder[f"layers_{i}"], f"model.layers.{i}."
         attn = layer["self_attention"]
@@ -213,12 +257,34 @@ def _llama_like_state(config, params, family) -> dict[str, np.ndarray]:
         out[p + "self_attn.o_proj.weight"] = attn["out"].reshape(-1, config.d_model).T
         for ours, theirs in family.norms:
             norm(layer[ours], p + theirs)
+        if "moe" in layer:
+            out.update(_moe_state(layer["moe"], p + ("block_sparse_moe." if mixtral else "mlp.")))
+            continue
         mlp = layer["mlp"]
         out.update({p + "mlp.gate_proj.weight": mlp["wi_gate"].T,
                     p + "mlp.up_proj.weight": mlp["wi_up"].T,
                     p + "mlp.down_proj.weight": mlp["wo"].T})
     if not config.tie_embeddings:
         out["lm_head.weight"] = params["lm_head"]["kernel"].T
+    return out
+
+
+def _moe_state(moe: dict, prefix: str) -> dict[str, np.ndarray]:
+    """HF's tensors of one MoE layer as save_pretrained writes them, one per expert (Mixtral's
+    block_sparse_moe.experts.j.w1 / w3 / w2, Qwen's mlp.experts.j.gate_proj / up_proj /
+    down_proj), which the hub's tools read; the inverse of `convert._moe_params`."""
+    mixtral = "block_sparse_moe" in prefix
+    out = {prefix + "gate.weight": moe["router"].T}
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for ours, theirs in zip(("wi_gate", "wi_up", "wo"), names, strict=True):
+        for j, kernel in enumerate(moe[ours]):
+            out[f"{prefix}experts.{j}.{theirs}.weight"] = kernel.T
+    for ours, theirs in (("shared_wi", "shared_expert.gate_proj.weight"),
+                         ("shared_wi_up", "shared_expert.up_proj.weight"),
+                         ("shared_wo", "shared_expert.down_proj.weight"),
+                         ("shared_gate", "shared_expert_gate.weight")):
+        if ours in moe:
+            out[prefix + theirs] = moe[ours].T
     return out
 
 
@@ -341,9 +407,10 @@ def to_hf(model_config, params) -> tuple[Any, dict[str, np.ndarray]]:
 
     family = model_config.family
     moe = model_config.get("moe")
-    if moe and moe.num_experts:
-        raise ValueError(f"model.moe.num_experts={moe.num_experts}: the export writes dense "
-                         "models only (a mixture of experts is not exported)")
+    if moe and moe.num_experts and (family, model_config.get("position")) != ("gpt", "rope"):
+        raise ValueError(f"model.moe.num_experts={moe.num_experts} with family={family!r}, "
+                         f"position={model_config.get('position')!r}: a mixture of experts is "
+                         "not exported but as a RoPE GPT (Mixtral, Qwen2-MoE, Qwen3-MoE)")
     if family == "gpt":
         if model_config.head != "mlm":
             raise ValueError(f"model.head={model_config.head!r}: the GPT export writes a causal "

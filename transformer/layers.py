@@ -453,8 +453,9 @@ class TransformerBlock(nn.Module):
     def _moe(self, x_BTD: Array) -> Array:
         cfg = self.config
         y_BTD, routing = MoEFeedForward(
-            num_experts=cfg.moe.num_experts, d_ff=cfg.d_ff, top_k=cfg.moe.top_k,
+            num_experts=cfg.moe.num_experts, d_ff=cfg.moe.d_ff or cfg.d_ff, top_k=cfg.moe.top_k,
             capacity_factor=cfg.moe.capacity_factor, num_shared=cfg.moe.num_shared,
+            normalize_gates=cfg.moe.normalize_gates, shared_gate=cfg.moe.shared_gate,
             activation=ACTIVATIONS[cfg.activation], gated=cfg.activation in GATED,
             init_std=cfg.init_std, init_scale=cfg.init_scale(),
             out_init_scale=cfg.init_scale(residual=True), dtype=cfg.dtype,

@@ -76,6 +76,9 @@ class MoEConfig:
     every_n_layers: int = 1
     capacity_factor: float = 1.25  # slots = ceil(cf * T * k / E) per row; 0: dropless
     num_shared: int = 0  # always-on shared experts (DeepSeek), num_shared * d_ff hidden units
+    d_ff: int = 0  # each expert's hidden width; 0: the stack's d_ff (Qwen-MoE's is its own)
+    normalize_gates: bool = True  # a token's top-k gates sum to 1 (Mixtral); False: its probs
+    shared_gate: bool = False  # shared experts' output times sigmoid(x . w) per token (Qwen2-MoE)
     load_balance_loss: float = 0.01
     router_z_loss: float = 0.001
 
@@ -89,6 +92,10 @@ class MoEConfig:
         check("num_experts", lambda v: is_int(v) and v >= 0, "an int >= 0 (0: dense)")
         check("every_n_layers", lambda v: is_int(v) and v >= 1, "an int >= 1")
         check("num_shared", lambda v: is_int(v) and v >= 0, "an int >= 0")
+        check("d_ff", lambda v: is_int(v) and v >= 0, "an int >= 0 (0: the stack's d_ff)")
+        for name in ("normalize_gates", "shared_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"moe.{name}={getattr(self, name)!r}: expected a bool")
         check("top_k", lambda v: is_int(v) and v >= 1 and (
             not self.num_experts or v <= self.num_experts),
             f"an int in [1, num_experts={self.num_experts}]")
@@ -203,6 +210,7 @@ class MoEFeedForward(nn.Module):
     activation: Callable[[Array], Array] = nn.gelu
     gated: bool = False
     normalize_gates: bool = True
+    shared_gate: bool = False  # the shared FFN's output times sigmoid(x . w_gate) per token
     init_std: float | None = None
     init_scale: float = 1.0  # the experts' input kernels' init std multiplier (muP)
     out_init_scale: float = 1.0  # their output kernels' (muP, scale_residual_init)
@@ -311,8 +319,12 @@ class MoEFeedForward(nn.Module):
         if self.gated:
             h_BTF = h_BTF * jnp.einsum("btd,df->btf", x_BTD, param(
                 "shared_wi_up", (d_model, hidden), ("embed", "mlp")))
-        return jnp.einsum("btf,fd->btd", h_BTF, param("shared_wo", (hidden, d_model),
-                                                       ("mlp", "embed")))
+        y_BTD = jnp.einsum("btf,fd->btd", h_BTF, param("shared_wo", (hidden, d_model),
+                                                        ("mlp", "embed")))
+        if self.shared_gate:
+            y_BTD = y_BTD * jax.nn.sigmoid(jnp.einsum("btd,dk->btk", x_BTD, param(
+                "shared_gate", (d_model, 1), ("embed", None))))
+        return y_BTD
 
 
 RAGGED = "ragged"  # the dispatch paths `dispatch_path` names
