@@ -249,6 +249,22 @@ def test_what_the_model_cannot_represent_is_one_line_naming_the_checkpoint(tmp_p
                                 "'relative_key': expected 'absolute'")
 
 
+def test_an_imported_moe_keeps_its_routing_over_the_experiments_defaults(tmp_path):
+    """top_k 3 of 4 experts, every layer sparse, dropless: not the experiment's top-2 with
+    capacity buffers, which would drop tokens the checkpoint never dropped."""
+    hf = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=3, decoder_sparse_step=1, norm_topk_prob=True,
+        max_position_embeddings=64)
+    transformers.Qwen3MoeForCausalLM(hf).save_pretrained(tmp_path)
+    config = configs.experiment("gpt_tiny")
+    config.init_from = f"hf:{tmp_path}"
+    moe = finetune.resolve_hf_config(config).model.moe
+    assert (moe.num_experts, moe.top_k, moe.every_n_layers, moe.capacity_factor) == (4, 3, 1, 0)
+    assert (config.model.moe.top_k, config.model.moe.capacity_factor) != (3, 0)
+
+
 def test_other_init_from_values_are_returned_unchanged(tmp_path):
     config = configs.experiment("bert_mlm")
     for value in ("", "runs/bert_mlm", f"hf:{tmp_path}"):  # (no config.json there)

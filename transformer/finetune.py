@@ -34,13 +34,13 @@ from flax import traverse_util
 from transformer import checkpoint as checkpoint_lib
 
 # Model keys a run chooses for itself over an imported checkpoint (its head, regularization,
-# precision and layout); every other model key is the checkpoint's architecture.
+# precision and layout); every other model key is the checkpoint's architecture, MoE routing
+# included (an imported MoE keeps its top_k, layout and dropless capacity_factor 0).
 RUN_SETTINGS = frozenset({
     "family", "head", "num_classes", "dropout_rate", "attention_dropout_rate", "init_std",
     "dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers", "sequence_parallel",
     "sequence_load_balance", "image_size", "patch_size", "channels", "pooling",
-    "patch_position", "projection_dim", "moe.capacity_factor", "moe.every_n_layers",
-    "moe.load_balance_loss", "moe.num_shared", "moe.router_z_loss", "moe.top_k"})
+    "patch_position", "projection_dim", "moe.load_balance_loss", "moe.router_z_loss"})
 # A checkpoint of the first family runs as the second (the same modules and params).
 _SAME_PARAMS = {("gpt", "prefix_lm")}
 _EXAMPLES = {"gpt": "gpt_tiny", "bert": "bert_mlm", "t5": "t5_span"}
