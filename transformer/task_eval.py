@@ -16,6 +16,7 @@ path and its `task:` name is what runs. Causal decoder LMs (model.family "gpt") 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -66,16 +67,19 @@ def check(config: ml_collections.ConfigDict, family_decoding: str | None,
         if _is_yaml(entry) and not os.path.isfile(os.path.expanduser(entry)):
             raise ValueError(f"eval_tasks: {entry!r}: no such task file")
     names, include = tasks(config)
-    known = set(manager(include).all_tasks)
+    known = set(manager(tuple(include)).all_tasks)
     if unknown := [name for name in names if name not in known]:
         raise ValueError(f"eval_tasks: unknown lm-eval task(s) {unknown}: expected names "
                          "lm_eval --tasks list shows, or local YAML files")
 
 
-def manager(include: list[str]):
+@functools.cache
+def manager(include: tuple[str, ...]):
+    """lm-eval's task index over its own tasks and the `include` directories, built once per
+    process (it reads every task YAML lm-eval ships: seconds at each evaluation otherwise)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include or None)
+    return TaskManager(include_path=list(include) or None)
 
 
 def due(config: ml_collections.ConfigDict, step: int, last: bool) -> bool:
@@ -109,7 +113,7 @@ def evaluate(run, params) -> float:
     names, include = tasks(config)
     lm = TransformerLM.from_params(run.model, params, run.tokenizer, config,
                                    batch_size=config.batch_size)
-    results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager(include),
+    results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager(tuple(include)),
                                       limit=config.get("eval_tasks_limit", 0) or None,
                                       bootstrap_iters=0, log_samples=False,
                                       verbosity="ERROR")["results"]
