@@ -83,6 +83,8 @@ MEANINGS: dict[str, str] = {
     "data.task": "A labeled task: `speakers` (play text at `data.path`) or `modules` (the "
                  "embedded corpus); \"\": none.",
     "data.num_classes": "The task's most frequent labels kept as classes.",
+    "data.sft_truncate": "`objective=\"sft\"`: cut conversations longer than seq_len + 1 "
+                         "tokens (and say how many); False: such a conversation is an error.",
     # optimizer
     "optimizer.name": "The update rule (optax's own); structural: a resume keeps the "
                       "checkpoint's.",
@@ -320,7 +322,8 @@ def _choices() -> dict[str, str]:
               "sequence_parallel": sequence_parallel.STRATEGIES, "head": bert.HEADS,
               "pooling": vision.POOLINGS, "patch_position": vision.PATCH_POSITIONS}
     out = {f"model.{key}": f"one of {tuple(choices)}" for key, choices in tables.items()}
-    objectives = pipeline.OBJECTIVES + pipeline.TASK_OBJECTIVES + pipeline.IMAGE_OBJECTIVES
+    objectives = pipeline.OBJECTIVES + pipeline.TASK_OBJECTIVES + pipeline.IMAGE_OBJECTIVES + \
+        pipeline.CHAT_OBJECTIVES
     out["data.objective"] = f"\"\" or one of {objectives}"
     out["data.task"] = "\"\" or one of ('speakers', 'modules')"
     for axis in sharding.MESH_AXIS_TABLE:

@@ -195,6 +195,8 @@ def test_every_experiment_and_sweep_variant_validates(name, args):
     module = _load(name)
     config = module.get_config(*args)
     config.init_from = ""
+    if config.data.tokenizer == "hf" and not config.data.tokenizer_path:
+        config.data.tokenizer = "byte"  # the hf tokenizer comes from init_from's directory too
     configs.validate_config(config, num_devices=1, num_processes=1)
     if hasattr(module, "get_sweep"):
         for variant in module.get_sweep():

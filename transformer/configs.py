@@ -101,6 +101,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Labeled tasks (objective "classification" | "text2text"): transformer.data.tasks.
     config.data.task = ""  # speakers (play text at data.path) | modules (the embedded corpus)
     config.data.num_classes = 0  # the task's most frequent labels kept as classes
+    config.data.sft_truncate = False  # sft: cut conversations over seq_len + 1 tokens (or fail)
 
     config.optimizer = optimizer_config()
 
@@ -320,6 +321,7 @@ CHECKS: dict[str, Check] = {
     "data.prefetch": _int(ge=0, note="0: no prefetching"),
     "data.task": _STR,  # its choices: _validate_finetuning
     "data.num_classes": _int(ge=0, note="0: the task's"),
+    "data.sft_truncate": _BOOL,
     "optimizer.name": _one_of(optim.NAMES),
     "optimizer.learning_rate": _number(gt=0),
     "optimizer.warmup_steps": _int(ge=0),
@@ -465,10 +467,11 @@ def _validate_test_path(config: ml_collections.ConfigDict) -> None:
     if config.data.get("sources"):
         raise ValueError(f"data.test_path={path!r} with data.sources: expected '' (a mixture "
                          "has no test split)")
-    if (objective := pipeline.objective_for(config)) not in pipeline.OBJECTIVES:
+    text = pipeline.OBJECTIVES + pipeline.CHAT_OBJECTIVES
+    if (objective := pipeline.objective_for(config)) not in text:
         raise ValueError(f"data.test_path={path!r} with data.objective={objective!r}: expected "
-                         f"a text pretraining objective {pipeline.OBJECTIVES} (labeled tasks "
-                         "hold out their own test split)")
+                         f"a text objective {text} (labeled tasks hold out their own test "
+                         "split)")
     data_path = config.data.path
     if data_path and (inputs.token_shard_dir(data_path) or
                       os.path.isfile(os.path.join(data_path, "prepare.json"))):
@@ -535,7 +538,7 @@ def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
                              f"of {tasks.TASKS}")
     # Labeled tasks and images need a family built for them; text pretraining objectives
     # (next_token, prefix_lm, mlm, span_corruption) run on every text family.
-    special = pipeline.TASK_OBJECTIVES + pipeline.IMAGE_OBJECTIVES
+    special = pipeline.TASK_OBJECTIVES + pipeline.IMAGE_OBJECTIVES + pipeline.CHAT_OBJECTIVES
     if (objective in special or family.objective in special) and \
             objective not in family.objectives:
         able = [name for name, f in FAMILIES.items() if objective in f.objectives]

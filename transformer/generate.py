@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import numbers
 import sys
@@ -799,6 +800,54 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
     return tokenizer.decode(np.concatenate([keep, _until_eos(tokens[0], eos)]))
 
 
+def chat_replies(model, params, tokenizer, config, conversation, *, num_samples: int = 1,
+                 temperature: float = 0.8, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+                 max_new_tokens: int | None = None) -> list[str]:
+    """`num_samples` assistant replies to `conversation` (a list of {"role", "content"}): the
+    conversation rendered with the tokenizer's chat template and the assistant turn open
+    (`add_generation_prompt`), exactly as `data.objective="sft"` renders training data, then
+    sampled until the template's end of turn (or <eos>), which the reply leaves out."""
+    from transformer.data import chat
+
+    if _decoding(config) not in ("causal", "prefix"):
+        raise ValueError(f"model.family={config.model.family!r}: --chat expected a decoder LM")
+    check_max_new_tokens(max_new_tokens)
+    prompt = chat.encode_chat(tokenizer, conversation, add_generation_prompt=True)
+    end = chat.end_of_turn_id(tokenizer)
+    n = _new_tokens(max_new_tokens, config, "causal", len(prompt))
+    banned = tuple(i for i in _banned_for(tokenizer, model, config) if i != end)
+    tokens, _ = decode(model, params, [prompt] * num_samples, max_new_tokens=n,
+                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                       prefix_lm=_decoding(config) == "prefix", banned_ids=banned, eos_id=end)
+    stops = [i for i in (end, tokenizer.eos_id) if i is not None]
+    replies = []
+    for row in tokens:
+        cut = [int(np.flatnonzero(row == i)[0]) for i in stops if (row == i).any()]
+        replies.append(tokenizer.decode(row[:min(cut, default=len(row))]))
+    return replies
+
+
+def read_chat(value: str) -> list[list[dict]]:
+    """--chat's conversations: inline JSON (a messages list, or {"messages": [...]}), a .json
+    file holding the same, or a JSONL file of one conversation per line."""
+    import os
+
+    from transformer.data import chat
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            json.loads(text)
+        except json.JSONDecodeError:  # several lines: JSONL
+            return [list(c.messages) for c in chat.read_conversations(value)]
+        return [list(chat.parse_conversation(text, value).messages)]
+    if not value.lstrip().startswith(("[", "{")):
+        raise ValueError(f"--chat={value!r}: expected a JSON/JSONL file of conversations or "
+                         'inline JSON, e.g. \'[{"role": "user", "content": "Hi"}]\'')
+    return [list(chat.parse_conversation(value, "--chat").messages)]
+
+
 # --- command line -------------------------------------------------------------------------------
 
 
@@ -843,6 +892,17 @@ def main(argv) -> None:
         raise ValueError(f"beam_size={f.beam_size}: expected an int >= 0 (0: sampling, no beam "
                          "search)")
     model, params, tokenizer, config = load_workdir(f.workdir, f.step)
+    if f.chat is not None:
+        conversations = read_chat(f.chat)
+        if f.prompt:  # one more user turn
+            conversations = [c + [{"role": "user", "content": f.prompt}] for c in conversations]
+        for i, conversation in enumerate(conversations):
+            for j, reply in enumerate(chat_replies(
+                    model, params, tokenizer, config, conversation, num_samples=f.num_samples,
+                    temperature=s.temperature, seed=f.seed, top_k=s.top_k, top_p=s.top_p,
+                    max_new_tokens=f.max_new_tokens)):
+                print(("---\n" if i or j else "") + reply)
+        return
     if f.beam_size:
         print(beam_search_text(model, params, tokenizer, config, prompt=f.prompt,
                                beam_size=f.beam_size, max_new_tokens=f.max_new_tokens,
@@ -881,5 +941,8 @@ if __name__ == "__main__":
     flags.DEFINE_integer("num_samples", 1, "Continuations to generate (as one batch).")
     flags.DEFINE_integer("beam_size", 0, "Beam search with this many beams (0: sample).")
     flags.DEFINE_float("length_penalty", 0.6, "Beam search: GNMT length penalty alpha.")
+    flags.DEFINE_string("chat", None, "Answer as the assistant: a JSON/JSONL file of "
+                        "conversations ({\"messages\": [...]} per line) or inline JSON, rendered "
+                        "with the tokenizer's chat template (--prompt: one more user turn).")
     flags.DEFINE_integer("chunk_size", 8, "Streaming: tokens per jitted chunk on a terminal.")
     cli.run(main)

@@ -19,7 +19,7 @@ import numpy as np
 
 from transformer import checkpoint as checkpoint_lib
 from transformer import fileio
-from transformer.data import images, pipeline, shards, sources, tasks
+from transformer.data import chat, images, pipeline, shards, sources, tasks
 from transformer.data import tokenizers as tokenizers_lib
 
 TOKENIZER_DIR = "tokenizer"
@@ -304,8 +304,9 @@ def get_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
     """
     data = config.data
     objective = pipeline.objective_for(config)
-    if objective in tasks.OBJECTIVES or objective in images.OBJECTIVES:
-        module = tasks if objective in tasks.OBJECTIVES else images
+    if objective in tasks.OBJECTIVES + images.OBJECTIVES + chat.OBJECTIVES:
+        module = tasks if objective in tasks.OBJECTIVES else \
+            images if objective in images.OBJECTIVES else chat
         return module.make_dataset(config, tokenizer, split, num_epochs=num_epochs,
                                    shuffle=shuffle, rows=rows)
     weights = None

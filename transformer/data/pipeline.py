@@ -33,13 +33,14 @@ from transformer.models import FAMILIES
 OBJECTIVES = ("next_token", "prefix_lm", "mlm", "span_corruption")
 TASK_OBJECTIVES = ("classification", "text2text")  # labeled tasks: transformer.data.tasks
 IMAGE_OBJECTIVES = ("image_classification", "contrastive", "captioning")  # data.images
+CHAT_OBJECTIVES = ("sft",)  # supervised fine-tuning on chat JSONL: transformer.data.chat
 
 
 def objective_for(config: ml_collections.ConfigDict) -> str:
     """`data.objective`, or the model family's pretraining objective when it is empty."""
     family = FAMILIES.get(config.model.family)
     objective = config.data.get("objective") or (family and family.objective)
-    known = OBJECTIVES + TASK_OBJECTIVES + IMAGE_OBJECTIVES
+    known = OBJECTIVES + TASK_OBJECTIVES + IMAGE_OBJECTIVES + CHAT_OBJECTIVES
     if objective not in known:
         raise ValueError(f"data.objective={objective!r}: expected one of {known}")
     return objective

@@ -90,6 +90,7 @@ class Tokenizer:
     mask_id: int | None = MASK_ID
     cls_id: int | None = CLS_ID
     sep_id: int | None = SEP_ID
+    chat_template: str | None = None  # only a Hugging Face tokenizer's (transformer.data.chat)
 
     def _finish(self, regular: list[bytes], num_sentinels: int) -> None:
         self.num_sentinels = _check_num_sentinels(num_sentinels)
@@ -471,10 +472,11 @@ class HFTokenizer(Tokenizer):
     kind = "hf"
 
     def __init__(self, tokenizer_json: str, specials: dict[str, str | None],
-                 num_sentinels: int | None = None):
+                 num_sentinels: int | None = None, chat_template: str | None = None):
         import tokenizers
 
         self.tokenizer_json = tokenizer_json
+        self.chat_template = chat_template or None  # a Jinja template (transformer.data.chat)
         self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
         # A tokenizer.json may pad or cut every encoding to a fixed length (sentence-transformers
         # saves `padding: Fixed 128` and `truncation: 128`): documents are encoded whole.
@@ -546,17 +548,20 @@ class HFTokenizer(Tokenizer):
 
     def _config(self, directory: str) -> dict[str, Any]:
         fileio.write_atomic(fileio.join(directory, HF_FILE), self.tokenizer_json.encode())
-        return {"model_file": HF_FILE, "specials": self.specials}
+        chat = {"chat_template": self.chat_template} if self.chat_template else {}
+        return {"model_file": HF_FILE, "specials": self.specials, **chat}
 
     def hugging_face(self) -> tuple[str, dict[str, Any]]:
-        """Its own tokenizer.json, with its roles in the config."""
+        """Its own tokenizer.json, with its roles (and chat template) in the config."""
         roles = {f"{role}_token": token for role, token in self.specials.items()
                  if token is not None}
-        return self.tokenizer_json, {"tokenizer_class": "PreTrainedTokenizerFast", **roles}
+        chat = {"chat_template": self.chat_template} if self.chat_template else {}
+        return self.tokenizer_json, {"tokenizer_class": "PreTrainedTokenizerFast", **roles,
+                                     **chat}
 
     def __getstate__(self) -> dict[str, Any]:  # for multiprocess data loaders
         return {"tokenizer_json": self.tokenizer_json, "specials": self.specials,
-                "num_sentinels": self.num_sentinels}
+                "num_sentinels": self.num_sentinels, "chat_template": self.chat_template}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)
@@ -609,16 +614,32 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
             config = _json_object(meta, f"a Hugging Face {name}")
             named = {role: _token_content(config.get(f"{role}_token")) for role in ROLES}
             break
+    template = _chat_template(file.parent)
     try:
-        tokenizer = HFTokenizer(text, named or {}, num_sentinels)
+        tokenizer = HFTokenizer(text, named or {}, num_sentinels, template)
     except Exception as e:
         raise ValueError(f"{str(file)!r}: {e}") from None
     if named is None:
         vocab = tokenizer._tok.get_vocab(with_added_tokens=True)
         guessed = {role: next((t for t in names if t in vocab), None)
                    for role, names in _WELL_KNOWN.items()}
-        tokenizer = HFTokenizer(text, guessed, num_sentinels)
+        tokenizer = HFTokenizer(text, guessed, num_sentinels, template)
     return tokenizer
+
+
+def _chat_template(directory) -> str | None:
+    """A save_pretrained directory's chat template, where transformers keeps it: the
+    tokenizer_config.json's `chat_template` (a string, or a list of named templates: the one
+    named "default"), else chat_template.jinja (transformers 5 writes it there)."""
+    config = directory.joinpath("tokenizer_config.json")
+    template = _json_object(config, "a Hugging Face tokenizer_config.json").get(
+        "chat_template") if config.is_file() else None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict)
+                         and t.get("name") == "default"), None)
+    if not template and (jinja := directory.joinpath("chat_template.jinja")).is_file():
+        template = jinja.read_text(encoding="utf-8")
+    return template if isinstance(template, str) and template else None
 
 
 def load_tokenizer(directory: str) -> Tokenizer:
@@ -649,7 +670,8 @@ def load_tokenizer(directory: str) -> Tokenizer:
             raise ValueError(f"{path!r} says kind={kind!r} but its model is {tokenizer.kind!r}")
     elif kind == "hf":
         text = fileio.path(directory).joinpath(config["model_file"]).read_text(encoding="utf-8")
-        tokenizer = HFTokenizer(text, config["specials"], num_sentinels)
+        tokenizer = HFTokenizer(text, config["specials"], num_sentinels,
+                                config.get("chat_template"))
     else:
         raise ValueError(f"{path!r} has kind={kind!r}: expected one of {KINDS}")
     if tokenizer.vocab_size != config.get("vocab_size"):

@@ -162,7 +162,7 @@ def _build(model_config) -> DecoderLM:
 
 _classifies = lambda model_config: model_config.head == "classify"
 GPT = Family("gpt", _build, inputs=("inputs",), features=("segment_ids", "positions"),
-             objectives=("next_token", "classification"), decoding="causal",
+             objectives=("next_token", "classification", "sft"), decoding="causal",
              attention_maps=True, classifier=_classifies)
 # A prefix LM reads its prefix bidirectionally: the batch says how long each row's prefix is.
 PREFIX_LM = Family("prefix_lm", _build, inputs=("inputs",),

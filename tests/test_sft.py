@@ -1,0 +1,394 @@
+"""Supervised fine-tuning on chat data (`data.objective="sft"`, transformer.data.chat).
+
+A byte-level BPE tokenizer is trained here on a few lines and saved as a Hugging Face
+save_pretrained directory with a chat template (Llama 3's layout in tokenizer_config.json, or
+ChatML in chat_template.jinja as transformers 5 writes it); `transformers.AutoTokenizer` loading
+that directory is the reference for every id. The end-to-end test imports a tiny
+LlamaForCausalLM through `init_from=hf:DIR` and runs the CLI. No test reads ../shared.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from transformer import configs  # noqa: E402
+from transformer.data import chat, inputs  # noqa: E402
+from transformer.data import tokenizers as tokenizers_lib  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+            "<|eot_id|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+# Llama 3's template (its layout, as Meta ships it): bos, a header per turn, <|eot_id|>.
+LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}"
+          "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + "
+          "message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+          "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+          "{% endif %}")
+# ChatML (Qwen's layout), refusing unknown roles with raise_exception.
+CHATML = ("{% for message in messages %}{% if message['role'] not in ['system', 'user', "
+          "'assistant'] %}{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+          "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# ChatML marking the assistant's text for transformers' own assistant mask.
+CHATML_GENERATION = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endgeneration %}{% else %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+_WORDS = ("what is the capital of france paris two plus four six tell me a story about a king "
+          "who loved the sea thank you hello how are you fine good night please write poem "
+          "short long the and of to it").split()
+
+
+def sentence(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(low, high))).capitalize() + "."
+
+
+def conversation(seed: int, turns: int | None = None, system: bool | None = None) -> list:
+    """A multi-turn conversation of uneven lengths, sometimes with a system message."""
+    rng = random.Random(seed)
+    turns = turns or rng.randint(1, 3)
+    messages = [{"role": "system", "content": sentence(rng, 2, 6)}] \
+        if (rng.random() < 0.5 if system is None else system) else []
+    for _ in range(turns):
+        messages += [{"role": "user", "content": sentence(rng, 1, 12)},
+                     {"role": "assistant", "content": sentence(rng, 1, 20)}]
+    return messages
+
+
+def build_tokenizer(directory: Path, template: str, where: str = "tokenizer_config.json"):
+    """A byte-level BPE trained on a few lines, saved with `template` in `where`
+    (tokenizer_config.json's chat_template, or chat_template.jinja)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    lines = [" ".join(_WORDS[i:i + 7]) for i in range(len(_WORDS))]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+              "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"}
+    if where == "tokenizer_config.json":
+        config["chat_template"] = template
+    elif where == "chat_template.jinja":
+        (directory / "chat_template.jinja").write_text(template, encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llama3_dir(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("llama3"), LLAMA3)
+
+
+def reference(directory):
+    return transformers.AutoTokenizer.from_pretrained(str(directory))
+
+
+# --- rendering equals transformers' ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("template,where", [(LLAMA3, "tokenizer_config.json"),
+                                           (CHATML, "chat_template.jinja")])
+def test_tokens_equal_transformers_apply_chat_template(tmp_path, template, where):
+    directory = build_tokenizer(tmp_path, template, where)
+    ours, hf = tokenizers_lib.load_hf_tokenizer(str(directory)), reference(directory)
+    assert ours.chat_template == template
+    for seed in range(6):
+        messages = conversation(seed)
+        for prompt in (False, True):
+            expected = hf.apply_chat_template(messages, tokenize=True,
+                                              add_generation_prompt=prompt)["input_ids"]
+            got = chat.encode_chat(ours, messages, add_generation_prompt=prompt)
+            assert got.tolist() == list(expected)
+    # The template travels with the tokenizer a run saves into its workdir.
+    ours.save(str(tmp_path / "saved"))
+    again = tokenizers_lib.load_tokenizer(str(tmp_path / "saved"))
+    assert again.chat_template == template
+    assert chat.encode_chat(again, conversation(0)).tolist() == \
+        hf.apply_chat_template(conversation(0), tokenize=True)["input_ids"]
+
+
+def test_the_template_raise_exception_is_one_line(tmp_path):
+    tok = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path, CHATML)))
+    with pytest.raises(Exception, match="unknown role narrator"):
+        chat.encode_chat(tok, [{"role": "narrator", "content": "Once."}])
+
+
+# --- the loss mask ---------------------------------------------------------------------------
+
+
+def spans(mask) -> list[tuple[int, int]]:
+    """[start, stop) of each run of ones."""
+    edges = np.diff(np.concatenate([[0], mask, [0]]))
+    return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1), strict=True))
+
+
+def test_the_mask_covers_each_assistant_reply_and_its_end_of_turn_only(llama3_dir):
+    tok = tokenizers_lib.load_hf_tokenizer(str(llama3_dir))
+    for seed in range(8):
+        messages = conversation(seed, turns=3, system=seed % 2 == 0)
+        ids, mask = chat.assistant_tokens(tok, messages)
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert [tok.decode(ids[a:b]) for a, b in spans(mask)] == \
+            [r + "<|eot_id|>" for r in replies]
+        # What is not masked decodes to the rest of the rendered text: bos, headers, the
+        # system and user messages.
+        text = reference(llama3_dir).apply_chat_template(messages, tokenize=False)
+        assert tok.decode(ids) == text
+        rest = tok.decode(ids[mask == 0])
+        assert all(m["content"] in rest for m in messages if m["role"] != "assistant")
+
+
+def test_the_mask_equals_transformers_generation_mask(tmp_path):
+    """A template that marks assistant text ({% generation %}) gives transformers' own
+    assistant mask; the same template without the marks gives the same mask by rendering."""
+    marked = tokenizers_lib.load_hf_tokenizer(
+        str(build_tokenizer(tmp_path / "marked", CHATML_GENERATION)))
+    plain = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path / "plain", CHATML)))
+    hf = reference(tmp_path / "marked")
+    for seed in range(8):
+        messages = conversation(seed, turns=1 + seed % 3)
+        expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+        ids, mask = chat.assistant_tokens(marked, messages)
+        assert (ids.tolist(), mask.tolist()) == (expected["input_ids"],
+                                                 expected["assistant_masks"])
+        plain_ids, plain_mask = chat.assistant_tokens(plain, messages)
+        assert (plain_ids.tolist(), plain_mask.tolist()) == (ids.tolist(), mask.tolist())
+
+
+def test_the_end_of_turn_is_the_template_s(llama3_dir, tmp_path):
+    llama = tokenizers_lib.load_hf_tokenizer(str(llama3_dir))
+    chatml = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path, CHATML)))
+    assert llama.decode([chat.end_of_turn_id(llama)]) == "<|eot_id|>"
+    assert chatml.decode([chat.end_of_turn_id(chatml)]) == "<|im_end|>"
+
+
+# --- packed rows -----------------------------------------------------------------------------
+
+
+def write_jsonl(path: Path, conversations) -> Path:
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations),
+                    encoding="utf-8")
+    return path
+
+
+def sft_config(tmp_path: Path, llama3_dir: Path, **data):
+    config = configs.experiment("sft_chat")
+    config.init_from = ""
+    config.update(batch_size=4, seq_len=256, seed=3)
+    config.data.update(tokenizer="hf", tokenizer_path=str(llama3_dir),
+                       path=str(write_jsonl(tmp_path / "train.jsonl",
+                                            [conversation(s) for s in range(40)])),
+                       validation_path=str(write_jsonl(tmp_path / "val.jsonl",
+                                                       [conversation(s) for s in range(40, 50)])),
+                       **data)
+    return config
+
+
+def batches(config, split, **kwargs):
+    tok = inputs.get_tokenizer(config)
+    return tok, list(inputs.get_dataset(config, tok, split, **kwargs))
+
+
+def test_rows_pack_whole_conversations_weighting_only_assistant_targets(tmp_path, llama3_dir):
+    config = sft_config(tmp_path, llama3_dir)
+    tok, passes = batches(config, "validation", num_epochs=1, shuffle=False)
+    examples = [chat.assistant_tokens(tok, c) for c in
+                [conversation(s) for s in range(40, 50)]]
+    seen = []
+    for batch in passes:
+        for r in range(len(batch["inputs"])):
+            segments = batch["segment_ids"][r]
+            for s in np.unique(segments[segments > 0]):
+                at = np.flatnonzero(segments == s)
+                # positions restart per conversation; weights never cross into the next one
+                assert batch["positions"][r][at].tolist() == list(range(len(at)))
+                seen.append((batch["inputs"][r][at], batch["weights"][r][at],
+                             batch["targets"][r][at]))
+            assert not batch["weights"][r][segments == 0].any()
+    # Every conversation exactly once, weighted exactly on the targets that are assistant
+    # tokens (its last token, an input only where the row goes on, predicts nothing).
+    assert len(seen) == len(examples)
+    by_start = {tuple(ids[:-1].tolist()): (ids, mask) for ids, mask in examples}
+    for inputs_, weights, targets in seen:
+        key = tuple(inputs_.tolist())  # at a row's end; else the last token is an input too
+        ids, mask = by_start[key if key in by_start else key[:-1]]
+        n = len(ids) - 1
+        assert targets[:n].tolist() == ids[1:].tolist()
+        assert weights[:n].tolist() == mask[1:].astype(np.float32).tolist()
+        assert not weights[n:].any()
+
+
+def test_changing_a_user_message_keeps_the_weights_on_the_same_tokens(tmp_path, llama3_dir):
+    """The weights follow the roles, not the text: a user message of the same length but
+    other words weights the same positions, and none of its tokens."""
+    tok = tokenizers_lib.load_hf_tokenizer(str(llama3_dir))
+    messages = conversation(5, turns=2, system=True)
+    ids, mask = chat.assistant_tokens(tok, messages)
+    other = [dict(m) for m in messages]
+    other[1]["content"] = " ".join("king" for _ in other[1]["content"].split())
+    other_ids, other_mask = chat.assistant_tokens(tok, other)
+    assert other_ids.tolist() != ids.tolist()
+    user = tok.encode(other[1]["content"]).tolist()
+    start = next(i for i in range(len(other_ids)) if other_ids[i:i + len(user)].tolist() == user)
+    assert not other_mask[start:start + len(user)].any()
+    shift = len(other_ids) - len(ids)  # the user message's token count changed by this
+    assert [(a + shift, b + shift) for a, b in spans(mask)] == spans(other_mask)
+
+
+def test_training_rows_are_seeded_and_repeat_each_conversation_once_per_epoch(tmp_path,
+                                                                              llama3_dir):
+    config = sft_config(tmp_path, llama3_dir)
+    tok = inputs.get_tokenizer(config)
+    take = lambda: [b for _, b in zip(range(6), inputs.get_dataset(config, tok, "train"),
+                                      strict=False)]
+    first, again = take(), take()
+    assert all(np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(first, again,
+                                                                        strict=True))
+    rows = chat.PackedRows(chat.tokenized(config, tok, "train"), width=config.seq_len + 1,
+                           seed=config.seed, training=True, shuffle=True)
+    epoch = [rows.row(i) for i in range(rows.rows)]
+    assert sum(len(np.unique(r["tokens_segment_ids"][r["tokens_segment_ids"] > 0]))
+               for r in epoch) == len(chat.tokenized(config, tok, "train"))
+
+
+# --- bad input: one line each, before training ---------------------------------------------
+
+
+def test_a_tokenizer_without_a_chat_template_is_one_line(tmp_path, llama3_dir):
+    bare = build_tokenizer(tmp_path / "bare", LLAMA3, where="nowhere")
+    config = sft_config(tmp_path, bare)
+    with pytest.raises(ValueError, match=r"has no chat template: expected a Hugging Face "
+                                         r"tokenizer whose tokenizer_config.json has a "
+                                         r"chat_template"):
+        batches(config, "validation", num_epochs=1)
+
+
+def test_a_message_without_a_role_names_its_file_and_line(tmp_path, llama3_dir):
+    config = sft_config(tmp_path, llama3_dir)
+    lines = Path(config.data.path).read_text().splitlines()
+    lines[6] = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"content": "x"}]})
+    Path(config.data.path).write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=rf"^{config.data.path}:7: message 1 has no \"role\""):
+        batches(config, "train")
+
+
+def test_a_long_conversation_is_refused_or_truncated_and_counted(tmp_path, llama3_dir, capsys):
+    config = sft_config(tmp_path, llama3_dir)
+    config.seq_len = 40
+    lengths = [len(chat.encode_chat(inputs.get_tokenizer(config), conversation(s)))
+               for s in range(40, 50)]
+    first_long = next(i for i, n in enumerate(lengths) if n > 41)
+    with pytest.raises(ValueError, match=rf"val.jsonl:{first_long + 1}: the conversation has "
+                                         rf"{lengths[first_long]} tokens, more than seq_len \+ 1 "
+                                         r"= 41: .*data.sft_truncate=True"):
+        batches(config, "validation", num_epochs=1)
+    config.data.sft_truncate = True
+    _, passes = batches(config, "validation", num_epochs=1)
+    long = sum(n > 41 for n in lengths)
+    assert f"data.sft_truncate: cut {long} of 10 validation conversations to seq_len + 1 = 41 " \
+        "tokens" in capsys.readouterr().err
+    assert all(b["inputs"].shape == (4, 40) for b in passes)
+
+
+def test_sft_needs_a_decoder_family():
+    config = configs.experiment("bert_mlm")
+    config.data.objective = "sft"
+    with pytest.raises(ValueError, match="data.objective='sft' with model.family='bert': "
+                                         "expected 'gpt'"):
+        configs.validate_config(config, num_devices=1, num_processes=1)
+
+
+# --- end to end through the CLI --------------------------------------------------------------
+
+
+def tiny_llama(directory: Path, vocab_size: int) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=vocab_size, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def run(module: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_sft_from_an_imported_llama_through_the_cli_then_chat(tmp_path, llama3_dir):
+    model_dir = tmp_path / "llama"
+    build_tokenizer(model_dir, LLAMA3)
+    tiny_llama(model_dir, len(json.loads((model_dir / "tokenizer.json").read_text())
+                             ["model"]["vocab"]) + 0)
+    (tmp_path / "data").mkdir()
+    train = write_jsonl(tmp_path / "data/train.jsonl", [conversation(s) for s in range(64)])
+    val = write_jsonl(tmp_path / "data/val.jsonl", [conversation(s) for s in range(64, 72)])
+    workdir = tmp_path / "run"
+    result = run("transformer.train", "--config=experiments/sft_chat.py", f"--workdir={workdir}",
+                 f"--config.init_from=hf:{model_dir}", f"--config.data.path={train}",
+                 f"--config.data.validation_path={val}", "--config.steps=8",
+                 "--config.batch_size=4", "--config.seq_len=256", "--config.log_every=1",
+                 "--config.eval_every=8", "--config.eval_steps=10",
+                 "--config.checkpoint_every=8", "--config.optimizer.learning_rate=3e-3",
+                 "--config.optimizer.warmup_steps=0")
+    assert f"init_from hf:{model_dir}: loaded" in result.stdout
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if r.get("split") == "train"]
+    losses = [r["loss"] for r in train_records]
+    assert len(losses) == 8 and np.isfinite(losses).all()
+    assert np.mean(losses[-3:]) < np.mean(losses[:3])
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert np.isfinite(summary["val_loss"])
+
+    # The training and validation losses are over assistant tokens: the first step's weighted
+    # tokens are its batch's assistant targets, and the validation pass weights exactly the
+    # assistant targets of the validation conversations.
+    config = configs.experiment("sft_chat")
+    config.update(init_from="", batch_size=4, seq_len=256)
+    config.data.update(path=str(train), validation_path=str(val))
+    tok = tokenizers_lib.load_tokenizer(str(workdir / "tokenizer"))
+    first = next(iter(inputs.get_dataset(config, tok, "train")))
+    rows = chat.PackedRows(chat.tokenized(config, tok, "train"), width=257, seed=config.seed,
+                           training=True, shuffle=True)
+    assistant = sum(int(rows.row(i)["tokens_loss_mask"][1:].sum()) for i in range(4))
+    assert train_records[0]["num_tokens"] == float(first["weights"].sum()) == assistant
+    weighted = sum(float(b["weights"].sum()) for b in inputs.get_dataset(
+        config, tok, "validation", num_epochs=1, shuffle=False))
+    expected = sum(int(chat.assistant_tokens(tok, conversation(s))[1][1:].sum())
+                   for s in range(64, 72))
+    assert weighted == expected == summary["val_num_tokens"]
+
+    reply = run("transformer.generate", f"--workdir={workdir}", "--temperature=0",
+                "--max_new_tokens=12",
+                "--chat=" + json.dumps([{"role": "user", "content": "What is two plus four?"}]))
+    assert reply.returncode == 0 and "<|eot_id|>" not in reply.stdout
+    conversations = write_jsonl(tmp_path / "ask.jsonl", [conversation(1), conversation(2)])
+    both = run("transformer.generate", f"--workdir={workdir}", "--temperature=0",
+               "--max_new_tokens=6", f"--chat={conversations}")
+    assert both.stdout.count("---") == 1

@@ -1,0 +1,320 @@
+"""Supervised fine-tuning on chat data (`data.objective = "sft"`).
+
+A conversation is one JSON line with a `messages` list of {"role", "content"} (the format of
+Hugging Face chat datasets). It is rendered and tokenized with the tokenizer's own chat
+template by `transformers` itself (`apply_chat_template`), so the ids are exactly those a
+Hugging Face pipeline gives the model. The loss is taken on the assistant's tokens only:
+where the template marks them with `{% generation %}`, transformers' assistant mask; otherwise
+each assistant message's tokens are what rendering the conversation through that message adds
+to rendering the messages before it with the assistant turn opened (`add_generation_prompt`):
+its content and the template's end of turn.
+
+Splits: train is `data.path` (a .jsonl file, a directory or a glob); validation is
+`data.validation_path`, else the conversations whose hash falls below
+`data.validation_fraction` (`sources.split_documents`' hash, on the canonical JSON of the
+messages); test is `data.test_path` (if any). Whole conversations are packed into rows of
+seq_len + 1 tokens (first fit, each a segment of its own with positions from 0), so no
+conversation reads another; a longer one is an error unless `data.sft_truncate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+import sys
+
+import grain
+import ml_collections
+import numpy as np
+
+from transformer.data import pipeline, sources, tasks
+
+OBJECTIVES = pipeline.CHAT_OBJECTIVES  # ("sft",)
+SPLITS = ("train", "validation", "test")
+# A template that marks the assistant's text itself ({% generation %} ... {% endgeneration %}).
+_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+# --- conversations --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    messages: tuple[dict, ...]
+    where: str  # "file:line", for errors
+
+
+def parse_conversation(line: str, where: str) -> Conversation:
+    """One JSONL line -> a `Conversation`, or a one-line error naming `where` (file:line).
+
+    >>> parse_conversation('{"messages": [{"role": "user", "content": "hi"}]}', "a:1").messages
+    ({'role': 'user', 'content': 'hi'},)
+    >>> parse_conversation('{"messages": [{"content": "hi"}]}', "a.jsonl:3")
+    Traceback (most recent call last):
+    ValueError: a.jsonl:3: message 0 has no "role": expected {"role": ..., "content": ...}
+    """
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e}): expected one conversation per line, "
+                         '{"messages": [{"role": ..., "content": ...}, ...]}') from None
+    messages = row.get("messages") if isinstance(row, dict) else row
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f'{where}: no "messages" list: expected {{"messages": [{{"role": ..., '
+                         '"content": ...}, ...]} (a non-empty list)')
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not message["role"]:
+            raise ValueError(f'{where}: message {i} has no "role": expected {{"role": ..., '
+                             '"content": ...}')
+    return Conversation(tuple(messages), where)
+
+
+def read_conversations(path: str) -> list[Conversation]:
+    """Every conversation of the JSONL file(s) at `path` (a file, a directory or a glob), in
+    file order; blank lines are skipped."""
+    out = []
+    for file in sources._files(path):
+        with open(file, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    out.append(parse_conversation(line, f"{file}:{number}"))
+    return out
+
+
+# --- rendering with the tokenizer's chat template --------------------------------------------
+
+
+def _transformers_tokenizer(tokenizer):
+    """The `transformers` tokenizer with this tokenizer's vocabulary, specials and chat
+    template (built once per tokenizer), or a one-line error for a tokenizer without one."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(f"{tokenizer!r} has no chat template: expected a Hugging Face tokenizer "
+                         "whose tokenizer_config.json has a chat_template (or a "
+                         "chat_template.jinja beside it)")
+    if (cached := tokenizer.__dict__.get("_transformers_chat")) is not None:
+        return cached
+    try:
+        import tokenizers
+        import transformers
+    except ImportError:
+        raise ImportError("chat templates are rendered by transformers: expected "
+                          "`pip install 'transformers>=5,<6'`") from None
+    backend = tokenizers.Tokenizer.from_str(tokenizer.tokenizer_json)
+    backend.no_padding()
+    backend.no_truncation()
+    roles = {f"{role}_token": token for role, token in tokenizer.specials.items()
+             if token is not None}
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=template,
+                                              **roles)
+    tokenizer.__dict__["_transformers_chat"] = hf
+    return hf
+
+
+def encode_chat(tokenizer, messages, *, add_generation_prompt: bool = False) -> np.ndarray:
+    """The ids of `messages` rendered with the tokenizer's chat template: exactly
+    `apply_chat_template(messages, tokenize=True)["input_ids"]`."""
+    ids = _transformers_tokenizer(tokenizer).apply_chat_template(
+        list(messages), tokenize=True, add_generation_prompt=add_generation_prompt,
+        return_dict=True)["input_ids"]
+    return np.asarray(ids, np.int32)
+
+
+def assistant_tokens(tokenizer, messages, where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask): a conversation's ids and 1 on its assistants' tokens (content and end of
+    turn), 0 elsewhere (see the module docstring)."""
+    hf = _transformers_tokenizer(tokenizer)
+    if _GENERATION.search(tokenizer.chat_template):
+        out = hf.apply_chat_template(list(messages), tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+        return (np.asarray(out["input_ids"], np.int32),
+                np.asarray(out["assistant_masks"], np.int32))
+    ids = encode_chat(tokenizer, messages)
+    mask = np.zeros(len(ids), np.int32)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = encode_chat(tokenizer, messages[:i], add_generation_prompt=True) if i else \
+            np.zeros(0, np.int32)
+        through = encode_chat(tokenizer, messages[:i + 1])
+        if not (_starts_with(through, before) and _starts_with(ids, through)):
+            raise ValueError(f"{where}: the chat template renders the conversation before "
+                             f"message {i} (assistant) differently from its start: expected a "
+                             "template whose turns render the same whatever follows, or one "
+                             "that marks assistant text with {% generation %}")
+        mask[len(before):len(through)] = 1
+    return ids, mask
+
+
+def _starts_with(ids: np.ndarray, prefix: np.ndarray) -> bool:
+    return len(prefix) <= len(ids) and bool(np.array_equal(ids[:len(prefix)], prefix))
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The token that ends an assistant turn in the template (Llama 3's <|eot_id|>, ChatML's
+    <|im_end|>): the first special token after a probe reply; else <eos>."""
+    messages = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"})
+    ids, mask = assistant_tokens(tokenizer, messages)
+    specials = set(tokenizer.special_names)
+    ends = [int(i) for i in ids[mask.astype(bool)] if int(i) in specials]
+    return ends[0] if ends else tokenizer.require("eos", "to end an assistant turn")
+
+
+# --- feature converter and packing ---------------------------------------------------------
+
+
+def sft_features(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Packed rows of T + 1 tokens with an assistant mask -> next-token features of length T
+    whose weights are 1 only where the target is an assistant token of the same conversation.
+
+    Two conversations packed into 9 slots: [u1 a1 a2] and [u2 u3 a3] (u: user / template
+    tokens, a: assistant tokens), 0 = padding:
+
+        tokens       u1 a1 a2 u2 u3 a3  0  0  0     loss_mask  0 1 1 0 0 1 0 0 0
+        targets      a1 a2 u2 u3 a3  0  0  0        weights    1 1 0 0 1 0 0 0
+
+    >>> row = {"tokens": np.array([5, 6, 7, 8, 9, 10, 0, 0, 0]),
+    ...        "tokens_segment_ids": np.array([1, 1, 1, 2, 2, 2, 0, 0, 0]),
+    ...        "tokens_positions": np.array([0, 1, 2, 0, 1, 2, 0, 0, 0]),
+    ...        "tokens_loss_mask": np.array([0, 1, 1, 0, 0, 1, 0, 0, 0])}
+    >>> features = sft_features(row)
+    >>> features["targets"].tolist(), features["weights"].tolist()
+    ([6, 7, 8, 9, 10, 0, 0, 0], [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+    >>> features["segment_ids"].tolist(), features["positions"].tolist()
+    ([1, 1, 1, 2, 2, 2, 0, 0], [0, 1, 2, 0, 1, 2, 0, 0])
+    """
+    features = pipeline.next_token_features(row)
+    features["weights"] = features["weights"] * row["tokens_loss_mask"][..., 1:]
+    return features
+
+
+def first_fit(lengths, width: int) -> list[list[int]]:
+    """Packs items of `lengths` (each <= width) into rows of `width`: each item, in order, goes
+    into the first row with room for it. Returns each row's items.
+
+    >>> first_fit([5, 3, 4, 2, 6], width=8)
+    [[0, 1], [2, 3], [4]]
+    """
+    rows: list[list[int]] = []
+    room = np.zeros(0, np.int64)
+    for i, length in enumerate(lengths):
+        fits = np.flatnonzero(room >= length)
+        if fits.size:
+            rows[fits[0]].append(i)
+            room[fits[0]] -= length
+        else:
+            rows.append([i])
+            room = np.append(room, width - length)
+    return rows
+
+
+class PackedRows:
+    """A split's rows (as `pipeline._Windows` gives them to `pipeline._GlobalBatches`): the
+    conversations packed once (`first_fit`, in a seeded order when training), each row its
+    conversations end to end with their own segment ids and positions, and "tokens_loss_mask".
+    Training visits the rows in a new seeded order every epoch; evaluation reads each once, in
+    order, then rows of padding."""
+
+    def __init__(self, examples, *, width: int, seed: int, training: bool, shuffle: bool):
+        order = np.random.default_rng((seed, 0x5F7)).permutation(len(examples)) \
+            if training and shuffle else np.arange(len(examples))
+        packed = first_fit([len(examples[i][0]) for i in order], width)
+        self.packs = [[examples[order[j]] for j in row] for row in packed]
+        self.rows, self.width, self.seed = len(self.packs), width, seed
+        self.training, self.shuffle = training, shuffle
+        self._order = (-1, np.arange(0))
+
+    def row(self, i: int) -> dict[str, np.ndarray]:
+        out = {k: np.zeros(self.width, np.int32) for k in
+               ("tokens", "tokens_segment_ids", "tokens_positions", "tokens_loss_mask")}
+        if self.rows == 0 or (not self.training and i >= self.rows):
+            return out
+        epoch, k = divmod(i, self.rows)
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng((self.seed, epoch)).permutation(
+                self.rows) if self.training and self.shuffle else np.arange(self.rows))
+        at = 0
+        for segment, (ids, mask) in enumerate(self.packs[int(self._order[1][k])], 1):
+            piece = slice(at, at + len(ids))
+            out["tokens"][piece], out["tokens_loss_mask"][piece] = ids, mask
+            out["tokens_segment_ids"][piece] = segment
+            out["tokens_positions"][piece] = np.arange(len(ids))
+            at += len(ids)
+        return out
+
+
+# --- splits and datasets --------------------------------------------------------------------
+
+
+def split_conversations(config: ml_collections.ConfigDict, split: str) -> list[Conversation]:
+    """The conversations of `split` (see the module docstring)."""
+    data = config.data
+    if split == "test":
+        return read_conversations(data.test_path) if data.get("test_path") else []
+    if split == "validation" and data.get("validation_path"):
+        return read_conversations(data.validation_path)
+    if not data.path:
+        raise ValueError("data.objective='sft' reads conversations: expected data.path (a "
+                         "JSONL file, directory or glob of {\"messages\": [...]} lines)")
+    fraction = 0.0 if data.get("validation_path") else data.validation_fraction
+    held_out = lambda c: sources._unit_hash(json.dumps(c.messages, sort_keys=True)) < fraction
+    return [c for c in read_conversations(data.path) if held_out(c) == (split == "validation")]
+
+
+def tokenized(config: ml_collections.ConfigDict, tokenizer, split: str) -> list:
+    """The split's (ids, assistant mask) per conversation, each at most seq_len + 1 tokens:
+    a longer one is a one-line error, or with `data.sft_truncate` cut (one line says how many
+    were). Built once per process, split, settings and tokenizer."""
+    data = config.data
+    paths = tuple(data.get(k, "") for k in ("path", "validation_path", "test_path"))
+    return _tokenized(paths, tuple(sources.fingerprint(p) if p else "" for p in paths),
+                      data.validation_fraction, config.seq_len, bool(data.get("sft_truncate")),
+                      tokenizer, split)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenized(paths, fingerprints, fraction, seq_len, truncate, tokenizer, split) -> list:
+    del fingerprints  # (part of the key only: edited files are read again)
+    config = ml_collections.ConfigDict({"seq_len": seq_len, "data": {
+        "path": paths[0], "validation_path": paths[1], "test_path": paths[2],
+        "validation_fraction": fraction}})
+    width, examples, cut = seq_len + 1, [], 0
+    for conversation in split_conversations(config, split):
+        ids, mask = assistant_tokens(tokenizer, conversation.messages, conversation.where)
+        if len(ids) > width:
+            if not truncate:
+                raise ValueError(f"{conversation.where}: the conversation has {len(ids)} tokens, "
+                                 f"more than seq_len + 1 = {width}: expected shorter "
+                                 "conversations, a larger seq_len, or data.sft_truncate=True")
+            ids, mask, cut = ids[:width], mask[:width], cut + 1
+        examples.append((ids, mask))
+    if cut:
+        print(f"data.sft_truncate: cut {cut} of {len(examples)} {split} conversations to "
+              f"seq_len + 1 = {width} tokens", file=sys.stderr)
+    return examples
+
+
+def make_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
+                 num_epochs: int | None = None, shuffle: bool = True,
+                 rows=None) -> grain.IterDataset:
+    """This process's `rows` of each global batch of `split`'s packed conversations, as
+    `sft_features`. Training (`num_epochs=None`) repeats, every epoch in a new row order;
+    evaluation (`num_epochs=1`) reads every row once, the last batch padded (weight 0)."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {SPLITS}")
+    training = num_epochs is None
+    source = PackedRows(tokenized(config, tokenizer, split), width=config.seq_len + 1,
+                        seed=config.seed, training=training, shuffle=shuffle)
+    batch_size = config.batch_size
+    num_batches = sys.maxsize if training else -(-source.rows // batch_size)
+    if training and source.rows == 0:
+        raise ValueError(f"the {split} split has no conversations: expected JSONL lines at "
+                         f"data.path={config.data.path!r}")
+    batches = pipeline._GlobalBatches(source, sft_features, batch_size=batch_size,
+                                      rows=tasks.local_rows(batch_size, rows),
+                                      num_batches=num_batches, noise_base=None)
+    return batches.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+
