@@ -105,7 +105,8 @@ def reference(directory):
 
 
 @pytest.mark.parametrize("template,where", [(LLAMA3, "tokenizer_config.json"),
-                                           (CHATML, "chat_template.jinja")])
+                                           (CHATML, "chat_template.jinja")],
+                         ids=["llama3_in_tokenizer_config", "chatml_in_chat_template_jinja"])
 def test_tokens_equal_transformers_apply_chat_template(tmp_path, template, where):
     directory = build_tokenizer(tmp_path, template, where)
     ours, hf = tokenizers_lib.load_hf_tokenizer(str(directory)), reference(directory)
@@ -179,6 +180,46 @@ def test_the_end_of_turn_is_the_template_s(llama3_dir, tmp_path):
     chatml = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path, CHATML)))
     assert llama.decode([chat.end_of_turn_id(llama)]) == "<|eot_id|>"
     assert chatml.decode([chat.end_of_turn_id(chatml)]) == "<|im_end|>"
+
+
+def test_chat_replies_open_the_assistant_turn_and_stop_at_its_end(llama3_dir, monkeypatch):
+    """generate --chat: the prompt is the conversation with the assistant turn open, exactly
+    as transformers renders it; decoding stops at the template's end of turn (never banned),
+    and the reply is what comes before it."""
+    from types import SimpleNamespace
+
+    from transformer import generate
+
+    tok = tokenizers_lib.load_hf_tokenizer(str(llama3_dir))
+    eot, reply, seen = chat.end_of_turn_id(tok), tok.encode(" Paris."), {}
+
+    def decode(model, params, prompts, *, max_new_tokens, eos_id, banned_ids, **kwargs):
+        seen.update(prompt=list(prompts[0]), eos=eos_id, banned=banned_ids, n=max_new_tokens)
+        return np.array([[*reply, eot, 40, 41]]), None
+
+    monkeypatch.setattr(generate, "decode", decode)
+    config = configs.experiment("sft_chat")
+    messages = conversation(3)[:-1]  # ends with the user's turn
+    got = generate.chat_replies(SimpleNamespace(vocab_size=tok.vocab_size + 7), None, tok,
+                                config, messages, max_new_tokens=9)
+    assert got == [" Paris."]
+    assert seen["prompt"] == reference(llama3_dir).apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert seen["eos"] == eot and eot not in seen["banned"] and seen["n"] == 9
+    assert tok.vocab_size in seen["banned"]  # (the padded ids past the vocabulary stay banned)
+
+
+def test_generate_reads_chat_inline_as_a_json_file_or_as_jsonl(tmp_path):
+    from transformer import generate
+
+    one = conversation(1)
+    (tmp_path / "one.json").write_text(json.dumps({"messages": one}))
+    write_jsonl(tmp_path / "two.jsonl", [one, conversation(2)])
+    assert generate.read_chat(json.dumps(one)) == [one]
+    assert generate.read_chat(str(tmp_path / "one.json")) == [one]
+    assert generate.read_chat(str(tmp_path / "two.jsonl")) == [one, conversation(2)]
+    with pytest.raises(ValueError, match="--chat='hello': expected a JSON/JSONL file"):
+        generate.read_chat("hello")
 
 
 # --- packed rows -----------------------------------------------------------------------------
