@@ -124,6 +124,14 @@ def test_tokens_equal_transformers_apply_chat_template(tmp_path, template, where
     assert again.chat_template == template
     assert chat.encode_chat(again, conversation(0)).tolist() == \
         hf.apply_chat_template(conversation(0), tokenize=True)["input_ids"]
+    # ... and into what transformer.export writes (tokenizer_config.json's chat_template).
+    tokenizer_json, config = again.hugging_face()
+    (tmp_path / "exported").mkdir()
+    (tmp_path / "exported/tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    (tmp_path / "exported/tokenizer_config.json").write_text(json.dumps(config))
+    assert reference(tmp_path / "exported").apply_chat_template(
+        conversation(4), tokenize=True, add_generation_prompt=True)["input_ids"] == \
+        chat.encode_chat(ours, conversation(4), add_generation_prompt=True).tolist()
 
 
 def test_the_template_raise_exception_is_one_line(tmp_path):
