@@ -215,8 +215,8 @@ class PackedRows:
     """A split's rows (as `pipeline._Windows` gives them to `pipeline._GlobalBatches`): the
     conversations packed once (`first_fit`, in a seeded order when training), each row its
     conversations end to end with their own segment ids and positions, and "tokens_loss_mask".
-    Training visits the rows in a new seeded order every epoch; evaluation reads each once, in
-    order, then rows of padding."""
+    Training visits the rows in a new seeded order every epoch; evaluation reads each once (in
+    a fixed seeded order with `shuffle`, so the first batches are a sample), then padding."""
 
     def __init__(self, examples, *, width: int, seed: int, training: bool, shuffle: bool):
         order = np.random.default_rng((seed, 0x5F7)).permutation(len(examples)) \
@@ -235,7 +235,7 @@ class PackedRows:
         epoch, k = divmod(i, self.rows)
         if self._order[0] != epoch:
             self._order = (epoch, np.random.default_rng((self.seed, epoch)).permutation(
-                self.rows) if self.training and self.shuffle else np.arange(self.rows))
+                self.rows) if self.shuffle else np.arange(self.rows))
         at = 0
         for segment, (ids, mask) in enumerate(self.packs[int(self._order[1][k])], 1):
             piece = slice(at, at + len(ids))
