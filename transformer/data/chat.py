@@ -5,9 +5,9 @@ Hugging Face chat datasets). It is rendered and tokenized with the tokenizer's o
 template by `transformers` itself (`apply_chat_template`), so the ids are exactly those a
 Hugging Face pipeline gives the model. The loss is taken on the assistant's tokens only:
 where the template marks them with `{% generation %}`, transformers' assistant mask; otherwise
-each assistant message's tokens are what rendering the conversation through that message adds
-to rendering the messages before it with the assistant turn opened (`add_generation_prompt`):
-its content and the template's end of turn.
+each assistant message's tokens are those of the text that rendering the conversation through
+that message adds to rendering the messages before it with the assistant turn opened
+(`add_generation_prompt`): its content and the template's end of turn.
 
 Splits: train is `data.path` (a .jsonl file, a directory or a glob); validation is
 `data.validation_path`, else the conversations whose hash falls below
@@ -125,32 +125,37 @@ def encode_chat(tokenizer, messages, *, add_generation_prompt: bool = False) -> 
 
 def assistant_tokens(tokenizer, messages, where: str = "") -> tuple[np.ndarray, np.ndarray]:
     """(ids, mask): a conversation's ids and 1 on its assistants' tokens (content and end of
-    turn), 0 elsewhere (see the module docstring)."""
+    turn), 0 elsewhere (see the module docstring). The text each assistant message adds is a
+    span of characters of the rendered conversation; the tokens overlapping a span are masked
+    (by their offsets, as transformers maps {% generation %} spans onto tokens)."""
     hf = _transformers_tokenizer(tokenizer)
+    messages = list(messages)
     if _GENERATION.search(tokenizer.chat_template):
-        out = hf.apply_chat_template(list(messages), tokenize=True, return_dict=True,
+        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
                                      return_assistant_tokens_mask=True)
         return (np.asarray(out["input_ids"], np.int32),
                 np.asarray(out["assistant_masks"], np.int32))
-    ids = encode_chat(tokenizer, messages)
-    mask = np.zeros(len(ids), np.int32)
+    render = lambda m, prompt=False: hf.apply_chat_template(
+        m, tokenize=False, add_generation_prompt=prompt) if m else ""
+    text, spans = render(messages), []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = encode_chat(tokenizer, messages[:i], add_generation_prompt=True) if i else \
-            np.zeros(0, np.int32)
-        through = encode_chat(tokenizer, messages[:i + 1])
-        if not (_starts_with(through, before) and _starts_with(ids, through)):
+        before, through = render(messages[:i], True), render(messages[:i + 1])
+        if not (through.startswith(before) and text.startswith(through)):
             raise ValueError(f"{where}: the chat template renders the conversation before "
                              f"message {i} (assistant) differently from its start: expected a "
                              "template whose turns render the same whatever follows, or one "
                              "that marks assistant text with {% generation %}")
-        mask[len(before):len(through)] = 1
-    return ids, mask
-
-
-def _starts_with(ids: np.ndarray, prefix: np.ndarray) -> bool:
-    return len(prefix) <= len(ids) and bool(np.array_equal(ids[:len(prefix)], prefix))
+        spans.append((len(before), len(through)))
+    # The conversation's ids exactly as apply_chat_template(tokenize=True) encodes its text.
+    encoding = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(encoding["input_ids"], np.int32)
+    offsets = np.asarray(encoding["offset_mapping"], np.int64).reshape(len(ids), 2)
+    mask = np.zeros(len(ids), bool)
+    for start, stop in spans:
+        mask |= (offsets[:, 0] < stop) & (offsets[:, 1] > start)
+    return ids, mask.astype(np.int32)
 
 
 def end_of_turn_id(tokenizer) -> int:
