@@ -4,11 +4,12 @@ and masked with a chat template, and how full the packed rows are.
     python benchmarks/sft_render.py [--conversations=200]
 
 A byte-level BPE tokenizer is trained here on a few lines and given a ChatML template, once
-plain (the assistant mask comes from rendering each assistant message's prefix: 2k + 1 renders
-for k replies) and once with {% generation %} marks (transformers' own mask: one render). The
-table gives conversations/s of `encode_chat` (the ids alone) and of `assistant_tokens` with
-each template, for conversations of 1, 3 and 8 exchanges, and the share of packed slots that
-hold tokens (`first_fit`) at two row lengths. Everything runs once per run, before training.
+plain (the assistant mask comes from rendering each assistant message's prefix as text: 2k + 1
+renders for k replies, then one tokenization) and once with {% generation %} marks
+(transformers' own mask: one render). The table gives conversations/s of `encode_chat` (the
+ids alone) and of `assistant_tokens` with each template, for conversations of 1, 3 and 8
+exchanges, and the share of packed slots that hold tokens (`first_fit`) at two row lengths.
+Everything runs once per run, before training.
 """
 
 import json

@@ -401,7 +401,8 @@ def test_sft_from_an_imported_llama_through_the_cli_then_chat(tmp_path, llama3_d
     workdir = tmp_path / "run"
     result = run("transformer.train", "--config=experiments/sft_chat.py", f"--workdir={workdir}",
                  f"--config.init_from=hf:{model_dir}", f"--config.data.path={train}",
-                 f"--config.data.validation_path={val}", "--config.steps=8",
+                 f"--config.data.validation_path={val}", f"--config.data.test_path={val}",
+                 "--config.steps=8",
                  "--config.batch_size=4", "--config.seq_len=256", "--config.log_every=1",
                  "--config.eval_every=8", "--config.eval_steps=10",
                  "--config.checkpoint_every=8", "--config.optimizer.learning_rate=3e-3",
@@ -432,6 +433,7 @@ def test_sft_from_an_imported_llama_through_the_cli_then_chat(tmp_path, llama3_d
     expected = sum(int(chat.assistant_tokens(tok, conversation(s))[1][1:].sum())
                    for s in range(64, 72))
     assert weighted == expected == summary["val_num_tokens"]
+    assert summary["test_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)  # same file
 
     reply = run("transformer.generate", f"--workdir={workdir}", "--temperature=0",
                 "--max_new_tokens=12",
@@ -441,3 +443,25 @@ def test_sft_from_an_imported_llama_through_the_cli_then_chat(tmp_path, llama3_d
     both = run("transformer.generate", f"--workdir={workdir}", "--temperature=0",
                "--max_new_tokens=6", f"--chat={conversations}")
     assert both.stdout.count("---") == 1
+
+
+@pytest.mark.slow
+def test_bad_chat_data_stops_the_cli_with_one_line_before_training(tmp_path, llama3_dir):
+    from test_cli import assert_one_line_error
+
+    model_dir = tmp_path / "llama"
+    build_tokenizer(model_dir, LLAMA3)
+    tiny_llama(model_dir, len(json.loads((model_dir / "tokenizer.json").read_text())
+                             ["model"]["vocab"]))
+    rows = [conversation(s) for s in range(8)]
+    rows[3][1] = {"content": "no role"}
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-m", "transformer.train", "--config=experiments/sft_chat.py",
+         f"--workdir={tmp_path / 'run'}", f"--config.init_from=hf:{model_dir}",
+         f"--config.data.path={train}", "--config.seq_len=256"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(result, 2, f"{train}:4: message 1 has no \"role\"")
+    assert not (tmp_path / "run" / "checkpoints").exists() or \
+        not any((tmp_path / "run" / "checkpoints").iterdir())

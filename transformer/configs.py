@@ -470,8 +470,8 @@ def _validate_test_path(config: ml_collections.ConfigDict) -> None:
     text = pipeline.OBJECTIVES + pipeline.CHAT_OBJECTIVES
     if (objective := pipeline.objective_for(config)) not in text:
         raise ValueError(f"data.test_path={path!r} with data.objective={objective!r}: expected "
-                         f"a text objective {text} (labeled tasks hold out their own test "
-                         "split)")
+                         f"a text pretraining objective or 'sft' {text} (labeled tasks hold "
+                         "out their own test split)")
     data_path = config.data.path
     if data_path and (inputs.token_shard_dir(data_path) or
                       os.path.isfile(os.path.join(data_path, "prepare.json"))):
