@@ -76,7 +76,8 @@ def build_tokenizer(directory: Path, template: str, where: str = "tokenizer_conf
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    lines = [" ".join(_WORDS[i:i + 7]) for i in range(len(_WORDS))]
+    # (Blank lines too, so "\n\n" is one token that the text around a header can split.)
+    lines = [" ".join(_WORDS[i:i + 7]) + "\n\n" for i in range(len(_WORDS))]
     tok.train_from_iterator(lines, trainers.BpeTrainer(
         vocab_size=400, special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
