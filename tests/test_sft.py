@@ -137,8 +137,12 @@ def test_tokens_equal_transformers_apply_chat_template(tmp_path, template, where
 
 def test_the_template_raise_exception_is_one_line(tmp_path):
     tok = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path, CHATML)))
-    with pytest.raises(Exception, match="unknown role narrator"):
-        chat.encode_chat(tok, [{"role": "narrator", "content": "Once."}])
+    with pytest.raises(ValueError, match="^--chat: the chat template refused it: unknown role "
+                                         "narrator$"):
+        chat.encode_chat(tok, [{"role": "narrator", "content": "Once."}], where="--chat")
+    with pytest.raises(ValueError, match="^a.jsonl:2: the chat template refused it: unknown "
+                                         "role narrator$"):
+        chat.assistant_tokens(tok, [{"role": "narrator", "content": "Once."}], "a.jsonl:2")
 
 
 # --- the loss mask ---------------------------------------------------------------------------

@@ -812,7 +812,8 @@ def chat_replies(model, params, tokenizer, config, conversation, *, num_samples:
     if _decoding(config) not in ("causal", "prefix"):
         raise ValueError(f"model.family={config.model.family!r}: --chat expected a decoder LM")
     check_max_new_tokens(max_new_tokens)
-    prompt = chat.encode_chat(tokenizer, conversation, add_generation_prompt=True)
+    prompt = chat.encode_chat(tokenizer, conversation, add_generation_prompt=True,
+                              where="--chat")
     end = chat.end_of_turn_id(tokenizer)
     n = _new_tokens(max_new_tokens, config, "causal", len(prompt))
     banned = tuple(i for i in _banned_for(tokenizer, model, config) if i != end)

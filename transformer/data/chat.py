@@ -19,6 +19,7 @@ conversation reads another; a longer one is an error unless `data.sft_truncate`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -114,13 +115,27 @@ def _transformers_tokenizer(tokenizer):
     return hf
 
 
-def encode_chat(tokenizer, messages, *, add_generation_prompt: bool = False) -> np.ndarray:
+def encode_chat(tokenizer, messages, *, add_generation_prompt: bool = False,
+                where: str = "") -> np.ndarray:
     """The ids of `messages` rendered with the tokenizer's chat template: exactly
     `apply_chat_template(messages, tokenize=True)["input_ids"]`."""
-    ids = _transformers_tokenizer(tokenizer).apply_chat_template(
-        list(messages), tokenize=True, add_generation_prompt=add_generation_prompt,
-        return_dict=True)["input_ids"]
+    hf = _transformers_tokenizer(tokenizer)
+    with _template_errors(where):
+        ids = hf.apply_chat_template(list(messages), tokenize=True, return_dict=True,
+                                     add_generation_prompt=add_generation_prompt)["input_ids"]
     return np.asarray(ids, np.int32)
+
+
+@contextlib.contextmanager
+def _template_errors(where: str):
+    """A template's own error (its `raise_exception`, an undefined name) as one line."""
+    import jinja2
+
+    try:
+        yield
+    except jinja2.TemplateError as e:
+        raise ValueError(f"{where or 'the conversation'}: the chat template refused it: "
+                         f"{e}") from None
 
 
 def assistant_tokens(tokenizer, messages, where: str = "") -> tuple[np.ndarray, np.ndarray]:
@@ -128,9 +143,13 @@ def assistant_tokens(tokenizer, messages, where: str = "") -> tuple[np.ndarray, 
     turn), 0 elsewhere (see the module docstring). The text each assistant message adds is a
     span of characters of the rendered conversation; the tokens overlapping a span are masked
     (by their offsets, as transformers maps {% generation %} spans onto tokens)."""
-    hf = _transformers_tokenizer(tokenizer)
+    with _template_errors(where):
+        return _assistant_tokens(_transformers_tokenizer(tokenizer), messages, where)
+
+
+def _assistant_tokens(hf, messages, where: str) -> tuple[np.ndarray, np.ndarray]:
     messages = list(messages)
-    if _GENERATION.search(tokenizer.chat_template):
+    if _GENERATION.search(hf.chat_template):
         out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
                                      return_assistant_tokens_mask=True)
         return (np.asarray(out["input_ids"], np.int32),
@@ -160,12 +179,12 @@ def assistant_tokens(tokenizer, messages, where: str = "") -> tuple[np.ndarray, 
 
 def end_of_turn_id(tokenizer) -> int:
     """The token that ends an assistant turn in the template (Llama 3's <|eot_id|>, ChatML's
-    <|im_end|>): the first special token after a probe reply; else <eos>."""
+    <|im_end|>): the last special token of a probe reply's masked tokens; else <eos>."""
     messages = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"})
     ids, mask = assistant_tokens(tokenizer, messages)
     specials = set(tokenizer.special_names)
     ends = [int(i) for i in ids[mask.astype(bool)] if int(i) in specials]
-    return ends[0] if ends else tokenizer.require("eos", "to end an assistant turn")
+    return ends[-1] if ends else tokenizer.require("eos", "to end an assistant turn")
 
 
 # --- feature converter and packing ---------------------------------------------------------
