@@ -359,7 +359,7 @@ def test_a_long_conversation_is_refused_or_truncated_and_counted(tmp_path, llama
     _, passes = batches(config, "validation", num_epochs=1)
     long = sum(n > 41 for n in lengths)
     assert f"data.sft_truncate: cut {long} of 10 validation conversations to seq_len + 1 = 41 " \
-        "tokens" in capsys.readouterr().err
+        "tokens" in capsys.readouterr().out
     assert all(b["inputs"].shape == (4, 40) for b in passes)
 
 

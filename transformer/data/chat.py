@@ -27,6 +27,7 @@ import re
 import sys
 
 import grain
+import jax
 import ml_collections
 import numpy as np
 
@@ -315,9 +316,9 @@ def _tokenized(paths, fingerprints, fraction, seq_len, truncate, tokenizer, spli
                                  "conversations, a larger seq_len, or data.sft_truncate=True")
             ids, mask, cut = ids[:width], mask[:width], cut + 1
         examples.append((ids, mask))
-    if cut:
+    if cut and jax.process_index() == 0:
         print(f"data.sft_truncate: cut {cut} of {len(examples)} {split} conversations to "
-              f"seq_len + 1 = {width} tokens", file=sys.stderr)
+              f"seq_len + 1 = {width} tokens")
     return examples
 
 
