@@ -324,6 +324,52 @@ def test_training_rows_are_seeded_and_repeat_each_conversation_once_per_epoch(tm
                for r in epoch) == len(chat.tokenized(config, tok, "train"))
 
 
+def test_the_packed_sft_loss_equals_hf_llama_with_labels_masked_to_assistant_tokens(
+        tmp_path, llama3_dir):
+    """The loss of one packed batch (segment ids, positions per conversation, weights on
+    assistant targets) equals the Hugging Face convention of SFT: each conversation through
+    LlamaForCausalLM alone, labels -100 outside the assistant's tokens, the token-weighted
+    mean over conversations."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from transformer import convert
+    from transformer.models import build_model
+
+    config = sft_config(tmp_path, llama3_dir)
+    tok = inputs.get_tokenizer(config)
+    batch = next(iter(inputs.get_dataset(config, tok, "validation", num_epochs=1,
+                                         shuffle=False)))
+    tiny_llama(tmp_path / "llama", tok.vocab_size)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()
+    model_config, params = convert.from_hf(hf.config, hf.state_dict())
+    logits = np.asarray(jax.jit(build_model(model_config).apply)(
+        {"params": params}, jnp.asarray(batch["inputs"]),
+        segment_ids=jnp.asarray(batch["segment_ids"]),
+        positions=jnp.asarray(batch["positions"])), np.float64)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    picked = np.take_along_axis(log_probs, batch["targets"][..., None], -1)[..., 0]
+    ours = -(picked * batch["weights"]).sum() / batch["weights"].sum()
+
+    examples = [chat.assistant_tokens(tok, conversation(c)) for c in range(40, 50)]
+    total, count = 0.0, 0
+    for r in range(len(batch["inputs"])):
+        segments = batch["segment_ids"][r]
+        for s in np.unique(segments[segments > 0]):
+            at = np.flatnonzero(segments == s)
+            ids = np.append(batch["inputs"][r][at], batch["targets"][r][at[-1]])
+            ids, mask = next((i, m) for i, m in examples
+                             if np.array_equal(i[:len(at)], ids[:len(at)]))
+            labels = np.where(mask == 1, ids, -100)
+            with torch.no_grad():
+                loss = hf(input_ids=torch.tensor(ids[None], dtype=torch.long),
+                          labels=torch.tensor(labels[None], dtype=torch.long)).loss.item()
+            total, count = total + loss * int(mask[1:].sum()), count + int(mask[1:].sum())
+    assert count == batch["weights"].sum()
+    assert ours == pytest.approx(total / count, rel=1e-5)
+
+
 # --- bad input: one line each, before training ---------------------------------------------
 
 
