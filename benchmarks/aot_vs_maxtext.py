@@ -70,6 +70,44 @@ bfloat16 [B, N, T, S] tensor, the weights, for its backward (`attention.softmax_
 both paths peak at the loss: the bfloat16 logits' gradient and a transposed copy (1.54 GiB
 each) and the scanned layers' bfloat16 inputs (1.5 GiB), as MaxText's splash path does. MaxText's
 dense path keeps the logits' gradient alive across the layers' backward loop as well.
+
+The MoE and long-context shapes (same versions and slice; `--shape=moe,long --dump_dir=DIR`;
+per chip; XLA FLOPs as counted above):
+
+| shape | side | attention / MoE | arguments | temporaries | program | total | XLA FLOPs |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+| moe | ours | splash; ragged all-to-all | 4.99 GiB | 12.91 GiB | 0.07 GiB | 17.97 GiB | 4.449e13 |
+| moe | MaxText | flash; megablox | 5.00 GiB | 14.01 GiB | 0.07 GiB | 19.07 GiB | 4.532e13 |
+| long | ours | chunked, all_gather | 4.79 GiB | 4.60 GiB | 0.04 GiB | 9.43 GiB | 9.224e12 |
+| long | MaxText | flash, all_gather | 1.20 GiB | 2.88 GiB | 0.04 GiB | 4.12 GiB | 6.089e12 |
+
+Both sides count 7,149,946,880 params for moe and 1,713,735,680 for long. Ours' kernels, as
+the step compiled them: splash, "ragged all-to-all over expert=4" (moe) and "chunked per
+device, all_gather over sequence=4" (long: what main runs under the sequence axis today).
+
+moe: ours / MaxText 0.942x (-1.10 GiB). Both peak in an MoE layer's backward with the same
+worst-case dropless buffers, 131,072 rows (every token of the 4 devices of an expert group, 2
+choices each) by 5632 bfloat16 three times (1.38 GiB each) and by 2048 (0.5 GiB each), beside
+the logits' gradient (1.54 GiB) and the layers' inputs (1.5 GiB); at its peak MaxText holds
+six [131072, 2048]-sized permutation buffers (its sort_activations gathers, custom calls and a
+gmm output, 0.5 GiB each) where ours holds four.
+
+long: ours / MaxText 2.290x (+5.31 GiB), target not met. The difference, from the dumps:
+- arguments, 3.59 GiB: MaxText shards weights and optimizer state over its context axis as
+  well as fsdp (16 ways); ours shards them over fsdp (and expert) only, 4 ways here, so params
+  and AdamW moments take 4x the bytes per chip;
+- temporaries, 1.72 GiB: the same 4x on the float32 gradient accumulators of the scanned
+  weights (1.15 GiB against 0.29 GiB at the peak) and the bfloat16 casts of the stacked weights
+  (0.56 GiB against 0.14 GiB); and in each layer's attention backward the all_gather's
+  transpose gathers dK / dV over fsdp before the reduce-scatter over sequence,
+  bf16[4, 32768, 16, 128] twice (1 GiB) where one row per device (0.25 GiB) would do: our
+  shard_map is manual over `sequence` only, and XLA's partitioner makes the batch-split
+  gradient whole there. MaxText peaks at the loss instead (the logits' gradient and its copy,
+  0.77 GiB each, and the layers' inputs, 0.75 GiB, which ours holds too).
+Mapping `embed` to ("fsdp", "expert", "sequence") in transformer/sharding.py (params split over
+the sequence axis as MaxText splits them over context; not applied here: it changes what the
+axis means, see docs/scaling-out.md) compiles ours to 1.20 GiB + 3.34 GiB = 4.58 GiB (1.112x
+MaxText; FLOPs 5.684e12), the rest being the dK / dV gather above.
 """
 
 from __future__ import annotations
