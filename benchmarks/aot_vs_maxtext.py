@@ -1,24 +1,38 @@
-"""Per-chip TPU memory of this project's train step against MaxText's, compiled ahead of time for
-the same slice and model: a Llama-style 1.71B decoder (experiments/llama_1b7.py: 24 x 2048, 16
-heads, SwiGLU 8192, RMSNorm, RoPE, tied 50,304 vocabulary, batch 128 x 2048, bfloat16 compute,
-float32 params and AdamW moments, scanned layers with full remat, FSDP over all chips).
+"""Per-chip TPU memory and XLA FLOPs of this project's train step against MaxText's, compiled
+ahead of time for the same slice, model, mesh split and batch, at three shapes (`--shape`):
+
+  dense  a Llama-style 1.71B decoder (experiments/llama_1b7.py: 24 x 2048, 16 heads, SwiGLU
+         8192, RMSNorm, RoPE, tied 50,304 vocabulary), batch 128 x 2048, FSDP over all chips;
+  moe    its Mixtral-style mixture-of-experts version (experiments/mixtral_2b.py: every
+         feed-forward 8 SwiGLU experts 5632 wide, top-2, 2.17B active of 7.15B params),
+         dropless, expert parallelism 4 x fsdp 4; MaxText's mixtral block with
+         `sparse_matmul` / `megablox`, `capacity_factor=-1`, `ici_expert_parallelism=4`;
+  long   the 1.71B at 32,768 tokens, batch chips / 4 (4 rows on v5p-32), context parallelism 4
+         x fsdp 4: our `sequence` axis (the all_gather strategy) against MaxText's
+         `ici_context_parallelism=4` (`context_parallel_strategy=all_gather`).
+
+All bfloat16 compute, float32 params and AdamW moments, scanned layers with full remat.
 
     python benchmarks/aot_vs_maxtext.py --maxtext_python=/work/venv-maxtext/bin/python \
         --ours_python=/work/venv-ours312/bin/python [--topology=v5p-32] \
-        [--attention=splash,dense] [--dump_dir=DIR [--top_buffers=12]] [--output_dir=DIR]
+        [--shape=dense,moe,long] [--attention=splash,dense] \
+        [--dump_dir=DIR [--top_buffers=12]] [--output_dir=DIR [--reuse]]
 
 Each side compiles in its own process with its own Python (this file run with --side): ours
 through `launch.aot` (the topology from `jax.experimental.topologies`, the mesh, shardings and
 train step exactly as training builds them); MaxText through its own
 `maxtext.trainers.pre_train.train_compile.main`, run unchanged with the overrides of
 `maxtext_overrides` (its `jit_and_compile` is wrapped only to keep the compiled object). Both
-report XLA's `compiled.memory_analysis()` per chip. Attention "splash" is MaxText's
+report XLA's `compiled.memory_analysis()` per chip and `compiled.cost_analysis()`'s FLOPs per
+chip (XLA counts a loop body once: both sides scan their layers, so the figure is the step
+outside the layers plus one layer, on both sides alike). Attention "splash" is MaxText's
 `attention=flash` (its splash kernel on TPU), "dense" its `attention=dot_product`. The total is
 arguments + outputs not aliased to them + temporaries + generated code, as `launch.aot` counts
-it. A comparison is printed only if both sides ran the same jax, jaxlib and libtpu.
+it. A comparison is printed only if both sides ran the same jax, jaxlib and libtpu. With
+--output_dir and --reuse a compile whose log there holds a result is not run again.
 
-With --dump_dir each compile also dumps XLA's buffer assignment (DIR/<side>-<attention>/) and
-the largest buffers live at the temporaries' peak are listed, with the op that made each.
+With --dump_dir each compile also dumps XLA's buffer assignment (DIR/<side>-<shape>-<attention>/)
+and the largest buffers live at the temporaries' peak are listed, with the op that made each.
 
 Setup (Python 3.12; MaxText 0.2.5 resolves to jax 0.12.0.1 and libtpu 0.0.52, pinned here so
 that both sides match; neither needs a TPU to compile):
@@ -36,7 +50,8 @@ that both sides match; neither needs a TPU to compile):
     /work/venv-ours312/bin/pip install --no-deps -e .
 
 (`--no-deps` because setup.cfg's jax cap may lag the jax MaxText wants.) One compile takes about
-2 to 3.5 minutes and under 2 GiB of RAM on 2 cores; they run one at a time.
+2 to 3.5 minutes (dense, long) or 7 to 9 (moe) and under 2 GiB of RAM on 2 cores; they run one
+at a time.
 
 Measured before and after this project's TPU memory work (jax 0.12.0.1, libtpu 0.0.52, MaxText
 0.2.5, v5p-32; both sides count 1,713,735,680 params; per chip):
@@ -56,6 +71,49 @@ bfloat16 [B, N, T, S] tensor, the weights, for its backward (`attention.softmax_
 both paths peak at the loss: the bfloat16 logits' gradient and a transposed copy (1.54 GiB
 each) and the scanned layers' bfloat16 inputs (1.5 GiB), as MaxText's splash path does. MaxText's
 dense path keeps the logits' gradient alive across the layers' backward loop as well.
+
+Re-measured with the three shapes, the dense rows are unchanged to 0.01 GiB; their XLA FLOPs
+per chip: ours 1.134e13 with splash (MaxText 1.217e13), 1.246e13 dense (MaxText 1.331e13).
+
+The MoE and long-context shapes (same versions and slice; `--shape=moe,long --dump_dir=DIR`;
+per chip; XLA FLOPs as counted above, a Pallas kernel by its own cost estimate):
+
+| shape | side | attention / MoE | arguments | temporaries | program | total | XLA FLOPs |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+| moe | ours | splash; ragged all-to-all | 4.99 GiB | 12.91 GiB | 0.07 GiB | 17.97 GiB | 4.449e13 |
+| moe | MaxText | flash; megablox | 5.00 GiB | 14.01 GiB | 0.07 GiB | 19.07 GiB | 4.532e13 |
+| long | ours | chunked, all_gather | 4.79 GiB | 4.60 GiB | 0.04 GiB | 9.43 GiB | 9.224e12 |
+| long | MaxText | flash, all_gather | 1.20 GiB | 2.88 GiB | 0.04 GiB | 4.12 GiB | 6.089e12 |
+
+Both sides count 7,149,946,880 params for moe and 1,713,735,680 for long. Ours' kernels, as
+the step compiled them: splash, "ragged all-to-all over expert=4" (moe) and "chunked per
+device, all_gather over sequence=4" (long: what main runs under the sequence axis today).
+
+moe: ours / MaxText 0.942x (-1.10 GiB). Both peak in an MoE layer's backward with the same
+worst-case dropless buffers, 131,072 rows (every token of the 4 devices of an expert group, 2
+choices each) by 5632 bfloat16 three times (1.38 GiB each) and by 2048 (0.5 GiB each), beside
+the logits' gradient (1.54 GiB) and the layers' inputs (1.5 GiB); at its peak MaxText holds
+six [131072, 2048]-sized permutation buffers (its sort_activations gathers, custom calls and a
+gmm output, 0.5 GiB each) where ours holds four.
+
+long: ours / MaxText 2.290x (+5.31 GiB), target not met. The difference, from the dumps:
+- arguments, 3.59 GiB: MaxText shards weights and optimizer state over its context axis as
+  well as fsdp (16 ways); ours shards them over fsdp (and expert) only, 4 ways here, so params
+  and AdamW moments take 4x the bytes per chip;
+- temporaries, 1.72 GiB: the same 4x on the float32 gradient accumulators of the scanned
+  weights (1.15 GiB against 0.29 GiB at the peak) and the bfloat16 casts of the stacked weights
+  (0.56 GiB against 0.14 GiB); and in each layer's attention backward the all_gather's
+  transpose gathers dK / dV over fsdp before the reduce-scatter over sequence,
+  bf16[4, 32768, 16, 128] twice (1 GiB) where one row per device (0.25 GiB) would do: our
+  shard_map is manual over `sequence` only, and XLA's partitioner makes the batch-split
+  gradient whole there. MaxText peaks at the loss instead (the logits' gradient and its copy,
+  0.77 GiB each, and the layers' inputs, 0.75 GiB, which ours holds too).
+Mapping `embed` to ("fsdp", "expert", "sequence") in transformer/sharding.py (params split over
+the sequence axis as MaxText splits them over context; not applied here: it changes what the
+axis means, see docs/scaling-out.md) compiles ours to 1.20 GiB + 3.34 GiB = 4.58 GiB (1.112x
+MaxText; FLOPs 5.684e12), the rest being the dK / dV gather above. Ours' XLA FLOPs, 1.515x
+MaxText's as main stands, are 0.933x with that split: the excess goes with the params' layout,
+not with the attention kernel.
 """
 
 from __future__ import annotations
@@ -68,6 +126,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from absl import app, flags
 
@@ -80,19 +139,93 @@ VERSION_KEYS = ("jax", "jaxlib", "libtpu")
 # --- one side, in its own process ------------------------------------------------------------
 
 
-def maxtext_overrides(topology: str, attention: str) -> list[str]:
-    """MaxText `key=value` overrides for the Llama-style 1.71B (decoder_block llama2: RMSNorm,
-    SwiGLU, RoPE, no biases) on `topology` with our `attention` path."""
-    chips = int(topology.rsplit("-", 1)[1]) // (2 if topology.startswith(("v4", "v5p")) else 1)
-    return [f"compile_topology={topology}", "compile_topology_num_slices=1",
-            "decoder_block=llama2", "base_emb_dim=2048", "base_num_query_heads=16",
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One model compiled on both sides: our experiment plus config overrides, and MaxText's
+    overrides for the same model, mesh split and global batch (both as functions of the chip
+    count)."""
+
+    experiment: str
+    attentions: tuple[str, ...]  # the attention paths compared (the first is the default)
+    ours: Callable[[int], dict]  # chips -> {dotted config key: value}
+    maxtext: Callable[[int], list[str]]  # chips -> MaxText key=value overrides (model, mesh)
+    doc: str
+
+
+def _llama_1b7(length: int, per_device_batch: float) -> list[str]:
+    """MaxText's llama2 decoder block (RMSNorm, SwiGLU, RoPE, no biases) at experiments/
+    llama_1b7.py's size."""
+    batch = int(per_device_batch) if per_device_batch == int(per_device_batch) \
+        else per_device_batch
+    return ["decoder_block=llama2", "base_emb_dim=2048", "base_num_query_heads=16",
             "base_num_kv_heads=16", "head_dim=128", "base_mlp_dim=8192",
             "base_num_decoder_layers=24", "vocab_size=50304", "logits_via_embedding=true",
-            f"per_device_batch_size={128 // chips}", "max_target_length=2048",
+            f"per_device_batch_size={batch}", f"max_target_length={length}"]
+
+
+def _mixtral_2b(chips: int) -> list[str]:
+    """MaxText's mixtral decoder block at experiments/mixtral_2b.py's shape: dropless
+    (capacity_factor -1) sparse matmuls (megablox) with expert parallelism 4."""
+    overrides = [o for o in _llama_1b7(2048, 128 / chips) if not o.startswith(
+        ("decoder_block=", "base_mlp_dim="))]
+    return [*overrides, "decoder_block=mixtral", "base_mlp_dim=5632", "base_moe_mlp_dim=5632",
+            "num_experts=8", "num_experts_per_tok=2", "sparse_matmul=true", "megablox=true",
+            "capacity_factor=-1", "load_balance_loss_weight=0.01", "ici_expert_parallelism=4"]
+
+
+LONG = 32_768  # the long-context shape's sequence length
+CONTEXT = 4  # and its context (our `sequence`) parallelism
+
+SHAPES = {
+    "dense": Shape(
+        "llama_1b7", ("splash", "dense"), lambda chips: {},
+        lambda chips: _llama_1b7(2048, 128 / chips),
+        "Llama-style 1.71B, batch 128 x 2048, fsdp over every chip"),
+    "moe": Shape(
+        "mixtral_2b", ("splash",), lambda chips: {"mesh.expert": 4, "mesh.fsdp": -1},
+        _mixtral_2b,
+        "Mixtral-style 8 experts top-2 (2.17B active of 7.15B), dropless, batch 128 x 2048, "
+        "expert=4 x fsdp"),
+    "long": Shape(
+        "llama_1b7", ("splash",),
+        lambda chips: {"seq_len": LONG, "model.max_len": LONG, "batch_size": chips // CONTEXT,
+                       "mesh.sequence": CONTEXT, "mesh.fsdp": -1},
+        lambda chips: [*_llama_1b7(LONG, CONTEXT / chips), f"ici_context_parallelism={CONTEXT}",
+                       "context_parallel_strategy=all_gather"],
+        f"Llama-style 1.71B at {LONG:,} tokens, batch chips/{CONTEXT}, context (our "
+        f"`sequence`) {CONTEXT} x fsdp"),
+}
+
+
+def chip_count(topology: str) -> int:
+    """Chips of a slice name: v4 and v5p count TensorCores (two a chip)."""
+    return int(topology.rsplit("-", 1)[1]) // (2 if topology.startswith(("v4", "v5p")) else 1)
+
+
+def maxtext_overrides(topology: str, attention: str, shape: str = "dense") -> list[str]:
+    """MaxText `key=value` overrides for `shape` on `topology` with our `attention` path."""
+    return [f"compile_topology={topology}", "compile_topology_num_slices=1",
+            *SHAPES[shape].maxtext(chip_count(topology)),
             f"attention={ATTENTIONS[attention]}", "remat_policy=full", "scan_layers=true",
             "dtype=bfloat16", "weight_dtype=float32", "ici_fsdp_parallelism=-1",
             "dataset_type=synthetic", "enable_checkpointing=false", "run_name=aot_vs_maxtext",
             f"base_output_directory={tempfile.gettempdir()}/aot_vs_maxtext"]
+
+
+def ours_config(topology: str, attention: str, shape: str = "dense"):
+    """Our config for `shape`: the experiment with the shape's overrides and `attention`."""
+    sys.path.insert(0, ROOT)
+    from transformer import configs
+
+    config = configs.experiment(SHAPES[shape].experiment)
+    for key, value in SHAPES[shape].ours(chip_count(topology)).items():
+        *groups, name = key.split(".")
+        target = config
+        for group in groups:
+            target = target[group]
+        target[name] = value
+    config.model.attention_impl = attention
+    return config
 
 
 def _versions() -> dict[str, str]:
@@ -120,27 +253,32 @@ def _memory(compiled) -> dict[str, int]:
             "output_bytes": stats.output_size_in_bytes,
             "alias_bytes": stats.alias_size_in_bytes,
             "temp_bytes": stats.temp_size_in_bytes,
-            "code_bytes": stats.generated_code_size_in_bytes}
+            "code_bytes": stats.generated_code_size_in_bytes, "flops": _flops(compiled)}
 
 
-def compile_ours(topology: str, attention: str) -> dict:
-    sys.path.insert(0, ROOT)
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+def _flops(compiled) -> float:
+    """XLA's cost analysis of the step (a scanned stack's loop body counted once, on both
+    sides alike)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float((cost or {}).get("flops", 0.0))
+
+
+def compile_ours(topology: str, attention: str, shape: str) -> dict:
+    config = ours_config(topology, attention, shape)
     from launch import accelerators, aot
-    from transformer import configs
 
-    config = configs.experiment("llama_1b7")
-    config.model.attention_impl = attention
     accelerator = accelerators.parse(topology)
     # aot._compile, not compile_train_step: the same compile without its FLOP extrapolation.
     compiled, report = aot._compile(config, aot.tpu_topology(accelerator), accelerator)
-    result = {"num_params": report.num_params, "error": report.error}
+    result = {"num_params": report.num_params, "error": report.error,
+              "kernels": [*report.attention, *report.moe_dispatch]}
     if compiled is not None:
         result.update(_memory(compiled))
     return result
 
 
-def compile_maxtext(topology: str, attention: str) -> dict:
+def compile_maxtext(topology: str, attention: str, shape: str) -> dict:
     import jax
     import maxtext.utils.globals as maxtext_globals
     from flax import nnx
@@ -156,7 +294,7 @@ def compile_maxtext(topology: str, attention: str) -> dict:
 
     train_compile.jit_and_compile = capture
     argv = ["train_compile", os.path.join(maxtext_globals.MAXTEXT_CONFIGS_DIR, "base.yml"),
-            *maxtext_overrides(topology, attention)]
+            *maxtext_overrides(topology, attention, shape)]
     try:
         train_compile.main(argv)
     except Exception as error:  # noqa: BLE001 - report XLA's refusal (e.g. out of HBM) as ours
@@ -170,10 +308,13 @@ def compile_maxtext(topology: str, attention: str) -> dict:
     return result
 
 
-def run_side(side: str, topology: str, attention: str) -> None:
+def run_side(side: str, topology: str, attention: str, shape: str) -> None:
+    # Compiling needs no TPU: don't take libtpu's single-process lock, which another compile
+    # on this host may hold (MaxText's side would fail on it).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     start = time.time()
-    result = (compile_ours if side == "ours" else compile_maxtext)(topology, attention)
-    result.update(side=side, attention=attention, topology=topology,
+    result = (compile_ours if side == "ours" else compile_maxtext)(topology, attention, shape)
+    result.update(side=side, shape=shape, attention=attention, topology=topology,
                   seconds=round(time.time() - start, 1), versions=_versions())
     print(MARKER + json.dumps(result, sort_keys=True), flush=True)
 
@@ -208,35 +349,46 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _key(result: dict) -> tuple[str, str]:
+    return result.get("shape", "dense"), result["attention"]
+
+
 def format_table(results: list[dict]) -> str:
-    """Markdown table of every result (ours and MaxText per attention path), then ours/MaxText
-    per path."""
+    """Markdown table of every result (ours and MaxText per shape and attention path), then
+    ours/MaxText per shape and path."""
     label = {"ours": "ours", "maxtext": "MaxText"}
-    lines = ["| side | attention | params | arguments | outputs not aliased | temporaries | "
-             "program | total per chip |", "|" + " --- |" * 8]
+    lines = ["| shape | side | attention | params | arguments | outputs not aliased | "
+             "temporaries | program | total per chip | XLA FLOPs per chip |", "|" + " --- |" * 10]
     for r in results:
-        attention = r["attention"] if r["side"] == "ours" else \
-            f"{ATTENTIONS[r['attention']]} ({r['attention']})"
+        shape, attention = _key(r)
+        if r["side"] == "maxtext":
+            attention = f"{ATTENTIONS[attention]} ({attention})"
+        elif r.get("kernels"):
+            attention = "; ".join(r["kernels"])
         if r.get("error"):
-            lines.append(f"| {label[r['side']]} | {attention} | {r['num_params']:,} | "
-                         f"does not compile: {r['error']} |||||")
+            lines.append(f"| {shape} | {label[r['side']]} | {attention} | {r['num_params']:,} | "
+                         f"does not compile: {r['error']} ||||||")
             continue
+        flops = f"{r['flops']:.3e}" if r.get("flops") else "-"
         lines.append(
-            f"| {label[r['side']]} | {attention} | {r['num_params']:,} | "
+            f"| {shape} | {label[r['side']]} | {attention} | {r['num_params']:,} | "
             f"{_gib(r['argument_bytes'])} | {_gib(r['output_bytes'] - r['alias_bytes'])} | "
-            f"{_gib(r['temp_bytes'])} | {_gib(r['code_bytes'])} | {_gib(total_bytes(r))} |")
+            f"{_gib(r['temp_bytes'])} | {_gib(r['code_bytes'])} | {_gib(total_bytes(r))} | "
+            f"{flops} |")
     lines.append("")
-    for attention in dict.fromkeys(r["attention"] for r in results):
-        pair = {r["side"]: r for r in results if r["attention"] == attention}
+    for shape, attention in dict.fromkeys(_key(r) for r in results):
+        pair = {r["side"]: r for r in results if _key(r) == (shape, attention)}
         if set(pair) != {"ours", "maxtext"} or any(r.get("error") for r in pair.values()):
             continue
         ours, theirs = pair["ours"], pair["maxtext"]
         ratio = total_bytes(ours) / total_bytes(theirs)
         diff = total_bytes(ours) - total_bytes(theirs)
-        lines.append(f"{attention}: ours / MaxText total {ratio:.3f}x "
+        flops = (f", XLA FLOPs {ours['flops'] / theirs['flops']:.3f}x"
+                 if ours.get("flops") and theirs.get("flops") else "")
+        lines.append(f"{shape} / {attention}: ours / MaxText total {ratio:.3f}x "
                      f"({'+' if diff >= 0 else '-'}{_gib(abs(diff))}), temporaries "
-                     f"{ours['temp_bytes'] / theirs['temp_bytes']:.3f}x; target ours <= MaxText: "
-                     f"{'met' if ratio <= 1 else 'not met'}")
+                     f"{ours['temp_bytes'] / theirs['temp_bytes']:.3f}x{flops}; target ours <= "
+                     f"MaxText: {'met' if ratio <= 1 else 'not met'}")
     return "\n".join(lines)
 
 
@@ -393,16 +545,25 @@ def dump_files(directory: str) -> dict[str, str]:
 # --- the driver ------------------------------------------------------------------------------
 
 
-def _run(python: str, side: str, attention: str, log_dir: str, dump_dir: str) -> dict:
+def _run(python: str, side: str, shape: str, attention: str, log_dir: str,
+         dump_dir: str) -> dict:
     env = dict(os.environ)
+    name = f"{side}-{shape}-{attention}"
     if dump_dir:
-        target = os.path.join(dump_dir, f"{side}-{attention}")
+        target = os.path.join(dump_dir, name)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={target} "
                             "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*")
     command = [python, os.path.abspath(__file__), f"--side={side}",
-               f"--topology={flags.FLAGS.topology}", f"--attention={attention}"]
-    log = os.path.join(log_dir, f"{side}-{attention}.log")
-    print(f"compiling {side} / {attention} ({log}) ...", flush=True)
+               f"--topology={flags.FLAGS.topology}", f"--shape={shape}",
+               f"--attention={attention}"]
+    log = os.path.join(log_dir, f"{name}.log")
+    if flags.FLAGS.reuse and os.path.exists(log):
+        with open(log) as f:
+            output = f.read()
+        if MARKER in output:
+            print(f"{side} / {shape} / {attention}: the result in {log}", flush=True)
+            return parse_result(output)
+    print(f"compiling {side} / {shape} / {attention} ({log}) ...", flush=True)
     with open(log, "w") as out:
         subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                        check=False)
@@ -412,43 +573,56 @@ def _run(python: str, side: str, attention: str, log_dir: str, dump_dir: str) ->
     return result
 
 
+def plan(shapes: list[str], attentions: list[str]) -> list[tuple[str, str]]:
+    """The (shape, attention) pairs to compile: each shape's paths, only those in
+    `attentions` if given (a shape with none of them left out); a one-line error for a name
+    that is not a shape or path."""
+    unknown = [s for s in shapes if s not in SHAPES] + [a for a in attentions
+                                                        if a not in ATTENTIONS]
+    if unknown:
+        raise app.UsageError(f"{', '.join(unknown)}: expected shapes from {', '.join(SHAPES)}"
+                             f" and attentions from {', '.join(ATTENTIONS)}")
+    return [(shape, attention) for shape in shapes for attention in SHAPES[shape].attentions
+            if not attentions or attention in attentions]
+
+
 def main(argv) -> None:
     del argv
     FLAGS = flags.FLAGS
     if FLAGS.side:
-        run_side(FLAGS.side, FLAGS.topology, FLAGS.attention[0])
+        run_side(FLAGS.side, FLAGS.topology, FLAGS.attention[0], FLAGS.shape[0])
         return
     if not FLAGS.maxtext_python:
         raise app.UsageError("--maxtext_python is required (see the module docstring)")
-    unknown = [a for a in FLAGS.attention if a not in ATTENTIONS]
-    if unknown:
-        raise app.UsageError(f"--attention={','.join(unknown)}: expected {', '.join(ATTENTIONS)}")
+    runs = plan(FLAGS.shape, FLAGS.attention)
     log_dir = FLAGS.output_dir or tempfile.mkdtemp(prefix="aot_vs_maxtext_")
     os.makedirs(log_dir, exist_ok=True)
     results = []
-    for attention in FLAGS.attention:
+    for shape, attention in runs:
         for side, python in (("ours", FLAGS.ours_python), ("maxtext", FLAGS.maxtext_python)):
-            results.append(_run(python, side, attention, log_dir, FLAGS.dump_dir))
+            results.append(_run(python, side, shape, attention, log_dir, FLAGS.dump_dir))
     for r in results:
         v = r["versions"]
-        print(f"{r['side']:>8} / {r['attention']}: jax {v['jax']}, jaxlib {v['jaxlib']}, "
-              f"libtpu {v['libtpu']}, flax {v['flax']}, python {v['python']}"
+        print(f"{r['side']:>8} / {r['shape']} / {r['attention']}: jax {v['jax']}, jaxlib "
+              f"{v['jaxlib']}, libtpu {v['libtpu']}, flax {v['flax']}, python {v['python']}"
               + (f", maxtext {v['maxtext']}" if r["side"] == "maxtext" else ""))
     mismatch = version_mismatch(results)
     if mismatch:
         sys.exit(f"not comparable: the sides ran different versions ({mismatch})")
     print(f"\nper chip on {FLAGS.topology}:\n")
-    print(format_table(results))
+    for shape in dict.fromkeys(shape for shape, _ in runs):
+        print(f"  {shape}: {SHAPES[shape].doc}")
+    print("\n" + format_table(results))
     if FLAGS.dump_dir:
         for r in results:
-            files = dump_files(os.path.join(FLAGS.dump_dir, f"{r['side']}-{r['attention']}"))
+            name = f"{r['side']}-{r['shape']}-{r['attention']}"
+            files = dump_files(os.path.join(FLAGS.dump_dir, name))
             if len(files) < 3:
-                print(f"\n{r['side']} / {r['attention']}: no buffer assignment in the dump")
+                print(f"\n{name}: no buffer assignment in the dump")
                 continue
             text = {key: open(path).read() for key, path in files.items()}
             peak = peak_buffers(text["buffer_assignment"], text["live_range"], text["hlo"])
-            print(f"\n{r['side']} / {r['attention']}: "
-                  + format_peak(peak, FLAGS.top_buffers, text["hlo"]))
+            print(f"\n{name}: " + format_peak(peak, FLAGS.top_buffers, text["hlo"]))
 
 
 def _define_flags() -> None:
@@ -457,12 +631,15 @@ def _define_flags() -> None:
     flags.DEFINE_string("ours_python", sys.executable,
                         "Python with this project and MaxText's jax, jaxlib and libtpu.")
     flags.DEFINE_string("topology", "v5p-32", "TPU slice to compile for.")
-    flags.DEFINE_list("attention", ["splash", "dense"],
-                      f"Attention paths: {', '.join(ATTENTIONS)}.")
+    flags.DEFINE_list("shape", list(SHAPES), f"Shapes to compare: {', '.join(SHAPES)}.")
+    flags.DEFINE_list("attention", [], f"Attention paths ({', '.join(ATTENTIONS)}); default: "
+                      "each shape's (dense: both; moe and long: splash).")
     flags.DEFINE_string("dump_dir", "", "Dump XLA's buffer assignment here and list the top "
                         "buffers at the temporaries' peak.")
     flags.DEFINE_integer("top_buffers", 12, "Buffers listed per compile with --dump_dir.")
     flags.DEFINE_string("output_dir", "", "Keep each compile's log here (default: a temp dir).")
+    flags.DEFINE_bool("reuse", False, "Take a compile's result from its log in --output_dir "
+                      "where one is there (compile the rest).")
     flags.DEFINE_enum("side", None, ["ours", "maxtext"], "Internal: compile one side in this "
                       "process and print its result line.")
 

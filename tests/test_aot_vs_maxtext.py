@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from transformer import configs
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("aot_vs_maxtext",
                                                REPO / "benchmarks" / "aot_vs_maxtext.py")
@@ -21,7 +23,8 @@ VERSIONS = {"jax": "0.12.0.1", "jaxlib": "0.12.0.1", "libtpu": "0.0.52", "flax":
 
 
 def result(side, attention, temp_gib, **changes):
-    r = {"side": side, "attention": attention, "topology": "v5p-32", "num_params": 1_713_735_680,
+    r = {"side": side, "shape": "dense", "attention": attention, "topology": "v5p-32",
+         "num_params": 1_713_735_680, "flops": 1.0e14,
          "error": "", "argument_bytes": int(1.2 * GIB), "output_bytes": int(1.2 * GIB),
          "alias_bytes": int(1.2 * GIB), "temp_bytes": int(temp_gib * GIB),
          "code_bytes": 40 * 2**20, "seconds": 100.0, "versions": dict(VERSIONS)}
@@ -59,25 +62,42 @@ def test_versions_must_match_on_every_side():
     assert "jax: (none) vs 0.12.0.1" in bench.version_mismatch(same + [other])
 
 
-def test_table_has_a_row_per_compile_and_the_ratio_per_attention():
-    table = bench.format_table([result("ours", "splash", 6.63), result("maxtext", "splash", 5.20),
-                                result("ours", "dense", 6.0), result("maxtext", "dense", 6.70)])
+def test_table_has_a_row_per_compile_and_the_ratio_per_shape_and_attention():
+    table = bench.format_table([
+        result("ours", "splash", 6.63, kernels=["splash"]), result("maxtext", "splash", 5.20),
+        result("ours", "dense", 6.0), result("maxtext", "dense", 6.70, flops=2.0e14),
+        result("ours", "splash", 3.0, shape="moe", flops=3.0e14),
+        result("maxtext", "splash", 3.5, shape="moe", flops=2.0e14)])
     rows = table.splitlines()
-    assert rows[0].startswith("| side | attention | params |")
-    assert rows[2] == ("| ours | splash | 1,713,735,680 | 1.20 GiB | 0.00 GiB | 6.63 GiB | "
-                       "0.04 GiB | 7.87 GiB |")
-    assert rows[3].startswith("| MaxText | flash (splash) |")
-    assert rows[5].startswith("| MaxText | dot_product (dense) |")
-    assert "splash: ours / MaxText total 1.222x (+1.43 GiB), temporaries 1.275x; " \
-           "target ours <= MaxText: not met" in table
-    assert "dense: ours / MaxText total 0.912x (-0.70 GiB)" in table
-    assert "target ours <= MaxText: met" in table
+    assert rows[0].startswith("| shape | side | attention | params |")
+    assert rows[2] == ("| dense | ours | splash | 1,713,735,680 | 1.20 GiB | 0.00 GiB | "
+                       "6.63 GiB | 0.04 GiB | 7.87 GiB | 1.000e+14 |")
+    assert rows[3].startswith("| dense | MaxText | flash (splash) |")
+    assert rows[5].startswith("| dense | MaxText | dot_product (dense) |")
+    assert rows[6].startswith("| moe | ours | splash |")
+    assert "dense / splash: ours / MaxText total 1.222x (+1.43 GiB), temporaries 1.275x, " \
+           "XLA FLOPs 1.000x; target ours <= MaxText: not met" in table
+    assert "dense / dense: ours / MaxText total 0.912x (-0.70 GiB), temporaries 0.896x, " \
+           "XLA FLOPs 0.500x; target ours <= MaxText: met" in table
+    assert "moe / splash: ours / MaxText total 0.894x (-0.50 GiB), temporaries 0.857x, " \
+           "XLA FLOPs 1.500x; target ours <= MaxText: met" in table
+
+
+def test_table_reads_results_from_before_shapes_as_the_dense_shape():
+    old = [result("ours", "splash", 6.0), result("maxtext", "splash", 6.0)]
+    for r in old:
+        del r["shape"], r["flops"]
+    table = bench.format_table(old)
+    assert "| dense | ours | splash |" in table and " | - |" in table
+    assert "dense / splash: ours / MaxText total 1.000x (+0.00 GiB), temporaries 1.000x; " \
+           "target" in table
 
 
 def test_table_reports_a_side_that_does_not_compile_and_skips_its_ratio():
     table = bench.format_table([result("ours", "dense", 0, error="RESOURCE_EXHAUSTED: HBM"),
                                 result("maxtext", "dense", 6.7)])
-    assert "does not compile: RESOURCE_EXHAUSTED: HBM" in table
+    assert "| dense | ours | dense | 1,713,735,680 | does not compile: RESOURCE_EXHAUSTED: HBM" \
+        in table
     assert "ours / MaxText" not in table
 
 
@@ -90,6 +110,51 @@ def test_maxtext_overrides_describe_the_same_model_and_batch():
     assert overrides["remat_policy"] == "full" and overrides["logits_via_embedding"] == "true"
     assert dict(o.split("=", 1) for o in bench.maxtext_overrides("v6e-16", "splash"))[
         "per_device_batch_size"] == "8"
+    assert len(overrides) == len(bench.maxtext_overrides("v5p-32", "dense"))  # no key twice
+
+
+def test_the_moe_shape_is_the_same_model_and_mesh_on_both_sides():
+    overrides = dict(o.split("=", 1) for o in bench.maxtext_overrides("v5p-32", "splash", "moe"))
+    config = bench.ours_config("v5p-32", "splash", "moe")
+    moe = config.model.moe
+    assert (overrides["decoder_block"], overrides["attention"]) == ("mixtral", "flash")
+    assert (int(overrides["num_experts"]), int(overrides["num_experts_per_tok"])) == \
+        (moe.num_experts, moe.top_k) == (8, 2)
+    assert int(overrides["base_moe_mlp_dim"]) == int(overrides["base_mlp_dim"]) == \
+        config.model.d_ff
+    assert moe.every_n_layers == 1 and moe.normalize_gates
+    # dropless on both sides: MaxText's capacity_factor -1, ours 0 (ragged, no slots)
+    assert float(overrides["capacity_factor"]) == -1 and moe.capacity_factor == 0
+    assert overrides["sparse_matmul"] == overrides["megablox"] == "true"
+    assert int(overrides["ici_expert_parallelism"]) == config.mesh.expert == 4
+    assert overrides["ici_fsdp_parallelism"] == "-1" and config.mesh.fsdp == -1
+    assert configs.experiment("mixtral_2b").mesh.expert == 1  # validates on one device
+    assert int(overrides["per_device_batch_size"]) * 16 == config.batch_size == 128
+    assert int(overrides["max_target_length"]) == config.seq_len == 2048
+    assert float(overrides["load_balance_loss_weight"]) == moe.load_balance_loss
+    assert int(overrides["base_num_decoder_layers"]) == config.model.num_layers
+    assert int(overrides["base_emb_dim"]) == config.model.d_model
+
+
+def test_the_long_shape_splits_the_length_over_context_on_both_sides():
+    overrides = dict(o.split("=", 1) for o in bench.maxtext_overrides("v5p-32", "splash", "long"))
+    config = bench.ours_config("v5p-32", "splash", "long")
+    assert int(overrides["max_target_length"]) == config.seq_len == config.model.max_len == 32768
+    assert int(overrides["ici_context_parallelism"]) == config.mesh.sequence == 4
+    assert overrides["context_parallel_strategy"] == config.model.sequence_parallel == "all_gather"
+    # batch = chips / context on both sides: 16 chips x 0.25 rows = 4 rows
+    assert float(overrides["per_device_batch_size"]) * 16 == config.batch_size == 4
+    assert (config.mesh.fsdp, config.model.attention_impl) == (-1, "splash")
+    assert bench.ours_config("v5p-32", "dense", "dense").seq_len == 2048  # dense kept as it was
+
+
+def test_plan_compiles_each_shapes_paths_and_refuses_unknown_names():
+    assert bench.plan(list(bench.SHAPES), []) == [
+        ("dense", "splash"), ("dense", "dense"), ("moe", "splash"), ("long", "splash")]
+    assert bench.plan(["dense", "long"], ["dense"]) == [("dense", "dense")]
+    with pytest.raises(bench.app.UsageError, match="^mixtral, flash: expected shapes from "
+                       "dense, moe, long and attentions from splash, dense$"):
+        bench.plan(["mixtral"], ["flash"])
 
 
 BUFFER_ASSIGNMENT = """\
