@@ -28,7 +28,7 @@ import numpy as np
 from flax import traverse_util
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import convert, fileio, sharding
+from transformer import convert, fileio, finetune, sharding
 from transformer.layers import unstack_layers
 
 _GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -475,7 +475,7 @@ def export_workdir(workdir: str, output: str, step: int | None = None) -> dict:
     one_device = sharding.make_mesh({axis: 1 for axis in sharding.MESH_AXES},
                                     devices=jax.local_devices()[:1])
     # A training beside it may delete the newest step meanwhile: then the next one is read.
-    step, _, params = checkpoint_lib.restore_params(workdir, step, one_device, or_newer=newest)
+    step, _, params = finetune.restore_params(workdir, step, one_device, or_newer=newest)
     hf_config, state = to_hf(config.model, params)
     for role in ("bos", "eos", "pad"):
         value = getattr(tokenizer, f"{role}_id", None)

@@ -94,6 +94,11 @@ def trainable(params) -> tuple[dict, dict]:
     return adapters, {k: v for k, v in flat.items() if k not in adapters}
 
 
+def adapters_only(params):
+    """The params tree of the adapters alone (what a LoRA checkpoint holds)."""
+    return traverse_util.unflatten_dict(trainable(params)[0])
+
+
 def merge(adapters: dict, rest: dict):
     """The params tree of `trainable`'s two halves."""
     return traverse_util.unflatten_dict({**rest, **adapters})
@@ -143,6 +148,23 @@ def quantize_base(boxed, lora: LoraConfig):
         out[key] = dataclasses.replace(q, qvalue=box.replace_boxed(q.qvalue),
                                        scale=box.replace_boxed(q.scale))
     return traverse_util.unflatten_dict(out)
+
+
+def is_quantized(x) -> bool:
+    return _is_qarray(x)
+
+
+def quantize_like(value, like, sharding):
+    """`value` (a float kernel) quantized as the QArray `like` is (its qtype, its scales' axes
+    and dtype), laid out by `sharding` (a QArray of shardings)."""
+    import qwix
+
+    channelwise = [i for i, (q, s) in enumerate(zip(like.qvalue.shape, like.scale.shape,
+                                                            strict=True))
+                   if q == s]
+    fn = lambda v: qwix.quantize(jnp.asarray(v, jnp.float32), like.qtype,
+                                 channelwise_axes=channelwise, scale_dtype=like.scale.dtype)
+    return jax.jit(fn, out_shardings=sharding)(value)
 
 
 def _is_box(*args) -> bool:
@@ -207,3 +229,29 @@ def _delta(a, b, shape):
     if a.ndim + b.ndim - 2 > len(shape):
         return jax.vmap(lambda x, y: _delta(x, y, shape[1:]))(a32, b32)
     return jnp.tensordot(a32, b32, axes=1).reshape(shape)
+
+
+def device_bytes(tree) -> int:
+    """The bytes of `tree`'s arrays on one device (the first's shards), measured."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and leaf.ndim:
+            device = leaf.addressable_shards[0].device
+            total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+        elif hasattr(leaf, "nbytes"):
+            total += leaf.nbytes
+    return total
+
+
+def summary(config, state) -> str:
+    """The line a LoRA run starts with: its params, total and trainable, and the bytes of its
+    optimizer state and params on one device, measured from the arrays."""
+    from transformer.sharding import format_bytes
+
+    total, adapters = counts(state.params)
+    group = config.model.lora
+    base = f", base {group.base_quantization}" if group.base_quantization else ""
+    return (f"lora: rank {group.rank}{base}, {total:,} params, {adapters:,} trainable "
+            f"({100 * adapters / total:.2f}%); per device: optimizer state "
+            f"{format_bytes(device_bytes(state.opt_state))}, params "
+            f"{format_bytes(device_bytes(state.params))}")
