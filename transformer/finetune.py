@@ -172,7 +172,8 @@ def match(source: dict[str, tuple], target: dict[str, tuple], name: str) -> Load
                              "architecture (model.* keys) as the source")
     report = LoadReport(name, loaded, sorted(set(target) - set(source)),
                         sorted(set(source) - set(target)))
-    in_stack = [k for k in report.dropped + report.new if re.search(r"(^|/)layers", k)]
+    in_stack = [k for k in report.dropped + report.new if re.search(r"(^|/)layers", k) and
+                not lora.is_adapter(k)]  # LoRA's adapters are new in every layer
     if in_stack or not loaded:
         raise ValueError(f"init_from {name}: " + (
             f"layer params {in_stack[:4]} are in only one of the source and this model: "

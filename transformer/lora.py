@@ -203,7 +203,7 @@ def counts(abstract_params) -> tuple[int, int]:
 def merged_params(params, lora: LoraConfig):
     """The params with every adapter folded into its kernel, W + (alpha / rank) A B (QLoRA
     kernels dequantized), and the adapters removed: a plain model's params (export)."""
-    flat = traverse_util.flatten_dict(dict(params), is_leaf=lambda x: _is_qarray(x))
+    flat = traverse_util.flatten_dict(dict(params))
     out = {}
     for key, value in flat.items():
         if is_adapter(key[-1]):
