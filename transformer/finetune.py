@@ -66,7 +66,13 @@ class LoadReport:
 
 
 def _flat(tree) -> dict[str, object]:
-    return {"/".join(k): v for k, v in traverse_util.flatten_dict(dict(tree)).items()}
+    """{"/"-joined name: param}; a QLoRA kernel ({"qvalue", "scale"}) is one param."""
+    return {"/".join(k): v for k, v in traverse_util.flatten_dict(
+        dict(tree), is_leaf=lambda _, x: lora.is_quantized(x)).items()}
+
+
+def _shape(param) -> tuple:
+    return tuple((param["qvalue"] if lora.is_quantized(param) else param).shape)
 
 
 def _hf_convert(directory: str, scan: bool = False):
@@ -192,16 +198,17 @@ def load_params(init_from: str, params, shardings) -> tuple[object, LoadReport]:
         scanned = any(re.search(r"(^|/)layers/", k) for k in target)  # scan_layers=True
         source = _hf_params(path, scanned)
         report = match({k: np.shape(v) for k, v in source.items()},
-                       {k: v.shape for k, v in target.items()}, init_from)
+                       {k: _shape(v) for k, v in target.items()}, init_from)
         values = {k: _as_target(np.asarray(source[k]), target[k], target_shardings[k])
                   for k in report.loaded}
     else:
         step, metadata = checkpoint_lib.params_metadata(path, step)
         report = match({k: m.shape for k, m in metadata.items()},
-                       {k: v.shape for k, v in target.items()}, f"{path}@{step}")
+                       {k: _shape(v) for k, v in target.items()}, f"{path}@{step}")
         wanted = {tuple(k.split("/")): jax.ShapeDtypeStruct(
             metadata[k].shape, metadata[k].dtype,
-            sharding=getattr(target_shardings[k], "qvalue", target_shardings[k]))
+            sharding=target_shardings[k]["qvalue"] if lora.is_quantized(target_shardings[k])
+            else target_shardings[k])
             for k in report.loaded}
         restored = checkpoint_lib.read_params(path, step, traverse_util.unflatten_dict(wanted))
         values = {k: _as_target(v, target[k], target_shardings[k])

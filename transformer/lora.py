@@ -11,8 +11,9 @@ Only the adapters train: the optimizer has no state for the rest (`transformer.o
 train step differentiates only the adapters (`trainable`). A run's checkpoints hold the
 adapters and name their base (init_from and `fingerprint`), read again on resume
 (`transformer.checkpoint`). QLoRA (`model.lora.base_quantization="int8"`) stores the frozen
-targeted kernels as Qwix QArrays (int8 values, a float scale per output channel) and
-dequantizes them on the fly (`quantize_base`, `project`).
+targeted kernels quantized by Qwix (`qwix.quantize`: int8 values, a float scale per output
+channel), kept as plain {"qvalue", "scale"} params, and dequantizes them on the fly
+(`qwix.dequantize`, in `project`).
 """
 
 from __future__ import annotations
@@ -56,18 +57,33 @@ def is_adapter(name: str) -> bool:
     return bool(ADAPTER.search(name))
 
 
+def is_quantized(x) -> bool:
+    """Whether a param is a QLoRA kernel: {"qvalue": ints, "scale": floats}."""
+    return isinstance(x, dict) and set(x) == {"qvalue", "scale"}
+
+
 def _dequantized(kernel):
     import qwix
 
-    return qwix.dequantize(kernel) if isinstance(kernel, qwix.QArray) else kernel
+    if not is_quantized(kernel):
+        return kernel
+    qtype = jnp.dtype(kernel["qvalue"].dtype).name
+    return qwix.dequantize(qwix.QArray(kernel["qvalue"], kernel["scale"], None, qtype))
+
+
+def _quantized(value, qtype: str, channelwise) -> dict:
+    import qwix
+
+    q = qwix.quantize(value, qtype, channelwise_axes=channelwise)
+    return {"qvalue": q.qvalue, "scale": q.scale}
 
 
 def project(module: nn.Module, name: str, x, kernel, names: tuple, contract: int,
             lora: LoraConfig, dtype, param_dtype, deterministic: bool, matmul):
     """x times the kernel param `name` (contracting its first `contract` dims; `names` its
     logical axes), plus `name`'s adapter if `lora` targets it: the one place a projection
-    (attention's q/k/v/out, the MLP's kernels) meets LoRA. A QLoRA base kernel (a QArray) is
-    dequantized first. `matmul`: transformer.attention's."""
+    (attention's q/k/v/out, the MLP's kernels) meets LoRA. A QLoRA base kernel
+    (`is_quantized`) is dequantized first. `matmul`: transformer.attention's."""
     kernel = _dequantized(kernel)
     y = matmul(x, kernel, contract, dtype=dtype)
     path = "/".join((*module.scope.path, name))
@@ -126,10 +142,9 @@ def frozen_regex(freeze: str) -> str:
 
 def quantize_base(boxed, lora: LoraConfig):
     """QLoRA: the boxed params tree (`nn.Partitioned` leaves, as the model's init returns
-    them) with each targeted kernel replaced by a Qwix QArray (scale per output channel; a
-    layer stack's axis is per-layer) whose values and scales keep the kernel's logical axes."""
-    import qwix
-
+    them) with each targeted kernel replaced by its Qwix quantization (a scale per output
+    channel; a layer stack's axis is per-layer), {"qvalue", "scale"}, both with the kernel's
+    logical axes."""
     if not lora.base_quantization:
         return boxed
     adapters = {k[:-1] + (k[-1][:-len("_lora_a")],)
@@ -143,27 +158,20 @@ def quantize_base(boxed, lora: LoraConfig):
             continue
         names = box.names
         reduced = _input_axes(key[-1], names)
-        q = qwix.quantize(box.value, lora.base_quantization,
-                          channelwise_axes=[i for i in range(len(names)) if i not in reduced])
-        out[key] = dataclasses.replace(q, qvalue=box.replace_boxed(q.qvalue),
-                                       scale=box.replace_boxed(q.scale))
+        q = _quantized(box.value, lora.base_quantization,
+                       [i for i in range(len(names)) if i not in reduced])
+        out[key] = {k: box.replace_boxed(v) for k, v in q.items()}
     return traverse_util.unflatten_dict(out)
 
 
-def is_quantized(x) -> bool:
-    return _is_qarray(x)
-
-
 def quantize_like(value, like, sharding):
-    """`value` (a float kernel) quantized as the QArray `like` is (its qtype, its scales' axes
-    and dtype), laid out by `sharding` (a QArray of shardings)."""
-    import qwix
-
-    channelwise = [i for i, (q, s) in enumerate(zip(like.qvalue.shape, like.scale.shape,
-                                                            strict=True))
+    """`value` (a float kernel) quantized as the QLoRA kernel `like` is (its int type, its
+    scales' axes), laid out by `sharding` (the kernel's {"qvalue", "scale"} shardings)."""
+    qvalue, scale = like["qvalue"], like["scale"]
+    channelwise = [i for i, (q, s) in enumerate(zip(qvalue.shape, scale.shape, strict=True))
                    if q == s]
-    fn = lambda v: qwix.quantize(jnp.asarray(v, jnp.float32), like.qtype,
-                                 channelwise_axes=channelwise, scale_dtype=like.scale.dtype)
+    qtype = jnp.dtype(qvalue.dtype).name
+    fn = lambda v: _quantized(jnp.asarray(v, scale.dtype), qtype, channelwise)
     return jax.jit(fn, out_shardings=sharding)(value)
 
 
@@ -191,19 +199,19 @@ def fingerprint(params) -> str:
     return digest.hexdigest()[:16]
 
 
-def counts(abstract_params) -> tuple[int, int]:
-    """(total params, trainable adapter params) of an abstract params tree; a QLoRA kernel
-    counts its values."""
-    adapters, rest = trainable(abstract_params)
-    size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
-    n = sum(int(np.prod(getattr(v, "qvalue", v).shape)) for v in rest.values())
-    return n + size(adapters), size(adapters)
+def counts(params) -> tuple[int, int]:
+    """(total params, trainable adapter params) of a params tree (arrays or abstract); a QLoRA
+    kernel counts its values (not its scales)."""
+    flat = traverse_util.flatten_dict(dict(params), is_leaf=lambda _, x: is_quantized(x))
+    size = lambda x: int(np.prod((x["qvalue"] if is_quantized(x) else x).shape))
+    return sum(map(size, flat.values())), \
+        sum(size(v) for k, v in flat.items() if is_adapter(k[-1]))
 
 
 def merged_params(params, lora: LoraConfig):
     """The params with every adapter folded into its kernel, W + (alpha / rank) A B (QLoRA
     kernels dequantized), and the adapters removed: a plain model's params (export)."""
-    flat = traverse_util.flatten_dict(dict(params))
+    flat = traverse_util.flatten_dict(dict(params), is_leaf=lambda _, x: is_quantized(x))
     out = {}
     for key, value in flat.items():
         if is_adapter(key[-1]):
@@ -215,12 +223,6 @@ def merged_params(params, lora: LoraConfig):
             kernel = kernel + lora.scale * _delta(a, b, kernel.shape).astype(kernel.dtype)
         out[key] = kernel
     return traverse_util.unflatten_dict(out)
-
-
-def _is_qarray(x) -> bool:
-    import qwix
-
-    return isinstance(x, qwix.QArray)
 
 
 def _delta(a, b, shape):
