@@ -185,9 +185,9 @@ MEANINGS: dict[str, str] = {
     "model.lora.targets": "Regex over the kernels' param paths (`decoder/layers_0/mlp/wi`) "
                           "that get adapters; default attention's q/k/v/out and the MLP's.",
     "model.lora.dropout": "Dropout on the adapters' input during training.",
-    "model.lora.base_quantization": "QLoRA: the frozen targeted kernels stored as Qwix int8 or "
-                                    "int4 (a scale per output channel), dequantized on the "
-                                    "fly; \"\": float.",
+    "model.lora.base_quantization": "QLoRA: the frozen targeted kernels stored as Qwix int8 (a "
+                                    "scale per output channel), dequantized on the fly; \"\": "
+                                    "float.",
     "model.moe.num_experts": "Experts per MoE layer; 0 keeps dense feed-forward layers.",
     "model.moe.top_k": "Experts per token.",
     "model.moe.every_n_layers": "Layer i (from 0) is MoE when (i + 1) % n == 0; n divides "
@@ -275,9 +275,9 @@ ALLOWED: dict[str, str] = {
     "model.lora.targets": "Regex over the kernels' param paths (`decoder/layers_0/mlp/wi`) "
                           "that get adapters; default attention's q/k/v/out and the MLP's.",
     "model.lora.dropout": "Dropout on the adapters' input during training.",
-    "model.lora.base_quantization": "QLoRA: the frozen targeted kernels stored as Qwix int8 or "
-                                    "int4 (a scale per output channel), dequantized on the "
-                                    "fly; \"\": float.",
+    "model.lora.base_quantization": "QLoRA: the frozen targeted kernels stored as Qwix int8 (a "
+                                    "scale per output channel), dequantized on the fly; \"\": "
+                                    "float.",
     "model.moe.num_experts": "an int >= 0 (0: dense)",
     "model.moe.top_k": "an int in [1, num_experts]",
     "model.moe.every_n_layers": "an int >= 1",

@@ -30,7 +30,7 @@ from flax import traverse_util
 
 DEFAULT_TARGETS = r"attention/(query|key|value|out)$|mlp/(wi|wi_gate|wi_up|wo)$"
 ADAPTER = re.compile(r"_lora_[ab]$")  # an adapter param's name
-BASE_QUANTIZATIONS = ("", "int8", "int4")
+BASE_QUANTIZATIONS = ("", "int8")  # (int4 params fail optax's p + 0 update: no promotion)
 AXIS = "lora"  # the rank axis's logical name (replicated: sharding.LOGICAL_AXIS_RULES)
 
 
@@ -40,7 +40,7 @@ class LoraConfig:
     alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
     targets: str = DEFAULT_TARGETS  # regex over kernel param paths
     dropout: float = 0.0  # on the adapters' input, during training
-    base_quantization: str = ""  # QLoRA: "int8" | "int4" (Qwix) frozen targeted kernels
+    base_quantization: str = ""  # QLoRA: "int8" (Qwix) frozen targeted kernels
 
     @property
     def scale(self) -> float:
