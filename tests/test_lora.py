@@ -287,14 +287,21 @@ def test_resume_reads_the_base_again_and_refuses_another_in_one_line(lora_run, t
                      logs=tmp_path / "resume")
     assert_succeeded(result)
     assert train_losses(copy)[3] == pytest.approx(train_losses(workdir)[3], rel=1e-5)
+    # The base directory now holds other weights (retrained, replaced): refused in one line.
     other = tiny_llama(tmp_path / "other", seed=1)
-    result = run_cli("transformer.train", *lora_flags(other, 4), f"--workdir={copy}",
-                     logs=tmp_path / "other_logs")
+    weights = base / "model.safetensors"
+    original = weights.read_bytes()
+    try:
+        shutil.copyfile(other / "model.safetensors", weights)
+        result = run_cli("transformer.train", *lora_flags(base, 4), f"--workdir={copy}",
+                         logs=tmp_path / "other_logs")
+    finally:
+        weights.write_bytes(original)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: LoRA checkpoint step 3: its adapters were trained on base "
-                           f"hf:{base}") and f"init_from=hf:{other} now holds other params" \
-        in last, last
+                           f"hf:{base} (fingerprint ") and \
+        f"init_from=hf:{base} now holds other params" in last, last
 
 
 @pytest.mark.slow
