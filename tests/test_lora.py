@@ -15,7 +15,7 @@ from transformer import lora, optim, sharding
 from transformer.configs import base_config, validate_config
 from transformer.layers import MLP, TransformerConfig
 from transformer.lora import LoraConfig
-from transformer.models import build_model
+from transformer.models import build_model, family_of
 from transformer.state import initial_state
 from transformer.step import make_train_step
 
@@ -140,6 +140,32 @@ def test_merged_params_give_the_adapted_models_logits(trained):
     assert np.abs(adapted - logits(plain, lora.merge({}, lora.trainable(params)[1]), ids)).max() \
         > 1e-2  # the adapters matter
     np.testing.assert_allclose(logits(plain, merged, ids), adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_a_scanned_stack_gets_stacked_adapters_and_merges_per_layer():
+    config = small_config(base_quantization="int8")
+    config.model.update(scan_layers=True, dropout_rate=0.0, attention_dropout_rate=0.0,
+                        lora=dict(config.model.lora.to_dict(), dropout=0.1))
+    model, optimizer, state = init(config)
+    params = flat(state.params)
+    assert params["decoder/layers/self_attention/query_lora_a"].shape == (2, 32, 4)
+    assert params["decoder/layers/self_attention/query/scale"].shape == (2, 1, 4, 8)
+    rng = np.random.RandomState(3)
+    params = traverse_util.unflatten_dict({
+        tuple(k.split("/")): rng.randn(*v.shape).astype(np.float32) * 0.1
+        if k.endswith("_lora_b") else v for k, v in params.items()})
+    plain_config = small_config(rank=0)
+    plain_config.model.scan_layers = True
+    merged = lora.merged_params(params, LoraConfig(rank=4, alpha=8.0))
+    ids = lm_batch(8)["inputs"]
+    np.testing.assert_allclose(logits(build_model(plain_config.model), merged, ids),
+                               logits(model, params, ids), rtol=1e-4, atol=1e-4)
+    # LoRA's dropout is on while training (config.model.dropout_rate is 0 here).
+    family = family_of(config)
+    losses = [float(family.loss_and_metrics(model, config, params, lm_batch(0),
+                                            jax.random.key(0), deterministic=d)[0])
+              for d in (True, False)]
+    assert np.isfinite(losses).all() and losses[0] != losses[1]
 
 
 def test_qlora_keeps_int8_kernels_and_its_forward_is_close_to_loras(trained):
