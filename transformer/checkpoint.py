@@ -50,7 +50,8 @@ _DELETED = "deleted"  # WORKDIR/checkpoints/deleted/<step>: old steps on their w
 # Model settings that may change between a checkpoint and the run restoring it.
 _NON_STRUCTURAL = {"dropout_rate", "attention_dropout_rate", "remat_policy", "dtype",
                    "attention_impl", "sequence_parallel", "sequence_load_balance",
-                   "moe.capacity_factor", "moe.load_balance_loss", "moe.router_z_loss"}
+                   "moe.capacity_factor", "moe.load_balance_loss", "moe.router_z_loss",
+                   "lora.dropout"}
 
 
 def _model_settings(config: dict) -> dict:
