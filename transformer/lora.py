@@ -129,9 +129,10 @@ def value_and_grad(loss_fn, params):
     return out, merge(grads, zero_grads(rest))
 
 
-def zero_grads(flat_rest: dict) -> dict:
+def zero_grads(tree):
+    """Zero gradients shaped as `tree`'s leaves (float32 for QLoRA's int8 values)."""
     return jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype if jnp.issubdtype(
-        p.dtype, jnp.floating) else jnp.float32), flat_rest)
+        p.dtype, jnp.floating) else jnp.float32), tree)
 
 
 def frozen_regex(freeze: str) -> str:
