@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import kernels
+from transformer import lora as lora_lib
 from transformer import positions as positions_lib
 from transformer import sequence_parallel as sequence_parallel_lib
 from transformer.chunked_attention import check_qkv, chunked_attention
@@ -421,6 +422,7 @@ class MultiHeadAttention(nn.Module):
     # the weights and requests for the weights use dense
     impl: str = "auto"
     sequence_parallel: str = "all_gather"  # under a `sequence` mesh axis: all_gather | ring
+    lora: Any = None  # transformer.lora.LoraConfig: adapters on the projections it targets
 
     @nn.compact
     def __call__(
@@ -441,13 +443,14 @@ class MultiHeadAttention(nn.Module):
         self_attention = inputs_kv is None and not self.cross
         inputs_kv = inputs_q if self_attention else inputs_kv
         query_BTNH = self._normed("query", self._project("query", inputs_q, self.num_heads,
-                                                         "heads"), "heads")
+                                                         "heads", deterministic), "heads")
         if reuse_kv:
             key_BSKH, value_BSKH = self._cached("cross_key"), self._cached("cross_value")
         else:
             key_BSKH = self._normed("key", self._project("key", inputs_kv, num_kv_heads,
-                                                         "kv_heads"), "kv_heads")
-            value_BSKH = self._project("value", inputs_kv, num_kv_heads, "kv_heads")
+                                                         "kv_heads", deterministic), "kv_heads")
+            value_BSKH = self._project("value", inputs_kv, num_kv_heads, "kv_heads",
+                                       deterministic)
         if self.rope_theta is not None:
             q_positions = _default_positions(q_positions, inputs_q.shape[1])
             query_BTNH = self._rotate(query_BTNH, q_positions)
@@ -459,7 +462,7 @@ class MultiHeadAttention(nn.Module):
             key_BSKH, value_BSKH = self._update_cache(key_BSKH, value_BSKH, q_positions)
         out_BTNH, weights_BNTS = self._attend(query_BTNH, key_BSKH, value_BSKH, mask, bias,
                                               deterministic, return_weights)
-        out_BTD = self._output(out_BTNH, inputs_q.shape[-1])
+        out_BTD = self._output(out_BTNH, inputs_q.shape[-1], deterministic)
         return (out_BTD, weights_BNTS) if return_weights else out_BTD
 
     def _num_kv_heads(self) -> int:
@@ -470,7 +473,8 @@ class MultiHeadAttention(nn.Module):
             )
         return num_kv_heads
 
-    def _project(self, name: str, x_BTD: Array, heads: int, heads_axis: str) -> Array:
+    def _project(self, name: str, x_BTD: Array, heads: int, heads_axis: str,
+                 deterministic: bool = True) -> Array:
         """x [B, T, D] -> [B, T, heads, H] through param `name` (and `name`_bias)."""
         names = ("embed", heads_axis, "kv")
         kernel = self.param(
@@ -480,7 +484,7 @@ class MultiHeadAttention(nn.Module):
             (x_BTD.shape[-1], heads, self.head_dim),
             self.param_dtype,
         )
-        y_BTNH = matmul(x_BTD, kernel, dtype=self.dtype)
+        y_BTNH = self._matmul(name, x_BTD, kernel, names, 1, deterministic)
         if self.use_bias if self.qkv_bias is None else self.qkv_bias:
             b = self.param(
                 f"{name}_bias",
@@ -543,7 +547,13 @@ class MultiHeadAttention(nn.Module):
             self.sow("intermediates", "attention_weights", weights_BNTS)
         return out_BTNH, weights_BNTS
 
-    def _output(self, out_BTNH: Array, d_model: int) -> Array:
+    def _matmul(self, name, x, kernel, names, contract, deterministic) -> Array:
+        if self.lora is None:
+            return matmul(x, kernel, contract, dtype=self.dtype)
+        return lora_lib.project(self, name, x, kernel, names, contract, self.lora, self.dtype,
+                                self.param_dtype, deterministic, matmul)
+
+    def _output(self, out_BTNH: Array, d_model: int, deterministic: bool = True) -> Array:
         """W_o: [B, T, N, H] -> [B, T, D] (plus the output bias)."""
         out_init = projection_init(self.init_std, (0, 1), 2, self.out_init_scale)
         w_out = self.param(
@@ -552,7 +562,8 @@ class MultiHeadAttention(nn.Module):
             (self.num_heads, self.head_dim, d_model),
             self.param_dtype,
         )
-        out_BTD = matmul(out_BTNH, w_out, contract=2, dtype=self.dtype)
+        out_BTD = self._matmul("out", out_BTNH, w_out, ("heads", "kv", "embed"), 2,
+                               deterministic)
         if self.use_bias:
             b_out = self.param(
                 "out_bias",

@@ -38,17 +38,20 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 from jax.experimental import multihost_utils
 
-from transformer import fileio, optim, sharding
+from transformer import fileio, lora, optim, sharding
 from transformer import state as state_lib
 from transformer.models import build_model, default_model_config
 
 CHECKPOINTS = "checkpoints"  # WORKDIR/checkpoints/<step>/{state,data,config}
+LORA_BASE = "lora_base"  # a LoRA run's item naming its base: {"init_from", "fingerprint"}
+_JSON_ITEMS = ("data", "config", "stream", LORA_BASE)
 _DELETED = "deleted"  # WORKDIR/checkpoints/deleted/<step>: old steps on their way out
 
 # Model settings that may change between a checkpoint and the run restoring it.
 _NON_STRUCTURAL = {"dropout_rate", "attention_dropout_rate", "remat_policy", "dtype",
                    "attention_impl", "sequence_parallel", "sequence_load_balance",
-                   "moe.capacity_factor", "moe.load_balance_loss", "moe.router_z_loss"}
+                   "moe.capacity_factor", "moe.load_balance_loss", "moe.router_z_loss",
+                   "lora.dropout"}
 
 
 def _model_settings(config: dict) -> dict:
@@ -187,6 +190,7 @@ class Manager:
         self._written: list[int] = []  # steps this manager saved: the only ones it may delete
         self._pending: int | None = None  # the step written last (possibly still in progress)
         self._failed = False  # a write failed and was reported
+        self.lora_base: dict | None = None  # a LoRA run's base record (saved, or restored)
         # Orbax keeps every step (max_to_keep=None); `_prune` deletes this run's old ones. A
         # deleted step is first renamed into WORKDIR/checkpoints/deleted/ (one atomic rename),
         # then removed from there: a run stopped mid-removal never leaves a half-deleted step
@@ -198,9 +202,7 @@ class Manager:
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "data": ocp.JsonCheckpointHandler(),
-                           "config": ocp.JsonCheckpointHandler(),
-                           "stream": ocp.JsonCheckpointHandler()})
+                           **{item: ocp.JsonCheckpointHandler() for item in _JSON_ITEMS}})
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -222,6 +224,14 @@ class Manager:
                      "config": ocp.args.JsonSave(self.config.to_dict())}
             if self.stream is not None:
                 items["stream"] = ocp.args.JsonSave(self.stream)
+            if lora.enabled(self.config):  # the adapters, and the name of their base
+                if self.lora_base is None:
+                    self.lora_base = {"init_from": self.config.init_from,
+                                      "fingerprint": lora.fingerprint(state.params)}
+                items["state"] = ocp.args.StandardSave(state.replace(
+                    params=lora.adapters_only(state.params)))
+                items[LORA_BASE] = ocp.args.JsonSave(
+                    {k: self.lora_base[k] for k in ("init_from", "fingerprint")})
             self._pending = step
             self._manager.save(step, args=ocp.args.Composite(**items))
         except Exception as error:  # noqa: BLE001 - tensorstore and Orbax raise many types
@@ -306,12 +316,19 @@ class Manager:
         target = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             abstract_state, shardings)
+        adapters = lora.enabled(self.config)
+        if adapters:  # a LoRA checkpoint holds the adapters: finetune.with_lora_base adds the base
+            target = target.replace(params=lora.adapters_only(target.params))
         items = {"state": ocp.args.StandardRestore(target)}
         if iterator is not None:
             items["data"] = ocp.args.JsonRestore()
+        if adapters:
+            items[LORA_BASE] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         if iterator is not None:
             iterator.set_state(restored["data"])
+        if adapters:
+            self.lora_base = dict(restored[LORA_BASE], step=step)
         return restored["state"]
 
     def restore_latest(self, abstract_state, shardings, iterator=None):
@@ -511,6 +528,8 @@ def restore_params(workdir: str, step: int | None = None,
         abstract, shardings, _ = state_lib.initial_state(config, build_model(config.model), where)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract.params, shardings.params)
+        if lora.enabled(config):  # the adapters alone (finetune.restore_params adds the base)
+            target = lora.adapters_only(target)
         return SavedParams(step, config, read_params(workdir, step, target, config))
 
     return _newest(workdir, step, read, or_newer)
@@ -554,7 +573,7 @@ def _schedule_free_params(workdir: str, step: int, target, config: ml_collection
                                                      optimizer=optim.make_optimizer(config))
     full = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract, shardings)
-    handlers = {item: ocp.JsonCheckpointHandler() for item in ("data", "config", "stream")}
+    handlers = {item: ocp.JsonCheckpointHandler() for item in _JSON_ITEMS}
     with contextlib.closing(_reader(workdir, state=ocp.StandardCheckpointHandler(),
                                     **handlers)) as manager:
         state = manager.restore(step, args=ocp.args.Composite(
@@ -569,4 +588,11 @@ def _params_manager(workdir: str) -> ocp.CheckpointManager:
     # Every item has its handler, though only the state is read: Orbax warns about items it
     # finds without one (six lines before an init_from error).
     return _reader(workdir, state=ocp.PyTreeCheckpointHandler(),
-                   **{item: ocp.JsonCheckpointHandler() for item in ("data", "config", "stream")})
+                   **{item: ocp.JsonCheckpointHandler() for item in _JSON_ITEMS})
+
+
+def saved_lora_base(workdir: str, step: int) -> dict:
+    """The base a LoRA checkpoint names: {"init_from", "fingerprint", "step"}."""
+    with contextlib.closing(_reader(workdir, **{LORA_BASE: ocp.JsonCheckpointHandler()})) as r:
+        return dict(r.restore(step, args=ocp.args.Composite(
+            **{LORA_BASE: ocp.args.JsonRestore()}))[LORA_BASE], step=step)

@@ -20,6 +20,7 @@ import ml_collections
 from transformer import checkpoint as checkpoint_lib
 from transformer import (
     fileio,
+    lora,
     optim,
     placement,
     sequence_parallel,
@@ -343,6 +344,12 @@ CHECKS: dict[str, Check] = {
     "optimizer.adafactor_momentum": _number(ge=0, lt=1, note="0: none"),
     "optimizer.grad_clip_norm": _number(ge=0, note="0: no clipping"),
     "optimizer.grad_accumulation_steps": _int(ge=1),
+    "model.lora.rank": _int(ge=0, note="0: no adapters, the whole model trains"),
+    "model.lora.alpha": _number(gt=0),
+    "model.lora.targets": (lambda v: isinstance(v, str) and bool(v) and _regex(v),
+                           "a regular expression of kernel param names"),
+    "model.lora.dropout": _number(ge=0, lt=1),
+    "model.lora.base_quantization": _one_of(lora.BASE_QUANTIZATIONS),
     "optimizer.freeze": _REGEX,
     "optimizer.head": _REGEX,
     "optimizer.head_learning_rate": _number(ge=0, note="0: optimizer.learning_rate"),
@@ -388,6 +395,17 @@ def check_sequence_split(config: ml_collections.ConfigDict, mesh_sizes: dict[str
                                        load_balance=balanced, what="seq_len")
 
 
+def _validate_lora(config: ml_collections.ConfigDict) -> None:
+    """LoRA adapts a pretrained base (init_from), which its checkpoints name; QLoRA is LoRA's."""
+    group = config.model.get("lora") or {}
+    if group.get("rank") and not config.get("init_from"):
+        raise ValueError(f"model.lora.rank={group.rank}: expected init_from (a pretrained "
+                         "workdir or hf:DIR) for the adapters' frozen base")
+    if group.get("base_quantization") and not group.get("rank"):
+        raise ValueError(f"model.lora.base_quantization={group.base_quantization!r}: expected "
+                         "model.lora.rank > 0 (QLoRA quantizes LoRA's frozen base)")
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None,
                     num_processes: int | None = None) -> None:
     """Checks every value against its meaning (`CHECKS`, then the rules joining several keys),
@@ -413,6 +431,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     _validate_tokenizer(config)
     _validate_test_path(config)
     _validate_finetuning(config)
+    _validate_lora(config)
     task_eval.check(config, family_of(config).decoding, num_processes)
     wandb_logging.check(config)
     model = ml_collections.ConfigDict(config.model.to_dict())

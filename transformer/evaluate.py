@@ -23,7 +23,7 @@ from collections.abc import Callable
 import jax
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation, fileio
+from transformer import evaluation, fileio, finetune
 from transformer import placement as placement_lib
 from transformer.data import inputs
 from transformer.models import build_model
@@ -72,7 +72,7 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     model = build_model(config.model)
     placement = placement_lib.Placement.from_config(config)
     # A training beside it may delete the newest step meanwhile: then the next one is read.
-    step, _, params = checkpoint_lib.restore_params(workdir, step, placement.mesh,
+    step, _, params = finetune.restore_params(workdir, step, placement.mesh,
                                                     or_newer=newest)
     eval_step = placement.jit_eval_step(evaluation.make_eval_step(model, config, tokenizer),
                                         jax.tree.map(lambda x: x.sharding, params))

@@ -3,6 +3,10 @@ model.safetensors, tokenizer.json + tokenizer_config.json), with the user's umas
 
     python -m transformer.export --workdir=runs/gpt --output=hf/gpt [--step=N]
 
+A LoRA run (model.lora.rank > 0) exports its adapters as a peft adapter directory
+(adapter_config.json + adapter_model.safetensors, `peft.PeftModel.from_pretrained` loads it onto
+the Hugging Face base), or with --merge_lora the merged model W + (alpha / rank) A B as above.
+
 `to_hf(model_config, params)` is the inverse of `transformer.convert.from_hf`: a GPT becomes
 GPT-2 (learned positions, LayerNorm, biases) or Llama (RoPE, RMSNorm, SwiGLU, no biases; with
 q/k/v biases Qwen2, with a sliding window Mistral, with per-head qk-norm Qwen3, with sandwich
@@ -28,7 +32,8 @@ import numpy as np
 from flax import traverse_util
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import convert, fileio, sharding
+from transformer import convert, fileio, finetune, lora, sharding
+from transformer import state as state_lib
 from transformer.layers import unstack_layers
 
 _GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -455,10 +460,12 @@ def _new_directory(parent: str) -> str:
             continue
 
 
-def export_workdir(workdir: str, output: str, step: int | None = None) -> dict:
+def export_workdir(workdir: str, output: str, step: int | None = None,
+                   merge_lora: bool = False) -> dict:
     """Writes checkpoint `step` (default: the latest) of `workdir` as a `save_pretrained`
-    directory `output`, which must not exist yet, with the user's umask. Returns what was
-    written: the step, the output, the architecture and `files`, [(path, bytes)]."""
+    directory `output`, which must not exist yet, with the user's umask (a LoRA run's: its peft
+    adapter, or with `merge_lora` the merged model). Returns what was written: the step, the
+    output, the architecture and `files`, [(path, bytes)]."""
     from safetensors.numpy import save_file
 
     from transformer.data import inputs
@@ -469,13 +476,22 @@ def export_workdir(workdir: str, output: str, step: int | None = None) -> dict:
                               "overwritten)")
     newest = step is None
     step, config = checkpoint_lib.saved_run(workdir, step)
+    adapters = lora.enabled(config)
+    if merge_lora and not adapters:
+        raise ValueError(f"--merge_lora: {workdir}'s run has no LoRA adapters (model.lora.rank "
+                         "is 0): expected a LoRA run, or no --merge_lora")
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
     tokenizer.hugging_face()  # refused, if it is, before anything is read or written
     # Read onto one local device, whatever mesh the run trained on (Orbax reshards).
     one_device = sharding.make_mesh({axis: 1 for axis in sharding.MESH_AXES},
                                     devices=jax.local_devices()[:1])
     # A training beside it may delete the newest step meanwhile: then the next one is read.
-    step, _, params = checkpoint_lib.restore_params(workdir, step, one_device, or_newer=newest)
+    step, _, params = finetune.restore_params(workdir, step, one_device, or_newer=newest)
+    if adapters and not merge_lora:
+        return _write(output, lambda staging: _peft_files(config, params, staging),
+                      {"step": step, "architecture": "a peft LoRA adapter"})
+    if adapters:
+        params = lora.merged_params(params, state_lib.model_lora(config))
     hf_config, state = to_hf(config.model, params)
     for role in ("bos", "eos", "pad"):
         value = getattr(tokenizer, f"{role}_id", None)
@@ -483,13 +499,23 @@ def export_workdir(workdir: str, output: str, step: int | None = None) -> dict:
             setattr(hf_config, f"{role}_token_id", int(value))
     if config.model.family == "t5":
         hf_config.decoder_start_token_id = int(tokenizer.decoder_start_id)
+
+    def write(staging):
+        hf_config.save_pretrained(staging)
+        save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        _tokenizer_files(tokenizer, staging)
+
+    return _write(output, write, {"step": step, "architecture": hf_config.architectures[0]})
+
+
+def _write(output: str, write, result: dict) -> dict:
+    """`write(staging)` into a new directory renamed to `output` when complete (the files with
+    the user's umask); `result` with the output and `files`, [(path, bytes)]."""
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     staging = _new_directory(parent)  # complete, then renamed
     try:
-        hf_config.save_pretrained(staging)
-        save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
-        _tokenizer_files(tokenizer, staging)
+        write(staging)
         file_mode = os.stat(staging).st_mode & 0o666  # the umask's (safetensors' is 0600)
         files = []
         for name in sorted(os.listdir(staging)):
@@ -499,8 +525,62 @@ def export_workdir(workdir: str, output: str, step: int | None = None) -> dict:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return {"step": step, "output": output, "architecture": hf_config.architectures[0],
-            "files": files}
+    return {**result, "output": output, "files": files}
+
+
+# Our kernel names -> the Llama-like modules peft names (PEFT_PREFIX + layer + module).
+PEFT_MODULES = {"query": "self_attn.q_proj", "key": "self_attn.k_proj",
+                "value": "self_attn.v_proj", "out": "self_attn.o_proj",
+                "wi_gate": "mlp.gate_proj", "wi_up": "mlp.up_proj", "wo": "mlp.down_proj"}
+PEFT_PREFIX = "base_model.model.model.layers."
+
+
+def peft_state(config, params) -> tuple[dict, dict[str, np.ndarray]]:
+    """(adapter_config.json's dict, adapter_model.safetensors' tensors) of a LoRA run's params:
+    a Llama-like GPT's adapters as peft names and lays them out, lora_A [rank, in] = A^T and
+    lora_B [out, rank] = B^T, with A and B flattened to matrices (HF's weights are [out, in])."""
+    model = config.model
+    if (model.family, model.get("position")) != ("gpt", "rope") or \
+            (model.get("moe") and model.moe.num_experts):
+        raise ValueError(f"model.family={model.family!r}, position={model.get('position')!r}: "
+                         "the peft adapter export writes a Llama-like GPT's (position 'rope', "
+                         "dense); export with --merge_lora instead")
+    to_hf(model, lora.merged_params(params, state_lib.model_lora(config)))  # refuses the rest
+    layers = _unscanned(model, _numpy(params), "decoder")["decoder"]
+    state, modules = {}, set()
+    for i in range(model.num_layers):
+        for group in ("self_attention", "mlp"):
+            for ours, theirs in PEFT_MODULES.items():
+                tree = layers[f"layers_{i}"].get(group, {})
+                if f"{ours}_lora_a" not in tree:
+                    continue
+                a, b = tree[f"{ours}_lora_a"], tree[f"{ours}_lora_b"]
+                rank = a.shape[-1]
+                name = f"{PEFT_PREFIX}{i}.{theirs}"
+                state[f"{name}.lora_A.weight"] = a.reshape(-1, rank).T
+                state[f"{name}.lora_B.weight"] = b.reshape(rank, -1).T
+                modules.add(name.rsplit(".", 1)[1])
+    lora_config = model.lora
+    init_from = config.get("init_from", "")
+    adapter_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_config.rank,
+        "lora_alpha": lora_config.alpha, "lora_dropout": lora_config.dropout,
+        "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "inference_mode": True, "modules_to_save": None,
+        "base_model_name_or_path": init_from[3:] if init_from.startswith("hf:") else init_from}
+    return adapter_config, {k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}
+
+
+def _peft_files(config, params, directory: str) -> None:
+    import json
+
+    from safetensors.numpy import save_file
+
+    adapter_config, state = peft_state(config, params)
+    with open(os.path.join(directory, "adapter_config.json"), "w", encoding="utf-8") as f:
+        json.dump(adapter_config, f, indent=2)
+    save_file(state, os.path.join(directory, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
 
 
 def _size(num_bytes: int) -> str:
@@ -517,11 +597,12 @@ def _main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}: expected only flags")
     logging.set_verbosity(logging.WARNING)  # one line per file, not Orbax's INFO logs
     f = flags.FLAGS
-    written = export_workdir(f.workdir, f.output, f.step)
+    written = export_workdir(f.workdir, f.output, f.step, f.merge_lora)
     for path, num_bytes in written["files"]:
         print(f"wrote {path} ({_size(num_bytes)})")
     print(f"step {written['step']} of {f.workdir} -> {written['output']} as "
-          f"{written['architecture']}, with its tokenizer")
+          f"{written['architecture']}" + ("" if "peft" in written["architecture"] else
+                                          ", with its tokenizer"))
 
 
 def _define_flags():
@@ -531,6 +612,8 @@ def _define_flags():
     flags.DEFINE_string("output", None, "New directory for the save_pretrained files.",
                         required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_bool("merge_lora", False, "A LoRA run: write the merged model (W + alpha/rank "
+                      "A B) instead of a peft adapter directory.")
 
 
 if __name__ == "__main__":

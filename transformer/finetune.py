@@ -32,6 +32,7 @@ import numpy as np
 from flax import traverse_util
 
 from transformer import checkpoint as checkpoint_lib
+from transformer import lora
 
 # Model keys a run chooses for itself over an imported checkpoint (its head, regularization,
 # precision and layout); every other model key is the checkpoint's architecture, MoE routing
@@ -40,7 +41,8 @@ RUN_SETTINGS = frozenset({
     "family", "head", "num_classes", "dropout_rate", "attention_dropout_rate", "init_std",
     "dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers", "sequence_parallel",
     "sequence_load_balance", "image_size", "patch_size", "channels", "pooling",
-    "patch_position", "projection_dim", "moe.load_balance_loss", "moe.router_z_loss"})
+    "patch_position", "projection_dim", "moe.load_balance_loss", "moe.router_z_loss",
+    "lora.rank", "lora.alpha", "lora.targets", "lora.dropout", "lora.base_quantization"})
 # A checkpoint of the first family runs as the second (the same modules and params).
 _SAME_PARAMS = {("gpt", "prefix_lm")}
 _EXAMPLES = {"gpt": "gpt_tiny", "bert": "bert_mlm", "t5": "t5_span"}
@@ -64,7 +66,13 @@ class LoadReport:
 
 
 def _flat(tree) -> dict[str, object]:
-    return {"/".join(k): v for k, v in traverse_util.flatten_dict(dict(tree)).items()}
+    """{"/"-joined name: param}; a QLoRA kernel ({"qvalue", "scale"}) is one param."""
+    return {"/".join(k): v for k, v in traverse_util.flatten_dict(
+        dict(tree), is_leaf=lambda _, x: lora.is_quantized(x)).items()}
+
+
+def _shape(param) -> tuple:
+    return tuple((param["qvalue"] if lora.is_quantized(param) else param).shape)
 
 
 def _hf_convert(directory: str, scan: bool = False):
@@ -170,7 +178,8 @@ def match(source: dict[str, tuple], target: dict[str, tuple], name: str) -> Load
                              "architecture (model.* keys) as the source")
     report = LoadReport(name, loaded, sorted(set(target) - set(source)),
                         sorted(set(source) - set(target)))
-    in_stack = [k for k in report.dropped + report.new if re.search(r"(^|/)layers", k)]
+    in_stack = [k for k in report.dropped + report.new if re.search(r"(^|/)layers", k) and
+                not lora.is_adapter(k)]  # LoRA's adapters are new in every layer
     if in_stack or not loaded:
         raise ValueError(f"init_from {name}: " + (
             f"layer params {in_stack[:4]} are in only one of the source and this model: "
@@ -189,18 +198,81 @@ def load_params(init_from: str, params, shardings) -> tuple[object, LoadReport]:
         scanned = any(re.search(r"(^|/)layers/", k) for k in target)  # scan_layers=True
         source = _hf_params(path, scanned)
         report = match({k: np.shape(v) for k, v in source.items()},
-                       {k: v.shape for k, v in target.items()}, init_from)
-        values = {k: jax.device_put(np.asarray(source[k], target[k].dtype), target_shardings[k])
+                       {k: _shape(v) for k, v in target.items()}, init_from)
+        values = {k: _as_target(np.asarray(source[k]), target[k], target_shardings[k])
                   for k in report.loaded}
     else:
         step, metadata = checkpoint_lib.params_metadata(path, step)
         report = match({k: m.shape for k, m in metadata.items()},
-                       {k: v.shape for k, v in target.items()}, f"{path}@{step}")
+                       {k: _shape(v) for k, v in target.items()}, f"{path}@{step}")
         wanted = {tuple(k.split("/")): jax.ShapeDtypeStruct(
-            metadata[k].shape, metadata[k].dtype, sharding=target_shardings[k])
+            metadata[k].shape, metadata[k].dtype,
+            sharding=target_shardings[k]["qvalue"] if lora.is_quantized(target_shardings[k])
+            else target_shardings[k])
             for k in report.loaded}
         restored = checkpoint_lib.read_params(path, step, traverse_util.unflatten_dict(wanted))
-        values = {k: v.astype(target[k].dtype) for k, v in _flat(restored).items()}
+        values = {k: _as_target(v, target[k], target_shardings[k])
+                  for k, v in _flat(restored).items()}
     merged = {k: values.get(k, v) for k, v in target.items()}
     out = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in merged.items()})
     return type(params)(out) if not isinstance(params, dict) else out, report
+
+
+def _as_target(value, target, sharding):
+    """A source param as the target's dtype and layout; QLoRA's quantized base kernels are
+    quantized as the target's (lora.quantize_like)."""
+    if lora.is_quantized(target):
+        return lora.quantize_like(value, target, sharding)
+    if isinstance(value, np.ndarray):
+        return jax.device_put(np.asarray(value, target.dtype), sharding)
+    return value.astype(target.dtype)
+
+
+def with_lora_base(config: ml_collections.ConfigDict, adapters, abstract_params, shardings,
+                   record: dict):
+    """A LoRA checkpoint's params: its `adapters` and the base read again from
+    config.init_from, whose fingerprint must be `record`'s (`checkpoint.Manager.lora_base`);
+    a different base is a one-line error."""
+    target = {**lora.trainable(abstract_params)[1], **lora.trainable(adapters)[0]}
+    params, _ = load_params(config.init_from, traverse_util.unflatten_dict(target), shardings)
+    missing = [k for k, v in _flat(params).items()
+               if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(v))]
+    if missing:
+        raise ValueError(f"init_from {config.init_from}: has no param {missing[0]}, which the "
+                         "LoRA checkpoint's base had: expected the base it was trained on")
+    found = lora.fingerprint(params)
+    if found != record["fingerprint"]:
+        raise ValueError(
+            f"LoRA checkpoint step {record.get('step')}: its adapters were trained on base "
+            f"{record['init_from']} (fingerprint {record['fingerprint']}), but init_from="
+            f"{config.init_from} now holds other params (fingerprint {found}): expected the "
+            "same base (pin a workdir's step with init_from=DIR@STEP)")
+    return params
+
+
+def resumed(config: ml_collections.ConfigDict, state, abstract, shardings, manager):
+    """A resumed train state (None: none saved); a LoRA run's with its base (`with_lora_base`)."""
+    if state is None or not lora.enabled(config):
+        return state
+    return state.replace(params=with_lora_base(config, state.params, abstract.params,
+                                               shardings.params, manager.lora_base))
+
+
+def restore_params(workdir: str, step: int | None = None, mesh=None,
+                   or_newer: bool = False) -> checkpoint_lib.SavedParams:
+    """`checkpoint.restore_params`, with a LoRA run's base read again (`with_lora_base`): the
+    params evaluation, generation and export read."""
+    from transformer import sharding
+    from transformer import state as state_lib
+    from transformer.models import build_model
+
+    saved = checkpoint_lib.restore_params(workdir, step, mesh, or_newer)
+    if not lora.enabled(saved.config):
+        return saved
+    record = checkpoint_lib.saved_lora_base(workdir, saved.step)
+    where = sharding.make_mesh(saved.config.mesh) if mesh is None else mesh
+    abstract, shardings, _ = state_lib.initial_state(saved.config,
+                                                     build_model(saved.config.model), where)
+    params = with_lora_base(saved.config, saved.params, abstract.params, shardings.params,
+                            record)
+    return saved._replace(params=params)

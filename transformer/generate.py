@@ -855,12 +855,11 @@ def read_chat(value: str) -> list[list[dict]]:
 def load_workdir(workdir: str, step: int | None = None):
     """(model, params, tokenizer, config) of checkpoint `step` (default: the latest) of a
     training workdir, with the tokenizer saved beside the checkpoints."""
-    from transformer import checkpoint as checkpoint_lib
-    from transformer import fileio
+    from transformer import fileio, finetune
     from transformer.data import inputs
     from transformer.models import build_model
 
-    saved = checkpoint_lib.restore_params(workdir, step)
+    saved = finetune.restore_params(workdir, step)
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
     return build_model(saved.config.model), saved.params, tokenizer, saved.config
 

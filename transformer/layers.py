@@ -15,8 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from transformer import kernels, sequence_parallel, sharding
+from transformer import lora as lora_lib
 from transformer import positions as positions_lib
 from transformer.attention import MultiHeadAttention, matmul, projection_init
+from transformer.lora import LoraConfig
 from transformer.masks import Mask
 from transformer.moe import MoEConfig, MoEFeedForward
 
@@ -118,6 +120,7 @@ class TransformerConfig:
     sequence_parallel: str = "all_gather"
     sequence_load_balance: bool = True
     moe: MoEConfig = MoEConfig()  # mixture-of-experts feed-forward layers (transformer.moe)
+    lora: LoraConfig = LoraConfig()  # low-rank adapters on a frozen base (transformer.lora)
 
     def __post_init__(self):
         for name in ("num_layers", "d_model", "num_heads", "d_ff", "max_len"):
@@ -151,6 +154,8 @@ class TransformerConfig:
                       sequence_parallel.STRATEGIES)
         if self.sliding_window is not None:
             _check_positive("sliding_window", self.sliding_window)
+        if not isinstance(self.lora, LoraConfig):  # the `model.lora` config group
+            object.__setattr__(self, "lora", LoraConfig(**dict(self.lora)))
         if not isinstance(self.moe, MoEConfig):  # e.g. the `model.moe` config group
             values = dict(self.moe)
             unknown = sorted(set(values) - {f.name for f in dataclasses.fields(MoEConfig)})
@@ -325,6 +330,7 @@ class MLP(nn.Module):
     """
 
     config: TransformerConfig
+    deterministic: bool = True  # LoRA's dropout
 
     @nn.compact
     def __call__(self, x_BTD: Array) -> Array:
@@ -340,7 +346,8 @@ class MLP(nn.Module):
                 (x.shape[-1], features),
                 cfg.param_dtype,
             )
-            y = matmul(x, kernel, dtype=cfg.dtype)
+            y = lora_lib.project(self, name, x, kernel, names, 1, cfg.lora, cfg.dtype,
+                                 cfg.param_dtype, self.deterministic, matmul)
             if cfg.use_bias:
                 b = self.param(f"{name}_bias",
                                nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
@@ -390,7 +397,7 @@ class TransformerBlock(nn.Module):
         attend = lambda h: self._attention("self_attention", True)(
             h, mask=self_mask, bias=bias, q_positions=positions,
             deterministic=self.deterministic, decode=self.decode)
-        mlp = self._moe if self.moe_layer else MLP(cfg, name="mlp")
+        mlp = self._moe if self.moe_layer else MLP(cfg, self.deterministic, name="mlp")
         dropout = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=self.deterministic)
         if cfg.parallel_block:
             if self.cross_attention:
@@ -447,6 +454,7 @@ class TransformerBlock(nn.Module):
             cross=not is_self,
             impl=cfg.attention_impl,
             sequence_parallel=cfg.sequence_parallel,
+            lora=cfg.lora if cfg.lora.rank else None,
             name=name,
         )
 

@@ -16,6 +16,8 @@ import ml_collections
 import optax
 from optax import contrib
 
+from transformer import lora as lora_lib
+
 # optimizer.decay after the warmup
 DECAYS = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # optimizer.decay_shape: WSD's final decay
@@ -98,6 +100,8 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     clip = optax.clip_by_global_norm(opt.grad_clip_norm) if opt.grad_clip_norm else \
         optax.identity()
     freeze, head = opt.get("freeze", ""), opt.get("head", "")
+    if lora_lib.enabled(config):  # only the adapters train: no optimizer state for the rest
+        freeze = lora_lib.frozen_regex(freeze)
     m = mup_multiplier(config)
     if freeze or head or m != 1.0:
         hidden = muon_dimension_numbers(config) if m != 1.0 else None

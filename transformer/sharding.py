@@ -100,6 +100,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("length", None),
     ("relpos_buckets", None),
     ("layers", None),
+    ("lora", None),  # a LoRA adapter's rank (transformer.lora): small, replicated
 )
 
 

@@ -9,7 +9,7 @@ import jax
 import ml_collections
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation, fileio, finetune
+from transformer import evaluation, fileio, finetune, lora
 from transformer import placement as placement_lib
 from transformer.data import inputs
 from transformer.models import family_of
@@ -60,6 +60,8 @@ def announce(run, mesh_summary: str) -> None:
         run.logger.print(f"new_data: step {start_step}'s params continue on a new data stream, "
                          "from its start (" + "; ".join(changes) + ")")
         run.logger.write(start_step, "new_data", {"changes": changes})
+    if lora.enabled(config):
+        run.logger.print(lora.summary(config, run.state))
     run.logger.print(mesh_summary)
     if run.task is not None:
         run.logger.print(f"task {run.task.name}: {len(run.task.labels)} classes; examples per "

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from flax import struct
 
+from transformer import lora as lora_lib
 from transformer import moe as moe_lib
 from transformer import sharding
 from transformer.models import family_of
@@ -56,11 +57,17 @@ def initial_state(config: ml_collections.ConfigDict, model: nn.Module, mesh: jax
 
     def init(rng):
         params = model.init(rng, *args)["params"]
+        if lora_lib.enabled(config):  # QLoRA: the frozen targeted kernels quantized
+            params = lora_lib.quantize_base(params, model_lora(config))
         return TrainState(jnp.zeros((), jnp.int32), params,
                           None if optimizer is None else optimizer.init(params),
                           jnp.full((), -1, jnp.int32))
 
     return sharding.sharded_init(init, mesh, jax.random.key(config.seed))
+
+
+def model_lora(config: ml_collections.ConfigDict) -> lora_lib.LoraConfig:
+    return lora_lib.LoraConfig(**config.model.lora.to_dict())
 
 
 def num_params(abstract_state: TrainState) -> int:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from transformer import lora as lora_lib
 from transformer.models import family_of
 from transformer.state import TrainState
 
@@ -48,7 +49,10 @@ def _halves(model, config, optimizer):
     def grads_of(params, batch, rng):
         def loss_fn(p):
             return family.loss_and_metrics(model, config, p, batch, rng, deterministic=False)
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        if lora_lib.enabled(config):  # the adapters' gradients alone
+            (_, metrics), grads = lora_lib.value_and_grad(loss_fn, params)
+        else:
+            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return grads, metrics
 
     def gradients(state: TrainState, batch, base_rng):
@@ -74,7 +78,7 @@ def _halves(model, config, optimizer):
             # Every metric but the counts is a token-weighted mean over the micro-batches.
             shapes = jax.eval_shape(grads_of, state.params, jax.tree.map(lambda x: x[0], micro),
                                     rng)[1]
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            zeros = lora_lib.zero_grads(state.params)
             sums = {k: 0.0 for k in shapes if k not in ("num_tokens", "perplexity")}
             (grads_sum, tokens, sums), _ = jax.lax.scan(
                 accumulate, (zeros, 0.0, sums), (micro, jnp.arange(accumulation)))

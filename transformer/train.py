@@ -146,7 +146,9 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
         manager = checkpoint_lib.Manager(workdir, config, stream)
         opened.callback(manager.close)
     else:
-        state = manager.restore_latest(abstract, state_sharding, train_data)
+        state = finetune.resumed(config, manager.restore_latest(abstract, state_sharding,
+                                                                train_data),
+                                 abstract, state_sharding, manager)
     start_step = 0 if state is None else int(placement_lib.fetch(state.step))
     startup.check_finished(config, workdir, start_step)
     if state is None:

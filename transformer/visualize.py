@@ -324,7 +324,7 @@ def visualize_workdir(workdir: str, text: str, *, target: str = "", step: int | 
     (and a T5's `target`) and saves them (default: `default_output_dir`, with an input.json
     naming the step and text); (maps, written paths)."""
     from transformer import checkpoint as checkpoint_lib
-    from transformer import fileio
+    from transformer import fileio, finetune
     from transformer.data import inputs
     from transformer.models import build_model
 
@@ -333,7 +333,7 @@ def visualize_workdir(workdir: str, text: str, *, target: str = "", step: int | 
     newest = step is None
     step, _ = checkpoint_lib.saved_run(workdir, step)  # this step, even if training saves more
     # ... unless a training deletes it while it is read: then the then-newest one.
-    step, config, params = checkpoint_lib.restore_params(workdir, step, or_newer=newest)
+    step, config, params = finetune.restore_params(workdir, step, or_newer=newest)
     model = build_model(config.model)
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
     tokens, decoder_tokens = encode_text(config, tokenizer, text, target)

@@ -45,6 +45,8 @@ def default_model_config() -> ml_collections.ConfigDict:
     stack["dtype"] = stack["param_dtype"] = "float32"
     # Mixture of experts (transformer.moe.MoEConfig): num_experts 0 keeps dense layers.
     stack["moe"] = ml_collections.ConfigDict(dataclasses.asdict(stack["moe"]))
+    # LoRA / QLoRA (transformer.lora.LoraConfig): rank 0 trains the whole model.
+    stack["lora"] = ml_collections.ConfigDict(dataclasses.asdict(stack["lora"]))
     for name, kind in _OPTIONAL_FIELDS.items():  # None defaults keep their type for overrides
         stack[name] = ml_collections.FieldReference(stack[name], field_type=kind)
     return ml_collections.ConfigDict({

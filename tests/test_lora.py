@@ -1,0 +1,390 @@
+"""LoRA and QLoRA (transformer.lora): the adapters' forward against a float64 reference, step 0
+equal to the base, a frozen base with no optimizer state, QLoRA close to LoRA, and end to end
+through the CLI on an imported tiny Llama: checkpoints of the adapters alone naming their base
+(a different base is refused in one line), resume, a mesh equal to one device, and both
+exports loaded by transformers and peft with our logits."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from transformer import lora, optim, sharding
+from transformer.configs import base_config, validate_config
+from transformer.layers import MLP, TransformerConfig
+from transformer.lora import LoraConfig
+from transformer.models import build_model, family_of
+from transformer.state import initial_state
+from transformer.step import make_train_step
+
+LLAMA_MODEL = dict(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=48,
+                   vocab_size=64, position="rope", norm="rmsnorm", activation="swiglu",
+                   use_bias=False, tie_embeddings=False)
+
+
+def small_config(rank=4, base_quantization="", alpha=8.0):
+    config = base_config()
+    config.update(batch_size=2, seq_len=16, steps=10, init_from="hf:unused")
+    config.model.update(**LLAMA_MODEL)
+    config.model.lora.update(rank=rank, alpha=alpha, base_quantization=base_quantization)
+    config.optimizer.warmup_steps = 0
+    return config
+
+
+def lm_batch(seed=0, rows=2, length=16, vocab=64):
+    ids = np.random.RandomState(seed).randint(0, vocab, (rows, length)).astype(np.int32)
+    return {"inputs": ids, "targets": np.roll(ids, -1, 1),
+            "weights": np.ones((rows, length), np.float32),
+            "segment_ids": np.ones((rows, length), np.int32),
+            "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1))}
+
+
+def init(config, seed=0):
+    model = build_model(config.model)
+    optimizer = optim.make_optimizer(config)
+    abstract, shardings, make = initial_state(config, model, sharding.make_mesh(config.mesh),
+                                              optimizer=optimizer)
+    return model, optimizer, make(jax.random.key(seed))
+
+
+def flat(tree):
+    return {"/".join(k): v for k, v in traverse_util.flatten_dict(dict(tree)).items()}
+
+
+def logits(model, params, ids):
+    return np.asarray(model.apply({"params": params}, jnp.asarray(ids)))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """(config, model, state at step 0, state after 3 steps) of a rank-4 LoRA model."""
+    config = small_config()
+    model, optimizer, state = init(config)
+    step = jax.jit(make_train_step(model, config, optimizer))
+    after = state
+    for i in range(3):
+        after, _ = step(after, lm_batch(i))
+    return config, model, state, after
+
+
+def test_the_base_stays_bitwise_frozen_and_every_adapter_trains(trained):
+    _, _, before, after = trained
+    old, new = flat(before.params), flat(after.params)
+    base = [k for k in old if not lora.is_adapter(k)]
+    adapters = [k for k in old if lora.is_adapter(k)]
+    assert len(adapters) == 2 * 7 * 2  # A and B of q/k/v/out, gate/up/down, in 2 layers
+    for key in base:
+        np.testing.assert_array_equal(np.asarray(new[key]), np.asarray(old[key]), err_msg=key)
+    for key in adapters:
+        assert not np.array_equal(np.asarray(new[key]), np.asarray(old[key])), key
+
+
+def test_the_optimizer_state_holds_only_adapter_sized_arrays(trained):
+    config, _, state, _ = trained
+    adapter_shapes = {v.shape for k, v in flat(state.params).items() if lora.is_adapter(k)}
+    base_shapes = {v.shape for k, v in flat(state.params).items() if not lora.is_adapter(k)}
+    leaves = [x for x in jax.tree.leaves(state.opt_state) if np.ndim(x)]
+    assert leaves and all(x.shape in adapter_shapes for x in leaves)
+    assert not {x.shape for x in leaves} & (base_shapes - adapter_shapes)
+    # Adam's two moments of each adapter, and nothing else but scalar counts.
+    adapter_bytes = sum(v.nbytes for k, v in flat(state.params).items() if lora.is_adapter(k))
+    assert sum(x.nbytes for x in leaves) == 2 * adapter_bytes
+    full = small_config(rank=0)
+    _, _, full_state = init(full)
+    assert lora.device_bytes(full_state.opt_state) > 5 * lora.device_bytes(state.opt_state)
+
+
+def test_b_starts_at_zero_so_step_zero_is_the_base_model(trained):
+    _, model, state, _ = trained
+    assert all(not np.asarray(v).any() for k, v in flat(state.params).items()
+               if k.endswith("_lora_b"))
+    base_model = build_model(small_config(rank=0).model)
+    base = lora.merge({}, lora.trainable(state.params)[1])
+    ids = lm_batch(5)["inputs"]
+    np.testing.assert_allclose(logits(model, state.params, ids),
+                               logits(base_model, base, ids), rtol=0, atol=1e-6)
+
+
+def test_the_adapted_mlp_is_w_plus_alpha_over_rank_a_b_in_float64():
+    config = TransformerConfig(num_layers=1, d_model=8, num_heads=2, d_ff=16, activation="relu",
+                               use_bias=False, lora=LoraConfig(rank=3, alpha=6.0, targets="wi|wo"))
+    mlp = MLP(config)
+    x = np.random.RandomState(0).randn(2, 5, 8).astype(np.float32)
+    params = nn.unbox(mlp.init(jax.random.key(0), x)["params"])
+    rng = np.random.RandomState(1)  # B nonzero, as after training
+    params = jax.tree.map(lambda p: rng.randn(*p.shape).astype(np.float32), params)
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    scale = 6.0 / 3
+    wi = p["wi"] + scale * p["wi_lora_a"] @ p["wi_lora_b"]
+    wo = p["wo"] + scale * p["wo_lora_a"] @ p["wo_lora_b"]
+    expected = np.maximum(x.astype(np.float64) @ wi, 0) @ wo
+    got = np.asarray(mlp.apply({"params": params}, x), np.float64)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_merged_params_give_the_adapted_models_logits(trained):
+    """Every target, the attention's 3-D kernels included: the plain model on
+    W + (alpha / rank) A B (the merged export) equals the adapted model."""
+    _, model, state, _ = trained
+    rng = np.random.RandomState(2)
+    params = {k: rng.randn(*v.shape).astype(np.float32) * 0.1 if k.endswith("_lora_b") else v
+              for k, v in flat(state.params).items()}
+    params = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in params.items()})
+    merged = lora.merged_params(params, LoraConfig(rank=4, alpha=8.0))
+    assert not any(lora.is_adapter(k) for k in flat(merged))
+    plain = build_model(small_config(rank=0).model)
+    ids = lm_batch(6)["inputs"]
+    adapted = logits(model, params, ids)
+    assert np.abs(adapted - logits(plain, lora.merge({}, lora.trainable(params)[1]), ids)).max() \
+        > 1e-2  # the adapters matter
+    np.testing.assert_allclose(logits(plain, merged, ids), adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_a_scanned_stack_gets_stacked_adapters_and_merges_per_layer():
+    config = small_config(base_quantization="int8")
+    config.model.update(scan_layers=True, dropout_rate=0.0, attention_dropout_rate=0.0,
+                        lora=dict(config.model.lora.to_dict(), dropout=0.1))
+    model, optimizer, state = init(config)
+    params = flat(state.params)
+    assert params["decoder/layers/self_attention/query_lora_a"].shape == (2, 32, 4)
+    assert params["decoder/layers/self_attention/query/scale"].shape == (2, 1, 4, 8)
+    rng = np.random.RandomState(3)
+    params = traverse_util.unflatten_dict({
+        tuple(k.split("/")): rng.randn(*v.shape).astype(np.float32) * 0.1
+        if k.endswith("_lora_b") else v for k, v in params.items()})
+    plain_config = small_config(rank=0)
+    plain_config.model.scan_layers = True
+    merged = lora.merged_params(params, LoraConfig(rank=4, alpha=8.0))
+    ids = lm_batch(8)["inputs"]
+    np.testing.assert_allclose(logits(build_model(plain_config.model), merged, ids),
+                               logits(model, params, ids), rtol=1e-4, atol=1e-4)
+    # LoRA's dropout is on while training (config.model.dropout_rate is 0 here).
+    family = family_of(config)
+    losses = [float(family.loss_and_metrics(model, config, params, lm_batch(0),
+                                            jax.random.key(0), deterministic=d)[0])
+              for d in (True, False)]
+    assert np.isfinite(losses).all() and losses[0] != losses[1]
+
+
+def test_qlora_keeps_int8_kernels_and_its_forward_is_close_to_loras(trained):
+    config, model, state, _ = trained
+    q_config = small_config(base_quantization="int8")
+    q_model, _, q_state = init(q_config)  # the same seed: the same float init, quantized
+    kernels = {k: v for k, v in flat(q_state.params).items() if k.endswith("/qvalue")}
+    assert len(kernels) == 7 * 2 and all(v.dtype == jnp.int8 for v in kernels.values())
+    ids = lm_batch(7)["inputs"]
+    ours, theirs = logits(q_model, q_state.params, ids), logits(model, state.params, ids)
+    assert 0 < np.abs(ours - theirs).mean() / np.abs(theirs).mean() < 0.03
+    assert np.abs(ours - theirs).max() / np.abs(theirs).max() < 0.1
+    # Each int8 kernel dequantizes to within half a step of its float kernel (a scale per
+    # output channel: q/k/v's [1, heads, kv]).
+    query = flat(q_state.params)["decoder/layers_0/self_attention/query/scale"]
+    assert query.shape == (1, 4, 8)
+    floats = flat(state.params)
+    for key, qvalue in kernels.items():
+        name = key[:-len("/qvalue")]
+        scale = np.asarray(flat(q_state.params)[f"{name}/scale"])
+        error = np.abs(np.asarray(qvalue, np.float32) * scale - np.asarray(floats[name]))
+        assert (error / scale).max() <= 0.5 + 1e-3, (name, (error / scale).max())
+    assert lora.device_bytes(q_state.params) < 0.6 * lora.device_bytes(state.params)
+    q_total, q_trainable = lora.counts(q_state.params)
+    assert (q_total, q_trainable) == lora.counts(state.params)
+
+
+def test_the_fingerprint_names_the_base_not_the_adapters(trained):
+    _, _, before, after = trained
+    assert lora.fingerprint(before.params) == lora.fingerprint(after.params)
+    changed = jax.tree.map(lambda x: x, before.params)
+    changed["embed"]["embedding"] = changed["embed"]["embedding"].at[0, 0].add(1e-3)
+    assert lora.fingerprint(changed) != lora.fingerprint(before.params)
+
+
+def test_adapters_take_their_kernels_logical_axes():
+    config = small_config()
+    model = build_model(config.model)
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                              jnp.zeros((1, 8), jnp.int32))["params"])
+    layer = boxed["decoder"]["layers_0"]
+    attention, mlp = layer["self_attention"], layer["mlp"]
+    assert attention["key_lora_a"].names == ("embed", "lora")
+    assert attention["key_lora_b"].names == ("lora", "kv_heads", "kv")
+    assert attention["out_lora_a"].names == ("heads", "kv", "lora")
+    assert attention["out_lora_b"].names == ("lora", "embed")
+    assert mlp["wo_lora_a"].names == ("mlp", "lora") and mlp["wo_lora_b"].names == ("lora",
+                                                                                     "embed")
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("model.lora.rank", -1, "model.lora.rank=-1: expected an int >= 0"),
+    ("model.lora.base_quantization", "nf4", "model.lora.base_quantization='nf4': expected "
+                                            "one of ('', 'int8')"),
+    ("model.lora.targets", "(", "model.lora.targets='(': expected a regular expression"),
+    ("init_from", "", "model.lora.rank=4: expected init_from"),
+])
+def test_bad_lora_settings_are_one_line_errors(key, value, says, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    config = small_config()
+    config.init_from = f"hf:{tmp_path}"
+    config.update_from_flattened_dict({key: value})
+    with pytest.raises(ValueError) as error:
+        validate_config(config)
+    assert str(error.value).startswith(says) and "\n" not in str(error.value)
+
+
+def test_qlora_without_lora_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    config = small_config(rank=0, base_quantization="int8")
+    config.init_from = f"hf:{tmp_path}"
+    with pytest.raises(ValueError) as error:
+        validate_config(config)
+    assert str(error.value).startswith("model.lora.base_quantization='int8': expected "
+                                       "model.lora.rank > 0")
+
+
+# --- end to end: an imported tiny Llama, the CLI, transformers and peft ----------------------
+
+
+def tiny_llama(directory, seed=0):
+    """A randomized tiny LlamaForCausalLM saved with save_pretrained."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    hf.save_pretrained(directory)
+    return directory
+
+
+def lora_flags(base, steps, *extra):
+    return ["--config=experiments/gpt_tiny.py", f"--config.init_from=hf:{base}",
+            "--config.model.lora.rank=4", f"--config.steps={steps}", "--config.batch_size=4",
+            "--config.seq_len=16", "--config.log_every=1", f"--config.eval_every={steps}",
+            "--config.eval_steps=1", "--config.checkpoint_every=2",
+            "--config.optimizer.warmup_steps=0", "--config.data.num_sentinels=0", *extra]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """(base dir, workdir, stdout) of 3 LoRA steps on a tiny imported Llama."""
+    from test_train import assert_succeeded, run_cli
+
+    root = tmp_path_factory.mktemp("lora")
+    base = tiny_llama(root / "base")
+    result = run_cli("transformer.train", *lora_flags(base, 3), f"--workdir={root / 'run'}",
+                     logs=root / "logs")
+    assert_succeeded(result)
+    return base, root / "run", result.stdout
+
+
+@pytest.mark.slow
+def test_a_lora_run_starts_with_its_sizes_and_checkpoints_only_adapters(lora_run):
+    from transformer import checkpoint
+
+    _, workdir, stdout = lora_run
+    line = next(x for x in stdout.splitlines() if x.startswith("lora: "))
+    assert line.startswith("lora: rank 4, ") and "trainable" in line and \
+        "optimizer state" in line, line
+    _, metadata = checkpoint.params_metadata(str(workdir))
+    assert metadata and all(lora.is_adapter(k) for k in metadata), sorted(metadata)[:4]
+    base = checkpoint.saved_lora_base(str(workdir), 3)
+    assert base["init_from"].startswith("hf:") and len(base["fingerprint"]) == 16
+
+
+@pytest.mark.slow
+def test_resume_reads_the_base_again_and_refuses_another_in_one_line(lora_run, tmp_path):
+    import shutil
+
+    from test_train import assert_succeeded, run_cli, train_losses
+
+    base, workdir, _ = lora_run
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    shutil.rmtree(copy / "checkpoints" / "3")  # resume from step 2
+    result = run_cli("transformer.train", *lora_flags(base, 3), f"--workdir={copy}",
+                     logs=tmp_path / "resume")
+    assert_succeeded(result)
+    assert train_losses(copy)[3] == pytest.approx(train_losses(workdir)[3], rel=1e-5)
+    # The base directory now holds other weights (retrained, replaced): refused in one line.
+    other = tiny_llama(tmp_path / "other", seed=1)
+    weights = base / "model.safetensors"
+    original = weights.read_bytes()
+    try:
+        shutil.copyfile(other / "model.safetensors", weights)
+        result = run_cli("transformer.train", *lora_flags(base, 4), f"--workdir={copy}",
+                         logs=tmp_path / "other_logs")
+    finally:
+        weights.write_bytes(original)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: LoRA checkpoint step 3: its adapters were trained on base "
+                           f"hf:{base} (fingerprint ") and \
+        f"init_from=hf:{base} now holds other params" in last, last
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_an_fsdp_tensor_mesh_equals_one_device(lora_run, tmp_path):
+    import subprocess
+    import sys
+
+    from test_train import REPO, cli_env, describe, train_losses
+
+    base, workdir, _ = lora_run
+    flags = lora_flags(base, 3, "--config.mesh.data=1", "--config.mesh.fsdp=2",
+                       "--config.mesh.tensor=2")
+    result = subprocess.run([sys.executable, "-m", "transformer.train", *flags,
+                             f"--workdir={tmp_path / 'mesh'}"], cwd=REPO, env=cli_env(4),
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, describe(result)
+    assert "fsdp=2" in result.stdout and "tensor=2" in result.stdout
+    ours, one = train_losses(tmp_path / "mesh"), train_losses(workdir)
+    assert ours.keys() == one.keys()
+    for step in one:
+        assert ours[step] == pytest.approx(one[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_both_exports_give_our_logits_in_transformers_and_peft(lora_run, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from test_train import assert_succeeded, run_cli
+
+    from transformer import finetune
+
+    base, workdir, _ = lora_run
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    assert_succeeded(run_cli("transformer.export", f"--workdir={workdir}",
+                             f"--output={merged}", "--merge_lora", logs=tmp_path))
+    result = run_cli("transformer.export", f"--workdir={workdir}", f"--output={adapter}",
+                     logs=tmp_path)
+    assert_succeeded(result)
+    assert "as a peft LoRA adapter" in result.stdout
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json",
+                                                         "adapter_model.safetensors"]
+    saved = finetune.restore_params(str(workdir))
+    ids = np.random.RandomState(0).randint(0, 300, (2, 12))
+    ours = logits(build_model(saved.config.model), saved.params, ids)
+    with torch.no_grad():
+        hf_merged = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
+        got_merged = hf_merged(input_ids=torch.tensor(ids)).logits.numpy()
+        hf_base = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+        got_base = hf_base(input_ids=torch.tensor(ids)).logits.numpy()
+        with_adapter = peft.PeftModel.from_pretrained(hf_base, adapter).eval()
+        got_peft = with_adapter(input_ids=torch.tensor(ids)).logits.numpy()
+    scale = np.abs(ours).max()
+    assert np.abs(got_base - ours).max() > 1e-3 * scale  # the adapters changed the model
+    assert np.abs(got_merged - ours).max() <= 1e-5 * scale
+    assert np.abs(got_peft - ours).max() <= 1e-5 * scale
+    result = run_cli("transformer.export", f"--workdir={workdir}",
+                     f"--output={tmp_path / 'again'}", "--merge_lora", "--step=2",
+                     logs=tmp_path)
+    assert_succeeded(result)
