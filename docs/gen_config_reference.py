@@ -175,8 +175,9 @@ MEANINGS: dict[str, str] = {
     "model.scan_layers": "Run the stack as one `nn.scan` over layers (faster compiles).",
     "model.remat_policy": "What the backward pass recomputes: none, everything (`full`) or all "
                           "but the matmuls.",
-    "model.attention_impl": "The attention kernel; `auto`: splash on TPU, cuDNN on GPU, chunked "
-                            "for long sequences, else dense.",
+    "model.attention_impl": "The attention kernel; `auto`: splash on TPU (per device under a "
+                            "`sequence` axis too), cuDNN on GPU, chunked for long sequences, "
+                            "else dense.",
     "model.sequence_parallel": "Under a `sequence` mesh axis: how attention reaches the other "
                                "devices' keys.",
     "model.sequence_load_balance": "Under a `sequence` mesh axis: lay decoder LMs' sequences out "

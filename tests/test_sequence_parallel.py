@@ -4,6 +4,8 @@ strategies against one device, in attention and in training."""
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -163,3 +165,75 @@ def test_a_checkpoint_saved_on_one_sequence_mesh_continues_on_another(results):
 def test_a_seq_len_the_axis_does_not_split_is_refused_before_anything_runs(results):
     assert results["errors"]["seq_len"] == (
         "seq_len=40: expected a multiple of 2 x mesh.sequence=8 (load-balanced chunks)")
+
+
+# --- splash per device (Pallas interpret mode; 8 forced CPU devices in sequence_splash_check) --
+
+
+def test_splash_reason_names_what_splash_cannot_run_under_the_axis():
+    """None where splash runs each device's block; otherwise the reason the kernel line gives
+    for running the chunked kernel instead."""
+    order = sequence_parallel.zigzag(512, 2)
+    ids = jnp.ones((2, 512), jnp.int32)
+    packed = masks.Permuted(masks.Causal() & masks.Segment(ids), jnp.asarray(order),
+                            zigzag_shards=2)
+    reason = functools.partial(sequence_parallel.splash_reason, q_len=512, kv_len=512,
+                               num_shards=2, platform="tpu", interpret=False)
+    assert reason(packed, None, strategy="all_gather") is None
+    assert reason(masks.Causal() & masks.SlidingWindow(left=9), None,
+                  strategy="all_gather") is None
+    assert "all_gather strategy only" in reason(packed, None, strategy="ring")
+    assert "no bias" in reason(packed, lambda q, k: q, strategy="all_gather")
+    assert "segment ids" in reason(masks.PrefixLM(jnp.array([3, 4])), None,
+                                   strategy="all_gather")
+    assert "multiples of 128" in sequence_parallel.splash_reason(
+        packed, None, strategy="all_gather", q_len=256, kv_len=256, num_shards=4,
+        platform="tpu", interpret=False)
+    assert "platform tpu" in sequence_parallel.splash_reason(
+        packed, None, strategy="all_gather", q_len=512, kv_len=512, num_shards=2,
+        platform="cpu", interpret=False)
+
+    def traced(order):  # an order only known at run time needs `zigzag_shards`
+        unmarked = masks.Permuted(masks.Causal(), order)
+        assert "at trace time" in reason(unmarked, None, strategy="all_gather")
+        marked = masks.Permuted(masks.Causal(), order, zigzag_shards=2)
+        assert reason(marked, None, strategy="all_gather") is None
+        return order
+    jax.jit(traced)(jnp.asarray(order))
+
+
+@pytest.fixture(scope="module")
+def splash_results(tmp_path_factory):
+    return run_check("sequence_splash_check.py", tmp_path_factory)
+
+
+@pytest.mark.slow
+def test_splash_per_device_gives_the_chunked_and_one_device_attention(splash_results):
+    """Packed causal rows with padding, sequence 2 and 4, zig-zag on and off, a sliding window
+    with soft-capped logits, data x sequence x tensor: outputs and q/k/v gradients."""
+    diffs = splash_results["attention"]
+    assert len(diffs) == 5 and any("contiguous" in case for case in diffs)
+    bad = {case: d for case, d in diffs.items() if max(d.values()) > 1e-5}
+    assert not bad, bad
+
+
+@pytest.mark.slow
+def test_a_gpt_with_splash_under_the_axis_matches_chunked_and_one_device(splash_results):
+    runs = splash_results["model"]
+    assert set(runs) == {"sequence=2/zigzag", "sequence=4/zigzag", "sequence=4/contiguous"}
+    for name, run in runs.items():
+        n = name.split("/")[0].split("=")[1]
+        assert run["kernels"] == [f"splash per device, all_gather over sequence={n}"], name
+        assert run["vs_chunked"] < 1e-5 and run["vs_one_device"] < 1e-5, (name, run)
+        np.testing.assert_allclose(run["loss"], run["want_loss"], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_what_splash_cannot_run_under_the_axis_runs_chunked_and_says_why(splash_results):
+    assert splash_results["fallbacks"] == {
+        "ring": ["chunked per device, ring over sequence=2 (splash runs the all_gather "
+                 "strategy only (got ring))"],
+        "prefix_lm": ["chunked per device, all_gather over sequence=2 (splash takes no "
+                      "per-example mask but segment ids (prefix-LM, padding))"],
+        "alibi": ["chunked per device, all_gather over sequence=2 (splash takes no bias "
+                  "(ALiBi / T5))"]}

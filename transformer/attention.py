@@ -277,8 +277,8 @@ def attend(
       dropout_rate, dropout_rng: dropout on the attention weights (training only).
       return_weights: also return the weights [B, N, T, S].
       sequence_parallel: "all_gather" or "ring": the strategy when the mesh in context splits
-        the length over its `sequence` axis (see `sequence_parallel`); `impl` is then chunked
-        per device.
+        the length over its `sequence` axis (see `sequence_parallel`); each device then runs
+        splash where `impl` is "splash" (or "auto" on TPU) and splash can, else chunked.
       softcap: > 0 soft-caps the scaled logits (see `dot_product_attention`). Every kernel but
         cuDNN takes it; "auto" then skips cuDNN.
 
@@ -297,10 +297,9 @@ def attend(
     if (split > 1 and not (dropout_rate or return_weights)
             and (mask is None or isinstance(mask, Mask)) and (bias is None or callable(bias))
             and query.shape[1] % split == 0 and key.shape[1] % split == 0):
-        kernels.record(f"chunked per device, {sequence_parallel} over sequence={split}")
-        return sequence_parallel_lib.attention(query, key, value, mask, bias,
-                                               strategy=sequence_parallel, scale=scale,
-                                               softcap=softcap)
+        return _attend_split(query, key, value, mask, bias, impl=impl, scale=scale,
+                             strategy=sequence_parallel, softcap=softcap, split=split,
+                             platform=platform)
     if dropout_rate or return_weights:
         impl = "dense"
         kernels.record(impl)
@@ -325,6 +324,27 @@ def attend(
                                  return_weights=return_weights,
                                  q_block=_cpu_query_block(query.shape[1], platform),
                                  softcap=softcap)
+
+
+def _attend_split(query, key, value, mask, bias, *, impl, scale, strategy, softcap, split,
+                  platform):
+    """Attention under a `sequence` axis of `split` devices: splash per device where `impl` asks
+    for it ("splash", or "auto" on TPU) and it can run, else the chunked kernel; the kernel line
+    says which, and why splash could not."""
+    note = ""
+    if impl == "splash" or (impl == "auto" and platform == "tpu"):
+        interpret = platform != "tpu"
+        reason = sequence_parallel_lib.splash_reason(
+            mask, bias, strategy=strategy, q_len=query.shape[1], kv_len=key.shape[1],
+            num_shards=split, platform=platform, interpret=interpret)
+        if reason is None:
+            kernels.record(f"splash per device, {strategy} over sequence={split}")
+            return sequence_parallel_lib.splash_attention(query, key, value, mask, scale=scale,
+                                                          softcap=softcap, interpret=interpret)
+        note = f" (splash {reason})"
+    kernels.record(f"chunked per device, {strategy} over sequence={split}{note}")
+    return sequence_parallel_lib.attention(query, key, value, mask, bias, strategy=strategy,
+                                           scale=scale, softcap=softcap)
 
 
 def _cpu_query_block(q_len: int, platform: str) -> int | None:

@@ -261,26 +261,36 @@ def _static_dense(mask: Mask, q_len: int, kv_len: int) -> np.ndarray:
 # Splash attention (TPU Pallas kernel)
 
 
-def _splash_mask(mask: Mask | None, q_len: int, kv_len: int):
-    """A static mask spec -> a 2-D splash mask of shape (q_len, kv_len)."""
+def _splash_mask(mask: Mask | None, q_len: int, kv_len: int, q_order: np.ndarray | None = None):
+    """A static mask spec -> a 2-D splash mask of shape (q_len, kv_len).
+
+    `q_order` [q_len]: row i is query `q_order[i]` of `mask` (a zig-zag query layout under the
+    sequence axis; keys stay in order). Splash's lazy masks take it as their `q_sequence`, the
+    query positions the kernel evaluates the mask at; other masks are built row-permuted.
+    """
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     shape, offset = (q_len, kv_len), kv_len - q_len  # ours: bottom-right aligned
     if mask is None or isinstance(mask, Full):
         return sm.FullMask(shape)
     if isinstance(mask, Causal):
-        return sm.CausalMask(shape, offset=offset)
-    if isinstance(mask, SlidingWindow):
-        return sm.LocalMask(shape, (mask.left, mask.right), offset=offset)
-    if isinstance(mask, ChunkedCausal) and offset == 0:  # splash's chunked mask has no offset
-        return sm.ChunkedCausalMask(shape, mask.chunk_size)
-    if isinstance(mask, And | Or):
-        parts = [_splash_mask(p, q_len, kv_len) for p in mask.parts]
+        lazy = sm.CausalMask(shape, offset=offset)
+    elif isinstance(mask, SlidingWindow):
+        lazy = sm.LocalMask(shape, (mask.left, mask.right), offset=offset)
+    elif isinstance(mask, ChunkedCausal) and offset == 0:  # splash's has no offset
+        lazy = sm.ChunkedCausalMask(shape, mask.chunk_size)
+    elif isinstance(mask, And | Or):
+        parts = [_splash_mask(p, q_len, kv_len, q_order) for p in mask.parts]
         result = parts[0]
         for part in parts[1:]:
             result = result & part if isinstance(mask, And) else result | part
         return result
-    return sm.NumpyMask(np.ascontiguousarray(_static_dense(mask, q_len, kv_len)))
+    else:
+        dense = _static_dense(mask, q_len, kv_len)
+        return sm.NumpyMask(np.ascontiguousarray(dense if q_order is None else dense[q_order]))
+    if q_order is not None:
+        lazy.q_sequence = np.asarray(q_order, np.int32)
+    return lazy
 
 
 def _segment_ids(parts, batch: int, q_len: int, kv_len: int) -> tuple[Array, Array]:
@@ -389,52 +399,69 @@ def _splash_partition(mesh, batch: int, num_heads: int, num_kv_heads: int):
     return b, h, h
 
 
-def _splash_local(query, key, value, *extras, lowering, static_mask, scale, block_size,
-                  interpret, softcap):
-    """The splash kernel on one device's [B, T, N, H] / [B, S, K, H] shards (and mask inputs)."""
+def splash_kernel(splash_mask, *, num_heads: int, mqa: bool, q_len: int, kv_len: int,
+                  block_size: int, interpret: bool, softcap: float, q_seq_shards: int = 1):
+    """Splash's kernel for `splash_mask` (a 2-D splash mask shared by all heads, or a boolean
+    jax array [N, T, S]) over q_len queries per device (times `q_seq_shards`: the kernel's mask
+    information then covers every device's queries, split by `q_seq_shards` along its query
+    blocks) and kv_len keys."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    _, q_len, num_heads, _ = query.shape
-    kv_len, num_kv_heads = key.shape[1], key.shape[2]
     bq, bkv = _block(q_len, block_size), _block(kv_len, block_size)
     blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                            block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq,
                            block_kv_dq=bkv)
-    mqa = num_kv_heads == 1
     make = sk.make_splash_mqa if mqa else sk.make_splash_mha
+    dynamic = isinstance(splash_mask, jax.Array)
+    if not dynamic:
+        splash_mask = sm.MultiHeadMask([splash_mask] * num_heads)
+    # The query is scaled before the kernel, so its cap applies to the scaled logits.
+    kernel = make(splash_mask, block_sizes=blocks, head_shards=1, q_seq_shards=q_seq_shards,
+                  interpret=interpret, attn_logits_soft_cap=softcap or None)
+    if dynamic:
+        # The installed splash turns the MaskInfo flag `is_dynamic_mask` into a jnp array,
+        # which is a tracer under jit, and then branches on it in `__call__`
+        # (TracerBoolConversionError). Restore the Python bool it stands for.
+        for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
+            info = getattr(kernel, name)
+            if info is not None:
+                setattr(kernel, name, info._replace(is_dynamic_mask=True))
+    return kernel
 
-    def kernel_for(splash_mask):
-        # The query is scaled before the kernel, so its cap applies to the scaled logits.
-        kernel = make(splash_mask, block_sizes=blocks, head_shards=1, q_seq_shards=1,
-                      interpret=interpret, attn_logits_soft_cap=softcap or None)
-        if isinstance(splash_mask, jax.Array):
-            # The installed splash turns the MaskInfo flag `is_dynamic_mask` into a jnp array,
-            # which is a tracer under jit, and then branches on it in `__call__`
-            # (TracerBoolConversionError). Restore the Python bool it stands for.
-            for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
-                info = getattr(kernel, name)
-                if info is not None:
-                    setattr(kernel, name, info._replace(is_dynamic_mask=True))
-        return kernel
+
+def splash_run(kernel, query, key, value, segment_ids=(), *, scale: float) -> Array:
+    """`kernel` (from `splash_kernel`) on query [B, T, N, H], key / value [B, S, K, H] (K == 1:
+    an MQA kernel) and optional int32 segment ids (q [B, T], kv [B, S]); out [B, T, N, H]."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     q_BNTH = (query * jnp.asarray(scale, query.dtype)).transpose(0, 2, 1, 3)
     k_BKSH, v_BKSH = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
-    if mqa:
+    if kernel.kwargs["is_mqa"]:
         k_BKSH, v_BKSH = k_BKSH[:, 0], v_BKSH[:, 0]
-    if lowering == "dense":
-        out_BNTH = jax.vmap(lambda q, k, v, m: kernel_for(m)(q, k, v))(q_BNTH, k_BKSH, v_BKSH,
-                                                                        *extras)
+    if not segment_ids:
+        out_BNTH = jax.vmap(kernel)(q_BNTH, k_BKSH, v_BKSH)
     else:
-        head_mask = _splash_mask(static_mask, q_len, kv_len)
-        kernel = kernel_for(sm.MultiHeadMask([head_mask] * num_heads))
-        if not extras:
-            out_BNTH = jax.vmap(kernel)(q_BNTH, k_BKSH, v_BKSH)
-        else:
-            out_BNTH = jax.vmap(lambda q, k, v, qs, ks: kernel(
-                q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks)))(q_BNTH, k_BKSH, v_BKSH,
-                                                                  *extras)
+        out_BNTH = jax.vmap(lambda q, k, v, qs, ks: kernel(
+            q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks)))(q_BNTH, k_BKSH, v_BKSH,
+                                                              *segment_ids)
     return out_BNTH.transpose(0, 2, 1, 3)
+
+
+def _splash_local(query, key, value, *extras, lowering, static_mask, scale, block_size,
+                  interpret, softcap):
+    """The splash kernel on one device's [B, T, N, H] / [B, S, K, H] shards (and mask inputs)."""
+    _, q_len, num_heads, _ = query.shape
+    kv_len, num_kv_heads = key.shape[1], key.shape[2]
+    make = functools.partial(splash_kernel, num_heads=num_heads, mqa=num_kv_heads == 1,
+                             q_len=q_len, kv_len=kv_len, block_size=block_size,
+                             interpret=interpret, softcap=softcap)
+    if lowering == "dense":  # one kernel per example's [N, T, S] mask
+        return jax.vmap(lambda q, k, v, m: splash_run(make(m), q[None], k[None], v[None],
+                                                      scale=scale)[0])(query, key, value,
+                                                                       *extras)
+    kernel = make(_splash_mask(static_mask, q_len, kv_len))
+    return splash_run(kernel, query, key, value, extras, scale=scale)
 
 
 # -----------------------------------------------------------------------------

@@ -411,6 +411,9 @@ class Permuted(Mask):
     mask: Mask
     q_order: jax.Array  # [Q] int: original query index of each row
     kv_order: jax.Array | None = None  # [K] int: original key index of each column
+    # n > 0: q_order is `sequence_parallel.zigzag(length, n)`, known at trace time even where
+    # q_order is traced (splash under the sequence axis builds its mask from it)
+    zigzag_shards: int = struct.field(pytree_node=False, default=0)
 
     is_static: ClassVar[bool] = False
 

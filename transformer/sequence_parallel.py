@@ -25,6 +25,16 @@ stay exact.
 Masks and biases are evaluated at global indices (`chunked_attention`'s `totals` / `offsets`);
 bias functions (ALiBi, T5) read positions in the layout order. Dense mask or bias arrays are not
 supported under the axis (the models build Mask specs and bias functions when it is on).
+
+Splash (TPU). With `attention_impl` "auto" on TPU (or "splash"; Pallas interpret mode elsewhere)
+the all-gather strategy runs splash per device instead of the chunked kernel (`splash_attention`):
+each device gathers K and V, puts them back in the original order (`from_zigzag`) and runs its
+query block against them. Splash evaluates the mask at the query positions of its `q_sequence`,
+so the kernel is built once for the whole (zig-zag) query order with `q_seq_shards` = n and each
+device receives its slice of the mask information. Packed documents go in as splash segment ids.
+What splash cannot express falls back to the chunked kernel, and the kernel line says why
+(`splash_reason`): the ring, biases (ALiBi, T5), per-example masks other than segment ids
+(prefix-LM, padding), lengths whose per-device blocks are not multiples of 128.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from transformer import sharding
+from transformer import kernels, masks, sharding
 from transformer.chunked_attention import _backward, _forward, _prepare, chunked_attention
 
 AXIS = "sequence"
@@ -204,6 +214,114 @@ def _ring(q, k, v, mask, bias, *, scale, q_chunk, kv_chunk, softcap):
     return ring(q, k, v, mask_args, bias_args)
 
 
+def splash_reason(mask, bias, *, strategy: str, q_len: int, kv_len: int, num_shards: int,
+                  platform: str, interpret: bool) -> str | None:
+    """Why splash cannot run each device's block under the axis (None: it can); then
+    `attention` (the chunked kernel) runs it."""
+    if platform != "tpu" and not interpret:
+        return f"needs platform tpu (got {platform})"
+    if strategy != "all_gather":
+        return f"runs the all_gather strategy only (got {strategy})"
+    if bias is not None:
+        return "takes no bias (ALiBi / T5)"
+    if q_len != kv_len or (q_len // num_shards) % kernels._LANES:
+        return (f"needs q_len == kv_len and per-device blocks that are multiples of "
+                f"{kernels._LANES} (got {q_len} / {num_shards}, {kv_len})")
+    layout = _splash_layout(mask, q_len, num_shards)
+    return layout if isinstance(layout, str) else None
+
+
+def _splash_layout(mask, length: int, n: int):
+    """mask -> (query order or None, static Mask or None, Segment or None), or a reason string.
+
+    The order is a NumPy array known at trace time: from a zig-zag `masks.Permuted`'s
+    `zigzag_shards`, or from its `q_order` where that is concrete."""
+    order = None
+    if isinstance(mask, masks.Permuted):
+        if mask.kv_order is not None:
+            return "takes one order for queries and keys"
+        if mask.zigzag_shards == n:
+            order = zigzag(length, n)
+        else:
+            try:
+                order = np.asarray(mask.q_order)
+            except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+                return "needs a permuted mask's order at trace time (masks.Permuted.zigzag_shards)"
+        mask = mask.mask
+    parts = () if mask is None else mask.parts if isinstance(mask, masks.And) else (mask,)
+    static = [p for p in parts if p.is_static]
+    dynamic = [p for p in parts if not p.is_static]
+    if len(dynamic) > 1 or any(not isinstance(p, masks.Segment) or p.kv_segment_ids is not None
+                               for p in dynamic):
+        return "takes no per-example mask but segment ids (prefix-LM, padding)"
+    static = None if not static else static[0] if len(static) == 1 else masks.And(tuple(static))
+    if static is not None and not kernels._allows_diagonal(static):
+        return "needs a static mask that allows every query's own position"
+    return order, static, dynamic[0] if dynamic else None
+
+
+def splash_attention(query: Array, key: Array, value: Array, mask=None, *,
+                     scale: float | None = None, softcap: float = 0.0, interpret: bool = False,
+                     block_size: int = 512) -> Array:
+    """What `attention(strategy="all_gather")` computes, with the splash kernel per device
+    (`splash_reason` must be None). Batch and heads split over the other mesh axes as the rules
+    table splits them (`kernels.splash_attention`'s partition); the kernel runs per device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    n = mesh.shape[AXIS]
+    batch, length, num_heads, head_dim = query.shape
+    order, static, segment = _splash_layout(mask, length, n)
+    b, h, kv_h = kernels._splash_partition(mesh, batch, num_heads, key.shape[2])
+    local_heads = num_heads // (1 if h is None else int(np.prod([mesh.shape[a] for a in (
+        h if isinstance(h, tuple) else (h,))])))
+    q_order = np.arange(length) if order is None else order
+    kernel = kernels.splash_kernel(
+        kernels._splash_mask(static, length, length, q_order), num_heads=local_heads,
+        mqa=key.shape[2] == 1, q_len=length // n, kv_len=length, block_size=block_size,
+        interpret=interpret, softcap=softcap, q_seq_shards=n)
+    ids = ()
+    if segment is not None:  # queries' ids in the layout order, keys' in the original order
+        kv_ids = jnp.broadcast_to(jnp.asarray(segment.q_segment_ids, jnp.int32), (batch, length))
+        ids = (jnp.take(kv_ids, jnp.asarray(q_order), axis=1), kv_ids)
+    scale = head_dim**-0.5 if scale is None else scale
+
+    def local(kernel, q, k, v, *ids):
+        k, v = (lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (k, v))
+        if order is not None:  # back to the original order, which the keys' mask assumes
+            k, v = _unpermute(k, order, n), _unpermute(v, order, n)
+        out = kernels.splash_run(kernel, q, k, v, ids, scale=scale)
+        if ids:  # a padding query (id 0) has no key: zeros, as the other kernels give
+            out = jnp.where((ids[0] != 0)[:, :, None, None], out, 0).astype(out.dtype)
+        return out
+
+    q_spec, kv_spec = P(b, AXIS, h, None), P(b, AXIS, kv_h, None)
+    ids_specs = (P(b, AXIS), P(b, None)) if ids else ()
+    return jax.shard_map(local, in_specs=(_kernel_specs(kernel), q_spec, kv_spec, kv_spec,
+                                          *ids_specs),
+                         out_specs=q_spec, check_vma=False)(kernel, query, key, value, *ids)
+
+
+def _unpermute(x, order: np.ndarray, n: int):
+    """x [B, S, ...] in the layout `order` -> the original order."""
+    if np.array_equal(order, zigzag(len(order), n)):
+        return from_zigzag(x, n)  # reshapes, no gather
+    return jnp.take(x, jnp.asarray(np.argsort(order)), axis=1)
+
+
+def _kernel_specs(kernel):
+    """shard_map specs of a splash kernel built with q_seq_shards = n: its mask information
+    split along the query blocks over the axis (as splash's `manual_sharding_spec` does)."""
+    def info(mask_info):
+        if mask_info is None:
+            return None
+        split = {name: P(AXIS) if name == "q_sequence" else P(None, AXIS)
+                 for name in ("data_next", "mask_next", "block_mask", "q_sequence")
+                 if getattr(mask_info, name) is not None}
+        whole = P() if mask_info.partial_mask_blocks is not None else None
+        return mask_info._replace(partial_mask_blocks=whole, **split)
+    return type(kernel)(info(kernel.fwd_mask_info), info(kernel.dq_mask_info),
+                        info(kernel.dkv_mask_info), **kernel.kwargs)
+
+
 def _merge(out, lse, out_s, lse_s):
     """Two normalised partial attentions (out [B, T, N, H], logsumexp [B, T, N], -inf: no key
     yet) -> the attention over the union of their keys."""
@@ -229,4 +347,5 @@ def _lse_tiles(t, rows):
     return tiles.transpose(1, 0, 3, 4, 2)
 
 
-__all__ = ["AXIS", "STRATEGIES", "attention", "check_length", "shards", "zigzag"]
+__all__ = ["AXIS", "STRATEGIES", "attention", "check_length", "shards", "splash_attention",
+           "splash_reason", "zigzag"]

@@ -119,7 +119,8 @@ class DecoderLM(nn.Module):
             tokens_BT = sequence_parallel.to_zigzag(tokens_BT, split)
             positions = sequence_parallel.to_zigzag(positions, split)
             order = jnp.asarray(sequence_parallel.zigzag(length, split))
-            mask, local_mask = masks.Permuted(mask, order), masks.Permuted(local_mask, order)
+            mask, local_mask = (masks.Permuted(m, order, zigzag_shards=split)
+                                for m in (mask, local_mask))
         x_BTD = self.embed(tokens_BT)
         x_BTD = self.decoder(x_BTD, mask, positions, deterministic=deterministic, decode=decode,
                              kv_positions=kv_positions, local_mask=local_mask)
