@@ -516,3 +516,60 @@ def test_bad_chat_data_stops_the_cli_with_one_line_before_training(tmp_path, lla
     assert_one_line_error(result, 2, f"{train}:4: message 1 has no \"role\"")
     assert not (tmp_path / "run" / "checkpoints").exists() or \
         not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_lora_sft_on_an_imported_llama_exports_to_transformers_and_peft(tmp_path, llama3_dir):
+    """Issue 48's path end to end: an imported Llama with its chat tokenizer, LoRA adapters
+    trained on chat JSONL (loss on assistant tokens), then the merged model and the peft
+    adapter, each loaded by transformers / peft with our logits."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformer import finetune, lora
+    from transformer.models import build_model
+
+    model_dir = tmp_path / "llama"
+    build_tokenizer(model_dir, LLAMA3)
+    tiny_llama(model_dir, len(json.loads((model_dir / "tokenizer.json").read_text())
+                             ["model"]["vocab"]))
+    train = write_jsonl(tmp_path / "train.jsonl", [conversation(s) for s in range(32)])
+    val = write_jsonl(tmp_path / "val.jsonl", [conversation(s) for s in range(32, 36)])
+    workdir = tmp_path / "run"
+    result = run("transformer.train", "--config=experiments/sft_chat.py", f"--workdir={workdir}",
+                 f"--config.init_from=hf:{model_dir}", f"--config.data.path={train}",
+                 f"--config.data.validation_path={val}", "--config.model.lora.rank=4",
+                 "--config.model.lora.alpha=8", "--config.steps=6", "--config.batch_size=4",
+                 "--config.seq_len=256", "--config.log_every=1", "--config.eval_every=6",
+                 "--config.eval_steps=4", "--config.checkpoint_every=6",
+                 "--config.optimizer.learning_rate=1e-2", "--config.optimizer.warmup_steps=0")
+    assert "lora: rank 4, " in result.stdout
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r.get("split") == "train"]
+    assert len(losses) == 6 and np.isfinite(losses).all() and losses[-1] < losses[0]
+
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    run("transformer.export", f"--workdir={workdir}", f"--output={merged}", "--merge_lora")
+    run("transformer.export", f"--workdir={workdir}", f"--output={adapter}")
+    saved = finetune.restore_params(str(workdir))
+    assert any(lora.is_adapter(k) for k in flat_names(saved.params))
+    tok = transformers.AutoTokenizer.from_pretrained(merged)  # the chat template travels
+    ids = np.asarray([tok.apply_chat_template(conversation(40), tokenize=True)["input_ids"]])
+    model = build_model(saved.config.model)
+    ours = np.asarray(model.apply({"params": saved.params}, ids))
+    with torch.no_grad():
+        got_merged = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(
+            input_ids=torch.tensor(ids)).logits.numpy()
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        got_base = base(input_ids=torch.tensor(ids)).logits.numpy()
+        got_peft = peft.PeftModel.from_pretrained(base, adapter).eval()(
+            input_ids=torch.tensor(ids)).logits.numpy()
+    scale = np.abs(ours).max()
+    assert np.abs(got_base - ours).max() > 1e-3 * scale  # the adapters changed the model
+    assert np.abs(got_merged - ours).max() <= 1e-5 * scale
+    assert np.abs(got_peft - ours).max() <= 1e-5 * scale
+
+
+def flat_names(params) -> list[str]:
+    from flax import traverse_util
+
+    return ["/".join(k) for k in traverse_util.flatten_dict(dict(params))]
