@@ -40,7 +40,8 @@ RUN_SETTINGS = frozenset({
     "family", "head", "num_classes", "dropout_rate", "attention_dropout_rate", "init_std",
     "dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers", "sequence_parallel",
     "sequence_load_balance", "image_size", "patch_size", "channels", "pooling",
-    "patch_position", "projection_dim", "moe.load_balance_loss", "moe.router_z_loss"})
+    "patch_position", "projection_dim", "moe.load_balance_loss", "moe.router_z_loss",
+    "quantization", "quantize_head"})
 # A checkpoint of the first family runs as the second (the same modules and params).
 _SAME_PARAMS = {("gpt", "prefix_lm")}
 _EXAMPLES = {"gpt": "gpt_tiny", "bert": "bert_mlm", "t5": "t5_span"}

@@ -60,6 +60,9 @@ def announce(run, mesh_summary: str) -> None:
         run.logger.print(f"new_data: step {start_step}'s params continue on a new data stream, "
                          "from its start (" + "; ".join(changes) + ")")
         run.logger.write(start_step, "new_data", {"changes": changes})
+    for change in getattr(run.manager, "compute_changes", ()):
+        run.logger.print(f"changed on resume: {change} (a compute setting; the checkpoint's "
+                         "params are float either way)")
     run.logger.print(mesh_summary)
     if run.task is not None:
         run.logger.print(f"task {run.task.name}: {len(run.task.labels)} classes; examples per "
