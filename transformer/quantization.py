@@ -17,10 +17,11 @@ What each setting quantizes (the recipes MaxText's Qwix `int8` and `fp8_full` us
   range, less precision, for gradients).
 
 Rounding is straight-through: the gradient of a quantized matmul is the float matmul's gradient
-evaluated at the quantized operands. Only matmuls with a param operand are quantized, so the
-attention scores and weighted values (activation x activation) stay in the compute dtype, as do
-the token embedding, mixture-of-experts einsums and, unless `model.quantize_head`, the output
-head (the tied embedding's logits, `lm_head`, classifier heads).
+evaluated at the quantized operands. Only the dense projections (`projection_dot`: an
+activation times a param kernel) are quantized, so the attention scores and weighted values
+(activation x activation) stay in the compute dtype, as do the token embedding lookup,
+mixture-of-experts einsums and, unless `model.quantize_head`, the projections outside the blocks:
+the output head (the tied embedding's logits, `lm_head`, classifier heads) and any other.
 """
 
 from __future__ import annotations
