@@ -172,6 +172,11 @@ MEANINGS: dict[str, str] = {
     "model.init_std": "Normal init std of the kernels; None: fan-in scaling (GPT-2: 0.02).",
     "model.dtype": "Compute dtype (softmax and loss stay float32).",
     "model.param_dtype": "Dtype the params are kept in.",
+    "model.quantization": "Quantized training through Qwix: '' (none), 'int8' or 'fp8' for the "
+                          "attention projections and MLPs (params stay float; it may change on "
+                          "resume). See docs/performance.md.",
+    "model.quantize_head": "With model.quantization: quantize the output head too (the tied "
+                           "embedding's logits or lm_head).",
     "model.scan_layers": "Run the stack as one `nn.scan` over layers (faster compiles).",
     "model.remat_policy": "What the backward pass recomputes: none, everything (`full`) or all "
                           "but the matmuls.",

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import kernels
+from transformer import kernels, quantization
 from transformer import lora as lora_lib
 from transformer import positions as positions_lib
 from transformer import sequence_parallel as sequence_parallel_lib
@@ -372,8 +372,8 @@ def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,
     size = math.prod(in_shape)
     if dtype is not None:
         x, kernel = x.astype(dtype), kernel.astype(dtype)
-    y = jnp.dot(x.reshape(-1, size), kernel.reshape(size, -1),
-                preferred_element_type=preferred_element_type)
+    y = quantization.projection_dot(x.reshape(-1, size), kernel.reshape(size, -1),
+                                    preferred_element_type)  # Qwix quantizes it, if asked
     return y.reshape(*lead, *out_shape)
 
 

@@ -47,11 +47,13 @@ LORA_BASE = "lora_base"  # a LoRA run's item naming its base: {"init_from", "fin
 _JSON_ITEMS = ("data", "config", "stream", LORA_BASE)
 _DELETED = "deleted"  # WORKDIR/checkpoints/deleted/<step>: old steps on their way out
 
+# Compute settings (params stay float whatever they are) that a resumed run announces changed.
+_COMPUTE_SETTINGS = ("quantization", "quantize_head")
 # Model settings that may change between a checkpoint and the run restoring it.
 _NON_STRUCTURAL = {"dropout_rate", "attention_dropout_rate", "remat_policy", "dtype",
                    "attention_impl", "sequence_parallel", "sequence_load_balance",
                    "moe.capacity_factor", "moe.load_balance_loss", "moe.router_z_loss",
-                   "lora.dropout"}
+                   "lora.dropout", *_COMPUTE_SETTINGS}
 
 
 def _model_settings(config: dict) -> dict:
@@ -92,6 +94,18 @@ def structural_differences(saved: dict, current: dict) -> list[str]:
     if saved_opt != current_opt:
         differences.append(f"optimizer.name: checkpoint {saved_opt!r}, config {current_opt!r}")
     return differences
+
+
+def compute_changes(saved: dict, current: dict) -> list[str]:
+    """The compute settings (`model.quantization`, `model.quantize_head`) that differ between a
+    checkpoint's config and the run resuming it: allowed, and announced.
+
+    >>> compute_changes({"model": {}}, {"model": {"quantization": "int8"}})
+    ["model.quantization: checkpoint '', config 'int8'"]
+    """
+    saved_model, current_model = _model_settings(saved), _model_settings(current)
+    return [f"model.{key}: checkpoint {saved_model.get(key)!r}, config {current_model.get(key)!r}"
+            for key in _COMPUTE_SETTINGS if saved_model.get(key) != current_model.get(key)]
 
 
 def stream_differences(saved: dict, current: dict) -> list[str]:
@@ -186,6 +200,7 @@ class Manager:
             warnings.filterwarnings("ignore", r"coroutine '.*serialize.*' was never awaited",
                                     RuntimeWarning)
         self.stream_changes: list[str] = []  # set by restore under new_data=True
+        self.compute_changes: list[str] = []  # set by restore: compute_changes
         self._keep = config.get("keep_checkpoints", 3)
         self._written: list[int] = []  # steps this manager saved: the only ones it may delete
         self._pending: int | None = None  # the step written last (possibly still in progress)
@@ -290,7 +305,9 @@ class Manager:
         and the config, and every difference in the data stream unless the config says
         new_data=True; returns the data-stream differences (empty when it is the same)."""
         where = f"checkpoint {self.directory}/{step}"
-        differences = structural_differences(self.saved_config(step), self.config.to_dict())
+        saved_config = self.saved_config(step)
+        differences = structural_differences(saved_config, self.config.to_dict())
+        self.compute_changes = compute_changes(saved_config, self.config.to_dict())
         if differences:
             raise ConfigMismatch(f"{where} does not match the config: " + "; ".join(differences))
         if self.stream is None:

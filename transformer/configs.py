@@ -359,6 +359,8 @@ CHECKS: dict[str, Check] = {
     "model.num_classes": _int(ge=0, note="0: the task's"),
     "model.dtype": _one_of(DTYPES),  # compute
     "model.param_dtype": _one_of(DTYPES),
+    "model.quantization": _one_of(("", "int8", "fp8")),  # transformer.quantization.SCHEMES
+    "model.quantize_head": _BOOL,
     "profile.start_step": _int(ge=1, note="the first traced step; step 1 compiles"),
     "profile.num_steps": _int(ge=0, note="0: no trace"),
     "profile.all_hosts": _BOOL,

@@ -42,7 +42,8 @@ RUN_SETTINGS = frozenset({
     "dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers", "sequence_parallel",
     "sequence_load_balance", "image_size", "patch_size", "channels", "pooling",
     "patch_position", "projection_dim", "moe.load_balance_loss", "moe.router_z_loss",
-    "lora.rank", "lora.alpha", "lora.targets", "lora.dropout", "lora.base_quantization"})
+    "lora.rank", "lora.alpha", "lora.targets", "lora.dropout", "lora.base_quantization",
+    "quantization", "quantize_head"})
 # A checkpoint of the first family runs as the second (the same modules and params).
 _SAME_PARAMS = {("gpt", "prefix_lm")}
 _EXAMPLES = {"gpt": "gpt_tiny", "bert": "bert_mlm", "t5": "t5_span"}

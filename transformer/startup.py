@@ -62,6 +62,9 @@ def announce(run, mesh_summary: str) -> None:
         run.logger.write(start_step, "new_data", {"changes": changes})
     if lora.enabled(config):
         run.logger.print(lora.summary(config, run.state))
+    for change in getattr(run.manager, "compute_changes", ()):
+        run.logger.print(f"changed on resume: {change} (a compute setting; the checkpoint's "
+                         "params are float either way)")
     run.logger.print(mesh_summary)
     if run.task is not None:
         run.logger.print(f"task {run.task.name}: {len(run.task.labels)} classes; examples per "

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from transformer import quantization
 from transformer.layers import TransformerConfig
 from transformer.models import bert, gpt, lstm, t5, vision
 from transformer.models.bert import EncoderModel
@@ -74,6 +75,10 @@ def default_model_config() -> ml_collections.ConfigDict:
         "patch_position": "sinusoidal_2d",
         # CLIP: the shared embedding width of the image and text projections.
         "projection_dim": 64,
+        # Quantized training (transformer.quantization, Qwix): "" | "int8" | "fp8" for the
+        # attention projections and MLPs; quantize_head also quantizes the output head.
+        "quantization": "",
+        "quantize_head": False,
     })
 
 
@@ -101,7 +106,8 @@ def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
         raise ValueError(f"moe.num_experts={moe.num_experts} with family="
                          f"{model_config.family!r}: expected a transformer family (its "
                          "feed-forward layers become experts)")
-    return family_of(model_config).build(model_config)
+    quantization.check(model_config)
+    return quantization.quantize(family_of(model_config).build(model_config), model_config)
 
 
 def init_cache(model: nn.Module, batch_size: int, cache_length: int,
