@@ -57,7 +57,8 @@ def test_accelerator_types_know_their_chips_hosts_and_memory():
     (dict(accelerator="v5p-32"), (TRAIN[0], "--workdir=/local/run", TRAIN[2]),
      "workdir='/local/run': a run on 4 hosts"),
     (dict(accelerator="v5p-32"), TRAIN + ("--config.mesh.data=3",),
-     "mesh data=3 x fsdp=1 x expert=1 x sequence=1 x tensor=1 = 3 devices: expected the 16"),
+     "mesh data=3 x stage=1 x fsdp=1 x expert=1 x sequence=1 x tensor=1 = 3 devices: "
+     "expected the 16"),
     (dict(accelerator="v5p-32"), TRAIN[:2] + ("--config.batch_size=24",),
      "batch_size=24: expected a multiple of the data-parallel size 16"),
     (dict(accelerator="v5p-32", num_slices=2), TRAIN + ("--config.mesh.data=1",

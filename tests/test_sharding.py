@@ -58,13 +58,13 @@ def test_mesh_shape_errors_name_the_bad_sizes(mesh, devices, message):
 def test_the_mesh_axis_table_drives_the_axes_the_config_and_the_batch_sharding():
     table = sharding.MESH_AXIS_TABLE
     assert sharding.MESH_AXES == tuple(axis.name for axis in table) == (
-        "data", "fsdp", "expert", "sequence", "tensor")
+        "data", "stage", "fsdp", "expert", "sequence", "tensor")
     assert sharding.BATCH_AXES == tuple(a.name for a in table if a.shards_batch) == (
         "data", "fsdp", "expert")
-    assert sharding.SLICE_AXIS == "data"
+    assert sharding.SLICE_AXIS == "data" and sharding.SLICE_AXES == ("data", "stage")
     defaults = configs.base_config().mesh
     assert defaults.to_dict() == {axis.name: axis.default for axis in table} == {
-        "data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
+        "data": -1, "stage": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
     mesh = sharding.make_mesh(defaults)
     assert mesh.axis_names == sharding.MESH_AXES
     assert sharding.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp", "expert"))
@@ -175,7 +175,8 @@ def test_every_param_name_the_models_use_has_a_rule():
 
 
 def test_dimensions_the_mesh_does_not_divide_stay_replicated():
-    mesh = AbstractMesh((1, 2, 1, 3, 4), sharding.MESH_AXES)  # data fsdp expert sequence tensor
+    # data stage fsdp expert sequence tensor
+    mesh = AbstractMesh((1, 1, 2, 1, 3, 4), sharding.MESH_AXES)
     rules = sharding.LOGICAL_AXIS_RULES
     # 2 KV heads cannot split over tensor=4; the embed dimension still splits over fsdp=2.
     fsdp = ("fsdp", "expert")  # outside the experts, the expert axis shards like fsdp
@@ -218,7 +219,7 @@ def test_summary_reports_per_device_bytes_and_batch():
     params = sum(x.size * 4 for x in jax.tree.leaves(abstract.params))
     assert sharding.bytes_per_device(abstract.params, shardings.params) == params
     text = sharding.summary(mesh, abstract, shardings, 16)
-    assert "mesh data=1 x fsdp=1 x expert=1 x sequence=1 x tensor=1" in text
+    assert "mesh data=1 x stage=1 x fsdp=1 x expert=1 x sequence=1 x tensor=1" in text
     assert "batch 16 global, 16 per data-parallel shard" in text
 
 
@@ -398,8 +399,8 @@ def test_a_run_resumes_on_another_process_count_like_one_uninterrupted_run(tmp_p
         assert json.loads((workdir / "summary.json").read_text())["step"] == STEPS
         log_text = (logs / f"resumed-{after}-0.log").read_text()
         assert f"steps {killed_at}..{STEPS}" in log_text
-        assert (f"mesh data=2 x fsdp=2 x expert=1 x sequence=1 x tensor=1 (4 devices, {after} "
-                "process(es))") in log_text
+        assert (f"mesh data=2 x stage=1 x fsdp=2 x expert=1 x sequence=1 x tensor=1 (4 devices, "
+                f"{after} process(es))") in log_text
         assert "batch 8 global, 2 per data-parallel shard" in log_text
         if after == 2:
             assert "steps" not in (logs / "resumed-2-1.log").read_text()  # process 1 is quiet

@@ -9,7 +9,7 @@ import jax
 import ml_collections
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation, fileio, finetune
+from transformer import evaluation, fileio, finetune, pipeline_parallel
 from transformer import placement as placement_lib
 from transformer.data import inputs
 from transformer.models import family_of
@@ -61,6 +61,9 @@ def announce(run, mesh_summary: str) -> None:
                          "from its start (" + "; ".join(changes) + ")")
         run.logger.write(start_step, "new_data", {"changes": changes})
     run.logger.print(mesh_summary)
+    stages = run.placement.mesh.shape.get(pipeline_parallel.STAGE_AXIS, 1)
+    if schedule := pipeline_parallel.describe(stages, *run.placement.schedule):
+        run.logger.print(schedule)
     if run.task is not None:
         run.logger.print(f"task {run.task.name}: {len(run.task.labels)} classes; examples per "
                          "class:\n" + run.task.balance())
