@@ -109,13 +109,17 @@ def base_config() -> ml_collections.ConfigDict:
     config.mesh = ml_collections.ConfigDict(
         {axis.name: axis.default for axis in sharding.MESH_AXIS_TABLE})
 
-    # Pipeline over mesh.stage (transformer.pipeline_parallel): microbatches per step (or per
-    # accumulation step), and repeats > 1 for the circular schedule (each stage holds that many
-    # blocks of layers spread through the stack; a smaller bubble).
-    config.pipeline = ml_collections.ConfigDict({"microbatches": 1, "repeats": 1})
-
+    config.pipeline = pipeline_config()
     config.profile, config.wandb = profile_config(), wandb_config()
     return config
+
+
+def pipeline_config() -> ml_collections.ConfigDict:
+    """base_config's pipeline group, used with mesh.stage > 1 (transformer.pipeline_parallel):
+    the microbatches each (accumulation) step's rows split into, and repeats > 1 for the
+    circular schedule (each stage holds that many blocks of layers spread through the stack;
+    a smaller bubble)."""
+    return ml_collections.ConfigDict({"microbatches": 1, "repeats": 1})
 
 
 def profile_config() -> ml_collections.ConfigDict:
