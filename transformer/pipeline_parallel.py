@@ -33,6 +33,13 @@ STAGE_AXIS = "stage"
 FAMILIES = ("gpt", "prefix_lm")  # decoder-only stacks: the only ones pipelined
 
 _SCHEDULE = contextvars.ContextVar("pipeline_schedule", default=(1, 1))
+_IN_STAGE = contextvars.ContextVar("pipeline_in_stage", default=False)
+
+
+def in_stage() -> bool:
+    """Whether a pipeline stage is being traced here (inside the `vmap` over stages, where a
+    `shard_map` cannot take the stage axis: MoE layers then dispatch by capacity buffers)."""
+    return _IN_STAGE.get()
 
 
 @contextlib.contextmanager
@@ -151,7 +158,11 @@ def run(stage_fn: Callable, params, x_BTD: jax.Array, args, *, stages: int, micr
 
     def stage(p, x_bTD, m, r, key):
         p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), p)
-        return stage_fn(p, x_bTD, _take_rows(args, split_args, m), key)
+        token = _IN_STAGE.set(True)
+        try:
+            return stage_fn(p, x_bTD, _take_rows(args, split_args, m), key)
+        finally:
+            _IN_STAGE.reset(token)
 
     vmapped = jax.vmap(stage, in_axes=(1, 0, 0, 0, 0 if rng is not None else None),
                        spmd_axis_name=STAGE_AXIS if stages_in_mesh() > 1 else None)
