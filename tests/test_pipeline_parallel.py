@@ -176,16 +176,19 @@ def test_a_pipelined_moe_trains_like_one_device(mesh_results):
 
 @pytest.mark.slow
 def test_dropout_trains_under_the_pipeline(mesh_results):
-    """Dropout draws other masks per microbatch than one device does: finite, falling losses,
-    not equal ones."""
-    losses = mesh_results["dropout stage=2"]["losses"]
-    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    """Dropout draws its masks per (iteration, stage), not as one device does: the losses are
+    finite, near those without dropout, and not equal to them (the masks apply)."""
+    losses = np.array(mesh_results["dropout stage=2"]["losses"][:3])
+    without = np.array(mesh_results["stage=2"]["losses"])
+    assert np.all(np.isfinite(losses)) and np.all(np.abs(losses - without) < 0.1)
+    assert np.all(np.abs(losses - without) > 1e-5)
 
 
 @pytest.mark.slow
 def test_a_stage_4_checkpoint_resumes_at_stage_1_and_at_stage_2_x_data_2(tmp_path):
+    # (a constant schedule after warmup: a 2-step run's learning rates are a 4-step run's)
     model = ["--config.model.num_layers=4", "--config.model.scan_layers=True",
-             "--config.batch_size=8"]
+             "--config.batch_size=8", "--config.optimizer.decay=constant"]
     flags = [f for f in tiny_flags(4, checkpoint_every=2)
              if not f.startswith(("--config.model.num_layers", "--config.batch_size"))]
 
@@ -199,10 +202,11 @@ def test_a_stage_4_checkpoint_resumes_at_stage_1_and_at_stage_2_x_data_2(tmp_pat
 
     stage4 = ["--config.mesh.data=2", "--config.mesh.stage=4",
               "--config.pipeline.microbatches=4"]
-    whole = train(tmp_path / "whole", 4, stage4)
-    assert "pipeline: 4 stages, 4 microbatches (GPipe), bubble 42.9%" in whole
-    assert re.search(r"step 4/4 loss .* ms/step", whole)
-    want = losses(tmp_path / "whole")
+    first = train(tmp_path / "stage4", 2, stage4)
+    assert "pipeline: 4 stages, 4 microbatches (GPipe), bubble 42.9%" in first
+    assert re.search(r"step 2/2 loss .* ms/step", first)
+    train(tmp_path / "stage4", 4, stage4)  # the reference: resumed on the same mesh
+    want = losses(tmp_path / "stage4")
     for name, mesh in {"stage1": ["--config.mesh.data=-1"],
                        "stage2_data2": ["--config.mesh.data=2", "--config.mesh.stage=2",
                                         "--config.mesh.fsdp=2",
