@@ -41,7 +41,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     tokens = rng.integers(7, 256, (batch, length + 1)).astype(np.int32)
     example = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-               "weights": np.ones((batch, length), np.float32)}
+               "weights": np.ones((batch, length), np.float32),
+               "segment_ids": np.ones((batch, length), np.int32),
+               "positions": np.tile(np.arange(length, dtype=np.int32), (batch, 1))}
     print(f"{args.devices} CPU devices ({os.cpu_count()} cores), GPT 8 x 128, batch {batch} x "
           f"{length}, mesh stage=S x data={data}")
     print("| stages | microbatches | repeats | bubble | ms/step | collectives |")
@@ -53,8 +55,6 @@ def main() -> None:
         config.model.update(num_layers=8, d_model=128, num_heads=4, d_ff=512, scan_layers=True,
                             vocab_size=256)
         config.mesh.update(data=data, stage=stages)
-        if stages == 1:
-            config.mesh.update(data=data, stage=1)
         devices = jax.devices()[:data * stages]
         model, optimizer = build_model(config.model), optim.make_optimizer(config)
         where = placement.Placement(sharding.make_mesh(config.mesh, devices), batch,
