@@ -71,6 +71,14 @@ def test_accelerator_types_know_their_chips_hosts_and_memory():
                                           "--config.seq_len=48"),
      "seq_len=48: expected a multiple of 2 x mesh.sequence=16 (load-balanced chunks); on 1 x "
      "v5p-32 (4 hosts)"),
+    (dict(accelerator="v5p-32"), TRAIN + ("--config.mesh.data=2", "--config.mesh.stage=8",
+                                          "--config.model.scan_layers=True"),
+     "mesh.stage=8 x pipeline.repeats=1: expected their product to divide the 4 scanned layer "
+     "groups (num_layers / the layer period); on 1 x v5p-32 (4 hosts)"),
+    (dict(accelerator="v5p-32", num_slices=2), TRAIN + (
+        "--config.mesh.data=1", "--config.mesh.stage=2", "--config.mesh.fsdp=-1",
+        "--config.model.scan_layers=True", "--config.pipeline.microbatches=3"),
+     "pipeline.microbatches=3: expected a divisor of the 4 rows each data-parallel shard"),
     (dict(accelerator="v6e-8", spot=True, reserved=True), TRAIN, "--spot and --reserved"),
     (dict(accelerator="v6e-8"), ("--workdir=gs://b/r",), "include --config=FILE"),
     (dict(accelerator="v6e-8"), TRAIN + ("--config.model.num_layrs=2",), "num_layrs"),
