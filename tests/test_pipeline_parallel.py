@@ -56,7 +56,8 @@ def in_order(params, x, args):
 
 
 @pytest.mark.parametrize("stages, microbatches, repeats", [
-    (2, 1, 1), (4, 2, 1), (2, 4, 3), (4, 4, 2)])
+    (2, 1, 1), (4, 4, 2), pytest.param(4, 2, 1, marks=pytest.mark.slow),
+    pytest.param(2, 4, 3, marks=pytest.mark.slow)])
 def test_the_schedule_applies_every_layer_in_order_to_every_microbatch(stages, microbatches,
                                                                        repeats):
     groups = stages * repeats * 2
