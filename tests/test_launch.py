@@ -246,6 +246,29 @@ def test_a_tiny_gpt_compiles_for_a_v5p_slice_and_reports_its_memory():
 
 @pytest.mark.slow
 @needs_libtpu
+def test_a_pipeline_with_its_stages_across_two_slices_compiles_for_tpu():
+    """stage=2 over 2 x v5p-32 (mesh.data=1 does not split over the slices, stage does): the
+    step compiles for TPU with splash inside each stage, and the report says its FLOPs are
+    XLA's count of the loop."""
+    from launch import aot
+    from transformer.configs import base_config
+
+    config = base_config()
+    config.update(batch_size=32, seq_len=256)
+    config.model.update(num_layers=4, d_model=256, num_heads=2, d_ff=512, vocab_size=512,
+                        max_len=256, dtype="bfloat16", scan_layers=True)
+    config.mesh.update(data=1, stage=2, fsdp=16)
+    config.pipeline.microbatches = 2
+    accelerator = accelerators.parse("v5p-32")
+    devices = aot.tpu_topology(accelerator, num_slices=2)
+    report = aot.compile_train_step(config, devices, accelerator)
+    assert not report.error and report.fits and report.attention == ("splash",)
+    text = aot.format_report(report, config)
+    assert "mesh data=1 x stage=2 x fsdp=16" in text and "loop bodies counted once" in text
+
+
+@pytest.mark.slow
+@needs_libtpu
 def test_auto_attention_compiles_splash_for_a_tpu_topology_from_a_cpu_host():
     """The kernel is chosen for the devices the step is compiled for (the TPU topology), not for
     the host's CPU backend: "auto" puts splash into the compiled step, and the report says so."""
