@@ -27,6 +27,8 @@ MESHES = {
     "stage=2 x data=2 x fsdp=2, circular": ({"stage": 2, "data": 2, "fsdp": 2}, 2, 2, {}),
     "stage=2 x fsdp=2 x tensor=2, circular": ({"stage": 2, "fsdp": 2, "tensor": 2}, 4, 2, {}),
     "stage=4, circular": ({"stage": 4}, 4, 2, {}),
+    "stage=2 x fsdp=2, circular, remat dots": ({"stage": 2, "fsdp": 2}, 4, 2,
+                                               {"model.remat_policy": "dots"}),
     "stage=2 x data=2, accumulation 2, remat": (
         {"stage": 2, "data": 2}, 2, 1, {"optimizer.grad_accumulation_steps": 2,
                                         "model.remat_policy": "full"}),

@@ -156,6 +156,7 @@ def mesh_results(tmp_path_factory):
 MESHES = ["stage=2", "stage=4", "stage=2 x data=2 x fsdp=2", "stage=2 x tensor=4",
           "stage=4 x data=2", "stage=2 x data=2 x fsdp=2, circular",
           "stage=2 x fsdp=2 x tensor=2, circular", "stage=4, circular",
+          "stage=2 x fsdp=2, circular, remat dots",
           "stage=2 x data=2, accumulation 2, remat"]
 
 

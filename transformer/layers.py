@@ -639,7 +639,8 @@ class TransformerStack(nn.Module):
             else self.make_rng("dropout")
         x_BTD, aux = pipeline_parallel.run(
             stage_fn, self.variables["params"]["layers"], x_BTD, args, stages=stages,
-            microbatches=microbatches, repeats=repeats, rng=rng)
+            microbatches=microbatches, repeats=repeats, rng=rng,
+            remat_policy=REMAT_POLICIES[cfg.remat_policy])
         for name, value in aux.items():
             self.sow("losses", f"moe_{name}", value)
         return x_BTD

@@ -139,11 +139,13 @@ def _take_rows(tree, split_tree, m):
 
 
 def run(stage_fn: Callable, params, x_BTD: jax.Array, args, *, stages: int, microbatches: int,
-        repeats: int, rng: jax.Array | None = None):
+        repeats: int, rng: jax.Array | None = None, remat_policy: Callable | None = None):
     """The stack over the pipeline: `stage_fn(params, x_bTD, args, rng)` -> (y_bTD, aux) applies
     Lps layer groups (params with a leading [Lps] axis) to a microbatch, `aux` a dict of scalars
     (each a mean over those groups). `params` has a leading [G] axis. Returns (y_BTD, aux
-    averaged over every (microbatch, stage, repeat))."""
+    averaged over every (microbatch, stage, repeat)). `remat_policy`: each iteration's stages
+    are rematerialised under it (`jax.checkpoint`): the backward pass keeps their inputs, not
+    the repeat's params each picked (R > 1) nor what the policy does not save."""
     S, M, R = stages, microbatches, repeats
     batch = x_BTD.shape[0]
     groups = jax.tree.leaves(params)[0].shape[0]
@@ -164,6 +166,8 @@ def run(stage_fn: Callable, params, x_BTD: jax.Array, args, *, stages: int, micr
         finally:
             _IN_STAGE.reset(token)
 
+    if remat_policy is not None:
+        stage = jax.checkpoint(stage, policy=remat_policy, prevent_cse=False)
     vmapped = jax.vmap(stage, in_axes=(1, 0, 0, 0, 0 if rng is not None else None),
                        spmd_axis_name=STAGE_AXIS if stages_in_mesh() > 1 else None)
 
