@@ -228,6 +228,12 @@ MEANINGS: dict[str, str] = {
     "model.patch_position": "Images: patch positions (the stack's own `position` should then be "
                             "`none`).",
     "model.projection_dim": "CLIP: the shared embedding width of the two towers.",
+    # pipeline
+    "pipeline.microbatches": "With `mesh.stage` > 1: the microbatches each (accumulation) step's "
+                             "rows split into on the pipeline; the bubble is (S-1)/(M*R+S-1).",
+    "pipeline.repeats": "With `mesh.stage` > 1: > 1 runs the circular schedule, each stage "
+                        "holding this many blocks of layers spread through the stack (needs "
+                        "microbatches >= stages).",
     # profile, wandb
     "profile.start_step": "The first step traced by `jax.profiler` into `WORKDIR/profile/`.",
     "profile.num_steps": "Steps traced.",
@@ -311,13 +317,14 @@ GROUPS = (  # (title, key prefix); a key goes to the first group whose prefix it
     ("Data: `data.*`", "data."),
     ("Optimizer: `optimizer.*`", "optimizer."),
     ("Device mesh: `mesh.*`", "mesh."),
+    ("Pipeline: `pipeline.*`", "pipeline."),
     ("Profiling: `profile.*`", "profile."),
     ("Weights & Biases: `wandb.*`", "wandb."),
     ("Top level", ""),
 )
 ORDER = ("Top level", "Data: `data.*`", "Optimizer: `optimizer.*`", "Model: `model.*`",
          "Model: `model.moe.*` (mixture of experts)", "Device mesh: `mesh.*`",
-         "Profiling: `profile.*`", "Weights & Biases: `wandb.*`")
+         "Pipeline: `pipeline.*`", "Profiling: `profile.*`", "Weights & Biases: `wandb.*`")
 
 
 def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, object]]:

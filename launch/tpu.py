@@ -94,6 +94,7 @@ def validate(launch: Launch) -> None:
                                    accumulation=config.optimizer.grad_accumulation_steps,
                                    processes=launch.processes, num_slices=launch.num_slices)
         configs.check_sequence_split(config, mesh)
+        configs.check_pipeline(config, mesh)
     except ValueError as error:
         raise ValueError(f"{error}; on {launch.num_slices} x {launch.accelerator.name} "
                          f"({launch.processes} hosts)") from None

@@ -57,7 +57,8 @@ def test_accelerator_types_know_their_chips_hosts_and_memory():
     (dict(accelerator="v5p-32"), (TRAIN[0], "--workdir=/local/run", TRAIN[2]),
      "workdir='/local/run': a run on 4 hosts"),
     (dict(accelerator="v5p-32"), TRAIN + ("--config.mesh.data=3",),
-     "mesh data=3 x fsdp=1 x expert=1 x sequence=1 x tensor=1 = 3 devices: expected the 16"),
+     "mesh data=3 x stage=1 x fsdp=1 x expert=1 x sequence=1 x tensor=1 = 3 devices: "
+     "expected the 16"),
     (dict(accelerator="v5p-32"), TRAIN[:2] + ("--config.batch_size=24",),
      "batch_size=24: expected a multiple of the data-parallel size 16"),
     (dict(accelerator="v5p-32", num_slices=2), TRAIN + ("--config.mesh.data=1",
@@ -70,6 +71,14 @@ def test_accelerator_types_know_their_chips_hosts_and_memory():
                                           "--config.seq_len=48"),
      "seq_len=48: expected a multiple of 2 x mesh.sequence=16 (load-balanced chunks); on 1 x "
      "v5p-32 (4 hosts)"),
+    (dict(accelerator="v5p-32"), TRAIN + ("--config.mesh.data=2", "--config.mesh.stage=8",
+                                          "--config.model.scan_layers=True"),
+     "mesh.stage=8 x pipeline.repeats=1: expected their product to divide the 4 scanned layer "
+     "groups (num_layers / the layer period); on 1 x v5p-32 (4 hosts)"),
+    (dict(accelerator="v5p-32", num_slices=2), TRAIN + (
+        "--config.mesh.data=1", "--config.mesh.stage=2", "--config.mesh.fsdp=-1",
+        "--config.model.scan_layers=True", "--config.pipeline.microbatches=3"),
+     "pipeline.microbatches=3: expected a divisor of the 4 rows each data-parallel shard"),
     (dict(accelerator="v6e-8", spot=True, reserved=True), TRAIN, "--spot and --reserved"),
     (dict(accelerator="v6e-8"), ("--workdir=gs://b/r",), "include --config=FILE"),
     (dict(accelerator="v6e-8"), TRAIN + ("--config.model.num_layrs=2",), "num_layrs"),
@@ -233,6 +242,29 @@ def test_a_tiny_gpt_compiles_for_a_v5p_slice_and_reports_its_memory():
     assert 0.8 < report.flops_per_chip * 4 / report.model_flops < 1.25
     assert "fits" in aot.format_report(report, config).splitlines()[-1]
     assert report.attention == ("dense",)  # "auto" at 32 tokens: splash needs multiples of 128
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_a_pipeline_with_its_stages_across_two_slices_compiles_for_tpu():
+    """stage=2 over 2 x v5p-32 (mesh.data=1 does not split over the slices, stage does): the
+    step compiles for TPU with splash inside each stage, and the report says its FLOPs are
+    XLA's count of the loop."""
+    from launch import aot
+    from transformer.configs import base_config
+
+    config = base_config()
+    config.update(batch_size=32, seq_len=256)
+    config.model.update(num_layers=4, d_model=256, num_heads=2, d_ff=512, vocab_size=512,
+                        max_len=256, dtype="bfloat16", scan_layers=True)
+    config.mesh.update(data=1, stage=2, fsdp=16)
+    config.pipeline.microbatches = 2
+    accelerator = accelerators.parse("v5p-32")
+    devices = aot.tpu_topology(accelerator, num_slices=2)
+    report = aot.compile_train_step(config, devices, accelerator)
+    assert not report.error and report.fits and report.attention == ("splash",)
+    text = aot.format_report(report, config)
+    assert "mesh data=1 x stage=2 x fsdp=16" in text and "loop bodies counted once" in text
 
 
 @pytest.mark.slow

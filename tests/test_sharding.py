@@ -38,7 +38,7 @@ TIMEOUT = 300
 def test_mesh_shape_fills_the_minus_one_axis():
     # an axis left out is its default
     assert sharding.mesh_shape({"data": -1, "fsdp": 2, "tensor": 2}, 8) == {
-        "data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
+        "data": 2, "stage": 1, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
     assert sharding.mesh_shape({"data": -1, "sequence": 4}, 8)["data"] == 2
     assert sharding.mesh_shape({"data": 1, "fsdp": -1, "tensor": 1}, 4)["fsdp"] == 4
 
@@ -58,13 +58,13 @@ def test_mesh_shape_errors_name_the_bad_sizes(mesh, devices, message):
 def test_the_mesh_axis_table_drives_the_axes_the_config_and_the_batch_sharding():
     table = sharding.MESH_AXIS_TABLE
     assert sharding.MESH_AXES == tuple(axis.name for axis in table) == (
-        "data", "fsdp", "expert", "sequence", "tensor")
+        "data", "stage", "fsdp", "expert", "sequence", "tensor")
     assert sharding.BATCH_AXES == tuple(a.name for a in table if a.shards_batch) == (
         "data", "fsdp", "expert")
-    assert sharding.SLICE_AXIS == "data"
+    assert sharding.SLICE_AXIS == "data" and sharding.SLICE_AXES == ("data", "stage")
     defaults = configs.base_config().mesh
     assert defaults.to_dict() == {axis.name: axis.default for axis in table} == {
-        "data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
+        "data": -1, "stage": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
     mesh = sharding.make_mesh(defaults)
     assert mesh.axis_names == sharding.MESH_AXES
     assert sharding.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp", "expert"))
@@ -101,10 +101,12 @@ def test_check_batch_split_accepts_batches_that_split(batch_size, sizes, kwargs)
     (6, (3, 1, 1), dict(accumulation=4, num_slices=2),
      "batch_size=6: expected a multiple of grad_accumulation_steps=4 x processes=1"),
     (16, (2, 4, 1), dict(num_slices=4),
-     "mesh.data=2: expected a multiple of num_slices=4 (data parallelism spans the slices)"),
+     "mesh.data=2: expected a multiple of num_slices=4 (data parallelism spans the slices; "
+     "or mesh.stage a multiple, pipeline stages across them)"),
     # checked before the data-parallel size, which does not divide 8 either
     (8, (3, 1, 1), dict(num_slices=2),
-     "mesh.data=3: expected a multiple of num_slices=2 (data parallelism spans the slices)"),
+     "mesh.data=3: expected a multiple of num_slices=2 (data parallelism spans the slices; "
+     "or mesh.stage a multiple, pipeline stages across them)"),
     (24, (4, 4, 1), {},
      "batch_size=24: expected a multiple of the data-parallel size 16 x "
      "grad_accumulation_steps=1 (each micro-batch of 24 rows splits over mesh.data x "
@@ -135,11 +137,17 @@ def test_a_multi_slice_mesh_spans_the_slices_only_on_the_data_axis():
 
     devices = aot.tpu_topology(accelerators.parse("v5p-32"), num_slices=2)  # 2 x 16 chips
     mesh = sharding.make_mesh({"data": 4, "fsdp": -1, "sequence": 2, "tensor": 2}, devices)
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "expert": 1, "sequence": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 4, "stage": 1, "fsdp": 2, "expert": 1, "sequence": 2,
+                                "tensor": 2}
     slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
     # data rows 0-1 lie in slice 0, rows 2-3 in slice 1: the other axes stay inside a slice
     np.testing.assert_array_equal(
-        slices, np.arange(4)[:, None, None, None, None] // 2 + np.zeros((4, 2, 1, 2, 2)))
+        slices, np.arange(4)[:, None, None, None, None, None] // 2 + np.zeros((4, 1, 2, 1, 2, 2)))
+    # mesh.data=1 does not split over 2 slices; mesh.stage=2 does: the pipeline spans them
+    mesh = sharding.make_mesh({"data": 1, "stage": 2, "fsdp": -1}, devices)
+    assert dict(mesh.shape)["fsdp"] == 16
+    slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    np.testing.assert_array_equal(slices[0, :, :, 0, 0, 0], [[0] * 16, [1] * 16])
 
 
 def test_the_rules_map_each_logical_axis_once_and_onto_mesh_axes():
@@ -175,7 +183,8 @@ def test_every_param_name_the_models_use_has_a_rule():
 
 
 def test_dimensions_the_mesh_does_not_divide_stay_replicated():
-    mesh = AbstractMesh((1, 2, 1, 3, 4), sharding.MESH_AXES)  # data fsdp expert sequence tensor
+    # data stage fsdp expert sequence tensor
+    mesh = AbstractMesh((1, 1, 2, 1, 3, 4), sharding.MESH_AXES)
     rules = sharding.LOGICAL_AXIS_RULES
     # 2 KV heads cannot split over tensor=4; the embed dimension still splits over fsdp=2.
     fsdp = ("fsdp", "expert")  # outside the experts, the expert axis shards like fsdp
@@ -218,7 +227,7 @@ def test_summary_reports_per_device_bytes_and_batch():
     params = sum(x.size * 4 for x in jax.tree.leaves(abstract.params))
     assert sharding.bytes_per_device(abstract.params, shardings.params) == params
     text = sharding.summary(mesh, abstract, shardings, 16)
-    assert "mesh data=1 x fsdp=1 x expert=1 x sequence=1 x tensor=1" in text
+    assert "mesh data=1 x stage=1 x fsdp=1 x expert=1 x sequence=1 x tensor=1" in text
     assert "batch 16 global, 16 per data-parallel shard" in text
 
 
@@ -398,8 +407,8 @@ def test_a_run_resumes_on_another_process_count_like_one_uninterrupted_run(tmp_p
         assert json.loads((workdir / "summary.json").read_text())["step"] == STEPS
         log_text = (logs / f"resumed-{after}-0.log").read_text()
         assert f"steps {killed_at}..{STEPS}" in log_text
-        assert (f"mesh data=2 x fsdp=2 x expert=1 x sequence=1 x tensor=1 (4 devices, {after} "
-                "process(es))") in log_text
+        assert (f"mesh data=2 x stage=1 x fsdp=2 x expert=1 x sequence=1 x tensor=1 (4 devices, "
+                f"{after} process(es))") in log_text
         assert "batch 8 global, 2 per data-parallel shard" in log_text
         if after == 2:
             assert "steps" not in (logs / "resumed-2-1.log").read_text()  # process 1 is quiet

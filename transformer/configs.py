@@ -22,6 +22,7 @@ from transformer import (
     fileio,
     lora,
     optim,
+    pipeline_parallel,
     placement,
     sequence_parallel,
     sharding,
@@ -110,8 +111,17 @@ def base_config() -> ml_collections.ConfigDict:
     config.mesh = ml_collections.ConfigDict(
         {axis.name: axis.default for axis in sharding.MESH_AXIS_TABLE})
 
+    config.pipeline = pipeline_config()
     config.profile, config.wandb = profile_config(), wandb_config()
     return config
+
+
+def pipeline_config() -> ml_collections.ConfigDict:
+    """base_config's pipeline group, used with mesh.stage > 1 (transformer.pipeline_parallel):
+    the microbatches each (accumulation) step's rows split into, and repeats > 1 for the
+    circular schedule (each stage holds that many blocks of layers spread through the stack;
+    a smaller bubble)."""
+    return ml_collections.ConfigDict({"microbatches": 1, "repeats": 1})
 
 
 def profile_config() -> ml_collections.ConfigDict:
@@ -361,6 +371,8 @@ CHECKS: dict[str, Check] = {
     "model.param_dtype": _one_of(DTYPES),
     "model.quantization": _one_of(("", "int8", "fp8")),  # transformer.quantization.SCHEMES
     "model.quantize_head": _BOOL,
+    "pipeline.microbatches": _int(ge=1, note="each (accumulation) step's rows split into them"),
+    "pipeline.repeats": _int(ge=1, note="> 1: the circular schedule"),
     "profile.start_step": _int(ge=1, note="the first traced step; step 1 compiles"),
     "profile.num_steps": _int(ge=0, note="0: no trace"),
     "profile.all_hosts": _BOOL,
@@ -408,6 +420,44 @@ def _validate_lora(config: ml_collections.ConfigDict) -> None:
                          "model.lora.rank > 0 (QLoRA quantizes LoRA's frozen base)")
 
 
+def check_pipeline(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int]) -> None:
+    """One-line errors for a pipeline (mesh.stage > 1) that cannot run: another family than
+    the decoder LMs, unscanned layers, a sequence axis or an attention-bias position, layer
+    groups that stages x repeats do not divide, microbatches that do not divide a data-parallel
+    shard's rows (`pipeline_parallel.check`)."""
+    stages = mesh_sizes.get("stage", 1)
+    if stages == 1:
+        return
+    model, family = config.model, family_of(config.model).name
+    where = f"mesh.stage={stages}"
+    if family not in pipeline_parallel.FAMILIES:
+        raise ValueError(f"{where}: pipeline parallelism supports model.family "
+                         f"{' or '.join(pipeline_parallel.FAMILIES)}, not {family!r}")
+    if not model.get("scan_layers"):
+        raise ValueError(f"{where}: expected model.scan_layers=True (stages split the scanned "
+                         "layer stack)")
+    if mesh_sizes.get("sequence", 1) > 1:
+        raise ValueError(f"{where} with mesh.sequence={mesh_sizes['sequence']}: expected one "
+                         "of them")
+    if model.get("position") in ("alibi", "t5"):
+        raise ValueError(f"{where} with model.position={model.position!r}: expected positions "
+                         "without an attention bias")
+    stack = family_of(config.model).build(model_for_checks(config)).config
+    groups = stack.num_layers // stack.layer_period
+    rows = (config.batch_size // config.optimizer.grad_accumulation_steps
+            // sharding.data_parallel_size(mesh_sizes))
+    pipeline_parallel.check(stages=stages, microbatches=config.pipeline.microbatches,
+                            repeats=config.pipeline.repeats, layer_groups=groups,
+                            shard_rows=rows)
+
+
+def model_for_checks(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """config.model with its class count filled (0: the task's, known once its data is read)."""
+    model = ml_collections.ConfigDict(config.model.to_dict())
+    model.num_classes = model.num_classes or 1
+    return model
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None,
                     num_processes: int | None = None) -> None:
     """Checks every value against its meaning (`CHECKS`, then the rules joining several keys),
@@ -424,6 +474,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
                                accumulation=config.optimizer.grad_accumulation_steps,
                                processes=num_processes)
     check_sequence_split(config, mesh_sizes)
+    check_pipeline(config, mesh_sizes)
     placement.user_compiler_options(config)
     if config.model.get("position") == "learned" and config.seq_len > config.model.max_len:
         raise ValueError(f"seq_len={config.seq_len}: expected <= model.max_len="
@@ -436,8 +487,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     _validate_lora(config)
     task_eval.check(config, family_of(config).decoding, num_processes)
     wandb_logging.check(config)
-    model = ml_collections.ConfigDict(config.model.to_dict())
-    model.num_classes = model.num_classes or 1  # 0: the task's, known once its data is read
+    model = model_for_checks(config)
     try:
         build_model(model)  # validates the architecture (TransformerConfig) up front
     except ValueError as error:  # "num_heads=0: ..." -> "model.num_heads=0: ..."

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import kernels, sequence_parallel, sharding
+from transformer import kernels, pipeline_parallel, sequence_parallel, sharding
 from transformer import lora as lora_lib
 from transformer import positions as positions_lib
 from transformer.attention import MultiHeadAttention, matmul, projection_init
@@ -495,6 +495,24 @@ class _BlockGroup(nn.Module):
         return x_BTD, None
 
 
+def _scanned(cfg: TransformerConfig, block, length: int, kwargs: dict, **module_kwargs):
+    """`length` scanned block groups (or blocks, when all layers are alike): the `layers` unit
+    whose params have a leading axis of that length, named `layers` by the logical rules."""
+    grouped = cfg.layer_period > 1
+    scanned = nn.scan(
+        _BlockGroup if grouped else block,
+        variable_axes={"params": 0, "intermediates": 0, "cache": 0, "losses": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast,) * 6,
+        length=length,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+    if grouped:
+        return scanned(cfg, block, **kwargs, **module_kwargs)
+    return scanned(cfg, scanned=True, moe_layer=cfg.moe.num_experts > 0,
+                   local=cfg.is_local_layer(0), **kwargs, **module_kwargs)
+
+
 MOE_AUX = ("load_balance", "router_z", "dropped")  # sown per MoE layer as losses/moe_<name>
 
 
@@ -586,25 +604,53 @@ class TransformerStack(nn.Module):
                       decode=decode)
         moe = cfg.moe
         if cfg.scan_layers:
-            grouped = cfg.layer_period > 1
-            scanned = nn.scan(
-                _BlockGroup if grouped else block,
-                variable_axes={"params": 0, "intermediates": 0, "cache": 0, "losses": 0},
-                split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast,) * len(args),
-                length=cfg.num_layers // cfg.layer_period,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )
-            unit = (scanned(cfg, block, name="layers", **kwargs) if grouped else
-                    scanned(cfg, scanned=True, moe_layer=moe.num_experts > 0,
-                            local=cfg.is_local_layer(0), name="layers", **kwargs))
-            x_BTD, _ = unit(x_BTD, *args)
+            groups = cfg.num_layers // cfg.layer_period
+            if self._pipelined(decode):
+                x_BTD = self._pipeline(block, kwargs, x_BTD, args, deterministic)
+            else:
+                x_BTD, _ = _scanned(cfg, block, groups, kwargs, name="layers")(x_BTD, *args)
         else:
             for i in range(cfg.num_layers):
                 x_BTD = block(cfg, name=f"layers_{i}", moe_layer=moe.is_moe_layer(i),
                               local=cfg.is_local_layer(i), **kwargs)(x_BTD, *args)
         if cfg.norm_placement != "post":
             x_BTD = norm_layer(cfg, "final_norm")(x_BTD)
+        return x_BTD
+
+    def _pipelined(self, decode: bool) -> bool:
+        """Whether the scanned blocks run as a pipeline: under a mesh with `stage` > 1, when
+        applied (init lays the params out as the plain scan does), not decoding, and for a
+        stack without cross-attention (the families `configs.validate_config` accepts)."""
+        return (pipeline_parallel.stages_in_mesh() > 1 and not self.is_initializing() and not decode
+                and not self.cross_attention)
+
+    def _pipeline(self, block, kwargs, x_BTD, args, deterministic):
+        """The scanned blocks over the `stage` axis (`pipeline_parallel.run`), on the params the
+        plain scan declares (`layers`, leading axis the layer groups). MoE layers' auxiliary
+        losses come back averaged over microbatches and sown once per quantity."""
+        cfg = self.config
+        if cfg.position in ("alibi", "t5"):
+            raise ValueError(f"position={cfg.position!r}: the pipeline (mesh.stage > 1) "
+                             "expected positions without an attention bias (not alibi or t5)")
+        microbatches, repeats = pipeline_parallel.current_schedule()
+        stages = pipeline_parallel.stages_in_mesh()
+        groups = cfg.num_layers // cfg.layer_period
+        unit = _scanned(cfg, block, groups // (stages * repeats), kwargs, parent=None)
+
+        def stage_fn(params, x_bTD, stage_args, key):
+            (y_bTD, _), state = unit.apply({"params": params}, x_bTD, *stage_args,
+                                           rngs={} if key is None else {"dropout": key},
+                                           mutable=["losses"])
+            return y_bTD, moe_aux(state.get("losses", {}))
+
+        rng = None if deterministic or not (cfg.dropout_rate or cfg.attention_dropout_rate) \
+            else self.make_rng("dropout")
+        x_BTD, aux = pipeline_parallel.run(
+            stage_fn, self.variables["params"]["layers"], x_BTD, args, stages=stages,
+            microbatches=microbatches, repeats=repeats, rng=rng,
+            remat_policy=REMAT_POLICIES[cfg.remat_policy])
+        for name, value in aux.items():
+            self.sow("losses", f"moe_{name}", value)
         return x_BTD
 
 

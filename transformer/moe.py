@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from transformer import kernels, sharding
+from transformer import kernels, pipeline_parallel, sharding
 
 Array = jax.Array
 EXPERT_WEIGHTS = ("wi", "wi_gate", "wi_up", "wo")  # the experts' own params: [E, in, out]
@@ -336,7 +336,8 @@ def dispatch_path(capacity_factor: float, num_experts: int, shape_BTD: tuple[int
     """The MoE dispatch path traced here, as the run's start line names it:
 
     "capacity buffers"   capacity_factor > 0; or dropless where `expert` > 1 does not divide
-                         the experts or split the batch (e.g. decoding one row): T slots
+                         the experts or split the batch (e.g. decoding one row), or in a
+                         pipeline stage (transformer.pipeline_parallel): T slots
     "ragged"             dropless, the tokens on one device
     "ragged per shard"   dropless, mesh axes split the tokens, `expert` is 1: no exchange
     "ragged all-to-all over expert=N"   dropless, `sharded_experts` with the exchange by
@@ -346,7 +347,7 @@ def dispatch_path(capacity_factor: float, num_experts: int, shape_BTD: tuple[int
     >>> dispatch_path(0, num_experts=8, shape_BTD=(4, 16, 32))  # no mesh in context
     'ragged'
     """
-    if capacity_factor:
+    if capacity_factor or pipeline_parallel.in_stage():  # (no shard_map under the stages' vmap)
         return CAPACITY
     if token_shards() == 1:
         return RAGGED

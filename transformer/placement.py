@@ -14,7 +14,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from transformer import hostmem, sharding
+from transformer import hostmem, pipeline_parallel, sharding
 from transformer.data import pipeline
 
 # XLA:CPU defaults for the jitted steps, measured side by side with
@@ -73,11 +73,14 @@ class Placement:
     """How a run lays out its arrays on the mesh: state shardings from the logical rules, batch
     rows over the data-parallel axes, and which global batch rows this process feeds.
 
-    `compiler_options`: XLA options for the jitted steps (see `compiler_options`)."""
+    `compiler_options`: XLA options for the jitted steps (see `compiler_options`).
+    `schedule`: (microbatches, repeats) of the pipeline over a `stage` axis (see
+    `transformer.pipeline_parallel`)."""
 
     def __init__(self, mesh: jax.sharding.Mesh, batch_size: int,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, schedule: tuple[int, int] = (1, 1)):
         self.mesh = mesh
+        self.schedule = schedule
         self.batch_size = batch_size
         self.compiler_options = dict(compiler_options or {})
         self.batch_sharding = sharding.batch_sharding(mesh)
@@ -89,7 +92,9 @@ class Placement:
         """The placement of `config`: its mesh over all (or the given) devices, its batch size
         and options."""
         mesh = sharding.make_mesh(config.mesh, devices)
-        return cls(mesh, config.batch_size, compiler_options(config, mesh))
+        group = config.get("pipeline") or {}
+        schedule = (group.get("microbatches", 1), group.get("repeats", 1))
+        return cls(mesh, config.batch_size, compiler_options(config, mesh), schedule)
 
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return pipeline.make_global_batch(local_batch, self.batch_sharding, self.rows,
@@ -108,8 +113,9 @@ class Placement:
 
     @contextlib.contextmanager
     def context(self):
-        """The mesh and logical rules the model's activation constraints are traced under."""
-        with jax.set_mesh(self.mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
+        """The mesh, logical rules and pipeline schedule the model is traced under."""
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
+                pipeline_parallel.schedule(*self.schedule):
             yield
 
 

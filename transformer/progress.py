@@ -65,8 +65,9 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
             remaining(step, config.steps, every) * pauses[kind][-1]
             for kind, every in (("eval", config.eval_every), ("save", config.checkpoint_every))
             if pauses[kind])
-        speed = (f"{tokens_per_s:,.0f} tok/s " + (f"MFU {record['mfu']:.0%} " if "mfu" in record
-                                                   else "") + f"ETA {metrics_lib.format_eta(eta)}")
+        mfu = f"MFU {record['mfu']:.0%} " if "mfu" in record else ""
+        speed = (f"{seconds * 1e3:,.0f} ms/step {tokens_per_s:,.0f} tok/s {mfu}"
+                 f"ETA {metrics_lib.format_eta(eta)}")
     if run.mixture is not None:  # rows read from each source so far, in closed form
         batches = run.train_data.get_state().get("next_index", step)  # the stream's position
         counts = run.mixture.counts(batches * config.batch_size)

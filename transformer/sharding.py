@@ -43,6 +43,11 @@ MESH_AXIS_TABLE = (
     MeshAxis("data", shards_batch=True, spans_slices=True, default=-1,
              doc="pure data parallelism: the batch is split, params and optimizer state "
                  "replicated (across slices of a multi-slice job this is the DCN axis)"),
+    MeshAxis("stage", shards_batch=False, spans_slices=True, default=1,
+             doc="pipeline parallelism: the scanned layer stack split into consecutive blocks "
+                 "of layers, one per stage, microbatches passed on from stage to stage "
+                 "(transformer.pipeline_parallel); spans the slices of a multi-slice job when "
+                 "mesh.data does not split over them"),
     MeshAxis("fsdp", shards_batch=True, spans_slices=False, default=1,
              doc="the batch is split *and* params/optimizer state are sharded on their `embed` "
                  "dimension (ZeRO-3 / fully sharded data parallelism: gathered per layer when "
@@ -62,7 +67,9 @@ MESH_AXIS_TABLE = (
 )
 MESH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE)
 BATCH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE if axis.shards_batch)
-(SLICE_AXIS,) = (axis.name for axis in MESH_AXIS_TABLE if axis.spans_slices)
+# The axes that may span the slices of a multi-slice job, in order of preference.
+SLICE_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE if axis.spans_slices)
+SLICE_AXIS = SLICE_AXES[0]
 EXPERT_AXIS = "expert"
 
 if __doc__:  # None under python -OO
@@ -99,7 +106,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("projection", None),
     ("length", None),
     ("relpos_buckets", None),
-    ("layers", None),
+    # The scanned layer stack's leading axis: split into pipeline stages.
+    ("layers", "stage"),
     ("lora", None),  # a LoRA adapter's rank (transformer.lora): small, replicated
 )
 
@@ -108,7 +116,7 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict | dict, num_devices: int) 
     """The mesh axis sizes, with a -1 entry filled by the devices the others leave.
 
     >>> mesh_shape({"data": -1, "fsdp": 2, "tensor": 1}, 8)
-    {'data': 4, 'fsdp': 2, 'expert': 1, 'sequence': 1, 'tensor': 1}
+    {'data': 4, 'stage': 1, 'fsdp': 2, 'expert': 1, 'sequence': 1, 'tensor': 1}
     """
     sizes = {axis.name: mesh_config.get(axis.name, axis.default) for axis in MESH_AXIS_TABLE}
     for axis, size in sizes.items():
@@ -131,7 +139,7 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict | dict, num_devices: int) 
 
 
 def describe_mesh(sizes: dict[str, int]) -> str:
-    """E.g. "data=4 x fsdp=2 x expert=1 x sequence=1 x tensor=1"."""
+    """E.g. "data=4 x stage=1 x fsdp=2 x expert=1 x sequence=1 x tensor=1"."""
     return " x ".join(f"{axis}={size}" for axis, size in sizes.items())
 
 
@@ -144,18 +152,18 @@ def make_mesh(mesh_config: ml_collections.ConfigDict | dict, devices=None) -> Me
     """The mesh of `mesh_config` (axes `MESH_AXES`) over all (or the given) devices.
 
     Axes are `Auto` (GSPMD propagates shardings from the logical rules). When the devices span
-    several slices, the `SLICE_AXIS` is split across slices (DCN) and everything else stays
-    inside a slice (ICI): that axis must then be a multiple of the number of slices.
+    several slices, one axis is split across slices (DCN) and everything else stays inside a
+    slice (ICI): `data` when it is a multiple of the number of slices, else `stage`
+    (`slice_axis`).
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_shape(mesh_config, len(devices))
     axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     slices = num_slices(devices)
     if slices > 1:
-        _check_slices(sizes, slices)
-        ici = tuple(size // slices if axis == SLICE_AXIS else size
-                    for axis, size in sizes.items())
-        dcn = tuple(slices if axis == SLICE_AXIS else 1 for axis in sizes)
+        across = slice_axis(sizes, slices)
+        ici = tuple(size // slices if axis == across else size for axis, size in sizes.items())
+        dcn = tuple(slices if axis == across else 1 for axis in sizes)
         # With more axes than the slice has physical ones, some axis must split a physical one.
         array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices,
                                                      allow_split_physical_axes=True)
@@ -204,9 +212,22 @@ def check_batch_split(batch_size: int, mesh_sizes: dict[str, int], *, accumulati
 
 
 def _check_slices(mesh_sizes: dict[str, int], slices: int) -> None:
-    if mesh_sizes[SLICE_AXIS] % slices:
-        raise ValueError(f"mesh.{SLICE_AXIS}={mesh_sizes[SLICE_AXIS]}: expected a multiple of "
-                         f"num_slices={slices} (data parallelism spans the slices)")
+    slice_axis(mesh_sizes, slices)
+
+
+def slice_axis(mesh_sizes: dict[str, int], slices: int) -> str:
+    """The axis that spans `slices` slices: the first of `SLICE_AXES` (data, then stage) that
+    is a multiple of it.
+
+    >>> slice_axis({"data": 1, "stage": 2, "fsdp": 16}, 2)
+    'stage'
+    """
+    for axis in SLICE_AXES:
+        if mesh_sizes.get(axis, 1) % slices == 0:
+            return axis
+    raise ValueError(f"mesh.{SLICE_AXIS}={mesh_sizes[SLICE_AXIS]}: expected a multiple of "
+                     f"num_slices={slices} (data parallelism spans the slices; or mesh.stage "
+                     "a multiple, pipeline stages across them)")
 
 
 def mesh_spec(logical: PartitionSpec | None, shape: tuple[int, ...], mesh, rules) -> PartitionSpec:

@@ -9,7 +9,7 @@ import jax
 import ml_collections
 
 from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation, fileio, finetune, lora
+from transformer import evaluation, fileio, finetune, lora, pipeline_parallel
 from transformer import placement as placement_lib
 from transformer.data import inputs
 from transformer.models import family_of
@@ -66,6 +66,9 @@ def announce(run, mesh_summary: str) -> None:
         run.logger.print(f"changed on resume: {change} (a compute setting; the checkpoint's "
                          "params are float either way)")
     run.logger.print(mesh_summary)
+    stages = run.placement.mesh.shape.get(pipeline_parallel.STAGE_AXIS, 1)
+    if schedule := pipeline_parallel.describe(stages, *run.placement.schedule):
+        run.logger.print(schedule)
     if run.task is not None:
         run.logger.print(f"task {run.task.name}: {len(run.task.labels)} classes; examples per "
                          "class:\n" + run.task.balance())

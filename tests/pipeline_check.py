@@ -1,0 +1,86 @@
+"""Trains a small scanned GPT pipelined over several meshes of 8 forced CPU devices, and on one
+device; prints the results as JSON.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/pipeline_check.py DIR
+
+Run by tests/test_pipeline_parallel.py in a subprocess (the device count is fixed when JAX
+starts). For each mesh and schedule: the loss of every step, the largest parameter difference
+from the single-device run, whether the layer params are split over `stage`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+from mesh_check import Run, batches, host, max_diff, small_config
+
+STEPS = 3
+# name: (mesh, microbatches, repeats, other settings)
+MESHES = {
+    "stage=2": ({"stage": 2}, 2, 1, {}),
+    "stage=4": ({"stage": 4}, 4, 1, {}),
+    "stage=2 x data=2 x fsdp=2": ({"stage": 2, "data": 2, "fsdp": 2}, 2, 1, {}),
+    "stage=2 x tensor=4": ({"stage": 2, "tensor": 4}, 4, 1, {}),
+    "stage=4 x data=2": ({"stage": 4, "data": 2}, 4, 1, {}),
+    "stage=2 x data=2 x fsdp=2, circular": ({"stage": 2, "data": 2, "fsdp": 2}, 2, 2, {}),
+    "stage=2 x fsdp=2 x tensor=2, circular": ({"stage": 2, "fsdp": 2, "tensor": 2}, 4, 2, {}),
+    "stage=4, circular": ({"stage": 4}, 4, 2, {}),
+    "stage=2 x fsdp=2, circular, remat dots": ({"stage": 2, "fsdp": 2}, 4, 2,
+                                               {"model.remat_policy": "dots"}),
+    "stage=2 x data=2, accumulation 2, remat": (
+        {"stage": 2, "data": 2}, 2, 1, {"optimizer.grad_accumulation_steps": 2,
+                                        "model.remat_policy": "full"}),
+}
+# Dropless experts; the load-balance loss (E sum_e f_e P_e over the whole batch) is not a mean
+# over rows, so a microbatch's differs: weight 0 here. The z-loss is a mean over tokens: it
+# comes back from the pipeline averaged over microbatches, and must equal the whole batch's.
+MOE = {"model.moe.num_experts": 4, "model.moe.capacity_factor": 0.0,
+       "model.moe.load_balance_loss": 0.0, "model.moe.router_z_loss": 0.1}
+
+
+def pipeline_config(mesh: dict, microbatches: int, repeats: int, settings: dict):
+    config = small_config()
+    config.model.update(num_layers=8, scan_layers=True)
+    config.mesh.update({"data": 1, **mesh})
+    config.pipeline.update(microbatches=microbatches, repeats=repeats)
+    for key, value in settings.items():
+        *path, last = key.split(".")
+        node = config
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return config
+
+
+def train(config, steps: int = STEPS):
+    devices = jax.devices()[:int(np.prod(list(config.mesh.values())))]
+    run = Run(config, devices)
+    run.placement.schedule = (config.pipeline.microbatches, config.pipeline.repeats)
+    state, losses = run.train(run.init(jax.random.key(0)), batches(steps))
+    specs = [p.sharding.spec for p in jax.tree.leaves(state.params["decoder"]["layers"])]
+    return host(state.params), losses, all(spec and "stage" in str(spec[0]) for spec in specs)
+
+
+def main() -> None:
+    results = {}
+    for name, settings in {"single": {}, "moe single": MOE}.items():
+        params, losses, _ = train(pipeline_config({}, 1, 1, settings))
+        results[name] = {"losses": losses, "params": params}
+    cases = {**MESHES, "moe stage=2 x expert=2": ({"stage": 2, "expert": 2}, 2, 1, MOE)}
+    for name, case in cases.items():
+        params, losses, split = train(pipeline_config(*case))
+        reference = results["moe single" if name.startswith("moe") else "single"]
+        results[name] = {"losses": losses, "stage_sharded": split,
+                         "max_param_diff": max_diff(params, reference["params"])}
+    _, losses, _ = train(pipeline_config({"stage": 2}, 2, 1, {"model.dropout_rate": 0.1}),
+                         steps=4)
+    results["dropout stage=2"] = {"losses": losses}
+    for reference in ("single", "moe single"):
+        del results[reference]["params"]
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()  # (argv[1], the directory tests pass, is unused: nothing is written)
