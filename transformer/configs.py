@@ -72,39 +72,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.model = default_model_config()
     config.model.vocab_size = 0  # 0: the tokenizer's vocabulary size
 
-    config.data = ml_collections.ConfigDict()
-    config.data.path = ""  # "": the embedded corpus; or a text file, directory or glob
-    # How text is cut: paragraph | file (documents, hash-split) | stream (each file one stream,
-    # windows cross paragraphs; validation is the last validation_fraction of the text).
-    config.data.unit = "paragraph"
-    # Explicit validation text (file, directory or glob): no split is applied to it or data.path.
-    config.data.validation_path = ""
-    # Held-out test text (file, directory or glob), evaluated whole at the end of training and by
-    # `transformer.evaluate --split=test`; never trained or validated on.
-    config.data.test_path = ""
-    config.data.validation_fraction = 0.05
-    # A weighted mixture instead of data.path (which stays ""): one "key=value,..." string per
-    # source, path and weight required, unit / validation_path / name optional, e.g.
-    # ("path=web.txt,weight=0.7", "path=code/,weight=0.3,unit=file"). The tokenizer is built on
-    # the union of the sources' train splits; each validation split is evaluated on its own.
-    config.data.sources = ()
-    # byte | char | sentencepiece_bpe | sentencepiece_unigram | hf (a Hugging Face tokenizer.json)
-    config.data.tokenizer = "byte"
-    # data.tokenizer="hf": a tokenizer.json or a directory holding one (e.g. a save_pretrained
-    # directory); "" with init_from="hf:DIR" reads DIR's.
-    config.data.tokenizer_path = ""
-    config.data.vocab_size = 0  # SentencePiece vocabulary size (required for SentencePiece)
-    config.data.num_sentinels = 100
-    config.data.objective = ""  # "": the model family's (next_token, prefix_lm, mlm, ...)
-    config.data.mlm_rate = 0.15
-    config.data.noise_density = 0.15
-    config.data.mean_span_length = 3.0
-    config.data.prefetch = 2
-    # Labeled tasks (objective "classification" | "text2text"): transformer.data.tasks.
-    config.data.task = ""  # speakers (play text at data.path) | modules (the embedded corpus)
-    config.data.num_classes = 0  # the task's most frequent labels kept as classes
-    config.data.sft_truncate = False  # sft: cut conversations over seq_len + 1 tokens (or fail)
-
+    config.data = data_config()
     config.optimizer = optimizer_config()
 
     # Devices per mesh axis (transformer.sharding.MESH_AXIS_TABLE); -1: all remaining devices.
@@ -122,6 +90,43 @@ def pipeline_config() -> ml_collections.ConfigDict:
     circular schedule (each stage holds that many blocks of layers spread through the stack;
     a smaller bubble)."""
     return ml_collections.ConfigDict({"microbatches": 1, "repeats": 1})
+
+
+def data_config() -> ml_collections.ConfigDict:
+    """config.data: what the run reads and how (transformer.data)."""
+    data = ml_collections.ConfigDict()
+    data.path = ""  # "": the embedded corpus; or a text file, directory or glob
+    # How text is cut: paragraph | file (documents, hash-split) | stream (each file one stream,
+    # windows cross paragraphs; validation is the last validation_fraction of the text).
+    data.unit = "paragraph"
+    # Explicit validation text (file, directory or glob): no split is applied to it or data.path.
+    data.validation_path = ""
+    # Held-out test text (file, directory or glob), evaluated whole at the end of training and by
+    # `transformer.evaluate --split=test`; never trained or validated on.
+    data.test_path = ""
+    data.validation_fraction = 0.05
+    # A weighted mixture instead of data.path (which stays ""): one "key=value,..." string per
+    # source, path and weight required, unit / validation_path / name optional, e.g.
+    # ("path=web.txt,weight=0.7", "path=code/,weight=0.3,unit=file"). The tokenizer is built on
+    # the union of the sources' train splits; each validation split is evaluated on its own.
+    data.sources = ()
+    # byte | char | sentencepiece_bpe | sentencepiece_unigram | hf (a Hugging Face tokenizer.json)
+    data.tokenizer = "byte"
+    # data.tokenizer="hf": a tokenizer.json or a directory holding one (e.g. a save_pretrained
+    # directory); "" with init_from="hf:DIR" reads DIR's.
+    data.tokenizer_path = ""
+    data.vocab_size = 0  # SentencePiece vocabulary size (required for SentencePiece)
+    data.num_sentinels = 100
+    data.objective = ""  # "": the model family's (next_token, prefix_lm, mlm, ...)
+    data.mlm_rate = 0.15
+    data.noise_density = 0.15
+    data.mean_span_length = 3.0
+    data.prefetch = 2
+    # Labeled tasks (objective "classification" | "text2text"): transformer.data.tasks.
+    data.task = ""  # speakers (play text at data.path) | modules (the embedded corpus)
+    data.num_classes = 0  # the task's most frequent labels kept as classes
+    data.sft_truncate = False  # sft: cut conversations over seq_len + 1 tokens (or fail)
+    return data
 
 
 def profile_config() -> ml_collections.ConfigDict:
