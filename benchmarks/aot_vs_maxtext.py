@@ -249,6 +249,8 @@ def _pipeline(repeats: int) -> Shape:
 
 SHAPES["pipeline"] = _pipeline(1)  # GPipe
 SHAPES["circular"] = _pipeline(2)  # the circular schedule
+# one layer per stage and visit, MaxText's default layout (num_layers_per_pipeline_stage=1)
+SHAPES["circular40"] = _pipeline(40)
 SHAPES["fsdp70b"] = Shape(  # the same model on one slice, fsdp only: does not fit
     "llama_70b", ("splash",), lambda chips: {},
     lambda chips: _llama_70b(128 // chips),

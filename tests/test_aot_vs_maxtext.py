@@ -148,7 +148,8 @@ def test_the_long_shape_splits_the_length_over_context_on_both_sides():
     assert bench.ours_config("v5p-32", "dense", "dense").seq_len == 2048  # dense kept as it was
 
 
-@pytest.mark.parametrize("shape, repeats", [("pipeline", 1), ("circular", 2)])
+@pytest.mark.parametrize("shape, repeats", [("pipeline", 1), ("circular", 2),
+                                            ("circular40", 40)])
 def test_the_pipeline_shapes_are_the_same_model_stages_and_slices_on_both_sides(shape, repeats):
     overrides = dict(o.split("=", 1) for o in bench.maxtext_overrides("v5p-32", "splash", shape))
     config = bench.ours_config("v5p-32", "splash", shape)
@@ -198,8 +199,8 @@ def test_plan_compiles_each_shapes_paths_and_refuses_unknown_names():
         ("dense", "splash"), ("dense", "dense"), ("moe", "splash"), ("long", "splash")]
     assert bench.plan(["dense", "long"], ["dense"]) == [("dense", "dense")]
     with pytest.raises(bench.app.UsageError, match="^mixtral, flash: expected shapes from "
-                       "dense, moe, long, pipeline, circular, fsdp70b and attentions from "
-                       "splash, dense$"):
+                       "dense, moe, long, pipeline, circular, circular40, fsdp70b and "
+                       "attentions from splash, dense$"):
         bench.plan(["mixtral"], ["flash"])
 
 
