@@ -13,6 +13,16 @@ ahead of time for the same slice, model, mesh split and batch, at three shapes (
 
 All bfloat16 compute, float32 params and AdamW moments, scanned layers with full remat.
 
+Asked for by name, a model that needs pipeline stages (experiments/llama_70b.py: 80 x 8192, 64 /
+8 heads, SwiGLU 28,672, untied 128,256 vocabulary, 70.55B params, batch 128 x 2048):
+  fsdp70b     on one slice, fsdp over all chips (does not fit on v5p-32, on either side);
+  pipeline    on two slices (`compile_topology_num_slices=2`), stage=2 across them x fsdp
+              inside each, 8 microbatches, GPipe; MaxText: `dcn_pipeline_parallelism=2`,
+              `num_pipeline_microbatches=8`, 40 layers a stage scanned (`scan_layers_per_stage`);
+  circular    the same with 2 repeats (MaxText: `num_pipeline_repeats=2`, 20 layers a stage);
+  circular40  40 repeats, one layer a stage and visit (MaxText's default layout).
+Results and the buffers behind them: docs/cloud-tpu.md.
+
     python benchmarks/aot_vs_maxtext.py --maxtext_python=/work/venv-maxtext/bin/python \
         --ours_python=/work/venv-ours312/bin/python [--topology=v5p-32] \
         [--shape=dense,moe,long] [--attention=splash,dense] \
