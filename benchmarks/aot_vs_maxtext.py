@@ -13,6 +13,16 @@ ahead of time for the same slice, model, mesh split and batch, at three shapes (
 
 All bfloat16 compute, float32 params and AdamW moments, scanned layers with full remat.
 
+Asked for by name, a model that needs pipeline stages (experiments/llama_70b.py: 80 x 8192, 64 /
+8 heads, SwiGLU 28,672, untied 128,256 vocabulary, 70.55B params, batch 128 x 2048):
+  fsdp70b     on one slice, fsdp over all chips (does not fit on v5p-32, on either side);
+  pipeline    on two slices (`compile_topology_num_slices=2`), stage=2 across them x fsdp
+              inside each, 8 microbatches, GPipe; MaxText: `dcn_pipeline_parallelism=2`,
+              `num_pipeline_microbatches=8`, 40 layers a stage scanned (`scan_layers_per_stage`);
+  circular    the same with 2 repeats (MaxText: `num_pipeline_repeats=2`, 20 layers a stage);
+  circular40  40 repeats, one layer a stage and visit (MaxText's default layout).
+Results and the buffers behind them: docs/cloud-tpu.md.
+
     python benchmarks/aot_vs_maxtext.py --maxtext_python=/work/venv-maxtext/bin/python \
         --ours_python=/work/venv-ours312/bin/python [--topology=v5p-32] \
         [--shape=dense,moe,long] [--attention=splash,dense] \
@@ -150,6 +160,8 @@ class Shape:
     ours: Callable[[int], dict]  # chips -> {dotted config key: value}
     maxtext: Callable[[int], list[str]]  # chips -> MaxText key=value overrides (model, mesh)
     doc: str
+    slices: int = 1  # slices of the topology joined over DCN (chips above: of one slice)
+    by_default: bool = True  # compiled without --shape (the 70B shapes are asked for by name)
 
 
 def _llama_1b7(length: int, per_device_batch: float) -> list[str]:
@@ -197,6 +209,64 @@ SHAPES = {
 }
 
 
+def _llama_70b(per_device_batch: int) -> list[str]:
+    """MaxText's llama2 decoder at experiments/llama_70b.py's shape."""
+    return ["decoder_block=llama2", "base_emb_dim=8192", "base_num_query_heads=64",
+            "base_num_kv_heads=8", "head_dim=128", "base_mlp_dim=28672",
+            "base_num_decoder_layers=80", "vocab_size=128256", "logits_via_embedding=false",
+            f"per_device_batch_size={per_device_batch}", "max_target_length=2048"]
+
+
+def _maxtext_pipeline(chips: int, repeats: int) -> list[str]:
+    """The 70B, batch 128 x 2048, on PIPELINE_SLICES slices of `chips` with MaxText's pipeline:
+    `dcn_pipeline_parallelism` stages across the slices, PIPELINE_MICROBATCHES microbatches,
+    `repeats` (its layers per stage then 80 / (stages x repeats), scanned within a stage as
+    ours are)."""
+    return [*_llama_70b(128 // (chips * PIPELINE_SLICES)),
+            f"dcn_pipeline_parallelism={PIPELINE_SLICES}",
+            f"num_pipeline_microbatches={PIPELINE_MICROBATCHES}",
+            f"num_pipeline_repeats={repeats}",
+            f"num_layers_per_pipeline_stage={80 // (PIPELINE_SLICES * repeats)}",
+            "scan_layers_per_stage=true"]
+
+
+def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The pipeline's idle fraction: (stages - 1) / (microbatches x repeats + stages - 1).
+
+    >>> round(bubble(2, 8), 4), round(bubble(2, 8, 2), 4)
+    (0.1111, 0.0588)
+    """
+    return (stages - 1) / (microbatches * repeats + stages - 1)
+
+
+PIPELINE_SLICES = 2  # the pipeline shapes: stages across this many slices (stage = slices)
+PIPELINE_MICROBATCHES = 8
+
+
+def _pipeline(repeats: int) -> Shape:
+    return Shape(
+        "llama_70b", ("splash",),
+        lambda chips: {"mesh.stage": PIPELINE_SLICES, "mesh.fsdp": -1,
+                       "pipeline.microbatches": PIPELINE_MICROBATCHES,
+                       "pipeline.repeats": repeats},
+        lambda chips: _maxtext_pipeline(chips, repeats),
+        f"Llama-style 70.55B, batch 128 x 2048, on {PIPELINE_SLICES} slices: stage="
+        f"{PIPELINE_SLICES} across them (DCN) x fsdp inside each, {PIPELINE_MICROBATCHES} "
+        f"microbatches, repeats {repeats} (bubble "
+        f"{bubble(PIPELINE_SLICES, PIPELINE_MICROBATCHES, repeats):.1%})",
+        slices=PIPELINE_SLICES, by_default=False)
+
+
+SHAPES["pipeline"] = _pipeline(1)  # GPipe
+SHAPES["circular"] = _pipeline(2)  # the circular schedule
+# one layer per stage and visit, MaxText's default layout (num_layers_per_pipeline_stage=1)
+SHAPES["circular40"] = _pipeline(40)
+SHAPES["fsdp70b"] = Shape(  # the same model on one slice, fsdp only: does not fit
+    "llama_70b", ("splash",), lambda chips: {},
+    lambda chips: _llama_70b(128 // chips),
+    "Llama-style 70.55B, batch 128 x 2048, fsdp over one slice's chips", by_default=False)
+
+
 def chip_count(topology: str) -> int:
     """Chips of a slice name: v4 and v5p count TensorCores (two a chip)."""
     return int(topology.rsplit("-", 1)[1]) // (2 if topology.startswith(("v4", "v5p")) else 1)
@@ -204,7 +274,8 @@ def chip_count(topology: str) -> int:
 
 def maxtext_overrides(topology: str, attention: str, shape: str = "dense") -> list[str]:
     """MaxText `key=value` overrides for `shape` on `topology` with our `attention` path."""
-    return [f"compile_topology={topology}", "compile_topology_num_slices=1",
+    return [f"compile_topology={topology}",
+            f"compile_topology_num_slices={SHAPES[shape].slices}",
             *SHAPES[shape].maxtext(chip_count(topology)),
             f"attention={ATTENTIONS[attention]}", "remat_policy=full", "scan_layers=true",
             "dtype=bfloat16", "weight_dtype=float32", "ici_fsdp_parallelism=-1",
@@ -270,7 +341,8 @@ def compile_ours(topology: str, attention: str, shape: str) -> dict:
 
     accelerator = accelerators.parse(topology)
     # aot._compile, not compile_train_step: the same compile without its FLOP extrapolation.
-    compiled, report = aot._compile(config, aot.tpu_topology(accelerator), accelerator)
+    devices = aot.tpu_topology(accelerator, SHAPES[shape].slices)
+    compiled, report = aot._compile(config, devices, accelerator)
     result = {"num_params": report.num_params, "error": report.error,
               "kernels": [*report.attention, *report.moe_dispatch]}
     if compiled is not None:
@@ -631,7 +703,8 @@ def _define_flags() -> None:
     flags.DEFINE_string("ours_python", sys.executable,
                         "Python with this project and MaxText's jax, jaxlib and libtpu.")
     flags.DEFINE_string("topology", "v5p-32", "TPU slice to compile for.")
-    flags.DEFINE_list("shape", list(SHAPES), f"Shapes to compare: {', '.join(SHAPES)}.")
+    flags.DEFINE_list("shape", [s for s in SHAPES if SHAPES[s].by_default],
+                      f"Shapes to compare: {', '.join(SHAPES)}.")
     flags.DEFINE_list("attention", [], f"Attention paths ({', '.join(ATTENTIONS)}); default: "
                       "each shape's (dense: both; moe and long: splash).")
     flags.DEFINE_string("dump_dir", "", "Dump XLA's buffer assignment here and list the top "

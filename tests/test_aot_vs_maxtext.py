@@ -148,12 +148,59 @@ def test_the_long_shape_splits_the_length_over_context_on_both_sides():
     assert bench.ours_config("v5p-32", "dense", "dense").seq_len == 2048  # dense kept as it was
 
 
+@pytest.mark.parametrize("shape, repeats", [("pipeline", 1), ("circular", 2),
+                                            ("circular40", 40)])
+def test_the_pipeline_shapes_are_the_same_model_stages_and_slices_on_both_sides(shape, repeats):
+    overrides = dict(o.split("=", 1) for o in bench.maxtext_overrides("v5p-32", "splash", shape))
+    config = bench.ours_config("v5p-32", "splash", shape)
+    m = config.model
+    assert (int(overrides["base_num_decoder_layers"]), int(overrides["base_emb_dim"]),
+            int(overrides["base_num_query_heads"]), int(overrides["base_num_kv_heads"]),
+            int(overrides["head_dim"]), int(overrides["base_mlp_dim"]),
+            int(overrides["vocab_size"])) == \
+        (m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.d_ff,
+         m.vocab_size) == (80, 8192, 64, 8, 128, 28672, 128256)
+    assert overrides["logits_via_embedding"] == "false" and not m.tie_embeddings
+    # two slices on both sides, the stages across them, fsdp over each slice's 16 chips
+    assert int(overrides["compile_topology_num_slices"]) == bench.SHAPES[shape].slices == 2
+    assert int(overrides["dcn_pipeline_parallelism"]) == config.mesh.stage == 2
+    assert overrides.get("ici_pipeline_parallelism", "1") == "1"
+    assert overrides["ici_fsdp_parallelism"] == "-1" and config.mesh.fsdp == -1
+    assert int(overrides["num_pipeline_microbatches"]) == config.pipeline.microbatches == 8
+    assert int(overrides["num_pipeline_repeats"]) == config.pipeline.repeats == repeats
+    # MaxText's stages x repeats x layers per stage is its depth; ours stage x repeats blocks
+    assert 2 * repeats * int(overrides["num_layers_per_pipeline_stage"]) == m.num_layers
+    assert overrides["scan_layers_per_stage"] == "true" and m.scan_layers
+    # batch 128 x 2048: 4 rows a chip on MaxText's 32 chips
+    assert int(overrides["per_device_batch_size"]) * 32 == config.batch_size == 128
+    assert int(overrides["max_target_length"]) == config.seq_len == 2048
+    assert configs.experiment("llama_70b").mesh.stage == 1  # validates on one device
+    assert f"bubble {bench.bubble(2, 8, repeats):.1%}" in bench.SHAPES[shape].doc
+
+
+def test_the_one_slice_70b_is_the_same_model_without_a_pipeline():
+    overrides = dict(o.split("=", 1) for o in bench.maxtext_overrides("v5p-32", "splash",
+                                                                       "fsdp70b"))
+    config = bench.ours_config("v5p-32", "splash", "fsdp70b")
+    assert int(overrides["compile_topology_num_slices"]) == bench.SHAPES["fsdp70b"].slices == 1
+    assert not any(k.startswith(("dcn_pipeline", "num_pipeline")) for k in overrides)
+    assert config.mesh.stage == 1 and config.pipeline.microbatches == 1
+    assert int(overrides["per_device_batch_size"]) * 16 == config.batch_size == 128
+    assert int(overrides["base_mlp_dim"]) == config.model.d_ff == 28672
+
+
+def test_bubble_is_the_idle_fraction_of_the_schedule():
+    assert bench.bubble(2, 8) == 1 / 9 and bench.bubble(2, 8, 2) == 1 / 17
+    assert bench.bubble(1, 8) == 0 and bench.bubble(4, 4) == 3 / 7
+
+
 def test_plan_compiles_each_shapes_paths_and_refuses_unknown_names():
-    assert bench.plan(list(bench.SHAPES), []) == [
+    assert bench.plan([s for s in bench.SHAPES if bench.SHAPES[s].by_default], []) == [
         ("dense", "splash"), ("dense", "dense"), ("moe", "splash"), ("long", "splash")]
     assert bench.plan(["dense", "long"], ["dense"]) == [("dense", "dense")]
     with pytest.raises(bench.app.UsageError, match="^mixtral, flash: expected shapes from "
-                       "dense, moe, long and attentions from splash, dense$"):
+                       "dense, moe, long, pipeline, circular, circular40, fsdp70b and "
+                       "attentions from splash, dense$"):
         bench.plan(["mixtral"], ["flash"])
 
 
