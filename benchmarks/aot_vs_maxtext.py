@@ -82,7 +82,7 @@ per chip; XLA FLOPs as counted above, a Pallas kernel by its own cost estimate):
 | --- | --- | --- | --- | --- | --- | --- | --- |
 | moe | ours | splash; ragged all-to-all | 4.99 GiB | 12.91 GiB | 0.07 GiB | 17.97 GiB | 4.449e13 |
 | moe | MaxText | flash; megablox | 5.00 GiB | 14.01 GiB | 0.07 GiB | 19.07 GiB | 4.532e13 |
-| long | ours | splash per device; gather | 1.20 GiB | 2.91 GiB | 0.04 GiB | 4.15 GiB | 5.676e12 |
+| long | ours | splash/device, all_gather | 1.20 GiB | 2.91 GiB | 0.04 GiB | 4.15 GiB | 5.676e12 |
 | long | MaxText | flash, all_gather | 1.20 GiB | 2.88 GiB | 0.04 GiB | 4.12 GiB | 6.089e12 |
 
 Both sides count 7,149,946,880 params for moe and 1,713,735,680 for long. Ours' kernels, as
