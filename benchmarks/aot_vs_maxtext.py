@@ -117,7 +117,10 @@ context x fsdp, and ran the chunked kernel per device, whose K/V gather's transp
 dK / dV for all 4 rows over fsdp before the reduce-scatter over sequence (bf16[4, 32768, 16,
 128] twice). Now the rules table maps `embed` to fsdp x expert x sequence (the sequence axis
 shards the state as MaxText's context axis does), splash runs per device under the axis, and
-the chunked kernel's gather runs per row (`sequence_parallel._gather_rows`).
+the chunked kernel's gather runs per row (`sequence_parallel._gather_rows`). With the chunked
+kernel per device instead of splash (`--side=ours --shape=long --attention=chunked`), ours also
+compiles to 4.15 GiB (arguments 1.20, temporaries 2.91; XLA FLOPs 5.684e12), where the state
+split alone, dK / dV still gathered for all rows, gave 4.58 GiB.
 """
 
 from __future__ import annotations
