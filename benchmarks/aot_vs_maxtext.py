@@ -8,8 +8,8 @@ ahead of time for the same slice, model, mesh split and batch, at three shapes (
          dropless, expert parallelism 4 x fsdp 4; MaxText's mixtral block with
          `sparse_matmul` / `megablox`, `capacity_factor=-1`, `ici_expert_parallelism=4`;
   long   the 1.71B at 32,768 tokens, batch chips / 4 (4 rows on v5p-32), context parallelism 4
-         x fsdp 4: our `sequence` axis (the all_gather strategy) against MaxText's
-         `ici_context_parallelism=4` (`context_parallel_strategy=all_gather`).
+         x fsdp 4: our `sequence` axis (the all_gather strategy, splash per device) against
+         MaxText's `ici_context_parallelism=4` (`context_parallel_strategy=all_gather`).
 
 All bfloat16 compute, float32 params and AdamW moments, scanned layers with full remat.
 
@@ -92,12 +92,12 @@ per chip; XLA FLOPs as counted above, a Pallas kernel by its own cost estimate):
 | --- | --- | --- | --- | --- | --- | --- | --- |
 | moe | ours | splash; ragged all-to-all | 4.99 GiB | 12.91 GiB | 0.07 GiB | 17.97 GiB | 4.449e13 |
 | moe | MaxText | flash; megablox | 5.00 GiB | 14.01 GiB | 0.07 GiB | 19.07 GiB | 4.532e13 |
-| long | ours | chunked, all_gather | 4.79 GiB | 4.60 GiB | 0.04 GiB | 9.43 GiB | 9.224e12 |
+| long | ours | splash/device, all_gather | 1.20 GiB | 2.91 GiB | 0.04 GiB | 4.15 GiB | 5.676e12 |
 | long | MaxText | flash, all_gather | 1.20 GiB | 2.88 GiB | 0.04 GiB | 4.12 GiB | 6.089e12 |
 
 Both sides count 7,149,946,880 params for moe and 1,713,735,680 for long. Ours' kernels, as
-the step compiled them: splash, "ragged all-to-all over expert=4" (moe) and "chunked per
-device, all_gather over sequence=4" (long: what main runs under the sequence axis today).
+the step compiled them: splash, "ragged all-to-all over expert=4" (moe) and "splash per device,
+all_gather over sequence=4" (long).
 
 moe: ours / MaxText 0.942x (-1.10 GiB). Both peak in an MoE layer's backward with the same
 worst-case dropless buffers, 131,072 rows (every token of the 4 devices of an expert group, 2
@@ -106,24 +106,31 @@ the logits' gradient (1.54 GiB) and the layers' inputs (1.5 GiB); at its peak Ma
 six [131072, 2048]-sized permutation buffers (its sort_activations gathers, custom calls and a
 gmm output, 0.5 GiB each) where ours holds four.
 
-long: ours / MaxText 2.290x (+5.31 GiB), target not met. The difference, from the dumps:
-- arguments, 3.59 GiB: MaxText shards weights and optimizer state over its context axis as
-  well as fsdp (16 ways); ours shards them over fsdp (and expert) only, 4 ways here, so params
-  and AdamW moments take 4x the bytes per chip;
-- temporaries, 1.72 GiB: the same 4x on the float32 gradient accumulators of the scanned
-  weights (1.15 GiB against 0.29 GiB at the peak) and the bfloat16 casts of the stacked weights
-  (0.56 GiB against 0.14 GiB); and in each layer's attention backward the all_gather's
-  transpose gathers dK / dV over fsdp before the reduce-scatter over sequence,
-  bf16[4, 32768, 16, 128] twice (1 GiB) where one row per device (0.25 GiB) would do: our
-  shard_map is manual over `sequence` only, and XLA's partitioner makes the batch-split
-  gradient whole there. MaxText peaks at the loss instead (the logits' gradient and its copy,
-  0.77 GiB each, and the layers' inputs, 0.75 GiB, which ours holds too).
-Mapping `embed` to ("fsdp", "expert", "sequence") in transformer/sharding.py (params split over
-the sequence axis as MaxText splits them over context; not applied here: it changes what the
-axis means, see docs/scaling-out.md) compiles ours to 1.20 GiB + 3.34 GiB = 4.58 GiB (1.112x
-MaxText; FLOPs 5.684e12), the rest being the dK / dV gather above. Ours' XLA FLOPs, 1.515x
-MaxText's as main stands, are 0.933x with that split: the excess goes with the params' layout,
-not with the attention kernel.
+long: ours / MaxText 1.007x (+0.03 GiB: temporaries 3,121,037,312 against 3,090,022,400 bytes,
+program +2.1 MiB, arguments -1.1 MiB), target not met by 30 MiB. Both peak at the loss on the
+same three buffers: the logits' gradient and its copy, bf16[1, 8192, 50304] (786 MiB each),
+and the scanned layers' inputs, bf16[24, 1, 8192, 2048] (768 MiB). Beside them ours holds three
+bfloat16 casts of stacked weights (48 MiB each; MaxText two), the zig-zag layout's
+concatenation bf16[1, 2, 4096, 2048] (32 MiB) and three 16 MiB pieces of its transpose;
+MaxText its gathered embedding table bf16[50304, 2048] (196.5 MiB) and an f32[1, 8192, 2048]
+(64 MiB). The bytes live at once are fewer on ours (2.61 GiB of its 2.91 GiB allocation;
+MaxText 2.78 of 2.88): the difference is in how XLA packs the allocation, not a buffer MaxText
+does without. Reproduce (MaxText's side unchanged, so its log can be reused with --reuse):
+
+    python benchmarks/aot_vs_maxtext.py --maxtext_python=/work/venv-maxtext/bin/python \
+        --ours_python=/work/venv-ours312/bin/python --shape=long --output_dir=/tmp/lc_out \
+        --dump_dir=/tmp/lc_dump
+
+Before (9.43 GiB: arguments 4.79, temporaries 4.60; XLA FLOPs 9.224e12) ours split weights and
+optimizer state over fsdp (and expert) only, 4 ways where MaxText splits them 16 ways over
+context x fsdp, and ran the chunked kernel per device, whose K/V gather's transpose gathered
+dK / dV for all 4 rows over fsdp before the reduce-scatter over sequence (bf16[4, 32768, 16,
+128] twice). Now the rules table maps `embed` to fsdp x expert x sequence (the sequence axis
+shards the state as MaxText's context axis does), splash runs per device under the axis, and
+the chunked kernel's gather runs per row (`sequence_parallel._gather_rows`). With the chunked
+kernel per device instead of splash (`--side=ours --shape=long --attention=chunked`), ours also
+compiles to 4.15 GiB (arguments 1.20, temporaries 2.91; XLA FLOPs 5.684e12), where the state
+split alone, dK / dV still gathered for all rows, gave 4.58 GiB.
 """
 
 from __future__ import annotations
@@ -688,8 +695,9 @@ def main(argv) -> None:
     if FLAGS.dump_dir:
         for r in results:
             name = f"{r['side']}-{r['shape']}-{r['attention']}"
-            files = dump_files(os.path.join(FLAGS.dump_dir, name))
-            if len(files) < 3:
+            directory = os.path.join(FLAGS.dump_dir, name)
+            files = dump_files(directory) if os.path.isdir(directory) else {}
+            if len(files) < 3:  # (a result reused from a log may have no dump)
                 print(f"\n{name}: no buffer assignment in the dump")
                 continue
             text = {key: open(path).read() for key, path in files.items()}

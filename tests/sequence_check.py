@@ -208,7 +208,28 @@ def memory(devices) -> dict[str, list[int]]:
                 compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
             sizes.append(int(compiled.memory_analysis().temp_size_in_bytes))
         out[strategy] = sizes
+    out["rows"] = rows_memory(devices)
     return out
+
+
+def rows_memory(devices) -> list[int]:
+    """Temp bytes per device of all-gather attention fwd + bwd at 4k tokens, one row per device:
+    [sequence=4 with 1 row, data=2 x sequence=4 with 2 rows]. Equal when K / V are gathered and
+    dK / dV reduce-scattered for each device's own row only."""
+    sizes = []
+    for data in (1, 2):
+        args = [jax.ShapeDtypeStruct((data, 4096, 4, 64), jnp.float32)] * 3
+        mesh = mesh_of(data=data, sequence=4, devices=devices)
+        split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+            sharding.BATCH_AXES, "sequence"))
+
+        def loss(q, k, v):
+            return jnp.sum(sequence_parallel.attention(q, k, v, masks.Causal(), q_chunk=256,
+                                                       kv_chunk=256))
+        with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
+            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=(split,) * 3)
+            sizes.append(int(step.lower(*args).compile().memory_analysis().temp_size_in_bytes))
+    return sizes
 
 
 def reshard(devices, workdir) -> dict:

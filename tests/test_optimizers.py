@@ -367,7 +367,8 @@ def test_the_optimizer_state_shards_like_the_params(name):
     assert query, name
     for path, (shape, spec) in query.items():
         if shape == (32, 2, 16):
-            assert spec == jax.sharding.PartitionSpec(("fsdp", "expert"), "tensor", None), path
+            assert spec == jax.sharding.PartitionSpec(("fsdp", "expert", "sequence"), "tensor",
+                                                        None), path
         else:
             assert name == "adafactor" and spec == jax.sharding.PartitionSpec(), path
 

@@ -154,6 +154,14 @@ def test_the_ring_holds_less_per_device_as_the_axis_grows(results):
 
 
 @pytest.mark.slow
+def test_the_all_gather_gathers_each_devices_own_rows_only(results):
+    """data=2 x sequence=4 with 2 rows holds what sequence=4 with 1 row holds: K / V gathered
+    and dK / dV reduce-scattered for the device's row, not for the whole batch."""
+    one_row, two_rows = results["memory"]["rows"]
+    assert two_rows <= 1.05 * one_row, (one_row, two_rows)
+
+
+@pytest.mark.slow
 def test_a_checkpoint_saved_on_one_sequence_mesh_continues_on_another(results):
     """Saved on sequence=4 (ring), restored on data=2 x sequence=2 (all-gather)."""
     reshard = results["reshard"]

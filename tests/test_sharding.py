@@ -186,8 +186,14 @@ def test_dimensions_the_mesh_does_not_divide_stay_replicated():
     # data stage fsdp expert sequence tensor
     mesh = AbstractMesh((1, 1, 2, 1, 3, 4), sharding.MESH_AXES)
     rules = sharding.LOGICAL_AXIS_RULES
-    # 2 KV heads cannot split over tensor=4; the embed dimension still splits over fsdp=2.
-    fsdp = ("fsdp", "expert")  # outside the experts, the expert axis shards like fsdp
+    # embed maps to fsdp x expert x sequence (outside the experts the expert axis shards like
+    # fsdp, and so does sequence): a width of 48 splits over all three (2 x 1 x 3) ...
+    assert sharding.mesh_spec(PartitionSpec("embed", "heads", "kv"), (48, 4, 8), mesh,
+                               rules) == PartitionSpec(("fsdp", "expert", "sequence"), "tensor",
+                                                       None)
+    # ... one of 32 over the leading fsdp x expert that divide it, not over none.
+    # 2 KV heads cannot split over tensor=4.
+    fsdp = ("fsdp", "expert")
     assert sharding.mesh_spec(PartitionSpec("embed", "kv_heads", "kv"), (32, 2, 8), mesh,
                                rules) == PartitionSpec(fsdp, None, None)
     assert sharding.mesh_spec(PartitionSpec("embed", "heads", "kv"), (32, 4, 8), mesh,
@@ -263,16 +269,19 @@ def test_each_mesh_gives_the_single_device_losses(mesh_results, mesh):
     assert sharded["max_param_diff"] < 1e-5
 
 
+EMBED = ('fsdp', 'expert', 'sequence')  # the mesh axes of a param's `embed` dimension
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, name, spec, shard_shape, num_shards", [
     # embedding [vocab 64, embed 32]: vocab over tensor, embed over fsdp
-    # (embed maps to fsdp x expert; expert is 1 here)
-    ("8,1,1", "embedding", "P('tensor', ('fsdp', 'expert'))", [64, 32], 1),  # pure data parallel
-    ("1,8,1", "embedding", "P('tensor', ('fsdp', 'expert'))", [64, 4], 8),
-    ("1,8,1", "mlp_wi", "P(('fsdp', 'expert'), 'tensor')", [4, 64], 8),
-    ("2,2,2", "query", "P(('fsdp', 'expert'), 'tensor', None)", [16, 2, 8], 4),
-    ("1,2,4", "query", "P(('fsdp', 'expert'), 'tensor', None)", [16, 1, 8], 8),
-    ("1,2,4", "mlp_wi", "P(('fsdp', 'expert'), 'tensor')", [16, 16], 8),
+    # (embed maps to fsdp x expert x sequence; expert and sequence are 1 here)
+    ("8,1,1", "embedding", f"P('tensor', {EMBED})", [64, 32], 1),  # pure data parallel
+    ("1,8,1", "embedding", f"P('tensor', {EMBED})", [64, 4], 8),
+    ("1,8,1", "mlp_wi", f"P({EMBED}, 'tensor')", [4, 64], 8),
+    ("2,2,2", "query", f"P({EMBED}, 'tensor', None)", [16, 2, 8], 4),
+    ("1,2,4", "query", f"P({EMBED}, 'tensor', None)", [16, 1, 8], 8),
+    ("1,2,4", "mlp_wi", f"P({EMBED}, 'tensor')", [16, 16], 8),
 ])
 def test_params_are_sharded_by_the_rules(mesh_results, mesh, name, spec, shard_shape,
                                          num_shards):

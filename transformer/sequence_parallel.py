@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,12 +138,27 @@ def attention(query: Array, key: Array, value: Array, mask=None, bias=None, *,
 
 def _all_gather(q, k, v, mask, bias, *, scale, q_chunk, kv_chunk, softcap):
     n, i = lax.axis_size(AXIS), lax.axis_index(AXIS)
-    k_all = lax.all_gather(k, AXIS, axis=1, tiled=True)
-    v_all = lax.all_gather(v, AXIS, axis=1, tiled=True)
+    k_all, v_all = _gather_rows(k), _gather_rows(v)
     q_len = q.shape[1]
     return chunked_attention(q, k_all, v_all, mask, bias, scale=scale, q_chunk=q_chunk,
                              kv_chunk=kv_chunk, totals=(q_len * n, k_all.shape[1]),
                              offsets=(i * q_len, 0), softcap=softcap)
+
+
+def _gather_rows(x):
+    """x [B, S / n, ...] -> [B, S, ...] gathered over the axis, each device's own batch rows
+    only. The gather runs in a shard_map manual over the axes that split the batch too: in the
+    outer one, manual over `sequence` alone, XLA's partitioner makes the batch whole for the
+    gather and for its transpose (dK / dV, reduce-scattered), all rows on every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = nn.get_logical_axis_rules() or sharding.LOGICAL_AXIS_RULES
+    rows = sharding.mesh_spec(P("activation_batch"), x.shape[:1], mesh, rules)[0]
+    gather = functools.partial(lax.all_gather, axis_name=AXIS, axis=1, tiled=True)
+    if rows is None:
+        return gather(x)
+    return jax.shard_map(gather, in_specs=P(rows), out_specs=P(rows),
+                         axis_names=set((rows,) if isinstance(rows, str) else rows),
+                         check_vma=False)(x)
 
 
 def _ring(q, k, v, mask, bias, *, scale, q_chunk, kv_chunk, softcap):

@@ -5,7 +5,9 @@ declared); activations get `activation_*` names at block boundaries. `LOGICAL_AX
 both onto the mesh axes of `MESH_AXIS_TABLE` (listed below, from the table).
 
 An axis of size 1 is a no-op, so the same rules serve every mesh. A dimension that the mesh axes
-mapped to it do not divide (e.g. 2 KV heads over tensor=4) stays replicated.
+mapped to it do not divide splits over the longest leading run of them that does (e.g. `embed`
+over fsdp x expert when sequence=3 does not divide it), else stays replicated (2 KV heads over
+tensor=4).
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ MESH_AXIS_TABLE = (
     MeshAxis("sequence", shards_batch=False, spans_slices=False, default=1,
              doc="sequence (context) parallelism: every activation's length dimension split; "
                  "attention crosses the split by gathering K and V or passing them round a ring "
-                 "(transformer.sequence_parallel); params unaffected, batch rows repeated"),
+                 "(transformer.sequence_parallel); params and optimizer state sharded on their "
+                 "`embed` dimension as by `fsdp` (as MaxText's context axis does), batch rows "
+                 "repeated"),
     MeshAxis("tensor", shards_batch=False, spans_slices=False, default=1,
              doc="Megatron-style tensor parallelism: heads, MLP hidden units and the vocabulary "
                  "split"),
@@ -90,10 +94,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("activation_vocab", "tensor"),
     # params
     # Outside the experts the expert axis shards like fsdp (MaxText does the same); inside,
-    # it splits the experts, so their width uses fsdp alone.
-    ("embed", ("fsdp", EXPERT_AXIS)),
+    # it splits the experts, so their width uses fsdp alone. The sequence axis, whose devices
+    # hold the same batch rows, shards the params like fsdp too (MaxText's context axis does).
+    ("embed", ("fsdp", EXPERT_AXIS, "sequence")),
     ("expert", EXPERT_AXIS),
-    ("expert_embed", "fsdp"),
+    ("expert_embed", ("fsdp", "sequence")),
     ("mlp_in", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -231,17 +236,24 @@ def slice_axis(mesh_sizes: dict[str, int], slices: int) -> str:
 
 
 def mesh_spec(logical: PartitionSpec | None, shape: tuple[int, ...], mesh, rules) -> PartitionSpec:
-    """Logical names -> mesh axes for one array, leaving dimensions they do not divide whole."""
+    """Logical names -> mesh axes for one array. A dimension the mapped mesh axes do not divide
+    splits over the longest leading run of them that does (none: whole).
+
+    >>> mesh = jax.sharding.AbstractMesh((1, 2, 1, 3, 1), MESH_AXES)  # fsdp=2, sequence=3
+    >>> tuple(mesh_spec(PartitionSpec("embed", "mlp"), (12, 4), mesh, LOGICAL_AXIS_RULES))
+    (('fsdp', 'expert', 'sequence'), 'tensor')
+    >>> tuple(mesh_spec(PartitionSpec("embed", "mlp"), (8, 4), mesh, LOGICAL_AXIS_RULES))
+    (('fsdp', 'expert'), 'tensor')
+    """
     if not logical or not shape:  # (an unboxed leaf's spec is empty)
         return PartitionSpec()
     mesh_axes = nn.logical_to_mesh_axes(tuple(logical), rules)
     spec = []
     for size, axes in zip(shape, mesh_axes, strict=True):
         names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        if not names or size % math.prod(mesh.shape[a] for a in names):
-            spec.append(None)
-        else:
-            spec.append(axes)
+        while names and size % math.prod(mesh.shape[a] for a in names):
+            names = names[:-1]
+        spec.append(None if not names else axes if isinstance(axes, str) else names)
     return PartitionSpec(*spec)
 
 
