@@ -16,7 +16,12 @@ All bfloat16 compute, float32 params and AdamW moments, scanned layers with full
     python benchmarks/aot_vs_maxtext.py --maxtext_python=/work/venv-maxtext/bin/python \
         --ours_python=/work/venv-ours312/bin/python [--topology=v5p-32] \
         [--shape=dense,moe,long] [--attention=splash,dense] \
-        [--dump_dir=DIR [--top_buffers=12]] [--output_dir=DIR [--reuse]]
+        [--quantization=none,int8] [--dump_dir=DIR [--top_buffers=12]] \
+        [--output_dir=DIR [--reuse]]
+
+--quantization=int8 compiles ours with model.quantization="int8" and MaxText with
+`quantization=int8 use_qwix_quantization=true` (both Qwix; the int8 rows and ratios read
+"dense int8"; docs/performance.md has the table).
 
 Each side compiles in its own process with its own Python (this file run with --side): ours
 through `launch.aot` (the topology from `jax.experimental.topologies`, the mesh, shardings and
