@@ -26,7 +26,12 @@ Results and the buffers behind them: docs/cloud-tpu.md.
     python benchmarks/aot_vs_maxtext.py --maxtext_python=/work/venv-maxtext/bin/python \
         --ours_python=/work/venv-ours312/bin/python [--topology=v5p-32] \
         [--shape=dense,moe,long] [--attention=splash,dense] \
-        [--dump_dir=DIR [--top_buffers=12]] [--output_dir=DIR [--reuse]]
+        [--quantization=none,int8] [--dump_dir=DIR [--top_buffers=12]] \
+        [--output_dir=DIR [--reuse]]
+
+--quantization=int8 compiles ours with model.quantization="int8" and MaxText with
+`quantization=int8 use_qwix_quantization=true` (both Qwix; the int8 rows and ratios read
+"dense int8"; docs/performance.md has the table).
 
 Each side compiles in its own process with its own Python (this file run with --side): ours
 through `launch.aot` (the topology from `jax.experimental.topologies`, the mesh, shardings and
@@ -151,6 +156,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = "AOT_VS_MAXTEXT_RESULT "
 ATTENTIONS = {"splash": "flash", "dense": "dot_product"}  # ours -> MaxText's `attention`
 VERSION_KEYS = ("jax", "jaxlib", "libtpu")
+# --quantization -> MaxText's overrides: its Qwix path (`use_qwix_quantization`; its default is
+# AQT), as ours runs Qwix (model.quantization, transformer/quantization.py).
+QUANTIZATIONS = {"none": [], "int8": ["quantization=int8", "use_qwix_quantization=true"]}
 
 
 # --- one side, in its own process ------------------------------------------------------------
@@ -279,18 +287,20 @@ def chip_count(topology: str) -> int:
     return int(topology.rsplit("-", 1)[1]) // (2 if topology.startswith(("v4", "v5p")) else 1)
 
 
-def maxtext_overrides(topology: str, attention: str, shape: str = "dense") -> list[str]:
+def maxtext_overrides(topology: str, attention: str, shape: str = "dense",
+                      quantization: str = "none") -> list[str]:
     """MaxText `key=value` overrides for `shape` on `topology` with our `attention` path."""
     return [f"compile_topology={topology}",
             f"compile_topology_num_slices={SHAPES[shape].slices}",
-            *SHAPES[shape].maxtext(chip_count(topology)),
+            *SHAPES[shape].maxtext(chip_count(topology)), *QUANTIZATIONS[quantization],
             f"attention={ATTENTIONS[attention]}", "remat_policy=full", "scan_layers=true",
             "dtype=bfloat16", "weight_dtype=float32", "ici_fsdp_parallelism=-1",
             "dataset_type=synthetic", "enable_checkpointing=false", "run_name=aot_vs_maxtext",
             f"base_output_directory={tempfile.gettempdir()}/aot_vs_maxtext"]
 
 
-def ours_config(topology: str, attention: str, shape: str = "dense"):
+def ours_config(topology: str, attention: str, shape: str = "dense",
+                quantization: str = "none"):
     """Our config for `shape`: the experiment with the shape's overrides and `attention`."""
     sys.path.insert(0, ROOT)
     from transformer import configs
@@ -303,6 +313,7 @@ def ours_config(topology: str, attention: str, shape: str = "dense"):
             target = target[group]
         target[name] = value
     config.model.attention_impl = attention
+    config.model.quantization = "" if quantization == "none" else quantization
     return config
 
 
@@ -342,9 +353,12 @@ def _flops(compiled) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
-def compile_ours(topology: str, attention: str, shape: str) -> dict:
-    config = ours_config(topology, attention, shape)
+def compile_ours(topology: str, attention: str, shape: str, quantization: str) -> dict:
+    config = ours_config(topology, attention, shape, quantization)
+    import transformer
     from launch import accelerators, aot
+
+    print(f"transformer from {transformer.__file__}", flush=True)
 
     accelerator = accelerators.parse(topology)
     # aot._compile, not compile_train_step: the same compile without its FLOP extrapolation.
@@ -357,7 +371,7 @@ def compile_ours(topology: str, attention: str, shape: str) -> dict:
     return result
 
 
-def compile_maxtext(topology: str, attention: str, shape: str) -> dict:
+def compile_maxtext(topology: str, attention: str, shape: str, quantization: str) -> dict:
     import jax
     import maxtext.utils.globals as maxtext_globals
     from flax import nnx
@@ -373,7 +387,7 @@ def compile_maxtext(topology: str, attention: str, shape: str) -> dict:
 
     train_compile.jit_and_compile = capture
     argv = ["train_compile", os.path.join(maxtext_globals.MAXTEXT_CONFIGS_DIR, "base.yml"),
-            *maxtext_overrides(topology, attention, shape)]
+            *maxtext_overrides(topology, attention, shape, quantization)]
     try:
         train_compile.main(argv)
     except Exception as error:  # noqa: BLE001 - report XLA's refusal (e.g. out of HBM) as ours
@@ -387,13 +401,16 @@ def compile_maxtext(topology: str, attention: str, shape: str) -> dict:
     return result
 
 
-def run_side(side: str, topology: str, attention: str, shape: str) -> None:
+def run_side(side: str, topology: str, attention: str, shape: str,
+             quantization: str = "none") -> None:
     # Compiling needs no TPU: don't take libtpu's single-process lock, which another compile
     # on this host may hold (MaxText's side would fail on it).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     start = time.time()
-    result = (compile_ours if side == "ours" else compile_maxtext)(topology, attention, shape)
+    result = (compile_ours if side == "ours" else compile_maxtext)(topology, attention, shape,
+                                                                  quantization)
     result.update(side=side, shape=shape, attention=attention, topology=topology,
+                  quantization=quantization,
                   seconds=round(time.time() - start, 1), versions=_versions())
     print(MARKER + json.dumps(result, sort_keys=True), flush=True)
 
@@ -429,7 +446,10 @@ def _gib(n: float) -> str:
 
 
 def _key(result: dict) -> tuple[str, str]:
-    return result.get("shape", "dense"), result["attention"]
+    """(shape, attention) of a result; the shape reads e.g. "dense int8" when quantized."""
+    quantization = result.get("quantization", "none")
+    shape = result.get("shape", "dense")
+    return (shape if quantization == "none" else f"{shape} {quantization}"), result["attention"]
 
 
 def format_table(results: list[dict]) -> str:
@@ -625,16 +645,16 @@ def dump_files(directory: str) -> dict[str, str]:
 
 
 def _run(python: str, side: str, shape: str, attention: str, log_dir: str,
-         dump_dir: str) -> dict:
+         dump_dir: str, quantization: str = "none") -> dict:
     env = dict(os.environ)
-    name = f"{side}-{shape}-{attention}"
+    name = run_name(side, shape, attention, quantization)
     if dump_dir:
         target = os.path.join(dump_dir, name)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={target} "
                             "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*")
     command = [python, os.path.abspath(__file__), f"--side={side}",
                f"--topology={flags.FLAGS.topology}", f"--shape={shape}",
-               f"--attention={attention}"]
+               f"--attention={attention}", f"--quantization={quantization}"]
     log = os.path.join(log_dir, f"{name}.log")
     if flags.FLAGS.reuse and os.path.exists(log):
         with open(log) as f:
@@ -650,6 +670,11 @@ def _run(python: str, side: str, shape: str, attention: str, log_dir: str,
         result = parse_result(f.read())
     print(f"  {result['seconds']:.0f} s", flush=True)
     return result
+
+
+def run_name(side: str, shape: str, attention: str, quantization: str = "none") -> str:
+    """A compile's log and dump name: `side-shape-attention`, then `-int8` when quantized."""
+    return f"{side}-{shape}-{attention}" + ("" if quantization == "none" else f"-{quantization}")
 
 
 def plan(shapes: list[str], attentions: list[str]) -> list[tuple[str, str]]:
@@ -669,20 +694,28 @@ def main(argv) -> None:
     del argv
     FLAGS = flags.FLAGS
     if FLAGS.side:
-        run_side(FLAGS.side, FLAGS.topology, FLAGS.attention[0], FLAGS.shape[0])
+        run_side(FLAGS.side, FLAGS.topology, FLAGS.attention[0], FLAGS.shape[0],
+                 FLAGS.quantization[0])
         return
     if not FLAGS.maxtext_python:
         raise app.UsageError("--maxtext_python is required (see the module docstring)")
     runs = plan(FLAGS.shape, FLAGS.attention)
+    unknown = [q for q in FLAGS.quantization if q not in QUANTIZATIONS]
+    if unknown:
+        raise app.UsageError(f"--quantization={','.join(unknown)}: expected from "
+                             f"{', '.join(QUANTIZATIONS)}")
     log_dir = FLAGS.output_dir or tempfile.mkdtemp(prefix="aot_vs_maxtext_")
     os.makedirs(log_dir, exist_ok=True)
     results = []
     for shape, attention in runs:
-        for side, python in (("ours", FLAGS.ours_python), ("maxtext", FLAGS.maxtext_python)):
-            results.append(_run(python, side, shape, attention, log_dir, FLAGS.dump_dir))
+        for quantization in FLAGS.quantization:
+            for side, python in (("ours", FLAGS.ours_python),
+                                 ("maxtext", FLAGS.maxtext_python)):
+                results.append(_run(python, side, shape, attention, log_dir, FLAGS.dump_dir,
+                                    quantization))
     for r in results:
         v = r["versions"]
-        print(f"{r['side']:>8} / {r['shape']} / {r['attention']}: jax {v['jax']}, jaxlib "
+        print(f"{r['side']:>8} / {_key(r)[0]} / {r['attention']}: jax {v['jax']}, jaxlib "
               f"{v['jaxlib']}, libtpu {v['libtpu']}, flax {v['flax']}, python {v['python']}"
               + (f", maxtext {v['maxtext']}" if r["side"] == "maxtext" else ""))
     mismatch = version_mismatch(results)
@@ -694,7 +727,8 @@ def main(argv) -> None:
     print("\n" + format_table(results))
     if FLAGS.dump_dir:
         for r in results:
-            name = f"{r['side']}-{r['shape']}-{r['attention']}"
+            name = run_name(r["side"], r["shape"], r["attention"],
+                            r.get("quantization", "none"))
             directory = os.path.join(FLAGS.dump_dir, name)
             files = dump_files(directory) if os.path.isdir(directory) else {}
             if len(files) < 3:  # (a result reused from a log may have no dump)
@@ -715,6 +749,9 @@ def _define_flags() -> None:
                       f"Shapes to compare: {', '.join(SHAPES)}.")
     flags.DEFINE_list("attention", [], f"Attention paths ({', '.join(ATTENTIONS)}); default: "
                       "each shape's (dense: both; moe and long: splash).")
+    flags.DEFINE_list("quantization", ["none"], "Compute settings to compare: none (bfloat16) "
+                      "and/or int8 (ours model.quantization=int8; MaxText quantization=int8 "
+                      "through Qwix).")
     flags.DEFINE_string("dump_dir", "", "Dump XLA's buffer assignment here and list the top "
                         "buffers at the temporaries' peak.")
     flags.DEFINE_integer("top_buffers", 12, "Buffers listed per compile with --dump_dir.")

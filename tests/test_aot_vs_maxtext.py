@@ -204,6 +204,36 @@ def test_plan_compiles_each_shapes_paths_and_refuses_unknown_names():
         bench.plan(["mixtral"], ["flash"])
 
 
+def test_int8_asks_both_sides_for_int8_through_qwix_and_bfloat16_stays_as_it_was():
+    plain = bench.maxtext_overrides("v5p-32", "splash")
+    assert bench.maxtext_overrides("v5p-32", "splash", "dense", "none") == plain
+    assert not any(o.startswith(("quantization=", "use_qwix")) for o in plain)
+    overrides = dict(o.split("=", 1) for o in bench.maxtext_overrides("v6e-8", "splash",
+                                                                      "dense", "int8"))
+    assert (overrides["quantization"], overrides["use_qwix_quantization"]) == ("int8", "true")
+    assert float(overrides["per_device_batch_size"]) * 8 == 128  # v6e counts chips
+    assert bench.ours_config("v5p-32", "splash").model.quantization == ""
+    config = bench.ours_config("v6e-8", "splash", "dense", "int8")
+    assert (config.model.quantization, config.batch_size) == ("int8", 128)
+    configs.validate_config(config, 8)
+    assert bench.run_name("ours", "dense", "splash") == "ours-dense-splash"  # reuses old logs
+    assert bench.run_name("maxtext", "dense", "splash", "int8") == "maxtext-dense-splash-int8"
+
+
+def test_table_pairs_int8_with_int8_and_bfloat16_with_bfloat16():
+    old = result("ours", "splash", 5.0)
+    del old["shape"]  # a log from before shapes and quantization: dense, bfloat16
+    table = bench.format_table([
+        old, result("maxtext", "splash", 5.0),
+        result("ours", "splash", 4.0, quantization="int8"),
+        result("maxtext", "splash", 8.0, quantization="int8")])
+    assert "| dense int8 | ours | splash |" in table
+    assert "| dense int8 | MaxText | flash (splash) |" in table
+    assert "dense / splash: ours / MaxText total 1.000x" in table
+    assert "dense int8 / splash: ours / MaxText total 0.567x (-4.00 GiB), temporaries 0.500x" \
+        in table
+
+
 BUFFER_ASSIGNMENT = """\
 BufferAssignment:
 allocation 0: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}, maybe-live-out:

@@ -239,7 +239,7 @@ def mesh_spec(logical: PartitionSpec | None, shape: tuple[int, ...], mesh, rules
     """Logical names -> mesh axes for one array. A dimension the mapped mesh axes do not divide
     splits over the longest leading run of them that does (none: whole).
 
-    >>> mesh = jax.sharding.AbstractMesh((1, 2, 1, 3, 1), MESH_AXES)  # fsdp=2, sequence=3
+    >>> mesh = jax.sharding.AbstractMesh((1, 1, 2, 1, 3, 1), MESH_AXES)  # fsdp=2, sequence=3
     >>> tuple(mesh_spec(PartitionSpec("embed", "mlp"), (12, 4), mesh, LOGICAL_AXIS_RULES))
     (('fsdp', 'expert', 'sequence'), 'tensor')
     >>> tuple(mesh_spec(PartitionSpec("embed", "mlp"), (8, 4), mesh, LOGICAL_AXIS_RULES))
