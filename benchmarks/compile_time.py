@@ -50,6 +50,25 @@ def _experiment():
     return module
 
 
+class Runner:
+    """A compiled train step and the state it carries from step to step (it is donated)."""
+
+    def __init__(self, step, compiled):
+        import jax
+
+        self.compiled, self.batch = compiled, step.batch
+        self.state = jax.tree.map(lambda x: x.copy(), step.state)
+        self.loss = float("nan")
+
+    def __call__(self, n: int) -> float:
+        """Seconds for `n` steps (the last step's loss is kept)."""
+        start = time.perf_counter()
+        for _ in range(n):
+            self.state, metrics = self.compiled(self.state, self.batch)
+        self.loss = float(metrics["loss"])  # waits for the last step
+        return time.perf_counter() - start
+
+
 def gpt_config(*, layers: int, d_model: int, heads: int, d_ff: int, seq_len: int, batch: int,
                vocab: int, scan_layers: bool = False, remat_policy: str = "none"):
     """The shakespeare_char GPT experiment config at this shape, no dropout, float32."""

@@ -14,10 +14,14 @@ no fast int8 or fp8 matmul, and the step adds the scales' reductions and the cas
 
 from __future__ import annotations
 
-import time
-
 from absl import app, flags
-from compile_time import build_train_step, gpt_config, lower_and_compile, random_batch
+from compile_time import (
+    Runner,
+    build_train_step,
+    gpt_config,
+    lower_and_compile,
+    random_batch,
+)
 
 _SCHEMES = flags.DEFINE_list("schemes", ["", "int8", "fp8"], "model.quantization values.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Train steps per timed run.")
@@ -30,25 +34,6 @@ _D_FF = flags.DEFINE_integer("d_ff", 512, "Feed-forward width.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Context length.")
 _BATCH = flags.DEFINE_integer("batch", 16, "Global batch size.")
 _VOCAB = flags.DEFINE_integer("vocab", 256, "Vocabulary size.")
-
-
-class Runner:
-    """A compiled train step and the state it carries (donated) from step to step."""
-
-    def __init__(self, step, compiled):
-        import jax
-
-        self.compiled, self.batch = compiled, step.batch
-        self.state = jax.tree.map(lambda x: x.copy(), step.state)
-        self.loss = float("nan")
-
-    def __call__(self, n: int) -> float:
-        """Seconds for `n` steps."""
-        start = time.perf_counter()
-        for _ in range(n):
-            self.state, metrics = self.compiled(self.state, self.batch)
-        self.loss = float(metrics["loss"])  # waits for the last step
-        return time.perf_counter() - start
 
 
 def main(argv) -> None:

@@ -19,10 +19,14 @@ an error row.
 
 from __future__ import annotations
 
-import time
-
 from absl import app, flags
-from compile_time import build_train_step, gpt_config, lower_and_compile, random_batch
+from compile_time import (
+    Runner,
+    build_train_step,
+    gpt_config,
+    lower_and_compile,
+    random_batch,
+)
 
 _POLICIES = flags.DEFINE_list("policies", None, "Remat policies (default: all REMAT_POLICIES).")
 _SCAN = flags.DEFINE_enum("scan", "both", ["both", "false", "true"], "scan_layers to run.")
@@ -38,25 +42,6 @@ _BATCH = flags.DEFINE_integer("batch", 8, "Global batch size.")
 _VOCAB = flags.DEFINE_integer("vocab", 256, "Vocabulary size.")
 
 MiB = 1024 * 1024
-
-
-class Runner:
-    """A compiled train step and the state it carries from step to step (it is donated)."""
-
-    def __init__(self, step, compiled):
-        import jax
-
-        self.compiled, self.batch = compiled, step.batch
-        self.state = jax.tree.map(lambda x: x.copy(), step.state)
-        self.loss = float("nan")
-
-    def __call__(self, n: int) -> float:
-        """Seconds for `n` steps (the last step's loss is kept)."""
-        start = time.perf_counter()
-        for _ in range(n):
-            self.state, metrics = self.compiled(self.state, self.batch)
-        self.loss = float(metrics["loss"])  # waits for the last step
-        return time.perf_counter() - start
 
 
 def _error(exc: BaseException) -> str:

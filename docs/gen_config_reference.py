@@ -283,15 +283,6 @@ ALLOWED: dict[str, str] = {
     "model.init_std": "None or a number > 0",
     "model.scan_layers": "a bool",
     "model.sequence_load_balance": "a bool",
-    "model.lora.rank": "LoRA adapters' rank on the kernels `model.lora.targets` matches; 0: no "
-                       "adapters (the whole model trains). Needs `init_from`.",
-    "model.lora.alpha": "The adapters' output is scaled by alpha / rank (peft's lora_alpha).",
-    "model.lora.targets": "Regex over the kernels' param paths (`decoder/layers_0/mlp/wi`) "
-                          "that get adapters; default attention's q/k/v/out and the MLP's.",
-    "model.lora.dropout": "Dropout on the adapters' input during training.",
-    "model.lora.base_quantization": "QLoRA: the frozen targeted kernels stored as Qwix int8 (a "
-                                    "scale per output channel), dequantized on the fly; \"\": "
-                                    "float.",
     "model.moe.num_experts": "an int >= 0 (0: dense)",
     "model.moe.top_k": "an int in [1, num_experts]",
     "model.moe.every_n_layers": "an int >= 1",
