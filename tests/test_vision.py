@@ -164,7 +164,7 @@ def test_clip_shards_checkpoints_and_resumes_through_the_cli(tmp_path):
         result = subprocess.run([*args, f"--config.steps={steps}"], cwd=REPO, env=env,
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "data=2 x fsdp=2" in result.stdout and "steps 2..3" in result.stdout
+    assert "data=2 x stage=1 x fsdp=2" in result.stdout and "steps 2..3" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3]
     summary = json.loads((tmp_path / "summary.json").read_text())
