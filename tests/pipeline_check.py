@@ -45,12 +45,7 @@ def pipeline_config(mesh: dict, microbatches: int, repeats: int, settings: dict)
     config.model.update(num_layers=8, scan_layers=True)
     config.mesh.update({"data": 1, **mesh})
     config.pipeline.update(microbatches=microbatches, repeats=repeats)
-    for key, value in settings.items():
-        *path, last = key.split(".")
-        node = config
-        for part in path:
-            node = node[part]
-        node[last] = value
+    config.update_from_flattened_dict(settings)
     return config
 
 

@@ -95,12 +95,7 @@ def pipeline_config(**overrides):
     config.update(batch_size=16, seq_len=16)
     config.model.update(num_layers=4, d_model=32, num_heads=4, d_ff=64, scan_layers=True)
     config.mesh.update(data=1, stage=2)
-    for key, value in overrides.items():
-        *path, last = key.split(".")
-        node = config
-        for part in path:
-            node = node[part]
-        node[last] = value
+    config.update_from_flattened_dict(overrides)
     return config
 
 
