@@ -142,7 +142,7 @@ def attention_cases(batch: int, length: int, heads: int, kv_heads: int, seed: in
     """(name, mask, kv heads, kv_len) for each mask the models use (see the module docstring)."""
     import jax.numpy as jnp
 
-    from transformer import masks
+    from transformer.nn import masks
 
     rng = np.random.default_rng(seed)
     docs = [3 + b % 3 for b in range(batch)]
@@ -173,7 +173,7 @@ def attention_cases(batch: int, length: int, heads: int, kv_heads: int, seed: in
 def cudnn_lowering(mask, q_len: int, kv_len: int) -> str:
     """What `kernels.cudnn_arguments` turns `mask` into, in words (evaluated abstractly: no
     mask is computed)."""
-    from transformer import kernels
+    from transformer.nn import kernels
 
     seen = {}
 
@@ -238,7 +238,7 @@ def _run_cases(fns: list, inputs: list, masks: list, platform: str) -> list:
 @functools.cache
 def _attend(impl: str) -> Callable:
     """fn(q, k, v, mask) running `attention.attend` with kernel `impl` (one object per impl)."""
-    from transformer import attention
+    from transformer.nn import attention
 
     return lambda q, k, v, mask: attention.attend(q, k, v, mask=mask, impl=impl)
 
@@ -256,7 +256,7 @@ def attention_check(platform: str, dtype: str, *, impl: str = "cudnn",
     dense float32 reference, fwd and bwd, for each of `attention_cases`."""
     import jax.numpy as jnp
 
-    from transformer import attention, kernels
+    from transformer.nn import attention, kernels
 
     low = jnp.dtype(dtype)
     floor = TOLERANCE_FLOOR[low.name]
@@ -495,7 +495,7 @@ def chip_peak(dtype: str) -> tuple[float | None, str]:
     """(peak FLOP/s of this process's first device for `dtype` compute, its source)."""
     import ml_collections
 
-    from transformer import metrics
+    from transformer.training import metrics
 
     config = ml_collections.ConfigDict({"peak_flops_per_device": 0.0,
                                         "model": {"dtype": dtype}})
@@ -504,8 +504,8 @@ def chip_peak(dtype: str) -> tuple[float | None, str]:
 
 def _ours_flops(text_vocab: int, sizes: dict, num_params: int) -> float:
     """`metrics.flops_per_token` for our run's config and params (what its own log uses)."""
-    from transformer import metrics
     from transformer.configs import experiment
+    from transformer.training import metrics
 
     config = experiment("gpt_shakespeare_char")
     config.seq_len = sizes["block_size"]
@@ -764,6 +764,6 @@ def _run_section(section: str, gpu: bool) -> tuple[str, bool]:
 
 
 if __name__ == "__main__":
-    from transformer import cli
+    from transformer.utils import cli
 
     cli.run(main)

@@ -157,7 +157,7 @@ MARKER = "AOT_VS_MAXTEXT_RESULT "
 ATTENTIONS = {"splash": "flash", "dense": "dot_product"}  # ours -> MaxText's `attention`
 VERSION_KEYS = ("jax", "jaxlib", "libtpu")
 # --quantization -> MaxText's overrides: its Qwix path (`use_qwix_quantization`; its default is
-# AQT), as ours runs Qwix (model.quantization, transformer/quantization.py).
+# AQT), as ours runs Qwix (model.quantization, transformer/nn/quantization.py).
 QUANTIZATIONS = {"none": [], "int8": ["quantization=int8", "use_qwix_quantization=true"]}
 
 

@@ -37,9 +37,9 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from transformer import masks
-    from transformer.attention import dot_product_attention
-    from transformer.chunked_attention import chunked_attention, plan_tiles
+    from transformer.nn import masks
+    from transformer.nn.attention import dot_product_attention
+    from transformer.nn.chunked_attention import chunked_attention, plan_tiles
 
     mask = masks.Causal()
     impls = {

@@ -15,7 +15,7 @@ markdown table and the deepest vs shallowest ratios; the target is that with sca
 
 Also runs one step of every compiled function on a random-token batch (the loss must be
 finite) and, at the shallowest depth, checks that the scanned and unrolled steps agree on the
-same parameters: the unrolled init is converted with `transformer.layers.stack_layers`, and the
+same parameters: the unrolled init is converted with `transformer.nn.layers.stack_layers`, and the
 loss, gradient norm and updated parameters (unstacked) are compared.
 
 `gpt_config` / `build_train_step` / `random_batch` / `lower_and_compile` are shared with
@@ -122,10 +122,10 @@ def build_train_step(config, features=None, seed: int = 0, devices=None) -> Trai
     (or the given) devices."""
     import jax
 
-    from transformer import optim
-    from transformer import placement as placement_lib
-    from transformer import state as state_lib
     from transformer.models import build_model
+    from transformer.training import optim
+    from transformer.training import placement as placement_lib
+    from transformer.training import state as state_lib
 
     if features is None:
         features = random_batch(config.batch_size, config.seq_len, config.model.vocab_size)
@@ -168,8 +168,8 @@ def check_scan_matches_unrolled(unrolled: TrainStep, scanned: TrainStep, compile
     import jax
     import numpy as np
 
-    from transformer import state as state_lib
-    from transformer.layers import stack_layers, unstack_layers
+    from transformer.nn.layers import stack_layers, unstack_layers
+    from transformer.training import state as state_lib
 
     layers = unrolled.config.model.num_layers
     host = jax.device_get(unrolled.state.params)

@@ -28,9 +28,9 @@ import numpy as np
 import optax
 from absl import app, flags
 
-from transformer import objectives
 from transformer.data import inputs, pipeline, shards, tokenizers
 from transformer.models import build_model
+from transformer.nn import objectives
 
 _BATCHES = flags.DEFINE_integer("batches", 200, "Batches to time per pipeline.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Pipeline batch size (default gpt_tiny's).")

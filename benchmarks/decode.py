@@ -5,7 +5,7 @@
         [--hf_device=cpu]
 
 Builds a GPT-2-shaped `GPT2LMHeadModel` (seeded random weights), converts it with
-`transformer.convert.from_hf`, and times greedy decoding of `new_tokens` tokens from random
+`transformer.hf.convert.from_hf`, and times greedy decoding of `new_tokens` tokens from random
 `prompt_len`-token prompts with `transformer.generate.decode` (prefill + jitted while loop) and
 with HF `generate` (do_sample=False, min_new_tokens=new_tokens so neither stops early; torch on
 2 threads, or on `--hf_device`). After a warm-up the two alternate for `repeats` runs and each
@@ -27,7 +27,8 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from transformer import convert, generate
+from transformer import generate
+from transformer.hf import convert
 from transformer.models import build_model
 
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes to time.")

@@ -38,8 +38,10 @@ def main() -> None:
 
     import numpy as np
 
-    from transformer import lora, optim, sharding, state
     from transformer.models import build_model
+    from transformer.nn import lora
+    from transformer.parallel import sharding
+    from transformer.training import optim, state
 
     settings = [("full fine-tune", 0, ""), (f"LoRA r={args.rank}", args.rank, ""),
                 (f"QLoRA r={args.rank} (int8 base)", args.rank, "int8")]

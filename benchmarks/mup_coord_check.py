@@ -4,7 +4,7 @@
 
 For each width w (d_model; 4 heads of w / 4, d_ff 4w, 2 layers, init_std 0.02, learning rate
 0.01, byte tokens of the embedded corpus), under the standard parametrization and under muP with
-base width 64, it trains `steps` Adam steps through `transformer.optim.make_optimizer` (muP's
+base width 64, it trains `steps` Adam steps through `optim.make_optimizer` (muP's
 learning-rate groups included) and prints the mean |activation| of each layer kind on a fixed
 batch: the token embedding, the attention and MLP outputs (both layers averaged) and the logits.
 Under muP the columns stay flat as the width grows; under the standard parametrization the
@@ -21,10 +21,11 @@ import numpy as np
 import optax
 from absl import app, flags
 
-from transformer import objectives, optim
 from transformer.configs import base_config
 from transformer.data import sources
 from transformer.models import build_model
+from transformer.nn import objectives
+from transformer.training import optim
 
 KINDS = ("embed", "attention", "mlp", "logits")
 BASE_WIDTH = 64

@@ -33,8 +33,10 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from transformer import configs, optim, pipeline_parallel, placement, sharding, state, train
+    from transformer import configs, train
     from transformer.models import build_model
+    from transformer.parallel import pipeline_parallel, sharding
+    from transformer.training import optim, placement, state
 
     S, data = args.stages, args.devices // args.stages
     batch, length = 8 * data * S, 64

@@ -57,7 +57,7 @@ def main(argv) -> None:
     del argv
     import jax
 
-    from transformer.sharding import format_bytes
+    from transformer.parallel.sharding import format_bytes
 
     print(f"jax {jax.__version__}, {jax.device_count()} CPU devices on {os.cpu_count()} cores; "
           f"GPT {_LAYERS.value} layers x {_D_MODEL.value} wide, {_HEADS.value} heads, batch 1, "

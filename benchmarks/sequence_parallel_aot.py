@@ -40,7 +40,7 @@ def main(argv) -> None:
     import jax
 
     from launch import accelerators, aot
-    from transformer.sharding import format_bytes
+    from transformer.parallel.sharding import format_bytes
 
     accelerator = accelerators.parse(_TOPOLOGY.value)
     devices = aot.tpu_topology(accelerator)
@@ -68,7 +68,7 @@ def main(argv) -> None:
 
 def _row(config, devices, accelerator, size: int, strategy: str) -> None:
     from launch import aot
-    from transformer.sharding import format_bytes
+    from transformer.parallel.sharding import format_bytes
 
     mesh = f"fsdp={accelerator.chips // size} x sequence={size}"
     try:

@@ -27,8 +27,10 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from transformer import configs, optim, sharding, state
+    from transformer import configs
     from transformer.models import build_model
+    from transformer.parallel import sharding
+    from transformer.training import optim, state
 
     n = args.devices
     config = configs.base_config()

@@ -120,8 +120,8 @@ def breakdown(shape, features, nanogpt_dir=None):
     import torch
     from compile_time import build_train_step, gpt_config
 
-    from transformer import attention, masks
     from transformer.models import family_of
+    from transformer.nn import attention, masks
 
     layers, heads, width, context, batch = shape
     config = gpt_config(layers=layers, d_model=width, heads=heads, d_ff=4 * width,
@@ -208,7 +208,7 @@ def attention_in_step(shape, features, nanogpt_dir, core_gflop, steps=5, repeats
     `scaled_dot_product_attention`). The four steps alternate `repeats` times, best of each."""
     import torch
 
-    from transformer import attention
+    from transformer.nn import attention
 
     def stand_in(q, k, v, *args, **kwargs):
         return q + k + v
@@ -287,7 +287,7 @@ def main(argv) -> None:
     import torch
     from compile_time import random_batch  # benchmarks/compile_time.py (adds the repo to the path)
 
-    from transformer import hostmem
+    from transformer.utils import hostmem
 
     if not _OURS_ONLY.value and not (_NANOGPT.value and
                                      os.path.exists(os.path.join(_NANOGPT.value, "model.py"))):

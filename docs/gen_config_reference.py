@@ -4,7 +4,7 @@ allowed values and what it means.
 
     PYTHONPATH=. python docs/gen_config_reference.py      # rewrites docs/config.md
 
-Allowed values come from the code's choice tables (`layers.POSITIONS`, `kernels.IMPLS`, ...),
+Allowed values come from the code's choice tables (`config.POSITIONS`, `kernels.IMPLS`, ...),
 else from `configs.CHECKS` where the key has a line there, else from `ALLOWED` below; meanings
 from `MEANINGS`. tests/test_docs.py fails when a key of base_config() has no meaning here, or when
 the committed page is not what this script writes.
@@ -32,7 +32,7 @@ MEANINGS: dict[str, str] = {
     "eval_steps": "Validation batches per evaluation (a fixed seeded sample of the windows).",
     "eval_seq_lens": "Extra validation lengths evaluated at the end of training (length "
                      "extrapolation), e.g. `(256, 512)`.",
-    "eval_tasks": "lm-eval tasks scored during training (`transformer.task_eval`): task names "
+    "eval_tasks": "lm-eval tasks scored during training (`training.task_eval`): task names "
                   "or local task YAML files.",
     "eval_tasks_every": "Steps between task evaluations.",
     "eval_tasks_limit": "Documents scored per task.",
@@ -332,15 +332,16 @@ def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[tuple
 
 def _choices() -> dict[str, str]:
     """Allowed values of the model keys that name a choice, from the code's own tables."""
-    from transformer import kernels, layers, sequence_parallel, sharding
     from transformer.data import pipeline
     from transformer.models import bert, vision
+    from transformer.nn import activations, config, kernels, sequence_parallel
+    from transformer.parallel import sharding
 
-    tables = {"activation": tuple(layers.ACTIVATIONS), "norm": layers.NORMS,
-              "norm_placement": layers.NORM_PLACEMENTS, "qk_norm_scope": layers.QK_NORM_SCOPES,
-              "parametrization": layers.PARAMETRIZATIONS, "position": layers.POSITIONS,
+    tables = {"activation": tuple(activations.ACTIVATIONS), "norm": config.NORMS,
+              "norm_placement": config.NORM_PLACEMENTS, "qk_norm_scope": config.QK_NORM_SCOPES,
+              "parametrization": config.PARAMETRIZATIONS, "position": config.POSITIONS,
               "rope_layout": ("half", "interleaved"), "rope_scaling": ("linear", "llama3"),
-              "remat_policy": tuple(layers.REMAT_POLICIES), "attention_impl": kernels.IMPLS,
+              "remat_policy": tuple(config.REMAT_POLICIES), "attention_impl": kernels.IMPLS,
               "sequence_parallel": sequence_parallel.STRATEGIES, "head": bert.HEADS,
               "pooling": vision.POOLINGS, "patch_position": vision.PATCH_POSITIONS}
     out = {f"model.{key}": f"one of {tuple(choices)}" for key, choices in tables.items()}
@@ -355,7 +356,7 @@ def _choices() -> dict[str, str]:
 
 def meanings() -> dict[str, str]:
     """MEANINGS, with each mesh axis's from `sharding.MESH_AXIS_TABLE`."""
-    from transformer import sharding
+    from transformer.parallel import sharding
 
     out = dict(MEANINGS)
     for axis in sharding.MESH_AXIS_TABLE:

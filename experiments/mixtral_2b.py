@@ -4,7 +4,7 @@ vocabulary, batch 128 x 2048) with every feed-forward 8 SwiGLU experts 5632 wide
 through its top 2 with Mixtral's renormalised gates, dropless (capacity_factor 0: tokens
 sorted by expert and `jax.lax.ragged_dot`, no slots). With expert parallelism 4 x fsdp over
 the rest, on v5p-32's 16 chips each chip holds 2 experts of every layer and the tokens reach
-them by `ragged_all_to_all` (transformer.moe.sharded_experts). benchmarks/aot_vs_maxtext.py
+them by `ragged_all_to_all` (transformer.nn.moe.sharded_experts). benchmarks/aot_vs_maxtext.py
 compiles it against MaxText's mixtral decoder of the same shape. (Without `mesh.expert` the
 experts are sharded like everything else, fsdp over every chip.)
 

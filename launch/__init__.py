@@ -2,8 +2,8 @@
 
 
 def run_cli(main) -> None:
-    """Runs `main(argv) -> exit status` as `transformer.cli.run` does every command: bad input
+    """Runs `main(argv) -> exit status` as `transformer.utils.cli.run` does every command: bad input
     is one line on stderr and exit status 2, a failed step (RuntimeError) exit status 1."""
-    from transformer import cli
+    from transformer.utils import cli
 
     cli.run(main)

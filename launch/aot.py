@@ -109,10 +109,12 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
     import flax.linen as nn
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from transformer import kernels, metrics, optim, pipeline_parallel, sharding, state
     from transformer.configs import validate_config
     from transformer.models import build_model
+    from transformer.nn import kernels
+    from transformer.parallel import pipeline_parallel, sharding
     from transformer.train import make_train_step
+    from transformer.training import metrics, optim, state
 
     config.model.vocab_size = resolved_vocab_size(config)
     processes = accelerator.hosts * sharding.num_slices(devices)
@@ -214,7 +216,7 @@ def _pipelined(config) -> bool:
 
 
 def format_report(report: Report, config) -> str:
-    from transformer.sharding import describe_mesh, format_bytes, mesh_shape
+    from transformer.parallel.sharding import describe_mesh, format_bytes, mesh_shape
 
     m = config.model
     mesh = describe_mesh(mesh_shape(config.mesh, report.chips))

@@ -76,7 +76,8 @@ def validate(launch: Launch) -> None:
     """One-line errors for a run that cannot work on this slice, before anything is created."""
     import ml_collections  # noqa: F401 (the config machinery below needs it)
 
-    from transformer import configs, sharding
+    from transformer import configs
+    from transformer.parallel import sharding
 
     if launch.spot and launch.reserved:
         raise ValueError("--spot and --reserved: expected at most one")
@@ -125,7 +126,7 @@ def train_config(args: Sequence[str]):
         values(argv)
         return values.config
     except (flags.Error, KeyError, AttributeError, TypeError) as error:
-        from transformer import cli  # one line, as the train command would say it
+        from transformer.utils import cli  # one line, as the train command would say it
 
         raise ValueError(f"train arguments: {cli.message(error)}") from None
 

@@ -20,7 +20,8 @@ import jax
 import numpy as np
 from mesh_check import Run, host, max_diff  # tests/, this script's directory
 
-from transformer import configs, kernels
+from transformer import configs
+from transformer.nn import kernels
 
 BATCH, LENGTH, VOCAB, STEPS = 8, 16, 64, 3
 VARIANTS = ("unrolled", "scanned", "dropless", "scanned dropless")

@@ -20,9 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import checkpoint as checkpoint_lib
-from transformer import configs, optim, placement, sharding, state, train
+from transformer import configs, train
 from transformer.models import build_model
+from transformer.parallel import sharding
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import optim, placement, state
 
 MESHES = {"single": None, "8,1,1": (8, 1, 1), "1,8,1": (1, 8, 1), "2,2,2": (2, 2, 2),
           "1,2,4": (1, 2, 4)}
@@ -99,7 +101,7 @@ def splash_on_meshes(devices) -> dict[str, dict]:
     """Splash (Pallas interpret mode) shard_mapped over meshes vs the dense reference on one
     device: forward and q/k/v gradients, packed causal rows, GQA; plus a whole GPT's loss and
     gradients with `attention_impl="splash"` on data=2 x fsdp=2 x tensor=2."""
-    from transformer import attention, kernels, masks
+    from transformer.nn import attention, kernels, masks
 
     rng = np.random.default_rng(0)
     batch, length, heads, kv_heads, dim = 4, 128, 4, 2, 16

@@ -21,7 +21,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import kernels, moe, sharding
+from transformer.nn import kernels, moe
+from transformer.parallel import sharding
 
 E, K, D, F, B, T = 8, 2, 16, 24, 8, 8
 MESHES = ["expert=2", "expert=4", "expert=8", "data=2,expert=4", "fsdp=2,expert=4",

@@ -31,8 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from mesh_check import Run, host, max_diff  # tests/, this script's directory
 
-from transformer import attention, configs, masks, positions, sequence_parallel, sharding
-from transformer import checkpoint as checkpoint_lib
+from transformer import configs
+from transformer.nn import attention, masks, positions, sequence_parallel
+from transformer.parallel import sharding
+from transformer.training import checkpoint as checkpoint_lib
 
 BATCH, LENGTH, VOCAB, STEPS = 4, 32, 64, 3
 

@@ -27,8 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from mesh_check import max_diff  # tests/, this script's directory
 
-from transformer import attention, configs, kernels, masks, sequence_parallel, sharding
+from transformer import configs
 from transformer.models import build_model
+from transformer.nn import attention, kernels, masks, sequence_parallel
+from transformer.parallel import sharding
 
 LENGTH = 512  # per-device blocks of 128 (splash's smallest) at sequence=4
 

@@ -17,8 +17,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 import accelerator_check as ac  # noqa: E402 - benchmarks/ is not a package
 
-from transformer import attention, metrics  # noqa: E402
 from transformer.configs import experiment  # noqa: E402
+from transformer.nn import attention  # noqa: E402
+from transformer.training import metrics  # noqa: E402
 
 SMALL = dict(batch=2, length=32, heads=4, kv_heads=2, head_dim=16)
 MASKS = {"causal", "causal, GQA 4:2", "causal + packed segments", "padding",

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import attention as attention_lib
-from transformer import kernels, masks
-from transformer.attention import MultiHeadAttention, attend, dot_product_attention
-from transformer.layers import TransformerConfig
+from transformer.nn import attention as attention_lib
+from transformer.nn import kernels, masks
+from transformer.nn.attention import MultiHeadAttention, attend, dot_product_attention
+from transformer.nn.config import TransformerConfig
 
 
 def random_qkv(seed, batch=2, q_len=5, kv_len=6, heads=4, kv_heads=2, head_dim=8):
@@ -121,7 +121,7 @@ def test_query_blocks_skip_masked_keys_and_equal_the_reference(name):
 
 
 def test_query_blocks_are_one_block_where_nothing_can_be_skipped():
-    from transformer.attention import _query_blocks
+    from transformer.nn.attention import _query_blocks
     assert _query_blocks(masks.Causal(), 16, 16, 8) == [(0, 8, 0, 8), (8, 16, 0, 16)]
     assert _query_blocks(masks.Causal(), 8, 8, 8) == [(0, 8, 0, 8)]  # one block already
     assert _query_blocks(masks.PrefixLM(jnp.array([3])), 16, 16, 8) == [(0, 16, 0, 16)]

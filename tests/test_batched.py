@@ -22,10 +22,11 @@ import jax
 import numpy as np
 import pytest
 
-from transformer import batched, evaluation, train
-from transformer import checkpoint as checkpoint_lib
+from transformer import batched, train
 from transformer.configs import base_config
-from transformer.sharding import MESH_AXIS_TABLE
+from transformer.parallel.sharding import MESH_AXIS_TABLE
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import evaluation
 
 MESH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE)
 

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import masks, positions
-from transformer.attention import dot_product_attention
-from transformer.chunked_attention import (
+from transformer.nn import masks, positions
+from transformer.nn.attention import dot_product_attention
+from transformer.nn.chunked_attention import (
     chunked_attention,
     chunked_attention_stats,
     plan_tiles,
@@ -313,9 +313,9 @@ def test_chunked_models_never_hold_a_full_position_bias(position, monkeypatch):
     """At 2048 tokens a [1, 4, T, T] float32 bias is 64 MiB; the chunked model's whole forward
     pass (compiled memory analysis) needs less than that, the dense model's (as one query
     block, as on accelerators) more."""
-    from transformer import attention
     from transformer.configs import base_config
     from transformer.models import build_model
+    from transformer.nn import attention
 
     monkeypatch.setattr(attention, "_cpu_query_block", lambda q_len, platform: None)
     config = base_config().model

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # every test runs a command line
 
 def file_hashes(directory: Path) -> dict[str, str]:
     """relative path -> sha256 of every file under `directory` ({} if it does not exist), but
-    train.lock, which every training start rewrites with its pid (transformer.workdir)."""
+    train.lock, which every training start rewrites with its pid (transformer.training.workdir)."""
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != "train.lock"}
 

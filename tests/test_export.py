@@ -19,7 +19,8 @@ from test_hf_equivalence import (  # noqa: E402
 )
 from test_train import TINY_MODEL, assert_succeeded, cli_env, run_cli, tiny_flags  # noqa: E402
 
-from transformer import convert, export, generate  # noqa: E402
+from transformer import export, generate  # noqa: E402
+from transformer.hf import convert  # noqa: E402
 from transformer.models import build_model, default_model_config  # noqa: E402
 
 EXPORTABLE = ["gpt2", "gpt2_untied", "gpt2_unscaled_attention", "llama_gqa",
@@ -165,7 +166,7 @@ def test_a_trained_workdir_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp
     hf = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
     assert type(hf).__name__ == architecture
 
-    from transformer import checkpoint
+    from transformer.training import checkpoint
 
     saved = checkpoint.restore_params(str(workdir))
     ours = build_model(saved.config.model)
@@ -232,7 +233,7 @@ def test_a_hugging_face_tokenizer_is_exported_with_its_roles(tmp_path):
 def train_export_and_load(tmp_path, experiment: str, family: str, auto_class: str):
     """(HF model loaded from the export, our restored params) of a tiny run of `experiment`
     trained and exported through the CLI."""
-    from transformer import checkpoint
+    from transformer.training import checkpoint
 
     workdir, output = tmp_path / "run", tmp_path / "hf"
     assert_succeeded(run_cli("transformer.train", f"--config=experiments/{experiment}.py",
@@ -336,7 +337,8 @@ def test_a_run_sharded_over_four_devices_exports_on_one(tmp_path, monkeypatch):
     assert_succeeded(run_cli("transformer.export", f"--workdir={workdir}",
                              f"--output={output}", logs=tmp_path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
-    from transformer import checkpoint, sharding
+    from transformer.parallel import sharding
+    from transformer.training import checkpoint
 
     one_device = sharding.make_mesh({axis: 1 for axis in sharding.MESH_AXES},
                                     devices=jax.local_devices()[:1])

@@ -17,11 +17,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from transformer import checkpoint as checkpoint_lib
-from transformer import configs, finetune, optim, train
+from transformer import configs, train
 from transformer.configs import base_config
 from transformer.data import tasks, tokenizers
 from transformer.models import build_model
+from transformer.training import finetune, optim
+from transformer.utils import fileio
 
 REPO = Path(__file__).resolve().parents[1]
 SPEAKERS = ["ROMEO", "JULIET", "NURSE", "FRIAR", "PARIS"]
@@ -145,7 +146,7 @@ def test_match_reports_loaded_new_and_dropped_and_rejects_mismatches():
 @pytest.mark.slow
 def test_init_from_a_hugging_face_bert_loads_the_converted_weights(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from transformer import convert
+    from transformer.hf import convert
 
     hf = transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -286,4 +287,4 @@ def test_t5_text_to_text_scores_exact_match_and_ranks_the_class_names(play, tmp_
     scores = (log_probs * batch["weights"]).sum(-1).reshape(len(test), len(names))
     right = int(jnp.sum(jnp.argmax(scores, -1) == jnp.array([e.label for e in test])))
     assert summary["test_accuracy"] == pytest.approx(right / len(test))
-    assert checkpoint_lib.parse_init_from("x@2") == ("workdir", "x", 2)
+    assert fileio.parse_init_from("x@2") == ("workdir", "x", 2)

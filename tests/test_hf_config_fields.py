@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 from test_hf_equivalence import VOCAB, randomized, relative_difference, tokens  # noqa: E402
 
-from transformer import convert  # noqa: E402
+from transformer.hf import convert  # noqa: E402
 from transformer.models import build_model  # noqa: E402
 
 LLAMA_BASE = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,

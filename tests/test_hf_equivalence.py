@@ -15,7 +15,7 @@ from flax import traverse_util
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from transformer import convert  # noqa: E402
+from transformer.hf import convert  # noqa: E402
 from transformer.models import build_model  # noqa: E402
 
 # Max |logit difference| / max(1, max |HF logit|). float32 differences come from summation

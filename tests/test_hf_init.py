@@ -20,8 +20,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from transformer import configs, convert, finetune, train  # noqa: E402
+from transformer import configs, train  # noqa: E402
+from transformer.hf import convert  # noqa: E402
 from transformer.models import build_model  # noqa: E402
+from transformer.training import finetune  # noqa: E402
 
 _WORDS = ("the king my lord good sir love death night day heart hand eyes speak come go thou "
           "thee thy art hath doth shall noble sweet fair gentle blood crown war peace").split()

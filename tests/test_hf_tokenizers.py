@@ -223,7 +223,7 @@ def test_init_from_hf_takes_the_checkpoints_tokenizer_and_fine_tunes_and_generat
         gpt2_dir, tmp_path):
     """A save_pretrained directory with weights and tokenizer: data.tokenizer='hf' reads the
     tokenizer from init_from, the weights load, and the workdir generates text."""
-    from transformer import convert
+    from transformer.hf import convert
 
     checkpoint = tmp_path / "hf_gpt2"
     auto = transformers.AutoTokenizer.from_pretrained(gpt2_dir)

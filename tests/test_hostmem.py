@@ -1,4 +1,4 @@
-"""transformer.hostmem: which malloc a process runs under, keeping XLA's scratch memory mapped
+"""transformer.utils.hostmem: which malloc a process runs under, keeping XLA's scratch memory mapped
 between steps, and the line a run logs where it is not."""
 
 import ctypes.util
@@ -9,7 +9,7 @@ import sys
 import pytest
 from test_train import REPO, cli_env, describe
 
-from transformer import hostmem
+from transformer.utils import hostmem
 
 LIBC = "7f00-7f10 r-xp 00000000 08:01 42  /usr/lib/x86_64-linux-gnu/libc.so.6\n"
 
@@ -65,7 +65,8 @@ def test_faulted_bytes_counts_fresh_pages():
 # A jitted fwd+bwd whose scratch memory (68 MiB) is many 4 MiB activations, as a train step's
 SCRATCH_STEPS = """
 import sys, jax, jax.numpy as jnp
-from transformer import hostmem, placement
+from transformer.training import placement
+from transformer.utils import hostmem
 options = {}
 if sys.argv[1] == "keep":
     assert hostmem.keep_freed_memory()

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import masks
-from transformer.attention import dot_product_attention
-from transformer.kernels import (
+from transformer.nn import masks
+from transformer.nn.attention import dot_product_attention
+from transformer.nn.kernels import (
     IMPLS,
     cudnn_arguments,
     cudnn_attention,

@@ -10,18 +10,13 @@ import numpy as np
 import pytest
 from scipy.special import erf
 
-from transformer import masks, placement
-from transformer.attention import MultiHeadAttention
-from transformer.layers import (
-    MLP,
-    TransformerBlock,
-    TransformerConfig,
-    TransformerStack,
-    gelu,
-    gelu_tanh,
-    stack_layers,
-    unstack_layers,
-)
+from transformer.nn import masks
+from transformer.nn.activations import gelu, gelu_tanh
+from transformer.nn.attention import MultiHeadAttention
+from transformer.nn.blocks import TransformerBlock, TransformerStack
+from transformer.nn.config import TransformerConfig
+from transformer.nn.layers import MLP, stack_layers, unstack_layers
+from transformer.training import placement
 
 SMALL = dict(num_layers=2, d_model=16, num_heads=4, d_ff=32)
 B, T = 2, 7

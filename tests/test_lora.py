@@ -1,4 +1,4 @@
-"""LoRA and QLoRA (transformer.lora): the adapters' forward against a float64 reference, step 0
+"""LoRA and QLoRA (transformer.nn.lora): the adapters' forward against a float64 reference, step 0
 equal to the base, a frozen base with no optimizer state, QLoRA close to LoRA, and end to end
 through the CLI on an imported tiny Llama: checkpoints of the adapters alone naming their base
 (a different base is refused in one line), resume, a mesh equal to one device, and both
@@ -11,13 +11,16 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from transformer import lora, optim, sharding
 from transformer.configs import base_config, validate_config
-from transformer.layers import MLP, TransformerConfig
-from transformer.lora import LoraConfig
 from transformer.models import build_model, family_of
-from transformer.state import initial_state
-from transformer.step import make_train_step
+from transformer.nn import lora
+from transformer.nn.config import TransformerConfig
+from transformer.nn.layers import MLP
+from transformer.nn.lora import LoraConfig
+from transformer.parallel import sharding
+from transformer.training import optim
+from transformer.training.state import initial_state
+from transformer.training.step import make_train_step
 
 LLAMA_MODEL = dict(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=48,
                    vocab_size=64, position="rope", norm="rmsnorm", activation="swiglu",
@@ -287,7 +290,7 @@ def lora_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_lora_run_starts_with_its_sizes_and_checkpoints_only_adapters(lora_run):
-    from transformer import checkpoint
+    from transformer.training import checkpoint
 
     _, workdir, stdout = lora_run
     line = next(x for x in stdout.splitlines() if x.startswith("lora: "))
@@ -358,7 +361,7 @@ def test_both_exports_give_our_logits_in_transformers_and_peft(lora_run, tmp_pat
     peft = pytest.importorskip("peft")
     from test_train import assert_succeeded, run_cli
 
-    from transformer import finetune
+    from transformer.training import finetune
 
     base, workdir, _ = lora_run
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"

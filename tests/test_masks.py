@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import masks
+from transformer.nn import masks
 
 PREFIX = np.array([2, 0, 5])
 Q_LENGTHS = np.array([4, 7, 1])

@@ -1,4 +1,4 @@
-"""FLOPs and MFU accounting (transformer.metrics): the formula against a hand count, the peak
+"""FLOPs and MFU accounting (training.metrics): the formula against a hand count, the peak
 table by device kind, and the cached CPU measurement."""
 
 import json
@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from transformer import configs, metrics
+from transformer import configs
 from transformer.models import build_model
+from transformer.training import metrics
 
 # 2 layers, width 64, 4 heads, MLP 256, byte vocabulary of 256, learned positions up to 64.
 HAND_PARAMS = {

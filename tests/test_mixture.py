@@ -9,9 +9,10 @@ import pytest
 from test_pipeline import assert_same_batches, fake_tokenizer
 from test_train import assert_succeeded, read_metrics, run_cli, tiny_flags
 
-from transformer import configs, evaluation
+from transformer import configs
 from transformer.data import inputs, pipeline, prepare, sources
 from transformer.data.tokenizers import EOS_ID
+from transformer.training import evaluation
 
 TOKENIZER = fake_tokenizer(300, 0)
 WEIGHTS = [(0.7, 0.2, 0.1), (0.55, 0.45), (1, 1, 1), (0.6, 0.25, 0.15), (5, 0.3, 0.01)]

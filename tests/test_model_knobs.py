@@ -12,11 +12,11 @@ import pytest
 from scipy.special import erf
 from test_decode_cache import cached_logits
 
-from transformer import attention, kernels, masks
-from transformer.chunked_attention import chunked_attention
 from transformer.configs import base_config, validate_config
-from transformer.layers import stack_layers
 from transformer.models import build_model
+from transformer.nn import attention, kernels, masks
+from transformer.nn.chunked_attention import chunked_attention
+from transformer.nn.layers import stack_layers
 
 VOCAB, LENGTH = 40, 12
 

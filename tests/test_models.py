@@ -8,7 +8,6 @@ import numpy as np
 import optax
 import pytest
 
-from transformer import objectives
 from transformer.models import (
     LSTMLM,
     EncoderDecoder,
@@ -16,6 +15,7 @@ from transformer.models import (
     default_model_config,
     shift_right,
 )
+from transformer.nn import objectives
 
 VOCAB, B, T = 64, 4, 16
 PAD, EOS, MASK, CLS = 0, 1, 2, 3
@@ -180,10 +180,11 @@ def _pretraining_batch(config):
 def test_every_family_in_the_table_builds_initializes_and_runs_from_its_entry(name):
     """A family's table entry alone drives building, initializing (`state.initial_state`) and
     the loss: its declared inputs and features are what the pipeline feeds it."""
-    from transformer import sharding, state
     from transformer.configs import base_config
     from transformer.data import pipeline
     from transformer.models import FAMILIES, family_of
+    from transformer.parallel import sharding
+    from transformer.training import state
 
     family = FAMILIES[name]
     config = base_config()

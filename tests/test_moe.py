@@ -13,9 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import checkpoint as checkpoint_lib
-from transformer import configs, metrics, models, moe, sharding
-from transformer import state as state_lib
+from transformer import configs, models
+from transformer.nn import moe
+from transformer.parallel import sharding
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import metrics
+from transformer.training import state as state_lib
 
 B, T, D, F = 2, 8, 8, 12
 
@@ -402,7 +405,8 @@ def test_sorted_apply_sends_each_expert_its_rows_and_sums_them_back_with_the_gat
 def test_the_first_step_line_names_the_moe_dispatch_path_apart_from_attention():
     import types
 
-    from transformer import kernels, progress
+    from transformer.nn import kernels
+    from transformer.training import progress
 
     lines = []
     run = types.SimpleNamespace(step=1, goodput=types.SimpleNamespace(compiled=lambda now: None),

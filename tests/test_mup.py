@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import optim
 from transformer.configs import base_config, validate_config
 from transformer.models import build_model
+from transformer.training import optim
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import mup_coord_check  # noqa: E402

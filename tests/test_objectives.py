@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from transformer import objectives
+from transformer.nn import objectives
 
 SIGMAS = 5.0  # tolerance of the statistical tests, in binomial standard deviations
 

@@ -26,8 +26,9 @@ from test_train import (
     tiny_flags,
 )
 
-from transformer import configs, goodput, profiling, sweep, train, wandb_logging
+from transformer import configs, sweep, train
 from transformer.data import inputs
+from transformer.training import goodput, profiling, wandb_logging
 
 
 @pytest.fixture

@@ -20,11 +20,13 @@ import optax
 import pytest
 from optax import contrib
 
-from transformer import batched, configs, optim, sharding, train
-from transformer import checkpoint as checkpoint_lib
+from transformer import batched, configs, train
 from transformer import evaluate as evaluate_lib
 from transformer.models import build_model, family_of
-from transformer.state import TrainState, example_batch
+from transformer.parallel import sharding
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import optim
+from transformer.training.state import TrainState, example_batch
 
 # Settings that exercise each optimizer's own keys (adafactor factors the tiny matrices).
 SETTINGS = {

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (transformer.pipeline_parallel, mesh axis `stage`).
+"""Pipeline parallelism (transformer.parallel.pipeline_parallel, mesh axis `stage`).
 
 Fast: the schedule itself (GPipe and circular) against running the layers in order, on one
 device; the one-line refusals. Slow: tests/pipeline_check.py on 8 forced CPU devices (every mesh
@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from test_train import cli_env, tiny_flags
 
-from transformer import configs, pipeline_parallel
+from transformer import configs
+from transformer.parallel import pipeline_parallel
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Tests for transformer/positions.py: each test pins one property against independent math."""
+"""Tests for transformer/nn/positions.py: each test pins one property against independent math."""
 
 import flax.linen as nn
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.positions import (
+from transformer.nn.positions import (
     LearnedPositionEmbedding,
     T5RelativePositionBias,
     alibi_bias,

@@ -1,4 +1,4 @@
-"""Quantized training through Qwix (transformer.quantization, `model.quantization`): forward
+"""Quantized training through Qwix (transformer.nn.quantization, `model.quantization`): forward
 close to float, the int8 / fp8 dots really in the program, straight-through gradients to every
 quantized kernel (scanned, rematerialised, vmapped), the head only with quantize_head, bad
 values in one line, the CLI training int8 and resuming a float checkpoint in int8, and meshes
@@ -159,7 +159,7 @@ def test_a_bad_quantization_is_one_line(value):
 
 
 def test_resuming_may_change_quantization_and_says_so():
-    from transformer import checkpoint as checkpoint_lib
+    from transformer.training import checkpoint as checkpoint_lib
 
     saved, current = {"model": {"quantization": ""}}, {"model": {"quantization": "fp8"}}
     assert checkpoint_lib.structural_differences(saved, current) == []

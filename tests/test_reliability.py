@@ -29,7 +29,7 @@ def train(workdir, *flags, steps=4, logs=None):
 
 
 def error_line(result) -> str:
-    """The CLI's one-line error: stderr's only line (transformer.cli)."""
+    """The CLI's one-line error: stderr's only line (transformer.utils.cli)."""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
     return lines[0]

@@ -134,7 +134,7 @@ def test_approach3_and_budgets_refuse_degenerate_input():
 def test_the_experiment_spends_each_budget():
     """Every variant's C = flops_per_token x tokens is within 1% of its declared budget (the
     fitter groups the runs by it), with short-run settings."""
-    from transformer.metrics import flops_per_token
+    from transformer.training.metrics import flops_per_token
 
     module = sweep._experiment(EXPERIMENT)
     configs = sweep.variant_configs(module.get_config(), sweep.load_sweep(EXPERIMENT))

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from test_sharding import run_check
 
-from transformer import attention, configs, masks, sequence_parallel, sharding
-from transformer.chunked_attention import chunked_attention
+from transformer import configs
+from transformer.nn import attention, masks, sequence_parallel
+from transformer.nn.chunked_attention import chunked_attention
+from transformer.parallel import sharding
 
 # --- the layout ------------------------------------------------------------------------------
 

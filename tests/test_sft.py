@@ -334,7 +334,7 @@ def test_the_packed_sft_loss_equals_hf_llama_with_labels_masked_to_assistant_tok
     import jax.numpy as jnp
     import torch
 
-    from transformer import convert
+    from transformer.hf import convert
     from transformer.models import build_model
 
     config = sft_config(tmp_path, llama3_dir)
@@ -525,8 +525,9 @@ def test_lora_sft_on_an_imported_llama_exports_to_transformers_and_peft(tmp_path
     adapter, each loaded by transformers / peft with our logits."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
-    from transformer import finetune, lora
     from transformer.models import build_model
+    from transformer.nn import lora
+    from transformer.training import finetune
 
     model_dir = tmp_path / "llama"
     build_tokenizer(model_dir, LLAMA3)

@@ -26,7 +26,9 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 from test_train import cli_env
 
-from transformer import configs, optim, sharding, state
+from transformer import configs
+from transformer.parallel import sharding
+from transformer.training import optim, state
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300

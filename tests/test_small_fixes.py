@@ -12,7 +12,7 @@ import pytest
 from absl import flags
 from test_train import assert_succeeded, cli_env, describe, run_cli, tiny_flags
 
-from transformer import cli
+from transformer.utils import cli
 
 STEPS = 2
 

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from transformer import evaluation, sweep
+from transformer import sweep
 from transformer.configs import base_config
+from transformer.training import evaluation
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -219,7 +220,8 @@ def test_seed_runs_names_options_and_refusals(tmp_path):
 
 STEPS = 4
 EXPERIMENT = textwrap.dedent(f"""
-    from transformer import evaluation, sweep
+    from transformer import sweep
+    from transformer.training import evaluation
     from transformer.configs import base_config
 
 

@@ -10,8 +10,9 @@ lm_eval = pytest.importorskip("lm_eval")
 from test_harness import evaluate, write_tasks  # noqa: E402
 from test_train import TINY_MODEL, read_metrics  # noqa: E402
 
-from transformer import configs, task_eval, train  # noqa: E402
+from transformer import configs, train  # noqa: E402
 from transformer.harness import TransformerLM  # noqa: E402
+from transformer.training import task_eval  # noqa: E402
 
 
 def tiny_config(tasks_dir, **more):

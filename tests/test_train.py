@@ -27,9 +27,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from transformer import checkpoint as checkpoint_lib
-from transformer import configs, hostmem, placement, progress, run_eval, train
+from transformer import configs, train
 from transformer import evaluate as evaluate_lib
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import placement, progress, run_eval
+from transformer.utils import hostmem
 
 REPO = Path(__file__).resolve().parents[1]
 # An excerpt of tiny Shakespeare shipped with the tests (tests/data/README.md).
@@ -163,7 +165,7 @@ def all_finite(tree) -> bool:
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
     """Every file under `directory` with its size and modification time, but train.lock, which
-    every training start rewrites with its pid (transformer.workdir)."""
+    every training start rewrites with its pid (transformer.training.workdir)."""
     return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != "train.lock"}
 
@@ -374,7 +376,7 @@ def test_config_errors_are_rejected_before_anything_is_written(tmp_path):
 
 
 def test_compiler_options_default_per_compute_dtype_and_config_options_extend_them(capsys):
-    from transformer import sharding
+    from transformer.parallel import sharding
 
     config = tiny_config()
     mesh = sharding.make_mesh(config.mesh)
@@ -426,8 +428,8 @@ def test_evaluate_restores_a_saved_workdir(experiment_runs, tmp_path):
 @pytest.mark.slow
 def test_restore_params_reads_the_saved_params_into_the_given_mesh(experiment_runs):
     """Params only: bitwise the checkpoint's, laid out on the mesh given (or the run's)."""
-    from transformer import checkpoint as checkpoint_lib
-    from transformer import sharding
+    from transformer.parallel import sharding
+    from transformer.training import checkpoint as checkpoint_lib
 
     workdir, result = experiment_runs("gpt_tiny.py")
     assert_succeeded(result)
@@ -688,7 +690,7 @@ def test_old_checkpoints_leave_by_one_rename_then_are_removed(tmp_path, monkeypa
     """Steps past keep_checkpoints are renamed into checkpoints/deleted/ before removal (so a
     run stopped mid-removal, e.g. by a second Ctrl-C, leaves no half-deleted step behind), and
     that folder is emptied before the next save and at the end."""
-    from transformer import checkpoint as checkpoint_lib
+    from transformer.training import checkpoint as checkpoint_lib
 
     config = tiny_config(steps=4, checkpoint_every=1, keep_checkpoints=2)
     train.train_and_evaluate(config, str(tmp_path / "run"))
@@ -784,7 +786,7 @@ def test_ctrl_c_twice_exits_at_once_and_leaves_only_complete_checkpoints(tmp_pat
     finally:
         watchdog.cancel()
     log = (tmp_path / "stderr.txt").read_text(errors="replace")
-    assert returncode == 130, log[-3000:]  # interrupted, not a clean stop (transformer.cli)
+    assert returncode == 130, log[-3000:]  # interrupted, not a clean stop (transformer.utils.cli)
     assert log.strip().splitlines()[-1] == "error: interrupted", log[-3000:]
     # Orbax logs (at ERROR, with its traceback) an interrupt that lands while it waits for an
     # async save to finalize; no other traceback may appear.

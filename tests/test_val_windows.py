@@ -13,8 +13,9 @@ import pytest
 from test_sweep_seeds import fake_run, tables
 from test_train import assert_succeeded, run_cli, tiny_flags
 
-from transformer import evaluation, sweep
+from transformer import sweep
 from transformer.configs import base_config
+from transformer.training import evaluation
 
 
 def reference(variant, baseline, tokens, resamples=2000, seed=0, paired=True):

@@ -17,10 +17,11 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from transformer import layers, visualize
+from transformer import visualize
 from transformer.configs import base_config
 from transformer.data import tokenizers
 from transformer.models import build_model
+from transformer.nn import layers
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = tokenizers.ByteTokenizer(num_sentinels=4)

@@ -28,8 +28,8 @@ from test_train import (
     tiny_flags,
 )
 
-from transformer import checkpoint as checkpoint_lib
-from transformer import workdir as workdir_lib
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import workdir as workdir_lib
 
 
 def write_text(path: Path, paragraphs: int = 300, seed: int = 0) -> Path:

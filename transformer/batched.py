@@ -37,9 +37,11 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from transformer import kernels, optim, progress, run_eval, startup, task_eval, train
-from transformer import metrics as metrics_lib
-from transformer.step import make_seeded_train_step
+from transformer import train
+from transformer.nn import kernels
+from transformer.training import metrics as metrics_lib
+from transformer.training import optim, progress, run_eval, startup, task_eval
+from transformer.training.step import make_seeded_train_step
 
 
 def check_group(configs: Sequence[ml_collections.ConfigDict]) -> None:
@@ -271,7 +273,7 @@ def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
 
 
 def _guarded(run: train.Run, use):
-    """`use(run)`; a non-finite stop (transformer.nonfinite) stops this seed alone, as it
+    """`use(run)`; a non-finite stop (transformer.training.nonfinite) stops this seed alone, as it
     would stop a separate run, with its message."""
     try:
         return use(run)

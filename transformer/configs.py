@@ -17,20 +17,13 @@ from typing import Any
 import jax
 import ml_collections
 
-from transformer import checkpoint as checkpoint_lib
-from transformer import (
-    fileio,
-    lora,
-    optim,
-    pipeline_parallel,
-    placement,
-    sequence_parallel,
-    sharding,
-    task_eval,
-    wandb_logging,
-)
 from transformer.data import inputs, pipeline, sources, tokenizers
 from transformer.models import FAMILIES, build_model, default_model_config, family_of
+from transformer.nn import lora, sequence_parallel
+from transformer.parallel import pipeline_parallel, sharding
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import optim, placement, task_eval, wandb_logging
+from transformer.utils import fileio
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -45,7 +38,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.eval_steps = 20
     # Extra validation lengths at the end of training (length extrapolation), e.g. (256, 512).
     config.eval_seq_lens = ()
-    # lm-eval tasks (names or local YAML files) scored during training (transformer.task_eval)
+    # lm-eval tasks (names or local YAML files) scored during training (training.task_eval)
     config.eval_tasks = ()
     config.eval_tasks_every = 0  # steps between scorings (0: after the last step only)
     config.eval_tasks_limit = 0  # documents per task (0: all)
@@ -66,7 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
     # XLA options for the jitted steps, on top of placement.compiler_options' CPU defaults,
     # e.g. {'xla_cpu_multi_thread_eigen': False}.
     config.compiler_options = ml_collections.ConfigDict()
-    # Fine-tuning: start params from "WORKDIR", "WORKDIR@STEP" or "hf:DIR" (transformer.finetune).
+    # Fine-tuning: start params from "WORKDIR", "WORKDIR@STEP" or "hf:DIR" (training.finetune).
     config.init_from = ""
 
     config.model = default_model_config()
@@ -75,7 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.data = data_config()
     config.optimizer = optimizer_config()
 
-    # Devices per mesh axis (transformer.sharding.MESH_AXIS_TABLE); -1: all remaining devices.
+    # Devices per mesh axis (sharding.MESH_AXIS_TABLE); -1: all remaining devices.
     config.mesh = ml_collections.ConfigDict(
         {axis.name: axis.default for axis in sharding.MESH_AXIS_TABLE})
 
@@ -85,7 +78,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def pipeline_config() -> ml_collections.ConfigDict:
-    """base_config's pipeline group, used with mesh.stage > 1 (transformer.pipeline_parallel):
+    """base_config's pipeline group, used with mesh.stage > 1 (parallel.pipeline_parallel):
     the microbatches each (accumulation) step's rows split into, and repeats > 1 for the
     circular schedule (each stage holds that many blocks of layers spread through the stack;
     a smaller bubble)."""
@@ -132,13 +125,13 @@ def data_config() -> ml_collections.ConfigDict:
 def profile_config() -> ml_collections.ConfigDict:
     """base_config's profile group: a jax.profiler trace of steps start_step .. start_step +
     num_steps - 1 (step 1 compiles) into WORKDIR/profile/, on process 0 or on every host
-    (transformer.profiling)."""
+    (transformer.training.profiling)."""
     return ml_collections.ConfigDict(
         {"start_step": 5, "num_steps": 0, "all_hosts": False})  # num_steps 0: no trace
 
 
 def wandb_config() -> ml_collections.ConfigDict:
-    """base_config's wandb group: Weights & Biases (transformer.wandb_logging, the `wandb`
+    """base_config's wandb group: Weights & Biases (transformer.training.wandb_logging, the `wandb`
     extra), on when project is set."""
     return ml_collections.ConfigDict(
         {"project": "", "entity": "", "name": "",  # name "": the experiment's
@@ -147,7 +140,7 @@ def wandb_config() -> ml_collections.ConfigDict:
 
 
 def optimizer_config() -> ml_collections.ConfigDict:
-    """base_config's optimizer group (transformer.optim reads it)."""
+    """base_config's optimizer group (transformer.training.optim reads it)."""
     optimizer = ml_collections.ConfigDict()
     # adamw | adafactor | lion | muon | sgd | schedule_free_adamw (optim.update_rule); a resume
     # keeps the checkpoint's
@@ -317,7 +310,7 @@ CHECKS: dict[str, Check] = {
                    "a tuple of lm-eval task names or task YAML paths"),
     "eval_tasks_every": _int(ge=0, note="0: after the last step only"),
     "eval_tasks_limit": _int(ge=0, note="0: every document"),
-    "init_from": _STR,  # its form and target: checkpoint.parse_init_from, below
+    "init_from": _STR,  # its form and target: fileio.parse_init_from, below
     "data.path": _STR,
     "data.unit": _one_of(sources.UNITS),
     "data.validation_path": _STR,
@@ -374,7 +367,7 @@ CHECKS: dict[str, Check] = {
     "model.num_classes": _int(ge=0, note="0: the task's"),
     "model.dtype": _one_of(DTYPES),  # compute
     "model.param_dtype": _one_of(DTYPES),
-    "model.quantization": _one_of(("", "int8", "fp8")),  # transformer.quantization.SCHEMES
+    "model.quantization": _one_of(("", "int8", "fp8")),  # transformer.nn.quantization.SCHEMES
     "model.quantize_head": _BOOL,
     "pipeline.microbatches": _int(ge=1, note="each (accumulation) step's rows split into them"),
     "pipeline.repeats": _int(ge=1, note="> 1: the circular schedule"),
@@ -406,7 +399,7 @@ def _lookup(config: ml_collections.ConfigDict, key: str):
 
 def check_sequence_split(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int]) -> None:
     """One-line error unless seq_len splits over mesh.sequence (decoder LMs lay it out in
-    2 x sequence chunks for load balancing, see `transformer.sequence_parallel`)."""
+    2 x sequence chunks for load balancing, see `transformer.nn.sequence_parallel`)."""
     if mesh_sizes["sequence"] > 1:
         balanced = (family_of(config.model).decoding in ("causal", "prefix")
                     and config.model.get("sequence_load_balance", True))
@@ -582,10 +575,10 @@ def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:
                          f"shards at data.path={config.data.path!r}: expected '' (their "
                          "*val*.bin files are the validation split)")
     if any(os.path.isfile(os.path.join(p, "prepare.json")) for p in paths) or (
-            init_from and checkpoint_lib.parse_init_from(init_from)[0] == "workdir"):
+            init_from and fileio.parse_init_from(init_from)[0] == "workdir"):
         return
     if kind == "hf":
-        hf_dir = checkpoint_lib.parse_init_from(init_from)[1] if init_from.startswith("hf:") \
+        hf_dir = fileio.parse_init_from(init_from)[1] if init_from.startswith("hf:") \
             else ""
         if not path and not (hf_dir and fileio.path(hf_dir).joinpath("tokenizer.json").is_file()):
             raise ValueError("data.tokenizer='hf' without data.tokenizer_path: expected a "
@@ -630,7 +623,7 @@ def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"data.task={task!r} with data.objective={objective!r}: expected "
                          f"objective 'classification' or 'text2text'")
     if config.get("init_from"):
-        kind, path, step = checkpoint_lib.parse_init_from(config.init_from)
+        kind, path, step = fileio.parse_init_from(config.init_from)
         if kind == "workdir":
             checkpoint_lib.saved_run(path, step)  # a workdir with that checkpoint, or an error
         elif not fileio.path(path).joinpath("config.json").is_file():

@@ -22,11 +22,12 @@ from collections.abc import Callable
 
 import jax
 
-from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation, fileio, finetune
-from transformer import placement as placement_lib
 from transformer.data import inputs
 from transformer.models import build_model
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import evaluation, finetune
+from transformer.training import placement as placement_lib
+from transformer.utils import fileio
 
 
 class NotWritten(RuntimeError):
@@ -211,7 +212,7 @@ def _positive_int(text: str) -> int:
 if __name__ == "__main__":
     from absl import flags
 
-    from transformer import cli
+    from transformer.utils import cli
 
     flags.DEFINE_string("workdir", None, "Training workdir to evaluate.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")

@@ -7,7 +7,7 @@ A LoRA run (model.lora.rank > 0) exports its adapters as a peft adapter director
 (adapter_config.json + adapter_model.safetensors, `peft.PeftModel.from_pretrained` loads it onto
 the Hugging Face base), or with --merge_lora the merged model W + (alpha / rank) A B as above.
 
-`to_hf(model_config, params)` is the inverse of `transformer.convert.from_hf`: a GPT becomes
+`to_hf(model_config, params)` is the inverse of `transformer.hf.convert.from_hf`: a GPT becomes
 GPT-2 (learned positions, LayerNorm, biases) or Llama (RoPE, RMSNorm, SwiGLU, no biases; with
 q/k/v biases Qwen2, with a sliding window Mistral, with per-head qk-norm Qwen3, with sandwich
 norms Gemma 2, with post-sublayer norms OLMo 2; with MoE layers Mixtral, with shared experts
@@ -31,10 +31,14 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from transformer import checkpoint as checkpoint_lib
-from transformer import convert, fileio, finetune, lora, sharding
-from transformer import state as state_lib
-from transformer.layers import unstack_layers
+from transformer.hf import convert
+from transformer.nn import lora
+from transformer.nn.layers import unstack_layers
+from transformer.parallel import sharding
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import finetune
+from transformer.training import state as state_lib
+from transformer.utils import fileio
 
 _GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 _BERT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
@@ -617,6 +621,6 @@ def _define_flags():
 
 
 if __name__ == "__main__":
-    from transformer import cli
+    from transformer.utils import cli
 
     cli.run(_main, _define_flags)

@@ -855,9 +855,10 @@ def read_chat(value: str) -> list[list[dict]]:
 def load_workdir(workdir: str, step: int | None = None):
     """(model, params, tokenizer, config) of checkpoint `step` (default: the latest) of a
     training workdir, with the tokenizer saved beside the checkpoints."""
-    from transformer import fileio, finetune
     from transformer.data import inputs
     from transformer.models import build_model
+    from transformer.training import finetune
+    from transformer.utils import fileio
 
     saved = finetune.restore_params(workdir, step)
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
@@ -927,7 +928,7 @@ def main(argv) -> None:
 if __name__ == "__main__":
     from absl import flags
 
-    from transformer import cli
+    from transformer.utils import cli
 
     flags.DEFINE_string("workdir", None, "Training workdir to sample from.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")

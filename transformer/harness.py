@@ -59,7 +59,7 @@ class TransformerLM(LM):
     @classmethod
     def from_params(cls, model, params, tokenizer, config, batch_size: int | str = 8,
                     max_length: int | None = None) -> TransformerLM:
-        """The adapter over params in memory (a training run's: `transformer.task_eval`)."""
+        """The adapter over params in memory (a training run's: `training.task_eval`)."""
         lm = cls.__new__(cls)
         LM.__init__(lm)
         lm._setup(model, params, tokenizer, config, batch_size, max_length)
@@ -178,7 +178,7 @@ def main() -> None:
     from absl import logging
     from lm_eval.__main__ import cli_evaluate
 
-    from transformer import cli
+    from transformer.utils import cli
 
     ours = [a for a in sys.argv[1:] if a.partition("=")[0] == "--verbose"]
     theirs = [a for a in sys.argv[1:] if a not in ours]

@@ -4,7 +4,7 @@
 
 DIR holds the sweep's runs (`transformer.sweep`, one directory per variant). The experiment
 file declares the compute budgets as `BUDGETS`; every finished run's compute is recomputed as
-C = flops_per_token(config, N) x tokens trained (`transformer.metrics.flops_per_token`; tokens =
+C = flops_per_token(config, N) x tokens trained (`metrics.flops_per_token`; tokens =
 steps x batch_size x seq_len; N = num_params) and the run joins the declared budget nearest to it
 in log C. Fitted:
 
@@ -363,7 +363,7 @@ def nearest_budget(flops: float, budgets: Sequence[float], name: str = "run") ->
 def load_runs(workdir: str, config_file: str, config) -> tuple[list[Run], list[str]]:
     """(the finished runs of the experiment's variants in `workdir`, the names of the others).
     Compute C = flops_per_token(config, N) x steps x batch_size x seq_len."""
-    from transformer.metrics import flops_per_token
+    from transformer.training.metrics import flops_per_token
 
     if not os.path.isdir(workdir):
         raise NotADirectoryError(f"--workdir={workdir}: expected the sweep's directory")
@@ -544,7 +544,7 @@ def write_report(workdir: str, runs: Sequence[Run], missing: Sequence[str], titl
     lines = [f"# Scaling laws: {title}", "",
              f"{len(runs)} finished runs in {len(fit2.budgets)} compute budgets, written "
              f"{time.strftime('%Y-%m-%d %H:%M:%S')}. C = flops_per_token x tokens "
-             "(transformer.metrics.flops_per_token: 6 N_matmul + 12 L d T), D = tokens "
+             "(transformer.training.metrics.flops_per_token: 6 N_matmul + 12 L d T), D = tokens "
              "trained, N = params, loss = the final validation loss (nats per token).", ""]
     if warnings:
         lines += ["**Warnings**", ""] + warnings + [""]
@@ -590,6 +590,6 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    from transformer import cli
+    from transformer.utils import cli
 
     cli.run(main, _define_flags)

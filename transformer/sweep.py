@@ -61,8 +61,8 @@ from typing import Any
 
 import ml_collections
 
-from transformer import checkpoint as checkpoint_lib
-from transformer import evaluation
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import evaluation
 
 PLOTS = (("val_loss_vs_step.png", "validation", "step", "validation loss vs step"),
          ("val_loss_vs_time.png", "validation", "elapsed", "validation loss vs wall time"),
@@ -921,7 +921,7 @@ if __name__ == "__main__":
     from absl import flags
     from ml_collections import config_flags
 
-    from transformer import cli
+    from transformer.utils import cli
 
     config_flags.DEFINE_config_file("config", None, "Experiment file with get_config() and "
                                     "get_sweep().", lock_config=True)

@@ -24,31 +24,30 @@ from typing import Any
 import jax
 import ml_collections
 
-from transformer import checkpoint as checkpoint_lib
-from transformer import (
+from transformer.configs import validate_config
+from transformer.data import inputs, pipeline
+from transformer.models import build_model, family_of
+from transformer.nn import kernels
+from transformer.parallel import sharding
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import (
     evaluation,
-    fileio,
     finetune,
     goodput,
-    hostmem,
-    kernels,
     nonfinite,
     optim,
     profiling,
     progress,
     run_eval,
-    sharding,
     startup,
     wandb_logging,
 )
-from transformer import metrics as metrics_lib
-from transformer import placement as placement_lib
-from transformer import workdir as workdir_lib
-from transformer.configs import validate_config
-from transformer.data import inputs, pipeline
-from transformer.models import build_model, family_of
-from transformer.state import TrainState, active_params, initial_state, num_params
-from transformer.step import make_train_step
+from transformer.training import metrics as metrics_lib
+from transformer.training import placement as placement_lib
+from transformer.training import workdir as workdir_lib
+from transformer.training.state import TrainState, active_params, initial_state, num_params
+from transformer.training.step import make_train_step
+from transformer.utils import fileio, hostmem
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "experiments", "gpt_tiny.py")
@@ -343,6 +342,6 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    from transformer import cli
+    from transformer.utils import cli
 
     cli.run(main, _define_flags)

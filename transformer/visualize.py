@@ -323,10 +323,11 @@ def visualize_workdir(workdir: str, text: str, *, target: str = "", step: int | 
     """Loads a saved run (`generate.load_workdir`), computes its attention maps for `text`
     (and a T5's `target`) and saves them (default: `default_output_dir`, with an input.json
     naming the step and text); (maps, written paths)."""
-    from transformer import checkpoint as checkpoint_lib
-    from transformer import fileio, finetune
     from transformer.data import inputs
     from transformer.models import build_model
+    from transformer.training import checkpoint as checkpoint_lib
+    from transformer.training import finetune
+    from transformer.utils import fileio
 
     if not text:
         raise ValueError("text='': expected a text to read (--text=...)")
@@ -372,7 +373,7 @@ def main(argv) -> None:
 if __name__ == "__main__":
     from absl import flags
 
-    from transformer import cli
+    from transformer.utils import cli
 
     flags.DEFINE_string("workdir", None, "Training workdir to load.", required=True)
     flags.DEFINE_string("text", None, "Text to read (t5: the encoder input).", required=True)

@@ -1,4 +1,4 @@
-"""Quantized training (model.quantization, transformer.quantization through Qwix): the small
+"""Quantized training (model.quantization, transformer.nn.quantization through Qwix): the small
 char LM's validation loss in float32, int8 and fp8 at equal steps, 3 seeds, paired against
 float. Measured on a 2-core CPU: 1.780 float, 1.776 int8 (-0.004 [-0.048, +0.039]), 1.783 fp8
 (+0.003 [-0.039, +0.046]): both within noise. docs/ablations.md has the table.

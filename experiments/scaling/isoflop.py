@@ -2,7 +2,7 @@
 
 Each compute budget C in BUDGETS trains every model size in SIZES for the steps that spend C:
 steps = C / (flops_per_token(config, N) * batch_size * seq_len), with
-`transformer.metrics.flops_per_token` (6 N_matmul + 12 L D T) and N the model's exact param count.
+`training.metrics.flops_per_token` (6 N_matmul + 12 L D T) and N the model's exact param count.
 
     taskset -c 1 nice -n 5 python -m transformer.sweep --config=experiments/scaling/isoflop.py \
         --workdir=runs/scaling/isoflop
@@ -19,7 +19,7 @@ import functools
 from transformer import sweep
 from transformer.configs import small_char_lm
 
-# Compute budgets, model FLOPs (transformer.metrics.flops_per_token x tokens trained).
+# Compute budgets, model FLOPs (transformer.training.metrics.flops_per_token x tokens trained).
 BUDGETS = (1e12, 2.5e12, 6e12, 1.5e13)
 # Model sizes: depth, width, heads and feed-forward width grow together (d_ff = 4 d_model).
 SIZES = {
@@ -53,7 +53,7 @@ def num_params(size: str) -> int:
 
     from transformer.data import inputs
     from transformer.models import build_model, family_of
-    from transformer.state import example_batch
+    from transformer.training.state import example_batch
 
     config = _sized(size)
     config.model.vocab_size = inputs.get_tokenizer(config).vocab_size
@@ -64,7 +64,7 @@ def num_params(size: str) -> int:
 
 def steps_for(budget: float, size: str) -> int:
     """Training steps that spend `budget` FLOPs on model size `size`."""
-    from transformer.metrics import flops_per_token
+    from transformer.training.metrics import flops_per_token
 
     config = _sized(size)
     config.model.vocab_size = 1  # flops_per_token only reads the model's shape

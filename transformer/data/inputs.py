@@ -17,10 +17,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from transformer import checkpoint as checkpoint_lib
-from transformer import fileio
 from transformer.data import chat, images, pipeline, shards, sources, tasks
 from transformer.data import tokenizers as tokenizers_lib
+from transformer.utils import fileio
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -127,7 +126,7 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
         tokenizer = tokenizers_lib.load_tokenizer(saved)
         _check_hf_path(config, tokenizer, f"the tokenizer {workdir!r} was trained with")
         return tokenizer
-    kind, source, _ = checkpoint_lib.parse_init_from(config.get("init_from", ""))
+    kind, source, _ = fileio.parse_init_from(config.get("init_from", ""))
     if source and kind == "workdir":  # fine-tuning reads text as it was pretrained
         tokenizer = tokenizers_lib.load_tokenizer(fileio.join(source, TOKENIZER_DIR))
         origin = f"init_from={config.init_from!r}"
@@ -155,7 +154,7 @@ def _hf_tokenizer_path(config: ml_collections.ConfigDict) -> str:
     """data.tokenizer_path, else the init_from="hf:DIR" directory's tokenizer ("" if none)."""
     if path := config.data.get("tokenizer_path", ""):
         return path
-    kind, source, _ = checkpoint_lib.parse_init_from(config.get("init_from", ""))
+    kind, source, _ = fileio.parse_init_from(config.get("init_from", ""))
     return source if kind == "hf" and fileio.path(source).joinpath("tokenizer.json").is_file() \
         else ""
 

@@ -27,8 +27,8 @@ import ml_collections
 import numpy as np
 from grain import experimental as grain_experimental
 
-from transformer import objectives
 from transformer.models import FAMILIES
+from transformer.nn import objectives
 
 OBJECTIVES = ("next_token", "prefix_lm", "mlm", "span_corruption")
 TASK_OBJECTIVES = ("classification", "text2text")  # labeled tasks: transformer.data.tasks

@@ -25,9 +25,9 @@ import sys
 import numpy as np
 import tqdm
 
-from transformer import fileio
 from transformer.data import shards, sources
 from transformer.data import tokenizers as tokenizers_lib
+from transformer.utils import fileio
 
 FORMATS = ("array_record", "bin")
 _ENCODE_BATCH = 1024  # documents encoded at once (a Hugging Face tokenizer does them in parallel)
@@ -153,6 +153,6 @@ def _define_flags():
 
 
 if __name__ == "__main__":
-    from transformer import cli
+    from transformer.utils import cli
 
     cli.run(_main, _define_flags)

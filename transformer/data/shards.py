@@ -17,8 +17,8 @@ from typing import SupportsIndex
 
 import numpy as np
 
-from transformer import fileio
 from transformer.data import sources
+from transformer.utils import fileio
 
 FORMATS = ("modded", "nanogpt")
 MAGIC, VERSION = 20240520, 1

@@ -17,7 +17,7 @@ from typing import SupportsIndex
 
 import numpy as np
 
-from transformer import fileio
+from transformer.utils import fileio
 
 SPLITS = ("train", "validation")
 UNITS = ("paragraph", "file", "stream")

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from transformer import fileio
+from transformer.utils import fileio
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>", "<mask>", "<cls>", "<sep>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID, CLS_ID, SEP_ID = range(7)

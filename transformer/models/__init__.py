@@ -15,8 +15,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from transformer import quantization
-from transformer.layers import TransformerConfig
 from transformer.models import bert, gpt, lstm, t5, vision
 from transformer.models.bert import EncoderModel
 from transformer.models.family import Family, transformer_config
@@ -24,6 +22,8 @@ from transformer.models.gpt import DecoderLM
 from transformer.models.lstm import LSTMLM
 from transformer.models.t5 import EncoderDecoder, shift_right
 from transformer.models.vision import CLIP, Captioner, ViTClassifier
+from transformer.nn import quantization
+from transformer.nn.config import TransformerConfig
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (
     gpt.GPT, gpt.PREFIX_LM, bert.BERT, t5.T5, lstm.LSTM, vision.VIT, vision.CLIP_FAMILY,
@@ -44,9 +44,9 @@ def default_model_config() -> ml_collections.ConfigDict:
     """Every model key with its default: the `model` group of an experiment config."""
     stack = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
     stack["dtype"] = stack["param_dtype"] = "float32"
-    # Mixture of experts (transformer.moe.MoEConfig): num_experts 0 keeps dense layers.
+    # Mixture of experts (transformer.nn.moe.MoEConfig): num_experts 0 keeps dense layers.
     stack["moe"] = ml_collections.ConfigDict(dataclasses.asdict(stack["moe"]))
-    # LoRA / QLoRA (transformer.lora.LoraConfig): rank 0 trains the whole model.
+    # LoRA / QLoRA (transformer.nn.lora.LoraConfig): rank 0 trains the whole model.
     stack["lora"] = ml_collections.ConfigDict(dataclasses.asdict(stack["lora"]))
     for name, kind in _OPTIONAL_FIELDS.items():  # None defaults keep their type for overrides
         stack[name] = ml_collections.FieldReference(stack[name], field_type=kind)
@@ -75,7 +75,7 @@ def default_model_config() -> ml_collections.ConfigDict:
         "patch_position": "sinusoidal_2d",
         # CLIP: the shared embedding width of the image and text projections.
         "projection_dim": 64,
-        # Quantized training (transformer.quantization, Qwix): "" | "int8" | "fp8" for the
+        # Quantized training (transformer.nn.quantization, Qwix): "" | "int8" | "fp8" for the
         # attention projections and MLPs; quantize_head also quantizes the output head.
         "quantization": "",
         "quantize_head": False,

@@ -8,16 +8,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import masks
-from transformer.layers import (
-    ACTIVATIONS,
-    OutputHead,
-    TokenEmbedding,
-    TransformerConfig,
-    TransformerStack,
-    norm_layer,
-)
 from transformer.models.family import Family, transformer_config
+from transformer.nn import masks
+from transformer.nn.activations import ACTIVATIONS
+from transformer.nn.blocks import TransformerStack
+from transformer.nn.config import TransformerConfig
+from transformer.nn.layers import OutputHead, TokenEmbedding, norm_layer
 
 Array = jax.Array
 HEADS = ("mlm", "classify", "none")

@@ -13,8 +13,9 @@ from collections.abc import Callable
 import flax.linen as nn
 import ml_collections
 
-from transformer import objectives
-from transformer.layers import TransformerConfig, moe_aux
+from transformer.nn import objectives
+from transformer.nn.blocks import moe_aux
+from transformer.nn.config import TransformerConfig
 
 _STACK_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
 
@@ -86,7 +87,7 @@ class Family:
     def logits(self, model: nn.Module, params, batch, *, rngs=None, deterministic=True,
                with_aux: bool = False):
         """The model's logits for a batch of pipeline features (transformer.data.pipeline);
-        with `with_aux`, (logits, its MoE layers' auxiliary quantities, `layers.moe_aux`)."""
+        with `with_aux`, (logits, its MoE layers' auxiliary quantities, `blocks.moe_aux`)."""
         features = {name: batch[name] for name in self.features}
         features.update({name: batch[name] for name in self.optional_features if name in batch})
         out = model.apply({"params": params}, *self.init_args(batch), **features,

@@ -7,9 +7,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import masks, sequence_parallel, sharding
-from transformer.layers import OutputHead, TokenEmbedding, TransformerConfig, TransformerStack
 from transformer.models.family import Family, transformer_config
+from transformer.nn import masks, sequence_parallel
+from transformer.nn.blocks import TransformerStack
+from transformer.nn.config import TransformerConfig
+from transformer.nn.layers import OutputHead, TokenEmbedding
+from transformer.parallel import sharding
 
 Array = jax.Array
 HEADS = ("mlm", "classify", "none")  # model.head: the LM head, a classifier, or none

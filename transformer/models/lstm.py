@@ -9,9 +9,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.attention import projection_init
-from transformer.layers import OutputHead, TokenEmbedding
 from transformer.models.family import Family, transformer_config
+from transformer.nn.attention import projection_init
+from transformer.nn.layers import OutputHead, TokenEmbedding
 
 Array = jax.Array
 

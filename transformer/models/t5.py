@@ -7,10 +7,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import masks
-from transformer.layers import OutputHead, TokenEmbedding, TransformerConfig, TransformerStack
 from transformer.models.family import Family, transformer_config
 from transformer.models.gpt import decode_mask
+from transformer.nn import masks
+from transformer.nn.blocks import TransformerStack
+from transformer.nn.config import TransformerConfig
+from transformer.nn.layers import OutputHead, TokenEmbedding
 
 Array = jax.Array
 

@@ -12,9 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import masks, objectives, positions
-from transformer.layers import OutputHead, TokenEmbedding, TransformerConfig, TransformerStack
 from transformer.models.family import Family, transformer_config
+from transformer.nn import masks, objectives, positions
+from transformer.nn.blocks import TransformerStack
+from transformer.nn.config import TransformerConfig
+from transformer.nn.layers import OutputHead, TokenEmbedding
 
 Array = jax.Array
 POOLINGS = ("cls", "mean", "none")  # none: every patch's vector [B, N, D] (cross-attention)

@@ -1,0 +1,1 @@
+"""Hugging Face interop: checkpoints in (`convert`) and the lm-evaluation-harness adapter."""

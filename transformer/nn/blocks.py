@@ -1,0 +1,313 @@
+"""Transformer blocks (pre/post-LN, parallel, MoE, local) and (scanned) stacks of them.
+
+Shapes: B batch, T length, D model width.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer.nn import positions as positions_lib
+from transformer.nn import sequence_parallel
+from transformer.nn.activations import ACTIVATIONS, GATED
+from transformer.nn.attention import MultiHeadAttention
+from transformer.nn.config import REMAT_POLICIES, TransformerConfig
+from transformer.nn.layers import MLP, norm_layer
+from transformer.nn.masks import Mask
+from transformer.nn.moe import MoEFeedForward
+from transformer.parallel import pipeline_parallel, sharding
+
+Array = jax.Array
+
+
+class TransformerBlock(nn.Module):
+    """Self-attention, optional cross-attention, feed-forward; each a residual sublayer.
+
+    `config.norm_placement`: pre-LN x + Dropout(f(LN(x))); post-LN (the original Transformer)
+    LN(x + Dropout(f(x))); sandwich x + LN'(Dropout(f(LN(x)))); post_sublayer x + LN'(f(x)).
+    `config.parallel_block`: x + attn(LN(x)) + mlp(LN(x)), one norm for both.
+    An encoder block is self-attention (with a Full/Padding mask) + FFN; a decoder block uses a
+    Causal mask and, with `cross_attention=True`, attends to `encoded` in between.
+    `local=True`: self-attention under `local_mask` (the sliding window) instead of `mask`.
+    `moe_layer=True` makes the feed-forward a mixture of experts (`config.moe`), which sows
+    its auxiliary quantities into the 'losses' collection (`moe_aux`).
+    `scanned=True` makes it return (x, None), the carry/output pair `nn.scan` expects.
+    """
+
+    config: TransformerConfig
+    cross_attention: bool = False
+    deterministic: bool = True
+    scanned: bool = False
+    decode: bool = False  # KV-cache decoding (see MultiHeadAttention)
+    moe_layer: bool = False
+    local: bool = False
+
+    @nn.compact
+    def __call__(self, x_BTD, mask, bias, positions, encoded=None, cross_mask=None,
+                 local_mask=None):
+        cfg = self.config
+        if self.cross_attention and encoded is None and not self.decode:
+            raise ValueError("a block with cross_attention=True needs `encoded` inputs")
+        self_mask = local_mask if self.local else mask
+        attend = lambda h: self._attention("self_attention", True)(
+            h, mask=self_mask, bias=bias, q_positions=positions,
+            deterministic=self.deterministic, decode=self.decode)
+        mlp = self._moe if self.moe_layer else MLP(cfg, self.deterministic, name="mlp")
+        dropout = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=self.deterministic)
+        if cfg.parallel_block:
+            if self.cross_attention:
+                raise ValueError("parallel_block=True: expected a stack without cross-attention")
+            h_BTD = norm_layer(cfg, "self_attention_norm")(x_BTD)
+            x_BTD = x_BTD + dropout(attend(h_BTD)) + dropout(mlp(h_BTD))
+        else:
+            x_BTD = self._residual(x_BTD, "self_attention", attend)
+            if self.cross_attention:  # decode steps reuse the cached K/V (encoded is None)
+                x_BTD = self._residual(x_BTD, "cross_attention", lambda h: self._attention(
+                    "cross_attention", False)(h, encoded, mask=cross_mask,
+                                              deterministic=self.deterministic,
+                                              decode=self.decode))
+            x_BTD = self._residual(x_BTD, "mlp", mlp)
+        x_BTD = sharding.constrain(x_BTD, sharding.ACTIVATIONS)
+        return (x_BTD, None) if self.scanned else x_BTD
+
+    def _residual(self, x_BTD: Array, name: str, sublayer) -> Array:
+        """x plus the sublayer's dropped-out output, normed where `norm_placement` says: params
+        `name`_norm (on its input; post: on the sum) and `name`_output_norm (on its output)."""
+        cfg, placement = self.config, self.config.norm_placement
+        y_BTD = sublayer(norm_layer(cfg, f"{name}_norm")(x_BTD)
+                         if placement in ("pre", "sandwich") else x_BTD)
+        if placement in ("sandwich", "post_sublayer"):
+            y_BTD = norm_layer(cfg, f"{name}_output_norm")(y_BTD)
+        x_BTD = x_BTD + nn.Dropout(cfg.dropout_rate)(y_BTD, deterministic=self.deterministic)
+        return norm_layer(cfg, f"{name}_norm")(x_BTD) if placement == "post" else x_BTD
+
+    def _attention(self, name: str, is_self: bool) -> MultiHeadAttention:
+        cfg = self.config
+        return MultiHeadAttention(
+            num_heads=cfg.num_heads,
+            head_dim=cfg.resolved_head_dim,
+            num_kv_heads=cfg.num_kv_heads,
+            use_bias=cfg.use_bias,
+            qkv_bias=cfg.qkv_bias,
+            scale=cfg.resolved_attention_scale,
+            rope_theta=cfg.rope_theta if is_self and cfg.position == "rope" else None,
+            rope_layout=cfg.rope_layout,
+            rope_scale=cfg.rope_scale,
+            rope_scaling=cfg.rope_scaling,
+            rope_low_freq_factor=cfg.rope_low_freq_factor,
+            rope_high_freq_factor=cfg.rope_high_freq_factor,
+            rope_original_max_len=cfg.rope_original_max_len,
+            dropout_rate=cfg.attention_dropout_rate,
+            init_std=cfg.init_std,
+            init_scale=cfg.init_scale(),
+            out_init_scale=cfg.init_scale(residual=True),
+            qk_norm=cfg.qk_norm_scope if cfg.qk_norm else "",
+            norm_epsilon=cfg.norm_epsilon,
+            softcap=cfg.attention_softcap,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            cross=not is_self,
+            impl=cfg.attention_impl,
+            sequence_parallel=cfg.sequence_parallel,
+            lora=cfg.lora if cfg.lora.rank else None,
+            name=name,
+        )
+
+    def _moe(self, x_BTD: Array) -> Array:
+        cfg = self.config
+        y_BTD, routing = MoEFeedForward(
+            num_experts=cfg.moe.num_experts, d_ff=cfg.moe.d_ff or cfg.d_ff, top_k=cfg.moe.top_k,
+            capacity_factor=cfg.moe.capacity_factor, num_shared=cfg.moe.num_shared,
+            normalize_gates=cfg.moe.normalize_gates, shared_gate=cfg.moe.shared_gate,
+            activation=ACTIVATIONS[cfg.activation], gated=cfg.activation in GATED,
+            init_std=cfg.init_std, init_scale=cfg.init_scale(),
+            out_init_scale=cfg.init_scale(residual=True), dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype, name="moe")(x_BTD)
+        for name in MOE_AUX:
+            self.sow("losses", f"moe_{name}", getattr(routing, name))
+        return y_BTD
+
+
+class _BlockGroup(nn.Module):
+    """`config.layer_period` consecutive blocks: what one step of the scan runs when layers are
+    not all alike (MoE every n layers, a global layer every sliding_window_pattern), each block
+    the kind its index in the period gives (params `layers/block_0..n-1`)."""
+
+    config: TransformerConfig
+    block: Any  # the block class (possibly rematerialised)
+    cross_attention: bool = False
+    deterministic: bool = True
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x_BTD, *args):
+        cfg = self.config
+        for i in range(cfg.layer_period):
+            x_BTD = self.block(cfg, cross_attention=self.cross_attention,
+                               deterministic=self.deterministic, decode=self.decode,
+                               moe_layer=cfg.moe.is_moe_layer(i), local=cfg.is_local_layer(i),
+                               name=f"block_{i}")(x_BTD, *args)
+        return x_BTD, None
+
+
+def _scanned(cfg: TransformerConfig, block, length: int, kwargs: dict, **module_kwargs):
+    """`length` scanned block groups (or blocks, when all layers are alike): the `layers` unit
+    whose params have a leading axis of that length, named `layers` by the logical rules."""
+    grouped = cfg.layer_period > 1
+    scanned = nn.scan(
+        _BlockGroup if grouped else block,
+        variable_axes={"params": 0, "intermediates": 0, "cache": 0, "losses": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast,) * 6,
+        length=length,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+    if grouped:
+        return scanned(cfg, block, **kwargs, **module_kwargs)
+    return scanned(cfg, scanned=True, moe_layer=cfg.moe.num_experts > 0,
+                   local=cfg.is_local_layer(0), **kwargs, **module_kwargs)
+
+
+MOE_AUX = ("load_balance", "router_z", "dropped")  # sown per MoE layer as losses/moe_<name>
+
+
+def moe_aux(losses) -> dict[str, Array]:
+    """{"load_balance", "router_z", "dropped"}: each the mean over the MoE layers of what they
+    sowed into the 'losses' collection (`{}` for a model without MoE layers)."""
+    leaves = {name: [] for name in MOE_AUX}
+    flat = jax.tree_util.tree_flatten_with_path(losses)[0]
+    for path, value in flat:
+        keys = [getattr(k, "key", None) for k in path]
+        for name in MOE_AUX:
+            if f"moe_{name}" in keys:
+                leaves[name].append(jnp.ravel(value))
+    return {name: jnp.mean(jnp.concatenate(values)) for name, values in leaves.items() if values}
+
+
+class TransformerStack(nn.Module):
+    """N blocks plus what a stack owns: absolute positions, shared position biases, final norm.
+
+    Adds sinusoidal/learned positions to the input (then the embedding norm, if configured, and
+    dropout), computes the ALiBi or T5 bias once (the T5
+    bias table is shared by all layers of the stack; `bidirectional=False` uses causal buckets),
+    runs the blocks (unrolled as `layers_0..N-1`, or one `nn.scan` over `layers` with a leading
+    layer axis so compile time does not grow with depth), then the final norm for pre-LN.
+    """
+
+    config: TransformerConfig
+    cross_attention: bool = False
+    bidirectional: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        x_BTD: Array,
+        mask: Mask | Array | None = None,
+        positions: Array | None = None,
+        encoded: Array | None = None,
+        cross_mask: Mask | Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+        kv_positions: Array | None = None,
+        local_mask: Mask | Array | None = None,
+    ) -> Array:
+        """`decode=True` runs the blocks' attention on the KV cache (see MultiHeadAttention);
+        `kv_positions` [1 or B, L] are then the positions of the cache slots, for the ALiBi and
+        T5 biases (default: `positions`). `local_mask`: the self-attention mask of the layers
+        `config.is_local_layer` names (the sliding window's; default `mask`)."""
+        cfg = self.config
+        length = x_BTD.shape[1]
+        if positions is None:
+            positions = jnp.arange(length, dtype=jnp.int32)[None]
+        x_BTD = x_BTD.astype(cfg.dtype)
+        if cfg.scale_embeddings:
+            x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
+        if cfg.position == "sinusoidal":
+            x_BTD = x_BTD + positions_lib.sinusoidal_positions(positions, cfg.d_model).astype(
+                cfg.dtype)
+        elif cfg.position == "learned":
+            x_BTD = x_BTD + positions_lib.LearnedPositionEmbedding(
+                cfg.max_len, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                name="position_embedding")(positions)
+        bias = None
+        kv_positions = positions if kv_positions is None else kv_positions
+        # With chunked attention (or "auto", which may pick it) the biases are functions of
+        # (query, key) indices, evaluated per tile: never a [B, N, T, S] array.
+        as_function = (cfg.attention_impl in ("chunked", "auto")
+                       or sequence_parallel.shards() > 1)
+        if cfg.position == "alibi":
+            bias = (positions_lib.alibi_bias_fn if as_function else positions_lib.alibi_bias)(
+                positions, kv_positions, cfg.num_heads)
+        elif cfg.position == "t5":
+            bias = positions_lib.T5RelativePositionBias(
+                cfg.num_heads, bidirectional=self.bidirectional, num_buckets=cfg.t5_num_buckets,
+                max_distance=cfg.t5_max_distance, param_dtype=cfg.param_dtype,
+                dtype=jnp.promote_types(cfg.dtype, jnp.float32),
+                name="relative_position_bias")(positions, kv_positions, as_function=as_function)
+        if cfg.embedding_norm:
+            x_BTD = norm_layer(cfg, "embedding_norm")(x_BTD)
+        x_BTD = nn.Dropout(cfg.dropout_rate)(x_BTD, deterministic=deterministic)
+        x_BTD = sharding.constrain(x_BTD, sharding.ACTIVATIONS)
+
+        block = TransformerBlock
+        if cfg.remat_policy != "none":
+            block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy],
+                             prevent_cse=not cfg.scan_layers)
+        args = (mask, bias, positions, encoded, cross_mask,
+                mask if local_mask is None else local_mask)
+        kwargs = dict(cross_attention=self.cross_attention, deterministic=deterministic,
+                      decode=decode)
+        moe = cfg.moe
+        if cfg.scan_layers:
+            groups = cfg.num_layers // cfg.layer_period
+            if self._pipelined(decode):
+                x_BTD = self._pipeline(block, kwargs, x_BTD, args, deterministic)
+            else:
+                x_BTD, _ = _scanned(cfg, block, groups, kwargs, name="layers")(x_BTD, *args)
+        else:
+            for i in range(cfg.num_layers):
+                x_BTD = block(cfg, name=f"layers_{i}", moe_layer=moe.is_moe_layer(i),
+                              local=cfg.is_local_layer(i), **kwargs)(x_BTD, *args)
+        if cfg.norm_placement != "post":
+            x_BTD = norm_layer(cfg, "final_norm")(x_BTD)
+        return x_BTD
+
+    def _pipelined(self, decode: bool) -> bool:
+        """Whether the scanned blocks run as a pipeline: under a mesh with `stage` > 1, when
+        applied (init lays the params out as the plain scan does), not decoding, and for a
+        stack without cross-attention (the families `configs.validate_config` accepts)."""
+        return (pipeline_parallel.stages_in_mesh() > 1 and not self.is_initializing() and not decode
+                and not self.cross_attention)
+
+    def _pipeline(self, block, kwargs, x_BTD, args, deterministic):
+        """The scanned blocks over the `stage` axis (`pipeline_parallel.run`), on the params the
+        plain scan declares (`layers`, leading axis the layer groups). MoE layers' auxiliary
+        losses come back averaged over microbatches and sown once per quantity."""
+        cfg = self.config
+        if cfg.position in ("alibi", "t5"):
+            raise ValueError(f"position={cfg.position!r}: the pipeline (mesh.stage > 1) "
+                             "expected positions without an attention bias (not alibi or t5)")
+        microbatches, repeats = pipeline_parallel.current_schedule()
+        stages = pipeline_parallel.stages_in_mesh()
+        groups = cfg.num_layers // cfg.layer_period
+        unit = _scanned(cfg, block, groups // (stages * repeats), kwargs, parent=None)
+
+        def stage_fn(params, x_bTD, stage_args, key):
+            (y_bTD, _), state = unit.apply({"params": params}, x_bTD, *stage_args,
+                                           rngs={} if key is None else {"dropout": key},
+                                           mutable=["losses"])
+            return y_bTD, moe_aux(state.get("losses", {}))
+
+        rng = None if deterministic or not (cfg.dropout_rate or cfg.attention_dropout_rate) \
+            else self.make_rng("dropout")
+        x_BTD, aux = pipeline_parallel.run(
+            stage_fn, self.variables["params"]["layers"], x_BTD, args, stages=stages,
+            microbatches=microbatches, repeats=repeats, rng=rng,
+            remat_policy=REMAT_POLICIES[cfg.remat_policy])
+        for name, value in aux.items():
+            self.sow("losses", f"moe_{name}", value)
+        return x_BTD

@@ -1,0 +1,546 @@
+"""Accelerator attention kernels behind one name: dense, chunked, splash (TPU), cudnn (GPU).
+
+Every implementation computes what `attention.dot_product_attention` computes: query [B, T, N, H],
+key / value [B, S, K, H] (GQA / MQA when K < N), a `masks.Mask` spec, output [B, T, N, H], and a
+query row with no allowed key returns zeros.
+
+`select(impl, ...)` resolves a name from `IMPLS` (raising a one-line ValueError when an explicit
+choice cannot run the inputs); "auto" picks the first row that applies:
+
+    platform   condition                                           impl
+    --------   -------------------------------------------------   ---------
+    tpu        splash supports the inputs and the mask lowers       "splash"
+               without a dense per-example mask (not PrefixLM)
+    gpu        cudnn supports the inputs                            "cudnn"
+    any        kv_len >= chunk_threshold and no dropout              "chunked"
+    any        otherwise                                            "dense"
+
+    splash   no bias, no dropout, q_len and kv_len multiples of 128, platform tpu (or interpret),
+             one device or a mesh in context (then the kernel runs per device in shard_map)
+    cudnn    no bias, no dropout, no logit soft-cap, head_dim <= 128 and a multiple of 8,
+             fp16 / bf16, platform gpu
+    chunked  no dropout
+    dense    everything (on CPU in query blocks that skip the keys a Mask never allows)
+
+Mask lowering for splash: static masks (Full, Causal, SlidingWindow, ChunkedCausal, And/Or of
+them) become splash's lazy masks; Segment and Padding become `SegmentIds` (and-ed with the static
+part in the kernel); any other per-example mask (PrefixLM, Or with a per-example part, a dense
+boolean array) goes through splash's dynamic-mask path, which materialises a boolean
+[N, T, S] mask per example and is therefore never chosen by "auto". For cuDNN see
+`cudnn_arguments`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from transformer.nn.chunked_attention import check_qkv
+from transformer.nn.masks import (
+    And,
+    Causal,
+    ChunkedCausal,
+    Full,
+    Mask,
+    Or,
+    Padding,
+    Segment,
+    SlidingWindow,
+    as_dense,
+)
+from transformer.parallel import sharding
+
+Array = jax.Array
+
+IMPLS = ("auto", "dense", "chunked", "splash", "cudnn")
+
+# Splash's key blocks, and its query blocks when segment ids are used, are multiples of 128; this
+# module asks both sequence lengths to be multiples of it.
+_LANES = 128
+_CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
+
+
+# -----------------------------------------------------------------------------
+# Selection
+
+
+def target_platform() -> str:
+    """The platform ("cpu" / "gpu" / "tpu") of the devices the computation being traced is for.
+
+    Under a mesh (`jax.set_mesh`) that is the mesh's devices, which for `launch.aot` are the TPU
+    topology's even on a CPU host; otherwise the default backend.
+    """
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = getattr(device, "platform", None)
+    return platform or jax.default_backend()
+
+
+_selected: list[list[str]] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Collects the implementation `select` resolves for each attention traced inside.
+
+    >>> with recording() as chosen:
+    ...     _ = select("auto", platform="cpu", mask=None, bias=None, dropout=0.0, q_len=8,
+    ...                kv_len=8, head_dim=16)
+    >>> chosen
+    ['dense']
+    """
+    chosen: list[str] = []
+    _selected.append(chosen)
+    try:
+        yield chosen
+    finally:
+        _selected.remove(chosen)
+
+
+def _splash_lowering(mask) -> str:
+    """How splash takes `mask`: "static", "segments" (static part + SegmentIds) or "dense"."""
+    if mask is None or (isinstance(mask, Mask) and mask.is_static):
+        return "static"
+    if not isinstance(mask, Mask):
+        return "dense"  # a boolean array
+    parts = mask.parts if isinstance(mask, And) else (mask,)
+    dynamic = [p for p in parts if not p.is_static]
+    segments = [p for p in dynamic if isinstance(p, Segment)]
+    if len(segments) <= 1 and all(isinstance(p, Segment | Padding) for p in dynamic):
+        return "segments"
+    return "dense"
+
+
+def _reason(impl, *, mask, bias, dropout, q_len, kv_len, head_dim, platform, interpret=False,
+            dtype=None, devices=1, softcap=0.0) -> str | None:
+    """Why `impl` cannot run these inputs (None: it can)."""
+    if impl not in IMPLS:
+        return f"is not one of {IMPLS}"
+    if impl in ("auto", "dense"):
+        return None
+    if dropout:
+        return f"has no attention dropout (dropout={dropout})"
+    if impl == "chunked":
+        return None
+    if bias is not None:
+        return "takes no bias (ALiBi / T5)"
+    if impl == "splash":
+        if platform != "tpu" and not interpret:
+            return f"needs platform tpu (got {platform}); pass interpret=True to emulate it"
+        if q_len % _LANES or kv_len % _LANES:
+            return f"needs q_len and kv_len multiples of {_LANES} (got {q_len}, {kv_len})"
+        if devices > 1:
+            return (f"spans {devices} devices without a mesh to shard_map over; set one with "
+                    "jax.set_mesh")
+        return None
+    # cudnn
+    if softcap:
+        return f"has no logit soft-cap (attention_softcap={softcap})"
+    if platform != "gpu":
+        return f"needs platform gpu (got {platform})"
+    if head_dim > 128 or head_dim % 8:
+        return f"needs head_dim <= 128 and a multiple of 8 (got {head_dim})"
+    if dtype is not None and jnp.dtype(dtype) not in [jnp.dtype(d) for d in _CUDNN_DTYPES]:
+        return f"needs float16 or bfloat16 inputs (got {jnp.dtype(dtype).name})"
+    return None
+
+
+def supports(impl: str, *, mask: Mask | Array | None, bias: Any, dropout: float, q_len: int,
+             kv_len: int, head_dim: int, platform: str, interpret: bool = False,
+             dtype: Any = None, devices: int = 1, softcap: float = 0.0) -> bool:
+    """Whether `impl` can compute attention for these inputs on `platform` ("cpu"/"gpu"/"tpu").
+
+    `interpret=True`: splash would run in Pallas interpret mode (any platform). `dtype`, when
+    given, is the query dtype (cuDNN takes only float16 / bfloat16). `devices`: how many devices
+    the computation spans outside a mesh (splash shard_maps over a mesh set with `jax.set_mesh`,
+    and cannot split over devices without one). `softcap`: the attention logit soft-cap
+    (cuDNN has none).
+    """
+    return _reason(impl, mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
+                   head_dim=head_dim, platform=platform, interpret=interpret, dtype=dtype,
+                   devices=devices, softcap=softcap) is None
+
+
+def select(impl: str, *, platform: str, mask: Mask | Array | None, bias: Any, dropout: float,
+           q_len: int, kv_len: int, head_dim: int, chunk_threshold: int = 2048,
+           interpret: bool = False, dtype: Any = None, devices: int = 1,
+           softcap: float = 0.0) -> str:
+    """Resolves `impl` (one of `IMPLS`) to a concrete implementation name (see module docstring).
+
+    An explicit impl that cannot run the inputs raises ValueError naming it and the reason.
+    """
+    args = dict(mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
+                head_dim=head_dim, platform=platform, interpret=interpret, dtype=dtype,
+                devices=devices, softcap=softcap)
+    if impl != "auto":
+        reason = _reason(impl, **args)
+        if reason is not None:
+            fallback = "'dense'" if dropout else "'chunked' or 'dense'"
+            raise ValueError(f"impl={impl!r} {reason}; use impl={fallback} or 'auto'")
+    elif platform == "tpu" and supports("splash", **args) and _splash_lowering(mask) != "dense":
+        impl = "splash"
+    elif platform == "gpu" and supports("cudnn", **args):
+        impl = "cudnn"
+    elif kv_len >= chunk_threshold and not dropout:
+        impl = "chunked"
+    else:
+        impl = "dense"
+    record(impl)
+    return impl
+
+
+def record(kernel: str) -> None:
+    """Notes `kernel` in every open `recording()` (MoE layers note their dispatch path too, as
+    "moe dispatch: ...")."""
+    for chosen in _selected:
+        chosen.append(kernel)
+
+
+def split_moe(chosen) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(attention kernels, MoE dispatch paths) of a `recording()`, each sorted and distinct.
+
+    >>> split_moe(["dense", "moe dispatch: ragged", "dense"])
+    (('dense',), ('moe dispatch: ragged',))
+    """
+    moe = {c for c in chosen or () if c.startswith("moe dispatch")}
+    return tuple(sorted(set(chosen or ()) - moe)), tuple(sorted(moe))
+
+
+# -----------------------------------------------------------------------------
+# Shared helpers
+
+
+def _parts(mask) -> tuple:
+    if mask is None:
+        return ()
+    return mask.parts if isinstance(mask, And) else (mask,)
+
+
+def rows_with_keys(mask, q_len: int, kv_len: int) -> Array | np.ndarray | None:
+    """bool [B or 1, T, N or 1] "this query row has an allowed key", or None if every row has.
+
+    The built-in static masks with q_len <= kv_len always allow the diagonal key, so they need no
+    check. Otherwise this is a reduction of the dense predicate (NumPy at trace time for static
+    masks; for per-example masks an XLA reduction, fused rather than stored).
+    """
+    if mask is None:
+        return None
+    if isinstance(mask, Mask) and mask.is_static:
+        if q_len <= kv_len and _allows_diagonal(mask):
+            return None
+        return _static_dense(mask, q_len, kv_len).any(-1)[None, :, None]
+    return as_dense(mask, q_len, kv_len).any(-1).transpose(0, 2, 1)
+
+
+def _allows_diagonal(mask: Mask) -> bool:
+    """True if the static spec provably allows key q + (kv_len - q_len) for every query q."""
+    if isinstance(mask, And | Or):
+        return all(_allows_diagonal(p) for p in mask.parts)
+    return isinstance(mask, Full | Causal | SlidingWindow | ChunkedCausal)
+
+
+def zero_empty_rows(out_BTNH: Array, rows) -> Array:
+    if rows is None:
+        return out_BTNH
+    return jnp.where(jnp.asarray(rows)[..., None], out_BTNH, 0).astype(out_BTNH.dtype)
+
+
+def _static_dense(mask: Mask, q_len: int, kv_len: int) -> np.ndarray:
+    """A static mask as a NumPy bool [T, S] (evaluated at trace time, never traced)."""
+    allowed = mask._allowed(np.arange(q_len), np.arange(kv_len), q_len, kv_len)
+    return np.broadcast_to(np.asarray(allowed, bool), (1, 1, q_len, kv_len))[0, 0]
+
+
+# -----------------------------------------------------------------------------
+# Splash attention (TPU Pallas kernel)
+
+
+def _splash_mask(mask: Mask | None, q_len: int, kv_len: int, q_order: np.ndarray | None = None):
+    """A static mask spec -> a 2-D splash mask of shape (q_len, kv_len).
+
+    `q_order` [q_len]: row i is query `q_order[i]` of `mask` (a zig-zag query layout under the
+    sequence axis; keys stay in order). Splash's lazy masks take it as their `q_sequence`, the
+    query positions the kernel evaluates the mask at; other masks are built row-permuted.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    shape, offset = (q_len, kv_len), kv_len - q_len  # ours: bottom-right aligned
+    if mask is None or isinstance(mask, Full):
+        return sm.FullMask(shape)
+    if isinstance(mask, Causal):
+        lazy = sm.CausalMask(shape, offset=offset)
+    elif isinstance(mask, SlidingWindow):
+        lazy = sm.LocalMask(shape, (mask.left, mask.right), offset=offset)
+    elif isinstance(mask, ChunkedCausal) and offset == 0:  # splash's has no offset
+        lazy = sm.ChunkedCausalMask(shape, mask.chunk_size)
+    elif isinstance(mask, And | Or):
+        parts = [_splash_mask(p, q_len, kv_len, q_order) for p in mask.parts]
+        result = parts[0]
+        for part in parts[1:]:
+            result = result & part if isinstance(mask, And) else result | part
+        return result
+    else:
+        dense = _static_dense(mask, q_len, kv_len)
+        return sm.NumpyMask(np.ascontiguousarray(dense if q_order is None else dense[q_order]))
+    if q_order is not None:
+        lazy.q_sequence = np.asarray(q_order, np.int32)
+    return lazy
+
+
+def _segment_ids(parts, batch: int, q_len: int, kv_len: int) -> tuple[Array, Array]:
+    """Segment and Padding parts -> int32 ids q [B, T], kv [B, S]; the kernel allows a key iff
+    its id equals the query's.
+
+    Masked keys (segment id 0, past `kv_lengths`) get id 0, which no allowed query has. Masked
+    queries (segment id 0, past `q_lengths`) have no allowed key: their rows are zeroed after
+    the kernel, so their ids do not matter.
+    """
+    q_ids = jnp.ones((batch, q_len), jnp.int32)
+    kv_ids = jnp.ones((batch, kv_len), jnp.int32)
+    for part in parts:
+        if isinstance(part, Segment):
+            seg_q = jnp.asarray(part.q_segment_ids, jnp.int32)
+            seg_kv = seg_q if part.kv_segment_ids is None else jnp.asarray(
+                part.kv_segment_ids, jnp.int32)
+            q_ids = jnp.broadcast_to(seg_q, q_ids.shape)
+            kv_ids = jnp.where(kv_ids != 0, jnp.broadcast_to(seg_kv, kv_ids.shape), 0)
+        elif part.kv_lengths is not None:  # Padding
+            valid = jnp.arange(kv_len)[None] < jnp.asarray(part.kv_lengths)[:, None]
+            kv_ids = jnp.where(valid, kv_ids, 0)
+    return q_ids, kv_ids
+
+
+def _block(length: int, target: int) -> int:
+    """The largest multiple of 128 that divides `length` and is <= max(target, 128)."""
+    block = max(_LANES, target - target % _LANES)
+    while length % block:
+        block -= _LANES
+    return block
+
+
+def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array | None = None,
+                     *, scale: float | None = None, block_size: int = 512,
+                     interpret: bool = False, softcap: float = 0.0) -> Array:
+    """Attention with the Pallas TPU splash kernel; same conventions and result as
+    `dot_product_attention(query, key, value, mask, scale=scale)`.
+
+    Args:
+      query: [B, T, N, H]; key, value: [B, S, K, H], N a multiple of K (K == 1 uses the MQA
+        kernel). T and S must be multiples of 128.
+      mask: a `masks.Mask`, a boolean array broadcastable to [B, N, T, S], or None. See the module
+        docstring for how it is lowered.
+      scale: logit scale (default H ** -0.5); applied to the query before the kernel.
+      block_size: target query / key block (the largest multiple of 128 <= it dividing T / S).
+      interpret: run the kernel in Pallas interpret mode (any backend; slow, for tests).
+      softcap: > 0 soft-caps the scaled logits (splash's `attn_logits_soft_cap`).
+
+    Query rows with no allowed key return zeros (the kernel itself would return an average of
+    masked values or NaN there, so those rows are zeroed explicitly). Differentiable (splash's
+    custom VJP). Under a mesh (`jax.set_mesh`) of more than one device the kernel runs per device
+    in `shard_map`: batch split as the rules table splits "activation_batch", heads as it splits
+    "activation_heads" (kept whole when the KV heads would not split with them), sequence whole.
+    """
+    check_qkv(query, key, value)
+    batch, q_len, num_heads, head_dim = query.shape
+    kv_len, num_kv_heads = key.shape[1], key.shape[2]
+    reason = _reason("splash", mask=mask, bias=None, dropout=0.0, q_len=q_len, kv_len=kv_len,
+                     head_dim=head_dim, platform=target_platform(), interpret=interpret)
+    if reason is not None:
+        raise ValueError(f"splash_attention {reason}")
+    scale = head_dim**-0.5 if scale is None else scale
+    lowering = _splash_lowering(mask)
+    static_mask, extras = None, ()
+    if lowering == "dense":  # per-example boolean [N, T, S] masks through the dynamic path
+        extras = (jnp.broadcast_to(as_dense(mask, q_len, kv_len),
+                                   (batch, num_heads, q_len, kv_len)),)
+    else:
+        static = [p for p in _parts(mask) if p.is_static]
+        dynamic = [p for p in _parts(mask) if not p.is_static]
+        static_mask = None if not static else static[0] if len(static) == 1 else And(
+            tuple(static))
+        if dynamic:
+            extras = _segment_ids(dynamic, batch, q_len, kv_len)
+    local = functools.partial(_splash_local, lowering=lowering, static_mask=static_mask,
+                              scale=scale, block_size=block_size, interpret=interpret,
+                              softcap=softcap)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        out_BTNH = local(query, key, value, *extras)
+    else:
+        b, h, kv_h = _splash_partition(mesh, batch, num_heads, num_kv_heads)
+        qkv_specs = (P(b, None, h, None), P(b, None, kv_h, None), P(b, None, kv_h, None))
+        extra_specs = (P(b, h, None, None),) if lowering == "dense" else (P(b, None),) * len(
+            extras)
+        out_BTNH = jax.shard_map(local, in_specs=qkv_specs + extra_specs,
+                                 out_specs=qkv_specs[0], check_vma=False)(query, key, value,
+                                                                          *extras)
+    return zero_empty_rows(out_BTNH.astype(query.dtype), rows_with_keys(mask, q_len, kv_len))
+
+
+def _splash_partition(mesh, batch: int, num_heads: int, num_kv_heads: int):
+    """Mesh axes of the batch, query-head and KV-head dims of splash's shard_map (None: whole).
+
+    Query heads split only together with their KV heads (or with one shared MQA head), so every
+    device keeps whole GQA groups.
+    """
+    rules = nn.get_logical_axis_rules() or sharding.LOGICAL_AXIS_RULES
+    b = sharding.mesh_spec(P("activation_batch"), (batch,), mesh, rules)[0]
+    h = sharding.mesh_spec(P("activation_heads"), (num_heads,), mesh, rules)[0]
+    if num_kv_heads == 1:
+        return b, h, None
+    if sharding.mesh_spec(P("activation_heads"), (num_kv_heads,), mesh, rules)[0] is None:
+        h = None
+    return b, h, h
+
+
+def splash_kernel(splash_mask, *, num_heads: int, mqa: bool, q_len: int, kv_len: int,
+                  block_size: int, interpret: bool, softcap: float, q_seq_shards: int = 1):
+    """Splash's kernel for `splash_mask` (a 2-D splash mask shared by all heads, or a boolean
+    jax array [N, T, S]) over q_len queries per device (times `q_seq_shards`: the kernel's mask
+    information then covers every device's queries, split by `q_seq_shards` along its query
+    blocks) and kv_len keys."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    bq, bkv = _block(q_len, block_size), _block(kv_len, block_size)
+    blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
+                           block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq,
+                           block_kv_dq=bkv)
+    make = sk.make_splash_mqa if mqa else sk.make_splash_mha
+    dynamic = isinstance(splash_mask, jax.Array)
+    if not dynamic:
+        splash_mask = sm.MultiHeadMask([splash_mask] * num_heads)
+    # The query is scaled before the kernel, so its cap applies to the scaled logits.
+    kernel = make(splash_mask, block_sizes=blocks, head_shards=1, q_seq_shards=q_seq_shards,
+                  interpret=interpret, attn_logits_soft_cap=softcap or None)
+    if dynamic:
+        # The installed splash turns the MaskInfo flag `is_dynamic_mask` into a jnp array,
+        # which is a tracer under jit, and then branches on it in `__call__`
+        # (TracerBoolConversionError). Restore the Python bool it stands for.
+        for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
+            info = getattr(kernel, name)
+            if info is not None:
+                setattr(kernel, name, info._replace(is_dynamic_mask=True))
+    return kernel
+
+
+def splash_run(kernel, query, key, value, segment_ids=(), *, scale: float) -> Array:
+    """`kernel` (from `splash_kernel`) on query [B, T, N, H], key / value [B, S, K, H] (K == 1:
+    an MQA kernel) and optional int32 segment ids (q [B, T], kv [B, S]); out [B, T, N, H]."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    q_BNTH = (query * jnp.asarray(scale, query.dtype)).transpose(0, 2, 1, 3)
+    k_BKSH, v_BKSH = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
+    if kernel.kwargs["is_mqa"]:
+        k_BKSH, v_BKSH = k_BKSH[:, 0], v_BKSH[:, 0]
+    if not segment_ids:
+        out_BNTH = jax.vmap(kernel)(q_BNTH, k_BKSH, v_BKSH)
+    else:
+        out_BNTH = jax.vmap(lambda q, k, v, qs, ks: kernel(
+            q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks)))(q_BNTH, k_BKSH, v_BKSH,
+                                                              *segment_ids)
+    return out_BNTH.transpose(0, 2, 1, 3)
+
+
+def _splash_local(query, key, value, *extras, lowering, static_mask, scale, block_size,
+                  interpret, softcap):
+    """The splash kernel on one device's [B, T, N, H] / [B, S, K, H] shards (and mask inputs)."""
+    _, q_len, num_heads, _ = query.shape
+    kv_len, num_kv_heads = key.shape[1], key.shape[2]
+    make = functools.partial(splash_kernel, num_heads=num_heads, mqa=num_kv_heads == 1,
+                             q_len=q_len, kv_len=kv_len, block_size=block_size,
+                             interpret=interpret, softcap=softcap)
+    if lowering == "dense":  # one kernel per example's [N, T, S] mask
+        return jax.vmap(lambda q, k, v, m: splash_run(make(m), q[None], k[None], v[None],
+                                                      scale=scale)[0])(query, key, value,
+                                                                       *extras)
+    kernel = make(_splash_mask(static_mask, q_len, kv_len))
+    return splash_run(kernel, query, key, value, extras, scale=scale)
+
+
+# -----------------------------------------------------------------------------
+# cuDNN attention (GPU, through jax.nn.dot_product_attention)
+
+
+def cudnn_arguments(mask: Mask | Array | None, q_len: int, kv_len: int) -> dict[str, Any]:
+    """Mask spec -> keyword arguments of `jax.nn.dot_product_attention` (pure, no kernel call).
+
+    Returns `is_causal`, `local_window_size`, `query_seq_lengths`, `key_value_seq_lengths` and
+    `mask` (a dense bool [B, 1, T, S] of whatever is left, or None). Parts of an And map as
+
+      Causal                  -> is_causal=True                      (q_len == kv_len only)
+      SlidingWindow(left, 0)  -> is_causal=True, window (left, 0)   (q_len == kv_len only)
+      Padding                 -> query_seq_lengths / key_value_seq_lengths (int32 [B])
+      Full                    -> nothing
+      anything else           -> the dense `mask` (cuDNN adds it as a bias)
+
+    jax aligns causal masks and windows top-left, ours bottom-right, so they only agree when
+    q_len == kv_len; cuDNN takes a local window only with a causal mask (right == 0).
+    """
+    args = dict(is_causal=False, local_window_size=None, query_seq_lengths=None,
+                key_value_seq_lengths=None, mask=None)
+    if mask is not None and not isinstance(mask, Mask):
+        args["mask"] = as_dense(mask, q_len, kv_len)
+        return args
+    rest, left = [], None
+    square = q_len == kv_len
+    for part in _parts(mask):
+        if isinstance(part, Full):
+            continue
+        if isinstance(part, Causal) and square:
+            args["is_causal"] = True
+        elif isinstance(part, SlidingWindow) and part.right == 0 and square:
+            args["is_causal"] = True
+            if part.left is not None:
+                left = part.left if left is None else min(left, part.left)
+        elif isinstance(part, Padding):
+            for name, lengths in (("query_seq_lengths", part.q_lengths),
+                                  ("key_value_seq_lengths", part.kv_lengths)):
+                if lengths is not None:
+                    lengths = jnp.asarray(lengths, jnp.int32)
+                    prev = args[name]
+                    args[name] = lengths if prev is None else jnp.minimum(prev, lengths)
+        else:
+            rest.append(part)
+    if left is not None:
+        args["local_window_size"] = (left, 0)
+    if rest:
+        args["mask"] = (rest[0] if len(rest) == 1 else And(tuple(rest))).dense(q_len, kv_len)
+    return args
+
+
+def cudnn_attention(query: Array, key: Array, value: Array, mask: Mask | Array | None = None, *,
+                    scale: float | None = None, implementation: str = "cudnn") -> Array:
+    """Attention with cuDNN flash attention via `jax.nn.dot_product_attention`; same conventions
+    and result as `dot_product_attention(query, key, value, mask, scale=scale)`.
+
+    The mask is mapped by `cudnn_arguments`; query rows with no allowed key are zeroed
+    explicitly. cuDNN needs float16 / bfloat16 inputs and head_dim <= 128 (a multiple of 8).
+    `implementation="xla"` runs the same call through XLA (any backend, any dtype), which is how
+    the mapping is tested without a GPU.
+    """
+    check_qkv(query, key, value)
+    batch, q_len, _, head_dim = query.shape
+    kv_len = key.shape[1]
+    if implementation == "cudnn":
+        reason = _reason("cudnn", mask=mask, bias=None, dropout=0.0, q_len=q_len, kv_len=kv_len,
+                         head_dim=head_dim, platform=target_platform(), dtype=query.dtype)
+        if reason is not None:
+            raise ValueError(f"cudnn_attention {reason}")
+    args = cudnn_arguments(mask, q_len, kv_len)
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):  # jax wants exactly [B]
+        if args[name] is not None:
+            args[name] = jnp.broadcast_to(args[name], (batch,))
+    out = jax.nn.dot_product_attention(query, key, value, scale=scale,
+                                       implementation=implementation, **args)
+    return zero_empty_rows(out, rows_with_keys(mask, q_len, kv_len))
+
+
+__all__ = ["IMPLS", "cudnn_arguments", "cudnn_attention", "recording", "rows_with_keys", "select",
+           "splash_attention", "split_moe", "supports", "target_platform", "zero_empty_rows"]

@@ -1,0 +1,260 @@
+"""LoRA and QLoRA: low-rank adapters on a frozen base (`model.lora`).
+
+A targeted projection y = x W becomes y = x W + (alpha / rank) dropout(x) A B, with A
+[*in, rank] (fan-in uniform, as peft's) and B [rank, *out] (zeros: step 0 is the base model).
+A and B are params `NAME_lora_a` / `NAME_lora_b` beside the kernel `NAME`, and take its logical
+axes (A: its input axes and "lora", B: "lora" and its output axes), so they shard as it does.
+`model.lora.targets` is a regex over the kernel's "/"-joined param path (default: attention's
+query/key/value/out, the MLP's wi/wi_gate/wi_up/wo).
+
+Only the adapters train: the optimizer has no state for the rest (`training.optim`), and the
+train step differentiates only the adapters (`trainable`). A run's checkpoints hold the
+adapters and name their base (init_from and `fingerprint`), read again on resume
+(`transformer.training.checkpoint`). QLoRA (`model.lora.base_quantization="int8"`) stores the frozen
+targeted kernels quantized by Qwix (`qwix.quantize`: int8 values, a float scale per output
+channel), kept as plain {"qvalue", "scale"} params, and dequantizes them on the fly
+(`qwix.dequantize`, in `project`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+DEFAULT_TARGETS = r"attention/(query|key|value|out)$|mlp/(wi|wi_gate|wi_up|wo)$"
+ADAPTER = re.compile(r"_lora_[ab]$")  # an adapter param's name
+BASE_QUANTIZATIONS = ("", "int8")  # (int4 params fail optax's p + 0 update: no promotion)
+AXIS = "lora"  # the rank axis's logical name (replicated: sharding.LOGICAL_AXIS_RULES)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 0  # 0: no adapters
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    targets: str = DEFAULT_TARGETS  # regex over kernel param paths
+    dropout: float = 0.0  # on the adapters' input, during training
+    base_quantization: str = ""  # QLoRA: "int8" (Qwix) frozen targeted kernels
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def enabled(config) -> bool:
+    """Whether a run config (or its model group) trains adapters."""
+    lora = getattr(config, "model", config).get("lora")
+    return bool(lora and lora.get("rank"))
+
+
+def is_adapter(name: str) -> bool:
+    return bool(ADAPTER.search(name))
+
+
+def is_quantized(x) -> bool:
+    """Whether a param is a QLoRA kernel: {"qvalue": ints, "scale": floats}."""
+    return isinstance(x, dict) and set(x) == {"qvalue", "scale"}
+
+
+def _dequantized(kernel):
+    import qwix
+
+    if not is_quantized(kernel):
+        return kernel
+    qtype = jnp.dtype(kernel["qvalue"].dtype).name
+    return qwix.dequantize(qwix.QArray(kernel["qvalue"], kernel["scale"], None, qtype))
+
+
+def _quantized(value, qtype: str, channelwise) -> dict:
+    import qwix
+
+    q = qwix.quantize(value, qtype, channelwise_axes=channelwise)
+    return {"qvalue": q.qvalue, "scale": q.scale}
+
+
+def project(module: nn.Module, name: str, x, kernel, names: tuple, contract: int,
+            lora: LoraConfig, dtype, param_dtype, deterministic: bool, matmul):
+    """x times the kernel param `name` (contracting its first `contract` dims; `names` its
+    logical axes), plus `name`'s adapter if `lora` targets it: the one place a projection
+    (attention's q/k/v/out, the MLP's kernels) meets LoRA. A QLoRA base kernel
+    (`is_quantized`) is dequantized first. `matmul`: transformer.nn.attention's."""
+    kernel = _dequantized(kernel)
+    y = matmul(x, kernel, contract, dtype=dtype)
+    path = "/".join((*module.scope.path, name))
+    if not lora.rank or not re.search(lora.targets, path):
+        return y
+    in_shape, out_shape = kernel.shape[:contract], kernel.shape[contract:]
+    # peft's kaiming_uniform(a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform",
+                                              in_axis=tuple(range(contract)), out_axis=-1)
+    a = module.param(f"{name}_lora_a", nn.with_logical_partitioning(
+        a_init, (*names[:contract], AXIS)), (*in_shape, lora.rank), param_dtype)
+    b = module.param(f"{name}_lora_b", nn.with_logical_partitioning(
+        nn.initializers.zeros, (AXIS, *names[contract:])), (lora.rank, *out_shape), param_dtype)
+    if lora.dropout:
+        x = nn.Dropout(lora.dropout)(x, deterministic=deterministic)
+    low = matmul(x, a, contract, dtype=dtype)
+    return y + lora.scale * matmul(low, b, 1, dtype=dtype)
+
+
+def trainable(params) -> tuple[dict, dict]:
+    """(adapters, the rest) of a params tree, each a flat {path tuple: leaf} dict."""
+    flat = traverse_util.flatten_dict(dict(params))
+    adapters = {k: v for k, v in flat.items() if is_adapter(k[-1])}
+    return adapters, {k: v for k, v in flat.items() if k not in adapters}
+
+
+def adapters_only(params):
+    """The params tree of the adapters alone (what a LoRA checkpoint holds)."""
+    return traverse_util.unflatten_dict(trainable(params)[0])
+
+
+def merge(adapters: dict, rest: dict):
+    """The params tree of `trainable`'s two halves."""
+    return traverse_util.unflatten_dict({**rest, **adapters})
+
+
+def value_and_grad(loss_fn, params):
+    """jax.value_and_grad(loss_fn, has_aux=True) over the adapters only: ((loss, aux), grads)
+    with zero gradients for the frozen rest (an int8 QLoRA base cannot be differentiated)."""
+    adapters, rest = trainable(params)
+    frozen = jax.tree.map(jax.lax.stop_gradient, rest)
+    out, grads = jax.value_and_grad(lambda a: loss_fn(merge(a, frozen)), has_aux=True)(adapters)
+    return out, merge(grads, zero_grads(rest))
+
+
+def zero_grads(tree):
+    """Zero gradients shaped as `tree`'s leaves (float32 for QLoRA's int8 values)."""
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype if jnp.issubdtype(
+        p.dtype, jnp.floating) else jnp.float32), tree)
+
+
+def frozen_regex(freeze: str) -> str:
+    """optimizer.freeze extended to every param that is not an adapter."""
+    base = r"^(?!.*_lora_[ab](/|$))"  # ("/": a boxed param's path goes on to its value)
+    return f"(?:{freeze})|{base}" if freeze else base
+
+
+def quantize_base(boxed, lora: LoraConfig):
+    """QLoRA: the boxed params tree (`nn.Partitioned` leaves, as the model's init returns
+    them) with each targeted kernel replaced by its Qwix quantization (a scale per output
+    channel; a layer stack's axis is per-layer), {"qvalue", "scale"}, both with the kernel's
+    logical axes."""
+    if not lora.base_quantization:
+        return boxed
+    adapters = {k[:-1] + (k[-1][:-len("_lora_a")],)
+                for k in traverse_util.flatten_dict(dict(boxed), is_leaf=_is_box)
+                if k[-1].endswith("_lora_a")}
+    flat = traverse_util.flatten_dict(dict(boxed), is_leaf=_is_box)
+    out = {}
+    for key, box in flat.items():
+        if key not in adapters:
+            out[key] = box
+            continue
+        names = box.names
+        reduced = _input_axes(key[-1], names)
+        q = _quantized(box.value, lora.base_quantization,
+                       [i for i in range(len(names)) if i not in reduced])
+        out[key] = {k: box.replace_boxed(v) for k, v in q.items()}
+    return traverse_util.unflatten_dict(out)
+
+
+def quantize_like(value, like, sharding):
+    """`value` (a float kernel) quantized as the QLoRA kernel `like` is (its int type, its
+    scales' axes), laid out by `sharding` (the kernel's {"qvalue", "scale"} shardings)."""
+    qvalue, scale = like["qvalue"], like["scale"]
+    channelwise = [i for i, (q, s) in enumerate(zip(qvalue.shape, scale.shape, strict=True))
+                   if q == s]
+    qtype = jnp.dtype(qvalue.dtype).name
+    fn = lambda v: _quantized(jnp.asarray(v, scale.dtype), qtype, channelwise)
+    return jax.jit(fn, out_shardings=sharding)(value)
+
+
+def _is_box(*args) -> bool:
+    x = args[-1]  # (x) or flatten_dict's (path, x)
+    return isinstance(x, nn.Partitioned)
+
+
+def _input_axes(name: str, names: tuple) -> list[int]:
+    """The contracted dims of kernel `name` with logical axes `names`."""
+    wanted = {"out": ("heads", "kv"), "wo": ("mlp",)}.get(name, ("embed",))
+    return [i for i, n in enumerate(names) if n in wanted]
+
+
+def fingerprint(params) -> str:
+    """A short hash of the base (non-adapter) params: their names, shapes, dtypes and values
+    (read on the host; QLoRA's quantized kernels by their int values and scales)."""
+    digest = hashlib.sha256()
+    _, rest = trainable(params)
+    for key in sorted(rest):
+        for leaf in jax.tree.leaves(rest[key]):
+            value = np.asarray(jax.device_get(leaf))
+            digest.update(f"{'/'.join(key)}:{value.shape}:{value.dtype};".encode())
+            digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def counts(params) -> tuple[int, int]:
+    """(total params, trainable adapter params) of a params tree (arrays or abstract); a QLoRA
+    kernel counts its values (not its scales)."""
+    flat = traverse_util.flatten_dict(dict(params), is_leaf=lambda _, x: is_quantized(x))
+    size = lambda x: int(np.prod((x["qvalue"] if is_quantized(x) else x).shape))
+    return sum(map(size, flat.values())), \
+        sum(size(v) for k, v in flat.items() if is_adapter(k[-1]))
+
+
+def merged_params(params, lora: LoraConfig):
+    """The params with every adapter folded into its kernel, W + (alpha / rank) A B (QLoRA
+    kernels dequantized), and the adapters removed: a plain model's params (export)."""
+    flat = traverse_util.flatten_dict(dict(params), is_leaf=lambda _, x: is_quantized(x))
+    out = {}
+    for key, value in flat.items():
+        if is_adapter(key[-1]):
+            continue
+        kernel = _dequantized(value)
+        a = flat.get(key[:-1] + (f"{key[-1]}_lora_a",))
+        if a is not None:
+            b = flat[key[:-1] + (f"{key[-1]}_lora_b",)]
+            kernel = kernel + lora.scale * _delta(a, b, kernel.shape).astype(kernel.dtype)
+        out[key] = kernel
+    return traverse_util.unflatten_dict(out)
+
+
+def _delta(a, b, shape):
+    """A B as the kernel's shape; a layer stack (a leading axis on both) stays batched."""
+    a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    if a.ndim + b.ndim - 2 > len(shape):
+        return jax.vmap(lambda x, y: _delta(x, y, shape[1:]))(a32, b32)
+    return jnp.tensordot(a32, b32, axes=1).reshape(shape)
+
+
+def device_bytes(tree) -> int:
+    """The bytes of `tree`'s arrays on one device (the first's shards), measured."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and leaf.ndim:
+            device = leaf.addressable_shards[0].device
+            total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+        elif hasattr(leaf, "nbytes"):
+            total += leaf.nbytes
+    return total
+
+
+def summary(config, state) -> str:
+    """The line a LoRA run starts with: its params, total and trainable, and the bytes of its
+    optimizer state and params on one device, measured from the arrays."""
+    from transformer.parallel.sharding import format_bytes
+
+    total, adapters = counts(state.params)
+    group = config.model.lora
+    base = f", base {group.base_quantization}" if group.base_quantization else ""
+    return (f"lora: rank {group.rank}{base}, {total:,} params, {adapters:,} trainable "
+            f"({100 * adapters / total:.2f}%); per device: optimizer state "
+            f"{format_bytes(device_bytes(state.opt_state))}, params "
+            f"{format_bytes(device_bytes(state.params))}")

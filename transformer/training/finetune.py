@@ -1,0 +1,280 @@
+"""Pretrain, then adapt: start a run's params from a pretrained workdir or a Hugging Face
+checkpoint (`config.init_from`). Freezing and re-weighting parameter groups (optimizer.freeze,
+optimizer.head) is the optimizer's: `transformer.training.optim.param_labels`.
+
+    init_from = "runs/bert_mlm"            # the latest checkpoint of a training workdir
+    init_from = "runs/bert_mlm@600"        # a given step
+    init_from = "hf:/models/bert-tiny"     # a save_pretrained directory (GPT-2, BERT, T5)
+
+Params are matched by name ("encoder/layers/mlp/wi"): every param of the new model that the
+source has, with the same shape, is loaded; the others (new heads) keep their fresh init; source
+params the model has no place for (a pretraining head) are dropped. A shape mismatch is an
+error naming the param, and so is a dropped param inside a layer stack (a different depth or
+`scan_layers`), which would otherwise silently train most of the model from scratch. Only
+params are loaded: the optimizer, step and data start fresh. A run that has its own
+checkpoints resumes from them and ignores `init_from`.
+
+With "hf:DIR" the architecture comes from DIR's config.json (`resolve_hf_config`, through the
+converter that maps the weights), and `data.num_sentinels` from its tokenizer (0 but for T5's
+own sentinels): the experiment file gives the family, the head and the training settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Collection
+
+import jax
+import ml_collections
+import numpy as np
+from flax import traverse_util
+
+from transformer.nn import lora
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.utils import fileio
+
+# Model keys a run chooses for itself over an imported checkpoint (its head, regularization,
+# precision and layout); every other model key is the checkpoint's architecture, MoE routing
+# included (an imported MoE keeps its top_k, layout and dropless capacity_factor 0).
+RUN_SETTINGS = frozenset({
+    "family", "head", "num_classes", "dropout_rate", "attention_dropout_rate", "init_std",
+    "dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers", "sequence_parallel",
+    "sequence_load_balance", "image_size", "patch_size", "channels", "pooling",
+    "patch_position", "projection_dim", "moe.load_balance_loss", "moe.router_z_loss",
+    "lora.rank", "lora.alpha", "lora.targets", "lora.dropout", "lora.base_quantization",
+    "quantization", "quantize_head"})
+# A checkpoint of the first family runs as the second (the same modules and params).
+_SAME_PARAMS = {("gpt", "prefix_lm")}
+_EXAMPLES = {"gpt": "gpt_tiny", "bert": "bert_mlm", "t5": "t5_span"}
+
+
+@dataclasses.dataclass
+class LoadReport:
+    source: str
+    loaded: list[str]
+    new: list[str]
+    dropped: list[str]
+
+    def __str__(self) -> str:
+        def names(items):
+            return ", ".join(items[:8]) + (f", ... ({len(items)})" if len(items) > 8 else "")
+
+        return (f"init_from {self.source}: loaded {len(self.loaded)} params; "
+                f"new {len(self.new)}" + (f" ({names(self.new)})" if self.new else "") +
+                f"; dropped {len(self.dropped)}" +
+                (f" ({names(self.dropped)})" if self.dropped else ""))
+
+
+def _flat(tree) -> dict[str, object]:
+    """{"/"-joined name: param}; a QLoRA kernel ({"qvalue", "scale"}) is one param."""
+    return {"/".join(k): v for k, v in traverse_util.flatten_dict(
+        dict(tree), is_leaf=lambda _, x: lora.is_quantized(x)).items()}
+
+
+def _shape(param) -> tuple:
+    return tuple((param["qvalue"] if lora.is_quantized(param) else param).shape)
+
+
+def _hf_convert(directory: str, scan: bool = False):
+    """(Hugging Face config, model config, flat params) of a save_pretrained directory; with
+    `scan`, its layer stacks stacked for a model with scan_layers=True."""
+    import transformers
+    from safetensors.numpy import load_file
+
+    from transformer.hf import convert
+
+    if not os.path.isfile(os.path.join(directory, "model.safetensors")):
+        raise FileNotFoundError(f"init_from=hf:{directory}: expected a save_pretrained directory "
+                                "with config.json and model.safetensors")
+    hf_config = transformers.AutoConfig.from_pretrained(directory)
+    try:
+        model_config, params = convert.from_hf(hf_config, load_file(os.path.join(
+            directory, "model.safetensors")))
+    except ValueError as error:  # what the model cannot represent, naming the setting
+        raise ValueError(f"init_from=hf:{directory}: {error}") from None
+    if scan:
+        params = convert.scan_params(model_config, params)
+    return hf_config, model_config, _flat(params)
+
+
+def _hf_params(directory: str, scan: bool = False) -> dict[str, np.ndarray]:
+    return _hf_convert(directory, scan)[2]
+
+
+def resolve_hf_config(config: ml_collections.ConfigDict,
+                      explicit: Collection[str] = ()) -> ml_collections.ConfigDict:
+    """`config` with `init_from="hf:DIR"` resolved from DIR (any other config is returned as
+    it is): every model key but `RUN_SETTINGS` becomes the value `convert.from_hf` derives
+    from DIR's config.json, and `data.num_sentinels` DIR's tokenizer's own sentinel count (0
+    for BERT, GPT-2, Llama: a pretrained vocabulary has no room for more ids).
+
+    Which values the user chose: `explicit`, the dotted keys set on the command line
+    (`config_flags.get_override_values(FLAGS["config"])`: "model.num_layers", ...). The
+    experiment file's values are defaults, replaced by DIR's; an explicit value that differs
+    from DIR's is refused in one line naming the key. `model.family` always comes from the
+    experiment (it picks the objective and data), so a checkpoint of another family is refused.
+    In-process callers pass the keys they set themselves; with none, DIR's values replace
+    every model key but the run settings. Raises ValueError; reads DIR's files, changes
+    nothing (`config` included).
+    """
+    init_from = config.get("init_from")
+    if not isinstance(init_from, str) or not init_from.startswith("hf:") or \
+            not os.path.isfile(os.path.join(init_from[3:], "config.json")):
+        return config  # not an hf: source, or validate_config says what is missing
+    hf_config, theirs, _ = _hf_convert(init_from[3:])
+    family = config.model.get("family")
+    if family != theirs.family and (theirs.family, family) not in _SAME_PARAMS:
+        kind = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
+        raise ValueError(
+            f"model.family={family!r}: {init_from} is a {kind} ({theirs.family!r} family) "
+            f"checkpoint: expected model.family={theirs.family!r}, e.g. "
+            f"--config=experiments/{_EXAMPLES.get(theirs.family, theirs.family)}.py")
+    resolved = ml_collections.ConfigDict(config.to_dict())
+    ours = _flat_config(config.model)
+    for key, value in _flat_config(theirs).items():
+        if key in RUN_SETTINGS or (key in ours and ours[key] == value):
+            continue
+        if f"model.{key}" in explicit:
+            raise ValueError(f"model.{key}={ours.get(key)!r}: {init_from}'s config.json says "
+                             f"{value!r}")
+        resolved.model.update_from_flattened_dict({key: value})
+    _resolve_sentinels(resolved, init_from, theirs.vocab_size, explicit)
+    return resolved
+
+
+def _flat_config(group: ml_collections.ConfigDict) -> dict[str, object]:
+    return {".".join(k): v for k, v in traverse_util.flatten_dict(group.to_dict()).items()}
+
+
+def _resolve_sentinels(config, init_from: str, vocab_size: int, explicit) -> None:
+    """data.num_sentinels of a run on an imported vocabulary of `vocab_size` ids: its HF
+    tokenizer's own count, unless set explicitly; then it must fit the vocabulary."""
+    from transformer.data import tokenizers
+
+    directory = init_from[3:]
+    path = config.data.get("tokenizer_path") or (
+        directory if os.path.isfile(os.path.join(directory, "tokenizer.json")) else "")
+    if config.data.get("tokenizer") != "hf" or not path:
+        return
+    own = tokenizers.load_hf_tokenizer(path)  # with the sentinels its vocabulary has
+    if "data.num_sentinels" not in explicit:
+        config.data.num_sentinels = own.num_sentinels
+        return
+    wanted, base = config.data.num_sentinels, own.vocab_size - own.num_sentinels
+    if isinstance(wanted, int) and not own.num_sentinels and base + wanted > vocab_size:
+        raise ValueError(
+            f"data.num_sentinels={wanted}: {init_from}'s vocabulary has {vocab_size} ids, "
+            f"{base} of them its tokenizer's, so {base + wanted} would not fit its embedding: "
+            f"expected data.num_sentinels <= {vocab_size - base} (0 for a pretrained vocabulary)")
+
+
+def match(source: dict[str, tuple], target: dict[str, tuple], name: str) -> LoadReport:
+    """Names loaded / new / dropped between flat {name: shape} trees, or a one-line error."""
+    loaded = sorted(set(source) & set(target))
+    for key in loaded:
+        if tuple(source[key]) != tuple(target[key]):
+            raise ValueError(f"init_from {name}: param {key} has shape {tuple(source[key])} "
+                             f"there but {tuple(target[key])} in this model: expected the same "
+                             "architecture (model.* keys) as the source")
+    report = LoadReport(name, loaded, sorted(set(target) - set(source)),
+                        sorted(set(source) - set(target)))
+    in_stack = [k for k in report.dropped + report.new if re.search(r"(^|/)layers", k) and
+                not lora.is_adapter(k)]  # LoRA's adapters are new in every layer
+    if in_stack or not loaded:
+        raise ValueError(f"init_from {name}: " + (
+            f"layer params {in_stack[:4]} are in only one of the source and this model: "
+            "expected the same model.num_layers and model.scan_layers" if in_stack else
+            "no param names in common: expected a checkpoint of the same model family"))
+    return report
+
+
+def load_params(init_from: str, params, shardings) -> tuple[object, LoadReport]:
+    """`params` (a fresh init, laid out by `shardings`) with every matching param replaced by
+    the `init_from` source's value (see the module docstring)."""
+    kind, path, step = fileio.parse_init_from(init_from)
+    target = _flat(params)
+    target_shardings = _flat(shardings)
+    if kind == "hf":
+        scanned = any(re.search(r"(^|/)layers/", k) for k in target)  # scan_layers=True
+        source = _hf_params(path, scanned)
+        report = match({k: np.shape(v) for k, v in source.items()},
+                       {k: _shape(v) for k, v in target.items()}, init_from)
+        values = {k: _as_target(np.asarray(source[k]), target[k], target_shardings[k])
+                  for k in report.loaded}
+    else:
+        step, metadata = checkpoint_lib.params_metadata(path, step)
+        report = match({k: m.shape for k, m in metadata.items()},
+                       {k: _shape(v) for k, v in target.items()}, f"{path}@{step}")
+        wanted = {tuple(k.split("/")): jax.ShapeDtypeStruct(
+            metadata[k].shape, metadata[k].dtype,
+            sharding=target_shardings[k]["qvalue"] if lora.is_quantized(target_shardings[k])
+            else target_shardings[k])
+            for k in report.loaded}
+        restored = checkpoint_lib.read_params(path, step, traverse_util.unflatten_dict(wanted))
+        values = {k: _as_target(v, target[k], target_shardings[k])
+                  for k, v in _flat(restored).items()}
+    merged = {k: values.get(k, v) for k, v in target.items()}
+    out = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in merged.items()})
+    return type(params)(out) if not isinstance(params, dict) else out, report
+
+
+def _as_target(value, target, sharding):
+    """A source param as the target's dtype and layout; QLoRA's quantized base kernels are
+    quantized as the target's (lora.quantize_like)."""
+    if lora.is_quantized(target):
+        return lora.quantize_like(value, target, sharding)
+    if isinstance(value, np.ndarray):
+        return jax.device_put(np.asarray(value, target.dtype), sharding)
+    return value.astype(target.dtype)
+
+
+def with_lora_base(config: ml_collections.ConfigDict, adapters, abstract_params, shardings,
+                   record: dict):
+    """A LoRA checkpoint's params: its `adapters` and the base read again from
+    config.init_from, whose fingerprint must be `record`'s (`checkpoint.Manager.lora_base`);
+    a different base is a one-line error."""
+    target = {**lora.trainable(abstract_params)[1], **lora.trainable(adapters)[0]}
+    params, _ = load_params(config.init_from, traverse_util.unflatten_dict(target), shardings)
+    missing = [k for k, v in _flat(params).items()
+               if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(v))]
+    if missing:
+        raise ValueError(f"init_from {config.init_from}: has no param {missing[0]}, which the "
+                         "LoRA checkpoint's base had: expected the base it was trained on")
+    found = lora.fingerprint(params)
+    if found != record["fingerprint"]:
+        raise ValueError(
+            f"LoRA checkpoint step {record.get('step')}: its adapters were trained on base "
+            f"{record['init_from']} (fingerprint {record['fingerprint']}), but init_from="
+            f"{config.init_from} now holds other params (fingerprint {found}): expected the "
+            "same base (pin a workdir's step with init_from=DIR@STEP)")
+    return params
+
+
+def resumed(config: ml_collections.ConfigDict, state, abstract, shardings, manager):
+    """A resumed train state (None: none saved); a LoRA run's with its base (`with_lora_base`)."""
+    if state is None or not lora.enabled(config):
+        return state
+    return state.replace(params=with_lora_base(config, state.params, abstract.params,
+                                               shardings.params, manager.lora_base))
+
+
+def restore_params(workdir: str, step: int | None = None, mesh=None,
+                   or_newer: bool = False) -> checkpoint_lib.SavedParams:
+    """`checkpoint.restore_params`, with a LoRA run's base read again (`with_lora_base`): the
+    params evaluation, generation and export read."""
+    from transformer.models import build_model
+    from transformer.parallel import sharding
+    from transformer.training import state as state_lib
+
+    saved = checkpoint_lib.restore_params(workdir, step, mesh, or_newer)
+    if not lora.enabled(saved.config):
+        return saved
+    record = checkpoint_lib.saved_lora_base(workdir, saved.step)
+    where = sharding.make_mesh(saved.config.mesh) if mesh is None else mesh
+    abstract, shardings, _ = state_lib.initial_state(saved.config,
+                                                     build_model(saved.config.model), where)
+    params = with_lora_base(saved.config, saved.params, abstract.params, shardings.params,
+                            record)
+    return saved._replace(params=params)

@@ -1,0 +1,253 @@
+"""What a run reports: the metrics logger (JSONL, TensorBoard, progress lines) and the FLOPs
+and MFU accounting (model FLOPs per token, the peak they are measured against, and hardware
+FLOPs with rematerialisation)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+import time
+
+import jax
+
+from transformer.models import family_of
+from transformer.utils import fileio
+
+# Dense (no sparsity) peak FLOP/s per chip, (device_kind prefix, bfloat16, float32 compute),
+# first match wins. TPU: Google Cloud's TPU system-architecture pages (v4, v5e, v5p, v6e); a
+# float32 matmul runs on the MXU at the bf16 rate under JAX's default precision. NVIDIA: the
+# A100 / H100 / H200 datasheets, bf16 Tensor Core and, for float32, TF32 Tensor Core, which
+# XLA uses for float32 matmuls by default.
+PEAK_FLOPS = (
+    ("TPU v4", 275e12, 275e12),
+    ("TPU v5 lite", 197e12, 197e12),  # v5e
+    ("TPU v5e", 197e12, 197e12),
+    ("TPU v5", 459e12, 459e12),  # v5p reports "TPU v5" (or "TPU v5p")
+    ("TPU v6", 918e12, 918e12),  # v6e / Trillium ("TPU v6 lite")
+    ("NVIDIA A100", 312e12, 156e12),
+    ("NVIDIA H100 PCIe", 756e12, 378e12),
+    ("NVIDIA H100", 989e12, 494e12),  # SXM
+    ("NVIDIA H200", 989e12, 494e12),
+)
+# Where `measured_cpu_peak` caches; TRANSFORMER_CPU_PEAK_CACHE moves it (the test suite uses a
+# temporary file: a peak measured while the tests load every core is far below the machine's).
+CPU_PEAK_CACHE = os.environ.get("TRANSFORMER_CPU_PEAK_CACHE") or os.path.join(
+    os.path.expanduser("~"), ".cache", "transformer", "cpu_peak.json")
+
+
+def matmul_params(config, num_params: int) -> int:
+    """The params that multiply activations: all of them but the tables only looked up (learned
+    positions, and the token embedding when the output head is separate)."""
+    m = config.model
+    lookups = m.max_len * m.d_model if m.get("position") == "learned" else 0
+    if not m.get("tie_embeddings", True):
+        lookups += m.vocab_size * m.d_model
+    return num_params - lookups
+
+
+def flops_per_token(config, num_params: int) -> float:
+    """Model FLOPs per trained token, the PaLM / nanoGPT convention: 6 N (N = matmul params,
+    forward + backward) + 12 L D T for the attention scores and values (D = heads x head_dim,
+    T = seq_len). For a mixture of experts pass its active params (`state.active_params`):
+    the experts a token skips, and routing work such as the dispatch einsums, are not useful
+    FLOPs. Causal attention is *not* halved (MaxText halves it), so numbers compare with
+    nanoGPT's `estimate_mfu`. An encoder-decoder counts its decoder's self- and cross-attention
+    layers too."""
+    m = config.model
+    attention = 0
+    if family_of(config).attention:
+        width = m.num_heads * (m.get("head_dim") or m.d_model // m.num_heads)
+        layers = m.num_layers
+        if m.family == "t5":
+            layers += 2 * (m.get("num_decoder_layers") or m.num_layers)
+        attention = 12 * layers * width * config.seq_len
+    return 6 * matmul_params(config, num_params) + attention
+
+
+def hardware_flops_per_token(config, num_params: int) -> float:
+    """FLOPs the hardware runs per token: the model FLOPs plus the forward pass that full
+    rematerialisation recomputes (2 N + a third of the attention); the "dots" policies save the
+    matmul outputs, so they recompute no matmuls."""
+    model = flops_per_token(config, num_params)
+    if config.model.get("remat_policy") != "full":
+        return model
+    attention = model - 6 * matmul_params(config, num_params)
+    return model + 2 * matmul_params(config, num_params) + attention / 3
+
+
+def _host_id() -> str:
+    model = ""
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), "")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model or platform.processor()} | {cores} cores | jax {jax.__version__}"
+
+
+def measured_cpu_peak(size: int = 2048, repeats: int = 5,
+                      cache: str | None = CPU_PEAK_CACHE) -> float:
+    """The best FLOP/s this host's CPU has shown on a float32 [size, size] matmul (compiled and
+    warmed up, best of `repeats` timings), `cpu_peak`'s first value."""
+    return cpu_peak(size, repeats, cache)[0]
+
+
+def cpu_peak(size: int = 2048, repeats: int = 5,
+             cache: str | None = CPU_PEAK_CACHE) -> tuple[float, float]:
+    """(the best matmul FLOP/s seen on this host, this call's measurement). Measured at every
+    call, fully (`repeats` timings) the first time and cheaply (2) once a value is cached per
+    CPU model, core count and jax version; the cache keeps the best. A measurement taken while
+    the machine was busy reads low and is then outdone, never kept as the peak."""
+    key = _host_id()
+    entries, cached = {}, 0.0
+    if cache and os.path.isfile(cache):
+        try:
+            with open(cache) as f:
+                entries = json.load(f)
+            cached = float(entries.get(key) or 0.0)
+        except (OSError, ValueError):
+            entries = {}
+    cpu = jax.local_devices(backend="cpu")[0]
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (size, size)), cpu)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    best = float("inf")
+    for _ in range(2 if cached else repeats):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    now = 2 * size**3 / best
+    if cache and now > cached:
+        try:
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            fileio.write_atomic(cache, json.dumps({**entries, key: now}, indent=1))
+        except (OSError, ValueError):
+            pass  # an unwritable home: measure again next time
+    return max(now, cached), now
+
+
+def peak_flops(config, devices=None) -> tuple[float | None, str]:
+    """(peak FLOP/s per device, where it comes from) for MFU; (None, why) where there is no
+    honest figure. `config.peak_flops_per_device` > 0 wins; accelerators use `PEAK_FLOPS` by
+    device_kind and compute dtype; CPU devices share the host's measured peak."""
+    if configured := config.get("peak_flops_per_device", 0.0):
+        return float(configured), "config.peak_flops_per_device"
+    devices = devices or jax.devices()
+    device = devices[0]
+    if device.platform == "cpu":
+        local = sum(d.process_index == device.process_index for d in devices)
+        host, now = cpu_peak()
+        return host / local, (f"measured: best float32 2048x2048 matmul seen on this host, "
+                              f"{host / 1e9:.0f} GFLOP/s (this start: {now / 1e9:.0f}) shared "
+                              f"by {local} CPU device(s)")
+    bf16 = config.model.get("dtype") == "bfloat16"
+    for prefix, bf16_peak, float32_peak in PEAK_FLOPS:
+        if device.device_kind.startswith(prefix):
+            return (bf16_peak if bf16 else float32_peak,
+                    f"published {'bf16' if bf16 else 'float32'} dense peak of "
+                    f"{device.device_kind}")
+    return None, (f"no published peak for device_kind {device.device_kind!r}: set "
+                  "peak_flops_per_device for MFU")
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def keep_records_up_to(path: str, step: int) -> list[str]:
+    """Drops the metrics a killed run logged after its last checkpoint (they are trained and
+    logged again on resume) and any line it left half-written; rewrites the file atomically
+    and returns the kept lines."""
+    if not fileio.path(path).exists():
+        return []
+    kept = []
+    for line in fileio.path(path).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    fileio.write_atomic(path, "".join(kept))
+    return kept
+
+
+class MetricsLogger:
+    """Metrics to JSONL + TensorBoard (process 0), progress lines to the terminal.
+
+    Every record carries `elapsed`: seconds of this run so far, summed over resumes (the time
+    a killed run spent after its last checkpoint is dropped with its records). `sink` (W&B:
+    transformer.training.wandb_logging.Sink) gets every record too, and the summary at `finish`.
+    """
+
+    sink = None
+
+    def __init__(self, workdir: str, enabled: bool, start_step: int = 0):
+        self.enabled = enabled
+        self.interactive = sys.stdout.isatty()
+        self.prefix = ""  # before every printed line ("seed 1: ": transformer.batched)
+        self.start = time.perf_counter()
+        self.elapsed_before = 0.0
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self.path = fileio.join(workdir, "metrics.jsonl")
+            lines = keep_records_up_to(self.path, start_step)
+            if lines:
+                self.elapsed_before = json.loads(lines[-1]).get("elapsed", 0.0)
+            # Object stores cannot append: a remote file is kept in memory and rewritten whole
+            # at each record; a local one is appended to.
+            remote = fileio.is_remote(self.path)
+            self.lines = lines if remote else None
+            self.jsonl = None if remote else open(self.path, "a")  # noqa: SIM115
+            self.tensorboard = SummaryWriter(fileio.join(workdir, "tensorboard"))
+            # It warns at every NaN scalar; the run itself stops at the first one, in one line.
+            logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.start
+
+    def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        line = json.dumps({"step": step, "split": split, **metrics,
+                           "elapsed": self.elapsed()}) + "\n"
+        if self.jsonl is None:
+            self.lines.append(line)
+            fileio.write_atomic(self.path, "".join(self.lines))
+        else:
+            self.jsonl.write(line)
+            self.jsonl.flush()
+        for name, value in metrics.items():
+            if isinstance(value, int | float):  # e.g. not new_data's list of changes
+                self.tensorboard.add_scalar(f"{split}/{name}", value, step)
+        self.tensorboard.flush()
+        if self.sink is not None:
+            self.sink.log(step, split, metrics)
+
+    def print(self, line: str, transient: bool = False) -> None:
+        if not self.enabled:
+            return
+        line = self.prefix + line
+        if self.interactive and transient:
+            print("\r" + line.ljust(120), end="", flush=True)
+        else:
+            print(("\r" if self.interactive else "") + line, flush=True)
+
+    def close(self):
+        if self.enabled:
+            if self.jsonl is not None:
+                self.jsonl.close()
+            self.tensorboard.close()
+
+    def finish(self, summary: dict | None) -> None:
+        """Ends the sink's run after close: with the run's summary, or as failed (None)."""
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            if summary is not None:
+                sink.summary(summary)
+            sink.finish(exit_code=0 if summary is not None else 1)

@@ -1,0 +1,299 @@
+"""The optimizer: learning-rate schedules, the optimizers (all optax's) with clipping, and
+fine-tuning's parameter groups (frozen params, a head at its own learning rate).
+
+optimizer.name picks the update rule (`make_optimizer`): adamw (the default), adafactor, lion,
+muon, sgd or schedule_free_adamw. Schedule-free training evaluates, samples and exports other
+params than it trains (`eval_params`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from optax import contrib
+
+from transformer.nn import lora as lora_lib
+
+# optimizer.decay after the warmup
+DECAYS = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # optimizer.decay_shape: WSD's final decay
+NAMES = ("adamw", "adafactor", "lion", "muon", "sgd", "schedule_free_adamw")
+
+
+def learning_rate_schedule(opt: ml_collections.ConfigDict, steps: int,
+                           peak: float | None = None) -> optax.Schedule:
+    """Linear warmup to `peak` (default optimizer.learning_rate), then cosine or linear decay to
+    min_learning_rate_ratio of it, constant, WSD (`_wsd`) or inverse square root (`_inverse_sqrt`).
+    The schedule takes the update's 0-based count (step - 1)."""
+    peak = opt.learning_rate if peak is None else peak
+    warmup = min(opt.warmup_steps, steps)
+    end = peak * opt.min_learning_rate_ratio
+    if opt.decay == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, peak, max(warmup, 1),
+                                                  max(steps, warmup + 1), end)
+    if opt.decay == "linear":
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, max(warmup, 1)),
+                                     optax.linear_schedule(peak, end, max(steps - warmup, 1))],
+                                    [warmup])
+    if opt.decay == "constant":
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, max(warmup, 1)),
+                                     optax.constant_schedule(peak)], [warmup])
+    if opt.decay == "wsd":
+        return _wsd(opt, steps, warmup, peak, end)
+    if opt.decay == "inverse_sqrt":
+        return _inverse_sqrt(warmup, peak)
+    raise ValueError(f"optimizer.decay={opt.decay!r}: expected one of {DECAYS}")
+
+
+def _wsd(opt, steps: int, warmup: int, peak: float, end: float) -> optax.Schedule:
+    """Warmup-stable-decay: the linear warmup, `peak` until the last optimizer.decay_fraction of
+    the steps (rounded; never before the warmup ends), then down to `end` over them, shaped
+    linear, cosine or 1-sqrt: end + (peak - end) * f(p), p the decay's progress in [0, 1),
+    f(p) = 1 - p, (1 + cos(pi p)) / 2 or 1 - sqrt(p). The decay starts at steps - its length,
+    so a run resumed with larger `steps` stays at the peak longer and decays at its new end."""
+    start = max(steps - round(opt.decay_fraction * steps), warmup)
+    length = max(steps - start, 1)
+    shape = opt.get("decay_shape", "linear")
+    if shape == "linear":
+        decay = optax.linear_schedule(peak, end, length)
+    elif shape == "cosine":
+        decay = optax.cosine_decay_schedule(peak, length, end / peak)
+    elif shape == "1-sqrt":
+        decay = lambda t: end + (peak - end) * (1 - jnp.sqrt(jnp.clip(t / length, 0.0, 1.0)))
+    else:
+        raise ValueError(f"optimizer.decay_shape={shape!r}: expected one of {DECAY_SHAPES}")
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, max(warmup, 1)),
+                                 optax.constant_schedule(peak), decay], [warmup, start])
+
+
+def _inverse_sqrt(warmup: int, peak: float) -> optax.Schedule:
+    """Vaswani's and T5's: the linear warmup to `peak` at step `warmup`, then
+    peak * sqrt(warmup / step). warmup_steps=0 has no ramp: peak / sqrt(max(step, 1)) (the
+    first update, step 0, at the peak)."""
+    w = float(max(warmup, 1))
+
+    def schedule(count):
+        t = jnp.asarray(count, jnp.float32)
+        decayed = peak * jnp.sqrt(w / jnp.maximum(t, w))
+        return jnp.where(t < warmup, peak * t / w, decayed)
+
+    return schedule
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """optimizer.name's update rule (`update_rule`) at the warmup + decay schedule, after
+    global-norm clipping (optimizer.grad_clip_norm; 0: no clipping).
+
+    Fine-tuning groups (`param_labels`): params matching the regex optimizer.freeze
+    never change (their gradients are zeroed before clipping), and those matching
+    optimizer.head train at optimizer.head_learning_rate (0: the same rate). Under muP
+    (model.parametrization="mup") the hidden matrices (`muon_dimension_numbers`' matrices:
+    q/k/v, attention out, the MLPs' and experts' kernels) form groups of their own at those
+    rates / m (`mup_multiplier`); embeddings, the output head, norms and biases keep them.
+    Under nonfinite="skip", optax.apply_if_finite wraps it all.
+    """
+    opt = config.optimizer
+    clip = optax.clip_by_global_norm(opt.grad_clip_norm) if opt.grad_clip_norm else \
+        optax.identity()
+    freeze, head = opt.get("freeze", ""), opt.get("head", "")
+    if lora_lib.enabled(config):  # only the adapters train: no optimizer state for the rest
+        freeze = lora_lib.frozen_regex(freeze)
+    m = mup_multiplier(config)
+    if freeze or head or m != 1.0:
+        hidden = muon_dimension_numbers(config) if m != 1.0 else None
+        labels = lambda params: param_labels(params, freeze, head, hidden)
+        frozen = lambda params: jax.tree.map(lambda label: label == "frozen", labels(params))
+        rates = {"backbone": opt.learning_rate,
+                 "head": opt.get("head_learning_rate", 0.0) or opt.learning_rate}
+        groups = {"frozen": optax.set_to_zero(),
+                  **{name: update_rule(config, rate) for name, rate in rates.items()}}
+        if m != 1.0:
+            groups.update({f"{name}/hidden": update_rule(config, rate / m)
+                           for name, rate in rates.items()})
+        tx = optax.chain(optax.masked(optax.set_to_zero(), frozen), clip,
+                         optax.multi_transform(groups, labels))
+    else:
+        tx = optax.chain(clip, update_rule(config, opt.learning_rate))
+    if config.get("nonfinite", "stop") == "skip":
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=config.max_nonfinite_skips)
+    return tx
+
+
+def _decay_mask(params):
+    """Weight decay for matrices, not vectors (norm scales, biases)."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def update_rule(config: ml_collections.ConfigDict, peak: float) -> optax.GradientTransformation:
+    """optimizer.name's optax transformation, at `learning_rate_schedule` to `peak`:
+
+    - adamw: optax.adamw (b1, b2, weight_decay on matrices).
+    - adafactor: optax.adafactor with the optimizer.adafactor_* keys: factored second moments
+      of every param with two dims >= adafactor_min_dim_size_to_factor, decay_rate, update
+      clipping_threshold (0: off), multiply_by_parameter_scale (the learning rate is relative
+      to each param's RMS), momentum (0: none); weight_decay on matrices.
+    - lion: optax.lion (b1, b2, weight_decay on matrices).
+    - muon: `muon` (hidden matrices) beside adamw (everything else).
+    - sgd: optax.sgd (momentum, 0: none; nesterov) after optax.add_decayed_weights (L2,
+      weight_decay on matrices, carried by the momentum as in PyTorch's SGD).
+    - schedule_free_adamw: optax.contrib.schedule_free_adamw at a constant `peak` after the
+      warmup (optimizer.decay must be "constant"), b1, b2, weight_decay on every param.
+    """
+    opt = config.optimizer
+    name = opt.get("name", "adamw")
+    schedule = learning_rate_schedule(opt, config.steps, peak)
+    if name == "adamw":
+        return optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
+                           mask=_decay_mask)
+    if name == "adafactor":
+        return optax.adafactor(
+            schedule, min_dim_size_to_factor=opt.adafactor_min_dim_size_to_factor,
+            decay_rate=opt.adafactor_decay_rate,
+            multiply_by_parameter_scale=opt.adafactor_parameter_scale,
+            clipping_threshold=opt.adafactor_clipping_threshold or None,
+            momentum=opt.adafactor_momentum or None,
+            weight_decay_rate=opt.weight_decay or None, weight_decay_mask=_decay_mask)
+    if name == "lion":
+        return optax.lion(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
+                          mask=_decay_mask)
+    if name == "muon":
+        return muon(config, schedule)
+    if name == "sgd":
+        return optax.chain(optax.add_decayed_weights(opt.weight_decay, _decay_mask),
+                           optax.sgd(schedule, momentum=opt.momentum or None,
+                                     nesterov=opt.nesterov))
+    if name == "schedule_free_adamw":
+        return contrib.schedule_free_adamw(peak, min(opt.warmup_steps, config.steps) or None,
+                                           b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay)
+    raise ValueError(f"optimizer.name={name!r}: expected one of {NAMES}")
+
+
+def muon(config: ml_collections.ConfigDict, schedule: optax.Schedule
+         ) -> optax.GradientTransformation:
+    """Muon on the hidden matrices, AdamW (`schedule`, as optimizer.name="adamw") on the rest.
+
+    optax.contrib.muon (Newton-Schulz orthogonalized Nesterov momentum, optimizer.muon_momentum,
+    weight_decay) at optimizer.muon_learning_rate's schedule takes the params that
+    `muon_dimension_numbers` reshapes to matrices; embeddings, the output and classifier
+    heads, norms and biases take optax.adamw.
+    """
+    opt = config.optimizer
+    dims = muon_dimension_numbers(config)
+    orthogonal = contrib.muon(learning_rate_schedule(opt, config.steps, opt.muon_learning_rate),
+                              beta=opt.muon_momentum, weight_decay=opt.weight_decay,
+                              nesterov=True, muon_weight_dimension_numbers=dims)
+    adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
+                        mask=_decay_mask)
+    return optax.multi_transform({"muon": orthogonal, "adamw": adamw},
+                                 lambda params: muon_labels(dims, params))
+
+
+_IS_DIMS = lambda x: x is None or isinstance(x, contrib.MuonDimensionNumbers)
+BATCH_AXES = ("layers", "expert")  # stacked matrices: each orthogonalized on its own
+RESIDUAL_AXES = ("embed", "expert_embed")
+HIDDEN_AXES = RESIDUAL_AXES + ("mlp", "heads", "kv_heads", "kv")
+
+
+def muon_labels(dims, params):
+    """"muon" for each param with dimension numbers, "adamw" for the others (`params` may be
+    boxed, or hold optax.MaskedNode in another group's places)."""
+    return jax.tree.map(lambda d, p: jax.tree.map(lambda _: "adamw" if d is None else "muon", p),
+                        dims, params, is_leaf=_IS_DIMS)
+
+
+def muon_dimension_numbers(config: ml_collections.ConfigDict):
+    """The params' tree of optax.contrib.MuonDimensionNumbers (None: AdamW), by each param's
+    logical axes (the model's abstract init): a kernel whose axes, less the stacking axes
+    `BATCH_AXES` (a scanned stack's leading `layers`, MoE's `expert`: Muon orthogonalizes each
+    layer's, each expert's matrix apart), are two or more `HIDDEN_AXES` is a matrix
+
+    - reading the residual stream, its first axis embed: rows embed, columns the rest, so
+      q/k/v [embed, heads, kv] are [embed, heads * kv] and the MLP's wi [embed, mlp] stays;
+    - or writing it, its last axis embed: rows the rest, so attention's out
+      [heads, kv, embed] is [heads * kv, embed] and wo [mlp, embed] stays.
+
+    Everything else is AdamW's: embeddings and the output head (a vocab axis), classifier
+    heads (classes), learned positions (length), biases and norm scales (one hidden axis), the
+    MoE router (an unnamed axis).
+    """
+    import flax.linen as nn
+
+    from transformer.models import build_model, family_of
+    from transformer.training.state import example_batch
+
+    shaped = ml_collections.ConfigDict(config.to_dict())
+    shaped.model.vocab_size = shaped.model.vocab_size or 8  # the names do not depend on sizes
+    if "num_classes" in shaped.model:
+        shaped.model.num_classes = shaped.model.num_classes or 1
+    model, args = build_model(shaped.model), family_of(shaped).init_args(example_batch(shaped))
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), *args)["params"])
+    is_box = lambda x: isinstance(x, nn.Partitioned)
+    return jax.tree.map(lambda p: _muon_axes(p.names) if is_box(p) else None, boxed,
+                        is_leaf=is_box)
+
+
+def _muon_axes(names) -> contrib.MuonDimensionNumbers | None:
+    matrix = [i for i, name in enumerate(names) if name not in BATCH_AXES]
+    if len(matrix) < 2 or any(names[i] not in HIDDEN_AXES for i in matrix):
+        return None
+    if names[matrix[0]] in RESIDUAL_AXES:
+        return contrib.MuonDimensionNumbers(tuple(matrix[:1]), tuple(matrix[1:]))
+    if names[matrix[-1]] in RESIDUAL_AXES:
+        return contrib.MuonDimensionNumbers(tuple(matrix[:-1]), tuple(matrix[-1:]))
+    return None
+
+
+def eval_params(state, config: ml_collections.ConfigDict):
+    """The params to evaluate, sample from and export: `state.params`, except under
+    schedule_free_adamw, whose train state holds the gradients' point y and whose evaluation
+    point is x = (y - (1 - b1) z) / b1 (optax.contrib.schedule_free_eval_params, with each
+    group's z: a frozen param stays). run_eval.evaluate_split (validation and test during training
+    and at its end) and the samples after training call it; checkpoint.read_params applies it to
+    a saved schedule-free run for every command reading one (evaluate, generate, export,
+    visualize, harness, fine-tuning's init_from)."""
+    if config.optimizer.get("name", "adamw") != "schedule_free_adamw" or \
+            state.opt_state is None:
+        return state.params
+    is_free = lambda x: isinstance(x, contrib.ScheduleFreeState)
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+    params = state.params
+    for free in [s for s in jax.tree.leaves(state.opt_state, is_leaf=is_free) if is_free(s)]:
+        z = jax.tree.map(lambda z, p: p if masked(z) else z, free.z, params, is_leaf=masked)
+        evaluated = contrib.schedule_free_eval_params(free._replace(z=z), params)
+        params = jax.tree.map(lambda z, e, p: p if masked(z) else e, free.z, evaluated, params,
+                              is_leaf=masked)
+    return params
+
+
+def mup_multiplier(config: ml_collections.ConfigDict) -> float:
+    """muP's width multiplier m = d_model / model.mup_base_width (1: standard, or no base)."""
+    model = config.model
+    if model.get("parametrization", "standard") != "mup" or not model.get("mup_base_width"):
+        return 1.0
+    return model.d_model / model.mup_base_width
+
+
+def param_labels(params, freeze: str, head: str, hidden=None):
+    """Each param's optimizer group by its "/"-joined name: "frozen" if it matches the regex
+    `freeze`, else "head" if it matches `head`, else "backbone" (empty regexes match nothing);
+    with `hidden` (a tree of muon_dimension_numbers), "/hidden" added for its matrices.
+
+    >>> param_labels({"encoder": {"w": 0}, "classifier": {"w": 0}}, "^encoder/", "^classifier/")
+    {'classifier': {'w': 'head'}, 'encoder': {'w': 'frozen'}}
+    """
+    def label(path, _):
+        name = "/".join(getattr(k, "key", str(k)) for k in path)
+        if freeze and re.search(freeze, name):
+            return "frozen"
+        return "head" if head and re.search(head, name) else "backbone"
+
+    labels = jax.tree_util.tree_map_with_path(label, params)
+    if hidden is None:
+        return labels
+    return jax.tree.map(lambda d, group: jax.tree.map(
+        lambda g: g if d is None or g == "frozen" else f"{g}/hidden", group),
+        hidden, labels, is_leaf=_IS_DIMS)

@@ -1,0 +1,141 @@
+"""How a run lays its arrays and steps out on the devices: the mesh placement of states and
+batches, the XLA compiler options of the jitted steps, and the multi-process helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from transformer.data import pipeline
+from transformer.parallel import pipeline_parallel, sharding
+from transformer.utils import hostmem
+
+# XLA:CPU defaults for the jitted steps, measured side by side with
+# benchmarks/train_throughput.py on 2-core AVX-512 machines: with float32 compute, XLA's own
+# (Eigen) dots beat its YNNPACK dot fusions at transformer shapes (GPT 6/6/384 train step 1.11x
+# faster). Lower-precision compute keeps YNNPACK, which uses the CPU's bfloat16 dot instructions.
+CPU_FLOAT32_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# CPU steps under glibc malloc: scratch memory in heaps glibc keeps between steps (hostmem's
+# docstring). Under jemalloc, which keeps the one block anyway, the cap cost 20-35 ms of an
+# 850 ms GPT 6/6/384 step.
+GLIBC_CPU_OPTIONS = {"xla_multiheap_size_constraint_per_heap": hostmem.SCRATCH_HEAP_BYTES}
+
+
+def compiler_options(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> dict:
+    """XLA options for the jitted steps: the CPU defaults (on a CPU mesh, GLIBC_CPU_OPTIONS
+    under glibc malloc and CPU_FLOAT32_OPTIONS with float32 compute), then
+    config.compiler_options (any XLA option, e.g. {"xla_cpu_multi_thread_eigen": False})."""
+    defaults = {}
+    if mesh.devices.flat[0].platform == "cpu":
+        if hostmem.allocator() == "glibc":
+            defaults |= GLIBC_CPU_OPTIONS
+        if config.model.get("dtype") == "float32":
+            defaults |= CPU_FLOAT32_OPTIONS
+        defaults = _accepted(tuple(defaults.items()))
+    return {**defaults, **user_compiler_options(config)}
+
+
+def user_compiler_options(config: ml_collections.ConfigDict) -> dict:
+    user = dict(config.get("compiler_options") or {})
+    if user and (error := _rejection(tuple(sorted(user.items())))):
+        raise ValueError(f"compiler_options={user}: XLA rejects them ({error})")
+    return user
+
+
+@functools.cache
+def _rejection(options: tuple) -> str | None:
+    """Why XLA rejects `options` (compiling a one-op function with them), or None."""
+    try:
+        jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options=dict(options))
+    except Exception as e:  # noqa: BLE001 (XLA raises its own runtime error types)
+        return str(e).splitlines()[0]
+    return None
+
+
+def _accepted(options: tuple) -> dict:
+    """`options` if this XLA knows them, else none (with a warning): defaults must not break a
+    newer jaxlib that renamed an experimental flag."""
+    if error := _rejection(options):
+        print(f"warning: XLA rejects the default CPU options {dict(options)} ({error}); "
+              "compiling without them", file=sys.stderr)
+        return {}
+    return dict(options)
+
+
+class Placement:
+    """How a run lays out its arrays on the mesh: state shardings from the logical rules, batch
+    rows over the data-parallel axes, and which global batch rows this process feeds.
+
+    `compiler_options`: XLA options for the jitted steps (see `compiler_options`).
+    `schedule`: (microbatches, repeats) of the pipeline over a `stage` axis (see
+    `transformer.parallel.pipeline_parallel`)."""
+
+    def __init__(self, mesh: jax.sharding.Mesh, batch_size: int,
+                 compiler_options: dict | None = None, schedule: tuple[int, int] = (1, 1)):
+        self.mesh = mesh
+        self.schedule = schedule
+        self.batch_size = batch_size
+        self.compiler_options = dict(compiler_options or {})
+        self.batch_sharding = sharding.batch_sharding(mesh)
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.rows = pipeline.process_rows(self.batch_sharding, batch_size)
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict, devices=None) -> Placement:
+        """The placement of `config`: its mesh over all (or the given) devices, its batch size
+        and options."""
+        mesh = sharding.make_mesh(config.mesh, devices)
+        group = config.get("pipeline") or {}
+        schedule = (group.get("microbatches", 1), group.get("repeats", 1))
+        return cls(mesh, config.batch_size, compiler_options(config, mesh), schedule)
+
+    def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return pipeline.make_global_batch(local_batch, self.batch_sharding, self.rows,
+                                          batch_size=self.batch_size)
+
+    def jit_train_step(self, train_step, state_sharding):
+        """The jitted (state, global batch) -> (state, metrics); the input state is donated."""
+        return jax.jit(train_step, donate_argnums=0,
+                       in_shardings=(state_sharding, self.batch_sharding),
+                       out_shardings=(state_sharding, self.replicated),
+                       compiler_options=self.compiler_options)
+
+    def jit_eval_step(self, eval_step, params_sharding):
+        return jax.jit(eval_step, in_shardings=(params_sharding, self.batch_sharding),
+                       out_shardings=self.replicated, compiler_options=self.compiler_options)
+
+    @contextlib.contextmanager
+    def context(self):
+        """The mesh, logical rules and pipeline schedule the model is traced under."""
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
+                pipeline_parallel.schedule(*self.schedule):
+            yield
+
+
+def fetch(tree):
+    """Host copies of replicated arrays (also when they span processes)."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+
+def sync(name: str) -> None:
+    """All processes wait here (a no-op with one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"transformer.train.{name}")
+
+
+def agreed(flag: bool) -> bool:
+    """Whether any process raised `flag`: every process must stop (and save) at the same step.
+
+    Costs a tiny all-gather per call on multi-process runs; free on one process.
+    """
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.array(flag))))

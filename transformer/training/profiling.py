@@ -1,0 +1,59 @@
+"""Profiler traces of chosen training steps (config.profile).
+
+`profile.num_steps` > 0 traces steps `start_step` .. `start_step + num_steps - 1` (step 1 is the
+one that compiles) with `jax.profiler` into WORKDIR/profile/ (plugins/profile/<time>/
+<host>.xplane.pb), which XProf or TensorBoard's profile plugin opens; each step is marked with a
+`StepTraceAnnotation`, so their step view splits it by step. On a multi-host run, process 0
+traces, or every host with `profile.all_hosts` (each host writes its own file). A run resumed
+past the window traces nothing; one resumed inside it traces the steps still to come.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+from transformer.utils import fileio
+
+
+class Tracer:
+    """Starts the trace before the window's first step and stops it after its last (or when
+    the training ends first: `close`)."""
+
+    def __init__(self, config, workdir: str):
+        profile = config.get("profile") or {}
+        self.first = profile.get("start_step", 1)
+        self.last = self.first + profile.get("num_steps", 0) - 1
+        self.enabled = self.last >= self.first and (jax.process_index() == 0 or
+                                                    profile.get("all_hosts", False))
+        self.directory = fileio.join(workdir, "profile")
+        self.tracing = False
+
+    @contextlib.contextmanager
+    def step(self, run):
+        """Around the train step that makes run.step + 1: traced when it is in the window."""
+        step = run.step + 1
+        if not self.enabled or not self.first <= step <= self.last:
+            yield
+            return
+        if not self.tracing:
+            jax.profiler.start_trace(self.directory)
+            self.tracing, self.began = True, step
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            yield
+        if step == self.last:
+            self.close(run, step)
+
+    def close(self, run, step: int | None = None) -> None:
+        """Stops the trace, once the traced steps have run, and says where it is."""
+        if not self.tracing:
+            return
+        self.tracing = False
+        try:
+            jax.block_until_ready(run.state)
+        finally:
+            jax.profiler.stop_trace()
+        last = run.step if step is None else step
+        run.logger.print(f"profile: steps {self.began}..{last} traced into {self.directory} "
+                         "(open it with XProf or TensorBoard's profile plugin)")

@@ -1,0 +1,102 @@
+"""A training's progress lines: the train metrics of a step with its speed, MFU and ETA, timed
+over training steps alone (transformer.train.loop decides when), and its summary.json."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+
+from transformer.data import inputs
+from transformer.nn import kernels as kernels_lib
+from transformer.training import goodput, nonfinite, optim
+from transformer.training import metrics as metrics_lib
+from transformer.training import placement as placement_lib
+from transformer.utils import fileio
+
+
+def remaining(step: int, steps: int, every: int) -> int:
+    """How many of steps step+1..steps are multiples of `every` or the last (the steps that
+    evaluate, or save, after `step`)."""
+    return steps // every - step // every + (steps % every != 0 and step < steps)
+
+
+def log_first_step(run, start: float, chosen) -> float:
+    """Records and logs the run's first step (since `start`, its compilation included, and
+    the attention kernels and MoE dispatch paths `chosen` while it traced); returns when it
+    ended."""
+    now = time.perf_counter()
+    run.first_step_seconds = now - start
+    run.goodput.compiled(now)
+    kernels, moe = kernels_lib.split_moe(chosen)
+    attention = f", attention {'/'.join(kernels)}" if kernels else ""
+    attention += "".join(f", {path}" for path in moe)  # e.g. "moe dispatch: ragged"
+    run.logger.print(f"step {run.step}: the first step (compilation included{attention}) took "
+                     f"{run.first_step_seconds:.1f} s")
+    return now
+
+
+def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float],
+              peak: float | None, pauses: dict[str, list[float]],
+              now: float | None = None) -> float:
+    """Logs the train metrics of the current step, timed against `since` (time, step): the
+    training steps since then, nothing else ran in between. Returns the time it finished at.
+    A window of no steps (the log falls on the first step, whose compile is not training
+    speed) logs no speed. The ETA adds the evaluations and saves still to come, each at the
+    time the latest one took (`pauses`: their seconds; the first evaluation also compiles).
+    `now`: when the timed steps ended (default: after fetching the metrics)."""
+    config, step = run.config, run.step
+    metrics = placement_lib.fetch(metrics)
+    nonfinite.check(run.state, config, step, run.manager)
+    now = time.perf_counter() if now is None else now
+    lr = float(optim.learning_rate_schedule(config.optimizer, config.steps)(step - 1))
+    record = {k: float(v) for k, v in metrics.items()}
+    record["learning_rate"] = lr
+    speed = ""
+    if step > since[1]:
+        seconds = (now - since[0]) / (step - since[1])
+        tokens_per_s = config.batch_size * config.seq_len / seconds
+        record.update(step_time=seconds, tokens_per_s=tokens_per_s)
+        if peak:  # model and hardware FLOPs utilisation against the run's named peak
+            record["mfu"] = tokens_per_s * flops[0] / (peak * len(jax.devices()))
+            if flops[1] != flops[0]:
+                record["hfu"] = tokens_per_s * flops[1] / (peak * len(jax.devices()))
+        eta = (config.steps - step) * seconds + sum(
+            remaining(step, config.steps, every) * pauses[kind][-1]
+            for kind, every in (("eval", config.eval_every), ("save", config.checkpoint_every))
+            if pauses[kind])
+        mfu = f"MFU {record['mfu']:.0%} " if "mfu" in record else ""
+        speed = (f"{seconds * 1e3:,.0f} ms/step {tokens_per_s:,.0f} tok/s {mfu}"
+                 f"ETA {metrics_lib.format_eta(eta)}")
+    if run.mixture is not None:  # rows read from each source so far, in closed form
+        batches = run.train_data.get_state().get("next_index", step)  # the stream's position
+        counts = run.mixture.counts(batches * config.batch_size)
+        for name, rows in zip(inputs.source_configs(config), counts, strict=True):
+            record[f"tokens/{name}"] = int(rows) * config.seq_len
+    run.logger.write(step, "train", record)
+    run.goodput.heartbeat(step)
+    run.logger.print(f"step {step}/{config.steps} loss {record['loss']:.4f} "
+                     f"acc {record['accuracy']:.3f} lr {lr:.2e} "
+                     f"gnorm {record['grad_norm']:.2f} "
+                     + (f"moe balance {record['moe_load_balance']:.2f} dropped "
+                        f"{record['moe_dropped']:.1%} " if "moe_dropped" in record else "")
+                     + speed, transient=True)
+    run.last_metrics = record
+    return time.perf_counter()  # the next window starts after this log's own host work
+
+
+def summarize(run, wall_seconds: float) -> dict:
+    """Writes the run's summary.json (its last metrics, size and times); returns
+    train.train_and_evaluate's result."""
+    summary = {"step": run.step, "wall_seconds": wall_seconds,
+               "elapsed": run.logger.elapsed(), "num_params": run.num_params,
+               "active_params": run.active_params,
+               "first_step_seconds": run.first_step_seconds, **run.last_metrics,
+               "goodput": run.goodput.close(run.step)}
+    run.logger.print(goodput.line(summary["goodput"]))
+    if jax.process_index() == 0:
+        fileio.write_atomic(fileio.join(run.workdir, "summary.json"),
+                            json.dumps(summary, indent=2))
+    return {"summary": summary, "state": run.state, "model": run.model,
+            "tokenizer": run.tokenizer, "config": run.config}

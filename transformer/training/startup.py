@@ -1,0 +1,155 @@
+"""Before a training's first step: its tokenizer and task, and the checks that stop a run whose
+workdir or data cannot work (transformer.train.setup calls them before anything is written)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import ml_collections
+
+from transformer.data import inputs
+from transformer.models import family_of
+from transformer.nn import lora
+from transformer.parallel import pipeline_parallel
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import evaluation, finetune
+from transformer.training import placement as placement_lib
+from transformer.utils import fileio
+
+
+def resolve(config: ml_collections.ConfigDict, workdir: str | None):
+    """(tokenizer, task): the tokenizer (the one saved in `workdir`, if given) and the labeled
+    task, with the vocabulary size and a classifier's classes filled into `config` from them."""
+    tokenizer = inputs.get_tokenizer(config, workdir)
+    if not config.model.vocab_size:
+        config.model.vocab_size = tokenizer.vocab_size
+    elif config.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size={config.model.vocab_size}: expected >= the "
+                         f"tokenizer's {tokenizer.vocab_size} ({tokenizer.num_sentinels} of them "
+                         "sentinels: data.num_sentinels)")
+    inputs.check_token_shards(config, tokenizer)
+    task = inputs.labeled_task(config)  # labeled tasks hold out a test split (end of run)
+    if task is not None and family_of(config).classifier(config.model) and \
+            not config.model.num_classes:
+        config.model.num_classes = len(task.labels)
+    return tokenizer, task
+
+
+class Finished(Exception):
+    """The workdir's run already reached config.steps: there is nothing to train."""
+
+
+def finished_result(config: ml_collections.ConfigDict, workdir: str, done: Finished) -> dict:
+    """What train_and_evaluate returns for a finished run (`done` says so, on process 0): its
+    summary.json, and no state."""
+    if jax.process_index() == 0:
+        print(done)
+    summary = json.loads((fileio.path(workdir) / "summary.json").read_text())
+    return {"summary": summary, "state": None, "model": None, "tokenizer": None,
+            "config": config}
+
+
+def announce(run, mesh_summary: str) -> None:
+    """The lines a training's start prints: the run (model, size, batch, steps, workdir), a new
+    data stream (also a `new_data` record), the mesh and shardings, a labeled task's classes."""
+    config, start_step, changes = run.config, run.start_step, run.manager.stream_changes
+    active = ("" if run.active_params == run.num_params else
+              f" ({run.active_params:,} active per token)")
+    run.logger.print(f"{config.experiment}: {config.model.family}, {run.num_params:,} params"
+                     f"{active}, batch {config.batch_size} x {config.seq_len}, "
+                     f"steps {start_step}..{config.steps}, workdir {run.workdir}")
+    if changes:
+        run.logger.print(f"new_data: step {start_step}'s params continue on a new data stream, "
+                         "from its start (" + "; ".join(changes) + ")")
+        run.logger.write(start_step, "new_data", {"changes": changes})
+    if lora.enabled(config):
+        run.logger.print(lora.summary(config, run.state))
+    for change in getattr(run.manager, "compute_changes", ()):
+        run.logger.print(f"changed on resume: {change} (a compute setting; the checkpoint's "
+                         "params are float either way)")
+    run.logger.print(mesh_summary)
+    stages = run.placement.mesh.shape.get(pipeline_parallel.STAGE_AXIS, 1)
+    if schedule := pipeline_parallel.describe(stages, *run.placement.schedule):
+        run.logger.print(schedule)
+    if run.task is not None:
+        run.logger.print(f"task {run.task.name}: {len(run.task.labels)} classes; examples per "
+                         "class:\n" + run.task.balance())
+
+
+def check_workdir(config: ml_collections.ConfigDict, workdir: str,
+                   manager: checkpoint_lib.Manager) -> None:
+    """Before anything is written: the latest checkpoint must match the config (model, data
+    stream) and not be past config.steps."""
+    latest = manager.latest_step()
+    if latest is None:
+        return
+    manager.check(latest)
+    saved_init = manager.saved_config(latest).get("init_from", "")
+    if config.get("init_from", "") != saved_init:  # resuming a fine-tune keeps its init_from
+        raise ValueError(f"init_from={config.init_from!r}: {workdir} already holds checkpoint "
+                         f"{latest} (trained from init_from={saved_init!r}): expected to resume "
+                         "it (drop init_from), fresh_start=True to set it aside and start from "
+                         "init_from, or another workdir")
+    if latest > config.steps:
+        raise ValueError(f"steps={config.steps}: {workdir} already holds step {latest}: expected "
+                         f"steps >= {latest} (or fresh_start=True, or another workdir)")
+
+
+def check_finished(config: ml_collections.ConfigDict, workdir: str, step: int) -> None:
+    """Raises `Finished` when the restored `step` is the last and summary.json says so."""
+    summary = fileio.path(workdir) / "summary.json"
+    if step == config.steps and summary.exists() and \
+            json.loads(summary.read_text()).get("step") == step:
+        raise Finished(f"{workdir} already finished at step {step} (summary.json); nothing "
+                       "to do: raise steps to train further, or set fresh_start=True")
+
+
+def check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> None:
+    """Every split the run evaluates yields at least one batch (at every length it is
+    evaluated at), so a data problem stops the run before its first step, not at its first
+    evaluation."""
+    splits = ["validation"] + (["test"] if inputs.has_test_split(config) else [])
+    lengths = [config.seq_len] + [n for n in config.get("eval_seq_lens") or ()
+                                  if evaluable(config, n)]
+    # A mixture evaluates each source's validation split on its own.
+    mixture = inputs.source_configs(config)
+    for split, one, where in [("validation", c, f"data.sources {name!r}")
+                              for name, c in mixture.items()] or \
+            [(split, config, "data.path") for split in splits]:
+        for seq_len in lengths if split == "validation" else lengths[:1]:
+            at = ml_collections.ConfigDict(one.to_dict())
+            at.seq_len = seq_len
+            iterator = iter(inputs.get_dataset(at, tokenizer, split, num_epochs=1, shuffle=False,
+                                               rows=placement.rows))
+            empty = placement_lib.agreed(next(iterator, None) is None)
+            getattr(iterator, "close", lambda: None)()
+            if empty:
+                entry = "" if seq_len == config.seq_len else " (an eval_seq_lens entry)"
+                raise ValueError(
+                    f"the {split} split yields no batch of {config.batch_size} x "
+                    f"{seq_len}{entry}: expected more {split} text ({where}, "
+                    f"data.validation_fraction={config.data.validation_fraction}) or a smaller "
+                    "batch_size / seq_len")
+
+
+def evaluable(config: ml_collections.ConfigDict, seq_len: int) -> bool:
+    """Whether `run_eval.after_training` evaluates at `seq_len` (it skips lengths the model
+    cannot run at)."""
+    try:
+        evaluation.check_eval_seq_len(config, seq_len)
+    except ValueError:
+        return False
+    return True
+
+
+def fresh_state(config: ml_collections.ConfigDict, init, shardings, is_main: bool):
+    """Step 0's train state: `init` from the seed, with init_from's params loaded over it (the
+    report of what was loaded, new and dropped printed on process 0)."""
+    state = init(jax.random.key(config.seed))
+    if config.get("init_from"):
+        params, report = finetune.load_params(config.init_from, state.params, shardings.params)
+        state = state.replace(params=params)
+        if is_main:
+            print(report)
+    return state

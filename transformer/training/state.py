@@ -1,0 +1,91 @@
+"""The train state, and the one function that lays it out on a mesh (`initial_state`): used by
+training, evaluation, generation, fine-tuning and the TPU AOT compile alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import struct
+
+from transformer.models import family_of
+from transformer.nn import lora as lora_lib
+from transformer.nn import moe as moe_lib
+from transformer.parallel import sharding
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any  # None for a params-only state (evaluation, generation)
+    first_nonfinite_step: jax.Array  # -1 until a step's loss or grads are NaN/Inf
+
+
+def example_batch(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+    """A one-row batch of zeros with the family's model inputs: param shapes do not depend on
+    the data, so this stands in for it when only the params' shapes are needed.
+
+    >>> from transformer.configs import base_config
+    >>> {k: v.shape for k, v in example_batch(base_config()).items()}
+    {'inputs': (1, 8)}
+    """
+    m = config.model
+    return {name: np.zeros((1, m.image_size, m.image_size, m.channels), np.float32)
+            if name == "images" else np.zeros((1, 8), np.int32)
+            for name in family_of(config).inputs}
+
+
+def initial_state(config: ml_collections.ConfigDict, model: nn.Module, mesh: jax.sharding.Mesh,
+                  batch: dict | None = None,
+                  optimizer: optax.GradientTransformation | None = None):
+    """(abstract state, shardings, init) of `config`'s train state laid out on `mesh`.
+
+    `init(jax.random.key(config.seed))` creates the state directly in its shards; the abstract
+    state and shardings serve restoring and ahead-of-time compiles. Params (and the optimizer's
+    moments) are sharded by their logical axis names (`sharding.LOGICAL_AXIS_RULES`). `batch`
+    (default `example_batch(config)`) gives the model's input shapes; without an `optimizer`
+    the state holds no optimizer state.
+    """
+    family = family_of(config)
+    args = family.init_args(example_batch(config) if batch is None else batch)
+
+    def init(rng):
+        params = model.init(rng, *args)["params"]
+        if lora_lib.enabled(config):  # QLoRA: the frozen targeted kernels quantized
+            params = lora_lib.quantize_base(params, model_lora(config))
+        return TrainState(jnp.zeros((), jnp.int32), params,
+                          None if optimizer is None else optimizer.init(params),
+                          jnp.full((), -1, jnp.int32))
+
+    return sharding.sharded_init(init, mesh, jax.random.key(config.seed))
+
+
+def model_lora(config: ml_collections.ConfigDict) -> lora_lib.LoraConfig:
+    return lora_lib.LoraConfig(**config.model.lora.to_dict())
+
+
+def num_params(abstract_state: TrainState) -> int:
+    return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(abstract_state.params))
+
+
+def active_params(abstract_state: TrainState, config: ml_collections.ConfigDict) -> int:
+    """The params a token passes through: all of them less, in each mixture-of-experts layer,
+    the experts it is not routed to (E - top_k of E; the router and shared experts are active).
+    A dense model's active params are all its params."""
+    moe = config.model.get("moe")
+    total = num_params(abstract_state)
+    if not moe or not moe.num_experts:
+        return total
+    inactive = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
+        keys = [getattr(k, "key", None) for k in path]
+        if "moe" in keys[:-1] and keys[-1] in moe_lib.EXPERT_WEIGHTS:
+            inactive += int(np.prod(leaf.shape)) * (moe.num_experts - moe.top_k) \
+                // moe.num_experts
+    return total - inactive

@@ -1,0 +1,110 @@
+"""The pure train step: one optimizer update on a global batch, with gradient accumulation and
+the record of the first non-finite step (transformer.training.nonfinite reads it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from transformer.models import family_of
+from transformer.nn import lora as lora_lib
+from transformer.training.state import TrainState
+
+
+def make_train_step(model, config, optimizer):
+    """(state, batch) -> (state, metrics): one optimizer update on the global batch.
+
+    With optimizer.grad_accumulation_steps = k the batch is split into k micro-batches whose
+    gradients are averaged (weighted by their token counts) before the update. The step's
+    randomness (dropout, ...) is `jax.random.key(config.seed)` folded with the step number.
+    """
+    seeded = make_seeded_train_step(model, config, optimizer)
+
+    def train_step(state, batch):  # named: the jitted step is jit_train_step in a profile
+        return seeded(state, batch, jax.random.key(config.seed))
+
+    return train_step
+
+
+def make_seeded_train_step(model, config, optimizer):
+    """(state, batch, base_rng) -> (state, metrics): `make_train_step`'s step with the seed's
+    key as an argument. It is `update(state, *gradients(state, batch, base_rng))`, with the
+    two halves as attributes: transformer.batched vmaps the first over seeds."""
+    gradients, update = _halves(model, config, optimizer)
+
+    def train_step(state: TrainState, batch, base_rng):
+        return update(state, *gradients(state, batch, base_rng))
+
+    train_step.gradients, train_step.update = gradients, update
+    return train_step
+
+
+def _halves(model, config, optimizer):
+    """The train step's (gradients, update): (state, batch, base_rng) -> (grads, metrics), and
+    (state, grads, metrics) -> (state, metrics)."""
+    accumulation = config.optimizer.grad_accumulation_steps
+    family = family_of(config)
+
+    def grads_of(params, batch, rng):
+        def loss_fn(p):
+            return family.loss_and_metrics(model, config, p, batch, rng, deterministic=False)
+        if lora_lib.enabled(config):  # the adapters' gradients alone
+            (_, metrics), grads = lora_lib.value_and_grad(loss_fn, params)
+        else:
+            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return grads, metrics
+
+    def gradients(state: TrainState, batch, base_rng):
+        rng = jax.random.fold_in(base_rng, state.step)
+        if accumulation == 1:
+            grads, metrics = grads_of(state.params, batch, rng)
+        else:
+            # Micro-batch i takes rows i, i + k, i + 2k, ...: each device keeps its own rows
+            # (a contiguous split would move rows between data-parallel shards).
+            micro = jax.tree.map(
+                lambda x: x.reshape(x.shape[0] // accumulation, accumulation,
+                                    *x.shape[1:]).swapaxes(0, 1), batch)
+
+            def accumulate(carry, inputs):
+                grads_sum, tokens, sums = carry
+                micro_batch, i = inputs
+                grads, m = grads_of(state.params, micro_batch, jax.random.fold_in(rng, i))
+                n = m["num_tokens"]
+                grads_sum = jax.tree.map(lambda a, g: a + g * n, grads_sum, grads)
+                sums = {k: sums[k] + m[k] * n for k in sums}
+                return (grads_sum, tokens + n, sums), None
+
+            # Every metric but the counts is a token-weighted mean over the micro-batches.
+            shapes = jax.eval_shape(grads_of, state.params, jax.tree.map(lambda x: x[0], micro),
+                                    rng)[1]
+            zeros = lora_lib.zero_grads(state.params)
+            sums = {k: 0.0 for k in shapes if k not in ("num_tokens", "perplexity")}
+            (grads_sum, tokens, sums), _ = jax.lax.scan(
+                accumulate, (zeros, 0.0, sums), (micro, jnp.arange(accumulation)))
+            denominator = jnp.maximum(tokens, 1.0)
+            grads = jax.tree.map(lambda g: g / denominator, grads_sum)
+            metrics = {k: v / denominator for k, v in sums.items()}
+            metrics.update(perplexity=jnp.exp(metrics["loss"]), num_tokens=tokens)
+        return grads, metrics
+
+    def update(state: TrainState, grads, metrics):
+        grad_norm = optax.tree.norm(grads)
+        exploded = jnp.asarray(False)
+        if config.get("max_grad_norm", 0.0):
+            exploded = grad_norm > config.max_grad_norm
+            # Under nonfinite="skip", optax.apply_if_finite then skips (and counts) the step.
+            grads = jax.tree.map(lambda g: jnp.where(exploded, jnp.nan, g), grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        params_finite = jax.tree.reduce(
+            jnp.logical_and, jax.tree.map(lambda p: jnp.isfinite(p).all(), params))
+        finite = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & params_finite
+                  & ~exploded)
+        step = state.step + 1  # the number the logs and checkpoints give this step
+        first_bad = jnp.where((state.first_nonfinite_step < 0) & ~finite, step,
+                              state.first_nonfinite_step)
+        metrics = {**metrics, "grad_norm": grad_norm}
+        return TrainState(state.step + 1, params, opt_state, first_bad), metrics
+
+    return gradients, update

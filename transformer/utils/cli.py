@@ -1,0 +1,206 @@
+"""The one way every command line runs: bad input is one line on stderr, not a traceback.
+
+    if __name__ == "__main__":
+        cli.run(main, define_flags)   # instead of absl's app.run(main)
+
+A failure prints `error: <message>` and exits with
+    2  bad usage or config: an unknown flag or key, a bad value, a missing file, a workdir
+       that is not a directory (ValueError, KeyError, TypeError, the file errors, flag errors);
+    1  a runtime failure: NaN loss, a failed write, a failed command (anything else);
+    130 interrupted (Ctrl-C that the command does not handle itself).
+`main` returning an int exits with it. `--verbose` (on every command) shows the traceback.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+USAGE_ERRORS = (ValueError, KeyError, TypeError, FileNotFoundError, NotADirectoryError,
+                FileExistsError, IsADirectoryError)
+INTERRUPTED = 130
+
+
+def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | None = None
+        ) -> None:
+    """absl's app.run(main) with one-line errors and the exit statuses above; never returns.
+
+    `define_flags` runs first, under the same reporting: a config flag with a default file
+    already applies the `--config.KEY=VALUE` overrides when it is defined.
+    """
+    from absl import app, flags
+
+    _cpu_without_accelerators()
+    _keep_freed_memory_on_cpu()
+    verbose = _verbose_requested(sys.argv)
+    try:
+        if "verbose" not in flags.FLAGS:
+            flags.DEFINE_bool("verbose", False, "On an error, show the traceback.")
+        if define_flags is not None:
+            define_flags()
+    except Exception as error:  # noqa: BLE001 - reported as one line
+        if verbose:
+            raise
+        _exit(message(error), 2)
+
+    def parse(argv: list[str]) -> list[str]:
+        try:
+            rest = flags.FLAGS(argv)
+            expand_home(flags.FLAGS)
+            _check_config_files(flags.FLAGS)
+            return rest
+        except Exception as error:  # noqa: BLE001 - every parse failure is bad usage
+            if verbose:
+                raise
+            _exit(message(error), 2)
+
+    def guarded(argv: list[str]) -> Any:
+        try:
+            return main(argv)
+        except KeyboardInterrupt:
+            if flags.FLAGS.verbose:
+                raise
+            failure = ("interrupted", INTERRUPTED)
+        except Exception as error:  # noqa: BLE001 - reported as one line
+            if flags.FLAGS.verbose:
+                raise
+            usage = isinstance(error, (*USAGE_ERRORS, flags.Error, app.UsageError))
+            failure = (message(error), 2 if usage else 1)
+        _exit(*failure)  # outside `except`: main's frames (the traceback's) are freed first
+
+    app.run(guarded, flags_parser=parse)
+
+
+def message(error: BaseException) -> str:
+    """An exception as one line: a missing key as `unknown key 'name'`, an embedded traceback
+    reduced to its last line, the other lines joined to the first.
+
+    >>> message(KeyError("stpes"))
+    "unknown key 'stpes'"
+    >>> message(ValueError("steps=0: bad value\\nexpected a positive int"))
+    'steps=0: bad value; expected a positive int'
+    """
+    args = error.args
+    text = args[0] if len(args) == 1 and isinstance(args[0], str) else str(error)
+    if isinstance(error, (KeyError, AttributeError)):
+        text = _unquote_key(text, bare_is_key=isinstance(error, KeyError))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    if "Traceback (most recent call last):" in lines:
+        lines = [lines[0], lines[-1]]
+    text = lines[0]
+    for line in lines[1:]:
+        if text[-1] in ".:;,?!":
+            text += " " + line
+        else:
+            text += (". " if line[0].isupper() else "; ") + line
+    if type(error).__module__ == "builtins" and not text.startswith("unknown key") and \
+            not isinstance(error, (*USAGE_ERRORS, OSError, RuntimeError, FloatingPointError)):
+        text = f"{type(error).__name__}: {text}"  # e.g. an AttributeError: say what it is
+    return text
+
+
+def _unquote_key(text: str, bare_is_key: bool) -> str:
+    """A KeyError's message is the key's repr, and ConfigDict re-raises that repr (with a
+    "Did you mean" line) as an AttributeError's message: `unknown key 'name'` and the rest."""
+    while re.fullmatch(r"'.*'|\".*\"", text, re.S):
+        try:
+            inner = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            break
+        if not isinstance(inner, str):
+            break
+        text, bare_is_key = inner, True
+    first, newline, rest = text.partition("\n")
+    if re.fullmatch(r"'[^'\s]*'", first):
+        first = f"unknown key {first}"
+    elif bare_is_key and re.fullmatch(r"[^'\"\s]+", first) and not newline:
+        first = f"unknown key {first!r}"
+    return first + newline + rest
+
+
+def _exit(text: str, status: int) -> None:
+    print(f"error: {text}", file=sys.stderr, flush=True)
+    if status == INTERRUPTED:
+        # At once, like the kill it stands for: interpreter shutdown would wait for the
+        # background threads of an interrupted save (Orbax, Grain), which then fail noisily.
+        # What is on disk is safe either way (tests/test_faults.py kills runs with -9).
+        sys.stdout.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
+def _verbose_requested(argv: list[str]) -> bool:
+    """--verbose before any `--`, read by hand: errors can come before the flags are parsed."""
+    args = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+    return any(a in ("--verbose", "--verbose=true", "--verbose=True", "--verbose=1")
+               for a in args)
+
+
+# The commands' path flags: a leading `~` in them is the home directory.
+PATH_FLAGS = ("workdir", "output_dir", "output", "input", "tokenizer_path")
+
+
+def expand_home(flag_values) -> None:
+    """Expands a leading `~` (or `~user`) in the path flags: a shell leaves `--workdir=~/x`
+    as it is (it expands `~` only at a word's start), which would make a directory named `~`.
+    """
+    for name in PATH_FLAGS:
+        if name in flag_values:
+            value = flag_values[name].value
+            if isinstance(value, str) and value.startswith("~"):
+                flag_values[name].value = os.path.expanduser(value)
+
+
+def _check_config_files(flag_values) -> None:
+    """ml_collections defers a config file's load error to its first use, i.e. deep inside
+    main: raise it now, naming the flag."""
+    from ml_collections import config_flags
+
+    for name in flag_values:
+        flag = flag_values[name]
+        if not hasattr(flag, "config_filename") or flag.value is None:
+            continue  # not a DEFINE_config_file flag, or not given
+        try:
+            getattr(flag.value, "to_dict", None)  # a failed load raises on any attribute
+        except OSError as error:
+            cause = str(error.__cause__ or error).strip().splitlines()[-1].strip()
+            cause = re.sub(r"^\[Errno \d+\] ", "", cause)
+            raise FileNotFoundError(f"--{name}={config_flags.get_config_filename(flag)}: "
+                                    f"{cause}") from None
+
+
+def _keep_freed_memory_on_cpu() -> None:
+    """A run on the CPU has glibc keep XLA's freed scratch memory for the next step instead of
+    unmapping it and page-faulting it in again (hostmem.keep_freed_memory)."""
+    from transformer.utils import hostmem
+
+    jax = sys.modules.get("jax")
+    platforms = os.environ.get("JAX_PLATFORMS") if jax is None else jax.config.jax_platforms
+    if platforms == "cpu":
+        hostmem.keep_freed_memory()
+
+
+def _cpu_without_accelerators() -> None:
+    """Use the CPU directly on a machine without TPU or GPU devices.
+
+    With libtpu installed (the tpu extra), JAX tries the TPU backend first; libtpu then looks
+    for a TPU, finds no accelerator type or worker hostnames and prints five lines of warnings
+    (`Failed to find host bounds`, `INVALID_ARGUMENT`) before JAX falls back to the CPU. Where
+    no TPU (/dev/accel*, /dev/vfio) or GPU device exists, the CPU is the only choice anyway, so
+    ask for it and libtpu is never probed. JAX_PLATFORMS, if set, wins.
+    """
+    devices = ("/dev/accel*", "/dev/vfio", "/dev/nvidia*", "/dev/kfd")
+    if os.environ.get("JAX_PLATFORMS") or any(glob.glob(d) for d in devices):
+        return
+    jax = sys.modules.get("jax")
+    if jax is None:
+        os.environ["JAX_PLATFORMS"] = "cpu"  # read when jax is imported
+    elif jax.config.jax_platforms is None:
+        jax.config.update("jax_platforms", "cpu")  # read when the backends start

@@ -1,0 +1,115 @@
+"""Workdir files on a local disk or in a bucket (gs://, through etils.epath), so one run
+directory can be shared by every host of a pod slice.
+
+Object stores have no rename and no append: `write_atomic` writes a temporary file and renames
+it locally (an object write is atomic by itself), and `move` copies then deletes remotely.
+Remote paths need the `tpu` extra (gcsfs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Iterator
+
+from etils import epath
+
+
+def is_remote(path) -> bool:
+    """Whether `path` is a URL ("gs://bucket/run") rather than a local path.
+
+    >>> is_remote("gs://bucket/run"), is_remote("runs/tiny")
+    (True, False)
+    """
+    return "://" in str(path)
+
+
+def path(p) -> epath.Path:
+    """An epath.Path for `p`; local paths are made absolute."""
+    return epath.Path(p if is_remote(p) else os.path.abspath(os.fspath(p)))
+
+
+def join(p, *parts: str) -> str:
+    """`os.path.join` that keeps a URL a URL."""
+    return str(path(p).joinpath(*parts))
+
+
+def write_atomic(p, data: str | bytes) -> None:
+    """Writes a whole file so that readers see the old or the new content, never a part (and
+    a failed write leaves the old one, without a temporary file)."""
+    p = path(p)
+    if is_remote(p):
+        p.write_bytes(data) if isinstance(data, bytes) else p.write_text(data)
+        return
+    tmp = p.with_name(f"{p.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
+        raise
+
+
+@contextlib.contextmanager
+def staged() -> Iterator[Callable[[str], str]]:
+    """Files written under temporary names and given their real ones together at the end.
+
+    Yields `stage(path) -> temp`, the name ("{path}.tmp") to write `path` under. When the block
+    completes every staged file is renamed to its path; if it raises, every staged file is removed,
+    so a failed write never leaves a partial file under a real name. Local paths only.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> with staged() as stage:
+    ...     with open(stage(d + "/a.bin"), "wb") as f:
+    ...         _ = f.write(b"x")
+    ...     os.path.exists(d + "/a.bin")
+    False
+    >>> os.listdir(d)
+    ['a.bin']
+    """
+    moves: list[tuple[str, str]] = []
+
+    def stage(p: str) -> str:
+        moves.append((f"{p}.tmp", p))
+        return moves[-1][0]
+
+    try:
+        yield stage
+        for temp, p in moves:
+            os.replace(temp, p)
+    except BaseException:
+        for temp, _ in moves:
+            if os.path.exists(temp):
+                os.remove(temp)
+        raise
+
+
+def move(src, dst) -> None:
+    """Moves a file or directory tree (remotely: copies every file, then deletes the source)."""
+    src, dst = path(src), path(dst)
+    if not is_remote(src) and not is_remote(dst):
+        shutil.move(os.fspath(src), os.fspath(dst))
+        return
+    files = [src] if src.is_file() else [f for f in src.rglob("*") if f.is_file()]
+    for f in files:
+        target = dst if f == src else dst / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        f.copy(target, overwrite=True)
+    src.rmtree() if src.is_dir() else src.unlink()
+
+
+def parse_init_from(spec: str) -> tuple[str, str, int | None]:
+    """`init_from` -> (kind, path, step): "hf:DIR" is ("hf", DIR, None); "WORKDIR" and
+    "WORKDIR@STEP" are ("workdir", WORKDIR, None or STEP).
+
+    >>> parse_init_from("runs/bert@600"), parse_init_from("hf:/models/bert-base")
+    (('workdir', 'runs/bert', 600), ('hf', '/models/bert-base', None))
+    """
+    if spec.startswith("hf:"):
+        return "hf", spec[3:], None
+    path, at, step = spec.rpartition("@")
+    if at and step.isdigit():
+        return "workdir", path, int(step)
+    return "workdir", spec, None
