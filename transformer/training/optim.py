@@ -9,6 +9,8 @@ params than it trains (`eval_params`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,6 @@ from transformer.nn import lora as lora_lib
 # optimizer.decay after the warmup
 DECAYS = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # optimizer.decay_shape: WSD's final decay
-NAMES = ("adamw", "adafactor", "lion", "muon", "sgd", "schedule_free_adamw")
 
 
 def learning_rate_schedule(opt: ml_collections.ConfigDict, steps: int,
@@ -128,48 +129,83 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def update_rule(config: ml_collections.ConfigDict, peak: float) -> optax.GradientTransformation:
-    """optimizer.name's optax transformation, at `learning_rate_schedule` to `peak`:
+class Optimizer(NamedTuple):
+    """One `optimizer.name`: `build(config, schedule, peak)` gives its optax transformation at
+    `schedule` (the warmup + decay to `peak`). `adam_like`: per-param learning rates scale as
+    Adam's do, which muP's per-group rates assume (configs refuses muP with the others)."""
+    build: Callable[[ml_collections.ConfigDict, optax.Schedule, float],
+                    optax.GradientTransformation]
+    adam_like: bool = False
 
-    - adamw: optax.adamw (b1, b2, weight_decay on matrices).
-    - adafactor: optax.adafactor with the optimizer.adafactor_* keys: factored second moments
-      of every param with two dims >= adafactor_min_dim_size_to_factor, decay_rate, update
-      clipping_threshold (0: off), multiply_by_parameter_scale (the learning rate is relative
-      to each param's RMS), momentum (0: none); weight_decay on matrices.
-    - lion: optax.lion (b1, b2, weight_decay on matrices).
-    - muon: `muon` (hidden matrices) beside adamw (everything else).
-    - sgd: optax.sgd (momentum, 0: none; nesterov) after optax.add_decayed_weights (L2,
-      weight_decay on matrices, carried by the momentum as in PyTorch's SGD).
-    - schedule_free_adamw: optax.contrib.schedule_free_adamw at a constant `peak` after the
-      warmup (optimizer.decay must be "constant"), b1, b2, weight_decay on every param.
-    """
+
+def _adamw(config, schedule, peak):
+    """optax.adamw (b1, b2, weight_decay on matrices)."""
     opt = config.optimizer
-    name = opt.get("name", "adamw")
-    schedule = learning_rate_schedule(opt, config.steps, peak)
-    if name == "adamw":
-        return optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
-                           mask=_decay_mask)
-    if name == "adafactor":
-        return optax.adafactor(
-            schedule, min_dim_size_to_factor=opt.adafactor_min_dim_size_to_factor,
-            decay_rate=opt.adafactor_decay_rate,
-            multiply_by_parameter_scale=opt.adafactor_parameter_scale,
-            clipping_threshold=opt.adafactor_clipping_threshold or None,
-            momentum=opt.adafactor_momentum or None,
-            weight_decay_rate=opt.weight_decay or None, weight_decay_mask=_decay_mask)
-    if name == "lion":
-        return optax.lion(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
-                          mask=_decay_mask)
-    if name == "muon":
-        return muon(config, schedule)
-    if name == "sgd":
-        return optax.chain(optax.add_decayed_weights(opt.weight_decay, _decay_mask),
-                           optax.sgd(schedule, momentum=opt.momentum or None,
-                                     nesterov=opt.nesterov))
-    if name == "schedule_free_adamw":
-        return contrib.schedule_free_adamw(peak, min(opt.warmup_steps, config.steps) or None,
-                                           b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay)
-    raise ValueError(f"optimizer.name={name!r}: expected one of {NAMES}")
+    return optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
+                       mask=_decay_mask)
+
+
+def _adafactor(config, schedule, peak):
+    """optax.adafactor with the optimizer.adafactor_* keys: factored second moments of every
+    param with two dims >= adafactor_min_dim_size_to_factor, decay_rate, update
+    clipping_threshold (0: off), multiply_by_parameter_scale (the learning rate is relative to
+    each param's RMS), momentum (0: none); weight_decay on matrices."""
+    opt = config.optimizer
+    return optax.adafactor(
+        schedule, min_dim_size_to_factor=opt.adafactor_min_dim_size_to_factor,
+        decay_rate=opt.adafactor_decay_rate,
+        multiply_by_parameter_scale=opt.adafactor_parameter_scale,
+        clipping_threshold=opt.adafactor_clipping_threshold or None,
+        momentum=opt.adafactor_momentum or None,
+        weight_decay_rate=opt.weight_decay or None, weight_decay_mask=_decay_mask)
+
+
+def _lion(config, schedule, peak):
+    """optax.lion (b1, b2, weight_decay on matrices)."""
+    opt = config.optimizer
+    return optax.lion(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
+                      mask=_decay_mask)
+
+
+def _sgd(config, schedule, peak):
+    """optax.sgd (momentum, 0: none; nesterov) after optax.add_decayed_weights (L2,
+    weight_decay on matrices, carried by the momentum as in PyTorch's SGD)."""
+    opt = config.optimizer
+    return optax.chain(optax.add_decayed_weights(opt.weight_decay, _decay_mask),
+                       optax.sgd(schedule, momentum=opt.momentum or None,
+                                 nesterov=opt.nesterov))
+
+
+def _schedule_free_adamw(config, schedule, peak):
+    """optax.contrib.schedule_free_adamw at a constant `peak` after the warmup
+    (optimizer.decay must be "constant"), b1, b2, weight_decay on every param."""
+    opt = config.optimizer
+    return contrib.schedule_free_adamw(peak, min(opt.warmup_steps, config.steps) or None,
+                                       b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay)
+
+
+# optimizer.name -> its update rule. A new optimizer is one entry here (and its hyperparameter
+# keys, if it has new ones, in configs); docs/extending.md walks through one.
+OPTIMIZERS: dict[str, Optimizer] = {
+    "adamw": Optimizer(_adamw, adam_like=True),
+    "adafactor": Optimizer(_adafactor),
+    "lion": Optimizer(_lion, adam_like=True),
+    "muon": Optimizer(lambda config, schedule, peak: muon(config, schedule)),
+    "sgd": Optimizer(_sgd),
+    "schedule_free_adamw": Optimizer(_schedule_free_adamw, adam_like=True),
+}
+NAMES = tuple(OPTIMIZERS)
+ADAM_LIKE = tuple(name for name, entry in OPTIMIZERS.items() if entry.adam_like)
+
+
+def update_rule(config: ml_collections.ConfigDict, peak: float) -> optax.GradientTransformation:
+    """optimizer.name's optax transformation (`OPTIMIZERS`), at `learning_rate_schedule` to
+    `peak`. muon: `muon` on the hidden matrices beside adamw on everything else."""
+    name = config.optimizer.get("name", "adamw")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer.name={name!r}: expected one of {NAMES}")
+    schedule = learning_rate_schedule(config.optimizer, config.steps, peak)
+    return OPTIMIZERS[name].build(config, schedule, peak)
 
 
 def muon(config: ml_collections.ConfigDict, schedule: optax.Schedule
