@@ -1,6 +1,9 @@
-"""The package's import graph has no cycles: every module of transformer/ can be read, and
-changed, below the ones that use it. Function-local imports count too (they only hide a cycle
-from Python, not from a reader)."""
+"""The package's import graph has no cycles and no arrow up: every module of transformer/ can be
+read, and changed, below the ones that use it. Function-local imports count too (they only
+hide a cycle from Python, not from a reader).
+
+The rooms (sub-packages) sit on floors (`FLOORS`, the same table as docs/api.md's): a module
+imports only from its own floor or the floors below it. The commands sit at the top."""
 
 import ast
 import pathlib
@@ -76,10 +79,57 @@ def test_a_cycle_is_found_also_through_function_local_imports(tmp_path, source, 
     assert (found is not None) == cycle, found
 
 
+# room -> floor; "" is the top of transformer/ (the commands, configs), above every room
+FLOORS = {"utils": 0, "parallel": 1, "nn": 2, "models": 3, "data": 4, "generation": 5, "hf": 6,
+          "training": 7, "sweeps": 8, "": 9}
+TOP_MODULES_AT_MOST = 16
+
+
+def room(module: str) -> str:
+    """transformer.nn.attention -> "nn"; transformer.train (a top-level module) -> ""."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or parts[1:] and parts[1] in FLOORS else ""
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between rooms that do not go down (no two rooms share a floor)."""
+    return sorted(f"{a} (floor {FLOORS[room(a)]}) -> {b} (floor {FLOORS[room(b)]})"
+                  for a, bs in graph.items() for b in bs
+                  if room(a) != room(b) and FLOORS[room(b)] >= FLOORS[room(a)])
+
+
+def test_every_room_has_a_floor_and_no_import_goes_up():
+    graph = import_graph()
+    assert {room(m) for m in graph} <= set(FLOORS), {room(m) for m in graph} - set(FLOORS)
+    assert not arrows_up(graph), "\n".join(arrows_up(graph))
+
+
+def test_an_arrow_up_is_found(tmp_path):
+    root = tmp_path / "transformer"
+    for name, text in {"__init__.py": "", "nn/__init__.py": "", "hf/__init__.py": "",
+                       "generation/__init__.py": "", "utils/__init__.py": "",
+                       "nn/a.py": "from transformer.utils import b", "utils/b.py": "",
+                       "hf/c.py": "import transformer.generation.d", "data/__init__.py": "",
+                       "generation/d.py": "", "utils/e.py": "from transformer.nn import a",
+                       "data/f.py": "from transformer.data import g\nimport transformer.hf.c",
+                       "data/g.py": "",
+                       "train.py": "from transformer.nn import a"}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert arrows_up(import_graph(root)) == [
+        "transformer.data.f (floor 4) -> transformer.hf.c (floor 6)",
+        "transformer.utils.e (floor 0) -> transformer.nn.a (floor 2)"]
+
+
 def test_the_code_rules_hold():
-    """train.py under 400 lines and no function of the package over 80 (docstring included):
-    the standing rules that keep each piece readable in one screen."""
+    """train.py under 400 lines, no module over 600 and no function of the package over 80
+    (docstring included), at most 16 modules beside the rooms: the standing rules that keep
+    each piece readable in one screen and the package's plan visible."""
     assert len((PACKAGE / "train.py").read_text().splitlines()) < 400
+    big = [f"{path.relative_to(PACKAGE.parent)} ({n} lines)" for path in PACKAGE.rglob("*.py")
+           if (n := len(path.read_text().splitlines())) > 600]
+    assert not big, big
+    assert len(list(PACKAGE.glob("*.py"))) <= TOP_MODULES_AT_MOST
     long = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} "
             f"({node.end_lineno - node.lineno + 1} lines)"
             for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
