@@ -7,171 +7,26 @@ Experiment files (`experiments/*.py`) start from `base_config()` and override wh
 from __future__ import annotations
 
 import importlib.util
-import math
-import numbers
 import os
-import re
-from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import ml_collections
 
+from transformer import config_keys
 from transformer.data import inputs, pipeline, sources, tokenizers
 from transformer.models import FAMILIES, build_model, default_model_config, family_of
-from transformer.nn import lora, sequence_parallel
+from transformer.nn import sequence_parallel
 from transformer.parallel import pipeline_parallel, sharding
 from transformer.training import checkpoint as checkpoint_lib
-from transformer.training import optim, placement, task_eval, wandb_logging
+from transformer.training import placement, task_eval, wandb_logging
 from transformer.utils import fileio
+from transformer.utils.keys import Check
 
 
 def base_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.experiment = "base"
-    config.seed = 0
-    config.steps = 1000
-    config.batch_size = 16  # global, across all processes
-    config.seq_len = 128
-    config.log_every = 50
-    config.eval_every = 250
-    config.eval_steps = 20
-    # Extra validation lengths at the end of training (length extrapolation), e.g. (256, 512).
-    config.eval_seq_lens = ()
-    # lm-eval tasks (names or local YAML files) scored during training (training.task_eval)
-    config.eval_tasks = ()
-    config.eval_tasks_every = 0  # steps between scorings (0: after the last step only)
-    config.eval_tasks_limit = 0  # documents per task (0: all)
-    config.checkpoint_every = 500
-    config.keep_checkpoints = 3
-    config.fresh_start = False  # True: set the workdir's checkpoints aside and start at step 0
-    # True: resume the checkpoint's params and optimizer on a different data stream (data,
-    # batch_size, seq_len or seed changed), from that stream's start; False refuses.
-    config.new_data = False
-    config.nonfinite = "stop"  # NaN/Inf loss or grads: stop (keep the last good checkpoint) | skip
-    config.max_nonfinite_skips = 10  # with "skip": stop after this many bad steps in a row
-    config.max_grad_norm = 0.0  # > 0: a step whose gradient norm exceeds it is bad like NaN
-    config.z_loss = 0.0
-    config.label_smoothing = 0.0
-    # MFU's peak per device; 0: the published peak of the accelerator (metrics.PEAK_FLOPS) or,
-    # on CPU, this host's measured float32 matmul peak
-    config.peak_flops_per_device = 0.0
-    # XLA options for the jitted steps, on top of placement.compiler_options' CPU defaults,
-    # e.g. {'xla_cpu_multi_thread_eigen': False}.
-    config.compiler_options = ml_collections.ConfigDict()
-    # Fine-tuning: start params from "WORKDIR", "WORKDIR@STEP" or "hf:DIR" (training.finetune).
-    config.init_from = ""
-
-    config.model = default_model_config()
-    config.model.vocab_size = 0  # 0: the tokenizer's vocabulary size
-
-    config.data = data_config()
-    config.optimizer = optimizer_config()
-
-    # Devices per mesh axis (sharding.MESH_AXIS_TABLE); -1: all remaining devices.
-    config.mesh = ml_collections.ConfigDict(
-        {axis.name: axis.default for axis in sharding.MESH_AXIS_TABLE})
-
-    config.pipeline = pipeline_config()
-    config.profile, config.wandb = profile_config(), wandb_config()
-    return config
-
-
-def pipeline_config() -> ml_collections.ConfigDict:
-    """base_config's pipeline group, used with mesh.stage > 1 (parallel.pipeline_parallel):
-    the microbatches each (accumulation) step's rows split into, and repeats > 1 for the
-    circular schedule (each stage holds that many blocks of layers spread through the stack;
-    a smaller bubble)."""
-    return ml_collections.ConfigDict({"microbatches": 1, "repeats": 1})
-
-
-def data_config() -> ml_collections.ConfigDict:
-    """config.data: what the run reads and how (transformer.data)."""
-    data = ml_collections.ConfigDict()
-    data.path = ""  # "": the embedded corpus; or a text file, directory or glob
-    # How text is cut: paragraph | file (documents, hash-split) | stream (each file one stream,
-    # windows cross paragraphs; validation is the last validation_fraction of the text).
-    data.unit = "paragraph"
-    # Explicit validation text (file, directory or glob): no split is applied to it or data.path.
-    data.validation_path = ""
-    # Held-out test text (file, directory or glob), evaluated whole at the end of training and by
-    # `transformer.evaluate --split=test`; never trained or validated on.
-    data.test_path = ""
-    data.validation_fraction = 0.05
-    # A weighted mixture instead of data.path (which stays ""): one "key=value,..." string per
-    # source, path and weight required, unit / validation_path / name optional, e.g.
-    # ("path=web.txt,weight=0.7", "path=code/,weight=0.3,unit=file"). The tokenizer is built on
-    # the union of the sources' train splits; each validation split is evaluated on its own.
-    data.sources = ()
-    # byte | char | sentencepiece_bpe | sentencepiece_unigram | hf (a Hugging Face tokenizer.json)
-    data.tokenizer = "byte"
-    # data.tokenizer="hf": a tokenizer.json or a directory holding one (e.g. a save_pretrained
-    # directory); "" with init_from="hf:DIR" reads DIR's.
-    data.tokenizer_path = ""
-    data.vocab_size = 0  # SentencePiece vocabulary size (required for SentencePiece)
-    data.num_sentinels = 100
-    data.objective = ""  # "": the model family's (next_token, prefix_lm, mlm, ...)
-    data.mlm_rate = 0.15
-    data.noise_density = 0.15
-    data.mean_span_length = 3.0
-    data.prefetch = 2
-    # Labeled tasks (objective "classification" | "text2text"): transformer.data.tasks.
-    data.task = ""  # speakers (play text at data.path) | modules (the embedded corpus)
-    data.num_classes = 0  # the task's most frequent labels kept as classes
-    data.sft_truncate = False  # sft: cut conversations over seq_len + 1 tokens (or fail)
-    return data
-
-
-def profile_config() -> ml_collections.ConfigDict:
-    """base_config's profile group: a jax.profiler trace of steps start_step .. start_step +
-    num_steps - 1 (step 1 compiles) into WORKDIR/profile/, on process 0 or on every host
-    (transformer.training.profiling)."""
-    return ml_collections.ConfigDict(
-        {"start_step": 5, "num_steps": 0, "all_hosts": False})  # num_steps 0: no trace
-
-
-def wandb_config() -> ml_collections.ConfigDict:
-    """base_config's wandb group: Weights & Biases (transformer.training.wandb_logging, the `wandb`
-    extra), on when project is set."""
-    return ml_collections.ConfigDict(
-        {"project": "", "entity": "", "name": "",  # name "": the experiment's
-         "mode": "online",  # online | offline (files in WORKDIR/wandb/) | disabled
-         "variant": ""})  # set by transformer.sweep: the variant, a W&B config field
-
-
-def optimizer_config() -> ml_collections.ConfigDict:
-    """base_config's optimizer group (transformer.training.optim reads it)."""
-    optimizer = ml_collections.ConfigDict()
-    # adamw | adafactor | lion | muon | sgd | schedule_free_adamw (optim.update_rule); a resume
-    # keeps the checkpoint's
-    optimizer.name = "adamw"
-    optimizer.learning_rate = 1e-3
-    optimizer.warmup_steps = 100
-    # cosine | linear | constant | wsd | inverse_sqrt (optim.learning_rate_schedule);
-    # schedule_free_adamw takes constant
-    optimizer.decay = "cosine"
-    optimizer.min_learning_rate_ratio = 0.1
-    optimizer.decay_fraction = 0.2  # wsd: the last fraction of the steps decays
-    optimizer.decay_shape = "linear"  # wsd: linear | cosine | 1-sqrt
-    optimizer.b1 = 0.9
-    optimizer.b2 = 0.99
-    optimizer.weight_decay = 0.1
-    optimizer.momentum = 0.9  # sgd (0: none)
-    optimizer.nesterov = False  # sgd
-    optimizer.muon_learning_rate = 0.02  # muon's hidden matrices (the rest: learning_rate)
-    optimizer.muon_momentum = 0.95  # muon (Nesterov)
-    # adafactor (T5: learning_rate 0.01, decay inverse_sqrt, warmup_steps 10000, weight_decay 0)
-    optimizer.adafactor_decay_rate = 0.8  # second moments decay as 1 - step^-rate
-    optimizer.adafactor_clipping_threshold = 1.0  # update RMS clipping (0: off)
-    optimizer.adafactor_parameter_scale = True  # learning rate relative to param RMS
-    optimizer.adafactor_min_dim_size_to_factor = 128
-    optimizer.adafactor_momentum = 0.0  # 0: none
-    optimizer.grad_clip_norm = 1.0
-    optimizer.grad_accumulation_steps = 1
-    optimizer.freeze = ""  # regex of param names ("encoder/layers/...") that stay fixed
-    optimizer.head = ""  # regex of param names trained at head_learning_rate
-    optimizer.head_learning_rate = 0.0  # 0: optimizer.learning_rate
-    return optimizer
+    """Every key an experiment file may set, with its default: the declarations of
+    `transformer.config_keys` (the model group's from `transformer.models`)."""
+    return config_keys.build(default_model_config())
 
 
 def small_char_lm() -> ml_collections.ConfigDict:
@@ -220,168 +75,13 @@ def finetune_task(config: ml_collections.ConfigDict, task: str) -> None:
                   keep_checkpoints=1)
 
 
-# --- validation: one table of what every key means ----------------------------------------------
+# --- validation: every key's declared check, then the rules joining keys -------------------------
 
-# A check: (test of one value, what the value is expected to be). `test` never raises.
-Check = tuple[Callable[[Any], bool], str]
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    """Ints count as numbers (ml_collections may give an int for a float key); bools do not."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and \
-        math.isfinite(value)
-
-
-def _bounded(kind: str, is_kind, ge=None, gt=None, le=None, lt=None, note: str = "") -> Check:
-    """`kind` ("an int" | "a number") within the given bounds: "a number > 0", "an int >= 1",
-    or with two bounds an interval, "a number in [0, 1)"."""
-    low = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else ""
-    high = f"{le}]" if le is not None else f"{lt})" if lt is not None else ""
-    if low and high:
-        text = f"{kind} in {low}, {high}"
-    else:
-        text = kind + "".join(f" {op} {bound}" for op, bound in
-                              ((">=", ge), (">", gt), ("<=", le), ("<", lt)) if bound is not None)
-
-    def test(v):
-        return is_kind(v) and (ge is None or v >= ge) and (gt is None or v > gt) and \
-            (le is None or v <= le) and (lt is None or v < lt)
-
-    return test, text + (f" ({note})" if note else "")
-
-
-def _int(note: str = "", **bounds) -> Check:
-    return _bounded("an int", _is_int, note=note, **bounds)
-
-
-def _number(note: str = "", **bounds) -> Check:
-    return _bounded("a number", _is_number, note=note, **bounds)
-
-
-def _one_of(choices: Sequence[str]) -> Check:
-    return (lambda v: isinstance(v, str) and v in choices), f"one of {tuple(choices)}"
-
-
-def _regex(value) -> bool:
-    try:
-        re.compile(value)
-    except (re.error, TypeError):
-        return False
-    return True
-
-
-# The float dtypes the models compute in and keep params in (float64 needs jax_enable_x64).
-DTYPES = ("float32", "bfloat16", "float16")
-_STR: Check = (lambda v: isinstance(v, str), "a str")
-_BOOL: Check = (lambda v: isinstance(v, bool), "a bool")
-_REGEX: Check = (lambda v: isinstance(v, str) and _regex(v),
-                 "a regular expression of param names (\"\": none)")
-
-# What every key of base_config() must be, by its dotted path; a new key gets its line here.
-# Not listed: mesh.* (sharding.mesh_shape checks it), compiler_options (placement asks XLA) and
-# the model keys that building the model checks. Rules joining keys follow in validate_config.
-CHECKS: dict[str, Check] = {
-    "experiment": _STR,  # names the default workdir, runs/<experiment>
-    "seed": (lambda v: _is_int(v) and 0 <= v < 2**31, "an int in [0, 2**31)"),
-    "steps": _int(ge=1),
-    "batch_size": _int(ge=1),
-    "seq_len": _int(ge=2),
-    "log_every": _int(ge=1),
-    "eval_every": _int(ge=1),
-    "eval_steps": _int(ge=1, note="validation batches at each evaluation"),
-    "checkpoint_every": _int(ge=1),
-    "keep_checkpoints": _int(ge=1, note="the newest checkpoint is always kept"),
-    "fresh_start": _BOOL,
-    "new_data": _BOOL,
-    "nonfinite": _one_of(("stop", "skip")),
-    "max_nonfinite_skips": _int(ge=0),
-    "max_grad_norm": _number(ge=0, note="0: off"),
-    "z_loss": _number(ge=0, note="0: off"),
-    "label_smoothing": _number(ge=0, lt=1),
-    "peak_flops_per_device": _number(ge=0, note="0: published or measured"),
-    "eval_seq_lens": (lambda v: isinstance(v, tuple | list) and
-                      all(_is_int(n) and n >= 2 for n in v), "a tuple of ints >= 2"),
-    # Their family, process count, files and names: task_eval.check, in validate_config.
-    "eval_tasks": (lambda v: isinstance(v, tuple | list) and all(isinstance(x, str) for x in v),
-                   "a tuple of lm-eval task names or task YAML paths"),
-    "eval_tasks_every": _int(ge=0, note="0: after the last step only"),
-    "eval_tasks_limit": _int(ge=0, note="0: every document"),
-    "init_from": _STR,  # its form and target: fileio.parse_init_from, below
-    "data.path": _STR,
-    "data.unit": _one_of(sources.UNITS),
-    "data.validation_path": _STR,
-    "data.test_path": _STR,  # exists, and goes with a text objective: _validate_test_path
-    "data.validation_fraction": _number(ge=0, lt=1),
-    # Each entry's fields, and data.path alongside: _validate_sources.
-    "data.sources": (lambda v: isinstance(v, tuple | list) and all(isinstance(x, str) for x in v),
-                     "a tuple of 'path=...,weight=...' strings (\"()\": data.path alone)"),
-    "data.tokenizer": _one_of(tokenizers.KINDS),
-    "data.tokenizer_path": _STR,  # with which kind, and whether it exists: _validate_tokenizer
-    "data.vocab_size": _int(ge=0, note="0 for byte and char; required for SentencePiece"),
-    "data.num_sentinels": _int(ge=0),
-    "data.objective": _STR,  # its choices: pipeline.objective_for, below
-    "data.mlm_rate": _number(gt=0, lt=1),
-    "data.noise_density": _number(gt=0, lt=1),
-    "data.mean_span_length": _number(ge=1),
-    "data.prefetch": _int(ge=0, note="0: no prefetching"),
-    "data.task": _STR,  # its choices: _validate_finetuning
-    "data.num_classes": _int(ge=0, note="0: the task's"),
-    "data.sft_truncate": _BOOL,
-    "optimizer.name": _one_of(optim.NAMES),
-    "optimizer.learning_rate": _number(gt=0),
-    "optimizer.warmup_steps": _int(ge=0),
-    "optimizer.decay": _one_of(optim.DECAYS),
-    "optimizer.min_learning_rate_ratio": _number(ge=0, le=1),
-    "optimizer.decay_fraction": _number(ge=0, le=1, note="wsd: 0 never decays"),
-    "optimizer.decay_shape": _one_of(optim.DECAY_SHAPES),
-    "optimizer.b1": _number(ge=0, lt=1),
-    "optimizer.b2": _number(ge=0, lt=1),
-    "optimizer.weight_decay": _number(ge=0),
-    "optimizer.momentum": _number(ge=0, lt=1, note="0: none"),
-    "optimizer.nesterov": _BOOL,
-    "optimizer.muon_learning_rate": _number(gt=0),
-    "optimizer.muon_momentum": _number(ge=0, lt=1),
-    "optimizer.adafactor_decay_rate": _number(ge=0, le=1),
-    "optimizer.adafactor_clipping_threshold": _number(ge=0, note="0: off"),
-    "optimizer.adafactor_parameter_scale": _BOOL,
-    "optimizer.adafactor_min_dim_size_to_factor": _int(ge=1),
-    "optimizer.adafactor_momentum": _number(ge=0, lt=1, note="0: none"),
-    "optimizer.grad_clip_norm": _number(ge=0, note="0: no clipping"),
-    "optimizer.grad_accumulation_steps": _int(ge=1),
-    "model.lora.rank": _int(ge=0, note="0: no adapters, the whole model trains"),
-    "model.lora.alpha": _number(gt=0),
-    "model.lora.targets": (lambda v: isinstance(v, str) and bool(v) and _regex(v),
-                           "a regular expression of kernel param names"),
-    "model.lora.dropout": _number(ge=0, lt=1),
-    "model.lora.base_quantization": _one_of(lora.BASE_QUANTIZATIONS),
-    "optimizer.freeze": _REGEX,
-    "optimizer.head": _REGEX,
-    "optimizer.head_learning_rate": _number(ge=0, note="0: optimizer.learning_rate"),
-    # The model keys its constructors leave unchecked (the family picks the constructor).
-    "model.family": _one_of(tuple(FAMILIES)),
-    "model.vocab_size": _int(ge=0, note="0: the tokenizer's"),
-    "model.num_classes": _int(ge=0, note="0: the task's"),
-    "model.dtype": _one_of(DTYPES),  # compute
-    "model.param_dtype": _one_of(DTYPES),
-    "model.quantization": _one_of(("", "int8", "fp8")),  # transformer.nn.quantization.SCHEMES
-    "model.quantize_head": _BOOL,
-    "pipeline.microbatches": _int(ge=1, note="each (accumulation) step's rows split into them"),
-    "pipeline.repeats": _int(ge=1, note="> 1: the circular schedule"),
-    "profile.start_step": _int(ge=1, note="the first traced step; step 1 compiles"),
-    "profile.num_steps": _int(ge=0, note="0: no trace"),
-    "profile.all_hosts": _BOOL,
-    "wandb.project": _STR,  # "": no W&B; set, it needs the wandb package: wandb_logging.check
-    "wandb.entity": _STR,
-    "wandb.name": _STR,
-    "wandb.mode": _one_of(wandb_logging.MODES),
-    "wandb.variant": _STR,
-}
-# Keys whose values are checked by code they belong to (called from validate_config).
-CHECKED_ELSEWHERE = ("compiler_options", "mesh", "model")
+# What every key of base_config() must be, by its dotted path, from its declaration
+# (transformer.config_keys). Besides, sharding.mesh_shape checks the mesh, placement asks XLA
+# about compiler_options, and building the model checks the rules joining model keys.
+CHECKS: dict[str, Check] = {name: declared.check
+                            for name, declared in config_keys.all_keys().items()}
 
 
 _MISSING = object()

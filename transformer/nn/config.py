@@ -14,6 +14,19 @@ from transformer.nn import kernels, sequence_parallel
 from transformer.nn.activations import ACTIVATIONS
 from transformer.nn.lora import LoraConfig
 from transformer.nn.moe import MoEConfig
+from transformer.utils.keys import (
+    BOOL,
+    POSITIVE_INT,
+    check_fields,
+    choice,
+    described,
+    int_,
+    is_number,
+    key,
+    number,
+    one_of,
+    optional,
+)
 
 POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
 NORMS = ("layernorm", "rmsnorm")
@@ -22,6 +35,8 @@ NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post", "sandwich", "post_sublayer")
 QK_NORM_SCOPES = ("head", "projection")
 PARAMETRIZATIONS = ("standard", "mup")
+# The float dtypes the models compute in and keep params in (float64 needs jax_enable_x64).
+DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -30,121 +45,131 @@ REMAT_POLICIES = {
 }
 
 
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected one of {', '.join(map(repr, choices))}")
-
-
-def _check_positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}={value!r}: expected a positive int")
-
-
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Architecture of one stack of blocks (and of the layers inside it)."""
+    """Architecture of one stack of blocks (and of the layers inside it). Each field declares
+    its default, allowed values and meaning once (`utils.keys.key`): the `model.*` keys of a run
+    config, checked here one by one, then by the rules joining several of them."""
 
-    num_layers: int = 2
-    d_model: int = 64
-    num_heads: int = 4
-    num_kv_heads: int | None = None  # None: = num_heads (MHA); 1: MQA; otherwise GQA
-    head_dim: int | None = None  # None: d_model // num_heads
-    d_ff: int = 256
-    activation: str = "gelu"  # relu | gelu (erf) | gelu_tanh (GPT-2) | swiglu | geglu (T5 v1.1)
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    norm_placement: str = "pre"  # NORM_PLACEMENTS
-    norm_epsilon: float = 1e-5
-    # RMSNorm with a learned scale on q and k, before RoPE, over each head (qk_norm_scope
-    # "head": Qwen3, Gemma 3) or over the whole projection ("projection": OLMo 2).
-    qk_norm: bool = False
-    qk_norm_scope: str = "head"
-    # > 0: logits -> cap * tanh(logits / cap) (Gemma 2); 0: off. attention_softcap caps the
-    # scaled attention logits; final_logit_softcap a decoder LM's output logits.
-    attention_softcap: float = 0.0
-    final_logit_softcap: float = 0.0
-    # x + attn(N(x)) + mlp(N(x)) with one norm (GPT-J, PaLM); pre-norm blocks without
-    # cross-attention only.
-    parallel_block: bool = False
-    # GPT-2: the kernels that write into the residual stream (attention W_o, the MLP's output,
-    # experts' too) start with their init std divided by sqrt(2 num_layers).
-    scale_residual_init: bool = False
-    # muP (Tensor Programs V): "mup" makes a model m = d_model / mup_base_width times as wide as
-    # the base behave as the base does (`mup_width_multiplier`); "standard": none.
-    parametrization: str = "standard"
-    mup_base_width: int = 0  # the width the hyperparameters were tuned at; 0: d_model (m = 1)
-    position: str = "rope"  # none | sinusoidal | learned | rope | alibi | t5
-    max_len: int = 512  # learned positions only
-    rope_theta: float = 10000.0
-    rope_layout: str = "half"  # half | interleaved
-    rope_scale: float = 1.0  # > 1: positions stretched by this factor, as rope_scaling says
-    rope_scaling: str = "linear"  # linear (position interpolation) | llama3 (Llama 3.1)
-    rope_low_freq_factor: float = 1.0  # llama3 only (positions.rope_frequencies)
-    rope_high_freq_factor: float = 4.0  # llama3 only
-    rope_original_max_len: int = 8192  # llama3 only: the context length trained at
-    t5_num_buckets: int = 32
-    t5_max_distance: int = 128
-    use_bias: bool = True
-    qkv_bias: bool | None = None  # biases on the q/k/v projections; None: = use_bias (Qwen2: True)
-    # Decoder LMs: each token attends to the last `sliding_window` positions, itself included
-    # (Mistral); None: no limit.
-    sliding_window: int | None = None
-    # With sliding_window: every sliding_window_pattern-th layer (layers P-1, 2P-1, ...) attends
-    # to every earlier position, the others to the window (Gemma 2: 2, Gemma 3: 6); 0: every
-    # layer is windowed. With scan_layers, P (with moe.every_n_layers) must divide num_layers.
-    sliding_window_pattern: int = 0
-    attention_scale: float | None = None  # logit scale; None: 1/sqrt(head_dim); T5 uses 1.0
-    embedding_norm: bool = False  # norm after adding absolute positions (BERT)
-    scale_embeddings: bool = False  # inputs x sqrt(d_model) before positions (Vaswani et al.)
-    dropout_rate: float = 0.0
-    attention_dropout_rate: float = 0.0
-    init_std: float | None = None  # None: fan-in scaling; GPT-2 uses 0.02
-    dtype: Any = jnp.float32  # compute dtype
-    param_dtype: Any = jnp.float32
-    scan_layers: bool = False
-    remat_policy: str = "none"  # none | full | dots | dots_no_batch
-    # auto (splash on TPU, cuDNN on GPU, chunked for long sequences, else dense; chosen for the
-    # devices the step is compiled for) | dense | chunked (O(T) memory) | splash | cudnn
-    attention_impl: str = "auto"
-    # Under a `sequence` mesh axis (transformer.nn.sequence_parallel): how attention crosses the
-    # split (all_gather | ring), and whether decoder LMs lay the sequence out zig-zag so every
-    # device gets the same share of the causal mask.
-    sequence_parallel: str = "all_gather"
-    sequence_load_balance: bool = True
+    num_layers: int = key(2, "Blocks in the stack (the encoder's, for T5).", POSITIVE_INT)
+    d_model: int = key(64, "Width of the residual stream.", POSITIVE_INT)
+    num_heads: int = key(4, "Query heads.", POSITIVE_INT)
+    num_kv_heads: int | None = key(
+        None, "Key/value heads: None = num_heads (MHA); 1: MQA; otherwise GQA.",
+        optional(POSITIVE_INT, "None, or an int > 0 dividing num_heads"))
+    head_dim: int | None = key(None, "Width of a head; None: d_model // num_heads.",
+                               optional(POSITIVE_INT, "None, or an int > 0 (even with RoPE)"))
+    d_ff: int = key(256, "Hidden units of the feed-forward layer (and of each expert).",
+                    POSITIVE_INT)
+    activation: str = key("gelu", "The feed-forward nonlinearity: gelu is erf's, gelu_tanh "
+                          "GPT-2's; swiglu and geglu (T5 v1.1) are gated.",
+                          choice(tuple(ACTIVATIONS)))
+    norm: str = key("layernorm", "The norm.", choice(NORMS))
+    norm_placement: str = key(
+        "pre", "pre x + f(N(x)); post N(x + f(x)); sandwich x + N'(f(N(x))) (Gemma 2); "
+        "post_sublayer x + N'(f(x)) (OLMo 2).", choice(NORM_PLACEMENTS))
+    norm_epsilon: float = key(1e-5, "The norms' epsilon.", number(gt=0))
+    qk_norm: bool = key(False, "RMSNorm with a learned scale on q and k, before RoPE (Qwen3, "
+                        "Gemma 3, OLMo 2).", BOOL)
+    qk_norm_scope: str = key("head", "qk_norm over each head (`head`) or the whole projection "
+                             "(`projection`).", choice(QK_NORM_SCOPES))
+    attention_softcap: float = key(
+        0.0, "Caps the scaled attention logits: cap * tanh(logits / cap) (Gemma 2: 50); 0: off.",
+        number(ge=0, note="0: off"))
+    final_logit_softcap: float = key(
+        0.0, "The same cap on a decoder LM's output logits (Gemma 2: 30); 0: off.",
+        described(number(ge=0, note="0: off"), "a number >= 0 (0: off; gpt and prefix_lm)"))
+    parallel_block: bool = key(False, "x + attn(N(x)) + mlp(N(x)) with one norm (GPT-J, PaLM); "
+                               "pre-norm blocks without cross-attention.",
+                               described(BOOL, "a bool (with norm_placement 'pre')"))
+    scale_residual_init: bool = key(
+        False, "Kernels writing into the residual stream (attention W_o, the MLP's output, the "
+        "experts' too) start with their std / sqrt(2 num_layers) (GPT-2).", BOOL)
+    # muP (Tensor Programs V): a model m = d_model / mup_base_width times as wide as the base
+    # behaves as the base does (`mup_width_multiplier`).
+    parametrization: str = key(
+        "standard", "`mup`: muP, a model wider than `mup_base_width` trains like the base (GPT "
+        "and prefix LM).", choice(PARAMETRIZATIONS))
+    mup_base_width: int = key(0, "muP: the width the hyperparameters were tuned at; 0: d_model.",
+                              int_(ge=0, note="0: d_model"))
+    position: str = key("rope", "Positional encoding (`t5`: relative buckets).",
+                        choice(POSITIONS))
+    max_len: int = key(512, "Positions of a learned position table.", POSITIVE_INT)
+    rope_theta: float = key(10000.0, "RoPE's base.", number(gt=0))
+    rope_layout: str = key("half", "RoPE pairs the two halves (`half`) or neighbours "
+                           "(`interleaved`).", choice(("half", "interleaved")))
+    rope_scale: float = key(1.0, "> 1: positions stretched by this factor, as `rope_scaling` "
+                            "says.", (is_number, "a number (1: no scaling)"))
+    rope_scaling: str = key("linear", "`linear` (position interpolation) or `llama3` (Llama "
+                            "3.1).", choice(("linear", "llama3")))
+    rope_low_freq_factor: float = key(1.0, "llama3 scaling's low-frequency factor "
+                                      "(positions.rope_frequencies).",
+                                      (is_number, "a number, 0 < low < high"))
+    rope_high_freq_factor: float = key(4.0, "llama3 scaling's high-frequency factor.",
+                                       (is_number, "a number > rope_low_freq_factor"))
+    rope_original_max_len: int = key(8192, "llama3 scaling: the context length trained at.",
+                                     int_(gt=0))
+    t5_num_buckets: int = key(32, "T5 relative-position buckets.", int_(gt=0))
+    t5_max_distance: int = key(128, "T5 relative positions: the distance the largest bucket "
+                               "starts at.", int_(gt=0))
+    use_bias: bool = key(True, "Biases on the projections and the feed-forward layer.", BOOL)
+    qkv_bias: bool | None = key(None, "Biases on q/k/v only; None: = use_bias (Qwen2: True).",
+                                optional(BOOL, "None or a bool"))
+    sliding_window: int | None = key(
+        None, "Decoder LMs: each token sees the last W positions, itself included (Mistral); "
+        "None: no limit.", optional(POSITIVE_INT, "None, or an int > 0 (family gpt)"))
+    # With scan_layers, P (with moe.every_n_layers) must divide num_layers.
+    sliding_window_pattern: int = key(
+        0, "With sliding_window: layers P-1, 2P-1, ... attend to every earlier position (Gemma "
+        "2: 2, Gemma 3: 6); 0: every layer windowed.", int_(ge=0))
+    attention_scale: float | None = key(
+        None, "Attention logit scale; None: 1/sqrt(head_dim) (T5: 1.0).",
+        optional(number(), "None or a number"))
+    embedding_norm: bool = key(False, "A norm after adding absolute positions (BERT).", BOOL)
+    scale_embeddings: bool = key(False, "Inputs times sqrt(d_model) before positions (Vaswani "
+                                 "et al.).", BOOL)
+    dropout_rate: float = key(0.0, "Dropout on the residual branches and embeddings.",
+                              number(ge=0, lt=1), structural=False)
+    attention_dropout_rate: float = key(
+        0.0, "Dropout on the attention weights (runs the dense kernel).", number(ge=0, lt=1),
+        structural=False)
+    init_std: float | None = key(
+        None, "Normal init std of the kernels; None: fan-in scaling (GPT-2: 0.02).",
+        optional(number(gt=0), "None or a number > 0"))
+    # Checked as the config's names; the dataclass takes any dtype (float64 included).
+    dtype: Any = key(jnp.float32, "Compute dtype (softmax and loss stay float32).",
+                     one_of(DTYPES), structural=False)
+    param_dtype: Any = key(jnp.float32, "Dtype the params are kept in.", one_of(DTYPES))
+    scan_layers: bool = key(False, "Run the stack as one `nn.scan` over layers (faster "
+                            "compiles).", BOOL)
+    remat_policy: str = key("none", "What the backward pass recomputes: none, everything "
+                            "(`full`) or all but the matmuls.", choice(tuple(REMAT_POLICIES)),
+                            structural=False)
+    # The devices the step is compiled for choose `auto`'s kernel.
+    attention_impl: str = key(
+        "auto", "The attention kernel; `auto`: splash on TPU (per device under a `sequence` "
+        "axis too), cuDNN on GPU, chunked for long sequences, else dense.",
+        choice(kernels.IMPLS), structural=False)
+    # transformer.nn.sequence_parallel
+    sequence_parallel: str = key(
+        "all_gather", "Under a `sequence` mesh axis: how attention reaches the other devices' "
+        "keys.", choice(sequence_parallel.STRATEGIES), structural=False)
+    sequence_load_balance: bool = key(
+        True, "Under a `sequence` mesh axis: lay decoder LMs' sequences out zig-zag so every "
+        "device does the same causal work.", BOOL, structural=False)
     moe: MoEConfig = MoEConfig()  # mixture-of-experts feed-forward layers (transformer.nn.moe)
     lora: LoraConfig = LoraConfig()  # low-rank adapters on a frozen base (transformer.nn.lora)
 
     def __post_init__(self):
-        for name in ("num_layers", "d_model", "num_heads", "d_ff", "max_len"):
-            _check_positive(name, getattr(self, name))
-        _check_choice("activation", self.activation, tuple(ACTIVATIONS))
-        _check_choice("norm", self.norm, NORMS)
-        _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
-        _check_choice("qk_norm_scope", self.qk_norm_scope, QK_NORM_SCOPES)
-        _check_choice("parametrization", self.parametrization, PARAMETRIZATIONS)
-        if not isinstance(self.mup_base_width, int) or self.mup_base_width < 0:
-            raise ValueError(f"mup_base_width={self.mup_base_width!r}: expected an int >= 0 "
-                             "(0: d_model)")
-        for name in ("attention_softcap", "final_logit_softcap"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name}={value!r}: expected a number >= 0 (0: off)")
+        check_fields(self, skip=("dtype", "param_dtype"))  # any jnp dtype
         if self.parallel_block and self.norm_placement != "pre":
             raise ValueError(f"parallel_block=True with norm_placement={self.norm_placement!r}: "
                              "expected 'pre' (one norm feeds both branches)")
-        _check_choice("position", self.position, POSITIONS)
-        _check_choice("rope_layout", self.rope_layout, ("half", "interleaved"))
-        _check_choice("rope_scaling", self.rope_scaling, ("linear", "llama3"))
         if self.rope_scaling == "llama3" and not (
                 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
             raise ValueError(f"rope_low_freq_factor={self.rope_low_freq_factor}, "
                              f"rope_high_freq_factor={self.rope_high_freq_factor}: expected "
                              "0 < low < high")
-        _check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
-        _check_choice("attention_impl", self.attention_impl, kernels.IMPLS)
-        _check_choice("sequence_parallel", self.sequence_parallel,
-                      sequence_parallel.STRATEGIES)
-        if self.sliding_window is not None:
-            _check_positive("sliding_window", self.sliding_window)
         if not isinstance(self.lora, LoraConfig):  # the `model.lora` config group
             object.__setattr__(self, "lora", LoraConfig(**dict(self.lora)))
         if not isinstance(self.moe, MoEConfig):  # e.g. the `model.moe` config group
@@ -157,35 +182,24 @@ class TransformerConfig:
         if self.moe.num_experts and self.num_layers % self.moe.every_n_layers:
             raise ValueError(f"moe.every_n_layers={self.moe.every_n_layers}: expected a divisor "
                              f"of num_layers={self.num_layers}")
-        if self.num_kv_heads is not None:
-            _check_positive("num_kv_heads", self.num_kv_heads)
-            if self.num_heads % self.num_kv_heads:
-                raise ValueError(
-                    f"num_kv_heads={self.num_kv_heads}: expected a divisor of "
-                    f"num_heads={self.num_heads}"
-                )
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads}: expected a divisor of "
+                             f"num_heads={self.num_heads}")
         if self.head_dim is None and self.d_model % self.num_heads:
             raise ValueError(
                 f"d_model={self.d_model}: expected a multiple of num_heads={self.num_heads} "
                 "(or set head_dim)"
             )
-        if self.head_dim is not None:
-            _check_positive("head_dim", self.head_dim)
         if self.position == "rope" and self.resolved_head_dim % 2:
             raise ValueError(f"head_dim={self.resolved_head_dim}: RoPE needs an even head dim")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"d_model={self.d_model}: sinusoidal positions need an even width")
-        for name in ("dropout_rate", "attention_dropout_rate"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected 0 <= rate < 1")
         for name in ("dtype", "param_dtype"):
             object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
         self._check_window_pattern()
 
     def _check_window_pattern(self) -> None:
         pattern = self.sliding_window_pattern
-        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 0:
-            raise ValueError(f"sliding_window_pattern={pattern!r}: expected an int >= 0")
         if pattern and self.sliding_window is None:
             raise ValueError(f"sliding_window_pattern={pattern}: expected a sliding_window")
         if self.scan_layers and self.num_layers % self.layer_period:

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from transformer.utils import keys
+
 DEFAULT_TARGETS = r"attention/(query|key|value|out)$|mlp/(wi|wi_gate|wi_up|wo)$"
 ADAPTER = re.compile(r"_lora_[ab]$")  # an adapter param's name
 BASE_QUANTIZATIONS = ("", "int8")  # (int4 params fail optax's p + 0 update: no promotion)
@@ -36,11 +38,25 @@ AXIS = "lora"  # the rank axis's logical name (replicated: sharding.LOGICAL_AXIS
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-    rank: int = 0  # 0: no adapters
-    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
-    targets: str = DEFAULT_TARGETS  # regex over kernel param paths
-    dropout: float = 0.0  # on the adapters' input, during training
-    base_quantization: str = ""  # QLoRA: "int8" (Qwix) frozen targeted kernels
+    """LoRA / QLoRA settings of a model (`model.lora.*`); `rank=0`: no adapters."""
+
+    rank: int = keys.key(
+        0, "LoRA adapters' rank on the kernels `model.lora.targets` matches; 0: no adapters "
+        "(the whole model trains). Needs `init_from`.",
+        keys.int_(ge=0, note="0: no adapters, the whole model trains"))
+    alpha: float = keys.key(
+        16.0, "The adapters' output is scaled by alpha / rank (peft's lora_alpha).",
+        keys.number(gt=0))
+    targets: str = keys.key(
+        DEFAULT_TARGETS, "Regex over the kernels' param paths (`decoder/layers_0/mlp/wi`) that "
+        "get adapters; default attention's q/k/v/out and the MLP's.",
+        (lambda v: isinstance(v, str) and bool(v) and keys.is_regex(v),
+         "a regular expression of kernel param names"))
+    dropout: float = keys.key(0.0, "Dropout on the adapters' input during training.",
+                              keys.number(ge=0, lt=1), structural=False)
+    base_quantization: str = keys.key(
+        "", "QLoRA: the frozen targeted kernels stored as Qwix int8 (a scale per output "
+        "channel), dequantized on the fly; \"\": float.", keys.one_of(BASE_QUANTIZATIONS))
 
     @property
     def scale(self) -> float:

@@ -54,6 +54,7 @@ from flax import struct
 
 from transformer.nn import kernels
 from transformer.parallel import pipeline_parallel, sharding
+from transformer.utils.keys import BOOL, check_fields, described, int_, key, number
 
 Array = jax.Array
 EXPERT_WEIGHTS = ("wi", "wi_gate", "wi_up", "wo")  # the experts' own params: [E, in, out]
@@ -72,37 +73,33 @@ class MoEConfig:
     loss with these weights (Switch: 0.01; ST-MoE's z-loss: 0.001).
     """
 
-    num_experts: int = 0
-    top_k: int = 2
-    every_n_layers: int = 1
-    capacity_factor: float = 1.25  # slots = ceil(cf * T * k / E) per row; 0: dropless
-    num_shared: int = 0  # always-on shared experts (DeepSeek), num_shared * d_ff hidden units
-    d_ff: int = 0  # each expert's hidden width; 0: the stack's d_ff (Qwen-MoE's is its own)
-    normalize_gates: bool = True  # a token's top-k gates sum to 1 (Mixtral); False: its probs
-    shared_gate: bool = False  # shared experts' output times sigmoid(x . w) per token (Qwen2-MoE)
-    load_balance_loss: float = 0.01
-    router_z_loss: float = 0.001
+    num_experts: int = key(0, "Experts per MoE layer; 0 keeps dense feed-forward layers.",
+                           int_(ge=0, note="0: dense"))
+    top_k: int = key(2, "Experts per token.", described(int_(ge=1), "an int in [1, num_experts]"))
+    every_n_layers: int = key(1, "Layer i (from 0) is MoE when (i + 1) % n == 0; n divides "
+                              "num_layers.", int_(ge=1))
+    capacity_factor: float = key(
+        1.25, "Slots per expert and row, ceil(cf x T x k / E); choices over capacity are "
+        "dropped; 0: dropless.", number(ge=0, note="0: dropless"), structural=False)
+    num_shared: int = key(0, "Always-on shared experts (DeepSeek), num_shared x the experts' "
+                          "width hidden units.", int_(ge=0))
+    d_ff: int = key(0, "Each expert's hidden width; 0: `model.d_ff` (Qwen-MoE's "
+                    "moe_intermediate_size).", int_(ge=0, note="0: model.d_ff"))
+    normalize_gates: bool = key(
+        True, "A token's top-k gates renormalised to sum 1 (Mixtral); False: its router "
+        "probabilities (Qwen2-MoE). Top-1 keeps the probability.", BOOL)
+    shared_gate: bool = key(False, "The shared experts' output times sigmoid(x . w) per token "
+                            "(Qwen2-MoE).", BOOL)
+    load_balance_loss: float = key(0.01, "Weight of the load-balancing loss (Switch / GShard).",
+                                   number(ge=0), structural=False)
+    router_z_loss: float = key(0.001, "Weight of the router z-loss (ST-MoE).", number(ge=0),
+                               structural=False)
 
     def __post_init__(self):
-        def check(name, ok, expected):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not ok(value):
-                raise ValueError(f"moe.{name}={value!r}: expected {expected}")
-
-        is_int = lambda v: isinstance(v, int)
-        check("num_experts", lambda v: is_int(v) and v >= 0, "an int >= 0 (0: dense)")
-        check("every_n_layers", lambda v: is_int(v) and v >= 1, "an int >= 1")
-        check("num_shared", lambda v: is_int(v) and v >= 0, "an int >= 0")
-        check("d_ff", lambda v: is_int(v) and v >= 0, "an int >= 0 (0: the stack's d_ff)")
-        for name in ("normalize_gates", "shared_gate"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"moe.{name}={getattr(self, name)!r}: expected a bool")
-        check("top_k", lambda v: is_int(v) and v >= 1 and (
-            not self.num_experts or v <= self.num_experts),
-            f"an int in [1, num_experts={self.num_experts}]")
-        for name in ("capacity_factor", "load_balance_loss", "router_z_loss"):
-            check(name, lambda v: isinstance(v, int | float) and math.isfinite(v) and v >= 0,
-                  "a number >= 0")
+        check_fields(self, prefix="moe.")
+        if self.num_experts and self.top_k > self.num_experts:
+            raise ValueError(f"moe.top_k={self.top_k!r}: expected an int in [1, "
+                             f"num_experts={self.num_experts}]")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` (from 0) of the stack has the MoE feed-forward.

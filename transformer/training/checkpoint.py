@@ -40,10 +40,11 @@ from jax.experimental import multihost_utils
 
 from transformer.models import build_model, default_model_config
 from transformer.nn import lora
+from transformer.nn.config import TransformerConfig
 from transformer.parallel import sharding
 from transformer.training import optim
 from transformer.training import state as state_lib
-from transformer.utils import fileio
+from transformer.utils import fileio, keys
 
 CHECKPOINTS = "checkpoints"  # WORKDIR/checkpoints/<step>/{state,data,config}
 LORA_BASE = "lora_base"  # a LoRA run's item naming its base: {"init_from", "fingerprint"}
@@ -52,11 +53,10 @@ _DELETED = "deleted"  # WORKDIR/checkpoints/deleted/<step>: old steps on their w
 
 # Compute settings (params stay float whatever they are) that a resumed run announces changed.
 _COMPUTE_SETTINGS = ("quantization", "quantize_head")
-# Model settings that may change between a checkpoint and the run restoring it.
-_NON_STRUCTURAL = {"dropout_rate", "attention_dropout_rate", "remat_policy", "dtype",
-                   "attention_impl", "sequence_parallel", "sequence_load_balance",
-                   "moe.capacity_factor", "moe.load_balance_loss", "moe.router_z_loss",
-                   "lora.dropout", *_COMPUTE_SETTINGS}
+# Model settings that may change between a checkpoint and the run restoring it: the stack's
+# fields declared `structural=False` (dropout, kernels, dtype, MoE loss weights, ...).
+_NON_STRUCTURAL = {name for name, declared in keys.declarations(TransformerConfig)
+                   if not declared.structural} | set(_COMPUTE_SETTINGS)
 
 
 def _model_settings(config: dict) -> dict:
