@@ -88,7 +88,7 @@ def test_scanned_params_export_as_the_unrolled_ones():
     config, params = convert.from_hf(hf.config, hf.state_dict())
     _, unrolled = export.to_hf(config, params)
     config.scan_layers = True
-    _, scanned = export.to_hf(config, convert._maybe_scan(config, params, "decoder"))
+    _, scanned = export.to_hf(config, convert.scan_params(config, params))
     assert scanned.keys() == unrolled.keys()
     assert all(np.array_equal(scanned[k], unrolled[k]) for k in unrolled)
 
