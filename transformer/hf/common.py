@@ -1,7 +1,7 @@
 """What the Hugging Face converters share (`convert` for GPT-2, BERT and T5, `convert_llama`
-for the Llama-like families): a state dict that reports missing and unused tensors, the head
-and norm layouts, the default model config they start from, and layer stacking for
-scan_layers."""
+for the Llama-like families; `flat_heads` for the exporters too): a state dict that reports
+missing and unused tensors, the head and norm layouts, the default model config they start
+from, and layer stacking for scan_layers."""
 
 from __future__ import annotations
 
@@ -48,6 +48,11 @@ class Checkpoint:
 def split_heads(kernel_DX: np.ndarray, num_heads: int) -> np.ndarray:
     """[D, N * H] -> [D, N, H] (HF splits the projection's output dim head by head)."""
     return kernel_DX.reshape(kernel_DX.shape[0], num_heads, -1)
+
+
+def flat_heads(kernel_DNH: np.ndarray) -> np.ndarray:
+    """[D, N, H] -> [D, N * H], HF's head-by-head output layout (the inverse of split_heads)."""
+    return kernel_DNH.reshape(kernel_DNH.shape[0], -1)
 
 
 def norm_params(ckpt, prefix, bias=True, weight="weight", bias_name="bias"):
