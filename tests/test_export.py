@@ -1,6 +1,9 @@
-"""Export to Hugging Face (transformer.export): to_hf inverts convert.from_hf exactly, an exported
-workdir loads with AutoModel*.from_pretrained and gives our logits and greedy tokens, and
-architectures no Hugging Face class represents are refused before anything is written."""
+"""Export to Hugging Face (transformer.export; the mapping in transformer.hf.export): to_hf
+inverts convert.from_hf exactly, an exported workdir loads with AutoModel*.from_pretrained and
+gives our logits and greedy tokens, and every model setting an exporter does not map is
+refused before anything is written."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +22,8 @@ from test_hf_equivalence import (  # noqa: E402
 )
 from test_train import TINY_MODEL, assert_succeeded, cli_env, run_cli, tiny_flags  # noqa: E402
 
-from transformer import export, generate  # noqa: E402
-from transformer.hf import convert  # noqa: E402
+from transformer import generate  # noqa: E402
+from transformer.hf import convert, export  # noqa: E402
 from transformer.models import build_model, default_model_config  # noqa: E402
 
 EXPORTABLE = ["gpt2", "gpt2_untied", "gpt2_unscaled_attention", "llama_gqa",
@@ -88,7 +91,7 @@ def test_scanned_params_export_as_the_unrolled_ones():
     config, params = convert.from_hf(hf.config, hf.state_dict())
     _, unrolled = export.to_hf(config, params)
     config.scan_layers = True
-    _, scanned = export.to_hf(config, convert._maybe_scan(config, params, "decoder"))
+    _, scanned = export.to_hf(config, convert.scan_params(config, params))
     assert scanned.keys() == unrolled.keys()
     assert all(np.array_equal(scanned[k], unrolled[k]) for k in unrolled)
 
@@ -99,41 +102,48 @@ ROPE = dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False
 @pytest.mark.parametrize("overrides,match", [
     (dict(position="alibi"), "model.position='alibi': the GPT export needs 'learned'"),
     (dict(position="learned", norm_placement="post"),
-     "model.norm_placement='post': the GPT-2 export needs 'pre'"),
+     "export to gpt2: model.norm_placement='post' has no Hugging Face GPT-2 equivalent"),
     (dict(position="rope", norm="layernorm", activation="swiglu", use_bias=False),
-     "model.norm='layernorm': the Llama export needs 'rmsnorm'"),
+     "export to llama: model.norm='layernorm' has no Hugging Face Llama equivalent"),
     (dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False,
           qkv_bias=True, sliding_window=8), "no Hugging Face class has both"),
     (dict(ROPE, qk_norm=True, qk_norm_scope="projection"),
-     "model.qk_norm_scope='projection': the Qwen3 export needs 'head'"),
+     "export to qwen3: model.qk_norm_scope='projection' has no Hugging Face Qwen3 equivalent"),
     (dict(ROPE, qk_norm=True, attention_softcap=5.0),
-     "model.attention_softcap=5.0: the Qwen3 export needs 0.0"),
-    (dict(ROPE, norm_placement="sandwich"), "model.activation='swiglu': the Gemma2 export needs "
-     "'geglu'"),
+     "export to qwen3: model.attention_softcap=5.0 has no Hugging Face Qwen3 equivalent"),
+    (dict(ROPE, norm_placement="sandwich"), "export to gemma2: model.activation='swiglu' has no "
+     "Hugging Face Gemma 2 equivalent"),
     (dict(ROPE, norm_placement="sandwich", activation="geglu", scale_embeddings=True,
-          attention_scale=0.3), "model.attention_scale=0.3: the Gemma2 export needs 1 / sqrt"),
-    (dict(ROPE, norm_placement="post_sublayer"), "model.qk_norm=False: the Olmo2 export needs "
-     "True"),
+          attention_scale=0.3), "model.attention_scale=0.3 has no Hugging Face Gemma 2 "
+     "equivalent .expected 1 / sqrt"),
+    (dict(ROPE, norm_placement="post_sublayer"), "export to olmo2: model.qk_norm=False has no "
+     "Hugging Face OLMo 2 equivalent .expected True"),
     (dict(ROPE, norm_placement="post_sublayer", qk_norm=True, qk_norm_scope="projection",
-          sliding_window=4), "model.sliding_window=4: the Olmo2 export needs None"),
+          sliding_window=4), "model.sliding_window=4 has no Hugging Face OLMo 2 equivalent "
+     ".expected the default None"),
     (dict(ROPE, final_logit_softcap=30.0),
-     "model.final_logit_softcap=30.0: the Llama export needs 0.0"),
-    (dict(ROPE, parallel_block=True), "model.parallel_block=True: the Llama export needs False"),
+     "export to llama: model.final_logit_softcap=30.0 has no Hugging Face Llama equivalent"),
+    (dict(ROPE, parallel_block=True), "model.parallel_block=True has no Hugging Face Llama "
+     "equivalent .expected the default False"),
     (dict(ROPE, sliding_window=4, sliding_window_pattern=2),
-     "model.sliding_window_pattern=2: the Mistral export needs 0"),
-    (dict(position="learned", qk_norm=True), "model.qk_norm=True: the GPT-2 export needs False"),
+     "export to mistral: model.sliding_window_pattern=2 has no Hugging Face Mistral equivalent"),
+    (dict(position="learned", qk_norm=True), "model.qk_norm=True has no Hugging Face GPT-2 "
+     "equivalent .expected the default False"),
     (dict(family="lstm"), "model.family='lstm': expected 'gpt', 'bert' or 't5'"),
     (dict(family="t5", position="t5", norm="rmsnorm", use_bias=False, attention_scale=1.0,
-          activation="relu", tie_embeddings=False), "the T5 export needs a tied head"),
+          activation="relu", tie_embeddings=False), "export to t5: model.tie_embeddings=False "
+     "has no Hugging Face T5 equivalent .expected True: transformers 5's"),
     (dict(head="classify", num_classes=2), "a GPT classifier is not exported"),
     (dict(ROPE, moe=dict(num_experts=4, normalize_gates=False)),
-     "model.moe.normalize_gates=False: the Mixtral export needs True"),
-    (dict(ROPE, moe=dict(num_experts=4, top_k=1)), "model.moe.top_k=1: the Mixtral export needs"),
-    (dict(ROPE, moe=dict(num_experts=4, d_ff=16)), "model.moe.d_ff=16: the Mixtral export needs"),
+     "export to mixtral: model.moe.normalize_gates=False has no Hugging Face Mixtral equivalent"),
+    (dict(ROPE, moe=dict(num_experts=4, top_k=1)),
+     "model.moe.top_k=1 has no Hugging Face Mixtral equivalent .expected >= 2"),
+    (dict(ROPE, moe=dict(num_experts=4, d_ff=16)),
+     "model.moe.d_ff=16 has no Hugging Face Mixtral equivalent .expected 0 or 64"),
     (dict(ROPE, qkv_bias=True, moe=dict(num_experts=4)),
-     "model.moe.shared_gate=False: the Qwen2Moe export needs True"),
+     "export to qwen2_moe: model.moe.shared_gate=False has no Hugging Face Qwen2-MoE equivalent"),
     (dict(ROPE, qk_norm=True, moe=dict(num_experts=4, num_shared=1)),
-     "model.moe.num_shared=1: the Qwen3Moe export needs 0"),
+     "export to qwen3_moe: model.moe.num_shared=1 has no Hugging Face Qwen3-MoE equivalent"),
     (dict(position="learned", moe=dict(num_experts=4)),
      "a mixture of experts is not exported but as a RoPE GPT"),
 ])
@@ -143,6 +153,80 @@ def test_architectures_without_a_hugging_face_class_are_refused(overrides, match
     with pytest.raises(ValueError, match=match) as error:
         export.to_hf(config, {})
     assert "\n" not in str(error.value)
+
+
+TITLES = {"gpt2": "GPT-2", "bert": "BERT", "t5": "T5", "llama": "Llama", "mistral": "Mistral",
+          "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma 2", "olmo2": "OLMo 2",
+          "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
+
+
+def with_new_model_keys(monkeypatch):
+    """Model keys added after the exporters were written: a config entry `new_knob` (0), a
+    `TransformerConfig` field `new_field` (0.5), and `moe.new_knob` and `lora.new_knob` (0)."""
+    import dataclasses
+
+    from transformer.hf import allowlist
+    from transformer.nn.config import TransformerConfig
+
+    def defaults():
+        config = default_model_config()
+        config.new_knob = 0
+        config.moe.new_knob = 0
+        config.lora.new_knob = 0
+        return config
+
+    monkeypatch.setattr(allowlist, "default_model_config", defaults)
+    monkeypatch.setattr(allowlist, "TransformerConfig", dataclasses.make_dataclass(
+        "Later", [("new_field", float, dataclasses.field(default=0.5))],
+        bases=(TransformerConfig,), frozen=True))
+
+
+@pytest.mark.parametrize("case", EXPORTABLE)
+def test_a_model_key_no_exporter_maps_is_refused_by_every_exporter(case, monkeypatch):
+    torch.manual_seed(0)
+    hf = CASES[case]()[0]
+    name = hf.config.model_type
+    config, params = convert.from_hf(hf.config, hf.state_dict())
+    with_new_model_keys(monkeypatch)
+    settings = [("new_knob", 1, 0), ("new_field", 2.0, 0.5)]
+    if config.moe.num_experts:
+        settings.append(("moe.new_knob", 1, 0))
+    for key, value, default in settings:
+        changed = config.copy_and_resolve_references()
+        changed.update_from_flattened_dict({key: value}) if "." in key else \
+            changed.update({key: value})
+        with pytest.raises(ValueError) as error:
+            export.to_hf(changed, params)
+        assert str(error.value) == (f"export to {name}: model.{key}={value!r} has no Hugging "
+                                    f"Face {TITLES[name]} equivalent (expected the default "
+                                    f"{default!r})")
+    # At their defaults the new keys export as before; a key no model has is refused too.
+    config.new_knob, config.new_field = 0, 0.5
+    hf_config, _ = export.to_hf(config, params)
+    assert type(hf_config) is type(hf.config)
+    config.not_a_model_key = True
+    with pytest.raises(ValueError, match=f"export to {name}: model.not_a_model_key=True has no "):
+        export.to_hf(config, params)
+
+
+def test_lora_settings_are_refused_unmerged_and_by_the_peft_export_unless_mapped(monkeypatch):
+    import ml_collections
+
+    torch.manual_seed(0)
+    hf = CASES["llama_gqa"]()[0]
+    model, params = convert.from_hf(hf.config, hf.state_dict())
+    model.lora.rank = 4
+    with pytest.raises(ValueError, match=re.escape(
+            "export to llama: model.lora.rank=4 has no Hugging Face Llama equivalent (expected "
+            "the default 0)")):
+        export.to_hf(model, params)  # the adapters would be dropped: merge them first
+    assert export.base_model_config(model).lora.rank == 0 and model.lora.rank == 4
+    with_new_model_keys(monkeypatch)
+    model.lora.new_knob = 1
+    with pytest.raises(ValueError) as error:
+        export.peft_state(ml_collections.ConfigDict({"model": model, "init_from": ""}), params)
+    assert str(error.value) == ("export to peft: model.lora.new_knob=1 has no Hugging Face peft "
+                                "LoRA equivalent (expected the default 0)")
 
 
 LLAMA_SHAPED = dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False,

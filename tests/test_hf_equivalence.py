@@ -360,7 +360,7 @@ def test_scanned_conversion_gives_the_same_logits():
     ids = jnp.asarray(tokens(5, (1, 9)))
     unrolled = build_model(config).apply({"params": params}, ids)
     config.scan_layers = True
-    scanned_params = convert._maybe_scan(config, params, "decoder")
+    scanned_params = convert.scan_params(config, params)
     assert scanned_params["decoder"]["layers"]["mlp"]["wi"].shape[0] == 3
     scanned = build_model(config).apply({"params": scanned_params}, ids)
     np.testing.assert_allclose(scanned, unrolled, atol=1e-5)

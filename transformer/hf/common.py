@@ -1,0 +1,81 @@
+"""What the Hugging Face converters share (`convert` for GPT-2, BERT and T5, `convert_llama`
+for the Llama-like families; `flat_heads` for the exporters too): a state dict that reports
+missing and unused tensors, the head and norm layouts, the default model config they start
+from, and layer stacking for scan_layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from transformer.models import default_model_config
+from transformer.nn.layers import stack_layers
+
+
+class Checkpoint:
+    """A state dict that remembers which tensors were read, to report what is missing or left."""
+
+    def __init__(self, state_dict: dict[str, Any], ignored: tuple[str, ...] = (),
+                 dtype=np.float32):
+        self._tensors = dict(state_dict)
+        self._dtype = dtype
+        self._used: set[str] = set()
+        self._ignored = set(ignored)  # tied copies read under another name, unused heads
+
+    def __call__(self, name: str, transpose: bool = False) -> np.ndarray:
+        if name not in self._tensors:
+            raise KeyError(f"checkpoint is missing parameter {name!r} "
+                           f"({len(self._tensors)} tensors present)")
+        self._used.add(name)
+        tensor = self._tensors[name]
+        if hasattr(tensor, "detach"):  # torch.Tensor
+            tensor = tensor.detach().cpu().double().numpy()
+        array = np.asarray(tensor, self._dtype)
+        return array.T if transpose else array
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def check_all_used(self) -> None:
+        unused = sorted(set(self._tensors) - self._used - self._ignored)
+        if unused:
+            raise ValueError(f"checkpoint has unexpected parameters {unused}: the converted "
+                             "model has no place for them")
+
+
+def split_heads(kernel_DX: np.ndarray, num_heads: int) -> np.ndarray:
+    """[D, N * H] -> [D, N, H] (HF splits the projection's output dim head by head)."""
+    return kernel_DX.reshape(kernel_DX.shape[0], num_heads, -1)
+
+
+def flat_heads(kernel_DNH: np.ndarray) -> np.ndarray:
+    """[D, N, H] -> [D, N * H], HF's head-by-head output layout (the inverse of split_heads)."""
+    return kernel_DNH.reshape(kernel_DNH.shape[0], -1)
+
+
+def norm_params(ckpt, prefix, bias=True, weight="weight", bias_name="bias"):
+    params = {"scale": ckpt(f"{prefix}.{weight}")}
+    if bias:
+        params["bias"] = ckpt(f"{prefix}.{bias_name}")
+    return params
+
+
+def model_config(**overrides) -> ml_collections.ConfigDict:
+    config = default_model_config()
+    config.update(overrides)
+    return config
+
+
+
+def maybe_scan(config, params, *stacks):
+    """Stack per-layer params along a leading axis when the config scans layers."""
+    if not config.scan_layers:
+        return params
+    params = dict(params)
+    for name in stacks:
+        layers = config.num_decoder_layers if name == "decoder" and config.num_decoder_layers \
+            else config.num_layers
+        params[name] = stack_layers(params[name], layers)
+    return params
