@@ -15,6 +15,8 @@ from scipy import stats
 from transformer import generate
 from transformer.configs import base_config
 from transformer.data import tokenizers
+from transformer.generation import loop, programs
+from transformer.generation import sampling as sampling_lib
 from transformer.models import build_model, default_model_config
 
 VOCAB = 48
@@ -120,11 +122,11 @@ def test_generate_tokens_loop_stops_at_eos_and_max_length():
 
 def test_generate_tokens_feeds_positions_and_exits_once_every_row_is_done():
     first = jax.nn.one_hot(jnp.array([7, 8]), 10) * 10.0
-    mode, knobs = generate._split(generate.Sampling(), 10, eos_id=9)
-    state = generate._start_state((jnp.full((2, 8), -1), jnp.zeros((), jnp.int32)),
-                                  jnp.array([1, 1]), first, jnp.array([4, 2]), 0, knobs,
-                                  max_new_tokens=8, mode=mode)
-    state = generate._run(_counting_step, None, state, 8, mode)
+    mode, knobs = sampling_lib._split(sampling_lib.Sampling(), 10, eos_id=9)
+    state = loop._start_state((jnp.full((2, 8), -1), jnp.zeros((), jnp.int32)),
+                              jnp.array([1, 1]), first, jnp.array([4, 2]), 0, knobs,
+                              max_new_tokens=8, mode=mode)
+    state = loop._run(_counting_step, None, state, 8, mode)
     positions, steps = state.cache
     assert int(steps) == 2 and int(state.step) == 3  # row 0: 7 8 9, row 1: 8 9; then stop
     np.testing.assert_array_equal(positions[:, :2], [[4, 5], [2, 3]])
@@ -247,7 +249,7 @@ def test_t5_beam_search_scores_are_length_penalized_log_probabilities(models):
     np.testing.assert_array_equal(alone[0][0], tokens[1])
     np.testing.assert_allclose(alone[2][0], scores[1], rtol=1e-5)
     # Teacher-forced log-probabilities of the returned sequences (both rows in one batch).
-    encoder_inputs, encoder_lengths = generate._as_batch(PROMPTS, None, VOCAB)
+    encoder_inputs, encoder_lengths = programs._as_batch(PROMPTS, None, VOCAB)
     segments = (np.arange(encoder_inputs.shape[1]) < encoder_lengths[:, None]).astype(np.int32)
     decoder_inputs = np.concatenate([np.full((2, 1), tokenizers.BOS_ID), tokens[:, :-1]], 1)
     logits = jax.jit(model.apply)({"params": params}, encoder_inputs, decoder_inputs,

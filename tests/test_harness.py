@@ -1,4 +1,5 @@
-"""lm-evaluation-harness adapter (transformer.harness): tasks defined here from local JSONL files
+"""lm-evaluation-harness adapter (transformer.hf.harness, registered with a workdir's loading by
+transformer.harness): tasks defined here from local JSONL files
 (nothing is downloaded) give the numbers computed directly from the model's log-probabilities."""
 
 import glob
@@ -151,6 +152,17 @@ def test_the_lm_eval_command_runs_with_the_model_registered(workdir, tmp_path):
     assert "local_mc" in result.stdout and "acc" in result.stdout
     assert any(f.endswith(".json") for _, _, files in os.walk(tmp_path / "out") for f in files)
 
+
+def test_lm_eval_model_transformer_is_the_params_adapter_loading_a_workdir():
+    """`--model transformer` names the command's class, which loads a workdir into the adapter
+    over params in memory (`training.task_eval`'s, below the commands)."""
+    from lm_eval.api.registry import get_model
+
+    from transformer.hf import harness as hf_harness
+
+    assert get_model("transformer") is TransformerLM
+    assert issubclass(TransformerLM, hf_harness.TransformerLM)
+    assert TransformerLM.from_params.__func__ is hf_harness.TransformerLM.from_params.__func__
 
 
 def run_main(evaluate: str, *args: str) -> subprocess.CompletedProcess:

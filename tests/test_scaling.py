@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from transformer import scaling, sweep
+from transformer.sweeps import definition
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENT = os.path.join(REPO, "experiments", "scaling", "isoflop.py")
@@ -136,8 +137,8 @@ def test_the_experiment_spends_each_budget():
     fitter groups the runs by it), with short-run settings."""
     from transformer.training.metrics import flops_per_token
 
-    module = sweep._experiment(EXPERIMENT)
-    configs = sweep.variant_configs(module.get_config(), sweep.load_sweep(EXPERIMENT))
+    module = definition.experiment_module(EXPERIMENT)
+    configs = sweep.variant_configs(module.get_config(), definition.load_sweep(EXPERIMENT))
     assert len(configs) == len(module.BUDGETS) * len(module.SIZES) >= 12
     for name, config in configs.items():
         size = name.split("_", 1)[1]
@@ -153,8 +154,8 @@ def test_the_experiment_spends_each_budget():
 def fake_sweep(root, skip=(), unfinished=()):
     """The experiment's sweep directory as if it had run: summary.json with the law's loss
     (C = flops_per_token x tokens, as the sweep spends it) for every variant but `skip`."""
-    module = sweep._experiment(EXPERIMENT)
-    configs = sweep.variant_configs(module.get_config(), sweep.load_sweep(EXPERIMENT))
+    module = definition.experiment_module(EXPERIMENT)
+    configs = sweep.variant_configs(module.get_config(), definition.load_sweep(EXPERIMENT))
     for name, config in configs.items():
         if name in skip:
             continue

@@ -202,6 +202,7 @@ def test_chat_replies_open_the_assistant_turn_and_stop_at_its_end(llama3_dir, mo
     from types import SimpleNamespace
 
     from transformer import generate
+    from transformer.generation import text
 
     tok = tokenizers_lib.load_hf_tokenizer(str(llama3_dir))
     eot, reply, seen = chat.end_of_turn_id(tok), tok.encode(" Paris."), {}
@@ -210,7 +211,7 @@ def test_chat_replies_open_the_assistant_turn_and_stop_at_its_end(llama3_dir, mo
         seen.update(prompt=list(prompts[0]), eos=eos_id, banned=banned_ids, n=max_new_tokens)
         return np.array([[*reply, eot, 40, 41]]), None
 
-    monkeypatch.setattr(generate, "decode", decode)
+    monkeypatch.setattr(text, "decode", decode)  # what chat_replies calls
     config = configs.experiment("sft_chat")
     messages = conversation(3)[:-1]  # ends with the user's turn
     got = generate.chat_replies(SimpleNamespace(vocab_size=tok.vocab_size + 7), None, tok,

@@ -19,6 +19,7 @@ from scipy import stats
 
 from transformer import sweep
 from transformer.configs import base_config
+from transformer.sweeps import plots
 from transformer.training import evaluation
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,9 +165,9 @@ def test_mean_curves_over_seeds():
             [{"split": "validation", "step": 2, "loss": 5.0, "elapsed": 2.0},
              {"split": "validation", "step": 4, "loss": float("nan"), "elapsed": 4.0}],
             []]  # a seed that has not logged yet is left out
-    xs, mean, low, high = sweep._mean_curve(runs, "validation", "elapsed")
+    xs, mean, low, high = plots._mean_curve(runs, "validation", "elapsed")
     assert (xs, mean, low, high) == ([1.5], [4.5], [4.0], [5.0])  # step 4 is not finite in both
-    assert sweep._mean_curve(runs[:1], "validation", "step") == ([2, 4], [4.0, 3.0],
+    assert plots._mean_curve(runs[:1], "validation", "step") == ([2, 4], [4.0, 3.0],
                                                                   [4.0, 3.0], [4.0, 3.0])
 
 

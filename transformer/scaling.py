@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from transformer import sweep
+from transformer.sweeps import definition, report
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "experiments", "scaling", "isoflop.py")
@@ -367,16 +368,16 @@ def load_runs(workdir: str, config_file: str, config) -> tuple[list[Run], list[s
 
     if not os.path.isdir(workdir):
         raise NotADirectoryError(f"--workdir={workdir}: expected the sweep's directory")
-    module = sweep._experiment(config_file)
+    module = definition.experiment_module(config_file)
     budgets = getattr(module, "BUDGETS", None)
     if not budgets:
         raise ValueError(f"{config_file}: expected BUDGETS, the sweep's compute budgets")
-    configs = sweep.variant_configs(config, sweep.load_sweep(config_file))
+    configs = sweep.variant_configs(config, definition.load_sweep(config_file))
     runs, missing = [], []
     for name, variant in configs.items():
         directory = os.path.join(workdir, name)
-        summary = sweep._summary(directory)
-        row = sweep.variant_row(name, variant, directory)
+        summary = report.read_summary(directory)
+        row = report.variant_row(name, variant, directory)
         loss = row["val_loss"] if row["val_loss"] is not None else summary.get("val_loss")
         if row["status"] != "finished" or loss is None or not summary.get("num_params"):
             missing.append(f"{name} ({row['status']})")

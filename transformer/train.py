@@ -318,10 +318,10 @@ def main(argv) -> None:
     language_model = family_of(config).continues_text and \
         pipeline.objective_for(config) in pipeline.OBJECTIVES
     if language_model and jax.process_count() == 1 and result["state"] is not None:
-        from transformer import generate
+        from transformer.generation import text
 
-        generate.print_samples(result["model"], optim.eval_params(result["state"], config),
-                               result["tokenizer"], config, inputs.sample_prompt(config))
+        text.print_samples(result["model"], optim.eval_params(result["state"], config),
+                           result["tokenizer"], config, inputs.sample_prompt(config))
     print(json.dumps(result["summary"], indent=2))
 
 

@@ -2,7 +2,7 @@
 
 Every `eval_tasks_every` steps (0: only after the last one) and after the last step, the
 current params (schedule-free's evaluation point: `optim.eval_params`) are scored on the tasks
-in-process through the harness adapter (`transformer.harness.TransformerLM`), and the results
+in-process through the harness adapter (`transformer.hf.harness.TransformerLM`), and the results
 are logged as validation is: a "tasks" record in metrics.jsonl and TensorBoard, a line in the
 log, and `tasks/<task>/<metric>` keys in summary.json.
 
@@ -106,7 +106,7 @@ def evaluate(run, params) -> float:
     run.last_metrics; returns the seconds it took."""
     import lm_eval
 
-    from transformer.harness import TransformerLM
+    from transformer.hf.harness import TransformerLM
 
     began = time.perf_counter()
     config = run.config

@@ -1,0 +1,162 @@
+"""Sampling filters: logits -> tokens (greedy, temperature, top-k, top-p), never drawing banned
+ids. `Sampling` is the setting; its static part (`_Mode`) shapes a compiled program, its traced
+part (`_Knobs`) does not, so changing a temperature or the banned ids does not recompile."""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer.data import tokenizers as tokenizers_lib
+
+PAD_ID, BOS_ID, EOS_ID = tokenizers_lib.PAD_ID, tokenizers_lib.BOS_ID, tokenizers_lib.EOS_ID
+# Top-p counts a set as reaching p when its mass is within this of p (float32 cumsum rounding).
+_TOP_P_TOLERANCE = 1e-6
+
+Array = jax.Array
+
+
+class Sampling(NamedTuple):
+    """How a token is drawn from logits: temperature 0 is greedy (argmax); otherwise sample
+    softmax(logits / temperature) restricted to the top_k best tokens (0: all) and then to the
+    smallest best-first set whose probability reaches top_p (1.0: all)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
+    """A validated `Sampling` (one-line ValueErrors naming the bad value)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
+            math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature!r}: expected a finite float >= 0")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r}: expected an int >= 0 (0: no top-k filter)")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r}: expected a float in (0, 1] (1: no top-p filter)")
+    return Sampling(float(temperature), int(top_k), float(top_p))
+
+
+class _Mode(NamedTuple):
+    """The part of a `Sampling` that shapes the compiled program; temperature, the top_p value
+    and the EOS id are traced (`_Knobs`), so changing them does not recompile."""
+
+    greedy: bool
+    top_k: int
+    top_p: bool  # filter by top-p
+
+
+class _Knobs(NamedTuple):
+    temperature: Array  # float32 scalar
+    top_p: Array  # float32 scalar
+    eos_id: Array  # int32 scalar; -1: none
+    banned_V: Array  # bool [V]: ids never drawn (a traced array: another set does not recompile)
+
+
+def _split(s: Sampling, vocab_size: int, eos_id: int | None = None,
+           banned_ids: Sequence[int] | None = None) -> tuple[_Mode, _Knobs]:
+    mode = _Mode(s.temperature == 0.0, s.top_k, s.top_p < 1.0)
+    knobs = _Knobs(np.float32(s.temperature or 1.0), np.float32(s.top_p),
+                   np.int32(-1 if eos_id is None else eos_id),
+                   _banned_mask(banned_ids, vocab_size))
+    return mode, knobs
+
+
+def _banned_mask(banned_ids: Sequence[int] | None, vocab_size: int) -> np.ndarray:
+    """bool [vocab_size], True at `banned_ids` (None: none)."""
+    mask = np.zeros(vocab_size, bool)
+    if banned_ids is not None:
+        ids = np.asarray(banned_ids, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"banned_ids with {int(ids.min())}..{int(ids.max())}: expected "
+                             f"ids in [0, {vocab_size})")
+        mask[ids] = True
+    return mask
+
+
+def _allowed(logits_BV: Array, banned_V: Array) -> Array:
+    """Banned ids get -inf, before temperature and filters: no setting can draw them."""
+    return jnp.where(banned_V, -jnp.inf, logits_BV.astype(jnp.float32))
+
+
+def _candidates(logits_BV: Array, top_k: int, top_p: Array | None) -> tuple[Array, Array | None]:
+    """(logits [B, C], their token ids [B, C] or None for the identity) of the tokens that top-k
+    and top-p keep; the others are -inf. Ties keep the lower token id first."""
+    vocab = logits_BV.shape[-1]
+    if 0 < top_k < vocab:
+        values_BC, ids_BC = jax.lax.top_k(logits_BV, top_k)  # sorted, ties: lower index first
+    elif top_p is not None:
+        ids_BC = jnp.argsort(-logits_BV, axis=-1, stable=True)
+        values_BC = jnp.take_along_axis(logits_BV, ids_BC, axis=-1)
+    else:
+        return logits_BV, None
+    if top_p is not None:
+        probs_BC = jax.nn.softmax(values_BC, axis=-1)
+        before_BC = jnp.cumsum(probs_BC, axis=-1) - probs_BC  # mass of the better tokens
+        keep_BC = before_BC < top_p - _TOP_P_TOLERANCE
+        keep_BC = keep_BC.at[:, 0].set(True)
+        values_BC = jnp.where(keep_BC, values_BC, -jnp.inf)
+    return values_BC, ids_BC
+
+
+def _filtered(logits_BV: Array, mode: _Mode, knobs: _Knobs):
+    return _candidates(logits_BV.astype(jnp.float32) / knobs.temperature, mode.top_k,
+                       knobs.top_p if mode.top_p else None)
+
+
+def _pick(logits_BV: Array, keys_B: Array, mode: _Mode, knobs: _Knobs) -> Array:
+    logits_BV = _allowed(logits_BV, knobs.banned_V)
+    if mode.greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    values_BC, ids_BC = _filtered(logits_BV, mode, knobs)
+    choice_B = jax.vmap(jax.random.categorical)(keys_B, values_BC)
+    if ids_BC is not None:
+        choice_B = jnp.take_along_axis(ids_BC, choice_B[:, None], axis=-1)[:, 0]
+    return choice_B.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames="mode")
+def _kept(logits_BV, knobs, *, mode):
+    logits_BV = _allowed(logits_BV, knobs.banned_V)
+    if mode.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits_BV, -1), logits_BV.shape[-1], dtype=bool)
+    values_BC, ids_BC = _filtered(logits_BV, mode, knobs)
+    if ids_BC is None:
+        return jnp.ones(logits_BV.shape, bool)
+    rows = jnp.arange(logits_BV.shape[0])[:, None]
+    return jnp.zeros(logits_BV.shape, bool).at[rows, ids_BC].set(values_BC > -jnp.inf)
+
+
+def kept_tokens(logits_BV: Array, *, top_k: int = 0, top_p: float = 1.0,
+                temperature: float = 1.0) -> Array:
+    """bool [B, V]: the tokens sampling may draw (top-k, then the smallest set reaching top_p).
+
+    >>> logits = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3]]))
+    >>> kept_tokens(logits, top_p=0.7).astype(int).tolist()
+    [[0, 1, 0, 1]]
+    """
+    mode, knobs = _split(sampling(temperature, top_k, top_p), logits_BV.shape[-1])
+    return _kept(logits_BV, knobs, mode=mode)
+
+
+@functools.partial(jax.jit, static_argnames="mode")
+def _sample(logits_BV, keys_B, knobs, *, mode):
+    return _pick(logits_BV, keys_B, mode, knobs)
+
+
+def sample_tokens(logits_BV: Array, keys: Array, *, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0) -> Array:
+    """One token per row of logits [B, V]: int32 [B]. `keys` is one PRNG key (split per row)
+    or B keys, one per row."""
+    mode, knobs = _split(sampling(temperature, top_k, top_p), logits_BV.shape[-1])
+    if keys.ndim == 0:
+        keys = jax.random.split(keys, logits_BV.shape[0])
+    return _sample(logits_BV, keys, knobs, mode=mode)

@@ -1,0 +1,264 @@
+"""Text in, texts out, for a model of any family (LSTM: full recomputation): `sample_texts`,
+`beam_search_text`, `chat_replies` (and `read_chat`, the conversations of --chat). They never
+emit ids without text (`banned_ids`: specials other than <eos>, sentinels, ids past the
+tokenizer) and warn on prompt characters the tokenizer lacks."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer.data import tokenizers as tokenizers_lib
+from transformer.generation.programs import _check_seed_and_eos, beam_search, decode
+from transformer.generation.sampling import (
+    BOS_ID,
+    _pick,
+    _split,
+    sampling,
+)
+from transformer.models import FAMILIES, family_of
+
+
+@functools.partial(jax.jit, static_argnames=("apply_fn", "length", "mode"))
+def _sample_loop(params, buffer, start, seed, knobs, *, apply_fn, length, mode):
+    """Fills buffer[:, start:length] one token at a time, rerunning the whole prefix per token
+    (models without a KV cache: the LSTM)."""
+    keys = jax.random.split(jax.random.key(seed), buffer.shape[0])
+
+    def step(t, buffer):
+        logits = apply_fn(params, buffer)[:, t - 1]  # position t - 1 predicts token t
+        keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
+        return buffer.at[:, t].set(_pick(logits, keys_B, mode, knobs).astype(buffer.dtype))
+
+    return jax.lax.fori_loop(start, length, step, buffer)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ApplyTokens:
+    model: nn.Module
+
+    def __call__(self, params, tokens):
+        return self.model.apply({"params": params}, tokens)
+
+
+@functools.lru_cache(maxsize=8)
+def banned_ids(tokenizer: tokenizers_lib.Tokenizer, vocab_size: int, *,
+               sentinels_allowed: bool = False) -> tuple[int, ...]:
+    """The ids a text decoder never emits, below the model's `vocab_size`: the specials except
+    <eos> (which ends a sample), the sentinels unless `sentinels_allowed`, and the ids past
+    the tokenizer's vocabulary (a model's padded vocabulary), which have no text."""
+    sentinels = set(tokenizer.sentinel_ids)
+    banned = [i for i in tokenizer.special_ids if i != tokenizer.eos_id and
+              not (sentinels_allowed and i in sentinels)]
+    return tuple(banned + list(range(tokenizer.vocab_size, vocab_size)))
+
+
+def _emits_sentinels(config) -> bool:
+    """Whether the config's model legitimately writes sentinels: a T5-style encoder-decoder
+    trained on span corruption, whose targets are `<extra_id_0> c d <extra_id_1> ... <eos>`.
+    Every other text model saw sentinels never (or only as inputs)."""
+    from transformer.data import pipeline
+
+    return _decoding(config) == "encoder_decoder" and \
+        pipeline.objective_for(config) == "span_corruption"
+
+
+def _banned_for(tokenizer, model, config) -> tuple[int, ...]:
+    return banned_ids(tokenizer, model.vocab_size, sentinels_allowed=_emits_sentinels(config))
+
+
+def _encode_prompt(tokenizer, prompt: str) -> np.ndarray:
+    """The prompt's ids, with one warning line on stderr naming the characters the tokenizer
+    has no ids for (they become <unk>)."""
+    missing = tokenizer.unknown_chars(prompt)
+    if missing:
+        print(f"warning: the tokenizer has no ids for {', '.join(map(repr, missing))} in the "
+              "prompt; they become <unk>", file=sys.stderr)
+    return tokenizer.encode(prompt)
+
+
+def _start_id(tokenizer, decoding: str) -> int:
+    """An encoder-decoder's first decoder token (the tokenizer's); decoder LMs read none."""
+    return tokenizer.decoder_start_id if decoding == "encoder_decoder" else BOS_ID
+
+
+def _until_eos(ids: np.ndarray, eos_id: int) -> np.ndarray:
+    ends = np.flatnonzero(ids == eos_id)
+    return ids[:ends[0]] if ends.size else ids
+
+
+def print_samples(model, params, tokenizer, config, prompt: str, num_samples: int = 3) -> None:
+    """Prints samples with nanoGPT's settings (temperature 0.8, top-k 200) continuing `prompt`,
+    shortened to at most half the context (room to continue); the end of a training run."""
+    while len(tokenizer.encode(prompt)) > config.seq_len // 2:
+        prompt = prompt[:-1]
+    print(f"\nsamples (temperature 0.8, top-k 200, prompt {prompt!r}):")
+    for text in sample_texts(model, params, tokenizer, config, num_samples=num_samples,
+                             prompt=prompt, temperature=0.8, top_k=200):
+        print("---\n" + text)
+
+
+def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prompt: str = "",
+                 temperature: float = 0.8, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+                 max_new_tokens: int | None = None, chunk_size: int | None = None,
+                 callback: Callable[[list[str]], None] | None = None) -> list[str]:
+    """`num_samples` continuations of `prompt`, each ending at EOS or after `max_new_tokens`.
+
+    Decoder LMs continue the prompt after an <eos> (a document start) and return prompt +
+    continuation; by default they fill the training context of config.seq_len tokens. An
+    encoder-decoder reads prompt + <eos> and returns what it decodes (default: seq_len tokens).
+    With `chunk_size`, `callback` gets the texts so far after every chunk of tokens.
+    """
+    decoding = _decoding(config)
+    s = sampling(temperature, top_k, top_p)
+    _check_seed_and_eos(seed, None)
+    check_max_new_tokens(max_new_tokens)
+    encoded = _encode_prompt(tokenizer, prompt)
+    banned = _banned_for(tokenizer, model, config)
+    eos = tokenizer.eos_id
+    if decoding == "encoder_decoder":
+        prompt_ids = np.concatenate([encoded, [eos]]).astype(np.int32)
+        keep = np.zeros(0, np.int32)
+    else:
+        prompt_ids = np.concatenate([[eos], encoded]).astype(np.int32)
+        keep = prompt_ids[1:]
+    n = _new_tokens(max_new_tokens, config, decoding, len(prompt_ids))
+
+    def to_texts(rows):
+        return [tokenizer.decode(np.concatenate([keep, _until_eos(r, eos)])) for r in rows]
+    if n == 0:
+        texts = to_texts(np.zeros((num_samples, 0), np.int32))
+        if callback is not None:
+            callback(texts)
+        return texts
+    if decoding == "recompute":
+        length = len(prompt_ids) + n
+        buffer = np.zeros((num_samples, length), np.int32)
+        buffer[:, :len(prompt_ids)] = prompt_ids
+        mode, knobs = _split(s, model.vocab_size, banned_ids=banned)
+        out = _sample_loop(params, jnp.asarray(buffer), len(prompt_ids), np.int32(seed), knobs,
+                           apply_fn=_ApplyTokens(model), length=length, mode=mode)
+        texts = to_texts(np.asarray(out)[:, len(prompt_ids):])
+        if callback is not None:
+            callback(texts)
+        return texts
+    on_tokens = None if callback is None else (lambda tokens: callback(to_texts(tokens)))
+    tokens, _ = decode(model, params, [prompt_ids] * num_samples, max_new_tokens=n,
+                       temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed,
+                       prefix_lm=decoding == "prefix", chunk_size=chunk_size,
+                       callback=on_tokens, banned_ids=banned, eos_id=eos,
+                       start_id=_start_id(tokenizer, decoding))
+    return to_texts(tokens)
+
+
+def check_max_new_tokens(max_new_tokens) -> None:
+    """One-line error unless `max_new_tokens` is None (the default length) or an int >= 0
+    (0: no new tokens, the prompt alone)."""
+    if max_new_tokens is not None and (
+            isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer)
+            or max_new_tokens < 0):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int >= 0 "
+                         "(0: the prompt alone)")
+
+
+def _new_tokens(max_new_tokens: int | None, config, decoding: str, prompt_length: int) -> int:
+    """`max_new_tokens`, or by default seq_len tokens (an encoder-decoder's output) or what
+    fills the training context after the prompt (a decoder LM)."""
+    if max_new_tokens is not None:
+        return int(max_new_tokens)
+    if decoding == "encoder_decoder":
+        return config.seq_len
+    if prompt_length >= config.seq_len:
+        raise ValueError(f"prompt of {prompt_length} tokens: expected < seq_len="
+                         f"{config.seq_len} (or pass max_new_tokens)")
+    return config.seq_len - prompt_length
+
+
+def _decoding(config) -> str:
+    """How the config's model family generates (`Family.decoding`), or a one-line error."""
+    family = family_of(config)
+    if family.decoding is None:
+        raise ValueError(f"model.family={family.name!r} does not generate text: expected one of "
+                         f"{[name for name, f in FAMILIES.items() if f.decoding]}")
+    return family.decoding
+
+
+def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size: int = 4,
+                     max_new_tokens: int | None = None, length_penalty: float = 0.6) -> str:
+    """The best beam for `prompt` (an encoder-decoder reads prompt + <eos>; a decoder LM
+    continues <eos> + prompt and the result includes the prompt)."""
+    decoding = _decoding(config)
+    check_max_new_tokens(max_new_tokens)
+    encoded = _encode_prompt(tokenizer, prompt)
+    eos = tokenizer.eos_id
+    if decoding == "encoder_decoder":
+        ids, keep = np.concatenate([encoded, [eos]]), np.zeros(0, np.int32)
+    else:
+        ids = np.concatenate([[eos], encoded])
+        keep = ids[1:]
+    n = _new_tokens(max_new_tokens, config, decoding, len(ids))
+    if n == 0:
+        return tokenizer.decode(keep)
+    tokens, _, _ = beam_search(model, params, [ids.astype(np.int32)], beam_size=beam_size,
+                               max_new_tokens=n, length_penalty=length_penalty,
+                               prefix_lm=decoding == "prefix",
+                               banned_ids=_banned_for(tokenizer, model, config), eos_id=eos,
+                               start_id=_start_id(tokenizer, decoding))
+    return tokenizer.decode(np.concatenate([keep, _until_eos(tokens[0], eos)]))
+
+
+def chat_replies(model, params, tokenizer, config, conversation, *, num_samples: int = 1,
+                 temperature: float = 0.8, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+                 max_new_tokens: int | None = None) -> list[str]:
+    """`num_samples` assistant replies to `conversation` (a list of {"role", "content"}): the
+    conversation rendered with the tokenizer's chat template and the assistant turn open
+    (`add_generation_prompt`), exactly as `data.objective="sft"` renders training data, then
+    sampled until the template's end of turn (or <eos>), which the reply leaves out."""
+    from transformer.data import chat
+
+    if _decoding(config) not in ("causal", "prefix"):
+        raise ValueError(f"model.family={config.model.family!r}: --chat expected a decoder LM")
+    check_max_new_tokens(max_new_tokens)
+    prompt = chat.encode_chat(tokenizer, conversation, add_generation_prompt=True,
+                              where="--chat")
+    end = chat.end_of_turn_id(tokenizer)
+    n = _new_tokens(max_new_tokens, config, "causal", len(prompt))
+    banned = tuple(i for i in _banned_for(tokenizer, model, config) if i != end)
+    tokens, _ = decode(model, params, [prompt] * num_samples, max_new_tokens=n,
+                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                       prefix_lm=_decoding(config) == "prefix", banned_ids=banned, eos_id=end)
+    stops = [i for i in (end, tokenizer.eos_id) if i is not None]
+    replies = []
+    for row in tokens:
+        cut = [int(np.flatnonzero(row == i)[0]) for i in stops if (row == i).any()]
+        replies.append(tokenizer.decode(row[:min(cut, default=len(row))]))
+    return replies
+
+
+def read_chat(value: str) -> list[list[dict]]:
+    """--chat's conversations: inline JSON (a messages list, or {"messages": [...]}), a .json
+    file holding the same, or a JSONL file of one conversation per line."""
+    import os
+
+    from transformer.data import chat
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            json.loads(text)
+        except json.JSONDecodeError:  # several lines: JSONL
+            return [list(c.messages) for c in chat.read_conversations(value)]
+        return [list(chat.parse_conversation(text, value).messages)]
+    if not value.lstrip().startswith(("[", "{")):
+        raise ValueError(f"--chat={value!r}: expected a JSON/JSONL file of conversations or "
+                         'inline JSON, e.g. \'[{"role": "user", "content": "Hi"}]\'')
+    return [list(chat.parse_conversation(value, "--chat").messages)]

@@ -1,0 +1,149 @@
+"""lm-evaluation-harness adapter over params in memory: `TransformerLM`, a causal decoder LM
+(model.family "gpt") as an `lm_eval` model. A training run scores its current params with it
+(`training.task_eval`, through `TransformerLM.from_params`); `transformer.harness` registers the
+subclass that loads a training workdir as the `lm_eval` model "transformer" (its command).
+
+A document starts after <eos>, as in training: every request is scored behind the tokenizer's
+<eos>. `loglikelihood` encodes context + continuation together and scores the tokens past the
+context's own encoding (the harness's convention for BPE boundaries), `loglikelihood_rolling`
+cuts long texts into the harness's rolling windows of `max_length` tokens, and
+`generate_until` decodes with the KV cache (greedy unless the task asks to sample). Inputs
+longer than `max_length` (default: the training length, config.seq_len) keep their last tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from lm_eval.api.model import LM
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from transformer.generation import programs, text
+from transformer.models import family_of
+
+
+def _bucket(n: int, limit: int) -> int:
+    """Rows are padded to a power of two (at least 16, at most `limit`) so a handful of shapes
+    compile, not one per batch."""
+    return min(limit, max(16, 1 << (n - 1).bit_length()))
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _token_scores(model, params, inputs_BT, targets_BT):
+    """log p(target) and whether the target is the argmax, per position, in float32."""
+    logits_BTV = model.apply({"params": params}, inputs_BT).astype(jnp.float32)
+    logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
+    logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    return logp_BT, jnp.argmax(logits_BTV, axis=-1) == targets_BT
+
+
+class TransformerLM(LM):
+    """A causal decoder LM (model.family "gpt") over params in memory."""
+
+    def __init__(self, model, params, tokenizer, config, batch_size: int | str = 8,
+                 max_length: int | None = None):
+        super().__init__()
+        self._setup(model, params, tokenizer, config, batch_size, max_length)
+
+    @classmethod
+    def from_params(cls, model, params, tokenizer, config, batch_size: int | str = 8,
+                    max_length: int | None = None) -> TransformerLM:
+        """The adapter over params in memory (a training run's: `training.task_eval`), also
+        for a subclass whose own constructor takes other arguments."""
+        lm = cls.__new__(cls)
+        TransformerLM.__init__(lm, model, params, tokenizer, config, batch_size, max_length)
+        return lm
+
+    def _setup(self, model, params, tokenizer, config, batch_size, max_length) -> None:
+        self.model, self.params, self.tokenizer, self.config = model, params, tokenizer, config
+        family = family_of(self.config)
+        if family.decoding != "causal":
+            raise ValueError(f"model.family={family.name!r}: the harness adapter scores causal "
+                             "decoder LMs (model.family 'gpt')")
+        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
+        limit = self.config.model.max_len if self.config.model.position == "learned" else None
+        self.max_length = int(max_length or self.config.seq_len)
+        if limit is not None and self.max_length > limit:
+            raise ValueError(f"max_length={self.max_length}: learned positions go up to "
+                             f"model.max_len={limit}")
+        self.eos = int(self.tokenizer.eos_id)
+        self.banned = text.banned_ids(self.tokenizer, self.config.model.vocab_size)
+
+    # --- scoring --------------------------------------------------------------------------------
+
+    def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | context), all greedy) for token-id pairs; the fed
+        sequence is context + continuation without its last token, cut to its last
+        `max_length` tokens."""
+        results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
+        # Longest first, so a batch's rows have similar lengths.
+        order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start:start + self.batch_size]
+            rows = []
+            for i in chunk:
+                context, continuation = pairs[i]
+                whole = (list(context) + list(continuation))[-(self.max_length + 1):]
+                rows.append((whole[:-1], whole[1:], len(continuation)))
+            width = _bucket(max(len(r[0]) for r in rows), self.max_length)
+            inputs = np.zeros((self.batch_size, width), np.int32)
+            targets = np.zeros((self.batch_size, width), np.int32)
+            for b, (fed, predicted, _) in enumerate(rows):
+                inputs[b, :len(fed)], targets[b, :len(predicted)] = fed, predicted
+            logp, greedy = (np.asarray(x) for x in _token_scores(
+                self.model, self.params, jnp.asarray(inputs), jnp.asarray(targets)))
+            for b, (i, (fed, _, n)) in enumerate(zip(chunk, rows, strict=True)):
+                span = slice(len(fed) - n, len(fed))
+                results[i] = (float(logp[b, span].sum()), bool(greedy[b, span].all()))
+        return results
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).tolist()
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        pairs = []
+        for request in requests:
+            context, continuation = request.args
+            # Trailing spaces belong to the continuation (the harness's convention).
+            spaces = len(context) - len(context.rstrip(" "))
+            if spaces:
+                context, continuation = context[:-spaces], context[-spaces:] + continuation
+            whole = self._encode(context + continuation)
+            head = self._encode(context)
+            pairs.append(([self.eos] + whole[:len(head)], whole[len(head):]))
+        return self.score(pairs)
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        out = []
+        for request in requests:
+            (text,) = request.args
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                self._encode(text), prefix_token=self.eos, max_seq_len=self.max_length,
+                context_len=1)]
+            out.append(sum(score for score, _ in self.score(windows)))
+        return out
+
+    # --- generation -----------------------------------------------------------------------------
+
+    def generate_until(self, requests) -> list[str]:
+        out = []
+        for request in requests:
+            context, kwargs = request.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            n = int(kwargs.pop("max_gen_toks", 64))
+            sample = kwargs.pop("do_sample", False)
+            temperature = float(kwargs.pop("temperature", 0.0)) if sample else 0.0
+            prompt = ([self.eos] + self._encode(context))[-max(1, self.max_length - n):]
+            tokens, lengths = programs.decode(
+                self.model, self.params, [prompt], max_new_tokens=n, temperature=temperature,
+                seed=int(kwargs.pop("seed", 0)), eos_id=self.eos, banned_ids=self.banned)
+            ids = tokens[0, :lengths[0]]
+            text = self.tokenizer.decode(ids[ids != self.eos])
+            cut = min([text.find(s) for s in until if s and s in text] or [len(text)])
+            out.append(text[:cut])
+        return out

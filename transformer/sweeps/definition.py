@@ -1,0 +1,223 @@
+"""What a sweep is: its variants (config overrides by dotted key), how an experiment file
+declares them (`get_sweep`, `get_seeds`, `get_baseline`), their seeds and names, and the
+`transformer.train` command line of each (`launch_commands`)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import itertools
+import os
+import shlex
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import ml_collections
+
+# Each variant directory's record of the settings it was first trained with.
+CONFIG_FILE = "sweep_config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One run of a sweep: a name (its directory under the sweep's workdir) and the config
+    overrides, keyed by dotted path ("model.position")."""
+
+    name: str
+    overrides: dict[str, Any]
+
+
+def _value_name(value) -> str:
+    return str(value) if not isinstance(value, float) else f"{value:g}"
+
+
+def axis(key: str, values: Sequence, names: Sequence[str] | None = None) -> list[Variant]:
+    """One variant per value of config key `key`, named `names[i]` or "<leaf>=<value>".
+
+    >>> [v.name for v in axis("model.num_heads", [1, 4])]
+    ['num_heads=1', 'num_heads=4']
+    """
+    if names is not None and len(names) != len(values):
+        raise ValueError(f"axis {key!r}: {len(names)} names for {len(values)} values")
+    leaf = key.rsplit(".", 1)[-1]
+    names = names or [f"{leaf}={_value_name(v)}" for v in values]
+    return [Variant(n, {key: v}) for n, v in zip(names, values, strict=True)]
+
+
+def named(variants: dict[str, dict[str, Any]]) -> list[Variant]:
+    """Variants given by name: {"post_ln": {"model.norm_placement": "post"}, ...}."""
+    return [Variant(name, dict(overrides)) for name, overrides in variants.items()]
+
+
+def _merge(parts: Iterable[Variant]) -> Variant:
+    parts = list(parts)
+    overrides: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.overrides.items():
+            if key in overrides and overrides[key] != value:
+                raise ValueError(f"variants {[p.name for p in parts]} set {key!r} twice, to "
+                                 f"{overrides[key]!r} and {value!r}")
+            overrides[key] = value
+    return Variant(",".join(p.name for p in parts), overrides)
+
+
+def product(*sweeps: Sequence[Variant]) -> list[Variant]:
+    """Every combination of one variant from each sweep (names joined with ",").
+
+    >>> [v.name for v in product(axis("seed", [0, 1]), named({"a": {}, "b": {}}))]
+    ['seed=0,a', 'seed=0,b', 'seed=1,a', 'seed=1,b']
+    """
+    return [_merge(parts) for parts in itertools.product(*sweeps)]
+
+
+def zipped(*sweeps: Sequence[Variant]) -> list[Variant]:
+    """The i-th variants of equally long sweeps, merged (names joined with ",").
+
+    >>> [v.name for v in zipped(axis("model.num_heads", [1, 8]),
+    ...                         axis("model.num_kv_heads", [1, 2]))]
+    ['num_heads=1,num_kv_heads=1', 'num_heads=8,num_kv_heads=2']
+    """
+    lengths = {len(s) for s in sweeps}
+    if len(lengths) > 1:
+        raise ValueError(f"zipped: expected sweeps of equal length, got lengths "
+                         f"{[len(s) for s in sweeps]}")
+    return [_merge(parts) for parts in zip(*sweeps, strict=True)]
+
+
+def apply(config: ml_collections.ConfigDict, variant: Variant) -> ml_collections.ConfigDict:
+    """A copy of `config` with the variant's overrides (types checked by the config)."""
+    config = copy.deepcopy(config)
+    for key, value in variant.overrides.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                node = None
+                break
+            node = node[part]
+        if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
+            raise ValueError(f"variant {variant.name!r}: unknown config key {key!r}")
+        try:
+            node[leaf] = value
+        except TypeError as error:
+            raise ValueError(f"variant {variant.name!r}: {key}={value!r}: {error}") from None
+    config.experiment = f"{config.experiment}/{variant.name}"
+    if "wandb" in config:  # W&B groups a variant's seeds
+        config.wandb.variant = variant.name.rsplit("/seed_", 1)[0]
+    return config
+
+
+def experiment_module(config_file: str):
+    """The experiment file as a module. `config_file` may carry get_config's argument
+    ("file.py:bert"), which the sweep's functions ignore."""
+    path = config_file.split(".py:", 1)[0] + ".py" if ".py:" in config_file else config_file
+    spec = importlib.util.spec_from_file_location("sweep_experiment", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_sweep(config_file: str) -> list[Variant]:
+    """The variants of an experiment file's `get_sweep()`, checked for unique, usable names."""
+    module = experiment_module(config_file)
+    if not hasattr(module, "get_sweep"):
+        raise ValueError(f"{config_file}: expected a get_sweep() function declaring the variants")
+    variants = list(module.get_sweep())
+    if not variants:
+        raise ValueError(f"{config_file}: get_sweep() returned no variants")
+    names = [v.name for v in variants]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"variant name {name!r} repeats: expected unique names")
+        if not name or name.startswith(".") or os.sep in name:
+            raise ValueError(f"variant name {name!r}: expected a non-empty directory name")
+    return variants
+
+
+def load_options(config_file: str, seeds: int | None = None, baseline: str | None = None
+                 ) -> tuple[int, str | None]:
+    """(number of seeds, baseline variant): the command line's when given, else the experiment
+    file's `get_seeds()` / `get_baseline()` if it has them, else 1 and None (the first)."""
+    module = experiment_module(config_file)
+    where = "--seeds"
+    if seeds is None and hasattr(module, "get_seeds"):
+        seeds, where = module.get_seeds(), f"{config_file}: get_seeds()"
+    seeds = 1 if seeds is None else seeds
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"{where}={seeds!r}: expected an int >= 1 (the number of seeds)")
+    if baseline is None and hasattr(module, "get_baseline"):
+        baseline = module.get_baseline()
+    return seeds, baseline
+
+
+def seed_variants(variants: Sequence[Variant], seeds: int) -> list[Variant]:
+    """With seeds = N > 1, each variant NAME N times: "NAME/seed_K" setting seed=K, K = 0..N-1
+    (the directory DIR/NAME/seed_K); with one seed, the variants themselves.
+
+    >>> [v.name for v in seed_variants(named({"a": {}}), 2)]
+    ['a/seed_0', 'a/seed_1']
+    """
+    if seeds == 1:
+        return list(variants)
+    for variant in variants:
+        if "seed" in variant.overrides:
+            raise ValueError(f"variant {variant.name!r} sets seed={variant.overrides['seed']!r} "
+                             f"and --seeds={seeds} sets seeds 0..{seeds - 1}: expected one of "
+                             "the two")
+    return [Variant(f"{v.name}/seed_{k}", {**v.overrides, "seed": k})
+            for v in variants for k in range(seeds)]
+
+
+def check_layout(workdir: str, names: Sequence[str], seeds: int) -> None:
+    """Refuses a sweep directory whose runs were made with one seed when `seeds` > 1, or with
+    several when it is 1 (the report would find no runs, and the layouts would mix)."""
+    for name in names:
+        directory = os.path.join(workdir, name)
+        if seeds == 1 and os.path.isdir(os.path.join(directory, "seed_0")):
+            raise ValueError(f"{directory} holds runs of several seeds (seed_0, ...): expected "
+                             "--seeds=N (or get_seeds()) with their number")
+        if seeds > 1 and os.path.exists(os.path.join(directory, CONFIG_FILE)):
+            raise ValueError(f"{directory} holds a run of one seed: expected --seeds=1, or "
+                             f"another --workdir for --seeds={seeds}")
+
+
+def check_baseline(baseline: str | None, names: Sequence[str]) -> str:
+    """The baseline variant's name: `baseline` if it is one of `names`, the first if None."""
+    if baseline is None:
+        return names[0]
+    if baseline not in names:
+        raise ValueError(f"baseline {baseline!r} (--baseline or get_baseline()): expected one of "
+                         f"the variants {list(names)}")
+    return baseline
+
+
+
+def flat_dict(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flat_dict(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def launch_commands(config_file: str, cli_overrides: dict[str, Any], variants: Sequence[Variant],
+                    workdir: str) -> list[str]:
+    """One `python -m transformer.train` command per variant: the command line's overrides,
+    then the variant's (which win)."""
+    commands = []
+    for variant in variants:
+        overrides = {**cli_overrides, **variant.overrides}
+        args = [f"--config={config_file}", f"--workdir={os.path.join(workdir, variant.name)}"]
+        args += [f"--config.{key}={flag_value(value)}" for key, value in overrides.items()]
+        commands.append(shlex.join(["python", "-m", "transformer.train", *args]))
+    return commands
+
+
+def flag_value(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(flag_value(v) for v in value) + ("," if len(value) == 1 else "") \
+            + ")"
+    return str(value)
