@@ -18,7 +18,7 @@ from transformer.models import FAMILIES, build_model, default_model_config, fami
 from transformer.nn import sequence_parallel
 from transformer.parallel import pipeline_parallel, sharding
 from transformer.training import checkpoint as checkpoint_lib
-from transformer.training import placement, task_eval, wandb_logging
+from transformer.training import optim, placement, task_eval, wandb_logging
 from transformer.utils import fileio
 from transformer.utils.keys import Check
 
@@ -216,11 +216,11 @@ def _validate_optimizer(config: ml_collections.ConfigDict) -> None:
     """schedule_free_adamw replaces the decay: optimizer.decay must be "constant" (its warmup is
     optimizer.warmup_steps). muP's per-group learning rates are Adam's: an Adam-like optimizer."""
     opt = config.optimizer
-    adam_like = ("adamw", "lion", "schedule_free_adamw")
     if config.model.get("parametrization", "standard") == "mup" and \
-            opt.get("name", "adamw") not in adam_like:
+            opt.get("name", "adamw") not in optim.ADAM_LIKE:
         raise ValueError(f"optimizer.name={opt.name!r} with model.parametrization='mup': "
-                         f"expected one of {adam_like} (muP's learning rates here are Adam's)")
+                         f"expected one of {optim.ADAM_LIKE} (muP's learning rates here are "
+                         "Adam's)")
     if opt.get("name") == "schedule_free_adamw" and opt.decay != "constant":
         raise ValueError(f"optimizer.decay={opt.decay!r} with optimizer.name="
                          "'schedule_free_adamw': expected 'constant' (schedule-free needs no "
