@@ -9,10 +9,12 @@ declared on their dataclass fields (`nn.config.TransformerConfig`, `nn.moe.MoECo
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 
 from transformer.data import pipeline, sources, tokenizers
-from transformer.models import FAMILIES, bert, vision
+from transformer.models import MODEL_KEYS
 from transformer.nn.config import TransformerConfig
 from transformer.parallel import sharding
 from transformer.training import optim, wandb_logging
@@ -28,7 +30,6 @@ from transformer.utils.keys import (
     is_int,
     number,
     one_of,
-    optional,
 )
 
 
@@ -103,48 +104,13 @@ KEYS: dict[str, Key] = {
     "init_from": _key("", "Fine-tuning: start the params from `WORKDIR`, `WORKDIR@STEP` or "
                       "`hf:DIR` (a Hugging Face save_pretrained directory); \"\": a fresh init.",
                       STR),
-    # --- model: the keys outside TransformerConfig (transformer.models.default_model_config)
-    # NO_DEFAULT: the model group's default, from transformer.models.default_model_config
-    "model.family": _key(NO_DEFAULT, "The model family (`transformer.models.FAMILIES`).",
-                         one_of(tuple(FAMILIES)), structural=True),
-    "model.vocab_size": _key(0, "Vocabulary size.", int_(ge=0, note="0: the tokenizer's"),
-                             structural=True),
-    "model.tie_embeddings": _key(NO_DEFAULT, "The output head shares the token embedding.",
-                                 BOOL, structural=True),
-    "model.num_decoder_layers": _key(NO_DEFAULT, "Encoder-decoder: decoder depth; None: = "
-                                     "num_layers.", optional(int_(gt=0), "None or an int > 0"),
-                                     structural=True),
-    "model.scale_decoder_output": _key(NO_DEFAULT, "Encoder-decoder: scale the decoder output by "
-                                       "d_model^-0.5 before the head (T5 v1.0).", BOOL,
-                                       structural=True),
-    "model.type_vocab_size": _key(NO_DEFAULT, "BERT: the sentence A/B vocabulary.", int_(gt=0),
-                                  structural=True),
-    "model.head": _key(NO_DEFAULT, "BERT and GPT: `mlm` (the LM head), `classify` (a sequence "
-                       "classifier) or `none` (the last layer's vectors, an imported base "
-                       "model's outputs).", one_of(bert.HEADS), structural=True),
-    "model.num_classes": _key(NO_DEFAULT, "Classifier classes.",
-                              int_(ge=0, note="0: the task's"), structural=True),
-    "model.image_size": _key(NO_DEFAULT, "Images (vit, clip): square images of this side.",
-                             described(int_(gt=0), "an int > 0, a multiple of patch_size"),
-                             structural=True),
-    "model.patch_size": _key(NO_DEFAULT, "Images: side of the square patches.", int_(gt=0),
-                             structural=True),
-    "model.channels": _key(NO_DEFAULT, "Images: channels.", int_(gt=0), structural=True),
-    "model.pooling": _key(NO_DEFAULT, "Images: the pooled vector, [CLS] or the mean; none: every "
-                          "patch's vector (the captioner's cross-attention).",
-                          one_of(vision.POOLINGS), structural=True),
-    "model.patch_position": _key(NO_DEFAULT, "Images: patch positions (the stack's own "
-                                 "`position` should then be `none`).",
-                                 one_of(vision.PATCH_POSITIONS), structural=True),
-    "model.projection_dim": _key(NO_DEFAULT, "CLIP: the shared embedding width of the two "
-                                 "towers.", int_(gt=0), structural=True),
-    # Compute settings (params stay float): a resume may change them (and says so).
-    "model.quantization": _key(NO_DEFAULT, "Quantized training through Qwix: '' (none), 'int8' "
-                               "or 'fp8' for the attention projections and MLPs (params stay "
-                               "float; it may change on resume). See docs/performance.md.",
-                               one_of(("", "int8", "fp8"))),  # nn.quantization.SCHEMES
-    "model.quantize_head": _key(NO_DEFAULT, "With model.quantization: quantize the output head "
-                                "too (the tied embedding's logits or lm_head).", BOOL),
+    # --- model: the keys outside TransformerConfig, declared beside the families
+    # (transformer.models.MODEL_KEYS); the model group brings their defaults (NO_DEFAULT here)
+    # but for the vocabulary, which a run takes from its tokenizer
+    **{f"model.{name}": dataclasses.replace(declared, default=NO_DEFAULT)
+       for name, declared in MODEL_KEYS.items()},
+    "model.vocab_size": _key(0, MODEL_KEYS["vocab_size"].meaning,
+                             int_(ge=0, note="0: the tokenizer's"), structural=True),
     # --- data (transformer.data): what the run reads and how
     "data.path": _key("", "\"\": the embedded corpus; or a text file, directory, glob, a "
                       "`prepare` output directory or a directory of `.bin` token shards.", STR),

@@ -24,12 +24,14 @@ from transformer.models.t5 import EncoderDecoder, shift_right
 from transformer.models.vision import CLIP, Captioner, ViTClassifier
 from transformer.nn import quantization
 from transformer.nn.config import TransformerConfig
+from transformer.utils.keys import BOOL, Key, described, int_, one_of, optional
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (
     gpt.GPT, gpt.PREFIX_LM, bert.BERT, t5.T5, lstm.LSTM, vision.VIT, vision.CLIP_FAMILY,
     vision.CAPTIONER)}
 _OPTIONAL_FIELDS = {"num_kv_heads": int, "head_dim": int, "init_std": float,
-                    "attention_scale": float, "qkv_bias": bool, "sliding_window": int}
+                    "attention_scale": float, "qkv_bias": bool, "sliding_window": int,
+                    "num_decoder_layers": int}
 
 
 def family_of(config: ml_collections.ConfigDict) -> Family:
@@ -40,46 +42,60 @@ def family_of(config: ml_collections.ConfigDict) -> Family:
     return FAMILIES[name]
 
 
+# The model group's keys outside TransformerConfig (whose fields declare their own), each
+# declared once: default, check, meaning, and whether a resume must keep it (structural).
+MODEL_KEYS: dict[str, Key] = {
+    "family": Key("gpt", "The model family (`transformer.models.FAMILIES`).",
+                  one_of(tuple(FAMILIES))),
+    "vocab_size": Key(256, "Vocabulary size.", int_(gt=0)),
+    "tie_embeddings": Key(True, "The output head shares the token embedding.", BOOL),
+    # (TransformerConfig's fields come here, in default_model_config)
+    "num_decoder_layers": Key(None, "Encoder-decoder: decoder depth; None: = num_layers.",
+                              optional(int_(gt=0), "None or an int > 0")),
+    "scale_decoder_output": Key(True, "Encoder-decoder: scale the decoder output by "
+                                "d_model^-0.5 before the head (T5 v1.0).", BOOL),
+    "type_vocab_size": Key(2, "BERT: the sentence A/B vocabulary.", int_(gt=0)),
+    "head": Key("mlm", "BERT and GPT: `mlm` (the LM head), `classify` (a sequence classifier) "
+                "or `none` (the last layer's vectors, an imported base model's outputs).",
+                one_of(bert.HEADS)),
+    "num_classes": Key(0, "Classifier classes.", int_(ge=0, note="0: the task's")),
+    "image_size": Key(8, "Images (vit, clip): square images of this side.",
+                      described(int_(gt=0), "an int > 0, a multiple of patch_size")),
+    "patch_size": Key(2, "Images: side of the square patches.", int_(gt=0)),
+    "channels": Key(1, "Images: channels.", int_(gt=0)),
+    "pooling": Key("cls", "Images: the pooled vector, [CLS] or the mean; none: every patch's "
+                   "vector (the captioner's cross-attention).", one_of(vision.POOLINGS)),
+    "patch_position": Key("sinusoidal_2d", "Images: patch positions (the stack's own "
+                          "`position` should then be `none`).", one_of(vision.PATCH_POSITIONS)),
+    "projection_dim": Key(64, "CLIP: the shared embedding width of the two towers.",
+                          int_(gt=0)),
+    # Compute settings (params stay float): a resume may change them (and says so).
+    "quantization": Key("", "Quantized training through Qwix: '' (none), 'int8' or 'fp8' for "
+                        "the attention projections and MLPs (params stay float; it may change "
+                        "on resume). See docs/performance.md.",
+                        one_of(("",) + tuple(quantization.SCHEMES)), structural=False),
+    "quantize_head": Key(False, "With model.quantization: quantize the output head too (the "
+                         "tied embedding's logits or lm_head).", BOOL, structural=False),
+}
+
+
 def default_model_config() -> ml_collections.ConfigDict:
-    """Every model key with its default: the `model` group of an experiment config."""
+    """Every model key with its default: the `model` group of an experiment config
+    (`MODEL_KEYS`, with `TransformerConfig`'s fields after `tie_embeddings`)."""
     stack = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
     stack["dtype"] = stack["param_dtype"] = "float32"
     # Mixture of experts (transformer.nn.moe.MoEConfig): num_experts 0 keeps dense layers.
     stack["moe"] = ml_collections.ConfigDict(dataclasses.asdict(stack["moe"]))
     # LoRA / QLoRA (transformer.nn.lora.LoraConfig): rank 0 trains the whole model.
     stack["lora"] = ml_collections.ConfigDict(dataclasses.asdict(stack["lora"]))
+    group = {}
+    for name, declared in MODEL_KEYS.items():
+        group[name] = declared.default
+        if name == "tie_embeddings":
+            group.update(stack)
     for name, kind in _OPTIONAL_FIELDS.items():  # None defaults keep their type for overrides
-        stack[name] = ml_collections.FieldReference(stack[name], field_type=kind)
-    return ml_collections.ConfigDict({
-        "family": "gpt",  # a key of FAMILIES: gpt | prefix_lm | bert | t5 | lstm | vit | ...
-        "vocab_size": 256,
-        "tie_embeddings": True,
-        **stack,
-        # Encoder-decoder: decoder depth (None: = num_layers).
-        "num_decoder_layers": ml_collections.FieldReference(None, field_type=int),
-        # Encoder-decoder: scale the decoder output by d_model^-0.5 before the head (T5 v1.0).
-        "scale_decoder_output": True,
-        # BERT: sentence A/B vocabulary. BERT and GPT: head ("mlm" | "classify": a sequence
-        # classifier; GPT's default LM head is "mlm" too; "none": the last layer's vectors, an
-        # imported base model's outputs) and its classes (0: the task's).
-        "type_vocab_size": 2,
-        "head": "mlm",
-        "num_classes": 0,
-        # Images (vit, clip): square images of image_size^2 x channels cut into patch_size^2
-        # patches; pooling "cls" | "mean"; patch_position "sinusoidal_2d" | "learned" | "none"
-        # (the stack's own `position` should then be "none").
-        "image_size": 8,
-        "patch_size": 2,
-        "channels": 1,
-        "pooling": "cls",
-        "patch_position": "sinusoidal_2d",
-        # CLIP: the shared embedding width of the image and text projections.
-        "projection_dim": 64,
-        # Quantized training (transformer.nn.quantization, Qwix): "" | "int8" | "fp8" for the
-        # attention projections and MLPs; quantize_head also quantizes the output head.
-        "quantization": "",
-        "quantize_head": False,
-    })
+        group[name] = ml_collections.FieldReference(group[name], field_type=kind)
+    return ml_collections.ConfigDict(group)
 
 
 def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
