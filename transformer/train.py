@@ -26,6 +26,7 @@ import ml_collections
 
 from transformer.configs import validate_config
 from transformer.data import inputs, pipeline
+from transformer.data.mixture import Mixture
 from transformer.models import build_model, family_of
 from transformer.nn import kernels
 from transformer.parallel import sharding
@@ -73,7 +74,7 @@ class Run:
     eval_step: Any
     logger: metrics_lib.MetricsLogger
     validation_bytes_per_token: Any
-    mixture: pipeline.Mixture | None = None  # data.sources' schedule (tokens per source)
+    mixture: Mixture | None = None  # data.sources' schedule (tokens per source)
     step: int = 0
     tokenizer_saved: bool = False  # saved into the workdir with the first checkpoint
     last_metrics: dict = dataclasses.field(default_factory=dict)
@@ -162,7 +163,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
               functools.cache(lambda source=None: inputs.bytes_per_token(
                   config if source is None else inputs.source_configs(config)[source],
                   tokenizer, "validation")),
-              pipeline.Mixture(inputs.mixture_weights(config), config.seed)
+              Mixture(inputs.mixture_weights(config), config.seed)
               if config.data.get("sources") else None,
               step=start_step, tokenizer_saved=resuming, peak=peak,
               tracer=profiling.Tracer(config, workdir))
