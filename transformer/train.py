@@ -32,6 +32,7 @@ from transformer.nn import kernels
 from transformer.parallel import sharding
 from transformer.training import checkpoint as checkpoint_lib
 from transformer.training import (
+    checkpoint_manager,
     evaluation,
     finetune,
     goodput,
@@ -64,7 +65,7 @@ class Run:
     task: Any  # the labeled task (transformer.data.tasks), or None
     model: Any
     placement: placement_lib.Placement
-    manager: checkpoint_lib.Manager
+    manager: checkpoint_manager.Manager
     train_data: Any  # the Grain iterator, checkpointed with the state
     state: TrainState
     start_step: int
@@ -117,7 +118,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     is_main = jax.process_index() == 0
     stream = inputs.data_stream(config)
     fresh = config.get("fresh_start")
-    manager = None if fresh else checkpoint_lib.Manager(workdir, config, stream)
+    manager = None if fresh else checkpoint_manager.Manager(workdir, config, stream)
     if manager is not None:
         opened.callback(manager.close)
     resuming = manager is not None and manager.latest_step() is not None
@@ -143,7 +144,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
             print(f"fresh_start: moved the previous run's checkpoints, metrics, summary and "
                   f"TensorBoard events to {moved}")
         placement_lib.sync("fresh_start")
-        manager = checkpoint_lib.Manager(workdir, config, stream)
+        manager = checkpoint_manager.Manager(workdir, config, stream)
         opened.callback(manager.close)
     else:
         state = finetune.resumed(config, manager.restore_latest(abstract, state_sharding,
