@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from absl import app, flags
 
-from transformer.data import inputs, pipeline, shards, tokenizers
+from transformer.data import inputs, pipeline, shards, tokenizers, windows
 from transformer.models import build_model
 from transformer.nn import objectives
 
@@ -96,8 +96,8 @@ def shard_throughput(total: int, num_batches: int) -> None:
         tokens = shards.TokenShards(sorted(glob.glob(f"{directory}/train_*.bin")))
         lengths = rng.integers(10, 2000, size=len(tokens) // 1000)
         starts = np.cumsum(np.concatenate([[0], lengths[:-1]]))
-        corpora = {"stream": pipeline.Corpus(tokens, stream=True),
-                   "documents": pipeline.Corpus(tokens, starts[starts < len(tokens)])}
+        corpora = {"stream": windows.Corpus(tokens, stream=True),
+                   "documents": windows.Corpus(tokens, starts[starts < len(tokens)])}
         print(f"{len(tokens):,} tokens in {len(tokens.paths)} shards; next-token rows of "
               f"64 x 1024, {num_batches} batches")
         print(f"{'read as':<10} {'tokens/s':>12} {'batches/s':>10}")

@@ -23,8 +23,7 @@ import numpy as np
 from transformer import configs, train
 from transformer.models import build_model
 from transformer.parallel import sharding
-from transformer.training import checkpoint as checkpoint_lib
-from transformer.training import optim, placement, state
+from transformer.training import checkpoint_manager, optim, placement, state
 
 MESHES = {"single": None, "8,1,1": (8, 1, 1), "1,8,1": (1, 8, 1), "2,2,2": (2, 2, 2),
           "1,2,4": (1, 2, 4)}
@@ -179,12 +178,12 @@ def main(workdir: str) -> None:
     uninterrupted, uninterrupted_losses = fsdp8.train(fsdp8.init(jax.random.key(0)), data)
     state, first = fsdp8.train(fsdp8.init(jax.random.key(0)), data[:2])
     iterator = iter(grain.MapDataset.range(10).to_iter_dataset())
-    manager = checkpoint_lib.Manager(workdir, config)
+    manager = checkpoint_manager.Manager(workdir, config)
     manager.save(2, state, iterator)
     manager.close()
     config4 = small_config((2, 2, 1))
     run4 = Run(config4, devices[:4])
-    manager = checkpoint_lib.Manager(workdir, config4)
+    manager = checkpoint_manager.Manager(workdir, config4)
     restored = manager.restore(2, run4.abstract, run4.shardings)
     manager.close()
     restored_layout = layout(restored.params)

@@ -34,7 +34,7 @@ from mesh_check import Run, host, max_diff  # tests/, this script's directory
 from transformer import configs
 from transformer.nn import attention, masks, positions, sequence_parallel
 from transformer.parallel import sharding
-from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import checkpoint_manager
 
 BATCH, LENGTH, VOCAB, STEPS = 4, 32, 64, 3
 
@@ -240,12 +240,12 @@ def reshard(devices, workdir) -> dict:
     run = Run(config, devices[:4])
     uninterrupted, want = run.train(run.init(jax.random.key(0)), data[:4])
     state, first = run.train(run.init(jax.random.key(0)), data[:2])
-    manager = checkpoint_lib.Manager(workdir, config)
+    manager = checkpoint_manager.Manager(workdir, config)
     manager.save(2, state, iter(grain.MapDataset.range(10).to_iter_dataset()))
     manager.close()
     config2 = training_config("gpt", {"data": 2, "sequence": 2}, "all_gather")
     run2 = Run(config2, devices[:4])
-    manager = checkpoint_lib.Manager(workdir, config2)
+    manager = checkpoint_manager.Manager(workdir, config2)
     restored = manager.restore(2, run2.abstract, run2.shardings)
     manager.close()
     restored, second = run2.train(restored, data[2:4])

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from test_train import SHAKESPEARE, TINY_MODEL, assert_succeeded, run_cli, tiny_flags  # noqa: E402
 
 from transformer import configs, train  # noqa: E402
-from transformer.data import inputs, pipeline, prepare, shards, sources  # noqa: E402
+from transformer.data import features, inputs, prepare, shards, sources, windows  # noqa: E402
 from transformer.data import tokenizers as tokenizers_lib  # noqa: E402
 
 TEXTS = [
@@ -125,7 +125,7 @@ def test_save_load_and_pickle_give_the_same_mapping(gpt2_dir, tmp_path):
 def test_documents_end_with_the_tokenizers_own_eos(gpt2_dir):
     tok = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir))
     docs = [sources.Document("a", TEXTS[0]), sources.Document("b", TEXTS[1])]
-    corpus_ = pipeline.tokenize_documents(docs, tok)
+    corpus_ = windows.tokenize_documents(docs, tok)
     expected = [*tok.encode(TEXTS[0]), tok.eos_id, *tok.encode(TEXTS[1]), tok.eos_id]
     assert corpus_.read(0, len(corpus_)).tolist() == expected
     assert tok.eos_id != tokenizers_lib.EOS_ID  # not the project's fixed id
@@ -144,10 +144,10 @@ def test_bert_wordpiece_roles_and_sep_ends_documents(tmp_path):
                                      [tok.sep_id]])[:8]] * 64)
     batch = {"tokens": rows, "tokens_segment_ids": np.ones_like(rows),
              "tokens_positions": np.zeros_like(rows)}
-    features = pipeline.mlm_features(batch, np.random.default_rng(0), tokenizer=tok, rate=0.5)
-    selected = features["weights"] == 1
+    corrupted = features.mlm_features(batch, np.random.default_rng(0), tokenizer=tok, rate=0.5)
+    selected = corrupted["weights"] == 1
     assert selected.any() and not np.isin(rows[selected], tok.special_ids).any()
-    assert (features["inputs"][selected] == tok.mask_id).mean() > 0.6
+    assert (corrupted["inputs"][selected] == tok.mask_id).mean() > 0.6
 
 
 def test_own_sentinels_of_a_t5_style_vocabulary(tmp_path):

@@ -39,7 +39,7 @@ def test_this_process_and_a_preloaded_one():
     if library is None:
         pytest.skip("no libjemalloc installed")
     child = subprocess.run(
-        [sys.executable, "-c", "from transformer import hostmem; print(hostmem.allocator())"],
+        [sys.executable, "-c", "from transformer.utils import hostmem; print(hostmem.allocator())"],
         env={**os.environ, "LD_PRELOAD": hostmem._path(library)}, capture_output=True,
         text=True, check=True)
     assert child.stdout.strip() == "jemalloc"

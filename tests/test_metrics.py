@@ -113,7 +113,7 @@ def test_the_cpu_peak_cache_moves_with_its_variable_and_the_suite_keeps_out_of_h
     suite's processes (this one and the CLI runs it starts) cache in a temporary file."""
     home = os.path.join(os.path.expanduser("~"), ".cache", "transformer", "cpu_peak.json")
     assert metrics.CPU_PEAK_CACHE == os.environ["TRANSFORMER_CPU_PEAK_CACHE"] != home
-    code = "from transformer import metrics; print(metrics.CPU_PEAK_CACHE)"
+    code = "from transformer.training import metrics; print(metrics.CPU_PEAK_CACHE)"
     moved = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={**os.environ, "TRANSFORMER_CPU_PEAK_CACHE": str(tmp_path / "p")},
                            check=True)

@@ -11,6 +11,7 @@ from test_train import assert_succeeded, read_metrics, run_cli, tiny_flags
 
 from transformer import configs
 from transformer.data import inputs, pipeline, prepare, sources
+from transformer.data.mixture import Mixture
 from transformer.data.tokenizers import EOS_ID
 from transformer.training import evaluation
 
@@ -50,7 +51,7 @@ def take(iterator, n):
 
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_every_prefix_of_whole_blocks_meets_the_weights_within_one_sample(weights):
-    mixture = pipeline.Mixture(weights, seed=0)
+    mixture = Mixture(weights, seed=0)
     w = np.array(weights, float) / sum(weights)
     K = mixture.block
     assert K == int(np.ceil(1 / w.min() - 1e-9))
@@ -67,9 +68,9 @@ def test_every_prefix_of_whole_blocks_meets_the_weights_within_one_sample(weight
 
 @pytest.mark.parametrize("weights", WEIGHTS[:3])
 def test_random_access_equals_sequential_and_each_source_reads_its_rows_in_order(weights):
-    n = 30 * pipeline.Mixture(weights, seed=1).block + 5
-    sequential = [pipeline.Mixture(weights, seed=1).locate(i) for i in range(n)]
-    fresh = pipeline.Mixture(weights, seed=1)  # visits blocks out of order: no history
+    n = 30 * Mixture(weights, seed=1).block + 5
+    sequential = [Mixture(weights, seed=1).locate(i) for i in range(n)]
+    fresh = Mixture(weights, seed=1)  # visits blocks out of order: no history
     order = np.random.default_rng(0).permutation(n)
     assert {int(i): fresh.locate(int(i)) for i in order} == dict(enumerate(sequential))
     sources = np.array([s for s, _ in sequential])
@@ -79,7 +80,7 @@ def test_random_access_equals_sequential_and_each_source_reads_its_rows_in_order
     for m in (0, 1, n // 3, n):
         np.testing.assert_array_equal(fresh.counts(m), np.bincount(sources[:m],
                                                                    minlength=len(weights)))
-    other_seed = [pipeline.Mixture(weights, seed=2).locate(i) for i in range(n)]
+    other_seed = [Mixture(weights, seed=2).locate(i) for i in range(n)]
     assert other_seed != sequential
 
 
@@ -89,7 +90,7 @@ def test_the_rows_come_from_the_sources_the_schedule_names_in_the_weights_propor
     it = iter(mixture_dataset(weights, batch_size=batch_size))
     read = np.array([source_of(row) for batch in take(it, num_batches)
                      for row in batch["inputs"]])
-    mixture = pipeline.Mixture(weights, seed=3)
+    mixture = Mixture(weights, seed=3)
     np.testing.assert_array_equal(read, [mixture.locate(i)[0] for i in range(len(read))])
     np.testing.assert_array_equal(np.bincount(read), [168, 70, 42])  # exactly 0.6/0.25/0.15
 
@@ -257,7 +258,7 @@ def test_a_mixture_trains_through_the_cli_and_refuses_a_resume_with_other_weight
     assert_succeeded(train((0.75, 0.25), 2))
     records = read_metrics(workdir)
     last_train = [r for r in records if r["split"] == "train"][-1]
-    mixture = pipeline.Mixture((0.75, 0.25), seed=0)
+    mixture = Mixture((0.75, 0.25), seed=0)
     expected = mixture.counts(2 * 2) * 16  # 2 steps of batch 2, rows of 16 tokens
     assert [last_train["tokens/prose"], last_train["tokens/code"]] == expected.tolist()
     splits = {r["split"]: r for r in records if r["split"].startswith("validation")}

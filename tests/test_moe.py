@@ -16,8 +16,7 @@ import pytest
 from transformer import configs, models
 from transformer.nn import moe
 from transformer.parallel import sharding
-from transformer.training import checkpoint as checkpoint_lib
-from transformer.training import metrics
+from transformer.training import checkpoint_manager, metrics
 from transformer.training import state as state_lib
 
 B, T, D, F = 2, 8, 8, 12
@@ -283,16 +282,16 @@ def test_an_lstm_with_experts_and_an_moe_export_are_refused():
 def test_restoring_checks_the_moe_structure_but_not_its_loss_weights():
     saved = gpt_config().to_dict()
     changed = gpt_config(capacity_factor=2.0, load_balance_loss=0.1, router_z_loss=0.0)
-    assert checkpoint_lib.structural_differences(saved, changed.to_dict()) == []
+    assert checkpoint_manager.structural_differences(saved, changed.to_dict()) == []
     other = gpt_config(top_k=1)
-    assert checkpoint_lib.structural_differences(saved, other.to_dict()) == [
+    assert checkpoint_manager.structural_differences(saved, other.to_dict()) == [
         "model.moe.top_k: checkpoint 2, config 1"]
     # A checkpoint from before `moe` existed is a dense model: it restores into a dense config.
     dense = configs.base_config().to_dict()
     old = {**dense, "model": {k: v for k, v in dense["model"].items() if k != "moe"}}
-    assert checkpoint_lib.structural_differences(old, dense) == []
+    assert checkpoint_manager.structural_differences(old, dense) == []
     assert "model.moe.num_experts: checkpoint 0, config 4" in \
-        checkpoint_lib.structural_differences(old, saved)
+        checkpoint_manager.structural_differences(old, saved)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from transformer import evaluate as evaluate_lib
 from transformer.models import build_model, family_of
 from transformer.parallel import sharding
 from transformer.training import checkpoint as checkpoint_lib
-from transformer.training import optim
+from transformer.training import checkpoint_manager, optim
 from transformer.training.state import TrainState, example_batch
 
 # Settings that exercise each optimizer's own keys (adafactor factors the tiny matrices).
@@ -208,14 +208,14 @@ def test_each_optimizer_resumes_bit_for_bit(straight_runs, tmp_path, name):
 
 def test_a_resume_with_another_optimizer_is_refused(straight_runs, tmp_path):
     shutil.copytree(straight_runs[0] / "adamw", tmp_path / "run")
-    with pytest.raises(checkpoint_lib.ConfigMismatch) as error:
+    with pytest.raises(checkpoint_manager.ConfigMismatch) as error:
         train.train_and_evaluate(tiny("lion", steps=6), str(tmp_path / "run"))
     assert "optimizer.name: checkpoint 'adamw', config 'lion'" in str(error.value)
     assert "\n" not in str(error.value)
     # A checkpoint from before optimizer.name was adamw's.
     old = {key: value for key, value in tiny().to_dict().items() if key != "optimizer"}
-    assert checkpoint_lib.structural_differences(old, tiny().to_dict()) == []
-    assert checkpoint_lib.structural_differences(old, tiny("sgd").to_dict()) == [
+    assert checkpoint_manager.structural_differences(old, tiny().to_dict()) == []
+    assert checkpoint_manager.structural_differences(old, tiny("sgd").to_dict()) == [
         "optimizer.name: checkpoint 'adamw', config 'sgd'"]
 
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from test_train import cli_env
 
-from transformer.data import pipeline, tokenizers
+from transformer.data import features, global_batches, pipeline, tokenizers
 from transformer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
+from transformer.data.windows import Corpus, Windows
 
 VOCAB = 300
 
@@ -120,8 +121,8 @@ def test_training_reads_every_token_once_per_epoch_whatever_the_document_lengths
     at most once and misses at most 2 * seq_len of them; the one-line documents get exactly
     their share of the reads (the per-row streams read them 22% of the time on Milton)."""
     docs, seq_len, batch_size = uneven_documents(), 16, 4
-    corpus = pipeline.Corpus.from_documents(docs, stream=stream)
-    windows = pipeline._Windows(corpus, width=seq_len + 1, stride=seq_len, seed=0,
+    corpus = Corpus.from_documents(docs, stream=stream)
+    windows = Windows(corpus, width=seq_len + 1, stride=seq_len, seed=0,
                                 training=True, shuffle=True)
     epoch = -(-windows.rows // batch_size)
     got = batches(docs=corpus, batch_size=batch_size, seq_len=seq_len, num_epochs=None,
@@ -139,8 +140,8 @@ def test_training_reads_every_token_once_per_epoch_whatever_the_document_lengths
 
 def test_each_epoch_shuffles_documents_offsets_and_windows():
     docs = uneven_documents()
-    corpus = pipeline.Corpus.from_documents(docs)
-    windows = pipeline._Windows(corpus, width=17, stride=16, seed=0, training=True,
+    corpus = Corpus.from_documents(docs)
+    windows = Windows(corpus, width=17, stride=16, seed=0, training=True,
                                 shuffle=True)
     first = [windows.row(i)["tokens"] for i in range(windows.rows)]
     second = [windows.row(windows.rows + i)["tokens"] for i in range(windows.rows)]
@@ -154,7 +155,7 @@ def test_a_stream_window_is_one_segment_with_consecutive_positions():
     across a document's end; the order of the text is kept."""
     docs = uneven_documents()
     tokens = np.concatenate(docs)
-    for batch in batches(docs=pipeline.Corpus.from_documents(docs, stream=True), batch_size=4,
+    for batch in batches(docs=Corpus.from_documents(docs, stream=True), batch_size=4,
                          seq_len=16, num_epochs=None, n=20):
         assert (batch["segment_ids"] == 1).all()
         assert (batch["positions"] == np.arange(16)).all()
@@ -270,14 +271,14 @@ def test_converting_a_batch_equals_converting_each_row_in_turn(objective):
     tokens = np.concatenate([raw["inputs"], raw["targets"][:, -1:]], axis=1)  # [3, 17]
     if objective == "prefix_lm":
         batch = {"tokens": tokens, "tokens_segment_ids": (np.arange(17) < [[17], [9], [4]]) * 1}
-        convert = pipeline.prefix_lm_features
+        convert = features.prefix_lm_features
     elif objective == "mlm":
         batch = {"tokens": tokens, "tokens_segment_ids": tokens * 0 + 1,
                  "tokens_positions": tokens * 0}
-        convert = functools.partial(pipeline.mlm_features, tokenizer=TOKENIZER, rate=0.3)
+        convert = functools.partial(features.mlm_features, tokenizer=TOKENIZER, rate=0.3)
     else:
         batch = {"tokens": tokens}
-        convert = functools.partial(pipeline.span_corruption_features, tokenizer=TOKENIZER,
+        convert = functools.partial(features.span_corruption_features, tokenizer=TOKENIZER,
                                     noise_density=0.3, mean_span_length=2.0)
     whole = convert(batch, np.random.default_rng(5))
     rng = np.random.default_rng(5)  # the same keys, drawn row by row
@@ -346,10 +347,10 @@ def test_make_global_batch_on_one_device_puts_local_row_i_at_global_row_rows_i()
                          axis_types=(jax.sharding.AxisType.Auto,))
     sharding = NamedSharding(mesh, PartitionSpec("data"))
     batch = batches(batch_size=len(jax.devices()), n=1)[0]
-    rows = pipeline.process_rows(sharding, len(jax.devices()))
+    rows = global_batches.process_rows(sharding, len(jax.devices()))
     np.testing.assert_array_equal(rows, np.arange(len(jax.devices())))
-    global_batch = pipeline.make_global_batch(batch, sharding, rows,
-                                              batch_size=len(jax.devices()))
+    global_batch = global_batches.make_global_batch(batch, sharding, rows,
+                                                    batch_size=len(jax.devices()))
     for k, v in batch.items():
         np.testing.assert_array_equal(np.asarray(global_batch[k]), v)
         assert global_batch[k].sharding.spec == PartitionSpec("data")
@@ -360,13 +361,13 @@ MULTI_DEVICE_CHECK = textwrap.dedent("""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from transformer.data import pipeline
+    from transformer.data import global_batches
 
     assert len(jax.devices()) == 4
     B = 8
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     for spec in (P("data"), P(("data", "model")), P(), P("data", "model")):
-        rows = pipeline.process_rows(NamedSharding(mesh, spec), B)
+        rows = global_batches.process_rows(NamedSharding(mesh, spec), B)
         np.testing.assert_array_equal(rows, np.arange(B))  # one process: every row, once
     rows = np.array([5, 0, 7, 2, 1, 3, 6, 4])  # local row i is global row rows[i]
     local = {"x": rows[:, None] * 10 + np.arange(4), "y": rows.astype(np.float32)}
@@ -374,14 +375,15 @@ MULTI_DEVICE_CHECK = textwrap.dedent("""
     for spec in (P("data"), P(("data", "model")), P(), P("data", "model")):
         sharding = NamedSharding(mesh, spec)
         for k in ("x",) if len(spec) == 2 else ("x", "y"):
-            out = pipeline.make_global_batch({k: local[k]}, sharding, rows, batch_size=B)[k]
+            out = global_batches.make_global_batch({k: local[k]}, sharding, rows,
+                                                   batch_size=B)[k]
             assert out.shape == want[k].shape and out.sharding == sharding
             np.testing.assert_array_equal(np.asarray(out), want[k])
             for shard in out.addressable_shards:  # each device holds its own rows
                 np.testing.assert_array_equal(shard.data, want[k][shard.index])
     try:
-        pipeline.make_global_batch({"y": local["y"][:6]}, NamedSharding(mesh, P("data")),
-                                   rows[:6], batch_size=B)
+        global_batches.make_global_batch({"y": local["y"][:6]}, NamedSharding(mesh, P("data")),
+                                         rows[:6], batch_size=B)
     except ValueError as e:
         assert "global rows [4, 6] on this process" in str(e), e  # shard 4:8 of P("data")
     else:
@@ -411,7 +413,7 @@ TWO_PROCESS_CHECK = textwrap.dedent("""
                                process_id=int(sys.argv[1]))
     sys.path.insert(0, sys.argv[3])
     from test_pipeline import TOKENIZER, documents
-    from transformer.data import pipeline
+    from transformer.data import global_batches, pipeline
 
     B = 8
     layouts = [(jax.make_mesh((4,), ("data",)), P("data")),  # half the rows per process
@@ -419,7 +421,7 @@ TWO_PROCESS_CHECK = textwrap.dedent("""
     all_rows = []
     for mesh, spec in layouts:
         sharding = NamedSharding(mesh, spec)
-        rows = pipeline.process_rows(sharding, B)
+        rows = global_batches.process_rows(sharding, B)
         all_rows.append(rows.tolist())
         for objective in pipeline.OBJECTIVES:
             kw = dict(objective=objective, tokenizer=TOKENIZER, seq_len=8, batch_size=B, seed=0,
@@ -427,8 +429,8 @@ TWO_PROCESS_CHECK = textwrap.dedent("""
             mine = iter(pipeline.make_dataset(documents(), rows=rows, **kw))
             full = iter(pipeline.make_dataset(documents(), rows=range(B), **kw))
             for _ in range(2):
-                global_batch = pipeline.make_global_batch(next(mine), sharding, rows,
-                                                          batch_size=B)
+                global_batch = global_batches.make_global_batch(next(mine), sharding, rows,
+                                                                batch_size=B)
                 want = next(full)
                 for k, array in global_batch.items():
                     assert array.shape == want[k].shape, k

@@ -159,11 +159,11 @@ def test_a_bad_quantization_is_one_line(value):
 
 
 def test_resuming_may_change_quantization_and_says_so():
-    from transformer.training import checkpoint as checkpoint_lib
+    from transformer.training import checkpoint_manager
 
     saved, current = {"model": {"quantization": ""}}, {"model": {"quantization": "fp8"}}
-    assert checkpoint_lib.structural_differences(saved, current) == []
-    assert checkpoint_lib.compute_changes(saved, current) == [
+    assert checkpoint_manager.structural_differences(saved, current) == []
+    assert checkpoint_manager.compute_changes(saved, current) == [
         "model.quantization: checkpoint '', config 'fp8'"]
 
 

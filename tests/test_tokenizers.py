@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.data import tokenizers
+from transformer.data import sentencepiece_tokenizer, tokenizers
 from transformer.data.tokenizers import (
     BOS_ID,
     EOS_ID,
@@ -290,8 +290,8 @@ def test_sentencepiece_training_is_deterministic(trained, corpus, held_out):
 
 _RETRAIN = """
 import hashlib, sys
-from transformer.data import tokenizers
-tokenizers._MAX_TRAINING_SENTENCES = 150
+from transformer.data import sentencepiece_tokenizer, tokenizers
+sentencepiece_tokenizer._MAX_TRAINING_SENTENCES = 150
 text = open(sys.argv[1], encoding="utf-8").read()[:60_000]
 for kind in ("sentencepiece_bpe", "sentencepiece_unigram"):
     tok = tokenizers.build_tokenizer(kind, [text], vocab_size=400)
@@ -301,7 +301,7 @@ for kind in ("sentencepiece_bpe", "sentencepiece_unigram"):
 
 def test_sampled_training_is_deterministic_across_processes(shakespeare, monkeypatch):
     """More sentences than the cap -> a sample; the sample must not depend on the process."""
-    monkeypatch.setattr(tokenizers, "_MAX_TRAINING_SENTENCES", 150)
+    monkeypatch.setattr(sentencepiece_tokenizer, "_MAX_TRAINING_SENTENCES", 150)
     text = shakespeare[:60_000]
     here = [hashlib.sha256(build_tokenizer(kind, [text], vocab_size=400).model_proto).hexdigest()
             for kind in SP_KINDS]
@@ -312,11 +312,11 @@ def test_sampled_training_is_deterministic_across_processes(shakespeare, monkeyp
 
 def test_sample_is_seeded_and_uniform():
     items = [str(i) for i in range(1000)]
-    sample = tokenizers._sample(iter(items), 100, seed=0)
-    assert sample == tokenizers._sample(iter(items), 100, seed=0)
-    assert sample != tokenizers._sample(iter(items), 100, seed=1)
+    sample = sentencepiece_tokenizer._sample(iter(items), 100, seed=0)
+    assert sample == sentencepiece_tokenizer._sample(iter(items), 100, seed=0)
+    assert sample != sentencepiece_tokenizer._sample(iter(items), 100, seed=1)
     assert len(set(sample)) == 100 and 300 < np.mean([int(s) for s in sample]) < 700
-    assert tokenizers._sample(iter(items[:10]), 100, seed=0) == items[:10]
+    assert sentencepiece_tokenizer._sample(iter(items[:10]), 100, seed=0) == items[:10]
 
 
 def test_bpe_and_unigram_differ(trained, held_out):
@@ -335,15 +335,15 @@ def test_sentencepiece_compresses_shakespeare(trained, corpus, held_out, kind):
 
 def test_long_lines_and_paragraphs_are_split_not_skipped(corpus):
     one_line = corpus[:60_000].replace("\n", " ")  # 60 KB without a newline: > max length
-    chunks = list(tokenizers._sentences([one_line]))
+    chunks = list(sentencepiece_tokenizer._sentences([one_line]))
     assert len(chunks) > 1 and "".join(chunks) == one_line
-    assert max(len(c.encode()) for c in chunks) <= tokenizers._MAX_SENTENCE_BYTES
+    assert max(len(c.encode()) for c in chunks) <= sentencepiece_tokenizer._MAX_SENTENCE_BYTES
     tok = build_tokenizer("sentencepiece_bpe", [one_line], vocab_size=600)
     assert len(tok.encode(one_line)) < 0.6 * len(one_line)  # it learned merges from that line
     paragraph = "\n".join(line for line in corpus[:12_000].splitlines() if line)  # no blank line
-    chunks = list(tokenizers._sentences([paragraph]))
+    chunks = list(sentencepiece_tokenizer._sentences([paragraph]))
     assert "".join(chunks) == paragraph and all(c.endswith("\n") for c in chunks[:-1])
-    assert max(len(c.encode()) for c in chunks) <= tokenizers._MAX_SENTENCE_BYTES
+    assert max(len(c.encode()) for c in chunks) <= sentencepiece_tokenizer._MAX_SENTENCE_BYTES
 
 
 @pytest.mark.parametrize("kind", SP_KINDS)

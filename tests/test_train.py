@@ -29,8 +29,7 @@ import pytest
 
 from transformer import configs, train
 from transformer import evaluate as evaluate_lib
-from transformer.training import checkpoint as checkpoint_lib
-from transformer.training import placement, progress, run_eval
+from transformer.training import checkpoint_manager, placement, progress, run_eval
 from transformer.utils import hostmem
 
 REPO = Path(__file__).resolve().parents[1]
@@ -690,12 +689,10 @@ def test_old_checkpoints_leave_by_one_rename_then_are_removed(tmp_path, monkeypa
     """Steps past keep_checkpoints are renamed into checkpoints/deleted/ before removal (so a
     run stopped mid-removal, e.g. by a second Ctrl-C, leaves no half-deleted step behind), and
     that folder is emptied before the next save and at the end."""
-    from transformer.training import checkpoint as checkpoint_lib
-
     config = tiny_config(steps=4, checkpoint_every=1, keep_checkpoints=2)
     train.train_and_evaluate(config, str(tmp_path / "run"))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["3", "4"]
-    monkeypatch.setattr(checkpoint_lib.Manager, "_empty_deleted", lambda self: None)
+    monkeypatch.setattr(checkpoint_manager.Manager, "_empty_deleted", lambda self: None)
     train.train_and_evaluate(config, str(tmp_path / "kept"))
     checkpoints = tmp_path / "kept" / "checkpoints"
     assert checkpoint_steps(tmp_path / "kept") == [3, 4]
@@ -721,7 +718,7 @@ def test_a_failed_checkpoint_write_is_reported_and_keeps_the_previous_one(tmp_pa
     workdir = tmp_path / "run"
     with monkeypatch.context() as patch:
         patch.setattr(ocp.CheckpointManager, "save", save)
-        with pytest.raises(checkpoint_lib.WriteError,
+        with pytest.raises(checkpoint_manager.WriteError,
                            match=r"checkpoint step 4 .*No space left on device.*"
                                  r"checkpoints \[2\] are intact"):
             train.train_and_evaluate(config, str(workdir))

@@ -29,6 +29,7 @@ from test_train import (
 )
 
 from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import checkpoint_manager
 from transformer.training import workdir as workdir_lib
 
 
@@ -77,7 +78,7 @@ def test_a_second_lock_on_a_workdir_is_refused_naming_the_holder(tmp_path):
 
 
 def test_the_lock_of_a_killed_process_is_taken_over(tmp_path):
-    script = ("import sys, time; from transformer import workdir; "
+    script = ("import sys, time; from transformer.training import workdir; "
               "workdir.Lock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "run")],
                               cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, text=True)
@@ -293,7 +294,8 @@ def test_a_failed_background_write_is_found_by_the_next_check_not_the_next_save(
         def get_state(self):
             return {"position": 3}
 
-    manager = checkpoint_lib.Manager(str(tmp_path), ml_collections.ConfigDict({"seed": 0}), None)
+    manager = checkpoint_manager.Manager(str(tmp_path), ml_collections.ConfigDict({"seed": 0}),
+                                         None)
     manager.save(2, {"w": np.ones(4, np.float32)}, Iterator())
     manager.check_for_errors()  # the write succeeded (or is still running): nothing raised
     manager._manager.wait_until_finished()
@@ -303,7 +305,7 @@ def test_a_failed_background_write_is_found_by_the_next_check_not_the_next_save(
         raise OSError(27, "File too large")
     manager._manager.wait_until_finished = failed
     manager._manager.is_saving_in_progress = lambda: False
-    with pytest.raises(checkpoint_lib.WriteError, match=r"step 4 .* failed \(File too large\); "
+    with pytest.raises(checkpoint_manager.WriteError, match=r"step 4 .* failed \(File too large\); "
                        r"the complete checkpoints \[2(, 4)?\] are intact"):
         manager.check_for_errors()
 

@@ -26,11 +26,13 @@ import ml_collections
 
 from transformer.configs import validate_config
 from transformer.data import inputs, pipeline
+from transformer.data.mixture import Mixture
 from transformer.models import build_model, family_of
 from transformer.nn import kernels
 from transformer.parallel import sharding
 from transformer.training import checkpoint as checkpoint_lib
 from transformer.training import (
+    checkpoint_manager,
     evaluation,
     finetune,
     goodput,
@@ -63,7 +65,7 @@ class Run:
     task: Any  # the labeled task (transformer.data.tasks), or None
     model: Any
     placement: placement_lib.Placement
-    manager: checkpoint_lib.Manager
+    manager: checkpoint_manager.Manager
     train_data: Any  # the Grain iterator, checkpointed with the state
     state: TrainState
     start_step: int
@@ -73,7 +75,7 @@ class Run:
     eval_step: Any
     logger: metrics_lib.MetricsLogger
     validation_bytes_per_token: Any
-    mixture: pipeline.Mixture | None = None  # data.sources' schedule (tokens per source)
+    mixture: Mixture | None = None  # data.sources' schedule (tokens per source)
     step: int = 0
     tokenizer_saved: bool = False  # saved into the workdir with the first checkpoint
     last_metrics: dict = dataclasses.field(default_factory=dict)
@@ -116,7 +118,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     is_main = jax.process_index() == 0
     stream = inputs.data_stream(config)
     fresh = config.get("fresh_start")
-    manager = None if fresh else checkpoint_lib.Manager(workdir, config, stream)
+    manager = None if fresh else checkpoint_manager.Manager(workdir, config, stream)
     if manager is not None:
         opened.callback(manager.close)
     resuming = manager is not None and manager.latest_step() is not None
@@ -142,7 +144,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
             print(f"fresh_start: moved the previous run's checkpoints, metrics, summary and "
                   f"TensorBoard events to {moved}")
         placement_lib.sync("fresh_start")
-        manager = checkpoint_lib.Manager(workdir, config, stream)
+        manager = checkpoint_manager.Manager(workdir, config, stream)
         opened.callback(manager.close)
     else:
         state = finetune.resumed(config, manager.restore_latest(abstract, state_sharding,
@@ -162,7 +164,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
               functools.cache(lambda source=None: inputs.bytes_per_token(
                   config if source is None else inputs.source_configs(config)[source],
                   tokenizer, "validation")),
-              pipeline.Mixture(inputs.mixture_weights(config), config.seed)
+              Mixture(inputs.mixture_weights(config), config.seed)
               if config.data.get("sources") else None,
               step=start_step, tokenizer_saved=resuming, peak=peak,
               tracer=profiling.Tracer(config, workdir))

@@ -32,6 +32,7 @@ import ml_collections
 import numpy as np
 
 from transformer.data import pipeline, sources, tasks
+from transformer.data.features import next_token_features
 
 OBJECTIVES = pipeline.CHAT_OBJECTIVES  # ("sft",)
 SPLITS = ("train", "validation", "test")
@@ -211,7 +212,7 @@ def sft_features(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     >>> features["segment_ids"].tolist(), features["positions"].tolist()
     ([1, 1, 1, 2, 2, 2, 0, 0], [0, 1, 2, 0, 1, 2, 0, 0])
     """
-    features = pipeline.next_token_features(row)
+    features = next_token_features(row)
     features["weights"] = features["weights"] * row["tokens_loss_mask"][..., 1:]
     return features
 
@@ -237,7 +238,7 @@ def first_fit(lengths, width: int) -> list[list[int]]:
 
 
 class PackedRows:
-    """A split's rows (as `pipeline._Windows` gives them to `pipeline._GlobalBatches`): the
+    """A split's rows (as `windows.Windows` gives them to `pipeline._GlobalBatches`): the
     conversations packed once (`first_fit`, in a seeded order when training), each row its
     conversations end to end with their own segment ids and positions, and "tokens_loss_mask".
     Training visits the rows in a new seeded order every epoch; evaluation reads each once (in

@@ -3,7 +3,7 @@
 `data.path` is empty (the embedded corpus), a text file / directory / glob, or a directory
 written by `python -m transformer.data.prepare` (pre-tokenized ArrayRecord shards and their
 tokenizer). `data.sources` instead trains on a weighted mixture of such paths
-(`source_configs`, `pipeline.Mixture`); each source's validation split is evaluated on its own.
+(`source_configs`, `mixture.Mixture`); each source's validation split is evaluated on its own.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from transformer.data import chat, images, pipeline, shards, sources, tasks
+from transformer.data import chat, images, pipeline, shards, sources, tasks, windows
 from transformer.data import tokenizers as tokenizers_lib
 from transformer.utils import fileio
 
@@ -45,7 +45,7 @@ def source_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collection
 
 
 def mixture_weights(config: ml_collections.ConfigDict) -> list[float]:
-    """The weights of `data.sources`, in order (as given: `pipeline.Mixture` normalizes)."""
+    """The weights of `data.sources`, in order (as given: `mixture.Mixture` normalizes)."""
     return [source.weight for source in sources.parse_sources(config.data.get("sources") or ())]
 
 
@@ -224,25 +224,25 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
     return stream
 
 
-def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> pipeline.Corpus:
-    """A split's tokens as a `pipeline.Corpus`: its documents (each ending in <eos>) end to end,
+def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.Corpus:
+    """A split's tokens as a `windows.Corpus`: its documents (each ending in <eos>) end to end,
     read as one stream under data.unit="stream". A prepared directory's .bin shards are always a
     stream (memory-mapped); its ArrayRecord documents are read into memory. A mixture has one
     corpus per source: call this with each of `source_configs(config)`."""
     _single_source(config, "corpus")
     stream = config.data.unit == "stream"
     if token_shard_dir(config.data.path):
-        return pipeline.Corpus(_token_shards(config, split), stream=True)
+        return windows.Corpus(_token_shards(config, split), stream=True)
     if prepared := _prepared_dir(config):
         with open(os.path.join(prepared, "prepare.json")) as f:
             layout = json.load(f).get("format", "array_record")
         if layout == "bin":
-            return pipeline.Corpus(
+            return windows.Corpus(
                 shards.TokenShards(os.path.join(prepared, f"{split}_*.bin")), stream=True)
         records = sources.array_record_source(os.path.join(prepared, f"{split}-*.array_record"))
-        return pipeline.Corpus.from_documents(list(records), stream=stream)
+        return windows.Corpus.from_documents(list(records), stream=stream)
     if split == "train":  # built once per run
-        return pipeline.tokenize_documents(_documents(config, split), tokenizer, stream=stream)
+        return windows.tokenize_documents(_documents(config, split), tokenizer, stream=stream)
     # A run reads its validation / test text again at every evaluation: keep the tokens of the
     # last few, keyed by the data settings, the files' fingerprints and the tokenizer.
     data = config.data
@@ -250,7 +250,7 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> pipeline
     key = (json.dumps(data.to_dict(), sort_keys=True, default=str), split, tokenizer,
            tuple(sources.fingerprint(p) if p else "" for p in paths))
     if key not in _EVAL_CORPORA:
-        _EVAL_CORPORA[key] = pipeline.tokenize_documents(_documents(config, split), tokenizer,
+        _EVAL_CORPORA[key] = windows.tokenize_documents(_documents(config, split), tokenizer,
                                                          stream=stream)
         while len(_EVAL_CORPORA) > _EVAL_CORPORA_KEPT:
             _EVAL_CORPORA.pop(next(iter(_EVAL_CORPORA)))
@@ -298,7 +298,7 @@ def get_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
     """This process's batches of `split` for the experiment's objective.
 
     `rows` are the global batch rows this process produces (see `pipeline.make_dataset`), e.g.
-    `pipeline.process_rows(batch_sharding, config.batch_size)`; by default this process's
+    `global_batches.process_rows(batch_sharding, config.batch_size)`; by default this process's
     contiguous block of `config.batch_size // process_count` rows.
     """
     data = config.data

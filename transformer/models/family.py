@@ -86,7 +86,7 @@ class Family:
 
     def logits(self, model: nn.Module, params, batch, *, rngs=None, deterministic=True,
                with_aux: bool = False):
-        """The model's logits for a batch of pipeline features (transformer.data.pipeline);
+        """The model's logits for a batch of pipeline features (transformer.data.features);
         with `with_aux`, (logits, its MoE layers' auxiliary quantities, `blocks.moe_aux`)."""
         features = {name: batch[name] for name in self.features}
         features.update({name: batch[name] for name in self.optional_features if name in batch})

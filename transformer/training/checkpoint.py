@@ -1,34 +1,22 @@
-"""Orbax checkpoints of a run: train state, data iterator position and the resolved config.
+"""A run's checkpoints on disk: the directory layout, and what reads them without training.
 
-A checkpoint holds everything needed to continue exactly: params, optimizer state and step (the
-per-step RNG is derived from the seed and the step), the data iterator's position (one global
-batch index, the same on every process, so a run resumes on any number of processes), the config
-and what defines the data stream (`transformer.data.inputs.data_stream`). The tokenizer lives
-beside the checkpoints in the workdir. Restoring checks that the structural settings of the
-checkpoint and the current config agree, and that the data stream is the same one the iterator
-position belongs to, and names every difference.
+This is the only module that knows the layout: WORKDIR/checkpoints/<step>/ with the items
+`state` (params, optimizer state, step), `data` (the iterator position), `config` (the resolved
+config), `stream` (`transformer.data.inputs.data_stream`) and, for a LoRA run, `lora_base`;
+Orbax's WORKDIR/checkpoints/deleted/ for steps on their way out; the run's other files beside
+(`RUN_FILES`). Saving and resuming a run: `checkpoint_manager.Manager`.
 
-A run deletes only the steps it saved itself, in this process, beyond `keep_checkpoints` (>= 1):
-the checkpoints a workdir held when the run started are never deleted by it.
-
-Orbax writes each step into a temporary directory and renames it when complete, so a run killed
-mid-write leaves no half-written step behind. A complete step whose files were later damaged
-(truncated, deleted) fails to restore: `restore_latest` then falls back to the previous step
-with a warning naming the error (moving the damaged step to WORKDIR/checkpoints.damaged/, so the
-run can save that step again), and raises if no step is usable. It never starts fresh over a
-workdir that holds checkpoints; `set_aside` (config `fresh_start=True`) moves them out of the way
-instead, so nothing saved is deleted.
+The readers (`saved_run`, `restore_params`, `read_params`, `params_metadata`,
+`saved_lora_base`) create, clean up and delete nothing, so they are safe beside a training that
+is writing the same workdir; a step that training deletes while it is read gives way to the
+newest one where the caller asked for the latest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import re
-import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,400 +24,18 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 from flax import traverse_util
-from jax.experimental import multihost_utils
 
-from transformer.models import build_model, default_model_config
+from transformer.models import build_model
 from transformer.nn import lora
-from transformer.nn.config import TransformerConfig
 from transformer.parallel import sharding
 from transformer.training import optim
 from transformer.training import state as state_lib
-from transformer.utils import fileio, keys
+from transformer.utils import fileio
 
 CHECKPOINTS = "checkpoints"  # WORKDIR/checkpoints/<step>/{state,data,config}
 LORA_BASE = "lora_base"  # a LoRA run's item naming its base: {"init_from", "fingerprint"}
-_JSON_ITEMS = ("data", "config", "stream", LORA_BASE)
-_DELETED = "deleted"  # WORKDIR/checkpoints/deleted/<step>: old steps on their way out
-
-# Compute settings (params stay float whatever they are) that a resumed run announces changed.
-_COMPUTE_SETTINGS = ("quantization", "quantize_head")
-# Model settings that may change between a checkpoint and the run restoring it: the stack's
-# fields declared `structural=False` (dropout, kernels, dtype, MoE loss weights, ...).
-_NON_STRUCTURAL = {name for name, declared in keys.declarations(TransformerConfig)
-                   if not declared.structural} | set(_COMPUTE_SETTINGS)
-
-
-def _model_settings(config: dict) -> dict:
-    """A config's model group with nested groups flattened ("moe.top_k"); a key missing from an
-    older config has its default (a checkpoint from before `moe` existed is dense)."""
-    flat = {}
-    for group in (default_model_config().to_dict(), config.get("model", {})):
-        for key, value in group.items():
-            if isinstance(value, dict):
-                flat.update({f"{key}.{k}": v for k, v in value.items()})
-            else:
-                flat[key] = value
-    return flat
-
-
-def structural_differences(saved: dict, current: dict) -> list[str]:
-    """Model settings, the tokenizer and optimizer.name (its state's layout; "adamw" for a
-    config from before the key) that differ between two resolved configs. Other optimizer
-    settings and `steps` may change on resume (a WSD run continued to a larger `steps`).
-
-    >>> structural_differences({"model": {"num_layers": 4, "dropout_rate": 0.1}},
-    ...                        {"model": {"num_layers": 6, "dropout_rate": 0.0}})
-    ['model.num_layers: checkpoint 4, config 6']
-    """
-    differences = []
-    saved_model, current_model = _model_settings(saved), _model_settings(current)
-    for key in sorted(set(saved_model) | set(current_model)):
-        if key in _NON_STRUCTURAL:
-            continue
-        if saved_model.get(key) != current_model.get(key):
-            differences.append(f"model.{key}: checkpoint {saved_model.get(key)!r}, "
-                               f"config {current_model.get(key)!r}")
-    saved_tok = saved.get("data", {}).get("tokenizer")
-    current_tok = current.get("data", {}).get("tokenizer")
-    if saved_tok != current_tok:
-        differences.append(f"data.tokenizer: checkpoint {saved_tok!r}, config {current_tok!r}")
-    saved_opt, current_opt = (c.get("optimizer", {}).get("name", "adamw") for c in (saved, current))
-    if saved_opt != current_opt:
-        differences.append(f"optimizer.name: checkpoint {saved_opt!r}, config {current_opt!r}")
-    return differences
-
-
-def compute_changes(saved: dict, current: dict) -> list[str]:
-    """The compute settings (`model.quantization`, `model.quantize_head`) that differ between a
-    checkpoint's config and the run resuming it: allowed, and announced.
-
-    >>> compute_changes({"model": {}}, {"model": {"quantization": "int8"}})
-    ["model.quantization: checkpoint '', config 'int8'"]
-    """
-    saved_model, current_model = _model_settings(saved), _model_settings(current)
-    return [f"model.{key}: checkpoint {saved_model.get(key)!r}, config {current_model.get(key)!r}"
-            for key in _COMPUTE_SETTINGS if saved_model.get(key) != current_model.get(key)]
-
-
-def stream_differences(saved: dict, current: dict) -> list[str]:
-    """What differs between two data streams (`inputs.data_stream` dicts). A different data.path
-    with the same content fingerprint is data that moved, not a difference.
-
-    >>> stream_differences({"batch_size": 8, "data": {"path": "a"}, "fingerprint": "f0"},
-    ...                    {"batch_size": 16, "data": {"path": "b"}, "fingerprint": "f0"})
-    ['batch_size: checkpoint 8, config 16']
-    """
-    def flat(tree, prefix=""):
-        items = {}
-        for key, value in tree.items():
-            items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict)
-                         else {f"{prefix}{key}": value})
-        return items
-
-    saved, current = flat(saved), flat(current)
-    moved = {"data.path": "fingerprint", "data.validation_path": "validation_fingerprint"}
-    differences = []
-    for key in sorted(set(saved) | set(current)):
-        if key in moved and saved.get(moved[key]) == current.get(moved[key]):
-            continue  # the same content elsewhere
-        if saved.get(key) != current.get(key):
-            what = "content fingerprint" if key == "fingerprint" else key
-            differences.append(f"{what}: checkpoint {saved.get(key)!r}, config "
-                               f"{current.get(key)!r}")
-    return differences
-
-
-def _not_orbax_error(record: logging.LogRecord) -> bool:
-    """Orbax logs each failed background write with its traceback, once per thread involved
-    (four of them for one step); the run reports it as one `WriteError` line instead."""
-    return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
-
-
-logging.getLogger("absl").addFilter(_not_orbax_error)
-# ... and asyncio, for each write of the failed step still in flight ("Task exception was never
-# retrieved", with a traceback).
-logging.getLogger("asyncio").addFilter(
-    lambda record: not (record.levelno >= logging.ERROR and "orbax" in record.getMessage()))
-
-
-def _quiet_closed_loop(hook):
-    """sys.unraisablehook without the "Event loop is closed" errors that tensorstore reports for
-    each write still in flight when a failed save's event loop has closed (dozens on a full
-    disk): the failed save itself is reported as one `WriteError`."""
-    def quiet(unraisable):
-        if not (unraisable.exc_type is RuntimeError and
-                str(unraisable.exc_value) == "Event loop is closed"):
-            hook(unraisable)
-    quiet.quiet_closed_loop = True
-    return quiet
-
-
-class WriteError(RuntimeError):
-    """A checkpoint could not be written (disk full, permissions): the run stops (exit 1)."""
-
-
-def _cause(error: BaseException) -> str:
-    """The root cause of a failed write, short: the OS error's text where one is named
-    (tensorstore reports `... [os_error_code='28']` inside a long message).
-
-    >>> _cause(ValueError("OUT_OF_RANGE: Error writing ... [os_error_code='28']"))
-    'No space left on device'
-    """
-    while error.__cause__ is not None:
-        error = error.__cause__
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    if code := re.search(r"os_error_code='?(\d+)", str(error)):
-        return os.strerror(int(code.group(1)))
-    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
-
-
-class ConfigMismatch(ValueError):
-    """A checkpoint was written by a different model, tokenizer or data stream than the config
-    asks for."""
-
-
-class Manager:
-    """Saves and restores a run's checkpoints under WORKDIR/checkpoints (async, keep-last-N)."""
-
-    def __init__(self, workdir: str, config: ml_collections.ConfigDict,
-                 stream: dict | None = None):
-        """`stream`: the run's `inputs.data_stream`, saved with each step and compared on
-        restore (None: a manager that only reads)."""
-        self.config, self.stream = config, stream
-        if not getattr(sys.unraisablehook, "quiet_closed_loop", False):
-            sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
-            # ... and the writes of a failed save that never started, collected at exit
-            warnings.filterwarnings("ignore", r"coroutine '.*serialize.*' was never awaited",
-                                    RuntimeWarning)
-        self.stream_changes: list[str] = []  # set by restore under new_data=True
-        self.compute_changes: list[str] = []  # set by restore: compute_changes
-        self._keep = config.get("keep_checkpoints", 3)
-        self._written: list[int] = []  # steps this manager saved: the only ones it may delete
-        self._pending: int | None = None  # the step written last (possibly still in progress)
-        self._failed = False  # a write failed and was reported
-        self.lora_base: dict | None = None  # a LoRA run's base record (saved, or restored)
-        # Orbax keeps every step (max_to_keep=None); `_prune` deletes this run's old ones. A
-        # deleted step is first renamed into WORKDIR/checkpoints/deleted/ (one atomic rename),
-        # then removed from there: a run stopped mid-removal never leaves a half-deleted step
-        # that looks like a checkpoint.
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=None, create=False, enable_async_checkpointing=True,
-            cleanup_tmp_directories=True, todelete_subdir=_DELETED)
-        self.directory = fileio.join(workdir, CHECKPOINTS)
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           **{item: ocp.JsonCheckpointHandler() for item in _JSON_ITEMS}})
-
-    def latest_step(self) -> int | None:
-        return self._manager.latest_step()
-
-    def all_steps(self) -> list[int]:
-        return sorted(self._manager.all_steps())
-
-    def save(self, step: int, state, iterator) -> None:
-        if step in self._manager.all_steps():
-            return
-        self._confirm_pending()  # the previous step's write, if it failed
-        try:
-            self._prune()
-            self._empty_deleted()
-            fileio.path(self.directory).mkdir(parents=True, exist_ok=True)  # the first save's
-            self._written.append(step)
-            items = {"state": ocp.args.StandardSave(state),
-                     "data": ocp.args.JsonSave(iterator.get_state()),
-                     "config": ocp.args.JsonSave(self.config.to_dict())}
-            if self.stream is not None:
-                items["stream"] = ocp.args.JsonSave(self.stream)
-            if lora.enabled(self.config):  # the adapters, and the name of their base
-                if self.lora_base is None:
-                    self.lora_base = {"init_from": self.config.init_from,
-                                      "fingerprint": lora.fingerprint(state.params)}
-                items["state"] = ocp.args.StandardSave(state.replace(
-                    params=lora.adapters_only(state.params)))
-                items[LORA_BASE] = ocp.args.JsonSave(
-                    {k: self.lora_base[k] for k in ("init_from", "fingerprint")})
-            self._pending = step
-            self._manager.save(step, args=ocp.args.Composite(**items))
-        except Exception as error:  # noqa: BLE001 - tensorstore and Orbax raise many types
-            raise self._write_error(step, error) from error
-
-    def check_for_errors(self) -> None:
-        """Raises `WriteError` if the step written in the background failed; free while it is
-        still being written (called after every train step, so a failed save stops the run at
-        once)."""
-        if self._pending is not None and not self._manager.is_saving_in_progress():
-            self._confirm_pending()
-
-    def _confirm_pending(self) -> None:
-        """Waits for the step being written, then raises `WriteError` unless it is complete
-        (Orbax raises some failures here, and only logs others, leaving the temporary
-        directory: so the step's final directory is looked for)."""
-        step, self._pending = self._pending, None
-        try:
-            self._manager.wait_until_finished()
-        except Exception as error:  # noqa: BLE001 - tensorstore and Orbax raise many types
-            raise self._write_error(step, error) from error
-        if step is not None and jax.process_index() == 0 and \
-                not (fileio.path(self.directory) / str(step)).exists():
-            raise self._write_error(step, RuntimeError("the write did not complete"))
-
-    def _prune(self) -> None:
-        """Deletes the steps this manager saved beyond the newest `keep_checkpoints` (all of
-        them committed: called after `wait_until_finished`)."""
-        old, self._written = self._written[:-self._keep], self._written[-self._keep:]
-        for step in old:
-            if step in self._manager.all_steps():
-                self._manager.delete(step)
-
-    def _write_error(self, step: int | None, error: Exception) -> WriteError:
-        self._failed = True  # reported once: close() then only closes
-        if step in self._written:
-            self._written.remove(step)
-        return WriteError(f"writing checkpoint step {step} to {self.directory} failed "
-                          f"({_cause(error)}); the complete checkpoints {self.all_steps()} are "
-                          "intact")
-
-    def saved_config(self, step: int) -> dict:
-        return self._manager.restore(step, args=ocp.args.Composite(
-            config=ocp.args.JsonRestore()))["config"]
-
-    def saved_stream(self, step: int) -> dict | None:
-        """The data stream saved with `step` (None for checkpoints written before streams were
-        saved)."""
-        if "stream" not in (self._manager.item_metadata(step) or {}):
-            return None
-        return self._manager.restore(step, args=ocp.args.Composite(
-            stream=ocp.args.JsonRestore()))["stream"]
-
-    def check(self, step: int) -> list[str]:
-        """Raises ConfigMismatch naming every structural difference between checkpoint `step`
-        and the config, and every difference in the data stream unless the config says
-        new_data=True; returns the data-stream differences (empty when it is the same)."""
-        where = f"checkpoint {self.directory}/{step}"
-        saved_config = self.saved_config(step)
-        differences = structural_differences(saved_config, self.config.to_dict())
-        self.compute_changes = compute_changes(saved_config, self.config.to_dict())
-        if differences:
-            raise ConfigMismatch(f"{where} does not match the config: " + "; ".join(differences))
-        if self.stream is None:
-            return []
-        saved = self.saved_stream(step)
-        differences = ["the checkpoint records no data stream (an older version wrote it)"] \
-            if saved is None else stream_differences(saved, self.stream)
-        if differences and not self.config.get("new_data"):
-            raise ConfigMismatch(
-                f"{where} was trained on another data stream: " + "; ".join(differences) +
-                ". Expected the same data and settings to resume its position; set "
-                "new_data=True to continue its params on this data from the stream's start")
-        return differences
-
-    def restore(self, step: int, abstract_state, shardings, iterator=None):
-        """The train state at `step` (and the iterator moved to where it was), or an error
-        naming every difference between that checkpoint and the config (`check`). Under
-        new_data=True a different data stream leaves the iterator at its start and the
-        differences in `stream_changes`."""
-        self.stream_changes = self.check(step)
-        if self.stream_changes:
-            iterator = None
-        target = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            abstract_state, shardings)
-        adapters = lora.enabled(self.config)
-        if adapters:  # a LoRA checkpoint holds the adapters: finetune.with_lora_base adds the base
-            target = target.replace(params=lora.adapters_only(target.params))
-        items = {"state": ocp.args.StandardRestore(target)}
-        if iterator is not None:
-            items["data"] = ocp.args.JsonRestore()
-        if adapters:
-            items[LORA_BASE] = ocp.args.JsonRestore()
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        if iterator is not None:
-            iterator.set_state(restored["data"])
-        if adapters:
-            self.lora_base = dict(restored[LORA_BASE], step=step)
-        return restored["state"]
-
-    def restore_latest(self, abstract_state, shardings, iterator=None):
-        """The newest usable checkpoint's state (None if there are none), falling back past
-        damaged ones with a warning; an error if every one is unusable. A checkpoint of a
-        different model is an error at once (it is not damage)."""
-        failures, damaged = [], []
-        for step in reversed(self.all_steps()):
-            try:
-                state = self.restore(step, abstract_state, shardings, iterator)
-            except ConfigMismatch:
-                raise
-            except Exception as error:  # noqa: BLE001 - damaged files raise many types
-                while error.__cause__ is not None:  # the root cause names the bad file
-                    error = error.__cause__
-                reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
-                failures.append(f"step {step} ({reason})")
-                logging.warning("checkpoint %s/%d is unusable (%s); trying the previous one",
-                                self.directory, step, reason)
-                damaged.append(step)
-                continue
-            if damaged:
-                self._set_aside(damaged, "damaged", "unusable")
-            return state
-        if failures:
-            raise RuntimeError(f"no usable checkpoint in {self.directory}: " +
-                               "; ".join(failures) + ". Fix or move them, or set "
-                               "fresh_start=True to set them aside and start from step 0")
-        return None
-
-    def _set_aside(self, steps: list[int], kind: str, what: str) -> str:
-        """Moves step directories to WORKDIR/checkpoints.<kind>/<step>-<time> (kept for
-        inspection, out of the way of the steps this run will save again); returns that
-        folder."""
-        target = f"{self.directory}.{kind}"
-        if jax.process_index() == 0:
-            fileio.path(target).mkdir(parents=True, exist_ok=True)
-            for step in steps:
-                name = f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-                fileio.move(fileio.join(self.directory, str(step)), fileio.join(target, name))
-                # (the nonfinite error names them itself)
-                logging.log(logging.WARNING if kind == "damaged" else logging.INFO,
-                            "moved the %s checkpoint %d to %s/%s", what, step, target, name)
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"transformer.training.checkpoint.set_aside_{kind}")
-        self._manager.reload()
-        return target
-
-    def set_aside_from(self, step: int) -> tuple[list[int], str]:
-        """Moves the steps >= `step` that this run saved to WORKDIR/checkpoints.nonfinite/:
-        their params led to a NaN/Inf, so none of them is a good checkpoint to resume (steps the
-        workdir held before this run are left in place). Returns (the moved steps, where)."""
-        self._confirm_pending()
-        bad = [s for s in self._written if s >= step and s in self._manager.all_steps()]
-        self._written = [s for s in self._written if s < step]
-        if not bad:
-            return [], ""
-        return bad, self._set_aside(bad, "nonfinite", "non-finite")
-
-    def _empty_deleted(self) -> None:
-        """Removes the steps Orbax set aside for deletion (only between writes: it renames
-        into the folder while a save finishes)."""
-        deleted = fileio.path(self.directory) / _DELETED
-        if jax.process_index() == 0 and deleted.exists():
-            deleted.rmtree()
-
-    def close(self) -> None:
-        if self._failed:  # already reported by save/check_for_errors
-            return
-        try:
-            self._confirm_pending()
-            # Orbax removes leftover temporary steps in a thread started with the manager and
-            # awaits it only before a save: a manager closed unsaved (a run refused at start-up)
-            # must await it too, or the thread runs into interpreter shutdown.
-            getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
-            if self._written:  # a manager that only reads may share the folder with a run
-                self._prune()
-                self._empty_deleted()
-        finally:
-            self._manager.close()
-
+JSON_ITEMS = ("data", "config", "stream", LORA_BASE)
+DELETED = "deleted"  # WORKDIR/checkpoints/deleted/<step>: old steps on their way out
 
 # What a run writes beside its checkpoints, set aside with them (a fresh run would append to its
 # records, mix its TensorBoard events in, or overwrite its summary and tokenizer).
@@ -578,7 +184,7 @@ def _schedule_free_params(workdir: str, step: int, target, config: ml_collection
                                                      optimizer=optim.make_optimizer(config))
     full = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract, shardings)
-    handlers = {item: ocp.JsonCheckpointHandler() for item in _JSON_ITEMS}
+    handlers = {item: ocp.JsonCheckpointHandler() for item in JSON_ITEMS}
     with contextlib.closing(_reader(workdir, state=ocp.StandardCheckpointHandler(),
                                     **handlers)) as manager:
         state = manager.restore(step, args=ocp.args.Composite(
@@ -593,7 +199,7 @@ def _params_manager(workdir: str) -> ocp.CheckpointManager:
     # Every item has its handler, though only the state is read: Orbax warns about items it
     # finds without one (six lines before an init_from error).
     return _reader(workdir, state=ocp.PyTreeCheckpointHandler(),
-                   **{item: ocp.JsonCheckpointHandler() for item in _JSON_ITEMS})
+                   **{item: ocp.JsonCheckpointHandler() for item in JSON_ITEMS})
 
 
 def saved_lora_base(workdir: str, step: int) -> dict:

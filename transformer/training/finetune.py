@@ -233,8 +233,8 @@ def _as_target(value, target, sharding):
 def with_lora_base(config: ml_collections.ConfigDict, adapters, abstract_params, shardings,
                    record: dict):
     """A LoRA checkpoint's params: its `adapters` and the base read again from
-    config.init_from, whose fingerprint must be `record`'s (`checkpoint.Manager.lora_base`);
-    a different base is a one-line error."""
+    config.init_from, whose fingerprint must be `record`'s
+    (`checkpoint_manager.Manager.lora_base`); a different base is a one-line error."""
     target = {**lora.trainable(abstract_params)[1], **lora.trainable(adapters)[0]}
     params, _ = load_params(config.init_from, traverse_util.unflatten_dict(target), shardings)
     missing = [k for k, v in _flat(params).items()

@@ -14,7 +14,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from transformer.data import pipeline
+from transformer.data import global_batches
 from transformer.parallel import pipeline_parallel, sharding
 from transformer.utils import hostmem
 
@@ -86,7 +86,7 @@ class Placement:
         self.compiler_options = dict(compiler_options or {})
         self.batch_sharding = sharding.batch_sharding(mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.rows = pipeline.process_rows(self.batch_sharding, batch_size)
+        self.rows = global_batches.process_rows(self.batch_sharding, batch_size)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, devices=None) -> Placement:
@@ -98,7 +98,7 @@ class Placement:
         return cls(mesh, config.batch_size, compiler_options(config, mesh), schedule)
 
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return pipeline.make_global_batch(local_batch, self.batch_sharding, self.rows,
+        return global_batches.make_global_batch(local_batch, self.batch_sharding, self.rows,
                                           batch_size=self.batch_size)
 
     def jit_train_step(self, train_step, state_sharding):

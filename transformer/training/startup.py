@@ -12,8 +12,7 @@ from transformer.data import inputs
 from transformer.models import family_of
 from transformer.nn import lora
 from transformer.parallel import pipeline_parallel
-from transformer.training import checkpoint as checkpoint_lib
-from transformer.training import evaluation, finetune
+from transformer.training import checkpoint_manager, evaluation, finetune
 from transformer.training import placement as placement_lib
 from transformer.utils import fileio
 
@@ -78,7 +77,7 @@ def announce(run, mesh_summary: str) -> None:
 
 
 def check_workdir(config: ml_collections.ConfigDict, workdir: str,
-                   manager: checkpoint_lib.Manager) -> None:
+                   manager: checkpoint_manager.Manager) -> None:
     """Before anything is written: the latest checkpoint must match the config (model, data
     stream) and not be past config.steps."""
     latest = manager.latest_step()

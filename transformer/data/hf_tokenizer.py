@@ -1,0 +1,220 @@
+"""Hugging Face tokenizers: `HFTokenizer` wraps a `tokenizers` tokenizer.json with its own ids,
+and `load_hf_tokenizer` reads one with its roles and chat template from a `save_pretrained`
+directory (or a bare tokenizer.json)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+
+from transformer.data.tokenizer_base import HF_FILE, ROLES, Tokenizer, check_num_sentinels
+from transformer.utils import fileio
+
+# Where a Hugging Face directory names no roles (a bare tokenizer.json), a role is taken by the
+# first of these tokens its vocabulary has: the names GPT-2, BERT, Llama and T5 use.
+_WELL_KNOWN = {
+    "pad": ("<pad>", "[PAD]", "<|pad|>"),
+    "bos": ("<s>", "<bos>", "<|begin_of_text|>", "<|endoftext|>"),
+    "eos": ("</s>", "<eos>", "<|end_of_text|>", "<|endoftext|>"),
+    "unk": ("<unk>", "[UNK]"),
+    "mask": ("<mask>", "[MASK]"),
+    "cls": ("[CLS]", "<cls>"),
+    "sep": ("[SEP]", "<sep>"),
+}
+_SENTINEL = re.compile(r"<extra_id_(\d+)>")
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers` tokenizer (`tokenizer_json`: the text of a tokenizer.json)
+    with its own ids. `specials` maps roles (`ROLES`) to token strings of its vocabulary, or
+    None where it has no such token; read them from a save_pretrained directory with
+    `load_hf_tokenizer`.
+
+    - Documents end with <eos>; a vocabulary without one but with [SEP] (BERT) ends them with
+      [SEP]. A role a feature needs and the vocabulary lacks is a clear error there (e.g. the
+      mask token for MLM), never a stand-in id.
+    - Sentinels: a vocabulary with its own `<extra_id_i>` (T5: <extra_id_0> is its last id)
+      uses those, and `num_sentinels` must equal their count (None: whatever it has); otherwise
+      `num_sentinels` ids are appended above the vocabulary, written "<extra_id_i>" by `decode`
+      as for the other kinds.
+    - `encode` adds no specials (no BOS / EOS / [CLS]); `decode` drops <pad> and writes other
+      specials as their text, so decode(encode(text)) == text wherever the tokenizer is
+      lossless (byte-level BPE is; BERT's lower-casing WordPiece is not).
+    - The tokenizer.json's `padding` and `truncation` are turned off: every text gives all of
+      its ids, as `AutoTokenizer(text, add_special_tokens=False)` does.
+    """
+
+    kind = "hf"
+
+    def __init__(self, tokenizer_json: str, specials: dict[str, str | None],
+                 num_sentinels: int | None = None, chat_template: str | None = None):
+        import tokenizers
+
+        self.tokenizer_json = tokenizer_json
+        self.chat_template = chat_template or None  # a Jinja template (transformer.data.chat)
+        self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
+        # A tokenizer.json may pad or cut every encoding to a fixed length (sentence-transformers
+        # saves `padding: Fixed 128` and `truncation: 128`): documents are encoded whole.
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        size = max(vocab.values()) + 1
+        unknown = sorted(set(specials) - set(ROLES))
+        if unknown:
+            raise ValueError(f"special roles {unknown}: expected some of {ROLES}")
+        self.specials = {role: specials.get(role) for role in ROLES}
+        for role, token in self.specials.items():
+            if token is not None and token not in vocab:
+                raise ValueError(f"{role} token {token!r} is not in the tokenizer's vocabulary")
+            setattr(self, f"{role}_id", None if token is None else vocab[token])
+        if self.eos_id is None:
+            self.eos_id = self.sep_id
+        own = sorted(int(m.group(1)) for t in vocab if (m := _SENTINEL.fullmatch(t)))
+        num_sentinels = check_num_sentinels(len(own) if num_sentinels is None else num_sentinels)
+        if own:
+            if own != list(range(len(own))) or any(
+                    vocab[f"<extra_id_{i}>"] != size - 1 - i for i in own):
+                raise ValueError(f"the tokenizer's <extra_id_i> tokens are not its last ids in "
+                                 f"reverse order: expected <extra_id_i> = {size - 1} - i (T5)")
+            if num_sentinels != len(own):
+                raise ValueError(f"num_sentinels={num_sentinels}: the tokenizer has its own "
+                                 f"{len(own)} sentinels <extra_id_i>: expected {len(own)}")
+        self._base_size = size - len(own)
+        self.num_sentinels = num_sentinels
+        self.vocab_size = self._base_size + num_sentinels
+        self._names = {vocab[t.content]: t.content
+                       for t in self._tok.get_added_tokens_decoder().values()
+                       if t.special and not _SENTINEL.fullmatch(t.content)}
+        for token in self.specials.values():
+            if token is not None and not _SENTINEL.fullmatch(token):
+                self._names[vocab[token]] = token
+        self._pad_dropped = (self.specials["pad"] is not None and
+                             self.pad_id not in (self.eos_id, self.bos_id, self.unk_id))
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, np.int32) for e in
+                self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def unknown_chars(self, text: str) -> list[str]:
+        if self.unk_id is None:
+            return []
+        return [c for c in dict.fromkeys(text) if self.unk_id in self.encode(c).tolist()]
+
+    def decode(self, ids) -> str:
+        out, run = [], []
+        for i in self._checked_ids(ids):
+            if i >= self._base_size:  # an appended or own sentinel
+                out += [self._tok.decode(run, skip_special_tokens=False),
+                        f"<extra_id_{self.vocab_size - 1 - i}>"]
+                run = []
+            elif not (self._pad_dropped and i == self.pad_id):
+                run.append(i)
+        return "".join(out) + self._tok.decode(run, skip_special_tokens=False)
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.decode([i]).encode()
+
+    @property
+    def special_names(self) -> dict[int, str]:
+        return dict(self._names)
+
+    def _config(self, directory: str) -> dict[str, Any]:
+        fileio.write_atomic(fileio.join(directory, HF_FILE), self.tokenizer_json.encode())
+        chat = {"chat_template": self.chat_template} if self.chat_template else {}
+        return {"model_file": HF_FILE, "specials": self.specials, **chat}
+
+    def hugging_face(self) -> tuple[str, dict[str, Any]]:
+        """Its own tokenizer.json, with its roles (and chat template) in the config."""
+        roles = {f"{role}_token": token for role, token in self.specials.items()
+                 if token is not None}
+        chat = {"chat_template": self.chat_template} if self.chat_template else {}
+        return self.tokenizer_json, {"tokenizer_class": "PreTrainedTokenizerFast", **roles,
+                                     **chat}
+
+    def __getstate__(self) -> dict[str, Any]:  # for multiprocess data loaders
+        return {"tokenizer_json": self.tokenizer_json, "specials": self.specials,
+                "num_sentinels": self.num_sentinels, "chat_template": self.chat_template}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
+
+    def __repr__(self) -> str:
+        return (f"HFTokenizer(vocab_size={self.vocab_size}, num_sentinels={self.num_sentinels}, "
+                f"specials={ {r: t for r, t in self.specials.items() if t is not None} })")
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json / special_tokens_map.json write it: a string
+    or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _json_object(file, expected: str) -> dict[str, Any]:
+    """`file`'s JSON object, or a one-line error naming `file` and saying what was `expected`."""
+    try:
+        content = json.loads(file.read_bytes().decode("utf-8", errors="replace"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(file)!r} is not JSON ({e}): expected {expected}") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{str(file)!r} holds a JSON {type(content).__name__}: expected "
+                         f"{expected}")
+    return content
+
+
+def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenizer:
+    """An `HFTokenizer` from a Hugging Face tokenizer.json, or a directory holding one (e.g. a
+    `save_pretrained` directory). The roles come from the directory's tokenizer_config.json
+    (else special_tokens_map.json): its `bos_token`, `eos_token`, ... entries. A bare
+    tokenizer.json names none, so each role is then the first well-known token (<pad>, [PAD],
+    </s>, <|endoftext|>, [CLS], ...) its vocabulary has.
+    """
+    location = fileio.path(path)
+    file = location.joinpath("tokenizer.json") if location.is_dir() else location
+    if not file.is_file():
+        raise FileNotFoundError(f"{path!r}: expected a Hugging Face tokenizer.json or a "
+                                "directory holding one")
+    expected = "a Hugging Face tokenizer.json or a directory holding one"
+    if not isinstance(_json_object(file, expected).get("model"), dict):
+        raise ValueError(f"{str(file)!r} is JSON but not a tokenizer (it has no \"model\"): "
+                         f"expected {expected}")
+    text = file.read_text(encoding="utf-8")
+    named = None
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (meta := file.parent.joinpath(name)).is_file():
+            config = _json_object(meta, f"a Hugging Face {name}")
+            named = {role: _token_content(config.get(f"{role}_token")) for role in ROLES}
+            break
+    template = _chat_template(file.parent)
+    try:
+        tokenizer = HFTokenizer(text, named or {}, num_sentinels, template)
+    except Exception as e:
+        raise ValueError(f"{str(file)!r}: {e}") from None
+    if named is None:
+        vocab = tokenizer._tok.get_vocab(with_added_tokens=True)
+        guessed = {role: next((t for t in names if t in vocab), None)
+                   for role, names in _WELL_KNOWN.items()}
+        tokenizer = HFTokenizer(text, guessed, num_sentinels, template)
+    return tokenizer
+
+
+def _chat_template(directory) -> str | None:
+    """A save_pretrained directory's chat template, where transformers keeps it: the
+    tokenizer_config.json's `chat_template` (a string, or a list of named templates: the one
+    named "default"), else chat_template.jinja (transformers 5 writes it there)."""
+    config = directory.joinpath("tokenizer_config.json")
+    template = _json_object(config, "a Hugging Face tokenizer_config.json").get(
+        "chat_template") if config.is_file() else None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict)
+                         and t.get("name") == "default"), None)
+    if not template and (jinja := directory.joinpath("chat_template.jinja")).is_file():
+        template = jinja.read_text(encoding="utf-8")
+    return template if isinstance(template, str) and template else None

@@ -1,0 +1,233 @@
+"""SentencePiece tokenizers (BPE or unigram, byte fallback, lossless): `SentencePieceTokenizer`
+over a serialized model, and `train_sentencepiece`, which trains one on texts in memory,
+deterministically."""
+
+from __future__ import annotations
+
+import io
+import random
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from transformer.data.tokenizer_base import (
+    BOS_ID,
+    EOS_ID,
+    MASK_ID,
+    NUM_SPECIAL,
+    PAD_ID,
+    SENTENCEPIECE_FILE,
+    SPECIAL_TOKENS,
+    UNK_ID,
+    Tokenizer,
+    checked_texts,
+)
+from transformer.utils import fileio
+
+# SentencePiece training: at most this many sentences are used (a seeded sample beyond that), and
+# a sentence is at most this many UTF-8 bytes; longer paragraphs are cut at line ends (or, for a
+# single huge line, at character boundaries) before training.
+_MAX_TRAINING_SENTENCES = 1_000_000
+_MAX_SENTENCE_BYTES = 4096
+# Fixed, not os.cpu_count(): unigram EM sums per-thread statistics, so the thread count is part
+# of what makes training reproducible across machines.
+_TRAINING_THREADS = 16
+_TRAINING_SEED = 0
+_SPACE_MARK = "\u2581"  # SentencePiece's "▁", which it substitutes for " " in input text.
+_MODEL_TYPES = {1: "unigram", 2: "bpe"}  # TrainerSpec.ModelType values in the .model protobuf
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece BPE or unigram model whose pieces 0..6 are exactly `SPECIAL_TOKENS` and
+    which has byte-fallback pieces, so no text is lost to <unk>. Build one with
+    `build_tokenizer("sentencepiece_bpe" | "sentencepiece_unigram", texts, vocab_size=N)`;
+    vocab_size = N + num_sentinels. `model_proto` is the serialized .model file.
+
+    Text is not normalized (identity rule, whitespace kept, no dummy "▁" prefix), so encoding
+    is lossless and decoding is plain concatenation of pieces.
+    """
+
+    def __init__(self, model_proto: bytes, num_sentinels: int = 100):
+        import sentencepiece
+        from sentencepiece import sentencepiece_model_pb2
+
+        self.model_proto = bytes(model_proto)
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(self.model_proto)
+        self.model_type = _MODEL_TYPES.get(proto.trainer_spec.model_type)
+        if self.model_type is None:
+            raise ValueError(f"SentencePiece model_type={proto.trainer_spec.model_type}: "
+                             "expected 1 (unigram) or 2 (bpe)")
+        self.kind = f"sentencepiece_{self.model_type}"
+        norm = proto.normalizer_spec
+        found = (norm.name, norm.add_dummy_prefix, norm.remove_extra_whitespaces)
+        if found != ("identity", False, False):
+            raise ValueError(f"SentencePiece normalizer (name, add_dummy_prefix, "
+                             f"remove_extra_whitespaces) = {found}: expected lossless "
+                             f"('identity', False, False)")
+        sp = self._sp = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
+        found = tuple(sp.id_to_piece(i) for i in range(min(NUM_SPECIAL, sp.get_piece_size())))
+        if found != SPECIAL_TOKENS or any(sp.piece_to_id(p) != i
+                                          for i, p in enumerate(SPECIAL_TOKENS)):
+            raise ValueError(f"SentencePiece pieces 0..6 are {found}: expected {SPECIAL_TOKENS}")
+        byte_ids = [sp.piece_to_id(f"<0x{b:02X}>") for b in range(256)]
+        if not all(sp.is_byte(i) for i in byte_ids):
+            raise ValueError("SentencePiece model has no byte pieces <0x00>..<0xFF>: expected "
+                             "one trained with byte_fallback=True")
+        self._space_mark_ids = [byte_ids[b] for b in _SPACE_MARK.encode()]
+        regular = [bytes([int(sp.id_to_piece(i)[3:5], 16)]) if sp.is_byte(i)
+                   else sp.id_to_piece(i).replace(_SPACE_MARK, " ").encode()
+                   for i in range(NUM_SPECIAL, sp.get_piece_size())]
+        self._finish(regular, num_sentinels)
+
+    def encode(self, text: str) -> np.ndarray:
+        if _SPACE_MARK not in text:
+            return np.asarray(self._sp.encode(text), np.int32)
+        # SentencePiece reads a literal "▁" as a space; emit its UTF-8 bytes instead.
+        parts = [self._sp.encode(part) for part in text.split(_SPACE_MARK)]
+        ids = parts[0]
+        for part in parts[1:]:
+            ids += self._space_mark_ids + part
+        return np.asarray(ids, np.int32)
+
+    def _config(self, directory: str) -> dict[str, Any]:
+        fileio.write_atomic(fileio.join(directory, SENTENCEPIECE_FILE), self.model_proto)
+        return {"model_file": SENTENCEPIECE_FILE}
+
+    _found_in_text = SPECIAL_TOKENS[MASK_ID:]  # its user-defined symbols
+
+    def _hf_tokenizer(self) -> Any:
+        """SentencePiece's pieces with "▁" as the space it stands for, so a literal "▁" in text
+        is no piece and falls back to its bytes, as in `encode`; no normalizer (ours is
+        identity, whitespace kept, no dummy prefix)."""
+        from tokenizers import Tokenizer, decoders, models
+
+        sp = self._sp
+        normal = [i for i in range(NUM_SPECIAL, sp.get_piece_size()) if not sp.is_byte(i)]
+        pieces = {i: sp.id_to_piece(i).replace(_SPACE_MARK, " ") for i in normal}
+        tokens = [*SPECIAL_TOKENS, *(pieces.get(i) or sp.id_to_piece(i)
+                                     for i in range(NUM_SPECIAL, sp.get_piece_size()))]
+        vocab = self._hf_vocab(tokens[NUM_SPECIAL:])
+        if self.model_type == "bpe":
+            # SentencePiece merges the adjacent pair whose concatenation is the best-scored
+            # piece: Hugging Face's merges, ranked by that score.
+            known, merges = set(pieces.values()), []
+            for i in sorted(normal, key=lambda i: (-sp.get_score(i), i)):
+                piece = pieces[i]
+                merges += [(piece[:k], piece[k:]) for k in range(1, len(piece))
+                           if piece[:k] in known and piece[k:] in known]
+            tok = Tokenizer(models.BPE(vocab, merges, unk_token=SPECIAL_TOKENS[UNK_ID],
+                                       byte_fallback=True))
+        else:
+            tok = self._hf_unigram(pieces, tokens)
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        return tok
+
+    def _hf_unigram(self, pieces: dict[int, str], tokens: list[str]) -> Any:
+        """SentencePiece's lattice holds only its normal and user-defined pieces; Hugging
+        Face's holds every token, so a literal "<eos>" or "<0x41>" in text could become that
+        token. Those tokens get a score below any path of known characters; one spanning an
+        unknown character would still win, so the text is cut after each "<" (every such name
+        starts with one) where no piece goes on past a "<" (then the cut changes nothing), or
+        else every character of those names must be a piece."""
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        sp = self._sp
+        lowest = min(sp.get_score(i) for i in pieces)
+        tok = Tokenizer(models.Unigram(
+            [(token, sp.get_score(i) if i in pieces else len(token) * lowest - 1.0)
+             for i, token in enumerate(tokens)], UNK_ID, True))
+        if not any("<" in piece[:-1] for piece in pieces.values()):
+            tok.pre_tokenizer = pre_tokenizers.Split("<", "merged_with_previous")
+            return tok
+        missing = {c for i, token in enumerate(tokens) if i not in pieces for c in token}
+        missing -= set(pieces.values())
+        if missing:
+            example = next(t for i, t in enumerate(tokens) if i not in pieces and
+                           missing & set(t))
+            raise ValueError(
+                f"{self!r}: its unigram pieces go on past a '<' but none is "
+                f"{''.join(sorted(missing))!r}: a Hugging Face Unigram would read {example!r} "
+                f"in text as one token, where SentencePiece reads it as text; expected every "
+                f"character of the special and byte token names as a piece")
+        return tok
+
+    def __getstate__(self) -> dict[str, Any]:  # for multiprocess data loaders
+        return {"model_proto": self.model_proto, "num_sentinels": self.num_sentinels}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["model_proto"], state["num_sentinels"])
+
+
+def _sentences(texts: Iterable[str]) -> Iterator[str]:
+    """Splits texts into SentencePiece training sentences of <= _MAX_SENTENCE_BYTES: paragraphs
+    (at blank lines), cut at line ends if too long, and at character boundaries as a last resort.
+    Newlines inside a paragraph are kept, so pieces can learn them."""
+    limit = _MAX_SENTENCE_BYTES
+    for text in checked_texts(texts):
+        for paragraph in text.split("\n\n"):
+            if len(paragraph.encode()) <= limit:
+                if paragraph.strip():
+                    yield paragraph
+                continue
+            chunk, size = [], 0
+            for line in paragraph.splitlines(keepends=True):
+                n = len(line.encode())
+                if size + n > limit and chunk:
+                    yield "".join(chunk)
+                    chunk, size = [], 0
+                if n > limit:  # <= 4 bytes per character, so limit // 4 characters always fit
+                    yield from (line[j:j + limit // 4] for j in range(0, len(line), limit // 4))
+                else:
+                    chunk.append(line)
+                    size += n
+            if chunk:
+                yield "".join(chunk)
+
+
+def _sample(sentences: Iterable[str], k: int, seed: int) -> list[str]:
+    """A seeded uniform sample of k sentences (all of them if fewer), by reservoir sampling.
+    Done here because SentencePiece's own sampling (shuffle_input_sentence) differs from run to
+    run even with `set_random_generator_seed`."""
+    rng, sample = random.Random(seed), []
+    for n, sentence in enumerate(sentences):
+        if n < k:
+            sample.append(sentence)
+        elif (j := rng.randrange(n + 1)) < k:
+            sample[j] = sentence
+    return sample
+
+
+def train_sentencepiece(texts: Iterable[str], model_type: str, vocab_size: int) -> bytes:
+    """Trains in memory (no files) and returns the serialized model."""
+    import sentencepiece
+
+    sentences = _sample(_sentences(texts), _MAX_TRAINING_SENTENCES, _TRAINING_SEED)
+    if not sentences:
+        raise ValueError("texts contain no non-blank text: expected at least one")
+    model = io.BytesIO()
+    sentencepiece.set_random_generator_seed(_TRAINING_SEED)
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_writer=model, model_type=model_type,
+            vocab_size=vocab_size, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+            pad_piece="<pad>", bos_piece="<bos>", eos_piece="<eos>", unk_piece="<unk>",
+            user_defined_symbols=list(SPECIAL_TOKENS[MASK_ID:]), byte_fallback=True,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=False, input_sentence_size=0, max_sentence_length=_MAX_SENTENCE_BYTES,
+            num_threads=_TRAINING_THREADS, minloglevel=2)
+    except RuntimeError as e:
+        message = str(e)
+        too_high = re.search(r"value <= (\d+)", message)
+        if too_high:
+            raise ValueError(f"vocab_size={vocab_size}: too large for these texts, expected "
+                             f"<= {too_high.group(1)} for {model_type}") from None
+        too_low = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
+        if too_low:
+            raise ValueError(f"vocab_size={vocab_size}: too small for the characters of these "
+                             f"texts, expected >= {too_low.group(1)}") from None
+        raise ValueError(f"SentencePiece training failed for vocab_size={vocab_size}: "
+                         f"{message.strip().splitlines()[0]}") from None
+    return model.getvalue()
