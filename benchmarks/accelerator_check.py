@@ -19,7 +19,7 @@ finished). Exits 1 if an attention row is out of tolerance or a section failed.
    / max |reference| (per tensor; the gradients' is the worst of q, k, v). Tolerance: a floor
    per dtype, or 4x the dense path's own error in the same dtype if larger. A mask the kernel
    cannot take (`kernels.select` refuses it) runs dense and says so. The "cuDNN gets" column is
-   `kernels.cudnn_arguments`: what the mask becomes in `jax.nn.dot_product_attention`. All
+   `cudnn_attention.cudnn_arguments`: what the mask becomes in `jax.nn.dot_product_attention`. All
    masks compile as one program per side (reference, kernel), case by case if that fails.
 2. Training (`train_check`): `python -m transformer.train --config=experiments/
    gpt_shakespeare_char.py` as it is on a GPU (bf16; "auto" attention, whose kernel the table
@@ -171,14 +171,14 @@ def attention_cases(batch: int, length: int, heads: int, kv_heads: int, seed: in
 
 
 def cudnn_lowering(mask, q_len: int, kv_len: int) -> str:
-    """What `kernels.cudnn_arguments` turns `mask` into, in words (evaluated abstractly: no
+    """What `cudnn_attention.cudnn_arguments` turns `mask` into, in words (evaluated abstractly: no
     mask is computed)."""
-    from transformer.nn import kernels
+    from transformer.nn import cudnn_attention
 
     seen = {}
 
     def lower(mask):
-        seen.update(kernels.cudnn_arguments(mask, q_len, kv_len))
+        seen.update(cudnn_attention.cudnn_arguments(mask, q_len, kv_len))
         return 0
 
     jax.eval_shape(lower, mask)

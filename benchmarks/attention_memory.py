@@ -38,8 +38,8 @@ def main() -> None:
     import numpy as np
 
     from transformer.nn import masks
-    from transformer.nn.attention import dot_product_attention
     from transformer.nn.chunked_attention import chunked_attention, plan_tiles
+    from transformer.nn.dense_attention import dot_product_attention
 
     mask = masks.Causal()
     impls = {

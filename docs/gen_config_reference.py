@@ -182,7 +182,8 @@ MEANINGS: dict[str, str] = {
                           "but the matmuls.",
     "model.attention_impl": "The attention kernel; `auto`: splash on TPU (per device under a "
                             "`sequence` axis too), cuDNN on GPU, chunked for long sequences, "
-                            "else dense.",
+                            "else dense; `reference`: the plain float32 formula by autodiff, "
+                            "for prototyping.",
     "model.sequence_parallel": "Under a `sequence` mesh axis: how attention reaches the other "
                                "devices' keys.",
     "model.sequence_load_balance": "Under a `sequence` mesh axis: lay decoder LMs' sequences out "

@@ -6,15 +6,9 @@ import numpy as np
 import pytest
 
 from transformer.nn import masks
-from transformer.nn.attention import dot_product_attention
-from transformer.nn.kernels import (
-    IMPLS,
-    cudnn_arguments,
-    cudnn_attention,
-    select,
-    splash_attention,
-    supports,
-)
+from transformer.nn.cudnn_attention import cudnn_arguments, cudnn_attention
+from transformer.nn.dense_attention import dot_product_attention
+from transformer.nn.kernels import IMPLS, select, splash_attention, supports
 
 B, H, L = 2, 64, 256  # batch, head dim, sequence length (two 128-blocks)
 
@@ -127,7 +121,7 @@ def choose(impl="auto", *, platform="cpu", mask=CAUSAL, bias=None, dropout=0.0,
 
 
 def test_impls():
-    assert IMPLS == ("auto", "dense", "chunked", "splash", "cudnn")
+    assert IMPLS == ("auto", "dense", "chunked", "splash", "cudnn", "reference")
 
 
 def test_auto_picks_the_platform_kernel():
@@ -189,7 +183,7 @@ def test_supports():
     common = dict(mask=masks.Causal(), bias=None, dropout=0.0, q_len=256, kv_len=256,
                   head_dim=64)
     assert [supports(i, platform="cpu", **common) for i in IMPLS] == [
-        True, True, True, False, False]
+        True, True, True, False, False, True]
     assert supports("splash", platform="cpu", interpret=True, **common)
     assert supports("splash", platform="tpu", **common)
     assert supports("cudnn", platform="gpu", **common)

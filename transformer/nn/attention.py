@@ -8,6 +8,7 @@ D model width.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -15,235 +16,15 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from transformer.nn import kernels, quantization
+from transformer.nn import cudnn_attention, dense_attention, kernels, quantization
 from transformer.nn import lora as lora_lib
 from transformer.nn import positions as positions_lib
 from transformer.nn import sequence_parallel as sequence_parallel_lib
-from transformer.nn.chunked_attention import check_qkv, chunked_attention
-from transformer.nn.masks import EMPTY, Mask, as_dense
+from transformer.nn.chunked_attention import chunked_attention
+from transformer.nn.masks import Mask
 
 Array = jax.Array
-
-# On CPU the dense kernel runs blocks of at least 64 queries, at most 8 blocks (compile time
-# grows with their number), each over only the keys its mask allows (`dot_product_attention(
-# q_block=...)`). Measured on a 2-core AVX-512 EPYC, causal fwd+bwd at B8 N6 H64: T=256
-# 38 -> 32 ms (35 -> 21 ms in a quieter hour), T=512 168 -> 101 ms; at T=64 blocks of 32 were
-# slower than one.
-CPU_QUERY_BLOCK, CPU_MAX_BLOCKS = 64, 8
-
-
-def dot_product_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    mask: Mask | Array | None = None,
-    bias: Array | None = None,
-    *,
-    scale: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: Array | None = None,
-    return_weights: bool = False,
-    q_block: int | None = None,
-    softcap: float = 0.0,
-):
-    """softmax(Q K^T * scale + bias) V over the keys the mask allows.
-
-    Args:
-      query: [B, T, N, H]; key, value: [B, S, K, H] with N divisible by K.
-      mask: a `masks.Mask`, a boolean array broadcastable to [B, N, T, S], or None (all allowed).
-      bias: float array broadcastable to [B, N, T, S] added to the logits (ALiBi, T5 buckets).
-      scale: logit scale, default 1 / sqrt(H).
-      dropout_rate, dropout_rng: dropout on the attention weights (training only).
-      return_weights: also return the weights [B, N, T, S] (float32, or float64).
-      q_block: compute q_block queries at a time, each block over only the keys its `Mask` can
-        allow (`Mask.block_map`): causal attention then computes about half the logits. Used
-        where the mask leaves keys out of some block, without dropout or weights; else one block.
-      softcap: > 0: scaled logits -> softcap * tanh(logits / softcap) before bias and mask.
-
-    Float32 (or float64) inputs keep logits and weights in their dtype. Bfloat16 / float16 inputs
-    keep the [B, N, T, S] logits and weights in that dtype, half the memory, as MaxText does: the
-    matmuls accumulate in float32 and the softmax's max and sum run in float32; the backward pass
-    keeps only the weights (`softmax_values`). Masked keys get exactly zero weight, and a query
-    row with no allowed key returns zeros (its gradient is finite). Dropout and `return_weights`
-    compute the weights in float32.
-    """
-    check_qkv(query, key, value)
-    batch, q_len, num_heads, head_dim = query.shape
-    _, kv_len, num_kv_heads, _ = key.shape
-    group = num_heads // num_kv_heads
-    scale = head_dim**-0.5 if scale is None else scale
-    acc = jnp.promote_types(query.dtype, jnp.float32)  # float32, or float64 for float64 inputs
-    low_precision = jnp.dtype(query.dtype).itemsize < 4  # bfloat16 / float16
-    scores = query.dtype if low_precision else acc  # the dtype of the [B, N, T, S] tensors
-    keep_weights = dropout_rate > 0.0 or return_weights
-    if dropout_rate > 0.0 and dropout_rng is None:
-        raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng")
-
-    # Batched matmuls in their canonical form, [batch..., M, K] x [batch..., K, N], with the
-    # query group folded into M: XLA CPU runs the 5-index einsums 3x slower.
-    query_BKGTH = query.reshape(batch, q_len, num_kv_heads, group, head_dim).transpose(
-        0, 2, 3, 1, 4)
-    key_BKHS = key.transpose(0, 2, 3, 1)
-    value_BKSH = value.transpose(0, 2, 1, 3)
-    whole = (0, q_len, 0, kv_len)
-    if q_block and isinstance(mask, Mask) and not keep_weights:
-        blocks = _query_blocks(mask, q_len, kv_len, q_block)
-    else:
-        blocks = [whole]
-    dense_mask = None if isinstance(mask, Mask) else as_dense(mask, q_len, kv_len)
-
-    outs_BNTH = []
-    for q0, q1, k0, k1 in blocks:
-        rows, cols = q1 - q0, k1 - k0
-        logits_BNTS, allowed = _block_logits(query_BKGTH, key_BKHS, (q0, q1, k0, k1), mask,
-                                             dense_mask, bias, (scale, softcap), scores)
-        if not keep_weights:
-            out_BKMH = softmax_values(logits_BNTS.reshape(batch, num_kv_heads, group * rows, cols),
-                                      value_BKSH[:, :, k0:k1])
-            outs_BNTH.append(out_BKMH.reshape(batch, num_heads, rows, head_dim))
-            continue
-        out_BNTH, weights_BNTS = _weighted_values(logits_BNTS, allowed, value_BKSH, dropout_rate,
-                                                  dropout_rng, acc)
-        outs_BNTH.append(out_BNTH)
-    out_BNTH = outs_BNTH[0] if len(outs_BNTH) == 1 else jnp.concatenate(outs_BNTH, axis=2)
-    out_BTNH = out_BNTH.transpose(0, 2, 1, 3).astype(query.dtype)
-    if keep_weights:  # the zeroed weights already zero rows with no allowed key
-        return (out_BTNH, weights_BNTS) if return_weights else out_BTNH
-    # rows with no allowed key return zeros (None: the mask provably allows a key in every row)
-    return kernels.zero_empty_rows(out_BTNH, kernels.rows_with_keys(
-        mask if isinstance(mask, Mask) else dense_mask, q_len, kv_len))
-
-
-def _weighted_values(logits_BNTS, allowed, value_BKSH, dropout_rate: float, dropout_rng, acc):
-    """(softmax(logits) V [B, N, T, H], the weights [B, N, T, S] in `acc`) of one whole block,
-    with dropout on the weights that multiply V (the weights returned are before dropout)."""
-    batch, num_heads, q_len, kv_len = logits_BNTS.shape
-    num_kv_heads, head_dim = value_BKSH.shape[1], value_BKSH.shape[-1]
-    weights_BNTS = jax.nn.softmax(logits_BNTS.astype(acc), axis=-1)
-    if allowed is not None:  # zero rows where nothing is allowed
-        weights_BNTS = jnp.where(allowed, weights_BNTS, 0.0)
-    probs_BNTS = weights_BNTS
-    if dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BNTS.shape)
-        probs_BNTS = jnp.where(keep, probs_BNTS / (1.0 - dropout_rate), 0.0)
-    probs_BKMS = probs_BNTS.reshape(batch, num_kv_heads, num_heads // num_kv_heads * q_len,
-                                    kv_len)
-    out_BKMH = jnp.matmul(probs_BKMS.astype(value_BKSH.dtype), value_BKSH,
-                          preferred_element_type=acc)
-    return out_BKMH.reshape(batch, num_heads, q_len, head_dim), weights_BNTS
-
-
-def _block_logits(query_BKGTH, key_BKHS, block, mask, dense_mask, bias, scaling, scores):
-    """dot_product_attention's scaled (soft-capped), biased and masked logits [B, N, rows, cols]
-    of one (q0, q1, k0, k1) block, in dtype `scores`, and the block's allowed keys (None: all).
-    `scaling`: (scale, softcap)."""
-    batch, num_kv_heads, group, q_len, head_dim = query_BKGTH.shape
-    kv_len = key_BKHS.shape[-1]
-    scale, softcap = scaling
-    q0, q1, k0, k1 = block
-    rows, cols = q1 - q0, k1 - k0
-    query_BKMH = query_BKGTH[:, :, :, q0:q1].reshape(batch, num_kv_heads, group * rows, head_dim)
-    logits_BKMS = jnp.matmul(query_BKMH, key_BKHS[..., k0:k1], preferred_element_type=scores)
-    logits_BNTS = logits_BKMS.reshape(batch, num_kv_heads * group, rows, cols) * scale
-    if softcap:  # in float32 at least: tanh near +-cap loses the logits' differences in bf16
-        capped = jnp.tanh(logits_BNTS.astype(jnp.promote_types(scores, jnp.float32)) / softcap)
-        logits_BNTS = (softcap * capped).astype(scores)
-    if bias is not None:
-        logits_BNTS = logits_BNTS + _window(bias, q0, q1, k0, k1).astype(scores)
-    if isinstance(mask, Mask):
-        allowed = mask.tile(q0, k0, rows, cols, q_len, kv_len)
-    else:
-        allowed = None if dense_mask is None else _window(dense_mask, q0, q1, k0, k1)
-    if allowed is not None:
-        # the dtype's most negative finite value, so fully masked rows stay NaN-free
-        logits_BNTS = jnp.where(allowed, logits_BNTS, float(jnp.finfo(scores).min))
-    return logits_BNTS, allowed
-
-
-def _query_blocks(mask: Mask, q_len: int, kv_len: int, q_block: int) -> list[tuple[int, ...]]:
-    """[(q0, q1, k0, k1)]: blocks of `q_block` queries, each with the key range [k0, k1) that
-    holds every key `mask` may allow them; the whole [0, T) x [0, S) if no block skips a key.
-
-    >>> from transformer import masks
-    >>> _query_blocks(masks.Causal(), 6, 6, 2)  # queries 0-1 see keys 0-1, 2-3 see 0-3, ...
-    [(0, 2, 0, 2), (2, 4, 0, 4), (4, 6, 0, 6)]
-    >>> _query_blocks(masks.SlidingWindow(left=1, right=0), 6, 6, 3)
-    [(0, 3, 0, 3), (3, 6, 2, 6)]
-    >>> _query_blocks(masks.Full(), 6, 6, 2)
-    [(0, 6, 0, 6)]
-    """
-    if q_len <= q_block:
-        return [(0, q_len, 0, kv_len)]
-    classes = mask.block_map(q_len, kv_len, q_block, 1)  # [query blocks, keys]
-    blocks = []
-    for i, row in enumerate(classes):
-        live = np.flatnonzero(row != EMPTY)
-        # a block with no allowed key: any one key; its rows are zeroed on the output
-        k0, k1 = (int(live[0]), int(live[-1]) + 1) if live.size else (0, 1)
-        blocks.append((i * q_block, min(q_len, (i + 1) * q_block), k0, k1))
-    if all((k0, k1) == (0, kv_len) for _, _, k0, k1 in blocks):
-        return [(0, q_len, 0, kv_len)]
-    return blocks
-
-
-def _window(x: Array, q0: int, q1: int, k0: int, k1: int) -> Array:
-    """Queries [q0, q1) and keys [k0, k1) of an array broadcastable to [B, N, T, S]; its axes
-    of size 1 (broadcast) stay whole."""
-    x = jnp.asarray(x)
-    index = [slice(None)] * x.ndim
-    for axis, (start, stop) in zip((-2, -1), ((q0, q1), (k0, k1)), strict=True):
-        if x.ndim >= -axis and x.shape[axis] != 1 and (start, stop) != (0, x.shape[axis]):
-            index[axis] = slice(start, stop)
-    return x[tuple(index)]
-
-
-@jax.custom_vjp
-def softmax_values(logits: Array, values: Array) -> Array:
-    """softmax(logits) @ values over the last axis of logits [..., M, S] and values [..., S, H],
-    in the accumulation dtype (float32 for bfloat16 / float16 / float32 inputs).
-
-    The softmax's max and sum run in float32 and the weights are kept in the logits' dtype. The
-    backward pass keeps only those weights P (not a float32 copy, not the logits) and uses the
-    flash-attention identity sum_j P_ij dP_ij = dO_i . O_i: d logits = P (dO V^T - rowsum(dO O)),
-    one pass over the [M, S] tensors that XLA can fuse into the dO V^T matmul. P is computed as
-    exp(x - max - log(sum)), not exp(x - max) / sum: XLA would fuse the cheap division into the
-    backward pass and keep exp(x - max) alive beside P until then (one more [M, S] tensor per
-    layer: 7.5 MB at GPT 6/6/384, batch 8 x 256, in CPU query blocks).
-
-    >>> x = jnp.log(jnp.array([[1.0, 3.0]], jnp.bfloat16))  # weights 1/4, 3/4
-    >>> out = softmax_values(x, jnp.array([[1.0], [5.0]], jnp.bfloat16))  # 1/4 + 15/4
-    >>> out.dtype, round(float(out[0, 0]), 2)
-    (dtype('float32'), 4.0)
-    """
-    return _softmax_values_fwd(logits, values)[0]
-
-
-def _softmax_values_fwd(logits, values):
-    acc = jnp.promote_types(values.dtype, jnp.float32)
-    x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    shifted = x - jnp.max(x, axis=-1, keepdims=True)
-    log_sum = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
-    probs = jnp.exp(shifted - log_sum).astype(logits.dtype)
-    out = jnp.matmul(probs.astype(values.dtype), values, preferred_element_type=acc)
-    return out, (probs, values, out)
-
-
-def _softmax_values_bwd(residuals, grad_out):
-    probs, values, out = residuals
-    acc = out.dtype
-    grad_values = jnp.matmul(jnp.swapaxes(probs, -1, -2).astype(values.dtype),
-                             grad_out.astype(values.dtype), preferred_element_type=acc)
-    grad_probs = jnp.matmul(grad_out.astype(values.dtype), jnp.swapaxes(values, -1, -2),
-                            preferred_element_type=acc)
-    row = jnp.sum(grad_out * out, axis=-1, keepdims=True)  # = sum_j P_ij dP_ij
-    grad_logits = probs.astype(acc) * (grad_probs - row)
-    return grad_logits.astype(probs.dtype), grad_values.astype(values.dtype)
-
-
-softmax_values.defvjp(_softmax_values_fwd, _softmax_values_bwd)
-
 
 def attend(
     query: Array,
@@ -292,24 +73,18 @@ def attend(
     >>> attend(q, kv, kv, impl="chunked", return_weights=True)[1].shape  # ran dense
     (2, 8, 4, 6)
     """
-    platform = kernels.target_platform()
-    split = sequence_parallel_lib.shards()
-    if (split > 1 and not (dropout_rate or return_weights)
-            and (mask is None or isinstance(mask, Mask)) and (bias is None or callable(bias))
-            and query.shape[1] % split == 0 and key.shape[1] % split == 0):
-        return _attend_split(query, key, value, mask, bias, impl=impl, scale=scale,
-                             strategy=sequence_parallel, softcap=softcap, split=split,
-                             platform=platform)
-    if dropout_rate or return_weights:
-        impl = "dense"
-        kernels.record(impl)
-    else:
-        mesh_set = not jax.sharding.get_abstract_mesh().empty
-        impl = kernels.select(impl, platform=platform, mask=mask, bias=bias, dropout=0.0,
-                              q_len=query.shape[1], kv_len=key.shape[1],
-                              head_dim=query.shape[-1], dtype=query.dtype,
-                              interpret=impl == "splash" and platform != "tpu",
-                              devices=1 if mesh_set else jax.device_count(), softcap=softcap)
+    platform, split = kernels.target_platform(), sequence_parallel_lib.shards()
+    mesh_set = not jax.sharding.get_abstract_mesh().empty
+    call = kernels.Call(platform, mask, bias, dropout_rate, query.shape[1], key.shape[1],
+                        query.shape[-1], interpret=impl == "splash" and platform != "tpu",
+                        dtype=query.dtype, devices=1 if mesh_set else jax.device_count(),
+                        softcap=softcap, weights=return_weights,
+                        gqa=query.shape[2] != key.shape[2], split=split)
+    if split > 1 and kernels.refusal("chunked per device", call) is None:
+        return _attend_split(query, key, value, mask, bias, call, impl=impl, scale=scale,
+                             strategy=sequence_parallel)
+    impl = kernels.select(impl, fall_back=True, **{
+        f.name: getattr(call, f.name) for f in dataclasses.fields(call)})
     if callable(bias) and impl != "chunked":
         bias = bias(jnp.arange(query.shape[1]), jnp.arange(key.shape[1]))
     if impl == "chunked":
@@ -318,39 +93,34 @@ def attend(
         return kernels.splash_attention(query, key, value, mask, scale=scale,
                                         interpret=platform != "tpu", softcap=softcap)
     if impl == "cudnn":
-        return kernels.cudnn_attention(query, key, value, mask, scale=scale)
-    return dot_product_attention(query, key, value, mask, bias, scale=scale,
-                                 dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                                 return_weights=return_weights,
-                                 q_block=_cpu_query_block(query.shape[1], platform),
-                                 softcap=softcap)
+        return cudnn_attention.cudnn_attention(query, key, value, mask, scale=scale)
+    dense = dict(scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                 return_weights=return_weights, softcap=softcap)
+    if impl == "reference":
+        return dense_attention.reference_attention(query, key, value, mask, bias, **dense)
+    return dense_attention.dot_product_attention(
+        query, key, value, mask, bias, q_block=dense_attention.cpu_query_block(
+            query.shape[1], platform), **dense)
 
 
-def _attend_split(query, key, value, mask, bias, *, impl, scale, strategy, softcap, split,
-                  platform):
-    """Attention under a `sequence` axis of `split` devices: splash per device where `impl` asks
-    for it ("splash", or "auto" on TPU) and it can run, else the chunked kernel; the kernel line
-    says which, and why splash could not."""
-    note = ""
+def _attend_split(query, key, value, mask, bias, call, *, impl, scale, strategy):
+    """Attention under a `sequence` axis of `call.split` devices: splash per device where `impl`
+    asks for it ("splash", or "auto" on TPU) and it can run, else the chunked kernel; the kernel
+    line says which, and why splash could not."""
+    note, split, platform = "", call.split, call.platform
     if impl == "splash" or (impl == "auto" and platform == "tpu"):
         interpret = platform != "tpu"
-        reason = sequence_parallel_lib.splash_reason(
-            mask, bias, strategy=strategy, q_len=query.shape[1], kv_len=key.shape[1],
+        reason = kernels.refusal("splash per device", call) or sequence_parallel_lib.splash_reason(
+            mask, bias, strategy=strategy, q_len=call.q_len, kv_len=call.kv_len,
             num_shards=split, platform=platform, interpret=interpret)
         if reason is None:
             kernels.record(f"splash per device, {strategy} over sequence={split}")
-            return sequence_parallel_lib.splash_attention(query, key, value, mask, scale=scale,
-                                                          softcap=softcap, interpret=interpret)
+            return sequence_parallel_lib.splash_attention(
+                query, key, value, mask, scale=scale, softcap=call.softcap, interpret=interpret)
         note = f" (splash {reason})"
     kernels.record(f"chunked per device, {strategy} over sequence={split}{note}")
     return sequence_parallel_lib.attention(query, key, value, mask, bias, strategy=strategy,
-                                           scale=scale, softcap=softcap)
-
-
-def _cpu_query_block(q_len: int, platform: str) -> int | None:
-    if platform != "cpu":
-        return None
-    return max(CPU_QUERY_BLOCK, -(-q_len // CPU_MAX_BLOCKS))
+                                           scale=scale, softcap=call.softcap)
 
 
 def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,
