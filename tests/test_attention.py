@@ -8,7 +8,7 @@ import pytest
 
 from transformer.nn import attention as attention_lib
 from transformer.nn import dense_attention, kernels, masks
-from transformer.nn.attention import MultiHeadAttention, attend
+from transformer.nn.attention import AttentionSettings, MultiHeadAttention, attend
 from transformer.nn.config import TransformerConfig
 from transformer.nn.dense_attention import dot_product_attention
 
@@ -336,7 +336,8 @@ D_MODEL, HEADS = 16, 4
 
 
 def init_mha(seed=0, **kwargs):
-    layer = MultiHeadAttention(num_heads=HEADS, head_dim=D_MODEL // HEADS, **kwargs)
+    layer = MultiHeadAttention(AttentionSettings(num_heads=HEADS, head_dim=D_MODEL // HEADS,
+                                                 **kwargs))
     x = jax.random.normal(jax.random.key(seed), (2, 6, D_MODEL))
     variables = layer.init(jax.random.key(seed + 1), x)
     return layer, variables, x

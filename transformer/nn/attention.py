@@ -159,29 +159,11 @@ def projection_init(std: float | None, in_axis, out_axis,
     )
 
 
-class MultiHeadAttention(nn.Module):
-    """Multi-head attention: per-head W_q, W_k, W_v, attention per head, concat, W_o.
-
-    Self-attention when `inputs_kv` is None, cross-attention otherwise. Grouped-query and
-    multi-query attention via `num_kv_heads`. `qk_norm` normalises q and k, then RoPE (if
-    `rope_theta` is set) rotates them at `q_positions` / `kv_positions`; the cache holds the
-    normalised, rotated keys. Params carry logical axis names: query [embed, heads, kv],
-    key/value [embed, kv_heads, kv], out [heads, kv, embed].
-
-    The attention weights are sown into the 'intermediates' collection as `attention_weights`
-    when that collection is mutable (for attention-map pictures), and returned as a second
-    output when `return_weights=True`.
-
-    `decode=True` uses the 'cache' collection (apply with `mutable=["cache"]`). Self-attention
-    writes the new (rotated) keys and values into slots `q_positions` of its [B, L, K, H]
-    buffers and attends over the whole buffer, so the caller's mask must hide the slots not
-    written yet (slot j > the query's position). A `cross=True` layer caches the keys and values
-    of `inputs_kv` when given them and reuses them when `inputs_kv` is None. The decode call
-    inside `init` only creates the buffers, shaped like its inputs (L = the input length).
-
-    The attention itself is `attend` with `impl`: `mask` and `bias` (an array or a function of
-    query and key indices) are passed to it as given.
-    """
+@dataclasses.dataclass(frozen=True)
+class AttentionSettings:
+    """Everything one attention layer is built from: its shapes, projections, positions, norms,
+    init and kernel. `from_config` reads them off a `TransformerConfig` in one place; a new
+    attention knob is one field here, its key in the config, and its use in the kernels."""
 
     num_heads: int
     head_dim: int
@@ -208,11 +190,66 @@ class MultiHeadAttention(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     cross: bool = False  # cross-attention: under decode, K/V are cached once and reused
-    # kernels.IMPLS: "auto", "dense", "chunked" (O(T) memory), "splash" or "cudnn"; dropout on
-    # the weights and requests for the weights use dense
+    # kernels.IMPLS: "auto", "dense", "chunked" (O(T) memory), "splash", "cudnn" or "reference";
+    # dropout on the weights and requests for the weights use dense
     impl: str = "auto"
     sequence_parallel: str = "all_gather"  # under a `sequence` mesh axis: all_gather | ring
     lora: Any = None  # transformer.nn.lora.LoraConfig: adapters on the projections it targets
+
+    @classmethod
+    def from_config(cls, cfg, *, cross: bool = False) -> AttentionSettings:
+        """The settings of a `TransformerConfig`'s self-attention (or, `cross`, its
+        cross-attention, which has no RoPE)."""
+        return cls(
+            num_heads=cfg.num_heads, head_dim=cfg.resolved_head_dim,
+            num_kv_heads=cfg.num_kv_heads, use_bias=cfg.use_bias, qkv_bias=cfg.qkv_bias,
+            scale=cfg.resolved_attention_scale,
+            rope_theta=cfg.rope_theta if not cross and cfg.position == "rope" else None,
+            rope_layout=cfg.rope_layout, rope_scale=cfg.rope_scale,
+            rope_scaling=cfg.rope_scaling, rope_low_freq_factor=cfg.rope_low_freq_factor,
+            rope_high_freq_factor=cfg.rope_high_freq_factor,
+            rope_original_max_len=cfg.rope_original_max_len,
+            dropout_rate=cfg.attention_dropout_rate, init_std=cfg.init_std,
+            init_scale=cfg.init_scale(), out_init_scale=cfg.init_scale(residual=True),
+            qk_norm=cfg.qk_norm_scope if cfg.qk_norm else "", norm_epsilon=cfg.norm_epsilon,
+            softcap=cfg.attention_softcap, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+            cross=cross, impl=cfg.attention_impl, sequence_parallel=cfg.sequence_parallel,
+            lora=cfg.lora if cfg.lora.rank else None)
+
+    def kernel_args(self, deterministic: bool) -> dict[str, Any]:
+        """The keyword arguments of `attend` these settings give (no dropout when
+        `deterministic`)."""
+        return dict(impl=self.impl, scale=self.scale, sequence_parallel=self.sequence_parallel,
+                    softcap=self.softcap, dropout_rate=0.0 if deterministic else self.dropout_rate)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention: per-head W_q, W_k, W_v, attention per head, concat, W_o.
+
+    Self-attention when `inputs_kv` is None, cross-attention otherwise. Grouped-query and
+    multi-query attention via `num_kv_heads`. `qk_norm` normalises q and k, then RoPE (if
+    `rope_theta` is set) rotates them at `q_positions` / `kv_positions`; the cache holds the
+    normalised, rotated keys. Params carry logical axis names: query [embed, heads, kv],
+    key/value [embed, kv_heads, kv], out [heads, kv, embed].
+
+    The attention weights are sown into the 'intermediates' collection as `attention_weights`
+    when that collection is mutable (for attention-map pictures), and returned as a second
+    output when `return_weights=True`.
+
+    `decode=True` uses the 'cache' collection (apply with `mutable=["cache"]`). Self-attention
+    writes the new (rotated) keys and values into slots `q_positions` of its [B, L, K, H]
+    buffers and attends over the whole buffer, so the caller's mask must hide the slots not
+    written yet (slot j > the query's position). A `cross=True` layer caches the keys and values
+    of `inputs_kv` when given them and reuses them when `inputs_kv` is None. The decode call
+    inside `init` only creates the buffers, shaped like its inputs (L = the input length).
+
+    The attention itself is `attend` with the settings' kernel: `mask` and `bias` (an array or a
+    function of query and key indices) are passed to it as given. All settings are one field,
+    `settings` (`AttentionSettings`).
+    """
+
+    settings: AttentionSettings
+
 
     @nn.compact
     def __call__(
@@ -229,10 +266,11 @@ class MultiHeadAttention(nn.Module):
         decode: bool = False,
     ):
         num_kv_heads = self._num_kv_heads()
-        reuse_kv = decode and self.cross and inputs_kv is None  # a cross-attention decode step
-        self_attention = inputs_kv is None and not self.cross
+        # a cross-attention decode step reuses the cached keys and values
+        reuse_kv = decode and self.settings.cross and inputs_kv is None
+        self_attention = inputs_kv is None and not self.settings.cross
         inputs_kv = inputs_q if self_attention else inputs_kv
-        query_BTNH = self._normed("query", self._project("query", inputs_q, self.num_heads,
+        query_BTNH = self._normed("query", self._project("query", inputs_q, self.settings.num_heads,
                                                          "heads", deterministic), "heads")
         if reuse_kv:
             key_BSKH, value_BSKH = self._cached("cross_key"), self._cached("cross_value")
@@ -241,7 +279,7 @@ class MultiHeadAttention(nn.Module):
                                                          "kv_heads", deterministic), "kv_heads")
             value_BSKH = self._project("value", inputs_kv, num_kv_heads, "kv_heads",
                                        deterministic)
-        if self.rope_theta is not None:
+        if self.settings.rope_theta is not None:
             q_positions = _default_positions(q_positions, inputs_q.shape[1])
             query_BTNH = self._rotate(query_BTNH, q_positions)
             if not reuse_kv:  # cached keys were rotated before they were written
@@ -256,10 +294,11 @@ class MultiHeadAttention(nn.Module):
         return (out_BTD, weights_BNTS) if return_weights else out_BTD
 
     def _num_kv_heads(self) -> int:
-        num_kv_heads = self.num_kv_heads or self.num_heads
-        if self.num_heads % num_kv_heads:
+        num_heads = self.settings.num_heads
+        num_kv_heads = self.settings.num_kv_heads or num_heads
+        if num_heads % num_kv_heads:
             raise ValueError(
-                f"num_heads={self.num_heads}: expected a multiple of num_kv_heads={num_kv_heads}"
+                f"num_heads={num_heads}: expected a multiple of num_kv_heads={num_kv_heads}"
             )
         return num_kv_heads
 
@@ -269,50 +308,52 @@ class MultiHeadAttention(nn.Module):
         names = ("embed", heads_axis, "kv")
         kernel = self.param(
             name,
-            nn.with_logical_partitioning(projection_init(self.init_std, 0, (1, 2),
-                                                         self.init_scale), names),
-            (x_BTD.shape[-1], heads, self.head_dim),
-            self.param_dtype,
+            nn.with_logical_partitioning(projection_init(self.settings.init_std, 0, (1, 2),
+                                                         self.settings.init_scale), names),
+            (x_BTD.shape[-1], heads, self.settings.head_dim),
+            self.settings.param_dtype,
         )
         y_BTNH = self._matmul(name, x_BTD, kernel, names, 1, deterministic)
-        if self.use_bias if self.qkv_bias is None else self.qkv_bias:
+        if self.settings.use_bias if self.settings.qkv_bias is None else self.settings.qkv_bias:
             b = self.param(
                 f"{name}_bias",
                 nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
-                (heads, self.head_dim),
-                self.param_dtype,
+                (heads, self.settings.head_dim),
+                self.settings.param_dtype,
             )
-            y_BTNH = y_BTNH + b.astype(self.dtype)
+            y_BTNH = y_BTNH + b.astype(self.settings.dtype)
         return y_BTNH
 
     def _normed(self, name: str, x_BTNH: Array, heads_axis: str) -> Array:
         """`qk_norm`: RMSNorm of the projection `name` over each head's H values, or over all
         its heads' (param `name`_norm/scale [H] or [heads, H]); `x` itself without it."""
-        if self.qk_norm not in ("", "head", "projection"):
-            raise ValueError(f"qk_norm={self.qk_norm!r}: expected '', 'head' or 'projection'")
-        if not self.qk_norm:
+        s = self.settings
+        if s.qk_norm not in ("", "head", "projection"):
+            raise ValueError(f"qk_norm={s.qk_norm!r}: expected '', 'head' or 'projection'")
+        if not s.qk_norm:
             return x_BTNH
-        axes = (-2, -1) if self.qk_norm == "projection" else -1
-        names = (heads_axis, "kv") if self.qk_norm == "projection" else ("kv",)
-        return nn.RMSNorm(epsilon=self.norm_epsilon, dtype=self.dtype,
-                          param_dtype=self.param_dtype, reduction_axes=axes, feature_axes=axes,
+        axes = (-2, -1) if s.qk_norm == "projection" else -1
+        names = (heads_axis, "kv") if s.qk_norm == "projection" else ("kv",)
+        return nn.RMSNorm(epsilon=s.norm_epsilon, dtype=s.dtype,
+                          param_dtype=s.param_dtype, reduction_axes=axes, feature_axes=axes,
                           scale_init=nn.with_logical_partitioning(nn.initializers.ones, names),
                           name=f"{name}_norm")(x_BTNH)
 
     def _rotate(self, x_BTNH: Array, positions: Array) -> Array:
         """RoPE at `positions` [B or 1, T]."""
-        return positions_lib.apply_rope(x_BTNH, positions, theta=self.rope_theta,
-                                        layout=self.rope_layout, scale=self.rope_scale,
-                                        scaling=self.rope_scaling,
-                                        low_freq_factor=self.rope_low_freq_factor,
-                                        high_freq_factor=self.rope_high_freq_factor,
-                                        original_max_len=self.rope_original_max_len)
+        s = self.settings
+        return positions_lib.apply_rope(x_BTNH, positions, theta=s.rope_theta,
+                                        layout=s.rope_layout, scale=s.rope_scale,
+                                        scaling=s.rope_scaling,
+                                        low_freq_factor=s.rope_low_freq_factor,
+                                        high_freq_factor=s.rope_high_freq_factor,
+                                        original_max_len=s.rope_original_max_len)
 
     def _update_cache(self, key_BSKH: Array, value_BSKH: Array,
                       q_positions: Array | None) -> tuple[Array, Array]:
         """Decode: writes the new keys and values into the cache (cross-attention: replaces
         them; self-attention: at slots `q_positions`) and returns what to attend over."""
-        if self.cross:
+        if self.settings.cross:
             return (self._cache("cross_key", key_BSKH, None),
                     self._cache("cross_value", value_BSKH, None))
         if q_positions is None:
@@ -322,46 +363,45 @@ class MultiHeadAttention(nn.Module):
 
     def _attend(self, query_BTNH, key_BSKH, value_BSKH, mask, bias, deterministic,
                 return_weights) -> tuple[Array, Array | None]:
-        """`attend` with this layer's kernel, scale and dropout; sows the weights into
-        'intermediates' when mutable. Returns (out [B, T, N, H], weights or None)."""
-        dropout = self.dropout_rate if not deterministic else 0.0
+        """`attend` with this layer's settings (`AttentionSettings.kernel_args`); sows the
+        weights into 'intermediates' when mutable. Returns (out [B, T, N, H], weights or None)."""
+        args = self.settings.kernel_args(deterministic)
         sow = self.is_mutable_collection("intermediates")
         want_weights = return_weights or sow  # forces the dense path
-        result = attend(query_BTNH, key_BSKH, value_BSKH, mask=mask, bias=bias, impl=self.impl,
-                        scale=self.scale, dropout_rate=dropout,
-                        dropout_rng=self.make_rng("dropout") if dropout > 0.0 else None,
-                        return_weights=want_weights, sequence_parallel=self.sequence_parallel,
-                        softcap=self.softcap)
+        dropout_rng = self.make_rng("dropout") if args["dropout_rate"] > 0.0 else None
+        result = attend(query_BTNH, key_BSKH, value_BSKH, mask=mask, bias=bias,
+                        dropout_rng=dropout_rng, return_weights=want_weights, **args)
         out_BTNH, weights_BNTS = result if want_weights else (result, None)
         if sow:
             self.sow("intermediates", "attention_weights", weights_BNTS)
         return out_BTNH, weights_BNTS
 
     def _matmul(self, name, x, kernel, names, contract, deterministic) -> Array:
-        if self.lora is None:
-            return matmul(x, kernel, contract, dtype=self.dtype)
-        return lora_lib.project(self, name, x, kernel, names, contract, self.lora, self.dtype,
-                                self.param_dtype, deterministic, matmul)
+        if self.settings.lora is None:
+            return matmul(x, kernel, contract, dtype=self.settings.dtype)
+        s = self.settings
+        return lora_lib.project(self, name, x, kernel, names, contract, s.lora, s.dtype,
+                                s.param_dtype, deterministic, matmul)
 
     def _output(self, out_BTNH: Array, d_model: int, deterministic: bool = True) -> Array:
         """W_o: [B, T, N, H] -> [B, T, D] (plus the output bias)."""
-        out_init = projection_init(self.init_std, (0, 1), 2, self.out_init_scale)
+        out_init = projection_init(self.settings.init_std, (0, 1), 2, self.settings.out_init_scale)
         w_out = self.param(
             "out",
             nn.with_logical_partitioning(out_init, ("heads", "kv", "embed")),
-            (self.num_heads, self.head_dim, d_model),
-            self.param_dtype,
+            (self.settings.num_heads, self.settings.head_dim, d_model),
+            self.settings.param_dtype,
         )
         out_BTD = self._matmul("out", out_BTNH, w_out, ("heads", "kv", "embed"), 2,
                                deterministic)
-        if self.use_bias:
+        if self.settings.use_bias:
             b_out = self.param(
                 "out_bias",
                 nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
                 (d_model,),
-                self.param_dtype,
+                self.settings.param_dtype,
             )
-            out_BTD = out_BTD + b_out.astype(self.dtype)
+            out_BTD = out_BTD + b_out.astype(self.settings.dtype)
         return out_BTD
 
     def _cache(self, name: str, new_BTKH: Array, slots_BT: Array | None) -> Array:
