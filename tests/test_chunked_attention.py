@@ -6,12 +6,9 @@ import numpy as np
 import pytest
 
 from transformer.nn import masks, positions
-from transformer.nn.chunked_attention import (
-    chunked_attention,
-    chunked_attention_stats,
-    plan_tiles,
-)
+from transformer.nn.chunked_attention import chunked_attention, chunked_attention_stats
 from transformer.nn.dense_attention import dot_product_attention
+from transformer.nn.tile_plan import plan_tiles
 
 B, N, H = 2, 4, 8
 
