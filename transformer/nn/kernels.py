@@ -168,7 +168,7 @@ class Call:
                     example_mask=isinstance(self.mask, Mask) and _splash_lowering(
                         self.mask) == "dense",
                     gqa=self.gqa)
-        return tuple(f for f in FEATURES if used[f])
+        return tuple(f for f in FEATURES if used.get(f))
 
 
 def _no_requirement(call: Call) -> str | None:
@@ -291,8 +291,10 @@ def select(impl: str, *, platform: str, mask: Mask | Array | None, bias: Any, dr
         fallback = " or ".join(repr(name) for name in can)
         raise ValueError(f"impl={impl!r} {reason}; use impl={fallback} or 'auto'")
     if impl == "auto":
-        impl = next(name for name in AUTO_ORDER if KERNELS[name].preferred(call)
-                    and refusal(name, call, auto=True) is None)
+        impl = next((name for name in AUTO_ORDER if KERNELS[name].preferred(call)
+                     and refusal(name, call, auto=True) is None), None)
+        if impl is None:
+            raise ValueError(f"impl='auto': no kernel of {AUTO_ORDER} takes {call.features()}")
     record(impl)
     return impl
 
