@@ -1,5 +1,6 @@
-"""Scaled dot-product attention as pure functions, `dot_product_attention` (the dense math) and
-`attend` (picks a kernel and runs it), and the Linen multi-head attention layer.
+"""`attend` (picks a kernel from `kernels.KERNELS` and runs it), `AttentionSettings` (one
+attention layer's settings, read off the config in one place) and the Linen multi-head attention
+layer. The dense math itself is in `dense_attention`.
 
 Shapes: B batch, T query length, S key length, N query heads, K key/value heads (N % K == 0:
 K == N is multi-head, 1 < K < N grouped-query, K == 1 multi-query), G = N // K, H head dim,
@@ -41,7 +42,8 @@ def attend(
     sequence_parallel: str = "all_gather",
     softcap: float = 0.0,
 ):
-    """Attention through the kernel `impl` names: what `dot_product_attention` computes.
+    """Attention through the kernel `impl` names: what `dense_attention.dot_product_attention`
+    computes.
 
     Args:
       query: [B, T, N, H]; key, value: [B, S, K, H] with N divisible by K.
@@ -52,8 +54,9 @@ def attend(
       impl: one of `kernels.IMPLS`, resolved by `kernels.select`: "dense"
         (`dot_product_attention`, [B, N, T, S] logits; on CPU in query blocks), "chunked"
         (`chunked_attention`, O(T + S) memory), "splash" (the Pallas TPU kernel; Pallas
-        interpret mode elsewhere), "cudnn" (cuDNN flash attention on GPU) or "auto" (by
-        platform and length; see `kernels`).
+        interpret mode elsewhere), "cudnn" (cuDNN flash attention on GPU), "reference" (the
+        plain formula by autodiff, `reference_attention`) or "auto" (by platform and length;
+        see `kernels`). What each kernel takes is declared in `kernels.KERNELS`.
       scale: logit scale, default 1 / sqrt(H).
       dropout_rate, dropout_rng: dropout on the attention weights (training only).
       return_weights: also return the weights [B, N, T, S].
@@ -63,10 +66,11 @@ def attend(
       softcap: > 0 soft-caps the scaled logits (see `dot_product_attention`). Every kernel but
         cuDNN takes it; "auto" then skips cuDNN.
 
-    Dropout and `return_weights` always run the dense path (also under a `sequence` axis, where
-    XLA then partitions it). Returns out [B, T, N, H], or (out, weights) with `return_weights`.
+    Dropout and `return_weights` run a kernel that declares them: dense (also under a `sequence`
+    axis, where XLA then partitions it), or reference when named. Returns out [B, T, N, H], or
+    (out, weights) with `return_weights`.
 
-    >>> from transformer import masks
+    >>> from transformer.nn import masks
     >>> q, kv = jnp.ones((2, 4, 8, 16)), jnp.ones((2, 6, 2, 16))
     >>> attend(q, kv, kv, mask=masks.Causal(), impl="chunked").shape
     (2, 4, 8, 16)

@@ -159,7 +159,7 @@ def _query_blocks(mask: Mask, q_len: int, kv_len: int, q_block: int) -> list[tup
     """[(q0, q1, k0, k1)]: blocks of `q_block` queries, each with the key range [k0, k1) that
     holds every key `mask` may allow them; the whole [0, T) x [0, S) if no block skips a key.
 
-    >>> from transformer import masks
+    >>> from transformer.nn import masks
     >>> _query_blocks(masks.Causal(), 6, 6, 2)  # queries 0-1 see keys 0-1, 2-3 see 0-3, ...
     [(0, 2, 0, 2), (2, 4, 0, 4), (4, 6, 0, 6)]
     >>> _query_blocks(masks.SlidingWindow(left=1, right=0), 6, 6, 3)
