@@ -114,9 +114,10 @@ def _attend_split(query, key, value, mask, bias, call, *, impl, scale, strategy)
     note, split, platform = "", call.split, call.platform
     if impl == "splash" or (impl == "auto" and platform == "tpu"):
         interpret = platform != "tpu"
-        reason = kernels.refusal("splash per device", call) or sequence_parallel_lib.splash_reason(
+        reason = sequence_parallel_lib.splash_reason(
             mask, bias, strategy=strategy, q_len=call.q_len, kv_len=call.kv_len,
-            num_shards=split, platform=platform, interpret=interpret)
+            num_shards=split, platform=platform, interpret=interpret) or kernels.refusal(
+                "splash per device", call)
         if reason is None:
             kernels.record(f"splash per device, {strategy} over sequence={split}")
             return sequence_parallel_lib.splash_attention(

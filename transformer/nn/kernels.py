@@ -230,8 +230,10 @@ KERNELS = {
     "cudnn": Kernel(frozenset({"mask_array", "example_mask", "gqa"}), requires=_cudnn_requires,
                     preferred=lambda call: call.platform == "gpu"),
     "reference": Kernel(frozenset(FEATURES)),
-    # (splash per device also asks `sequence_parallel.splash_reason`: strategy, mask layout)
-    "splash per device": Kernel(frozenset({"softcap", "gqa"}), requires=_per_device_requires),
+    # splash per device also asks `sequence_parallel.splash_reason` (strategy, and the masks it
+    # can lay out per device: static parts, segment ids, a zig-zag order), before this table
+    "splash per device": Kernel(frozenset({"softcap", "gqa", "example_mask"}),
+                                requires=_per_device_requires),
     "chunked per device": Kernel(frozenset({"bias_fn", "softcap", "gqa", "example_mask"}),
                                  requires=_per_device_requires),
 }
