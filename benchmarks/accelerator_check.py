@@ -14,12 +14,12 @@ finished). Exits 1 if an attention row is out of tolerance or a section failed.
 1. Attention (`attention_check`): for each mask the models use (causal; causal GQA; causal +
    packed documents of uneven lengths; right padding of uneven lengths; causal sliding window;
    full; prefix LM; cross-attention between packed segments of another length), the kernel's
-   output and its gradients w.r.t. q, k and v, against `attention.dot_product_attention` on the
-   same inputs in float32 at the highest matmul precision. Errors are max |kernel - reference|
+   output and its gradients w.r.t. q, k and v, against `dense_attention.dot_product_attention` on
+   the same inputs in float32 at the highest matmul precision. Errors are max |kernel - reference|
    / max |reference| (per tensor; the gradients' is the worst of q, k, v). Tolerance: a floor
    per dtype, or 4x the dense path's own error in the same dtype if larger. A mask the kernel
    cannot take (`kernels.select` refuses it) runs dense and says so. The "cuDNN gets" column is
-   `kernels.cudnn_arguments`: what the mask becomes in `jax.nn.dot_product_attention`. All
+   `cudnn_attention.cudnn_arguments`: what the mask becomes in `jax.nn.dot_product_attention`. All
    masks compile as one program per side (reference, kernel), case by case if that fails.
 2. Training (`train_check`): `python -m transformer.train --config=experiments/
    gpt_shakespeare_char.py` as it is on a GPU (bf16; "auto" attention, whose kernel the table
@@ -171,14 +171,14 @@ def attention_cases(batch: int, length: int, heads: int, kv_heads: int, seed: in
 
 
 def cudnn_lowering(mask, q_len: int, kv_len: int) -> str:
-    """What `kernels.cudnn_arguments` turns `mask` into, in words (evaluated abstractly: no
+    """What `cudnn_attention.cudnn_arguments` turns `mask` into, in words (evaluated abstractly: no
     mask is computed)."""
-    from transformer.nn import kernels
+    from transformer.nn import cudnn_attention
 
     seen = {}
 
     def lower(mask):
-        seen.update(kernels.cudnn_arguments(mask, q_len, kv_len))
+        seen.update(cudnn_attention.cudnn_arguments(mask, q_len, kv_len))
         return 0
 
     jax.eval_shape(lower, mask)
@@ -256,7 +256,7 @@ def attention_check(platform: str, dtype: str, *, impl: str = "cudnn",
     dense float32 reference, fwd and bwd, for each of `attention_cases`."""
     import jax.numpy as jnp
 
-    from transformer.nn import attention, kernels
+    from transformer.nn import dense_attention, kernels
 
     low = jnp.dtype(dtype)
     floor = TOLERANCE_FLOOR[low.name]
@@ -280,11 +280,12 @@ def attention_check(platform: str, dtype: str, *, impl: str = "cudnn",
         rows.append(row)
 
     with jax.default_matmul_precision("highest"):  # no TF32 in the reference
-        reference = _run_cases([attention.dot_product_attention] * len(cases),
+        reference = _run_cases([dense_attention.dot_product_attention] * len(cases),
                                [tuple(x.astype(np.float32) for x in xs) for xs in inputs],
                                masks, platform)
     tested = _run_cases(fns, inputs, masks, platform)
-    dense = (_run_cases([attention.dot_product_attention] * len(cases), inputs, masks, platform)
+    dense_fns = [dense_attention.dot_product_attention] * len(cases)
+    dense = (_run_cases(dense_fns, inputs, masks, platform)
              if low != jnp.float32 else [None] * len(cases))  # the dense path in this dtype
     for row, ref, got, own in zip(rows, reference, tested, dense, strict=True):
         error = next((x for x in (ref, got, own) if isinstance(x, Exception)), None)

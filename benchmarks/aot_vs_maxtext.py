@@ -82,7 +82,7 @@ Ours / MaxText now: 0.996x with splash, 0.809x dense (before: 1.223x, 1.114x). B
 held float32 logits [8, 2048, 50304] (3.07 GiB) at the loss, and float32 [B, N, T, S] scores
 (2 GiB, twice) in each layer's dense backward. Now the logits are bfloat16 with the loss's
 float32 reductions reading them (`objectives.log_normalizer`), and dense attention keeps one
-bfloat16 [B, N, T, S] tensor, the weights, for its backward (`attention.softmax_values`), so
+bfloat16 [B, N, T, S] tensor, the weights, for its backward (`dense_attention.softmax_values`), so
 both paths peak at the loss: the bfloat16 logits' gradient and a transposed copy (1.54 GiB
 each) and the scanned layers' bfloat16 inputs (1.5 GiB), as MaxText's splash path does. MaxText's
 dense path keeps the logits' gradient alive across the layers' backward loop as well.

@@ -4,7 +4,7 @@
         [--dense-max=32768] [--chunk=512] [--time-lengths=1024,4096]
 
 For batch 1, 8 heads, head dim 64, float32, causal mask, jits `(q, k, v, d_out) -> (out, dq, dk,
-dv)` for `attention.dot_product_attention` and `chunked_attention.chunked_attention` and reads
+dv)` for `dense_attention.dot_product_attention` and `chunked_attention.chunked_attention` and reads
 XLA's compiled memory analysis (nothing is allocated or run for the table): peak = temp +
 argument + output bytes. The dense logits alone are T * T * 8 heads * 4 bytes (32 GiB at 32k), so
 dense lengths above --dense-max are not compiled ("n/a"); a dense compile that fails is reported
@@ -38,8 +38,9 @@ def main() -> None:
     import numpy as np
 
     from transformer.nn import masks
-    from transformer.nn.attention import dot_product_attention
-    from transformer.nn.chunked_attention import chunked_attention, plan_tiles
+    from transformer.nn.chunked_attention import chunked_attention
+    from transformer.nn.dense_attention import dot_product_attention
+    from transformer.nn.tile_plan import plan_tiles
 
     mask = masks.Causal()
     impls = {

@@ -204,22 +204,22 @@ def breakdown(shape, features, nanogpt_dir=None):
 def attention_in_step(shape, features, nanogpt_dir, core_gflop, steps=5, repeats=3):
     """Rows (part, ms, GFLOP): the attention core's share of each side's whole train step, i.e.
     the step's ms less the ms of the same step with q + k + v in the core's place (ours:
-    `attention.dot_product_attention`, the CPU kernel `attend` runs; nanoGPT: torch's
+    `dense_attention.dot_product_attention`, the CPU kernel `attend` runs; nanoGPT: torch's
     `scaled_dot_product_attention`). The four steps alternate `repeats` times, best of each."""
     import torch
 
-    from transformer.nn import attention
+    from transformer.nn import dense_attention
 
     def stand_in(q, k, v, *args, **kwargs):
         return q + k + v
 
-    real_core = attention.dot_product_attention
-    attention.dot_product_attention = stand_in  # read when the step is traced, in ours()
+    real_core = dense_attention.dot_product_attention
+    dense_attention.dot_product_attention = stand_in  # read when the step is traced, in ours()
     try:
         without, _ = ours(shape, features)
         without(1)  # traces and compiles with the stand-in
     finally:
-        attention.dot_product_attention = real_core
+        dense_attention.dot_product_attention = real_core
     sides = {"ours": ours(shape, features)[0], "ours without": without}
     if nanogpt_dir:
         tokens = features["inputs"], features["targets"]

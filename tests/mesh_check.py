@@ -100,7 +100,7 @@ def splash_on_meshes(devices) -> dict[str, dict]:
     """Splash (Pallas interpret mode) shard_mapped over meshes vs the dense reference on one
     device: forward and q/k/v gradients, packed causal rows, GQA; plus a whole GPT's loss and
     gradients with `attention_impl="splash"` on data=2 x fsdp=2 x tensor=2."""
-    from transformer.nn import attention, kernels, masks
+    from transformer.nn import dense_attention, kernels, masks
 
     rng = np.random.default_rng(0)
     batch, length, heads, kv_heads, dim = 4, 128, 4, 2, 16
@@ -117,7 +117,7 @@ def splash_on_meshes(devices) -> dict[str, dict]:
             lambda q, k, v, mask: jnp.sum(fn(q, k, v, mask) * probe), argnums=(0, 1, 2)))
 
     want = jax.device_get(loss_and_grads(
-        attention.dot_product_attention)(q, k, v, mask))
+        dense_attention.dot_product_attention)(q, k, v, mask))
     out = {}
     for name, shape in {"2,2,2": (2, 2, 2), "4,1,2": (4, 1, 2)}.items():
         mesh = sharding.make_mesh(dict(zip(("data", "fsdp", "tensor"), shape, strict=True)),

@@ -32,7 +32,7 @@ import numpy as np
 from mesh_check import Run, host, max_diff  # tests/, this script's directory
 
 from transformer import configs
-from transformer.nn import attention, masks, positions, sequence_parallel
+from transformer.nn import dense_attention, masks, positions, sequence_parallel
 from transformer.parallel import sharding
 from transformer.training import checkpoint_manager
 
@@ -79,8 +79,8 @@ def attention_cases(devices) -> dict[str, float]:
         return jax.device_get((out, grads))
 
     def dense(q, k, v, mask, bias, softcap=0.0):
-        return attention.dot_product_attention(q, k, v, mask, bias.table(bias.q_BT, bias.kv_BS),
-                                               softcap=softcap)
+        return dense_attention.dot_product_attention(
+            q, k, v, mask, bias.table(bias.q_BT, bias.kv_BS), softcap=softcap)
 
     results = {}
     meshes = ({"sequence": 4}, {"data": 2, "sequence": 2, "tensor": 2})

@@ -29,7 +29,7 @@ from mesh_check import max_diff  # tests/, this script's directory
 
 from transformer import configs
 from transformer.models import build_model
-from transformer.nn import attention, kernels, masks, sequence_parallel
+from transformer.nn import dense_attention, kernels, masks, sequence_parallel
 from transformer.parallel import sharding
 
 LENGTH = 512  # per-device blocks of 128 (splash's smallest) at sequence=4
@@ -88,7 +88,8 @@ def attention_cases(devices) -> dict[str, dict[str, float]]:
         lay = lambda x, order=order: x[:, order]
         laid = masks.Permuted(mask, jnp.asarray(order), zigzag_shards=n) if zigzag else mask
         want = value_and_grads(lambda q, k, v, mask=mask, softcap=softcap:
-                               attention.dot_product_attention(q, k, v, mask, softcap=softcap),
+                               dense_attention.dot_product_attention(q, k, v, mask,
+                                                                     softcap=softcap),
                                q, k, v, probe)
         want = jax.tree.map(lay, want)
         inputs = (*map(lay, (q, k, v)), lay(probe), devices, sizes)

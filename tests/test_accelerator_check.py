@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import accelerator_check as ac  # noqa: E402 - benchmarks/ is not a package
 
 from transformer.configs import experiment  # noqa: E402
-from transformer.nn import attention  # noqa: E402
+from transformer.nn import dense_attention  # noqa: E402
 from transformer.training import metrics  # noqa: E402
 
 SMALL = dict(batch=2, length=32, heads=4, kv_heads=2, head_dim=16)
@@ -42,7 +42,7 @@ def test_attention_check_passes_the_chunked_kernel_on_every_mask():
 
 def test_attention_check_fails_a_kernel_that_drops_the_mask():
     def drops_the_mask(q, k, v, mask):
-        return attention.dot_product_attention(q, k, v)
+        return dense_attention.dot_product_attention(q, k, v)
 
     rows = ac.attention_check("cpu", "float32", impl="chunked", kernel_fn=drops_the_mask,
                               **SMALL)
@@ -54,7 +54,7 @@ def test_attention_check_fails_a_kernel_that_drops_the_mask():
 
 def test_attention_check_fails_a_kernel_whose_gradient_is_wrong():
     def frozen_values(q, k, v, mask):  # right forward, dv = 0
-        return attention.dot_product_attention(q, k, jax.lax.stop_gradient(v), mask)
+        return dense_attention.dot_product_attention(q, k, jax.lax.stop_gradient(v), mask)
 
     rows = ac.attention_check("cpu", "float32", impl="chunked", kernel_fn=frozen_values,
                               **SMALL)

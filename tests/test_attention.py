@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from transformer.nn import attention as attention_lib
-from transformer.nn import kernels, masks
-from transformer.nn.attention import MultiHeadAttention, attend, dot_product_attention
+from transformer.nn import dense_attention, kernels, masks
+from transformer.nn.attention import AttentionSettings, MultiHeadAttention, attend
 from transformer.nn.config import TransformerConfig
+from transformer.nn.dense_attention import dot_product_attention
 
 
 def random_qkv(seed, batch=2, q_len=5, kv_len=6, heads=4, kv_heads=2, head_dim=8):
@@ -121,7 +122,7 @@ def test_query_blocks_skip_masked_keys_and_equal_the_reference(name):
 
 
 def test_query_blocks_are_one_block_where_nothing_can_be_skipped():
-    from transformer.nn.attention import _query_blocks
+    from transformer.nn.dense_attention import _query_blocks
     assert _query_blocks(masks.Causal(), 16, 16, 8) == [(0, 8, 0, 8), (8, 16, 0, 16)]
     assert _query_blocks(masks.Causal(), 8, 8, 8) == [(0, 8, 0, 8)]  # one block already
     assert _query_blocks(masks.PrefixLM(jnp.array([3])), 16, 16, 8) == [(0, 16, 0, 16)]
@@ -135,8 +136,8 @@ def test_attend_on_cpu_runs_dense_in_at_most_8_query_blocks():
     logits = [e.outvars[0].aval.shape[-2:] for e in jaxpr.eqns if e.primitive.name ==
               "dot_general" and e.outvars[0].aval.shape[-1] != 8]
     assert logits == [(64, 64), (64, 128), (64, 192), (64, 256)]
-    assert attention_lib._cpu_query_block(4096, "cpu") == 512
-    assert attention_lib._cpu_query_block(256, "gpu") is None
+    assert dense_attention.cpu_query_block(4096, "cpu") == 512
+    assert dense_attention.cpu_query_block(256, "gpu") is None
 
 
 def test_rows_sum_to_one_and_masked_keys_get_exactly_zero_weight():
@@ -203,7 +204,7 @@ def test_softmax_values_gradients_equal_autodiff_of_the_plain_formula(dtype):
     x[:, 1, 4:] = float(jnp.finfo(dtype).min)  # masked keys
     x, v = jnp.asarray(x, dtype), jnp.asarray(rng.normal(size=(2, 9, 4)), dtype)
     g = jnp.asarray(rng.normal(size=(2, 5, 4)), jnp.float32)
-    out, vjp = jax.vjp(attention_lib.softmax_values, x, v)
+    out, vjp = jax.vjp(dense_attention.softmax_values, x, v)
     reference = lambda x, v: jax.nn.softmax(x, axis=-1) @ v  # noqa: E731
     want, want_vjp = jax.vjp(reference, x.astype(jnp.float32), v.astype(jnp.float32))
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
@@ -228,9 +229,15 @@ def test_attention_keeps_one_weights_tensor_per_layer_for_the_backward_pass(monk
         out = probs @ values
         return out, (probs, values, out)
 
+    def backward(residuals, grad_out):  # the same flash-attention identity as ours
+        probs, values, out = residuals
+        grad_probs = grad_out @ jnp.swapaxes(values, -1, -2)
+        row = jnp.sum(grad_out * out, axis=-1, keepdims=True)
+        return probs * (grad_probs - row), jnp.swapaxes(probs, -1, -2) @ grad_out
+
     textbook = jax.custom_vjp(lambda logits, values: textbook_forward(logits, values)[0])
-    textbook.defvjp(textbook_forward, attention_lib._softmax_values_bwd)
-    monkeypatch.setattr(attention_lib, "softmax_values", textbook)
+    textbook.defvjp(textbook_forward, backward)
+    monkeypatch.setattr(dense_attention, "softmax_values", textbook)
     one_weights_tensor = 4 * 2 * 32 * 32 * 4  # [B, N, T, S] float32
     assert ours <= backward_temp_bytes(cfg, batch=4, length=32) - 2 * one_weights_tensor
 
@@ -329,7 +336,8 @@ D_MODEL, HEADS = 16, 4
 
 
 def init_mha(seed=0, **kwargs):
-    layer = MultiHeadAttention(num_heads=HEADS, head_dim=D_MODEL // HEADS, **kwargs)
+    layer = MultiHeadAttention(AttentionSettings(num_heads=HEADS, head_dim=D_MODEL // HEADS,
+                                                 **kwargs))
     x = jax.random.normal(jax.random.key(seed), (2, 6, D_MODEL))
     variables = layer.init(jax.random.key(seed + 1), x)
     return layer, variables, x

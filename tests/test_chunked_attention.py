@@ -6,12 +6,9 @@ import numpy as np
 import pytest
 
 from transformer.nn import masks, positions
-from transformer.nn.attention import dot_product_attention
-from transformer.nn.chunked_attention import (
-    chunked_attention,
-    chunked_attention_stats,
-    plan_tiles,
-)
+from transformer.nn.chunked_attention import chunked_attention, chunked_attention_stats
+from transformer.nn.dense_attention import dot_product_attention
+from transformer.nn.tile_plan import plan_tiles
 
 B, N, H = 2, 4, 8
 
@@ -315,9 +312,9 @@ def test_chunked_models_never_hold_a_full_position_bias(position, monkeypatch):
     block, as on accelerators) more."""
     from transformer.configs import base_config
     from transformer.models import build_model
-    from transformer.nn import attention
+    from transformer.nn import dense_attention
 
-    monkeypatch.setattr(attention, "_cpu_query_block", lambda q_len, platform: None)
+    monkeypatch.setattr(dense_attention, "cpu_query_block", lambda q_len, platform: None)
     config = base_config().model
     config.update(family="gpt", vocab_size=50, num_layers=1, d_model=32, num_heads=4,
                   d_ff=64, position=position)

@@ -1,20 +1,17 @@
 """Kernel selection, splash attention (Pallas interpret mode on CPU) and the cuDNN mapping."""
 
+import dataclasses
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.nn import masks
-from transformer.nn.attention import dot_product_attention
-from transformer.nn.kernels import (
-    IMPLS,
-    cudnn_arguments,
-    cudnn_attention,
-    select,
-    splash_attention,
-    supports,
-)
+from transformer.nn import attention, kernels, masks
+from transformer.nn.cudnn_attention import cudnn_arguments, cudnn_attention
+from transformer.nn.dense_attention import dot_product_attention, reference_attention
+from transformer.nn.kernels import IMPLS, select, splash_attention, supports
 
 B, H, L = 2, 64, 256  # batch, head dim, sequence length (two 128-blocks)
 
@@ -38,7 +35,7 @@ def splash(q, k, v, mask, **kw):
 
 
 # -----------------------------------------------------------------------------
-# Splash attention against the dense reference
+# Splash attention against the reference kernel
 
 
 SPLASH_CASES = {
@@ -68,7 +65,7 @@ SPLASH_CASES = {
 def test_splash_matches_reference(name):
     mask, q_len, kv_len, heads, kv_heads = SPLASH_CASES[name]
     q, k, v, _ = qkv(0, q_len, kv_len, heads, kv_heads)
-    want = dot_product_attention(q, k, v, mask)
+    want = reference_attention(q, k, v, mask)
     got = splash(q, k, v, mask)
     assert got.shape == want.shape == q.shape
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
@@ -80,7 +77,7 @@ def test_splash_scale_and_empty_rows():
     mask = masks.Causal()  # 256 queries over 128 keys: the first 128 queries see nothing
     q, k, v, _ = qkv(1, q_len=L, kv_len=128)
     got = splash(q, k, v, mask, scale=0.3)
-    np.testing.assert_allclose(got, dot_product_attention(q, k, v, mask, scale=0.3), atol=1e-5)
+    np.testing.assert_allclose(got, reference_attention(q, k, v, mask, scale=0.3), atol=1e-5)
     assert not np.asarray(got[:, :128]).any()
 
 
@@ -98,7 +95,7 @@ def value_and_grads(attend, q, k, v, w):
 def test_splash_gradients_match_reference(mask):
     q, k, v, w = qkv(2)
     got = value_and_grads(lambda q, k, v: splash(q, k, v, mask), q, k, v, w)
-    want = value_and_grads(lambda q, k, v: dot_product_attention(q, k, v, mask), q, k, v, w)
+    want = value_and_grads(lambda q, k, v: reference_attention(q, k, v, mask), q, k, v, w)
     for name, g, r in zip(("dq", "dk", "dv"), got, want, strict=True):
         np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-5, err_msg=name)
 
@@ -127,7 +124,7 @@ def choose(impl="auto", *, platform="cpu", mask=CAUSAL, bias=None, dropout=0.0,
 
 
 def test_impls():
-    assert IMPLS == ("auto", "dense", "chunked", "splash", "cudnn")
+    assert IMPLS == ("auto", "dense", "chunked", "splash", "cudnn", "reference")
 
 
 def test_auto_picks_the_platform_kernel():
@@ -189,7 +186,7 @@ def test_supports():
     common = dict(mask=masks.Causal(), bias=None, dropout=0.0, q_len=256, kv_len=256,
                   head_dim=64)
     assert [supports(i, platform="cpu", **common) for i in IMPLS] == [
-        True, True, True, False, False]
+        True, True, True, False, False, True]
     assert supports("splash", platform="cpu", interpret=True, **common)
     assert supports("splash", platform="tpu", **common)
     assert supports("cudnn", platform="gpu", **common)
@@ -284,3 +281,113 @@ def test_cudnn_kernel_matches_reference(name):
     bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     got = cudnn_attention(*bf16, mask).astype(jnp.float32)
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
+
+
+# -----------------------------------------------------------------------------
+# The kernels' table: selection only ever picks a kernel that declares what the call uses
+
+
+def bias_fn(q_idx, kv_idx):
+    return -0.1 * jnp.abs(q_idx[:, None] - kv_idx[None, :]).astype(jnp.float32)
+
+
+FEATURE_MASKS = {"none": None, "causal": CAUSAL,
+                 "segments": masks.Segment(packed_ids()) & masks.Causal(),
+                 "prefix": masks.PrefixLM(jnp.array([3, 5])),
+                 "array": jnp.tril(jnp.ones((1, 1, L, L), bool))}
+
+
+def feature_calls(platform):
+    """Calls over every combination of mask kind, bias kind, dropout, soft-cap, weights, GQA
+    and length (aligned for splash or not, above the chunk threshold or not)."""
+    for mask, bias, dropout, softcap, weights, gqa, length in itertools.product(
+            FEATURE_MASKS.values(), (None, jnp.zeros((1, 1, 1, 1)), bias_fn), (0.0, 0.1),
+            (0.0, 30.0), (False, True), (False, True), (256, 250, 4096)):
+        yield dict(platform=platform, mask=mask, bias=bias, dropout=dropout, q_len=length,
+                   kv_len=length, head_dim=64, dtype=jnp.bfloat16, softcap=softcap,
+                   weights=weights, gqa=gqa)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+def test_selection_picks_only_kernels_that_declare_every_feature_in_use(platform):
+    picked = set()
+    for args in feature_calls(platform):
+        used = set(kernels.Call(**args).features())
+        chosen = select("auto", **args)
+        picked.add(chosen)
+        declared = kernels.KERNELS[chosen]
+        assert used <= declared.features, (chosen, used)  # auto: never a named-only feature
+        for impl in IMPLS[1:]:  # an explicit kernel runs the call only if it declares it all
+            try:
+                select(impl, **args)
+            except ValueError as error:
+                assert "\n" not in str(error)
+                continue
+            kernel = kernels.KERNELS[impl]
+            assert used <= kernel.features | kernel.named_only, (impl, used)
+    assert picked == {"cpu": {"dense", "chunked"}, "gpu": {"dense", "chunked", "cudnn"},
+                      "tpu": {"dense", "chunked", "splash"}}[platform]
+
+
+def test_a_feature_no_kernel_declares_is_refused_and_auto_falls_back(monkeypatch):
+    """A new knob ("sinks") that only dense declares: auto runs dense even where it would
+    prefer splash or chunked, a named kernel without it refuses in one line, and with no kernel
+    declaring it auto refuses too."""
+    features = kernels.Call.features
+    monkeypatch.setattr(kernels, "FEATURES", {**kernels.FEATURES, "sinks": "has no sinks"})
+    monkeypatch.setattr(kernels.Call, "features", lambda call: (*features(call), "sinks"))
+    with pytest.raises(ValueError, match="no kernel"):
+        choose(platform="tpu")
+    dense = kernels.KERNELS["dense"]
+    monkeypatch.setitem(kernels.KERNELS, "dense", dataclasses.replace(
+        dense, features=dense.features | {"sinks"}))
+    assert choose(platform="tpu") == choose(platform="cpu") == "dense"
+    with pytest.raises(ValueError, match=r"^impl='chunked' has no sinks; use impl='dense' or"):
+        choose("chunked")
+
+
+# -----------------------------------------------------------------------------
+# Every kernel that runs on CPU against the reference kernel, over the features it declares
+
+REFERENCE_CASES = {  # name: (mask, bias, softcap)
+    "causal": (CAUSAL, None, 0.0),
+    "window_softcap": (masks.SlidingWindow(left=40, right=7), None, 20.0),
+    "segments": (masks.Segment(packed_ids()) & masks.Causal(), None, 0.0),
+    "prefix_bias_fn": (masks.PrefixLM(jnp.array([10, 150])), bias_fn, 0.0),
+    "array_bias": (jnp.tril(jnp.ones((1, 1, L, L), bool)), jnp.linspace(-1, 1, L)[None, None, None],
+                   5.0),
+    "none": (None, None, 0.0),
+}
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked", "splash"])
+@pytest.mark.parametrize("case", list(REFERENCE_CASES))
+def test_kernels_match_the_reference_forward_and_gradients(impl, case):
+    mask, bias, softcap = REFERENCE_CASES[case]
+    q, k, v, w = qkv(5, heads=4, kv_heads=2)
+    call = kernels.Call("cpu", mask, bias, q_len=L, kv_len=L, head_dim=H, interpret=True,
+                        softcap=softcap, gqa=True)
+    if kernels.refusal(impl, call) is not None:
+        pytest.skip(f"{impl} does not declare {call.features()}")
+    if impl == "splash" and case not in ("causal", "segments"):
+        pytest.skip("splash in interpret mode is slow: two cases")
+    run = lambda impl: lambda q, k, v: attention.attend(q, k, v, mask=mask, bias=bias,
+                                                        impl=impl, softcap=softcap)
+    with kernels.recording() as chosen:
+        got = jax.jit(run(impl))(q, k, v)
+    assert chosen == [impl]
+    want = run("reference")(q, k, v)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    for name, g, r in zip(("dq", "dk", "dv"), value_and_grads(run(impl), q, k, v, w),
+                          value_and_grads(run("reference"), q, k, v, w), strict=True):
+        np.testing.assert_allclose(g, r, atol=5e-5, rtol=5e-5, err_msg=name)
+
+
+def test_reference_kernel_has_no_custom_gradient():
+    q, k, v, _ = qkv(6, q_len=8, kv_len=8)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda q: jnp.sum(reference_attention(q, k, v))))(q))
+    assert "custom_vjp" not in jaxpr and "custom_jvp" not in jaxpr
+    # and it is the plain formula: softmax over keys, with weights out on request
+    out, weights = reference_attention(q, k, v, masks.Causal(), return_weights=True)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(out, dot_product_attention(q, k, v, masks.Causal()), atol=1e-6)

@@ -12,7 +12,7 @@ from scipy.special import erf
 
 from transformer.nn import masks
 from transformer.nn.activations import gelu, gelu_tanh
-from transformer.nn.attention import MultiHeadAttention
+from transformer.nn.attention import AttentionSettings, MultiHeadAttention
 from transformer.nn.blocks import TransformerBlock, TransformerStack
 from transformer.nn.config import TransformerConfig
 from transformer.nn.layers import MLP, stack_layers, unstack_layers
@@ -115,7 +115,7 @@ def test_block_residuals_follow_pre_and_post_ln_formulas(placement, norm):
     p = nn.unbox(variables)["params"]
     normed = lambda h, name: (layer_norm if norm == "layernorm" else rms_norm)(
         np.asarray(h, np.float64), jax.tree.map(np.asarray, p[f"{name}_norm"]), cfg.norm_epsilon)
-    attention = lambda h: np.asarray(MultiHeadAttention(HEADS := 4, 16 // HEADS, use_bias=True)
+    attention = lambda h: np.asarray(MultiHeadAttention(AttentionSettings(4, 4, use_bias=True))
                                      .apply({"params": p["self_attention"]}, h, mask=mask))
     mlp = lambda h: np.asarray(MLP(cfg).apply({"params": p["mlp"]}, jnp.asarray(h, jnp.float32)))
     if placement == "pre":  # x + f(LN(x))

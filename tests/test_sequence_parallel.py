@@ -14,7 +14,7 @@ import pytest
 from test_sharding import run_check
 
 from transformer import configs
-from transformer.nn import attention, masks, sequence_parallel
+from transformer.nn import dense_attention, masks, sequence_parallel
 from transformer.nn.chunked_attention import chunked_attention
 from transformer.parallel import sharding
 
@@ -98,8 +98,8 @@ def test_attention_over_a_query_block_is_those_rows_of_the_whole(mask_name):
                                             jnp.asarray(sequence_parallel.zigzag(length, 3))),
             "prefix": masks.PrefixLM(jnp.array([9, 0]))}[mask_name]
     bias = lambda qi, ki: -0.1 * jnp.abs(qi[:, None] - ki[None, :]).astype(jnp.float32)
-    whole = attention.dot_product_attention(q, k, v, mask, bias(jnp.arange(length),
-                                                                 jnp.arange(length)))
+    whole = dense_attention.reference_attention(q, k, v, mask, bias(jnp.arange(length),
+                                                               jnp.arange(length)))
     block = length // split
     for a in range(0, length, block):
         rows = chunked_attention(q[:, a:a + block], k, v, mask, bias, q_chunk=4, kv_chunk=4,

@@ -1,5 +1,5 @@
 """A JAX/Flax Linen transformer research codebase.
 
-Math as pure functions (`masks`, `positions`, `attention.dot_product_attention`), Linen modules
-where there are parameters (`attention.MultiHeadAttention`, `layers`).
+Math as pure functions (`masks`, `positions`, `dense_attention.dot_product_attention`), Linen
+modules where there are parameters (`attention.MultiHeadAttention`, `layers`).
 """

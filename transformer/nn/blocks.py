@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from transformer.nn import positions as positions_lib
 from transformer.nn import sequence_parallel
 from transformer.nn.activations import ACTIVATIONS, GATED
-from transformer.nn.attention import MultiHeadAttention
+from transformer.nn.attention import AttentionSettings, MultiHeadAttention
 from transformer.nn.config import REMAT_POLICIES, TransformerConfig
 from transformer.nn.layers import MLP, norm_layer
 from transformer.nn.masks import Mask
@@ -86,36 +86,8 @@ class TransformerBlock(nn.Module):
         return norm_layer(cfg, f"{name}_norm")(x_BTD) if placement == "post" else x_BTD
 
     def _attention(self, name: str, is_self: bool) -> MultiHeadAttention:
-        cfg = self.config
-        return MultiHeadAttention(
-            num_heads=cfg.num_heads,
-            head_dim=cfg.resolved_head_dim,
-            num_kv_heads=cfg.num_kv_heads,
-            use_bias=cfg.use_bias,
-            qkv_bias=cfg.qkv_bias,
-            scale=cfg.resolved_attention_scale,
-            rope_theta=cfg.rope_theta if is_self and cfg.position == "rope" else None,
-            rope_layout=cfg.rope_layout,
-            rope_scale=cfg.rope_scale,
-            rope_scaling=cfg.rope_scaling,
-            rope_low_freq_factor=cfg.rope_low_freq_factor,
-            rope_high_freq_factor=cfg.rope_high_freq_factor,
-            rope_original_max_len=cfg.rope_original_max_len,
-            dropout_rate=cfg.attention_dropout_rate,
-            init_std=cfg.init_std,
-            init_scale=cfg.init_scale(),
-            out_init_scale=cfg.init_scale(residual=True),
-            qk_norm=cfg.qk_norm_scope if cfg.qk_norm else "",
-            norm_epsilon=cfg.norm_epsilon,
-            softcap=cfg.attention_softcap,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            cross=not is_self,
-            impl=cfg.attention_impl,
-            sequence_parallel=cfg.sequence_parallel,
-            lora=cfg.lora if cfg.lora.rank else None,
-            name=name,
-        )
+        return MultiHeadAttention(AttentionSettings.from_config(self.config, cross=not is_self),
+                                  name=name)
 
     def _moe(self, x_BTD: Array) -> Array:
         cfg = self.config

@@ -1,8 +1,8 @@
 """Chunked (flash-style) attention: online softmax over key tiles, O(T) memory, any backend.
 
-`chunked_attention` computes what `attention.dot_product_attention` computes (same shapes, mask
-and bias conventions, GQA, float32 softmax for low-precision inputs, zero output for a query row
-with no allowed key) without ever holding a [T, S] logits matrix:
+`chunked_attention` computes what `dense_attention.dot_product_attention` computes (same shapes,
+mask and bias conventions, GQA, float32 softmax for low-precision inputs, zero output for a query
+row with no allowed key) without ever holding a [T, S] logits matrix:
 
   forward   an outer `lax.scan` over query tiles; for each query tile two inner loops over the
             key tiles it needs, keeping a running max m, running sum l and an unnormalised
@@ -13,7 +13,7 @@ with no allowed key) without ever holding a [T, S] logits matrix:
             float32 [T, N, H] buffer. Memory is O(T + tile) in both passes.
 
 Tile skipping. The mask spec's static `block_map` classifies every (query tile, key tile) pair
-as EMPTY, PARTIAL or FULL; `plan_tiles` turns it into per-row/per-column index lists.
+as EMPTY, PARTIAL or FULL; `tile_plan.plan_tiles` turns it into per-row/per-column index lists.
   * EMPTY tiles are never visited: the inner loops run over index lists whose lengths are the
     number of needed tiles (a `fori_loop` with a traced trip count), so a causal mask costs about
     half of a full one (exact for static masks: Full, Causal, SlidingWindow, ChunkedCausal).
@@ -43,7 +43,6 @@ Bias. `bias` may be
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -52,75 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from transformer.nn.masks import EMPTY, FULL, PARTIAL, Mask, as_dense
+from transformer.nn.masks import FULL, PARTIAL, Mask, as_dense
+from transformer.nn.tile_plan import TilePlan, plan_tiles
 
 Array = jax.Array
-
-
-# -----------------------------------------------------------------------------
-# The static tile plan
-
-
-@dataclasses.dataclass(frozen=True)
-class TilePlan:
-    """Which (query tile, key tile) pairs a kernel visits, and which of them need the mask.
-
-    `classes` [num_q_tiles, num_kv_tiles] holds EMPTY / PARTIAL / FULL after the ragged last key
-    tile (if any) has been demoted from FULL to PARTIAL (its padding keys must be masked).
-    """
-
-    q_block: int
-    kv_block: int
-    classes: np.ndarray
-
-    @property
-    def num_q_tiles(self) -> int:
-        return self.classes.shape[0]
-
-    @property
-    def num_kv_tiles(self) -> int:
-        return self.classes.shape[1]
-
-    def count(self, kind: int | None = None) -> int:
-        """Number of tiles of class `kind` (default: every tile a kernel computes)."""
-        if kind is None:
-            return int((self.classes != EMPTY).sum())
-        return int((self.classes == kind).sum())
-
-    def rows(self, kind: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per query tile, the key tiles of class `kind`: ids [nq, max(1, widest)], counts [nq]."""
-        return _index_lists(self.classes == kind)
-
-    def cols(self, kind: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per key tile, the query tiles of class `kind`: ids [nk, max(1, widest)], counts [nk]."""
-        return _index_lists((self.classes == kind).T)
-
-
-def _index_lists(selected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    counts = selected.sum(1).astype(np.int32)
-    ids = np.zeros((selected.shape[0], max(1, int(counts.max(initial=0)))), np.int32)
-    for r, row in enumerate(selected):
-        hits = np.flatnonzero(row)
-        ids[r, : len(hits)] = hits
-    return ids, counts
-
-
-def plan_tiles(mask: Mask | Array | None, q_len: int, kv_len: int, q_block: int,
-               kv_block: int) -> TilePlan:
-    """The static tile plan of `chunked_attention` for a mask (spec, boolean array, or None)."""
-    shape = (-(-q_len // q_block), -(-kv_len // kv_block))
-    if mask is None:
-        classes = np.full(shape, FULL, np.int8)
-    elif isinstance(mask, Mask):
-        classes = np.asarray(mask.block_map(q_len, kv_len, q_block, kv_block), np.int8)
-        if classes.shape != shape:
-            raise ValueError(f"block_map shape {classes.shape}, expected {shape}")
-    else:  # a dense boolean array: values unknown at trace time
-        classes = np.full(shape, PARTIAL, np.int8)
-    classes = classes.copy()
-    if kv_len % kv_block:
-        classes[:, -1] = np.minimum(classes[:, -1], PARTIAL)
-    return TilePlan(q_block, kv_block, classes)
 
 
 # -----------------------------------------------------------------------------
@@ -565,10 +499,10 @@ def chunked_attention(
       softcap: > 0 caps the scaled logits at softcap * tanh(logits / softcap) before the bias
         and the mask (Gemma 2); 0 leaves them.
 
-    Same result as `attention.dot_product_attention(query, key, value, mask, bias, scale=scale)`
-    (no dropout, no weights output): float32 logits / softmax statistics for lower-precision
-    inputs, masked keys get zero weight, a query row with no allowed key returns zeros and
-    zero (finite) gradients. Gradients flow to query, key, value and the bias.
+    Same result as `dense_attention.dot_product_attention(query, key, value, mask, bias,
+    scale=scale)` (no dropout, no weights output): float32 logits / softmax statistics for
+    lower-precision inputs, masked keys get zero weight, a query row with no allowed key returns
+    zeros and zero (finite) gradients. Gradients flow to query, key, value and the bias.
     """
     t, mask_args, bias_args = _prepare(query, key, value, mask, bias, scale, q_chunk, kv_chunk,
                                        totals, softcap)

@@ -148,7 +148,9 @@ class TransformerConfig:
     # The devices the step is compiled for choose `auto`'s kernel.
     attention_impl: str = key(
         "auto", "The attention kernel; `auto`: splash on TPU (per device under a `sequence` "
-        "axis too), cuDNN on GPU, chunked for long sequences, else dense.",
+        "axis too), cuDNN on GPU, chunked for long sequences, else dense; `reference`: the "
+        "plain float32 formula by autodiff, for prototyping (`kernels.KERNELS` says which "
+        "features each kernel takes).",
         choice(kernels.IMPLS), structural=False)
     # transformer.nn.sequence_parallel
     sequence_parallel: str = key(

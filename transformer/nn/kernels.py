@@ -1,39 +1,43 @@
 """Accelerator attention kernels behind one name: dense, chunked, splash (TPU), cudnn (GPU).
 
-Every implementation computes what `attention.dot_product_attention` computes: query [B, T, N, H],
-key / value [B, S, K, H] (GQA / MQA when K < N), a `masks.Mask` spec, output [B, T, N, H], and a
-query row with no allowed key returns zeros.
+Every implementation computes what `dense_attention.dot_product_attention` computes: query
+[B, T, N, H], key / value [B, S, K, H] (GQA / MQA when K < N), a `masks.Mask` spec, output
+[B, T, N, H], and a query row with no allowed key returns zeros.
 
-`select(impl, ...)` resolves a name from `IMPLS` (raising a one-line ValueError when an explicit
-choice cannot run the inputs); "auto" picks the first row that applies:
+Each kernel declares in `KERNELS` the `FEATURES` it takes (bias, soft-cap, dropout, returned
+weights, mask arrays, per-example masks, GQA) and what else it needs (`Kernel.requires`:
+platform, lengths, head_dim, dtype). `select(impl, ...)` reads that table: an explicit choice
+that cannot run the inputs raises a one-line ValueError naming the kernel and the reason;
+"auto" picks the first kernel of `AUTO_ORDER` that the call prefers and that can run it (never
+for a feature it takes only when named):
 
-    platform   condition                                           impl
-    --------   -------------------------------------------------   ---------
-    tpu        splash supports the inputs and the mask lowers       "splash"
-               without a dense per-example mask (not PrefixLM)
-    gpu        cudnn supports the inputs                            "cudnn"
-    any        kv_len >= chunk_threshold and no dropout              "chunked"
-    any        otherwise                                            "dense"
-
-    splash   no bias, no dropout, q_len and kv_len multiples of 128, platform tpu (or interpret),
-             one device or a mesh in context (then the kernel runs per device in shard_map)
-    cudnn    no bias, no dropout, no logit soft-cap, head_dim <= 128 and a multiple of 8,
-             fp16 / bf16, platform gpu
-    chunked  no dropout
-    dense    everything (on CPU in query blocks that skip the keys a Mask never allows)
+    kernel     preferred when          takes
+    ---------  ----------------------  ------------------------------------------------------
+    splash     platform tpu            soft-cap, GQA (mask arrays and per-example masks other
+                                       than segments / padding only when named: a dense mask);
+                                       q_len and kv_len multiples of 128, tpu (or interpret),
+                                       one device or a mesh in context (then per device)
+    cudnn      platform gpu            masks, GQA; head_dim <= 128 and a multiple of 8,
+                                       fp16 / bf16, platform gpu
+    chunked    kv_len >= threshold     everything but dropout and returned weights
+    dense      always                  everything (on CPU in query blocks that skip the keys a
+                                       Mask never allows)
+    reference  never (named only)      everything: the plain float32 formula, for prototyping
 
 Mask lowering for splash: static masks (Full, Causal, SlidingWindow, ChunkedCausal, And/Or of
 them) become splash's lazy masks; Segment and Padding become `SegmentIds` (and-ed with the static
 part in the kernel); any other per-example mask (PrefixLM, Or with a per-example part, a dense
 boolean array) goes through splash's dynamic-mask path, which materialises a boolean
 [N, T, S] mask per example and is therefore never chosen by "auto". For cuDNN see
-`cudnn_arguments`.
+`cudnn_attention.cudnn_arguments`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -59,7 +63,6 @@ from transformer.parallel import sharding
 
 Array = jax.Array
 
-IMPLS = ("auto", "dense", "chunked", "splash", "cudnn")
 
 # Splash's key blocks, and its query blocks when segment ids are used, are multiples of 128; this
 # module asks both sequence lengths to be multiples of it.
@@ -117,80 +120,183 @@ def _splash_lowering(mask) -> str:
     return "dense"
 
 
-def _reason(impl, *, mask, bias, dropout, q_len, kv_len, head_dim, platform, interpret=False,
-            dtype=None, devices=1, softcap=0.0) -> str | None:
-    """Why `impl` cannot run these inputs (None: it can)."""
-    if impl not in IMPLS:
-        return f"is not one of {IMPLS}"
-    if impl in ("auto", "dense"):
-        return None
-    if dropout:
-        return f"has no attention dropout (dropout={dropout})"
-    if impl == "chunked":
-        return None
-    if bias is not None:
-        return "takes no bias (ALiBi / T5)"
-    if impl == "splash":
-        if platform != "tpu" and not interpret:
-            return f"needs platform tpu (got {platform}); pass interpret=True to emulate it"
-        if q_len % _LANES or kv_len % _LANES:
-            return f"needs q_len and kv_len multiples of {_LANES} (got {q_len}, {kv_len})"
-        if devices > 1:
-            return (f"spans {devices} devices without a mesh to shard_map over; set one with "
-                    "jax.set_mesh")
-        return None
-    # cudnn
-    if softcap:
-        return f"has no logit soft-cap (attention_softcap={softcap})"
-    if platform != "gpu":
-        return f"needs platform gpu (got {platform})"
-    if head_dim > 128 or head_dim % 8:
-        return f"needs head_dim <= 128 and a multiple of 8 (got {head_dim})"
-    if dtype is not None and jnp.dtype(dtype) not in [jnp.dtype(d) for d in _CUDNN_DTYPES]:
-        return f"needs float16 or bfloat16 inputs (got {jnp.dtype(dtype).name})"
+# -----------------------------------------------------------------------------
+# The kernels' table: what each one takes
+
+
+FEATURES = {  # feature -> how a kernel without it is refused (in the order they are checked)
+    "dropout": "has no attention dropout (dropout={dropout})",
+    "weights": "returns no attention weights",
+    "bias": "takes no bias (ALiBi / T5)",
+    "bias_fn": "takes no bias (ALiBi / T5)",
+    "softcap": "has no logit soft-cap (attention_softcap={softcap})",
+    "mask_array": "takes no dense mask array",
+    "example_mask": "takes no per-example mask but segment ids and padding (prefix-LM)",
+    "gqa": "has no grouped-query attention",
+}
+# Features a call turns on by itself (training's dropout, a request for the weights), not the
+# config: `select(..., fall_back=True)` then leaves a kernel without them for one with them.
+PER_CALL = ("dropout", "weights")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Call:
+    """What one attention call asks of a kernel (`features()`) and its shapes and platform."""
+
+    platform: str
+    mask: Any = None
+    bias: Any = None  # None, an array, or a function of (query, key) indices
+    dropout: float = 0.0
+    q_len: int = 1
+    kv_len: int = 1
+    head_dim: int = 64
+    interpret: bool = False
+    dtype: Any = None
+    devices: int = 1
+    softcap: float = 0.0
+    weights: bool = False
+    gqa: bool = False
+    chunk_threshold: int = 2048
+    split: int = 1  # devices along a `sequence` mesh axis
+
+    def features(self) -> tuple[str, ...]:
+        """The `FEATURES` this call uses, in their order."""
+        used = dict(dropout=bool(self.dropout), weights=self.weights,
+                    bias=self.bias is not None and not callable(self.bias),
+                    bias_fn=callable(self.bias), softcap=bool(self.softcap),
+                    mask_array=self.mask is not None and not isinstance(self.mask, Mask),
+                    example_mask=isinstance(self.mask, Mask) and _splash_lowering(
+                        self.mask) == "dense",
+                    gqa=self.gqa)
+        return tuple(f for f in FEATURES if used.get(f))
+
+
+def _no_requirement(call: Call) -> str | None:
     return None
 
 
+def _splash_requires(call: Call) -> str | None:
+    if call.platform != "tpu" and not call.interpret:
+        return f"needs platform tpu (got {call.platform}); pass interpret=True to emulate it"
+    if call.q_len % _LANES or call.kv_len % _LANES:
+        return f"needs q_len and kv_len multiples of {_LANES} (got {call.q_len}, {call.kv_len})"
+    if call.devices > 1:
+        return (f"spans {call.devices} devices without a mesh to shard_map over; set one with "
+                "jax.set_mesh")
+    return None
+
+
+def _per_device_requires(call: Call) -> str | None:
+    if call.split <= 1:
+        return "runs only under a sequence mesh axis"
+    if call.q_len % call.split or call.kv_len % call.split:
+        return f"needs lengths divisible by sequence={call.split} (got {call.q_len}, {call.kv_len})"
+    return None
+
+
+def _cudnn_requires(call: Call) -> str | None:
+    if call.platform != "gpu":
+        return f"needs platform gpu (got {call.platform})"
+    if call.head_dim > 128 or call.head_dim % 8:
+        return f"needs head_dim <= 128 and a multiple of 8 (got {call.head_dim})"
+    if call.dtype is not None and jnp.dtype(call.dtype) not in [
+            jnp.dtype(d) for d in _CUDNN_DTYPES]:
+        return f"needs float16 or bfloat16 inputs (got {jnp.dtype(call.dtype).name})"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One attention kernel's declaration: the `FEATURES` it takes, those it takes only when
+    named (`auto` never picks it for them: splash materialises a per-example mask), what else
+    it needs of the call (`requires`: a reason, or None), and when `auto` prefers it."""
+
+    features: frozenset[str]
+    named_only: frozenset[str] = frozenset()
+    requires: Callable[[Call], str | None] = _no_requirement
+    preferred: Callable[[Call], bool] = lambda call: False
+
+
+# The kernels under a `sequence` mesh axis ("... per device") are chosen in `attention.attend`;
+# they run only Mask specs (no mask array) and biases as functions of indices.
+KERNELS = {
+    "dense": Kernel(frozenset(FEATURES), preferred=lambda call: True),
+    "chunked": Kernel(frozenset({"bias", "bias_fn", "softcap", "mask_array", "example_mask",
+                                 "gqa"}),
+                      preferred=lambda call: call.kv_len >= call.chunk_threshold),
+    "splash": Kernel(frozenset({"softcap", "gqa"}),
+                     named_only=frozenset({"mask_array", "example_mask"}),
+                     requires=_splash_requires, preferred=lambda call: call.platform == "tpu"),
+    "cudnn": Kernel(frozenset({"mask_array", "example_mask", "gqa"}), requires=_cudnn_requires,
+                    preferred=lambda call: call.platform == "gpu"),
+    "reference": Kernel(frozenset(FEATURES)),
+    # splash per device also asks `sequence_parallel.splash_reason` (strategy, and the masks it
+    # can lay out per device: static parts, segment ids, a zig-zag order), before this table
+    "splash per device": Kernel(frozenset({"softcap", "gqa", "example_mask"}),
+                                requires=_per_device_requires),
+    "chunked per device": Kernel(frozenset({"bias_fn", "softcap", "gqa", "example_mask"}),
+                                 requires=_per_device_requires),
+}
+AUTO_ORDER = ("splash", "cudnn", "chunked", "dense")  # `auto`: the first preferred that can run
+IMPLS = ("auto", *(name for name in KERNELS if " " not in name))
+
+
+def refusal(impl: str, call: Call, *, auto: bool = False) -> str | None:
+    """Why kernel `impl` cannot run `call` (None: it can), from its `KERNELS` entry; `auto`:
+    also its `named_only` features."""
+    if impl == "auto":
+        return None
+    if impl not in KERNELS:
+        return f"is not one of {IMPLS}"
+    kernel = KERNELS[impl]
+    takes = kernel.features if auto else kernel.features | kernel.named_only
+    for feature in call.features():
+        if feature not in takes:
+            return FEATURES[feature].format(dropout=call.dropout, softcap=call.softcap)
+    return kernel.requires(call)
+
+
+def _call(platform, *, mask, bias, dropout, q_len, kv_len, head_dim, **rest) -> Call:
+    return Call(platform, mask, bias, dropout, q_len, kv_len, head_dim, **rest)
+
+
 def supports(impl: str, *, mask: Mask | Array | None, bias: Any, dropout: float, q_len: int,
-             kv_len: int, head_dim: int, platform: str, interpret: bool = False,
-             dtype: Any = None, devices: int = 1, softcap: float = 0.0) -> bool:
+             kv_len: int, head_dim: int, platform: str, **rest) -> bool:
     """Whether `impl` can compute attention for these inputs on `platform` ("cpu"/"gpu"/"tpu").
 
-    `interpret=True`: splash would run in Pallas interpret mode (any platform). `dtype`, when
-    given, is the query dtype (cuDNN takes only float16 / bfloat16). `devices`: how many devices
-    the computation spans outside a mesh (splash shard_maps over a mesh set with `jax.set_mesh`,
-    and cannot split over devices without one). `softcap`: the attention logit soft-cap
-    (cuDNN has none).
+    `rest`: the other fields of `Call`: `interpret=True` (splash would run in Pallas interpret
+    mode), `dtype` (the query dtype; cuDNN takes only float16 / bfloat16), `devices` (how many
+    devices the computation spans outside a mesh: splash shard_maps over a mesh set with
+    `jax.set_mesh`, and cannot split over devices without one), `softcap`, `weights`, `gqa`.
     """
-    return _reason(impl, mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
-                   head_dim=head_dim, platform=platform, interpret=interpret, dtype=dtype,
-                   devices=devices, softcap=softcap) is None
+    call = _call(platform, mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
+                 head_dim=head_dim, **rest)
+    return refusal(impl, call) is None
 
 
 def select(impl: str, *, platform: str, mask: Mask | Array | None, bias: Any, dropout: float,
-           q_len: int, kv_len: int, head_dim: int, chunk_threshold: int = 2048,
-           interpret: bool = False, dtype: Any = None, devices: int = 1,
-           softcap: float = 0.0) -> str:
-    """Resolves `impl` (one of `IMPLS`) to a concrete implementation name (see module docstring).
+           q_len: int, kv_len: int, head_dim: int, fall_back: bool = False, **rest) -> str:
+    """Resolves `impl` (one of `IMPLS`) to a concrete kernel by the `KERNELS` table (see the
+    module docstring); `rest` as for `supports`, plus `chunk_threshold`.
 
-    An explicit impl that cannot run the inputs raises ValueError naming it and the reason.
+    An explicit impl that cannot run the inputs raises ValueError naming it and the reason;
+    with `fall_back`, a call that uses `PER_CALL` features resolves a kernel that cannot run it
+    as "auto" instead (which picks dense for them).
     """
-    args = dict(mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
-                head_dim=head_dim, platform=platform, interpret=interpret, dtype=dtype,
-                devices=devices, softcap=softcap)
-    if impl != "auto":
-        reason = _reason(impl, **args)
-        if reason is not None:
-            fallback = "'dense'" if dropout else "'chunked' or 'dense'"
-            raise ValueError(f"impl={impl!r} {reason}; use impl={fallback} or 'auto'")
-    elif platform == "tpu" and supports("splash", **args) and _splash_lowering(mask) != "dense":
-        impl = "splash"
-    elif platform == "gpu" and supports("cudnn", **args):
-        impl = "cudnn"
-    elif kv_len >= chunk_threshold and not dropout:
-        impl = "chunked"
-    else:
-        impl = "dense"
+    call = _call(platform, mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
+                 head_dim=head_dim, **rest)
+    reason = refusal(impl, call)
+    if reason is not None and fall_back and set(PER_CALL) & set(call.features()):
+        impl, reason = "auto", None
+    if reason is not None:
+        can = [name for name in ("chunked", "dense") if refusal(name, call) is None]
+        fallback = " or ".join(repr(name) for name in can)
+        raise ValueError(f"impl={impl!r} {reason}; use impl={fallback} or 'auto'")
+    if impl == "auto":
+        impl = next((name for name in AUTO_ORDER if KERNELS[name].preferred(call)
+                     and refusal(name, call, auto=True) is None), None)
+        if impl is None:
+            raise ValueError(f"impl='auto': no kernel of {AUTO_ORDER} takes {call.features()}")
     record(impl)
     return impl
 
@@ -349,8 +455,8 @@ def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array 
     check_qkv(query, key, value)
     batch, q_len, num_heads, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[1], key.shape[2]
-    reason = _reason("splash", mask=mask, bias=None, dropout=0.0, q_len=q_len, kv_len=kv_len,
-                     head_dim=head_dim, platform=target_platform(), interpret=interpret)
+    reason = refusal("splash", Call(target_platform(), mask, q_len=q_len, kv_len=kv_len,
+                                    head_dim=head_dim, interpret=interpret))
     if reason is not None:
         raise ValueError(f"splash_attention {reason}")
     scale = head_dim**-0.5 if scale is None else scale
@@ -464,83 +570,6 @@ def _splash_local(query, key, value, *extras, lowering, static_mask, scale, bloc
     return splash_run(kernel, query, key, value, extras, scale=scale)
 
 
-# -----------------------------------------------------------------------------
-# cuDNN attention (GPU, through jax.nn.dot_product_attention)
-
-
-def cudnn_arguments(mask: Mask | Array | None, q_len: int, kv_len: int) -> dict[str, Any]:
-    """Mask spec -> keyword arguments of `jax.nn.dot_product_attention` (pure, no kernel call).
-
-    Returns `is_causal`, `local_window_size`, `query_seq_lengths`, `key_value_seq_lengths` and
-    `mask` (a dense bool [B, 1, T, S] of whatever is left, or None). Parts of an And map as
-
-      Causal                  -> is_causal=True                      (q_len == kv_len only)
-      SlidingWindow(left, 0)  -> is_causal=True, window (left, 0)   (q_len == kv_len only)
-      Padding                 -> query_seq_lengths / key_value_seq_lengths (int32 [B])
-      Full                    -> nothing
-      anything else           -> the dense `mask` (cuDNN adds it as a bias)
-
-    jax aligns causal masks and windows top-left, ours bottom-right, so they only agree when
-    q_len == kv_len; cuDNN takes a local window only with a causal mask (right == 0).
-    """
-    args = dict(is_causal=False, local_window_size=None, query_seq_lengths=None,
-                key_value_seq_lengths=None, mask=None)
-    if mask is not None and not isinstance(mask, Mask):
-        args["mask"] = as_dense(mask, q_len, kv_len)
-        return args
-    rest, left = [], None
-    square = q_len == kv_len
-    for part in _parts(mask):
-        if isinstance(part, Full):
-            continue
-        if isinstance(part, Causal) and square:
-            args["is_causal"] = True
-        elif isinstance(part, SlidingWindow) and part.right == 0 and square:
-            args["is_causal"] = True
-            if part.left is not None:
-                left = part.left if left is None else min(left, part.left)
-        elif isinstance(part, Padding):
-            for name, lengths in (("query_seq_lengths", part.q_lengths),
-                                  ("key_value_seq_lengths", part.kv_lengths)):
-                if lengths is not None:
-                    lengths = jnp.asarray(lengths, jnp.int32)
-                    prev = args[name]
-                    args[name] = lengths if prev is None else jnp.minimum(prev, lengths)
-        else:
-            rest.append(part)
-    if left is not None:
-        args["local_window_size"] = (left, 0)
-    if rest:
-        args["mask"] = (rest[0] if len(rest) == 1 else And(tuple(rest))).dense(q_len, kv_len)
-    return args
-
-
-def cudnn_attention(query: Array, key: Array, value: Array, mask: Mask | Array | None = None, *,
-                    scale: float | None = None, implementation: str = "cudnn") -> Array:
-    """Attention with cuDNN flash attention via `jax.nn.dot_product_attention`; same conventions
-    and result as `dot_product_attention(query, key, value, mask, scale=scale)`.
-
-    The mask is mapped by `cudnn_arguments`; query rows with no allowed key are zeroed
-    explicitly. cuDNN needs float16 / bfloat16 inputs and head_dim <= 128 (a multiple of 8).
-    `implementation="xla"` runs the same call through XLA (any backend, any dtype), which is how
-    the mapping is tested without a GPU.
-    """
-    check_qkv(query, key, value)
-    batch, q_len, _, head_dim = query.shape
-    kv_len = key.shape[1]
-    if implementation == "cudnn":
-        reason = _reason("cudnn", mask=mask, bias=None, dropout=0.0, q_len=q_len, kv_len=kv_len,
-                         head_dim=head_dim, platform=target_platform(), dtype=query.dtype)
-        if reason is not None:
-            raise ValueError(f"cudnn_attention {reason}")
-    args = cudnn_arguments(mask, q_len, kv_len)
-    for name in ("query_seq_lengths", "key_value_seq_lengths"):  # jax wants exactly [B]
-        if args[name] is not None:
-            args[name] = jnp.broadcast_to(args[name], (batch,))
-    out = jax.nn.dot_product_attention(query, key, value, scale=scale,
-                                       implementation=implementation, **args)
-    return zero_empty_rows(out, rows_with_keys(mask, q_len, kv_len))
-
-
-__all__ = ["IMPLS", "cudnn_arguments", "cudnn_attention", "recording", "rows_with_keys", "select",
-           "splash_attention", "split_moe", "supports", "target_platform", "zero_empty_rows"]
+__all__ = ["FEATURES", "IMPLS", "KERNELS", "Call", "Kernel", "recording", "refusal",
+           "rows_with_keys", "select", "splash_attention", "split_moe", "supports",
+           "target_platform", "zero_empty_rows"]
