@@ -4,7 +4,7 @@
         [--steps=5] [--repeats=3] [--warmup=2] [--layers=6] [--d_model=384] [--heads=6]
         [--d_ff=1536] [--seq_len=256] [--batch=8] [--vocab=256]
 
-For each `remat_policy` of `transformer.nn.layers.REMAT_POLICIES` (`none` = no remat), with
+For each `remat_policy` of `transformer.nn.config.REMAT_POLICIES` (`none` = no remat), with
 `scan_layers` False and/or True (`--scan=both|false|true`), builds this project's real jitted
 train step (the shakespeare_char GPT of `experiments/gpt_shakespeare_char.py` at the flags'
 shape, dropout 0; see `compile_time.build_train_step`), compiles it once and reads XLA's
