@@ -18,7 +18,7 @@ from test_train import REPO, run_cli
 from transformer import config_keys, configs, sweep
 from transformer.nn.config import TransformerConfig
 from transformer.nn.moe import MoEConfig
-from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import checkpoint_manager
 from transformer.utils import keys
 
 
@@ -93,7 +93,7 @@ def test_the_checkpoints_structural_keys_are_the_declared_ones():
     saved = configs.base_config().to_dict()
     for key, declared in config_keys.all_keys().items():
         current = _with({key: _changed(_lookup(saved, key))}).to_dict()
-        differences = checkpoint_lib.structural_differences(saved, current)
+        differences = checkpoint_manager.structural_differences(saved, current)
         assert bool(differences) == declared.structural, (key, differences)
 
 
