@@ -181,3 +181,13 @@ def test_a_bad_gate_is_a_one_line_error():
     with pytest.raises(ValueError, match=r"gate='scalar': expected '', 'head' or 'element'"):
         MultiHeadAttention(AttentionSettings(num_heads=2, head_dim=4, gate="scalar")).init(
             jax.random.key(0), jnp.ones((1, 2, 8)))
+
+
+def test_lora_targets_the_gate_by_name_and_not_by_default():
+    def adapted(**lora):
+        model = build_model(model_config(attention_gate="head", lora=dict(rank=2, **lora)))
+        shapes = jax.eval_shape(model.init, jax.random.key(0), tokens())["params"]
+        return {k for k in shapes["decoder"]["layers_0"]["self_attention"] if "_lora_" in k}
+    assert "gate_lora_a" not in adapted()
+    assert adapted(targets=r"attention/(query|gate)$") == {
+        "query_lora_a", "query_lora_b", "gate_lora_a", "gate_lora_b"}
