@@ -111,6 +111,8 @@ ROPE = dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False
      "export to qwen3: model.qk_norm_scope='projection' has no Hugging Face Qwen3 equivalent"),
     (dict(ROPE, qk_norm=True, attention_softcap=5.0),
      "export to qwen3: model.attention_softcap=5.0 has no Hugging Face Qwen3 equivalent"),
+    (dict(ROPE, qk_norm=True, attention_gate="element"),
+     "export to qwen3: model.attention_gate='element' has no Hugging Face Qwen3 equivalent"),
     (dict(ROPE, norm_placement="sandwich"), "export to gemma2: model.activation='swiglu' has no "
      "Hugging Face Gemma 2 equivalent"),
     (dict(ROPE, norm_placement="sandwich", activation="geglu", scale_embeddings=True,

@@ -58,6 +58,14 @@ def test_flops_per_token_is_6n_plus_attention_against_a_hand_count():
     assert metrics.hardware_flops_per_token(config, total) == 748_032
 
 
+def test_the_attention_gate_counts_in_n_so_in_the_flops():
+    plain, gated = small_config(), small_config(attention_gate="element")
+    extra = 2 * (64 * 4 * 16 + 4 * 16)  # per layer: the gate kernel [D, N, H] and its bias
+    assert count_params(gated) == count_params(plain) + extra
+    assert metrics.flops_per_token(gated, count_params(gated)) == \
+        metrics.flops_per_token(plain, count_params(plain)) + 6 * extra
+
+
 @pytest.mark.parametrize("kind,dtype,expected", [
     ("TPU v4", "float32", 275e12),
     ("TPU v5 lite", "bfloat16", 197e12),

@@ -191,6 +191,9 @@ class AttentionSettings:
     # each head's H values (Qwen3, Gemma 3), "projection" over all N x H (OLMo 2); "": none
     qk_norm: str = ""
     norm_epsilon: float = 1e-6  # the q/k norms'
+    # gated attention (Qwen3-Next): sigmoid(x W_gate) scales the heads' output before W_o, one
+    # gate per "head" or per "element" of each head; "": none (MultiHeadAttention._gated)
+    gate: str = ""
     softcap: float = 0.0  # > 0: logit soft-cap, softcap * tanh(logits / softcap) (Gemma 2)
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
@@ -217,6 +220,7 @@ class AttentionSettings:
             dropout_rate=cfg.attention_dropout_rate, init_std=cfg.init_std,
             init_scale=cfg.init_scale(), out_init_scale=cfg.init_scale(residual=True),
             qk_norm=cfg.qk_norm_scope if cfg.qk_norm else "", norm_epsilon=cfg.norm_epsilon,
+            gate=cfg.attention_gate,
             softcap=cfg.attention_softcap, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
             cross=cross, impl=cfg.attention_impl, sequence_parallel=cfg.sequence_parallel,
             lora=cfg.lora if cfg.lora.rank else None)
@@ -295,6 +299,7 @@ class MultiHeadAttention(nn.Module):
             key_BSKH, value_BSKH = self._update_cache(key_BSKH, value_BSKH, q_positions)
         out_BTNH, weights_BNTS = self._attend(query_BTNH, key_BSKH, value_BSKH, mask, bias,
                                               deterministic, return_weights)
+        out_BTNH = self._gated(inputs_q, out_BTNH, deterministic)
         out_BTD = self._output(out_BTNH, inputs_q.shape[-1], deterministic)
         return (out_BTD, weights_BNTS) if return_weights else out_BTD
 
@@ -380,6 +385,35 @@ class MultiHeadAttention(nn.Module):
         if sow:
             self.sow("intermediates", "attention_weights", weights_BNTS)
         return out_BTNH, weights_BNTS
+
+    def _gated(self, x_BTD: Array, out_BTNH: Array, deterministic: bool) -> Array:
+        """Gated attention ("Gated Attention for Large Language Models", Qiu et al. 2025):
+        `out` times sigmoid(x W_gate + b_gate), x the layer's query-side input (a cross-attention
+        layer's gate reads the decoder, not the memory), so a decode step's gate is its own
+        token's. Param `gate` [embed, heads, kv] ("element", Qwen3-Next's) or [embed, heads]
+        ("head", one scalar per head and token), plus `gate_bias` where the query has a bias.
+
+        A kernel of its own rather than Hugging Face's layout, whose q_proj fuses it into the
+        query (weight [N * 2H, D], each head's H query rows then its H gate rows): the gate is
+        then named (LoRA targets it as `attention/gate`; the default targets leave it), shards
+        over `heads` as the query does, and maps to HF at import as
+        W.reshape(N, 2, H, D)[:, 1].transpose(2, 0, 1) (the query: [:, 0])."""
+        s = self.settings
+        if s.gate not in ("", "head", "element"):
+            raise ValueError(f"gate={s.gate!r}: expected '', 'head' or 'element'")
+        if not s.gate:
+            return out_BTNH
+        names = ("embed", "heads", "kv") if s.gate == "element" else ("embed", "heads")
+        shape = (x_BTD.shape[-1], s.num_heads, s.head_dim)[:len(names)]
+        kernel = self.param("gate", nn.with_logical_partitioning(projection_init(
+            s.init_std, 0, tuple(range(1, len(names))), s.init_scale), names), shape,
+            s.param_dtype)
+        gate = self._matmul("gate", x_BTD, kernel, names, 1, deterministic)
+        if s.use_bias if s.qkv_bias is None else s.qkv_bias:
+            gate = gate + self.param("gate_bias", nn.with_logical_partitioning(
+                nn.initializers.zeros, names[1:]), shape[1:], s.param_dtype).astype(s.dtype)
+        gate = jax.nn.sigmoid(gate).astype(out_BTNH.dtype)
+        return out_BTNH * (gate if s.gate == "element" else gate[..., None])
 
     def _matmul(self, name, x, kernel, names, contract, deterministic) -> Array:
         if self.settings.lora is None:

@@ -73,6 +73,10 @@ class TransformerConfig:
                         "Gemma 3, OLMo 2).", BOOL)
     qk_norm_scope: str = key("head", "qk_norm over each head (`head`) or the whole projection "
                              "(`projection`).", choice(QK_NORM_SCOPES))
+    attention_gate: str = key(
+        "", "Gated attention (Qwen3-Next): sigmoid(x W_gate) of the attention's input multiplies "
+        "its output before W_o, one gate per head (`head`) or per head_dim element (`element`); "
+        "\"\": off.", choice(("", "head", "element")))
     attention_softcap: float = key(
         0.0, "Caps the scaled attention logits: cap * tanh(logits / cap) (Gemma 2: 50); 0: off.",
         number(ge=0, note="0: off"))
