@@ -331,3 +331,33 @@ def test_attention_sinks_param_shards_with_the_heads():
     assert 0 < float(jnp.std(sinks.value)) < 1.0
     plain = build_model(model_config()).init(jax.random.key(0), tokens())
     assert "sinks" not in plain["params"]["decoder"]["layers_0"]["self_attention"]
+
+
+@pytest.mark.slow
+def test_a_gpt_with_attention_sinks_trains_through_the_cli_and_resumes(tmp_path):
+    """Two steps with sinks on the chunked kernel, then a resume to four: the saved state has
+    the sinks, the first-step line names the kernel, no step trains twice."""
+    from test_train import (
+        assert_succeeded,
+        checkpoint_steps,
+        flat,
+        load_state,
+        run_cli,
+        tiny_flags,
+        train_losses,
+    )
+
+    workdir = tmp_path / "workdir"
+    train = lambda steps: run_cli(
+        "transformer.train", "--config=experiments/gpt_tiny.py", f"--workdir={workdir}",
+        *tiny_flags(steps, checkpoint_every=2), "--config.model.attention_sinks=True",
+        "--config.model.attention_impl=chunked", logs=tmp_path / f"logs_{steps}")
+    first = train(2)
+    assert_succeeded(first)
+    assert "attention chunked)" in first.stdout + first.stderr
+    sinks = {k: v for k, v in flat(load_state(workdir, 2)["params"]).items() if "sinks" in k}
+    assert sinks and all(v.shape == (2,) for v in sinks.values()), sinks.keys()
+    assert_succeeded(train(4))
+    assert checkpoint_steps(workdir) == [2, 4]
+    losses = train_losses(workdir)
+    assert sorted(losses) == [1, 2, 3, 4] and all(np.isfinite(list(losses.values())))
