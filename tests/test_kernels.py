@@ -349,8 +349,8 @@ def test_a_feature_no_kernel_declares_is_refused_and_auto_falls_back(monkeypatch
 
 
 def test_sinks_are_refused_by_the_kernels_without_them():
-    """cuDNN and the per-device kernels declare no sinks: named, cuDNN is refused in one line;
-    auto on GPU runs chunked or dense instead."""
+    """cuDNN and splash per device declare no sinks: named, cuDNN is refused in one line; auto
+    on GPU runs chunked or dense instead, and under a sequence axis chunked per device."""
     with pytest.raises(ValueError, match=r"^impl='cudnn' has no attention sinks; use impl="):
         choose("cudnn", platform="gpu", sinks=True, dtype=jnp.bfloat16)
     assert choose(platform="gpu", sinks=True, dtype=jnp.bfloat16) == "chunked"
@@ -358,7 +358,8 @@ def test_sinks_are_refused_by_the_kernels_without_them():
         "dense")
     assert choose(platform="tpu", sinks=True) == "splash"
     call = kernels.Call("cpu", CAUSAL, q_len=L, kv_len=L, split=2, sinks=True)
-    assert kernels.refusal("chunked per device", call) == "has no attention sinks"
+    assert kernels.refusal("splash per device", call) == "has no attention sinks"
+    assert kernels.refusal("chunked per device", call) is None
 
 
 # -----------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def attend(
                         sinks=sinks is not None)
     if split > 1 and kernels.refusal("chunked per device", call) is None:
         return _attend_split(query, key, value, mask, bias, call, impl=impl, scale=scale,
-                             strategy=sequence_parallel)
+                             strategy=sequence_parallel, sinks=sinks)
     impl = kernels.select(impl, fall_back=True, **{
         f.name: getattr(call, f.name) for f in dataclasses.fields(call)})
     if callable(bias) and impl != "chunked":
@@ -113,7 +113,7 @@ def attend(
             query.shape[1], platform), **dense)
 
 
-def _attend_split(query, key, value, mask, bias, call, *, impl, scale, strategy):
+def _attend_split(query, key, value, mask, bias, call, *, impl, scale, strategy, sinks=None):
     """Attention under a `sequence` axis of `call.split` devices: splash per device where `impl`
     asks for it ("splash", or "auto" on TPU) and it can run, else the chunked kernel; the kernel
     line says which, and why splash could not."""
@@ -131,7 +131,7 @@ def _attend_split(query, key, value, mask, bias, call, *, impl, scale, strategy)
         note = f" (splash {reason})"
     kernels.record(f"chunked per device, {strategy} over sequence={split}{note}")
     return sequence_parallel_lib.attention(query, key, value, mask, bias, strategy=strategy,
-                                           scale=scale, softcap=call.softcap)
+                                           scale=scale, softcap=call.softcap, sinks=sinks)
 
 
 def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,

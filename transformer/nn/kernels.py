@@ -236,7 +236,8 @@ KERNELS = {
     # can lay out per device: static parts, segment ids, a zig-zag order), before this table
     "splash per device": Kernel(frozenset({"softcap", "gqa", "example_mask"}),
                                 requires=_per_device_requires),
-    "chunked per device": Kernel(frozenset({"bias_fn", "softcap", "gqa", "example_mask"}),
+    "chunked per device": Kernel(frozenset({"bias_fn", "softcap", "gqa", "example_mask",
+                                            "sinks"}),
                                  requires=_per_device_requires),
 }
 AUTO_ORDER = ("splash", "cudnn", "chunked", "dense")  # `auto`: the first preferred that can run
