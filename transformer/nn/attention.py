@@ -64,10 +64,8 @@ def attend(
       sequence_parallel: "all_gather" or "ring": the strategy when the mesh in context splits
         the length over its `sequence` axis (see `sequence_parallel`); each device then runs
         splash where `impl` is "splash" (or "auto" on TPU) and splash can, else chunked.
-      softcap: > 0 soft-caps the scaled logits (see `dot_product_attention`). Every kernel but
-        cuDNN takes it; "auto" then skips cuDNN.
-      sinks: [N] sink logits, one per query head, in each row's softmax denominator with no
-        value (see `dot_product_attention`); the kernels that take them say so in `KERNELS`.
+      softcap: > 0 soft-caps the scaled logits (see `dot_product_attention`); not in cuDNN.
+      sinks: [N] sink logits, one per query head, with no value (`dot_product_attention`).
 
     Dropout and `return_weights` run a kernel that declares them: dense (also under a `sequence`
     axis, where XLA then partitions it), or reference when named. Returns out [B, T, N, H], or
@@ -85,9 +83,8 @@ def attend(
     call = kernels.Call(platform, mask, bias, dropout_rate, query.shape[1], key.shape[1],
                         query.shape[-1], interpret=impl == "splash" and platform != "tpu",
                         dtype=query.dtype, devices=1 if mesh_set else jax.device_count(),
-                        softcap=softcap, weights=return_weights,
-                        gqa=query.shape[2] != key.shape[2], split=split,
-                        sinks=sinks is not None)
+                        softcap=softcap, weights=return_weights, sinks=sinks is not None,
+                        gqa=query.shape[2] != key.shape[2], split=split)
     if split > 1 and kernels.refusal("chunked per device", call) is None:
         return _attend_split(query, key, value, mask, bias, call, impl=impl, scale=scale,
                              strategy=sequence_parallel, sinks=sinks)
@@ -95,13 +92,12 @@ def attend(
         f.name: getattr(call, f.name) for f in dataclasses.fields(call)})
     if callable(bias) and impl != "chunked":
         bias = bias(jnp.arange(query.shape[1]), jnp.arange(key.shape[1]))
+    fused = dict(scale=scale, softcap=softcap, sinks=sinks)  # what chunked and splash take
     if impl == "chunked":
-        return chunked_attention(query, key, value, mask, bias, scale=scale, softcap=softcap,
-                                 sinks=sinks)
+        return chunked_attention(query, key, value, mask, bias, **fused)
     if impl == "splash":
-        return kernels.splash_attention(query, key, value, mask, scale=scale,
-                                        interpret=platform != "tpu", softcap=softcap,
-                                        sinks=sinks)
+        return kernels.splash_attention(query, key, value, mask, interpret=platform != "tpu",
+                                        **fused)
     if impl == "cudnn":
         return cudnn_attention.cudnn_attention(query, key, value, mask, scale=scale)
     dense = dict(scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,

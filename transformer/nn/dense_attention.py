@@ -28,19 +28,10 @@ CPU_QUERY_BLOCK, CPU_MAX_BLOCKS = 64, 8
 
 
 def dot_product_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    mask: Mask | Array | None = None,
-    bias: Array | None = None,
-    *,
-    scale: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: Array | None = None,
-    return_weights: bool = False,
-    q_block: int | None = None,
-    softcap: float = 0.0,
-    sinks: Array | None = None,
+    query: Array, key: Array, value: Array, mask: Mask | Array | None = None,
+    bias: Array | None = None, *, scale: float | None = None, dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None, return_weights: bool = False, q_block: int | None = None,
+    softcap: float = 0.0, sinks: Array | None = None,
 ):
     """softmax(Q K^T * scale + bias) V over the keys the mask allows.
 
