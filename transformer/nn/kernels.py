@@ -5,15 +5,15 @@ Every implementation computes what `dense_attention.dot_product_attention` compu
 [B, T, N, H], and a query row with no allowed key returns zeros.
 
 Each kernel declares in `KERNELS` the `FEATURES` it takes (bias, soft-cap, dropout, returned
-weights, mask arrays, per-example masks, GQA) and what else it needs (`Kernel.requires`:
-platform, lengths, head_dim, dtype). `select(impl, ...)` reads that table: an explicit choice
-that cannot run the inputs raises a one-line ValueError naming the kernel and the reason;
-"auto" picks the first kernel of `AUTO_ORDER` that the call prefers and that can run it (never
-for a feature it takes only when named):
+weights, mask arrays, per-example masks, GQA, attention sinks) and what else it needs
+(`Kernel.requires`: platform, lengths, head_dim, dtype). `select(impl, ...)` reads that table:
+an explicit choice that cannot run the inputs raises a one-line ValueError naming the kernel
+and the reason; "auto" picks the first kernel of `AUTO_ORDER` that the call prefers and that
+can run it (never for a feature it takes only when named):
 
     kernel     preferred when          takes
     ---------  ----------------------  ------------------------------------------------------
-    splash     platform tpu            soft-cap, GQA (mask arrays and per-example masks other
+    splash     platform tpu            soft-cap, GQA, sinks (mask arrays, per-example masks other
                                        than segments / padding only when named: a dense mask);
                                        q_len and kv_len multiples of 128, tpu (or interpret),
                                        one device or a mesh in context (then per device)
