@@ -112,20 +112,23 @@ def splash_on_meshes(devices) -> dict[str, dict]:
     mask = masks.Segment(ids) & masks.Causal()
     probe = rng.standard_normal(q.shape).astype(np.float32)
 
-    def loss_and_grads(fn):
+    def loss_and_grads(fn, sinks):  # with sinks [N]: their gradient too
         return jax.jit(jax.value_and_grad(
-            lambda q, k, v, mask: jnp.sum(fn(q, k, v, mask) * probe), argnums=(0, 1, 2)))
+            lambda q, k, v, mask, sinks: jnp.sum(fn(q, k, v, mask, sinks=sinks) * probe),
+            argnums=(0, 1, 2) if sinks is None else (0, 1, 2, 4)))
 
-    want = jax.device_get(loss_and_grads(
-        dense_attention.dot_product_attention)(q, k, v, mask))
     out = {}
-    for name, shape in {"2,2,2": (2, 2, 2), "4,1,2": (4, 1, 2)}.items():
+    meshes = {"2,2,2": (2, 2, 2), "4,1,2": (4, 1, 2), "2,2,2 sinks": (2, 2, 2)}
+    for name, shape in meshes.items():
+        sinks = jnp.array([1.0, -0.5, 2.0, 0.0]) if "sinks" in name else None
+        want = jax.device_get(loss_and_grads(dense_attention.dot_product_attention, sinks)(
+            q, k, v, mask, sinks))
         mesh = sharding.make_mesh(dict(zip(("data", "fsdp", "tensor"), shape, strict=True)),
                                   devices)
         fn = functools.partial(kernels.splash_attention, block_size=128, interpret=True)
         with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
-            got = jax.device_get(loss_and_grads(fn)(q, k, v, mask))
-            jaxpr = jax.make_jaxpr(fn)(q, k, v, mask).jaxpr
+            got = jax.device_get(loss_and_grads(fn, sinks)(q, k, v, mask, sinks))
+            jaxpr = jax.make_jaxpr(functools.partial(fn, sinks=sinks))(q, k, v, mask).jaxpr
         specs = [str(e.params["out_specs"]) for e in jaxpr.eqns
                  if e.primitive.name == "shard_map"]
         out[name] = {"out_specs": specs, "max_diff": max_diff(got, want)}

@@ -65,28 +65,31 @@ def attention_cases(devices) -> dict[str, float]:
         "bottom_right": (masks.Causal(), length // 2),  # 16 queries over 32 keys
         "zigzag": (masks.Permuted(masks.Causal() & masks.Segment(ids), order), length),
         "softcap": (masks.Causal() & masks.Segment(ids), length),  # logits capped at 1.5
+        "sinks": (masks.Causal() & masks.Segment(ids), length),  # a sink logit per head
     }
+    sink_logits = jnp.array([1.0, -0.5, 2.0, 0.0])
 
-    def run(fn, mask, q_len):
-        def loss(q, k, v, table):
+    def run(fn, mask, q_len, sinks=None):
+        def loss(q, k, v, table, sinks):
             pos = jnp.arange(length)[None]
             bias = positions.T5BiasFn(pos[:, length - q_len:], pos, table, False, 8, 16,
                                       jnp.dtype(jnp.float32))
-            out = fn(q, k, v, mask, bias)
+            out = fn(q, k, v, mask, bias, sinks=sinks)
             return jnp.sum(out * probe[:, :q_len]), out
-        grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
-        (_, out), grads = jax.jit(grad)(q[:, :q_len], k, v, table)
+        grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
+        (_, out), grads = jax.jit(grad)(q[:, :q_len], k, v, table, sinks)
         return jax.device_get((out, grads))
 
-    def dense(q, k, v, mask, bias, softcap=0.0):
+    def dense(q, k, v, mask, bias, softcap=0.0, sinks=None):
         return dense_attention.dot_product_attention(
-            q, k, v, mask, bias.table(bias.q_BT, bias.kv_BS), softcap=softcap)
+            q, k, v, mask, bias.table(bias.q_BT, bias.kv_BS), softcap=softcap, sinks=sinks)
 
     results = {}
     meshes = ({"sequence": 4}, {"data": 2, "sequence": 2, "tensor": 2})
     for name, (mask, q_len) in cases.items():
         softcap = 1.5 if name == "softcap" else 0.0
-        want = run(functools.partial(dense, softcap=softcap), mask, q_len)
+        sinks = sink_logits if name == "sinks" else None
+        want = run(functools.partial(dense, softcap=softcap), mask, q_len, sinks)
         for strategy in sequence_parallel.STRATEGIES:
             fn = functools.partial(sequence_parallel.attention, strategy=strategy, q_chunk=8,
                                    kv_chunk=8, softcap=softcap)
@@ -94,7 +97,7 @@ def attention_cases(devices) -> dict[str, float]:
             for sizes in meshes + extra:
                 with jax.set_mesh(mesh_of(**sizes, devices=devices)), nn.logical_axis_rules(
                         sharding.LOGICAL_AXIS_RULES):
-                    got = run(fn, mask, q_len)
+                    got = run(fn, mask, q_len, sinks)
                 key = f"{name}/{strategy}/" + ",".join(f"{a}={n}" for a, n in sizes.items())
                 results[key] = max_diff(got, want)
     return results

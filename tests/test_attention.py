@@ -223,7 +223,7 @@ def test_attention_keeps_one_weights_tensor_per_layer_for_the_backward_pass(monk
     cfg = TransformerConfig(num_layers=3, d_model=32, num_heads=2, d_ff=128, use_bias=False)
     ours = backward_temp_bytes(cfg, batch=4, length=32)
 
-    def textbook_forward(logits, values):
+    def textbook_forward(logits, values, sink):  # no sink here (None)
         probs = jnp.exp(logits - logits.max(-1, keepdims=True))
         probs = probs / probs.sum(-1, keepdims=True)
         out = probs @ values
@@ -233,9 +233,10 @@ def test_attention_keeps_one_weights_tensor_per_layer_for_the_backward_pass(monk
         probs, values, out = residuals
         grad_probs = grad_out @ jnp.swapaxes(values, -1, -2)
         row = jnp.sum(grad_out * out, axis=-1, keepdims=True)
-        return probs * (grad_probs - row), jnp.swapaxes(probs, -1, -2) @ grad_out
+        return probs * (grad_probs - row), jnp.swapaxes(probs, -1, -2) @ grad_out, None
 
-    textbook = jax.custom_vjp(lambda logits, values: textbook_forward(logits, values)[0])
+    textbook = jax.custom_vjp(lambda logits, values, sink: textbook_forward(logits, values,
+                                                                            sink)[0])
     textbook.defvjp(textbook_forward, backward)
     monkeypatch.setattr(dense_attention, "softmax_values", textbook)
     one_weights_tensor = 4 * 2 * 32 * 32 * 4  # [B, N, T, S] float32

@@ -117,6 +117,7 @@ BAD_VALUES = [
     ({"checkpoint_every": 0}, "expected an int >= 1"),
     ({"keep_checkpoints": 0}, "newest checkpoint is always kept"),
     ({"fresh_start": 1}, "expected a bool"),
+    ({"model.attention_sinks": "yes"}, "model.attention_sinks='yes': expected a bool"),
     ({"nonfinite": "ignore"}, "one of ('stop', 'skip')"),
     ({"max_nonfinite_skips": -1}, "expected an int >= 0"),
     ({"max_grad_norm": -1.0}, "expected a number >= 0 (0: off)"),

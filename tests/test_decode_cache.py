@@ -125,3 +125,25 @@ def test_decode_needs_positions():
     with pytest.raises(ValueError, match="decode=True needs positions"):
         model.apply({"params": params, "cache": init_cache(model, 1, LENGTH)}, sequence,
                     decode=True, mutable=["cache"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_cached_decoding_with_attention_sinks_equals_full_recomputation(scan_layers):
+    """With `attention_sinks` (GQA), each decode step's softmax has the sink in it as the
+    recomputation's does; the sinks are set large so that they matter."""
+    model = build_model(model_config(position="rope", num_kv_heads=2, attention_sinks=True,
+                                     scan_layers=scan_layers))
+    sequence = tokens((2, LENGTH), seed=4)
+    params = jax.jit(model.init)(jax.random.key(0), sequence)["params"]
+    set_sinks = lambda value: jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.broadcast_to(value, x.shape) if "sinks" in jax.tree_util.keystr(
+            path) else x, params)
+    assert len([p for p, _ in jax.tree_util.tree_leaves_with_path(params)
+                if "sinks" in jax.tree_util.keystr(p)]) == (1 if scan_layers else 2)
+    params = set_sinks(jnp.array([2.0, -1.0, 0.5, 3.0]))
+    full = np.asarray(jax.jit(model.apply)({"params": params}, sequence))
+    cached = cached_logits(model, params, sequence, [PROMPT, PROMPT + 2])
+    np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
+    without = np.asarray(jax.jit(model.apply)({"params": set_sinks(-1e4)}, sequence))
+    assert np.abs(without - full).max() > 1e-2  # the sinks take part

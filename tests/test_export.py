@@ -131,6 +131,8 @@ ROPE = dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False
      "export to mistral: model.sliding_window_pattern=2 has no Hugging Face Mistral equivalent"),
     (dict(position="learned", qk_norm=True), "model.qk_norm=True has no Hugging Face GPT-2 "
      "equivalent .expected the default False"),
+    (dict(ROPE, attention_sinks=True), "^export to llama: model.attention_sinks=True has no "
+     "Hugging Face Llama equivalent .expected the default False.$"),
     (dict(family="lstm"), "model.family='lstm': expected 'gpt', 'bert' or 't5'"),
     (dict(family="t5", position="t5", norm="rmsnorm", use_bias=False, attention_scale=1.0,
           activation="relu", tie_embeddings=False), "export to t5: model.tie_embeddings=False "

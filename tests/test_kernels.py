@@ -1,6 +1,7 @@
 """Kernel selection, splash attention (Pallas interpret mode on CPU) and the cuDNN mapping."""
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from transformer.nn import attention, kernels, masks
+from transformer.nn.chunked_attention import chunked_attention
 from transformer.nn.cudnn_attention import cudnn_arguments, cudnn_attention
 from transformer.nn.dense_attention import dot_product_attention, reference_attention
 from transformer.nn.kernels import IMPLS, select, splash_attention, supports
@@ -298,14 +300,14 @@ FEATURE_MASKS = {"none": None, "causal": CAUSAL,
 
 
 def feature_calls(platform):
-    """Calls over every combination of mask kind, bias kind, dropout, soft-cap, weights, GQA
-    and length (aligned for splash or not, above the chunk threshold or not)."""
-    for mask, bias, dropout, softcap, weights, gqa, length in itertools.product(
+    """Calls over every combination of mask kind, bias kind, dropout, soft-cap, weights, GQA,
+    sinks and length (aligned for splash or not, above the chunk threshold or not)."""
+    for mask, bias, dropout, softcap, weights, gqa, sinks, length in itertools.product(
             FEATURE_MASKS.values(), (None, jnp.zeros((1, 1, 1, 1)), bias_fn), (0.0, 0.1),
-            (0.0, 30.0), (False, True), (False, True), (256, 250, 4096)):
+            (0.0, 30.0), (False, True), (False, True), (False, True), (256, 250, 4096)):
         yield dict(platform=platform, mask=mask, bias=bias, dropout=dropout, q_len=length,
                    kv_len=length, head_dim=64, dtype=jnp.bfloat16, softcap=softcap,
-                   weights=weights, gqa=gqa)
+                   weights=weights, gqa=gqa, sinks=sinks)
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
@@ -330,57 +332,131 @@ def test_selection_picks_only_kernels_that_declare_every_feature_in_use(platform
 
 
 def test_a_feature_no_kernel_declares_is_refused_and_auto_falls_back(monkeypatch):
-    """A new knob ("sinks") that only dense declares: auto runs dense even where it would
+    """A new knob ("novel") that only dense declares: auto runs dense even where it would
     prefer splash or chunked, a named kernel without it refuses in one line, and with no kernel
     declaring it auto refuses too."""
     features = kernels.Call.features
-    monkeypatch.setattr(kernels, "FEATURES", {**kernels.FEATURES, "sinks": "has no sinks"})
-    monkeypatch.setattr(kernels.Call, "features", lambda call: (*features(call), "sinks"))
+    monkeypatch.setattr(kernels, "FEATURES", {**kernels.FEATURES, "novel": "has no novel"})
+    monkeypatch.setattr(kernels.Call, "features", lambda call: (*features(call), "novel"))
     with pytest.raises(ValueError, match="no kernel"):
         choose(platform="tpu")
     dense = kernels.KERNELS["dense"]
     monkeypatch.setitem(kernels.KERNELS, "dense", dataclasses.replace(
-        dense, features=dense.features | {"sinks"}))
+        dense, features=dense.features | {"novel"}))
     assert choose(platform="tpu") == choose(platform="cpu") == "dense"
-    with pytest.raises(ValueError, match=r"^impl='chunked' has no sinks; use impl='dense' or"):
+    with pytest.raises(ValueError, match=r"^impl='chunked' has no novel; use impl='dense' or"):
         choose("chunked")
+
+
+def test_sinks_are_refused_by_the_kernels_without_them():
+    """cuDNN and splash per device declare no sinks: named, cuDNN is refused in one line; auto
+    on GPU runs chunked or dense instead, and under a sequence axis chunked per device."""
+    with pytest.raises(ValueError, match=r"^impl='cudnn' has no attention sinks; use impl="):
+        choose("cudnn", platform="gpu", sinks=True, dtype=jnp.bfloat16)
+    assert choose(platform="gpu", sinks=True, dtype=jnp.bfloat16) == "chunked"
+    assert choose(platform="gpu", sinks=True, dtype=jnp.bfloat16, q_len=256, kv_len=256) == (
+        "dense")
+    assert choose(platform="tpu", sinks=True) == "splash"
+    call = kernels.Call("cpu", CAUSAL, q_len=L, kv_len=L, split=2, sinks=True)
+    assert kernels.refusal("splash per device", call) == "has no attention sinks"
+    assert kernels.refusal("chunked per device", call) is None
 
 
 # -----------------------------------------------------------------------------
 # Every kernel that runs on CPU against the reference kernel, over the features it declares
 
-REFERENCE_CASES = {  # name: (mask, bias, softcap)
-    "causal": (CAUSAL, None, 0.0),
-    "window_softcap": (masks.SlidingWindow(left=40, right=7), None, 20.0),
-    "segments": (masks.Segment(packed_ids()) & masks.Causal(), None, 0.0),
-    "prefix_bias_fn": (masks.PrefixLM(jnp.array([10, 150])), bias_fn, 0.0),
+REFERENCE_CASES = {  # name: (mask, bias, softcap, sinks)
+    "causal": (CAUSAL, None, 0.0, False),
+    "window_softcap": (masks.SlidingWindow(left=40, right=7), None, 20.0, False),
+    "segments": (masks.Segment(packed_ids()) & masks.Causal(), None, 0.0, False),
+    "prefix_bias_fn": (masks.PrefixLM(jnp.array([10, 150])), bias_fn, 0.0, False),
     "array_bias": (jnp.tril(jnp.ones((1, 1, L, L), bool)), jnp.linspace(-1, 1, L)[None, None, None],
-                   5.0),
-    "none": (None, None, 0.0),
+                   5.0, False),
+    "none": (None, None, 0.0, False),
+    "segments_sinks": (masks.Segment(packed_ids()) & masks.Causal(), None, 0.0, True),
+    "window_softcap_sinks": (masks.SlidingWindow(left=40, right=7), None, 20.0, True),
 }
 
 
 @pytest.mark.parametrize("impl", ["dense", "chunked", "splash"])
 @pytest.mark.parametrize("case", list(REFERENCE_CASES))
 def test_kernels_match_the_reference_forward_and_gradients(impl, case):
-    mask, bias, softcap = REFERENCE_CASES[case]
+    mask, bias, softcap, with_sinks = REFERENCE_CASES[case]
     q, k, v, w = qkv(5, heads=4, kv_heads=2)
+    sinks = jnp.array([-1.0, 0.5, 2.0, 4.0]) if with_sinks else None
     call = kernels.Call("cpu", mask, bias, q_len=L, kv_len=L, head_dim=H, interpret=True,
-                        softcap=softcap, gqa=True)
+                        softcap=softcap, gqa=True, sinks=with_sinks)
     if kernels.refusal(impl, call) is not None:
         pytest.skip(f"{impl} does not declare {call.features()}")
-    if impl == "splash" and case not in ("causal", "segments"):
-        pytest.skip("splash in interpret mode is slow: two cases")
-    run = lambda impl: lambda q, k, v: attention.attend(q, k, v, mask=mask, bias=bias,
-                                                        impl=impl, softcap=softcap)
+    if impl == "splash" and case not in ("causal", "segments", "segments_sinks"):
+        pytest.skip("splash in interpret mode is slow: three cases")
+    run = lambda impl: lambda q, k, v, sinks: attention.attend(
+        q, k, v, mask=mask, bias=bias, impl=impl, softcap=softcap, sinks=sinks)
     with kernels.recording() as chosen:
-        got = jax.jit(run(impl))(q, k, v)
+        got = jax.jit(run(impl))(q, k, v, sinks)
     assert chosen == [impl]
-    want = run("reference")(q, k, v)
+    want = run("reference")(q, k, v, sinks)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
-    for name, g, r in zip(("dq", "dk", "dv"), value_and_grads(run(impl), q, k, v, w),
-                          value_and_grads(run("reference"), q, k, v, w), strict=True):
+    grads = lambda impl: jax.jit(jax.grad(lambda q, k, v, s: jnp.sum(run(impl)(q, k, v, s) * w),
+                                          (0, 1, 2, 3) if with_sinks else (0, 1, 2)))(
+        q, k, v, sinks)
+    names = ("dq", "dk", "dv", "dsinks")[:4 if with_sinks else 3]
+    for name, g, r in zip(names, grads(impl), grads("reference"), strict=True):
         np.testing.assert_allclose(g, r, atol=5e-5, rtol=5e-5, err_msg=name)
+
+
+def sinks_formula(q, k, v, allowed, sinks):
+    """Attention with sinks in float64 NumPy, from the formula: row i of head n has weights
+    exp(s_ij - m) / (exp(sink_n - m) + sum_j exp(s_ij - m)), m = max(sink_n, max_j s_ij), over
+    its allowed keys j; output sum_j weights_ij v_j."""
+    group = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(allowed, s, -np.inf)
+    sink = np.broadcast_to(sinks[None, :, None, None], (*s.shape[:3], 1))
+    m = np.maximum(s.max(-1, keepdims=True), sink)
+    e, e_sink = np.exp(s - m), np.exp(sink - m)
+    return np.einsum("bnts,bsnh->btnh", e / (e_sink + e.sum(-1, keepdims=True)), v)
+
+
+def test_sinks_match_the_float64_formula_forward_and_gradients():
+    """dense, reference and chunked (in 4 x 4 tiles) with sinks against `sinks_formula`, and
+    their gradients (the sinks' included) against its central differences: causal, padding,
+    GQA and a row with no allowed key (all its weight on the sink: output 0, finite)."""
+    rng = np.random.default_rng(0)
+    b, t, n, kv, h = 2, 10, 4, 2, 8
+    args = [rng.normal(size=s) for s in ((b, t, n, h), (b, t, kv, h), (b, t, kv, h))]
+    args.append(rng.normal(size=n) * 2)
+    w = rng.normal(size=(b, t, n, h))
+    mask = masks.Causal() & masks.Padding(q_lengths=jnp.array([10, 7]),
+                                          kv_lengths=jnp.array([10, 6]))
+    allowed = np.broadcast_to(np.asarray(masks.as_dense(mask, t, t)), (b, n, t, t)).copy()
+    allowed[0, :, 3] = False  # query 3 of example 0 sees no key
+    loss = lambda *a: float((sinks_formula(*a[:3], allowed, a[3]) * w).sum())
+    want_grads = []
+    for arg in args:
+        grad = np.zeros_like(arg)
+        for index in np.ndindex(arg.shape):
+            keep = arg[index]
+            arg[index] = keep + 1e-6
+            up = loss(*args)
+            arg[index] = keep - 1e-6
+            grad[index] = (up - loss(*args)) / 2e-6
+            arg[index] = keep
+        want_grads.append(grad)
+    want = sinks_formula(*args[:3], allowed, args[3])
+    assert not want[0, 3].any()
+    kernels_ = {"dense": dot_product_attention, "reference": reference_attention,
+                "chunked": functools.partial(chunked_attention, q_chunk=4, kv_chunk=4)}
+    f32 = [jnp.asarray(a, jnp.float32) for a in args]
+    for name, kernel in kernels_.items():
+        run = functools.partial(kernel, mask=jnp.asarray(allowed))
+        np.testing.assert_allclose(run(*f32[:3], sinks=f32[3]), want, atol=1e-6, err_msg=name)
+        grads = jax.grad(lambda q, k, v, s, run=run: jnp.sum(run(q, k, v, sinks=s) * w),
+                         (0, 1, 2, 3))(*f32)
+        for what, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads, strict=True):
+            assert np.isfinite(g).all()
+            np.testing.assert_allclose(g, r, atol=1e-5, err_msg=f"{name} {what}")
 
 
 def test_reference_kernel_has_no_custom_gradient():

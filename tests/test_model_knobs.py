@@ -31,6 +31,7 @@ CASES = {
                          sliding_window_pattern=2, activation="geglu", final_logit_softcap=3.0),
     "parallel_block": dict(parallel_block=True),
     "parallel_block_layernorm": dict(parallel_block=True, norm="layernorm", use_bias=True),
+    "sinks": dict(attention_sinks=True, attention_softcap=2.0),
 }
 
 
@@ -48,11 +49,14 @@ def tokens(shape=(2, LENGTH), seed=0):
 
 
 def perturbed(params, seed=1):
-    """Norm scales away from 1 (a freshly initialised scale of ones would hide a wrong one)."""
+    """Norm scales away from 1 (a freshly initialised scale of ones would hide a wrong one), and
+    attention sinks spread over [-2, 2] (their small init would hide a missing one)."""
     rng = np.random.default_rng(seed)
+    change = {"scale": lambda x: x * (1 + 0.3 * rng.standard_normal(x.shape)),
+              "sinks": lambda x: x + rng.uniform(-2, 2, x.shape)}
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: x * (1 + 0.3 * rng.standard_normal(x.shape)).astype(x.dtype)
-        if "scale" in jax.tree_util.keystr(path) else x, params)
+        lambda path, x: next((f(x).astype(x.dtype) for name, f in change.items()
+                              if name in jax.tree_util.keystr(path)), x), params)
 
 
 # --- the float64 NumPy reference -------------------------------------------------------------
@@ -92,8 +96,12 @@ def reference_attention(x, p, cfg, window):
     if window:
         allowed &= t[None, :] > t[:, None] - window
     logits = np.where(allowed, logits, -np.inf)
-    weights = np.exp(logits - logits.max(-1, keepdims=True))
-    weights /= weights.sum(-1, keepdims=True)
+    sink = np.full((*logits.shape[:3], 1), -np.inf)  # exp(sink) = 0 without sinks
+    if cfg.attention_sinks:  # a logit per head in the denominator, with no value
+        sink = np.broadcast_to(p["sinks"][None, :, None, None], sink.shape)
+    top = np.maximum(logits.max(-1, keepdims=True), sink)
+    weights = np.exp(logits - top)
+    weights /= weights.sum(-1, keepdims=True) + np.exp(sink - top)
     return np.einsum("bnqk,bknh,nhd->bqd", weights, v, p["out"])
 
 
@@ -304,3 +312,52 @@ def test_bad_knob_values_are_one_line_errors(overrides, message):
     with pytest.raises(ValueError) as error:
         validate_config(config)
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_a_kernel_without_attention_sinks_is_refused_in_one_line():
+    model = build_model(model_config(attention_sinks=True, attention_impl="cudnn"))
+    with pytest.raises(ValueError) as error:
+        model.init(jax.random.key(0), tokens())
+    assert str(error.value) == ("impl='cudnn' has no attention sinks; use impl='chunked' or "
+                                "'dense' or 'auto'")
+
+
+def test_attention_sinks_param_shards_with_the_heads():
+    """One `sinks` [N] per attention layer under logical axis `heads`, initialised as gpt-oss
+    (normal, std init_std); none without the knob."""
+    boxed = build_model(model_config(attention_sinks=True)).init(jax.random.key(0), tokens())
+    sinks = boxed["params"]["decoder"]["layers_0"]["self_attention"]["sinks"]
+    assert sinks.names == ("heads",) and sinks.value.shape == (4,)
+    assert 0 < float(jnp.std(sinks.value)) < 1.0
+    plain = build_model(model_config()).init(jax.random.key(0), tokens())
+    assert "sinks" not in plain["params"]["decoder"]["layers_0"]["self_attention"]
+
+
+@pytest.mark.slow
+def test_a_gpt_with_attention_sinks_trains_through_the_cli_and_resumes(tmp_path):
+    """Two steps with sinks on the chunked kernel, then a resume to four: the saved state has
+    the sinks, the first-step line names the kernel, no step trains twice."""
+    from test_train import (
+        assert_succeeded,
+        checkpoint_steps,
+        flat,
+        load_state,
+        run_cli,
+        tiny_flags,
+        train_losses,
+    )
+
+    workdir = tmp_path / "workdir"
+    train = lambda steps: run_cli(
+        "transformer.train", "--config=experiments/gpt_tiny.py", f"--workdir={workdir}",
+        *tiny_flags(steps, checkpoint_every=2), "--config.model.attention_sinks=True",
+        "--config.model.attention_impl=chunked", logs=tmp_path / f"logs_{steps}")
+    first = train(2)
+    assert_succeeded(first)
+    assert "attention chunked)" in first.stdout + first.stderr
+    sinks = {k: v for k, v in flat(load_state(workdir, 2)["params"]).items() if "sinks" in k}
+    assert sinks and all(v.shape == (2,) for v in sinks.values()), sinks.keys()
+    assert_succeeded(train(4))
+    assert checkpoint_steps(workdir) == [2, 4]
+    losses = train_losses(workdir)
+    assert sorted(losses) == [1, 2, 3, 4] and all(np.isfinite(list(losses.values())))

@@ -302,10 +302,11 @@ def test_a_checkpoint_saved_on_one_mesh_continues_on_another(mesh_results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["2,2,2", "4,1,2"])
+@pytest.mark.parametrize("mesh", ["2,2,2", "4,1,2", "2,2,2 sinks"])
 def test_splash_runs_per_device_in_shard_map_and_matches_dense(mesh_results, mesh):
     """Packed causal rows with GQA (4 query heads, 2 KV heads): output and q/k/v gradients of
-    the interpret-mode kernel, batch and heads split over the mesh, equal the dense reference."""
+    the interpret-mode kernel, batch and heads split over the mesh, equal the dense reference;
+    with attention sinks (split with the heads), their gradients too."""
     result = mesh_results["splash"][mesh]
     assert result["out_specs"] == ["(P(('data', 'fsdp', 'expert'), None, 'tensor', None),)"]
     assert result["max_diff"] < 1e-4

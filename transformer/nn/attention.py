@@ -41,6 +41,7 @@ def attend(
     return_weights: bool = False,
     sequence_parallel: str = "all_gather",
     softcap: float = 0.0,
+    sinks: Array | None = None,
 ):
     """Attention through the kernel `impl` names: what `dense_attention.dot_product_attention`
     computes.
@@ -63,8 +64,8 @@ def attend(
       sequence_parallel: "all_gather" or "ring": the strategy when the mesh in context splits
         the length over its `sequence` axis (see `sequence_parallel`); each device then runs
         splash where `impl` is "splash" (or "auto" on TPU) and splash can, else chunked.
-      softcap: > 0 soft-caps the scaled logits (see `dot_product_attention`). Every kernel but
-        cuDNN takes it; "auto" then skips cuDNN.
+      softcap: > 0 soft-caps the scaled logits (see `dot_product_attention`); not in cuDNN.
+      sinks: [N] sink logits, one per query head, with no value (`dot_product_attention`).
 
     Dropout and `return_weights` run a kernel that declares them: dense (also under a `sequence`
     axis, where XLA then partitions it), or reference when named. Returns out [B, T, N, H], or
@@ -82,24 +83,25 @@ def attend(
     call = kernels.Call(platform, mask, bias, dropout_rate, query.shape[1], key.shape[1],
                         query.shape[-1], interpret=impl == "splash" and platform != "tpu",
                         dtype=query.dtype, devices=1 if mesh_set else jax.device_count(),
-                        softcap=softcap, weights=return_weights,
+                        softcap=softcap, weights=return_weights, sinks=sinks is not None,
                         gqa=query.shape[2] != key.shape[2], split=split)
     if split > 1 and kernels.refusal("chunked per device", call) is None:
         return _attend_split(query, key, value, mask, bias, call, impl=impl, scale=scale,
-                             strategy=sequence_parallel)
+                             strategy=sequence_parallel, sinks=sinks)
     impl = kernels.select(impl, fall_back=True, **{
         f.name: getattr(call, f.name) for f in dataclasses.fields(call)})
     if callable(bias) and impl != "chunked":
         bias = bias(jnp.arange(query.shape[1]), jnp.arange(key.shape[1]))
+    fused = dict(scale=scale, softcap=softcap, sinks=sinks)  # what chunked and splash take
     if impl == "chunked":
-        return chunked_attention(query, key, value, mask, bias, scale=scale, softcap=softcap)
+        return chunked_attention(query, key, value, mask, bias, **fused)
     if impl == "splash":
-        return kernels.splash_attention(query, key, value, mask, scale=scale,
-                                        interpret=platform != "tpu", softcap=softcap)
+        return kernels.splash_attention(query, key, value, mask, interpret=platform != "tpu",
+                                        **fused)
     if impl == "cudnn":
         return cudnn_attention.cudnn_attention(query, key, value, mask, scale=scale)
     dense = dict(scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                 return_weights=return_weights, softcap=softcap)
+                 return_weights=return_weights, softcap=softcap, sinks=sinks)
     if impl == "reference":
         return dense_attention.reference_attention(query, key, value, mask, bias, **dense)
     return dense_attention.dot_product_attention(
@@ -107,7 +109,7 @@ def attend(
             query.shape[1], platform), **dense)
 
 
-def _attend_split(query, key, value, mask, bias, call, *, impl, scale, strategy):
+def _attend_split(query, key, value, mask, bias, call, *, impl, scale, strategy, sinks=None):
     """Attention under a `sequence` axis of `call.split` devices: splash per device where `impl`
     asks for it ("splash", or "auto" on TPU) and it can run, else the chunked kernel; the kernel
     line says which, and why splash could not."""
@@ -125,7 +127,7 @@ def _attend_split(query, key, value, mask, bias, call, *, impl, scale, strategy)
         note = f" (splash {reason})"
     kernels.record(f"chunked per device, {strategy} over sequence={split}{note}")
     return sequence_parallel_lib.attention(query, key, value, mask, bias, strategy=strategy,
-                                           scale=scale, softcap=call.softcap)
+                                           scale=scale, softcap=call.softcap, sinks=sinks)
 
 
 def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,
@@ -203,6 +205,7 @@ class AttentionSettings:
     impl: str = "auto"
     sequence_parallel: str = "all_gather"  # under a `sequence` mesh axis: all_gather | ring
     lora: Any = None  # transformer.nn.lora.LoraConfig: adapters on the projections it targets
+    sinks: bool = False  # a learned sink logit per query head, param `sinks` [N] (gpt-oss)
 
     @classmethod
     def from_config(cls, cfg, *, cross: bool = False) -> AttentionSettings:
@@ -223,7 +226,7 @@ class AttentionSettings:
             gate=cfg.attention_gate,
             softcap=cfg.attention_softcap, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
             cross=cross, impl=cfg.attention_impl, sequence_parallel=cfg.sequence_parallel,
-            lora=cfg.lora if cfg.lora.rank else None)
+            lora=cfg.lora if cfg.lora.rank else None, sinks=cfg.attention_sinks)
 
     def kernel_args(self, deterministic: bool) -> dict[str, Any]:
         """The keyword arguments of `attend` these settings give (no dropout when
@@ -380,7 +383,8 @@ class MultiHeadAttention(nn.Module):
         want_weights = return_weights or sow  # forces the dense path
         dropout_rng = self.make_rng("dropout") if args["dropout_rate"] > 0.0 else None
         result = attend(query_BTNH, key_BSKH, value_BSKH, mask=mask, bias=bias,
-                        dropout_rng=dropout_rng, return_weights=want_weights, **args)
+                        dropout_rng=dropout_rng, return_weights=want_weights,
+                        sinks=self._sinks(), **args)
         out_BTNH, weights_BNTS = result if want_weights else (result, None)
         if sow:
             self.sow("intermediates", "attention_weights", weights_BNTS)
@@ -414,6 +418,15 @@ class MultiHeadAttention(nn.Module):
                 nn.initializers.zeros, names[1:]), shape[1:], s.param_dtype).astype(s.dtype)
         gate = jax.nn.sigmoid(gate).astype(out_BTNH.dtype)
         return out_BTNH * (gate if s.gate == "element" else gate[..., None])
+
+    def _sinks(self) -> Array | None:
+        """`sinks`: param [N] under logical axis `heads`, initialised as Hugging Face's gpt-oss
+        does (normal, std `init_std` or 0.02); float32 in the kernels' softmax."""
+        if not self.settings.sinks:
+            return None
+        init = nn.initializers.normal(stddev=self.settings.init_std or 0.02)
+        return self.param("sinks", nn.with_logical_partitioning(init, ("heads",)),
+                          (self.settings.num_heads,), self.settings.param_dtype)
 
     def _matmul(self, name, x, kernel, names, contract, deterministic) -> Array:
         if self.settings.lora is None:

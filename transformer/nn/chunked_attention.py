@@ -275,10 +275,12 @@ class _Tiles:
 # Forward and backward kernels
 
 
-def _forward(t: _Tiles, q, k, v, mask_args, bias_args):
+def _forward(t: _Tiles, q, k, v, mask_args, bias_args, sinks=None):
     """Returns out [B, T, N, H], logsumexp [nq, B, K, G, qb] and the number of tiles computed.
 
     The logsumexp of a query row with no allowed key is +inf (every recomputed probability is 0).
+    `sinks` [N]: the running max starts at the row's sink logit and the running sum at 1 (its
+    exp(sink - max)), so the sink joins the denominator once and the logsumexp includes it.
     """
     q_t, k_t, v_t = t.q_tiles(q), t.kv_tiles(k), t.kv_tiles(v)
     full_ids, full_n = t.plan.rows(FULL)
@@ -318,6 +320,9 @@ def _forward(t: _Tiles, q, k, v, mask_args, bias_args):
 
         state = (jnp.full((B, K, G, qb), -jnp.inf, t.acc), jnp.zeros((B, K, G, qb), t.acc),
                  jnp.zeros((B, K, G, qb, H), t.acc))
+        if sinks is not None:
+            state = (jnp.broadcast_to(_tile_sinks(t, sinks), (B, K, G, qb)),
+                     jnp.ones((B, K, G, qb), t.acc), state[2])
         carry = (state, count)
         if has_full:
             carry = lax.fori_loop(0, f_n, full_body, carry)
@@ -415,6 +420,19 @@ def _backward(t: _Tiles, q, k, v, mask_args, bias_args, out, lse, d_out):
     return dq, dk, dv, dbias, count
 
 
+def _tile_sinks(t: _Tiles, sinks: Array) -> Array:
+    """Sink logits [N] -> [K, G, 1] in the accumulation dtype (rows of a [.., K, G, qb] tile)."""
+    return sinks.astype(t.acc).reshape(t.num_kv_heads, t.group, 1)
+
+
+def _sinks_grad(t: _Tiles, sinks, out, lse, d_out) -> Array:
+    """d loss / d sinks [N]: the sink's probability exp(sink - lse) times (0 - dO . O), summed
+    over every query row of each head (padded rows have dO = 0)."""
+    delta = jnp.sum(t.q_tiles(d_out).astype(t.acc) * t.q_tiles(out).astype(t.acc), -1)
+    grad = -jnp.exp(_tile_sinks(t, sinks) - lse) * delta  # [nq, B, K, G, qb]
+    return grad.sum((0, 1, 4)).reshape(t.num_heads).astype(sinks.dtype)
+
+
 # -----------------------------------------------------------------------------
 # Public entry point
 
@@ -481,6 +499,7 @@ def chunked_attention(
     totals: tuple[int, int] | None = None,
     offsets: tuple[Array, Array] | None = None,
     softcap: float = 0.0,
+    sinks: Array | None = None,
 ) -> Array:
     """softmax(Q K^T * scale + bias) V, computed tile by tile in O(T + S) memory.
 
@@ -498,6 +517,8 @@ def chunked_attention(
         function see indices in the whole sequences. Dense mask / bias arrays are refused.
       softcap: > 0 caps the scaled logits at softcap * tanh(logits / softcap) before the bias
         and the mask (Gemma 2); 0 leaves them.
+      sinks: [N] sink logits, one per query head, in each row's softmax denominator with no
+        value (see `dot_product_attention`); differentiable.
 
     Same result as `dense_attention.dot_product_attention(query, key, value, mask, bias,
     scale=scale)` (no dropout, no weights output): float32 logits / softmax statistics for
@@ -512,15 +533,15 @@ def chunked_attention(
     at = lambda offsets: t.at(*offsets) if t.blocked else t
 
     @jax.custom_vjp
-    def attend(q, k, v, mask_args, bias_args, offsets):
-        return _forward(at(offsets), q, k, v, mask_args, bias_args)[0]
+    def attend(q, k, v, mask_args, bias_args, offsets, sinks):
+        return _forward(at(offsets), q, k, v, mask_args, bias_args, sinks)[0]
 
-    def attend_fwd(q, k, v, mask_args, bias_args, offsets):
-        out, lse, _ = _forward(at(offsets), q, k, v, mask_args, bias_args)
-        return out, (q, k, v, mask_args, bias_args, offsets, out, lse)
+    def attend_fwd(q, k, v, mask_args, bias_args, offsets, sinks):
+        out, lse, _ = _forward(at(offsets), q, k, v, mask_args, bias_args, sinks)
+        return out, (q, k, v, mask_args, bias_args, offsets, sinks, out, lse)
 
     def attend_bwd(res, d_out):
-        q, k, v, mask_args, bias_args, offsets, out, lse = res
+        q, k, v, mask_args, bias_args, offsets, sinks, out, lse = res
         dq, dk, dv, dbias, _ = _backward(at(offsets), q, k, v, mask_args, bias_args, out, lse,
                                          d_out)
         d_mask = tuple(None for _ in mask_args)
@@ -528,12 +549,13 @@ def chunked_attention(
             dbias = (dbias[0].astype(bias_args[0].dtype),)
         else:
             dbias = tuple(d.astype(c.dtype) for d, c in zip(dbias, bias_args, strict=True))
-        return dq, dk, dv, d_mask, dbias, (None, None)
+        d_sinks = None if sinks is None else _sinks_grad(t, sinks, out, lse, d_out)
+        return dq, dk, dv, d_mask, dbias, (None, None), d_sinks
 
     attend.defvjp(attend_fwd, attend_bwd)
     # A dense bias was padded (jnp.pad) outside `attend`, so its cotangent flows back through
     # the pad to the caller's unpadded array.
-    return attend(query, key, value, mask_args, bias_args, offsets)
+    return attend(query, key, value, mask_args, bias_args, offsets, sinks)
 
 
 def chunked_attention_stats(query, key, value, mask=None, bias=None, *, scale=None,

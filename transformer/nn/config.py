@@ -80,6 +80,8 @@ class TransformerConfig:
     attention_softcap: float = key(
         0.0, "Caps the scaled attention logits: cap * tanh(logits / cap) (Gemma 2: 50); 0: off.",
         number(ge=0, note="0: off"))
+    attention_sinks: bool = key(False, "A learned logit per head that joins each softmax's "
+                                "denominator with no value (gpt-oss, StreamingLLM).", BOOL)
     final_logit_softcap: float = key(
         0.0, "The same cap on a decoder LM's output logits (Gemma 2: 30); 0: off.",
         described(number(ge=0, note="0: off"), "a number >= 0 (0: off; gpt and prefix_lm)"))

@@ -28,18 +28,10 @@ CPU_QUERY_BLOCK, CPU_MAX_BLOCKS = 64, 8
 
 
 def dot_product_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    mask: Mask | Array | None = None,
-    bias: Array | None = None,
-    *,
-    scale: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: Array | None = None,
-    return_weights: bool = False,
-    q_block: int | None = None,
-    softcap: float = 0.0,
+    query: Array, key: Array, value: Array, mask: Mask | Array | None = None,
+    bias: Array | None = None, *, scale: float | None = None, dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None, return_weights: bool = False, q_block: int | None = None,
+    softcap: float = 0.0, sinks: Array | None = None,
 ):
     """softmax(Q K^T * scale + bias) V over the keys the mask allows.
 
@@ -54,6 +46,9 @@ def dot_product_attention(
         allow (`Mask.block_map`): causal attention then computes about half the logits. Used
         where the mask leaves keys out of some block, without dropout or weights; else one block.
       softcap: > 0: scaled logits -> softcap * tanh(logits / softcap) before bias and mask.
+      sinks: [N] logits, one per query head, that join each row's softmax denominator with no
+        value (gpt-oss): weights exp(s_j) / (exp(sink) + sum_j exp(s_j)). Not scaled, capped or
+        biased. A row with no allowed key then puts all its weight on the sink (output 0).
 
     Float32 (or float64) inputs keep logits and weights in their dtype. Bfloat16 / float16 inputs
     keep the [B, N, T, S] logits and weights in that dtype, half the memory, as MaxText does: the
@@ -94,11 +89,11 @@ def dot_product_attention(
                                              dense_mask, bias, (scale, softcap), scores)
         if not keep_weights:
             out_BKMH = softmax_values(logits_BNTS.reshape(batch, num_kv_heads, group * rows, cols),
-                                      value_BKSH[:, :, k0:k1])
+                                      value_BKSH[:, :, k0:k1], _row_sinks(sinks, group, rows))
             outs_BNTH.append(out_BKMH.reshape(batch, num_heads, rows, head_dim))
             continue
         out_BNTH, weights_BNTS = _weighted_values(logits_BNTS, allowed, value_BKSH, dropout_rate,
-                                                  dropout_rng, acc)
+                                                  dropout_rng, acc, sinks)
         outs_BNTH.append(out_BNTH)
     out_BNTH = outs_BNTH[0] if len(outs_BNTH) == 1 else jnp.concatenate(outs_BNTH, axis=2)
     out_BTNH = out_BNTH.transpose(0, 2, 1, 3).astype(query.dtype)
@@ -109,12 +104,13 @@ def dot_product_attention(
         mask if isinstance(mask, Mask) else dense_mask, q_len, kv_len))
 
 
-def _weighted_values(logits_BNTS, allowed, value_BKSH, dropout_rate: float, dropout_rng, acc):
+def _weighted_values(logits_BNTS, allowed, value_BKSH, dropout_rate: float, dropout_rng, acc,
+                     sinks=None):
     """(softmax(logits) V [B, N, T, H], the weights [B, N, T, S] in `acc`) of one whole block,
     with dropout on the weights that multiply V (the weights returned are before dropout)."""
     batch, num_heads, q_len, kv_len = logits_BNTS.shape
     num_kv_heads, head_dim = value_BKSH.shape[1], value_BKSH.shape[-1]
-    weights_BNTS = jax.nn.softmax(logits_BNTS.astype(acc), axis=-1)
+    weights_BNTS = _softmax_with_sinks(logits_BNTS.astype(acc), sinks)
     if allowed is not None:  # zero rows where nothing is allowed
         weights_BNTS = jnp.where(allowed, weights_BNTS, 0.0)
     probs_BNTS = weights_BNTS
@@ -192,10 +188,30 @@ def _window(x: Array, q0: int, q1: int, k0: int, k1: int) -> Array:
     return x[tuple(index)]
 
 
+def _row_sinks(sinks: Array | None, group: int, rows: int) -> Array | None:
+    """Sink logits [N] -> [1, K, G * rows, 1] (float32 at least), one per row of the
+    [B, K, G * rows, S] logits `dot_product_attention` folds its query groups into."""
+    if sinks is None:
+        return None
+    sinks = sinks.astype(jnp.promote_types(sinks.dtype, jnp.float32))
+    return jnp.repeat(sinks.reshape(-1, group), rows, axis=1)[None, :, :, None]
+
+
+def _softmax_with_sinks(logits_BNTS: Array, sinks: Array | None) -> Array:
+    """softmax over the last axis, with sink logits [N] (or None) in each row's denominator."""
+    if sinks is None:
+        return jax.nn.softmax(logits_BNTS, axis=-1)
+    sink_BNT1 = jnp.broadcast_to(sinks.astype(logits_BNTS.dtype)[None, :, None, None],
+                                 (*logits_BNTS.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([logits_BNTS, sink_BNT1], -1), axis=-1)[..., :-1]
+
+
 @jax.custom_vjp
-def softmax_values(logits: Array, values: Array) -> Array:
+def softmax_values(logits: Array, values: Array, sink: Array | None = None) -> Array:
     """softmax(logits) @ values over the last axis of logits [..., M, S] and values [..., S, H],
-    in the accumulation dtype (float32 for bfloat16 / float16 / float32 inputs).
+    in the accumulation dtype (float32 for bfloat16 / float16 / float32 inputs). `sink`
+    (broadcastable to [..., M, 1], float32): a logit per row in the softmax's denominator that
+    has no value; its gradient is -P_sink (dO . O) per row.
 
     The softmax's max and sum run in float32 and the weights are kept in the logits' dtype. The
     backward pass keeps only those weights P (not a float32 copy, not the logits) and uses the
@@ -210,21 +226,29 @@ def softmax_values(logits: Array, values: Array) -> Array:
     >>> out.dtype, round(float(out[0, 0]), 2)
     (dtype('float32'), 4.0)
     """
-    return _softmax_values_fwd(logits, values)[0]
+    return _softmax_values_fwd(logits, values, sink)[0]
 
 
-def _softmax_values_fwd(logits, values):
+def _softmax_values_fwd(logits, values, sink=None):
     acc = jnp.promote_types(values.dtype, jnp.float32)
     x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    shifted = x - jnp.max(x, axis=-1, keepdims=True)
-    log_sum = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+    if sink is None:
+        shifted = x - jnp.max(x, axis=-1, keepdims=True)
+        log_sum = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+        sink_probs = None
+    else:  # the sink joins the max and the sum; its weight is kept for its gradient
+        top = jnp.maximum(jnp.max(x, axis=-1, keepdims=True), sink.astype(x.dtype))
+        shifted = x - top
+        log_sum = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)
+                          + jnp.exp(sink - top))
+        sink_probs = jnp.exp(sink - top - log_sum)  # [..., M, 1]
     probs = jnp.exp(shifted - log_sum).astype(logits.dtype)
     out = jnp.matmul(probs.astype(values.dtype), values, preferred_element_type=acc)
-    return out, (probs, values, out)
+    return out, (probs, values, out, sink_probs, None if sink is None else sink.shape)
 
 
 def _softmax_values_bwd(residuals, grad_out):
-    probs, values, out = residuals
+    probs, values, out, sink_probs, sink_shape = residuals
     acc = out.dtype
     grad_values = jnp.matmul(jnp.swapaxes(probs, -1, -2).astype(values.dtype),
                              grad_out.astype(values.dtype), preferred_element_type=acc)
@@ -232,7 +256,16 @@ def _softmax_values_bwd(residuals, grad_out):
                             preferred_element_type=acc)
     row = jnp.sum(grad_out * out, axis=-1, keepdims=True)  # = sum_j P_ij dP_ij
     grad_logits = probs.astype(acc) * (grad_probs - row)
-    return grad_logits.astype(probs.dtype), grad_values.astype(values.dtype)
+    grad_sink = None
+    if sink_probs is not None:  # d sink = P_sink (0 - row): the sink's value is zero
+        grad_sink = _sum_to(-sink_probs * row.astype(sink_probs.dtype), sink_shape)
+    return grad_logits.astype(probs.dtype), grad_values.astype(values.dtype), grad_sink
+
+
+def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
+    """x summed over the axes where `shape` (x's rank) is 1: the cotangent of a broadcast."""
+    axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if m == 1 != n)
+    return x.sum(axes, keepdims=True) if axes else x
 
 
 softmax_values.defvjp(_softmax_values_fwd, _softmax_values_bwd)
@@ -248,12 +281,13 @@ def cpu_query_block(q_len: int, platform: str) -> int | None:
 def reference_attention(query: Array, key: Array, value: Array, mask: Mask | Array | None = None,
                         bias: Array | None = None, *, scale: float | None = None,
                         softcap: float = 0.0, dropout_rate: float = 0.0,
-                        dropout_rng: Array | None = None, return_weights: bool = False):
+                        dropout_rng: Array | None = None, return_weights: bool = False,
+                        sinks: Array | None = None):
     """The "reference" kernel: softmax(softcap(Q K^T * scale) + bias) V written out plainly, in
     float32 (float64 for float64 inputs), differentiated by autodiff. For prototyping a new
     attention idea (edit it here first) and as the yardstick the other kernels are tested
     against; same arguments and results as `dot_product_attention` (masked keys get zero weight,
-    a row with no allowed key returns zeros).
+    a row with no allowed key returns zeros; `sinks` [N] join each row's denominator).
 
     >>> q = jnp.ones((1, 3, 2, 4))
     >>> reference_attention(q, q, q, return_weights=True)[1][0, 0, 0].tolist()
@@ -275,7 +309,12 @@ def reference_attention(query: Array, key: Array, value: Array, mask: Mask | Arr
         logits = logits + jnp.asarray(bias, acc)
     allowed = jnp.ones((1, 1, q_len, kv_len), bool) if mask is None else as_dense(
         mask, q_len, kv_len)
-    weights = jax.nn.softmax(jnp.where(allowed, logits, -jnp.inf), axis=-1)
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    if sinks is not None:  # a column of sink logits joins each row's softmax, then is dropped
+        sink_BNT1 = jnp.broadcast_to(sinks.astype(acc)[None, :, None, None],
+                                     (*logits.shape[:-1], 1))
+        logits = jnp.concatenate([logits, sink_BNT1], axis=-1)
+    weights = jax.nn.softmax(logits, axis=-1)[..., :kv_len]
     weights = jnp.where(allowed, weights, 0.0)  # rows with no allowed key: 0, not NaN
     probs = weights
     if dropout_rate > 0.0:

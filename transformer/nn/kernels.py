@@ -5,15 +5,15 @@ Every implementation computes what `dense_attention.dot_product_attention` compu
 [B, T, N, H], and a query row with no allowed key returns zeros.
 
 Each kernel declares in `KERNELS` the `FEATURES` it takes (bias, soft-cap, dropout, returned
-weights, mask arrays, per-example masks, GQA) and what else it needs (`Kernel.requires`:
-platform, lengths, head_dim, dtype). `select(impl, ...)` reads that table: an explicit choice
-that cannot run the inputs raises a one-line ValueError naming the kernel and the reason;
-"auto" picks the first kernel of `AUTO_ORDER` that the call prefers and that can run it (never
-for a feature it takes only when named):
+weights, mask arrays, per-example masks, GQA, attention sinks) and what else it needs
+(`Kernel.requires`: platform, lengths, head_dim, dtype). `select(impl, ...)` reads that table:
+an explicit choice that cannot run the inputs raises a one-line ValueError naming the kernel
+and the reason; "auto" picks the first kernel of `AUTO_ORDER` that the call prefers and that
+can run it (never for a feature it takes only when named):
 
     kernel     preferred when          takes
     ---------  ----------------------  ------------------------------------------------------
-    splash     platform tpu            soft-cap, GQA (mask arrays and per-example masks other
+    splash     platform tpu            soft-cap, GQA, sinks (mask arrays, per-example masks other
                                        than segments / padding only when named: a dense mask);
                                        q_len and kv_len multiples of 128, tpu (or interpret),
                                        one device or a mesh in context (then per device)
@@ -133,6 +133,7 @@ FEATURES = {  # feature -> how a kernel without it is refused (in the order they
     "mask_array": "takes no dense mask array",
     "example_mask": "takes no per-example mask but segment ids and padding (prefix-LM)",
     "gqa": "has no grouped-query attention",
+    "sinks": "has no attention sinks",
 }
 # Features a call turns on by itself (training's dropout, a request for the weights), not the
 # config: `select(..., fall_back=True)` then leaves a kernel without them for one with them.
@@ -158,6 +159,7 @@ class Call:
     gqa: bool = False
     chunk_threshold: int = 2048
     split: int = 1  # devices along a `sequence` mesh axis
+    sinks: bool = False  # a learned sink logit per head (attention_sinks)
 
     def features(self) -> tuple[str, ...]:
         """The `FEATURES` this call uses, in their order."""
@@ -167,7 +169,7 @@ class Call:
                     mask_array=self.mask is not None and not isinstance(self.mask, Mask),
                     example_mask=isinstance(self.mask, Mask) and _splash_lowering(
                         self.mask) == "dense",
-                    gqa=self.gqa)
+                    gqa=self.gqa, sinks=self.sinks)
         return tuple(f for f in FEATURES if used.get(f))
 
 
@@ -222,9 +224,9 @@ class Kernel:
 KERNELS = {
     "dense": Kernel(frozenset(FEATURES), preferred=lambda call: True),
     "chunked": Kernel(frozenset({"bias", "bias_fn", "softcap", "mask_array", "example_mask",
-                                 "gqa"}),
+                                 "gqa", "sinks"}),
                       preferred=lambda call: call.kv_len >= call.chunk_threshold),
-    "splash": Kernel(frozenset({"softcap", "gqa"}),
+    "splash": Kernel(frozenset({"softcap", "gqa", "sinks"}),
                      named_only=frozenset({"mask_array", "example_mask"}),
                      requires=_splash_requires, preferred=lambda call: call.platform == "tpu"),
     "cudnn": Kernel(frozenset({"mask_array", "example_mask", "gqa"}), requires=_cudnn_requires,
@@ -234,7 +236,8 @@ KERNELS = {
     # can lay out per device: static parts, segment ids, a zig-zag order), before this table
     "splash per device": Kernel(frozenset({"softcap", "gqa", "example_mask"}),
                                 requires=_per_device_requires),
-    "chunked per device": Kernel(frozenset({"bias_fn", "softcap", "gqa", "example_mask"}),
+    "chunked per device": Kernel(frozenset({"bias_fn", "softcap", "gqa", "example_mask",
+                                            "sinks"}),
                                  requires=_per_device_requires),
 }
 AUTO_ORDER = ("splash", "cudnn", "chunked", "dense")  # `auto`: the first preferred that can run
@@ -432,7 +435,8 @@ def _block(length: int, target: int) -> int:
 
 def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array | None = None,
                      *, scale: float | None = None, block_size: int = 512,
-                     interpret: bool = False, softcap: float = 0.0) -> Array:
+                     interpret: bool = False, softcap: float = 0.0,
+                     sinks: Array | None = None) -> Array:
     """Attention with the Pallas TPU splash kernel; same conventions and result as
     `dot_product_attention(query, key, value, mask, scale=scale)`.
 
@@ -445,6 +449,7 @@ def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array 
       block_size: target query / key block (the largest multiple of 128 <= it dividing T / S).
       interpret: run the kernel in Pallas interpret mode (any backend; slow, for tests).
       softcap: > 0 soft-caps the scaled logits (splash's `attn_logits_soft_cap`).
+      sinks: [N] sink logits in each row's softmax denominator (splash's own `sinks`).
 
     Query rows with no allowed key return zeros (the kernel itself would return an average of
     masked values or NaN there, so those rows are zeroed explicitly). Differentiable (splash's
@@ -474,15 +479,17 @@ def splash_attention(query: Array, key: Array, value: Array, mask: Mask | Array 
             extras = _segment_ids(dynamic, batch, q_len, kv_len)
     local = functools.partial(_splash_local, lowering=lowering, static_mask=static_mask,
                               scale=scale, block_size=block_size, interpret=interpret,
-                              softcap=softcap)
+                              softcap=softcap, has_sinks=sinks is not None)
+    extras = ((sinks,) if sinks is not None else ()) + extras
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         out_BTNH = local(query, key, value, *extras)
     else:
         b, h, kv_h = _splash_partition(mesh, batch, num_heads, num_kv_heads)
         qkv_specs = (P(b, None, h, None), P(b, None, kv_h, None), P(b, None, kv_h, None))
-        extra_specs = (P(b, h, None, None),) if lowering == "dense" else (P(b, None),) * len(
-            extras)
+        extra_specs = ((P(h),) if sinks is not None else ()) + (
+            (P(b, h, None, None),) if lowering == "dense" else (P(b, None),) * (
+                len(extras) - (sinks is not None)))
         out_BTNH = jax.shard_map(local, in_specs=qkv_specs + extra_specs,
                                  out_specs=qkv_specs[0], check_vma=False)(query, key, value,
                                                                           *extras)
@@ -536,27 +543,32 @@ def splash_kernel(splash_mask, *, num_heads: int, mqa: bool, q_len: int, kv_len:
     return kernel
 
 
-def splash_run(kernel, query, key, value, segment_ids=(), *, scale: float) -> Array:
+def splash_run(kernel, query, key, value, segment_ids=(), *, scale: float,
+               sinks: Array | None = None) -> Array:
     """`kernel` (from `splash_kernel`) on query [B, T, N, H], key / value [B, S, K, H] (K == 1:
-    an MQA kernel) and optional int32 segment ids (q [B, T], kv [B, S]); out [B, T, N, H]."""
+    an MQA kernel), optional int32 segment ids (q [B, T], kv [B, S]) and optional sink logits
+    [N]; out [B, T, N, H]."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     q_BNTH = (query * jnp.asarray(scale, query.dtype)).transpose(0, 2, 1, 3)
     k_BKSH, v_BKSH = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
     if kernel.kwargs["is_mqa"]:
         k_BKSH, v_BKSH = k_BKSH[:, 0], v_BKSH[:, 0]
+    extra = {} if sinks is None else {"sinks": sinks}  # not batched: one per head
     if not segment_ids:
-        out_BNTH = jax.vmap(kernel)(q_BNTH, k_BKSH, v_BKSH)
+        out_BNTH = jax.vmap(lambda q, k, v: kernel(q, k, v, **extra))(q_BNTH, k_BKSH, v_BKSH)
     else:
         out_BNTH = jax.vmap(lambda q, k, v, qs, ks: kernel(
-            q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks)))(q_BNTH, k_BKSH, v_BKSH,
-                                                              *segment_ids)
+            q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks), **extra))(q_BNTH, k_BKSH, v_BKSH,
+                                                                       *segment_ids)
     return out_BNTH.transpose(0, 2, 1, 3)
 
 
 def _splash_local(query, key, value, *extras, lowering, static_mask, scale, block_size,
-                  interpret, softcap):
-    """The splash kernel on one device's [B, T, N, H] / [B, S, K, H] shards (and mask inputs)."""
+                  interpret, softcap, has_sinks=False):
+    """The splash kernel on one device's [B, T, N, H] / [B, S, K, H] shards (and its sinks
+    [N], first of `extras` when `has_sinks`, then the mask inputs)."""
+    sinks, extras = (extras[0], extras[1:]) if has_sinks else (None, extras)
     _, q_len, num_heads, _ = query.shape
     kv_len, num_kv_heads = key.shape[1], key.shape[2]
     make = functools.partial(splash_kernel, num_heads=num_heads, mqa=num_kv_heads == 1,
@@ -564,10 +576,10 @@ def _splash_local(query, key, value, *extras, lowering, static_mask, scale, bloc
                              interpret=interpret, softcap=softcap)
     if lowering == "dense":  # one kernel per example's [N, T, S] mask
         return jax.vmap(lambda q, k, v, m: splash_run(make(m), q[None], k[None], v[None],
-                                                      scale=scale)[0])(query, key, value,
-                                                                       *extras)
+                                                      scale=scale, sinks=sinks)[0])(
+            query, key, value, *extras)
     kernel = make(_splash_mask(static_mask, q_len, kv_len))
-    return splash_run(kernel, query, key, value, extras, scale=scale)
+    return splash_run(kernel, query, key, value, extras, scale=scale, sinks=sinks)
 
 
 __all__ = ["FEATURES", "IMPLS", "KERNELS", "Call", "Kernel", "recording", "refusal",

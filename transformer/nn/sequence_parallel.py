@@ -113,13 +113,14 @@ def check_length(length: int, num_shards: int, *, load_balance: bool, what: str 
 
 def attention(query: Array, key: Array, value: Array, mask=None, bias=None, *,
               strategy: str = "all_gather", scale: float | None = None, q_chunk: int = 512,
-              kv_chunk: int = 512, softcap: float = 0.0) -> Array:
+              kv_chunk: int = 512, softcap: float = 0.0, sinks: Array | None = None) -> Array:
     """Attention of query [B, T, N, H] over key / value [B, S, K, H] whose T and S are split over
     the mesh's `sequence` axis; what `chunked_attention` computes on the whole sequences.
 
     `mask`: a `masks.Mask` or None; `bias`: a function bias(q_idx, kv_idx) or None; both see
-    indices in the whole sequences; `softcap` as chunked_attention's. Needs a mesh in context
-    (`jax.set_mesh`) with the axis.
+    indices in the whole sequences; `softcap` and `sinks` as chunked_attention's (the ring
+    merges the sink into each row once, as one more block with output 0 and logsumexp the
+    sink). Needs a mesh in context (`jax.set_mesh`) with the axis.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"sequence_parallel={strategy!r}: expected one of {STRATEGIES}")
@@ -133,17 +134,18 @@ def attention(query: Array, key: Array, value: Array, mask=None, bias=None, *,
     local = functools.partial(local, scale=scale, q_chunk=q_chunk, kv_chunk=kv_chunk,
                               softcap=softcap)
     split = P(None, AXIS)  # the other mesh axes stay automatic (batch, heads as the rules say)
-    return jax.shard_map(local, in_specs=(split, split, split, P(), P()), out_specs=split,
-                         axis_names={AXIS}, check_vma=False)(query, key, value, mask, bias)
+    return jax.shard_map(local, in_specs=(split, split, split, P(), P(), P()), out_specs=split,
+                         axis_names={AXIS}, check_vma=False)(query, key, value, mask, bias,
+                                                             sinks)
 
 
-def _all_gather(q, k, v, mask, bias, *, scale, q_chunk, kv_chunk, softcap):
+def _all_gather(q, k, v, mask, bias, sinks, *, scale, q_chunk, kv_chunk, softcap):
     n, i = lax.axis_size(AXIS), lax.axis_index(AXIS)
     k_all, v_all = _gather_rows(k), _gather_rows(v)
     q_len = q.shape[1]
     return chunked_attention(q, k_all, v_all, mask, bias, scale=scale, q_chunk=q_chunk,
                              kv_chunk=kv_chunk, totals=(q_len * n, k_all.shape[1]),
-                             offsets=(i * q_len, 0), softcap=softcap)
+                             offsets=(i * q_len, 0), softcap=softcap, sinks=sinks)
 
 
 def _gather_rows(x):
@@ -162,7 +164,7 @@ def _gather_rows(x):
                          check_vma=False)(x)
 
 
-def _ring(q, k, v, mask, bias, *, scale, q_chunk, kv_chunk, softcap):
+def _ring(q, k, v, mask, bias, sinks, *, scale, q_chunk, kv_chunk, softcap):
     n = lax.axis_size(AXIS)
     q_len, kv_len = q.shape[1], k.shape[1]
     t, mask_args, bias_args = _prepare(q, k, v, mask, bias, scale, q_chunk, kv_chunk,
@@ -176,7 +178,7 @@ def _ring(q, k, v, mask, bias, *, scale, q_chunk, kv_chunk, softcap):
         i = lax.axis_index(AXIS)
         return t.at(i * q_len, (i - s) % n * kv_len, out_dtype=t.acc)
 
-    def forward(q, k, v, mask_args, bias_args):
+    def forward(q, k, v, mask_args, bias_args, sinks):
         def step(s, carry):
             out, lse, kv = carry
             following = shift(kv)  # independent of this step's compute: the transfer overlaps
@@ -189,19 +191,24 @@ def _ring(q, k, v, mask, bias, *, scale, q_chunk, kv_chunk, softcap):
                 jnp.full((batch, q_len, heads), -jnp.inf, t.acc), (k, v))
         out, lse, kv = lax.fori_loop(0, n - 1, step, init)
         out_s, lse_s, _ = _forward(block(n - 1), q, *kv, mask_args, bias_args)
-        return _merge(out, lse, out_s, _lse_rows(t, lse_s))
+        out, lse = _merge(out, lse, out_s, _lse_rows(t, lse_s))
+        if sinks is None:
+            return out, lse
+        # the sink: one more block, with output 0 and logsumexp the sink, merged once per row
+        return _merge(out, lse, jnp.zeros_like(out), jnp.broadcast_to(
+            sinks.astype(t.acc), lse.shape))
 
     @jax.custom_vjp
-    def ring(q, k, v, mask_args, bias_args):
-        return forward(q, k, v, mask_args, bias_args)[0].astype(q.dtype)
+    def ring(q, k, v, mask_args, bias_args, sinks):
+        return forward(q, k, v, mask_args, bias_args, sinks)[0].astype(q.dtype)
 
-    def ring_fwd(q, k, v, mask_args, bias_args):
-        out, lse = forward(q, k, v, mask_args, bias_args)
+    def ring_fwd(q, k, v, mask_args, bias_args, sinks):
+        out, lse = forward(q, k, v, mask_args, bias_args, sinks)
         out = out.astype(q.dtype)
-        return out, (q, k, v, mask_args, bias_args, out, lse)
+        return out, (q, k, v, mask_args, bias_args, sinks, out, lse)
 
     def ring_bwd(res, d_out):
-        q, k, v, mask_args, bias_args, out, lse = res
+        q, k, v, mask_args, bias_args, sinks, out, lse = res
         lse_t = _lse_tiles(t, lse)
 
         def grads(s, kv):
@@ -224,11 +231,16 @@ def _ring(q, k, v, mask, bias, *, scale, q_chunk, kv_chunk, softcap):
         dk, dv = shift((dkv[0] + dk_s, dkv[1] + dv_s))  # the n-th hop brings them home
         dbias = tuple((a + b).astype(c.dtype)
                       for a, b, c in zip(dbias, db_s, bias_args, strict=True))
+        d_sinks = None
+        if sinks is not None:  # this device's rows: -exp(sink - lse) (dO . O)
+            delta = jnp.sum(d_out.astype(t.acc) * out.astype(t.acc), -1)  # [B, T, N]
+            d_sinks = -jnp.sum(jnp.exp(sinks.astype(t.acc) - lse) * delta, (0, 1))
+            d_sinks = d_sinks.astype(sinks.dtype)
         return ((dq + dq_s).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-                tuple(None for _ in mask_args), dbias)
+                tuple(None for _ in mask_args), dbias, d_sinks)
 
     ring.defvjp(ring_fwd, ring_bwd)
-    return ring(q, k, v, mask_args, bias_args)
+    return ring(q, k, v, mask_args, bias_args, sinks)
 
 
 def splash_reason(mask, bias, *, strategy: str, q_len: int, kv_len: int, num_shards: int,
