@@ -1,5 +1,8 @@
 """A JAX/Flax Linen transformer research codebase.
 
-Math as pure functions (`masks`, `positions`, `dense_attention.dot_product_attention`), Linen
-modules where there are parameters (`attention.MultiHeadAttention`, `layers`).
+Rooms on floors, each importing only from below (docs/api.md, tests/test_imports.py): `utils`,
+`parallel`, `nn` (math as pure functions: `nn.masks`, `nn.positions`,
+`nn.dense_attention.dot_product_attention`; Linen modules where there are params:
+`nn.attention.MultiHeadAttention`, `nn.blocks`), `models`, `data`, `generation`, `hf`,
+`training`, `sweeps`, and the commands at the top (`python -m transformer.train`, ...).
 """
