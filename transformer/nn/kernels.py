@@ -259,10 +259,6 @@ def refusal(impl: str, call: Call, *, auto: bool = False) -> str | None:
     return kernel.requires(call)
 
 
-def _call(platform, *, mask, bias, dropout, q_len, kv_len, head_dim, **rest) -> Call:
-    return Call(platform, mask, bias, dropout, q_len, kv_len, head_dim, **rest)
-
-
 def supports(impl: str, *, mask: Mask | Array | None, bias: Any, dropout: float, q_len: int,
              kv_len: int, head_dim: int, platform: str, **rest) -> bool:
     """Whether `impl` can compute attention for these inputs on `platform` ("cpu"/"gpu"/"tpu").
@@ -272,8 +268,8 @@ def supports(impl: str, *, mask: Mask | Array | None, bias: Any, dropout: float,
     devices the computation spans outside a mesh: splash shard_maps over a mesh set with
     `jax.set_mesh`, and cannot split over devices without one), `softcap`, `weights`, `gqa`.
     """
-    call = _call(platform, mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
-                 head_dim=head_dim, **rest)
+    call = Call(platform, mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
+                head_dim=head_dim, **rest)
     return refusal(impl, call) is None
 
 
@@ -286,8 +282,8 @@ def select(impl: str, *, platform: str, mask: Mask | Array | None, bias: Any, dr
     with `fall_back`, a call that uses `PER_CALL` features resolves a kernel that cannot run it
     as "auto" instead (which picks dense for them).
     """
-    call = _call(platform, mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
-                 head_dim=head_dim, **rest)
+    call = Call(platform, mask=mask, bias=bias, dropout=dropout, q_len=q_len, kv_len=kv_len,
+                head_dim=head_dim, **rest)
     reason = refusal(impl, call)
     if reason is not None and fall_back and set(PER_CALL) & set(call.features()):
         impl, reason = "auto", None
