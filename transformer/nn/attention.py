@@ -23,6 +23,7 @@ from transformer.nn import lora as lora_lib
 from transformer.nn import positions as positions_lib
 from transformer.nn import sequence_parallel as sequence_parallel_lib
 from transformer.nn.chunked_attention import chunked_attention
+from transformer.nn.config import ATTENTION_GATES
 from transformer.nn.masks import Mask
 
 Array = jax.Array
@@ -403,7 +404,7 @@ class MultiHeadAttention(nn.Module):
         over `heads` as the query does, and maps to HF at import as
         W.reshape(N, 2, H, D)[:, 1].transpose(2, 0, 1) (the query: [:, 0])."""
         s = self.settings
-        if s.gate not in ("", "head", "element"):
+        if s.gate not in ATTENTION_GATES:
             raise ValueError(f"gate={s.gate!r}: expected '', 'head' or 'element'")
         if not s.gate:
             return out_BTNH

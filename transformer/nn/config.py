@@ -34,6 +34,7 @@ NORMS = ("layernorm", "rmsnorm")
 # x + N'(f(x)) (OLMo 2)
 NORM_PLACEMENTS = ("pre", "post", "sandwich", "post_sublayer")
 QK_NORM_SCOPES = ("head", "projection")
+ATTENTION_GATES = ("", "head", "element")  # off, a gate per head, or per head_dim element
 PARAMETRIZATIONS = ("standard", "mup")
 # The float dtypes the models compute in and keep params in (float64 needs jax_enable_x64).
 DTYPES = ("float32", "bfloat16", "float16")
@@ -76,7 +77,7 @@ class TransformerConfig:
     attention_gate: str = key(
         "", "Gated attention (Qwen3-Next): sigmoid(x W_gate) of the attention's input multiplies "
         "its output before W_o, one gate per head (`head`) or per head_dim element (`element`); "
-        "\"\": off.", choice(("", "head", "element")))
+        "\"\": off.", choice(ATTENTION_GATES))
     attention_softcap: float = key(
         0.0, "Caps the scaled attention logits: cap * tanh(logits / cap) (Gemma 2: 50); 0: off.",
         number(ge=0, note="0: off"))
