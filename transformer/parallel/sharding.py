@@ -111,6 +111,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("projection", None),
     ("length", None),
     ("relpos_buckets", None),
+    # token mixers (transformer.nn.mixers): a convolution's taps, a recurrent state's width, a
+    # low-rank latent (MLA's kv and q ranks): small or contracted over, replicated
+    ("conv", None),
+    ("state", None),
+    ("latent", None),
     # The scanned layer stack's leading axis: split into pipeline stages.
     ("layers", "stage"),
     ("lora", None),  # a LoRA adapter's rank (transformer.nn.lora): small, replicated
