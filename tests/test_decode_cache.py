@@ -27,10 +27,11 @@ def tokens(shape, seed=0):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "length"))
-def _step(model, params, cache, tokens_BT, positions_BT, prefix_lengths, length):
+def _step(model, params, cache, tokens_BT, positions_BT, prefix_lengths, length,
+          segments_BT=None):
     return model.apply({"params": params, "cache": cache}, tokens_BT, positions=positions_BT,
                        prefix_lengths=prefix_lengths, decode=True, cache_length=length,
-                       mutable=["cache"])
+                       segment_ids=segments_BT, mutable=["cache"])
 
 
 def cached_logits(model, params, tokens_BT, prompt_lengths, prefix_lengths=None):
@@ -42,7 +43,10 @@ def cached_logits(model, params, tokens_BT, prompt_lengths, prefix_lengths=None)
     cache = init_cache(model, batch, length)
     step_fn = jax.jit(lambda *args: _step(model, *args, length))  # compiles prefill and step
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    logits, mutated = step_fn(params, cache, tokens_BT[:, :width], positions, prefix_lengths)
+    # the prompt's tokens (1) and its right padding (0), which a recurrent layer's state skips
+    segments = (positions < jnp.asarray(prompt_lengths)[:, None]).astype(jnp.int32)
+    logits, mutated = step_fn(params, cache, tokens_BT[:, :width], positions, prefix_lengths,
+                              segments)
     cache = mutated["cache"]
     out = np.zeros((batch, length, VOCAB), np.float32)
     for b in range(batch):

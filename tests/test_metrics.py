@@ -66,6 +66,16 @@ def test_the_attention_gate_counts_in_n_so_in_the_flops():
         metrics.flops_per_token(plain, count_params(plain)) + 6 * extra
 
 
+def test_a_sliding_layer_counts_the_keys_in_its_window():
+    """seq_len 32: a layer windowed to 8 keys spends 12 D 8 per token, a full one 12 D 32."""
+    width = 4 * 16
+    full = metrics.flops_per_token(small_config(), 0)
+    windowed = small_config(sliding_window=8, sliding_window_pattern=2)
+    assert metrics.flops_per_token(windowed, 0) - full == 12 * width * (8 - 32)
+    wide = small_config(sliding_window=64)  # a window past seq_len sees seq_len keys
+    assert metrics.flops_per_token(wide, 0) == full
+
+
 @pytest.mark.parametrize("kind,dtype,expected", [
     ("TPU v4", "float32", 275e12),
     ("TPU v5 lite", "bfloat16", 197e12),

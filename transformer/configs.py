@@ -14,8 +14,15 @@ import ml_collections
 
 from transformer import config_keys
 from transformer.data import inputs, pipeline, sources, tokenizers
-from transformer.models import FAMILIES, build_model, default_model_config, family_of
+from transformer.models import (
+    FAMILIES,
+    build_model,
+    default_model_config,
+    family_of,
+    transformer_config,
+)
 from transformer.nn import sequence_parallel
+from transformer.nn.mixers import MIXERS
 from transformer.parallel import pipeline_parallel, sharding
 from transformer.training import checkpoint as checkpoint_lib
 from transformer.training import optim, placement, task_eval, wandb_logging
@@ -193,6 +200,25 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         if name.split(".")[0] in config.model:
             raise ValueError(f"model.{error}") from None
         raise
+    _validate_mixers(config, mesh_sizes)
+
+
+def _validate_mixers(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int]) -> None:
+    """The token mixers of `model.layer_types`: each one's refusal (`Mixer.refuses`: a kernel, a
+    mesh axis) as one line; recurrent layers only in the causal decoder LM (gpt), the stack
+    whose every token reads only earlier ones."""
+    if not config.model.get("layer_types") and config.model.get("attention_kind", "mha") == "mha":
+        return
+    stack = transformer_config(config.model)
+    types = dict.fromkeys(stack.layer_type(i) for i in range(stack.num_layers))
+    recurrent = [name for name in types if MIXERS[name].decode_state == "recurrent state"]
+    if recurrent and config.model.family != "gpt":
+        raise ValueError(f"model.layer_types={config.model.layer_types!r}: {recurrent[0]} layers "
+                         f"with model.family={config.model.family!r}: expected family 'gpt' "
+                         "(a recurrent layer reads tokens in order; this family's are not causal)")
+    for name in types:
+        if (reason := MIXERS[name].refuses(stack, mesh_sizes)) is not None:
+            raise ValueError(reason)
 
 
 def _validate_sources(config: ml_collections.ConfigDict) -> None:

@@ -46,7 +46,10 @@ class _DecoderProgram:
         cache = init_cache(self.model, batch, self.cache_length)
         positions_BP = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), prompts_BP.shape)
         context = lengths_B if self.prefix_lm else None
-        logits_BPV, cache = self._apply(params, context, cache, prompts_BP, positions_BP)
+        # which tokens are the prompt's: a recurrent layer's state skips the padding after it
+        segments_BP = (positions_BP < lengths_B[:, None]).astype(jnp.int32)
+        logits_BPV, cache = self._apply(params, context, cache, prompts_BP, positions_BP,
+                                        segments_BP)
         first_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
         return first_BV, cache, context, lengths_B
 
@@ -54,10 +57,11 @@ class _DecoderProgram:
         logits_B1V, cache = self._apply(params, context, cache, tokens_B1, positions_B1)
         return logits_B1V[:, -1], cache
 
-    def _apply(self, params, context, cache, tokens, positions):
+    def _apply(self, params, context, cache, tokens, positions, segments=None):
         logits, mutated = self.model.apply(
             {"params": params, "cache": cache}, tokens, positions=positions, decode=True,
-            cache_length=self.cache_length, prefix_lengths=context, mutable=["cache"])
+            cache_length=self.cache_length, prefix_lengths=context, segment_ids=segments,
+            mutable=["cache"])
         return logits, mutated["cache"]
 
 

@@ -55,7 +55,9 @@ class DecoderLM(nn.Module):
 
     `decode=True` runs on the KV cache (`init_cache`; apply with `mutable=["cache"]`): each
     token is written into cache slot `positions[b, t]` and attends to slots <= its position
-    (and to the prefix, slots < `prefix_lengths[b]`), out of `cache_length` slots.
+    (and to the prefix, slots < `prefix_lengths[b]`), out of `cache_length` slots. A prefill of
+    right-padded prompts passes `segment_ids` (1 for a prompt token, 0 for padding): recurrent
+    layers (`config.layer_types`) then keep their state as it was after each row's last token.
 
     `config.sliding_window` = W limits every token to the last W positions, itself included
     (Mistral), in training and in decoding; the cache still holds every position. With
@@ -100,10 +102,9 @@ class DecoderLM(nn.Module):
         if window is not None and prefix_lengths is not None:
             raise ValueError(f"sliding_window={window} with prefix_lengths: expected one of them "
                              "(a window would cut into the bidirectional prefix)")
-        if decode:
-            if positions is None or segment_ids is not None:
-                raise ValueError("decode=True needs positions [B, T] (the cache slots) and no "
-                                 "segment_ids")
+        if decode:  # segment_ids: a prefill's prompt tokens (1) and right padding (0)
+            if positions is None:
+                raise ValueError("decode=True needs positions [B, T] (the cache slots)")
             length = cache_length or tokens_BT.shape[1]
             mask, kv_positions = decode_mask(positions, length, prefix_lengths)
             local_mask = mask if window is None else decode_mask(positions, length, None,
@@ -121,12 +122,15 @@ class DecoderLM(nn.Module):
                 positions = jnp.arange(length, dtype=jnp.int32)[None]
             tokens_BT = sequence_parallel.to_zigzag(tokens_BT, split)
             positions = sequence_parallel.to_zigzag(positions, split)
+            if segment_ids is not None:
+                segment_ids = sequence_parallel.to_zigzag(segment_ids, split)
             order = jnp.asarray(sequence_parallel.zigzag(length, split))
             mask, local_mask = (masks.Permuted(m, order, zigzag_shards=split)
                                 for m in (mask, local_mask))
         x_BTD = self.embed(tokens_BT)
         x_BTD = self.decoder(x_BTD, mask, positions, deterministic=deterministic, decode=decode,
-                             kv_positions=kv_positions, local_mask=local_mask)
+                             kv_positions=kv_positions, local_mask=local_mask,
+                             segment_ids=segment_ids)
         if balance:
             x_BTD = sharding.constrain(sequence_parallel.from_zigzag(x_BTD, split),
                                        sharding.ACTIVATIONS)

@@ -23,10 +23,10 @@ from transformer.nn import lora as lora_lib
 from transformer.nn import positions as positions_lib
 from transformer.nn import sequence_parallel as sequence_parallel_lib
 from transformer.nn.chunked_attention import chunked_attention
-from transformer.nn.config import ATTENTION_GATES
 from transformer.nn.masks import Mask
 
 Array = jax.Array
+ATTENTION_GATES = ("", "head", "element")  # off, a gate per head, or per head_dim element
 
 def attend(
     query: Array,
@@ -277,6 +277,7 @@ class MultiHeadAttention(nn.Module):
         deterministic: bool = True,
         return_weights: bool = False,
         decode: bool = False,
+        segment_ids: Array | None = None,  # the token-mixer call's; documents are in `mask`
     ):
         num_kv_heads = self._num_kv_heads()
         # a cross-attention decode step reuses the cached keys and values

@@ -18,6 +18,7 @@ from transformer.nn.attention import AttentionSettings, MultiHeadAttention
 from transformer.nn.config import REMAT_POLICIES, TransformerConfig
 from transformer.nn.layers import MLP, norm_layer
 from transformer.nn.masks import Mask
+from transformer.nn.mixers import MIXERS
 from transformer.nn.moe import MoEFeedForward
 from transformer.parallel import pipeline_parallel, sharding
 
@@ -32,7 +33,10 @@ class TransformerBlock(nn.Module):
     `config.parallel_block`: x + attn(LN(x)) + mlp(LN(x)), one norm for both.
     An encoder block is self-attention (with a Full/Padding mask) + FFN; a decoder block uses a
     Causal mask and, with `cross_attention=True`, attends to `encoded` in between.
-    `local=True`: self-attention under `local_mask` (the sliding window) instead of `mask`.
+    `layer_type`: the token mixer in the first sublayer (a name in `mixers.MIXERS`, default
+    full attention); its record says its params' name and whether it attends under `local_mask`
+    (the sliding window) instead of `mask`. `segment_ids` reach the mixer (recurrent mixers
+    restart their state at each document; see `mixers.base`).
     `moe_layer=True` makes the feed-forward a mixture of experts (`config.moe`), which sows
     its auxiliary quantities into the 'losses' collection (`moe_aux`).
     `scanned=True` makes it return (x, None), the carry/output pair `nn.scan` expects.
@@ -44,17 +48,18 @@ class TransformerBlock(nn.Module):
     scanned: bool = False
     decode: bool = False  # KV-cache decoding (see MultiHeadAttention)
     moe_layer: bool = False
-    local: bool = False
+    layer_type: str = "full_attention"
 
     @nn.compact
     def __call__(self, x_BTD, mask, bias, positions, encoded=None, cross_mask=None,
-                 local_mask=None):
+                 local_mask=None, segment_ids=None):
         cfg = self.config
         if self.cross_attention and encoded is None and not self.decode:
             raise ValueError("a block with cross_attention=True needs `encoded` inputs")
-        self_mask = local_mask if self.local else mask
-        attend = lambda h: self._attention("self_attention", True)(
-            h, mask=self_mask, bias=bias, q_positions=positions,
+        mixer = MIXERS[self.layer_type]
+        self_mask = local_mask if mixer.local else mask
+        attend = lambda h: mixer.layer(cfg, mixer.param_name)(
+            h, mask=self_mask, bias=bias, q_positions=positions, segment_ids=segment_ids,
             deterministic=self.deterministic, decode=self.decode)
         mlp = self._moe if self.moe_layer else MLP(cfg, self.deterministic, name="mlp")
         dropout = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=self.deterministic)
@@ -64,7 +69,7 @@ class TransformerBlock(nn.Module):
             h_BTD = norm_layer(cfg, "self_attention_norm")(x_BTD)
             x_BTD = x_BTD + dropout(attend(h_BTD)) + dropout(mlp(h_BTD))
         else:
-            x_BTD = self._residual(x_BTD, "self_attention", attend)
+            x_BTD = self._residual(x_BTD, mixer.param_name, attend)
             if self.cross_attention:  # decode steps reuse the cached K/V (encoded is None)
                 x_BTD = self._residual(x_BTD, "cross_attention", lambda h: self._attention(
                     "cross_attention", False)(h, encoded, mask=cross_mask,
@@ -121,7 +126,7 @@ class _BlockGroup(nn.Module):
         for i in range(cfg.layer_period):
             x_BTD = self.block(cfg, cross_attention=self.cross_attention,
                                deterministic=self.deterministic, decode=self.decode,
-                               moe_layer=cfg.moe.is_moe_layer(i), local=cfg.is_local_layer(i),
+                               moe_layer=cfg.moe.is_moe_layer(i), layer_type=cfg.layer_type(i),
                                name=f"block_{i}")(x_BTD, *args)
         return x_BTD, None
 
@@ -134,14 +139,14 @@ def _scanned(cfg: TransformerConfig, block, length: int, kwargs: dict, **module_
         _BlockGroup if grouped else block,
         variable_axes={"params": 0, "intermediates": 0, "cache": 0, "losses": 0},
         split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast,) * 6,
+        in_axes=(nn.broadcast,) * 7,
         length=length,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
     if grouped:
         return scanned(cfg, block, **kwargs, **module_kwargs)
     return scanned(cfg, scanned=True, moe_layer=cfg.moe.num_experts > 0,
-                   local=cfg.is_local_layer(0), **kwargs, **module_kwargs)
+                   layer_type=cfg.layer_type(0), **kwargs, **module_kwargs)
 
 
 MOE_AUX = ("load_balance", "router_z", "dropped")  # sown per MoE layer as losses/moe_<name>
@@ -186,11 +191,13 @@ class TransformerStack(nn.Module):
         decode: bool = False,
         kv_positions: Array | None = None,
         local_mask: Mask | Array | None = None,
+        segment_ids: Array | None = None,
     ) -> Array:
         """`decode=True` runs the blocks' attention on the KV cache (see MultiHeadAttention);
         `kv_positions` [1 or B, L] are then the positions of the cache slots, for the ALiBi and
         T5 biases (default: `positions`). `local_mask`: the self-attention mask of the layers
-        `config.is_local_layer` names (the sliding window's; default `mask`)."""
+        `config.is_local_layer` names (the sliding window's; default `mask`). `segment_ids`
+        [B, T] reach the token mixers (`mixers.base`: documents, or a decode prefill's padding)."""
         cfg = self.config
         length = x_BTD.shape[1]
         if positions is None:
@@ -230,7 +237,7 @@ class TransformerStack(nn.Module):
             block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy],
                              prevent_cse=not cfg.scan_layers)
         args = (mask, bias, positions, encoded, cross_mask,
-                mask if local_mask is None else local_mask)
+                mask if local_mask is None else local_mask, segment_ids)
         kwargs = dict(cross_attention=self.cross_attention, deterministic=deterministic,
                       decode=decode)
         moe = cfg.moe
@@ -243,7 +250,7 @@ class TransformerStack(nn.Module):
         else:
             for i in range(cfg.num_layers):
                 x_BTD = block(cfg, name=f"layers_{i}", moe_layer=moe.is_moe_layer(i),
-                              local=cfg.is_local_layer(i), **kwargs)(x_BTD, *args)
+                              layer_type=cfg.layer_type(i), **kwargs)(x_BTD, *args)
         if cfg.norm_placement != "post":
             x_BTD = norm_layer(cfg, "final_norm")(x_BTD)
         return x_BTD

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 
 from transformer.nn import kernels, sequence_parallel
 from transformer.nn.activations import ACTIVATIONS
+from transformer.nn.attention import ATTENTION_GATES
 from transformer.nn.lora import LoraConfig
+from transformer.nn.mixers import ATTENTION_KINDS, MIXERS
 from transformer.nn.moe import MoEConfig
 from transformer.utils.keys import (
     BOOL,
@@ -34,8 +36,32 @@ NORMS = ("layernorm", "rmsnorm")
 # x + N'(f(x)) (OLMo 2)
 NORM_PLACEMENTS = ("pre", "post", "sandwich", "post_sublayer")
 QK_NORM_SCOPES = ("head", "projection")
-ATTENTION_GATES = ("", "head", "element")  # off, a gate per head, or per head_dim element
 PARAMETRIZATIONS = ("standard", "mup")
+
+
+def parse_layer_types(spec: str) -> tuple[str, ...]:
+    """`model.layer_types` as a tuple of layer types: comma-separated names, each optionally
+    `*n` (n times in a row). An unknown name or a bad count raises one line.
+
+    >>> parse_layer_types("linear_attention*3, full_attention")
+    ('linear_attention', 'linear_attention', 'linear_attention', 'full_attention')
+    """
+    names = []
+    for entry in (e.strip() for e in spec.split(",")):
+        name, _, count = entry.partition("*")
+        name = name.strip()
+        if name not in MIXERS:
+            raise ValueError(f"layer_types={spec!r}: {name!r} is not a layer type; expected "
+                             f"comma-separated names from {tuple(MIXERS)} (each optionally *n)")
+        if count and not (count.strip().isdigit() and int(count) > 0):
+            raise ValueError(f"layer_types={spec!r}: {entry!r} expected a count n > 0 after '*'")
+        names += [name] * (int(count) if count else 1)
+    return tuple(names)
+
+    try:
+        return not value or bool(parse_layer_types(value))
+    except ValueError:
+        return False
 # The float dtypes the models compute in and keep params in (float64 needs jax_enable_x64).
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = {
@@ -74,6 +100,20 @@ class TransformerConfig:
                         "Gemma 3, OLMo 2).", BOOL)
     qk_norm_scope: str = key("head", "qk_norm over each head (`head`) or the whole projection "
                              "(`projection`).", choice(QK_NORM_SCOPES))
+    layer_types: str = key(
+        "", "The token mixer of each layer, comma-separated, as Hugging Face's layer_types names "
+        "them: full_attention, sliding_attention (through sliding_window), linear_attention "
+        "(Gated DeltaNet, model.linear_attention), mamba2 (model.mamba2); `name*n` repeats a "
+        "name. Fewer names than num_layers repeat as a pattern: 'linear_attention*3,"
+        "full_attention' is three linear layers, then one full, over and over. \"\": every layer "
+        "full, or sliding as sliding_window and sliding_window_pattern say.",
+        # a string here; its names are checked with the other layer settings (one line each)
+        (lambda value: isinstance(value, str), "a string of comma-separated names from "
+         + ", ".join(MIXERS) + " (each optionally *n)"))
+    attention_kind: str = key(
+        "mha", "The attention of full and sliding layers: `mha` (multi-head; GQA/MQA by "
+        "num_kv_heads) or `mla` (DeepSeek's multi-head latent attention, model.mla).",
+        choice(tuple(ATTENTION_KINDS)))
     attention_gate: str = key(
         "", "Gated attention (Qwen3-Next): sigmoid(x W_gate) of the attention's input multiplies "
         "its output before W_o, one gate per head (`head`) or per head_dim element (`element`); "
@@ -208,9 +248,24 @@ class TransformerConfig:
         self._check_window_pattern()
 
     def _check_window_pattern(self) -> None:
-        pattern = self.sliding_window_pattern
+        pattern, types = self.sliding_window_pattern, self.layer_pattern
         if pattern and self.sliding_window is None:
             raise ValueError(f"sliding_window_pattern={pattern}: expected a sliding_window")
+        if self.layer_types:
+            if pattern:
+                raise ValueError(f"sliding_window_pattern={pattern} with layer_types="
+                                 f"{self.layer_types!r}: expected one of them (name the "
+                                 "sliding_attention layers in layer_types)")
+            given = len(parse_layer_types(self.layer_types))
+            if self.num_layers % given:
+                raise ValueError(f"layer_types={self.layer_types!r}: {given} layers, "
+                                 f"expected num_layers={self.num_layers} or a pattern whose "
+                                 "length divides it")
+            sliding = "sliding_attention" in types
+            if sliding != (self.sliding_window is not None):
+                raise ValueError(f"sliding_window={self.sliding_window} with layer_types="
+                                 f"{self.layer_types!r}: expected a sliding_window exactly when "
+                                 "a layer is sliding_attention")
         if self.scan_layers and self.num_layers % self.layer_period:
             raise ValueError(f"sliding_window_pattern={pattern}: with scan_layers, expected a "
                              f"period ({self.layer_period}, with moe.every_n_layers) dividing "
@@ -247,10 +302,41 @@ class TransformerConfig:
         return m**-0.5 * (residual_init_scale(self) if residual else 1.0)
 
     @property
+    def layer_pattern(self) -> tuple[str, ...]:
+        """The layer types that repeat down the stack: `layer_types` as given, else one layer
+        (full, or sliding under a sliding_window) or the sliding_window_pattern's P layers.
+        The shortest period is kept ("full_attention*4" is one full layer, repeated), so the
+        scanned params are laid out the same however the pattern is written."""
+        if self.layer_types:
+            names = parse_layer_types(self.layer_types)
+            return next(names[:p] for p in range(1, len(names) + 1)
+                        if len(names) % p == 0 and names == names[:p] * (len(names) // p))
+        if self.sliding_window is None:
+            return ("full_attention",)
+        period = self.sliding_window_pattern or 1
+        return ("sliding_attention",) * (period - 1) + (
+            "sliding_attention" if period == 1 else "full_attention",)
+
+    @property
     def layer_period(self) -> int:
-        """How many consecutive layers repeat: MoE layers every n, global layers every P."""
+        """How many consecutive layers repeat: MoE layers every n, the layer types' pattern."""
         moe = self.moe.every_n_layers if self.moe.num_experts else 1
-        return math.lcm(moe, self.sliding_window_pattern or 1)
+        return math.lcm(moe, len(self.layer_pattern))
+
+    def layer_type(self, layer: int) -> str:
+        """The token mixer of layer `layer` (from 0), a name in `mixers.MIXERS`.
+
+        >>> cfg = TransformerConfig(num_layers=4, layer_types="sliding_attention*3,full_attention",
+        ...                         sliding_window=8)
+        >>> [cfg.layer_type(i)[:4] for i in range(4)]
+        ['slid', 'slid', 'slid', 'full']
+        """
+        pattern = self.layer_pattern
+        return pattern[layer % len(pattern)]
+
+    def mixer(self, layer: int):
+        """The `mixers.base.Mixer` record of layer `layer`."""
+        return MIXERS[self.layer_type(layer)]
 
     def is_local_layer(self, layer: int) -> bool:
         """Whether layer `layer` (from 0) attends through the sliding window.
@@ -259,9 +345,7 @@ class TransformerConfig:
         >>> [cfg.is_local_layer(i) for i in range(6)]
         [True, True, False, True, True, False]
         """
-        if self.sliding_window is None:
-            return False
-        return not self.sliding_window_pattern or (layer + 1) % self.sliding_window_pattern > 0
+        return self.mixer(layer).local
 
 
 def residual_init_scale(config: TransformerConfig) -> float:

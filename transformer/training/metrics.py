@@ -13,7 +13,7 @@ import time
 
 import jax
 
-from transformer.models import family_of
+from transformer.models import family_of, transformer_config
 from transformer.utils import fileio
 
 # Dense (no sparsity) peak FLOP/s per chip, (device_kind prefix, bfloat16, float32 compute),
@@ -50,21 +50,25 @@ def matmul_params(config, num_params: int) -> int:
 
 def flops_per_token(config, num_params: int) -> float:
     """Model FLOPs per trained token, the PaLM / nanoGPT convention: 6 N (N = matmul params,
-    forward + backward) + 12 L D T for the attention scores and values (D = heads x head_dim,
-    T = seq_len). For a mixture of experts pass its active params (`state.active_params`):
-    the experts a token skips, and routing work such as the dispatch einsums, are not useful
-    FLOPs. Causal attention is *not* halved (MaxText halves it), so numbers compare with
+    forward + backward) + each layer's token-mixer FLOPs (`mixers.base.Mixer.flops_per_token`):
+    12 D T for attention's scores and values (D = heads x head_dim, T = seq_len; a sliding
+    layer's T at most its window), a linear layer's state updates. For a mixture of experts
+    pass its active params (`state.active_params`): the experts a token skips, and routing work
+    such as the dispatch einsums, are not useful FLOPs. Causal attention is *not* halved (MaxText halves it), so numbers compare with
     nanoGPT's `estimate_mfu`. An encoder-decoder counts its decoder's self- and cross-attention
     layers too."""
     m = config.model
-    attention = 0
+    mixing = 0
     if family_of(config).attention:
-        width = m.num_heads * (m.get("head_dim") or m.d_model // m.num_heads)
-        layers = m.num_layers
+        stack = transformer_config(m)
+        # each layer's token mixer: attention's scores and values, a linear layer's state work
+        mixing = sum(stack.mixer(i).flops_per_token(stack, config.seq_len)
+                     for i in range(stack.num_layers))
         if m.family == "t5":
-            layers += 2 * (m.get("num_decoder_layers") or m.num_layers)
-        attention = 12 * layers * width * config.seq_len
-    return 6 * matmul_params(config, num_params) + attention
+            width = m.num_heads * (m.get("head_dim") or m.d_model // m.num_heads)
+            mixing += 2 * (m.get("num_decoder_layers") or m.num_layers) * 12 * width * \
+                config.seq_len
+    return 6 * matmul_params(config, num_params) + mixing
 
 
 def hardware_flops_per_token(config, num_params: int) -> float:

@@ -1,0 +1,108 @@
+"""`model.layer_types` and the token-mixer registry (`transformer.nn.mixers`): the window pattern
+is a special case (same params, same outputs, bit for bit), patterns repeat and lay the scanned
+params out by their shortest period, FLOPs follow each layer's mixer, and bad values get one
+line before anything runs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_model_knobs import model_config, tokens
+
+from transformer.configs import base_config, validate_config
+from transformer.models import build_model
+from transformer.nn.config import TransformerConfig, parse_layer_types
+from transformer.nn.mixers import MIXERS
+
+
+def _init_apply(model_cfg):
+    model = build_model(model_cfg)
+    x = tokens()
+    params = model.init(jax.random.key(0), x)["params"]
+    return params, model.apply({"params": params}, x)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_the_window_pattern_is_a_special_case_bit_for_bit(scan):
+    """sliding_window_pattern=2 and layer_types 'sliding_attention,full_attention' build the same
+    params (paths, shapes, values) and the same logits, scanned or not."""
+    old = model_config(num_layers=4, sliding_window=3, sliding_window_pattern=2, scan_layers=scan)
+    new = model_config(num_layers=4, sliding_window=3, scan_layers=scan,
+                       layer_types="sliding_attention,full_attention")
+    (p_old, y_old), (p_new, y_new) = _init_apply(old), _init_apply(new)
+    assert jax.tree.structure(p_old) == jax.tree.structure(p_new)
+    for a, b in zip(jax.tree.leaves(p_old), jax.tree.leaves(p_new), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(y_old, y_new)
+    # and windows matter: all-full layers give other logits
+    full = model_config(num_layers=4, scan_layers=scan)
+    assert not np.allclose(_init_apply(full)[1], y_new)
+
+
+def test_a_written_out_pattern_scans_as_its_shortest_period():
+    """'full_attention*4' is the default stack: one scanned `layers` unit, not groups of 4."""
+    plain = _init_apply(model_config(num_layers=4, scan_layers=True))[0]
+    written = _init_apply(model_config(num_layers=4, scan_layers=True,
+                                       layer_types="full_attention*4"))[0]
+    assert jax.tree.structure(plain) == jax.tree.structure(written)
+    assert "block_0" not in str(jax.tree.structure(plain))
+
+
+def test_layer_types_repeat_as_a_pattern():
+    cfg = TransformerConfig(num_layers=6, sliding_window=4,
+                            layer_types="sliding_attention*2,full_attention")
+    assert [cfg.layer_type(i) for i in range(6)] == ["sliding_attention"] * 2 + [
+        "full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+    assert cfg.layer_period == 3
+    assert [cfg.is_local_layer(i) for i in range(3)] == [True, True, False]
+    assert parse_layer_types(" full_attention , sliding_attention*2") == (
+        "full_attention", "sliding_attention", "sliding_attention")
+
+
+def test_every_registered_mixer_declares_what_the_stack_reads():
+    for name, mixer in MIXERS.items():
+        assert mixer.param_name and mixer.decode_state in (
+            "kv cache", "latent cache", "recurrent state"), name
+        cfg = TransformerConfig(num_layers=1)
+        assert mixer.flops_per_token(cfg, 64) >= 0 and mixer.cache_bytes_per_token(cfg) >= 0
+
+
+def _check(**model):
+    config = base_config()
+    config.model.update(num_layers=2, d_model=32, num_heads=4)
+    for name, value in model.items():
+        config.model[name] = value
+    config.seq_len = 8
+    validate_config(config, num_devices=1, num_processes=1)
+
+
+@pytest.mark.parametrize("model,message", [
+    (dict(layer_types="full_attention,dense"),
+     "model.layer_types='full_attention,dense': 'dense' is not a layer type"),
+    (dict(layer_types="full_attention*0"), "expected a count n > 0"),
+    (dict(num_layers=4, layer_types="full_attention*3"),
+     "model.layer_types='full_attention*3': 3 layers, expected num_layers=4 or a pattern"),
+    (dict(num_layers=2, layer_types="full_attention*4"), "4 layers, expected num_layers=2"),
+    (dict(layer_types="sliding_attention,full_attention"),
+     "model.sliding_window=None with layer_types='sliding_attention,full_attention': expected "
+     "a sliding_window exactly when"),
+    (dict(sliding_window=4, layer_types="full_attention"),
+     "model.sliding_window=4 with layer_types='full_attention'"),
+    (dict(sliding_window=4, sliding_window_pattern=2,
+          layer_types="sliding_attention,full_attention"),
+     "model.sliding_window_pattern=2 with layer_types="),
+    (dict(layer_types=" "), "model.layer_types=' ': '' is not a layer type"),
+    (dict(attention_kind="mqa"), "model.attention_kind='mqa': expected one of"),
+])
+def test_bad_layer_types_get_one_line(model, message):
+    with pytest.raises(ValueError) as error:
+        _check(**model)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_good_layer_types_pass():
+    _check(num_layers=4, sliding_window=2, layer_types="sliding_attention*3,full_attention")
+    assert jnp.isfinite(_init_apply(model_config(num_layers=4, sliding_window=2, layer_types=(
+        "sliding_attention*3,full_attention")))[1]).all()
