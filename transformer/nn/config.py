@@ -58,10 +58,7 @@ def parse_layer_types(spec: str) -> tuple[str, ...]:
         names += [name] * (int(count) if count else 1)
     return tuple(names)
 
-    try:
-        return not value or bool(parse_layer_types(value))
-    except ValueError:
-        return False
+
 # The float dtypes the models compute in and keep params in (float64 needs jax_enable_x64).
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = {
