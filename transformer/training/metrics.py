@@ -55,8 +55,8 @@ def flops_per_token(config, num_params: int) -> float:
     layer's T at most its window), a linear layer's state updates. For a mixture of experts
     pass its active params (`state.active_params`): the experts a token skips, and routing work
     such as the dispatch einsums, are not useful FLOPs. Causal attention is *not* halved
-    (MaxText halves it), so numbers compare with nanoGPT's `estimate_mfu`. An encoder-decoder counts its decoder's self- and cross-attention
-    layers too."""
+    (MaxText halves it), so numbers compare with nanoGPT's `estimate_mfu`. An encoder-decoder
+    counts its decoder's self- and cross-attention layers too."""
     m = config.model
     mixing = 0
     if family_of(config).attention:
