@@ -9,8 +9,8 @@ import jax
 import ml_collections
 
 from transformer.data import inputs
-from transformer.models import family_of
-from transformer.nn import lora
+from transformer.models import family_of, transformer_config
+from transformer.nn import lora, mixers
 from transformer.parallel import pipeline_parallel
 from transformer.training import checkpoint_manager, evaluation, finetune
 from transformer.training import placement as placement_lib
@@ -51,7 +51,8 @@ def finished_result(config: ml_collections.ConfigDict, workdir: str, done: Finis
 
 def announce(run, mesh_summary: str) -> None:
     """The lines a training's start prints: the run (model, size, batch, steps, workdir), a new
-    data stream (also a `new_data` record), the mesh and shardings, a labeled task's classes."""
+    data stream (also a `new_data` record), the layer types and their decode cache (where not
+    all multi-head attention), the mesh and shardings, a labeled task's classes."""
     config, start_step, changes = run.config, run.start_step, run.manager.stream_changes
     active = ("" if run.active_params == run.num_params else
               f" ({run.active_params:,} active per token)")
@@ -64,6 +65,8 @@ def announce(run, mesh_summary: str) -> None:
         run.logger.write(start_step, "new_data", {"changes": changes})
     if lora.enabled(config):
         run.logger.print(lora.summary(config, run.state))
+    if config.model.get("layer_types") or config.model.get("attention_kind", "mha") != "mha":
+        run.logger.print(mixers.summary(transformer_config(config.model)))
     for change in getattr(run.manager, "compute_changes", ()):
         run.logger.print(f"changed on resume: {change} (a compute setting; the checkpoint's "
                          "params are float either way)")
