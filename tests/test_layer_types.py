@@ -106,3 +106,14 @@ def test_good_layer_types_pass():
     _check(num_layers=4, sliding_window=2, layer_types="sliding_attention*3,full_attention")
     assert jnp.isfinite(_init_apply(model_config(num_layers=4, sliding_window=2, layer_types=(
         "sliding_attention*3,full_attention")))[1]).all()
+
+
+def test_a_resume_with_other_layer_types_is_named():
+    from transformer.training.checkpoint_manager import structural_differences
+    saved = {"model": {"layer_types": "linear_attention*3,full_attention"}}
+    assert structural_differences(saved, {"model": {"layer_types": ""}}) == [
+        "model.layer_types: checkpoint 'linear_attention*3,full_attention', config ''"]
+    assert structural_differences({"model": {}}, {"model": {"attention_kind": "mla"}}) == [
+        "model.attention_kind: checkpoint 'mha', config 'mla'"]
+    # a checkpoint from before the key has its default: nothing differs
+    assert structural_differences({"model": {}}, {"model": {"layer_types": ""}}) == []
