@@ -225,9 +225,22 @@ def test_layer_gradients_are_finite_with_documents(layer_and_params):
     layer, params = layer_and_params
     x = jax.random.normal(jax.random.key(9), (2, 12, D_MODEL))
     seg = jnp.asarray([[1] * 5 + [2] * 5 + [0] * 2, [1] * 12])
-    grads = jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x, segment_ids=seg) ** 2))(
-        params)
+    grads = jax.jit(jax.grad(
+        lambda p: jnp.sum(layer.apply({"params": p}, x, segment_ids=seg) ** 2)))(params)
     assert all(np.isfinite(g).all() and np.abs(g).max() > 0 for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_gated_norm_per_group(norm_before_gate):
+    """RMSNorm over each group's R heads x P values, with SiLU(z) after or before it."""
+    rng = np.random.default_rng(11)
+    y, z, w = rng.normal(size=(2, 3, 4, 8)), rng.normal(size=(2, 3, 4, 8)), rng.normal(size=(4, 8))
+    gate = z / (1 + np.exp(-z))
+    g = y.reshape(2, 3, 2, 16) * (1 if norm_before_gate else gate.reshape(2, 3, 2, 16))
+    want = (g / np.sqrt((g**2).mean(-1, keepdims=True) + 1e-5)).reshape(y.shape) * w
+    want = want * gate if norm_before_gate else want
+    got = m2.gated_rms_norm(*map(jnp.asarray, (y, z, w)), 2, 1e-5, norm_before_gate)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def hf_to_params(mixer, s: m2.Mamba2Settings) -> dict:
@@ -283,8 +296,13 @@ def test_matches_hugging_face_mamba2_mixer():
 # --- config and the registry's record ----------------------------------------------------------
 
 
-class _Cfg:  # the TransformerConfig fields the record reads
+class _Cfg:  # the TransformerConfig fields the layer and the record read
     d_model, mamba2 = 2048, m2.Mamba2Config()
+    use_bias, norm_epsilon, init_std, dtype, param_dtype = False, 1e-6, None, jnp.bfloat16, "f"
+
+    @staticmethod
+    def init_scale(residual=False):
+        return 0.5 if residual else 1.0
 
 
 def test_config_checks_and_record():
@@ -297,6 +315,9 @@ def test_config_checks_and_record():
         m2.Mamba2Config(num_groups=3).check(2048)
     with pytest.raises(ValueError, match="mamba2.head_dim=48: expected a divisor"):
         m2.Mamba2Config(head_dim=48).check(2048)
+    s = m2.Mamba2Settings.from_config(_Cfg)
+    assert (s.num_heads, s.head_dim, s.state_size, s.out_init_scale) == (64, 64, 128, 0.5)
+    assert s.conv_channels == 64 * 64 + 2 * 128 and s.dtype == jnp.bfloat16
     assert m2.refuses(_Cfg, {"sequence": 2}) == (
         "mamba2 layers: mesh.sequence=2: expected 1 (the recurrent state is not passed between "
         "devices)")

@@ -256,6 +256,19 @@ def ssd_recurrent(x_BTHP: Array, dt_BTH: Array, A_H: Array, b_BTGN: Array, c_BTG
     return y, final.reshape(batch, heads, width, state)
 
 
+def gated_rms_norm(y_BTHP: Array, z_BTHP: Array, weight_HP: Array, groups: int,
+                   epsilon: float, norm_before_gate: bool = False) -> Array:
+    """RMSNorm(y * SiLU(z)) over each group's H / G heads x P values, times the weight
+    (`norm_before_gate`: RMSNorm(y) * SiLU(z)), in float32."""
+    gate = jax.nn.silu(z_BTHP.astype(jnp.float32))
+    y = y_BTHP.astype(jnp.float32)
+    y = y if norm_before_gate else y * gate
+    grouped = y.reshape(*y.shape[:2], groups, -1)
+    grouped = grouped * jax.lax.rsqrt(jnp.mean(grouped**2, -1, keepdims=True) + epsilon)
+    y = grouped.reshape(y.shape) * weight_HP.astype(jnp.float32)
+    return y * gate if norm_before_gate else y
+
+
 # --- the layer -----------------------------------------------------------------------------------
 
 
@@ -323,16 +336,19 @@ def _a_log_init(rng, shape, dtype=jnp.float32):
 class Mamba2(nn.Module):
     """The Mamba 2 mixer (module docstring), called as every mixer is (`base`).
 
-    Params, with logical axes, and where HF's `Mamba2Mixer` has them (E = H P, in_proj.weight
-    [E + E + 2 G N + H, D] is rows z | x | B | C | dt, conv1d.weight [E + 2 G N, 1, K] rows
-    x | B | C; each kernel here is its rows transposed and reshaped):
+    Params, with logical axes, and where HF's `Mamba2Mixer` has them (E = H P):
       z, x [embed, heads, kv]; B, C [embed, kv_heads, state] (the groups split over `tensor`
-      like GQA's key heads); dt [embed, heads]; z_bias ... C_bias, out_bias with `use_bias`
-      (HF's in_proj.bias rows for dt add to dt_bias); conv_x [conv, heads, kv], conv_B, conv_C
-      [conv, kv_heads, state] and their `_bias`; A_log, D, dt_bias [heads]; norm [heads, kv];
-      out [heads, kv, embed].
+      like GQA's key heads); dt [embed, heads]: HF's in_proj.weight [2 E + 2 G N + H, D] is
+      rows z | x | B | C | dt, each kernel its rows transposed, reshaped ([D, E] -> [D, H, P]);
+      z_bias ... C_bias with `use_bias`: in_proj.bias's rows (its dt rows add to dt_bias);
+      conv_x [conv, heads, kv], conv_B, conv_C [conv, kv_heads, state]: conv1d.weight[:, 0].T
+      [K, E + 2 G N], columns x | B | C; conv_*_bias: conv1d.bias's; A_log, D, dt_bias
+      [heads] as HF's; norm [heads, kv]: norm.weight.reshape(H, P); out [heads, kv, embed]:
+      out_proj.weight.T.reshape(H, P, D), out_bias its bias.
 
     Separate projections rather than one fused in_proj keep each sharded over its own heads.
+    With G = 1 the gated norm reduces over all heads (HF's design: mamba_ssm's tensor
+    parallelism uses G = the tensor split).
     Decode: 'cache' variables conv_state [B, K-1, E + 2 G N] (the last inputs of x | B | C, HF's
     channel order) and ssm_state [B, H, P, N], both float32; T > 1 tokens run the chunked form
     from them (a right-padded prefill), one token the recurrent step.
@@ -415,20 +431,12 @@ class Mamba2(nn.Module):
         return out, None if conv_state is None else jnp.concatenate(states, -1)
 
     def _gated_norm(self, y_BTHP: Array, z_BTHP: Array) -> Array:
-        """HF's MambaRMSNormGated: RMSNorm over each group's R heads x P (after the SiLU(z)
-        gate, or before it with `norm_before_gate`), times the weight `norm` [heads, kv]."""
+        """`gated_rms_norm` with the weight `norm` [heads, kv] (HF's MambaRMSNormGated)."""
         s = self.settings
-        gate = jax.nn.silu(z_BTHP.astype(jnp.float32))
-        y = y_BTHP.astype(jnp.float32)
-        y = y if s.norm_before_gate else y * gate
-        grouped = y.reshape(*y.shape[:2], s.num_groups, -1)
-        grouped = grouped * jax.lax.rsqrt(jnp.mean(grouped**2, -1, keepdims=True)
-                                          + s.norm_epsilon)
-        y = grouped.reshape(y.shape)
-        y = y * gate if s.norm_before_gate else y
         weight = self.param("norm", nn.with_logical_partitioning(
-            nn.initializers.ones, ("heads", "kv")), y.shape[2:], s.param_dtype)
-        return y * weight.astype(jnp.float32)
+            nn.initializers.ones, ("heads", "kv")), y_BTHP.shape[2:], s.param_dtype)
+        return gated_rms_norm(y_BTHP, z_BTHP, weight, s.num_groups, s.norm_epsilon,
+                              s.norm_before_gate)
 
     def _output(self, y_BTHP: Array, d_model: int) -> Array:
         """out [heads, kv, embed] (+ out_bias): [B, T, H, P] -> [B, T, D]."""
