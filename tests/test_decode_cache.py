@@ -27,7 +27,7 @@ def tokens(shape, seed=0):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "length"))
-def _step(model, params, cache, tokens_BT, positions_BT, prefix_lengths, length,
+def _step(model, length, params, cache, tokens_BT, positions_BT, prefix_lengths,
           segments_BT=None):
     return model.apply({"params": params, "cache": cache}, tokens_BT, positions=positions_BT,
                        prefix_lengths=prefix_lengths, decode=True, cache_length=length,
@@ -41,7 +41,7 @@ def cached_logits(model, params, tokens_BT, prompt_lengths, prefix_lengths=None)
     prompt_lengths = np.asarray(prompt_lengths)
     width = int(prompt_lengths.max())
     cache = init_cache(model, batch, length)
-    step_fn = jax.jit(lambda *args: _step(model, *args, length))  # compiles prefill and step
+    step_fn = jax.jit(functools.partial(_step, model, length))  # compiles prefill and step
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     # the prompt's tokens (1) and its right padding (0), which a recurrent layer's state skips
     segments = (positions < jnp.asarray(prompt_lengths)[:, None]).astype(jnp.int32)

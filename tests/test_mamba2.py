@@ -5,6 +5,7 @@ Hugging Face's Mamba2Mixer with its weights mapped in, and gradients."""
 import dataclasses
 import functools
 import math
+import types
 
 import flax.linen as nn
 import jax
@@ -306,15 +307,16 @@ class _Cfg:  # the TransformerConfig fields the layer and the record read
 
 
 def test_config_checks_and_record():
-    assert m2.Mamba2Config(time_step_limit=[0, 1]).time_step_limit == (0.0, 1.0)
-    with pytest.raises(ValueError, match=r"mamba2.time_step_limit=\(1, 0\): expected a pair"):
-        m2.Mamba2Config(time_step_limit=(1, 0))
+    assert m2.Mamba2Config(time_step_limit_max=1).time_step_limit == (0.0, 1.0)
+    assert m2.Mamba2Config().time_step_limit == (0.0, math.inf)  # 0: no limit
+    with pytest.raises(ValueError, match=r"mamba2.time_step_limit_max=1: expected 0 \(no "):
+        m2.Mamba2Config(time_step_limit_min=1, time_step_limit_max=1)
     with pytest.raises(ValueError, match="mamba2.state_size=0: expected an int >= 1"):
         m2.Mamba2Config(state_size=0)
     with pytest.raises(ValueError, match="mamba2.num_groups=3: expected a divisor of the heads"):
-        m2.Mamba2Config(num_groups=3).check(2048)
+        m2.Mamba2Config(num_groups=3).check(types.SimpleNamespace(d_model=2048))
     with pytest.raises(ValueError, match="mamba2.head_dim=48: expected a divisor"):
-        m2.Mamba2Config(head_dim=48).check(2048)
+        m2.Mamba2Config(head_dim=48).check(types.SimpleNamespace(d_model=2048))
     s = m2.Mamba2Settings.from_config(_Cfg)
     assert (s.num_heads, s.head_dim, s.state_size, s.out_init_scale) == (64, 64, 128, 0.5)
     assert s.conv_channels == 64 * 64 + 2 * 128 and s.dtype == jnp.bfloat16

@@ -84,10 +84,11 @@ def default_model_config() -> ml_collections.ConfigDict:
     (`MODEL_KEYS`, with `TransformerConfig`'s fields after `tie_embeddings`)."""
     stack = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
     stack["dtype"] = stack["param_dtype"] = "float32"
-    # Mixture of experts (transformer.nn.moe.MoEConfig): num_experts 0 keeps dense layers.
-    stack["moe"] = ml_collections.ConfigDict(dataclasses.asdict(stack["moe"]))
-    # LoRA / QLoRA (transformer.nn.lora.LoraConfig): rank 0 trains the whole model.
-    stack["lora"] = ml_collections.ConfigDict(dataclasses.asdict(stack["lora"]))
+    # The config groups: moe (num_experts 0 keeps dense layers), lora (rank 0 trains the whole
+    # model), and the token mixers' (mamba2, ...; read by layers of their type).
+    for name, value in stack.items():
+        if dataclasses.is_dataclass(value):
+            stack[name] = ml_collections.ConfigDict(dataclasses.asdict(value))
     group = {}
     for name, declared in MODEL_KEYS.items():
         group[name] = declared.default

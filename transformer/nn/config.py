@@ -15,6 +15,7 @@ from transformer.nn.activations import ACTIVATIONS
 from transformer.nn.attention import ATTENTION_GATES
 from transformer.nn.lora import LoraConfig
 from transformer.nn.mixers import ATTENTION_KINDS, MIXERS
+from transformer.nn.mixers.mamba2 import Mamba2Config
 from transformer.nn.moe import MoEConfig
 from transformer.utils.keys import (
     BOOL,
@@ -205,6 +206,8 @@ class TransformerConfig:
         "device does the same causal work.", BOOL, structural=False)
     moe: MoEConfig = MoEConfig()  # mixture-of-experts feed-forward layers (transformer.nn.moe)
     lora: LoraConfig = LoraConfig()  # low-rank adapters on a frozen base (transformer.nn.lora)
+    # the token mixers' own keys (transformer.nn.mixers), read by layers of their type
+    mamba2: Mamba2Config = Mamba2Config()
 
     def __post_init__(self):
         check_fields(self, skip=("dtype", "param_dtype"))  # any jnp dtype
@@ -216,15 +219,7 @@ class TransformerConfig:
             raise ValueError(f"rope_low_freq_factor={self.rope_low_freq_factor}, "
                              f"rope_high_freq_factor={self.rope_high_freq_factor}: expected "
                              "0 < low < high")
-        if not isinstance(self.lora, LoraConfig):  # the `model.lora` config group
-            object.__setattr__(self, "lora", LoraConfig(**dict(self.lora)))
-        if not isinstance(self.moe, MoEConfig):  # e.g. the `model.moe` config group
-            values = dict(self.moe)
-            unknown = sorted(set(values) - {f.name for f in dataclasses.fields(MoEConfig)})
-            if unknown:
-                raise ValueError(f"moe: unknown keys {unknown}: expected keys of "
-                                 "transformer.nn.moe.MoEConfig")
-            object.__setattr__(self, "moe", MoEConfig(**values))
+        self._build_groups()
         if self.moe.num_experts and self.num_layers % self.moe.every_n_layers:
             raise ValueError(f"moe.every_n_layers={self.moe.every_n_layers}: expected a divisor "
                              f"of num_layers={self.num_layers}")
@@ -243,6 +238,34 @@ class TransformerConfig:
         for name in ("dtype", "param_dtype"):
             object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
         self._check_window_pattern()
+        self._check_mixers()
+
+    def _build_groups(self) -> None:
+        """Each config group (`moe`, `lora`, a mixer's) given as a dict (the `model.<group>` of a
+        run config) becomes its dataclass, unknown keys refused in one line."""
+        for field in dataclasses.fields(self):
+            group, value = type(field.default), getattr(self, field.name)
+            if not dataclasses.is_dataclass(field.default) or isinstance(value, group):
+                continue
+            values = dict(value)
+            unknown = sorted(set(values) - {f.name for f in dataclasses.fields(group)})
+            if unknown:
+                raise ValueError(f"{field.name}: unknown keys {unknown}: expected keys of "
+                                 f"{group.__module__}.{group.__qualname__}")
+            object.__setattr__(self, field.name, group(**values))
+
+    def _check_mixers(self) -> None:
+        """The config group of each mixer the layers use checks itself against the model
+        (`check(config)`): e.g. mamba2's head_dim must divide expand x d_model."""
+        used = {self.layer_type(i) for i in range(self.num_layers)}
+        records = [MIXERS[name] for name in used]
+        if used & {"full_attention", "sliding_attention"}:
+            records.append(ATTENTION_KINDS[self.attention_kind])
+        groups = tuple(m.config for m in records if m.config is not None)
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, groups) and hasattr(value, "check"):
+                value.check(self)
 
     def _check_window_pattern(self) -> None:
         pattern, types = self.sliding_window_pattern, self.layer_pattern

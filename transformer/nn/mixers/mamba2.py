@@ -34,15 +34,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer.nn.attention import matmul, projection_init
 from transformer.nn.mixers.base import Mixer
-from transformer.utils.keys import BOOL, check_fields, int_, is_number, key, number
+from transformer.utils.keys import BOOL, check_fields, int_, key, number
 
 Array = jax.Array
-
-
-def _is_limit(v) -> bool:
-    return (isinstance(v, (tuple, list)) and len(v) == 2 and all(
-        is_number(x) or x == math.inf for x in v) and 0 <= v[0] < v[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,27 +68,39 @@ class Mamba2Config:
     time_step_max: float = key(0.1, "Largest initial dt.", number(gt=0), structural=False)
     time_step_floor: float = key(1e-4, "Initial dt clipped below at this.", number(ge=0),
                                  structural=False)
-    time_step_limit: tuple = key(
-        (0.0, math.inf), "dt clipped into [low, high] after softplus.",
-        (_is_limit, "a pair (low, high) of numbers, 0 <= low < high (high may be inf)"))
+    # HF's time_step_limit pair as two numbers: a config file keeps them as they are
+    time_step_limit_min: float = key(0.0, "dt clipped below at this after softplus.",
+                                     number(ge=0))
+    time_step_limit_max: float = key(0.0, "dt clipped above at this after softplus; 0: no "
+                                     "limit (HF's inf).", number(ge=0, note="0: no limit"))
 
     def __post_init__(self):
         check_fields(self, prefix="mamba2.")
-        object.__setattr__(self, "time_step_limit", tuple(float(v) for v in self.time_step_limit))
+        if 0 < self.time_step_limit_max <= self.time_step_limit_min:
+            raise ValueError(f"mamba2.time_step_limit_max={self.time_step_limit_max!r}: expected "
+                             f"0 (no limit) or > time_step_limit_min={self.time_step_limit_min!r}")
         if self.time_step_min > self.time_step_max:
             raise ValueError(f"mamba2.time_step_min={self.time_step_min!r}: expected <= "
                              f"time_step_max={self.time_step_max!r}")
 
+    @property
+    def time_step_limit(self) -> tuple[float, float]:
+        """(low, high), HF's pair (high inf when there is no limit)."""
+        return (float(self.time_step_limit_min), float(self.time_step_limit_max or math.inf))
+
     def num_heads(self, d_model: int) -> int:
         return self.expand * d_model // self.head_dim
 
-    def check(self, d_model: int) -> None:
-        """The rules across keys and the model width.
+    def check(self, config) -> None:
+        """The rules across keys and the model width (`config.d_model`; TransformerConfig runs
+        it for a stack with mamba2 layers).
 
-        >>> Mamba2Config(head_dim=48).check(64)
+        >>> import types
+        >>> Mamba2Config(head_dim=48).check(types.SimpleNamespace(d_model=64))
         Traceback (most recent call last):
         ValueError: mamba2.head_dim=48: expected a divisor of expand x d_model = 128
         """
+        d_model = config.d_model
         inner = self.expand * d_model
         if inner % self.head_dim:
             raise ValueError(f"mamba2.head_dim={self.head_dim}: expected a divisor of expand x "
@@ -300,7 +308,7 @@ class Mamba2Settings:
     @classmethod
     def from_config(cls, cfg) -> Mamba2Settings:
         m = cfg.mamba2
-        m.check(cfg.d_model)
+        m.check(cfg)
         return cls(
             num_heads=m.num_heads(cfg.d_model), head_dim=m.head_dim, num_groups=m.num_groups,
             state_size=m.state_size, conv_kernel=m.conv_kernel, chunk_size=m.chunk_size,
@@ -389,7 +397,6 @@ class Mamba2(nn.Module):
     def _project(self, name: str, x_BTD: Array, shape: tuple, names: tuple,
                  bias: bool = True) -> Array:
         """x [B, T, D] -> [B, T, *shape] through kernel `name` [D, *shape] (+ `name`_bias)."""
-        from transformer.nn.attention import matmul, projection_init  # it imports nn.config
         s = self.settings
         init = projection_init(s.init_std, 0, tuple(range(1, len(shape) + 1)), s.init_scale)
         kernel = self.param(name, nn.with_logical_partitioning(init, ("embed", *names)),
@@ -440,7 +447,6 @@ class Mamba2(nn.Module):
 
     def _output(self, y_BTHP: Array, d_model: int) -> Array:
         """out [heads, kv, embed] (+ out_bias): [B, T, H, P] -> [B, T, D]."""
-        from transformer.nn.attention import matmul, projection_init
         s = self.settings
         init = projection_init(s.init_std, (0, 1), 2, s.out_init_scale)
         kernel = self.param("out", nn.with_logical_partitioning(init, ("heads", "kv", "embed")),

@@ -1,0 +1,107 @@
+"""Whole decoder LMs built from the token mixers (`model.layer_types`): hybrid stacks scanned in
+groups and unrolled give the same logits, decoding with right-padded prompts equals recompute,
+packed documents equal each document alone, greedy generation equals the argmax of recompute,
+and scan + remat gradients equal plain ones."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_decode_cache import cached_logits
+from test_model_knobs import VOCAB, model_config, tokens
+
+from transformer.generation.programs import decode
+from transformer.models import build_model
+from transformer.nn.mixers import MIXERS
+
+RECURRENT = [name for name, m in MIXERS.items() if m.decode_state == "recurrent state"]
+MIXER_KEYS = {"mamba2": dict(head_dim=8, state_size=8, chunk_size=4),
+              "linear_attention": dict(key_head_dim=8, value_head_dim=8, chunk_size=4)}
+
+
+def hybrid_config(kind: str, **overrides):
+    """4 layers, 32 wide: `kind` in layers 0-2, full attention in layer 3 (Qwen3-Next's 3:1)."""
+    config = model_config(num_layers=4, layer_types=f"{kind}*3,full_attention", **overrides)
+    for name, value in MIXER_KEYS.get(kind, {}).items():
+        config[kind][name] = value
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def built(kind: str, scan: bool = False):
+    model = build_model(hybrid_config(kind, scan_layers=scan))
+    params = nn.unbox(model.init(jax.random.key(0), tokens())["params"])
+    return model, params
+
+
+@pytest.mark.parametrize("kind", RECURRENT)
+def test_a_scanned_hybrid_equals_the_unrolled_one(kind):
+    """The scan runs one group of 4 blocks (3 `kind`, 1 full); its params are the unrolled
+    layers' stacked, and the logits agree."""
+    (plain, p_plain), (scanned, p_scan) = built(kind), built(kind, True)
+    group = p_scan["decoder"]["layers"]
+    assert sorted(group) == [f"block_{i}" for i in range(4)]
+    assert MIXERS[kind].param_name in group["block_0"] and "self_attention" in group["block_3"]
+    stacked = {f"block_{i}": p_plain["decoder"][f"layers_{i}"] for i in range(4)}
+    stacked = jax.tree.map(lambda x: x[None], stacked)
+    p_from_plain = {**p_plain, "decoder": {**{k: v for k, v in p_plain["decoder"].items()
+                                              if not k.startswith("layers_")},
+                                           "layers": stacked}}
+    np.testing.assert_allclose(scanned.apply({"params": p_from_plain}, tokens()),
+                               plain.apply({"params": p_plain}, tokens()), atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", RECURRENT)
+def test_decoding_right_padded_prompts_equals_recompute(kind):
+    """Prompts of 3 and 7 tokens prefilled together (the shorter one padded), then one token per
+    step: every logit equals the full forward's (the recurrent state skips the padding)."""
+    model, params = built(kind)
+    x = tokens()
+    want = np.asarray(model.apply({"params": params}, x))
+    got = cached_logits(model, params, x, prompt_lengths=[3, 7])
+    np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", RECURRENT)
+def test_packed_documents_equal_each_document_alone(kind):
+    """Two documents packed in one row (segment ids, per-document positions) give the logits
+    each gives alone: the recurrent state and convolution restart at the second."""
+    model, params = built(kind)
+    x = tokens((1, 12))
+    segments = jnp.asarray([[1] * 5 + [2] * 7])
+    positions = jnp.asarray([list(range(5)) + list(range(7))])
+    packed = model.apply({"params": params}, x, segment_ids=segments, positions=positions)
+    first = model.apply({"params": params}, x[:, :5])
+    second = model.apply({"params": params}, x[:, 5:])
+    np.testing.assert_allclose(packed[:, :5], first, atol=2e-5)
+    np.testing.assert_allclose(packed[:, 5:], second, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", RECURRENT)
+def test_greedy_generation_equals_the_argmax_of_recompute(kind):
+    model, params = built(kind)
+    prompts = [[5, 9, 2], [7, 1, 3, 3, 8, 2]]
+    new, _ = decode(model, params, prompts, max_new_tokens=5, eos_id=None)
+    for prompt, row in zip(prompts, new, strict=True):
+        sequence = list(prompt)
+        for _ in range(5):
+            logits = model.apply({"params": params}, jnp.asarray([sequence]))
+            sequence.append(int(jnp.argmax(logits[0, -1])))
+        assert row.tolist() == sequence[len(prompt):]
+
+
+@pytest.mark.parametrize("kind", RECURRENT)
+def test_scan_and_remat_give_the_plain_gradients(kind):
+    plain, params = built(kind)
+    config = hybrid_config(kind, remat_policy="full")
+    remat = build_model(config)
+    x = tokens()
+    loss = lambda model: jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x) ** 2) / VOCAB)
+    want, got = loss(plain)(params), jax.jit(loss(remat))(params)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
