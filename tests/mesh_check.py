@@ -161,6 +161,42 @@ def splash_on_meshes(devices) -> dict[str, dict]:
     return out
 
 
+# Token mixers (model.layer_types / attention_kind), scanned and rematerialised, on two meshes.
+MIXER_VARIANTS = {
+    "mamba2": {"layer_types": "mamba2,full_attention", "mamba2.head_dim": 8,
+               "mamba2.state_size": 8, "mamba2.chunk_size": 4},
+}
+
+
+def mixers_on_meshes(devices) -> dict[str, dict]:
+    """Per mixer variant: 3 steps on data=2 x fsdp=2 x tensor=2 and fsdp=2 x tensor=4 against
+    one device (losses, largest param difference), and the spec of one of its params."""
+    out = {}
+    for name, keys in MIXER_VARIANTS.items():
+        runs = {}
+        for mesh in (None, (2, 2, 2), (1, 2, 4)):
+            config = small_config(mesh or (1, 1, 1))
+            config.steps = 3
+            config.model.update(scan_layers=True, remat_policy="full")
+            for key, value in keys.items():
+                group, _, leaf = key.rpartition(".")
+                (config.model[group] if group else config.model)[leaf] = value
+            run = Run(config, devices[:1] if mesh is None else devices)
+            state, losses = run.train(run.init(jax.random.key(0)), batches(3))
+            runs[mesh] = (losses, host(state.params), state.params)
+        single = runs[None]
+        for mesh in ((2, 2, 2), (1, 2, 4)):
+            losses, params, sharded = runs[mesh]
+            block = sharded["decoder"]["layers"]["block_0"]
+            first = next(iter(block.values()))  # the mixer's params
+            specs = {k: str(v.sharding.spec) for k, v in first.items()
+                     if hasattr(v, "sharding")}
+            out[f"{name} {','.join(map(str, mesh))}"] = {
+                "losses": losses, "single": single[0], "specs": specs,
+                "max_param_diff": max_diff(params, single[1])}
+    return out
+
+
 def main(workdir: str) -> None:
     devices = jax.devices()
     data = batches(STEPS)
@@ -199,6 +235,7 @@ def main(workdir: str) -> None:
                                          .device_set)}
 
     results["splash"] = splash_on_meshes(devices)
+    results["mixers"] = mixers_on_meshes(devices)
 
     # A global batch the data-parallel size (here 4 x 2) does not divide: one-line error.
     bad = small_config((4, 2, 1))

@@ -271,6 +271,19 @@ def test_each_mesh_gives_the_single_device_losses(mesh_results, mesh):
     assert sharded["max_param_diff"] < 1e-5
 
 
+@pytest.mark.slow
+def test_each_token_mixer_trains_alike_on_every_mesh(mesh_results):
+    """Scanned, rematerialised stacks of each mixer (mesh_check.MIXER_VARIANTS) on data x fsdp
+    x tensor meshes: the single device's losses and params, the mixer's heads split over
+    `tensor`."""
+    results = mesh_results["mixers"]
+    assert len(results) >= 2
+    for name, result in results.items():
+        np.testing.assert_allclose(result["losses"], result["single"], rtol=2e-5, err_msg=name)
+        assert result["max_param_diff"] < 5e-5, name
+        assert any("tensor" in spec for spec in result["specs"].values()), (name, result["specs"])
+
+
 EMBED = ('fsdp', 'expert', 'sequence')  # the mesh axes of a param's `embed` dimension
 
 
