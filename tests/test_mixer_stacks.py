@@ -32,7 +32,7 @@ def hybrid_config(kind: str, **overrides):
     return config
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def built(kind: str, scan: bool = False):
     model = build_model(hybrid_config(kind, scan_layers=scan))
     params = nn.unbox(model.init(jax.random.key(0), tokens())["params"])
