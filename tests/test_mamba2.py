@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer.nn.mixers import conv
 from transformer.nn.mixers import mamba2 as m2
 
 BATCH, LENGTH, HEADS, WIDTH, GROUPS, STATE = 2, 13, 4, 3, 2, 5
@@ -131,19 +132,22 @@ def reference_conv(x, kernel, bias, state, segment_ids):
     return y / (1 + np.exp(-y))
 
 
+silu_conv = functools.partial(conv.causal_conv, activation=jax.nn.silu)
+
+
 def test_causal_conv():
     rng = np.random.default_rng(4)
     x, kernel = rng.normal(size=(2, 9, 6)), rng.normal(size=(4, 6))
     bias, state = rng.normal(size=6), rng.normal(size=(2, 3, 6))
     seg = np.array([[1, 1, 2, 2, 2, 2, 0, 0, 0], [1] * 7 + [0] * 2])
-    y, new = m2.causal_conv(*map(jnp.asarray, (x, kernel, bias, state, seg)))
+    y, new = silu_conv(*map(jnp.asarray, (x, kernel, bias, state, seg)))
     np.testing.assert_allclose(y, reference_conv(x, kernel, bias, state, seg), atol=1e-5)
     np.testing.assert_allclose(new[0], x[0, 3:6], atol=1e-6)  # the last 3 before the padding
     np.testing.assert_allclose(new[1], x[1, 4:7], atol=1e-6)
     # in two calls, through the state
-    y1, s1 = m2.causal_conv(*map(jnp.asarray, (x[:, :2], kernel, bias, state)))
-    y2, s2 = m2.causal_conv(jnp.asarray(x[:, 2:]), jnp.asarray(kernel), jnp.asarray(bias), s1)
-    y_all, s_all = m2.causal_conv(*map(jnp.asarray, (x, kernel, bias, state)))
+    y1, s1 = silu_conv(*map(jnp.asarray, (x[:, :2], kernel, bias, state)))
+    y2, s2 = silu_conv(jnp.asarray(x[:, 2:]), jnp.asarray(kernel), jnp.asarray(bias), s1)
+    y_all, s_all = silu_conv(*map(jnp.asarray, (x, kernel, bias, state)))
     np.testing.assert_allclose(np.concatenate([y1, y2], 1), y_all, atol=1e-6)
     np.testing.assert_allclose(s2, s_all, atol=1e-6)
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from transformer.nn.attention import matmul, projection_init
 from transformer.nn.mixers.base import Mixer
+from transformer.nn.mixers.conv import causal_conv
 from transformer.utils.keys import BOOL, check_fields, int_, key, number
 
 Array = jax.Array
@@ -118,12 +119,6 @@ def _float(*arrays):
     return [a.astype(dtype) for a in arrays]
 
 
-def _runs(segment_ids: Array) -> Array:
-    """[B, T] -> the index of each token's run of equal segment ids (0 for the first run)."""
-    change = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], 1).astype(jnp.int32).cumsum(1)
-
-
 def _resets(segment_ids: Array | None, shape) -> Array:
     """[B, T] bool: the tokens that start a document (a run of non-zero ids, after the first)."""
     if segment_ids is None:
@@ -136,37 +131,6 @@ def _resets(segment_ids: Array | None, shape) -> Array:
 def _masked_dt(dt_BTH: Array, segment_ids: Array | None) -> Array:
     """dt = 0 on padding: the state passes through it unchanged."""
     return dt_BTH if segment_ids is None else jnp.where(segment_ids[..., None] != 0, dt_BTH, 0)
-
-
-def causal_conv(x_BTC: Array, kernel_KC: Array, bias_C: Array | None = None,
-                state: Array | None = None, segment_ids: Array | None = None
-                ) -> tuple[Array, Array]:
-    """SiLU(depthwise causal convolution): y_t = SiLU(bias + sum_k kernel[k] x_{t-K+1+k}) per
-    channel (HF's conv1d weight [C, 1, K] is kernel.T), in float32, returned in x's dtype.
-
-    `state` [B, K-1, C]: the inputs before x (zeros if None), part of the first token's
-    document. A tap reaching into another run of `segment_ids` reads 0. Returns (y [B, T, C],
-    the new state [B, K-1, C]: the last K-1 inputs of state + x before the padding, which must be
-    at the end, segment 0: a right-padded prefill's state ends at each row's last token)."""
-    taps = kernel_KC.shape[0]
-    (xf, kernel), batch, length = _float(x_BTC, kernel_KC), x_BTC.shape[0], x_BTC.shape[1]
-    if state is None:
-        state = jnp.zeros((batch, taps - 1, x_BTC.shape[2]), xf.dtype)
-    xp = jnp.concatenate([state.astype(xf.dtype), xf], 1)  # [B, K-1+T, C]
-    y = jnp.zeros_like(xf) if bias_C is None else jnp.broadcast_to(bias_C.astype(xf.dtype),
-                                                                   xf.shape)
-    if segment_ids is not None:
-        runs = _runs(segment_ids)
-        runs_p = jnp.concatenate([jnp.repeat(runs[:, :1], taps - 1, 1), runs], 1)
-    for k in range(taps):  # tap k reads x_{t-K+1+k} = xp[t + k]
-        tap = xp[:, k:k + length]
-        if segment_ids is not None:
-            tap = jnp.where((runs_p[:, k:k + length] == runs)[..., None], tap, 0)
-        y = y + kernel[k] * tap
-    valid = length if segment_ids is None else (segment_ids != 0).sum(1, keepdims=True)
-    index = valid + jnp.arange(taps - 1)[None]  # xp[n : n + K-1], n the valid tokens
-    new_state = jnp.take_along_axis(xp, jnp.broadcast_to(index, (batch, taps - 1))[..., None], 1)
-    return jax.nn.silu(y).astype(x_BTC.dtype), new_state.astype(state.dtype)
 
 
 def _segsum(a_Q: Array, runs_Q: Array) -> Array:
@@ -414,8 +378,8 @@ class Mamba2(nn.Module):
                           ).astype(jnp.float32)
 
     def _convolve(self, parts: dict, conv_state: Array | None, segment_ids: Array | None):
-        """`causal_conv` of x, B and C, each with its own kernel (HF's one conv1d split by
-        rows); the state [B, K-1, E + 2 G N] split and joined in HF's channel order."""
+        """SiLU(`conv.causal_conv`) of x, B and C, each with its own kernel (HF's one conv1d
+        split by rows); the state [B, K-1, E + 2 G N] split and joined in HF's channel order."""
         s, out, states, start = self.settings, {}, [], 0
         # kaiming_uniform(a=sqrt(5)) over the K taps, as HF's conv1d: U(-1/sqrt(K), 1/sqrt(K))
         init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=0,
@@ -432,7 +396,7 @@ class Mamba2(nn.Module):
             part_state = None if conv_state is None else conv_state[..., start:start + channels]
             y, new = causal_conv(value.reshape(*value.shape[:2], channels),
                                  kernel.reshape(s.conv_kernel, channels), conv_bias,
-                                 part_state, segment_ids)
+                                 part_state, segment_ids, activation=jax.nn.silu)
             out[name], start = y.reshape(value.shape), start + channels
             states.append(new)
         return out, None if conv_state is None else jnp.concatenate(states, -1)
