@@ -165,6 +165,7 @@ def splash_on_meshes(devices) -> dict[str, dict]:
 MIXER_VARIANTS = {
     "mamba2": {"layer_types": "mamba2,full_attention", "mamba2.head_dim": 8,
                "mamba2.state_size": 8, "mamba2.chunk_size": 4},
+    "conv": {"layer_types": "conv,full_attention"},
 }
 
 
