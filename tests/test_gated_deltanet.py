@@ -3,6 +3,7 @@ float64 NumPy recurrence written from the paper, documents and padding, the conv
 layer's decode against its full forward, and Hugging Face's Qwen3NextGatedDeltaNet."""
 
 import functools
+import types
 
 import flax.linen as nn
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from transformer.nn.mixers import gated_deltanet as gdn
+from transformer.nn.mixers.conv import causal_conv
 
 B, G, N, K, V = 2, 2, 4, 8, 6  # batch, query/key heads, value heads, key and value widths
 
@@ -159,20 +161,20 @@ def test_causal_conv():
     r = np.random.default_rng(6)
     x, kernel = r.normal(size=(B, 12, 5)), r.normal(size=(4, 5))
     seg = np.repeat([1, 2, 0], [5, 6, 1])[None].repeat(B, 0).astype(np.int32)
-    conv = jax.jit(gdn.causal_conv)
+    conv = jax.jit(functools.partial(causal_conv, activation=jax.nn.silu))
     with jax.enable_x64(True):
         np.testing.assert_allclose(conv(x, kernel)[0], conv_reference(x, kernel), atol=1e-12)
         # packed documents (the padding token's output is anything)
-        np.testing.assert_allclose(conv(x, kernel, None, seg)[0][:, :11],
+        np.testing.assert_allclose(conv(x, kernel, segment_ids=seg)[0][:, :11],
                                    conv_reference(x, kernel, seg)[:, :11], atol=1e-12)
         # in two pieces through the state
         y1, state = conv(x[:, :2], kernel)
-        y2, _ = conv(x[:, 2:], kernel, state)
+        y2, _ = conv(x[:, 2:], kernel, state=state)
         np.testing.assert_allclose(np.concatenate([y1, y2], 1), conv_reference(x, kernel),
                                    atol=1e-12)
         # right padding: the state is the last 3 valid inputs, also across the old state
         valid = np.array([[1, 1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0, 0]], np.int32)
-        _, state = conv(x[:, 5:], kernel, x[:, 2:5], valid)
+        _, state = conv(x[:, 5:], kernel, state=x[:, 2:5], segment_ids=valid)
         np.testing.assert_allclose(state[0], x[0, 7:10])
         np.testing.assert_allclose(state[1], x[1, 3:6])
 
@@ -306,12 +308,12 @@ def test_matches_hugging_face_qwen3_next():
 
 def test_config_checks_and_record():
     cfg = gdn.GatedDeltaNetConfig(num_key_heads=2, num_value_heads=6)
-    cfg.check(num_heads=4)
+    cfg.check(types.SimpleNamespace(num_heads=4))
     with pytest.raises(ValueError, match=r"^linear_attention.num_value_heads=6: expected a "
                                          r"multiple of num_key_heads=4$"):
         gdn.GatedDeltaNetConfig(num_key_heads=4, num_value_heads=6)
     with pytest.raises(ValueError, match=r"num_key_heads=4 \(model.num_heads\)"):
-        gdn.GatedDeltaNetConfig(num_value_heads=6).check(num_heads=4)
+        gdn.GatedDeltaNetConfig(num_value_heads=6).check(types.SimpleNamespace(num_heads=4))
     with pytest.raises(ValueError, match=r"^linear_attention.conv_kernel=0: expected an int"):
         gdn.GatedDeltaNetConfig(conv_kernel=0)
 

@@ -39,6 +39,11 @@ def built(kind: str, scan: bool = False):
     return model, params
 
 
+def forward(model, params, x, **kwargs):
+    """The logits, compiled (eager Linen runs op by op)."""
+    return jax.jit(lambda p, x, kw: model.apply({"params": p}, x, **kw))(params, x, kwargs)
+
+
 @pytest.mark.parametrize("kind", RECURRENT)
 def test_a_scanned_hybrid_equals_the_unrolled_one(kind):
     """The scan runs one group of 4 blocks (3 `kind`, 1 full); its params are the unrolled
@@ -52,8 +57,8 @@ def test_a_scanned_hybrid_equals_the_unrolled_one(kind):
     p_from_plain = {**p_plain, "decoder": {**{k: v for k, v in p_plain["decoder"].items()
                                               if not k.startswith("layers_")},
                                            "layers": stacked}}
-    np.testing.assert_allclose(scanned.apply({"params": p_from_plain}, tokens()),
-                               plain.apply({"params": p_plain}, tokens()), atol=2e-5)
+    np.testing.assert_allclose(forward(scanned, p_from_plain, tokens()),
+                               forward(plain, p_plain, tokens()), atol=2e-5)
 
 
 @pytest.mark.parametrize("kind", RECURRENT)
@@ -62,7 +67,7 @@ def test_decoding_right_padded_prompts_equals_recompute(kind):
     step: every logit equals the full forward's (the recurrent state skips the padding)."""
     model, params = built(kind)
     x = tokens()
-    want = np.asarray(model.apply({"params": params}, x))
+    want = np.asarray(forward(model, params, x))
     got = cached_logits(model, params, x, prompt_lengths=[3, 7])
     np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-4)
 
@@ -75,24 +80,23 @@ def test_packed_documents_equal_each_document_alone(kind):
     x = tokens((1, 12))
     segments = jnp.asarray([[1] * 5 + [2] * 7])
     positions = jnp.asarray([list(range(5)) + list(range(7))])
-    packed = model.apply({"params": params}, x, segment_ids=segments, positions=positions)
-    first = model.apply({"params": params}, x[:, :5])
-    second = model.apply({"params": params}, x[:, 5:])
+    packed = forward(model, params, x, segment_ids=segments, positions=positions)
+    first, second = forward(model, params, x[:, :5]), forward(model, params, x[:, 5:])
     np.testing.assert_allclose(packed[:, :5], first, atol=2e-5)
     np.testing.assert_allclose(packed[:, 5:], second, atol=2e-5)
 
 
 @pytest.mark.parametrize("kind", RECURRENT)
 def test_greedy_generation_equals_the_argmax_of_recompute(kind):
+    """`decode` (prefill of prompts of 3 and 6 tokens, then steps): each new token is the argmax
+    of the full forward over the prompt and the tokens before it."""
     model, params = built(kind)
     prompts = [[5, 9, 2], [7, 1, 3, 3, 8, 2]]
     new, _ = decode(model, params, prompts, max_new_tokens=5, eos_id=None)
     for prompt, row in zip(prompts, new, strict=True):
-        sequence = list(prompt)
-        for _ in range(5):
-            logits = model.apply({"params": params}, jnp.asarray([sequence]))
-            sequence.append(int(jnp.argmax(logits[0, -1])))
-        assert row.tolist() == sequence[len(prompt):]
+        sequence = jnp.asarray([prompt + row.tolist()])
+        greedy = jnp.argmax(forward(model, params, sequence)[0], -1)
+        assert row.tolist() == greedy[len(prompt) - 1:-1].tolist()
 
 
 @pytest.mark.parametrize("kind", RECURRENT)

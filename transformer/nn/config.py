@@ -15,6 +15,7 @@ from transformer.nn.activations import ACTIVATIONS
 from transformer.nn.attention import ATTENTION_GATES
 from transformer.nn.lora import LoraConfig
 from transformer.nn.mixers import ATTENTION_KINDS, MIXERS
+from transformer.nn.mixers.gated_deltanet import GatedDeltaNetConfig
 from transformer.nn.mixers.mamba2 import Mamba2Config
 from transformer.nn.moe import MoEConfig
 from transformer.utils.keys import (
@@ -207,6 +208,7 @@ class TransformerConfig:
     moe: MoEConfig = MoEConfig()  # mixture-of-experts feed-forward layers (transformer.nn.moe)
     lora: LoraConfig = LoraConfig()  # low-rank adapters on a frozen base (transformer.nn.lora)
     # the token mixers' own keys (transformer.nn.mixers), read by layers of their type
+    linear_attention: GatedDeltaNetConfig = GatedDeltaNetConfig()
     mamba2: Mamba2Config = Mamba2Config()
 
     def __post_init__(self):

@@ -3,12 +3,13 @@ Hugging Face's `layer_types`) to its `base.Mixer` record. Adding a mixer is a ne
 its layer and record, and one line here (plus its config group in `nn.config`, if it has keys).
 """
 
-from transformer.nn.mixers import mamba2, short_conv, softmax_attention
+from transformer.nn.mixers import gated_deltanet, mamba2, short_conv, softmax_attention
 from transformer.nn.mixers.base import Mixer
 
 MIXERS: dict[str, Mixer] = {
     "full_attention": softmax_attention.FULL,
     "sliding_attention": softmax_attention.SLIDING,
+    "linear_attention": gated_deltanet.MIXER,
     "mamba2": mamba2.MIXER,
     "conv": short_conv.MIXER,
 }

@@ -38,6 +38,7 @@ from jax import lax
 
 from transformer.nn.attention import matmul, projection_init
 from transformer.nn.mixers.base import Mixer
+from transformer.nn.mixers.conv import causal_conv
 from transformer.utils.keys import check_fields, int_, key
 
 Array = jax.Array
@@ -69,10 +70,10 @@ class GatedDeltaNetConfig:
         check_fields(self, prefix="linear_attention.")
         self.check()
 
-    def check(self, num_heads: int = 0) -> None:
+    def check(self, config=None) -> None:
         """The rule across keys: num_value_heads a multiple of the key heads (num_key_heads,
-        or the model's `num_heads` when that is 0 and given)."""
-        key_heads = self.num_key_heads or num_heads
+        or the model's `config.num_heads` when that is 0 and a config is given)."""
+        key_heads = self.num_key_heads or (config.num_heads if config is not None else 0)
         if key_heads and self.num_value_heads and self.num_value_heads % key_heads:
             source = "" if self.num_key_heads else " (model.num_heads)"
             raise ValueError(f"linear_attention.num_value_heads={self.num_value_heads}: expected "
@@ -97,38 +98,6 @@ def _segments(segment_ids: Array | None, batch: int, length: int) -> tuple[Array
     valid = segment_ids != 0
     changed = segment_ids[:, 1:] != segment_ids[:, :-1]
     return valid, jnp.pad(changed, ((0, 0), (1, 0))) & valid
-
-
-def causal_conv(x_BTC: Array, kernel_WC: Array, state_BSC: Array | None = None,
-                segment_ids_BT: Array | None = None) -> tuple[Array, Array]:
-    """Depthwise causal convolution, then SiLU: y_t = silu(sum_j kernel[j] x_{t - W + 1 + j})
-    (Hugging Face's conv1d weight [C, 1, W] is kernel.T), in float32 (or wider).
-
-    `state_BSC` [B, W - 1, C] holds the W - 1 inputs before x (zeros when None). With
-    `segment_ids_BT`, a tap reaching into another document reads zero (the state counts as the
-    first document's). Returns (y [B, T, C] in x's dtype, the new state [B, W - 1, C]: the last
-    W - 1 valid inputs, valid tokens being a prefix of each row, as under a right-padded
-    prefill; a row of padding keeps its state).
-    """
-    batch, length, channels = x_BTC.shape
-    taps = kernel_WC.shape[0]
-    dtype = _compute_dtype(x_BTC)
-    if state_BSC is None:
-        state_BSC = jnp.zeros((batch, taps - 1, channels), dtype)
-    xs_BSC = jnp.concatenate([state_BSC.astype(dtype), x_BTC.astype(dtype)], axis=1)
-    valid_BT, starts_BT = _segments(segment_ids_BT, batch, length)
-    docs_BT = jnp.cumsum(starts_BT, axis=1)  # the state's slots are document 0
-    docs_BS = jnp.pad(docs_BT, ((0, 0), (taps - 1, 0)))
-    y_BTC = jnp.zeros((batch, length, channels), dtype)
-    for j in range(taps):  # W is small: one shifted multiply-add per tap
-        tap_BTC = xs_BSC[:, j:j + length] * kernel_WC[j].astype(dtype)
-        if segment_ids_BT is not None:
-            tap_BTC = jnp.where((docs_BS[:, j:j + length] == docs_BT)[..., None], tap_BTC, 0)
-        y_BTC = y_BTC + tap_BTC
-    count_B = valid_BT.sum(axis=1)
-    new_state = jax.vmap(lambda xs, n: lax.dynamic_slice_in_dim(xs, n, taps - 1, 0))(
-        xs_BSC, count_B)
-    return jax.nn.silu(y_BTC).astype(x_BTC.dtype), new_state
 
 
 def _prepare(q, k, v, log_alpha, beta, initial_state, segment_ids):
@@ -261,7 +230,7 @@ class GatedDeltaNetSettings:
     def from_config(cls, cfg) -> GatedDeltaNetSettings:
         """The settings of a `TransformerConfig` (its `linear_attention` group)."""
         group = cfg.linear_attention
-        group.check(cfg.num_heads)
+        group.check(cfg)
         key_heads = group.num_key_heads or cfg.num_heads
         key_dim = group.key_head_dim or cfg.resolved_head_dim
         return cls(num_key_heads=key_heads, num_value_heads=group.num_value_heads or key_heads,
@@ -327,7 +296,8 @@ class GatedDeltaNet(nn.Module):
                                    for x in (q_BTGK, k_BTGK, v_BTNV)], axis=-1)
         cache = self._cache(batch) if decode else None
         qkv_BTC, conv_state = causal_conv(qkv_BTC.astype(jnp.float32), self._conv_kernel(),
-                                          cache[1].value if cache else None, segment_ids)
+                                          None, cache[1].value if cache else None, segment_ids,
+                                          activation=jax.nn.silu)
         key_width = s.num_key_heads * s.key_head_dim
         q_BTGK, k_BTGK, v_BTNV = (x.reshape(y.shape) for x, y in zip(
             jnp.split(qkv_BTC, (key_width, 2 * key_width), axis=-1), (q_BTGK, k_BTGK, v_BTNV),
