@@ -102,7 +102,8 @@ class TransformerConfig:
     layer_types: str = key(
         "", "The token mixer of each layer, comma-separated, as Hugging Face's layer_types names "
         "them: full_attention, sliding_attention (through sliding_window), linear_attention "
-        "(Gated DeltaNet, model.linear_attention), mamba2 (model.mamba2); `name*n` repeats a "
+        "(Gated DeltaNet, model.linear_attention), mamba2 (model.mamba2), conv (LFM2's short "
+        "convolution); `name*n` repeats a "
         "name. Fewer names than num_layers repeat as a pattern: 'linear_attention*3,"
         "full_attention' is three linear layers, then one full, over and over. \"\": every layer "
         "full, or sliding as sliding_window and sliding_window_pattern say.",
