@@ -117,3 +117,37 @@ def test_a_resume_with_other_layer_types_is_named():
         "model.attention_kind: checkpoint 'mha', config 'mla'"]
     # a checkpoint from before the key has its default: nothing differs
     assert structural_differences({"model": {}}, {"model": {"layer_types": ""}}) == []
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("linear_attention", "linear_attention layers: mesh.sequence=2: expected 1"),
+    ("mamba2", "mamba2 layers: mesh.sequence=2: expected 1"),
+    ("conv", "conv layers: mesh.sequence=2: expected 1"),
+])
+def test_recurrent_layers_under_a_sequence_axis_are_refused_in_one_line(kind, message):
+    config = base_config()
+    config.model.update(num_layers=2, d_model=32, num_heads=4, layer_types=kind)
+    config.seq_len, config.batch_size = 8, 2
+    config.mesh.update(data=1, sequence=2)
+    with pytest.raises(ValueError) as error:
+        validate_config(config, num_devices=2, num_processes=1)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_recurrent_layers_outside_the_causal_decoder_are_refused():
+    config = base_config()
+    config.model.update(family="bert", num_layers=2, d_model=32, num_heads=4,
+                        layer_types="conv,full_attention")
+    config.seq_len = 8
+    with pytest.raises(ValueError, match=r"model.layer_types='conv,full_attention': conv layers "
+                       r"with model.family='bert': expected family 'gpt'"):
+        validate_config(config, num_devices=1, num_processes=1)
+
+
+def test_a_mixer_group_that_does_not_fit_the_model_is_one_line():
+    with pytest.raises(ValueError, match=r"^mamba2.head_dim=48: expected a divisor of expand x "
+                       r"d_model = 64$"):
+        TransformerConfig(num_layers=2, d_model=32, num_heads=4, layer_types="mamba2",
+                          mamba2={"head_dim": 48})
+    # a group the layers do not use is not checked against the model
+    TransformerConfig(num_layers=2, d_model=32, num_heads=4, mamba2={"head_dim": 48})
