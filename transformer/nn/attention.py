@@ -182,10 +182,15 @@ class AttentionSettings:
     rope_theta: float | None = None
     rope_layout: str = "half"
     rope_scale: float = 1.0
-    rope_scaling: str = "linear"  # how rope_scale stretches positions: linear | llama3
+    rope_scaling: str = "linear"  # how rope_scale stretches positions: linear | llama3 | yarn
     rope_low_freq_factor: float = 1.0  # llama3 only (positions.rope_frequencies)
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    rope_yarn_beta_fast: float = 32.0  # yarn only (positions.yarn_frequencies)
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 1.0  # positions.rope_attention_factor
+    rope_yarn_mscale_all_dim: float = 0.0
+    rope_yarn_truncate: bool = True
     dropout_rate: float = 0.0
     init_std: float | None = None
     init_scale: float = 1.0  # W_q, W_k, W_v's init std multiplier (projection_init)
@@ -221,6 +226,10 @@ class AttentionSettings:
             rope_scaling=cfg.rope_scaling, rope_low_freq_factor=cfg.rope_low_freq_factor,
             rope_high_freq_factor=cfg.rope_high_freq_factor,
             rope_original_max_len=cfg.rope_original_max_len,
+            rope_yarn_beta_fast=cfg.rope_yarn_beta_fast,
+            rope_yarn_beta_slow=cfg.rope_yarn_beta_slow, rope_yarn_mscale=cfg.rope_yarn_mscale,
+            rope_yarn_mscale_all_dim=cfg.rope_yarn_mscale_all_dim,
+            rope_yarn_truncate=cfg.rope_yarn_truncate,
             dropout_rate=cfg.attention_dropout_rate, init_std=cfg.init_std,
             init_scale=cfg.init_scale(), out_init_scale=cfg.init_scale(residual=True),
             qk_norm=cfg.qk_norm_scope if cfg.qk_norm else "", norm_epsilon=cfg.norm_epsilon,
@@ -356,13 +365,8 @@ class MultiHeadAttention(nn.Module):
 
     def _rotate(self, x_BTNH: Array, positions: Array) -> Array:
         """RoPE at `positions` [B or 1, T]."""
-        s = self.settings
-        return positions_lib.apply_rope(x_BTNH, positions, theta=s.rope_theta,
-                                        layout=s.rope_layout, scale=s.rope_scale,
-                                        scaling=s.rope_scaling,
-                                        low_freq_factor=s.rope_low_freq_factor,
-                                        high_freq_factor=s.rope_high_freq_factor,
-                                        original_max_len=s.rope_original_max_len)
+        return positions_lib.apply_rope(x_BTNH, positions,
+                                        **positions_lib.rope_args(self.settings))
 
     def _update_cache(self, key_BSKH: Array, value_BSKH: Array,
                       q_positions: Array | None) -> tuple[Array, Array]:

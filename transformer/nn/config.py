@@ -147,8 +147,9 @@ class TransformerConfig:
                            "(`interleaved`).", choice(("half", "interleaved")))
     rope_scale: float = key(1.0, "> 1: positions stretched by this factor, as `rope_scaling` "
                             "says.", (is_number, "a number (1: no scaling)"))
-    rope_scaling: str = key("linear", "`linear` (position interpolation) or `llama3` (Llama "
-                            "3.1).", choice(("linear", "llama3")))
+    rope_scaling: str = key("linear", "`linear` (position interpolation), `llama3` (Llama "
+                            "3.1) or `yarn` (YaRN, DeepSeek-V2/V3).",
+                            choice(("linear", "llama3", "yarn")))
     rope_low_freq_factor: float = key(1.0, "llama3 scaling's low-frequency factor "
                                       "(positions.rope_frequencies).",
                                       (is_number, "a number, 0 < low < high"))
@@ -156,6 +157,23 @@ class TransformerConfig:
                                        (is_number, "a number > rope_low_freq_factor"))
     rope_original_max_len: int = key(8192, "llama3 scaling: the context length trained at.",
                                      int_(gt=0))
+    # YaRN (rope_scaling "yarn", positions.yarn_frequencies): rope_scale is its factor,
+    # rope_original_max_len its original_max_position_embeddings
+    rope_yarn_beta_fast: float = key(32.0, "yarn: pairs turning more often than this over "
+                                     "rope_original_max_len keep their frequency.",
+                                     number(gt=0))
+    rope_yarn_beta_slow: float = key(1.0, "yarn: pairs turning less often are interpolated "
+                                     "by rope_scale.", number(gt=0))
+    rope_yarn_mscale: float = key(
+        1.0, "yarn: RoPE's rotated q and k are multiplied by mscale(rope_scale, this) / "
+        "mscale(rope_scale, rope_yarn_mscale_all_dim) where both are > 0, else by "
+        "mscale(rope_scale, 1) (HF's attention_factor; positions.rope_attention_factor).",
+        number(ge=0))
+    rope_yarn_mscale_all_dim: float = key(
+        0.0, "yarn: > 0 also multiplies MLA's logit scale by mscale(rope_scale, this)^2 "
+        "(DeepSeek).", number(ge=0))
+    rope_yarn_truncate: bool = key(True, "yarn: round the ramp's ends to whole pairs (HF's "
+                                   "default; gpt-oss: False).", BOOL)
     t5_num_buckets: int = key(32, "T5 relative-position buckets.", int_(gt=0))
     t5_max_distance: int = key(128, "T5 relative positions: the distance the largest bucket "
                                "starts at.", int_(gt=0))

@@ -14,6 +14,7 @@ import numpy as np
 from flax import struct
 
 _ROPE_LAYOUTS = ("half", "interleaved")
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -78,11 +79,14 @@ class LearnedPositionEmbedding(nn.Module):
 
 def rope_frequencies(H: int, *, theta: float = 10000.0, scale: float = 1.0,
                      scaling: str = "linear", low_freq_factor: float = 1.0,
-                     high_freq_factor: float = 4.0, original_max_len: int = 8192) -> np.ndarray:
+                     high_freq_factor: float = 4.0, original_max_len: int = 8192,
+                     beta_fast: float = 32.0, beta_slow: float = 1.0,
+                     truncate: bool = True) -> np.ndarray:
     """The angle per position of each pair of head dims, float64 [H/2]: theta^(-2i/H) / scale
     (scaling="linear": position interpolation), or Llama 3.1's scaling="llama3": wavelengths
     shorter than original_max_len / high_freq_factor are kept, longer than original_max_len /
-    low_freq_factor divided by `scale`, and those between interpolated smoothly.
+    low_freq_factor divided by `scale`, and those between interpolated smoothly; or YaRN's
+    scaling="yarn" (`yarn_frequencies`).
 
     >>> rope_frequencies(4, theta=100.0, scale=2.0).tolist()
     [0.5, 0.05]
@@ -90,11 +94,15 @@ def rope_frequencies(H: int, *, theta: float = 10000.0, scale: float = 1.0,
     ...                  low_freq_factor=1.0, high_freq_factor=4.0).round(4).tolist()
     [0.5761, 0.0125]
     """
-    if scaling not in ("linear", "llama3"):
-        raise ValueError(f"scaling={scaling!r}: expected 'linear' or 'llama3'")
+    if scaling not in ROPE_SCALINGS:
+        raise ValueError(f"scaling={scaling!r}: expected one of {ROPE_SCALINGS}")
     inv_freq = theta ** (-2.0 * np.arange(H // 2, dtype=np.float64) / H)
     if scaling == "linear":
         return inv_freq / scale
+    if scaling == "yarn":
+        return yarn_frequencies(inv_freq, theta=theta, scale=scale,
+                                original_max_len=original_max_len, beta_fast=beta_fast,
+                                beta_slow=beta_slow, truncate=truncate)
     if not 0 < low_freq_factor < high_freq_factor:
         raise ValueError(f"low_freq_factor={low_freq_factor}, high_freq_factor="
                          f"{high_freq_factor}: expected 0 < low < high")
@@ -107,10 +115,86 @@ def rope_frequencies(H: int, *, theta: float = 10000.0, scale: float = 1.0,
                              blended))
 
 
+def yarn_frequencies(inv_freq: np.ndarray, *, theta: float, scale: float,
+                     original_max_len: int, beta_fast: float = 32.0, beta_slow: float = 1.0,
+                     truncate: bool = True) -> np.ndarray:
+    """YaRN's frequencies (Peng et al. 2023, "YaRN"; DeepSeek-V2/V3, HF's
+    `_compute_yarn_parameters`), float64 [H/2] from RoPE's `inv_freq` = theta^(-2i/H).
+
+    Pair i turns original_max_len * inv_freq_i / (2 pi) times over the trained context. Pairs
+    turning more than `beta_fast` times keep their frequency (extrapolation), those turning
+    fewer than `beta_slow` times are divided by `scale` (interpolation), and between them a
+    linear ramp in i blends the two. The ramp's ends are the (fractional) pair indices
+    d(r) = H ln(original_max_len / (2 pi r)) / (2 ln theta) of r = beta_fast and beta_slow
+    turns, rounded outwards under `truncate` (HF's default; gpt-oss turns it off), clipped to
+    [0, H - 1].
+
+    >>> inv = 100.0 ** (-np.arange(4) / 4)  # H = 8
+    >>> yarn_frequencies(inv, theta=100.0, scale=4.0, original_max_len=64).round(4).tolist()
+    [1.0, 0.2372, 0.05, 0.0079]
+    """
+    H = 2 * len(inv_freq)
+
+    def pair_index(rotations: float) -> float:
+        return H * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_index(beta_fast), pair_index(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, H - 1)
+    if low == high:
+        high += 0.001  # HF's and DeepSeek's guard against a zero-width ramp
+    ramp = np.clip((np.arange(H // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    return inv_freq / scale * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 mscale ln(scale) + 1 (1 when scale <= 1).
+
+    >>> round(yarn_mscale(40.0), 4)
+    1.3689
+    """
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: str, scale: float, mscale: float = 1.0,
+                          mscale_all_dim: float = 0.0) -> float:
+    """What `apply_rope` multiplies its rotated vectors by: 1, or under scaling="yarn" HF's
+    `attention_factor`, yarn_mscale(scale, mscale) / yarn_mscale(scale, mscale_all_dim) where
+    both are non-zero, else yarn_mscale(scale). (DeepSeek's own code takes the ratio always,
+    with yarn_mscale(scale, 0) = 1: it differs only for mscale != 1 with mscale_all_dim = 0.)
+    Query and key both carry it, so it multiplies the rotated part of a logit by its square.
+
+    >>> rope_attention_factor("yarn", 40.0, mscale=1.0, mscale_all_dim=1.0)
+    1.0
+    """
+    if scaling != "yarn":
+        return 1.0
+    if mscale and mscale_all_dim:
+        return yarn_mscale(scale, mscale) / yarn_mscale(scale, mscale_all_dim)
+    return yarn_mscale(scale)
+
+
+# apply_rope's keyword arguments, as the config's rope_* keys (and the layers' settings) name them
+ROPE_KEYS = {"theta": "rope_theta", "layout": "rope_layout", "scale": "rope_scale",
+             "scaling": "rope_scaling", "low_freq_factor": "rope_low_freq_factor",
+             "high_freq_factor": "rope_high_freq_factor",
+             "original_max_len": "rope_original_max_len", "beta_fast": "rope_yarn_beta_fast",
+             "beta_slow": "rope_yarn_beta_slow", "mscale": "rope_yarn_mscale",
+             "mscale_all_dim": "rope_yarn_mscale_all_dim", "truncate": "rope_yarn_truncate"}
+
+
+def rope_args(settings) -> dict[str, Any]:
+    """`apply_rope`'s keyword arguments read off `settings`' rope_* attributes (a
+    `TransformerConfig` or a layer's settings)."""
+    return {arg: getattr(settings, name) for arg, name in ROPE_KEYS.items()}
+
+
 def apply_rope(
     x, positions, *, theta: float = 10000.0, layout: str = "half", scale: float = 1.0,
     scaling: str = "linear", low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-    original_max_len: int = 8192,
+    original_max_len: int = 8192, beta_fast: float = 32.0, beta_slow: float = 1.0,
+    mscale: float = 1.0, mscale_all_dim: float = 0.0, truncate: bool = True,
 ) -> jax.Array:
     """Rotate pairs of head dims of x by angle pos * `rope_frequencies(...)`, by default
     (pos / scale) * theta^(-2i/H).
@@ -119,7 +203,8 @@ def apply_rope(
     layout="half" pairs dims (i, i + H/2) (GPT-NeoX / Llama "rotate_half");
     layout="interleaved" pairs dims (2i, 2i + 1) (RoFormer / GPT-J).
     scale > 1 is linear position interpolation (scaling="llama3": Llama 3.1's per-frequency
-    version). Math in float32; returns x.dtype.
+    version; scaling="yarn": YaRN's, whose rotated vectors are also multiplied by
+    `rope_attention_factor`, as HF scales its cos and sin). Math in float32; returns x.dtype.
     """
     if layout not in _ROPE_LAYOUTS:
         raise ValueError(f"layout must be one of {_ROPE_LAYOUTS}, got {layout!r}")
@@ -138,9 +223,13 @@ def apply_rope(
     compute = jnp.promote_types(x.dtype, jnp.float32)  # float32 (float64 stays float64)
     inv_freq = jnp.asarray(rope_frequencies(
         H, theta=theta, scale=scale, scaling=scaling, low_freq_factor=low_freq_factor,
-        high_freq_factor=high_freq_factor, original_max_len=original_max_len), compute)
+        high_freq_factor=high_freq_factor, original_max_len=original_max_len,
+        beta_fast=beta_fast, beta_slow=beta_slow, truncate=truncate), compute)
     angle = pos_BT.astype(compute)[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
+    factor = rope_attention_factor(scaling, scale, mscale, mscale_all_dim)
+    if factor != 1.0:  # yarn only: the other scalings stay bit for bit as they were
+        cos, sin = cos * factor, sin * factor
 
     xf = x.astype(compute)
     if layout == "half":
