@@ -166,6 +166,8 @@ MIXER_VARIANTS = {
     "mamba2": {"layer_types": "mamba2,full_attention", "mamba2.head_dim": 8,
                "mamba2.state_size": 8, "mamba2.chunk_size": 4},
     "conv": {"layer_types": "conv,full_attention"},
+    "mla": {"attention_kind": "mla", "mla.kv_lora_rank": 16, "mla.qk_nope_head_dim": 8,
+            "mla.qk_rope_head_dim": 4, "mla.v_head_dim": 8},
     "linear_attention": {"layer_types": "linear_attention,full_attention",
                          "linear_attention.key_head_dim": 8, "linear_attention.chunk_size": 4},
 }

@@ -20,13 +20,22 @@ from transformer.models import build_model
 from transformer.nn.mixers import MIXERS
 
 RECURRENT = [name for name, m in MIXERS.items() if m.decode_state == "recurrent state"]
+KINDS = RECURRENT + ["mla"]
 MIXER_KEYS = {"mamba2": dict(head_dim=8, state_size=8, chunk_size=4),
-              "linear_attention": dict(key_head_dim=8, value_head_dim=8, chunk_size=4)}
+              "linear_attention": dict(key_head_dim=8, value_head_dim=8, chunk_size=4),
+              "mla": dict(kv_lora_rank=12, q_lora_rank=0, qk_nope_head_dim=8,
+                          qk_rope_head_dim=4, v_head_dim=6)}
 
 
 def hybrid_config(kind: str, **overrides):
-    """4 layers, 32 wide: `kind` in layers 0-2, full attention in layer 3 (Qwen3-Next's 3:1)."""
-    config = model_config(num_layers=4, layer_types=f"{kind}*3,full_attention", **overrides)
+    """4 layers, 32 wide: `kind` in layers 0-2, full attention in layer 3 (Qwen3-Next's 3:1);
+    for "mla", every layer multi-head latent attention (its last one full, the others
+    windowed)."""
+    if kind == "mla":
+        config = model_config(num_layers=4, attention_kind="mla", sliding_window=5,
+                              layer_types="sliding_attention*3,full_attention", **overrides)
+    else:
+        config = model_config(num_layers=4, layer_types=f"{kind}*3,full_attention", **overrides)
     for name, value in MIXER_KEYS.get(kind, {}).items():
         config[kind][name] = value
     return config
@@ -44,14 +53,15 @@ def forward(model, params, x, **kwargs):
     return jax.jit(lambda p, x, kw: model.apply({"params": p}, x, **kw))(params, x, kwargs)
 
 
-@pytest.mark.parametrize("kind", RECURRENT)
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_scanned_hybrid_equals_the_unrolled_one(kind):
     """The scan runs one group of 4 blocks (3 `kind`, 1 full); its params are the unrolled
     layers' stacked, and the logits agree."""
     (plain, p_plain), (scanned, p_scan) = built(kind), built(kind, True)
     group = p_scan["decoder"]["layers"]
     assert sorted(group) == [f"block_{i}" for i in range(4)]
-    assert MIXERS[kind].param_name in group["block_0"] and "self_attention" in group["block_3"]
+    name = "self_attention" if kind == "mla" else MIXERS[kind].param_name
+    assert name in group["block_0"] and "self_attention" in group["block_3"]
     stacked = {f"block_{i}": p_plain["decoder"][f"layers_{i}"] for i in range(4)}
     stacked = jax.tree.map(lambda x: x[None], stacked)
     p_from_plain = {**p_plain, "decoder": {**{k: v for k, v in p_plain["decoder"].items()
@@ -61,7 +71,7 @@ def test_a_scanned_hybrid_equals_the_unrolled_one(kind):
                                forward(plain, p_plain, tokens()), atol=2e-5)
 
 
-@pytest.mark.parametrize("kind", RECURRENT)
+@pytest.mark.parametrize("kind", KINDS)
 def test_decoding_right_padded_prompts_equals_recompute(kind):
     """Prompts of 3 and 7 tokens prefilled together (the shorter one padded), then one token per
     step: every logit equals the full forward's (the recurrent state skips the padding)."""
@@ -72,7 +82,7 @@ def test_decoding_right_padded_prompts_equals_recompute(kind):
     np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", RECURRENT)
+@pytest.mark.parametrize("kind", KINDS)
 def test_packed_documents_equal_each_document_alone(kind):
     """Two documents packed in one row (segment ids, per-document positions) give the logits
     each gives alone: the recurrent state and convolution restart at the second."""
@@ -86,7 +96,7 @@ def test_packed_documents_equal_each_document_alone(kind):
     np.testing.assert_allclose(packed[:, 5:], second, atol=2e-5)
 
 
-@pytest.mark.parametrize("kind", RECURRENT)
+@pytest.mark.parametrize("kind", KINDS)
 def test_greedy_generation_equals_the_argmax_of_recompute(kind):
     """`decode` (prefill of prompts of 3 and 6 tokens, then steps): each new token is the argmax
     of the full forward over the prompt and the tokens before it."""
@@ -99,7 +109,7 @@ def test_greedy_generation_equals_the_argmax_of_recompute(kind):
         assert row.tolist() == greedy[len(prompt) - 1:-1].tolist()
 
 
-@pytest.mark.parametrize("kind", RECURRENT)
+@pytest.mark.parametrize("kind", KINDS)
 def test_scan_and_remat_give_the_plain_gradients(kind):
     plain, params = built(kind)
     config = hybrid_config(kind, remat_policy="full")

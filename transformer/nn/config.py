@@ -17,6 +17,7 @@ from transformer.nn.lora import LoraConfig
 from transformer.nn.mixers import ATTENTION_KINDS, MIXERS
 from transformer.nn.mixers.gated_deltanet import GatedDeltaNetConfig
 from transformer.nn.mixers.mamba2 import Mamba2Config
+from transformer.nn.mixers.mla import MLAConfig
 from transformer.nn.moe import MoEConfig
 from transformer.utils.keys import (
     BOOL,
@@ -227,6 +228,7 @@ class TransformerConfig:
     moe: MoEConfig = MoEConfig()  # mixture-of-experts feed-forward layers (transformer.nn.moe)
     lora: LoraConfig = LoraConfig()  # low-rank adapters on a frozen base (transformer.nn.lora)
     # the token mixers' own keys (transformer.nn.mixers), read by layers of their type
+    mla: MLAConfig = MLAConfig()  # under attention_kind="mla"
     linear_attention: GatedDeltaNetConfig = GatedDeltaNetConfig()
     mamba2: Mamba2Config = Mamba2Config()
 

@@ -41,9 +41,12 @@ def summary(config) -> str | None:
             runs[-1][1] += 1
         else:
             runs.append([name, 1])
-    order = ", ".join(f"{name} x{n}" if n > 1 else name for name, n in runs)
+    kind = getattr(config, "attention_kind", "mha")
+    named = lambda name: f"{name} ({kind})" if kind != "mha" and name in (
+        "full_attention", "sliding_attention") else name
+    order = ", ".join(f"{named(name)} x{n}" if n > 1 else named(name) for name, n in runs)
     repeat = f" (x{config.num_layers // len(pattern)} repeating)"
-    cache = sum(MIXERS[name].cache_bytes_per_token(config) for name in layers)
+    cache = sum(config.mixer(i).cache_bytes_per_token(config) for i in range(len(layers)))
     mha = softmax_attention.MULTI_HEAD.cache_bytes_per_token(config) * config.num_layers
     recurrent = sum(MIXERS[name].decode_state == "recurrent state" for name in layers)
     state = f", {recurrent} layers with a constant-size state" if recurrent else ""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from transformer.nn.attention import AttentionSettings, MultiHeadAttention
+from transformer.nn.mixers import mla
 from transformer.nn.mixers.base import Mixer
 
 
@@ -30,8 +31,8 @@ MULTI_HEAD = Mixer(
     decode_state="kv cache",
     cache_bytes_per_token=_kv_cache_bytes)
 
-# attention_kind -> the attention a full or sliding layer runs (mixers.mla adds "mla")
-ATTENTION_KINDS: dict[str, Mixer] = {"mha": MULTI_HEAD}
+# attention_kind -> the attention a full or sliding layer runs
+ATTENTION_KINDS: dict[str, Mixer] = {"mha": MULTI_HEAD, "mla": mla.MIXER}
 
 
 def _kind(config) -> Mixer:
