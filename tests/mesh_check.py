@@ -192,8 +192,10 @@ def mixers_on_meshes(devices) -> dict[str, dict]:
         single = runs[None]
         for mesh in ((2, 2, 2), (1, 2, 4)):
             losses, params, sharded = runs[mesh]
-            block = sharded["decoder"]["layers"]["block_0"]
-            first = next(iter(block.values()))  # the mixer's params
+            layers = sharded["decoder"]["layers"]
+            block = layers.get("block_0", layers)  # grouped when the layers differ
+            first = next(v for k, v in block.items()  # the mixer's params
+                         if k != "mlp" and not k.endswith("norm"))
             specs = {k: str(v.sharding.spec) for k, v in first.items()
                      if hasattr(v, "sharding")}
             out[f"{name} {','.join(map(str, mesh))}"] = {

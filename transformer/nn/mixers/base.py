@@ -40,6 +40,21 @@ def refuses_nothing(config, mesh) -> str | None:
     return None
 
 
+def no_sequence_axis(layer_type: str, state: str = "recurrent state") -> Refusal:
+    """The refusal of a mixer whose state runs through the tokens in order: a `sequence` mesh
+    axis would split it, and the state is not passed between devices.
+
+    >>> no_sequence_axis("mamba2")(None, {"sequence": 2})
+    'mamba2 layers: mesh.sequence=2: expected 1 (the recurrent state is not passed between devices)'
+    """
+    def refuses(config, mesh) -> str | None:
+        if (split := mesh.get("sequence", 1)) > 1:
+            return (f"{layer_type} layers: mesh.sequence={split}: expected 1 (the {state} is "
+                    "not passed between devices)")
+        return None
+    return refuses
+
+
 @dataclasses.dataclass(frozen=True)
 class Mixer:
     """One layer type's token mixer, as the registry lists it.

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from transformer.nn.attention import matmul, projection_init
-from transformer.nn.mixers.base import Mixer
+from transformer.nn.mixers.base import Mixer, no_sequence_axis
 from transformer.nn.mixers.conv import causal_conv
 from transformer.utils.keys import check_fields, int_, key
 
@@ -408,12 +408,7 @@ def cache_bytes_per_token(cfg) -> int:
     return 0  # the decode state does not grow: [N, K, V] and W - 1 inputs per layer
 
 
-def refuses(cfg, mesh: dict) -> str | None:
-    split = mesh.get("sequence", 1)
-    if split > 1:
-        return (f"linear_attention layers: mesh.sequence={split}: expected 1 (the recurrent "
-                "state is not passed between devices)")
-    return None
+refuses = no_sequence_axis("linear_attention")
 
 
 MIXER = Mixer(

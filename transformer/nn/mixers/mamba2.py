@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.nn.attention import matmul, projection_init
-from transformer.nn.mixers.base import Mixer
+from transformer.nn.mixers.base import Mixer, no_sequence_axis
 from transformer.nn.mixers.conv import causal_conv
 from transformer.utils.keys import BOOL, check_fields, int_, key, number
 
@@ -456,13 +456,7 @@ def cache_bytes_per_token(cfg) -> int:
     return 0
 
 
-def refuses(cfg, mesh: dict) -> str | None:
-    """A `sequence` mesh axis would split the recurrence; its state is not passed on."""
-    split = mesh.get("sequence", 1)
-    if split > 1:
-        return (f"mamba2 layers: mesh.sequence={split}: expected 1 (the recurrent state is not "
-                "passed between devices)")
-    return None
+refuses = no_sequence_axis("mamba2")
 
 
 MIXER = Mixer(layer=lambda cfg, name: Mamba2(Mamba2Settings.from_config(cfg), name=name),

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.nn.attention import matmul, projection_init
-from transformer.nn.mixers.base import Mixer
+from transformer.nn.mixers.base import Mixer, no_sequence_axis
 from transformer.nn.mixers.conv import causal_conv
 
 Array = jax.Array
@@ -70,6 +70,4 @@ MIXER = Mixer(
     flops_per_token=lambda config, seq_len: 0,
     decode_state="recurrent state",
     cache_bytes_per_token=lambda config: 0,
-    refuses=lambda config, mesh: (
-        f"conv layers: mesh.sequence={mesh['sequence']}: expected 1 (the convolution's state "
-        "is not passed between devices)" if mesh.get("sequence", 1) > 1 else None))
+    refuses=no_sequence_axis("conv", "convolution's state"))
