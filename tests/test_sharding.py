@@ -31,7 +31,7 @@ from transformer.parallel import sharding
 from transformer.training import optim, state
 
 REPO = Path(__file__).resolve().parents[1]
-TIMEOUT = 300
+TIMEOUT = 900  # the 8-device checks take 3 minutes alone; CI machines under load, far longer
 
 
 # --- mesh shapes and rules ------------------------------------------------------------------
