@@ -111,11 +111,14 @@ def test_greedy_generation_equals_the_argmax_of_recompute(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_scan_and_remat_give_the_plain_gradients(kind):
+    """Full remat of every block changes where activations come from, never the gradients."""
     plain, params = built(kind)
     config = hybrid_config(kind, remat_policy="full")
     remat = build_model(config)
     x = tokens()
     loss = lambda model: jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x) ** 2) / VOCAB)
     want, got = loss(plain)(params), jax.jit(loss(remat))(params)
+    # float32 rounding in the recurrences grows with a leaf's scale (CI's CPU once gave 1.3e-4
+    # on a leaf whose largest entry is ~10); a wrong remat or scan is off by O(1)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(a, b, atol=2e-5 * np.abs(a).max(), rtol=1e-4)
