@@ -195,10 +195,10 @@ def test_every_nth_layer_is_moe_and_a_scanned_rematerialised_stack_equals_the_un
     def loss(model, p):
         return family.loss_and_metrics(model, config, p, batch)
 
-    (want, want_metrics), want_grads = jax.value_and_grad(
-        lambda p: loss(unrolled_model, p), has_aux=True)(params)
-    (got, got_metrics), got_grads = jax.value_and_grad(
-        lambda p: loss(scanned_model, p), has_aux=True)(scanned)
+    (want, want_metrics), want_grads = jax.jit(jax.value_and_grad(
+        lambda p: loss(unrolled_model, p), has_aux=True))(params)
+    (got, got_metrics), got_grads = jax.jit(jax.value_and_grad(
+        lambda p: loss(scanned_model, p), has_aux=True))(scanned)
     assert float(got) == pytest.approx(float(want), rel=1e-6)
     for name in ("moe_load_balance", "moe_router_z", "moe_dropped"):
         assert float(got_metrics[name]) == pytest.approx(float(want_metrics[name]), rel=1e-6)
