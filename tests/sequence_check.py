@@ -7,7 +7,8 @@ starts). Parts:
   attention  the all-gather and ring strategies against dense attention on one device (output
              and q/k/v gradients, plus the T5 bias table's gradient), for causal, packed
              causal, prefix-LM, sliding-window, bottom-right causal (fewer queries than keys)
-             and zig-zag (`masks.Permuted`) masks, on meshes with sequence = 2, 4, 8;
+             and zig-zag (`masks.Permuted`) masks, on sequence = 4 (and 2, 8 for zig-zag),
+             the masks that differ by row and the sinks on data x sequence x tensor too;
   training   a few train steps of a GPT (packed rows of uneven documents) and of a prefix LM
              on meshes with sequence = 2, 4, 8, alone and with data / fsdp / tensor, both
              strategies, RoPE, ALiBi, T5 and learned positions: losses and final params
@@ -85,7 +86,9 @@ def attention_cases(devices) -> dict[str, float]:
             q, k, v, mask, bias.table(bias.q_BT, bias.kv_BS), softcap=softcap, sinks=sinks)
 
     results = {}
-    meshes = ({"sequence": 4}, {"data": 2, "sequence": 2, "tensor": 2})
+    # data x sequence x tensor for the masks that differ by row (rows split over data) and the
+    # sinks (split with the heads over tensor); the others on sequence=4.
+    composite = {"packed", "prefix", "zigzag", "sinks"}
     for name, (mask, q_len) in cases.items():
         softcap = 1.5 if name == "softcap" else 0.0
         sinks = sink_logits if name == "sinks" else None
@@ -93,7 +96,9 @@ def attention_cases(devices) -> dict[str, float]:
         for strategy in sequence_parallel.STRATEGIES:
             fn = functools.partial(sequence_parallel.attention, strategy=strategy, q_chunk=8,
                                    kv_chunk=8, softcap=softcap)
-            extra = ({"sequence": 2}, {"sequence": 8}) if name == "zigzag" else ()
+            meshes = [{"sequence": 4}] + [{"data": 2, "sequence": 2, "tensor": 2}] * (
+                name in composite)
+            extra = [{"sequence": 2}, {"sequence": 8}] if name == "zigzag" else []
             for sizes in meshes + extra:
                 with jax.set_mesh(mesh_of(**sizes, devices=devices)), nn.logical_axis_rules(
                         sharding.LOGICAL_AXIS_RULES):
@@ -151,23 +156,20 @@ def training_batches(family: str) -> list[dict[str, np.ndarray]]:
 
 # (family, strategy, mesh, load balance, positions[, model knobs]): every axis size, alone and
 # beside data / fsdp / tensor, each strategy, both decoder families, one run without the zig-zag
-# layout, each kind of positions (RoPE unless named), and the attention / block knobs.
+# layout, each kind of positions (RoPE unless named), and the attention / block knobs (learned
+# positions with Gemma 2's). Each strategy on every axis size: the attention cases above.
 GEMMA2_KNOBS = dict(qk_norm=True, attention_softcap=2.0, final_logit_softcap=5.0,
                     sliding_window=8, sliding_window_pattern=2, norm_placement="sandwich")
 OLMO2_KNOBS = dict(qk_norm=True, qk_norm_scope="projection", norm_placement="post_sublayer")
 TRAINING = [
-    ("gpt", "all_gather", {"sequence": 8}, True, "rope"),
     ("gpt", "all_gather", {"data": 2, "sequence": 4}, True, "rope"),
-    ("gpt", "ring", {"sequence": 2}, True, "rope"),
     ("gpt", "ring", {"sequence": 8}, True, "rope"),
     ("gpt", "ring", {"fsdp": 2, "sequence": 2, "tensor": 2}, True, "rope"),
     ("gpt", "ring", {"sequence": 4}, False, "rope"),
     ("gpt", "ring", {"sequence": 4}, True, "alibi"),
     ("gpt", "all_gather", {"data": 2, "sequence": 4}, True, "t5"),
-    ("gpt", "ring", {"data": 2, "sequence": 4}, True, "learned"),
     ("prefix_lm", "all_gather", {"fsdp": 2, "sequence": 4}, True, "rope"),
-    ("prefix_lm", "ring", {"data": 2, "sequence": 4}, True, "rope"),
-    ("gpt", "ring", {"data": 2, "sequence": 4}, True, "rope", GEMMA2_KNOBS),
+    ("gpt", "ring", {"data": 2, "sequence": 4}, True, "learned", GEMMA2_KNOBS),
     ("gpt", "all_gather", {"sequence": 4, "tensor": 2}, True, "rope", OLMO2_KNOBS),
     ("prefix_lm", "ring", {"sequence": 2, "tensor": 2}, True, "rope", dict(parallel_block=True)),
 ]

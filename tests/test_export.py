@@ -239,14 +239,19 @@ LLAMA_SHAPED = dict(position="rope", norm="rmsnorm", activation="swiglu", use_bi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("architecture", ["GPT2LMHeadModel", "LlamaForCausalLM"])
-def test_a_trained_workdir_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp_path,
-                                                                             architecture):
+def test_a_trained_workdir_exports_and_hf_gives_our_logits_and_greedy_tokens(
+        tmp_path, monkeypatch, architecture):
+    """The Llama-shaped run trains sharded over four devices (fsdp=4); the export runs on one."""
     workdir, output = tmp_path / "run", tmp_path / "hf"
     model = {"position": "learned", "max_len": 64} if architecture == "GPT2LMHeadModel" \
         else LLAMA_SHAPED
     flags = [f"--config.model.{k}={v}" for k, v in model.items()]
+    if architecture == "LlamaForCausalLM":
+        monkeypatch.setenv("XLA_FLAGS", cli_env(4)["XLA_FLAGS"])
+        flags += ["--config.batch_size=4", "--config.mesh.fsdp=4", "--config.mesh.data=1"]
     assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
                              f"--workdir={workdir}", *tiny_flags(3), *flags, logs=tmp_path))
+    monkeypatch.undo()
     result = run_cli("transformer.export", f"--workdir={workdir}", f"--output={output}",
                      logs=tmp_path)
     assert_succeeded(result)
@@ -254,9 +259,12 @@ def test_a_trained_workdir_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp
     hf = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
     assert type(hf).__name__ == architecture
 
+    from transformer.parallel import sharding
     from transformer.training import checkpoint
 
-    saved = checkpoint.restore_params(str(workdir))
+    one_device = sharding.make_mesh({axis: 1 for axis in sharding.MESH_AXES},
+                                    devices=jax.local_devices()[:1])
+    saved = checkpoint.restore_params(str(workdir), mesh=one_device)
     ours = build_model(saved.config.model)
     ids = tokens(8, (2, 16)) % saved.config.model.vocab_size
     with torch.no_grad():
@@ -411,23 +419,3 @@ if __name__ == "__main__":  # the export half of the tolerance table for the iss
         with tempfile.TemporaryDirectory() as d:
             print(f"{name:<26} {export_difference(name, d):>10.2e}")
 
-
-@pytest.mark.slow
-def test_a_run_sharded_over_four_devices_exports_on_one(tmp_path, monkeypatch):
-    workdir, output = tmp_path / "run", tmp_path / "hf"
-    monkeypatch.setenv("XLA_FLAGS", cli_env(4)["XLA_FLAGS"])
-    assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
-                             f"--workdir={workdir}", *tiny_flags(2), "--config.batch_size=4",
-                             "--config.mesh.fsdp=4", "--config.mesh.data=1",
-                             *[f"--config.model.{k}={v}" for k, v in LLAMA_SHAPED.items()],
-                             logs=tmp_path))
-    monkeypatch.undo()
-    assert_succeeded(run_cli("transformer.export", f"--workdir={workdir}",
-                             f"--output={output}", logs=tmp_path))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
-    from transformer.parallel import sharding
-    from transformer.training import checkpoint
-
-    one_device = sharding.make_mesh({axis: 1 for axis in sharding.MESH_AXES},
-                                    devices=jax.local_devices()[:1])
-    assert_imports_back(hf, checkpoint.restore_params(str(workdir), mesh=one_device).params)

@@ -2,6 +2,7 @@
 transformer.harness): tasks defined here from local JSONL files
 (nothing is downloaded) give the numbers computed directly from the model's log-probabilities."""
 
+import functools
 import glob
 import json
 import math
@@ -68,11 +69,18 @@ def workdir(tmp_path_factory):
     return workdir
 
 
+@functools.cache
+def forward(model):
+    """model.apply, jitted (one compile per length; eager runs every op on its own, ~3x
+    slower): an unpadded forward pass of one sequence."""
+    return jax.jit(model.apply)
+
+
 def direct_logprob(lm, context: str, continuation: str) -> float:
     """log p(continuation | <eos> context) from one forward pass, byte tokens (concatenative)."""
     ids = [lm.eos] + lm.tokenizer.encode(context + continuation).tolist()
     n = len(lm.tokenizer.encode(continuation))
-    logits = lm.model.apply({"params": lm.params}, jnp.asarray([ids[:-1]]))
+    logits = forward(lm.model)({"params": lm.params}, jnp.asarray([ids[:-1]]))
     logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)))[0]
     return float(sum(logp[t, ids[t + 1]] for t in range(len(ids) - 1 - n, len(ids) - 1)))
 
@@ -80,7 +88,9 @@ def direct_logprob(lm, context: str, continuation: str) -> float:
 def evaluate(lm, tmp_path, task):
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(write_tasks(tmp_path / "tasks")))
+    # Only the tasks defined here: indexing lm_eval's thousands of built-in ones takes ~10 s.
+    manager = TaskManager(include_path=str(write_tasks(tmp_path / "tasks")),
+                          include_defaults=False)
     return lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager,
                                    log_samples=False)["results"][task]
 
@@ -113,7 +123,7 @@ def test_rolling_log_likelihood_covers_every_token_once(workdir, tmp_path):
         for context, target in map(make_disjoint_window, get_rolling_token_windows(
                 ids, prefix_token=lm.eos, max_seq_len=16, context_len=1)):
             fed = (context + target)[:-1]
-            logits = lm.model.apply({"params": lm.params}, jnp.asarray([fed]))
+            logits = forward(lm.model)({"params": lm.params}, jnp.asarray([fed]))
             logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)))[0]
             total += sum(logp[len(fed) - len(target) + k, t] for k, t in enumerate(target))
             predicted += len(target)

@@ -195,10 +195,10 @@ def test_every_nth_layer_is_moe_and_a_scanned_rematerialised_stack_equals_the_un
     def loss(model, p):
         return family.loss_and_metrics(model, config, p, batch)
 
-    (want, want_metrics), want_grads = jax.value_and_grad(
-        lambda p: loss(unrolled_model, p), has_aux=True)(params)
-    (got, got_metrics), got_grads = jax.value_and_grad(
-        lambda p: loss(scanned_model, p), has_aux=True)(scanned)
+    (want, want_metrics), want_grads = jax.jit(jax.value_and_grad(
+        lambda p: loss(unrolled_model, p), has_aux=True))(params)
+    (got, got_metrics), got_grads = jax.jit(jax.value_and_grad(
+        lambda p: loss(scanned_model, p), has_aux=True))(scanned)
     assert float(got) == pytest.approx(float(want), rel=1e-6)
     for name in ("moe_load_balance", "moe_router_z", "moe_dropped"):
         assert float(got_metrics[name]) == pytest.approx(float(want_metrics[name]), rel=1e-6)
@@ -302,13 +302,11 @@ def expert_results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["expert=2", "expert=4", "expert=8", "data=2,expert=4",
+@pytest.mark.parametrize("mesh", ["expert=2", "expert=8", "data=2,expert=4",
                                   "fsdp=2,expert=4", "fsdp=2,expert=2,tensor=2",
                                   "expert=4 scanned", "fsdp=2,expert=4 scanned",
-                                  "expert=2 dropless", "expert=4 dropless", "expert=8 dropless",
-                                  "data=2,expert=4 dropless", "fsdp=2,expert=4 dropless",
-                                  "fsdp=2,expert=2,tensor=2 dropless", "data=8 dropless",
-                                  "fsdp=2,expert=4 scanned dropless"])
+                                  "expert=8 dropless", "fsdp=2,expert=2,tensor=2 dropless",
+                                  "data=8 dropless", "fsdp=2,expert=4 scanned dropless"])
 def test_each_expert_mesh_trains_like_one_device_with_the_experts_split(expert_results, mesh):
     result = expert_results[mesh]
     variant = mesh.split(" ", 1)[1] if " " in mesh else "unrolled"

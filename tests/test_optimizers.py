@@ -53,8 +53,10 @@ def tiny(name: str = "adamw", steps: int = 4, seed: int = 0, **optimizer):
     """A 1-layer GPT on the embedded corpus, `name`'s settings (`SETTINGS`) and `optimizer`."""
     config = configs.base_config()
     config.experiment = f"optim/{name}"
+    # MFU against a fixed peak: no CPU measurement at every start (tests/test_metrics.py)
     config.update(seed=seed, steps=steps, batch_size=2, seq_len=16, log_every=1,
-                  eval_every=steps, eval_steps=1, checkpoint_every=2, keep_checkpoints=5)
+                  eval_every=steps, eval_steps=1, checkpoint_every=2, keep_checkpoints=5,
+                  peak_flops_per_device=1e11)
     config.model.update(num_layers=1, d_model=32, num_heads=2, d_ff=64, max_len=16,
                         vocab_size=0)
     config.optimizer.update(name=name, warmup_steps=1, **SETTINGS[name])
@@ -273,14 +275,24 @@ def schedule_config(steps: int, **optimizer):
     return config
 
 
-@pytest.mark.parametrize("shape", ["cosine", "1-sqrt"])
-def test_wsd_rates_follow_the_formula(tmp_path, shape):
-    train.train_and_evaluate(schedule_config(10, decay="wsd", decay_fraction=0.4,
-                                             decay_shape=shape), str(tmp_path))
+def schedule_rates(config) -> dict[int, float]:
+    """The rates the schedule gives each logged step (1-based), as a run logs them."""
+    schedule = optim.learning_rate_schedule(config.optimizer, config.steps)
+    return {step: float(schedule(step - 1)) for step in range(1, config.steps + 1)}
+
+
+def test_wsd_rates_follow_the_formula(tmp_path):
+    """Each shape's schedule follows the formula; a run logs its schedule's rates (cosine; the
+    linear one through a resume below)."""
+    for shape in ("cosine", "1-sqrt", "linear"):
+        config = schedule_config(10, decay="wsd", decay_fraction=0.4, decay_shape=shape)
+        for step, rate in schedule_rates(config).items():
+            assert rate == pytest.approx(wsd(step, 10, shape), rel=1e-5, abs=1e-9), (shape, step)
+    train.train_and_evaluate(config := schedule_config(10, decay="wsd", decay_fraction=0.4,
+                                                       decay_shape="cosine"), str(tmp_path))
     rates = logged_rates(tmp_path)
     assert sorted(rates) == list(range(1, 11))
-    for step, rate in rates.items():
-        assert rate == pytest.approx(wsd(step, 10, shape), rel=1e-5, abs=1e-9), step
+    assert rates == pytest.approx(schedule_rates(config), rel=1e-7)
 
 
 def test_wsd_resumed_with_larger_steps_decays_at_its_new_end(tmp_path):
@@ -302,15 +314,19 @@ def test_wsd_resumed_with_larger_steps_decays_at_its_new_end(tmp_path):
     assert rates[7] == pytest.approx(1e-3) and rates[8] < 1e-3
 
 
-@pytest.mark.parametrize("warmup", [3, 0])
-def test_inverse_sqrt_rates_follow_the_formula(tmp_path, warmup):
-    config = schedule_config(8, decay="inverse_sqrt")
-    config.optimizer.warmup_steps = warmup
+def test_inverse_sqrt_rates_follow_the_formula(tmp_path):
+    """With and without warmup; a run logs the schedule's rates (warmup 3)."""
+    for warmup in (0, 3):
+        config = schedule_config(8, decay="inverse_sqrt")
+        config.optimizer.warmup_steps = warmup
+        for step, rate in schedule_rates(config).items():
+            t, w = step - 1, max(warmup, 1)
+            expected = 1e-3 * t / w if t < warmup else 1e-3 * math.sqrt(w / max(t, w))
+            assert rate == pytest.approx(expected, rel=1e-6, abs=1e-12), (warmup, step)
     train.train_and_evaluate(config, str(tmp_path))
-    for step, rate in logged_rates(tmp_path).items():
-        t, w = step - 1, max(warmup, 1)
-        expected = 1e-3 * t / w if t < warmup else 1e-3 * math.sqrt(w / max(t, w))
-        assert rate == pytest.approx(expected, rel=1e-6, abs=1e-12), step
+    rates = logged_rates(tmp_path)
+    assert sorted(rates) == list(range(1, 9))
+    assert rates == pytest.approx(schedule_rates(config), rel=1e-7)
 
 
 # --- config refusals ------------------------------------------------------------------------

@@ -339,11 +339,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-STEPS = 20
+# Two gloo processes on CPU take ~0.4 s a step (one takes 25 ms): few steps, each kill still
+# lands with a later checkpoint to come (the first is at 4, the last at STEPS).
+STEPS = 12
 RUN_FLAGS = ["--config=experiments/gpt_tiny.py", f"--config.steps={STEPS}",
              "--config.batch_size=8", "--config.seq_len=32", "--config.log_every=1",
              f"--config.eval_every={STEPS}",
-             "--config.eval_steps=1", "--config.checkpoint_every=5",
+             "--config.eval_steps=1", "--config.checkpoint_every=4",
              "--config.model.num_layers=2", "--config.model.d_model=32",
              "--config.model.num_heads=4", "--config.model.d_ff=64",
              "--config.mesh.data=2", "--config.mesh.fsdp=2",
@@ -395,7 +397,7 @@ def kill_after_first_checkpoint(runs: list[subprocess.Popen], workdir: Path, log
         assert all(r.poll() is None for r in runs), "\n".join(
             p.read_text()[-3000:] for p in logs.iterdir())
         assert time.time() < deadline, "no checkpoint was written"
-        time.sleep(0.2)
+        time.sleep(0.05)
     for run in runs:
         run.send_signal(signal.SIGKILL)
         run.wait()

@@ -37,6 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
 TIMEOUT = 300
 TINY_MODEL = dict(num_layers=1, d_model=32, num_heads=2, d_ff=64)
+# The MFU peak of the tiny runs: measuring the CPU's (metrics.cpu_peak, a 2048^2 matmul at every
+# start) costs each run a second. tests/test_metrics.py tests the measurement, and the
+# experiments' runs below measure it as a run does by default.
+PEAK = 1e11
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -55,16 +59,21 @@ def tiny_config(name: str = "gpt_tiny", *, steps: int = 2, **overrides):
     """An experiment shrunk to seconds: the same overrides as `tiny_flags`."""
     config = experiment_config(name)
     config.update(steps=steps, batch_size=2, seq_len=16, log_every=1, eval_every=steps,
-                  eval_steps=1, checkpoint_every=steps)
+                  eval_steps=1, checkpoint_every=steps, peak_flops_per_device=PEAK)
     config.update(**overrides)
     config.model.update(**TINY_MODEL)
     return config
 
 
-def tiny_flags(steps: int, *, checkpoint_every: int | None = None, family: str = "gpt"):
+def tiny_flags(steps: int, *, checkpoint_every: int | None = None, family: str = "gpt",
+               measure_peak: bool = False):
+    """`tiny_config`'s overrides as flags; `measure_peak`: MFU against the CPU's measured peak,
+    as runs do by default (else against `PEAK`)."""
     flags = [f"--config.steps={steps}", "--config.batch_size=2", "--config.seq_len=16",
              "--config.log_every=1", f"--config.eval_every={steps}", "--config.eval_steps=1",
              f"--config.checkpoint_every={checkpoint_every or steps}"]
+    if not measure_peak:
+        flags.append(f"--config.peak_flops_per_device={PEAK}")
     flags += [f"--config.model.{key}={value}" for key, value in TINY_MODEL.items()]
     if family == "t5":
         flags.append("--config.model.num_decoder_layers=1")
@@ -193,7 +202,7 @@ def _launch_experiment(spec: str, root: Path) -> tuple[Path, CliRun]:
     config = experiment_config(name, *spec.split(":")[1:])
     workdir = root / name / "workdir"
     args = [f"--config=experiments/{spec}", f"--workdir={workdir}",
-            *tiny_flags(EXPERIMENT_STEPS, family=config.model.family)]
+            *tiny_flags(EXPERIMENT_STEPS, family=config.model.family, measure_peak=True)]
     if name == "gpt_shakespeare_char":
         args.append(f"--config.data.path={SHAKESPEARE}")
     if "finetune" in name:  # from scratch: the pretraining run is not there
@@ -258,33 +267,33 @@ MOE_FLAGS = ["--config.model.moe.num_experts=4", "--config.model.moe.capacity_fa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], MOE_FLAGS], ids=["dense", "moe"])
-def test_sigterm_saves_exits_cleanly_and_the_resumed_run_is_bitwise_identical(tmp_path, extra):
+def test_sigterm_saves_exits_cleanly_and_the_resumed_run_is_bitwise_identical(tmp_path):
     """One run is stopped by SIGTERM mid-way and rerun to the end; another runs uninterrupted.
     Both must end with the same bits in every array of the train state, and log the same
     loss at every step (each step trained once overall). SIGTERM comes right after step 2 is
     reported, so the run normally stops at step 2 or 3: a checkpoint only the signal writes
-    (checkpoint_every is 4)."""
+    (checkpoint_every is 4). The model has a mixture of experts (its router's metrics resume
+    too); a dense one resumes through the same loop (kill -9 in tests/test_faults.py)."""
     steps = 6
 
     def args(workdir: Path) -> list[str]:
         # Dropout on, so the per-step RNG must be resumed exactly too.
         return ["--config=experiments/gpt_tiny.py", f"--workdir={workdir}",
                 *tiny_flags(steps, checkpoint_every=4), "--config.model.dropout_rate=0.1",
-                *extra]
+                *MOE_FLAGS]
 
     reference_dir, resumed_dir = tmp_path / "uninterrupted", tmp_path / "resumed"
     reference = start_cli("transformer.train", *args(reference_dir), logs=tmp_path / "ref")
     try:
         _interrupt_resume_and_compare(args, steps, reference, reference_dir, resumed_dir,
                                       tmp_path)
-        if extra:  # the router's metrics are logged, and resumed exactly too
-            moe = lambda workdir: {r["step"]: (r["moe_load_balance"], r["moe_dropped"])
-                                   for r in read_metrics(workdir) if r["split"] == "train"}
-            assert moe(resumed_dir) == moe(reference_dir)
-            assert all(dropped > 0 for _, dropped in moe(reference_dir).values())
-            summary = json.loads((reference_dir / "summary.json").read_text())
-            assert summary["active_params"] < summary["num_params"]
+        # the router's metrics are logged, and resumed exactly too
+        moe = lambda workdir: {r["step"]: (r["moe_load_balance"], r["moe_dropped"])
+                               for r in read_metrics(workdir) if r["split"] == "train"}
+        assert moe(resumed_dir) == moe(reference_dir)
+        assert all(dropped > 0 for _, dropped in moe(reference_dir).values())
+        summary = json.loads((reference_dir / "summary.json").read_text())
+        assert summary["active_params"] < summary["num_params"]
     finally:
         if reference.process.poll() is None:
             reference.process.kill()

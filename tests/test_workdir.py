@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,21 @@ def train(workdir: Path, text: Path, *flags: str, steps: int = 4, checkpoint_eve
     return run_cli("transformer.train", f"--workdir={workdir}", *data_flags(text),
                    *tiny_flags(steps, checkpoint_every=checkpoint_every), *flags,
                    logs=workdir.parent / f"{logs}-{workdir.name}")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, text) -> Path:
+    """A finished 2-step run (`train(workdir, text, steps=2)`): the run most tests start from,
+    trained once. Tests that write to it work on a copy (`copy_of`)."""
+    workdir = tmp_path_factory.mktemp("trained") / "run"
+    assert_succeeded(train(workdir, text, steps=2))
+    return workdir
+
+
+def copy_of(trained: Path, workdir: Path) -> Path:
+    """The 2-step run copied to `workdir` (as if trained there: no file names its workdir)."""
+    shutil.copytree(trained, workdir, symlinks=True)
+    return workdir
 
 
 def error_line(result) -> str:
@@ -167,11 +183,10 @@ def test_readers_beside_a_training_never_fail_it_and_never_fail(tmp_path, text):
     assert checkpoint_steps(workdir)[-1] == steps
 
 
-def test_readers_leave_a_step_being_written_alone(tmp_path, text):
+def test_readers_leave_a_step_being_written_alone(tmp_path, trained):
     """A step still being written (Orbax's temporary directory) survives every way of reading
     the workdir; a training's Manager would have cleaned it up."""
-    workdir = tmp_path / "run"
-    assert_succeeded(train(workdir, text, steps=2))
+    workdir = copy_of(trained, tmp_path / "run")
     writing = workdir / "checkpoints" / "3.orbax-checkpoint-tmp-1234"
     (writing / "state").mkdir(parents=True)
     step, config = checkpoint_lib.saved_run(str(workdir))
@@ -310,10 +325,8 @@ def test_a_failed_background_write_is_found_by_the_next_check_not_the_next_save(
         manager.check_for_errors()
 
 
-def test_init_from_over_another_runs_checkpoints_is_refused(tmp_path, text):
-    base, workdir = tmp_path / "base", tmp_path / "run"
-    assert_succeeded(train(base, text, steps=2))
-    assert_succeeded(train(workdir, text, steps=2))
+def test_init_from_over_another_runs_checkpoints_is_refused(tmp_path, text, trained):
+    base, workdir = trained, copy_of(trained, tmp_path / "run")
     before = file_hashes(workdir)
     result = train(workdir, text, f"--config.init_from={base}", steps=4)
     assert result.returncode == 2, describe(result)
@@ -329,9 +342,8 @@ def test_init_from_over_another_runs_checkpoints_is_refused(tmp_path, text):
     assert checkpoint_steps(tuned) == [2, 4]
 
 
-def test_a_failed_init_from_leaves_no_workdir(tmp_path, text):
-    base = tmp_path / "base"
-    assert_succeeded(train(base, text, steps=2))
+def test_a_failed_init_from_leaves_no_workdir(tmp_path, text, trained):
+    base = trained
     workdir = tmp_path / "new"
     result = train(workdir, text, f"--config.init_from={base}", "--config.model.d_model=48",
                    steps=2)
@@ -340,9 +352,8 @@ def test_a_failed_init_from_leaves_no_workdir(tmp_path, text):
     assert not workdir.exists()
 
 
-def test_fresh_start_with_an_init_from_that_fails_changes_nothing(tmp_path, text):
-    base, workdir = tmp_path / "base", tmp_path / "run"
-    assert_succeeded(train(base, text, steps=2))
+def test_fresh_start_with_an_init_from_that_fails_changes_nothing(tmp_path, text, trained):
+    base, workdir = trained, tmp_path / "run"
     assert_succeeded(train(workdir, text, "--config.model.d_model=48", steps=2))
     before = file_hashes(workdir)
     result = train(workdir, text, "--config.fresh_start=True", f"--config.init_from={base}",
@@ -352,7 +363,8 @@ def test_fresh_start_with_an_init_from_that_fails_changes_nothing(tmp_path, text
     assert file_hashes(workdir) == before and not list(workdir.glob("checkpoints.set-aside-*"))
 
 
-def test_fresh_start_that_fails_to_build_changes_nothing(tmp_path, text, monkeypatch):
+def test_fresh_start_that_fails_to_build_changes_nothing(tmp_path, text, trained,
+                                                         monkeypatch):
     """The set-aside comes after every check and after the model builds: a start that fails in
     the last of them (past validate_config, which a bad value never gets beyond) leaves the
     previous run where it was."""
@@ -360,8 +372,7 @@ def test_fresh_start_that_fails_to_build_changes_nothing(tmp_path, text, monkeyp
 
     from transformer import train as train_lib
 
-    workdir = tmp_path / "run"
-    assert_succeeded(train(workdir, text, steps=2))
+    workdir = copy_of(trained, tmp_path / "run")
     before = file_hashes(workdir)
 
     def does_not_build(*args, **kwargs):
@@ -375,9 +386,8 @@ def test_fresh_start_that_fails_to_build_changes_nothing(tmp_path, text, monkeyp
     assert file_hashes(workdir) == before and not list(workdir.glob("checkpoints.set-aside-*"))
 
 
-def test_fresh_start_with_a_bad_value_changes_nothing(tmp_path, text):
-    workdir = tmp_path / "run"
-    assert_succeeded(train(workdir, text, steps=2))
+def test_fresh_start_with_a_bad_value_changes_nothing(tmp_path, text, trained):
+    workdir = copy_of(trained, tmp_path / "run")
     before = file_hashes(workdir)
     result = train(workdir, text, "--config.fresh_start=True", "--config.model.dtype=int8",
                    steps=2, logs="bad")
@@ -388,9 +398,8 @@ def test_fresh_start_with_a_bad_value_changes_nothing(tmp_path, text):
     assert [r["step"] for r in read_metrics(workdir) if r["split"] == "train"] == [1, 2, 3, 4]
 
 
-def test_fresh_start_sets_the_whole_previous_run_aside(tmp_path, text):
-    workdir = tmp_path / "run"
-    assert_succeeded(train(workdir, text, steps=2))
+def test_fresh_start_sets_the_whole_previous_run_aside(tmp_path, text, trained):
+    workdir = copy_of(trained, tmp_path / "run")
     # Named here, not read from checkpoint_lib.RUN_FILES: a name dropped there must fail this.
     records = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer", "val_windows.npz",
                "goodput.json")

@@ -180,6 +180,21 @@ def keep_records_up_to(path: str, step: int) -> list[str]:
     return kept
 
 
+def summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch where torch is not loaded yet:
+    tensorboardX imports torch (2 s) only to accept torch tensors, and we log floats. A `None`
+    in sys.modules makes its `import torch` fail as if torch were absent, which it allows."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]  # a later `import torch` (export, HF) loads it as usual
+    return SummaryWriter
+
+
 class MetricsLogger:
     """Metrics to JSONL + TensorBoard (process 0), progress lines to the terminal.
 
@@ -197,8 +212,7 @@ class MetricsLogger:
         self.start = time.perf_counter()
         self.elapsed_before = 0.0
         if enabled:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = summary_writer_class()
             self.path = fileio.join(workdir, "metrics.jsonl")
             lines = keep_records_up_to(self.path, start_step)
             if lines:
