@@ -3,7 +3,9 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/moe_dispatch_check.py DIR
 
 Run by tests/test_moe.py in a subprocess. One gated MoE layer (8 experts, top-2,
-capacity_factor=0) against the same layer on one device (the single-device ragged path): per
+capacity_factor=0; DeepSeek-V3's sigmoid scores in 2 groups with the balance bias, and
+gpt-oss's biases and clamped SwiGLU, all params perturbed so each is in play) against the
+same layer on one device (the single-device ragged path): per
 mesh the dispatch path it compiled, the largest output and gradient differences. Also the
 exchange by `jax.lax.ragged_all_to_all` (which XLA:CPU cannot compile) with that primitive
 emulated from its documented semantics, and the compiled temporary bytes of the sharded path
@@ -32,7 +34,8 @@ MESHES = ["expert=2", "expert=4", "expert=8", "data=2,expert=4", "fsdp=2,expert=
 
 def layer(capacity_factor: float = 0.0) -> moe.MoEFeedForward:
     return moe.MoEFeedForward(num_experts=E, d_ff=F, top_k=K, capacity_factor=capacity_factor,
-                              gated=True, activation=nn.silu)
+                              gated=True, activation=nn.silu, score="sigmoid", groups=2,
+                              top_groups=1, balance_bias=True, use_bias=True, swiglu_limit=2.0)
 
 
 def loss(params, x, capacity_factor=0.0):
@@ -91,6 +94,8 @@ def main() -> None:
     assert len(jax.devices()) == 8, jax.devices()
     x = jax.random.normal(jax.random.key(1), (B, T, D))
     params = layer().init(jax.random.key(0), x)
+    noise = iter(jax.random.split(jax.random.key(3), len(jax.tree.leaves(params))))
+    params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(next(noise), p.shape), params)
     (value, y), grads = jax.value_and_grad(loss, has_aux=True)(nn.unbox(params), x)
     single = (value, y, nn.unbox(grads))
     results = {}

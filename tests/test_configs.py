@@ -217,6 +217,7 @@ ARGUMENTS = {
     "t5_finetune_text2text": ["modules", "speakers"],
     "ablations/pretrain_vs_scratch": [f"{family}{task}" for family in ("bert", "t5", "gpt")
                                       for task in ("", ",speakers")],
+    "ablations/hybrids": ["512", "4096"],
 }
 
 

@@ -147,6 +147,12 @@ def check_pipeline(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int]
     if model.get("position") in ("alibi", "t5"):
         raise ValueError(f"{where} with model.position={model.position!r}: expected positions "
                          "without an attention bias")
+    moe = model.get("moe")
+    if moe and moe.get("num_experts") and (moe.get("first_dense_layers")
+                                            or moe.get("balance_bias")):
+        name = "first_dense_layers" if moe.get("first_dense_layers") else "balance_bias"
+        raise ValueError(f"{where} with model.moe.{name}={moe.get(name)!r}: expected one of "
+                         "them (the stages run one scanned stack and sow no expert loads)")
     stack = family_of(config.model).build(model_for_checks(config)).config
     groups = stack.num_layers // stack.layer_period
     rows = (config.batch_size // config.optimizer.grad_accumulation_steps

@@ -7,9 +7,9 @@ seeds), against multi-head attention:
 - attention sinks (gpt-oss), also on a model with a 16-token sliding window, trained at 64
   tokens and evaluated at 64..512 (StreamingLLM: a sink keeps a windowed model stable past its
   trained length);
-- gated attention, per head and per element (Qwen3-Next, Qiu et al. 2025);
-- hybrids: Gated DeltaNet in 1 of 4 layers, 3 of 4 (Qwen3-Next's ratio) and all 4, and all
-  Mamba 2 (the Gated DeltaNet paper: hybrids match full attention).
+- gated attention, per head and per element (Qwen3-Next, Qiu et al. 2025).
+
+The linear-attention hybrids train at longer rows: experiments/ablations/hybrids.py.
 
     python -m transformer.sweep --config=experiments/ablations/token_mixers.py \
         --workdir=runs/ablations/token_mixers --batched_seeds
@@ -21,7 +21,6 @@ from transformer.configs import small_char_lm
 MLA = {"model.attention_kind": "mla", "model.mla.kv_lora_rank": 64, "model.mla.q_lora_rank": 0,
        "model.mla.qk_nope_head_dim": 32, "model.mla.qk_rope_head_dim": 16,
        "model.mla.v_head_dim": 32}
-LINEAR = {"model.linear_attention.key_head_dim": 32, "model.linear_attention.value_head_dim": 32}
 WINDOW = {"model.sliding_window": 16}
 
 
@@ -42,11 +41,6 @@ def get_sweep():
         "window16_sinks": {**WINDOW, "model.attention_sinks": True},
         "gate_head": {"model.attention_gate": "head"},
         "gate_element": {"model.attention_gate": "element"},
-        "linear_1_in_4": {**LINEAR, "model.layer_types": "full_attention*3,linear_attention"},
-        "linear_3_in_4": {**LINEAR, "model.layer_types": "linear_attention*3,full_attention"},
-        "linear_all": {**LINEAR, "model.layer_types": "linear_attention"},
-        "mamba2_all": {"model.layer_types": "mamba2", "model.mamba2.head_dim": 32,
-                       "model.mamba2.state_size": 32},
     })
 
 

@@ -14,7 +14,7 @@ import flax.linen as nn
 import ml_collections
 
 from transformer.nn import objectives
-from transformer.nn.blocks import moe_aux
+from transformer.nn.blocks import expert_loads, moe_aux
 from transformer.nn.config import TransformerConfig
 
 _STACK_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
@@ -93,7 +93,11 @@ class Family:
         out = model.apply({"params": params}, *self.init_args(batch), **features,
                           rngs=rngs or {}, deterministic=deterministic,
                           mutable=["losses"] if with_aux else False)
-        return (out[0], moe_aux(out[1].get("losses", {}))) if with_aux else out
+        if not with_aux:
+            return out
+        losses = out[1].get("losses", {})
+        loads = expert_loads(losses)
+        return out[0], {**moe_aux(losses), **({"expert_load": loads} if loads else {})}
 
     @property
     def per_row(self) -> bool:
@@ -101,11 +105,13 @@ class Family:
         return self.loss is token_loss
 
     def loss_and_metrics(self, model, config, params, batch, rng=None, deterministic=True,
-                         rows: bool = False):
+                         rows: bool = False, loads: bool = False):
         """(loss, metrics) of a batch under the run's z_loss and label smoothing; `rng` seeds
         dropout. MoE models add their routers' weighted load-balance and z losses to the loss
-        (metrics["loss"] stays the task's) and report them as `moe_*` metrics. `rows` (only
-        where `per_row`): metrics also hold each row's sums (`objectives.cross_entropy`)."""
+        (metrics["loss"] stays the task's) and report them as `moe_*` metrics; with `loads`,
+        also each layer's expert loads as metrics["moe_expert_load"] (`blocks.expert_loads`,
+        for the train step). `rows` (only where `per_row`): metrics also hold each row's
+        sums (`objectives.cross_entropy`)."""
         logits, aux = self.logits(model, params, batch, deterministic=deterministic,
                                   rngs=None if rng is None else {"dropout": rng}, with_aux=True)
         loss, metrics = self.loss(logits, batch, z_loss=config.get("z_loss", 0.0),
@@ -115,5 +121,6 @@ class Family:
             moe = config.model.moe
             loss = (loss + moe.load_balance_loss * aux["load_balance"]
                     + moe.router_z_loss * aux["router_z"])
-            metrics = {**metrics, **{f"moe_{name}": value for name, value in aux.items()}}
+            metrics = {**metrics, **{f"moe_{name}": value for name, value in aux.items()
+                                     if loads or name != "expert_load"}}
         return loss, metrics

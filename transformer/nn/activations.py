@@ -64,3 +64,17 @@ ACTIVATIONS = {  # name -> nonlinearity (for gated variants: of the gate)
     "geglu": gelu_tanh,
 }
 GATED = ("swiglu", "geglu")
+
+
+def clamped_swiglu(gate: Array, up: Array, limit: float, alpha: float = 1.702) -> Array:
+    """gpt-oss's expert activation: the gate clamped to <= limit and `up` to [-limit, limit],
+    then (up + 1) * gate * sigmoid(alpha * gate) (a GELU-like sigmoid gate; the + 1 keeps a
+    path where `up` is 0).
+
+    >>> y = clamped_swiglu(jnp.array([0.0, 10.0]), jnp.array([1.0, -9.0]), limit=7.0)
+    >>> [round(v, 3) for v in y.tolist()]  # the second: (-7 + 1) * 7 * sigmoid(1.702 * 7)
+    [0.0, -42.0]
+    """
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)

@@ -5,6 +5,8 @@ Shapes: B batch, T length, D model width.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -20,6 +22,7 @@ from transformer.nn.layers import MLP, norm_layer
 from transformer.nn.masks import Mask
 from transformer.nn.mixers import MIXERS
 from transformer.nn.moe import MoEFeedForward
+from transformer.nn.routing import imbalance, update_balance_bias
 from transformer.parallel import pipeline_parallel, sharding
 
 Array = jax.Array
@@ -100,6 +103,9 @@ class TransformerBlock(nn.Module):
             num_experts=cfg.moe.num_experts, d_ff=cfg.moe.d_ff or cfg.d_ff, top_k=cfg.moe.top_k,
             capacity_factor=cfg.moe.capacity_factor, num_shared=cfg.moe.num_shared,
             normalize_gates=cfg.moe.normalize_gates, shared_gate=cfg.moe.shared_gate,
+            score=cfg.moe.score, groups=cfg.moe.n_group, top_groups=cfg.moe.topk_group,
+            scale=cfg.moe.routed_scaling_factor, balance_bias=cfg.moe.balance_bias,
+            use_bias=cfg.moe.use_bias, swiglu_limit=cfg.moe.swiglu_limit,
             activation=ACTIVATIONS[cfg.activation], gated=cfg.activation in GATED,
             init_std=cfg.init_std, init_scale=cfg.init_scale(),
             out_init_scale=cfg.init_scale(residual=True), dtype=cfg.dtype,
@@ -149,6 +155,19 @@ def _scanned(cfg: TransformerConfig, block, length: int, kwargs: dict, **module_
                    layer_type=cfg.layer_type(0), **kwargs, **module_kwargs)
 
 
+def scan_segments(cfg: TransformerConfig) -> list[tuple[str, TransformerConfig, int]]:
+    """The scanned stack's parts, (params name, config, layers): an MoE stack's first dense
+    layers (moe.first_dense_layers, DeepSeek-V3's first 3) scan apart as `dense_layers`, then
+    the rest as `layers`, each part's params stacked alike."""
+    dense = cfg.moe.first_dense_layers if cfg.moe.num_experts else 0
+    if not dense:
+        return [("layers", cfg, cfg.num_layers)]
+    replace = dataclasses.replace
+    return [("dense_layers", replace(cfg, moe=replace(cfg.moe, num_experts=0)), dense),
+            ("layers", replace(cfg, moe=replace(cfg.moe, first_dense_layers=0)),
+             cfg.num_layers - dense)]
+
+
 MOE_AUX = ("load_balance", "router_z", "dropped")  # sown per MoE layer as losses/moe_<name>
 
 
@@ -163,6 +182,52 @@ def moe_aux(losses) -> dict[str, Array]:
             if f"moe_{name}" in keys:
                 leaves[name].append(jnp.ravel(value))
     return {name: jnp.mean(jnp.concatenate(values)) for name, values in leaves.items() if values}
+
+
+def expert_loads(losses) -> dict:
+    """The MoE layers' sown expert loads (`routing.Routing.load_E`, [..., E], a scanned
+    stack's with its layer groups first), nested as the params are: each `.../moe/expert_load`
+    beside its layer's `.../moe/balance_bias`; {} without MoE layers."""
+    out = {}
+    for name, value in losses.items():
+        if name == "expert_load":
+            out[name] = value[0]  # sow keeps a tuple
+        elif isinstance(value, Mapping) and (inner := expert_loads(value)):
+            out[name] = inner
+    return out
+
+
+def move_balance_biases(params, before, loads: dict, rate: float, moving=True):
+    """`params` with each MoE layer's expert bias set to its value in `before` moved by
+    `routing.update_balance_bias` on the load its layer sowed (`expert_loads`) where `moving`
+    (kept where not): gradients and the optimizer never change it. Layers without a bias and
+    the other params stay as they are."""
+    out = dict(params)
+    for name, value in loads.items():
+        if name != "expert_load":
+            out[name] = move_balance_biases(params[name], before[name], value, rate, moving)
+        elif "balance_bias" in params:
+            old = before["balance_bias"]
+            out["balance_bias"] = jnp.where(moving, update_balance_bias(old, value, rate), old)
+    return out
+
+
+def layer_imbalance(loads: dict, cfg: TransformerConfig, prefix: str = "") -> dict[str, Array]:
+    """`routing.imbalance` of each MoE layer's load (`expert_loads`), named "<stack>_<i>" with
+    i the layer (from 0): unrolled `layers_<i>`, or scanned `layers` (after the first dense
+    layers) whose group g, block j is layer g * layer_period + j."""
+    out = {}
+    for name, value in loads.items():
+        if name.startswith("layers_"):
+            out[f"{prefix}{int(name[7:])}"] = imbalance(value["moe"]["expert_load"])
+        elif name == "layers":
+            blocks = {0: value} if "moe" in value else {int(k[6:]): v for k, v in value.items()}
+            for j, block in blocks.items():
+                for g, x in enumerate(imbalance(block["moe"]["expert_load"])):
+                    out[f"{prefix}{cfg.moe.first_dense_layers + g * cfg.layer_period + j}"] = x
+        else:
+            out.update(layer_imbalance(value, cfg, f"{prefix}{name}_"))
+    return out
 
 
 class TransformerStack(nn.Module):
@@ -242,11 +307,12 @@ class TransformerStack(nn.Module):
                       decode=decode)
         moe = cfg.moe
         if cfg.scan_layers:
-            groups = cfg.num_layers // cfg.layer_period
             if self._pipelined(decode):
                 x_BTD = self._pipeline(block, kwargs, x_BTD, args, deterministic)
             else:
-                x_BTD, _ = _scanned(cfg, block, groups, kwargs, name="layers")(x_BTD, *args)
+                for name, part, layers in scan_segments(cfg):
+                    x_BTD, _ = _scanned(part, block, layers // part.layer_period, kwargs,
+                                        name=name)(x_BTD, *args)
         else:
             for i in range(cfg.num_layers):
                 x_BTD = block(cfg, name=f"layers_{i}", moe_layer=moe.is_moe_layer(i),

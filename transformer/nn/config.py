@@ -246,6 +246,17 @@ class TransformerConfig:
         if self.moe.num_experts and self.num_layers % self.moe.every_n_layers:
             raise ValueError(f"moe.every_n_layers={self.moe.every_n_layers}: expected a divisor "
                              f"of num_layers={self.num_layers}")
+        if self.moe.num_experts and self.moe.swiglu_limit and self.activation != "swiglu":
+            raise ValueError(f"moe.swiglu_limit={self.moe.swiglu_limit}: expected activation="
+                             f"'swiglu' (it clamps SwiGLU's halves), not {self.activation!r}")
+        dense = self.moe.first_dense_layers if self.moe.num_experts else 0
+        if dense and not any(self.moe.is_moe_layer(i) for i in range(self.num_layers)):
+            raise ValueError(f"moe.first_dense_layers={dense}: expected fewer than the layers "
+                             f"(num_layers={self.num_layers}), or no MoE layer is left")
+        if dense and self.scan_layers and dense % self.layer_period:
+            raise ValueError(f"moe.first_dense_layers={dense}: with scan_layers, expected a "
+                             f"multiple of the layer period ({self.layer_period}; the dense "
+                             "layers and the rest scan apart)")
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads={self.num_kv_heads}: expected a divisor of "
                              f"num_heads={self.num_heads}")

@@ -1,7 +1,9 @@
 """Mixture-of-experts feed-forward (GShard / Switch routing with expert capacity).
 
 Each row of the batch is one routing group. A float32 router scores every token against E
-experts; each token goes to its top-k experts, into per-expert buffers of `capacity` slots:
+experts (softmax or sigmoid scores, optionally grouped and with DeepSeek-V3's expert bias:
+transformer.nn.routing); each token goes to its top-k experts, into per-expert buffers of
+`capacity` slots:
 
     capacity = ceil(capacity_factor * T * k / E)      (capacity_factor = 0: T, nothing dropped)
 
@@ -22,11 +24,8 @@ When a mesh axis splits the tokens (batch, expert or sequence) the same runs per
 holding their experts along `expert` and back, O(T k) per row as well. Only where that cannot
 run (the experts or the batch not divisible by `expert`) is it the buffer path with C = T.
 
-Auxiliary quantities (`Routing`), all float32:
-  load_balance  E * sum_e f_e * P_e: f_e the fraction of (token, choice) pairs routed to expert
-                e, P_e the mean router probability of e (Switch / GShard; 1 when balanced);
-  router_z      mean over tokens of logsumexp(router logits)^2 (ST-MoE);
-  dropped       the fraction of (token, choice) pairs dropped for capacity.
+The auxiliary quantities (load balance, router z, dropped fraction, per-expert load) are
+`routing.Routing`'s.
 
 Expert parallelism (the `expert` mesh axis, `parallel.sharding`): outside the MoE layers the
 axis splits the batch like data parallelism; the experts' params are split over it. Two
@@ -50,14 +49,17 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from transformer.nn import kernels
+from transformer.nn.activations import clamped_swiglu
+from transformer.nn.routing import SCORES, Routing, capacity, route
 from transformer.parallel import pipeline_parallel, sharding
-from transformer.utils.keys import BOOL, check_fields, described, int_, key, number
+from transformer.utils.keys import BOOL, check_fields, choice, described, int_, key, number
 
 Array = jax.Array
-EXPERT_WEIGHTS = ("wi", "wi_gate", "wi_up", "wo")  # the experts' own params: [E, in, out]
+# The experts' own params: [E, in, out] kernels and (moe.use_bias) [E, out] biases.
+EXPERT_WEIGHTS = ("wi", "wi_gate", "wi_up", "wo", "wi_bias", "wi_gate_bias", "wi_up_bias",
+                  "wo_bias")
 # Expert buffers [B, E, C, D] on the experts' side of the all-to-all, and on the tokens' side.
 EXPERT_BUFFERS = ("activation_moe_batch", "activation_expert", None, "activation_embed")
 TOKEN_BUFFERS = ("activation_batch", None, None, "activation_embed")
@@ -68,9 +70,12 @@ class MoEConfig:
     """Mixture-of-experts settings of a stack (`model.moe.*`); `num_experts=0`: dense layers.
 
     Layer i (from 0) has an MoE feed-forward when (i + 1) % every_n_layers == 0 (2: every
-    other layer, as Switch and GShard); its experts have the stack's d_ff and activation, no
-    biases. The auxiliary losses are averaged over the MoE layers and added to the training
-    loss with these weights (Switch: 0.01; ST-MoE's z-loss: 0.001).
+    other layer, as Switch and GShard) and i >= first_dense_layers; its experts have the
+    stack's activation, no biases. The auxiliary losses are averaged over the MoE layers and
+    added to the training loss with these weights (Switch: 0.01; ST-MoE's z-loss: 0.001).
+    DeepSeek-V3's routing: score="sigmoid", n_group=8, topk_group=4, top_k=8,
+    routed_scaling_factor=2.5, balance_bias=True with bias_update_rate=0.001, and the aux
+    loss nearly off (transformer.nn.routing).
     """
 
     num_experts: int = key(0, "Experts per MoE layer; 0 keeps dense feed-forward layers.",
@@ -94,12 +99,49 @@ class MoEConfig:
                                    number(ge=0), structural=False)
     router_z_loss: float = key(0.001, "Weight of the router z-loss (ST-MoE).", number(ge=0),
                                structural=False)
+    score: str = key("softmax", "The router's scores: softmax over experts, or each expert's "
+                     "sigmoid (DeepSeek-V3).", choice(SCORES))
+    n_group: int = key(1, "Expert groups (DeepSeek-V3): a token chooses within its topk_group "
+                       "best groups; divides num_experts.", int_(ge=1))
+    topk_group: int = key(1, "Groups a token chooses its experts from (with n_group > 1).",
+                          described(int_(ge=1), "an int in [1, n_group]"))
+    routed_scaling_factor: float = key(1.0, "The routed experts' gates times this "
+                                       "(DeepSeek-V3: 2.5).", number(gt=0))
+    first_dense_layers: int = key(0, "The first k layers keep a dense feed-forward "
+                                  "(DeepSeek-V3's first_k_dense_replace).", int_(ge=0))
+    balance_bias: bool = key(False, "A per-expert bias added to the scores for the choice "
+                             "only (DeepSeek-V3's aux-loss-free balancing; params .../moe/"
+                             "balance_bias).", BOOL)
+    bias_update_rate: float = key(
+        0.0, "After each step the balance bias moves by this times the sign of each expert's "
+        "load error (DeepSeek-V3: 0.001); 0: fixed.", number(ge=0), structural=False)
+    use_bias: bool = key(False, "Biases on the router's logits and the experts' projections "
+                         "(gpt-oss).", BOOL)
+    swiglu_limit: float = key(
+        0.0, "gpt-oss's clamped SwiGLU in the experts: gate clamped to <= limit, up to "
+        "[-limit, limit], out (up + 1) * gate * sigmoid(1.702 gate); 0: the stack's "
+        "activation.", number(ge=0, note="0: off"))
 
     def __post_init__(self):
         check_fields(self, prefix="moe.")
-        if self.num_experts and self.top_k > self.num_experts:
+        if not self.num_experts:
+            return
+        if self.top_k > self.num_experts:
             raise ValueError(f"moe.top_k={self.top_k!r}: expected an int in [1, "
                              f"num_experts={self.num_experts}]")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"moe.n_group={self.n_group!r}: expected a divisor of "
+                             f"num_experts={self.num_experts}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"moe.topk_group={self.topk_group!r}: expected an int in [1, "
+                             f"n_group={self.n_group}]")
+        if self.top_k > self.topk_group * self.num_experts // self.n_group:
+            raise ValueError(f"moe.top_k={self.top_k!r}: expected at most the experts of "
+                             f"topk_group={self.topk_group} groups "
+                             f"({self.topk_group * self.num_experts // self.n_group})")
+        if self.bias_update_rate and not self.balance_bias:
+            raise ValueError(f"moe.bias_update_rate={self.bias_update_rate!r}: expected 0 "
+                             "without moe.balance_bias=True (there is no bias to move)")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` (from 0) of the stack has the MoE feed-forward.
@@ -107,21 +149,8 @@ class MoEConfig:
         >>> [MoEConfig(num_experts=4, every_n_layers=2).is_moe_layer(i) for i in range(4)]
         [False, True, False, True]
         """
-        return self.num_experts > 0 and (layer + 1) % self.every_n_layers == 0
-
-
-@struct.dataclass
-class Routing:
-    """How one batch was routed: each token's k experts and gates, the dispatch / combine
-    tensors (None when dropless: no slots), and the auxiliary quantities."""
-
-    choice_BTK: Array
-    gates_BTK: Array
-    dispatch_BTEC: Array | None
-    combine_BTEC: Array | None
-    load_balance: Array
-    router_z: Array
-    dropped: Array
+        return (self.num_experts > 0 and layer >= self.first_dense_layers
+                and (layer + 1) % self.every_n_layers == 0)
 
 
 def token_shards() -> int:
@@ -130,66 +159,6 @@ def token_shards() -> int:
     return math.prod([sharding.traced_split("activation_batch", axis)
                       for axis in sharding.BATCH_AXES]
                      + [sharding.traced_split("activation_length", "sequence")])
-
-
-def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
-    """Slots per expert per routing group (0 capacity_factor: every token fits).
-
-    >>> capacity(tokens=64, num_experts=8, top_k=2, capacity_factor=1.25)
-    20
-    """
-    if capacity_factor == 0:
-        return tokens
-    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
-
-
-def route(logits_BTE: Array, top_k: int, slots: int | None, normalize: bool = True) -> Routing:
-    """Top-k routing of router logits [B, T, E] into `slots` per expert (see module docstring);
-    `slots=None`: dropless, every choice kept and no dispatch tensors built.
-
-    `normalize`: the k gates of a token sum to 1 (Mixtral); otherwise they are the router
-    probabilities. Top-1 routing never normalizes: a gate of 1 would cut the router off from
-    the task's gradient (Switch keeps the probability).
-
-    Two tokens, two experts, one slot each, top-1: both prefer expert 0, so the second is
-    dropped.
-
-    >>> r = route(jnp.array([[[2.0, 0.0], [1.0, 0.0]]]), top_k=1, slots=1)
-    >>> r.dispatch_BTEC[0, :, :, 0].astype(int).tolist(), float(r.dropped)
-    ([[1, 0], [0, 0]], 0.5)
-    """
-    logits_BTE = logits_BTE.astype(jnp.float32)
-    batch, tokens, experts = logits_BTE.shape
-    probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
-    gates_BTK, choice_BTK = jax.lax.top_k(probs_BTE, top_k)
-    if normalize and top_k > 1:
-        gates_BTK = gates_BTK / jnp.sum(gates_BTK, axis=-1, keepdims=True)
-    # Priority order: choice-major (all first choices, then all second ...), token order within.
-    chosen_BKTE = jax.nn.one_hot(choice_BTK.transpose(0, 2, 1), experts, dtype=jnp.int32)
-    flat_BNE = chosen_BKTE.reshape(batch, top_k * tokens, experts)
-    pairs = top_k * tokens * batch
-    dispatch_BTEC = combine_BTEC = None
-    dropped = jnp.zeros((), jnp.float32)
-    if slots is not None:
-        slot_BNE = jnp.cumsum(flat_BNE, axis=1) - 1  # this pair's slot in its expert's buffer
-        kept_BNE = flat_BNE * (slot_BNE < slots)
-        slot_onehot_BNEC = jax.nn.one_hot(jnp.where(kept_BNE > 0, slot_BNE, -1), slots,
-                                          dtype=jnp.float32)  # -1: all zeros
-        slot_onehot_BKTEC = slot_onehot_BNEC.reshape(batch, top_k, tokens, experts, slots)
-        dispatch_BTEC = jnp.sum(slot_onehot_BKTEC, axis=1)
-        combine_BTEC = jnp.einsum("bktec,btk->btec", slot_onehot_BKTEC, gates_BTK)
-        dropped = 1.0 - jnp.sum(kept_BNE) / pairs
-    fraction_E = jnp.sum(flat_BNE, axis=(0, 1)) / pairs
-    mean_prob_E = jnp.mean(probs_BTE, axis=(0, 1))
-    return Routing(
-        choice_BTK=choice_BTK,
-        gates_BTK=gates_BTK,
-        dispatch_BTEC=dispatch_BTEC,
-        combine_BTEC=combine_BTEC,
-        load_balance=experts * jnp.sum(fraction_E * mean_prob_E),
-        router_z=jnp.mean(jax.nn.logsumexp(logits_BTE, axis=-1) ** 2),
-        dropped=dropped,
-    )
 
 
 class MoEFeedForward(nn.Module):
@@ -209,6 +178,13 @@ class MoEFeedForward(nn.Module):
     gated: bool = False
     normalize_gates: bool = True
     shared_gate: bool = False  # the shared FFN's output times sigmoid(x . w_gate) per token
+    score: str = "softmax"  # routing: the scores, groups, gate scale and bias (nn.routing)
+    groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0
+    balance_bias: bool = False  # params `balance_bias` [E], moved by the train step, not trained
+    use_bias: bool = False  # router_bias [E] and the experts' biases (gpt-oss)
+    swiglu_limit: float = 0.0  # > 0: activations.clamped_swiglu (gated experts)
     init_std: float | None = None
     init_scale: float = 1.0  # the experts' input kernels' init std multiplier (muP)
     out_init_scale: float = 1.0  # their output kernels' (muP, scale_residual_init)
@@ -234,9 +210,20 @@ class MoEFeedForward(nn.Module):
         ragged = path != CAPACITY
         slots = None if ragged else capacity(tokens, self.num_experts, self.top_k,
                                              self.capacity_factor)
-        # The router runs in float32 whatever the compute dtype: its softmax picks the experts.
-        routing = route(jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), router),
-                        self.top_k, slots, self.normalize_gates)
+        bias_E = self.param("balance_bias", nn.with_logical_partitioning(
+            nn.initializers.zeros, (None,)), (self.num_experts,), jnp.float32) \
+            if self.balance_bias else None
+        logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), router)
+        if self.use_bias:
+            logits_BTE = logits_BTE + self.param("router_bias", nn.with_logical_partitioning(
+                nn.initializers.zeros, (None,)), (self.num_experts,), jnp.float32)
+        # The router runs in float32 whatever the compute dtype: its scores pick the experts.
+        routing = route(logits_BTE,
+                        self.top_k, slots, self.normalize_gates, score=self.score,
+                        bias_E=bias_E, groups=self.groups, top_groups=self.top_groups,
+                        scale=self.scale)
+        # Beside the bias's path (losses/.../moe/expert_load), for the train step to move it.
+        self.sow("losses", "expert_load", routing.load_E)
 
         def expert_param(name, shape, names):  # [E, in, out]: fan-in per expert
             init = self._init("wo" if name == "wo" else "in", in_axis=1, out_axis=2,
@@ -250,6 +237,9 @@ class MoEFeedForward(nn.Module):
                    for name in (("wi_gate", "wi_up") if self.gated else ("wi",))}
         weights["wo"] = expert_param("wo", (self.num_experts, self.d_ff, d_model),
                                      ("expert", "mlp", "expert_embed"))
+        if self.use_bias:  # the input projections' biases go with their kernels
+            for name in list(weights)[:-1]:
+                weights[f"{name}_bias"] = self._bias(f"{name}_bias", self.d_ff, "mlp")
         x_BTD = x_BTD.astype(self.dtype)
         if ragged:
             y_BTD = self._ragged(x_BTD, routing, weights, path != RAGGED)
@@ -261,21 +251,45 @@ class MoEFeedForward(nn.Module):
                                         TOKEN_BUFFERS)
             x_BECD = sharding.constrain(x_BECD, EXPERT_BUFFERS)
             matmul = lambda x_BECI, w_EIO: jnp.einsum("beci,eio->beco", x_BECI, w_EIO)
-            y_BECD = sharding.constrain(self._experts(x_BECD, weights, matmul), EXPERT_BUFFERS)
+            y_BECD = sharding.constrain(self._experts(x_BECD, weights, matmul, lambda b_EO: b_EO[
+                None, :, None]), EXPERT_BUFFERS)
             y_BECD = sharding.constrain(y_BECD, TOKEN_BUFFERS)  # and back to the tokens' layout
             y_BTD = jnp.einsum("btec,becd->btd", routing.combine_BTEC.astype(self.dtype),
                                y_BECD)
+        if self.use_bias:
+            # The output bias of each kept choice, times its gate: sum_k g_k (h_k W_o + b_o).
+            # Added here, after the experts (a tensor split sums their partial outputs).
+            wo_bias = self._bias("wo_bias", d_model, "expert_embed")
+            if ragged:
+                y_BTD = y_BTD + jnp.einsum("btk,btkd->btd", routing.gates_BTK.astype(self.dtype),
+                                           wo_bias[routing.choice_BTK])
+            else:
+                y_BTD = y_BTD + jnp.einsum("btec,ed->btd", routing.combine_BTEC.astype(
+                    self.dtype), wo_bias)
         if self.num_shared:
             y_BTD = y_BTD + self._shared(x_BTD)
         return y_BTD, routing
 
-    def _experts(self, x, weights, matmul):
-        """The expert FFNs on buffers x, with `matmul(x, w [E, in, out])` per expert."""
-        if self.gated:
-            h = self.activation(matmul(x, weights["wi_gate"])) * matmul(x, weights["wi_up"])
+    def _experts(self, x, weights, matmul, rows_of):
+        """The expert FFNs on buffers x, with `matmul(x, w [E, in, out])` per expert and, with
+        biases, `rows_of(b [E, out])` each expert's bias laid out as x's rows (the output bias
+        is added after the combine, in `__call__`)."""
+
+        def project(name):
+            y = matmul(x, weights[name])
+            return y + rows_of(weights[f"{name}_bias"]) if f"{name}_bias" in weights else y
+
+        if self.swiglu_limit:
+            h = clamped_swiglu(project("wi_gate"), project("wi_up"), self.swiglu_limit)
+        elif self.gated:
+            h = self.activation(project("wi_gate")) * project("wi_up")
         else:
-            h = self.activation(matmul(x, weights["wi"]))
+            h = self.activation(project("wi"))
         return matmul(h, weights["wo"])
+
+    def _bias(self, name: str, size: int, axis: str) -> Array:
+        return self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, (
+            "expert", axis)), (self.num_experts, size), self.param_dtype).astype(self.dtype)
 
     def _ragged(self, x_BTD: Array, routing: Routing, weights, sharded: bool) -> Array:
         """Dropless experts: the (token, choice) pairs sorted by expert, each expert's run of
@@ -285,7 +299,9 @@ class MoEFeedForward(nn.Module):
 
         def apply(x_ND, sizes_E, weights):  # rows sorted by expert, sizes_E rows each
             matmul = lambda x, w: jax.lax.ragged_dot(x, w, sizes_E)
-            return self._experts(x_ND, weights, matmul)
+            rows_of = lambda b_EO: jnp.repeat(b_EO, sizes_E, axis=0,
+                                              total_repeat_length=x_ND.shape[0])
+            return self._experts(x_ND, weights, matmul, rows_of)
 
         if sharded:
             return sharded_experts(x_BTD, routing.choice_BTK, routing.gates_BTK, weights,
@@ -406,8 +422,8 @@ def sharded_experts(x_BTD: Array, choice_BTK: Array, gates_BTK: Array, weights, 
     ep = mesh.shape.get(sharding.EXPERT_AXIS, 1)
     ragged = dispatch_path(0, num_experts, x_BTD.shape).startswith("ragged all-to-all")
     tokens = _tokens_spec(x_BTD.shape)
-    names = {name: ("expert", "mlp", None) if name == "wo" else ("expert", None, "mlp")
-             for name in weights}
+    names = {name: ("expert", "mlp", None) if name == "wo" else ("expert", "mlp")
+             if name.endswith("_bias") else ("expert", None, "mlp") for name in weights}
     specs = {name: sharding.mesh_spec(P(*names[name]), w.shape, mesh, rules)
              for name, w in weights.items()}
     hidden = specs["wo"][1]  # the mesh axes splitting the experts' hidden units

@@ -81,6 +81,8 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
                      f"gnorm {record['grad_norm']:.2f} "
                      + (f"moe balance {record['moe_load_balance']:.2f} dropped "
                         f"{record['moe_dropped']:.1%} " if "moe_dropped" in record else "")
+                     + (f"max/mean load {record['moe_imbalance']:.2f} "
+                        if "moe_imbalance" in record else "")
                      + speed, transient=True)
     run.last_metrics = record
     return time.perf_counter()  # the next window starts after this log's own host work

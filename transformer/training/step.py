@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 
 from transformer.models import family_of
+from transformer.nn import blocks
 from transformer.nn import lora as lora_lib
 from transformer.training.state import TrainState
 
@@ -48,7 +49,8 @@ def _halves(model, config, optimizer):
 
     def grads_of(params, batch, rng):
         def loss_fn(p):
-            return family.loss_and_metrics(model, config, p, batch, rng, deterministic=False)
+            return family.loss_and_metrics(model, config, p, batch, rng, deterministic=False,
+                                           loads=True)
         if lora_lib.enabled(config):  # the adapters' gradients alone
             (_, metrics), grads = lora_lib.value_and_grad(loss_fn, params)
         else:
@@ -72,19 +74,21 @@ def _halves(model, config, optimizer):
                 grads, m = grads_of(state.params, micro_batch, jax.random.fold_in(rng, i))
                 n = m["num_tokens"]
                 grads_sum = jax.tree.map(lambda a, g: a + g * n, grads_sum, grads)
-                sums = {k: sums[k] + m[k] * n for k in sums}
+                sums = jax.tree.map(lambda a, v: a + v * n, sums, {k: m[k] for k in sums})
                 return (grads_sum, tokens + n, sums), None
 
-            # Every metric but the counts is a token-weighted mean over the micro-batches.
+            # Every metric but the counts is a token-weighted mean over the micro-batches
+            # (the MoE layers' expert loads [E] too).
             shapes = jax.eval_shape(grads_of, state.params, jax.tree.map(lambda x: x[0], micro),
                                     rng)[1]
             zeros = lora_lib.zero_grads(state.params)
-            sums = {k: 0.0 for k in shapes if k not in ("num_tokens", "perplexity")}
+            sums = {k: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), v)
+                    for k, v in shapes.items() if k not in ("num_tokens", "perplexity")}
             (grads_sum, tokens, sums), _ = jax.lax.scan(
                 accumulate, (zeros, 0.0, sums), (micro, jnp.arange(accumulation)))
             denominator = jnp.maximum(tokens, 1.0)
             grads = jax.tree.map(lambda g: g / denominator, grads_sum)
-            metrics = {k: v / denominator for k, v in sums.items()}
+            metrics = jax.tree.map(lambda v: v / denominator, sums)
             metrics.update(perplexity=jnp.exp(metrics["loss"]), num_tokens=tokens)
         return grads, metrics
 
@@ -105,6 +109,25 @@ def _halves(model, config, optimizer):
         first_bad = jnp.where((state.first_nonfinite_step < 0) & ~finite, step,
                               state.first_nonfinite_step)
         metrics = {**metrics, "grad_norm": grad_norm}
+        params, metrics = expert_balance(model, config, params, state.params, metrics,
+                                         finite)
         return TrainState(state.step + 1, params, opt_state, first_bad), metrics
 
     return gradients, update
+
+
+def expert_balance(model, config, params, before, metrics, finite):
+    """The MoE layers' expert loads out of the step's metrics: each layer's imbalance logged
+    (moe_imbalance/<stack>_<layer>, and their max), and each balance bias (moe.balance_bias)
+    back to its value before the optimizer, moved by moe.bias_update_rate towards balance on
+    a finite step (DeepSeek-V3). (params, metrics)."""
+    loads = metrics.pop("moe_expert_load", None)
+    if not loads:
+        return params, metrics
+    layers = blocks.layer_imbalance(loads, model.config)
+    metrics = {**metrics, "moe_imbalance": jnp.max(jnp.stack(list(layers.values()))),
+               **{f"moe_imbalance/{name}": value for name, value in layers.items()}}
+    moe = config.model.moe
+    if moe.balance_bias:
+        params = blocks.move_balance_biases(params, before, loads, moe.bias_update_rate, finite)
+    return params, metrics
