@@ -10,7 +10,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from transformer.models import default_model_config
+from transformer.models import build_model, default_model_config
+from transformer.nn.blocks import stack_unrolled
 from transformer.nn.layers import stack_layers
 
 
@@ -75,6 +76,9 @@ def maybe_scan(config, params, *stacks):
         return params
     params = dict(params)
     for name in stacks:
+        if config.family == "gpt":  # layer periods and first dense layers: the stack's layout
+            params[name] = stack_unrolled(build_model(config).config, params[name])
+            continue
         layers = config.num_decoder_layers if name == "decoder" and config.num_decoder_layers \
             else config.num_layers
         params[name] = stack_layers(params[name], layers)

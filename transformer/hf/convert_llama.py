@@ -63,6 +63,7 @@ LLAMA_LIKE = {
         norm_offset=1.0, activation_key="hidden_activation",
         activations=(("gelu_pytorch_tanh", "geglu"), ("gelu_new", "geglu"))),
     "Mixtral": LlamaLike(), "Qwen2Moe": LlamaLike(), "Qwen3Moe": LlamaLike(qk_norm="head"),
+    "DeepseekV3": LlamaLike(),  # its attention and experts: convert_deepseek
     "Olmo2": LlamaLike("post_sublayer", (("self_attention_output_norm", "post_attention_layernorm"),
                                          ("mlp_output_norm", "post_feedforward_layernorm")),
                        qk_norm="projection"),
@@ -211,8 +212,11 @@ def _moe_params(ckpt, prefix, moe) -> dict[str, np.ndarray]:
                                         for j in range(moe.num_experts)]) for name in names)
     params = {"router": ckpt(prefix + "gate.weight", True), "wi_gate": wi_gate,
               "wi_up": wi_up, "wo": wo}
-    if moe.num_shared:
-        s = prefix + "shared_expert."
+    if moe.balance_bias:  # DeepSeek-V3's score-correction bias (a buffer in HF's model)
+        params["balance_bias"] = ckpt(prefix + "gate.e_score_correction_bias")
+    if moe.num_shared:  # Qwen2-MoE's shared_expert, DeepSeek's shared_experts
+        s = prefix + ("shared_experts." if ckpt.has(prefix + "shared_experts.gate_proj.weight")
+                      else "shared_expert.")
         params.update(shared_wi=ckpt(s + "gate_proj.weight", True),
                       shared_wi_up=ckpt(s + "up_proj.weight", True),
                       shared_wo=ckpt(s + "down_proj.weight", True))
@@ -240,8 +244,10 @@ def _windows(name, hf_config) -> dict[str, Any]:
     return {"sliding_window": int(window), "sliding_window_pattern": period}
 
 
-def _llama_like_config(name, hf_config, state_dict, **knobs) -> ml_collections.ConfigDict:
-    """The model config of a Llama-like HF config; `knobs`: family settings beyond Llama's."""
+def _llama_like_config(name, hf_config, state_dict, rope=None,
+                       **knobs) -> ml_collections.ConfigDict:
+    """The model config of a Llama-like HF config; `rope`: its RoPE settings where `_rope`
+    does not read them; `knobs`: family settings beyond Llama's."""
     family = LLAMA_LIKE[name]
     refused = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
     for key, supported in refused.items():
@@ -266,7 +272,7 @@ def _llama_like_config(name, hf_config, state_dict, **knobs) -> ml_collections.C
         d_ff=hf_config.intermediate_size, activation=activations[act], norm="rmsnorm",
         norm_placement=family.placement, qk_norm=bool(family.qk_norm),
         qk_norm_scope=family.qk_norm or "head", norm_epsilon=hf_config.rms_norm_eps,
-        position="rope", rope_layout="half", **_rope(hf_config),
+        position="rope", rope_layout="half", **(_rope(hf_config) if rope is None else rope),
         max_len=hf_config.max_position_embeddings, use_bias=False,
         init_std=hf_config.initializer_range, dropout_rate=0.0,
         attention_dropout_rate=getattr(hf_config, "attention_dropout", 0.0), **knobs)

@@ -168,6 +168,22 @@ def scan_segments(cfg: TransformerConfig) -> list[tuple[str, TransformerConfig, 
              cfg.num_layers - dense)]
 
 
+def stack_unrolled(cfg: TransformerConfig, stack: dict) -> dict:
+    """An unrolled stack's params {layers_0, ..., other} in `cfg`'s scanned layout: each part
+    of `scan_segments` stacked along a new leading axis, by groups of `layer_period` layers
+    ({block_j: layers j, j + P, ...}) where layers are not all alike."""
+    stack = dict(stack)
+    layers = [stack.pop(f"layers_{i}") for i in range(cfg.num_layers)]
+    stacked = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+    start = 0
+    for name, part, count in scan_segments(cfg):
+        mine, period = layers[start:start + count], part.layer_period
+        stack[name] = stacked(mine) if period == 1 else {
+            f"block_{j}": stacked(mine[j::period]) for j in range(period)}
+        start += count
+    return stack
+
+
 MOE_AUX = ("load_balance", "router_z", "dropped")  # sown per MoE layer as losses/moe_<name>
 
 

@@ -1,0 +1,180 @@
+"""DeepSeek-V3 from Hugging Face (transformer.hf.convert_deepseek): a small DeepseekV3ForCausalLM
+with perturbed random weights (MLA with a low-rank query and YaRN, a dense first layer, then 8
+experts in 2 groups with the score-correction bias, a shared expert) gives our logits, scanned
+or not, and HF's greedy tokens; each feature binds."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformer.generation.programs import decode  # noqa: E402
+from transformer.hf import convert  # noqa: E402
+from transformer.models import build_model  # noqa: E402
+
+VOCAB = 97
+YARN = dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=8,
+            beta_fast=8.0, beta_slow=1.0, mscale=0.9, mscale_all_dim=0.7)
+
+
+def deepseek(seed=0, **overrides):
+    """A 3-layer DeepSeek-V3 (layer 0 dense), every tensor and the routers' biases perturbed."""
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=3, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=12,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=32,
+        rope_parameters=YARN, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+        experts_implementation="eager")
+    config = transformers.DeepseekV3Config(**{**settings, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    hf = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+        for layer in hf.model.layers[1:]:  # a buffer, not a parameter
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    return hf.eval()
+
+
+def inputs():
+    ids = np.random.default_rng(6).integers(3, VOCAB, (2, 12))
+    mask = np.ones((2, 12), np.int64)
+    mask[1, 9:] = 0  # right padding in the second row
+    return ids, mask
+
+
+def hf_logits(hf) -> np.ndarray:
+    ids, mask = inputs()
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+
+
+def our_logits(config, params) -> np.ndarray:
+    ids, mask = inputs()
+    return np.asarray(jax.jit(lambda p, x, s: build_model(config).apply({"params": p}, x,
+                                                                        segment_ids=s))(
+        params, jnp.asarray(ids), jnp.asarray(mask)))
+
+
+def difference(got, want) -> float:
+    valid = inputs()[1].astype(bool)
+    return float(np.abs(got[valid] - want[valid]).max() / max(1.0, np.abs(want[valid]).max()))
+
+
+@pytest.fixture(scope="module")
+def converted():
+    hf = deepseek()
+    config, params = convert.from_hf(hf.config, hf.state_dict())
+    return hf, config, params
+
+
+def test_the_config_is_deepseeks(converted):
+    _, config, params = converted
+    assert (config.attention_kind, config.rope_layout, config.rope_scaling) == (
+        "mla", "interleaved", "yarn")
+    moe = config.moe
+    assert (moe.score, moe.n_group, moe.topk_group, moe.top_k, moe.first_dense_layers,
+            moe.num_shared, moe.routed_scaling_factor, moe.balance_bias, moe.capacity_factor) == (
+        "sigmoid", 2, 1, 3, 1, 1, 2.5, True, 0.0)
+    layers = params["decoder"]
+    assert "mlp" in layers["layers_0"] and "moe" in layers["layers_1"]
+    assert layers["layers_2"]["moe"]["balance_bias"].shape == (8,)
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["low-rank q", "full q"])
+def test_logits_equal_transformers(q_lora_rank, converted):
+    hf, config, params = converted if q_lora_rank else (None, None, None)
+    if hf is None:
+        hf = deepseek(seed=1, q_lora_rank=None, rope_interleave=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+        config, params = convert.from_hf(hf.config, hf.state_dict())
+        assert (config.mla.q_lora_rank, config.rope_layout) == (0, "half")
+    assert difference(our_logits(config, params), hf_logits(hf)) <= 1e-4
+
+
+def test_scanned_import_gives_the_same_logits(converted):
+    """Scanned, the dense first layer and the expert layers stack apart."""
+    _, config, params = converted
+    scanned = config.copy_and_resolve_references()
+    scanned.scan_layers = True
+    stacked = convert.scan_params(scanned, params)
+    assert stacked["decoder"]["dense_layers"]["mlp"]["wo"].shape[0] == 1
+    assert stacked["decoder"]["layers"]["moe"]["wo"].shape[0] == 2
+    np.testing.assert_allclose(our_logits(scanned, stacked), our_logits(config, params),
+                               atol=1e-5)
+
+
+def test_each_routing_feature_binds(converted):
+    """The bias, the groups and the gate scaling each move HF's logits by far more than the
+    tolerance, so the equality above checks them."""
+    hf, _, _ = converted
+    base = hf_logits(hf)
+    gates = [layer.mlp.gate for layer in hf.model.layers[1:]]
+    for name, change, undo in [
+            ("bias", lambda g: g.e_score_correction_bias.mul_(0), None),
+            ("groups", lambda g: setattr(g, "topk_group", 2), lambda g: setattr(g, "topk_group", 1)),
+            ("scale", lambda g: setattr(g, "routed_scaling_factor", 1.0),
+             lambda g: setattr(g, "routed_scaling_factor", 2.5))]:
+        saved = [g.e_score_correction_bias.clone() for g in gates]
+        with torch.no_grad():
+            for g in gates:
+                change(g)
+        assert difference(hf_logits(hf), base) > 1e-2, name
+        with torch.no_grad():
+            for g, bias in zip(gates, saved, strict=True):
+                g.e_score_correction_bias.copy_(bias)
+                if undo:
+                    undo(g)
+    assert difference(hf_logits(hf), base) == 0.0
+
+
+def test_greedy_decoding_equals_transformers_generate(converted):
+    hf, config, params = converted
+    prompts = [[5, 9, 33, 2 + 40], [7, 1 + 60, 3]]
+    ours, _ = decode(build_model(config), params, prompts, max_new_tokens=6, eos_id=None)
+    for prompt, row in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert row.tolist() == want
+
+
+def test_what_the_model_cannot_hold_is_refused_in_one_line():
+    hf = deepseek(num_experts_per_tok=1, topk_group=1)
+    with pytest.raises(ValueError, match="num_experts_per_tok=1 with norm_topk_prob=True"):
+        convert.from_hf(hf.config, hf.state_dict())
+    config = deepseek().config
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 1000.0, "factor": 2.0}
+    with pytest.raises(ValueError, match="deepseek_v3 rope_type='dynamic': expected 'default' "
+                                         "or 'yarn'"):
+        convert.from_hf(config, deepseek().state_dict())
+
+
+@pytest.mark.slow
+def test_a_short_fine_tune_through_the_cli_with_no_model_flags(tmp_path):
+    """`init_from=hf:DIR` takes the whole architecture from config.json: every param loads,
+    none is new, and two steps train (bytes as tokens: a vocabulary of 263)."""
+    from test_train import assert_succeeded, run_cli, tiny_flags
+
+    directory = tmp_path / "deepseek"
+    deepseek(vocab_size=263).save_pretrained(directory)
+    result = run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                     f"--config.init_from=hf:{directory}", "--config.data.tokenizer=byte",
+                     "--config.data.num_sentinels=0", f"--workdir={tmp_path / 'run'}",
+                     *[f for f in tiny_flags(2) if not f.startswith("--config.model.")],
+                     logs=tmp_path)
+    assert_succeeded(result)
+    line = next(x for x in result.stdout.splitlines() if x.startswith("init_from"))
+    assert line.endswith("loaded 52 params; new 0; dropped 0"), line
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert np.isfinite([r["loss"] for r in records if r.get("split") == "train"]).all()

@@ -1,0 +1,110 @@
+"""Import Hugging Face's DeepSeek-V3 (`deepseek_v3`: DeepSeek-V3, R1, Kimi K2 and their
+small relatives) into `DecoderLM`: multi-head latent attention (`model.attention_kind="mla"`,
+transformer.nn.mixers.mla), YaRN RoPE on the decoupled key, and DeepSeek's experts (sigmoid
+scores in groups, the balance bias, shared experts, the first dense layers;
+transformer.nn.routing). `convert.from_hf` dispatches here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from transformer.hf.common import Checkpoint, maybe_scan
+from transformer.hf.convert_llama import _llama_like_config, _moe_params
+
+
+def _yarn(hf_config) -> dict[str, Any]:
+    """RoPE settings: DeepSeek-V3 scales by YaRN (rope_type "yarn"); "default" is plain."""
+    rope = {**(getattr(hf_config, "rope_scaling", None) or {}),
+            **(getattr(hf_config, "rope_parameters", None) or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    settings = {"rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": "linear",
+                "rope_scale": 1.0}
+    if kind == "yarn":
+        settings.update(
+            rope_scaling="yarn", rope_scale=float(rope["factor"]),
+            rope_original_max_len=int(rope["original_max_position_embeddings"]),
+            rope_yarn_beta_fast=float(rope.get("beta_fast", 32.0)),
+            rope_yarn_beta_slow=float(rope.get("beta_slow", 1.0)),
+            rope_yarn_mscale=float(rope.get("mscale", 1.0)),
+            rope_yarn_mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
+            rope_yarn_truncate=bool(rope.get("truncate", True)))
+    elif kind != "default":
+        raise ValueError(f"deepseek_v3 rope_type={kind!r}: expected 'default' or 'yarn'")
+    return settings
+
+
+def _experts(hf_config) -> dict[str, Any]:
+    """model.moe: dropless (as HF), sigmoid scores, n_group / topk_group, the gates
+    renormalised (norm_topk_prob) and times routed_scaling_factor, n_shared_experts always on,
+    the first first_k_dense_replace layers dense, the score-correction bias fixed (its update
+    is training's: set moe.bias_update_rate to move it). HF has no auxiliary loss here."""
+    top_k, normalize = hf_config.num_experts_per_tok, bool(hf_config.norm_topk_prob)
+    if top_k == 1 and normalize:
+        raise ValueError("deepseek_v3 num_experts_per_tok=1 with norm_topk_prob=True: expected "
+                         ">= 2 or norm_topk_prob=False (our top-1 gate is its score)")
+    if getattr(hf_config, "topk_method", "noaux_tc") not in ("noaux_tc",):
+        raise ValueError(f"deepseek_v3 topk_method={hf_config.topk_method!r}: expected "
+                         "'noaux_tc' (grouped top-k of the biased sigmoid scores)")
+    return dict(num_experts=hf_config.n_routed_experts, top_k=top_k, capacity_factor=0.0,
+                d_ff=hf_config.moe_intermediate_size, num_shared=hf_config.n_shared_experts or 0,
+                normalize_gates=normalize, score="sigmoid", n_group=hf_config.n_group or 1,
+                topk_group=hf_config.topk_group or 1,
+                routed_scaling_factor=float(hf_config.routed_scaling_factor),
+                first_dense_layers=hf_config.first_k_dense_replace, balance_bias=True,
+                load_balance_loss=0.0, router_z_loss=0.0)
+
+
+def deepseek_v3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict,
+                                                                   dict]:
+    """DeepseekV3ForCausalLM / DeepseekV3Model -> (config for `DecoderLM`, params). Settings
+    this model cannot represent are refused, naming them."""
+    mla = dict(q_lora_rank=hf_config.q_lora_rank or 0, kv_lora_rank=hf_config.kv_lora_rank,
+               qk_nope_head_dim=hf_config.qk_nope_head_dim,
+               qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim)
+    config = _llama_like_config("DeepseekV3", hf_config, state_dict, rope=_yarn(hf_config),
+                                attention_kind="mla", mla=mla, moe=_experts(hf_config))
+    config.update(head_dim=None, num_kv_heads=None,
+                  rope_layout="interleaved" if getattr(hf_config, "rope_interleave", True)
+                  else "half")
+    root = "model." if any(k.startswith("model.") for k in state_dict) else ""
+    ckpt = Checkpoint(state_dict, ("lm_head.weight",) if config.tie_embeddings else (), dtype)
+    decoder = {"final_norm": {"scale": ckpt(f"{root}norm.weight")}}
+    for i in range(config.num_layers):
+        p = f"{root}layers.{i}."
+        dense = i < config.moe.first_dense_layers
+        decoder[f"layers_{i}"] = {
+            "self_attention_norm": {"scale": ckpt(p + "input_layernorm.weight")},
+            "mlp_norm": {"scale": ckpt(p + "post_attention_layernorm.weight")},
+            "self_attention": mla_params(ckpt, p + "self_attn.", config),
+            **({"mlp": {"wi_gate": ckpt(p + "mlp.gate_proj.weight", True),
+                        "wi_up": ckpt(p + "mlp.up_proj.weight", True),
+                        "wo": ckpt(p + "mlp.down_proj.weight", True)}} if dense else
+               {"moe": _moe_params(ckpt, p + "mlp.", config.moe)})}
+    params = {"embed": {"embedding": ckpt(f"{root}embed_tokens.weight")}, "decoder": decoder}
+    if config.head != "none" and not config.tie_embeddings:
+        params["lm_head"] = {"kernel": ckpt("lm_head.weight", transpose=True)}
+    ckpt.check_all_used()
+    return config, maybe_scan(config, params, "decoder")
+
+
+def mla_params(ckpt: Checkpoint, prefix: str, config) -> dict[str, np.ndarray]:
+    """`MultiHeadLatentAttention`'s params from DeepseekV3Attention's tensors: q_a / q_b (or
+    one q_proj), kv_a_proj_with_mqa, the two RMSNorms, kv_b_proj split per head into W_uk
+    (`k_b`, [C, N, P]) and W_uv (`v_b`, [C, N, V]), and o_proj as [N, V, D]."""
+    m, n, d = config.mla, config.num_heads, config.d_model
+    nope, k = m.qk_nope_head_dim, m.qk_nope_head_dim + m.qk_rope_head_dim
+    kv_b = ckpt(prefix + "kv_b_proj.weight").reshape(n, nope + m.v_head_dim, m.kv_lora_rank)
+    params = {"kv_a": ckpt(prefix + "kv_a_proj_with_mqa.weight", True),
+              "kv_a_norm": {"scale": ckpt(prefix + "kv_a_layernorm.weight")},
+              "k_b": kv_b[:, :nope].transpose(2, 0, 1), "v_b": kv_b[:, nope:].transpose(2, 0, 1),
+              "out": ckpt(prefix + "o_proj.weight", True).reshape(n, m.v_head_dim, d)}
+    if m.q_lora_rank:
+        params.update(q_a=ckpt(prefix + "q_a_proj.weight", True),
+                      q_a_norm={"scale": ckpt(prefix + "q_a_layernorm.weight")},
+                      q_b=ckpt(prefix + "q_b_proj.weight", True).reshape(m.q_lora_rank, n, k))
+    else:
+        params["query"] = ckpt(prefix + "q_proj.weight", True).reshape(d, n, k)
+    return params
