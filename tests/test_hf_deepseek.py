@@ -122,7 +122,8 @@ def test_each_routing_feature_binds(converted):
     gates = [layer.mlp.gate for layer in hf.model.layers[1:]]
     for name, change, undo in [
             ("bias", lambda g: g.e_score_correction_bias.mul_(0), None),
-            ("groups", lambda g: setattr(g, "topk_group", 2), lambda g: setattr(g, "topk_group", 1)),
+            ("groups", lambda g: setattr(g, "topk_group", 2),
+             lambda g: setattr(g, "topk_group", 1)),
             ("scale", lambda g: setattr(g, "routed_scaling_factor", 1.0),
              lambda g: setattr(g, "routed_scaling_factor", 2.5))]:
         saved = [g.e_score_correction_bias.clone() for g in gates]
