@@ -15,8 +15,9 @@ from transformer.hf.common import Checkpoint, maybe_scan
 from transformer.hf.convert_llama import _llama_like_config, _moe_params
 
 
-def _yarn(hf_config) -> dict[str, Any]:
-    """RoPE settings: DeepSeek-V3 scales by YaRN (rope_type "yarn"); "default" is plain."""
+def yarn_settings(hf_config, family: str = "deepseek_v3") -> dict[str, Any]:
+    """RoPE settings of a family that scales by YaRN (rope_type "yarn": DeepSeek-V3, gpt-oss);
+    "default" is plain RoPE, any other type is refused."""
     rope = {**(getattr(hf_config, "rope_scaling", None) or {}),
             **(getattr(hf_config, "rope_parameters", None) or {})}
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -32,7 +33,7 @@ def _yarn(hf_config) -> dict[str, Any]:
             rope_yarn_mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
             rope_yarn_truncate=bool(rope.get("truncate", True)))
     elif kind != "default":
-        raise ValueError(f"deepseek_v3 rope_type={kind!r}: expected 'default' or 'yarn'")
+        raise ValueError(f"{family} rope_type={kind!r}: expected 'default' or 'yarn'")
     return settings
 
 
@@ -64,7 +65,7 @@ def deepseek_v3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections
     mla = dict(q_lora_rank=hf_config.q_lora_rank or 0, kv_lora_rank=hf_config.kv_lora_rank,
                qk_nope_head_dim=hf_config.qk_nope_head_dim,
                qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim)
-    config = _llama_like_config("DeepseekV3", hf_config, state_dict, rope=_yarn(hf_config),
+    config = _llama_like_config("DeepseekV3", hf_config, state_dict, rope=yarn_settings(hf_config),
                                 attention_kind="mla", mla=mla, moe=_experts(hf_config))
     config.update(head_dim=None, num_kv_heads=None,
                   rope_layout="interleaved" if getattr(hf_config, "rope_interleave", True)

@@ -63,7 +63,7 @@ LLAMA_LIKE = {
         norm_offset=1.0, activation_key="hidden_activation",
         activations=(("gelu_pytorch_tanh", "geglu"), ("gelu_new", "geglu"))),
     "Mixtral": LlamaLike(), "Qwen2Moe": LlamaLike(), "Qwen3Moe": LlamaLike(qk_norm="head"),
-    "DeepseekV3": LlamaLike(),  # its attention and experts: convert_deepseek
+    "DeepseekV3": LlamaLike(), "GptOss": LlamaLike(),  # convert_deepseek, convert_gpt_oss
     "Olmo2": LlamaLike("post_sublayer", (("self_attention_output_norm", "post_attention_layernorm"),
                                          ("mlp_output_norm", "post_feedforward_layernorm")),
                        qk_norm="projection"),
@@ -244,13 +244,16 @@ def _windows(name, hf_config) -> dict[str, Any]:
     return {"sliding_window": int(window), "sliding_window_pattern": period}
 
 
-def _llama_like_config(name, hf_config, state_dict, rope=None,
+def _llama_like_config(name, hf_config, state_dict, rope=None, mapped=(),
                        **knobs) -> ml_collections.ConfigDict:
     """The model config of a Llama-like HF config; `rope`: its RoPE settings where `_rope`
-    does not read them; `knobs`: family settings beyond Llama's."""
+    does not read them; `mapped`: HF keys Llama refuses that the family maps itself (in
+    `knobs`: family settings beyond Llama's)."""
     family = LLAMA_LIKE[name]
     refused = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
     for key, supported in refused.items():
+        if key in mapped:
+            continue
         if getattr(hf_config, key, supported) != supported:
             raise ValueError(f"{name} {key}={getattr(hf_config, key)!r}: expected "
                              f"{supported!r} (the only value this model represents)")
