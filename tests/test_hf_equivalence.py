@@ -140,8 +140,12 @@ CASES = {
         kind="Gemma2", tie=True, head_dim=16, layers=4, sliding_window=4,
         query_pre_attn_scalar=12, attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
     "olmo2_untied": lambda: llama(kind="Olmo2"),
+    # OLMo 3: three 4-token sliding layers, then one full (test_olmo3_windows_bind)
+    "olmo3_window_4": lambda: llama(kind="Olmo3", layers=4, sliding_window=4),
     **MOE_CASES,
 }
+# Its rotary embedding is per layer type: the float64 patches do not apply.
+FLOAT32_ONLY = {"olmo3_window_4"}
 
 
 def t5_norm_in_float64(self, hidden):
@@ -253,8 +257,9 @@ def max_logit_difference(case: str, dtype: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("case", [c for c in CASES if c not in MOE_CASES])
+@pytest.mark.parametrize("case, dtype", [
+    (c, dtype) for c in CASES if c not in MOE_CASES for dtype in ("float32", "float64")
+    if dtype == "float32" or c not in FLOAT32_ONLY])
 def test_logits_match_hf(case, dtype):
     assert max_logit_difference(case, dtype) <= TOLERANCE[dtype]
 
@@ -497,7 +502,7 @@ def test_qwen3_gemma2_olmo2_settings_the_model_cannot_represent_are_refused(kind
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "mistral_window_4", "qwen2_qkv_bias",
                                   "qwen3_tied_qk_norm", "gemma2_window_softcaps",
-                                  "olmo2_untied", *MOE_CASES])
+                                  "olmo2_untied", "olmo3_window_4", *MOE_CASES])
 def test_kv_cache_greedy_decoding_matches_hf_generate(case):
     """12 new tokens after a 5-token prompt: the windows of mistral_window_4 and Gemma 2's
     sliding layers slide past the prompt, so the decode-time window mask is exercised as well
@@ -534,3 +539,19 @@ if __name__ == "__main__":  # the import half of the tolerance table for the iss
     for name in CASES:
         print(f"{name:<26} {max_logit_difference(name, 'float32'):>10.2e} "
               f"{max_logit_difference(name, 'float64'):>10.2e}")
+
+
+
+def test_olmo3_windows_bind():
+    """OLMo 3's window (vs one as long as the input) moves HF's logits by far more than the
+    tolerance, so test_logits_match_hf checks it; three sliding layers to one full."""
+    torch.manual_seed(0)
+    hf, hf_inputs, _, _, valid = CASES["olmo3_window_4"]()
+    config, _ = convert.from_hf(hf.config, hf.state_dict())
+    assert (config.sliding_window, config.sliding_window_pattern) == (4, 4)
+    hf = randomized(hf)
+    run = lambda: hf(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).logits.numpy()
+    with torch.no_grad():
+        base = run()
+        hf.config.sliding_window = 64
+        assert relative_difference(run()[valid], base[valid]) > 1e-2

@@ -19,6 +19,15 @@ def _rope(hf_config) -> dict[str, Any]:
     `rope_parameters` ({"rope_type", "rope_theta", "factor", ...}), older configs in
     `rope_theta` / `rope_scaling`. Types other than default, linear and llama3 are refused."""
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    # transformers 5 may key them by layer type (OLMo 3, Gemma 3), beside stale flat keys
+    types = set(getattr(hf_config, "layer_types", None) or ())
+    per_type = {kind: value for kind, value in rope.items() if isinstance(value, dict)
+                and (kind in types or not types)}
+    if per_type:
+        if len({repr(sorted(value.items())) for value in per_type.values()}) > 1:
+            raise ValueError(f"rope_parameters {per_type}: expected the same RoPE for every "
+                             "layer type (one RoPE for all layers)")
+        rope = dict(next(iter(per_type.values())))
     legacy = getattr(hf_config, "rope_scaling", None) or {}
     rope = {**legacy, **rope}
     settings = {"rope_theta": float(rope.get("rope_theta", getattr(hf_config, "rope_theta",
@@ -63,6 +72,9 @@ LLAMA_LIKE = {
         norm_offset=1.0, activation_key="hidden_activation",
         activations=(("gelu_pytorch_tanh", "geglu"), ("gelu_new", "geglu"))),
     "Mixtral": LlamaLike(), "Qwen2Moe": LlamaLike(), "Qwen3Moe": LlamaLike(qk_norm="head"),
+    "Olmo3": LlamaLike("post_sublayer", (("self_attention_output_norm", "post_attention_layernorm"),
+                                         ("mlp_output_norm", "post_feedforward_layernorm")),
+                       qk_norm="projection"),
     "DeepseekV3": LlamaLike(), "GptOss": LlamaLike(),  # convert_deepseek, convert_gpt_oss
     "Olmo2": LlamaLike("post_sublayer", (("self_attention_output_norm", "post_attention_layernorm"),
                                          ("mlp_output_norm", "post_feedforward_layernorm")),
@@ -129,6 +141,13 @@ def olmo2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Confi
     (model.norm_placement "post_sublayer"), and an RMSNorm over the whole q and k projections
     (all heads together) before RoPE (model.qk_norm, scope "projection")."""
     return _llama_like("Olmo2", hf_config, state_dict, dtype)
+
+
+def olmo3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
+    """Olmo3ForCausalLM / Olmo3Model: OLMo 2 with sliding-window layers (three in four, the
+    fourth full: `sliding_window` with `sliding_window_pattern=4`, from `layer_types`), one
+    RoPE for both kinds of layer."""
+    return _llama_like("Olmo3", hf_config, state_dict, dtype, **_windows("Olmo3", hf_config))
 
 
 def mixtral(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
