@@ -97,6 +97,26 @@ def llama(tie=False, rope=None, head_dim=None, kv_heads=2, kind="Llama", layers=
         mask.astype(bool)
 
 
+def gemma3():
+    """Gemma 3 (text): 4 layers, sliding (a window of 4), full, sliding, full; the local
+    layers' RoPE at base 100, the full layers' at 5,000 with linear scaling 4; q/k norms with
+    Gemma's 1 + weight; no soft-caps; right padding in the second row."""
+    config = transformers.Gemma3TextConfig(
+        num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0, sliding_window=4,
+        query_pre_attn_scalar=12, layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 5000.0}})
+    hf = transformers.Gemma3ForCausalLM(config)
+    ids = tokens(6, (2, 12))
+    mask = np.ones((2, 12), np.int64)
+    mask[1, 9:] = 0
+    return hf, dict(input_ids=ids, attention_mask=mask), (ids,), dict(segment_ids=mask), \
+        mask.astype(bool)
+
+
 def moe(kind="Mixtral", **more):
     """`llama` of a mixture-of-experts class: 4 experts, top-2, in every layer unless
     decoder_sparse_step says otherwise; Qwen's experts 16 wide, not intermediate_size 48. HF's
@@ -142,10 +162,11 @@ CASES = {
     "olmo2_untied": lambda: llama(kind="Olmo2"),
     # OLMo 3: three 4-token sliding layers, then one full (test_olmo3_windows_bind)
     "olmo3_window_4": lambda: llama(kind="Olmo3", layers=4, sliding_window=4),
+    "gemma3_local_rope": gemma3,
     **MOE_CASES,
 }
-# Its rotary embedding is per layer type: the float64 patches do not apply.
-FLOAT32_ONLY = {"olmo3_window_4"}
+# Their rotary embeddings are per layer type: the float64 patches do not apply.
+FLOAT32_ONLY = {"olmo3_window_4", "gemma3_local_rope"}
 
 
 def t5_norm_in_float64(self, hidden):
@@ -502,7 +523,8 @@ def test_qwen3_gemma2_olmo2_settings_the_model_cannot_represent_are_refused(kind
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "mistral_window_4", "qwen2_qkv_bias",
                                   "qwen3_tied_qk_norm", "gemma2_window_softcaps",
-                                  "olmo2_untied", "olmo3_window_4", *MOE_CASES])
+                                  "olmo2_untied", "olmo3_window_4", "gemma3_local_rope",
+                                  *MOE_CASES])
 def test_kv_cache_greedy_decoding_matches_hf_generate(case):
     """12 new tokens after a 5-token prompt: the windows of mistral_window_4 and Gemma 2's
     sliding layers slide past the prompt, so the decode-time window mask is exercised as well
@@ -540,6 +562,30 @@ if __name__ == "__main__":  # the import half of the tolerance table for the iss
         print(f"{name:<26} {max_logit_difference(name, 'float32'):>10.2e} "
               f"{max_logit_difference(name, 'float64'):>10.2e}")
 
+
+
+def test_gemma3_local_rope_and_qk_norms_bind():
+    """Gemma 3's local RoPE base (vs the full layers'), its q / k norms and its window each
+    move HF's logits by far more than the tolerance, so test_logits_match_hf checks them."""
+    torch.manual_seed(0)
+    hf, hf_inputs, _, _, valid = CASES["gemma3_local_rope"]()
+    config, _ = convert.from_hf(hf.config, hf.state_dict())
+    assert (config.rope_local_theta, config.rope_theta, config.rope_scale,
+            config.sliding_window_pattern, config.qk_norm) == (100.0, 5000.0, 4.0, 2, True)
+    hf = randomized(hf)
+    run = lambda: hf(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).logits.numpy()[valid]
+    with torch.no_grad():
+        base = run()
+        layer = hf.model.layers[0].self_attn
+        saved = layer.q_norm.weight.clone()
+        layer.q_norm.weight.zero_()
+        assert relative_difference(run(), base) > 1e-2
+        layer.q_norm.weight.copy_(saved)
+        local = hf.model.rotary_emb
+        for name in ("sliding_attention_inv_freq", "sliding_attention_original_inv_freq"):
+            if hasattr(local, name):
+                getattr(local, name).copy_(getattr(local, name.replace("sliding", "full")))
+        assert relative_difference(run(), base) > 1e-2
 
 
 def test_olmo3_windows_bind():

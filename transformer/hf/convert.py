@@ -253,13 +253,13 @@ def t5(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDi
 
 def from_hf(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """Dispatches on `hf_config.model_type` (gpt2, bert, t5, llama, mistral, qwen2, qwen3,
-    gemma2, olmo2, olmo3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, gpt_oss); params as `dtype`
-    arrays."""
+    gemma2, gemma3_text, olmo2, olmo3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, gpt_oss);
+    params as `dtype` arrays."""
     llama = convert_llama
     converters = {"gpt2": gpt2, "bert": bert, "t5": t5, "llama": llama.llama,
                   "mistral": llama.mistral, "qwen2": llama.qwen2, "qwen3": llama.qwen3,
-                  "gemma2": llama.gemma2, "olmo2": llama.olmo2, "olmo3": llama.olmo3,
-                  "mixtral": llama.mixtral, "qwen2_moe": llama.qwen2_moe,
+                  "gemma2": llama.gemma2, "gemma3_text": llama.gemma3, "olmo2": llama.olmo2,
+                  "olmo3": llama.olmo3, "mixtral": llama.mixtral, "qwen2_moe": llama.qwen2_moe,
                   "qwen3_moe": llama.qwen3_moe, "deepseek_v3": convert_deepseek.deepseek_v3,
                   "gpt_oss": convert_gpt_oss.gpt_oss}
     model_type = getattr(hf_config, "model_type", None)

@@ -14,11 +14,12 @@ import numpy as np
 from transformer.hf.common import Checkpoint, maybe_scan, model_config, split_heads
 
 
-def _rope(hf_config) -> dict[str, Any]:
+def _rope(hf_config, parameters: dict | None = None) -> dict[str, Any]:
     """The model's RoPE settings of a Llama-family config: transformers 5 keeps them in
     `rope_parameters` ({"rope_type", "rope_theta", "factor", ...}), older configs in
-    `rope_theta` / `rope_scaling`. Types other than default, linear and llama3 are refused."""
-    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    `rope_theta` / `rope_scaling`; `parameters`: these instead of the config's. Types other than
+    default, linear and llama3 are refused."""
+    rope = dict(parameters or getattr(hf_config, "rope_parameters", None) or {})
     # transformers 5 may key them by layer type (OLMo 3, Gemma 3), beside stale flat keys
     types = set(getattr(hf_config, "layer_types", None) or ())
     per_type = {kind: value for kind, value in rope.items() if isinstance(value, dict)
@@ -57,6 +58,7 @@ class LlamaLike:
                                           ("mlp_norm", "post_attention_layernorm"))
     qk_norm: str = ""  # "head" (Qwen3) | "projection" (OLMo 2)
     norm_offset: float = 0.0  # Gemma: RMSNorm(x) * (1 + weight), so our scale is weight + 1
+    qk_norm_offset: float = 0.0  # the same for the q / k norms (Gemma 3's)
     activation_key: str = "hidden_act"
     activations: tuple[tuple[str, str], ...] = (("silu", "swiglu"),)  # (HF's, ours)
 
@@ -71,6 +73,13 @@ LLAMA_LIKE = {
                      ("mlp_output_norm", "post_feedforward_layernorm")),
         norm_offset=1.0, activation_key="hidden_activation",
         activations=(("gelu_pytorch_tanh", "geglu"), ("gelu_new", "geglu"))),
+    "Gemma3": LlamaLike(
+        "sandwich", (("self_attention_norm", "input_layernorm"),
+                     ("self_attention_output_norm", "post_attention_layernorm"),
+                     ("mlp_norm", "pre_feedforward_layernorm"),
+                     ("mlp_output_norm", "post_feedforward_layernorm")),
+        qk_norm="head", norm_offset=1.0, qk_norm_offset=1.0, activation_key="hidden_activation",
+        activations=(("gelu_pytorch_tanh", "geglu"),)),
     "Mixtral": LlamaLike(), "Qwen2Moe": LlamaLike(), "Qwen3Moe": LlamaLike(qk_norm="head"),
     "Olmo3": LlamaLike("post_sublayer", (("self_attention_output_norm", "post_attention_layernorm"),
                                          ("mlp_output_norm", "post_feedforward_layernorm")),
@@ -134,6 +143,36 @@ def gemma2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Conf
         attention_softcap=float(hf_config.attn_logit_softcapping or 0.0),
         final_logit_softcap=float(hf_config.final_logit_softcapping or 0.0),
         **_windows("Gemma2", hf_config))
+
+
+def gemma3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
+    """Gemma3ForCausalLM / Gemma3TextModel (`gemma3_text`): Gemma 2 without soft-caps, with
+    per-head q / k RMSNorms (1 + weight, as its other norms), and its local layers' own RoPE:
+    `rope_parameters` by layer type, the sliding layers' plain RoPE at their base
+    (`rope_local_theta`), the full layers' possibly scaled."""
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    local, full = rope.get("sliding_attention"), rope.get("full_attention")
+    if not (isinstance(local, dict) and isinstance(full, dict)):
+        raise ValueError(f"Gemma3 rope_parameters={rope}: expected one per layer type "
+                         "(sliding_attention, full_attention), as transformers 5 writes them")
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"Gemma3 sliding_attention rope_type={local.get('rope_type')!r}: "
+                         "expected 'default' (its local layers' RoPE is plain)")
+    if getattr(hf_config, "use_bidirectional_attention", None):
+        raise ValueError("Gemma3 use_bidirectional_attention=True: expected False or None (a "
+                         "causal decoder LM)")
+    scalar = hf_config.query_pre_attn_scalar
+    head_dim = getattr(hf_config, "head_dim", None) or \
+        hf_config.hidden_size // hf_config.num_attention_heads
+    windows = _windows("Gemma3", hf_config)
+    return _llama_like(
+        "Gemma3", hf_config, state_dict, dtype, scale_embeddings=True,
+        rope=_rope(hf_config, full),
+        rope_local_theta=float(local["rope_theta"]) if windows["sliding_window"] else None,
+        attention_scale=None if scalar == head_dim else float(scalar) ** -0.5,
+        attention_softcap=float(getattr(hf_config, "attn_logit_softcapping", None) or 0.0),
+        final_logit_softcap=float(getattr(hf_config, "final_logit_softcapping", None) or 0.0),
+        **windows)
 
 
 def olmo2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
@@ -325,9 +364,10 @@ def _llama_like(name, hf_config, state_dict, dtype, *, qkv_bias=False, **knobs):
             if qkv_bias:
                 attention[f"{ours}_bias"] = ckpt(f"{p}self_attn.{theirs}_proj.bias").reshape(
                     heads, head_dim)
-            if family.qk_norm and ours != "value":  # not offset: plain RMSNorms in every family
+            if family.qk_norm and ours != "value":
                 attention[f"{ours}_norm"] = {"scale": ckpt(
-                    f"{p}self_attn.{theirs}_norm.weight").reshape(qk_shape(heads))}
+                    f"{p}self_attn.{theirs}_norm.weight").reshape(qk_shape(heads))
+                    + family.qk_norm_offset}
         moe = config.moe.num_experts and (i + 1) % config.moe.every_n_layers == 0
         decoder[f"layers_{i}"] = {
             **{ours: norm(p + theirs) for ours, theirs in family.norms},

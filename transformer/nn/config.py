@@ -175,6 +175,10 @@ class TransformerConfig:
         "(DeepSeek).", number(ge=0))
     rope_yarn_truncate: bool = key(True, "yarn: round the ramp's ends to whole pairs (HF's "
                                    "default; gpt-oss: False).", BOOL)
+    rope_local_theta: float | None = key(
+        None, "The sliding layers' RoPE base, unscaled (Gemma 3: 10,000; the full layers keep "
+        "rope_theta and its scaling); None: one RoPE for every layer.",
+        optional(number(gt=0), "None or a number > 0"))
     t5_num_buckets: int = key(32, "T5 relative-position buckets.", int_(gt=0))
     t5_max_distance: int = key(128, "T5 relative positions: the distance the largest bucket "
                                "starts at.", int_(gt=0))
@@ -273,6 +277,10 @@ class TransformerConfig:
             object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
         self._check_window_pattern()
         self._check_mixers()
+        if self.rope_local_theta is not None and (
+                self.position != "rope" or "sliding_attention" not in self.layer_pattern):
+            raise ValueError(f"rope_local_theta={self.rope_local_theta}: expected position="
+                             "'rope' and sliding_attention layers (it is their RoPE base)")
 
     def _build_groups(self) -> None:
         """Each config group (`moe`, `lora`, a mixer's) given as a dict (the `model.<group>` of a

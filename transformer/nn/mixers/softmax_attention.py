@@ -52,4 +52,15 @@ FULL = Mixer(
     decode_state="kv cache",
     cache_bytes_per_token=lambda config: _kind(config).cache_bytes_per_token(config),
     refuses=lambda config, mesh: _kind(config).refuses(config, mesh))
-SLIDING = dataclasses.replace(FULL, flops_per_token=_windowed_flops, local=True)
+def _local(config):
+    """A sliding layer's config: with `rope_local_theta`, plain RoPE at that base (Gemma 3's
+    local layers; the full layers keep rope_theta and its scaling)."""
+    if getattr(config, "rope_local_theta", None) is None:
+        return config
+    return dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scale=1.0,
+                               rope_scaling="linear")
+
+
+SLIDING = dataclasses.replace(
+    FULL, layer=lambda config, name: _kind(config).layer(_local(config), name),
+    flops_per_token=_windowed_flops, local=True)
