@@ -249,29 +249,14 @@ def test_gated_norm_per_group(norm_before_gate):
 
 
 def hf_to_params(mixer, s: m2.Mamba2Settings) -> dict:
-    """HF Mamba2Mixer weights -> this layer's params: rows of the fused in_proj and conv1d,
-    transposed and reshaped."""
-    heads, width, groups, state = s.num_heads, s.head_dim, s.num_groups, s.state_size
-    inner, gn = heads * width, groups * state
-    sd = {k: v.detach().numpy().astype(np.float64) for k, v in mixer.state_dict().items()}
-    w, b = sd["in_proj.weight"].T, sd["in_proj.bias"]  # [D, rows]
-    d_model = w.shape[0]
-    conv_w, conv_b = sd["conv1d.weight"][:, 0].T, sd["conv1d.bias"]  # [K, E + 2 G N]
-    cut = np.cumsum([inner, inner, gn, gn])
-    z, x, bb, cc, dt = np.split(w, cut, axis=1)
-    zb, xb, bbb, ccb, dtb = np.split(b, cut)
-    cx, cb, cc_ = np.split(conv_w, [inner, inner + gn], axis=1)
-    cxb, cbb, ccb_ = np.split(conv_b, [inner, inner + gn])
-    hp, gs = (heads, width), (groups, state)
-    p = {"z": z.reshape(d_model, *hp), "x": x.reshape(d_model, *hp),
-         "B": bb.reshape(d_model, *gs), "C": cc.reshape(d_model, *gs), "dt": dt,
-         "z_bias": zb.reshape(hp), "x_bias": xb.reshape(hp), "B_bias": bbb.reshape(gs),
-         "C_bias": ccb.reshape(gs), "conv_x": cx.reshape(-1, *hp), "conv_B": cb.reshape(-1, *gs),
-         "conv_C": cc_.reshape(-1, *gs), "conv_x_bias": cxb.reshape(hp),
-         "conv_B_bias": cbb.reshape(gs), "conv_C_bias": ccb_.reshape(gs),
-         "A_log": sd["A_log"], "D": sd["D"], "dt_bias": sd["dt_bias"] + dtb,
-         "norm": sd["norm.weight"].reshape(hp), "out": sd["out_proj.weight"].T.reshape(
-             *hp, d_model), "out_bias": sd["out_proj.bias"]}
+    """HF Mamba2Mixer weights -> this layer's params, as the checkpoint importer maps them
+    (transformer.hf.convert_mamba2.mixer_params)."""
+    from transformer.hf.common import Checkpoint
+    from transformer.hf.convert_mamba2 import mixer_params
+
+    ckpt = Checkpoint(mixer.state_dict(), dtype=np.float64)
+    p = mixer_params(ckpt, "", s.num_heads, s.head_dim, s.num_groups, s.state_size)
+    ckpt.check_all_used()
     return {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
 
 

@@ -78,7 +78,8 @@ class TransformerBlock(nn.Module):
                     "cross_attention", False)(h, encoded, mask=cross_mask,
                                               deterministic=self.deterministic,
                                               decode=self.decode))
-            x_BTD = self._residual(x_BTD, "mlp", mlp)
+            if cfg.d_ff or self.moe_layer:  # d_ff 0: the mixer alone (Mamba 2's blocks)
+                x_BTD = self._residual(x_BTD, "mlp", mlp)
         x_BTD = sharding.constrain(x_BTD, sharding.ACTIVATIONS)
         return (x_BTD, None) if self.scanned else x_BTD
 

@@ -86,8 +86,9 @@ class TransformerConfig:
         optional(POSITIVE_INT, "None, or an int > 0 dividing num_heads"))
     head_dim: int | None = key(None, "Width of a head; None: d_model // num_heads.",
                                optional(POSITIVE_INT, "None, or an int > 0 (even with RoPE)"))
-    d_ff: int = key(256, "Hidden units of the feed-forward layer (and of each expert).",
-                    POSITIVE_INT)
+    d_ff: int = key(256, "Hidden units of the feed-forward layer (and of each expert); 0: "
+                    "no feed-forward sublayer (Mamba 2's blocks: the mixer alone).",
+                    int_(ge=0, note="0: none"))
     activation: str = key("gelu", "The feed-forward nonlinearity: gelu is erf's, gelu_tanh "
                           "GPT-2's; swiglu and geglu (T5 v1.1) are gated.",
                           choice(tuple(ACTIVATIONS)))
@@ -250,6 +251,11 @@ class TransformerConfig:
         if self.moe.num_experts and self.num_layers % self.moe.every_n_layers:
             raise ValueError(f"moe.every_n_layers={self.moe.every_n_layers}: expected a divisor "
                              f"of num_layers={self.num_layers}")
+        if not self.d_ff and (self.parallel_block or (self.moe.num_experts
+                                                       and not self.moe.d_ff)):
+            raise ValueError("d_ff=0: expected > 0 with " + (
+                "parallel_block" if self.parallel_block else "experts as wide as model.d_ff "
+                "(moe.d_ff=0)"))
         if self.moe.num_experts and self.moe.swiglu_limit and self.activation != "swiglu":
             raise ValueError(f"moe.swiglu_limit={self.moe.swiglu_limit}: expected activation="
                              f"'swiglu' (it clamps SwiGLU's halves), not {self.activation!r}")

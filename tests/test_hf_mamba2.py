@@ -1,0 +1,82 @@
+"""Mamba 2 from Hugging Face (transformer.hf.convert_mamba2): a small Mamba2ForCausalLM with
+perturbed random weights (2 groups, a time-step limit that clips) is our `mamba2` stack
+without feed-forward sublayers: the same params as a fresh init, the same logits, scanned or
+not, and HF's greedy tokens."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_hf_deepseek import difference, hf_logits, our_logits  # noqa: E402
+
+from transformer.generation.programs import decode  # noqa: E402
+from transformer.hf import convert  # noqa: E402
+from transformer.models import build_model  # noqa: E402
+
+VOCAB = 97
+
+
+def mamba2(**overrides):
+    config = transformers.Mamba2Config(**{**dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, head_dim=8,
+        num_heads=8, n_groups=2, expand=2, conv_kernel=4, chunk_size=4,
+        time_step_limit=(0.0, 0.6), bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        **overrides})
+    torch.manual_seed(0)
+    hf = transformers.Mamba2ForCausalLM(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return hf.eval()
+
+
+@pytest.fixture(scope="module")
+def converted():
+    hf = mamba2()
+    config, params = convert.from_hf(hf.config, hf.state_dict())
+    return hf, config, params
+
+
+def test_the_params_are_a_fresh_inits_with_no_feed_forward(converted):
+    _, config, params = converted
+    assert (config.layer_types, config.d_ff, config.position) == ("mamba2", 0, "none")
+    fresh = jax.eval_shape(build_model(config).init, jax.random.key(0), jnp.zeros((1, 4), int))
+    assert jax.tree.map(jnp.shape, nn.unbox(fresh["params"])) == jax.tree.map(jnp.shape, params)
+    assert sorted(params["decoder"]["layers_0"]) == ["mamba2", "mamba2_norm"]
+
+
+def test_logits_equal_transformers(converted):
+    hf, config, params = converted
+    assert difference(our_logits(config, params), hf_logits(hf)) <= 1e-4
+
+
+def test_scanned_import_gives_the_same_logits(converted):
+    _, config, params = converted
+    scanned = config.copy_and_resolve_references()
+    scanned.scan_layers = True
+    np.testing.assert_allclose(our_logits(scanned, convert.scan_params(scanned, params)),
+                               our_logits(config, params), atol=1e-5)
+
+
+def test_greedy_decoding_equals_transformers_generate(converted):
+    hf, config, params = converted
+    prompts = [[5, 9, 33, 42, 17, 8], [7, 61, 3]]
+    ours, _ = decode(build_model(config), params, prompts, max_new_tokens=6, eos_id=None)
+    for prompt, row in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert row.tolist() == want
+
+
+def test_what_the_model_cannot_hold_is_refused_in_one_line():
+    hf = mamba2(use_bias=True)
+    with pytest.raises(ValueError, match="mamba2 use_bias=True: expected False"):
+        convert.from_hf(hf.config, hf.state_dict())
