@@ -21,7 +21,13 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
-from transformer.hf import convert_deepseek, convert_gpt_oss, convert_llama, convert_mamba2
+from transformer.hf import (
+    convert_deepseek,
+    convert_gpt_oss,
+    convert_llama,
+    convert_mamba2,
+    convert_qwen3_next,
+)
 from transformer.hf.common import Checkpoint, maybe_scan, model_config, norm_params, split_heads
 
 # GPT-2's activation_function and BERT's hidden_act (T5's feed-forward: _t5_activation).
@@ -254,7 +260,7 @@ def t5(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDi
 def from_hf(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """Dispatches on `hf_config.model_type` (gpt2, bert, t5, llama, mistral, qwen2, qwen3,
     gemma2, gemma3_text, olmo2, olmo3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, gpt_oss,
-    mamba2);
+    mamba2, qwen3_next);
     params as `dtype` arrays."""
     llama = convert_llama
     converters = {"gpt2": gpt2, "bert": bert, "t5": t5, "llama": llama.llama,
@@ -262,7 +268,8 @@ def from_hf(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Con
                   "gemma2": llama.gemma2, "gemma3_text": llama.gemma3, "olmo2": llama.olmo2,
                   "olmo3": llama.olmo3, "mixtral": llama.mixtral, "qwen2_moe": llama.qwen2_moe,
                   "qwen3_moe": llama.qwen3_moe, "deepseek_v3": convert_deepseek.deepseek_v3,
-                  "gpt_oss": convert_gpt_oss.gpt_oss, "mamba2": convert_mamba2.mamba2}
+                  "gpt_oss": convert_gpt_oss.gpt_oss, "mamba2": convert_mamba2.mamba2,
+                  "qwen3_next": convert_qwen3_next.qwen3_next}
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in converters:
         raise ValueError(f"model_type={model_type!r}: expected one of {sorted(converters)}")

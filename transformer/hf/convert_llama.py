@@ -84,6 +84,7 @@ LLAMA_LIKE = {
     "Olmo3": LlamaLike("post_sublayer", (("self_attention_output_norm", "post_attention_layernorm"),
                                          ("mlp_output_norm", "post_feedforward_layernorm")),
                        qk_norm="projection"),
+    "Qwen3Next": LlamaLike(qk_norm="head", norm_offset=1.0, qk_norm_offset=1.0),
     "DeepseekV3": LlamaLike(), "GptOss": LlamaLike(),  # convert_deepseek, convert_gpt_oss
     "Olmo2": LlamaLike("post_sublayer", (("self_attention_output_norm", "post_attention_layernorm"),
                                          ("mlp_output_norm", "post_feedforward_layernorm")),
@@ -228,8 +229,8 @@ def _moe(name, hf_config) -> dict[str, Any]:
     top_k, d_ff = hf_config.num_experts_per_tok, getattr(hf_config, "moe_intermediate_size", 0)
     normalize = bool(getattr(hf_config, "norm_topk_prob", True))  # Mixtral's always are
     dense_layers = list(getattr(hf_config, "mlp_only_layers", None) or [])
-    shared = getattr(hf_config, "shared_expert_intermediate_size", 0) if name == "Qwen2Moe" \
-        else 0
+    shared = getattr(hf_config, "shared_expert_intermediate_size", 0) \
+        if name in ("Qwen2Moe", "Qwen3Next") else 0
     if getattr(hf_config, "router_jitter_noise", 0.0):
         raise ValueError(f"{name} router_jitter_noise={hf_config.router_jitter_noise}: expected "
                          "0.0 (no router jitter in training here)")
@@ -239,7 +240,7 @@ def _moe(name, hf_config) -> dict[str, Any]:
     if top_k == 1 and normalize:
         raise ValueError(f"{name} num_experts_per_tok=1 with renormalised gates: expected >= 2 "
                          "or norm_topk_prob=False (our top-1 gate is the router probability)")
-    if name == "Qwen2Moe" and (not shared or shared % d_ff):
+    if name in ("Qwen2Moe", "Qwen3Next") and (not shared or shared % d_ff):
         raise ValueError(f"{name} shared_expert_intermediate_size={shared}: expected a positive "
                          f"multiple of moe_intermediate_size={d_ff}")
     aux = getattr(hf_config, "router_aux_loss_coef", 0.0) * top_k \

@@ -191,6 +191,7 @@ class AttentionSettings:
     rope_yarn_mscale: float = 1.0  # positions.rope_attention_factor
     rope_yarn_mscale_all_dim: float = 0.0
     rope_yarn_truncate: bool = True
+    rope_fraction: float = 1.0
     dropout_rate: float = 0.0
     init_std: float | None = None
     init_scale: float = 1.0  # W_q, W_k, W_v's init std multiplier (projection_init)
@@ -229,7 +230,7 @@ class AttentionSettings:
             rope_yarn_beta_fast=cfg.rope_yarn_beta_fast,
             rope_yarn_beta_slow=cfg.rope_yarn_beta_slow, rope_yarn_mscale=cfg.rope_yarn_mscale,
             rope_yarn_mscale_all_dim=cfg.rope_yarn_mscale_all_dim,
-            rope_yarn_truncate=cfg.rope_yarn_truncate,
+            rope_yarn_truncate=cfg.rope_yarn_truncate, rope_fraction=cfg.rope_fraction,
             dropout_rate=cfg.attention_dropout_rate, init_std=cfg.init_std,
             init_scale=cfg.init_scale(), out_init_scale=cfg.init_scale(residual=True),
             qk_norm=cfg.qk_norm_scope if cfg.qk_norm else "", norm_epsilon=cfg.norm_epsilon,

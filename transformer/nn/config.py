@@ -176,6 +176,9 @@ class TransformerConfig:
         "(DeepSeek).", number(ge=0))
     rope_yarn_truncate: bool = key(True, "yarn: round the ramp's ends to whole pairs (HF's "
                                    "default; gpt-oss: False).", BOOL)
+    rope_fraction: float = key(1.0, "The fraction of each head's dims RoPE rotates (the first "
+                               "ones; Qwen3-Next's partial_rotary_factor: 0.25).",
+                               number(gt=0, le=1))
     rope_local_theta: float | None = key(
         None, "The sliding layers' RoPE base, unscaled (Gemma 3: 10,000; the full layers keep "
         "rope_theta and its scaling); None: one RoPE for every layer.",
@@ -283,6 +286,9 @@ class TransformerConfig:
             object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
         self._check_window_pattern()
         self._check_mixers()
+        if self.rope_fraction < 1 and (self.position != "rope" or self.attention_kind == "mla"):
+            raise ValueError(f"rope_fraction={self.rope_fraction}: expected position='rope' "
+                             "and attention_kind 'mha' (MLA rotates its own RoPE dims whole)")
         if self.rope_local_theta is not None and (
                 self.position != "rope" or "sliding_attention" not in self.layer_pattern):
             raise ValueError(f"rope_local_theta={self.rope_local_theta}: expected position="

@@ -181,13 +181,15 @@ ROPE_KEYS = {"theta": "rope_theta", "layout": "rope_layout", "scale": "rope_scal
              "high_freq_factor": "rope_high_freq_factor",
              "original_max_len": "rope_original_max_len", "beta_fast": "rope_yarn_beta_fast",
              "beta_slow": "rope_yarn_beta_slow", "mscale": "rope_yarn_mscale",
-             "mscale_all_dim": "rope_yarn_mscale_all_dim", "truncate": "rope_yarn_truncate"}
+             "mscale_all_dim": "rope_yarn_mscale_all_dim", "truncate": "rope_yarn_truncate",
+             "fraction": "rope_fraction"}
 
 
 def rope_args(settings) -> dict[str, Any]:
     """`apply_rope`'s keyword arguments read off `settings`' rope_* attributes (a
     `TransformerConfig` or a layer's settings)."""
-    return {arg: getattr(settings, name) for arg, name in ROPE_KEYS.items()}
+    return {arg: getattr(settings, name) for arg, name in ROPE_KEYS.items()
+            if hasattr(settings, name)}  # (MLA's rotates its own RoPE dims whole)
 
 
 def apply_rope(
@@ -195,17 +197,28 @@ def apply_rope(
     scaling: str = "linear", low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
     original_max_len: int = 8192, beta_fast: float = 32.0, beta_slow: float = 1.0,
     mscale: float = 1.0, mscale_all_dim: float = 0.0, truncate: bool = True,
+    fraction: float = 1.0,
 ) -> jax.Array:
     """Rotate pairs of head dims of x by angle pos * `rope_frequencies(...)`, by default
     (pos / scale) * theta^(-2i/H).
 
     x: [B, T, N, H]; positions: int [T] or [B, T] (absolute, e.g. decode offsets).
+    fraction < 1: only the first 2 * floor(H * fraction / 2) dims rotate, with the frequencies
+    of a head that wide; the rest pass unchanged (Qwen3-Next's partial_rotary_factor 0.25).
     layout="half" pairs dims (i, i + H/2) (GPT-NeoX / Llama "rotate_half");
     layout="interleaved" pairs dims (2i, 2i + 1) (RoFormer / GPT-J).
     scale > 1 is linear position interpolation (scaling="llama3": Llama 3.1's per-frequency
     version; scaling="yarn": YaRN's, whose rotated vectors are also multiplied by
     `rope_attention_factor`, as HF scales its cos and sin). Math in float32; returns x.dtype.
     """
+    if fraction < 1.0:  # partial RoPE: the first (even) fraction of dims rotate, the rest pass
+        rotated = 2 * int(x.shape[-1] * fraction / 2)
+        return jnp.concatenate([apply_rope(
+            x[..., :rotated], positions, theta=theta, layout=layout, scale=scale,
+            scaling=scaling, low_freq_factor=low_freq_factor, high_freq_factor=high_freq_factor,
+            original_max_len=original_max_len, beta_fast=beta_fast, beta_slow=beta_slow,
+            mscale=mscale, mscale_all_dim=mscale_all_dim, truncate=truncate),
+            x[..., rotated:]], axis=-1)
     if layout not in _ROPE_LAYOUTS:
         raise ValueError(f"layout must be one of {_ROPE_LAYOUTS}, got {layout!r}")
     if theta <= 0:

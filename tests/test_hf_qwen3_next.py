@@ -1,0 +1,97 @@
+"""Qwen3-Next from Hugging Face (transformer.hf.convert_qwen3_next): a small
+Qwen3NextForCausalLM with perturbed random weights (three Gated DeltaNet layers to one gated
+full-attention layer with partial RoPE, experts with a gated shared expert) gives our logits,
+scanned or not, and HF's greedy tokens; the attention gate and the partial RoPE bind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_hf_deepseek import difference, hf_logits, our_logits  # noqa: E402
+
+from transformer.generation.programs import decode  # noqa: E402
+from transformer.hf import convert  # noqa: E402
+from transformer.models import build_model  # noqa: E402
+
+VOCAB = 97
+
+
+def qwen3_next(**overrides):
+    config = transformers.Qwen3NextConfig(**{**dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, experts_implementation="eager",
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                         "partial_rotary_factor": 0.5}), **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Qwen3NextForCausalLM(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return hf.eval()
+
+
+@pytest.fixture(scope="module")
+def converted():
+    hf = qwen3_next()
+    config, params = convert.from_hf(hf.config, hf.state_dict())
+    return hf, config, params
+
+
+def test_the_config_is_qwen3_nexts(converted):
+    _, config, params = converted
+    assert (config.layer_types, config.attention_gate, config.rope_fraction,
+            config.moe.num_shared, config.moe.shared_gate) == (
+        "linear_attention,linear_attention,linear_attention,full_attention", "element", 0.5, 1,
+        True)
+    assert "linear_attention" in params["decoder"]["layers_0"]
+    assert "gate" in params["decoder"]["layers_3"]["self_attention"]
+
+
+def test_logits_equal_transformers(converted):
+    """Measured 6e-5 relative: HF's delta rule and norms run in float32 (its float64 model
+    too), as ours does here."""
+    hf, config, params = converted
+    assert difference(our_logits(config, params), hf_logits(hf)) <= 1e-4
+
+
+def test_scanned_import_gives_the_same_logits(converted):
+    _, config, params = converted
+    scanned = config.copy_and_resolve_references()
+    scanned.scan_layers = True
+    np.testing.assert_allclose(our_logits(scanned, convert.scan_params(scanned, params)),
+                               our_logits(config, params), atol=2e-5)
+
+
+def test_the_gate_and_the_partial_rope_bind(converted):
+    """Each moves our logits by far more than the tolerance, so the equality above checks
+    them (the gate: its kernel zeroed, sigmoid 1/2 everywhere; RoPE: all dims rotating)."""
+    _, config, params = converted
+    base = our_logits(config, params)
+    full_rope = config.copy_and_resolve_references()
+    full_rope.rope_fraction = 1.0
+    assert difference(our_logits(full_rope, params), base) > 1e-2
+    attention = params["decoder"]["layers_3"]["self_attention"]
+    ungated = {**params, "decoder": {**params["decoder"], "layers_3": {
+        **params["decoder"]["layers_3"],
+        "self_attention": {**attention, "gate": 0 * attention["gate"]}}}}
+    assert difference(our_logits(config, ungated), base) > 1e-2
+
+
+def test_greedy_decoding_equals_transformers_generate(converted):
+    hf, config, params = converted
+    prompts = [[5, 9, 33, 42, 17, 8], [7, 61, 3]]
+    ours, _ = decode(build_model(config), params, prompts, max_new_tokens=6, eos_id=None)
+    for prompt, row in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert row.tolist() == want
