@@ -31,7 +31,7 @@ EXPORTABLE = ["gpt2", "gpt2_untied", "gpt2_unscaled_attention", "llama_gqa",
               "mistral_window_4", "qwen2_qkv_bias", "qwen3_tied_qk_norm",
               "gemma2_window_softcaps", "olmo2_untied", "bert_mlm", "bert_classifier", "t5_v1_0",
               "t5_v1_1", "mixtral_top2", "qwen2_moe_shared_gate", "qwen3_moe_sparse_step_2",
-              "qwen3_moe_window_4"]
+              "qwen3_moe_window_4", "olmo3_window_4", "gemma3_local_rope"]
 # Gemma's norms hold weight w as our scale 1 + w in float32: w comes back as (1 + w) - 1, within
 # half a float32 ulp of 1 (and our scale s exactly only for s in [0.5, 2], where s - 1 is exact).
 GEMMA_NORM_ATOL = 2.0 ** -24
@@ -120,9 +120,12 @@ ROPE = dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False
      "equivalent .expected 1 / sqrt"),
     (dict(ROPE, norm_placement="post_sublayer"), "export to olmo2: model.qk_norm=False has no "
      "Hugging Face OLMo 2 equivalent .expected True"),
-    (dict(ROPE, norm_placement="post_sublayer", qk_norm=True, qk_norm_scope="projection",
-          sliding_window=4), "model.sliding_window=4 has no Hugging Face OLMo 2 equivalent "
-     ".expected the default None"),
+    (dict(ROPE, norm_placement="post_sublayer", qk_norm=True, qk_norm_scope="head",
+          sliding_window=4), "export to olmo3: model.qk_norm_scope='head' has no Hugging Face "
+     "OLMo 3 equivalent"),
+    (dict(ROPE, norm_placement="sandwich", activation="geglu", scale_embeddings=True,
+          qk_norm=True, attention_softcap=5.0), "export to gemma3_text: model.attention_softcap"
+     "=5.0 has no Hugging Face Gemma 3 equivalent"),
     (dict(ROPE, final_logit_softcap=30.0),
      "export to llama: model.final_logit_softcap=30.0 has no Hugging Face Llama equivalent"),
     (dict(ROPE, parallel_block=True), "model.parallel_block=True has no Hugging Face Llama "
@@ -161,7 +164,8 @@ def test_architectures_without_a_hugging_face_class_are_refused(overrides, match
 
 TITLES = {"gpt2": "GPT-2", "bert": "BERT", "t5": "T5", "llama": "Llama", "mistral": "Mistral",
           "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma 2", "olmo2": "OLMo 2",
-          "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
+          "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE",
+          "olmo3": "OLMo 3", "gemma3_text": "Gemma 3"}
 
 
 def with_new_model_keys(monkeypatch):

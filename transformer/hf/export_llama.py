@@ -1,6 +1,7 @@
 """Export to the Llama-like Hugging Face classes: a RoPE GPT becomes Llama (RMSNorm, SwiGLU, no
 biases), with q/k/v biases Qwen2, with a sliding window Mistral, with per-head qk-norm Qwen3,
-with sandwich norms Gemma 2, with post-sublayer norms OLMo 2; with MoE layers Mixtral, with
+with sandwich norms Gemma 2 (and q / k norms Gemma 3), with post-sublayer norms OLMo 2 (and
+windows OLMo 3); with MoE layers Mixtral, with
 shared experts Qwen2-MoE, with per-head qk-norm Qwen3-MoE. `EXPORTERS` holds each class's
 allowlist (`allowlist.check`); `transformer.hf.export.to_hf` dispatches here.
 """
@@ -42,6 +43,12 @@ _CLASSES = {
                                          final_logit_softcap=ANY)),
     "Olmo2": ("olmo2", "OLMo 2", dict(qk_norm=(True,), qk_norm_scope=("projection",),
                                        **_NO_BIAS)),
+    "Olmo3": ("olmo3", "OLMo 3", dict(qk_norm=(True,), qk_norm_scope=("projection",),
+                                       **_NO_BIAS, **_LAYER_WINDOWS)),
+    # Gemma 2's settings without soft-caps, with q / k norms and the local layers' RoPE base
+    "Gemma3": ("gemma3_text", "Gemma 3", dict(scale_embeddings=(True,), **_NO_BIAS, **_QK_NORM,
+                                              **_LAYER_WINDOWS, attention_scale=ANY,
+                                              rope_local_theta=ANY)),
     "Mixtral": ("mixtral", "Mixtral", {**_NO_BIAS, **_WINDOW, "moe.num_shared": (0,),
                                        "moe.shared_gate": (False,),
                                        "moe.normalize_gates": (True,),
@@ -77,8 +84,10 @@ def llama_kind(config) -> str:
     if config.get("moe") and config.moe.num_experts and config.norm_placement == "pre":
         shared = config.moe.num_shared or config.qkv_bias
         return "Qwen3Moe" if config.qk_norm else "Qwen2Moe" if shared else "Mixtral"
-    if config.norm_placement in ("sandwich", "post_sublayer"):
-        return "Gemma2" if config.norm_placement == "sandwich" else "Olmo2"
+    if config.norm_placement == "sandwich":
+        return "Gemma3" if config.qk_norm or config.get("rope_local_theta") else "Gemma2"
+    if config.norm_placement == "post_sublayer":
+        return "Olmo3" if config.sliding_window is not None else "Olmo2"
     if config.qk_norm:
         return "Qwen3"
     if config.qkv_bias and config.sliding_window is not None:
@@ -92,7 +101,9 @@ def _llama_like_settings(config, kind: str, head_dim: int) -> dict[str, Any]:
     window, pattern = config.sliding_window, config.sliding_window_pattern
     layer_types = ["full_attention" if window is None or pattern and (i + 1) % pattern == 0
                    else "sliding_attention" for i in range(config.num_layers)]
-    if kind == "Gemma2":
+    if kind == "Olmo3":
+        return dict(sliding_window=window, layer_types=layer_types)
+    if kind in ("Gemma2", "Gemma3"):
         scalar = head_dim
         if config.attention_scale is not None:
             scalar = round(config.attention_scale ** -2)
@@ -156,7 +167,12 @@ def export(config, params, transformers):
                     original_max_position_embeddings=int(config.rope_original_max_len))
     elif config.rope_scale != 1.0:
         rope.update(rope_type="linear", factor=float(config.rope_scale))
-    hf_config = getattr(transformers, f"{kind}Config")(
+    if kind in ("Olmo3", "Gemma3"):  # transformers 5 reads these per layer type
+        local = config.get("rope_local_theta")
+        rope = {"full_attention": rope, "sliding_attention": rope if local is None else {
+            "rope_type": "default", "rope_theta": float(local)}}
+    hf_config = getattr(transformers, "Gemma3TextConfig" if kind == "Gemma3" else
+                        f"{kind}Config")(
         vocab_size=config.vocab_size, hidden_size=config.d_model,
         intermediate_size=config.d_ff, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads,
@@ -188,7 +204,7 @@ def _llama_like_state(config, params, family) -> dict[str, np.ndarray]:
                 out[f"{p}self_attn.{theirs}_proj.bias"] = attn[f"{ours}_bias"].reshape(-1)
             if f"{ours}_norm" in attn:  # qk-norm scales: [H] per head, [heads, H] projection
                 out[f"{p}self_attn.{theirs}_norm.weight"] = attn[f"{ours}_norm"]["scale"] \
-                    .reshape(-1)
+                    .reshape(-1) - np.float32(family.qk_norm_offset)
         out[p + "self_attn.o_proj.weight"] = attn["out"].reshape(-1, config.d_model).T
         for ours, theirs in family.norms:
             norm(layer[ours], p + theirs)
