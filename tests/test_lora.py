@@ -391,3 +391,21 @@ def test_both_exports_give_our_logits_in_transformers_and_peft(lora_run, tmp_pat
                      f"--output={tmp_path / 'again'}", "--merge_lora", "--step=2",
                      logs=tmp_path)
     assert_succeeded(result)
+
+
+def test_a_hybrid_takes_adapters_on_its_softmax_attention_and_a_bare_target_is_refused():
+    """Gated DeltaNet layers take no adapters: the default targets leave them out (their
+    `linear_attention/query` once matched `attention/query` silently), and a regex that
+    matches them is one line before anything trains."""
+    config = small_config()
+    config.model.update(num_layers=4, layer_types="linear_attention*3,full_attention")
+    _, _, state = init(config)
+    adapted = {k[:-len("_lora_a")] for k in flat(state.params) if k.endswith("_lora_a")}
+    assert "decoder/layers_3/self_attention/query" in adapted
+    assert not any("linear_attention" in k for k in adapted)
+    assert "decoder/layers_0/mlp/wi_gate" in adapted
+    config.model.lora.targets = r"attention/(query|key)$"
+    with pytest.raises(ValueError, match=r"^model.lora.targets='attention/\(query\|key\)\$' "
+                                         r"matches decoder/layers_0/linear_attention/key \(and "
+                                         r"5 more\), which takes no adapter"):
+        init(config)

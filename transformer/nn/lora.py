@@ -30,7 +30,8 @@ from flax import traverse_util
 
 from transformer.utils import keys
 
-DEFAULT_TARGETS = r"attention/(query|key|value|out)$|mlp/(wi|wi_gate|wi_up|wo)$"
+# Softmax attention's projections (not a linear_attention layer's: it takes no adapters)
+DEFAULT_TARGETS = r"(self|cross)_attention/(query|key|value|out)$|mlp/(wi|wi_gate|wi_up|wo)$"
 ADAPTER = re.compile(r"_lora_[ab]$")  # an adapter param's name
 BASE_QUANTIZATIONS = ("", "int8")  # (int4 params fail optax's p + 0 update: no promotion)
 AXIS = "lora"  # the rank axis's logical name (replicated: sharding.LOGICAL_AXIS_RULES)
@@ -61,6 +62,26 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def check_targets(params, lora: LoraConfig) -> None:
+    """One line if `lora.targets` matches a param that got no adapter (a token mixer or a
+    norm without LoRA: nothing would train there, silently). `params`: a model's, unboxed.
+
+    >>> check_targets({"mlp": {"wi": 0, "wi_lora_a": 0, "wi_lora_b": 0}, "norm": {"scale": 0}},
+    ...               LoraConfig(rank=2, targets="wi$|scale$"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: model.lora.targets='wi$|scale$' matches norm/scale, which takes no adapter ...
+    """
+    paths = {"/".join(str(getattr(k, "key", k)) for k in path)
+             for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    bare = sorted(p for p in paths if not ADAPTER.search(p) and re.search(lora.targets, p)
+                  and f"{p}_lora_a" not in paths)
+    if bare:
+        more = f" (and {len(bare) - 1} more)" if len(bare) > 1 else ""
+        raise ValueError(f"model.lora.targets={lora.targets!r} matches {bare[0]}{more}, which "
+                         "takes no adapter (LoRA adapts softmax attention's and the MLP's "
+                         "projections): expected a regex that leaves it out")
 
 
 def enabled(config) -> bool:

@@ -58,6 +58,7 @@ def initial_state(config: ml_collections.ConfigDict, model: nn.Module, mesh: jax
     def init(rng):
         params = model.init(rng, *args)["params"]
         if lora_lib.enabled(config):  # QLoRA: the frozen targeted kernels quantized
+            lora_lib.check_targets(nn.unbox(params), model_lora(config))
             params = lora_lib.quantize_base(params, model_lora(config))
         return TrainState(jnp.zeros((), jnp.int32), params,
                           None if optimizer is None else optimizer.init(params),
