@@ -144,3 +144,19 @@ def test_a_short_fine_tune_through_the_cli_with_no_model_flags(tmp_path):
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
                .splitlines()]
     assert np.isfinite([r["loss"] for r in records if r.get("split") == "train"]).all()
+
+
+def test_export_inverts_the_import_bit_for_bit_and_loads_in_transformers(converted, tmp_path):
+    from transformer.hf import export
+
+    hf, config, params = converted
+    hf_config, state = export.to_hf(config, params)
+    assert type(hf_config).__name__ == "GptOssConfig"
+    want = {k: v.numpy() for k, v in hf.state_dict().items()}
+    assert sorted(state) == sorted(want)
+    for name, value in state.items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+    back = transformers.GptOssForCausalLM(hf_config)
+    back.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    back.config._attn_implementation = "eager"
+    assert difference(our_logits(config, params), hf_logits(back.eval())) <= 1e-4

@@ -80,3 +80,22 @@ def test_what_the_model_cannot_hold_is_refused_in_one_line():
     hf = mamba2(use_bias=True)
     with pytest.raises(ValueError, match="mamba2 use_bias=True: expected False"):
         convert.from_hf(hf.config, hf.state_dict())
+
+
+def test_export_inverts_the_import_bit_for_bit_and_loads_in_transformers(converted):
+    from transformer.hf import export
+
+    hf, config, params = converted
+    hf_config, state = export.to_hf(config, params)
+    want = {k: v.numpy() for k, v in hf.state_dict().items()}
+    assert sorted(state) == sorted(want)
+    for name, value in state.items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+    back = transformers.Mamba2ForCausalLM(hf_config)
+    back.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    assert difference(our_logits(config, params), hf_logits(back.eval())) <= 1e-4
+    changed = config.copy_and_resolve_references()
+    changed.d_ff = 16  # a feed-forward sublayer Mamba 2 has no place for
+    with pytest.raises(ValueError, match="export to mamba2: model.d_ff=16 has no Hugging Face "
+                                         "Mamba 2 equivalent"):
+        export.to_hf(changed, params)

@@ -1,6 +1,6 @@
-"""Import Hugging Face's Mamba 2 (`mamba2`) into `DecoderLM`: every layer a `mamba2` mixer
+"""Hugging Face's Mamba 2 (`mamba2`) in and out of `DecoderLM`: every layer a `mamba2` mixer
 (transformer.nn.mixers.mamba2) behind an RMSNorm, no feed-forward sublayer (`model.d_ff=0`)
-and no positions. `convert.from_hf` dispatches here."""
+and no positions. `convert.from_hf` dispatches here, and `export.to_hf` to `to_hf`."""
 
 from __future__ import annotations
 
@@ -92,3 +92,62 @@ def mixer_params(ckpt: Checkpoint, prefix: str, heads: int, width: int, groups: 
     if ckpt.has(prefix + "out_proj.bias"):
         params["out_bias"] = ckpt(prefix + "out_proj.bias")
     return params
+
+
+def exporter():
+    """Mamba 2's allowlist (`allowlist.check`): a GPT of `mamba2` layers alone, no positions,
+    no feed-forward sublayer, pre-RMSNorm, no projection biases."""
+    from transformer.hf.allowlist import ANY, COMPUTE_ONLY, SHAPES, Exporter
+
+    return Exporter("mamba2", "Mamba 2", {
+        "family": ("gpt",), "head": ("mlm",), "position": ("none",), "norm": ("rmsnorm",),
+        "norm_placement": ("pre",), "layer_types": ("mamba2",), **SHAPES, "d_ff": (0,),
+        "use_bias": (False,), "tie_embeddings": ANY, **{f"mamba2.{key}": ANY for key in (
+            "state_size", "expand", "head_dim", "num_groups", "conv_kernel", "chunk_size",
+            "use_conv_bias", "norm_before_gate", "time_step_min", "time_step_max",
+            "time_step_floor", "time_step_limit_min", "time_step_limit_max")}, **COMPUTE_ONLY})
+
+
+def to_hf(config, params, transformers):
+    """(Mamba2Config, state dict) of a Mamba 2 stack: the inverse of `mamba2` above."""
+    m = config.mamba2
+    inner = m.expand * config.d_model
+    heads = inner // m.head_dim
+    limit = (float(m.time_step_limit_min), float(m.time_step_limit_max) or math.inf)
+    hf_config = transformers.Mamba2Config(
+        vocab_size=config.vocab_size, hidden_size=config.d_model,
+        num_hidden_layers=config.num_layers, state_size=m.state_size, expand=m.expand,
+        head_dim=m.head_dim, num_heads=heads, n_groups=m.num_groups, conv_kernel=m.conv_kernel,
+        use_conv_bias=m.use_conv_bias, norm_before_gate=m.norm_before_gate, use_bias=False,
+        time_step_min=m.time_step_min, time_step_max=m.time_step_max,
+        time_step_floor=m.time_step_floor, time_step_limit=limit,
+        layer_norm_epsilon=config.norm_epsilon, tie_word_embeddings=config.tie_embeddings,
+        initializer_range=config.init_std or 0.02, architectures=["Mamba2ForCausalLM"])
+    decoder = params["decoder"]
+    out = {"backbone.embeddings.weight": params["embed"]["embedding"],
+           "backbone.norm_f.weight": decoder["final_norm"]["scale"]}
+    for i in range(config.num_layers):
+        layer, p = decoder[f"layers_{i}"], f"backbone.layers.{i}."
+        out[p + "norm.weight"] = layer["mamba2_norm"]["scale"]
+        out.update(_mixer_state(layer["mamba2"], p + "mixer.", config.d_model))
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = params["lm_head"]["kernel"].T
+    return hf_config, out
+
+
+def _mixer_state(mixer: dict, prefix: str, d_model: int) -> dict[str, np.ndarray]:
+    """Mamba2Mixer's tensors from this layer's params (the inverse of `mixer_params`)."""
+    flat = lambda name: mixer[name].reshape(d_model, -1)
+    conv = np.concatenate([mixer[f"conv_{n}"].reshape(mixer["conv_x"].shape[0], -1)
+                           for n in ("x", "B", "C")], axis=1)  # [K, channels]
+    state = {prefix + "in_proj.weight": np.concatenate(
+                 [flat("z"), flat("x"), flat("B"), flat("C"), mixer["dt"]], axis=1).T,
+             prefix + "conv1d.weight": conv.T[:, None, :],
+             prefix + "A_log": mixer["A_log"], prefix + "D": mixer["D"],
+             prefix + "dt_bias": mixer["dt_bias"],
+             prefix + "norm.weight": mixer["norm"].reshape(-1),
+             prefix + "out_proj.weight": mixer["out"].reshape(-1, d_model).T}
+    if "conv_x_bias" in mixer:
+        state[prefix + "conv1d.bias"] = np.concatenate(
+            [mixer[f"conv_{n}_bias"].reshape(-1) for n in ("x", "B", "C")])
+    return state

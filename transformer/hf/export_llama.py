@@ -53,6 +53,13 @@ _CLASSES = {
                                        "moe.shared_gate": (False,),
                                        "moe.normalize_gates": (True,),
                                        "moe.every_n_layers": (1,), **_MOE}),
+    # sinks, biases everywhere, alternating windows, YaRN, experts with the clamped SwiGLU
+    "GptOss": ("gpt_oss", "gpt-oss", {
+        "use_bias": (True,), "qkv_bias": (None, True), "attention_sinks": (True,),
+        **_LAYER_WINDOWS, "rope_scaling": ("linear", "yarn"), "rope_yarn_beta_fast": ANY,
+        "rope_yarn_beta_slow": ANY, "rope_yarn_truncate": ANY, "moe.use_bias": (True,),
+        "moe.swiglu_limit": ANY, "moe.normalize_gates": (True,), "moe.every_n_layers": (1,),
+        **_MOE}),
     # moe.num_shared >= 1: checked in _moe_settings
     "Qwen2Moe": ("qwen2_moe", "Qwen2-MoE", {"qkv_bias": ANY, "moe.shared_gate": (True,),
                                             "moe.num_shared": ANY, "moe.normalize_gates": ANY,
@@ -81,6 +88,8 @@ def llama_kind(config) -> str:
     """The Llama-like class a RoPE GPT exports as: the norm placement, then qk-norm, biases
     and the window pick it, and with MoE layers qk-norm and shared experts or biases (the
     class's other requirements are checked after)."""
+    if config.get("attention_sinks") and config.get("moe") and config.moe.num_experts:
+        return "GptOss"
     if config.get("moe") and config.moe.num_experts and config.norm_placement == "pre":
         shared = config.moe.num_shared or config.qkv_bias
         return "Qwen3Moe" if config.qk_norm else "Qwen2Moe" if shared else "Mixtral"
@@ -103,6 +112,17 @@ def _llama_like_settings(config, kind: str, head_dim: int) -> dict[str, Any]:
                    else "sliding_attention" for i in range(config.num_layers)]
     if kind == "Olmo3":
         return dict(sliding_window=window, layer_types=layer_types)
+    if kind == "GptOss":
+        moe = config.moe
+        if moe.d_ff not in (0, config.d_ff) or moe.top_k == 1:
+            name, value = ("moe.d_ff", moe.d_ff) if moe.top_k > 1 else ("moe.top_k", 1)
+            raise allowlist.refusal(EXPORTERS[kind], name, value, f"0 or {config.d_ff} for "
+                                    "d_ff, >= 2 for top_k")
+        return dict(sliding_window=window, layer_types=layer_types, attention_bias=True,
+                    num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                    swiglu_limit=float(moe.swiglu_limit),
+                    router_aux_loss_coef=moe.load_balance_loss / moe.top_k or 0.001,
+                    output_router_logits=moe.load_balance_loss > 0)
     if kind in ("Gemma2", "Gemma3"):
         scalar = head_dim
         if config.attention_scale is not None:
@@ -165,6 +185,12 @@ def export(config, params, transformers):
                     low_freq_factor=float(config.rope_low_freq_factor),
                     high_freq_factor=float(config.rope_high_freq_factor),
                     original_max_position_embeddings=int(config.rope_original_max_len))
+    elif config.rope_scaling == "yarn":
+        rope.update(rope_type="yarn", factor=float(config.rope_scale),
+                    original_max_position_embeddings=int(config.rope_original_max_len),
+                    beta_fast=float(config.rope_yarn_beta_fast),
+                    beta_slow=float(config.rope_yarn_beta_slow),
+                    truncate=bool(config.rope_yarn_truncate))
     elif config.rope_scale != 1.0:
         rope.update(rope_type="linear", factor=float(config.rope_scale))
     if kind in ("Olmo3", "Gemma3"):  # transformers 5 reads these per layer type
@@ -206,8 +232,14 @@ def _llama_like_state(config, params, family) -> dict[str, np.ndarray]:
                 out[f"{p}self_attn.{theirs}_norm.weight"] = attn[f"{ours}_norm"]["scale"] \
                     .reshape(-1) - np.float32(family.qk_norm_offset)
         out[p + "self_attn.o_proj.weight"] = attn["out"].reshape(-1, config.d_model).T
+        for ours, theirs in (("out_bias", "o_proj.bias"), ("sinks", "sinks")):
+            if ours in attn:
+                out[f"{p}self_attn.{theirs}"] = attn[ours]
         for ours, theirs in family.norms:
             norm(layer[ours], p + theirs)
+        if "moe" in layer and "router_bias" in layer["moe"]:  # gpt-oss
+            out.update(_gpt_oss_experts(layer["moe"], p + "mlp."))
+            continue
         if "moe" in layer:
             out.update(_moe_state(layer["moe"], p + ("block_sparse_moe." if mixtral else "mlp.")))
             continue
@@ -237,3 +269,17 @@ def _moe_state(moe: dict, prefix: str) -> dict[str, np.ndarray]:
         if ours in moe:
             out[prefix + theirs] = moe[ours].T
     return out
+
+
+def _gpt_oss_experts(moe: dict, prefix: str) -> dict[str, np.ndarray]:
+    """gpt-oss's MoE tensors (the inverse of `convert_gpt_oss`): the router with its bias,
+    gate_up_proj [E, D, 2F] with the gate and up columns interleaved, and their biases."""
+    def interleave(gate, up):
+        both = np.stack([gate, up], axis=-1)
+        return both.reshape(*gate.shape[:-1], 2 * gate.shape[-1])
+
+    e = prefix + "experts."
+    return {prefix + "router.weight": moe["router"].T, prefix + "router.bias": moe["router_bias"],
+            e + "gate_up_proj": interleave(moe["wi_gate"], moe["wi_up"]),
+            e + "gate_up_proj_bias": interleave(moe["wi_gate_bias"], moe["wi_up_bias"]),
+            e + "down_proj": moe["wo"], e + "down_proj_bias": moe["wo_bias"]}
