@@ -179,3 +179,25 @@ def test_a_short_fine_tune_through_the_cli_with_no_model_flags(tmp_path):
     assert line.endswith("loaded 52 params; new 0; dropped 0"), line
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert np.isfinite([r["loss"] for r in records if r.get("split") == "train"]).all()
+
+
+def test_export_round_trips_and_loads_in_transformers_with_our_logits(converted, tmp_path):
+    """The export (experts one tensor each, as the hub's files) imports back to the same params
+    bit for bit, and from_pretrained of the written files gives our logits."""
+    from safetensors.numpy import save_file
+
+    from transformer.hf import export
+
+    hf, config, params = converted
+    hf_config, state = export.to_hf(config, params)
+    config_back, params_back = convert.from_hf(hf_config, state)
+    flat = lambda tree: {"/".join(map(str, k)): v for k, v in
+                         __import__("flax").traverse_util.flatten_dict(tree).items()}
+    assert flat(params_back).keys() == flat(params).keys()
+    for name, value in flat(params).items():
+        np.testing.assert_array_equal(flat(params_back)[name], value, err_msg=name)
+    hf_config.save_pretrained(tmp_path)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    back.config._attn_implementation = "eager"
+    assert difference(our_logits(config, params), hf_logits(back)) <= 1e-4

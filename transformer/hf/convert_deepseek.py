@@ -109,3 +109,92 @@ def mla_params(ckpt: Checkpoint, prefix: str, config) -> dict[str, np.ndarray]:
     else:
         params["query"] = ckpt(prefix + "q_proj.weight", True).reshape(d, n, k)
     return params
+
+
+def exporter():
+    """DeepSeek-V3's allowlist (`allowlist.check`): a RoPE GPT with multi-head latent
+    attention, DeepSeek's routing with the balance bias, SwiGLU, pre-RMSNorm, no biases."""
+    from transformer.hf.allowlist import ANY, COMPUTE_ONLY, SHAPES, Exporter
+
+    moe = ("num_experts", "top_k", "capacity_factor", "d_ff", "num_shared", "normalize_gates",
+           "n_group", "topk_group", "routed_scaling_factor", "first_dense_layers",
+           "bias_update_rate", "load_balance_loss", "router_z_loss")
+    return Exporter("deepseek_v3", "DeepSeek-V3", {
+        "family": ("gpt",), "head": ("mlm",), "position": ("rope",), "norm": ("rmsnorm",),
+        "norm_placement": ("pre",), "activation": ("swiglu",), "use_bias": (False,),
+        "attention_kind": ("mla",), **{f"mla.{k}": ANY for k in (
+            "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim")},
+        "rope_theta": ANY, "rope_layout": ANY, "rope_scaling": ("linear", "yarn"),
+        "rope_scale": ANY, "rope_original_max_len": ANY, **{f"rope_yarn_{k}": ANY for k in (
+            "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")},
+        "moe.score": ("sigmoid",), "moe.balance_bias": (True,), "moe.every_n_layers": (1,),
+        **{f"moe.{k}": ANY for k in moe}, **SHAPES, "tie_embeddings": ANY, **COMPUTE_ONLY})
+
+
+def to_hf(config, params, transformers):
+    """(DeepseekV3Config, state dict) of an MLA GPT with DeepSeek's experts: the inverse of
+    `deepseek_v3` above, the experts one tensor each as the hub's files hold them."""
+    from transformer.hf.export_llama import _moe_state
+
+    m, moe = config.mla, config.moe
+    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    if config.rope_scaling == "yarn":
+        rope.update(rope_type="yarn", factor=float(config.rope_scale),
+                    original_max_position_embeddings=int(config.rope_original_max_len),
+                    beta_fast=float(config.rope_yarn_beta_fast),
+                    beta_slow=float(config.rope_yarn_beta_slow),
+                    mscale=float(config.rope_yarn_mscale),
+                    mscale_all_dim=float(config.rope_yarn_mscale_all_dim),
+                    truncate=bool(config.rope_yarn_truncate))
+    hf_config = transformers.DeepseekV3Config(
+        vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.d_ff,
+        moe_intermediate_size=moe.d_ff or config.d_ff, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_heads,
+        n_shared_experts=moe.num_shared, n_routed_experts=moe.num_experts,
+        routed_scaling_factor=float(moe.routed_scaling_factor), kv_lora_rank=m.kv_lora_rank,
+        q_lora_rank=m.q_lora_rank or None, qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim, qk_nope_head_dim=m.qk_nope_head_dim, n_group=moe.n_group,
+        topk_group=moe.topk_group, num_experts_per_tok=moe.top_k,
+        first_k_dense_replace=moe.first_dense_layers, norm_topk_prob=moe.normalize_gates,
+        max_position_embeddings=config.max_len, rms_norm_eps=config.norm_epsilon,
+        tie_word_embeddings=config.tie_embeddings, rope_parameters=rope,
+        rope_interleave=config.rope_layout == "interleaved", attention_bias=False,
+        initializer_range=config.init_std or 0.02, architectures=["DeepseekV3ForCausalLM"])
+    decoder = params["decoder"]
+    out = {"model.embed_tokens.weight": params["embed"]["embedding"],
+           "model.norm.weight": decoder["final_norm"]["scale"]}
+    for i in range(config.num_layers):
+        layer, p = decoder[f"layers_{i}"], f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = layer["self_attention_norm"]["scale"]
+        out[p + "post_attention_layernorm.weight"] = layer["mlp_norm"]["scale"]
+        out.update(_mla_state(layer["self_attention"], p + "self_attn.", config))
+        if "moe" in layer:
+            out.update(_moe_state(layer["moe"], p + "mlp.", shared="shared_experts."))
+            out[p + "mlp.gate.e_score_correction_bias"] = layer["moe"]["balance_bias"]
+        else:
+            mlp = layer["mlp"]
+            out.update({p + "mlp.gate_proj.weight": mlp["wi_gate"].T,
+                        p + "mlp.up_proj.weight": mlp["wi_up"].T,
+                        p + "mlp.down_proj.weight": mlp["wo"].T})
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = params["lm_head"]["kernel"].T
+    return hf_config, out
+
+
+def _mla_state(attention: dict, prefix: str, config) -> dict[str, np.ndarray]:
+    """DeepseekV3Attention's tensors (the inverse of `mla_params`)."""
+    m, d = config.mla, config.d_model
+    kv_b = np.concatenate([attention["k_b"].transpose(1, 2, 0),
+                           attention["v_b"].transpose(1, 2, 0)], axis=1)  # [N, P + V, C]
+    out = {prefix + "kv_a_proj_with_mqa.weight": attention["kv_a"].T,
+           prefix + "kv_a_layernorm.weight": attention["kv_a_norm"]["scale"],
+           prefix + "kv_b_proj.weight": kv_b.reshape(-1, m.kv_lora_rank),
+           prefix + "o_proj.weight": attention["out"].reshape(-1, d).T}
+    if m.q_lora_rank:
+        out.update({prefix + "q_a_proj.weight": attention["q_a"].T,
+                    prefix + "q_a_layernorm.weight": attention["q_a_norm"]["scale"],
+                    prefix + "q_b_proj.weight": attention["q_b"].reshape(m.q_lora_rank, -1).T})
+    else:
+        out[prefix + "q_proj.weight"] = attention["query"].reshape(d, -1).T
+    return out

@@ -252,7 +252,7 @@ def _llama_like_state(config, params, family) -> dict[str, np.ndarray]:
     return out
 
 
-def _moe_state(moe: dict, prefix: str) -> dict[str, np.ndarray]:
+def _moe_state(moe: dict, prefix: str, shared: str = "shared_expert.") -> dict[str, np.ndarray]:
     """HF's tensors of one MoE layer as save_pretrained writes them, one per expert (Mixtral's
     block_sparse_moe.experts.j.w1 / w3 / w2, Qwen's mlp.experts.j.gate_proj / up_proj /
     down_proj), which the hub's tools read; the inverse of `convert_llama._moe_params`."""
@@ -262,9 +262,9 @@ def _moe_state(moe: dict, prefix: str) -> dict[str, np.ndarray]:
     for ours, theirs in zip(("wi_gate", "wi_up", "wo"), names, strict=True):
         for j, kernel in enumerate(moe[ours]):
             out[f"{prefix}experts.{j}.{theirs}.weight"] = kernel.T
-    for ours, theirs in (("shared_wi", "shared_expert.gate_proj.weight"),
-                         ("shared_wi_up", "shared_expert.up_proj.weight"),
-                         ("shared_wo", "shared_expert.down_proj.weight"),
+    for ours, theirs in (("shared_wi", f"{shared}gate_proj.weight"),
+                         ("shared_wi_up", f"{shared}up_proj.weight"),
+                         ("shared_wo", f"{shared}down_proj.weight"),
                          ("shared_gate", "shared_expert_gate.weight")):
         if ours in moe:
             out[prefix + theirs] = moe[ours].T

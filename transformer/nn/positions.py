@@ -188,8 +188,7 @@ ROPE_KEYS = {"theta": "rope_theta", "layout": "rope_layout", "scale": "rope_scal
 def rope_args(settings) -> dict[str, Any]:
     """`apply_rope`'s keyword arguments read off `settings`' rope_* attributes (a
     `TransformerConfig` or a layer's settings)."""
-    return {arg: getattr(settings, name) for arg, name in ROPE_KEYS.items()
-            if hasattr(settings, name)}  # (MLA's rotates its own RoPE dims whole)
+    return {arg: getattr(settings, name) for arg, name in ROPE_KEYS.items()}
 
 
 def apply_rope(

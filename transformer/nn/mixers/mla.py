@@ -116,6 +116,7 @@ class MLASettings:
     rope_yarn_mscale: float = 1.0
     rope_yarn_mscale_all_dim: float = 0.0
     rope_yarn_truncate: bool = True
+    rope_fraction: float = 1.0  # (1: the config refuses partial RoPE with MLA)
     norm_epsilon: float = 1e-6  # the q_a and kv_a RMSNorms'
     qkv_bias: bool = False  # biases on W_qa (or W_q's none, as HF) and W_kva
     use_bias: bool = False  # a bias on W_o
