@@ -2,7 +2,8 @@
 (`linear_attention`, transformer.nn.mixers.gated_deltanet) with one full-attention layer in
 four, that attention gated per element (`model.attention_gate="element"`) with partial RoPE
 (`model.rope_fraction`), zero-centred RMSNorms (weight + 1, as Gemma's), and experts with a
-gated shared expert in every layer. `convert.from_hf` dispatches here."""
+gated shared expert in every layer. `convert.from_hf` dispatches here, `export.to_hf` to
+`to_hf`."""
 
 from __future__ import annotations
 
@@ -87,3 +88,106 @@ def _gated_deltanet(ckpt, prefix, g, n, k, v) -> dict[str, np.ndarray]:
             "A_log": ckpt(prefix + "A_log"), "dt_bias": ckpt(prefix + "dt_bias"),
             "norm": ckpt(prefix + "norm.weight"),
             "out": ckpt(prefix + "out_proj.weight", True).reshape(n, v, d)}
+
+
+def exporter():
+    """Qwen3-Next's allowlist (`allowlist.check`): Gated DeltaNet and full layers, the full
+    ones element-gated with per-head qk-norm and (partial) RoPE, experts with a gated shared
+    expert, SwiGLU, pre-RMSNorm, no biases."""
+    from transformer.hf.allowlist import ANY, COMPUTE_ONLY, SHAPES, Exporter
+
+    return Exporter("qwen3_next", "Qwen3-Next", {
+        "family": ("gpt",), "head": ("mlm",), "position": ("rope",), "norm": ("rmsnorm",),
+        "norm_placement": ("pre",), "activation": ("swiglu",), "use_bias": (False,),
+        "qkv_bias": (None, False), "layer_types": ANY, "attention_gate": ("element",),
+        "qk_norm": (True,), "qk_norm_scope": ("head",), "rope_theta": ANY,
+        "rope_layout": ("half",), "rope_fraction": ANY, "num_kv_heads": ANY, "head_dim": ANY,
+        **{f"linear_attention.{k}": ANY for k in (
+            "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
+            "conv_kernel", "chunk_size")},
+        "moe.shared_gate": (True,), **{f"moe.{k}": ANY for k in (
+            "num_experts", "top_k", "capacity_factor", "d_ff", "num_shared", "normalize_gates",
+            "every_n_layers", "load_balance_loss", "router_z_loss")},
+        **SHAPES, "tie_embeddings": ANY, **COMPUTE_ONLY})
+
+
+def to_hf(config, params, transformers):
+    """(Qwen3NextConfig, state dict): the inverse of `qwen3_next` above, the experts one
+    tensor each as the hub's files hold them."""
+    from transformer.hf.export_llama import _moe_state
+    from transformer.nn.config import parse_layer_types
+
+    types = list(parse_layer_types(config.layer_types))
+    types = (types * (config.num_layers // len(types)))[:config.num_layers]
+    if set(types) - {"linear_attention", "full_attention"} or not config.moe.num_experts:
+        raise ValueError(f"export to qwen3_next: model.layer_types={config.layer_types!r} with "
+                         f"moe.num_experts={config.moe.num_experts}: expected linear_attention "
+                         "and full_attention layers with experts")
+    lin, moe = config.linear_attention, config.moe
+    g, n = lin.num_key_heads or config.num_heads, lin.num_value_heads or config.num_heads
+    head_dim = config.head_dim or config.d_model // config.num_heads
+    k, v = lin.key_head_dim or head_dim, lin.value_head_dim or lin.key_head_dim or head_dim
+    d_ff = moe.d_ff or config.d_ff
+    hf_config = transformers.Qwen3NextConfig(
+        vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.d_ff,
+        moe_intermediate_size=d_ff, shared_expert_intermediate_size=moe.num_shared * d_ff,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads or config.num_heads, head_dim=head_dim,
+        num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+        norm_topk_prob=moe.normalize_gates, decoder_sparse_step=moe.every_n_layers,
+        mlp_only_layers=[], linear_num_key_heads=g, linear_num_value_heads=n,
+        linear_key_head_dim=k, linear_value_head_dim=v, linear_conv_kernel_dim=lin.conv_kernel,
+        layer_types=types, max_position_embeddings=config.max_len,
+        rms_norm_eps=config.norm_epsilon, tie_word_embeddings=config.tie_embeddings,
+        router_aux_loss_coef=moe.load_balance_loss / moe.top_k or 0.001,
+        output_router_logits=moe.load_balance_loss > 0,
+        rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta),
+                         "partial_rotary_factor": float(config.rope_fraction)},
+        initializer_range=config.init_std or 0.02, architectures=["Qwen3NextForCausalLM"])
+    decoder, one = params["decoder"], np.float32(1.0)
+    out = {"model.embed_tokens.weight": params["embed"]["embedding"],
+           "model.norm.weight": decoder["final_norm"]["scale"] - one}
+    for i, kind in enumerate(types):
+        layer, p = decoder[f"layers_{i}"], f"model.layers.{i}."
+        mixer = "self_attention" if kind == "full_attention" else "linear_attention"
+        out[p + "input_layernorm.weight"] = layer[f"{mixer}_norm"]["scale"] - one
+        out[p + "post_attention_layernorm.weight"] = layer["mlp_norm"]["scale"] - one
+        out.update(_attention_state(layer[mixer], p + "self_attn.") if kind == "full_attention"
+                   else _gated_deltanet_state(layer[mixer], p + "linear_attn.", g, n))
+        if "moe" in layer:
+            out.update(_moe_state(layer["moe"], p + "mlp."))
+        else:
+            out.update({p + "mlp.gate_proj.weight": layer["mlp"]["wi_gate"].T,
+                        p + "mlp.up_proj.weight": layer["mlp"]["wi_up"].T,
+                        p + "mlp.down_proj.weight": layer["mlp"]["wo"].T})
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = params["lm_head"]["kernel"].T
+    return hf_config, out
+
+
+def _attention_state(a: dict, prefix: str) -> dict[str, np.ndarray]:
+    """Qwen3NextAttention's tensors (the inverse of `_attention`)."""
+    d = a["query"].shape[0]
+    query_gate = np.concatenate([a["query"], a["gate"]], axis=-1).reshape(d, -1)
+    return {prefix + "q_proj.weight": query_gate.T,
+            prefix + "k_proj.weight": a["key"].reshape(d, -1).T,
+            prefix + "v_proj.weight": a["value"].reshape(d, -1).T,
+            prefix + "o_proj.weight": a["out"].reshape(-1, a["out"].shape[-1]).T,
+            prefix + "q_norm.weight": a["query_norm"]["scale"] - np.float32(1.0),
+            prefix + "k_norm.weight": a["key_norm"]["scale"] - np.float32(1.0)}
+
+
+def _gated_deltanet_state(p: dict, prefix: str, g: int, n: int) -> dict[str, np.ndarray]:
+    """Qwen3NextGatedDeltaNet's tensors (the inverse of `_gated_deltanet`)."""
+    d = p["query"].shape[0]
+    per_group = lambda x: x.reshape(d, g, -1)  # [D, N, V] or [D, N] -> [D, G, r ...]
+    qkvz = np.concatenate([p["query"], p["key"], per_group(p["value"]), per_group(p["gate"])],
+                          axis=-1).reshape(d, -1)
+    ba = np.concatenate([per_group(p["beta"]), per_group(p["decay"])], axis=-1).reshape(d, -1)
+    width = p["query_conv"].shape[0]
+    conv = np.concatenate([p[f"{name}_conv"].reshape(width, -1)
+                           for name in ("query", "key", "value")], axis=1)
+    return {prefix + "in_proj_qkvz.weight": qkvz.T, prefix + "in_proj_ba.weight": ba.T,
+            prefix + "conv1d.weight": conv.T[:, None, :], prefix + "A_log": p["A_log"],
+            prefix + "dt_bias": p["dt_bias"], prefix + "norm.weight": p["norm"],
+            prefix + "out_proj.weight": p["out"].reshape(-1, p["out"].shape[-1]).T}

@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 from flax import traverse_util
 
-from transformer.hf import allowlist, convert_deepseek, convert_mamba2, export_llama
+from transformer.hf import (
+    allowlist,
+    convert_deepseek,
+    convert_mamba2,
+    convert_qwen3_next,
+    export_llama,
+)
 from transformer.hf.allowlist import ANY, COMPUTE_ONLY, SHAPES, Exporter
 from transformer.hf.common import flat_heads
 from transformer.models import default_model_config
@@ -234,6 +240,9 @@ def to_hf(model_config, params) -> tuple[Any, dict[str, np.ndarray]]:
         if model_config.get("layer_types") == "mamba2":  # no positions, no feed-forward
             allowlist.check(convert_mamba2.exporter(), model_config)
             exporter = convert_mamba2.to_hf
+        if "linear_attention" in (model_config.get("layer_types") or ""):
+            allowlist.check(convert_qwen3_next.exporter(), model_config)
+            exporter = convert_qwen3_next.to_hf
         if model_config.get("attention_kind") == "mla":
             allowlist.check(convert_deepseek.exporter(), model_config)
             exporter = convert_deepseek.to_hf
