@@ -6,7 +6,8 @@ Run by tests/test_moe.py in a subprocess (the device count is fixed when JAX sta
 with 8 experts per layer (top-2, a capacity factor that drops tokens) trains a few steps on
 meshes with expert = 2, 4, 8, alone and with data / fsdp / tensor; unrolled, scanned with
 remat, and dropless (ragged matmuls, on the mesh per device with the rows exchanged along
-`expert`; tests/moe_dispatch_check.py checks the dropless layer on more meshes). Per mesh:
+`expert`, with DeepSeek-V3's sigmoid routing in groups and the balance bias moving each
+step; tests/moe_dispatch_check.py checks the dropless layer on more meshes). Per mesh:
 the losses and MoE metrics of every step, the largest parameter difference from one device,
 how the expert params are laid out, the MoE dispatch path traced, and whether the compiled
 step moves tokens with all-to-alls.
@@ -57,8 +58,9 @@ def moe_config(mesh: dict, variant: str):
     if variant.startswith("scanned"):  # every other layer MoE: scanned in groups of 2
         config.model.update(num_layers=4, scan_layers=True, remat_policy="full")
         config.model.moe.every_n_layers = 2
-    if variant.endswith("dropless"):
-        config.model.moe.capacity_factor = 0.0
+    if variant.endswith("dropless"):  # with DeepSeek-V3's routing and its moving bias
+        config.model.moe.update(capacity_factor=0.0, score="sigmoid", n_group=2, topk_group=1,
+                                balance_bias=True, bias_update_rate=0.01)
     config.mesh.update({"data": 1, **mesh})
     return config
 
@@ -128,6 +130,10 @@ def main() -> None:
             "dispatch": dispatch,
             "max_param_diff": max_diff(host(final), single_final),
             "layout": layout(final, variant),
+            # the balance bias (dropless variants): how far it moved, replicated on the mesh
+            "bias_moved": max((float(np.abs(leaf).max()) for path, leaf in
+                               jax.tree_util.tree_flatten_with_path(host(final))[0]
+                               if "balance_bias" in jax.tree_util.keystr(path)), default=0.0),
         }
         if name in COLLECTIVES:
             results[name]["all_to_all"] = hlo.count("all-to-all")

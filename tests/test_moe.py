@@ -316,6 +316,8 @@ def test_each_expert_mesh_trains_like_one_device_with_the_experts_split(expert_r
             assert got[name] == pytest.approx(want[name], rel=2e-5, abs=1e-7), (name, got, want)
     if variant.endswith("dropless"):
         assert all(record["moe_dropped"] == 0 for record in single)
+        # the balance bias moved (3 steps of 0.01) and equals one device's (max_param_diff)
+        assert result["bias_moved"] >= 0.01
         for got, want in zip(result["records"], single, strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
         experts = mesh.split()[0].split("expert=")[1].split(",")[0] if "expert" in mesh else 1
