@@ -222,15 +222,10 @@ class AttentionSettings:
             num_heads=cfg.num_heads, head_dim=cfg.resolved_head_dim,
             num_kv_heads=cfg.num_kv_heads, use_bias=cfg.use_bias, qkv_bias=cfg.qkv_bias,
             scale=cfg.resolved_attention_scale,
-            rope_theta=cfg.rope_theta if not cross and cfg.position == "rope" else None,
-            rope_layout=cfg.rope_layout, rope_scale=cfg.rope_scale,
-            rope_scaling=cfg.rope_scaling, rope_low_freq_factor=cfg.rope_low_freq_factor,
-            rope_high_freq_factor=cfg.rope_high_freq_factor,
-            rope_original_max_len=cfg.rope_original_max_len,
-            rope_yarn_beta_fast=cfg.rope_yarn_beta_fast,
-            rope_yarn_beta_slow=cfg.rope_yarn_beta_slow, rope_yarn_mscale=cfg.rope_yarn_mscale,
-            rope_yarn_mscale_all_dim=cfg.rope_yarn_mscale_all_dim,
-            rope_yarn_truncate=cfg.rope_yarn_truncate, rope_fraction=cfg.rope_fraction,
+            # every RoPE key as the config has it (positions.ROPE_KEYS), but no RoPE at all
+            # without position "rope" or in a cross-attention (rope_theta None)
+            **{name: getattr(cfg, name) for name in positions_lib.ROPE_KEYS.values()} | (
+                {} if not cross and cfg.position == "rope" else {"rope_theta": None}),
             dropout_rate=cfg.attention_dropout_rate, init_std=cfg.init_std,
             init_scale=cfg.init_scale(), out_init_scale=cfg.init_scale(residual=True),
             qk_norm=cfg.qk_norm_scope if cfg.qk_norm else "", norm_epsilon=cfg.norm_epsilon,
