@@ -209,3 +209,22 @@ def test_bad_sweeps_fail_before_anything_trains(tmp_path):
     assert result.returncode != 0
     assert "expected a get_sweep() function" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_moe_run_reports_its_load_imbalance_over_training_and_last(tmp_path):
+    """The worst layer's max/mean tokens per expert, averaged over the logged steps and the
+    last: two report columns, present only where every train record has it."""
+    import json
+    import types
+
+    from transformer.sweeps import report
+
+    records = [{"split": "train", "step": s, "loss": 2.0, "elapsed": s, "moe_imbalance": x}
+               for s, x in ((1, 3.0), (2, 2.0), (3, 1.0))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    row = report.variant_row("aux_free", types.SimpleNamespace(steps=3), str(tmp_path))
+    assert (row["moe_imbalance_mean"], row["moe_imbalance"]) == (2.0, 1.0)
+    headers = [header for _, header, _ in report._metric_columns([row])]
+    assert "max/mean load, mean over training" in headers and "max/mean load, last" in headers
+    dense = report.variant_row("dense", types.SimpleNamespace(steps=3), str(tmp_path / "none"))
+    assert "moe_imbalance" not in dense

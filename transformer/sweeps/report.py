@@ -102,6 +102,11 @@ def variant_row(name: str, config, directory: str) -> dict[str, Any]:
            "val_loss": validation[-1]["loss"] if validation else None,
            "val_accuracy": validation[-1]["accuracy"] if validation else None,
            "val_bits_per_byte": validation[-1].get("bits_per_byte") if validation else None,
+           # Mixtures of experts: max over mean tokens per expert (the worst layer's), averaged
+           # over the logged steps and the last one.
+           **({"moe_imbalance_mean": statistics.fmean(r["moe_imbalance"] for r in train),
+               "moe_imbalance": train[-1]["moe_imbalance"]}
+              if train and all("moe_imbalance" in r for r in train) else {}),
            "tokens_per_s": _median_speed(train),
            "elapsed": records[-1]["elapsed"] if records else None}
     for key, value in summary.items():  # length extrapolation: val_loss@L; labeled tasks
@@ -126,6 +131,9 @@ def _metric_columns(rows: Sequence[dict]) -> list[tuple[str, str, int]]:
     if any(row["val_bits_per_byte"] is not None for row in rows):
         columns.append(("val_bits_per_byte", "val bits/byte", 4))
     columns += [(f"val_loss@{n}", f"val loss @{n}", 4) for n in lengths]
+    columns += [(key, header, 2) for key, header in (
+        ("moe_imbalance_mean", "max/mean load, mean over training"),
+        ("moe_imbalance", "max/mean load, last")) if any(key in row for row in rows)]
     columns += [(key, header, 3) for key, header in TEST_COLUMNS.items()
                 if any(key in row for row in rows)]
     return columns
