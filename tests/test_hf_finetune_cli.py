@@ -1,6 +1,6 @@
 """A short fine-tune through the CLI from each 2025-26 family's save_pretrained directory with
 no model flags (`init_from=hf:DIR`): every param loads, none is new, two steps train finite
-(bytes as tokens: a vocabulary of 263). DeepSeek-V3's and gpt-oss's are in their own files."""
+(bytes as tokens: a vocabulary of 263)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,18 @@ def qwen3_next():
     return build(vocab_size=VOCAB)
 
 
+def deepseek_v3():
+    from test_hf_deepseek import deepseek
+
+    return deepseek(vocab_size=VOCAB)
+
+
+def gpt_oss():
+    from test_hf_gpt_oss import gpt_oss as build
+
+    return build(vocab_size=VOCAB)
+
+
 def mamba2():
     from test_hf_mamba2 import mamba2 as build
 
@@ -42,7 +54,7 @@ def mamba2():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [gemma3, olmo3, qwen3_next, mamba2],
+@pytest.mark.parametrize("family", [deepseek_v3, gpt_oss, gemma3, olmo3, qwen3_next, mamba2],
                          ids=lambda f: f.__name__)
 def test_a_short_fine_tune_through_the_cli_with_no_model_flags(family, tmp_path):
     from test_train import assert_succeeded, run_cli, tiny_flags

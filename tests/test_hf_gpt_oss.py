@@ -11,18 +11,23 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf_deepseek import difference, hf_logits, our_logits  # noqa: E402
+from test_hf_deepseek import (  # noqa: E402
+    assert_greedy_equals_generate,
+    converted_pair,
+    difference,
+    hf_logits,
+    our_logits,
+    perturbed,
+)
 
-from transformer.generation.programs import decode  # noqa: E402
 from transformer.hf import convert  # noqa: E402
-from transformer.models import build_model  # noqa: E402
 
 VOCAB = 97
 YARN = dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=8,
             beta_fast=8.0, beta_slow=1.0, truncate=False)
 
 
-def gpt_oss(seed=0, **overrides):
+def gpt_oss(**overrides):
     """4 layers (sliding, full, sliding, full; a window of 4 < 12 tokens), 4 query heads over
     2 KV heads, 8 experts top-2 with every tensor perturbed (the sinks too)."""
     settings = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=4,
@@ -30,21 +35,13 @@ def gpt_oss(seed=0, **overrides):
                     num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32,
                     sliding_window=4, rope_parameters=YARN, swiglu_limit=1.5, bos_token_id=1,
                     eos_token_id=2, pad_token_id=0, experts_implementation="eager")
-    config = transformers.GptOssConfig(**{**settings, **overrides})
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    hf = transformers.GptOssForCausalLM(config)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return hf.eval()
+    return perturbed(transformers.GptOssForCausalLM,
+                     transformers.GptOssConfig(**{**settings, **overrides}), scale=0.3)
 
 
 @pytest.fixture(scope="module")
 def converted():
-    hf = gpt_oss()
-    config, params = convert.from_hf(hf.config, hf.state_dict())
-    return hf, config, params
+    return converted_pair(gpt_oss())
 
 
 def test_the_config_is_gpt_oss(converted):
@@ -101,14 +98,7 @@ def test_each_feature_binds(converted):
 
 
 def test_greedy_decoding_equals_transformers_generate(converted):
-    hf, config, params = converted
-    prompts = [[5, 9, 33, 42, 17, 8], [7, 61, 3]]
-    ours, _ = decode(build_model(config), params, prompts, max_new_tokens=6, eos_id=None)
-    for prompt, row in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert row.tolist() == want
+    assert_greedy_equals_generate(*converted)
 
 
 def test_what_the_model_cannot_hold_is_refused_in_one_line():
@@ -124,26 +114,6 @@ def test_what_the_model_cannot_hold_is_refused_in_one_line():
         convert.from_hf(config, gpt_oss().state_dict())
 
 
-
-@pytest.mark.slow
-def test_a_short_fine_tune_through_the_cli_with_no_model_flags(tmp_path):
-    import json
-
-    from test_train import assert_succeeded, run_cli, tiny_flags
-
-    directory = tmp_path / "gpt_oss"
-    gpt_oss(vocab_size=263).save_pretrained(directory)
-    result = run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
-                     f"--config.init_from=hf:{directory}", "--config.data.tokenizer=byte",
-                     "--config.data.num_sentinels=0", f"--workdir={tmp_path / 'run'}",
-                     *[f for f in tiny_flags(2) if not f.startswith("--config.model.")],
-                     logs=tmp_path)
-    assert_succeeded(result)
-    line = next(x for x in result.stdout.splitlines() if x.startswith("init_from"))
-    assert line.endswith("new 0; dropped 0"), line
-    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
-               .splitlines()]
-    assert np.isfinite([r["loss"] for r in records if r.get("split") == "train"]).all()
 
 
 def test_export_inverts_the_import_bit_for_bit_and_loads_in_transformers(converted, tmp_path):

@@ -14,9 +14,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf_deepseek import difference, hf_logits, our_logits  # noqa: E402
+from test_hf_deepseek import (  # noqa: E402
+    assert_greedy_equals_generate,
+    converted_pair,
+    difference,
+    hf_logits,
+    our_logits,
+    perturbed,
+)
 
-from transformer.generation.programs import decode  # noqa: E402
 from transformer.hf import convert  # noqa: E402
 from transformer.models import build_model  # noqa: E402
 
@@ -24,24 +30,16 @@ VOCAB = 97
 
 
 def mamba2(**overrides):
-    config = transformers.Mamba2Config(**{**dict(
+    return perturbed(transformers.Mamba2ForCausalLM, transformers.Mamba2Config(**{**dict(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, head_dim=8,
         num_heads=8, n_groups=2, expand=2, conv_kernel=4, chunk_size=4,
         time_step_limit=(0.0, 0.6), bos_token_id=1, eos_token_id=2, pad_token_id=0),
-        **overrides})
-    torch.manual_seed(0)
-    hf = transformers.Mamba2ForCausalLM(config)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return hf.eval()
+        **overrides}))
 
 
 @pytest.fixture(scope="module")
 def converted():
-    hf = mamba2()
-    config, params = convert.from_hf(hf.config, hf.state_dict())
-    return hf, config, params
+    return converted_pair(mamba2())
 
 
 def test_the_params_are_a_fresh_inits_with_no_feed_forward(converted):
@@ -66,14 +64,7 @@ def test_scanned_import_gives_the_same_logits(converted):
 
 
 def test_greedy_decoding_equals_transformers_generate(converted):
-    hf, config, params = converted
-    prompts = [[5, 9, 33, 42, 17, 8], [7, 61, 3]]
-    ours, _ = decode(build_model(config), params, prompts, max_new_tokens=6, eos_id=None)
-    for prompt, row in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert row.tolist() == want
+    assert_greedy_equals_generate(*converted)
 
 
 def test_what_the_model_cannot_hold_is_refused_in_one_line():

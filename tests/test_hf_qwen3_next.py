@@ -11,17 +11,22 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf_deepseek import difference, hf_logits, our_logits  # noqa: E402
+from test_hf_deepseek import (  # noqa: E402
+    assert_greedy_equals_generate,
+    converted_pair,
+    difference,
+    hf_logits,
+    our_logits,
+    perturbed,
+)
 
-from transformer.generation.programs import decode  # noqa: E402
 from transformer.hf import convert  # noqa: E402
-from transformer.models import build_model  # noqa: E402
 
 VOCAB = 97
 
 
 def qwen3_next(**overrides):
-    config = transformers.Qwen3NextConfig(**{**dict(
+    return perturbed(transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig(**{**dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
         shared_expert_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
@@ -29,21 +34,12 @@ def qwen3_next(**overrides):
         linear_value_head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, experts_implementation="eager",
         rope_parameters={"rope_type": "default", "rope_theta": 500.0,
-                         "partial_rotary_factor": 0.5}), **overrides})
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = transformers.Qwen3NextForCausalLM(config)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return hf.eval()
+                         "partial_rotary_factor": 0.5}), **overrides}))
 
 
 @pytest.fixture(scope="module")
 def converted():
-    hf = qwen3_next()
-    config, params = convert.from_hf(hf.config, hf.state_dict())
-    return hf, config, params
+    return converted_pair(qwen3_next())
 
 
 def test_the_config_is_qwen3_nexts(converted):
@@ -87,14 +83,7 @@ def test_the_gate_and_the_partial_rope_bind(converted):
 
 
 def test_greedy_decoding_equals_transformers_generate(converted):
-    hf, config, params = converted
-    prompts = [[5, 9, 33, 42, 17, 8], [7, 61, 3]]
-    ours, _ = decode(build_model(config), params, prompts, max_new_tokens=6, eos_id=None)
-    for prompt, row in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert row.tolist() == want
+    assert_greedy_equals_generate(*converted)
 
 
 def test_export_round_trips_and_loads_in_transformers_with_our_logits(converted, tmp_path):
