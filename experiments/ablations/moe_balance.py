@@ -1,7 +1,8 @@
 """Balancing the experts: DeepSeek-V3's auxiliary-loss-free bias against the auxiliary loss
-(Switch / GShard), on the small char-level GPT with 16 fine-grained experts in every layer
-(top-4 of 16, 128 wide: the dense base's 512 active hidden units), sigmoid scores in 4 groups
-of which a token uses 2 (DeepSeek-V3's routing, scaled down), dropless, 600 steps, 3 seeds:
+(Switch / GShard), on the small char-level GPT with 8 experts in every layer (top-2 of 8, 256
+wide: the dense base's 512 active hidden units), sigmoid scores in 4 groups of which a token
+uses 2 (DeepSeek-V3's routing, scaled down), capacity factor 2 (a choice past twice the mean
+load is dropped, so imbalance costs tokens), 600 steps, 3 seeds:
 
 - none: no balancing at all (the reference for how far the load drifts);
 - aux_loss: the load-balancing loss at weight 0.01 (Switch's);
@@ -26,7 +27,7 @@ FREE = {"model.moe.load_balance_loss": 0.0, "model.moe.balance_bias": True}
 def get_config():
     config = small_char_lm()
     config.experiment = "moe_balance"
-    config.model.moe.update(num_experts=16, top_k=4, d_ff=128, capacity_factor=0.0,
+    config.model.moe.update(num_experts=8, top_k=2, d_ff=256, capacity_factor=2.0,
                             score="sigmoid", n_group=4, topk_group=2, router_z_loss=0.0)
     return config
 
