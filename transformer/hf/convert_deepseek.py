@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 
 from transformer.hf.common import Checkpoint, maybe_scan
-from transformer.hf.convert_llama import _llama_like_config, _moe_params
+from transformer.hf.convert_llama import _llama_like_config, _moe_params, mlp_params
 
 
 def yarn_settings(hf_config, family: str = "deepseek_v3") -> dict[str, Any]:
@@ -80,9 +80,7 @@ def deepseek_v3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections
             "self_attention_norm": {"scale": ckpt(p + "input_layernorm.weight")},
             "mlp_norm": {"scale": ckpt(p + "post_attention_layernorm.weight")},
             "self_attention": mla_params(ckpt, p + "self_attn.", config),
-            **({"mlp": {"wi_gate": ckpt(p + "mlp.gate_proj.weight", True),
-                        "wi_up": ckpt(p + "mlp.up_proj.weight", True),
-                        "wo": ckpt(p + "mlp.down_proj.weight", True)}} if dense else
+            **({"mlp": mlp_params(ckpt, p + "mlp.")} if dense else
                {"moe": _moe_params(ckpt, p + "mlp.", config.moe)})}
     params = {"embed": {"embedding": ckpt(f"{root}embed_tokens.weight")}, "decoder": decoder}
     if config.head != "none" and not config.tie_embeddings:
@@ -135,7 +133,7 @@ def exporter():
 def to_hf(config, params, transformers):
     """(DeepseekV3Config, state dict) of an MLA GPT with DeepSeek's experts: the inverse of
     `deepseek_v3` above, the experts one tensor each as the hub's files hold them."""
-    from transformer.hf.export_llama import _moe_state
+    from transformer.hf.export_llama import _moe_state, mlp_state
 
     m, moe = config.mla, config.moe
     rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
@@ -173,10 +171,7 @@ def to_hf(config, params, transformers):
             out.update(_moe_state(layer["moe"], p + "mlp.", shared="shared_experts."))
             out[p + "mlp.gate.e_score_correction_bias"] = layer["moe"]["balance_bias"]
         else:
-            mlp = layer["mlp"]
-            out.update({p + "mlp.gate_proj.weight": mlp["wi_gate"].T,
-                        p + "mlp.up_proj.weight": mlp["wi_up"].T,
-                        p + "mlp.down_proj.weight": mlp["wo"].T})
+            out.update(mlp_state(layer["mlp"], p + "mlp."))
     if not config.tie_embeddings:
         out["lm_head.weight"] = params["lm_head"]["kernel"].T
     return hf_config, out

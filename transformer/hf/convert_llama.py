@@ -284,6 +284,14 @@ def _moe_params(ckpt, prefix, moe) -> dict[str, np.ndarray]:
     return params
 
 
+def mlp_params(ckpt, prefix) -> dict[str, np.ndarray]:
+    """A dense SwiGLU feed-forward's params from HF's `gate_proj` / `up_proj` / `down_proj`
+    under `prefix` (e.g. "model.layers.0.mlp.")."""
+    return {"wi_gate": ckpt(prefix + "gate_proj.weight", True),
+            "wi_up": ckpt(prefix + "up_proj.weight", True),
+            "wo": ckpt(prefix + "down_proj.weight", True)}
+
+
 def _windows(name, hf_config) -> dict[str, Any]:
     """model.sliding_window and sliding_window_pattern of HF's per-layer `layer_types`: all
     full (no window), all sliding (pattern 0), or full exactly at layers P-1, 2P-1, ...
@@ -373,10 +381,8 @@ def _llama_like(name, hf_config, state_dict, dtype, *, qkv_bias=False, **knobs):
         decoder[f"layers_{i}"] = {
             **{ours: norm(p + theirs) for ours, theirs in family.norms},
             "self_attention": attention,
-            **({"moe": _moe_params(ckpt, p + "mlp.", config.moe)} if moe else {
-                "mlp": {"wi_gate": ckpt(p + "mlp.gate_proj.weight", True),
-                        "wi_up": ckpt(p + "mlp.up_proj.weight", True),
-                        "wo": ckpt(p + "mlp.down_proj.weight", True)}})}
+            **({"moe": _moe_params(ckpt, p + "mlp.", config.moe)} if moe else
+               {"mlp": mlp_params(ckpt, p + "mlp.")})}
     params = {"embed": {"embedding": ckpt(f"{root}embed_tokens.weight")}, "decoder": decoder}
     if config.head != "none" and not config.tie_embeddings:
         params["lm_head"] = {"kernel": ckpt("lm_head.weight", transpose=True)}

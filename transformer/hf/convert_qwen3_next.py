@@ -11,7 +11,13 @@ import ml_collections
 import numpy as np
 
 from transformer.hf.common import Checkpoint, maybe_scan, split_heads
-from transformer.hf.convert_llama import LLAMA_LIKE, _llama_like_config, _moe, _moe_params
+from transformer.hf.convert_llama import (
+    LLAMA_LIKE,
+    _llama_like_config,
+    _moe,
+    _moe_params,
+    mlp_params,
+)
 
 
 def qwen3_next(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict,
@@ -46,10 +52,8 @@ def qwen3_next(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.
         decoder[f"layers_{i}"] = {
             f"{mixer}_norm": norm(p + "input_layernorm.weight"),
             "mlp_norm": norm(p + "post_attention_layernorm.weight"), mixer: params,
-            **({"moe": _moe_params(ckpt, p + "mlp.", config.moe)} if (i + 1) % every == 0 else {
-                "mlp": {"wi_gate": ckpt(p + "mlp.gate_proj.weight", True),
-                        "wi_up": ckpt(p + "mlp.up_proj.weight", True),
-                        "wo": ckpt(p + "mlp.down_proj.weight", True)}})}
+            **({"moe": _moe_params(ckpt, p + "mlp.", config.moe)} if (i + 1) % every == 0 else
+               {"mlp": mlp_params(ckpt, p + "mlp.")})}
     out = {"embed": {"embedding": ckpt(f"{root}embed_tokens.weight")}, "decoder": decoder}
     if config.head != "none" and not config.tie_embeddings:
         out["lm_head"] = {"kernel": ckpt("lm_head.weight", transpose=True)}
@@ -114,7 +118,7 @@ def exporter():
 def to_hf(config, params, transformers):
     """(Qwen3NextConfig, state dict): the inverse of `qwen3_next` above, the experts one
     tensor each as the hub's files hold them."""
-    from transformer.hf.export_llama import _moe_state
+    from transformer.hf.export_llama import _moe_state, mlp_state
     from transformer.nn.config import parse_layer_types
 
     types = list(parse_layer_types(config.layer_types))
@@ -157,9 +161,7 @@ def to_hf(config, params, transformers):
         if "moe" in layer:
             out.update(_moe_state(layer["moe"], p + "mlp."))
         else:
-            out.update({p + "mlp.gate_proj.weight": layer["mlp"]["wi_gate"].T,
-                        p + "mlp.up_proj.weight": layer["mlp"]["wi_up"].T,
-                        p + "mlp.down_proj.weight": layer["mlp"]["wo"].T})
+            out.update(mlp_state(layer["mlp"], p + "mlp."))
     if not config.tie_embeddings:
         out["lm_head.weight"] = params["lm_head"]["kernel"].T
     return hf_config, out

@@ -243,13 +243,17 @@ def _llama_like_state(config, params, family) -> dict[str, np.ndarray]:
         if "moe" in layer:
             out.update(_moe_state(layer["moe"], p + ("block_sparse_moe." if mixtral else "mlp.")))
             continue
-        mlp = layer["mlp"]
-        out.update({p + "mlp.gate_proj.weight": mlp["wi_gate"].T,
-                    p + "mlp.up_proj.weight": mlp["wi_up"].T,
-                    p + "mlp.down_proj.weight": mlp["wo"].T})
+        out.update(mlp_state(layer["mlp"], p + "mlp."))
     if not config.tie_embeddings:
         out["lm_head.weight"] = params["lm_head"]["kernel"].T
     return out
+
+
+def mlp_state(mlp: dict, prefix: str) -> dict[str, np.ndarray]:
+    """HF's `gate_proj` / `up_proj` / `down_proj` of a dense SwiGLU feed-forward (the inverse
+    of `convert_llama.mlp_params`)."""
+    return {prefix + "gate_proj.weight": mlp["wi_gate"].T,
+            prefix + "up_proj.weight": mlp["wi_up"].T, prefix + "down_proj.weight": mlp["wo"].T}
 
 
 def _moe_state(moe: dict, prefix: str, shared: str = "shared_expert.") -> dict[str, np.ndarray]:
