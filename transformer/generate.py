@@ -3,9 +3,12 @@ search and chat replies.
 
     python -m transformer.generate --workdir=DIR --prompt="..." [--max_new_tokens=N]
         [--temperature=T] [--top_k=K] [--top_p=P] [--seed=S] [--num_samples=N] [--beam_size=K]
+        [--speculative]
 
 loads the latest checkpoint of a training workdir and its tokenizer and prints continuations
-(streamed as they are produced when stdout is a terminal).
+(streamed as they are produced when stdout is a terminal). `--speculative` decodes greedily
+with the model's multi-token prediction modules as the draft (the same text; stderr says how
+many tokens each pass of the model gave).
 
 The decoding library is transformer.generation; its calls are re-exported here
 (`generate.decode`, ...):
@@ -18,6 +21,8 @@ The decoding library is transformer.generation; its calls are re-exported here
     cache positions.
   * `programs`: `decode` / `beam_search`, those loops over a `DecoderLM` (gpt, prefix_lm) or
     `EncoderDecoder` (t5), each compiled once per shape and setting.
+  * `speculative`: `speculative_decode`, greedy decoding drafted by the model's multi-token
+    prediction modules (model.mtp.depth > 0), equal to greedy `decode` token for token.
   * `text`: `sample_texts` / `beam_search_text` / `chat_replies`: text in, texts out, for a model
     of any family (LSTM: full recomputation). They never emit ids without text (`banned_ids`:
     specials other than <eos>, sentinels, ids past the tokenizer), and warn on prompt
@@ -43,6 +48,7 @@ from transformer.generation.sampling import (  # noqa: F401
     sample_tokens,
     sampling,
 )
+from transformer.generation.speculative import speculative_decode  # noqa: F401
 from transformer.generation.text import (  # noqa: F401
     _decoding,
     banned_ids,
@@ -52,6 +58,7 @@ from transformer.generation.text import (  # noqa: F401
     print_samples,
     read_chat,
     sample_texts,
+    speculative_text,
 )
 
 # --- command line -------------------------------------------------------------------------------
@@ -97,6 +104,10 @@ def main(argv) -> None:
     if f.beam_size < 0:
         raise ValueError(f"beam_size={f.beam_size}: expected an int >= 0 (0: sampling, no beam "
                          "search)")
+    if f.speculative and ((f["temperature"].present and s.temperature) or f.beam_size
+                          or f.chat is not None or f.num_samples != 1):
+        raise ValueError("--speculative: expected greedy decoding of one sample (no --temperature"
+                         " above 0, --beam_size, --chat or --num_samples)")
     model, params, tokenizer, config = load_workdir(f.workdir, f.step)
     if f.chat is not None:
         conversations = read_chat(f.chat)
@@ -108,6 +119,16 @@ def main(argv) -> None:
                     temperature=s.temperature, seed=f.seed, top_k=s.top_k, top_p=s.top_p,
                     max_new_tokens=f.max_new_tokens)):
                 print(("---\n" if i or j else "") + reply)
+        return
+    if f.speculative:
+        text, stats = speculative_text(model, params, tokenizer, config, prompt=f.prompt,
+                                       max_new_tokens=f.max_new_tokens)
+        print(text)
+        if stats is not None:
+            print(f"speculative: {stats.rounds.sum()} passes of the model for "
+                  f"{stats.rounds.sum() + stats.accepted.sum()} tokens "
+                  f"({stats.tokens_per_pass:.2f} a pass); {stats.acceptance_rate:.1%} of the "
+                  f"{stats.depth}-token drafts accepted", file=sys.stderr)
         return
     if f.beam_size:
         print(beam_search_text(model, params, tokenizer, config, prompt=f.prompt,
@@ -150,5 +171,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("chat", None, "Answer as the assistant: a JSON/JSONL file of "
                         "conversations ({\"messages\": [...]} per line) or inline JSON, rendered "
                         "with the tokenizer's chat template (--prompt: one more user turn).")
+    flags.DEFINE_bool("speculative", False, "Greedy decoding drafted by the model's multi-token "
+                      "prediction modules (model.mtp.depth > 0); same text, fewer passes.")
     flags.DEFINE_integer("chunk_size", 8, "Streaming: tokens per jitted chunk on a terminal.")
     cli.run(main)

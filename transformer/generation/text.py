@@ -24,6 +24,7 @@ from transformer.generation.sampling import (
     _split,
     sampling,
 )
+from transformer.generation.speculative import speculative_decode
 from transformer.models import FAMILIES, family_of
 
 
@@ -157,6 +158,26 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
                        callback=on_tokens, banned_ids=banned, eos_id=eos,
                        start_id=_start_id(tokenizer, decoding))
     return to_texts(tokens)
+
+
+def speculative_text(model, params, tokenizer, config, *, prompt: str = "",
+                     max_new_tokens: int | None = None):
+    """(the greedy continuation of `prompt` as `sample_texts(temperature=0)` gives it, the
+    `speculative.SpeculativeStats`): drafted by the model's multi-token prediction modules."""
+    if _decoding(config) != "causal":
+        raise ValueError(f"--speculative with family={config.model.family!r}: expected a "
+                         "causal decoder LM (family gpt) with model.mtp.depth > 0")
+    check_max_new_tokens(max_new_tokens)
+    encoded = _encode_prompt(tokenizer, prompt)
+    eos = tokenizer.eos_id
+    prompt_ids = np.concatenate([[eos], encoded]).astype(np.int32)
+    n = _new_tokens(max_new_tokens, config, "causal", len(prompt_ids))
+    if n == 0:
+        return tokenizer.decode(encoded), None
+    tokens, _, stats = speculative_decode(model, params, [prompt_ids], max_new_tokens=n,
+                                          eos_id=eos, banned_ids=_banned_for(tokenizer, model,
+                                                                             config))
+    return tokenizer.decode(np.concatenate([encoded, _until_eos(tokens[0], eos)])), stats
 
 
 def check_max_new_tokens(max_new_tokens) -> None:

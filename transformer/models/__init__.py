@@ -123,8 +123,25 @@ def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
         raise ValueError(f"moe.num_experts={moe.num_experts} with family="
                          f"{model_config.family!r}: expected a transformer family (its "
                          "feed-forward layers become experts)")
+    _check_mtp(model_config)
     quantization.check(model_config)
     return quantization.quantize(family_of(model_config).build(model_config), model_config)
+
+
+def _check_mtp(model_config) -> None:
+    """Multi-token prediction needs a decoder LM's next-token head, and the stack's own
+    positions inside its blocks (no ALiBi or T5 bias: only the stack computes those)."""
+    depth = model_config.get("mtp", {}).get("depth", 0)
+    if not depth:
+        return
+    if model_config.family != "gpt" or model_config.head != "mlm":
+        raise ValueError(f"mtp.depth={depth} with family={model_config.family!r}, head="
+                         f"{model_config.head!r}: expected family 'gpt' with head 'mlm' (a "
+                         "decoder LM predicting tokens)")
+    if model_config.position in ("alibi", "t5"):
+        raise ValueError(f"mtp.depth={depth} with position={model_config.position!r}: expected "
+                         "rope, learned, sinusoidal or none (the modules' blocks take no "
+                         "position bias)")
 
 
 def init_cache(model: nn.Module, batch_size: int, cache_length: int,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import flax.linen as nn
 import ml_collections
 
+from transformer.nn import mtp as mtp_lib
 from transformer.nn import objectives
 from transformer.nn.blocks import expert_loads, moe_aux
 from transformer.nn.config import TransformerConfig
@@ -85,19 +86,26 @@ class Family:
         return [batch[name] for name in self.inputs]
 
     def logits(self, model: nn.Module, params, batch, *, rngs=None, deterministic=True,
-               with_aux: bool = False):
+               with_aux: bool = False, mtp: bool = False):
         """The model's logits for a batch of pipeline features (transformer.data.features);
-        with `with_aux`, (logits, its MoE layers' auxiliary quantities, `blocks.moe_aux`)."""
+        with `with_aux`, (logits, its MoE layers' auxiliary quantities, `blocks.moe_aux`), and
+        with `mtp` also the multi-token prediction modules' logits [D, B, T, V] as
+        "mtp_logits" (a decoder LM with model.mtp.depth > 0, fed the batch's targets)."""
         features = {name: batch[name] for name in self.features}
         features.update({name: batch[name] for name in self.optional_features if name in batch})
+        if mtp:
+            features["mtp_tokens"] = batch["targets"]
         out = model.apply({"params": params}, *self.init_args(batch), **features,
                           rngs=rngs or {}, deterministic=deterministic,
-                          mutable=["losses"] if with_aux else False)
+                          mutable=["losses", "mtp"] if with_aux else False)
         if not with_aux:
             return out
         losses = out[1].get("losses", {})
         loads = expert_loads(losses)
-        return out[0], {**moe_aux(losses), **({"expert_load": loads} if loads else {})}
+        aux = {**moe_aux(losses), **({"expert_load": loads} if loads else {})}
+        if mtp:
+            aux["mtp_logits"] = out[1]["mtp"]["logits"][0]
+        return out[0], aux
 
     @property
     def per_row(self) -> bool:
@@ -105,18 +113,27 @@ class Family:
         return self.loss is token_loss
 
     def loss_and_metrics(self, model, config, params, batch, rng=None, deterministic=True,
-                         rows: bool = False, loads: bool = False):
+                         rows: bool = False, loads: bool = False, mtp: bool = False):
         """(loss, metrics) of a batch under the run's z_loss and label smoothing; `rng` seeds
         dropout. MoE models add their routers' weighted load-balance and z losses to the loss
         (metrics["loss"] stays the task's) and report them as `moe_*` metrics; with `loads`,
         also each layer's expert loads as metrics["moe_expert_load"] (`blocks.expert_loads`,
         for the train step). `rows` (only where `per_row`): metrics also hold each row's
-        sums (`objectives.cross_entropy`)."""
+        sums (`objectives.cross_entropy`). With `mtp` (the train step's) and model.mtp.depth
+        > 0, the multi-token prediction loss joins the loss (`mtp.mtp_loss`; metrics
+        "mtp_loss/<k>"); without it the modules do not run (evaluation: next-token loss)."""
+        mtp = mtp and bool(config.model.get("mtp", {}).get("depth"))
         logits, aux = self.logits(model, params, batch, deterministic=deterministic,
-                                  rngs=None if rng is None else {"dropout": rng}, with_aux=True)
+                                  rngs=None if rng is None else {"dropout": rng}, with_aux=True,
+                                  mtp=mtp)
+        smoothing = config.get("label_smoothing", 0.0)
         loss, metrics = self.loss(logits, batch, z_loss=config.get("z_loss", 0.0),
-                                  label_smoothing=config.get("label_smoothing", 0.0),
-                                  **({"rows": True} if rows else {}))
+                                  label_smoothing=smoothing, **({"rows": True} if rows else {}))
+        if mtp:
+            ahead, ahead_metrics = mtp_lib.mtp_loss(aux.pop("mtp_logits"), batch,
+                                                    config.model.mtp.loss_weight,
+                                                    label_smoothing=smoothing)
+            loss, metrics = loss + ahead, {**metrics, **ahead_metrics}
         if aux:
             moe = config.model.moe
             loss = (loss + moe.load_balance_loss * aux["load_balance"]

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 
 from transformer.models.family import Family, transformer_config
 from transformer.nn import masks, sequence_parallel
-from transformer.nn.blocks import TransformerStack
+from transformer.nn import mtp as mtp_lib
+from transformer.nn.blocks import TransformerBlock, TransformerStack
 from transformer.nn.config import TransformerConfig
-from transformer.nn.layers import OutputHead, TokenEmbedding
+from transformer.nn.layers import OutputHead, TokenEmbedding, norm_layer
 from transformer.parallel import sharding
 
 Array = jax.Array
@@ -59,6 +60,11 @@ class DecoderLM(nn.Module):
     right-padded prompts passes `segment_ids` (1 for a prompt token, 0 for padding): recurrent
     layers (`config.layer_types`) then keep their state as it was after each row's last token.
 
+    `mtp_tokens` [B, T] (the next-token targets: token t + 1 at position t) run the
+    multi-token prediction modules (`config.mtp.depth` of them, `transformer.nn.mtp`) after
+    the stack; their logits [D, B, T, V] are sown as `mtp/logits` (apply with
+    `mutable=["mtp"]`). `draft` runs one module on the KV cache (speculative decoding).
+
     `config.sliding_window` = W limits every token to the last W positions, itself included
     (Mistral), in training and in decoding; the cache still holds every position. With
     `config.sliding_window_pattern` = P, every P-th layer attends to all earlier positions
@@ -83,6 +89,7 @@ class DecoderLM(nn.Module):
             self.classifier = OutputHead(self.num_classes, use_bias=True, init_std=cfg.init_std,
                                          names=("embed", "classes"), dtype=cfg.dtype,
                                          param_dtype=cfg.param_dtype)
+        self.mtp = [mtp_lib.MTPModule(cfg, norm_layer) for _ in range(cfg.mtp.depth)]
 
     def __call__(
         self,
@@ -94,9 +101,12 @@ class DecoderLM(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         cache_length: int | None = None,
-    ) -> Array:
+        mtp_tokens: Array | None = None,
+        with_hidden: bool = False,
+    ) -> Array | tuple[Array, Array]:
         """int tokens [B, T] -> logits [B, T, V] in the compute dtype (position t predicts token
-        t + 1), or [B, num_classes] for a classifier."""
+        t + 1), or [B, num_classes] for a classifier; `with_hidden`: (logits, the final norm's
+        vectors [B, T, D])."""
         kv_positions = None
         window = self.config.sliding_window
         if window is not None and prefix_lengths is not None:
@@ -140,10 +150,52 @@ class DecoderLM(nn.Module):
             last_B = (jnp.full(tokens_BT.shape[:1], tokens_BT.shape[1] - 1) if segment_ids is None
                       else jnp.sum(segment_ids > 0, axis=1) - 1)
             return self.classifier(x_BTD[jnp.arange(x_BTD.shape[0]), jnp.maximum(last_B, 0)])
+        if self.mtp and self.is_initializing() and mtp_tokens is None:
+            mtp_tokens = tokens_BT  # the modules' params exist whether or not a batch feeds them
+        if mtp_tokens is not None and self.mtp:
+            if balance:
+                raise ValueError("model.mtp.depth with a `sequence` mesh axis: expected "
+                                 "sequence_load_balance=False (the modules shift the sequence)")
+            if positions is None:
+                positions = jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None]
+            args = (mask, None, positions, None, None, local_mask, segment_ids)
+            hidden_BTD, logits = x_BTD, []
+            for k in range(1, len(self.mtp) + 1):
+                ahead_BT = mtp_lib.shift_left(mtp_tokens, k - 1)  # t_{i+k} at position i
+                hidden_BTD, ahead_logits = self._ahead(k, hidden_BTD, ahead_BT, args,
+                                                       deterministic, decode)
+                logits.append(ahead_logits)
+            self.sow("mtp", "logits", jnp.stack(logits))
+        logits_BTV = self.head(x_BTD)
+        return (logits_BTV, x_BTD) if with_hidden else logits_BTV
+
+    def head(self, x_BTD: Array) -> Array:
+        """The output head on final-norm vectors: logits [..., V]."""
         logits_BTV = self.embed.attend(x_BTD) if self.tie_embeddings else self.lm_head(x_BTD)
         if (m := self.config.mup_width_multiplier) != 1.0:  # muP's output multiplier
             logits_BTV = logits_BTV * jnp.asarray(1 / m, logits_BTV.dtype)
         return softcap(logits_BTV, self.config.final_logit_softcap)
+
+    def _ahead(self, k: int, hidden_BTD, tokens_BT, block_args, deterministic, decode):
+        """Multi-token prediction module k (from 1) on h^{k-1} and the tokens t_{i+k}:
+        (h^k [B, T, D], logits [B, T, V] predicting t_{i+k+1})."""
+        cfg, last = self.config, self.config.num_layers - 1
+        block = lambda name: TransformerBlock(
+            cfg, deterministic=deterministic, decode=decode, moe_layer=cfg.moe.is_moe_layer(last),
+            layer_type=cfg.layer_type(last), name=name)
+        hidden_BTD, normed_BTD = self.mtp[k - 1](hidden_BTD, self.embed(tokens_BT), block,
+                                                 block_args)
+        return hidden_BTD, self.head(normed_BTD)
+
+    def draft(self, k: int, hidden_BTD: Array, tokens_BT: Array, positions: Array,
+              cache_length: int) -> tuple[Array, Array]:
+        """Module k on the KV cache (its block's own), as `__call__(decode=True)` runs the
+        stack: h^{k-1} and tokens t_{i+k} at `positions` [B, T] -> (h^k, logits [B, T, V])."""
+        mask, _ = decode_mask(positions, cache_length)
+        window = self.config.sliding_window
+        local = mask if window is None else decode_mask(positions, cache_length, None, window)[0]
+        return self._ahead(k, hidden_BTD, tokens_BT, (mask, None, positions, None, None, local,
+                                                      None), True, True)
 
 
 def softcap(x: Array, cap: float) -> Array:

@@ -19,6 +19,7 @@ from transformer.nn.mixers.gated_deltanet import GatedDeltaNetConfig
 from transformer.nn.mixers.mamba2 import Mamba2Config
 from transformer.nn.mixers.mla import MLAConfig
 from transformer.nn.moe import MoEConfig
+from transformer.nn.mtp import MTPConfig
 from transformer.utils.keys import (
     BOOL,
     POSITIVE_INT,
@@ -239,6 +240,7 @@ class TransformerConfig:
     mla: MLAConfig = MLAConfig()  # under attention_kind="mla"
     linear_attention: GatedDeltaNetConfig = GatedDeltaNetConfig()
     mamba2: Mamba2Config = Mamba2Config()
+    mtp: MTPConfig = MTPConfig()  # multi-token prediction (decoder LMs, transformer.nn.mtp)
 
     def __post_init__(self):
         check_fields(self, skip=("dtype", "param_dtype"))  # any jnp dtype

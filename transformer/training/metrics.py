@@ -56,7 +56,9 @@ def flops_per_token(config, num_params: int) -> float:
     pass its active params (`state.active_params`): the experts a token skips, and routing work
     such as the dispatch einsums, are not useful FLOPs. Causal attention is *not* halved
     (MaxText halves it), so numbers compare with nanoGPT's `estimate_mfu`. An encoder-decoder
-    counts its decoder's self- and cross-attention layers too."""
+    counts its decoder's self- and cross-attention layers too. Each multi-token prediction
+    module (model.mtp.depth) adds its block's mixer and one more pass of the output head
+    (6 V D: the head's params are shared, so N counts them once)."""
     m = config.model
     mixing = 0
     if family_of(config).attention:
@@ -64,6 +66,9 @@ def flops_per_token(config, num_params: int) -> float:
         # each layer's token mixer: attention's scores and values, a linear layer's state work
         mixing = sum(stack.mixer(i).flops_per_token(stack, config.seq_len)
                      for i in range(stack.num_layers))
+        mixing += stack.mtp.depth * (
+            stack.mixer(stack.num_layers - 1).flops_per_token(stack, config.seq_len)
+            + 6 * m.vocab_size * m.d_model)
         if m.family == "t5":
             width = m.num_heads * (m.get("head_dim") or m.d_model // m.num_heads)
             mixing += 2 * (m.get("num_decoder_layers") or m.num_layers) * 12 * width * \

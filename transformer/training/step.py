@@ -50,7 +50,7 @@ def _halves(model, config, optimizer):
     def grads_of(params, batch, rng):
         def loss_fn(p):
             return family.loss_and_metrics(model, config, p, batch, rng, deterministic=False,
-                                           loads=True)
+                                           loads=True, mtp=True)
         if lora_lib.enabled(config):  # the adapters' gradients alone
             (_, metrics), grads = lora_lib.value_and_grad(loss_fn, params)
         else:

@@ -1,0 +1,209 @@
+"""Multi-token prediction (transformer.nn.mtp) and speculative decoding with its modules as the
+draft (transformer.generation.speculative): the modules see no token they predict, the loss is
+next-token loss plus the weighted mean of theirs, evaluation is next-token alone, and greedy
+speculative decoding equals greedy decoding token for token, with each round accepting exactly
+the drafts that the modules, run over the whole true sequence, get right."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_moe import text_batch
+from test_train import assert_succeeded, read_metrics, run_cli, tiny_flags
+
+from transformer import configs, models
+from transformer.generation.programs import decode
+from transformer.generation.speculative import speculative_decode
+from transformer.nn import mtp as mtp_lib
+from transformer.training import metrics as metrics_lib
+from transformer.training.state import TrainState
+from transformer.training.step import make_train_step
+
+
+def mtp_config(depth=2, vocab=64, **model):
+    config = configs.base_config()
+    config.update(batch_size=4, seq_len=16)
+    config.model.update({**dict(family="gpt", num_layers=2, d_model=32, num_heads=4, d_ff=48,
+                                vocab_size=vocab, activation="swiglu", norm="rmsnorm",
+                                use_bias=False), **model})
+    config.model.mtp.depth = depth
+    return config
+
+
+def build(config, seed=0, scale=1.0):
+    model = models.build_model(config.model)
+    params = nn.unbox(model.init(jax.random.key(seed), jnp.ones((1, 8), jnp.int32))["params"])
+    return model, jax.tree.map(lambda p: p * scale, params)
+
+
+def mtp_logits(model, params, batch):
+    _, state = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
+                           segment_ids=batch["segment_ids"], mtp_tokens=batch["targets"],
+                           mutable=["mtp"])
+    return np.asarray(state["mtp"]["logits"][0], np.float64)
+
+
+def test_module_k_sees_the_tokens_up_to_i_plus_k_and_none_it_predicts():
+    config = mtp_config(depth=2)
+    model, params = build(config)
+    batch = text_batch()
+    base = mtp_logits(model, params, batch)
+    i = 5
+    for k in (1, 2):
+        for j, moved in ((i + k - 1, True), (i + k, False), (i + k + 1, False)):
+            # change token t_{j+1} (targets[j]): module k at position i reads t_{i+k} only
+            changed = {**batch, "targets": batch["targets"].copy()}
+            changed["targets"][:, j] = (changed["targets"][:, j] + 1) % 64
+            if j + 1 < batch["inputs"].shape[1]:
+                changed["inputs"] = batch["inputs"].copy()
+                changed["inputs"][:, j + 1] = changed["targets"][:, j]
+            out = mtp_logits(model, params, changed)
+            same = np.allclose(out[k - 1, :, i], base[k - 1, :, i], atol=1e-6)
+            assert same != moved, (k, j)
+
+
+def test_the_loss_is_next_token_plus_the_weighted_mean_of_each_depth_and_eval_is_next_token():
+    config = mtp_config(depth=2)
+    config.model.mtp.loss_weight = 0.5
+    model, params = build(config)
+    batch = text_batch()
+    batch["segment_ids"][:, 10:] = 2  # two documents a row: no prediction crosses the border
+    batch["positions"][:, 10:] -= 10
+    family = models.family_of(config)
+    loss, metrics = family.loss_and_metrics(model, config, params, batch, mtp=True)
+    logits = mtp_logits(model, params, batch)
+    expected = []
+    for k in (1, 2):
+        ce = []
+        for b in range(4):
+            for i in range(16 - k):
+                if batch["segment_ids"][b, i] == batch["segment_ids"][b, i + k]:
+                    row = logits[k - 1, b, i]
+                    lse = np.log(np.exp(row - row.max()).sum()) + row.max()
+                    ce.append(lse - row[batch["targets"][b, i + k]])
+        assert float(metrics[f"mtp_loss/{k}"]) == pytest.approx(np.mean(ce), rel=1e-5)
+        expected.append(np.mean(ce))
+    assert float(loss) == pytest.approx(float(metrics["loss"]) + 0.5 * np.mean(expected),
+                                        rel=1e-5)
+    # Evaluation (mtp=False) is the next-token loss alone, equal to the model without modules.
+    plain_config = mtp_config(depth=0)
+    plain, _ = build(plain_config)
+    trunk = {k: v for k, v in params.items() if not k.startswith("mtp_")}
+    eval_loss, eval_metrics = family.loss_and_metrics(model, config, params, batch)
+    plain_loss, _ = family.loss_and_metrics(plain, plain_config, trunk, batch)
+    assert float(eval_loss) == float(plain_loss) == float(metrics["loss"])
+    assert not any(k.startswith("mtp") for k in eval_metrics)
+
+
+def test_the_train_step_logs_each_depth_and_its_gradient_reaches_the_trunk():
+    config = mtp_config(depth=2)
+    model, params = build(config)
+    batch = text_batch()
+    optimizer = optax.sgd(0.1)
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+                       jnp.asarray(-1, jnp.int32))
+    _, metrics = jax.jit(make_train_step(model, config, optimizer))(state, batch)
+    assert {"mtp_loss/1", "mtp_loss/2"} <= set(metrics)
+    family = models.family_of(config)
+    ahead = lambda p: family.loss_and_metrics(model, config, p, batch, mtp=True)[0] - \
+        family.loss_and_metrics(model, config, p, batch)[0]
+    grads = jax.grad(ahead)(params)
+    assert np.abs(grads["decoder"]["layers_0"]["mlp"]["wo"]).max() > 0  # the trunk learns
+    assert np.abs(grads["mtp_1"]["projection"]).max() > 0
+
+
+def test_flops_count_each_module_block_and_head_pass():
+    config = mtp_config(depth=2)
+    plain = mtp_config(depth=0)
+    n = 10_000
+    extra = metrics_lib.flops_per_token(config, n) - metrics_lib.flops_per_token(plain, n)
+    attention = 12 * 32 * 16  # one layer's scores and values at seq_len 16
+    assert extra == 2 * (attention + 6 * 64 * 32)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(family="prefix_lm"), dict(position="alibi")], ids=["prefix_lm", "alibi"])
+def test_settings_the_modules_cannot_take_are_refused(settings):
+    config = mtp_config(depth=1, **settings)
+    with pytest.raises(ValueError, match="mtp.depth=1"):
+        models.build_model(config.model)
+
+
+# --- speculative decoding ----------------------------------------------------------------------
+
+
+def simulated_rounds(model, params, prompt, tokens, depth, n):
+    """(rounds, accepted drafts) that exact drafting gives on the final sequence: at each round
+    (tokens known up to position m - 1) module k's draft is its argmax at position m - 2 over
+    the true sequence, and the LM keeps drafts while they equal the true tokens."""
+    seq = np.concatenate([prompt, tokens[:n]]).astype(np.int32)
+    batch = {"inputs": seq[None, :-1], "targets": seq[None, 1:],
+             "positions": np.arange(len(seq) - 1)[None], "segment_ids": None}
+    _, state = model.apply({"params": params}, batch["inputs"], mtp_tokens=batch["targets"],
+                           mutable=["mtp"])
+    drafts = np.argmax(np.asarray(state["mtp"]["logits"][0]), axis=-1)[:, 0]  # [D, T]
+    p, rounds, accepted = len(prompt), 0, 0
+    m = p + 1
+    while m < p + n:
+        agreed = 0
+        for k in range(1, depth + 1):
+            if m - 1 + k >= p + n or drafts[k - 1, m - 2] != seq[m - 1 + k]:
+                break
+            agreed += 1
+        rounds, accepted, m = rounds + 1, accepted + agreed, m + agreed + 1
+    return rounds, accepted
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_speculative_greedy_equals_greedy_and_accepts_exactly_the_right_drafts(depth):
+    config = mtp_config(depth=depth, vocab=6)  # few ids: many drafts come out right
+    model, params = build(config, seed=depth, scale=2.0)
+    prompts = [[3, 4, 5], [1, 2, 3, 4, 5, 1, 2], [4]]
+    for eos in (None, 2):
+        want, want_lengths = decode(model, params, prompts, max_new_tokens=17, temperature=0.0,
+                                    eos_id=eos, banned_ids=[0])
+        got, lengths, stats = speculative_decode(model, params, prompts, max_new_tokens=17,
+                                                 eos_id=eos, banned_ids=[0])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(lengths, want_lengths)
+    for b, prompt in enumerate(prompts):  # eos 2: each row up to its EOS
+        rounds, accepted = simulated_rounds(model, params, np.array(prompt), got[b], depth,
+                                            int(lengths[b]))
+        assert (stats.rounds[b], stats.accepted[b]) == (rounds, accepted), b
+    assert stats.accepted.sum() > 0  # the drafts did some of the work
+
+
+def test_speculative_decoding_refuses_what_it_cannot_do_exactly():
+    model, params = build(mtp_config(depth=0))
+    with pytest.raises(ValueError, match="mtp.depth > 0"):
+        speculative_decode(model, params, [[1, 2]], max_new_tokens=4)
+    model, params = build(mtp_config(depth=1, layer_types="linear_attention,full_attention"))
+    with pytest.raises(ValueError, match="linear_attention layers"):
+        speculative_decode(model, params, [[1, 2]], max_new_tokens=4)
+
+
+@pytest.mark.slow
+def test_train_with_mtp_then_generate_speculatively_through_the_cli(tmp_path):
+    """A run with two modules logs each depth's loss and evaluates next-token loss; `generate
+    --speculative` prints the greedy text, and says how many tokens a pass gave."""
+    workdir, logs = tmp_path / "run", tmp_path / "logs"
+    assert_succeeded(run_cli("transformer.train", f"--workdir={workdir}",
+                             *tiny_flags(4), "--config.model.mtp.depth=2", logs=logs))
+    records = read_metrics(workdir)
+    train = [r for r in records if "mtp_loss/2" in r]
+    assert train and all(np.isfinite(r["mtp_loss/1"]) for r in train)
+    assert any("eval_loss" in r or "val_loss" in r for r in records)
+    common = ("transformer.generate", f"--workdir={workdir}", "--prompt=ab",
+              "--max_new_tokens=12")
+    greedy = run_cli(*common, "--temperature=0", logs=logs)
+    fast = run_cli(*common, "--speculative", logs=logs)
+    assert_succeeded(greedy)
+    assert_succeeded(fast)
+    assert fast.stdout == greedy.stdout
+    assert "passes of the model for" in fast.stderr and "accepted" in fast.stderr
+    refused = run_cli(*common, "--speculative", "--temperature=0.7", logs=logs)
+    assert refused.returncode == 2 and "--speculative" in refused.stderr
