@@ -196,3 +196,77 @@ def test_export_round_trips_and_loads_in_transformers_with_our_logits(converted,
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     back.config._attn_implementation = "eager"
     assert difference(our_logits(config, params), hf_logits(back)) <= 1e-4
+
+
+def with_mtp_layer(seed=0):
+    """(HF model of 3 layers, its state dict plus one MTP layer as DeepSeek-V3's files hold it:
+    layer 3 of a 4-layer twin, enorm / hnorm / eh_proj / shared_head.norm, and copies of the
+    embedding and head), and a torch function giving that layer's logits (the reference)."""
+    twin = deepseek(seed=seed, num_hidden_layers=4)
+    hf = deepseek(seed=seed)
+    hf.load_state_dict({k: v for k, v in twin.state_dict().items()
+                        if not k.startswith("model.layers.3.")}, strict=False)
+    generator = torch.Generator().manual_seed(seed + 1)
+    extra = {"enorm.weight": 1 + 0.2 * torch.randn(32, generator=generator),
+             "hnorm.weight": 1 + 0.2 * torch.randn(32, generator=generator),
+             "eh_proj.weight": 0.2 * torch.randn(32, 64, generator=generator),
+             "shared_head.norm.weight": 1 + 0.2 * torch.randn(32, generator=generator),
+             "embed_tokens.weight": hf.model.embed_tokens.weight.detach().clone(),
+             "shared_head.head.weight": hf.lm_head.weight.detach().clone()}
+    state = {**hf.state_dict(), **{k: v for k, v in twin.state_dict().items()
+                                   if k.startswith("model.layers.3.")},
+             **{f"model.layers.3.{k}": v for k, v in extra.items()}}
+    rms = lambda x, w: w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def reference(ids):
+        """Module 1's logits at each position i, from the LM's final hidden state and the
+        embedding of token i + 1 (the last position reads token 0: ignore it)."""
+        with torch.no_grad():
+            ids = torch.tensor(ids)
+            hidden = hf.model(input_ids=ids).last_hidden_state
+            ahead = hf.model.embed_tokens(torch.roll(ids, -1, dims=1))
+            x = torch.cat([rms(ahead, extra["enorm.weight"]), rms(hidden, extra["hnorm.weight"])],
+                          -1) @ extra["eh_proj.weight"].T
+            positions = torch.arange(ids.shape[1])[None]
+            length = ids.shape[1]
+            mask = torch.full((length, length), -torch.inf).triu(1)[None, None]
+            x = twin.model.layers[3](x, attention_mask=mask, position_ids=positions,
+                                     position_embeddings=hf.model.rotary_emb(x, positions))
+            return (rms(x, extra["shared_head.norm.weight"]) @ hf.lm_head.weight.T).numpy()
+
+    return hf, {k: v.detach().numpy() for k, v in state.items()}, reference
+
+
+def test_the_mtp_layer_of_a_hub_checkpoint_imports_and_gives_deepseeks_prediction():
+    """transformers drops DeepSeek-V3's MTP layer; we keep it: module 1 on the imported weights
+    gives the logits of the layer's own math in torch, the LM's logits stay HF's, the export
+    writes the layer back bit for bit, and a head copy that is not the head is refused."""
+    from transformer.hf import export
+
+    hf, state, reference = with_mtp_layer()
+    config, params = convert.from_hf(hf.config, state)
+    assert config.mtp.depth == 1 and set(params["mtp_0"]) == {
+        "embedding_norm", "hidden_norm", "projection", "final_norm", "layers_0"}
+    assert difference(our_logits(config, params), hf_logits(hf)) <= 1e-4
+    ids = np.random.default_rng(3).integers(3, VOCAB, (2, 10))
+    model = build_model(config)
+    _, sown = model.apply({"params": params}, jnp.asarray(ids), mtp_tokens=jnp.asarray(
+        np.roll(ids, -1, axis=1)), mutable=["mtp"])
+    got = np.asarray(sown["mtp"]["logits"][0][0])[:, :-1]
+    want = reference(ids)[:, :-1]
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    hf_config, out = export.to_hf(config, params)
+    assert hf_config.num_nextn_predict_layers == 1
+    for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head",
+                 "embed_tokens", "self_attn.kv_b_proj", "mlp.gate"):
+        key = f"model.layers.3.{name}.weight"
+        np.testing.assert_array_equal(np.asarray(out[key], np.float32), state[key], key)
+    flat = lambda tree: {"/".join(map(str, k)): v for k, v in
+                         __import__("flax").traverse_util.flatten_dict(tree).items()}
+    back = flat(convert.from_hf(hf_config, out)[1])
+    assert back.keys() == flat(params).keys()
+    for name, value in flat(params).items():
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
+    state["model.layers.3.shared_head.head.weight"] = state["lm_head.weight"] + 1
+    with pytest.raises(ValueError, match="shared_head.head.weight: expected a copy"):
+        convert.from_hf(hf.config, state)

@@ -18,11 +18,11 @@ ANY = None  # an allowlist value: every value of the key is mapped
 
 # Keys that change how a model is computed, stored or initialised but not the function it
 # exports (quantization is a compute setting: the params stay float), and the training-only
-# dropout rates; every exporter accepts them.
+# dropout rates and MTP loss weight; every exporter accepts them.
 COMPUTE_ONLY = dict.fromkeys((
     "dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers", "sequence_parallel",
     "sequence_load_balance", "quantization", "quantize_head", "scale_residual_init", "init_std",
-    "dropout_rate", "attention_dropout_rate"), ANY)
+    "dropout_rate", "attention_dropout_rate", "mtp.loss_weight"), ANY)
 # The shape keys every exporter maps.
 SHAPES = dict.fromkeys(("vocab_size", "num_layers", "d_model", "num_heads", "d_ff", "max_len",
                         "norm_epsilon"), ANY)

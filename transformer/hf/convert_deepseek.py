@@ -73,20 +73,46 @@ def deepseek_v3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections
     root = "model." if any(k.startswith("model.") for k in state_dict) else ""
     ckpt = Checkpoint(state_dict, ("lm_head.weight",) if config.tie_embeddings else (), dtype)
     decoder = {"final_norm": {"scale": ckpt(f"{root}norm.weight")}}
+    layer = lambda p, dense: {
+        "self_attention_norm": {"scale": ckpt(p + "input_layernorm.weight")},
+        "mlp_norm": {"scale": ckpt(p + "post_attention_layernorm.weight")},
+        "self_attention": mla_params(ckpt, p + "self_attn.", config),
+        **({"mlp": mlp_params(ckpt, p + "mlp.")} if dense else
+           {"moe": _moe_params(ckpt, p + "mlp.", config.moe)})}
     for i in range(config.num_layers):
-        p = f"{root}layers.{i}."
-        dense = i < config.moe.first_dense_layers
-        decoder[f"layers_{i}"] = {
-            "self_attention_norm": {"scale": ckpt(p + "input_layernorm.weight")},
-            "mlp_norm": {"scale": ckpt(p + "post_attention_layernorm.weight")},
-            "self_attention": mla_params(ckpt, p + "self_attn.", config),
-            **({"mlp": mlp_params(ckpt, p + "mlp.")} if dense else
-               {"moe": _moe_params(ckpt, p + "mlp.", config.moe)})}
+        decoder[f"layers_{i}"] = layer(f"{root}layers.{i}.", i < config.moe.first_dense_layers)
     params = {"embed": {"embedding": ckpt(f"{root}embed_tokens.weight")}, "decoder": decoder}
     if config.head != "none" and not config.tie_embeddings:
         params["lm_head"] = {"kernel": ckpt("lm_head.weight", transpose=True)}
+    # The multi-token prediction layers (num_nextn_predict_layers) after the stack, where the
+    # checkpoint carries them (transformers drops them on load; the hub's files keep them).
+    depth = 0
+    while f"{root}layers.{config.num_layers + depth}.eh_proj.weight" in state_dict:
+        depth += 1
+    config.mtp.depth = depth
+    for j in range(depth):
+        p = f"{root}layers.{config.num_layers + j}."
+        _check_shared(ckpt, p, params, config)
+        params[f"mtp_{j}"] = {
+            "embedding_norm": {"scale": ckpt(p + "enorm.weight")},
+            "hidden_norm": {"scale": ckpt(p + "hnorm.weight")},
+            "projection": ckpt(p + "eh_proj.weight", transpose=True),
+            "final_norm": {"scale": ckpt(p + "shared_head.norm.weight")},
+            "layers_0": layer(p, config.num_layers - 1 < config.moe.first_dense_layers)}
     ckpt.check_all_used()
     return config, maybe_scan(config, params, "decoder")
+
+
+def _check_shared(ckpt: Checkpoint, prefix: str, params, config) -> None:
+    """An MTP layer's copies of the embedding and the output head: our modules share the LM's,
+    so they must be equal to them (as in DeepSeek-V3's files), or the import is refused."""
+    head = (params["embed"]["embedding"] if config.tie_embeddings
+            else params["lm_head"]["kernel"].T)
+    for name, want in (("embed_tokens.weight", params["embed"]["embedding"]),
+                       ("shared_head.head.weight", head)):
+        if ckpt.has(prefix + name) and not np.array_equal(ckpt(prefix + name), want):
+            raise ValueError(f"deepseek_v3 {prefix}{name}: expected a copy of the model's own "
+                             "(our multi-token prediction modules share its embedding and head)")
 
 
 def mla_params(ckpt: Checkpoint, prefix: str, config) -> dict[str, np.ndarray]:
@@ -127,6 +153,7 @@ def exporter():
         "rope_scale": ANY, "rope_original_max_len": ANY, **{f"rope_yarn_{k}": ANY for k in (
             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")},
         "moe.score": ("sigmoid",), "moe.balance_bias": (True,), "moe.every_n_layers": (1,),
+        "mtp.depth": ANY,
         **{f"moe.{k}": ANY for k in moe}, **SHAPES, "tie_embeddings": ANY, **COMPUTE_ONLY})
 
 
@@ -158,12 +185,15 @@ def to_hf(config, params, transformers):
         max_position_embeddings=config.max_len, rms_norm_eps=config.norm_epsilon,
         tie_word_embeddings=config.tie_embeddings, rope_parameters=rope,
         rope_interleave=config.rope_layout == "interleaved", attention_bias=False,
-        initializer_range=config.init_std or 0.02, architectures=["DeepseekV3ForCausalLM"])
+        initializer_range=config.init_std or 0.02, architectures=["DeepseekV3ForCausalLM"],
+        num_nextn_predict_layers=config.mtp.depth)
     decoder = params["decoder"]
-    out = {"model.embed_tokens.weight": params["embed"]["embedding"],
+    embedding = params["embed"]["embedding"]
+    head = embedding if config.tie_embeddings else params["lm_head"]["kernel"].T
+    out = {"model.embed_tokens.weight": embedding,
            "model.norm.weight": decoder["final_norm"]["scale"]}
-    for i in range(config.num_layers):
-        layer, p = decoder[f"layers_{i}"], f"model.layers.{i}."
+
+    def layer_state(layer, p):
         out[p + "input_layernorm.weight"] = layer["self_attention_norm"]["scale"]
         out[p + "post_attention_layernorm.weight"] = layer["mlp_norm"]["scale"]
         out.update(_mla_state(layer["self_attention"], p + "self_attn.", config))
@@ -172,6 +202,17 @@ def to_hf(config, params, transformers):
             out[p + "mlp.gate.e_score_correction_bias"] = layer["moe"]["balance_bias"]
         else:
             out.update(mlp_state(layer["mlp"], p + "mlp."))
+
+    for i in range(config.num_layers):
+        layer_state(decoder[f"layers_{i}"], f"model.layers.{i}.")
+    for j in range(config.mtp.depth):  # as DeepSeek-V3's files hold them, with their copies
+        module, p = params[f"mtp_{j}"], f"model.layers.{config.num_layers + j}."
+        layer_state(module["layers_0"], p)
+        out.update({p + "enorm.weight": module["embedding_norm"]["scale"],
+                    p + "hnorm.weight": module["hidden_norm"]["scale"],
+                    p + "eh_proj.weight": module["projection"].T,
+                    p + "shared_head.norm.weight": module["final_norm"]["scale"],
+                    p + "embed_tokens.weight": embedding, p + "shared_head.head.weight": head})
     if not config.tie_embeddings:
         out["lm_head.weight"] = params["lm_head"]["kernel"].T
     return hf_config, out
