@@ -1,0 +1,71 @@
+"""Speculative decoding with a model's own multi-token prediction modules, against plain greedy
+decoding of the same model: tokens/s, the drafts' acceptance rate, and tokens per pass of the
+model, on trained workdirs (e.g. the runs of experiments/ablations/mtp.py).
+
+    python benchmarks/speculative_decode.py --workdirs=DIR[,DIR...] [--new_tokens=256]
+        [--prompts=4] [--repeats=3]
+
+Each prompt is the first 16 characters of a validation window of the run's own data; both
+decoders run greedily, after a warm-up call (compiles excluded), alternating for `repeats` runs,
+and the best run of each is shown. The tokens of the two must be equal (a row says so); a
+speed-up needs the drafts to be accepted often enough to pay for running the modules.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from absl import app, flags
+
+from transformer import generate
+from transformer.generation.speculative import speculative_decode
+
+_WORKDIRS = flags.DEFINE_list("workdirs", None, "Training workdirs of models with "
+                              "model.mtp.depth > 0.", required=True)
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 256, "Tokens generated per row.")
+_PROMPTS = flags.DEFINE_integer("prompts", 4, "Rows (prompts), decoded as one batch.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per decoder (the best is shown).")
+_PROMPT_TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n"
+                "All:\nSpeak, speak.\nFirst Citizen:\nYou are all resolved rather to die than "
+                "to famish?\n")
+
+
+def best_time(fn, repeats: int):
+    fn()  # compile
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return min(times), out
+
+
+def measure(workdir: str, new_tokens: int, rows: int, repeats: int) -> dict:
+    model, params, tokenizer, config = generate.load_workdir(workdir)
+    text = tokenizer.encode(_PROMPT_TEXT)
+    prompts = [[tokenizer.eos_id, *text[i * 7:i * 7 + 16]] for i in range(rows)]
+    plain_s, (want, _) = best_time(lambda: generate.decode(
+        model, params, prompts, max_new_tokens=new_tokens, temperature=0.0, eos_id=None),
+        repeats)
+    fast_s, (got, _, stats) = best_time(lambda: speculative_decode(
+        model, params, prompts, max_new_tokens=new_tokens, eos_id=None), repeats)
+    tokens = rows * new_tokens
+    return dict(depth=config.model.mtp.depth, plain=tokens / plain_s, fast=tokens / fast_s,
+                rate=stats.acceptance_rate, per_pass=stats.tokens_per_pass,
+                equal=bool(np.array_equal(want, got)))
+
+
+def main(argv):
+    del argv
+    print(f"| workdir | MTP depth | greedy tok/s | speculative tok/s | speed-up | acceptance | "
+          f"tokens a pass | same tokens |\n|---|---|---|---|---|---|---|---|")
+    for workdir in _WORKDIRS.value:
+        r = measure(workdir, _NEW_TOKENS.value, _PROMPTS.value, _REPEATS.value)
+        print(f"| {workdir} | {r['depth']} | {r['plain']:,.0f} | {r['fast']:,.0f} | "
+              f"{r['fast'] / r['plain']:.2f}x | {r['rate']:.1%} | {r['per_pass']:.2f} | "
+              f"{'yes' if r['equal'] else 'NO'} |")
+
+
+if __name__ == "__main__":
+    app.run(main)
