@@ -58,8 +58,8 @@ def measure(workdir: str, new_tokens: int, rows: int, repeats: int) -> dict:
 
 def main(argv):
     del argv
-    print(f"| workdir | MTP depth | greedy tok/s | speculative tok/s | speed-up | acceptance | "
-          f"tokens a pass | same tokens |\n|---|---|---|---|---|---|---|---|")
+    print("| workdir | MTP depth | greedy tok/s | speculative tok/s | speed-up | acceptance | "
+          "tokens a pass | same tokens |\n|---|---|---|---|---|---|---|---|")
     for workdir in _WORKDIRS.value:
         r = measure(workdir, _NEW_TOKENS.value, _PROMPTS.value, _REPEATS.value)
         print(f"| {workdir} | {r['depth']} | {r['plain']:,.0f} | {r['fast']:,.0f} | "
