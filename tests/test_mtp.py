@@ -115,6 +115,42 @@ def test_the_train_step_logs_each_depth_and_its_gradient_reaches_the_trunk():
     assert np.abs(grads["mtp_1"]["projection"]).max() > 0
 
 
+def test_an_expert_module_balances_its_experts_as_the_stack_does_and_remat_changes_nothing():
+    """An MoE stack's module has experts too: its load is logged as layer 0 of `mtp_0` and its
+    balance bias moves by the rate times the sign of its load error."""
+    config = mtp_config(depth=1)
+    config.model.moe.update(num_experts=4, top_k=2, capacity_factor=0.0, score="sigmoid",
+                            balance_bias=True, bias_update_rate=0.05)
+    model, params = build(config)
+    batch = text_batch()
+    _, sown = model.apply({"params": params}, batch["inputs"], mtp_tokens=batch["targets"],
+                          segment_ids=batch["segment_ids"], positions=batch["positions"],
+                          mutable=["losses"])
+    load = np.asarray(sown["losses"]["mtp_0"]["layers_0"]["moe"]["expert_load"][0])
+    optimizer = optax.sgd(0.0)
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+                       jnp.asarray(-1, jnp.int32))
+    new, metrics = jax.jit(make_train_step(model, config, optimizer))(state, batch)
+    assert float(metrics["moe_imbalance/mtp_0_0"]) == pytest.approx(load.max() * 4, rel=1e-6)
+    moved = new.params["mtp_0"]["layers_0"]["moe"]["balance_bias"] - \
+        params["mtp_0"]["layers_0"]["moe"]["balance_bias"]
+    np.testing.assert_allclose(moved, 0.05 * np.sign(1 / 4 - load), atol=1e-7)
+    family = models.family_of(config)
+    remat = mtp_config(depth=1, remat_policy="full")
+    remat.model.moe.update(config.model.moe)
+    loss = lambda c, p: family.loss_and_metrics(models.build_model(c.model), c, p, batch,
+                                                mtp=True)[0]
+    assert float(loss(remat, params)) == pytest.approx(float(loss(config, params)), rel=1e-6)
+
+
+def test_a_zigzag_sequence_axis_is_refused_before_anything_compiles():
+    config = mtp_config(depth=1)
+    with pytest.raises(ValueError, match="mtp.depth=1 with mesh.sequence=2"):
+        configs.check_sequence_split(config, {"sequence": 2})
+    config.model.sequence_load_balance = False
+    configs.check_sequence_split(config, {"sequence": 2})
+
+
 def test_flops_count_each_module_block_and_head_pass():
     config = mtp_config(depth=2)
     plain = mtp_config(depth=0)

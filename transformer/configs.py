@@ -112,6 +112,12 @@ def check_sequence_split(config: ml_collections.ConfigDict, mesh_sizes: dict[str
                     and config.model.get("sequence_load_balance", True))
         sequence_parallel.check_length(config.seq_len, mesh_sizes["sequence"],
                                        load_balance=balanced, what="seq_len")
+        depth = config.model.get("mtp", {}).get("depth", 0)
+        if depth and balanced:
+            raise ValueError(f"model.mtp.depth={depth} with mesh.sequence="
+                             f"{mesh_sizes['sequence']}: expected model.sequence_load_balance="
+                             "False (the modules shift the sequence, which the zig-zag layout "
+                             "reorders)")
 
 
 def _validate_lora(config: ml_collections.ConfigDict) -> None:

@@ -11,7 +11,7 @@ from transformer.models.family import Family, transformer_config
 from transformer.nn import masks, sequence_parallel
 from transformer.nn import mtp as mtp_lib
 from transformer.nn.blocks import TransformerBlock, TransformerStack
-from transformer.nn.config import TransformerConfig
+from transformer.nn.config import REMAT_POLICIES, TransformerConfig
 from transformer.nn.layers import OutputHead, TokenEmbedding, norm_layer
 from transformer.parallel import sharding
 
@@ -180,7 +180,9 @@ class DecoderLM(nn.Module):
         """Multi-token prediction module k (from 1) on h^{k-1} and the tokens t_{i+k}:
         (h^k [B, T, D], logits [B, T, V] predicting t_{i+k+1})."""
         cfg, last = self.config, self.config.num_layers - 1
-        block = lambda name: TransformerBlock(
+        kind = TransformerBlock if cfg.remat_policy == "none" else nn.remat(
+            TransformerBlock, policy=REMAT_POLICIES[cfg.remat_policy])
+        block = lambda name: kind(
             cfg, deterministic=deterministic, decode=decode, moe_layer=cfg.moe.is_moe_layer(last),
             layer_type=cfg.layer_type(last), name=name)
         hidden_BTD, normed_BTD = self.mtp[k - 1](hidden_BTD, self.embed(tokens_BT), block,
