@@ -43,7 +43,7 @@ RUN_SETTINGS = frozenset({
     "dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers", "sequence_parallel",
     "sequence_load_balance", "image_size", "patch_size", "channels", "pooling",
     "patch_position", "projection_dim", "moe.load_balance_loss", "moe.router_z_loss",
-    "moe.bias_update_rate",
+    "moe.bias_update_rate", "mtp.loss_weight",
     "lora.rank", "lora.alpha", "lora.targets", "lora.dropout", "lora.base_quantization",
     "quantization", "quantize_head"})
 # A checkpoint of the first family runs as the second (the same modules and params).
