@@ -213,6 +213,12 @@ def test_seed_runs_names_options_and_refusals(tmp_path):
         sweep.check_layout(str(tmp_path / "one"), ["a"], 2)
     with pytest.raises(ValueError, match=r"many/a holds runs of several seeds"):
         sweep.check_layout(str(tmp_path / "many"), ["a"], 1)
+    for k in (1, 2):  # three seeds' runs: --seeds=2 would report on two of them
+        (tmp_path / "many" / "a" / f"seed_{k}").mkdir()
+    with pytest.raises(ValueError, match=r"many/a holds runs of seeds 0..2: expected --seeds=3 "
+                                         r"\(--seeds=2 would rewrite the report"):
+        sweep.check_layout(str(tmp_path / "many"), ["a"], 2)
+    sweep.check_layout(str(tmp_path / "many"), ["a"], 3)
     assert sweep.check_baseline(None, ["a", "b"]) == "a"
     assert sweep.check_baseline("b", ["a", "b"]) == "b"
 

@@ -251,6 +251,9 @@ def main(argv) -> None:
                          f"0..{seeds - 1}: expected one of the two")
     runs = variant_configs(FLAGS.config, seed_variants(selected, seeds))
     workdir = FLAGS.workdir or os.path.join("runs", FLAGS.config.experiment)
+    if FLAGS.report_only and not os.path.isdir(workdir):
+        raise ValueError(f"--report_only: {workdir} is not a directory; expected the sweep's "
+                         "--workdir, whose runs it reports")
     check_layout(workdir, list(configs), seeds)
     if FLAGS.print_launch:
         for command in launch_commands(_config_arg(), cli_overrides,

@@ -180,6 +180,12 @@ def check_layout(workdir: str, names: Sequence[str], seeds: int) -> None:
         if seeds > 1 and os.path.exists(os.path.join(directory, CONFIG_FILE)):
             raise ValueError(f"{directory} holds a run of one seed: expected --seeds=1, or "
                              f"another --workdir for --seeds={seeds}")
+        if seeds > 1 and os.path.isdir(os.path.join(directory, f"seed_{seeds}")):
+            held = sorted(int(d[5:]) for d in os.listdir(directory)
+                          if d.startswith("seed_") and d[5:].isdigit())
+            raise ValueError(f"{directory} holds runs of seeds {held[0]}..{held[-1]}: expected "
+                             f"--seeds={held[-1] + 1} (--seeds={seeds} would rewrite the report "
+                             "without the others), or another --workdir")
 
 
 def check_baseline(baseline: str | None, names: Sequence[str]) -> str:
