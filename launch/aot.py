@@ -258,6 +258,8 @@ def main(argv) -> int:
     del argv
     logging.set_verbosity(logging.WARNING)
     FLAGS = flags.FLAGS
+    if FLAGS.num_slices < 1:
+        raise ValueError(f"--num_slices={FLAGS.num_slices}: expected an int >= 1")
     accelerator = accelerators.parse(FLAGS.topology)
     config = FLAGS.config
     devices = tpu_topology(accelerator, FLAGS.num_slices)

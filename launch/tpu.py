@@ -96,6 +96,8 @@ def validate(launch: Launch) -> None:
                                    processes=launch.processes, num_slices=launch.num_slices)
         configs.check_sequence_split(config, mesh)
         configs.check_pipeline(config, mesh)
+        # then everything transformer.train checks, but the files the run reads on the slice
+        configs.validate_config(config, chips, launch.processes, files=False)
     except ValueError as error:
         raise ValueError(f"{error}; on {launch.num_slices} x {launch.accelerator.name} "
                          f"({launch.processes} hosts)") from None

@@ -61,6 +61,8 @@ CASES = {
                                     ["--config=experiments/ablations/mtp.py",
                                      "--workdir=WORKDIR/nope", "--report_only"], 2,
                                     ["--report_only", "nope is not a directory"]),
+    "aot_no_slices": ("launch.aot", ["--config=experiments/gpt_tiny.py", "--topology=v5p-8",
+                                     "--num_slices=0"], 2, ["--num_slices=0", "expected"]),
     "prepare_missing_input": ("transformer.data.prepare",
                               ["--output_dir=WORKDIR/prepared", "--input=WORKDIR/nope.txt"], 2,
                               ["nope.txt", "no such file"]),

@@ -82,6 +82,10 @@ def test_accelerator_types_know_their_chips_hosts_and_memory():
     (dict(accelerator="v6e-8", spot=True, reserved=True), TRAIN, "--spot and --reserved"),
     (dict(accelerator="v6e-8"), ("--workdir=gs://b/r",), "include --config=FILE"),
     (dict(accelerator="v6e-8"), TRAIN + ("--config.model.num_layrs=2",), "num_layrs"),
+    # what transformer.train refuses, a launch refuses before creating the slice
+    (dict(accelerator="v6e-8"), TRAIN + ("--config.optimizer.learning_rate=-1",),
+     "optimizer.learning_rate=-1"),
+    (dict(accelerator="v6e-8"), TRAIN + ("--config.model.num_heads=3",), "model.d_model="),
 ])
 def test_bad_launches_are_refused_before_anything_is_created(kwargs, train, message):
     launch = make_launch(kwargs.pop("accelerator"), train=train, **kwargs)

@@ -176,10 +176,12 @@ def model_for_checks(config: ml_collections.ConfigDict) -> ml_collections.Config
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None,
-                    num_processes: int | None = None) -> None:
+                    num_processes: int | None = None, files: bool = True) -> None:
     """Checks every value against its meaning (`CHECKS`, then the rules joining several keys),
     with one-line errors `KEY=VALUE: expected ...`, before anything runs (against this
-    runtime's devices and processes, or the given counts)."""
+    runtime's devices and processes, or the given counts). `files=False` leaves out what reads
+    the run's files (data, tokenizer, init_from), for a launcher whose run reads them on
+    another machine."""
     num_devices = jax.device_count() if num_devices is None else num_devices
     num_processes = jax.process_count() if num_processes is None else num_processes
     for key, (test, expected) in CHECKS.items():
@@ -196,11 +198,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     if config.model.get("position") == "learned" and config.seq_len > config.model.max_len:
         raise ValueError(f"seq_len={config.seq_len}: expected <= model.max_len="
                          f"{config.model.max_len}, the learned position table's size")
-    _validate_sources(config)
     _validate_optimizer(config)
-    _validate_tokenizer(config)
-    _validate_test_path(config)
-    _validate_finetuning(config)
+    if files:
+        _validate_sources(config)
+        _validate_tokenizer(config)
+        _validate_test_path(config)
+        _validate_finetuning(config)
     _validate_lora(config)
     task_eval.check(config, family_of(config).decoding, num_processes)
     wandb_logging.check(config)
@@ -213,6 +216,35 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
             raise ValueError(f"model.{error}") from None
         raise
     _validate_mixers(config, mesh_sizes)
+    _validate_effects(config, mesh_sizes)
+
+
+def _validate_effects(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int]) -> None:
+    """Settings that would do nothing in this config, refused in one line each (a run never
+    silently ignores what it was told): a key that only acts with another one left off, or a
+    value past the range where it acts."""
+    model = config.model
+    rules = (
+        (model.get("mup_base_width") and model.get("parametrization", "standard") != "mup",
+         f"model.mup_base_width={model.get('mup_base_width')}: expected "
+         "model.parametrization='mup' (the base width is muP's)"),
+        (model.get("quantize_head") and not model.get("quantization"),
+         "model.quantize_head=True: expected model.quantization 'int8' or 'fp8' (it quantizes "
+         "the head along with the rest)"),
+        (config.pipeline.repeats > 1 and mesh_sizes.get("stage", 1) == 1,
+         f"pipeline.repeats={config.pipeline.repeats}: expected mesh.stage > 1 (the circular "
+         "schedule's repeats are the stages')"),
+        (model.get("sliding_window_pattern", 0) > model.get("num_layers", 0),
+         f"model.sliding_window_pattern={model.get('sliding_window_pattern')}: expected <= "
+         f"model.num_layers={model.get('num_layers')} (layer P - 1 is the first full one; "
+         "past the stack, every layer stays windowed)"),
+        (config.profile.num_steps and config.profile.start_step > config.steps,
+         f"profile.start_step={config.profile.start_step}: expected <= steps={config.steps} "
+         "(no step would be traced)"),
+    )
+    for bad, message in rules:
+        if bad:
+            raise ValueError(message)
 
 
 def _validate_mixers(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int]) -> None:

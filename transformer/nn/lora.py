@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 
 import flax.linen as nn
@@ -73,8 +74,9 @@ def check_targets(params, lora: LoraConfig) -> None:
     Traceback (most recent call last):
     ValueError: model.lora.targets='wi$|scale$' matches norm/scale, which takes no adapter ...
     """
-    paths = {"/".join(str(getattr(k, "key", k)) for k in path)
-             for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    leaves = {"/".join(str(getattr(k, "key", k)) for k in path): leaf
+              for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    paths = set(leaves)
     bare = sorted(p for p in paths if not ADAPTER.search(p) and re.search(lora.targets, p)
                   and f"{p}_lora_a" not in paths)
     if bare:
@@ -82,6 +84,18 @@ def check_targets(params, lora: LoraConfig) -> None:
         raise ValueError(f"model.lora.targets={lora.targets!r} matches {bare[0]}{more}, which "
                          "takes no adapter (LoRA adapts softmax attention's and the MLP's "
                          "projections): expected a regex that leaves it out")
+    adapted = sorted(p[:-len("_lora_a")] for p in paths if p.endswith("_lora_a"))
+    if not adapted:
+        raise ValueError(f"model.lora.targets={lora.targets!r} matches no kernel, so nothing "
+                         "would train: expected a regex over kernel paths such as "
+                         "decoder/layers_0/mlp/wi")
+    # a kernel's full rank: the smaller of its input and output sizes (A [in..., r], B [r, out...])
+    full = {p: min(math.prod(leaves[f"{p}_lora_a"].shape[:-1]),
+                   math.prod(leaves[f"{p}_lora_b"].shape[1:])) for p in adapted}
+    smallest = min(full, key=full.get)
+    if lora.rank > full[smallest]:
+        raise ValueError(f"model.lora.rank={lora.rank}: expected <= {full[smallest]}, the full "
+                         f"rank of {smallest} (a larger rank adds parameters, not capacity)")
 
 
 def enabled(config) -> bool:

@@ -59,6 +59,8 @@ def announce(run, mesh_summary: str) -> None:
     run.logger.print(f"{config.experiment}: {config.model.family}, {run.num_params:,} params"
                      f"{active}, batch {config.batch_size} x {config.seq_len}, "
                      f"steps {start_step}..{config.steps}, workdir {run.workdir}")
+    for warning in unintended_settings(config):
+        run.logger.print(warning)
     if changes:
         run.logger.print(f"new_data: step {start_step}'s params continue on a new data stream, "
                          "from its start (" + "; ".join(changes) + ")")
@@ -155,3 +157,17 @@ def fresh_state(config: ml_collections.ConfigDict, init, shardings, is_main: boo
         if is_main:
             print(report)
     return state
+
+
+def unintended_settings(config: ml_collections.ConfigDict) -> list[str]:
+    """Legal values that are surely not what was meant, each as a one-line warning the run
+    prints at its start."""
+    out = []
+    warmup = config.optimizer.get("warmup_steps", 0)
+    if warmup > config.steps:
+        out.append(f"warning: optimizer.warmup_steps={warmup} > steps={config.steps}: the "
+                   "learning rate never reaches its peak")
+    if 0 < (cap := config.model.get("attention_softcap", 0.0)) < 1:
+        out.append(f"warning: model.attention_softcap={cap}: every attention logit is squashed "
+                   "into (-cap, cap), so attention is nearly uniform (Gemma 2 caps at 50)")
+    return out

@@ -17,6 +17,7 @@ from transformer.models import family_of
 from transformer.nn import lora as lora_lib
 from transformer.nn import moe as moe_lib
 from transformer.parallel import sharding
+from transformer.training import optim
 
 
 @struct.dataclass
@@ -57,6 +58,7 @@ def initial_state(config: ml_collections.ConfigDict, model: nn.Module, mesh: jax
 
     def init(rng):
         params = model.init(rng, *args)["params"]
+        optim.check_freeze(nn.unbox(params), config)
         if lora_lib.enabled(config):  # QLoRA: the frozen targeted kernels quantized
             lora_lib.check_targets(nn.unbox(params), model_lora(config))
             params = lora_lib.quantize_base(params, model_lora(config))

@@ -1,0 +1,83 @@
+"""Settings that would do nothing are refused in one line before anything runs (or, where the
+value is legal but surely unintended, named in a one-line warning at the start): a run never
+silently ignores what it was told (issue 56's list)."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from transformer import configs, models
+from transformer.nn import lora
+from transformer.training import optim, startup
+
+
+def tiny_config(**overrides):
+    config = configs.base_config()
+    config.update(steps=10, batch_size=2, seq_len=16)
+    config.optimizer.warmup_steps = 5
+    config.model.update(num_layers=2, d_model=32, num_heads=2, d_ff=64, vocab_size=64)
+    config.update_from_flattened_dict(overrides)
+    return config
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model.mup_base_width": 64}, "model.mup_base_width=64: expected model.parametrization="
+                                   "'mup'"),
+    ({"model.quantize_head": True}, "model.quantize_head=True: expected model.quantization"),
+    ({"pipeline.repeats": 2}, "pipeline.repeats=2: expected mesh.stage > 1"),
+    ({"model.sliding_window": 4, "model.sliding_window_pattern": 3},
+     "model.sliding_window_pattern=3: expected <= model.num_layers=2"),
+    ({"profile.num_steps": 2, "profile.start_step": 11},
+     "profile.start_step=11: expected <= steps=10"),
+], ids=["mup_base_width", "quantize_head", "pipeline_repeats", "window_pattern", "profile"])
+def test_a_setting_with_no_effect_is_refused_before_anything_runs(overrides, message):
+    config = tiny_config(**overrides)
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        configs.validate_config(config, num_devices=1, num_processes=1, files=False)
+    named = list(overrides)[-1]  # the rule binds on its key: at the default, the config passes
+    configs.validate_config(tiny_config(**{k: v for k, v in overrides.items() if k != named}),
+                            num_devices=1, num_processes=1, files=False)
+
+
+def test_legal_but_surely_unintended_values_are_one_line_warnings():
+    assert startup.unintended_settings(tiny_config()) == []
+    warnings = startup.unintended_settings(tiny_config(**{
+        "optimizer.warmup_steps": 20, "model.attention_softcap": 1e-30}))
+    assert [w.split(":")[0] for w in warnings] == [
+        "warning", "warning"] and "warmup_steps=20 > steps=10" in warnings[0]
+    assert "attention_softcap=1e-30" in warnings[1] and all("\n" not in w for w in warnings)
+
+
+def params_of(config):
+    model = models.build_model(config.model)
+    return nn.unbox(jax.eval_shape(model.init, jax.random.key(0),
+                                   jnp.ones((1, 8), jnp.int32))["params"])
+
+
+def test_a_freeze_regex_matching_every_param_or_none_is_refused():
+    params = params_of(tiny_config())
+    optim.check_freeze(params, tiny_config(**{"optimizer.freeze": "^decoder/layers_0/"}))
+    with pytest.raises(ValueError, match=r"optimizer.freeze='\.\*' matches every param"):
+        optim.check_freeze(params, tiny_config(**{"optimizer.freeze": ".*"}))
+    with pytest.raises(ValueError, match=r"optimizer.freeze='encoder/' matches no param: "
+                                         r"expected a regex over param paths such as "):
+        optim.check_freeze(params, tiny_config(**{"optimizer.freeze": "encoder/"}))
+
+
+def test_lora_targets_matching_nothing_or_a_rank_above_full_rank_are_refused():
+    def check(**settings):
+        config = tiny_config(**{f"model.lora.{k}": v for k, v in settings.items()})
+        lora.check_targets(params_of(config), lora.LoraConfig(**config.model.lora))
+
+    check(rank=4)
+    with pytest.raises(ValueError, match=r"targets='nothing_here\$' matches no kernel"):
+        check(rank=4, targets="nothing_here$")
+    # the attention kernels [32, 2, 16] have full rank min(32, 32) = 32, the MLP's 32 too
+    check(rank=32)
+    with pytest.raises(ValueError, match=r"model.lora.rank=33: expected <= 32, the full rank "):
+        check(rank=33)
