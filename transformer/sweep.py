@@ -76,6 +76,7 @@ from transformer.sweeps.definition import (  # noqa: F401
 )
 from transformer.sweeps.plots import plot_curves  # noqa: F401
 from transformer.sweeps.report import (  # noqa: F401
+    SEEDS_WINDOW_COLUMN,
     WINDOW_COLUMN,
     status,
     variant_row,

@@ -178,8 +178,9 @@ def _fmt_estimate(value: Estimate | None, digits: int = 4) -> str:
             f"[{_fmt(value.low, digits)}, {_fmt(value.high, digits)}]")
 
 
-def _fmt_difference(value: Estimate | None, digits: int = 4) -> str:
-    """"+mean [low, high] within noise|differs" (the mean alone from one pair of seeds)."""
+def _fmt_difference(value: Estimate | None, digits: int = 4, verdicts: bool = True) -> str:
+    """"+mean [low, high] within noise|differs" (the mean alone from one pair of seeds; no
+    verdict with `verdicts=False`)."""
     def signed(x):
         return f"{x:+.{digits}f}" if x is not None and math.isfinite(x) else "-"
 
@@ -187,7 +188,8 @@ def _fmt_difference(value: Estimate | None, digits: int = 4) -> str:
         return "-"
     if value.std is None:
         return signed(value.mean)
-    return f"{signed(value.mean)} [{signed(value.low)}, {signed(value.high)}] {verdict(value)}"
+    cell = f"{signed(value.mean)} [{signed(value.low)}, {signed(value.high)}]"
+    return f"{cell} {verdict(value)}" if verdicts else cell
 
 
 def _seed_status(rows: Sequence[dict]) -> str:
@@ -227,9 +229,10 @@ def _seed_tables(runs: dict[str, list[dict]], overrides: dict[str, dict], column
               "seeds both finished: the mean difference [its 95% t interval]. **within noise**: "
               "the interval includes 0, so other seeds could well reverse the sign; **differs**: "
               "it excludes 0.", ""]
+    # The verdict is the seed interval's: the window interval holds the models fixed.
     windows, notes = _window_cells({name: dict(enumerate(rows)) for name, rows in runs.items()},
-                                   baseline)
-    lines += _table_head(["variant"] + [title for _, title, _ in columns] + [WINDOW_COLUMN])
+                                   baseline, verdicts=False)
+    lines += _table_head(["variant"] + [title for _, title, _ in columns] + [SEEDS_WINDOW_COLUMN])
     for name in runs:
         cells = [name] + [
             "baseline" if name == baseline else _fmt_difference(paired_difference(
@@ -237,13 +240,17 @@ def _seed_tables(runs: dict[str, list[dict]], overrides: dict[str, dict], column
                 {k: row.get(key) for k, row in done[baseline].items()}), digits)
             for key, _, digits in columns]
         lines.append("| " + " | ".join(cells + [windows[name]]) + " |")
-    return lines + _window_notes(notes)
+    return lines + _window_notes(notes, SEEDS_WINDOW_COLUMN) + [
+        "", "With several seeds the verdict is the seed interval's alone: seeds can disagree "
+        "in sign while every window interval excludes 0."]
 
 
 WINDOW_COLUMN = "val loss (window bootstrap)"
+# with seeds: the same measurement, no verdict (the seed interval gives it)
+SEEDS_WINDOW_COLUMN = "val loss over windows, models fixed (no verdict)"
 
 
-def _window_cells(runs: dict[str, dict[int, dict]], baseline: str
+def _window_cells(runs: dict[str, dict[int, dict]], baseline: str, verdicts: bool = True
                   ) -> tuple[dict[str, str], list[str]]:
     """Per variant, the window bootstrap cell of its val loss minus the baseline's (`runs`: per
     variant, its rows by seed); and a note for every run that could not be paired."""
@@ -253,13 +260,14 @@ def _window_cells(runs: dict[str, dict[int, dict]], baseline: str
         if name == baseline:
             continue
         pairs, refused = window_pairs({k: row["windows"] for k, row in rows.items()}, base)
-        cells[name] = _fmt_difference(window_bootstrap(pairs)) if pairs else "-"
+        cells[name] = _fmt_difference(window_bootstrap(pairs), verdicts=verdicts) \
+            if pairs else "-"
         notes += [f"- {name}, {note}" for note in refused]
     return cells, notes
 
 
-def _window_notes(notes: list[str]) -> list[str]:
-    lines = ["", f"`{WINDOW_COLUMN}`: the same difference of validation loss measured over the "
+def _window_notes(notes: list[str], column: str = WINDOW_COLUMN) -> list[str]:
+    lines = ["", f"`{column}`: the same difference of validation loss measured over the "
              "final evaluation's windows, with a 95% interval from "
              f"{BOOTSTRAP_RESAMPLES:,} paired bootstrap resamples of the windows (the same "
              "windows for both runs of a seed; with several seeds, each seed's difference and "
