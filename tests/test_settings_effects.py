@@ -1,9 +1,11 @@
 """Settings that would do nothing are refused in one line before anything runs (or, where the
 value is legal but surely unintended, named in a one-line warning at the start): a run never
-silently ignores what it was told (issue 56's list)."""
+silently ignores what it was told (issue 56's list); a chat message names what is wrong with
+it."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import flax.linen as nn
@@ -12,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from transformer import configs, models
+from transformer.data import chat
 from transformer.nn import lora
 from transformer.training import optim, startup
 
@@ -81,3 +84,19 @@ def test_lora_targets_matching_nothing_or_a_rank_above_full_rank_are_refused():
     check(rank=32)
     with pytest.raises(ValueError, match=r"model.lora.rank=33: expected <= 32, the full rank "):
         check(rank=33)
+
+
+@pytest.mark.parametrize("message, error", [
+    ({"role": 3, "content": "x"}, "message 1 has role=3: expected a non-empty string"),
+    ({"role": "", "content": "x"}, "message 1 has role='': expected a non-empty string"),
+    ({"role": "user"}, 'message 1 has no "content"'),
+    ({"role": "user", "content": None}, "message 1 has content=None: expected a string"),
+    ({"content": "x"}, 'message 1 has no "role"'),
+    ("hi", "message 1 is 'hi': expected"),
+])
+def test_a_chat_message_names_what_is_wrong_with_it(message, error):
+    """A non-string role is not reported as missing, and a message without content is refused
+    (it would render as the string 'None' or fail deep in the template)."""
+    line = json.dumps({"messages": [{"role": "user", "content": "hi"}, message]})
+    with pytest.raises(ValueError, match="^" + re.escape(f"--chat: {error}")):
+        chat.parse_conversation(line, "--chat")

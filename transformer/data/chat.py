@@ -68,10 +68,16 @@ def parse_conversation(line: str, where: str) -> Conversation:
         raise ValueError(f'{where}: no "messages" list: expected {{"messages": [{{"role": ..., '
                          '"content": ...}, ...]} (a non-empty list)')
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not message["role"]:
-            raise ValueError(f'{where}: message {i} has no "role": expected {{"role": ..., '
+        if not isinstance(message, dict):
+            raise ValueError(f'{where}: message {i} is {message!r}: expected {{"role": ..., '
                              '"content": ...}')
+        for key, kind in (("role", "a non-empty string"), ("content", "a string")):
+            if key not in message:
+                raise ValueError(f'{where}: message {i} has no "{key}": expected {{"role": ..., '
+                                 '"content": ...}')
+            if not isinstance(message[key], str) or not (message[key] or key == "content"):
+                raise ValueError(f"{where}: message {i} has {key}={message[key]!r}: expected "
+                                 f"{kind}")
     return Conversation(tuple(messages), where)
 
 
