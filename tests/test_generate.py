@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -285,6 +286,30 @@ def test_sample_texts():
         assert len(texts) == 2 and all(t.startswith("ab") for t in texts), texts
         assert texts == generate.sample_texts(model, params, tokenizer, config, num_samples=2,
                                               prompt="ab", seed=1)
+
+
+def test_end_of_run_samples_run_past_document_ends():
+    """The end-of-training samples fill their length: an <eos> the model emits becomes a
+    paragraph break instead of the end of the sample (a gpt whose every logit favours <eos>)."""
+    tokenizer = tokenizers.ByteTokenizer(num_sentinels=0)
+    small = default_model_config()
+    small.update(vocab_size=tokenizer.vocab_size, num_layers=1, d_model=16, num_heads=2, d_ff=32)
+    config = type("Config", (), {})()
+    config.seq_len, config.model = 12, small
+    model = build_model(small)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 4), jnp.int32))[
+        "params"])
+    final = params["decoder"]["final_norm"]
+    params["decoder"]["final_norm"] = {**final, "scale": jnp.zeros_like(final["scale"]),
+                                       "bias": jnp.ones_like(final["bias"])}
+    eos = params["embed"]["embedding"][tokenizer.eos_id]
+    params["embed"]["embedding"] = params["embed"]["embedding"].at[tokenizer.eos_id].set(
+        jnp.where(eos == 0, 1.0, 100.0 * jnp.abs(eos) + 100.0))
+    stop = generate.sample_texts(model, params, tokenizer, config, num_samples=1, prompt="ab",
+                                 temperature=0.0, max_new_tokens=5)
+    past = generate.sample_texts(model, params, tokenizer, config, num_samples=1, prompt="ab",
+                                 temperature=0.0, max_new_tokens=5, past_eos=True)
+    assert stop == ["ab"] and past == ["ab" + "\n\n" * 5]
 
 
 def test_max_new_tokens_0_gives_the_prompt_alone_and_a_negative_count_is_named():

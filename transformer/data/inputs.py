@@ -262,8 +262,9 @@ _EVAL_CORPORA_KEPT = 8
 
 
 def sample_prompt(config: ml_collections.ConfigDict, max_chars: int = 32) -> str:
-    """A prompt suited to the data for end-of-training samples: the first line (at most
-    `max_chars` characters) of the first validation document; "" for token shards, prepared
+    """A prompt suited to the data for end-of-training samples: the start of the first line of
+    the validation documents that is a sentence rather than a heading (at least 24 characters;
+    cut to `max_chars` at a word's end), else the first line; "" for token shards, prepared
     data and mixtures, whose text is not at hand.
 
     >>> config = ml_collections.ConfigDict({"data": {"path": "", "unit": "paragraph",
@@ -275,8 +276,12 @@ def sample_prompt(config: ml_collections.ConfigDict, max_chars: int = 32) -> str
     if data.get("sources") or token_shard_dir(data.path) or _prepared_dir(config):
         return ""
     docs = _documents(config, "validation")
-    first_line = docs[0].text.lstrip("\n").split("\n", 1)[0] if docs else ""
-    return first_line[:max_chars]
+    lines = [line.strip() for doc in docs[:20] for line in doc.text.split("\n") if line.strip()]
+    line = next((line for line in lines if len(line) >= 24), lines[0] if lines else "")
+    if len(line) <= max_chars:
+        return line
+    cut = line[:max_chars + 1].rfind(" ")
+    return line[:cut] if cut > 0 else line[:max_chars]
 
 
 def bytes_per_token(config: ml_collections.ConfigDict, tokenizer, split: str) -> float:

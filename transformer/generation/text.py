@@ -96,22 +96,39 @@ def _until_eos(ids: np.ndarray, eos_id: int) -> np.ndarray:
     return ids[:ends[0]] if ends.size else ids
 
 
+def _past_eos(ids: np.ndarray, eos_id: int, tokenizer) -> str:
+    r"""The text of ids that run past document ends: each <eos> a paragraph break.
+
+    >>> from transformer.data import tokenizers
+    >>> char = tokenizers.build_tokenizer("char", ["ab"])
+    >>> ids = np.concatenate([char.encode("ab"), [char.eos_id], char.encode("ba")])
+    >>> _past_eos(ids, char.eos_id, char)
+    'ab\n\nba'
+    """
+    pieces = np.split(ids, np.flatnonzero(ids == eos_id))
+    return "\n\n".join(tokenizer.decode(p[1:] if i else p) for i, p in enumerate(pieces))
+
+
 def print_samples(model, params, tokenizer, config, prompt: str, num_samples: int = 3) -> None:
     """Prints samples with nanoGPT's settings (temperature 0.8, top-k 200) continuing `prompt`,
-    shortened to at most half the context (room to continue); the end of a training run."""
+    shortened to at most half the context (room to continue); the end of a training run. Each
+    sample fills the context, running on past a document's end (a paragraph break), so it
+    shows what the model learned rather than stopping at the first <eos>."""
     while len(tokenizer.encode(prompt)) > config.seq_len // 2:
         prompt = prompt[:-1]
     print(f"\nsamples (temperature 0.8, top-k 200, prompt {prompt!r}):")
     for text in sample_texts(model, params, tokenizer, config, num_samples=num_samples,
-                             prompt=prompt, temperature=0.8, top_k=200):
+                             prompt=prompt, temperature=0.8, top_k=200, past_eos=True):
         print("---\n" + text)
 
 
 def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prompt: str = "",
                  temperature: float = 0.8, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
                  max_new_tokens: int | None = None, chunk_size: int | None = None,
-                 callback: Callable[[list[str]], None] | None = None) -> list[str]:
-    """`num_samples` continuations of `prompt`, each ending at EOS or after `max_new_tokens`.
+                 callback: Callable[[list[str]], None] | None = None,
+                 past_eos: bool = False) -> list[str]:
+    """`num_samples` continuations of `prompt`, each ending at EOS or after `max_new_tokens`
+    (`past_eos`: always after `max_new_tokens`, each EOS a paragraph break).
 
     Decoder LMs continue the prompt after an <eos> (a document start) and return prompt +
     continuation; by default they fill the training context of config.seq_len tokens. An
@@ -134,6 +151,8 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     n = _new_tokens(max_new_tokens, config, decoding, len(prompt_ids))
 
     def to_texts(rows):
+        if past_eos:
+            return [_past_eos(np.concatenate([keep, r]), eos, tokenizer) for r in rows]
         return [tokenizer.decode(np.concatenate([keep, _until_eos(r, eos)])) for r in rows]
     if n == 0:
         texts = to_texts(np.zeros((num_samples, 0), np.int32))
@@ -155,7 +174,7 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     tokens, _ = decode(model, params, [prompt_ids] * num_samples, max_new_tokens=n,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed,
                        prefix_lm=decoding == "prefix", chunk_size=chunk_size,
-                       callback=on_tokens, banned_ids=banned, eos_id=eos,
+                       callback=on_tokens, banned_ids=banned, eos_id=None if past_eos else eos,
                        start_id=_start_id(tokenizer, decoding))
     return to_texts(tokens)
 
