@@ -18,7 +18,7 @@ from transformer.nn.config import TransformerConfig
 from transformer.nn.layers import MLP
 from transformer.nn.lora import LoraConfig
 from transformer.parallel import sharding
-from transformer.training import optim
+from transformer.training import finetune, optim
 from transformer.training.state import initial_state
 from transformer.training.step import make_train_step
 
@@ -409,3 +409,17 @@ def test_a_hybrid_takes_adapters_on_its_softmax_attention_and_a_bare_target_is_r
                                          r"matches decoder/layers_0/linear_attention/key \(and "
                                          r"5 more\), which takes no adapter"):
         init(config)
+
+
+def test_a_deleted_base_is_named_as_the_adapters_base(tmp_path):
+    """Resuming a LoRA run whose base workdir is gone says it is the base that is missing."""
+    config = small_config()
+    config.init_from = str(tmp_path / "deleted_base")
+    model = build_model(config.model)
+    abstract, shardings, make = initial_state(config, model, sharding.make_mesh(config.mesh))
+    state = make(jax.random.key(0))
+    with pytest.raises(FileNotFoundError, match=r"^the LoRA checkpoint's base init_from=.*"
+                                                r"deleted_base: .*holds no checkpoints.* \(the "
+                                                r"adapters need the base they were trained on\)"):
+        finetune.with_lora_base(config, state.params, abstract.params, shardings.params,
+                                {"init_from": config.init_from, "fingerprint": "x"})

@@ -237,7 +237,13 @@ def with_lora_base(config: ml_collections.ConfigDict, adapters, abstract_params,
     config.init_from, whose fingerprint must be `record`'s
     (`checkpoint_manager.Manager.lora_base`); a different base is a one-line error."""
     target = {**lora.trainable(abstract_params)[1], **lora.trainable(adapters)[0]}
-    params, _ = load_params(config.init_from, traverse_util.unflatten_dict(target), shardings)
+    try:
+        params, _ = load_params(config.init_from, traverse_util.unflatten_dict(target),
+                                shardings)
+    except FileNotFoundError as error:  # say that it is the adapters' base that went missing
+        raise FileNotFoundError(f"the LoRA checkpoint's base init_from={config.init_from}: "
+                                f"{error} (the adapters need the base they were trained on)"
+                                ) from None
     missing = [k for k, v in _flat(params).items()
                if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(v))]
     if missing:
