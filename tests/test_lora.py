@@ -423,3 +423,16 @@ def test_a_deleted_base_is_named_as_the_adapters_base(tmp_path):
                                                 r"adapters need the base they were trained on\)"):
         finetune.with_lora_base(config, state.params, abstract.params, shardings.params,
                                 {"init_from": config.init_from, "fingerprint": "x"})
+
+
+def test_a_qlora_run_exports_merged_or_not_at_all(monkeypatch, tmp_path):
+    """A QLoRA run's adapters fit the int8-rounded base: a peft adapter on the float base would
+    be off, so the export asks for --merge_lora, before reading or writing anything."""
+    from transformer import export
+
+    config = small_config(base_quantization="int8")
+    monkeypatch.setattr(export.checkpoint_lib, "saved_run", lambda workdir, step: (3, config))
+    with pytest.raises(ValueError, match=r"is a QLoRA run \(model.lora.base_quantization="
+                                         r"'int8'\): .* expected --merge_lora"):
+        export.export_workdir(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

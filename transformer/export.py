@@ -73,6 +73,12 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
     if merge_lora and not adapters:
         raise ValueError(f"--merge_lora: {workdir}'s run has no LoRA adapters (model.lora.rank "
                          "is 0): expected a LoRA run, or no --merge_lora")
+    if adapters and not merge_lora and (q := config.model.lora.get("base_quantization")):
+        # peft would put them on the float base: off by ~0.1 in the logits (measured, tiny Llama)
+        raise ValueError(f"{workdir} is a QLoRA run (model.lora.base_quantization={q!r}): its "
+                         f"adapters were trained on the {q}-rounded base, not the float one a "
+                         "peft adapter loads onto: expected --merge_lora (the adapters merged "
+                         f"into the {q}-rounded weights they were trained on)")
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
     tokenizer.hugging_face()  # refused, if it is, before anything is read or written
     # Read onto one local device, whatever mesh the run trained on (Orbax reshards).
