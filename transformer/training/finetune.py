@@ -78,7 +78,7 @@ def _shape(param) -> tuple:
     return tuple((param["qvalue"] if lora.is_quantized(param) else param).shape)
 
 
-def _hf_convert(directory: str, scan: bool = False):
+def hf_convert(directory: str, scan: bool = False):
     """(Hugging Face config, model config, flat params) of a save_pretrained directory; with
     `scan`, its layer stacks stacked for a model with scan_layers=True."""
     import transformers
@@ -101,7 +101,7 @@ def _hf_convert(directory: str, scan: bool = False):
 
 
 def _hf_params(directory: str, scan: bool = False) -> dict[str, np.ndarray]:
-    return _hf_convert(directory, scan)[2]
+    return hf_convert(directory, scan)[2]
 
 
 def resolve_hf_config(config: ml_collections.ConfigDict,
@@ -124,7 +124,7 @@ def resolve_hf_config(config: ml_collections.ConfigDict,
     if not isinstance(init_from, str) or not init_from.startswith("hf:") or \
             not os.path.isfile(os.path.join(init_from[3:], "config.json")):
         return config  # not an hf: source, or validate_config says what is missing
-    hf_config, theirs, _ = _hf_convert(init_from[3:])
+    hf_config, theirs, _ = hf_convert(init_from[3:])
     family = config.model.get("family")
     if family != theirs.family and (theirs.family, family) not in _SAME_PARAMS:
         kind = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]

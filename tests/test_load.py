@@ -1,0 +1,79 @@
+"""`transformer.load`: a training workdir or a Hugging Face directory as a model ready to use in
+Python. Its logits are the forward pass on <eos> + the text, `score` the log-probability from
+them, `generate` the CLI's greedy text, and an imported model stops at its tokenizer's own end
+of sequence; logits of a Hugging Face Llama equal transformers'."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_harness import TINY_MODEL
+
+import transformer
+from transformer import configs, generate, train
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("load") / "run"
+    config = configs.experiment("gpt_tiny")
+    config.update(steps=4, batch_size=4, seq_len=32, log_every=2, eval_every=4, eval_steps=1,
+                  checkpoint_every=4)
+    config.model.update(**TINY_MODEL)
+    train.train_and_evaluate(config, str(workdir))
+    return workdir
+
+
+def test_a_workdir_loads_with_logits_score_and_generate(workdir):
+    lm = transformer.load(str(workdir))
+    ids = np.concatenate([[lm.tokenizer.eos_id], lm.tokenizer.encode("def f(x):")])
+    want = lm.model.apply({"params": lm.params}, jnp.asarray(ids[None]))[0]
+    np.testing.assert_allclose(lm.logits("def f(x):"), want, rtol=1e-5, atol=1e-5)
+    # score: the sum of log p(token | before) over the text's tokens, after the context
+    full = np.concatenate([[lm.tokenizer.eos_id], lm.tokenizer.encode("def f(x): return")])
+    logp = np.asarray(jax.nn.log_softmax(lm.logits("def f(x): return")))
+    start = len(ids)
+    want_score = sum(logp[t - 1, full[t]] for t in range(start, len(full)))
+    assert lm.score(" return", context="def f(x):") == pytest.approx(want_score, rel=1e-5)
+    assert lm.score("def f(x):") == pytest.approx(
+        sum(logp[t - 1, full[t]] for t in range(1, start)), rel=1e-5)
+    model, params, tokenizer, config = generate.load_workdir(str(workdir))
+    assert lm.generate("def ", max_new_tokens=12) == generate.sample_texts(
+        model, params, tokenizer, config, num_samples=1, prompt="def ", temperature=0.0,
+        max_new_tokens=12)[0]
+    assert transformer.load(f"{workdir}@4").config.steps == 4
+    with pytest.raises(ValueError, match="merge_lora=True: .* has no LoRA adapters"):
+        transformer.load(str(workdir), merge_lora=True)
+
+
+def test_a_hugging_face_directory_loads_with_transformers_logits_and_its_own_eos(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from test_sft import LLAMA3, build_tokenizer
+
+    directory = build_tokenizer(tmp_path / "llama", LLAMA3)
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    eos = vocab["<|end_of_text|>"]
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=len(vocab) + 8, max_position_embeddings=64,
+        tie_word_embeddings=False, bos_token_id=vocab["<|begin_of_text|>"], eos_token_id=eos))
+    with torch.no_grad():
+        hf.lm_head.weight[eos] += 5.0 * hf.model.norm.weight  # <eos> wins soon: stop there
+    hf.eval().save_pretrained(directory)
+    lm = transformer.load(f"hf:{directory}")
+    assert lm.tokenizer.eos_id == eos
+    ids = np.concatenate([[eos], lm.tokenizer.encode("the cat sat")])
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids[None])).logits[0].numpy()
+    np.testing.assert_allclose(lm.logits("the cat sat"), want, atol=1e-4)
+    text = lm.generate("the", max_new_tokens=20)
+    tokens, _ = generate.decode(lm.model, lm.params, [ids[:2]], max_new_tokens=20,
+                                eos_id=eos)
+    assert len(lm.tokenizer.encode(text)) < 20 and eos in tokens[0].tolist()
+    assert transformer.load(str(directory)).tokenizer.eos_id == eos  # a plain directory too

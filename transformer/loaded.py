@@ -1,0 +1,123 @@
+"""The Python entry point: `transformer.load(source)` gives a trained model ready to use, from a
+training workdir (`runs/gpt_tiny`, `runs/gpt_tiny@600` for a step) or a Hugging Face
+`save_pretrained` directory (`hf:/models/llama`, or any directory with a config.json):
+
+    >>> lm = transformer.load("runs/gpt_tiny")                          # doctest: +SKIP
+    >>> lm.logits("def f").shape          # [tokens, vocab]: <eos> then the text's tokens
+    >>> lm.score("return x", context="def f(x):\\n    ")   # log-probability of the text
+    >>> lm.generate("def ", max_new_tokens=40)            # greedy unless temperature > 0
+
+A LoRA run's params are its base with the adapters applied; `merge_lora=True` gives the merged
+model (W + alpha / rank A B) with the base's architecture instead. Every call uses the
+tokenizer's own end of sequence, so an imported model stops where its tokenizer says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+Array = jax.Array
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A model with its params, tokenizer and run config (`model.apply({"params": params},
+    ids)` is the forward pass; the methods below are the common uses)."""
+
+    model: object
+    params: dict
+    tokenizer: object
+    config: ml_collections.ConfigDict
+    _forward: object = dataclasses.field(default=None, repr=False)
+
+    def _ids(self, text: str) -> np.ndarray:
+        """<eos> then the text's tokens: a decoder LM reads a text as a document's start."""
+        return np.concatenate([[self.tokenizer.eos_id], self.tokenizer.encode(text)]).astype(
+            np.int32)
+
+    def logits(self, text: str) -> np.ndarray:
+        """float32 logits [T + 1, V] of <eos> + the text's T tokens; row t predicts token t + 1
+        (row 0 the text's first token)."""
+        if self._forward is None:  # compiled once per Loaded (and per text length)
+            self._forward = jax.jit(lambda p, x: self.model.apply({"params": p}, x))
+        ids = jnp.asarray(self._ids(text)[None])
+        return np.asarray(self._forward(self.params, ids)[0], np.float32)
+
+    def score(self, text: str, context: str = "") -> float:
+        """The log-probability (nats) of `text`'s tokens following `context` (after <eos>): the
+        sum of log p(token | everything before it) over the text's tokens."""
+        before = len(self._ids(context))
+        ids = self._ids(context + text)
+        if len(ids) <= before or not np.array_equal(ids[:before], self._ids(context)):
+            raise ValueError(f"text={text!r}: expected text whose tokens follow context="
+                             f"{context!r}'s (the tokenizer merges them across the boundary)")
+        logits = self.logits(context + text)[:-1]  # row t predicts ids[t + 1]
+        log_probs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        targets = ids[1:]
+        return float(np.sum(np.asarray(log_probs)[np.arange(len(targets)), targets][
+            before - 1:]))
+
+    def generate(self, prompt: str = "", *, max_new_tokens: int | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0) -> str:
+        """The prompt and its continuation, to the tokenizer's end of sequence or
+        `max_new_tokens` (default: fill the training context), as `transformer.generate`."""
+        from transformer.generation.text import sample_texts
+
+        return sample_texts(self.model, self.params, self.tokenizer, self.config,
+                            num_samples=1, prompt=prompt, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed, max_new_tokens=max_new_tokens)[0]
+
+
+def load(source: str, step: int | None = None, merge_lora: bool = False) -> Loaded:
+    """A `Loaded` model from a training workdir (`DIR` or `DIR@STEP`; `step` also picks one) or
+    a Hugging Face directory (`hf:DIR`, or DIR holding a config.json)."""
+    from transformer.utils import fileio
+
+    kind, path, at = fileio.parse_init_from(source if source.startswith("hf:") or not
+                                            os.path.isfile(os.path.join(source, "config.json"))
+                                            else f"hf:{source}")
+    if kind == "hf":
+        return _load_hf(path)
+    return _load_workdir(path, step if step is not None else at, merge_lora)
+
+
+def _load_workdir(workdir: str, step: int | None, merge_lora: bool) -> Loaded:
+    from transformer.generate import load_workdir
+    from transformer.hf import export as hf_export
+    from transformer.models import build_model
+    from transformer.nn import lora
+    from transformer.training import state as state_lib
+
+    model, params, tokenizer, config = load_workdir(workdir, step)
+    if merge_lora:
+        if not lora.enabled(config):
+            raise ValueError(f"merge_lora=True: {workdir}'s run has no LoRA adapters "
+                             "(model.lora.rank is 0): expected a LoRA run")
+        params = lora.merged_params(params, state_lib.model_lora(config))
+        config = ml_collections.ConfigDict(config.to_dict())
+        config.model = hf_export.base_model_config(config.model)
+        model = build_model(config.model)
+    return Loaded(model, params, tokenizer, config)
+
+
+def _load_hf(directory: str) -> Loaded:
+    from flax import traverse_util
+
+    from transformer import configs
+    from transformer.data.hf_tokenizer import load_hf_tokenizer
+    from transformer.models import build_model
+    from transformer.training import finetune
+
+    _, model_config, flat = finetune.hf_convert(directory)
+    params = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
+    config = configs.base_config()
+    config.model = model_config
+    tokenizer = load_hf_tokenizer(directory, num_sentinels=0)
+    return Loaded(build_model(model_config), params, tokenizer, config)
