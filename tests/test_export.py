@@ -328,6 +328,8 @@ def test_a_hugging_face_tokenizer_is_exported_with_its_roles(tmp_path):
     assert auto.eos_token_id == ours.eos_id
     hf_config = transformers.AutoConfig.from_pretrained(output)
     assert hf_config.eos_token_id == ours.eos_id and hf_config.vocab_size == ours.vocab_size
+    # generation_config.json: HF generate stops at the tokenizer's own <eos>
+    assert transformers.GenerationConfig.from_pretrained(output).eos_token_id == ours.eos_id
 
 
 def train_export_and_load(tmp_path, experiment: str, family: str, auto_class: str):

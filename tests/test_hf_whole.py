@@ -229,11 +229,12 @@ def test_export_writes_our_tokenizer_with_the_umask_one_line_per_file(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, describe(result)
     assert result.stderr == ""  # no Orbax INFO, no warnings
-    names = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    names = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+             "tokenizer_config.json"]
     lines = result.stdout.splitlines()
     assert [line.split(" (")[0] for line in lines[:-1]] == [f"wrote {output / n}" for n in names]
     size = (output / "model.safetensors").stat().st_size
-    assert lines[1] == f"wrote {output / 'model.safetensors'} ({size / 1e3:.1f} kB)"
+    assert lines[2] == f"wrote {output / 'model.safetensors'} ({size / 1e3:.1f} kB)"
     assert lines[-1] == f"step 1 of {workdir} -> {output} as GPT2LMHeadModel, with its tokenizer"
     assert sorted(p.name for p in output.iterdir()) == names
     assert {oct(p.stat().st_mode & 0o777) for p in output.iterdir()} == {"0o640"}

@@ -575,3 +575,19 @@ def flat_names(params) -> list[str]:
     from flax import traverse_util
 
     return ["/".join(k) for k in traverse_util.flatten_dict(dict(params))]
+
+
+def test_an_export_stops_generate_at_the_templates_end_of_turn(llama3_dir):
+    """generation_config.json lists the chat template's end of turn beside <eos>, so HF
+    `generate` ends an assistant reply where training ended it."""
+    import types
+
+    from transformer import export
+
+    tokenizer = tokenizers_lib.load_hf_tokenizer(str(llama3_dir))
+    hf_config = types.SimpleNamespace(bos_token_id=tokenizer.bos_id, pad_token_id=None)
+    generation = export._generation_config(hf_config, tokenizer)
+    end = chat.end_of_turn_id(tokenizer)
+    assert end != tokenizer.eos_id
+    assert generation.eos_token_id == [tokenizer.eos_id, end]
+    assert generation.bos_token_id == tokenizer.bos_id

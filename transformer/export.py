@@ -42,6 +42,25 @@ def _tokenizer_files(tokenizer, directory: str) -> None:
         json.dumps(config, indent=1) + "\n", encoding="utf-8")
 
 
+def _generation_config(hf_config, tokenizer):
+    """generation_config.json: `generate` stops at <eos>, and at a chat template's end of turn
+    (Llama 3's <|eot_id|>, ChatML's <|im_end|>) where the tokenizer has one."""
+    import transformers
+
+    from transformer.data import chat
+
+    stops = [int(tokenizer.eos_id)] if getattr(tokenizer, "eos_id", None) is not None else []
+    if getattr(tokenizer, "chat_template", None):
+        end = int(chat.end_of_turn_id(tokenizer))
+        stops += [end] if end not in stops else []
+    ids = {role: getattr(hf_config, f"{role}_token_id", None) for role in ("bos", "pad")}
+    return transformers.GenerationConfig(
+        eos_token_id=stops[0] if len(stops) == 1 else (stops or None),
+        bos_token_id=ids["bos"], pad_token_id=ids["pad"],
+        **({"decoder_start_token_id": hf_config.decoder_start_token_id}
+           if getattr(hf_config, "decoder_start_token_id", None) is not None else {}))
+
+
 def _new_directory(parent: str) -> str:
     """A new hidden directory in `parent`, made with the user's umask (mkdtemp's is 0700)."""
     while True:
@@ -103,6 +122,7 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
         hf_config.save_pretrained(staging)
         save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
         _tokenizer_files(tokenizer, staging)
+        _generation_config(hf_config, tokenizer).save_pretrained(staging)
 
     return _write(output, write, {"step": step, "architecture": hf_config.architectures[0]})
 
