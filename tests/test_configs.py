@@ -218,6 +218,7 @@ ARGUMENTS = {
     "ablations/pretrain_vs_scratch": [f"{family}{task}" for family in ("bert", "t5", "gpt")
                                       for task in ("", ",speakers")],
     "ablations/hybrids": ["512", "4096"],
+    "sft_chat": ["full", "cpu"],
 }
 
 

@@ -216,24 +216,15 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
             raise ValueError(f"model.{error}") from None
         raise
     _validate_mixers(config, mesh_sizes)
-    _validate_effects(config, mesh_sizes)
+    _validate_effects(config)
 
 
-def _validate_effects(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int]) -> None:
-    """Settings that would do nothing in this config, refused in one line each (a run never
-    silently ignores what it was told): a key that only acts with another one left off, or a
-    value past the range where it acts."""
+def _validate_effects(config: ml_collections.ConfigDict) -> None:
+    """Values past the range where they act, refused in one line each (a run never silently
+    ignores what it was told). A key that acts only with another one left off is legal in a
+    sweep's shared base config: `training.startup.unintended_settings` warns of it instead."""
     model = config.model
     rules = (
-        (model.get("mup_base_width") and model.get("parametrization", "standard") != "mup",
-         f"model.mup_base_width={model.get('mup_base_width')}: expected "
-         "model.parametrization='mup' (the base width is muP's)"),
-        (model.get("quantize_head") and not model.get("quantization"),
-         "model.quantize_head=True: expected model.quantization 'int8' or 'fp8' (it quantizes "
-         "the head along with the rest)"),
-        (config.pipeline.repeats > 1 and mesh_sizes.get("stage", 1) == 1,
-         f"pipeline.repeats={config.pipeline.repeats}: expected mesh.stage > 1 (the circular "
-         "schedule's repeats are the stages')"),
         (model.get("sliding_window_pattern", 0) > model.get("num_layers", 0),
          f"model.sliding_window_pattern={model.get('sliding_window_pattern')}: expected <= "
          f"model.num_layers={model.get('num_layers')} (layer P - 1 is the first full one; "

@@ -74,7 +74,6 @@ class _State(NamedTuple):
 class _Program:
     model: DecoderLM
     cache_length: int
-    prompt_length: int  # P: the prompts' padded length
     max_new_tokens: int
 
     @property
@@ -208,7 +207,7 @@ def speculative_decode(model: DecoderLM, params, prompts, *, max_new_tokens: int
         raise ValueError(f"prompt of {prompt_length} tokens + max_new_tokens={max_new_tokens} "
                          f"+ 2 x mtp.depth = {cache_length} positions: expected <= the model's "
                          f"max_len={cfg.max_len}")
-    program = _Program(model, cache_length, prompt_length, max_new_tokens)
+    program = _Program(model, cache_length, max_new_tokens)
     eos = np.int32(-1 if eos_id is None else eos_id)
     seq, rounds, accepted = _run(params, inputs, lengths, eos,
                                  _banned_mask(banned_ids, model.vocab_size), program=program)

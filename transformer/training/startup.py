@@ -161,8 +161,18 @@ def fresh_state(config: ml_collections.ConfigDict, init, shardings, is_main: boo
 
 def unintended_settings(config: ml_collections.ConfigDict) -> list[str]:
     """Legal values that are surely not what was meant, each as a one-line warning the run
-    prints at its start."""
-    out = []
+    prints at its start: a key that acts only with another one left off (legal in a sweep's
+    shared base config, where a variant sets the other), and values that defeat themselves."""
+    model, out = config.model, []
+    idle = (
+        (model.get("mup_base_width") and model.get("parametrization", "standard") != "mup",
+         f"model.mup_base_width={model.get('mup_base_width')}", "model.parametrization='mup'"),
+        (model.get("quantize_head") and not model.get("quantization"),
+         "model.quantize_head=True", "model.quantization 'int8' or 'fp8'"),
+        (config.pipeline.repeats > 1 and config.mesh.get("stage", 1) == 1,
+         f"pipeline.repeats={config.pipeline.repeats}", "mesh.stage > 1"))
+    out += [f"warning: {setting} has no effect without {needs}" for bad, setting, needs in idle
+            if bad]
     warmup = config.optimizer.get("warmup_steps", 0)
     if warmup > config.steps:
         out.append(f"warning: optimizer.warmup_steps={warmup} > steps={config.steps}: the "
