@@ -16,7 +16,7 @@ import pytest
 from transformer import configs, models
 from transformer.data import chat
 from transformer.nn import lora
-from transformer.training import optim, startup
+from transformer.training import startup, state
 
 
 def tiny_config(**overrides):
@@ -70,12 +70,12 @@ def params_of(config):
 
 def test_a_freeze_regex_matching_every_param_or_none_is_refused():
     params = params_of(tiny_config())
-    optim.check_freeze(params, tiny_config(**{"optimizer.freeze": "^decoder/layers_0/"}))
+    state.check_freeze(params, tiny_config(**{"optimizer.freeze": "^decoder/layers_0/"}))
     with pytest.raises(ValueError, match=r"optimizer.freeze='\.\*' matches every param"):
-        optim.check_freeze(params, tiny_config(**{"optimizer.freeze": ".*"}))
+        state.check_freeze(params, tiny_config(**{"optimizer.freeze": ".*"}))
     with pytest.raises(ValueError, match=r"optimizer.freeze='encoder/' matches no param: "
                                          r"expected a regex over param paths such as "):
-        optim.check_freeze(params, tiny_config(**{"optimizer.freeze": "encoder/"}))
+        state.check_freeze(params, tiny_config(**{"optimizer.freeze": "encoder/"}))
 
 
 def test_lora_targets_matching_nothing_or_a_rank_above_full_rank_are_refused():

@@ -313,23 +313,6 @@ def mup_multiplier(config: ml_collections.ConfigDict) -> float:
     return model.d_model / model.mup_base_width
 
 
-def check_freeze(params, config: ml_collections.ConfigDict) -> None:
-    """One line if optimizer.freeze matches every param (nothing would train) or none (it
-    would do nothing). `params`: a model's, unboxed."""
-    freeze = config.optimizer.get("freeze", "")
-    if not freeze:
-        return
-    names = ["/".join(str(getattr(k, "key", k)) for k in path)
-             for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    matched = sum(bool(re.search(freeze, name)) for name in names)
-    if matched == len(names):
-        raise ValueError(f"optimizer.freeze={freeze!r} matches every param, so nothing would "
-                         "train: expected a regex that leaves some out")
-    if not matched:
-        raise ValueError(f"optimizer.freeze={freeze!r} matches no param: expected a regex over "
-                         f"param paths such as {names[0]}")
-
-
 def param_labels(params, freeze: str, head: str, hidden=None):
     """Each param's optimizer group by its "/"-joined name: "frozen" if it matches the regex
     `freeze`, else "head" if it matches `head`, else "backbone" (empty regexes match nothing);

@@ -3,6 +3,7 @@ training, evaluation, generation, fine-tuning and the TPU AOT compile alike."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -17,7 +18,6 @@ from transformer.models import family_of
 from transformer.nn import lora as lora_lib
 from transformer.nn import moe as moe_lib
 from transformer.parallel import sharding
-from transformer.training import optim
 
 
 @struct.dataclass
@@ -58,7 +58,7 @@ def initial_state(config: ml_collections.ConfigDict, model: nn.Module, mesh: jax
 
     def init(rng):
         params = model.init(rng, *args)["params"]
-        optim.check_freeze(nn.unbox(params), config)
+        check_freeze(nn.unbox(params), config)
         if lora_lib.enabled(config):  # QLoRA: the frozen targeted kernels quantized
             lora_lib.check_targets(nn.unbox(params), model_lora(config))
             params = lora_lib.quantize_base(params, model_lora(config))
@@ -92,3 +92,20 @@ def active_params(abstract_state: TrainState, config: ml_collections.ConfigDict)
             inactive += int(np.prod(leaf.shape)) * (moe.num_experts - moe.top_k) \
                 // moe.num_experts
     return total - inactive
+
+
+def check_freeze(params, config: ml_collections.ConfigDict) -> None:
+    """One line if optimizer.freeze matches every param (nothing would train) or none (it
+    would do nothing). `params`: a model's, unboxed."""
+    freeze = config.optimizer.get("freeze", "")
+    if not freeze:
+        return
+    names = ["/".join(str(getattr(k, "key", k)) for k in path)
+             for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    matched = sum(bool(re.search(freeze, name)) for name in names)
+    if matched == len(names):
+        raise ValueError(f"optimizer.freeze={freeze!r} matches every param, so nothing would "
+                         "train: expected a regex that leaves some out")
+    if not matched:
+        raise ValueError(f"optimizer.freeze={freeze!r} matches no param: expected a regex over "
+                         f"param paths such as {names[0]}")
