@@ -2,10 +2,10 @@
 training workdir (`runs/gpt_tiny`, `runs/gpt_tiny@600` for a step) or a Hugging Face
 `save_pretrained` directory (`hf:/models/llama`, or any directory with a config.json):
 
-    >>> lm = transformer.load("runs/gpt_tiny")                          # doctest: +SKIP
-    >>> lm.logits("def f").shape          # [tokens, vocab]: <eos> then the text's tokens
-    >>> lm.score("return x", context="def f(x):\\n    ")   # log-probability of the text
-    >>> lm.generate("def ", max_new_tokens=40)            # greedy unless temperature > 0
+    lm = transformer.load("runs/gpt_tiny")
+    lm.logits("def f").shape            # [tokens, vocab]: <eos> then the text's tokens
+    lm.score("return x", context="def f(x):\\n    ")   # log-probability of the text
+    lm.generate("def ", max_new_tokens=40)              # greedy unless temperature > 0
 
 A LoRA run's params are its base with the adapters applied; `merge_lora=True` gives the merged
 model (W + alpha / rank A B) with the base's architecture instead. Every call uses the
