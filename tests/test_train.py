@@ -559,6 +559,27 @@ def test_skip_stops_after_max_nonfinite_skips_in_a_row(tmp_path):
         assert all_finite(load_state(tmp_path, step)["params"]), f"checkpoint {step} is NaN"
 
 
+@pytest.mark.slow
+def test_the_last_good_checkpoint_is_one_a_sane_rerun_continues_from(tmp_path):
+    """learning_rate=1e4, no clipping: step 2's params stay finite but give a loss of ~1e7 on
+    the next batch, and the NaN comes two steps later. Such checkpoints are not good ones
+    (nonfinite.Watch): a rerun at a sane learning rate continues from the one named and trains
+    (before, it resumed params that gave losses of ~1e10 to the end)."""
+    config = tiny_config(steps=8, checkpoint_every=1,
+                         optimizer=dict(learning_rate=1e4, grad_clip_norm=0.0))
+    with pytest.raises(FloatingPointError, match="blown up") as error:
+        train.train_and_evaluate(config, str(tmp_path))
+    good = int(re.search(r"the last good checkpoint is step (\d+)", str(error.value))[1])
+    assert checkpoint_steps(tmp_path) == list(range(1, good + 1)), str(error.value)
+    assert train_losses(tmp_path)[good + 2] > 1e3, "the test needs a finite blow-up"
+
+    config = tiny_config(steps=8, checkpoint_every=1, optimizer=dict(grad_clip_norm=0.0))
+    result = train.train_and_evaluate(config, str(tmp_path))
+    assert result["summary"]["step"] == 8
+    losses = train_losses(tmp_path)
+    assert all(loss < 3 * losses[1] for loss in losses.values()), losses
+
+
 # --- 7. speed and ETA in the log -----------------------------------------------------------
 
 

@@ -232,8 +232,9 @@ def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
     the step compiled its program, so the timed windows restart after it."""
     config = runs[0].config
     trained = [(k, run) for k, run in enumerate(runs) if active[k] and run.error is None]
-    for _, run in trained:
+    for k, run in trained:
         run.step += 1
+        run.watch.stepped(run.step, lambda k=k: metrics["loss"][k])
         run.manager.check_for_errors()
         if since[id(run)] is None:
             jax.block_until_ready(metrics)

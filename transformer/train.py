@@ -86,6 +86,7 @@ class Run:
     error: Exception | None = None  # why a run of a batched group stopped alone (NaN)
     goodput: goodput.Clock | None = None  # where the wall time goes (summary.json)
     tracer: profiling.Tracer | None = None  # config.profile's trace
+    watch: nonfinite.Watch = dataclasses.field(default_factory=nonfinite.Watch)  # "last good"
 
     def stop_requested(self) -> bool:
         return placement_lib.agreed(self.signal is not None)
@@ -167,7 +168,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
               Mixture(inputs.mixture_weights(config), config.seed)
               if config.data.get("sources") else None,
               step=start_step, tokenizer_saved=resuming, peak=peak,
-              tracer=profiling.Tracer(config, workdir))
+              tracer=profiling.Tracer(config, workdir), watch=nonfinite.Watch(start_step))
     run.logger.sink = wandb_logging.sink(config, workdir, run.logger)
     startup.announce(run, sharding.summary(placement.mesh, abstract, state_sharding,
                                            config.batch_size))
@@ -196,6 +197,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
                 kernels.recording() if since is None else contextlib.nullcontext() as chosen:
             run.state, metrics = run.train_step(run.state, batch)
         run.step += 1
+        run.watch.stepped(run.step, metrics["loss"])
         run.manager.check_for_errors()  # a failed background save stops the run at once
         last = run.step == config.steps
         if since is None:
@@ -232,11 +234,12 @@ def save_checkpoint(run: Run) -> None:
     """Checkpoints the current step (a fresh run's tokenizer goes into the workdir with its
     first checkpoint, so a run that fails before it leaves none behind)."""
     run.goodput.saved(run.step)  # first: the check below is part of the save's time
-    nonfinite.check(run.state, run.config, run.step, run.manager, saving=True)
+    nonfinite.check(run.state, run.config, run.step, run.manager, saving=True, watch=run.watch)
     if not run.tokenizer_saved:
         inputs.save_tokenizer(run.tokenizer, run.workdir)
         run.tokenizer_saved = True
     run.manager.save(run.step, run.state, run.train_data)
+    run.watch.saved(run.step)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, explicit=(),

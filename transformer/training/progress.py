@@ -48,7 +48,8 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
     `now`: when the timed steps ended (default: after fetching the metrics)."""
     config, step = run.config, run.step
     metrics = placement_lib.fetch(metrics)
-    nonfinite.check(run.state, config, step, run.manager)
+    run.watch.logged(step, float(metrics["loss"]))
+    nonfinite.check(run.state, config, step, run.manager, watch=run.watch)
     now = time.perf_counter() if now is None else now
     lr = float(optim.learning_rate_schedule(config.optimizer, config.steps)(step - 1))
     record = {k: float(v) for k, v in metrics.items()}
