@@ -115,3 +115,27 @@ def test_a_runtime_failure_exits_1(tmp_path):
                      f"--workdir={tmp_path / 'workdir'}", *tiny_flags(4),
                      "--config.optimizer.learning_rate=1e30", logs=tmp_path / "logs")
     assert_one_line_error(result, 1, "NaN/Inf", "at step")
+
+
+def test_a_failure_raised_while_ctrl_c_unwinds_is_the_interrupt(tmp_path):
+    """A second Ctrl-C can land inside a checkpoint write; the `finally` that waits for the
+    write then reports it cut short (`... failed (RuntimeError: the write did not complete)`).
+    That is the interrupt, not a disk fault: exit 130 with the documented line."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(
+        "from transformer.utils import cli\n"
+        "def cut_short():\n"
+        "    raise RuntimeError('writing checkpoint step 3 failed')\n"
+        "def main(argv):\n"
+        "    try:\n"
+        "        raise KeyboardInterrupt\n"
+        "    finally:\n"
+        "        try:\n"
+        "            cut_short()\n"
+        "        except RuntimeError as error:\n"
+        "            raise ValueError('wrapped') from error\n"
+        "cli.run(main)\n")
+    result = subprocess.run([sys.executable, str(script)], cwd=REPO, env=cli_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 130, describe(result)
+    assert result.stderr.strip().splitlines()[-1] == "error: interrupted", describe(result)

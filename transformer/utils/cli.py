@@ -7,7 +7,8 @@ A failure prints `error: <message>` and exits with
     2  bad usage or config: an unknown flag or key, a bad value, a missing file, a workdir
        that is not a directory (ValueError, KeyError, TypeError, the file errors, flag errors);
     1  a runtime failure: NaN loss, a failed write, a failed command (anything else);
-    130 interrupted (Ctrl-C that the command does not handle itself).
+    130 interrupted (Ctrl-C that the command does not handle itself, and any failure it causes
+        as it unwinds, such as a checkpoint write it cut short).
 `main` returning an int exits with it. `--verbose` (on every command) shows the traceback.
 """
 
@@ -70,10 +71,26 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
             if flags.FLAGS.verbose:
                 raise
             usage = isinstance(error, (*USAGE_ERRORS, flags.Error, app.UsageError))
-            failure = (message(error), 2 if usage else 1)
+            failure = ("interrupted", INTERRUPTED) if _interrupted(error) else \
+                (message(error), 2 if usage else 1)
         _exit(*failure)  # outside `except`: main's frames (the traceback's) are freed first
 
     app.run(guarded, flags_parser=parse)
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Whether `error` was raised while a Ctrl-C unwound: a failure it caused (a save cut
+    short, then reported by a `finally` that waits for it) is the interrupt, not a fault."""
+    seen, todo = set(), [error]
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        todo += [error.__cause__, error.__context__]
+    return False
 
 
 def message(error: BaseException) -> str:
