@@ -262,6 +262,16 @@ def main(argv) -> int:
         raise ValueError(f"--num_slices={FLAGS.num_slices}: expected an int >= 1")
     accelerator = accelerators.parse(FLAGS.topology)
     config = FLAGS.config
+    from transformer.configs import validate_config
+
+    config.model.vocab_size = resolved_vocab_size(config)
+    # Every value, before libtpu starts: one device per chip (megacore, or one core a chip).
+    validate_config(config, accelerator.chips * FLAGS.num_slices,
+                    accelerator.hosts * FLAGS.num_slices, files=False)
+    # Off a TPU VM, libtpu looks for this VM's accelerator type and workers and prints five
+    # lines of warnings when there are none; the topology it compiles for is named explicitly.
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator.name)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     devices = tpu_topology(accelerator, FLAGS.num_slices)
     report = compile_train_step(config, devices, accelerator)
     print(format_report(report, config))

@@ -329,6 +329,23 @@ def test_a_model_too_big_for_hbm_exits_non_zero():
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "does not fit" in result.stdout
+    assert "Failed to find host bounds" not in result.stderr, result.stderr  # libtpu's warnings
+    assert "INVALID_ARGUMENT" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.optimizer.learning_rate=-1", "optimizer.learning_rate=-1.0: expected a number > 0"),
+    ("--config.mesh.fsdp=3", "the other axes (3 devices) must divide the 8 devices available"),
+])
+def test_aot_checks_the_whole_config_in_one_line_before_libtpu_starts(flag, message):
+    """Against the slice's devices (v5p-16: 8 chips), before libtpu prints anything."""
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.aot", "--config=experiments/gpt_tiny.py",
+         "--topology=v5p-16", flag], cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
 def test_the_gke_jobset_runs_the_train_command_on_every_host_of_every_slice():
