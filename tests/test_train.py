@@ -837,8 +837,14 @@ def test_an_exploding_gradient_norm_stops_or_is_skipped_like_nan(tmp_path):
     with pytest.raises(FloatingPointError, match=r"exceeded max_grad_norm=1e-06, at step 1 "
                                                  r"\(batch 0 of the data stream"):
         train.train_and_evaluate(config, str(tmp_path / "stop"))
-    assert not (tmp_path / "stop" / "checkpoints").exists() or \
-        checkpoint_steps(tmp_path / "stop") == []
+    # A new workdir with no checkpoint and no logged step is removed (nothing to resume or
+    # read); one whose run logged steps before stopping keeps them.
+    assert not (tmp_path / "stop").exists()
+    config = tiny_config(steps=3, max_grad_norm=1e-6, nonfinite="skip", max_nonfinite_skips=1)
+    with pytest.raises(FloatingPointError):  # steps 1 and 2 skipped, step 2 logged
+        train.train_and_evaluate(config, str(tmp_path / "logged"))
+    assert list(train_losses(tmp_path / "logged")) == [1]
+    assert checkpoint_steps(tmp_path / "logged") == []
 
     config = tiny_config(steps=3, checkpoint_every=1, max_grad_norm=1e-6, nonfinite="skip",
                          max_nonfinite_skips=5)

@@ -80,7 +80,10 @@ def train_seeds(configs: Sequence[ml_collections.ConfigDict], workdirs: Sequence
                 results[k] = error
                 continue
             runs.append((k, run))
-            locks.callback(run.lock.release)  # after summary.json, as train_and_evaluate
+            # after summary.json, as train_and_evaluate; a seed that failed in a workdir it
+            # made leaves no workdir unless it saved a checkpoint
+            locks.callback(lambda run=run, k=k: run.lock.release(
+                failed=not isinstance(results[k], dict)))
             opened.callback(_close, run)  # should a later seed's setup not return
         if runs:
             group = [run for _, run in runs]
@@ -235,7 +238,7 @@ def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
     for k, run in trained:
         run.step += 1
         run.watch.stepped(run.step, lambda k=k: metrics["loss"][k])
-        run.manager.check_for_errors()
+        run.manager.check_for_errors(run.step)
         if since[id(run)] is None:
             jax.block_until_ready(metrics)
             since[id(run)] = (progress.log_first_step(run, start, chosen), run.step)

@@ -198,7 +198,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
             run.state, metrics = run.train_step(run.state, batch)
         run.step += 1
         run.watch.stepped(run.step, metrics["loss"])
-        run.manager.check_for_errors()  # a failed background save stops the run at once
+        run.manager.check_for_errors(run.step)  # a failed background save stops the run at once
         last = run.step == config.steps
         if since is None:
             jax.block_until_ready(metrics)
@@ -250,10 +250,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, explicit
         run = setup(config, workdir, explicit, started)
     except startup.Finished as done:
         return startup.finished_result(config, workdir, done)
+    failed = True
     try:
-        return train_to_end([run], loop)[0]
-    finally:
-        run.lock.release()  # after summary.json: the workdir is the run's until it is written
+        result, failed = train_to_end([run], loop)[0], False
+        return result
+    finally:  # after summary.json: the workdir is the run's until it is written
+        run.lock.release(failed=failed)  # a new workdir left without a checkpoint is removed
 
 
 def train_to_end(runs: list[Run], loop_fn) -> list[dict[str, Any] | Exception]:

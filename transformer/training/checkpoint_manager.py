@@ -197,6 +197,7 @@ class Manager:
         self.compute_changes: list[str] = []  # set by restore: compute_changes
         self._keep = config.get("keep_checkpoints", 3)
         self._written: list[int] = []  # steps this manager saved: the only ones it may delete
+        self.pruned: list[int] = []  # the steps it deleted (keep_checkpoints)
         self._pending: int | None = None  # the step written last (possibly still in progress)
         self._failed = False  # a write failed and was reported
         self.lora_base: dict | None = None  # a LoRA run's base record (saved, or restored)
@@ -246,12 +247,23 @@ class Manager:
         except Exception as error:  # noqa: BLE001 - tensorstore and Orbax raise many types
             raise self._write_error(step, error) from error
 
-    def check_for_errors(self) -> None:
+    def check_for_errors(self, step: int | None = None) -> None:
         """Raises `WriteError` if the step written in the background failed; free while it is
         still being written (called after every train step, so a failed save stops the run at
-        once)."""
+        once). `step`: the run's step now, named in the error when training went on past the
+        failed write while it ran."""
         if self._pending is not None and not self._manager.is_saving_in_progress():
-            self._confirm_pending()
+            written = self._pending
+            try:
+                self._confirm_pending()
+            except WriteError as error:
+                if step is None or step <= written:
+                    raise
+                raise WriteError(f"{error}; the run stopped at step {step}: a checkpoint is "
+                                 "written while training goes on, and the write failed after "
+                                 f"step{'s' if step > written + 1 else ''} "
+                                 f"{written + 1}{f'-{step}' if step > written + 1 else ''} "
+                                 "had trained (not saved)") from error.__cause__
 
     def _confirm_pending(self) -> None:
         """Waits for the step being written, then raises `WriteError` unless it is complete
@@ -270,6 +282,7 @@ class Manager:
         """Deletes the steps this manager saved beyond the newest `keep_checkpoints` (all of
         them committed: called after `wait_until_finished`)."""
         old, self._written = self._written[:-self._keep], self._written[-self._keep:]
+        self.pruned += old
         for step in old:
             if step in self._manager.all_steps():
                 self._manager.delete(step)

@@ -20,7 +20,6 @@ are set aside too.
 
 from __future__ import annotations
 
-import collections
 import math
 import statistics
 
@@ -139,8 +138,13 @@ def check(state, config, step: int, manager, saving: bool = False,
     if earlier := [s for s in manager.all_steps() if s >= suspect]:
         message += f"; checkpoint(s) {earlier}, which this run resumed from, led to it too"
     kept = [s for s in manager.all_steps() if s < suspect]
-    message += (f"; the last good checkpoint is step {kept[-1]} ({manager.directory}/{kept[-1]})"
-                if kept else "; no good checkpoint is left: none was saved before it")
+    if kept:
+        message += f"; the last good checkpoint is step {kept[-1]} ({manager.directory}/{kept[-1]})"
+    elif pruned := [s for s in manager.pruned if s < suspect]:
+        message += (f"; no good checkpoint is left: this run deleted the older ones {pruned} "
+                    f"(keep_checkpoints={config.get('keep_checkpoints', 3)})")
+    else:
+        message += "; no good checkpoint is left: none was saved before it"
     if config.get("nonfinite", "stop") == "stop":
         message += " (set nonfinite='skip' to skip such batches, or lower the learning rate)"
     raise FloatingPointError(message)

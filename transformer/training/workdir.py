@@ -140,9 +140,12 @@ class Lock:
 
     def release(self, failed: bool = False) -> None:
         """Gives the workdir back (the lock file stays: unlinking a flock'ed file races with a
-        training opening it). `failed`: the start failed, so a workdir that this start created
-        is removed, with all it wrote there (a failed start leaves no empty workdir behind)."""
-        if failed and self.created and not fileio.is_remote(self.workdir):
+        training opening it). `failed`: the start or the run failed, so a workdir that this run
+        created is removed if it holds nothing to keep: no checkpoint (also none set aside) and
+        no logged metrics. A run stopped at step 1 leaves no workdir that looks like a run but
+        cannot be resumed; one that logged steps keeps them to look at."""
+        if failed and self.created and not fileio.is_remote(self.workdir) and \
+                not _holds_results(self.workdir):
             shutil.rmtree(fileio.path(self.workdir), ignore_errors=True)
         if self._fd is not None:
             os.close(self._fd)  # drops the flock
@@ -154,6 +157,18 @@ class Lock:
             if self._read_lease().get("id") == self.owner["id"]:
                 with contextlib.suppress(OSError):
                     fileio.path(self.path).unlink()
+
+
+def _holds_results(workdir: str) -> bool:
+    """Whether `workdir` holds a checkpoint (checkpoints/, checkpoints.nonfinite/, ...) or a
+    logged metric."""
+    try:
+        names = os.listdir(workdir)
+        metrics = os.path.join(workdir, "metrics.jsonl")
+        return any(name.startswith("checkpoints") for name in names) or \
+            os.path.exists(metrics) and os.path.getsize(metrics) > 0
+    except OSError:
+        return True  # unreadable: keep it
 
 
 def _read_json(data: bytes) -> dict:
