@@ -377,10 +377,14 @@ def test_the_packed_sft_loss_equals_hf_llama_with_labels_masked_to_assistant_tok
 def test_a_tokenizer_without_a_chat_template_is_one_line(tmp_path, llama3_dir):
     bare = build_tokenizer(tmp_path / "bare", LLAMA3, where="nowhere")
     config = sft_config(tmp_path, bare)
-    with pytest.raises(ValueError, match=r"has no chat template: expected a Hugging Face "
-                                         r"tokenizer whose tokenizer_config.json has a "
-                                         r"chat_template"):
+    with pytest.raises(ValueError) as error:
         batches(config, "validation", num_epochs=1)
+    assert str(error.value) == ("the Hugging Face tokenizer has no chat template: expected a "
+                                "Hugging Face tokenizer whose tokenizer_config.json has a "
+                                "chat_template (or a chat_template.jinja beside it)")
+    with pytest.raises(ValueError, match=r"^the byte tokenizer has no chat template"):
+        chat.encode_chat(tokenizers_lib.build_tokenizer("byte"),
+                         [{"role": "user", "content": "hi"}])
 
 
 def test_a_message_without_a_role_names_its_file_and_line(tmp_path, llama3_dir):

@@ -96,14 +96,21 @@ def read_conversations(path: str) -> list[Conversation]:
 # --- rendering with the tokenizer's chat template --------------------------------------------
 
 
+def _kind(tokenizer) -> str:
+    """The tokenizer's kind as data.tokenizer names it ("byte", "Hugging Face", ...)."""
+    kinds = {"ByteTokenizer": "byte", "CharTokenizer": "char", "HFTokenizer": "Hugging Face",
+             "SentencePieceTokenizer": "SentencePiece"}
+    return kinds.get(type(tokenizer).__name__, type(tokenizer).__name__)
+
+
 def _transformers_tokenizer(tokenizer):
     """The `transformers` tokenizer with this tokenizer's vocabulary, specials and chat
     template (built once per tokenizer), or a one-line error for a tokenizer without one."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
-        raise ValueError(f"{tokenizer!r} has no chat template: expected a Hugging Face tokenizer "
-                         "whose tokenizer_config.json has a chat_template (or a "
-                         "chat_template.jinja beside it)")
+        raise ValueError(f"the {_kind(tokenizer)} tokenizer has no chat template: expected a "
+                         "Hugging Face tokenizer whose tokenizer_config.json has a "
+                         "chat_template (or a chat_template.jinja beside it)")
     if (cached := tokenizer.__dict__.get("_transformers_chat")) is not None:
         return cached
     try:
