@@ -112,8 +112,13 @@ KEYS: dict[str, Key] = {
     "model.vocab_size": _key(0, MODEL_KEYS["vocab_size"].meaning,
                              int_(ge=0, note="0: the tokenizer's"), structural=True),
     # --- data (transformer.data): what the run reads and how
-    "data.path": _key("", "\"\": the embedded corpus; or a text file, directory, glob, a "
-                      "`prepare` output directory or a directory of `.bin` token shards.", STR),
+    "data.path": _key("", "\"\": the embedded corpus; or a text, Parquet or JSON Lines "
+                      "(.jsonl, .jsonl.gz, .jsonl.zst) file, a directory or glob of them, a "
+                      "`datasets` save_to_disk directory, a `prepare` output directory or a "
+                      "directory of `.bin` token shards.", STR),
+    "data.text_field": _key("text", "The field of Parquet, JSON Lines and `datasets` rows that "
+                            "holds each document's text.",
+                            (lambda v: isinstance(v, str) and bool(v), "a non-empty field name")),
     "data.unit": _key("paragraph", "How text becomes documents: `paragraph` or `file` "
                       "(hash-split, packed with segment ids) or `stream` (each file one token "
                       "stream, windows cross paragraphs, the last `validation_fraction` "

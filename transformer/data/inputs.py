@@ -39,7 +39,8 @@ def source_configs(config: ml_collections.ConfigDict) -> dict[str, ml_collection
     for source in sources.parse_sources(config.data.get("sources") or ()):
         one = ml_collections.ConfigDict(config.to_dict())
         one.data.update(path=source.path, unit=source.unit or config.data.unit,
-                        validation_path=source.validation_path, sources=())
+                        validation_path=source.validation_path, sources=(),
+                        text_field=source.text_field or config.data.get("text_field", "text"))
         configs[source.name] = one
     return configs
 
@@ -107,7 +108,8 @@ def _documents(config: ml_collections.ConfigDict, split: str) -> list[sources.Do
     return sources.load_documents(data.path or None, split, unit=data.unit,
                                   validation_fraction=data.validation_fraction,
                                   validation_path=data.get("validation_path", ""),
-                                  test_path=data.get("test_path", ""))
+                                  test_path=data.get("test_path", ""),
+                                  text_field=data.get("text_field", "text"))
 
 
 def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None):
@@ -208,6 +210,8 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
     are one stream) are among the data settings, and its
     fingerprints are per source: {"fingerprint": {"web": ..., "code": ...}}."""
     data = {k: v for k, v in config.data.to_dict().items() if k not in _NOT_STREAM}
+    if data.get("text_field") == "text":  # the default: as checkpoints saved before the key
+        del data["text_field"]
     data["objective"] = pipeline.objective_for(config)
     if "sources" in data:  # a list, as JSON gives it back from a checkpoint
         data["sources"] = [sources.canonical_source(spec) for spec in data["sources"]]

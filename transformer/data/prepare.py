@@ -4,7 +4,11 @@
         [--tokenizer=byte|char|sentencepiece_bpe|sentencepiece_unigram] [--vocab_size=N] \
         [--tokenizer=hf --tokenizer_path=TOKENIZER_JSON_OR_DIR] \
         [--format=array_record|bin] [--num_shards=N] [--tokens_per_shard=N] \
-        [--validation_fraction=0.05] [--unit=paragraph|file]
+        [--validation_fraction=0.05] [--unit=paragraph|file] [--text_field=text]
+
+--input takes what data.path takes: text, Parquet and JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst)
+files, directories or globs of them, or a `datasets` save_to_disk directory (one document a row,
+its --text_field: transformer.data.formats).
 
 DIR receives the tokenizer, prepare.json (counts) and, by --format:
   * array_record (default): train-*.array_record, validation-*.array_record, one record per
@@ -45,7 +49,8 @@ def _existing_shards(output_dir: str) -> str | None:
 def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "byte",
             vocab_size: int | None = None, num_shards: int = 1, validation_fraction: float = 0.05,
             unit: str = "paragraph", format: str = "array_record",
-            tokens_per_shard: int = 100_000_000, tokenizer_path: str = "") -> dict:
+            tokens_per_shard: int = 100_000_000, tokenizer_path: str = "",
+            text_field: str = "text") -> dict:
     """Builds the tokenizer on the train split of `input_path` (the embedded corpus if None; a
     Hugging Face tokenizer="hf" is loaded from `tokenizer_path` instead), saves it to
     `output_dir`, and writes each split's documents, tokenized with <eos> appended,
@@ -75,7 +80,8 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
         raise ValueError(f"vocab_size={vocab_size} with format='bin': expected at most "
                          f"{MAX_BIN_VOCAB} (uint16 token ids)")
     splits = {split: sources.load_documents(input_path, split, unit=unit,
-                                            validation_fraction=validation_fraction)
+                                            validation_fraction=validation_fraction,
+                                            text_field=text_field)
               for split in sources.SPLITS}
     if tokenizer == "hf":
         tok = tokenizers_lib.load_hf_tokenizer(tokenizer_path)
@@ -88,6 +94,7 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
     os.makedirs(output_dir, exist_ok=True)
     tok.save(output_dir)
     counts = {"input": input_path or None, "unit": unit, "validation_fraction": validation_fraction,
+              **({"text_field": text_field} if text_field != "text" else {}),
               "tokenizer": tok.kind, "vocab_size": tok.vocab_size, "format": format}
     counts.update({"num_shards": num_shards} if format == "array_record"
                   else {"tokens_per_shard": tokens_per_shard})
@@ -128,7 +135,7 @@ def _main(argv):
     counts = prepare(f.output_dir, f.input, tokenizer=f.tokenizer, vocab_size=f.vocab_size,
                      num_shards=f.num_shards, validation_fraction=f.validation_fraction,
                      unit=f.unit, format=f.format, tokens_per_shard=f.tokens_per_shard,
-                     tokenizer_path=f.tokenizer_path)
+                     tokenizer_path=f.tokenizer_path, text_field=f.text_field)
     print(json.dumps(counts, indent=2))
 
 
@@ -138,7 +145,10 @@ def _define_flags():
 
     flags.DEFINE_string("output_dir", None, "Directory for the tokenizer, shards and prepare.json.",
                         required=True)
-    flags.DEFINE_string("input", None, "Text file, directory or glob; default: embedded corpus.")
+    flags.DEFINE_string("input", None, "Text, Parquet or JSON Lines file, directory or glob, or a "
+                        "datasets save_to_disk directory; default: the embedded corpus.")
+    flags.DEFINE_string("text_field", "text", "The field of Parquet / JSON Lines / datasets rows "
+                        "that holds the text.")
     flags.DEFINE_enum("tokenizer", "byte", tokenizers_lib.KINDS, "Tokenizer kind.")
     flags.DEFINE_integer("vocab_size", None, "Vocabulary size of trained tokenizers.")
     flags.DEFINE_string("tokenizer_path", "", "--tokenizer=hf: a Hugging Face tokenizer.json or "

@@ -17,6 +17,7 @@ from typing import SupportsIndex
 
 import numpy as np
 
+from transformer.data import formats
 from transformer.utils import fileio
 
 SPLITS = ("train", "validation")
@@ -114,21 +115,45 @@ def split_paragraphs(text: str) -> list[str]:
     return paragraphs
 
 
-def read_text(path: str, *, split: str = "paragraph") -> list[Document]:
+def _document_files(path: str) -> list[str]:
+    """`_files(path)`, each `datasets` save_to_disk directory among them as one entry."""
+    if formats.is_dataset_dir(path):
+        return [path]
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        splits = sorted(d for d in os.listdir(path)
+                        if formats.is_dataset_dir(os.path.join(path, d))) or ["train"]
+        raise ValueError(f"{path}: a DatasetDict of splits {splits}: expected one split's "
+                         f"directory (e.g. {os.path.join(path, splits[0])})")
+    entries = []
+    for file in _files(path):
+        entry = formats.dataset_dir_of(file) or file
+        if entry not in entries[-1:]:  # a dataset's files are adjacent in sorted order
+            entries.append(entry)
+    return entries
+
+
+def read_text(path: str, *, split: str = "paragraph",
+              text_field: str = formats.TEXT_FIELD) -> list[Document]:
     """Reads UTF-8 text from a file, a directory (every regular non-hidden file under it) or a glob
     pattern, files in sorted order.
 
     split="paragraph" cuts each file at blank lines (`split_paragraphs`) into documents named
     "<file>#<k>", k = 0, 1, ...; joining a file's documents gives back the file exactly.
     split="file" makes one document per file, named "<file>". Files that are empty or hold only
-    whitespace give no documents.
+    whitespace give no documents. Parquet, JSON Lines and `datasets` directories
+    (`transformer.data.formats`) give one document per row, its `text_field`, named
+    "<file>#<row>", whatever `split` is.
     """
     if split not in UNITS:
         raise ValueError(f"split={split!r}: expected one of {UNITS}")
     path = os.fspath(path)
-    files = _files(path)
+    files = _document_files(path)
     docs = []
     for file in files:
+        if formats.kind(file) != "text":
+            docs += [Document(f"{file}#{row}", text)
+                     for row, text in formats.read_rows(file, text_field) if text.strip()]
+            continue
         text = _read_utf8(file)
         if split == "file":
             docs += [Document(file, text)] if text.strip() else []
@@ -229,25 +254,30 @@ def split_stream(docs: Sequence[Document], split: str,
 
 def load_documents(path: str | None, split: str, *, validation_fraction: float = 0.05,
                    unit: str = "paragraph", validation_path: str = "",
-                   test_path: str = "") -> list[Document]:
+                   test_path: str = "", text_field: str = formats.TEXT_FIELD) -> list[Document]:
     """One split of the embedded corpus (`path` None or "") or of the text at `path`, cut into
     `unit`s: paragraph and file documents are split by `split_documents` (a hash of the text),
     a stream's (one document per file, in order) by `split_stream` (its last characters).
     With `validation_path` the splits are explicit: "train" is all of `path`, "validation"
-    all of `validation_path`. Split "test" is all of `test_path`, which nothing else reads."""
+    all of `validation_path`. Split "test" is all of `test_path`, which nothing else reads.
+    `text_field`: the field of Parquet / JSON Lines / `datasets` rows that holds the text."""
     if unit not in UNITS:
         raise ValueError(f"unit={unit!r}: expected one of {UNITS}")
     read_as = "file" if unit == "stream" else unit
+
+    def read(where: str) -> list[Document]:
+        return read_text(where, split=read_as, text_field=text_field)
+
     if split == "test":
         if not test_path:
             raise ValueError("split='test' without a test_path: expected data.test_path (text "
                              "pretraining holds out no test split of data.path)")
-        chosen = read_text(test_path, split=read_as)  # (text that is all blank is an error)
+        chosen = read(test_path)  # (text that is all blank is an error)
     elif validation_path:
         source = path if split == "train" else validation_path
-        chosen = read_text(source, split=read_as) if source else embedded_corpus()
+        chosen = read(source) if source else embedded_corpus()
     else:
-        docs = embedded_corpus() if not path else read_text(path, split=read_as)
+        docs = embedded_corpus() if not path else read(path)
         chosen = split_stream(docs, split, validation_fraction) if unit == "stream" else \
             split_documents(docs, split, validation_fraction)
         where = f"{path or 'the embedded corpus'}"
@@ -272,18 +302,20 @@ class MixtureSource:
     weight: float
     unit: str = ""
     validation_path: str = ""
+    text_field: str = ""
 
 
-_SOURCE_KEYS = ("path", "weight", "unit", "validation_path", "name")
+_SOURCE_KEYS = ("path", "weight", "unit", "validation_path", "name", "text_field")
 
 
 def parse_source(spec: str) -> MixtureSource:
     """A `data.sources` entry, comma-separated key=value pairs (path and weight required;
-    unit, validation_path and name optional; name defaults to the path's last part without
-    its extension), -> a `MixtureSource`. Paths may hold ':' (gs://...), not ','.
+    unit, validation_path, text_field and name optional; name defaults to the path's last part
+    without its extension), -> a `MixtureSource`. Paths may hold ':' (gs://...), not ','.
 
     >>> parse_source("path=data/web.txt,weight=0.7")
-    MixtureSource(name='web', path='data/web.txt', weight=0.7, unit='', validation_path='')
+    MixtureSource(name='web', path='data/web.txt', weight=0.7, unit='', validation_path='', \
+text_field='')
     >>> parse_source("path=code/,weight=0.3,unit=file,name=py").name
     'py'
     """
@@ -308,7 +340,7 @@ def parse_source(spec: str) -> MixtureSource:
     path = fields["path"]
     name = fields.get("name") or os.path.splitext(os.path.basename(path.rstrip("/")))[0]
     return MixtureSource(name, path, weight, fields.get("unit", ""),
-                         fields.get("validation_path", ""))
+                         fields.get("validation_path", ""), fields.get("text_field", ""))
 
 
 def canonical_source(spec: str) -> str:
@@ -326,7 +358,8 @@ def canonical_source(spec: str) -> str:
     default_name = parse_source(f"path={source.path},weight=1").name
     fields = {"path": source.path, "weight": weight, "unit": source.unit,
               "validation_path": source.validation_path,
-              "name": "" if source.name == default_name else source.name}
+              "name": "" if source.name == default_name else source.name,
+              "text_field": source.text_field}
     return ",".join(f"{key}={value}" for key, value in fields.items() if value)
 
 

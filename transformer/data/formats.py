@@ -1,0 +1,170 @@
+"""Corpora as researchers hold them: files whose rows are documents, each row's text in one
+field (`data.text_field`, default "text"). FineWeb, FineWeb-Edu, DCLM, Dolma and SlimPajama come
+this way:
+
+- Parquet files (`.parquet`), the column `text_field`;
+- JSON Lines (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`, also `.json.gz` / `.json.zst` as Dolma names
+  them), one JSON object per line, its key `text_field`;
+- a Hugging Face `datasets` directory written by `Dataset.save_to_disk` (state.json,
+  dataset_info.json and the Arrow files it lists, read in its order).
+
+Every row is one document, named "<file>#<row>" (row counting from 0, blank JSONL lines not
+counted): `sources.read_text` reads these beside plain text. A row whose text is empty or
+whitespace gives no document (as an empty text file gives none). A missing field, a row that is
+not a string, or a corrupt file is a one-line ValueError naming the file and the row.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import zlib
+from collections.abc import Iterator
+
+TEXT_FIELD = "text"
+_JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", ".ndjson")
+DATASET_FILES = ("state.json", "dataset_info.json")  # what save_to_disk writes beside its data
+
+
+def kind(path: str) -> str:
+    """"parquet", "jsonl", "datasets" (a save_to_disk directory) or "text".
+
+    >>> [kind(p) for p in ("a/b.parquet", "c.jsonl.zst", "d.JSONL", "notes.txt")]
+    ['parquet', 'jsonl', 'jsonl', 'text']
+    """
+    name = os.path.basename(path).lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(_JSONL):
+        return "jsonl"
+    if is_dataset_dir(path):
+        return "datasets"
+    return "text"
+
+
+def is_dataset_dir(path: str) -> bool:
+    """Whether `path` is a directory `datasets.Dataset.save_to_disk` wrote."""
+    return all(os.path.isfile(os.path.join(path, name)) for name in DATASET_FILES)
+
+
+def dataset_dir_of(file: str) -> str | None:
+    """The save_to_disk directory `file` belongs to (its own folder), or None."""
+    parent = os.path.dirname(file)
+    return parent if parent and is_dataset_dir(parent) else None
+
+
+def read_rows(path: str, text_field: str = TEXT_FIELD) -> Iterator[tuple[int, str]]:
+    """(row, text) for each row of a Parquet file, a JSON Lines file or a save_to_disk
+    directory (`kind`), in order."""
+    readers = {"parquet": _parquet_rows, "jsonl": _jsonl_rows, "datasets": _dataset_rows}
+    yield from readers[kind(path)](path, text_field)
+
+
+def _text(value, path: str, row: int, field: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{path}: row {row}: {field}={_short(value)} is "
+                         f"{type(value).__name__}: expected a string of text")
+    return value
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _open_text(path: str) -> io.TextIOBase:
+    """The file's text, decompressed by its suffix (.gz, .zst)."""
+    raw = open(path, "rb")  # noqa: SIM115 - returned, closed by the caller's `with`
+    if path.lower().endswith(".gz"):
+        raw = gzip.GzipFile(fileobj=raw)
+    elif path.lower().endswith(".zst"):
+        import zstandard
+
+        raw = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
+    return io.TextIOWrapper(raw, encoding="utf-8")
+
+
+def _jsonl_rows(path: str, field: str) -> Iterator[tuple[int, str]]:
+    import zstandard
+
+    row, line_number = 0, 0
+    try:
+        with _open_text(path) as lines:
+            for line_number, line in enumerate(lines, 1):  # noqa: B007 - read in the except
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: row {row} (line {line_number}): not JSON ({e}): "
+                                     "expected one JSON object per line") from None
+                if not isinstance(record, dict) or field not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise ValueError(f"{path}: row {row} (line {line_number}) has no "
+                                     f"{field!r} field (it has {keys}): expected data.text_field "
+                                     "to name the field that holds the text")
+                yield row, _text(record[field], path, row, field)
+                row += 1
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, zstandard.ZstdError) as e:
+        raise ValueError(f"{path}: unreadable after row {row} (line {line_number}): "
+                         f"{type(e).__name__}: {e}: expected a complete, uncorrupted "
+                         "file") from None
+
+
+def _table_rows(batches, path: str, field: str, schema) -> Iterator[tuple[int, str]]:
+    """Rows of Arrow record batches whose schema has `field` as a string column."""
+    import pyarrow as pa
+
+    if field not in schema.names:
+        raise ValueError(f"{path}: no {field!r} column (it has {schema.names}): expected "
+                         "data.text_field to name the column that holds the text")
+    column_type = schema.field(field).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise ValueError(f"{path}: row 0: the {field!r} column holds {column_type}: expected "
+                         "strings of text")
+    row = 0
+    for batch in batches:
+        for value in batch.column(batch.schema.get_field_index(field)).to_pylist():
+            yield row, _text(value, path, row, field)
+            row += 1
+
+
+def _parquet_rows(path: str, field: str) -> Iterator[tuple[int, str]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        with pq.ParquetFile(path) as table:
+            schema = table.schema_arrow
+            batches = table.iter_batches(columns=[field] if field in schema.names else [])
+            yield from _table_rows(batches, path, field, schema)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: unreadable Parquet ({type(e).__name__}: {e}): expected a "
+                         "complete Parquet file") from None
+
+
+def _dataset_rows(directory: str, field: str) -> Iterator[tuple[int, str]]:
+    """A save_to_disk directory's rows: its Arrow files (IPC streams) in state.json's order."""
+    import pyarrow as pa
+
+    with open(os.path.join(directory, "state.json"), encoding="utf-8") as f:
+        state = json.load(f)
+    files = [entry["filename"] for entry in state.get("_data_files", [])]
+    if state.get("_indices_data_files"):  # select/shuffle without flatten_indices
+        raise ValueError(f"{directory}: the dataset keeps an indices mapping: expected one "
+                         "written after dataset.flatten_indices()")
+    offset = 0
+    for name in files:
+        path = os.path.join(directory, name)
+        try:
+            with pa.memory_map(path) as source, pa.ipc.open_stream(source) as reader:
+                rows = 0
+                for row, text in _table_rows(reader, path, field, reader.schema):
+                    yield offset + row, text
+                    rows = row + 1
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{path}: unreadable Arrow file ({type(e).__name__}: {e}): "
+                             "expected the dataset's files as save_to_disk wrote them") from None
+        offset += rows
