@@ -149,6 +149,21 @@ def test_prepare_gives_the_same_shards_from_every_format(corpora, tmp_path):
     assert shards["parquet"] == shards["jsonl.gz"] == shards["datasets"]
 
 
+@pytest.mark.parametrize("tokenizer", ["byte", "char"])
+def test_prepare_writes_the_same_bytes_with_any_number_of_workers(corpora, tmp_path,
+                                                                  monkeypatch, tokenizer):
+    paths, _ = corpora
+    monkeypatch.setattr(prepare, "_ENCODE_BATCH", 16)  # 15 batches of documents to share out
+    written = []
+    for workers in (1, 3):
+        out = tmp_path / f"{workers}"
+        counts = prepare.prepare(str(out), paths["parquet"], tokenizer=tokenizer,
+                                 num_workers=workers, format="bin", tokens_per_shard=5000)
+        assert len(counts["train"]["files"]) > 2
+        written.append({p.name: p.read_bytes() for p in sorted(out.iterdir())})
+    assert written[0] == written[1]
+
+
 def row_error(path, **kwargs) -> str:
     with pytest.raises(ValueError) as error:
         sources.read_text(str(path), **kwargs)

@@ -4,7 +4,8 @@
         [--tokenizer=byte|char|sentencepiece_bpe|sentencepiece_unigram] [--vocab_size=N] \
         [--tokenizer=hf --tokenizer_path=TOKENIZER_JSON_OR_DIR] \
         [--format=array_record|bin] [--num_shards=N] [--tokens_per_shard=N] \
-        [--validation_fraction=0.05] [--unit=paragraph|file] [--text_field=text]
+        [--validation_fraction=0.05] [--unit=paragraph|file] [--text_field=text] \
+        [--num_workers=N]
 
 --input takes what data.path takes: text, Parquet and JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst)
 files, directories or globs of them, or a `datasets` save_to_disk directory (one document a row,
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import glob
 import json
+import multiprocessing
 import os
 import sys
 
@@ -36,6 +38,7 @@ from transformer.utils import fileio
 FORMATS = ("array_record", "bin")
 _ENCODE_BATCH = 1024  # documents encoded at once (a Hugging Face tokenizer does them in parallel)
 MAX_BIN_VOCAB = 65536  # uint16 ids
+_WORKER_TOKENIZER = None  # a worker process's tokenizer (_load_worker_tokenizer)
 
 
 def _existing_shards(output_dir: str) -> str | None:
@@ -46,11 +49,37 @@ def _existing_shards(output_dir: str) -> str | None:
     return None
 
 
+def _load_worker_tokenizer(directory: str) -> None:
+    global _WORKER_TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a process: the pool is the
+    _WORKER_TOKENIZER = tokenizers_lib.load_tokenizer(directory)  # parallelism
+
+
+def _worker_encode(texts: list[str]) -> list[np.ndarray]:
+    return [np.asarray(ids, np.int32) for ids in _WORKER_TOKENIZER.encode_batch(texts)]
+
+
+def _encode(tok, tokenizer_dir: str, docs, num_workers: int):
+    """(batch of documents, their token ids) in document order, encoded by `num_workers`
+    processes (each loads the tokenizer saved in `tokenizer_dir`); the order, and so every
+    byte written, is the same whatever `num_workers` is."""
+    batches = [docs[i:i + _ENCODE_BATCH] for i in range(0, len(docs), _ENCODE_BATCH)]
+    texts = ([d.text for d in batch] for batch in batches)
+    if num_workers <= 1 or len(batches) <= 1:
+        yield from zip(batches, map(tok.encode_batch, texts), strict=True)
+        return
+    # spawn: a fork of a process that holds threads (a Hugging Face tokenizer's) can deadlock
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(min(num_workers, len(batches)), initializer=_load_worker_tokenizer,
+                      initargs=(tokenizer_dir,)) as pool:
+        yield from zip(batches, pool.imap(_worker_encode, texts), strict=True)
+
+
 def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "byte",
             vocab_size: int | None = None, num_shards: int = 1, validation_fraction: float = 0.05,
             unit: str = "paragraph", format: str = "array_record",
             tokens_per_shard: int = 100_000_000, tokenizer_path: str = "",
-            text_field: str = "text") -> dict:
+            text_field: str = "text", num_workers: int = 1) -> dict:
     """Builds the tokenizer on the train split of `input_path` (the embedded corpus if None; a
     Hugging Face tokenizer="hf" is loaded from `tokenizer_path` instead), saves it to
     `output_dir`, and writes each split's documents, tokenized with <eos> appended,
@@ -58,7 +87,7 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
     one token stream to modded-nanogpt shards "{output_dir}/{split}_{i:06d}.bin" (format="bin",
     `tokens_per_shard` tokens each). Returns the counts also written to prepare.json: format,
     documents, tokens (<eos> included), UTF-8 bytes and files per split, tokenizer kind, vocab
-    size.
+    size. `num_workers` processes tokenize (the output is the same bytes for any number).
     """
     output_dir = os.fspath(output_dir)
     if existing := _existing_shards(output_dir):
@@ -73,6 +102,8 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
         raise ValueError(f"format={format!r}: expected one of {FORMATS}")
     if num_shards < 1:
         raise ValueError(f"num_shards={num_shards}: expected a positive integer")
+    if num_workers < 1:
+        raise ValueError(f"num_workers={num_workers}: expected a positive integer")
     if format == "bin" and num_shards != 1:
         raise ValueError(f"num_shards={num_shards} with format='bin': expected tokens_per_shard "
                          "to size .bin shards")
@@ -105,15 +136,17 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
         def encoded(docs=docs, stats=stats, split=split):
             with tqdm.tqdm(total=len(docs), desc=f"tokenizing {split}", unit="doc",
                            file=sys.stderr, disable=None) as progress:
-                for start in range(0, len(docs), _ENCODE_BATCH):
-                    batch = docs[start:start + _ENCODE_BATCH]
-                    for doc, ids in zip(batch, tok.encode_batch([d.text for d in batch]),
-                                        strict=True):
+                for batch, batch_ids in _encode(tok, output_dir, docs, num_workers):
+                    for doc, ids in zip(batch, batch_ids, strict=True):
                         ids = np.concatenate([np.asarray(ids, dtype=np.int32), eos])
                         stats["tokens"] += int(ids.size)
                         stats["bytes"] += len(doc.text.encode("utf-8"))
                         yield ids
                     progress.update(len(batch))
+                    seconds = progress.format_dict["elapsed"] or 1e-9
+                    progress.set_postfix_str(f"{stats['tokens']:,} tokens, "
+                                             f"{stats['tokens'] / seconds:,.0f} tokens/s",
+                                             refresh=False)
 
         prefix = os.path.join(output_dir, split)
         if format == "bin":  # one stream of the documents, each followed by <eos>, cut every N
@@ -135,7 +168,8 @@ def _main(argv):
     counts = prepare(f.output_dir, f.input, tokenizer=f.tokenizer, vocab_size=f.vocab_size,
                      num_shards=f.num_shards, validation_fraction=f.validation_fraction,
                      unit=f.unit, format=f.format, tokens_per_shard=f.tokens_per_shard,
-                     tokenizer_path=f.tokenizer_path, text_field=f.text_field)
+                     tokenizer_path=f.tokenizer_path, text_field=f.text_field,
+                     num_workers=f.num_workers or os.cpu_count() or 1)
     print(json.dumps(counts, indent=2))
 
 
@@ -160,6 +194,8 @@ def _define_flags():
     flags.DEFINE_float("validation_fraction", 0.05, "Fraction of documents for validation.",
                        lower_bound=0.0, upper_bound=1.0)
     flags.DEFINE_enum("unit", "paragraph", sources.UNITS, "Document unit of text files.")
+    flags.DEFINE_integer("num_workers", None, "Processes that tokenize (default: every core); "
+                         "the output is the same for any number.", lower_bound=1)
 
 
 if __name__ == "__main__":
