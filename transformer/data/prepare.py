@@ -75,6 +75,28 @@ def _encode(tok, tokenizer_dir: str, docs, num_workers: int):
         yield from zip(batches, pool.imap(_worker_encode, texts), strict=True)
 
 
+def _check_arguments(tokenizer: str, tokenizer_path: str, format: str, num_shards: int,
+                     num_workers: int, vocab_size: int | None) -> None:
+    """One-line errors for `prepare`'s arguments, before any document is read."""
+    if tokenizer not in tokenizers_lib.KINDS:
+        raise ValueError(f"tokenizer={tokenizer!r}: expected one of {tokenizers_lib.KINDS}")
+    if (tokenizer == "hf") != bool(tokenizer_path):
+        raise ValueError(f"tokenizer={tokenizer!r} with tokenizer_path={tokenizer_path!r}: "
+                         "expected a path exactly with tokenizer='hf'")
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r}: expected one of {FORMATS}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards={num_shards}: expected a positive integer")
+    if num_workers < 1:
+        raise ValueError(f"num_workers={num_workers}: expected a positive integer")
+    if format == "bin" and num_shards != 1:
+        raise ValueError(f"num_shards={num_shards} with format='bin': expected tokens_per_shard "
+                         "to size .bin shards")
+    if format == "bin" and (vocab_size or 0) > MAX_BIN_VOCAB:  # before a long tokenizer training
+        raise ValueError(f"vocab_size={vocab_size} with format='bin': expected at most "
+                         f"{MAX_BIN_VOCAB} (uint16 token ids)")
+
+
 def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "byte",
             vocab_size: int | None = None, num_shards: int = 1, validation_fraction: float = 0.05,
             unit: str = "paragraph", format: str = "array_record",
@@ -93,23 +115,7 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
     if existing := _existing_shards(output_dir):
         raise FileExistsError(f"{output_dir}: already holds {existing}: expected a directory "
                               "without prepared data")
-    if tokenizer not in tokenizers_lib.KINDS:
-        raise ValueError(f"tokenizer={tokenizer!r}: expected one of {tokenizers_lib.KINDS}")
-    if (tokenizer == "hf") != bool(tokenizer_path):
-        raise ValueError(f"tokenizer={tokenizer!r} with tokenizer_path={tokenizer_path!r}: "
-                         "expected a path exactly with tokenizer='hf'")
-    if format not in FORMATS:
-        raise ValueError(f"format={format!r}: expected one of {FORMATS}")
-    if num_shards < 1:
-        raise ValueError(f"num_shards={num_shards}: expected a positive integer")
-    if num_workers < 1:
-        raise ValueError(f"num_workers={num_workers}: expected a positive integer")
-    if format == "bin" and num_shards != 1:
-        raise ValueError(f"num_shards={num_shards} with format='bin': expected tokens_per_shard "
-                         "to size .bin shards")
-    if format == "bin" and (vocab_size or 0) > MAX_BIN_VOCAB:  # before a long tokenizer training
-        raise ValueError(f"vocab_size={vocab_size} with format='bin': expected at most "
-                         f"{MAX_BIN_VOCAB} (uint16 token ids)")
+    _check_arguments(tokenizer, tokenizer_path, format, num_shards, num_workers, vocab_size)
     splits = {split: sources.load_documents(input_path, split, unit=unit,
                                             validation_fraction=validation_fraction,
                                             text_field=text_field)
