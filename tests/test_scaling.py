@@ -43,6 +43,13 @@ def synthetic(budgets=(1e15, 1e16, 1e17, 1e18, 1e19), sizes=7, span=1.5, noise=0
     return flops, n, d, loss, flops.copy()
 
 
+@pytest.fixture(scope="module")
+def noisy_fit():
+    """(N, D, loss, approach 3's fit) of the law with 0.3% noise, fitted once for the tests."""
+    _, n, d, loss, _ = synthetic(noise=0.003)  # N from 7e5 to 9e8
+    return n, d, loss, scaling.fit_parametric(n, d, loss)
+
+
 def test_parametric_fit_recovers_the_law():
     flops, n, d, loss, _ = synthetic()
     fit = scaling.fit_parametric(n, d, loss)
@@ -82,7 +89,7 @@ def test_parabola_minimum_is_exact_without_noise():
     assert outside.n_opt == pytest.approx(5e6, rel=1e-9) and not outside.inside
 
 
-def test_bootstrap_intervals_contain_the_true_values():
+def test_bootstrap_intervals_contain_the_true_values(noisy_fit):
     flops, n, d, loss, groups = synthetic(noise=0.003)
     boot2 = scaling.bootstrap_approach2(flops, n, d, loss, groups, resamples=300)
     assert boot2.used + boot2.skipped == 300 and boot2.used > 250
@@ -90,7 +97,8 @@ def test_bootstrap_intervals_contain_the_true_values():
         interval = boot2.intervals[key]
         assert true in interval and interval.value in interval, (key, interval)
         assert interval.high - interval.low < 0.2, interval
-    boot3 = scaling.bootstrap_parametric(n, d, loss, resamples=20)
+    boot3 = scaling.bootstrap_parametric(n, d, loss, resamples=200, fit=noisy_fit[3])
+    assert boot3.used == 200
     for key in ("alpha", "beta", "a", "b"):
         true = {**TRUE, "a": TRUE_A, "b": TRUE_B}[key]
         interval = boot3.intervals[key]
@@ -99,12 +107,91 @@ def test_bootstrap_intervals_contain_the_true_values():
     assert scaling.bootstrap_approach2(flops, n, d, loss, groups, resamples=300) == boot2
 
 
+def test_approach2_interval_with_3_sizes_a_budget_is_unavailable_in_words():
+    """A parabola through 3 runs leaves no residual: resampling them gave an interval of zero
+    width; now there is none, and the report says why."""
+    flops, n, d, loss, groups = synthetic(sizes=3, noise=0.01)
+    boot = scaling.bootstrap_approach2(flops, n, d, loss, groups, resamples=200)
+    assert boot.intervals == {} and boot.used == 0
+    lines = scaling.approach2_section(scaling.fit_approach2(flops, n, d, loss, groups), boot)
+    assert lines[-1] == (
+        "No interval: every budget in the power laws has 3 sizes, so each parabola passes "
+        "through its runs and leaves no residual to estimate the loss noise from: add a 4th "
+        "size to a budget.")
+    assert any(line.startswith("| a (N_opt ∝ C^a) | 0.") and "(no interval)" in line
+               for line in lines)
+
+
+def test_approach2_interval_covers_the_true_exponent_at_its_stated_rate():
+    """4 sizes a budget (1 residual degree of freedom each) and noise: over 100 sweeps the 95%
+    intervals of a and b have width and hold the law's exponents about 95% of the time."""
+    covered = []
+    for seed in range(100):
+        flops, n, d, loss, groups = synthetic(sizes=4, noise=0.01, seed=seed)
+        boot = scaling.bootstrap_approach2(flops, n, d, loss, groups, resamples=400, seed=seed)
+        assert boot.used + boot.skipped == 400 and "from 5 degrees of freedom" in boot.note
+        for key, true in (("a", TRUE_A), ("b", TRUE_B)):
+            assert boot.intervals[key].high - boot.intervals[key].low > 0.01
+            covered.append(true in boot.intervals[key])
+    assert 0.9 <= np.mean(covered) <= 0.99, np.mean(covered)
+
+
+def test_an_optimum_past_the_largest_size_is_flagged_and_left_out():
+    """At the largest budget the sizes stop short of the optimum (the loss still falls at the
+    largest size, yet the parabola's vertex lands inside the sizes): that budget is flagged
+    and left out, and the power laws over the other four find the law's exponents."""
+    flops, n, _, _, groups = synthetic(sizes=5)
+    n[flops == 1e19] *= math.exp(-1.6)  # the largest size: 0.1 below the optimum in ln N
+    d = flops / (6 * n)
+    loss = law(n, d)
+    fit = scaling.fit_approach2(flops, n, d, loss, groups)
+    last = fit.budgets[-1]
+    assert last.parabola.beyond == "largest" and last.n_opt < last.sizes[-1]
+    assert [b.parabola.inside for b in fit.budgets] == [True] * 4 + [False]
+    assert len(fit.fitted) == 4
+    assert fit.n_law.exponent == pytest.approx(TRUE_A, abs=1e-3)
+    assert fit.d_law.exponent == pytest.approx(TRUE_B, abs=1e-3)
+    assert scaling.extrapolated(fit) == [
+        f"- budget C=1e+19: the optimum lies past the largest size N={last.sizes[-1]:,.0f} "
+        f"(parabola vertex N={last.n_opt:,.0f}): an extrapolation, left out of the power "
+        "laws (add larger sizes)"]
+    assert "| **past the largest size: left out** |" in \
+        "\n".join(scaling.approach2_section(fit, scaling.Bootstrap({}, 0, 0)))
+    boot = scaling.bootstrap_approach2(flops, n, d, loss * np.exp(
+        0.003 * np.random.default_rng(0).standard_normal(len(n))), groups, resamples=300)
+    assert TRUE_A in boot.intervals["a"] and TRUE_B in boot.intervals["b"]
+    # With one budget left, no power law: refused in one line.
+    keep = flops >= 1e18
+    with pytest.raises(ValueError, match=r"^1 of 2 compute budgets bracket their optimum "
+                                         r"\(C=1e\+19 past its largest size\), expected at least "
+                                         r"2 for the N_opt\(C\) and D_opt\(C\) power laws"):
+        scaling.fit_approach2(flops[keep], n[keep], d[keep], loss[keep], groups[keep])
+
+
+def test_parametric_bootstrap_refits_as_the_grid_fit_does(noisy_fit):
+    """The bootstrap refits its resamples at once by damped Newton from the full fit's optima;
+    each refit is the fit the paper's grid and L-BFGS (fit_parametric, what every resample
+    ran before) find on that resample, and on the full data it is the full fit."""
+    n, d, loss, fit = noisy_fit
+    picks = np.random.default_rng(1).integers(0, len(n), (2, len(n)))
+    theta, objective = scaling.refit(n[picks], d[picks], loss[picks], fit.optima)
+    for row, pick in enumerate(picks):
+        grid = scaling.fit_parametric(n[pick], d[pick], loss[pick], starts=8)
+        np.testing.assert_allclose(theta[row], grid.theta, rtol=1e-6, atol=1e-8)
+        assert objective[row] == pytest.approx(grid.objective, rel=1e-9)
+    theta, objective = scaling.refit(n[None], d[None], loss[None], fit.optima)
+    np.testing.assert_allclose(theta[0], fit.theta, rtol=1e-9)
+    assert objective[0] == pytest.approx(fit.objective, rel=1e-12)
+
+
 @pytest.mark.parametrize("case, expected", [
     ("two_sizes", "budget C=1e+15: 2 finished runs (2 model sizes), expected at least 3 model "
                   "sizes for a parabola"),
     ("downward", "budget C=1e+15: the parabola of loss vs ln N opens downward"),
     ("one_budget", "1 compute budget, expected at least 2 compute budgets"),
     ("nan_loss", "budget C=1e+15: loss=[nan, "),
+    ("duplicate", "budget C=1e+15: N=6.657e+05 (2 runs) of the same size, expected one run per "
+                  "model size (average them first)"),
 ])
 def test_approach2_refuses_degenerate_sweeps(case, expected):
     flops, n, d, loss, groups = synthetic(budgets=(1e15, 1e16), sizes=5)
@@ -117,6 +204,8 @@ def test_approach2_refuses_degenerate_sweeps(case, expected):
         keep[5:] = False
     elif case == "nan_loss":
         loss[0] = np.nan
+    elif case == "duplicate":
+        n[1] = n[0]
     with pytest.raises(ValueError) as error:
         scaling.fit_approach2(*(v[keep] for v in (flops, n, d, loss, groups)))
     assert expected in str(error.value) and "\n" not in str(error.value)
@@ -168,6 +257,41 @@ def fake_sweep(root, skip=(), unfinished=()):
     return list(configs)
 
 
+def test_load_runs_leaves_out_non_finite_losses_and_averages_duplicates(tmp_path):
+    """A run with a NaN val loss is left out with a note, not fitted; a second run of the same
+    size and budget (another seed, a copied directory) is averaged with the first."""
+    fake_sweep(tmp_path)
+    summary = json.loads((tmp_path / "C2.5e12_d48_l2" / "summary.json").read_text())
+    summary["val_loss"] = float("nan")
+    (tmp_path / "C2.5e12_d48_l2" / "summary.json").write_text(json.dumps(summary))
+    twice = tmp_path / "twice.py"  # the experiment with a second run of its first variant
+    twice.write_text(f"from transformer.sweeps import definition\n"
+                     f"base = definition.experiment_module({EXPERIMENT!r})\n"
+                     "BUDGETS, get_config = base.BUDGETS, base.get_config\n\n\n"
+                     "def get_sweep():\n"
+                     "    first = base.get_sweep()[0]\n"
+                     "    again = definition.Variant('C1e12_d32_l1_again', first.overrides)\n"
+                     "    return base.get_sweep() + [again]\n")
+    (tmp_path / "C1e12_d32_l1_again").mkdir()
+    summary = json.loads((tmp_path / "C1e12_d32_l1" / "summary.json").read_text())
+    first = summary["val_loss"]
+    (tmp_path / "C1e12_d32_l1_again" / "summary.json").write_text(
+        json.dumps({**summary, "val_loss": first + 0.02}))
+    runs, notes = scaling.load_runs(str(tmp_path), str(twice),
+                                    definition.experiment_module(EXPERIMENT).get_config())
+    assert len(runs) == 19 and "C2.5e12_d48_l2" not in {r.name for r in runs}
+    merged = next(r for r in runs if r.name == "C1e12_d32_l1 + C1e12_d32_l1_again")
+    assert merged.loss == pytest.approx(first + 0.01, rel=1e-12)
+    assert notes == [
+        "non-finite val loss, left out: C2.5e12_d48_l2 (nan)",
+        f"2 runs of N={merged.num_params:,} at C=1e+12 averaged into one (val loss "
+        f"{first:.4f}, {first + 0.02:.4f} -> {first + 0.01:.4f}): C1e12_d32_l1, "
+        "C1e12_d32_l1_again"]
+    flops, n, d, loss, budgets = (np.array([getattr(r, k) for r in runs]) for k in
+                                  ("flops", "num_params", "tokens", "loss", "budget"))
+    assert len(scaling.fit_approach2(flops, n, d, loss, budgets).budgets) == 4
+
+
 def run_scaling(workdir, *args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     return subprocess.run([sys.executable, "-m", "transformer.scaling", f"--workdir={workdir}",
@@ -178,18 +302,22 @@ def run_scaling(workdir, *args):
 @pytest.mark.slow
 def test_the_command_writes_the_report_and_plots(tmp_path):
     names = fake_sweep(tmp_path)
-    unfinished = names[-1]
-    summary = json.loads((tmp_path / unfinished / "summary.json").read_text())
-    summary["step"] -= 1
-    (tmp_path / unfinished / "summary.json").write_text(json.dumps(summary))
+    unfinished, nan = names[-1], names[1]
+    for name, key, value in ((unfinished, "step", -1), (nan, "val_loss", math.nan)):
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        summary[key] = summary[key] + value if key == "step" else value
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
     result = run_scaling(tmp_path, "--resamples=50", "--parametric_resamples=3")
     assert result.returncode == 0, result.stderr
+    assert f"warning: not finished, left out: {unfinished} (new); non-finite val loss, left " \
+           f"out: {nan} (nan)\n" in result.stderr
     report = (tmp_path / "scaling.md").read_text()
     for text in ("## Approach 2", "## Approach 3", "| a (N_opt ∝ C^a) |", "| alpha |",
-                 f"not finished, left out: {unfinished} (new)", "What this can and cannot",
+                 f"- not finished, left out: {unfinished} (new)",
+                 f"- non-finite val loss, left out: {nan} (nan)", "What this can and cannot",
                  "![IsoFLOP curves](isoflop.png)", "![Power laws](power_laws.png)"):
         assert text in report, text
-    assert report.count("| C1e12_") == 5 and f"| {unfinished} |" not in report
+    assert report.count("| C1e12_") == 4 and f"| {unfinished} |" not in report
     for png in ("isoflop.png", "power_laws.png"):
         data = (tmp_path / png).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
