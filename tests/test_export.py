@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+tokenizers_hf = pytest.importorskip("tokenizers")
 
 from test_hf_equivalence import (  # noqa: E402
     CASES,
@@ -332,6 +333,111 @@ def test_a_hugging_face_tokenizer_is_exported_with_its_roles(tmp_path):
     assert transformers.GenerationConfig.from_pretrained(output).eos_token_id == ours.eos_id
 
 
+def hub_bert(directory, model_input_names: bool):
+    """A BERT WordPiece as a hub checkpoint ships it: tokenizer.json with the [CLS] A [SEP] B
+    [SEP] post-processor (type ids 0, 1), truncation and padding; tokenizer_config.json as
+    `BertTokenizer.save_pretrained` writes it (no model_input_names) or naming them."""
+    import json
+
+    from test_hf_tokenizers import bert_style
+
+    bert_style(directory)
+    tok = tokenizers_hf.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.enable_truncation(512)
+    tok.enable_padding(pad_id=tok.token_to_id("[PAD]"), pad_token="[PAD]")
+    tok.save(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["model_max_length"] = 512
+    if model_input_names:
+        config["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return directory
+
+
+def hub_chatml(directory):
+    """A Qwen-style byte-level BPE: <|endoftext|> then the added special tokens <|im_start|>,
+    <|im_end|>, with a tokenizer_config.json as Qwen's (added_tokens_decoder,
+    additional_special_tokens, the ChatML chat_template, <|im_end|> as eos, no bos)."""
+    import json
+
+    from test_hf_tokenizers import gpt2_style
+    from test_sft import CHATML
+
+    gpt2_style(directory)
+    tok = tokenizers_hf.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "added_tokens_decoder": {str(tok.token_to_id(t)): {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": True}
+            for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")},
+        "chat_template": CHATML, "model_max_length": 32768, "split_special_tokens": False,
+        "clean_up_tokenization_spaces": False}), encoding="utf-8")
+    return directory
+
+
+def exported_tokenizer(original, tmp_path, model_type=None):
+    """`original` loaded as `init_from=hf:DIR` / data.tokenizer=hf load it, saved into a workdir
+    and read back as the export does, and written by the export's `_tokenizer_files`."""
+    from transformer import export as export_cli
+    from transformer.data import tokenizers
+
+    tokenizers.load_hf_tokenizer(str(original)).save(str(tmp_path / "workdir_tokenizer"))
+    (tmp_path / "exported").mkdir()
+    export_cli._tokenizer_files(tokenizers.load_tokenizer(str(tmp_path / "workdir_tokenizer")),
+                                str(tmp_path / "exported"), model_type)
+    return transformers.AutoTokenizer.from_pretrained(tmp_path / "exported")
+
+
+def assert_tokenizes_alike(got, expected, texts):
+    """`got` (the export's AutoTokenizer) encodes, decodes and names specials as `expected`."""
+    assert got.model_input_names == expected.model_input_names
+    assert got.all_special_tokens == expected.all_special_tokens
+    assert {i: (str(t), t.special) for i, t in got.added_tokens_decoder.items()} == \
+        {i: (str(t), t.special) for i, t in expected.added_tokens_decoder.items()}
+    assert got.model_max_length == expected.model_max_length
+    pair = dict(expected(*texts[:2]))
+    assert dict(got(*texts[:2])) == pair
+    assert dict(got(texts, padding=True, truncation=True)) == \
+        dict(expected(texts, padding=True, truncation=True))
+    for skip in (True, False):
+        assert got.decode(pair["input_ids"], skip_special_tokens=skip) == \
+            expected.decode(pair["input_ids"], skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("model_input_names", [False, True], ids=["as_saved", "named"])
+def test_an_exported_bert_tokenizer_gives_the_originals_token_type_ids(tmp_path,
+                                                                       model_input_names):
+    from test_hf_tokenizers import corpus
+
+    original = hub_bert(tmp_path / "bert", model_input_names)
+    expected = transformers.AutoTokenizer.from_pretrained(original)
+    got = exported_tokenizer(original, tmp_path, None if model_input_names else "bert")
+    texts = ["Hear me speak.", "Before we proceed [MASK] any further", " ".join(corpus()[:40])]
+    assert_tokenizes_alike(got, expected, texts)
+    assert "token_type_ids" in got(*texts[:2])
+
+
+def test_an_exported_chat_tokenizer_keeps_its_special_tokens_and_template(tmp_path):
+    from test_sft import conversation
+
+    original = hub_chatml(tmp_path / "chatml")
+    expected = transformers.AutoTokenizer.from_pretrained(original)
+    got = exported_tokenizer(original, tmp_path)
+    messages = conversation(3, turns=2)
+    text = expected.apply_chat_template(messages, tokenize=False)
+    assert got.apply_chat_template(messages, tokenize=False) == text
+    ids = expected.apply_chat_template(messages, tokenize=True)["input_ids"]
+    assert got.apply_chat_template(messages, tokenize=True)["input_ids"] == ids
+    assert {"<|im_start|>", "<|im_end|>"} <= set(got.all_special_tokens)
+    assert got.decode(ids, skip_special_tokens=True) == \
+        expected.decode(ids, skip_special_tokens=True)
+    assert_tokenizes_alike(got, expected, [text, "<|im_start|>user\nHello<|im_end|>", "x"])
+
+
 def train_export_and_load(tmp_path, experiment: str, family: str, auto_class: str):
     """(HF model loaded from the export, our restored params) of a tiny run of `experiment`
     trained and exported through the CLI."""
@@ -371,6 +477,8 @@ def test_a_trained_t5_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp_path
 def test_a_trained_bert_exports_and_hf_gives_our_logits(tmp_path):
     hf, saved = train_export_and_load(tmp_path, "bert_mlm", "bert", "AutoModelForMaskedLM")
     assert type(hf).__name__ == "BertForMaskedLM"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer.model_input_names == ["input_ids", "token_type_ids", "attention_mask"]
     ids = tokens(13, (2, 12)) % saved.config.model.vocab_size
     mask = np.ones_like(ids)
     mask[1, 7:] = 0  # padding

@@ -31,15 +31,30 @@ from transformer.training import state as state_lib
 from transformer.utils import fileio
 
 
-def _tokenizer_files(tokenizer, directory: str) -> None:
-    """tokenizer.json and tokenizer_config.json, so `AutoTokenizer` gives the run's ids."""
+def _tokenizer_files(tokenizer, directory: str, model_type: str | None = None) -> None:
+    """tokenizer.json and tokenizer_config.json, so `AutoTokenizer` gives the run's ids (and a
+    Hugging Face tokenizer's specials, inputs and settings). Where the tokenizer names no
+    `model_input_names`, they are those of `model_type`'s own tokenizer class (BERT's include
+    token_type_ids)."""
     import json
 
     tokenizer_json, config = tokenizer.hugging_face()
+    if model_type and "model_input_names" not in config and (
+            names := _model_input_names(model_type)):
+        config["model_input_names"] = names
     fileio.path(directory).joinpath("tokenizer.json").write_text(tokenizer_json,
                                                                   encoding="utf-8")
     fileio.path(directory).joinpath("tokenizer_config.json").write_text(
         json.dumps(config, indent=1) + "\n", encoding="utf-8")
+
+
+def _model_input_names(model_type: str) -> list[str] | None:
+    """The inputs `transformers`' tokenizer class for `model_type` returns (None: it has none)."""
+    from transformers.models.auto import tokenization_auto
+
+    name = tokenization_auto.TOKENIZER_MAPPING_NAMES.get(model_type)
+    cls = tokenization_auto.tokenizer_class_from_name(name) if isinstance(name, str) else None
+    return list(cls.model_input_names) if cls is not None else None
 
 
 def _generation_config(hf_config, tokenizer):
@@ -121,7 +136,7 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
     def write(staging):
         hf_config.save_pretrained(staging)
         save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
-        _tokenizer_files(tokenizer, staging)
+        _tokenizer_files(tokenizer, staging, hf_config.model_type)
         _generation_config(hf_config, tokenizer).save_pretrained(staging)
 
     return _write(output, write, {"step": step, "architecture": hf_config.architectures[0]})

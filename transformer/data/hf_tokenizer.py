@@ -25,6 +25,13 @@ _WELL_KNOWN = {
     "sep": ("[SEP]", "<sep>"),
 }
 _SENTINEL = re.compile(r"<extra_id_(\d+)>")
+# The tokenizer_config.json entries, besides the roles and the chat template, that a tokenizer
+# keeps from its directory for the export, so that `AutoTokenizer` loads the export as it did
+# the original: its other special tokens and their flags, the inputs it returns (BERT's
+# token_type_ids), its length and sides, and how it decodes.
+TRANSFORMERS_KEYS = ("added_tokens_decoder", "additional_special_tokens", "extra_special_tokens",
+                     "model_input_names", "model_max_length", "padding_side", "truncation_side",
+                     "clean_up_tokenization_spaces", "split_special_tokens")
 
 
 class HFTokenizer(Tokenizer):
@@ -45,16 +52,22 @@ class HFTokenizer(Tokenizer):
       lossless (byte-level BPE is; BERT's lower-casing WordPiece is not).
     - The tokenizer.json's `padding` and `truncation` are turned off: every text gives all of
       its ids, as `AutoTokenizer(text, add_special_tokens=False)` does.
+    - `settings`: the directory's `TRANSFORMERS_KEYS` entries, written back by `hugging_face`
+      with the tokenizer.json unchanged (its post-processor, padding and truncation included).
     """
 
     kind = "hf"
 
     def __init__(self, tokenizer_json: str, specials: dict[str, str | None],
-                 num_sentinels: int | None = None, chat_template: str | None = None):
+                 num_sentinels: int | None = None, chat_template: str | None = None,
+                 settings: dict[str, Any] | None = None):
         import tokenizers
 
         self.tokenizer_json = tokenizer_json
         self.chat_template = chat_template or None  # a Jinja template (transformer.data.chat)
+        self.settings = dict(settings or {})
+        if unknown := sorted(set(self.settings) - set(TRANSFORMERS_KEYS)):
+            raise ValueError(f"tokenizer settings {unknown}: expected some of {TRANSFORMERS_KEYS}")
         self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
         # A tokenizer.json may pad or cut every encoding to a fixed length (sentence-transformers
         # saves `padding: Fixed 128` and `truncation: 128`): documents are encoded whole.
@@ -127,19 +140,21 @@ class HFTokenizer(Tokenizer):
     def _config(self, directory: str) -> dict[str, Any]:
         fileio.write_atomic(fileio.join(directory, HF_FILE), self.tokenizer_json.encode())
         chat = {"chat_template": self.chat_template} if self.chat_template else {}
-        return {"model_file": HF_FILE, "specials": self.specials, **chat}
+        settings = {"settings": self.settings} if self.settings else {}
+        return {"model_file": HF_FILE, "specials": self.specials, **chat, **settings}
 
     def hugging_face(self) -> tuple[str, dict[str, Any]]:
-        """Its own tokenizer.json, with its roles (and chat template) in the config."""
+        """Its own tokenizer.json, with its roles, settings (and chat template) in the config."""
         roles = {f"{role}_token": token for role, token in self.specials.items()
                  if token is not None}
         chat = {"chat_template": self.chat_template} if self.chat_template else {}
-        return self.tokenizer_json, {"tokenizer_class": "PreTrainedTokenizerFast", **roles,
-                                     **chat}
+        return self.tokenizer_json, {"tokenizer_class": "PreTrainedTokenizerFast",
+                                     **self.settings, **roles, **chat}
 
     def __getstate__(self) -> dict[str, Any]:  # for multiprocess data loaders
         return {"tokenizer_json": self.tokenizer_json, "specials": self.specials,
-                "num_sentinels": self.num_sentinels, "chat_template": self.chat_template}
+                "num_sentinels": self.num_sentinels, "chat_template": self.chat_template,
+                "settings": self.settings}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)
@@ -174,7 +189,8 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
     `save_pretrained` directory). The roles come from the directory's tokenizer_config.json
     (else special_tokens_map.json): its `bos_token`, `eos_token`, ... entries. A bare
     tokenizer.json names none, so each role is then the first well-known token (<pad>, [PAD],
-    </s>, <|endoftext|>, [CLS], ...) its vocabulary has.
+    </s>, <|endoftext|>, [CLS], ...) its vocabulary has. The same file's `TRANSFORMERS_KEYS`
+    entries are kept for the export.
     """
     location = fileio.path(path)
     file = location.joinpath("tokenizer.json") if location.is_dir() else location
@@ -186,15 +202,16 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
         raise ValueError(f"{str(file)!r} is JSON but not a tokenizer (it has no \"model\"): "
                          f"expected {expected}")
     text = file.read_text(encoding="utf-8")
-    named = None
+    named, settings = None, {}
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (meta := file.parent.joinpath(name)).is_file():
             config = _json_object(meta, f"a Hugging Face {name}")
             named = {role: _token_content(config.get(f"{role}_token")) for role in ROLES}
+            settings = {key: config[key] for key in TRANSFORMERS_KEYS if key in config}
             break
     template = _chat_template(file.parent)
     try:
-        tokenizer = HFTokenizer(text, named or {}, num_sentinels, template)
+        tokenizer = HFTokenizer(text, named or {}, num_sentinels, template, settings)
     except Exception as e:
         raise ValueError(f"{str(file)!r}: {e}") from None
     if named is None:

@@ -93,7 +93,7 @@ def load_tokenizer(directory: str) -> Tokenizer:
     elif kind == "hf":
         text = fileio.path(directory).joinpath(config["model_file"]).read_text(encoding="utf-8")
         tokenizer = HFTokenizer(text, config["specials"], num_sentinels,
-                                config.get("chat_template"))
+                                config.get("chat_template"), config.get("settings"))
     else:
         raise ValueError(f"{path!r} has kind={kind!r}: expected one of {KINDS}")
     if tokenizer.vocab_size != config.get("vocab_size"):
