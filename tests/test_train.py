@@ -559,6 +559,28 @@ def test_skip_stops_after_max_nonfinite_skips_in_a_row(tmp_path):
         assert all_finite(load_state(tmp_path, step)["params"]), f"checkpoint {step} is NaN"
 
 
+def test_a_checkpoint_is_judged_by_the_losses_before_it_however_long_ago():
+    """Watch keeps each checkpoint's reference losses from when it was saved: a NaN hundreds
+    of logged steps later still judges it (and its successor) against them."""
+    from transformer.training import nonfinite
+
+    watch = nonfinite.Watch()
+    for step in range(1, 101):
+        watch.logged(step, 2.0 + 0.01 * (step % 3))
+    watch.saved(100)
+    watch.stepped(101, 6.5)  # over 3x the median 2.01: blown up
+    for step in range(101, 600):
+        watch.logged(step, 9.0)
+    watch.saved(600)
+    watch.stepped(601, 9.5)  # 9.5 < 3 x 9.0: not blown up, against its own recent losses
+    assert "gave loss 6.5 on the next batch, over 3x the median 2.01" in watch.blown_up(100)
+    assert watch.blown_up(600) is None
+    watch.saved(700)
+    watch.stepped(701, float("nan"))
+    assert "NaN/Inf" in watch.blown_up(700)
+    assert watch.blown_up(5) is None  # no loss after it is known
+
+
 @pytest.mark.slow
 def test_the_last_good_checkpoint_is_one_a_sane_rerun_continues_from(tmp_path):
     """learning_rate=1e4, no clipping: step 2's params stay finite but give a loss of ~1e7 on

@@ -73,10 +73,12 @@ class Watch:
     def __init__(self, resumed_from: int = 0):
         self.losses: dict[int, object] = {}  # step -> its train loss (float or device scalar)
         self.next_loss: dict[int, object] = {}  # checkpoint step -> the loss of the step after
+        self.before: dict[int, list] = {}  # checkpoint step -> the RECENT losses before it
         self.waiting = {resumed_from} if resumed_from else set()  # saved, next step not run
 
     def saved(self, step: int) -> None:
         self.waiting.add(step)
+        self.before[step] = [v for s, v in sorted(self.losses.items()) if s <= step][-RECENT:]
 
     def stepped(self, step: int, loss) -> None:
         """`loss`: `step`'s train loss, or a function giving it (called only when needed)."""
@@ -89,8 +91,9 @@ class Watch:
         self.losses[step] = loss
         self._trim()
 
-    def _trim(self) -> None:  # the newest RECENT losses before each of the last checkpoints
-        for kept, limit in ((self.losses, 8 * RECENT), (self.next_loss, 2 * RECENT)):
+    def _trim(self) -> None:  # the recent losses, and those of the last checkpoints
+        for kept, limit in ((self.losses, RECENT), (self.next_loss, 2 * RECENT),
+                            (self.before, 2 * RECENT)):
             for step in sorted(kept)[:-limit]:
                 del kept[step]
 
@@ -102,9 +105,7 @@ class Watch:
         loss = _value(self.next_loss[step])
         if not math.isfinite(loss):
             return f"checkpoint {step}'s params gave a NaN/Inf loss on the next batch"
-        before = [_value(v) for s, v in sorted(self.losses.items())
-                  if s <= step][-RECENT:]
-        before = [v for v in before if math.isfinite(v)]
+        before = [v for v in map(_value, self.before.get(step, [])) if math.isfinite(v)]
         if before and loss > BLOWUP * (median := statistics.median(before)):
             return (f"checkpoint {step}'s params gave loss {loss:.4g} on the next batch, over "
                     f"{BLOWUP:g}x the median {median:.4g} of the losses before it (blown up)")
