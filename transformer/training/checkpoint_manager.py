@@ -259,11 +259,10 @@ class Manager:
             except WriteError as error:
                 if step is None or step <= written:
                     raise
+                trained = f"steps {written + 1}-{step}" if step > written + 1 else f"step {step}"
                 raise WriteError(f"{error}; the run stopped at step {step}: a checkpoint is "
                                  "written while training goes on, and the write failed after "
-                                 f"step{'s' if step > written + 1 else ''} "
-                                 f"{written + 1}{f'-{step}' if step > written + 1 else ''} "
-                                 "had trained (not saved)") from error.__cause__
+                                 f"{trained} had trained (not saved)") from error.__cause__
 
     def _confirm_pending(self) -> None:
         """Waits for the step being written, then raises `WriteError` unless it is complete

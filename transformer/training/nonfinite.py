@@ -129,10 +129,10 @@ def check(state, config, step: int, manager, saving: bool = False,
     if found is None:
         return
     suspect, message = max(found[0], 1), found[1]
-    for earlier in reversed([s for s in manager.all_steps() if s < suspect]):
-        if watch is None or (why := watch.blown_up(earlier)) is None:
+    for older in reversed([s for s in manager.all_steps() if s < suspect]):
+        if watch is None or (why := watch.blown_up(older)) is None:
             break
-        suspect, message = earlier, f"{message}; {why}"
+        suspect, message = older, f"{message}; {why}"
     moved, where = manager.set_aside_from(suspect)
     if moved:
         message += f"; moved checkpoint(s) {moved}, whose params led to it, to {where}"
