@@ -118,6 +118,7 @@ def separate(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_batched_seeds_equal_separate_runs_bit_for_bit(separate, tmp_path):
     results = batched.train_seeds([seed_config(k) for k in range(SEEDS)],
                                   [str(tmp_path / f"seed_{k}") for k in range(SEEDS)])
@@ -134,6 +135,7 @@ def test_batched_seeds_equal_separate_runs_bit_for_bit(separate, tmp_path):
     assert (tmp_path / "seed_1" / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_a_resume_after_kill_catches_the_seeds_behind_up_first(separate, tmp_path):
     """A kill -9 during saves leaves seed 1 at step 2 and seed 2 at step 4 while seed 0
     finished: seed 1 trains alone to step 4 (the others masked), then 1 and 2 together."""
@@ -152,6 +154,7 @@ def test_a_resume_after_kill_catches_the_seeds_behind_up_first(separate, tmp_pat
     assert_same_runs(separate, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_seed_that_turns_nan_stops_alone(separate, tmp_path):
     """max_grad_norm between the seeds' largest gradient norms: only the seed above it stops,
     with the message and set-aside checkpoints a separate run gives; the others finish."""

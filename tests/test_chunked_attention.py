@@ -100,6 +100,7 @@ def test_tile_sizes(q_chunk, kv_chunk):
                    q_chunk=q_chunk, kv_chunk=kv_chunk)
 
 
+@pytest.mark.slow
 def test_fully_masked_rows_are_zero_with_finite_gradients():
     q, k, v, w = qkvw(4)
     # Example 1: queries >= 10 see nothing; segment id 0 rows of example 0 see nothing either.

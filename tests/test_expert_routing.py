@@ -139,6 +139,7 @@ def sown_loads(model, params, batch):
             for name in ("layers_1", "layers_3")}
 
 
+@pytest.mark.slow
 def test_the_step_moves_each_bias_by_the_sign_of_its_load_error_and_nothing_else_does():
     config = biased_config(rate=0.05)
     model, step, state, batch = setup(config)
@@ -167,6 +168,7 @@ def test_the_step_moves_each_bias_by_the_sign_of_its_load_error_and_nothing_else
                                   state0.params["decoder"]["layers_3"]["moe"]["balance_bias"])
 
 
+@pytest.mark.slow
 def test_the_bias_brings_a_skewed_router_to_balance_without_any_gradient():
     """Every token prefers expert 0 (its bias starts 1 above the rest); with the learning
     rate 0 only the bias moves, and it evens the load out (DeepSeek-V3's mechanism)."""
@@ -182,6 +184,7 @@ def test_the_bias_brings_a_skewed_router_to_balance_without_any_gradient():
     assert float(frozen[1](frozen[2], batch)[1]["moe_imbalance"]) == imbalances[0]
 
 
+@pytest.mark.slow
 def test_micro_batches_move_the_bias_as_the_whole_batch_does():
     config = biased_config(rate=0.05)
     model, step, state, batch = setup(config)

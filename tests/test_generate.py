@@ -397,6 +397,7 @@ def _text_setup(family, objective=""):
     return model, _preferring_specials(params, family), config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,objective", [("gpt", ""), ("t5", "text2text"), ("lstm", "")])
 def test_text_decoders_never_emit_specials_sentinels_or_ids_past_the_tokenizer(family,
                                                                               objective):

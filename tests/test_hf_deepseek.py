@@ -237,6 +237,7 @@ def with_mtp_layer(seed=0):
     return hf, {k: v.detach().numpy() for k, v in state.items()}, reference
 
 
+@pytest.mark.slow
 def test_the_mtp_layer_of_a_hub_checkpoint_imports_and_gives_deepseeks_prediction():
     """transformers drops DeepSeek-V3's MTP layer; we keep it: module 1 on the imported weights
     gives the logits of the layer's own math in torch, the LM's logits stay HF's, the export

@@ -149,6 +149,7 @@ def test_other_base_models_without_a_head_run_as_they_are(name):
 # --- init_from=hf:DIR takes the architecture from DIR ----------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True])
 def test_init_from_hf_resolves_the_model_from_config_json_and_loads_every_param(minilm, scan):
     """Also into a model that scans its layers (a run setting): the checkpoint's layers are
@@ -181,6 +182,7 @@ def test_init_from_hf_resolves_the_model_from_config_json_and_loads_every_param(
     assert difference(got, hidden_states(hf, ids, np.ones_like(ids))) <= 1e-5
 
 
+@pytest.mark.slow
 def test_the_resolved_config_trains(minilm, tmp_path, capsys):
     """In process, as train's setup will call it: the tokenizer, vocabulary and weights fit."""
     directory, hf = minilm

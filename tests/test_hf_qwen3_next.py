@@ -82,6 +82,7 @@ def test_the_gate_and_the_partial_rope_bind(converted):
     assert difference(our_logits(config, ungated), base) > 1e-2
 
 
+@pytest.mark.slow
 def test_greedy_decoding_equals_transformers_generate(converted):
     assert_greedy_equals_generate(*converted)
 

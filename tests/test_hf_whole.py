@@ -206,6 +206,7 @@ def test_a_unigram_vocabulary_autotokenizer_would_misread_is_refused():
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_export_writes_our_tokenizer_with_the_umask_one_line_per_file(tmp_path):
     import subprocess
     import sys

@@ -96,6 +96,7 @@ print(step.memory_analysis().temp_size_in_bytes, sorted(faults)[4],  # the media
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps") or "LD_PRELOAD" in os.environ,
                     reason="Linux glibc malloc only")
 def test_kept_scratch_memory_is_not_faulted_in_again():

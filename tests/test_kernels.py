@@ -419,6 +419,7 @@ def sinks_formula(q, k, v, allowed, sinks):
     return np.einsum("bnts,bsnh->btnh", e / (e_sink + e.sum(-1, keepdims=True)), v)
 
 
+@pytest.mark.slow
 def test_sinks_match_the_float64_formula_forward_and_gradients():
     """dense, reference and chunked (in 4 x 4 tiles) with sinks against `sinks_formula`, and
     their gradients (the sinks' included) against its central differences: causal, padding,

@@ -24,6 +24,7 @@ def _init_apply(model_cfg):
     return params, model.apply({"params": params}, x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True])
 def test_the_window_pattern_is_a_special_case_bit_for_bit(scan):
     """sliding_window_pattern=2 and layer_types 'sliding_attention,full_attention' build the same

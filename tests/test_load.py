@@ -28,6 +28,7 @@ def workdir(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow
 def test_a_workdir_loads_with_logits_score_and_generate(workdir):
     lm = transformer.load(str(workdir))
     ids = np.concatenate([[lm.tokenizer.eos_id], lm.tokenizer.encode("def f(x):")])

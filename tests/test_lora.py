@@ -145,6 +145,7 @@ def test_merged_params_give_the_adapted_models_logits(trained):
     np.testing.assert_allclose(logits(plain, merged, ids), adapted, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_scanned_stack_gets_stacked_adapters_and_merges_per_layer():
     config = small_config(base_quantization="int8")
     config.model.update(scan_layers=True, dropout_rate=0.0, attention_dropout_rate=0.0,
@@ -393,6 +394,7 @@ def test_both_exports_give_our_logits_in_transformers_and_peft(lora_run, tmp_pat
     assert_succeeded(result)
 
 
+@pytest.mark.slow
 def test_a_hybrid_takes_adapters_on_its_softmax_attention_and_a_bare_target_is_refused():
     """Gated DeltaNet layers take no adapters: the default targets leave them out (their
     `linear_attention/query` once matched `attention/query` silently), and a regex that

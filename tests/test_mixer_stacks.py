@@ -53,6 +53,7 @@ def forward(model, params, x, **kwargs):
     return jax.jit(lambda p, x, kw: model.apply({"params": p}, x, **kw))(params, x, kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_scanned_hybrid_equals_the_unrolled_one(kind):
     """The scan runs one group of 4 blocks (3 `kind`, 1 full); its params are the unrolled
@@ -71,6 +72,7 @@ def test_a_scanned_hybrid_equals_the_unrolled_one(kind):
                                forward(plain, p_plain, tokens()), atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_decoding_right_padded_prompts_equals_recompute(kind):
     """Prompts of 3 and 7 tokens prefilled together (the shorter one padded), then one token per
@@ -96,6 +98,7 @@ def test_packed_documents_equal_each_document_alone(kind):
     np.testing.assert_allclose(packed[:, 5:], second, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_generation_equals_the_argmax_of_recompute(kind):
     """`decode` (prefill of prompts of 3 and 6 tokens, then steps): each new token is the argmax
@@ -109,6 +112,7 @@ def test_greedy_generation_equals_the_argmax_of_recompute(kind):
         assert row.tolist() == greedy[len(prompt) - 1:-1].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_scan_and_remat_give_the_plain_gradients(kind):
     """Full remat of every block changes where activations come from, never the gradients."""

@@ -266,6 +266,7 @@ def test_auto_skips_cudnn_under_a_soft_cap_and_an_explicit_cudnn_is_refused():
 # --- GPT-2's scaled residual init -------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init_std", [0.02, None])
 def test_scale_residual_init_divides_the_residual_writers_std_by_sqrt_2L(init_std):
     layers = 6

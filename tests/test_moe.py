@@ -69,6 +69,7 @@ def reference(params, x, kept, *, gated, normalize, shared):
     return jnp.stack(rows).reshape(x.shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experts, top_k, capacity_factor, gated, normalize, shared", [
     (4, 2, 1.25, False, True, 0),
     (4, 2, 0.5, True, True, 0),  # tight: many (token, expert) pairs are dropped
@@ -176,6 +177,7 @@ def grouped(unrolled: dict, num_layers: int, every: int) -> dict:
     return {**unrolled, "decoder": decoder}
 
 
+@pytest.mark.slow
 def test_every_nth_layer_is_moe_and_a_scanned_rematerialised_stack_equals_the_unrolled_one():
     config = gpt_config()
     batch = text_batch()
@@ -207,6 +209,7 @@ def test_every_nth_layer_is_moe_and_a_scanned_rematerialised_stack_equals_the_un
         np.testing.assert_allclose(got_leaf, want_leaf, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_the_training_loss_adds_the_weighted_router_losses_averaged_over_the_moe_layers():
     config = gpt_config(load_balance_loss=0.5, router_z_loss=0.25)
     batch = text_batch()

@@ -115,6 +115,7 @@ def test_the_train_step_logs_each_depth_and_its_gradient_reaches_the_trunk():
     assert np.abs(grads["mtp_1"]["projection"]).max() > 0
 
 
+@pytest.mark.slow
 def test_an_expert_module_balances_its_experts_as_the_stack_does_and_remat_changes_nothing():
     """An MoE stack's module has experts too: its load is logged as layer 0 of `mtp_0` and its
     balance bias moves by the rate times the sign of its load error."""
@@ -193,6 +194,7 @@ def simulated_rounds(model, params, prompt, tokens, depth, n):
     return rounds, accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", [1, 3])
 def test_speculative_greedy_equals_greedy_and_accepts_exactly_the_right_drafts(depth):
     config = mtp_config(depth=depth, vocab=6)  # few ids: many drafts come out right
@@ -212,6 +214,7 @@ def test_speculative_greedy_equals_greedy_and_accepts_exactly_the_right_drafts(d
     assert stats.accepted.sum() > 0  # the drafts did some of the work
 
 
+@pytest.mark.slow
 def test_speculative_decoding_refuses_what_it_cannot_do_exactly():
     model, params = build(mtp_config(depth=0))
     with pytest.raises(ValueError, match="mtp.depth > 0"):

@@ -38,6 +38,7 @@ def init(config, seed=0):
     return model, nn.unbox(jax.jit(model.init)(jax.random.key(seed), TOKENS)["params"])
 
 
+@pytest.mark.slow
 def test_at_the_base_width_mup_is_the_standard_parametrization_bit_for_bit():
     standard, mup = config(32, "standard"), config(32, "mup")
     (model_s, params_s), (model_m, params_m) = init(standard), init(mup)
@@ -97,6 +98,7 @@ def test_adam_steps_of_hidden_matrices_are_m_times_smaller():
         assert value == pytest.approx(1.0, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_the_coordinate_check_is_flat_under_mup_and_grows_under_standard():
     """benchmarks/mup_coord_check.py at widths 64-256: the hidden layers' outputs after three
     Adam steps grow about linearly with the width under the standard parametrization and stay

@@ -141,6 +141,7 @@ def metrics_by_step(workdir: Path) -> dict:
     return rows
 
 
+@pytest.mark.slow
 def test_wandb_offline_gets_the_metrics_records_config_and_summary_and_resumes_its_run(
         tmp_path, wandb):
     workdir = tmp_path / "run"
@@ -218,6 +219,7 @@ def slow_training_data(monkeypatch, seconds: float, fail_at: int | None = None):
     monkeypatch.setattr(inputs, "get_dataset", dataset)
 
 
+@pytest.mark.slow
 def test_goodput_shows_the_slow_input_and_a_crashed_starts_lost_steps(tmp_path, monkeypatch,
                                                                        capsys):
     """Steps 1-3 with every batch 0.3 s late, a crash reading step 4's batch (after the

@@ -190,6 +190,7 @@ def straight_runs(tmp_path_factory):
     return root, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", optim.NAMES)
 def test_each_optimizer_resumes_bit_for_bit(straight_runs, tmp_path, name):
     """Stopped at step 2 (the straight run's checkpoint, later steps removed), resumed to 4."""
@@ -235,6 +236,7 @@ def test_a_saved_schedule_free_run_evaluates_at_x(straight_runs):
     assert evaluate_lib.evaluate_workdir(str(workdir), eval_steps=1)["loss"] == final["loss"]
 
 
+@pytest.mark.slow
 def test_batched_seeds_train_muon_as_separate_runs(tmp_path):
     configs_ = [tiny("muon", steps=3, seed=k) for k in range(2)]
     for k, config in enumerate(configs_):
@@ -281,6 +283,7 @@ def schedule_rates(config) -> dict[int, float]:
     return {step: float(schedule(step - 1)) for step in range(1, config.steps + 1)}
 
 
+@pytest.mark.slow
 def test_wsd_rates_follow_the_formula(tmp_path):
     """Each shape's schedule follows the formula; a run logs its schedule's rates (cosine; the
     linear one through a resume below)."""
@@ -295,6 +298,7 @@ def test_wsd_rates_follow_the_formula(tmp_path):
     assert rates == pytest.approx(schedule_rates(config), rel=1e-7)
 
 
+@pytest.mark.slow
 def test_wsd_resumed_with_larger_steps_decays_at_its_new_end(tmp_path):
     """A stable-phase checkpoint serves a longer budget: a 6-step run (stable through step 4,
     then its decay) continues from its step-4 checkpoint to 12 steps, whose rates follow the

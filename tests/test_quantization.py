@@ -212,6 +212,7 @@ def test_int8_training_on_meshes_equals_one_device(tmp_path):
     assert results["scanned 2,2,2"]["int8_dots"] >= 3 * PROJECTIONS
 
 
+@pytest.mark.slow
 def test_decoding_with_the_cache_sees_the_same_quantization(float_params):
     """Generation builds the model the same way: token-by-token decoding of an int8 model is
     quantized as its full forward pass is (activations are scaled per token in both)."""

@@ -89,6 +89,7 @@ def test_parabola_minimum_is_exact_without_noise():
     assert outside.n_opt == pytest.approx(5e6, rel=1e-9) and not outside.inside
 
 
+@pytest.mark.slow
 def test_bootstrap_intervals_contain_the_true_values(noisy_fit):
     flops, n, d, loss, groups = synthetic(noise=0.003)
     boot2 = scaling.bootstrap_approach2(flops, n, d, loss, groups, resamples=300)

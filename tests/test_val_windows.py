@@ -103,6 +103,7 @@ def test_windows_pair_only_when_they_are_the_same():
         "seed 4: the windows' token counts differ from the baseline's: not paired"]
 
 
+@pytest.mark.slow
 def test_a_training_saves_its_final_validation_windows(tmp_path):
     """A real 4-step run: val_windows.npz holds the final evaluation's windows, and their
     token-weighted mean is the val_loss logged at that step."""

@@ -183,6 +183,7 @@ def test_readers_beside_a_training_never_fail_it_and_never_fail(tmp_path, text):
     assert checkpoint_steps(workdir)[-1] == steps
 
 
+@pytest.mark.slow
 def test_readers_leave_a_step_being_written_alone(tmp_path, trained):
     """A step still being written (Orbax's temporary directory) survives every way of reading
     the workdir; a training's Manager would have cleaned it up."""
@@ -226,6 +227,7 @@ def test_a_second_training_on_a_workdir_is_refused_and_the_first_is_untouched(tm
 DIVERGING = ("--config.optimizer.learning_rate=1e6", "--config.optimizer.warmup_steps=0")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_params_gave_nan_is_not_the_last_good_one(tmp_path, text):
     """At learning rate 1e6 the params of step B-1 are finite (~1e6) and step B's loss is NaN,
     and the params before them, finite too, give losses of ~1e12 (nonfinite.Watch): all are
@@ -252,6 +254,7 @@ def test_a_checkpoint_whose_params_gave_nan_is_not_the_last_good_one(tmp_path, t
     assert np.isfinite(loss) and loss < 3 * first, (loss, first)
 
 
+@pytest.mark.slow
 def test_skipped_steps_set_aside_the_checkpoints_saved_while_skipping(tmp_path, text):
     """Under nonfinite='skip' the params stay those of the step before the skips began: that
     checkpoint and every one saved while skipping are set aside, and the blown-up ones before
@@ -280,6 +283,7 @@ def with_file_limit(kib: int, command: list[str]) -> list[str]:
     return ["bash", "-c", f'ulimit -f {kib} && exec "$@"', "bash", *command]
 
 
+@pytest.mark.slow
 def test_a_failed_save_stops_the_run_at_once_with_one_line(tmp_path, text):
     workdir = tmp_path / "run"
     assert_succeeded(train(workdir, text, steps=6, checkpoint_every=2))
@@ -339,6 +343,7 @@ def test_a_failed_background_write_is_found_by_the_next_check_not_the_next_save(
         manager.check_for_errors()
 
 
+@pytest.mark.slow
 def test_init_from_over_another_runs_checkpoints_is_refused(tmp_path, text, trained):
     base, workdir = trained, copy_of(trained, tmp_path / "run")
     before = file_hashes(workdir)
@@ -366,6 +371,7 @@ def test_a_failed_init_from_leaves_no_workdir(tmp_path, text, trained):
     assert not workdir.exists()
 
 
+@pytest.mark.slow
 def test_fresh_start_with_an_init_from_that_fails_changes_nothing(tmp_path, text, trained):
     base, workdir = trained, tmp_path / "run"
     assert_succeeded(train(workdir, text, "--config.model.d_model=48", steps=2))
@@ -400,6 +406,7 @@ def test_fresh_start_that_fails_to_build_changes_nothing(tmp_path, text, trained
     assert file_hashes(workdir) == before and not list(workdir.glob("checkpoints.set-aside-*"))
 
 
+@pytest.mark.slow
 def test_fresh_start_with_a_bad_value_changes_nothing(tmp_path, text, trained):
     workdir = copy_of(trained, tmp_path / "run")
     before = file_hashes(workdir)
@@ -412,6 +419,7 @@ def test_fresh_start_with_a_bad_value_changes_nothing(tmp_path, text, trained):
     assert [r["step"] for r in read_metrics(workdir) if r["split"] == "train"] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_fresh_start_sets_the_whole_previous_run_aside(tmp_path, text, trained):
     workdir = copy_of(trained, tmp_path / "run")
     # Named here, not read from checkpoint_lib.RUN_FILES: a name dropped there must fail this.
