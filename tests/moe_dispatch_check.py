@@ -27,7 +27,7 @@ from transformer.nn import kernels, moe
 from transformer.parallel import sharding
 
 E, K, D, F, B, T = 8, 2, 16, 24, 8, 8
-MESHES = ["expert=2", "expert=4", "expert=8", "data=2,expert=4", "fsdp=2,expert=4",
+MESHES = ["expert=4", "data=2,expert=4", "fsdp=2,expert=4",
           "expert=4,tensor=2", "fsdp=2,expert=2,tensor=2", "expert=2,sequence=2,data=2",
           "data=8", "fsdp=2,sequence=2,tensor=2"]
 
