@@ -8,6 +8,10 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import re
+import signal
+import subprocess
+import sys
 
 import ml_collections
 import numpy as np
@@ -15,8 +19,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from test_cli import assert_one_line_error
+from test_train import REPO, cli_env, describe
 
-from transformer.data import inputs, prepare, sources
+import transformer.data
+from transformer.data import inputs, prepare, prepare_units, sources
+from transformer.data import shards as shards_lib
+from transformer.data import tokenizers as tokenizers_lib
 
 
 def web_documents(count: int = 240, seed: int = 0) -> list[str]:
@@ -149,21 +158,6 @@ def test_prepare_gives_the_same_shards_from_every_format(corpora, tmp_path):
     assert shards["parquet"] == shards["jsonl.gz"] == shards["datasets"]
 
 
-@pytest.mark.parametrize("tokenizer", ["byte", "char"])
-def test_prepare_writes_the_same_bytes_with_any_number_of_workers(corpora, tmp_path,
-                                                                  monkeypatch, tokenizer):
-    paths, _ = corpora
-    monkeypatch.setattr(prepare, "_ENCODE_BATCH", 16)  # 15 batches of documents to share out
-    written = []
-    for workers in (1, 3):
-        out = tmp_path / f"{workers}"
-        counts = prepare.prepare(str(out), paths["parquet"], tokenizer=tokenizer,
-                                 num_workers=workers, format="bin", tokens_per_shard=5000)
-        assert len(counts["train"]["files"]) > 2
-        written.append({p.name: p.read_bytes() for p in sorted(out.iterdir())})
-    assert written[0] == written[1]
-
-
 def row_error(path, **kwargs) -> str:
     with pytest.raises(ValueError) as error:
         sources.read_text(str(path), **kwargs)
@@ -213,3 +207,228 @@ def test_a_dataset_dict_is_refused_naming_its_splits(tmp_path):
         f"{tmp_path / 'dd'}: a DatasetDict of splits ['test', 'train']: expected one split's "
         f"directory (e.g. {tmp_path / 'dd' / 'test'})")
     assert [d.text for d in sources.read_text(str(tmp_path / "dd" / "train"))] == ["a b", "c d"]
+
+
+# --- prepare: a unit of work per input file, resumable -----------------------------------------
+
+
+def uneven_inputs(root) -> str:
+    """Input files of uneven sizes in every format, one without text, as one folder: 6 units."""
+    folder, texts = root / "inputs", web_documents(200, seed=2)
+    folder.mkdir()
+    write_parquet(folder / "a.parquet", texts[:110])
+    write_jsonl(folder / "b.jsonl.gz", texts[110:113])
+    (folder / "c.txt").write_text("\n\n".join(texts[113:150]))
+    (folder / "d.txt").write_text("  \n\n")  # no documents at all
+    write_jsonl(folder / "e.jsonl.zst", texts[150:151])
+    write_dataset(folder / "f", texts[151:])
+    return str(folder)
+
+
+def files_of(directory) -> dict[str, bytes]:
+    """Every file under `directory` (hidden ones too) by its relative path."""
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("tokenizer, format", [("byte", "bin"), ("char", "array_record")])
+def test_prepare_writes_the_same_bytes_with_1_or_2_workers_across_uneven_files(
+        tmp_path, monkeypatch, tokenizer, format):
+    source = uneven_inputs(tmp_path)
+    monkeypatch.setattr(prepare_units, "ENCODE_BATCH", 8)  # many batches to share out
+    shards = {"tokens_per_shard": 500} if format == "bin" else {"num_shards": 3}
+    written = []
+    for workers in (1, 2):
+        out = tmp_path / f"{workers}"
+        counts = prepare.prepare(str(out), source, tokenizer=tokenizer, num_workers=workers,
+                                 format=format, **shards)
+        assert len(counts["train"]["files"]) > 6
+        written.append(files_of(out))
+    assert written[0] == written[1]
+
+
+def test_a_stream_is_one_unit_of_work(tmp_path):
+    source = uneven_inputs(tmp_path)
+    counts = prepare.prepare(str(tmp_path / "out"), source, unit="stream", format="bin",
+                             tokens_per_shard=2000, validation_fraction=0.2)
+    assert all(name.split("_")[1] == "000000" for split in sources.SPLITS
+               for name in counts[split]["files"])
+    tokens = shards_lib.TokenShards(str(tmp_path / "out" / "validation_*.bin"))
+    docs = sources.load_documents(source, "validation", unit="stream", validation_fraction=0.2)
+    expected = [i for d in docs for i in [*tokenizers_lib.ByteTokenizer().encode(d.text), 2]]
+    assert tokens[:].tolist() == expected  # the last 20% of the characters
+
+
+# Runs `python -m transformer.data.prepare`'s main and kills it, as kill -9 of its process group
+# would (it and its tokenizing workers), at one point of its work (argv[1]):
+KILLED_PREPARE = """
+import os, signal, sys
+from transformer.data import prepare, prepare_units
+from transformer.utils import cli
+
+point, sys.argv[1:] = sys.argv[1], sys.argv[2:]
+
+def kill():
+    os.killpg(0, signal.SIGKILL)
+
+if point == "after_the_first_file":
+    unit = prepare_units.prepare_unit
+    prepare_units.prepare_unit = lambda *args, **kwargs: (unit(*args, **kwargs), kill())
+elif point == "in_the_middle_of_a_file":  # input file 2's first documents are being written
+    add = prepare_units._UnitWriter.add
+    def add_or_kill(self, split, doc, ids):
+        if doc.name.endswith("c.txt#12"):
+            kill()
+        return add(self, split, doc, ids)
+    prepare_units._UnitWriter.add = add_or_kill
+else:  # "before_a_record": input file 1's shards are renamed into place, its record not written
+    record_path = prepare_units._record_path
+    def path_or_kill(output_dir, settings, index):
+        if index == 1:
+            kill()
+        return record_path(output_dir, settings, index)
+    prepare_units._record_path = path_or_kill
+cli.run(prepare._main, prepare._define_flags)
+"""
+
+
+def run_prepare(args: list[str], kill_at: str | None = None) -> subprocess.CompletedProcess:
+    command = ["-c", KILLED_PREPARE, kill_at] if kill_at else ["-m", "transformer.data.prepare"]
+    return subprocess.run([sys.executable, *command, *args], cwd=REPO, env=cli_env(),
+                          capture_output=True, text=True, timeout=300, start_new_session=True)
+
+
+def hf_tokenizer_json(path) -> str:
+    """A small byte-level BPE whose <|endoftext|> ends documents, as a bare tokenizer.json."""
+    hf = pytest.importorskip("tokenizers")
+    tok = hf.Tokenizer(hf.models.BPE())
+    tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = hf.decoders.ByteLevel()
+    tok.train_from_iterator(web_documents(), hf.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at, tokenizer, settings", [
+    ("after_the_first_file", "sentencepiece_bpe", {"vocab_size": 300, "num_shards": 2}),
+    ("in_the_middle_of_a_file", "hf", {"format": "bin", "tokens_per_shard": 700}),
+    ("before_a_record", "byte", {"num_shards": 2}),
+])
+def test_a_killed_prepare_resumes_to_the_bytes_of_an_uninterrupted_one(tmp_path, kill_at,
+                                                                        tokenizer, settings):
+    source, out, reference = uneven_inputs(tmp_path), tmp_path / "out", tmp_path / "reference"
+    if tokenizer == "hf":
+        settings = {**settings, "tokenizer_path": hf_tokenizer_json(tmp_path / "tok.json")}
+    counts = prepare.prepare(str(reference), source, tokenizer=tokenizer, **settings)
+    expected = files_of(reference)
+    args = [f"--output_dir={out}", f"--input={source}", f"--tokenizer={tokenizer}",
+            *(f"--{key}={value}" for key, value in settings.items())]
+    workers = ["--num_workers=2"] if kill_at == "in_the_middle_of_a_file" else []
+    killed = run_prepare(args + workers, kill_at)
+    assert killed.returncode == -signal.SIGKILL, describe(killed)
+
+    # Whole shards only under the names training reads, each as the uninterrupted run wrote it.
+    visible = {name: data for name, data in files_of(out).items() if "/" not in name}
+    shard_names = [name for name in visible if name.endswith((".array_record", ".bin"))]
+    assert shard_names and "prepare.json" not in visible
+    assert all(visible[name] == expected[name] for name in shard_names)
+    temporaries = [name for name in files_of(out) if name.startswith(".prepare/tmp/")]
+    assert bool(temporaries) == (kill_at == "in_the_middle_of_a_file")
+    recorded = {name.split("/")[-1].removesuffix(".json") for name in files_of(out)
+                if name.startswith(".prepare/units/")}
+    with_shards = {re.split("[-_]", name)[1] for name in shard_names}
+    assert with_shards - recorded == ({"000001"} if kill_at == "before_a_record" else set())
+    with pytest.raises(ValueError, match="an unfinished prepare"):
+        inputs.check_finished(str(out))  # and so training refuses the directory
+    finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()
+                if "000000" in p.name or p.name.startswith("tokenizer")}
+
+    resumed = run_prepare(args)  # the same command (1 worker now: not a setting)
+    assert resumed.returncode == 0, describe(resumed)
+    assert json.loads(resumed.stdout) == counts
+    assert files_of(out) == expected  # .prepare/ gone, every byte as uninterrupted
+    # The finished file's shards and the tokenizer were kept, not written again.
+    assert {name: (out / name).stat().st_ino for name in finished} == \
+        {name: ino for name, (ino, _) in finished.items()}
+    assert {name: (out / name).stat().st_mtime_ns for name in finished} == \
+        {name: mtime for name, (_, mtime) in finished.items()}
+
+
+def test_a_resume_with_another_setting_or_other_input_is_refused_in_one_line(tmp_path,
+                                                                             monkeypatch):
+    source, out = uneven_inputs(tmp_path), tmp_path / "out"
+    unit = prepare_units.prepare_unit
+
+    def stop_after_one(*args, **kwargs):  # as a prepare killed after its first file
+        unit(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(prepare_units, "prepare_unit", stop_after_one)
+        with pytest.raises(KeyboardInterrupt):
+            prepare.prepare(str(out), source, num_shards=2)
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    result = run_prepare([f"--output_dir={out}", f"--input={source}", "--num_shards=3"])
+    assert_one_line_error(result, 2, f"error: {out}: holds an unfinished prepare with "
+                          "--num_shards=2, not 3: expected its settings to resume it")
+    for changed, words in [({"tokenizer": "char"}, "--tokenizer=byte, not char"),
+                           ({"unit": "file"}, "--unit=paragraph, not file"),
+                           ({"format": "bin", "num_shards": 1}, "--format=array_record, not bin")]:
+        with pytest.raises(ValueError, match=words):
+            prepare.prepare(str(out), source, **{"num_shards": 2, **changed})
+    (tmp_path / "inputs" / "g.txt").write_text("one more file")
+    with pytest.raises(ValueError, match="prepare of 6 input files; --input now gives 7"):
+        prepare.prepare(str(out), source, num_shards=2)
+    (tmp_path / "inputs" / "g.txt").unlink()
+    write_parquet(tmp_path / "inputs" / "a.parquet", web_documents(110, seed=5))  # finished
+    with pytest.raises(ValueError, match="a.parquet: changed since the unfinished prepare"):
+        prepare.prepare(str(out), source, num_shards=2)
+    after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    assert after == before
+
+
+# --- prepare as an Apache Beam pipeline --------------------------------------------------------
+
+
+def test_the_beam_pipeline_writes_the_bytes_of_the_worker_processes(tmp_path, monkeypatch):
+    pytest.importorskip("apache_beam")
+    source, settings = uneven_inputs(tmp_path), {"tokenizer": "char", "num_shards": 2}
+    counts = prepare.prepare(str(tmp_path / "processes"), source, num_workers=2, **settings)
+    expected = files_of(tmp_path / "processes")
+    threads = "--direct_num_workers=2 --direct_running_mode=multi_threading"
+    assert prepare.prepare(str(tmp_path / "beam"), source, engine="beam", beam_options=threads,
+                           **settings) == counts
+    assert files_of(tmp_path / "beam") == expected
+    unit = prepare_units.prepare_unit  # a prepare the processes began, killed after a file
+
+    def stop_after_one(*args, **kwargs):
+        unit(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(prepare_units, "prepare_unit", stop_after_one)
+        with pytest.raises(KeyboardInterrupt):
+            prepare.prepare(str(tmp_path / "resumed"), source, **settings)
+    prepare.prepare(str(tmp_path / "resumed"), source, engine="beam", **settings)
+    assert files_of(tmp_path / "resumed") == expected
+
+
+@pytest.mark.slow
+def test_beam_settings_are_checked_before_any_work(tmp_path, monkeypatch):
+    pytest.importorskip("apache_beam")
+    out, args = tmp_path / "out", [f"--output_dir={tmp_path / 'out'}", "--engine=beam"]
+    for given, words in [(["--beam_options=--runner=DirectRunner --bogus=1"],
+                          "unknown Beam options ['bogus']"),
+                         (["--num_workers=4"], "--num_workers=4 with --engine=beam")]:
+        assert_one_line_error(run_prepare(args + given), 2, *words)
+    assert_one_line_error(run_prepare(args[:1] + ["--beam_options=--direct_num_workers=2"]),
+                          2, "with --engine=processes: expected --engine=beam")
+    monkeypatch.setitem(sys.modules, "apache_beam", None)  # as without the beam extra
+    monkeypatch.delitem(sys.modules, "transformer.data.prepare_beam", raising=False)
+    monkeypatch.delattr(transformer.data, "prepare_beam", raising=False)
+    with pytest.raises(ValueError, match="expected Apache Beam installed"):
+        prepare.prepare(str(out), engine="beam")
+    assert not out.exists()

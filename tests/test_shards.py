@@ -257,7 +257,12 @@ def test_prepare_bin_through_the_cli_writes_documents_joined_by_eos(tmp_path):
                                    for d in docs])
         data = TokenShards(str(out / f"{split}_*.bin"))
         assert [os.path.basename(p) for p in data.paths] == counts[split]["files"]
-        assert set(data.formats) == {"modded"} and all(n == 500 for n in data.shard_lengths[:-1])
+        assert set(data.formats) == {"modded"}
+        # Each input file's stream of the split, cut every 500 tokens: {split}_{file}_{k}.bin
+        lengths = dict(zip(counts[split]["files"], data.shard_lengths, strict=True))
+        for unit in {name.rsplit("_", 1)[0] for name in lengths}:
+            own = [n for name, n in lengths.items() if name.rsplit("_", 1)[0] == unit]
+            assert all(n == 500 for n in own[:-1]) and 0 < own[-1] <= 500
         np.testing.assert_array_equal(data[:], expected)
         assert counts[split]["tokens"] == len(data) and counts[split]["documents"] == len(docs)
     assert len(counts["train"]["files"]) > 1

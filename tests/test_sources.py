@@ -239,7 +239,13 @@ def test_prepare_writes_tokenizer_shards_and_counts(tmp_path, kind):
     for split in sources.SPLITS:
         docs = sources.load_documents(text_dir, split, validation_fraction=0.3)
         records = sources.array_record_source(str(out / f"{split}-*.array_record"))
-        ordered = docs[0::2] + docs[1::2]  # shard-major order of 2 shards
+        files = sources.document_files(text_dir)  # the input files, in order
+        by_file = [[d for d in docs if d.name.rpartition("#")[0] == f] for f in files]
+        # Each input file's own 2 shards, shard-major: its documents 0, 2, ..., then 1, 3, ...
+        ordered = [d for one in by_file for d in one[0::2] + one[1::2]]
+        assert counts[split]["files"] == [
+            f"{split}-{i:06d}-{k:05d}-of-00002.array_record"
+            for i, one in enumerate(by_file) for k in range(2) if one]
         assert len(records) == len(docs) == counts[split]["documents"]
         for doc, ids in zip(ordered, records, strict=True):
             assert ids[-1] == tokenizers.EOS_ID and tok.decode(ids[:-1]) == doc.text
@@ -250,7 +256,8 @@ def test_prepare_writes_tokenizer_shards_and_counts(tmp_path, kind):
         p for p in os.listdir(out) if p.endswith(".array_record"))
 
     before = snapshot(out)
-    with pytest.raises(FileExistsError, match="already holds 4 ArrayRecord files"):
+    shard_count = len(counts["train"]["files"] + counts["validation"]["files"])
+    with pytest.raises(FileExistsError, match=f"already holds {shard_count} ArrayRecord files"):
         prepare.prepare(str(out), text_dir, tokenizer="byte")
     assert snapshot(out) == before
 

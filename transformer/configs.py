@@ -326,6 +326,8 @@ def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:
                                 "tokenizer.json or a directory holding one")
     paths = [config.data.path] + [s.path for s in
                                   sources.parse_sources(config.data.get("sources") or ())]
+    for p in paths:
+        inputs.check_finished(p)
     shard_dirs = [p for p in paths if inputs.token_shard_dir(p)]
     if shard_dirs and kind != "hf":
         raise ValueError(f"data.path={shard_dirs[0]!r} holds token shards (*.bin): expected "

@@ -17,7 +17,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from transformer.data import chat, images, pipeline, shards, sources, tasks, windows
+from transformer.data import chat, images, pipeline, prepare_units, shards, sources, tasks, windows
 from transformer.data import tokenizers as tokenizers_lib
 from transformer.utils import fileio
 
@@ -66,10 +66,19 @@ _SHARD_CHECK_TOKENS = 1 << 20
 
 
 def token_shard_dir(path: str) -> bool:
-    """Whether `path` is a directory of token shards (*.bin) that prepare.py did not write."""
+    """Whether `path` is a directory of token shards (*.bin) that prepare.py did not write (nor
+    is writing: an unfinished prepare is refused, `check_finished`)."""
     return bool(path) and os.path.isdir(path) and not os.path.isfile(
-        os.path.join(path, "prepare.json")) and bool(glob.glob(os.path.join(glob.escape(path),
-                                                                             "*.bin")))
+        os.path.join(path, "prepare.json")) and not prepare_units.unfinished(path) and \
+        bool(glob.glob(os.path.join(glob.escape(path), "*.bin")))
+
+
+def check_finished(path: str) -> None:
+    """A one-line error for a directory a prepare has begun and not finished (its shards are
+    whole, but not yet all of them)."""
+    if prepare_units.unfinished(path):
+        raise ValueError(f"data.path={path!r}: an unfinished prepare (no prepare.json yet): "
+                         "expected its prepare to finish (the same command resumes it)")
 
 
 def _token_shards(config: ml_collections.ConfigDict, split: str) -> shards.TokenShards:
@@ -205,7 +214,8 @@ _NOT_STREAM = ("prefetch", "tokenizer_path", "test_path")  # (test_path: never t
 def data_stream(config: ml_collections.ConfigDict) -> dict:
     """What defines the sequence of batches a run reads, so a checkpoint's iterator position
     means something only together with it: the data settings, batch size, length and seed, and
-    a fingerprint of the data's content (`sources.fingerprint`; a prepared directory's shards).
+    a fingerprint of the data's content (`sources.fingerprint`; of a prepared directory, its
+    tokenizer, prepare.json and every input file's shards, never its hidden .prepare/).
     A mixture's sources (paths, weights, units; `sources.canonical_source`, so 0.7 and 0.70
     are one stream) are among the data settings, and its
     fingerprints are per source: {"fingerprint": {"web": ..., "code": ...}}."""

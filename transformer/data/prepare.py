@@ -4,49 +4,53 @@
         [--tokenizer=byte|char|sentencepiece_bpe|sentencepiece_unigram] [--vocab_size=N] \
         [--tokenizer=hf --tokenizer_path=TOKENIZER_JSON_OR_DIR] \
         [--format=array_record|bin] [--num_shards=N] [--tokens_per_shard=N] \
-        [--validation_fraction=0.05] [--unit=paragraph|file] [--text_field=text] \
-        [--num_workers=N]
+        [--validation_fraction=0.05] [--unit=paragraph|file|stream] [--text_field=text] \
+        [--num_workers=N | --engine=beam [--beam_options="--runner=... ..."]]
 
 --input takes what data.path takes: text, Parquet and JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst)
 files, directories or globs of them, or a `datasets` save_to_disk directory (one document a row,
-its --text_field: transformer.data.formats).
+its --text_field: transformer.data.formats). Without --input the embedded corpus is used.
 
-DIR receives the tokenizer, prepare.json (counts) and, by --format:
-  * array_record (default): train-*.array_record, validation-*.array_record, one record per
-    document, --num_shards files per split, document j in file j % num_shards;
-  * bin: modded-nanogpt uint16 shards train_000000.bin, ..., validation_000000.bin, ... of
-    --tokens_per_shard tokens, each split one token stream in document order (see shards.py).
-Without --input the embedded corpus is used. A DIR that already holds ArrayRecord or .bin files
-is refused, so prepared data is never overwritten.
+Each input file is a unit of work (`transformer.data.prepare_units`): its documents, split into
+train and validation by a hash of their text, are written to shards of its own. DIR receives
+the tokenizer, prepare.json (the counts, written last) and, by --format, for input file i:
+  * array_record (default): train-{i:06d}-{k:05d}-of-{num_shards:05d}.array_record, ...,
+    validation-...: one record per document, the file's documents of the split in --num_shards
+    files, document j in file k = j % num_shards;
+  * bin: modded-nanogpt uint16 shards train_{i:06d}_{k:06d}.bin, ..., validation_...: the
+    file's documents of the split as one token stream cut every --tokens_per_shard tokens.
+A split's shards in sorted order hold its documents in input order (as training reads them).
+With --unit=stream, or without --input, the whole input is one unit (i = 0).
+
+A killed prepare resumes: the same command continues from the input files it finished (their
+shards were renamed into DIR when complete; DIR/.prepare/ holds the progress) and writes the same
+bytes as an uninterrupted run; another setting is refused in one line. A DIR that holds a
+finished prepare, or ArrayRecord or .bin files of its own, is refused, so prepared data is never
+overwritten. --num_workers processes tokenize (default: every core); the output is the same
+bytes for any number. --engine=beam runs the same units as an Apache Beam pipeline
+(transformer.data.prepare_beam), for the same bytes again.
 """
 
 from __future__ import annotations
 
-import glob
+import collections
+import contextlib
 import json
+import logging
 import multiprocessing
 import os
 import sys
+import time
 
 import numpy as np
 import tqdm
 
-from transformer.data import shards, sources
+from transformer.data import prepare_units, sources
 from transformer.data import tokenizers as tokenizers_lib
-from transformer.utils import fileio
 
 FORMATS = ("array_record", "bin")
-_ENCODE_BATCH = 1024  # documents encoded at once (a Hugging Face tokenizer does them in parallel)
-MAX_BIN_VOCAB = 65536  # uint16 ids
+ENGINES = ("processes", "beam")
 _WORKER_TOKENIZER = None  # a worker process's tokenizer (_load_worker_tokenizer)
-
-
-def _existing_shards(output_dir: str) -> str | None:
-    """What prepared data `output_dir` already holds, e.g. "2 ArrayRecord files (train-...)"."""
-    for pattern, kind in (("*.array_record", "ArrayRecord"), ("*.bin", ".bin")):
-        if found := sorted(glob.glob(os.path.join(glob.escape(output_dir), pattern))):
-            return f"{len(found)} {kind} files ({os.path.basename(found[0])}, ...)"
-    return None
 
 
 def _load_worker_tokenizer(directory: str) -> None:
@@ -59,24 +63,35 @@ def _worker_encode(texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(ids, np.int32) for ids in _WORKER_TOKENIZER.encode_batch(texts)]
 
 
-def _encode(tok, tokenizer_dir: str, docs, num_workers: int):
-    """(batch of documents, their token ids) in document order, encoded by `num_workers`
-    processes (each loads the tokenizer saved in `tokenizer_dir`); the order, and so every
-    byte written, is the same whatever `num_workers` is."""
-    batches = [docs[i:i + _ENCODE_BATCH] for i in range(0, len(docs), _ENCODE_BATCH)]
-    texts = ([d.text for d in batch] for batch in batches)
-    if num_workers <= 1 or len(batches) <= 1:
-        yield from zip(batches, map(tok.encode_batch, texts), strict=True)
+@contextlib.contextmanager
+def _encoder(tok, tokenizer_dir: str, num_workers: int):
+    """An `prepare_units.Encode`: batches of texts -> their ids, in order, encoded by
+    `num_workers` processes (each loads the tokenizer saved in `tokenizer_dir`) that keep at
+    most 2 batches each in flight; the order, and so every byte written, is the same whatever
+    `num_workers` is."""
+    if num_workers <= 1:
+        yield lambda batches: map(tok.encode_batch, batches)
         return
     # spawn: a fork of a process that holds threads (a Hugging Face tokenizer's) can deadlock
     context = multiprocessing.get_context("spawn")
-    with context.Pool(min(num_workers, len(batches)), initializer=_load_worker_tokenizer,
+    with context.Pool(num_workers, initializer=_load_worker_tokenizer,
                       initargs=(tokenizer_dir,)) as pool:
-        yield from zip(batches, pool.imap(_worker_encode, texts), strict=True)
+
+        def encode(batches):
+            pending = collections.deque()
+            for texts in batches:
+                pending.append(pool.apply_async(_worker_encode, (texts,)))
+                if len(pending) >= 2 * num_workers:
+                    yield pending.popleft().get()
+            while pending:
+                yield pending.popleft().get()
+
+        yield encode
 
 
 def _check_arguments(tokenizer: str, tokenizer_path: str, format: str, num_shards: int,
-                     num_workers: int, vocab_size: int | None) -> None:
+                     num_workers: int, vocab_size: int | None,
+                     validation_fraction: float) -> None:
     """One-line errors for `prepare`'s arguments, before any document is read."""
     if tokenizer not in tokenizers_lib.KINDS:
         raise ValueError(f"tokenizer={tokenizer!r}: expected one of {tokenizers_lib.KINDS}")
@@ -89,80 +104,90 @@ def _check_arguments(tokenizer: str, tokenizer_path: str, format: str, num_shard
         raise ValueError(f"num_shards={num_shards}: expected a positive integer")
     if num_workers < 1:
         raise ValueError(f"num_workers={num_workers}: expected a positive integer")
+    if not 0.0 < validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction={validation_fraction}: expected a number in "
+                         "(0, 1) (prepare writes both splits)")
     if format == "bin" and num_shards != 1:
         raise ValueError(f"num_shards={num_shards} with format='bin': expected tokens_per_shard "
                          "to size .bin shards")
-    if format == "bin" and (vocab_size or 0) > MAX_BIN_VOCAB:  # before a long tokenizer training
+    if format == "bin" and (vocab_size or 0) > prepare_units.MAX_BIN_VOCAB:  # before training
         raise ValueError(f"vocab_size={vocab_size} with format='bin': expected at most "
-                         f"{MAX_BIN_VOCAB} (uint16 token ids)")
+                         f"{prepare_units.MAX_BIN_VOCAB} (uint16 token ids)")
 
 
 def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "byte",
             vocab_size: int | None = None, num_shards: int = 1, validation_fraction: float = 0.05,
             unit: str = "paragraph", format: str = "array_record",
             tokens_per_shard: int = 100_000_000, tokenizer_path: str = "",
-            text_field: str = "text", num_workers: int = 1) -> dict:
+            text_field: str = "text", num_workers: int = 1, engine: str = "processes",
+            beam_options: str = "") -> dict:
     """Builds the tokenizer on the train split of `input_path` (the embedded corpus if None; a
     Hugging Face tokenizer="hf" is loaded from `tokenizer_path` instead), saves it to
-    `output_dir`, and writes each split's documents, tokenized with <eos> appended,
-    to "{output_dir}/{split}-*.array_record" (format="array_record", `num_shards` files) or as
-    one token stream to modded-nanogpt shards "{output_dir}/{split}_{i:06d}.bin" (format="bin",
-    `tokens_per_shard` tokens each). Returns the counts also written to prepare.json: format,
-    documents, tokens (<eos> included), UTF-8 bytes and files per split, tokenizer kind, vocab
-    size. `num_workers` processes tokenize (the output is the same bytes for any number).
+    `output_dir`, and writes each input file's documents of each split, tokenized with <eos>
+    appended, to its own shards: "{output_dir}/{split}-{i:06d}-*.array_record"
+    (format="array_record", `num_shards` files) or modded-nanogpt shards
+    "{output_dir}/{split}_{i:06d}_*.bin" (format="bin", `tokens_per_shard` tokens each).
+    Returns the counts also written to prepare.json (`prepare_units.finish`). `num_workers`
+    processes tokenize (the output is the same bytes for any number), or with engine="beam"
+    an Apache Beam pipeline of `beam_options` does (`prepare_beam`; the same bytes again).
+    Resumes an unfinished prepare of the same settings in `output_dir` (`prepare_units.begin`).
     """
     output_dir = os.fspath(output_dir)
-    if existing := _existing_shards(output_dir):
-        raise FileExistsError(f"{output_dir}: already holds {existing}: expected a directory "
-                              "without prepared data")
-    _check_arguments(tokenizer, tokenizer_path, format, num_shards, num_workers, vocab_size)
-    splits = {split: sources.load_documents(input_path, split, unit=unit,
-                                            validation_fraction=validation_fraction,
-                                            text_field=text_field)
-              for split in sources.SPLITS}
-    if tokenizer == "hf":
-        tok = tokenizers_lib.load_hf_tokenizer(tokenizer_path)
-    else:
-        tok = tokenizers_lib.build_tokenizer(tokenizer, [d.text for d in splits["train"]],
-                                             vocab_size=vocab_size)
-    if format == "bin" and tok.vocab_size > MAX_BIN_VOCAB:  # sentinels come on top of vocab_size
-        raise ValueError(f"tokenizer vocab_size {tok.vocab_size} with format='bin': expected at "
-                         f"most {MAX_BIN_VOCAB} (uint16 token ids)")
-    os.makedirs(output_dir, exist_ok=True)
-    tok.save(output_dir)
-    counts = {"input": input_path or None, "unit": unit, "validation_fraction": validation_fraction,
-              **({"text_field": text_field} if text_field != "text" else {}),
-              "tokenizer": tok.kind, "vocab_size": tok.vocab_size, "format": format}
-    counts.update({"num_shards": num_shards} if format == "array_record"
-                  else {"tokens_per_shard": tokens_per_shard})
-    eos = np.array([tok.require("eos", "(or sep) to end each document")], dtype=np.int32)
-    for split, docs in splits.items():
-        stats = counts[split] = {"documents": len(docs), "tokens": 0, "bytes": 0}
+    _check_arguments(tokenizer, tokenizer_path, format, num_shards, num_workers, vocab_size,
+                     validation_fraction)
+    if unit not in sources.UNITS:
+        raise ValueError(f"unit={unit!r}: expected one of {sources.UNITS}")
+    run = _beam_runner(engine, beam_options) if engine != "processes" else \
+        lambda *args: _run(*args, num_workers)
+    settings = prepare_units.settings_for(
+        input_path, unit=unit, validation_fraction=validation_fraction, text_field=text_field,
+        tokenizer=tokenizer, vocab_size=vocab_size, tokenizer_path=tokenizer_path,
+        format=format, num_shards=num_shards, tokens_per_shard=tokens_per_shard)
+    settings, tok, finished = prepare_units.begin(output_dir, settings)
+    todo = [i for i in range(len(settings["units"])) if i not in finished]
+    if todo:
+        run(output_dir, settings, tok, todo)
+    return prepare_units.finish(output_dir, settings, input_path)
 
-        def encoded(docs=docs, stats=stats, split=split):
-            with tqdm.tqdm(total=len(docs), desc=f"tokenizing {split}", unit="doc",
-                           file=sys.stderr, disable=None) as progress:
-                for batch, batch_ids in _encode(tok, output_dir, docs, num_workers):
-                    for doc, ids in zip(batch, batch_ids, strict=True):
-                        ids = np.concatenate([np.asarray(ids, dtype=np.int32), eos])
-                        stats["tokens"] += int(ids.size)
-                        stats["bytes"] += len(doc.text.encode("utf-8"))
-                        yield ids
-                    progress.update(len(batch))
-                    seconds = progress.format_dict["elapsed"] or 1e-9
-                    progress.set_postfix_str(f"{stats['tokens']:,} tokens, "
-                                             f"{stats['tokens'] / seconds:,.0f} tokens/s",
-                                             refresh=False)
 
-        prefix = os.path.join(output_dir, split)
-        if format == "bin":  # one stream of the documents, each followed by <eos>, cut every N
-            paths = shards.write_token_shards(prefix, encoded(), tokens_per_shard=tokens_per_shard)
-        else:
-            paths = sources.write_array_records(prefix, encoded(), num_shards)
-        stats["files"] = [os.path.basename(p) for p in paths]
-    summary = os.path.join(output_dir, "prepare.json")
-    fileio.write_atomic(summary, json.dumps(counts, indent=2) + "\n")
-    return counts
+def _beam_runner(engine: str, beam_options: str):
+    """engine="beam": `prepare_beam.run` with `beam_options`, checked before any work."""
+    if engine != "beam":
+        raise ValueError(f"engine={engine!r}: expected one of {ENGINES}")
+    beam_logs = logging.getLogger()  # Beam's imports note the Google Cloud clients it lacks
+    level = beam_logs.level
+    beam_logs.setLevel(logging.ERROR)
+    try:
+        from transformer.data import prepare_beam
+    except ImportError as error:
+        raise ValueError(f"engine='beam': {error}: expected Apache Beam installed (pip install "
+                         "-e '.[beam]')") from None
+    finally:
+        beam_logs.setLevel(level)
+    prepare_beam.options(beam_options)
+    return lambda output_dir, settings, tok, todo: prepare_beam.run(output_dir, settings, todo,
+                                                                    beam_options)
+
+
+def _run(output_dir: str, settings: dict, tok, todo: list[int], num_workers: int) -> None:
+    """Units `todo` in order, tokenized by `num_workers` processes, under a progress bar of
+    input files with documents, tokens and tokens/s."""
+    done = {"documents": 0, "tokens": 0}
+    start = time.perf_counter()
+    with _encoder(tok, output_dir, num_workers) as encode, \
+            tqdm.tqdm(total=len(todo), desc="preparing", unit="file", file=sys.stderr,
+                      disable=None) as bar:
+
+        def progress(documents: int, tokens: int) -> None:
+            done["documents"] += documents
+            done["tokens"] += tokens
+            rate = done["tokens"] / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{done['documents']:,} documents, {done['tokens']:,} tokens, "
+                                f"{rate:,.0f} tokens/s")
+
+        for index in todo:
+            prepare_units.prepare_unit(output_dir, settings, index, encode, progress)
+            bar.update(1)
 
 
 def _main(argv):
@@ -171,11 +196,18 @@ def _main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}: expected only flags")
     f = flags.FLAGS
+    if f.engine == "beam" and f.num_workers is not None:
+        raise app.UsageError(f"--num_workers={f.num_workers} with --engine=beam: expected the "
+                             "runner's own workers in --beam_options (--direct_num_workers=N)")
+    if f.engine != "beam" and f.beam_options:
+        raise app.UsageError(f"--beam_options={f.beam_options!r} with --engine={f.engine}: "
+                             "expected --engine=beam")
     counts = prepare(f.output_dir, f.input, tokenizer=f.tokenizer, vocab_size=f.vocab_size,
                      num_shards=f.num_shards, validation_fraction=f.validation_fraction,
                      unit=f.unit, format=f.format, tokens_per_shard=f.tokens_per_shard,
                      tokenizer_path=f.tokenizer_path, text_field=f.text_field,
-                     num_workers=f.num_workers or os.cpu_count() or 1)
+                     num_workers=f.num_workers or os.cpu_count() or 1, engine=f.engine,
+                     beam_options=f.beam_options)
     print(json.dumps(counts, indent=2))
 
 
@@ -202,6 +234,10 @@ def _define_flags():
     flags.DEFINE_enum("unit", "paragraph", sources.UNITS, "Document unit of text files.")
     flags.DEFINE_integer("num_workers", None, "Processes that tokenize (default: every core); "
                          "the output is the same for any number.", lower_bound=1)
+    flags.DEFINE_enum("engine", "processes", ENGINES, "processes: --num_workers processes on "
+                      "this machine; beam: an Apache Beam pipeline (the same bytes).")
+    flags.DEFINE_string("beam_options", "", "--engine=beam: Beam pipeline options, e.g. "
+                        "'--runner=DataflowRunner --project=P' (default --runner=FnApiRunner).")
 
 
 if __name__ == "__main__":

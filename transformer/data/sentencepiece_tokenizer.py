@@ -4,6 +4,7 @@ deterministically."""
 
 from __future__ import annotations
 
+import functools
 import io
 import random
 import re
@@ -39,6 +40,56 @@ _SPACE_MARK = "\u2581"  # SentencePiece's "▁", which it substitutes for " " in
 _MODEL_TYPES = {1: "unigram", 2: "bpe"}  # TrainerSpec.ModelType values in the .model protobuf
 
 
+@functools.cache
+def _model_proto_class():
+    """The fields of SentencePiece's ModelProto that this module reads, as a protobuf message
+    class built at run time (the rest of a .model parses as unknown fields). SentencePiece's own
+    sentencepiece_model_pb2 is generated for one protobuf major version (0.2.3's for 7) and
+    refuses another (Apache Beam holds protobuf at 6)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    field = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(name="transformer_sentencepiece_model.proto",
+                                              package="transformer_sentencepiece")
+    # (message, [(number, name, type, message type or proto2 default)]), numbers as in
+    # sentencepiece_model.proto; model_type is an enum there (a varint either way)
+    for name, fields in (
+            ("TrainerSpec", [(3, "model_type", field.TYPE_INT32, "1")]),
+            ("NormalizerSpec", [(1, "name", field.TYPE_STRING, ""),
+                                (3, "add_dummy_prefix", field.TYPE_BOOL, "true"),
+                                (4, "remove_extra_whitespaces", field.TYPE_BOOL, "true")]),
+            ("ModelProto", [(2, "trainer_spec", field.TYPE_MESSAGE, "TrainerSpec"),
+                            (3, "normalizer_spec", field.TYPE_MESSAGE, "NormalizerSpec")])):
+        message = file.message_type.add(name=name)
+        for number, field_name, kind, extra in fields:
+            added = message.field.add(name=field_name, number=number, type=kind,
+                                      label=field.LABEL_OPTIONAL)
+            if kind == field.TYPE_MESSAGE:
+                added.type_name = f".transformer_sentencepiece.{extra}"
+            elif extra:
+                added.default_value = extra
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("transformer_sentencepiece.ModelProto"))
+
+
+def _model_specs(model_proto: bytes) -> tuple[int, tuple[str, bool, bool]]:
+    """A .model's TrainerSpec.model_type and NormalizerSpec (name, add_dummy_prefix,
+    remove_extra_whitespaces), with proto2's defaults for fields it leaves out."""
+    from google.protobuf.message import DecodeError
+
+    proto = _model_proto_class()()
+    try:
+        proto.ParseFromString(model_proto)
+    except DecodeError as error:
+        raise ValueError(f"not a SentencePiece model ({error}): expected a serialized "
+                         "ModelProto (.model file)") from None
+    norm = proto.normalizer_spec
+    return proto.trainer_spec.model_type, (norm.name, norm.add_dummy_prefix,
+                                           norm.remove_extra_whitespaces)
+
+
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece BPE or unigram model whose pieces 0..6 are exactly `SPECIAL_TOKENS` and
     which has byte-fallback pieces, so no text is lost to <unk>. Build one with
@@ -51,18 +102,14 @@ class SentencePieceTokenizer(Tokenizer):
 
     def __init__(self, model_proto: bytes, num_sentinels: int = 100):
         import sentencepiece
-        from sentencepiece import sentencepiece_model_pb2
 
         self.model_proto = bytes(model_proto)
-        proto = sentencepiece_model_pb2.ModelProto()
-        proto.ParseFromString(self.model_proto)
-        self.model_type = _MODEL_TYPES.get(proto.trainer_spec.model_type)
+        model_type, found = _model_specs(self.model_proto)
+        self.model_type = _MODEL_TYPES.get(model_type)
         if self.model_type is None:
-            raise ValueError(f"SentencePiece model_type={proto.trainer_spec.model_type}: "
+            raise ValueError(f"SentencePiece model_type={model_type}: "
                              "expected 1 (unigram) or 2 (bpe)")
         self.kind = f"sentencepiece_{self.model_type}"
-        norm = proto.normalizer_spec
-        found = (norm.name, norm.add_dummy_prefix, norm.remove_extra_whitespaces)
         if found != ("identity", False, False):
             raise ValueError(f"SentencePiece normalizer (name, add_dummy_prefix, "
                              f"remove_extra_whitespaces) = {found}: expected lossless "

@@ -12,7 +12,7 @@ import bisect
 import itertools
 import operator
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import SupportsIndex
 
 import numpy as np
@@ -187,53 +187,73 @@ def write_token_shards(path_prefix: str, tokens: Iterable[np.ndarray], *,
     >>> [os.path.basename(p) for p in paths], np.fromfile(paths[0], "<u2").tolist()
     (['val.bin'], [1, 2, 3])
     """
-    if format not in FORMATS:
-        raise ValueError(f"format={format!r}: expected one of {FORMATS}")
-    if tokens_per_shard is not None and (not isinstance(tokens_per_shard, int)
-                                         or tokens_per_shard < 1):
-        raise ValueError(f"tokens_per_shard={tokens_per_shard!r}: expected a positive integer")
-    # The modded header stores the count as int32.
-    capacity = tokens_per_shard or (2**31 - 1 if format == "modded" else None)
-    if format == "modded" and capacity > 2**31 - 1:
-        raise ValueError(f"tokens_per_shard={tokens_per_shard}: expected at most 2**31 - 1 for "
-                         "modded-nanogpt shards (int32 count)")
-    path_prefix = os.fspath(path_prefix)
-    os.makedirs(os.path.dirname(path_prefix) or ".", exist_ok=True)
-    single = format == "nanogpt" and tokens_per_shard is None
-    paths, counts = [], []
-    f = None
-
-    def open_shard():
-        nonlocal f
-        paths.append(f"{path_prefix}.bin" if single else f"{path_prefix}_{len(paths):06d}.bin")
-        counts.append(0)
-        f = open(stage(paths[-1]), "wb")
-        if format == "modded":
-            f.write(bytes(HEADER_BYTES))  # the count is filled in when the shard is closed
-
-    def close_shard():
-        if format == "modded":
-            header = np.zeros(HEADER_INTS, "<i4")
-            header[:3] = MAGIC, VERSION, counts[-1]
-            f.seek(0)
-            f.write(header.tobytes())
-        f.close()
-
     with fileio.staged() as stage:
+        writer = TokenShardWriter(path_prefix, tokens_per_shard=tokens_per_shard, format=format,
+                                  stage=stage)
         try:
-            open_shard()
             for array in tokens:
-                ids = _uint16(array)
-                while ids.size:
-                    if capacity is not None and counts[-1] == capacity:
-                        close_shard()
-                        open_shard()
-                    take = ids.size if capacity is None else min(ids.size, capacity - counts[-1])
-                    f.write(ids[:take].tobytes())
-                    counts[-1] += take
-                    ids = ids[take:]
-            close_shard()
+                writer.write(array)
         finally:
-            if f is not None:
-                f.close()
-    return paths
+            writer.close()
+    return writer.paths
+
+
+class TokenShardWriter:
+    """`write_token_shards` one array at a time: `write(tokens)` appends to the stream, opening
+    the next shard every `tokens_per_shard` tokens; `close()` completes the last shard and
+    returns the paths. Shard `path` is written as `stage(path)` (its own name by default;
+    `fileio.staged` gives a temporary one)."""
+
+    def __init__(self, path_prefix: str, *, tokens_per_shard: int | None = None,
+                 format: str = "modded", stage: Callable[[str], str] = str):
+        if format not in FORMATS:
+            raise ValueError(f"format={format!r}: expected one of {FORMATS}")
+        if tokens_per_shard is not None and (not isinstance(tokens_per_shard, int)
+                                             or tokens_per_shard < 1):
+            raise ValueError(f"tokens_per_shard={tokens_per_shard!r}: expected a positive "
+                             "integer")
+        # The modded header stores the count as int32.
+        self._capacity = tokens_per_shard or (2**31 - 1 if format == "modded" else None)
+        if format == "modded" and self._capacity > 2**31 - 1:
+            raise ValueError(f"tokens_per_shard={tokens_per_shard}: expected at most 2**31 - 1 "
+                             "for modded-nanogpt shards (int32 count)")
+        self._prefix, self._format, self._stage = os.fspath(path_prefix), format, stage
+        os.makedirs(os.path.dirname(self._prefix) or ".", exist_ok=True)
+        self._single = format == "nanogpt" and tokens_per_shard is None
+        self.paths: list[str] = []
+        self._counts: list[int] = []
+        self._file = None
+        self._open_shard()
+
+    def _open_shard(self) -> None:
+        self.paths.append(f"{self._prefix}.bin" if self._single
+                          else f"{self._prefix}_{len(self.paths):06d}.bin")
+        self._counts.append(0)
+        self._file = open(self._stage(self.paths[-1]), "wb")  # noqa: SIM115 - closed in close()
+        if self._format == "modded":
+            self._file.write(bytes(HEADER_BYTES))  # the count is filled in when it is closed
+
+    def _close_shard(self) -> None:
+        if self._format == "modded":
+            header = np.zeros(HEADER_INTS, "<i4")
+            header[:3] = MAGIC, VERSION, self._counts[-1]
+            self._file.seek(0)
+            self._file.write(header.tobytes())
+        self._file.close()
+
+    def write(self, tokens) -> None:
+        ids = _uint16(tokens)
+        while ids.size:
+            if self._capacity is not None and self._counts[-1] == self._capacity:
+                self._close_shard()
+                self._open_shard()
+            take = ids.size if self._capacity is None else \
+                min(ids.size, self._capacity - self._counts[-1])
+            self._file.write(ids[:take].tobytes())
+            self._counts[-1] += take
+            ids = ids[take:]
+
+    def close(self) -> list[str]:
+        if self._file is not None and not self._file.closed:
+            self._close_shard()
+        return self.paths

@@ -12,7 +12,7 @@ import operator
 import os
 import pydoc_data.topics
 import sysconfig
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import SupportsIndex
 
 import numpy as np
@@ -115,8 +115,9 @@ def split_paragraphs(text: str) -> list[str]:
     return paragraphs
 
 
-def _document_files(path: str) -> list[str]:
-    """`_files(path)`, each `datasets` save_to_disk directory among them as one entry."""
+def document_files(path: str) -> list[str]:
+    """`_files(path)`, each `datasets` save_to_disk directory among them as one entry: the
+    files `read_text` reads, in its order (`prepare` works through them one by one)."""
     if formats.is_dataset_dir(path):
         return [path]
     if os.path.isfile(os.path.join(path, "dataset_dict.json")):
@@ -130,6 +131,21 @@ def _document_files(path: str) -> list[str]:
         if entry not in entries[-1:]:  # a dataset's files are adjacent in sorted order
             entries.append(entry)
     return entries
+
+
+def file_documents(file: str, *, split: str = "paragraph",
+                   text_field: str = formats.TEXT_FIELD) -> Iterator[Document]:
+    """The documents of one entry of `document_files` (see `read_text`), read lazily from
+    Parquet, JSON Lines and `datasets` files; none if it holds no text."""
+    if formats.kind(file) != "text":
+        yield from (Document(f"{file}#{row}", text)
+                    for row, text in formats.read_rows(file, text_field) if text.strip())
+        return
+    text = _read_utf8(file)
+    if split == "file":
+        yield from [Document(file, text)] if text.strip() else []
+    else:
+        yield from (Document(f"{file}#{k}", p) for k, p in enumerate(split_paragraphs(text)))
 
 
 def read_text(path: str, *, split: str = "paragraph",
@@ -147,18 +163,9 @@ def read_text(path: str, *, split: str = "paragraph",
     if split not in UNITS:
         raise ValueError(f"split={split!r}: expected one of {UNITS}")
     path = os.fspath(path)
-    files = _document_files(path)
-    docs = []
-    for file in files:
-        if formats.kind(file) != "text":
-            docs += [Document(f"{file}#{row}", text)
-                     for row, text in formats.read_rows(file, text_field) if text.strip()]
-            continue
-        text = _read_utf8(file)
-        if split == "file":
-            docs += [Document(file, text)] if text.strip() else []
-        else:
-            docs += [Document(f"{file}#{k}", p) for k, p in enumerate(split_paragraphs(text))]
+    files = document_files(path)
+    docs = [doc for file in files
+            for doc in file_documents(file, split=split, text_field=text_field)]
     if not docs:
         raise ValueError(f"{path}: no text in {len(files)} file(s), all empty or whitespace: "
                          "expected some text")
@@ -221,8 +228,16 @@ def split_documents(docs: Iterable[Document], split: str,
         raise ValueError(f"split={split!r}: expected one of {SPLITS}")
     if not 0.0 <= validation_fraction <= 1.0:
         raise ValueError(f"validation_fraction={validation_fraction}: expected a number in [0, 1]")
-    validation = split == "validation"
-    return [d for d in docs if (_unit_hash(d.text) < validation_fraction) == validation]
+    return [d for d in docs if split_of(d.text, validation_fraction) == split]
+
+
+def split_of(text: str, validation_fraction: float) -> str:
+    """The split a document of this text is in (`split_documents`): "train" or "validation".
+
+    >>> split_of("a", 0.25), split_of("b", 0.25)
+    ('train', 'validation')
+    """
+    return "validation" if _unit_hash(text) < validation_fraction else "train"
 
 
 def split_stream(docs: Sequence[Document], split: str,
@@ -412,25 +427,48 @@ def write_array_records(path_prefix: str, sequences: Iterable[np.ndarray],
     raw little-endian int32 bytes, sequence j into shard j % num_shards. Each shard is written
     under a ".tmp" name and renamed when complete. Returns the shard paths.
     """
-    from array_record.python.array_record_module import ArrayRecordWriter
-
-    if num_shards < 1:
-        raise ValueError(f"num_shards={num_shards}: expected a positive integer")
-    path_prefix = os.fspath(path_prefix)
-    os.makedirs(os.path.dirname(path_prefix) or ".", exist_ok=True)
-    paths = [f"{path_prefix}-{i:05d}-of-{num_shards:05d}.array_record" for i in range(num_shards)]
-    writers = []
     with fileio.staged() as stage:
+        writer = ArrayRecordShardWriter(path_prefix, num_shards, stage=stage)
         try:
-            for p in paths:  # group_size:1 is what Grain needs for fast random access
-                writers.append(ArrayRecordWriter(stage(p), "group_size:1"))
-            for j, sequence in enumerate(sequences):
-                writers[j % num_shards].write(_record(sequence))
+            for sequence in sequences:
+                writer.write(sequence)
         finally:
-            for writer in writers:
-                if writer.is_open():
-                    writer.close()
-    return paths
+            writer.close()
+    return writer.paths
+
+
+class ArrayRecordShardWriter:
+    """`write_array_records` one sequence at a time: `write(sequence)` puts sequence j into
+    shard j % num_shards, `close()` closes every shard and returns their paths. Shard `path` is
+    written as `stage(path)` (its own name by default; `fileio.staged` gives a temporary one)."""
+
+    def __init__(self, path_prefix: str, num_shards: int = 1, *,
+                 stage: Callable[[str], str] = str):
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        if num_shards < 1:
+            raise ValueError(f"num_shards={num_shards}: expected a positive integer")
+        path_prefix = os.fspath(path_prefix)
+        os.makedirs(os.path.dirname(path_prefix) or ".", exist_ok=True)
+        self.paths = [f"{path_prefix}-{i:05d}-of-{num_shards:05d}.array_record"
+                      for i in range(num_shards)]
+        self._writers, self._count = [], 0
+        try:
+            for p in self.paths:  # group_size:1 is what Grain needs for fast random access
+                self._writers.append(ArrayRecordWriter(stage(p), "group_size:1"))
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, sequence) -> None:
+        self._writers[self._count % len(self.paths)].write(_record(sequence))
+        self._count += 1
+
+    def close(self) -> list[str]:
+        for writer in self._writers:
+            if writer.is_open():
+                writer.close()
+        return self.paths
 
 
 class ArrayRecordTokens:

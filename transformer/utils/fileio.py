@@ -52,12 +52,14 @@ def write_atomic(p, data: str | bytes) -> None:
 
 
 @contextlib.contextmanager
-def staged() -> Iterator[Callable[[str], str]]:
+def staged(directory: str | None = None) -> Iterator[Callable[[str], str]]:
     """Files written under temporary names and given their real ones together at the end.
 
-    Yields `stage(path) -> temp`, the name ("{path}.tmp") to write `path` under. When the block
-    completes every staged file is renamed to its path; if it raises, every staged file is removed,
-    so a failed write never leaves a partial file under a real name. Local paths only.
+    Yields `stage(path) -> temp`, the name to write `path` under: "{path}.tmp", or with
+    `directory` "{directory}/{basename of path}" (on the same filesystem as `path`, so that the
+    rename stays atomic). When the block completes every staged file is renamed to its path; if
+    it raises, every staged file is removed, so a failed write never leaves a partial file under
+    a real name. Local paths only.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -72,8 +74,9 @@ def staged() -> Iterator[Callable[[str], str]]:
     moves: list[tuple[str, str]] = []
 
     def stage(p: str) -> str:
-        moves.append((f"{p}.tmp", p))
-        return moves[-1][0]
+        temp = os.path.join(directory, os.path.basename(p)) if directory else f"{p}.tmp"
+        moves.append((temp, p))
+        return temp
 
     try:
         yield stage

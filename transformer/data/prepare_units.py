@@ -1,0 +1,328 @@
+"""`prepare`'s unit of work, one input file, and its progress in the output directory, so a
+killed prepare continues from the files it finished (transformer.data.prepare runs the units in
+worker processes, transformer.data.prepare_beam as an Apache Beam pipeline; both write the same
+bytes).
+
+The units are the entries of `sources.document_files(--input)` in sorted order: text, Parquet
+and JSON Lines files, and `datasets` save_to_disk directories. With --unit=stream, and for the
+embedded corpus (no --input), the whole input is one unit: a stream's validation split is its
+last characters, which only the whole input knows. Unit i's documents go to their split by a
+hash of their text (`sources.split_of`, as for text), are tokenized, each followed by <eos>,
+and written to shards of their own, i in six digits (more from a million input files):
+
+    {split}-{i:06d}-{k:05d}-of-{num_shards:05d}.array_record   document j of the unit's split
+                                                                 in shard k = j % num_shards
+    {split}_{i:06d}_{k:06d}.bin                                 the unit's split as one token
+                                                                 stream, cut every
+                                                                 tokens_per_shard tokens
+
+so a split's shards in sorted order hold its documents in input order. A split with no
+documents in a unit has no shards there.
+
+Progress lives in DIR/.prepare/ (hidden, so no reader or data fingerprint sees it):
+settings.json (the arguments, the input's units and the tokenizer's <eos>; written once the
+tokenizer is saved in DIR), tmp/ (the shards being written) and units/{i:06d}.json (a finished
+unit's counts, shard names and its file's `sources.fingerprint`). A unit's shards are renamed
+from tmp/ into DIR only when all are complete, then its record is written: a killed prepare
+leaves no partial shard under a name a reader globs. A rerun with the same arguments loads the
+saved tokenizer, deletes the temporaries and any shards without a record, and does the units
+without one; other arguments, other input files or a finished file changed since are refused in
+one line. prepare.json (the summed counts) is written last and .prepare/ then removed.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+
+from transformer.data import shards, sources
+from transformer.data import tokenizers as tokenizers_lib
+from transformer.utils import fileio
+
+PROGRESS_DIR = ".prepare"
+SUMMARY = "prepare.json"
+ENCODE_BATCH = 1024  # documents encoded at once (a Hugging Face tokenizer does them in parallel)
+MAX_BIN_VOCAB = 65536  # uint16 ids
+# The settings a resumed prepare must share with the one it continues (named as the flags).
+ARGUMENTS = ("input", "unit", "validation_fraction", "text_field", "tokenizer", "vocab_size",
+             "tokenizer_path", "format", "num_shards", "tokens_per_shard")
+
+# encode(batches of texts) -> their token ids, batch by batch in the same order.
+Encode = Callable[[Iterator[list[str]]], Iterable[list]]
+
+
+def settings_for(input_path: str | None, **arguments) -> dict:
+    """The settings of a prepare: `ARGUMENTS` (the paths absolute) and its units, the input
+    files (a one-line error if --input names none). Only the format's shard setting is kept."""
+    settings = {"input": os.path.abspath(input_path) if input_path else None, **arguments}
+    if settings["tokenizer_path"]:
+        settings["tokenizer_path"] = os.path.abspath(settings["tokenizer_path"])
+    settings["num_shards" if settings["format"] == "bin" else "tokens_per_shard"] = None
+    files = sources.document_files(settings["input"]) if input_path else []  # or an error
+    settings["units"] = [settings["input"] or ""] if _whole(settings) else files
+    return settings
+
+
+def _whole(settings: dict) -> bool:
+    return settings["unit"] == "stream" or not settings["input"]
+
+
+def unit_documents(settings: dict, index: int) -> Iterator[tuple[str, sources.Document]]:
+    """(split, document) for unit `index`'s documents: those of one file, in order, each in
+    the split of `sources.split_of`; or the whole input's train split, then its validation
+    split (as `sources.load_documents` gives them)."""
+    fraction = settings["validation_fraction"]
+    if not _whole(settings):
+        for doc in sources.file_documents(settings["units"][index], split=settings["unit"],
+                                          text_field=settings["text_field"]):
+            yield sources.split_of(doc.text, fraction), doc
+        return
+    stream = settings["unit"] == "stream"
+    docs = sources.read_text(settings["input"], split="file" if stream else settings["unit"],
+                             text_field=settings["text_field"]) if settings["input"] else \
+        sources.embedded_corpus()
+    for split in sources.SPLITS:
+        chosen = sources.split_stream(docs, split, fraction) if stream else \
+            sources.split_documents(docs, split, fraction)
+        yield from ((split, doc) for doc in chosen)
+
+
+def _width(settings: dict) -> int:
+    return max(6, len(str(len(settings["units"]) - 1)))
+
+
+def _progress(output_dir: str, *parts: str) -> str:
+    return os.path.join(output_dir, PROGRESS_DIR, *parts)
+
+
+def _record_path(output_dir: str, settings: dict, index: int) -> str:
+    return _progress(output_dir, "units", f"{index:0{_width(settings)}d}.json")
+
+
+def unfinished(path: str) -> bool:
+    """Whether `path` is a directory a prepare has begun and not finished."""
+    return bool(path) and os.path.isdir(os.path.join(path, PROGRESS_DIR)) and \
+        not os.path.isfile(os.path.join(path, SUMMARY))
+
+
+class _UnitWriter:
+    """One unit's shards of each split, opened at the split's first document; counts."""
+
+    def __init__(self, output_dir: str, settings: dict, index: int, stage):
+        self._settings, self._stage, self._writers = settings, stage, {}
+        self._eos = np.array([settings["eos"]], np.int32)
+        self._dir, self._unit = output_dir, f"{index:0{_width(settings)}d}"
+        self.counts = {split: {"documents": 0, "tokens": 0, "bytes": 0, "files": []}
+                       for split in sources.SPLITS}
+
+    def _writer(self, split: str):
+        if split not in self._writers:
+            if self._settings["format"] == "bin":
+                self._writers[split] = shards.TokenShardWriter(
+                    os.path.join(self._dir, f"{split}_{self._unit}"), stage=self._stage,
+                    tokens_per_shard=self._settings["tokens_per_shard"])
+            else:
+                self._writers[split] = sources.ArrayRecordShardWriter(
+                    os.path.join(self._dir, f"{split}-{self._unit}"),
+                    self._settings["num_shards"], stage=self._stage)
+        return self._writers[split]
+
+    def add(self, split: str, doc: sources.Document, ids) -> int:
+        ids = np.concatenate([np.asarray(ids, np.int32), self._eos])
+        self._writer(split).write(ids)
+        counts = self.counts[split]
+        counts["documents"] += 1
+        counts["tokens"] += int(ids.size)
+        counts["bytes"] += len(doc.text.encode("utf-8"))
+        return int(ids.size)
+
+    def close(self) -> None:
+        for split, writer in self._writers.items():
+            self.counts[split]["files"] = [os.path.basename(p) for p in writer.close()]
+
+
+def _encoded(pairs: Iterator[tuple[str, sources.Document]], encode: Encode):
+    """(batch of (split, document), their ids) for batches of ENCODE_BATCH documents."""
+    pending = collections.deque()
+
+    def texts():
+        while batch := list(itertools.islice(pairs, ENCODE_BATCH)):
+            pending.append(batch)
+            yield [doc.text for _, doc in batch]
+
+    for ids in encode(texts()):
+        yield pending.popleft(), ids
+
+
+def prepare_unit(output_dir: str, settings: dict, index: int, encode: Encode,
+                 progress: Callable[[int, int], None] | None = None) -> dict:
+    """Tokenizes unit `index` (`encode` turns batches of texts into ids), writes its shards
+    under temporary names, renames them into `output_dir` when all are complete, then writes
+    its record and returns it: {"unit", "input", "fingerprint", "train": {"documents",
+    "tokens", "bytes", "files"}, "validation": {...}}. `progress(documents, tokens)` after each
+    batch. The same settings and unit give the same bytes, whoever runs it."""
+    unit = settings["units"][index]
+    fingerprint = sources.fingerprint(unit or None)
+    os.makedirs(_progress(output_dir, "tmp"), exist_ok=True)
+    temp = tempfile.mkdtemp(prefix=f"{index}-", dir=_progress(output_dir, "tmp"))
+    try:
+        with fileio.staged(temp) as stage:
+            writer = _UnitWriter(output_dir, settings, index, stage)
+            try:
+                for batch, ids in _encoded(unit_documents(settings, index), encode):
+                    tokens = sum(writer.add(split, doc, one)
+                                 for (split, doc), one in zip(batch, ids, strict=True))
+                    if progress:
+                        progress(len(batch), tokens)
+            finally:
+                writer.close()
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    record = {"unit": index, "input": unit, "fingerprint": fingerprint, **writer.counts}
+    os.makedirs(_progress(output_dir, "units"), exist_ok=True)
+    fileio.write_atomic(_record_path(output_dir, settings, index),
+                        json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def _existing_shards(output_dir: str) -> str | None:
+    """What prepared data `output_dir` already holds, e.g. "2 ArrayRecord files (train-...)"."""
+    names = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
+    for suffix, kind in ((".array_record", "ArrayRecord"), (".bin", ".bin")):
+        if found := [name for name in names if name.endswith(suffix)]:
+            return f"{len(found)} {kind} files ({found[0]}, ...)"
+    return None
+
+
+def begin(output_dir: str, settings: dict) -> tuple[dict, tokenizers_lib.Tokenizer, dict]:
+    """Starts a prepare in `output_dir` or resumes the unfinished one there: (its settings,
+    with the tokenizer's <eos> and vocab_size, the tokenizer, {unit: record} of the finished
+    units). A fresh start builds (char, SentencePiece: trains on the train split) or loads the
+    tokenizer and saves it in `output_dir`; a resume loads that one. Refuses a directory that
+    holds other prepared data, or an unfinished prepare with other settings, in one line."""
+    manifest = _progress(output_dir, "settings.json")
+    if os.path.isfile(os.path.join(output_dir, SUMMARY)) or not os.path.isfile(manifest):
+        if existing := _existing_shards(output_dir):
+            raise FileExistsError(f"{output_dir}: already holds {existing}: expected a "
+                                  "directory without prepared data")
+        if os.path.isfile(os.path.join(output_dir, SUMMARY)):
+            raise FileExistsError(f"{output_dir}: already holds a finished prepare "
+                                  f"({SUMMARY}): expected a directory without prepared data")
+        tokenizer = _build_tokenizer(settings)
+        settings = {**settings, "eos": int(tokenizer.require("eos", "(or sep) to end each "
+                                                             "document")),
+                    "vocab": tokenizer.vocab_size}
+        os.makedirs(_progress(output_dir), exist_ok=True)
+        tokenizer.save(output_dir)
+        fileio.write_atomic(manifest, json.dumps(settings, indent=1) + "\n")
+        return settings, tokenizer, {}
+    with open(manifest) as f:
+        saved = json.load(f)
+    _check_same(output_dir, saved, settings)
+    records = _records(output_dir, saved)
+    for record in records.values():
+        if sources.fingerprint(record["input"] or None) != record["fingerprint"]:
+            raise ValueError(f"{record['input'] or 'the embedded corpus'}: changed since the "
+                             f"unfinished prepare in {output_dir} tokenized it: expected it as "
+                             "it was to resume, or another --output_dir")
+    shutil.rmtree(_progress(output_dir, "tmp"), ignore_errors=True)  # a killed unit's
+    kept = {name for record in records.values() for split in sources.SPLITS
+            for name in record[split]["files"]}
+    for name in os.listdir(output_dir):  # shards renamed into place before their record
+        if name.endswith((".array_record", ".bin")) and name not in kept:
+            os.remove(os.path.join(output_dir, name))
+    return saved, tokenizers_lib.load_tokenizer(output_dir), records
+
+
+def _check_same(output_dir: str, saved: dict, settings: dict) -> None:
+    for key in ARGUMENTS:
+        if saved.get(key) != settings[key]:
+            raise ValueError(f"{output_dir}: holds an unfinished prepare with --{key}="
+                             f"{saved.get(key)}, not {settings[key]}: expected its settings to "
+                             "resume it, or another --output_dir")
+    if saved["units"] != settings["units"]:
+        new = sorted(set(settings["units"]) - set(saved["units"]))
+        gone = sorted(set(saved["units"]) - set(settings["units"]))
+        raise ValueError(f"{output_dir}: holds an unfinished prepare of {len(saved['units'])} "
+                         f"input files; --input now gives {len(settings['units'])} (new: "
+                         f"{new[:1]}, gone: {gone[:1]}): expected the same files to resume it, "
+                         "or another --output_dir")
+
+
+def _build_tokenizer(settings: dict) -> tokenizers_lib.Tokenizer:
+    """The Hugging Face tokenizer at tokenizer_path, or one built on the train split (its
+    splits checked non-empty first: reading them is the work a trained tokenizer needs)."""
+    kind = settings["tokenizer"]
+    if kind == "hf":
+        tokenizer = tokenizers_lib.load_hf_tokenizer(settings["tokenizer_path"])
+    elif kind == "byte":
+        tokenizer = tokenizers_lib.build_tokenizer(kind)
+    else:
+        texts, documents = [], dict.fromkeys(sources.SPLITS, 0)
+        for index in range(len(settings["units"])):
+            for split, doc in unit_documents(settings, index):
+                documents[split] += 1
+                texts += [doc.text] if split == "train" else []
+        _check_splits(settings, documents)
+        tokenizer = tokenizers_lib.build_tokenizer(kind, texts, vocab_size=settings["vocab_size"])
+    if settings["format"] == "bin" and tokenizer.vocab_size > MAX_BIN_VOCAB:  # with sentinels
+        raise ValueError(f"tokenizer vocab_size {tokenizer.vocab_size} with format='bin': "
+                         f"expected at most {MAX_BIN_VOCAB} (uint16 token ids)")
+    return tokenizer
+
+
+def _check_splits(settings: dict, documents: dict[str, int], then: str = "") -> None:
+    for split in sources.SPLITS:
+        if not documents[split]:
+            raise ValueError(f"the {split} split of {settings['input'] or 'the embedded corpus'} "
+                             f"is empty ({sum(documents.values())} documents, "
+                             f"validation_fraction={settings['validation_fraction']}): expected "
+                             f"more documents or another validation_fraction{then}")
+
+
+def _records(output_dir: str, settings: dict) -> dict[int, dict]:
+    """{unit: record} of the finished units."""
+    records = {}
+    for index in range(len(settings["units"])):
+        path = _record_path(output_dir, settings, index)
+        if os.path.isfile(path):
+            with open(path) as f:
+                records[index] = json.load(f)
+    return records
+
+
+def finish(output_dir: str, settings: dict, input_path: str | None) -> dict:
+    """Sums the units' records into prepare.json (written last; `input_path` as given) and
+    removes .prepare/. Returns the counts: input, unit, validation_fraction, text_field (when
+    not "text"), tokenizer, vocab_size, format, num_shards or tokens_per_shard, and per split
+    documents, tokens (<eos> included), UTF-8 bytes and shard files."""
+    records = _records(output_dir, settings)
+    if missing := [settings["units"][i] for i in range(len(settings["units"]))
+                   if i not in records]:
+        raise RuntimeError(f"{output_dir}: {len(missing)} input files not prepared ({missing[0]}"
+                           ", ...): expected every unit finished (rerun to resume)")
+    counts = {"input": input_path or None, "unit": settings["unit"],
+              "validation_fraction": settings["validation_fraction"],
+              **({"text_field": settings["text_field"]} if settings["text_field"] != "text"
+                 else {}),
+              "tokenizer": settings["tokenizer"], "vocab_size": settings["vocab"],
+              "format": settings["format"]}
+    shard_setting = "tokens_per_shard" if settings["format"] == "bin" else "num_shards"
+    counts[shard_setting] = settings[shard_setting]
+    for split in sources.SPLITS:
+        ordered = [records[i][split] for i in sorted(records)]
+        counts[split] = {key: sum(one[key] for one in ordered)
+                         for key in ("documents", "tokens", "bytes")}
+        counts[split]["files"] = [name for one in ordered for name in one["files"]]
+    _check_splits(settings, {split: counts[split]["documents"] for split in sources.SPLITS},
+                  f" (in a new --output_dir, or once {output_dir} is removed)")
+    fileio.write_atomic(os.path.join(output_dir, SUMMARY), json.dumps(counts, indent=2) + "\n")
+    shutil.rmtree(_progress(output_dir), ignore_errors=True)
+    return counts
