@@ -65,7 +65,14 @@ import decode as decode_benchmark  # benchmarks/decode.py (its flags size the de
 import jax
 import numpy as np
 from absl import flags
-from nanogpt_common import link_configurator, prepare_nanogpt_data
+from nanogpt_common import (  # benchmarks/nanogpt_common.py
+    chip_peak,
+    device_line,
+    gpt_flops_per_token,
+    link_configurator,
+    nanogpt_params,
+    prepare_nanogpt_data,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("attention", "train", "decode")
@@ -367,17 +374,6 @@ def window_tokens_per_s(iters: list[dict], evals: list[dict], tokens_per_iter: i
     return statistics.median(rates) if rates else None
 
 
-def nanogpt_params(vocab: int, layers: int, width: int) -> int:
-    """Params of nanoGPT's GPT (bias=False) as its get_num_params() counts them (the position
-    table left out; the tied token table counted once, as the output head)."""
-    return vocab * width + layers * (12 * width * width + 2 * width) + width
-
-
-def gpt_flops_per_token(num_matmul_params: int, layers: int, width: int, context: int) -> float:
-    """6 N + 12 L D T: nanoGPT's estimate_mfu and `metrics.flops_per_token` (the one formula)."""
-    return 6 * num_matmul_params + 12 * layers * width * context
-
-
 def side_summary(name: str, parsed: dict, *, tokens_per_iter: int, flops_per_token: float,
                  wall_s: float, attention: str, dtype: str, own_mfu: float | None,
                  start_t: float = 0.0) -> dict:
@@ -490,17 +486,6 @@ def ours_command(text: str, workdir: str, *, gpu: bool, iters: int, sizes: dict,
         command.append("--config.model.dtype=float32")
     command += [f"--config.{override}" for override in extra]
     return command
-
-
-def chip_peak(dtype: str) -> tuple[float | None, str]:
-    """(peak FLOP/s of this process's first device for `dtype` compute, its source)."""
-    import ml_collections
-
-    from transformer.training import metrics
-
-    config = ml_collections.ConfigDict({"peak_flops_per_device": 0.0,
-                                        "model": {"dtype": dtype}})
-    return metrics.peak_flops(config)
 
 
 def _ours_flops(text_vocab: int, sizes: dict, num_params: int) -> float:
@@ -634,22 +619,6 @@ def _apply_cpu_sizes() -> None:
             flags.FLAGS[name].value = value
 
 
-def _environment() -> str:
-    device = jax.devices()[0]
-    line = (f"device: {device.device_kind} ({device.platform}, {jax.device_count()} "
-            f"device(s)); jax {jax.__version__}")
-    try:
-        import torch
-
-        line += f", torch {torch.__version__}"
-        if torch.cuda.is_available():
-            line += (f" (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "
-                     f"{torch.cuda.get_device_name(0)})")
-    except ImportError:
-        line += ", no torch"
-    return line
-
-
 def main(argv) -> int:
     del argv
     global _PREALLOCATE_SET_HERE
@@ -677,7 +646,7 @@ def main(argv) -> int:
     if "train" not in _SKIP.value and not _TEXT.value:
         raise ValueError("--text=PATH/tinyshakespeare.txt is required (or --skip=train)")
 
-    report = ["# Accelerator check", "", _environment(),
+    report = ["# Accelerator check", "", device_line(),
               "command: `" + " ".join(["python", *sys.argv]) + "`"]
     if not gpu:
         report.append("**No GPU: the CPU stand-in at tiny sizes (chunked for cuDNN); not the "

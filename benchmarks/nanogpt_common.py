@@ -1,9 +1,11 @@
 """What the benchmarks that run karpathy/nanoGPT from a local checkout share: its shakespeare_char
-data written from a text file, timed commands, and the machine's description.
+data written from a text file, byte-level tokens of the embedded corpus, timed commands, the
+one FLOPs formula, the chip's peak, and the machine's description.
 
 No flags are defined here, so any benchmark can import it (`nanogpt_protocol.py`,
-`accelerator_check.py`). Nothing of nanoGPT is copied: its train.py runs unmodified from the
-checkout, in a directory holding the data it reads.
+`accelerator_check.py`, `gpu_gpt2.py`). Nothing of nanoGPT is copied: its train.py runs
+unmodified from the checkout, in a directory holding the data it reads, or its model.py is
+imported from there.
 """
 
 from __future__ import annotations
@@ -40,6 +42,24 @@ def prepare_nanogpt_data(text: str, directory: str) -> None:
                      "itos": dict(enumerate(chars))}, f)
 
 
+def corpus_bytes() -> np.ndarray:
+    """uint16 token ids of the embedded corpus (`sources.embedded_corpus`: Python's docs and
+    standard library, shipped with every Python), one id per UTF-8 byte (ids 0-255 of any
+    vocabulary), the documents in their sorted order with a blank line between them."""
+    from transformer.data import sources
+
+    text = "\n\n".join(doc.text for doc in sources.embedded_corpus())
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint16)
+
+
+def random_windows(tokens: np.ndarray, shape: tuple[int, ...], length: int,
+                   seed: int) -> np.ndarray:
+    """int32 [*shape, length]: windows of `tokens` at uniformly random offsets (with
+    replacement, as nanoGPT's get_batch draws them), seeded."""
+    starts = np.random.default_rng(seed).integers(0, len(tokens) - length + 1, shape)
+    return tokens[starts[..., None] + np.arange(length)].astype(np.int32)
+
+
 def link_configurator(nanogpt_dir: str, directory: str) -> None:
     """nanoGPT's train.py execs `configurator.py` from its working directory: link it there."""
     link = os.path.join(directory, "configurator.py")
@@ -56,6 +76,47 @@ def timed_run(command: list[str], cwd: str, log_path: str, env=None) -> float:
     if result.returncode:
         raise RuntimeError(f"{' '.join(command)} exited {result.returncode}; see {log_path}")
     return seconds
+
+
+def nanogpt_params(vocab: int, layers: int, width: int) -> int:
+    """Params of nanoGPT's GPT (bias=False) as its get_num_params() counts them (the position
+    table left out; the tied token table counted once, as the output head)."""
+    return vocab * width + layers * (12 * width * width + 2 * width) + width
+
+
+def gpt_flops_per_token(num_matmul_params: int, layers: int, width: int, context: int) -> float:
+    """6 N + 12 L D T: nanoGPT's estimate_mfu and `metrics.flops_per_token` (the one formula)."""
+    return 6 * num_matmul_params + 12 * layers * width * context
+
+
+def chip_peak(dtype: str) -> tuple[float | None, str]:
+    """(peak FLOP/s of this process's first device for `dtype` compute, its source)."""
+    import ml_collections
+
+    from transformer.training import metrics
+
+    config = ml_collections.ConfigDict({"peak_flops_per_device": 0.0,
+                                        "model": {"dtype": dtype}})
+    return metrics.peak_flops(config)
+
+
+def device_line() -> str:
+    """The first JAX device, the versions, and torch's CUDA device if it has one."""
+    import jax
+
+    device = jax.devices()[0]
+    line = (f"device: {device.device_kind} ({device.platform}, {jax.device_count()} "
+            f"device(s)); jax {jax.__version__}")
+    try:
+        import torch
+
+        line += f", torch {torch.__version__}"
+        if torch.cuda.is_available():
+            line += (f" (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "
+                     f"{torch.cuda.get_device_name(0)})")
+    except ImportError:
+        line += ", no torch"
+    return line
 
 
 def cpu_model() -> str:
