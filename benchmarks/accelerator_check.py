@@ -66,6 +66,7 @@ import jax
 import numpy as np
 from absl import flags
 from nanogpt_common import (  # benchmarks/nanogpt_common.py
+    checked_sections_and_gpu,
     chip_peak,
     device_line,
     gpt_flops_per_token,
@@ -628,15 +629,7 @@ def main(argv) -> int:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         _PREALLOCATE_SET_HERE = True
 
-    unknown = sorted(set(_SKIP.value) - set(SECTIONS))
-    if unknown:
-        raise ValueError(f"--skip={','.join(_SKIP.value)}: {unknown} not among {SECTIONS}")
-    device = jax.devices()[0]
-    gpu = device.platform == "gpu"
-    if not gpu and not _ALLOW_CPU.value:
-        raise ValueError(f"no GPU: this machine's first device is {device.platform} "
-                         f"({device.device_kind}); run the check on a GPU machine, or pass "
-                         "--allow_cpu for its CPU stand-in at tiny sizes")
+    gpu = checked_sections_and_gpu(_SKIP.value, SECTIONS, _ALLOW_CPU.value)
     if not gpu:
         _apply_cpu_sizes()
     bad = [f for f in _OURS_FLAGS.value if "=" not in f or f.startswith(("-", "config."))]

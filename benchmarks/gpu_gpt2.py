@@ -62,6 +62,7 @@ import decode as decode_benchmark  # noqa: E402 - benchmarks/decode.py (its flag
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 from nanogpt_common import (  # noqa: E402 - benchmarks/nanogpt_common.py
+    checked_sections_and_gpu,
     chip_peak,
     corpus_bytes,
     device_line,
@@ -381,17 +382,7 @@ def main(argv) -> int:
     # Before JAX starts its backend: JAX's share of the GPU grows as it needs, so torch gets
     # the rest (JAX would otherwise take 75% of it up front).
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    import jax
-
-    unknown = sorted(set(_SKIP.value) - set(SECTIONS))
-    if unknown:
-        raise ValueError(f"--skip={','.join(_SKIP.value)}: {unknown} not among {SECTIONS}")
-    device = jax.devices()[0]
-    gpu = device.platform == "gpu"
-    if not gpu and not _ALLOW_CPU.value:
-        raise ValueError(f"no GPU: this machine's first device is {device.platform} "
-                         f"({device.device_kind}); run on a GPU machine, or pass --allow_cpu "
-                         "for the CPU rehearsal at tiny sizes")
+    gpu = checked_sections_and_gpu(_SKIP.value, SECTIONS, _ALLOW_CPU.value)
     _defaults(gpu)
     nanogpt = _NANOGPT.value
     if nanogpt and not os.path.isfile(os.path.join(nanogpt, "model.py")):

@@ -100,6 +100,23 @@ def chip_peak(dtype: str) -> tuple[float | None, str]:
     return metrics.peak_flops(config)
 
 
+def checked_sections_and_gpu(skip: list[str], sections: tuple[str, ...], allow_cpu: bool) -> bool:
+    """Whether the first JAX device is a GPU, after one-line errors for a --skip outside
+    `sections` and for a machine without a GPU unless --allow_cpu (the CPU rehearsal)."""
+    import jax
+
+    unknown = sorted(set(skip) - set(sections))
+    if unknown:
+        raise ValueError(f"--skip={','.join(skip)}: {unknown} not among {sections}")
+    device = jax.devices()[0]
+    gpu = device.platform == "gpu"
+    if not gpu and not allow_cpu:
+        raise ValueError(f"no GPU: this machine's first device is {device.platform} "
+                         f"({device.device_kind}); run on a GPU machine, or pass --allow_cpu "
+                         "for the CPU rehearsal at tiny sizes")
+    return gpu
+
+
 def device_line() -> str:
     """The first JAX device, the versions, and torch's CUDA device if it has one."""
     import jax
