@@ -1,6 +1,6 @@
 """Tokenizing a FineWeb-style corpus: our `prepare` against nanoGPT's `fineweb.py` logic.
 
-    pip install tiktoken   # nanoGPT's tokenizer (ours is the `tokenizers` package)
+    pip install tiktoken   # nanoGPT's tokenizer (and ours, for byte-level BPE: fast_bpe)
     python benchmarks/prepare_throughput.py --gpt2_tiktoken=PATH/gpt2.tiktoken --megabytes=1000
 
 Both sides tokenize the same FineWeb-style Parquet files with GPT-2's BPE into uint16 shards,
@@ -15,7 +15,8 @@ default cpu_count // 2 processes and at N.
 - Tokenizer: GPT-2's ranks from `--gpt2_tiktoken` (offline: `pip download openai-whisper
   --no-deps` ships them as whisper/assets/gpt2.tiktoken; without it tiktoken downloads "gpt2"),
   as a tiktoken Encoding for nanoGPT and, the merges recovered from the ranks, a Hugging Face
-  tokenizer.json for ours; <|endoftext|> is 50256 on both.
+  tokenizer.json for ours; <|endoftext|> is 50256 on both. `prepare` encodes that tokenizer.json
+  through tiktoken too (`transformer.data.fast_bpe`, which checks that the ids are the same).
 - Ours: `python -m transformer.data.prepare --input=DIR/*.parquet --tokenizer=hf
   --tokenizer_path=... --format=bin --num_workers=n`, the tokenizer one thread a process.
 - nanoGPT: build-nanogpt's fineweb.py loop, reimplemented (`nanogpt_prepare`; nothing copied):
@@ -58,8 +59,10 @@ from absl import app, flags
 
 BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCHMARKS)
+sys.path.insert(0, ROOT)  # this checkout's transformer, as the prepare runs (cwd ROOT) use
+from transformer.data import fast_bpe  # noqa: E402
+
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"  # GPT-2's one special token, the id after its ranks (50256)
 
 
@@ -79,22 +82,8 @@ def tiktoken_encoding(ranks: dict[bytes, int]):
     """The tiktoken Encoding nanoGPT uses ("gpt2"), built from `ranks`."""
     import tiktoken
 
-    return tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+    return tiktoken.Encoding("gpt2", pat_str=fast_bpe.GPT2_PATTERN, mergeable_ranks=ranks,
                              special_tokens={EOT: len(ranks)})
-
-
-def byte_symbols() -> list[str]:
-    """GPT-2's byte-level alphabet: byte b as a printable character (the printable Latin-1
-    bytes as themselves, the other 68 as chr(256), chr(257), ... in byte order)."""
-    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    symbols, extra = [], 256
-    for b in range(256):
-        if b in printable:
-            symbols.append(chr(b))
-        else:
-            symbols.append(chr(extra))
-            extra += 1
-    return symbols
 
 
 def _split_by_ranks(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
@@ -118,7 +107,7 @@ def hf_tokenizer_json(ranks: dict[bytes, int]) -> str:
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, processors
 
-    symbols = byte_symbols()
+    symbols = fast_bpe.byte_symbols()
 
     def spelled(token: bytes) -> str:
         return "".join(symbols[b] for b in token)
@@ -568,7 +557,6 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}: expected only flags")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host-side work only: libtpu need not probe
-    sys.path.insert(0, ROOT)  # this checkout's transformer, as the prepare runs (cwd ROOT) use
     import tiktoken
     import tokenizers
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from transformer.data import fast_bpe
 from transformer.data.tokenizer_base import HF_FILE, ROLES, Tokenizer, check_num_sentinels
 from transformer.utils import fileio
 
@@ -73,6 +74,8 @@ class HFTokenizer(Tokenizer):
         # saves `padding: Fixed 128` and `truncation: 128`): documents are encoded whole.
         self._tok.no_padding()
         self._tok.no_truncation()
+        self._fast = None  # a fast_bpe.TiktokenBPE, built by the first encode_batch (or False)
+        self.fast_bpe_skipped = ""  # why not, where the tokenizer is not encoded by tiktoken
         vocab = self._tok.get_vocab(with_added_tokens=True)
         size = max(vocab.values()) + 1
         unknown = sorted(set(specials) - set(ROLES))
@@ -111,6 +114,27 @@ class HFTokenizer(Tokenizer):
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """The ids of each text, as `encode` gives them: through tiktoken where a byte-level BPE
+        gives the same ids that way (`fast_bpe`, 3 to 5 times as fast), else `tokenizers`."""
+        if self.encoder == "tiktoken":
+            ids = self._fast.encode_batch(texts, self._encode_batch)
+            if ids is not None:
+                return ids
+            self._fast = False
+            self.fast_bpe_skipped = "tiktoken and tokenizers encoded a document differently"
+        return self._encode_batch(texts)
+
+    @property
+    def encoder(self) -> str:
+        """What `encode_batch` encodes with: "tiktoken", or "tokenizers" (`fast_bpe_skipped`
+        says why)."""
+        if self._fast is None:
+            self._fast, self.fast_bpe_skipped = fast_bpe.tiktoken_encoder(
+                self.tokenizer_json, self._tok)
+            self._fast = self._fast or False
+        return "tiktoken" if self._fast else "tokenizers"
+
+    def _encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, np.int32) for e in
                 self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
 

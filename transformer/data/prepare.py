@@ -146,6 +146,11 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
     settings, tok, finished = prepare_units.begin(output_dir, settings)
     todo = [i for i in range(len(settings["units"])) if i not in finished]
     if todo:
+        if getattr(tok, "encoder", None) == "tiktoken":  # a Hugging Face byte-level BPE
+            print("encoding through tiktoken: the tokenizer's own ids, faster "
+                  "(transformer.data.fast_bpe)", file=sys.stderr)
+        elif getattr(tok, "fast_bpe_skipped", ""):
+            print(f"encoding through tokenizers: {tok.fast_bpe_skipped}", file=sys.stderr)
         run(output_dir, settings, tok, todo)
     return prepare_units.finish(output_dir, settings, input_path)
 
