@@ -62,3 +62,21 @@ import jax  # noqa: E402
 # Threefry key derivation dominates compile time of tiny inits on CPU (~3x); the PRNG
 # implementation is orthogonal to the math under test, so tests use the cheaper "rbg".
 jax.config.update("jax_default_prng_impl", "rbg")
+
+
+# pytest-xdist (--dist loadfile) hands test files to the workers in collection order, which is
+# alphabetical: a long file collected last (test_workdir.py) runs alone on one core at the end.
+# The files that took longest in the full suite's profile go first, longest first, so that the
+# short ones fill in at the end. A file's own tests keep their order.
+LONGEST_FIRST = (
+    "test_moe.py", "test_sharding.py", "test_batched.py", "test_sequence_parallel.py",
+    "test_train.py", "test_workdir.py", "test_lora.py", "test_pipeline_parallel.py",
+    "test_mixer_stacks.py", "test_export.py", "test_hf_finetune_cli.py", "test_hostmem.py",
+    "test_sft.py", "test_optimizers.py", "test_quantization.py", "test_faults.py", "test_mtp.py",
+    "test_model_knobs.py", "test_launch.py", "test_reliability.py", "test_sweep_seeds.py",
+    "test_chunked_attention.py", "test_hf_init.py", "test_vision.py", "test_finetune.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
