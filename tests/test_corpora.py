@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 from test_cli import assert_one_line_error
+from test_inputs import config_for, take
 from test_train import REPO, cli_env, describe
 
 import transformer.data
@@ -432,3 +433,36 @@ def test_beam_settings_are_checked_before_any_work(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="expected Apache Beam installed"):
         prepare.prepare(str(out), engine="beam")
     assert not out.exists()
+
+
+def test_a_corpus_in_a_bucket_reads_and_prepares_as_on_a_local_disk(tmp_path):
+    """URLs go through fsspec (gs:// is gcsfs); its in-memory filesystem stands in for a bucket
+    here: every format, the fingerprint and the prepared shards equal the local folder's."""
+    fsspec = pytest.importorskip("fsspec")
+    local = uneven_inputs(tmp_path)
+    memory = fsspec.filesystem("memory")
+    bucket = f"memory://bucket-{tmp_path.name}/corpus"
+    memory.put(local, bucket.removeprefix("memory://"), recursive=True)
+    memory.pipe(bucket.removeprefix("memory://") + "/.hidden.txt", b"never read")
+    docs = {p: sources.read_text(p) for p in (local, bucket)}
+    assert [d.text for d in docs[bucket]] == [d.text for d in docs[local]]
+    assert all(d.name.startswith("memory://") for d in docs[bucket])
+    assert sources.fingerprint(bucket) == sources.fingerprint(local)
+    assert sources.fingerprint(bucket + "/*.parquet") == sources.fingerprint(f"{local}/*.parquet")
+    shards = []
+    for name, path in (("local", local), ("bucket", bucket)):
+        prepare.prepare(str(tmp_path / name), path, tokenizer="char", num_shards=2)
+        shards.append({p.name: p.read_bytes() for p in (tmp_path / name).glob("*.array_record")})
+    assert len(shards[0]) > 6 and shards[0] == shards[1]
+    configs = [config_for(path, tokenizer="byte") for path in (local, bucket)]  # data.path
+    tokenizer = inputs.get_tokenizer(configs[0])
+    assert inputs.data_stream(configs[0])["fingerprint"] == \
+        inputs.data_stream(configs[1])["fingerprint"]
+    for a, b in zip(*(take(inputs.get_dataset(c, tokenizer, "train"), 3) for c in configs),
+                    strict=True):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    with pytest.raises(FileNotFoundError, match=r"^memory://bucket-.*/nothing\*: no such file"):
+        sources.read_text(bucket + "/nothing*")
+    memory.pipe(bucket.removeprefix("memory://") + "/z.parquet", b"PAR1 cut short")
+    with pytest.raises(ValueError, match=r"^memory://.*/z\.parquet: unreadable Parquet"):
+        sources.read_text(bucket)

@@ -23,6 +23,8 @@ import os
 import zlib
 from collections.abc import Iterator
 
+from transformer.utils import fileio
+
 TEXT_FIELD = "text"
 _JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", ".ndjson")
 DATASET_FILES = ("state.json", "dataset_info.json")  # what save_to_disk writes beside its data
@@ -46,7 +48,7 @@ def kind(path: str) -> str:
 
 def is_dataset_dir(path: str) -> bool:
     """Whether `path` is a directory `datasets.Dataset.save_to_disk` wrote."""
-    return all(os.path.isfile(os.path.join(path, name)) for name in DATASET_FILES)
+    return all(fileio.isfile(os.path.join(path, name)) for name in DATASET_FILES)
 
 
 def dataset_dir_of(file: str) -> str | None:
@@ -76,7 +78,7 @@ def _short(value) -> str:
 
 def _open_text(path: str) -> io.TextIOBase:
     """The file's text, decompressed by its suffix (.gz, .zst)."""
-    raw = open(path, "rb")  # noqa: SIM115 - returned, closed by the caller's `with`
+    raw = fileio.open_binary(path)
     if path.lower().endswith(".gz"):
         raw = gzip.GzipFile(fileobj=raw)
     elif path.lower().endswith(".zst"):
@@ -136,7 +138,7 @@ def _parquet_rows(path: str, field: str) -> Iterator[tuple[int, str]]:
     import pyarrow.parquet as pq
 
     try:
-        with pq.ParquetFile(path) as table:
+        with fileio.open_binary(path) as file, pq.ParquetFile(file) as table:
             schema = table.schema_arrow
             batches = table.iter_batches(columns=[field] if field in schema.names else [])
             yield from _table_rows(batches, path, field, schema)
@@ -149,7 +151,7 @@ def _dataset_rows(directory: str, field: str) -> Iterator[tuple[int, str]]:
     """A save_to_disk directory's rows: its Arrow files (IPC streams) in state.json's order."""
     import pyarrow as pa
 
-    with open(os.path.join(directory, "state.json"), encoding="utf-8") as f:
+    with fileio.open_binary(os.path.join(directory, "state.json")) as f:
         state = json.load(f)
     files = [entry["filename"] for entry in state.get("_data_files", [])]
     if state.get("_indices_data_files"):  # select/shuffle without flatten_indices
@@ -159,7 +161,9 @@ def _dataset_rows(directory: str, field: str) -> Iterator[tuple[int, str]]:
     for name in files:
         path = os.path.join(directory, name)
         try:
-            with pa.memory_map(path) as source, pa.ipc.open_stream(source) as reader:
+            source = pa.memory_map(path) if not fileio.is_remote(path) else \
+                pa.PythonFile(fileio.open_binary(path), mode="r")
+            with source, pa.ipc.open_stream(source) as reader:
                 rows = 0
                 for row, text in _table_rows(reader, path, field, reader.schema):
                     yield offset + row, text

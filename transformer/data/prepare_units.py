@@ -61,7 +61,9 @@ Encode = Callable[[Iterator[list[str]]], Iterable[list]]
 def settings_for(input_path: str | None, **arguments) -> dict:
     """The settings of a prepare: `ARGUMENTS` (the paths absolute) and its units, the input
     files (a one-line error if --input names none). Only the format's shard setting is kept."""
-    settings = {"input": os.path.abspath(input_path) if input_path else None, **arguments}
+    local = input_path and not fileio.is_remote(input_path)  # a URL stays as it is
+    settings = {"input": os.path.abspath(input_path) if local else input_path or None,
+                **arguments}
     if settings["tokenizer_path"]:
         settings["tokenizer_path"] = os.path.abspath(settings["tokenizer_path"])
     settings["num_shards" if settings["format"] == "bin" else "tokens_per_shard"] = None

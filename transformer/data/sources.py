@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import glob
 import hashlib
+import json
 import operator
 import os
 import pydoc_data.topics
@@ -55,7 +56,7 @@ def embedded_corpus() -> list[Document]:
 
 
 def _read_utf8(path: str) -> str:
-    with open(path, "rb") as f:
+    with fileio.open_binary(path) as f:
         data = f.read()
     try:
         return data.decode("utf-8")
@@ -63,35 +64,21 @@ def _read_utf8(path: str) -> str:
         raise ValueError(f"{path}: invalid UTF-8 at byte {e.start}: expected UTF-8 text") from None
 
 
-def _files_under(directory: str) -> list[str]:
-    """Regular files under `directory`, recursively, skipping hidden files and directories."""
-    files = []
-    for root, dirs, names in os.walk(directory):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        files += [os.path.join(root, n) for n in names
-                  if not n.startswith(".") and os.path.isfile(os.path.join(root, n))]
-    return files
-
-
 def _files(path: str) -> list[str]:
-    """A file, a directory or a glob pattern -> the sorted regular files it names."""
-    if os.path.isdir(path):
-        files = _files_under(path)
+    """A file, a directory or a glob pattern (local, or a gs:// URL) -> the sorted regular
+    files it names."""
+    if fileio.isdir(path):
+        files = fileio.files_under(path)
         if not files:
             raise FileNotFoundError(f"{path}: no regular non-hidden files under this directory")
         return sorted(files)
-    if os.path.isfile(path):
+    if fileio.isfile(path):
         return [path]
-    files = set()
-    for match in glob.glob(path, recursive=True):
-        if os.path.isdir(match):
-            files.update(_files_under(match))
-        elif os.path.isfile(match):
-            files.add(match)
+    files = fileio.glob_files(path)
     if not files:
         raise FileNotFoundError(f"{path}: no such file or directory, and no file matches it as "
                                 "a glob pattern")
-    return sorted(files)
+    return files
 
 
 def split_paragraphs(text: str) -> list[str]:
@@ -120,9 +107,9 @@ def document_files(path: str) -> list[str]:
     files `read_text` reads, in its order (`prepare` works through them one by one)."""
     if formats.is_dataset_dir(path):
         return [path]
-    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
-        splits = sorted(d for d in os.listdir(path)
-                        if formats.is_dataset_dir(os.path.join(path, d))) or ["train"]
+    if fileio.isfile(os.path.join(path, "dataset_dict.json")):
+        with fileio.open_binary(os.path.join(path, "dataset_dict.json")) as f:
+            splits = sorted(json.load(f).get("splits") or ["train"])
         raise ValueError(f"{path}: a DatasetDict of splits {splits}: expected one split's "
                          f"directory (e.g. {os.path.join(path, splits[0])})")
     entries = []
@@ -193,12 +180,13 @@ def fingerprint(path: str | None) -> str:
         return digest.hexdigest()[:16]
     path = os.fspath(path)
     files = _files(path)
-    root = path if os.path.isdir(path) else os.path.dirname(os.path.commonprefix(files))
+    is_dir = fileio.isdir(path)
+    root = path if is_dir else os.path.dirname(os.path.commonprefix(files))
     for file in files:
-        size = os.path.getsize(file)
-        name = "" if len(files) == 1 and not os.path.isdir(path) else os.path.relpath(file, root)
+        size = fileio.getsize(file)
+        name = "" if len(files) == 1 and not is_dir else os.path.relpath(file, root)
         digest.update(f"{name}\0{size}\0".encode())
-        with open(file, "rb") as f:
+        with fileio.open_binary(file) as f:
             digest.update(f.read(_SAMPLE))
             if size > 2 * _SAMPLE:
                 f.seek(size - _SAMPLE)

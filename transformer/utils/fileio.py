@@ -9,6 +9,7 @@ Remote paths need the `tpu` extra (gcsfs).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -116,3 +117,77 @@ def parse_init_from(spec: str) -> tuple[str, str, int | None]:
     if at and step.isdigit():
         return "workdir", path, int(step)
     return "workdir", spec, None
+
+
+# Reading corpora (transformer.data.sources and .formats): local paths through os, URLs
+# (gs://, and any scheme fsspec knows, e.g. memory:// in tests) through fsspec, whose "gs"
+# filesystem the tpu extra's gcsfs provides.
+def _fs(url: str):
+    """(the fsspec filesystem of `url`, the path within it)."""
+    try:
+        import fsspec
+
+        return fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:
+        raise ValueError(f"{url}: {type(e).__name__}: {e}: expected a URL that fsspec reads "
+                         "(gs:// needs gcsfs: pip install -e '.[tpu]')") from None
+
+
+def isfile(p: str) -> bool:
+    if not is_remote(p):
+        return os.path.isfile(p)
+    fs, inner = _fs(p)
+    return fs.isfile(inner)
+
+
+def isdir(p: str) -> bool:
+    if not is_remote(p):
+        return os.path.isdir(p)
+    fs, inner = _fs(p)
+    return fs.isdir(inner)
+
+
+def getsize(p: str) -> int:
+    if not is_remote(p):
+        return os.path.getsize(p)
+    fs, inner = _fs(p)
+    return fs.size(inner)
+
+
+def open_binary(p: str):
+    """A file object to read `p`'s bytes from (seekable: Parquet reads its footer first)."""
+    if not is_remote(p):
+        return open(p, "rb")  # noqa: SIM115 - returned, closed by the caller's `with`
+    fs, inner = _fs(p)
+    return fs.open(inner, "rb")
+
+
+def files_under(directory: str) -> list[str]:
+    """The regular files under `directory`, recursively, skipping hidden files and folders."""
+    if not is_remote(directory):
+        found = []
+        for root, dirs, names in os.walk(directory):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            found += [os.path.join(root, n) for n in names
+                      if not n.startswith(".") and os.path.isfile(os.path.join(root, n))]
+        return found
+    fs, inner = _fs(directory)
+    root = inner.rstrip("/")
+    return [fs.unstrip_protocol(f) for f in fs.find(root)
+            if not any(part.startswith(".") for part in f[len(root):].split("/"))]
+
+
+def glob_files(pattern: str) -> list[str]:
+    """The regular files a glob `pattern` matches, with those under matching folders."""
+    if not is_remote(pattern):
+        matches = glob.glob(pattern, recursive=True)
+    else:
+        fs, inner = _fs(pattern)
+        matches = [fs.unstrip_protocol(m) for m in fs.glob(inner)]
+    found = set()
+    for match in matches:
+        if isdir(match):
+            found.update(files_under(match))
+        elif isfile(match):
+            found.add(match)
+    return sorted(found)
