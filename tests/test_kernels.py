@@ -136,7 +136,11 @@ def test_auto_picks_the_platform_kernel():
     assert choose(platform="gpu", head_dim=64, dtype=jnp.bfloat16) == "cudnn"
     assert choose(platform="cpu") == "chunked"
     assert choose(platform="cpu", q_len=256, kv_len=256) == "dense"
-    assert choose(platform="cpu", q_len=1, kv_len=2048) == "chunked"  # threshold is on kv_len
+    # the threshold is on the score block: a decode step's query against a long cache is dense
+    assert choose(platform="cpu", q_len=1, kv_len=32768) == "dense"
+    assert choose(platform="cpu", q_len=2048, kv_len=2048) == "chunked"
+    assert choose(platform="cpu", q_len=1024, kv_len=4096) == "chunked"  # prefill into a cache
+    assert choose(platform="cpu", q_len=1024, kv_len=2048) == "dense"
     assert choose(platform="cpu", kv_len=4096, chunk_threshold=8192) == "dense"
 
 

@@ -12,6 +12,7 @@ from transformer.nn.positions import (
     alibi_bias,
     alibi_slopes,
     apply_rope,
+    rope_frequencies,
     sinusoidal_positions,
     t5_relative_position_bucket,
 )
@@ -212,6 +213,46 @@ def test_rope_bf16_in_bf16_out_computed_in_float32():
     # a single rounding at the end: same as rotating the upcast input in float32, then casting
     f32 = apply_rope(x.astype(jnp.float32), pos).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(f32, np.float32))
+
+
+def _autodiff_rope(x, pos, layout, factor=1.0, H=None):
+    """RoPE as plain jnp ops (float32 math, cast back), differentiated by JAX's autodiff."""
+    H = H or x.shape[-1]
+    inv = jnp.asarray(rope_frequencies(H), jnp.float32)  # the library's angles, as given
+    angle = pos.astype(jnp.float32)[None, :, None, None] * inv
+    cos, sin = jnp.cos(angle) * factor, jnp.sin(angle) * factor
+    xf = x.astype(jnp.float32)
+    if layout == "half":
+        x1, x2 = xf[..., : H // 2], xf[..., H // 2:]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(xf.shape)
+    return out.astype(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_rope_gradient_is_the_inverse_rotation_bit_for_bit_as_autodiff_gives_it(layout, dtype):
+    """apply_rope's custom VJP (the cotangent rotated back, in its own dtype) against autodiff
+    of the same float32 formula: equal bit for bit, in float32 and bfloat16."""
+    x = jnp.asarray(_randn(3, 2, 12, 3, 16), dtype)
+    w = jnp.asarray(_randn(4, 2, 12, 3, 16), dtype)
+    pos = jnp.arange(12) * 7
+    grad = jax.grad(lambda x: jnp.sum((apply_rope(x, pos, layout=layout) * w)
+                                      .astype(jnp.float32)))(x)
+    want = jax.grad(lambda x: jnp.sum((_autodiff_rope(x, pos, layout) * w)
+                                      .astype(jnp.float32)))(x)
+    assert grad.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(want, np.float32))
+    # YaRN scales the rotation (its transpose scales alike); partial RoPE passes the rest
+    yarn = jax.grad(lambda x: jnp.sum(apply_rope(x, pos, layout=layout, scaling="yarn",
+                                                 scale=4.0, truncate=False) * w))(x)
+    assert float(jnp.abs(yarn.astype(jnp.float32)).max()) > 0
+    part = jax.grad(lambda x: jnp.sum((apply_rope(x, pos, layout=layout, fraction=0.5) * w)
+                                      .astype(jnp.float32)))(x)
+    np.testing.assert_array_equal(np.asarray(part[..., 8:], np.float32),
+                                  np.asarray(w[..., 8:], np.float32))
 
 
 # -----------------------------------------------------------------------------

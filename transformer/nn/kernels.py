@@ -19,7 +19,9 @@ can run it (never for a feature it takes only when named):
                                        one device or a mesh in context (then per device)
     cudnn      platform gpu            masks, GQA; head_dim <= 128 and a multiple of 8,
                                        fp16 / bf16, platform gpu
-    chunked    kv_len >= threshold     everything but dropout and returned weights
+    chunked    q_len x kv_len >=       everything but dropout and returned weights
+               threshold^2 (self-
+               attention: T >= it)
     dense      always                  everything (on CPU in query blocks that skip the keys a
                                        Mask never allows)
     reference  never (named only)      everything: the plain float32 formula, for prototyping
@@ -225,7 +227,10 @@ KERNELS = {
     "dense": Kernel(frozenset(FEATURES), preferred=lambda call: True),
     "chunked": Kernel(frozenset({"bias", "bias_fn", "softcap", "mask_array", "example_mask",
                                  "gqa", "sinks"}),
-                      preferred=lambda call: call.kv_len >= call.chunk_threshold),
+                      # the score block T x S, not S alone: a decode step's few queries
+                      # against a long cache have small scores, and dense reads the cache
+                      # 1.4-1.8x as fast there (docs/performance.md, decoding per mixer)
+                      preferred=lambda call: call.q_len * call.kv_len >= call.chunk_threshold**2),
     "splash": Kernel(frozenset({"softcap", "gqa", "sinks"}),
                      named_only=frozenset({"mask_array", "example_mask"}),
                      requires=_splash_requires, preferred=lambda call: call.platform == "tpu"),
