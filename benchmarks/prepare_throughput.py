@@ -25,8 +25,9 @@ default cpu_count // 2 processes and at N.
 - Columns: tokens/s is the tokens written (a document's ids and its <|endoftext|>) over the
   command's wall time; tokens/s per core is over its CPU time (user + sys, its processes
   together), which other jobs on the machine disturb less.
-- Checks: the ids are equal document by document (both sides' shards, all documents), and ours
-  at 1 and N workers wrote the same bytes.
+- Checks: the ids are equal document by document (both sides' shards, all documents), every
+  50th document encoded by the `tokenizers` library itself is among ours' (ours encodes through
+  tiktoken too), and ours at 1 and N workers wrote the same bytes.
 - Training side: tokens/s of one host's rows of experiments/llama_1b7.py's batch (128 x 2048,
   `--hosts` 4 as on a v5p-32) through the input pipeline (`inputs.get_dataset`) on ours' shards,
   against what one v5p host (4 chips) consumes at 100% MFU on that model: no run of it is
@@ -513,23 +514,44 @@ def table(best: dict, tokens: dict) -> str:
     return "\n".join(lines)
 
 
-def check_outputs(out: str, workers: int, eot: int) -> tuple[dict, str]:
+def check_outputs(out: str, workers: int, eot: int, tokenizer_json: str,
+                  sample: list[str]) -> tuple[dict, str]:
     """Tokens a side wrote, and a line saying whether the ids are equal document by document
-    (nanoGPT's N-process shards against ours at N workers) and whether ours at 1 and N workers
-    wrote the same bytes."""
+    (nanoGPT's N-process shards against ours at N workers), whether `sample` documents encoded
+    by the `tokenizers` library itself are among ours (prepare encodes GPT-2's BPE through
+    tiktoken, `transformer.data.fast_bpe`), and whether ours at 1 and N workers wrote the same
+    bytes."""
+    import tokenizers
+
     ours = our_streams(os.path.join(out, f"ours_{workers}"))
     nano = nanogpt_streams(os.path.join(out, f"nanoGPT_{workers}"))
     tokens = {"ours": sum(map(len, ours)), "nanoGPT": sum(map(len, nano))}
     theirs, mine = document_digests(nano, eot, True), document_digests(ours, eot, False)
     differ, documents = sum((theirs - mine).values()), sum(theirs.values())
     same = "yes" if differ == 0 and theirs == mine else f"NO: {differ} documents differ"
+    library = tokenizers.Tokenizer.from_file(tokenizer_json)
+    missing = sum(hashlib.blake2b(np.asarray(e.ids, np.uint16).tobytes(), digest_size=16)
+                  .digest() not in mine
+                  for e in library.encode_batch(sample, add_special_tokens=False))
     one, many = (os.path.join(out, f"ours_{n}") for n in (1, workers))
     names = sorted(n for n in os.listdir(many) if n.endswith(".bin"))
     identical = sorted(n for n in os.listdir(one) if n.endswith(".bin")) == names and all(
         filecmp.cmp(os.path.join(one, n), os.path.join(many, n), shallow=False) for n in names)
-    return tokens, (f"ids of tiktoken (nanoGPT) and tokenizers (ours) equal on all {documents:,} "
-                    f"documents: {same}; ours at 1 and {workers} workers wrote the same bytes: "
+    return tokens, (f"ids of nanoGPT (tiktoken) and ours equal on all {documents:,} documents: "
+                    f"{same}; {len(sample):,} of them encoded by the tokenizers library found "
+                    f"among ours: {'yes' if not missing else f'NO: {missing} missing'}; ours at "
+                    f"1 and {workers} workers wrote the same bytes: "
                     f"{'yes' if identical else 'NO'}")
+
+
+def sample_documents(files: list[str], every: int) -> list[str]:
+    """Every `every`-th row's text of the Parquet `files` (blank ones left out)."""
+    import pyarrow.parquet as pq
+
+    texts = []
+    for file in files:
+        texts += pq.read_table(file, columns=["text"]).column("text").to_pylist()[::every]
+    return [t for t in texts if t.strip()]
 
 
 def _define_flags() -> None:
@@ -571,7 +593,8 @@ def main(argv):
         file.write(hf_tokenizer_json(ranks))
     out, workers = os.path.join(workdir, "runs"), f.workers or CORES
     best = measure(made, f.gpt2_tiktoken, tokenizer_json, out, workers, f.repeats)
-    tokens, checked = check_outputs(out, workers, eot=len(ranks))
+    tokens, checked = check_outputs(out, workers, len(ranks), tokenizer_json,
+                                    sample_documents(made["files"], every=50))
     print(f"\n{made['bytes'] / 1e6:,.1f} MB of text, {made['documents']:,} documents in "
           f"{len(made['files'])} Parquet files (row groups of 1,000 rows); "
           f"{tokens['ours']:,} tokens, {made['bytes'] / tokens['ours']:.2f} bytes a token\n"

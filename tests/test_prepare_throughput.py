@@ -110,8 +110,8 @@ def test_a_tiny_rehearsal_prints_equal_ids_and_the_table(ranks_file, tmp_path):
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert "equal on all" in out and ": yes; ours at 1 and 2 workers wrote the same bytes: yes" \
-        in out, out
+    assert "equal on all" in out and " documents: yes; " in out, out
+    assert "found among ours: yes; ours at 1 and 2 workers wrote the same bytes: yes" in out, out
     assert "| ours: prepare --num_workers=2 | 2 |" in out
     assert "nanoGPT fineweb.py logic, 1 process (its default" in out or pt.CORES != 2
     assert "training read (experiments/llama_1b7.py" in out and "one v5p host" in out
