@@ -237,10 +237,11 @@ def run_sweep(*args: str, devices: int | None = None, wait: bool = True):
 def test_batched_seeds_through_the_cli_survive_kill_9(tmp_path):
     experiment = tmp_path / "batched.py"
     experiment.write_text(EXPERIMENT)
-    separate = run_sweep(f"--config={experiment}", f"--workdir={tmp_path / 'separate'}")
+    only = "--only=position=rope"  # one variant: the group logic is the in-process tests'
+    separate = run_sweep(f"--config={experiment}", f"--workdir={tmp_path / 'separate'}", only)
     assert separate.returncode == 0, separate.stdout[-3000:] + separate.stderr[-3000:]
     together = tmp_path / "together"
-    args = [f"--config={experiment}", f"--workdir={together}", "--batched_seeds"]
+    args = [f"--config={experiment}", f"--workdir={together}", "--batched_seeds", only]
     process = run_sweep(*args, wait=False)
     checkpoints = together / "position=rope" / "seed_1" / "checkpoints"
     deadline = time.time() + 300
@@ -254,9 +255,9 @@ def test_batched_seeds_through_the_cli_survive_kill_9(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "position=rope/seed_0: resuming in" in resumed.stdout
     assert "seed 1: batched seeds: seeds [0, 1] train in one program" in resumed.stdout
-    for name in ("position=rope", "position=alibi"):
-        assert_same_runs(tmp_path / "separate" / name, together / name, range(2), exact=True)
-    assert "## Difference from the baseline" in (together / "report.md").read_text()
+    assert_same_runs(tmp_path / "separate" / "position=rope", together / "position=rope",
+                     range(2), exact=True)
+    assert "position=rope" in (together / "report.md").read_text()
 
 
 @pytest.mark.slow
