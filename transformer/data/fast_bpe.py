@@ -3,7 +3,7 @@ as fast, where the two provably or checkably agree (`tiktoken_encoder`).
 
 `tokenizers` builds per-word strings, offsets and `Encoding` objects that `prepare` throws away;
 tiktoken's encoder does only the regex split and the merges. For a byte-level BPE tokenizer.json
-(GPT-2, Llama 3, Qwen 2, OLMo, ...) the ids are the same when:
+shaped as GPT-2's, Llama 3's or Qwen 2's the ids are the same when:
 
 - the model is BPE with no dropout, no unknown token, no byte fallback and no word affixes, and
   its normalizer is none or NFC;
