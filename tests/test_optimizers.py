@@ -238,6 +238,11 @@ def test_a_saved_schedule_free_run_evaluates_at_x(straight_runs):
 
 @pytest.mark.slow
 def test_batched_seeds_train_muon_as_separate_runs(tmp_path):
+    """The vmapped program rounds a few gradients an ulp apart from the separate ones (as for
+    every optimizer); Muon's Newton-Schulz iterations amplify such differences in the small
+    singular directions (its quintic's slope reaches 3.4, five times over), so params agree
+    to 5e-6 here (seen: 1.1e-6 on params of 1e-3) where a swapped or shared seed is off by
+    1e-3."""
     configs_ = [tiny("muon", steps=3, seed=k) for k in range(2)]
     for k, config in enumerate(configs_):
         config.experiment = f"optim/seed_{k}"
@@ -247,7 +252,7 @@ def test_batched_seeds_train_muon_as_separate_runs(tmp_path):
         a, b = (tmp_path / where / str(k) for where in ("separate", "together"))
         np.testing.assert_allclose([r["loss"] for r in records(a)],
                                    [r["loss"] for r in records(b)], rtol=1e-6)
-        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6),
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=5e-6),
                      final_params(a), final_params(b))
 
 

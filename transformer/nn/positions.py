@@ -247,19 +247,25 @@ def apply_rope(
     return _rotate(x, cos, sin, layout)
 
 
-def _rotate_pairs(x, cos, sin, layout: str):
+def _rotate_pairs(x, cos, sin, layout: str, inverse: bool = False):
     """x [B, T, N, H] with each pair of dims rotated by the angle of cos, sin [B, T, 1, H/2]
-    (scaled by YaRN's factor): the math in cos's dtype, the result in x's."""
+    (scaled by YaRN's factor), or with `inverse` by minus it: the math in cos's dtype, the
+    result in x's."""
     H = x.shape[-1]
     xf = x.astype(cos.dtype)
     if layout == "half":
         x1, x2 = xf[..., : H // 2], xf[..., H // 2 :]
-        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     else:
         pairs = xf.reshape(*xf.shape[:-1], H // 2, 2)
         x1, x2 = pairs[..., 0], pairs[..., 1]
-        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        out = out.reshape(xf.shape)
+    if inverse:  # written as autodiff writes the transpose, so that it rounds alike
+        y1, y2 = x1 * cos + x2 * sin, x2 * cos - x1 * sin
+    else:
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if layout == "half":
+        out = jnp.concatenate([y1, y2], axis=-1)
+    else:
+        out = jnp.stack([y1, y2], axis=-1).reshape(xf.shape)
     return out.astype(x.dtype)
 
 
@@ -279,7 +285,8 @@ def _rotate_bwd(layout, residuals, g):
     GiB a chip in a 1.7B's bfloat16 backward on TPU). cos and sin come from integer positions:
     no gradient flows to them."""
     cos, sin = residuals
-    return _rotate_pairs(g, cos, -sin, layout), jnp.zeros_like(cos), jnp.zeros_like(sin)
+    return (_rotate_pairs(g, cos, sin, layout, inverse=True), jnp.zeros_like(cos),
+            jnp.zeros_like(sin))
 
 
 _rotate.defvjp(_rotate_fwd, _rotate_bwd)
