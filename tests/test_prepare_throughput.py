@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 import prepare_throughput as pt  # noqa: E402 - benchmarks/ is not a package
 
-from transformer.data import tokenizers  # noqa: E402
+from transformer.data import fast_bpe, tokenizers  # noqa: E402
 
 tiktoken = pytest.importorskip("tiktoken")
 
@@ -36,7 +36,7 @@ def trained():
     trainer = trainers.BpeTrainer(vocab_size=600, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(pt.synthesize_documents(0.3, seed=1), trainer)
-    byte_of = {symbol: b for b, symbol in enumerate(pt.fast_bpe.byte_symbols())}
+    byte_of = {symbol: b for b, symbol in enumerate(fast_bpe.byte_symbols())}
     ranks = {bytes(byte_of[c] for c in token): i for token, i in tok.get_vocab().items()}
     return ranks, json.loads(tok.to_str())["model"]["merges"]
 

@@ -166,10 +166,10 @@ class TiktokenBPE:
         out: list[np.ndarray | None] = [
             None if self._added is not None and self._added.search(t) else self.encode(t)
             for t in texts]
-        sample = [i for i, ids in enumerate(out) if ids is not None][:_FIRST_BATCH_CHECKED]
-        if sample and not self._checked:
-            self._checked = True
-            want = reference([texts[i] for i in sample])
+        if not self._checked:
+            sample = [i for i, ids in enumerate(out) if ids is not None][:_FIRST_BATCH_CHECKED]
+            self._checked = bool(sample)
+            want = reference([texts[i] for i in sample]) if sample else []
             if any(not np.array_equal(out[i], w) for i, w in zip(sample, want, strict=True)):
                 return None
         rest = [i for i, ids in enumerate(out) if ids is None]
