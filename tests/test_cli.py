@@ -94,13 +94,15 @@ def test_verbose_shows_the_traceback(tmp_path):
 
 def test_a_tiny_cpu_run_has_a_quiet_stderr(tmp_path):
     """No libtpu probe warnings (JAX_PLATFORMS unset, as a user runs it) and no exceptions
-    ignored at interpreter exit."""
+    ignored at interpreter exit; the end-of-run samples print (`samples`, 2 here)."""
     env = {k: v for k, v in cli_env().items() if k != "JAX_PLATFORMS"}
     result = subprocess.run(
         [sys.executable, "-m", "transformer.train", "--config=experiments/gpt_tiny.py",
-         f"--workdir={tmp_path / 'workdir'}", *tiny_flags(2)],
+         f"--workdir={tmp_path / 'workdir'}", *tiny_flags(2), "--config.samples=2"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, describe(result)
+    samples = result.stdout.split("samples (temperature 0.8, top-k 200, prompt ")[1]
+    assert samples.splitlines().count("---") == 2, describe(result)
     if not any(glob.glob(d) for d in ACCELERATOR_DEVICES):  # a TPU/GPU machine may log more
         assert "Failed to find host bounds" not in result.stderr, describe(result)
         assert "INVALID_ARGUMENT" not in result.stderr, describe(result)

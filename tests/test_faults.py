@@ -1,5 +1,6 @@
-"""kill -9 at random moments (3 trials of benchmarks/fault_injection.py): every resumed run ends
-bitwise equal to an uninterrupted one, with each step's loss logged once and equal."""
+"""kill -9 at random moments (2 trials of benchmarks/fault_injection.py, which runs 20): every
+resumed run ends bitwise equal to an uninterrupted one, with each step's loss logged once and
+equal."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ def _fault_injection():
 
 
 def test_kill_9_at_random_moments_resumes_to_the_same_bits(tmp_path):
-    rows = _fault_injection().run(tmp_path, trials=3, steps=8, max_kills=1, seed=1,
+    rows = _fault_injection().run(tmp_path, trials=2, steps=8, max_kills=1, seed=1,
                                   report=lambda line: None)
-    assert sum(len(row["kills"]) for row in rows) >= 2, rows  # the kills really happened
+    # a kill lands unless the run finished first (its delay is drawn up to the reference's time)
+    assert sum(len(row["kills"]) for row in rows) >= 1, rows
     for row in rows:
         assert row["error"] == "", row
         assert row["params_equal"] and row["losses_equal"], row

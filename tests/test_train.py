@@ -66,12 +66,14 @@ def tiny_config(name: str = "gpt_tiny", *, steps: int = 2, **overrides):
 
 
 def tiny_flags(steps: int, *, checkpoint_every: int | None = None, family: str = "gpt",
-               measure_peak: bool = False):
+               measure_peak: bool = False, samples: bool = False):
     """`tiny_config`'s overrides as flags; `measure_peak`: MFU against the CPU's measured peak,
-    as runs do by default (else against `PEAK`)."""
+    as runs do by default (else against `PEAK`); `samples`: the end-of-run samples, as runs
+    print by default (the experiments' runs here print them)."""
     flags = [f"--config.steps={steps}", "--config.batch_size=2", "--config.seq_len=16",
              "--config.log_every=1", f"--config.eval_every={steps}", "--config.eval_steps=1",
-             f"--config.checkpoint_every={checkpoint_every or steps}"]
+             f"--config.checkpoint_every={checkpoint_every or steps}",
+             f"--config.samples={3 if samples else 0}"]
     if not measure_peak:
         flags.append(f"--config.peak_flops_per_device={PEAK}")
     flags += [f"--config.model.{key}={value}" for key, value in TINY_MODEL.items()]
@@ -202,7 +204,8 @@ def _launch_experiment(spec: str, root: Path) -> tuple[Path, CliRun]:
     config = experiment_config(name, *spec.split(":")[1:])
     workdir = root / name / "workdir"
     args = [f"--config=experiments/{spec}", f"--workdir={workdir}",
-            *tiny_flags(EXPERIMENT_STEPS, family=config.model.family, measure_peak=True)]
+            *tiny_flags(EXPERIMENT_STEPS, family=config.model.family, measure_peak=True,
+                        samples=True)]
     if name == "gpt_shakespeare_char":
         args.append(f"--config.data.path={SHAKESPEARE}")
     if "finetune" in name:  # from scratch: the pretraining run is not there
@@ -259,6 +262,8 @@ def test_every_experiment_runs_end_to_end_through_the_cli(experiment_runs, spec)
     assert summary["val_loss"] == validation[-1]["loss"]
     # tiny steps' scratch memory stays under glibc's 32 MB: no allocator line
     assert "host allocator" not in result.stdout, describe(result)
+    if spec == "gpt_tiny.py":  # samples=3, the default
+        assert result.stdout.splitlines().count("---") == 3, describe(result)
 
 
 # --- 2. SIGTERM, then exact resume ----------------------------------------------------------

@@ -72,6 +72,9 @@ KEYS: dict[str, Key] = {
     "eval_tasks_every": _key(0, "Steps between task evaluations.",
                              int_(ge=0, note="0: after the last step only")),
     "eval_tasks_limit": _key(0, "Documents scored per task.", int_(ge=0, note="0: every document")),
+    "samples": _key(3, "Samples printed at the end of a language model's training run "
+                    "(temperature 0.8, top-k 200, each filling the context).",
+                    int_(ge=0, note="0: none")),
     "checkpoint_every": _key(500, "Steps between checkpoint saves.", int_(ge=1)),
     "keep_checkpoints": _key(3, "How many of the run's own newest checkpoints are kept.",
                              int_(ge=1, note="the newest checkpoint is always kept")),

@@ -324,11 +324,13 @@ def main(argv) -> None:
     config = result["config"]  # resolved: an init_from=hf:DIR's model settings filled in
     language_model = family_of(config).continues_text and \
         pipeline.objective_for(config) in pipeline.OBJECTIVES
-    if language_model and jax.process_count() == 1 and result["state"] is not None:
+    if config.samples and language_model and jax.process_count() == 1 and \
+            result["state"] is not None:
         from transformer.generation import text
 
         text.print_samples(result["model"], optim.eval_params(result["state"], config),
-                           result["tokenizer"], config, inputs.sample_prompt(config))
+                           result["tokenizer"], config, inputs.sample_prompt(config),
+                           num_samples=config.samples)
     print(json.dumps(result["summary"], indent=2))
 
 
