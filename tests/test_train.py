@@ -73,7 +73,7 @@ def tiny_flags(steps: int, *, checkpoint_every: int | None = None, family: str =
     flags = [f"--config.steps={steps}", "--config.batch_size=2", "--config.seq_len=16",
              "--config.log_every=1", f"--config.eval_every={steps}", "--config.eval_steps=1",
              f"--config.checkpoint_every={checkpoint_every or steps}",
-             f"--config.samples={3 if samples else 0}"]
+             *([] if samples else ["--config.samples=0"])]
     if not measure_peak:
         flags.append(f"--config.peak_flops_per_device={PEAK}")
     flags += [f"--config.model.{key}={value}" for key, value in TINY_MODEL.items()]
