@@ -23,8 +23,8 @@ docs/performance.md, "CPU runs"); `--nokeep_freed_memory` leaves glibc as it sta
 Then, for the `--breakdown` shapes, where our step's time goes: forward, forward + backward and
 the optimizer update alone, and the two kinds of matmul work inside, each timed alone: the
 attention core (softmax(QK^T)V, causal) and the projection + MLP GEMMs with nothing between them,
-each also in PyTorch on the same inputs. What the GEMMs alone cannot account for is attention's
-softmax/masking and the elementwise work. Last, the attention core as each whole train step runs
+each also in PyTorch on the same inputs, and a block's elementwise work alone (LayerNorms,
+residual adds, GELU) on both sides. Last, the attention core as each whole train step runs
 it: the step's time less the same step with q + k + v in the core's place (the projections stay),
 both sides alternating. A part can cost more inside the step than alone (caches, the other work
 the step runs beside it).
@@ -197,8 +197,54 @@ def breakdown(shape, features, nanogpt_dir=None):
     torch_gemms(1)
     rows.append((f"the same GEMMs in PyTorch fwd+bwd x {layers}",
                  layers * 1e3 * min(timed(torch_gemms, 5)[0] / 5 for _ in range(3)), gemm_gflop))
+    rows += elementwise_rows(options, layers, tokens, width)
     rows += attention_in_step(shape, features, nanogpt_dir, core_gflop)
     return rows
+
+
+def elementwise_rows(options, layers, tokens, width):
+    """Rows (part, ms, GFLOP): a block's elementwise work alone, fwd+bwd x `layers`, ours (the
+    model's `activations.gelu`, Flax's LayerNorm, jitted with the step's compiler options) and
+    PyTorch's (`nn.GELU`, `layer_norm`, as nanoGPT's block runs them) on the same inputs: two
+    LayerNorms and two residual adds over [tokens, width], one exact GELU over [tokens, 4 width].
+    No matmul: what these cost is memory traffic and transcendentals (erf), and how many cores
+    each framework spreads them over."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+    import torch
+
+    from transformer.nn import activations
+
+    norm = nn.LayerNorm(use_bias=False)
+    norm_params = norm.init(jax.random.key(0), np.zeros((1, width), np.float32))
+
+    def block(x, h):
+        y = x + norm.apply(norm_params, x)
+        return (y + norm.apply(norm_params, y)).sum() + activations.gelu(h).sum()
+
+    rng = np.random.default_rng(0)
+    x, h = (rng.standard_normal(s).astype(np.float32) for s in ((tokens, width),
+                                                               (tokens, 4 * width)))
+    compiled = jax.jit(jax.grad(block, argnums=(0, 1)), compiler_options=options)
+    jax.block_until_ready(compiled(x, h))
+    ours_ms = 1e3 * min(timed(lambda k: jax.block_until_ready(
+        [compiled(x, h) for _ in range(k)][-1]), 5)[0] / 5 for _ in range(3))
+    x_t, h_t = (torch.from_numpy(a).requires_grad_(True) for a in (x, h))
+    t_norm, t_gelu = torch.nn.LayerNorm(width, bias=False), torch.nn.GELU()
+
+    def torch_block(n):
+        for _ in range(n):
+            x_t.grad = h_t.grad = None
+            y = x_t + t_norm(x_t)
+            ((y + t_norm(y)).sum() + t_gelu(h_t).sum()).backward()
+        return None
+
+    torch_block(1)
+    torch_ms = 1e3 * min(timed(torch_block, 5)[0] / 5 for _ in range(3))
+    return [(f"elementwise alone (2 LayerNorm, 2 adds, GELU) fwd+bwd x {layers}",
+             layers * ours_ms, 0.0),
+            (f"the same in PyTorch fwd+bwd x {layers}", layers * torch_ms, 0.0)]
 
 
 def attention_in_step(shape, features, nanogpt_dir, core_gflop, steps=5, repeats=3):
@@ -282,6 +328,8 @@ def matmul_peaks(size=2048, repeats=20):
 
 
 def main(argv) -> None:
+    from nanogpt_common import cpu_model  # benchmarks/nanogpt_common.py
+
     del argv
     import jax
     import torch
@@ -300,8 +348,9 @@ def main(argv) -> None:
     torch.set_num_threads(_THREADS.value)
     kept = _KEEP.value and hostmem.keep_freed_memory()
     xla_peak, torch_peak = matmul_peaks()
-    print(f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} "
-          f"threads); float32 matmul 2048^2 peak: XLA {xla_peak / 1e9:.0f} GFLOP/s, torch "
+    print(f"{cpu_model()}; jax {jax.__version__}, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads); float32 matmul 2048^2 peak: XLA "
+          f"{xla_peak / 1e9:.0f} GFLOP/s, torch "
           f"{torch_peak / 1e9:.0f} GFLOP/s; {_STEPS.value} steps per run, best of "
           f"{_REPEATS.value}; malloc: {hostmem.allocator()}"
           f"{' (keeping freed memory)' if kept else ''}")
