@@ -57,16 +57,15 @@ def cases(np, torch, jax):
     return out
 
 
-def best_ms(thunk, repeats: int, calls: int = 20) -> float:
+def mean_ms(thunk, calls: int = 20) -> float:
+    """ms per call of `thunk` over `calls` calls, after one untimed call (a jax result is
+    waited for)."""
     thunk()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            result = thunk()
-        getattr(result, "block_until_ready", lambda: None)()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e3
+    start = time.perf_counter()
+    for _ in range(calls):
+        result = thunk()
+    getattr(result, "block_until_ready", lambda: None)()
+    return (time.perf_counter() - start) / calls * 1e3
 
 
 def main(argv) -> None:
@@ -95,8 +94,8 @@ def main(argv) -> None:
         times = [float("inf")] * len(compiled) + [float("inf")]
         for _ in range(_REPEATS.value):  # the sides take turns
             for i, c in enumerate(compiled):
-                times[i] = min(times[i], best_ms(lambda c=c, a=args: c(*a), 1))
-            times[-1] = min(times[-1], best_ms(torch_thunk, 1))
+                times[i] = min(times[i], mean_ms(lambda c=c, a=args: c(*a)))
+            times[-1] = min(times[-1], mean_ms(torch_thunk))
         cells = " | ".join(f"{ms:.3f}" + (f" ({gflop / ms * 1e3:.0f} GFLOP/s)" if gflop else "")
                            for ms in times)
         print(f"| {name} | {cells} | {times[-1] / times[0]:.2f}x |")

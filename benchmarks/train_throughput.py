@@ -197,15 +197,16 @@ def breakdown(shape, features, nanogpt_dir=None):
     torch_gemms(1)
     rows.append((f"the same GEMMs in PyTorch fwd+bwd x {layers}",
                  layers * 1e3 * min(timed(torch_gemms, 5)[0] / 5 for _ in range(3)), gemm_gflop))
-    rows += elementwise_rows(options, layers, tokens, width)
+    rows += elementwise_rows(ms, layers, tokens, width)
     rows += attention_in_step(shape, features, nanogpt_dir, core_gflop)
     return rows
 
 
-def elementwise_rows(options, layers, tokens, width):
+def elementwise_rows(ms, layers, tokens, width):
     """Rows (part, ms, GFLOP): a block's elementwise work alone, fwd+bwd x `layers`, ours (the
-    model's `activations.gelu`, Flax's LayerNorm, jitted with the step's compiler options) and
-    PyTorch's (`nn.GELU`, `layer_norm`, as nanoGPT's block runs them) on the same inputs: two
+    model's `activations.gelu`, Flax's LayerNorm, timed by `breakdown`'s `ms`: jitted with the
+    step's compiler options) and PyTorch's (`nn.GELU`, `layer_norm`, as nanoGPT's block runs
+    them) on the same inputs: two
     LayerNorms and two residual adds over [tokens, width], one exact GELU over [tokens, 4 width].
     No matmul: what these cost is memory traffic and transcendentals (erf), and how many cores
     each framework spreads them over."""
@@ -226,10 +227,7 @@ def elementwise_rows(options, layers, tokens, width):
     rng = np.random.default_rng(0)
     x, h = (rng.standard_normal(s).astype(np.float32) for s in ((tokens, width),
                                                                (tokens, 4 * width)))
-    compiled = jax.jit(jax.grad(block, argnums=(0, 1)), compiler_options=options)
-    jax.block_until_ready(compiled(x, h))
-    ours_ms = 1e3 * min(timed(lambda k: jax.block_until_ready(
-        [compiled(x, h) for _ in range(k)][-1]), 5)[0] / 5 for _ in range(3))
+    ours_ms = ms(jax.grad(block, argnums=(0, 1)), x, h)
     x_t, h_t = (torch.from_numpy(a).requires_grad_(True) for a in (x, h))
     t_norm, t_gelu = torch.nn.LayerNorm(width, bias=False), torch.nn.GELU()
 
