@@ -147,6 +147,25 @@ def test_batched_seeds_quantize_every_projection_under_vmap(float_params):
     assert found.count(("int8", "int8")) == LAYERS * PROJECTIONS
 
 
+@pytest.mark.parametrize("scheme", ["", "int8"])
+def test_dots_over_the_head_axes_equal_the_flat_gemms(float_params, monkeypatch, scheme):
+    """Off CPU `attention.matmul` dots over the kernels' own axes ([B, T, D] x [D, N, H] to heads,
+    [B, T, N, H] x [N, H, D] back); on CPU it flattens them to 2-D GEMMs. Both are one math:
+    Qwix's per-token and per-channel scales cover the same values either way."""
+    from transformer.nn import attention
+
+    config = model_config(scheme)
+    flat = (logits(config, float_params), kernels_of(kernel_gradients(config, float_params)))
+    monkeypatch.setattr(attention, "FLAT_MATMUL_PLATFORMS", ())
+    program = str(jax.make_jaxpr(lambda p: logits(config, p))(float_params))
+    assert program.count("dimension_numbers=(([2, 3], [0, 1])") == LAYERS, program  # W_o's
+    over_heads = (logits(config, float_params), kernels_of(kernel_gradients(config, float_params)))
+    np.testing.assert_allclose(over_heads[0], flat[0], rtol=1e-5, atol=1e-5)
+    assert over_heads[1].keys() == flat[1].keys() and len(flat[1]) == LAYERS * PROJECTIONS
+    for name, grad in over_heads[1].items():
+        np.testing.assert_allclose(grad, flat[1][name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("value", ["int4", "INT8", "bf16"])
 def test_a_bad_quantization_is_one_line(value):
     config = configs.base_config()

@@ -27,6 +27,7 @@ from transformer.nn.masks import Mask
 
 Array = jax.Array
 ATTENTION_GATES = ("", "head", "element")  # off, a gate per head, or per head_dim element
+FLAT_MATMUL_PLATFORMS = ("cpu",)  # where `matmul` runs projections as 2-D GEMMs
 
 def attend(
     query: Array,
@@ -135,9 +136,12 @@ def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,
            preferred_element_type=None) -> Array:
     """x [..., *kernel.shape[:contract]] times kernel -> [..., *kernel.shape[contract:]].
 
-    Computed as one 2-D [tokens, in] x [in, out] matmul (in `dtype`, if given). With 3-D
+    On CPU computed as one 2-D [tokens, in] x [in, out] matmul (in `dtype`, if given): with 3-D
     operands XLA CPU lays the backward pass's activation gradients out transposed, which made
-    fwd+bwd of a GPT-2-sized MLP 2x slower; flat matmuls are plain GEMMs on every backend.
+    fwd+bwd of a GPT-2-sized MLP 2x slower. Elsewhere one dot over the kernel's own axes, so a
+    projection to heads gives [B, T, N, H] directly: on TPU reshaping a flat [tokens, N * H]
+    result to heads is a relayout, a copy the backward pass keeps (0.30 GiB a chip of the 1.71B
+    on v6e-8, docs/performance.md).
 
     >>> matmul(jnp.ones((2, 3, 4)), jnp.ones((4, 5, 6))).shape
     (2, 3, 5, 6)
@@ -147,11 +151,13 @@ def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,
     if x.shape[x.ndim - contract:] != in_shape:
         raise ValueError(f"matmul: x shape {x.shape} does not end in the kernel's input dims "
                          f"{in_shape}")
-    size = math.prod(in_shape)
     if dtype is not None:
         x, kernel = x.astype(dtype), kernel.astype(dtype)
+    if kernels.target_platform() not in FLAT_MATMUL_PLATFORMS:  # Qwix quantizes projection_dot
+        return quantization.projection_dot(x, kernel, preferred_element_type, contract)
+    size = math.prod(in_shape)
     y = quantization.projection_dot(x.reshape(-1, size), kernel.reshape(size, -1),
-                                    preferred_element_type)  # Qwix quantizes it, if asked
+                                    preferred_element_type)  # as Qwix's intercept, if asked
     return y.reshape(*lead, *out_shape)
 
 

@@ -52,14 +52,19 @@ def check(model_config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"model.quantization={value!r}: expected one of {('', *SCHEMES)}")
 
 
-_DIMENSIONS = (((1,), (0,)), ((), ()))  # [M, K] x [K, N]
+def dimensions(x_ndim: int, contract: int = 1) -> tuple:
+    """dot_general's dimension numbers for x [..., in...] times a kernel [in..., out...] over
+    the `contract` axes `in`, no batch axes."""
+    return ((tuple(range(x_ndim - contract, x_ndim)), tuple(range(contract))), ((), ()))
 
 
-def projection_dot(x: jax.Array, kernel: jax.Array, preferred_element_type=None) -> jax.Array:
-    """x [M, K] times a param kernel [K, N]: the matmul of every dense projection
-    (`attention.matmul`). Quantized runs intercept this function: its second operand is known
-    to be a weight, under vmap (batched seeds) and scan too."""
-    return jax.lax.dot_general(x, kernel, _DIMENSIONS,
+def projection_dot(x: jax.Array, kernel: jax.Array, preferred_element_type=None,
+                   contract: int = 1) -> jax.Array:
+    """x [..., in...] times a param kernel [in..., out...] over its `contract` input axes: the
+    matmul of every dense projection (`attention.matmul`; 2-D [M, K] x [K, N] on CPU). Quantized
+    runs intercept this function: its second operand is known to be a weight, under vmap
+    (batched seeds) and scan too."""
+    return jax.lax.dot_general(x, kernel, dimensions(x.ndim, contract),
                                preferred_element_type=preferred_element_type)
 
 
@@ -77,10 +82,10 @@ def _provider_class():
             return {**qwix.QuantizationProvider.get_intercept_map(self),
                     f"{__name__}.projection_dot": self.quantized_dot}
 
-        def quantized_dot(self, x, kernel, preferred_element_type=None):
+        def quantized_dot(self, x, kernel, preferred_element_type=None, contract=1):
             rule, _ = self._get_current_rule_and_op_id("dot_general")
-            if rule is None:
-                return projection_dot(x, kernel, preferred_element_type)  # not intercepted here
+            if rule is None:  # not intercepted here
+                return projection_dot(x, kernel, preferred_element_type, contract)
             config = dot_general_qt.DotGeneralQtConfig(
                 lhs_qtype=rule.act_qtype, rhs_qtype=rule.weight_qtype,
                 lhs_calibration_method=rule.act_calibration_method,
@@ -88,7 +93,7 @@ def _provider_class():
                 dlhs_grad_qtype=rule.bwd_qtype, drhs_grad_qtype=rule.bwd_qtype,
                 dlhs_grad_calibration_method=rule.bwd_calibration_method,
                 drhs_grad_calibration_method=rule.bwd_calibration_method)
-            y = dot_general_qt.dot_general_qt(x, kernel, _DIMENSIONS, config)
+            y = dot_general_qt.dot_general_qt(x, kernel, dimensions(x.ndim, contract), config)
             return y if preferred_element_type is None else y.astype(preferred_element_type)
 
     return ProjectionQtProvider
