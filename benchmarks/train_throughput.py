@@ -206,8 +206,8 @@ def elementwise_rows(ms, layers, tokens, width):
     """Rows (part, ms, GFLOP): a block's elementwise work alone, fwd+bwd x `layers`, ours (the
     model's `activations.gelu`, Flax's LayerNorm, timed by `breakdown`'s `ms`: jitted with the
     step's compiler options) and PyTorch's (`nn.GELU`, `layer_norm`, as nanoGPT's block runs
-    them) on the same inputs: two
-    LayerNorms and two residual adds over [tokens, width], one exact GELU over [tokens, 4 width].
+    them) on the same inputs: two LayerNorms and two residual adds over [tokens, width], one
+    exact GELU over [tokens, 4 width].
     No matmul: what these cost is memory traffic and transcendentals (erf), and how many cores
     each framework spreads them over."""
     import flax.linen as nn

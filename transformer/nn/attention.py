@@ -153,11 +153,12 @@ def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,
                          f"{in_shape}")
     if dtype is not None:
         x, kernel = x.astype(dtype), kernel.astype(dtype)
-    if kernels.target_platform() not in FLAT_MATMUL_PLATFORMS:  # Qwix quantizes projection_dot
+    # Qwix quantizes projection_dot, where a quantized run asks it to
+    if kernels.target_platform() not in FLAT_MATMUL_PLATFORMS:
         return quantization.projection_dot(x, kernel, preferred_element_type, contract)
     size = math.prod(in_shape)
     y = quantization.projection_dot(x.reshape(-1, size), kernel.reshape(size, -1),
-                                    preferred_element_type)  # as Qwix's intercept, if asked
+                                    preferred_element_type)
     return y.reshape(*lead, *out_shape)
 
 
