@@ -208,21 +208,22 @@ def mixers_on_meshes(devices) -> dict[str, dict]:
 def main(workdir: str) -> None:
     devices = jax.devices()
     data = batches(STEPS)
-    results = {}
+    results, runs = {}, {}
     reference = None
     for name, mesh in MESHES.items():
         run = Run(small_config(mesh or (1, 1, 1)), devices[:1] if mesh is None else devices)
         state, losses = run.train(run.init(jax.random.key(0)), data)
+        runs[name] = run, state, losses
         params = host(state.params)
         if reference is None:
             reference = params
         results[name] = {"losses": losses, "max_param_diff": max_diff(params, reference),
                          "layout": layout(state.params)}
 
-    # Save on fsdp=8, restore on 4 devices as data=2 x fsdp=2, continue.
-    config = small_config((1, 8, 1))
-    fsdp8 = Run(config, devices)
-    uninterrupted, uninterrupted_losses = fsdp8.train(fsdp8.init(jax.random.key(0)), data)
+    # Save on fsdp=8 (the run above, 2 steps of it again), restore on 4 devices as data=2 x
+    # fsdp=2, continue.
+    fsdp8, uninterrupted, uninterrupted_losses = runs["1,8,1"]
+    config = fsdp8.config
     state, first = fsdp8.train(fsdp8.init(jax.random.key(0)), data[:2])
     iterator = iter(grain.MapDataset.range(10).to_iter_dataset())
     manager = checkpoint_manager.Manager(workdir, config)
