@@ -114,10 +114,10 @@ def is_quantized(x) -> bool:
 
 
 def _dequantized(kernel):
-    import qwix
-
     if not is_quantized(kernel):
         return kernel
+    import qwix  # here, not at the top: it takes 2 s to import, and only QLoRA runs need it
+
     qtype = jnp.dtype(kernel["qvalue"].dtype).name
     return qwix.dequantize(qwix.QArray(kernel["qvalue"], kernel["scale"], None, qtype))
 
