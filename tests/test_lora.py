@@ -438,3 +438,29 @@ def test_a_qlora_run_exports_merged_or_not_at_all(monkeypatch, tmp_path):
                                          r"'int8'\): .* expected --merge_lora"):
         export.export_workdir(str(tmp_path / "run"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_without_quantized_kernels_never_imports_qwix():
+    """Importing Qwix takes 2-3 s (it loads flax.nnx and IPython). Every projection passes
+    through lora.project, so a plain model's trace, which every command does at start-up, must
+    not pay it. Checked in a fresh process: this one may have imported it already."""
+    import os
+    import subprocess
+    import sys
+
+    code = """if True:
+        import sys
+        import jax
+        from transformer.configs import base_config
+        from transformer.models import build_model
+        config = base_config()
+        config.model.update(family="gpt", num_layers=1, d_model=16, num_heads=2, d_ff=32,
+                            vocab_size=32)
+        config.model.lora.rank = 2  # with adapters: every lora.project path
+        model = build_model(config.model)
+        jax.eval_shape(model.init, jax.random.key(0), jax.numpy.zeros((1, 8), "int32"))
+        assert "qwix" not in sys.modules, "a plain model's trace imported qwix"
+    """
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert child.returncode == 0, child.stderr[-3000:]
