@@ -441,7 +441,7 @@ def test_a_qlora_run_exports_merged_or_not_at_all(monkeypatch, tmp_path):
 
 
 def test_a_model_without_quantized_kernels_never_imports_qwix():
-    """Importing Qwix takes 2-3 s (it loads flax.nnx and IPython). Every projection passes
+    """Importing Qwix takes about 1 s (it loads flax.nnx and IPython). Every projection passes
     through lora.project, so a plain model's trace, which every command does at start-up, must
     not pay it. Checked in a fresh process: this one may have imported it already."""
     import os

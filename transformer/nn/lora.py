@@ -116,7 +116,7 @@ def is_quantized(x) -> bool:
 def _dequantized(kernel):
     if not is_quantized(kernel):
         return kernel
-    import qwix  # here, not at the top: it takes 2 s to import, and only QLoRA runs need it
+    import qwix  # here: about 1 s to import (flax.nnx, IPython), for QLoRA runs only
 
     qtype = jnp.dtype(kernel["qvalue"].dtype).name
     return qwix.dequantize(qwix.QArray(kernel["qvalue"], kernel["scale"], None, qtype))
