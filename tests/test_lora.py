@@ -4,12 +4,16 @@ through the CLI on an imported tiny Llama: checkpoints of the adapters alone nam
 (a different base is refused in one line), resume, a mesh equal to one device, and both
 exports loaded by transformers and peft with our logits."""
 
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
+from test_train import cli_env
 
 from transformer.configs import base_config, validate_config
 from transformer.models import build_model, family_of
@@ -444,10 +448,6 @@ def test_a_model_without_quantized_kernels_never_imports_qwix():
     """Importing Qwix takes about 1 s (it loads flax.nnx and IPython). Every projection passes
     through lora.project, so a plain model's trace, which every command does at start-up, must
     not pay it. Checked in a fresh process: this one may have imported it already."""
-    import os
-    import subprocess
-    import sys
-
     code = """if True:
         import sys
         import jax
@@ -462,5 +462,5 @@ def test_a_model_without_quantized_kernels_never_imports_qwix():
         assert "qwix" not in sys.modules, "a plain model's trace imported qwix"
     """
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                           env=cli_env())  # on CPU, this checkout's transformer/
     assert child.returncode == 0, child.stderr[-3000:]
