@@ -205,8 +205,8 @@ EXPERIMENT = textwrap.dedent("""
     def get_config():
         config = base_config()
         config.experiment = "batched"
-        config.update(steps=40, batch_size=2, seq_len=16, log_every=1, eval_every=20,
-                      eval_steps=2, checkpoint_every=2, keep_checkpoints=2)
+        config.update(steps=24, batch_size=2, seq_len=16, log_every=1, eval_every=12,
+                      eval_steps=2, checkpoint_every=4, keep_checkpoints=2)
         config.model.update(num_layers=1, d_model=32, num_heads=2, d_ff=64, max_len=16,
                             dropout_rate=0.1)
         return config
@@ -266,7 +266,7 @@ def test_batched_seeds_on_a_mesh_equal_separate_runs(tmp_path):
     rows shard as a separate run's. Equal to 1e-6, not bit for bit: the vmapped gradients'
     cross-device reductions round differently."""
     experiment = tmp_path / "batched.py"
-    experiment.write_text(EXPERIMENT.replace("steps=40", "steps=6").replace(
+    experiment.write_text(EXPERIMENT.replace("steps=24", "steps=6").replace(
         "batch_size=2", "batch_size=4"))
     mesh = ["--config.mesh.fsdp=2", "--config.mesh.data=2", "--only=position=rope"]
     for name, extra in (("separate", []), ("together", ["--batched_seeds"])):
