@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_gated_deltanet import compiled_init  # tests/
 
 from transformer.nn.mixers import conv
 from transformer.nn.mixers import mamba2 as m2
@@ -177,11 +178,6 @@ D_MODEL = 16
 SETTINGS = m2.Mamba2Settings(num_heads=4, head_dim=8, num_groups=2, state_size=8,
                              conv_kernel=4, chunk_size=4, use_bias=True,
                              time_step_limit=(0.0, 0.5))
-
-
-def compiled_init(model, *args, **kwargs):
-    """`model.init` under jit: run eagerly, init's forward pass dispatches op by op (seconds)."""
-    return jax.jit(functools.partial(model.init, **kwargs))(*args)
 
 
 @pytest.fixture(scope="module")
