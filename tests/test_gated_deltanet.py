@@ -187,9 +187,10 @@ SETTINGS = gdn.GatedDeltaNetSettings(num_key_heads=G, num_value_heads=N, key_hea
 D, T = 16, 10
 
 
-def compiled_init(model, *args, **kwargs):
-    """`model.init` under jit: run eagerly, init's forward pass dispatches op by op (seconds)."""
-    return jax.jit(functools.partial(model.init, **kwargs))(*args)
+def init_cache(model, x):
+    """The decode cache `model.init` makes for prompts like `x`, under jit (eagerly, init's
+    forward pass dispatches op by op: seconds, as for the params)."""
+    return jax.jit(functools.partial(model.init, decode=True))(jax.random.key(1), x)["cache"]
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +198,7 @@ def layer():
     """(model, params, x [B, T, D], the full forward's output)."""
     model = gdn.GatedDeltaNet(SETTINGS)
     x = jax.random.normal(jax.random.key(0), (B, T, D))
-    params = nn.unbox(compiled_init(model, jax.random.key(1), x)["params"])
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(1), x)["params"])
     return model, params, x, jax.jit(model.apply)({"params": params}, x)
 
 
@@ -215,10 +216,10 @@ def test_layer_params_and_cache(layer):
     assert shapes["query"] == (D, G, K) and shapes["value"] == (D, N, V)
     assert shapes["decay"] == (D, N) and shapes["query_conv"] == (4, G, K)
     assert shapes["out"] == (N, V, D) and shapes["A_log"] == (N,) and shapes["norm"] == (V,)
-    boxed = compiled_init(model, jax.random.key(1), x)["params"]
+    boxed = jax.eval_shape(model.init, jax.random.key(1), x)["params"]  # the names only
     assert boxed["value_conv"].names == ("conv", "heads", "kv")
     assert boxed["key"].names == ("embed", "kv_heads", "kv")
-    cache = compiled_init(model, jax.random.key(1), x[:, :5], decode=True)["cache"]
+    cache = init_cache(model, x[:, :5])
     assert cache["conv_state"].shape == (B, 3, 2 * G * K + N * V)
     assert cache["recurrent_state"].shape == (B, N, K, V)
     assert all(not np.any(c) for c in jax.tree.leaves(cache))  # init only creates zeros
@@ -227,7 +228,7 @@ def test_layer_params_and_cache(layer):
 def test_decode_equals_full_forward(layer):
     model, params, x, want = layer
     step = decode_apply(model)
-    cache = compiled_init(model, jax.random.key(1), x[:, :5], decode=True)["cache"]
+    cache = init_cache(model, x[:, :5])
     out, state = step(params, cache, x[:, :5], None)
     outs = [out]
     for t in range(5, T):
@@ -245,7 +246,7 @@ def test_right_padded_prefill(layer):
     junk = jax.random.normal(jax.random.key(2), (B, 6, D))
     seg = (np.arange(6)[None] < lengths[:, None]).astype(np.int32)
     prompt = jnp.where(seg[..., None] == 1, x[:, :6], junk)
-    cache = compiled_init(model, jax.random.key(1), prompt, decode=True)["cache"]
+    cache = init_cache(model, prompt)
     out, state = step(params, cache, prompt, seg)
     for b in range(B):
         np.testing.assert_allclose(out[b, :lengths[b]], want[b, :lengths[b]], atol=2e-5)

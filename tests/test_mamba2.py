@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_gated_deltanet import compiled_init  # tests/
 
 from transformer.nn.mixers import conv
 from transformer.nn.mixers import mamba2 as m2
@@ -183,7 +182,7 @@ SETTINGS = m2.Mamba2Settings(num_heads=4, head_dim=8, num_groups=2, state_size=8
 @pytest.fixture(scope="module")
 def layer_and_params():
     layer = m2.Mamba2(SETTINGS)
-    params = nn.unbox(compiled_init(layer, jax.random.key(0), jnp.ones((1, 3, D_MODEL)))["params"])
+    params = nn.unbox(jax.jit(layer.init)(jax.random.key(0), jnp.ones((1, 3, D_MODEL)))["params"])
     leaves, tree = jax.tree.flatten(params)
     noise = [0.2 * jax.random.normal(jax.random.key(i + 1), a.shape) for i, a in enumerate(leaves)]
     return layer, jax.tree.unflatten(tree, [a + n for a, n in zip(leaves, noise, strict=True)])
@@ -195,7 +194,7 @@ def test_params_and_logical_axes(layer_and_params):
     assert shapes["z"] == shapes["x"] == (D_MODEL, 4, 8)
     assert shapes["B"] == shapes["C"] == (D_MODEL, 2, 8)
     assert shapes["conv_x"] == (4, 4, 8) and shapes["out"] == (4, 8, D_MODEL)
-    boxed = compiled_init(layer, jax.random.key(0), jnp.ones((1, 3, D_MODEL)))["params"]
+    boxed = jax.jit(layer.init)(jax.random.key(0), jnp.ones((1, 3, D_MODEL)))["params"]
     names = {k: v.names for k, v in boxed.items()}
     assert names["x"] == ("embed", "heads", "kv") and names["B"] == ("embed", "kv_heads", "state")
     assert names["conv_C"] == ("conv", "kv_heads", "state") and names["A_log"] == ("heads",)
@@ -212,7 +211,8 @@ def test_decode_equals_the_full_forward(layer_and_params):
     lengths = (5, 8)  # row 0's prefill is right-padded
     prefill = x[:, :8].at[0, 5:].set(jax.random.normal(jax.random.key(8), (3, D_MODEL)))
     seg = jnp.asarray([[1] * 5 + [0] * 3, [1] * 8])
-    cache = compiled_init(layer, jax.random.key(0), prefill, decode=True)["cache"]
+    cache = jax.jit(functools.partial(layer.init, decode=True))(jax.random.key(0), prefill)[
+        "cache"]
     assert all(not np.asarray(a).any() for a in jax.tree.leaves(cache))
     assert cache["ssm_state"].shape == (2, 4, 8, 8) and cache["conv_state"].shape == (2, 3, 64)
     step = jax.jit(functools.partial(layer.apply, decode=True, mutable=["cache"]))
