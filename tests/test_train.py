@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -586,6 +587,26 @@ def test_a_checkpoint_is_judged_by_the_losses_before_it_however_long_ago():
     watch.stepped(701, float("nan"))
     assert "NaN/Inf" in watch.blown_up(700)
     assert watch.blown_up(5) is None  # no loss after it is known
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_all_finite_finds_one_bad_element_in_any_float_leaf(bad):
+    """The check before a save: one NaN/+-Inf anywhere in any float leaf (float32, bfloat16,
+    a scalar) makes the tree not finite; integer leaves (the step count) are not looked at,
+    and huge finite values (1e38, bfloat16's 3e38) are finite."""
+    from transformer.training import nonfinite
+
+    tree = {"count": jnp.array(7, jnp.int32), "scalar": jnp.float32(1e38),
+            "mu": [jnp.full((3, 5), 2.0), jnp.full((4,), 3e38, jnp.bfloat16)]}
+    assert bool(nonfinite.all_finite(tree))
+    assert bool(nonfinite.all_finite({"count": jnp.array(1)}))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            continue
+        index = (-1,) * leaf.ndim  # the last element; () for a scalar
+        broken = jax.tree_util.tree_map_with_path(
+            lambda p, x, path=path, index=index: x.at[index].set(bad) if p == path else x, tree)
+        assert not bool(nonfinite.all_finite(broken)), jax.tree_util.keystr(path)
 
 
 @pytest.mark.slow
