@@ -592,12 +592,13 @@ def test_a_checkpoint_is_judged_by_the_losses_before_it_however_long_ago():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_all_finite_finds_one_bad_element_in_any_float_leaf(bad):
     """The check before a save: one NaN/+-Inf anywhere in any float leaf (float32, bfloat16,
-    a scalar) makes the tree not finite; integer leaves (the step count) are not looked at,
-    and huge finite values (1e38, bfloat16's 3e38) are finite."""
+    float8, complex, a scalar) makes the tree not finite; integer leaves (the step count) are
+    not looked at, and huge finite values (1e38, bfloat16's 3e38, float8's 448) are finite."""
     from transformer.training import nonfinite
 
     tree = {"count": jnp.array(7, jnp.int32), "scalar": jnp.float32(1e38),
-            "mu": [jnp.full((3, 5), 2.0), jnp.full((4,), 3e38, jnp.bfloat16)]}
+            "mu": [jnp.full((3, 5), 2.0), jnp.full((4,), 3e38, jnp.bfloat16)],
+            "fp8": jnp.full((2,), 448, jnp.float8_e4m3fn), "z": jnp.full((3,), 1 + 2j)}
     assert bool(nonfinite.all_finite(tree))
     assert bool(nonfinite.all_finite({"count": jnp.array(1)}))
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
