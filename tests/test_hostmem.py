@@ -67,6 +67,41 @@ def test_faulted_bytes_counts_fresh_pages():
     block.close()
 
 
+def _window(monkeypatch, first, steps, log_every, pauses=(), faulted=None):
+    """Drives a FaultWindow as train.py's loop does, from step `first` to `steps`: each step
+    faults `faulted(step)` bytes (step number x 1 MB by default, so the window shows which
+    steps it counted); returns (step logged, bytes per step) of the one measurement."""
+    total = [0]
+    monkeypatch.setattr(hostmem, "faulted_bytes", lambda: total[0])
+    faulted = faulted or (lambda step: step * 10**6)
+    window, measured = hostmem.FaultWindow(first), []
+    for step in range(first + 1, steps + 1):
+        total[0] += faulted(step)
+        logged, pause = step % log_every == 0, step in pauses
+        if logged and (per_step := window.end(step)) is not None:
+            measured.append((step, per_step))
+        total[0] += 10**9 * pause  # an evaluation or save faults in its own memory
+        if logged or pause:
+            window.begin(step, pause=pause)
+    assert len(measured) <= 1, measured
+    return measured[0] if measured else None
+
+
+def test_the_fault_window_skips_the_first_steps_and_spans_two(monkeypatch):
+    # logging every step: steps 5-6 (the old third window was step 3 alone)
+    assert _window(monkeypatch, 0, 20, 1) == (6, 5.5e6)
+    assert _window(monkeypatch, 0, 20, 2) == (6, 5.5e6)  # logs at 4 and 6
+    assert _window(monkeypatch, 0, 500, 100) == (200, 150.5e6)  # steps 101-200
+    # a resumed run counts from its own first step
+    assert _window(monkeypatch, 1000, 1020, 1) == (1006, 1005.5e6)
+    # a save inside the window restarts it after the save: its faults are not the steps'
+    assert _window(monkeypatch, 0, 20, 1, pauses={5}) == (7, 6.5e6)
+    assert _window(monkeypatch, 0, 20, 2, pauses={4}) == (6, 5.5e6)  # after the save at 4
+    # too few steps or a pause every step: no measurement, rather than a wrong one
+    assert _window(monkeypatch, 0, 5, 1) is None
+    assert _window(monkeypatch, 0, 20, 1, pauses=set(range(20))) is None
+
+
 # A jitted fwd+bwd whose scratch memory (68 MiB) is many 4 MiB activations, as a train step's
 SCRATCH_STEPS = """
 import sys, jax, jax.numpy as jnp
@@ -147,8 +182,7 @@ def get_config():
     config.compiler_options = {{"xla_multiheap_size_constraint_per_heap": -1}}
     return config
 """)
-    # The faults are counted over the third logged window (train.py): steps 5-6. At log_every=1
-    # (step 3 alone) the kept heaps still faulted 34 MB once in CI: too early to judge. No samples.
+    # The faults are counted over steps 5-6 (hostmem.FaultWindow). No samples.
     flags = ["--config.steps=6", "--config.log_every=2", "--config.batch_size=64",
              "--config.seq_len=128", "--config.eval_every=6", "--config.eval_steps=1",
              "--config.checkpoint_every=6", "--config.samples=0"]

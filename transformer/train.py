@@ -186,9 +186,8 @@ def loop(run: Run, peak_flops: float | None) -> bool:
     # the next log): the first step of the process, which compiles, and every evaluation and
     # save happen outside them, timed apart (`pauses`: the ETA counts them).
     start, since, pauses = time.perf_counter(), None, run.goodput.pauses
-    # Host page faults are counted over the third timed window, once: the first steps still map
-    # in the memory malloc then keeps (hostmem). (bytes faulted in, step) when it began.
-    logs, faults = 0, None
+    # Host page faults per step, once the first steps have mapped in what malloc keeps
+    faults = hostmem.FaultWindow(run.step)
     stopping = False
     while run.step < config.steps and not stopping:
         batch = run.placement.global_batch(run.goodput.next_batch(run.train_data))
@@ -206,11 +205,9 @@ def loop(run: Run, peak_flops: float | None) -> bool:
         logged = run.step % config.log_every == 0 or last
         if logged:
             since = (progress.log_train(run, metrics, since, flops, peak_flops, pauses), run.step)
-            logs += 1
-            if logs == 3:
-                per_step = (hostmem.faulted_bytes() - faults[0]) / (run.step - faults[1])
-                if line := hostmem.advice(jax.default_backend(), per_step):
-                    run.logger.print(line)
+            per_step = faults.end(run.step)
+            if per_step is not None and (line := hostmem.advice(jax.default_backend(), per_step)):
+                run.logger.print(line)
         evaluate = run_eval.during_training(run, last)
         stopping = run.stop_requested()
         save = run.step % config.checkpoint_every == 0 or last or stopping
@@ -219,8 +216,8 @@ def loop(run: Run, peak_flops: float | None) -> bool:
                 save_checkpoint(run)
         if evaluate or save:  # the next window starts after them
             since = (time.perf_counter(), run.step)
-        if logged and logs == 2:
-            faults = (hostmem.faulted_bytes(), run.step)
+        if logged or evaluate or save:
+            faults.begin(run.step, pause=evaluate or save)
     if stopping or run.stop_requested():  # also after the last save check
         with run.goodput.pause("save"):
             save_checkpoint(run)

@@ -27,9 +27,9 @@ one copy (1.18-1.24 GB resident, as much as glibc holds as it starts) at the sam
 (three alternating processes each). jemalloc told never to return freed pages
 (`JEMALLOC_CONF`, with LD_PRELOAD) faults 0-70 pages there, with 1.7-1.8 GB resident.
 A step can still fault every time where one buffer is over 32 MiB (logits of a large
-vocabulary on CPU): `python -m transformer.train` counts the page faults of its steps between
-its second and third logs and, on CPU under glibc, names the jemalloc command when they reach
-32 MB a step.
+vocabulary on CPU): `python -m transformer.train` counts the page faults of a few of its steps
+(`FaultWindow`) and, on CPU under glibc, names the jemalloc command when they reach 32 MB a
+step.
 """
 
 from __future__ import annotations
@@ -99,6 +99,37 @@ def faulted_bytes() -> int:
     except ImportError:  # not a Unix
         return 0
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt * resource.getpagesize()
+
+
+class FaultWindow:
+    """Page faults per train step, measured once over a window of logged steps: from the first
+    log at least `skip` steps into the process (the first steps still map in what malloc then
+    keeps: one CI run faulted 34 MB in its third step with the heaps kept) to the first log at
+    least `span` steps later. An evaluation or save inside it restarts it after the pause.
+
+    Example, from step 0 logging every step: `begin` at the log of step 4, `end` at the log of
+    step 6, so steps 5-6 are counted; logging every 2 steps, the same; every 100, steps 101-200.
+    """
+
+    def __init__(self, step: int, skip: int = 4, span: int = 2):
+        self._first, self._skip, self._span = step, skip, span
+        self._start: tuple[int, int] | None = None  # (bytes faulted, step) where it began
+        self._done = False
+
+    def begin(self, step: int, pause: bool = False) -> None:
+        """Starts the window at `step` (after its log and any evaluation or save) where it is
+        due; restarts it after a `pause` (an evaluation or save) inside it."""
+        if (not self._done and step - self._first >= self._skip
+                and (self._start is None or pause)):
+            self._start = (faulted_bytes(), step)
+
+    def end(self, step: int) -> float | None:
+        """At the log of `step`: bytes faulted per step over the window, once it spans `span`
+        steps (None before that and after the first time)."""
+        if self._done or self._start is None or step - self._start[1] < self._span:
+            return None
+        self._done = True
+        return (faulted_bytes() - self._start[0]) / (step - self._start[1])
 
 
 def advice(platform: str, faulted_bytes_per_step: float, name: str | None = None) -> str | None:
