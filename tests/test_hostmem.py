@@ -67,16 +67,15 @@ def test_faulted_bytes_counts_fresh_pages():
     block.close()
 
 
-def _window(monkeypatch, first, steps, log_every, pauses=(), faulted=None):
+def _window(monkeypatch, first, steps, log_every, pauses=()):
     """Drives a FaultWindow as train.py's loop does, from step `first` to `steps`: each step
-    faults `faulted(step)` bytes (step number x 1 MB by default, so the window shows which
-    steps it counted); returns (step logged, bytes per step) of the one measurement."""
+    faults its step number x 1 MB, so the window shows which steps it counted; returns (step
+    logged, bytes per step) of the one measurement."""
     total = [0]
     monkeypatch.setattr(hostmem, "faulted_bytes", lambda: total[0])
-    faulted = faulted or (lambda step: step * 10**6)
     window, measured = hostmem.FaultWindow(first), []
     for step in range(first + 1, steps + 1):
-        total[0] += faulted(step)
+        total[0] += step * 10**6
         logged, pause = step % log_every == 0, step in pauses
         if logged and (per_step := window.end(step)) is not None:
             measured.append((step, per_step))
