@@ -66,7 +66,7 @@ def main() -> None:
         global_batch = where.global_batch(example)
         with where.context():
             text = step.lower(init(jax.random.key(0)), global_batch).compile().as_text()
-            current = init(jax.random.key(0))
+            current = where.train_order(init(jax.random.key(0)))  # as train.py trains it
             times = []
             for _ in range(args.steps):
                 start = time.perf_counter()

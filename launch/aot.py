@@ -132,7 +132,10 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
                             abstract, state_sharding)
     batch_in = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
                 for k, v in batch.items()}
-    step = jax.jit(make_train_step(model, config, optimizer), donate_argnums=0,
+    # as training runs it: a circular pipeline's layer params stage-major (placement.train_order;
+    # the same as layer order for any other run)
+    train_step = pipeline_parallel.reading_stage_major(make_train_step(model, config, optimizer))
+    step = jax.jit(train_step, donate_argnums=0,
                    in_shardings=(state_sharding, batch_sharding),
                    out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())))
     report = Report(accelerator.name, len(devices), num_params, active,

@@ -59,20 +59,25 @@ class Run:
         self.config = config
         self.model = build_model(config.model)
         self.optimizer = optim.make_optimizer(config)
-        self.placement = placement.Placement(sharding.make_mesh(config.mesh, devices),
-                                             config.batch_size)
+        group = config.get("pipeline") or {}
+        self.placement = placement.Placement(
+            sharding.make_mesh(config.mesh, devices), config.batch_size,
+            schedule=(group.get("microbatches", 1), group.get("repeats", 1)))
         self.abstract, self.shardings, self.init = state.initial_state(
             config, self.model, self.placement.mesh, batches(1)[0], self.optimizer)
         self.step = self.placement.jit_train_step(
             train.make_train_step(self.model, config, self.optimizer), self.shardings)
 
     def train(self, state, data):
+        """(state, losses): `state` (layer order, donated) trained on `data`, as train.py does
+        (in train order between, placement.train_order)."""
         losses = []
+        state = self.placement.train_order(state)
         with self.placement.context():
             for batch in data:
                 state, metrics = self.step(state, self.placement.global_batch(batch))
                 losses.append(float(placement.fetch(metrics)["loss"]))
-        return state, losses
+        return self.placement.layer_order(state), losses
 
 
 def layout(params) -> dict[str, dict]:

@@ -52,7 +52,6 @@ def pipeline_config(mesh: dict, microbatches: int, repeats: int, settings: dict)
 def train(config, steps: int = STEPS):
     devices = jax.devices()[:int(np.prod(list(config.mesh.values())))]
     run = Run(config, devices)
-    run.placement.schedule = (config.pipeline.microbatches, config.pipeline.repeats)
     state, losses = run.train(run.init(jax.random.key(0)), batches(steps))
     specs = [p.sharding.spec for p in jax.tree.leaves(state.params["decoder"]["layers"])]
     return host(state.params), losses, all(spec and "stage" in str(spec[0]) for spec in specs)

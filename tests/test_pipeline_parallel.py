@@ -1,9 +1,9 @@
 """Pipeline parallelism (transformer.parallel.pipeline_parallel, mesh axis `stage`).
 
 Fast: the schedule itself (GPipe and circular) against running the layers in order, on one
-device; the one-line refusals. Slow: tests/pipeline_check.py on 8 forced CPU devices (every mesh
-against one device, losses and params), and a checkpoint written at stage=4 resumed through the
-CLI at stage=1 and at stage=2 x data=2.
+device, also on params stage-major; the one-line refusals. Slow: tests/pipeline_check.py on 8
+forced CPU devices (every mesh against one device, losses and params), and a checkpoint written
+by a circular pipeline resumed through the CLI at stage=1 and at stage=4.
 """
 
 from __future__ import annotations
@@ -81,6 +81,36 @@ def test_the_schedule_applies_every_layer_in_order_to_every_microbatch(stages, m
     want_grads = jax.grad(lambda p: jnp.sum(in_order(p, x, args)[0] ** 2))(params)
     for name in params:
         np.testing.assert_allclose(grads[name], want_grads[name], atol=1e-5)
+
+
+@pytest.mark.parametrize("stages, repeats", [(4, 2), (2, 3)])
+def test_stage_major_params_run_the_same_stack_and_get_stage_major_gradients(stages, repeats):
+    """A circular pipeline trains on params stage-major (stage s's blocks contiguous, as
+    `stage` splits them) and reads them so inside `reading_stage_major`: the same outputs as
+    layer order, and the gradients in the params' own order."""
+    groups = stages * repeats * 2
+    assert pipeline_parallel.to_stage_major(jnp.arange(12), 2, 3).tolist() == [
+        0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]  # stage 0: repeats 0, 1, 2's groups
+    params = toy_layers(groups)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((8, 3, 4)), jnp.float32)
+    args = (jnp.asarray(rng.standard_normal((8, 1, 1)), jnp.float32), jnp.float32(0.25))
+
+    def loss(params, x):
+        y, _ = pipeline_parallel.run(toy_stage, params, x, args, stages=stages,
+                                     microbatches=4, repeats=repeats)
+        return jnp.sum(y**2), y
+
+    (_, want), want_grads = jax.value_and_grad(loss, has_aux=True)(params, x)
+    moved = jax.tree.map(lambda p: pipeline_parallel.to_stage_major(p, stages, repeats), params)
+    (_, got), grads = jax.value_and_grad(pipeline_parallel.reading_stage_major(loss),
+                                         has_aux=True)(moved, x)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    for name in params:
+        np.testing.assert_allclose(grads[name], pipeline_parallel.to_stage_major(
+            want_grads[name], stages, repeats), atol=1e-6)
+        back = pipeline_parallel.to_stage_major(moved[name], stages, repeats, inverse=True)
+        np.testing.assert_array_equal(back, params[name])
 
 
 def test_the_bubble_fraction_line():
@@ -184,7 +214,10 @@ def test_dropout_trains_under_the_pipeline(mesh_results):
 
 
 @pytest.mark.slow
-def test_a_stage_4_checkpoint_resumes_at_stage_1_and_at_stage_2_x_data_2(tmp_path):
+def test_a_circular_checkpoint_resumes_at_stage_1_and_at_stage_4(tmp_path):
+    """A circular pipeline trains on its layer params stage-major and saves them in layer order:
+    its checkpoint resumes on its own mesh, on one stage and on a GPipe of 4 as a run on one
+    stage does."""
     # (a constant schedule after warmup: a 2-step run's learning rates are a 4-step run's)
     model = ["--config.model.num_layers=4", "--config.model.scan_layers=True",
              "--config.batch_size=8", "--config.optimizer.decay=constant"]
@@ -199,30 +232,33 @@ def test_a_stage_4_checkpoint_resumes_at_stage_1_and_at_stage_2_x_data_2(tmp_pat
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout + result.stderr
 
-    stage4 = ["--config.mesh.data=2", "--config.mesh.stage=4",
-              "--config.pipeline.microbatches=4"]
-    first = train(tmp_path / "stage4", 2, stage4)
-    assert "pipeline: 4 stages, 4 microbatches (GPipe), bubble 42.9%" in first
-    assert re.search(r"step 2/2 loss .* ms/step", first)
-    meshes = {"stage1": ["--config.mesh.data=-1"],
-              "stage2_data2": ["--config.mesh.data=2", "--config.mesh.stage=2",
-                               "--config.mesh.fsdp=2", "--config.pipeline.microbatches=2"]}
-    for name in meshes:  # the 2-step stage=4 run, trained once
-        shutil.copytree(tmp_path / "stage4", tmp_path / name, symlinks=True)
-    train(tmp_path / "stage4", 4, stage4)  # the reference: resumed on the same mesh
-    want = losses(tmp_path / "stage4")
-    for name, mesh in meshes.items():
-        workdir = tmp_path / name
-        log = train(workdir, 4, mesh)
-        assert "steps 2..4" in log
-        np.testing.assert_allclose(losses(workdir), want, atol=1e-5, rtol=0)
+    circular = ["--config.mesh.data=2", "--config.mesh.stage=2", "--config.mesh.fsdp=2",
+                "--config.pipeline.microbatches=2", "--config.pipeline.repeats=2"]
+    stage1 = ["--config.mesh.data=-1"]
+    train(tmp_path / "reference", 2, stage1)  # the reference: written and resumed on one stage
+    train(tmp_path / "reference", 4, stage1)
+    want = losses(tmp_path / "reference")
+    log = train(tmp_path / "written", 2, circular)
+    assert "pipeline: 2 stages, 2 microbatches (circular, 2 repeats)" in log
+    assert re.search(r"step 2/2 loss .* ms/step", log)
+    meshes = {"circular": circular, "stage1": stage1,
+              "stage4": ["--config.mesh.data=2", "--config.mesh.stage=4",
+                         "--config.pipeline.microbatches=4"]}
+    for name, mesh in meshes.items():  # each resumes the 2-step circular run
+        shutil.copytree(tmp_path / "written", tmp_path / name, symlinks=True)
+        assert "steps 2..4" in train(tmp_path / name, 4, mesh)
+        np.testing.assert_allclose(losses(tmp_path / name), want, atol=1e-5, rtol=0)
+        # and the last validation, which a circular run makes on its params in train order
+        np.testing.assert_allclose(losses(tmp_path / name, "validation")[-1],
+                                   losses(tmp_path / "reference", "validation")[-1],
+                                   atol=1e-5, rtol=0)
 
 
-def losses(workdir: Path) -> list[float]:
-    """Each step's train loss from the run's metrics (the resumed run's win for a step)."""
+def losses(workdir: Path, split: str = "train") -> list[float]:
+    """Each step's `split` loss from the run's metrics (the resumed run's win for a step)."""
     by_step = {}
     for line in (workdir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if record.get("split") == "train":
+        if record.get("split") == split:
             by_step[record["step"]] = record["loss"]
     return [by_step[s] for s in sorted(by_step)]

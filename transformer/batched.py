@@ -131,6 +131,8 @@ class Group:
                     new, state)
             return new, metrics
 
+        train_step = placement.reading_train_order(train_step)  # (as train.py's own step)
+
         def jitted(masked: bool):
             return jax.jit(lambda s, b, k, a: train_step(s, b, k, a if masked else None),
                            donate_argnums=0, compiler_options=placement.compiler_options,
@@ -270,7 +272,7 @@ def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
                and task_eval.due(config, run.step, run.step == config.steps)]
     for k, run in scoring:  # lm-eval tasks, as a separate run scores them
         _with_state(run, group, k, lambda r: task_eval.evaluate(
-            r, optim.eval_params(r.state, r.config)))
+            r, optim.eval_params(r.placement.layer_order(r.state), r.config)))
     if evaluating or scoring:
         pauses["eval"].append(time.perf_counter() - began)
     return bool(evaluating or scoring)

@@ -67,7 +67,7 @@ class Run:
     placement: placement_lib.Placement
     manager: checkpoint_manager.Manager
     train_data: Any  # the Grain iterator, checkpointed with the state
-    state: TrainState
+    state: TrainState  # in train order (placement.train_order; checkpoints: layer order)
     start_step: int
     num_params: int
     active_params: int  # per token: less the experts a token is not routed to (MoE)
@@ -155,12 +155,13 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     startup.check_finished(config, workdir, start_step)
     if state is None:
         state = startup.fresh_state(config, init, state_sharding, is_main)
+    state = placement.train_order(state)  # (checkpoints and init_from are in layer order)
     run = Run(config, workdir, tokenizer, task, model, placement, manager, train_data, state,
               start_step, num_params(abstract), active_params(abstract, config),
               placement.jit_train_step(make_train_step(model, config, optimizer),
                                        state_sharding),
               placement.jit_eval_step(evaluation.make_eval_step(model, config, tokenizer),
-                                      state_sharding.params),
+                                      state_sharding.params, train_order=True),
               metrics_lib.MetricsLogger(workdir, is_main, start_step),
               functools.cache(lambda source=None: inputs.bytes_per_token(
                   config if source is None else inputs.source_configs(config)[source],
@@ -235,7 +236,7 @@ def save_checkpoint(run: Run) -> None:
     if not run.tokenizer_saved:
         inputs.save_tokenizer(run.tokenizer, run.workdir)
         run.tokenizer_saved = True
-    run.manager.save(run.step, run.state, run.train_data)
+    run.manager.save(run.step, run.placement.layer_order(run.state), run.train_data)
     run.watch.saved(run.step)
 
 

@@ -14,9 +14,16 @@ backwards. Stages idle (the bubble) for S - 1 of the M R + S - 1 iterations (`bu
 
 R = 1 is GPipe over contiguous layer blocks: stage s's params are its own shard of the stored
 tree. R > 1 is the circular (interleaved) schedule: stage s holds R blocks of Lps groups spread
-through the stack, so the stored layout (contiguous blocks of R Lps per stage) is resharded in
-every step (each device sends (S - 1) / S of its layer params and receives as much, and the
-gradients go back the same way): the price of keeping checkpoints portable.
+through the stack. Read in layer order, the stored layout (contiguous blocks of R Lps per stage)
+would be resharded in every step: each device sends (S - 1) / S of its layer params, between
+the slices when `stage` spans them (on TPU that also costs about 100 MiB of generated code per
+70B-sized layer, docs/cloud-tpu.md). So training holds the layer params (and their optimizer
+moments) *stage-major* (`to_stage_major`: stage s's R blocks contiguous, as `stage` splits
+them), and the train and eval steps read them so (`reading_stage_major`); checkpoints and every
+other reader keep layer order (transformer.training.placement converts at the boundaries).
+
+    >>> to_stage_major(jnp.arange(8), stages=2, repeats=2)  # groups of 2 layers, Lps = 2
+    Array([0, 1, 4, 5, 2, 3, 6, 7], dtype=int32)
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ FAMILIES = ("gpt", "prefix_lm")  # decoder-only stacks: the only ones pipelined
 
 _SCHEDULE = contextvars.ContextVar("pipeline_schedule", default=(1, 1))
 _IN_STAGE = contextvars.ContextVar("pipeline_in_stage", default=False)
+_STAGE_MAJOR = contextvars.ContextVar("pipeline_stage_major", default=False)
 
 
 def in_stage() -> bool:
@@ -54,6 +62,29 @@ def schedule(microbatches: int = 1, repeats: int = 1):
 
 def current_schedule() -> tuple[int, int]:
     return _SCHEDULE.get()
+
+
+def to_stage_major(x: jax.Array, stages: int, repeats: int, inverse: bool = False) -> jax.Array:
+    """x's leading [G] layer-group axis from layer order to stage-major order (stage s's R
+    blocks of G / (S R) groups contiguous: s R Lps + r Lps + j holds group r S Lps + s Lps + j),
+    or back with `inverse`. The identity for GPipe (R = 1) or one stage."""
+    shape = (repeats, stages) if not inverse else (stages, repeats)
+    blocks = x.reshape(*shape, x.shape[0] // (stages * repeats), *x.shape[1:])
+    return blocks.swapaxes(0, 1).reshape(x.shape)
+
+
+def reading_stage_major(fn: Callable) -> Callable:
+    """`fn`, with the pipelined stacks it traces reading their params stage-major
+    (`to_stage_major`) rather than in layer order."""
+    def traced(*args, **kwargs):
+        token = _STAGE_MAJOR.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _STAGE_MAJOR.reset(token)
+
+    traced.__name__ = getattr(fn, "__name__", "traced")  # (a profile names the jitted step)
+    return traced
 
 
 def stages_in_mesh() -> int:
@@ -142,16 +173,23 @@ def run(stage_fn: Callable, params, x_BTD: jax.Array, args, *, stages: int, micr
         repeats: int, rng: jax.Array | None = None, remat_policy: Callable | None = None):
     """The stack over the pipeline: `stage_fn(params, x_bTD, args, rng)` -> (y_bTD, aux) applies
     Lps layer groups (params with a leading [Lps] axis) to a microbatch, `aux` a dict of scalars
-    (each a mean over those groups). `params` has a leading [G] axis. Returns (y_BTD, aux
-    averaged over every (microbatch, stage, repeat)). `remat_policy`: each iteration's stages
-    are rematerialised under it (`jax.checkpoint`): the backward pass keeps their inputs, not
-    the repeat's params each picked (R > 1) nor what the policy does not save."""
+    (each a mean over those groups). `params` has a leading [G] axis, in layer order (inside
+    `reading_stage_major`: stage-major). Returns (y_BTD, aux averaged over every (microbatch,
+    stage, repeat)). `remat_policy`: each iteration's stages are rematerialised under it
+    (`jax.checkpoint`): the backward pass keeps their inputs, not the repeat's params each
+    picked (R > 1) nor what the policy does not save."""
     S, M, R = stages, microbatches, repeats
     batch = x_BTD.shape[0]
     groups = jax.tree.leaves(params)[0].shape[0]
     check(stages=S, microbatches=M, repeats=R, layer_groups=groups, shard_rows=batch)
     lps = groups // (S * R)
-    staged = jax.tree.map(lambda p: _constrain(p.reshape(R, S, lps, *p.shape[1:]), 1), params)
+
+    # The stages' axis of the blocks: stage-major params are [S, R, Lps, ...] as stored, each
+    # stage's its own shard; layer order is read as [R, S, Lps, ...], resharded over `stage`
+    # (for GPipe, R = 1, the two orders are one: read as layer order).
+    axis = 0 if _STAGE_MAJOR.get() and R > 1 else 1
+    staged = jax.tree.map(lambda p: _constrain(p.reshape(
+        *((S, R) if axis == 0 else (R, S)), lps, *p.shape[1:]), axis), params)
     split_args = _split_rows(args, batch, M)
     # The store holds, per microbatch, what stage 0 reads next: the input at first, then each
     # repeat's output of the last stage (written S - 1 iterations after stage 0 read it, read
@@ -168,7 +206,7 @@ def run(stage_fn: Callable, params, x_BTD: jax.Array, args, *, stages: int, micr
 
     if remat_policy is not None:
         stage = jax.checkpoint(stage, policy=remat_policy, prevent_cse=False)
-    vmapped = jax.vmap(stage, in_axes=(1, 0, 0, 0, 0 if rng is not None else None),
+    vmapped = jax.vmap(stage, in_axes=(axis, 0, 0, 0, 0 if rng is not None else None),
                        spmd_axis_name=STAGE_AXIS if stages_in_mesh() > 1 else None)
 
     def iteration(carry, t):

@@ -76,7 +76,9 @@ class Placement:
 
     `compiler_options`: XLA options for the jitted steps (see `compiler_options`).
     `schedule`: (microbatches, repeats) of the pipeline over a `stage` axis (see
-    `transformer.parallel.pipeline_parallel`)."""
+    `transformer.parallel.pipeline_parallel`). With a circular schedule (repeats > 1) the
+    train step reads the state in train order (`train_order`): the layer params and their
+    moments stage-major; checkpoints and everything else read layer order (`layer_order`)."""
 
     def __init__(self, mesh: jax.sharding.Mesh, batch_size: int,
                  compiler_options: dict | None = None, schedule: tuple[int, int] = (1, 1)):
@@ -87,6 +89,7 @@ class Placement:
         self.batch_sharding = sharding.batch_sharding(mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.rows = global_batches.process_rows(self.batch_sharding, batch_size)
+        self._reorders = {}
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, devices=None) -> Placement:
@@ -101,14 +104,56 @@ class Placement:
         return global_batches.make_global_batch(local_batch, self.batch_sharding, self.rows,
                                           batch_size=self.batch_size)
 
+    @property
+    def stage_major(self) -> bool:
+        """Whether training holds the layer params stage-major: a circular pipeline."""
+        return self.schedule[1] > 1 and self.mesh.shape.get(pipeline_parallel.STAGE_AXIS, 1) > 1
+
+    def train_order(self, tree):
+        """A train state (or params) in layer order -> the order the train step reads (the
+        stage-split leaves stage-major on a circular pipeline; else `tree` itself). Donates
+        `tree`: one reshard, when a run starts or resumes."""
+        return self._reorder(tree, inverse=False)
+
+    def layer_order(self, tree):
+        """`train_order`'s inverse (a new tree; `tree` is kept): what checkpoints hold."""
+        return self._reorder(tree, inverse=True)
+
+    def _reorder(self, tree, inverse: bool):
+        if not self.stage_major:
+            return tree
+        leaves, treedef = jax.tree.flatten(tree)
+        # The layers axis is the only one whose rule maps it onto `stage`
+        chosen = [i for i, x in enumerate(leaves) if _split_over_stage(x)]
+        shardings = tuple(leaves[i].sharding for i in chosen)
+        if (inverse, shardings) not in self._reorders:  # (one compile per direction and tree)
+            stages, repeats = self.mesh.shape[pipeline_parallel.STAGE_AXIS], self.schedule[1]
+            self._reorders[inverse, shardings] = jax.jit(
+                lambda xs: [pipeline_parallel.to_stage_major(x, stages, repeats, inverse)
+                            for x in xs],
+                out_shardings=list(shardings), donate_argnums=() if inverse else 0)
+        moved = self._reorders[inverse, shardings]([leaves[i] for i in chosen])
+        for i, x in zip(chosen, moved, strict=True):
+            leaves[i] = x
+        return jax.tree.unflatten(treedef, leaves)
+
+    def reading_train_order(self, fn):
+        """`fn` (a step to jit), tracing its pipelined stacks on params in train order."""
+        return pipeline_parallel.reading_stage_major(fn) if self.stage_major else fn
+
     def jit_train_step(self, train_step, state_sharding):
-        """The jitted (state, global batch) -> (state, metrics); the input state is donated."""
-        return jax.jit(train_step, donate_argnums=0,
+        """The jitted (state, global batch) -> (state, metrics) on a state in train order
+        (`train_order`); the input state is donated."""
+        return jax.jit(self.reading_train_order(train_step), donate_argnums=0,
                        in_shardings=(state_sharding, self.batch_sharding),
                        out_shardings=(state_sharding, self.replicated),
                        compiler_options=self.compiler_options)
 
-    def jit_eval_step(self, eval_step, params_sharding):
+    def jit_eval_step(self, eval_step, params_sharding, train_order: bool = False):
+        """The jitted (params, global batch) -> metrics, on params in layer order or, with
+        `train_order`, in train order (a training run's own, `train_order`)."""
+        if train_order:
+            eval_step = self.reading_train_order(eval_step)
         return jax.jit(eval_step, in_shardings=(params_sharding, self.batch_sharding),
                        out_shardings=self.replicated, compiler_options=self.compiler_options)
 
@@ -118,6 +163,13 @@ class Placement:
         with jax.set_mesh(self.mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
                 pipeline_parallel.schedule(*self.schedule):
             yield
+
+
+def _split_over_stage(x) -> bool:
+    """Whether x's leading axis is split over `stage` (in a pipeline: the layer groups)."""
+    spec = getattr(getattr(x, "sharding", None), "spec", None)
+    first = spec[0] if spec else None
+    return pipeline_parallel.STAGE_AXIS in (first if isinstance(first, tuple) else (first,))
 
 
 def fetch(tree):

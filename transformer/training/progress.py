@@ -101,5 +101,5 @@ def summarize(run, wall_seconds: float) -> dict:
     if jax.process_index() == 0:
         fileio.write_atomic(fileio.join(run.workdir, "summary.json"),
                             json.dumps(summary, indent=2))
-    return {"summary": summary, "state": run.state, "model": run.model,
-            "tokenizer": run.tokenizer, "config": run.config}
+    return {"summary": summary, "state": run.placement.layer_order(run.state),
+            "model": run.model, "tokenizer": run.tokenizer, "config": run.config}

@@ -23,7 +23,8 @@ def during_training(run, last: bool) -> bool:
     tasks = task_eval.due(config, run.step, last)
     if tasks:
         with run.goodput.pause("eval"):
-            task_eval.evaluate(run, optim.eval_params(run.state, config))
+            task_eval.evaluate(run, optim.eval_params(run.placement.layer_order(run.state),
+                                                      config))
     return validation or tasks
 
 
