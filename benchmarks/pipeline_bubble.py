@@ -4,8 +4,8 @@
 
 Trains a small scanned GPT on mesh stage=S x data=devices/S for each (microbatches, repeats)
 and prints the measured time per step (median of the steps after the first, which compiles),
-the bubble fraction (S-1)/(M*R+S-1) and the collectives XLA emitted for the step (the circular
-schedule's all-to-alls are the per-step resharding of the layer params into its layout). The
+the bubble fraction (S-1)/(M*R+S-1) and the collectives XLA emitted for the step (the state is
+in train order, as train.py holds it: a circular schedule's layer params stage-major). The
 stage=1 row is the same model without a pipeline. On CPU devices that share a few cores the
 stages do not run in parallel, so the step time shows the pipeline's overheads (more, smaller
 matmuls; the loop; the collectives), not the bubble's idle time.
