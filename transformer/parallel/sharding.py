@@ -84,6 +84,10 @@ if __doc__:  # None under python -OO
 LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     # activations (nn.with_logical_constraint at block boundaries)
     ("activation_batch", BATCH_AXES),
+    # The head's logits and the loss run outside a pipeline's stages (transformer.parallel.
+    # pipeline_parallel): split their rows over `stage` too, or every stage computes them all
+    # (70B on two v5p-32: 2.4 GiB a chip less for GPipe, 2.0 circular; docs/cloud-tpu.md).
+    ("activation_logits_batch", (*BATCH_AXES, "stage")),
     ("activation_length", "sequence"),
     # inside MoE layers, token buffers split over the experts instead of the batch
     ("activation_moe_batch", tuple(axis for axis in BATCH_AXES if axis != EXPERT_AXIS)),
@@ -290,7 +294,7 @@ def traced_split(logical: str, axis: str) -> int:
 
 
 ACTIVATIONS = ("activation_batch", "activation_length", "activation_embed")
-LOGITS = ("activation_batch", "activation_length", "activation_vocab")
+LOGITS = ("activation_logits_batch", "activation_length", "activation_vocab")
 
 
 def logical_shardings(boxed_tree, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
