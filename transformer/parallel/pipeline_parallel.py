@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable
 
 import jax
@@ -76,6 +77,7 @@ def to_stage_major(x: jax.Array, stages: int, repeats: int, inverse: bool = Fals
 def reading_stage_major(fn: Callable) -> Callable:
     """`fn`, with the pipelined stacks it traces reading their params stage-major
     (`to_stage_major`) rather than in layer order."""
+    @functools.wraps(fn)  # (its name: a profile names the jitted step after it)
     def traced(*args, **kwargs):
         token = _STAGE_MAJOR.set(True)
         try:
@@ -83,7 +85,6 @@ def reading_stage_major(fn: Callable) -> Callable:
         finally:
             _STAGE_MAJOR.reset(token)
 
-    traced.__name__ = getattr(fn, "__name__", "traced")  # (a profile names the jitted step)
     return traced
 
 
