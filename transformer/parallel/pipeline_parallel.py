@@ -74,6 +74,12 @@ def to_stage_major(x: jax.Array, stages: int, repeats: int, inverse: bool = Fals
     return blocks.swapaxes(0, 1).reshape(x.shape)
 
 
+def holds_stage_major(stages: int, repeats: int) -> bool:
+    """Whether training holds a pipelined stack's params stage-major: only a circular schedule
+    (R > 1) over S > 1 stages, where the two orders differ (`to_stage_major`)."""
+    return stages > 1 and repeats > 1
+
+
 def reading_stage_major(fn: Callable) -> Callable:
     """`fn`, with the pipelined stacks it traces reading their params stage-major
     (`to_stage_major`) rather than in layer order."""
@@ -189,7 +195,7 @@ def run(stage_fn: Callable, params, x_BTD: jax.Array, args, *, stages: int, micr
     # The stages' axis of the blocks: stage-major params are [S, R, Lps, ...] as stored, each
     # stage's its own shard; layer order is read as [R, S, Lps, ...], resharded over `stage`
     # (for GPipe, R = 1, the two orders are one: read as layer order).
-    axis = 0 if _STAGE_MAJOR.get() and R > 1 else 1
+    axis = 0 if _STAGE_MAJOR.get() and holds_stage_major(S, R) else 1
     staged = jax.tree.map(lambda p: _constrain(p.reshape(
         *((S, R) if axis == 0 else (R, S)), lps, *p.shape[1:]), axis), params)
     split_args = _split_rows(args, batch, M)

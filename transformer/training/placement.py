@@ -107,7 +107,8 @@ class Placement:
     @property
     def stage_major(self) -> bool:
         """Whether training holds the layer params stage-major: a circular pipeline."""
-        return self.schedule[1] > 1 and self.mesh.shape.get(pipeline_parallel.STAGE_AXIS, 1) > 1
+        return pipeline_parallel.holds_stage_major(
+            self.mesh.shape.get(pipeline_parallel.STAGE_AXIS, 1), self.schedule[1])
 
     def train_order(self, tree):
         """A train state (or params) in layer order -> the order the train step reads (the
