@@ -118,7 +118,7 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
 
     config.model.vocab_size = resolved_vocab_size(config)
     processes = accelerator.hosts * sharding.num_slices(devices)
-    validate_config(config, len(devices), processes)
+    validate_config(config, len(devices), processes, this_backend=False)
     model = build_model(config.model)
     optimizer = optim.make_optimizer(config)
     mesh = sharding.make_mesh(config.mesh, devices)
@@ -149,7 +149,9 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
         lowered = step.lower(state_in, batch_in)
     report.attention, report.moe_dispatch = kernels.split_moe(chosen)
     try:
-        return lowered.compile(), report
+        # the run's own XLA options (config.compiler_options), as training compiles with them;
+        # XLA:TPU itself refuses one it does not know (the local backend cannot judge TPU's)
+        return lowered.compile(compiler_options=dict(config.get("compiler_options") or {})), report
     except Exception as error:  # noqa: BLE001 - XLA:TPU refuses programs that exceed HBM
         report.error = str(error).strip().splitlines()[0][:400]
         return None, report
@@ -270,7 +272,7 @@ def main(argv) -> int:
     config.model.vocab_size = resolved_vocab_size(config)
     # Every value, before libtpu starts: one device per chip (megacore, or one core a chip).
     validate_config(config, accelerator.chips * FLAGS.num_slices,
-                    accelerator.hosts * FLAGS.num_slices, files=False)
+                    accelerator.hosts * FLAGS.num_slices, files=False, this_backend=False)
     # Off a TPU VM, libtpu looks for this VM's accelerator type and workers and prints five
     # lines of warnings when there are none; the topology it compiles for is named explicitly.
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator.name)

@@ -97,7 +97,8 @@ def validate(launch: Launch) -> None:
         configs.check_sequence_split(config, mesh)
         configs.check_pipeline(config, mesh)
         # then everything transformer.train checks, but the files the run reads on the slice
-        configs.validate_config(config, chips, launch.processes, files=False)
+        configs.validate_config(config, chips, launch.processes, files=False,
+                                this_backend=False)
     except ValueError as error:
         raise ValueError(f"{error}; on {launch.num_slices} x {launch.accelerator.name} "
                          f"({launch.processes} hosts)") from None

@@ -176,12 +176,14 @@ def model_for_checks(config: ml_collections.ConfigDict) -> ml_collections.Config
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None,
-                    num_processes: int | None = None, files: bool = True) -> None:
+                    num_processes: int | None = None, files: bool = True,
+                    this_backend: bool = True) -> None:
     """Checks every value against its meaning (`CHECKS`, then the rules joining several keys),
     with one-line errors `KEY=VALUE: expected ...`, before anything runs (against this
     runtime's devices and processes, or the given counts). `files=False` leaves out what reads
     the run's files (data, tokenizer, init_from), for a launcher whose run reads them on
-    another machine."""
+    another machine; `this_backend=False` leaves `compiler_options` to the XLA that compiles
+    for another accelerator (a TPU's options are unknown to this machine's XLA:CPU)."""
     num_devices = jax.device_count() if num_devices is None else num_devices
     num_processes = jax.process_count() if num_processes is None else num_processes
     for key, (test, expected) in CHECKS.items():
@@ -194,7 +196,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
                                processes=num_processes)
     check_sequence_split(config, mesh_sizes)
     check_pipeline(config, mesh_sizes)
-    placement.user_compiler_options(config)
+    if this_backend:
+        placement.user_compiler_options(config)
     if config.model.get("position") == "learned" and config.seq_len > config.model.max_len:
         raise ValueError(f"seq_len={config.seq_len}: expected <= model.max_len="
                          f"{config.model.max_len}, the learned position table's size")
