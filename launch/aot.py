@@ -114,7 +114,7 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
     from transformer.nn import kernels
     from transformer.parallel import pipeline_parallel, sharding
     from transformer.train import make_train_step
-    from transformer.training import metrics, optim, state
+    from transformer.training import metrics, optim, placement, state
 
     config.model.vocab_size = resolved_vocab_size(config)
     processes = accelerator.hosts * sharding.num_slices(devices)
@@ -122,6 +122,9 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
     model = build_model(config.model)
     optimizer = optim.make_optimizer(config)
     mesh = sharding.make_mesh(config.mesh, devices)
+    # the XLA options training compiles with (the TPU defaults, config.compiler_options), judged
+    # by XLA:TPU before anything compiles: this machine's XLA cannot judge TPU's
+    options = placement.compiler_options(config, mesh)
     batch = batch_spec(config)
     example = {k: np.zeros(v.shape[1:], v.dtype)[None] for k, v in batch.items()}
     abstract, state_sharding, _ = state.initial_state(config, model, mesh, example, optimizer)
@@ -149,9 +152,7 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
         lowered = step.lower(state_in, batch_in)
     report.attention, report.moe_dispatch = kernels.split_moe(chosen)
     try:
-        # the run's own XLA options (config.compiler_options), as training compiles with them;
-        # XLA:TPU itself refuses one it does not know (the local backend cannot judge TPU's)
-        return lowered.compile(compiler_options=dict(config.get("compiler_options") or {})), report
+        return lowered.compile(compiler_options=options), report
     except Exception as error:  # noqa: BLE001 - XLA:TPU refuses programs that exceed HBM
         report.error = str(error).strip().splitlines()[0][:400]
         return None, report

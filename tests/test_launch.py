@@ -251,25 +251,32 @@ def test_a_tiny_gpt_compiles_for_a_v5p_slice_and_reports_its_memory():
 @pytest.mark.slow
 @needs_libtpu
 def test_the_configs_xla_options_reach_xla_tpu_which_judges_them():
-    """config.compiler_options compile the step ahead of time as training compiles it: an
-    option only XLA:TPU knows (this machine's XLA:CPU refuses it) compiles, and one XLA:TPU
-    does not know is the report's error, not a refusal by this machine's XLA."""
+    """The step compiles ahead of time with the XLA options training compiles with, judged by
+    XLA:TPU: the TPU defaults and an option only XLA:TPU knows (this machine's XLA:CPU refuses
+    it) compile; one XLA:TPU does not know is a one-line error before anything compiles."""
     from launch import aot
     from transformer.configs import base_config
+    from transformer.parallel import sharding
+    from transformer.training import placement
 
     accelerator = accelerators.parse("v5p-8")
     devices = aot.tpu_topology(accelerator)
-    compiled, reports = {}, {}
-    for option in ("xla_tpu_buffer_assignment_randomization_salt", "xla_tpu_no_such_option"):
+
+    def config_with(option):
         config = base_config()
         config.update(batch_size=8, seq_len=32, compiler_options={option: 1})
         config.model.update(num_layers=1, d_model=64, num_heads=4, d_ff=128, vocab_size=512)
         config.mesh.update(data=1, fsdp=4)
-        compiled[option], reports[option] = aot._compile(config, devices, accelerator)
-    known = "xla_tpu_buffer_assignment_randomization_salt"
-    assert compiled[known] is not None and not reports[known].error, reports[known].error
-    assert "No such compile option: 'xla_tpu_no_such_option'" in \
-        reports["xla_tpu_no_such_option"].error
+        return config
+
+    config = config_with("xla_tpu_buffer_assignment_randomization_salt")
+    assert placement.compiler_options(config, sharding.make_mesh(config.mesh, devices)) == {
+        **placement.TPU_OPTIONS, "xla_tpu_buffer_assignment_randomization_salt": 1}
+    compiled, report = aot._compile(config, devices, accelerator)
+    assert compiled is not None and not report.error, report.error
+    with pytest.raises(ValueError, match=r"compiler_options=.*XLA rejects them \(.*No such "
+                       r"compile option: 'xla_tpu_no_such_option'"):
+        aot._compile(config_with("xla_tpu_no_such_option"), devices, accelerator)
 
 
 @pytest.mark.slow

@@ -97,10 +97,11 @@ KEYS: dict[str, Key] = {
         "(metrics.PEAK_FLOPS) or, on CPU, this host's measured float32 matmul peak.",
         number(ge=0, note="0: published or measured")),
     # Which options XLA knows: placement.user_compiler_options, in validate_config.
-    "compiler_options": _key({}, "XLA options for the jitted steps on top of the CPU defaults "
-                             "(`placement.compiler_options`), e.g. "
+    "compiler_options": _key({}, "XLA options for the jitted steps on top of the CPU or TPU "
+                             "defaults (`placement.compiler_options`), e.g. "
                              "`{'xla_cpu_multi_thread_eigen': False}`; checked by XLA before "
-                             "anything compiles.",
+                             "anything compiles (by XLA:TPU when `launch.aot` compiles for a "
+                             "TPU, which it does with them).",
                              (lambda v: isinstance(v, dict | ml_collections.ConfigDict),
                               "a dict of XLA option names to values")),
     # Its form and target: fileio.parse_init_from, in validate_config.
