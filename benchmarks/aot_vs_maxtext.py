@@ -120,7 +120,11 @@ concatenation bf16[1, 2, 4096, 2048] (32 MiB) and three 16 MiB pieces of its tra
 MaxText its gathered embedding table bf16[50304, 2048] (196.5 MiB) and an f32[1, 8192, 2048]
 (64 MiB). The bytes live at once are fewer on ours (2.61 GiB of its 2.91 GiB allocation;
 MaxText 2.78 of 2.88): the difference is in how XLA packs the allocation, not a buffer MaxText
-does without. Reproduce (MaxText's side unchanged, so its log can be reused with --reuse):
+does without. TPU runs now compile with XLA's best-of-both buffer assignment
+(`placement.TPU_OPTIONS`): re-measured on 2026-12-02 (jax 0.12.0.1, libtpu 0.0.52), ours' long
+row is 3.85 GiB (temporaries 2.61 GiB, the bytes live at the peak) and moe 17.88 GiB
+(temporaries 12.82), both below MaxText's. Reproduce (MaxText's side unchanged, so its log can
+be reused with --reuse):
 
     python benchmarks/aot_vs_maxtext.py --maxtext_python=/work/venv-maxtext/bin/python \
         --ours_python=/work/venv-ours312/bin/python --shape=long --output_dir=/tmp/lc_out \
