@@ -30,7 +30,7 @@ GLIBC_CPU_OPTIONS = {"xla_multiheap_size_constraint_per_heap": hostmem.SCRATCH_H
 # XLA:TPU default for the jitted steps: lay the step's temporaries out by both of XLA's
 # buffer-assignment orders and keep the smaller heap (its own default took the temporal one
 # for a 70B circular pipeline: 29.38 GiB a chip where 26.15 GiB hold everything live at the
-# peak; GPipe's heap is the same either way). Compiled ahead of time, docs/scaling-out.md.
+# peak; GPipe's heap is the same either way). Compiled ahead of time: docs/cloud-tpu.md.
 TPU_OPTIONS = {"xla_tpu_buffer_assignment_algorithm": "BEST_OF_SPATIAL_TEMPORAL"}
 
 
@@ -41,6 +41,9 @@ def compiler_options(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh)
     judged by the XLA that compiles for the mesh's devices (XLA:TPU for an ahead-of-time
     topology on a CPU host)."""
     device = mesh.devices.flat[0]
+    # this runtime's XLA (its default device) judges options for its own platform; another
+    # platform's devices (an ahead-of-time topology) are judged by that platform's compiler
+    judge = None if device.platform == jax.default_backend() else device
     defaults = {}
     if device.platform == "cpu":
         if hostmem.allocator() == "glibc":
@@ -49,8 +52,8 @@ def compiler_options(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh)
             defaults |= CPU_FLOAT32_OPTIONS
     elif device.platform == "tpu":
         defaults |= TPU_OPTIONS
-    defaults = _accepted(tuple(defaults.items()), device) if defaults else {}
-    return {**defaults, **user_compiler_options(config, device)}
+    defaults = _accepted(tuple(defaults.items()), judge) if defaults else {}
+    return {**defaults, **user_compiler_options(config, judge)}
 
 
 def user_compiler_options(config: ml_collections.ConfigDict, device=None) -> dict:
@@ -79,7 +82,7 @@ def _accepted(options: tuple, device=None) -> dict:
     """`options` if the XLA compiling for `device` knows them, else none (with a warning):
     defaults must not break a newer jaxlib or libtpu that renamed an experimental flag."""
     if error := _rejection(options, device):
-        platform = "CPU" if device is None else device.platform.upper()
+        platform = (jax.default_backend() if device is None else device.platform).upper()
         print(f"warning: XLA rejects the default {platform} options {dict(options)} ({error}); "
               "compiling without them", file=sys.stderr)
         return {}
