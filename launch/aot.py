@@ -64,6 +64,10 @@ def tpu_topology(accelerator: accelerators.Accelerator, num_slices: int = 1):
     grid = [int(n) for n in accelerator.topology.split("x")]
     per_host = (2, 2, 1) if accelerator.hosts > 1 else (*grid, 1)[:3]
     megacore = accelerator.generation.cores_per_chip == 2  # one device per chip (v4, v5p)
+    # What compiles for a topology cannot be loaded back from JAX's persistent cache (there is
+    # no TPU client to load it into: the read warns INVALID_ARGUMENT), so such a process keeps
+    # the cache off (JAX decides at a process's first compile: this, when it comes first).
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
         return topologies.get_topology_desc(
             topology_name=accelerator.topology_name, platform="tpu", num_slices=num_slices,
