@@ -142,15 +142,20 @@ def test_the_cpu_peak_cache_moves_with_its_variable_and_the_suite_keeps_out_of_h
     assert default.stdout.strip() == home
 
 
-def test_the_metrics_logger_leaves_torch_unloaded_and_importable(tmp_path):
-    """tensorboardX imports torch (2 s of every command's start) only to take torch tensors:
-    the logger loads it without, and torch still imports afterwards."""
+def test_the_metrics_logger_leaves_torch_and_the_cloud_clients_unloaded_and_importable(tmp_path):
+    """tensorboardX imports torch (2 s of every command's start) only to take torch tensors,
+    and boto3 / google.cloud.storage (0.65 s) only for s3:// and gs:// log directories: a
+    local logger loads it without them; a gs:// logger after it in the same process gets
+    tensorboardX's gs:// writer working, and torch still imports afterwards."""
     code = ("import sys; from transformer.training import metrics\n"
             "logger = metrics.MetricsLogger(sys.argv[1], True)\n"
             "logger.write(1, 'train', {'loss': 1.0})\n"
-            "print('torch' in sys.modules)\n"
+            "print(*(m in sys.modules for m in ('torch', 'boto3', 'google.cloud.storage')))\n"
+            "metrics.summary_writer_class(remote=True)\n"
+            "from tensorboardX import record_writer\n"
+            "print(record_writer.GCS_ENABLED, 'google.cloud.storage' in sys.modules)\n"
             "import torch; print(callable(torch.ones))\n")
     child = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
                            text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=True)
-    assert child.stdout.split() == ["False", "True"], child.stdout + child.stderr
+    assert child.stdout.split() == ["False"] * 3 + ["True"] * 3, child.stdout + child.stderr
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

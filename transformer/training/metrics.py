@@ -4,6 +4,7 @@ FLOPs with rematerialisation)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -185,18 +186,39 @@ def keep_records_up_to(path: str, step: int) -> list[str]:
     return kept
 
 
-def summary_writer_class():
-    """tensorboardX's SummaryWriter, imported without torch where torch is not loaded yet:
-    tensorboardX imports torch (2 s) only to accept torch tensors, and we log floats. A `None`
-    in sys.modules makes its `import torch` fail as if torch were absent, which it allows."""
-    if "tensorboardX" in sys.modules or "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
+# What tensorboardX imports at its own import only for what a run's logger never needs: torch
+# (2 s) to accept torch tensors, where we log floats; boto3 and google.cloud.storage (0.65 s) to
+# write s3:// and gs:// log directories, where a local workdir is a local directory.
+_NOT_FOR_FLOATS = ("torch",)
+_NOT_FOR_LOCAL = ("boto3", "google.cloud.storage")
+_imported_without_clients = False
+
+
+def summary_writer_class(remote: bool = True):
+    """tensorboardX's SummaryWriter, imported without the modules it would load in vain.
+
+    A `None` in sys.modules makes an `import` fail as if the module were absent, which
+    tensorboardX allows; the entries are removed again, so a later import (export, HF) loads
+    them as usual. `remote`: the writer's directory is a URL, so its object-store client must
+    load; a logger for one after a local one in the same process reloads tensorboardX's
+    record writer, which registers its gs:// and s3:// writers only where their clients import.
+    """
+    global _imported_without_clients
+    if "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter, record_writer
+        if remote and _imported_without_clients:
+            importlib.reload(record_writer)
+            _imported_without_clients = False
         return SummaryWriter
-    sys.modules["torch"] = None
+    blocked = [name for name in _NOT_FOR_FLOATS + (() if remote else _NOT_FOR_LOCAL)
+               if name not in sys.modules]
+    _imported_without_clients = not remote
+    sys.modules.update(dict.fromkeys(blocked))
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]  # a later `import torch` (export, HF) loads it as usual
+        for name in blocked:
+            del sys.modules[name]
     return SummaryWriter
 
 
@@ -217,7 +239,7 @@ class MetricsLogger:
         self.start = time.perf_counter()
         self.elapsed_before = 0.0
         if enabled:
-            SummaryWriter = summary_writer_class()
+            SummaryWriter = summary_writer_class(fileio.is_remote(workdir))
             self.path = fileio.join(workdir, "metrics.jsonl")
             lines = keep_records_up_to(self.path, start_step)
             if lines:
