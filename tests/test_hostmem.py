@@ -166,7 +166,7 @@ def test_keep_freed_memory_leaves_other_allocators_alone(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
 def test_a_cpu_run_logs_the_allocator_line_only_where_steps_fault(tmp_path):
-    """Through the CLI, under glibc: a GPT step with ~0.3 GB of scratch memory in heaps it
+    """Through the CLI, under glibc: a GPT step with ~0.2 GB of scratch memory in heaps it
     keeps logs no allocator line; the same step with its scratch memory as one block (no
     heap size cap) logs the faults it measured and the command, once; under jemalloc as
     advised, that step logs nothing."""
@@ -182,7 +182,7 @@ def get_config():
     return config
 """)
     # The faults are counted over steps 5-6 (hostmem.FaultWindow). No samples.
-    flags = ["--config.steps=6", "--config.log_every=2", "--config.batch_size=64",
+    flags = ["--config.steps=6", "--config.log_every=2", "--config.batch_size=32",
              "--config.seq_len=128", "--config.eval_every=6", "--config.eval_steps=1",
              "--config.checkpoint_every=6", "--config.samples=0"]
 
