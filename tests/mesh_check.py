@@ -167,46 +167,42 @@ def splash_on_meshes(devices) -> dict[str, dict]:
 
 
 # Token mixers (model.layer_types / attention_kind), scanned and rematerialised, on a mesh.
-MIXER_VARIANTS = {
-    "mamba2": {"layer_types": "mamba2,full_attention", "mamba2.head_dim": 8,
-               "mamba2.state_size": 8, "mamba2.chunk_size": 4},
-    "conv": {"layer_types": "conv,full_attention"},
-    "mla": {"attention_kind": "mla", "mla.kv_lora_rank": 16, "mla.qk_nope_head_dim": 8,
-            "mla.qk_rope_head_dim": 4, "mla.v_head_dim": 8},
-    "linear_attention": {"layer_types": "linear_attention,full_attention",
-                         "linear_attention.key_head_dim": 8, "linear_attention.chunk_size": 4},
-}
+# One scanned, rematerialised hybrid stack with a layer of each token mixer (MLA the full
+# attention): one compile per mesh for all of them.
+MIXERS = {"layer_types": "mamba2,conv,linear_attention,full_attention", "num_layers": 4,
+          "attention_kind": "mla", "mamba2.head_dim": 8, "mamba2.state_size": 8,
+          "mamba2.chunk_size": 4, "mla.kv_lora_rank": 16, "mla.qk_nope_head_dim": 8,
+          "mla.qk_rope_head_dim": 4, "mla.v_head_dim": 8, "linear_attention.key_head_dim": 8,
+          "linear_attention.chunk_size": 4, "scan_layers": True, "remat_policy": "full"}
+MIXER_BLOCKS = {"mamba2": ("block_0", "mamba2"), "conv": ("block_1", "conv"),
+                "linear_attention": ("block_2", "linear_attention"),
+                "mla": ("block_3", "self_attention")}
 
 
 def mixers_on_meshes(devices) -> dict[str, dict]:
-    """Per mixer variant: 3 steps on data=2 x fsdp=2 x tensor=2 (every axis a param or the batch
-    is split over) against one device (losses, largest param difference), and the spec of one
-    of its params. The tensor=4 split of the heads: `MESHES` (softmax attention)."""
+    """Per token mixer (`MIXERS`' layers): 3 steps on data=2 x fsdp=2 x tensor=2 (every axis a
+    param or the batch is split over) against one device (the losses, the largest difference
+    of the mixer's params), and its params' specs. The tensor=4 split of the heads: `MESHES`
+    (softmax attention)."""
+    runs = {}
+    for mesh in (None, (2, 2, 2)):
+        config = small_config(mesh or (1, 1, 1))
+        config.steps = 3
+        for key, value in MIXERS.items():
+            group, _, leaf = key.rpartition(".")
+            (config.model[group] if group else config.model)[leaf] = value
+        run = Run(config, devices[:1] if mesh is None else devices)
+        state, losses = run.train(run.init(jax.random.key(0)), batches(3))
+        runs[mesh] = losses, state.params["decoder"]["layers"]
+    single, (losses, sharded) = runs[None], runs[(2, 2, 2)]
     out = {}
-    for name, keys in MIXER_VARIANTS.items():
-        runs = {}
-        for mesh in (None, (2, 2, 2)):
-            config = small_config(mesh or (1, 1, 1))
-            config.steps = 3
-            config.model.update(scan_layers=True, remat_policy="full")
-            for key, value in keys.items():
-                group, _, leaf = key.rpartition(".")
-                (config.model[group] if group else config.model)[leaf] = value
-            run = Run(config, devices[:1] if mesh is None else devices)
-            state, losses = run.train(run.init(jax.random.key(0)), batches(3))
-            runs[mesh] = (losses, host(state.params), state.params)
-        single = runs[None]
-        for mesh in ((2, 2, 2),):
-            losses, params, sharded = runs[mesh]
-            layers = sharded["decoder"]["layers"]
-            block = layers.get("block_0", layers)  # grouped when the layers differ
-            first = next(v for k, v in block.items()  # the mixer's params
-                         if k != "mlp" and not k.endswith("norm"))
-            specs = {k: str(v.sharding.spec) for k, v in first.items()
-                     if hasattr(v, "sharding")}
-            out[f"{name} {','.join(map(str, mesh))}"] = {
-                "losses": losses, "single": single[0], "specs": specs,
-                "max_param_diff": max_diff(params, single[1])}
+    for name, (block, mixer) in MIXER_BLOCKS.items():
+        params = sharded[block][mixer]
+        out[f"{name} 2,2,2"] = {
+            "losses": losses, "single": single[0],
+            "specs": {k: str(v.sharding.spec) for k, v in params.items()
+                      if hasattr(v, "sharding")},
+            "max_param_diff": max_diff(host(params), host(single[1][block][mixer]))}
     return out
 
 
