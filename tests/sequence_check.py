@@ -62,9 +62,10 @@ def attention_cases(devices) -> dict[str, float]:
         "causal": (masks.Causal(), length),
         "packed": (masks.Causal() & masks.Segment(ids), length),
         "prefix": (masks.PrefixLM(jnp.array([7, 20])), length),
-        "window_softcap": (masks.SlidingWindow(left=5), length),  # logits capped at 1.5
+        "window": (masks.SlidingWindow(left=5), length),
         "bottom_right": (masks.Causal(), length // 2),  # 16 queries over 32 keys
         "zigzag": (masks.Permuted(masks.Causal() & masks.Segment(ids), order), length),
+        "softcap": (masks.Causal() & masks.Segment(ids), length),  # logits capped at 1.5
         "sinks": (masks.Causal() & masks.Segment(ids), length),  # a sink logit per head
     }
     sink_logits = jnp.array([1.0, -0.5, 2.0, 0.0])
@@ -89,7 +90,7 @@ def attention_cases(devices) -> dict[str, float]:
     # sinks (split with the heads over tensor); the others on sequence=4.
     composite = {"packed", "prefix", "zigzag", "sinks"}
     for name, (mask, q_len) in cases.items():
-        softcap = 1.5 if name == "window_softcap" else 0.0
+        softcap = 1.5 if name == "softcap" else 0.0
         sinks = sink_logits if name == "sinks" else None
         want = run(functools.partial(dense, softcap=softcap), mask, q_len, sinks)
         for strategy in sequence_parallel.STRATEGIES:
@@ -155,16 +156,17 @@ def training_batches(family: str) -> list[dict[str, np.ndarray]]:
 
 # (family, strategy, mesh, load balance, positions[, model knobs]): every axis size, alone and
 # beside data / fsdp / tensor, each strategy, both decoder families, one run without the zig-zag
-# layout (with ALiBi), each kind of positions (RoPE unless named), and the attention / block
-# knobs (learned positions with Gemma 2's). Each strategy on every axis size: the attention
-# cases above.
+# layout, each kind of positions (RoPE unless named), and the attention / block knobs (learned
+# positions with Gemma 2's). Each strategy on every axis size: the attention cases above.
 GEMMA2_KNOBS = dict(qk_norm=True, attention_softcap=2.0, final_logit_softcap=5.0,
                     sliding_window=8, sliding_window_pattern=2, norm_placement="sandwich")
 OLMO2_KNOBS = dict(qk_norm=True, qk_norm_scope="projection", norm_placement="post_sublayer")
 TRAINING = [
+    ("gpt", "all_gather", {"data": 2, "sequence": 4}, True, "rope"),
     ("gpt", "ring", {"sequence": 8}, True, "rope"),
     ("gpt", "ring", {"fsdp": 2, "sequence": 2, "tensor": 2}, True, "rope"),
-    ("gpt", "ring", {"sequence": 4}, False, "alibi"),
+    ("gpt", "ring", {"sequence": 4}, False, "rope"),
+    ("gpt", "ring", {"sequence": 4}, True, "alibi"),
     ("gpt", "all_gather", {"data": 2, "sequence": 4}, True, "t5"),
     ("prefix_lm", "all_gather", {"fsdp": 2, "sequence": 4}, True, "rope"),
     ("gpt", "ring", {"data": 2, "sequence": 4}, True, "learned", GEMMA2_KNOBS),
