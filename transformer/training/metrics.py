@@ -186,9 +186,9 @@ def keep_records_up_to(path: str, step: int) -> list[str]:
     return kept
 
 
-# What tensorboardX imports at its own import only for what a run's logger never needs: torch
+# What tensorboardX imports at its own import for what a run's logger may never need: torch
 # (2 s) to accept torch tensors, where we log floats; boto3 and google.cloud.storage (0.65 s) to
-# write s3:// and gs:// log directories, where a local workdir is a local directory.
+# write s3:// and gs:// log directories, which a local workdir does not use.
 _NOT_FOR_FLOATS = ("torch",)
 _NOT_FOR_LOCAL = ("boto3", "google.cloud.storage")
 _imported_without_clients = False
@@ -200,8 +200,8 @@ def summary_writer_class(remote: bool = True):
     A `None` in sys.modules makes an `import` fail as if the module were absent, which
     tensorboardX allows; the entries are removed again, so a later import (export, HF) loads
     them as usual. `remote`: the writer's directory is a URL, so its object-store client must
-    load; a logger for one after a local one in the same process reloads tensorboardX's
-    record writer, which registers its gs:// and s3:// writers only where their clients import.
+    load. tensorboardX's gs:// and s3:// writers work only where their client imported with its
+    record writer: a remote logger after a local one in the same process reloads that module.
     """
     global _imported_without_clients
     if "tensorboardX" in sys.modules:
@@ -212,7 +212,7 @@ def summary_writer_class(remote: bool = True):
         return SummaryWriter
     blocked = [name for name in _NOT_FOR_FLOATS + (() if remote else _NOT_FOR_LOCAL)
                if name not in sys.modules]
-    _imported_without_clients = not remote
+    _imported_without_clients = any(name in _NOT_FOR_LOCAL for name in blocked)
     sys.modules.update(dict.fromkeys(blocked))
     try:
         from tensorboardX import SummaryWriter
