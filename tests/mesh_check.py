@@ -166,9 +166,8 @@ def splash_on_meshes(devices) -> dict[str, dict]:
     return out
 
 
-# Token mixers (model.layer_types / attention_kind), scanned and rematerialised, on a mesh.
-# One scanned, rematerialised hybrid stack with a layer of each token mixer (MLA the full
-# attention): one compile per mesh for all of them.
+# Token mixers (model.layer_types / attention_kind) on a mesh: one scanned, rematerialised
+# hybrid stack with a layer of each (MLA the full attention), one compile per mesh for all.
 MIXERS = {"layer_types": "mamba2,conv,linear_attention,full_attention", "num_layers": 4,
           "attention_kind": "mla", "mamba2.head_dim": 8, "mamba2.state_size": 8,
           "mamba2.chunk_size": 4, "mla.kv_lora_rank": 16, "mla.qk_nope_head_dim": 8,
