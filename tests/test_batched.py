@@ -18,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import forkserver
 import jax
 import numpy as np
 import pytest
@@ -229,7 +230,7 @@ def run_sweep(*args: str, devices: int | None = None, wait: bool = True):
     if not wait:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+    return forkserver.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
 
 

@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 
+import forkserver
 import ml_collections
 import pytest
 
@@ -265,14 +266,13 @@ python -m transformer.train --config=experiments/gpt_shakespeare_char.py:cpu --c
 def test_the_flags_read_from_the_source_are_the_commands_own():
     """module_flags reads the DEFINE calls in a module's source; each of those flags is one its
     command accepts (`--helpfull` lists it), so a doc naming it names a real flag."""
-    import subprocess
     import sys
 
     modules = sorted({COMMAND.match(command).group(1) for _, command in _doc_commands()} -
                      set(NOT_ABSL))
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
     for module in modules:
-        listed = subprocess.run([sys.executable, "-m", module, "--helpfull"], cwd=REPO, env=env,
+        listed = forkserver.run([sys.executable, "-m", module, "--helpfull"], cwd=REPO, env=env,
                                 capture_output=True, text=True).stdout
         real = set(re.findall(r"^\s+--(?:\[no\])?([\w.]+)", listed, re.M))
         real |= {f"no{name}" for name in re.findall(r"^\s+--\[no\]([\w.]+)", listed, re.M)}

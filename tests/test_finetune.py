@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import flax.linen as nn
+import forkserver
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -208,7 +209,7 @@ def test_the_gpt_classifier_reads_the_last_real_token():
 
 def cli(module: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+    result = forkserver.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result

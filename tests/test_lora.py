@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import flax.linen as nn
+import forkserver
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -348,7 +349,7 @@ def test_a_lora_run_on_an_fsdp_tensor_mesh_equals_one_device(lora_run, tmp_path)
     base, workdir, _ = lora_run
     flags = lora_flags(base, 3, "--config.mesh.data=1", "--config.mesh.fsdp=2",
                        "--config.mesh.tensor=2")
-    result = subprocess.run([sys.executable, "-m", "transformer.train", *flags,
+    result = forkserver.run([sys.executable, "-m", "transformer.train", *flags,
                              f"--workdir={tmp_path / 'mesh'}"], cwd=REPO, env=cli_env(4),
                             capture_output=True, text=True, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, describe(result)

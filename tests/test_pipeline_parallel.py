@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -225,7 +226,7 @@ def test_a_circular_checkpoint_resumes_at_stage_1_and_at_stage_4(tmp_path):
              if not f.startswith(("--config.model.num_layers", "--config.batch_size"))]
 
     def train(workdir, steps, mesh):
-        result = subprocess.run(
+        result = forkserver.run(
             [sys.executable, "-m", "transformer.train", "--config=experiments/gpt_tiny.py",
              f"--workdir={workdir}", *flags, *model, f"--config.steps={steps}", *mesh],
             cwd=REPO, env=cli_env(8), capture_output=True, text=True, timeout=600)

@@ -4,9 +4,9 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
+import forkserver
 import numpy as np
 import pytest
 
@@ -295,7 +295,7 @@ def test_load_runs_leaves_out_non_finite_losses_and_averages_duplicates(tmp_path
 
 def run_scaling(workdir, *args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    return subprocess.run([sys.executable, "-m", "transformer.scaling", f"--workdir={workdir}",
+    return forkserver.run([sys.executable, "-m", "transformer.scaling", f"--workdir={workdir}",
                            f"--config={EXPERIMENT}", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import numpy as np
 import pytest
 
@@ -439,7 +440,7 @@ def tiny_llama(directory: Path, vocab_size: int) -> None:
 
 def run(module: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+    result = forkserver.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
@@ -513,7 +514,7 @@ def test_bad_chat_data_stops_the_cli_with_one_line_before_training(tmp_path, lla
     rows[3][1] = {"content": "no role"}
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
+    result = forkserver.run(
         [sys.executable, "-m", "transformer.train", "--config=experiments/sft_chat.py",
          f"--workdir={tmp_path / 'run'}", f"--config.init_from=hf:{model_dir}",
          f"--config.data.path={train}", "--config.seq_len=256"],

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import flax.linen as nn
+import forkserver
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -362,7 +363,7 @@ def start(workdir: Path, logs: Path, tag: str, *, processes: int,
             f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
             f"--process_id={i}"]
         out = open(logs / f"{tag}-{i}.log", "w")  # noqa: SIM115
-        runs.append(subprocess.Popen(
+        runs.append(forkserver.Popen(
             [sys.executable, "-m", "transformer.train", *RUN_FLAGS, f"--workdir={workdir}",
              *extra], cwd=REPO, env=cli_env(devices), stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL))

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import forkserver
 import pytest
 
 from transformer import evaluate as evaluate_lib
@@ -49,7 +50,7 @@ EXPERIMENT = textwrap.dedent(f"""
 
 def run_sweep(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "transformer.sweep", *args], cwd=REPO, env=env,
+    return forkserver.run([sys.executable, "-m", "transformer.sweep", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 
 

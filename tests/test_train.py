@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+import forkserver
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,7 +121,7 @@ def start_cli(module: str, *args: str, logs: Path) -> CliRun:
     command = [sys.executable, "-m", module, *args]
     stdout_path, stderr_path = logs / "stdout.txt", logs / "stderr.txt"
     with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
-        process = subprocess.Popen(command, cwd=REPO, env=cli_env(), stdout=stdout,
+        process = forkserver.Popen(command, cwd=REPO, env=cli_env(), stdout=stdout,
                                    stderr=stderr, stdin=subprocess.DEVNULL)
     return CliRun(command, process, stdout_path, stderr_path)
 
