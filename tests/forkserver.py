@@ -3,14 +3,16 @@ already imported the package, instead of each starting a fresh interpreter.
 
 A command spends about 3 CPU-seconds importing jax, flax, orbax, grain and transformer/ before it
 reads a flag: most of what a bad-input or refused-resume case costs, and half of a tiny training.
-The suite starts a few hundred such commands, on two cores.
+The suite starts about 200 such commands, on two cores.
 
 The server is a child of the test worker that imports `transformer.train` (which imports nearly
-all of the package and of its dependencies) and nothing else, starts no backend, and then, for
-each command, forks. The fork runs the command as `python -m` does (`runpy`, `__main__`, the
-command's argv, cwd, environment and standard streams) and exits as that process would: its exit
-code, or minus the signal that killed it. What the imports printed is printed again by each fork,
-first, so a command's output is the same as from a fresh process.
+all of the package and of its dependencies), torch and transformers (which the HF commands import
+when they run: about 3 CPU-seconds more), starts no backend, and then, for each command, forks.
+The fork runs the command as `python -m` does (`runpy`, `__main__`, the command's argv, cwd,
+environment and standard streams) and exits as that process would: its exit code, or minus the
+signal that killed it. What the imports printed is printed again by each fork, first, so a
+command's output is the same as from a fresh process. The suite started 202 commands (2026-12):
+202 forks.
 
 A server serves the environment it started with, up to the variables read after start-up
 (XLA_FLAGS: XLA reads it when the backend starts). A command in another environment (a JAX_*
@@ -36,8 +38,9 @@ import threading
 # pytest's name of the running test by nothing at all.
 LATE_VARIABLES = frozenset({"XLA_FLAGS", "PYTEST_CURRENT_TEST"})
 REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-# The imports a fork inherits: transformer.train imports nearly all of the rest.
-PRELOAD = ("transformer.train",)
+# The imports a fork inherits: transformer.train imports nearly all of the package; the HF
+# commands (export, init_from=hf, HF tokenizers) import torch and transformers when they run.
+PRELOAD = ("transformer.train", "torch", "transformers")
 ENABLED = os.environ.get("TRANSFORMER_TESTS_FORK", "1") != "0"
 
 
