@@ -11,8 +11,10 @@ when they run: about 3 CPU-seconds more), starts no backend, and then, for each 
 The fork runs the command as `python -m` does (`runpy`, `__main__`, the command's argv, cwd,
 environment and standard streams) and exits as that process would: its exit code, or minus the
 signal that killed it. What the imports printed is printed again by each fork, first, so a
-command's output is the same as from a fresh process. The suite started 202 commands (2026-12):
-202 forks.
+command's output is the same as from a fresh process. What a fork cannot redo is the
+interpreter's start: the forks of one server share its str hash seed (PYTHONHASHSEED), so two
+commands compared bitwise no longer differ in set iteration order; a run with
+`TRANSFORMER_TESTS_FORK=0` (below) still checks that.
 
 A server serves the environment it started with, up to the variables read after start-up
 (XLA_FLAGS: XLA reads it when the backend starts). A command in another environment (a JAX_*
