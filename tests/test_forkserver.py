@@ -9,6 +9,9 @@ import forkserver
 import pytest
 from test_train import cli_env
 
+# What these tests check is the fork: with forking off for the session there is none
+pytestmark = pytest.mark.skipif(not forkserver.ENABLED, reason="TRANSFORMER_TESTS_FORK=0")
+
 PROBE = textwrap.dedent("""
     import os, sys, time
     test = os.environ.get("PYTEST_CURRENT_TEST")  # differs from the server's (and is read late)
