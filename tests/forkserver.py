@@ -271,18 +271,18 @@ def Popen(args, *, env=None, cwd=None, stdin=None, stdout=None, stderr=None, **k
     """subprocess.Popen, forked from the server where the command allows it (module docstring)."""
     module, env = module_command(args), dict(os.environ if env is None else env)
     streams = None
-    if ENABLED and module and not kwargs.get("start_new_session"):
+    # text/errors/encoding apply only to pipes, which are never forked; any other Popen option
+    # (start_new_session, preexec_fn, ...) gets a fresh interpreter
+    if ENABLED and module and not set(kwargs) - {"text", "errors", "encoding"}:
         try:
             streams = {name: _path(stream, name) for name, stream in
                        (("stdin", stdin), ("stdout", stdout), ("stderr", stderr))}
         except TypeError:
             streams = None
     if streams and "inherit" not in streams.values() and (server := _server_for(env)):
-        extra = set(kwargs) - {"text", "errors", "encoding"}
-        if not extra:
-            request = {"module": module, "args": [os.fspath(a) for a in args[3:]], "env": env,
-                       "cwd": os.path.abspath(cwd or os.getcwd()), **streams}
-            return ForkedProcess(server, list(args), server.start(request))
+        request = {"module": module, "args": [os.fspath(a) for a in args[3:]], "env": env,
+                   "cwd": os.path.abspath(cwd or os.getcwd()), **streams}
+        return ForkedProcess(server, list(args), server.start(request))
     return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
                             **kwargs)
 
