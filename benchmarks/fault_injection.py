@@ -47,10 +47,15 @@ def environment() -> dict[str, str]:
             "XLA_FLAGS": xla.strip()}
 
 
+# How a run starts: tests/test_faults.py sets tests/forkserver.Popen (the same command, forked
+# from a process that has already imported the package).
+popen = subprocess.Popen
+
+
 def start(workdir: Path, steps: int, log: Path) -> subprocess.Popen:
     with open(log, "a") as out:
-        return subprocess.Popen(command(workdir, steps), cwd=REPO, env=environment(),
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return popen(command(workdir, steps), cwd=REPO, env=environment(), stdout=out,
+                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 def checkpoints(workdir: Path) -> tuple[list[int], int]:

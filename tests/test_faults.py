@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import forkserver  # tests/
 import pytest
 
 pytestmark = pytest.mark.slow  # end-to-end runs through the CLI
@@ -23,8 +24,10 @@ def _fault_injection():
 
 
 def test_kill_9_at_random_moments_resumes_to_the_same_bits(tmp_path):
-    rows = _fault_injection().run(tmp_path, trials=2, steps=8, max_kills=1, seed=1,
-                                  report=lambda line: None)
+    fault_injection = _fault_injection()
+    fault_injection.popen = forkserver.Popen
+    rows = fault_injection.run(tmp_path, trials=2, steps=8, max_kills=1, seed=1,
+                               report=lambda line: None)
     # a kill lands unless the run finished first (its delay is drawn up to the reference's time)
     assert sum(len(row["kills"]) for row in rows) >= 1, rows
     for row in rows:

@@ -154,33 +154,41 @@ def test_a_failed_start_removes_only_a_workdir_it_made(tmp_path):
 @pytest.mark.slow
 def test_readers_beside_a_training_never_fail_it_and_never_fail(tmp_path, text):
     """A training saving every step while generate, evaluate, visualize and export read its
-    workdir in turn:
-    the training ends with every step saved and logged, and every read succeeds."""
-    workdir, steps = tmp_path / "run", 150
+    workdir in turn, then SIGTERM (the training runs until every reader has read):
+    the training stops with every step it trained saved and logged, and every read succeeds."""
+    workdir = tmp_path / "run"
     trainer = start_cli("transformer.train", f"--workdir={workdir}", *data_flags(text),
-                        *tiny_flags(steps, checkpoint_every=1), "--config.keep_checkpoints=2",
+                        *tiny_flags(10_000, checkpoint_every=1), "--config.keep_checkpoints=2",
                         # GPT-2's shape, which export writes as GPT2LMHeadModel
                         "--config.model.position=learned", "--config.model.max_len=64",
                         logs=tmp_path / "logs-train")
+    readers = [("transformer.generate", ["--max_new_tokens=4", "--prompt=the"]),
+               ("transformer.evaluate", ["--eval_steps=1"]),
+               ("transformer.visualize", ["--text=the king"]),
+               ("transformer.export", [f"--output={tmp_path}/hf"])]
     reads = []
-    while trainer.process.poll() is None:
-        if not checkpoint_steps(workdir):
-            time.sleep(0.2)
-            continue
-        module, flags = [("transformer.generate", ["--max_new_tokens=4", "--prompt=the"]),
-                         ("transformer.evaluate", ["--eval_steps=1"]),
-                         ("transformer.visualize", ["--text=the king"]),
-                         ("transformer.export", [f"--output={tmp_path}/hf{len(reads)}"]),
-                         ][len(reads) % 4]
-        reads.append(run_cli(module, f"--workdir={workdir}", *flags,
-                             logs=tmp_path / f"logs-read{len(reads)}"))
-    assert_succeeded(trainer.wait())
-    assert len(reads) >= 4, "the training ended before every reader ran"
+    try:
+        while len(reads) < len(readers):
+            assert trainer.process.poll() is None, describe(trainer.wait())
+            if not checkpoint_steps(workdir):
+                time.sleep(0.2)
+                continue
+            module, flags = readers[len(reads)]
+            reads.append(run_cli(module, f"--workdir={workdir}", *flags,
+                                 logs=tmp_path / f"logs-read{len(reads)}"))
+        assert trainer.process.poll() is None, "the training ended before the last reader did"
+        trainer.process.send_signal(signal.SIGTERM)
+        assert_succeeded(trainer.wait())
+    finally:
+        if trainer.process.poll() is None:
+            trainer.process.kill()
+            trainer.process.wait()
     for result in reads:
         assert_succeeded(result)
+    stopped_at = json.loads((workdir / "summary.json").read_text())["step"]
     train_steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
-    assert train_steps == list(range(1, steps + 1))
-    assert checkpoint_steps(workdir)[-1] == steps
+    assert train_steps == list(range(1, stopped_at + 1))
+    assert checkpoint_steps(workdir)[-1] == stopped_at
 
 
 @pytest.mark.slow
