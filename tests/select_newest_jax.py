@@ -3,10 +3,11 @@
     pip install coverage pytest-cov
     python tests/select_newest_jax.py
 
-CI runs the whole suite under Python 3.11 (jax 0.10.2), then, in a Python 3.12 venv with the
-newest jax, flax and libtpu, the tests this script lists (`pytest @tests/newest_jax_tests.txt`):
-the fast tests that together run every line of `transformer/` and `launch/` the whole fast tier
-runs, so that an API the newest JAX moved or removed fails there.
+CI runs the whole suite under Python 3.11 (jax 0.10.2) and, beside it (.ci/newest_jax), in a
+Python 3.12 venv with the newest jax, flax and libtpu, the tests this script lists
+(`pytest @tests/newest_jax_tests.txt`): the fast tests that together run every line of
+`transformer/` and `launch/` the whole fast tier runs, so that an API the newest JAX moved or
+removed fails there.
 
 It runs the fast tier once under coverage with one context per test (`--cov-context=test`) and
 with each test's time (`--durations=0`), then picks greedily: the test running the most lines
