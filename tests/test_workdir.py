@@ -168,14 +168,13 @@ def test_readers_beside_a_training_never_fail_it_and_never_fail(tmp_path, text):
                ("transformer.export", [f"--output={tmp_path}/hf"])]
     reads = []
     try:
-        while len(reads) < len(readers):
+        while not checkpoint_steps(workdir):
             assert trainer.process.poll() is None, describe(trainer.wait())
-            if not checkpoint_steps(workdir):
-                time.sleep(0.2)
-                continue
-            module, flags = readers[len(reads)]
+            time.sleep(0.2)
+        for index, (module, flags) in enumerate(readers):
+            assert trainer.process.poll() is None, describe(trainer.wait())
             reads.append(run_cli(module, f"--workdir={workdir}", *flags,
-                                 logs=tmp_path / f"logs-read{len(reads)}"))
+                                 logs=tmp_path / f"logs-read{index}"))
         assert trainer.process.poll() is None, "the training ended before the last reader did"
         trainer.process.send_signal(signal.SIGTERM)
         assert_succeeded(trainer.wait())
