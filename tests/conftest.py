@@ -1,6 +1,7 @@
 """Shared test settings."""
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -79,6 +80,15 @@ LONGEST_FIRST = (
     "test_sft.py", "test_optimizers.py", "test_quantization.py", "test_mtp.py",
     "test_model_knobs.py", "test_launch.py", "test_reliability.py", "test_sweep_seeds.py",
     "test_chunked_attention.py", "test_hf_init.py", "test_vision.py", "test_finetune.py")
+
+
+def pytest_collection_finish(session):
+    """The objects collection made (jax, torch, transformers, every test module: about 5 x 10^5)
+    move to the collector's permanent generation (gc.freeze), so that the full collections
+    the tests' tracing sets off walk only what the tests made. Measured on 149 in-process
+    tests (`-k "test_models or test_layers or test_masks"`): 112-132 s -> 94-98 s."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

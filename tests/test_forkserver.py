@@ -30,6 +30,9 @@ PROBE = textwrap.dedent("""
     elif action == "random":
         import numpy as np
         print(np.random.randint(2**31))
+    elif action == "gc":
+        import gc
+        print(gc.get_freeze_count(), len(gc.get_objects()))
     elif action == "kill":
         os.kill(os.getpid(), 9)
     sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
@@ -111,6 +114,13 @@ def test_a_signal_reaches_the_fork_and_its_code_is_minus_the_signal(probe):
 def test_forks_draw_different_unseeded_numbers_as_fresh_processes_do(probe):
     draws = {forked(probe, "random").stdout for _ in range(2)}
     assert len(draws) == 2
+
+
+def test_a_fork_never_walks_the_servers_imports_in_its_collections(probe):
+    """The server's heap is frozen before it forks (gc.freeze): what the collector still tracks
+    in a fork is what the command made, a small part of it."""
+    frozen, tracked = map(int, forked(probe, "gc").stdout.splitlines()[-1].split())
+    assert frozen > 10 * tracked, (frozen, tracked)
 
 
 def test_a_bad_flag_of_the_preloaded_train_command_gets_the_fresh_processes_one_line(tmp_path):
