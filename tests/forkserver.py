@@ -1,5 +1,6 @@
-"""The suite's CLI commands (`python -m transformer.<command> ...`) forked from a process that has
-already imported the package, instead of each starting a fresh interpreter.
+"""The suite's CLI commands (`python -m transformer.<command> ...`) and check scripts (`python
+tests/mesh_check.py ...`) forked from a process that has already imported the package, instead
+of each starting a fresh interpreter.
 
 A command spends about 3 CPU-seconds importing jax, flax, orbax, grain and transformer/ before it
 reads a flag: most of what a bad-input or refused-resume case costs, and half of a tiny training.
@@ -8,19 +9,20 @@ The suite starts about 200 such commands, on two cores.
 The server is a child of the test worker that imports `transformer.train` (which imports nearly
 all of the package and of its dependencies), torch and transformers (which the HF commands import
 when they run: about 3 CPU-seconds more), starts no backend, and then, for each command, forks.
-The fork runs the command as `python -m` does (`runpy`, `__main__`, the command's argv, cwd,
-environment and standard streams) and exits as that process would: its exit code, or minus the
-signal that killed it. What the imports printed is printed again by each fork, first, so a
-command's output is the same as from a fresh process. What a fork cannot redo is the
-interpreter's start: the forks of one server share its str hash seed (PYTHONHASHSEED), so two
-commands compared bitwise no longer differ in set iteration order; a run with
-`TRANSFORMER_TESTS_FORK=0` (below) still checks that.
+The fork runs the command as `python -m` (or `python script.py`) does (`runpy`, `__main__`, the
+command's argv, cwd, sys.path[0], environment and standard streams) and exits as that process
+would: its exit code, or minus the signal that killed it. What the imports printed is printed
+again by each fork, first, so a command's output is the same as from a fresh process. What a
+fork cannot redo is the interpreter's start: the forks of one server share its str hash seed
+(PYTHONHASHSEED), so two commands compared bitwise no longer differ in set iteration order; a
+run with `TRANSFORMER_TESTS_FORK=0` (below) still checks that.
 
 A server serves the environment it started with, up to the variables read after start-up
 (XLA_FLAGS: XLA reads it when the backend starts). A command in another environment (a JAX_*
 flag, which jax reads at import; another PYTHONPATH) gets a new server if the current one is
-idle, else a fresh interpreter. So do commands other than `python -m`, commands whose output is
-a pipe to read while they run, and every command under `TRANSFORMER_TESTS_FORK=0`.
+idle, else a fresh interpreter. So do commands other than `python -m` and `python script.py`,
+commands whose output is a pipe to read while they run, and every command under
+`TRANSFORMER_TESTS_FORK=0`.
 """
 
 from __future__ import annotations
@@ -110,9 +112,9 @@ def _redirect(fd: int, target: str | None, flags: int) -> None:
 
 
 def _run_in_child(request: dict) -> None:
-    """What `python -m <module> <args>` does, in the fork: its streams, cwd, environment, argv
-    and sys.path[0], then the module as __main__. An exception or SystemExit leaves through the
-    interpreter's own exit, as in a fresh process."""
+    """What `python -m <module> <args>` (or `python <script> <args>`) does, in the fork: its
+    streams, cwd, environment, argv and sys.path[0], then the module (script) as __main__. An
+    exception or SystemExit leaves through the interpreter's own exit, as in a fresh process."""
     _redirect(0, request["stdin"], os.O_RDONLY)
     _redirect(1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     if request["stderr"] == "stdout":
@@ -122,13 +124,17 @@ def _run_in_child(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.path[0] = os.getcwd()
     os.write(2, request["printed"])  # what the imports printed (a fresh process prints it too)
     import runpy
 
     import numpy as np
 
     np.random.seed()  # its global generator was seeded once, in the server
+    if "script" in request:  # `python path/to/script.py`: its folder is sys.path[0]
+        sys.path[0] = os.path.dirname(os.path.realpath(request["script"]))
+        runpy.run_path(request["script"], run_name="__main__")
+        return
+    sys.path[0] = os.getcwd()
     # `python -m` runs the module's code once, as __main__: the server's import of it is dropped
     sys.modules.pop(request["module"], None)
     # alter_sys: argv[0] becomes the module's file, as under `python -m`
@@ -265,29 +271,31 @@ def _path(stream, name: str) -> str | None:
     raise TypeError(f"{name}={stream!r} cannot be forked")
 
 
-def module_command(args) -> str | None:
-    """The module of `[sys.executable, "-m", module, ...]`, else None."""
-    args = list(args)
+def command_target(args) -> dict | None:
+    """{"module": m, "args": rest} for `[sys.executable, "-m", m, *rest]`, {"script": path,
+    "args": rest} for `[sys.executable, "path.py", *rest]`, else None."""
+    args = [os.fspath(a) for a in args]
     if len(args) >= 3 and args[0] == sys.executable and args[1] == "-m":
-        return args[2]
+        return {"module": args[2], "args": args[3:]}
+    if len(args) >= 2 and args[0] == sys.executable and args[1].endswith(".py"):
+        return {"script": args[1], "args": args[2:]}  # a relative path: from the command's cwd
     return None
 
 
 def Popen(args, *, env=None, cwd=None, stdin=None, stdout=None, stderr=None, **kwargs):
     """subprocess.Popen, forked from the server where the command allows it (module docstring)."""
-    module, env = module_command(args), dict(os.environ if env is None else env)
+    target, env = command_target(args), dict(os.environ if env is None else env)
     streams = None
     # text/errors/encoding apply only to pipes, which are never forked; any other Popen option
     # (start_new_session, preexec_fn, ...) gets a fresh interpreter
-    if ENABLED and module and not set(kwargs) - {"text", "errors", "encoding"}:
+    if ENABLED and target and not set(kwargs) - {"text", "errors", "encoding"}:
         try:
             streams = {name: _path(stream, name) for name, stream in
                        (("stdin", stdin), ("stdout", stdout), ("stderr", stderr))}
         except TypeError:
             streams = None
     if streams and "inherit" not in streams.values() and (server := _server_for(env)):
-        request = {"module": module, "args": [os.fspath(a) for a in args[3:]], "env": env,
-                   "cwd": os.path.abspath(cwd or os.getcwd()), **streams}
+        request = {**target, "env": env, "cwd": os.path.abspath(cwd or os.getcwd()), **streams}
         return ForkedProcess(server, list(args), server.start(request))
     return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
                             **kwargs)
@@ -299,7 +307,7 @@ def run(args, *, capture_output=False, timeout=None, check=False, text=None, err
     captured (in files the fork writes) or goes to files."""
     to_files = capture_output or all(
         stream not in (None, subprocess.PIPE) for stream in (stdout, stderr))
-    if not (ENABLED and module_command(args) and to_files) or kwargs:
+    if not (ENABLED and command_target(args) and to_files) or kwargs:
         return subprocess.run(args, capture_output=capture_output, timeout=timeout, check=check,
                               text=text, errors=errors, encoding=encoding, env=env, cwd=cwd,
                               stdin=stdin, stdout=stdout, stderr=stderr, **kwargs)
@@ -330,5 +338,5 @@ def run(args, *, capture_output=False, timeout=None, check=False, text=None, err
 
 if __name__ == "__main__":
     _request = _serve()
-    sys.argv = [_request["module"], *_request["args"]]
+    sys.argv = [_request.get("module") or _request["script"], *_request["args"]]
     _run_in_child(_request)

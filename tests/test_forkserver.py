@@ -45,11 +45,12 @@ def probe(tmp_path):
     return tmp_path
 
 
-def forked(probe, *args, env=None) -> subprocess.CompletedProcess:
+def forked(probe, *args, env=None, command=("-m", "probe"),
+           cwd=None) -> subprocess.CompletedProcess:
     """The probe forked from the server (asserted) with stdout and stderr read back."""
     outputs = [probe / "stdout.txt", probe / "stderr.txt"]
     with open(outputs[0], "w") as stdout, open(outputs[1], "w") as stderr:
-        process = forkserver.Popen([sys.executable, "-m", "probe", *args], cwd=probe,
+        process = forkserver.Popen([sys.executable, *command, *args], cwd=cwd or probe,
                                    env=env or cli_env(), stdout=stdout, stderr=stderr)
     assert isinstance(process, forkserver.ForkedProcess)
     code = process.wait(120)
@@ -75,6 +76,20 @@ def test_a_forked_command_prints_and_exits_as_a_fresh_one(probe, args):
     else:
         assert forked.stderr == fresh.stderr == "to stderr\n"
     assert forked.returncode == {"exit": 3, "raise": 1, "kill": -9, "devices": 0}[args[0]]
+
+
+def test_a_forked_script_runs_as_python_script_py_does(probe, tmp_path_factory):
+    """`python path/to/probe.py` from another directory: __main__, the script's argv, the cwd,
+    and the script's folder (not the cwd) as sys.path[0], as in a fresh interpreter."""
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    command = [str(probe / "probe.py")]
+    fork = forked(probe, "exit", "3", command=command, cwd=elsewhere)
+    fresh = subprocess.run([sys.executable, *command, "exit", "3"], cwd=elsewhere, env=cli_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert (fork.stdout, fork.stderr, fork.returncode) == (
+        fresh.stdout, fresh.stderr, fresh.returncode)
+    assert fork.stdout.startswith(f"__main__ ['exit', '3'] {elsewhere} {probe} ")
+    assert fork.returncode == 3
 
 
 def test_xla_flags_are_the_forks_own_and_a_jax_variable_gets_its_own_server(probe):

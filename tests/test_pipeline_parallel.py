@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -174,7 +173,7 @@ def test_a_schedule_that_runs_passes_validation():
 
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory):
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "pipeline_check.py"),
+    result = forkserver.run([sys.executable, str(REPO / "tests" / "pipeline_check.py"),
                              str(tmp_path_factory.mktemp("pipeline_check"))],
                             env=cli_env(8), capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]

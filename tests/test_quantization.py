@@ -7,10 +7,10 @@ equal to one device (tests/quantization_check.py on 8 forced CPU devices)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import flax.linen as nn
+import forkserver
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -215,7 +215,7 @@ def test_int8_training_on_meshes_equals_one_device(tmp_path):
     remat. Not to float precision: a sharded reduction that rounds differently flips an int8
     rounding here and there (measured: losses 6e-5 apart, params 2e-3 after 4 Adam steps of
     lr 1e-3, where the float mesh runs agree to 2e-6)."""
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "quantization_check.py"),
+    result = forkserver.run([sys.executable, str(REPO / "tests" / "quantization_check.py"),
                              str(tmp_path)], env=cli_env(8), capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
