@@ -86,7 +86,8 @@ def pytest_collection_finish(session):
     """The objects collection made (jax, torch, transformers, every test module: about 5 x 10^5)
     move to the collector's permanent generation (gc.freeze), so that the full collections
     the tests' tracing sets off walk only what the tests made. Measured on 149 in-process
-    tests (`-k "test_models or test_layers or test_masks"`): 112-132 s -> 94-98 s."""
+    tests (`-k "test_models or test_layers or test_masks"`, two runs each way): the collector's
+    own time 7.7-8.7 s -> 6.6-6.9 s, the run's 112-132 s -> 94-98 s."""
     gc.collect()
     gc.freeze()
 
