@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_sharding import run_check
 from test_train import cli_env, tiny_flags
 
 from transformer import configs
@@ -173,11 +174,7 @@ def test_a_schedule_that_runs_passes_validation():
 
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory):
-    result = forkserver.run([sys.executable, str(REPO / "tests" / "pipeline_check.py"),
-                             str(tmp_path_factory.mktemp("pipeline_check"))],
-                            env=cli_env(8), capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_check("pipeline_check.py", tmp_path_factory, timeout=1200)
 
 
 MESHES = ["stage=2", "stage=4", "stage=2 x data=2 x fsdp=2", "stage=2 x tensor=4",

@@ -6,21 +6,16 @@ equal to one device (tests/quantization_check.py on 8 forced CPU devices)."""
 
 from __future__ import annotations
 
-import json
-import sys
-
 import flax.linen as nn
-import forkserver
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend import core as jax_core
+from test_sharding import run_check
 from test_train import (
-    REPO,
     SHAKESPEARE,
     assert_succeeded,
-    cli_env,
     run_cli,
     tiny_flags,
     train_losses,
@@ -210,16 +205,12 @@ def test_cli_trains_int8_and_resumes_a_float_checkpoint_in_int8(tmp_path):
 
 
 @pytest.mark.slow
-def test_int8_training_on_meshes_equals_one_device(tmp_path):
+def test_int8_training_on_meshes_equals_one_device(tmp_path_factory):
     """fsdp=8, data=2 x tensor=4 and 2 x 2 x 2 against one device, unrolled and scanned with
     remat. Not to float precision: a sharded reduction that rounds differently flips an int8
     rounding here and there (measured: losses 6e-5 apart, params 2e-3 after 4 Adam steps of
     lr 1e-3, where the float mesh runs agree to 2e-6)."""
-    result = forkserver.run([sys.executable, str(REPO / "tests" / "quantization_check.py"),
-                             str(tmp_path)], env=cli_env(8), capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads(result.stdout.strip().splitlines()[-1])
+    results = run_check("quantization_check.py", tmp_path_factory)
     for variant in ("unrolled", "scanned"):
         single = results[f"{variant} single"]
         for mesh in ("fsdp=8", "data=2,tensor=4", "2,2,2"):

@@ -243,12 +243,12 @@ def test_summary_reports_per_device_bytes_and_batch():
 # --- 8 devices: every mesh trains like one device --------------------------------------------
 
 
-def run_check(script: str, tmp_path_factory) -> dict:
+def run_check(script: str, tmp_path_factory, timeout: float = TIMEOUT) -> dict:
     """Runs tests/`script` on 8 forced CPU devices with a fresh directory (forked: the device
     count is XLA's, read when the fork starts its backend); its JSON results."""
     result = forkserver.run([sys.executable, str(REPO / "tests" / script),
                              str(tmp_path_factory.mktemp(Path(script).stem))],
-                            env=cli_env(8), capture_output=True, text=True, timeout=TIMEOUT)
+                            env=cli_env(8), capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
