@@ -1,5 +1,7 @@
 """dot_product_attention, attend and MultiHeadAttention against references and the theory."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -139,6 +141,53 @@ def test_attend_on_cpu_runs_dense_in_at_most_8_query_blocks():
     assert logits == [(64, 64), (64, 128), (64, 192), (64, 256)]
     assert dense_attention.cpu_query_block(4096, "cpu") == 512
     assert dense_attention.cpu_query_block(256, "gpu") is None
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])  # GQA, MQA
+def test_a_decode_steps_logits_read_the_cached_keys_in_place_on_cpu(kv_heads):
+    """A step's few query rows take their logits as K Q^T on CPU (`CPU_KEY_FIRST_ROWS`): the same
+    output as the float64 reference, and the compiled step never writes a transposed copy of
+    the keys (with Q K^T, XLA:CPU copies them [H, S] on every call: a decode step's whole cache).
+    """
+    q, k, v = random_qkv(3, batch=1, q_len=1, kv_len=64, kv_heads=kv_heads)
+    allowed = masks.Padding(kv_lengths=jnp.array([50]))
+    expected, _ = numpy_attention(q, k, v, np.asarray(allowed.dense(1, 64)))
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    for rows in (dense_attention.CPU_KEY_FIRST_ROWS, 0):
+        out = dot_product_attention(q, k, v, allowed, key_first_rows=rows)
+        np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+
+    def key_sized_results(attention):
+        """The instructions of a compiled step that write an array of the keys' size, given the
+        keys and values as the cache stores them, [B, K, S, H] (`MultiHeadAttention._cache`)."""
+        step = jax.jit(lambda q, k, v: attention(q, k.transpose(0, 2, 1, 3),
+                                                 v.transpose(0, 2, 1, 3), allowed))
+        hlo = step.lower(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)).compile().as_text()
+        written = re.findall(r"= f32\[([0-9,]*)\]\{[0-9,]*\} (\w[\w-]*)\(", hlo)
+        return [op for dims, op in written if op not in ("parameter", "bitcast")
+                and np.prod([int(d) for d in dims.split(",") if d]) == k.size]
+
+    assert key_sized_results(lambda q, k, v, m: attend(q, k, v, mask=m, impl="dense")) == []
+    assert key_sized_results(dot_product_attention) != []  # Q K^T: K copied transposed
+
+
+@pytest.mark.parametrize("shape, slots", [
+    ((1, 1, 9, 3), [[4]]),  # one row, one KV head, one token: written twice (the CPU's path)
+    ((1, 9, 3), [[8]]),  # MLA's latent [B, L, W]
+    ((2, 3, 9, 3), [[0, 1, 2], [6, 7, 5]]),  # rows at their own slots, 3 KV heads
+    ((2, 9, 3), [[2, 3], [0, 8]]),
+])
+def test_write_slots_writes_each_row_at_its_slots_and_nothing_else(shape, slots):
+    rng = np.random.default_rng(0)
+    buffer = rng.normal(size=shape).astype(np.float32)
+    slots = np.asarray(slots, np.int32)
+    new = rng.normal(size=(*shape[:-2], slots.shape[1], shape[-1])).astype(np.float32)
+    expected = buffer.copy()
+    for b, row in enumerate(slots):
+        for t, slot in enumerate(row):
+            expected[b, ..., slot, :] = new[b, ..., t, :]
+    got = jax.jit(attention_lib.write_slots)(buffer, new, slots)
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_rows_sum_to_one_and_masked_keys_get_exactly_zero_weight():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +63,41 @@ def cached_logits(model, params, tokens_BT, prompt_lengths, prefix_lengths=None)
             if prompt_lengths[b] + step < length:
                 out[b, prompt_lengths[b] + step] = logits[b, 0]
     return out
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(position="rope", num_kv_heads=1),  # MQA: one KV head
+    dict(position="rope", attention_kind="mla"),  # MLA: one latent
+], ids=["mqa", "mla"])
+def test_a_one_row_decode_step_writes_each_cache_buffer_once_in_place(overrides):
+    """Batch 1, one token: each cache buffer is written by one instruction, in place, and
+    copied nowhere (`attention.write_slots`; XLA:CPU copied a one-slot write's buffer into each
+    reader, 4 copies of the whole cache a layer a step), and the logits are the full forward's."""
+    config = model_config(**overrides)
+    if overrides.get("attention_kind") == "mla":
+        config.mla.update(kv_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                          v_head_dim=8)
+    model, length = build_model(config), 96  # buffer sizes no other array in the step has
+    sequence = tokens((1, LENGTH))
+    params = jax.jit(model.init)(jax.random.key(0), sequence)["params"]
+    full = np.asarray(jax.jit(model.apply)({"params": params}, sequence))
+    cache = init_cache(model, 1, length)
+    step = jax.jit(functools.partial(_step, model, length), donate_argnums=1)
+    positions = jnp.arange(LENGTH, dtype=jnp.int32)[None]
+    _, mutated = step(params, cache, sequence[:, :PROMPT], positions[:, :PROMPT], None)
+    one = (params, mutated["cache"], sequence[:, PROMPT:PROMPT + 1],
+           positions[:, PROMPT:PROMPT + 1], None)
+    logits, _ = step(*one)
+    np.testing.assert_allclose(logits[0, 0], full[0, PROMPT], atol=2e-5, rtol=2e-5)
+
+    hlo = step.lower(*one).compile().as_text()
+    sizes = {x.size for x in jax.tree.leaves(cache)}
+    written = [op for dims, op in re.findall(r"= f32\[([0-9,]*)\]\{[0-9,]*\} (\w[\w-]*)\(", hlo)
+               if op not in ("parameter", "bitcast", "get-tuple-element")
+               and math.prod(int(d) for d in dims.split(",") if d) in sizes]
+    # one fusion writes each buffer (a scatter, or the loop the test flags expand it into)
+    assert written.count("fusion") == len(jax.tree.leaves(cache)), written
+    assert "copy" not in written, written
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from transformer.nn import kernels
 from transformer.nn import lora as lora_lib
 from transformer.nn import positions as positions_lib
-from transformer.nn.attention import attend, matmul, projection_init
+from transformer.nn.attention import attend, matmul, projection_init, write_slots
 from transformer.nn.mixers.base import Mixer
 from transformer.utils.keys import check_fields, int_, is_int, key
 
@@ -332,8 +332,7 @@ class MultiHeadLatentAttention(nn.Module):
         buffer = self.variable("cache", "latent", jnp.zeros, new_BTW.shape, new_BTW.dtype)
         if not initialized:
             return new_BTW
-        rows = jnp.arange(new_BTW.shape[0])[:, None]
-        buffer.value = buffer.value.at[rows, slots_BT].set(new_BTW.astype(buffer.value.dtype))
+        buffer.value = write_slots(buffer.value, new_BTW, slots_BT)
         return buffer.value
 
     def _output(self, out_BTNV: Array, d_model: int, deterministic: bool) -> Array:
