@@ -28,8 +28,8 @@ CPU_QUERY_BLOCK, CPU_MAX_BLOCKS = 64, 8
 # On CPU, blocks of at most this many query rows a KV head (G x queries) take their logits as
 # K Q^T (`dot_product_attention(key_first_rows=...)`): XLA:CPU otherwise copies K transposed on
 # every call, for a decode step the whole cache. Measured on a 2-core AVX-512 EPYC (Zen 5), the
-# logits dot over 32k keys: 1.9-2.2 -> 0.2-0.8 ms at 1-6 rows of 64 dims (GQA's decode), 14.5
-# -> 1.7 ms at 6 rows of 288 (MLA's); even at 24-48 rows, slower from 96.
+# logits dot over 32k keys: 1.6-2.4 -> 0.2-0.8 ms at 1-6 rows of 64 dims (GQA's decode), 14.5
+# -> 1.7 ms at 6 rows of 288 (MLA's); as fast or faster up to 48 rows, slower from 96.
 CPU_KEY_FIRST_ROWS = 32
 
 
