@@ -107,9 +107,8 @@ def attend(
     if impl == "reference":
         return dense_attention.reference_attention(query, key, value, mask, bias, **dense)
     return dense_attention.dot_product_attention(
-        query, key, value, mask, bias, q_block=dense_attention.cpu_query_block(
-            query.shape[1], platform), key_first_rows=dense_attention.CPU_KEY_FIRST_ROWS
-        if platform == "cpu" else 0, **dense)
+        query, key, value, mask, bias, **dense_attention.cpu_layout(query.shape[1], platform),
+        **dense)
 
 
 def _attend_split(query, key, value, mask, bias, call, *, impl, scale, strategy, sinks=None):

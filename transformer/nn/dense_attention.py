@@ -285,6 +285,13 @@ def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
 softmax_values.defvjp(_softmax_values_fwd, _softmax_values_bwd)
 
 
+def cpu_layout(q_len: int, platform: str) -> dict:
+    """`dot_product_attention`'s query block and key_first_rows on `platform` (none but on CPU)."""
+    if platform != "cpu":
+        return {}
+    return dict(q_block=cpu_query_block(q_len, platform), key_first_rows=CPU_KEY_FIRST_ROWS)
+
+
 def cpu_query_block(q_len: int, platform: str) -> int | None:
     """The dense kernel's query block on `platform` (None: one block)."""
     if platform != "cpu":
