@@ -497,7 +497,7 @@ def write_slots(buffer: Array, new: Array, slots_BT: Array) -> Array:
         # XLA rewrites a one-index scatter (batch 1, one KV head or MLA's latent, one token) as
         # a dynamic-update-slice, which XLA:CPU then copies into each reader of the buffer: 4
         # copies of the whole cache a layer a step. The same write twice stays a scatter, in
-        # place (MLA at 32k: the decode step 4x as fast).
+        # place (MLA at 32k, batch 1: 20 -> 58 tokens/s on a 2-core EPYC).
         new, slots_BT = jnp.concatenate([new, new], -2), jnp.concatenate([slots_BT] * 2, 1)
         steps = 2
     ones = (1,) * len(between)
