@@ -174,3 +174,32 @@ def test_masks_are_pytrees_that_pass_through_jit():
 def test_bad_mask_arguments_raise_clear_errors(make_bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make_bad()
+
+
+@pytest.mark.parametrize("kv_ids", [None, np.array([[1, 1, 2, 2, 2, 2, 0], [3, 3, 3, 3, 0, 0, 0],
+                                                    [1, 1, 1, 1, 1, 1, 1]])])
+def test_segment_tiles_slice_the_ids_as_the_gather_reads_them(kv_ids):
+    """`Segment._tile` slices the ids (static starts) or dynamic-slices them (traced starts); a
+    tile reaching past the end reads the last id, as `_allowed`'s clipped gather does."""
+    ids = jnp.asarray(SEGMENTS)
+    mask = masks.Causal() & masks.Segment(ids, None if kv_ids is None else jnp.asarray(kv_ids))
+    kv_len = SEGMENTS.shape[1] if kv_ids is None else kv_ids.shape[1]
+
+    def gathered(qs, ks, qb, kb):  # the predicate over explicit (clipped) index arrays
+        q_idx, kv_idx = qs + jnp.arange(qb), ks + jnp.arange(kb)
+        return jnp.broadcast_to(mask._allowed(q_idx, kv_idx, 9, kv_len), (3, 1, qb, kb))
+
+    for qs, ks, qb, kb in [(0, 0, 4, 3), (4, 3, 4, 3), (6, 5, 4, 4), (8, 6, 3, 5), (2, 0, 9, 7)]:
+        expected = np.asarray(gathered(qs, ks, qb, kb))
+        static = mask.tile(qs, ks, qb, kb, 9, kv_len)
+        traced = jax.jit(lambda a, b, qb=qb, kb=kb: mask.tile(a, b, qb, kb, 9, kv_len))(qs, ks)
+        np.testing.assert_array_equal(np.asarray(static), expected, err_msg=f"{qs, ks}")
+        np.testing.assert_array_equal(np.asarray(traced), expected, err_msg=f"{qs, ks}")
+
+
+def test_a_segment_tile_at_static_starts_reads_its_ids_without_a_gather():
+    """The dense kernel's blocks start at Python ints: their segment ids are plain slices
+    (a gather of iota indices stays a gather in XLA, transposed per element in each fusion)."""
+    mask = masks.Causal() & masks.Segment(jnp.asarray(SEGMENTS))
+    hlo = jax.jit(lambda m: m.tile(4, 0, 4, 8, 9, 9)).lower(mask).as_text()
+    assert "gather" not in hlo and "slice" in hlo

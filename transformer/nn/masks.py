@@ -73,10 +73,16 @@ class Mask:
         `q_start` and `kv_start` may be traced (e.g. a loop index inside a kernel); block sizes
         and full lengths are static. Returns bool [B, 1, q_block, kv_block].
         """
+        allowed = self._tile(q_start, kv_start, q_block, kv_block, q_len, kv_len)
+        return jnp.broadcast_to(jnp.asarray(allowed, dtype=bool),
+                                (self.batch_size, 1, q_block, kv_block))
+
+    def _tile(self, q_start, kv_start, q_block: int, kv_block: int, q_len: int, kv_len: int):
+        """`_allowed` over one tile's index ranges, broadcastable to [B, 1, q_block, kv_block]. A
+        mask whose per-example arrays can be sliced there, rather than gathered, overrides it."""
         q_idx = q_start + jnp.arange(q_block, dtype=jnp.int32)
         kv_idx = kv_start + jnp.arange(kv_block, dtype=jnp.int32)
-        allowed = jnp.asarray(self._allowed(q_idx, kv_idx, q_len, kv_len), dtype=bool)
-        return jnp.broadcast_to(allowed, (self.batch_size, 1, q_block, kv_block))
+        return self._allowed(q_idx, kv_idx, q_len, kv_len)
 
     def block_map(self, q_len: int, kv_len: int, q_block: int, kv_block: int) -> np.ndarray:
         """Static tile classes [ceil(q_len/q_block), ceil(kv_len/kv_block)]: EMPTY/PARTIAL/FULL.
@@ -143,6 +149,12 @@ class And(Mask):
             result = result & part._allowed(q_idx, kv_idx, q_len, kv_len)
         return result
 
+    def _tile(self, *tile):
+        result = self.parts[0]._tile(*tile)
+        for part in self.parts[1:]:
+            result = result & part._tile(*tile)
+        return result
+
     def block_map(self, q_len, kv_len, q_block, kv_block):
         return _combine_maps(self, And, np.minimum, FULL, q_len, kv_len, q_block, kv_block)
 
@@ -165,6 +177,12 @@ class Or(Mask):
         result = self.parts[0]._allowed(q_idx, kv_idx, q_len, kv_len)
         for part in self.parts[1:]:
             result = result | part._allowed(q_idx, kv_idx, q_len, kv_len)
+        return result
+
+    def _tile(self, *tile):
+        result = self.parts[0]._tile(*tile)
+        for part in self.parts[1:]:
+            result = result | part._tile(*tile)
         return result
 
     def block_map(self, q_len, kv_len, q_block, kv_block):
@@ -389,6 +407,24 @@ class Segment(Mask):
         q_ids = jnp.take(self.q_segment_ids, q_idx, axis=1, mode="clip")[:, None, :, None]
         kv_ids = jnp.take(kv_ids, kv_idx, axis=1, mode="clip")[:, None, None, :]
         return (q_ids == kv_ids) & (q_ids != 0)
+
+    def _tile(self, q_start, kv_start, q_block, kv_block, q_len, kv_len):
+        # a tile's ids are a slice: XLA does not turn `_allowed`'s gather of iota indices into
+        # one, and on CPU each fusion reading the gathered ids then transposes them per element
+        # (the attention core of a GPT 6/6/384 step: 17.6 -> 15.8 ms fwd+bwd a layer)
+        kv_ids = self.q_segment_ids if self.kv_segment_ids is None else self.kv_segment_ids
+        q_ids = _span(self.q_segment_ids, q_start, q_block)[:, None, :, None]
+        kv_ids = _span(kv_ids, kv_start, kv_block)[:, None, None, :]
+        return (q_ids == kv_ids) & (q_ids != 0)
+
+
+def _span(ids: jax.Array, start, size: int) -> jax.Array:
+    """ids[:, start:start + size] for a static or traced `start`; positions past the end read the
+    last id, as `jnp.take(..., mode="clip")` does."""
+    if isinstance(start, int) and start + size <= ids.shape[1]:
+        return ids[:, start:start + size]
+    padded = jnp.pad(ids, ((0, 0), (0, size)), mode="edge")
+    return jax.lax.dynamic_slice_in_dim(padded, start, size, axis=1)
 
 
 @struct.dataclass
