@@ -7,8 +7,8 @@ difference by kind of work, each op alone on the same float32 inputs: the block'
 MLP's two and a weight gradient), the attention core's batched matmuls at the shapes the CPU
 query blocks run (64 queries over 64 to 256 keys, 48 = batch x heads of them), and the
 elementwise work (exact GELU, LayerNorm, an add). XLA runs each under the library choices it
-offers for dots: its Eigen runtime (the float32 default of `placement.compiler_options`) and
-XLA's own default (YNNPACK fusions); PyTorch under its defaults (MKL / oneDNN GEMMs). A row's
+offers for dots: its Eigen runtime and XLA's own default (YNNPACK fusions, which float32 steps
+keep: `placement.compiler_options`); PyTorch under its defaults (MKL / oneDNN GEMMs). A row's
 ratio is PyTorch's ms over XLA's with the training default: below 1.0x, XLA is slower. Every
 cell is the best of `repeats` runs, the sides taking turns. The CPU is named in the header.
 """
@@ -79,9 +79,9 @@ def main(argv) -> None:
 
     from transformer.training import placement
 
-    # float32 steps compile with placement.CPU_FLOAT32_OPTIONS (Eigen's dots)
-    settings = {"Eigen (training default)": placement.CPU_FLOAT32_OPTIONS,
-                "YNNPACK (XLA's default)": {}}
+    # float32 steps compile with placement.CPU_FLOAT32_OPTIONS (XLA's YNNPACK fusions)
+    settings = {"YNNPACK (training default)": placement.CPU_FLOAT32_OPTIONS,
+                "Eigen dots": {"xla_cpu_experimental_ynn_fusion_type": ""}}
     torch.set_num_threads(_THREADS.value)
     print(f"{cpu_model()}; jax {jax.__version__}, torch {torch.__version__} "
           f"({_THREADS.value} threads); float32, best of {_REPEATS.value}\n")

@@ -267,11 +267,11 @@ def test_softmax_values_gradients_equal_autodiff_of_the_plain_formula(dtype):
 
 def test_attention_keeps_one_weights_tensor_per_layer_for_the_backward_pass(monkeypatch):
     """softmax_values' weights written as exp(x - max - log sum), not exp(x - max) / sum: with
-    the division XLA keeps exp(x - max) beside the weights until the backward pass."""
-    from test_layers import backward_temp_bytes
+    the division XLA's fusions keep exp(x - max) beside the weights until the backward pass."""
+    from test_layers import XLA_FUSIONS, backward_temp_bytes
 
     cfg = TransformerConfig(num_layers=3, d_model=32, num_heads=2, d_ff=128, use_bias=False)
-    ours = backward_temp_bytes(cfg, batch=4, length=32)
+    ours = backward_temp_bytes(cfg, batch=4, length=32, options=XLA_FUSIONS)
 
     def textbook_forward(logits, values, sink):  # no sink here (None)
         probs = jnp.exp(logits - logits.max(-1, keepdims=True))
@@ -290,7 +290,8 @@ def test_attention_keeps_one_weights_tensor_per_layer_for_the_backward_pass(monk
     textbook.defvjp(textbook_forward, backward)
     monkeypatch.setattr(dense_attention, "softmax_values", textbook)
     one_weights_tensor = 4 * 2 * 32 * 32 * 4  # [B, N, T, S] float32
-    assert ours <= backward_temp_bytes(cfg, batch=4, length=32) - 2 * one_weights_tensor
+    assert ours <= (backward_temp_bytes(cfg, batch=4, length=32, options=XLA_FUSIONS)
+                   - 2 * one_weights_tensor)
 
 
 def test_attention_dropout_needs_rng_and_rescales():

@@ -18,11 +18,16 @@ from transformer.data import global_batches
 from transformer.parallel import pipeline_parallel, sharding
 from transformer.utils import hostmem
 
-# XLA:CPU defaults for the jitted steps, measured side by side with
-# benchmarks/train_throughput.py on 2-core AVX-512 machines: with float32 compute, XLA's own
-# (Eigen) dots beat its YNNPACK dot fusions at transformer shapes (GPT 6/6/384 train step 1.11x
-# faster). Lower-precision compute keeps YNNPACK, which uses the CPU's bfloat16 dot instructions.
-CPU_FLOAT32_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# XLA:CPU defaults for the jitted steps. Float32 steps keep XLA's own fusions (YNNPACK's dots,
+# elementwise and reductions) and take the memory-optimized scheduler: XLA's default scheduler
+# computed each LayerNorm scale's [B, T, D] broadcast at the start of the step, for the
+# backward pass's YNNPACK reductions, and kept it until then (GPT 6/6/384 scratch 444 MB with
+# Eigen's dots, 520 with XLA's defaults, 463 with this scheduler). Measured side by side in one
+# process on a 2-core Zen 5 EPYC (docs/performance.md): steps 7-14% faster than with Eigen's
+# dots under jax 0.10.2 and 0.12, and under 0.12 YNNPACK runs the attention core's small
+# batched dots on both cores (fwd+bwd 16.4 -> 11.3 ms a 6/6/384 layer). Lower-precision steps
+# keep XLA's defaults.
+CPU_FLOAT32_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 # CPU steps under glibc malloc: scratch memory in heaps glibc keeps between steps (hostmem's
 # docstring). Under jemalloc, which keeps the one block anyway, the cap cost 20-35 ms of an
 # 850 ms GPT 6/6/384 step.
