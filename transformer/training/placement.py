@@ -23,10 +23,10 @@ from transformer.utils import hostmem
 # computed each LayerNorm scale's [B, T, D] broadcast at the start of the step, for the
 # backward pass's YNNPACK reductions, and kept it until then (GPT 6/6/384 scratch 444 MB with
 # Eigen's dots, 520 with XLA's defaults, 463 with this scheduler). Measured side by side in one
-# process on a 2-core Zen 5 EPYC (docs/performance.md): steps 7-14% faster than with Eigen's
-# dots under jax 0.10.2 and 0.12, and under 0.12 YNNPACK runs the attention core's small
-# batched dots on both cores (fwd+bwd 16.4 -> 11.3 ms a 6/6/384 layer). Lower-precision steps
-# keep XLA's defaults.
+# process on a 2-core Zen 5 EPYC (docs/performance.md): step medians 7-14% faster than with
+# Eigen's dots under jax 0.10.2 and 0.12 (best times 1-12%), and under 0.12 YNNPACK runs the
+# attention core's small batched dots on both cores (fwd+bwd 16.4 -> 11.3 ms a 6/6/384 layer).
+# Lower-precision steps keep XLA's defaults.
 CPU_FLOAT32_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 # CPU steps under glibc malloc: scratch memory in heaps glibc keeps between steps (hostmem's
 # docstring). Under jemalloc, which keeps the one block anyway, the cap cost 20-35 ms of an
