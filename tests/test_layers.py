@@ -84,15 +84,18 @@ def test_gelu_with_its_own_jvp_equals_jax_nn_gelu_to_second_order(approximate):
 XLA_FUSIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
+def train_step_cpu_options() -> dict:
+    """The XLA options a float32 train step compiles with on CPU (placement.compiler_options)."""
+    config = ml_collections.ConfigDict({"model": {"dtype": "float32"}, "compiler_options": {}})
+    return placement.compiler_options(config, jax.make_mesh((1,), ("data",)))
+
+
 def backward_temp_bytes(cfg: TransformerConfig, batch: int = 4, length: int = 32,
                         options: dict | None = None) -> int:
     """Scratch bytes XLA allocates for forward + backward of `cfg.num_layers` causal blocks,
-    compiled with `options`, or else the options the train step uses on CPU
-    (placement.compiler_options)."""
+    compiled with `options`, or else the train step's (`train_step_cpu_options`)."""
     if options is None:
-        config = ml_collections.ConfigDict({"model": {"dtype": "float32"},
-                                            "compiler_options": {}})
-        options = placement.compiler_options(config, jax.make_mesh((1,), ("data",)))
+        options = train_step_cpu_options()
     block, x, mask = TransformerBlock(cfg), inputs(length=length, batch=batch,
                                                     d_model=cfg.d_model), masks.Causal()
     params = [block.init(jax.random.key(i), x, mask, None, None) for i in range(cfg.num_layers)]
@@ -122,8 +125,7 @@ def test_cpu_float32_steps_keep_no_norm_scale_broadcast_for_the_backward_pass():
     and keeps it until then; the scheduler of the float32 CPU default does not: two [B, T, D]
     tensors less per layer."""
     cfg = TransformerConfig(num_layers=3, d_model=32, num_heads=2, d_ff=128, use_bias=False)
-    config = ml_collections.ConfigDict({"model": {"dtype": "float32"}, "compiler_options": {}})
-    ours = placement.compiler_options(config, jax.make_mesh((1,), ("data",)))
+    ours = train_step_cpu_options()
     xla_scheduler = {k: v for k, v in ours.items() if k != "xla_cpu_scheduler_type"}
     tensor_BTD = 4 * 32 * 32 * 4  # batch 4, length 32, d_model 32, float32
     assert (backward_temp_bytes(cfg, options=ours)
