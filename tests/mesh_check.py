@@ -220,6 +220,15 @@ def main(workdir: str) -> None:
         results[name] = {"losses": losses, "max_param_diff": max_diff(params, reference),
                          "layout": layout(state.params)}
 
+    # A CPU mesh's steps return computed results (placement.Synchronous); one device's don't
+    # wait for them.
+    run, state, _ = runs["2,2,2"]
+    with run.placement.context():
+        outputs = run.step(run.placement.train_order(state), run.placement.global_batch(data[0]))
+    results["synchronous"] = {
+        "mesh": run.placement.synchronous, "single": runs["single"][0].placement.synchronous,
+        "ready": all(x.is_ready() for x in jax.tree.leaves(outputs))}
+
     # Save on fsdp=8 (the run above, 2 steps of it again), restore on 4 devices as data=2 x
     # fsdp=2, continue.
     fsdp8, uninterrupted, uninterrupted_losses = runs["1,8,1"]

@@ -266,6 +266,13 @@ def test_a_batch_the_data_parallel_size_does_not_divide_is_a_one_line_error(mesh
 
 
 @pytest.mark.slow
+def test_a_cpu_meshs_steps_return_computed_results(mesh_results):
+    """With many steps in flight, XLA:CPU's devices stalled in their collectives until XLA
+    aborted the process (placement.Synchronous): a CPU mesh's steps wait for their results."""
+    assert mesh_results["synchronous"] == {"mesh": True, "single": False, "ready": True}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["8,1,1", "1,8,1", "2,2,2", "1,2,4"])
 def test_each_mesh_gives_the_single_device_losses(mesh_results, mesh):
     single, sharded = mesh_results["single"], mesh_results[mesh]

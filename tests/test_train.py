@@ -131,9 +131,14 @@ def run_cli(module: str, *args: str, logs: Path) -> subprocess.CompletedProcess:
 
 
 def describe(result: subprocess.CompletedProcess) -> str:
-    return (f"{' '.join(map(str, result.args))}\nexit code {result.returncode}\n"
+    # A crashed process's stderr ends with faulthandler's list of extension modules (several
+    # KB), after the Python stacks that say where it crashed: it is dropped. XLA's fatal
+    # lines (F1203 12:00:00 ... Check failed, a rendezvous's timeout) come first.
+    stderr = re.sub(r"\nExtension modules: [^\n]*", "\n[extension modules]", result.stderr)
+    fatal = "".join(f"{line}\n" for line in re.findall(r"^F\d{4} .*$", stderr, re.M)[:4])
+    return (f"{' '.join(map(str, result.args))}\nexit code {result.returncode}\n{fatal}"
             f"--- stdout (tail) ---\n{result.stdout[-2000:]}\n"
-            f"--- stderr (tail) ---\n{result.stderr[-4000:]}")
+            f"--- stderr (tail) ---\n{stderr[-6000:]}")
 
 
 def assert_succeeded(result: subprocess.CompletedProcess) -> None:

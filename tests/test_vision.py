@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_train import cli_env
+from test_train import assert_succeeded, cli_env
 
 from transformer import configs
 from transformer.configs import base_config
@@ -163,7 +163,7 @@ def test_clip_shards_checkpoints_and_resumes_through_the_cli(tmp_path):
     for steps in (2, 3):
         result = subprocess.run([*args, f"--config.steps={steps}"], cwd=REPO, env=env,
                                 capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        assert_succeeded(result)
     assert "data=2 x stage=1 x fsdp=2" in result.stdout and "steps 2..3" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3]

@@ -134,11 +134,12 @@ class Group:
         train_step = placement.reading_train_order(train_step)  # (as train.py's own step)
 
         def jitted(masked: bool):
-            return jax.jit(lambda s, b, k, a: train_step(s, b, k, a if masked else None),
-                           donate_argnums=0, compiler_options=placement.compiler_options,
-                           in_shardings=(stacked, [placement.batch_sharding] * len(runs),
-                                         placement.replicated, placement.replicated),
-                           out_shardings=(stacked, placement.replicated))
+            return placement.paced(jax.jit(
+                lambda s, b, k, a: train_step(s, b, k, a if masked else None),
+                donate_argnums=0, compiler_options=placement.compiler_options,
+                in_shardings=(stacked, [placement.batch_sharding] * len(runs),
+                              placement.replicated, placement.replicated),
+                out_shardings=(stacked, placement.replicated)))
 
         self.step_all, self.step_masked = jitted(False), jitted(True)
         self._ran = set()

@@ -98,7 +98,9 @@ class Placement:
     """How a run lays out its arrays on the mesh: state shardings from the logical rules, batch
     rows over the data-parallel axes, and which global batch rows this process feeds.
 
-    `compiler_options`: XLA options for the jitted steps (see `compiler_options`).
+    `compiler_options`: XLA options for the jitted steps (see `compiler_options`). On a CPU
+    mesh of more than one device in this process the steps wait for their results
+    (`synchronous`, see `Synchronous`).
     `schedule`: (microbatches, repeats) of the pipeline over a `stage` axis (see
     `transformer.parallel.pipeline_parallel`). With a circular schedule (repeats > 1) the
     train step reads the state in train order (`train_order`): the layer params and their
@@ -110,6 +112,8 @@ class Placement:
         self.schedule = schedule
         self.batch_size = batch_size
         self.compiler_options = dict(compiler_options or {})
+        # (see Synchronous)
+        self.synchronous = mesh.devices.flat[0].platform == "cpu" and len(mesh.local_devices) > 1
         self.batch_sharding = sharding.batch_sharding(mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.rows = global_batches.process_rows(self.batch_sharding, batch_size)
@@ -169,18 +173,23 @@ class Placement:
     def jit_train_step(self, train_step, state_sharding):
         """The jitted (state, global batch) -> (state, metrics) on a state in train order
         (`train_order`); the input state is donated."""
-        return jax.jit(self.reading_train_order(train_step), donate_argnums=0,
-                       in_shardings=(state_sharding, self.batch_sharding),
-                       out_shardings=(state_sharding, self.replicated),
-                       compiler_options=self.compiler_options)
+        return self.paced(jax.jit(self.reading_train_order(train_step), donate_argnums=0,
+                                  in_shardings=(state_sharding, self.batch_sharding),
+                                  out_shardings=(state_sharding, self.replicated),
+                                  compiler_options=self.compiler_options))
 
     def jit_eval_step(self, eval_step, params_sharding, train_order: bool = False):
         """The jitted (params, global batch) -> metrics, on params in layer order or, with
         `train_order`, in train order (a training run's own, `train_order`)."""
         if train_order:
             eval_step = self.reading_train_order(eval_step)
-        return jax.jit(eval_step, in_shardings=(params_sharding, self.batch_sharding),
-                       out_shardings=self.replicated, compiler_options=self.compiler_options)
+        return self.paced(jax.jit(eval_step, in_shardings=(params_sharding, self.batch_sharding),
+                                  out_shardings=self.replicated,
+                                  compiler_options=self.compiler_options))
+
+    def paced(self, jitted):
+        """`jitted` as this mesh's steps run: `Synchronous` if `synchronous`, else itself."""
+        return Synchronous(jitted) if self.synchronous else jitted
 
     @contextlib.contextmanager
     def context(self):
@@ -188,6 +197,28 @@ class Placement:
         with jax.set_mesh(self.mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
                 pipeline_parallel.schedule(*self.schedule):
             yield
+
+
+class Synchronous:
+    """A jitted step that returns only when its results are computed: a CPU mesh's steps.
+
+    XLA:CPU runs the devices of one process on shared thread pools, and their collectives wait
+    for each other in a rendezvous that aborts the process after 40 s. With many steps in
+    flight (an evaluation's batches, dispatched asynchronously) the devices stalled in a
+    collective: 4 devices on 2 cores, a sharded fwd+bwd 40 calls deep, stalled for over 5 s in
+    2 of 3 processes and never one call deep (6 of 6); a 4-device CLIP run aborted so in CI.
+    A CPU mesh is for trying a layout, not for speed; its steps now run one at a time (the data
+    pipeline still prepares the next batch meanwhile). Attributes (`lower`, ...) are the
+    jitted function's."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+    def __call__(self, *args, **kwargs):
+        return jax.block_until_ready(self.jitted(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)
 
 
 def _split_over_stage(x) -> bool:
