@@ -79,8 +79,8 @@ def main(argv) -> None:
 
     from transformer.training import placement
 
-    # float32 steps compile with placement.CPU_FLOAT32_OPTIONS (XLA's YNNPACK fusions)
-    settings = {"YNNPACK (training default)": placement.CPU_FLOAT32_OPTIONS,
+    # the steps compile with placement.CPU_OPTIONS (XLA's YNNPACK fusions)
+    settings = {"YNNPACK (training default)": placement.CPU_OPTIONS,
                 "Eigen dots": {"xla_cpu_experimental_ynn_fusion_type": ""}}
     torch.set_num_threads(_THREADS.value)
     print(f"{cpu_model()}; jax {jax.__version__}, torch {torch.__version__} "

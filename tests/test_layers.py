@@ -84,9 +84,9 @@ def test_gelu_with_its_own_jvp_equals_jax_nn_gelu_to_second_order(approximate):
 XLA_FUSIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def train_step_cpu_options() -> dict:
-    """The XLA options a float32 train step compiles with on CPU (placement.compiler_options)."""
-    config = ml_collections.ConfigDict({"model": {"dtype": "float32"}, "compiler_options": {}})
+def train_step_cpu_options(dtype: str = "float32") -> dict:
+    """The XLA options a `dtype` train step compiles with on CPU (placement.compiler_options)."""
+    config = ml_collections.ConfigDict({"model": {"dtype": dtype}, "compiler_options": {}})
     return placement.compiler_options(config, jax.make_mesh((1,), ("data",)))
 
 
@@ -119,15 +119,18 @@ def test_gelu_keeps_for_the_backward_pass_no_more_than_relu(activation):
             <= backward_temp_bytes(cfg("relu"), options=XLA_FUSIONS))
 
 
-def test_cpu_float32_steps_keep_no_norm_scale_broadcast_for_the_backward_pass():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_steps_keep_no_norm_scale_broadcast_for_the_backward_pass(dtype):
     """With YNNPACK's fusions, XLA's default scheduler computes each norm scale's [B, T, D]
     broadcast (an operand of a YNNPACK reduction in the backward pass) at the start of the step
-    and keeps it until then; the scheduler of the float32 CPU default does not: two [B, T, D]
-    tensors less per layer."""
-    cfg = TransformerConfig(num_layers=3, d_model=32, num_heads=2, d_ff=128, use_bias=False)
-    ours = train_step_cpu_options()
+    and keeps it until then; the scheduler of the CPU default does not: two [B, T, D] tensors
+    less per layer (measured: 1,001,984 against 1,135,104 bytes in float32, 933,376 against
+    1,119,744 in bfloat16)."""
+    cfg = TransformerConfig(num_layers=3, d_model=32, num_heads=2, d_ff=128, use_bias=False,
+                            dtype=jnp.dtype(dtype))
+    ours = train_step_cpu_options(dtype)
     xla_scheduler = {k: v for k, v in ours.items() if k != "xla_cpu_scheduler_type"}
-    tensor_BTD = 4 * 32 * 32 * 4  # batch 4, length 32, d_model 32, float32
+    tensor_BTD = 4 * 32 * 32 * jnp.dtype(dtype).itemsize  # batch 4, length 32, d_model 32
     assert (backward_temp_bytes(cfg, options=ours)
             <= backward_temp_bytes(cfg, options=xla_scheduler) - 2 * cfg.num_layers * tensor_BTD)
 

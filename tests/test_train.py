@@ -397,19 +397,17 @@ def test_config_errors_are_rejected_before_anything_is_written(tmp_path):
     assert not workdir.exists(), sorted(p.name for p in workdir.iterdir())
 
 
-def test_compiler_options_default_per_compute_dtype_and_config_options_extend_them(capsys):
+def test_compiler_options_default_per_platform_and_config_options_extend_them(capsys):
     from transformer.parallel import sharding
 
     config = tiny_config()
     mesh = sharding.make_mesh(config.mesh)
-    # float32 on CPU
     # under glibc malloc, scratch heaps it keeps
     glibc = placement.GLIBC_CPU_OPTIONS if hostmem.allocator() == "glibc" else {}
-    assert placement.compiler_options(config, mesh) == {**glibc,
-                                                        **placement.CPU_FLOAT32_OPTIONS}
-    config.model.dtype = "bfloat16"  # keeps XLA's bf16-capable dot library
+    assert placement.compiler_options(config, mesh) == {**placement.CPU_OPTIONS, **glibc}
+    config.model.dtype = "bfloat16"
     config.compiler_options = {"xla_cpu_multi_thread_eigen": False}
-    assert placement.compiler_options(config, mesh) == {**glibc,
+    assert placement.compiler_options(config, mesh) == {**placement.CPU_OPTIONS, **glibc,
                                                         "xla_cpu_multi_thread_eigen": False}
     # A default a newer jaxlib no longer knows is dropped with a warning, not an error.
     assert placement._accepted((("xla_cpu_renamed_in_some_release", True),)) == {}

@@ -18,16 +18,16 @@ from transformer.data import global_batches
 from transformer.parallel import pipeline_parallel, sharding
 from transformer.utils import hostmem
 
-# XLA:CPU defaults for the jitted steps. Float32 steps keep XLA's own fusions (YNNPACK's dots,
-# elementwise and reductions) and take the memory-optimized scheduler: XLA's default scheduler
-# computed each LayerNorm scale's [B, T, D] broadcast at the start of the step, for the
-# backward pass's YNNPACK reductions, and kept it until then (GPT 6/6/384 scratch 444 MB with
-# Eigen's dots, 520 with XLA's defaults, 463 with this scheduler). Measured side by side in one
-# process on a 2-core Zen 5 EPYC (docs/performance.md): step medians 7-14% faster than with
+# XLA:CPU defaults for the jitted steps: XLA's own fusions (YNNPACK's dots, elementwise and
+# reductions) with the memory-optimized scheduler. In float32 XLA's default scheduler computed
+# each LayerNorm scale's [B, T, D] broadcast at the start of the step, for the backward pass's
+# YNNPACK reductions, and kept it until then (GPT 6/6/384 scratch 444 MB with Eigen's dots,
+# 520 with XLA's defaults, 463 with this scheduler). Measured side by side in one process on
+# a 2-core Zen 5 EPYC (docs/performance.md): float32 step medians 7-14% faster than with
 # Eigen's dots under jax 0.10.2 and 0.12 (best times 1-12%), and under 0.12 YNNPACK runs the
 # attention core's small batched dots on both cores (fwd+bwd 16.4 -> 11.3 ms a 6/6/384 layer).
-# Lower-precision steps keep XLA's defaults.
-CPU_FLOAT32_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+# bfloat16 6/6/384 steps: scratch 509 -> 426 MB (jax 0.10.2), 474 -> 310 MB (0.12), times level.
+CPU_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 # CPU steps under glibc malloc: scratch memory in heaps glibc keeps between steps (hostmem's
 # docstring). Under jemalloc, which keeps the one block anyway, the cap cost 20-35 ms of an
 # 850 ms GPT 6/6/384 step.
@@ -40,8 +40,8 @@ TPU_OPTIONS = {"xla_tpu_buffer_assignment_algorithm": "BEST_OF_SPATIAL_TEMPORAL"
 
 
 def compiler_options(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> dict:
-    """XLA options for the jitted steps on `mesh`: the CPU defaults (GLIBC_CPU_OPTIONS under
-    glibc malloc, CPU_FLOAT32_OPTIONS with float32 compute) or the TPU ones (TPU_OPTIONS), then
+    """XLA options for the jitted steps on `mesh`: the CPU defaults (CPU_OPTIONS, and
+    GLIBC_CPU_OPTIONS under glibc malloc) or the TPU ones (TPU_OPTIONS), then
     config.compiler_options (any XLA option, e.g. {"xla_cpu_multi_thread_eigen": False}), each
     judged by the XLA that compiles for the mesh's devices (XLA:TPU for an ahead-of-time
     topology on a CPU host)."""
@@ -51,10 +51,9 @@ def compiler_options(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh)
     judge = None if device.platform == jax.default_backend() else device
     defaults = {}
     if device.platform == "cpu":
+        defaults |= CPU_OPTIONS
         if hostmem.allocator() == "glibc":
             defaults |= GLIBC_CPU_OPTIONS
-        if config.model.get("dtype") == "float32":
-            defaults |= CPU_FLOAT32_OPTIONS
     elif device.platform == "tpu":
         defaults |= TPU_OPTIONS
     defaults = _accepted(tuple(defaults.items()), judge) if defaults else {}
