@@ -204,8 +204,9 @@ class Synchronous:
     XLA:CPU runs the devices of one process on shared thread pools, and their collectives wait
     for each other in a rendezvous that aborts the process after 40 s. With many steps in
     flight (an evaluation's batches, dispatched asynchronously) the devices stalled in a
-    collective: 4 devices on 2 cores, a sharded fwd+bwd 40 calls deep, stalled for over 5 s in
-    2 of 3 processes and never one call deep (6 of 6); a 4-device CLIP run aborted so in CI.
+    collective: 4 devices on 2 cores streaming a sharded fwd+bwd stalled for over 5 s in 3 of 4
+    processes 40 calls deep, in none one call deep (benchmarks/cpu_mesh_collectives.py); a
+    4-device CLIP run aborted so in CI.
     A CPU mesh is for trying a layout, not for speed; its steps now run one at a time (the data
     pipeline still prepares the next batch meanwhile). Attributes (`lower`, ...) are the
     jitted function's."""
