@@ -1,0 +1,20 @@
+"""CI's newest-jax tier runs the tests that tests/newest_jax_tests.txt names (chosen by
+tests/select_newest_jax.py): a name that no longer exists makes that tier run nothing and fail,
+20 minutes into CI. Checked here in a second, from the sources."""
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_every_test_the_newest_jax_tier_lists_exists():
+    missing = []
+    for line in (REPO / "tests" / "newest_jax_tests.txt").read_text().split():
+        path, _, name = line.partition("::")
+        function = name.split("[")[0].split(".")[-1]  # a parameter id; a doctest's dotted name
+        source = REPO / path
+        if not (source.is_file() and re.search(rf"^\s*(def|class) {re.escape(function)}\b",
+                                                source.read_text(), re.M)):
+            missing.append(line)
+    assert not missing, f"rerun tests/select_newest_jax.py; gone: {missing}"
