@@ -3,7 +3,7 @@
 XLA:CPU runs the devices of one process on shared thread pools; their collectives meet in a
 rendezvous that aborts the process when it times out (40 s by default; cut to 5 s here, so a
 stall shows quickly). This script streams a sharded fwd+bwd (dots, GELU, a norm, an
-all-gather; the training defaults' XLA options for a float32 step on this mesh) on forced host
+all-gather; the training defaults' XLA options for a step on this mesh) on forced host
 devices, in fresh processes: 40 calls dispatched before waiting for them, then one call at a
 time as the training steps run on a CPU mesh (`placement.Synchronous`). It counts the
 processes XLA aborted.
@@ -43,7 +43,6 @@ def stream(in_flight: int, seconds: float) -> int:
     from transformer.training import placement
 
     config = configs.base_config()
-    config.model.dtype = "float32"
     config.mesh.data = len(jax.devices())
     mesh = sharding.make_mesh(config.mesh)
     rows = NamedSharding(mesh, PartitionSpec("data"))

@@ -111,7 +111,7 @@ class Placement:
         self.schedule = schedule
         self.batch_size = batch_size
         self.compiler_options = dict(compiler_options or {})
-        # (see Synchronous)
+        # a CPU mesh of several devices in this process: its steps wait for results (Synchronous)
         self.synchronous = mesh.devices.flat[0].platform == "cpu" and len(mesh.local_devices) > 1
         self.batch_sharding = sharding.batch_sharding(mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
