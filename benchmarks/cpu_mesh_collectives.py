@@ -1,21 +1,24 @@
 """Do a CPU mesh's collectives stall with many steps in flight? One table, side by side.
 
-XLA:CPU runs the devices of one process on shared thread pools; their collectives meet in a
-rendezvous that aborts the process when it times out (40 s by default; cut to 5 s here, so a
-stall shows quickly). This script streams a sharded fwd+bwd (dots, GELU, a norm, an
-all-gather; the training defaults' XLA options for a step on this mesh) on forced host
-devices, in fresh processes: 40 calls dispatched before waiting for them, then one call at a
-time as the training steps run on a CPU mesh (`placement.Synchronous`). It counts the
-processes XLA aborted.
+XLA:CPU admits 32 executions in flight per device; under jaxlib 0.10.2 a mesh's collectives
+deadlocked once a device held more, until the rendezvous aborted the process (40 s by
+default; cut to 5 s here, so a stall shows quickly). This script streams a sharded fwd+bwd
+(dots, GELU, a norm, an all-gather; the training defaults' XLA options for a step on this
+mesh) on forced host devices, in fresh processes, keeping at most N calls unfinished (it
+waits for the oldest before dispatching more): N = 31 and 32 around XLA's limit, then 200
+through `placement.Placement.paced`, as the training and evaluation steps run on this jax
+(one at a time, `placement.Synchronous`, where `placement.CPU_COLLECTIVES_STALL`). It counts
+the processes XLA aborted.
 
-    python benchmarks/cpu_mesh_collectives.py --devices=4 --seconds=20 --repeats=3
+    python benchmarks/cpu_mesh_collectives.py --devices=4 --seconds=10 --repeats=3
 
-A stress test: no abort in a few minutes is not a proof, but the stalls it shows with calls in
-flight are the ones that aborted a 4-device CLIP run in CI (tests/test_vision.py).
+When a jaxlib runs the 32 row without an abort, `placement.CPU_COLLECTIVES_STALL` can leave
+it out.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -24,27 +27,29 @@ import time
 from absl import app, flags
 
 _DEVICES = flags.DEFINE_integer("devices", 4, "forced host devices")
-_SECONDS = flags.DEFINE_float("seconds", 20.0, "seconds of streaming per process")
+_SECONDS = flags.DEFINE_float("seconds", 10.0, "seconds of streaming per process")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "processes per variant")
-_CHILD = flags.DEFINE_integer("child", 0, "internal: stream with this many calls in flight")
+_CHILD = flags.DEFINE_integer("child", 0, "internal: stream with this many calls unfinished")
+_PACED = flags.DEFINE_bool("paced", False, "internal: stream through Placement.paced")
 
 TIMEOUTS = ("--xla_cpu_collective_call_terminate_timeout_seconds=5",
             "--xla_cpu_collective_call_warn_stuck_timeout_seconds=2")
 
 
-def stream(in_flight: int, seconds: float) -> int:
-    """Streams a sharded fwd+bwd, `in_flight` calls before waiting; returns the calls made."""
+def stream(unfinished: int, seconds: float, paced: bool) -> int:
+    """Streams a sharded fwd+bwd keeping at most `unfinished` calls unfinished (through
+    `Placement.paced` if `paced`); returns the calls made."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
     from transformer import configs
-    from transformer.parallel import sharding
     from transformer.training import placement
 
     config = configs.base_config()
     config.mesh.data = len(jax.devices())
-    mesh = sharding.make_mesh(config.mesh)
+    where = placement.Placement.from_config(config)
+    mesh = where.mesh
     rows = NamedSharding(mesh, PartitionSpec("data"))
 
     def loss(w, x):
@@ -54,29 +59,31 @@ def stream(in_flight: int, seconds: float) -> int:
         scores = jnp.einsum("bd,cd->bc", h, everyone)  # all-gathers the other devices' rows
         return jnp.mean(jax.nn.log_softmax(scores)) + jnp.mean(h @ w[1])
 
-    step = jax.jit(jax.value_and_grad(loss),
-                   compiler_options=placement.compiler_options(config, mesh))
-    if in_flight == 1:
-        step = placement.Synchronous(step)
+    step = jax.jit(jax.value_and_grad(loss), compiler_options=where.compiler_options)
+    if paced:
+        step = where.paced(step)
     w = (jnp.full((128, 256), 0.01), jnp.full((256, 128), 0.01))
     x = jax.device_put(jnp.ones((64 * len(jax.devices()), 128)), rows)
-    calls, start = 0, time.perf_counter()
+    pending, calls, start = collections.deque(), 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        jax.block_until_ready([step(w, x) for _ in range(in_flight)])
-        calls += in_flight
+        pending.append(step(w, x))
+        calls += 1
+        if len(pending) > unfinished:
+            jax.block_until_ready(pending.popleft())
+    jax.block_until_ready(list(pending))
     return calls
 
 
-def run_variant(in_flight: int) -> tuple[int, int]:
+def run_variant(unfinished: int, paced: bool) -> tuple[int, int]:
     """(processes XLA aborted, calls made by the others) over --repeats fresh processes."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(
         (os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count="
          f"{_DEVICES.value}", *TIMEOUTS)).strip()}
     aborted, calls = 0, 0
     for _ in range(_REPEATS.value):
-        result = subprocess.run([sys.executable, __file__, f"--child={in_flight}",
-                                 f"--seconds={_SECONDS.value}"], env=env, capture_output=True,
-                                text=True, timeout=_SECONDS.value + 300)
+        result = subprocess.run([sys.executable, __file__, f"--child={unfinished}",
+                                 f"--seconds={_SECONDS.value}", f"--paced={paced}"], env=env,
+                                capture_output=True, text=True, timeout=_SECONDS.value + 300)
         if result.returncode == 0:
             calls += int(result.stdout.split()[-1])
         elif "Termination timeout" in result.stderr:
@@ -89,14 +96,20 @@ def run_variant(in_flight: int) -> tuple[int, int]:
 def main(argv) -> None:
     del argv
     if _CHILD.value:
-        print(stream(_CHILD.value, _SECONDS.value))
+        print(stream(_CHILD.value, _SECONDS.value, _PACED.value))
         return
-    print(f"{_DEVICES.value} CPU devices on {os.cpu_count()} cores, {_SECONDS.value:g} s a "
-          f"process, {_REPEATS.value} processes a row; rendezvous timeout 5 s\n")
-    print("| calls in flight | aborted | calls/s (processes that finished) |")
+    import jaxlib.version
+
+    from transformer.training import placement
+    print(f"jaxlib {jaxlib.version.__version__}, {_DEVICES.value} CPU devices on "
+          f"{os.cpu_count()} cores, {_SECONDS.value:g} s a process, {_REPEATS.value} processes "
+          f"a row; rendezvous timeout 5 s\n")
+    paced = ("one at a time" if placement.CPU_COLLECTIVES_STALL else "asynchronous")
+    print("| calls unfinished at most | aborted | calls/s (processes that finished) |")
     print("|---|---:|---:|")
-    for in_flight, name in ((40, "40"), (1, "1 (placement.Synchronous)")):
-        aborted, calls = run_variant(in_flight)
+    for unfinished, name in ((31, "31"), (32, "32"),
+                             (200, f"200 through Placement.paced ({paced} on this jaxlib)")):
+        aborted, calls = run_variant(unfinished, paced=unfinished == 200)
         finished = _REPEATS.value - aborted
         rate = f"{calls / (finished * _SECONDS.value):.0f}" if finished else "-"
         print(f"| {name} | {aborted} of {_REPEATS.value} | {rate} |", flush=True)

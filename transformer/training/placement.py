@@ -9,6 +9,7 @@ import sys
 
 import flax.linen as nn
 import jax
+import jaxlib.version
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
@@ -37,6 +38,9 @@ GLIBC_CPU_OPTIONS = {"xla_multiheap_size_constraint_per_heap": hostmem.SCRATCH_H
 # for a 70B circular pipeline: 29.38 GiB a chip where 26.15 GiB hold everything live at the
 # peak; GPipe's heap is the same either way). Compiled ahead of time: docs/cloud-tpu.md.
 TPU_OPTIONS = {"xla_tpu_buffer_assignment_algorithm": "BEST_OF_SPATIAL_TEMPORAL"}
+# Whether this jaxlib's XLA:CPU can deadlock a mesh's collectives with many steps in flight
+# (`Synchronous`): 0.10.2 did past 32 a device, 0.12.0.1 did not at 200.
+CPU_COLLECTIVES_STALL = jaxlib.version.__version_info__ < (0, 12)
 
 
 def compiler_options(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> dict:
@@ -98,8 +102,8 @@ class Placement:
     rows over the data-parallel axes, and which global batch rows this process feeds.
 
     `compiler_options`: XLA options for the jitted steps (see `compiler_options`). On a CPU
-    mesh of more than one device in this process the steps wait for their results
-    (`synchronous`, see `Synchronous`).
+    mesh of more than one device in this process, under a jaxlib before 0.12, the steps wait
+    for their results (`synchronous`, see `Synchronous`).
     `schedule`: (microbatches, repeats) of the pipeline over a `stage` axis (see
     `transformer.parallel.pipeline_parallel`). With a circular schedule (repeats > 1) the
     train step reads the state in train order (`train_order`): the layer params and their
@@ -111,8 +115,10 @@ class Placement:
         self.schedule = schedule
         self.batch_size = batch_size
         self.compiler_options = dict(compiler_options or {})
-        # a CPU mesh of several devices in this process: its steps wait for results (Synchronous)
-        self.synchronous = mesh.devices.flat[0].platform == "cpu" and len(mesh.local_devices) > 1
+        # a CPU mesh of several devices in this process, under a jaxlib whose collectives can
+        # stall: its steps wait for their results (Synchronous)
+        self.synchronous = (mesh.devices.flat[0].platform == "cpu"
+                            and len(mesh.local_devices) > 1 and CPU_COLLECTIVES_STALL)
         self.batch_sharding = sharding.batch_sharding(mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.rows = global_batches.process_rows(self.batch_sharding, batch_size)
@@ -199,17 +205,20 @@ class Placement:
 
 
 class Synchronous:
-    """A jitted step that returns only when its results are computed: a CPU mesh's steps.
+    """A jitted step that returns only when its results are computed: a CPU mesh's steps under
+    a jaxlib before 0.12.
 
-    XLA:CPU runs the devices of one process on shared thread pools, and their collectives wait
-    for each other in a rendezvous that aborts the process after 40 s. With many steps in
-    flight (an evaluation's batches, dispatched asynchronously) the devices stalled in a
-    collective: 4 devices on 2 cores streaming a sharded fwd+bwd stalled for over 5 s in 3 of 4
-    processes 40 calls deep, in none one call deep (benchmarks/cpu_mesh_collectives.py); a
-    4-device CLIP run aborted so in CI.
-    A CPU mesh is for trying a layout, not for speed; its steps now run one at a time (the data
-    pipeline still prepares the next batch meanwhile). Attributes (`lower`, ...) are the
-    jitted function's."""
+    XLA:CPU admits 32 executions in flight per device (PjRt's `max_inflight_computations`).
+    Under jaxlib 0.10.2, a mesh's collectives deadlocked once a device held more: three
+    devices waited in a step's all-gather while the fourth device's launch of that step waited
+    for an execution slot, until the rendezvous aborted the process (40 s). Streaming a sharded
+    fwd+bwd with 31 calls unfinished never stalled, with 32 it stalled within seconds in every
+    process, on 2, 4 and 8 devices, and never without a collective
+    (benchmarks/cpu_mesh_collectives.py); 200 evaluation steps streamed on 8 devices aborted
+    (tests/mesh_check.py), and a 4-device CLIP run's abort in CI was the same rendezvous
+    timeout. Under jaxlib 0.12.0.1 the same streams ran 200 deep. Waiting costs 4-10% a step
+    on a CPU mesh, which is for trying a layout, not for speed. Attributes (`lower`, ...) are
+    the jitted function's."""
 
     def __init__(self, jitted):
         self.jitted = jitted
