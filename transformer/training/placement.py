@@ -39,7 +39,8 @@ GLIBC_CPU_OPTIONS = {"xla_multiheap_size_constraint_per_heap": hostmem.SCRATCH_H
 # peak; GPipe's heap is the same either way). Compiled ahead of time: docs/cloud-tpu.md.
 TPU_OPTIONS = {"xla_tpu_buffer_assignment_algorithm": "BEST_OF_SPATIAL_TEMPORAL"}
 # Whether this jaxlib's XLA:CPU can deadlock a mesh's collectives with many steps in flight
-# (`Synchronous`): 0.10.2 did past 32 a device, 0.12.0.1 did not at 200.
+# (`Synchronous`): 0.10.2, 0.11.0 and 0.11.2 did past 32 a device; 0.12.0 and 0.12.0.1 did
+# not at 200.
 CPU_COLLECTIVES_STALL = jaxlib.version.__version_info__ < (0, 12)
 
 
@@ -216,9 +217,9 @@ class Synchronous:
     process, on 2, 4 and 8 devices, and never without a collective
     (benchmarks/cpu_mesh_collectives.py); 200 evaluation steps streamed on 8 devices aborted
     (tests/mesh_check.py), and a 4-device CLIP run's abort in CI was the same rendezvous
-    timeout. Under jaxlib 0.12.0.1 the same streams ran 200 deep. Waiting costs 4-10% a step
-    on a CPU mesh, which is for trying a layout, not for speed. Attributes (`lower`, ...) are
-    the jitted function's."""
+    timeout. The 32-call stream stalled under jaxlib 0.11.0 and 0.11.2 too; under 0.12.0 and
+    0.12.0.1 it ran 200 deep. Waiting costs 4-10% a step on a CPU mesh, which is for trying a
+    layout, not for speed. Attributes (`lower`, ...) are the jitted function's."""
 
     def __init__(self, jitted):
         self.jitted = jitted
