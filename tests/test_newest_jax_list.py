@@ -18,3 +18,13 @@ def test_every_test_the_newest_jax_tier_lists_exists():
                                                 source.read_text(), re.M)):
             missing.append(line)
     assert not missing, f"rerun tests/select_newest_jax.py; gone: {missing}"
+
+
+def test_the_tier_runs_the_cpu_mesh_tests():
+    """A CPU mesh runs its steps asynchronously only from jaxlib 0.12: the tier is where CI
+    runs that path (select_newest_jax.CPU_MESH_TESTS)."""
+    import select_newest_jax
+
+    listed = set((REPO / "tests" / "newest_jax_tests.txt").read_text().split())
+    missing = sorted(set(select_newest_jax.CPU_MESH_TESTS) - listed)
+    assert not missing, f"rerun tests/select_newest_jax.py; not listed: {missing}"
