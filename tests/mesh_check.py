@@ -221,8 +221,8 @@ def main(workdir: str) -> None:
                          "layout": layout(state.params)}
 
     # Independent steps streamed, as an evaluation's batches are: under jaxlib 0.10.2 XLA:CPU's
-    # collectives deadlocked past 32 in flight (placement.Synchronous; 64 streamed here did not
-    # always, 200 did): all 200 complete, alike.
+    # collectives deadlocked past 32 in flight (placement.Synchronous; without it, 64 streamed
+    # here once finished, 200 aborted): all 200 complete, alike.
     run, state, _ = runs["2,2,2"]
     evaluate = run.placement.jit_eval_step(evaluation.make_eval_step(run.model, run.config),
                                            run.shardings.params)
