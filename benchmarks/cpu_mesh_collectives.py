@@ -104,12 +104,13 @@ def main(argv) -> None:
     print(f"jaxlib {jaxlib.version.__version__}, {_DEVICES.value} CPU devices on "
           f"{os.cpu_count()} cores, {_SECONDS.value:g} s a process, {_REPEATS.value} processes "
           f"a row; rendezvous timeout 5 s\n")
-    paced = ("one at a time" if placement.CPU_COLLECTIVES_STALL else "asynchronous")
+    mode = "one at a time" if placement.CPU_COLLECTIVES_STALL else "asynchronous"
+    rows = ((31, False, "31"), (32, False, "32"),
+            (200, True, f"200 through Placement.paced ({mode} on this jaxlib)"))
     print("| calls unfinished at most | aborted | calls/s (processes that finished) |")
     print("|---|---:|---:|")
-    for unfinished, name in ((31, "31"), (32, "32"),
-                             (200, f"200 through Placement.paced ({paced} on this jaxlib)")):
-        aborted, calls = run_variant(unfinished, paced=unfinished == 200)
+    for unfinished, paced, name in rows:
+        aborted, calls = run_variant(unfinished, paced)
         finished = _REPEATS.value - aborted
         rate = f"{calls / (finished * _SECONDS.value):.0f}" if finished else "-"
         print(f"| {name} | {aborted} of {_REPEATS.value} | {rate} |", flush=True)
