@@ -23,7 +23,7 @@ import numpy as np
 from transformer import configs, train
 from transformer.models import build_model
 from transformer.parallel import sharding
-from transformer.training import checkpoint_manager, evaluation, optim, placement, state
+from transformer.training import checkpoint_manager, optim, placement, state
 
 MESHES = {"single": None, "8,1,1": (8, 1, 1), "1,8,1": (1, 8, 1), "2,2,2": (2, 2, 2),
           "1,2,4": (1, 2, 4)}
@@ -219,19 +219,6 @@ def main(workdir: str) -> None:
             reference = params
         results[name] = {"losses": losses, "max_param_diff": max_diff(params, reference),
                          "layout": layout(state.params)}
-
-    # Independent steps streamed, as an evaluation's batches are: under jaxlib 0.10.2 XLA:CPU's
-    # collectives deadlocked past 32 in flight (placement.Synchronous; without it, 64 streamed
-    # here once finished, 200 aborted): all 200 complete, alike.
-    run, state, _ = runs["2,2,2"]
-    evaluate = run.placement.jit_eval_step(evaluation.make_eval_step(run.model, run.config),
-                                           run.shardings.params)
-    with run.placement.context():
-        batch = run.placement.global_batch(data[0])
-        streamed = [evaluate(state.params, batch) for _ in range(200)]
-    sums = [{k: v.tolist() for k, v in placement.fetch(s).items()} for s in streamed]
-    results["streamed"] = {"calls": len(sums), "alike": all(s == sums[0] for s in sums),
-                           "single_waits": runs["single"][0].placement.synchronous}
 
     # Save on fsdp=8 (the run above, 2 steps of it again), restore on 4 devices as data=2 x
     # fsdp=2, continue.

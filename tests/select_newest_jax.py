@@ -33,18 +33,15 @@ FLOOR = 0.005  # seconds: pytest leaves out of --durations the phases shorter th
 # "|") are read differently by other pytest versions, so such a test is listed whole.
 PLAIN_PARAMS = re.compile(r"^[\w.,=+-]*$")
 # Slow tests the tier always runs: a CPU mesh of several devices runs its steps one at a time
-# under jaxlib before 0.12 and asynchronously from 0.12 (placement.CPU_COLLECTIVES_STALL), so
-# these run a path under the newest jax that the suite under Python 3.11 never does.
-CPU_MESH_TESTS = tuple(f"tests/test_sharding.py::{name}" for name in (
-    "test_a_batch_the_data_parallel_size_does_not_divide_is_a_one_line_error",
-    "test_a_checkpoint_saved_on_one_mesh_continues_on_another",
-    "test_a_cpu_mesh_runs_many_streamed_steps_to_the_same_results",
-    "test_a_gpt_with_splash_on_a_mesh_matches_dense_on_one_device",
-    "test_each_mesh_gives_the_single_device_losses",
-    "test_each_token_mixer_trains_alike_on_a_data_fsdp_tensor_mesh",
-    "test_params_are_sharded_by_the_rules",
-    "test_splash_runs_per_device_in_shard_map_and_matches_dense",
-)) + ("tests/test_vision.py::test_clip_shards_checkpoints_and_resumes_through_the_cli",)
+# under jaxlib before 0.12 and asynchronously from 0.12 (placement.CPU_COLLECTIVES_STALL), a path
+# the suite under Python 3.11 never takes. Running asynchronously changes when the host waits,
+# not what a step computes, so the tier takes the two tests where waiting matters: 200
+# independent steps streamed (the deadlock jaxlib 0.10.2 has), and the CLI training,
+# evaluating, saving and resuming on 4 devices. The other mesh tests check the numbers.
+CPU_MESH_TESTS = (
+    "tests/test_sharding.py::test_a_cpu_mesh_runs_many_streamed_steps_to_the_same_results",
+    "tests/test_vision.py::test_clip_shards_checkpoints_and_resumes_through_the_cli",
+)
 
 
 def listed_id(test: str) -> str:

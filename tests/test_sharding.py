@@ -266,11 +266,12 @@ def test_a_batch_the_data_parallel_size_does_not_divide_is_a_one_line_error(mesh
 
 
 @pytest.mark.slow
-def test_a_cpu_mesh_runs_many_streamed_steps_to_the_same_results(mesh_results):
-    """200 evaluation steps dispatched before any is read: under jaxlib 0.10.2 XLA:CPU's
-    collectives deadlocked past 32 in flight and the process aborted (placement.Synchronous
-    runs those steps one at a time); one device never waits."""
-    assert mesh_results["streamed"] == {"calls": 200, "alike": True, "single_waits": False}
+def test_a_cpu_mesh_runs_many_streamed_steps_to_the_same_results(tmp_path_factory):
+    """200 evaluation steps dispatched before any is read (tests/stream_check.py): under jaxlib
+    0.10.2 XLA:CPU's collectives deadlocked past 32 in flight and the process aborted
+    (placement.Synchronous runs those steps one at a time); one device never waits."""
+    streamed = run_check("stream_check.py", tmp_path_factory)
+    assert streamed == {"calls": 200, "alike": True, "single_waits": False}
 
 
 @pytest.mark.slow

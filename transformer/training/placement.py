@@ -216,7 +216,7 @@ class Synchronous:
     fwd+bwd with 31 calls unfinished never stalled, with 32 it stalled within seconds in every
     process, on 2, 4 and 8 devices, and never without a collective
     (benchmarks/cpu_mesh_collectives.py); without this wrapper 200 evaluation steps streamed
-    on 8 devices aborted (tests/mesh_check.py), and a 4-device CLIP run's abort in CI was the
+    on 8 devices aborted (tests/stream_check.py), and a 4-device CLIP run's abort in CI was the
     same rendezvous timeout. The 32-call stream stalled under jaxlib 0.11.0 and 0.11.2 too;
     under 0.12.0 and 0.12.0.1 it ran 200 deep. Waiting costs 4-10% a step on a CPU mesh,
     which is for trying a layout, not for speed. Attributes (`lower`, ...) are the jitted
