@@ -7,8 +7,9 @@ Run by tests/test_sharding.py in a subprocess, and by CI's newest-jax tier: the 
 independent, as an evaluation's batches are. Under jaxlib before 0.12 XLA:CPU's collectives
 deadlock past 32 executions in flight on a device and the process aborts, so there a CPU mesh
 runs its steps one at a time (placement.Synchronous); from jaxlib 0.12 they run
-asynchronously, and this is where CI streams them (without the wrapper under jax 0.10.2, 64
-streamed steps here finished once and 200 aborted). All 200 must finish with the same sums.
+asynchronously, and this is where CI streams them. All 200 must finish with the same sums.
+Without the wrapper under jax 0.10.2 this check aborted in 2 of 2 runs (64 steps streamed
+after training, as mesh_check once did, finished once: hence 200).
 """
 
 from __future__ import annotations
