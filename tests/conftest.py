@@ -34,9 +34,17 @@ if "TRANSFORMER_CPU_PEAK_CACHE" not in os.environ:
 
 
 def _fast_compile_flags() -> str:
-    """XLA flags that cut the suite's compile time (most of its time) by half: LLVM at -O0 and
-    XLA:CPU's older loop emitters, each only if this jaxlib knows it (an unknown flag in
-    XLA_FLAGS aborts every JAX process, and jaxlib 0.12 dropped the emitter flag).
+    """XLA flags that cut the suite's compile time (most of its time) by half: LLVM at -O0,
+    XLA:CPU's older loop emitters, and each program's machine code emitted in one piece, each
+    only if this jaxlib knows it (an unknown flag in XLA_FLAGS aborts every JAX process, and
+    jaxlib 0.12 dropped the emitter flag).
+
+    One piece: XLA:CPU splits a program's LLVM module into parts that compile on a thread pool.
+    That saves wall time on an idle many-core machine; here the two test workers keep both
+    cores busy, so only the splitting's own CPU time shows. With jaxlib 0.10.2, compiling the
+    init and train step of the GPT of tests/mesh_check.py on one device and on 2 x 2 x 2 took
+    4.2 to 4.6 CPU-seconds against 5.2 to 5.9 (medians of 5 and 7 interleaved runs on a 2-core
+    Zen 4 EPYC); jaxlib 0.12.0.1 compiled them in the same time either way.
 
     They change how XLA:CPU turns a program into machine code (results may differ from a
     default build in the last bits), not the program: no test depends on code speed, and runs
@@ -54,7 +62,8 @@ def _fast_compile_flags() -> str:
     return " ".join(flag for flag in FAST_COMPILE if known(flag))
 
 
-FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                "--xla_cpu_parallel_codegen_split_count=1")
 # Decided once per session (pytest-xdist workers inherit the environment); set
 # TRANSFORMER_TESTS_XLA_FLAGS= (empty) to compile as users do.
 if "TRANSFORMER_TESTS_XLA_FLAGS" not in os.environ:
