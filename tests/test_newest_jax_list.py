@@ -5,6 +5,8 @@ tests/select_newest_jax.py): a name that no longer exists makes that tier run no
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -28,3 +30,22 @@ def test_the_tier_runs_the_cpu_mesh_tests():
     listed = set((REPO / "tests" / "newest_jax_tests.txt").read_text().split())
     missing = sorted(set(select_newest_jax.CPU_MESH_TESTS) - listed)
     assert not missing, f"rerun tests/select_newest_jax.py; not listed: {missing}"
+
+
+def test_the_selection_charges_a_shared_fixture_to_the_first_test_that_needs_it():
+    """Two tests sharing a 30 s module fixture look free when the fixture is charged to neither
+    (as --durations charges it to whichever ran first); one 1 s test running the same lines
+    costs less than either of them with the fixture."""
+    import select_newest_jax
+
+    lines = {"a": {("m.py", 1), ("m.py", 2)}, "b": {("m.py", 3)},
+             "c": {("m.py", 1), ("m.py", 2), ("m.py", 3)},
+             "fixture m.py::trained[0]": {("m.py", 4)}, "d": {("m.py", 5)}}
+    tests = {"a": {"seconds": 0.1, "fixtures": {"m.py::trained[0]"}},
+             "b": {"seconds": 0.1, "fixtures": {"m.py::trained[0]"}},
+             "c": {"seconds": 1.0, "fixtures": set()},
+             "d": {"seconds": 0.5, "fixtures": set()}}
+    chosen, seconds = select_newest_jax.select(tests, {"m.py::trained[0]": 30.0}, lines)
+    # the fixture's own line is run only through a or b: one of them, last, paying it once
+    assert chosen[:2] == ["c", "d"] and chosen[2:] in (["a"], ["b"])
+    assert seconds == pytest.approx(1.0 + 0.5 + 0.1 + 30.0)
