@@ -78,11 +78,11 @@ def batches() -> list[dict[str, np.ndarray]]:
     return out
 
 
-def train(run: Run, params, compiled_text: bool = False) -> tuple[dict, dict, list[str], str]:
-    """Steps from `params` on the fixed batches: (metrics per step, final params on host,
-    the MoE dispatch paths traced, and with `compiled_text` the compiled step's HLO, from the
-    one compile that trains)."""
-    state = run.init(jax.random.key(0)).replace(params=params)
+def train(run: Run, state, compiled_text: bool = False) -> tuple[dict, dict, list[str], str]:
+    """Steps from `state` (host arrays: the single device's initial state) on the fixed
+    batches: (metrics per step, final params, the MoE dispatch paths traced, and with
+    `compiled_text` the compiled step's HLO, from the one compile that trains)."""
+    state = run.place(state)
     records, step, hlo = [], run.step, ""
     with run.placement.context(), kernels.recording() as chosen:
         if compiled_text:
@@ -112,16 +112,15 @@ def main() -> None:
     singles = {}
     for variant in VARIANTS:
         run = Run(moe_config({}, variant), devices[:1])
-        params = host(run.init(jax.random.key(0)).params)
-        records, final, dispatch, _ = train(run, params)
-        singles[variant] = (params, records, host(final))
+        initial = host(run.init(jax.random.key(0)))
+        records, final, dispatch, _ = train(run, initial)
+        singles[variant] = (initial, records, host(final))
         results[f"single {variant}"] = {"records": records, "dispatch": dispatch}
     for name, (mesh, variant) in MESHES.items():
-        params, _, single_final = singles[variant]
+        initial, _, single_final = singles[variant]
         size = int(np.prod(list(mesh.values())))
         run = Run(moe_config(mesh, variant), devices[:size])
-        placed = jax.device_put(params, run.shardings.params)
-        records, final, dispatch, hlo = train(run, placed, compiled_text=name in COLLECTIVES)
+        records, final, dispatch, hlo = train(run, initial, compiled_text=name in COLLECTIVES)
         results[name] = {
             "records": records,
             "dispatch": dispatch,

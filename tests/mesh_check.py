@@ -68,6 +68,11 @@ class Run:
         self.step = self.placement.jit_train_step(
             train.make_train_step(self.model, config, self.optimizer), self.shardings)
 
+    def place(self, state):
+        """`state` (host arrays, layer order) laid out on this mesh: another run's initial state
+        without compiling this mesh's own init (mesh_check tests that init)."""
+        return jax.device_put(state, self.shardings)
+
     def train(self, state, data):
         """(state, losses): `state` (layer order, donated) trained on `data`, as train.py does
         (in train order between, placement.train_order)."""

@@ -36,10 +36,12 @@ def main(workdir: str) -> None:
     data = batches(4)
     results = {}
     for variant in VARIANTS:
-        params = {}
-        for name, mesh in MESHES.items():
+        params, initial = {}, None
+        for name, mesh in MESHES.items():  # the meshes start from the single run's state
             run = Run(quantized_config(mesh, variant), devices[:1] if mesh is None else devices)
-            state, losses = run.train(run.init(jax.random.key(0)), data)
+            if initial is None:
+                initial = host(run.init(jax.random.key(0)))
+            state, losses = run.train(run.place(initial), data)
             params[name] = host(state.params)
             results[f"{variant} {name}"] = {"losses": losses}
             if name == "2,2,2":
