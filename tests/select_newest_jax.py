@@ -10,20 +10,22 @@ Python 3.12 venv with the newest jax, flax and libtpu, the tests this script lis
 removed fails there.
 
 It runs the fast tier once under coverage with one context per test (`--cov-context=test`),
-itself loaded as a pytest plugin that times each module- or class-scoped fixture and gives it a
-coverage context of its own. Then it picks greedily: the test running the most lines not yet run
-per second, where a test's seconds are its own plus those of the shared fixtures it needs that
-no test chosen before set up. (Charging a fixture to whichever test happened to set it up would
-make the others sharing it look free, and the one picked first pays it in the tier.) Lines that
-importing the modules runs (no test's context) count as run. Run it again after adding tests or
-code: a listed test that no longer exists fails the tier (pytest: "not found"), and new code is
-not in it until then.
+itself loaded as a pytest plugin that times each shared (module-, class-, package- or
+session-scoped) fixture and gives it a coverage context of its own. Then it picks greedily: the
+test running the most lines not yet run per second, where a test's seconds are its own plus
+those of the shared fixtures it needs that no test chosen before set up. (Charging a fixture to
+whichever test happened to set it up would make the others sharing it look free, and the one
+picked first pays it in the tier.) Lines that importing the modules runs (no test's context)
+count as run. Run it again after adding tests or code: a listed test that no longer exists fails
+the tier (pytest: "not found"), and new code is not in it until then.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import json
+import operator
 import os
 import re
 import subprocess
@@ -213,9 +215,9 @@ def select(tests: dict, fixtures: dict, lines: dict) -> tuple[list[str], float]:
         return int.from_bytes(bits, "little")
 
     # A test's mask holds its fixtures' lines too: a paid fixture's lines are no longer left.
-    masks = {t: mask(t) | sum_masks(mask(f"fixture {f}") for f in entry["fixtures"])
+    masks = {t: mask(t) | any_of(mask(f"fixture {f}") for f in entry["fixtures"])
              for t, entry in tests.items()}
-    left, paid, chosen, total = sum_masks(masks.values()), set(), [], 0.0
+    left, paid, chosen, total = any_of(masks.values()), set(), [], 0.0
 
     def cost(test: str) -> float:
         unpaid = tests[test]["fixtures"] - paid
@@ -232,11 +234,9 @@ def select(tests: dict, fixtures: dict, lines: dict) -> tuple[list[str], float]:
     return chosen, total
 
 
-def sum_masks(masks) -> int:
-    out = 0
-    for m in masks:
-        out |= m
-    return out
+def any_of(masks) -> int:
+    """The lines any of these masks holds."""
+    return functools.reduce(operator.or_, masks, 0)
 
 
 def main() -> None:
