@@ -61,11 +61,15 @@ import tempfile
 import time
 from collections.abc import Callable
 
-import decode as decode_benchmark  # benchmarks/decode.py (its flags size the decode check)
-import jax
-import numpy as np
-from absl import flags
-from nanogpt_common import (  # benchmarks/nanogpt_common.py
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository, where it is not installed (a device's copy)
+    sys.path.insert(0, ROOT)
+
+import decode as decode_benchmark  # noqa: E402 - benchmarks/decode.py (sizes the decode check)
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import flags  # noqa: E402
+from nanogpt_common import (  # noqa: E402 - benchmarks/nanogpt_common.py
     checked_sections_and_gpu,
     chip_peak,
     device_line,
@@ -75,7 +79,6 @@ from nanogpt_common import (  # benchmarks/nanogpt_common.py
     prepare_nanogpt_data,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("attention", "train", "decode")
 
 _TEXT = flags.DEFINE_string("text", None, "tinyshakespeare.txt: the text both sides train on.")

@@ -1,11 +1,15 @@
 """GPT-2 124M on one GPU, ours against nanoGPT's model and training loop on the same tokens, then
 the token mixers' decode table (issue 58). One command, one markdown report.
 
-The device run, on one H100 or H200 (estimated 6 minutes, under 10; build/nanoGPT is a snapshot
-of karpathy/nanoGPT at commit 3adf61e in an ignored directory carried to the machine; the
-repository need not be installed there, but grain, array_record and ml_collections must be):
+The device run, on one H100 or H200 (estimated 6 minutes, under 10). The repository need not be
+installed there; `benchmarks/gpu_bundle.sh NANOGPT_CHECKOUT`, run beforehand where pip reaches
+PyPI, puts nanoGPT (karpathy/nanoGPT, commit 3adf61e) in build/nanoGPT and the wheels a GPU image
+without a package index lacks (grain, array_record, ml_collections, tensorboardX) in
+build/wheels, so with build/ carried to the machine the run is one command:
 
-    python3 benchmarks/gpu_gpt2.py --nanogpt_dir=build/nanoGPT --output=$OUT/gpu_gpt2.md
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \\
+        build/wheels/*.whl && PYTHONPATH=/tmp/site python3 benchmarks/gpu_gpt2.py \\
+        --nanogpt_dir=build/nanoGPT --output=$OUT/gpu_gpt2.md
 
 Other flags: [--steps=500] [--batch_size=16] [--skip=train,decode] [--nanogpt_compile=False]
 [--mixers=gqa,mha,mla,gated_deltanet,mamba2] [--contexts=1024,8192,32768] [--kv_heads=4]

@@ -124,3 +124,42 @@ def test_allow_cpu_rehearsal_runs_end_to_end(tmp_path):
     assert _cells(text, "| GQA (2:1 heads) |")[1:3] == ["kv cache", "1"]
     mamba = _cells(text, "| Mamba 2 (state 128) |")
     assert mamba[1:3] == ["recurrent state", "1"] and mamba[3].endswith("x)")
+
+
+def _bundle_pins() -> dict[str, str]:
+    """benchmarks/gpu_bundle.sh's PINS=(name==version ...), as {normalized name: version}."""
+    from packaging.utils import canonicalize_name
+
+    text = (REPO / "benchmarks" / "gpu_bundle.sh").read_text()
+    body = text.split("PINS=(", 1)[1].split(")", 1)[0]
+    return {canonicalize_name(p.split("==")[0]): p.split("==")[1] for p in body.split()}
+
+
+def test_the_gpu_bundle_carries_versions_setup_cfg_allows():
+    """The wheels gpu_bundle.sh gathers for the device stand in for what `pip install .` would
+    resolve there, so each must be a version setup.cfg's install_requires accepts."""
+    import configparser
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    required = {canonicalize_name(r.name): r for r in (
+        Requirement(line.split("#")[0]) for line in
+        setup["options"]["install_requires"].splitlines() if line.split("#")[0].strip())}
+    pins = _bundle_pins()
+    assert {"grain", "array-record", "ml-collections", "flax"} <= set(pins)
+    for name, version in pins.items():
+        if name in required:  # portpicker is grain's, not ours
+            assert required[name].specifier.contains(version), (name, version, required[name])
+
+
+def test_the_gpu_bundle_refuses_a_directory_without_nanogpt(tmp_path):
+    """One line naming the directory, exit 2, before build/ is touched."""
+    (tmp_path / "model.py").write_text("")  # no train.py
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_bundle.sh"), str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"gpu_bundle.sh: {tmp_path} holds no nanoGPT model.py and train.py")
