@@ -26,8 +26,8 @@ nanogpt=${1:?usage: benchmarks/gpu_bundle.sh NANOGPT_CHECKOUT [TEXT]} text=${2:-
 [[ -f $nanogpt/model.py && -f $nanogpt/train.py ]] || {
     echo "gpu_bundle.sh: $nanogpt holds no nanoGPT model.py and train.py" >&2; exit 2; }
 [[ -z $text || -f $text ]] || { echo "gpu_bundle.sh: no text file $text" >&2; exit 2; }
-PINS=(grain==0.2.18 array_record==0.8.6 ml_collections==1.1.0 portpicker==1.6.0 tensorboardX==2.6.5
-      flax==0.12.12 optax==0.2.8 orbax-checkpoint==0.12.8)
+PINS=(grain==0.2.18 array_record==0.8.6 ml_collections==1.1.0 portpicker==1.6.0
+      tensorboardX==2.6.5 flax==0.12.12 optax==0.2.8 orbax-checkpoint==0.12.8)
 
 rm -rf build/nanoGPT build/wheels build/text.txt
 mkdir -p build/nanoGPT build/wheels

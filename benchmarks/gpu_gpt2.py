@@ -3,9 +3,10 @@ the token mixers' decode table (issue 58). One command, one markdown report.
 
 The device run, on one H100 or H200 (estimated 6 minutes, under 10). The repository need not be
 installed there; `benchmarks/gpu_bundle.sh NANOGPT_CHECKOUT`, run beforehand where pip reaches
-PyPI, puts nanoGPT (karpathy/nanoGPT, commit 3adf61e) in build/nanoGPT and the wheels a GPU image
-without a package index lacks (grain, array_record, ml_collections, tensorboardX) in
-build/wheels, so with build/ carried to the machine the run is one command:
+PyPI, copies the nanoGPT checkout (karpathy/nanoGPT; written against commit 3adf61e) to
+build/nanoGPT and puts the wheels a GPU image without a package index lacks (grain,
+array_record, ml_collections, tensorboardX) in build/wheels, so with build/ carried to the
+machine the run is one command:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \\
         build/wheels/*.whl && PYTHONPATH=/tmp/site python3 benchmarks/gpu_gpt2.py \\

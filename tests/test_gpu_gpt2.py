@@ -155,11 +155,19 @@ def test_the_gpu_bundle_carries_versions_setup_cfg_allows():
             assert required[name].specifier.contains(version), (name, version, required[name])
 
 
-def test_the_gpu_bundle_refuses_a_directory_without_nanogpt(tmp_path):
-    """One line naming the directory, exit 2, before build/ is touched."""
-    (tmp_path / "model.py").write_text("")  # no train.py
-    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_bundle.sh"), str(tmp_path)],
+@pytest.mark.parametrize("files, text, message", [
+    (["model.py"], None, "{d} holds no nanoGPT model.py and train.py"),
+    (["model.py", "train.py"], "missing.txt", "no text file {d}/missing.txt"),
+])
+def test_the_gpu_bundle_refuses_bad_arguments_in_one_line_before_touching_build(
+        tmp_path, files, text, message):
+    for name in files:
+        (tmp_path / name).write_text("")
+    build = REPO / "build"
+    before = sorted(os.listdir(build)) if build.exists() else None
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_bundle.sh"), str(tmp_path)]
+                            + ([str(tmp_path / text)] if text else []),
                             capture_output=True, text=True)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip() == (
-        f"gpu_bundle.sh: {tmp_path} holds no nanoGPT model.py and train.py")
+    assert result.stderr.strip() == "gpu_bundle.sh: " + message.format(d=tmp_path)
+    assert (sorted(os.listdir(build)) if build.exists() else None) == before
