@@ -174,43 +174,49 @@ def final_params(workdir: Path):
     return checkpoint_lib.restore_params(str(workdir)).params
 
 
-@pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory):
-    """Each optimizer trained 4 steps straight (checkpoints at 2 and 4); muon on a scanned
-    stack, adafactor with nonfinite="skip" (optax.apply_if_finite) and accumulation."""
-    root, results = tmp_path_factory.mktemp("straight"), {}
-    for name in optim.NAMES:
-        config = tiny(name)
-        if name == "muon":
-            config.model.scan_layers = True
-        if name == "adafactor":
-            config.update(nonfinite="skip")
-            config.optimizer.grad_accumulation_steps = 2
-        results[name] = train.train_and_evaluate(config, str(root / name))
-    return root, results
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", optim.NAMES)
-def test_each_optimizer_resumes_bit_for_bit(straight_runs, tmp_path, name):
-    """Stopped at step 2 (the straight run's checkpoint, later steps removed), resumed to 4."""
-    straight_runs = straight_runs[0]
-    shutil.copytree(straight_runs / name, tmp_path / name)
-    shutil.rmtree(tmp_path / name / "checkpoints" / "4")
-    (tmp_path / name / "summary.json").unlink()
+def straight_config(name: str):
+    """`tiny(name)` as the straight runs train it: muon on a scanned stack, adafactor with
+    nonfinite="skip" (optax.apply_if_finite) and accumulation."""
     config = tiny(name)
     config.model.scan_layers = name == "muon"
     if name == "adafactor":
         config.update(nonfinite="skip")
         config.optimizer.grad_accumulation_steps = 2
-    train.train_and_evaluate(config, str(tmp_path / name))
-    jax.tree.map(np.testing.assert_array_equal, final_params(straight_runs / name),
+    return config
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """`straight_run(name)`: the workdir and result of `name` trained 4 steps straight
+    (checkpoints at 2 and 4), trained the first time a test asks for it: the fast tests need
+    two of the optimizers, the slow resume test all of them."""
+    root = tmp_path_factory.mktemp("straight")
+    results = {}
+
+    def run(name: str):
+        if name not in results:
+            results[name] = train.train_and_evaluate(straight_config(name), str(root / name))
+        return root / name, results[name]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", optim.NAMES)
+def test_each_optimizer_resumes_bit_for_bit(straight_run, tmp_path, name):
+    """Stopped at step 2 (the straight run's checkpoint, later steps removed), resumed to 4."""
+    straight, _ = straight_run(name)
+    shutil.copytree(straight, tmp_path / name)
+    shutil.rmtree(tmp_path / name / "checkpoints" / "4")
+    (tmp_path / name / "summary.json").unlink()
+    train.train_and_evaluate(straight_config(name), str(tmp_path / name))
+    jax.tree.map(np.testing.assert_array_equal, final_params(straight),
                  final_params(tmp_path / name))
-    assert records(tmp_path / name)[-1]["loss"] == records(straight_runs / name)[-1]["loss"]
+    assert records(tmp_path / name)[-1]["loss"] == records(straight)[-1]["loss"]
 
 
-def test_a_resume_with_another_optimizer_is_refused(straight_runs, tmp_path):
-    shutil.copytree(straight_runs[0] / "adamw", tmp_path / "run")
+def test_a_resume_with_another_optimizer_is_refused(straight_run, tmp_path):
+    shutil.copytree(straight_run("adamw")[0], tmp_path / "run")
     with pytest.raises(checkpoint_manager.ConfigMismatch) as error:
         train.train_and_evaluate(tiny("lion", steps=6), str(tmp_path / "run"))
     assert "optimizer.name: checkpoint 'adamw', config 'lion'" in str(error.value)
@@ -222,12 +228,11 @@ def test_a_resume_with_another_optimizer_is_refused(straight_runs, tmp_path):
         "optimizer.name: checkpoint 'adamw', config 'sgd'"]
 
 
-def test_a_saved_schedule_free_run_evaluates_at_x(straight_runs):
+def test_a_saved_schedule_free_run_evaluates_at_x(straight_run):
     """Training evaluates schedule-free's x, not the state's y, and so does evaluate (through
     checkpoint.read_params): it gives the training's final validation loss."""
-    root, results = straight_runs
-    workdir = root / "schedule_free_adamw"
-    state, config = results["schedule_free_adamw"]["state"], tiny("schedule_free_adamw")
+    workdir, result = straight_run("schedule_free_adamw")
+    state, config = result["state"], tiny("schedule_free_adamw")
     x = optim.eval_params(state, config)
     assert not all(np.array_equal(a, b) for a, b in
                    zip(jax.tree.leaves(x), jax.tree.leaves(state.params), strict=True))
