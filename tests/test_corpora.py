@@ -358,6 +358,7 @@ def test_a_killed_prepare_resumes_to_the_bytes_of_an_uninterrupted_one(tmp_path,
         {name: mtime for name, (_, mtime) in finished.items()}
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_setting_or_other_input_is_refused_in_one_line(tmp_path,
                                                                              monkeypatch):
     source, out = uneven_inputs(tmp_path), tmp_path / "out"

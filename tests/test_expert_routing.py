@@ -122,7 +122,7 @@ def setup(config, learning_rate=1e-2, skew=0.0):
     bias in every MoE layer (every token then prefers it)."""
     model = models.build_model(config.model)
     batch = text_batch()
-    params = nn.unbox(model.init(jax.random.key(0), batch["inputs"])["params"])
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch["inputs"])["params"])
     for name in ("layers_1", "layers_3"):
         moe = params["decoder"][name]["moe"]
         moe["balance_bias"] = moe["balance_bias"].at[0].add(skew)
@@ -204,7 +204,7 @@ def test_the_first_dense_layers_scan_apart_and_equal_the_unrolled_stack():
     config = biased_config(every_n_layers=1, first_dense_layers=2)
     batch = text_batch()
     plain = models.build_model(config.model)
-    params = nn.unbox(plain.init(jax.random.key(0), batch["inputs"])["params"])
+    params = nn.unbox(jax.jit(plain.init)(jax.random.key(0), batch["inputs"])["params"])
     decoder = params["decoder"]
     assert ["moe" in decoder[f"layers_{i}"] for i in range(4)] == [False, False, True, True]
     config.model.scan_layers = True

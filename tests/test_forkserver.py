@@ -64,7 +64,8 @@ def both(probe, *args):
     return forked(probe, *args), fresh
 
 
-@pytest.mark.parametrize("args", [("exit", "3"), ("raise",), ("kill",), ("devices",)])
+@pytest.mark.parametrize("args", [("exit", "3"), ("raise",), ("kill",),
+                                  pytest.param(("devices",), marks=pytest.mark.slow)])
 def test_a_forked_command_prints_and_exits_as_a_fresh_one(probe, args):
     forked, fresh = both(probe, *args)
     assert forked.stdout == fresh.stdout and forked.returncode == fresh.returncode
@@ -92,6 +93,7 @@ def test_a_forked_script_runs_as_python_script_py_does(probe, tmp_path_factory):
     assert fork.returncode == 3
 
 
+@pytest.mark.slow
 def test_xla_flags_are_the_forks_own_and_a_jax_variable_gets_its_own_server(probe):
     """XLA reads XLA_FLAGS when the fork starts its backend, so 4 forced devices fork from the
     same server. jax reads JAX_ENABLE_X64 at import: another value gets a server started with
@@ -113,6 +115,7 @@ def test_xla_flags_are_the_forks_own_and_a_jax_variable_gets_its_own_server(prob
     assert sleeping.wait(60) == -signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_a_signal_reaches_the_fork_and_its_code_is_minus_the_signal(probe):
     with open(probe / "out.txt", "w") as out:
         process = forkserver.Popen([sys.executable, "-m", "probe", "sleep"], cwd=probe,
@@ -138,6 +141,7 @@ def test_a_fork_never_walks_the_servers_imports_in_its_collections(probe):
     assert frozen > 10 * tracked, (frozen, tracked)
 
 
+@pytest.mark.slow
 def test_a_bad_flag_of_the_preloaded_train_command_gets_the_fresh_processes_one_line(tmp_path):
     """The server imported transformer.train: the fork runs its code again as __main__, with no
     runpy warning in between."""

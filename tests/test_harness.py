@@ -190,6 +190,7 @@ def run_main(evaluate: str, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_command_chooses_its_platform_like_the_other_commands():
     """As `cli.run` does for every command: the CPU where there is no TPU or GPU device, so
     libtpu is never probed (it printed five lines of warnings)."""
@@ -203,6 +204,7 @@ def test_the_command_chooses_its_platform_like_the_other_commands():
     assert "TPU" not in result.stderr and "libtpu" not in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_a_bad_workdir_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "none"
     result = run_main(f"harness.TransformerLM(workdir={str(bad)!r})")

@@ -126,6 +126,7 @@ def test_dry_run_prints_the_exact_commands(name):
     assert text == golden.read_text()
 
 
+@pytest.mark.slow
 def test_the_cli_dry_run_matches_the_library(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "launch.tpu", "run", "--dry_run", "--name=run1", "--project=proj",
@@ -175,6 +176,7 @@ FAKE_GCLOUD = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.slow
 def test_a_preempted_slice_is_recreated_and_the_same_command_rerun(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -364,6 +366,7 @@ def test_a_model_too_big_for_hbm_exits_non_zero():
     assert "INVALID_ARGUMENT" not in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, message", [
     ("--config.optimizer.learning_rate=-1", "optimizer.learning_rate=-1.0: expected a number > 0"),
     ("--config.mesh.fsdp=3", "the other axes (3 devices) must divide the 8 devices available"),

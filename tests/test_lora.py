@@ -445,6 +445,7 @@ def test_a_qlora_run_exports_merged_or_not_at_all(monkeypatch, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_model_without_quantized_kernels_never_imports_qwix():
     """Importing Qwix takes about 1 s (it loads flax.nnx and IPython). Every projection passes
     through lora.project, so a plain model's trace, which every command does at start-up, must

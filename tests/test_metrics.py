@@ -126,6 +126,7 @@ def test_the_cpu_peak_is_the_best_measurement_seen_and_shared_by_its_devices(tmp
     assert f"{best / 1e9:.0f} GFLOP/s (this start: {busy / 1e9:.0f})" in source
 
 
+@pytest.mark.slow
 def test_the_cpu_peak_cache_moves_with_its_variable_and_the_suite_keeps_out_of_home(tmp_path):
     """A peak measured while the suite loads every core must not become the user's: the
     suite's processes (this one and the CLI runs it starts) cache in a temporary file."""
@@ -142,6 +143,7 @@ def test_the_cpu_peak_cache_moves_with_its_variable_and_the_suite_keeps_out_of_h
     assert default.stdout.strip() == home
 
 
+@pytest.mark.slow
 def test_the_metrics_logger_leaves_torch_and_the_cloud_clients_unloaded_and_importable(tmp_path):
     """tensorboardX imports torch (2 s of every command's start) only to take torch tensors,
     and boto3 / google.cloud.storage (0.65 s) only for s3:// and gs:// log directories: a

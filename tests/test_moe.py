@@ -183,7 +183,7 @@ def test_every_nth_layer_is_moe_and_a_scanned_rematerialised_stack_equals_the_un
     batch = text_batch()
     family = models.family_of(config)
     unrolled_model = models.build_model(config.model)
-    params = nn.unbox(unrolled_model.init(jax.random.key(0), batch["inputs"])["params"])
+    params = nn.unbox(jax.jit(unrolled_model.init)(jax.random.key(0), batch["inputs"])["params"])
     assert [("moe" in params["decoder"][f"layers_{i}"]) for i in range(4)] == [
         False, True, False, True]
     assert "mlp" in params["decoder"]["layers_0"] and "mlp" not in params["decoder"]["layers_1"]
@@ -215,7 +215,7 @@ def test_the_training_loss_adds_the_weighted_router_losses_averaged_over_the_moe
     batch = text_batch()
     family = models.family_of(config)
     model = models.build_model(config.model)
-    params = nn.unbox(model.init(jax.random.key(0), batch["inputs"])["params"])
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch["inputs"])["params"])
     loss, metrics = family.loss_and_metrics(model, config, params, batch)
     # The per-layer routing, recomputed from the MoE layers' own inputs.
     _, state = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],

@@ -6,6 +6,8 @@ the drafts that the modules, run over the whole true sequence, get right."""
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -34,16 +36,22 @@ def mtp_config(depth=2, vocab=64, **model):
 
 
 def build(config, seed=0, scale=1.0):
+    """The model and its params, initialised under jit (eager Linen runs op by op)."""
     model = models.build_model(config.model)
-    params = nn.unbox(model.init(jax.random.key(seed), jnp.ones((1, 8), jnp.int32))["params"])
-    return model, jax.tree.map(lambda p: p * scale, params)
+    init = jax.jit(lambda key: model.init(key, jnp.ones((1, 8), jnp.int32))["params"])
+    return model, jax.tree.map(lambda p: p * scale, nn.unbox(init(jax.random.key(seed))))
 
 
-def mtp_logits(model, params, batch):
+@functools.partial(jax.jit, static_argnums=0)
+def _mtp_logits(model, params, batch):
     _, state = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
                            segment_ids=batch["segment_ids"], mtp_tokens=batch["targets"],
                            mutable=["mtp"])
-    return np.asarray(state["mtp"]["logits"][0], np.float64)
+    return state["mtp"]["logits"][0]
+
+
+def mtp_logits(model, params, batch):
+    return np.asarray(_mtp_logits(model, params, batch), np.float64)
 
 
 def test_module_k_sees_the_tokens_up_to_i_plus_k_and_none_it_predicts():
@@ -110,7 +118,7 @@ def test_the_train_step_logs_each_depth_and_its_gradient_reaches_the_trunk():
     family = models.family_of(config)
     ahead = lambda p: family.loss_and_metrics(model, config, p, batch, mtp=True)[0] - \
         family.loss_and_metrics(model, config, p, batch)[0]
-    grads = jax.grad(ahead)(params)
+    grads = jax.jit(jax.grad(ahead))(params)
     assert np.abs(grads["decoder"]["layers_0"]["mlp"]["wo"]).max() > 0  # the trunk learns
     assert np.abs(grads["mtp_1"]["projection"]).max() > 0
 

@@ -41,7 +41,7 @@ TOKENS = np.random.default_rng(0).integers(0, 96, (2, 32)).astype(np.int32)
 
 
 def params_for(config):
-    return nn.unbox(build_model(config).init(jax.random.key(0), TOKENS)["params"])
+    return nn.unbox(jax.jit(build_model(config).init)(jax.random.key(0), TOKENS)["params"])
 
 
 def logits(config, params, tokens=TOKENS):

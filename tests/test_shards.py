@@ -240,6 +240,7 @@ def test_ids_outside_uint16_are_refused_and_nothing_is_left(tmp_path, bad):
 # --- prepare --format=bin --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_prepare_bin_through_the_cli_writes_documents_joined_by_eos(tmp_path):
     text_dir, out = shakespeare(tmp_path), tmp_path / "prepared"
     args = [f"--output_dir={out}", f"--input={text_dir}", "--tokenizer=byte", "--format=bin",

@@ -262,6 +262,7 @@ def test_prepare_writes_tokenizer_shards_and_counts(tmp_path, kind):
     assert snapshot(out) == before
 
 
+@pytest.mark.slow
 @needs_tokenizers
 def test_prepare_command_and_train_split_tokenizer(tmp_path):
     text_dir, out = shakespeare(tmp_path), tmp_path / "prepared"

@@ -39,8 +39,10 @@ def test_tasks_are_scored_during_training_and_logged_like_validation(tmp_path):
 
 
 @pytest.mark.parametrize("more, model, message", [
-    (dict(eval_tasks=("no_such_task_xyz",)), {},
-     "eval_tasks: unknown lm-eval task(s) ['no_such_task_xyz']"),
+    # lm-eval reads every task YAML it ships to know the names: 15 s, the slow tier's
+    pytest.param(dict(eval_tasks=("no_such_task_xyz",)), {},
+                 "eval_tasks: unknown lm-eval task(s) ['no_such_task_xyz']",
+                 marks=pytest.mark.slow),
     (dict(eval_tasks=("missing.yaml",)), {}, "eval_tasks: 'missing.yaml': no such task file"),
     (dict(eval_tasks_every=-1), {}, "eval_tasks_every=-1: expected an int >= 0"),
     ({}, dict(family="bert"), "eval_tasks with model.family='bert': expected a causal decoder "

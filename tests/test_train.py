@@ -366,6 +366,7 @@ def _interrupt_resume_and_compare(args, steps, reference, reference_dir, resumed
 # --- 3. config errors -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_config_errors_are_rejected_before_anything_is_written(tmp_path):
     cases = {"unknown_key": ("--config.model.num_layer=3", "num_layer"),
              "wrong_type": ("--config.steps=abc", "steps")}

@@ -93,6 +93,7 @@ def test_a_second_lock_on_a_workdir_is_refused_naming_the_holder(tmp_path):
     workdir_lib.Lock(str(tmp_path / "run")).acquire().release()  # free again
 
 
+@pytest.mark.slow
 def test_the_lock_of_a_killed_process_is_taken_over(tmp_path):
     script = ("import sys, time; from transformer.training import workdir; "
               "workdir.Lock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)")
