@@ -272,6 +272,7 @@ def test_prepare_bin_through_the_cli_writes_documents_joined_by_eos(tmp_path):
     assert_one_line_error(again, 2, "already holds", ".bin files")
 
 
+@pytest.mark.slow
 def test_prepare_bin_refuses_a_vocab_over_65536(tmp_path, monkeypatch):
     from transformer.data import prepare
 

@@ -369,6 +369,7 @@ def test_init_from_over_another_runs_checkpoints_is_refused(tmp_path, text, trai
     assert checkpoint_steps(tuned) == [2, 4]
 
 
+@pytest.mark.slow
 def test_a_failed_init_from_leaves_no_workdir(tmp_path, text, trained):
     base = trained
     workdir = tmp_path / "new"
