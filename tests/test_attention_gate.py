@@ -58,7 +58,7 @@ def gated_layer(mode, seed=0, **kwargs):
                                                  gate=mode, **kwargs))
     x = jax.random.normal(jax.random.key(seed), (2, LENGTH, D_MODEL))
     memory = (x[:, :4],) if kwargs.get("cross") else ()
-    params = nn.unbox(layer.init(jax.random.key(seed + 1), x, *memory)["params"])
+    params = nn.unbox(jax.jit(layer.init)(jax.random.key(seed + 1), x, *memory)["params"])
     rng = np.random.default_rng(seed)
     params = {k: (v + 0.5 * rng.standard_normal(v.shape)).astype(np.float32)
               for k, v in params.items()}
@@ -73,14 +73,14 @@ def test_the_gated_layer_equals_the_float64_reference_forward_and_backward(mode)
     p64 = {k: np.asarray(v, np.float64) for k, v in params.items()}
     x64 = np.asarray(x, np.float64)
     want = reference_layer(p64, x64)
-    got = layer.apply({"params": params}, x, mask=masks.Causal())
+    got = jax.jit(lambda p, x: layer.apply({"params": p}, x, mask=masks.Causal()))(params, x)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
     assert np.abs(want - reference_layer(p64, x64, gate=False)).max() > 0.1  # the gate acts
     # Gradients of <probe, y> against the reference's directional derivatives (central
     # differences in float64), for every param and the input.
     probe = np.random.default_rng(5).standard_normal(want.shape)
     loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x, mask=masks.Causal()) * probe)
-    grads, grad_x = jax.grad(loss, argnums=(0, 1))(params, x)
+    grads, grad_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
     rng, eps = np.random.default_rng(6), 1e-6
     for name, grad in [*grads.items(), ("input", grad_x)]:
         value = x64 if name == "input" else p64[name]

@@ -123,7 +123,8 @@ def test_a_headless_bert_model_converts_to_head_none_and_gives_last_hidden_state
     # along for a classifier's init_from.
     assert set(finetune._flat(fresh)) == set(finetune._flat(params)) - {
         "pooler/kernel", "pooler/bias"}
-    got = model.apply({"params": params}, jnp.asarray(ids), segment_ids=jnp.asarray(mask))
+    got = jax.jit(model.apply)({"params": params}, jnp.asarray(ids),
+                               segment_ids=jnp.asarray(mask))
     expected = hidden_states(hf, ids, mask)
     valid = mask.astype(bool)
     assert got.shape == expected.shape
@@ -141,8 +142,8 @@ def test_other_base_models_without_a_head_run_as_they_are(name):
     model = build_model(config)
     fresh = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.asarray(ids))["params"])
     assert set(finetune._flat(fresh)) == set(finetune._flat(params))
-    got = model.apply({"params": params}, jnp.asarray(ids),
-                      **{k: jnp.asarray(v) for k, v in kwargs(mask).items()})
+    got = jax.jit(model.apply)({"params": params}, jnp.asarray(ids),
+                               **{k: jnp.asarray(v) for k, v in kwargs(mask).items()})
     assert difference(got, hidden_states(hf, ids, mask)) <= 1e-5
 
 
@@ -168,7 +169,8 @@ def test_init_from_hf_resolves_the_model_from_config_json_and_loads_every_param(
     assert config.model.num_layers == 4 and config.data.num_sentinels == 100
     configs.validate_config(resolved)
     built = build_model(resolved.model)
-    fresh = nn.unbox(jax.jit(built.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    fresh = nn.unbox(jax.jit(built.init)(jax.random.key(0),
+                                         jnp.zeros((1, 8), jnp.int32))["params"])
     params, report = finetune.load_params(config.init_from, fresh,
                                           jax.tree.map(lambda x: x.sharding, fresh))
     model_config, converted = convert.from_hf(hf.config, hf.state_dict())

@@ -62,7 +62,8 @@ def flat(tree):
 
 
 def logits(model, params, ids):
-    return np.asarray(model.apply({"params": params}, jnp.asarray(ids)))
+    """The model's logits, compiled (eager Linen runs op by op)."""
+    return np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(ids)))
 
 
 @pytest.fixture(scope="module")

@@ -133,7 +133,7 @@ def test_the_router_runs_in_float32_and_experts_carry_the_expert_axis():
     assert boxed["router"].value.dtype == jnp.float32
     assert boxed["wi"].names == ("expert", "expert_embed", "mlp")
     assert boxed["wo"].names == ("expert", "mlp", "expert_embed")
-    (y, routing), _ = jax.vjp(lambda v: layer.apply(v, x), nn.unbox(variables))
+    (y, routing), _ = jax.vjp(jax.jit(lambda v: layer.apply(v, x)), nn.unbox(variables))
     assert y.dtype == jnp.bfloat16 and routing.combine_BTEC.dtype == jnp.float32
 
 

@@ -118,7 +118,7 @@ def gpt_params():
     config.model.update(scan_layers=True, num_layers=2, vocab_size=64)
     model = build_model(config.model)
     args = family_of(config).init_args(example_batch(config))
-    boxed = model.init(jax.random.key(0), *args)["params"]
+    boxed = jax.jit(model.init)(jax.random.key(0), *args)["params"]
     is_box = lambda x: isinstance(x, nn.Partitioned)
     names = jax.tree.map(lambda x: x.names, boxed, is_leaf=is_box)
     return config, nn.unbox(boxed), names

@@ -75,11 +75,11 @@ def test_the_schedule_applies_every_layer_in_order_to_every_microbatch(stages, m
                                        microbatches=microbatches, repeats=repeats)
         return jnp.sum(y**2), (y, aux)
 
-    (_, (got, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params, x)
+    (_, (got, aux)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, x)
     np.testing.assert_allclose(got, want, atol=1e-6)
     # each microbatch's mean over its rows, averaged: the batch's (equal microbatches)
     np.testing.assert_allclose(aux["mean"], want_mean, atol=1e-6)
-    want_grads = jax.grad(lambda p: jnp.sum(in_order(p, x, args)[0] ** 2))(params)
+    want_grads = jax.jit(jax.grad(lambda p: jnp.sum(in_order(p, x, args)[0] ** 2)))(params)
     for name in params:
         np.testing.assert_allclose(grads[name], want_grads[name], atol=1e-5)
 
