@@ -1,5 +1,6 @@
 """dot_product_attention, attend and MultiHeadAttention against references and the theory."""
 
+import functools
 import re
 
 import flax.linen as nn
@@ -21,6 +22,17 @@ def random_qkv(seed, batch=2, q_len=5, kv_len=6, heads=4, kv_heads=2, head_dim=8
     k = rng.normal(size=(batch, kv_len, kv_heads, head_dim))
     v = rng.normal(size=(batch, kv_len, kv_heads, head_dim))
     return q, k, v
+
+
+def f32(*arrays):
+    """NumPy float32 copies: a jitted function takes them as they are (`jnp.asarray` would
+    compile a conversion per shape)."""
+    return tuple(np.asarray(x, np.float32) for x in arrays)
+
+
+def int32s(values):
+    """A device int32 array (`jnp.array(list)` compiles a conversion per shape)."""
+    return jax.device_put(np.array(values, np.int32))
 
 
 def numpy_attention(q, k, v, allowed=None, bias=None):
@@ -58,31 +70,45 @@ MASKS = {
 }
 
 
+@jax.jit
+def attention_weights_and_allowed(q, k, v, mask, bias):
+    """dot_product_attention's output and weights, and the mask's dense [B, 1, T, S] (None
+    without a mask), compiled as one program."""
+    out, w = dot_product_attention(q, k, v, mask, bias, return_weights=True)
+    return out, w, None if mask is None else mask.dense(q.shape[1], k.shape[1])
+
+
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])  # MHA, GQA, MQA
 def test_attention_equals_float64_numpy_reference(mask_name, kv_heads):
     q, k, v = random_qkv(0, kv_heads=kv_heads)
     bias = np.random.default_rng(1).normal(size=(1, 4, 5, 6))
-    mask = MASKS[mask_name]
-    allowed = None if mask is None else np.asarray(mask.dense(5, 6))
+    q32, k32, v32, bias32 = f32(q, k, v, bias)
+    out, w, allowed = attention_weights_and_allowed(q32, k32, v32, MASKS[mask_name], bias32)
+    allowed = None if allowed is None else np.asarray(allowed)
     expected_out, expected_w = numpy_attention(q, k, v, allowed, bias)
-    out, w = dot_product_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), mask,
-                                   jnp.asarray(bias, jnp.float32), return_weights=True)
     np.testing.assert_allclose(out, expected_out, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(w, expected_w, atol=2e-6, rtol=2e-5)
 
 
+@jax.jit
+def ours_and_jax_nn(q, k, v, allowed, bias):
+    """dot_product_attention and jax.nn.dot_product_attention, with `allowed` and bias, then
+    causal alone."""
+    dense = allowed.dense(q.shape[1], k.shape[1])
+    return (dot_product_attention(q, k, v, allowed, bias),
+            jax.nn.dot_product_attention(q, k, v, bias=bias, mask=dense),
+            dot_product_attention(q, k, v, masks.Causal()),
+            jax.nn.dot_product_attention(q, k, v, is_causal=True))  # square: same alignment
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_attention_equals_jax_nn_dot_product_attention(kv_heads):
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(2, q_len=6, kv_heads=kv_heads))
-    bias = jax.random.normal(jax.random.key(0), (2, 4, 6, 6))
-    allowed = masks.Causal() & masks.Padding(kv_lengths=jnp.array([6, 4]))
-    dense = allowed.dense(6, 6)
-    ours = dot_product_attention(q, k, v, allowed, bias)
-    theirs = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=dense)
+    q, k, v = f32(*random_qkv(2, q_len=6, kv_heads=kv_heads))
+    bias = f32(np.random.default_rng(0).normal(size=(2, 4, 6, 6)))[0]
+    allowed = masks.Causal() & masks.Padding(kv_lengths=int32s([6, 4]))
+    ours, theirs, ours_causal, theirs_causal = ours_and_jax_nn(q, k, v, allowed, bias)
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-5)
-    ours_causal = dot_product_attention(q, k, v, masks.Causal())
-    theirs_causal = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # square: same alignment
     np.testing.assert_allclose(ours_causal, theirs_causal, atol=1e-5, rtol=1e-5)
 
 
@@ -104,15 +130,20 @@ def test_query_blocks_skip_masked_keys_and_equal_the_reference(name):
     mask, q_len, kv_len = BLOCKED_MASKS[name]
     q, k, v = random_qkv(5, q_len=q_len, kv_len=kv_len)
     bias = np.random.default_rng(6).normal(size=(1, 4, q_len, kv_len))
-    expected, _ = numpy_attention(q, k, v, np.asarray(mask.dense(q_len, kv_len)), bias)
-    q, k, v, bias = (jnp.asarray(x, jnp.float32) for x in (q, k, v, bias))
+    cotangent = np.random.default_rng(1).normal(size=q.shape)
     blocked = lambda q, k, v, b: dot_product_attention(q, k, v, mask, b, q_block=8)
     whole = lambda q, k, v, b: dot_product_attention(q, k, v, mask, b)
+
+    def outputs(q, k, v, b, cotangent):  # the blocked output, both kernels' gradients, the mask
+        grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cotangent), argnums=(0, 1, 2, 3))(
+            q, k, v, b) for f in (blocked, whole)]
+        return blocked(q, k, v, b), grads, mask.dense(q_len, kv_len)
+
     # compiled (op by op, the blocks' gathers and masks take 3x the time)
-    np.testing.assert_allclose(jax.jit(blocked)(q, k, v, bias), expected, atol=2e-5, rtol=2e-5)
-    cotangent = jax.random.normal(jax.random.key(1), q.shape)
-    grads = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cotangent), argnums=(0, 1, 2, 3)))(
-        q, k, v, bias) for f in (blocked, whole)]
+    out, grads, allowed = jax.jit(outputs)(*f32(q, k, v, bias, cotangent))
+    expected, _ = numpy_attention(q, k, v, np.asarray(allowed), bias)
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+    q, k, v, bias = f32(q, k, v, bias)
     for got, want in zip(*grads, strict=True):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
@@ -128,13 +159,13 @@ def test_query_blocks_are_one_block_where_nothing_can_be_skipped():
     from transformer.nn.dense_attention import _query_blocks
     assert _query_blocks(masks.Causal(), 16, 16, 8) == [(0, 8, 0, 8), (8, 16, 0, 16)]
     assert _query_blocks(masks.Causal(), 8, 8, 8) == [(0, 8, 0, 8)]  # one block already
-    assert _query_blocks(masks.PrefixLM(jnp.array([3])), 16, 16, 8) == [(0, 16, 0, 16)]
+    assert _query_blocks(masks.PrefixLM(int32s([3])), 16, 16, 8) == [(0, 16, 0, 16)]
     assert _query_blocks(masks.Causal(), 1, 16, 8) == [(0, 1, 0, 16)]  # a decoding step
     assert _query_blocks(masks.Full(), 16, 16, 8) == [(0, 16, 0, 16)]
 
 
 def test_attend_on_cpu_runs_dense_in_at_most_8_query_blocks():
-    q = jnp.ones((1, 256, 2, 8))
+    q = np.ones((1, 256, 2, 8), np.float32)
     jaxpr = jax.make_jaxpr(lambda q: attend(q, q, q, mask=masks.Causal(), impl="dense"))(q)
     logits = [e.outvars[0].aval.shape[-2:] for e in jaxpr.eqns if e.primitive.name ==
               "dot_general" and e.outvars[0].aval.shape[-1] != 8]
@@ -150,12 +181,14 @@ def test_a_decode_steps_logits_read_the_cached_keys_in_place_on_cpu(kv_heads):
     the keys (with Q K^T, XLA:CPU copies them [H, S] on every call: a decode step's whole cache).
     """
     q, k, v = random_qkv(3, batch=1, q_len=1, kv_len=64, kv_heads=kv_heads)
-    allowed = masks.Padding(kv_lengths=jnp.array([50]))
-    expected, _ = numpy_attention(q, k, v, np.asarray(allowed.dense(1, 64)))
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
-    for rows in (dense_attention.CPU_KEY_FIRST_ROWS, 0):
-        out = dot_product_attention(q, k, v, allowed, key_first_rows=rows)
+    allowed = masks.Padding(kv_lengths=int32s([50]))
+    outs, dense = jax.jit(lambda q, k, v: ([
+        dot_product_attention(q, k, v, allowed, key_first_rows=rows)
+        for rows in (dense_attention.CPU_KEY_FIRST_ROWS, 0)], allowed.dense(1, 64)))(*f32(q, k, v))
+    expected, _ = numpy_attention(q, k, v, np.asarray(dense))
+    for out in outs:
         np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+    q, k, v = f32(q, k, v)  # NumPy: the transposes below compile nothing
 
     def key_sized_results(attention):
         """The instructions of a compiled step that write an array of the keys' size, given the
@@ -191,22 +224,26 @@ def test_write_slots_writes_each_row_at_its_slots_and_nothing_else(shape, slots)
 
 
 def test_rows_sum_to_one_and_masked_keys_get_exactly_zero_weight():
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(3, q_len=6, kv_len=6))
-    mask = masks.Causal() & masks.Padding(kv_lengths=jnp.array([6, 4]))
-    _, w = dot_product_attention(q, k, v, mask, return_weights=True)
-    allowed = np.broadcast_to(np.asarray(mask.dense(6, 6)), w.shape)
+    q, k, v = f32(*random_qkv(3, q_len=6, kv_len=6))
+    mask = masks.Causal() & masks.Padding(kv_lengths=int32s([6, 4]))
+    _, w, allowed = attention_weights_and_allowed(q, k, v, mask, None)
+    allowed = np.broadcast_to(np.asarray(allowed), w.shape)
     np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-6)
     assert (np.asarray(w)[~allowed] == 0.0).all()
     assert (np.asarray(w)[allowed] > 0.0).all()
 
 
 def test_fully_masked_rows_give_zeros_and_finite_gradients():
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(4, q_len=4, kv_len=4))
-    mask = masks.Padding(q_lengths=jnp.array([2, 4]), kv_lengths=jnp.array([0, 4]))
-    out = dot_product_attention(q, k, v, mask)
+    q, k, v = f32(*random_qkv(4, q_len=4, kv_len=4))
+    mask = masks.Padding(q_lengths=int32s([2, 4]), kv_lengths=int32s([0, 4]))
+
+    def outputs(q, k, v):
+        return dot_product_attention(q, k, v, mask), jax.grad(
+            lambda *a: dot_product_attention(*a, mask).sum(), argnums=(0, 1, 2))(q, k, v)
+
+    out, grads = jax.jit(outputs)(q, k, v)
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_array_equal(np.asarray(out)[0], 0.0)  # no key allowed in example 0
-    grads = jax.grad(lambda *a: dot_product_attention(*a, mask).sum(), argnums=(0, 1, 2))(q, k, v)
     for g in grads:
         assert np.isfinite(np.asarray(g)).all()
     np.testing.assert_array_equal(np.asarray(grads[0])[0], 0.0)
@@ -214,32 +251,35 @@ def test_fully_masked_rows_give_zeros_and_finite_gradients():
 
 def test_bfloat16_inputs_use_float32_softmax():
     q, k, v = random_qkv(5, q_len=16, kv_len=16)
-    bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
-    out, w = dot_product_attention(*bf16, masks.Causal(), return_weights=True)
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    out, w, allowed = attention_weights_and_allowed(*bf16, masks.Causal(), None)
     assert out.dtype == jnp.bfloat16 and w.dtype == jnp.float32
-    expected, _ = numpy_attention(*(np.asarray(x, np.float64) for x in bf16),
-                                  np.asarray(masks.Causal().dense(16, 16)))
+    expected, _ = numpy_attention(*(np.asarray(x, np.float64) for x in bf16), np.asarray(allowed))
     np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=3e-2, rtol=3e-2)
 
 
 def test_bfloat16_attention_keeps_no_float32_scores_for_the_backward_pass():
     """The [B, N, T, S] tensors the backward pass keeps are bfloat16 (half the memory of float32
     scores), and the gradients still match the float32 computation's."""
-    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(6, q_len=32, kv_len=32))
-    mask = masks.And((masks.Causal(), masks.Segment(jnp.array([[0] * 20 + [1] * 12]))))
+    q, k, v = (jax.device_put(x.astype(jnp.bfloat16))
+               for x in random_qkv(6, q_len=32, kv_len=32))
+    mask = masks.And((masks.Causal(), masks.Segment(int32s([[0] * 20 + [1] * 12]))))
 
     def f(q, k, v):
         return dot_product_attention(q, k, v, mask)
 
-    _, vjp = jax.vjp(f, q, k, v)
+    _, vjp = jax.vjp(f, q, k, v)  # eager: the residuals are what the backward pass keeps
     kept = [x for x in jax.tree.leaves(vjp) if x.ndim == 4 and x.shape[-2:] == (32, 32)]
     assert kept and all(x.dtype in (jnp.bfloat16, jnp.bool_) for x in kept), [
         (x.shape, x.dtype) for x in kept]
 
-    cotangent = jnp.asarray(random_qkv(7, q_len=32, kv_len=32)[0], jnp.bfloat16)
-    grads = vjp(cotangent)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    want = jax.vjp(f, *f32)[1](cotangent.astype(jnp.float32))
+    def grads_and_float32_grads(vjp, cotangent, q, k, v):  # from those residuals, compiled
+        want = jax.vjp(f, *(x.astype(jnp.float32) for x in (q, k, v)))[1](
+            cotangent.astype(jnp.float32))
+        return vjp(cotangent), want
+
+    cotangent = random_qkv(7, q_len=32, kv_len=32)[0].astype(jnp.bfloat16)
+    grads, want = jax.jit(grads_and_float32_grads)(vjp, cotangent, q, k, v)
     for got, ref in zip(grads, want, strict=True):
         assert got.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(got, np.float32), ref, atol=4e-2, rtol=4e-2)
@@ -252,15 +292,20 @@ def test_softmax_values_gradients_equal_autodiff_of_the_plain_formula(dtype):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 5, 9)) * 3
     x[:, 1, 4:] = float(jnp.finfo(dtype).min)  # masked keys
-    x, v = jnp.asarray(x, dtype), jnp.asarray(rng.normal(size=(2, 9, 4)), dtype)
-    g = jnp.asarray(rng.normal(size=(2, 5, 4)), jnp.float32)
-    out, vjp = jax.vjp(dense_attention.softmax_values, x, v)
+    x, v = x.astype(jnp.dtype(dtype)), rng.normal(size=(2, 9, 4)).astype(jnp.dtype(dtype))
+    g = rng.normal(size=(2, 5, 4)).astype(np.float32)
     reference = lambda x, v: jax.nn.softmax(x, axis=-1) @ v  # noqa: E731
-    want, want_vjp = jax.vjp(reference, x.astype(jnp.float32), v.astype(jnp.float32))
+
+    def outputs(x, v, g):
+        out, vjp = jax.vjp(dense_attention.softmax_values, x, v)
+        want, want_vjp = jax.vjp(reference, x.astype(jnp.float32), v.astype(jnp.float32))
+        return out, want, vjp(g), want_vjp(g)
+
+    out, want, grads, want_grads = jax.jit(outputs)(x, v, g)
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
     assert out.dtype == jnp.float32
     np.testing.assert_allclose(out, want, atol=tol, rtol=tol)
-    for got, ref in zip(vjp(g), want_vjp(g), strict=True):
+    for got, ref in zip(grads, want_grads, strict=True):
         assert got.dtype == dtype
         np.testing.assert_allclose(np.asarray(got, np.float32), ref, atol=tol * 4, rtol=tol)
 
@@ -295,16 +340,17 @@ def test_attention_keeps_one_weights_tensor_per_layer_for_the_backward_pass(monk
 
 
 def test_attention_dropout_needs_rng_and_rescales():
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(6))
+    q, k, v = f32(*random_qkv(6))
     with pytest.raises(ValueError, match="dropout_rng"):
         dot_product_attention(q, k, v, dropout_rate=0.5)
-    a = dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(0))
-    b = dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(1))
+    dropped = jax.jit(lambda q, k, v, seed: dot_product_attention(
+        q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(seed)))
+    a, b = dropped(q, k, v, 0), dropped(q, k, v, 1)
     assert not np.allclose(a, b)
 
 
 def test_bad_shapes_are_rejected():
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(7, heads=3, kv_heads=2))
+    q, k, v = f32(*random_qkv(7, heads=3, kv_heads=2))
     with pytest.raises(ValueError, match="3 query heads: expected a multiple of 2"):
         dot_product_attention(q, k, v)
 
@@ -327,11 +373,11 @@ ATTEND_KERNELS = {"chunked": (attention_lib, "chunked_attention"),
 def test_attend_runs_the_named_kernel_and_matches_dense(impl, monkeypatch):
     # GQA (4 query heads, 2 KV heads), a causal mask, a non-default scale; splash needs
     # lengths that are multiples of 128.
-    q, k, v = (jnp.asarray(x, jnp.float32)
-               for x in random_qkv(8, q_len=128, kv_len=128, head_dim=64))
+    q, k, v = f32(*random_qkv(8, q_len=128, kv_len=128, head_dim=64))
     calls = spy(monkeypatch, *ATTEND_KERNELS[impl]) if impl in ATTEND_KERNELS else None
-    out = attend(q, k, v, mask=masks.Causal(), impl=impl, scale=0.3)
-    want = dot_product_attention(q, k, v, masks.Causal(), scale=0.3)
+    out, want = jax.jit(lambda q, k, v: (
+        attend(q, k, v, mask=masks.Causal(), impl=impl, scale=0.3),
+        dot_product_attention(q, k, v, masks.Causal(), scale=0.3)))(q, k, v)
     assert out.shape == q.shape
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
     if calls is not None:
@@ -347,46 +393,58 @@ def dense_as_attend_runs_it(q, *args, **kwargs):
 
 def test_attend_callable_bias_is_evaluated_per_tile_on_chunked_and_materialised_on_dense(
         monkeypatch):
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(9, q_len=5, kv_len=7))
-    slopes_N = jnp.array([0.5, 0.25, 0.125, 0.0625])
+    q, k, v = f32(*random_qkv(9, q_len=5, kv_len=7))
+    slopes_N = jax.device_put(np.array([0.5, 0.25, 0.125, 0.0625], np.float32))
     bias_fn = lambda q_idx, kv_idx: -slopes_N[None, :, None, None] * jnp.abs(
         q_idx[:, None] + 2 - kv_idx[None, :]).astype(jnp.float32)[None, None]
-    bias_BNTS = bias_fn(jnp.arange(5), jnp.arange(7))
-    want = dense_as_attend_runs_it(q, k, v, masks.Causal(), bias_BNTS)
-    np.testing.assert_array_equal(attend(q, k, v, mask=masks.Causal(), bias=bias_fn), want)
     calls = spy(monkeypatch, attention_lib, "chunked_attention")
-    out = attend(q, k, v, mask=masks.Causal(), bias=bias_fn, impl="chunked")
-    assert calls == [1]
+
+    def outputs(q, k, v):  # the dense kernel given the bias materialised, attend dense, chunked
+        bias_BNTS = bias_fn(jnp.arange(5), jnp.arange(7))
+        return (dense_as_attend_runs_it(q, k, v, masks.Causal(), bias_BNTS),
+                attend(q, k, v, mask=masks.Causal(), bias=bias_fn),
+                attend(q, k, v, mask=masks.Causal(), bias=bias_fn, impl="chunked"))
+
+    want, dense, out = jax.jit(outputs)(q, k, v)
+    np.testing.assert_array_equal(dense, want)
+    assert calls == [1]  # the chunked attend's alone
     np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
 
 
 def test_attend_return_weights_runs_dense_whatever_the_impl():
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(10))
-    out, weights = attend(q, k, v, mask=masks.Causal(), impl="chunked", return_weights=True)
-    want_out, want_weights = dense_as_attend_runs_it(q, k, v, masks.Causal(), return_weights=True)
+    q, k, v = f32(*random_qkv(10))
+    out, weights, want_out, want_weights = jax.jit(lambda q, k, v: (
+        *attend(q, k, v, mask=masks.Causal(), impl="chunked", return_weights=True),
+        *dense_as_attend_runs_it(q, k, v, masks.Causal(), return_weights=True)))(q, k, v)
     np.testing.assert_array_equal(out, want_out)
     np.testing.assert_array_equal(weights, want_weights)
 
 
 def test_attend_records_the_kernel_it_runs_also_when_dropout_forces_dense():
     """What the train log's first-step line and launch.aot name (`kernels.recording`)."""
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(10))
-    with kernels.recording() as chosen:
-        attend(q, k, v, mask=masks.Causal(), impl="chunked")
-        attend(q, k, v, mask=masks.Causal(), impl="chunked", dropout_rate=0.2,
-               dropout_rng=jax.random.key(0))
-        attend(q, k, v, impl="chunked", return_weights=True)
+    q, k, v = f32(*random_qkv(10))
+
+    def attends(q, k, v):
+        return (attend(q, k, v, mask=masks.Causal(), impl="chunked"),
+                attend(q, k, v, mask=masks.Causal(), impl="chunked", dropout_rate=0.2,
+                       dropout_rng=jax.random.key(0)),
+                attend(q, k, v, impl="chunked", return_weights=True))
+
+    with kernels.recording() as chosen:  # recorded as they are traced: nothing need compile
+        jax.eval_shape(attends, q, k, v)
     assert chosen == ["chunked", "dense", "dense"]
 
 
 @pytest.mark.parametrize("impl", ["dense", "chunked"])
 def test_attend_dropout_needs_an_rng(impl):
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(11))
+    q, k, v = f32(*random_qkv(11))
     with pytest.raises(ValueError, match="dropout_rng"):
         attend(q, k, v, impl=impl, dropout_rate=0.1)
-    dropped = attend(q, k, v, impl=impl, dropout_rate=0.1, dropout_rng=jax.random.key(0))
-    np.testing.assert_array_equal(dropped, dense_as_attend_runs_it(
-        q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0)))
+    dropped, want = jax.jit(lambda q, k, v, seed: (
+        attend(q, k, v, impl=impl, dropout_rate=0.1, dropout_rng=jax.random.key(seed)),
+        dense_as_attend_runs_it(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(seed))))(
+            q, k, v, 0)
+    np.testing.assert_array_equal(dropped, want)
 
 
 # --- the Linen layer -------------------------------------------------------------------------
@@ -394,12 +452,18 @@ def test_attend_dropout_needs_an_rng(impl):
 D_MODEL, HEADS = 16, 4
 
 
-def init_mha(seed=0, **kwargs):
+@functools.cache
+def mha_and_init(**kwargs):
+    """The layer and its compiled init, (seed, x) -> variables: one compile for all seeds."""
     layer = MultiHeadAttention(AttentionSettings(num_heads=HEADS, head_dim=D_MODEL // HEADS,
                                                  **kwargs))
-    x = jax.random.normal(jax.random.key(seed), (2, 6, D_MODEL))
-    variables = layer.init(jax.random.key(seed + 1), x)
-    return layer, variables, x
+    return layer, jax.jit(lambda seed, x: layer.init(jax.random.key(seed), x))
+
+
+def init_mha(seed=0, **kwargs):
+    layer, init = mha_and_init(**kwargs)
+    x = np.random.default_rng(seed).normal(size=(2, 6, D_MODEL)).astype(np.float32)
+    return layer, init(seed + 1, x), x
 
 
 @pytest.mark.slow
@@ -413,8 +477,9 @@ def test_mha_equals_per_head_projection_concat_and_output_projection():
     heads, _ = numpy_attention(q, k, v, np.asarray(masks.Causal().dense(6, 6)))
     concat = heads.reshape(2, 6, -1)  # concatenation of the heads
     expected = concat @ np.asarray(p["out"]).reshape(-1, D_MODEL) + p["out_bias"]
-    np.testing.assert_allclose(layer.apply(variables, x, mask=masks.Causal()), expected,
-                               atol=1e-5, rtol=1e-5)
+    out = jax.jit(lambda variables, x: layer.apply(variables, x, mask=masks.Causal()))(
+        variables, x)
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_mha_params_carry_logical_axis_names():
@@ -429,24 +494,30 @@ def test_mha_params_carry_logical_axis_names():
 
 def test_mha_returns_and_sows_attention_weights():
     layer, variables, x = init_mha()
-    (out, weights), state = layer.apply(variables, x, mask=masks.Causal(), return_weights=True,
-                                        mutable=["intermediates"])
+    (out, weights), state = jax.jit(lambda variables, x: layer.apply(
+        variables, x, mask=masks.Causal(), return_weights=True, mutable=["intermediates"]))(
+            variables, x)
     assert out.shape == x.shape and weights.shape == (2, HEADS, 6, 6)
     np.testing.assert_array_equal(state["intermediates"]["attention_weights"][0], weights)
 
 
 def test_attention_is_not_symmetric():
     layer, variables, x = init_mha(seed=3)
-    _, weights = layer.apply(variables, x, return_weights=True)
+    _, weights = jax.jit(lambda variables, x: layer.apply(variables, x, return_weights=True))(
+        variables, x)
+    weights = np.asarray(weights)
     assert not np.allclose(weights, np.swapaxes(weights, -1, -2), atol=1e-3)
 
 
 def test_cross_attention_reads_keys_and_values_from_the_other_sequence():
     layer, variables, x = init_mha(seed=4)
-    memory = jax.random.normal(jax.random.key(9), (2, 3, D_MODEL))
-    mask = masks.Padding(kv_lengths=jnp.array([3, 2]))
-    out, weights = layer.apply(variables, x, memory, mask=mask, return_weights=True)
+    memory = np.random.default_rng(9).normal(size=(2, 3, D_MODEL)).astype(np.float32)
+    changed = memory.copy()
+    changed[1, 2] = 100.0  # a padded encoder position changes nothing
+    mask = masks.Padding(kv_lengths=int32s([3, 2]))
+    (out, weights), out_changed = jax.jit(lambda variables, x, memory, changed: (
+        layer.apply(variables, x, memory, mask=mask, return_weights=True),
+        layer.apply(variables, x, changed, mask=mask)))(variables, x, memory, changed)
     assert out.shape == (2, 6, D_MODEL) and weights.shape == (2, HEADS, 6, 3)
     assert (np.asarray(weights)[1, :, :, 2] == 0).all()
-    changed = memory.at[1, 2].set(100.0)  # a padded encoder position changes nothing
-    np.testing.assert_allclose(layer.apply(variables, x, changed, mask=mask)[1], out[1], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out_changed)[1], np.asarray(out)[1], atol=1e-6)
