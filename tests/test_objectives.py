@@ -60,6 +60,17 @@ def jitted_cross_entropy(label_smoothing=0.0, z_loss=0.0):
                                      z_loss=z_loss))
 
 
+@jax.jit
+def optax_integer_label_ce(logits, targets):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
+@jax.jit
+def optax_smoothed_ce(logits, targets, label_smoothing):
+    labels = optax.smooth_labels(jax.nn.one_hot(targets, V), label_smoothing)
+    return optax.softmax_cross_entropy(logits, labels)
+
+
 @pytest.mark.parametrize("label_smoothing,z_loss", [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-3),
                                                     (0.2, 1e-2)])
 def test_cross_entropy_equals_float64_reference(label_smoothing, z_loss):
@@ -84,9 +95,8 @@ def test_cross_entropy_without_weights_is_the_plain_mean():
 def test_cross_entropy_equals_optax_integer_labels():
     logits, targets, weights = random_case(2)
     loss, _ = jitted_cross_entropy()(logits, targets, weights)
-    per_token = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(logits),
-                                                                jnp.asarray(targets))
-    expected = float(jnp.sum(per_token * weights) / weights.sum())
+    per_token = np.asarray(optax_integer_label_ce(logits, targets))
+    expected = float(np.sum(per_token * weights) / weights.sum())
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
 
 
@@ -94,9 +104,8 @@ def test_cross_entropy_equals_optax_integer_labels():
 def test_cross_entropy_label_smoothing_equals_optax_smooth_labels(label_smoothing):
     logits, targets, weights = random_case(3)
     loss, metrics = jitted_cross_entropy(label_smoothing)(logits, targets, weights)
-    labels = optax.smooth_labels(jax.nn.one_hot(targets, V), label_smoothing)
-    per_token = optax.softmax_cross_entropy(jnp.asarray(logits), labels)
-    expected = float(jnp.sum(per_token * weights) / weights.sum())
+    per_token = np.asarray(optax_smoothed_ce(logits, targets, label_smoothing))
+    expected = float(np.sum(per_token * weights) / weights.sum())
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
     np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
 
@@ -116,7 +125,8 @@ def test_cross_entropy_z_loss_is_reported_separately_and_added_to_loss():
     loss, metrics = jitted_cross_entropy(0.0, 0.01)(logits, targets, weights)
     plain, _ = jitted_cross_entropy()(logits, targets, weights)
     np.testing.assert_allclose(float(metrics["loss"]), float(plain), rtol=1e-6)
-    np.testing.assert_allclose(float(loss), float(metrics["loss"] + metrics["z_loss"]), rtol=1e-6)
+    total = np.asarray(metrics["loss"]) + np.asarray(metrics["z_loss"])  # float32, as before
+    np.testing.assert_allclose(float(loss), float(total), rtol=1e-6)
     assert float(metrics["z_loss"]) > 0
 
 
@@ -157,7 +167,8 @@ def test_cross_entropy_weight_zero_contributes_nothing_to_loss_or_gradient(garba
 def test_cross_entropy_gradient_is_softmax_minus_labels():
     logits, targets, weights = random_case(7)
     ls = 0.1
-    grad = jax.grad(lambda x: jitted_cross_entropy(ls)(x, targets, weights)[0])(logits)
+    grad = jax.jit(jax.grad(lambda x: objectives.cross_entropy(
+        x, targets, weights, label_smoothing=ls)[0]))(logits)
     x = logits.astype(np.float64)
     probs = np.exp(x - x.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -175,7 +186,7 @@ def test_cross_entropy_all_padding_is_zero_not_nan():
 
 def test_cross_entropy_computes_in_float32_for_bfloat16_logits():
     logits, targets, weights = random_case(9)
-    low = jnp.asarray(logits, jnp.bfloat16)
+    low = logits.astype(jnp.bfloat16)
     loss, _ = jitted_cross_entropy()(low, targets, weights)
     assert loss.dtype == jnp.float32
     ref_loss, _ = reference_cross_entropy(np.asarray(low, np.float32), targets, weights)
@@ -186,7 +197,8 @@ def test_bfloat16_logits_are_kept_in_bfloat16_for_the_backward_pass():
     """No float32 copy of the [B, T, V] logits is kept for the gradient, which is bfloat16 and
     equals the float32 computation's (softmax - labels, scaled by the weights)."""
     logits, targets, weights = random_case(10)
-    low = jnp.asarray(logits, jnp.bfloat16)
+    low_np = logits.astype(jnp.bfloat16)
+    low = jax.device_put(low_np)
 
     def loss(x):
         return objectives.cross_entropy(x, targets, weights, label_smoothing=0.1,
@@ -196,8 +208,10 @@ def test_bfloat16_logits_are_kept_in_bfloat16_for_the_backward_pass():
     kept = [x for x in jax.tree.leaves(vjp) if x.shape == low.shape]
     assert kept and all(x.dtype in (jnp.bfloat16, jnp.bool_) for x in kept), [
         x.dtype for x in kept]
-    grad = vjp(jnp.float32(1.0))[0]
-    want = jax.grad(loss)(low.astype(jnp.float32))
+    # The forward pass above stays eager (its residuals are the subject); the backward pass
+    # reads those same residuals under jit (the vjp is a pytree of them).
+    grad = jax.jit(lambda vjp: vjp(jnp.float32(1.0))[0])(vjp)
+    want = jax.jit(jax.grad(loss))(low_np.astype(np.float32))
     assert grad.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(grad, np.float32), want, atol=2e-4, rtol=1e-2)
 
@@ -205,15 +219,22 @@ def test_bfloat16_logits_are_kept_in_bfloat16_for_the_backward_pass():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_log_normalizer_and_its_gradient_equal_logsumexp(dtype):
     with jax.enable_x64(dtype == jnp.float64):
-        x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 7)) * 5, dtype)
-        x = x.at[0, 3].set(-jnp.inf)  # a banned entry: weight exactly 0
-        got, vjp = jax.vjp(objectives.log_normalizer, x)
-        want, want_vjp = jax.vjp(lambda x: jax.nn.logsumexp(x, axis=-1), x)
-        g = jnp.arange(1.0, 5.0, dtype=dtype)
+        x = (np.random.default_rng(0).normal(size=(4, 7)) * 5).astype(dtype)
+        x[0, 3] = -np.inf  # a banned entry: weight exactly 0
+        g = np.arange(1.0, 5.0, dtype=dtype)
+
+        @jax.jit
+        def values_and_grads(x, g):
+            got, vjp = jax.vjp(objectives.log_normalizer, x)
+            want, want_vjp = jax.vjp(lambda x: jax.nn.logsumexp(x, axis=-1), x)
+            return got, want, vjp(g)[0], want_vjp(g)[0]
+
+        got, want, grad, want_grad = map(np.asarray, values_and_grads(x, g))
+        assert got.dtype == grad.dtype == dtype
         tol = 1e-12 if dtype == jnp.float64 else 1e-6
         np.testing.assert_allclose(got, want, rtol=tol)
-        np.testing.assert_allclose(vjp(g)[0], want_vjp(g)[0], rtol=tol, atol=tol)
-        assert float(vjp(g)[0][0, 3]) == 0.0
+        np.testing.assert_allclose(grad, want_grad, rtol=tol, atol=tol)
+        assert float(grad[0, 3]) == 0.0
 
 
 # -----------------------------------------------------------------------------
@@ -222,13 +243,14 @@ def test_log_normalizer_and_its_gradient_equal_logsumexp(dtype):
 
 def test_next_token_targets_shift_by_one_and_weight_non_pad():
     tokens = np.array([[5, 6, 7, 8, 0, 0], [9, 3, 0, 0, 0, 0], [4, 4, 4, 4, 4, 4]])
-    inputs, targets, weights = objectives.next_token_targets(tokens)
+    (inputs, targets, weights), (_, _, pad_4_weights) = jax.jit(lambda t: (
+        objectives.next_token_targets(t), objectives.next_token_targets(t, pad_id=4)))(tokens)
     np.testing.assert_array_equal(inputs, tokens[:, :-1])
     np.testing.assert_array_equal(targets, tokens[:, 1:])
     assert weights.dtype == jnp.float32
     np.testing.assert_array_equal(weights, [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
-    _, _, weights = objectives.next_token_targets(tokens, pad_id=4)
-    np.testing.assert_array_equal(weights, [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(pad_4_weights,
+                                  [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
 
 
 # -----------------------------------------------------------------------------
@@ -507,8 +529,9 @@ def test_span_corrupt_rows_independent_and_deterministic_given_key(impl):
 
 
 def test_span_corrupt_docstring_example_layout():
-    inputs, targets = objectives.span_corrupt(jax.random.key(0), np.array([[10, 11, 12]]),
-                                              vocab_size=100, eos_id=1, noise_density=0.3)
+    inputs, targets = jax.jit(functools.partial(
+        objectives.span_corrupt, vocab_size=100, eos_id=1, noise_density=0.3))(
+        jax.random.key(0), np.array([[10, 11, 12]]))
     assert inputs.tolist() == [[10, 11, 99, 1]] and targets.tolist() == [[99, 12, 1]]
 
 
@@ -539,7 +562,7 @@ def test_prefix_lm_weights_are_exactly_the_continuation_targets():
     lengths = np.array([0, 1, 2, 3, 5, 8, 8, 4] * 16)
     tokens = right_padded(lengths, 8)
     prefix, weights = map(np.asarray, split(jax.random.key(1), tokens))
-    _, targets, pad_weights = objectives.next_token_targets(tokens)
+    _, targets, pad_weights = jax.jit(objectives.next_token_targets)(tokens)
     assert weights.shape == targets.shape and weights.dtype == np.float32
     for b, (p, n) in enumerate(zip(prefix, lengths, strict=True)):
         # Input position t predicts token t + 1: weighted iff token t + 1 is in the continuation.
@@ -554,7 +577,7 @@ def test_prefix_lm_weights_are_exactly_the_continuation_targets():
 
 def test_prefix_lm_split_custom_pad_id():
     tokens = np.array([[7, 8, 9, 5, 5]])
-    prefix, weights = split(jax.random.key(0), tokens, pad_id=5)
+    prefix, weights = map(np.asarray, split(jax.random.key(0), tokens, pad_id=5))
     assert 1 <= int(prefix[0]) <= 2
     assert weights[0, 2:].sum() == 0 and weights[0, 1] == 1
 

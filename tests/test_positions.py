@@ -1,5 +1,7 @@
 """Tests for transformer/nn/positions.py: each test pins one property against independent math."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,16 @@ def _randn(seed, *shape):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
+# The code under test runs under jit, fed NumPy inputs: eager jnp ops compile one XLA program
+# per op and shape, which is most of what these tests would otherwise spend.
+_sinusoidal = jax.jit(sinusoidal_positions, static_argnames=("dim", "max_timescale"))
+_rope = jax.jit(apply_rope, static_argnames=("theta", "layout", "scale", "scaling", "truncate",
+                                             "fraction"))
+_alibi = jax.jit(alibi_bias, static_argnames="num_heads")
+_bucket = jax.jit(t5_relative_position_bucket,
+                  static_argnames=("bidirectional", "num_buckets", "max_distance"))
+
+
 # -----------------------------------------------------------------------------
 # sinusoidal
 
@@ -34,30 +46,29 @@ def test_sinusoidal_matches_float64_formula_with_sin_on_even_cos_on_odd(dim):
         for i in range(dim // 2):
             a = p / 10000.0 ** (2 * i / dim)
             want[t, 2 * i], want[t, 2 * i + 1] = np.sin(a), np.cos(a)
-    got = sinusoidal_positions(jnp.asarray(pos), dim)
+    got = _sinusoidal(pos, dim)
     assert got.shape == (len(pos), dim) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
 
 def test_sinusoidal_custom_max_timescale():
-    got = sinusoidal_positions(jnp.array([3]), 4, max_timescale=100.0)
+    got = _sinusoidal(np.array([3]), 4, max_timescale=100.0)
     want = [np.sin(3.0), np.cos(3.0), np.sin(0.3), np.cos(0.3)]
     np.testing.assert_allclose(np.asarray(got)[0], want, atol=1e-6)
 
 
 def test_sinusoidal_position_zero_is_0101():
     np.testing.assert_array_equal(
-        np.asarray(sinusoidal_positions(jnp.array([0]), 8))[0], [0, 1, 0, 1, 0, 1, 0, 1]
+        np.asarray(_sinusoidal(np.array([0]), 8))[0], [0, 1, 0, 1, 0, 1, 0, 1]
     )
 
 
 def test_sinusoidal_batched_positions_give_per_row_embeddings():
-    pos_BT = jnp.array([[0, 1, 2], [5, 6, 7]])
-    got = sinusoidal_positions(pos_BT, 4)
+    pos_BT = np.array([[0, 1, 2], [5, 6, 7]])
+    got, row = jax.jit(lambda p: (sinusoidal_positions(p, 4), sinusoidal_positions(p[1], 4)))(
+        pos_BT)
     assert got.shape == (2, 3, 4)
-    np.testing.assert_array_equal(
-        np.asarray(got[1]), np.asarray(sinusoidal_positions(pos_BT[1], 4))
-    )
+    np.testing.assert_array_equal(np.asarray(got)[1], np.asarray(row))
 
 
 # -----------------------------------------------------------------------------
@@ -66,33 +77,43 @@ def test_sinusoidal_batched_positions_give_per_row_embeddings():
 
 def test_learned_output_is_embedding_rows_at_positions():
     mod = LearnedPositionEmbedding(max_len=10, features=4)
-    pos_BT = jnp.array([[0, 3, 9], [2, 2, 1]])
-    params = mod.init(jax.random.key(0), pos_BT)
+    pos_BT = np.array([[0, 3, 9], [2, 2, 1]])
+
+    @jax.jit
+    def run(pos_BT, pos_T):
+        params = mod.init(jax.random.key(0), pos_BT)
+        return params, mod.apply(params, pos_BT), mod.apply(params, pos_T)
+
+    params, out, out_T = run(pos_BT, np.array([4, 5]))
     table = nn.unbox(params)["params"]["embedding"]
     assert table.shape == (10, 4)
-    out = mod.apply(params, pos_BT)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(table)[np.asarray(pos_BT)])
-    out_T = mod.apply(params, jnp.array([4, 5]))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(table)[pos_BT])
     np.testing.assert_array_equal(np.asarray(out_T), np.asarray(table)[[4, 5]])
 
 
 def test_learned_param_has_logical_names_length_embed_and_small_init():
     mod = LearnedPositionEmbedding(max_len=256, features=64)
-    params = mod.init(jax.random.key(0), jnp.arange(3))
+    params = jax.jit(lambda pos: mod.init(jax.random.key(0), pos))(np.arange(3))
     boxed = params["params"]["embedding"]
     assert isinstance(boxed, nn.LogicallyPartitioned)
     assert boxed.names == ("length", "embed")
     assert nn.get_partition_spec(params)["params"]["embedding"] == jax.sharding.PartitionSpec(
         "length", "embed"
     )
-    assert 0.015 < float(jnp.std(boxed.value)) < 0.025  # normal(stddev=0.02)
+    assert 0.015 < float(np.std(np.asarray(boxed.value))) < 0.025  # normal(stddev=0.02)
 
 
 def test_learned_output_dtype_follows_dtype_param_dtype_follows_param_dtype():
     mod = LearnedPositionEmbedding(max_len=8, features=4, dtype=jnp.bfloat16)
-    params = mod.init(jax.random.key(0), jnp.arange(3))
+
+    @jax.jit
+    def run(pos):
+        params = mod.init(jax.random.key(0), pos)
+        return params, mod.apply(params, pos)
+
+    params, out = run(np.arange(3))
     assert nn.unbox(params)["params"]["embedding"].dtype == jnp.float32
-    assert mod.apply(params, jnp.arange(3)).dtype == jnp.bfloat16
+    assert out.dtype == jnp.bfloat16
 
 
 # -----------------------------------------------------------------------------
@@ -120,11 +141,12 @@ def _rope_np(x, pos, theta=10000.0, layout="half", scale=1.0):
 def test_rope_matches_float64_rotation_matrices(layout):
     x = _randn(0, 2, 5, 3, 8)
     pos_BT = np.array([[0, 1, 2, 3, 4], [7, 8, 9, 100, 1234]])
-    got = apply_rope(jnp.asarray(x), jnp.asarray(pos_BT), layout=layout)
+    got, got_scaled = jax.jit(lambda x, p: (
+        apply_rope(x, p, layout=layout),
+        apply_rope(x, p, layout=layout, theta=500.0, scale=3.0)))(x, pos_BT)
     np.testing.assert_allclose(np.asarray(got), _rope_np(x, pos_BT, layout=layout), atol=5e-4)
-    got = apply_rope(jnp.asarray(x), jnp.asarray(pos_BT), layout=layout, theta=500.0, scale=3.0)
     want = _rope_np(x, pos_BT, theta=500.0, layout=layout, scale=3.0)
-    np.testing.assert_allclose(np.asarray(got), want, atol=5e-4)
+    np.testing.assert_allclose(np.asarray(got_scaled), want, atol=5e-4)
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
@@ -133,9 +155,13 @@ def test_rope_dot_product_depends_only_on_relative_position(layout):
     q, k = _randn(1, 1, 1, N, H), _randn(2, 1, 1, N, H)
     scale_qk = np.linalg.norm(q, axis=-1) * np.linalg.norm(k, axis=-1)  # [1, 1, N]
 
+    @jax.jit
+    def rotate(t, s):  # one program for every (t, s): the positions are traced
+        return (apply_rope(q, jnp.reshape(t, (1,)), layout=layout),
+                apply_rope(k, jnp.reshape(s, (1,)), layout=layout))
+
     def dots(t, s):
-        qr = apply_rope(jnp.asarray(q), jnp.array([t]), layout=layout)
-        kr = apply_rope(jnp.asarray(k), jnp.array([s]), layout=layout)
+        qr, kr = rotate(np.int32(t), np.int32(s))
         return np.sum(np.asarray(qr) * np.asarray(kr), axis=-1)  # [1, 1, N]
 
     for t, s in [(3, 0), (5, 9), (0, 0)]:
@@ -149,7 +175,7 @@ def test_rope_dot_product_depends_only_on_relative_position(layout):
 
 def test_rope_preserves_norm_of_each_head_vector():
     x = _randn(3, 2, 6, 3, 8)
-    out = apply_rope(jnp.asarray(x), jnp.arange(6) * 37)
+    out = _rope(x, np.arange(6) * 37)
     np.testing.assert_allclose(
         np.linalg.norm(np.asarray(out), axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5
     )
@@ -158,60 +184,60 @@ def test_rope_preserves_norm_of_each_head_vector():
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_rope_position_zero_is_identity(layout):
     x = _randn(4, 2, 3, 2, 8)
-    out = apply_rope(jnp.asarray(x), jnp.zeros((3,), jnp.int32), layout=layout)
+    out = _rope(x, np.zeros((3,), np.int32), layout=layout)
     np.testing.assert_array_equal(np.asarray(out), x)
 
 
 def test_rope_half_and_interleaved_are_same_rotation_up_to_dim_permutation():
     H = 8
     x = _randn(5, 2, 4, 3, H)
-    pos = jnp.array([0, 3, 11, 400])
+    pos = np.array([0, 3, 11, 400])
     perm = np.stack([np.arange(H // 2), np.arange(H // 2) + H // 2], -1).reshape(-1)  # 0,4,1,5..
     inv = np.argsort(perm)
-    half = apply_rope(jnp.asarray(x), pos, layout="half")
-    inter = apply_rope(jnp.asarray(x[..., perm]), pos, layout="interleaved")
+    half, inter, unpermuted = jax.jit(lambda x, x_perm, pos: (
+        apply_rope(x, pos, layout="half"),
+        apply_rope(x_perm, pos, layout="interleaved"),
+        apply_rope(x, pos, layout="interleaved")))(x, x[..., perm], pos)
     np.testing.assert_allclose(np.asarray(inter)[..., inv], np.asarray(half), atol=1e-6)
-    assert not np.allclose(
-        np.asarray(apply_rope(jnp.asarray(x), pos, layout="interleaved")),
-        np.asarray(half),
-        atol=1e-3,
-    )
+    assert not np.allclose(np.asarray(unpermuted), np.asarray(half), atol=1e-3)
 
 
 def test_rope_scale_2_at_position_2p_equals_scale_1_at_position_p():
     x = _randn(6, 1, 4, 2, 8)
-    p = jnp.array([0, 1, 5, 300])
-    a = apply_rope(jnp.asarray(x), 2 * p, scale=2.0)
-    b = apply_rope(jnp.asarray(x), p, scale=1.0)
+    p = np.array([0, 1, 5, 300])
+    a, b = jax.jit(lambda x, p: (apply_rope(x, 2 * p, scale=2.0),
+                                 apply_rope(x, p, scale=1.0)))(x, p)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
 def test_rope_T_positions_equal_broadcast_B_T_positions():
     x = _randn(7, 3, 4, 2, 8)
-    pos_T = jnp.array([7, 8, 9, 10])
-    a = apply_rope(jnp.asarray(x), pos_T)
-    b = apply_rope(jnp.asarray(x), jnp.broadcast_to(pos_T, (3, 4)))
+    pos_T = np.array([7, 8, 9, 10])
+    a, b = jax.jit(lambda x, p: (apply_rope(x, p), apply_rope(x, jnp.broadcast_to(p, (3, 4)))))(
+        x, pos_T)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_rope_per_batch_positions_are_used_per_row():
     x = _randn(8, 2, 1, 1, 8)
     x[1] = x[0]
-    out = apply_rope(jnp.asarray(x), jnp.array([[0], [5]]))
-    np.testing.assert_array_equal(np.asarray(out[0]), x[0])  # row 0 at position 0: unchanged
-    single = apply_rope(jnp.asarray(x[1:]), jnp.array([5]))
-    np.testing.assert_allclose(np.asarray(out[1:]), np.asarray(single), atol=1e-6)
+    out, single = jax.jit(lambda x, x1: (apply_rope(x, jnp.array([[0], [5]])),
+                                         apply_rope(x1, jnp.array([5]))))(x, x[1:])
+    out = np.asarray(out)
+    np.testing.assert_array_equal(out[0], x[0])  # row 0 at position 0: unchanged
+    np.testing.assert_allclose(out[1:], np.asarray(single), atol=1e-6)
 
 
 def test_rope_bf16_in_bf16_out_computed_in_float32():
-    x = jnp.asarray(_randn(9, 2, 16, 2, 8), jnp.bfloat16)
-    pos = jnp.arange(16) * 61
-    out = apply_rope(x, pos)
+    x = _randn(9, 2, 16, 2, 8).astype(jnp.bfloat16)
+    pos = np.arange(16) * 61
+    out, f32 = jax.jit(lambda x, pos: (
+        apply_rope(x, pos),
+        apply_rope(x.astype(jnp.float32), pos).astype(jnp.bfloat16)))(x, pos)
     assert out.dtype == jnp.bfloat16
-    want = _rope_np(np.asarray(x, np.float32), np.asarray(pos)[None])
+    want = _rope_np(np.asarray(x, np.float32), pos[None])
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=3e-2)
     # a single rounding at the end: same as rotating the upcast input in float32, then casting
-    f32 = apply_rope(x.astype(jnp.float32), pos).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(f32, np.float32))
 
 
@@ -236,22 +262,28 @@ def _autodiff_rope(x, pos, layout, factor=1.0, H=None):
 def test_rope_gradient_is_the_inverse_rotation_bit_for_bit_as_autodiff_gives_it(layout, dtype):
     """apply_rope's custom VJP (the cotangent rotated back, in its own dtype) against autodiff
     of the same float32 formula: equal bit for bit, in float32 and bfloat16."""
-    x = jnp.asarray(_randn(3, 2, 12, 3, 16), dtype)
-    w = jnp.asarray(_randn(4, 2, 12, 3, 16), dtype)
-    pos = jnp.arange(12) * 7
-    grad = jax.grad(lambda x: jnp.sum((apply_rope(x, pos, layout=layout) * w)
-                                      .astype(jnp.float32)))(x)
-    want = jax.grad(lambda x: jnp.sum((_autodiff_rope(x, pos, layout) * w)
-                                      .astype(jnp.float32)))(x)
+    x = _randn(3, 2, 12, 3, 16).astype(dtype)
+    w = _randn(4, 2, 12, 3, 16).astype(dtype)
+    pos = np.arange(12, dtype=np.int32) * 7
+
+    @jax.jit
+    def grads(x, w, pos):
+        grad = jax.grad(lambda x: jnp.sum((apply_rope(x, pos, layout=layout) * w)
+                                          .astype(jnp.float32)))(x)
+        want = jax.grad(lambda x: jnp.sum((_autodiff_rope(x, pos, layout) * w)
+                                          .astype(jnp.float32)))(x)
+        yarn = jax.grad(lambda x: jnp.sum(apply_rope(x, pos, layout=layout, scaling="yarn",
+                                                     scale=4.0, truncate=False) * w))(x)
+        part = jax.grad(lambda x: jnp.sum((apply_rope(x, pos, layout=layout, fraction=0.5) * w)
+                                          .astype(jnp.float32)))(x)
+        return grad, want, yarn, part
+
+    grad, want, yarn, part = grads(x, w, pos)
     assert grad.dtype == dtype
     np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(want, np.float32))
     # YaRN scales the rotation (its transpose scales alike); partial RoPE passes the rest
-    yarn = jax.grad(lambda x: jnp.sum(apply_rope(x, pos, layout=layout, scaling="yarn",
-                                                 scale=4.0, truncate=False) * w))(x)
-    assert float(jnp.abs(yarn.astype(jnp.float32)).max()) > 0
-    part = jax.grad(lambda x: jnp.sum((apply_rope(x, pos, layout=layout, fraction=0.5) * w)
-                                      .astype(jnp.float32)))(x)
-    np.testing.assert_array_equal(np.asarray(part[..., 8:], np.float32),
+    assert float(np.abs(np.asarray(yarn, np.float32)).max()) > 0
+    np.testing.assert_array_equal(np.asarray(part, np.float32)[..., 8:],
                                   np.asarray(w[..., 8:], np.float32))
 
 
@@ -282,7 +314,7 @@ def test_alibi_slopes_small_head_counts():
 def test_alibi_bias_is_minus_slope_times_distance_zero_on_diagonal():
     N = 4
     q, kv = np.array([0, 1, 2]), np.array([0, 1, 2, 3, 4])
-    bias = np.asarray(alibi_bias(jnp.asarray(q), jnp.asarray(kv), N))
+    bias = np.asarray(_alibi(q, kv, N))
     assert bias.shape == (1, N, 3, 5) and bias.dtype == np.float32
     slopes = alibi_slopes(N)
     want = -slopes[:, None, None] * np.abs(q[:, None] - kv[None, :])
@@ -292,9 +324,9 @@ def test_alibi_bias_is_minus_slope_times_distance_zero_on_diagonal():
 
 
 def test_alibi_bias_batched_positions_decode_offset():
-    q_BT = jnp.array([[7], [3]])  # decoding one token at different offsets
-    kv_S = jnp.arange(8)
-    bias = np.asarray(alibi_bias(q_BT, kv_S, 2))
+    q_BT = np.array([[7], [3]])  # decoding one token at different offsets
+    kv_S = np.arange(8)
+    bias = np.asarray(_alibi(q_BT, kv_S, 2))
     assert bias.shape == (2, 2, 1, 8)
     np.testing.assert_allclose(bias[0, 0, 0], -np.abs(7 - np.arange(8)) / 16.0)
     np.testing.assert_allclose(bias[1, 1, 0], -np.abs(3 - np.arange(8)) / 256.0)
@@ -309,14 +341,14 @@ def test_t5_bucket_bidirectional_known_values():
            1, 8, 16, 32, 64, 127, 128, 100000]  # fmt: skip
     want = [0, 1, 8, 9, 10, 12, 14, 15, 15, 15, 15,
             17, 24, 26, 28, 30, 31, 31, 31]  # fmt: skip
-    got = t5_relative_position_bucket(jnp.array(rel))
+    got = _bucket(np.array(rel))
     assert got.dtype == jnp.int32
     assert got.tolist() == want
 
 
 def test_t5_bucket_bidirectional_exact_range_is_identity():
     rel = np.arange(-7, 8)
-    got = t5_relative_position_bucket(jnp.asarray(rel)).tolist()
+    got = _bucket(rel).tolist()
     assert got == [-r if r <= 0 else 16 + r for r in rel]
 
 
@@ -329,21 +361,21 @@ def test_t5_bucket_causal_known_values():
     #   -1000: log(62.5)/log(8)*16  = 31.8  -> 47, clipped to 31
     rel = [0, -1, -15, -16, -20, -32, -64, -127, -1000, 1, 5, 1000]
     want = [0, 1, 15, 16, 17, 21, 26, 31, 31, 0, 0, 0]
-    assert t5_relative_position_bucket(jnp.array(rel), bidirectional=False).tolist() == want
+    assert _bucket(np.array(rel), bidirectional=False).tolist() == want
 
 
 def test_t5_bucket_is_monotone_in_magnitude():
     m = np.arange(0, 300)
-    neg = np.asarray(t5_relative_position_bucket(jnp.asarray(-m)))
-    pos = np.asarray(t5_relative_position_bucket(jnp.asarray(m[1:])))
+    neg, pos = map(np.asarray, jax.jit(lambda m: (t5_relative_position_bucket(-m),
+                                                   t5_relative_position_bucket(m[1:])))(m))
     assert np.all(np.diff(neg) >= 0) and np.all(np.diff(pos) >= 0)
     assert set(neg.tolist()) == set(range(16)) and set(pos.tolist()) == set(range(17, 32))
 
 
+@functools.cache  # one init per configuration, shared by the tests that use it
 def _t5_setup(**kw):
     mod = T5RelativePositionBias(num_heads=3, **kw)
-    q, kv = jnp.arange(5), jnp.arange(7)
-    params = mod.init(jax.random.key(0), q, kv)
+    params = jax.jit(lambda q, kv: mod.init(jax.random.key(0), q, kv))(np.arange(5), np.arange(7))
     return mod, params
 
 
@@ -356,10 +388,10 @@ def test_t5_bias_equals_rel_embedding_gathered_by_bucket():
         assert table_KN.shape == (8, 3)
         q_BT = np.array([[0, 1, 2, 3, 4], [40, 41, 42, 43, 44]])
         kv_S = np.arange(0, 70, 10)
-        bias = np.asarray(mod.apply(params, jnp.asarray(q_BT), jnp.asarray(kv_S)))
+        bias = np.asarray(jax.jit(mod.apply)(params, q_BT, kv_S))
         assert bias.shape == (2, 3, 5, 7)
         rel_BTS = kv_S[None, None, :] - q_BT[:, :, None]
-        bucket_BTS = np.asarray(t5_relative_position_bucket(jnp.asarray(rel_BTS), **kw))
+        bucket_BTS = np.asarray(_bucket(rel_BTS, **kw))
         assert len(np.unique(bucket_BTS)) > 4  # the check below sees many distinct buckets
         for b, t, s in np.ndindex(2, 5, 7):
             np.testing.assert_array_equal(bias[b, :, t, s], table_KN[bucket_BTS[b, t, s]])
@@ -367,12 +399,13 @@ def test_t5_bias_equals_rel_embedding_gathered_by_bucket():
 
 def test_t5_bias_depends_only_on_kv_minus_q():
     mod, params = _t5_setup()
-    q, kv = jnp.arange(5), jnp.arange(7)
-    base = mod.apply(params, q, kv)
+    apply = jax.jit(mod.apply)  # one program for every shift: the positions are traced
+    q, kv = np.arange(5), np.arange(7)
+    base = np.asarray(apply(params, q, kv))
     assert base.shape == (1, 3, 5, 7)
     for c in [1, 13, 1000]:
-        np.testing.assert_array_equal(np.asarray(mod.apply(params, q + c, kv + c)), base)
-    assert not np.array_equal(np.asarray(mod.apply(params, q + 3, kv)), np.asarray(base))
+        np.testing.assert_array_equal(np.asarray(apply(params, q + c, kv + c)), base)
+    assert not np.array_equal(np.asarray(apply(params, q + 3, kv)), base)
 
 
 def test_t5_bias_param_logical_names():
@@ -388,22 +421,22 @@ def test_t5_bias_param_logical_names():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: sinusoidal_positions(jnp.arange(3), 3), "dim must be a positive even int, got 3"),
-        (lambda: sinusoidal_positions(jnp.arange(3), 0), "dim.*0"),
-        (lambda: apply_rope(jnp.ones((1, 2, 1, 5)), jnp.arange(2)), "H=5"),
-        (lambda: apply_rope(jnp.ones((1, 2, 1, 4)), jnp.arange(2), layout="neox"), "'neox'"),
-        (lambda: apply_rope(jnp.ones((1, 2, 1, 4)), jnp.arange(2), scale=0.0), "scale.*0"),
-        (lambda: apply_rope(jnp.ones((2, 1, 4)), jnp.arange(2)), r"\(2, 1, 4\)"),
+        (lambda: sinusoidal_positions(np.arange(3), 3), "dim must be a positive even int, got 3"),
+        (lambda: sinusoidal_positions(np.arange(3), 0), "dim.*0"),
+        (lambda: apply_rope(np.ones((1, 2, 1, 5)), np.arange(2)), "H=5"),
+        (lambda: apply_rope(np.ones((1, 2, 1, 4)), np.arange(2), layout="neox"), "'neox'"),
+        (lambda: apply_rope(np.ones((1, 2, 1, 4)), np.arange(2), scale=0.0), "scale.*0"),
+        (lambda: apply_rope(np.ones((2, 1, 4)), np.arange(2)), r"\(2, 1, 4\)"),
         (lambda: alibi_slopes(0), "num_heads.*0"),
-        (lambda: alibi_bias(jnp.arange(2), jnp.arange(2), -2), "num_heads.*-2"),
-        (lambda: t5_relative_position_bucket(jnp.arange(2), num_buckets=7), "num_buckets.*7"),
-        (lambda: t5_relative_position_bucket(jnp.arange(2), max_distance=4), "max_distance.*4"),
+        (lambda: alibi_bias(np.arange(2), np.arange(2), -2), "num_heads.*-2"),
+        (lambda: t5_relative_position_bucket(np.arange(2), num_buckets=7), "num_buckets.*7"),
+        (lambda: t5_relative_position_bucket(np.arange(2), max_distance=4), "max_distance.*4"),
         (
-            lambda: LearnedPositionEmbedding(0, 4).init(jax.random.key(0), jnp.arange(2)),
+            lambda: LearnedPositionEmbedding(0, 4).init(jax.random.key(0), np.arange(2)),
             "max_len.*0",
         ),
         (
-            lambda: T5RelativePositionBias(0).init(jax.random.key(0), jnp.arange(2), jnp.arange(2)),
+            lambda: T5RelativePositionBias(0).init(jax.random.key(0), np.arange(2), np.arange(2)),
             "num_heads.*0",
         ),
     ],
