@@ -9,7 +9,6 @@ import functools
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -29,18 +28,21 @@ def settings(**overrides) -> MLASettings:
 
 
 def inputs(seed=0, length=T):
-    return jnp.asarray(np.random.default_rng(seed).normal(size=(B, length, D)), jnp.float32)
+    """[B, length, D] float32 NumPy (the layer converts it; NumPy slices compile nothing)."""
+    return np.random.default_rng(seed).normal(size=(B, length, D)).astype(np.float32)
 
 
 def random_params(layer, seed=1, length=T):
-    """The layer's params with every leaf random (norm scales around 1), as a plain dict."""
-    params = nn.unbox(layer.init(jax.random.key(0), inputs(0, length))["params"])
+    """The layer's params with every leaf random (norm scales around 1), as a plain dict of
+    float32 NumPy arrays. Only init's shapes are used (jax.eval_shape: nothing runs)."""
+    init = lambda x: layer.init(jax.random.key(0), x)  # noqa: E731
+    params = nn.unbox(jax.eval_shape(init, inputs(0, length))["params"])
     rng = np.random.default_rng(seed)
 
     def draw(path, leaf):
         if path[-1].key == "scale" or path[-1].key == "sinks":
-            return jnp.asarray(1 + 0.3 * rng.normal(size=leaf.shape), jnp.float32)
-        return jnp.asarray(rng.normal(size=leaf.shape) / np.sqrt(leaf.shape[0]), jnp.float32)
+            return (1 + 0.3 * rng.normal(size=leaf.shape)).astype(np.float32)
+        return (rng.normal(size=leaf.shape) / np.sqrt(leaf.shape[0])).astype(np.float32)
 
     return jax.tree_util.tree_map_with_path(draw, params)
 
@@ -197,7 +199,7 @@ def hf_params(attention, q_lora_rank, s: MLASettings) -> dict:
                       q_b=w["q_b_proj.weight"].T.reshape(q_lora_rank, N, K))
     else:
         params["query"] = w["q_proj.weight"].T.reshape(D, N, K)
-    return jax.tree.map(jnp.asarray, params)
+    return params
 
 
 @pytest.mark.parametrize("q_lora_rank", [0, 16])
@@ -233,8 +235,9 @@ def test_equals_hugging_faces_deepseek_v3_attention(q_lora_rank, interleave):
                  rope_scaling="yarn", rope_original_max_len=16, rope_yarn_beta_fast=8.0,
                  rope_yarn_mscale=0.8, rope_yarn_mscale_all_dim=0.5)
     layer = MultiHeadLatentAttention(s)
-    got = layer.apply({"params": hf_params(attention, q_lora_rank, s)}, jnp.asarray(x),
-                      mask=masks.Causal(), q_positions=jnp.asarray(position_ids.numpy()))
+    got = jax.jit(functools.partial(layer.apply, mask=masks.Causal()))(
+        {"params": hf_params(attention, q_lora_rank, s)}, x,
+        q_positions=position_ids.numpy())
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
@@ -251,12 +254,14 @@ def test_absorbed_latent_cache_decode_equals_the_full_forward(overrides):
     layer = MultiHeadLatentAttention(s)
     params = random_params(layer)
     x = inputs(7)
-    full = np.asarray(layer.apply({"params": params}, x, mask=masks.Causal()))
+    full = np.asarray(jax.jit(functools.partial(layer.apply, mask=masks.Causal()))(
+        {"params": params}, x))
 
-    slots = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    cache = layer.init(jax.random.key(0), x, q_positions=slots, decode=True)["cache"]
-    assert jax.tree.map(jnp.shape, cache) == {"latent": (B, T, 12 + 4)}  # C + R, nothing else
-    cache = jax.tree.map(jnp.zeros_like, cache)
+    slots = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    cache = jax.eval_shape(lambda x, slots: layer.init(
+        jax.random.key(0), x, q_positions=slots, decode=True), x, slots)["cache"]
+    assert jax.tree.map(lambda a: a.shape, cache) == {"latent": (B, T, 12 + 4)}  # C + R only
+    cache = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), cache)
 
     @jax.jit
     def step(cache, x_BT, positions_BT):
@@ -296,8 +301,8 @@ def test_cache_bytes_per_token_against_gqa_and_the_actual_cache():
 
     small = _Config(MLAConfig(**SHAPES), d_model=D, num_heads=N)
     layer = mla.MIXER.layer(small, "self_attention")
-    cache = layer.init(jax.random.key(0), inputs(0), decode=True,
-                       q_positions=jnp.arange(T)[None])["cache"]
+    cache = jax.eval_shape(lambda x: layer.init(
+        jax.random.key(0), x, decode=True, q_positions=np.arange(T)[None]), inputs(0))["cache"]
     nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
     assert nbytes == B * T * mla.cache_bytes_per_token(small)
 
