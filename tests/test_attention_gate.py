@@ -56,11 +56,11 @@ def gated_layer(mode, seed=0, **kwargs):
     layer = MultiHeadAttention(AttentionSettings(num_heads=HEADS, head_dim=HEAD_DIM,
                                                  num_kv_heads=KV_HEADS, use_bias=True,
                                                  gate=mode, **kwargs))
-    x = jax.random.normal(jax.random.key(seed), (2, LENGTH, D_MODEL))
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, LENGTH, D_MODEL)).astype(np.float32)
     memory = (x[:, :4],) if kwargs.get("cross") else ()
     params = nn.unbox(jax.jit(layer.init)(jax.random.key(seed + 1), x, *memory)["params"])
-    rng = np.random.default_rng(seed)
-    params = {k: (v + 0.5 * rng.standard_normal(v.shape)).astype(np.float32)
+    params = {k: (np.asarray(v) + 0.5 * rng.standard_normal(v.shape)).astype(np.float32)
               for k, v in params.items()}
     return layer, params, x
 
@@ -73,14 +73,19 @@ def test_the_gated_layer_equals_the_float64_reference_forward_and_backward(mode)
     p64 = {k: np.asarray(v, np.float64) for k, v in params.items()}
     x64 = np.asarray(x, np.float64)
     want = reference_layer(p64, x64)
-    got = jax.jit(lambda p, x: layer.apply({"params": p}, x, mask=masks.Causal()))(params, x)
+    probe = np.random.default_rng(5).standard_normal(want.shape)
+
+    @jax.jit
+    def forward_and_backward(p, x):  # y and the gradients of <probe, y>
+        y, backward = jax.vjp(lambda p, x: layer.apply({"params": p}, x, mask=masks.Causal()),
+                              p, x)
+        return y, backward(jnp.asarray(probe, y.dtype))
+
+    got, (grads, grad_x) = forward_and_backward(params, x)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
     assert np.abs(want - reference_layer(p64, x64, gate=False)).max() > 0.1  # the gate acts
     # Gradients of <probe, y> against the reference's directional derivatives (central
     # differences in float64), for every param and the input.
-    probe = np.random.default_rng(5).standard_normal(want.shape)
-    loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x, mask=masks.Causal()) * probe)
-    grads, grad_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
     rng, eps = np.random.default_rng(6), 1e-6
     for name, grad in [*grads.items(), ("input", grad_x)]:
         value = x64 if name == "input" else p64[name]
@@ -96,17 +101,26 @@ def test_the_gated_layer_equals_the_float64_reference_forward_and_backward(mode)
 @pytest.mark.parametrize("mode", MODES)
 def test_cross_attention_gates_from_the_query_side_and_decodes_as_it_recomputes(mode):
     layer, params, x = gated_layer(mode, seed=2, cross=True)
-    memory = jax.random.normal(jax.random.key(7), (2, 4, D_MODEL))
-    full = layer.apply({"params": params}, x, memory)
+    memory = np.random.default_rng(7).standard_normal((2, 4, D_MODEL)).astype(np.float32)
+
+    @jax.jit
+    def full_and_decoded(params, x, memory):
+        cache = layer.init(jax.random.key(0), x[:, :1], memory, decode=True)["cache"]
+        steps = []
+        for t in range(LENGTH):  # the memory only at the first step; then the cached K/V
+            out, mutated = layer.apply({"params": params, "cache": cache}, x[:, t:t + 1],
+                                       memory if t == 0 else None, decode=True,
+                                       mutable=["cache"])
+            cache = mutated["cache"]
+            steps.append(out[:, 0])
+        return layer.apply({"params": params}, x, memory), jnp.stack(steps, 1)
+
+    full, decoded = map(np.asarray, full_and_decoded(params, x, memory))
     want = reference_layer({k: np.asarray(v, np.float64) for k, v in params.items()},
                            np.asarray(x, np.float64), np.asarray(memory, np.float64), False)
-    np.testing.assert_allclose(np.asarray(full), want, atol=2e-5, rtol=2e-5)
-    cache = layer.init(jax.random.key(0), x[:, :1], memory, decode=True)["cache"]
-    for t in range(LENGTH):  # the memory only at the first step; then the cached K/V
-        out, mutated = layer.apply({"params": params, "cache": cache}, x[:, t:t + 1],
-                                   memory if t == 0 else None, decode=True, mutable=["cache"])
-        cache = mutated["cache"]
-        np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(full[:, t]), atol=2e-5)
+    np.testing.assert_allclose(full, want, atol=2e-5, rtol=2e-5)
+    for t in range(LENGTH):
+        np.testing.assert_allclose(decoded[:, t], full[:, t], atol=2e-5)
 
 
 def test_the_element_gate_is_hugging_faces_qwen3_next_gate_by_the_documented_reshape():
@@ -135,7 +149,7 @@ def test_the_element_gate_is_hugging_faces_qwen3_next_gate_by_the_documented_res
     layer = MultiHeadAttention(AttentionSettings(num_heads=HEADS, head_dim=HEAD_DIM,
                                                  num_kv_heads=KV_HEADS, qk_norm="head",
                                                  gate="element"))
-    got = layer.apply({"params": params}, jnp.asarray(x), mask=masks.Causal())
+    got = jax.jit(lambda p, x: layer.apply({"params": p}, x, mask=masks.Causal()))(params, x)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
 
 
@@ -143,7 +157,8 @@ def test_the_element_gate_is_hugging_faces_qwen3_next_gate_by_the_documented_res
 def test_cached_decoding_of_a_gated_gqa_lm_equals_full_recomputation(mode):
     model = build_model(model_config(attention_gate=mode))
     sequence = tokens()
-    params = perturbed(nn.unbox(jax.jit(model.init)(jax.random.key(0), sequence)["params"]))
+    params = perturbed(jax.tree.map(np.asarray, nn.unbox(
+        jax.jit(model.init)(jax.random.key(0), sequence)["params"])))
     assert "gate" in params["decoder"]["layers_0"]["self_attention"]
     full = np.asarray(jax.jit(model.apply)({"params": params}, sequence))
     cached = cached_logits(model, params, sequence, [3, 6])
@@ -165,8 +180,8 @@ def test_a_scanned_gated_stack_equals_the_unrolled_one_and_its_gate_shards_over_
     specs = [sharding.mesh_spec(PartitionSpec(*p.names), p.value.shape, mesh,
                                 sharding.LOGICAL_AXIS_RULES) for p in (gate, query)]
     assert specs[0] == specs[1] and specs[0][2] == "tensor", specs
-    stacked = {**params, "decoder": stack_layers(dict(params["decoder"]), 2)}
-    got = jax.jit(scanned.apply)({"params": stacked}, sequence)
+    got = jax.jit(lambda p, s: scanned.apply(
+        {"params": {**p, "decoder": stack_layers(dict(p["decoder"]), 2)}}, s))(params, sequence)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
@@ -179,8 +194,9 @@ def test_a_bad_gate_is_a_one_line_error():
     assert "model.attention_gate='scalar': expected one of '', 'head', 'element'" in message
     assert "\n" not in message
     with pytest.raises(ValueError, match=r"gate='scalar': expected '', 'head' or 'element'"):
-        MultiHeadAttention(AttentionSettings(num_heads=2, head_dim=4, gate="scalar")).init(
-            jax.random.key(0), jnp.ones((1, 2, 8)))
+        jax.eval_shape(  # traced, not run: the error comes at the gate's kernel
+            MultiHeadAttention(AttentionSettings(num_heads=2, head_dim=4, gate="scalar")).init,
+            jax.random.key(0), jax.ShapeDtypeStruct((1, 2, 8), jnp.float32))
 
 
 def test_lora_targets_the_gate_by_name_and_not_by_default():

@@ -23,7 +23,23 @@ B, T = 2, 7
 
 
 def inputs(seed=0, length=T, batch=B, d_model=16):
-    return jax.random.normal(jax.random.key(seed), (batch, length, d_model))
+    """Standard normal float32 [batch, length, d_model] (NumPy's draws, put on the device
+    without an op to compile)."""
+    x = np.random.default_rng(seed).standard_normal((batch, length, d_model), np.float32)
+    return jax.device_put(x)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames="deterministic")
+def jit_apply(module, variables, *args, **kwargs):
+    """`module.apply`, compiled once per module, shapes and keywords."""
+    return module.apply(variables, *args, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def init_and_apply(module, key, *args, **kwargs):
+    """`module`'s variables from `key`, and its output on `args`: one program."""
+    variables = module.init(key, *args, **kwargs)
+    return variables, module.apply(variables, *args, **kwargs)
 
 
 def layer_norm(x, p, eps):
@@ -40,7 +56,7 @@ def rms_norm(x, p, eps):
 def test_feed_forward_equals_formula(activation):
     cfg = TransformerConfig(**SMALL, activation=activation)
     x = inputs()
-    variables = MLP(cfg).init(jax.random.key(1), x)
+    variables, out = init_and_apply(MLP(cfg), jax.random.key(1), x)
     p = jax.tree.map(np.asarray, nn.unbox(variables)["params"])
     xs = np.asarray(x, np.float64)
     gelu = lambda z: 0.5 * z * (1 + erf(z / np.sqrt(2)))
@@ -53,7 +69,7 @@ def test_feed_forward_equals_formula(activation):
         act = {"relu": lambda z: np.maximum(0.0, z), "gelu": gelu, "gelu_tanh": gelu_tanh}
         hidden = act[activation](xs @ p["wi"] + p["wi_bias"])
     expected = hidden @ p["wo"] + p["wo_bias"]
-    np.testing.assert_allclose(MLP(cfg).apply(variables, x), expected, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -93,12 +109,15 @@ def train_step_cpu_options(dtype: str = "float32") -> dict:
 def backward_temp_bytes(cfg: TransformerConfig, batch: int = 4, length: int = 32,
                         options: dict | None = None) -> int:
     """Scratch bytes XLA allocates for forward + backward of `cfg.num_layers` causal blocks,
-    compiled with `options`, or else the train step's (`train_step_cpu_options`)."""
+    compiled with `options`, or else the train step's (`train_step_cpu_options`). Lowered for
+    the params' and input's shapes and dtypes (all that a compiled program depends on): no
+    values are made."""
     if options is None:
         options = train_step_cpu_options()
-    block, x, mask = TransformerBlock(cfg), inputs(length=length, batch=batch,
-                                                    d_model=cfg.d_model), masks.Causal()
-    params = [block.init(jax.random.key(i), x, mask, None, None) for i in range(cfg.num_layers)]
+    block, mask = TransformerBlock(cfg), masks.Causal()
+    x = jax.ShapeDtypeStruct((batch, length, cfg.d_model), jnp.float32)
+    params = [jax.eval_shape(block.init, jax.random.key(i), x, mask, None, None)
+              for i in range(cfg.num_layers)]
 
     def loss(params, x):
         for p in params:
@@ -139,28 +158,28 @@ def test_cpu_steps_keep_no_norm_scale_broadcast_for_the_backward_pass(dtype):
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_block_residuals_follow_pre_and_post_ln_formulas(placement, norm):
     cfg = TransformerConfig(**SMALL, norm_placement=placement, norm=norm, position="none")
-    x, mask = inputs(), masks.Causal()
-    block = TransformerBlock(cfg)
-    variables = block.init(jax.random.key(2), x, mask, None, None)
-    p = nn.unbox(variables)["params"]
+    x, mask = np.asarray(inputs()), masks.Causal()
+    variables, out = init_and_apply(TransformerBlock(cfg), jax.random.key(2), x, mask, None, None)
+    p = jax.tree.map(np.asarray, nn.unbox(variables)["params"])
     normed = lambda h, name: (layer_norm if norm == "layernorm" else rms_norm)(
-        np.asarray(h, np.float64), jax.tree.map(np.asarray, p[f"{name}_norm"]), cfg.norm_epsilon)
-    attention = lambda h: np.asarray(MultiHeadAttention(AttentionSettings(4, 4, use_bias=True))
-                                     .apply({"params": p["self_attention"]}, h, mask=mask))
-    mlp = lambda h: np.asarray(MLP(cfg).apply({"params": p["mlp"]}, jnp.asarray(h, jnp.float32)))
+        np.asarray(h, np.float64), p[f"{name}_norm"], cfg.norm_epsilon)
+    attention = lambda h: np.asarray(jit_apply(
+        MultiHeadAttention(AttentionSettings(4, 4, use_bias=True)),
+        {"params": p["self_attention"]}, np.asarray(h, np.float32), mask=mask))
+    mlp = lambda h: np.asarray(jit_apply(MLP(cfg), {"params": p["mlp"]},
+                                         np.asarray(h, np.float32)))
     if placement == "pre":  # x + f(LN(x))
-        h = np.asarray(x) + attention(jnp.asarray(normed(x, "self_attention"), jnp.float32))
+        h = x + attention(normed(x, "self_attention"))
         expected = h + mlp(normed(h, "mlp"))
     else:  # LN(x + f(x))
-        h = normed(np.asarray(x) + attention(x), "self_attention")
+        h = normed(x + attention(x), "self_attention")
         expected = normed(h + mlp(h), "mlp")
-    np.testing.assert_allclose(block.apply(variables, x, mask, None, None), expected,
-                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)
 
 
 def init_stack(cfg, x, mask, cross=False, bidirectional=True, **kwargs):
     stack = TransformerStack(cfg, cross_attention=cross, bidirectional=bidirectional)
-    variables = stack.init(jax.random.key(3), x, mask, **kwargs)
+    variables = jax.jit(stack.init)(jax.random.key(3), x, mask, **kwargs)
     return stack, variables
 
 
@@ -182,28 +201,39 @@ def test_decoder_stack_leaks_no_future(position):
 def test_prefix_lm_stack_is_causal_after_the_prefix_and_bidirectional_within():
     cfg = TransformerConfig(**SMALL, position="rope")
     prefix = 3
-    mask = masks.PrefixLM(jnp.array([prefix, prefix]))
-    x = inputs()
+    mask = masks.PrefixLM(np.array([prefix, prefix], np.int32))
+    x = np.asarray(inputs())
     stack, variables = init_stack(cfg, x, mask)
     apply = jax.jit(lambda x: stack.apply(variables, x, mask))
-    base = apply(x)
-    noise = inputs(seed=99)  # (a constant shift would vanish under LayerNorm)
+    base = np.asarray(apply(x))
+    noise = np.asarray(inputs(seed=99))  # (a constant shift would vanish under LayerNorm)
+
+    def changed(where):
+        moved = x.copy()
+        moved[:, where] += noise[:, where]
+        return np.asarray(apply(moved))
+
     for t in range(prefix, T - 1):  # beyond the prefix: no future leaks
-        out = apply(x.at[:, t + 1:].add(noise[:, t + 1:]))
+        out = changed(np.s_[t + 1:])
         np.testing.assert_allclose(out[:, :t + 1], base[:, :t + 1], atol=1e-5)
         assert not np.allclose(out[:, t + 1:], base[:, t + 1:])
-    out = apply(x.at[:, prefix - 1].add(noise[:, prefix - 1]))  # position 0 sees the last prefix
+    out = changed(prefix - 1)  # position 0 sees the last prefix
     assert not np.allclose(out[:, 0], base[:, 0])
 
 
 @pytest.mark.parametrize("position", ["none", "sinusoidal", "learned", "rope", "alibi", "t5"])
 def test_self_attention_is_permutation_equivariant_only_without_positions(position):
     cfg = TransformerConfig(**SMALL, position=position, max_len=16)
-    x = inputs()
-    stack, variables = init_stack(cfg, x, masks.Full())
+    x = np.asarray(inputs())
+    stack = TransformerStack(cfg, cross_attention=False, bidirectional=True)
     perm = np.random.default_rng(0).permutation(T)
-    out = stack.apply(variables, x, masks.Full())
-    out_of_permuted = stack.apply(variables, x[:, perm], masks.Full())
+
+    @jax.jit
+    def outputs(x, x_permuted):  # initialised as init_stack does; both in one batch
+        variables = stack.init(jax.random.key(3), x, masks.Full())
+        return stack.apply(variables, jnp.concatenate([x, x_permuted]), masks.Full())
+
+    out, out_of_permuted = np.split(np.asarray(outputs(x, x[:, perm])), 2)
     if position == "none":
         np.testing.assert_allclose(out_of_permuted, out[:, perm], atol=1e-5)
     else:
@@ -279,11 +309,12 @@ def test_dropout_only_when_not_deterministic():
     cfg = TransformerConfig(**SMALL, dropout_rate=0.3, attention_dropout_rate=0.3)
     x = inputs()
     stack, variables = init_stack(cfg, x, masks.Causal())
-    eval_a = stack.apply(variables, x, masks.Causal())
-    eval_b = stack.apply(variables, x, masks.Causal(), rngs={"dropout": jax.random.key(1)})
+    eval_a = jit_apply(stack, variables, x, masks.Causal())
+    eval_b = jit_apply(stack, variables, x, masks.Causal(), rngs={"dropout": jax.random.key(1)})
     np.testing.assert_array_equal(eval_a, eval_b)
-    train = lambda seed: stack.apply(variables, x, masks.Causal(), deterministic=False,
-                                     rngs={"dropout": jax.random.key(seed)})
+    train = lambda seed: np.asarray(jit_apply(stack, variables, x, masks.Causal(),
+                                              deterministic=False,
+                                              rngs={"dropout": jax.random.key(seed)}))
     assert not np.allclose(train(1), eval_a)
     assert not np.allclose(train(1), train(2))
     np.testing.assert_array_equal(train(3), train(3))

@@ -63,7 +63,10 @@ def recurrent(x, dt, A, B, C, h0, D, segment_ids=None):
 
 
 def run(fn, v, **kw):
-    return fn(*(jnp.asarray(v[k]) for k in ("x", "dt", "A", "B", "C", "h0", "D")), **kw)
+    """`fn` on the NumPy inputs `v` (a jitted function takes them as they are: no eager
+    transfer op per shape), its outputs as NumPy arrays."""
+    return tuple(map(np.asarray, fn(*(v[k] for k in ("x", "dt", "A", "B", "C", "h0", "D")),
+                                    **kw)))
 
 
 PACKED = np.array([[1] * 5 + [2] * 6 + [0] * 2, [3] * 13])
@@ -76,11 +79,11 @@ def test_chunked_and_recurrent_are_the_recurrence_in_float64(groups):
                                    v["D"])
     with jax.enable_x64():
         for chunk in (1, 4, 5, 13, 64):  # 4, 5: chunks not dividing T = 13
-            y, h = run(chunked, v, segment_ids=jnp.asarray(PACKED), chunk_size=chunk)
+            y, h = run(chunked, v, segment_ids=PACKED, chunk_size=chunk)
             assert y.dtype == jnp.float64
             np.testing.assert_allclose(y, want_y, rtol=1e-11, atol=1e-11, err_msg=f"Q={chunk}")
             np.testing.assert_allclose(h, want_h, rtol=1e-11, atol=1e-11, err_msg=f"Q={chunk}")
-        y, h = run(recurrent, v, segment_ids=jnp.asarray(PACKED))
+        y, h = run(recurrent, v, segment_ids=PACKED)
         np.testing.assert_allclose(y, want_y, rtol=1e-11, atol=1e-11)
         np.testing.assert_allclose(h, want_h, rtol=1e-11, atol=1e-11)
 
@@ -108,7 +111,7 @@ def test_strong_decay_stays_finite():
 def test_packed_documents_run_as_if_alone_and_padding_keeps_the_state():
     v = {k: a.astype(np.float32) for k, a in ssm_inputs(3).items()}
     v["h0"] = np.zeros_like(v["h0"])
-    y, h = run(chunked, v, segment_ids=jnp.asarray(PACKED))
+    y, h = run(chunked, v, segment_ids=PACKED)
     for start, stop in ((0, 5), (5, 11)):
         alone = {k: (a[:, start:stop] if a.ndim > 1 and a.shape[1] == LENGTH else a)
                  for k, a in v.items()}
@@ -135,36 +138,45 @@ def reference_conv(x, kernel, bias, state, segment_ids):
 silu_conv = functools.partial(conv.causal_conv, activation=jax.nn.silu)
 
 
+@jax.jit
+def conv_calls(x, kernel, bias, state, seg):
+    """With segments; then without: in two calls (the first 2 tokens, then the rest, through
+    the state) and in one."""
+    y1, s1 = silu_conv(x[:, :2], kernel, bias, state)
+    return (silu_conv(x, kernel, bias, state, seg), (y1, s1),
+            silu_conv(x[:, 2:], kernel, bias, s1), silu_conv(x, kernel, bias, state))
+
+
 def test_causal_conv():
     rng = np.random.default_rng(4)
     x, kernel = rng.normal(size=(2, 9, 6)), rng.normal(size=(4, 6))
     bias, state = rng.normal(size=6), rng.normal(size=(2, 3, 6))
     seg = np.array([[1, 1, 2, 2, 2, 2, 0, 0, 0], [1] * 7 + [0] * 2])
-    y, new = silu_conv(*map(jnp.asarray, (x, kernel, bias, state, seg)))
+    calls = jax.tree.map(np.asarray, conv_calls(x, kernel, bias, state, seg))
+    (y, new), (y1, _), (y2, s2), (y_all, s_all) = calls
     np.testing.assert_allclose(y, reference_conv(x, kernel, bias, state, seg), atol=1e-5)
     np.testing.assert_allclose(new[0], x[0, 3:6], atol=1e-6)  # the last 3 before the padding
     np.testing.assert_allclose(new[1], x[1, 4:7], atol=1e-6)
     # in two calls, through the state
-    y1, s1 = silu_conv(*map(jnp.asarray, (x[:, :2], kernel, bias, state)))
-    y2, s2 = silu_conv(jnp.asarray(x[:, 2:]), jnp.asarray(kernel), jnp.asarray(bias), s1)
-    y_all, s_all = silu_conv(*map(jnp.asarray, (x, kernel, bias, state)))
     np.testing.assert_allclose(np.concatenate([y1, y2], 1), y_all, atol=1e-6)
     np.testing.assert_allclose(s2, s_all, atol=1e-6)
 
 
 def test_gradients_agree_between_chunked_and_recurrent():
-    v = {k: jnp.asarray(a, jnp.float32) for k, a in ssm_inputs(5).items()}
+    v = {k: a.astype(np.float32) for k, a in ssm_inputs(5).items()}
     v["A"] = v["A"] * 20  # decays below exp(-50) across a chunk: the masked -inf paths
-    w_y, w_h = jax.random.normal(jax.random.key(0), (2, *v["x"].shape[1:])), 0.3
-    seg = jnp.asarray(PACKED)
+    w_y = np.random.default_rng(0).normal(size=v["x"].shape).astype(np.float32)
 
-    def loss(fn, args):
-        y, h = fn(*args, segment_ids=seg)
+    def loss(fn, args, w_y, w_h=0.3):
+        y, h = fn(*args, segment_ids=PACKED)
         return jnp.sum(y * w_y) + w_h * jnp.sum(h**2)
 
+    @jax.jit
+    def grads(args, w_y):
+        return [jax.grad(lambda a, fn=fn: loss(fn, a, w_y))(args) for fn in (chunked, recurrent)]
+
     args = tuple(v[k] for k in ("x", "dt", "A", "B", "C", "h0", "D"))
-    g_chunk = jax.grad(lambda a: loss(chunked, a))(args)
-    g_rec = jax.grad(lambda a: loss(recurrent, a))(args)
+    g_chunk, g_rec = jax.tree.map(np.asarray, grads(args, w_y))
     for name, a, b in zip("x dt A B C h0 D".split(), g_chunk, g_rec, strict=True):
         assert np.isfinite(a).all(), name
         scale = np.abs(b).max()
@@ -181,20 +193,21 @@ SETTINGS = m2.Mamba2Settings(num_heads=4, head_dim=8, num_groups=2, state_size=8
 
 @pytest.fixture(scope="module")
 def layer_and_params():
+    """The layer, its params (NumPy) moved away from their init, and the boxed init."""
     layer = m2.Mamba2(SETTINGS)
-    params = nn.unbox(jax.jit(layer.init)(jax.random.key(0), jnp.ones((1, 3, D_MODEL)))["params"])
-    leaves, tree = jax.tree.flatten(params)
-    noise = [0.2 * jax.random.normal(jax.random.key(i + 1), a.shape) for i, a in enumerate(leaves)]
-    return layer, jax.tree.unflatten(tree, [a + n for a, n in zip(leaves, noise, strict=True)])
+    boxed = jax.jit(layer.init)(jax.random.key(0), np.ones((1, 3, D_MODEL), np.float32))
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda a: (a + 0.2 * rng.normal(size=a.shape)).astype(a.dtype),
+                          jax.tree.map(np.asarray, nn.unbox(boxed["params"])))
+    return layer, params, boxed["params"]
 
 
 def test_params_and_logical_axes(layer_and_params):
-    layer, params = layer_and_params
-    shapes = jax.tree.map(jnp.shape, params)
+    layer, params, boxed = layer_and_params
+    shapes = jax.tree.map(np.shape, params)
     assert shapes["z"] == shapes["x"] == (D_MODEL, 4, 8)
     assert shapes["B"] == shapes["C"] == (D_MODEL, 2, 8)
     assert shapes["conv_x"] == (4, 4, 8) and shapes["out"] == (4, 8, D_MODEL)
-    boxed = jax.jit(layer.init)(jax.random.key(0), jnp.ones((1, 3, D_MODEL)))["params"]
     names = {k: v.names for k, v in boxed.items()}
     assert names["x"] == ("embed", "heads", "kv") and names["B"] == ("embed", "kv_heads", "state")
     assert names["conv_C"] == ("conv", "kv_heads", "state") and names["A_log"] == ("heads",)
@@ -205,35 +218,42 @@ def test_params_and_logical_axes(layer_and_params):
 
 
 def test_decode_equals_the_full_forward(layer_and_params):
-    layer, params = layer_and_params
-    x = jax.random.normal(jax.random.key(7), (2, 12, D_MODEL))
-    full = jax.jit(layer.apply)({"params": params}, x)
+    layer, params, _ = layer_and_params
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(2, 12, D_MODEL)).astype(np.float32)
+    full = np.asarray(jax.jit(layer.apply)({"params": params}, x))
     lengths = (5, 8)  # row 0's prefill is right-padded
-    prefill = x[:, :8].at[0, 5:].set(jax.random.normal(jax.random.key(8), (3, D_MODEL)))
-    seg = jnp.asarray([[1] * 5 + [0] * 3, [1] * 8])
+    prefill = x[:, :8].copy()
+    prefill[0, 5:] = rng.normal(size=(3, D_MODEL))
+    seg = np.array([[1] * 5 + [0] * 3, [1] * 8])
     cache = jax.jit(functools.partial(layer.init, decode=True))(jax.random.key(0), prefill)[
         "cache"]
     assert all(not np.asarray(a).any() for a in jax.tree.leaves(cache))
     assert cache["ssm_state"].shape == (2, 4, 8, 8) and cache["conv_state"].shape == (2, 3, 64)
     step = jax.jit(functools.partial(layer.apply, decode=True, mutable=["cache"]))
     out, state = step({"params": params, "cache": cache}, prefill, segment_ids=seg)
+    out = np.asarray(out)
     for row, n in enumerate(lengths):
         np.testing.assert_allclose(out[row, :n], full[row, :n], rtol=1e-5, atol=1e-5)
     for j in range(4):
-        token = jnp.stack([x[row, n + j] for row, n in enumerate(lengths)])[:, None]
+        token = np.stack([x[row, n + j] for row, n in enumerate(lengths)])[:, None]
         out, state = step({"params": params, **state}, token)
+        out = np.asarray(out)
         for row, n in enumerate(lengths):
             np.testing.assert_allclose(out[row, 0], full[row, n + j], rtol=1e-5, atol=1e-5,
                                        err_msg=f"step {j}, row {row}")
 
 
 def test_layer_gradients_are_finite_with_documents(layer_and_params):
-    layer, params = layer_and_params
-    x = jax.random.normal(jax.random.key(9), (2, 12, D_MODEL))
-    seg = jnp.asarray([[1] * 5 + [2] * 5 + [0] * 2, [1] * 12])
+    layer, params, _ = layer_and_params
+    x = np.random.default_rng(9).normal(size=(2, 12, D_MODEL)).astype(np.float32)
+    seg = np.array([[1] * 5 + [2] * 5 + [0] * 2, [1] * 12])
     grads = jax.jit(jax.grad(
         lambda p: jnp.sum(layer.apply({"params": p}, x, segment_ids=seg) ** 2)))(params)
     assert all(np.isfinite(g).all() and np.abs(g).max() > 0 for g in jax.tree.leaves(grads))
+
+
+gated_rms_norm = jax.jit(m2.gated_rms_norm, static_argnums=(3, 4, 5))
 
 
 @pytest.mark.parametrize("norm_before_gate", [False, True])
@@ -245,7 +265,7 @@ def test_gated_norm_per_group(norm_before_gate):
     g = y.reshape(2, 3, 2, 16) * (1 if norm_before_gate else gate.reshape(2, 3, 2, 16))
     want = (g / np.sqrt((g**2).mean(-1, keepdims=True) + 1e-5)).reshape(y.shape) * w
     want = want * gate if norm_before_gate else want
-    got = m2.gated_rms_norm(*map(jnp.asarray, (y, z, w)), 2, 1e-5, norm_before_gate)
+    got = gated_rms_norm(y, z, w, 2, 1e-5, norm_before_gate)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -258,7 +278,7 @@ def hf_to_params(mixer, s: m2.Mamba2Settings) -> dict:
     ckpt = Checkpoint(mixer.state_dict(), dtype=np.float64)
     p = mixer_params(ckpt, "", s.num_heads, s.head_dim, s.num_groups, s.state_size)
     ckpt.check_all_used()
-    return {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
+    return {k: np.asarray(v, np.float32) for k, v in p.items()}
 
 
 def test_matches_hugging_face_mamba2_mixer():
@@ -280,8 +300,7 @@ def test_matches_hugging_face_mamba2_mixer():
     with torch.no_grad():
         want = mixer(torch.from_numpy(x)).numpy()
     settings = dataclasses.replace(SETTINGS, norm_epsilon=1e-5)
-    got = jax.jit(m2.Mamba2(settings).apply)({"params": hf_to_params(mixer, settings)},
-                                              jnp.asarray(x))
+    got = jax.jit(m2.Mamba2(settings).apply)({"params": hf_to_params(mixer, settings)}, x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import mup_coord_check  # noqa: E402
 import test_model_knobs  # noqa: E402
 
-TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 16)), jnp.int32)
+TOKENS = jax.device_put(np.random.default_rng(0).integers(0, 64, (2, 16)).astype(np.int32))
 
 
 def config(width=64, parametrization="mup", base=32, **model):
@@ -54,7 +54,7 @@ def test_at_the_base_width_mup_is_the_standard_parametrization_bit_for_bit():
 
 def test_hidden_matrices_start_smaller_and_the_rest_as_they_were():
     """init_std / sqrt(m) on q/k/v/out and the MLP kernels; the embedding keeps init_std."""
-    stds = {p: jax.tree.map(lambda x: float(np.std(x)), init(config(256, p))[1])
+    stds = {p: jax.tree.map(lambda x: float(np.std(np.asarray(x))), init(config(256, p))[1])
             for p in ("standard", "mup")}
     layer = lambda p: stds[p]["decoder"]["layers_0"]
     m = 256 / 32
@@ -72,22 +72,28 @@ def test_logits_and_attention_are_scaled_by_the_width_multiplier():
     m, head_dim = width / base, width // 4
     model_m, params = init(config(width, "mup", base))
     model_s = build_model(config(width, "standard", attention_scale=(head_dim * m) ** -0.5).model)
-    np.testing.assert_allclose(model_m.apply({"params": params}, TOKENS),
-                               model_s.apply({"params": params}, TOKENS) / m, rtol=2e-5,
-                               atol=1e-6)
+    logits_m, logits_s = map(np.asarray, jax.jit(lambda p: [
+        model.apply({"params": p}, TOKENS) for model in (model_m, model_s)])(params))
+    np.testing.assert_allclose(logits_m, logits_s / m, rtol=2e-5, atol=1e-6)
 
 
 def test_adam_steps_of_hidden_matrices_are_m_times_smaller():
     width, base = 128, 32
     _, params = init(config(width, "standard"))
-    grads = jax.tree.map(lambda x: jnp.asarray(np.random.default_rng(1).standard_normal(
-        x.shape), x.dtype), params)
-    updates = {}
-    for p in ("standard", "mup"):
-        tx = optim.make_optimizer(config(width, p, base))
-        state = tx.init(params)
-        for _ in range(2):
-            updates[p], state = tx.update(grads, state, params)
+    grads = jax.tree.map(lambda x: np.random.default_rng(1).standard_normal(x.shape).astype(
+        x.dtype), params)
+    txs = {p: optim.make_optimizer(config(width, p, base)) for p in ("standard", "mup")}
+
+    @jax.jit
+    def second_updates(params, grads):
+        updates = {}
+        for p, tx in txs.items():
+            state = tx.init(params)
+            for _ in range(2):
+                updates[p], state = tx.update(grads, state, params)
+        return updates
+
+    updates = jax.tree.map(np.asarray, second_updates(params, grads))
     ratio = jax.tree.map(lambda a, b: float(np.max(np.abs(a / b))), updates["mup"],
                          updates["standard"])
     layer = ratio["decoder"]["layers_1"]

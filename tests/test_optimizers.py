@@ -72,15 +72,27 @@ def records(workdir: Path, split: str = "train") -> list[dict]:
 # --- each update is optax's -------------------------------------------------------------------
 
 
+def gradients(params, i):
+    """Step `i`'s fixed pseudo-random gradients."""
+    return jax.tree.map(lambda p: jnp.sin(p * (i + 2.0) + 1.0), params)
+
+
+def trajectory(steps, step, carry):
+    """`step` (carry, i) -> (carry, out) `steps` times in one compiled loop; each step's out."""
+    _, out = jax.lax.scan(step, carry, jnp.arange(steps))
+    return [jax.tree.map(lambda a, i=i: a[i], out) for i in range(steps)]
+
+
 def updates(tx, params, steps: int = 3):
-    """`tx`'s updates over `steps` steps of fixed pseudo-random gradients."""
-    state, out = tx.init(params), []
-    for i in range(steps):
-        grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 2.0) + 1.0), params)
-        update, state = jax.jit(tx.update)(grads, state, params)
-        out.append(update)
-        params = optax.apply_updates(params, update)
-    return out
+    """`tx`'s updates over `steps` steps of fixed pseudo-random gradients (one program)."""
+
+    def step(carry, i):
+        params, state = carry
+        update, state = tx.update(gradients(params, i), state, params)
+        return (optax.apply_updates(params, update), state), update
+
+    out = jax.jit(lambda params: trajectory(steps, step, (params, tx.init(params))))(params)
+    return jax.tree.map(np.asarray, out)
 
 
 def direct(config) -> optax.GradientTransformation:
@@ -105,7 +117,8 @@ def direct(config) -> optax.GradientTransformation:
 @pytest.mark.parametrize("name", [n for n in optim.NAMES if n != "muon"])
 def test_each_update_is_optax_own(name):
     config = tiny(name, steps=10, grad_clip_norm=0.0)
-    params = {"w": jnp.linspace(-1, 1, 32 * 16).reshape(32, 16), "b": jnp.linspace(0, 1, 16)}
+    params = {"w": np.linspace(-1, 1, 32 * 16, dtype=np.float32).reshape(32, 16),
+              "b": np.linspace(0, 1, 16, dtype=np.float32)}
     for ours, theirs in zip(updates(optim.make_optimizer(config), params),
                             updates(direct(config), params), strict=True):
         jax.tree.map(np.testing.assert_array_equal, ours, theirs)
@@ -156,15 +169,19 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(gpt_params):
 
 
 def updates_along(txs, params, steps: int = 3):
-    """Each of `txs`' updates on the params and gradients of the first one's trajectory."""
-    states = [tx.init(params) for tx in txs]
-    for i in range(steps):
-        grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 2.0) + 1.0), params)
-        out = [jax.jit(tx.update)(grads, state, params)
-               for tx, state in zip(txs, states, strict=True)]
-        states = [state for _, state in out]
-        yield [update for update, _ in out]
+    """Each of `txs`' updates on the params and gradients of the first one's trajectory (one
+    program)."""
+
+    def step(carry, i):
+        params, states = carry
+        grads = gradients(params, i)
+        out = [tx.update(grads, state, params) for tx, state in zip(txs, states, strict=True)]
         params = optax.apply_updates(params, out[0][0])
+        return (params, [state for _, state in out]), [update for update, _ in out]
+
+    out = jax.jit(lambda params: trajectory(
+        steps, step, (params, [tx.init(params) for tx in txs])))(params)
+    return jax.tree.map(np.asarray, out)
 
 
 # --- training: resume, refusal, batched seeds ----------------------------------------------
@@ -414,17 +431,24 @@ def test_fine_tuning_groups_work_with_every_optimizer(gpt_params, name):
     config = tiny(name, freeze="^embed/", head="final_norm", head_learning_rate=1e-2)
     config.model.update(scan_layers=True, num_layers=2, vocab_size=64)
     tx = optim.make_optimizer(config)
-    state, trained = tx.init(params), params
-    for i in range(2):
-        grads = jax.tree.map(lambda p, i=i: jnp.cos(p + i), trained)
-        update, state = jax.jit(tx.update)(grads, state, trained)
-        trained = optax.apply_updates(trained, update)
+
+    def step(carry, i):
+        trained, state = carry
+        grads = jax.tree.map(lambda p: jnp.cos(p + i), trained)
+        update, state = tx.update(grads, state, trained)
+        return (optax.apply_updates(trained, update), state), None
+
+    @jax.jit
+    def train_and_eval_params(params):
+        (trained, state), _ = jax.lax.scan(step, (params, tx.init(params)), jnp.arange(2))
+        return trained, optim.eval_params(TrainState(jnp.zeros((), jnp.int32), trained, state,
+                                                     jnp.full((), -1, jnp.int32)), config)
+
+    trained, x = jax.tree.map(np.asarray, train_and_eval_params(params))
     frozen = params["embed"]["embedding"]
     np.testing.assert_array_equal(trained["embed"]["embedding"], frozen)
     assert not np.array_equal(trained["decoder"]["final_norm"]["scale"],
                               params["decoder"]["final_norm"]["scale"])
-    x = optim.eval_params(TrainState(jnp.zeros((), jnp.int32), trained, state,
-                                     jnp.full((), -1, jnp.int32)), config)
     np.testing.assert_array_equal(x["embed"]["embedding"], frozen)
     moved = [not np.array_equal(a, b) for a, b in
              zip(jax.tree.leaves(x), jax.tree.leaves(trained), strict=True)]
