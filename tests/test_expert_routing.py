@@ -6,6 +6,7 @@ dense layers, scanned apart; and the settings' one-line errors."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import flax.linen as nn
@@ -65,8 +66,9 @@ def test_routing_equals_a_float64_loop(name):
     bias = rng.normal(scale=0.3, size=16).astype(np.float32) if "biased" in name else 0.0
     top_k = settings.pop("top_k")
     normalize = settings.pop("normalize", True)
-    got = routing.route(jnp.asarray(logits), top_k, None, normalize,
-                        bias_E=jnp.asarray(bias) if "biased" in name else None, **settings)
+    got = jax.jit(lambda logits, bias: routing.route(logits, top_k, None, normalize, bias_E=bias,
+                                                     **settings))(
+        logits, bias if "biased" in name else None)
     ref = {"score": settings.get("score", "softmax"), "groups": settings.get("groups", 1),
            "top_groups": settings.get("top_groups", 1), "scale": settings.get("scale", 1.0)}
     choices, gates = reference_routing(logits, bias, top_k, normalize=normalize, **ref)
@@ -97,8 +99,9 @@ def test_routing_equals_transformers_deepseek_v3_router():
         router.weight.copy_(torch.from_numpy(weight))
         router.e_score_correction_bias.copy_(torch.from_numpy(bias))
         _, hf_gates, hf_choice = router(torch.from_numpy(x))
-    ours = routing.route(jnp.einsum("btd,ed->bte", x, weight), 4, None, score="sigmoid",
-                         bias_E=jnp.asarray(bias), groups=4, top_groups=2, scale=2.5)
+    ours = jax.jit(lambda x, weight, bias: routing.route(
+        jnp.einsum("btd,ed->bte", x, weight), 4, None, score="sigmoid", bias_E=bias, groups=4,
+        top_groups=2, scale=2.5))(x, weight, bias)
     order = np.argsort(hf_choice.numpy(), -1)  # HF's top-k is unsorted
     np.testing.assert_array_equal(np.sort(np.asarray(ours.choice_BTK).reshape(24, 4), -1),
                                   np.take_along_axis(hf_choice.numpy(), order, -1))
@@ -117,32 +120,44 @@ def biased_config(rate=0.05, **settings):
                                 bias_update_rate=rate), **settings})
 
 
-def setup(config, learning_rate=1e-2, skew=0.0):
-    """(model, train step, state) with AdamW (weight decay 0.1); `skew` added to expert 0's
-    bias in every MoE layer (every token then prefers it)."""
+@functools.cache  # shared by the tests that train the same model (each compiles once)
+def setup(rate, learning_rate=1e-2, skew=0.0, **settings):
+    """(config, model, train step, state, batch) of `biased_config(rate, **settings)` with AdamW
+    (weight decay 0.1); `skew` added to expert 0's bias in every MoE layer (every token then
+    prefers it)."""
+    config = biased_config(rate, **settings)
     model = models.build_model(config.model)
     batch = text_batch()
-    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch["inputs"])["params"])
-    for name in ("layers_1", "layers_3"):
-        moe = params["decoder"][name]["moe"]
-        moe["balance_bias"] = moe["balance_bias"].at[0].add(skew)
     optimizer = optax.adamw(learning_rate, weight_decay=0.1)
-    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
-                       jnp.asarray(-1, jnp.int32))
-    return model, jax.jit(make_train_step(model, config, optimizer)), state, batch
+
+    @jax.jit
+    def initial_state(inputs):  # one program, not an eager op per param
+        params = nn.unbox(model.init(jax.random.key(0), inputs)["params"])
+        for name in ("layers_1", "layers_3"):
+            moe = params["decoder"][name]["moe"]
+            moe["balance_bias"] = moe["balance_bias"].at[0].add(skew)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+                          jnp.asarray(-1, jnp.int32))
+
+    state = initial_state(batch["inputs"])
+    return config, model, jax.jit(make_train_step(model, config, optimizer)), state, batch
 
 
 def sown_loads(model, params, batch):
-    _, state = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
-                           segment_ids=batch["segment_ids"], mutable=["losses"])
-    return {name: np.asarray(state["losses"]["decoder"][name]["moe"]["expert_load"][0])
-            for name in ("layers_1", "layers_3")}
+    @jax.jit
+    def loads(params, batch):
+        _, state = model.apply({"params": params}, batch["inputs"],
+                               positions=batch["positions"], segment_ids=batch["segment_ids"],
+                               mutable=["losses"])
+        return {name: state["losses"]["decoder"][name]["moe"]["expert_load"][0]
+                for name in ("layers_1", "layers_3")}
+
+    return {name: np.asarray(load) for name, load in loads(params, batch).items()}
 
 
 @pytest.mark.slow
 def test_the_step_moves_each_bias_by_the_sign_of_its_load_error_and_nothing_else_does():
-    config = biased_config(rate=0.05)
-    model, step, state, batch = setup(config)
+    config, model, step, state, batch = setup(0.05)
     loads = sown_loads(model, state.params, batch)
     new, metrics = step(state, batch)
     for name, load in loads.items():
@@ -157,12 +172,12 @@ def test_the_step_moves_each_bias_by_the_sign_of_its_load_error_and_nothing_else
     assert "moe_expert_load" not in metrics
     # Gradients never reach the bias (it only moves a choice) ...
     family = models.family_of(config)
-    grads = jax.grad(lambda p: family.loss_and_metrics(model, config, p, batch)[0])(state.params)
+    grads = jax.jit(jax.grad(lambda p: family.loss_and_metrics(model, config, p, batch)[0]))(
+        state.params)
     assert not np.asarray(grads["decoder"]["layers_1"]["moe"]["balance_bias"]).any()
     assert np.asarray(grads["decoder"]["layers_1"]["moe"]["router"]).any()
     # ... and at rate 0 AdamW's weight decay does not either: the bias is fixed.
-    config0 = biased_config(rate=0.0)
-    _, step0, state0, _ = setup(config0, skew=0.5)
+    _, _, step0, state0, _ = setup(0.0, skew=0.5)
     new0, _ = step0(state0, batch)
     np.testing.assert_array_equal(new0.params["decoder"]["layers_3"]["moe"]["balance_bias"],
                                   state0.params["decoder"]["layers_3"]["moe"]["balance_bias"])
@@ -172,22 +187,21 @@ def test_the_step_moves_each_bias_by_the_sign_of_its_load_error_and_nothing_else
 def test_the_bias_brings_a_skewed_router_to_balance_without_any_gradient():
     """Every token prefers expert 0 (its bias starts 1 above the rest); with the learning
     rate 0 only the bias moves, and it evens the load out (DeepSeek-V3's mechanism)."""
-    config = biased_config(rate=0.02, load_balance_loss=0.0, router_z_loss=0.0)
-    _, step, state, batch = setup(config, learning_rate=0.0, skew=1.0)
+    _, _, step, state, batch = setup(0.02, learning_rate=0.0, skew=1.0, load_balance_loss=0.0,
+                                     router_z_loss=0.0)
     imbalances = []
     for _ in range(60):
         state, metrics = step(state, batch)
         imbalances.append(float(metrics["moe_imbalance"]))
     assert imbalances[0] > 3.5  # expert 0 takes nearly every token
     assert max(imbalances[-10:]) < 2.0 and max(imbalances[-10:]) < imbalances[0] / 2
-    frozen = setup(biased_config(rate=0.0), learning_rate=0.0, skew=1.0)
-    assert float(frozen[1](frozen[2], batch)[1]["moe_imbalance"]) == imbalances[0]
+    frozen = setup(0.0, learning_rate=0.0, skew=1.0)
+    assert float(frozen[2](frozen[3], batch)[1]["moe_imbalance"]) == imbalances[0]
 
 
 @pytest.mark.slow
 def test_micro_batches_move_the_bias_as_the_whole_batch_does():
-    config = biased_config(rate=0.05)
-    model, step, state, batch = setup(config)
+    _, model, step, state, batch = setup(0.05)
     accumulated = biased_config(rate=0.05)
     accumulated.optimizer.grad_accumulation_steps = 2
     optimizer = optax.adamw(1e-2, weight_decay=0.1)
@@ -204,16 +218,18 @@ def test_the_first_dense_layers_scan_apart_and_equal_the_unrolled_stack():
     config = biased_config(every_n_layers=1, first_dense_layers=2)
     batch = text_batch()
     plain = models.build_model(config.model)
-    params = nn.unbox(jax.jit(plain.init)(jax.random.key(0), batch["inputs"])["params"])
+    params = nn.unbox(jax.jit(lambda inputs: plain.init(jax.random.key(0), inputs))(
+        batch["inputs"])["params"])
     decoder = params["decoder"]
     assert ["moe" in decoder[f"layers_{i}"] for i in range(4)] == [False, False, True, True]
     config.model.scan_layers = True
     scanned = models.build_model(config.model)
-    stack = lambda *names: jax.tree.map(lambda *x: jnp.stack(x), *(decoder[n] for n in names))
+    stack = lambda *names: jax.tree.map(lambda *x: np.stack(x), *(decoder[n] for n in names))
     p_scan = {**params, "decoder": {"final_norm": decoder["final_norm"],
                                     "dense_layers": stack("layers_0", "layers_1"),
                                     "layers": stack("layers_2", "layers_3")}}
-    shapes = nn.unbox(jax.eval_shape(scanned.init, jax.random.key(0), batch["inputs"])["params"])
+    shapes = nn.unbox(jax.eval_shape(lambda inputs: scanned.init(jax.random.key(0), inputs),
+                                     batch["inputs"])["params"])
     assert jax.tree.map(jnp.shape, shapes) == jax.tree.map(jnp.shape, p_scan)
     family = models.family_of(config)
     loss = lambda m, p: family.loss_and_metrics(m, config, p, batch, loads=True)[1]
@@ -226,9 +242,11 @@ def test_the_first_dense_layers_scan_apart_and_equal_the_unrolled_stack():
                                rtol=1e-6)
     from transformer.nn import blocks
 
-    names = sorted(blocks.layer_imbalance(got["moe_expert_load"], scanned.config))
-    assert names == sorted(blocks.layer_imbalance(want["moe_expert_load"], plain.config)) == [
-        "decoder_2", "decoder_3"]
+    # the names alone (eval_shape: no program to compile)
+    names = lambda loads, cfg: sorted(jax.eval_shape(lambda x: blocks.layer_imbalance(x, cfg),
+                                                     loads))
+    assert names(got["moe_expert_load"], scanned.config) == names(
+        want["moe_expert_load"], plain.config) == ["decoder_2", "decoder_3"]
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -300,7 +318,7 @@ def test_gpt_oss_experts_equal_transformers(capacity_factor):
               "wi_gate": p["gate_up"][..., ::2], "wi_up": p["gate_up"][..., 1::2],
               "wi_gate_bias": p["gate_up_bias"][:, ::2], "wi_up_bias": p["gate_up_bias"][:, 1::2],
               "wo": p["down"], "wo_bias": p["down_bias"]}
-    shapes = nn.unbox(jax.eval_shape(layer.init, jax.random.key(0), x)["params"])
+    shapes = nn.unbox(jax.eval_shape(lambda x: layer.init(jax.random.key(0), x), x)["params"])
     assert jax.tree.map(jnp.shape, shapes) == jax.tree.map(jnp.shape, params)
     y, routing_out = jax.jit(lambda p, x: layer.apply({"params": p}, x))(params, x)
     assert float(routing_out.dropped) == 0.0

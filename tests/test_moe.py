@@ -83,26 +83,37 @@ def test_the_block_equals_a_loop_over_tokens_and_experts(experts, top_k, capacit
                                capacity_factor=capacity_factor, num_shared=shared,
                                activation=nn.gelu, gated=gated, normalize_gates=normalize,
                                init_std=0.5)
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((B, T, D)), jnp.float32)
-    params = nn.unbox(layer.init(jax.random.key(0), x)["params"])
+    x = np.random.default_rng(0).standard_normal((B, T, D)).astype(np.float32)
+
+    @jax.jit
+    def init(x):  # the params and the router's logits, in one program
+        params = nn.unbox(layer.init(jax.random.key(0), x)["params"])
+        return params, jnp.einsum("btd,de->bte", x, params["router"])
+
+    params, logits = init(x)
     slots = moe.capacity(T, experts, top_k, capacity_factor)
-    logits = np.asarray(jnp.einsum("btd,de->bte", x, params["router"]))
+    logits = np.asarray(logits)
     kept, dropped = decisions(logits, top_k, slots, normalize)
     if capacity_factor == 0.5:
         assert dropped > 0.2  # the case really drops
     if capacity_factor == 0.0:
         assert dropped == 0
 
-    (y, routing), vjp = jax.vjp(lambda p, x: layer.apply({"params": p}, x), params, x)
-    want, want_vjp = jax.vjp(lambda p, x: reference(p, x, kept, gated=gated,
-                                                    normalize=normalize, shared=shared),
-                             params, x)
+    @jax.jit
+    def outputs_and_grads(params, x, probe):  # the block's and the loop's, in one program
+        (y, routing), vjp = jax.vjp(lambda p, x: layer.apply({"params": p}, x), params, x)
+        want, want_vjp = jax.vjp(lambda p, x: reference(p, x, kept, gated=gated,
+                                                        normalize=normalize, shared=shared),
+                                 params, x)
+        zero = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0)
+                            if jnp.issubdtype(a.dtype, jnp.integer) else jnp.zeros_like(a),
+                            routing)
+        return y, routing.dropped, want, vjp((probe, zero)), want_vjp(probe)
+
+    probe = np.random.default_rng(1).standard_normal((B, T, D)).astype(np.float32)
+    y, got_dropped, want, got_grads, want_grads = outputs_and_grads(params, x, probe)
     np.testing.assert_allclose(y, want, atol=1e-5)
-    assert float(routing.dropped) == pytest.approx(dropped)
-    probe = jnp.asarray(np.random.default_rng(1).standard_normal(y.shape), jnp.float32)
-    zero = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0)
-                        if jnp.issubdtype(a.dtype, jnp.integer) else jnp.zeros_like(a), routing)
-    got_grads, want_grads = vjp((probe, zero)), want_vjp(probe)
+    assert float(got_dropped) == pytest.approx(dropped)
     for got, expected in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads),
                              strict=True):
         np.testing.assert_allclose(got, expected, atol=1e-5)
@@ -111,7 +122,8 @@ def test_the_block_equals_a_loop_over_tokens_and_experts(experts, top_k, capacit
 def test_the_auxiliary_losses_equal_their_formulas():
     rng = np.random.default_rng(2)
     logits = rng.standard_normal((3, 16, 6)).astype(np.float32) * 2
-    routing = moe.route(jnp.asarray(logits), top_k=2, slots=4)
+    route = jax.jit(moe.route, static_argnames=("top_k", "slots"))
+    routing = route(logits, top_k=2, slots=4)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     top2 = np.argsort(-logits, -1)[..., :2]
@@ -121,14 +133,14 @@ def test_the_auxiliary_losses_equal_their_formulas():
     lse = np.log(np.exp(logits).sum(-1))
     np.testing.assert_allclose(routing.router_z, np.mean(lse**2), rtol=1e-6)
     # A uniform router is perfectly balanced (1), however ties are broken.
-    assert float(moe.route(jnp.zeros((2, 8, 4)), top_k=2, slots=8).load_balance) == (
+    assert float(route(np.zeros((2, 8, 4), np.float32), top_k=2, slots=8).load_balance) == (
         pytest.approx(1.0))
 
 
 def test_the_router_runs_in_float32_and_experts_carry_the_expert_axis():
     layer = moe.MoEFeedForward(num_experts=4, d_ff=F, dtype=jnp.bfloat16)
-    x = jnp.ones((B, T, D), jnp.bfloat16)
-    variables = layer.init(jax.random.key(0), x)
+    x = np.ones((B, T, D), jnp.bfloat16)
+    variables = jax.jit(lambda x: layer.init(jax.random.key(0), x))(x)
     boxed = variables["params"]
     assert boxed["router"].value.dtype == jnp.float32
     assert boxed["wi"].names == ("expert", "expert_embed", "mlp")
@@ -143,7 +155,8 @@ def test_the_router_runs_in_float32_and_experts_carry_the_expert_axis():
 ])
 def test_bad_settings_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        moe.MoEFeedForward(**kwargs).init(jax.random.key(0), jnp.ones((1, 4, D)))
+        jax.eval_shape(lambda: moe.MoEFeedForward(**kwargs).init(jax.random.key(0),
+                                                                  jnp.ones((1, 4, D))))
 
 
 # --- in the stacks ------------------------------------------------------------------------------
@@ -172,7 +185,7 @@ def grouped(unrolled: dict, num_layers: int, every: int) -> dict:
     """Unrolled decoder params {layers_i} -> the scanned groups {layers: {block_j: [L/n]}}."""
     decoder = dict(unrolled["decoder"])
     layers = [decoder.pop(f"layers_{i}") for i in range(num_layers)]
-    decoder["layers"] = {f"block_{j}": jax.tree.map(lambda *xs: jnp.stack(xs),
+    decoder["layers"] = {f"block_{j}": jax.tree.map(lambda *xs: np.stack(xs),
                                                     *layers[j::every]) for j in range(every)}
     return {**unrolled, "decoder": decoder}
 
@@ -183,14 +196,16 @@ def test_every_nth_layer_is_moe_and_a_scanned_rematerialised_stack_equals_the_un
     batch = text_batch()
     family = models.family_of(config)
     unrolled_model = models.build_model(config.model)
-    params = nn.unbox(jax.jit(unrolled_model.init)(jax.random.key(0), batch["inputs"])["params"])
+    params = nn.unbox(jax.jit(lambda inputs: unrolled_model.init(jax.random.key(0), inputs))(
+        batch["inputs"])["params"])
     assert [("moe" in params["decoder"][f"layers_{i}"]) for i in range(4)] == [
         False, True, False, True]
     assert "mlp" in params["decoder"]["layers_0"] and "mlp" not in params["decoder"]["layers_1"]
     config.model.update(scan_layers=True, remat_policy="full")
     scanned_model = models.build_model(config.model)
     scanned = grouped(params, 4, 2)
-    shapes = jax.eval_shape(scanned_model.init, jax.random.key(0), batch["inputs"])["params"]
+    shapes = jax.eval_shape(lambda inputs: scanned_model.init(jax.random.key(0), inputs),
+                            batch["inputs"])["params"]
     assert jax.tree.map(lambda x: x.shape, nn.unbox(shapes)) == jax.tree.map(
         lambda x: x.shape, scanned)
 
@@ -215,27 +230,33 @@ def test_the_training_loss_adds_the_weighted_router_losses_averaged_over_the_moe
     batch = text_batch()
     family = models.family_of(config)
     model = models.build_model(config.model)
-    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch["inputs"])["params"])
-    loss, metrics = family.loss_and_metrics(model, config, params, batch)
-    # The per-layer routing, recomputed from the MoE layers' own inputs.
-    _, state = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
-                           segment_ids=batch["segment_ids"], mutable=["losses"])
-    per_layer = state["losses"]["decoder"]
+    config0 = gpt_config(load_balance_loss=0.0, router_z_loss=0.0)
+    grad = lambda c, params: jax.grad(lambda p: family.loss_and_metrics(model, c, p, batch)[0])(
+        params)["decoder"]["layers_1"]["moe"]["router"]
+
+    @jax.jit
+    def run(inputs):  # everything the test compares, in one program
+        params = nn.unbox(model.init(jax.random.key(0), inputs)["params"])
+        loss, metrics = family.loss_and_metrics(model, config, params, batch)
+        # The per-layer routing, recomputed from the MoE layers' own inputs.
+        _, state = model.apply({"params": params}, batch["inputs"],
+                               positions=batch["positions"], segment_ids=batch["segment_ids"],
+                               mutable=["losses"])
+        ce, _ = family.loss(family.logits(model, params, batch), batch)
+        return (loss, metrics, state["losses"]["decoder"], ce, grad(config, params),
+                grad(config0, params))
+
+    loss, metrics, per_layer, ce, router_grad, router_grad0 = run(batch["inputs"])
     assert sorted(per_layer) == ["layers_1", "layers_3"]
     mean = lambda name: np.mean([per_layer[f"layers_{i}"][f"moe_{name}"][0] for i in (1, 3)])
     assert float(metrics["moe_load_balance"]) == pytest.approx(mean("load_balance"))
     assert float(metrics["moe_router_z"]) == pytest.approx(mean("router_z"))
-    logits = family.logits(model, params, batch)
-    ce, _ = family.loss(logits, batch)
     assert float(metrics["loss"]) == pytest.approx(float(ce), rel=1e-6)  # the task's loss
     assert float(loss) == pytest.approx(float(ce) + 0.5 * mean("load_balance")
                                         + 0.25 * mean("router_z"), rel=1e-6)
     assert 0.0 <= float(metrics["moe_dropped"]) < 1.0
     # The balance loss reaches the router: its gradient changes with the loss's weight.
-    grad = lambda c: jax.grad(lambda p: family.loss_and_metrics(model, c, p, batch)[0])(
-        params)["decoder"]["layers_1"]["moe"]["router"]
-    config0 = gpt_config(load_balance_loss=0.0, router_z_loss=0.0)
-    assert float(jnp.max(jnp.abs(grad(config) - grad(config0)))) > 1e-4
+    assert np.abs(np.asarray(router_grad) - np.asarray(router_grad0)).max() > 1e-4
 
 
 def test_active_params_leave_out_the_experts_a_token_skips_and_flops_count_them():
@@ -387,17 +408,27 @@ def test_dropless_dispatch_without_a_mesh_is_the_ragged_path_and_capacity_is_buf
 
 
 def test_sorted_apply_sends_each_expert_its_rows_and_sums_them_back_with_the_gates():
-    x = jax.random.normal(jax.random.key(0), (2, 5, 3))
-    choice = jax.random.randint(jax.random.key(1), (2, 5, 2), 0, 4)
-    gates = jax.random.uniform(jax.random.key(2), (2, 5, 2))
-    scale_E = jnp.array([1.0, -2.0, 3.0, 0.5])
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 3)).astype(np.float32)
+    choice = rng.integers(0, 4, (2, 5, 2)).astype(np.int32)
+    gates = rng.uniform(size=(2, 5, 2)).astype(np.float32)
+    scale_E = np.array([1.0, -2.0, 3.0, 0.5], np.float32)
 
-    def apply(x_ND, sizes_E):  # expert e multiplies its rows by scale_E[e]
-        assert int(sizes_E.sum()) == x_ND.shape[0] == 20
-        return x_ND * jnp.repeat(scale_E, sizes_E, total_repeat_length=20)[:, None]
+    @jax.jit
+    def run(x, choice, gates):
+        seen = {}
 
-    want = jnp.einsum("btk,btd->btd", gates * scale_E[choice], x)
-    np.testing.assert_allclose(moe.sorted_apply(x, choice, gates, apply, 4), want, rtol=1e-6)
+        def apply(x_ND, sizes_E):  # expert e multiplies its rows by scale_E[e]
+            assert x_ND.shape[0] == 20
+            seen["sizes_E"] = sizes_E
+            return x_ND * jnp.repeat(scale_E, sizes_E, total_repeat_length=20)[:, None]
+
+        return moe.sorted_apply(x, choice, gates, apply, 4), seen["sizes_E"]
+
+    got, sizes_E = run(x, choice, gates)
+    assert int(np.asarray(sizes_E).sum()) == 20
+    want = np.einsum("btk,btd->btd", gates * scale_E[choice], x.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_the_first_step_line_names_the_moe_dispatch_path_apart_from_attention():
@@ -409,10 +440,10 @@ def test_the_first_step_line_names_the_moe_dispatch_path_apart_from_attention():
     lines = []
     run = types.SimpleNamespace(step=1, goodput=types.SimpleNamespace(compiled=lambda now: None),
                                 logger=types.SimpleNamespace(print=lines.append))
-    x = jnp.ones((2, 4, D))
+    x = np.ones((2, 4, D), np.float32)
     layer = moe.MoEFeedForward(num_experts=4, d_ff=F, top_k=2, capacity_factor=0.0)
     with kernels.recording() as chosen:
-        jax.eval_shape(layer.init, jax.random.key(0), x)
+        jax.eval_shape(lambda x: layer.init(jax.random.key(0), x), x)
         kernels.record("dense")
     progress.log_first_step(run, 0.0, chosen)
     assert re.match(r"step 1: the first step \(compilation included, attention dense, moe "

@@ -38,8 +38,9 @@ def mtp_config(depth=2, vocab=64, **model):
 def build(config, seed=0, scale=1.0):
     """The model and its params, initialised under jit (eager Linen runs op by op)."""
     model = models.build_model(config.model)
-    init = jax.jit(lambda key: model.init(key, jnp.ones((1, 8), jnp.int32))["params"])
-    return model, jax.tree.map(lambda p: p * scale, nn.unbox(init(jax.random.key(seed))))
+    init = jax.jit(lambda: jax.tree.map(lambda p: p * scale, nn.unbox(
+        model.init(jax.random.key(seed), jnp.ones((1, 8), jnp.int32))["params"])))
+    return model, init()
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -81,7 +82,9 @@ def test_the_loss_is_next_token_plus_the_weighted_mean_of_each_depth_and_eval_is
     batch["segment_ids"][:, 10:] = 2  # two documents a row: no prediction crosses the border
     batch["positions"][:, 10:] -= 10
     family = models.family_of(config)
-    loss, metrics = family.loss_and_metrics(model, config, params, batch, mtp=True)
+    loss_and_metrics = lambda model, config, mtp=False: jax.jit(
+        lambda p, batch: family.loss_and_metrics(model, config, p, batch, mtp=mtp))
+    loss, metrics = loss_and_metrics(model, config, mtp=True)(params, batch)
     logits = mtp_logits(model, params, batch)
     expected = []
     for k in (1, 2):
@@ -100,8 +103,8 @@ def test_the_loss_is_next_token_plus_the_weighted_mean_of_each_depth_and_eval_is
     plain_config = mtp_config(depth=0)
     plain, _ = build(plain_config)
     trunk = {k: v for k, v in params.items() if not k.startswith("mtp_")}
-    eval_loss, eval_metrics = family.loss_and_metrics(model, config, params, batch)
-    plain_loss, _ = family.loss_and_metrics(plain, plain_config, trunk, batch)
+    eval_loss, eval_metrics = loss_and_metrics(model, config)(params, batch)
+    plain_loss, _ = loss_and_metrics(plain, plain_config)(trunk, batch)
     assert float(eval_loss) == float(plain_loss) == float(metrics["loss"])
     assert not any(k.startswith("mtp") for k in eval_metrics)
 
@@ -111,8 +114,8 @@ def test_the_train_step_logs_each_depth_and_its_gradient_reaches_the_trunk():
     model, params = build(config)
     batch = text_batch()
     optimizer = optax.sgd(0.1)
-    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
-                       jnp.asarray(-1, jnp.int32))
+    state = TrainState(np.zeros((), np.int32), params, optimizer.init(params),
+                       np.asarray(-1, np.int32))
     _, metrics = jax.jit(make_train_step(model, config, optimizer))(state, batch)
     assert {"mtp_loss/1", "mtp_loss/2"} <= set(metrics)
     family = models.family_of(config)
@@ -132,23 +135,24 @@ def test_an_expert_module_balances_its_experts_as_the_stack_does_and_remat_chang
                             balance_bias=True, bias_update_rate=0.05)
     model, params = build(config)
     batch = text_batch()
-    _, sown = model.apply({"params": params}, batch["inputs"], mtp_tokens=batch["targets"],
-                          segment_ids=batch["segment_ids"], positions=batch["positions"],
-                          mutable=["losses"])
+    sown = jax.jit(lambda params, batch: model.apply(
+        {"params": params}, batch["inputs"], mtp_tokens=batch["targets"],
+        segment_ids=batch["segment_ids"], positions=batch["positions"], mutable=["losses"])[1])(
+        params, batch)
     load = np.asarray(sown["losses"]["mtp_0"]["layers_0"]["moe"]["expert_load"][0])
     optimizer = optax.sgd(0.0)
-    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
-                       jnp.asarray(-1, jnp.int32))
+    state = TrainState(np.zeros((), np.int32), params, optimizer.init(params),
+                       np.asarray(-1, np.int32))
     new, metrics = jax.jit(make_train_step(model, config, optimizer))(state, batch)
     assert float(metrics["moe_imbalance/mtp_0_0"]) == pytest.approx(load.max() * 4, rel=1e-6)
-    moved = new.params["mtp_0"]["layers_0"]["moe"]["balance_bias"] - \
-        params["mtp_0"]["layers_0"]["moe"]["balance_bias"]
+    moved = np.asarray(new.params["mtp_0"]["layers_0"]["moe"]["balance_bias"]) - \
+        np.asarray(params["mtp_0"]["layers_0"]["moe"]["balance_bias"])
     np.testing.assert_allclose(moved, 0.05 * np.sign(1 / 4 - load), atol=1e-7)
     family = models.family_of(config)
     remat = mtp_config(depth=1, remat_policy="full")
     remat.model.moe.update(config.model.moe)
-    loss = lambda c, p: family.loss_and_metrics(models.build_model(c.model), c, p, batch,
-                                                mtp=True)[0]
+    loss = lambda c, p: jax.jit(lambda p: family.loss_and_metrics(
+        models.build_model(c.model), c, p, batch, mtp=True)[0])(p)
     assert float(loss(remat, params)) == pytest.approx(float(loss(config, params)), rel=1e-6)
 
 
@@ -187,9 +191,10 @@ def simulated_rounds(model, params, prompt, tokens, depth, n):
     seq = np.concatenate([prompt, tokens[:n]]).astype(np.int32)
     batch = {"inputs": seq[None, :-1], "targets": seq[None, 1:],
              "positions": np.arange(len(seq) - 1)[None], "segment_ids": None}
-    _, state = model.apply({"params": params}, batch["inputs"], mtp_tokens=batch["targets"],
-                           mutable=["mtp"])
-    drafts = np.argmax(np.asarray(state["mtp"]["logits"][0]), axis=-1)[:, 0]  # [D, T]
+    logits = jax.jit(lambda params, inputs, targets: model.apply(
+        {"params": params}, inputs, mtp_tokens=targets, mutable=["mtp"])[1]["mtp"]["logits"][0])(
+        params, batch["inputs"], batch["targets"])
+    drafts = np.argmax(np.asarray(logits), axis=-1)[:, 0]  # [D, T]
     p, rounds, accepted = len(prompt), 0, 0
     m = p + 1
     while m < p + n:
