@@ -6,7 +6,6 @@ refused before anything is written."""
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -274,7 +273,7 @@ def test_a_trained_workdir_exports_and_hf_gives_our_logits_and_greedy_tokens(
     ids = tokens(8, (2, 16)) % saved.config.model.vocab_size
     with torch.no_grad():
         expected = hf(input_ids=torch.tensor(ids)).logits.numpy()
-    got = np.asarray(ours.apply({"params": saved.params}, jnp.asarray(ids)))
+    got = np.asarray(jax.jit(ours.apply)({"params": saved.params}, ids))
     assert relative_difference(got, expected) <= 1e-4
     prompt = ids[:1, :5]
     with torch.no_grad():
@@ -462,7 +461,7 @@ def test_a_trained_t5_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp_path
     enc, dec = tokens(9, (2, 12)) % vocab, tokens(10, (2, 6)) % vocab
     with torch.no_grad():
         expected = hf(input_ids=torch.tensor(enc), decoder_input_ids=torch.tensor(dec)).logits
-    got = np.asarray(ours.apply({"params": saved.params}, jnp.asarray(enc), jnp.asarray(dec)))
+    got = np.asarray(jax.jit(ours.apply)({"params": saved.params}, enc, dec))
     assert relative_difference(got, expected.numpy()) <= 1e-4
     with torch.no_grad():
         hf_tokens = hf.generate(torch.tensor(enc[:1]), max_new_tokens=8, do_sample=False,
@@ -487,9 +486,9 @@ def test_a_trained_bert_exports_and_hf_gives_our_logits(tmp_path):
     with torch.no_grad():
         expected = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
                       token_type_ids=torch.tensor(types)).logits.numpy()
-    got = np.asarray(build_model(saved.config.model).apply(
-        {"params": saved.params}, jnp.asarray(ids), token_types=jnp.asarray(types),
-        segment_ids=jnp.asarray(mask)))
+    forward = jax.jit(lambda params, ids, types, mask: build_model(saved.config.model).apply(
+        {"params": params}, ids, token_types=types, segment_ids=mask))
+    got = np.asarray(forward(saved.params, ids, types, mask))
     valid = mask.astype(bool)
     assert relative_difference(got[valid], expected[valid]) <= 1e-4
     assert_imports_back(hf, saved.params)
@@ -510,9 +509,9 @@ def export_difference(case: str, directory) -> float:
     loaded = getattr(transformers, hf_config.architectures[0]).from_pretrained(directory).eval()
     with torch.no_grad():
         expected = loaded(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).logits.numpy()
-    got = np.asarray(build_model(config).apply(
-        {"params": params}, *map(jnp.asarray, args),
-        **{k: jnp.asarray(v) for k, v in kwargs.items()}))
+    forward = jax.jit(lambda params, args, kwargs: build_model(config).apply(
+        {"params": params}, *args, **kwargs))  # op by op, a forward is ~100 small compiles
+    got = np.asarray(forward(params, tuple(args), kwargs))
     if valid is not None:
         got, expected = got[valid], expected[valid]
     return eq.relative_difference(got, expected)

@@ -7,7 +7,6 @@ from unittest import mock
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
@@ -272,7 +271,7 @@ def max_logit_difference(case: str, dtype: str) -> float:
         model = build_model(config)  # compiled: op by op, a forward takes 2x the time
         got = np.asarray(jax.jit(lambda params, args, kwargs: model.apply(
             {"params": params}, *args, **kwargs))(
-            params, tuple(map(jnp.asarray, args)), {k: jnp.asarray(v) for k, v in kwargs.items()}))
+            params, tuple(args), kwargs))  # NumPy inputs: jit converts them, no eager op
     if valid is not None:
         got, expected = got[valid], expected[valid]
     return float(np.abs(got - expected).max() / max(1.0, np.abs(expected).max()))
@@ -371,11 +370,13 @@ def test_moe_checkpoint_files_import_as_the_fused_state_dict(case, tmp_path):
 def test_gpt2_conversion_is_causal():
     hf, _, (ids,), _, _ = gpt2()
     config, params = convert.from_hf(randomized(hf).config, hf.state_dict())
-    apply = lambda x: np.asarray(build_model(config).apply({"params": params}, jnp.asarray(x)))
+    forward = jax.jit(build_model(config).apply)  # one compile for both inputs
+    apply = lambda x: np.asarray(forward({"params": params}, x))
     changed = ids.copy()
     changed[:, 7:] = tokens(1, (2, 5))
-    np.testing.assert_allclose(apply(changed)[:, :7], apply(ids)[:, :7], atol=1e-6)
-    assert not np.allclose(apply(changed)[:, 7:], apply(ids)[:, 7:])
+    got_changed, got = apply(changed), apply(ids)
+    np.testing.assert_allclose(got_changed[:, :7], got[:, :7], atol=1e-6)
+    assert not np.allclose(got_changed[:, 7:], got[:, 7:])
 
 
 @pytest.mark.slow
@@ -384,12 +385,12 @@ def test_scanned_conversion_gives_the_same_logits():
         n_layer=3, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
         eos_token_id=0)))
     config, params = convert.from_hf(hf.config, hf.state_dict())
-    ids = jnp.asarray(tokens(5, (1, 9)))
-    unrolled = build_model(config).apply({"params": params}, ids)
+    ids = tokens(5, (1, 9))
+    unrolled = np.asarray(jax.jit(build_model(config).apply)({"params": params}, ids))
     config.scan_layers = True
     scanned_params = convert.scan_params(config, params)
     assert scanned_params["decoder"]["layers"]["mlp"]["wi"].shape[0] == 3
-    scanned = build_model(config).apply({"params": scanned_params}, ids)
+    scanned = np.asarray(jax.jit(build_model(config).apply)({"params": scanned_params}, ids))
     np.testing.assert_allclose(scanned, unrolled, atol=1e-5)
 
 
@@ -413,7 +414,7 @@ def test_converted_params_match_a_fresh_init_in_structure_and_shape():
         num_layers=1, num_decoder_layers=1, d_model=16, d_kv=4, num_heads=2, d_ff=24,
         vocab_size=VOCAB, decoder_start_token_id=0))
     config, params = convert.from_hf(hf.config, hf.state_dict())
-    ids = jnp.zeros((1, 4), jnp.int32)
+    ids = np.zeros((1, 4), np.int32)
     fresh = jax.eval_shape(build_model(config).init, jax.random.key(0), ids, ids)["params"]
     shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
     assert shapes(params) == shapes(nn.unbox(fresh))
@@ -439,10 +440,11 @@ def test_a_bert_base_model_without_a_head_imports_with_old_buffers(prefixed):
     config, params = convert.from_hf(hf.config, state)
     assert "pooler" in params and not any(k.startswith("mlm") for k in params)
     model = build_model(config)  # (head "mlm": fresh head params, as init_from would add)
-    fresh = nn.unbox(model.init(jax.random.key(0), jnp.asarray(ids))["params"])
+    fresh = nn.unbox(jax.jit(model.init)(jax.random.key(0), ids)["params"])
     merged = {**fresh, **{k: v for k, v in params.items() if k in fresh}}
-    got = model.apply({"params": merged}, jnp.asarray(ids), method="encode",
-                      **{k: jnp.asarray(v) for k, v in kwargs.items()})
+    encode = jax.jit(lambda params, ids, kwargs: model.apply(
+        {"params": params}, ids, method="encode", **kwargs))
+    got = encode(merged, ids, kwargs)
     assert relative_difference(np.asarray(got)[valid], expected.numpy()[valid]) <= 1e-4
 
 
@@ -456,7 +458,7 @@ def test_gpt2_llama_and_t5_base_models_without_a_head_import():
     with torch.no_grad():
         hidden = base(input_ids=torch.tensor(ids)).last_hidden_state
     expected = (hidden @ base.wte.weight.T).detach().numpy()  # the tied head of GPT2LMHeadModel
-    got = np.asarray(build_model(config).apply({"params": params}, jnp.asarray(ids)))
+    got = np.asarray(jax.jit(build_model(config).apply)({"params": params}, ids))
     assert relative_difference(got, expected) <= 1e-4
     hf, *_ = llama()
     config, params = convert.from_hf(hf.config, dict(transformers.LlamaModel(
@@ -469,8 +471,9 @@ def test_gpt2_llama_and_t5_base_models_without_a_head_import():
     with torch.no_grad():
         hidden = base(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).last_hidden_state
     expected = (hidden * hf.config.d_model ** -0.5 @ base.shared.weight.T).detach().numpy()
-    got = np.asarray(build_model(config).apply({"params": params}, *map(jnp.asarray, args),
-                                               **{k: jnp.asarray(v) for k, v in kwargs.items()}))
+    forward = jax.jit(lambda params, args, kwargs: build_model(config).apply(
+        {"params": params}, *args, **kwargs))
+    got = np.asarray(forward(params, tuple(args), kwargs))
     assert relative_difference(got, expected) <= 1e-4
 
 
