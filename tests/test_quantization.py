@@ -6,6 +6,8 @@ equal to one device (tests/quantization_check.py on 8 forced CPU devices)."""
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -69,9 +71,15 @@ def dots(fn, *args) -> list[tuple[str, str]]:
     return found
 
 
+@functools.cache
+def layout_params(layout: tuple = ()):
+    """The float model's params with model_config(**dict(layout)), initialised once."""
+    return params_for(model_config(**dict(layout)))
+
+
 @pytest.fixture(scope="module")
 def float_params():
-    return params_for(model_config())
+    return layout_params()
 
 
 def relative_error(a, b) -> float:
@@ -80,9 +88,9 @@ def relative_error(a, b) -> float:
 
 
 @pytest.mark.parametrize("scheme,bound", [("int8", 0.05), ("fp8", 0.15)])
-def test_the_forward_is_close_to_float_but_quantized(float_params, scheme, bound):
-    want = shared("logits", "", float_params)
-    got = shared("logits", scheme, float_params)
+def test_the_forward_is_close_to_float_but_quantized(scheme, bound):
+    want = shared("logits", "")
+    got = shared("logits", scheme)
     # int8 keeps ~2 significant digits per operand, e4m3 ~1: errors of that size, not zero
     assert 1e-3 < relative_error(got, want) < bound
 
@@ -117,35 +125,23 @@ def kernels_of(tree) -> dict[str, np.ndarray]:
             if jax.tree_util.keystr(path).endswith(tuple(f"[{n}]" for n in names))}
 
 
-_SHARED = {}  # (what, scheme, layout) -> (params, result)
-
-
-def shared(what: str, scheme: str, params, layout: dict | None = None):
+@functools.cache
+def shared(what: str, scheme: str, layout: tuple = ()):
     """The logits ("logits", jitted_logits) or the quantized kernels' gradients ("gradients",
-    kernels_of(kernel_gradients)) of model_config(scheme, **layout) at params, on the flat GEMMs
-    (never asked for under test_dots_over_the_head_axes_equal_the_flat_gemms's monkeypatch).
-    Compiled once for the tests that ask for the same model at equal params (the int8 and fp8
-    models init the float model's params); params that differ compute afresh."""
-    layout = layout or {}
-    key = (what, scheme, repr(sorted(layout.items())))
-    hit = _SHARED.get(key)
-    if hit is None or jax.tree.structure(hit[0]) != jax.tree.structure(params) or not all(
-            np.array_equal(a, b) for a, b in zip(jax.tree.leaves(hit[0]),
-                                                 jax.tree.leaves(params), strict=True)):
-        config = model_config(scheme, **layout)
-        result = (jitted_logits(config, params) if what == "logits" else
-                  kernels_of(kernel_gradients(config, params)))
-        hit = _SHARED[key] = (params, result)
-    return hit[1]
+    kernels_of(kernel_gradients)) of model_config(scheme, **dict(layout)) at the float model's
+    params (the int8 and fp8 models init the same ones), on the flat GEMMs (never asked for
+    under test_dots_over_the_head_axes_equal_the_flat_gemms's monkeypatch): compiled once for
+    the tests that ask for the same model."""
+    config, params = model_config(scheme, **dict(layout)), layout_params(layout)
+    return (jitted_logits(config, params) if what == "logits" else
+            kernels_of(kernel_gradients(config, params)))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
 @pytest.mark.parametrize("layout", [{}, {"scan_layers": True, "remat_policy": "full"}])
 def test_straight_through_gradients_reach_every_quantized_kernel(scheme, layout):
-    config = model_config(scheme, **layout)
-    params = params_for(config)
-    want = shared("gradients", "", params, layout)
-    got = shared("gradients", scheme, params, layout)
+    layout = tuple(sorted(layout.items()))
+    want, got = shared("gradients", "", layout), shared("gradients", scheme, layout)
     assert len(got) == PROJECTIONS * (1 if layout else LAYERS) == len(want)
     for name, grad in got.items():
         cosine = np.sum(grad * want[name]) / (np.linalg.norm(grad) * np.linalg.norm(want[name]))
@@ -179,7 +175,7 @@ def test_dots_over_the_head_axes_equal_the_flat_gemms(float_params, monkeypatch,
     from transformer.nn import attention
 
     config = model_config(scheme)
-    flat = (shared("logits", scheme, float_params), shared("gradients", scheme, float_params))
+    flat = (shared("logits", scheme), shared("gradients", scheme))
     monkeypatch.setattr(attention, "FLAT_MATMUL_PLATFORMS", ())
     program = str(jax.make_jaxpr(lambda p: logits(config, p))(float_params))
     assert program.count("dimension_numbers=(([2, 3], [0, 1])") == LAYERS, program  # W_o's
