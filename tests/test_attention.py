@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kernels import ints, on_device
 
 from transformer.nn import attention as attention_lib
 from transformer.nn import dense_attention, kernels, masks
@@ -28,11 +29,6 @@ def f32(*arrays):
     """NumPy float32 copies: a jitted function takes them as they are (`jnp.asarray` would
     compile a conversion per shape)."""
     return tuple(np.asarray(x, np.float32) for x in arrays)
-
-
-def int32s(values):
-    """A device int32 array (`jnp.array(list)` compiles a conversion per shape)."""
-    return jax.device_put(np.array(values, np.int32))
 
 
 def numpy_attention(q, k, v, allowed=None, bias=None):
@@ -106,7 +102,7 @@ def ours_and_jax_nn(q, k, v, allowed, bias):
 def test_attention_equals_jax_nn_dot_product_attention(kv_heads):
     q, k, v = f32(*random_qkv(2, q_len=6, kv_heads=kv_heads))
     bias = f32(np.random.default_rng(0).normal(size=(2, 4, 6, 6)))[0]
-    allowed = masks.Causal() & masks.Padding(kv_lengths=int32s([6, 4]))
+    allowed = masks.Causal() & masks.Padding(kv_lengths=ints(6, 4))
     ours, theirs, ours_causal, theirs_causal = ours_and_jax_nn(q, k, v, allowed, bias)
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(ours_causal, theirs_causal, atol=1e-5, rtol=1e-5)
@@ -159,7 +155,7 @@ def test_query_blocks_are_one_block_where_nothing_can_be_skipped():
     from transformer.nn.dense_attention import _query_blocks
     assert _query_blocks(masks.Causal(), 16, 16, 8) == [(0, 8, 0, 8), (8, 16, 0, 16)]
     assert _query_blocks(masks.Causal(), 8, 8, 8) == [(0, 8, 0, 8)]  # one block already
-    assert _query_blocks(masks.PrefixLM(int32s([3])), 16, 16, 8) == [(0, 16, 0, 16)]
+    assert _query_blocks(masks.PrefixLM(ints(3)), 16, 16, 8) == [(0, 16, 0, 16)]
     assert _query_blocks(masks.Causal(), 1, 16, 8) == [(0, 1, 0, 16)]  # a decoding step
     assert _query_blocks(masks.Full(), 16, 16, 8) == [(0, 16, 0, 16)]
 
@@ -181,7 +177,7 @@ def test_a_decode_steps_logits_read_the_cached_keys_in_place_on_cpu(kv_heads):
     the keys (with Q K^T, XLA:CPU copies them [H, S] on every call: a decode step's whole cache).
     """
     q, k, v = random_qkv(3, batch=1, q_len=1, kv_len=64, kv_heads=kv_heads)
-    allowed = masks.Padding(kv_lengths=int32s([50]))
+    allowed = masks.Padding(kv_lengths=ints(50))
     outs, dense = jax.jit(lambda q, k, v: ([
         dot_product_attention(q, k, v, allowed, key_first_rows=rows)
         for rows in (dense_attention.CPU_KEY_FIRST_ROWS, 0)], allowed.dense(1, 64)))(*f32(q, k, v))
@@ -225,7 +221,7 @@ def test_write_slots_writes_each_row_at_its_slots_and_nothing_else(shape, slots)
 
 def test_rows_sum_to_one_and_masked_keys_get_exactly_zero_weight():
     q, k, v = f32(*random_qkv(3, q_len=6, kv_len=6))
-    mask = masks.Causal() & masks.Padding(kv_lengths=int32s([6, 4]))
+    mask = masks.Causal() & masks.Padding(kv_lengths=ints(6, 4))
     _, w, allowed = attention_weights_and_allowed(q, k, v, mask, None)
     allowed = np.broadcast_to(np.asarray(allowed), w.shape)
     np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-6)
@@ -235,7 +231,7 @@ def test_rows_sum_to_one_and_masked_keys_get_exactly_zero_weight():
 
 def test_fully_masked_rows_give_zeros_and_finite_gradients():
     q, k, v = f32(*random_qkv(4, q_len=4, kv_len=4))
-    mask = masks.Padding(q_lengths=int32s([2, 4]), kv_lengths=int32s([0, 4]))
+    mask = masks.Padding(q_lengths=ints(2, 4), kv_lengths=ints(0, 4))
 
     def outputs(q, k, v):
         return dot_product_attention(q, k, v, mask), jax.grad(
@@ -263,7 +259,7 @@ def test_bfloat16_attention_keeps_no_float32_scores_for_the_backward_pass():
     scores), and the gradients still match the float32 computation's."""
     q, k, v = (jax.device_put(x.astype(jnp.bfloat16))
                for x in random_qkv(6, q_len=32, kv_len=32))
-    mask = masks.And((masks.Causal(), masks.Segment(int32s([[0] * 20 + [1] * 12]))))
+    mask = masks.And((masks.Causal(), masks.Segment(on_device([[0] * 20 + [1] * 12], np.int32))))
 
     def f(q, k, v):
         return dot_product_attention(q, k, v, mask)
@@ -514,7 +510,7 @@ def test_cross_attention_reads_keys_and_values_from_the_other_sequence():
     memory = np.random.default_rng(9).normal(size=(2, 3, D_MODEL)).astype(np.float32)
     changed = memory.copy()
     changed[1, 2] = 100.0  # a padded encoder position changes nothing
-    mask = masks.Padding(kv_lengths=int32s([3, 2]))
+    mask = masks.Padding(kv_lengths=ints(3, 2))
     (out, weights), out_changed = jax.jit(lambda variables, x, memory, changed: (
         layer.apply(variables, x, memory, mask=mask, return_weights=True),
         layer.apply(variables, x, changed, mask=mask)))(variables, x, memory, changed)
