@@ -16,6 +16,7 @@ tokenizers_hf = pytest.importorskip("tokenizers")
 from test_hf_equivalence import (  # noqa: E402
     CASES,
     MOE_CASES,
+    our_logits,
     randomized,
     relative_difference,
     tokens,
@@ -509,9 +510,7 @@ def export_difference(case: str, directory) -> float:
     loaded = getattr(transformers, hf_config.architectures[0]).from_pretrained(directory).eval()
     with torch.no_grad():
         expected = loaded(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).logits.numpy()
-    forward = jax.jit(lambda params, args, kwargs: build_model(config).apply(
-        {"params": params}, *args, **kwargs))  # op by op, a forward is ~100 small compiles
-    got = np.asarray(forward(params, tuple(args), kwargs))
+    got = our_logits(config, params, args, kwargs)
     if valid is not None:
         got, expected = got[valid], expected[valid]
     return eq.relative_difference(got, expected)

@@ -268,10 +268,7 @@ def max_logit_difference(case: str, dtype: str) -> float:
     with jax.enable_x64(dtype == "float64"):
         config, params = convert.from_hf(hf.config, hf.state_dict(), dtype=getattr(np, dtype))
         config.dtype = config.param_dtype = dtype
-        model = build_model(config)  # compiled: op by op, a forward takes 2x the time
-        got = np.asarray(jax.jit(lambda params, args, kwargs: model.apply(
-            {"params": params}, *args, **kwargs))(
-            params, tuple(args), kwargs))  # NumPy inputs: jit converts them, no eager op
+        got = our_logits(config, params, args, kwargs)
     if valid is not None:
         got, expected = got[valid], expected[valid]
     return float(np.abs(got - expected).max() / max(1.0, np.abs(expected).max()))
@@ -420,6 +417,13 @@ def test_converted_params_match_a_fresh_init_in_structure_and_shape():
     assert shapes(params) == shapes(nn.unbox(fresh))
 
 
+def our_logits(config, params, args, kwargs) -> np.ndarray:
+    """Our model's output on HF's inputs (`args`, `kwargs`: NumPy arrays, which jit takes as
+    they are), compiled as one program: op by op, a forward is about 100 small compiles."""
+    return np.asarray(jax.jit(lambda params, args, kwargs: build_model(config).apply(
+        {"params": params}, *args, **kwargs))(params, tuple(args), kwargs))
+
+
 def relative_difference(got, expected) -> float:
     return float(np.abs(got - expected).max() / max(1.0, np.abs(expected).max()))
 
@@ -471,9 +475,7 @@ def test_gpt2_llama_and_t5_base_models_without_a_head_import():
     with torch.no_grad():
         hidden = base(**{k: torch.tensor(v) for k, v in hf_inputs.items()}).last_hidden_state
     expected = (hidden * hf.config.d_model ** -0.5 @ base.shared.weight.T).detach().numpy()
-    forward = jax.jit(lambda params, args, kwargs: build_model(config).apply(
-        {"params": params}, *args, **kwargs))
-    got = np.asarray(forward(params, tuple(args), kwargs))
+    got = our_logits(config, params, args, kwargs)
     assert relative_difference(got, expected) <= 1e-4
 
 
