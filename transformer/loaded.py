@@ -35,6 +35,7 @@ class Loaded:
     tokenizer: object
     config: ml_collections.ConfigDict
     _forward: object = dataclasses.field(default=None, repr=False)
+    _log_probs: object = dataclasses.field(default=None, repr=False)
 
     def _ids(self, text: str) -> np.ndarray:
         """<eos> then the text's tokens: a decoder LM reads a text as a document's start."""
@@ -46,8 +47,7 @@ class Loaded:
         (row 0 the text's first token)."""
         if self._forward is None:  # compiled once per Loaded (and per text length)
             self._forward = jax.jit(lambda p, x: self.model.apply({"params": p}, x))
-        ids = jnp.asarray(self._ids(text)[None])
-        return np.asarray(self._forward(self.params, ids)[0], np.float32)
+        return np.asarray(self._forward(self.params, self._ids(text)[None])[0], np.float32)
 
     def score(self, text: str, context: str = "") -> float:
         """The log-probability (nats) of `text`'s tokens following `context` (after <eos>): the
@@ -57,11 +57,18 @@ class Loaded:
         if len(ids) <= before or not np.array_equal(ids[:before], self._ids(context)):
             raise ValueError(f"text={text!r}: expected text whose tokens follow context="
                              f"{context!r}'s (the tokenizer merges them across the boundary)")
-        logits = self.logits(context + text)[:-1]  # row t predicts ids[t + 1]
-        log_probs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-        targets = ids[1:]
-        return float(np.sum(np.asarray(log_probs)[np.arange(len(targets)), targets][
-            before - 1:]))
+        return float(np.sum(self._token_log_probs(ids)[before - 1:], dtype=np.float64))
+
+    def _token_log_probs(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [T - 1]: log p(ids[t + 1] | ids[:t + 1]), computed where the model runs (one
+        compiled program per length; only T numbers come back, not T x vocab logits)."""
+        if self._log_probs is None:
+            def log_probs(params, ids_1T):
+                logits = self.model.apply({"params": params}, ids_1T)[0, :-1]
+                log_softmax = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+                return jnp.take_along_axis(log_softmax, ids_1T[0, 1:, None], axis=-1)[:, 0]
+            self._log_probs = jax.jit(log_probs)
+        return np.asarray(self._log_probs(self.params, ids[None]))
 
     def generate(self, prompt: str = "", *, max_new_tokens: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
