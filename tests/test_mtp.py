@@ -1,8 +1,9 @@
 """Multi-token prediction (transformer.nn.mtp) and speculative decoding with its modules as the
 draft (transformer.generation.speculative): the modules see no token they predict, the loss is
-next-token loss plus the weighted mean of theirs, evaluation is next-token alone, and greedy
+next-token loss plus the weighted mean of theirs, evaluation is next-token alone, greedy
 speculative decoding equals greedy decoding token for token, with each round accepting exactly
-the drafts that the modules, run over the whole true sequence, get right."""
+the drafts that the modules, run over the whole true sequence, get right, and speculative
+sampling draws sequences with the LM's own sampling probabilities."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import scipy.stats
 from test_moe import text_batch
 from test_train import assert_succeeded, read_metrics, run_cli, tiny_flags
 
@@ -227,6 +229,57 @@ def test_speculative_greedy_equals_greedy_and_accepts_exactly_the_right_drafts(d
     assert stats.accepted.sum() > 0  # the drafts did some of the work
 
 
+def sampling_probs(logits, temperature, top_k, top_p, banned):
+    """float64 NumPy: the distribution sampling draws from, written out from its definition
+    (banned ids out, softmax(logits / T), the top_k best, then the smallest best-first set
+    whose mass reaches top_p)."""
+    logits = np.where(np.isin(np.arange(logits.shape[-1]), banned), -np.inf,
+                      logits.astype(np.float64) / temperature)
+    order = np.argsort(-logits, kind="stable")
+    kept = np.zeros(len(logits), bool)
+    kept[order[:top_k or len(logits)]] = True
+    logits = np.where(kept, logits, -np.inf)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    kept[order[1:][mass_before[1:] >= top_p - 1e-6]] = False
+    probs = np.where(kept, probs, 0.0)
+    return probs / probs.sum()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("depth,temperature,top_k,top_p", [(2, 1.3, 0, 1.0), (1, 0.8, 4, 0.9)])
+def test_speculative_sampling_draws_the_sequences_with_the_lms_own_probabilities(
+        depth, temperature, top_k, top_p):
+    """Speculative sampling's output follows the LM's sampling distribution exactly (the
+    drafts, from other distributions, only decide how many tokens a pass gives): over 12,000
+    rows, the three new tokens' 125 sequences come out as often as the LM's chain-rule
+    probability says (chi-square), as plain `decode` sampling draws them, never a filtered id."""
+    config = mtp_config(depth=depth, vocab=6)
+    model, params = build(config, seed=7, scale=1.5)
+    prompt, rows, new, banned = [3, 4, 5], 12000, 3, [0]
+    every = np.stack(np.meshgrid(*[np.arange(6)] * new, indexing="ij"), -1).reshape(-1, new)
+    inputs = np.concatenate([np.tile(prompt, (len(every), 1)), every], 1).astype(np.int32)
+    logits = np.asarray(jax.jit(lambda p, x: model.apply({"params": p}, x))(params, inputs))
+    want = np.ones(len(every))
+    for j in range(new):  # p(sequence) = prod_j p(token j | prompt, tokens before j)
+        probs = np.stack([sampling_probs(row, temperature, top_k, top_p, banned)
+                          for row in logits[:, len(prompt) - 1 + j]])
+        want *= probs[np.arange(len(every)), every[:, j]]
+    np.testing.assert_allclose(want.sum(), 1.0, rtol=1e-9)
+    settings = dict(max_new_tokens=new, eos_id=None, banned_ids=banned, temperature=temperature,
+                    top_k=top_k, top_p=top_p, seed=3)
+    got, _, stats = speculative_decode(model, params, [prompt] * rows, **settings)
+    plain, _ = decode(model, params, [prompt] * rows, **settings)
+    assert 0.1 < stats.acceptance_rate < 0.9  # drafts both kept and rejected
+    for tokens in (got, plain):
+        index = np.ravel_multi_index(tokens.T, [6] * new)
+        counts = np.bincount(index, minlength=len(every))
+        assert counts[want == 0].sum() == 0  # banned or filtered ids never come out
+        chi2 = scipy.stats.chisquare(counts[want > 0], rows * want[want > 0])
+        assert chi2.pvalue > 1e-4, chi2
+
+
 @pytest.mark.slow
 def test_speculative_decoding_refuses_what_it_cannot_do_exactly():
     model, params = build(mtp_config(depth=0))
@@ -240,7 +293,8 @@ def test_speculative_decoding_refuses_what_it_cannot_do_exactly():
 @pytest.mark.slow
 def test_train_with_mtp_then_generate_speculatively_through_the_cli(tmp_path):
     """A run with two modules logs each depth's loss and evaluates next-token loss; `generate
-    --speculative` prints the greedy text, and says how many tokens a pass gave."""
+    --speculative` prints the greedy text, and says how many tokens a pass gave; with
+    --temperature it samples."""
     workdir, logs = tmp_path / "run", tmp_path / "logs"
     assert_succeeded(run_cli("transformer.train", f"--workdir={workdir}",
                              *tiny_flags(4), "--config.model.mtp.depth=2", logs=logs))
@@ -258,5 +312,8 @@ def test_train_with_mtp_then_generate_speculatively_through_the_cli(tmp_path):
     assert_succeeded(fast)
     assert fast.stdout == greedy.stdout
     assert "passes of the model for" in fast.stderr and "accepted" in fast.stderr
-    refused = run_cli(*common, "--speculative", "--temperature=0.7", logs=logs)
+    sampled = run_cli(*common, "--speculative", "--temperature=0.7", "--top_k=20", logs=logs)
+    assert_succeeded(sampled)  # speculative sampling
+    assert sampled.stdout.startswith("ab") and "passes of the model for" in sampled.stderr
+    refused = run_cli(*common, "--speculative", "--num_samples=2", logs=logs)
     assert refused.returncode == 2 and "--speculative" in refused.stderr

@@ -6,9 +6,10 @@ search and chat replies.
         [--speculative]
 
 loads the latest checkpoint of a training workdir and its tokenizer and prints continuations
-(streamed as they are produced when stdout is a terminal). `--speculative` decodes greedily
-with the model's multi-token prediction modules as the draft (the same text; stderr says how
-many tokens each pass of the model gave).
+(streamed as they are produced when stdout is a terminal). `--speculative` decodes with the
+model's multi-token prediction modules as the draft: greedy (unless --temperature is given),
+the same text; sampling, text drawn from the same distribution (speculative sampling). Stderr
+says how many tokens each pass of the model gave.
 
 The decoding library is transformer.generation; its calls are re-exported here
 (`generate.decode`, ...):
@@ -21,8 +22,9 @@ The decoding library is transformer.generation; its calls are re-exported here
     cache positions.
   * `programs`: `decode` / `beam_search`, those loops over a `DecoderLM` (gpt, prefix_lm) or
     `EncoderDecoder` (t5), each compiled once per shape and setting.
-  * `speculative`: `speculative_decode`, greedy decoding drafted by the model's multi-token
-    prediction modules (model.mtp.depth > 0), equal to greedy `decode` token for token.
+  * `speculative`: `speculative_decode`, decoding drafted by the model's multi-token
+    prediction modules (model.mtp.depth > 0): greedy, equal to greedy `decode` token for token;
+    sampling, drawing from the distribution `decode` samples.
   * `text`: `sample_texts` / `beam_search_text` / `chat_replies`: text in, texts out, for a model
     of any family (LSTM: full recomputation). They never emit ids without text (`banned_ids`:
     specials other than <eos>, sentinels, ids past the tokenizer), and warn on prompt
@@ -104,10 +106,9 @@ def main(argv) -> None:
     if f.beam_size < 0:
         raise ValueError(f"beam_size={f.beam_size}: expected an int >= 0 (0: sampling, no beam "
                          "search)")
-    if f.speculative and ((f["temperature"].present and s.temperature) or f.beam_size
-                          or f.chat is not None or f.num_samples != 1):
-        raise ValueError("--speculative: expected greedy decoding of one sample (no --temperature"
-                         " above 0, --beam_size, --chat or --num_samples)")
+    if f.speculative and (f.beam_size or f.chat is not None or f.num_samples != 1):
+        raise ValueError("--speculative: expected one continuation of --prompt (no --beam_size, "
+                         "--chat or --num_samples)")
     model, params, tokenizer, config = load_workdir(f.workdir, f.step)
     if f.chat is not None:
         conversations = read_chat(f.chat)
@@ -122,7 +123,10 @@ def main(argv) -> None:
         return
     if f.speculative:
         text, stats = speculative_text(model, params, tokenizer, config, prompt=f.prompt,
-                                       max_new_tokens=f.max_new_tokens)
+                                       max_new_tokens=f.max_new_tokens,
+                                       # greedy unless --temperature is given
+                                       temperature=s.temperature if f["temperature"].present
+                                       else 0.0, top_k=s.top_k, top_p=s.top_p, seed=f.seed)
         print(text)
         if stats is not None:
             print(f"speculative: {stats.rounds.sum()} passes of the model for "
@@ -171,7 +175,9 @@ if __name__ == "__main__":
     flags.DEFINE_string("chat", None, "Answer as the assistant: a JSON/JSONL file of "
                         "conversations ({\"messages\": [...]} per line) or inline JSON, rendered "
                         "with the tokenizer's chat template (--prompt: one more user turn).")
-    flags.DEFINE_bool("speculative", False, "Greedy decoding drafted by the model's multi-token "
-                      "prediction modules (model.mtp.depth > 0); same text, fewer passes.")
+    flags.DEFINE_bool("speculative", False, "Decoding drafted by the model's multi-token "
+                      "prediction modules (model.mtp.depth > 0), in fewer passes: greedy unless "
+                      "--temperature is given (the same text), else sampling (the same "
+                      "distribution).")
     flags.DEFINE_integer("chunk_size", 8, "Streaming: tokens per jitted chunk on a terminal.")
     cli.run(main)

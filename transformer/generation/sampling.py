@@ -123,6 +123,17 @@ def _pick(logits_BV: Array, keys_B: Array, mode: _Mode, knobs: _Knobs) -> Array:
     return choice_B.astype(jnp.int32)
 
 
+def _probs(logits_BV: Array, mode: _Mode, knobs: _Knobs) -> Array:
+    """float32 [B, V]: the distribution `_pick` draws from when sampling (banned ids and the
+    tokens top-k / top-p leave out have probability 0)."""
+    values_BC, ids_BC = _filtered(_allowed(logits_BV, knobs.banned_V), mode, knobs)
+    probs_BC = jax.nn.softmax(values_BC, axis=-1)
+    if ids_BC is None:
+        return probs_BC
+    rows = jnp.arange(probs_BC.shape[0])[:, None]
+    return jnp.zeros(logits_BV.shape, jnp.float32).at[rows, ids_BC].set(probs_BC)
+
+
 @functools.partial(jax.jit, static_argnames="mode")
 def _kept(logits_BV, knobs, *, mode):
     logits_BV = _allowed(logits_BV, knobs.banned_V)

@@ -180,9 +180,11 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
 
 
 def speculative_text(model, params, tokenizer, config, *, prompt: str = "",
-                     max_new_tokens: int | None = None):
-    """(the greedy continuation of `prompt` as `sample_texts(temperature=0)` gives it, the
-    `speculative.SpeculativeStats`): drafted by the model's multi-token prediction modules."""
+                     max_new_tokens: int | None = None, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, seed: int = 0):
+    """(a continuation of `prompt`, the `speculative.SpeculativeStats`), drafted by the model's
+    multi-token prediction modules: greedy (temperature 0) the text `sample_texts` gives;
+    sampling, a text drawn from the same distribution as `sample_texts(num_samples=1)`'s."""
     if _decoding(config) != "causal":
         raise ValueError(f"--speculative with family={config.model.family!r}: expected a "
                          "causal decoder LM (family gpt) with model.mtp.depth > 0")
@@ -193,9 +195,10 @@ def speculative_text(model, params, tokenizer, config, *, prompt: str = "",
     n = _new_tokens(max_new_tokens, config, "causal", len(prompt_ids))
     if n == 0:
         return tokenizer.decode(encoded), None
-    tokens, _, stats = speculative_decode(model, params, [prompt_ids], max_new_tokens=n,
-                                          eos_id=eos, banned_ids=_banned_for(tokenizer, model,
-                                                                             config))
+    tokens, _, stats = speculative_decode(
+        model, params, [prompt_ids], max_new_tokens=n, eos_id=eos,
+        banned_ids=_banned_for(tokenizer, model, config), temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=seed)
     return tokenizer.decode(np.concatenate([encoded, _until_eos(tokens[0], eos)])), stats
 
 
