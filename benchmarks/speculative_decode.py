@@ -1,14 +1,15 @@
-"""Speculative decoding with a model's own multi-token prediction modules, against plain greedy
+"""Speculative decoding with a model's own multi-token prediction modules, against plain
 decoding of the same model: tokens/s, the drafts' acceptance rate, and tokens per pass of the
 model, on trained workdirs (e.g. the runs of experiments/ablations/mtp.py).
 
     python benchmarks/speculative_decode.py --workdirs=DIR[,DIR...] [--new_tokens=256]
-        [--prompts=4] [--repeats=3]
+        [--prompts=4] [--repeats=3] [--temperature=0]
 
 Each prompt is the first 16 characters of a validation window of the run's own data; both
-decoders run greedily, after a warm-up call (compiles excluded), alternating for `repeats` runs,
-and the best run of each is shown. The tokens of the two must be equal (a row says so); a
-speed-up needs the drafts to be accepted often enough to pay for running the modules.
+decoders run greedily (or both sample at `--temperature`: speculative sampling), after a
+warm-up call (compiles excluded), alternating for `repeats` runs, and the best run of each is
+shown. Greedy, the tokens of the two must be equal (a row says so); a speed-up needs the drafts
+to be accepted often enough to pay for running the modules.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _WORKDIRS = flags.DEFINE_list("workdirs", None, "Training workdirs of models wit
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 256, "Tokens generated per row.")
 _PROMPTS = flags.DEFINE_integer("prompts", 4, "Rows (prompts), decoded as one batch.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per decoder (the best is shown).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: both decoders sample.")
 _PROMPT_TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n"
                 "All:\nSpeak, speak.\nFirst Citizen:\nYou are all resolved rather to die than "
                 "to famish?\n")
@@ -41,30 +43,35 @@ def best_time(fn, repeats: int):
     return min(times), out
 
 
-def measure(workdir: str, new_tokens: int, rows: int, repeats: int) -> dict:
+def measure(workdir: str, new_tokens: int, rows: int, repeats: int,
+            temperature: float = 0.0) -> dict:
     model, params, tokenizer, config = generate.load_workdir(workdir)
     text = tokenizer.encode(_PROMPT_TEXT)
     prompts = [[tokenizer.eos_id, *text[i * 7:i * 7 + 16]] for i in range(rows)]
     plain_s, (want, _) = best_time(lambda: generate.decode(
-        model, params, prompts, max_new_tokens=new_tokens, temperature=0.0, eos_id=None),
-        repeats)
+        model, params, prompts, max_new_tokens=new_tokens, temperature=temperature,
+        eos_id=None), repeats)
     fast_s, (got, _, stats) = best_time(lambda: speculative_decode(
-        model, params, prompts, max_new_tokens=new_tokens, eos_id=None), repeats)
+        model, params, prompts, max_new_tokens=new_tokens, eos_id=None,
+        temperature=temperature), repeats)
     tokens = rows * new_tokens
     return dict(depth=config.model.mtp.depth, plain=tokens / plain_s, fast=tokens / fast_s,
                 rate=stats.acceptance_rate, per_pass=stats.tokens_per_pass,
-                equal=bool(np.array_equal(want, got)))
+                equal=bool(np.array_equal(want, got)) if not temperature else None)
 
 
 def main(argv):
     del argv
-    print("| workdir | MTP depth | greedy tok/s | speculative tok/s | speed-up | acceptance | "
+    plain = f"sampled (T {_TEMPERATURE.value:g})" if _TEMPERATURE.value else "greedy"
+    print(f"| workdir | MTP depth | {plain} tok/s | speculative tok/s | speed-up | acceptance | "
           "tokens a pass | same tokens |\n|---|---|---|---|---|---|---|---|")
     for workdir in _WORKDIRS.value:
-        r = measure(workdir, _NEW_TOKENS.value, _PROMPTS.value, _REPEATS.value)
+        r = measure(workdir, _NEW_TOKENS.value, _PROMPTS.value, _REPEATS.value,
+                    _TEMPERATURE.value)
+        same = "-" if r["equal"] is None else "yes" if r["equal"] else "NO"
         print(f"| {workdir} | {r['depth']} | {r['plain']:,.0f} | {r['fast']:,.0f} | "
               f"{r['fast'] / r['plain']:.2f}x | {r['rate']:.1%} | {r['per_pass']:.2f} | "
-              f"{'yes' if r['equal'] else 'NO'} |")
+              f"{same} |")
 
 
 if __name__ == "__main__":
