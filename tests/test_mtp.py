@@ -278,6 +278,14 @@ def test_speculative_sampling_draws_the_sequences_with_the_lms_own_probabilities
         assert counts[want == 0].sum() == 0  # banned or filtered ids never come out
         chi2 = scipy.stats.chisquare(counts[want > 0], rows * want[want > 0])
         assert chi2.pvalue > 1e-4, chi2
+    # prompts of different lengths and an EOS: each row stops at its first EOS, then pads
+    eos, prompts = 2, [[3, 4, 5], [1], [5, 4, 3, 2, 1, 3, 4]] * 20
+    got, lengths, _ = speculative_decode(model, params, prompts, **{
+        **settings, "max_new_tokens": 9, "eos_id": eos})
+    for row, length in zip(got, lengths, strict=True):
+        assert eos not in row[:length - 1] and (length == 9 or row[length - 1] == eos)
+        assert (row[length:] == 0).all() and 0 not in row[:length]  # PAD after, banned 0 never
+    assert (lengths < 9).any() and (lengths == 9).any()
 
 
 @pytest.mark.slow
