@@ -47,8 +47,11 @@ PLAIN_PARAMS = re.compile(r"^[\w.,=+-]*$")
 # the suite under Python 3.11 never takes. Running asynchronously changes when the host waits,
 # not what a step computes, so the tier takes the two tests where waiting matters: 200
 # independent steps streamed (the deadlock jaxlib 0.10.2 has), and the CLI training,
-# evaluating, saving and resuming on 4 devices. The other mesh tests check the numbers.
+# evaluating, saving and resuming on 4 devices. The other mesh tests check the numbers. A
+# third, the CLI on data x sequence, compiles a shard_map manual over two mesh axes (a nested
+# pair of them failed a check of jax 0.12's and aborted the process, 2026-12-04).
 CPU_MESH_TESTS = (
+    "tests/test_sequence_parallel.py::test_the_cli_trains_on_a_data_by_sequence_mesh_as_on_one_device",
     "tests/test_sharding.py::test_a_cpu_mesh_runs_many_streamed_steps_to_the_same_results",
     "tests/test_vision.py::test_clip_shards_checkpoints_and_resumes_through_the_cli",
 )

@@ -5,13 +5,16 @@ strategies against one device, in attention and in training."""
 from __future__ import annotations
 
 import functools
+import sys
 
 import flax.linen as nn
+import forkserver
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_sharding import run_check
+from test_train import REPO, assert_succeeded, cli_env, tiny_flags, train_losses
 
 from transformer import configs
 from transformer.nn import dense_attention, masks, sequence_parallel
@@ -169,6 +172,26 @@ def test_a_checkpoint_saved_on_one_sequence_mesh_continues_on_another(results):
     reshard = results["reshard"]
     np.testing.assert_allclose(reshard["losses"], reshard["want"], rtol=2e-6)
     assert reshard["max_param_diff"] < 1e-5
+
+
+@pytest.mark.slow
+def test_the_cli_trains_on_a_data_by_sequence_mesh_as_on_one_device(tmp_path):
+    """4 devices as data=2 x sequence=2, all_gather (each device gathers the keys and values of
+    its own rows over the axis: a shard_map manual over data and sequence at once, which jax
+    0.12 compiles where one nested in another failed a check), train the losses one device
+    trains, through the CLI. The newest-jax tier runs it (tests/select_newest_jax.py)."""
+    losses = {}
+    for devices, mesh in ((1, ()), (4, ("--config.mesh.data=2", "--config.mesh.sequence=2"))):
+        workdir = tmp_path / f"devices_{devices}"
+        result = forkserver.run(
+            [sys.executable, "-m", "transformer.train", f"--workdir={workdir}", *tiny_flags(3),
+             "--config.model.sequence_parallel=all_gather", *mesh],
+            cwd=REPO, env=cli_env(devices), capture_output=True, text=True, timeout=300)
+        assert_succeeded(result)
+        losses[devices] = train_losses(workdir)
+    assert "sequence=2" in result.stdout and sorted(losses[4]) == sorted(losses[1]) == [1, 2, 3]
+    np.testing.assert_allclose([losses[4][s] for s in (1, 2, 3)],
+                               [losses[1][s] for s in (1, 2, 3)], rtol=1e-5)
 
 
 @pytest.mark.slow

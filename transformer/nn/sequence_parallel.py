@@ -134,14 +134,17 @@ def attention(query: Array, key: Array, value: Array, mask=None, bias=None, *,
     local = functools.partial(local, scale=scale, q_chunk=q_chunk, kv_chunk=kv_chunk,
                               softcap=softcap)
     split = P(None, AXIS)  # the other mesh axes stay automatic (batch, heads as the rules say)
-    return jax.shard_map(local, in_specs=(split, split, split, P(), P(), P()), out_specs=split,
-                         axis_names={AXIS}, check_vma=False)(query, key, value, mask, bias,
-                                                             sinks)
+    kv_split = split
+    if strategy == "all_gather":  # K and V whole along the sequence on every device of the axis
+        key, value, kv_split = _gather_rows(key), _gather_rows(value), P()
+    return jax.shard_map(local, in_specs=(split, kv_split, kv_split, P(), P(), P()),
+                         out_specs=split, axis_names={AXIS}, check_vma=False)(
+                             query, key, value, mask, bias, sinks)
 
 
-def _all_gather(q, k, v, mask, bias, sinks, *, scale, q_chunk, kv_chunk, softcap):
+def _all_gather(q, k_all, v_all, mask, bias, sinks, *, scale, q_chunk, kv_chunk, softcap):
+    """This device's queries over the whole (`_gather_rows`) keys and values."""
     n, i = lax.axis_size(AXIS), lax.axis_index(AXIS)
-    k_all, v_all = _gather_rows(k), _gather_rows(v)
     q_len = q.shape[1]
     return chunked_attention(q, k_all, v_all, mask, bias, scale=scale, q_chunk=q_chunk,
                              kv_chunk=kv_chunk, totals=(q_len * n, k_all.shape[1]),
@@ -149,19 +152,19 @@ def _all_gather(q, k, v, mask, bias, sinks, *, scale, q_chunk, kv_chunk, softcap
 
 
 def _gather_rows(x):
-    """x [B, S / n, ...] -> [B, S, ...] gathered over the axis, each device's own batch rows
-    only. The gather runs in a shard_map manual over the axes that split the batch too: in the
-    outer one, manual over `sequence` alone, XLA's partitioner makes the batch whole for the
-    gather and for its transpose (dK / dV, reduce-scattered), all rows on every device."""
+    """x [B, S, ...] split over the axis -> whole along S on each of its devices, each device
+    gathering its own batch rows only: one shard_map manual over the axis and the axes that
+    split the batch. Manual over `sequence` alone, XLA's partitioner makes the batch whole for
+    the gather and for its transpose (dK / dV, reduce-scattered), all rows on every device; a
+    shard_map over the batch's axes nested inside that one fails jax 0.12's check that manual
+    axes come in mesh order (data before sequence)."""
     mesh = jax.sharding.get_abstract_mesh()
     rules = nn.get_logical_axis_rules() or sharding.LOGICAL_AXIS_RULES
     rows = sharding.mesh_spec(P("activation_batch"), x.shape[:1], mesh, rules)[0]
+    row_axes = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
     gather = functools.partial(lax.all_gather, axis_name=AXIS, axis=1, tiled=True)
-    if rows is None:
-        return gather(x)
-    return jax.shard_map(gather, in_specs=P(rows), out_specs=P(rows),
-                         axis_names=set((rows,) if isinstance(rows, str) else rows),
-                         check_vma=False)(x)
+    return jax.shard_map(gather, in_specs=P(rows, AXIS), out_specs=P(rows),
+                         axis_names={*row_axes, AXIS}, check_vma=False)(x)
 
 
 def _ring(q, k, v, mask, bias, sinks, *, scale, q_chunk, kv_chunk, softcap):
