@@ -20,6 +20,7 @@ from pathlib import Path
 
 import forkserver
 import jax
+import jaxlib
 import numpy as np
 import pytest
 from test_layers import XLA_FUSIONS
@@ -237,8 +238,10 @@ def run_sweep(*args: str, devices: int | None = None, wait: bool = True):
 
 @pytest.mark.slow
 def test_batched_seeds_through_the_cli_survive_kill_9(tmp_path):
-    """Bit for bit with Eigen's dots and XLA's own fusions: the float32 CPU default's YNNPACK
-    fusions round the vmapped gradients' reductions an ulp apart from a separate run's."""
+    """Bit for bit with Eigen's dots and XLA's own fusions under jaxlib 0.10 / 0.11: the float32
+    CPU default's YNNPACK fusions round the vmapped gradients' reductions an ulp apart from a
+    separate run's, and so does jaxlib 0.12 with XLA's own fusions (the grad norm from step 2,
+    the params 7e-7 apart after 24 steps; 2026-12-04), where the runs agree to 1e-6."""
     experiment = tmp_path / "batched.py"
     assert "    return config\n" in EXPERIMENT
     experiment.write_text(EXPERIMENT.replace("    return config\n", "    config.compiler_options = "
@@ -262,7 +265,7 @@ def test_batched_seeds_through_the_cli_survive_kill_9(tmp_path):
     assert "position=rope/seed_0: resuming in" in resumed.stdout
     assert "seed 1: batched seeds: seeds [0, 1] train in one program" in resumed.stdout
     assert_same_runs(tmp_path / "separate" / "position=rope", together / "position=rope",
-                     range(2), exact=True)
+                     range(2), exact=jaxlib.version.__version_info__ < (0, 12))
     assert "position=rope" in (together / "report.md").read_text()
 
 
