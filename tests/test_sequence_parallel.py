@@ -5,16 +5,14 @@ strategies against one device, in attention and in training."""
 from __future__ import annotations
 
 import functools
-import sys
 
 import flax.linen as nn
-import forkserver
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_sharding import run_check
-from test_train import REPO, assert_succeeded, cli_env, tiny_flags, train_losses
+from test_train import assert_succeeded, run_cli, tiny_flags, train_losses
 
 from transformer import configs
 from transformer.nn import dense_attention, masks, sequence_parallel
@@ -183,10 +181,9 @@ def test_the_cli_trains_on_a_data_by_sequence_mesh_as_on_one_device(tmp_path):
     losses = {}
     for devices, mesh in ((1, ()), (4, ("--config.mesh.data=2", "--config.mesh.sequence=2"))):
         workdir = tmp_path / f"devices_{devices}"
-        result = forkserver.run(
-            [sys.executable, "-m", "transformer.train", f"--workdir={workdir}", *tiny_flags(3),
-             "--config.model.sequence_parallel=all_gather", *mesh],
-            cwd=REPO, env=cli_env(devices), capture_output=True, text=True, timeout=300)
+        result = run_cli("transformer.train", f"--workdir={workdir}", *tiny_flags(3),
+                         "--config.model.sequence_parallel=all_gather", *mesh,
+                         logs=tmp_path / f"logs_{devices}", devices=devices)
         assert_succeeded(result)
         losses[devices] = train_losses(workdir)
     assert "sequence=2" in result.stdout and sorted(losses[4]) == sorted(losses[1]) == [1, 2, 3]

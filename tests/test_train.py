@@ -115,19 +115,21 @@ class CliRun:
             self.stderr_path.read_text(errors="replace"))
 
 
-def start_cli(module: str, *args: str, logs: Path) -> CliRun:
-    """Starts `python -m <module> <args>` from the repo root; output goes to files in `logs`."""
+def start_cli(module: str, *args: str, logs: Path, devices: int | None = None) -> CliRun:
+    """Starts `python -m <module> <args>` from the repo root (on `devices` forced CPU devices
+    if given); output goes to files in `logs`."""
     logs.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", module, *args]
     stdout_path, stderr_path = logs / "stdout.txt", logs / "stderr.txt"
     with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
-        process = forkserver.Popen(command, cwd=REPO, env=cli_env(), stdout=stdout,
+        process = forkserver.Popen(command, cwd=REPO, env=cli_env(devices), stdout=stdout,
                                    stderr=stderr, stdin=subprocess.DEVNULL)
     return CliRun(command, process, stdout_path, stderr_path)
 
 
-def run_cli(module: str, *args: str, logs: Path) -> subprocess.CompletedProcess:
-    return start_cli(module, *args, logs=logs).wait()
+def run_cli(module: str, *args: str, logs: Path,
+            devices: int | None = None) -> subprocess.CompletedProcess:
+    return start_cli(module, *args, logs=logs, devices=devices).wait()
 
 
 def describe(result: subprocess.CompletedProcess) -> str:
