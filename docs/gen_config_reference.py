@@ -35,16 +35,11 @@ ORDER = ("Top level", "Data: `data.*`", "Optimizer: `optimizer.*`", "Model: `mod
          "Pipeline: `pipeline.*`", "Profiling: `profile.*`", "Weights & Biases: `wandb.*`")
 
 
-def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, object]]:
+def flat_keys(config: ml_collections.ConfigDict) -> list[tuple[str, object]]:
     """(dotted key, default) for every leaf; an empty group (compiler_options) is a leaf."""
-    out = []
-    for key in config.keys():
-        value = config[key]
-        if isinstance(value, ml_collections.ConfigDict) and len(value.keys()):
-            out += flat_keys(value, f"{prefix}{key}.")
-        else:
-            out.append((prefix + key, value))
-    return out
+    from transformer.utils import keys
+
+    return list(keys.dotted(config, empty_groups=True).items())
 
 
 def declared() -> dict:

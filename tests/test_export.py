@@ -171,11 +171,13 @@ TITLES = {"gpt2": "GPT-2", "bert": "BERT", "t5": "T5", "llama": "Llama", "mistra
 
 def with_new_model_keys(monkeypatch):
     """Model keys added after the exporters were written: a config entry `new_knob` (0), a
-    `TransformerConfig` field `new_field` (0.5), and `moe.new_knob` and `lora.new_knob` (0)."""
+    `TransformerConfig` field `new_field` (0.5), a field `new_kernel` ("a") declared
+    export-neutral, and `moe.new_knob` and `lora.new_knob` (0)."""
     import dataclasses
 
     from transformer.hf import allowlist
     from transformer.nn.config import TransformerConfig
+    from transformer.utils.keys import STR, key
 
     def defaults():
         config = default_model_config()
@@ -186,7 +188,9 @@ def with_new_model_keys(monkeypatch):
 
     monkeypatch.setattr(allowlist, "default_model_config", defaults)
     monkeypatch.setattr(allowlist, "TransformerConfig", dataclasses.make_dataclass(
-        "Later", [("new_field", float, dataclasses.field(default=0.5))],
+        "Later", [("new_field", float, dataclasses.field(default=0.5)),
+                  ("new_kernel", str, key("a", "A kernel choice.", STR, structural=False,
+                                          export_neutral=True))],
         bases=(TransformerConfig,), frozen=True))
 
 
@@ -209,10 +213,13 @@ def test_a_model_key_no_exporter_maps_is_refused_by_every_exporter(case, monkeyp
         assert str(error.value) == (f"export to {name}: model.{key}={value!r} has no Hugging "
                                     f"Face {TITLES[name]} equivalent (expected the default "
                                     f"{default!r})")
-    # At their defaults the new keys export as before; a key no model has is refused too.
+    # At their defaults the new keys export as before, and the export-neutral one at any
+    # value, to the same HF state; a key no model has is refused too.
     config.new_knob, config.new_field = 0, 0.5
-    hf_config, _ = export.to_hf(config, params)
+    hf_config, state = export.to_hf(config, params)
     assert type(hf_config) is type(hf.config)
+    config.new_kernel = "b"
+    assert export.to_hf(config, params)[1].keys() == state.keys()
     config.not_a_model_key = True
     with pytest.raises(ValueError, match=f"export to {name}: model.not_a_model_key=True has no "):
         export.to_hf(config, params)

@@ -90,6 +90,7 @@ from transformer.sweeps.statistics import (  # noqa: F401
     window_bootstrap,
     window_pairs,
 )
+from transformer.utils import keys
 
 
 def variant_configs(config, variants: Sequence[Variant], only: Sequence[str] = ()):
@@ -135,7 +136,7 @@ def changed_settings(directory: str, config) -> list[str]:
         return []
     with open(path) as f:
         saved = json.load(f)
-    as_json = lambda config: json.loads(json.dumps(definition.flat_dict(config.to_dict()),
+    as_json = lambda config: json.loads(json.dumps(keys.dotted(config.to_dict()),
                                                    default=str))
     current, defaults = as_json(config), as_json(base_config())
     return [f"{key}: trained with {saved.get(key)!r}, now {current.get(key)!r}"
@@ -208,7 +209,7 @@ def _announce(header: str, config, directory: str) -> bool:
     if _is_main() and not os.path.exists(os.path.join(directory, definition.CONFIG_FILE)):
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, definition.CONFIG_FILE), "w") as f:
-            json.dump(definition.flat_dict(config.to_dict()), f, indent=1, default=str)
+            json.dump(keys.dotted(config.to_dict()), f, indent=1, default=str)
     return True
 
 
@@ -246,7 +247,7 @@ def main(argv) -> None:
     configs = variant_configs(FLAGS.config, variants, FLAGS.only or ())
     selected = [v for v in variants if v.name in configs]
     baseline = check_baseline(baseline, list(configs))
-    cli_overrides = definition.flat_dict(config_flags.get_override_values(FLAGS["config"]))
+    cli_overrides = keys.dotted(config_flags.get_override_values(FLAGS["config"]))
     if seeds > 1 and "seed" in cli_overrides:
         raise ValueError(f"--config.seed={cli_overrides['seed']} and --seeds={seeds} sets seeds "
                          f"0..{seeds - 1}: expected one of the two")

@@ -11,18 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from transformer.models import default_model_config
+from transformer.models import MODEL_KEYS, default_model_config
 from transformer.nn.config import TransformerConfig
+from transformer.utils import keys
 
 ANY = None  # an allowlist value: every value of the key is mapped
 
-# Keys that change how a model is computed, stored or initialised but not the function it
-# exports (quantization is a compute setting: the params stay float), and the training-only
-# dropout rates and MTP loss weight; every exporter accepts them.
-COMPUTE_ONLY = dict.fromkeys((
-    "dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers", "sequence_parallel",
-    "sequence_load_balance", "quantization", "quantize_head", "scale_residual_init", "init_std",
-    "dropout_rate", "attention_dropout_rate", "mtp.loss_weight"), ANY)
 # The shape keys every exporter maps.
 SHAPES = dict.fromkeys(("vocab_size", "num_layers", "d_model", "num_heads", "d_ff", "max_len",
                         "norm_epsilon"), ANY)
@@ -38,25 +32,25 @@ class Exporter:
     allows: dict[str, tuple | None]
 
 
+def export_neutral() -> set[str]:
+    """The model keys declared export-neutral (`utils.keys.Key.export_neutral`): they change
+    how a model is computed, stored, initialised or trained (quantization is a compute setting,
+    the params stay float; dropout and loss weights act in training only), not the function it
+    exports, so every exporter accepts them at any value."""
+    return ({name for name, declared in MODEL_KEYS.items() if declared.export_neutral} |
+            {name for name, declared in keys.declarations(TransformerConfig)
+             if declared.export_neutral})
+
+
 def model_defaults() -> dict[str, Any]:
     """{dotted model key: default} of every model key: the model config group's, and any
     `TransformerConfig` field it lacks."""
-    defaults = _flat(default_model_config())
+    defaults = keys.dotted(default_model_config())
     for field in dataclasses.fields(TransformerConfig):
         if field.name not in defaults and not any(k.startswith(field.name + ".")
                                                   for k in defaults):
             defaults[field.name] = field.default
     return defaults
-
-
-def _flat(config, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in config.items():
-        if hasattr(value, "items"):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
 
 
 def refusal(exporter: Exporter, key: str, value, expected: str) -> ValueError:
@@ -67,15 +61,16 @@ def refusal(exporter: Exporter, key: str, value, expected: str) -> ValueError:
 
 def check(exporter: Exporter, model_config, prefix: str = "") -> None:
     """Refuses the first model key (of those starting with `prefix`) that `exporter` does not
-    map and that is set away from its default, or a listed key at a value it does not
-    represent: the listed keys first, in the allowlist's order."""
+    map and that is set away from its default (export-neutral keys excepted), or a listed key
+    at a value it does not represent: the listed keys first, in the allowlist's order."""
     defaults = model_defaults()
-    values = {**defaults, **_flat(model_config)}  # a key the config lacks is at its default
+    neutral = export_neutral()
+    values = {**defaults, **keys.dotted(model_config)}  # a key the config lacks is at its default
     for key, allowed in exporter.allows.items():
         if allowed is not ANY and key.startswith(prefix) and values.get(key) not in allowed:
             raise refusal(exporter, key, values.get(key), " or ".join(map(repr, allowed)))
     for key, value in values.items():
-        if key in exporter.allows or not key.startswith(prefix):
+        if key in exporter.allows or key in neutral or not key.startswith(prefix):
             continue
         if key not in defaults:
             raise refusal(exporter, key, value, "no such key: not one of default_model_config()")

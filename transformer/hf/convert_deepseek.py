@@ -138,11 +138,10 @@ def mla_params(ckpt: Checkpoint, prefix: str, config) -> dict[str, np.ndarray]:
 def exporter():
     """DeepSeek-V3's allowlist (`allowlist.check`): a RoPE GPT with multi-head latent
     attention, DeepSeek's routing with the balance bias, SwiGLU, pre-RMSNorm, no biases."""
-    from transformer.hf.allowlist import ANY, COMPUTE_ONLY, SHAPES, Exporter
+    from transformer.hf.allowlist import ANY, SHAPES, Exporter
 
     moe = ("num_experts", "top_k", "capacity_factor", "d_ff", "num_shared", "normalize_gates",
-           "n_group", "topk_group", "routed_scaling_factor", "first_dense_layers",
-           "bias_update_rate", "load_balance_loss", "router_z_loss")
+           "n_group", "topk_group", "routed_scaling_factor", "first_dense_layers")
     return Exporter("deepseek_v3", "DeepSeek-V3", {
         "family": ("gpt",), "head": ("mlm",), "position": ("rope",), "norm": ("rmsnorm",),
         "norm_placement": ("pre",), "activation": ("swiglu",), "use_bias": (False,),
@@ -154,7 +153,7 @@ def exporter():
             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")},
         "moe.score": ("sigmoid",), "moe.balance_bias": (True,), "moe.every_n_layers": (1,),
         "mtp.depth": ANY,
-        **{f"moe.{k}": ANY for k in moe}, **SHAPES, "tie_embeddings": ANY, **COMPUTE_ONLY})
+        **{f"moe.{k}": ANY for k in moe}, **SHAPES, "tie_embeddings": ANY})
 
 
 def to_hf(config, params, transformers):

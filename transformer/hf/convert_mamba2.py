@@ -97,15 +97,14 @@ def mixer_params(ckpt: Checkpoint, prefix: str, heads: int, width: int, groups: 
 def exporter():
     """Mamba 2's allowlist (`allowlist.check`): a GPT of `mamba2` layers alone, no positions,
     no feed-forward sublayer, pre-RMSNorm, no projection biases."""
-    from transformer.hf.allowlist import ANY, COMPUTE_ONLY, SHAPES, Exporter
+    from transformer.hf.allowlist import ANY, SHAPES, Exporter
 
     return Exporter("mamba2", "Mamba 2", {
         "family": ("gpt",), "head": ("mlm",), "position": ("none",), "norm": ("rmsnorm",),
         "norm_placement": ("pre",), "layer_types": ("mamba2",), **SHAPES, "d_ff": (0,),
         "use_bias": (False,), "tie_embeddings": ANY, **{f"mamba2.{key}": ANY for key in (
-            "state_size", "expand", "head_dim", "num_groups", "conv_kernel", "chunk_size",
-            "use_conv_bias", "norm_before_gate", "time_step_min", "time_step_max",
-            "time_step_floor", "time_step_limit_min", "time_step_limit_max")}, **COMPUTE_ONLY})
+            "state_size", "expand", "head_dim", "num_groups", "conv_kernel", "use_conv_bias",
+            "norm_before_gate", "time_step_limit_min", "time_step_limit_max")}})
 
 
 def to_hf(config, params, transformers):

@@ -98,7 +98,7 @@ def exporter():
     """Qwen3-Next's allowlist (`allowlist.check`): Gated DeltaNet and full layers, the full
     ones element-gated with per-head qk-norm and (partial) RoPE, experts with a gated shared
     expert, SwiGLU, pre-RMSNorm, no biases."""
-    from transformer.hf.allowlist import ANY, COMPUTE_ONLY, SHAPES, Exporter
+    from transformer.hf.allowlist import ANY, SHAPES, Exporter
 
     return Exporter("qwen3_next", "Qwen3-Next", {
         "family": ("gpt",), "head": ("mlm",), "position": ("rope",), "norm": ("rmsnorm",),
@@ -108,11 +108,11 @@ def exporter():
         "rope_layout": ("half",), "rope_fraction": ANY, "num_kv_heads": ANY, "head_dim": ANY,
         **{f"linear_attention.{k}": ANY for k in (
             "num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
-            "conv_kernel", "chunk_size")},
+            "conv_kernel")},
         "moe.shared_gate": (True,), **{f"moe.{k}": ANY for k in (
             "num_experts", "top_k", "capacity_factor", "d_ff", "num_shared", "normalize_gates",
-            "every_n_layers", "load_balance_loss", "router_z_loss")},
-        **SHAPES, "tie_embeddings": ANY, **COMPUTE_ONLY})
+            "every_n_layers")},
+        **SHAPES, "tie_embeddings": ANY})
 
 
 def to_hf(config, params, transformers):

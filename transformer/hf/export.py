@@ -28,7 +28,7 @@ from transformer.hf import (
     convert_qwen3_next,
     export_llama,
 )
-from transformer.hf.allowlist import ANY, COMPUTE_ONLY, SHAPES, Exporter
+from transformer.hf.allowlist import ANY, SHAPES, Exporter
 from transformer.hf.common import flat_heads
 from transformer.models import default_model_config
 from transformer.nn import lora
@@ -42,19 +42,19 @@ GPT2 = Exporter("gpt2", "GPT-2", dict(
     family=("gpt",), head=("mlm",), position=("learned",), norm=("layernorm",),
     norm_placement=("pre",), use_bias=(True,), qkv_bias=(None, True),
     activation=tuple(_GPT2_ACTIVATIONS), num_kv_heads=(None,), attention_scale=(None, 1.0),
-    **SHAPES, tie_embeddings=ANY, head_dim=ANY, **COMPUTE_ONLY))  # head_dim: checked in _gpt2
+    **SHAPES, tie_embeddings=ANY, head_dim=ANY))  # head_dim: checked in _gpt2
 BERT = Exporter("bert", "BERT", dict(
     family=("bert",), position=("learned",), norm=("layernorm",), norm_placement=("post",),
     use_bias=(True,), qkv_bias=(None, True), embedding_norm=(True,),
     activation=tuple(_BERT_ACTIVATIONS), num_kv_heads=(None,), attention_scale=(None,),
     head=("mlm", "classify"), **SHAPES, num_classes=ANY, type_vocab_size=ANY,
-    tie_embeddings=ANY, **COMPUTE_ONLY))  # our BERT's MLM head always ties: tie_embeddings unused
+    tie_embeddings=ANY))  # our BERT's MLM head always ties: tie_embeddings unused
 T5 = Exporter("t5", "T5", dict(
     family=("t5",), head=("mlm",), position=("t5",), norm=("rmsnorm",), norm_placement=("pre",),
     use_bias=(False,), qkv_bias=(None, False), attention_scale=(1.0,),
     activation=tuple(_T5_ACTIVATIONS), num_kv_heads=(None,), **SHAPES, tie_embeddings=ANY,
     head_dim=ANY, num_decoder_layers=ANY, t5_num_buckets=ANY, t5_max_distance=ANY,
-    scale_decoder_output=ANY, **COMPUTE_ONLY))  # tie_embeddings: checked in _t5
+    scale_decoder_output=ANY))  # tie_embeddings: checked in _t5
 # The LoRA settings a peft adapter maps (the base model is checked by its own exporter).
 PEFT = Exporter("peft", "peft LoRA", {"lora.rank": ANY, "lora.alpha": ANY, "lora.dropout": ANY,
                                       "lora.targets": ANY, "lora.base_quantization": ANY})

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from transformer.hf import allowlist
-from transformer.hf.allowlist import ANY, COMPUTE_ONLY, SHAPES, Exporter
+from transformer.hf.allowlist import ANY, SHAPES, Exporter
 from transformer.hf.common import flat_heads
 from transformer.hf.convert_llama import LLAMA_LIKE
 
@@ -22,15 +22,14 @@ _BASE = dict(family=("gpt",), head=("mlm",), position=("rope",), norm=("rmsnorm"
 _ROPE = dict(rope_layout=("half",), rope_theta=ANY, rope_scale=ANY,
              rope_scaling=("linear", "llama3"), rope_low_freq_factor=ANY,
              rope_high_freq_factor=ANY, rope_original_max_len=ANY)
-_MAPPED = dict(**SHAPES, tie_embeddings=ANY, num_kv_heads=ANY, head_dim=ANY, **COMPUTE_ONLY)
+_MAPPED = dict(**SHAPES, tie_embeddings=ANY, num_kv_heads=ANY, head_dim=ANY)
 _NO_BIAS = dict(qkv_bias=(None, False))
 _WINDOW = dict(sliding_window=ANY)
 _LAYER_WINDOWS = dict(sliding_window=ANY, sliding_window_pattern=ANY)
 _QK_NORM = dict(qk_norm=(True,), qk_norm_scope=("head",))
-# A mixture of experts (model.moe): HF routes dropless whatever moe.capacity_factor, and its aux
-# loss is training-only as our z-loss is; moe.top_k and moe.d_ff are checked in _moe_settings.
-_MOE = {"moe.num_experts": ANY, "moe.top_k": ANY, "moe.d_ff": ANY, "moe.capacity_factor": ANY,
-        "moe.load_balance_loss": ANY, "moe.router_z_loss": ANY}
+# A mixture of experts (model.moe): HF routes dropless whatever moe.capacity_factor (its loss
+# weights are export-neutral); moe.top_k and moe.d_ff are checked in _moe_settings.
+_MOE = {"moe.num_experts": ANY, "moe.top_k": ANY, "moe.d_ff": ANY, "moe.capacity_factor": ANY}
 # Per class (LLAMA_LIKE's key): (model_type, title, what it maps beyond Llama's settings).
 _CLASSES = {
     "Llama": ("llama", "Llama", _NO_BIAS),

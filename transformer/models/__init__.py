@@ -73,9 +73,11 @@ MODEL_KEYS: dict[str, Key] = {
     "quantization": Key("", "Quantized training through Qwix: '' (none), 'int8' or 'fp8' for "
                         "the attention projections and MLPs (params stay float; it may change "
                         "on resume). See docs/performance.md.",
-                        one_of(("",) + tuple(quantization.SCHEMES)), structural=False),
+                        one_of(("",) + tuple(quantization.SCHEMES)), structural=False,
+                        export_neutral=True),
     "quantize_head": Key(False, "With model.quantization: quantize the output head too (the "
-                         "tied embedding's logits or lm_head).", BOOL, structural=False),
+                         "tied embedding's logits or lm_head).", BOOL, structural=False,
+                         export_neutral=True),
 }
 
 

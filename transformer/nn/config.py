@@ -134,7 +134,8 @@ class TransformerConfig:
                                described(BOOL, "a bool (with norm_placement 'pre')"))
     scale_residual_init: bool = key(
         False, "Kernels writing into the residual stream (attention W_o, the MLP's output, the "
-        "experts' too) start with their std / sqrt(2 num_layers) (GPT-2).", BOOL)
+        "experts' too) start with their std / sqrt(2 num_layers) (GPT-2).", BOOL,
+        export_neutral=True)
     # muP (Tensor Programs V): a model m = d_model / mup_base_width times as wide as the base
     # behaves as the base does (`mup_width_multiplier`).
     parametrization: str = key(
@@ -204,36 +205,37 @@ class TransformerConfig:
     scale_embeddings: bool = key(False, "Inputs times sqrt(d_model) before positions (Vaswani "
                                  "et al.).", BOOL)
     dropout_rate: float = key(0.0, "Dropout on the residual branches and embeddings.",
-                              number(ge=0, lt=1), structural=False)
+                              number(ge=0, lt=1), structural=False, export_neutral=True)
     attention_dropout_rate: float = key(
         0.0, "Dropout on the attention weights (runs the dense kernel).", number(ge=0, lt=1),
-        structural=False)
+        structural=False, export_neutral=True)
     init_std: float | None = key(
         None, "Normal init std of the kernels; None: fan-in scaling (GPT-2: 0.02).",
-        optional(number(gt=0), "None or a number > 0"))
+        optional(number(gt=0), "None or a number > 0"), export_neutral=True)
     # Checked as the config's names; the dataclass takes any dtype (float64 included).
     dtype: Any = key(jnp.float32, "Compute dtype (softmax and loss stay float32).",
-                     one_of(DTYPES), structural=False)
-    param_dtype: Any = key(jnp.float32, "Dtype the params are kept in.", one_of(DTYPES))
+                     one_of(DTYPES), structural=False, export_neutral=True)
+    param_dtype: Any = key(jnp.float32, "Dtype the params are kept in.", one_of(DTYPES),
+                           export_neutral=True)
     scan_layers: bool = key(False, "Run the stack as one `nn.scan` over layers (faster "
-                            "compiles).", BOOL)
+                            "compiles).", BOOL, export_neutral=True)
     remat_policy: str = key("none", "What the backward pass recomputes: none, everything "
                             "(`full`) or all but the matmuls.", choice(tuple(REMAT_POLICIES)),
-                            structural=False)
+                            structural=False, export_neutral=True)
     # The devices the step is compiled for choose `auto`'s kernel.
     attention_impl: str = key(
         "auto", "The attention kernel; `auto`: splash on TPU (per device under a `sequence` "
         "axis too), cuDNN on GPU, chunked for long sequences, else dense; `reference`: the "
         "plain float32 formula by autodiff, for prototyping (`kernels.KERNELS` says which "
         "features each kernel takes).",
-        choice(kernels.IMPLS), structural=False)
+        choice(kernels.IMPLS), structural=False, export_neutral=True)
     # transformer.nn.sequence_parallel
     sequence_parallel: str = key(
         "all_gather", "Under a `sequence` mesh axis: how attention reaches the other devices' "
-        "keys.", choice(sequence_parallel.STRATEGIES), structural=False)
+        "keys.", choice(sequence_parallel.STRATEGIES), structural=False, export_neutral=True)
     sequence_load_balance: bool = key(
         True, "Under a `sequence` mesh axis: lay decoder LMs' sequences out zig-zag so every "
-        "device does the same causal work.", BOOL, structural=False)
+        "device does the same causal work.", BOOL, structural=False, export_neutral=True)
     moe: MoEConfig = MoEConfig()  # mixture-of-experts feed-forward layers (transformer.nn.moe)
     lora: LoraConfig = LoraConfig()  # low-rank adapters on a frozen base (transformer.nn.lora)
     # the token mixers' own keys (transformer.nn.mixers), read by layers of their type

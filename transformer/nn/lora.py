@@ -55,7 +55,7 @@ class LoraConfig:
         (lambda v: isinstance(v, str) and bool(v) and keys.is_regex(v),
          "a regular expression of kernel param names"))
     dropout: float = keys.key(0.0, "Dropout on the adapters' input during training.",
-                              keys.number(ge=0, lt=1), structural=False)
+                              keys.number(ge=0, lt=1), structural=False, export_neutral=True)
     base_quantization: str = keys.key(
         "", "QLoRA: the frozen targeted kernels stored as Qwix int8 (a scale per output "
         "channel), dequantized on the fly; \"\": float.", keys.one_of(BASE_QUANTIZATIONS))

@@ -96,9 +96,9 @@ class MoEConfig:
     shared_gate: bool = key(False, "The shared experts' output times sigmoid(x . w) per token "
                             "(Qwen2-MoE).", BOOL)
     load_balance_loss: float = key(0.01, "Weight of the load-balancing loss (Switch / GShard).",
-                                   number(ge=0), structural=False)
+                                   number(ge=0), structural=False, export_neutral=True)
     router_z_loss: float = key(0.001, "Weight of the router z-loss (ST-MoE).", number(ge=0),
-                               structural=False)
+                               structural=False, export_neutral=True)
     score: str = key("softmax", "The router's scores: softmax over experts, or each expert's "
                      "sigmoid (DeepSeek-V3).", choice(SCORES))
     n_group: int = key(1, "Expert groups (DeepSeek-V3): a token chooses within its topk_group "
@@ -114,7 +114,8 @@ class MoEConfig:
                              "balance_bias).", BOOL)
     bias_update_rate: float = key(
         0.0, "After each step the balance bias moves by this times the sign of each expert's "
-        "load error (DeepSeek-V3: 0.001); 0: fixed.", number(ge=0), structural=False)
+        "load error (DeepSeek-V3: 0.001); 0: fixed.", number(ge=0), structural=False,
+        export_neutral=True)
     use_bias: bool = key(False, "Biases on the router's logits and the experts' projections "
                          "(gpt-oss).", BOOL)
     swiglu_limit: float = key(

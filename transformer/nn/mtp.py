@@ -39,7 +39,8 @@ class MTPConfig:
                      "(DeepSeek-V3: 1); 0: next-token prediction only.",
                      int_(ge=0, note="0: none"))
     loss_weight: float = key(0.3, "The modules' mean cross-entropy times this joins the loss "
-                             "(DeepSeek-V3: 0.3, then 0.1).", number(ge=0), structural=False)
+                             "(DeepSeek-V3: 0.3, then 0.1).", number(ge=0), structural=False,
+                             export_neutral=True)
 
     def __post_init__(self):
         check_fields(self, prefix="mtp.")

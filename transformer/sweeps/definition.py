@@ -199,16 +199,6 @@ def check_baseline(baseline: str | None, names: Sequence[str]) -> str:
 
 
 
-def flat_dict(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(flat_dict(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    return flat
-
-
 def launch_commands(config_file: str, cli_overrides: dict[str, Any], variants: Sequence[Variant],
                     workdir: str) -> list[str]:
     """One `python -m transformer.train` command per variant: the command line's overrides,

@@ -53,14 +53,8 @@ _NON_STRUCTURAL = {name for name, declared in keys.declarations(TransformerConfi
 def _model_settings(config: dict) -> dict:
     """A config's model group with nested groups flattened ("moe.top_k"); a key missing from an
     older config has its default (a checkpoint from before `moe` existed is dense)."""
-    flat = {}
-    for group in (default_model_config().to_dict(), config.get("model", {})):
-        for key, value in group.items():
-            if isinstance(value, dict):
-                flat.update({f"{key}.{k}": v for k, v in value.items()})
-            else:
-                flat[key] = value
-    return flat
+    return {**keys.dotted(default_model_config().to_dict()),
+            **keys.dotted(config.get("model", {}))}
 
 
 def structural_differences(saved: dict, current: dict) -> list[str]:
@@ -110,14 +104,7 @@ def stream_differences(saved: dict, current: dict) -> list[str]:
     ...                    {"batch_size": 16, "data": {"path": "b"}, "fingerprint": "f0"})
     ['batch_size: checkpoint 8, config 16']
     """
-    def flat(tree, prefix=""):
-        items = {}
-        for key, value in tree.items():
-            items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict)
-                         else {f"{prefix}{key}": value})
-        return items
-
-    saved, current = flat(saved), flat(current)
+    saved, current = keys.dotted(saved), keys.dotted(current)
     moved = {"data.path": "fingerprint", "data.validation_path": "validation_fingerprint"}
     differences = []
     for key in sorted(set(saved) | set(current)):

@@ -33,7 +33,7 @@ from flax import traverse_util
 
 from transformer.nn import lora
 from transformer.training import checkpoint as checkpoint_lib
-from transformer.utils import fileio
+from transformer.utils import fileio, keys
 
 # Model keys a run chooses for itself over an imported checkpoint (its head, regularization,
 # precision and layout); every other model key is the checkpoint's architecture, MoE routing
@@ -133,8 +133,8 @@ def resolve_hf_config(config: ml_collections.ConfigDict,
             f"checkpoint: expected model.family={theirs.family!r}, e.g. "
             f"--config=experiments/{_EXAMPLES.get(theirs.family, theirs.family)}.py")
     resolved = ml_collections.ConfigDict(config.to_dict())
-    ours = _flat_config(config.model)
-    for key, value in _flat_config(theirs).items():
+    ours = keys.dotted(config.model)
+    for key, value in keys.dotted(theirs).items():
         if key in RUN_SETTINGS or (key in ours and ours[key] == value):
             continue
         if f"model.{key}" in explicit:
@@ -143,10 +143,6 @@ def resolve_hf_config(config: ml_collections.ConfigDict,
         resolved.model.update_from_flattened_dict({key: value})
     _resolve_sentinels(resolved, init_from, theirs.vocab_size, explicit)
     return resolved
-
-
-def _flat_config(group: ml_collections.ConfigDict) -> dict[str, object]:
-    return {".".join(k): v for k, v in traverse_util.flatten_dict(group.to_dict()).items()}
 
 
 def _resolve_sentinels(config, init_from: str, vocab_size: int, explicit) -> None:

@@ -21,13 +21,17 @@ NO_DEFAULT = object()  # a table entry whose default lives elsewhere (the model 
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    """One key: its default, its check, what it means, and whether it is structural (a
-    checkpoint's params or optimizer state depend on it, so a resume must keep it)."""
+    """One key: its default, its check, what it means, whether it is structural (a
+    checkpoint's params or optimizer state depend on it, so a resume must keep it), and, for a
+    model key, whether it is export-neutral (it changes how the model is computed, stored,
+    initialised or trained, not the function a Hugging Face export maps: every exporter
+    accepts it at any value; `hf.allowlist`)."""
 
     default: Any
     meaning: str
     check: Check
     structural: bool = True
+    export_neutral: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.meaning, str) and self.meaning.strip()):
@@ -38,10 +42,27 @@ class Key:
                              "a check, (test, what the value is expected to be)")
 
 
-def key(default, meaning: str, check: Check, *, structural: bool = True):
+def key(default, meaning: str, check: Check, *, structural: bool = True,
+        export_neutral: bool = False):
     """A dataclass field with its declaration in `metadata["key"]`."""
-    declaration = Key(default, meaning, check, structural)
+    declaration = Key(default, meaning, check, structural, export_neutral)
     return dataclasses.field(default=default, metadata={"key": declaration})
+
+
+def dotted(tree, prefix: str = "", *, empty_groups: bool = False) -> dict[str, Any]:
+    """{dotted key: leaf} of a nested dict or ConfigDict; an empty group is dropped, or kept as
+    a leaf with `empty_groups`.
+
+    >>> dotted({"steps": 10, "model": {"moe": {"top_k": 2}, "lora": {}}})
+    {'steps': 10, 'model.moe.top_k': 2}
+    """
+    flat = {}
+    for name, value in tree.items():
+        if hasattr(value, "items") and (len(value) or not empty_groups):
+            flat.update(dotted(value, f"{prefix}{name}.", empty_groups=empty_groups))
+        else:
+            flat[prefix + name] = value
+    return flat
 
 
 def declarations(cls, prefix: str = "") -> Iterator[tuple[str, Key]]:

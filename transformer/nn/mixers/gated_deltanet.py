@@ -64,7 +64,7 @@ class GatedDeltaNetConfig:
                            int_(ge=1))
     chunk_size: int = key(64, "Tokens per chunk of the chunkwise-parallel delta rule (memory "
                           "and work per token grow with it; results do not change).", int_(ge=1),
-                          structural=False)
+                          structural=False, export_neutral=True)
 
     def __post_init__(self):
         check_fields(self, prefix="linear_attention.")

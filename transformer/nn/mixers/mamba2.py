@@ -60,15 +60,17 @@ class Mamba2Config:
                           "heads.", int_(ge=1))
     conv_kernel: int = key(4, "Taps of the causal depthwise convolution on x, B, C.", int_(ge=1))
     chunk_size: int = key(64, "Tokens per chunk of the chunked SSD (numerics only).",
-                          int_(ge=1), structural=False)
+                          int_(ge=1), structural=False, export_neutral=True)
     use_conv_bias: bool = key(True, "A bias on the convolution.", BOOL)
     norm_before_gate: bool = key(False, "RMSNorm(y) * SiLU(z) rather than RMSNorm(y * SiLU(z)) "
                                  "(HF: False).", BOOL)
     time_step_min: float = key(0.001, "Smallest initial dt (dt_bias = softplus^-1 of dt, "
-                               "log-uniform in [min, max]).", number(gt=0), structural=False)
-    time_step_max: float = key(0.1, "Largest initial dt.", number(gt=0), structural=False)
+                               "log-uniform in [min, max]).", number(gt=0), structural=False,
+                               export_neutral=True)
+    time_step_max: float = key(0.1, "Largest initial dt.", number(gt=0), structural=False,
+                               export_neutral=True)
     time_step_floor: float = key(1e-4, "Initial dt clipped below at this.", number(ge=0),
-                                 structural=False)
+                                 structural=False, export_neutral=True)
     # HF's time_step_limit pair as two numbers: a config file keeps them as they are
     time_step_limit_min: float = key(0.0, "dt clipped below at this after softplus.",
                                      number(ge=0))
