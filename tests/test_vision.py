@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_train import assert_succeeded, cli_env
+from test_train import assert_succeeded, run_cli
 
 from transformer import configs
 from transformer.configs import base_config
 from transformer.data import images, tokenizers
 from transformer.models import build_model, transformer_config, vision
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = dict(num_layers=2, d_model=32, num_heads=2, d_ff=64, position="none", image_size=8,
             patch_size=2, channels=1)
 
@@ -154,20 +150,20 @@ def test_digits_splits_are_disjoint_and_captions_name_the_digit():
 def test_clip_shards_checkpoints_and_resumes_through_the_cli(tmp_path):
     """CLIP is just another param tree: 4 devices as data=2 x fsdp=2, 2 steps, then a resumed
     run to step 3, evaluated zero-shot on the test split."""
-    env = cli_env(4)
-    args = [sys.executable, "-m", "transformer.train", "--config=experiments/clip_digits.py",
-            f"--workdir={tmp_path}", "--config.batch_size=8", "--config.log_every=1",
-            "--config.eval_every=100", "--config.eval_steps=2", "--config.checkpoint_every=2",
-            "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.model.num_layers=1",
-            "--config.model.d_model=32", "--config.model.d_ff=64"]
+    workdir = tmp_path / "run"
+    args = ["--config=experiments/clip_digits.py", f"--workdir={workdir}",
+            "--config.batch_size=8", "--config.log_every=1", "--config.eval_every=100",
+            "--config.eval_steps=2", "--config.checkpoint_every=2", "--config.mesh.data=2",
+            "--config.mesh.fsdp=2", "--config.model.num_layers=1", "--config.model.d_model=32",
+            "--config.model.d_ff=64"]
     for steps in (2, 3):
-        result = subprocess.run([*args, f"--config.steps={steps}"], cwd=REPO, env=env,
-                                capture_output=True, text=True, timeout=300)
+        result = run_cli("transformer.train", *args, f"--config.steps={steps}",
+                         logs=tmp_path / f"logs{steps}", devices=4)
         assert_succeeded(result)
     assert "data=2 x stage=1 x fsdp=2" in result.stdout and "steps 2..3" in result.stdout
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((workdir / "summary.json").read_text())
     test = len(images.split_digits("test", 0.15)[1])
     assert summary["test_num_tokens"] == 2 * test  # each test pair is scored both ways
     assert 0.0 <= summary["test_accuracy"] <= 1.0 and "test_macro_f1" in summary
