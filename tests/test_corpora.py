@@ -80,11 +80,21 @@ def corpora(tmp_path_factory):
         "jsonl.gz": write_jsonl(root / "shard.jsonl.gz", texts),
         "jsonl.zst": write_jsonl(root / "shard.jsonl.zst", texts),
         "datasets": write_dataset(root / "saved", texts),
+        "json": write_json(root / "shard.json", texts),
     }
     return paths, texts
 
 
-@pytest.mark.parametrize("kind", ["parquet", "jsonl", "jsonl.gz", "jsonl.zst", "datasets"])
+def write_json(path, texts) -> str:
+    """JSON Lines named .json, as `datasets.Dataset.to_json` writes them by default."""
+    import datasets
+
+    datasets.Dataset.from_dict({"text": texts, "id": list(range(len(texts)))}).to_json(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl", "jsonl.gz", "jsonl.zst", "datasets",
+                                  "json"])
 def test_every_format_gives_one_document_per_row_named_by_its_row(corpora, kind):
     paths, texts = corpora
     docs = sources.read_text(paths[kind])
@@ -193,9 +203,38 @@ def test_bad_rows_and_corrupt_files_are_one_line_naming_the_file_and_row(tmp_pat
     zst = tmp_path / "e.jsonl.zst"
     zst.write_bytes(b"\x28\xb5\x2f\xfd" + b"garbage" * 10)
     assert row_error(zst).startswith(f"{zst}: unreadable after row 0 (line 0)")
+    # Cut short where a block ends (zstd's stream reader takes that for the end of the file)
+    rows = "".join(json.dumps({"text": f"{k:05d} " + "word " * 24}) + "\n" for k in range(20000))
+    assert len(rows) == 20000 * 139
+    whole = zstandard.ZstdCompressor().compress(rows.encode())
+    zst.write_bytes(whole[:len(whole) * 6 // 10])
+    assert row_error(zst).startswith(f"{zst}: unreadable after row ")
+    assert "the file ends inside a zstd frame (truncated)" in row_error(zst)
+    (tmp_path / "g.jsonl.zst").write_bytes(whole + zstandard.ZstdCompressor().compress(
+        b'{"text": "a second frame"}\n'))  # frames one after another: one file
+    assert sources.read_text(str(tmp_path / "g.jsonl.zst"))[-1].text == "a second frame"
     corrupt = tmp_path / "f.parquet"
     corrupt.write_bytes((tmp_path / "b.parquet").read_bytes()[:-300])
     assert row_error(corrupt).startswith(f"{corrupt}: unreadable Parquet (")
+
+
+def test_text_that_is_not_unicode_is_one_line_naming_the_file_and_row(tmp_path):
+    texts = [f"row {k} " + "mot " * (k % 40) for k in range(3000)]
+    data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    latin1 = tmp_path / "a.jsonl"  # one Latin-1 byte deep in the file, past the read-ahead
+    latin1.write_bytes(data.replace(b'"row 2500 ', b'"row 2500 \xe9', 1))
+    assert row_error(latin1) == (f"{latin1}: row 2500 (line 2501): invalid UTF-8 at byte 19 of "
+                                 "the line: expected UTF-8 text")
+    surrogate = tmp_path / "b.jsonl"  # valid JSON, but no text: a lone surrogate escape
+    surrogate.write_text('{"text": "\\ud83d\\ude00 a pair"}\n{"text": "one \\ud800 alone"}\n')
+    assert row_error(surrogate) == (f"{surrogate}: row 1: text holds '\\ud800' at character 4, "
+                                    "a lone surrogate: expected valid Unicode text")
+    parquet = tmp_path / "c.parquet"  # Arrow checks no UTF-8 when it writes binary as string
+    values = [t.encode() for t in texts[:90]] + [b"caf\xe9"] + [t.encode() for t in texts[90:99]]
+    pq.write_table(pa.table({"text": pa.array(values, pa.binary()).view(pa.string())}), parquet,
+                   row_group_size=40)
+    assert row_error(parquet) == (f"{parquet}: row 90: text holds invalid UTF-8 at byte 3: "
+                                  "expected UTF-8 text")
 
 
 def test_a_dataset_dict_is_refused_naming_its_splits(tmp_path):
@@ -224,6 +263,45 @@ def uneven_inputs(root) -> str:
     write_jsonl(folder / "e.jsonl.zst", texts[150:151])
     write_dataset(folder / "f", texts[151:])
     return str(folder)
+
+
+def test_prepared_data_keeps_its_validation_split_and_the_runs_tokenizer(tmp_path):
+    """A validation_path beside prepared data is refused (it would be ignored), and so is a
+    resume with new_data=True, or an init_from, whose run tokenized with another tokenizer
+    than the one the prepared ids are of."""
+    from transformer import configs
+
+    (tmp_path / "a.txt").write_text("\n\n".join(web_documents(80, seed=3)))
+    (tmp_path / "b.txt").write_text("\n\n".join(web_documents(80, seed=4)).upper())
+    for name in ("a", "b"):  # char tokenizers of two texts: other ids for the same letters
+        prepare.prepare(str(tmp_path / f"prepared_{name}"), str(tmp_path / f"{name}.txt"),
+                        tokenizer="char", format="bin", validation_fraction=0.2)
+    config = config_for(tmp_path / "prepared_a", tokenizer="char",
+                        validation_path=str(tmp_path / "b.txt"))
+    with pytest.raises(ValueError) as error:
+        configs.validate_config(config)
+    assert str(error.value) == (
+        f"data.validation_path={str(tmp_path / 'b.txt')!r} with the prepared data at data.path="
+        f"{str(tmp_path / 'prepared_a')!r}: expected '' (it holds its own validation split, "
+        "prepare's --validation_fraction)")
+
+    config = config_for(tmp_path / "prepared_a", tokenizer="char")
+    config.new_data = True
+    for name in ("a", "b"):  # workdirs trained on each prepared directory
+        inputs.save_tokenizer(tokenizers_lib.load_tokenizer(str(tmp_path / f"prepared_{name}")),
+                              str(tmp_path / f"run_{name}"))
+    assert inputs.get_tokenizer(config, str(tmp_path / "run_a")).vocab_size == \
+        tokenizers_lib.load_tokenizer(str(tmp_path / "prepared_a")).vocab_size
+    with pytest.raises(ValueError) as error:
+        inputs.get_tokenizer(config, str(tmp_path / "run_b"))
+    assert str(error.value) == (
+        f"the prepared data {str(tmp_path / 'prepared_a')!r} holds ids of another tokenizer "
+        f"than the tokenizer {str(tmp_path / 'run_b')!r} was trained with: expected data "
+        "prepared with that tokenizer")
+    config.init_from = str(tmp_path / "run_b")
+    with pytest.raises(ValueError, match="holds ids of another tokenizer than the tokenizer of "
+                                         "init_from="):
+        inputs.get_tokenizer(config)
 
 
 def files_of(directory) -> dict[str, bytes]:

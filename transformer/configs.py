@@ -340,6 +340,11 @@ def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"data.validation_path={config.data.validation_path!r} with the token "
                          f"shards at data.path={config.data.path!r}: expected '' (their "
                          "*val*.bin files are the validation split)")
+    if config.data.get("validation_path") and config.data.path and os.path.isfile(
+            os.path.join(config.data.path, "prepare.json")):
+        raise ValueError(f"data.validation_path={config.data.validation_path!r} with the prepared "
+                         f"data at data.path={config.data.path!r}: expected '' (it holds its own "
+                         "validation split, prepare's --validation_fraction)")
     if any(os.path.isfile(os.path.join(p, "prepare.json")) for p in paths) or (
             init_from and fileio.parse_init_from(init_from)[0] == "workdir"):
         return

@@ -3,15 +3,17 @@ field (`data.text_field`, default "text"). FineWeb, FineWeb-Edu, DCLM, Dolma and
 this way:
 
 - Parquet files (`.parquet`), the column `text_field`;
-- JSON Lines (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`, also `.json.gz` / `.json.zst` as Dolma names
-  them), one JSON object per line, its key `text_field`;
+- JSON Lines (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`, also `.json`, `.json.gz` and `.json.zst` as
+  Dolma and `datasets.Dataset.to_json` name them), one JSON object per line, its key
+  `text_field`;
 - a Hugging Face `datasets` directory written by `Dataset.save_to_disk` (state.json,
   dataset_info.json and the Arrow files it lists, read in its order).
 
 Every row is one document, named "<file>#<row>" (row counting from 0, blank JSONL lines not
 counted): `sources.read_text` reads these beside plain text. A row whose text is empty or
 whitespace gives no document (as an empty text file gives none). A missing field, a row that is
-not a string, or a corrupt file is a one-line ValueError naming the file and the row.
+not a string, text that is not valid Unicode (invalid UTF-8, a lone surrogate escape), or a
+corrupt or truncated file is a one-line ValueError naming the file and the row.
 """
 
 from __future__ import annotations
@@ -26,15 +28,15 @@ from collections.abc import Iterator
 from transformer.utils import fileio
 
 TEXT_FIELD = "text"
-_JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", ".ndjson")
+_JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst", ".ndjson")
 DATASET_FILES = ("state.json", "dataset_info.json")  # what save_to_disk writes beside its data
 
 
 def kind(path: str) -> str:
     """"parquet", "jsonl", "datasets" (a save_to_disk directory) or "text".
 
-    >>> [kind(p) for p in ("a/b.parquet", "c.jsonl.zst", "d.JSONL", "notes.txt")]
-    ['parquet', 'jsonl', 'jsonl', 'text']
+    >>> [kind(p) for p in ("a/b.parquet", "c.jsonl.zst", "d.JSONL", "e.json", "notes.txt")]
+    ['parquet', 'jsonl', 'jsonl', 'jsonl', 'text']
     """
     name = os.path.basename(path).lower()
     if name.endswith(".parquet"):
@@ -71,21 +73,84 @@ def _text(value, path: str, row: int, field: str) -> str:
     return value
 
 
+def _unicode(text: str, path: str, row: int, field: str) -> str:
+    """`text` if UTF-8 can encode it: a JSON escape such as "\\ud800" decodes to a lone
+    surrogate, which no encoder (nor tokenizer) takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{path}: row {row}: {field} holds {text[e.start]!r} at character "
+                         f"{e.start}, a lone surrogate: expected valid Unicode text") from None
+    return text
+
+
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _open_text(path: str) -> io.TextIOBase:
-    """The file's text, decompressed by its suffix (.gz, .zst)."""
-    raw = fileio.open_binary(path)
-    if path.lower().endswith(".gz"):
-        raw = gzip.GzipFile(fileobj=raw)
-    elif path.lower().endswith(".zst"):
+class _Zstd(io.RawIOBase):
+    """A .zst file's bytes, its frames one after another; an end of file inside a frame raises
+    zstandard.ZstdError (`ZstdDecompressor.stream_reader` reads a truncated file as a shorter
+    one, with no error)."""
+
+    def __init__(self, raw):
         import zstandard
 
-        raw = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-    return io.TextIOWrapper(raw, encoding="utf-8")
+        self._raw, self._decompressor, self._frame = raw, zstandard.ZstdDecompressor(), None
+        self._out, self._at = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        import zstandard
+
+        while self._at == len(self._out):
+            compressed = self._raw.read(1 << 20)
+            if not compressed:
+                if self._frame is not None and not self._frame.eof:
+                    raise zstandard.ZstdError("the file ends inside a zstd frame (truncated)")
+                return 0
+            self._out, self._at = b"", 0
+            while compressed:  # a frame's end may fall inside the chunk: the next one follows
+                if self._frame is None or self._frame.eof:
+                    self._frame = self._decompressor.decompressobj()
+                self._out += self._frame.decompress(compressed)
+                compressed = self._frame.unused_data if self._frame.eof else b""
+        n = min(len(buffer), len(self._out) - self._at)
+        buffer[:n] = memoryview(self._out)[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def _open_binary(path: str) -> io.BufferedIOBase:
+    """The file's bytes, decompressed by its suffix (.gz, .zst)."""
+    raw = fileio.open_binary(path)
+    if path.lower().endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw)
+    if path.lower().endswith(".zst"):
+        return io.BufferedReader(_Zstd(raw), 1 << 20)
+    return raw
+
+
+def _invalid_utf8(path: str) -> str:
+    """Where the first byte that is not UTF-8 is: "row R (line L): invalid UTF-8 at byte B of
+    the line" (the text reader decodes ahead of the line it yields, so it cannot say)."""
+    row = 0
+    with _open_binary(path) as lines:
+        for line_number, data in enumerate(lines, 1):
+            try:
+                blank = not data.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                return (f"row {row} (line {line_number}): invalid UTF-8 at byte {e.start} of "
+                        "the line")
+            row += not blank
+    return "invalid UTF-8"
 
 
 def _jsonl_rows(path: str, field: str) -> Iterator[tuple[int, str]]:
@@ -93,7 +158,7 @@ def _jsonl_rows(path: str, field: str) -> Iterator[tuple[int, str]]:
 
     row, line_number = 0, 0
     try:
-        with _open_text(path) as lines:
+        with io.TextIOWrapper(_open_binary(path), encoding="utf-8") as lines:
             for line_number, line in enumerate(lines, 1):  # noqa: B007 - read in the except
                 if not line.strip():
                     continue
@@ -101,15 +166,18 @@ def _jsonl_rows(path: str, field: str) -> Iterator[tuple[int, str]]:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}: row {row} (line {line_number}): not JSON ({e}): "
-                                     "expected one JSON object per line") from None
+                                     "expected JSON Lines, one JSON object per line") from None
                 if not isinstance(record, dict) or field not in record:
                     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                     raise ValueError(f"{path}: row {row} (line {line_number}) has no "
                                      f"{field!r} field (it has {keys}): expected data.text_field "
                                      "to name the field that holds the text")
-                yield row, _text(record[field], path, row, field)
+                text = _text(record[field], path, row, field)
+                yield row, _unicode(text, path, row, field) if "\\u" in line else text
                 row += 1
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError, zstandard.ZstdError) as e:
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: {_invalid_utf8(path)}: expected UTF-8 text") from None
+    except (OSError, EOFError, zlib.error, zstandard.ZstdError) as e:
         raise ValueError(f"{path}: unreadable after row {row} (line {line_number}): "
                          f"{type(e).__name__}: {e}: expected a complete, uncorrupted "
                          "file") from None
@@ -128,7 +196,18 @@ def _table_rows(batches, path: str, field: str, schema) -> Iterator[tuple[int, s
                          "strings of text")
     row = 0
     for batch in batches:
-        for value in batch.column(batch.schema.get_field_index(field)).to_pylist():
+        column = batch.column(batch.schema.get_field_index(field))
+        try:
+            values = column.to_pylist()
+        except UnicodeDecodeError:  # Arrow checks no UTF-8 on read: find the row
+            for k, value in enumerate(column):
+                try:
+                    value.as_py()
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}: row {row + k}: {field} holds invalid UTF-8 at "
+                                     f"byte {e.start}: expected UTF-8 text") from None
+            raise
+        for value in values:
             yield row, _text(value, path, row, field)
             row += 1
 

@@ -50,11 +50,15 @@ def mixture_weights(config: ml_collections.ConfigDict) -> list[float]:
     return [source.weight for source in sources.parse_sources(config.data.get("sources") or ())]
 
 
-def _prepared_dir(config: ml_collections.ConfigDict) -> str | None:
-    """data.path if it is a prepared directory; for a mixture, its first prepared source's."""
+def _prepared_dirs(config: ml_collections.ConfigDict) -> list[str]:
+    """data.path if it is a prepared directory; for a mixture, its prepared sources'."""
     paths = [c.data.path for c in source_configs(config).values()] or [config.data.path]
-    prepared = [p for p in paths if p and os.path.isfile(os.path.join(p, "prepare.json"))]
-    return prepared[0] if prepared else None
+    return [p for p in paths if p and os.path.isfile(os.path.join(p, "prepare.json"))]
+
+
+def _prepared_dir(config: ml_collections.ConfigDict) -> str | None:
+    """The first of `_prepared_dirs`, or None."""
+    return next(iter(_prepared_dirs(config)), None)
 
 
 # A directory of token shards given as data.path (no prepare.json): each split's files by name,
@@ -136,11 +140,14 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
     if saved and fileio.path(saved).joinpath(tokenizers_lib.CONFIG_FILE).is_file():
         tokenizer = tokenizers_lib.load_tokenizer(saved)
         _check_hf_path(config, tokenizer, f"the tokenizer {workdir!r} was trained with")
+        _check_prepared_tokenizer(config, saved, f"the tokenizer {workdir!r} was trained with")
         return tokenizer
     kind, source, _ = fileio.parse_init_from(config.get("init_from", ""))
     if source and kind == "workdir":  # fine-tuning reads text as it was pretrained
         tokenizer = tokenizers_lib.load_tokenizer(fileio.join(source, TOKENIZER_DIR))
         origin = f"init_from={config.init_from!r}"
+        _check_prepared_tokenizer(config, fileio.join(source, TOKENIZER_DIR),
+                                  f"the tokenizer of init_from={config.init_from!r}")
     elif prepared := _prepared_dir(config):
         tokenizer = tokenizers_lib.load_tokenizer(prepared)
         origin = f"the prepared data {prepared!r}"
@@ -181,17 +188,31 @@ def _check_hf_path(config: ml_collections.ConfigDict, tokenizer, what: str) -> N
                          "that tokenizer")
 
 
+def _tokenizer_identity(directory: str) -> tuple[dict, bytes | None]:
+    """A saved tokenizer's settings and model file (SentencePiece's, a Hugging Face
+    tokenizer.json): equal for two directories exactly when they tokenize alike."""
+    config = json.loads(fileio.path(directory).joinpath(tokenizers_lib.CONFIG_FILE).read_text())
+    model = config.get("model_file")
+    return config, fileio.path(directory).joinpath(model).read_bytes() if model else None
+
+
+def _check_prepared_tokenizer(config: ml_collections.ConfigDict, directory: str,
+                              what: str) -> None:
+    """Prepared data (data.path, or a mixture's source) must hold ids of the run's tokenizer,
+    saved in `directory` (`what`): a resume with new_data=True, or init_from, on data prepared
+    with another tokenizer would read its ids as other tokens."""
+    for path in _prepared_dirs(config):
+        if _tokenizer_identity(path) != _tokenizer_identity(directory):
+            raise ValueError(f"the prepared data {path!r} holds ids of another tokenizer than "
+                             f"{what}: expected data prepared with that tokenizer")
+
+
 def _check_same_tokenizer(config: ml_collections.ConfigDict, prepared: str) -> None:
     """A mixture's prepared sources must share one tokenizer (the text sources then use it)."""
-    def files(directory: str) -> list[bytes | None]:
-        paths = [fileio.path(directory).joinpath(name) for name in
-                 (tokenizers_lib.CONFIG_FILE, tokenizers_lib.SENTENCEPIECE_FILE)]
-        return [path.read_bytes() if path.is_file() else None for path in paths]
-
-    saved = files(prepared)
+    saved = _tokenizer_identity(prepared)
     for name, one in source_configs(config).items():
         other = _prepared_dir(one)
-        if other and files(other) != saved:
+        if other and _tokenizer_identity(other) != saved:
             raise ValueError(f"data.sources {name!r}: {other!r} was prepared with another "
                              f"tokenizer than {prepared!r}: expected one tokenizer for all")
 

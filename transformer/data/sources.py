@@ -182,10 +182,15 @@ def fingerprint(path: str | None) -> str:
     files = _files(path)
     is_dir = fileio.isdir(path)
     root = path if is_dir else os.path.dirname(os.path.commonprefix(files))
+    prepared = is_dir and fileio.isfile(os.path.join(path, "prepare.json"))
     for file in files:
         size = fileio.getsize(file)
         name = "" if len(files) == 1 and not is_dir else os.path.relpath(file, root)
         digest.update(f"{name}\0{size}\0".encode())
+        if not prepared and file.lower().endswith(".json") and not formats.dataset_dir_of(file):
+            # A corpus's .json files are read as JSON Lines since 2026-12-04, as text before:
+            # a checkpoint of a run that read them as text must not resume on what they give now.
+            digest.update(b"json lines\0")
         with fileio.open_binary(file) as f:
             digest.update(f.read(_SAMPLE))
             if size > 2 * _SAMPLE:
