@@ -86,8 +86,10 @@ def test_greedy_picks_the_argmax_and_low_temperature_converges_to_it():
     logits = jax.random.normal(jax.random.key(0), (64, 50)) * 3
     greedy = generate.sample_tokens(logits, jax.random.key(0), temperature=0.0)
     np.testing.assert_array_equal(greedy, jnp.argmax(logits, -1))
-    for kw in (dict(temperature=1e-6), dict(temperature=1.0, top_k=1),
-               dict(temperature=1.0, top_p=1e-3)):
+    # 2e-38: logits / T would overflow float32 (inf - inf is NaN in the softmax) but for the
+    # row's max coming off first
+    for kw in (dict(temperature=1e-6), dict(temperature=2e-38), dict(temperature=1.0, top_k=1),
+               dict(temperature=1.0, top_p=1e-3), dict(temperature=2e-38, top_p=0.5)):
         np.testing.assert_array_equal(
             generate.sample_tokens(logits, jax.random.key(3), **kw), greedy, err_msg=str(kw))
 
@@ -336,6 +338,8 @@ def test_max_new_tokens_0_gives_the_prompt_alone_and_a_negative_count_is_named()
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(temperature=-0.5), r"temperature=-0.5: expected a finite float >= 0"),
+    (dict(temperature=1e-40), r"temperature=1e-40: expected 0 \(greedy\) or a float >= "
+                              r"1.18e-38 \(float32's smallest normal number\)"),
     (dict(top_p=0.0), r"top_p=0.0: expected a float in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p=1.5: expected a float in \(0, 1\]"),
     (dict(top_k=-1), r"top_k=-1: expected an int >= 0"),

@@ -79,3 +79,29 @@ def test_a_hugging_face_directory_loads_with_transformers_logits_and_its_own_eos
                                 eos_id=eos)
     assert len(lm.tokenizer.encode(text)) < 20 and eos in tokens[0].tolist()
     assert transformer.load(str(directory)).tokenizer.eos_id == eos  # a plain directory too
+
+
+def test_a_text_past_the_learned_positions_is_refused_and_no_text_scores_zero():
+    """A learned position table ends at max_len (its rows beyond give NaN logits): logits and
+    score refuse a longer text in one line, as decoding does; an empty text is no tokens."""
+    import flax.linen as nn
+
+    from transformer.data.tokenizers import ByteTokenizer
+    from transformer.loaded import Loaded
+    from transformer.models import build_model
+
+    tokenizer = ByteTokenizer(num_sentinels=0)
+    config = configs.base_config()
+    config.model.update(**TINY_MODEL, position="learned", max_len=16,
+                        vocab_size=tokenizer.vocab_size)
+    model = build_model(config.model)
+    params = jax.jit(lambda: nn.unbox(model.init(jax.random.key(0), np.ones((1, 8), np.int32))[
+        "params"]))()
+    lm = Loaded(model, params, tokenizer, config)
+    assert np.isfinite(lm.logits("x" * 15)).all() and np.isfinite(lm.score("y" * 14, "x"))
+    for call in (lambda: lm.logits("x" * 16), lambda: lm.score("y" * 15, context="x")):
+        with pytest.raises(ValueError) as error:
+            call()
+        assert str(error.value) == ("text of 16 tokens (after <eos>): expected at most 15, the "
+                                    "model's learned positions end at max_len=16")
+    assert lm.score("") == 0.0 and lm.score("", context="x" * 30) == 0.0

@@ -129,10 +129,10 @@ def main(argv) -> None:
                                        else 0.0, top_k=s.top_k, top_p=s.top_p, seed=f.seed)
         print(text)
         if stats is not None:
-            print(f"speculative: {stats.rounds.sum()} passes of the model for "
-                  f"{stats.rounds.sum() + stats.accepted.sum()} tokens "
-                  f"({stats.tokens_per_pass:.2f} a pass); {stats.acceptance_rate:.1%} of the "
-                  f"{stats.depth}-token drafts accepted", file=sys.stderr)
+            print(f"speculative: {stats.tokens} new tokens from {1 + stats.rounds.sum()} "
+                  f"passes of the model (the prompt's, then {stats.rounds.sum()} checking "
+                  f"{stats.depth}-token drafts: {stats.tokens_per_pass:.2f} tokens a pass); "
+                  f"{stats.acceptance_rate:.1%} of the drafts accepted", file=sys.stderr)
         return
     if f.beam_size:
         print(beam_search_text(model, params, tokenizer, config, prompt=f.prompt,

@@ -42,18 +42,31 @@ class Loaded:
         return np.concatenate([[self.tokenizer.eos_id], self.tokenizer.encode(text)]).astype(
             np.int32)
 
+    def _fits(self, ids: np.ndarray) -> np.ndarray:
+        """`ids`, or a one-line error if they run past a learned position table (whose rows
+        beyond max_len are NaN: the logits would be NaN with no error)."""
+        cfg = getattr(self.model, "config", None)
+        if getattr(cfg, "position", None) == "learned" and len(ids) > cfg.max_len:
+            raise ValueError(f"text of {len(ids) - 1} tokens (after <eos>): expected at most "
+                             f"{cfg.max_len - 1}, the model's learned positions end at "
+                             f"max_len={cfg.max_len}")
+        return ids
+
     def logits(self, text: str) -> np.ndarray:
         """float32 logits [T + 1, V] of <eos> + the text's T tokens; row t predicts token t + 1
         (row 0 the text's first token)."""
         if self._forward is None:  # compiled once per Loaded (and per text length)
             self._forward = jax.jit(lambda p, x: self.model.apply({"params": p}, x))
-        return np.asarray(self._forward(self.params, self._ids(text)[None])[0], np.float32)
+        return np.asarray(self._forward(self.params, self._fits(self._ids(text))[None])[0],
+                          np.float32)
 
     def score(self, text: str, context: str = "") -> float:
         """The log-probability (nats) of `text`'s tokens following `context` (after <eos>): the
-        sum of log p(token | everything before it) over the text's tokens."""
+        sum of log p(token | everything before it) over the text's tokens (0 for no text)."""
+        if not text:
+            return 0.0
         before = len(self._ids(context))
-        ids = self._ids(context + text)
+        ids = self._fits(self._ids(context + text))
         if len(ids) <= before or not np.array_equal(ids[:before], self._ids(context)):
             raise ValueError(f"text={text!r}: expected text whose tokens follow context="
                              f"{context!r}'s (the tokenizer merges them across the boundary)")

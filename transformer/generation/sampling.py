@@ -33,11 +33,17 @@ class Sampling(NamedTuple):
     top_p: float = 1.0
 
 
+_SMALLEST_TEMPERATURE = float(np.finfo(np.float32).tiny)
+
+
 def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
     """A validated `Sampling` (one-line ValueErrors naming the bad value)."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
             math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature!r}: expected a finite float >= 0")
+    if 0 < temperature < _SMALLEST_TEMPERATURE:  # float32 would flush it to 0 (logits / 0)
+        raise ValueError(f"temperature={temperature!r}: expected 0 (greedy) or a float >= "
+                         f"{_SMALLEST_TEMPERATURE:.3g} (float32's smallest normal number)")
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
         raise ValueError(f"top_k={top_k!r}: expected an int >= 0 (0: no top-k filter)")
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
@@ -108,7 +114,12 @@ def _candidates(logits_BV: Array, top_k: int, top_p: Array | None) -> tuple[Arra
 
 
 def _filtered(logits_BV: Array, mode: _Mode, knobs: _Knobs):
-    return _candidates(logits_BV.astype(jnp.float32) / knobs.temperature, mode.top_k,
+    # Less the row's max first: logits / a tiny temperature would overflow to inf (and
+    # inf - inf is NaN in the softmax); these are <= 0 and go to -inf instead.
+    logits_BV = logits_BV.astype(jnp.float32)
+    top_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
+    top_B1 = jnp.where(jnp.isfinite(top_B1), top_B1, 0.0)  # a row with every id banned
+    return _candidates((logits_BV - top_B1) / knobs.temperature, mode.top_k,
                        knobs.top_p if mode.top_p else None)
 
 

@@ -62,21 +62,29 @@ ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
 
 class SpeculativeStats(NamedTuple):
-    """What the drafts bought: `rounds` LM passes per row (each proposing D drafts) and the
-    `accepted` drafts per row; acceptance rate = accepted / (rounds x D), tokens per LM pass =
-    (accepted + rounds) / rounds."""
+    """What the drafts bought, per row: `rounds` LM passes checking drafts (after the prompt's
+    pass, which gives the first token), the `offered` drafts whose positions were still to come
+    (D a round, fewer in a round that reaches max_new_tokens) and the `accepted` ones that
+    became tokens. Acceptance rate = accepted / offered; tokens per checking pass =
+    (accepted + rounds) / rounds; new tokens = accepted + rounds + 1 a row."""
 
     rounds: np.ndarray  # [B]
     accepted: np.ndarray  # [B]
     depth: int
+    offered: np.ndarray  # [B]
 
     @property
     def acceptance_rate(self) -> float:
-        return float(self.accepted.sum() / max(self.rounds.sum() * self.depth, 1))
+        return float(self.accepted.sum() / max(self.offered.sum(), 1))
 
     @property
     def tokens_per_pass(self) -> float:
         return float((self.accepted.sum() + self.rounds.sum()) / max(self.rounds.sum(), 1))
+
+    @property
+    def tokens(self) -> int:
+        """New tokens in all, EOS included: the prompt's pass gives each row its first."""
+        return int(self.accepted.sum() + self.rounds.sum() + len(self.rounds))
 
 
 class _State(NamedTuple):
@@ -88,6 +96,7 @@ class _State(NamedTuple):
     done: Array  # [B]
     rounds: Array  # [B]
     accepted: Array  # [B]
+    offered: Array  # [B]
     draft_probs: Array  # [B, D, V]: the distribution each draft was drawn from ([B, D, 0] greedy)
     key: Array  # the PRNG key of the next draws
 
@@ -140,7 +149,7 @@ class _Program:
         zeros = jnp.zeros(batch, jnp.int32)
         done = (first_B == knobs.eos_id) | (self.max_new_tokens == 1)
         vocab = 0 if self.mode.greedy else logits_BPV.shape[-1]
-        state = _State(cache, hidden, seq, lengths_B + 1, lengths_B, done, zeros, zeros,
+        state = _State(cache, hidden, seq, lengths_B + 1, lengths_B, done, zeros, zeros, zeros,
                        jnp.zeros((batch, self.depth, vocab)), key)
         # the modules' caches start with the whole prompt
         return self.draft(params, state, knobs, window=max(length, 2 * self.depth))
@@ -190,6 +199,9 @@ class _Program:
         eos_BT = (chosen_BT == knobs.eos_id) & keep_BT
         keep_BT &= jnp.cumsum(eos_BT, axis=1) - eos_BT == 0  # up to the first EOS, included
         active_B = ~state.done
+        # drafts for positions still to come: those past max_new_tokens could not be kept
+        to_come_B = state.start + self.max_new_tokens - state.known
+        offered_B = jnp.where(active_B, jnp.minimum(depth, to_come_B - 1), 0)
         gained_B = jnp.where(active_B, jnp.sum(keep_BT, axis=1), 0).astype(jnp.int32)
         written_BT = jnp.where(active_B[:, None], chosen_BT,
                                jnp.take_along_axis(state.seq, new_BT, axis=1))
@@ -200,7 +212,7 @@ class _Program:
             done=state.done | jnp.any(eos_BT, axis=1) | (
                 known_B >= state.start + self.max_new_tokens),
             rounds=state.rounds + active_B, accepted=state.accepted + jnp.maximum(gained_B - 1, 0),
-            key=key)
+            offered=state.offered + offered_B, key=key)
 
     def accept(self, logits_BTV, drafts_BD, draft_probs_BDV, knobs: _Knobs, key):
         """Speculative sampling: (accepted drafts a [B], tokens [B, D + 1]: the drafts, and at
@@ -245,7 +257,7 @@ def _run(params, prompts_BP, lengths_B, knobs: _Knobs, key, *, program: _Program
         return program.draft(params, program.verify(params, state, knobs), knobs)
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return state.seq, state.rounds, state.accepted
+    return state.seq, state.rounds, state.accepted, state.offered
 
 
 def speculative_decode(model: DecoderLM, params, prompts, *, max_new_tokens: int,
@@ -279,12 +291,14 @@ def speculative_decode(model: DecoderLM, params, prompts, *, max_new_tokens: int
     # verify writes up to D positions past the last new token; the draft window is 2 D wide
     cache_length = prompt_length + max_new_tokens + 2 * cfg.mtp.depth
     if cfg.position == "learned" and cache_length > cfg.max_len:
+        fits = cfg.max_len - prompt_length - 2 * cfg.mtp.depth
         raise ValueError(f"prompt of {prompt_length} tokens + max_new_tokens={max_new_tokens} "
                          f"+ 2 x mtp.depth = {cache_length} positions: expected <= the model's "
-                         f"max_len={cfg.max_len}")
+                         f"max_len={cfg.max_len} (" + (f"max_new_tokens <= {fits}" if fits > 0
+                                                       else "a shorter prompt") + ")")
     program = _Program(model, cache_length, max_new_tokens, mode)
-    seq, rounds, accepted = _run(params, inputs, lengths, knobs, jax.random.key(seed),
-                                 program=program)
+    seq, rounds, accepted, offered = _run(params, inputs, lengths, knobs,
+                                          jax.random.key(seed), program=program)
     seq = np.asarray(seq)
     tokens = np.full((len(inputs), max_new_tokens), PAD_ID, np.int32)
     for b, start in enumerate(lengths):
@@ -292,4 +306,4 @@ def speculative_decode(model: DecoderLM, params, prompts, *, max_new_tokens: int
     out_lengths = _lengths(tokens, eos_id)
     tokens[np.arange(max_new_tokens)[None] >= out_lengths[:, None]] = PAD_ID
     return tokens, out_lengths, SpeculativeStats(np.asarray(rounds), np.asarray(accepted),
-                                                 cfg.mtp.depth)
+                                                 cfg.mtp.depth, np.asarray(offered))

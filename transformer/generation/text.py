@@ -193,6 +193,9 @@ def speculative_text(model, params, tokenizer, config, *, prompt: str = "",
     eos = tokenizer.eos_id
     prompt_ids = np.concatenate([[eos], encoded]).astype(np.int32)
     n = _new_tokens(max_new_tokens, config, "causal", len(prompt_ids))
+    if max_new_tokens is None and config.model.get("position") == "learned":
+        # the drafts checked past the last new token need positions in the table too
+        n = max(min(n, config.model.max_len - len(prompt_ids) - 2 * config.model.mtp.depth), 1)
     if n == 0:
         return tokenizer.decode(encoded), None
     tokens, _, stats = speculative_decode(
