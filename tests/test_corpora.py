@@ -246,6 +246,10 @@ def test_a_dataset_dict_is_refused_naming_its_splits(tmp_path):
     assert row_error(tmp_path / "dd") == (
         f"{tmp_path / 'dd'}: a DatasetDict of splits ['test', 'train']: expected one split's "
         f"directory (e.g. {tmp_path / 'dd' / 'test'})")
+    for covering in (f"{tmp_path / 'dd'}/*", str(tmp_path)):  # a glob, a folder above it
+        assert row_error(covering) == (
+            f"{tmp_path / 'dd'}: a DatasetDict of splits ['test', 'train']: expected one "
+            f"split's directory (e.g. {tmp_path / 'dd' / 'test'})")
     assert [d.text for d in sources.read_text(str(tmp_path / "dd" / "train"))] == ["a b", "c d"]
 
 

@@ -102,18 +102,28 @@ def split_paragraphs(text: str) -> list[str]:
     return paragraphs
 
 
+_DATASET_DICT = "dataset_dict.json"  # what DatasetDict.save_to_disk writes beside its splits
+
+
+def _refuse_dataset_dict(directory: str) -> None:
+    """A one-line error if `directory` is a DatasetDict's (its splits would all be read)."""
+    if fileio.isfile(os.path.join(directory, _DATASET_DICT)):
+        with fileio.open_binary(os.path.join(directory, _DATASET_DICT)) as f:
+            splits = sorted(json.load(f).get("splits") or ["train"])
+        raise ValueError(f"{directory}: a DatasetDict of splits {splits}: expected one split's "
+                         f"directory (e.g. {os.path.join(directory, splits[0])})")
+
+
 def document_files(path: str) -> list[str]:
     """`_files(path)`, each `datasets` save_to_disk directory among them as one entry: the
     files `read_text` reads, in its order (`prepare` works through them one by one)."""
     if formats.is_dataset_dir(path):
         return [path]
-    if fileio.isfile(os.path.join(path, "dataset_dict.json")):
-        with fileio.open_binary(os.path.join(path, "dataset_dict.json")) as f:
-            splits = sorted(json.load(f).get("splits") or ["train"])
-        raise ValueError(f"{path}: a DatasetDict of splits {splits}: expected one split's "
-                         f"directory (e.g. {os.path.join(path, splits[0])})")
+    _refuse_dataset_dict(path)
     entries = []
     for file in _files(path):
+        if os.path.basename(file) == _DATASET_DICT:  # under a directory or a glob
+            _refuse_dataset_dict(os.path.dirname(file))
         entry = formats.dataset_dir_of(file) or file
         if entry not in entries[-1:]:  # a dataset's files are adjacent in sorted order
             entries.append(entry)
