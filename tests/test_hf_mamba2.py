@@ -71,6 +71,28 @@ def test_what_the_model_cannot_hold_is_refused_in_one_line():
     hf = mamba2(use_bias=True)
     with pytest.raises(ValueError, match="mamba2 use_bias=True: expected False"):
         convert.from_hf(hf.config, hf.state_dict())
+    hf = mamba2(hidden_act="gelu")  # the convolution's activation
+    with pytest.raises(ValueError, match="mamba2 hidden_act='gelu': expected 'silu'"):
+        convert.from_hf(hf.config, hf.state_dict())
+
+
+def test_norm_before_gate_in_config_json_is_what_transformers_ignores(converted):
+    """Mamba-Codestral's config.json says norm_before_gate: true, and transformers' Mamba 2
+    gates before its norm all the same: the import follows its logits, and an export of a
+    model that norms first is refused rather than written for it to misread."""
+    from transformer.hf import export
+
+    hf, config, params = converted
+    hf.config.norm_before_gate = True
+    imported, same = convert.from_hf(hf.config, hf.state_dict())
+    assert imported.mamba2.norm_before_gate is False
+    assert difference(our_logits(imported, same), hf_logits(hf)) <= 1e-4
+    changed = config.copy_and_resolve_references()
+    changed.mamba2.norm_before_gate = True
+    with pytest.raises(ValueError, match=r"export to mamba2: model.mamba2.norm_before_gate=True "
+                                         r"has no Hugging Face Mamba 2 equivalent \(expected "
+                                         r"False\)"):
+        export.to_hf(changed, params)
 
 
 def test_export_inverts_the_import_bit_for_bit_and_loads_in_transformers(converted):

@@ -67,7 +67,9 @@ def test_a_hugging_face_directory_loads_with_transformers_logits_and_its_own_eos
         tie_word_embeddings=False, bos_token_id=vocab["<|begin_of_text|>"], eos_token_id=eos))
     with torch.no_grad():
         hf.lm_head.weight[eos] += 5.0 * hf.model.norm.weight  # <eos> wins soon: stop there
-    hf.eval().save_pretrained(directory)
+    hf.eval().save_pretrained(directory, max_shard_size="20KB")  # in shards, as the hub has
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
     lm = transformer.load(f"hf:{directory}")
     assert lm.tokenizer.eos_id == eos
     ids = np.concatenate([[eos], lm.tokenizer.encode("the cat sat")])
@@ -79,6 +81,18 @@ def test_a_hugging_face_directory_loads_with_transformers_logits_and_its_own_eos
                                 eos_id=eos)
     assert len(lm.tokenizer.encode(text)) < 20 and eos in tokens[0].tolist()
     assert transformer.load(str(directory)).tokenizer.eos_id == eos  # a plain directory too
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(
+        {**config, "quantization_config": {"quant_method": "mxfp4"}}))  # as gpt-oss's hub files
+    with pytest.raises(ValueError, match=r"quantization_config \('mxfp4'\): expected "
+                                         "unquantized weights"):
+        transformer.load(f"hf:{directory}")
+    (directory / "config.json").write_text(json.dumps(config))
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (directory / shard).unlink()
+    with pytest.raises(FileNotFoundError, match=f"{shard}, listed in model.safetensors.index"
+                                                ".json, is missing: expected every shard"):
+        transformer.load(f"hf:{directory}")
 
 
 def test_a_text_past_the_learned_positions_is_refused_and_no_text_scores_zero():

@@ -23,6 +23,9 @@ def yarn_settings(hf_config, family: str = "deepseek_v3") -> dict[str, Any]:
     kind = rope.get("rope_type", rope.get("type", "default"))
     settings = {"rope_theta": float(rope.get("rope_theta", 10000.0)), "rope_scaling": "linear",
                 "rope_scale": 1.0}
+    if kind == "yarn" and rope.get("attention_factor") is not None:
+        raise ValueError(f"{family} rope attention_factor={rope['attention_factor']}: expected "
+                         "it unset (YaRN's scale from factor, mscale and mscale_all_dim)")
     if kind == "yarn":
         settings.update(
             rope_scaling="yarn", rope_scale=float(rope["factor"]),

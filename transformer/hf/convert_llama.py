@@ -171,7 +171,7 @@ def gemma3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Conf
         rope=_rope(hf_config, full),
         rope_local_theta=float(local["rope_theta"]) if windows["sliding_window"] else None,
         attention_scale=None if scalar == head_dim else float(scalar) ** -0.5,
-        attention_softcap=float(getattr(hf_config, "attn_logit_softcapping", None) or 0.0),
+        # no attention_softcap: HF's Gemma 3 keeps attn_logit_softcapping but never applies it
         final_logit_softcap=float(getattr(hf_config, "final_logit_softcapping", None) or 0.0),
         **windows)
 

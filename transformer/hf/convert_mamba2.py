@@ -23,11 +23,16 @@ def mamba2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Conf
                          f"hidden_size = {hf_config.expand * d}")
     if getattr(hf_config, "use_bias", False):
         raise ValueError("mamba2 use_bias=True: expected False (no bias on in_proj / out_proj)")
+    if (act := getattr(hf_config, "hidden_act", "silu")) != "silu":
+        raise ValueError(f"mamba2 hidden_act={act!r}: expected 'silu' (the convolution's "
+                         "activation)")
     low, high = (float(x) for x in getattr(hf_config, "time_step_limit", (0.0, math.inf)))
     mixer = dict(state_size=hf_config.state_size, expand=hf_config.expand, head_dim=width,
                  num_groups=hf_config.n_groups, conv_kernel=hf_config.conv_kernel,
                  use_conv_bias=bool(hf_config.use_conv_bias),
-                 norm_before_gate=bool(getattr(hf_config, "norm_before_gate", False)),
+                 # HF's Mamba 2 gates before its norm whatever config.json says (Codestral's
+                 # says norm_before_gate: true), and its outputs are the reference
+                 norm_before_gate=False,
                  time_step_min=float(hf_config.time_step_min),
                  time_step_max=float(hf_config.time_step_max),
                  time_step_floor=float(hf_config.time_step_floor),
@@ -102,9 +107,10 @@ def exporter():
     return Exporter("mamba2", "Mamba 2", {
         "family": ("gpt",), "head": ("mlm",), "position": ("none",), "norm": ("rmsnorm",),
         "norm_placement": ("pre",), "layer_types": ("mamba2",), **SHAPES, "d_ff": (0,),
-        "use_bias": (False,), "tie_embeddings": ANY, **{f"mamba2.{key}": ANY for key in (
+        "use_bias": (False,), "tie_embeddings": ANY, "mamba2.norm_before_gate": (False,),
+        **{f"mamba2.{key}": ANY for key in (
             "state_size", "expand", "head_dim", "num_groups", "conv_kernel", "use_conv_bias",
-            "norm_before_gate", "time_step_limit_min", "time_step_limit_max")}})
+            "time_step_limit_min", "time_step_limit_max")}})
 
 
 def to_hf(config, params, transformers):

@@ -82,22 +82,58 @@ def hf_convert(directory: str, scan: bool = False):
     """(Hugging Face config, model config, flat params) of a save_pretrained directory; with
     `scan`, its layer stacks stacked for a model with scan_layers=True."""
     import transformers
-    from safetensors.numpy import load_file
 
     from transformer.hf import convert
 
-    if not os.path.isfile(os.path.join(directory, "model.safetensors")):
-        raise FileNotFoundError(f"init_from=hf:{directory}: expected a save_pretrained directory "
-                                "with config.json and model.safetensors")
+    tensors = _safetensors(directory)
     hf_config = transformers.AutoConfig.from_pretrained(directory)
+    if quantized := getattr(hf_config, "quantization_config", None):
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+        raise ValueError(f"init_from=hf:{directory}: quantization_config ({method!r}): expected "
+                         "unquantized weights (load it with transformers, dequantized, and "
+                         "save_pretrained that)")
+    state_dict = tensors()
     try:
-        model_config, params = convert.from_hf(hf_config, load_file(os.path.join(
-            directory, "model.safetensors")))
+        model_config, params = convert.from_hf(hf_config, state_dict)
     except ValueError as error:  # what the model cannot represent, naming the setting
         raise ValueError(f"init_from=hf:{directory}: {error}") from None
     if scan:
         params = convert.scan_params(model_config, params)
     return hf_config, model_config, _flat(params)
+
+
+def _safetensors(directory: str):
+    """A function reading a save_pretrained directory's tensors: model.safetensors, or the
+    shards model.safetensors.index.json lists (as the hub keeps checkpoints over 5 GB); a
+    one-line error, now, if there are neither."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    single = os.path.join(directory, "model.safetensors")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return lambda: load_file(single)
+    if not os.path.isfile(index):
+        raise FileNotFoundError(f"init_from=hf:{directory}: expected a save_pretrained directory "
+                                "with config.json and model.safetensors (or its shards and "
+                                "model.safetensors.index.json)")
+    with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    if missing := [s for s in shards if not os.path.isfile(os.path.join(directory, s))]:
+        raise FileNotFoundError(f"init_from=hf:{directory}: {missing[0]}, listed in "
+                                "model.safetensors.index.json, is missing: expected every shard")
+
+    def read() -> dict[str, np.ndarray]:
+        tensors = {}
+        for shard in shards:
+            tensors.update(load_file(os.path.join(directory, shard)))
+        if absent := sorted(set(weight_map) - set(tensors)):
+            raise ValueError(f"init_from=hf:{directory}: {absent[0]} is in no shard: expected "
+                             "the tensors model.safetensors.index.json lists")
+        return tensors
+    return read
 
 
 def _hf_params(directory: str, scan: bool = False) -> dict[str, np.ndarray]:
