@@ -63,8 +63,9 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
             record["mfu"] = tokens_per_s * flops[0] / (peak * len(jax.devices()))
             if flops[1] != flops[0]:
                 record["hfu"] = tokens_per_s * flops[1] / (peak * len(jax.devices()))
+        # this step's own evaluation and save (if due) are still to come: they run after its log
         eta = (config.steps - step) * seconds + sum(
-            remaining(step, config.steps, every) * pauses[kind][-1]
+            remaining(step - 1, config.steps, every) * pauses[kind][-1]
             for kind, every in (("eval", config.eval_every), ("save", config.checkpoint_every))
             if pauses[kind])
         mfu = f"MFU {record['mfu']:.0%} " if "mfu" in record else ""
