@@ -312,6 +312,24 @@ def test_matches_hugging_face_qwen3_next():
 # --- config and record --------------------------------------------------------------------------
 
 
+def dot_flops(jaxpr) -> int:
+    """2 x the multiply-adds of every dot_general in a jaxpr (a scan's body times its length)."""
+    from jax.extend import core
+
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contracted, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[d] for d in contracted])
+        times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else [value]:
+                if isinstance(sub, core.ClosedJaxpr | core.Jaxpr):
+                    total += times * dot_flops(getattr(sub, "jaxpr", sub))
+    return int(total)
+
+
 def test_config_checks_and_record():
     cfg = gdn.GatedDeltaNetConfig(num_key_heads=2, num_value_heads=6)
     cfg.check(types.SimpleNamespace(num_heads=4))
@@ -334,9 +352,13 @@ def test_config_checks_and_record():
     s = gdn.GatedDeltaNetSettings.from_config(Model())
     assert (s.num_key_heads, s.num_value_heads, s.key_head_dim, s.value_head_dim) == (4, 8, 16, 16)
     assert s.out_init_scale == 0.5 and s.conv_channels == 2 * 4 * 16 + 8 * 16
-    # 3 x 8 heads x (32 (5 x 16 + 3 x 16) + 6 x 16 x 16); short sequences use shorter chunks
-    assert gdn.flops_per_token(Model(), 4096) == 3 * 8 * (32 * 128 + 6 * 256)
-    assert gdn.flops_per_token(Model(), 8) == 3 * 8 * (8 * 128 + 6 * 256)
+    # the matmuls the chunked rule runs, counted in its program (8 heads of 16); a sequence
+    # shorter than a chunk is one chunk of its length
+    for length in (128, 8):
+        shapes = [(1, length, 8, 16)] * 3 + [(1, length, 8)] * 2
+        program = jax.make_jaxpr(lambda *a: gdn.chunked_gated_delta_rule(*a, chunk_size=32)[0])(
+            *[jnp.full(shape, 0.5) for shape in shapes])
+        assert gdn.flops_per_token(Model(), length) == 3 * dot_flops(program.jaxpr) / length
     assert gdn.MIXER.cache_bytes_per_token(Model()) == 0
     assert gdn.MIXER.refuses(Model(), {"sequence": 1, "tensor": 2}) is None
     assert gdn.MIXER.refuses(Model(), {"sequence": 2}) == (

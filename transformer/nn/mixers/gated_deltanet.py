@@ -408,19 +408,24 @@ class GatedDeltaNet(nn.Module):
 
 def flops_per_token(cfg, seq_len: int) -> float:
     """Forward + backward FLOPs per token and layer beyond 6 x the matmul params: the chunked
-    delta rule's. Per value head and token, forward, with L = min(chunk_size, seq_len):
+    delta rule's matmuls (`chunked_gated_delta_rule`). Per value head and token, forward, with
+    L = min(chunk_size, seq_len):
 
         2 L K   k k^T within the chunk          2 L K   q k^T (the intra-chunk scores)
-        L (K + V)  the unit-triangular solve (L^2 / 2 multiply-adds per chunk and column)
+        2 (L^2 - 1) / 3   inverting the unit-triangular [L, L] system (`unit_lower_inverse`:
+                          2 x 2 blocks, two [s/2, s/2] products per block of side s; L a power
+                          of 2, else about that)
+        2 L (K + V)   the inverse times [b v, b k]
         2 L V   the scores times the deltas     6 K V   w S, q S and k^T d (the state's part)
 
-    i.e. L (5 K + 3 V) + 6 K V, counted in full ([L, L] blocks are computed whole, causal
-    or not); backward twice forward. The convolution (2 W per channel and token forward) is its
-    params' share of 6 N; norms and gates are elementwise and not counted."""
+    i.e. L (6 K + 4 V) + 2 (L^2 - 1) / 3 + 6 K V, counted in full ([L, L] blocks are computed
+    whole, causal or not); backward twice forward. The convolution (2 W per channel and token
+    forward) is its params' share of 6 N; norms and gates are elementwise and not counted."""
     s = GatedDeltaNetSettings.from_config(cfg)
     size = max(1, min(s.chunk_size, seq_len))
     width_k, width_v = s.key_head_dim, s.value_head_dim
-    forward = size * (5 * width_k + 3 * width_v) + 6 * width_k * width_v
+    forward = (size * (6 * width_k + 4 * width_v) + 2 * (size * size - 1) / 3
+               + 6 * width_k * width_v)
     return 3.0 * s.num_value_heads * forward
 
 
