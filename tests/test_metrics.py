@@ -52,10 +52,49 @@ def test_flops_per_token_is_6n_plus_attention_against_a_hand_count():
     # Untied: the head's kernel (64 x 256) is a matmul, the embedding a lookup: same N.
     untied = small_config(tie_embeddings=False)
     assert metrics.flops_per_token(untied, count_params(untied)) == 748_032
-    # Full rematerialisation recomputes the forward: + 2 N + a third of the attention.
-    remat = small_config(remat_policy="full")
-    assert metrics.hardware_flops_per_token(remat, total) == 748_032 + 2 * n + attention // 3
-    assert metrics.hardware_flops_per_token(config, total) == 748_032
+
+
+def step_matmul_flops(remat_policy: str, batch: dict) -> float:
+    """`metrics.hardware_flops_per_token` of small_config's train step (SGD: no matmuls of
+    its own) under `remat_policy`, counted in the step's program."""
+    import numpy as np
+    import optax
+
+    from transformer.training.state import TrainState
+    from transformer.training.step import make_train_step
+
+    config = small_config(remat_policy=remat_policy)
+    config.batch_size, config.seq_len = batch["inputs"].shape
+    model = build_model(config.model)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))[
+        "params"])
+    optimizer = optax.sgd(0.1)
+    state = TrainState(np.zeros((), np.int32), params, optimizer.init(params),
+                       np.asarray(-1, np.int32))
+    step = jax.jit(make_train_step(model, config, optimizer))
+    return metrics.hardware_flops_per_token(config, -1.0, step, state, batch)
+
+
+def test_hardware_flops_are_the_matmuls_the_step_runs_under_each_remat_policy():
+    """Without rematerialisation the hardware runs the model FLOPs (it returns those). Under
+    it, the step's program is counted: with nothing saved, the backward recomputes the
+    forward but for what no gradient needs (each block's last matmul, the head); saving the
+    matmuls without batch axes, it recomputes attention's scores and values (dots with batch
+    axes), and no other matmul. (Without remat the program runs 3 x the forward, 6 N but the
+    norms' and biases' params.)"""
+    from test_moe import text_batch
+
+    batch = text_batch(rows=2, length=32, vocab=256)
+    assert step_matmul_flops("none", batch) == -1.0  # the model FLOPs passed in
+    # The forward's matmuls per token, by hand (width 64, MLP 256, T 32, 2 layers, vocab 256):
+    projections, mlp_in, mlp_out = 4 * 2 * 64 * 64, 2 * 64 * 256, 2 * 256 * 64
+    attention = 2 * (2 * 32 * 64)  # q k^T and p v over the 32 keys
+    head = 2 * 64 * 256
+    forward = 2 * (projections + mlp_in + mlp_out + attention) + head
+    assert forward == 245_760
+    # nothing saved: the forward again, but for the MLP's output matmul and the head
+    assert step_matmul_flops("full", batch) == 3 * forward + forward - 2 * mlp_out - head
+    assert step_matmul_flops("dots_no_batch", batch) == 3 * forward + 2 * attention
 
 
 def test_the_attention_gate_counts_in_n_so_in_the_flops():
@@ -161,3 +200,51 @@ def test_the_metrics_logger_leaves_torch_and_the_cloud_clients_unloaded_and_impo
                            text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=True)
     assert child.stdout.split() == ["False"] * 3 + ["True"] * 3, child.stdout + child.stderr
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_run_under_rematerialisation_logs_hfu_from_its_programs_matmuls(tmp_path):
+    """The training loop counts its own step (the count itself: the test above): under full
+    remat hfu / mfu is the recomputed forward's share, one number for the run; a run without
+    remat logs no hfu."""
+    import json
+
+    from test_train import tiny_config
+
+    from transformer import train
+
+    for remat in ("full", "none"):
+        config = tiny_config(steps=3, log_every=1)
+        config.model.remat_policy = remat
+        train.train_and_evaluate(config, str(tmp_path / remat))
+        records = [json.loads(line) for line in
+                   (tmp_path / remat / "metrics.jsonl").read_text().splitlines()]
+        timed = [r for r in records if r["split"] == "train" and "mfu" in r]
+        assert timed and all(("hfu" in r) == (remat == "full") for r in timed)
+        if remat == "full":  # a third more, less the matmuls no gradient needs recomputed
+            ratios = {round(r["hfu"] / r["mfu"], 9) for r in timed}
+            assert len(ratios) == 1 and 1.0 < ratios.pop() < 4 / 3, timed
+
+
+def test_loops_count_by_their_trip_count_or_not_at_all():
+    """A scan's matmuls times its length, a shard_map's times its devices; a while loop's trip
+    count is not in the program: its matmuls make the count unknown (None), and a while loop
+    without any (index arithmetic) counts nothing."""
+    x = jnp.ones((4, 8))
+    w = jnp.ones((8, 8))
+    one = 2 * 4 * 8 * 8
+
+    def count(fn, *args):
+        return metrics.program_matmul_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+
+    assert count(lambda x: jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=5)[0],
+                 x) == 5 * one
+    dynamic = lambda x, n: jax.lax.fori_loop(0, n, lambda i, c: c @ w, x)
+    assert count(dynamic, x, 3) is None
+    assert count(lambda x, n: (x @ w, jax.lax.fori_loop(0, n, lambda i, c: c + i, 0))[0],
+                 x, 3) == one
+    mesh = jax.sharding.AbstractMesh((4,), ("data",))  # each of 4 shards multiplies a row
+    split = jax.shard_map(lambda a: a @ w, mesh=mesh, in_specs=jax.P("data"),
+                          out_specs=jax.P("data"))
+    rows = jax.ShapeDtypeStruct((4, 8), jnp.float32,
+                                sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
+    assert count(split, rows) == one

@@ -146,6 +146,11 @@ class Group:
         self._take = jax.jit(lambda state, k: jax.tree.map(lambda x: x[k], state),
                              out_shardings=self.shardings)
 
+    def seed_state(self):
+        """One seed's state, abstract (shapes, dtypes and shardings): what a run's step takes."""
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=s),
+                            self.state, self.shardings)
+
     def train(self, batches, active: np.ndarray):
         """One step of the seeds `active` marks; (metrics [seeds, ...], whether this program
         ran for the first time: it compiled)."""
@@ -171,8 +176,7 @@ def loop(runs: Sequence[train.Run], peak_flops: float | None) -> bool:
     program until each reaches config.steps, each logging, evaluating and saving at the steps a
     separate run would; returns whether a signal stopped them (after saving)."""
     config = runs[0].config
-    flops = (metrics_lib.flops_per_token(config, runs[0].active_params),
-             metrics_lib.hardware_flops_per_token(config, runs[0].active_params))
+    flops, counted = (metrics_lib.flops_per_token(config, runs[0].active_params),) * 2, False
     for run in runs:
         run.logger.prefix = f"seed {run.config.seed}: "
         run.logger.print(f"batched seeds: seeds {[r.config.seed for r in runs]} train in one "
@@ -197,6 +201,9 @@ def loop(runs: Sequence[train.Run], peak_flops: float | None) -> bool:
         batches = {id(run): run.placement.global_batch(run.goodput.next_batch(run.train_data))
                    for run, on in zip(runs, active, strict=True) if on}
         filler = next(iter(batches.values()))  # the masked seeds' rows: computed, not kept
+        if not counted:  # a seed's hardware FLOPs, counted in a single run's program
+            flops, counted = (flops[0], metrics_lib.hardware_flops_per_token(
+                config, flops[0], runs[0].train_step, group.seed_state(), filler)), True
         first = any(since[id(run)] is None for run in runs if id(run) in batches)
         with runs[0].tracer.step(runs[0]), \
                 kernels.recording() if first else contextlib.nullcontext() as chosen:

@@ -181,8 +181,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
     evaluating and checkpointing on the way; returns whether it stopped early on a signal
     (after saving)."""
     config = run.config
-    flops = (metrics_lib.flops_per_token(config, run.active_params),
-             metrics_lib.hardware_flops_per_token(config, run.active_params))
+    flops = (metrics_lib.flops_per_token(config, run.active_params),) * 2  # model, hardware
     # Speed is timed over windows of training steps alone (from `since`, a (time, step), to
     # the next log): the first step of the process, which compiles, and every evaluation and
     # save happen outside them, timed apart (`pauses`: the ETA counts them).
@@ -196,6 +195,9 @@ def loop(run: Run, peak_flops: float | None) -> bool:
         with run.tracer.step(run), \
                 kernels.recording() if since is None else contextlib.nullcontext() as chosen:
             run.state, metrics = run.train_step(run.state, batch)
+        if since is None:  # the hardware FLOPs: its matmuls, counted in the step just traced
+            flops = (flops[0], metrics_lib.hardware_flops_per_token(
+                config, flops[0], run.train_step, run.state, batch))
         run.step += 1
         run.watch.stepped(run.step, metrics["loss"])
         run.manager.check_for_errors(run.step)  # a failed background save stops the run at once

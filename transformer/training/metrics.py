@@ -77,15 +77,53 @@ def flops_per_token(config, num_params: int) -> float:
     return 6 * matmul_params(config, num_params) + mixing
 
 
-def hardware_flops_per_token(config, num_params: int) -> float:
-    """FLOPs the hardware runs per token: the model FLOPs plus the forward pass that full
-    rematerialisation recomputes (2 N + a third of the attention); the "dots" policies save the
-    matmul outputs, so they recompute no matmuls."""
-    model = flops_per_token(config, num_params)
-    if config.model.get("remat_policy") != "full":
-        return model
-    attention = model - 6 * matmul_params(config, num_params)
-    return model + 2 * matmul_params(config, num_params) + attention / 3
+def hardware_flops_per_token(config, model_flops: float, train_step, *args) -> float | None:
+    """FLOPs the hardware runs per trained token: under rematerialisation (model.remat_policy),
+    the matmuls of the train step's program (`program_matmul_flops` of `train_step` traced on
+    `args`: the forward, what the backward recomputes as JAX wrote it, the backward, and the
+    optimizer's) over the step's tokens; None where it cannot count them. Without it,
+    `model_flops` (utilisation is then MFU)."""
+    if config.model.get("remat_policy", "none") == "none":
+        return model_flops
+    flops = program_matmul_flops(train_step.trace(*args).jaxpr.jaxpr)
+    return None if flops is None else flops / (config.batch_size * config.seq_len)
+
+
+def program_matmul_flops(jaxpr) -> float | None:
+    """2 x the multiply-adds of the matmuls (dot_general, ragged_dot_general, convolutions) a
+    jaxpr runs on all its devices: a scan's body times its length, a shard_map's body times
+    the devices it is split over, a cond's costliest branch; None with a while loop that runs
+    matmuls (its trip count is not in the program; one without them, an index's, counts 0)."""
+    import math
+
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name, out = eqn.primitive.name, eqn.outvars[0].aval.shape if eqn.outvars else ()
+        if name in ("dot_general", "ragged_dot_general"):
+            numbers = eqn.params.get("dimension_numbers") or \
+                eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * math.prod(out) * math.prod(lhs[d] for d in numbers[0][0])
+        elif name == "conv_general_dilated":  # each output, the kernel's taps x input features
+            kernel = eqn.invars[1].aval.shape
+            total += 2 * math.prod(out) * math.prod(kernel) / kernel[
+                eqn.params["dimension_numbers"].rhs_spec[0]]
+        subs = [sub for value in eqn.params.values()
+                for sub in (value if isinstance(value, tuple | list) else [value])
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns")]
+        counts = [program_matmul_flops(getattr(sub, "jaxpr", sub)) for sub in subs]
+        if None in counts or (name == "while" and any(counts)):
+            return None
+        if name == "while":
+            continue
+        if name == "cond":
+            total += max(counts, default=0)
+            continue
+        times = eqn.params["length"] if name == "scan" else 1
+        if name == "shard_map":
+            times = math.prod(eqn.params["mesh"].shape[a] for a in eqn.params["newly_manual_axes"])
+        total += times * sum(counts)
+    return total
 
 
 def _host_id() -> str:

@@ -61,7 +61,7 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
         record.update(step_time=seconds, tokens_per_s=tokens_per_s)
         if peak:  # model and hardware FLOPs utilisation against the run's named peak
             record["mfu"] = tokens_per_s * flops[0] / (peak * len(jax.devices()))
-            if flops[1] != flops[0]:
+            if flops[1] is not None and flops[1] != flops[0]:
                 record["hfu"] = tokens_per_s * flops[1] / (peak * len(jax.devices()))
         # this step's own evaluation and save (if due) are still to come: they run after its log
         eta = (config.steps - step) * seconds + sum(
