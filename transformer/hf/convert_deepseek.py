@@ -65,6 +65,13 @@ def deepseek_v3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections
                                                                    dict]:
     """DeepseekV3ForCausalLM / DeepseekV3Model -> (config for `DecoderLM`, params). Settings
     this model cannot represent are refused, naming them."""
+    heads, kv = hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
+    if kv not in (None, heads):  # MLA's keys and values come per head from the latent
+        raise ValueError(f"DeepseekV3 num_key_value_heads={kv}: expected num_attention_heads="
+                         f"{heads} (transformers' attention takes no other)")
+    if hf_config.rms_norm_eps != 1e-6:  # ours: one epsilon for every norm
+        raise ValueError(f"DeepseekV3 rms_norm_eps={hf_config.rms_norm_eps}: expected 1e-06 "
+                         "(transformers' q_a and kv_a latent norms keep 1e-6 whatever it says)")
     mla = dict(q_lora_rank=hf_config.q_lora_rank or 0, kv_lora_rank=hf_config.kv_lora_rank,
                qk_nope_head_dim=hf_config.qk_nope_head_dim,
                qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim)
