@@ -94,8 +94,9 @@ class MTPModule(nn.Module):
     layers_0, final_norm): (h^{k-1} [B, T, D], Emb(t_{i+k}) [B, T, D]) -> (h^k, Norm(h^k)).
     `block(name)` builds the block (a `TransformerBlock` of the stack's last layer's kind,
     applied to (x, *block_args)); it is named as an unrolled stack's layer, so the MoE
-    bookkeeping reads it as `mtp_<k>`'s layer 0. `norm` is `layers.norm_layer` (passed in: the
-    layers import this module's config).
+    bookkeeping reads it as `mtp_<k - 1>`'s layer 0 (module k's params are `mtp_<k - 1>`,
+    counted from 0 as the stack's layers are; its loss is `mtp_loss/<k>`). `norm` is
+    `layers.norm_layer` (passed in: the layers import this module's config).
     """
 
     config: Any  # TransformerConfig
