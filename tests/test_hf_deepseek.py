@@ -175,6 +175,15 @@ def test_what_the_model_cannot_hold_is_refused_in_one_line():
         convert.from_hf(config, deepseek().state_dict())
 
 
+def test_no_shared_expert_imports_though_transformers_keeps_an_empty_one():
+    """n_shared_experts=0: transformers still builds the shared expert, 0 wide (its tensors
+    empty, its output 0); the import has none and gives transformers' logits."""
+    hf = deepseek(n_shared_experts=0)
+    assert hf.model.layers[1].mlp.shared_experts.gate_proj.weight.numel() == 0
+    config, params = convert.from_hf(hf.config, hf.state_dict())
+    assert config.moe.num_shared == 0
+    assert difference(our_logits(config, params), hf_logits(hf)) <= 1e-4
+
 
 def test_export_round_trips_and_loads_in_transformers_with_our_logits(converted, tmp_path):
     """The export (experts one tensor each, as the hub's files) imports back to the same params

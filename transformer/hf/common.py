@@ -5,6 +5,7 @@ from, and layer stacking for scan_layers."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import ml_collections
@@ -40,7 +41,10 @@ class Checkpoint:
         return name in self._tensors
 
     def check_all_used(self) -> None:
-        unused = sorted(set(self._tensors) - self._used - self._ignored)
+        """A one-line error naming the checkpoint's tensors no param took; empty ones hold no
+        weights (DeepSeek-V3's shared expert with n_shared_experts=0 is 0 wide) and pass."""
+        unused = sorted(name for name in set(self._tensors) - self._used - self._ignored
+                        if math.prod(self._tensors[name].shape))
         if unused:
             raise ValueError(f"checkpoint has unexpected parameters {unused}: the converted "
                              "model has no place for them")
