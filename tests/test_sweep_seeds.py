@@ -105,7 +105,12 @@ def tables(report: str) -> list[dict[str, dict[str, str]]]:
     return found
 
 
-def test_the_report_over_seeds(tmp_path):
+def test_the_report_over_seeds(tmp_path, monkeypatch):
+    from transformer.sweeps import report as report_lib
+
+    plotted = {}  # the runs each variant's mean curve is drawn over: its finished seeds
+    monkeypatch.setattr(report_lib, "plot_curves", lambda runs, workdir: plotted.update(
+        {name: len(rows) for name, rows in runs.items()}) or plots.plot_curves(runs, workdir))
     config = base_config()
     config.steps = 4
     variants = sweep.named({"base": {}, "shifted": {"model.num_heads": 4},
@@ -148,6 +153,7 @@ def test_the_report_over_seeds(tmp_path):
     for png in ("val_loss_vs_step.png", "val_loss_vs_time.png", "train_loss_vs_step.png"):
         assert (tmp_path / png).stat().st_size > 0 and f"]({png})" in report
     assert "(mean of 4 seeds, band: min to max)" in report
+    assert plotted == {"base": 4, "shifted": 4, "noisy": 3}  # not the failed seed's
 
     # Another baseline flips the signs; an unknown one is refused.
     sweep.write_report(configs, variants, str(tmp_path), "t", seeds=4, baseline="shifted")

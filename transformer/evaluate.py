@@ -58,6 +58,9 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     `show(metrics)` (if given) and writing them to WORKDIR/`results_name(...)`; a failed write
     raises `NotWritten`, naming the file and the cause.
     """
+    if eval_steps is not None and (isinstance(eval_steps, bool) or eval_steps < 1):
+        raise ValueError(f"eval_steps={eval_steps!r}: expected an int >= 1 (or none: the whole "
+                         "split)")
     newest = step is None
     step, config = checkpoint_lib.saved_run(workdir, step)
     task = inputs.labeled_task(config)

@@ -184,10 +184,8 @@ def _size(num_bytes: int) -> str:
 
 
 def _main(argv):
-    from absl import app, flags, logging
+    from absl import flags, logging
 
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}: expected only flags")
     logging.set_verbosity(logging.WARNING)  # one line per file, not Orbax's INFO logs
     f = flags.FLAGS
     written = export_workdir(f.workdir, f.output, f.step, f.merge_lora)

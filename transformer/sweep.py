@@ -246,6 +246,10 @@ def main(argv) -> None:
     seeds, baseline = load_options(config_file, FLAGS.seeds, FLAGS.baseline)
     configs = variant_configs(FLAGS.config, variants, FLAGS.only or ())
     selected = [v for v in variants if v.name in configs]
+    if FLAGS.only and baseline is not None and baseline not in configs:
+        raise ValueError(f"--only={','.join(FLAGS.only)} leaves out the baseline {baseline!r} "
+                         "the report compares with: expected it among --only, or --baseline= "
+                         f"one of {list(configs)}")
     baseline = check_baseline(baseline, list(configs))
     cli_overrides = keys.dotted(config_flags.get_override_values(FLAGS["config"]))
     if seeds > 1 and "seed" in cli_overrides:

@@ -198,8 +198,6 @@ def _run(output_dir: str, settings: dict, tok, todo: list[int], num_workers: int
 def _main(argv):
     from absl import app, flags
 
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}: expected only flags")
     f = flags.FLAGS
     if f.engine == "beam" and f.num_workers is not None:
         raise app.UsageError(f"--num_workers={f.num_workers} with --engine=beam: expected the "

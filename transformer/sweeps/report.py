@@ -326,8 +326,11 @@ def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequen
         lines += ["", "`val loss @L`: validation loss with rows of L tokens, for a model trained "
                   "at the config's `seq_len` (length extrapolation); `-` where the model cannot "
                   "run at that length (learned positions beyond their table)."]
-    plots = plot_curves({name: [read_records(os.path.join(workdir, row["variant"])) for row in rows]
-                         for name, rows in runs.items()}, workdir)
+    # A variant's curves are its finished seeds' (as its tables), or while none has finished
+    # its runs so far: an unfinished seed would cut the mean's curve at its last step.
+    plots = plot_curves({name: [read_records(os.path.join(workdir, row["variant"])) for row in (
+        [row for row in rows if row["status"] == "finished"] or rows)]
+        for name, rows in runs.items()}, workdir)
     lines += [""] + [f"![{title}]({os.path.basename(path)})" for path, title in plots]
     path = os.path.join(workdir, "report.md")
     with open(path, "w") as f:

@@ -52,6 +52,9 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
     def parse(argv: list[str]) -> list[str]:
         try:
             rest = flags.FLAGS(argv)
+            if len(rest) > 1:  # `--report_only false` would set the flag and drop "false"
+                raise ValueError(f"unexpected arguments {rest[1:]}: expected only flags "
+                                 "(--name=value)")
             expand_home(flags.FLAGS)
             _check_config_files(flags.FLAGS)
             return rest
