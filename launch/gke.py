@@ -114,4 +114,4 @@ if __name__ == "__main__":
     flags.DEFINE_string("project", None, "With --xpk: the project.")
     flags.DEFINE_string("zone", None, "With --xpk: the zone.")
 
-    run_cli(main)
+    run_cli(main, positional=True)  # the training flags after --

@@ -417,4 +417,4 @@ if __name__ == "__main__":
     from launch import run_cli
 
     _define_flags()
-    run_cli(main)
+    run_cli(main, positional=True)  # the command, then the training flags

@@ -27,12 +27,14 @@ USAGE_ERRORS = (ValueError, KeyError, TypeError, FileNotFoundError, NotADirector
 INTERRUPTED = 130
 
 
-def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | None = None
-        ) -> None:
+def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | None = None,
+        *, positional: bool = False) -> None:
     """absl's app.run(main) with one-line errors and the exit statuses above; never returns.
 
     `define_flags` runs first, under the same reporting: a config flag with a default file
-    already applies the `--config.KEY=VALUE` overrides when it is defined.
+    already applies the `--config.KEY=VALUE` overrides when it is defined. Arguments that are
+    not flags are refused in one line unless `positional` (main reads them: a launcher's
+    command and the training flags it passes on).
     """
     from absl import app, flags
 
@@ -52,7 +54,7 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
     def parse(argv: list[str]) -> list[str]:
         try:
             rest = flags.FLAGS(argv)
-            if len(rest) > 1:  # `--report_only false` would set the flag and drop "false"
+            if len(rest) > 1 and not positional:  # `--report_only false`: "false" dropped
                 raise ValueError(f"unexpected arguments {rest[1:]}: expected only flags "
                                  "(--name=value)")
             expand_home(flags.FLAGS)
