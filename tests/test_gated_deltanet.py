@@ -13,6 +13,7 @@ import pytest
 
 from transformer.nn.mixers import gated_deltanet as gdn
 from transformer.nn.mixers.conv import causal_conv
+from transformer.training.metrics import program_matmul_flops
 
 B, G, N, K, V = 2, 2, 4, 8, 6  # batch, query/key heads, value heads, key and value widths
 
@@ -312,24 +313,6 @@ def test_matches_hugging_face_qwen3_next():
 # --- config and record --------------------------------------------------------------------------
 
 
-def dot_flops(jaxpr) -> int:
-    """2 x the multiply-adds of every dot_general in a jaxpr (a scan's body times its length)."""
-    from jax.extend import core
-
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contracted, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[d] for d in contracted])
-        times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else [value]:
-                if isinstance(sub, core.ClosedJaxpr | core.Jaxpr):
-                    total += times * dot_flops(getattr(sub, "jaxpr", sub))
-    return int(total)
-
-
 def test_config_checks_and_record():
     cfg = gdn.GatedDeltaNetConfig(num_key_heads=2, num_value_heads=6)
     cfg.check(types.SimpleNamespace(num_heads=4))
@@ -358,7 +341,8 @@ def test_config_checks_and_record():
         shapes = [(1, length, 8, 16)] * 3 + [(1, length, 8)] * 2
         program = jax.make_jaxpr(lambda *a: gdn.chunked_gated_delta_rule(*a, chunk_size=32)[0])(
             *[jnp.full(shape, 0.5) for shape in shapes])
-        assert gdn.flops_per_token(Model(), length) == 3 * dot_flops(program.jaxpr) / length
+        forward = program_matmul_flops(program.jaxpr)
+        assert gdn.flops_per_token(Model(), length) == 3 * forward / length
     assert gdn.MIXER.cache_bytes_per_token(Model()) == 0
     assert gdn.MIXER.refuses(Model(), {"sequence": 1, "tensor": 2}) is None
     assert gdn.MIXER.refuses(Model(), {"sequence": 2}) == (

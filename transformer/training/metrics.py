@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import math
 import os
 import platform
 import sys
@@ -94,8 +95,6 @@ def program_matmul_flops(jaxpr) -> float | None:
     jaxpr runs on all its devices: a scan's body times its length, a shard_map's body times
     the devices it is split over, a cond's costliest branch; None with a while loop that runs
     matmuls (its trip count is not in the program; one without them, an index's, counts 0)."""
-    import math
-
     total = 0.0
     for eqn in jaxpr.eqns:
         name, out = eqn.primitive.name, eqn.outvars[0].aval.shape if eqn.outvars else ()
