@@ -201,8 +201,9 @@ def _check_prepared_tokenizer(config: ml_collections.ConfigDict, directory: str,
     """Prepared data (data.path, or a mixture's source) must hold ids of the run's tokenizer,
     saved in `directory` (`what`): a resume with new_data=True, or init_from, on data prepared
     with another tokenizer would read its ids as other tokens."""
+    runs = _tokenizer_identity(directory)
     for path in _prepared_dirs(config):
-        if _tokenizer_identity(path) != _tokenizer_identity(directory):
+        if _tokenizer_identity(path) != runs:
             raise ValueError(f"the prepared data {path!r} holds ids of another tokenizer than "
                              f"{what}: expected data prepared with that tokenizer")
 

@@ -260,6 +260,12 @@ def _run(params, prompts_BP, lengths_B, knobs: _Knobs, key, *, program: _Program
     return state.seq, state.rounds, state.accepted, state.offered
 
 
+def new_tokens_that_fit(model_config, prompt_length: int) -> int:
+    """How many new tokens a learned position table (max_len) holds after a prompt: verify
+    writes up to D positions past the last new token, and the draft window is 2 D wide."""
+    return model_config.max_len - prompt_length - 2 * model_config.mtp.depth
+
+
 def speculative_decode(model: DecoderLM, params, prompts, *, max_new_tokens: int,
                        eos_id: int | None = EOS_ID, lengths=None, banned_ids=None,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -288,10 +294,9 @@ def speculative_decode(model: DecoderLM, params, prompts, *, max_new_tokens: int
     _check_seed_and_eos(seed, eos_id)
     inputs, lengths = _as_batch(prompts, lengths, model.vocab_size)
     prompt_length = inputs.shape[1]
-    # verify writes up to D positions past the last new token; the draft window is 2 D wide
     cache_length = prompt_length + max_new_tokens + 2 * cfg.mtp.depth
     if cfg.position == "learned" and cache_length > cfg.max_len:
-        fits = cfg.max_len - prompt_length - 2 * cfg.mtp.depth
+        fits = new_tokens_that_fit(cfg, prompt_length)
         raise ValueError(f"prompt of {prompt_length} tokens + max_new_tokens={max_new_tokens} "
                          f"+ 2 x mtp.depth = {cache_length} positions: expected <= the model's "
                          f"max_len={cfg.max_len} (" + (f"max_new_tokens <= {fits}" if fits > 0

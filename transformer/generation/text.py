@@ -24,7 +24,7 @@ from transformer.generation.sampling import (
     _split,
     sampling,
 )
-from transformer.generation.speculative import speculative_decode
+from transformer.generation.speculative import new_tokens_that_fit, speculative_decode
 from transformer.models import FAMILIES, family_of
 
 
@@ -195,7 +195,7 @@ def speculative_text(model, params, tokenizer, config, *, prompt: str = "",
     n = _new_tokens(max_new_tokens, config, "causal", len(prompt_ids))
     if max_new_tokens is None and config.model.get("position") == "learned":
         # the drafts checked past the last new token need positions in the table too
-        n = max(min(n, config.model.max_len - len(prompt_ids) - 2 * config.model.mtp.depth), 1)
+        n = max(min(n, new_tokens_that_fit(config.model, len(prompt_ids))), 1)
     if n == 0:
         return tokenizer.decode(encoded), None
     tokens, _, stats = speculative_decode(
