@@ -5,6 +5,8 @@ tokens; each feature binds."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -114,6 +116,56 @@ def test_what_the_model_cannot_hold_is_refused_in_one_line():
         convert.from_hf(config, gpt_oss().state_dict())
 
 
+
+
+def save_mxfp4(hf, directory):
+    """`hf` saved as gpt-oss's hub files keep it: each expert tensor as MXFP4 blocks and scales
+    (every 32 values along a row: a power-of-two scale with the largest at most 8 times it,
+    each value its nearest FP4), the rest in float32, and config.json's quantization_config."""
+    from safetensors.numpy import save_file
+
+    from transformer.hf.quantized import FP4_E2M1
+
+    tensors = {}
+    for name, tensor in hf.state_dict().items():
+        value = tensor.detach().numpy()
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = value
+            continue
+        rows = np.swapaxes(value, -1, -2)  # [E, out, in]: transformers quantizes along `in`
+        groups = rows.reshape(*rows.shape[:-1], -1, 32)
+        exponent = np.floor(np.log2(np.abs(groups).max(-1))).astype(np.int32) - 2
+        scaled = groups / np.ldexp(1.0, exponent)[..., None]
+        codes = np.abs(scaled[..., None] - FP4_E2M1).argmin(-1).astype(np.uint8)
+        tensors[name + "_blocks"] = np.ascontiguousarray(codes[..., 0::2] | codes[..., 1::2] << 4)
+        tensors[name + "_scales"] = (exponent + 127).astype(np.uint8)
+    hf.config.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def test_an_mxfp4_checkpoint_imports_as_transformers_dequantizes_it(tmp_path):
+    """gpt-oss as the hub keeps it (experts in MXFP4) imports with the logits of transformers'
+    own dequantized load; the rounding moved them far beyond the tolerance, so the blocks were
+    read, each nibble and scale in its place."""
+    from flax import traverse_util
+
+    from transformer.training import finetune
+
+    hf = gpt_oss(intermediate_size=32)  # MXFP4 groups 32 values: D and F multiples of 32
+    directory = save_mxfp4(hf, tmp_path / "gpt-oss")
+    want = transformers.GptOssForCausalLM.from_pretrained(
+        directory, dtype=torch.float32,
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    _, config, flat = finetune.hf_convert(str(directory))
+    params = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
+    got = our_logits(config, params)
+    assert difference(got, hf_logits(want)) <= 1e-4
+    assert difference(got, hf_logits(hf)) > 1e-2
 
 
 def test_export_inverts_the_import_bit_for_bit_and_loads_in_transformers(converted, tmp_path):

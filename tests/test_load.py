@@ -83,9 +83,9 @@ def test_a_hugging_face_directory_loads_with_transformers_logits_and_its_own_eos
     assert transformer.load(str(directory)).tokenizer.eos_id == eos  # a plain directory too
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps(
-        {**config, "quantization_config": {"quant_method": "mxfp4"}}))  # as gpt-oss's hub files
-    with pytest.raises(ValueError, match=r"quantization_config \('mxfp4'\): expected "
-                                         "unquantized weights"):
+        {**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    with pytest.raises(ValueError, match=r"quantization_config \('gptq'\): expected "
+                                         "unquantized or mxfp4 weights"):
         transformer.load(f"hf:{directory}")
     (directory / "config.json").write_text(json.dumps(config))
     shard = sorted(set(index["weight_map"].values()))[1]

@@ -83,16 +83,11 @@ def hf_convert(directory: str, scan: bool = False):
     `scan`, its layer stacks stacked for a model with scan_layers=True."""
     import transformers
 
-    from transformer.hf import convert
+    from transformer.hf import convert, quantized
 
     tensors = _safetensors(directory)
     hf_config = transformers.AutoConfig.from_pretrained(directory)
-    if quantized := getattr(hf_config, "quantization_config", None):
-        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
-        raise ValueError(f"init_from=hf:{directory}: quantization_config ({method!r}): expected "
-                         "unquantized weights (load it with transformers, dequantized, and "
-                         "save_pretrained that)")
-    state_dict = tensors()
+    state_dict = quantized.dequantized(hf_config, tensors, f"init_from=hf:{directory}")
     try:
         model_config, params = convert.from_hf(hf_config, state_dict)
     except ValueError as error:  # what the model cannot represent, naming the setting
