@@ -13,7 +13,9 @@ shaped as GPT-2's, Llama 3's or Qwen 2's the ids are the same when:
 - every one of the 256 bytes is a token, and the merges rebuild the vocabulary in id order:
   merge i makes a new token whose id is above merge i-1's, and every longer token is made by
   exactly one merge. tiktoken merges the pair whose concatenation has the lowest id, BPE the
-  pair listed first: under this condition they are the same order;
+  pair listed first: under this condition they are the same order. And BPE rebuilds every
+  token from its own bytes, so tiktoken never meets two neighbours that make a token by a
+  pair the merges do not list (`_not_rebuilt`);
 - text that holds an added token's content (e.g. `<|endoftext|>` typed inside a document) goes
   to `tokenizers`, which reads it as that token;
 - the two regex engines (onig in `tokenizers`, fancy-regex in tiktoken) split alike: checked on
@@ -103,7 +105,24 @@ def _ranks(model: dict[str, Any], added: list[str]) -> tuple[dict[bytes, int] | 
         last = ranks[token]
     if len(made) != sum(len(t) > 1 for t in ranks):
         return None, "a longer token is not made by a merge"
+    if token := _not_rebuilt(vocab, model["merges"]):
+        return None, f"BPE does not rebuild token {token!r} from its bytes"
     return ranks, ""
+
+
+def _not_rebuilt(vocab: dict[str, int], merges: list) -> str | None:
+    """The first token of 3 or more bytes that BPE (the merges alone, first listed first) does
+    not rebuild from its own bytes, or None. tiktoken merges any two neighbours whose
+    concatenation is a token, BPE only a listed pair: with merges [b c], [a b], [ab c], BPE
+    reads "abc" as a, bc and tiktoken as abc. Two neighbours in a BPE encoding were built as
+    BPE builds their bytes alone, so when that always ends in one token, tiktoken never meets
+    a pair the list lacks. (Trained files pass: their merges are what made the tokens.)"""
+    from tokenizers.models import BPE
+
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
+    bpe = BPE(vocab=vocab, merges=pairs)  # ignore_merges off: the merges alone
+    return next((token for token, i in vocab.items()
+                 if len(token) > 2 and [t.id for t in bpe.tokenize(token)] != [i]), None)
 
 
 def tiktoken_encoder(tokenizer_json: str, reference) -> tuple[TiktokenBPE | None, str]:
