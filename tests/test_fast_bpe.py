@@ -116,6 +116,22 @@ def test_other_shapes_keep_to_tokenizers_and_say_why(tokenizer_jsons, edit, why)
     assert tok._fast is False and why in tok.fast_bpe_skipped
 
 
+def test_an_added_token_typed_decomposed_goes_to_tokenizers(tokenizer_jsons):
+    """An added token with normalized=True matches the NFC text: "A\u030angström" holds
+    "Ångström" for Qwen 2's NFC normalizer, so the text is not tiktoken's to encode."""
+    def add(spec):
+        spec["added_tokens"].append({
+            "id": max(spec["model"]["vocab"].values()) + 10, "content": "\u00c5ngstr\u00f6m",
+            "single_word": False, "lstrip": False, "rstrip": False, "normalized": True,
+            "special": False})
+
+    changed = edited(tokenizer_jsons["qwen2"], add)
+    tok = HFTokenizer(changed, {})
+    texts = ["a plain text"] * 3 + ["A\u030angstr\u00f6m ring", "\u00c5ngstr\u00f6m"]
+    assert [i.tolist() for i in tok.encode_batch(texts)] == reference_ids(changed, texts)
+    assert isinstance(tok._fast, fast_bpe.TiktokenBPE)
+
+
 def test_wordpiece_keeps_to_tokenizers(tmp_path):
     tok = tokenizers_lib.load_hf_tokenizer(str(bert_style(tmp_path)))
     tok.encode_batch(TEXTS)

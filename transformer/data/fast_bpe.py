@@ -178,13 +178,20 @@ class TiktokenBPE:
         # (encode_ordinary and a copy run 1.5x as fast as encode_to_numpy's special-token path)
         return np.asarray(self._encoding.encode_ordinary(text), np.int32)
 
+    def _holds_added(self, text: str) -> bool:
+        """Whether `text` holds an added token's content, as typed or after NFC (`tokenizers`
+        finds an added token with normalized=True in the normalized text)."""
+        if self._added is None:
+            return False
+        return bool(self._added.search(text) or self._nfc and self._added.search(
+            unicodedata.normalize("NFC", text)))
+
     def encode_batch(self, texts: list[str], reference) -> list[np.ndarray] | None:
         """The ids of each text; `reference(texts)` encodes a sublist with `tokenizers`. None
         where the first batch's check found a difference: the caller then keeps to
         `tokenizers` (and so does every later call)."""
         out: list[np.ndarray | None] = [
-            None if self._added is not None and self._added.search(t) else self.encode(t)
-            for t in texts]
+            None if self._holds_added(t) else self.encode(t) for t in texts]
         if not self._checked:
             sample = [i for i, ids in enumerate(out) if ids is not None][:_FIRST_BATCH_CHECKED]
             self._checked = bool(sample)
