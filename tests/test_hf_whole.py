@@ -176,10 +176,15 @@ def auto_tokenizer(tok, directory: Path):
 def test_our_tokenizers_load_in_autotokenizer_with_our_ids(tmp_path, kind, texts, vocab_size):
     tok = tokenizers_lib.build_tokenizer(kind, texts, vocab_size=vocab_size, num_sentinels=3)
     auto = auto_tokenizer(tok, tmp_path)
+    loaded = tokenizers_lib.load_hf_tokenizer(str(tmp_path))  # as init_from=hf: reads it
     held_out = [play(1000 + seed, n) for seed, n in enumerate((1, 3, 30))]
-    for text in [*TEXTS, LONG, LITERALS, *held_out, HTML[7]]:
+    texts = [*TEXTS, LONG, LITERALS, *held_out, HTML[7]]
+    assert [i.tolist() for i in loaded.encode_batch(texts)] == [
+        tok.encode(text).tolist() for text in texts]  # split_special_tokens: <eos> is text
+    for text in texts:
         ids = tok.encode(text).tolist()
         assert auto(text, add_special_tokens=False)["input_ids"] == ids, text[:40]
+        assert loaded.encode(text).tolist() == ids
         assert auto.decode(ids) == tok.decode(ids)
         if kind != "char":  # char: the characters it has no ids for decode as "<unk>"
             assert auto.decode(ids) == text

@@ -74,6 +74,8 @@ class HFTokenizer(Tokenizer):
         # saves `padding: Fixed 128` and `truncation: 128`): documents are encoded whole.
         self._tok.no_padding()
         self._tok.no_truncation()
+        # transformers' split_special_tokens: a special token's name in text is text
+        self._tok.encode_special_tokens = bool(self.settings.get("split_special_tokens"))
         self._fast = None  # a fast_bpe.TiktokenBPE, built by the first encode_batch (or False)
         self.fast_bpe_skipped = ""  # why not, where the tokenizer is not encoded by tiktoken
         vocab = self._tok.get_vocab(with_added_tokens=True)
