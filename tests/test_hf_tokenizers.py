@@ -183,6 +183,26 @@ def test_a_role_naming_a_missing_token_is_a_one_line_error(gpt2_dir, tmp_path, c
     assert "\n" not in str(error.value)
 
 
+def test_a_role_no_file_names_comes_from_the_next_file_or_the_well_known_names(gpt2_dir,
+                                                                              tmp_path):
+    """GPT-2's hub tokenizer_config.json names no role ({"model_max_length": 1024}; its class
+    makes <|endoftext|> bos, eos and unk): the roles come from special_tokens_map.json where it
+    names them, else from the well-known names (for GPT-2 what AutoTokenizer's class gives).
+    A role set to null stays unset."""
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_bytes((gpt2_dir / "tokenizer.json").read_bytes())
+    (directory / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
+    tok = tokenizers_lib.load_hf_tokenizer(str(directory))
+    end = tok._tok.token_to_id("<|endoftext|>")
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (end, end, None)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": None}))
+    (directory / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<|endoftext|>", "pad_token": {"content": "<|endoftext|>"}}))
+    tok = tokenizers_lib.load_hf_tokenizer(str(directory))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (None, end, end)
+
+
 def hf_config(tokenizer_dir: Path, workdir_steps: int = 4):
     config = configs.experiment("gpt_tiny")
     config.update(steps=workdir_steps, batch_size=2, seq_len=16, log_every=1,

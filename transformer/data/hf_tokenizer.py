@@ -212,11 +212,11 @@ def _json_object(file, expected: str) -> dict[str, Any]:
 
 def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenizer:
     """An `HFTokenizer` from a Hugging Face tokenizer.json, or a directory holding one (e.g. a
-    `save_pretrained` directory). The roles come from the directory's tokenizer_config.json
-    (else special_tokens_map.json): its `bos_token`, `eos_token`, ... entries. A bare
-    tokenizer.json names none, so each role is then the first well-known token (<pad>, [PAD],
-    </s>, <|endoftext|>, [CLS], ...) its vocabulary has. The same file's `TRANSFORMERS_KEYS`
-    entries are kept for the export.
+    `save_pretrained` directory). Each role comes from the directory's tokenizer_config.json
+    (its `bos_token`, `eos_token`, ... entries; null names none), else special_tokens_map.json;
+    a role neither names (all of them for a bare tokenizer.json) is the first well-known token
+    (<pad>, [PAD], </s>, <|endoftext|>, [CLS], ...) the vocabulary has. The first file's
+    `TRANSFORMERS_KEYS` entries are kept for the export.
     """
     location = fileio.path(path)
     file = location.joinpath("tokenizer.json") if location.is_dir() else location
@@ -228,24 +228,33 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
         raise ValueError(f"{str(file)!r} is JSON but not a tokenizer (it has no \"model\"): "
                          f"expected {expected}")
     text = file.read_text(encoding="utf-8")
-    named, settings = None, {}
+    named, settings = {}, None
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (meta := file.parent.joinpath(name)).is_file():
             config = _json_object(meta, f"a Hugging Face {name}")
-            named = {role: _token_content(config.get(f"{role}_token")) for role in ROLES}
-            settings = {key: config[key] for key in TRANSFORMERS_KEYS if key in config}
-            break
-    template = _chat_template(file.parent)
+            named.update({role: _token_content(config[f"{role}_token"]) for role in ROLES
+                          if role not in named and f"{role}_token" in config})
+            if settings is None:
+                settings = {key: config[key] for key in TRANSFORMERS_KEYS if key in config}
+    if unnamed := [role for role in ROLES if role not in named]:
+        # e.g. GPT-2's hub tokenizer_config.json names no role (its class's defaults do)
+        vocab = _vocab(text, file)
+        named.update({role: next((t for t in _WELL_KNOWN[role] if t in vocab), None)
+                      for role in unnamed})
     try:
-        tokenizer = HFTokenizer(text, named or {}, num_sentinels, template, settings)
+        return HFTokenizer(text, named, num_sentinels, _chat_template(file.parent),
+                           settings or {})
     except Exception as e:
         raise ValueError(f"{str(file)!r}: {e}") from None
-    if named is None:
-        vocab = tokenizer._tok.get_vocab(with_added_tokens=True)
-        guessed = {role: next((t for t in names if t in vocab), None)
-                   for role, names in _WELL_KNOWN.items()}
-        tokenizer = HFTokenizer(text, guessed, num_sentinels, template)
-    return tokenizer
+
+
+def _vocab(text: str, file) -> dict[str, int]:
+    import tokenizers
+
+    try:
+        return tokenizers.Tokenizer.from_str(text).get_vocab(with_added_tokens=True)
+    except Exception as e:
+        raise ValueError(f"{str(file)!r}: {e}") from None
 
 
 def _chat_template(directory) -> str | None:
