@@ -203,6 +203,18 @@ def test_a_role_no_file_names_comes_from_the_next_file_or_the_well_known_names(g
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (None, end, end)
 
 
+def test_token_bytes_are_each_tokens_own_bytes(gpt2_dir):
+    """A byte-level token that is part of a character is its byte(s), not the "\ufffd" that
+    decoding it alone gives (visualize labels tokens by these)."""
+    from transformer.data.fast_bpe import byte_symbols
+
+    tok = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir))
+    assert [tok.token_bytes(tok._tok.token_to_id(symbol)) for symbol in byte_symbols()] == [
+        bytes([b]) for b in range(256)]
+    ids = tok.encode("café ☕ naïve")
+    assert b"".join(tok.token_bytes(int(i)) for i in ids) == "café ☕ naïve".encode()
+
+
 def hf_config(tokenizer_dir: Path, workdir_steps: int = 4):
     config = configs.experiment("gpt_tiny")
     config.update(steps=workdir_steps, batch_size=2, seq_len=16, log_every=1,

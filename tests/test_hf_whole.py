@@ -181,6 +181,8 @@ def test_our_tokenizers_load_in_autotokenizer_with_our_ids(tmp_path, kind, texts
     texts = [*TEXTS, LONG, LITERALS, *held_out, HTML[7]]
     assert [i.tolist() for i in loaded.encode_batch(texts)] == [
         tok.encode(text).tolist() for text in texts]  # split_special_tokens: <eos> is text
+    regular = range(tokenizers_lib.NUM_SPECIAL, tok.vocab_size - tok.num_sentinels)
+    assert [loaded.token_bytes(i) for i in regular] == [tok.token_bytes(i) for i in regular]
     for text in texts:
         ids = tok.encode(text).tolist()
         assert auto(text, add_special_tokens=False)["input_ids"] == ids, text[:40]

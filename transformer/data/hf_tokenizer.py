@@ -26,6 +26,8 @@ _WELL_KNOWN = {
     "sep": ("[SEP]", "<sep>"),
 }
 _SENTINEL = re.compile(r"<extra_id_(\d+)>")
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+_BYTE_LEVEL = {symbol: b for b, symbol in enumerate(fast_bpe.byte_symbols())}
 # The tokenizer_config.json entries, besides the roles and the chat template, that a tokenizer
 # keeps from its directory for the export, so that `AutoTokenizer` loads the export as it did
 # the original: its other special tokens and their flags, the inputs it returns (BERT's
@@ -157,7 +159,17 @@ class HFTokenizer(Tokenizer):
         return "".join(out) + self._tok.decode(run, skip_special_tokens=False)
 
     def token_bytes(self, i: int) -> bytes:
-        return self.decode([i]).encode()
+        """Id i's own bytes. Where decoding it alone gives "\ufffd" (part of a character),
+        those of a byte-fallback token (<0xE2>) or a byte-level one (GPT-2's alphabet)."""
+        text = self.decode([i])
+        token = self._tok.id_to_token(i) or ""
+        if "\ufffd" not in text or "\ufffd" in token:
+            return text.encode()
+        if match := _BYTE_FALLBACK.fullmatch(token):
+            return bytes([int(match.group(1), 16)])
+        if all(c in _BYTE_LEVEL for c in token):
+            return bytes(_BYTE_LEVEL[c] for c in token)
+        return text.encode()
 
     @property
     def special_names(self) -> dict[int, str]:
