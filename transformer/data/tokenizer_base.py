@@ -166,7 +166,8 @@ class Tokenizer:
 
     def hugging_face(self) -> tuple[str, dict[str, Any]]:
         """(tokenizer.json text, tokenizer_config.json) of this tokenizer for `transformers`:
-        `AutoTokenizer(text, add_special_tokens=False)` gives `encode(text)`'s ids, and its
+        `AutoTokenizer(text, add_special_tokens=False)` gives `encode(text)`'s ids (a unigram
+        model's ties between equal-score segmentations aside: docs/models.md), and its
         `decode` gives text back. Built with the `tokenizers` library's own models:
           * byte: BPE without merges over the 256 byte tokens <0x00>..<0xFF> (byte fallback);
           * char: BPE without merges over the characters (other characters: <unk>);
