@@ -121,13 +121,29 @@ def test_the_report_has_length_extrapolation_and_learned_positions_stop_at_their
             assert math.isfinite(float(at_long)), name
 
 
+def test_a_variant_stopped_by_a_signal_stops_the_sweep_with_its_exit_status(swept, tmp_path,
+                                                                          monkeypatch):
+    """A variant a signal stopped (saved, unfinished) ends the sweep, which exits as training
+    does, 128 + the signal (130 for Ctrl-C): a launcher reruns it rather than reading done."""
+    import signal
+
+    experiment, _, _ = swept
+    configs = sweep.variant_configs(_experiment_config(experiment),
+                                    sweep.load_sweep(str(experiment)))
+    first = next(iter(configs))
+    monkeypatch.setattr(sweep, "_train", lambda names, *_: {name: {
+        "summary": {"step": 1}, "signal": signal.SIGINT} for name in names})
+    assert sweep.run(configs, str(tmp_path / "sweep")) == 130
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == [first]  # none after it
+
+
 def test_a_finished_sweep_is_skipped_and_launch_commands_carry_the_overrides(swept):
     experiment, workdir, _ = swept
     base = sweep.load_sweep(str(experiment))
     config = _experiment_config(experiment)
     configs = sweep.variant_configs(config, base, only=["position=rope"])
     before = (workdir / "position=rope" / "metrics.jsonl").read_text()
-    assert sweep.run(configs, str(workdir))  # finished: skipped, nothing trains or is written
+    assert sweep.run(configs, str(workdir)) is None  # finished: skipped, nothing trains
     assert (workdir / "position=rope" / "metrics.jsonl").read_text() == before
 
     # An edited sweep must not mix two configs under one name: refused before anything trains.

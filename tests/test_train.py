@@ -283,7 +283,7 @@ MOE_FLAGS = ["--config.model.moe.num_experts=4", "--config.model.moe.capacity_fa
 
 
 @pytest.mark.slow
-def test_sigterm_saves_exits_cleanly_and_the_resumed_run_is_bitwise_identical(tmp_path):
+def test_sigterm_saves_exits_143_and_the_resumed_run_is_bitwise_identical(tmp_path):
     """One run is stopped by SIGTERM mid-way and rerun to the end; another runs uninterrupted.
     Both must end with the same bits in every array of the train state, and log the same
     loss at every step (each step trained once overall). SIGTERM comes right after step 2 is
@@ -342,7 +342,7 @@ def _interrupt_resume_and_compare(args, steps, reference, reference_dir, resumed
         process.args, process.returncode, "".join(lines),
         (tmp_path / "interrupted_stderr.txt").read_text(errors="replace"))
     assert signalled, describe(interrupted)
-    assert_succeeded(interrupted)
+    assert interrupted.returncode == 143, describe(interrupted)  # 128 + SIGTERM: unfinished
     assert "signal" in interrupted.stdout, describe(interrupted)
     stopped_at = json.loads((resumed_dir / "summary.json").read_text())["step"]
     assert 2 <= stopped_at < steps, describe(interrupted)

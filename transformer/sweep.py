@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -146,10 +147,11 @@ def changed_settings(directory: str, config) -> list[str]:
 
 
 def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
-        explicit: dict[str, set[str]] | None = None, batched: bool = False) -> bool:
+        explicit: dict[str, set[str]] | None = None, batched: bool = False) -> int | None:
     """Trains each variant in workdir/<name>, skipping finished ones. A variant's exception is
-    written to its error.txt and the sweep goes on. Returns False if a signal stopped a
-    variant (the sweep stops too; rerun to resume). `explicit`: per variant, the keys the
+    written to its error.txt and the sweep goes on. Returns None when every variant is done;
+    if a signal stopped a variant (the sweep stops too; rerun to resume), the exit status a
+    stopped training gives, 128 + the signal. `explicit`: per variant, the keys the
     command line and the variant set (an init_from=hf:DIR refuses ones that contradict DIR).
     `batched`: the seed runs NAME/seed_K of a variant train together (transformer.batched).
 
@@ -188,8 +190,8 @@ def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
             if result["summary"]["step"] < configs[name].steps:
                 print(f"{header}: stopped at step {result['summary']['step']}; rerun the sweep "
                       "to resume", flush=True)
-                return False
-    return True
+                return 128 + (result["signal"] or signal.SIGTERM)
+    return None
 
 
 def _is_main() -> bool:
@@ -273,8 +275,8 @@ def main(argv) -> None:
         os.makedirs(workdir, exist_ok=True)
         explicit = {v.name: set(cli_overrides) | set(v.overrides)
                     for v in seed_variants(selected, seeds)}
-        if not run(runs, workdir, explicit, batched=FLAGS.batched_seeds):
-            sys.exit(0)  # stopped by a signal: the interrupted run saved a checkpoint
+        if status := run(runs, workdir, explicit, batched=FLAGS.batched_seeds):
+            sys.exit(status)  # stopped by a signal: the interrupted run saved a checkpoint
     if jax.process_index() == 0:
         path = write_report(configs, selected, workdir, f"Sweep: {FLAGS.config.experiment}",
                             seeds, baseline)

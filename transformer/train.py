@@ -319,19 +319,23 @@ def main(argv) -> None:
     result = train_and_evaluate(  # start-up is timed from the process's start (goodput)
         config, workdir, explicit=config_flags.get_override_values(FLAGS["config"]),
         started=time.perf_counter() - goodput.process_age())
-    if jax.process_index() != 0:
-        return
     config = result["config"]  # resolved: an init_from=hf:DIR's model settings filled in
+    stopped = result["summary"]["step"] < config.steps  # by a signal, its checkpoint saved
     language_model = family_of(config).continues_text and \
         pipeline.objective_for(config) in pipeline.OBJECTIVES
-    if config.samples and language_model and jax.process_count() == 1 and \
-            result["state"] is not None:
-        from transformer.generation import text
+    if jax.process_index() == 0:
+        if config.samples and language_model and not stopped and jax.process_count() == 1 \
+                and result["state"] is not None:
+            from transformer.generation import text
 
-        text.print_samples(result["model"], optim.eval_params(result["state"], config),
-                           result["tokenizer"], config, inputs.sample_prompt(config),
-                           num_samples=config.samples)
-    print(json.dumps(result["summary"], indent=2))
+            text.print_samples(result["model"], optim.eval_params(result["state"], config),
+                               result["tokenizer"], config, inputs.sample_prompt(config),
+                               num_samples=config.samples)
+        print(json.dumps(result["summary"], indent=2))
+    # A stopped run exits 128 + the signal's number (143 for SIGTERM, as a shell reports it),
+    # so a launcher or a Kubernetes JobSet reads it as unfinished and reruns it, where 0 would
+    # read as done. (A signal to another process: SIGTERM's.)
+    return 128 + (result["signal"] or signal.SIGTERM) if stopped else None
 
 
 def _define_flags() -> None:

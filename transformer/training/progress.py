@@ -103,4 +103,5 @@ def summarize(run, wall_seconds: float) -> dict:
         fileio.write_atomic(fileio.join(run.workdir, "summary.json"),
                             json.dumps(summary, indent=2))
     return {"summary": summary, "state": run.placement.layer_order(run.state),
-            "model": run.model, "tokenizer": run.tokenizer, "config": run.config}
+            "model": run.model, "tokenizer": run.tokenizer, "config": run.config,
+            "signal": run.signal}

@@ -8,7 +8,9 @@ A failure prints `error: <message>` and exits with
        that is not a directory (ValueError, KeyError, TypeError, the file errors, flag errors);
     1  a runtime failure: NaN loss, a failed write, a failed command (anything else);
     130 interrupted (Ctrl-C that the command does not handle itself, and any failure it causes
-        as it unwinds, such as a checkpoint write it cut short).
+        as it unwinds, such as a checkpoint write it cut short);
+    143 a training stopped by SIGTERM, its checkpoint saved (128 + the signal: 130 for one
+        Ctrl-C, which it also handles): rerun the command to continue.
 `main` returning an int exits with it. `--verbose` (on every command) shows the traceback.
 """
 
