@@ -157,8 +157,8 @@ def spans(mask) -> list[tuple[int, int]]:
 
 def test_the_mask_covers_each_assistant_reply_and_its_end_of_turn_only(llama3_dir):
     tok = tokenizers_lib.load_hf_tokenizer(str(llama3_dir))
-    for seed in range(8):
-        messages = conversation(seed, turns=3, system=seed % 2 == 0)
+    for seed in range(10):  # the last two open with the assistant's message: bos, header first
+        messages = conversation(seed, turns=3, system=seed % 2 == 0 and seed < 8)[seed // 8:]
         ids, mask = chat.assistant_tokens(tok, messages)
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
         assert [tok.decode(ids[a:b]) for a, b in spans(mask)] == \
@@ -178,8 +178,9 @@ def test_the_mask_equals_transformers_generation_mask(tmp_path):
         str(build_tokenizer(tmp_path / "marked", CHATML_GENERATION)))
     plain = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path / "plain", CHATML)))
     hf = reference(tmp_path / "marked")
-    for seed in range(8):
-        messages = conversation(seed, turns=1 + seed % 3)
+    for seed in range(10):  # the last two open with the assistant's message
+        messages = conversation(seed, turns=1 + seed % 3, system=False if seed >= 8 else None)
+        messages = messages[1:] if seed >= 8 else messages
         expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
                                           return_assistant_tokens_mask=True)
         ids, mask = chat.assistant_tokens(marked, messages)

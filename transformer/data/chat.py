@@ -170,7 +170,7 @@ def _assistant_tokens(hf, messages, where: str) -> tuple[np.ndarray, np.ndarray]
         return (np.asarray(out["input_ids"], np.int32),
                 np.asarray(out["assistant_masks"], np.int32))
     render = lambda m, prompt=False: hf.apply_chat_template(
-        m, tokenize=False, add_generation_prompt=prompt) if m else ""
+        m, tokenize=False, add_generation_prompt=prompt) if m else _opening(hf, messages[0])
     text, spans = render(messages), []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -190,6 +190,18 @@ def _assistant_tokens(hf, messages, where: str) -> tuple[np.ndarray, np.ndarray]
     for start, stop in spans:
         mask |= (offsets[:, 0] < stop) & (offsets[:, 1] > start)
     return ids, mask.astype(np.int32)
+
+
+def _opening(hf, first: dict) -> str:
+    """What the template renders before the content of a conversation's first message, when
+    that is an assistant's: its header (and a BOS or a default system prompt if the template
+    writes them), which are not the assistant's tokens. (transformers renders no conversation
+    of no messages, and Llama 3's template writes the BOS with the first message.)"""
+    marker = "\x00content\x00"
+    if not isinstance(first.get("content"), str):
+        return ""
+    text = hf.apply_chat_template([{**first, "content": marker}], tokenize=False)
+    return text[:text.index(marker)] if marker in text else ""
 
 
 def end_of_turn_id(tokenizer) -> int:
