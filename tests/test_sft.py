@@ -398,6 +398,20 @@ def test_a_message_without_a_role_names_its_file_and_line(tmp_path, llama3_dir):
         batches(config, "train")
 
 
+def test_a_split_with_no_assistant_tokens_is_refused_not_trained_at_loss_0(tmp_path,
+                                                                         llama3_dir):
+    """Replies under Gemma's rendered role ("model") or user turns alone leave every weight 0:
+    a loss of 0 at every step and perplexity 1. Refused in one line naming the roles found."""
+    config = sft_config(tmp_path, llama3_dir)
+    rows = [[{**m, "role": "model" if m["role"] == "assistant" else m["role"]}
+             for m in conversation(seed, system=False)] for seed in range(6)]
+    config.data.validation_path = str(write_jsonl(tmp_path / "model.jsonl", rows))
+    with pytest.raises(ValueError, match=r"^the validation split's 6 conversations have no "
+                                         r"assistant tokens to take the loss on \(roles "
+                                         r"\['model', 'user'\]\): expected"):
+        batches(config, "validation", num_epochs=1)
+
+
 def test_a_long_conversation_is_refused_or_truncated_and_counted(tmp_path, llama3_dir, capsys):
     config = sft_config(tmp_path, llama3_dir)
     config.seq_len = 40

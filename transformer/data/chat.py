@@ -332,8 +332,9 @@ def _tokenized(paths, fingerprints, fraction, seq_len, truncate, tokenizer, spli
     config = ml_collections.ConfigDict({"seq_len": seq_len, "data": {
         "path": paths[0], "validation_path": paths[1], "test_path": paths[2],
         "validation_fraction": fraction}})
-    width, examples, cut = seq_len + 1, [], 0
+    width, examples, cut, roles = seq_len + 1, [], 0, set()
     for conversation in split_conversations(config, split):
+        roles |= {str(m["role"]) for m in conversation.messages}
         ids, mask = assistant_tokens(tokenizer, conversation.messages, conversation.where)
         if len(ids) > width:
             if not truncate:
@@ -342,6 +343,10 @@ def _tokenized(paths, fingerprints, fraction, seq_len, truncate, tokenizer, spli
                                  "conversations, a larger seq_len, or data.sft_truncate=True")
             ids, mask, cut = ids[:width], mask[:width], cut + 1
         examples.append((ids, mask))
+    if examples and not any(mask[1:].any() for _, mask in examples):  # a loss of 0 throughout
+        raise ValueError(f"the {split} split's {len(examples)} conversations have no assistant "
+                         f"tokens to take the loss on (roles {sorted(roles)}): expected "
+                         "messages with \"role\": \"assistant\"")
     if cut and jax.process_index() == 0:
         print(f"data.sft_truncate: cut {cut} of {len(examples)} {split} conversations to "
               f"seq_len + 1 = {width} tokens")
