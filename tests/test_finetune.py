@@ -102,6 +102,19 @@ def test_task_errors_name_the_bad_value(play):
     config = task_config(play, family="bert", objective="text2text")
     with pytest.raises(ValueError, match="model.family='bert': expected 't5'"):
         configs.validate_config(config)
+    # A head of other than the task's classes: labels past it give NaN, classes it has that
+    # never occur understate macro-F1.
+    from transformer.training import startup
+
+    for wrong in (2, 5):
+        config = task_config(play, family="gpt")
+        config.model.num_classes = wrong
+        with pytest.raises(ValueError, match=rf"model.num_classes={wrong}: the task has 3 "
+                                             r"labels: expected 3 \(or 0"):
+            startup.resolve(config, None)
+    config.model.num_classes = 0
+    startup.resolve(config, None)
+    assert config.model.num_classes == 3
 
 
 def test_evaluation_batches_read_every_example_once(play):

@@ -29,9 +29,13 @@ def resolve(config: ml_collections.ConfigDict, workdir: str | None):
                          "sentinels: data.num_sentinels)")
     inputs.check_token_shards(config, tokenizer)
     task = inputs.labeled_task(config)  # labeled tasks hold out a test split (end of run)
-    if task is not None and family_of(config).classifier(config.model) and \
-            not config.model.num_classes:
-        config.model.num_classes = len(task.labels)
+    if task is not None and family_of(config).classifier(config.model):
+        if not config.model.num_classes:
+            config.model.num_classes = len(task.labels)
+        elif config.model.num_classes != len(task.labels):  # labels past the head: NaN loss
+            raise ValueError(f"model.num_classes={config.model.num_classes}: the task has "
+                             f"{len(task.labels)} labels: expected {len(task.labels)} (or 0 "
+                             "to take the task's)")
     return tokenizer, task
 
 
