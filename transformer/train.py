@@ -139,7 +139,8 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     train_data.set_state(start_position)
     abstract, state_sharding, init = initial_state(config, model, placement.mesh, first_batch,
                                                    optimizer)
-    state = startup.fresh_state(config, init, state_sharding, is_main) if fresh else None
+    state, source = startup.fresh_state(config, init, state_sharding, is_main) if fresh \
+        else (None, None)
     if fresh:  # every check passed, the model builds, init_from loads: now set the old run aside
         if is_main and (moved := checkpoint_lib.set_aside(workdir)):
             print(f"fresh_start: moved the previous run's checkpoints, metrics, summary and "
@@ -154,7 +155,8 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     start_step = 0 if state is None else int(placement_lib.fetch(state.step))
     startup.check_finished(config, workdir, start_step)
     if state is None:
-        state = startup.fresh_state(config, init, state_sharding, is_main)
+        state, source = startup.fresh_state(config, init, state_sharding, is_main)
+    manager.base_source = source  # a LoRA run's base, at the step it read
     state = placement.train_order(state)  # (checkpoints and init_from are in layer order)
     run = Run(config, workdir, tokenizer, task, model, placement, manager, train_data, state,
               start_step, num_params(abstract), active_params(abstract, config),

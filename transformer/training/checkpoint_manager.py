@@ -188,6 +188,7 @@ class Manager:
         self._pending: int | None = None  # the step written last (possibly still in progress)
         self._failed = False  # a write failed and was reported
         self.lora_base: dict | None = None  # a LoRA run's base record (saved, or restored)
+        self.base_source: str | None = None  # init_from as loaded: "DIR@STEP" for a workdir
         # Orbax keeps every step (max_to_keep=None); `_prune` deletes this run's old ones. A
         # deleted step is first renamed into WORKDIR/checkpoints/deleted/ (one atomic rename),
         # then removed from there: a run stopped mid-removal never leaves a half-deleted step
@@ -223,7 +224,9 @@ class Manager:
                 items["stream"] = ocp.args.JsonSave(self.stream)
             if lora.enabled(self.config):  # the adapters, and the name of their base
                 if self.lora_base is None:
-                    self.lora_base = {"init_from": self.config.init_from,
+                    # the step a workdir base was read at: the adapters' base stays that
+                    # step when the base workdir trains on
+                    self.lora_base = {"init_from": self.base_source or self.config.init_from,
                                       "fingerprint": lora.fingerprint(state.params)}
                 items["state"] = ocp.args.StandardSave(state.replace(
                     params=lora.adapters_only(state.params)))

@@ -260,29 +260,28 @@ def _as_target(value, target, sharding):
 
 def with_lora_base(config: ml_collections.ConfigDict, adapters, abstract_params, shardings,
                    record: dict):
-    """A LoRA checkpoint's params: its `adapters` and the base read again from
-    config.init_from, whose fingerprint must be `record`'s
-    (`checkpoint_manager.Manager.lora_base`); a different base is a one-line error."""
+    """A LoRA checkpoint's params: its `adapters` and the base read again from `record`'s
+    source (`checkpoint_manager.Manager.lora_base`: a workdir at the step the run read; a
+    record saved before steps were recorded names config.init_from), whose fingerprint must
+    be `record`'s; a different base is a one-line error."""
+    source = record.get("init_from") or config.init_from
     target = {**lora.trainable(abstract_params)[1], **lora.trainable(adapters)[0]}
     try:
-        params, _ = load_params(config.init_from, traverse_util.unflatten_dict(target),
-                                shardings)
+        params, _ = load_params(source, traverse_util.unflatten_dict(target), shardings)
     except FileNotFoundError as error:  # say that it is the adapters' base that went missing
-        raise FileNotFoundError(f"the LoRA checkpoint's base init_from={config.init_from}: "
-                                f"{error} (the adapters need the base they were trained on)"
-                                ) from None
+        raise FileNotFoundError(f"the LoRA checkpoint's base init_from={source}: {error} (the "
+                                "adapters need the base they were trained on)") from None
     missing = [k for k, v in _flat(params).items()
                if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(v))]
     if missing:
-        raise ValueError(f"init_from {config.init_from}: has no param {missing[0]}, which the "
-                         "LoRA checkpoint's base had: expected the base it was trained on")
+        raise ValueError(f"init_from {source}: has no param {missing[0]}, which the LoRA "
+                         "checkpoint's base had: expected the base it was trained on")
     found = lora.fingerprint(params)
     if found != record["fingerprint"]:
         raise ValueError(
             f"LoRA checkpoint step {record.get('step')}: its adapters were trained on base "
-            f"{record['init_from']} (fingerprint {record['fingerprint']}), but init_from="
-            f"{config.init_from} now holds other params (fingerprint {found}): expected the "
-            "same base (pin a workdir's step with init_from=DIR@STEP)")
+            f"{source} (fingerprint {record['fingerprint']}), which now holds other params "
+            f"(fingerprint {found}): expected the same base")
     return params
 
 

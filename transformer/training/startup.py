@@ -152,15 +152,16 @@ def evaluable(config: ml_collections.ConfigDict, seq_len: int) -> bool:
 
 
 def fresh_state(config: ml_collections.ConfigDict, init, shardings, is_main: bool):
-    """Step 0's train state: `init` from the seed, with init_from's params loaded over it (the
-    report of what was loaded, new and dropped printed on process 0)."""
+    """(step 0's train state, the source its params came from): `init` from the seed, with
+    init_from's params loaded over it (the report of what was loaded, new and dropped printed
+    on process 0), and init_from with the step it read ("DIR@STEP"; None without init_from)."""
     state = init(jax.random.key(config.seed))
-    if config.get("init_from"):
-        params, report = finetune.load_params(config.init_from, state.params, shardings.params)
-        state = state.replace(params=params)
-        if is_main:
-            print(report)
-    return state
+    if not config.get("init_from"):
+        return state, None
+    params, report = finetune.load_params(config.init_from, state.params, shardings.params)
+    if is_main:
+        print(report)
+    return state.replace(params=params), report.source
 
 
 def unintended_settings(config: ml_collections.ConfigDict) -> list[str]:
