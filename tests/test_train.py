@@ -727,24 +727,28 @@ def _damage(step_dir: Path, how: str) -> None:
     if how == "truncate":  # every data file of the saved arrays cut in half
         for f in (state / "ocdbt.process_0" / "d").iterdir():
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif how == "config":  # the saved config cut short (read before the state, to check it)
+        config = step_dir / "config" / "metadata"
+        config.write_bytes(config.read_bytes()[:10])
     else:  # "delete": the arrays' metadata file is gone
         (state / "_METADATA").unlink()
 
 
 @pytest.mark.slow
 def test_damaged_checkpoints_fall_back_to_the_newest_usable_one(tmp_path, caplog):
-    """A truncated newest step and a step with a deleted file are skipped with warnings naming
-    them and moved to checkpoints.damaged/; the run resumes from the newest usable step and ends
-    bitwise equal to an uninterrupted run. With every step damaged it refuses to start fresh
-    (and touches nothing) until fresh_start=True, which sets the checkpoints aside."""
+    """A newest step with its config cut short and a step with truncated arrays are skipped
+    with warnings naming them and moved to checkpoints.damaged/; the run resumes from the
+    newest usable step and ends bitwise equal to an uninterrupted run. With every step
+    damaged it refuses to start fresh (and touches nothing) until fresh_start=True, which sets
+    the checkpoints aside."""
     config = tiny_config(steps=6, checkpoint_every=2)
     reference = flat(jax.device_get(
         train.train_and_evaluate(config, str(tmp_path / "reference"))["state"].params))
     workdir = tmp_path / "run"
     train.train_and_evaluate(config, str(workdir))
     assert checkpoint_steps(workdir) == [2, 4, 6]
-    _damage(workdir / "checkpoints" / "6", "truncate")
-    _damage(workdir / "checkpoints" / "4", "delete")
+    _damage(workdir / "checkpoints" / "6", "config")
+    _damage(workdir / "checkpoints" / "4", "truncate")
     with caplog.at_level("WARNING"):
         resumed = train.train_and_evaluate(config, str(workdir))
     warnings = [r.getMessage() for r in caplog.records if " is unusable" in r.getMessage()]

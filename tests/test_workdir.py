@@ -29,6 +29,7 @@ from test_train import (
     tiny_flags,
 )
 
+from transformer import configs
 from transformer.training import checkpoint as checkpoint_lib
 from transformer.training import checkpoint_manager
 from transformer.training import workdir as workdir_lib
@@ -207,6 +208,43 @@ def test_readers_leave_a_step_being_written_alone(tmp_path, trained):
     assert writing.is_dir()
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == \
         ["2", writing.name]
+
+
+def test_a_listing_that_races_a_save_is_read_again(tmp_path, trained, monkeypatch):
+    """Orbax lists a workdir's steps, then checks each: beside a training that saves and
+    deletes a step every step (keep_checkpoints=1) a listing can come back empty. The readers
+    list again rather than report "no complete checkpoint"."""
+    workdir = copy_of(trained, tmp_path / "run")
+    real, empty = checkpoint_lib._reader, iter(range(3))
+
+    def racing(*args, **kwargs):
+        reader = real(*args, **kwargs)
+        if next(empty, None) is not None:
+            reader.all_steps = lambda: []
+        return reader
+
+    monkeypatch.setattr(checkpoint_lib, "_reader", racing)
+    assert checkpoint_lib.saved_run(str(workdir))[0] == 2
+
+
+def test_an_unreadable_newest_step_is_one_line_naming_it(tmp_path, trained):
+    """A reader does not pass over a damaged step as training does (it reads what is there):
+    it names the step, the cause, and how to read another, in one short line; init_from names
+    itself in a bad step's error."""
+    workdir = copy_of(trained, tmp_path / "run")
+    for f in (workdir / "checkpoints" / "2" / "state" / "ocdbt.process_0" / "d").iterdir():
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(RuntimeError) as error:
+        checkpoint_lib.restore_params(str(workdir))
+    message = str(error.value)
+    assert message.startswith(f"checkpoint 2 of {workdir} cannot be read (") and \
+        message.endswith("(read an older step: --step=STEP, or init_from=WORKDIR@STEP)")
+    assert "\n" not in message and len(message) < 600, message
+    config = configs.experiment("gpt_tiny")
+    config.init_from = f"{trained}@9"
+    with pytest.raises(ValueError, match=rf"^init_from='{trained}@9': step=9: expected one of "
+                                         r"the saved steps \[2\]"):
+        configs.validate_config(config)
 
 
 # --- two trainings ----------------------------------------------------------------------------

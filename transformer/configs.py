@@ -395,8 +395,11 @@ def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
                          f"objective 'classification' or 'text2text'")
     if config.get("init_from"):
         kind, path, step = fileio.parse_init_from(config.init_from)
-        if kind == "workdir":
-            checkpoint_lib.saved_run(path, step)  # a workdir with that checkpoint, or an error
+        if kind == "workdir":  # a workdir with that checkpoint, or an error naming init_from
+            try:
+                checkpoint_lib.saved_run(path, step)
+            except (FileNotFoundError, ValueError) as error:
+                raise type(error)(f"init_from={config.init_from!r}: {error}") from None
         elif not fileio.path(path).joinpath("config.json").is_file():
             raise FileNotFoundError(f"init_from={config.init_from!r}: expected a save_pretrained "
                                     "directory with config.json")

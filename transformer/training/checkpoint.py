@@ -74,22 +74,31 @@ def _reader(workdir: str, **item_handlers) -> ocp.CheckpointManager:
                                  item_handlers=item_handlers)
 
 
+# Tries of a reader racing a training that saves (and with keep_checkpoints=1 deletes) a step
+# about as often as a reader lists and reads one; Orbax's listing is not atomic either.
+_READS = 10
+
+
 def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collections.ConfigDict]:
     """(step, resolved config) of checkpoint `step` (default: the latest complete one) of a
     training workdir, with one-line errors for a workdir without (that) checkpoint."""
     if not has_checkpoints(workdir):
         raise FileNotFoundError(f"{workdir!r} holds no checkpoints: expected a training workdir")
-    for attempt in range(3):
+    for attempt in range(_READS):
+        last = attempt == _READS - 1
         try:
             with contextlib.closing(_reader(workdir, config=ocp.JsonCheckpointHandler())) as probe:
                 steps = sorted(probe.all_steps())
+                if not steps and not last:  # a listing that raced a save's rename
+                    time.sleep(0.02)
+                    continue
                 chosen = max(steps, default=None) if step is None else step
                 if chosen not in steps:
                     break
                 return chosen, ml_collections.ConfigDict(probe.restore(
                     chosen, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
         except FileNotFoundError:  # a training deleted a step while it was listed or read
-            if attempt == 2:
+            if last:
                 raise
     if not steps:
         raise FileNotFoundError(f"{workdir!r} holds no complete checkpoint")
@@ -100,24 +109,36 @@ def _newest(workdir: str, step: int | None, read: Callable[[int], Any],
             or_newer: bool = False) -> Any:
     """`read(step)` of checkpoint `step`, or of the newest one when `step` is None: a training
     writing the workdir may delete the step being read (its keep_checkpoints), and then the
-    then-newest step is read instead (also for a given `step` with `or_newer`)."""
-    for attempt in range(3):
+    then-newest step is read instead (also for a given `step` with `or_newer`). A step that
+    stays the newest and cannot be read is one line naming it."""
+    for attempt in range(_READS):
         chosen = step
         try:
             chosen, _ = saved_run(workdir, step)
             return read(chosen)
-        except Exception:  # noqa: BLE001 - a step deleted mid-read fails in many ways
-            if not (step is None or or_newer) or chosen is None or attempt == 2:
+        except Exception as error:  # noqa: BLE001 - a step deleted mid-read fails in many ways
+            if not (step is None or or_newer) or chosen is None:
                 raise
             try:
                 newest = saved_run(workdir)[0]
             except Exception:  # noqa: BLE001
                 newest = None
-            if newest == chosen:
-                raise  # not a step that was replaced by a newer one: a real failure
+            if newest == chosen or attempt == _READS - 1:  # not replaced by a newer step
+                raise _unreadable(workdir, chosen, error) from error
             step = None
             logging.info("checkpoint %d was deleted while it was read; reading the newest",
                          chosen)
+
+
+def _unreadable(workdir: str, step: int, error: BaseException) -> RuntimeError:
+    """A damaged checkpoint's error in one line: the step, the root cause's first line, and
+    how to read another (training itself falls back past it: checkpoint_manager)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:200]
+    return RuntimeError(f"checkpoint {step} of {workdir} cannot be read ({reason}): expected a "
+                        "complete checkpoint (read an older step: --step=STEP, or "
+                        "init_from=WORKDIR@STEP)")
 
 
 class SavedParams(NamedTuple):

@@ -89,10 +89,9 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: str,
                    manager: checkpoint_manager.Manager) -> None:
     """Before anything is written: the latest checkpoint must match the config (model, data
     stream) and not be past config.steps."""
-    latest = manager.latest_step()
+    latest = _newest_readable(manager)
     if latest is None:
         return
-    manager.check(latest)
     saved_init = manager.saved_config(latest).get("init_from", "")
     if config.get("init_from", "") != saved_init:  # resuming a fine-tune keeps its init_from
         raise ValueError(f"init_from={config.init_from!r}: {workdir} already holds checkpoint "
@@ -102,6 +101,22 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: str,
     if latest > config.steps:
         raise ValueError(f"steps={config.steps}: {workdir} already holds step {latest}: expected "
                          f"steps >= {latest} (or fresh_start=True, or another workdir)")
+
+
+def _newest_readable(manager: checkpoint_manager.Manager) -> int | None:
+    """The newest step whose config and data stream read and match (`Manager.check`; a
+    mismatch is an error); None if there is none. A damaged step (a truncated or missing
+    file) is passed over here: `restore_latest` then falls back past it, sets it aside and
+    says so."""
+    for step in reversed(manager.all_steps()):
+        try:
+            manager.check(step)
+            return step
+        except checkpoint_manager.ConfigMismatch:
+            raise
+        except Exception:  # noqa: BLE001 - damaged files raise many types
+            continue
+    return None
 
 
 def check_finished(config: ml_collections.ConfigDict, workdir: str, step: int) -> None:
