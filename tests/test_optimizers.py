@@ -95,16 +95,27 @@ def updates(tx, params, steps: int = 3):
     return jax.tree.map(np.asarray, out)
 
 
+# The tiny GPT's params that weight decay reaches: its matrices, not biases or norm scales.
+DECAYED = ("embed/embedding", "query", "key", "value", "out", "mlp/wi", "mlp/wo")
+
+
+def decayed(params) -> dict:
+    """`DECAYED` as a mask of `params`, written out by name (whatever the layout)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "/".join(k.key for k in path).endswith(DECAYED), params)
+
+
 def direct(config) -> optax.GradientTransformation:
-    """optimizer.name's transformation built from optax directly (no clipping)."""
-    opt, mask = config.optimizer, lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    """optimizer.name's transformation built from optax directly (no clipping); adafactor's
+    decay as AdamW's, lr(t) * weight_decay * p (optax's weight_decay_rate is not scaled)."""
+    opt, mask = config.optimizer, decayed
     lr = optim.learning_rate_schedule(opt, config.steps)
     return {
         "adamw": lambda: optax.adamw(lr, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
                                      mask=mask),
-        "adafactor": lambda: optax.adafactor(lr, min_dim_size_to_factor=16, momentum=0.9,
-                                             weight_decay_rate=opt.weight_decay,
-                                             weight_decay_mask=mask),
+        "adafactor": lambda: optax.chain(
+            optax.adafactor(lr, min_dim_size_to_factor=16, momentum=0.9),
+            optax.add_decayed_weights(lambda t: -opt.weight_decay * lr(t), mask)),
         "lion": lambda: optax.lion(lr, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
                                    mask=mask),
         "sgd": lambda: optax.chain(optax.add_decayed_weights(opt.weight_decay, mask),
@@ -114,14 +125,45 @@ def direct(config) -> optax.GradientTransformation:
     }[opt.name]()
 
 
+def tiny_params(config, scan: bool = False):
+    """The tiny GPT's params (with biases; `scan`: as one scanned stack)."""
+    config.model.update(use_bias=True, scan_layers=scan, num_layers=2, vocab_size=64)
+    model = build_model(config.model)
+    args = family_of(config).init_args(example_batch(config))
+    return jax.tree.map(np.asarray, nn.unbox(jax.jit(model.init)(jax.random.key(0),
+                                                                 *args)["params"]))
+
+
 @pytest.mark.parametrize("name", [n for n in optim.NAMES if n != "muon"])
 def test_each_update_is_optax_own(name):
     config = tiny(name, steps=10, grad_clip_norm=0.0)
-    params = {"w": np.linspace(-1, 1, 32 * 16, dtype=np.float32).reshape(32, 16),
-              "b": np.linspace(0, 1, 16, dtype=np.float32)}
+    params = tiny_params(config)
     for ours, theirs in zip(updates(optim.make_optimizer(config), params),
                             updates(direct(config), params), strict=True):
         jax.tree.map(np.testing.assert_array_equal, ours, theirs)
+
+
+@pytest.mark.parametrize("name", [n for n in optim.NAMES if n != "schedule_free_adamw"])
+def test_weight_decay_is_lr_times_decay_on_matrices_whatever_the_layout(name):
+    """With zero gradients an update is the decay alone: -lr * weight_decay * p on every
+    matrix (adafactor's too, where optax's own rate ignored lr: 10% a step), nothing on biases
+    or norm scales, and the same params decayed in a scanned stack ([layers, d] vectors)."""
+    config = tiny(name, steps=10, grad_clip_norm=0.0, warmup_steps=0, decay="constant",
+                  weight_decay=0.1)
+    opt = config.optimizer
+    rate = opt.learning_rate * (1 + opt.momentum if name == "sgd" else 1)  # SGD's L2 term
+    for scan in (False, True):  # goes through its Nesterov momentum: (1 + m) at the first step
+        params = tiny_params(config, scan)
+        tx = optim.make_optimizer(config)
+        update, _ = tx.update(jax.tree.map(np.zeros_like, params), tx.init(params), params)
+        flat = jax.tree_util.tree_flatten_with_path(update)[0]
+        for (path, u), p, decays in zip(flat, jax.tree.leaves(params),
+                                        jax.tree.leaves(decayed(params)), strict=True):
+            name_ = "/".join(k.key for k in path)
+            if name == "muon" and decays and not name_.startswith("embed"):
+                continue  # Muon's matrices: its own rate and orthogonalized decay
+            want = -rate * 0.1 * p if decays else np.zeros_like(p)
+            np.testing.assert_allclose(u, want, rtol=1e-5, atol=1e-12, err_msg=name_)
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +200,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(gpt_params):
         beta=opt.muon_momentum, weight_decay=opt.weight_decay, nesterov=True,
         muon_weight_dimension_numbers=dims)
     adamw_alone = optax.adamw(optim.learning_rate_schedule(opt, config.steps), b1=opt.b1,
-                              b2=opt.b2, weight_decay=opt.weight_decay,
-                              mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+                              b2=opt.b2, weight_decay=opt.weight_decay, mask=decayed)
     for ours, muon_update, adamw_update in updates_along(
             [optim.make_optimizer(config), muon_alone, adamw_alone], params):
         for (path, d), a, m, w in zip(

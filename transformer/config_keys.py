@@ -193,8 +193,10 @@ KEYS: dict[str, Key] = {
                          number(ge=0, lt=1)),
     "optimizer.b2": _key(0.99, "Adam's (and Lion's, schedule-free's) second-moment decay.",
                          number(ge=0, lt=1)),
-    "optimizer.weight_decay": _key(0.1, "Decoupled weight decay (matrices only for adamw, lion; "
-                                   "every param for schedule_free_adamw; L2 for sgd).",
+    "optimizer.weight_decay": _key(0.1, "Decoupled weight decay, lr * weight_decay * p a "
+                                   "step, on matrices only (not biases or norm scales, stacked "
+                                   "or not) for adamw, lion, adafactor and muon's AdamW part; "
+                                   "every param for schedule_free_adamw; L2 for sgd.",
                                    number(ge=0)),
     "optimizer.momentum": _key(0.9, "sgd's momentum.", number(ge=0, lt=1, note="0: none")),
     "optimizer.nesterov": _key(False, "sgd: Nesterov momentum.", BOOL),

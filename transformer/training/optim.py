@@ -33,9 +33,11 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, steps: int,
     peak = opt.learning_rate if peak is None else peak
     warmup = min(opt.warmup_steps, steps)
     end = peak * opt.min_learning_rate_ratio
+    if opt.decay == "cosine" and not warmup:  # (optax's warmup of 1 would spend update 0 at 0)
+        return optax.cosine_decay_schedule(peak, max(steps, 1), opt.min_learning_rate_ratio)
     if opt.decay == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, peak, max(warmup, 1),
-                                                  max(steps, warmup + 1), end)
+        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(steps, warmup + 1),
+                                                  end)
     if opt.decay == "linear":
         return optax.join_schedules([optax.linear_schedule(0.0, peak, max(warmup, 1)),
                                      optax.linear_schedule(peak, end, max(steps - warmup, 1))],
@@ -124,9 +126,30 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     return tx
 
 
-def _decay_mask(params):
-    """Weight decay for matrices, not vectors (norm scales, biases)."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+def decay_mask(config: ml_collections.ConfigDict):
+    """optax's weight-decay mask (params -> a tree of bools): decay on matrices, a param with
+    two or more axes besides the stacking ones (`BATCH_AXES`: a scanned stack's layers, MoE's
+    experts), so a scanned stack decays what an unrolled one does; never on biases or norm
+    scales (params named *bias or scale: q/k/v biases are [heads, head_dim]). The axes are
+    read from the model's abstract init, once, when the mask is first applied."""
+    axes = []
+
+    def decays(path, names, param) -> bool:
+        if str(getattr(path[-1], "key", path[-1])).endswith(("bias", "scale")):
+            return False
+        return (param.ndim if names is None else sum(n not in BATCH_AXES for n in names)) >= 2
+
+    def mask(params):
+        axes[:] = axes or [logical_axes(config)]
+        try:
+            return jax.tree_util.tree_map_with_path(
+                lambda path, names, p: jax.tree.map(lambda leaf: decays(path, names, leaf), p),
+                axes[0], params, is_leaf=_IS_AXES)
+        except ValueError:  # not the model's params (a hand-made tree): by their own ndim
+            return jax.tree_util.tree_map_with_path(lambda path, p: decays(path, None, p),
+                                                    params)
+
+    return mask
 
 
 class Optimizer(NamedTuple):
@@ -142,36 +165,41 @@ def _adamw(config, schedule, peak):
     """optax.adamw (b1, b2, weight_decay on matrices)."""
     opt = config.optimizer
     return optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
-                       mask=_decay_mask)
+                       mask=decay_mask(config))
 
 
 def _adafactor(config, schedule, peak):
     """optax.adafactor with the optimizer.adafactor_* keys: factored second moments of every
     param with two dims >= adafactor_min_dim_size_to_factor, decay_rate, update
     clipping_threshold (0: off), multiply_by_parameter_scale (the learning rate is relative to
-    each param's RMS), momentum (0: none); weight_decay on matrices."""
+    each param's RMS), momentum (0: none); weight_decay on matrices, decoupled as AdamW's:
+    p -= lr(t) * weight_decay * p. (optax's own weight_decay_rate is not scaled by the rate:
+    0.1 took 10% of every matrix at every step.)"""
     opt = config.optimizer
-    return optax.adafactor(
+    tx = optax.adafactor(
         schedule, min_dim_size_to_factor=opt.adafactor_min_dim_size_to_factor,
         decay_rate=opt.adafactor_decay_rate,
         multiply_by_parameter_scale=opt.adafactor_parameter_scale,
         clipping_threshold=opt.adafactor_clipping_threshold or None,
-        momentum=opt.adafactor_momentum or None,
-        weight_decay_rate=opt.weight_decay or None, weight_decay_mask=_decay_mask)
+        momentum=opt.adafactor_momentum or None)
+    if not opt.weight_decay:
+        return tx
+    return optax.chain(tx, optax.add_decayed_weights(
+        lambda count: -opt.weight_decay * schedule(count), decay_mask(config)))
 
 
 def _lion(config, schedule, peak):
     """optax.lion (b1, b2, weight_decay on matrices)."""
     opt = config.optimizer
     return optax.lion(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
-                      mask=_decay_mask)
+                      mask=decay_mask(config))
 
 
 def _sgd(config, schedule, peak):
     """optax.sgd (momentum, 0: none; nesterov) after optax.add_decayed_weights (L2,
     weight_decay on matrices, carried by the momentum as in PyTorch's SGD)."""
     opt = config.optimizer
-    return optax.chain(optax.add_decayed_weights(opt.weight_decay, _decay_mask),
+    return optax.chain(optax.add_decayed_weights(opt.weight_decay, decay_mask(config)),
                        optax.sgd(schedule, momentum=opt.momentum or None,
                                  nesterov=opt.nesterov))
 
@@ -223,7 +251,7 @@ def muon(config: ml_collections.ConfigDict, schedule: optax.Schedule
                               beta=opt.muon_momentum, weight_decay=opt.weight_decay,
                               nesterov=True, muon_weight_dimension_numbers=dims)
     adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
-                        mask=_decay_mask)
+                        mask=decay_mask(config))
     return optax.multi_transform({"muon": orthogonal, "adamw": adamw},
                                  lambda params: muon_labels(dims, params))
 
@@ -241,6 +269,28 @@ def muon_labels(dims, params):
                         dims, params, is_leaf=_IS_DIMS)
 
 
+_IS_AXES = lambda x: x is None or isinstance(x, tuple)
+
+
+def logical_axes(config: ml_collections.ConfigDict):
+    """The params' tree of logical axis names (a tuple per param; None for a param without),
+    from the model's abstract init (the names do not depend on sizes)."""
+    import flax.linen as nn
+
+    from transformer.models import build_model, family_of
+    from transformer.training.state import example_batch
+
+    shaped = ml_collections.ConfigDict(config.to_dict())
+    shaped.model.vocab_size = shaped.model.vocab_size or 8
+    if "num_classes" in shaped.model:
+        shaped.model.num_classes = shaped.model.num_classes or 1
+    model, args = build_model(shaped.model), family_of(shaped).init_args(example_batch(shaped))
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), *args)["params"])
+    is_box = lambda x: isinstance(x, nn.Partitioned)
+    return jax.tree.map(lambda p: tuple(p.names) if is_box(p) else None, boxed,
+                        is_leaf=is_box)
+
+
 def muon_dimension_numbers(config: ml_collections.ConfigDict):
     """The params' tree of optax.contrib.MuonDimensionNumbers (None: AdamW), by each param's
     logical axes (the model's abstract init): a kernel whose axes, less the stacking axes
@@ -256,20 +306,8 @@ def muon_dimension_numbers(config: ml_collections.ConfigDict):
     heads (classes), learned positions (length), biases and norm scales (one hidden axis), the
     MoE router (an unnamed axis).
     """
-    import flax.linen as nn
-
-    from transformer.models import build_model, family_of
-    from transformer.training.state import example_batch
-
-    shaped = ml_collections.ConfigDict(config.to_dict())
-    shaped.model.vocab_size = shaped.model.vocab_size or 8  # the names do not depend on sizes
-    if "num_classes" in shaped.model:
-        shaped.model.num_classes = shaped.model.num_classes or 1
-    model, args = build_model(shaped.model), family_of(shaped).init_args(example_batch(shaped))
-    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), *args)["params"])
-    is_box = lambda x: isinstance(x, nn.Partitioned)
-    return jax.tree.map(lambda p: _muon_axes(p.names) if is_box(p) else None, boxed,
-                        is_leaf=is_box)
+    return jax.tree.map(lambda names: None if names is None else _muon_axes(names),
+                        logical_axes(config), is_leaf=_IS_AXES)
 
 
 def _muon_axes(names) -> contrib.MuonDimensionNumbers | None:
