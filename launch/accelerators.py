@@ -22,16 +22,30 @@ class Generation:
     runtime_version: str  # default TPU VM image
     topology_dims: int  # 3-D torus (v4, v5p) or 2-D (v5e, v6e)
     topology_prefix: str  # for jax.experimental.topologies ("v5p:2x2x1")
-    max_chips: int
+    chip_counts: tuple[int, ...]  # the slice sizes Cloud TPU offers, in chips
+
+
+def _powers_of_two(smallest: int, largest: int) -> tuple[int, ...]:
+    return tuple(2**i for i in range(smallest.bit_length() - 1, largest.bit_length()))
 
 
 GENERATIONS = {
     # HBM: what XLA:TPU reports as available to a program (a little under the nominal size).
-    "v4": Generation("v4", 2, 4, 4, 30.75, "tpu-ubuntu2204-base", 3, "v4", 4096),
-    "v5p": Generation("v5p", 2, 4, 4, 95.74, "v2-alpha-tpuv5", 3, "v5p", 8960),
-    "v5litepod": Generation("v5litepod", 1, 4, 8, 15.75, "v2-alpha-tpuv5-lite", 2, "v5e", 256),
-    "v6e": Generation("v6e", 1, 4, 8, 31.25, "v2-alpha-tpuv6e", 2, "v6e", 256),
+    # Slice sizes: the Cloud TPU docs' tables of each generation. v4 and v5p also offer some
+    # shapes that are not powers of two (v4's 12x12x24, "most but not all" v5p full-cube
+    # shapes) whose type names the docs do not list: not offered here. The largest v5p slice
+    # is 16x16x24 (v5p-12288, 6144 chips; its pod has 8960); v5e and v6e have no 2-chip slice.
+    "v4": Generation("v4", 2, 4, 4, 30.75, "tpu-ubuntu2204-base", 3, "v4",
+                     _powers_of_two(4, 4096)),
+    "v5p": Generation("v5p", 2, 4, 4, 95.74, "v2-alpha-tpuv5", 3, "v5p",
+                      (*_powers_of_two(4, 4096), 6144)),
+    "v5litepod": Generation("v5litepod", 1, 4, 8, 15.75, "v2-alpha-tpuv5-lite", 2, "v5e",
+                            (1, *_powers_of_two(4, 256))),
+    "v6e": Generation("v6e", 1, 4, 8, 31.25, "v2-alpha-tpuv6e", 2, "v6e",
+                      (1, *_powers_of_two(4, 256))),
 }
+# Slices whose chip grid is not the near-cubic one of their (non power of two) chip count.
+_TOPOLOGIES = {("v5p", 6144): (16, 16, 24)}
 _ALIASES = {"v5e": "v5litepod"}
 
 
@@ -59,7 +73,9 @@ class Accelerator:
     @property
     def topology(self) -> str:
         """The chip grid, e.g. "2x2x4" for v5p-32: the smallest near-cubic torus."""
-        return "x".join(map(str, _grid(self.chips, self.generation.topology_dims)))
+        grid = _TOPOLOGIES.get((self.generation.name, self.chips)) or \
+            _grid(self.chips, self.generation.topology_dims)
+        return "x".join(map(str, grid))
 
     @property
     def topology_name(self) -> str:
@@ -100,11 +116,8 @@ def parse(name: str) -> Accelerator:
                          f"one of {known}")
     g = GENERATIONS[prefix]
     chips, remainder = divmod(count, g.cores_per_chip)
-    valid = chips >= 1 and not remainder and chips & (chips - 1) == 0 and chips <= g.max_chips
-    if g.cores_per_chip == 2 and chips < 4:
-        valid = False
-    if not valid:
-        smallest = 4 * g.cores_per_chip if g.cores_per_chip == 2 else 1
-        raise ValueError(f"accelerator={name!r}: expected {prefix}-N with N a power of two from "
-                         f"{smallest} to {g.max_chips * g.cores_per_chip}")
+    if remainder or chips not in g.chip_counts:
+        sizes = ", ".join(str(n * g.cores_per_chip) for n in g.chip_counts)
+        raise ValueError(f"accelerator={name!r}: expected {prefix}-N with N one of {sizes} "
+                         "(the slice sizes Cloud TPU offers)")
     return Accelerator(f"{prefix}-{count}", g, chips)

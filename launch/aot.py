@@ -29,7 +29,7 @@ from launch import accelerators  # noqa: E402
 
 @dataclasses.dataclass
 class Report:
-    accelerator: str
+    accelerator: str  # "v5p-32", or "2 x v5p-32" for two slices
     chips: int
     num_params: int
     active_params: int = 0  # per token (less the experts a token skips); 0: = num_params
@@ -121,7 +121,8 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
     from transformer.training import metrics, optim, placement, state
 
     config.model.vocab_size = resolved_vocab_size(config)
-    processes = accelerator.hosts * sharding.num_slices(devices)
+    slices = sharding.num_slices(devices)
+    processes = accelerator.hosts * slices
     validate_config(config, len(devices), processes, this_backend=False)
     model = build_model(config.model)
     optimizer = optim.make_optimizer(config)
@@ -145,8 +146,8 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
     step = jax.jit(train_step, donate_argnums=0,
                    in_shardings=(state_sharding, batch_sharding),
                    out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())))
-    report = Report(accelerator.name, len(devices), num_params, active,
-                    hbm_bytes=accelerator.hbm_bytes)
+    name = accelerator.name if slices == 1 else f"{slices} x {accelerator.name}"
+    report = Report(name, len(devices), num_params, active, hbm_bytes=accelerator.hbm_bytes)
     tokens = config.batch_size * config.seq_len
     report.model_flops = metrics.flops_per_token(config, active) * tokens
     pipeline = config.get("pipeline") or {}

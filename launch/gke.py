@@ -12,6 +12,7 @@ replicated job per slice, one pod per host, every pod running the same train com
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Sequence
 
@@ -30,7 +31,8 @@ def jobset_manifest(launch: tpu.Launch, image: str) -> str:
     """A JobSet (jobset.x-k8s.io/v1alpha2) running the train command on every host."""
     a = launch.accelerator
     hosts = a.hosts
-    command = ", ".join(f'"{part}"' for part in train_command(launch))
+    # a JSON string is a YAML double-quoted scalar: quotes, backslashes, any character
+    command = ", ".join(json.dumps(part) for part in train_command(launch))
     return f"""apiVersion: jobset.x-k8s.io/v1alpha2
 kind: JobSet
 metadata:
@@ -39,7 +41,9 @@ metadata:
     alpha.jobset.sigs.k8s.io/exclusive-topology: cloud.google.com/gke-nodepool
 spec:
   failurePolicy:
-    maxRestarts: 20  # a preempted slice restarts the job; training resumes from the workdir
+    # A failed pod fails its job and restarts the JobSet: training resumes from the workdir.
+    # Training stopped by SIGTERM (a preempted or drained node) exits 143, a failure too.
+    maxRestarts: 20
   replicatedJobs:
   - name: slice
     replicas: {launch.num_slices}
@@ -68,9 +72,13 @@ spec:
 
 
 def xpk_command(launch: tpu.Launch, image: str, cluster: str) -> list[str]:
+    """`xpk workload create`; without a project or zone, no flag for it: xpk uses gcloud's
+    configured default."""
+    where = [f"--{name}={value}" for name, value in
+             (("project", launch.project), ("zone", launch.zone)) if value]
     return ["xpk", "workload", "create", f"--cluster={cluster}", f"--workload={launch.name}",
             f"--tpu-type={launch.accelerator.name}", f"--num-slices={launch.num_slices}",
-            f"--docker-image={image}", f"--project={launch.project}", f"--zone={launch.zone}",
+            f"--docker-image={image}", *where,
             f"--command={shlex.join(train_command(launch))}"]
 
 
@@ -81,14 +89,13 @@ def main(argv: Sequence[str]) -> int:
     train_args = list(argv[1:])
     if train_args[:1] == ["--"]:
         train_args = train_args[1:]
+    tpu.check_name(FLAGS.name)
     if not FLAGS.image:
         raise ValueError("--image: expected a container image with the project installed")
     accelerator = accelerators.parse(FLAGS.accelerator)
-    launch = tpu.Launch(FLAGS.name or "", FLAGS.project or "", FLAGS.zone or "", accelerator,
+    launch = tpu.Launch(FLAGS.name, FLAGS.project or "", FLAGS.zone or "", accelerator,
                         accelerator.generation.runtime_version, num_slices=FLAGS.num_slices,
-                        train_args=tuple(train_args))
-    if not launch.name:
-        raise ValueError("--name: expected a value")
+                        train_args=tpu.train_arguments(train_args))
     tpu.validate(launch)
     if FLAGS.xpk:
         if not FLAGS.cluster:
@@ -111,7 +118,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("image", None, "Container image with the project installed.")
     flags.DEFINE_bool("xpk", False, "Print the `xpk workload create` command instead.")
     flags.DEFINE_string("cluster", None, "With --xpk: the GKE cluster.")
-    flags.DEFINE_string("project", None, "With --xpk: the project.")
-    flags.DEFINE_string("zone", None, "With --xpk: the zone.")
+    flags.DEFINE_string("project", None, "With --xpk: the project (default: gcloud's).")
+    flags.DEFINE_string("zone", None, "With --xpk: the zone (default: gcloud's).")
 
     run_cli(main, positional=True)  # the training flags after --

@@ -6,19 +6,24 @@ follow the logs, stop, delete; and recreate + resume after preemption.
         [--restart_on_preemption] [--skip_aot] -- --config=experiments/gpt_tiny.py \
         --workdir=gs://BUCKET/run [--config.KEY=VALUE ...]
 
-Everything after `--` is passed to `python -m transformer.train` on every worker. Before any
-machine is created the run is validated (accelerator type, mesh sizes against the chip count,
-global batch against the data-parallel size and the host count, a gs:// workdir for multi-host
-runs) and, unless --skip_aot, the train step is compiled ahead of time for the slice
-(`launch.aot`) to check that it fits in HBM. `--dry_run` prints every command, in order, and
-runs none. Spot capacity and multi-slice jobs go through queued resources.
+Everything after `--` is passed to `python -m transformer.train` on every worker, parsed
+first as it parses it. Before any machine is created the run is validated (accelerator type,
+mesh sizes against the chip count, global batch against the data-parallel size and the host
+count, a workdir outside the shipped tree: gs:// for multi-host runs and
+--restart_on_preemption, a git working tree holding the config), then, unless --skip_aot, the
+train step is compiled ahead of time for the slice (`launch.aot`) to check that it fits in HBM,
+and the tree is packed. `--dry_run` prints every command, in order, and runs none. Spot
+capacity and multi-slice jobs go through queued resources. `run` exits with training's status:
+143 when `stop` (SIGTERM) stopped it, its checkpoint saved.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +38,10 @@ REMOTE_DIR = "~/transformer"
 GONE = {"PREEMPTED", "SUSPENDED", "SUSPENDING", "FAILED", "TERMINATED", "NOT_FOUND",
         "DELETING", "STOPPED"}
 READY = {"READY", "ACTIVE"}
+# Training's exit status when a signal stopped it, its checkpoint saved: 128 + SIGTERM / SIGINT.
+STOPPED = {128 + signal.SIGTERM, 128 + signal.SIGINT}
+# TPU VM, queued resource and Kubernetes names (RFC 1035 labels).
+NAME = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +92,8 @@ def validate(launch: Launch) -> None:
         raise ValueError("--spot and --reserved: expected at most one")
     if launch.num_slices < 1:
         raise ValueError(f"num_slices={launch.num_slices}: expected >= 1")
-    config = train_config(launch.train_args)
-    workdir = train_flag(launch.train_args, "workdir")
+    values = train_flags(launch.train_args)
+    config, workdir = values.config, values.workdir
     if launch.processes > 1 and not (workdir or "").startswith("gs://"):
         raise ValueError(f"workdir={workdir!r}: a run on {launch.processes} hosts needs a "
                          "workdir every host sees: expected gs://BUCKET/PATH")
@@ -104,34 +113,97 @@ def validate(launch: Launch) -> None:
                          f"({launch.processes} hosts)") from None
 
 
-def train_flag(args: Sequence[str], name: str) -> str | None:
-    """The value of --NAME=VALUE in the train arguments (the last one wins)."""
-    value = None
-    for arg in args:
-        if arg.startswith(f"--{name}="):
-            value = arg.split("=", 1)[1]
-    return value
+def validate_run(launch: Launch, restart_on_preemption: bool) -> None:
+    """`validate`, then what `run` needs besides: a workdir outside the shipped tree (a gs://
+    one to resume on a recreated slice) and a working tree to ship that holds the config."""
+    validate(launch)
+    values = train_flags(launch.train_args)
+    workdir = values.workdir or ""
+    shown = f"--workdir={workdir}" if workdir else "no --workdir (runs/<experiment>)"
+    if restart_on_preemption and not workdir.startswith("gs://"):
+        raise ValueError(f"{shown} with --restart_on_preemption: a recreated slice starts "
+                         "with empty disks, without the checkpoints to resume from: expected "
+                         "--workdir=gs://BUCKET/PATH")
+    # a relative workdir is inside ~/transformer, which every ship deletes and unpacks anew
+    if not workdir.startswith(("gs://", "/", "~")) or \
+            (workdir + "/").startswith(REMOTE_DIR + "/"):
+        raise ValueError(f"{shown}: a workdir inside {REMOTE_DIR}, which every ship of the "
+                         "code replaces, loses its checkpoints: expected --workdir=gs://"
+                         "BUCKET/PATH")
+    files = shipped_files()
+    config_file = config_flags_filename(values)
+    relative = os.path.relpath(os.path.abspath(config_file), REPO)  # as the workers read it
+    if os.path.isabs(config_file) or relative != os.path.normpath(config_file) or \
+            relative not in set(files):
+        raise ValueError(f"--config={config_file}: not in the working tree that run ships "
+                         f"({REPO}: tracked or untracked files, not ignored ones): expected "
+                         "the config to be a file of the shipped tree, as a path relative "
+                         "to it, e.g. experiments/gpt_tiny.py")
 
 
-def train_config(args: Sequence[str]):
-    """The experiment config the train arguments select, with their --config.KEY overrides."""
-    from absl import flags
+def config_flags_filename(values) -> str:
+    """The experiment file of a parsed --config (without its `:ARG`)."""
     from ml_collections import config_flags
 
-    if not train_flag(args, "config"):
-        raise ValueError("expected the train arguments after -- to include --config=FILE")
-    argv = [sys.argv[0], *(a for a in args if a.startswith(("--config", "--workdir")))]
-    values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True,
-                                    sys_argv=argv)
-    flags.DEFINE_string("workdir", None, "", flag_values=values)
-    try:
-        values(argv)
-        return values.config
-    except (flags.Error, KeyError, AttributeError, TypeError) as error:
-        from transformer.utils import cli  # one line, as the train command would say it
+    return config_flags.get_config_filename(values["config"])
 
+
+def shipped_files() -> list[str]:
+    """The files `run` ships: the working tree's tracked and untracked files, not ignored ones,
+    as they are now (a tracked file deleted but not committed is left out)."""
+    command = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    try:
+        result = subprocess.run(command, cwd=REPO, capture_output=True)
+    except OSError as error:  # no git
+        result = subprocess.CompletedProcess(command, 1, b"", os.fsencode(str(error)))
+    if result.returncode:
+        why = (os.fsdecode(result.stderr).strip().splitlines() or ["git failed"])[-1]
+        raise ValueError(f"{REPO}: cannot list the working tree to ship ({why}): expected a "
+                         "git checkout")
+    names = dict.fromkeys(os.fsdecode(name) for name in result.stdout.split(b"\0") if name)
+    return [name for name in names if os.path.lexists(os.path.join(REPO, name))]
+
+
+def train_flags(args: Sequence[str]):
+    """The train arguments parsed as transformer.train parses them, with its own flag
+    definitions in a FlagValues of their own: one line for an unknown flag or key, a stray
+    argument or a bad value."""
+    from absl import flags
+
+    from transformer import train
+    from transformer.utils import cli
+
+    # ml_collections reads the --config.KEY overrides from a list of arguments: these ones
+    argv = ["transformer.train", *args]
+    if not any(re.match(r"--?config(=|$)", arg) for arg in args):
+        raise ValueError("expected the train arguments after -- to include --config=FILE")
+    values = flags.FlagValues()
+    try:
+        train._define_flags(values, argv)
+        rest = values(argv)
+        if len(rest) > 1:
+            raise ValueError(f"unexpected arguments {rest[1:]}: expected only flags "
+                             "(--name=value)")
+        cli.check_config_files(values)  # as transformer.train: a file that failed to load
+    except (flags.Error, ValueError, KeyError, AttributeError, TypeError, OSError) as error:
         raise ValueError(f"train arguments: {cli.message(error)}") from None
+    return values
+
+
+def train_arguments(args: Sequence[str]) -> tuple[str, ...]:
+    """The train arguments checked (`train_flags`), each flag with its value as --NAME=VALUE
+    (absl also takes `--NAME VALUE`): what the workers and launch.aot are given."""
+    values = train_flags(args)
+    joined, i = [], 0
+    while i < len(args):
+        match = re.fullmatch(r"--?([\w.]+)", args[i])
+        if match and match[1] in values and not values[match[1]].boolean and i + 1 < len(args):
+            joined.append(f"--{match[1]}={args[i + 1]}")
+            i += 2
+        else:
+            joined.append(args[i])
+            i += 1
+    return tuple(joined)
 
 
 # --- the gcloud commands --------------------------------------------------------------------
@@ -181,13 +253,16 @@ def archive_path(launch: Launch) -> str:
     return os.path.join(".launch", f"{launch.name}.tar.gz")
 
 
+def file_list_path(launch: Launch) -> str:
+    return os.path.join(".launch", f"{launch.name}.files")
+
+
 def ship_commands(launch: Launch) -> tuple[list[str], list[list[str]], list[list[str]]]:
-    """(pack, copies, installs): pack the working tree (tracked and untracked files, not
-    ignored ones), copy it to every worker of each slice, unpack it there and install the
-    project with its TPU extra."""
+    """(pack, copies, installs): pack the working tree (`shipped_files`, listed in
+    `file_list_path` by `pack`), copy it to every worker of each slice, unpack it there and
+    install the project with its TPU extra."""
     archive = archive_path(launch)
-    pack = ["sh", "-c", f"mkdir -p .launch && git ls-files -z --cached --others "
-            f"--exclude-standard | tar -czf {archive} --null -T -"]
+    pack = ["tar", "-czf", archive, "--null", f"--files-from={file_list_path(launch)}"]
     copies = [_gcloud_tpus("tpu-vm", "scp", archive, f"{node}:~/transformer.tar.gz",
                            *launch.where(), "--worker=all") for node in launch.nodes]
     install = (f"rm -rf {REMOTE_DIR} && mkdir -p {REMOTE_DIR} && "
@@ -214,14 +289,17 @@ def logs_commands(launch: Launch) -> list[list[str]]:
 
 
 def stop_commands(launch: Launch) -> list[list[str]]:
-    """SIGTERM to training on every worker: it saves a checkpoint and exits."""
-    return ssh_commands(launch, "pkill -TERM -f 'python3 -m transformer.train' || true")
+    """SIGTERM to training on every worker: it saves a checkpoint and exits (status 143).
+    Anchored at the command's start, the pattern matches training alone: not the launch.worker
+    that runs it (whose command line names it too), nor the shell running pkill."""
+    return ssh_commands(launch, "pkill -TERM -f '^python3 -m transformer[.]train ' || true")
 
 
 def aot_command(launch: Launch) -> list[str]:
+    """launch.aot for the slice with the config flags of `train_arguments` (--NAME=VALUE)."""
     return [sys.executable, "-m", "launch.aot", f"--topology={launch.accelerator.name}",
             f"--num_slices={launch.num_slices}", *(a for a in launch.train_args
-                                                   if a.startswith("--config"))]
+                                                   if re.match(r"--config[.=]", a))]
 
 
 # --- running them ---------------------------------------------------------------------------
@@ -259,17 +337,37 @@ class Runner:
         return code
 
     def output(self, command: Sequence[str]) -> str:
+        """The command's output; "NOT_FOUND" where it fails saying so (gcloud describing a
+        resource that does not exist), an error with its message where it fails otherwise."""
         self.show(command)
         if self.dry_run:
             return "READY"
         result = subprocess.run(list(command), cwd=REPO, capture_output=True, text=True)
-        if result.returncode:
+        if result.returncode and "NOT_FOUND" in result.stderr:
             return "NOT_FOUND"
-        return result.stdout.strip() or "NOT_FOUND"
+        if result.returncode:
+            why = " ".join(result.stderr.split()) or "no message"
+            raise RuntimeError(f"command failed with exit status {result.returncode}: "
+                               f"{shlex.join(command)}: {why}")
+        return result.stdout.strip()
 
 
 def slice_state(launch: Launch, runner: Runner) -> str:
-    return runner.output(state_command(launch)).split()[0].upper()
+    """The slice's state, e.g. ACTIVE; NOT_FOUND if there is none (UNKNOWN: no state yet)."""
+    return (runner.output(state_command(launch)).split() or ["UNKNOWN"])[0].upper()
+
+
+def state_after_failure(launch: Launch, runner: Runner, poll_seconds: float,
+                        reads: int = 4) -> str:
+    """The slice's state after training failed: read up to `reads` times, 10 s apart at most,
+    while it still looks READY (a preempted slice can take a moment to say so)."""
+    state = slice_state(launch, runner)
+    for _ in range(reads - 1):
+        if state not in READY:
+            break
+        time.sleep(min(poll_seconds, 10.0))
+        state = slice_state(launch, runner)
+    return state
 
 
 def wait_until_ready(launch: Launch, runner: Runner, poll_seconds: float,
@@ -309,27 +407,43 @@ def ensure_slice(launch: Launch, runner: Runner, poll_seconds: float = 30.0) -> 
         wait_until_ready(launch, runner, poll_seconds, 6 * 3600)
 
 
-def ship(launch: Launch, runner: Runner) -> None:
-    pack, copies, installs = ship_commands(launch)
-    runner.run(pack)
+def pack(launch: Launch, runner: Runner) -> None:
+    """Packs the working tree as it is now (`shipped_files`) into `archive_path`."""
+    files = shipped_files()
+    if not runner.dry_run:
+        os.makedirs(os.path.join(REPO, ".launch"), exist_ok=True)
+        with open(os.path.join(REPO, file_list_path(launch)), "wb") as f:
+            f.write(b"".join(os.fsencode(name) + b"\0" for name in files))
+    runner.run(ship_commands(launch)[0])
+
+
+def copy_and_install(launch: Launch, runner: Runner) -> None:
+    _, copies, installs = ship_commands(launch)
     runner.run_many(copies)
     runner.run_many(installs)
 
 
 def run(launch: Launch, runner: Runner, *, restart_on_preemption: bool, max_restarts: int,
         poll_seconds: float = 30.0) -> int:
-    """Slice -> ship the code -> train on all workers at once. With restart_on_preemption, a
-    run whose slice was preempted or deleted recreates the slice and reruns the same command:
-    training resumes from the latest complete checkpoint in the workdir."""
+    """Pack the code -> slice -> ship -> train on all workers at once. With
+    restart_on_preemption, a run whose slice was preempted or deleted recreates the slice and
+    reruns the same command: training resumes from the latest complete checkpoint in the
+    workdir. Training stopped by a signal on a live slice (`stop`) is left stopped."""
+    pack(launch, runner)  # first: a tree that cannot be packed leaves nothing created
     restarts = 0
     while True:
         ensure_slice(launch, runner, poll_seconds)
-        ship(launch, runner)
+        copy_and_install(launch, runner)
         code = runner.run_many(run_commands(launch), check=False)
         if code == 0:
             print(f"{launch.name}: training finished", file=runner.out, flush=True)
             return 0
-        state = slice_state(launch, runner)
+        state = state_after_failure(launch, runner, poll_seconds)
+        if state not in GONE and code in STOPPED:
+            print(f"{launch.name}: training was stopped by {signal.Signals(code - 128).name} "
+                  "(e.g. `python -m launch.tpu stop`), its checkpoint saved; the slice is "
+                  f"{state}: run the same command again to resume", file=runner.out, flush=True)
+            return code
         if state not in GONE:
             print(f"{launch.name}: training failed (exit status {code}) on a {state} slice; "
                   f"see `python -m launch.tpu logs --name={launch.name} ...`", file=runner.out,
@@ -349,11 +463,26 @@ def run(launch: Launch, runner: Runner, *, restart_on_preemption: bool, max_rest
 # --- command line ---------------------------------------------------------------------------
 
 
+def check_name(name: str | None) -> None:
+    """A TPU VM, queued resource or JobSet name (it also goes unquoted into shell commands)."""
+    if not name:
+        raise ValueError("--name: expected a value")
+    if not NAME.fullmatch(name):
+        raise ValueError(f"--name={name}: expected lowercase letters, digits and hyphens, "
+                         "starting with a letter, not ending with a hyphen, at most 63 "
+                         "characters (a TPU and Kubernetes name)")
+
+
 def make_launch(flags_values, train_args: Sequence[str]) -> Launch:
-    accelerator = accelerators.parse(flags_values.accelerator)
-    for name in ("name", "project", "zone"):
+    check_name(flags_values.name)
+    for name in ("project", "zone"):
         if not getattr(flags_values, name):
             raise ValueError(f"--{name}: expected a value")
+    for name, least in (("num_slices", 1), ("max_restarts", 0), ("poll_seconds", 0)):
+        if getattr(flags_values, name) < least:
+            raise ValueError(f"--{name}={getattr(flags_values, name)}: expected a number >= "
+                             f"{least}")
+    accelerator = accelerators.parse(flags_values.accelerator)
     return Launch(flags_values.name, flags_values.project, flags_values.zone, accelerator,
                   flags_values.runtime_version or accelerator.generation.runtime_version,
                   flags_values.spot, flags_values.reserved, flags_values.num_slices,
@@ -369,10 +498,16 @@ def main(argv: Sequence[str]) -> int:
     command, train_args = argv[1], list(argv[2:])
     if train_args[:1] == ["--"]:
         train_args = train_args[1:]
+    if train_args and command not in ("create", "run"):
+        raise ValueError(f"{command}: unexpected arguments {train_args}: expected only flags "
+                         "(train arguments after -- go to run or create)")
     launch = make_launch(FLAGS, train_args)
     runner = Runner(FLAGS.dry_run)
-    if command in ("create", "run"):
-        if command == "run" or train_args:
+    if command == "run" or train_args:  # all checked before anything is compiled or created
+        launch = dataclasses.replace(launch, train_args=train_arguments(train_args))
+        if command == "run":
+            validate_run(launch, FLAGS.restart_on_preemption)
+        else:
             validate(launch)
         if command == "run" and not FLAGS.skip_aot:
             runner.run(aot_command(launch))

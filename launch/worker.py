@@ -5,7 +5,9 @@ and appending it to a log file that `python -m launch.tpu logs` tails.
 
 The worker id comes from TPU_WORKER_ID or the VM's hostname (Cloud TPU names worker i
 "...-w-i"); the slice id of a multi-slice job from MEGASCALE_SLICE_ID. The exit status is the
-command's.
+command's (128 + N for a command killed by signal N, as a shell reports it). SIGTERM and SIGINT
+are passed on to the command, which keeps its output flowing until it exits: training saves
+a checkpoint first. SIGHUP (the ssh session ending) is ignored, by the command too.
 """
 
 from __future__ import annotations
@@ -50,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, errors="replace", bufsize=1,
                                    start_new_session=True)
-        for line in process.stdout:
+        # The command is in a session of its own, so a signal meant for it reaches only this
+        # process: pass each one on once. A handler, not SIG_IGN: the command would inherit an
+        # ignored signal. Dying here instead would break the command's output pipe, and the
+        # command with it, before it saved a checkpoint.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda signum, frame: process.send_signal(signum))
+        for line in process.stdout:  # until the command exits (a signal interrupts no read)
             log.write(prefix + line)
             if attached:
                 try:
@@ -58,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stdout.flush()
                 except OSError:  # the ssh session is gone: keep logging to the file
                     attached = False
-        return process.wait()
+        code = process.wait()
+        return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell
 
 
 if __name__ == "__main__":

@@ -46,11 +46,27 @@ def test_accelerator_types_know_their_chips_hosts_and_memory():
         assert (a.chips, a.hosts, a.topology_name) == (chips, hosts, topology), name
         assert a.chips_per_host * a.hosts == a.chips
     assert accelerators.parse("v5p-32").hbm_bytes > 90 * 2**30
-    for bad, message in [("v5p-12", "power of two"), ("v7x-8", "unknown TPU generation"),
-                         ("tpu", "expected a TPU type"), ("v4-2", "power of two")]:
+    for bad, message in [("v5p-12", "N one of 8, 16, 32,"), ("v7x-8", "unknown TPU generation"),
+                         ("tpu", "expected a TPU type"), ("v4-2", "N one of 8, 16,")]:
         with pytest.raises(ValueError, match=message) as error:
             accelerators.parse(bad)
         assert repr(bad) in str(error.value)
+
+
+def test_slice_sizes_are_the_ones_cloud_tpu_offers():
+    """The generations' tables in the Cloud TPU docs: the largest v5p slice is 16x16x24 (6144
+    chips, not a power of two; the 8960-chip pod is no slice), v5e and v6e have no 2-chip one."""
+    a = accelerators.parse("v5p-12288")
+    assert (a.chips, a.hosts, a.topology_name) == (6144, 1536, "v5p:16x16x24")
+    assert accelerators.parse("v5p-8192").topology == "16x16x16"
+    for one in ("v5e-1", "v6e-1", "v6e-256"):
+        accelerators.parse(one)
+    for bad in ("v5p-16384", "v5p-17920", "v5e-2", "v5litepod-2", "v6e-2", "v6e-512"):
+        with pytest.raises(ValueError, match="N one of") as error:
+            accelerators.parse(bad)
+        assert repr(bad) in str(error.value) and "power of two" not in str(error.value)
+    with pytest.raises(ValueError, match=re.escape("N one of 1, 4, 8, 16, 32, 64, 128, 256 ")):
+        accelerators.parse("v6e-2")
 
 
 @pytest.mark.parametrize("kwargs, train, message", [
@@ -91,6 +107,199 @@ def test_bad_launches_are_refused_before_anything_is_created(kwargs, train, mess
     launch = make_launch(kwargs.pop("accelerator"), train=train, **kwargs)
     with pytest.raises(ValueError, match=re.escape(message)):
         tpu.validate(launch)
+
+
+@pytest.mark.parametrize("train, message", [
+    (TRAIN + ("--steps=100",), "train arguments: Unknown command line flag 'steps'"),
+    (TRAIN + ("WANDB_API_KEY=x",), "train arguments: unexpected arguments ['WANDB_API_KEY=x']: "
+     "expected only flags"),
+    (TRAIN + ("--config.batch_size", "x"), "flag --config.batch_size=x: invalid literal"),
+    (("--config=experiments/nonexistent.py",), "--config=experiments/nonexistent.py: No such "
+     "file"),
+])
+def test_train_arguments_are_parsed_as_transformer_train_parses_them(train, message):
+    launch = make_launch("v6e-8", train=train)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tpu.validate(launch)
+
+
+def test_space_separated_train_flags_are_understood_and_passed_on_joined():
+    """absl takes `--workdir gs://b/r` and `--config.KEY VALUE`: validation reads them, and the
+    workers and launch.aot get them as --NAME=VALUE (a boolean flag takes no value)."""
+    train = ("--config", "experiments/gpt_tiny.py", "--workdir", "gs://b/r",
+             "--config.batch_size", "24", "--config.model.scan_layers", "--jax_distributed")
+    assert tpu.train_arguments(train) == (
+        "--config=experiments/gpt_tiny.py", "--workdir=gs://b/r", "--config.batch_size=24",
+        "--config.model.scan_layers", "--jax_distributed")
+    with pytest.raises(ValueError, match="batch_size=24: expected a multiple of the "
+                       "data-parallel size 16"):  # the value, read; and the workdir: gs://
+        tpu.validate(make_launch("v5p-32", train=train))
+    launch = make_launch("v5p-32", train=tpu.train_arguments(train[:5] + ("16",)))
+    tpu.validate(launch)
+    assert tpu.aot_command(launch)[-2:] == ["--config=experiments/gpt_tiny.py",
+                                            "--config.batch_size=16"]
+
+
+@pytest.mark.parametrize("workdir, restart, message", [
+    ("runs/tiny", False, "--workdir=runs/tiny: a workdir inside ~/transformer"),
+    (None, False, "no --workdir (runs/<experiment>): a workdir inside ~/transformer"),
+    ("~/transformer/runs/tiny", False, "a workdir inside ~/transformer"),
+    ("/mnt/runs/tiny", True, "--workdir=/mnt/runs/tiny with --restart_on_preemption: a "
+     "recreated slice starts with empty disks"),
+])
+def test_a_run_whose_checkpoints_would_be_lost_is_refused(workdir, restart, message):
+    train = (TRAIN[0],) + ((f"--workdir={workdir}",) if workdir else ())
+    launch = make_launch("v6e-8", train=train)
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        tpu.validate_run(launch, restart_on_preemption=restart)
+    assert str(error.value).endswith("expected --workdir=gs://BUCKET/PATH")
+    tpu.validate_run(make_launch("v6e-8", train=(TRAIN[0], "--workdir=/mnt/runs/tiny")), False)
+
+
+def test_a_config_outside_the_shipped_tree_is_refused():
+    """An absolute path, one outside the checkout, one git ignores: the workers would not have
+    it (.launch/ is ignored: the launcher's own scratch folder)."""
+    ignored = REPO / ".launch" / "test_ignored_config.py"
+    ignored.parent.mkdir(exist_ok=True)
+    ignored.write_text((REPO / "experiments" / "gpt_tiny.py").read_text())
+    outside = Path("..") / REPO.name / "experiments" / "gpt_tiny.py"
+    try:
+        for config in (str(REPO / "experiments" / "gpt_tiny.py"), str(outside),
+                       ".launch/test_ignored_config.py"):
+            launch = make_launch("v6e-8", train=(f"--config={config}", TRAIN[1]))
+            tpu.validate(launch)  # a good config: only the shipping is wrong
+            with pytest.raises(ValueError, match=re.escape(
+                    f"--config={config}: not in the working tree that run ships")) as error:
+                tpu.validate_run(launch, restart_on_preemption=True)
+            assert "expected the config to be a file of the shipped tree" in str(error.value)
+    finally:
+        ignored.unlink()
+    tpu.validate_run(make_launch("v6e-8"), restart_on_preemption=True)
+
+
+def _git_tree(root: Path) -> Path:
+    """A small git checkout: a.txt committed, b.txt committed then deleted (not committed),
+    c.txt untracked, d.log ignored."""
+    root.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
+    subprocess.run(git + ["init", "-q"], check=True)
+    for name in ("a.txt", "b.txt", ".gitignore"):
+        (root / name).write_text("*.log\n" if name == ".gitignore" else name)
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], check=True)
+    (root / "b.txt").unlink()
+    (root / "c.txt").write_text("c")
+    (root / "d.log").write_text("d")
+    return root
+
+
+def test_the_tree_is_packed_as_it_is_before_anything_is_created(tmp_path, monkeypatch):
+    """A tracked file deleted but not committed is left out (tar failed on it, after the slice
+    was created); a directory that is no git checkout is refused in one line (it shipped an
+    empty archive)."""
+    import tarfile
+
+    monkeypatch.setattr(tpu, "REPO", str(_git_tree(tmp_path / "tree")))
+    assert sorted(tpu.shipped_files()) == [".gitignore", "a.txt", "c.txt"]
+    out = io.StringIO()
+    tpu.pack(make_launch("v6e-8"), tpu.Runner(dry_run=False, out=out))
+    with tarfile.open(tmp_path / "tree" / tpu.archive_path(make_launch("v6e-8"))) as archive:
+        assert sorted(archive.getnames()) == [".gitignore", "a.txt", "c.txt"]
+    (tmp_path / "plain").mkdir()
+    monkeypatch.setattr(tpu, "REPO", str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match="cannot list the working tree to ship .*: expected a "
+                       "git checkout") as error:
+        tpu.run(make_launch("v6e-8"), tpu.Runner(dry_run=False, out=out),
+                restart_on_preemption=False, max_restarts=0)
+    assert "\n" not in str(error.value) and "gcloud" not in out.getvalue()
+
+
+def test_bad_launcher_flags_are_refused_up_front():
+    import types
+
+    good = dict(name="run-1", project="p", zone="z", accelerator="v5p-8", runtime_version=None,
+                spot=False, reserved=False, num_slices=1, max_restarts=20, poll_seconds=30.0)
+    tpu.make_launch(types.SimpleNamespace(**good), [])
+    for bad, message in [(dict(name="My_Run.1"), "--name=My_Run.1: expected lowercase"),
+                         (dict(name="run-"), "--name=run-: expected"),
+                         (dict(name="1run"), "--name=1run: expected"),
+                         (dict(name="a;rm -rf ~"), "--name=a;rm -rf ~: expected"),
+                         (dict(name="x" * 64), "at most 63 characters"),
+                         (dict(num_slices=0), "--num_slices=0: expected a number >= 1"),
+                         (dict(max_restarts=-5), "--max_restarts=-5: expected a number >= 0"),
+                         (dict(poll_seconds=-1.0), "--poll_seconds=-1.0: expected a number >= 0")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            tpu.make_launch(types.SimpleNamespace(**{**good, **bad}), [])
+    with pytest.raises(ValueError, match=re.escape("status: unexpected arguments ['extra']")):
+        tpu.main(["launch.tpu", "status", "extra"])
+
+
+def test_stop_signals_training_alone():
+    """`stop`'s pattern, run by a shell as ssh runs it, matches the training process: not the
+    launch.worker wrapping it (whose command line names the train command too), nor the shell.
+    (pgrep for pkill: the same matching, and nothing on this machine is signalled.)"""
+    remote = tpu.stop_commands(make_launch("v6e-8"))[0][-1].removeprefix("--command=")
+    assert remote.startswith("pkill -TERM -f ")
+    train = "python3 -m transformer.train --config=experiments/gpt_tiny.py"
+    # `exec -a` gives `sleep` the command lines of training and of its wrapper
+    processes = {name: subprocess.Popen(["bash", "-c", f'exec -a "{line}" sleep 60'])
+                 for name, line in [("train", train), ("worker", "python3 -m launch.worker "
+                                                       f"--log=~/logs/x.log -- {train}")]}
+    try:
+        import time
+
+        time.sleep(0.5)
+        listed = subprocess.run(["bash", "-c", "echo $$; " + remote.replace("pkill -TERM",
+                                                                           "pgrep", 1)],
+                                capture_output=True, text=True, check=True).stdout.split()
+        shell, matched = int(listed[0]), {int(pid) for pid in listed[1:]}
+        assert processes["train"].pid in matched
+        assert processes["worker"].pid not in matched and shell not in matched
+    finally:
+        for process in processes.values():
+            process.kill()
+            process.wait()
+
+
+CHILD = textwrap.dedent("""\
+    import os, signal, sys, time
+    def stop(signum, frame):
+        print(f"got {signal.Signals(signum).name}", flush=True)
+        time.sleep(0.5)  # saving a checkpoint, its output still flowing
+        print("saved", flush=True)
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
+    print("ready", flush=True)
+    time.sleep(60)
+    print("not stopped", flush=True)
+""")
+
+
+def _worker(tmp_path, code: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "launch.worker", f"--log={tmp_path / 'w.log'}", "--",
+         sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "TPU_WORKER_ID": "3"})
+
+
+def test_the_worker_passes_sigterm_on_and_keeps_the_output_until_the_command_exits(tmp_path):
+    """SIGTERM to launch.worker alone (the command runs in a session of its own): the command
+    gets it once, saves (its output still copied) and exits 143, and so does the worker."""
+    import signal
+
+    worker = _worker(tmp_path, CHILD)
+    assert worker.stdout.readline() == "[worker 3] ready\n"
+    worker.send_signal(signal.SIGTERM)
+    out, _ = worker.communicate(timeout=30)
+    assert worker.returncode == 143
+    assert out == "[worker 3] got SIGTERM\n[worker 3] saved\n"
+    assert (tmp_path / "w.log").read_text() == "[worker 3] ready\n" + out
+
+
+def test_the_worker_exits_128_plus_the_signal_that_killed_the_command(tmp_path):
+    worker = _worker(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    worker.communicate(timeout=30)
+    assert worker.returncode == 128 + 9  # as a shell reports it (sys.exit(-9) gave 247)
 
 
 def test_an_unknown_train_key_is_one_clean_line_naming_it():
@@ -148,18 +357,29 @@ def test_the_cli_dry_run_matches_the_library(tmp_path):
 FAKE_GCLOUD = textwrap.dedent("""\
     #!{python}
     # A stand-in for gcloud: records its arguments; the slice's state lives in a file. The
-    # first training command "is preempted": it fails and the slice becomes SUSPENDED.
+    # first training command "is preempted": it fails and the slice becomes SUSPENDED. With
+    # FAKE_MODE: "late", training stopped by the preemption's SIGTERM exits 143 and the slice
+    # still reads ACTIVE once before SUSPENDED; "stop", training stopped by `launch.tpu stop`
+    # exits 143 on an ACTIVE slice; "reauth", every describe fails on credentials.
     import json, os, sys
-    root = os.environ["FAKE_GCLOUD_DIR"]
+    root, mode = os.environ["FAKE_GCLOUD_DIR"], os.environ.get("FAKE_MODE", "")
     args = sys.argv[1:]
     with open(os.path.join(root, "calls.jsonl"), "a") as f:
         f.write(json.dumps(args) + "\\n")
     state_file = os.path.join(root, "state")
     verb = args[3]  # compute tpus (queued-resources | tpu-vm) VERB ...
+    if verb == "describe" and mode == "reauth":
+        print("ERROR: (gcloud.compute.tpus.tpu-vm.describe) There was a problem refreshing "
+              "your current auth tokens: Reauthentication failed.", file=sys.stderr)
+        sys.exit(1)
     if verb == "describe":
         if not os.path.exists(state_file):
+            print("ERROR: (gcloud.compute.tpus.describe) NOT_FOUND: Resource was not found",
+                  file=sys.stderr)
             sys.exit(1)
-        print(open(state_file).read())
+        state = open(state_file).read()
+        print(state.split(">")[0])
+        open(state_file, "w").write(state.split(">")[-1])  # "A>B": A once, then B
     elif verb == "create":
         open(state_file, "w").write("ACTIVE")
     elif verb == "delete":
@@ -168,12 +388,30 @@ FAKE_GCLOUD = textwrap.dedent("""\
         runs = os.path.join(root, "train_runs")
         n = int(open(runs).read()) if os.path.exists(runs) else 0
         open(runs, "w").write(str(n + 1))
+        if n == 0 and mode == "stop":
+            print("[worker 0] received SIGTERM: saving a checkpoint after this step")
+            sys.exit(143)
         if n == 0:
-            open(state_file, "w").write("SUSPENDED")
+            open(state_file, "w").write("ACTIVE>SUSPENDED" if mode == "late" else "SUSPENDED")
             print("Connection closed by remote host", file=sys.stderr)
-            sys.exit(255)
+            sys.exit(143 if mode == "late" else 255)
         print("[worker 0] step 100/100 loss 1.23")
 """)
+
+
+@pytest.fixture
+def fake_gcloud(tmp_path, monkeypatch):
+    """`gcloud` is FAKE_GCLOUD; the tree shipped a small git checkout. Returns the calls."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    gcloud = bin_dir / "gcloud"
+    gcloud.write_text(FAKE_GCLOUD.format(python=sys.executable))
+    gcloud.chmod(gcloud.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_GCLOUD_DIR", str(tmp_path))
+    monkeypatch.setattr(tpu, "REPO", str(_git_tree(tmp_path / "tree")))
+    calls = tmp_path / "calls.jsonl"
+    return lambda: [_step(json.loads(line)) for line in calls.read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -196,6 +434,7 @@ def test_a_preempted_slice_is_recreated_and_the_same_command_rerun(tmp_path):
         assert archive.is_file() and archive.stat().st_size > 10_000  # the working tree
     finally:
         archive.unlink(missing_ok=True)
+        (REPO / ".launch" / "run1.files").unlink(missing_ok=True)
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     steps = [_step(call) for call in calls]
     assert steps == [
@@ -209,6 +448,86 @@ def test_a_preempted_slice_is_recreated_and_the_same_command_rerun(tmp_path):
     assert "--jax_distributed" in trains[0] and "--workdir=gs://bucket/runs/tiny" in trains[0]
     assert "training finished" in result.stdout
     assert "recreating it and resuming (restart 1/20)" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, message", [
+    (["run", "--poll_seconds=-1", "--", *TRAIN], "--poll_seconds=-1.0: expected a number >= 0"),
+    (["run", "--max_restarts=-5", "--", *TRAIN], "--max_restarts=-5: expected a number >= 0"),
+    (["stop", "--num_slices=0"], "--num_slices=0: expected a number >= 1"),
+    (["logs", "--name=My_Run.1"], "--name=My_Run.1: expected lowercase letters"),
+    (["status", "extra"], "status: unexpected arguments ['extra']"),
+    (["run", "--", TRAIN[0], "--workdir=runs/tiny"], "--workdir=runs/tiny: a workdir inside"),
+    (["run", "--restart_on_preemption", "--", TRAIN[0], "--workdir=/mnt/r"],
+     "--workdir=/mnt/r with --restart_on_preemption"),
+    (["run", "--", "--config=../x.py", TRAIN[1]], "--config=../x.py: No such file"),
+    (["run", "--", f"--config={REPO}/experiments/gpt_tiny.py", TRAIN[1]],
+     f"--config={REPO}/experiments/gpt_tiny.py: not in the working tree that run ships"),
+    (["run", "--", *TRAIN, "--steps=100"], "Unknown command line flag 'steps'"),
+    (["run", "--", *TRAIN, "WANDB_API_KEY=x"], "unexpected arguments ['WANDB_API_KEY=x']"),
+])
+def test_bad_input_is_one_line_before_anything_is_created_or_compiled(tmp_path, command,
+                                                                       message):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    gcloud = bin_dir / "gcloud"
+    gcloud.write_text(FAKE_GCLOUD.format(python=sys.executable))
+    gcloud.chmod(gcloud.stat().st_mode | stat.S_IEXEC)
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.tpu", command[0], "--name=run1", "--project=proj",
+         "--zone=us-east5-a", "--accelerator=v6e-8", *command[1:]],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+             "FAKE_GCLOUD_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (tmp_path / "calls.jsonl").exists()  # no gcloud call; no launch.aot either
+
+
+def test_training_stopped_by_a_signal_on_a_live_slice_stays_stopped(fake_gcloud, monkeypatch):
+    """`stop` -> training saves and exits 143 on an ACTIVE slice: one line says so, and the
+    run exits 143 without recreating the slice, though --restart_on_preemption."""
+    monkeypatch.setenv("FAKE_MODE", "stop")
+    out = io.StringIO()
+    code = tpu.run(make_launch("v6e-8", spot=True), tpu.Runner(dry_run=False, out=out),
+                   restart_on_preemption=True, max_restarts=3, poll_seconds=0)
+    assert code == 143
+    assert fake_gcloud() == ["describe", "create", "describe", "scp", "ssh install",
+                             "ssh train", "describe", "describe", "describe", "describe"]
+    assert out.getvalue().splitlines()[-1] == (
+        "run1: training was stopped by SIGTERM (e.g. `python -m launch.tpu stop`), its "
+        "checkpoint saved; the slice is ACTIVE: run the same command again to resume")
+
+
+def test_a_preemption_the_slice_state_shows_late_is_still_a_preemption(fake_gcloud,
+                                                                       monkeypatch):
+    """Training exits 143 (the preemption's SIGTERM, its checkpoint saved) while the slice
+    still reads ACTIVE: the state is read again, SUSPENDED, and the run resumes."""
+    monkeypatch.setenv("FAKE_MODE", "late")
+    out = io.StringIO()
+    code = tpu.run(make_launch("v6e-8", spot=True), tpu.Runner(dry_run=False, out=out),
+                   restart_on_preemption=True, max_restarts=3, poll_seconds=0)
+    assert code == 0, out.getvalue()
+    assert fake_gcloud() == ["describe", "create", "describe", "scp", "ssh install",
+                             "ssh train", "describe", "describe",  # ACTIVE, then SUSPENDED
+                             "describe", "delete", "create", "describe", "scp", "ssh install",
+                             "ssh train"]
+    assert "the slice is SUSPENDED: recreating it and resuming (restart 1/3)" in out.getvalue()
+
+
+def test_a_gcloud_failure_is_an_error_not_an_absent_slice(fake_gcloud, monkeypatch):
+    """Only gcloud's NOT_FOUND means no slice: a credentials error is an error with gcloud's
+    message (it read as NOT_FOUND: `status` printed that and `run` created a slice)."""
+    launch, runner = make_launch("v6e-8", spot=True), tpu.Runner(dry_run=False, out=io.StringIO())
+    assert tpu.slice_state(launch, runner) == "NOT_FOUND"
+    monkeypatch.setenv("FAKE_MODE", "reauth")
+    with pytest.raises(RuntimeError, match="Reauthentication failed") as error:
+        tpu.slice_state(launch, runner)
+    assert "\n" not in str(error.value)
+    with pytest.raises(RuntimeError, match="Reauthentication failed"):
+        tpu.ensure_slice(launch, runner, poll_seconds=0)
+    assert fake_gcloud() == ["describe", "describe", "describe"]  # nothing created
 
 
 def _step(call: list[str]) -> str:
@@ -302,6 +621,7 @@ def test_a_pipeline_with_its_stages_across_two_slices_compiles_for_tpu():
     assert not report.error and report.fits and report.attention == ("splash",)
     text = aot.format_report(report, config)
     assert "mesh data=1 x stage=2 x fsdp=16" in text and "loop bodies counted once" in text
+    assert "on 2 x v5p-32 (32 chips)" in text.splitlines()[0]
 
 
 @pytest.mark.slow
@@ -402,3 +722,23 @@ def test_the_gke_jobset_runs_the_train_command_on_every_host_of_every_slice():
     xpk = gke.xpk_command(launch, "img:1", "cluster1")
     assert xpk[:3] == ["xpk", "workload", "create"] and "--num-slices=2" in xpk
     assert xpk[-1] == "--command=python3 -m transformer.train --jax_distributed " + " ".join(TRAIN)
+    assert "--project=proj" in xpk and "--zone=us-east5-a" in xpk
+
+
+def test_the_gke_manifest_quotes_any_argument_and_xpk_leaves_out_an_unset_project():
+    """Each argument a YAML double-quoted scalar (a JSON string): quotes, backslashes and
+    non-ASCII come back as they were (a quote broke the YAML, a backslash became an escape)."""
+    import yaml
+
+    from launch import gke
+
+    odd = ('--config.data.path=/data/"quoted" dir', "--config.name=a\\b\\n\\\\",
+           "--config.note=naïve – 日本")
+    launch = make_launch("v6e-8", train=TRAIN + odd)
+    manifest = yaml.safe_load(gke.jobset_manifest(launch, "img:1"))
+    container = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "containers"][0]
+    assert container["command"][4:] == [*TRAIN, *odd]
+    unset = tpu.Launch("run1", "", "", launch.accelerator, "", train_args=TRAIN)
+    xpk = gke.xpk_command(unset, "img:1", "cluster1")
+    assert not [arg for arg in xpk if arg.startswith(("--project", "--zone"))], xpk

@@ -340,20 +340,25 @@ def main(argv) -> None:
     return 128 + (result["signal"] or signal.SIGTERM) if stopped else None
 
 
-def _define_flags() -> None:
+def _define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
+    """The command's flags, in absl's FLAGS (or `flag_values`, with the config's overrides
+    read from `sys_argv`: launch.tpu parses training's arguments as this command would)."""
     from absl import flags
     from ml_collections import config_flags
 
+    into = {"flag_values": flags.FLAGS if flag_values is None else flag_values}
     config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment file (get_config).",
-                                    lock_config=True)
-    flags.DEFINE_string("workdir", None, "Run directory (default runs/<experiment>).")
+                                    lock_config=True, sys_argv=sys_argv, **into)
+    flags.DEFINE_string("workdir", None, "Run directory (default runs/<experiment>).", **into)
     flags.DEFINE_string("coordinator_address", None,
                         "host:port of process 0, to run as one of several processes "
-                        "(auto-detected on multi-host Cloud TPU).")
-    flags.DEFINE_integer("num_processes", None, "With --coordinator_address: process count.")
-    flags.DEFINE_integer("process_id", None, "With --coordinator_address: this process's id.")
+                        "(auto-detected on multi-host Cloud TPU).", **into)
+    flags.DEFINE_integer("num_processes", None, "With --coordinator_address: process count.",
+                         **into)
+    flags.DEFINE_integer("process_id", None, "With --coordinator_address: this process's id.",
+                         **into)
     flags.DEFINE_bool("jax_distributed", False, "Start jax.distributed from the cluster "
-                      "environment (multi-host Cloud TPU; launch.tpu passes it).")
+                      "environment (multi-host Cloud TPU; launch.tpu passes it).", **into)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
                 raise ValueError(f"unexpected arguments {rest[1:]}: expected only flags "
                                  "(--name=value)")
             expand_home(flags.FLAGS)
-            _check_config_files(flags.FLAGS)
+            check_config_files(flags.FLAGS)
             return rest
         except Exception as error:  # noqa: BLE001 - every parse failure is bad usage
             if verbose:
@@ -182,7 +182,7 @@ def expand_home(flag_values) -> None:
                 flag_values[name].value = os.path.expanduser(value)
 
 
-def _check_config_files(flag_values) -> None:
+def check_config_files(flag_values) -> None:
     """ml_collections defers a config file's load error to its first use, i.e. deep inside
     main: raise it now, naming the flag."""
     from ml_collections import config_flags
