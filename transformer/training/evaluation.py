@@ -30,8 +30,13 @@ def make_eval_step(model, config, tokenizer=None):
     argmax right: then greedy decoding follows the same path). Where the family's loss is per
     row (every family but CLIP), each row's summed loss and weight come too, "row_loss_sum"
     and "row_num_tokens" [B] (`evaluate` takes them out).
+
+    The loss is the plain cross-entropy whatever the run's label_smoothing (which shapes the
+    training objective, not what is measured): validation loss, perplexity and bits per byte
+    are held-out cross-entropy, comparable across smoothing settings.
     """
     objective, family = pipeline.objective_for(config), family_of(config)
+    plain = unsmoothed(config)
     if objective == "text2text":  # every class name as a decoder target: [C, target_len]
         from transformer.data import tasks
 
@@ -46,7 +51,7 @@ def make_eval_step(model, config, tokenizer=None):
                                            config.seq_len, decoder=objective == "captioning")
 
     def eval_step(params, batch):
-        loss, metrics = family.loss_and_metrics(model, config, params, batch,
+        loss, metrics = family.loss_and_metrics(model, plain, params, batch,
                                                 rows=family.per_row)
         n = metrics["num_tokens"]
         sums = {"loss_sum": metrics["loss"] * n, "correct_sum": metrics["accuracy"] * n,
@@ -71,6 +76,15 @@ def make_eval_step(model, config, tokenizer=None):
         return sums
 
     return eval_step
+
+
+def unsmoothed(config):
+    """`config` with label_smoothing 0 (itself when it has none)."""
+    if not config.get("label_smoothing", 0.0):
+        return config
+    plain = ml_collections.ConfigDict(config.to_dict())
+    plain.label_smoothing = 0.0
+    return plain
 
 
 def _confusion(labels_B, predictions_B, weights_B, num_classes: int) -> jax.Array:

@@ -262,6 +262,8 @@ def summary_writer_class(remote: bool = True):
 class MetricsLogger:
     """Metrics to JSONL + TensorBoard (process 0), progress lines to the terminal.
 
+    On a resume from `start_step`, the records a killed run logged after it are dropped: from
+    metrics.jsonl (`keep_records_up_to`) and from TensorBoard's view of the old event files.
     Every record carries `elapsed`: seconds of this run so far, summed over resumes (the time
     a killed run spent after its last checkpoint is dropped with its records). `sink` (W&B:
     transformer.training.wandb_logging.Sink) gets every record too, and the summary at `finish`.
@@ -286,7 +288,12 @@ class MetricsLogger:
             remote = fileio.is_remote(self.path)
             self.lines = lines if remote else None
             self.jsonl = None if remote else open(self.path, "a")  # noqa: SIM115
-            self.tensorboard = SummaryWriter(fileio.join(workdir, "tensorboard"))
+            # Event files cannot be trimmed like metrics.jsonl: the new one opens with a
+            # SessionLog START at start_step + 1 (tensorboardX's purge_step), and TensorBoard
+            # then drops the earlier files' events at that step or later, the steps trained
+            # again.
+            self.tensorboard = SummaryWriter(fileio.join(workdir, "tensorboard"),
+                                             purge_step=start_step + 1)
             # It warns at every NaN scalar; the run itself stops at the first one, in one line.
             logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 

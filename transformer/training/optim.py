@@ -102,9 +102,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     opt = config.optimizer
     clip = optax.clip_by_global_norm(opt.grad_clip_norm) if opt.grad_clip_norm else \
         optax.identity()
-    freeze, head = opt.get("freeze", ""), opt.get("head", "")
-    if lora_lib.enabled(config):  # only the adapters train: no optimizer state for the rest
-        freeze = lora_lib.frozen_regex(freeze)
+    freeze, head = frozen_regex(config), opt.get("head", "")
     m = mup_multiplier(config)
     if freeze or head or m != 1.0:
         hidden = muon_dimension_numbers(config) if m != 1.0 else None
@@ -349,6 +347,13 @@ def mup_multiplier(config: ml_collections.ConfigDict) -> float:
     if model.get("parametrization", "standard") != "mup" or not model.get("mup_base_width"):
         return 1.0
     return model.d_model / model.mup_base_width
+
+
+def frozen_regex(config: ml_collections.ConfigDict) -> str:
+    """The regex of the params no update changes: optimizer.freeze's, and under LoRA every
+    param but the adapters (no optimizer state for them either)."""
+    freeze = config.optimizer.get("freeze", "")
+    return lora_lib.frozen_regex(freeze) if lora_lib.enabled(config) else freeze
 
 
 def param_labels(params, freeze: str, head: str, hidden=None):

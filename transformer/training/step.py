@@ -10,6 +10,7 @@ import optax
 from transformer.models import family_of
 from transformer.nn import blocks
 from transformer.nn import lora as lora_lib
+from transformer.training import optim
 from transformer.training.state import TrainState
 
 
@@ -72,6 +73,9 @@ def _halves(model, config, optimizer):
                 grads_sum, tokens, sums = carry
                 micro_batch, i = inputs
                 grads, m = grads_of(state.params, micro_batch, jax.random.fold_in(rng, i))
+                # perplexity = exp(mean unsmoothed ce): its log is averaged and exp'd back
+                # below (the loss is label smoothing's objective, not that ce)
+                m = {**m, "perplexity": jnp.log(m["perplexity"])}
                 n = m["num_tokens"]
                 grads_sum = jax.tree.map(lambda a, g: a + g * n, grads_sum, grads)
                 sums = jax.tree.map(lambda a, v: a + v * n, sums, {k: m[k] for k in sums})
@@ -83,17 +87,17 @@ def _halves(model, config, optimizer):
                                     rng)[1]
             zeros = lora_lib.zero_grads(state.params)
             sums = {k: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), v)
-                    for k, v in shapes.items() if k not in ("num_tokens", "perplexity")}
+                    for k, v in shapes.items() if k != "num_tokens"}
             (grads_sum, tokens, sums), _ = jax.lax.scan(
                 accumulate, (zeros, 0.0, sums), (micro, jnp.arange(accumulation)))
             denominator = jnp.maximum(tokens, 1.0)
             grads = jax.tree.map(lambda g: g / denominator, grads_sum)
             metrics = jax.tree.map(lambda v: v / denominator, sums)
-            metrics.update(perplexity=jnp.exp(metrics["loss"]), num_tokens=tokens)
+            metrics.update(perplexity=jnp.exp(metrics["perplexity"]), num_tokens=tokens)
         return grads, metrics
 
     def update(state: TrainState, grads, metrics):
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = trainable_grad_norm(config, grads)
         exploded = jnp.asarray(False)
         if config.get("max_grad_norm", 0.0):
             exploded = grad_norm > config.max_grad_norm
@@ -114,6 +118,20 @@ def _halves(model, config, optimizer):
         return TrainState(state.step + 1, params, opt_state, first_bad), metrics
 
     return gradients, update
+
+
+def trainable_grad_norm(config, grads) -> jax.Array:
+    """The global norm of the gradients the optimizer keeps: those of params it does not freeze
+    (optimizer.freeze, and under LoRA everything but the adapters: `optim.make_optimizer` zeroes
+    the frozen ones before clipping), so the logged grad_norm and max_grad_norm's test see what
+    optimizer.grad_clip_norm clips."""
+    freeze = optim.frozen_regex(config)
+    if not freeze:
+        return optax.tree.norm(grads)
+    labels = jax.tree.leaves(optim.param_labels(grads, freeze, ""))
+    # The labels are static strings: the frozen leaves are left out of the program.
+    return optax.tree.norm([g for g, label in zip(jax.tree.leaves(grads), labels, strict=True)
+                            if label != "frozen"])
 
 
 def expert_balance(model, config, params, before, metrics, finite):

@@ -1,0 +1,183 @@
+"""The numbers a run logs mean what docs/watching.md says: validation is the plain held-out
+cross-entropy under label smoothing, train perplexity is exp(unsmoothed cross-entropy) however
+the batch is accumulated, grad_norm (and max_grad_norm's test) count only the params the
+optimizer trains, and TensorBoard shows one point per step after a resume, as metrics.jsonl."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import re
+import struct
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import traverse_util
+from tensorboardX.proto import event_pb2
+from test_moe import text_batch
+
+from transformer import configs, models
+from transformer.training import evaluation, metrics, optim
+from transformer.training.state import TrainState
+from transformer.training.step import make_seeded_train_step, make_train_step
+
+
+def tiny_config(**top):
+    config = configs.base_config()
+    config.update(batch_size=4, seq_len=16, **top)
+    config.model.update(family="gpt", num_layers=2, d_model=32, num_heads=4, d_ff=48,
+                        vocab_size=64)
+    return config
+
+
+def build(config, scale=1.0):
+    """The model, its params (initialised under jit, times `scale`) and a batch whose targets
+    are the model's own argmax: the target logits stand well above the mean logit, so label
+    smoothing's term ls * (target logit - mean logit) is far from 0."""
+    model = models.build_model(config.model)
+    params = jax.jit(lambda: jax.tree.map(lambda p: p * scale, nn.unbox(
+        model.init(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"])))()
+    batch = text_batch()
+    batch["weights"][0, :5] = 0.0  # padding counts nowhere
+    logits = np.asarray(models.family_of(config).logits(model, params, batch), np.float64)
+    batch["targets"] = np.argmax(logits, -1).astype(np.int32)
+    return model, params, batch, logits
+
+
+def reference_ce(logits, batch, label_smoothing=0.0):
+    """float64 per-token cross-entropy against targets smoothed toward uniform [B, T]."""
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    target = np.take_along_axis(log_probs, batch["targets"][..., None], -1)[..., 0]
+    return -(1 - label_smoothing) * target - label_smoothing * log_probs.mean(-1)
+
+
+def weighted_mean(x, batch):
+    return float((x * batch["weights"]).sum() / batch["weights"].sum())
+
+
+def test_validation_loss_is_the_plain_cross_entropy_under_label_smoothing():
+    config = tiny_config(label_smoothing=0.1)
+    model, params, batch, logits = build(config, scale=3.0)
+    plain, smoothed = (reference_ce(logits, batch, ls) for ls in (0.0, 0.1))
+    assert abs(weighted_mean(smoothed, batch) - weighted_mean(plain, batch)) > 0.05
+    sums = jax.jit(evaluation.make_eval_step(model, config))(params, batch)
+    assert float(sums["num_tokens"]) == batch["weights"].sum()
+    loss = float(sums["loss_sum"]) / float(sums["num_tokens"])
+    np.testing.assert_allclose(loss, weighted_mean(plain, batch), rtol=1e-5)
+    # each row's sums (per-window evaluation, val_windows.npz) are plain too
+    np.testing.assert_allclose(sums["row_loss_sum"], (plain * batch["weights"]).sum(1),
+                               rtol=1e-5)
+
+
+def test_train_perplexity_is_exp_plain_ce_for_one_or_two_micro_batches():
+    values = {}
+    for k in (1, 2):
+        config = tiny_config(label_smoothing=0.1)
+        config.optimizer.grad_accumulation_steps = k
+        model, params, batch, logits = build(config, scale=3.0)
+        state = TrainState(np.zeros((), np.int32), params, optax.sgd(0.1).init(params),
+                           np.asarray(-1, np.int32))
+        _, logged = jax.jit(make_train_step(model, config, optax.sgd(0.1)))(state, batch)
+        values[k] = (float(logged["perplexity"]), float(logged["loss"]))
+    plain, smoothed = (weighted_mean(reference_ce(logits, batch, ls), batch) for ls in (0, 0.1))
+    assert np.exp(smoothed) > 1.1 * np.exp(plain)  # the two readings are far apart
+    for k, (perplexity, loss) in values.items():
+        np.testing.assert_allclose(perplexity, np.exp(plain), rtol=1e-5, err_msg=f"k={k}")
+        np.testing.assert_allclose(loss, smoothed, rtol=1e-5, err_msg=f"k={k}")  # trained
+
+
+FREEZE = "^(embed|decoder/layers)"
+
+
+def frozen_run(max_grad_norm=0.0):
+    """(params before, the gradients, the step's state and metrics) of one step of a run
+    freezing all but the final norm under adamw with clipping."""
+    config = tiny_config(max_grad_norm=max_grad_norm)
+    config.optimizer.update(freeze=FREEZE, warmup_steps=0)
+    model, params, batch, _ = build(config)
+    optimizer = optim.make_optimizer(config)
+    state = TrainState(np.zeros((), np.int32), params, optimizer.init(params),
+                       np.asarray(-1, np.int32))
+    step = make_seeded_train_step(model, config, optimizer)
+    grads, logged = jax.jit(step.gradients)(state, batch, jax.random.key(0))
+    new, logged = jax.jit(step.update)(state, grads, logged)
+    return params, grads, new, logged
+
+
+def test_grad_norm_and_max_grad_norm_count_only_the_trainable_params():
+    params, grads, new, logged = frozen_run()
+    flat = traverse_util.flatten_dict(grads, sep="/")
+    trainable = [np.asarray(g, np.float64) for name, g in flat.items()
+                 if not re.search(FREEZE, name)]
+    assert trainable and len(trainable) < len(flat)
+    norm = np.sqrt(sum((g**2).sum() for g in trainable))
+    full = np.sqrt(sum((np.asarray(g, np.float64) ** 2).sum() for g in flat.values()))
+    assert full > 3 * norm  # the frozen params' gradients dominate the full norm
+    np.testing.assert_allclose(float(logged["grad_norm"]), norm, rtol=1e-5)
+    # A limit between the two passes the step (and the final norm trains) ...
+    params, _, new, _ = frozen_run(max_grad_norm=float(np.sqrt(norm * full)))
+    assert int(new.first_nonfinite_step) == -1
+    final, before = new.params["decoder"]["final_norm"], params["decoder"]["final_norm"]
+    assert not np.allclose(final["scale"], before["scale"])
+    # ... and one below the trainable norm still catches it.
+    _, _, new, _ = frozen_run(max_grad_norm=float(norm) / 2)
+    assert int(new.first_nonfinite_step) == 1
+
+
+def start_purging_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the event files in `logdir` as TensorBoard shows them: the files in name
+    (= time) order, and a SessionLog START at step s drops every event seen so far at a step
+    >= s (tensorboard's EventAccumulator._CheckForRestartAndMaybePurge, file_version 2)."""
+    scalars = {}
+    for path in sorted(glob.glob(f"{logdir}/events.out.tfevents.*")):
+        data, i = open(path, "rb").read(), 0
+        while i < len(data):  # TFRecord: length u64, its crc u32, the record, its crc u32
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 16 + n
+            if event.session_log.status == event_pb2.SessionLog.START:
+                scalars = {tag: [(s, v) for s, v in points if s < event.step]
+                           for tag, points in scalars.items()}
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def log_killed_then_resumed(workdir):
+    """A run logs steps 10, 20, 30 (loss = step), is killed and resumes from its checkpoint
+    at 20, then logs 30 and 40 (loss = step + 0.5)."""
+    first = metrics.MetricsLogger(str(workdir), True, 0)
+    for step in (10, 20, 30):
+        first.write(step, "train", {"loss": float(step)})
+    first.close()
+    time.sleep(1.05 - time.time() % 1)  # a file name per second: each start its own file
+    resumed = metrics.MetricsLogger(str(workdir), True, 20)
+    for step in (30, 40):
+        resumed.write(step, "train", {"loss": step + 0.5})
+    resumed.close()
+    return [(10, 10.0), (20, 20.0), (30, 30.5), (40, 40.5)]
+
+
+def test_tensorboard_drops_the_steps_a_resume_trains_again_as_metrics_jsonl_does(tmp_path):
+    expected = log_killed_then_resumed(tmp_path)
+    assert len(glob.glob(f"{tmp_path}/tensorboard/events.out.tfevents.*")) == 2
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["step"], r["loss"]) for r in records] == expected
+    assert start_purging_scalars(tmp_path / "tensorboard")["train/loss"] == expected
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
+                    reason="tensorboard (the reader itself) is not installed")
+def test_tensorboards_own_reader_drops_them_too(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    expected = log_killed_then_resumed(tmp_path)
+    reader = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    reader.Reload()
+    assert [(e.step, e.value) for e in reader.Scalars("train/loss")] == expected
