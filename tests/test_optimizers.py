@@ -494,3 +494,18 @@ def test_fine_tuning_groups_work_with_every_optimizer(gpt_params, name):
     moved = [not np.array_equal(a, b) for a, b in
              zip(jax.tree.leaves(x), jax.tree.leaves(trained), strict=True)]
     assert sum(moved) == (len(moved) - 1 if name == "schedule_free_adamw" else 0)
+
+
+@pytest.mark.parametrize("decay", optim.DECAYS)
+def test_without_warmup_every_schedule_starts_at_the_peak(decay):
+    """warmup_steps=0: update 0 runs at the peak learning rate (cosine's optax warmup of one
+    step spent it at 0 and shifted the curve by a step), and cosine reaches its end at the
+    last update."""
+    config = tiny(steps=10, warmup_steps=0, decay=decay, min_learning_rate_ratio=0.1)
+    schedule = optim.learning_rate_schedule(config.optimizer, config.steps)
+    peak = config.optimizer.learning_rate
+    assert float(schedule(0)) == pytest.approx(peak, rel=1e-6)
+    if decay == "cosine":
+        want = [0.1 * peak + 0.9 * peak * (1 + math.cos(math.pi * t / 10)) / 2
+                for t in range(11)]
+        np.testing.assert_allclose([float(schedule(t)) for t in range(11)], want, rtol=1e-5)
