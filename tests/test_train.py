@@ -31,7 +31,7 @@ import pytest
 
 from transformer import configs, train
 from transformer import evaluate as evaluate_lib
-from transformer.training import checkpoint_manager, placement, progress, run_eval
+from transformer.training import checkpoint_manager, optim, placement, progress, run_eval
 from transformer.utils import hostmem
 
 REPO = Path(__file__).resolve().parents[1]
@@ -544,6 +544,15 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(diverge
     assert checkpoint_steps(skip_dir) == [4]
     assert all_finite(load_state(skip_dir, 4)["params"])
     assert all_finite(result["state"].params)
+    # A skipped step does not advance the schedule: each logged rate is that of the updates
+    # applied so far (the optimizer's own count), and the skips are counted.
+    schedule = optim.learning_rate_schedule(config.optimizer, config.steps)
+    logged = [r for r in read_metrics(skip_dir) if r["split"] == "train"]
+    skips = [r["skipped_steps"] for r in logged]
+    assert skips[-1] == int(result["state"].opt_state.total_notfinite) > 0, skips
+    for r in logged:
+        assert r["learning_rate"] == pytest.approx(
+            float(schedule(r["step"] - 1 - r["skipped_steps"])), rel=1e-6), r
 
 
 @pytest.mark.slow

@@ -51,9 +51,16 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
     run.watch.logged(step, float(metrics["loss"]))
     nonfinite.check(run.state, config, step, run.manager, watch=run.watch)
     now = time.perf_counter() if now is None else now
-    lr = float(optim.learning_rate_schedule(config.optimizer, config.steps)(step - 1))
+    # Under nonfinite="skip" a skipped step leaves the schedule's count where it was: the
+    # rate is the one the count of updates applied gives, and the skips are counted.
+    skipped = getattr(run.state.opt_state, "total_notfinite", None)
+    skipped = 0 if skipped is None else int(placement_lib.fetch(skipped))
+    lr = float(optim.learning_rate_schedule(config.optimizer, config.steps)(
+        step - 1 - skipped))
     record = {k: float(v) for k, v in metrics.items()}
     record["learning_rate"] = lr
+    if config.get("nonfinite", "stop") == "skip":
+        record["skipped_steps"] = skipped
     speed = ""
     if step > since[1]:
         seconds = (now - since[0]) / (step - since[1])
