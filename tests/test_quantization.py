@@ -198,6 +198,15 @@ def test_a_bad_quantization_is_one_line(value):
         build_model(model_config(value))
 
 
+def test_an_lstm_which_has_no_matmul_to_quantize_is_refused():
+    """An LSTM's int8 run trained bit for bit as its float run: refused, not a silent no-op."""
+    config = configs.experiment("lstm_lm")
+    config.model.quantization = "int8"
+    with pytest.raises(ValueError, match=r"model.quantization='int8' with family='lstm': "
+                                         r"expected a transformer family"):
+        build_model(config.model)
+
+
 def test_resuming_may_change_quantization_and_says_so():
     from transformer.training import checkpoint_manager
 

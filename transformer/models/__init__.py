@@ -127,6 +127,10 @@ def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
                          "feed-forward layers become experts)")
     _check_mtp(model_config)
     quantization.check(model_config)
+    if model_config.get("quantization") and not family_of(model_config).attention:
+        raise ValueError(f"model.quantization={model_config.quantization!r} with family="
+                         f"{model_config.family!r}: expected a transformer family (it "
+                         "quantizes the blocks' attention and MLP matmuls: an LSTM has none)")
     return quantization.quantize(family_of(model_config).build(model_config), model_config)
 
 
