@@ -117,6 +117,22 @@ def test_task_errors_name_the_bad_value(play):
     assert config.model.num_classes == 3
 
 
+def test_an_exported_classifier_takes_its_tasks_label_names(play, tmp_path):
+    from transformer.hf import export
+
+    config = task_config(play)
+    assert export.task_labels(config) == ["ROMEO", "JULIET", "NURSE"]
+    config.model.head = "mlm"  # no class head: no names
+    assert export.task_labels(config) is None
+    config = task_config(play)
+    config.data.path = str(tmp_path / "moved.txt")
+    with pytest.raises(FileNotFoundError) as error:
+        export.task_labels(config)
+    message = str(error.value)
+    assert message.startswith(f"data.path={config.data.path!r}: the classifier's label names ")
+    assert message.endswith("expected the data the run trained on") and "\n" not in message
+
+
 def test_evaluation_batches_read_every_example_once(play):
     config = task_config(play)
     tokenizer = tokenizers.build_tokenizer("byte", num_sentinels=0)
@@ -179,6 +195,80 @@ def test_init_from_a_hugging_face_bert_loads_the_converted_weights(tmp_path):
     assert all(k.startswith("mlm") for k in report.dropped)
     fresh_flat = finetune._flat(fresh)
     assert all(np.array_equal(flat[k], fresh_flat[k]) for k in report.new)
+
+
+# --- init_from a workdir: the source's architecture ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_base(tmp_path_factory) -> Path:
+    """A 2-step gpt_tiny workdir whose activation and norm_epsilon, keys that change no param's
+    shape, are not gpt_tiny's."""
+    from test_train import tiny_config
+
+    workdir = tmp_path_factory.mktemp("gpt_base") / "run"
+    config = tiny_config()
+    assert (config.model.activation, config.model.norm_epsilon) != ("relu", 1e-3)
+    config.model.update(activation="relu", norm_epsilon=1e-3)
+    train.train_and_evaluate(config, str(workdir))
+    return workdir
+
+
+@pytest.mark.slow
+def test_init_from_a_workdir_takes_its_architecture_and_refuses_a_contradicting_flag(
+        gpt_base, tmp_path, capsys):
+    from test_train import run_cli, tiny_config, tiny_flags
+
+    from transformer.training import checkpoint
+
+    config = tiny_config(init_from=str(gpt_base))
+    resolved = finetune.resolve_init_config(config, explicit={"model.num_layers"})  # the same
+    assert (resolved.model.activation, resolved.model.norm_epsilon) == ("relu", 1e-3)
+    for key, value, says in [("activation", "gelu_tanh", "'relu'"),
+                             ("norm_epsilon", 1e-5, "0.001")]:
+        with pytest.raises(ValueError) as error:
+            finetune.resolve_init_config(config, explicit={f"model.{key}"})
+        assert str(error.value) == \
+            f"model.{key}={value!r}: {gpt_base}@2's saved config says {says}"
+    # A run from it trains the source's model (train.setup resolves), every param loaded.
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+    count = len(checkpoint.params_metadata(str(gpt_base))[1])
+    assert f"@2: loaded {count} params; new 0; dropped 0" in capsys.readouterr().out
+    saved = checkpoint.saved_run(str(tmp_path / "run"))[1].model
+    assert (saved.activation, saved.norm_epsilon) == ("relu", 1e-3)
+    result = run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                     f"--config.init_from={gpt_base}", *tiny_flags(2),
+                     "--config.model.norm_epsilon=0.01", f"--workdir={tmp_path / 'bad'}",
+                     logs=tmp_path / "logs")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == \
+        f"error: model.norm_epsilon=0.01: {gpt_base}@2's saved config says 0.001"
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_a_workdir_trains_and_is_refused_as_an_init_from(gpt_base, tmp_path):
+    """A LoRA run's checkpoints hold its adapters only: as init_from it is refused in one line
+    saying so and how to get a model to start from, before a model is built."""
+    from test_train import tiny_config
+
+    from transformer.training import checkpoint
+
+    config = tiny_config(init_from=str(gpt_base))
+    config.model.lora.rank = 2
+    train.train_and_evaluate(config, str(tmp_path / "lora"))
+    assert checkpoint.saved_run(str(tmp_path / "lora"))[1].model.activation == "relu"
+    source = str(tmp_path / "lora")
+    says = (f"init_from={source!r}: {source}@2 is a LoRA run, whose checkpoints hold its "
+            "adapters only, not a model to start from: expected a full checkpoint, e.g. the "
+            f"merged model (python -m transformer.export --workdir={source} --output=DIR "
+            "--merge_lora, then init_from=hf:DIR)")
+    with pytest.raises(ValueError) as error:
+        finetune.resolve_init_config(tiny_config(init_from=source))
+    assert str(error.value) == says
+    with pytest.raises(ValueError) as error:  # an in-process load, without the config step
+        finetune.load_params(source, {}, {})
+    assert str(error.value) == says
 
 
 # --- optimizer groups -----------------------------------------------------------------------
@@ -282,6 +372,15 @@ def test_pretrain_then_fine_tune_a_frozen_encoder_then_evaluate_through_the_cli(
     assert metrics["accuracy"] == pytest.approx(summary["test_accuracy"])
     assert (finetuned / "confusion_4_test.png").read_bytes()[:4] == b"\x89PNG"
     assert "true \\ predicted" in result.stdout
+    # Exported, the classifier names its classes as the task does (not LABEL_0, ...).
+    transformers = pytest.importorskip("transformers")
+    from transformer import export
+
+    export.export_workdir(str(finetuned), str(tmp_path / "hf"))
+    exported = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert exported.architectures == ["BertForSequenceClassification"]
+    assert exported.id2label == {0: "ROMEO", 1: "JULIET", 2: "NURSE"}
+    assert exported.label2id == {"ROMEO": 0, "JULIET": 1, "NURSE": 2}
 
 
 @pytest.mark.slow

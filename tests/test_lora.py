@@ -400,6 +400,52 @@ def test_both_exports_give_our_logits_in_transformers_and_peft(lora_run, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("targets,adapted", [
+    (r"layers_0/self_attention/(query|value)$", {"0.self_attn.q_proj", "0.self_attn.v_proj"}),
+    (r"layers_0/self_attention/query$|layers_1/mlp/wo$", {"0.self_attn.q_proj",
+                                                          "1.mlp.down_proj"}),
+    (r"self_attention/value$", {"0.self_attn.v_proj", "1.self_attn.v_proj"})])
+def test_a_peft_adapter_of_some_layers_loads_onto_exactly_those_modules(targets, adapted,
+                                                                         tmp_path):
+    """Adapters on some layers (or no layers x modules grid): peft attaches LoRA to exactly the
+    adapted modules, with no missing keys (an extra zero adapter would train with
+    is_trainable=True), and gives our logits."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from transformer import export as export_cli
+    from transformer.hf import export
+
+    config = small_config()
+    config.model.lora.targets = targets
+    model, _, state = init(config)
+    rng = np.random.RandomState(4)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, v: rng.randn(*v.shape).astype(np.float32) * 0.1
+        if path[-1].key.endswith("_lora_b") else np.asarray(v), state.params)
+    hf_config, tensors = export.to_hf(export.base_model_config(config.model),
+                                      lora.merge({}, lora.trainable(params)[1]))
+    base = transformers.LlamaForCausalLM(hf_config).eval()
+    base.load_state_dict({k: torch.tensor(v) for k, v in tensors.items()}, strict=True)
+    export_cli._peft_files(config, params, str(tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tuned = peft.PeftModel.from_pretrained(base, tmp_path).eval()
+    assert not [w for w in caught if "missing" in str(w.message)], [str(w.message)
+                                                                    for w in caught]
+    attached = {name.removeprefix(export.PEFT_PREFIX) for name, module in
+                tuned.named_modules() if isinstance(module, peft.tuners.lora.LoraLayer)}
+    assert attached == adapted
+    ids = lm_batch(9)["inputs"]
+    with torch.no_grad():
+        theirs = tuned(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    ours = logits(model, params, ids)
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-5 * np.abs(ours).max())
+
+
+@pytest.mark.slow
 def test_a_hybrid_takes_adapters_on_its_softmax_attention_and_a_bare_target_is_refused():
     """Gated DeltaNet layers take no adapters: the default targets leave them out (their
     `linear_attention/query` once matched `attention/query` silently), and a regex that

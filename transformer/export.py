@@ -125,7 +125,8 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
                       {"step": step, "architecture": "a peft LoRA adapter"})
     if adapters:
         params = lora.merged_params(params, state_lib.model_lora(config))
-    hf_config, state = hf_export.to_hf(hf_export.base_model_config(config.model), params)
+    hf_config, state = hf_export.to_hf(hf_export.base_model_config(config.model), params,
+                                       labels=hf_export.task_labels(config))
     for role in ("bos", "eos", "pad"):
         value = getattr(tokenizer, f"{role}_id", None)
         if value is not None:

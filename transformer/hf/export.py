@@ -16,6 +16,7 @@ Needs `transformers` (pip install transformers); torch is not needed.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -219,11 +220,30 @@ def _t5(config, params, transformers):
     return hf_config, out
 
 
-def to_hf(model_config, params) -> tuple[Any, dict[str, np.ndarray]]:
+def task_labels(config) -> list[str] | None:
+    """The class names of a run config's labeled task, in class order, for a classifier's
+    exported id2label (None: the model has no class head). Reads the task's data, as
+    training did; a one-line error if it is not there."""
+    from transformer.data import inputs
+    from transformer.models import family_of
+
+    if not family_of(config).classifier(config.model):
+        return None
+    try:
+        task = inputs.labeled_task(config)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"data.path={config.data.path!r}: the classifier's label names "
+                                f"come from its task's data ({error}): expected the data the "
+                                "run trained on") from None
+    return None if task is None else list(task.labels)
+
+
+def to_hf(model_config, params, labels=None) -> tuple[Any, dict[str, np.ndarray]]:
     """(transformers config, state dict of float32 NumPy arrays) of a model of this project:
     the checkpoint `convert.from_hf` reads back into the same params. Refuses, with a one-line
     ValueError naming the setting, what no Hugging Face class represents (a LoRA model's
-    adapters included: merge them first, with `base_model_config`)."""
+    adapters included: merge them first, with `base_model_config`). `labels`: a classifier's
+    class names (`task_labels`), its id2label; None leaves transformers' LABEL_i."""
     import transformers
 
     family = model_config.family
@@ -260,6 +280,9 @@ def to_hf(model_config, params) -> tuple[Any, dict[str, np.ndarray]]:
         raise ValueError(f"model.family={family!r}: expected 'gpt', 'bert' or 't5' (the "
                          "families with a Hugging Face counterpart)")
     hf_config, state = exporter(model_config, params, transformers)
+    if labels is not None and model_config.get("head") == "classify":
+        hf_config.id2label = dict(enumerate(labels))  # one name per class (training checked)
+        hf_config.label2id = {name: i for i, name in enumerate(labels)}
     return hf_config, {k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}
 
 
@@ -273,7 +296,8 @@ PEFT_PREFIX = "base_model.model.model.layers."
 def peft_state(config, params) -> tuple[dict, dict[str, np.ndarray]]:
     """(adapter_config.json's dict, adapter_model.safetensors' tensors) of a LoRA run's params:
     a Llama-like GPT's adapters as peft names and lays them out, lora_A [rank, in] = A^T and
-    lora_B [out, rank] = B^T, with A and B flattened to matrices (HF's weights are [out, in])."""
+    lora_B [out, rank] = B^T, with A and B flattened to matrices (HF's weights are [out, in]).
+    peft attaches adapters to exactly the adapted modules (`_peft_targets`)."""
     model = config.model
     if (model.family, model.get("position")) != ("gpt", "rope") or \
             (model.get("moe") and model.moe.num_experts):
@@ -284,7 +308,7 @@ def peft_state(config, params) -> tuple[dict, dict[str, np.ndarray]]:
     merged = lora.merged_params(params, lora.LoraConfig(**model.lora.to_dict()))
     to_hf(base_model_config(model), merged)  # refuses the rest
     layers = _unscanned(model, _numpy(params), "decoder")["decoder"]
-    state, modules = {}, set()
+    state, adapted = {}, set()
     for i in range(model.num_layers):
         for group in ("self_attention", "mlp"):
             for ours, theirs in PEFT_MODULES.items():
@@ -296,16 +320,31 @@ def peft_state(config, params) -> tuple[dict, dict[str, np.ndarray]]:
                 name = f"{PEFT_PREFIX}{i}.{theirs}"
                 state[f"{name}.lora_A.weight"] = a.reshape(-1, rank).T
                 state[f"{name}.lora_B.weight"] = b.reshape(rank, -1).T
-                modules.add(name.rsplit(".", 1)[1])
+                adapted.add((i, theirs))
     lora_config = model.lora
     init_from = config.get("init_from", "")
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_config.rank,
         "lora_alpha": lora_config.alpha, "lora_dropout": lora_config.dropout,
-        "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
+        **_peft_targets(adapted, model.num_layers), "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "inference_mode": True, "modules_to_save": None,
         "base_model_name_or_path": init_from[3:] if init_from.startswith("hf:") else init_from}
     return adapter_config, {k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}
+
+
+def _peft_targets(adapted: set[tuple[int, str]], num_layers: int) -> dict:
+    """adapter_config.json's keys that make peft attach adapters to exactly the `adapted`
+    (layer, module) pairs: target_modules, with layers_to_transform when only some layers
+    have them; a regex of the exact modules where the pairs are no layers x modules grid."""
+    layers = sorted({i for i, _ in adapted})
+    modules = sorted({m.rsplit(".", 1)[1] for _, m in adapted})
+    if adapted == {(i, m) for i in layers for m in {m for _, m in adapted}}:
+        some = len(layers) < num_layers
+        return {"target_modules": modules, "layers_to_transform": layers if some else None,
+                "layers_pattern": "layers" if some else None}
+    names = "|".join(re.escape(f"{i}.{m}") for i, m in sorted(adapted))
+    return {"target_modules": rf"model\.layers\.(?:{names})", "layers_to_transform": None,
+            "layers_pattern": None}
 
 
 def base_model_config(model_config):

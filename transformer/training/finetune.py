@@ -14,9 +14,11 @@ error naming the param, and so is a dropped param inside a layer stack (a differ
 params are loaded: the optimizer, step and data start fresh. A run that has its own
 checkpoints resumes from them and ignores `init_from`.
 
-With "hf:DIR" the architecture comes from DIR's config.json (`resolve_hf_config`, through the
-converter that maps the weights), and `data.num_sentinels` from its tokenizer (0 but for T5's
-own sentinels): the experiment file gives the family, the head and the training settings.
+The architecture (every model key but `RUN_SETTINGS`) comes from the source
+(`resolve_init_config`): a workdir's saved config, or "hf:DIR"'s config.json through the
+converter that maps the weights (and `data.num_sentinels` from DIR's tokenizer: 0 but for T5's
+own sentinels); the experiment file gives the family, the head and the training settings. A
+model key set on the command line that contradicts the source is refused in one line.
 """
 
 from __future__ import annotations
@@ -135,45 +137,84 @@ def _hf_params(directory: str, scan: bool = False) -> dict[str, np.ndarray]:
     return hf_convert(directory, scan)[2]
 
 
-def resolve_hf_config(config: ml_collections.ConfigDict,
-                      explicit: Collection[str] = ()) -> ml_collections.ConfigDict:
-    """`config` with `init_from="hf:DIR"` resolved from DIR (any other config is returned as
-    it is): every model key but `RUN_SETTINGS` becomes the value `convert.from_hf` derives
-    from DIR's config.json, and `data.num_sentinels` DIR's tokenizer's own sentinel count (0
-    for BERT, GPT-2, Llama: a pretrained vocabulary has no room for more ids).
+def resolve_init_config(config: ml_collections.ConfigDict,
+                        explicit: Collection[str] = ()) -> ml_collections.ConfigDict:
+    """`config` with its init_from's architecture: every model key but `RUN_SETTINGS` becomes
+    the source's, i.e. the value `convert.from_hf` derives from an "hf:DIR"'s config.json, or
+    a workdir's saved config at the step it names (default: its latest). An "hf:DIR" also sets
+    `data.num_sentinels` to DIR's tokenizer's own sentinel count (0 for BERT, GPT-2, Llama: a
+    pretrained vocabulary has no room for more ids). A config without init_from, or whose
+    source is not there (validate_config then says what is missing), is returned as it is.
 
     Which values the user chose: `explicit`, the dotted keys set on the command line
     (`config_flags.get_override_values(FLAGS["config"])`: "model.num_layers", ...). The
-    experiment file's values are defaults, replaced by DIR's; an explicit value that differs
-    from DIR's is refused in one line naming the key. `model.family` always comes from the
-    experiment (it picks the objective and data), so a checkpoint of another family is refused.
-    In-process callers pass the keys they set themselves; with none, DIR's values replace
-    every model key but the run settings. Raises ValueError; reads DIR's files, changes
-    nothing (`config` included).
+    experiment file's values are defaults, replaced by the source's; an explicit value that
+    differs from the source's is refused in one line naming the key. `model.family` always
+    comes from the experiment (it picks the objective and data), so a checkpoint of another
+    family is refused, and so is a LoRA workdir (its checkpoints hold adapters only).
+    In-process callers pass the keys they set themselves; with none, the source's values
+    replace every model key but the run settings. Raises ValueError; reads the source's
+    files, changes nothing (`config` included).
     """
-    init_from = config.get("init_from")
-    if not isinstance(init_from, str) or not init_from.startswith("hf:") or \
-            not os.path.isfile(os.path.join(init_from[3:], "config.json")):
-        return config  # not an hf: source, or validate_config says what is missing
-    hf_config, theirs, _ = hf_convert(init_from[3:])
+    source = _source_architecture(config.get("init_from"))
+    if source is None:
+        return config
+    theirs, says, kind = source
     family = config.model.get("family")
-    if family != theirs.family and (theirs.family, family) not in _SAME_PARAMS:
-        kind = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
+    if family != theirs["family"] and (theirs["family"], family) not in _SAME_PARAMS:
         raise ValueError(
-            f"model.family={family!r}: {init_from} is a {kind} ({theirs.family!r} family) "
-            f"checkpoint: expected model.family={theirs.family!r}, e.g. "
-            f"--config=experiments/{_EXAMPLES.get(theirs.family, theirs.family)}.py")
+            f"model.family={family!r}: {config.init_from} is a {kind} ({theirs['family']!r} "
+            f"family) checkpoint: expected model.family={theirs['family']!r}, e.g. "
+            f"--config=experiments/{_EXAMPLES.get(theirs['family'], theirs['family'])}.py")
     resolved = ml_collections.ConfigDict(config.to_dict())
     ours = keys.dotted(config.model)
-    for key, value in keys.dotted(theirs).items():
+    for key, value in theirs.items():
         if key in RUN_SETTINGS or (key in ours and ours[key] == value):
             continue
         if f"model.{key}" in explicit:
-            raise ValueError(f"model.{key}={ours.get(key)!r}: {init_from}'s config.json says "
-                             f"{value!r}")
+            raise ValueError(f"model.{key}={ours.get(key)!r}: {says} says {value!r}")
         resolved.model.update_from_flattened_dict({key: value})
-    _resolve_sentinels(resolved, init_from, theirs.vocab_size, explicit)
+    if config.init_from.startswith("hf:"):
+        _resolve_sentinels(resolved, config.init_from, theirs["vocab_size"], explicit)
     return resolved
+
+
+resolve_hf_config = resolve_init_config  # its name before workdir sources resolved too
+
+
+def _source_architecture(init_from) -> tuple[dict, str, str] | None:
+    """({dotted model key: value}, what says so, what kind of checkpoint) of an init_from
+    source; None without one, or for one that is not there."""
+    if not isinstance(init_from, str) or not init_from:
+        return None
+    kind, path, step = fileio.parse_init_from(init_from)
+    if kind == "hf":
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            return None
+        hf_config, theirs, _ = hf_convert(path)
+        name = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
+        return keys.dotted(theirs), f"{init_from}'s config.json", name
+    from transformer.models import default_model_config
+
+    try:
+        step, saved = checkpoint_lib.saved_run(path, step)
+    except (FileNotFoundError, ValueError):
+        return None
+    if lora.enabled(saved):
+        raise ValueError(_adapters_only(init_from, f"{path}@{step}"))
+    known = keys.dotted(default_model_config())  # a key an older run lacks: its default
+    theirs = {**known, **keys.dotted(saved.model)}
+    return ({k: v for k, v in theirs.items() if k in known}, f"{path}@{step}'s saved config",
+            "training-run")
+
+
+def _adapters_only(init_from: str, source: str) -> str:
+    """The error for an init_from that is a LoRA run's workdir."""
+    path = fileio.parse_init_from(init_from)[1]
+    return (f"init_from={init_from!r}: {source} is a LoRA run, whose checkpoints hold its "
+            "adapters only, not a model to start from: expected a full checkpoint, e.g. the "
+            f"merged model (python -m transformer.export --workdir={path} --output=DIR "
+            "--merge_lora, then init_from=hf:DIR)")
 
 
 def _resolve_sentinels(config, init_from: str, vocab_size: int, explicit) -> None:
@@ -233,6 +274,8 @@ def load_params(init_from: str, params, shardings) -> tuple[object, LoadReport]:
                   for k in report.loaded}
     else:
         step, metadata = checkpoint_lib.params_metadata(path, step)
+        if metadata and all(lora.is_adapter(k) for k in metadata):
+            raise ValueError(_adapters_only(init_from, f"{path}@{step}"))
         report = match({k: m.shape for k, m in metadata.items()},
                        {k: _shape(v) for k, v in target.items()}, f"{path}@{step}")
         wanted = {tuple(k.split("/")): jax.ShapeDtypeStruct(
