@@ -509,3 +509,26 @@ def test_without_warmup_every_schedule_starts_at_the_peak(decay):
         want = [0.1 * peak + 0.9 * peak * (1 + math.cos(math.pi * t / 10)) / 2
                 for t in range(11)]
         np.testing.assert_allclose([float(schedule(t)) for t in range(11)], want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", [n for n in optim.NAMES if n != "schedule_free_adamw"])
+def test_a_scanned_stack_gets_the_updates_of_an_unrolled_one(name):
+    """The same params and gradients, unrolled (layers_i) or scanned (one stack along a
+    leading layers axis), get the same updates: weight decay on the same params, and
+    Adafactor's factored moments and block RMS per layer (its whole-stack statistics were
+    off by half when the layers differ in scale, as here: layer 1 five times layer 0)."""
+    from transformer.nn.layers import stack_layers
+
+    config = tiny(name, steps=10, warmup_steps=0, weight_decay=0.1)
+    unrolled = tiny_params(config)
+    unrolled["decoder"]["layers_1"] = jax.tree.map(lambda x: 5 * x + 0.1,
+                                                   unrolled["decoder"]["layers_1"])
+    scanned = {**unrolled, "decoder": stack_layers(unrolled["decoder"], 2)}
+    config.model.scan_layers = False
+    flat = updates(optim.make_optimizer(config), unrolled)
+    config.model.scan_layers = True
+    stacked = updates(optim.make_optimizer(config), scanned)
+    for ours, theirs in zip(stacked, flat, strict=True):
+        theirs = {**theirs, "decoder": stack_layers(theirs["decoder"], 2)}
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+                     ours, theirs)

@@ -180,10 +180,32 @@ def _adafactor(config, schedule, peak):
         multiply_by_parameter_scale=opt.adafactor_parameter_scale,
         clipping_threshold=opt.adafactor_clipping_threshold or None,
         momentum=opt.adafactor_momentum or None)
+    if config.model.get("scan_layers"):  # its factors and block RMS are per matrix: per layer
+        tx = optax.multi_transform({"layer": per_layer(tx), "whole": tx},
+                                   lambda params: stacked_labels(config, params))
     if not opt.weight_decay:
         return tx
     return optax.chain(tx, optax.add_decayed_weights(
         lambda count: -opt.weight_decay * schedule(count), decay_mask(config)))
+
+
+def per_layer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` on each layer of stacked params apart (vmapped over their leading axis): what it
+    does to an unrolled stack's params, where a whole-array statistic (Adafactor's factored
+    moments, block RMS) would mix the layers of a scanned one."""
+    # (a group that holds no stacked param, MaskedNodes alone, has no axis to map over)
+    mapped = lambda f, tree: jax.vmap(f) if jax.tree.leaves(tree) else f
+    return optax.GradientTransformation(
+        lambda params: mapped(tx.init, params)(params),
+        lambda updates, state, params=None: mapped(tx.update, updates)(updates, state, params))
+
+
+def stacked_labels(config: ml_collections.ConfigDict, params):
+    """"layer" for each param of a scanned stack (its first logical axis `layers`), else
+    "whole" (`logical_axes`)."""
+    return jax.tree.map(lambda names, p: jax.tree.map(
+        lambda _: "layer" if names and names[0] == "layers" else "whole", p),
+        logical_axes(config), params, is_leaf=_IS_AXES)
 
 
 def _lion(config, schedule, peak):
