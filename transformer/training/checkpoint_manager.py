@@ -85,15 +85,24 @@ def structural_differences(saved: dict, current: dict) -> list[str]:
 
 
 def compute_changes(saved: dict, current: dict) -> list[str]:
-    """The compute settings (`model.quantization`, `model.quantize_head`) that differ between a
-    checkpoint's config and the run resuming it: allowed, and announced.
+    """The settings that may change on resume and did: the model's non-structural ones
+    (quantization, dtype, dropout, kernels, ...) and the optimizer's but its name (learning
+    rate, schedule, weight decay, ...; a key both configs hold). Allowed, and announced.
 
     >>> compute_changes({"model": {}}, {"model": {"quantization": "int8"}})
     ["model.quantization: checkpoint '', config 'int8'"]
+    >>> compute_changes({"optimizer": {"learning_rate": 0.001}},
+    ...                 {"optimizer": {"learning_rate": 0.01}})
+    ['optimizer.learning_rate: checkpoint 0.001, config 0.01']
     """
     saved_model, current_model = _model_settings(saved), _model_settings(current)
-    return [f"model.{key}: checkpoint {saved_model.get(key)!r}, config {current_model.get(key)!r}"
-            for key in _COMPUTE_SETTINGS if saved_model.get(key) != current_model.get(key)]
+    changes = [f"model.{key}: checkpoint {saved_model.get(key)!r}, config "
+               f"{current_model.get(key)!r}" for key in sorted(_NON_STRUCTURAL)
+               if saved_model.get(key) != current_model.get(key)]
+    saved_opt, current_opt = (keys.dotted(c.get("optimizer", {})) for c in (saved, current))
+    return changes + [f"optimizer.{key}: checkpoint {saved_opt[key]!r}, config "
+                      f"{current_opt[key]!r}" for key in sorted(set(saved_opt) & set(current_opt))
+                      if key != "name" and saved_opt[key] != current_opt[key]]
 
 
 def stream_differences(saved: dict, current: dict) -> list[str]:

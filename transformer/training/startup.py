@@ -74,8 +74,8 @@ def announce(run, mesh_summary: str) -> None:
     if config.model.get("layer_types") or config.model.get("attention_kind", "mha") != "mha":
         run.logger.print(mixers.summary(transformer_config(config.model)))
     for change in getattr(run.manager, "compute_changes", ()):
-        run.logger.print(f"changed on resume: {change} (a compute setting; the checkpoint's "
-                         "params are float either way)")
+        run.logger.print(f"changed on resume: {change} (allowed: the run continues from the "
+                         "checkpoint's params and optimizer state)")
     run.logger.print(mesh_summary)
     stages = run.placement.mesh.shape.get(pipeline_parallel.STAGE_AXIS, 1)
     if schedule := pipeline_parallel.describe(stages, *run.placement.schedule):
