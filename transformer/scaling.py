@@ -369,12 +369,12 @@ def main(argv) -> None:
     FLAGS = flags.FLAGS
     config_file = config_flags.get_config_filename(FLAGS["config"])
     runs, notes = load_runs(FLAGS.workdir, config_file, FLAGS.config)
+    if notes:  # also in the report's warnings; here as one line, before a fit that may fail
+        print(f"warning: {'; '.join(notes)}", file=sys.stderr)  # for want of these runs
     path = write_report(FLAGS.workdir, runs, notes, FLAGS.config.experiment,
                         FLAGS.resamples, FLAGS.parametric_resamples)
     with open(path) as f:
         print(f.read())
-    if notes:  # also in the report's warnings; here as one line
-        print(f"warning: {'; '.join(notes)}", file=sys.stderr)
     print(f"report: {path}")
 
 
