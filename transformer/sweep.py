@@ -190,7 +190,7 @@ def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
             if result["summary"]["step"] < configs[name].steps:
                 print(f"{header}: stopped at step {result['summary']['step']}; rerun the sweep "
                       "to resume", flush=True)
-                return 128 + (result["signal"] or signal.SIGTERM)
+                return 128 + (result.get("signal") or signal.SIGTERM)
     return None
 
 

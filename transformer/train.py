@@ -337,7 +337,7 @@ def main(argv) -> None:
     # A stopped run exits 128 + the signal's number (143 for SIGTERM, as a shell reports it),
     # so a launcher or a Kubernetes JobSet reads it as unfinished and reruns it, where 0 would
     # read as done. (A signal to another process: SIGTERM's.)
-    return 128 + (result["signal"] or signal.SIGTERM) if stopped else None
+    return 128 + (result.get("signal") or signal.SIGTERM) if stopped else None
 
 
 def _define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
