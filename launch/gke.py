@@ -97,6 +97,11 @@ def main(argv: Sequence[str]) -> int:
                         accelerator.generation.runtime_version, num_slices=FLAGS.num_slices,
                         train_args=tpu.train_arguments(train_args))
     tpu.validate(launch)
+    workdir = tpu.train_flags(launch.train_args).workdir or ""
+    if not workdir.startswith("gs://"):  # a restarted pod's disk is a new one
+        raise ValueError(f"workdir={workdir or None!r}: a pod restarted by the JobSet (a "
+                         "preemption, exit 143) starts on a fresh disk, without the "
+                         "checkpoints to resume: expected --workdir=gs://BUCKET/PATH")
     if FLAGS.xpk:
         if not FLAGS.cluster:
             raise ValueError("--xpk: expected --cluster")

@@ -742,3 +742,18 @@ def test_the_gke_manifest_quotes_any_argument_and_xpk_leaves_out_an_unset_projec
     unset = tpu.Launch("run1", "", "", launch.accelerator, "", train_args=TRAIN)
     xpk = gke.xpk_command(unset, "img:1", "cluster1")
     assert not [arg for arg in xpk if arg.startswith(("--project", "--zone"))], xpk
+
+
+@pytest.mark.slow
+def test_gke_refuses_a_workdir_a_restarted_pod_would_not_find():
+    """The JobSet restarts a preempted pod (exit 143) on a fresh disk: only a gs:// workdir
+    still holds the checkpoints to resume from."""
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.gke", "--name=g1", "--accelerator=v6e-8", "--image=img:1",
+         "--", TRAIN[0], "--workdir=runs/tiny"], cwd=REPO, capture_output=True, text=True,
+        timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "error: workdir='runs/tiny': a pod restarted by the JobSet (a preemption, exit 143) "
+        "starts on a fresh disk, without the checkpoints to resume: expected "
+        "--workdir=gs://BUCKET/PATH"]
