@@ -21,7 +21,7 @@ from transformer.configs import experiment
 def get_config(variant: str = "full"):
     if variant not in ("full", "cpu"):
         raise ValueError(f"variant={variant!r}: expected 'full' or 'cpu' (config file argument)")
-    config = experiment("gpt_tiny")  # a decoder; init_from=hf:DIR replaces its architecture
+    config = experiment("gpt_tiny")  # a decoder; init_from gives its architecture
     config.experiment = "sft_chat"
     config.init_from = "hf:models/chat"  # a save_pretrained directory with its tokenizer
     config.update(steps=500, batch_size=16, seq_len=1024, log_every=10, eval_every=100,

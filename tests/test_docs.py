@@ -99,7 +99,7 @@ def module_flags(module: str) -> tuple[frozenset[str], frozenset[str]]:
                 isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
             continue
         if any(keyword.arg == "flag_values" for keyword in node.keywords):
-            continue  # a FlagValues of its own (launch.tpu checks train's flags with one)
+            continue  # into a FlagValues of its own, not the command's
         name = node.args[0].value
         names.add(name)
         if node.func.attr.startswith("DEFINE_config"):

@@ -1,5 +1,5 @@
 """A real Hugging Face checkpoint comes in whole: `init_from=hf:DIR` takes the architecture from
-DIR's config.json (`finetune.resolve_hf_config`), and a base model without its head (a
+DIR's config.json (`finetune.resolve_init_config`), and a base model without its head (a
 sentence-transformers BertModel, LlamaModel, T5EncoderModel) converts to a config whose head
 matches its params.
 
@@ -158,7 +158,7 @@ def test_init_from_hf_resolves_the_model_from_config_json_and_loads_every_param(
     directory, hf = minilm
     config = bert_config(directory)
     config.model.scan_layers = scan
-    resolved = finetune.resolve_hf_config(config)
+    resolved = finetune.resolve_init_config(config)
     model = resolved.model
     assert (model.num_layers, model.d_model, model.num_heads, model.d_ff, model.max_len,
             model.norm_epsilon, model.vocab_size) == (2, 32, 4, 64, 128, 1e-12,
@@ -192,7 +192,7 @@ def test_the_resolved_config_trains(minilm, tmp_path, capsys):
     config = bert_config(directory, path=str(tmp_path / "text.txt"), unit="stream")
     config.update(steps=2, batch_size=2, seq_len=16, log_every=1, eval_every=2, eval_steps=1,
                   checkpoint_every=2)
-    result = train.train_and_evaluate(finetune.resolve_hf_config(config), str(tmp_path / "run"))
+    result = train.train_and_evaluate(finetune.resolve_init_config(config), str(tmp_path / "run"))
     assert np.isfinite(result["summary"]["val_loss"])
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("init_from"))
     assert line == f"init_from hf:{directory}: loaded {BODY_PARAMS} params; new 5 ({HEAD}); " \
@@ -208,14 +208,14 @@ def test_an_explicit_model_key_that_contradicts_config_json_is_refused(minilm, k
     config = bert_config(directory)
     config.model[key] = value
     with pytest.raises(ValueError) as error:
-        finetune.resolve_hf_config(config, explicit={f"model.{key}", "init_from"})
+        finetune.resolve_init_config(config, explicit={f"model.{key}", "init_from"})
     assert str(error.value) == f"model.{key}={value!r}: hf:{directory}'s config.json says {says}"
     # The experiment's own value is no contradiction: DIR's replaces it.
-    assert finetune.resolve_hf_config(config).model[key] == \
-        finetune.resolve_hf_config(bert_config(directory)).model[key]
+    assert finetune.resolve_init_config(config).model[key] == \
+        finetune.resolve_init_config(bert_config(directory)).model[key]
     # An explicit value equal to DIR's is accepted.
-    config.model[key] = finetune.resolve_hf_config(config).model[key]
-    finetune.resolve_hf_config(config, explicit={f"model.{key}"})
+    config.model[key] = finetune.resolve_init_config(config).model[key]
+    finetune.resolve_init_config(config, explicit={f"model.{key}"})
 
 
 def test_a_checkpoint_of_another_family_is_refused_naming_it(minilm):
@@ -223,7 +223,7 @@ def test_a_checkpoint_of_another_family_is_refused_naming_it(minilm):
     config = configs.experiment("gpt_tiny")
     config.init_from = f"hf:{directory}"
     with pytest.raises(ValueError) as error:
-        finetune.resolve_hf_config(config)
+        finetune.resolve_init_config(config)
     assert str(error.value) == (
         f"model.family='gpt': hf:{directory} is a BertModel ('bert' family) checkpoint: "
         "expected model.family='bert', e.g. --config=experiments/bert_mlm.py")
@@ -232,16 +232,16 @@ def test_a_checkpoint_of_another_family_is_refused_naming_it(minilm):
 def test_num_sentinels_defaults_to_zero_and_an_explicit_excess_is_refused(minilm):
     directory, hf = minilm
     size = hf.config.vocab_size
-    assert finetune.resolve_hf_config(bert_config(directory)).data.num_sentinels == 0
+    assert finetune.resolve_init_config(bert_config(directory)).data.num_sentinels == 0
     config = bert_config(directory, num_sentinels=100)
     with pytest.raises(ValueError) as error:
-        finetune.resolve_hf_config(config, explicit={"data.num_sentinels"})
+        finetune.resolve_init_config(config, explicit={"data.num_sentinels"})
     assert str(error.value) == (
         f"data.num_sentinels=100: hf:{directory}'s vocabulary has {size} ids, {size} of them "
         f"its tokenizer's, so {size + 100} would not fit its embedding: expected "
         "data.num_sentinels <= 0 (0 for a pretrained vocabulary)")
     config.data.num_sentinels = 0
-    assert finetune.resolve_hf_config(config, explicit={"data.num_sentinels"}) \
+    assert finetune.resolve_init_config(config, explicit={"data.num_sentinels"}) \
         .data.num_sentinels == 0
 
 
@@ -250,7 +250,7 @@ def test_what_the_model_cannot_represent_is_one_line_naming_the_checkpoint(tmp_p
         vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=32, position_embedding_type="relative_key")).save_pretrained(tmp_path)
     with pytest.raises(ValueError) as error:
-        finetune.resolve_hf_config(bert_config(tmp_path))
+        finetune.resolve_init_config(bert_config(tmp_path))
     assert str(error.value) == (f"init_from=hf:{tmp_path}: BERT position_embedding_type="
                                 "'relative_key': expected 'absolute'")
 
@@ -266,7 +266,7 @@ def test_an_imported_moe_keeps_its_routing_over_the_experiments_defaults(tmp_pat
     transformers.Qwen3MoeForCausalLM(hf).save_pretrained(tmp_path)
     config = configs.experiment("gpt_tiny")
     config.init_from = f"hf:{tmp_path}"
-    moe = finetune.resolve_hf_config(config).model.moe
+    moe = finetune.resolve_init_config(config).model.moe
     assert (moe.num_experts, moe.top_k, moe.every_n_layers, moe.capacity_factor) == (4, 3, 1, 0)
     assert (config.model.moe.top_k, config.model.moe.capacity_factor) != (3, 0)
 
@@ -275,10 +275,10 @@ def test_other_init_from_values_are_returned_unchanged(tmp_path):
     config = configs.experiment("bert_mlm")
     for value in ("", "runs/bert_mlm", f"hf:{tmp_path}"):  # (no config.json there)
         config.init_from = value
-        assert finetune.resolve_hf_config(config) is config
+        assert finetune.resolve_init_config(config) is config
 
 
-# --- the command line (train.setup calls resolve_hf_config) ---------------------------------
+# --- the command line (train.setup calls resolve_init_config) ---------------------------------
 
 
 @pytest.mark.slow

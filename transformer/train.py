@@ -97,10 +97,10 @@ def setup(config: ml_collections.ConfigDict, workdir: str, explicit=(),
     """Validates the config and checks the workdir and the data, then builds or restores
     everything the loop needs. Nothing in an existing workdir changes before every check has
     passed; raises `Finished` if the run is already complete. `explicit`: the config keys the
-    user set (an init_from=hf:DIR's config.json fills the model's other keys); `started`: when
+    user set (an init_from source fills the model's other keys); `started`: when
     the run started (perf_counter; default now), its start-up's beginning (goodput)."""
     started = time.perf_counter() if started is None else started
-    config = finetune.resolve_hf_config(ml_collections.ConfigDict(config.to_dict()), explicit)
+    config = finetune.resolve_init_config(ml_collections.ConfigDict(config.to_dict()), explicit)
     validate_config(config)
     if fileio.path(workdir).exists() and not fileio.path(workdir).is_dir():
         raise NotADirectoryError(f"workdir={workdir}: is a regular file, expected a directory")
@@ -321,7 +321,7 @@ def main(argv) -> None:
     result = train_and_evaluate(  # start-up is timed from the process's start (goodput)
         config, workdir, explicit=config_flags.get_override_values(FLAGS["config"]),
         started=time.perf_counter() - goodput.process_age())
-    config = result["config"]  # resolved: an init_from=hf:DIR's model settings filled in
+    config = result["config"]  # resolved: its init_from source's model settings filled in
     stopped = result["summary"]["step"] < config.steps  # by a signal, its checkpoint saved
     language_model = family_of(config).continues_text and \
         pipeline.objective_for(config) in pipeline.OBJECTIVES

@@ -179,9 +179,6 @@ def resolve_init_config(config: ml_collections.ConfigDict,
     return resolved
 
 
-resolve_hf_config = resolve_init_config  # its name before workdir sources resolved too
-
-
 def _source_architecture(init_from) -> tuple[dict, str, str] | None:
     """({dotted model key: value}, what says so, what kind of checkpoint) of an init_from
     source; None without one, or for one that is not there."""
