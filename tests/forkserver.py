@@ -166,7 +166,10 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it exited between the poll and the kill, as
+                pass  # Popen.send_signal allows
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
