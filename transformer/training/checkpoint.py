@@ -130,12 +130,23 @@ def _newest(workdir: str, step: int | None, read: Callable[[int], Any],
                          chosen)
 
 
+def root_cause(error: BaseException) -> BaseException:
+    """The innermost `__cause__` of `error`: the one that names the bad file."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def first_line(error: BaseException) -> str:
+    """"Type: its message's first line" of `error`'s root cause."""
+    error = root_cause(error)
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
 def _unreadable(workdir: str, step: int, error: BaseException) -> RuntimeError:
     """A damaged checkpoint's error in one line: the step, the root cause's first line, and
     how to read another (training itself falls back past it: checkpoint_manager)."""
-    while error.__cause__ is not None:
-        error = error.__cause__
-    reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:200]
+    reason = first_line(error)[:200]
     return RuntimeError(f"checkpoint {step} of {workdir} cannot be read ({reason}): expected a "
                         "complete checkpoint (read an older step: --step=STEP, or "
                         "init_from=WORKDIR@STEP)")

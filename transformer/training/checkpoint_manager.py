@@ -38,6 +38,7 @@ from jax.experimental import multihost_utils
 from transformer.models import MODEL_KEYS, default_model_config
 from transformer.nn import lora
 from transformer.nn.config import TransformerConfig
+from transformer.training import checkpoint as checkpoint_lib
 from transformer.training.checkpoint import CHECKPOINTS, DELETED, JSON_ITEMS, LORA_BASE
 from transformer.utils import fileio, keys
 
@@ -162,13 +163,12 @@ def _cause(error: BaseException) -> str:
     >>> _cause(ValueError("OUT_OF_RANGE: Error writing ... [os_error_code='28']"))
     'No space left on device'
     """
-    while error.__cause__ is not None:
-        error = error.__cause__
+    error = checkpoint_lib.root_cause(error)
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
     if code := re.search(r"os_error_code='?(\d+)", str(error)):
         return os.strerror(int(code.group(1)))
-    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
+    return checkpoint_lib.first_line(error)[:300]
 
 
 class ConfigMismatch(ValueError):
@@ -364,9 +364,7 @@ class Manager:
             except ConfigMismatch:
                 raise
             except Exception as error:  # noqa: BLE001 - damaged files raise many types
-                while error.__cause__ is not None:  # the root cause names the bad file
-                    error = error.__cause__
-                reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
+                reason = checkpoint_lib.first_line(error)[:300]
                 failures.append(f"step {step} ({reason})")
                 logging.warning("checkpoint %s/%d is unusable (%s); trying the previous one",
                                 self.directory, step, reason)
