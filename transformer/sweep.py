@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -190,7 +189,9 @@ def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
             if result["summary"]["step"] < configs[name].steps:
                 print(f"{header}: stopped at step {result['summary']['step']}; rerun the sweep "
                       "to resume", flush=True)
-                return 128 + (result.get("signal") or signal.SIGTERM)
+                from transformer import train
+
+                return train.stopped_status(result)
     return None
 
 

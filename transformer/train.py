@@ -334,10 +334,15 @@ def main(argv) -> None:
                                result["tokenizer"], config, inputs.sample_prompt(config),
                                num_samples=config.samples)
         print(json.dumps(result["summary"], indent=2))
-    # A stopped run exits 128 + the signal's number (143 for SIGTERM, as a shell reports it),
-    # so a launcher or a Kubernetes JobSet reads it as unfinished and reruns it, where 0 would
-    # read as done. (A signal to another process: SIGTERM's.)
-    return 128 + (result.get("signal") or signal.SIGTERM) if stopped else None
+    return stopped_status(result) if stopped else None
+
+
+def stopped_status(result: dict) -> int:
+    """The exit status of a run a signal stopped (its checkpoint saved): 128 + the signal's
+    number (143 for SIGTERM, as a shell reports it), so a launcher or a Kubernetes JobSet reads
+    it as unfinished and reruns it, where 0 would read as done. (A signal to another process:
+    SIGTERM's.)"""
+    return 128 + (result.get("signal") or signal.SIGTERM)
 
 
 def _define_flags(flag_values=None, sys_argv: list[str] | None = None) -> None:
