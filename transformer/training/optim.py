@@ -292,9 +292,22 @@ def muon_labels(dims, params):
 _IS_AXES = lambda x: x is None or isinstance(x, tuple)
 
 
+_AXES_CACHE: dict[str, object] = {}
+
+
 def logical_axes(config: ml_collections.ConfigDict):
     """The params' tree of logical axis names (a tuple per param; None for a param without),
-    from the model's abstract init (the names do not depend on sizes)."""
+    from the model's abstract init (the names do not depend on sizes), kept by the config's
+    JSON: an optimizer asks for it in its mask, its labels and each trace of its update."""
+    key = config.to_json_best_effort(sort_keys=True)
+    if key not in _AXES_CACHE:
+        if len(_AXES_CACHE) >= 16:
+            _AXES_CACHE.clear()
+        _AXES_CACHE[key] = _abstract_axes(config)
+    return _AXES_CACHE[key]
+
+
+def _abstract_axes(config: ml_collections.ConfigDict):
     import flax.linen as nn
 
     from transformer.models import build_model, family_of
