@@ -207,6 +207,25 @@ def test_an_lstm_which_has_no_matmul_to_quantize_is_refused():
         build_model(config.model)
 
 
+@pytest.mark.parametrize("layer_types,experts,refused", [
+    ("mamba2", 0, True), ("linear_attention,conv", 4, True),
+    ("mamba2,full_attention", 0, False)])
+def test_a_model_with_nothing_to_quantize_is_refused(layer_types, experts, refused):
+    """Linear mixers without a dense feed-forward (d_ff=0, or every one routed: the experts'
+    einsums stay float) trained bit for bit as float: refused; one softmax layer is enough."""
+    config = model_config("int8")
+    config.layer_types, config.moe.num_experts = layer_types, experts
+    config.d_ff = 32 if experts else 0
+    if refused:
+        with pytest.raises(ValueError, match=rf"layer_types={layer_types!r}, no dense "
+                                             r"feed-forward: expected a softmax attention"):
+            build_model(config)
+    else:
+        build_model(config)
+    config.quantize_head = True  # the head is a matmul it quantizes
+    build_model(config)
+
+
 def test_resuming_may_change_quantization_and_says_so():
     from transformer.training import checkpoint_manager
 

@@ -23,7 +23,8 @@ from transformer.models.lstm import LSTMLM
 from transformer.models.t5 import EncoderDecoder, shift_right
 from transformer.models.vision import CLIP, Captioner, ViTClassifier
 from transformer.nn import quantization
-from transformer.nn.config import TransformerConfig
+from transformer.nn.config import TransformerConfig, parse_layer_types
+from transformer.nn.mixers import RECURRENT
 from transformer.utils.keys import BOOL, Key, described, int_, one_of, optional
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (
@@ -126,12 +127,32 @@ def build_model(model_config: ml_collections.ConfigDict) -> nn.Module:
                          f"{model_config.family!r}: expected a transformer family (its "
                          "feed-forward layers become experts)")
     _check_mtp(model_config)
-    quantization.check(model_config)
-    if model_config.get("quantization") and not family_of(model_config).attention:
-        raise ValueError(f"model.quantization={model_config.quantization!r} with family="
-                         f"{model_config.family!r}: expected a transformer family (it "
-                         "quantizes the blocks' attention and MLP matmuls: an LSTM has none)")
+    _check_quantization(model_config)
     return quantization.quantize(family_of(model_config).build(model_config), model_config)
+
+
+def _check_quantization(model_config) -> None:
+    """`model.quantization` quantizes the blocks' softmax attention and feed-forward matmuls
+    (and the head under quantize_head): a model with none of them would train as float."""
+    quantization.check(model_config)
+    scheme = model_config.get("quantization")
+    if not scheme:
+        return
+    if not family_of(model_config).attention:
+        raise ValueError(f"model.quantization={scheme!r} with family={model_config.family!r}: "
+                         "expected a transformer family (it quantizes the blocks' attention "
+                         "and MLP matmuls: an LSTM has none)")
+    spec = model_config.get("layer_types", "")
+    softmax = not spec or any(t not in RECURRENT for t in parse_layer_types(spec))
+    moe = model_config.get("moe") or ml_collections.ConfigDict()
+    every_ff_routed = moe.get("num_experts") and moe.get("every_n_layers", 1) == 1 and \
+        not moe.get("first_dense_layers")  # (the experts' einsums stay in model.dtype)
+    dense = model_config.get("d_ff") and not every_ff_routed
+    if not (softmax or dense or model_config.get("quantize_head")):
+        raise ValueError(f"model.quantization={scheme!r} with layer_types={spec!r}, no dense "
+                         "feed-forward: expected a softmax attention layer or a dense "
+                         "feed-forward (it quantizes their matmuls; the linear mixers' and "
+                         "the experts' own stay in model.dtype)")
 
 
 def _check_mtp(model_config) -> None:
