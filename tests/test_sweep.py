@@ -245,3 +245,19 @@ def test_a_moe_run_reports_its_load_imbalance_over_training_and_last(tmp_path):
     assert "max/mean load, mean over training" in headers and "max/mean load, last" in headers
     dense = report.variant_row("dense", types.SimpleNamespace(steps=3), str(tmp_path / "none"))
     assert "moe_imbalance" not in dense
+
+
+def test_a_diverged_run_reports_no_accuracy(tmp_path):
+    """A NaN validation loss's accuracy (the argmax of NaN logits) reads "-", not 0.000."""
+    import json
+    import types
+
+    from transformer.sweeps import report
+
+    records = [{"split": "validation", "step": 3, "loss": loss, "accuracy": 0.0, "elapsed": 3}
+               for loss in (2.5, float("nan"))]
+    for n in (1, 2):
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n"
+                                                        for r in records[:n]))
+        row = report.variant_row("v", types.SimpleNamespace(steps=3), str(tmp_path))
+        assert row["val_accuracy"] == (0.0 if n == 1 else None)

@@ -100,7 +100,9 @@ def variant_row(name: str, config, directory: str) -> dict[str, Any]:
            "step": (train[-1]["step"] if train else 0),
            "train_loss": train[-1]["loss"] if train else None,
            "val_loss": validation[-1]["loss"] if validation else None,
-           "val_accuracy": validation[-1]["accuracy"] if validation else None,
+           # (a diverged model's argmax accuracy, of NaN logits, is no measurement)
+           "val_accuracy": validation[-1]["accuracy"] if validation and
+           math.isfinite(validation[-1]["loss"]) else None,
            "val_bits_per_byte": validation[-1].get("bits_per_byte") if validation else None,
            # Mixtures of experts: max over mean tokens per expert (the worst layer's), averaged
            # over the logged steps and the last one.
