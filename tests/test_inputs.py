@@ -184,6 +184,15 @@ def test_a_run_with_test_path_reports_the_whole_test_split_at_its_end(text_file,
     assert again["num_tokens"] == sum(len(tokenizer.encode(d.text)) for d in docs)
     assert summary["test_bits_per_byte"] == pytest.approx(
         summary["test_loss"] / np.log(2) / inputs.bytes_per_token(config, tokenizer, "test"))
+    # --eval_seq_len reads the split asked for (it read validation under a _test name).
+    at_length = evaluate.evaluate_workdir(str(workdir), split="test", seq_lens=(config.seq_len,))
+    assert at_length["by_seq_len"][config.seq_len]["loss"] == pytest.approx(again["loss"])
+    assert (workdir / f"eval_2_len{config.seq_len}_test.json").exists()
+    # Evaluating after the data changed says so, in the results too (it was silent).
+    assert "data_changed" not in again
+    text_file.write_text(TEXT + "A paragraph added after training.\n")
+    changed = evaluate.evaluate_workdir(str(workdir))
+    assert changed["data_changed"][0].startswith("content fingerprint: checkpoint '")
 
 
 def test_evaluation_splits_are_tokenized_once_and_again_when_the_text_changes(tmp_path):

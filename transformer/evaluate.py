@@ -8,7 +8,8 @@ DIR/eval_<step>.json (eval_<step>_test.json for the test split; a partial evalua
 --eval_steps=N, to eval_<step>_stepsN.json, never over the whole split's). If they cannot be
 written, one line says so (exit status 1) below the printed metrics. A fine-tuned classifier
 (a labeled task, transformer.data.tasks) gets accuracy, macro-F1 and its confusion matrix, also
-drawn to DIR/confusion_<step>_<split>.png.
+drawn to DIR/confusion_<step>_<split>.png. The data is read as it is now; content changed
+since the checkpoint was saved is said in a warning and in the results (`data_changed`).
 
 `--eval_seq_len` evaluates at other sequence lengths than the run trained at (length
 extrapolation), reading about the same number of tokens at each length; a model with learned
@@ -18,6 +19,7 @@ positions cannot go beyond its table (model.max_len) and says so.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 
 import jax
@@ -27,6 +29,7 @@ from transformer.models import build_model
 from transformer.training import checkpoint as checkpoint_lib
 from transformer.training import evaluation, finetune
 from transformer.training import placement as placement_lib
+from transformer.training.checkpoint_manager import stream_differences
 from transformer.utils import fileio
 
 
@@ -53,8 +56,8 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     """Restores `step` (default: the latest) of the run in `workdir` and evaluates it on
     `split` ("test" for labeled tasks, which hold one out, and runs with data.test_path).
 
-    Returns the metrics at the training length, or with `seq_lens`
-    {"step": ..., "train_seq_len": ..., "by_seq_len": {L: metrics at length L}}, after
+    Returns the metrics at the training length, or with `seq_lens` {"step": ...,
+    "train_seq_len": ..., "split": ..., "by_seq_len": {L: metrics at length L}}, after
     `show(metrics)` (if given) and writing them to WORKDIR/`results_name(...)`; a failed write
     raises `NotWritten`, naming the file and the cause.
     """
@@ -82,14 +85,19 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
                                         jax.tree.map(lambda x: x.sharding, params))
     with placement.context():
         if seq_lens:
-            metrics = {"step": step, "train_seq_len": config.seq_len, "by_seq_len": {
-                seq_len: evaluation.evaluate_at_length(params, eval_step, config, tokenizer,
-                                                       seq_len, placement, eval_steps)
-                for seq_len in seq_lens}}
+            by_length = {seq_len: evaluation.evaluate_at_length(
+                params, eval_step, config, tokenizer, seq_len, placement, eval_steps, split)
+                for seq_len in seq_lens}
+            metrics = {"step": step, "train_seq_len": config.seq_len, "split": split,
+                       "by_seq_len": by_length}
         else:
             metrics = evaluation.evaluate(params, eval_step, config, tokenizer, eval_steps,
                                           placement, split=split, with_confusion=is_task)
     metrics["step"] = step
+    if changed := data_changes(workdir, step, config):
+        metrics["data_changed"] = changed
+        print(f"warning: the data changed since checkpoint {step} was saved "
+              f"({'; '.join(changed)}): evaluating on it as it is now", file=sys.stderr)
     path = fileio.join(workdir, results_name(step, eval_steps=eval_steps, seq_lens=seq_lens,
                                              split=split))
     if is_task and not seq_lens:  # per-length results carry no confusion matrix
@@ -106,6 +114,17 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
                      f"{metrics['accuracy']:.3f}, macro-F1 {metrics['macro_f1']:.3f}")
         _writing(path, fileio.write_atomic, path, json.dumps(metrics, indent=2))
     return metrics
+
+
+def data_changes(workdir: str, step: int, config) -> list[str]:
+    """How the data's content differs from what checkpoint `step` trained on (its saved
+    stream's fingerprints, `inputs.data_stream`): files added, removed or edited since."""
+    saved = checkpoint_lib.saved_stream(workdir, step)
+    if saved is None:
+        return []
+    current = {key: value for key, value in inputs.data_stream(config).items()
+               if key.endswith("fingerprint")}
+    return stream_differences({key: saved.get(key) for key in current}, current)
 
 
 def _writing(path: str, write: Callable, *args) -> None:
@@ -144,8 +163,6 @@ def save_confusion(confusion, labels, path: str, title: str) -> None:
 
 
 def main(argv) -> None:
-    import sys
-
     from absl import flags, logging
 
     del argv
@@ -169,7 +186,8 @@ def print_metrics(metrics: dict) -> None:
     """Prints evaluate_workdir's metrics: a per-length table, a confusion matrix, then the
     metrics as JSON (without the matrix)."""
     if "by_seq_len" in metrics:
-        print(f"step {metrics['step']}, trained at seq_len {metrics['train_seq_len']}")
+        print(f"step {metrics['step']}, trained at seq_len {metrics['train_seq_len']}, "
+              f"{metrics['split']} split")
         print(format_length_table(metrics["by_seq_len"]))
     if "confusion" in metrics:
         print(format_confusion(metrics["confusion"], metrics["labels"]))
@@ -195,7 +213,7 @@ def format_confusion(confusion, labels) -> str:
 
 
 def format_length_table(by_seq_len: dict) -> str:
-    """A Markdown table of validation metrics per sequence length."""
+    """A Markdown table of a split's metrics per sequence length."""
     lines = ["| seq_len | loss | perplexity | accuracy | bits/byte |",
              "| ---: | ---: | ---: | ---: | ---: |"]
     for seq_len, m in by_seq_len.items():

@@ -105,6 +105,16 @@ def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collection
     raise ValueError(f"step={chosen}: expected one of the saved steps {steps}")
 
 
+def saved_stream(workdir: str, step: int) -> dict | None:
+    """The data stream (`inputs.data_stream`) saved with checkpoint `step`; None for one saved
+    before streams were."""
+    with contextlib.closing(_reader(workdir, stream=ocp.JsonCheckpointHandler())) as probe:
+        if "stream" not in (probe.item_metadata(step) or {}):
+            return None
+        return probe.restore(step, args=ocp.args.Composite(
+            stream=ocp.args.JsonRestore()))["stream"]
+
+
 def _newest(workdir: str, step: int | None, read: Callable[[int], Any],
             or_newer: bool = False) -> Any:
     """`read(step)` of checkpoint `step`, or of the newest one when `step` is None: a training

@@ -300,13 +300,13 @@ def check_length(seq_len, name: str) -> None:
 
 
 def evaluate_at_length(params, eval_step, config, tokenizer, seq_len: int,
-                       placement: placement_lib.Placement,
-                       eval_steps: int | None) -> dict[str, float]:
-    """Validation metrics with rows of `seq_len` tokens (length extrapolation: a model trained
+                       placement: placement_lib.Placement, eval_steps: int | None,
+                       split: str = "validation") -> dict[str, float]:
+    """`split`'s metrics with rows of `seq_len` tokens (length extrapolation: a model trained
     at config.seq_len read at another length). `eval_steps` counts batches at config.seq_len
     and is scaled, so every length reads about as many tokens; None reads the whole split."""
     check_eval_seq_len(config, seq_len)
     at_length = ml_collections.ConfigDict(config.to_dict())
     at_length.seq_len = seq_len
     steps = eval_steps and max(1, round(eval_steps * config.seq_len / seq_len))
-    return evaluate(params, eval_step, at_length, tokenizer, steps, placement)
+    return evaluate(params, eval_step, at_length, tokenizer, steps, placement, split=split)
