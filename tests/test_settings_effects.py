@@ -11,12 +11,13 @@ import re
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from transformer import configs, models
 from transformer.data import chat
 from transformer.nn import lora
-from transformer.training import startup, state
+from transformer.training import optim, startup, state
 
 
 def tiny_config(**overrides):
@@ -56,7 +57,11 @@ def test_legal_but_surely_unintended_values_are_one_line_warnings():
         "warning: model.quantize_head=True has no effect without model.quantization 'int8' or "
         "'fp8'",
         "warning: pipeline.repeats=2 has no effect without mesh.stage > 1"]
-    assert "warmup_steps=20 > steps=10" in warnings[3]
+    assert "warmup_steps=20 > steps=10: the warmup is shortened to the run's 10 steps" in \
+        warnings[3]  # as the schedule does it (the warning said the peak was never reached)
+    opt = tiny_config(**{"optimizer.warmup_steps": 20}).optimizer
+    rates = [float(optim.learning_rate_schedule(opt, 10)(t)) for t in range(10)]
+    np.testing.assert_allclose(rates, opt.learning_rate * np.arange(10) / 10, rtol=1e-6)
     assert "attention_softcap=1e-30" in warnings[4] and all("\n" not in w for w in warnings)
     assert startup.unintended_settings(tiny_config(**{
         "model.mup_base_width": 64, "model.parametrization": "mup"})) == []

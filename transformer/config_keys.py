@@ -179,7 +179,9 @@ KEYS: dict[str, Key] = {
                            one_of(optim.NAMES), structural=True),
     "optimizer.learning_rate": _key(1e-3, "The peak learning rate (under muon: the AdamW "
                                     "part's).", number(gt=0)),
-    "optimizer.warmup_steps": _key(100, "Steps of linear warmup to the peak.", int_(ge=0)),
+    "optimizer.warmup_steps": _key(100, "Steps of linear warmup to the peak (at most `steps`: "
+                                    "a shorter run warms up over all of its steps).",
+                                    int_(ge=0)),
     "optimizer.decay": _key("cosine", "The schedule after the warmup "
                             "(`optim.learning_rate_schedule`); `schedule_free_adamw` takes "
                             "`constant`.", one_of(optim.DECAYS)),

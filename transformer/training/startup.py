@@ -196,7 +196,8 @@ def unintended_settings(config: ml_collections.ConfigDict) -> list[str]:
     warmup = config.optimizer.get("warmup_steps", 0)
     if warmup > config.steps:
         out.append(f"warning: optimizer.warmup_steps={warmup} > steps={config.steps}: the "
-                   "learning rate never reaches its peak")
+                   f"warmup is shortened to the run's {config.steps} steps: the rate rises "
+                   "over all of them and never decays")
     if 0 < (cap := config.model.get("attention_softcap", 0.0)) < 1:
         out.append(f"warning: model.attention_softcap={cap}: every attention logit is squashed "
                    "into (-cap, cap), so attention is nearly uniform (Gemma 2 caps at 50)")
