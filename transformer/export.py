@@ -31,14 +31,17 @@ from transformer.training import state as state_lib
 from transformer.utils import fileio
 
 
-def _tokenizer_files(tokenizer, directory: str, model_type: str | None = None) -> None:
+def _tokenizer_files(tokenizer, directory: str, model_type: str | None = None,
+                     run_config=None) -> None:
     """tokenizer.json and tokenizer_config.json, so `AutoTokenizer` gives the run's ids (and a
-    Hugging Face tokenizer's specials, inputs and settings). Where the tokenizer names no
-    `model_input_names`, they are those of `model_type`'s own tokenizer class (BERT's include
-    token_type_ids)."""
+    Hugging Face tokenizer's specials, inputs and settings), and its default call the inputs
+    the run's model read (`_with_template`). Where the tokenizer names no `model_input_names`,
+    they are those of `model_type`'s own tokenizer class (BERT's include token_type_ids)."""
     import json
 
     tokenizer_json, config = tokenizer.hugging_face()
+    if run_config is not None:
+        tokenizer_json = _with_template(tokenizer_json, run_config, tokenizer)
     if model_type and "model_input_names" not in config and (
             names := _model_input_names(model_type)):
         config["model_input_names"] = names
@@ -46,6 +49,38 @@ def _tokenizer_files(tokenizer, directory: str, model_type: str | None = None) -
                                                                   encoding="utf-8")
     fileio.path(directory).joinpath("tokenizer_config.json").write_text(
         json.dumps(config, indent=1) + "\n", encoding="utf-8")
+
+
+def _with_template(tokenizer_json: str, config, tokenizer) -> str:
+    """tokenizer.json with the post-processor that makes `transformers`' default call
+    (add_special_tokens=True) give what the run's model read: [CLS] text [SEP] for a BERT
+    classifier, <eos> text for a GPT one, text <eos> for a T5 encoder
+    (`tasks.classification_features`, `text2text_features`, span corruption's inputs). A
+    language model's own rows are windows of packed text, which no template gives, and a
+    tokenizer with its own post-processor (a hub tokenizer's) keeps it."""
+    import json
+
+    from tokenizers import Tokenizer, processors
+
+    from transformer.models import family_of
+
+    family = family_of(config)
+    if json.loads(tokenizer_json).get("post_processor"):
+        return tokenizer_json
+    if family.name == "t5":
+        roles = ("$A", "eos")
+    elif family.classifier(config.model):
+        roles = ("cls", "$A", "sep") if family.cls_token else ("eos", "$A")
+    else:
+        return tokenizer_json
+    hf = Tokenizer.from_str(tokenizer_json)
+    ids = {role: int(tokenizer.require(role, "for the export's template")) for role in roles
+           if role != "$A"}
+    names = {role: hf.id_to_token(i) for role, i in ids.items()}
+    hf.post_processor = processors.TemplateProcessing(
+        single=" ".join(names.get(role, role) for role in roles),
+        special_tokens=[(names[role], i) for role, i in ids.items()])
+    return hf.to_str()
 
 
 def _model_input_names(model_type: str) -> list[str] | None:
@@ -137,7 +172,7 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
     def write(staging):
         hf_config.save_pretrained(staging)
         save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
-        _tokenizer_files(tokenizer, staging, hf_config.model_type)
+        _tokenizer_files(tokenizer, staging, hf_config.model_type, config)
         _generation_config(hf_config, tokenizer).save_pretrained(staging)
 
     return _write(output, write, {"step": step, "architecture": hf_config.architectures[0]})
