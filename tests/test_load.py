@@ -119,3 +119,36 @@ def test_a_text_past_the_learned_positions_is_refused_and_no_text_scores_zero():
         assert str(error.value) == ("text of 16 tokens (after <eos>): expected at most 15, the "
                                     "model's learned positions end at max_len=16")
     assert lm.score("") == 0.0 and lm.score("", context="x" * 30) == 0.0
+
+
+def test_a_t5_with_its_sentinels_loads_and_only_language_models_score(tmp_path):
+    """A T5 directory whose tokenizer has its 100 <extra_id_i> (every hub T5, and every export
+    of a run with the default data.num_sentinels) loads (it was refused, asking for
+    num_sentinels=0); logits and score, which read next-token rows, refuse an encoder-decoder,
+    an encoder and a class head in one line (BERT gave a number, T5 a traceback)."""
+    transformers = pytest.importorskip("transformers")
+    from transformer.data.tokenizers import ByteTokenizer
+    from transformer.export import _tokenizer_files
+    from transformer.loaded import Loaded
+
+    tokenizer = ByteTokenizer(num_sentinels=100)
+    hf_config = transformers.T5Config(vocab_size=tokenizer.vocab_size, d_model=32, d_kv=8,
+                                      d_ff=64, num_layers=1, num_heads=4,
+                                      decoder_start_token_id=0, pad_token_id=0)
+    transformers.T5ForConditionalGeneration(hf_config).save_pretrained(tmp_path)
+    _tokenizer_files(tokenizer, str(tmp_path))
+    lm = transformer.load(f"hf:{tmp_path}")
+    assert lm.tokenizer.num_sentinels == 100 and lm.config.model.family == "t5"
+    assert isinstance(lm.generate("abc", max_new_tokens=3), str)
+    cases = ((lm.config, "model.family='t5'"),
+             (configs.experiment("bert_mlm"), "model.family='bert'"),
+             (configs.experiment("bert_finetune_cls"), "model.family='bert' and a class head"),
+             (configs.experiment("gpt_finetune_cls"), "model.family='gpt' and a class head"))
+    for config, named in cases:
+        loaded = Loaded(None, {}, tokenizer, config)
+        for method in ("logits", "score"):
+            with pytest.raises(ValueError) as error:
+                getattr(loaded, method)("text")
+            assert str(error.value) == (f"Loaded.{method} with {named}: expected a causal "
+                                        "language model (gpt or lstm), whose rows predict the "
+                                        "next token")

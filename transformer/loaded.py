@@ -42,6 +42,18 @@ class Loaded:
         return np.concatenate([[self.tokenizer.eos_id], self.tokenizer.encode(text)]).astype(
             np.int32)
 
+    def _check_language_model(self, method: str) -> None:
+        """One line for a model whose output is no next-token distribution: an encoder (BERT
+        sees the token it would predict), an encoder-decoder, a class head."""
+        from transformer.models import family_of
+
+        family = family_of(self.config)
+        head = family.classifier(self.config.model)
+        if head or not family.continues_text or family.decoding == "prefix":
+            raise ValueError(f"Loaded.{method} with model.family={family.name!r}" +
+                             " and a class head" * head + ": expected a causal language "
+                             "model (gpt or lstm), whose rows predict the next token")
+
     def _fits(self, ids: np.ndarray) -> np.ndarray:
         """`ids`, or a one-line error if they run past a learned position table (whose rows
         beyond max_len are NaN: the logits would be NaN with no error)."""
@@ -55,6 +67,7 @@ class Loaded:
     def logits(self, text: str) -> np.ndarray:
         """float32 logits [T + 1, V] of <eos> + the text's T tokens; row t predicts token t + 1
         (row 0 the text's first token)."""
+        self._check_language_model("logits")
         if self._forward is None:  # compiled once per Loaded (and per text length)
             self._forward = jax.jit(lambda p, x: self.model.apply({"params": p}, x))
         return np.asarray(self._forward(self.params, self._fits(self._ids(text))[None])[0],
@@ -63,6 +76,7 @@ class Loaded:
     def score(self, text: str, context: str = "") -> float:
         """The log-probability (nats) of `text`'s tokens following `context` (after <eos>): the
         sum of log p(token | everything before it) over the text's tokens (0 for no text)."""
+        self._check_language_model("score")
         if not text:
             return 0.0
         before = len(self._ids(context))
@@ -139,5 +153,5 @@ def _load_hf(directory: str) -> Loaded:
     params = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
     config = configs.base_config()
     config.model = model_config
-    tokenizer = load_hf_tokenizer(directory, num_sentinels=0)
+    tokenizer = load_hf_tokenizer(directory, num_sentinels=None)  # its own sentinels, if any
     return Loaded(build_model(model_config), params, tokenizer, config)
