@@ -209,3 +209,105 @@ def test_evaluation_splits_are_tokenized_once_and_again_when_the_text_changes(tm
     assert changed is not first
     assert tokenizer.decode(changed.read(len(changed) - 21, len(changed) - 1)) == \
         "One more paragraph.\n"
+
+
+# --- which files each split reads ---------------------------------------------------------------
+
+
+def test_a_shard_named_for_both_splits_goes_by_its_name_parts(tmp_path):
+    """"*train*.bin" and "*val*.bin" both match pretrain_val_000000.bin (a validation shard)
+    and retrieval_train_000000.bin (a training one): the name's parts decide."""
+    from transformer.data import shards
+
+    layouts = {"nanogpt": ("train.bin", "val.bin"),
+               "modded": ("fineweb_train_000001.bin", "fineweb_val_000000.bin"),
+               "pretrain": ("pretrain_train_000000.bin", "pretrain_val_000000.bin"),
+               "retrieval": ("retrieval_train_000000.bin", "retrieval_val_000000.bin")}
+    for name, (train, val) in layouts.items():
+        for file, first in ((train, 1), (val, 2)):
+            shards.write_token_shards(str(tmp_path / name / file[:-4]), [np.full(8, first)],
+                                      format="nanogpt")
+        config = config_for(tmp_path / name)
+        assert inputs.token_shard_dir(config.data.path)
+        for split, file in (("train", train), ("validation", val)):
+            assert inputs._token_shards(config, split).paths == [str(tmp_path / name / file)]
+        # A checkpoint of such a folder read its shards into both splits: its stream differs.
+        assert ("shards_by_name_parts" in inputs.data_stream(config)) == (
+            name in ("pretrain", "retrieval"))
+    shards.write_token_shards(str(tmp_path / "pretrain" / "pretrainval"), [np.arange(4)],
+                              format="nanogpt")
+    with pytest.raises(ValueError) as error:
+        inputs._token_shards(config_for(tmp_path / "pretrain"), "train")
+    assert str(error.value) == (
+        f"{tmp_path / 'pretrain' / 'pretrainval.bin'}: its name matches both '*train*.bin' and "
+        "'*val*.bin', and its parts do not say which split: expected one part starting with "
+        "'train' or 'val' (rename the shard)")
+
+
+def test_held_out_files_among_the_training_files_are_refused(tmp_path):
+    """data.path=dir with validation_path=dir/val.txt would train on the validation text."""
+    from transformer import configs
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.txt").write_text(TEXT)
+    (corpus / "val.txt").write_text(TEXT.upper())
+    val = str(corpus / "val.txt")
+    for key in ("validation_path", "test_path"):
+        with pytest.raises(ValueError) as error:
+            configs.validate_config(config_for(corpus, **{key: val}))
+        assert str(error.value) == (
+            f"data.{key}={val!r}: {val} is also a training file, of data.path={str(corpus)!r}: "
+            "expected held-out files apart from the training files (point the path at the "
+            "train files alone, e.g. a glob)")
+        configs.validate_config(config_for(corpus / "train.txt", **{key: val}))  # apart: fine
+    with pytest.raises(ValueError, match=f"data.sources 'corpus': validation_path='{val}': "
+                                         f"{val} is also a training file, of its path="):
+        configs.validate_config(config_for(
+            "", sources=(f"path={corpus},weight=1,validation_path={val}",)))
+
+
+def test_prepared_data_refuses_settings_that_contradict_what_it_was_prepared_with(text_file,
+                                                                                  tmp_path):
+    """prepare.json fixes the unit, the validation split and the text field, the tokenizer its
+    sentinels; a default left in the config is taken as unset, except data.unit's stream-ness,
+    which decides how training reads ArrayRecord documents."""
+    from transformer import configs
+
+    prepared = tmp_path / "stream"
+    prepare.prepare(str(prepared), str(text_file), tokenizer="byte", unit="stream")
+    with pytest.raises(ValueError) as error:
+        configs.validate_config(config_for(prepared))  # trained as paragraphs until now
+    assert str(error.value) == (
+        f"data.unit='paragraph': the prepared data {str(prepared)!r} was prepared with "
+        "unit='stream': expected --config.data.unit=stream")
+    config = config_for(prepared, unit="stream")
+    configs.validate_config(config)
+    assert inputs.corpus(config, None, "train").stream
+    for data, message in [
+        ({"validation_fraction": 0.1}, "data.validation_fraction=0.1: the prepared data "
+         f"{str(prepared)!r} was prepared with validation_fraction=0.05: expected "
+         "--config.data.validation_fraction=0.05"),
+        ({"text_field": "content"}, "data.text_field='content': the prepared data "
+         f"{str(prepared)!r} was prepared with text_field='text': expected "
+         "--config.data.text_field=text"),
+        ({"num_sentinels": 0}, "data.num_sentinels=0: the tokenizer of the prepared data "
+         f"{str(prepared)!r} has num_sentinels=100: expected --config.data.num_sentinels=100"),
+    ]:
+        with pytest.raises(ValueError) as error:
+            configs.validate_config(config_for(prepared, unit="stream", **data))
+        assert str(error.value) == message
+    with pytest.raises(ValueError, match=r"data.sources 'stream': unit='paragraph': .* was "
+                                         r"prepared with unit='stream': expected unit=stream in "
+                                         "its entry"):
+        configs.validate_config(config_for("", sources=(f"path={prepared},weight=1",)))
+    configs.validate_config(config_for("", sources=(f"path={prepared},weight=1,unit=stream",)))
+    paragraphs = tmp_path / "paragraphs"
+    prepare.prepare(str(paragraphs), str(text_file), tokenizer="byte", validation_fraction=0.2)
+    configs.validate_config(config_for(paragraphs))  # defaults left: prepare.json's apply
+    with pytest.raises(ValueError, match="data.unit='file': .* was prepared with unit='paragraph'"):
+        configs.validate_config(config_for(paragraphs, unit="file"))
+    bin_stream = tmp_path / "bin_stream"  # .bin shards train as a stream whatever data.unit says
+    prepare.prepare(str(bin_stream), str(text_file), tokenizer="byte", unit="stream",
+                    format="bin")
+    configs.validate_config(config_for(bin_stream))

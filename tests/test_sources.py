@@ -283,3 +283,91 @@ def test_prepare_command_and_train_split_tokenizer(tmp_path):
     # The char tokenizer is built from the train split only.
     assert tokenizers.load_tokenizer(str(out)).chars == "".join(
         sorted(set("".join(d.text for d in train))))
+
+
+# --- what a directory holds --------------------------------------------------------------------
+
+
+def write_parquet(path, texts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": texts}), str(path))
+    return str(path)
+
+
+def test_a_folder_of_several_hub_splits_is_refused_and_a_readme_beside_tables_warned(tmp_path,
+                                                                                      capsys):
+    """A dataset as the Hugging Face Hub keeps it (data/train-00000-of-00001.parquet, test-...,
+    validation-..., README.md): read whole, its test and validation rows would train."""
+    hub = tmp_path / "hub"
+    for split in ("train", "test", "validation"):
+        write_parquet(hub / "data" / f"{split}-00000-of-00001.parquet",
+                      [f"{split} row {i}" for i in range(3)])
+    write(hub / "README.md", "---\nlicense: mit\n---\n\n# A dataset card\n")
+    for where in (hub, hub / "data"):
+        with pytest.raises(ValueError) as error:
+            sources.read_text(str(where))
+        assert str(error.value) == (
+            f"{where}: holds the Hugging Face Hub splits ['test', 'train', 'validation'] "
+            f"({hub / 'data' / 'train-00000-of-00001.parquet'}, "
+            f"{hub / 'data' / 'test-00000-of-00001.parquet'}), which would all train: expected "
+            f"a path to the train files alone (a glob such as {hub / 'data' / 'train*'}) and "
+            "data.validation_path at the validation files")
+    train = sources.read_text(str(hub / "data" / "train*"))  # the path the error suggests
+    assert [d.text for d in train] == ["train row 0", "train row 1", "train row 2"]
+    jsonl = tmp_path / "jsonl"  # JSON Lines, and valid / dev for validation
+    for name in ("train.jsonl", "dev.jsonl"):
+        write(jsonl / name, json.dumps({"text": name}) + "\n")
+    with pytest.raises(ValueError, match=r"the Hugging Face Hub splits \['train', 'validation'\]"):
+        sources.read_text(str(jsonl))
+
+    # One split beside its dataset card: read (as before), with a warning naming the card.
+    (tmp_path / "one").mkdir()
+    os.rename(hub / "README.md", tmp_path / "one" / "README.md")
+    os.rename(hub / "data", tmp_path / "one" / "data")
+    for split in ("test", "validation"):
+        os.remove(tmp_path / "one" / "data" / f"{split}-00000-of-00001.parquet")
+    capsys.readouterr()
+    docs = sources.read_text(str(tmp_path / "one"))
+    assert len(docs) == 5  # 3 rows, and the card's 2 paragraphs
+    assert capsys.readouterr().err == (
+        f"warning: {tmp_path / 'one'}: {tmp_path / 'one' / 'README.md'} is read as text beside 1 "
+        "Parquet / JSON Lines files (its paragraphs train): if it is not corpus, point data.path "
+        "at the corpus files alone (a glob)\n")
+
+
+def test_a_symlinked_folder_is_read_as_a_glob_reads_it_and_a_cycle_once(tmp_path):
+    """A corpus assembled from links to folders elsewhere: each linked file is read, a folder
+    reached twice (a link back up, two links to one folder) once."""
+    elsewhere = tmp_path / "elsewhere"
+    write(elsewhere / "web" / "a.txt", "linked text")
+    corpus = tmp_path / "corpus"
+    write(corpus / "own.txt", "own text")
+    os.symlink(elsewhere / "web", corpus / "web")
+    os.symlink(elsewhere / "web", corpus / "web_again")
+    os.symlink(corpus, corpus / "loop")  # a cycle
+    files = sources._files(str(corpus))
+    assert files == [str(corpus / "own.txt"), str(corpus / "web" / "a.txt")]
+    assert [d.text for d in sources.read_text(str(corpus))] == ["own text", "linked text"]
+    assert str(corpus / "web" / "a.txt") in sources._files(str(corpus / "*"))
+
+
+def test_a_truncated_jsonl_gz_names_the_last_row_it_read(tmp_path):
+    import gzip
+
+    from transformer.data import formats
+
+    path = tmp_path / "cut.jsonl.gz"
+    rows = "".join(json.dumps({"text": f"row {k} " + "word " * 20}) + "\n" for k in range(5000))
+    whole = gzip.compress(rows.encode())
+    path.write_bytes(whole[:len(whole) // 2])  # a download cut short
+    read = []
+    with pytest.raises(ValueError) as error:
+        for row, text in formats.read_rows(str(path)):
+            assert text.startswith(f"row {row} ")
+            read.append(row)
+    assert 0 < len(read) < 5000 and read == list(range(len(read)))
+    assert str(error.value).startswith(
+        f"{path}: unreadable after row {read[-1]} (line {len(read)}): EOFError: ")

@@ -205,7 +205,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
     if files:
         _validate_sources(config)
         _validate_tokenizer(config)
+        _validate_prepared(config)
         _validate_test_path(config)
+        _validate_held_out(config)
         _validate_finetuning(config)
     _validate_lora(config)
     task_eval.check(config, family_of(config).decoding, num_processes)
@@ -311,6 +313,60 @@ def _validate_test_path(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"data.test_path={path!r} with the token shards at data.path="
                          f"{data_path!r}: expected text data.path (shards hold no test split)")
     sources._files(path)  # exists, or a one-line error (an empty split: startup.check_splits)
+
+
+def _validate_held_out(config: ml_collections.ConfigDict) -> None:
+    """data.validation_path and data.test_path (a mixture source's validation_path) must hold
+    none of the training files (data.path's, the source's path's): they would be trained on."""
+    pairs = [(f"data.{key}", config.data.get(key, ""), "data.path", config.data.path)
+             for key in ("validation_path", "test_path")]
+    pairs += [(f"data.sources {s.name!r}: validation_path", s.validation_path, "its path", s.path)
+              for s in sources.parse_sources(config.data.get("sources") or ())]
+    for key, held_out, trains, path in pairs:
+        if path and held_out and not inputs.token_shard_dir(path) and not os.path.isfile(
+                os.path.join(path, "prepare.json")) and \
+                (file := sources.shared_file(path, held_out)):
+            raise ValueError(f"{key}={held_out!r}: {file} is also a training file, of {trains}="
+                             f"{path!r}: expected held-out files apart from the training files "
+                             "(point the path at the train files alone, e.g. a glob)")
+
+
+def _validate_prepared(config: ml_collections.ConfigDict) -> None:
+    """Prepared data (data.path, a mixture source) fixed its unit, validation split, text field
+    and tokenizer when it was prepared: a setting given otherwise is refused in one line. A
+    value left at its default reads as unset (the prepared one applies, as it always has),
+    except a unit that is "stream" on one side only: training reads ArrayRecord documents as
+    one stream or as documents by data.unit, so that one must be said."""
+    keys = config_keys.all_keys()
+    entries = sources.parse_sources(config.data.get("sources") or ())
+    runs = zip(entries, inputs.source_configs(config).values(), strict=True) if entries \
+        else [(None, config)]
+    for entry, one in runs:
+        if not (fixed := inputs.prepared_settings(one)):
+            continue
+        if entry:  # its own unit / text_field (the run's may be meant for its text sources)
+            chosen = {key: getattr(entry, key) for key in ("unit", "text_field")
+                      if getattr(entry, key)}
+        else:
+            chosen = {key: one.data.get(key) for key in ("unit", "validation_fraction",
+                                                         "text_field")
+                      if one.data.get(key) != keys[f"data.{key}"].default}
+        if config.data.num_sentinels != keys["data.num_sentinels"].default:
+            chosen["num_sentinels"] = config.data.num_sentinels
+        if fixed["format"] == "array_record" and \
+                (fixed["unit"] == "stream") != (one.data.unit == "stream"):
+            chosen["unit"] = one.data.unit
+        for key, value in chosen.items():
+            if fixed[key] is None or value == fixed[key]:
+                continue
+            where = f"data.sources {entry.name!r}: " if entry else "data."
+            what = f"the tokenizer of the prepared data {one.data.path!r} has" \
+                if key == "num_sentinels" else \
+                f"the prepared data {one.data.path!r} was prepared with"
+            set_it = f"{key}={fixed[key]} in its entry" if entry and key != "num_sentinels" \
+                else f"--config.data.{key}={fixed[key]}"
+            raise ValueError(f"{where}{key}={value!r}: {what} {key}={fixed[key]!r}: expected "
+                             f"{set_it}")
 
 
 def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:

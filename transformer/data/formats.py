@@ -38,14 +38,17 @@ def kind(path: str) -> str:
     >>> [kind(p) for p in ("a/b.parquet", "c.jsonl.zst", "d.JSONL", "e.json", "notes.txt")]
     ['parquet', 'jsonl', 'jsonl', 'jsonl', 'text']
     """
+    return table_kind(path) or ("datasets" if is_dataset_dir(path) else "text")
+
+
+def table_kind(path: str) -> str | None:
+    """"parquet" or "jsonl" by the file's name (no file is read), else None."""
     name = os.path.basename(path).lower()
     if name.endswith(".parquet"):
         return "parquet"
     if name.endswith(_JSONL):
         return "jsonl"
-    if is_dataset_dir(path):
-        return "datasets"
-    return "text"
+    return None
 
 
 def is_dataset_dir(path: str) -> bool:
@@ -178,7 +181,9 @@ def _jsonl_rows(path: str, field: str) -> Iterator[tuple[int, str]]:
     except UnicodeDecodeError:
         raise ValueError(f"{path}: {_invalid_utf8(path)}: expected UTF-8 text") from None
     except (OSError, EOFError, zlib.error, zstandard.ZstdError) as e:
-        raise ValueError(f"{path}: unreadable after row {row} (line {line_number}): "
+        # `row` counts the rows read, so the last one read is row - 1 (line_number is the last
+        # line read); "row 0 (line 0)" when none was.
+        raise ValueError(f"{path}: unreadable after row {max(row - 1, 0)} (line {line_number}): "
                          f"{type(e).__name__}: {e}: expected a complete, uncorrupted "
                          "file") from None
 

@@ -8,9 +8,11 @@ tokenizer). `data.sources` instead trains on a weighted mixture of such paths
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
+import re
 
 import grain
 import jax
@@ -61,6 +63,22 @@ def _prepared_dir(config: ml_collections.ConfigDict) -> str | None:
     return next(iter(_prepared_dirs(config)), None)
 
 
+def prepared_settings(config: ml_collections.ConfigDict) -> dict | None:
+    """What the prepared data.path fixed of the data settings (None if it is not prepared): by
+    data key, prepare.json's unit, validation_fraction and text_field, and its tokenizer's
+    num_sentinels (None: not recorded); "format" is the shards' layout ("array_record" or
+    "bin")."""
+    if not (prepared := _prepared_dir(config)):
+        return None
+    with open(os.path.join(prepared, "prepare.json")) as f:
+        summary = json.load(f)
+    return {"unit": summary.get("unit"),
+            "validation_fraction": summary.get("validation_fraction"),
+            "text_field": summary.get("text_field", "text"),
+            "num_sentinels": _tokenizer_identity(prepared)[0].get("num_sentinels"),
+            "format": summary.get("format", "array_record")}
+
+
 # A directory of token shards given as data.path (no prepare.json): each split's files by name,
 # as nanoGPT (train.bin, val.bin) and modded-nanogpt (fineweb_train_000001.bin,
 # fineweb_val_000000.bin) name them.
@@ -85,15 +103,41 @@ def check_finished(path: str) -> None:
                          "expected its prepare to finish (the same command resumes it)")
 
 
+def shard_split(file: str) -> str | None:
+    """The split of a token shard in a `token_shard_dir`: the one whose `SHARD_SPLITS` pattern
+    its name matches (None: neither). A name matching both goes by its parts (cut at what is
+    not a letter or digit): the split of the one part starting with "train" or "val", else a
+    one-line error.
+
+    >>> [shard_split(name) for name in ("val.bin", "fineweb_train_000001.bin",
+    ...                                 "pretrain_val_000000.bin", "retrieval_train_000000.bin")]
+    ['validation', 'train', 'validation', 'train']
+    """
+    name = os.path.basename(file)
+    splits = [split for split, pattern in SHARD_SPLITS.items() if fnmatch.fnmatch(name, pattern)]
+    if len(splits) > 1:  # "*train*.bin" -> "train": what a part of the split's names starts with
+        parts = re.split(r"[^0-9A-Za-z]+", name)
+        splits = [split for split in splits if any(
+            part.startswith(SHARD_SPLITS[split].split("*")[1]) for part in parts)]
+        if len(splits) != 1:
+            raise ValueError(f"{file}: its name matches both {SHARD_SPLITS['train']!r} and "
+                             f"{SHARD_SPLITS['validation']!r}, and its parts do not say which "
+                             "split: expected one part starting with 'train' or 'val' (rename "
+                             "the shard)")
+    return splits[0] if splits else None
+
+
 def _token_shards(config: ml_collections.ConfigDict, split: str) -> shards.TokenShards:
-    """data.path's shards of `split`, or a one-line error naming what is missing."""
+    """data.path's shards of `split` (`shard_split`), or a one-line error naming what is
+    missing."""
     path = config.data.path
-    pattern = os.path.join(glob.escape(path), SHARD_SPLITS[split])
-    if not glob.glob(pattern):
+    files = [file for file in sorted(glob.glob(os.path.join(glob.escape(path), "*.bin")))
+             if shard_split(file) == split]
+    if not files:
         raise FileNotFoundError(f"data.path={path!r}: no {SHARD_SPLITS[split]} shards for the "
                                 f"{split} split: expected token shards named as nanoGPT's "
                                 "train.bin / val.bin")
-    return shards.TokenShards(pattern)
+    return shards.TokenShards(files)
 
 
 def check_token_shards(config: ml_collections.ConfigDict, tokenizer) -> None:
@@ -252,6 +296,11 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
               "fingerprint": sources.fingerprint(config.data.path or None)}
     if config.data.get("validation_path"):
         stream["validation_fingerprint"] = sources.fingerprint(config.data.validation_path)
+    if token_shard_dir(config.data.path) and any(  # (read into both splits before `shard_split`)
+            all(fnmatch.fnmatch(os.path.basename(file), pattern) for pattern in
+                SHARD_SPLITS.values()) for file in glob.glob(os.path.join(
+                    glob.escape(config.data.path), "*.bin"))):
+        stream["shards_by_name_parts"] = True
     if mixture := source_configs(config):
         per_source = {name: data_stream(one) for name, one in mixture.items()}
         stream["fingerprint"] = {name: s["fingerprint"] for name, s in per_source.items()}

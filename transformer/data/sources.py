@@ -12,6 +12,8 @@ import json
 import operator
 import os
 import pydoc_data.topics
+import re
+import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import SupportsIndex
@@ -114,9 +116,45 @@ def _refuse_dataset_dict(directory: str) -> None:
                          f"directory (e.g. {os.path.join(directory, splits[0])})")
 
 
+# A split's file as the Hugging Face Hub names it: train-00000-of-00004.parquet (optionally
+# followed by a hash), or train.jsonl; group 1 is the split's name.
+_HUB_SPLIT_FILE = re.compile(r"(train|test|validation|valid|dev)(-\d+-of-\d+(-[0-9a-f]+)?)?\.")
+_HUB_SPLITS = {"valid": "validation", "dev": "validation"}  # names of the same split
+
+
+def _check_layout(directory: str, files: list[str]) -> None:
+    """A directory read whole must hold one corpus: a one-line error for files of several
+    Hugging Face Hub splits (all of them would train), and a warning for text (.md, .txt)
+    beside Parquet / JSON Lines files (a README, whose paragraphs would train)."""
+    tables = [f for f in files if formats.table_kind(f)]
+    splits = {}
+    for file in tables:
+        if match := _HUB_SPLIT_FILE.match(os.path.basename(file).lower()):
+            splits.setdefault(_HUB_SPLITS.get(match[1], match[1]), file)
+    if len(splits) > 1:
+        a = splits.get("train") or next(iter(splits.values()))
+        b = next(file for file in splits.values() if file != a)
+        train = os.path.join(os.path.dirname(a), "train*")
+        raise ValueError(f"{directory}: holds the Hugging Face Hub splits {sorted(splits)} "
+                         f"({a}, {b}), which would all train: expected a path to the train "
+                         f"files alone (a glob such as {train}) and data.validation_path at "
+                         "the validation files")
+    if tables and (texts := [f for f in files if f.lower().endswith((".md", ".txt"))]):
+        _warn(f"{directory}: {texts[0]} is read as text beside {len(tables)} Parquet / JSON "
+              "Lines files (its paragraphs train): if it is not corpus, point data.path at the "
+              "corpus files alone (a glob)")
+
+
+@functools.cache
+def _warn(line: str) -> None:
+    """Prints a warning line, once per process."""
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
 def document_files(path: str) -> list[str]:
     """`_files(path)`, each `datasets` save_to_disk directory among them as one entry: the
-    files `read_text` reads, in its order (`prepare` works through them one by one)."""
+    files `read_text` reads, in its order (`prepare` works through them one by one). A
+    directory of several Hub splits is refused (`_check_layout`)."""
     if formats.is_dataset_dir(path):
         return [path]
     _refuse_dataset_dict(path)
@@ -127,7 +165,20 @@ def document_files(path: str) -> list[str]:
         entry = formats.dataset_dir_of(file) or file
         if entry not in entries[-1:]:  # a dataset's files are adjacent in sorted order
             entries.append(entry)
+    if fileio.isdir(path):
+        _check_layout(path, entries)
     return entries
+
+
+def shared_file(path: str, other: str) -> str | None:
+    """The first of `other`'s `document_files` that is also one of `path`'s (compared by real
+    path, so a link or another spelling of the same file counts), or None."""
+
+    def real(file: str) -> str:
+        return file if fileio.is_remote(file) else os.path.realpath(file)
+
+    mine = {real(file) for file in document_files(path)}
+    return next((file for file in document_files(other) if real(file) in mine), None)
 
 
 def file_documents(file: str, *, split: str = "paragraph",

@@ -163,11 +163,18 @@ def open_binary(p: str):
 
 
 def files_under(directory: str) -> list[str]:
-    """The regular files under `directory`, recursively, skipping hidden files and folders."""
+    """The regular files under `directory`, recursively, skipping hidden files and folders.
+    Symlinked folders are followed (as a glob over them does), each real folder once."""
     if not is_remote(directory):
-        found = []
-        for root, dirs, names in os.walk(directory):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found, seen = [], {os.path.realpath(directory)}
+        for root, dirs, names in os.walk(directory, followlinks=True):
+            kept = []
+            for d in sorted(dirs):  # a folder reached twice (a cycle, two links) is walked once
+                real = os.path.realpath(os.path.join(root, d))
+                if not d.startswith(".") and real not in seen:
+                    seen.add(real)
+                    kept.append(d)
+            dirs[:] = kept
             found += [os.path.join(root, n) for n in names
                       if not n.startswith(".") and os.path.isfile(os.path.join(root, n))]
         return found
