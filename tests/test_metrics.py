@@ -3,6 +3,7 @@ table by device kind, and the cached CPU measurement."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -202,10 +203,10 @@ def test_the_metrics_logger_leaves_torch_and_the_cloud_clients_unloaded_and_impo
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_a_run_under_rematerialisation_logs_hfu_from_its_programs_matmuls(tmp_path):
+def test_a_run_under_rematerialisation_logs_hfu_from_its_programs_matmuls(tmp_path, capsys):
     """The training loop counts its own step (the count itself: the test above): under full
-    remat hfu / mfu is the recomputed forward's share, one number for the run; a run without
-    remat logs no hfu."""
+    remat hfu / mfu is the recomputed forward's share, one number for the run, in the records
+    and the log lines (after MFU); a run without remat logs no hfu."""
     import json
 
     from test_train import tiny_config
@@ -220,6 +221,10 @@ def test_a_run_under_rematerialisation_logs_hfu_from_its_programs_matmuls(tmp_pa
                    (tmp_path / remat / "metrics.jsonl").read_text().splitlines()]
         timed = [r for r in records if r["split"] == "train" and "mfu" in r]
         assert timed and all(("hfu" in r) == (remat == "full") for r in timed)
+        out = capsys.readouterr().out
+        lines = re.findall(r"^step \d+/3 .* MFU (\d+)% (?:HFU (\d+)% )?ETA", out, re.M)
+        assert [(f"{r['mfu']:.0%}", f"{r['hfu']:.0%}" if "hfu" in r else "") for r in timed] == \
+            [(f"{mfu}%", f"{hfu}%" if hfu else "") for mfu, hfu in lines]
         if remat == "full":  # a third more, less the matmuls no gradient needs recomputed
             ratios = {round(r["hfu"] / r["mfu"], 9) for r in timed}
             assert len(ratios) == 1 and 1.0 < ratios.pop() < 4 / 3, timed

@@ -930,3 +930,177 @@ def test_an_exploding_gradient_norm_stops_or_is_skipped_like_nan(tmp_path):
     run.manager.close(), run.train_data.close(), run.logger.close()
     for key, value in flat(jax.device_get(result["state"].params)).items():
         np.testing.assert_array_equal(value, start[key], err_msg=key)  # no update applied
+
+
+# --- 11. what a resumed or profiled run reports ---------------------------------------------
+
+
+class Killed(BaseException):
+    """A kill -9 at this point: nothing after it in the start runs but its `finally`s."""
+
+
+def records_at(workdir: Path, step: int) -> list[str]:
+    return [r["split"] for r in read_metrics(workdir) if r["step"] == step]
+
+
+def test_a_start_killed_in_the_after_training_evaluations_redoes_only_the_missing_ones(
+        tmp_path, monkeypatch):
+    """Killed after the final checkpoint, in the second after-training evaluation (the test
+    split logged, the other lengths not), then rerun: the test split is not evaluated or
+    logged again, the lengths are, once, and summary.json has the last train and validation
+    metrics that the first start logged."""
+    from test_logged_numbers import start_purging_scalars
+
+    from transformer.training import evaluation
+
+    held_out = tmp_path / "test.txt"
+    held_out.write_text(SHAKESPEARE.read_text()[-20000:])
+    config = tiny_config(steps=2, eval_seq_lens=(32, 64))
+    config.data.update(path=str(SHAKESPEARE), test_path=str(held_out))
+    workdir = tmp_path / "run"
+    at_length = evaluation.evaluate_at_length
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(evaluation, "evaluate_at_length", killed)
+    with pytest.raises(Killed):
+        train.train_and_evaluate(config, str(workdir))
+    assert records_at(workdir, 2) == ["train", "validation", "test"]
+    assert checkpoint_steps(workdir) == [2] and not (workdir / "summary.json").exists()
+
+    evaluated = []
+    evaluate = evaluation.evaluate
+
+    def counted(*args, split="validation", **kwargs):
+        evaluated.append(split)
+        return evaluate(*args, split=split, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate", counted)
+    monkeypatch.setattr(evaluation, "evaluate_at_length", at_length)
+    summary = train.train_and_evaluate(config, str(workdir))["summary"]
+    assert evaluated == ["validation", "validation"]  # at 32 and 64 (evaluate_at_length's)
+    assert records_at(workdir, 2) == ["train", "validation", "test", "validation@32",
+                                      "validation@64"]
+    last = {r["split"]: r for r in read_metrics(workdir) if r["step"] == 2}
+    for key in ("loss", "accuracy", "tokens_per_s", "mfu", "step_time", "learning_rate"):
+        assert summary[key] == last["train"][key], key
+    for key in ("loss", "bits_per_byte", "perplexity"):
+        assert summary[f"val_{key}"] == last["validation"][key], key
+        assert summary[f"test_{key}"] == last["test"][key], key
+    assert summary["val_loss@64"] == last["validation@64"]["loss"]
+    assert json.loads((workdir / "summary.json").read_text())["val_loss"] == summary["val_loss"]
+    scalars = start_purging_scalars(workdir / "tensorboard")
+    assert [s for s, _ in scalars["test/loss"]] == [2]  # TensorBoard: once too
+    assert [s for s, _ in scalars["validation_32/loss"]] == [2]
+
+
+def test_the_profilers_start_and_stop_are_outside_the_timed_steps(tmp_path, monkeypatch):
+    """Starting and stopping the trace (made 1.5 s slower each here, as writing a big trace
+    is) are pauses: no tok/s window holds them, and goodput counts them as other, not as
+    training steps."""
+    profiler = {name: getattr(jax.profiler, name) for name in ("start_trace", "stop_trace")}
+    for name, call in profiler.items():
+        monkeypatch.setattr(jax.profiler, name, lambda *args, call=call: (
+            time.sleep(1.5), call(*args))[1])
+    config = tiny_config(steps=7)
+    config.profile.update(start_step=3, num_steps=2)  # started in step 3, stopped after 4
+    summary = train.train_and_evaluate(config, str(tmp_path))["summary"]
+    timed = [r for r in read_metrics(tmp_path) if r["split"] == "train" and "step_time" in r]
+    assert [r["step"] for r in timed] == [2, 5, 6, 7]  # the windows restart after 3 and 4
+    assert max(r["step_time"] for r in timed) < 0.75, timed
+    goodput = summary["goodput"]
+    assert goodput["other_seconds"] >= 3.0
+    assert goodput["productive_seconds"] < 1.5, goodput
+
+
+class FakeWandb:
+    """The wandb package as the sink uses it, over one run's rows on "W&B's server" (step ->
+    {"split/metric": value}). As W&B does: an online run resumed by id starts at the step
+    after the last row the server holds (an offline one at 0, knowing nothing of the earlier
+    files), and a log to a step below the current one is dropped."""
+
+    def __init__(self, monkeypatch):
+        import importlib.machinery
+        import types
+
+        self.rows = {}
+        module = types.ModuleType("wandb")
+        module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        module.init, module.Settings = self.init, lambda **settings: settings
+        monkeypatch.setitem(sys.modules, "wandb", module)
+
+    def init(self, mode, settings, **arguments):
+        rows = self.rows
+
+        class Run:
+            offline = mode == "offline"
+            step = max(rows) + 1 if rows and not offline else 0
+            summary = {}
+
+            def log(self, values, step):
+                if step >= self.step:
+                    self.step = step
+                    rows.setdefault(step, {}).update(values)
+
+            def finish(self, exit_code):
+                pass
+
+        return Run()
+
+
+def failing_training_data(monkeypatch, at: int):
+    """Reading training batch `at` (the first is the start-up's peek at the shapes) raises
+    Killed; returns the unpatched inputs.get_dataset."""
+    from transformer.data import inputs
+
+    get_dataset, read = inputs.get_dataset, []
+
+    def fail(batch):
+        read.append(1)
+        if len(read) == at:
+            raise Killed
+        return batch
+
+    monkeypatch.setattr(inputs, "get_dataset", lambda config, tokenizer, split, **kwargs: (
+        get_dataset(config, tokenizer, split, **kwargs).map(fail) if split == "train"
+        else get_dataset(config, tokenizer, split, **kwargs)))
+    return get_dataset
+
+
+@pytest.mark.parametrize("mode", ["online", "offline"])
+def test_a_resumed_wandb_run_gets_the_records_a_killed_start_never_sent(tmp_path, monkeypatch,
+                                                                         mode):
+    """The first start logs steps 1 to 3 (a checkpoint at 2), its W&B queue holding all but
+    step 1 when it is killed reading step 4's batch; the rerun resumes from 2. Online, W&B's
+    server then holds every record metrics.jsonl keeps; offline (docs/watching.md) the rerun
+    cannot know what the killed start's files hold and sends only its own."""
+    from transformer.data import inputs
+    from transformer.training import wandb_logging
+
+    server = FakeWandb(monkeypatch)
+    config = tiny_config(steps=4, checkpoint_every=2, eval_every=2)
+    config.wandb.update(project="p", mode=mode)
+    killed, log = [True], wandb_logging.Sink.log
+    monkeypatch.setattr(wandb_logging.Sink, "log", lambda self, step, split, metrics: (
+        None if killed[0] and step >= 2 else log(self, step, split, metrics)))  # never sent
+    get_dataset = failing_training_data(monkeypatch, at=5)
+    with pytest.raises(Killed):
+        train.train_and_evaluate(config, str(tmp_path))
+    assert sorted(server.rows) == [1] and checkpoint_steps(tmp_path) == [2]
+    assert [(r["step"], r["split"]) for r in read_metrics(tmp_path)][-2:] == [
+        (2, "validation"), (3, "train")]
+
+    killed[0] = False
+    monkeypatch.setattr(inputs, "get_dataset", get_dataset)
+    train.train_and_evaluate(config, str(tmp_path))
+    kept = {}
+    for record in read_metrics(tmp_path):
+        kept.setdefault(record["step"], {}).update({
+            f"{record['split']}/{k}": v for k, v in record.items()
+            if k not in ("step", "split", "elapsed")})
+    assert sorted(kept) == [1, 2, 3, 4] and "validation/loss" in kept[2]
+    if mode == "online":
+        assert server.rows == kept
+    else:
+        assert server.rows == {step: row for step, row in kept.items() if step != 2}

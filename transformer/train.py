@@ -172,6 +172,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
               if config.data.get("sources") else None,
               step=start_step, tokenizer_saved=resuming, peak=peak,
               tracer=profiling.Tracer(config, workdir), watch=nonfinite.Watch(start_step))
+    run.last_metrics = progress.resumed_metrics(run.logger)  # summary.json's, if no step runs
     run.logger.sink = wandb_logging.sink(config, workdir, run.logger)
     startup.announce(run, sharding.summary(placement.mesh, abstract, state_sharding,
                                            config.batch_size))
@@ -185,8 +186,9 @@ def loop(run: Run, peak_flops: float | None) -> bool:
     config = run.config
     flops = (metrics_lib.flops_per_token(config, run.active_params),) * 2  # model, hardware
     # Speed is timed over windows of training steps alone (from `since`, a (time, step), to
-    # the next log): the first step of the process, which compiles, and every evaluation and
-    # save happen outside them, timed apart (`pauses`: the ETA counts them).
+    # the next log): the first step of the process, which compiles, every evaluation and save,
+    # and the profiler's trace start and stop happen outside them, timed apart (`pauses`: the
+    # ETA counts evaluations and saves).
     start, since, pauses = time.perf_counter(), None, run.goodput.pauses
     # Host page faults per step, once the first steps have mapped in what malloc keeps
     faults = hostmem.FaultWindow(run.step)
@@ -207,6 +209,8 @@ def loop(run: Run, peak_flops: float | None) -> bool:
         if since is None:
             jax.block_until_ready(metrics)
             since = (progress.log_first_step(run, start, chosen), run.step)
+        elif run.tracer.paused:  # the trace started or stopped around this step
+            since = (time.perf_counter(), run.step)
         logged = run.step % config.log_every == 0 or last
         if logged:
             since = (progress.log_train(run, metrics, since, flops, peak_flops, pauses), run.step)
@@ -291,6 +295,7 @@ def train_to_end(runs: list[Run], loop_fn) -> list[dict[str, Any] | Exception]:
                             run_eval.after_training(run)
             finally:
                 for run in runs:
+                    run.goodput.end_loop()  # (a trace still open stops after it)
                     run.tracer.close(run)
                     with run.goodput.after_loop("checkpoint"):
                         run.manager.close()  # waits for async saves to finish

@@ -310,16 +310,19 @@ def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequen
     lines = [f"# {title}", ""]
     if seeds == 1:
         lines += [f"{len(rows)} variants, written {time.strftime('%Y-%m-%d %H:%M:%S')}. "
-                  "Final metrics are the last logged; tokens/s is the median over the logs after "
-                  "the first (which includes compiling); wall time sums the variant's runs "
-                  "(resumes included).", ""] + _run_table(rows, overrides, columns)
+                  "Final metrics are the last logged; tokens/s is the median over the train logs "
+                  "that timed training steps (compiling, evaluations and saves are in none); "
+                  "wall time is the run's last logged `elapsed`: its starts (resumes) summed, "
+                  "each without its start-up.", ""] + _run_table(rows, overrides, columns)
         if len(runs) > 1:
             lines += _window_table(runs, configs, check_baseline(baseline, list(runs)))
     else:
         lines += _seed_tables(runs, overrides, columns, check_baseline(baseline, list(runs)))
         lines += ["", "## Per seed", "", "Final metrics are the last logged; tokens/s is the "
-                  "median over the logs after the first (which includes compiling); wall time "
-                  "sums the run's resumes.", ""] + _run_table(rows, overrides, columns)
+                  "median over the train logs that timed training steps (compiling, evaluations "
+                  "and saves are in none); wall time is the run's last logged `elapsed`: its "
+                  "starts (resumes) summed, each without its start-up.",
+                  ""] + _run_table(rows, overrides, columns)
     failed = [row for row in rows if row["status"] == "failed"]
     if failed:
         lines += ["", "Failed variants (see each one's error.txt):", ""]

@@ -15,12 +15,14 @@ Each process that trains the workdir (process 0 of a multi-host run) times its p
 - restarts: in every start after the first, its start-up and compilation; and the productive
   time of steps trained again after a preemption (those after the checkpoint the next start
   resumed from);
-- other: the rest after the loop (closing the logs and the data).
+- other: the profiler's trace start and stop in the loop (config.profile), and the rest after
+  the loop (closing the logs and the data).
 
-Evaluations and saves are the loop's own `pauses` (progress.log_train's ETA reads them), so
-nothing is timed twice. The ledger, WORKDIR/goodput.json, holds each start's parts and, at each
-checkpoint, its productive time so far; it is rewritten at every log and save, so a process
-killed without warning loses at most its time since the last one. The totals are in
+Evaluations, saves and the trace's start and stop are the loop's own `pauses`
+(progress.log_train's ETA reads the first two), so nothing is timed twice. The ledger,
+WORKDIR/goodput.json, holds each start's parts and, at each checkpoint, its productive time so
+far; it is rewritten at every log and save, so a process killed without warning loses at most
+its time since the last one. The totals are in
 summary.json ("goodput") and in the line printed at the end.
 """
 
@@ -68,7 +70,8 @@ class Clock:
         self.loop_start = self.loop_end = self.compilation = None
         self.data = 0.0
         self.after = {"evaluation": 0.0, "checkpoint": 0.0}  # after the loop
-        self.pauses = {"eval": [], "save": []}  # the loop's evaluations and saves, in seconds
+        # the loop's evaluations, saves and profiler trace starts and stops, in seconds
+        self.pauses = {"eval": [], "save": [], "profile": []}
         self.record = {"start_step": start_step, "step": start_step,
                        "marks": [[start_step, 0.0]]}
         self.previous = self._read() if enabled else []
@@ -87,13 +90,14 @@ class Clock:
         start = now if self.loop_start is None else self.loop_start
         end = now if self.loop_end is None else self.loop_end
         evaluation, saves = sum(self.pauses["eval"]), sum(self.pauses["save"])
-        in_loop = max(end - start, 0.0) - self.data - evaluation - saves
+        profile = sum(self.pauses["profile"])
+        in_loop = max(end - start, 0.0) - self.data - evaluation - saves - profile
         compilation = in_loop if self.compilation is None else self.compilation
         return {"startup": start - self.started, "compilation": compilation,
                 "productive": in_loop - compilation, "data": self.data,
                 "evaluation": evaluation + self.after["evaluation"],
                 "checkpoint": saves + self.after["checkpoint"],
-                "other": max(now - end - sum(self.after.values()), 0.0)}
+                "other": profile + max(now - end - sum(self.after.values()), 0.0)}
 
     def begin_loop(self) -> None:
         self.loop_start = time.perf_counter()
@@ -108,24 +112,31 @@ class Clock:
             self.data += time.perf_counter() - began
 
     def compiled(self, now: float) -> None:
-        """The first step ended at `now` (perf_counter)."""
+        """The first step ended at `now` (perf_counter); a pause in it (the trace's start) is
+        not compilation."""
         if self.compilation is None and self.loop_start is not None:
-            self.compilation = now - self.loop_start - self.data
+            self.compilation = now - self.loop_start - self.data - sum(
+                map(sum, self.pauses.values()))
 
     @contextlib.contextmanager
     def pause(self, kind: str):
-        """Times an evaluation ("eval") or a save ("save") in the loop, into `pauses`."""
+        """Times an evaluation ("eval"), a save ("save") or the profiler's trace start or stop
+        ("profile") in the loop, into `pauses`."""
         began = time.perf_counter()
         try:
             yield
         finally:
             self.pauses[kind].append(time.perf_counter() - began)
 
+    def end_loop(self) -> None:
+        """The loop has ended (at the first call): what follows is timed after it."""
+        if self.loop_end is None:
+            self.loop_end = time.perf_counter()
+
     @contextlib.contextmanager
     def after_loop(self, part: str):
         """Times `part` ("evaluation" or "checkpoint") after the loop has ended."""
-        if self.loop_end is None:
-            self.loop_end = time.perf_counter()
+        self.end_loop()
         began = time.perf_counter()
         try:
             yield

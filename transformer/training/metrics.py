@@ -264,9 +264,12 @@ class MetricsLogger:
 
     On a resume from `start_step`, the records a killed run logged after it are dropped: from
     metrics.jsonl (`keep_records_up_to`) and from TensorBoard's view of the old event files.
-    Every record carries `elapsed`: seconds of this run so far, summed over resumes (the time
-    a killed run spent after its last checkpoint is dropped with its records). `sink` (W&B:
-    transformer.training.wandb_logging.Sink) gets every record too, and the summary at `finish`.
+    The records kept are in `kept`; one an earlier start logged at `start_step` itself is never
+    written again (`earlier`: a start resumed at the last step re-runs only the after-training
+    evaluations it lacks). Every record carries `elapsed`: seconds of this run so far, summed
+    over resumes (the time a killed run spent after its last checkpoint is dropped with its
+    records). `sink` (W&B: transformer.training.wandb_logging.Sink) gets every record too, and
+    the summary at `finish`.
     """
 
     sink = None
@@ -277,12 +280,14 @@ class MetricsLogger:
         self.prefix = ""  # before every printed line ("seed 1: ": transformer.batched)
         self.start = time.perf_counter()
         self.elapsed_before = 0.0
+        self.start_step, self.kept = start_step, []
         if enabled:
             SummaryWriter = summary_writer_class(fileio.is_remote(workdir))
             self.path = fileio.join(workdir, "metrics.jsonl")
             lines = keep_records_up_to(self.path, start_step)
+            self.kept = [json.loads(line) for line in lines]
             if lines:
-                self.elapsed_before = json.loads(lines[-1]).get("elapsed", 0.0)
+                self.elapsed_before = self.kept[-1].get("elapsed", 0.0)
             # Object stores cannot append: a remote file is kept in memory and rewritten whole
             # at each record; a local one is appended to.
             remote = fileio.is_remote(self.path)
@@ -300,9 +305,17 @@ class MetricsLogger:
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.start
 
+    def earlier(self, step: int, split: str) -> dict | None:
+        """The metrics of the `split` record an earlier start logged at `step`, if kept (only
+        at start_step: the steps after it are trained and logged again), else None."""
+        if step != self.start_step:
+            return None
+        return next(({k: v for k, v in r.items() if k not in ("step", "split", "elapsed")}
+                     for r in self.kept if r.get("step") == step and r.get("split") == split), None)
+
     def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
-        if not self.enabled:
-            return
+        if not self.enabled or self.earlier(step, split) is not None:
+            return  # (already in metrics.jsonl, TensorBoard and W&B)
         line = json.dumps({"step": step, "split": split, **metrics,
                            "elapsed": self.elapsed()}) + "\n"
         if self.jsonl is None:

@@ -76,6 +76,7 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
             for kind, every in (("eval", config.eval_every), ("save", config.checkpoint_every))
             if pauses[kind])
         mfu = f"MFU {record['mfu']:.0%} " if "mfu" in record else ""
+        mfu += f"HFU {record['hfu']:.0%} " if "hfu" in record else ""  # (remat: differs)
         speed = (f"{seconds * 1e3:,.0f} ms/step {tokens_per_s:,.0f} tok/s {mfu}"
                  f"ETA {metrics_lib.format_eta(eta)}")
     if run.mixture is not None:  # rows read from each source so far, in closed form
@@ -95,6 +96,18 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
                      + speed, transient=True)
     run.last_metrics = record
     return time.perf_counter()  # the next window starts after this log's own host work
+
+
+def resumed_metrics(logger) -> dict:
+    """run.last_metrics of a start resuming at `logger.start_step`, from the records an
+    earlier start logged there, as log_train, run_eval and task_eval add them: train metrics,
+    validation ("val_") and lm-eval tasks ("tasks/"). (The test split and other lengths:
+    run_eval.after_training reads its own.)"""
+    metrics = {}
+    for split, prefix in (("train", ""), ("validation", "val_"), ("tasks", "tasks/")):
+        kept = logger.earlier(logger.start_step, split) or {}
+        metrics.update({prefix + k: v for k, v in kept.items()})
+    return metrics
 
 
 def summarize(run, wall_seconds: float) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from transformer.data import inputs
 from transformer.training import evaluation, optim, task_eval
+from transformer.training import placement as placement_lib
 
 
 def during_training(run, last: bool) -> bool:
@@ -32,7 +33,13 @@ def evaluate_split(run, split: str, steps: int | None, seq_len: int | None = Non
                    windows: bool = False) -> dict:
     """Evaluates the current params (optim.eval_params: schedule-free's x) on `split` (at
     `seq_len`), logs and returns the metrics; with `windows`, saves the per-window losses too
-    (evaluation.save_windows)."""
+    (evaluation.save_windows). An evaluation an earlier start logged at this step (a start
+    resumed at the last step, after a kill during the after-training evaluations) is not run
+    again: its kept metrics are returned."""
+    name = split if seq_len is None else f"{split}@{seq_len}"
+    earlier = run.logger.earlier(run.step, name)  # (process 0 reads metrics.jsonl: agreed)
+    if placement_lib.agreed(earlier is not None):
+        return earlier or {}
     config, params = run.config, optim.eval_params(run.state, run.config)
     if seq_len is None:
         bytes_per_token = run.validation_bytes_per_token if split == "validation" else None
@@ -43,7 +50,6 @@ def evaluate_split(run, split: str, steps: int | None, seq_len: int | None = Non
                                                seq_len, run.placement, steps)
     if (per_window := result.pop("windows", None)) is not None:  # the final validation pass
         evaluation.save_windows(run.workdir, run.step, per_window)
-    name = split if seq_len is None else f"{split}@{seq_len}"
     at = "" if seq_len is None else f" at length {seq_len}"
     # A mixture's sources, each its own record ("validation/web"), then their total.
     for source, metrics in result.pop("by_source", {}).items():

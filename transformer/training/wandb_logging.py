@@ -3,7 +3,10 @@ records (the same as metrics.jsonl's), its resolved config and, at the end, its 
 
 W&B is on when `wandb.project` is set (and `wandb.mode` is not "disabled"), on process 0 only.
 The run's W&B id is kept in WORKDIR/wandb.json, so a resumed training continues the same W&B
-run; offline runs write under WORKDIR/wandb/ (upload them later with `wandb sync`). A sweep's
+run. Online, a resumed run first sends the records metrics.jsonl kept that W&B's server lacks
+(those a killed start had queued but not sent); offline, W&B cannot tell what the earlier
+starts' files hold, so only new records are sent. Offline runs write under WORKDIR/wandb/
+(upload them later with `wandb sync`). A sweep's
 runs carry their variant (`wandb.variant`, set by transformer.sweep) and seed as config fields
 and are grouped by variant.
 
@@ -80,7 +83,9 @@ class Sink:
     """The W&B side of metrics.MetricsLogger: `log` (one record), `summary` (summary.json's
     content) and `finish`; none of them waits on W&B."""
 
-    def __init__(self, arguments: dict, warn=None):
+    def __init__(self, arguments: dict, warn=None, kept=()):
+        """`kept`: metrics.jsonl's records from earlier starts (sent online where the W&B run
+        lacks them)."""
         self.arguments = arguments
         self.warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
         self.queue: queue.Queue = queue.Queue()
@@ -88,10 +93,11 @@ class Sink:
         self.run = None
         self.thread = threading.Thread(target=self._work, name="wandb", daemon=True)
         self.thread.start()
+        if kept:
+            self.queue.put(("kept", list(kept)))
 
     def log(self, step: int, split: str, metrics: dict) -> None:
-        values = {f"{split}/{name}": value for name, value in metrics.items()
-                  if isinstance(value, int | float) and not isinstance(value, bool)}
+        values = _values(split, metrics)
         if values and not self.failed:
             self.queue.put(("log", step, values))
 
@@ -126,7 +132,14 @@ class Sink:
             self.run = wandb.init(**self.arguments, settings=wandb.Settings(
                 silent=True, console="off"))
         kind, *args = item
-        if kind == "log":
+        if kind == "kept" and not self.run.offline:  # (offline, W&B's run.step is always 0)
+            first = self.run.step  # online: the step after the last the server holds
+            for record in args[0]:
+                values = _values(record["split"], {k: v for k, v in record.items()
+                                                   if k not in ("step", "split", "elapsed")})
+                if values and record["step"] >= first:
+                    self.run.log(values, step=record["step"])
+        elif kind == "log":
             step, values = args
             if step >= self.run.step:  # a resumed W&B run already holds the earlier steps
                 self.run.log(values, step=step)
@@ -134,6 +147,12 @@ class Sink:
             self.run.summary.update(json.loads(json.dumps(args[0], default=str)))
         elif kind == "finish":
             self.run.finish(exit_code=args[0])
+
+
+def _values(split: str, metrics: dict) -> dict:
+    """A record's numbers as W&B keys ("train/loss")."""
+    return {f"{split}/{name}": value for name, value in metrics.items()
+            if isinstance(value, int | float) and not isinstance(value, bool)}
 
 
 def sink(config, workdir: str, logger) -> Sink | None:
@@ -146,4 +165,4 @@ def sink(config, workdir: str, logger) -> Sink | None:
     logger.print(f"W&B: {config.wandb.mode} run {arguments['id']} in project "
                  f"{config.wandb.project}{where}")
     return Sink(arguments, warn=lambda line: print(logger.prefix + line, file=sys.stderr,
-                                                   flush=True))
+                                                   flush=True), kept=logger.kept)
