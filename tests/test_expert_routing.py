@@ -256,6 +256,7 @@ def test_the_first_dense_layers_scan_apart_and_equal_the_unrolled_stack():
                                   "topk_group=2 groups (4)"),
     (dict(balance_bias=False), "model.moe.bias_update_rate=0.05: expected 0 without "
                               "moe.balance_bias=True"),
+    (dict(shared_gate=True), "model.moe.shared_gate=True: expected moe.num_shared > 0"),
     (dict(score="tanh"), "model.moe.score='tanh': expected one of"),
     (dict(routed_scaling_factor=0.0), "model.moe.routed_scaling_factor=0.0: expected a number > 0"),
     (dict(first_dense_layers=4), "model.moe.first_dense_layers=4: expected fewer than the layers"),

@@ -96,6 +96,13 @@ def _check(**model):
      "model.sliding_window_pattern=2 with layer_types="),
     (dict(layer_types=" "), "model.layer_types=' ': '' is not a layer type"),
     (dict(attention_kind="mqa"), "model.attention_kind='mqa': expected one of"),
+    # softmax attention's settings where no layer attends: trained as without them
+    *[(dict(layer_types=types, **{key: value}),
+       f"model.{key}={value!r} with layer_types={types!r}: expected a full_attention or "
+       "sliding_attention layer") for types, key, value in (
+          ("mamba2", "attention_sinks", True), ("mamba2", "attention_softcap", 30.0),
+          ("linear_attention", "attention_gate", "element"), ("conv", "qk_norm", True),
+          ("linear_attention,mamba2", "attention_kind", "mla"))],
 ])
 def test_bad_layer_types_get_one_line(model, message):
     with pytest.raises(ValueError) as error:

@@ -331,6 +331,11 @@ def test_config_checks_and_refusals():
     with pytest.raises(ValueError, match="position='alibi': expected 'rope'"):
         MLAConfig(kv_lora_rank=8).check(_Config(d_model=D, position="alibi"))
     MLAConfig(kv_lora_rank=8, q_lora_rank=32).check(_Config(d_model=D))
+    # an output gate or q/k norm MLA has no place for: refused, where both were silently idle
+    for name, value in (("attention_gate", "head"), ("qk_norm", True)):
+        with pytest.raises(ValueError, match=rf"^{name}={value!r} with attention_kind='mla': "
+                                             "expected it off"):
+            MLAConfig(kv_lora_rank=8).check(_Config(d_model=D, **{name: value}))
 
     cudnn = _Config(dtype="bfloat16", attention_impl="cudnn")
     assert "head_dim <= 128" in mla.refuses(cudnn, {})  # 192 wide in training

@@ -319,6 +319,15 @@ class TransformerConfig:
         records = [MIXERS[name] for name in used]
         if used & {"full_attention", "sliding_attention"}:
             records.append(ATTENTION_KINDS[self.attention_kind])
+        else:  # softmax attention's own settings would be silently idle
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name in ("attention_kind", "attention_gate", "attention_sinks", "qk_norm",
+                         "attention_softcap"):
+                value = getattr(self, name)
+                if value != defaults[name]:
+                    raise ValueError(f"{name}={value!r} with layer_types={self.layer_types!r}: "
+                                     "expected a full_attention or sliding_attention layer "
+                                     "(it sets softmax attention, which no layer has)")
         groups = tuple(m.config for m in records if m.config is not None)
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)

@@ -140,6 +140,9 @@ class MoEConfig:
             raise ValueError(f"moe.top_k={self.top_k!r}: expected at most the experts of "
                              f"topk_group={self.topk_group} groups "
                              f"({self.topk_group * self.num_experts // self.n_group})")
+        if self.shared_gate and not self.num_shared:
+            raise ValueError("moe.shared_gate=True: expected moe.num_shared > 0 (there is no "
+                             "shared expert to gate)")
         if self.bias_update_rate and not self.balance_bias:
             raise ValueError(f"moe.bias_update_rate={self.bias_update_rate!r}: expected 0 "
                              "without moe.balance_bias=True (there is no bias to move)")

@@ -90,6 +90,11 @@ class MLAConfig:
         if cfg.position != "rope":
             raise ValueError(f"position={cfg.position!r}: expected 'rope' with multi-head "
                              "latent attention (its decoupled RoPE key)")
+        for name in ("attention_gate", "qk_norm"):  # (DeepSeek's layer has neither)
+            if getattr(cfg, name, None):
+                raise ValueError(f"{name}={getattr(cfg, name)!r} with attention_kind='mla': "
+                                 "expected it off (multi-head latent attention has no output "
+                                 "gate or q/k norm; it norms its low-rank latents)")
 
 
 @dataclasses.dataclass(frozen=True)
