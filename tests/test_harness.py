@@ -149,6 +149,16 @@ def test_generate_until_is_greedy_kv_cache_decoding_cut_at_the_stop_string(workd
     result = evaluate(lm, tmp_path, "local_gen")
     expected = np.mean([t == p["target"] for t, p in zip(got, PROMPTS, strict=True)])
     assert result["exact_match,none"] == pytest.approx(expected)
+    # top_k=1 samples the argmax (top_k was dropped: random text); other settings: refused
+    sampled = [type("R", (), {"args": (p["prompt"], {"until": ["\n"], "max_gen_toks": 8,
+                                                     "do_sample": True, "temperature": 1.0,
+                                                     "top_k": 1, "seed": seed})})()
+               for p in PROMPTS for seed in (1, 2)]
+    assert lm.generate_until(sampled) == [text for text in got for _ in (1, 2)]
+    odd = type("R", (), {"args": ("x", {"until": ["\n"], "num_beams": 4})})()
+    with pytest.raises(ValueError, match=r"^generate_until settings \['num_beams'\]: expected "
+                                         "only until"):
+        lm.generate_until([odd])
 
 
 @pytest.mark.slow
@@ -213,3 +223,35 @@ def test_a_bad_workdir_is_one_line_and_exit_2(tmp_path):
         [f"error: {str(bad)!r} holds no checkpoints: expected a training workdir"]
     result = run_main(f"harness.TransformerLM(workdir={str(bad)!r})", "--verbose")
     assert result.returncode == 1 and "Traceback" in result.stderr  # --verbose: the traceback
+
+
+def test_a_capacity_routed_mixture_of_experts_scores_as_its_unpadded_forward():
+    """Padding took expert slots from a capacity MoE's real tokens (every token's first choice
+    goes before any second): its scores moved with batch_size and with the other requests of a
+    batch. Its rows now go unpadded, so each is the forward pass of its own tokens; a
+    continuation longer than max_length is refused (its first tokens went unscored)."""
+    import flax.linen as nn
+
+    from transformer.data.tokenizers import ByteTokenizer
+    from transformer.models import build_model
+
+    tokenizer = ByteTokenizer(num_sentinels=0)
+    config = configs.experiment("gpt_tiny")
+    config.seq_len = 32
+    config.model.update(**TINY_MODEL, vocab_size=tokenizer.vocab_size)
+    config.model.moe.update(num_experts=4, top_k=2, capacity_factor=1.0)
+    model = build_model(config.model)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), np.ones((1, 8), np.int32))[
+        "params"])
+    pairs = [("import", " os"), ("x =", " 1"), ("def f(x):", " return x"), ("a", "bc")]
+    scores = {}
+    for batch_size in (1, 4):
+        lm = TransformerLM.from_params(model, params, tokenizer, config, batch_size=batch_size)
+        requests = [type("R", (), {"args": pair})() for pair in pairs]
+        scores[batch_size] = [score for score, _ in lm.loglikelihood(requests)]
+    np.testing.assert_allclose(scores[4], scores[1], rtol=1e-5)
+    np.testing.assert_allclose(scores[1], [direct_logprob(lm, *pair) for pair in pairs],
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match=r"^a continuation of 40 tokens: expected at most "
+                                         r"max_length=32$"):
+        lm.loglikelihood([type("R", (), {"args": ("x", "y" * 40)})()])

@@ -7,8 +7,12 @@ A document starts after <eos>, as in training: every request is scored behind th
 <eos>. `loglikelihood` encodes context + continuation together and scores the tokens past the
 context's own encoding (the harness's convention for BPE boundaries), `loglikelihood_rolling`
 cuts long texts into the harness's rolling windows of `max_length` tokens, and
-`generate_until` decodes with the KV cache (greedy unless the task asks to sample). Inputs
-longer than `max_length` (default: the training length, config.seq_len) keep their last tokens.
+`generate_until` decodes with the KV cache in batches (greedy unless the task asks to sample;
+top_k and top_p apply, another generation setting is refused). Contexts longer than
+`max_length` (default: the training length, config.seq_len) keep their last tokens; a
+continuation longer than it is refused. Rows are padded to a few bucketed widths, except for a
+mixture of experts that routes with a capacity (moe.capacity_factor > 0): its padding would
+take expert slots, so its rows go unpadded, batched by length (one compile per length).
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class TransformerLM(LM):
                              f"model.max_len={limit}")
         self.eos = int(self.tokenizer.eos_id)
         self.banned = text.banned_ids(self.tokenizer, self.config.model.vocab_size)
+        moe = self.config.model.get("moe") or {}
+        self.unpadded = bool(moe.get("num_experts") and moe.get("capacity_factor"))
 
     # --- scoring --------------------------------------------------------------------------------
 
@@ -79,16 +85,20 @@ class TransformerLM(LM):
         sequence is context + continuation without its last token, cut to its last
         `max_length` tokens."""
         results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
+        for _, continuation in pairs:
+            if len(continuation) > self.max_length:  # (its first tokens would go unscored)
+                raise ValueError(f"a continuation of {len(continuation)} tokens: expected at "
+                                 f"most max_length={self.max_length}")
         # Longest first, so a batch's rows have similar lengths.
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start:start + self.batch_size]
+        for chunk in self._chunks(order, lambda i: min(len(pairs[i][0]) + len(pairs[i][1]),
+                                                       self.max_length + 1)):
             rows = []
             for i in chunk:
                 context, continuation = pairs[i]
                 whole = (list(context) + list(continuation))[-(self.max_length + 1):]
                 rows.append((whole[:-1], whole[1:], len(continuation)))
-            width = _bucket(max(len(r[0]) for r in rows), self.max_length)
+            width = self._width(max(len(r[0]) for r in rows), self.max_length)
             inputs = np.zeros((self.batch_size, width), np.int32)
             targets = np.zeros((self.batch_size, width), np.int32)
             for b, (fed, predicted, _) in enumerate(rows):
@@ -99,6 +109,22 @@ class TransformerLM(LM):
                 span = slice(len(fed) - n, len(fed))
                 results[i] = (float(logp[b, span].sum()), bool(greedy[b, span].all()))
         return results
+
+    def _chunks(self, order: list[int], length) -> list[list[int]]:
+        """`order` in batches of batch_size; of one `length` each when rows go unpadded."""
+        if not self.unpadded:
+            return [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        chunks: list[list[int]] = []
+        for i in order:
+            if chunks and len(chunks[-1]) < self.batch_size and \
+                    length(chunks[-1][0]) == length(i):
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        return chunks
+
+    def _width(self, n: int, limit: int) -> int:
+        return n if self.unpadded else _bucket(n, limit)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).tolist()
@@ -129,21 +155,49 @@ class TransformerLM(LM):
     # --- generation -----------------------------------------------------------------------------
 
     def generate_until(self, requests) -> list[str]:
-        out = []
-        for request in requests:
-            context, kwargs = request.args
-            kwargs = dict(kwargs or {})
-            until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            n = int(kwargs.pop("max_gen_toks", 64))
-            sample = kwargs.pop("do_sample", False)
-            temperature = float(kwargs.pop("temperature", 0.0)) if sample else 0.0
-            prompt = ([self.eos] + self._encode(context))[-max(1, self.max_length - n):]
-            tokens, lengths = programs.decode(
-                self.model, self.params, [prompt], max_new_tokens=n, temperature=temperature,
-                seed=int(kwargs.pop("seed", 0)), eos_id=self.eos, banned_ids=self.banned)
-            ids = tokens[0, :lengths[0]]
-            text = self.tokenizer.decode(ids[ids != self.eos])
-            cut = min([text.find(s) for s in until if s and s in text] or [len(text)])
-            out.append(text[:cut])
+        """Greedy (or sampled, as each request's settings say) KV-cache continuations cut at
+        the first stop string, decoded in batches of requests that share their settings."""
+        jobs = [self._generation(request) for request in requests]
+        out = [""] * len(jobs)
+        by_settings: dict[tuple, list[int]] = {}
+        for i, (_, _, settings) in enumerate(jobs):
+            by_settings.setdefault(settings, []).append(i)
+        for (n, temperature, top_k, top_p, seed), members in by_settings.items():
+            order = sorted(members, key=lambda i: -len(jobs[i][0]))
+            for chunk in self._chunks(order, lambda i: len(jobs[i][0])):
+                prompts = [jobs[i][0] for i in chunk]
+                lengths = [len(p) for p in prompts]
+                limit = max(1, self.max_length - n)  # (prompts keep their last `limit` ids)
+                batch = np.zeros((len(chunk), self._width(max(lengths), limit)), np.int32)
+                for b, prompt in enumerate(prompts):
+                    batch[b, :len(prompt)] = prompt
+                tokens, ends = programs.decode(
+                    self.model, self.params, batch, lengths=lengths, max_new_tokens=n,
+                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                    eos_id=self.eos, banned_ids=self.banned)
+                for b, i in enumerate(chunk):
+                    ids = tokens[b, :ends[b]]
+                    text = self.tokenizer.decode(ids[ids != self.eos])
+                    cut = min([text.find(s) for s in jobs[i][1] if s and s in text] or
+                              [len(text)])
+                    out[i] = text[:cut]
         return out
+
+    def _generation(self, request) -> tuple[list[int], list[str], tuple]:
+        """(prompt ids, stop strings, (max_new_tokens, temperature, top_k, top_p, seed)) of a
+        generate_until request; a setting it cannot honour is one line."""
+        context, kwargs = request.args
+        kwargs = dict(kwargs or {})
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        n = int(kwargs.pop("max_gen_toks", 64))
+        sample = kwargs.pop("do_sample", False)
+        temperature = float(kwargs.pop("temperature", 0.0))
+        top_k, top_p = int(kwargs.pop("top_k", 0) or 0), float(kwargs.pop("top_p", 1.0) or 1.0)
+        settings = (n, temperature if sample else 0.0, top_k if sample else 0,
+                    top_p if sample else 1.0, int(kwargs.pop("seed", 0)))
+        if kwargs:
+            raise ValueError(f"generate_until settings {sorted(kwargs)}: expected only until, "
+                             "max_gen_toks, do_sample, temperature, top_k, top_p and seed")
+        prompt = ([self.eos] + self._encode(context))[-max(1, self.max_length - n):]
+        return prompt, until, settings
