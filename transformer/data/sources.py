@@ -124,8 +124,8 @@ _HUB_SPLITS = {"valid": "validation", "dev": "validation"}  # names of the same 
 
 def _check_layout(directory: str, files: list[str]) -> None:
     """A directory read whole must hold one corpus: a one-line error for files of several
-    Hugging Face Hub splits (all of them would train), and a warning for text (.md, .txt)
-    beside Parquet / JSON Lines files (a README, whose paragraphs would train)."""
+    Hugging Face Hub splits (all of them would train), and a warning for Markdown beside
+    Parquet / JSON Lines files (a dataset card, whose paragraphs would train)."""
     tables = [f for f in files if formats.table_kind(f)]
     splits = {}
     for file in tables:
@@ -139,8 +139,9 @@ def _check_layout(directory: str, files: list[str]) -> None:
                          f"({a}, {b}), which would all train: expected a path to the train "
                          f"files alone (a glob such as {train}) and data.validation_path at "
                          "the validation files")
-    if tables and (texts := [f for f in files if f.lower().endswith((".md", ".txt"))]):
-        _warn(f"{directory}: {texts[0]} is read as text beside {len(tables)} Parquet / JSON "
+    # (a .txt beside tables is often corpus too: a mixed folder; a dataset card is Markdown)
+    if tables and (cards := [f for f in files if f.lower().endswith(".md")]):
+        _warn(f"{directory}: {cards[0]} is read as text beside {len(tables)} Parquet / JSON "
               "Lines files (its paragraphs train): if it is not corpus, point data.path at the "
               "corpus files alone (a glob)")
 
