@@ -119,7 +119,8 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
 def data_changes(workdir: str, step: int, config) -> list[str]:
     """How the data's content differs from what checkpoint `step` trained on (its saved
     stream's fingerprints, `inputs.data_stream`): files added, removed or edited since."""
-    saved = checkpoint_lib.saved_stream(workdir, step)
+    # (a training beside it may have deleted `step` since: the newest step's stream, then)
+    saved = checkpoint_lib.saved_stream(workdir, step, or_newer=True)
     if saved is None:
         return []
     current = {key: value for key, value in inputs.data_stream(config).items()

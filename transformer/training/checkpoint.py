@@ -105,14 +105,18 @@ def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collection
     raise ValueError(f"step={chosen}: expected one of the saved steps {steps}")
 
 
-def saved_stream(workdir: str, step: int) -> dict | None:
-    """The data stream (`inputs.data_stream`) saved with checkpoint `step`; None for one saved
-    before streams were."""
-    with contextlib.closing(_reader(workdir, stream=ocp.JsonCheckpointHandler())) as probe:
-        if "stream" not in (probe.item_metadata(step) or {}):
-            return None
-        return probe.restore(step, args=ocp.args.Composite(
-            stream=ocp.args.JsonRestore()))["stream"]
+def saved_stream(workdir: str, step: int, or_newer: bool = False) -> dict | None:
+    """The data stream (`inputs.data_stream`) saved with checkpoint `step` (`or_newer`: the
+    newest one's, if a training beside it deleted `step` meanwhile, `_newest`); None for one
+    saved before streams were."""
+    def read(chosen: int) -> dict | None:
+        with contextlib.closing(_reader(workdir, stream=ocp.JsonCheckpointHandler())) as probe:
+            if "stream" not in (probe.item_metadata(chosen) or {}):
+                return None
+            return probe.restore(chosen, args=ocp.args.Composite(
+                stream=ocp.args.JsonRestore()))["stream"]
+
+    return _newest(workdir, step, read, or_newer=or_newer)
 
 
 def _newest(workdir: str, step: int | None, read: Callable[[int], Any],
