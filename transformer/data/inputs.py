@@ -114,7 +114,7 @@ def shard_split(file: str) -> str | None:
     ['validation', 'train', 'validation', 'train']
     """
     name = os.path.basename(file)
-    splits = [split for split, pattern in SHARD_SPLITS.items() if fnmatch.fnmatch(name, pattern)]
+    splits = _named_splits(name)
     if len(splits) > 1:  # "*train*.bin" -> "train": what a part of the split's names starts with
         parts = re.split(r"[^0-9A-Za-z]+", name)
         splits = [split for split in splits if any(
@@ -125,6 +125,12 @@ def shard_split(file: str) -> str | None:
                              "split: expected one part starting with 'train' or 'val' (rename "
                              "the shard)")
     return splits[0] if splits else None
+
+
+def _named_splits(file: str) -> list[str]:
+    """The splits whose `SHARD_SPLITS` pattern the shard's file name matches."""
+    return [split for split, pattern in SHARD_SPLITS.items()
+            if fnmatch.fnmatch(os.path.basename(file), pattern)]
 
 
 def _token_shards(config: ml_collections.ConfigDict, split: str) -> shards.TokenShards:
@@ -297,9 +303,8 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
     if config.data.get("validation_path"):
         stream["validation_fingerprint"] = sources.fingerprint(config.data.validation_path)
     if token_shard_dir(config.data.path) and any(  # (read into both splits before `shard_split`)
-            all(fnmatch.fnmatch(os.path.basename(file), pattern) for pattern in
-                SHARD_SPLITS.values()) for file in glob.glob(os.path.join(
-                    glob.escape(config.data.path), "*.bin"))):
+            len(_named_splits(file)) > 1
+            for file in glob.glob(os.path.join(glob.escape(config.data.path), "*.bin"))):
         stream["shards_by_name_parts"] = True
     if mixture := source_configs(config):
         per_source = {name: data_stream(one) for name, one in mixture.items()}
