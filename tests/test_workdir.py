@@ -232,8 +232,10 @@ def test_an_unreadable_newest_step_is_one_line_naming_it(tmp_path, trained):
     it names the step, the cause, and how to read another, in one short line; init_from names
     itself in a bad step's error."""
     workdir = copy_of(trained, tmp_path / "run")
+    # Every data file cut to its first bytes: cut to half, the params' chunks could all lie in
+    # the halves kept (the async writes order them), and the read passed (CI, once).
     for f in (workdir / "checkpoints" / "2" / "state" / "ocdbt.process_0" / "d").iterdir():
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        f.write_bytes(f.read_bytes()[:16])
     with pytest.raises(RuntimeError) as error:
         checkpoint_lib.restore_params(str(workdir))
     message = str(error.value)
