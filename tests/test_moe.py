@@ -137,6 +137,35 @@ def test_the_auxiliary_losses_equal_their_formulas():
         pytest.approx(1.0))
 
 
+def test_padding_takes_no_slot_and_counts_in_no_auxiliary_quantity():
+    # Real tokens then padding: the real tokens route exactly as the row without the padding
+    # would with the same slots, and the padding's buffers stay empty.
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((2, 12, 4)).astype(np.float32) * 2
+    valid = np.arange(12)[None] < np.array([[7], [12]])
+    route = jax.jit(moe.route, static_argnames=("top_k", "slots"))
+    padded = route(logits, top_k=2, slots=3, valid_BT=valid)
+    alone = route(logits[:1, :7], top_k=2, slots=3)
+    np.testing.assert_array_equal(padded.dispatch_BTEC[0, :7], alone.dispatch_BTEC[0])
+    np.testing.assert_array_equal(padded.combine_BTEC[0, :7], alone.combine_BTEC[0])
+    assert not np.any(padded.dispatch_BTEC[0, 7:])
+    full = route(logits[1:], top_k=2, slots=3)
+    np.testing.assert_array_equal(padded.dispatch_BTEC[1], full.dispatch_BTEC[0])
+    # The auxiliary quantities are over the 19 real tokens' 38 pairs, by hand in float64.
+    real = np.concatenate([logits[0, :7], logits[1]]).astype(np.float64)
+    probs = np.exp(real - real.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top2 = np.argsort(-real, -1)[:, :2]
+    fraction = np.array([(top2 == e).sum() for e in range(4)]) / top2.size
+    np.testing.assert_allclose(padded.load_E, fraction, rtol=1e-6)
+    np.testing.assert_allclose(padded.load_balance, 4 * np.sum(fraction * probs.mean(0)),
+                               rtol=1e-5)
+    lse = np.log(np.exp(real).sum(-1))
+    np.testing.assert_allclose(padded.router_z, np.mean(lse**2), rtol=1e-5)
+    kept = np.sum(alone.dispatch_BTEC) + np.sum(full.dispatch_BTEC)
+    np.testing.assert_allclose(padded.dropped, 1 - kept / 38, rtol=1e-6)
+
+
 def test_the_router_runs_in_float32_and_experts_carry_the_expert_axis():
     layer = moe.MoEFeedForward(num_experts=4, d_ff=F, dtype=jnp.bfloat16)
     x = np.ones((B, T, D), jnp.bfloat16)
@@ -179,6 +208,22 @@ def text_batch(rows=4, length=16, vocab=64):
             "weights": np.ones((rows, length), np.float32),
             "segment_ids": np.ones((rows, length), np.int32),
             "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1))}
+
+
+def test_a_capacity_moe_reads_the_same_real_tokens_whatever_the_padding_holds():
+    # Right-padded rows (segment_ids 0): with 8 slots an expert for 16 tokens' 32 choices, the
+    # padding's first choices would go before the real tokens' second ones and take slots.
+    config = gpt_config(capacity_factor=1.0)
+    model = models.build_model(config.model)
+    batch = text_batch()
+    segments = (np.arange(16)[None] < np.array([[5], [9], [16], [11]])).astype(np.int32)
+    params = jax.jit(lambda x: model.init(jax.random.key(0), x))(batch["inputs"])["params"]
+    forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens,
+                                                 segment_ids=segments))
+    logits = [np.asarray(forward(np.where(segments > 0, batch["inputs"], pad)))
+              for pad in (np.zeros_like(batch["inputs"]), np.roll(batch["inputs"], 3, axis=1))]
+    real = segments > 0
+    np.testing.assert_array_equal(logits[0][real], logits[1][real])
 
 
 def grouped(unrolled: dict, num_layers: int, every: int) -> dict:

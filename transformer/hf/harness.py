@@ -11,8 +11,9 @@ cuts long texts into the harness's rolling windows of `max_length` tokens, and
 top_k and top_p apply, another generation setting is refused). Contexts longer than
 `max_length` (default: the training length, config.seq_len) keep their last tokens; a
 continuation longer than it is refused. Rows are padded to a few bucketed widths, except for a
-mixture of experts that routes with a capacity (moe.capacity_factor > 0): its padding would
-take expert slots, so its rows go unpadded, batched by length (one compile per length).
+mixture of experts that routes with a capacity (moe.capacity_factor > 0): a row's slots per
+expert grow with its width, so a padded row would drop other choices than the text alone; its
+rows go unpadded, batched by length (one compile per length).
 """
 
 from __future__ import annotations

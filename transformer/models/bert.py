@@ -69,7 +69,8 @@ class EncoderModel(nn.Module):
             types = jnp.zeros_like(tokens_BT) if token_types is None else token_types
             x_BTD = x_BTD + self.type_embed(types)
         mask = masks.Full() if segment_ids is None else masks.Segment(segment_ids)
-        return self.encoder(x_BTD, mask, positions, deterministic=deterministic)
+        return self.encoder(x_BTD, mask, positions, deterministic=deterministic,
+                            segment_ids=segment_ids)  # (an MoE layer routes no padding)
 
     def __call__(self, tokens_BT, *, token_types=None, segment_ids=None, positions=None,
                  deterministic=True) -> Array:

@@ -62,7 +62,8 @@ class EncoderDecoder(nn.Module):
     def encode(self, tokens_BS, *, segment_ids=None, positions=None, deterministic=True):
         """Encoder tokens [B, S] -> encoded [B, S, D]; `segment_ids` 0 marks padding."""
         mask = masks.Full() if segment_ids is None else masks.Segment(segment_ids)
-        return self.encoder(self.embed(tokens_BS), mask, positions, deterministic=deterministic)
+        return self.encoder(self.embed(tokens_BS), mask, positions, deterministic=deterministic,
+                            segment_ids=segment_ids)  # (an MoE layer routes no padding)
 
     def decode(self, encoded_BSD, decoder_tokens_BT, *, encoder_segment_ids=None,
                decoder_segment_ids=None, decoder_positions=None, deterministic=True,
@@ -91,7 +92,7 @@ class EncoderDecoder(nn.Module):
         x_BTD = self.decoder(self.embed(decoder_tokens_BT), self_mask, decoder_positions,
                              encoded=encoded_BSD, cross_mask=cross_mask,
                              deterministic=deterministic, decode=decode,
-                             kv_positions=kv_positions)
+                             kv_positions=kv_positions, segment_ids=decoder_segment_ids)
         if self.scale_output:
             x_BTD = x_BTD * self.decoder_config.d_model**-0.5
         return self.embed.attend(x_BTD) if self.tie_embeddings else self.lm_head(x_BTD)

@@ -64,7 +64,8 @@ class TransformerBlock(nn.Module):
         attend = lambda h: mixer.layer(cfg, mixer.param_name)(
             h, mask=self_mask, bias=bias, q_positions=positions, segment_ids=segment_ids,
             deterministic=self.deterministic, decode=self.decode)
-        mlp = self._moe if self.moe_layer else MLP(cfg, self.deterministic, name="mlp")
+        mlp = (lambda h: self._moe(h, segment_ids)) if self.moe_layer else MLP(
+            cfg, self.deterministic, name="mlp")
         dropout = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=self.deterministic)
         if cfg.parallel_block:
             if self.cross_attention:
@@ -98,7 +99,7 @@ class TransformerBlock(nn.Module):
         return MultiHeadAttention(AttentionSettings.from_config(self.config, cross=not is_self),
                                   name=name)
 
-    def _moe(self, x_BTD: Array) -> Array:
+    def _moe(self, x_BTD: Array, segment_ids: Array | None) -> Array:
         cfg = self.config
         y_BTD, routing = MoEFeedForward(
             num_experts=cfg.moe.num_experts, d_ff=cfg.moe.d_ff or cfg.d_ff, top_k=cfg.moe.top_k,
@@ -110,7 +111,7 @@ class TransformerBlock(nn.Module):
             activation=ACTIVATIONS[cfg.activation], gated=cfg.activation in GATED,
             init_std=cfg.init_std, init_scale=cfg.init_scale(),
             out_init_scale=cfg.init_scale(residual=True), dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype, name="moe")(x_BTD)
+            param_dtype=cfg.param_dtype, name="moe")(x_BTD, segment_ids)
         for name in MOE_AUX:
             self.sow("losses", f"moe_{name}", getattr(routing, name))
         return y_BTD

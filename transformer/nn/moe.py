@@ -8,10 +8,10 @@ transformer.nn.routing); each token goes to its top-k experts, into per-expert b
     capacity = ceil(capacity_factor * T * k / E)      (capacity_factor = 0: T, nothing dropped)
 
 Slots are handed out in priority order, every token's first choice before any token's second
-(GShard), and in token order within a choice. A (token, expert) choice that finds its expert's
-buffer full is dropped: that expert contributes nothing to the token (its other choices still
-do; the residual connection carries it). The buffers are computed as one batched matmul over
-experts and combined back with the gate weights:
+(GShard), and in token order within a choice; padding (segment_ids 0) takes none. A (token,
+expert) choice that finds its expert's buffer full is dropped: that expert contributes nothing
+to the token (its other choices still do; the residual connection carries it). The buffers
+are computed as one batched matmul over experts and combined back with the gate weights:
 
     dispatch [B, T, E, C]  one-hot: token t fills slot c of expert e
     combine  [B, T, E, C]  the same, times the token's gate for e
@@ -196,7 +196,9 @@ class MoEFeedForward(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BTD: Array) -> tuple[Array, Routing]:
+    def __call__(self, x_BTD: Array, segment_ids: Array | None = None) -> tuple[Array, Routing]:
+        """x [B, T, D] -> (y [B, T, D], its `Routing`); `segment_ids` 0 marks padding, which
+        takes no expert slot and counts in no auxiliary quantity (`routing.route`)."""
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k}: expected 1 <= top_k <= num_experts="
                              f"{self.num_experts}")
@@ -225,7 +227,7 @@ class MoEFeedForward(nn.Module):
         routing = route(logits_BTE,
                         self.top_k, slots, self.normalize_gates, score=self.score,
                         bias_E=bias_E, groups=self.groups, top_groups=self.top_groups,
-                        scale=self.scale)
+                        scale=self.scale, valid_BT=None if segment_ids is None else segment_ids > 0)
         # Beside the bias's path (losses/.../moe/expert_load), for the train step to move it.
         self.sow("losses", "expert_load", routing.load_E)
 

@@ -90,9 +90,10 @@ def choose(scores_BTE: Array, top_k: int, groups: int = 1, top_groups: int = 1) 
 
 def route(logits_BTE: Array, top_k: int, slots: int | None, normalize: bool = True, *,
           score: str = "softmax", bias_E: Array | None = None, groups: int = 1,
-          top_groups: int = 1, scale: float = 1.0) -> Routing:
+          top_groups: int = 1, scale: float = 1.0, valid_BT: Array | None = None) -> Routing:
     """Top-k routing of router logits [B, T, E] (module docstring) into `slots` per expert;
-    `slots=None`: dropless, every choice kept and no dispatch tensors built.
+    `slots=None`: dropless, every choice kept and no dispatch tensors built. `valid_BT` (bool,
+    None: all): padding (False) takes no slot and counts in none of the auxiliary quantities.
 
     Slots are handed out in priority order, every token's first choice before any token's
     second (GShard), and in token order within a choice; a choice that finds its expert's
@@ -120,8 +121,12 @@ def route(logits_BTE: Array, top_k: int, slots: int | None, normalize: bool = Tr
     gates_BTK = gates_BTK * scale
     # Priority order: choice-major (all first choices, then all second ...), token order within.
     chosen_BKTE = jax.nn.one_hot(choice_BTK.transpose(0, 2, 1), experts, dtype=jnp.int32)
+    valid_BT = (jnp.ones((batch, tokens), jnp.bool_) if valid_BT is None
+                else jnp.broadcast_to(valid_BT, (batch, tokens)))
+    chosen_BKTE = chosen_BKTE * valid_BT[:, None, :, None]  # padding chooses nothing
     flat_BNE = chosen_BKTE.reshape(batch, top_k * tokens, experts)
-    pairs = top_k * tokens * batch
+    real = jnp.maximum(jnp.sum(valid_BT), 1)  # (a batch of padding alone: no 0 / 0)
+    pairs = top_k * real
     dispatch_BTEC = combine_BTEC = None
     dropped = jnp.zeros((), jnp.float32)
     if slots is not None:
@@ -141,8 +146,9 @@ def route(logits_BTE: Array, top_k: int, slots: int | None, normalize: bool = Tr
         gates_BTK=gates_BTK,
         dispatch_BTEC=dispatch_BTEC,
         combine_BTEC=combine_BTEC,
-        load_balance=experts * jnp.sum(fraction_E * jnp.mean(share_BTE, axis=(0, 1))),
-        router_z=jnp.mean(jax.nn.logsumexp(logits_BTE, axis=-1) ** 2),
+        load_balance=experts * jnp.sum(
+            fraction_E * jnp.sum(share_BTE * valid_BT[..., None], axis=(0, 1)) / real),
+        router_z=jnp.sum(jax.nn.logsumexp(logits_BTE, axis=-1) ** 2 * valid_BT) / real,
         dropped=dropped,
         load_E=fraction_E,
     )
