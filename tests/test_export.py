@@ -570,3 +570,43 @@ def test_the_exported_tokenizers_default_call_gives_what_the_model_read(experime
     assert auto(text)["input_ids"] == expected.tolist()
     assert auto(text, add_special_tokens=False)["input_ids"] == ids.tolist()
     assert auto.decode(auto(text)["input_ids"], skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("style", ["gpt2", "bert"])
+def test_a_hub_tokenizers_post_processor_gives_way_to_the_template_only_where_it_differs(
+        style, tmp_path):
+    """GPT-2's ByteLevel post-processor adds no token: a GPT classifier fine-tuned on it read
+    <|endoftext|> text, so the export puts the template after it (keeping its offsets). BERT's
+    own [CLS] text [SEP] already gives the template, and stays with its sentence-pair form."""
+    import json
+
+    from test_hf_tokenizers import bert_style, gpt2_style
+
+    from transformer import configs
+    from transformer import export as export_cli
+    from transformer.data import hf_tokenizer, tasks
+
+    hub = (gpt2_style if style == "gpt2" else bert_style)(tmp_path / "hub")
+    if style == "gpt2":  # as GPT-2's own tokenizer.json has it, with offsets trimmed
+        data = json.loads((hub / "tokenizer.json").read_text())
+        data["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False,
+                                  "trim_offsets": True, "use_regex": True}
+        (hub / "tokenizer.json").write_text(json.dumps(data))
+    tokenizer = hf_tokenizer.load_hf_tokenizer(str(hub))
+    config = configs.experiment("gpt_finetune_cls" if style == "gpt2" else "bert_finetune_cls")
+    (tmp_path / "out").mkdir()
+    export_cli._tokenizer_files(tokenizer, str(tmp_path / "out"), None, config)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "Hear me, good people"
+    ids = tokenizer.encode(text)
+    row = tasks.classification_features(ids, 0, seq_len=64, tokenizer=tokenizer,
+                                        cls=style == "bert")
+    assert auto(text)["input_ids"] == row["inputs"][row["segment_ids"] == 1].tolist()
+    original = transformers.AutoTokenizer.from_pretrained(hub)
+    offsets = auto(text, return_offsets_mapping=True)["offset_mapping"]
+    expected = original(text, return_offsets_mapping=True)["offset_mapping"]
+    assert (offsets if style == "bert" else offsets[1:]) == expected
+    if style == "bert":  # the hub's sentence-pair template is kept
+        pair = auto("first part", "second part")["input_ids"]
+        assert pair == original("first part", "second part")["input_ids"]
+        assert pair.count(original.sep_token_id) == 2

@@ -56,8 +56,10 @@ def _with_template(tokenizer_json: str, config, tokenizer) -> str:
     (add_special_tokens=True) give what the run's model read: [CLS] text [SEP] for a BERT
     classifier, <eos> text for a GPT one, text <eos> for a T5 encoder
     (`tasks.classification_features`, `text2text_features`, span corruption's inputs). A
-    language model's own rows are windows of packed text, which no template gives, and a
-    tokenizer with its own post-processor (a hub tokenizer's) keeps it."""
+    language model's own rows are windows of packed text, which no template gives: its
+    tokenizer keeps what it had. A hub tokenizer's own post-processor stays where it already
+    gives the template (BERT's, with its sentence-pair form); otherwise it gives way to the
+    template, its ByteLevel step (GPT-2's: offsets only, no tokens) kept before it."""
     import json
 
     from tokenizers import Tokenizer, processors
@@ -65,8 +67,6 @@ def _with_template(tokenizer_json: str, config, tokenizer) -> str:
     from transformer.models import family_of
 
     family = family_of(config)
-    if json.loads(tokenizer_json).get("post_processor"):
-        return tokenizer_json
     if family.name == "t5":
         roles = ("$A", "eos")
     elif family.classifier(config.model):
@@ -77,10 +77,20 @@ def _with_template(tokenizer_json: str, config, tokenizer) -> str:
     ids = {role: int(tokenizer.require(role, "for the export's template")) for role in roles
            if role != "$A"}
     names = {role: hf.id_to_token(i) for role, i in ids.items()}
+    own = json.loads(tokenizer_json).get("post_processor") or {}
     hf.post_processor = processors.TemplateProcessing(
         single=" ".join(names.get(role, role) for role in roles),
         special_tokens=[(names[role], i) for role, i in ids.items()])
-    return hf.to_str()
+    sample = "a b"
+    if own and Tokenizer.from_str(tokenizer_json).encode(sample).ids == hf.encode(sample).ids:
+        return tokenizer_json
+    kept = [step for step in own.get("processors", [own]) if step.get("type") == "ByteLevel"]
+    if not kept:
+        return hf.to_str()
+    data = json.loads(hf.to_str())
+    data["post_processor"] = {"type": "Sequence",
+                              "processors": [*kept, data["post_processor"]]}
+    return Tokenizer.from_str(json.dumps(data)).to_str()  # (checked by the tokenizers library)
 
 
 def _model_input_names(model_type: str) -> list[str] | None:
