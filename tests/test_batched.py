@@ -139,6 +139,27 @@ def test_batched_seeds_equal_separate_runs_bit_for_bit(separate, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_profilers_start_and_stop_are_outside_every_seeds_timed_steps(tmp_path,
+                                                                          monkeypatch):
+    """As in a single run (tests/test_train.py): the trace's start and stop (made 1.5 s slower
+    each here) are pauses, so no seed's tok/s window holds them."""
+    profiler = {name: getattr(jax.profiler, name) for name in ("start_trace", "stop_trace")}
+    for name, call in profiler.items():
+        monkeypatch.setattr(jax.profiler, name, lambda *args, call=call: (
+            time.sleep(1.5), call(*args))[1])
+    configs = [seed_config(k, steps=7, eval_every=100, checkpoint_every=100)
+               for k in range(2)]
+    for config in configs:
+        config.profile.update(start_step=3, num_steps=2)  # started in step 3, stopped after 4
+    batched.train_seeds(configs, [str(tmp_path / f"seed_{k}") for k in range(2)])
+    for k in range(2):
+        lines = (tmp_path / f"seed_{k}" / "metrics.jsonl").read_text().splitlines()
+        timed = [r for r in map(json.loads, lines) if r["split"] == "train" and "step_time" in r]
+        assert [r["step"] for r in timed] == [2, 5, 6, 7]  # the windows restart after 3 and 4
+        assert max(r["step_time"] for r in timed) < 0.75, timed
+
+
+@pytest.mark.slow
 def test_a_resume_after_kill_catches_the_seeds_behind_up_first(separate, tmp_path):
     """A kill -9 during saves leaves seed 1 at step 2 and seed 2 at step 4 while seed 0
     finished: seed 1 trains alone to step 4 (the others masked), then 1 and 2 together."""

@@ -211,8 +211,10 @@ def loop(runs: Sequence[train.Run], peak_flops: float | None) -> bool:
                                             active)
         # A program's first call compiles (the masked one on a resume that catches up, the
         # other one when the seeds are level): that step is timed in no window.
+        # The trace's start or stop around the step is a pause (goodput's "profile") as well.
         paused = _after_step(runs, group, active, metrics, since, start, chosen, flops,
-                             peak_flops and peak_flops / active.sum(), pauses, compiled)
+                             peak_flops and peak_flops / active.sum(), pauses,
+                             compiled or runs[0].tracer.paused)
         stopping = runs[0].stop_requested()
         saving = [k for k, run in enumerate(runs) if active[k] and run.error is None and (
             run.step % config.checkpoint_every == 0 or run.step == config.steps or stopping)]
@@ -239,10 +241,11 @@ def loop(runs: Sequence[train.Run], peak_flops: float | None) -> bool:
 
 
 def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
-                pauses, compiled: bool) -> bool:
+                pauses, restart: bool) -> bool:
     """Each trained seed's step count, first-step line, log, then evaluation, as `train.loop`
-    does them; returns whether an evaluation ran (a pause in the timed windows). `compiled`:
-    the step compiled its program, so the timed windows restart after it."""
+    does them; returns whether an evaluation ran (a pause in the timed windows). `restart`:
+    the step compiled its program, or the trace started or stopped around it, so the timed
+    windows restart after it."""
     config = runs[0].config
     trained = [(k, run) for k, run in enumerate(runs) if active[k] and run.error is None]
     for k, run in trained:
@@ -252,7 +255,7 @@ def _after_step(runs, group, active, metrics, since, start, chosen, flops, peak,
         if since[id(run)] is None:
             jax.block_until_ready(metrics)
             since[id(run)] = (progress.log_first_step(run, start, chosen), run.step)
-        elif compiled:
+        elif restart:
             jax.block_until_ready(metrics)
             since[id(run)] = (time.perf_counter(), run.step)
     # Every log before any evaluation, all timed to the end of the same steps; the next
