@@ -168,8 +168,8 @@ class TransformerLM(LM):
             for chunk in self._chunks(order, lambda i: len(jobs[i][0])):
                 prompts = [jobs[i][0] for i in chunk]
                 lengths = [len(p) for p in prompts]
-                limit = max(1, self.max_length - n)  # (prompts keep their last `limit` ids)
-                batch = np.zeros((len(chunk), self._width(max(lengths), limit)), np.int32)
+                batch = np.zeros((len(chunk), self._width(max(lengths), self._room(n))),
+                                 np.int32)
                 for b, prompt in enumerate(prompts):
                     batch[b, :len(prompt)] = prompt
                 tokens, ends = programs.decode(
@@ -200,5 +200,9 @@ class TransformerLM(LM):
         if kwargs:
             raise ValueError(f"generate_until settings {sorted(kwargs)}: expected only until, "
                              "max_gen_toks, do_sample, temperature, top_k, top_p and seed")
-        prompt = ([self.eos] + self._encode(context))[-max(1, self.max_length - n):]
+        prompt = ([self.eos] + self._encode(context))[-self._room(n):]
         return prompt, until, settings
+
+    def _room(self, new_tokens: int) -> int:
+        """The most prompt ids a request keeps (its last ones), leaving `new_tokens` to come."""
+        return max(1, self.max_length - new_tokens)
