@@ -97,6 +97,7 @@ def main(argv: Sequence[str]) -> int:
                         accelerator.generation.runtime_version, num_slices=FLAGS.num_slices,
                         train_args=tpu.train_arguments(train_args))
     tpu.validate(launch)
+    tpu.check_restartable(launch, "a JobSet (it restarts preempted pods)")
     workdir = tpu.train_flags(launch.train_args).workdir or ""
     if not workdir.startswith("gs://"):  # a restarted pod's disk is a new one
         raise ValueError(f"workdir={workdir or None!r}: a pod restarted by the JobSet (a "

@@ -113,6 +113,16 @@ def validate(launch: Launch) -> None:
                          f"({launch.processes} hosts)") from None
 
 
+def check_restartable(launch: Launch, restarter: str) -> None:
+    """One line where a restart after a preemption, which reruns the same train command, would
+    not resume: `fresh_start` would set the run aside and start over at every restart."""
+    if train_flags(launch.train_args).config.get("fresh_start"):
+        raise ValueError(f"--config.fresh_start=True with {restarter}: each restart after a "
+                         "preemption reruns the same command and would start over from step "
+                         "0: expected a launch without it (start over once by hand, or use "
+                         "another workdir)")
+
+
 def validate_run(launch: Launch, restart_on_preemption: bool) -> None:
     """`validate`, then what `run` needs besides: a workdir outside the shipped tree (a gs://
     one to resume on a recreated slice) and a working tree to ship that holds the config."""
@@ -120,6 +130,8 @@ def validate_run(launch: Launch, restart_on_preemption: bool) -> None:
     values = train_flags(launch.train_args)
     workdir = values.workdir or ""
     shown = f"--workdir={workdir}" if workdir else "no --workdir (runs/<experiment>)"
+    if restart_on_preemption:
+        check_restartable(launch, "--restart_on_preemption")
     if restart_on_preemption and not workdir.startswith("gs://"):
         raise ValueError(f"{shown} with --restart_on_preemption: a recreated slice starts "
                          "with empty disks, without the checkpoints to resume from: expected "
@@ -340,7 +352,7 @@ class Runner:
         """The command's output; "NOT_FOUND" where it fails saying so (gcloud describing a
         resource that does not exist), an error with its message where it fails otherwise."""
         self.show(command)
-        if self.dry_run:
+        if self.dry_run:  # a made-up state, for a dry run to go on (`status` prints none)
             return "READY"
         result = subprocess.run(list(command), cwd=REPO, capture_output=True, text=True)
         if result.returncode and "NOT_FOUND" in result.stderr:
@@ -518,7 +530,8 @@ def main(argv: Sequence[str]) -> int:
         return run(launch, runner, restart_on_preemption=FLAGS.restart_on_preemption,
                    max_restarts=FLAGS.max_restarts, poll_seconds=FLAGS.poll_seconds)
     if command == "status":
-        print(slice_state(launch, runner))
+        state = slice_state(launch, runner)
+        print("(dry run: the state is not read)" if runner.dry_run else state)
         return 0
     if command == "logs":
         return runner.run_many(logs_commands(launch), check=False)

@@ -156,6 +156,29 @@ def test_a_run_whose_checkpoints_would_be_lost_is_refused(workdir, restart, mess
     tpu.validate_run(make_launch("v6e-8", train=(TRAIN[0], "--workdir=/mnt/runs/tiny")), False)
 
 
+def test_a_launch_that_restarts_after_preemption_refuses_fresh_start():
+    """Each restart reruns the same train command: with fresh_start it would set the run aside
+    and start over from step 0 after every preemption (the JobSet restarts pods likewise)."""
+    launch = make_launch("v6e-8", train=(*TRAIN, "--config.fresh_start=True"))
+    for check in (lambda: tpu.validate_run(launch, restart_on_preemption=True),
+                  lambda: tpu.check_restartable(launch, "a JobSet (it restarts preempted pods)")):
+        with pytest.raises(ValueError, match=re.escape(
+                "--config.fresh_start=True with ")) as error:
+            check()
+        assert "would start over from step 0" in str(error.value)
+    tpu.validate_run(launch, restart_on_preemption=False)  # once, by hand: as asked
+
+
+def test_status_in_a_dry_run_reads_no_state():
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.tpu", "status", "--name=run1", "--project=p", "--zone=z",
+         "--accelerator=v6e-8", "--dry_run"], cwd=REPO, capture_output=True, text=True,
+        timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout.splitlines()
+    assert out[-1] == "(dry run: the state is not read)" and "READY" not in out, out
+
+
 def test_a_config_outside_the_shipped_tree_is_refused():
     """An absolute path, one outside the checkout, one git ignores: the workers would not have
     it (.launch/ is ignored: the launcher's own scratch folder)."""
