@@ -5,7 +5,7 @@ token mixer's decoding speed and cache size against context length (`--table=mix
         [--layers=6 --d_model=384 --heads=6 --vocab=50257 --context=256] [--repeats=3]
         [--hf_device=cpu]
     python benchmarks/decode.py --table=mixers [--mixers=gqa,mla,gated_deltanet,mamba2]
-        [--contexts=1024,8192,32768] [--kv_heads=4] [--dtype=float32] [--batch_sizes=1]
+        [--contexts=1024,8192,32768] [--kv_heads=2] [--dtype=float32] [--batch_sizes=1]
         [--new_tokens=128] [--layers=6 --d_model=384 --heads=6 --vocab=50257] [--repeats=3]
 
 Builds a GPT-2-shaped `GPT2LMHeadModel` (seeded random weights), converts it with
@@ -41,11 +41,12 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from transformer import generate
 from transformer.hf import convert
 from transformer.models import build_model
+from transformer.utils import cli
 
 # Token mixers of the mixers table (`mixer_config` sets each up).
 MIXER_VARIANTS = {
@@ -75,7 +76,8 @@ _MIXERS = flags.DEFINE_list("mixers", ["gqa", "mla", "gated_deltanet", "mamba2"]
                             f"Token mixers of the mixers table, of {', '.join(MIXER_VARIANTS)}.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "8192", "32768"], "Cache lengths of the "
                               "mixers table.")
-_KV_HEADS = flags.DEFINE_integer("kv_heads", 4, "KV heads of GQA (mixers table).")
+_KV_HEADS = flags.DEFINE_integer("kv_heads", 2, "KV heads of GQA (mixers table): a divisor of "
+                                 "--heads.")
 _DTYPE = flags.DEFINE_string("dtype", "", "Compute dtype of the mixers table (default: "
                              "bfloat16 on an accelerator, float32 on CPU).")
 
@@ -354,6 +356,12 @@ def mixer_table(result: dict) -> str:
 def main(argv) -> None:
     del argv
     if _TABLE.value == "mixers":
+        heads, kv_heads = _HEADS.value, _KV_HEADS.value
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"--kv_heads={kv_heads}: expected a divisor of --heads={heads}")
+        if "hybrid" in _MIXERS.value and _LAYERS.value % 4:
+            raise ValueError(f"--layers={_LAYERS.value} with the hybrid mixer: expected a "
+                             "multiple of 4 (three Gated DeltaNet layers to one GQA layer)")
         result = mixer_benchmark(
             mixers=_MIXERS.value, contexts=_CONTEXTS.value, batch_sizes=_BATCH_SIZES.value,
             new_tokens=_NEW_TOKENS.value, layers=_LAYERS.value, d_model=_D_MODEL.value,
@@ -375,4 +383,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

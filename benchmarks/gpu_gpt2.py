@@ -101,7 +101,8 @@ _NANOGPT_COMPILE = flags.DEFINE_bool("nanogpt_compile", True, "torch.compile nan
                                      "a GPU (train.py's default).")
 
 # What a flag not given takes: on a GPU (decode.py's flags), and under --allow_cpu without one.
-GPU_DEFAULTS = dict(batch_sizes=["1"], mixers=["gqa", "mha", "mla", "gated_deltanet", "mamba2"])
+GPU_DEFAULTS = dict(batch_sizes=["1"], kv_heads=4,
+                    mixers=["gqa", "mha", "mla", "gated_deltanet", "mamba2"])
 CPU_SIZES = dict(steps=8, batch_size=2, block_size=32, n_layer=2, n_head=2, n_embd=32,
                  warmup_steps=2, timed_from=2, eval_batches=2, batch_sizes=["1"],
                  contexts=["32", "64"], new_tokens=4, kv_heads=1, repeats=3,

@@ -171,3 +171,25 @@ def test_the_gpu_bundle_refuses_bad_arguments_in_one_line_before_touching_build(
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == "gpu_bundle.sh: " + message.format(d=tmp_path)
     assert (sorted(os.listdir(build)) if build.exists() else None) == before
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], None),  # the defaults: GQA 6:2 heads
+    (["--kv_heads=4"], "--kv_heads=4: expected a divisor of --heads=6"),
+    (["--mixers=hybrid", "--layers=6"], "--layers=6 with the hybrid mixer: expected a multiple"),
+])
+def test_decode_mixers_table_takes_its_defaults_and_refuses_bad_shapes_in_one_line(flags,
+                                                                                   message):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "decode.py"), "--table=mixers",
+         "--contexts=16", "--new_tokens=2", "--repeats=1", "--vocab=64", "--layers=4",
+         "--d_model=24", "--mixers=gqa", *flags], env=env, capture_output=True, text=True,
+        timeout=300, cwd=REPO)
+    if message is None:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "6:2 heads" in result.stdout
+    else:
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        assert lines[0].startswith(f"error: {message}"), lines
