@@ -50,10 +50,15 @@ def test_generate_0_new_tokens_prints_the_prompt(workdir, tmp_path):
 @pytest.mark.parametrize("flag, message", [
     ("--max_new_tokens=-5", "max_new_tokens=-5: expected an int >= 0"),
     ("--beam_size=-1", "beam_size=-1: expected an int >= 0 (0: sampling, no beam search)"),
+    # beam search gives one best continuation: it took neither and said nothing
+    ('--beam_size=2 --chat=[{"role":"user","content":"hi"}]',
+     "--beam_size=2: expected the one best continuation of --prompt (no --chat or"),
+    ("--beam_size=2 --num_samples=3", "--beam_size=2: expected the one best continuation"),
 ])
-def test_generate_names_a_negative_count(workdir, tmp_path, flag, message):
-    result = run_cli("transformer.generate", f"--workdir={workdir}", "--prompt=def", flag,
-                     logs=tmp_path / "logs")
+def test_generate_names_a_negative_count_or_a_combination_it_cannot_honour(workdir, tmp_path,
+                                                                          flag, message):
+    result = run_cli("transformer.generate", f"--workdir={workdir}", "--prompt=def",
+                     *flag.split(), logs=tmp_path / "logs")
     assert result.returncode == 2
     assert error_line(result).startswith(f"error: {message}")
 

@@ -106,6 +106,9 @@ def main(argv) -> None:
     if f.beam_size < 0:
         raise ValueError(f"beam_size={f.beam_size}: expected an int >= 0 (0: sampling, no beam "
                          "search)")
+    if f.beam_size and (f.chat is not None or f.num_samples != 1):
+        raise ValueError(f"--beam_size={f.beam_size}: expected the one best continuation of "
+                         "--prompt (no --chat or --num_samples)")
     if f.speculative and (f.beam_size or f.chat is not None or f.num_samples != 1):
         raise ValueError("--speculative: expected one continuation of --prompt (no --beam_size, "
                          "--chat or --num_samples)")
