@@ -474,7 +474,13 @@ def test_fresh_start_sets_the_whole_previous_run_aside(tmp_path, text, trained):
     workdir = copy_of(trained, tmp_path / "run")
     # Named here, not read from checkpoint_lib.RUN_FILES: a name dropped there must fail this.
     records = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer", "val_windows.npz",
-               "goodput.json")
+               "goodput.json", "eval_2.json", "eval_2_len64_test.json", "confusion_2_test.png",
+               "attention")
+    # what evaluate and visualize write of the old run's checkpoints
+    for name in records[6:9]:
+        (workdir / name).write_text(f"the old run's {name}")
+    (workdir / "attention" / "2").mkdir(parents=True)
+    (workdir / "attention" / "2" / "attention.npz").write_bytes(b"maps")
     old = {name: file_hashes(workdir / name) if (workdir / name).is_dir() else
            (workdir / name).read_bytes() for name in records}
     assert_succeeded(train(workdir, text, "--config.fresh_start=True", steps=2, logs="fresh"))

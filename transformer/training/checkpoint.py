@@ -40,19 +40,23 @@ DELETED = "deleted"  # WORKDIR/checkpoints/deleted/<step>: old steps on their wa
 # What a run writes beside its checkpoints, set aside with them (a fresh run would append to its
 # records, mix its TensorBoard events in, or overwrite its summary and tokenizer).
 RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer", "val_windows.npz",
-             "goodput.json", "wandb.json", "wandb", "profile")
+             "goodput.json", "wandb.json", "wandb", "profile", "attention")
+# ... and what `evaluate` wrote of its checkpoints (a fresh run's own would overwrite them).
+RUN_FILE_PATTERNS = ("eval_*.json", "confusion_*.png")
 
 
 def set_aside(workdir: str) -> str | None:
     """Renames WORKDIR/checkpoints to checkpoints.set-aside-<time> and moves the run's other
-    records (`RUN_FILES`) into it (for an explicit fresh start); returns the new path, or None
-    if there were no checkpoints. Nothing is deleted."""
+    records (`RUN_FILES`, `RUN_FILE_PATTERNS`) into it (for an explicit fresh start); returns
+    the new path, or None if there were no checkpoints. Nothing is deleted."""
     directory = fileio.path(workdir) / CHECKPOINTS
     if not directory.is_dir() or not any(directory.iterdir()):
         return None
     target = f"{directory}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
     fileio.move(directory, target)
-    for name in RUN_FILES:
+    names = [*RUN_FILES, *(found.name for pattern in RUN_FILE_PATTERNS
+                           for found in fileio.path(workdir).glob(pattern))]
+    for name in names:
         if (fileio.path(workdir) / name).exists():
             fileio.move(fileio.path(workdir) / name, fileio.join(target, name))
     return target
