@@ -240,7 +240,8 @@ if __name__ == "__main__":
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.DEFINE_integer("eval_steps", None, "Validation batches (default: the whole split).")
     flags.DEFINE_enum("split", "validation", ["validation", "test"],
-                      "Split to evaluate (test: labeled tasks only).")
+                      "Split to evaluate (test: a labeled task's test split or "
+                      "data.test_path).")
     flags.DEFINE_list("eval_seq_len", None, "Evaluate at these sequence lengths, e.g. 256,512 "
                       "(length extrapolation; default: the training length).")
     cli.run(main)
