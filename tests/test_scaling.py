@@ -338,3 +338,43 @@ def test_the_command_refuses_a_budget_with_two_sizes_in_one_line(tmp_path):
         "error: budget C=1e+12: 2 finished runs (2 model sizes), expected at least 3 model "
         "sizes for a parabola"]
     assert not (tmp_path / "scaling.md").exists()
+
+
+def test_a_sweep_over_seeds_fits_as_one_run_of_the_seeds_mean_loss(tmp_path):
+    """The sweep with --seeds=2 (DIR/NAME/seed_K, the law's loss +- an offset per seed, one
+    metrics.jsonl ending in a line half-written by a kill) gives the runs and fit of the
+    sweep of one seed whose losses are the seeds' mean; a missing seed is named, a directory
+    mixing the layouts refused in one line."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    names = fake_sweep(one)
+    for i, name in enumerate(names):
+        summary = json.loads((one / name / "summary.json").read_text())
+        for k, sign in enumerate((1, -1)):
+            (two / name / f"seed_{k}").mkdir(parents=True)
+            (two / name / f"seed_{k}" / "summary.json").write_text(json.dumps(
+                {**summary, "val_loss": summary["val_loss"] + sign * 0.01 * (1 + i % 3)}))
+    torn = two / names[0] / "seed_1"
+    loss = json.loads((torn / "summary.json").read_text())["val_loss"]
+    record = json.dumps({"split": "validation", "step": 1, "loss": loss, "accuracy": 0.5,
+                         "elapsed": 1.0})
+    (torn / "metrics.jsonl").write_text(record + "\n" + record[:30])
+    config = definition.experiment_module(EXPERIMENT).get_config()
+    runs1, notes1 = scaling.load_runs(str(one), EXPERIMENT, config)
+    runs2, notes2 = scaling.load_runs(str(two), EXPERIMENT, config)
+    assert notes1 == [] and len(runs1) == len(runs2) == 20 and len(notes2) == 20
+    assert notes2[0].endswith(f": {names[0]}/seed_0, {names[0]}/seed_1")
+    for a, b in zip(runs1, runs2, strict=True):
+        assert b.name == f"{a.name}/seed_0 + {a.name}/seed_1"
+        assert (b.num_params, b.steps, b.tokens, b.flops, b.budget) == \
+            (a.num_params, a.steps, a.tokens, a.flops, a.budget)
+        assert b.loss == pytest.approx(a.loss, rel=1e-12)
+    fits = [scaling.fit_approach2(*scaling._columns(runs)) for runs in (runs1, runs2)]
+    assert fits[1].n_law.exponent == pytest.approx(fits[0].n_law.exponent, rel=1e-9)
+    assert fits[1].d_law.exponent == pytest.approx(fits[0].d_law.exponent, rel=1e-9)
+
+    (two / names[1] / "seed_1" / "summary.json").unlink()
+    runs, notes = scaling.load_runs(str(two), EXPERIMENT, config)
+    assert len(runs) == 20 and f"not finished, left out: {names[1]}/seed_1 (new)" in notes
+    (two / names[2] / "summary.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"^{two / names[2]} holds a run of one seed: "):
+        scaling.load_runs(str(two), EXPERIMENT, config)

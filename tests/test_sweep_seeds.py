@@ -165,6 +165,43 @@ def test_the_report_over_seeds(tmp_path, monkeypatch):
         sweep.write_report(configs, variants, str(tmp_path), "t", seeds=4, baseline="nope")
 
 
+def test_a_half_written_last_line_is_dropped_and_a_run_under_way_is_training(tmp_path):
+    """A run killed mid-write leaves its metrics.jsonl's last line half-written: the report
+    reads the records before it (as a resume does); a line that does not parse elsewhere is
+    damage, named with its file and line. A run that has logged but saved no checkpoint is
+    "training", one with no records "new"."""
+    from transformer.sweeps import report as report_lib
+    from transformer.training import metrics
+
+    config = base_config()
+    config.steps = 4
+    variants = sweep.named({"base": {}, "other": {"model.num_heads": 4}})
+    configs = sweep.variant_configs(config, variants)
+    for k in range(2):
+        fake_run(tmp_path / "base" / f"seed_{k}", [BASE[k] + 1, BASE[k]], 2.0 + k)
+    fake_run(tmp_path / "other" / "seed_0", [SHIFTED[0] + 1, SHIFTED[0]], 2.0, steps=2)
+    (tmp_path / "other" / "seed_1").mkdir()
+    path = tmp_path / "base" / "seed_1" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines) + "\n" + lines[0][:40])  # killed writing a 5th record
+    assert report_lib.read_records(str(path.parent)) == [json.loads(line) for line in lines]
+    sweep.write_report(configs, variants, str(tmp_path), "t", seeds=2, baseline="base")
+    per_seed = tables((tmp_path / "report.md").read_text())[2]
+    assert per_seed["base/seed_1"]["val loss"] == f"{BASE[1]:.4f}"
+    assert per_seed["base/seed_1"]["status"] == "finished"
+    assert per_seed["other/seed_0"]["status"] == "training"
+    assert per_seed["other/seed_0"]["steps"] == "4"  # its last train record's
+    assert per_seed["other/seed_1"]["status"] == "new"
+
+    path.write_text("\n".join([lines[0], lines[1][:40]] + lines[2:]) + "\n")
+    with pytest.raises(ValueError, match=rf"^{path}: line 2 is not a JSON record \(column "
+                                         r"\d+: [^)]+\): expected one a line, only the last "
+                                         r"half-written \(by a run killed mid-write\)"):
+        sweep.write_report(configs, variants, str(tmp_path), "t", seeds=2, baseline="base")
+    # A resume still drops it (and what it logged past its checkpoint) and goes on.
+    assert metrics.keep_records_up_to(str(path), 2) == [lines[0] + "\n"]
+
+
 def test_mean_curves_over_seeds():
     runs = [[{"split": "validation", "step": 2, "loss": 4.0, "elapsed": 1.0},
              {"split": "validation", "step": 4, "loss": 3.0, "elapsed": 3.0},

@@ -2,12 +2,13 @@
 
     python -m transformer.scaling --workdir=DIR [--config=experiments/scaling/isoflop.py]
 
-DIR holds the sweep's runs (`transformer.sweep`, one directory per variant). The experiment
-file declares the compute budgets as `BUDGETS`; every finished run's compute is recomputed as
-C = flops_per_token(config, N) x tokens trained (`metrics.flops_per_token`; tokens =
-steps x batch_size x seq_len; N = num_params) and the run joins the declared budget nearest to it
-in log C. A run whose val loss is not finite is left out, and runs of the same size and budget
-(seeds, copies) are averaged into one; the report and the terminal name both. Fitted:
+DIR holds the sweep's runs (`transformer.sweep`): DIR/NAME per variant, or with `--seeds`
+DIR/NAME/seed_K per seed (read from the layout). The experiment file declares the compute
+budgets as `BUDGETS`; every finished run's compute is recomputed as C = flops_per_token(config,
+N) x tokens trained (`metrics.flops_per_token`; tokens = steps x batch_size x seq_len; N =
+num_params) and the run joins the declared budget nearest to it in log C. A run whose val loss
+is not finite is left out, and runs of the same size and budget (seeds, copies) are averaged
+into one; the report and the terminal name both. Fitted:
 
 - Approach 2 (`transformer.sweeps.isoflop`): per budget, a parabola of final val loss against
   ln N; its vertex gives N_opt(C) and L_min(C); D_opt(C) = C / flops_per_token(N_opt), the
@@ -121,8 +122,10 @@ def load_runs(workdir: str, config_file: str, config) -> tuple[list[Run], list[s
     if not budgets:
         raise ValueError(f"{config_file}: expected BUDGETS, the sweep's compute budgets")
     configs = sweep.variant_configs(config, definition.load_sweep(config_file))
+    seeds = definition.layout_seeds(workdir, list(configs))  # seeds: NAME/seed_K, averaged
     runs, notes, nonfinite = [], [], []
-    for name, variant in configs.items():
+    for name, variant in [(run, variant) for variant_name, variant in configs.items()
+                          for run in definition.run_names(variant_name, seeds)]:
         directory = os.path.join(workdir, name)
         summary = report.read_summary(directory)
         row = report.variant_row(name, variant, directory)
@@ -384,7 +387,7 @@ def _define_flags() -> None:
 
     config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "The sweep's experiment file "
                                     "(get_config, get_sweep and BUDGETS).", lock_config=True)
-    flags.DEFINE_string("workdir", None, "The sweep's directory (one run per variant).",
+    flags.DEFINE_string("workdir", None, "The sweep's directory (a run per variant and seed).",
                         required=True)
     flags.DEFINE_integer("resamples", 1000, "Bootstrap resamples for approach 2.", lower_bound=1)
     flags.DEFINE_integer("parametric_resamples", 200, "Bootstrap resamples for approach 3.",

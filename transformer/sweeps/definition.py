@@ -169,6 +169,24 @@ def seed_variants(variants: Sequence[Variant], seeds: int) -> list[Variant]:
             for v in variants for k in range(seeds)]
 
 
+def run_names(name: str, seeds: int) -> list[str]:
+    """Variant `name`'s runs, as directories under the sweep's: NAME with one seed, else
+    NAME/seed_K for K = 0..seeds-1 (`seed_variants`)."""
+    return [v.name for v in seed_variants([Variant(name, {})], seeds)]
+
+
+def held_seeds(directory: str) -> list[int]:
+    """The K of the seed runs seed_K that a variant's `directory` holds, in order."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(d[5:]) for d in os.listdir(directory)
+                  if d.startswith("seed_") and d[5:].isdigit())
+
+
+# What a run of one seed has in DIR/NAME itself (the sweep's settings file; a run's logs).
+ONE_SEED_FILES = (CONFIG_FILE, "metrics.jsonl", "summary.json")
+
+
 def check_layout(workdir: str, names: Sequence[str], seeds: int) -> None:
     """Refuses a sweep directory whose runs were made with one seed when `seeds` > 1, or with
     several when it is 1 (the report would find no runs, and the layouts would mix)."""
@@ -177,15 +195,25 @@ def check_layout(workdir: str, names: Sequence[str], seeds: int) -> None:
         if seeds == 1 and os.path.isdir(os.path.join(directory, "seed_0")):
             raise ValueError(f"{directory} holds runs of several seeds (seed_0, ...): expected "
                              "--seeds=N (or get_seeds()) with their number")
-        if seeds > 1 and os.path.exists(os.path.join(directory, CONFIG_FILE)):
+        if seeds > 1 and any(os.path.exists(os.path.join(directory, file))
+                             for file in ONE_SEED_FILES):
             raise ValueError(f"{directory} holds a run of one seed: expected --seeds=1, or "
                              f"another --workdir for --seeds={seeds}")
         if seeds > 1 and os.path.isdir(os.path.join(directory, f"seed_{seeds}")):
-            held = sorted(int(d[5:]) for d in os.listdir(directory)
-                          if d.startswith("seed_") and d[5:].isdigit())
+            held = held_seeds(directory)
             raise ValueError(f"{directory} holds runs of seeds {held[0]}..{held[-1]}: expected "
                              f"--seeds={held[-1] + 1} (--seeds={seeds} would rewrite the report "
                              "without the others), or another --workdir")
+
+
+def layout_seeds(workdir: str, names: Sequence[str]) -> int:
+    """The seeds that the runs of variants `names` in `workdir` were made with, read from their
+    layout: 1 + the largest K of a NAME/seed_K, 1 without any. A directory that mixes the
+    layouts is refused (`check_layout`)."""
+    seeds = max((k + 1 for name in names for k in held_seeds(os.path.join(workdir, name))),
+                default=1)
+    check_layout(workdir, names, seeds)
+    return seeds
 
 
 def check_baseline(baseline: str | None, names: Sequence[str]) -> str:

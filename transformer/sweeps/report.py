@@ -14,7 +14,7 @@ from typing import Any
 
 import ml_collections
 
-from transformer.sweeps.definition import Variant, check_baseline, flag_value
+from transformer.sweeps.definition import Variant, check_baseline, flag_value, run_names
 from transformer.sweeps.plots import plot_curves
 from transformer.sweeps.statistics import (
     BOOTSTRAP_RESAMPLES,
@@ -26,11 +26,13 @@ from transformer.sweeps.statistics import (
     window_pairs,
 )
 from transformer.training import checkpoint as checkpoint_lib
-from transformer.training import evaluation
+from transformer.training import evaluation, metrics
 
 
 def status(workdir: str, config) -> str:
-    """finished | failed | partial | new: where the variant in `workdir` stands."""
+    """finished | failed | partial | training | new: where the variant in `workdir` stands
+    (training: it has logged metrics but saved no checkpoint yet, so is under way, or was
+    stopped before its first and would start again from step 0)."""
     summary = os.path.join(workdir, "summary.json")
     if os.path.exists(summary):
         with open(summary) as f:
@@ -40,16 +42,15 @@ def status(workdir: str, config) -> str:
         return "failed"
     if checkpoint_lib.has_checkpoints(workdir):
         return "partial"
-    return "new"
-
+    log = os.path.join(workdir, "metrics.jsonl")
+    return "training" if os.path.exists(log) and os.path.getsize(log) else "new"
 
 
 def read_records(directory: str) -> list[dict]:
-    path = os.path.join(directory, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of `directory`'s metrics.jsonl, without a last line a killed run left
+    half-written (`metrics.read_records`)."""
+    return [record for _, record in
+            metrics.read_records(os.path.join(directory, "metrics.jsonl"))]
 
 
 def read_summary(directory: str) -> dict:
@@ -296,13 +297,9 @@ def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequen
     """Writes workdir/report.md and the PNG plots; returns the report's path. With seeds > 1:
     statistics over the seeds and the differences from `baseline` (default: the first)."""
     overrides = {v.name: v.overrides for v in variants}
-    if seeds == 1:
-        runs = {name: [variant_row(name, config, os.path.join(workdir, name))]
-                for name, config in configs.items()}
-    else:
-        runs = {name: [variant_row(f"{name}/seed_{k}", config,
-                                   os.path.join(workdir, name, f"seed_{k}"))
-                       for k in range(seeds)] for name, config in configs.items()}
+    runs = {name: [variant_row(run, config, os.path.join(workdir, run))
+                   for run in run_names(name, seeds)] for name, config in configs.items()}
+    if seeds > 1:
         overrides.update({f"{name}/seed_{k}": {**overrides[name], "seed": k}
                           for name in configs for k in range(seeds)})
     rows = [row for variant_rows in runs.values() for row in variant_rows]

@@ -205,20 +205,41 @@ def format_eta(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def read_records(path: str, damaged_ok: bool = False) -> list[tuple[str, dict]]:
+    """(line, record) of each record in a metrics.jsonl ([] without the file). A last line
+    that does not parse is dropped: a run killed mid-write leaves it half-written. One
+    elsewhere is damage, refused in one line naming the file and line (`damaged_ok`: dropped
+    too)."""
+    if not fileio.path(path).exists():
+        return []
+    lines = fileio.path(path).read_text().splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            why = "" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+        except json.JSONDecodeError as error:
+            why = f"column {error.colno}: {error.msg}"
+        if not why:
+            records.append((line, record))
+        elif i != last and not damaged_ok:
+            raise ValueError(f"{path}: line {i + 1} is not a JSON record ({why}): expected one "
+                             "a line, only the last half-written (by a run killed mid-write): "
+                             "mend or delete that line")
+    return records
+
+
 def keep_records_up_to(path: str, step: int) -> list[str]:
     """Drops the metrics a killed run logged after its last checkpoint (they are trained and
     logged again on resume) and any line it left half-written; rewrites the file atomically
     and returns the kept lines."""
     if not fileio.path(path).exists():
         return []
-    kept = []
-    for line in fileio.path(path).read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("step", 0) <= step:
-            kept.append(line + "\n")
+    kept = [line + "\n" for line, record in read_records(path, damaged_ok=True)
+            if record.get("step", 0) <= step]
     fileio.write_atomic(path, "".join(kept))
     return kept
 
