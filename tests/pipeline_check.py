@@ -38,6 +38,9 @@ MESHES = {
 # comes back from the pipeline averaged over microbatches, and must equal the whole batch's.
 MOE = {"model.moe.num_experts": 4, "model.moe.capacity_factor": 0.0,
        "model.moe.load_balance_loss": 0.0, "model.moe.router_z_loss": 0.1}
+# ... and a multi-token prediction module, whose MoE layer sits outside the stages: the z-loss
+# is the mean over all 9 MoE layers, the stages' 8 counting 8 times.
+MOE_MTP = {**MOE, "model.mtp.depth": 1}
 
 
 def pipeline_config(mesh: dict, microbatches: int, repeats: int, settings: dict):
@@ -65,12 +68,14 @@ def train(config, steps: int = STEPS, start=None):
 
 def main() -> None:
     results, starts = {}, {}
-    for name, settings in {"single": {}, "moe single": MOE}.items():
+    references = {"single": {}, "moe single": MOE, "moe mtp single": MOE_MTP}
+    for name, settings in references.items():
         params, losses, _, starts[name] = train(pipeline_config({}, 1, 1, settings))
         results[name] = {"losses": losses, "params": params}
-    cases = {**MESHES, "moe stage=2 x expert=2": ({"stage": 2, "expert": 2}, 2, 1, MOE)}
+    cases = {**MESHES, "moe stage=2 x expert=2": ({"stage": 2, "expert": 2}, 2, 1, MOE),
+             "moe mtp stage=2": ({"stage": 2}, 2, 1, MOE_MTP)}
     for name, case in cases.items():
-        reference = "moe single" if name.startswith("moe") else "single"
+        reference = name.split(" stage")[0] + " single" if name.startswith("moe") else "single"
         # The meshes start from the single run's state, but for accumulation (its optimizer
         # state differs) and the dropout run below, which compile their own sharded init.
         start = None if "accumulation" in name else starts[reference]
@@ -80,7 +85,7 @@ def main() -> None:
     _, losses, _, _ = train(pipeline_config({"stage": 2}, 2, 1, {"model.dropout_rate": 0.1}),
                          steps=4)
     results["dropout stage=2"] = {"losses": losses}
-    for reference in ("single", "moe single"):
+    for reference in references:
         del results[reference]["params"]
     print(json.dumps(results))
 

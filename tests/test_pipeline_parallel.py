@@ -194,8 +194,11 @@ def test_each_pipeline_mesh_gives_the_single_device_losses_and_params(mesh_resul
 
 
 @pytest.mark.slow
-def test_a_pipelined_moe_trains_like_one_device(mesh_results):
-    got, want = mesh_results["moe stage=2 x expert=2"], mesh_results["moe single"]
+@pytest.mark.parametrize("case", ["moe stage=2 x expert=2", "moe mtp stage=2"])
+def test_a_pipelined_moe_trains_like_one_device(mesh_results, case):
+    """Also with an MTP module's MoE layer outside the stages: the router z-loss is the mean
+    over every MoE layer, as on one device (it weighed the stages' 8 layers as one)."""
+    got, want = mesh_results[case], mesh_results[case.split(" stage")[0] + " single"]
     np.testing.assert_allclose(got["losses"], want["losses"], atol=1e-5, rtol=0)
     assert got["max_param_diff"] < 1e-5
 

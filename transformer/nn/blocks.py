@@ -349,7 +349,7 @@ class TransformerStack(nn.Module):
     def _pipeline(self, block, kwargs, x_BTD, args, deterministic):
         """The scanned blocks over the `stage` axis (`pipeline_parallel.run`), on the params the
         plain scan declares (`layers`, leading axis the layer groups). MoE layers' auxiliary
-        losses come back averaged over microbatches and sown once per quantity."""
+        losses come back averaged over microbatches and layers, sown as one value per layer."""
         cfg = self.config
         if cfg.position in ("alibi", "t5"):
             raise ValueError(f"position={cfg.position!r}: the pipeline (mesh.stage > 1) "
@@ -371,6 +371,9 @@ class TransformerStack(nn.Module):
             stage_fn, self.variables["params"]["layers"], x_BTD, args, stages=stages,
             microbatches=microbatches, repeats=repeats, rng=rng,
             remat_policy=REMAT_POLICIES[cfg.remat_policy])
+        # The stack's mean counts once per MoE layer in `moe_aux`'s mean over all the model's
+        # layers (an MTP module's own MoE layers sow theirs beside it).
+        moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers))
         for name, value in aux.items():
-            self.sow("losses", f"moe_{name}", value)
+            self.sow("losses", f"moe_{name}", jnp.full((moe_layers,), value))
         return x_BTD

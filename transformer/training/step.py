@@ -10,6 +10,7 @@ import optax
 from transformer.models import family_of
 from transformer.nn import blocks
 from transformer.nn import lora as lora_lib
+from transformer.parallel import pipeline_parallel
 from transformer.training import optim
 from transformer.training.state import TrainState
 
@@ -143,8 +144,10 @@ def expert_balance(model, config, params, before, metrics, finite):
     if not loads:
         return params, metrics
     layers = blocks.layer_imbalance(loads, model.config)
-    metrics = {**metrics, "moe_imbalance": jnp.max(jnp.stack(list(layers.values()))),
-               **{f"moe_imbalance/{name}": value for name, value in layers.items()}}
+    metrics = {**metrics, **{f"moe_imbalance/{name}": value for name, value in layers.items()}}
+    if pipeline_parallel.stages_in_mesh() == 1:  # (stages sow no loads: a max over an MTP
+        # module's layers alone would read as the model's)
+        metrics["moe_imbalance"] = jnp.max(jnp.stack(list(layers.values())))
     moe = config.model.moe
     if moe.balance_bias:
         params = blocks.move_balance_biases(params, before, loads, moe.bias_update_rate, finite)
