@@ -127,3 +127,26 @@ def test_the_commands_expand_a_tilde_in_workdir(tmp_path):
     assert error_line(result) == f"error: {str(home / 'x')!r} holds no checkpoints: expected " \
                                  "a training workdir"
     assert not (tmp_path / "~").exists()
+
+
+@pytest.mark.slow
+def test_evaluate_reads_a_run_trained_on_more_devices_than_it_has(tmp_path):
+    """A run trained on fsdp=2 x tensor=2 (4 devices) evaluates on one device, data parallel,
+    with a note: the same loss as on its own mesh (it refused, suggesting a -1 axis that
+    evaluate has no flag to set)."""
+    workdir = tmp_path / "run"
+    mesh = ["--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+    assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                             f"--workdir={workdir}", *tiny_flags(STEPS), *mesh,
+                             logs=tmp_path / "train", devices=4))
+    results = {}
+    for devices in (4, 1):
+        result = run_cli("transformer.evaluate", f"--workdir={workdir}", "--eval_steps=2",
+                         logs=tmp_path / f"eval{devices}", devices=devices)
+        assert_succeeded(result)
+        results[devices] = json.loads(result.stdout)
+        notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+        assert notes == ([] if devices == 4 else [
+            "note: the run trained on mesh data=1 x stage=1 x fsdp=2 x expert=1 x sequence=1 x "
+            "tensor=2; evaluating data parallel over 1 of the 1 devices here"]), notes
+    assert results[1]["loss"] == pytest.approx(results[4]["loss"], rel=1e-5)

@@ -26,6 +26,7 @@ import jax
 
 from transformer.data import inputs
 from transformer.models import build_model
+from transformer.parallel import sharding
 from transformer.training import checkpoint as checkpoint_lib
 from transformer.training import evaluation, finetune
 from transformer.training import placement as placement_lib
@@ -77,7 +78,7 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
         evaluation.check_eval_seq_len(config, seq_len)
     tokenizer = inputs.get_tokenizer(config, workdir)
     model = build_model(config.model)
-    placement = placement_lib.Placement.from_config(config)
+    config, placement = local_placement(config)
     # A training beside it may delete the newest step meanwhile: then the next one is read.
     step, _, params = finetune.restore_params(workdir, step, placement.mesh,
                                                     or_newer=newest)
@@ -114,6 +115,27 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
                      f"{metrics['accuracy']:.3f}, macro-F1 {metrics['macro_f1']:.3f}")
         _writing(path, fileio.write_atomic, path, json.dumps(metrics, indent=2))
     return metrics
+
+
+def local_placement(config):
+    """(config, placement) on this machine's devices: the run's own mesh where they fit it,
+    else data parallel over the most devices that divide the batch, the config's mesh set to
+    it (a checkpoint restores onto any mesh), with a note saying so."""
+    devices = jax.devices()
+    try:
+        sharding.mesh_shape(config.mesh, len(devices))
+        return config, placement_lib.Placement.from_config(config)
+    except ValueError:
+        if jax.process_count() > 1:  # every host must agree: the run's mesh or its error
+            raise
+    data = max(d for d in range(1, len(devices) + 1) if config.batch_size % d == 0)
+    trained = sharding.describe_mesh({axis: config.mesh.get(axis, 1)
+                                      for axis in sharding.MESH_AXES})
+    config = config.copy_and_resolve_references()
+    config.mesh.update({axis: data if axis == "data" else 1 for axis in sharding.MESH_AXES})
+    print(f"note: the run trained on mesh {trained}; evaluating data parallel over {data} of "
+          f"the {len(devices)} devices here", file=sys.stderr)
+    return config, placement_lib.Placement.from_config(config, devices[:data])
 
 
 def data_changes(workdir: str, step: int, config) -> list[str]:
