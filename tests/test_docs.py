@@ -2,7 +2,7 @@
 line for every key of base_config() and is what docs/gen_config_reference.py writes; every
 `python -m transformer...` (and `launch...`) command in README.md and docs/*.md names only
 flags its module defines and `--config.` keys its config has; README's links into docs/
-resolve."""
+resolve; docs/api.md renders every module."""
 
 from __future__ import annotations
 
@@ -303,3 +303,18 @@ def test_readme_links_into_docs_resolve():
             with open(os.path.join(REPO, path)) as f:
                 headings = re.findall(r"^#{1,6} (.+)$", f.read(), re.M)
             assert anchor in set().union(*map(_slugs, headings)), (path, anchor)
+
+
+# --- the API reference ---------------------------------------------------------------------------
+
+
+def test_the_api_reference_renders_every_module():
+    """docs/api.md has a `::: module` entry for each module of the package (a new file's
+    docstrings otherwise never reach the site); packages' __init__ files are optional."""
+    root = os.path.join(REPO, "transformer")
+    modules = {os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+               for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+               if not path.endswith("__init__.py")}
+    with open(os.path.join(REPO, "docs", "api.md"), encoding="utf-8") as f:
+        rendered = set(re.findall(r"^::: (\S+)$", f.read(), re.M))
+    assert not modules - rendered, sorted(modules - rendered)
