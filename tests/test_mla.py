@@ -63,8 +63,9 @@ def rope_interleaved(x, pos, theta):
     return np.stack([z.real, z.imag], -1).reshape(x.shape)
 
 
-def reference_mla(p, x, s: MLASettings):
-    """Causal MLA of one sequence x [T, D], float64, head by head."""
+def reference_weights(p, x, s: MLASettings):
+    """Causal MLA's softmax weights [N, T, T] of one sequence x [T, D], float64, and c^KV
+    [T, C] (eqs. 9-18): softmax([q^C; q^R] . [k^C; k^R] / sqrt(P + R)) under the causal mask."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
     x = np.asarray(x, np.float64)
     length, C, P, R = x.shape[0], s.kv_lora_rank, s.qk_nope_head_dim, s.qk_rope_head_dim
@@ -78,15 +79,22 @@ def reference_mla(p, x, s: MLASettings):
     kv = x @ p["kv_a"]
     c_kv = rms_norm(kv[:, :C], p["kv_a_norm"]["scale"], s.norm_epsilon)  # eq. 9
     k_r = rope_interleaved(kv[:, None, C:], pos, s.rope_theta)[:, 0]  # eq. 15, one for all
-    y = np.zeros((length, x.shape[1]))
+    k_c = np.einsum("tc,cnp->tnp", c_kv, p["k_b"])  # eq. 10: k^C = W^UK c^KV
+    logits = (np.einsum("tnp,snp->nts", q_c, k_c)
+              + np.einsum("tnr,sr->nts", q_r, k_r)) / np.sqrt(P + R)  # eqs. 16-18
+    logits = np.where(np.tril(np.ones((length, length), bool)), logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    return w / w.sum(-1, keepdims=True), c_kv
+
+
+def reference_mla(p, x, s: MLASettings):
+    """Causal MLA of one sequence x [T, D], float64, head by head."""
+    w, c_kv = reference_weights(p, x, s)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+    y = np.zeros((x.shape[0], x.shape[1]))
     for h in range(s.num_heads):
-        k_c = c_kv @ p["k_b"][:, h]  # eq. 10: k^C = W^UK c^KV
         v_c = c_kv @ p["v_b"][:, h]  # eq. 11: v^C = W^UV c^KV
-        logits = (q_c[:, h] @ k_c.T + q_r[:, h] @ k_r.T) / np.sqrt(P + R)  # eqs. 16-18
-        logits = np.where(np.tril(np.ones((length, length), bool)), logits, -np.inf)
-        w = np.exp(logits - logits.max(-1, keepdims=True))
-        w /= w.sum(-1, keepdims=True)
-        y += (w @ v_c) @ p["out"][h]  # eq. 19: u = W^O [o_1; ...; o_N]
+        y += (w[h] @ v_c) @ p["out"][h]  # eq. 19: u = W^O [o_1; ...; o_N]
     return y
 
 
@@ -104,6 +112,26 @@ def test_forward_equals_the_papers_formulas(overrides):
     want = np.stack([reference_mla(params, x[b], s) for b in range(B)])
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
     assert np.abs(want).mean() > 0.1
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(q_lora_rank=0, impl="chunked")],
+                         ids=["q_lora", "chunked"])
+def test_sows_its_softmax_weights_as_attention_does(overrides):
+    """With 'intermediates' mutable (what transformer.visualize draws) the layer sows its
+    softmax weights [B, N, T, S], the paper's, whatever kernel it names; the output is the same."""
+    s = settings(rope_layout="interleaved", rope_theta=100.0, **overrides)
+    layer = MultiHeadLatentAttention(s)
+    params = random_params(layer)
+    x = inputs(5)
+    out, state = jax.jit(functools.partial(layer.apply, mask=masks.Causal(),
+                                           mutable=["intermediates"]))({"params": params}, x)
+    (weights,) = state["intermediates"]["attention_weights"]
+    assert weights.shape == (B, N, T, T)
+    want = np.stack([reference_weights(params, x[b], s)[0] for b in range(B)])
+    np.testing.assert_allclose(np.asarray(weights), want, atol=2e-6)
+    assert not np.allclose(want[:, 0], want[:, 1], atol=1e-2)  # the heads differ
+    np.testing.assert_allclose(np.asarray(out), np.stack(
+        [reference_mla(params, x[b], s) for b in range(B)]), atol=2e-5, rtol=2e-5)
 
 
 def test_splash_kernel_runs_it_too():

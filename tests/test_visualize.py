@@ -16,12 +16,15 @@ import jax
 import matplotlib.image
 import numpy as np
 import pytest
+from test_mla import reference_weights
 
 from transformer import visualize
 from transformer.configs import base_config
 from transformer.data import tokenizers
-from transformer.models import build_model
+from transformer.models import build_model, transformer_config
 from transformer.nn import layers
+from transformer.nn.blocks import stack_unrolled
+from transformer.nn.mixers.mla import MLASettings
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = tokenizers.ByteTokenizer(num_sentinels=4)
@@ -30,8 +33,8 @@ TEXT = "def f(x):"
 
 def tiny(family: str, **model):
     config = base_config()
-    config.model.update(family=family, num_layers=2, d_model=32, num_heads=2, d_ff=64,
-                        vocab_size=TOKENIZER.vocab_size, **model)
+    config.model.update(**{**dict(family=family, num_layers=2, d_model=32, num_heads=2,
+                                  d_ff=64, vocab_size=TOKENIZER.vocab_size), **model})
     return config
 
 
@@ -52,7 +55,9 @@ def gpt():
     tokens, decoder_tokens = visualize.encode_text(config, TOKENIZER, TEXT)
     assert decoder_tokens is None
     model, params = init(config, tokens)
-    return config, params, tokens, visualize.attention_maps(model, params, config, tokens)
+    maps, layers = visualize.attention_maps(model, params, config, tokens)
+    assert layers == {"decoder/self_attention": (0, 1)}
+    return config, params, tokens, maps
 
 
 def test_gpt_maps_are_causal_probability_rows(gpt):
@@ -75,23 +80,152 @@ def test_scanned_layers_give_the_unrolled_maps(gpt):
     scanned = tiny("gpt", scan_layers=True)
     scanned_params = dict(params, decoder=layers.stack_layers(params["decoder"], 2))
     scanned_maps = visualize.attention_maps(build_model(scanned.model), scanned_params, scanned,
-                                            tokens)
+                                            tokens)[0]
     assert list(scanned_maps) == ["decoder/self_attention"]
     np.testing.assert_allclose(scanned_maps["decoder/self_attention"],
                                maps["decoder/self_attention"], atol=1e-6)
+
+
+def hybrid(layer_types="linear_attention,full_attention", **model):
+    """By default layers linear_attention, full_attention, ...: Gated DeltaNet at the even
+    indices."""
+    config = tiny("gpt", layer_types=layer_types, **model)
+    config.model.linear_attention.update(key_head_dim=8, value_head_dim=8)
+    return config
+
+
+def normed_inputs(model, params, tokens) -> dict[int, np.ndarray]:
+    """{layer: the float64 [T, D] its self-attention reads (after its norm)} of a GPT."""
+    _, state = model.apply({"params": params}, tokens[None], capture_intermediates=True,
+                           mutable=["intermediates"])
+    stack = state["intermediates"]["decoder"]
+    return {int(name[7:]): np.asarray(layer["self_attention_norm"]["__call__"][0][0], np.float64)
+            for name, layer in stack.items() if "self_attention_norm" in layer}
+
+
+def causal_softmax(logits_NTS):
+    t = logits_NTS.shape[-1]
+    logits_NTS = np.where(np.tril(np.ones((t, t), bool)), logits_NTS, -np.inf)
+    w = np.exp(logits_NTS - logits_NTS.max(-1, keepdims=True))
+    return w / w.sum(-1, keepdims=True)
+
+
+def attention_by_hand(p, h_TD):
+    """Multi-head attention's causal weights [N, T, T] in float64 from its params: RoPE (base
+    10000, half layout) on q = h W_q + b_q and k = h W_k + b_k, logits scaled by 1/sqrt(H)."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+    q, k = (np.einsum("td,dnh->tnh", h_TD, p[n]) + p[f"{n}_bias"] for n in ("query", "key"))
+    head_dim = q.shape[-1]
+    angles = np.arange(len(h_TD))[:, None, None] * 10000.0 ** (
+        -np.arange(0, head_dim, 2) / head_dim)
+    rope = lambda x: np.concatenate([  # noqa: E731
+        x[..., :head_dim // 2] * np.cos(angles) - x[..., head_dim // 2:] * np.sin(angles),
+        x[..., head_dim // 2:] * np.cos(angles) + x[..., :head_dim // 2] * np.sin(angles)], -1)
+    return causal_softmax(np.einsum("tnh,snh->nts", rope(q), rope(k)) / np.sqrt(head_dim))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_a_hybrid_stacks_maps_are_its_attention_layers(tmp_path, scan_layers):
+    """Layers 1 and 3 attend (0 and 2 are Gated DeltaNet): the maps are theirs, labelled so
+    everywhere (scanned: `layers/block_1`, every second layer), and the others are named."""
+    config = hybrid(num_layers=4)
+    tokens, _ = visualize.encode_text(config, TOKENIZER, TEXT)
+    model, params = init(config, tokens)
+    inputs = normed_inputs(model, params, tokens)
+    assert sorted(inputs) == [1, 3]  # (the input norms of the linear layers are named apart)
+    want = np.stack([attention_by_hand(params["decoder"][f"layers_{i}"]["self_attention"],
+                                       inputs[i]) for i in (1, 3)])
+    if scan_layers:
+        config = hybrid(num_layers=4, scan_layers=True)
+        model = build_model(config.model)
+        params = dict(params, decoder=stack_unrolled(transformer_config(config.model),
+                                                     params["decoder"]))
+    maps, map_layers = visualize.attention_maps(model, params, config, tokens)
+    assert map_layers == {"decoder/self_attention": (1, 3)}
+    weights = maps["decoder/self_attention"]
+    np.testing.assert_allclose(weights, want, atol=2e-6)  # index i: layer 2 i + 1
+    assert not np.allclose(weights[0], weights[1], atol=1e-2)
+    assert visualize.missing_layers(config) == (
+        "layers without softmax attention, so without a map: 0, 2 (linear_attention)")
+
+    labels = visualize.token_labels(TOKENIZER, tokens)
+    paths = visualize.save_attention_maps(maps, labels, labels, str(tmp_path), layers=map_layers,
+                                          layer=3, head=1)
+    assert [Path(p).name for p in paths] == [
+        "attention.npz", "decoder.self_attention_grid.png", "decoder.self_attention_L3_H1.png"]
+    data = np.load(paths[0])
+    assert data["decoder.self_attention.layers"].tolist() == [1, 3]
+    np.testing.assert_array_equal(data["decoder.self_attention"], weights)
+    with pytest.raises(ValueError, match=r"^layer=0: expected 1, 3 \(the layers with a "
+                                         r"decoder/self_attention map\)$"):
+        visualize.save_attention_maps(maps, labels, labels, str(tmp_path / "no"),
+                                      layers=map_layers, layer=0)
+
+
+def test_a_scanned_moe_stacks_dense_layers_keep_their_indices():
+    """A scanned MoE stack's first dense layers scan apart (`dense_layers`), the rest in groups
+    of the MoE period (`layers/block_<j>`): the maps are still layers 0..3 in order."""
+    config, scanned = (tiny("gpt", num_layers=4, scan_layers=scan) for scan in (False, True))
+    for c in (config, scanned):
+        c.model.moe.update(num_experts=2, top_k=1, every_n_layers=2, first_dense_layers=2)
+    tokens, _ = visualize.encode_text(config, TOKENIZER, TEXT)
+    model, params = init(config, tokens)
+    maps, map_layers = visualize.attention_maps(model, params, config, tokens)
+    scanned_params = dict(params, decoder=stack_unrolled(transformer_config(scanned.model),
+                                                         params["decoder"]))
+    assert set(scanned_params["decoder"]) >= {"dense_layers", "layers"}
+    scanned_maps, scanned_layers = visualize.attention_maps(
+        build_model(scanned.model), scanned_params, scanned, tokens)
+    assert map_layers == scanned_layers == {"decoder/self_attention": (0, 1, 2, 3)}
+    np.testing.assert_allclose(scanned_maps["decoder/self_attention"],
+                               maps["decoder/self_attention"], atol=1e-6)
+
+
+def test_mla_maps_are_its_softmax_weights():
+    """Multi-head latent attention sows its weights too: each layer's map is
+    softmax([q_nope; q_rope] . [k_nope; k_rope] * scale) under the causal mask, by hand."""
+    config = tiny("gpt", attention_kind="mla", rope_layout="interleaved", num_heads=4,
+                  use_bias=False)
+    config.model.mla.update(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                            v_head_dim=6)
+    tokens, _ = visualize.encode_text(config, TOKENIZER, TEXT)
+    model, params = init(config, tokens)
+    maps, map_layers = visualize.attention_maps(model, params, config, tokens)
+    assert map_layers == {"decoder/self_attention": (0, 1)}
+    weights = maps["decoder/self_attention"]
+    assert weights.shape == (2, 4, len(tokens), len(tokens))
+    settings = MLASettings.from_config(transformer_config(config.model))
+    inputs = normed_inputs(model, params, tokens)
+    for layer in (0, 1):
+        want = reference_weights(params["decoder"][f"layers_{layer}"]["self_attention"],
+                                 inputs[layer], settings)[0]
+        np.testing.assert_allclose(weights[layer], want, atol=2e-6)
+    assert not np.allclose(weights[0], weights[1], atol=1e-2)
+    assert visualize.missing_layers(config) is None
+
+
+def test_a_model_without_softmax_attention_says_so():
+    config = hybrid(num_layers=2, layer_types="linear_attention")
+    tokens, _ = visualize.encode_text(config, TOKENIZER, TEXT)
+    with pytest.raises(ValueError, match=r"^model.layer_types='linear_attention': no "
+                                         r"softmax-attention layer, so no attention maps: "
+                                         r"expected a full_attention or sliding_attention "
+                                         r"layer$"):
+        visualize.attention_maps(build_model(config.model), None, config, tokens)  # no apply
 
 
 def test_a_prefix_lm_sees_its_whole_prefix(gpt):
     _, params, tokens, maps = gpt  # a prefix LM has the GPT's params
     config = tiny("prefix_lm")
     model = build_model(config.model)
-    weights = visualize.attention_maps(model, params, config, tokens)["decoder/self_attention"]
+    weights = visualize.attention_maps(model, params, config, tokens)[0][
+        "decoder/self_attention"]
     t, prefix = len(tokens), len(tokens) // 2  # the default prefix: half the tokens
     allowed = np.tril(np.ones((t, t), bool))
     allowed[:, :prefix] = True
     assert np.all(weights[..., ~allowed] == 0.0) and np.all(weights[..., allowed] > 0.0)
     np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
-    causal = visualize.attention_maps(model, params, config, tokens, prefix_length=0)
+    causal = visualize.attention_maps(model, params, config, tokens, prefix_length=0)[0]
     np.testing.assert_allclose(causal["decoder/self_attention"], maps["decoder/self_attention"],
                                atol=1e-6)
     with pytest.raises(ValueError, match=f"prefix_length={t + 1}: expected 0..{t}"):
@@ -103,7 +237,7 @@ def test_bert_attends_everywhere_and_learned_positions_stop_at_max_len():
     tokens, _ = visualize.encode_text(config, TOKENIZER, TEXT)
     assert tokens.tolist() == TOKENIZER.encode(TEXT).tolist()  # read as is
     model, params = init(config, tokens)
-    maps = visualize.attention_maps(model, params, config, tokens)
+    maps = visualize.attention_maps(model, params, config, tokens)[0]
     assert list(maps) == ["encoder/self_attention"]
     weights = maps["encoder/self_attention"]
     assert weights.shape == (2, 2, len(tokens), len(tokens)) and np.all(weights > 0.0)
@@ -121,7 +255,10 @@ def test_t5_has_encoder_decoder_and_cross_maps():
     assert tokens.tolist() == [*TOKENIZER.encode("source").tolist(), tokenizers.EOS_ID]
     assert decoder_tokens.tolist() == [tokenizers.BOS_ID, *TOKENIZER.encode("out").tolist()]
     model, params = init(config, tokens, decoder_tokens)
-    maps = visualize.attention_maps(model, params, config, tokens, decoder_tokens=decoder_tokens)
+    maps, layers = visualize.attention_maps(model, params, config, tokens,
+                                            decoder_tokens=decoder_tokens)
+    assert layers == {"decoder/cross_attention": (0,), "decoder/self_attention": (0,),
+                      "encoder/self_attention": (0, 1)}
     s, t = len(tokens), len(decoder_tokens)
     assert {name: w.shape for name, w in maps.items()} == {
         "decoder/cross_attention": (1, 2, t, s), "decoder/self_attention": (1, 2, t, t),
@@ -203,8 +340,12 @@ def test_save_writes_the_data_grids_and_every_head(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(head=2), r"^head=2: expected 0..1 \(decoder/cross_attention has 2 heads\)$"),
-    (dict(layer=-1), r"^layer=-1: expected 0..0 \(decoder/cross_attention has 1 layers\)$"),
-    (dict(layer=1), r"^layer=1: expected 0..0 \(decoder/cross_attention has 1 layers\)$"),
+    (dict(layer=-1), r"^layer=-1: expected 0 \(the layers with a decoder/cross_attention "
+                     r"map\)$"),
+    (dict(layer=1), r"^layer=1: expected 0 \(the layers with a decoder/cross_attention map\)$"),
+    (dict(layers={"decoder/cross_attention": [0, 1], "encoder/self_attention": [0, 1]}),
+     r"^layers\['decoder/cross_attention'\]=\[0, 1\]: expected 1 increasing layer indices, "
+     r"one per map$"),
     (dict(keys=["a", "b", "c"]), r"^decoder/cross_attention is 2 queries x 4 keys but got 2 "
                                  r"query and 3 key labels$"),
 ])
@@ -265,13 +406,14 @@ def test_the_cli_draws_a_saved_run(tmp_path):
                "decoder.self_attention_grid.png", "input.json"]
     assert sorted(p.name for p in out.iterdir()) == written
     assert result.stdout.splitlines() == [
-        "decoder/self_attention: [1, 2, 10, 10] (1 layers x 2 heads, 10 queries x 10 keys)",
+        "decoder/self_attention: [1, 2, 10, 10] (1 layers x 2 heads, 10 queries x 10 keys; "
+        "layers 0)",
         *(str(out / name) for name in (written[0], written[2], written[1], written[3]))]
     assert json.loads((out / "input.json").read_text()) == {
         "step": 1, "text": TEXT, "target": "", "prefix_length": None}
     data = np.load(out / "attention.npz")
     weights = data["decoder.self_attention"]
-    assert weights.shape == (1, 2, 10, 10)
+    assert weights.shape == (1, 2, 10, 10) and data["decoder.self_attention.layers"].tolist() == [0]
     np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
     assert data["decoder.self_attention.query_labels"].tolist() == [
         "<eos>", "d", "e", "f", "␣", "f", "(", "x", ")", ":"]

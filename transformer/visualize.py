@@ -6,9 +6,11 @@ on the axes, and a grid of every head of every layer.
 
 Loads checkpoint N (default: the latest) and the tokenizer of a training workdir, runs the text
 through the model with every attention layer's weights collected (they are sown into the
-'intermediates' collection), and writes to the output directory `attention.npz` (the weights
-and token labels), `<map>_grid.png` per map and `<map>_L<l>_H<h>.png` per layer and head (only
-layer L and/or head H if given), where <map> is e.g. `decoder.self_attention`. The default
+'intermediates' collection), and writes to the output directory `attention.npz` (the weights,
+token labels and layer indices), `<map>_grid.png` per map and `<map>_L<l>_H<h>.png` per layer
+and head (only layer L and/or head H if given), where <map> is e.g. `decoder.self_attention`
+and <l> the layer's index in its stack. Layers without softmax attention (a hybrid stack's
+linear_attention, mamba2 or conv layers) have no map; the command names them. The default
 directory, WORKDIR/attention/step<N>-<hash of the text>, is one per checkpoint and text (its
 input.json names them), so the pictures of another text never overwrite these.
 
@@ -29,7 +31,9 @@ import jax
 import numpy as np
 
 from transformer.data import tokenizers as tokenizers_lib
-from transformer.models import FAMILIES, Family, family_of, shift_right
+from transformer.models import FAMILIES, Family, family_of, shift_right, transformer_config
+from transformer.nn.blocks import scan_segments
+from transformer.nn.mixers import RECURRENT
 
 ATTENTION_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.attention_maps)
 _WHITESPACE = {" ": "␣", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
@@ -83,17 +87,26 @@ def _check_tokens(name: str, tokens, config) -> np.ndarray:
 
 
 def attention_maps(model, params, config, tokens, *, decoder_tokens=None,
-                   prefix_length: int | None = None) -> dict[str, np.ndarray]:
-    """Every attention layer's weights for one example: {name: float32 [layers, heads, T, S]}.
+                   prefix_length: int | None = None
+                   ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, ...]]]:
+    """Every softmax-attention layer's weights for one example: ({name: float32 [layers,
+    heads, T, S]}, {name: those layers' indices in their stack}).
 
     `tokens` [T] are the ids the model reads (see `encode_text`; for T5 the encoder's), with
     `decoder_tokens` [T_dec] for T5 (default: just the project tokenizers' <bos>). Names are
     "<stack>/<attention module>", in sorted order: "decoder/self_attention" (GPT, prefix LM),
     "encoder/self_attention" (BERT), and for T5 "decoder/cross_attention" ([L, N, T_dec, T]),
     "decoder/self_attention" and "encoder/self_attention". A prefix LM attends bidirectionally
-    over its first `prefix_length` tokens (default: half of them, rounded down).
+    over its first `prefix_length` tokens (default: half of them, rounded down). Layers of a
+    recurrent type (`model.layer_types`: linear_attention, mamba2, conv) have no map, so the
+    layers of a hybrid stack's map are not 0..k-1 (`missing_layers` names the others).
     """
     family = _check_family(config)
+    stack = transformer_config(config.model)
+    if all(stack.layer_type(i) in RECURRENT for i in range(stack.num_layers)):
+        raise ValueError(f"model.layer_types={stack.layer_types!r}: no softmax-attention layer, "
+                         "so no attention maps: expected a full_attention or sliding_attention "
+                         "layer")
     tokens = _check_tokens("tokens", tokens, config)
     if family.decoding != "encoder_decoder" and decoder_tokens is not None:
         raise ValueError(f"decoder_tokens: only a t5 model has a decoder input, this is "
@@ -118,13 +131,19 @@ def attention_maps(model, params, config, tokens, *, decoder_tokens=None,
         state = apply(variables, tokens[None], prefix_lengths=np.array([prefix], np.int32))
     else:
         state = apply(variables, tokens[None])
-    return _collect(state.get("intermediates", {}))
+    return _collect(state.get("intermediates", {}), stack)
 
 
-def _collect(intermediates) -> dict[str, np.ndarray]:
-    """{"<stack>/<attention>": [layers, heads, T, S]} of batch row 0 from the sown weights of
-    unrolled (`layers_<i>/<attention>`, one per layer) or scanned stacks (`layers/<attention>`,
-    with a leading layer axis)."""
+def _collect(intermediates, stack) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, ...]]]:
+    """({"<stack>/<attention>": [layers, heads, T, S]} of batch row 0, {name: the layers'
+    indices}) from the weights sown by unrolled stacks (`layers_<i>/<attention>`, one layer's)
+    or scanned ones (`stack`'s `scan_segments`, `layers` or `dense_layers`, then `block_<j>`
+    where its layer_period P > 1: a leading axis of groups, group g being layers o + g P + j of
+    a part starting at layer o)."""
+    parts, first = {}, 0
+    for part_name, part, count in scan_segments(stack):
+        parts[part_name] = (first, part.layer_period)
+        first += count
     per_layer: dict[str, dict[int, np.ndarray]] = {}
     for path, weights in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
         keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
@@ -132,15 +151,46 @@ def _collect(intermediates) -> dict[str, np.ndarray]:
             continue
         end = keys.index("attention_weights")
         at = next((i for i, k in enumerate(keys[:end])
-                   if k == "layers" or (k.startswith("layers_") and k[7:].isdigit())), None)
-        name = "/".join(keys[:end] if at is None else keys[:at] + keys[at + 1:end])
+                   if k in parts or (k.startswith("layers_") and k[7:].isdigit())), None)
         weights = np.asarray(jax.device_get(weights), np.float32)
-        if at is not None and keys[at] == "layers":  # scanned: [layers, B, N, T, S]
-            per_layer.setdefault(name, {}).update(enumerate(weights[:, 0]))
-        else:  # one layer's [B, N, T, S]
-            per_layer.setdefault(name, {})[0 if at is None else int(keys[at][7:])] = weights[0]
-    return {name: np.stack([layers[i] for i in sorted(layers)])
+        skip, found = 1, {0: weights[0]}  # one layer's [B, N, T, S]
+        if at is not None and keys[at] in parts:  # scanned: [groups, B, N, T, S]
+            start, period = parts[keys[at]]
+            j = int(keys[at + 1][6:]) if period > 1 else 0  # block_<j>
+            skip = 2 if period > 1 else 1
+            found = {start + g * period + j: w[0] for g, w in enumerate(weights)}
+        elif at is not None:
+            found = {int(keys[at][7:]): weights[0]}
+        name = "/".join(keys[:end] if at is None else keys[:at] + keys[at + skip:end])
+        per_layer.setdefault(name, {}).update(found)
+    maps = {name: np.stack([layers[i] for i in sorted(layers)])
             for name, layers in sorted(per_layer.items())}
+    return maps, {name: tuple(sorted(per_layer[name])) for name in maps}
+
+
+def missing_layers(config) -> str | None:
+    """One line naming the layers that have no attention map, those of a recurrent type
+    (`mixers.RECURRENT`: linear_attention, mamba2, conv), or None if every layer has one."""
+    stack = transformer_config(config.model)
+    by_type: dict[str, list[int]] = {}
+    for i in range(stack.num_layers):
+        if stack.layer_type(i) in RECURRENT:
+            by_type.setdefault(stack.layer_type(i), []).append(i)
+    if not by_type:
+        return None
+    listed = "; ".join(f"{_spans(layers)} ({name})" for name, layers in by_type.items())
+    return f"layers without softmax attention, so without a map: {listed}"
+
+
+def _spans(indices: Sequence[int]) -> str:
+    """Sorted layer indices, runs shortened: [0, 1, 2, 5] -> "0..2, 5"."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1][1:] = [i]
+        else:
+            runs.append([i])
+    return ", ".join("..".join(map(str, run)) for run in runs)
 
 
 def token_labels(tokenizer, ids) -> list[str]:
@@ -206,18 +256,24 @@ def _per_map(labels, name: str) -> list[str]:
 def save_attention_maps(maps: Mapping[str, np.ndarray],
                         query_labels: Sequence[str] | Mapping[str, Sequence[str]],
                         key_labels: Sequence[str] | Mapping[str, Sequence[str]],
-                        output_dir: str, *, layer: int | None = None,
-                        head: int | None = None) -> list[str]:
+                        output_dir: str, *,
+                        layers: Mapping[str, Sequence[int]] | None = None,
+                        layer: int | None = None, head: int | None = None) -> list[str]:
     """Writes `attention.npz`, `<map>_grid.png` per map and per-head `<map>_L<l>_H<h>.png`
     heatmaps into `output_dir` (<map>: the name with "/" -> "."); returns the written paths.
 
     `query_labels` / `key_labels` label the T rows and S columns of every map, or are dicts of
-    them per map name (`axis_labels`). The npz holds each map under <map> and its labels under
-    <map>.query_labels / <map>.key_labels. With `layer` and/or `head` only those per-head
-    pictures are written; both, and the label lengths, are checked before anything is written.
-    Each heatmap is scaled from 0 to its largest weight.
+    them per map name (`axis_labels`). `layers` are each map's layer indices in its stack, as
+    `attention_maps` gives them (default 0..layers-1): the <l> of the names and titles. The npz
+    holds each map under <map>, its labels under <map>.query_labels / <map>.key_labels and its
+    layer indices under <map>.layers. With `layer` (an index <l>) and/or `head` only those
+    per-head pictures are written; both, and the label lengths, are checked before anything is
+    written. Each heatmap is scaled from 0 to its largest weight.
     """
-    _check_maps(maps, query_labels, key_labels, output_dir, layer, head)
+    layers = {name: [int(i) for i in (range(len(weights)) if layers is None
+                                      else layers.get(name, ()))]
+              for name, weights in maps.items()}
+    _check_maps(maps, layers, query_labels, key_labels, output_dir, layer, head)
 
     import matplotlib
 
@@ -231,6 +287,7 @@ def save_attention_maps(maps: Mapping[str, np.ndarray],
         arrays[stems[name]] = np.asarray(weights, np.float32)
         arrays[f"{stems[name]}.query_labels"] = np.array(_per_map(query_labels, name), str)
         arrays[f"{stems[name]}.key_labels"] = np.array(_per_map(key_labels, name), str)
+        arrays[f"{stems[name]}.layers"] = np.array(layers[name], np.int32)
     written = [os.path.join(output_dir, "attention.npz")]
     np.savez(written[0], **arrays)
 
@@ -247,7 +304,7 @@ def save_attention_maps(maps: Mapping[str, np.ndarray],
         for (i, h), ax in np.ndenumerate(axes):
             ax.imshow(weights[i, h], cmap="viridis", vmin=0.0, vmax=weights[i, h].max() or 1.0,
                       interpolation="nearest")
-            ax.set_title(f"L{i} H{h}", fontsize=8)
+            ax.set_title(f"L{layers[name][i]} H{h}", fontsize=8)
             ax.set_xticks([])
             ax.set_yticks([])
         figure.suptitle(f"{name} (rows: queries, columns: keys)", fontsize=9)
@@ -255,14 +312,17 @@ def save_attention_maps(maps: Mapping[str, np.ndarray],
         save(figure, os.path.join(output_dir, f"{stems[name]}_grid.png"))
 
         queries, keys = _per_map(query_labels, name), _per_map(key_labels, name)
-        for i in range(num_layers) if layer is None else [layer]:
+        for i, index in enumerate(layers[name]):
+            if layer not in (None, index):
+                continue
             for h in range(num_heads) if head is None else [head]:
-                save(_head_figure(weights[i, h], queries, keys, f"{name}: layer {i}, head {h}"),
-                     os.path.join(output_dir, f"{stems[name]}_L{i}_H{h}.png"))
+                save(_head_figure(weights[i, h], queries, keys,
+                                  f"{name}: layer {index}, head {h}"),
+                     os.path.join(output_dir, f"{stems[name]}_L{index}_H{h}.png"))
     return written
 
 
-def _check_maps(maps, query_labels, key_labels, output_dir, layer, head) -> None:
+def _check_maps(maps, layers, query_labels, key_labels, output_dir, layer, head) -> None:
     """One-line errors for anything `save_attention_maps` cannot write, before it writes."""
     if not maps:
         raise ValueError("maps={}: expected at least one attention map")
@@ -270,9 +330,12 @@ def _check_maps(maps, query_labels, key_labels, output_dir, layer, head) -> None
         raise ValueError(f"output_dir={output_dir!r}: expected a local directory")
     for name, weights in maps.items():
         num_layers, num_heads, t, s = np.shape(weights)
-        if layer is not None and not 0 <= layer < num_layers:
-            raise ValueError(f"layer={layer}: expected 0..{num_layers - 1} ({name} has "
-                             f"{num_layers} layers)")
+        if len(layers[name]) != num_layers or layers[name] != sorted(set(layers[name])):
+            raise ValueError(f"layers[{name!r}]={layers[name]}: expected {num_layers} "
+                             "increasing layer indices, one per map")
+        if layer is not None and layer not in layers[name]:
+            raise ValueError(f"layer={layer}: expected {_spans(layers[name])} (the layers with "
+                             f"a {name} map)")
         if head is not None and not 0 <= head < num_heads:
             raise ValueError(f"head={head}: expected 0..{num_heads - 1} ({name} has "
                              f"{num_heads} heads)")
@@ -319,10 +382,11 @@ def default_output_dir(workdir: str, step: int, text: str, target: str = "",
 def visualize_workdir(workdir: str, text: str, *, target: str = "", step: int | None = None,
                       layer: int | None = None, head: int | None = None,
                       output_dir: str | None = None, prefix_length: int | None = None
-                      ) -> tuple[dict[str, np.ndarray], list[str]]:
+                      ) -> tuple[list[str], list[str]]:
     """Loads a saved run (`generate.load_workdir`), computes its attention maps for `text`
     (and a T5's `target`) and saves them (default: `default_output_dir`, with an input.json
-    naming the step and text); (maps, written paths)."""
+    naming the step and text); (one line per map, its shape and layers, plus
+    `missing_layers`'s line in a hybrid stack; the written paths)."""
     from transformer.data import inputs
     from transformer.models import build_model
     from transformer.training import checkpoint as checkpoint_lib
@@ -338,19 +402,25 @@ def visualize_workdir(workdir: str, text: str, *, target: str = "", step: int | 
     model = build_model(config.model)
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
     tokens, decoder_tokens = encode_text(config, tokenizer, text, target)
-    maps = attention_maps(model, params, config, tokens, decoder_tokens=decoder_tokens,
-                          prefix_length=prefix_length)
+    maps, layers = attention_maps(model, params, config, tokens, decoder_tokens=decoder_tokens,
+                                  prefix_length=prefix_length)
     queries, keys = axis_labels(
         list(maps), token_labels(tokenizer, tokens),
         None if decoder_tokens is None else token_labels(tokenizer, decoder_tokens))
     directory = output_dir or default_output_dir(workdir, step, text, target, prefix_length)
-    paths = save_attention_maps(maps, queries, keys, directory, layer=layer, head=head)
+    paths = save_attention_maps(maps, queries, keys, directory, layers=layers, layer=layer,
+                                head=head)
     if not output_dir:
         inputs = {"step": step, "text": text, "target": target, "prefix_length": prefix_length}
         paths.append(os.path.join(directory, "input.json"))
         with open(paths[-1], "w") as f:
             json.dump(inputs, f, indent=2)
-    return maps, paths
+    lines = []
+    for name, weights in maps.items():
+        count, heads, t, s = weights.shape
+        lines.append(f"{name}: [{count}, {heads}, {t}, {s}] ({count} layers x {heads} heads, "
+                     f"{t} queries x {s} keys; layers {_spans(layers[name])})")
+    return lines + [line for line in [missing_layers(config)] if line], paths
 
 
 def main(argv) -> None:
@@ -359,15 +429,11 @@ def main(argv) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
     f = flags.FLAGS
-    maps, paths = visualize_workdir(f.workdir, f.text, target=f.target, step=f.step,
-                                    layer=f.layer, head=f.head, output_dir=f.output_dir,
-                                    prefix_length=f.prefix_length)
-    for name, weights in maps.items():
-        layers, heads, t, s = weights.shape
-        print(f"{name}: [{layers}, {heads}, {t}, {s}] ({layers} layers x {heads} heads, "
-              f"{t} queries x {s} keys)")
-    for path in paths:
-        print(path)
+    lines, paths = visualize_workdir(f.workdir, f.text, target=f.target, step=f.step,
+                                     layer=f.layer, head=f.head, output_dir=f.output_dir,
+                                     prefix_length=f.prefix_length)
+    for line in lines + paths:
+        print(line)
 
 
 if __name__ == "__main__":
@@ -378,7 +444,8 @@ if __name__ == "__main__":
     flags.DEFINE_string("workdir", None, "Training workdir to load.", required=True)
     flags.DEFINE_string("text", None, "Text to read (t5: the encoder input).", required=True)
     flags.DEFINE_string("target", "", "t5: the decoder's text (default: just <bos>).")
-    flags.DEFINE_integer("layer", None, "Only this layer's per-head pictures.")
+    flags.DEFINE_integer("layer", None, "Only this layer's per-head pictures (its index in "
+                         "the stack).")
     flags.DEFINE_integer("head", None, "Only this head's per-head pictures.")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.DEFINE_integer("prefix_length", None, "prefix_lm: prefix tokens (default: half).")

@@ -386,18 +386,13 @@ class MultiHeadAttention(nn.Module):
     def _attend(self, query_BTNH, key_BSKH, value_BSKH, mask, bias, deterministic,
                 return_weights) -> tuple[Array, Array | None]:
         """`attend` with this layer's settings (`AttentionSettings.kernel_args`); sows the
-        weights into 'intermediates' when mutable. Returns (out [B, T, N, H], weights or None)."""
+        weights into 'intermediates' when mutable (`attend_and_sow`). Returns (out [B, T, N, H],
+        weights or None)."""
         args = self.settings.kernel_args(deterministic)
-        sow = self.is_mutable_collection("intermediates")
-        want_weights = return_weights or sow  # forces the dense path
         dropout_rng = self.make_rng("dropout") if args["dropout_rate"] > 0.0 else None
-        result = attend(query_BTNH, key_BSKH, value_BSKH, mask=mask, bias=bias,
-                        dropout_rng=dropout_rng, return_weights=want_weights,
-                        sinks=self._sinks(), **args)
-        out_BTNH, weights_BNTS = result if want_weights else (result, None)
-        if sow:
-            self.sow("intermediates", "attention_weights", weights_BNTS)
-        return out_BTNH, weights_BNTS
+        return attend_and_sow(self, query_BTNH, key_BSKH, value_BSKH, mask=mask, bias=bias,
+                              dropout_rng=dropout_rng, return_weights=return_weights,
+                              sinks=self._sinks(), **args)
 
     def _gated(self, x_BTD: Array, out_BTNH: Array, deterministic: bool) -> Array:
         """Gated attention ("Gated Attention for Large Language Models", Qiu et al. 2025):
@@ -483,6 +478,21 @@ class MultiHeadAttention(nn.Module):
     def _cached(self, name: str) -> Array:
         """A cache buffer as [B, L, K, H], for decode steps that only read it."""
         return self.variable("cache", name).value.transpose(0, 2, 1, 3)
+
+
+def attend_and_sow(module: nn.Module, query: Array, key: Array, value: Array, *,
+                   return_weights: bool = False, **kwargs) -> tuple[Array, Array | None]:
+    """`attend(query, key, value, **kwargs)` inside an attention layer `module`: when its
+    'intermediates' collection is mutable, also sows the weights [B, N, T, S] there as
+    `attention_weights` (what `transformer.visualize` draws; this forces a kernel that returns
+    them, the dense one). Returns (out, weights, or None unless returned or sown)."""
+    sow = module.is_mutable_collection("intermediates")
+    want_weights = return_weights or sow
+    result = attend(query, key, value, return_weights=want_weights, **kwargs)
+    out, weights_BNTS = result if want_weights else (result, None)
+    if sow:
+        module.sow("intermediates", "attention_weights", weights_BNTS)
+    return out, weights_BNTS
 
 
 def write_slots(buffer: Array, new: Array, slots_BT: Array) -> Array:

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from transformer.nn import kernels
 from transformer.nn import lora as lora_lib
 from transformer.nn import positions as positions_lib
-from transformer.nn.attention import attend, matmul, projection_init, write_slots
+from transformer.nn.attention import attend_and_sow, matmul, projection_init, write_slots
 from transformer.nn.mixers.base import Mixer
 from transformer.utils.keys import check_fields, int_, is_int, key
 
@@ -199,6 +199,9 @@ class MultiHeadLatentAttention(nn.Module):
     normalised latent c then the rotated RoPE key k_r of the token at that position, written
     at slots `q_positions` (the caller's [B, 1, T, L] mask hides the slots not written yet). The
     decode call inside `init` only creates the buffer, shaped like its input.
+
+    The softmax weights are sown into 'intermediates' as `attention_weights` when that
+    collection is mutable, as attention's are (`attention.attend_and_sow`).
     """
 
     settings: MLASettings
@@ -327,8 +330,9 @@ class MultiHeadLatentAttention(nn.Module):
             init = nn.initializers.normal(stddev=s.init_std or 0.02)
             sinks = self.param("sinks", nn.with_logical_partitioning(init, ("heads",)),
                                (s.num_heads,), s.param_dtype)
-        return attend(query, key_, value, mask=mask, bias=bias, dropout_rng=rng, sinks=sinks,
-                      **args)
+        # Sows the softmax weights [B, N, T, S] when 'intermediates' is mutable, as attention's.
+        return attend_and_sow(self, query, key_, value, mask=mask, bias=bias, dropout_rng=rng,
+                              sinks=sinks, **args)[0]
 
     def _cache(self, new_BTW: Array, slots_BT: Array) -> Array:
         """The `latent` buffer [B, L, W] with `new` written at slots `slots_BT`; inside `init`
