@@ -306,6 +306,33 @@ def test_absorbed_latent_cache_decode_equals_the_full_forward(overrides):
     np.testing.assert_allclose(np.concatenate(got, 1), full, atol=2e-5, rtol=2e-5)
 
 
+def test_a_quantized_models_decode_equals_its_forward():
+    """model.quantization=fp8 (Qwix): the absorbed decode's W_uk and W_uv products are float,
+    so the training forward's are too (they went through the quantized projection: 9% of the
+    largest logit apart)."""
+    from transformer.configs import base_config
+    from transformer.models import build_model
+
+    config = base_config()
+    config.model.update(family="gpt", num_layers=2, d_model=32, num_heads=4, d_ff=64,
+                        vocab_size=64, max_len=16, position="rope", attention_kind="mla",
+                        quantization="fp8")
+    config.model.mla.update(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                            qk_rope_head_dim=4, v_head_dim=8)
+    model = build_model(config.model)
+    ids = np.random.default_rng(0).integers(0, 64, (2, 8)).astype(np.int32)
+    slots = np.tile(np.arange(8, dtype=np.int32), (2, 1))
+    params = jax.jit(model.init)(jax.random.key(0), ids)["params"]
+    full = jax.jit(model.apply)({"params": params}, ids)
+    cache = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, positions=slots,
+                                              decode=True, cache_length=8))["cache"]
+    cache = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), cache)
+    prefill, _ = jax.jit(lambda p, c: model.apply(
+        {"params": p, "cache": c}, ids, positions=slots, decode=True, cache_length=8,
+        mutable=["cache"]))(params, cache)
+    np.testing.assert_allclose(prefill, full, atol=1e-5 * float(np.abs(full).max()), rtol=0)
+
+
 # --- the config group, the settings and the registry's record ------------------------------------
 
 

@@ -133,7 +133,7 @@ def _attend_split(query, key, value, mask, bias, call, *, impl, scale, strategy,
 
 
 def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,
-           preferred_element_type=None) -> Array:
+           preferred_element_type=None, quantized: bool = True) -> Array:
     """x [..., *kernel.shape[:contract]] times kernel -> [..., *kernel.shape[contract:]].
 
     On CPU computed as one 2-D [tokens, in] x [in, out] matmul (in `dtype`, if given): with 3-D
@@ -141,7 +141,8 @@ def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,
     fwd+bwd of a GPT-2-sized MLP 2x slower. Elsewhere one dot over the kernel's own axes, so a
     projection to heads gives [B, T, N, H] directly: on TPU reshaping a flat [tokens, N * H]
     result to heads is a relayout, a copy the backward pass keeps (0.30 GiB a chip of the 1.71B
-    on v6e-8, docs/performance.md).
+    on v6e-8, docs/performance.md). `quantized=False`: a product a quantized run leaves in
+    float (`quantization.dot`, not the intercepted `projection_dot`).
 
     >>> matmul(jnp.ones((2, 3, 4)), jnp.ones((4, 5, 6))).shape
     (2, 3, 5, 6)
@@ -154,11 +155,11 @@ def matmul(x: Array, kernel: Array, contract: int = 1, dtype=None,
     if dtype is not None:
         x, kernel = x.astype(dtype), kernel.astype(dtype)
     # Qwix quantizes projection_dot, where a quantized run asks it to
+    dot = quantization.projection_dot if quantized else quantization.dot
     if kernels.target_platform() not in FLAT_MATMUL_PLATFORMS:
-        return quantization.projection_dot(x, kernel, preferred_element_type, contract)
+        return dot(x, kernel, preferred_element_type, contract)
     size = math.prod(in_shape)
-    y = quantization.projection_dot(x.reshape(-1, size), kernel.reshape(size, -1),
-                                    preferred_element_type)
+    y = dot(x.reshape(-1, size), kernel.reshape(size, -1), preferred_element_type)
     return y.reshape(*lead, *out_shape)
 
 

@@ -58,14 +58,21 @@ def dimensions(x_ndim: int, contract: int = 1) -> tuple:
     return ((tuple(range(x_ndim - contract, x_ndim)), tuple(range(contract))), ((), ()))
 
 
+def dot(x: jax.Array, kernel: jax.Array, preferred_element_type=None,
+        contract: int = 1) -> jax.Array:
+    """x [..., in...] times a kernel [in..., out...] over its `contract` input axes, never
+    quantized: `projection_dot`'s math."""
+    return jax.lax.dot_general(x, kernel, dimensions(x.ndim, contract),
+                               preferred_element_type=preferred_element_type)
+
+
 def projection_dot(x: jax.Array, kernel: jax.Array, preferred_element_type=None,
                    contract: int = 1) -> jax.Array:
     """x [..., in...] times a param kernel [in..., out...] over its `contract` input axes: the
     matmul of every dense projection (`attention.matmul`; 2-D [M, K] x [K, N] on CPU). Quantized
     runs intercept this function: its second operand is known to be a weight, under vmap
     (batched seeds) and scan too."""
-    return jax.lax.dot_general(x, kernel, dimensions(x.ndim, contract),
-                               preferred_element_type=preferred_element_type)
+    return dot(x, kernel, preferred_element_type, contract)
 
 
 @functools.cache

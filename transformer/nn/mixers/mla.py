@@ -295,8 +295,12 @@ class MultiHeadLatentAttention(nn.Module):
         s = self.settings
         c = s.kv_lora_rank
         c_BSC, k_rope_BSR = latent_BSW[..., :c], latent_BSW[..., c:]
-        k_nope_BSNP = matmul(c_BSC, self._up("k_b", s.qk_nope_head_dim), 1, dtype=s.dtype)
-        v_BSNV = matmul(c_BSC, self._up("v_b", s.v_head_dim), 1, dtype=s.dtype)
+        # W_uk and W_uv stay float under model.quantization, as decoding's absorbed form (plain
+        # einsums) has them: training, evaluation and generation run the same model.
+        k_nope_BSNP = matmul(c_BSC, self._up("k_b", s.qk_nope_head_dim), 1, dtype=s.dtype,
+                             quantized=False)
+        v_BSNV = matmul(c_BSC, self._up("v_b", s.v_head_dim), 1, dtype=s.dtype,
+                        quantized=False)
         k_rope_BSNR = jnp.broadcast_to(k_rope_BSR[:, :, None], (*k_nope_BSNP.shape[:3],
                                                                s.qk_rope_head_dim))
         query = jnp.concatenate([q_nope_BTNP, q_rope_BTNR.astype(q_nope_BTNP.dtype)], -1)
