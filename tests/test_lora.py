@@ -541,3 +541,100 @@ def test_a_model_without_quantized_kernels_never_imports_qwix():
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env=cli_env())  # on CPU, this checkout's transformer/
     assert child.returncode == 0, child.stderr[-3000:]
+
+
+# --- multi-head latent attention and mixtures of experts (DeepSeek-V3) ----------------------
+
+MLA = dict(attention_kind="mla", num_kv_heads=None,
+           mla=dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                    v_head_dim=8))
+
+
+def mla_config(q_lora_rank=16, **lora_settings):
+    config = small_config(**lora_settings)
+    config.model.update(**MLA)
+    config.model.mla.q_lora_rank = q_lora_rank
+    return config
+
+
+@pytest.mark.parametrize("q_lora_rank,query", [(16, ("q_a", "q_b")), (0, ("query",))])
+def test_an_mla_models_default_adapters_cover_its_query_and_key_value_projections(
+        q_lora_rank, query):
+    """The default targets adapt MLA's query (q_a and q_b, or query at q_lora_rank 0), its
+    key/value down-projection kv_a and out, not only out; merged, they give its logits."""
+    config = mla_config(q_lora_rank)
+    model, _, state = init(config)
+    adapted = {k[:-len("_lora_a")] for k in flat(state.params) if k.endswith("_lora_a")}
+    assert {k.rsplit("/", 1)[1] for k in adapted if "/layers_0/self_attention/" in k} == \
+        {*query, "kv_a", "out"}
+    rng = np.random.RandomState(4)  # B nonzero, as after training
+    params = traverse_util.unflatten_dict({
+        tuple(k.split("/")): rng.randn(*v.shape).astype(np.float32) * 0.1
+        if k.endswith("_lora_b") else v for k, v in flat(state.params).items()})
+    plain = build_model(mla_config(q_lora_rank, rank=0).model)
+    ids = lm_batch(10)["inputs"]
+    adapted_logits = logits(model, params, ids)
+    base = lora.merge({}, lora.trainable(params)[1])
+    assert np.abs(adapted_logits - logits(plain, base, ids)).max() > 1e-2
+    merged = lora.merged_params(params, LoraConfig(rank=4, alpha=8.0))
+    np.testing.assert_allclose(logits(plain, merged, ids), adapted_logits, rtol=1e-4,
+                               atol=1e-4)
+
+
+# each MLA kernel's int8 scale: one per output channel, the contracted dims reduced to 1
+MLA_SCALES = {"q_a": (1, 16), "q_b": (1, 4, 12), "kv_a": (1, 20), "out": (1, 1, 32)}
+
+
+@pytest.mark.parametrize("name", sorted(MLA_SCALES))
+def test_qlora_quantizes_every_mla_kernel_per_output_channel(name):
+    """QLoRA on one MLA kernel at a time: a scale per output channel (q_b's once had one per
+    element, every value +-127, and its forward was the float one); the forward differs from
+    the float model's by int8 rounding and equals the float model on a float64 dequantization."""
+    targets = f"self_attention/{name}$"
+    config = mla_config()
+    config.model.lora.targets = targets
+    q_config = mla_config(base_quantization="int8")
+    q_config.model.lora.targets = targets
+    model, _, state = init(config)
+    q_model, _, q_state = init(q_config)  # the same seed: the same float init, quantized
+    quantized = {k[:-len("/qvalue")]: v for k, v in flat(q_state.params).items()
+                 if k.endswith("/qvalue")}
+    assert sorted(quantized) == [f"decoder/layers_{i}/self_attention/{name}" for i in (0, 1)]
+    floats, dequantized = flat(state.params), dict(flat(state.params))
+    for key, qvalue in quantized.items():
+        scale = np.asarray(flat(q_state.params)[f"{key}/scale"], np.float64)
+        assert scale.shape == MLA_SCALES[name] and scale.size < qvalue.size
+        hand = np.asarray(qvalue, np.float64) * scale
+        steps = np.abs(hand - np.asarray(floats[key], np.float64)) / scale
+        assert steps.max() <= 0.5 + 1e-3 and np.abs(np.asarray(qvalue)).max() == 127
+        dequantized[key] = hand.astype(np.float32)
+    ids = lm_batch(11)["inputs"]
+    ours, theirs = logits(q_model, q_state.params, ids), logits(model, state.params, ids)
+    assert 1e-5 < np.abs(ours - theirs).max() / np.abs(theirs).max() < 0.05
+    by_hand = logits(model, traverse_util.unflatten_dict(
+        {tuple(k.split("/")): v for k, v in dequantized.items()}), ids)
+    np.testing.assert_allclose(ours, by_hand, rtol=0, atol=1e-5 * np.abs(by_hand).max())
+
+
+def test_moving_moe_balance_biases_is_refused_for_a_lora_run_but_not_by_default(tmp_path):
+    """moe.bias_update_rate > 0 would move the frozen base's balance biases (which a LoRA
+    checkpoint does not keep, and whose fingerprint then differs): one line at validation. An
+    imported DeepSeek-V3 keeps its biases fixed (rate 0), so LoRA on it validates as it is."""
+    from test_hf_deepseek import deepseek  # (skips without torch)
+
+    from transformer.hf import convert
+
+    (tmp_path / "config.json").write_text("{}")
+    hf = deepseek()
+    imported, _ = convert.from_hf(hf.config, hf.state_dict())
+    assert imported.moe.balance_bias and imported.moe.bias_update_rate == 0
+    config = small_config()
+    config.init_from = f"hf:{tmp_path}"
+    config.model.moe.update(imported.moe.to_dict())
+    validate_config(config)
+    config.model.moe.bias_update_rate = 0.001
+    with pytest.raises(ValueError) as error:
+        validate_config(config)
+    assert str(error.value).startswith(
+        "model.moe.bias_update_rate=0.001 with model.lora.rank=4: expected 0 "
+        "(--config.model.moe.bias_update_rate=0;") and "\n" not in str(error.value)

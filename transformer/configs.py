@@ -121,7 +121,8 @@ def check_sequence_split(config: ml_collections.ConfigDict, mesh_sizes: dict[str
 
 
 def _validate_lora(config: ml_collections.ConfigDict) -> None:
-    """LoRA adapts a pretrained base (init_from), which its checkpoints name; QLoRA is LoRA's."""
+    """LoRA adapts a pretrained base (init_from), which its checkpoints name and which stays
+    frozen (MoE balance biases included); QLoRA is LoRA's."""
     group = config.model.get("lora") or {}
     if group.get("rank") and not config.get("init_from"):
         raise ValueError(f"model.lora.rank={group.rank}: expected init_from (a pretrained "
@@ -129,6 +130,12 @@ def _validate_lora(config: ml_collections.ConfigDict) -> None:
     if group.get("base_quantization") and not group.get("rank"):
         raise ValueError(f"model.lora.base_quantization={group.base_quantization!r}: expected "
                          "model.lora.rank > 0 (QLoRA quantizes LoRA's frozen base)")
+    rate = (config.model.get("moe") or {}).get("bias_update_rate")
+    if group.get("rank") and rate:  # the step would move the frozen base's balance biases
+        raise ValueError(f"model.moe.bias_update_rate={rate!r} with model.lora.rank="
+                         f"{group.rank}: expected 0 (--config.model.moe.bias_update_rate=0; "
+                         "an adapter run keeps its base's MoE balance biases frozen), or "
+                         "model.lora.rank=0 to fine-tune the whole model with them moving")
 
 
 def check_pipeline(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int]) -> None:

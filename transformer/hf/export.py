@@ -33,7 +33,9 @@ from transformer.hf.allowlist import ANY, SHAPES, Exporter
 from transformer.hf.common import flat_heads
 from transformer.models import default_model_config
 from transformer.nn import lora
+from transformer.nn.config import parse_layer_types
 from transformer.nn.layers import unstack_layers
+from transformer.nn.mixers import MIXERS
 
 _GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 _BERT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
@@ -303,15 +305,24 @@ def peft_state(config, params) -> tuple[dict, dict[str, np.ndarray]]:
     lora_B [out, rank] = B^T, with A and B flattened to matrices (HF's weights are [out, in]).
     peft attaches adapters to exactly the adapted modules (`_peft_targets`)."""
     model = config.model
-    if (model.family, model.get("position")) != ("gpt", "rope") or \
-            (model.get("moe") and model.moe.num_experts):
-        raise ValueError(f"model.family={model.family!r}, position={model.get('position')!r}: "
-                         "the peft adapter export writes a Llama-like GPT's (position 'rope', "
-                         "dense); export with --merge_lora instead")
+    if (refused := _peft_refusal(model)) is not None:
+        raise ValueError(f"{refused}: the peft adapter export writes a dense Llama-like GPT's "
+                         "(family 'gpt', position 'rope', softmax attention layers); export "
+                         "with --merge_lora instead")
     allowlist.check(PEFT, model, prefix="lora.")
+    layers = _unscanned(model, _numpy(params), "decoder")["decoder"]
+    # an adapter on a kernel peft has no module for (attention's gate, ...) is refused, not
+    # dropped
+    kernels = {k[:-1] + (k[-1][:-len("_lora_a")],) for k in traverse_util.flatten_dict(layers)
+               if k[-1].endswith("_lora_a")}
+    if left := sorted(k for k in kernels if k[-2] not in ("self_attention", "mlp")
+                      or k[-1] not in PEFT_MODULES):
+        raise ValueError(f"model.lora.targets={model.lora.targets!r} adapts decoder/"
+                         f"{'/'.join(left[0])}, which the peft adapter export has no module "
+                         f"for (it writes {', '.join(PEFT_MODULES)}); export with --merge_lora "
+                         "instead")
     merged = lora.merged_params(params, lora.LoraConfig(**model.lora.to_dict()))
     to_hf(base_model_config(model), merged)  # refuses the rest
-    layers = _unscanned(model, _numpy(params), "decoder")["decoder"]
     state, adapted = {}, set()
     for i in range(model.num_layers):
         for group in ("self_attention", "mlp"):
@@ -334,6 +345,25 @@ def peft_state(config, params) -> tuple[dict, dict[str, np.ndarray]]:
         "use_rslora": False, "inference_mode": True, "modules_to_save": None,
         "base_model_name_or_path": init_from[3:] if init_from.startswith("hf:") else init_from}
     return adapter_config, {k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}
+
+
+def _peft_refusal(model) -> str | None:
+    """The first model setting the peft export cannot write adapters for, as `KEY=VALUE`
+    (None: a Llama-like GPT's, whose adapted kernels are all in `PEFT_MODULES`)."""
+    layer_types = model.get("layer_types") or ""
+    other = [t for t in parse_layer_types(layer_types)
+             if MIXERS[t].param_name != "self_attention"] if layer_types else []
+    moe = model.get("moe")
+    for name, value, ok in (
+            ("family", model.family, model.family == "gpt"),
+            ("position", model.get("position"), model.get("position") == "rope"),
+            ("moe.num_experts", moe and moe.num_experts, not (moe and moe.num_experts)),
+            ("attention_kind", model.get("attention_kind", "mha"),
+             model.get("attention_kind", "mha") == "mha"),  # MLA: q_a, q_b, kv_a, ...
+            ("layer_types", layer_types, not other)):  # a Gated DeltaNet's or Mamba 2's
+        if not ok:
+            return f"model.{name}={value!r}"
+    return None
 
 
 def _peft_targets(adapted: set[tuple[int, str]], num_layers: int) -> dict:

@@ -4,8 +4,9 @@ A targeted projection y = x W becomes y = x W + (alpha / rank) dropout(x) A B, w
 [*in, rank] (fan-in uniform, as peft's) and B [rank, *out] (zeros: step 0 is the base model).
 A and B are params `NAME_lora_a` / `NAME_lora_b` beside the kernel `NAME`, and take its logical
 axes (A: its input axes and "lora", B: "lora" and its output axes), so they shard as it does.
-`model.lora.targets` is a regex over the kernel's "/"-joined param path (default: attention's
-query/key/value/out, the MLP's wi/wi_gate/wi_up/wo).
+`model.lora.targets` is a regex over the kernel's "/"-joined param path (default: softmax
+attention's query/key/value/out, multi-head latent attention's q_a/q_b/kv_a (or query)/out, the
+MLP's wi/wi_gate/wi_up/wo).
 
 Only the adapters train: the optimizer has no state for the rest (`training.optim`), and the
 train step differentiates only the adapters (`trainable`). A run's checkpoints hold the
@@ -31,8 +32,10 @@ from flax import traverse_util
 
 from transformer.utils import keys
 
-# Softmax attention's projections (not a linear_attention layer's: it takes no adapters)
-DEFAULT_TARGETS = r"(self|cross)_attention/(query|key|value|out)$|mlp/(wi|wi_gate|wi_up|wo)$"
+# Softmax attention's projections, MLA's included (q_a, q_b, kv_a; its k_b / v_b take no
+# adapters), not a linear_attention layer's (it takes none)
+DEFAULT_TARGETS = (r"(self|cross)_attention/(query|key|value|out|q_a|q_b|kv_a)$"
+                   r"|mlp/(wi|wi_gate|wi_up|wo)$")
 ADAPTER = re.compile(r"_lora_[ab]$")  # an adapter param's name
 BASE_QUANTIZATIONS = ("", "int8")  # (int4 params fail optax's p + 0 update: no promotion)
 AXIS = "lora"  # the rank axis's logical name (replicated: sharding.LOGICAL_AXIS_RULES)
@@ -51,7 +54,7 @@ class LoraConfig:
         keys.number(gt=0))
     targets: str = keys.key(
         DEFAULT_TARGETS, "Regex over the kernels' param paths (`decoder/layers_0/mlp/wi`) that "
-        "get adapters; default attention's q/k/v/out and the MLP's.",
+        "get adapters; default attention's q/k/v/out (MLA's q_a/q_b/kv_a/out) and the MLP's.",
         (lambda v: isinstance(v, str) and bool(v) and keys.is_regex(v),
          "a regular expression of kernel param names"))
     dropout: float = keys.key(0.0, "Dropout on the adapters' input during training.",
@@ -199,19 +202,16 @@ def quantize_base(boxed, lora: LoraConfig):
     logical axes."""
     if not lora.base_quantization:
         return boxed
-    adapters = {k[:-1] + (k[-1][:-len("_lora_a")],)
-                for k in traverse_util.flatten_dict(dict(boxed), is_leaf=_is_box)
-                if k[-1].endswith("_lora_a")}
     flat = traverse_util.flatten_dict(dict(boxed), is_leaf=_is_box)
     out = {}
     for key, box in flat.items():
-        if key not in adapters:
+        a, b = (flat.get(key[:-1] + (f"{key[-1]}_lora_{x}",)) for x in "ab")
+        if a is None:  # not an adapted kernel
             out[key] = box
             continue
-        names = box.names
-        reduced = _input_axes(key[-1], names)
+        reduced = _input_axes(a.names, b.names)
         q = _quantized(box.value, lora.base_quantization,
-                       [i for i in range(len(names)) if i not in reduced])
+                       [i for i in range(len(box.names)) if i not in reduced])
         out[key] = {k: box.replace_boxed(v) for k, v in q.items()}
     return traverse_util.unflatten_dict(out)
 
@@ -232,10 +232,15 @@ def _is_box(*args) -> bool:
     return isinstance(x, nn.Partitioned)
 
 
-def _input_axes(name: str, names: tuple) -> list[int]:
-    """The contracted dims of kernel `name` with logical axes `names`."""
-    wanted = {"out": ("heads", "kv"), "wo": ("mlp",)}.get(name, ("embed",))
-    return [i for i, n in enumerate(names) if n in wanted]
+def _input_axes(a_names: tuple, b_names: tuple) -> list[int]:
+    """The dims a kernel contracts, read off its adapters' logical axes as `project` lays
+    them out: A (*stack, *input, "lora") and B (*stack, "lora", *output), a layer stack's
+    axes leading all three. So the input dims run from B's rank axis to A's.
+
+    >>> _input_axes(("layers", "latent", "lora"), ("layers", "lora", "heads", "kv"))
+    [1]
+    """
+    return list(range(b_names.index(AXIS), a_names.index(AXIS)))
 
 
 def fingerprint(params) -> str:
