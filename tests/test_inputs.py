@@ -311,3 +311,15 @@ def test_prepared_data_refuses_settings_that_contradict_what_it_was_prepared_wit
     prepare.prepare(str(bin_stream), str(text_file), tokenizer="byte", unit="stream",
                     format="bin")
     configs.validate_config(config_for(bin_stream))
+
+
+def test_a_shard_named_for_neither_split_is_left_out_with_a_warning(tmp_path, capsys):
+    from transformer.data import shards
+
+    for file in ("train", "val", "fineweb_000002"):
+        shards.write_token_shards(str(tmp_path / file), [np.arange(8)], format="nanogpt")
+    config = config_for(tmp_path)
+    assert inputs._token_shards(config, "train").paths == [str(tmp_path / "train.bin")]
+    assert capsys.readouterr().err == (
+        f"warning: data.path={str(tmp_path)!r}: fineweb_000002.bin matches neither "
+        "'*train*.bin' nor '*val*.bin': not read (name a shard for its split)\n")

@@ -137,8 +137,13 @@ def _token_shards(config: ml_collections.ConfigDict, split: str) -> shards.Token
     """data.path's shards of `split` (`shard_split`), or a one-line error naming what is
     missing."""
     path = config.data.path
-    files = [file for file in sorted(glob.glob(os.path.join(glob.escape(path), "*.bin")))
-             if shard_split(file) == split]
+    found = sorted(glob.glob(os.path.join(glob.escape(path), "*.bin")))
+    files = [file for file in found if shard_split(file) == split]
+    if unnamed := [os.path.basename(file) for file in found if shard_split(file) is None]:
+        sources.warn_once(f"data.path={path!r}: {', '.join(unnamed[:3])}"
+                          f"{' ...' if len(unnamed) > 3 else ''} matches neither "
+                          f"{SHARD_SPLITS['train']!r} nor {SHARD_SPLITS['validation']!r}: "
+                          "not read (name a shard for its split)")
     if not files:
         raise FileNotFoundError(f"data.path={path!r}: no {SHARD_SPLITS[split]} shards for the "
                                 f"{split} split: expected token shards named as nanoGPT's "

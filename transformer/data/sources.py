@@ -141,13 +141,13 @@ def _check_layout(directory: str, files: list[str]) -> None:
                          "the validation files")
     # (a .txt beside tables is often corpus too: a mixed folder; a dataset card is Markdown)
     if tables and (cards := [f for f in files if f.lower().endswith(".md")]):
-        _warn(f"{directory}: {cards[0]} is read as text beside {len(tables)} Parquet / JSON "
+        warn_once(f"{directory}: {cards[0]} is read as text beside {len(tables)} Parquet / JSON "
               "Lines files (its paragraphs train): if it is not corpus, point data.path at the "
               "corpus files alone (a glob)")
 
 
 @functools.cache
-def _warn(line: str) -> None:
+def warn_once(line: str) -> None:
     """Prints a warning line, once per process."""
     print(f"warning: {line}", file=sys.stderr, flush=True)
 
