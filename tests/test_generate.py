@@ -123,6 +123,22 @@ def test_generate_tokens_loop_stops_at_eos_and_max_length():
     np.testing.assert_array_equal(no_eos(first, cache)[0], [[3, 4, 5, 6], [7, 9, 1, 3]])
 
 
+def test_a_row_stops_at_the_first_of_several_stop_ids():
+    """eos_id may list several ids (a checkpoint's generation_config.json eos_token_id list, as
+    Llama 3.1's <|end_of_text|>, <|eom_id|>, <|eot_id|>): a row stops at whichever it emits
+    first, and its length counts it."""
+    first = jax.nn.one_hot(jnp.array([3, 7]), 10) * 10.0
+    cache = (jnp.full((2, 8), -1), jnp.zeros((), jnp.int32))
+    run = jax.jit(lambda first, cache: generate.generate_tokens(
+        _counting_step, None, jnp.array([1, 2]), cache, first, jnp.array([4, 2]),
+        max_new_tokens=6, eos_id=[9, 5]))
+    tokens, lengths = run(first, cache)
+    # Row 0 counts up by 1 from 3 and stops at 5; row 1 by 2 from 7: 7, 9.
+    np.testing.assert_array_equal(tokens, [[3, 4, 5, 0, 0, 0], [7, 9, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(lengths, [3, 2])
+    np.testing.assert_array_equal(loop._lengths(np.asarray(tokens), (9, 5)), [3, 2])
+
+
 def test_generate_tokens_feeds_positions_and_exits_once_every_row_is_done():
     first = jax.nn.one_hot(jnp.array([7, 8]), 10) * 10.0
     mode, knobs = sampling_lib._split(sampling_lib.Sampling(), 10, eos_id=9)
@@ -144,14 +160,14 @@ def _history_step(params, context, cache, tokens_B1, positions_B1):
     return params[code % params.shape[0]], cache
 
 
-def _best_by_enumeration(table, first_logits, context, alpha, eos_id, n):
-    """The highest-scoring sequence over every sequence of up to n tokens (EOS only last)."""
+def _best_by_enumeration(table, first_logits, context, alpha, stops, n):
+    """The highest-scoring sequence over every sequence of up to n tokens (a stop only last)."""
     vocab = table.shape[1]
     logp = lambda x: np.asarray(jax.nn.log_softmax(jnp.asarray(x, jnp.float32)))
     best, best_score = None, -np.inf
     for length in range(1, n + 1):
         for seq in itertools.product(range(vocab), repeat=length):
-            if eos_id in seq[:-1] or (length < n and seq[-1] != eos_id):
+            if set(seq[:-1]) & set(stops) or (length < n and seq[-1] not in stops):
                 continue
             history, total = np.zeros(4, np.int64), logp(first_logits)[seq[0]]
             for t in range(1, length):
@@ -164,9 +180,10 @@ def _best_by_enumeration(table, first_logits, context, alpha, eos_id, n):
     return best, best_score
 
 
-@pytest.mark.parametrize("alpha", [0.0, 2.0])
-def test_beam_search_with_every_prefix_kept_finds_the_best_sequence(alpha):
-    vocab, n, eos_id, batch = 4, 3, 2, 2
+@pytest.mark.parametrize("alpha,eos_id", [(0.0, 2), (2.0, 2), (2.0, (2, 3))])
+def test_beam_search_with_every_prefix_kept_finds_the_best_sequence(alpha, eos_id):
+    vocab, n, batch = 4, 3, 2
+    stops = (eos_id,) if isinstance(eos_id, int) else eos_id
     beam = vocab ** (n - 1)  # wide enough to keep every prefix: the search is exhaustive
     table = np.asarray(jax.random.normal(jax.random.key(2), (11, vocab)) * 1.5)
     first = np.asarray(jax.random.normal(jax.random.key(3), (batch, vocab)))
@@ -178,9 +195,10 @@ def test_beam_search_with_every_prefix_kept_finds_the_best_sequence(alpha):
         length_penalty=alpha, eos_id=eos_id))
     tokens, lengths, scores = search()
     for b in range(batch):
-        want, want_score = _best_by_enumeration(table, first[b], context[b], alpha, eos_id, n)
+        want, want_score = _best_by_enumeration(table, first[b], context[b], alpha, stops, n)
         assert tokens[b].tolist() == want
-        assert lengths[b] == (want.index(eos_id) + 1 if eos_id in want else n)
+        ends = [i for i, token in enumerate(want) if token in stops]
+        assert lengths[b] == (ends[0] + 1 if ends else n)
         np.testing.assert_allclose(scores[b], want_score, rtol=1e-5)
 
 
@@ -227,6 +245,22 @@ def test_decode_stops_each_row_at_eos_and_sampling_is_seeded(models):
     np.testing.assert_array_equal(a, sample(0))
     assert not np.array_equal(a, sample(1))
     assert not np.array_equal(a[0], a[1])  # the same prompt in two rows draws differently
+
+
+def test_decode_stops_each_row_at_the_first_of_several_stop_ids(models):
+    """Each row stops at the first of the stop ids it emits: here row 0 at one and row 1 at the
+    other (the prefix LM's greedy rows are varied where the gpt's repeat one token)."""
+    model, params = models["prefix_lm"]
+    kw = dict(max_new_tokens=7, prefix_lm=True)
+    full, _ = generate.decode(model, params, PROMPTS, eos_id=None, **kw)
+    stops = [int(full[0, 4]), int(full[1, 2])]
+    ends = [int(np.flatnonzero(np.isin(row, stops))[0]) for row in full]
+    assert full[0, ends[0]] != full[1, ends[1]]  # (each row stops at another id)
+    tokens, lengths = generate.decode(model, params, PROMPTS, eos_id=stops, **kw)
+    assert lengths.tolist() == [end + 1 for end in ends]
+    for row, whole, end in zip(tokens, full, ends, strict=True):
+        np.testing.assert_array_equal(row[:end + 1], whole[:end + 1])
+        assert (row[end + 1:] == tokenizers.PAD_ID).all()
 
 
 def test_streaming_in_chunks_gives_the_same_tokens(models):

@@ -122,6 +122,44 @@ def test_save_load_and_pickle_give_the_same_mapping(gpt2_dir, tmp_path):
         assert [other.encode(t).tolist() for t in TEXTS] == [tok.encode(t).tolist() for t in TEXTS]
 
 
+def test_a_checkpoints_generation_config_stop_ids_are_kept_saved_and_checked(gpt2_dir,
+                                                                           tmp_path):
+    """generation_config.json's eos_token_id (one id, or a list kept in its order) becomes the
+    tokenizer's stop_ids, which saving, loading and pickling keep. They are saved beside the
+    tokenizer's own tokenizer.json, which stays as it was (prepared data is checked against
+    it), and a tokenizer saved without them (before they were kept) loads with none. A bad
+    entry is a one-line error naming the file or the ids."""
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((gpt2_dir / name).read_bytes())
+    plain = tokenizers_lib.load_hf_tokenizer(str(directory))
+    assert plain.stop_ids == ()
+    plain.save(str(tmp_path / "plain"))
+    generation = directory / "generation_config.json"
+    generation.write_text(json.dumps({"eos_token_id": 7}))
+    assert tokenizers_lib.load_hf_tokenizer(str(directory)).stop_ids == (7,)
+    generation.write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [9, 0, 7]}))
+    tok = tokenizers_lib.load_hf_tokenizer(str(directory))
+    assert tok.stop_ids == (9, 0, 7)
+    saved = tmp_path / "saved"
+    tok.save(str(saved))
+    for other in (tokenizers_lib.load_tokenizer(str(saved)), pickle.loads(pickle.dumps(tok))):
+        assert other.stop_ids == (9, 0, 7)
+    assert inputs._tokenizer_identity(str(saved)) == inputs._tokenizer_identity(
+        str(tmp_path / "plain"))
+    (saved / "stop_ids.json").unlink()  # as a tokenizer saved before they were kept
+    assert tokenizers_lib.load_tokenizer(str(saved)).stop_ids == ()
+    for value, match in (("2", "has eos_token_id='2': expected a token id or a list of them"),
+                         ([1, 4000], r"stop ids \[1, 4000\] \(generation_config.json's "
+                                     r"eos_token_id\): expected ids of the tokenizer's "
+                                     r"vocabulary, in \[0, 400\)")):
+        generation.write_text(json.dumps({"eos_token_id": value}))
+        with pytest.raises(ValueError, match=match) as error:
+            tokenizers_lib.load_hf_tokenizer(str(directory))
+        assert "\n" not in str(error.value)
+
+
 def test_documents_end_with_the_tokenizers_own_eos(gpt2_dir):
     tok = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir))
     docs = [sources.Document("a", TEXTS[0]), sources.Document("b", TEXTS[1])]

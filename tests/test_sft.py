@@ -69,8 +69,9 @@ def conversation(seed: int, turns: int | None = None, system: bool | None = None
     return messages
 
 
-def build_tokenizer(directory: Path, template: str, where: str = "tokenizer_config.json"):
-    """A byte-level BPE trained on a few lines, saved with `template` in `where`
+def build_tokenizer(directory: Path, template: str, where: str = "tokenizer_config.json",
+                    specials: list[str] = SPECIALS):
+    """A byte-level BPE with `specials` trained on a few lines, saved with `template` in `where`
     (tokenizer_config.json's chat_template, or chat_template.jinja)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -80,7 +81,7 @@ def build_tokenizer(directory: Path, template: str, where: str = "tokenizer_conf
     # (Blank lines too, so "\n\n" is one token that the text around a header can split.)
     lines = [" ".join(_WORDS[i:i + 7]) + "\n\n" for i in range(len(_WORDS))]
     tok.train_from_iterator(lines, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS,
+        vocab_size=400, special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
@@ -221,8 +222,69 @@ def test_chat_replies_open_the_assistant_turn_and_stop_at_its_end(llama3_dir, mo
     assert got == [" Paris."]
     assert seen["prompt"] == reference(llama3_dir).apply_chat_template(
         messages, tokenize=True, add_generation_prompt=True)["input_ids"]
-    assert seen["eos"] == eot and eot not in seen["banned"] and seen["n"] == 9
+    assert seen["eos"] == (tok.eos_id, eot) and eot not in seen["banned"] and seen["n"] == 9
     assert tok.vocab_size in seen["banned"]  # (the padded ids past the vocabulary stay banned)
+
+
+# Llama 3.1 Instruct's generation_config.json: HF `generate` stops at each of these.
+LLAMA31_STOPS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
+
+
+def llama31_tokenizer(directory: Path) -> list[int]:
+    """Llama 3.1 Instruct's layout: the Llama 3 template (a turn ends with <|eot_id|>), <eos>
+    <|end_of_text|>, and a generation_config.json whose eos_token_id lists `LLAMA31_STOPS`
+    (<|eom_id|> among them: neither <eos> nor the end of turn). Returns that list."""
+    build_tokenizer(directory, LLAMA3, specials=SPECIALS + ["<|eom_id|>"])
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    stops = [vocab[t] for t in LLAMA31_STOPS]
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": vocab["<|begin_of_text|>"], "eos_token_id": stops}))
+    return stops
+
+
+def test_chat_stops_at_every_stop_id_of_the_checkpoints_generation_config(tmp_path,
+                                                                         monkeypatch):
+    """An imported checkpoint's generation_config.json stop ids (kept with the tokenizer the
+    workdir saves) end a reply as HF `generate` ends it: never banned, the reply cut at the
+    first one (here <|eom_id|>); --prompt sampling does not ban them either."""
+    from types import SimpleNamespace
+
+    from transformer import generate
+    from transformer.generation import text
+
+    stops = llama31_tokenizer(tmp_path / "llama31")
+    tokenizers_lib.load_hf_tokenizer(str(tmp_path / "llama31")).save(str(tmp_path / "saved"))
+    tok = tokenizers_lib.load_tokenizer(str(tmp_path / "saved"))
+    assert tok.stop_ids == tuple(stops)
+    eom, reply, seen = stops[1], tok.encode(" Paris."), {}
+
+    def decode(model, params, prompts, *, eos_id, banned_ids, **kwargs):
+        seen.update(eos=eos_id, banned=banned_ids)
+        return np.array([[*reply, eom, 40, chat.end_of_turn_id(tok), 41]]), None
+
+    monkeypatch.setattr(text, "decode", decode)
+    model = SimpleNamespace(vocab_size=tok.vocab_size)
+    got = generate.chat_replies(model, None, tok, configs.experiment("sft_chat"),
+                                conversation(3)[:-1], max_new_tokens=9)
+    assert got == [" Paris."]
+    assert set(seen["eos"]) == set(stops) and not set(stops) & set(seen["banned"])
+    header = tok._tok.token_to_id("<|start_header_id|>")
+    assert header in seen["banned"]  # the other specials stay banned
+    assert not set(stops) & set(generate.banned_ids(tok, tok.vocab_size))
+
+
+def test_an_export_writes_back_the_checkpoints_stop_ids_in_its_order(tmp_path):
+    """generation_config.json's eos_token_id is the imported checkpoint's list, in its order
+    (not <eos> and the end of turn alone), so HF `generate` stops on the export as on it."""
+    import types
+
+    from transformer import export
+
+    stops = llama31_tokenizer(tmp_path / "llama31")
+    tokenizers_lib.load_hf_tokenizer(str(tmp_path / "llama31")).save(str(tmp_path / "saved"))
+    tokenizer = tokenizers_lib.load_tokenizer(str(tmp_path / "saved"))
+    hf_config = types.SimpleNamespace(bos_token_id=tokenizer.bos_id, pad_token_id=None)
+    assert export._generation_config(hf_config, tokenizer).eos_token_id == stops
 
 
 def test_generate_reads_chat_inline_as_a_json_file_or_as_jsonl(tmp_path):
@@ -611,3 +673,63 @@ def test_an_export_stops_generate_at_the_templates_end_of_turn(llama3_dir):
     assert end != tokenizer.eos_id
     assert generation.eos_token_id == [tokenizer.eos_id, end]
     assert generation.bos_token_id == tokenizer.bos_id
+
+
+def tiny_llama31(directory: Path, prompt: list[int]) -> list[int]:
+    """A tiny random Llama saved beside `llama31_tokenizer`'s files (generation_config.json
+    listing its stops), returning HF generate's greedy tokens after `prompt`. Its weights are
+    spread out (N(0, 0.15): no near-ties for float rounding to flip), and <|eom_id|>'s output
+    row is 1.2 x that of its sixth greedy token, so greedy decoding writes <|eom_id|> a few
+    tokens in."""
+    import torch
+
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    stops = [vocab[t] for t in LLAMA31_STOPS]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=len(vocab), max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1))
+    greedy = lambda: model.generate(torch.tensor([prompt]), max_new_tokens=16,
+                                    do_sample=False)[0, len(prompt):].tolist()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+        model.generation_config.eos_token_id = None  # (no stop: its own sixth token)
+        model.lm_head.weight[vocab["<|eom_id|>"]] = model.lm_head.weight[greedy()[5]] * 1.2
+    model.generation_config.eos_token_id = stops
+    model.save_pretrained(directory)
+    return greedy()
+
+
+@pytest.mark.slow
+def test_chat_through_the_cli_stops_where_hf_generate_does_and_the_export_keeps_the_stops(
+        tmp_path):
+    """A Llama 3.1-style checkpoint whose greedy reply ends at <|eom_id|> (a stop id of its
+    generation_config.json, neither <eos> nor the end of turn): `generate --chat` on a workdir
+    holding its weights (imported, one step at a learning rate of 1e-30) gives HF generate's
+    reply token for token and stops there, and the export's generation_config.json lists the
+    original's stop ids in its order."""
+    model_dir = tmp_path / "llama31"
+    stops = llama31_tokenizer(model_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    hf_tokenizer = reference(model_dir)
+    prompt = hf_tokenizer.apply_chat_template(messages, tokenize=True,
+                                              add_generation_prompt=True)["input_ids"]
+    expected = tiny_llama31(model_dir, prompt)
+    specials = {hf_tokenizer.convert_tokens_to_ids(t) for t in SPECIALS + ["<|eom_id|>"]}
+    assert expected[-1] == stops[1] and len(expected) > 3 and not specials & set(expected[:-1])
+    train = write_jsonl(tmp_path / "train.jsonl", [conversation(s) for s in range(8)])
+    val = write_jsonl(tmp_path / "val.jsonl", [conversation(s) for s in range(8, 10)])
+    workdir, exported = tmp_path / "run", tmp_path / "exported"
+    run("transformer.train", "--config=experiments/sft_chat.py", f"--workdir={workdir}",
+        f"--config.init_from=hf:{model_dir}", f"--config.data.path={train}",
+        f"--config.data.validation_path={val}", "--config.steps=1", "--config.batch_size=2",
+        "--config.seq_len=256", "--config.eval_every=1", "--config.eval_steps=1",
+        "--config.checkpoint_every=1", "--config.optimizer.learning_rate=1e-30")
+    reply = run("transformer.generate", f"--workdir={workdir}", "--temperature=0",
+                "--max_new_tokens=16", "--chat=" + json.dumps(messages))
+    assert reply.stdout == hf_tokenizer.decode(expected[:-1]) + "\n"
+    run("transformer.export", f"--workdir={workdir}", f"--output={exported}")
+    assert transformers.GenerationConfig.from_pretrained(exported).eos_token_id == stops

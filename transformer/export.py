@@ -103,16 +103,16 @@ def _model_input_names(model_type: str) -> list[str] | None:
 
 
 def _generation_config(hf_config, tokenizer):
-    """generation_config.json: `generate` stops at <eos>, and at a chat template's end of turn
+    """generation_config.json: `generate` stops where ours does (`text.stop_ids`): at an imported
+    checkpoint's own stop ids, in its order, at <eos>, and at a chat template's end of turn
     (Llama 3's <|eot_id|>, ChatML's <|im_end|>) where the tokenizer has one."""
     import transformers
 
     from transformer.data import chat
+    from transformer.generation.text import stop_ids
 
-    stops = [int(tokenizer.eos_id)] if getattr(tokenizer, "eos_id", None) is not None else []
-    if getattr(tokenizer, "chat_template", None):
-        end = int(chat.end_of_turn_id(tokenizer))
-        stops += [end] if end not in stops else []
+    end = chat.end_of_turn_id(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+    stops = list(stop_ids(tokenizer, end))
     ids = {role: getattr(hf_config, f"{role}_token_id", None) for role in ("bos", "pad")}
     return transformers.GenerationConfig(
         eos_token_id=stops[0] if len(stops) == 1 else (stops or None),

@@ -9,7 +9,8 @@ training workdir (`runs/gpt_tiny`, `runs/gpt_tiny@600` for a step) or a Hugging 
 
 A LoRA run's params are its base with the adapters applied; `merge_lora=True` gives the merged
 model (W + alpha / rank A B) with the base's architecture instead. Every call uses the
-tokenizer's own end of sequence, so an imported model stops where its tokenizer says.
+tokenizer's own end of sequence and an imported checkpoint's generation_config.json stop ids,
+so an imported model stops where HF `generate` stops it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,24 @@
 """Hugging Face tokenizers: `HFTokenizer` wraps a `tokenizers` tokenizer.json with its own ids,
-and `load_hf_tokenizer` reads one with its roles and chat template from a `save_pretrained`
-directory (or a bare tokenizer.json)."""
+and `load_hf_tokenizer` reads one with its roles, chat template and stop ids from a
+`save_pretrained` directory (or a bare tokenizer.json)."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from transformer.data import fast_bpe
-from transformer.data.tokenizer_base import HF_FILE, ROLES, Tokenizer, check_num_sentinels
+from transformer.data.tokenizer_base import (
+    HF_FILE,
+    ROLES,
+    Tokenizer,
+    check_num_sentinels,
+    is_int,
+)
 from transformer.utils import fileio
 
 # Where a Hugging Face directory names no roles (a bare tokenizer.json), a role is taken by the
@@ -35,6 +42,9 @@ _BYTE_LEVEL = {symbol: b for b, symbol in enumerate(fast_bpe.byte_symbols())}
 TRANSFORMERS_KEYS = ("added_tokens_decoder", "additional_special_tokens", "extra_special_tokens",
                      "model_input_names", "model_max_length", "padding_side", "truncation_side",
                      "clean_up_tokenization_spaces", "split_special_tokens")
+# Where a saved "hf" tokenizer keeps its `stop_ids`, beside CONFIG_FILE: a file of its own, so
+# that tokenizer.json stays what says how text becomes ids (prepared data is checked against it).
+STOP_IDS_FILE = "stop_ids.json"
 
 
 class HFTokenizer(Tokenizer):
@@ -57,13 +67,16 @@ class HFTokenizer(Tokenizer):
       its ids, as `AutoTokenizer(text, add_special_tokens=False)` does.
     - `settings`: the directory's `TRANSFORMERS_KEYS` entries, written back by `hugging_face`
       with the tokenizer.json unchanged (its post-processor, padding and truncation included).
+    - `stop_ids`: the ids at which the checkpoint's `generate` stops (its
+      generation_config.json `eos_token_id`, in its order; () if it names none): generation
+      stops at each and never bans them, and the export writes them back.
     """
 
     kind = "hf"
 
     def __init__(self, tokenizer_json: str, specials: dict[str, str | None],
                  num_sentinels: int | None = None, chat_template: str | None = None,
-                 settings: dict[str, Any] | None = None):
+                 settings: dict[str, Any] | None = None, stop_ids: Sequence[int] = ()):
         import tokenizers
 
         self.tokenizer_json = tokenizer_json
@@ -102,6 +115,7 @@ class HFTokenizer(Tokenizer):
             if num_sentinels != len(own):
                 raise ValueError(f"num_sentinels={num_sentinels}: the tokenizer has its own "
                                  f"{len(own)} sentinels <extra_id_i>: expected {len(own)}")
+        self.stop_ids = _checked_stop_ids(stop_ids, size)
         self._base_size = size - len(own)
         self.num_sentinels = num_sentinels
         self.vocab_size = self._base_size + num_sentinels
@@ -179,6 +193,11 @@ class HFTokenizer(Tokenizer):
         fileio.write_atomic(fileio.join(directory, HF_FILE), self.tokenizer_json.encode())
         chat = {"chat_template": self.chat_template} if self.chat_template else {}
         settings = {"settings": self.settings} if self.settings else {}
+        stops = fileio.path(directory).joinpath(STOP_IDS_FILE)
+        if self.stop_ids:
+            fileio.write_atomic(str(stops), json.dumps(list(self.stop_ids)).encode())
+        else:  # (none: a directory saved over keeps no other tokenizer's)
+            stops.unlink(missing_ok=True)
         return {"model_file": HF_FILE, "specials": self.specials, **chat, **settings}
 
     def hugging_face(self) -> tuple[str, dict[str, Any]]:
@@ -192,7 +211,7 @@ class HFTokenizer(Tokenizer):
     def __getstate__(self) -> dict[str, Any]:  # for multiprocess data loaders
         return {"tokenizer_json": self.tokenizer_json, "specials": self.specials,
                 "num_sentinels": self.num_sentinels, "chat_template": self.chat_template,
-                "settings": self.settings}
+                "settings": self.settings, "stop_ids": self.stop_ids}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)
@@ -200,6 +219,37 @@ class HFTokenizer(Tokenizer):
     def __repr__(self) -> str:
         return (f"HFTokenizer(vocab_size={self.vocab_size}, num_sentinels={self.num_sentinels}, "
                 f"specials={ {r: t for r, t in self.specials.items() if t is not None} })")
+
+
+def _checked_stop_ids(ids: Sequence[int], size: int) -> tuple[int, ...]:
+    """`ids` as distinct ids (in their order) of a vocabulary of `size`, or a one-line error."""
+    ids = tuple(ids)
+    if not all(is_int(i) and 0 <= i < size for i in ids):
+        raise ValueError(f"stop ids {list(ids)} (generation_config.json's eos_token_id): "
+                         f"expected ids of the tokenizer's vocabulary, in [0, {size})")
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def saved_stop_ids(directory: str) -> tuple[int, ...]:
+    """The `stop_ids` a saved "hf" tokenizer keeps in STOP_IDS_FILE: () where there is none (a
+    tokenizer saved before they were kept, or one whose checkpoint named none)."""
+    file = fileio.path(directory).joinpath(STOP_IDS_FILE)
+    return tuple(json.loads(file.read_text(encoding="utf-8"))) if file.is_file() else ()
+
+
+def _generation_stop_ids(directory) -> tuple[int, ...]:
+    """The ids `generate` stops at per a save_pretrained directory's generation_config.json:
+    its `eos_token_id`, one id or a list (Llama 3.1 Instruct: <|end_of_text|>, <|eom_id|>,
+    <|eot_id|>); () without the file or the entry."""
+    file = directory.joinpath("generation_config.json")
+    if not file.is_file():
+        return ()
+    value = _json_object(file, "a Hugging Face generation_config.json").get("eos_token_id")
+    ids = [] if value is None else [value] if is_int(value) else value
+    if not isinstance(ids, list) or not all(is_int(i) for i in ids):
+        raise ValueError(f"{str(file)!r} has eos_token_id={value!r}: expected a token id or a "
+                         "list of them")
+    return tuple(ids)
 
 
 def _token_content(value: Any) -> str | None:
@@ -228,7 +278,8 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
     (its `bos_token`, `eos_token`, ... entries; null names none), else special_tokens_map.json;
     a role neither names (all of them for a bare tokenizer.json) is the first well-known token
     (<pad>, [PAD], </s>, <|endoftext|>, [CLS], ...) the vocabulary has. The first file's
-    `TRANSFORMERS_KEYS` entries are kept for the export.
+    `TRANSFORMERS_KEYS` entries are kept for the export, and a generation_config.json's
+    `eos_token_id` (one id or several) becomes the `stop_ids`.
     """
     location = fileio.path(path)
     file = location.joinpath("tokenizer.json") if location.is_dir() else location
@@ -253,9 +304,10 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
         vocab = _vocab(text, file)
         named.update({role: next((t for t in _WELL_KNOWN[role] if t in vocab), None)
                       for role in unnamed})
+    stops = _generation_stop_ids(file.parent)
     try:
         return HFTokenizer(text, named, num_sentinels, _chat_template(file.parent),
-                           settings or {})
+                           settings or {}, stops)
     except Exception as e:
         raise ValueError(f"{str(file)!r}: {e}") from None
 

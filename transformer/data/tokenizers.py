@@ -15,8 +15,9 @@ and `decode`: the export writes them beside the model.
 The "hf" kind (`HFTokenizer`) wraps a Hugging Face `tokenizer.json` (GPT-2 or Llama BPE, BERT
 WordPiece, T5 unigram, ...) and keeps its own ids: its specials are wherever that vocabulary has
 them (`pad_id`, `eos_id`, ... may be None), and its sentinels are its own `<extra_id_i>` tokens
-or, if it has none, `num_sentinels` ids appended above its vocabulary. Code that needs a special
-reads it from the tokenizer (`tokenizer.eos_id`), never from its constants.
+or, if it has none, `num_sentinels` ids appended above its vocabulary; it keeps the stop ids of
+the checkpoint's generation_config.json (`stop_ids`). Code that needs a special reads it from
+the tokenizer (`tokenizer.eos_id`), never from its constants.
 
 The kinds live in `tokenizer_base` (the id layout, the base class, byte and char),
 `sentencepiece_tokenizer` and `hf_tokenizer`; this module builds and loads them, and is where
@@ -28,7 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from transformer.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
+from transformer.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer, saved_stop_ids
 from transformer.data.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
 from transformer.data.tokenizer_base import (
     BOS_ID,
@@ -93,7 +94,8 @@ def load_tokenizer(directory: str) -> Tokenizer:
     elif kind == "hf":
         text = fileio.path(directory).joinpath(config["model_file"]).read_text(encoding="utf-8")
         tokenizer = HFTokenizer(text, config["specials"], num_sentinels,
-                                config.get("chat_template"), config.get("settings"))
+                                config.get("chat_template"), config.get("settings"),
+                                saved_stop_ids(directory))
     else:
         raise ValueError(f"{path!r} has kind={kind!r}: expected one of {KINDS}")
     if tokenizer.vocab_size != config.get("vocab_size"):

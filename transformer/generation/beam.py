@@ -18,6 +18,7 @@ from transformer.generation.sampling import (
     Array,
     _allowed,
     _banned_mask,
+    _stop_ids,
 )
 
 
@@ -37,11 +38,11 @@ class _Beams(NamedTuple):
     finished_scores: Array  # [B, K], best first; -inf: empty slot
 
 
-def _expand(beams: _Beams, logits_RV: Array, banned_V: Array, *, alpha, eos_id,
+def _expand(beams: _Beams, logits_RV: Array, banned_V: Array, *, alpha, stops: tuple[int, ...],
             cache_batch_axis) -> _Beams:
-    """Extends every alive beam by every allowed token, keeps the 2K best: those ending in EOS
-    compete for the finished set, the others for the alive set; reorders the cache rows to
-    match. Log-probabilities are renormalized over the allowed tokens."""
+    """Extends every alive beam by every allowed token, keeps the 2K best: those ending in one of
+    the `stops` (EOS) compete for the finished set, the others for the alive set; reorders the
+    cache rows to match. Log-probabilities are renormalized over the allowed tokens."""
     batch, k, n = beams.alive.shape
     vocab = logits_RV.shape[-1]
     t = beams.step
@@ -51,7 +52,8 @@ def _expand(beams: _Beams, logits_RV: Array, banned_V: Array, *, alpha, eos_id,
     beam_B2, token_B2 = flat_B2 // vocab, (flat_B2 % vocab).astype(jnp.int32)
     seqs_B2N = jnp.take_along_axis(beams.alive, beam_B2[:, :, None], axis=1)
     seqs_B2N = jax.lax.dynamic_update_slice_in_dim(seqs_B2N, token_B2[:, :, None], t, 2)
-    is_eos = (token_B2 == eos_id) if eos_id is not None else jnp.zeros_like(token_B2, bool)
+    is_eos = jnp.isin(token_B2, jnp.asarray(stops, jnp.int32)) if stops else \
+        jnp.zeros_like(token_B2, bool)
 
     ended = jnp.where(is_eos, top_B2 / length_penalty_factor(t + 1, alpha), -jnp.inf)
     finished_scores, pick = jax.lax.top_k(
@@ -69,7 +71,7 @@ def _expand(beams: _Beams, logits_RV: Array, banned_V: Array, *, alpha, eos_id,
 
 def beam_search_tokens(step_fn: StepFn, params, context, cache, first_logits_RV: Array,
                        start_R: Array, *, beam_size: int, max_new_tokens: int,
-                       length_penalty: float = 0.6, eos_id: int | None = EOS_ID,
+                       length_penalty: float = 0.6, eos_id: int | Sequence[int] | None = EOS_ID,
                        cache_batch_axis: int = 0,
                        banned: Array | Sequence[int] | None = None) -> tuple[Array, Array, Array]:
     """Beam search over any model: the best sequence of each of B inputs, (tokens [B, N],
@@ -78,9 +80,9 @@ def beam_search_tokens(step_fn: StepFn, params, context, cache, first_logits_RV:
     The inputs are R = B * K rows, input b repeated in rows b*K .. b*K + K-1 (cache, context,
     first logits, start positions), with `step_fn` as in `generate_tokens`. A sequence's score
     is its log-probability / ((5 + length) / 6) ** length_penalty (GNMT), length counting the
-    EOS; a sequence reaching N tokens without EOS also finishes. The search stops early once no
-    alive beam can beat the K finished ones. `banned`: ids never chosen, as a list or a bool
-    [V] mask (an array, which may be traced).
+    EOS (`eos_id`: an id, several ids, or None); a sequence reaching N tokens without EOS also
+    finishes. The search stops early once no alive beam can beat the K finished ones.
+    `banned`: ids never chosen, as a list or a bool [V] mask (an array, which may be traced).
     """
     k, n = beam_size, max_new_tokens
     batch = first_logits_RV.shape[0] // k
@@ -91,7 +93,8 @@ def beam_search_tokens(step_fn: StepFn, params, context, cache, first_logits_RV:
     first_logp = jnp.full((batch, k), -jnp.inf).at[:, 0].set(0.0)  # the K copies are one beam
     beams = _Beams(cache, context, jnp.zeros((), jnp.int32), jnp.asarray(start_R, jnp.int32),
                    empty, first_logp, empty, jnp.full((batch, k), -jnp.inf))
-    expand = functools.partial(_expand, banned_V=banned, alpha=length_penalty, eos_id=eos_id,
+    stops = _stop_ids(eos_id)
+    expand = functools.partial(_expand, banned_V=banned, alpha=length_penalty, stops=stops,
                                cache_batch_axis=cache_batch_axis)
     beams = expand(beams, first_logits_RV)
     best_possible = length_penalty_factor(n, length_penalty)  # logp only falls as beams grow
@@ -111,4 +114,4 @@ def beam_search_tokens(step_fn: StepFn, params, context, cache, first_logits_RV:
     scores, pick = jax.lax.top_k(jnp.concatenate([beams.finished_scores, full], 1), 1)
     tokens = jnp.take_along_axis(jnp.concatenate([beams.finished, beams.alive], 1),
                                  pick[:, :, None], axis=1)[:, 0]
-    return tokens, _lengths(tokens, eos_id), scores[:, 0]
+    return tokens, _lengths(tokens, stops), scores[:, 0]

@@ -23,6 +23,7 @@ from transformer.generation.sampling import (
     PAD_ID,
     _banned_mask,
     _split,
+    _stop_ids,
     sampling,
 )
 from transformer.models import DecoderLM, EncoderDecoder, init_cache
@@ -152,13 +153,12 @@ def _as_batch(prompts, lengths, vocab_size: int) -> tuple[np.ndarray, np.ndarray
     return batch.astype(np.int32), lengths.astype(np.int32)
 
 
-def _check_seed_and_eos(seed, eos_id) -> None:
+def _check_seed_and_eos(seed, eos_id) -> tuple[int, ...]:
+    """The stop ids of `eos_id` (`sampling._stop_ids`), after checking both."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not (
             -2**31 <= seed < 2**31):
         raise ValueError(f"seed={seed!r}: expected an int32")
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(
-            eos_id, numbers.Integral) or eos_id < 0):
-        raise ValueError(f"eos_id={eos_id!r}: expected a token id >= 0 or None")
+    return _stop_ids(eos_id)
 
 
 def _learned_max_len(config) -> int | None:
@@ -198,7 +198,7 @@ def _program(model, prompt_length: int, max_new_tokens: int, *, prefix_lm: bool,
 
 def decode(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarray, *,
            max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           seed: int = 0, eos_id: int | None = EOS_ID, prefix_lm: bool = False,
+           seed: int = 0, eos_id: int | Sequence[int] | None = EOS_ID, prefix_lm: bool = False,
            lengths: Sequence[int] | None = None, chunk_size: int | None = None,
            callback: Callable[[np.ndarray], None] | None = None,
            banned_ids: Sequence[int] | None = None,
@@ -209,8 +209,9 @@ def decode(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarr
     For a `DecoderLM` they are the sequence's start (`prefix_lm=True`: the bidirectional prefix
     of a prefix LM); for an `EncoderDecoder` the encoder inputs, decoding starting from
     `start_id` (a tokenizer's `decoder_start_id`).
-    Sampling is per `Sampling`, seeded per row. A row stops after `eos_id` (None: never) and is
-    PAD_ID after; lengths count the tokens up to and including EOS. `banned_ids` are never
+    Sampling is per `Sampling`, seeded per row. A row stops after `eos_id` (an id, several ids
+    such as a checkpoint's generation_config.json list, or None: never) and is PAD_ID after;
+    lengths count the tokens up to and including that stop. `banned_ids` are never
     emitted (for text, `banned_ids(tokenizer, ...)`); changing them does not recompile.
 
     With `chunk_size`, the jitted loop runs `chunk_size` tokens at a time and `callback` gets
@@ -245,7 +246,7 @@ def decode(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarr
 
 def beam_search(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarray, *,
                 beam_size: int = 4, max_new_tokens: int, length_penalty: float = 0.6,
-                eos_id: int | None = EOS_ID, prefix_lm: bool = False,
+                eos_id: int | Sequence[int] | None = EOS_ID, prefix_lm: bool = False,
                 lengths: Sequence[int] | None = None, banned_ids: Sequence[int] | None = None,
                 start_id: int = BOS_ID) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The best of `beam_size` beams per prompt: (tokens [B, N], lengths [B], scores [B]) as
@@ -257,13 +258,13 @@ def beam_search(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.
     if not isinstance(length_penalty, int | float) or not (
             math.isfinite(length_penalty) and length_penalty >= 0):
         raise ValueError(f"length_penalty={length_penalty!r}: expected a finite float >= 0")
-    _check_seed_and_eos(0, eos_id)
+    stops = _check_seed_and_eos(0, eos_id)
     inputs, lengths = _as_batch(prompts, lengths, model.vocab_size)
     program = _program(model, inputs.shape[1], max_new_tokens, prefix_lm=prefix_lm,
                        repeat=beam_size, start_id=start_id)
     banned_V = _banned_mask(banned_ids, model.vocab_size)
     out = _beam_search(params, inputs, lengths, banned_V, program=program, beam_size=beam_size,
                        max_new_tokens=int(max_new_tokens), length_penalty=float(length_penalty),
-                       eos_id=eos_id)
+                       eos_id=stops)  # a tuple: static, hashable
     tokens, _, scores = (np.asarray(x) for x in out)
-    return tokens, _lengths(tokens, eos_id), scores
+    return tokens, _lengths(tokens, stops), scores

@@ -1,6 +1,7 @@
 """Sampling filters: logits -> tokens (greedy, temperature, top-k, top-p), never drawing banned
 ids. `Sampling` is the setting; its static part (`_Mode`) shapes a compiled program, its traced
-part (`_Knobs`) does not, so changing a temperature or the banned ids does not recompile."""
+part (`_Knobs`) does not, so changing a temperature, the banned ids or the ids that end a row
+(`eos_id`: one id, several, or None) does not recompile."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sa
 
 class _Mode(NamedTuple):
     """The part of a `Sampling` that shapes the compiled program; temperature, the top_p value
-    and the EOS id are traced (`_Knobs`), so changing them does not recompile."""
+    and the stop ids are traced (`_Knobs`), so changing them does not recompile."""
 
     greedy: bool
     top_k: int
@@ -63,17 +64,30 @@ class _Mode(NamedTuple):
 class _Knobs(NamedTuple):
     temperature: Array  # float32 scalar
     top_p: Array  # float32 scalar
-    eos_id: Array  # int32 scalar; -1: none
+    stop_V: Array  # bool [V]: ids that end a row (all False: none)
     banned_V: Array  # bool [V]: ids never drawn (a traced array: another set does not recompile)
 
 
-def _split(s: Sampling, vocab_size: int, eos_id: int | None = None,
+def _split(s: Sampling, vocab_size: int, eos_id: int | Sequence[int] | None = None,
            banned_ids: Sequence[int] | None = None) -> tuple[_Mode, _Knobs]:
     mode = _Mode(s.temperature == 0.0, s.top_k, s.top_p < 1.0)
+    # (a stop id past the vocabulary is never drawn, so it never ends a row: it is left out)
+    stops = [i for i in _stop_ids(eos_id) if i < vocab_size]
     knobs = _Knobs(np.float32(s.temperature or 1.0), np.float32(s.top_p),
-                   np.int32(-1 if eos_id is None else eos_id),
-                   _banned_mask(banned_ids, vocab_size))
+                   _banned_mask(stops, vocab_size), _banned_mask(banned_ids, vocab_size))
     return mode, knobs
+
+
+def _stop_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    """The ids that end a row, from `eos_id`: one id, a sequence of ids (a checkpoint's
+    generation_config.json `eos_token_id` list), or None (none); a one-line error otherwise."""
+    if eos_id is None:
+        ids = ()
+    else:
+        ids = tuple(eos_id) if np.iterable(eos_id) and not isinstance(eos_id, str) else (eos_id,)
+    if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 for i in ids):
+        raise ValueError(f"eos_id={eos_id!r}: expected a token id >= 0, a list of them, or None")
+    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 def _banned_mask(banned_ids: Sequence[int] | None, vocab_size: int) -> np.ndarray:

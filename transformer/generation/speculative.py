@@ -29,14 +29,15 @@ hidden states up to n - 2):
    overwritten by the next round before anything reads them.
 
 Rows advance independently (each has its own positions); a row stops at `max_new_tokens` or
-after EOS. Only softmax-attention layers are accepted: a recurrent layer's state cannot take
-back the rejected drafts.
+after a stop id (EOS). Only softmax-attention layers are accepted: a recurrent layer's state
+cannot take back the rejected drafts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -147,7 +148,7 @@ class _Program:
         hidden = jnp.zeros((batch, self.cache_length, hidden_BPD.shape[-1]), hidden_BPD.dtype)
         hidden = hidden.at[:, :length].set(hidden_BPD)
         zeros = jnp.zeros(batch, jnp.int32)
-        done = (first_B == knobs.eos_id) | (self.max_new_tokens == 1)
+        done = jnp.asarray(knobs.stop_V)[first_B] | (self.max_new_tokens == 1)
         vocab = 0 if self.mode.greedy else logits_BPV.shape[-1]
         state = _State(cache, hidden, seq, lengths_B + 1, lengths_B, done, zeros, zeros, zeros,
                        jnp.zeros((batch, self.depth, vocab)), key)
@@ -179,7 +180,7 @@ class _Program:
 
     def verify(self, params, state: _State, knobs: _Knobs) -> _State:
         """The LM on t_{n-1} and the drafts; each row keeps the accepted drafts and one more, up
-        to max_new_tokens and the first EOS."""
+        to max_new_tokens and the first stop id (EOS)."""
         depth, rows = self.depth, jnp.arange(state.seq.shape[0])
         positions_BT = state.known[:, None] - 1 + jnp.arange(depth + 1, dtype=jnp.int32)
         tokens_BT = jnp.take_along_axis(state.seq, positions_BT, axis=1)
@@ -196,7 +197,7 @@ class _Program:
         new_BT = positions_BT + 1  # where chosen_BT's tokens go
         keep_BT = (new_BT - state.known[:, None] <= agreed_B[:, None]) & (
             new_BT < (state.start + self.max_new_tokens)[:, None])
-        eos_BT = (chosen_BT == knobs.eos_id) & keep_BT
+        eos_BT = jnp.asarray(knobs.stop_V)[chosen_BT] & keep_BT
         keep_BT &= jnp.cumsum(eos_BT, axis=1) - eos_BT == 0  # up to the first EOS, included
         active_B = ~state.done
         # drafts for positions still to come: those past max_new_tokens could not be kept
@@ -267,13 +268,15 @@ def new_tokens_that_fit(model_config, prompt_length: int) -> int:
 
 
 def speculative_decode(model: DecoderLM, params, prompts, *, max_new_tokens: int,
-                       eos_id: int | None = EOS_ID, lengths=None, banned_ids=None,
+                       eos_id: int | Sequence[int] | None = EOS_ID, lengths=None,
+                       banned_ids=None,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                        seed: int = 0) -> tuple[np.ndarray, np.ndarray, SpeculativeStats]:
     """Decoding drafted by the model's multi-token prediction modules: (tokens [B, N], lengths
     [B], stats). Greedy (temperature 0), the tokens equal `programs.decode(..., temperature=0)`'s
     (with the same `banned_ids`, never emitted); sampling, they follow the distribution
-    `decode` samples with the same temperature, top_k and top_p. Prompts as in `decode`."""
+    `decode` samples with the same temperature, top_k and top_p. Prompts and `eos_id` (one stop
+    id, several, or None) as in `decode`."""
     cfg = model.config
     mode, knobs = _split(sampling(temperature, top_k, top_p), model.vocab_size, eos_id,
                          banned_ids)

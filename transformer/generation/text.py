@@ -1,7 +1,8 @@
 """Text in, texts out, for a model of any family (LSTM: full recomputation): `sample_texts`,
-`beam_search_text`, `chat_replies` (and `read_chat`, the conversations of --chat). They never
-emit ids without text (`banned_ids`: specials other than <eos>, sentinels, ids past the
-tokenizer) and warn on prompt characters the tokenizer lacks."""
+`beam_search_text`, `chat_replies` (and `read_chat`, the conversations of --chat). They stop at
+the tokenizer's `stop_ids` (<eos>, and the stop ids of an imported checkpoint's
+generation_config.json), never emit ids without text (`banned_ids`: the other specials,
+sentinels, ids past the tokenizer) and warn on prompt characters the tokenizer lacks."""
 
 from __future__ import annotations
 
@@ -50,14 +51,26 @@ class _ApplyTokens:
         return self.model.apply({"params": params}, tokens)
 
 
+def stop_ids(tokenizer: tokenizers_lib.Tokenizer, end: int | None = None) -> tuple[int, ...]:
+    """The ids that end a sample, each once: those an imported checkpoint's
+    generation_config.json lists, in its order (`HFTokenizer.stop_ids`; HF `generate` stops at
+    each), then <eos> and `end` (a chat template's end of turn).
+
+    >>> stop_ids(tokenizers_lib.build_tokenizer("byte"))
+    (2,)
+    """
+    ids = (*getattr(tokenizer, "stop_ids", ()), tokenizer.eos_id, end)
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 @functools.lru_cache(maxsize=8)
 def banned_ids(tokenizer: tokenizers_lib.Tokenizer, vocab_size: int, *,
                sentinels_allowed: bool = False) -> tuple[int, ...]:
     """The ids a text decoder never emits, below the model's `vocab_size`: the specials except
-    <eos> (which ends a sample), the sentinels unless `sentinels_allowed`, and the ids past
-    the tokenizer's vocabulary (a model's padded vocabulary), which have no text."""
-    sentinels = set(tokenizer.sentinel_ids)
-    banned = [i for i in tokenizer.special_ids if i != tokenizer.eos_id and
+    the `stop_ids` (which end a sample), the sentinels unless `sentinels_allowed`, and the ids
+    past the tokenizer's vocabulary (a model's padded vocabulary), which have no text."""
+    sentinels, stops = set(tokenizer.sentinel_ids), set(stop_ids(tokenizer))
+    banned = [i for i in tokenizer.special_ids if i not in stops and
               not (sentinels_allowed and i in sentinels)]
     return tuple(banned + list(range(tokenizer.vocab_size, vocab_size)))
 
@@ -91,21 +104,22 @@ def _start_id(tokenizer, decoding: str) -> int:
     return tokenizer.decoder_start_id if decoding == "encoder_decoder" else BOS_ID
 
 
-def _until_eos(ids: np.ndarray, eos_id: int) -> np.ndarray:
-    ends = np.flatnonzero(ids == eos_id)
+def _until_eos(ids: np.ndarray, stops: tuple[int, ...]) -> np.ndarray:
+    """`ids` before the first of the `stops`."""
+    ends = np.flatnonzero(np.isin(ids, stops))
     return ids[:ends[0]] if ends.size else ids
 
 
-def _past_eos(ids: np.ndarray, eos_id: int, tokenizer) -> str:
-    r"""The text of ids that run past document ends: each <eos> a paragraph break.
+def _past_eos(ids: np.ndarray, stops: tuple[int, ...], tokenizer) -> str:
+    r"""The text of ids that run past document ends: each stop (<eos>) a paragraph break.
 
     >>> from transformer.data import tokenizers
     >>> char = tokenizers.build_tokenizer("char", ["ab"])
     >>> ids = np.concatenate([char.encode("ab"), [char.eos_id], char.encode("ba")])
-    >>> _past_eos(ids, char.eos_id, char)
+    >>> _past_eos(ids, (char.eos_id,), char)
     'ab\n\nba'
     """
-    pieces = np.split(ids, np.flatnonzero(ids == eos_id))
+    pieces = np.split(ids, np.flatnonzero(np.isin(ids, stops)))
     return "\n\n".join(tokenizer.decode(p[1:] if i else p) for i, p in enumerate(pieces))
 
 
@@ -127,8 +141,8 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
                  max_new_tokens: int | None = None, chunk_size: int | None = None,
                  callback: Callable[[list[str]], None] | None = None,
                  past_eos: bool = False) -> list[str]:
-    """`num_samples` continuations of `prompt`, each ending at EOS or after `max_new_tokens`
-    (`past_eos`: always after `max_new_tokens`, each EOS a paragraph break).
+    """`num_samples` continuations of `prompt`, each ending at EOS (any of `stop_ids`) or after
+    `max_new_tokens` (`past_eos`: always after `max_new_tokens`, each stop a paragraph break).
 
     Decoder LMs continue the prompt after an <eos> (a document start) and return prompt +
     continuation; by default they fill the training context of config.seq_len tokens. An
@@ -141,7 +155,7 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     check_max_new_tokens(max_new_tokens)
     encoded = _encode_prompt(tokenizer, prompt)
     banned = _banned_for(tokenizer, model, config)
-    eos = tokenizer.eos_id
+    eos, stops = tokenizer.eos_id, stop_ids(tokenizer)
     if decoding == "encoder_decoder":
         prompt_ids = np.concatenate([encoded, [eos]]).astype(np.int32)
         keep = np.zeros(0, np.int32)
@@ -152,8 +166,8 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
 
     def to_texts(rows):
         if past_eos:
-            return [_past_eos(np.concatenate([keep, r]), eos, tokenizer) for r in rows]
-        return [tokenizer.decode(np.concatenate([keep, _until_eos(r, eos)])) for r in rows]
+            return [_past_eos(np.concatenate([keep, r]), stops, tokenizer) for r in rows]
+        return [tokenizer.decode(np.concatenate([keep, _until_eos(r, stops)])) for r in rows]
     if n == 0:
         texts = to_texts(np.zeros((num_samples, 0), np.int32))
         if callback is not None:
@@ -174,7 +188,8 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     tokens, _ = decode(model, params, [prompt_ids] * num_samples, max_new_tokens=n,
                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed,
                        prefix_lm=decoding == "prefix", chunk_size=chunk_size,
-                       callback=on_tokens, banned_ids=banned, eos_id=None if past_eos else eos,
+                       callback=on_tokens, banned_ids=banned,
+                       eos_id=None if past_eos else stops,
                        start_id=_start_id(tokenizer, decoding))
     return to_texts(tokens)
 
@@ -190,7 +205,7 @@ def speculative_text(model, params, tokenizer, config, *, prompt: str = "",
                          "causal decoder LM (family gpt) with model.mtp.depth > 0")
     check_max_new_tokens(max_new_tokens)
     encoded = _encode_prompt(tokenizer, prompt)
-    eos = tokenizer.eos_id
+    eos, stops = tokenizer.eos_id, stop_ids(tokenizer)
     prompt_ids = np.concatenate([[eos], encoded]).astype(np.int32)
     n = _new_tokens(max_new_tokens, config, "causal", len(prompt_ids))
     if max_new_tokens is None and config.model.get("position") == "learned":
@@ -199,10 +214,10 @@ def speculative_text(model, params, tokenizer, config, *, prompt: str = "",
     if n == 0:
         return tokenizer.decode(encoded), None
     tokens, _, stats = speculative_decode(
-        model, params, [prompt_ids], max_new_tokens=n, eos_id=eos,
+        model, params, [prompt_ids], max_new_tokens=n, eos_id=stops,
         banned_ids=_banned_for(tokenizer, model, config), temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed)
-    return tokenizer.decode(np.concatenate([encoded, _until_eos(tokens[0], eos)])), stats
+    return tokenizer.decode(np.concatenate([encoded, _until_eos(tokens[0], stops)])), stats
 
 
 def check_max_new_tokens(max_new_tokens) -> None:
@@ -244,7 +259,7 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
     decoding = _decoding(config)
     check_max_new_tokens(max_new_tokens)
     encoded = _encode_prompt(tokenizer, prompt)
-    eos = tokenizer.eos_id
+    eos, stops = tokenizer.eos_id, stop_ids(tokenizer)
     if decoding == "encoder_decoder":
         ids, keep = np.concatenate([encoded, [eos]]), np.zeros(0, np.int32)
     else:
@@ -256,9 +271,9 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
     tokens, _, _ = beam_search(model, params, [ids.astype(np.int32)], beam_size=beam_size,
                                max_new_tokens=n, length_penalty=length_penalty,
                                prefix_lm=decoding == "prefix",
-                               banned_ids=_banned_for(tokenizer, model, config), eos_id=eos,
-                               start_id=_start_id(tokenizer, decoding))
-    return tokenizer.decode(np.concatenate([keep, _until_eos(tokens[0], eos)]))
+                               banned_ids=_banned_for(tokenizer, model, config),
+                               eos_id=stops, start_id=_start_id(tokenizer, decoding))
+    return tokenizer.decode(np.concatenate([keep, _until_eos(tokens[0], stops)]))
 
 
 def chat_replies(model, params, tokenizer, config, conversation, *, num_samples: int = 1,
@@ -267,7 +282,8 @@ def chat_replies(model, params, tokenizer, config, conversation, *, num_samples:
     """`num_samples` assistant replies to `conversation` (a list of {"role", "content"}): the
     conversation rendered with the tokenizer's chat template and the assistant turn open
     (`add_generation_prompt`), exactly as `data.objective="sft"` renders training data, then
-    sampled until the template's end of turn (or <eos>), which the reply leaves out."""
+    sampled until the template's end of turn (or another of `stop_ids`: <eos>, an imported
+    checkpoint's generation_config.json stop ids), which the reply leaves out."""
     from transformer.data import chat
 
     if _decoding(config) not in ("causal", "prefix"):
@@ -275,18 +291,13 @@ def chat_replies(model, params, tokenizer, config, conversation, *, num_samples:
     check_max_new_tokens(max_new_tokens)
     prompt = chat.encode_chat(tokenizer, conversation, add_generation_prompt=True,
                               where="--chat")
-    end = chat.end_of_turn_id(tokenizer)
+    stops = stop_ids(tokenizer, chat.end_of_turn_id(tokenizer))
     n = _new_tokens(max_new_tokens, config, "causal", len(prompt))
-    banned = tuple(i for i in _banned_for(tokenizer, model, config) if i != end)
+    banned = tuple(i for i in _banned_for(tokenizer, model, config) if i not in stops)
     tokens, _ = decode(model, params, [prompt] * num_samples, max_new_tokens=n,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       prefix_lm=_decoding(config) == "prefix", banned_ids=banned, eos_id=end)
-    stops = [i for i in (end, tokenizer.eos_id) if i is not None]
-    replies = []
-    for row in tokens:
-        cut = [int(np.flatnonzero(row == i)[0]) for i in stops if (row == i).any()]
-        replies.append(tokenizer.decode(row[:min(cut, default=len(row))]))
-    return replies
+                       prefix_lm=_decoding(config) == "prefix", banned_ids=banned, eos_id=stops)
+    return [tokenizer.decode(_until_eos(row, stops)) for row in tokens]
 
 
 def read_chat(value: str) -> list[list[dict]]:
