@@ -75,6 +75,7 @@ class TransformerLM(LM):
             raise ValueError(f"max_length={self.max_length}: learned positions go up to "
                              f"model.max_len={limit}")
         self.eos = int(self.tokenizer.eos_id)
+        self.stops = text.stop_ids(self.tokenizer)  # <eos> and an imported checkpoint's stops
         self.banned = text.banned_ids(self.tokenizer, self.config.model.vocab_size)
         moe = self.config.model.get("moe") or {}
         self.unpadded = bool(moe.get("num_experts") and moe.get("capacity_factor"))
@@ -175,10 +176,10 @@ class TransformerLM(LM):
                 tokens, ends = programs.decode(
                     self.model, self.params, batch, lengths=lengths, max_new_tokens=n,
                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                    eos_id=self.eos, banned_ids=self.banned)
+                    eos_id=self.stops, banned_ids=self.banned)
                 for b, i in enumerate(chunk):
                     ids = tokens[b, :ends[b]]
-                    text = self.tokenizer.decode(ids[ids != self.eos])
+                    text = self.tokenizer.decode(ids[~np.isin(ids, self.stops)])
                     cut = min([text.find(s) for s in jobs[i][1] if s and s in text] or
                               [len(text)])
                     out[i] = text[:cut]
