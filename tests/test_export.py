@@ -610,3 +610,47 @@ def test_a_hub_tokenizers_post_processor_gives_way_to_the_template_only_where_it
         pair = auto("first part", "second part")["input_ids"]
         assert pair == original("first part", "second part")["input_ids"]
         assert pair.count(original.sep_token_id) == 2
+
+
+def lora_model(**overrides):
+    """A tiny RoPE GPT's model config with rank-4 adapters, plus `overrides`."""
+    config = default_model_config()
+    config.update(**{**TINY_MODEL, **LLAMA_SHAPED, **overrides})
+    config.lora.rank = 4
+    return config
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (dict(moe=dict(num_experts=4, top_k=2)), "model.moe.num_experts=4"),
+    (dict(attention_kind="mla", num_kv_heads=None), "model.attention_kind='mla'"),
+    (dict(num_layers=2, layer_types="linear_attention,full_attention"),
+     "model.layer_types='linear_attention,full_attention'"),
+    (dict(position="learned"), "model.position='learned'"),
+])
+def test_the_peft_export_refusal_names_the_setting_it_cannot_write(overrides, says):
+    """An MoE's peft export once said "model.family='gpt', position='rope'", both accepted."""
+    import ml_collections
+
+    model = lora_model(**overrides)
+    with pytest.raises(ValueError) as error:
+        export.peft_state(ml_collections.ConfigDict({"model": model, "init_from": ""}), {})
+    assert str(error.value) == (
+        f"{says}: the peft adapter export writes a dense Llama-like GPT's (family 'gpt', "
+        "position 'rope', softmax attention layers); export with --merge_lora instead")
+
+
+def test_an_adapter_peft_has_no_module_for_is_refused_not_dropped():
+    """A gated attention's `gate` takes adapters but peft has no module for it."""
+    import ml_collections
+    from flax import linen as nn
+
+    model = lora_model(attention_gate="head")
+    model.lora.targets = r"attention/(query|gate)$"
+    params = build_model(model).init(jax.random.key(0), np.zeros((1, 8), np.int32))["params"]
+    with pytest.raises(ValueError) as error:
+        export.peft_state(ml_collections.ConfigDict({"model": model, "init_from": ""}),
+                          jax.tree.map(np.asarray, nn.unbox(params)))
+    assert str(error.value).startswith(
+        r"model.lora.targets='attention/(query|gate)$' adapts decoder/layers_0/self_attention/"
+        "gate, which the peft adapter export has no module for (it writes query, key, value, "
+        "out, wi_gate, wi_up, wo); export with --merge_lora instead")
