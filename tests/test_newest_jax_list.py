@@ -25,6 +25,24 @@ def test_every_test_the_newest_jax_tier_lists_exists():
     assert not missing, f"rerun tests/select_newest_jax.py; gone: {missing}"
 
 
+def test_every_parametrised_case_the_tier_lists_is_collected():
+    """A listed case whose parameter ids changed (`test_x[2.0]` after a second parameter was
+    added) is "not found" too, and the function check above cannot see it: pytest collects
+    the listed cases, in a subprocess."""
+    import subprocess
+    import sys
+
+    cases = [line for line in (REPO / "tests" / "newest_jax_tests.txt").read_text().split()
+             if "[" in line]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         *cases], cwd=REPO, capture_output=True, text=True, timeout=300)
+    gone = [line for line in (result.stdout + result.stderr).splitlines()
+            if "not found" in line]
+    assert result.returncode == 0 and not gone, \
+        f"rerun tests/select_newest_jax.py; {gone or result.stdout[-2000:]}"
+
+
 def test_the_tier_runs_the_cpu_mesh_tests():
     """A CPU mesh runs its steps asynchronously only from jaxlib 0.12: the tier is where CI
     runs that path (select_newest_jax.CPU_MESH_TESTS)."""

@@ -317,8 +317,8 @@ def extrapolated(fit: Approach2) -> list[str]:
 
 CAVEATS = (
     "What this can and cannot show. These are tiny character-level models (thousands to a "
-    "million params) trained for minutes on one small embedded corpus, with one seed per run, "
-    "one learning rate and schedule for every size, and a few budgets spanning about one "
+    "million params) trained for minutes on one small embedded corpus, with one seed per run "
+    "(or a few, averaged, from --seeds), one learning rate and schedule for every size, and a few budgets spanning about one "
     "decade of compute. Each point's loss carries seed noise comparable to the differences "
     "between neighbouring sizes, and the larger budgets repeat the corpus (the embedded one "
     "is about 5 M characters: the smallest model reads it about 20 times at 1.5e13 FLOPs), "
