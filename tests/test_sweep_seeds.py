@@ -165,7 +165,7 @@ def test_the_report_over_seeds(tmp_path, monkeypatch):
         sweep.write_report(configs, variants, str(tmp_path), "t", seeds=4, baseline="nope")
 
 
-def test_a_half_written_last_line_is_dropped_and_a_run_under_way_is_training(tmp_path):
+def test_a_half_written_last_line_is_dropped_and_a_run_under_way_is_training(tmp_path, capsys):
     """A run killed mid-write leaves its metrics.jsonl's last line half-written: the report
     reads the records before it (as a resume does); a line that does not parse elsewhere is
     damage, named with its file and line. A run that has logged but saved no checkpoint is
@@ -195,11 +195,14 @@ def test_a_half_written_last_line_is_dropped_and_a_run_under_way_is_training(tmp
 
     path.write_text("\n".join([lines[0], lines[1][:40]] + lines[2:]) + "\n")
     with pytest.raises(ValueError, match=rf"^{path}: line 2 is not a JSON record \(column "
-                                         r"\d+: [^)]+\): expected one a line, only the last "
-                                         r"half-written \(by a run killed mid-write\)"):
+                                         r"\d+: [^)]+\): expected a record a line, only the "
+                                         r"last one half-written \(by a run killed "
+                                         r"mid-write\)"):
         sweep.write_report(configs, variants, str(tmp_path), "t", seeds=2, baseline="base")
-    # A resume still drops it (and what it logged past its checkpoint) and goes on.
+    # A resume still drops it (and what it logged past its checkpoint), says so, and goes on.
+    capsys.readouterr()
     assert metrics.keep_records_up_to(str(path), 2) == [lines[0] + "\n"]
+    assert capsys.readouterr().err.startswith(f"warning: {path}: line 2 is not a JSON record")
 
 
 def test_mean_curves_over_seeds():

@@ -209,7 +209,7 @@ def read_records(path: str, damaged_ok: bool = False) -> list[tuple[str, dict]]:
     """(line, record) of each record in a metrics.jsonl ([] without the file). A last line
     that does not parse is dropped: a run killed mid-write leaves it half-written. One
     elsewhere is damage, refused in one line naming the file and line (`damaged_ok`: dropped
-    too)."""
+    too, with a warning naming it)."""
     if not fileio.path(path).exists():
         return []
     lines = fileio.path(path).read_text().splitlines()
@@ -225,10 +225,13 @@ def read_records(path: str, damaged_ok: bool = False) -> list[tuple[str, dict]]:
             why = f"column {error.colno}: {error.msg}"
         if not why:
             records.append((line, record))
-        elif i != last and not damaged_ok:
-            raise ValueError(f"{path}: line {i + 1} is not a JSON record ({why}): expected one "
-                             "a line, only the last half-written (by a run killed mid-write): "
-                             "mend or delete that line")
+        elif i != last:
+            damage = f"{path}: line {i + 1} is not a JSON record ({why})"
+            if not damaged_ok:
+                raise ValueError(f"{damage}: expected a record a line, only the last one "
+                                 "half-written (by a run killed mid-write): mend or delete "
+                                 "that line")
+            print(f"warning: {damage}: dropped", file=sys.stderr)
     return records
 
 
