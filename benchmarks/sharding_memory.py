@@ -47,7 +47,7 @@ def main() -> None:
     print("-" * len(header))
     baseline = None
     for shape in meshes:
-        mesh = sharding.make_mesh(dict(zip(sharding.MESH_AXES, shape, strict=True)))
+        mesh = sharding.make_mesh(dict(zip(("data", "fsdp", "tensor"), shape, strict=True)))
         abstract, shardings, jitted = state.initial_state(config, model, mesh, example,
                                                           optimizer)
         params = sharding.bytes_per_device(abstract.params, shardings.params)
