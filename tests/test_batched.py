@@ -160,6 +160,36 @@ def test_the_profilers_start_and_stop_are_outside_every_seeds_timed_steps(tmp_pa
 
 
 @pytest.mark.slow
+def test_every_seeds_clock_leaves_out_the_other_seeds_setups(tmp_path, monkeypatch):
+    """The seeds are set up one after another (each made 1 s slower here), then train in one
+    program: every seed's `elapsed` at a step is the same, and its goodput start-up is its own
+    setup, not the later seeds' as well."""
+    own, setup = [], train.setup
+
+    def slow_setup(*args, **kwargs):
+        began = time.perf_counter()
+        run = setup(*args, **kwargs)
+        time.sleep(1.0)  # after the run's metrics log opened
+        own.append(time.perf_counter() - began)
+        return run
+
+    monkeypatch.setattr(train, "setup", slow_setup)
+    configs = [seed_config(k, steps=2, eval_every=100, checkpoint_every=100) for k in range(2)]
+    batched.train_seeds(configs, [str(tmp_path / f"seed_{k}") for k in range(2)])
+    elapsed = [{r["step"]: r["elapsed"] for r in map(json.loads, (
+        tmp_path / f"seed_{k}" / "metrics.jsonl").read_text().splitlines())} for k in range(2)]
+    summaries = [json.loads((tmp_path / f"seed_{k}" / "summary.json").read_text())
+                 for k in range(2)]
+    assert sorted(elapsed[0]) == sorted(elapsed[1]) == [1, 2]
+    for step in (1, 2):
+        assert abs(elapsed[0][step] - elapsed[1][step]) < 0.25, elapsed
+    assert abs(summaries[0]["elapsed"] - summaries[1]["elapsed"]) < 0.25
+    for k in range(2):  # the setup it was charged is its own (1 s of seed 1's: not seed 0's)
+        startup = summaries[k]["goodput"]["startup_seconds"]
+        assert own[k] - 0.01 < startup < own[k] + 0.5, (k, startup, own)
+
+
+@pytest.mark.slow
 def test_a_resume_after_kill_catches_the_seeds_behind_up_first(separate, tmp_path):
     """A kill -9 during saves leaves seed 1 at step 2 and seed 2 at step 4 while seed 0
     finished: seed 1 trains alone to step 4 (the others masked), then 1 and 2 together."""

@@ -5,6 +5,7 @@ strategies against one device, in attention and in training."""
 from __future__ import annotations
 
 import functools
+import json
 
 import flax.linen as nn
 import jax
@@ -14,10 +15,13 @@ import pytest
 from test_sharding import run_check
 from test_train import assert_succeeded, run_cli, tiny_flags, train_losses
 
-from transformer import configs
+from transformer import configs, evaluate
+from transformer.data import inputs
 from transformer.nn import dense_attention, masks, sequence_parallel
 from transformer.nn.chunked_attention import chunked_attention
 from transformer.parallel import sharding
+from transformer.training import checkpoint as checkpoint_lib
+from transformer.training import finetune, startup
 
 # --- the layout ------------------------------------------------------------------------------
 
@@ -81,6 +85,38 @@ def test_lengths_that_do_not_split_are_one_line_errors():
     config.seq_len = 64
     configs.validate_config(config, num_devices=32, num_processes=1)
 
+
+
+def test_evaluate_refuses_an_eval_seq_len_its_mesh_does_not_split_before_restoring(monkeypatch):
+    """A run trained on data=2 x sequence=4, evaluated at 36 tokens: on 8 devices (its own
+    mesh) 36 is no multiple of 2 x 4 load-balanced chunks, one line naming eval_seq_len before
+    the tokenizer or checkpoint is read; on one device (data parallel: no split) it passes."""
+    config = configs.base_config()
+    config.update(seq_len=64, batch_size=8)
+    config.mesh.update(data=2, sequence=4)
+    monkeypatch.setattr(checkpoint_lib, "saved_run", lambda workdir, step: (10, config))
+
+    class Past(Exception):
+        """Got past the checks."""
+
+    def past(*args, **kwargs):
+        raise Past
+
+    monkeypatch.setattr(inputs, "get_tokenizer", past)
+    monkeypatch.setattr(finetune, "restore_params", past)
+    with pytest.raises(Past):  # this process's one device: evaluated data parallel
+        evaluate.evaluate_workdir("run", seq_lens=(36,))
+    one = jax.devices()
+    monkeypatch.setattr(jax, "devices", lambda *args: one * 8)  # as if 8: the run's mesh fits
+    with pytest.raises(ValueError) as error:
+        evaluate.evaluate_workdir("run", seq_lens=(32, 36))
+    assert str(error.value) == ("eval_seq_len=36: expected a multiple of 2 x mesh.sequence=4 "
+                                "(load-balanced chunks)")
+    with pytest.raises(Past):
+        evaluate.evaluate_workdir("run", seq_lens=(32, 40))
+    # A training's eval_seq_lens: a length its mesh cannot split is skipped, as one it cannot
+    # run at (run_eval.after_training says why), not traced to fail after the last step.
+    assert not startup.evaluable(config, 36) and startup.evaluable(config, 40)
 
 # --- attention over blocks of a longer sequence (what each device computes) ------------------
 
@@ -172,24 +208,53 @@ def test_a_checkpoint_saved_on_one_sequence_mesh_continues_on_another(results):
     assert reshard["max_param_diff"] < 1e-5
 
 
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """{devices: (workdir, the training's stdout)}: the tiny run trained through the CLI on one
+    device and on 4 as data=2 x sequence=2 (all_gather)."""
+    root, runs = tmp_path_factory.mktemp("cli"), {}
+    for devices, mesh in ((1, ()), (4, ("--config.mesh.data=2", "--config.mesh.sequence=2"))):
+        workdir = root / f"devices_{devices}"
+        result = run_cli("transformer.train", f"--workdir={workdir}", *tiny_flags(3),
+                         "--config.model.sequence_parallel=all_gather", *mesh,
+                         logs=root / f"logs_{devices}", devices=devices)
+        assert_succeeded(result)
+        runs[devices] = workdir, result.stdout
+    return runs
+
+
 @pytest.mark.slow
-def test_the_cli_trains_on_a_data_by_sequence_mesh_as_on_one_device(tmp_path):
+def test_the_cli_trains_on_a_data_by_sequence_mesh_as_on_one_device(cli_runs):
     """4 devices as data=2 x sequence=2, all_gather (each device gathers the keys and values of
     its own rows over the axis: a shard_map manual over data and sequence at once, which jax
     0.12 compiles where one nested in another failed a check), train the losses one device
     trains, through the CLI. The newest-jax tier runs it (tests/select_newest_jax.py)."""
-    losses = {}
-    for devices, mesh in ((1, ()), (4, ("--config.mesh.data=2", "--config.mesh.sequence=2"))):
-        workdir = tmp_path / f"devices_{devices}"
-        result = run_cli("transformer.train", f"--workdir={workdir}", *tiny_flags(3),
-                         "--config.model.sequence_parallel=all_gather", *mesh,
-                         logs=tmp_path / f"logs_{devices}", devices=devices)
-        assert_succeeded(result)
-        losses[devices] = train_losses(workdir)
-    assert "sequence=2" in result.stdout and sorted(losses[4]) == sorted(losses[1]) == [1, 2, 3]
+    losses = {devices: train_losses(workdir) for devices, (workdir, _) in cli_runs.items()}
+    assert "sequence=2" in cli_runs[4][1] and sorted(losses[4]) == sorted(losses[1]) == [1, 2, 3]
     np.testing.assert_allclose([losses[4][s] for s in (1, 2, 3)],
                                [losses[1][s] for s in (1, 2, 3)], rtol=1e-5)
 
+
+@pytest.mark.slow
+def test_evaluate_at_a_length_the_axis_does_not_split_says_so_and_one_device_evaluates_it(
+        cli_runs, tmp_path):
+    """`transformer.evaluate --eval_seq_len=10` on the data=2 x sequence=2 run: on its 4 devices
+    one line (10 is no multiple of 2 x 2 chunks) and nothing written; on one device (data
+    parallel) it evaluates."""
+    workdir = cli_runs[4][0]
+    refused = run_cli("transformer.evaluate", f"--workdir={workdir}", "--eval_seq_len=10",
+                      logs=tmp_path / "refused", devices=4)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.splitlines()[-1] == (
+        "error: eval_seq_len=10: expected a multiple of 2 x mesh.sequence=2 (load-balanced "
+        "chunks)")
+    assert not list(workdir.glob("eval_*.json"))
+    result = run_cli("transformer.evaluate", f"--workdir={workdir}", "--eval_seq_len=10",
+                     logs=tmp_path / "one_device", devices=1)
+    assert_succeeded(result)
+    assert "evaluating data parallel over 1 of the 1 devices" in result.stderr
+    metrics = json.loads((workdir / "eval_3_len10.json").read_text())
+    assert np.isfinite(metrics["by_seq_len"]["10"]["loss"])
 
 @pytest.mark.slow
 def test_a_seq_len_the_axis_does_not_split_is_refused_before_anything_runs(results):

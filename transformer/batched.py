@@ -23,6 +23,8 @@ same program with the seeds ahead masked (their state kept, their data untouched
 train together. A seed whose loss turns NaN stops as it would alone (its error, its checkpoints
 set aside); the others go on, its slot masked. Variants with one unfinished seed train the usual
 way. Log lines give each seed's own tokens/s; MFU counts the work of all the seeds trained.
+The seeds are set up one after another; then every seed's clock (`elapsed`) restarts at once, and
+its goodput start-up is its own setup.
 """
 
 from __future__ import annotations
@@ -69,10 +71,12 @@ def train_seeds(configs: Sequence[ml_collections.ConfigDict], workdirs: Sequence
     check_group(configs)
     results: list[dict | Exception | None] = [None] * len(configs)
     runs: list[tuple[int, train.Run]] = []
+    setups: list[float] = []  # each run's own setup, in seconds
     with contextlib.ExitStack() as locks, contextlib.ExitStack() as opened:
         for k, (config, workdir) in enumerate(zip(configs, workdirs, strict=True)):
+            began = time.perf_counter()
             try:
-                run = train.setup(config, workdir, explicit)
+                run = train.setup(config, workdir, explicit, started=began)
             except startup.Finished as done:
                 results[k] = startup.finished_result(config, workdir, done)
                 continue
@@ -80,6 +84,7 @@ def train_seeds(configs: Sequence[ml_collections.ConfigDict], workdirs: Sequence
                 results[k] = error
                 continue
             runs.append((k, run))
+            setups.append(time.perf_counter() - began)
             # after summary.json, as train_and_evaluate; a seed that failed in a workdir it
             # made leaves no workdir unless it saved a checkpoint
             locks.callback(lambda run=run, k=k: run.lock.release(
@@ -87,6 +92,7 @@ def train_seeds(configs: Sequence[ml_collections.ConfigDict], workdirs: Sequence
             opened.callback(_close, run)  # should a later seed's setup not return
         if runs:
             group = [run for _, run in runs]
+            _start_together(group, setups)
             for run in group[1:]:  # one compiled evaluation (it does not depend on the seed)
                 run.eval_step = group[0].eval_step
             opened.pop_all()  # train_to_end closes them
@@ -94,6 +100,18 @@ def train_seeds(configs: Sequence[ml_collections.ConfigDict], workdirs: Sequence
             for (k, _), result in zip(runs, done, strict=True):
                 results[k] = result
     return results
+
+
+def _start_together(runs: Sequence[train.Run], setups: Sequence[float]) -> None:
+    """Restarts every run's clocks at one moment, now that the last one is set up: each run's
+    clock started in its own setup, so an earlier seed's `elapsed` (metrics.jsonl, the sweep
+    report's wall time) held the later seeds' setups, and its goodput start-up too. Now each
+    `elapsed` counts from here (plus a resumed run's `elapsed_before`), and each start-up is
+    the run's own setup (`setups`, seconds)."""
+    now = time.perf_counter()
+    for run, seconds in zip(runs, setups, strict=True):
+        run.logger.start = now
+        run.goodput.started = now - seconds
 
 
 def _close(run: train.Run) -> None:

@@ -13,7 +13,8 @@ since the checkpoint was saved is said in a warning and in the results (`data_ch
 
 `--eval_seq_len` evaluates at other sequence lengths than the run trained at (length
 extrapolation), reading about the same number of tokens at each length; a model with learned
-positions cannot go beyond its table (model.max_len) and says so.
+positions cannot go beyond its table (model.max_len), and on a sequence-parallel mesh a length
+must split over mesh.sequence as seq_len did: either is said in one line before the restore.
 """
 
 from __future__ import annotations
@@ -74,11 +75,14 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
         raise ValueError(f"split={split!r}: expected 'validation'" + (
             " or 'test'" if has_test else
             " (only labeled tasks and runs with data.test_path have a test split)"))
-    for seq_len in seq_lens:  # before anything is restored or compiled
+    config, devices, note = local_mesh(config)
+    for seq_len in seq_lens:  # before anything is restored or compiled, on the mesh used here
         evaluation.check_eval_seq_len(config, seq_len)
+    if note:
+        print(note, file=sys.stderr)
     tokenizer = inputs.get_tokenizer(config, workdir)
     model = build_model(config.model)
-    config, placement = local_placement(config)
+    placement = placement_lib.Placement.from_config(config, devices)
     # A training beside it may delete the newest step meanwhile: then the next one is read.
     step, _, params = finetune.restore_params(workdir, step, placement.mesh,
                                                     or_newer=newest)
@@ -117,14 +121,15 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     return metrics
 
 
-def local_placement(config):
-    """(config, placement) on this machine's devices: the run's own mesh where they fit it,
-    else data parallel over the most devices that divide the batch, the config's mesh set to
-    it (a checkpoint restores onto any mesh), with a note saying so."""
+def local_mesh(config):
+    """(config, devices, note) for this machine's devices: the run's own mesh where they fit
+    it (devices None: all), else data parallel over the most devices that divide the batch, the
+    config's mesh set to it (a checkpoint restores onto any mesh), with a note saying so (else
+    note None)."""
     devices = jax.devices()
     try:
         sharding.mesh_shape(config.mesh, len(devices))
-        return config, placement_lib.Placement.from_config(config)
+        return config, None, None
     except ValueError:
         if jax.process_count() > 1:  # every host must agree: the run's mesh or its error
             raise
@@ -133,9 +138,8 @@ def local_placement(config):
                                       for axis in sharding.MESH_AXES})
     config = config.copy_and_resolve_references()
     config.mesh.update({axis: data if axis == "data" else 1 for axis in sharding.MESH_AXES})
-    print(f"note: the run trained on mesh {trained}; evaluating data parallel over {data} of "
-          f"the {len(devices)} devices here", file=sys.stderr)
-    return config, placement_lib.Placement.from_config(config, devices[:data])
+    return config, devices[:data], (f"note: the run trained on mesh {trained}; evaluating data "
+                                     f"parallel over {data} of the {len(devices)} devices here")
 
 
 def data_changes(workdir: str, step: int, config) -> list[str]:

@@ -17,6 +17,8 @@ import numpy as np
 
 from transformer.data import inputs, pipeline
 from transformer.models import family_of
+from transformer.nn import sequence_parallel
+from transformer.parallel import sharding
 from transformer.training import placement as placement_lib
 from transformer.utils import fileio
 
@@ -284,9 +286,24 @@ def _evaluate_mixture(params, eval_step, mixture, tokenizer, steps, placement,
     return {**total, "by_source": by_source}
 
 
+def sequence_balanced(config) -> bool:
+    """Whether a sequence-parallel mesh lays the rows out in 2 x sequence load-balanced chunks
+    (decoder LMs, unless model.sequence_load_balance=False; `transformer.nn.sequence_parallel`)."""
+    return (family_of(config.model).decoding in ("causal", "prefix")
+            and config.model.get("sequence_load_balance", True))
+
+
 def check_eval_seq_len(config, seq_len: int) -> None:
-    """One-line error for a validation length the model cannot run at."""
+    """One-line error for a validation length the model cannot run at: on config.mesh (the
+    mesh the evaluation runs on), the length must split over its `sequence` axis as training's
+    seq_len did (`configs.check_sequence_split`)."""
     check_length(seq_len, "eval_seq_len")
+    sequence = config.mesh.get("sequence", 1)
+    if sequence == -1:  # the devices the other axes leave
+        sequence = sharding.mesh_shape(config.mesh, jax.device_count())["sequence"]
+    if sequence > 1:
+        sequence_parallel.check_length(seq_len, sequence, load_balance=sequence_balanced(config),
+                                       what="eval_seq_len")
     if config.model.get("position") == "learned" and seq_len > config.model.max_len:
         raise ValueError(f"eval_seq_len={seq_len}: the model learned positions for "
                          f"{config.model.max_len} tokens (model.max_len), and a learned "
