@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import multiprocessing
+import os
 import random
 import re
 import signal
@@ -440,20 +442,25 @@ def test_a_killed_prepare_resumes_to_the_bytes_of_an_uninterrupted_one(tmp_path,
         {name: mtime for name, (_, mtime) in finished.items()}
 
 
-@pytest.mark.slow
-def test_a_resume_with_another_setting_or_other_input_is_refused_in_one_line(tmp_path,
-                                                                             monkeypatch):
-    source, out = uneven_inputs(tmp_path), tmp_path / "out"
+def stopped_after_one_file(monkeypatch, *args, **kwargs) -> None:
+    """`prepare.prepare(*args, **kwargs)` stopped as a prepare killed after its first file."""
     unit = prepare_units.prepare_unit
 
-    def stop_after_one(*args, **kwargs):  # as a prepare killed after its first file
+    def stop_after_one(*args, **kwargs):
         unit(*args, **kwargs)
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
         patch.setattr(prepare_units, "prepare_unit", stop_after_one)
         with pytest.raises(KeyboardInterrupt):
-            prepare.prepare(str(out), source, num_shards=2)
+            prepare.prepare(*args, **kwargs)
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_setting_or_other_input_is_refused_in_one_line(tmp_path,
+                                                                             monkeypatch):
+    source, out = uneven_inputs(tmp_path), tmp_path / "out"
+    stopped_after_one_file(monkeypatch, str(out), source, num_shards=2)
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
     result = run_prepare([f"--output_dir={out}", f"--input={source}", "--num_shards=3"])
     assert_one_line_error(result, 2, f"error: {out}: holds an unfinished prepare with "
@@ -472,6 +479,89 @@ def test_a_resume_with_another_setting_or_other_input_is_refused_in_one_line(tmp
         prepare.prepare(str(out), source, num_shards=2)
     after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
     assert after == before
+
+
+def three_files(root) -> str:
+    """A folder of three small text files: three units of work."""
+    folder, texts = root / "inputs", web_documents(60, seed=6)
+    folder.mkdir()
+    for i, name in enumerate("abc"):
+        (folder / f"{name}.txt").write_text("\n\n".join(texts[20 * i:20 * i + 20]))
+    return str(folder)
+
+
+def test_a_second_prepare_is_refused_while_one_writes_the_directory(tmp_path, monkeypatch):
+    """Two prepares of one --output_dir (two shells, two hosts on one NFS directory) would mix
+    their tokenizers and shards: the second touches nothing and says so in one line."""
+    source, out = three_files(tmp_path), tmp_path / "out"
+    stopped_after_one_file(monkeypatch, str(out), source, tokenizer="char")
+    (out / ".prepare" / "tmp" / "1-writing").mkdir(parents=True)  # the other one's shards
+    (out / ".prepare" / "tmp" / "1-writing" / "train.array_record").write_bytes(b"half")
+    before = files_of(out)
+    with prepare_units.exclusive(str(out)):  # held as the other prepare holds it
+        with pytest.raises(FileExistsError) as error:
+            prepare.prepare(str(out), source, tokenizer="char")
+        assert str(error.value) == (
+            f"another prepare is writing {out}: expected one prepare at a time in an "
+            "--output_dir (rerun this command once it has stopped)")
+        assert files_of(out) == before
+    prepare.prepare(str(out), source, tokenizer="char")  # once it stopped: resumes
+    assert (out / "prepare.json").is_file() and not (out / ".prepare").exists()
+
+
+def test_a_resume_refuses_an_unfinished_file_its_tokenizer_read_before_it_changed(
+        tmp_path, monkeypatch):
+    """A char tokenizer is trained on every input file: one edited since would be tokenized
+    with a vocabulary of its old text. A prepare begun before the files' fingerprints were
+    recorded resumes as before."""
+    source, out, reference = three_files(tmp_path), tmp_path / "out", tmp_path / "reference"
+    prepare.prepare(str(reference), source, tokenizer="char")
+    stopped_after_one_file(monkeypatch, str(out), source, tokenizer="char")
+    unfinished = tmp_path / "inputs" / "c.txt"
+    text = unfinished.read_text()
+    unfinished.write_text(text + "\n\nZebra quiz: letters the tokenizer never saw, 0123.")
+    with pytest.raises(ValueError) as error:
+        prepare.prepare(str(out), source, tokenizer="char")
+    assert str(error.value) == (
+        f"{unfinished}: changed since the unfinished prepare in {out} read it: expected it as it "
+        "was to resume, or another --output_dir")
+    unfinished.write_text(text)
+    manifest = out / ".prepare" / "settings.json"
+    older = json.loads(manifest.read_text())
+    del older["fingerprints"]
+    manifest.write_text(json.dumps(older))
+    prepare.prepare(str(out), source, tokenizer="char")
+    assert files_of(out) == files_of(reference)
+
+
+def test_a_prepare_inside_its_input_directory_resumes(tmp_path, monkeypatch):
+    """--output_dir=inputs/prepared: a resume lists its shards and tokenizer under --input=inputs
+    too, and leaves them out (they are not input), to the bytes of an uninterrupted prepare."""
+    source, reference = three_files(tmp_path), tmp_path / "reference"
+    prepare.prepare(str(reference), source, num_shards=2)
+    out = tmp_path / "inputs" / "prepared"
+    stopped_after_one_file(monkeypatch, str(out), source, num_shards=2)
+    assert prepare.prepare(str(out), source, num_shards=2) == \
+        json.loads((reference / "prepare.json").read_text())
+    assert files_of(out) == files_of(reference)
+
+
+def test_a_tokenizing_worker_that_dies_fails_the_prepare_in_one_line(tmp_path):
+    """A worker killed (kill -9, the OOM killer) fails the prepare, which then resumes; it used
+    to wait for the dead worker's batch forever."""
+    tokenizer = tokenizers_lib.build_tokenizer("byte")
+    tokenizer.save(str(tmp_path))
+    before = set(multiprocessing.active_children())
+    with prepare._encoder(tokenizer, str(tmp_path), 2) as encode:
+        encoded = encode(iter([["a document", "another"]] * 20_000))  # past the death's notice
+        assert [np.asarray(ids).tolist() for ids in next(encoded)] == [
+            np.asarray(ids).tolist() for ids in tokenizer.encode_batch(["a document", "another"])]
+        os.kill(next(iter(set(multiprocessing.active_children()) - before)).pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError) as error:
+            list(encoded)
+    assert str(error.value) == (
+        "a tokenizing worker process (of --num_workers=2) died (killed, or out of memory?): "
+        "rerun the same command to resume the prepare from the input files it finished")
 
 
 # --- prepare as an Apache Beam pipeline --------------------------------------------------------

@@ -55,6 +55,57 @@ def test_prepared_array_records_give_the_same_batches_as_the_text(text_file, tmp
         inputs.bytes_per_token(from_records, tokenizer, "train"))
 
 
+def batches(config, tokenizer, split="train", n=5):
+    return take(inputs.get_dataset(config, tokenizer, split), n)
+
+
+def assert_same_batches(a, b):
+    for x, y in zip(a, b, strict=True):
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+
+
+def test_prepared_documents_of_several_shards_train_in_input_order(text_file, tmp_path):
+    """--num_shards=3 writes document j of a file to shard j % 3: training reads them back in
+    input order, so it reads the batches of --num_shards=1 and of the text. A checkpoint of
+    such data, saved when its shards were read one after another, does not resume on the
+    new order; other data's stream is unchanged."""
+    from transformer.training import checkpoint_manager
+
+    streams, read = {}, {}
+    for num_shards in (1, 3):
+        prepared = tmp_path / f"shards{num_shards}"
+        prepare.prepare(str(prepared), str(text_file), tokenizer="byte", num_shards=num_shards)
+        config = config_for(prepared)
+        tokenizer = inputs.get_tokenizer(config)
+        read[num_shards] = {split: batches(config, tokenizer, split)
+                            for split in ("train", "validation")}
+        streams[num_shards] = inputs.data_stream(config)
+    assert len(list(tmp_path.glob("shards3/train-*.array_record"))) == 3
+    for split in ("train", "validation"):
+        assert_same_batches(read[1][split], read[3][split])
+        assert_same_batches(read[1][split], batches(config_for(text_file), tokenizer, split))
+    assert "documents_in_input_order" not in streams[1]
+    old = {k: v for k, v in streams[3].items() if k != "documents_in_input_order"}
+    assert checkpoint_manager.stream_differences(old, streams[3]) == [
+        "documents_in_input_order: checkpoint None, config True"]
+
+
+@pytest.mark.parametrize("format", ["array_record", "bin"])
+def test_prepared_data_in_a_directory_named_with_glob_characters(text_file, tmp_path, format):
+    """data.path=prep/ar[v1] is that directory, not a glob pattern: it trains as prep/plain."""
+    configs = []
+    for name in ("plain", "ar[v1]"):
+        prepare.prepare(str(tmp_path / name), str(text_file), tokenizer="byte", format=format,
+                        tokens_per_shard=4000)
+        configs.append(config_for(tmp_path / name))
+    tokenizer = inputs.get_tokenizer(configs[1])
+    for split in ("train", "validation"):
+        assert_same_batches(*(batches(config, tokenizer, split) for config in configs))
+    assert inputs.data_stream(configs[0])["fingerprint"] == \
+        inputs.data_stream(configs[1])["fingerprint"]
+
+
 def test_prepared_data_tokenized_otherwise_than_the_config_says_is_refused(text_file, tmp_path):
     prepared = tmp_path / "prepared"
     prepare.prepare(str(prepared), str(text_file), tokenizer="char")
@@ -262,7 +313,8 @@ def test_held_out_files_among_the_training_files_are_refused(tmp_path):
             "train files alone, e.g. a glob)")
         configs.validate_config(config_for(corpus / "train.txt", **{key: val}))  # apart: fine
     with pytest.raises(ValueError, match=f"data.sources 'corpus': validation_path='{val}': "
-                                         f"{val} is also a training file, of its path="):
+                                         f"{val} is also a training file, of data.sources "
+                                         "'corpus': path="):
         configs.validate_config(config_for(
             "", sources=(f"path={corpus},weight=1,validation_path={val}",)))
 

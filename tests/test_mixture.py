@@ -175,6 +175,25 @@ def test_data_path_with_sources_is_a_one_line_error(two_texts):
         configs.validate_config(config, num_devices=1, num_processes=1)
 
 
+def test_a_validation_path_that_another_source_trains_on_is_refused(two_texts):
+    """prose validating on code.txt, which the code source trains on, would score trained text."""
+    prose, code = two_texts
+    config = mixture_config(prose, code)
+    config.data.sources = (f"path={prose},weight=0.75,validation_path={code}",
+                           f"path={code},weight=0.25,unit=stream")
+    with pytest.raises(ValueError) as error:
+        configs.validate_config(config)
+    assert str(error.value) == (
+        f"data.sources 'prose': validation_path={str(code)!r}: {code} is also a training file, "
+        f"of data.sources 'code': path={str(code)!r}: expected held-out files apart from the "
+        "training files (point the path at the train files alone, e.g. a glob)")
+    held_out = code.parent / "held_out.txt"  # a file no source trains on: accepted
+    held_out.write_text(code.read_text().upper())
+    config.data.sources = (f"path={prose},weight=0.75,validation_path={held_out}",
+                           config.data.sources[1])
+    configs.validate_config(config)
+
+
 def test_the_data_stream_names_the_sources_their_weights_and_fingerprints(two_texts):
     config = mixture_config(*two_texts)
     stream = inputs.data_stream(config)

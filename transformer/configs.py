@@ -25,7 +25,7 @@ from transformer.nn import sequence_parallel
 from transformer.nn.mixers import MIXERS
 from transformer.parallel import pipeline_parallel, sharding
 from transformer.training import checkpoint as checkpoint_lib
-from transformer.training import optim, placement, task_eval, wandb_logging
+from transformer.training import evaluation, optim, placement, task_eval, wandb_logging
 from transformer.utils import fileio
 from transformer.utils.keys import Check
 
@@ -108,8 +108,7 @@ def check_sequence_split(config: ml_collections.ConfigDict, mesh_sizes: dict[str
     """One-line error unless seq_len splits over mesh.sequence (decoder LMs lay it out in
     2 x sequence chunks for load balancing, see `transformer.nn.sequence_parallel`)."""
     if mesh_sizes["sequence"] > 1:
-        balanced = (family_of(config.model).decoding in ("causal", "prefix")
-                    and config.model.get("sequence_load_balance", True))
+        balanced = evaluation.sequence_balanced(config)
         sequence_parallel.check_length(config.seq_len, mesh_sizes["sequence"],
                                        load_balance=balanced, what="seq_len")
         depth = config.model.get("mtp", {}).get("depth", 0)
@@ -324,18 +323,22 @@ def _validate_test_path(config: ml_collections.ConfigDict) -> None:
 
 def _validate_held_out(config: ml_collections.ConfigDict) -> None:
     """data.validation_path and data.test_path (a mixture source's validation_path) must hold
-    none of the training files (data.path's, the source's path's): they would be trained on."""
-    pairs = [(f"data.{key}", config.data.get(key, ""), "data.path", config.data.path)
-             for key in ("validation_path", "test_path")]
-    pairs += [(f"data.sources {s.name!r}: validation_path", s.validation_path, "its path", s.path)
-              for s in sources.parse_sources(config.data.get("sources") or ())]
-    for key, held_out, trains, path in pairs:
-        if path and held_out and not inputs.token_shard_dir(path) and not os.path.isfile(
-                os.path.join(path, "prepare.json")) and \
-                (file := sources.shared_file(path, held_out)):
-            raise ValueError(f"{key}={held_out!r}: {file} is also a training file, of {trains}="
-                             f"{path!r}: expected held-out files apart from the training files "
-                             "(point the path at the train files alone, e.g. a glob)")
+    none of the training files (data.path's, every mixture source's path's): they would be
+    trained on."""
+    mixture = sources.parse_sources(config.data.get("sources") or ())
+    held = [(f"data.{key}", config.data.get(key, "")) for key in ("validation_path", "test_path")]
+    held += [(f"data.sources {s.name!r}: validation_path", s.validation_path) for s in mixture]
+    trained = [("data.path", config.data.path)]
+    trained += [(f"data.sources {s.name!r}: path", s.path) for s in mixture]
+    for key, held_out in held:
+        for trains, path in trained:
+            if path and held_out and not inputs.token_shard_dir(path) and not os.path.isfile(
+                    os.path.join(path, "prepare.json")) and \
+                    (file := sources.shared_file(path, held_out)):
+                raise ValueError(f"{key}={held_out!r}: {file} is also a training file, of "
+                                 f"{trains}={path!r}: expected held-out files apart from the "
+                                 "training files (point the path at the train files alone, "
+                                 "e.g. a glob)")
 
 
 def _validate_prepared(config: ml_collections.ConfigDict) -> None:

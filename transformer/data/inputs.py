@@ -311,12 +311,33 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
             len(_named_splits(file)) > 1
             for file in glob.glob(os.path.join(glob.escape(config.data.path), "*.bin"))):
         stream["shards_by_name_parts"] = True
+    if _interleaved_units(config.data.path):
+        stream[_IN_INPUT_ORDER] = True
     if mixture := source_configs(config):
         per_source = {name: data_stream(one) for name, one in mixture.items()}
         stream["fingerprint"] = {name: s["fingerprint"] for name, s in per_source.items()}
         stream["validation_fingerprint"] = {
             name: s.get("validation_fingerprint", "") for name, s in per_source.items()}
+        if in_order := [name for name, s in per_source.items() if _IN_INPUT_ORDER in s]:
+            stream[_IN_INPUT_ORDER] = in_order
     return stream
+
+
+# Prepared ArrayRecord data whose units have several shards (--num_shards > 1) trained shard
+# after shard until its documents were read in input order (`prepare_units.
+# array_record_documents`): its stream carries this key, so a checkpoint of the old order is
+# refused on resume. Other data's stream is as it was.
+_IN_INPUT_ORDER = "documents_in_input_order"
+
+
+def _interleaved_units(path: str) -> bool:
+    """Whether `path` is prepared ArrayRecord data with a unit of several shards."""
+    if not path or not os.path.isfile(os.path.join(path, "prepare.json")):
+        return False
+    with open(os.path.join(path, "prepare.json")) as f:
+        if json.load(f).get("format", "array_record") != "array_record":
+            return False
+    return any(len(unit) > 1 for unit in prepare_units.array_record_units(path, "train"))
 
 
 def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.Corpus:
@@ -332,10 +353,10 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.
         with open(os.path.join(prepared, "prepare.json")) as f:
             layout = json.load(f).get("format", "array_record")
         if layout == "bin":
-            return windows.Corpus(
-                shards.TokenShards(os.path.join(prepared, f"{split}_*.bin")), stream=True)
-        records = sources.array_record_source(os.path.join(prepared, f"{split}-*.array_record"))
-        return windows.Corpus.from_documents(list(records), stream=stream)
+            return windows.Corpus(shards.TokenShards(
+                os.path.join(glob.escape(prepared), f"{split}_*.bin")), stream=True)
+        return windows.Corpus.from_documents(
+            prepare_units.array_record_documents(prepared, split), stream=stream)
     if split == "train":  # built once per run
         return windows.tokenize_documents(_documents(config, split), tokenizer, stream=stream)
     # A run reads its validation / test text again at every evaluation: keep the tokens of the

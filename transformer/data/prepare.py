@@ -19,12 +19,14 @@ the tokenizer, prepare.json (the counts, written last) and, by --format, for inp
     files, document j in file k = j % num_shards;
   * bin: modded-nanogpt uint16 shards train_{i:06d}_{k:06d}.bin, ..., validation_...: the
     file's documents of the split as one token stream cut every --tokens_per_shard tokens.
-A split's shards in sorted order hold its documents in input order (as training reads them).
-With --unit=stream, or without --input, the whole input is one unit (i = 0).
+Training reads a split's documents in input order: file after file, a file's document j from
+its shard j % num_shards (.bin shards in sorted order). With --unit=stream, or without --input,
+the whole input is one unit (i = 0).
 
 A killed prepare resumes: the same command continues from the input files it finished (their
 shards were renamed into DIR when complete; DIR/.prepare/ holds the progress) and writes the same
-bytes as an uninterrupted run; another setting is refused in one line. A DIR that holds a
+bytes as an uninterrupted run; another setting, or an input file changed since it was read,
+is refused in one line, and so is a second prepare while one is writing DIR. A DIR that holds a
 finished prepare, or ArrayRecord or .bin files of its own, is refused, so prepared data is never
 overwritten. --num_workers processes tokenize (default: every core); the output is the same
 bytes for any number. --engine=beam runs the same units as an Apache Beam pipeline
@@ -41,12 +43,14 @@ import multiprocessing
 import os
 import sys
 import time
+from concurrent import futures
 
 import numpy as np
 import tqdm
 
 from transformer.data import prepare_units, sources
 from transformer.data import tokenizers as tokenizers_lib
+from transformer.utils import fileio
 
 FORMATS = ("array_record", "bin")
 ENGINES = ("processes", "beam")
@@ -68,25 +72,34 @@ def _encoder(tok, tokenizer_dir: str, num_workers: int):
     """An `prepare_units.Encode`: batches of texts -> their ids, in order, encoded by
     `num_workers` processes (each loads the tokenizer saved in `tokenizer_dir`) that keep at
     most 2 batches each in flight; the order, and so every byte written, is the same whatever
-    `num_workers` is."""
+    `num_workers` is. A worker that dies (killed, out of memory) fails the prepare in one
+    line."""
     if num_workers <= 1:
         yield lambda batches: map(tok.encode_batch, batches)
         return
     # spawn: a fork of a process that holds threads (a Hugging Face tokenizer's) can deadlock
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(num_workers, initializer=_load_worker_tokenizer,
-                      initargs=(tokenizer_dir,)) as pool:
+    pool = futures.ProcessPoolExecutor(num_workers, multiprocessing.get_context("spawn"),
+                                       initializer=_load_worker_tokenizer,
+                                       initargs=(tokenizer_dir,))
 
-        def encode(batches):
-            pending = collections.deque()
+    def encode(batches):
+        pending = collections.deque()
+        try:
             for texts in batches:
-                pending.append(pool.apply_async(_worker_encode, (texts,)))
+                pending.append(pool.submit(_worker_encode, texts))
                 if len(pending) >= 2 * num_workers:
-                    yield pending.popleft().get()
+                    yield pending.popleft().result()
             while pending:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
+        except futures.process.BrokenProcessPool:
+            raise RuntimeError(f"a tokenizing worker process (of --num_workers={num_workers}) "
+                               "died (killed, or out of memory?): rerun the same command to "
+                               "resume the prepare from the input files it finished") from None
 
+    try:
         yield encode
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def _check_arguments(tokenizer: str, tokenizer_path: str, format: str, num_shards: int,
@@ -137,22 +150,26 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
                      validation_fraction)
     if unit not in sources.UNITS:
         raise ValueError(f"unit={unit!r}: expected one of {sources.UNITS}")
+    if fileio.is_remote(output_dir):
+        raise ValueError(f"output_dir={output_dir!r}: expected a local directory (a bucket "
+                         "mounted as one, e.g. by gcsfuse, is local)")
     run = _beam_runner(engine, beam_options) if engine != "processes" else \
         lambda *args: _run(*args, num_workers)
     settings = prepare_units.settings_for(
         input_path, unit=unit, validation_fraction=validation_fraction, text_field=text_field,
         tokenizer=tokenizer, vocab_size=vocab_size, tokenizer_path=tokenizer_path,
         format=format, num_shards=num_shards, tokens_per_shard=tokens_per_shard)
-    settings, tok, finished = prepare_units.begin(output_dir, settings)
-    todo = [i for i in range(len(settings["units"])) if i not in finished]
-    if todo:
-        if getattr(tok, "encoder", None) == "tiktoken":  # a Hugging Face byte-level BPE
-            print("encoding through tiktoken: the tokenizer's own ids, faster "
-                  "(transformer.data.fast_bpe)", file=sys.stderr)
-        elif getattr(tok, "fast_bpe_skipped", ""):
-            print(f"encoding through tokenizers: {tok.fast_bpe_skipped}", file=sys.stderr)
-        run(output_dir, settings, tok, todo)
-    return prepare_units.finish(output_dir, settings, input_path)
+    with prepare_units.exclusive(output_dir):
+        settings, tok, finished = prepare_units.begin(output_dir, settings)
+        todo = [i for i in range(len(settings["units"])) if i not in finished]
+        if todo:
+            if getattr(tok, "encoder", None) == "tiktoken":  # a Hugging Face byte-level BPE
+                print("encoding through tiktoken: the tokenizer's own ids, faster "
+                      "(transformer.data.fast_bpe)", file=sys.stderr)
+            elif getattr(tok, "fast_bpe_skipped", ""):
+                print(f"encoding through tokenizers: {tok.fast_bpe_skipped}", file=sys.stderr)
+            run(output_dir, settings, tok, todo)
+        return prepare_units.finish(output_dir, settings, input_path)
 
 
 def _beam_runner(engine: str, beam_options: str):

@@ -16,26 +16,34 @@ and written to shards of their own, i in six digits (more from a million input f
                                                                  stream, cut every
                                                                  tokens_per_shard tokens
 
-so a split's shards in sorted order hold its documents in input order. A split with no
-documents in a unit has no shards there.
+so a split's documents in input order are unit after unit, each unit's document j the next
+record of its shard j % num_shards, as training reads them (`array_record_documents`; .bin shards
+in sorted order). A split with no documents in a unit has no shards there.
 
 Progress lives in DIR/.prepare/ (hidden, so no reader or data fingerprint sees it):
-settings.json (the arguments, the input's units and the tokenizer's <eos>; written once the
-tokenizer is saved in DIR), tmp/ (the shards being written) and units/{i:06d}.json (a finished
+settings.json (the arguments, the input's units, the tokenizer's <eos> and, for a tokenizer
+trained on them, every unit's `sources.fingerprint`; written once the tokenizer is saved in
+DIR), tmp/ (the shards being written) and units/{i:06d}.json (a finished
 unit's counts, shard names and its file's `sources.fingerprint`). A unit's shards are renamed
 from tmp/ into DIR only when all are complete, then its record is written: a killed prepare
 leaves no partial shard under a name a reader globs. A rerun with the same arguments loads the
 saved tokenizer, deletes the temporaries and any shards without a record, and does the units
-without one; other arguments, other input files or a finished file changed since are refused in
-one line. prepare.json (the summed counts) is written last and .prepare/ then removed.
+without one; other arguments, other input files, or a file changed since the tokenizer was
+trained on it or its unit finished, are refused in one line. prepare.json (the summed counts) is
+written last and .prepare/ then removed. One prepare at a time writes DIR: it holds a lock on
+DIR/.prepare.lock throughout (`exclusive`), and another is refused in one line.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
+import glob
 import itertools
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -47,6 +55,7 @@ from transformer.data import tokenizers as tokenizers_lib
 from transformer.utils import fileio
 
 PROGRESS_DIR = ".prepare"
+LOCK = ".prepare.lock"  # hidden, in DIR: held by the prepare writing DIR (`exclusive`)
 SUMMARY = "prepare.json"
 ENCODE_BATCH = 1024  # documents encoded at once (a Hugging Face tokenizer does them in parallel)
 MAX_BIN_VOCAB = 65536  # uint16 ids
@@ -112,6 +121,37 @@ def unfinished(path: str) -> bool:
     """Whether `path` is a directory a prepare has begun and not finished."""
     return bool(path) and os.path.isdir(os.path.join(path, PROGRESS_DIR)) and \
         not os.path.isfile(os.path.join(path, SUMMARY))
+
+
+# An ArrayRecord shard of a unit's split, {split}-{i:06d}-{k:05d}-of-{N:05d}.array_record (and
+# of a directory prepared before units, {split}-{k:05d}-of-{N:05d}.array_record): group 1 is
+# what its unit's shards share.
+_ARRAY_RECORD_SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}\.array_record")
+
+
+def array_record_units(directory: str, split: str) -> list[list[str]]:
+    """The ArrayRecord shards of `split` in the prepared `directory`, by unit (in order), each
+    unit's N shards in order k = 0 .. N-1; a one-line error if there are none."""
+    pattern = os.path.join(glob.escape(directory), f"{split}-*.array_record")
+    units: dict[str, list[str]] = {}
+    for path in sorted(p for p in glob.glob(pattern) if os.path.isfile(p)):
+        match = _ARRAY_RECORD_SHARD.fullmatch(os.path.basename(path))
+        units.setdefault(match[1] if match else path, []).append(path)
+    if not units:
+        raise FileNotFoundError(f"{pattern}: no ArrayRecord files match this pattern")
+    return list(units.values())
+
+
+def array_record_documents(directory: str, split: str) -> list[np.ndarray]:
+    """The token sequences of `split` in the prepared `directory` in input order: unit after
+    unit, a unit's document j read from its shard j % N (as `_UnitWriter` wrote it, so N shards
+    read as one)."""
+    documents = []
+    for paths in array_record_units(directory, split):
+        parts = [list(sources.ArrayRecordTokens([path])) for path in paths]
+        # shard k holds documents k, k + N, ...: shard 0 the most
+        documents += [part[j] for j in range(len(parts[0])) for part in parts if j < len(part)]
+    return documents
 
 
 class _UnitWriter:
@@ -203,6 +243,37 @@ def _existing_shards(output_dir: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def exclusive(output_dir: str) -> Iterator[None]:
+    """Holds local `output_dir` (made if missing) for one prepare: an exclusive lock on its
+    hidden LOCK file, to take before anything there is read or written. A prepare holding it
+    already, on this host or another mounting the same NFS directory, is refused in one line;
+    on a filesystem that cannot lock, the prepare goes on after a warning. A directory made
+    here and left empty (a prepare refused before it wrote) is removed again."""
+    created = not os.path.isdir(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    lock = os.path.join(output_dir, LOCK)
+    fd, held = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644), False  # NFS locks need O_RDWR
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when `fd` closes, or dies
+            held = True
+        except BlockingIOError:
+            raise FileExistsError(f"another prepare is writing {output_dir}: expected one "
+                                  "prepare at a time in an --output_dir (rerun this command "
+                                  "once it has stopped)") from None
+        except OSError as error:
+            sources.warn_once(f"{output_dir}: cannot be locked ({error.strerror}): run one "
+                              "prepare at a time in it, or their data mixes")
+        yield
+    finally:
+        # (removed while still locked, so no other prepare has it in use)
+        if created and held and os.listdir(output_dir) == [LOCK]:
+            os.remove(lock)
+            os.rmdir(output_dir)
+        os.close(fd)
+
+
 def begin(output_dir: str, settings: dict) -> tuple[dict, tokenizers_lib.Tokenizer, dict]:
     """Starts a prepare in `output_dir` or resumes the unfinished one there: (its settings,
     with the tokenizer's <eos> and vocab_size, the tokenizer, {unit: record} of the finished
@@ -217,6 +288,9 @@ def begin(output_dir: str, settings: dict) -> tuple[dict, tokenizers_lib.Tokeniz
         if os.path.isfile(os.path.join(output_dir, SUMMARY)):
             raise FileExistsError(f"{output_dir}: already holds a finished prepare "
                                   f"({SUMMARY}): expected a directory without prepared data")
+        if settings["tokenizer"] not in ("hf", "byte"):  # trained on every input file
+            settings = {**settings, "fingerprints": [sources.fingerprint(unit or None)
+                                                     for unit in settings["units"]]}
         tokenizer = _build_tokenizer(settings)
         settings = {**settings, "eos": int(tokenizer.require("eos", "(or sep) to end each "
                                                              "document")),
@@ -229,11 +303,15 @@ def begin(output_dir: str, settings: dict) -> tuple[dict, tokenizers_lib.Tokeniz
         saved = json.load(f)
     _check_same(output_dir, saved, settings)
     records = _records(output_dir, saved)
-    for record in records.values():
-        if sources.fingerprint(record["input"] or None) != record["fingerprint"]:
-            raise ValueError(f"{record['input'] or 'the embedded corpus'}: changed since the "
-                             f"unfinished prepare in {output_dir} tokenized it: expected it as "
-                             "it was to resume, or another --output_dir")
+    # The files its trained tokenizer read (a prepare begun before they were recorded resumes
+    # unchecked), and the finished ones.
+    read = dict(zip(saved["units"], saved.get("fingerprints", []), strict=False))
+    read.update({record["input"]: record["fingerprint"] for record in records.values()})
+    for unit, fingerprint in read.items():
+        if sources.fingerprint(unit or None) != fingerprint:
+            raise ValueError(f"{unit or 'the embedded corpus'}: changed since the unfinished "
+                             f"prepare in {output_dir} read it: expected it as it was to "
+                             "resume, or another --output_dir")
     shutil.rmtree(_progress(output_dir, "tmp"), ignore_errors=True)  # a killed unit's
     kept = {name for record in records.values() for split in sources.SPLITS
             for name in record[split]["files"]}
@@ -244,16 +322,22 @@ def begin(output_dir: str, settings: dict) -> tuple[dict, tokenizers_lib.Tokeniz
 
 
 def _check_same(output_dir: str, saved: dict, settings: dict) -> None:
+    """One-line errors for a resume with other `ARGUMENTS` or other input files than the
+    unfinished prepare `saved` in `output_dir`. Files under `output_dir` that it did not list
+    are its own output (a DIR inside a directory --input), not input."""
     for key in ARGUMENTS:
         if saved.get(key) != settings[key]:
             raise ValueError(f"{output_dir}: holds an unfinished prepare with --{key}="
                              f"{saved.get(key)}, not {settings[key]}: expected its settings to "
                              "resume it, or another --output_dir")
-    if saved["units"] != settings["units"]:
-        new = sorted(set(settings["units"]) - set(saved["units"]))
-        gone = sorted(set(saved["units"]) - set(settings["units"]))
+    inside = os.path.join(os.path.realpath(output_dir), "")
+    units = [unit for unit in settings["units"] if unit in saved["units"] or not unit or
+             fileio.is_remote(unit) or not os.path.realpath(unit).startswith(inside)]
+    if saved["units"] != units:
+        new = sorted(set(units) - set(saved["units"]))
+        gone = sorted(set(saved["units"]) - set(units))
         raise ValueError(f"{output_dir}: holds an unfinished prepare of {len(saved['units'])} "
-                         f"input files; --input now gives {len(settings['units'])} (new: "
+                         f"input files; --input now gives {len(units)} (new: "
                          f"{new[:1]}, gone: {gone[:1]}): expected the same files to resume it, "
                          "or another --output_dir")
 
