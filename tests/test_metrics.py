@@ -166,6 +166,36 @@ def test_the_cpu_peak_is_the_best_measurement_seen_and_shared_by_its_devices(tmp
     assert f"{best / 1e9:.0f} GFLOP/s (this start: {busy / 1e9:.0f})" in source
 
 
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: {family}
+model\t\t: {model}
+model name\t: AMD EPYC
+stepping\t: 1
+
+processor\t: 1
+cpu family\t: 1
+model\t\t: 1
+model name\t: other
+"""
+
+
+def test_the_cpu_peak_is_cached_per_cpu_generation_not_only_its_model_name(tmp_path,
+                                                                          monkeypatch):
+    """Two cloud VMs whose CPUs are both "AMD EPYC" (Zen 3: family 25 model 1, Zen 5: family
+    26 model 2) sharing a home keep a peak each; without the numbers, the name alone."""
+    keys = []
+    for family, model in ((25, 1), (26, 2)):
+        cpuinfo = tmp_path / f"cpuinfo_{family}"
+        cpuinfo.write_text(CPUINFO.format(family=family, model=model))
+        monkeypatch.setattr(metrics, "CPUINFO", str(cpuinfo))
+        keys.append(metrics._host_id())
+    assert keys[0] != keys[1]
+    assert keys[1].startswith("AMD EPYC (family 26, model 2) | ")
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\n")
+    assert metrics._host_id().startswith("AMD EPYC | ")
+
+
 @pytest.mark.slow
 def test_the_cpu_peak_cache_moves_with_its_variable_and_the_suite_keeps_out_of_home(tmp_path):
     """A peak measured while the suite loads every core must not become the user's: the

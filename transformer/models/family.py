@@ -113,7 +113,8 @@ class Family:
         return self.loss is token_loss
 
     def loss_and_metrics(self, model, config, params, batch, rng=None, deterministic=True,
-                         rows: bool = False, loads: bool = False, mtp: bool = False):
+                         rows: bool = False, loads: bool = False, mtp: bool = False,
+                         mtp_ratio=None):
         """(loss, metrics) of a batch under the run's z_loss and label smoothing; `rng` seeds
         dropout. MoE models add their routers' weighted load-balance and z losses to the loss
         (metrics["loss"] stays the task's) and report them as `moe_*` metrics; with `loads`,
@@ -121,7 +122,11 @@ class Family:
         for the train step). `rows` (only where `per_row`): metrics also hold each row's
         sums (`objectives.cross_entropy`). With `mtp` (the train step's) and model.mtp.depth
         > 0, the multi-token prediction loss joins the loss (`mtp.mtp_loss`; metrics
-        "mtp_loss/<k>"); without it the modules do not run (evaluation: next-token loss)."""
+        "mtp_loss/<k>"); without it the modules do not run (evaluation: next-token loss).
+        `mtp_ratio` [D] (the train step's under gradient accumulation): module k's target
+        count over num_tokens in the whole batch; module k's loss is then its summed
+        cross-entropy over mtp_ratio[k] x this batch's num_tokens, so that the step's
+        num_tokens-weighted mean over micro-batches is the whole batch's mean."""
         mtp = mtp and bool(config.model.get("mtp", {}).get("depth"))
         logits, aux = self.logits(model, params, batch, deterministic=deterministic,
                                   rngs=None if rng is None else {"dropout": rng}, with_aux=True,
@@ -130,9 +135,10 @@ class Family:
         loss, metrics = self.loss(logits, batch, z_loss=config.get("z_loss", 0.0),
                                   label_smoothing=smoothing, **({"rows": True} if rows else {}))
         if mtp:
-            ahead, ahead_metrics = mtp_lib.mtp_loss(aux.pop("mtp_logits"), batch,
-                                                    config.model.mtp.loss_weight,
-                                                    label_smoothing=smoothing)
+            ahead, ahead_metrics = mtp_lib.mtp_loss(
+                aux.pop("mtp_logits"), batch, config.model.mtp.loss_weight,
+                label_smoothing=smoothing,
+                denominators=None if mtp_ratio is None else mtp_ratio * metrics["num_tokens"])
             loss, metrics = loss + ahead, {**metrics, **ahead_metrics}
         if aux:
             moe = config.model.moe

@@ -73,19 +73,41 @@ def same_document(segment_ids_BT: Array | None, k: int, weights_BT: Array) -> Ar
     return weights_BT * (shift_left(segment_ids_BT, k) == segment_ids_BT)
 
 
-def mtp_loss(logits_DBTV: Array, batch, loss_weight: float, *, label_smoothing: float = 0.0
-             ) -> tuple[Array, dict[str, Array]]:
+def module_targets(batch, k: int) -> tuple[Array, Array]:
+    """Module k's (targets, weights) [B, T] on a batch of next-token targets and weights (and
+    segment_ids when packed): `future_tokens`' kept inside each document (`same_document`)."""
+    _, targets_BT, weights_BT = future_tokens(batch["targets"], batch["weights"], k)
+    return targets_BT, same_document(batch.get("segment_ids"), k, weights_BT)
+
+
+def token_counts(batch, depth: int) -> Array:
+    """[D]: module k's count of targets (the sum of its weights) in a batch, k = 1 .. D."""
+    return jnp.stack([jnp.sum(module_targets(batch, k)[1], dtype=jnp.float32)
+                      for k in range(1, depth + 1)])
+
+
+def mtp_loss(logits_DBTV: Array, batch, loss_weight: float, *, label_smoothing: float = 0.0,
+             denominators: Array | None = None) -> tuple[Array, dict[str, Array]]:
     """(loss_weight x the mean over the D modules of their cross-entropies, metrics
     {"mtp_loss/<k>": module k's cross-entropy}) for the modules' logits [D, B, T, V] on a batch
-    of next-token targets and weights (and segment_ids when packed)."""
+    of next-token targets and weights (and segment_ids when packed). Module k's cross-entropy
+    is the mean over its targets, or with `denominators` [D] their sum over denominators[k - 1]
+    (0 where that is 0: gradient accumulation's, `Family.loss_and_metrics`)."""
     losses, metrics = [], {}
     for k in range(1, logits_DBTV.shape[0] + 1):
-        _, targets_BT, weights_BT = future_tokens(batch["targets"], batch["weights"], k)
-        weights_BT = same_document(batch.get("segment_ids"), k, weights_BT)
+        targets_BT, weights_BT = module_targets(batch, k)
         loss, m = objectives.cross_entropy(logits_DBTV[k - 1], targets_BT, weights_BT,
                                            label_smoothing=label_smoothing)
+        ce = m["loss"]
+        if denominators is not None:
+            # cross_entropy's mean is sum / max(count, 1); a 0 denominator has no targets
+            # (sum 0), and a where on the divisor keeps 0 / 0 out of the value and gradient.
+            denominator = denominators[k - 1]
+            scale = (jnp.maximum(m["num_tokens"], 1.0)
+                     / jnp.where(denominator > 0, denominator, 1.0))
+            loss, ce = loss * scale, ce * scale
         losses.append(loss)
-        metrics[f"mtp_loss/{k}"] = m["loss"]
+        metrics[f"mtp_loss/{k}"] = ce
     return loss_weight * jnp.mean(jnp.stack(losses)), metrics
 
 

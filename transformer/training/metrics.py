@@ -38,6 +38,7 @@ PEAK_FLOPS = (
 # temporary file: a peak measured while the tests load every core is far below the machine's).
 CPU_PEAK_CACHE = os.environ.get("TRANSFORMER_CPU_PEAK_CACHE") or os.path.join(
     os.path.expanduser("~"), ".cache", "transformer", "cpu_peak.json")
+CPUINFO = "/proc/cpuinfo"  # where the cache's key reads the CPU (Linux; elsewhere absent)
 
 
 def matmul_params(config, num_params: int) -> int:
@@ -126,13 +127,22 @@ def program_matmul_flops(jaxpr) -> float | None:
 
 
 def _host_id() -> str:
-    model = ""
-    if os.path.isfile("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f
-                          if line.startswith("model name")), "")
+    """The cached peak's key: the CPU (its model name, with the family and model numbers where
+    /proc/cpuinfo has them), the cores this process may use and the jax version."""
+    fields = {}
+    if os.path.isfile(CPUINFO):
+        with open(CPUINFO) as f:
+            for line in f:
+                if not line.strip() and fields:
+                    break  # the first processor's block is enough
+                name, _, value = line.partition(":")
+                fields[name.strip()] = value.strip()
+    model = fields.get("model name") or platform.processor()
+    if fields.get("cpu family") and fields.get("model"):
+        # A VM's model name ("AMD EPYC") can cover several generations, each with its peak.
+        model += f" (family {fields['cpu family']}, model {fields['model']})"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model or platform.processor()} | {cores} cores | jax {jax.__version__}"
+    return f"{model} | {cores} cores | jax {jax.__version__}"
 
 
 def measured_cpu_peak(size: int = 2048, repeats: int = 5,

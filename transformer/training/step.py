@@ -10,6 +10,7 @@ import optax
 from transformer.models import family_of
 from transformer.nn import blocks
 from transformer.nn import lora as lora_lib
+from transformer.nn import mtp as mtp_lib
 from transformer.parallel import pipeline_parallel
 from transformer.training import optim
 from transformer.training.state import TrainState
@@ -49,10 +50,10 @@ def _halves(model, config, optimizer):
     accumulation = config.optimizer.grad_accumulation_steps
     family = family_of(config)
 
-    def grads_of(params, batch, rng):
+    def grads_of(params, batch, rng, mtp_ratio=None):
         def loss_fn(p):
             return family.loss_and_metrics(model, config, p, batch, rng, deterministic=False,
-                                           loads=True, mtp=True)
+                                           loads=True, mtp=True, mtp_ratio=mtp_ratio)
         if lora_lib.enabled(config):  # the adapters' gradients alone
             (_, metrics), grads = lora_lib.value_and_grad(loss_fn, params)
         else:
@@ -62,40 +63,9 @@ def _halves(model, config, optimizer):
     def gradients(state: TrainState, batch, base_rng):
         rng = jax.random.fold_in(base_rng, state.step)
         if accumulation == 1:
-            grads, metrics = grads_of(state.params, batch, rng)
-        else:
-            # Micro-batch i takes rows i, i + k, i + 2k, ...: each device keeps its own rows
-            # (a contiguous split would move rows between data-parallel shards).
-            micro = jax.tree.map(
-                lambda x: x.reshape(x.shape[0] // accumulation, accumulation,
-                                    *x.shape[1:]).swapaxes(0, 1), batch)
-
-            def accumulate(carry, inputs):
-                grads_sum, tokens, sums = carry
-                micro_batch, i = inputs
-                grads, m = grads_of(state.params, micro_batch, jax.random.fold_in(rng, i))
-                # perplexity = exp(mean unsmoothed ce): its log is averaged and exp'd back
-                # below (the loss is label smoothing's objective, not that ce)
-                m = {**m, "perplexity": jnp.log(m["perplexity"])}
-                n = m["num_tokens"]
-                grads_sum = jax.tree.map(lambda a, g: a + g * n, grads_sum, grads)
-                sums = jax.tree.map(lambda a, v: a + v * n, sums, {k: m[k] for k in sums})
-                return (grads_sum, tokens + n, sums), None
-
-            # Every metric but the counts is a token-weighted mean over the micro-batches
-            # (the MoE layers' expert loads [E] too).
-            shapes = jax.eval_shape(grads_of, state.params, jax.tree.map(lambda x: x[0], micro),
-                                    rng)[1]
-            zeros = lora_lib.zero_grads(state.params)
-            sums = {k: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), v)
-                    for k, v in shapes.items() if k != "num_tokens"}
-            (grads_sum, tokens, sums), _ = jax.lax.scan(
-                accumulate, (zeros, 0.0, sums), (micro, jnp.arange(accumulation)))
-            denominator = jnp.maximum(tokens, 1.0)
-            grads = jax.tree.map(lambda g: g / denominator, grads_sum)
-            metrics = jax.tree.map(lambda v: v / denominator, sums)
-            metrics.update(perplexity=jnp.exp(metrics["perplexity"]), num_tokens=tokens)
-        return grads, metrics
+            return grads_of(state.params, batch, rng)
+        return _accumulated(grads_of, state.params, batch, rng, accumulation,
+                            _mtp_ratio(config, batch))
 
     def update(state: TrainState, grads, metrics):
         grad_norm = trainable_grad_norm(config, grads)
@@ -119,6 +89,58 @@ def _halves(model, config, optimizer):
         return TrainState(state.step + 1, params, opt_state, first_bad), metrics
 
     return gradients, update
+
+
+def _accumulated(grads_of, params, batch, rng, accumulation: int, mtp_ratio):
+    """(grads, metrics) of the batch as `accumulation` micro-batches: `grads_of`'s (params,
+    micro-batch, rng, mtp_ratio) -> (grads, metrics), averaged weighted by token counts."""
+    # Micro-batch i takes rows i, i + k, i + 2k, ...: each device keeps its own rows
+    # (a contiguous split would move rows between data-parallel shards).
+    micro = jax.tree.map(
+        lambda x: x.reshape(x.shape[0] // accumulation, accumulation,
+                            *x.shape[1:]).swapaxes(0, 1), batch)
+
+    def accumulate(carry, inputs):
+        grads_sum, tokens, sums = carry
+        micro_batch, i = inputs
+        grads, m = grads_of(params, micro_batch, jax.random.fold_in(rng, i), mtp_ratio)
+        # perplexity = exp(mean unsmoothed ce): its log is averaged and exp'd back
+        # below (the loss is label smoothing's objective, not that ce)
+        m = {**m, "perplexity": jnp.log(m["perplexity"])}
+        n = m["num_tokens"]
+        grads_sum = jax.tree.map(lambda a, g: a + g * n, grads_sum, grads)
+        sums = jax.tree.map(lambda a, v: a + v * n, sums, {k: m[k] for k in sums})
+        return (grads_sum, tokens + n, sums), None
+
+    # Every metric but the counts is a token-weighted mean over the micro-batches
+    # (the MoE layers' expert loads [E] too; the MTP losses through mtp_ratio).
+    shapes = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], micro), rng,
+                            mtp_ratio)[1]
+    zeros = lora_lib.zero_grads(params)
+    sums = {k: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), v)
+            for k, v in shapes.items() if k != "num_tokens"}
+    (grads_sum, tokens, sums), _ = jax.lax.scan(
+        accumulate, (zeros, 0.0, sums), (micro, jnp.arange(accumulation)))
+    denominator = jnp.maximum(tokens, 1.0)
+    grads = jax.tree.map(lambda g: g / denominator, grads_sum)
+    metrics = jax.tree.map(lambda v: v / denominator, sums)
+    metrics.update(perplexity=jnp.exp(metrics["perplexity"]), num_tokens=tokens)
+    return grads, metrics
+
+
+def _mtp_ratio(config, batch):
+    """[D]: each multi-token prediction module's target count over the next-token loss's in
+    the whole batch (`Family.loss_and_metrics`' mtp_ratio); None without modules. A module's
+    cross-entropy is a mean over its own targets, fewer than the next-token loss's (document
+    and row ends), in a share that differs between micro-batches: weighted by the next-token
+    counts, those means would not average to the batch's."""
+    depth = config.model.get("mtp", {}).get("depth", 0)
+    if not depth:
+        return None
+    # Only gpt (token_loss) has modules: its metrics["num_tokens"] is the sum of the batch's
+    # weights, so the micro-batches' counts add up to this one.
+    tokens = jnp.sum(batch["weights"], dtype=jnp.float32)
+    return mtp_lib.token_counts(batch, depth) / jnp.maximum(tokens, 1.0)
 
 
 def trainable_grad_norm(config, grads) -> jax.Array:
