@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from transformer import configs, models
@@ -18,6 +19,8 @@ from transformer.nn import moe
 from transformer.parallel import sharding
 from transformer.training import checkpoint_manager, metrics
 from transformer.training import state as state_lib
+from transformer.training.state import TrainState
+from transformer.training.step import make_train_step
 
 B, T, D, F = 2, 8, 8, 12
 
@@ -493,3 +496,36 @@ def test_the_first_step_line_names_the_moe_dispatch_path_apart_from_attention():
     progress.log_first_step(run, 0.0, chosen)
     assert re.match(r"step 1: the first step \(compilation included, attention dense, moe "
                     r"dispatch: ragged\) took", lines[0]), lines
+
+
+def test_a_t5s_two_stacks_log_each_moe_layer_and_move_their_balance_biases():
+    """A T5 with experts in both stacks (scanned, the first layer dense, the decoder shallower)
+    trains a step: each MoE layer's imbalance is logged under its stack and true index, and
+    every balance bias moves (the step once read the layout off `model.config`, which an
+    encoder-decoder does not have: an AttributeError at the first step)."""
+    config = configs.base_config()
+    config.update(batch_size=2, seq_len=8)
+    config.model.update(family="t5", position="t5", num_layers=3, num_decoder_layers=2,
+                        d_model=32, num_heads=4, d_ff=48, vocab_size=64, scan_layers=True)
+    config.model.moe.update(num_experts=4, top_k=2, first_dense_layers=1, score="sigmoid",
+                            balance_bias=True, bias_update_rate=0.05)
+    model = models.build_model(config.model)
+    rng = np.random.default_rng(0)
+    tokens = lambda length: rng.integers(1, 64, (2, length)).astype(np.int32)
+    targets = tokens(6)
+    batch = {"encoder_inputs": tokens(8), "decoder_inputs": models.shift_right(targets, 0),
+             "targets": targets, "weights": np.ones((2, 6), np.float32)}
+    params = nn.unbox(model.init(jax.random.key(0), batch["encoder_inputs"],
+                                 batch["decoder_inputs"])["params"])
+    optimizer = optax.sgd(0.0)  # only the balance biases move
+    state = TrainState(np.zeros((), np.int32), params, optimizer.init(params),
+                       np.asarray(-1, np.int32))
+    new, metrics = jax.jit(make_train_step(model, config, optimizer))(state, batch)
+    logged = sorted(name for name in metrics if name.startswith("moe_imbalance/"))
+    assert logged == ["moe_imbalance/decoder_1", "moe_imbalance/encoder_1",
+                      "moe_imbalance/encoder_2"]
+    assert float(metrics["moe_imbalance"]) == max(float(metrics[name]) for name in logged)
+    moved = {path: np.abs(np.asarray(b) - np.asarray(a)).max() for (path, a), (_, b) in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(
+            new.params), strict=True) if "balance_bias" in jax.tree_util.keystr(path)}
+    assert len(moved) == 2 and all(m > 0 for m in moved.values())  # one per scanned stack

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from transformer.models import family_of
+from transformer.models import family_of, transformer_config
 from transformer.nn import blocks
 from transformer.nn import lora as lora_lib
 from transformer.nn import mtp as mtp_lib
@@ -165,7 +165,9 @@ def expert_balance(model, config, params, before, metrics, finite):
     loads = metrics.pop("moe_expert_load", None)
     if not loads:
         return params, metrics
-    layers = blocks.layer_imbalance(loads, model.config)
+    # (the stacks' MoE layout, first dense layers and layer period, is the model config's:
+    # a T5's two stacks differ only in depth)
+    layers = blocks.layer_imbalance(loads, transformer_config(config.model))
     metrics = {**metrics, **{f"moe_imbalance/{name}": value for name, value in layers.items()}}
     if pipeline_parallel.stages_in_mesh() == 1:  # (stages sow no loads: a max over an MTP
         # module's layers alone would read as the model's)
