@@ -283,3 +283,88 @@ def test_loops_count_by_their_trip_count_or_not_at_all():
     rows = jax.ShapeDtypeStruct((4, 8), jnp.float32,
                                 sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
     assert count(split, rows) == one
+
+
+def t5_config(experts: int = 0):
+    """A tiny T5: 2 encoder layers, 1 decoder layer, width 32 (2 heads of 16), gated MLP 64
+    wide, no biases, RMSNorm scales, 32 relative-position buckets, tied vocabulary of 64."""
+    config = configs.base_config()
+    config.seq_len = 16
+    config.model.update(family="t5", vocab_size=64, num_layers=2, num_decoder_layers=1,
+                        d_model=32, num_heads=2, d_ff=64, position="t5", norm="rmsnorm",
+                        norm_placement="pre", activation="geglu", use_bias=False,
+                        tie_embeddings=True, dropout_rate=0.0)
+    config.model.moe.num_experts = experts  # top_k 2
+    config.data.objective = "span_corruption"
+    return config
+
+
+def t5_batch(rows: int, inputs: int, targets: int) -> dict:
+    tokens = lambda n: jnp.arange(rows * n, dtype=jnp.int32).reshape(rows, n) % 60 + 3
+    return {"encoder_inputs": tokens(inputs), "decoder_inputs": tokens(targets),
+            "targets": tokens(targets), "weights": jnp.ones((rows, targets), jnp.float32)}
+
+
+def t5_abstract(config, batch):
+    from transformer.parallel import sharding
+    from transformer.training import state as state_lib
+
+    return state_lib.initial_state(config, build_model(config.model), sharding.make_mesh(
+        config.mesh, jax.devices()[:1]), batch)[0]
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+def test_an_encoder_decoder_counts_each_stack_at_its_own_length_against_a_hand_count(experts):
+    """S = 16 encoder tokens a row (what tok/s counts), T = 6 decoder tokens (the batch's):
+    6 N_enc S + 6 N_dec T + the encoder's attention at S, the decoder's self-attention at T
+    and its cross-attention over the S keys for each of the T tokens, per S tokens. N_enc: the
+    encoder stack and the cross-attention's key and value (they project the encoder's S
+    rows); N_dec: the rest of the decoder and the tied head; the relative-position tables
+    are lookups. With 4 experts, top 2, a token passes through 2 experts' MLPs and the
+    router."""
+    from transformer.training import state as state_lib
+
+    config, s, t, width = t5_config(experts), 16, 6, 32
+    attention, mlp = 4 * 32 * 32, 3 * 32 * 64  # q, k, v, out; gate, up, down
+    active_mlp = 32 * 4 + 2 * mlp if experts else mlp  # the router and 2 of 4 experts
+    table, head = 32 * 2, 64 * 32  # each stack's buckets x heads; the tied embedding
+    encoder = 2 * (attention + 2 * 32 + active_mlp) + 32  # + 2 norms a layer, final norm
+    decoder = 2 * attention + 3 * 32 + active_mlp + 32  # self, cross; 3 norms; final norm
+    cross_kv = 2 * 32 * 32  # the decoder's, on the encoder side
+    abstract = t5_abstract(config, t5_batch(2, s, t))
+    assert state_lib.active_params(abstract, config, metrics.ENCODER_SIDE) == \
+        encoder + table + cross_kv
+    assert state_lib.active_params(abstract, config) == encoder + decoder + 2 * table + head
+    flops = 6 * (encoder + cross_kv) + 2 * 12 * width * s + (
+        6 * (decoder - cross_kv + head) + 12 * width * t + 12 * width * s) * t / s
+    assert flops == (184_128 if not experts else 273_504)
+    assert metrics.model_flops_per_token(config, abstract, t5_batch(2, s, t)) == flops
+    # a summary's count (transformer.scaling), without the split: the decoder at S as before
+    total = state_lib.active_params(abstract, config)
+    assert metrics.flops_per_token(config, total) == \
+        6 * total + 2 * 12 * width * s + 2 * 12 * width * s
+
+
+def test_the_encoder_decoder_step_runs_the_matmuls_it_is_charged():
+    """The dense T5's train step (SGD: no matmuls of its own) runs 3 x its forward's matmuls:
+    the model FLOPs but 6 x the norm scales' params, at each stack's length (the decoder's
+    rows shorter than the encoder's)."""
+    import numpy as np
+    import optax
+
+    from transformer.training.state import TrainState
+    from transformer.training.step import make_train_step
+
+    config, s, t = t5_config(), 16, 6
+    config.batch_size = 2
+    batch = t5_batch(2, s, t)
+    model, optimizer = build_model(config.model), optax.sgd(0.1)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch["encoder_inputs"],
+                                          batch["decoder_inputs"])["params"])
+    state = TrainState(np.zeros((), np.int32), params, optimizer.init(params),
+                       np.asarray(-1, np.int32))
+    step = jax.jit(make_train_step(model, config, optimizer))
+    counted = metrics.program_matmul_flops(step.trace(state, batch).jaxpr.jaxpr)
+    norms = (2 * 2 * 32 + 32) + (3 * 32 + 32) * t / s  # encoder's; decoder's, at T
+    assert counted / (2 * s) == \
+        metrics.model_flops_per_token(config, t5_abstract(config, batch), batch) - 6 * norms

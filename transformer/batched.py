@@ -194,7 +194,7 @@ def loop(runs: Sequence[train.Run], peak_flops: float | None) -> bool:
     program until each reaches config.steps, each logging, evaluating and saving at the steps a
     separate run would; returns whether a signal stopped them (after saving)."""
     config = runs[0].config
-    flops, counted = (metrics_lib.flops_per_token(config, runs[0].active_params),) * 2, False
+    flops, counted = (runs[0].flops_per_token,) * 2, False
     for run in runs:
         run.logger.prefix = f"seed {run.config.seed}: "
         run.logger.print(f"batched seeds: seeds {[r.config.seed for r in runs]} train in one "

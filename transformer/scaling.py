@@ -6,9 +6,10 @@ DIR holds the sweep's runs (`transformer.sweep`): DIR/NAME per variant, or with 
 DIR/NAME/seed_K per seed (read from the layout). The experiment file declares the compute
 budgets as `BUDGETS`; every finished run's compute is recomputed as C = flops_per_token(config,
 N) x tokens trained (`metrics.flops_per_token`; tokens = steps x batch_size x seq_len; N =
-num_params) and the run joins the declared budget nearest to it in log C. A run whose val loss
-is not finite is left out, and runs of the same size and budget (seeds, copies) are averaged
-into one; the report and the terminal name both. Fitted:
+num_params) and the run joins the declared budget nearest to it in log C. A T5 is counted as
+if its decoder read seq_len tokens too, an overcount: a summary has no encoder/decoder split. A
+run whose val loss is not finite is left out, and runs of the same size and budget (seeds,
+copies) are averaged into one; the report and the terminal name both. Fitted:
 
 - Approach 2 (`transformer.sweeps.isoflop`): per budget, a parabola of final val loss against
   ln N; its vertex gives N_opt(C) and L_min(C); D_opt(C) = C / flops_per_token(N_opt), the

@@ -71,6 +71,7 @@ class Run:
     start_step: int
     num_params: int
     active_params: int  # per token: less the experts a token is not routed to (MoE)
+    flops_per_token: float  # the model's, a trained token's: metrics.model_flops_per_token
     train_step: Any
     eval_step: Any
     logger: metrics_lib.MetricsLogger
@@ -160,6 +161,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     state = placement.train_order(state)  # (checkpoints and init_from are in layer order)
     run = Run(config, workdir, tokenizer, task, model, placement, manager, train_data, state,
               start_step, num_params(abstract), active_params(abstract, config),
+              metrics_lib.model_flops_per_token(config, abstract, first_batch),
               placement.jit_train_step(make_train_step(model, config, optimizer),
                                        state_sharding),
               placement.jit_eval_step(evaluation.make_eval_step(model, config, tokenizer),
@@ -184,7 +186,7 @@ def loop(run: Run, peak_flops: float | None) -> bool:
     evaluating and checkpointing on the way; returns whether it stopped early on a signal
     (after saving)."""
     config = run.config
-    flops = (metrics_lib.flops_per_token(config, run.active_params),) * 2  # model, hardware
+    flops = (run.flops_per_token,) * 2  # model, hardware
     # Speed is timed over windows of training steps alone (from `since`, a (time, step), to
     # the next log): the first step of the process, which compiles, every evaluation and save,
     # and the profiler's trace start and stop happen outside them, timed apart (`pauses`: the

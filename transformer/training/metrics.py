@@ -16,6 +16,7 @@ import time
 import jax
 
 from transformer.models import family_of, transformer_config
+from transformer.training import state as state_lib
 from transformer.utils import fileio
 
 # Dense (no sparsity) peak FLOP/s per chip, (device_kind prefix, bfloat16, float32 compute),
@@ -51,18 +52,23 @@ def matmul_params(config, num_params: int) -> int:
     return num_params - lookups
 
 
-def flops_per_token(config, num_params: int) -> float:
+def flops_per_token(config, num_params: int,
+                    encoder_decoder: tuple[int, int] | None = None) -> float:
     """Model FLOPs per trained token, the PaLM / nanoGPT convention: 6 N (N = matmul params,
     forward + backward) + each layer's token-mixer FLOPs (`mixers.base.Mixer.flops_per_token`):
     12 D T for attention's scores and values (D = heads x head_dim, T = seq_len; a sliding
     layer's T at most its window), a linear layer's state updates. For a mixture of experts
     pass its active params (`state.active_params`): the experts a token skips, and routing work
     such as the dispatch einsums, are not useful FLOPs. Causal attention is *not* halved
-    (MaxText halves it), so numbers compare with nanoGPT's `estimate_mfu`. An encoder-decoder
-    counts its decoder's self- and cross-attention layers too. Each multi-token prediction
-    module (model.mtp.depth) adds its block's mixer and one more pass of the output head
-    (6 V D: the head's params are shared, so N counts them once)."""
+    (MaxText halves it), so numbers compare with nanoGPT's `estimate_mfu`. Each multi-token
+    prediction module (model.mtp.depth) adds its block's mixer and one more pass of the output
+    head (6 V D: the head's params are shared, so N counts them once). An encoder-decoder (T5)
+    given `encoder_decoder`, (its encoder's active params, its decoder's length), counts each
+    stack at its own length (`encoder_decoder_flops`); without it (`transformer.scaling`, from
+    a summary) its decoder counts as if it read seq_len tokens too, an overcount."""
     m = config.model
+    if m.family == "t5" and encoder_decoder is not None:
+        return encoder_decoder_flops(config, num_params, *encoder_decoder)
     mixing = 0
     if family_of(config).attention:
         stack = transformer_config(m)
@@ -77,6 +83,46 @@ def flops_per_token(config, num_params: int) -> float:
             mixing += 2 * (m.get("num_decoder_layers") or m.num_layers) * 12 * width * \
                 config.seq_len
     return 6 * matmul_params(config, num_params) + mixing
+
+
+# The params an encoder-decoder's encoder tokens pass through (state.param_name's): the encoder
+# stack's, and the decoder's cross-attention key and value projections, which read the encoder's
+# output (S rows, not T).
+ENCODER_SIDE = r"^encoder/|^decoder/.*cross_attention/(key|value)"
+
+
+def encoder_decoder_flops(config, num_params: int, encoder_params: int,
+                          decoder_len: int) -> float:
+    """`flops_per_token` of an encoder-decoder whose rows are S = seq_len encoder tokens (what
+    tok/s counts) and T = `decoder_len` decoder tokens: per row 6 N_enc S + 6 N_dec T, the
+    encoder's mixers at S over S tokens, and over T tokens the decoder's mixers at T and its
+    cross-attention (T queries x S keys: 12 D S a decoder token and layer); over S. N_enc is
+    `encoder_params` (`ENCODER_SIDE`'s), N_dec the other matmul params (the decoder stack and
+    the output head, which run on decoder tokens); the stacks' relative-position tables are
+    lookups."""
+    m, s, t = config.model, config.seq_len, decoder_len
+    encoder = transformer_config(m)
+    decoder = transformer_config(m, num_layers=m.get("num_decoder_layers") or m.num_layers)
+    # each stack's relative-position table (buckets x heads)
+    table = encoder.t5_num_buckets * encoder.num_heads if encoder.position == "t5" else 0
+    n_encoder = encoder_params - table
+    n_decoder = matmul_params(config, num_params) - encoder_params - table
+    encoder_mixing = sum(encoder.mixer(i).flops_per_token(encoder, s)
+                         for i in range(encoder.num_layers))
+    decoder_mixing = sum(decoder.mixer(i).flops_per_token(decoder, t) + 12 * decoder.num_heads
+                         * decoder.resolved_head_dim * s for i in range(decoder.num_layers))
+    return 6 * n_encoder + encoder_mixing + (6 * n_decoder + decoder_mixing) * t / s
+
+
+def model_flops_per_token(config, abstract_state, batch: dict) -> float:
+    """A run's `flops_per_token`: of its active params (`state.active_params`), and for an
+    encoder-decoder of its encoder side's and of `batch`'s decoder length (decoder_inputs
+    [B, T], a training batch: the length the run trains on)."""
+    active = state_lib.active_params(abstract_state, config)
+    if config.model.family != "t5":
+        return flops_per_token(config, active)
+    return flops_per_token(config, active, (state_lib.active_params(
+        abstract_state, config, ENCODER_SIDE), batch["decoder_inputs"].shape[1]))
 
 
 def hardware_flops_per_token(config, model_flops: float, train_step, *args) -> float | None:

@@ -77,21 +77,29 @@ def num_params(abstract_state: TrainState) -> int:
     return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(abstract_state.params))
 
 
-def active_params(abstract_state: TrainState, config: ml_collections.ConfigDict) -> int:
+def param_name(path) -> str:
+    """A param's tree path as the name optimizer.freeze matches: "encoder/layers_0/mlp/wo"."""
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def active_params(abstract_state: TrainState, config: ml_collections.ConfigDict,
+                  matching: str | None = None) -> int:
     """The params a token passes through: all of them less, in each mixture-of-experts layer,
     the experts it is not routed to (E - top_k of E; the router and shared experts are active).
-    A dense model's active params are all its params."""
+    A dense model's active params are all its params. `matching`: only those whose name
+    (`param_name`) the regex finds a match in (e.g. an encoder-decoder's encoder side)."""
     moe = config.model.get("moe")
-    total = num_params(abstract_state)
-    if not moe or not moe.num_experts:
-        return total
-    inactive = 0
+    routed = moe.num_experts if moe else 0
+    total = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
+        if matching is not None and not re.search(matching, param_name(path)):
+            continue
         keys = [getattr(k, "key", None) for k in path]
-        if "moe" in keys[:-1] and keys[-1] in moe_lib.EXPERT_WEIGHTS:
-            inactive += int(np.prod(leaf.shape)) * (moe.num_experts - moe.top_k) \
-                // moe.num_experts
-    return total - inactive
+        size = int(np.prod(leaf.shape))
+        total += size
+        if routed and "moe" in keys[:-1] and keys[-1] in moe_lib.EXPERT_WEIGHTS:
+            total -= size * (routed - moe.top_k) // routed
+    return total
 
 
 def check_freeze(params, config: ml_collections.ConfigDict) -> None:
@@ -100,8 +108,7 @@ def check_freeze(params, config: ml_collections.ConfigDict) -> None:
     freeze = config.optimizer.get("freeze", "")
     if not freeze:
         return
-    names = ["/".join(str(getattr(k, "key", k)) for k in path)
-             for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     matched = sum(bool(re.search(freeze, name)) for name in names)
     if matched == len(names):
         raise ValueError(f"optimizer.freeze={freeze!r} matches every param, so nothing would "
