@@ -119,6 +119,20 @@ def test_greedy_generation_equals_the_argmax_of_recompute(kind):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", RECURRENT)
+def test_prompts_of_one_token_decode_as_recompute(kind):
+    """Every prompt one token long (an empty prompt is <eos> alone): the prefill's segment ids
+    are [B, 1], whose document starts the recurrent state and convolution still find (they
+    once came out [B, 0] and the prefill failed on a reshape)."""
+    model, params = built(kind)
+    prompts = [[7], [3]]
+    new, _ = decode(model, params, prompts, max_new_tokens=4, eos_id=None)
+    for prompt, row in zip(prompts, new, strict=True):
+        greedy = jnp.argmax(forward(model, params, jnp.asarray([prompt + row.tolist()]))[0], -1)
+        assert row.tolist() == greedy[:-1].tolist()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_scan_and_remat_give_the_plain_gradients(kind):
     """Full remat of every block changes where activations come from, never the gradients."""

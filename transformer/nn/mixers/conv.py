@@ -19,8 +19,8 @@ def _float(*arrays):
 
 def _runs(segment_ids: Array) -> Array:
     """[B, T] -> the index of each token's run of equal segment ids (0 for the first run)."""
-    change = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], 1).astype(jnp.int32).cumsum(1)
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]  # [B, T - 1]: [B, 0] for one token
+    return jnp.pad(change, ((0, 0), (1, 0))).astype(jnp.int32).cumsum(1)
 
 
 def causal_conv(x_BTC: Array, kernel_KC: Array, bias_C: Array | None = None,

@@ -125,8 +125,8 @@ def _resets(segment_ids: Array | None, shape) -> Array:
     """[B, T] bool: the tokens that start a document (a run of non-zero ids, after the first)."""
     if segment_ids is None:
         return jnp.zeros(shape, bool)
-    start = segment_ids[:, 1:] != segment_ids[:, :-1]
-    start = jnp.concatenate([jnp.zeros_like(start[:, :1]), start], 1)
+    start = segment_ids[:, 1:] != segment_ids[:, :-1]  # [B, T - 1]: [B, 0] for one token
+    start = jnp.pad(start, ((0, 0), (1, 0)))
     return start & (segment_ids != 0)
 
 
