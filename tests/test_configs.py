@@ -176,6 +176,22 @@ BAD_VALUES = [
     ({"model.param_dtype": "int8"}, "expected one of ('float32', 'bfloat16', 'float16')"),
     ({"model.param_dtype": "float64"}, "expected one of"),
     ({"model.head": "none"}, "expected 'mlm' or 'classify' to train"),
+    # what a model family reads (configs._validate_objective, _validate_unread)
+    ({"data.num_sentinels": 2, "model.family": "t5", "seq_len": 64},
+     "makes 3 noise spans a row (data.noise_density=0.15, data.mean_span_length=3.0), each its "
+     "own sentinel: expected data.num_sentinels >= 3"),
+    ({"data.objective": "mlm", "model.family": "prefix_lm"},
+     "its rows hold no ['prefix_lengths'] for the model to read: expected one of ['prefix_lm', "
+     "'classification']"),
+    ({"data.objective": "span_corruption", "model.family": "prefix_lm"}, "expected one of"),
+    ({"data.objective": "next_token", "model.family": "t5"},
+     "expected one of ['span_corruption', 'text2text']"),
+    ({"seq_len": 17, "model.family": "vit", "model.image_size": 8, "model.patch_size": 4},
+     "a ViT reads 5 tokens an image"),
+    ({"seq_len": 17, "model.family": "vit", "model.image_size": 8, "model.pooling": "mean"},
+     "expected seq_len=16"),
+    ({"model.tie_embeddings": False, "model.family": "bert"}, "expected True"),
+    ({"model.tie_embeddings": False, "model.family": "captioner"}, "expected True"),
 ]
 
 
@@ -202,9 +218,39 @@ def test_a_bad_value_is_a_one_line_error_naming_its_dotted_key(overrides, expect
     {"mesh.data": 1, "mesh.fsdp": -1},
     {"model.dtype": "bfloat16", "model.param_dtype": "float32"},
     {"model.dtype": "float16", "model.param_dtype": "bfloat16"},
+    {"model.family": "t5", "seq_len": 64, "data.num_sentinels": 3},
+    {"model.family": "vit", "model.image_size": 8, "model.patch_size": 4, "seq_len": 5},
+    {"model.family": "prefix_lm", "data.objective": "classification", "data.task": "modules",
+     "model.head": "classify", "model.num_classes": 3},
 ])
 def test_edge_values_that_mean_something_are_accepted(overrides):
     configs.validate_config(_with(overrides), num_devices=1, num_processes=1)
+
+
+def test_each_objectives_rows_hold_the_features_validation_says():
+    """configs.ROW_FEATURES (what a family's features are checked against) against the rows
+    the converters make."""
+    import numpy as np
+
+    from transformer.data import features, tasks, tokenizers
+
+    tokenizer = tokenizers.build_tokenizer("byte", num_sentinels=100)
+    tokens = np.arange(10, 10 + 2 * 40, dtype=np.int32).reshape(2, 40)
+    batch = {"tokens": tokens, "tokens_segment_ids": np.ones_like(tokens),
+             "tokens_positions": np.broadcast_to(np.arange(40), tokens.shape).copy()}
+    rows = {"next_token": features.next_token_features(batch)}
+    keys = features.sample_keys(np.zeros(2, np.uint32), np.arange(2))
+    for objective in ("prefix_lm", "mlm", "span_corruption"):
+        rows[objective] = features.keyed_converter(
+            objective, tokenizer=tokenizer, mlm_rate=0.15, noise_density=0.15,
+            mean_span_length=3.0)(batch, keys)
+    rows["classification"] = tasks.classification_features(tokens[0], 1, seq_len=8, cls=False,
+                                                           tokenizer=tokenizer, prefix=True)
+    rows["text2text"] = tasks.text2text_features(tokens[0], 1, tokens[1, :3], seq_len=8,
+                                                 target_len=4, tokenizer=tokenizer)
+    assert sorted(rows) == sorted(configs.ROW_FEATURES)
+    for objective, row in rows.items():
+        assert set(configs.ROW_FEATURES[objective]) <= set(row), objective
 
 
 # --- every experiment file ----------------------------------------------------------------------

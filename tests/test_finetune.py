@@ -247,6 +247,39 @@ def test_init_from_a_workdir_takes_its_architecture_and_refuses_a_contradicting_
 
 
 @pytest.mark.slow
+def test_a_gpt_pretrained_with_mtp_fine_tunes_without_its_modules(tmp_path):
+    """The MTP modules are a pretraining head: a classifier, a prefix LM or a run setting
+    model.mtp.depth=0 drops them (reported dropped); a decoder LM run keeps them."""
+    from test_train import tiny_config
+
+    from transformer.training import checkpoint
+
+    base = tmp_path / "mtp"
+    config = tiny_config()
+    config.model.mtp.depth = 1
+    train.train_and_evaluate(config, str(base))
+    source = {k: m.shape for k, m in checkpoint.params_metadata(str(base))[1].items()}
+    mtp = sorted(k for k in source if k.startswith("mtp_0/"))
+    assert any("/layers_0/" in k for k in mtp)
+    classify = tiny_config("gpt_finetune_cls", init_from=str(base))
+    cases = [(classify, set()), (tiny_config("prefix_lm", init_from=str(base)), set()),
+             (tiny_config(init_from=str(base)), {"model.mtp.depth"})]
+    cases[2][0].model.mtp.depth = 0
+    for run, explicit in cases:
+        resolved = finetune.resolve_init_config(run, explicit=explicit)
+        assert resolved.model.mtp.depth == 0, resolved.model.family
+        resolved.model.update(num_classes=3, vocab_size=source["embed/embedding"][0])
+        configs.validate_config(resolved, num_devices=1, num_processes=1, files=False)
+        model = build_model(resolved.model)
+        target = finetune._flat(nn.unbox(jax.eval_shape(
+            model.init, jax.random.key(0), np.zeros((1, 8), np.int32))["params"]))
+        report = finetune.match(source, {k: v.shape for k, v in target.items()}, "src")
+        assert [k for k in report.dropped if k.startswith("mtp_")] == mtp
+    kept = finetune.resolve_init_config(tiny_config(init_from=str(base)))
+    assert kept.model.mtp.depth == 1
+
+
+@pytest.mark.slow
 def test_a_lora_run_on_a_workdir_trains_and_is_refused_as_an_init_from(gpt_base, tmp_path):
     """A LoRA run's checkpoints hold its adapters only: as init_from it is refused in one line
     saying so and how to get a model to start from, before a model is built."""
@@ -310,6 +343,23 @@ def test_the_gpt_classifier_reads_the_last_real_token():
     np.testing.assert_allclose(logits[0], logits[1], atol=1e-6)  # padding never read
     shorter = apply(tokens[:, :3])
     np.testing.assert_allclose(shorter[0], logits[0], atol=1e-5)
+
+
+def test_a_prefix_lm_classifier_reads_the_whole_text_as_its_prefix(play):
+    """Its rows say the whole real text is the prefix (read bidirectionally): its loss, which
+    needs prefix_lengths, runs on them."""
+    from transformer.models import family_of
+
+    config = task_config(play, family="prefix_lm")
+    configs.validate_config(config, num_devices=1, num_processes=1)
+    tokenizer = tokenizers.build_tokenizer("byte", num_sentinels=0)
+    batch = next(iter(tasks.make_dataset(config, tokenizer, "train")))
+    assert batch["prefix_lengths"].tolist() == batch["segment_ids"].sum(1).tolist()
+    config.model.update(num_classes=3, vocab_size=tokenizer.vocab_size)
+    model, family = build_model(config.model), family_of(config)
+    params = jax.jit(model.init)(jax.random.key(0), batch["inputs"])["params"]
+    loss, _ = jax.jit(lambda p, b: family.loss_and_metrics(model, config, p, b))(params, batch)
+    assert np.isfinite(float(loss))
 
 
 # --- end to end -----------------------------------------------------------------------------

@@ -134,6 +134,24 @@ def test_t5_padding_in_the_encoder_is_invisible_to_the_decoder():
     assert "relative_position_bias" not in params["params"]["encoder"]["layers_0"]
 
 
+def test_t5_decoder_padding_takes_no_expert_slot():
+    """Capacity routing (the MoE default): a decoder row's right padding must not push out a
+    real token's expert choice, so the real tokens' logits are those of the unpadded rows (2
+    tokens: their ceil(1.25 x 2 x 2 / 4) = 2 slots per expert drop nothing)."""
+    config = small_config("t5", num_layers=1, num_decoder_layers=1)
+    config.moe.update(num_experts=4, top_k=2)
+    rng = np.random.default_rng(0)
+    enc = rng.integers(4, VOCAB, (8, 12)).astype(np.int32)
+    real = rng.integers(4, VOCAB, (8, 2)).astype(np.int32)
+    real[:, 0] = PAD  # <bos> = <pad> = 0, as in T5's vocabulary
+    padded = np.pad(real, ((0, 0), (0, 14)))
+    model = build_model(config)
+    params = jax.jit(model.init)(jax.random.key(0), enc, padded)
+    apply = jax.jit(model.apply)
+    np.testing.assert_allclose(apply(params, enc, padded)[:, :2], apply(params, enc, real),
+                               atol=1e-5)
+
+
 @pytest.mark.slow
 def test_lstm_is_causal_and_resets_at_document_boundaries():
     model = LSTMLM(VOCAB, d_model=16, num_layers=2)

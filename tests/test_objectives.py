@@ -647,3 +647,14 @@ span = functools.partial(objectives.span_corrupt, KEY, TOKENS, vocab_size=10, eo
 def test_bad_arguments_raise_value_error_naming_the_value(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("seq_len", [24, 64, 512])
+def test_span_corruption_spans_counts_the_sentinels_a_pipeline_row_uses(seq_len):
+    """What config validation checks data.num_sentinels against: the sentinels in an encoder
+    row of seq_len tokens, cut from the raw row the pipeline reads for it."""
+    raw, _ = objectives.span_corruption_lengths(seq_len)
+    tokens = jnp.arange(3, 3 + raw, dtype=jnp.int32)[None]
+    inputs, _ = objectives.span_corrupt(jax.random.key(0), tokens, vocab_size=2000, eos_id=1)
+    assert inputs.shape[1] == seq_len
+    assert int(jnp.sum(inputs >= 2000 - 200)) == objectives.span_corruption_spans(seq_len)

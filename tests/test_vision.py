@@ -4,6 +4,7 @@ temperature clip, the digits data, and zero-shot evaluation."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -189,3 +190,42 @@ def test_the_captioner_reads_the_image_through_cross_attention_and_writes_causal
     later = tokens.at[:, 3:].set(7)
     np.testing.assert_allclose(apply(image, later)[:, :3], logits[:, :3], atol=1e-5)
     assert not np.allclose(apply(image, later)[:, 3:], logits[:, 3:], atol=1e-4)
+
+
+def _moe_model(family, **overrides):
+    """A 1-layer MoE model of `family` with capacity routing (4 experts top-2, the default
+    capacity factor 1.25)."""
+    config = base_config().model
+    config.update(family=family, vocab_size=300, **{**TINY, "num_layers": 1}, **overrides)
+    config.moe.update(num_experts=4, top_k=2)
+    return build_model(config)
+
+
+def _text(padded_to):
+    """8 rows of 2 real tokens (unpadded, their ceil(1.25 x 2 x 2 / 4) = 2 slots per expert
+    drop nothing), and the same right-padded with 0."""
+    real = np.random.default_rng(0).integers(3, 300, (8, 2)).astype(np.int32)
+    return real, np.pad(real, ((0, 0), (0, padded_to - 2)))
+
+
+def test_caption_padding_takes_no_expert_slot():
+    """The caption's right padding must not push out a real token's expert choice: its real
+    tokens' logits are those of the unpadded caption."""
+    model = _moe_model("captioner")
+    image = jax.random.uniform(jax.random.key(1), (8, 8, 8, 1))
+    real, padded = _text(16)
+    params = jax.jit(model.init)(jax.random.key(0), image, padded)
+    apply = jax.jit(model.apply)
+    np.testing.assert_allclose(apply(params, image, padded)[:, :2], apply(params, image, real),
+                               atol=1e-5)
+
+
+def test_clip_text_padding_takes_no_expert_slot():
+    model = _moe_model("clip", projection_dim=16)
+    image = jax.random.uniform(jax.random.key(1), (1, 8, 8, 1))
+    real, padded = _text(16)
+    segments = (padded > 0).astype(np.int32)
+    params = jax.jit(model.init)(jax.random.key(0), image, padded, segments)
+    embed = jax.jit(functools.partial(model.apply, method="embed_texts"))
+    np.testing.assert_allclose(embed(params, padded, segments),
+                               embed(params, real, np.ones_like(real)), atol=1e-5)

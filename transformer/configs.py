@@ -16,12 +16,14 @@ from transformer import config_keys
 from transformer.data import inputs, pipeline, sources, tokenizers
 from transformer.models import (
     FAMILIES,
+    bert,
     build_model,
     default_model_config,
     family_of,
     transformer_config,
+    vision,
 )
-from transformer.nn import sequence_parallel
+from transformer.nn import objectives, sequence_parallel
 from transformer.nn.mixers import MIXERS
 from transformer.parallel import pipeline_parallel, sharding
 from transformer.training import checkpoint as checkpoint_lib
@@ -215,6 +217,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         _validate_test_path(config)
         _validate_held_out(config)
         _validate_finetuning(config)
+    _validate_objective(config)
+    _validate_unread(config)
     _validate_lora(config)
     task_eval.check(config, family_of(config).decoding, num_processes)
     wandb_logging.check(config)
@@ -265,6 +269,58 @@ def _validate_mixers(config: ml_collections.ConfigDict, mesh_sizes: dict[str, in
     for name in types:
         if (reason := MIXERS[name].refuses(stack, mesh_sizes)) is not None:
             raise ValueError(reason)
+
+
+# The model features each text objective's rows hold (transformer.data.features; data.tasks for
+# the labeled ones, whose classification rows hold prefix_lengths where the family reads them).
+ROW_FEATURES = {
+    "next_token": ("inputs", "segment_ids", "positions"),
+    "prefix_lm": ("inputs", "segment_ids", "positions", "prefix_lengths"),
+    "mlm": ("inputs", "segment_ids", "positions"),
+    "span_corruption": ("encoder_inputs", "decoder_inputs"),
+    "classification": ("inputs", "segment_ids", "positions", "prefix_lengths"),
+    "text2text": ("encoder_inputs", "encoder_segment_ids", "decoder_inputs"),
+}
+
+
+def _validate_objective(config: ml_collections.ConfigDict) -> None:
+    """A text objective whose rows hold every feature the family reads; span corruption with a
+    sentinel id for each noise span of a row."""
+    objective, family = pipeline.objective_for(config), family_of(config)
+    data = config.data
+    if objective in ROW_FEATURES:
+        needs = set(family.inputs + family.features)
+        if missing := sorted(needs - set(ROW_FEATURES[objective])):
+            able = [name for name, row in ROW_FEATURES.items() if needs <= set(row) and (
+                name in pipeline.OBJECTIVES or name in family.objectives)]
+            raise ValueError(f"data.objective={objective!r} with model.family={family.name!r}: "
+                             f"its rows hold no {missing} for the model to read: expected one "
+                             f"of {able}")
+    if objective == "span_corruption":
+        spans = objectives.span_corruption_spans(config.seq_len, data.noise_density,
+                                                 data.mean_span_length)
+        if spans > data.num_sentinels:  # span i's sentinel would be a real token's id
+            raise ValueError(f"data.num_sentinels={data.num_sentinels}: span corruption of "
+                             f"seq_len={config.seq_len} makes {spans} noise spans a row "
+                             f"(data.noise_density={data.noise_density}, data.mean_span_length="
+                             f"{data.mean_span_length}), each its own sentinel: expected "
+                             f"data.num_sentinels >= {spans}, or a smaller seq_len or "
+                             "noise_density")
+
+
+def _validate_unread(config: ml_collections.ConfigDict) -> None:
+    """Settings a family's model never reads, refused where they would claim what it does not
+    do: a ViT's seq_len other than its token count (read only by the logs' tokens/s and MFU,
+    which count seq_len tokens an image), an untied output head where the head always ties."""
+    model, family = config.model, family_of(config)
+    if family is vision.VIT and config.seq_len != (tokens := vision.image_tokens(model)):
+        raise ValueError(f"seq_len={config.seq_len}: a ViT reads {tokens} tokens an image "
+                         f"(model.image_size={model.image_size}, patch_size={model.patch_size}, "
+                         f"pooling={model.pooling!r}): expected seq_len={tokens}")
+    # (Refused here, not by build_model: a checkpoint saved with the key still loads.)
+    if not model.get("tie_embeddings", True) and family in (bert.BERT, vision.CAPTIONER):
+        raise ValueError(f"model.tie_embeddings=False with model.family={family.name!r}: "
+                         "expected True (its output head always reads the token embedding)")
 
 
 def _validate_sources(config: ml_collections.ConfigDict) -> None:
@@ -442,8 +498,8 @@ def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
         if task not in tasks.TASKS:
             raise ValueError(f"data.task={task!r}: data.objective={objective!r} expected one "
                              f"of {tasks.TASKS}")
-    # Labeled tasks and images need a family built for them; text pretraining objectives
-    # (next_token, prefix_lm, mlm, span_corruption) run on every text family.
+    # Labeled tasks and images need a family built for them (a text objective's rows: checked
+    # by _validate_objective against what the family reads).
     special = pipeline.TASK_OBJECTIVES + pipeline.IMAGE_OBJECTIVES + pipeline.CHAT_OBJECTIVES
     if (objective in special or family.objective in special) and \
             objective not in family.objectives:

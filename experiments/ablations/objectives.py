@@ -23,8 +23,10 @@ def get_sweep():
         "prefix_lm": {"model.family": "prefix_lm"},
         "masked_lm": {"model.family": "bert", "model.position": "learned",
                       "model.embedding_norm": True},
+        # a sentinel id for each of a 64-token row's 3 noise spans
         "span_corruption": {"model.family": "t5", "model.num_layers": 2,
-                            "model.num_decoder_layers": 2, "model.position": "t5"},
+                            "model.num_decoder_layers": 2, "model.position": "t5",
+                            "data.num_sentinels": 3},
     })
 
 

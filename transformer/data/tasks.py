@@ -13,8 +13,8 @@ hash < f (f = `data.validation_fraction`) is "test", [f, 2f) "validation", the r
 a model pretrained on the same text with the same f never saw a test paragraph.
 
 Features per objective (`data.objective`):
-* `"classification"` (bert, gpt): token rows + one integer target per row, weight 1 (0 for the
-  rows that pad the last evaluation batch);
+* `"classification"` (bert, gpt, prefix_lm): token rows + one integer target per row, weight 1
+  (0 for the rows that pad the last evaluation batch); a prefix LM's rows are all prefix;
 * `"text2text"` (t5): the text to the encoder, the label's name (its tokens + <eos>) as the
   decoder's target, and the class id under "label".
 """
@@ -156,12 +156,13 @@ def _pad(ids, length: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def classification_features(ids: np.ndarray, label: int, *, seq_len: int, cls: bool,
-                            tokenizer) -> dict[str, np.ndarray]:
+                            tokenizer, prefix: bool = False) -> dict[str, np.ndarray]:
     """A text's token ids and its class -> one classification row of `seq_len` tokens.
 
     With `cls` (BERT) the model reads [CLS] text [SEP] (the head reads [CLS]); otherwise (GPT)
     <eos> text (the head reads the last token; <eos> starts a document, as in pretraining).
-    Long texts are cut.
+    Long texts are cut. With `prefix` (a prefix LM) the whole text is the prefix
+    ("prefix_lengths"): the model reads it bidirectionally.
 
     >>> tok = ByteTokenizer(num_sentinels=0)  # [CLS] = 5, [SEP] = 6, <eos> = 2
     >>> f = classification_features(np.array([11, 12, 13]), 2, seq_len=6, cls=True, tokenizer=tok)
@@ -179,7 +180,8 @@ def classification_features(ids: np.ndarray, label: int, *, seq_len: int, cls: b
     inputs, segment_ids = _pad(tokens, seq_len)
     return {"inputs": inputs, "segment_ids": segment_ids,
             "positions": (np.arange(seq_len) * segment_ids).astype(np.int32),
-            "targets": np.int32(label), "weights": np.float32(1.0)}
+            "targets": np.int32(label), "weights": np.float32(1.0),
+            **({"prefix_lengths": np.int32(len(tokens))} if prefix else {})}
 
 
 def text2text_features(ids: np.ndarray, label: int, target_ids: np.ndarray, *, seq_len: int,
@@ -268,10 +270,10 @@ def make_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
                                                  names[e.label], seq_len=seq_len,
                                                  target_len=target_len, tokenizer=tokenizer)
     else:
-        cls = family_of(config).cls_token
-        featurize = lambda e: classification_features(tokenizer.encode(e.text), e.label,
-                                                      seq_len=seq_len, cls=cls,
-                                                      tokenizer=tokenizer)
+        family = family_of(config)
+        featurize = lambda e: classification_features(
+            tokenizer.encode(e.text), e.label, seq_len=seq_len, cls=family.cls_token,
+            tokenizer=tokenizer, prefix="prefix_lengths" in family.features)
     dataset = grain.MapDataset.source(task.splits[split])
     if shuffle:
         dataset = pipeline.shuffle_each_epoch(dataset, config.seed)

@@ -49,7 +49,8 @@ MODEL_KEYS: dict[str, Key] = {
     "family": Key("gpt", "The model family (`transformer.models.FAMILIES`).",
                   one_of(tuple(FAMILIES))),
     "vocab_size": Key(256, "Vocabulary size.", int_(gt=0)),
-    "tie_embeddings": Key(True, "The output head shares the token embedding.", BOOL),
+    "tie_embeddings": Key(True, "The output head shares the token embedding (always in bert "
+                                "and captioner).", BOOL),
     # (TransformerConfig's fields come here, in default_model_config)
     "num_decoder_layers": Key(None, "Encoder-decoder: decoder depth; None: = num_layers.",
                               optional(int_(gt=0), "None or an int > 0")),
@@ -155,13 +156,19 @@ def _check_quantization(model_config) -> None:
                          "the experts' own stay in model.dtype)")
 
 
+def takes_mtp(model_config) -> bool:
+    """Whether the model can have multi-token prediction modules: a decoder LM's next-token
+    head (a fine-tune into another head or family drops them, as it drops the LM head)."""
+    return model_config.family == "gpt" and model_config.head == "mlm"
+
+
 def _check_mtp(model_config) -> None:
     """Multi-token prediction needs a decoder LM's next-token head, and the stack's own
     positions inside its blocks (no ALiBi or T5 bias: only the stack computes those)."""
     depth = model_config.get("mtp", {}).get("depth", 0)
     if not depth:
         return
-    if model_config.family != "gpt" or model_config.head != "mlm":
+    if not takes_mtp(model_config):
         raise ValueError(f"mtp.depth={depth} with family={model_config.family!r}, head="
                          f"{model_config.head!r}: expected family 'gpt' with head 'mlm' (a "
                          "decoder LM predicting tokens)")
@@ -198,4 +205,4 @@ def init_cache(model: nn.Module, batch_size: int, cache_length: int,
 
 __all__ = ["FAMILIES", "Family", "family_of", "CLIP", "Captioner", "ViTClassifier", "DecoderLM",
            "EncoderModel", "EncoderDecoder", "LSTMLM", "shift_right", "build_model",
-           "default_model_config", "transformer_config", "init_cache"]
+           "default_model_config", "transformer_config", "init_cache", "takes_mtp"]

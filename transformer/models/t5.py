@@ -34,6 +34,18 @@ def shift_right(targets_BT: Array, bos_id: int, segment_ids_BT: Array | None = N
     return shifted
 
 
+def unpadded_ids(tokens_BT: Array) -> Array:
+    """Segment ids of right-padded decoder inputs (`tasks.decoder_features` pads with id 0): 1
+    up to each row's last nonzero token and on its first (<bos> may be id 0), 0 after.
+
+    >>> unpadded_ids(jnp.array([[0, 7, 0, 9, 0, 0]])).tolist()
+    [[1, 1, 1, 1, 0, 0]]
+    """
+    real_BT = (jnp.asarray(tokens_BT) != 0).at[:, 0].set(True)
+    last_B = tokens_BT.shape[1] - 1 - jnp.argmax(real_BT[:, ::-1], axis=1)
+    return (jnp.arange(tokens_BT.shape[1]) <= last_B[:, None]).astype(jnp.int32)
+
+
 class EncoderDecoder(nn.Module):
     """T5. Each stack owns its relative position bias (shared by that stack's layers): encoder
     buckets are bidirectional, decoder buckets causal. `scale_output` multiplies the decoder
@@ -84,6 +96,10 @@ class EncoderDecoder(nn.Module):
             self_mask = masks.Causal()
             if decoder_segment_ids is not None:
                 self_mask = self_mask & masks.Segment(decoder_segment_ids)
+        # Routing only (the masks stay as they are): a capacity-routed MoE layer gives padding
+        # no expert slot, so the padding cannot push out a real token's choice.
+        routing_ids = (unpadded_ids(decoder_tokens_BT)
+                       if decoder_segment_ids is None and not decode else decoder_segment_ids)
         cross_mask = None
         if encoder_segment_ids is not None:
             dec_ids = (jnp.ones_like(decoder_tokens_BT) if decoder_segment_ids is None
@@ -92,7 +108,7 @@ class EncoderDecoder(nn.Module):
         x_BTD = self.decoder(self.embed(decoder_tokens_BT), self_mask, decoder_positions,
                              encoded=encoded_BSD, cross_mask=cross_mask,
                              deterministic=deterministic, decode=decode,
-                             kv_positions=kv_positions, segment_ids=decoder_segment_ids)
+                             kv_positions=kv_positions, segment_ids=routing_ids)
         if self.scale_output:
             x_BTD = x_BTD * self.decoder_config.d_model**-0.5
         return self.embed.attend(x_BTD) if self.tie_embeddings else self.lm_head(x_BTD)

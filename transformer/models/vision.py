@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.models.family import Family, transformer_config
+from transformer.models.t5 import unpadded_ids
 from transformer.nn import masks, objectives, positions
 from transformer.nn.blocks import TransformerStack
 from transformer.nn.config import TransformerConfig
@@ -184,7 +185,8 @@ class TextEncoder(nn.Module):
                                name="embed")(tokens_BT)
         mask = masks.Causal() & masks.Segment(segment_ids_BT)
         x_BTD = TransformerStack(cfg, bidirectional=False, name="encoder")(
-            x_BTD, mask, None, deterministic=deterministic)
+            x_BTD, mask, None, deterministic=deterministic,
+            segment_ids=segment_ids_BT)  # (an MoE layer routes no padding)
         last_B = jnp.maximum(jnp.sum(segment_ids_BT > 0, axis=1) - 1, 0)
         return x_BTD[jnp.arange(x_BTD.shape[0]), last_B]
 
@@ -221,7 +223,8 @@ class Captioner(nn.Module):
                deterministic=True) -> Array:
         del encoder_segment_ids
         x_BTD = self.decoder(self.embed(decoder_tokens_BT), masks.Causal(), None,
-                             encoded=encoded_BND, deterministic=deterministic)
+                             encoded=encoded_BND, deterministic=deterministic,
+                             segment_ids=unpadded_ids(decoder_tokens_BT))  # as T5's decoder
         return self.embed.attend(x_BTD)
 
     def __call__(self, images_BHWC, decoder_tokens_BT, *, deterministic=True) -> Array:
@@ -301,6 +304,16 @@ def contrastive_loss(logits_IT: Array, weights_B: Array | None = None, **kwargs)
     targets_2B = jnp.broadcast_to(jnp.arange(n), (2, n))
     return objectives.cross_entropy(both_2BB, targets_2B,
                                     jnp.broadcast_to(weights_B, (2, n)), **kwargs)
+
+
+def image_tokens(model_config) -> int:
+    """The tokens the image encoder reads an image: its patches, and [CLS] if it pools by it.
+
+    >>> image_tokens({"image_size": 8, "patch_size": 2, "pooling": "cls"})
+    17
+    """
+    grid = model_config["image_size"] // model_config["patch_size"]
+    return grid * grid + (model_config["pooling"] == "cls")
 
 
 def _image_settings(model_config) -> dict:

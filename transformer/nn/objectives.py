@@ -291,6 +291,18 @@ def span_corruption_lengths(inputs_length: int, noise_density: float = 0.15,
     return best
 
 
+def span_corruption_spans(inputs_length: int, noise_density: float = 0.15,
+                          mean_span_length: float = 3.0) -> int:
+    """Noise spans per row, so sentinel ids needed, when span corruption fills encoder rows of
+    `inputs_length` (`span_corruption_lengths`' raw rows). The T5 numbers:
+
+    >>> span_corruption_spans(512), span_corruption_spans(2048)
+    (28, 114)
+    """
+    length = span_corruption_lengths(inputs_length, noise_density, mean_span_length)[0]
+    return _span_counts(length, noise_density, mean_span_length)[1]
+
+
 def _random_segment_lengths(key, num_items: int, num_segments: int) -> jax.Array:
     """Uniformly random split of num_items into num_segments non-empty runs -> lengths [S]."""
     if num_segments == 1:
@@ -375,5 +387,5 @@ def span_corrupt(rng, tokens, *, vocab_size: int, eos_id: int, noise_density: fl
 
 __all__ = [
     "cross_entropy", "next_token_targets", "prefix_lm_split", "mlm_corrupt",
-    "span_corruption_lengths", "span_corrupt",
+    "span_corruption_lengths", "span_corruption_spans", "span_corrupt",
 ]

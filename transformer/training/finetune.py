@@ -51,6 +51,7 @@ RUN_SETTINGS = frozenset({
 # A checkpoint of the first family runs as the second (the same modules and params).
 _SAME_PARAMS = {("gpt", "prefix_lm")}
 _EXAMPLES = {"gpt": "gpt_tiny", "bert": "bert_mlm", "t5": "t5_span"}
+_MTP = re.compile(r"mtp_\d+/")  # a multi-token prediction module's params (DecoderLM.mtp)
 
 
 @dataclasses.dataclass
@@ -166,10 +167,17 @@ def resolve_init_config(config: ml_collections.ConfigDict,
             f"model.family={family!r}: {config.init_from} is a {kind} ({theirs['family']!r} "
             f"family) checkpoint: expected model.family={theirs['family']!r}, e.g. "
             f"--config=experiments/{_EXAMPLES.get(theirs['family'], theirs['family'])}.py")
+    from transformer.models import takes_mtp
+
     resolved = ml_collections.ConfigDict(config.to_dict())
     ours = keys.dotted(config.model)
+    # The MTP modules are a pretraining head, like the LM head: a run whose head or family has
+    # none, or that sets model.mtp.depth=0, drops them (`match` reports their params dropped).
+    drops_mtp = not takes_mtp(config.model) or (
+        "model.mtp.depth" in explicit and ours.get("mtp.depth") == 0)
     for key, value in theirs.items():
-        if key in RUN_SETTINGS or (key in ours and ours[key] == value):
+        if key in RUN_SETTINGS or (key in ours and ours[key] == value) or (
+                key == "mtp.depth" and drops_mtp):
             continue
         if f"model.{key}" in explicit:
             raise ValueError(f"model.{key}={ours.get(key)!r}: {says} says {value!r}")
@@ -246,8 +254,10 @@ def match(source: dict[str, tuple], target: dict[str, tuple], name: str) -> Load
                              "architecture (model.* keys) as the source")
     report = LoadReport(name, loaded, sorted(set(target) - set(source)),
                         sorted(set(source) - set(target)))
+    # LoRA's adapters are new in every layer; dropped MTP modules (mtp_<k>/layers_0/...) are
+    # a pretraining head, not a layer of the stack.
     in_stack = [k for k in report.dropped + report.new if re.search(r"(^|/)layers", k) and
-                not lora.is_adapter(k)]  # LoRA's adapters are new in every layer
+                not lora.is_adapter(k) and not (k in report.dropped and _MTP.match(k))]
     if in_stack or not loaded:
         raise ValueError(f"init_from {name}: " + (
             f"layer params {in_stack[:4]} are in only one of the source and this model: "
