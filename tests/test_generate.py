@@ -367,6 +367,22 @@ def test_max_new_tokens_0_gives_the_prompt_alone_and_a_negative_count_is_named()
                 text(model, None, tokenizer, config, prompt="ab", max_new_tokens=-5)
 
 
+def test_the_default_length_fits_a_learned_position_table_shorter_than_seq_len():
+    """An imported checkpoint's table (model.max_len) can be shorter than seq_len: the default
+    continuation fills the table, and a prompt that fills it is named with it."""
+    from transformer.generation import text
+
+    config = base_config()
+    config.seq_len = 128
+    config.model.update(position="learned", max_len=32)
+    assert text._new_tokens(None, config, "causal", 5) == 27
+    assert text._new_tokens(9, config, "causal", 5) == 9  # a length asked for stays
+    with pytest.raises(ValueError, match=r"^prompt of 32 tokens: expected < model.max_len=32"):
+        text._new_tokens(None, config, "causal", 32)
+    config.model.position = "rope"  # no table: seq_len
+    assert text._new_tokens(None, config, "causal", 5) == 123
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 

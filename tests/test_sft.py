@@ -224,6 +224,10 @@ def test_chat_replies_open_the_assistant_turn_and_stop_at_its_end(llama3_dir, mo
         messages, tokenize=True, add_generation_prompt=True)["input_ids"]
     assert seen["eos"] == (tok.eos_id, eot) and eot not in seen["banned"] and seen["n"] == 9
     assert tok.vocab_size in seen["banned"]  # (the padded ids past the vocabulary stay banned)
+    seen.clear()  # 0 new tokens: empty replies, nothing decoded (as generate's other calls)
+    assert generate.chat_replies(SimpleNamespace(vocab_size=tok.vocab_size + 7), None, tok,
+                                 config, messages, num_samples=2, max_new_tokens=0) == ["", ""]
+    assert not seen
 
 
 # Llama 3.1 Instruct's generation_config.json: HF `generate` stops at each of these.

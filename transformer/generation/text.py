@@ -232,15 +232,19 @@ def check_max_new_tokens(max_new_tokens) -> None:
 
 def _new_tokens(max_new_tokens: int | None, config, decoding: str, prompt_length: int) -> int:
     """`max_new_tokens`, or by default seq_len tokens (an encoder-decoder's output) or what
-    fills the training context after the prompt (a decoder LM)."""
+    fills the training context after the prompt (a decoder LM), within a learned position
+    table (model.max_len: an imported checkpoint's context can be shorter than seq_len)."""
     if max_new_tokens is not None:
         return int(max_new_tokens)
     if decoding == "encoder_decoder":
         return config.seq_len
-    if prompt_length >= config.seq_len:
-        raise ValueError(f"prompt of {prompt_length} tokens: expected < seq_len="
-                         f"{config.seq_len} (or pass max_new_tokens)")
-    return config.seq_len - prompt_length
+    context, name = config.seq_len, "seq_len"
+    if config.model.get("position") == "learned" and config.model.max_len < context:
+        context, name = config.model.max_len, "model.max_len"
+    if prompt_length >= context:
+        raise ValueError(f"prompt of {prompt_length} tokens: expected < {name}={context} (or "
+                         "pass max_new_tokens)")
+    return context - prompt_length
 
 
 def _decoding(config) -> str:
@@ -293,6 +297,8 @@ def chat_replies(model, params, tokenizer, config, conversation, *, num_samples:
                               where="--chat")
     stops = stop_ids(tokenizer, chat.end_of_turn_id(tokenizer))
     n = _new_tokens(max_new_tokens, config, "causal", len(prompt))
+    if n == 0:
+        return [""] * num_samples
     banned = tuple(i for i in _banned_for(tokenizer, model, config) if i not in stops)
     tokens, _ = decode(model, params, [prompt] * num_samples, max_new_tokens=n,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
