@@ -11,12 +11,14 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh, PartitionSpec
 
 from transformer.models.gpt import decode_mask
 from transformer.nn import kernels, masks, positions
 from transformer.nn.config import TransformerConfig
 from transformer.nn.mixers import mla
 from transformer.nn.mixers.mla import MLAConfig, MLASettings, MultiHeadLatentAttention
+from transformer.parallel import sharding
 
 B, T, D, N = 2, 7, 32, 4
 SHAPES = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
@@ -400,3 +402,25 @@ def test_config_checks_and_refusals():
     assert mla.refuses(_Config(), {"sequence": 4}) is None
     assert mla.MIXER.decode_state == "latent cache" and mla.MIXER.config is MLAConfig
     assert mla.MIXER.flops_per_token(_Config(), 100) == 6 * 4 * (192 + 128) * 100
+
+
+def test_up_projections_split_over_fsdp():
+    """On fsdp=4 (an abstract mesh: no devices needed) q_b, k_b and v_b [latent_in, heads, kv]
+    split their input axis over fsdp as embed is split (they were whole on every device: for
+    DeepSeek-V3 55M params a layer), while q_a and kv_a keep their latent output whole; each
+    device holds the norm scales and a quarter of every other param."""
+    layer = MultiHeadLatentAttention(settings())
+    boxed = jax.eval_shape(lambda x: layer.init(jax.random.key(0), x), inputs())["params"]
+    mesh = AbstractMesh(tuple(4 if a == "fsdp" else 1 for a in sharding.MESH_AXES),
+                        sharding.MESH_AXES)
+    shardings = sharding.logical_shardings(boxed, mesh)
+    embed = ("fsdp", "expert", "sequence")
+    for name in ("q_b", "k_b", "v_b"):
+        assert shardings[name].spec == PartitionSpec(embed, "tensor", None), name
+    for name in ("q_a", "kv_a"):
+        assert shardings[name].spec == PartitionSpec(embed, None), name
+    params = nn.unbox(boxed)
+    nbytes = {k: v.size * v.dtype.itemsize for k, v in params.items() if "norm" not in k}
+    norms = sum(x.size * x.dtype.itemsize
+                for k in ("q_a_norm", "kv_a_norm") for x in jax.tree.leaves(params[k]))
+    assert sharding.bytes_per_device(params, shardings) == norms + sum(nbytes.values()) // 4

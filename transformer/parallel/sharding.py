@@ -116,10 +116,13 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("length", None),
     ("relpos_buckets", None),
     # token mixers (transformer.nn.mixers): a convolution's taps, a recurrent state's width, a
-    # low-rank latent (MLA's kv and q ranks): small or contracted over, replicated
+    # low-rank latent (MLA's kv and q ranks, the width of q_a, kv_a and their norms): small or
+    # contracted over, replicated. MLA's up-projections q_b, k_b, v_b [latent_in, heads, kv]
+    # are not small (DeepSeek-V3: 55M params a layer): their input axis splits like embed.
     ("conv", None),
     ("state", None),
     ("latent", None),
+    ("latent_in", ("fsdp", EXPERT_AXIS, "sequence")),
     # The scanned layer stack's leading axis: split into pipeline stages.
     ("layers", "stage"),
     ("lora", None),  # a LoRA adapter's rank (transformer.nn.lora): small, replicated

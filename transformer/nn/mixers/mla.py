@@ -181,19 +181,23 @@ class MultiHeadLatentAttention(nn.Module):
     Params, with logical axes, and the HF `DeepseekV3Attention` weight each one is (HF's
     Linear weights are [out, in]; Q = q_lora_rank, W = C + R):
 
-      q_a [embed, latent] (D, Q)            q_a_proj.weight.T  (+ q_a_bias: .bias)
-      q_a_norm/scale [latent] (Q,)          q_a_layernorm.weight
-      q_b [latent, heads, kv] (Q, N, P+R)   q_b_proj.weight.T.reshape(Q, N, P + R)
-      query [embed, heads, kv] (D, N, P+R)  q_proj.weight.T.reshape(D, N, P + R)  (Q = 0)
-      kv_a [embed, latent] (D, W)           kv_a_proj_with_mqa.weight.T  (+ kv_a_bias)
-      kv_a_norm/scale [latent] (C,)         kv_a_layernorm.weight
-      k_b [latent, heads, kv] (C, N, P)     w[:, :P].transpose(2, 0, 1)   (w: kv_b_proj
-      v_b [latent, heads, kv] (C, N, V)     w[:, P:].transpose(2, 0, 1)   .weight.reshape(
-                                                                           N, P + V, C))
-      out [heads, kv, embed] (N, V, D)      o_proj.weight.T.reshape(N, V, D)  (+ out_bias)
-      sinks [heads] (N,)                    with attention_sinks (HF's has none)
+      q_a [embed, latent] (D, Q)               q_a_proj.weight.T  (+ q_a_bias: .bias)
+      q_a_norm/scale [latent] (Q,)             q_a_layernorm.weight
+      q_b [latent_in, heads, kv] (Q, N, P+R)   q_b_proj.weight.T.reshape(Q, N, P + R)
+      query [embed, heads, kv] (D, N, P+R)     q_proj.weight.T.reshape(D, N, P + R)  (Q = 0)
+      kv_a [embed, latent] (D, W)              kv_a_proj_with_mqa.weight.T  (+ kv_a_bias)
+      kv_a_norm/scale [latent] (C,)            kv_a_layernorm.weight
+      k_b [latent_in, heads, kv] (C, N, P)     w[:, :P].transpose(2, 0, 1)   (w: kv_b_proj
+      v_b [latent_in, heads, kv] (C, N, V)     w[:, P:].transpose(2, 0, 1)   .weight.reshape(
+                                                                              N, P + V, C))
+      out [heads, kv, embed] (N, V, D)         o_proj.weight.T.reshape(N, V, D)  (+ out_bias)
+      sinks [heads] (N,)                       with attention_sinks (HF's has none)
 
     and rope_layout "interleaved" where HF's rope_interleave is True, "half" where False.
+
+    `latent` (the down-projections' output) stays whole, `latent_in` (the up-projections'
+    input) splits over fsdp as `embed` does (parallel/sharding.py): q_b, k_b and v_b are most
+    of MLA's params.
 
     `decode=True`: the 'cache' collection holds `latent` [B, L, C + R], each slot the
     normalised latent c then the rotated RoPE key k_r of the token at that position, written
@@ -266,7 +270,7 @@ class MultiHeadLatentAttention(nn.Module):
             c_BTQ = self._dense("q_a", x_BTD, (x_BTD.shape[-1], s.q_lora_rank),
                                 ("embed", "latent"), deterministic, bias=s.qkv_bias)
             q_BTNK = self._dense("q_b", self._norm("q_a_norm", c_BTQ), (s.q_lora_rank, *heads),
-                                 ("latent", "heads", "kv"), deterministic)
+                                 ("latent_in", "heads", "kv"), deterministic)
         else:
             q_BTNK = self._dense("query", x_BTD, (x_BTD.shape[-1], *heads),
                                  ("embed", "heads", "kv"), deterministic)
@@ -287,7 +291,7 @@ class MultiHeadLatentAttention(nn.Module):
         """W_uk (`k_b`, width P) or W_uv (`v_b`, width V): [C, N, width]."""
         s = self.settings
         return self._kernel(name, (s.kv_lora_rank, s.num_heads, width),
-                            ("latent", "heads", "kv"), 0, (1, 2))
+                            ("latent_in", "heads", "kv"), 0, (1, 2))
 
     def _materialised(self, q_nope_BTNP, q_rope_BTNR, latent_BSW, mask, bias,
                       deterministic) -> Array:

@@ -25,7 +25,12 @@ TAPS = 3  # LFM2's conv_L_cache
 
 
 class ShortConv(nn.Module):
-    """The layer: the config is a `TransformerConfig` (d_model, use_bias, init, dtypes)."""
+    """The layer: the config is a `TransformerConfig` (d_model, use_bias, init, dtypes).
+
+    The conv kernel takes torch's Conv1d init, U[+-1 / sqrt(K)] (std 1/3 at K = 3) whatever
+    `init_std`, as Gated DeltaNet's conv does; Hugging Face's `Lfm2ForCausalLM._init_weights`
+    draws it normal(0, initializer_range), std 0.02. Kept, so seeded runs with `conv`
+    layers reproduce. The projections follow `init_std`."""
 
     config: object
 
