@@ -17,7 +17,7 @@ import pytest
 from transformer import configs, models
 from transformer.nn import moe
 from transformer.parallel import sharding
-from transformer.training import checkpoint_manager, metrics
+from transformer.training import checkpoint_manager, metrics, optim
 from transformer.training import state as state_lib
 from transformer.training.state import TrainState
 from transformer.training.step import make_train_step
@@ -529,3 +529,40 @@ def test_a_t5s_two_stacks_log_each_moe_layer_and_move_their_balance_biases():
         jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(
             new.params), strict=True) if "balance_bias" in jax.tree_util.keystr(path)}
     assert len(moved) == 2 and all(m > 0 for m in moved.values())  # one per scanned stack
+
+
+def balance_bias_step(**optimizer):
+    """(config, params, state after) one train step of `gpt_config`'s MoE (layers 1 and 3)
+    with balance biases moving 0.01 a step, under make_optimizer with `optimizer`'s keys."""
+    config = gpt_config(balance_bias=True, bias_update_rate=0.01)
+    config.update(steps=4)
+    config.optimizer.update(warmup_steps=0, **optimizer)
+    model = models.build_model(config.model)
+    batch = text_batch()
+    params = nn.unbox(model.init(jax.random.key(0), batch["inputs"])["params"])
+    tx = optim.make_optimizer(config)
+    state = TrainState(np.zeros((), np.int32), params, tx.init(params),
+                       np.asarray(-1, np.int32))
+    new, _ = jax.jit(make_train_step(model, config, tx))(state, batch)
+    return config, params, new
+
+
+def test_optimizer_freeze_keeps_a_balance_bias_fixed():
+    """optimizer.freeze names params that stay fixed: a frozen balance bias does not move
+    (the step once moved every bias whatever the freeze); an unfrozen one does."""
+    _, params, new = balance_bias_step(freeze="layers_1/moe/")
+    bias = lambda p, layer: np.asarray(p["decoder"][layer]["moe"]["balance_bias"])
+    np.testing.assert_array_equal(bias(new.params, "layers_1"), bias(params, "layers_1"))
+    assert np.abs(bias(new.params, "layers_3") - bias(params, "layers_3")).max() > 0
+
+
+def test_schedule_free_evaluates_a_balance_bias_at_its_train_value():
+    """No optimizer moves a balance bias: schedule-free's x = (y - (1 - b1) z) / b1, which
+    evaluates the other params, would read its stale z (a bias of 0.03 exported as 0.0333)."""
+    config, _, new = balance_bias_step(name="schedule_free_adamw", decay="constant")
+    evaluated = optim.eval_params(new, config)
+    layer, evaluated_layer = new.params["decoder"]["layers_1"], evaluated["decoder"]["layers_1"]
+    assert np.abs(np.asarray(layer["moe"]["balance_bias"])).max() > 0
+    np.testing.assert_array_equal(evaluated_layer["moe"]["balance_bias"],
+                                  layer["moe"]["balance_bias"])
+    assert not np.array_equal(evaluated_layer["moe"]["router"], layer["moe"]["router"])

@@ -116,6 +116,7 @@ def test_the_coordinate_check_is_flat_under_mup_and_grows_under_standard():
     assert all(abs(s) < 0.3 for s in mup.values()), mup
 
 
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(parametrization="ntk"), "model.parametrization='ntk': expected one of 'standard', "
                                   "'mup'"),
@@ -135,3 +136,60 @@ def test_mup_with_a_non_adam_optimizer_is_refused():
     with pytest.raises(ValueError, match=r"^optimizer.name='muon' with model.parametrization="
                        r"'mup': expected one of \('adamw', 'lion', 'schedule_free_adamw'\)"):
         validate_config(cfg)
+
+
+def test_mla_mamba2_router_shared_gate_and_mtp_kernels_are_hidden_matrices():
+    """Under muP MLA's low-rank projections, Mamba 2's B and C, the MoE router and shared
+    experts' gate and the MTP projection take the hidden matrices' rate / m (label
+    backbone/hidden); norms, biases and the balance bias keep the base rate."""
+    cfg = config(64, attention_kind="mla", layer_types="mamba2,full_attention")
+    cfg.model.mla.update(kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8,
+                         qk_rope_head_dim=8, v_head_dim=8)
+    cfg.model.mamba2.update(state_size=8, head_dim=8)
+    cfg.model.moe.update(num_experts=4, top_k=2, num_shared=1, shared_gate=True,
+                         balance_bias=True)
+    cfg.model.mtp.depth = 1
+    params = jax.eval_shape(lambda: init(cfg)[1])
+    labels = optim.param_labels(params, "", "", optim.mup_hidden(cfg))
+    mamba, mla = labels["decoder"]["layers_0"], labels["decoder"]["layers_1"]
+    hidden = [mamba["mamba2"]["B"], mamba["mamba2"]["C"], mamba["moe"]["router"],
+              mamba["moe"]["shared_gate"], labels["mtp_0"]["projection"],
+              *(mla["self_attention"][n] for n in ("q_a", "kv_a", "q_b", "k_b", "v_b"))]
+    assert hidden == ["backbone/hidden"] * len(hidden)
+    assert [mamba["mamba2"]["norm"], mamba["moe"]["balance_bias"],
+            mla["self_attention"]["kv_a_norm"]["scale"]] == ["backbone"] * 3
+
+
+def test_the_mtp_projection_starts_as_a_hidden_matrix():
+    """init_std / sqrt(m) under muP (it once kept init_std); init_std=None: fan-in."""
+    def projection(width, parametrization, init_std=0.02):
+        cfg = config(width, parametrization)
+        cfg.model.update(init_std=init_std)
+        cfg.model.mtp.depth = 1
+        return float(np.std(np.asarray(init(cfg)[1]["mtp_0"]["projection"])))
+
+    standard, mup = projection(128, "standard"), projection(128, "mup")
+    assert standard == pytest.approx(0.02, rel=0.05)
+    assert mup / standard == pytest.approx((128 / 32) ** -0.5, rel=0.05)
+    assert projection(32, "standard", None) == pytest.approx(64**-0.5, rel=0.1)
+
+
+@pytest.mark.slow
+def test_mla_passes_the_coordinate_check_under_mup(monkeypatch):
+    """The coordinate check on multi-head latent attention (latents of half the width): with
+    its low-rank projections in muP's hidden group every column stays flat (the attention
+    output's log2 slope was +0.79 when they took the base rate)."""
+    plain = mup_coord_check.config_for
+
+    def mla(width, *args, **kwargs):
+        cfg = plain(width, *args, **kwargs)
+        cfg.model.attention_kind = "mla"
+        cfg.model.mla.update(kv_lora_rank=width // 2, q_lora_rank=width // 2,
+                             qk_nope_head_dim=width // 8, qk_rope_head_dim=width // 8,
+                             v_head_dim=width // 4)
+        return cfg
+
+    monkeypatch.setattr(mup_coord_check, "config_for", mla)
+    table = {w: mup_coord_check.coordinates(w, "mup", steps=3) for w in (64, 128, 256)}
+    slopes = mup_coord_check.slopes(table)
+    assert all(abs(s) < 0.3 for s in slopes.values()), slopes

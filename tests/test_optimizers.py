@@ -532,3 +532,54 @@ def test_a_scanned_stack_gets_the_updates_of_an_unrolled_one(name):
         theirs = {**theirs, "decoder": stack_layers(theirs["decoder"], 2)}
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
                      ours, theirs)
+
+
+def axes_config(**model):
+    """A tiny GPT config (tests read its axes, never build its params) with `model` keys."""
+    config = tiny("muon")
+    for key, value in model.items():
+        node = config.model
+        *parents, name = key.split(".")
+        for parent in parents:
+            node = node[parent]
+        node[name] = value
+    return config
+
+
+def flat_tree(tree, is_leaf=None) -> dict:
+    return {"/".join(k.key for k in path): v for path, v in
+            jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
+
+
+def test_muon_takes_mlas_latent_matrices_and_mamba2s_b_and_c():
+    """MLA's low-rank projections read embed (q_a, kv_a) or the latent (q_b, k_b, v_b: rows
+    latent); Mamba 2's B and C [embed, kv_heads, state] read embed. Its convolutions stay
+    AdamW's."""
+    config = axes_config(layer_types="mamba2,full_attention", num_layers=2, attention_kind="mla",
+                         **{"mla.kv_lora_rank": 16, "mla.q_lora_rank": 16,
+                            "mla.qk_nope_head_dim": 8, "mla.qk_rope_head_dim": 8,
+                            "mla.v_head_dim": 8, "mamba2.state_size": 8, "mamba2.head_dim": 8})
+    dims = flat_tree(optim.muon_dimension_numbers(config), optim._IS_DIMS)
+    mla, mamba = "decoder/layers_1/self_attention", "decoder/layers_0/mamba2"
+    for name in ("q_a", "kv_a"):
+        assert dims[f"{mla}/{name}"] == contrib.MuonDimensionNumbers((0,), (1,)), name
+    for name in ("q_b", "k_b", "v_b"):
+        assert dims[f"{mla}/{name}"] == contrib.MuonDimensionNumbers((0,), (1, 2)), name
+    for name in ("B", "C"):
+        assert dims[f"{mamba}/{name}"] == contrib.MuonDimensionNumbers((0,), (1, 2)), name
+    for name in ("conv_B", "conv_x", "B_bias", "norm"):
+        assert dims[f"{mamba}/{name}"] is None, name
+
+
+def test_a_mamba2_gated_norm_weight_is_not_decayed_but_its_matrices_are():
+    """Mamba 2's gated RMSNorm weight `norm` [heads, kv] is a norm scale (once decayed as a
+    matrix: 1.0 -> 0.99 in a step at rate 0.1, decay 0.1); GDN's `norm` [kv] was never."""
+    config = axes_config(layer_types="mamba2,linear_attention", num_layers=2,
+                         **{"mamba2.state_size": 8, "mamba2.head_dim": 8})
+    axes = optim.logical_axes(config)
+    params = jax.tree.map(lambda names: np.ones((2,) * len(names), np.float32), axes,
+                          is_leaf=optim._IS_AXES)
+    mask = flat_tree(optim.decay_mask(config)(params))
+    mamba, gdn = "decoder/layers_0/mamba2", "decoder/layers_1/linear_attention"
+    assert not mask[f"{mamba}/norm"] and not mask[f"{gdn}/norm"]
+    assert all(mask[f"{mamba}/{name}"] for name in ("x", "z", "B", "C", "dt", "out"))

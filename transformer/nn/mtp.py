@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.nn import objectives
+from transformer.nn.attention import projection_init
 from transformer.utils.keys import check_fields, int_, key, number
 
 Array = jax.Array
@@ -130,9 +131,10 @@ class MTPModule(nn.Module):
         rms = dataclasses.replace(cfg, norm="rmsnorm")
         joined = jnp.concatenate([self.norm(rms, "embedding_norm")(embedded_BTD),
                                   self.norm(rms, "hidden_norm")(hidden_BTD)], axis=-1)
+        # a hidden matrix: init as theirs (muP's 1 / sqrt(m) included), in muP's group
+        # (optim.HIDDEN_AXES knows `projection`)
         kernel = self.param("projection", nn.with_logical_partitioning(
-            nn.initializers.normal(cfg.init_std) if cfg.init_std
-            else nn.initializers.lecun_normal(), ("projection", "embed")),
+            projection_init(cfg.init_std, 0, 1, cfg.init_scale()), ("projection", "embed")),
             (2 * cfg.d_model, cfg.d_model), cfg.param_dtype)
         x_BTD = jnp.dot(joined.astype(cfg.dtype), kernel.astype(cfg.dtype))
         x_BTD = block("layers_0")(x_BTD, *block_args)

@@ -94,10 +94,9 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     Fine-tuning groups (`param_labels`): params matching the regex optimizer.freeze
     never change (their gradients are zeroed before clipping), and those matching
     optimizer.head train at optimizer.head_learning_rate (0: the same rate). Under muP
-    (model.parametrization="mup") the hidden matrices (`muon_dimension_numbers`' matrices:
-    q/k/v, attention out, the MLPs' and experts' kernels) form groups of their own at those
-    rates / m (`mup_multiplier`); embeddings, the output head, norms and biases keep them.
-    Under nonfinite="skip", optax.apply_if_finite wraps it all.
+    (model.parametrization="mup") the hidden matrices (`mup_hidden`) form groups of their own
+    at those rates / m (`mup_multiplier`); embeddings, the output head, norms and biases keep
+    them. Under nonfinite="skip", optax.apply_if_finite wraps it all.
     """
     opt = config.optimizer
     clip = optax.clip_by_global_norm(opt.grad_clip_norm) if opt.grad_clip_norm else \
@@ -105,7 +104,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     freeze, head = frozen_regex(config), opt.get("head", "")
     m = mup_multiplier(config)
     if freeze or head or m != 1.0:
-        hidden = muon_dimension_numbers(config) if m != 1.0 else None
+        hidden = mup_hidden(config) if m != 1.0 else None
         labels = lambda params: param_labels(params, freeze, head, hidden)
         frozen = lambda params: jax.tree.map(lambda label: label == "frozen", labels(params))
         rates = {"backbone": opt.learning_rate,
@@ -128,12 +127,14 @@ def decay_mask(config: ml_collections.ConfigDict):
     """optax's weight-decay mask (params -> a tree of bools): decay on matrices, a param with
     two or more axes besides the stacking ones (`BATCH_AXES`: a scanned stack's layers, MoE's
     experts), so a scanned stack decays what an unrolled one does; never on biases or norm
-    scales (params named *bias or scale: q/k/v biases are [heads, head_dim]). The axes are
-    read from the model's abstract init, once, when the mask is first applied."""
+    scales (params named *bias, scale or norm: q/k/v biases are [heads, head_dim], Mamba 2's
+    gated norm weight `norm` [heads, head_dim]). The axes are read from the model's abstract
+    init, once, when the mask is first applied."""
     axes = []
 
     def decays(path, names, param) -> bool:
-        if str(getattr(path[-1], "key", path[-1])).endswith(("bias", "scale")):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name == "norm" or name.endswith(("bias", "scale")):
             return False
         return (param.ndim if names is None else sum(n not in BATCH_AXES for n in names)) >= 2
 
@@ -279,7 +280,11 @@ def muon(config: ml_collections.ConfigDict, schedule: optax.Schedule
 _IS_DIMS = lambda x: x is None or isinstance(x, contrib.MuonDimensionNumbers)
 BATCH_AXES = ("layers", "expert")  # stacked matrices: each orthogonalized on its own
 RESIDUAL_AXES = ("embed", "expert_embed")
-HIDDEN_AXES = RESIDUAL_AXES + ("mlp", "heads", "kv_heads", "kv")
+# MLA's low-rank latent: q_a and kv_a's output, q_b, k_b and v_b's input (`latent_in`); state:
+# Mamba 2's B and C [embed, kv_heads, state]; projection: MTP's [2 * embed, embed]
+LATENT_AXES = ("latent", "latent_in")
+HIDDEN_AXES = RESIDUAL_AXES + LATENT_AXES + ("mlp", "heads", "kv_heads", "kv", "state",
+                                             "projection")
 
 
 def muon_labels(dims, params):
@@ -333,11 +338,13 @@ def muon_dimension_numbers(config: ml_collections.ConfigDict):
     - reading the residual stream, its first axis embed: rows embed, columns the rest, so
       q/k/v [embed, heads, kv] are [embed, heads * kv] and the MLP's wi [embed, mlp] stays;
     - or writing it, its last axis embed: rows the rest, so attention's out
-      [heads, kv, embed] is [heads * kv, embed] and wo [mlp, embed] stays.
+      [heads, kv, embed] is [heads * kv, embed] and wo [mlp, embed] stays;
+    - or reading MLA's latent, its first axis latent: rows latent, so q_b, k_b, v_b
+      [latent, heads, kv] are [latent, heads * kv].
 
     Everything else is AdamW's: embeddings and the output head (a vocab axis), classifier
-    heads (classes), learned positions (length), biases and norm scales (one hidden axis), the
-    MoE router (an unnamed axis).
+    heads (classes), learned positions (length), convolutions (conv), biases and norm scales
+    (one hidden axis), the MoE router (an unnamed axis).
     """
     return jax.tree.map(lambda names: None if names is None else _muon_axes(names),
                         logical_axes(config), is_leaf=_IS_AXES)
@@ -351,14 +358,30 @@ def _muon_axes(names) -> contrib.MuonDimensionNumbers | None:
         return contrib.MuonDimensionNumbers(tuple(matrix[:1]), tuple(matrix[1:]))
     if names[matrix[-1]] in RESIDUAL_AXES:
         return contrib.MuonDimensionNumbers(tuple(matrix[:-1]), tuple(matrix[-1:]))
+    if names[matrix[0]] in LATENT_AXES:
+        return contrib.MuonDimensionNumbers(tuple(matrix[:1]), tuple(matrix[1:]))
     return None
+
+
+def mup_hidden(config: ml_collections.ConfigDict):
+    """muP's hidden matrices, whose Adam rates are divided by m (a tree of bools): Muon's
+    (`muon_dimension_numbers`), and the MoE router and shared experts' gate ([embed, None]:
+    fan-in embed readouts, whose logit updates would grow with the width at the base rate;
+    their init stays init_std)."""
+    def hidden(names) -> bool:
+        matrix = [name for name in names if name not in BATCH_AXES]
+        return _muon_axes(names) is not None or matrix == ["embed", None]
+
+    return jax.tree.map(lambda names: names is not None and hidden(names),
+                        logical_axes(config), is_leaf=_IS_AXES)
 
 
 def eval_params(state, config: ml_collections.ConfigDict):
     """The params to evaluate, sample from and export: `state.params`, except under
     schedule_free_adamw, whose train state holds the gradients' point y and whose evaluation
     point is x = (y - (1 - b1) z) / b1 (optax.contrib.schedule_free_eval_params, with each
-    group's z: a frozen param stays). run_eval.evaluate_split (validation and test during training
+    group's z: a frozen param stays, and so does a MoE balance bias, which only the train step
+    moves: its z is stale). run_eval.evaluate_split (validation and test during training
     and at its end) and the samples after training call it; checkpoint.read_params applies it to
     a saved schedule-free run for every command reading one (evaluate, generate, export,
     visualize, harness, fine-tuning's init_from)."""
@@ -373,7 +396,9 @@ def eval_params(state, config: ml_collections.ConfigDict):
         evaluated = contrib.schedule_free_eval_params(free._replace(z=z), params)
         params = jax.tree.map(lambda z, e, p: p if masked(z) else e, free.z, evaluated, params,
                               is_leaf=masked)
-    return params
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x, y: y if getattr(path[-1], "key", None) == "balance_bias" else x,
+        params, state.params)
 
 
 def mup_multiplier(config: ml_collections.ConfigDict) -> float:
@@ -394,7 +419,7 @@ def frozen_regex(config: ml_collections.ConfigDict) -> str:
 def param_labels(params, freeze: str, head: str, hidden=None):
     """Each param's optimizer group by its "/"-joined name: "frozen" if it matches the regex
     `freeze`, else "head" if it matches `head`, else "backbone" (empty regexes match nothing);
-    with `hidden` (a tree of muon_dimension_numbers), "/hidden" added for its matrices.
+    with `hidden` (`mup_hidden`'s tree of bools), "/hidden" added for its matrices.
 
     >>> param_labels({"encoder": {"w": 0}, "classifier": {"w": 0}}, "^encoder/", "^classifier/")
     {'classifier': {'w': 'head'}, 'encoder': {'w': 'frozen'}}
@@ -408,6 +433,5 @@ def param_labels(params, freeze: str, head: str, hidden=None):
     labels = jax.tree_util.tree_map_with_path(label, params)
     if hidden is None:
         return labels
-    return jax.tree.map(lambda d, group: jax.tree.map(
-        lambda g: g if d is None or g == "frozen" else f"{g}/hidden", group),
-        hidden, labels, is_leaf=_IS_DIMS)
+    return jax.tree.map(lambda h, group: jax.tree.map(
+        lambda g: f"{g}/hidden" if h and g != "frozen" else g, group), hidden, labels)

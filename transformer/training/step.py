@@ -161,7 +161,7 @@ def expert_balance(model, config, params, before, metrics, finite):
     """The MoE layers' expert loads out of the step's metrics: each layer's imbalance logged
     (moe_imbalance/<stack>_<layer>, and their max), and each balance bias (moe.balance_bias)
     back to its value before the optimizer, moved by moe.bias_update_rate towards balance on
-    a finite step (DeepSeek-V3). (params, metrics)."""
+    a finite step (DeepSeek-V3), unless optimizer.freeze names it. (params, metrics)."""
     loads = metrics.pop("moe_expert_load", None)
     if not loads:
         return params, metrics
@@ -175,4 +175,9 @@ def expert_balance(model, config, params, before, metrics, finite):
     moe = config.model.moe
     if moe.balance_bias:
         params = blocks.move_balance_biases(params, before, loads, moe.bias_update_rate, finite)
+        freeze = optim.frozen_regex(config)
+        if freeze:  # a frozen param stays: the optimizer's frozen ones already are `before`'s
+            labels = optim.param_labels(params, freeze, "")
+            params = jax.tree.map(lambda label, new, old: old if label == "frozen" else new,
+                                  labels, params, before)
     return params, metrics
