@@ -583,3 +583,12 @@ def test_a_mamba2_gated_norm_weight_is_not_decayed_but_its_matrices_are():
     mamba, gdn = "decoder/layers_0/mamba2", "decoder/layers_1/linear_attention"
     assert not mask[f"{mamba}/norm"] and not mask[f"{gdn}/norm"]
     assert all(mask[f"{mamba}/{name}"] for name in ("x", "z", "B", "C", "dt", "out"))
+
+
+def test_the_param_axes_are_read_whatever_attention_kernel_the_run_names():
+    """Weight decay and Muon read each param's axes off an abstract init on 8 tokens: a run
+    that names splash (which takes multiples of 128 tokens) gets them too, as with auto."""
+    config = configs.experiment("gpt_tiny")
+    want = optim.logical_axes(config)
+    config.model.attention_impl = "splash"
+    assert optim.logical_axes(config) == want
