@@ -592,3 +592,35 @@ def test_the_param_axes_are_read_whatever_attention_kernel_the_run_names():
     want = optim.logical_axes(config)
     config.model.attention_impl = "splash"
     assert optim.logical_axes(config) == want
+
+
+def test_a_checkpoint_whose_optimizer_groups_differ_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A muP run saved when some of its matrices were outside the hidden group (before
+    2026-12-05) has the same config but another optimizer-state layout: Orbax restores it with
+    holes the first step failed on ("unsupported operand type(s) for *: 'float' and
+    'NoneType'"); the restore now says what differs, in one line."""
+    import grain
+
+    from transformer.training import state as state_lib
+
+    config = configs.experiment("gpt_tiny")
+    config.model.update(num_layers=1, d_model=64, num_heads=2, d_ff=128, vocab_size=64,
+                        parametrization="mup", mup_base_width=32)
+    model, mesh = build_model(config.model), sharding.make_mesh(config.mesh)
+
+    def layout():
+        return state_lib.initial_state(config, model, mesh, optimizer=optim.make_optimizer(config))
+
+    with monkeypatch.context() as old:  # the old grouping, for the test: no hidden matrices
+        old.setattr(optim, "mup_hidden", lambda config: jax.tree.map(
+            lambda names: False, optim.logical_axes(config), is_leaf=optim._IS_AXES))
+        _, _, init = layout()
+        manager = checkpoint_manager.Manager(str(tmp_path), config)
+        manager.save(1, init(jax.random.key(0)), iter(grain.MapDataset.range(4).to_iter_dataset()))
+        manager.close()
+    abstract, shardings, _ = layout()
+    manager = checkpoint_manager.Manager(str(tmp_path), config)
+    with pytest.raises(checkpoint_manager.ConfigMismatch,
+                       match=r"^checkpoint .*/1: its optimizer state groups the params otherwise"):
+        manager.restore(1, abstract, shardings)
+    manager.close()

@@ -347,6 +347,15 @@ class Manager:
         if adapters:
             items[LORA_BASE] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        if jax.tree.structure(restored["state"]) != jax.tree.structure(target):
+            # The same config, another optimizer-state layout: params in other groups (a muP
+            # or Muon run with MLA, Mamba 2, MoE or MTP saved before 2026-12-05's regrouping)
+            # restore with holes (None) that the first step would fail on.
+            raise ConfigMismatch(
+                f"checkpoint {self.directory}/{step}: its optimizer state groups the params "
+                "otherwise than this version does (muP's hidden matrices or Muon's): expected "
+                "the same groups; finish the run with the version that saved it, or start a "
+                "new run from its params with init_from")
         if iterator is not None:
             iterator.set_state(restored["data"])
         if adapters:
