@@ -44,9 +44,11 @@ outside the layers plus one layer, on both sides alike). Attention "splash" is M
 `attention=flash` (its splash kernel on TPU), "dense" its `attention=dot_product`. The total is
 arguments + outputs not aliased to them + temporaries + generated code, as `launch.aot` counts
 it. A comparison is printed only if both sides ran the same jax, jaxlib and libtpu. With
---output_dir and --reuse a compile whose log there holds a result is not run again.
+--output_dir and --reuse a compile whose log there holds a result for the same --topology is
+not run again (a log compiled for another topology is compiled anew).
 
-With --dump_dir each compile also dumps XLA's buffer assignment (DIR/<side>-<shape>-<attention>/)
+With --dump_dir each compile also dumps XLA's buffer assignment
+(DIR/<side>-<topology>-<shape>-<attention>/, `<topology>x2` on two slices)
 and the largest buffers live at the temporaries' peak are listed, with the op that made each.
 
 Setup (Python 3.12; MaxText 0.2.5 resolves to jax 0.12.0.1 and libtpu 0.0.52, pinned here so
@@ -651,21 +653,31 @@ def dump_files(directory: str) -> dict[str, str]:
 def _run(python: str, side: str, shape: str, attention: str, log_dir: str,
          dump_dir: str, quantization: str = "none") -> dict:
     env = dict(os.environ)
-    name = run_name(side, shape, attention, quantization)
+    topology = flags.FLAGS.topology
+    name = run_name(side, shape, attention, quantization, topology)
     if dump_dir:
         target = os.path.join(dump_dir, name)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={target} "
                             "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*")
     command = [python, os.path.abspath(__file__), f"--side={side}",
-               f"--topology={flags.FLAGS.topology}", f"--shape={shape}",
+               f"--topology={topology}", f"--shape={shape}",
                f"--attention={attention}", f"--quantization={quantization}"]
     log = os.path.join(log_dir, f"{name}.log")
-    if flags.FLAGS.reuse and os.path.exists(log):
-        with open(log) as f:
+    # A log from before the names held the topology is reused only if its result's matches.
+    legacy = os.path.join(log_dir, f"{run_name(side, shape, attention, quantization)}.log")
+    for candidate in dict.fromkeys((log, legacy)) if flags.FLAGS.reuse else ():
+        if not os.path.exists(candidate):
+            continue
+        with open(candidate) as f:
             output = f.read()
-        if MARKER in output:
-            print(f"{side} / {shape} / {attention}: the result in {log}", flush=True)
-            return parse_result(output)
+        if MARKER not in output:
+            continue
+        result = parse_result(output)
+        if reusable(result, topology):
+            print(f"{side} / {shape} / {attention}: the result in {candidate}", flush=True)
+            return result
+        print(f"{side} / {shape} / {attention}: not reusing {candidate} (compiled for "
+              f"{result.get('topology', 'an unknown topology')}, not {topology})", flush=True)
     print(f"compiling {side} / {shape} / {attention} ({log}) ...", flush=True)
     with open(log, "w") as out:
         subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
@@ -676,9 +688,22 @@ def _run(python: str, side: str, shape: str, attention: str, log_dir: str,
     return result
 
 
-def run_name(side: str, shape: str, attention: str, quantization: str = "none") -> str:
-    """A compile's log and dump name: `side-shape-attention`, then `-int8` when quantized."""
-    return f"{side}-{shape}-{attention}" + ("" if quantization == "none" else f"-{quantization}")
+def run_name(side: str, shape: str, attention: str, quantization: str = "none",
+             topology: str = "") -> str:
+    """A compile's log and dump name: `side-topology-shape-attention` (the topology followed by
+    `xN` on N slices), then `-int8` when quantized. Without a topology, the name logs had
+    before it was part of it (`side-shape-attention`)."""
+    where = ""
+    if topology:
+        slices = SHAPES[shape].slices if shape in SHAPES else 1
+        where = f"{topology}{f'x{slices}' if slices > 1 else ''}-"
+    return (f"{side}-{where}{shape}-{attention}"
+            + ("" if quantization == "none" else f"-{quantization}"))
+
+
+def reusable(result: dict, topology: str) -> bool:
+    """Whether a result read from a log was compiled for `topology` (--reuse takes only those)."""
+    return result.get("topology") == topology
 
 
 def plan(shapes: list[str], attentions: list[str]) -> list[tuple[str, str]]:
@@ -732,7 +757,7 @@ def main(argv) -> None:
     if FLAGS.dump_dir:
         for r in results:
             name = run_name(r["side"], r["shape"], r["attention"],
-                            r.get("quantization", "none"))
+                            r.get("quantization", "none"), r.get("topology", FLAGS.topology))
             directory = os.path.join(FLAGS.dump_dir, name)
             files = dump_files(directory) if os.path.isdir(directory) else {}
             if len(files) < 3:  # (a result reused from a log may have no dump)
@@ -761,7 +786,7 @@ def _define_flags() -> None:
     flags.DEFINE_integer("top_buffers", 12, "Buffers listed per compile with --dump_dir.")
     flags.DEFINE_string("output_dir", "", "Keep each compile's log here (default: a temp dir).")
     flags.DEFINE_bool("reuse", False, "Take a compile's result from its log in --output_dir "
-                      "where one is there (compile the rest).")
+                      "where one for the same --topology is there (compile the rest).")
     flags.DEFINE_enum("side", None, ["ours", "maxtext"], "Internal: compile one side in this "
                       "process and print its result line.")
 

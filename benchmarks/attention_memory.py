@@ -8,7 +8,8 @@ dv)` for `dense_attention.dot_product_attention` and `chunked_attention.chunked_
 XLA's compiled memory analysis (nothing is allocated or run for the table): peak = temp +
 argument + output bytes. The dense logits alone are T * T * 8 heads * 4 bytes (32 GiB at 32k), so
 dense lengths above --dense-max are not compiled ("n/a"); a dense compile that fails is reported
-as "n/a" with its error. Then times one forward + backward at --time-lengths for both.
+as "n/a" with its error. Then times one forward + backward at --time-lengths for both (dense
+"n/a" above --dense-max there too).
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ def main() -> None:
                       for _ in range(4)]
             row = []
             for name in ("dense", "chunked"):
+                if name == "dense" and length > args.dense_max:
+                    row.append("n/a")  # (as in the table: not run above --dense-max)
+                    continue
                 step = fwd_bwd(impls[name])
                 jax.block_until_ready(step(*arrays))
                 runs = []

@@ -23,8 +23,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5,
+                        help="steps per row, at least 2 (the first, which compiles, is not timed)")
     args = parser.parse_args()
+    if args.steps < 2:
+        sys.exit(f"--steps={args.steps}: at least 2 (the first step compiles and is not in "
+                 "the median)")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -15,6 +15,15 @@ import os
 import sys
 
 
+def mesh_shapes(n: int) -> list[tuple[int, int, int]]:
+    """The (data, fsdp, tensor) meshes to compare on `n` devices: those of the list below whose
+    sizes are all at least 1 and multiply to `n`, each once (pure data parallelism first)."""
+    candidates = [(n, 1, 1), (1, n, 1), (2, n // 2, 1), (1, n // 2, 2), (1, 2, n // 2),
+                  (2, 2, n // 4), (1, 1, n)]
+    return list(dict.fromkeys(shape for shape in candidates
+                              if min(shape) >= 1 and shape[0] * shape[1] * shape[2] == n))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8)
@@ -39,8 +48,7 @@ def main() -> None:
     model = build_model(config.model)
     optimizer = optim.make_optimizer(config)
     example = {"inputs": np.zeros((n, 8), np.int32)}
-    meshes = [(n, 1, 1), (1, n, 1), (2, n // 2, 1), (1, n // 2, 2), (1, 2, n // 2),
-              (2, 2, n // 4), (1, 1, n)]
+    meshes = mesh_shapes(n)
     header = (f"{'mesh (data,fsdp,tensor)':>24} {'params/device':>14} {'adam/device':>12} "
               f"{'compiled/device':>16} {'vs replicated':>14}")
     print(header)

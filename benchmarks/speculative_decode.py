@@ -5,11 +5,13 @@ model, on trained workdirs (e.g. the runs of experiments/ablations/mtp.py).
     python benchmarks/speculative_decode.py --workdirs=DIR[,DIR...] [--new_tokens=256]
         [--prompts=4] [--repeats=3] [--temperature=0]
 
-Each prompt is the first 16 characters of a validation window of the run's own data; both
-decoders run greedily (or both sample at `--temperature`: speculative sampling), after a
-warm-up call (compiles excluded), alternating for `repeats` runs, and the best run of each is
-shown. Greedy, the tokens of the two must be equal (a row says so); a speed-up needs the drafts
-to be accepted often enough to pay for running the modules.
+Each prompt is the end-of-text id then 16 tokens of a fixed passage of Shakespeare (the opening
+of Coriolanus, `_PROMPT_TEXT`, in the run's own tokenizer), row i from its token 7 i, whatever
+data the run trained on (not its validation data); both decoders run greedily (or both sample at
+`--temperature`: speculative sampling), after a warm-up call (compiles excluded), alternating
+for `repeats` runs, and the best run of each is shown. Greedy, the tokens of the two must be
+equal (a row says so); a speed-up needs the drafts to be accepted often enough to pay for
+running the modules.
 """
 
 from __future__ import annotations

@@ -12,13 +12,15 @@ copied here): forward, backward, clip, step, zero_grad, exactly its train.py loo
 
 Shapes: `small` = 4 layers / 4 heads / 128 wide, context 64, batch 12 (nanoGPT's CPU recipe);
 `medium` = 6/6/384, context 256, batch 8. After a warm-up the two alternate `repeats` times,
-`steps` steps each, and each shows its best run. Also prints model FLOPs per step (6 N per token
-plus attention scores, the PaLM formula), the achieved FLOP/s, and the float32 matmul peak each
-framework reaches on this machine (2048^2), so MFU is against a measured peak. Ours is jitted
-with the compiler options training uses (`placement.compiler_options`). Both sides run under
-the process's malloc, which the header names, set up as `python -m transformer.train` sets it
-(`hostmem.keep_freed_memory`: glibc keeps XLA's scratch memory between steps;
-docs/performance.md, "CPU runs"); `--nokeep_freed_memory` leaves glibc as it starts.
+`steps` steps each, and each shows its best run. Also prints model FLOPs per step
+(`metrics.flops_per_token`, the PaLM formula: 6 N per token, N the params that multiply, so not
+the learned position table, which nanoGPT's `estimate_mfu` leaves out too, plus attention
+scores), the achieved FLOP/s, and the float32 matmul peak each framework reaches on this machine
+(2048^2), so MFU is against a measured peak. Ours is jitted with the compiler options training
+uses (`placement.compiler_options`). Both sides run under the process's malloc, which the header
+names, set up as `python -m transformer.train` sets it (`hostmem.keep_freed_memory`: glibc keeps
+XLA's scratch memory between steps; docs/performance.md, "CPU runs"); `--nokeep_freed_memory`
+leaves glibc as it starts.
 
 Then, for the `--breakdown` shapes, where our step's time goes: forward, forward + backward and
 the optimizer update alone, and the two kinds of matmul work inside, each timed alone: the
@@ -57,9 +59,12 @@ VOCAB = 65
 
 
 def ours(shape, features):
-    """A `step()` that runs one jitted train step of this project, and its parameter count."""
+    """A `step()` that runs one jitted train step of this project, and its model FLOPs per
+    token (`metrics.flops_per_token`: the learned position table, only looked up, not counted)."""
     import jax
     from compile_time import build_train_step, gpt_config  # benchmarks/compile_time.py
+
+    from transformer.training import metrics as metrics_lib
 
     layers, heads, width, context, batch = shape
     config = gpt_config(layers=layers, d_model=width, heads=heads, d_ff=4 * width,
@@ -77,7 +82,7 @@ def ours(shape, features):
             built.state = s
         return float(metrics["loss"])
 
-    return step, num_params
+    return step, metrics_lib.flops_per_token(config, num_params)
 
 
 def nanogpt(shape, tokens, directory):
@@ -122,6 +127,7 @@ def breakdown(shape, features, nanogpt_dir=None):
 
     from transformer.models import family_of
     from transformer.nn import attention, masks
+    from transformer.training import metrics
 
     layers, heads, width, context, batch = shape
     config = gpt_config(layers=layers, d_model=width, heads=heads, d_ff=4 * width,
@@ -159,7 +165,7 @@ def breakdown(shape, features, nanogpt_dir=None):
         return ((h @ w_in) @ w_mlp).sum()
 
     num_params = sum(p.size for p in jax.tree.leaves(params))
-    step_gflop = (6 * num_params + 12 * layers * width * context) * tokens / 1e9  # main table's
+    step_gflop = metrics.flops_per_token(config, num_params) * tokens / 1e9  # main table's
     with built.placement.context():
         grads = jax.jit(jax.grad(loss))(params)
         rows = [("forward (loss)", ms(loss, params), step_gflop / 3),
@@ -359,7 +365,7 @@ def main(argv) -> None:
         layers, heads, width, context, batch = shape
         features = random_batch(batch, context, VOCAB)  # the same tokens for both sides
         tokens = features["inputs"], features["targets"]
-        ours_step, num_params = ours(shape, features)
+        ours_step, per_token = ours(shape, features)
         sides = {"ours": ours_step}
         if not _OURS_ONLY.value:
             sides["nanoGPT"] = nanogpt(shape, tokens, os.path.abspath(_NANOGPT.value))
@@ -367,8 +373,9 @@ def main(argv) -> None:
         for step in sides.values():
             step(2)  # warm-up
         best = alternate(sides, _STEPS.value, _REPEATS.value)
-        # Embedding params are looked up, not multiplied: count the tied table once (the head).
-        flops = (6 * num_params + 12 * layers * width * context) * batch * context
+        # The project's formula for both sides: 6 x the params that multiply (the tied table
+        # once, as the head; the position table is only looked up) + attention's 12 L D T.
+        flops = per_token * batch * context
         rows.append((name, shape, best, flops, compile_seconds))
 
     print()

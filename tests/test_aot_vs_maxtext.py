@@ -220,6 +220,42 @@ def test_int8_asks_both_sides_for_int8_through_qwix_and_bfloat16_stays_as_it_was
     assert bench.run_name("maxtext", "dense", "splash", "int8") == "maxtext-dense-splash-int8"
 
 
+def test_run_names_hold_the_topology_and_slices():
+    assert bench.run_name("ours", "dense", "splash", "none", "v5p-32") == "ours-v5p-32-dense-splash"
+    assert (bench.run_name("maxtext", "dense", "splash", "int8", "v6e-8")
+            == "maxtext-v6e-8-dense-splash-int8")
+    pipeline = next(s for s in bench.SHAPES if bench.SHAPES[s].slices > 1)
+    assert bench.run_name("ours", pipeline, "splash", "none", "v5p-32").startswith(
+        f"ours-v5p-32x{bench.SHAPES[pipeline].slices}-")
+    assert (bench.run_name("ours", "dense", "splash", "none", "v5p-32")
+            != bench.run_name("ours", "dense", "splash", "none", "v6e-8"))
+
+
+def test_reuse_takes_only_a_log_compiled_for_the_same_topology(tmp_path, monkeypatch):
+    assert bench.reusable(result("ours", "splash", 5.0), "v5p-32")
+    assert not bench.reusable(result("ours", "splash", 5.0), "v6e-8")
+    assert not bench.reusable({"side": "ours"}, "v6e-8")
+    # A v5p-32 log under the name logs had before the topology: reused for v5p-32 only.
+    old = result("ours", "splash", 5.0, topology="v5p-32")
+    (tmp_path / "ours-dense-splash.log").write_text(bench.MARKER + json.dumps(old))
+    compiled = []
+
+    def compile_(command, stdout, **kwargs):
+        compiled.append(command)
+        topology = next(c.split("=", 1)[1] for c in command if c.startswith("--topology="))
+        stdout.write(bench.MARKER + json.dumps(result("ours", "splash", 9.0,
+                                                       topology=topology)) + "\n")
+
+    monkeypatch.setattr(bench.subprocess, "run", compile_)
+    for topology, temp_gib in (("v5p-32", 5.0), ("v6e-8", 9.0)):
+        fake = type("F", (), {"topology": topology, "reuse": True})
+        monkeypatch.setattr(bench, "flags", type("M", (), {"FLAGS": fake}))
+        got = bench._run("python", "ours", "dense", "splash", str(tmp_path), "")
+        assert (got["topology"], got["temp_bytes"]) == (topology, int(temp_gib * GIB))
+    assert len(compiled) == 1  # v6e-8 compiled, into its own log
+    assert (tmp_path / "ours-v6e-8-dense-splash.log").exists()
+
+
 def test_table_pairs_int8_with_int8_and_bfloat16_with_bfloat16():
     old = result("ours", "splash", 5.0)
     del old["shape"]  # a log from before shapes and quantization: dense, bfloat16

@@ -336,3 +336,19 @@ def test_batched_seeds_on_a_mesh_equal_separate_runs(tmp_path):
     assert "fsdp=2" in result.stdout
     assert_same_runs(tmp_path / "separate" / "position=rope",
                      tmp_path / "together" / "position=rope", range(2))
+
+
+def test_the_benchmark_passes_losses_an_ulp_apart_and_fails_beyond_its_tolerance():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("batched_seeds_benchmark",
+                                                  REPO / "benchmarks" / "batched_seeds.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # (defines no flags: they are defined at run time)
+    same = [[3.5, 3.2246161], [3.4, 3.1]]
+    assert bench.compare_losses(same, [list(r) for r in same]) == ("equal bit for bit", True)
+    ulp = [[3.5, 3.2246169], [3.4, 3.1]]  # seed 0's validation loss on YNNPACK
+    text, ok = bench.compare_losses(same, ulp)
+    assert ok and text.startswith("not bitwise equal, within 1e-05")
+    assert not bench.compare_losses(same, [[3.5, 3.3], [3.4, 3.1]])[1]
+    assert not bench.compare_losses(same, [[3.5, float("nan")], [3.4, 3.1]])[1]
+    assert not bench.compare_losses(same, [[3.5], [3.4, 3.1]])[1]
