@@ -192,4 +192,6 @@ def test_mla_passes_the_coordinate_check_under_mup(monkeypatch):
     monkeypatch.setattr(mup_coord_check, "config_for", mla)
     table = {w: mup_coord_check.coordinates(w, "mup", steps=3) for w in (64, 128, 256)}
     slopes = mup_coord_check.slopes(table)
-    assert all(abs(s) < 0.3 for s in slopes.values()), slopes
+    # The attention column's slope: -0.16 under jax 0.10.2, -0.41 under 0.12 (other random
+    # draws); +0.79 with the latent matrices at the base rate, +1.1 to +1.6 under standard.
+    assert all(abs(s) < 0.5 for s in slopes.values()), slopes
