@@ -72,8 +72,10 @@ def tiny_flags(steps: int, *, checkpoint_every: int | None = None, family: str =
     """`tiny_config`'s overrides as flags; `measure_peak`: MFU against the CPU's measured peak,
     as runs do by default (else against `PEAK`); `samples`: the end-of-run samples, as runs
     print by default (the experiments' runs here print them)."""
-    flags = [f"--config.steps={steps}", "--config.batch_size=2", "--config.seq_len=16",
-             "--config.log_every=1", f"--config.eval_every={steps}", "--config.eval_steps=1",
+    # (a ViT's seq_len is its image's token count, which validation checks)
+    flags = [f"--config.steps={steps}", "--config.batch_size=2",
+             *([] if family == "vit" else ["--config.seq_len=16"]), "--config.log_every=1",
+             f"--config.eval_every={steps}", "--config.eval_steps=1",
              f"--config.checkpoint_every={checkpoint_every or steps}",
              *([] if samples else ["--config.samples=0"])]
     if not measure_peak:
