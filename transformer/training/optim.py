@@ -19,6 +19,7 @@ import optax
 from optax import contrib
 
 from transformer.nn import lora as lora_lib
+from transformer.training.state import param_name
 
 # optimizer.decay after the warmup
 DECAYS = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
@@ -428,7 +429,7 @@ def param_labels(params, freeze: str, head: str, hidden=None):
     {'classifier': {'w': 'head'}, 'encoder': {'w': 'frozen'}}
     """
     def label(path, _):
-        name = "/".join(getattr(k, "key", str(k)) for k in path)
+        name = param_name(path)
         if freeze and re.search(freeze, name):
             return "frozen"
         return "head" if head and re.search(head, name) else "backbone"
