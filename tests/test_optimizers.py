@@ -624,3 +624,52 @@ def test_a_checkpoint_whose_optimizer_groups_differ_is_refused_in_one_line(tmp_p
                        match=r"^checkpoint .*/1: its optimizer state groups the params otherwise"):
         manager.restore(1, abstract, shardings)
     manager.close()
+
+
+@pytest.mark.parametrize("saved, changed, named", [
+    (dict(momentum=0.0), dict(optimizer=dict(momentum=0.9)),
+     "optimizer.momentum: checkpoint 0.0, config 0.9"),
+    (dict(momentum=0.0), dict(nonfinite="skip"), "nonfinite: checkpoint 'stop', config 'skip'")])
+def test_an_optimizer_change_that_alters_the_state_is_refused_not_called_damage(
+        tmp_path, saved, changed, named):
+    """sgd's momentum from 0 adds a trace, nonfinite="skip" a skip counter: Orbax refused every
+    step as if damaged ("tree structures do not match"). The restore now names the changed
+    keys in one line before restoring anything, and sets nothing aside; the saved settings
+    still restore."""
+    import grain
+
+    from transformer.training import state as state_lib
+
+    def config_of(**changes):
+        config = configs.experiment("gpt_tiny")
+        config.model.update(num_layers=1, d_model=32, num_heads=2, d_ff=64, vocab_size=64)
+        config.optimizer.update(name="sgd", **saved)
+        config.optimizer.update(changes.pop("optimizer", {}))
+        config.update(changes)
+        return config
+
+    def layout(config):
+        return state_lib.initial_state(config, build_model(config.model),
+                                       sharding.make_mesh(config.mesh),
+                                       optimizer=optim.make_optimizer(config))
+
+    config = config_of()
+    abstract, shardings, init = layout(config)
+    manager = checkpoint_manager.Manager(str(tmp_path), config)
+    for step in (1, 2):
+        manager.save(step, init(jax.random.key(0)),
+                     iter(grain.MapDataset.range(4).to_iter_dataset()))
+    manager.close()
+    changed_config = config_of(**changed)
+    manager = checkpoint_manager.Manager(str(tmp_path), changed_config)
+    with pytest.raises(checkpoint_manager.ConfigMismatch) as error:
+        manager.restore_latest(*layout(changed_config)[:2])
+    assert str(error.value).startswith(f"checkpoint {tmp_path}/checkpoints/2: its optimizer "
+                                       "state is laid out otherwise than this config builds")
+    assert named in str(error.value) and "init_from" in str(error.value)
+    assert "\n" not in str(error.value)
+    assert manager.all_steps() == [1, 2] and not (tmp_path / "checkpoints.damaged").exists()
+    manager.close()
+    manager = checkpoint_manager.Manager(str(tmp_path), config)  # the saved settings restore
+    assert int(manager.restore_latest(abstract, shardings).step) == 0
+    manager.close()

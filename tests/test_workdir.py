@@ -31,7 +31,7 @@ from test_train import (
 
 from transformer import configs
 from transformer.training import checkpoint as checkpoint_lib
-from transformer.training import checkpoint_manager
+from transformer.training import checkpoint_manager, progress
 from transformer.training import workdir as workdir_lib
 
 
@@ -494,3 +494,65 @@ def test_fresh_start_sets_the_whole_previous_run_aside(tmp_path, text, trained):
     steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
     assert steps == [1, 2]
     assert json.loads((workdir / "summary.json").read_text())["step"] == 2
+
+
+# --- a signal during the last step --------------------------------------------------------------
+
+
+def test_a_summary_without_the_after_training_evaluations_is_not_finished(tmp_path):
+    """A signal during the last step saves it and writes summary.json at the last step, but
+    the after-training evaluations (test split, eval_seq_lens) never ran: the rerun must run
+    them, not call the run finished; the stopped run exits as stopped. A summary written
+    before the key existed is finished."""
+    from transformer.training import startup
+
+    config = configs.base_config()
+    config.steps = 4
+    summary = tmp_path / "summary.json"
+    for written, finished in (({"step": 4, "after_training": False}, False),
+                              ({"step": 4, "after_training": True}, True),
+                              ({"step": 4}, True),  # an older version's
+                              ({"step": 2, "after_training": False}, False)):
+        summary.write_text(json.dumps(written))
+        if finished:
+            with pytest.raises(startup.Finished, match="already finished at step 4"):
+                startup.check_finished(config, str(tmp_path), 4)
+        else:
+            startup.check_finished(config, str(tmp_path), 4)
+        assert progress.unfinished(written, config.steps) is not finished
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_last_step_leaves_the_final_evaluations_to_the_rerun(tmp_path,
+                                                                                 monkeypatch):
+    """SIGTERM during the last (only) step: the step is saved, summary.json says the
+    after-training evaluations did not run and the exit status is a stopped run's; the rerun
+    runs them (validation at eval_seq_lens) and only then is the run finished."""
+    from transformer import train
+    from transformer.training import startup
+
+    config = configs.base_config()
+    config.update(steps=1, batch_size=2, seq_len=16, eval_every=100, eval_steps=1,
+                  checkpoint_every=1, samples=0, eval_seq_lens=(32,),
+                  peak_flops_per_device=1e11)
+    config.model.update(num_layers=1, d_model=16, num_heads=2, d_ff=32, position="rope",
+                        vocab_size=0)
+    config.data.tokenizer = "byte"
+    loop = train.loop
+
+    def signalled(run, peak):  # as train_to_end's handler does, before the step ends
+        run.signal = signal.SIGTERM
+        return loop(run, peak)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(train, "loop", signalled)
+        stopped = train.train_and_evaluate(config.copy_and_resolve_references(), str(tmp_path))
+    assert stopped["summary"]["step"] == 1 and not stopped["summary"]["after_training"]
+    assert "val_loss@32" not in stopped["summary"]
+    assert progress.unfinished(stopped["summary"], 1)  # exit 143: a launcher reruns it
+    rerun = train.train_and_evaluate(config.copy_and_resolve_references(), str(tmp_path))
+    assert rerun["summary"]["after_training"] and "val_loss@32" in rerun["summary"]
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["after_training"] and saved["val_loss@32"] == rerun["summary"]["val_loss@32"]
+    with pytest.raises(startup.Finished):
+        train.setup(config.copy_and_resolve_references(), str(tmp_path))

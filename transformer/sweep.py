@@ -90,6 +90,7 @@ from transformer.sweeps.statistics import (  # noqa: F401
     window_bootstrap,
     window_pairs,
 )
+from transformer.training import progress
 from transformer.utils import keys
 
 
@@ -186,7 +187,7 @@ def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
                 continue
             if os.path.exists(error_file) and _is_main():
                 os.remove(error_file)
-            if result["summary"]["step"] < configs[name].steps:
+            if progress.unfinished(result["summary"], configs[name].steps):
                 print(f"{header}: stopped at step {result['summary']['step']}; rerun the sweep "
                       "to resume", flush=True)
                 from transformer import train

@@ -88,6 +88,7 @@ class Run:
     goodput: goodput.Clock | None = None  # where the wall time goes (summary.json)
     tracer: profiling.Tracer | None = None  # config.profile's trace
     watch: nonfinite.Watch = dataclasses.field(default_factory=nonfinite.Watch)  # "last good"
+    evaluated: bool = False  # run_eval.after_training ran (summary.json: a rerun runs it if not)
 
     def stop_requested(self) -> bool:
         return placement_lib.agreed(self.signal is not None)
@@ -295,6 +296,7 @@ def train_to_end(runs: list[Run], loop_fn) -> list[dict[str, Any] | Exception]:
                     if not stopped and run.step == run.config.steps and run.error is None:
                         with run.goodput.after_loop("evaluation"):
                             run_eval.after_training(run)
+                        run.evaluated = True
             finally:
                 for run in runs:
                     run.goodput.end_loop()  # (a trace still open stops after it)
@@ -329,7 +331,8 @@ def main(argv) -> None:
         config, workdir, explicit=config_flags.get_override_values(FLAGS["config"]),
         started=time.perf_counter() - goodput.process_age())
     config = result["config"]  # resolved: its init_from source's model settings filled in
-    stopped = result["summary"]["step"] < config.steps  # by a signal, its checkpoint saved
+    # stopped by a signal (its checkpoint saved)
+    stopped = progress.unfinished(result["summary"], config.steps)
     language_model = family_of(config).continues_text and \
         pipeline.objective_for(config) in pipeline.OBJECTIVES
     if jax.process_index() == 0:

@@ -26,7 +26,7 @@ from transformer.sweeps.statistics import (
     window_pairs,
 )
 from transformer.training import checkpoint as checkpoint_lib
-from transformer.training import evaluation, metrics
+from transformer.training import evaluation, metrics, progress
 
 
 def status(workdir: str, config) -> str:
@@ -36,7 +36,7 @@ def status(workdir: str, config) -> str:
     summary = os.path.join(workdir, "summary.json")
     if os.path.exists(summary):
         with open(summary) as f:
-            if json.load(f).get("step", 0) >= config.steps:
+            if not progress.unfinished(json.load(f), config.steps):
                 return "finished"
     if os.path.exists(os.path.join(workdir, "error.txt")):
         return "failed"

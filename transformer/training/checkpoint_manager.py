@@ -6,8 +6,10 @@ per-step RNG is derived from the seed and the step), the data iterator's positio
 batch index, the same on every process, so a run resumes on any number of processes), the config
 and what defines the data stream (`transformer.data.inputs.data_stream`). The tokenizer lives
 beside the checkpoints in the workdir. Restoring checks that the structural settings of the
-checkpoint and the current config agree, and that the data stream is the same one the iterator
-position belongs to, and names every difference.
+checkpoint and the current config agree, that the data stream is the same one the iterator
+position belongs to and that the optimizer state holds the arrays the config builds (read from
+the step's metadata first: a changed optimizer setting is not damage), and names every
+difference.
 
 A run deletes only the steps it saved itself, in this process, beyond `keep_checkpoints` (>= 1):
 the checkpoints a workdir held when the run started are never deleted by it.
@@ -61,7 +63,8 @@ def _model_settings(config: dict) -> dict:
 def structural_differences(saved: dict, current: dict) -> list[str]:
     """Model settings, the tokenizer and optimizer.name (its state's layout; "adamw" for a
     config from before the key) that differ between two resolved configs. Other optimizer
-    settings and `steps` may change on resume (a WSD run continued to a larger `steps`).
+    settings and `steps` may change on resume (a WSD run continued to a larger `steps`),
+    unless they change the state's arrays (`layout_changes`, refused by `Manager.restore`).
 
     >>> structural_differences({"model": {"num_layers": 4, "dropout_rate": 0.1}},
     ...                        {"model": {"num_layers": 6, "dropout_rate": 0.0}})
@@ -104,6 +107,30 @@ def compute_changes(saved: dict, current: dict) -> list[str]:
     return changes + [f"optimizer.{key}: checkpoint {saved_opt[key]!r}, config "
                       f"{current_opt[key]!r}" for key in sorted(set(saved_opt) & set(current_opt))
                       if key != "name" and saved_opt[key] != current_opt[key]]
+
+
+def layout_changes(saved: dict, current: dict) -> list[str]:
+    """The changed settings that can lay the optimizer state out otherwise: the optimizer's
+    (`compute_changes`; sgd's momentum adds a trace, adafactor's minimum size to factor splits
+    its moments) and `nonfinite` ("skip" wraps the state in a skip counter).
+
+    >>> layout_changes({"optimizer": {"momentum": 0.0}}, {"optimizer": {"momentum": 0.9}})
+    ['optimizer.momentum: checkpoint 0.0, config 0.9']
+    """
+    changes = [c for c in compute_changes(saved, current) if c.startswith("optimizer.")]
+    before, after = (c.get("nonfinite", "stop") for c in (saved, current))
+    return changes + ([f"nonfinite: checkpoint {before!r}, config {after!r}"]
+                      if before != after else [])
+
+
+def _opt_layout(tree) -> dict[str, tuple]:
+    """The optimizer state's arrays ("opt_state.1.0.mu.embed.embedding" -> shape) of a train
+    state (as Orbax saves it) or of a checkpoint's state metadata (empty nodes left out: they
+    hold nothing)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+    names = ((".".join(ocp.tree.str_keypath(path)), leaf) for path, leaf in leaves)
+    return {name: tuple(leaf.shape) for name, leaf in names if name.startswith("opt_state.")
+            and getattr(leaf, "shape", None) is not None}
 
 
 def stream_differences(saved: dict, current: dict) -> list[str]:
@@ -341,6 +368,7 @@ class Manager:
         adapters = lora.enabled(self.config)
         if adapters:  # a LoRA checkpoint holds the adapters: finetune.with_lora_base adds the base
             target = target.replace(params=lora.adapters_only(target.params))
+        self._check_layout(step, target)
         items = {"state": ocp.args.StandardRestore(target)}
         if iterator is not None:
             items["data"] = ocp.args.JsonRestore()
@@ -351,16 +379,39 @@ class Manager:
             # The same config, another optimizer-state layout: params in other groups (a muP
             # or Muon run with MLA, Mamba 2, MoE or MTP saved before 2026-12-05's regrouping)
             # restore with holes (None) that the first step would fail on.
-            raise ConfigMismatch(
-                f"checkpoint {self.directory}/{step}: its optimizer state groups the params "
-                "otherwise than this version does (muP's hidden matrices or Muon's): expected "
-                "the same groups; finish the run with the version that saved it, or start a "
-                "new run from its params with init_from")
+            raise ConfigMismatch(self._regrouped(step))
         if iterator is not None:
             iterator.set_state(restored["data"])
         if adapters:
             self.lora_base = dict(restored[LORA_BASE], step=step)
         return restored["state"]
+
+    def _check_layout(self, step: int, target) -> None:
+        """Raises ConfigMismatch when checkpoint `step`'s optimizer state holds other arrays
+        than `target`'s (a changed optimizer setting: Orbax would refuse every step alike, as
+        if damaged). Read from the step's metadata, before restoring anything."""
+        saved = (self._manager.item_metadata(step) or {}).get("state")
+        if saved is None:  # no metadata to compare: the restore itself checks
+            return
+        saved, wanted = _opt_layout(saved), _opt_layout(ocp.tree.serialize_tree(
+            target, keep_empty_nodes=True))
+        if saved == wanted:
+            return
+        changes = layout_changes(self.saved_config(step), self.config.to_dict())
+        if not changes:  # the same settings: this version groups the params otherwise
+            raise ConfigMismatch(self._regrouped(step))
+        differ = sorted(set(saved.items()) ^ set(wanted.items()))
+        raise ConfigMismatch(
+            f"checkpoint {self.directory}/{step}: its optimizer state is laid out otherwise "
+            f"than this config builds ({len(differ)} arrays differ, e.g. {differ[0][0]}): "
+            "changed settings alter it (" + "; ".join(changes) + "): expected their saved "
+            "values to resume it, or start a new run from its params with init_from")
+
+    def _regrouped(self, step: int) -> str:
+        return (f"checkpoint {self.directory}/{step}: its optimizer state groups the params "
+                "otherwise than this version does (muP's hidden matrices or Muon's): expected "
+                "the same groups; finish the run with the version that saved it, or start a "
+                "new run from its params with init_from")
 
     def restore_latest(self, abstract_state, shardings, iterator=None):
         """The newest usable checkpoint's state (None if there are none), falling back past

@@ -110,6 +110,12 @@ def resumed_metrics(logger) -> dict:
     return metrics
 
 
+def unfinished(summary: dict, steps: int) -> bool:
+    """Whether a run's summary is a signal's: before the last step, or at it before the
+    after-training evaluations ran (a summary from before that key: finished)."""
+    return summary.get("step", 0) < steps or not summary.get("after_training", True)
+
+
 def summarize(run, wall_seconds: float) -> dict:
     """Writes the run's summary.json (its last metrics, size and times); returns
     train.train_and_evaluate's result."""
@@ -117,7 +123,8 @@ def summarize(run, wall_seconds: float) -> dict:
                "elapsed": run.logger.elapsed(), "num_params": run.num_params,
                "active_params": run.active_params,
                "first_step_seconds": run.first_step_seconds, **run.last_metrics,
-               "goodput": run.goodput.close(run.step)}
+               # False: a signal stopped the last step before them (startup.check_finished)
+               "after_training": run.evaluated, "goodput": run.goodput.close(run.step)}
     run.logger.print(goodput.line(summary["goodput"]))
     if jax.process_index() == 0:
         fileio.write_atomic(fileio.join(run.workdir, "summary.json"),

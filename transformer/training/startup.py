@@ -12,7 +12,7 @@ from transformer.data import inputs
 from transformer.models import family_of, transformer_config
 from transformer.nn import lora, mixers
 from transformer.parallel import pipeline_parallel
-from transformer.training import checkpoint_manager, evaluation, finetune
+from transformer.training import checkpoint_manager, evaluation, finetune, progress
 from transformer.training import placement as placement_lib
 from transformer.utils import fileio
 
@@ -120,10 +120,12 @@ def _newest_readable(manager: checkpoint_manager.Manager) -> int | None:
 
 
 def check_finished(config: ml_collections.ConfigDict, workdir: str, step: int) -> None:
-    """Raises `Finished` when the restored `step` is the last and summary.json says so."""
-    summary = fileio.path(workdir) / "summary.json"
-    if step == config.steps and summary.exists() and \
-            json.loads(summary.read_text()).get("step") == step:
+    """Raises `Finished` when the restored `step` is the last and summary.json says so: its
+    step, and the after-training evaluations run (a summary without that key predates it: a
+    finished run). A signal during the last step leaves them to this rerun."""
+    path = fileio.path(workdir) / "summary.json"
+    summary = json.loads(path.read_text()) if step == config.steps and path.exists() else {}
+    if summary.get("step") == step and not progress.unfinished(summary, step):
         raise Finished(f"{workdir} already finished at step {step} (summary.json); nothing "
                        "to do: raise steps to train further, or set fresh_start=True")
 
