@@ -155,6 +155,11 @@ def test_generate_until_is_greedy_kv_cache_decoding_cut_at_the_stop_string(workd
                                                      "top_k": 1, "seed": seed})})()
                for p in PROMPTS for seed in (1, 2)]
     assert lm.generate_until(sampled) == [text for text in got for _ in (1, 2)]
+    # a generation as long as max_length would leave the prompt no context: refused
+    long = type("R", (), {"args": ("x", {"until": ["\n"], "max_gen_toks": lm.max_length})})()
+    with pytest.raises(ValueError, match=r"^generate_until max_gen_toks=\d+: expected fewer "
+                                         "than max_length="):
+        lm.generate_until([long])
     odd = type("R", (), {"args": ("x", {"until": ["\n"], "num_beams": 4})})()
     with pytest.raises(ValueError, match=r"^generate_until settings \['num_beams'\]: expected "
                                          "only until"):

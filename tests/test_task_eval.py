@@ -44,14 +44,20 @@ def test_tasks_are_scored_during_training_and_logged_like_validation(tmp_path):
                  "eval_tasks: unknown lm-eval task(s) ['no_such_task_xyz']",
                  marks=pytest.mark.slow),
     (dict(eval_tasks=("missing.yaml",)), {}, "eval_tasks: 'missing.yaml': no such task file"),
+    # its 8 new tokens would leave an 8-token context no room for the prompt
+    pytest.param(dict(seq_len=8, tasks="gen.yaml"), {},
+                 "eval_tasks: 'local_gen' generates max_gen_toks=8 tokens: expected fewer than "
+                 "seq_len=8", marks=pytest.mark.slow),
     (dict(eval_tasks_every=-1), {}, "eval_tasks_every=-1: expected an int >= 0"),
     ({}, dict(family="bert"), "eval_tasks with model.family='bert': expected a causal decoder "
                               "LM ('gpt')"),
 ])
 def test_tasks_that_cannot_run_are_refused_in_one_line_before_training(tmp_path, more, model,
                                                                         message):
-    config = tiny_config(write_tasks(tmp_path / "tasks"))
-    config.update(more)
+    tasks_dir = write_tasks(tmp_path / "tasks")
+    config = tiny_config(tasks_dir)
+    more = {k: (str(tasks_dir / v),) if k == "tasks" else v for k, v in more.items()}
+    config.update({"eval_tasks" if k == "tasks" else k: v for k, v in more.items()})
     config.model.update(model)
     with pytest.raises(ValueError) as error:
         configs.validate_config(config)

@@ -3,17 +3,17 @@
 (`training.task_eval`, through `TransformerLM.from_params`); `transformer.harness` registers the
 subclass that loads a training workdir as the `lm_eval` model "transformer" (its command).
 
-A document starts after <eos>, as in training: every request is scored behind the tokenizer's
-<eos>. `loglikelihood` encodes context + continuation together and scores the tokens past the
-context's own encoding (the harness's convention for BPE boundaries), `loglikelihood_rolling`
-cuts long texts into the harness's rolling windows of `max_length` tokens, and
-`generate_until` decodes with the KV cache in batches (greedy unless the task asks to sample;
-top_k and top_p apply, another generation setting is refused). Contexts longer than
-`max_length` (default: the training length, config.seq_len) keep their last tokens; a
-continuation longer than it is refused. Rows are padded to a few bucketed widths, except for a
-mixture of experts that routes with a capacity (moe.capacity_factor > 0): a row's slots per
-expert grow with its width, so a padded row would drop other choices than the text alone; its
-rows go unpadded, batched by length (one compile per length).
+A document starts after <eos>, as in training: every request is scored behind the tokenizer's <eos>.
+`loglikelihood` encodes context + continuation together and scores the tokens past the context's own
+encoding (the harness's convention for BPE boundaries), `loglikelihood_rolling` cuts long texts into
+the harness's rolling windows of `max_length` tokens, and `generate_until` decodes with the KV cache
+in batches (greedy unless the task asks to sample; top_k and top_p apply, another generation setting
+is refused). Contexts longer than `max_length` (default: the training length, config.seq_len) keep
+their last tokens; a continuation longer than it is refused, and so is a generation of max_length
+tokens or more. Rows are padded to a few bucketed widths, except for a mixture of experts that
+routes with a capacity (moe.capacity_factor > 0): a row's slots per expert grow with its width, so a
+padded row would drop other choices than the text alone; its rows go unpadded, batched by length
+(one compile per length).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from transformer.generation import programs, text
 from transformer.models import family_of
+
+# generate_until's max_gen_toks where a task names none
+MAX_GEN_TOKS = 64
 
 
 def _bucket(n: int, limit: int) -> int:
@@ -192,7 +195,7 @@ class TransformerLM(LM):
         kwargs = dict(kwargs or {})
         until = kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
-        n = int(kwargs.pop("max_gen_toks", 64))
+        n = int(kwargs.pop("max_gen_toks", MAX_GEN_TOKS))
         sample = kwargs.pop("do_sample", False)
         temperature = float(kwargs.pop("temperature", 0.0))
         top_k, top_p = int(kwargs.pop("top_k", 0) or 0), float(kwargs.pop("top_p", 1.0) or 1.0)
@@ -201,9 +204,13 @@ class TransformerLM(LM):
         if kwargs:
             raise ValueError(f"generate_until settings {sorted(kwargs)}: expected only until, "
                              "max_gen_toks, do_sample, temperature, top_k, top_p and seed")
+        if n >= self.max_length:  # (lm-eval's own HF model refuses it too)
+            raise ValueError(f"generate_until max_gen_toks={n}: expected fewer than "
+                             f"max_length={self.max_length} tokens, so that the prompt keeps "
+                             "some of its context; raise max_length or lower max_gen_toks")
         prompt = ([self.eos] + self._encode(context))[-self._room(n):]
         return prompt, until, settings
 
     def _room(self, new_tokens: int) -> int:
         """The most prompt ids a request keeps (its last ones), leaving `new_tokens` to come."""
-        return max(1, self.max_length - new_tokens)
+        return self.max_length - new_tokens

@@ -51,7 +51,8 @@ def tasks(config: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
 def check(config: ml_collections.ConfigDict, family_decoding: str | None,
           num_processes: int) -> None:
     """One-line errors before anything runs: a model the adapter cannot score, several
-    processes, a missing YAML file or a task name lm-eval does not know."""
+    processes, a missing YAML file, a task name lm-eval does not know or a generation as long
+    as the context."""
     entries = config.get("eval_tasks") or ()
     if not entries:
         return
@@ -71,6 +72,27 @@ def check(config: ml_collections.ConfigDict, family_decoding: str | None,
     if unknown := [name for name in names if name not in known]:
         raise ValueError(f"eval_tasks: unknown lm-eval task(s) {unknown}: expected names "
                          "lm_eval --tasks list shows, or local YAML files")
+    for name, tokens in generation_lengths(names, include).items():
+        if tokens >= config.seq_len:  # (the adapter's max_length in training)
+            raise ValueError(f"eval_tasks: {name!r} generates max_gen_toks={tokens} tokens: "
+                             f"expected fewer than seq_len={config.seq_len}, so that its "
+                             "prompts keep some of their context")
+
+
+def generation_lengths(names: list[str], include: list[str]) -> dict[str, int]:
+    """{task: max_gen_toks} of the generate_until tasks among `names` that lm-eval's task index
+    describes (a group's tasks, or an lm-eval whose index this does not read, are checked by
+    the adapter when they run)."""
+    from transformer.hf.harness import MAX_GEN_TOKS
+
+    index = getattr(manager(tuple(include)), "task_index", None) or {}
+    lengths = {}
+    for name in names:
+        task = getattr(index.get(name), "cfg", None) or {}
+        if task.get("output_type") == "generate_until":
+            kwargs = task.get("generation_kwargs") or {}
+            lengths[name] = int(kwargs.get("max_gen_toks", MAX_GEN_TOKS))
+    return lengths
 
 
 @functools.cache
