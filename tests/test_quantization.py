@@ -1,6 +1,7 @@
 """Quantized training through Qwix (transformer.nn.quantization, `model.quantization`): forward
 close to float, the int8 / fp8 dots really in the program, straight-through gradients to every
-quantized kernel (scanned, rematerialised, vmapped), the head only with quantize_head, bad
+quantized kernel (scanned, rematerialised, vmapped), the head (and the MTP input projection)
+only with quantize_head, speculative decoding's draft quantized as training runs it, bad
 values in one line, the CLI training int8 and resuming a float checkpoint in int8, and meshes
 equal to one device (tests/quantization_check.py on 8 forced CPU devices)."""
 
@@ -300,3 +301,73 @@ def test_decoding_with_the_cache_sees_the_same_quantization(float_params):
     # Not equal: the cached attention rounds differently in float, which flips an int8 rounding
     # downstream here and there; but twice as close to the int8 pass as to the float one.
     assert relative_error(decoded, full) < relative_error(decoded, float_full) / 2
+
+
+def mtp_config(scheme: str = "", **overrides):
+    """model_config with one multi-token prediction module (the speculative draft)."""
+    config = model_config(scheme, **overrides)
+    config.mtp.depth = 1
+    return config
+
+
+@functools.cache
+def mtp_params():
+    return params_for(mtp_config())
+
+
+def mtp_logits(config, params, tokens=TOKENS):
+    """The module's logits [B, T, V] on the training path (`__call__` with mtp_tokens)."""
+    _, sown = build_model(config).apply({"params": params}, tokens, mtp_tokens=tokens,
+                                        mutable=["mtp"])
+    return sown["mtp"]["logits"][0][0]
+
+
+def draft_logits(config, params, tokens=TOKENS):
+    """The module's logits as speculative decoding drafts them (`draft` on an empty cache over
+    every position), on the stack's final-norm vectors: the training path's math."""
+    model, length = build_model(config), tokens.shape[1]
+    positions = np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape)
+    shapes = jax.eval_shape(lambda: model.init(
+        jax.random.key(0), tokens, positions=positions, decode=True, cache_length=length,
+        mtp_tokens=tokens))["cache"]
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    _, hidden = model.apply({"params": params}, tokens, with_hidden=True)
+    (_, drafted), _ = model.apply({"params": params, "cache": cache}, 1, hidden, tokens,
+                                  positions, length, method="draft", mutable=["cache"])
+    return drafted
+
+
+def test_speculative_decoding_drafts_with_the_quantized_modules():
+    """The draft runs the module's block quantized as training does: int8 in the whole
+    speculative program, prefill and verify (the stack) and both drafts (the module's block),
+    and its logits are the training path's."""
+    from transformer.generation import speculative
+
+    config, params = mtp_config("int8"), mtp_params()
+    model = build_model(config)
+    mode, knobs = speculative._split(speculative.sampling(0.0, 0, 1.0), 96, None, None)
+    program = speculative._Program(model, 16, 4, mode)
+    run = functools.partial(speculative._run, program=program)
+    prompts = TOKENS[:, :8]
+    found = dots(lambda p: run(p, prompts, np.full(2, 8, np.int32), knobs, jax.random.key(0)),
+                 params)
+    # the 2 stack passes' projections, and 2 x the module's block's (its input projection and
+    # the tied head stay float without quantize_head)
+    assert found.count(("int8", "int8")) == 2 * (LAYERS + 1) * PROJECTIONS, found
+    np.testing.assert_allclose(draft_logits(config, params), mtp_logits(config, params),
+                               rtol=1e-4, atol=1e-4)
+    float_config = mtp_config()
+    np.testing.assert_allclose(draft_logits(float_config, params),
+                               mtp_logits(float_config, params), rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_head_quantizes_the_mtp_input_projection():
+    """quantize_head covers every projection outside the blocks: the MTP module's input
+    projection too (with the two tied heads, the stack's and the module's)."""
+    params = mtp_params()
+    fn = lambda config: lambda p: build_model(config).apply(  # noqa: E731
+        {"params": p}, TOKENS, mtp_tokens=TOKENS, mutable=["mtp"])
+    blocks = (LAYERS + 1) * PROJECTIONS
+    assert dots(fn(mtp_config("int8")), params).count(("int8", "int8")) == blocks
+    found = dots(fn(mtp_config("int8", quantize_head=True)), params)
+    assert found.count(("int8", "int8")) == blocks + 2 + 1, found

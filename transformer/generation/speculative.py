@@ -171,7 +171,7 @@ class _Program:
             tokens_BW = jnp.take_along_axis(seq, positions_BW + k, axis=1)
             (hidden_BWD, logits_BWV), cache = self.apply(
                 params, cache, k, hidden_BWD, tokens_BW, positions_BW, self.cache_length,
-                method=DecoderLM.draft)
+                method="draft")  # by name: a quantized model wraps it
             logits_BV = jnp.take_along_axis(logits_BWV, last_B1[..., None], axis=1)[:, 0]
             token_B, probs_BV = self.choose(logits_BV, knobs, jax.random.fold_in(draft_key, k))
             seq = seq.at[rows, state.known - 1 + k].set(token_B)

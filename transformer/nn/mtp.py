@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.nn import objectives
-from transformer.nn.attention import projection_init
+from transformer.nn.attention import matmul, projection_init
 from transformer.utils.keys import check_fields, int_, key, number
 
 Array = jax.Array
@@ -136,6 +136,7 @@ class MTPModule(nn.Module):
         kernel = self.param("projection", nn.with_logical_partitioning(
             projection_init(cfg.init_std, 0, 1, cfg.init_scale()), ("projection", "embed")),
             (2 * cfg.d_model, cfg.d_model), cfg.param_dtype)
-        x_BTD = jnp.dot(joined.astype(cfg.dtype), kernel.astype(cfg.dtype))
+        # through projection_dot, so model.quantize_head quantizes it as the head
+        x_BTD = matmul(joined, kernel, dtype=cfg.dtype)
         x_BTD = block("layers_0")(x_BTD, *block_args)
         return x_BTD, self.norm(cfg, "final_norm")(x_BTD)

@@ -41,8 +41,10 @@ SCHEMES = {
 # A block's sublayers: fullmatch over Qwix's module path, e.g. "decoder/layers_0/mlp" or
 # "encoder/layers/self_attention" (scan_layers).
 BLOCK_MODULES = r"(.*/)?(self_attention|cross_attention|mlp)"
-# The methods callers `apply` (transformer.training.evaluation, generate): each must be intercepted.
-_METHODS = ("__call__", "encode", "decode", "embed_images", "embed_texts")
+# The methods callers `apply` (transformer.training.evaluation, generate, speculative decoding's
+# draft), by name: each must be intercepted. A method passed as a function (`method=Cls.draft`)
+# bypasses Qwix's wrapper and runs in float.
+_METHODS = ("__call__", "encode", "decode", "draft", "embed_images", "embed_texts")
 
 
 def check(model_config: ml_collections.ConfigDict) -> None:
