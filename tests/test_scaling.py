@@ -239,6 +239,12 @@ def test_the_experiment_spends_each_budget():
         assert name.startswith(f"C{budget:.2g}_".replace("+", ""))
         assert config.optimizer.warmup_steps <= 0.1 * config.steps
         assert config.eval_every == config.steps and config.keep_checkpoints == 1
+    # A command line's batch size (or length, or steps) would spend another budget, and the
+    # variants' own values win: refused, not dropped.
+    for key, value in (("batch_size", 2), ("seq_len", 32), ("steps", 3)):
+        with pytest.raises(ValueError, match=rf"^--config.{key}={value}: the sweep's variant"):
+            definition.check_overrides({key: value}, definition.load_sweep(EXPERIMENT))
+    definition.check_overrides({"seed": 1}, definition.load_sweep(EXPERIMENT))  # its own
 
 
 def fake_sweep(root, skip=(), unfinished=()):

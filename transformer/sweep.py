@@ -66,6 +66,7 @@ from transformer.sweeps.definition import (  # noqa: F401
     axis,
     check_baseline,
     check_layout,
+    check_overrides,
     launch_commands,
     load_options,
     load_sweep,
@@ -259,6 +260,7 @@ def main(argv) -> None:
     if seeds > 1 and "seed" in cli_overrides:
         raise ValueError(f"--config.seed={cli_overrides['seed']} and --seeds={seeds} sets seeds "
                          f"0..{seeds - 1}: expected one of the two")
+    check_overrides(cli_overrides, selected)
     runs = variant_configs(FLAGS.config, seed_variants(selected, seeds))
     workdir = FLAGS.workdir or os.path.join("runs", FLAGS.config.experiment)
     if FLAGS.report_only and not os.path.isdir(workdir):

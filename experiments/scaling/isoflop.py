@@ -75,9 +75,13 @@ def steps_for(budget: float, size: str) -> int:
 def _variant(budget: float, size: str) -> dict:
     steps = steps_for(budget, size)
     overrides = {f"model.{key}": value for key, value in SIZES[size].items()}
+    # The tokens per step the steps spend the budget at: set here, so that a --config.batch_size
+    # or seq_len, which would spend another budget, is refused (transformer.sweep).
+    config = get_config()
     # Warmup: 5% of the steps (at least 1).
     return {**overrides, "steps": steps, "optimizer.warmup_steps": max(1, steps // 20),
-            "eval_every": steps, "checkpoint_every": steps}
+            "eval_every": steps, "checkpoint_every": steps,
+            "batch_size": config.batch_size, "seq_len": config.seq_len}
 
 
 def get_sweep():

@@ -227,6 +227,24 @@ def check_baseline(baseline: str | None, names: Sequence[str]) -> str:
 
 
 
+def check_overrides(cli_overrides: dict[str, Any], variants: Sequence[Variant]) -> None:
+    """Refuses a command-line override (`--config.KEY`) that a variant sets too: the variant's
+    value wins, so the command line's would be dropped without a word.
+
+    >>> check_overrides({"steps": 3}, named({"a": {"steps": 100}, "b": {}}))
+    Traceback (most recent call last):
+    ...
+    ValueError: --config.steps=3: the sweep's variant(s) ['a'] set steps themselves (their value
+    wins): expected it left to them, or the variants changed in the experiment file
+    """
+    for key, value in cli_overrides.items():
+        if setting := [v.name for v in variants if key in v.overrides]:
+            raise ValueError(f"--config.{key}={flag_value(value)}: the sweep's variant(s) "
+                             f"{setting[:3] + ['...'] if len(setting) > 3 else setting} set "
+                             f"{key} themselves (their value wins): expected it left to them, "
+                             "or the variants changed in the experiment file")
+
+
 def launch_commands(config_file: str, cli_overrides: dict[str, Any], variants: Sequence[Variant],
                     workdir: str) -> list[str]:
     """One `python -m transformer.train` command per variant: the command line's overrides,
