@@ -457,3 +457,40 @@ def test_inert_fields_do_not_change_hf_logits(name, field, change):
         np.testing.assert_array_equal(hf_logits(changed, hf_inputs),
                                       hf_logits(default, hf_inputs))
     assert relative_difference(our_logits(changed, args), hf_logits(default, hf_inputs)) <= 1e-4
+
+
+def test_every_none_default_model_key_can_be_set_from_the_command_line(monkeypatch):
+    """`--config.model.KEY=VALUE` works for each model key whose default is None (its
+    FieldReference keeps the type; a bare None is refused by ml_collections' flags)."""
+    import ml_collections
+    from absl import flags
+    from ml_collections import config_flags
+
+    from transformer.models import default_model_config
+
+    sample = {int: "3", float: "0.5", bool: "true"}
+    model = default_model_config()
+    flat = {}
+
+    def walk(group, prefix):
+        for name, field in group._fields.items():
+            if isinstance(field, ml_collections.ConfigDict):
+                walk(field, f"{prefix}{name}.")
+            elif (field.get() if isinstance(field, ml_collections.FieldReference)
+                  else field) is None:
+                flat[prefix + name] = getattr(field, "_field_type", None)
+
+    walk(model, "")
+    assert "rope_local_theta" in flat
+    for name, kind in flat.items():
+        argv = ["cmd", f"--config.model.{name}={sample.get(kind, '1')}"]
+        monkeypatch.setattr("sys.argv", argv)  # config_flags reads the overrides from sys.argv
+        values = flags.FlagValues()
+        config_flags.DEFINE_config_dict(
+            "config", ml_collections.ConfigDict({"model": default_model_config()}),
+            flag_values=values)
+        values(argv)
+        got = values.config.model
+        for part in name.split("."):
+            got = got[part]
+        assert got == kind(sample[kind]) if kind is not bool else got is True, name

@@ -170,8 +170,8 @@ def test_what_the_model_cannot_hold_is_refused_in_one_line():
         convert.from_hf(hf.config, hf.state_dict())
     config = deepseek().config
     config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 1000.0, "factor": 2.0}
-    with pytest.raises(ValueError, match="deepseek_v3 rope_type='dynamic': expected 'default' "
-                                         "or 'yarn'"):
+    with pytest.raises(ValueError, match="deepseek_v3 rope_type='dynamic': expected 'default', "
+                                         "'linear' or 'yarn'"):
         convert.from_hf(config, deepseek().state_dict())
 
 
@@ -205,6 +205,64 @@ def test_export_round_trips_and_loads_in_transformers_with_our_logits(converted,
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     back.config._attn_implementation = "eager"
     assert difference(our_logits(config, params), hf_logits(back)) <= 1e-4
+
+
+def exported(config, params, directory):
+    """(HF config, state, from_pretrained model) of our export of (config, params)."""
+    from safetensors.numpy import save_file
+
+    from transformer.hf import export
+
+    hf_config, state = export.to_hf(config, params)
+    hf_config.save_pretrained(directory)
+    save_file(state, str(directory / "model.safetensors"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    back.config._attn_implementation = "eager"
+    return hf_config, state, back
+
+
+def test_a_linear_rope_scale_exports_and_imports_back(converted, tmp_path):
+    """rope_scale 4 with linear scaling: HF's rope_type "linear" gives our logits, and the
+    import reads the scale back."""
+    _, config, params = converted
+    linear = config.copy_and_resolve_references()
+    linear.rope_scaling, linear.rope_scale = "linear", 4.0
+    hf_config, state, back = exported(linear, params, tmp_path)
+    assert hf_config.rope_parameters["rope_type"] == "linear"
+    want = our_logits(linear, params)
+    assert difference(want, our_logits(config, params)) > 1e-2  # the scale matters here
+    assert difference(want, hf_logits(back)) <= 1e-4
+    config_back, params_back = convert.from_hf(hf_config, state)
+    assert (config_back.rope_scaling, config_back.rope_scale) == ("linear", 4.0)
+    assert difference(our_logits(config_back, params_back), want) <= 1e-6
+
+
+def test_top1_routing_exports_without_renormalised_gates(converted, tmp_path):
+    """Our top-1 gate is the expert's score (normalize_gates has nothing to renormalise): the
+    export sets norm_topk_prob False, so HF gives our logits and the import takes it back."""
+    _, config, params = converted
+    top1 = config.copy_and_resolve_references()
+    top1.moe.top_k = 1
+    assert top1.moe.normalize_gates
+    hf_config, state, back = exported(top1, params, tmp_path)
+    assert not hf_config.norm_topk_prob
+    want = our_logits(top1, params)
+    assert difference(want, hf_logits(back)) <= 1e-4
+    config_back, params_back = convert.from_hf(hf_config, state)
+    assert difference(our_logits(config_back, params_back), want) <= 1e-6
+
+
+def test_a_norm_epsilon_other_than_1e6_is_refused_on_export(converted):
+    """transformers' latent norms (q_a, kv_a) keep eps 1e-6 whatever rms_norm_eps says."""
+    from transformer.hf import export
+
+    _, config, params = converted
+    changed = config.copy_and_resolve_references()
+    changed.norm_epsilon = 1e-5
+    with pytest.raises(ValueError, match=r"^export to deepseek_v3: model.norm_epsilon=1e-05 has "
+                                         r"no Hugging Face DeepSeek-V3 equivalent \(expected "
+                                         r"1e-06\)$"):
+        export.to_hf(changed, params)
 
 
 def with_mtp_layer(seed=0):

@@ -182,3 +182,25 @@ def test_export_inverts_the_import_bit_for_bit_and_loads_in_transformers(convert
     back.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     back.config._attn_implementation = "eager"
     assert difference(our_logits(config, params), hf_logits(back.eval())) <= 1e-4
+
+
+def test_plain_swiglu_experts_are_refused_on_export(converted):
+    """moe.swiglu_limit 0 is plain SwiGLU experts; HF's gpt-oss experts always clamp (and use
+    up + 1), so such a model has no gpt-oss equivalent."""
+    from transformer.hf import export
+
+    _, config, params = converted
+    changed = config.copy_and_resolve_references()
+    changed.moe.swiglu_limit = 0.0
+    with pytest.raises(ValueError, match=r"^export to gpt_oss: model.moe.swiglu_limit=0.0 has "
+                                         r"no Hugging Face gpt-oss equivalent \(expected > 0"):
+        export.to_hf(changed, params)
+
+
+def test_a_linear_rope_imports_with_transformers_logits():
+    """rope_type "linear" (which our export writes for rope_scale != 1 without YaRN) imports
+    as linear scaling, to HF's logits."""
+    hf = gpt_oss(rope_parameters={"rope_type": "linear", "rope_theta": 1000.0, "factor": 4.0})
+    config, params = convert.from_hf(hf.config, hf.state_dict())
+    assert (config.rope_scaling, config.rope_scale) == ("linear", 4.0)
+    assert difference(our_logits(config, params), hf_logits(hf)) <= 1e-4

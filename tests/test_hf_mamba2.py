@@ -112,3 +112,17 @@ def test_export_inverts_the_import_bit_for_bit_and_loads_in_transformers(convert
     with pytest.raises(ValueError, match="export to mamba2: model.d_ff=16 has no Hugging Face "
                                          "Mamba 2 equivalent"):
         export.to_hf(changed, params)
+
+
+def test_an_unused_activation_does_not_block_the_export(converted):
+    """With d_ff 0 there is no feed-forward sublayer, so model.activation is never used: any
+    value exports, to the same HF logits."""
+    from transformer.hf import export
+
+    _, config, params = converted
+    changed = config.copy_and_resolve_references()
+    changed.activation = "swiglu"
+    hf_config, state = export.to_hf(changed, params)
+    back = transformers.Mamba2ForCausalLM(hf_config)
+    back.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    assert difference(our_logits(changed, params), hf_logits(back.eval())) <= 1e-4

@@ -15,6 +15,7 @@ from test_hf_deepseek import (  # noqa: E402
     assert_greedy_equals_generate,
     converted_pair,
     difference,
+    exported,
     hf_logits,
     our_logits,
     perturbed,
@@ -107,3 +108,18 @@ def test_export_round_trips_and_loads_in_transformers_with_our_logits(converted,
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     loaded.config._attn_implementation = "eager"
     assert difference(our_logits(config, params), hf_logits(loaded)) <= 1e-4
+
+
+def test_top1_routing_exports_without_renormalised_gates(converted, tmp_path):
+    """Our top-1 gate is the router probability (normalize_gates has nothing to renormalise):
+    the export sets norm_topk_prob False, so HF gives our logits and the import takes it back."""
+    _, config, params = converted
+    top1 = config.copy_and_resolve_references()
+    top1.moe.top_k = 1
+    assert top1.moe.normalize_gates
+    hf_config, state, loaded = exported(top1, params, tmp_path)
+    assert not hf_config.norm_topk_prob
+    want = our_logits(top1, params)
+    assert difference(want, hf_logits(loaded)) <= 1e-4
+    config_back, params_back = convert.from_hf(hf_config, state)
+    assert difference(our_logits(config_back, params_back), want) <= 1e-6

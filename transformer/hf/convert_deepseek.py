@@ -17,7 +17,7 @@ from transformer.hf.convert_llama import _llama_like_config, _moe_params, mlp_pa
 
 def yarn_settings(hf_config, family: str = "deepseek_v3") -> dict[str, Any]:
     """RoPE settings of a family that scales by YaRN (rope_type "yarn": DeepSeek-V3, gpt-oss);
-    "default" is plain RoPE, any other type is refused."""
+    "default" is plain RoPE, "linear" position interpolation, any other type is refused."""
     rope = {**(getattr(hf_config, "rope_scaling", None) or {}),
             **(getattr(hf_config, "rope_parameters", None) or {})}
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -35,8 +35,10 @@ def yarn_settings(hf_config, family: str = "deepseek_v3") -> dict[str, Any]:
             rope_yarn_mscale=float(rope.get("mscale", 1.0)),
             rope_yarn_mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
             rope_yarn_truncate=bool(rope.get("truncate", True)))
+    elif kind == "linear":  # position interpolation: the positions divided by factor
+        settings["rope_scale"] = float(rope["factor"])
     elif kind != "default":
-        raise ValueError(f"{family} rope_type={kind!r}: expected 'default' or 'yarn'")
+        raise ValueError(f"{family} rope_type={kind!r}: expected 'default', 'linear' or 'yarn'")
     return settings
 
 
@@ -163,7 +165,10 @@ def exporter():
             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")},
         "moe.score": ("sigmoid",), "moe.balance_bias": (True,), "moe.every_n_layers": (1,),
         "mtp.depth": ANY,
-        **{f"moe.{k}": ANY for k in moe}, **SHAPES, "tie_embeddings": ANY})
+        **{f"moe.{k}": ANY for k in moe}, **SHAPES, "tie_embeddings": ANY,
+        # transformers' q_a / kv_a latent norms keep 1e-6 whatever rms_norm_eps says, ours
+        # take norm_epsilon: only 1e-6 gives the same function (and imports back)
+        "norm_epsilon": (1e-6,)})
 
 
 def to_hf(config, params, transformers):
@@ -181,6 +186,8 @@ def to_hf(config, params, transformers):
                     mscale=float(config.rope_yarn_mscale),
                     mscale_all_dim=float(config.rope_yarn_mscale_all_dim),
                     truncate=bool(config.rope_yarn_truncate))
+    elif config.rope_scale != 1:  # linear position interpolation
+        rope.update(rope_type="linear", factor=float(config.rope_scale))
     hf_config = transformers.DeepseekV3Config(
         vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.d_ff,
         moe_intermediate_size=moe.d_ff or config.d_ff, num_hidden_layers=config.num_layers,
@@ -190,7 +197,8 @@ def to_hf(config, params, transformers):
         q_lora_rank=m.q_lora_rank or None, qk_rope_head_dim=m.qk_rope_head_dim,
         v_head_dim=m.v_head_dim, qk_nope_head_dim=m.qk_nope_head_dim, n_group=moe.n_group,
         topk_group=moe.topk_group, num_experts_per_tok=moe.top_k,
-        first_k_dense_replace=moe.first_dense_layers, norm_topk_prob=moe.normalize_gates,
+        first_k_dense_replace=moe.first_dense_layers,
+        norm_topk_prob=moe.normalize_gates and moe.top_k > 1,  # our top-1 gate: its score
         max_position_embeddings=config.max_len, rms_norm_eps=config.norm_epsilon,
         tie_word_embeddings=config.tie_embeddings, rope_parameters=rope,
         rope_interleave=config.rope_layout == "interleaved", attention_bias=False,

@@ -108,6 +108,7 @@ def exporter():
         "family": ("gpt",), "head": ("mlm",), "position": ("none",), "norm": ("rmsnorm",),
         "norm_placement": ("pre",), "layer_types": ("mamba2",), **SHAPES, "d_ff": (0,),
         "use_bias": (False,), "tie_embeddings": ANY, "mamba2.norm_before_gate": (False,),
+        "activation": ANY,  # the feed-forward sublayer's, and d_ff 0 leaves none to use it
         **{f"mamba2.{key}": ANY for key in (
             "state_size", "expand", "head_dim", "num_groups", "conv_kernel", "use_conv_bias",
             "time_step_limit_min", "time_step_limit_max")}})

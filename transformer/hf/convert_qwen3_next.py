@@ -138,7 +138,8 @@ def to_hf(config, params, transformers):
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads or config.num_heads, head_dim=head_dim,
         num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
-        norm_topk_prob=moe.normalize_gates, decoder_sparse_step=moe.every_n_layers,
+        norm_topk_prob=moe.normalize_gates and moe.top_k > 1,  # our top-1 gate: its probability
+        decoder_sparse_step=moe.every_n_layers,
         mlp_only_layers=[], linear_num_key_heads=g, linear_num_value_heads=n,
         linear_key_head_dim=k, linear_value_head_dim=v, linear_conv_kernel_dim=lin.conv_kernel,
         layer_types=types, max_position_embeddings=config.max_len,

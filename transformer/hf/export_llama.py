@@ -117,6 +117,9 @@ def _llama_like_settings(config, kind: str, head_dim: int) -> dict[str, Any]:
             name, value = ("moe.d_ff", moe.d_ff) if moe.top_k > 1 else ("moe.top_k", 1)
             raise allowlist.refusal(EXPORTERS[kind], name, value, f"0 or {config.d_ff} for "
                                     "d_ff, >= 2 for top_k")
+        if not moe.swiglu_limit > 0:  # HF's experts always clamp, and add 1 to up
+            raise allowlist.refusal(EXPORTERS[kind], "moe.swiglu_limit", moe.swiglu_limit,
+                                    "> 0: gpt-oss's clamped SwiGLU")
         return dict(sliding_window=window, layer_types=layer_types, attention_bias=True,
                     num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                     swiglu_limit=float(moe.swiglu_limit),

@@ -32,7 +32,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
     vision.CAPTIONER)}
 _OPTIONAL_FIELDS = {"num_kv_heads": int, "head_dim": int, "init_std": float,
                     "attention_scale": float, "qkv_bias": bool, "sliding_window": int,
-                    "num_decoder_layers": int}
+                    "num_decoder_layers": int, "rope_local_theta": float}
 
 
 def family_of(config: ml_collections.ConfigDict) -> Family:
