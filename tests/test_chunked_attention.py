@@ -150,6 +150,24 @@ def test_dense_bias_and_its_gradient(shape):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=f"d{name}")
 
 
+def test_dense_mask_and_bias_arrays_under_x64_match_the_dense_kernel_in_float64():
+    """Under jax_enable_x64 a dense mask or bias array's tile windows are sliced with one int
+    type (Python zeros are int64 there, the loop's tile index int32)."""
+    mask = MASKS["dense_bool"]()
+    bias = np.random.default_rng(8).normal(size=(B, N, 37, 37))
+    with jax.enable_x64(True):
+        q, k, v, w = qkvw(9, dtype=jnp.float64)
+        for m, b in ((mask, None), (None, jnp.asarray(bias)), (mask, jnp.asarray(bias))):
+            extra = () if b is None else (b,)
+            dense = value_and_grads(lambda q, k, v, *b, m=m: dot_product_attention(q, k, v, m, *b),
+                                    q, k, v, w, *extra, jit=False)
+            chunk = value_and_grads(lambda q, k, v, *b, m=m: chunked_attention(
+                q, k, v, m, *b, q_chunk=16, kv_chunk=16), q, k, v, w, *extra)
+            assert chunk[0].dtype == jnp.float64
+            for a, want in zip((chunk[0], *chunk[1]), (dense[0], *dense[1]), strict=True):
+                np.testing.assert_allclose(a, want, atol=1e-10, rtol=0)
+
+
 @pytest.mark.slow
 def test_alibi_bias_callable():
     q, k, v, w = qkvw(8, q_len=21, kv_len=37)

@@ -246,6 +246,43 @@ def test_init_from_a_workdir_takes_its_architecture_and_refuses_a_contradicting_
     assert not (tmp_path / "bad").exists()
 
 
+def test_context_extension_sets_rope_frequencies_over_the_source(gpt_base, tmp_path, capsys,
+                                                                  caplog):
+    """RoPE's frequency keys (finetune.ROPE_SETTINGS) change no param: a run from a workdir
+    takes its own from the command line or the experiment file (position interpolation to a
+    longer seq_len), every param loaded; a key that changes the params is still refused."""
+    from test_train import tiny_config
+
+    from transformer.training import checkpoint
+
+    config = tiny_config(init_from=str(gpt_base), seq_len=32)
+    config.model.update(rope_scale=2.0, rope_scaling="yarn", rope_original_max_len=16,
+                        rope_theta=5e5)
+    flags = {"model.rope_scale", "model.rope_scaling", "model.rope_original_max_len"}
+    for explicit in (flags, set()):  # set on the command line, or in the experiment file
+        caplog.clear()
+        resolved = finetune.resolve_init_config(config, explicit=explicit)
+        # said, not silent (an experiment file's value over the source's above all)
+        assert "model.rope_scale=2.0, where " in caplog.text and "(context extension)" in \
+            caplog.text
+        assert (resolved.model.rope_scale, resolved.model.rope_scaling,
+                resolved.model.rope_original_max_len, resolved.model.rope_theta) == \
+            (2.0, "yarn", 16, 5e5)
+        assert resolved.model.activation == "relu"  # the rest is still the source's
+    config.model.rope_fraction = 0.5
+    with pytest.raises(ValueError, match=r"^model.rope_fraction=0.5: .*@2's saved config says"):
+        finetune.resolve_init_config(config, explicit={"model.rope_fraction"})
+    config.model.rope_fraction = 1.0
+    config.model.update(rope_scaling="linear", rope_theta=10000.0)
+    train.train_and_evaluate(finetune.resolve_init_config(config), str(tmp_path / "long"))
+    count = len(checkpoint.params_metadata(str(gpt_base))[1])
+    assert f"@2: loaded {count} params; new 0; dropped 0" in capsys.readouterr().out
+    assert checkpoint.saved_run(str(tmp_path / "long"))[1].model.rope_scale == 2.0
+    # A run from the extended model, setting none, keeps its source's scaling.
+    again = finetune.resolve_init_config(tiny_config(init_from=str(tmp_path / "long")))
+    assert (again.model.rope_scale, again.model.activation) == (2.0, "relu")
+
+
 @pytest.mark.slow
 def test_a_gpt_pretrained_with_mtp_fine_tunes_without_its_modules(tmp_path):
     """The MTP modules are a pretraining head: a classifier, a prefix LM or a run setting

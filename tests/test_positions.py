@@ -444,3 +444,39 @@ def test_t5_bias_param_logical_names():
 def test_bad_arguments_raise_value_error_naming_the_value(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# -----------------------------------------------------------------------------
+# the model config's RoPE keys
+
+
+def _model_config(**keys):
+    from transformer.nn.config import TransformerConfig
+
+    return TransformerConfig(num_layers=1, d_model=8, num_heads=2, d_ff=16, **keys)
+
+
+@pytest.mark.parametrize("position, key, value", [
+    ("alibi", "rope_scale", 4.0), ("alibi", "rope_scaling", "yarn"),
+    ("learned", "rope_theta", 5e5), ("t5", "rope_original_max_len", 4096),
+    ("none", "rope_layout", "interleaved"), ("sinusoidal", "rope_yarn_beta_fast", 8.0)])
+def test_rope_keys_without_rope_positions_are_refused_naming_the_key(position, key, value):
+    with pytest.raises(ValueError) as error:
+        _model_config(position=position, **{key: value})
+    assert str(error.value) == f"{key}={value!r}: expected position='rope' (RoPE's keys do " \
+        f"nothing with position={position!r})"
+    _model_config(position=position)  # their defaults are no setting
+    assert getattr(_model_config(position="rope", **{key: value}), key) == value
+
+
+@pytest.mark.parametrize("value", [0.0, -2.0])
+def test_rope_scale_must_be_positive_and_the_run_config_error_names_it(value):
+    from transformer import configs
+
+    with pytest.raises(ValueError, match=rf"^rope_scale={value}: expected a number > 0"):
+        _model_config(rope_scale=value)
+    config = configs.base_config()
+    config.model.rope_scale = value
+    with pytest.raises(ValueError) as error:
+        configs.validate_config(config, num_devices=1, num_processes=1, files=False)
+    assert str(error.value) == f"model.rope_scale={value}: expected a number > 0 (1: no scaling)"

@@ -195,6 +195,8 @@ class _Tiles:
 
     def dense_window(self, shape4, i, j):
         starts = (0, 0, i * self.qb if shape4[2] != 1 else 0, j * self.kb if shape4[3] != 1 else 0)
+        # one int type: under jax_enable_x64 the Python zeros are int64, the loop's i and j int32
+        starts = tuple(jnp.asarray(s, jnp.int32) for s in starts)
         sizes = (shape4[0], shape4[1], self.qb if shape4[2] != 1 else 1,
                  self.kb if shape4[3] != 1 else 1)
         return starts, sizes

@@ -150,7 +150,7 @@ class TransformerConfig:
     rope_layout: str = key("half", "RoPE pairs the two halves (`half`) or neighbours "
                            "(`interleaved`).", choice(("half", "interleaved")))
     rope_scale: float = key(1.0, "> 1: positions stretched by this factor, as `rope_scaling` "
-                            "says.", (is_number, "a number (1: no scaling)"))
+                            "says.", number(gt=0, note="1: no scaling"))
     rope_scaling: str = key("linear", "`linear` (position interpolation), `llama3` (Llama "
                             "3.1) or `yarn` (YaRN, DeepSeek-V2/V3).",
                             choice(("linear", "llama3", "yarn")))
@@ -159,8 +159,8 @@ class TransformerConfig:
                                       (is_number, "a number, 0 < low < high"))
     rope_high_freq_factor: float = key(4.0, "llama3 scaling's high-frequency factor.",
                                        (is_number, "a number > rope_low_freq_factor"))
-    rope_original_max_len: int = key(8192, "llama3 scaling: the context length trained at.",
-                                     int_(gt=0))
+    rope_original_max_len: int = key(8192, "llama3 and yarn scaling: the context length "
+                                     "trained at before rope_scale stretched it.", int_(gt=0))
     # YaRN (rope_scaling "yarn", positions.yarn_frequencies): rope_scale is its factor,
     # rope_original_max_len its original_max_position_embeddings
     rope_yarn_beta_fast: float = key(32.0, "yarn: pairs turning more often than this over "
@@ -290,6 +290,7 @@ class TransformerConfig:
             object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
         self._check_window_pattern()
         self._check_mixers()
+        self._check_rope_keys()
         if self.rope_fraction < 1 and (self.position != "rope" or self.attention_kind == "mla"):
             raise ValueError(f"rope_fraction={self.rope_fraction}: expected position='rope' "
                              "and attention_kind 'mha' (MLA rotates its own RoPE dims whole)")
@@ -297,6 +298,18 @@ class TransformerConfig:
                 self.position != "rope" or "sliding_attention" not in self.layer_pattern):
             raise ValueError(f"rope_local_theta={self.rope_local_theta}: expected position="
                              "'rope' and sliding_attention layers (it is their RoPE base)")
+
+    def _check_rope_keys(self) -> None:
+        """RoPE's keys set (not their defaults) without position 'rope' would do nothing:
+        refused. rope_fraction and rope_local_theta say so in their own checks."""
+        if self.position == "rope":
+            return
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name.startswith("rope_") and field.name not in (
+                    "rope_fraction", "rope_local_theta") and value != field.default:
+                raise ValueError(f"{field.name}={value!r}: expected position='rope' (RoPE's "
+                                 f"keys do nothing with position={self.position!r})")
 
     def _build_groups(self) -> None:
         """Each config group (`moe`, `lora`, a mixer's) given as a dict (the `model.<group>` of a

@@ -14,11 +14,12 @@ error naming the param, and so is a dropped param inside a layer stack (a differ
 params are loaded: the optimizer, step and data start fresh. A run that has its own
 checkpoints resumes from them and ignores `init_from`.
 
-The architecture (every model key but `RUN_SETTINGS`) comes from the source
-(`resolve_init_config`): a workdir's saved config, or "hf:DIR"'s config.json through the
-converter that maps the weights (and `data.num_sentinels` from DIR's tokenizer: 0 but for T5's
-own sentinels); the experiment file gives the family, the head and the training settings. A
-model key set on the command line that contradicts the source is refused in one line.
+The architecture (every model key but `RUN_SETTINGS`, and `ROPE_SETTINGS` where the run sets
+them: context extension) comes from the source (`resolve_init_config`): a workdir's saved
+config, or "hf:DIR"'s config.json through the converter that maps the weights (and
+`data.num_sentinels` from DIR's tokenizer: 0 but for T5's own sentinels); the experiment file
+gives the family, the head and the training settings. A model key set on the command line that
+contradicts the source is refused in one line.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Collection
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 from flax import traverse_util
 
 from transformer.nn import lora
@@ -48,6 +50,14 @@ RUN_SETTINGS = frozenset({
     "moe.bias_update_rate", "mtp.loss_weight",
     "lora.rank", "lora.alpha", "lora.targets", "lora.dropout", "lora.base_quantization",
     "quantization", "quantize_head"})
+# RoPE's frequencies: no param's shape or meaning depends on them, and changing them is what
+# context-extension fine-tuning does (position interpolation, YaRN, a larger base as in ABF).
+# The source's unless the run sets its own: on the command line, or in the experiment file
+# (a value other than the model default). Not rope_layout or rope_fraction: which dims rotate.
+ROPE_SETTINGS = frozenset({
+    "rope_theta", "rope_scale", "rope_scaling", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_max_len", "rope_yarn_beta_fast", "rope_yarn_beta_slow", "rope_yarn_mscale",
+    "rope_yarn_mscale_all_dim", "rope_yarn_truncate", "rope_local_theta"})
 # A checkpoint of the first family runs as the second (the same modules and params).
 _SAME_PARAMS = {("gpt", "prefix_lm")}
 _EXAMPLES = {"gpt": "gpt_tiny", "bert": "bert_mlm", "t5": "t5_span"}
@@ -154,7 +164,9 @@ def resolve_init_config(config: ml_collections.ConfigDict,
     comes from the experiment (it picks the objective and data), so a checkpoint of another
     family is refused, and so is a LoRA workdir (its checkpoints hold adapters only).
     In-process callers pass the keys they set themselves; with none, the source's values
-    replace every model key but the run settings. Raises ValueError; reads the source's
+    replace every model key but the run settings. The RoPE frequency keys (`ROPE_SETTINGS`)
+    are the run's where it sets them, explicitly or to a value other than the model default
+    (context extension), else the source's. Raises ValueError; reads the source's
     files, changes nothing (`config` included).
     """
     source = _source_architecture(config.get("init_from"))
@@ -167,16 +179,21 @@ def resolve_init_config(config: ml_collections.ConfigDict,
             f"model.family={family!r}: {config.init_from} is a {kind} ({theirs['family']!r} "
             f"family) checkpoint: expected model.family={theirs['family']!r}, e.g. "
             f"--config=experiments/{_EXAMPLES.get(theirs['family'], theirs['family'])}.py")
-    from transformer.models import takes_mtp
+    from transformer.models import default_model_config, takes_mtp
 
     resolved = ml_collections.ConfigDict(config.to_dict())
-    ours = keys.dotted(config.model)
+    ours, defaults = keys.dotted(config.model), keys.dotted(default_model_config())
+    own_rope = {k for k in ROPE_SETTINGS if f"model.{k}" in explicit or
+                (k in ours and ours[k] != defaults.get(k))}
     # The MTP modules are a pretraining head, like the LM head: a run whose head or family has
     # none, or that sets model.mtp.depth=0, drops them (`match` reports their params dropped).
     drops_mtp = not takes_mtp(config.model) or (
         "model.mtp.depth" in explicit and ours.get("mtp.depth") == 0)
     for key, value in theirs.items():
-        if key in RUN_SETTINGS or (key in ours and ours[key] == value) or (
+        if key in own_rope and ours[key] != value:  # said, an experiment file's value above all
+            logging.warning("model.%s=%r, where %s says %r: RoPE's frequencies are the "
+                            "run's (context extension)", key, ours[key], says, value)
+        if key in RUN_SETTINGS or key in own_rope or (key in ours and ours[key] == value) or (
                 key == "mtp.depth" and drops_mtp):
             continue
         if f"model.{key}" in explicit:
