@@ -177,11 +177,14 @@ def _stack_depths(model) -> dict[str, int]:
     return {key: model.get(key) or model.num_layers for key in family_of(model).stacks}
 
 
-def _layer_unit(model) -> int:
-    """The layers of a stack that repeat identically: 1, or a group of `moe.every_n_layers`
-    whose last layer is a mixture of experts."""
-    moe = model.get("moe")
-    return moe.every_n_layers if moe and moe.num_experts else 1
+def _layer_unit(model) -> tuple[int, int]:
+    """(dense, unit): a stack's first `moe.first_dense_layers` layers, which scan apart, and
+    the layers that repeat identically after them, the scan's `layer_period` (MoE layers
+    every n, the layer types' pattern: their lcm)."""
+    from transformer.models import transformer_config
+
+    stack = transformer_config(model)
+    return (stack.moe.first_dense_layers if stack.moe.num_experts else 0), stack.layer_period
 
 
 def compile_train_step(config, devices, accelerator: accelerators.Accelerator,
@@ -190,11 +193,14 @@ def compile_train_step(config, devices, accelerator: accelerators.Accelerator,
     (`flops=False`: memory only, one compile).
 
     XLA's cost analysis counts a loop body once, so for a scanned layer stack
-    (`model.scan_layers`) the FLOPs come from small unrolled compiles instead: 1-layer stacks
-    give the cost outside the layers, one more layer in a stack its per-layer cost, and these
-    extrapolate exactly to the config's depths (the layers of a stack are identical). With MoE
-    layers every n-th layer, the unit is a group of n layers.
+    (`model.scan_layers`) the FLOPs come from small unrolled compiles instead: stacks of one
+    unit give the cost outside the repeating layers, one more unit in a stack its cost, and
+    these extrapolate exactly to the config's depths. The unit is the scan's group of
+    `layer_period` layers (MoE every n layers, a layer-type pattern: groups are identical);
+    the first dense layers (moe.first_dense_layers) stay in every stack, counted once.
     """
+    from transformer.models import transformer_config
+
     compiled, report = _compile(config, devices, accelerator)
     if compiled is None:
         return report
@@ -208,17 +214,22 @@ def compile_train_step(config, devices, accelerator: accelerators.Accelerator,
     # (A pipeline needs scanned layers: its FLOPs stay XLA's count, loop bodies counted once.)
     if config.model.scan_layers and flops and not _pipelined(config):
         depths = _stack_depths(config.model)
-        unit = _layer_unit(config.model)
+        dense, unit = _layer_unit(config.model)
+        # the pattern's shortest period: "full_attention*4" would not divide a 1-layer unit
+        pattern = {"layer_types": ",".join(transformer_config(config.model).layer_pattern)}
 
         def unrolled_flops(**layers):
             shallow = config.copy_and_resolve_references()
-            shallow.model.update({**{k: unit for k in depths}, **layers, "scan_layers": False})
+            shallow.model.update({**{k: dense + unit for k in depths}, **layers,
+                                  **(pattern if config.model.get("layer_types") else {}),
+                                  "scan_layers": False})
             return _flops(_compile(shallow, devices, accelerator)[0])
 
-        base = unrolled_flops()
+        base = unrolled_flops()  # dense + unit layers a stack; the others' cost is per unit
+        units = {key: (depth - dense) // unit - 1 for key, depth in depths.items()}
         report.flops_per_chip = base + sum(
-            (depth // unit - 1) * (unrolled_flops(**{key: 2 * unit}) - base)
-            for key, depth in depths.items())
+            n * (unrolled_flops(**{key: dense + 2 * unit}) - base)
+            for key, n in units.items() if n)
     return report
 
 
@@ -244,9 +255,12 @@ def format_report(report: Report, config) -> str:
             ("total per chip", report.total_bytes), ("HBM per chip", report.hbm_bytes)]
     lines += [f"  {name:<28}{format_bytes(value):>12}" for name, value in rows]
     lines.append(f"  {'use of HBM':<28}{report.total_bytes / report.hbm_bytes:>12.1%}")
-    unit = _layer_unit(m)
-    how = (f"XLA cost analysis of {unit}- and {2 * unit}-layer unrolled stacks, extrapolated"
+    dense, unit = _layer_unit(m)
+    how = (f"XLA cost analysis of {dense + unit}- and {dense + 2 * unit}-layer unrolled stacks, "
+           "extrapolated"
            if config.model.scan_layers else "XLA cost analysis")
+    if config.model.scan_layers and set(_stack_depths(m).values()) == {dense + unit}:
+        how = "XLA cost analysis of the stack unrolled"  # one unit deep: nothing to extrapolate
     if _pipelined(config):
         how = "XLA cost analysis of the pipeline, its loop bodies counted once: too low"
     lines.append(f"FLOPs per step: {report.flops_per_chip:.3e} per chip ({how}), "

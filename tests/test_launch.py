@@ -692,6 +692,98 @@ def test_dropless_moe_on_an_expert_mesh_compiles_the_ragged_all_to_all_for_tpu()
         aot.format_report(report, config)
 
 
+def _scanned_flops_config(family="gpt", **model):
+    from transformer.configs import base_config
+
+    config = base_config()
+    config.update(batch_size=2, seq_len=16)
+    config.model.update(family=family, d_model=32, num_heads=2, d_ff=64, vocab_size=128,
+                        scan_layers=True)
+    config.model.update(model)
+    config.mesh.update(data=1, fsdp=1)
+    return config
+
+
+def _moe(config, **moe):
+    config.model.moe.update(num_experts=4, top_k=2, capacity_factor=0.0, **moe)
+    return config
+
+
+FLOPS_STACKS = {  # scanned stacks whose layers differ: hybrid types, MoE every n, dense first
+    "hybrid": lambda: _moe(_scanned_flops_config(num_layers=4, layer_types="conv,full_attention")),
+    "first_dense": lambda: _moe(_scanned_flops_config(num_layers=4), first_dense_layers=1),
+    "pattern_and_moe_every_2": lambda: _moe(
+        _scanned_flops_config(num_layers=12, layer_types="conv,full_attention*2"),
+        every_n_layers=2),
+    "dense_every_2": lambda: _moe(_scanned_flops_config(num_layers=8), every_n_layers=2,
+                                  first_dense_layers=2),
+    "t5": lambda: _moe(_scanned_flops_config("t5", num_layers=6, num_decoder_layers=4,
+                                             layer_types="full_attention*2"),
+                       first_dense_layers=2),
+}
+
+
+@pytest.mark.parametrize("name", FLOPS_STACKS)
+def test_the_scanned_stacks_flops_extrapolate_to_the_whole_unrolled_stack(name, monkeypatch):
+    """The FLOPs of a scanned stack come from unrolled stacks of its first dense layers plus one
+    and two scan units (layer_period: a layer-type pattern and MoE every n layers); with a
+    fake compile whose FLOPs are the sum of each layer's (by type, MoE or dense), the estimate
+    is the whole unrolled stack's."""
+    from launch import aot
+    from transformer.models import transformer_config
+
+    def layer_flops(model) -> int:
+        total = 1000  # embeddings, head, optimizer
+        for key, depth in aot._stack_depths(model).items():
+            stack = transformer_config(model, num_layers=depth)  # validates the shallow stack
+            total += sum((3 if stack.layer_type(i) == "conv" else 7)
+                         * (10 if stack.moe.is_moe_layer(i) else 1) * (2 if key == "num_layers"
+                                                                      else 5)
+                         for i in range(depth))
+        return total
+
+    class Compiled:
+        def __init__(self, model):
+            self.flops = 1.0 if model.scan_layers else float(layer_flops(model))
+
+        def cost_analysis(self):
+            return {"flops": self.flops}
+
+        def memory_analysis(self):
+            return type("Memory", (), dict.fromkeys(
+                ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                 "temp_size_in_bytes", "generated_code_size_in_bytes"), 0))
+
+    compiled = []
+    monkeypatch.setattr(aot, "_compile", lambda config, devices, accelerator: (
+        compiled.append(config.model.to_dict()) or Compiled(config.model),
+        aot.Report("v5p-8", 4, 0)))
+    config = FLOPS_STACKS[name]()
+    report = aot.compile_train_step(config, [], accelerators.parse("v5p-8"))
+    config.model.scan_layers = False
+    assert report.flops_per_chip == layer_flops(config.model)
+    assert len(compiled) == 1 + 1 + len(aot._stack_depths(config.model))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hybrid", "first_dense"])
+def test_the_flops_of_a_scanned_hybrid_or_first_dense_stack_are_the_unrolled_stacks(name):
+    """Compiled for real (on this host's CPU: the same code as for a TPU topology), the
+    scanned stack's extrapolated FLOPs equal XLA's count of the whole stack unrolled."""
+    import jax
+
+    from launch import aot
+
+    config = FLOPS_STACKS[name]()
+    accelerator = accelerators.parse("v5p-8")
+    report = aot.compile_train_step(config, jax.devices("cpu")[:1], accelerator)
+    assert not report.error, report.error
+    config.model.scan_layers = False
+    unrolled = aot.compile_train_step(config, jax.devices("cpu")[:1], accelerator)
+    # (a few dozen of XLA's FLOPs do not grow linearly with depth; a layer's are ~10^6)
+    assert report.flops_per_chip == pytest.approx(unrolled.flops_per_chip, rel=1e-5)
+
+
 @pytest.mark.slow
 @needs_libtpu
 def test_a_model_too_big_for_hbm_exits_non_zero():
