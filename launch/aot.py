@@ -81,8 +81,16 @@ def tpu_topology(accelerator: accelerators.Accelerator, num_slices: int = 1):
 def batch_spec(config) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes and dtypes of one global batch of the config's objective features (taken from
     the real input pipeline run on a synthetic document)."""
-    from transformer.data import pipeline, tokenizers
+    from transformer.data import chat, pipeline, tokenizers
 
+    if pipeline.objective_for(config) in pipeline.CHAT_OBJECTIVES:
+        # packed conversations (chat.PackedRows): next-token features with segments and a mask
+        row = {k: np.ones(config.seq_len + 1, np.int32) for k in (
+            "tokens", "tokens_segment_ids", "tokens_positions", "tokens_loss_mask")}
+        # (as jit takes them: the mask's product is float64 in NumPy, float32 in the step)
+        return {name: jax.ShapeDtypeStruct((config.batch_size, *value.shape),
+                                           jax.dtypes.canonicalize_dtype(value.dtype))
+                for name, value in chat.sft_features(row).items()}
     tokenizer = tokenizers.build_tokenizer("byte", num_sentinels=config.data.num_sentinels)
     doc = (np.arange(4 * config.seq_len + 8) % 200 + 10).astype(np.int32)
     dataset = pipeline.make_dataset(
@@ -93,6 +101,17 @@ def batch_spec(config) -> dict[str, jax.ShapeDtypeStruct]:
     row = next(iter(dataset))
     return {name: jax.ShapeDtypeStruct((config.batch_size, *value.shape[1:]), value.dtype)
             for name, value in row.items()}
+
+
+def resolved_config(config, explicit=()):
+    """The config a training run would build: its init_from source's architecture (and
+    vocabulary) filled in, as `transformer.train` does (`finetune.resolve_init_config`;
+    `explicit`: the keys the command line set), and the vocabulary size resolved."""
+    from transformer.training import finetune
+
+    config = finetune.resolve_init_config(config, explicit)
+    config.model.vocab_size = resolved_vocab_size(config)
+    return config
 
 
 def resolved_vocab_size(config) -> int:
@@ -267,7 +286,10 @@ def format_report(report: Report, config) -> str:
                  f"{report.flops_per_chip * report.chips:.3e} in all; model FLOPs "
                  f"{report.model_flops:.3e} (6N per token + attention, without remat). XLA "
                  "counts a loop body once, also of the loops it makes itself (e.g. collective "
-                 "matmuls on large slices), so its figure can be low")
+                 "matmuls on large slices), so its figure can be low" + (
+                     "; and splash's attention is not in it (a Pallas kernel that gives XLA no "
+                     "cost estimate counts 0)" if any("splash" in k for k in report.attention)
+                     else ""))
     kernel = ", ".join(report.attention) or "none (no attention layer)"
     lines.append(f"attention kernel compiled into the step: {kernel} (model.attention_impl="
                  f"{m.attention_impl!r})")
@@ -286,10 +308,11 @@ def main(argv) -> int:
     if FLAGS.num_slices < 1:
         raise ValueError(f"--num_slices={FLAGS.num_slices}: expected an int >= 1")
     accelerator = accelerators.parse(FLAGS.topology)
-    config = FLAGS.config
+    from ml_collections import config_flags
+
     from transformer.configs import validate_config
 
-    config.model.vocab_size = resolved_vocab_size(config)
+    config = resolved_config(FLAGS.config, config_flags.get_override_values(FLAGS["config"]))
     # Every value, before libtpu starts: one device per chip (megacore, or one core a chip).
     validate_config(config, accelerator.chips * FLAGS.num_slices,
                     accelerator.hosts * FLAGS.num_slices, files=False, this_backend=False)

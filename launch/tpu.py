@@ -448,7 +448,9 @@ def run(launch: Launch, runner: Runner, *, restart_on_preemption: bool, max_rest
         copy_and_install(launch, runner)
         code = runner.run_many(run_commands(launch), check=False)
         if code == 0:
-            print(f"{launch.name}: training finished", file=runner.out, flush=True)
+            print(f"{launch.name}: " + ("dry run: the commands above, nothing was run"
+                                        if runner.dry_run else "training finished"),
+                  file=runner.out, flush=True)
             return 0
         state = state_after_failure(launch, runner, poll_seconds)
         if state not in GONE and code in STOPPED:

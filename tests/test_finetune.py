@@ -499,3 +499,19 @@ def test_t5_text_to_text_scores_exact_match_and_ranks_the_class_names(play, tmp_
     right = int(np.sum(np.argmax(scores, -1) == np.array([e.label for e in test])))
     assert summary["test_accuracy"] == pytest.approx(right / len(test))
     assert fileio.parse_init_from("x@2") == ("workdir", "x", 2)
+
+
+def test_launch_aot_compiles_the_init_from_sources_architecture(gpt_base):
+    """`python -m launch.aot` checks the model training would build: a fine-tuning config's
+    init_from source's architecture and vocabulary, not the experiment file's defaults."""
+    from test_train import tiny_config
+
+    from launch import aot
+    from transformer.training import checkpoint as checkpoint_lib
+
+    config = tiny_config(init_from=str(gpt_base))
+    config.model.vocab_size = 0
+    resolved = aot.resolved_config(config)
+    assert (resolved.model.activation, resolved.model.norm_epsilon) == ("relu", 1e-3)
+    saved = checkpoint_lib.saved_run(str(gpt_base))[1]
+    assert resolved.model.vocab_size == saved.model.vocab_size > 0
