@@ -185,7 +185,24 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
         _tokenizer_files(tokenizer, staging, hf_config.model_type, config)
         _generation_config(hf_config, tokenizer).save_pretrained(staging)
 
-    return _write(output, write, {"step": step, "architecture": hf_config.architectures[0]})
+    return _write(output, write, {"step": step, "architecture": hf_config.architectures[0],
+                                  "notes": notes(config.model)})
+
+
+def notes(model_config) -> list[str]:
+    """What an export computes otherwise than the trained model, said after it is written.
+
+    >>> import ml_collections
+    >>> moe = ml_collections.ConfigDict({"moe": {"num_experts": 8, "capacity_factor": 1.25}})
+    >>> notes(moe)  # doctest: +ELLIPSIS
+    ["note: moe.capacity_factor=1.25: Hugging Face's experts are dropless, ..."]
+    """
+    moe = model_config.get("moe") or {}
+    if moe.get("num_experts") and moe.get("capacity_factor", 0) > 0:
+        return [f"note: moe.capacity_factor={moe['capacity_factor']}: Hugging Face's experts "
+                "are dropless, so the export's logits differ from this model's where its "
+                "experts dropped tokens over capacity (at moe.capacity_factor=0 they are equal)"]
+    return []
 
 
 def _write(output: str, write, result: dict) -> dict:
@@ -240,6 +257,8 @@ def _main(argv):
     print(f"step {written['step']} of {f.workdir} -> {written['output']} as "
           f"{written['architecture']}" + ("" if "peft" in written["architecture"] else
                                           ", with its tokenizer"))
+    for line in written.get("notes", ()):
+        print(line)
 
 
 def _define_flags():
