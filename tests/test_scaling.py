@@ -181,7 +181,8 @@ def test_parametric_bootstrap_refits_as_the_grid_fit_does(noisy_fit):
         np.testing.assert_allclose(theta[row], grid.theta, rtol=1e-6, atol=1e-8)
         assert objective[row] == pytest.approx(grid.objective, rel=1e-9)
     theta, objective = scaling.refit(n[None], d[None], loss[None], fit.optima)
-    np.testing.assert_allclose(theta[0], fit.theta, rtol=1e-9)
+    # (two optimizers' stopping points: 4e-9 apart on an AVX2 Zen 3, closer on AVX-512)
+    np.testing.assert_allclose(theta[0], fit.theta, rtol=1e-7)
     assert objective[0] == pytest.approx(fit.objective, rel=1e-12)
 
 
