@@ -111,3 +111,47 @@ def test_a_chat_message_names_what_is_wrong_with_it(message, error):
     line = json.dumps({"messages": [{"role": "user", "content": "hi"}, message]})
     with pytest.raises(ValueError, match="^" + re.escape(f"--chat: {error}")):
         chat.parse_conversation(line, "--chat")
+
+
+# Legal values off the defaults for transformer keys, which an LSTM never reads.
+UNREAD_BY_LSTM = {"num_heads": 8, "num_kv_heads": 2, "d_ff": 96, "position": "learned",
+                  "max_len": 32, "norm": "rmsnorm", "activation": "relu", "use_bias": False,
+                  "init_std": 0.5, "qk_norm": True, "norm_placement": "post",
+                  "scan_layers": True, "embedding_norm": True, "scale_embeddings": True,
+                  "attention_softcap": 30.0, "remat_policy": "full",
+                  "mla.kv_lora_rank": 16}
+
+
+def lstm_config(**overrides):
+    config = configs.base_config()  # its transformer keys at their defaults
+    config.model.update(family="lstm", num_layers=2, d_model=32, vocab_size=64)
+    config.update_from_flattened_dict({f"model.{k}": v for k, v in overrides.items()})
+    return config
+
+
+def lstm_logits(**overrides):
+    config = lstm_config(**overrides)
+    model = models.build_model(config.model)
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+    params = model.init(jax.random.key(0), tokens)
+    return config, model.apply(params, tokens)
+
+
+def test_the_keys_a_family_never_reads_change_nothing_and_are_named_at_the_start():
+    """`Family.reads`: each transformer key set off its default leaves the LSTM's logits as
+    they were and is named in the start's one warning; the keys it reads change them."""
+    config, base = lstm_logits()
+    assert startup.unread_settings(config.model) == []
+    for key, value in UNREAD_BY_LSTM.items():
+        config, logits = lstm_logits(**{key: value})
+        np.testing.assert_array_equal(logits, base, err_msg=key)
+        assert startup.unread_settings(config.model) == [
+            f"{key.split('.')[0]}={config.model[key.split('.')[0]].to_dict()!r}"
+            if "." in key else f"{key}={value!r}"], key
+    for key, value in {"d_model": 48, "num_layers": 3, "tie_embeddings": False}.items():
+        config, logits = lstm_logits(**{key: value})
+        assert logits.shape != base.shape or not np.array_equal(logits, base), key
+        assert startup.unread_settings(config.model) == [], key
+    warnings = startup.unintended_settings(lstm_config(num_heads=8, position="none"))
+    assert warnings == ["warning: model.family='lstm' never reads num_heads=8, "
+                        "position='none': they change nothing"]

@@ -18,6 +18,8 @@ from transformer.nn import objectives
 from transformer.nn.blocks import expert_loads, moe_aux
 from transformer.nn.config import TransformerConfig
 
+# The model keys the training reads whatever the family (`Family.reads` need not name them).
+ALWAYS_READ = ("family", "vocab_size", "lora", "quantization", "quantize_head")
 _STACK_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
 
 
@@ -57,6 +59,11 @@ class Family:
     cls_token: whether it reads a text to classify as [CLS] text [SEP] (its head pools [CLS])
       rather than as <eos> text (its head reads the last token).
     stacks: the config keys that give its layer stacks' depths.
+    reads: the model keys its module reads, for a family that reads fewer than a transformer
+      (None: all of them); the run warns of any other key set off its default
+      (`training.startup.unintended_settings`), which would change nothing. `ALWAYS_READ` (the
+      family, LoRA, quantization) need not be named: the training reads them, and refuses them
+      where they cannot act.
     """
 
     name: str
@@ -72,6 +79,7 @@ class Family:
     classifier: Callable[[ml_collections.ConfigDict], bool] = lambda model_config: False
     cls_token: bool = False
     stacks: tuple[str, ...] = ("num_layers",)
+    reads: tuple[str, ...] | None = None
 
     @property
     def objective(self) -> str:

@@ -104,4 +104,6 @@ def _build(model_config) -> LSTMLM:
 
 
 LSTM = Family("lstm", _build, inputs=("inputs",), features=("segment_ids",),
-              objectives=("next_token",), decoding="recompute", attention=False)
+              objectives=("next_token",), decoding="recompute", attention=False,
+              reads=("d_model", "num_layers", "dropout_rate", "tie_embeddings", "dtype",
+                     "param_dtype"))

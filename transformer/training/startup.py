@@ -9,7 +9,8 @@ import jax
 import ml_collections
 
 from transformer.data import inputs
-from transformer.models import family_of, transformer_config
+from transformer.models import default_model_config, family_of, transformer_config
+from transformer.models.family import ALWAYS_READ
 from transformer.nn import lora, mixers
 from transformer.parallel import pipeline_parallel
 from transformer.training import checkpoint_manager, evaluation, finetune, progress
@@ -181,6 +182,25 @@ def fresh_state(config: ml_collections.ConfigDict, init, shardings, is_main: boo
     return state.replace(params=params), report.source
 
 
+def unread_settings(model: ml_collections.ConfigDict) -> list[str]:
+    """`KEY=VALUE` for each model key set off its default that the family never reads
+    (`Family.reads`), in the config's order.
+
+    >>> model = default_model_config()
+    >>> model.update(family="lstm", d_model=64, num_heads=8, position="none")
+    >>> unread_settings(model)
+    ['num_heads=8', "position='none'"]
+    """
+    reads = family_of(model).reads
+    if reads is None:
+        return []
+    defaults = default_model_config()
+    plain = lambda value: value.to_dict() if isinstance(value, ml_collections.ConfigDict) \
+        else value
+    return [f"{key}={plain(model[key])!r}" for key in model
+            if key not in reads + ALWAYS_READ and plain(model[key]) != plain(defaults[key])]
+
+
 def unintended_settings(config: ml_collections.ConfigDict) -> list[str]:
     """Legal values that are surely not what was meant, each as a one-line warning the run
     prints at its start: a key that acts only with another one left off (legal in a sweep's
@@ -200,6 +220,9 @@ def unintended_settings(config: ml_collections.ConfigDict) -> list[str]:
         out.append(f"warning: optimizer.warmup_steps={warmup} > steps={config.steps}: the "
                    f"warmup is shortened to the run's {config.steps} steps: the rate rises "
                    "over all of them and never decays")
+    if unread := unread_settings(config.model):
+        out.append(f"warning: model.family={model.family!r} never reads {', '.join(unread)}: "
+                   "they change nothing")
     if 0 < (cap := config.model.get("attention_softcap", 0.0)) < 1:
         out.append(f"warning: model.attention_softcap={cap}: every attention logit is squashed "
                    "into (-cap, cap), so attention is nearly uniform (Gemma 2 caps at 50)")
