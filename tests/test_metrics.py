@@ -55,6 +55,37 @@ def test_flops_per_token_is_6n_plus_attention_against_a_hand_count():
     assert metrics.flops_per_token(untied, count_params(untied)) == 748_032
 
 
+def forward_matmul_flops(config, rows: int = 2) -> tuple[float, dict]:
+    """(the matmul FLOPs per token of the model's forward on [rows, seq_len] tokens, counted
+    in its program by `metrics.program_matmul_flops`; its params)."""
+    model, tokens = build_model(config.model), jnp.zeros((rows, config.seq_len), jnp.int32)
+    params = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), tokens)["params"])
+    jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens))(params).jaxpr
+    return metrics.program_matmul_flops(jaxpr) / (rows * config.seq_len), params
+
+
+@pytest.mark.parametrize("family,head", [("gpt", "mlm"), ("gpt", "classify"), ("bert", "mlm"),
+                                         ("bert", "classify")])
+def test_the_flops_are_3_x_the_matmuls_the_forward_runs_whatever_the_head(family, head):
+    """6 N + attention is 3 x the forward's matmuls, counted in its program, but for the params
+    no matmul runs on every token: the norms' and biases' (charged 6 each, as nanoGPT does),
+    BERT's token-type table (a lookup that N still counts) and a class head's kernels (pooler,
+    classifier: they run once a row, on the last or [CLS] vector, charged 6 a token like the
+    rest). A class head never multiplies by the tied token embedding: not in N."""
+    config = small_config(head=head, num_classes=3 if head == "classify" else 0)
+    config.model.family = family
+    forward, params = forward_matmul_flops(config)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    vectors = sum(x.size for path, x in leaves if path[-1].key.endswith(("bias", "scale")))
+    per_row = sum(x.size for path, x in leaves if path[-1].key == "kernel" and
+                  path[0].key in ("classifier", "pooler"))
+    types = params["type_embed"]["embedding"].size if family == "bert" else 0
+    assert (per_row > 0) == (head == "classify")
+    n = sum(x.size for _, x in leaves)
+    assert metrics.flops_per_token(config, n) == pytest.approx(
+        3 * forward + 6 * (vectors + types) + 6 * per_row * (1 - 1 / config.seq_len), rel=1e-12)
+
+
 def step_matmul_flops(remat_policy: str, batch: dict) -> float:
     """`metrics.hardware_flops_per_token` of small_config's train step (SGD: no matmuls of
     its own) under `remat_policy`, counted in the step's program."""

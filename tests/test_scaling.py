@@ -300,6 +300,49 @@ def test_load_runs_leaves_out_non_finite_losses_and_averages_duplicates(tmp_path
     assert len(scaling.fit_approach2(flops, n, d, loss, budgets).budgets) == 4
 
 
+def test_a_mixture_of_experts_run_is_charged_the_flops_its_mfu_counts(tmp_path):
+    """A MoE run's C is the FLOPs a token its own MFU counts (`metrics.model_flops_per_token`:
+    of the params a token passes through, 1 of 8 experts) x its tokens, not all its experts';
+    a summary written before active_params was logged falls back on num_params."""
+    import types
+
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from transformer.models import build_model
+    from transformer.training import metrics
+    from transformer.training import state as state_lib
+
+    first = definition.experiment_module(EXPERIMENT).get_sweep()[0]
+    moe = definition.Variant("moe", {**first.overrides, "model.moe.num_experts": 8,
+                                     "model.moe.top_k": 1,
+                                     "model.vocab_size": 256})  # 0: the tokenizer's
+    base = definition.experiment_module(EXPERIMENT).get_config()
+    config = sweep.variant_configs(base, [moe])["moe"]
+    tokens = jnp.zeros((1, config.seq_len), jnp.int32)
+    state = types.SimpleNamespace(params=nn.unbox(jax.eval_shape(
+        build_model(config.model).init, jax.random.key(0), tokens)["params"]))
+    n, active = state_lib.num_params(state), state_lib.active_params(state, config)
+    assert active < n / 2  # 7 of 8 experts' MLPs skipped
+    logged = metrics.model_flops_per_token(config, state, {"inputs": tokens})
+    c = logged * config.steps * config.batch_size * config.seq_len
+    experiment = tmp_path / "moe.py"
+    experiment.write_text(f"from transformer.sweeps import definition\n"
+                          f"base = definition.experiment_module({EXPERIMENT!r})\n"
+                          f"BUDGETS, get_config = ({c!r},), base.get_config\n\n\n"
+                          f"def get_sweep():\n    return [definition.{moe!r}]\n")
+    (tmp_path / "moe").mkdir()
+    summary = {"step": config.steps, "num_params": n, "active_params": active, "val_loss": 3.0}
+    (tmp_path / "moe" / "summary.json").write_text(json.dumps(summary))
+    [run], _ = scaling.load_runs(str(tmp_path), str(experiment), base)
+    assert run.flops == pytest.approx(c, rel=1e-12) and run.num_params == n
+    del summary["active_params"]  # an older summary: all its params, as before
+    (tmp_path / "moe" / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match="is not within a factor 1.5 of any declared budget"):
+        scaling.load_runs(str(tmp_path), str(experiment), base)
+
+
 def run_scaling(workdir, *args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     return forkserver.run([sys.executable, "-m", "transformer.scaling", f"--workdir={workdir}",

@@ -6,10 +6,11 @@ DIR holds the sweep's runs (`transformer.sweep`): DIR/NAME per variant, or with 
 DIR/NAME/seed_K per seed (read from the layout). The experiment file declares the compute
 budgets as `BUDGETS`; every finished run's compute is recomputed as C = flops_per_token(config,
 N) x tokens trained (`metrics.flops_per_token`; tokens = steps x batch_size x seq_len; N =
-num_params) and the run joins the declared budget nearest to it in log C. A T5 is counted as
-if its decoder read seq_len tokens too, an overcount: a summary has no encoder/decoder split. A
-run whose val loss is not finite is left out, and runs of the same size and budget (seeds,
-copies) are averaged into one; the report and the terminal name both. Fitted:
+active_params, all but a mixture of experts' unrouted experts) and the run joins the declared
+budget nearest to it in log C. A T5 is counted as if its decoder read seq_len tokens too, an
+overcount: a summary has no encoder/decoder split. A run whose val loss is not finite is left
+out, and runs of the same size and budget (seeds, copies) are averaged into one; the report
+and the terminal name both. Fitted:
 
 - Approach 2 (`transformer.sweeps.isoflop`): per budget, a parabola of final val loss against
   ln N; its vertex gives N_opt(C) and L_min(C); D_opt(C) = C / flops_per_token(N_opt), the
@@ -113,7 +114,9 @@ def nearest_budget(flops: float, budgets: Sequence[float], name: str = "run") ->
 def load_runs(workdir: str, config_file: str, config) -> tuple[list[Run], list[str]]:
     """(the finished runs of the experiment's variants in `workdir`, with runs of one size and
     budget averaged; a note per run left out or merged). Compute C = flops_per_token(config,
-    N) x steps x batch_size x seq_len."""
+    N_active) x steps x batch_size x seq_len: N_active the summary's active_params (a mixture
+    of experts' per token, as its MFU counts; num_params in a summary written before it had
+    them, an overcount for a MoE)."""
     from transformer.training.metrics import flops_per_token
 
     if not os.path.isdir(workdir):
@@ -139,7 +142,10 @@ def load_runs(workdir: str, config_file: str, config) -> tuple[list[Run], list[s
             continue
         steps = int(summary["step"])
         tokens = float(steps * variant.batch_size * variant.seq_len)
-        flops = flops_per_token(variant, summary["num_params"]) * tokens
+        # a mixture of experts' active params, as its MFU counts them (older summaries lack
+        # the key: all params, an overcount for a MoE)
+        active = summary.get("active_params") or summary["num_params"]
+        flops = flops_per_token(variant, active) * tokens
         runs.append(Run(name, int(summary["num_params"]), steps, tokens, flops, float(loss),
                         nearest_budget(flops, budgets, name)))
     if nonfinite:

@@ -44,10 +44,13 @@ CPUINFO = "/proc/cpuinfo"  # where the cache's key reads the CPU (Linux; elsewhe
 
 def matmul_params(config, num_params: int) -> int:
     """The params that multiply activations: all of them but the tables only looked up (learned
-    positions, and the token embedding when the output head is separate)."""
+    positions, and the token embedding wherever no tied LM head multiplies by it: the output
+    head is separate, or model.head is not the LM head: GPT's and BERT's class head or none)."""
     m = config.model
     lookups = m.max_len * m.d_model if m.get("position") == "learned" else 0
-    if not m.get("tie_embeddings", True):
+    # model.head is read by the families with a head choice (GPT, prefix LM, BERT); the others
+    # keep its default "mlm" (a ViT's class head is `Family.classifier`'s, with no token table).
+    if not m.get("tie_embeddings", True) or m.get("head", "mlm") != "mlm":
         lookups += m.vocab_size * m.d_model
     return num_params - lookups
 
