@@ -220,6 +220,24 @@ def test_bad_rows_and_corrupt_files_are_one_line_naming_the_file_and_row(tmp_pat
     assert row_error(corrupt).startswith(f"{corrupt}: unreadable Parquet (")
 
 
+def test_one_json_document_is_named_as_such_and_a_bom_is_skipped(tmp_path):
+    """An indented JSON file beside the corpus (the Hub's dataset_infos.json) is one document,
+    not a broken first row; a JSON Lines file may start with a UTF-8 byte-order mark."""
+    (tmp_path / "hub").mkdir()
+    write_parquet(tmp_path / "hub" / "shard.parquet", ["a row"])
+    infos = tmp_path / "hub" / "dataset_infos.json"
+    infos.write_text(json.dumps({"default": {"features": {"text": "string"}}}, indent=2))
+    assert row_error(tmp_path / "hub") == (
+        f"{infos}: one JSON document, not JSON Lines (one record a line): expected JSON Lines; "
+        "if it is not corpus, point data.path at the corpus files alone (a glob)")
+    cut = tmp_path / "cut.jsonl"  # a broken first line is still not JSON
+    cut.write_text('{"text": "cut\n{"text": "b"}\n')
+    assert row_error(cut).startswith(f"{cut}: row 0 (line 1): not JSON (")
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"text": "first"}\n{"text": "second"}\n')
+    assert [d.text for d in sources.read_text(str(bom))] == ["first", "second"]
+
+
 def test_text_that_is_not_unicode_is_one_line_naming_the_file_and_row(tmp_path):
     texts = [f"row {k} " + "mot " * (k % 40) for k in range(3000)]
     data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()

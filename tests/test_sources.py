@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 
@@ -336,6 +337,37 @@ def test_a_folder_of_several_hub_splits_is_refused_and_a_readme_beside_tables_wa
         f"warning: {tmp_path / 'one'}: {tmp_path / 'one' / 'README.md'} is read as text beside 1 "
         "Parquet / JSON Lines files (its paragraphs train): if it is not corpus, point data.path "
         "at the corpus files alone (a glob)\n")
+
+
+def test_hub_split_aliases_and_split_named_folders_are_refused(tmp_path):
+    """val / training / eval name splits as `datasets` reads them, and the Hub's Parquet export
+    keeps its splits in folders (default/train/0000.parquet): read whole, all would train."""
+    for names, splits in ((("train.jsonl", "val.jsonl"), ["train", "validation"]),
+                          (("train.parquet", "val.parquet", "test.parquet"),
+                           ["test", "train", "validation"]),
+                          (("training.jsonl", "eval.jsonl"), ["test", "train"])):
+        flat = tmp_path / "_".join(names)
+        for name in names:
+            if name.endswith(".parquet"):
+                write_parquet(flat / name, [name])
+            else:
+                write(flat / name, json.dumps({"text": name}) + "\n")
+        with pytest.raises(ValueError, match=rf"^{flat}: holds the Hugging Face Hub splits "
+                                             rf"{re.escape(str(splits))} \({flat / names[0]}, "):
+            sources.document_files(str(flat))
+    export = tmp_path / "export"
+    for split in ("train", "validation"):
+        write_parquet(export / "default" / split / "0000.parquet", [f"{split} row"])
+    for where in (export, export / "default"):
+        with pytest.raises(ValueError) as error:
+            sources.read_text(str(where))
+        train, validation = export / "default" / "train", export / "default" / "validation"
+        assert str(error.value) == (
+            f"{where}: holds the Hugging Face Hub splits ['train', 'validation'] ({train}, "
+            f"{validation}), which would all train: expected a path to the train files alone "
+            f"(the folder {train}) and data.validation_path at the validation folder")
+    train = sources.read_text(str(export / "default" / "train"))  # the path the error names
+    assert [d.text for d in train] == ["train row"]
 
 
 def test_a_symlinked_folder_is_read_as_a_glob_reads_it_and_a_cycle_once(tmp_path):

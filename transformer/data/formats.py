@@ -156,18 +156,41 @@ def _invalid_utf8(path: str) -> str:
     return "invalid UTF-8"
 
 
+_ONE_DOCUMENT_MAX = 64 << 20  # a larger file is not read whole to see if it is one document
+
+
+def _one_json_document(path: str) -> bool:
+    """Whether the file parses as one JSON document (an indented JSON file: metadata such as
+    dataset_infos.json, or a JSON array), read whole if it is at most 64 MiB."""
+    try:
+        with _open_binary(path) as f:
+            data = f.read(_ONE_DOCUMENT_MAX + 1)
+        if len(data) > _ONE_DOCUMENT_MAX:
+            return False
+        json.loads(data.decode("utf-8-sig"))
+        return True
+    except Exception:  # unreadable or not JSON as a whole: the line's own error stands
+        return False
+
+
 def _jsonl_rows(path: str, field: str) -> Iterator[tuple[int, str]]:
     import zstandard
 
     row, line_number = 0, 0
     try:
-        with io.TextIOWrapper(_open_binary(path), encoding="utf-8") as lines:
+        # utf-8-sig skips a byte-order mark at the start; rows are counted, so none shift
+        with io.TextIOWrapper(_open_binary(path), encoding="utf-8-sig") as lines:
             for line_number, line in enumerate(lines, 1):  # noqa: B007 - read in the except
                 if not line.strip():
                     continue
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
+                    if row == 0 and _one_json_document(path):
+                        raise ValueError(f"{path}: one JSON document, not JSON Lines (one "
+                                         "record a line): expected JSON Lines; if it is not "
+                                         "corpus, point data.path at the corpus files alone "
+                                         "(a glob)") from None
                     raise ValueError(f"{path}: row {row} (line {line_number}): not JSON ({e}): "
                                      "expected JSON Lines, one JSON object per line") from None
                 if not isinstance(record, dict) or field not in record:

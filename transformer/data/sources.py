@@ -117,28 +117,48 @@ def _refuse_dataset_dict(directory: str) -> None:
 
 
 # A split's file as the Hugging Face Hub names it: train-00000-of-00004.parquet (optionally
-# followed by a hash), or train.jsonl; group 1 is the split's name.
-_HUB_SPLIT_FILE = re.compile(r"(train|test|validation|valid|dev)(-\d+-of-\d+(-[0-9a-f]+)?)?\.")
-_HUB_SPLITS = {"valid": "validation", "dev": "validation"}  # names of the same split
+# followed by a hash), or train.jsonl; group 1 is the split's name. The names and aliases are
+# those `datasets` infers splits from (its SPLIT_KEYWORDS): "eval" is the test split there.
+_HUB_SPLITS = {"train": "train", "training": "train", "validation": "validation",
+               "valid": "validation", "val": "validation", "dev": "validation",
+               "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
+_HUB_SPLIT_FILE = re.compile(rf"({'|'.join(_HUB_SPLITS)})(-\d+-of-\d+(-[0-9a-f]+)?)?\.")
+
+
+def _hub_splits(directory: str, tables: list[str]) -> dict[str, tuple[str, bool]]:
+    """split -> (its first file, False) for split-named files (train.jsonl), or (its folder,
+    True) for files under a split-named folder below `directory` (the Hub's Parquet export:
+    default/train/0000.parquet)."""
+    splits, root = {}, directory.rstrip("/") + "/"
+    for file in tables:
+        if match := _HUB_SPLIT_FILE.match(os.path.basename(file).lower()):
+            splits.setdefault(_HUB_SPLITS[match[1]], (file, False))
+            continue
+        # folders between `directory` and the file (none when a path does not start with it)
+        folders = os.path.dirname(file)[len(root):].split("/") if file.startswith(root) else []
+        for k, folder in enumerate(folders):
+            if folder.lower() in _HUB_SPLITS:
+                path = os.path.join(directory, *folders[:k + 1])
+                splits.setdefault(_HUB_SPLITS[folder.lower()], (path, True))
+                break
+    return splits
 
 
 def _check_layout(directory: str, files: list[str]) -> None:
-    """A directory read whole must hold one corpus: a one-line error for files of several
-    Hugging Face Hub splits (all of them would train), and a warning for Markdown beside
-    Parquet / JSON Lines files (a dataset card, whose paragraphs would train)."""
+    """A directory read whole must hold one corpus: a one-line error for files or folders of
+    several Hugging Face Hub splits (all of them would train), and a warning for Markdown
+    beside Parquet / JSON Lines files (a dataset card, whose paragraphs would train)."""
     tables = [f for f in files if formats.table_kind(f)]
-    splits = {}
-    for file in tables:
-        if match := _HUB_SPLIT_FILE.match(os.path.basename(file).lower()):
-            splits.setdefault(_HUB_SPLITS.get(match[1], match[1]), file)
+    splits = _hub_splits(directory, tables)
     if len(splits) > 1:
-        a = splits.get("train") or next(iter(splits.values()))
-        b = next(file for file in splits.values() if file != a)
-        train = os.path.join(os.path.dirname(a), "train*")
+        a, folder = splits.get("train") or next(iter(splits.values()))
+        b = next(path for path, _ in splits.values() if path != a)
+        train = f"the folder {a}" if folder else \
+            f"a glob such as {os.path.join(os.path.dirname(a), 'train*')}"
         raise ValueError(f"{directory}: holds the Hugging Face Hub splits {sorted(splits)} "
                          f"({a}, {b}), which would all train: expected a path to the train "
-                         f"files alone (a glob such as {train}) and data.validation_path at "
-                         "the validation files")
+                         f"files alone ({train}) and data.validation_path at the validation "
+                         f"{'folder' if folder else 'files'}")
     # (a .txt beside tables is often corpus too: a mixed folder; a dataset card is Markdown)
     if tables and (cards := [f for f in files if f.lower().endswith(".md")]):
         warn_once(f"{directory}: {cards[0]} is read as text beside {len(tables)} Parquet / JSON "
