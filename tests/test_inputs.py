@@ -51,8 +51,16 @@ def test_prepared_array_records_give_the_same_batches_as_the_text(text_file, tmp
         for x, y in zip(a, b, strict=True):
             for k in x:
                 np.testing.assert_array_equal(x[k], y[k])
-    assert inputs.bytes_per_token(from_text, tokenizer, "train") == pytest.approx(
-        inputs.bytes_per_token(from_records, tokenizer, "train"))
+    for split in ("train", "validation"):  # prepare.json's counts give the text's targets
+        assert inputs.bytes_per_token(from_text, tokenizer, split) == pytest.approx(
+            inputs.bytes_per_token(from_records, tokenizer, split))
+    # .bin shards read as one stream: every token but the first is a target
+    prepare.prepare(str(tmp_path / "bin"), str(text_file), tokenizer="byte", format="bin")
+    as_bin = config_for(tmp_path / "bin")
+    tokens = len(inputs.corpus(as_bin, tokenizer, "validation"))
+    num_bytes = sum(len(d.text.encode()) for d in inputs._documents(from_text, "validation"))
+    assert inputs.bytes_per_token(as_bin, tokenizer, "validation") == pytest.approx(
+        num_bytes / (tokens - 1))
 
 
 def batches(config, tokenizer, split="train", n=5):
@@ -125,7 +133,9 @@ def test_embedded_corpus_feeds_every_objective_without_a_download():
         key = "encoder_inputs" if family == "t5" else "inputs"
         assert batch[key].shape == (2, 32) and batch[key].max() < tokenizer.vocab_size
     ratio = inputs.bytes_per_token(config, tokenizer, "validation")
-    assert 0.9 < ratio < 1.0  # bytes, plus one <eos> per document
+    # bytes per target token: a packed document's targets are its tokens and <eos> but its
+    # first, as many as its bytes under the byte tokenizer
+    assert tokenizer.kind == "byte" and ratio == 1.0
     # 64 rows from a split of 17 documents: rows are windows through the split's tokens, not
     # documents, so any batch size works.
     config.batch_size, config.model.family = 64, "gpt"

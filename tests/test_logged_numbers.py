@@ -130,6 +130,53 @@ def test_grad_norm_and_max_grad_norm_count_only_the_trainable_params():
     assert int(new.first_nonfinite_step) == 1
 
 
+# Uneven validation documents in three files (multi-byte characters: bytes are not characters)
+VALIDATION_FILES = ["a\n\nthe quick brown fox jumps over it\n\nxy\n",
+                    "ünïcode ✓ text\n\n" + "b" * 47 + "\n",
+                    "end.\n\nq\n\na last, longer paragraph of plain words\n"]
+
+
+@pytest.mark.parametrize("unit", ["paragraph", "stream"])
+def test_bits_per_byte_is_the_summed_cross_entropy_over_the_bytes(tmp_path, unit):
+    """bits_per_byte = the split's summed cross-entropy (nats) / ln 2 / its UTF-8 bytes: packed
+    documents, whose first tokens are never targets, and a stream, whose first token only is
+    not, alike (neither is the mean loss over all the split's tokens)."""
+    from transformer.data import inputs, sources
+    from transformer.training import placement as placement_lib
+
+    validation = tmp_path / "validation"
+    validation.mkdir()
+    for i, text in enumerate(VALIDATION_FILES):
+        (validation / f"{i}.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "train.txt").write_text("some training text\n\nand more of it\n")
+    config = tiny_config()
+    config.data.update(path=str(tmp_path / "train.txt"), validation_path=str(validation),
+                       tokenizer="byte", unit=unit)
+    tokenizer = inputs.get_tokenizer(config)
+    config.model.vocab_size = tokenizer.vocab_size
+    model = models.build_model(config.model)
+    params = jax.jit(lambda: nn.unbox(
+        model.init(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]))()
+    eval_step = jax.jit(evaluation.make_eval_step(model, config, tokenizer))
+    logged = evaluation.evaluate(params, eval_step, config, tokenizer, None,
+                                 placement_lib.Placement.from_config(config))
+    # float64 cross-entropy summed over every target of the rows a whole pass reads
+    summed, targets = 0.0, 0.0
+    for batch in inputs.get_dataset(config, tokenizer, "validation", num_epochs=1,
+                                    shuffle=False):
+        logits = np.asarray(models.family_of(config).logits(model, params, batch), np.float64)
+        summed += float((reference_ce(logits, batch) * batch["weights"]).sum())
+        targets += float(batch["weights"].sum())
+    docs = sources.load_documents(None, "validation", unit=unit,
+                                  validation_path=str(validation))
+    num_bytes = sum(len(d.text.encode("utf-8")) for d in docs)
+    # byte tokens: every byte and <eos> once, less each document's first token (packed) or
+    # the stream's first token
+    assert targets == logged["num_tokens"] == num_bytes + len(docs) - (
+        1 if unit == "stream" else len(docs))
+    assert logged["bits_per_byte"] == pytest.approx(summed / np.log(2) / num_bytes, rel=1e-5)
+
+
 def start_purging_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
     """Every scalar of the event files in `logdir` as TensorBoard shows them: the files in name
     (= time) order, and a SessionLog START at step s drops every event seen so far at a step

@@ -401,15 +401,26 @@ def sample_prompt(config: ml_collections.ConfigDict, max_chars: int = 32) -> str
 
 
 def bytes_per_token(config: ml_collections.ConfigDict, tokenizer, split: str) -> float:
-    """UTF-8 bytes per token of a split (for bits-per-byte), <eos> tokens included."""
+    """UTF-8 bytes per *target* token of a split, for bits per byte: the mean next-token loss
+    times target tokens / bytes is the split's summed cross-entropy over its bytes.
+
+    A whole evaluation pass predicts every token of the split (<eos> included) but the ones
+    with nothing before them: the first of a stream (a window's first token is the previous
+    window's last target), or the first of each packed document (`features.
+    next_token_features` gives a prediction across a document start weight 0)."""
     _single_source(config, "bytes_per_token")
     if prepared := _prepared_dir(config):
         with open(os.path.join(prepared, "prepare.json")) as f:
-            stats = json.load(f)[split]
-        return stats["bytes"] / stats["tokens"]
-    docs = _documents(config, split)
-    tokens = sum(len(tokenizer.encode(d.text)) + 1 for d in docs)
-    return sum(len(d.text.encode("utf-8")) for d in docs) / tokens
+            summary = json.load(f)
+        stats = summary[split]
+        # .bin shards are always read as a stream (`corpus`)
+        stream = config.data.unit == "stream" or summary.get("format") == "bin"
+        targets = stats["tokens"] - (1 if stream else stats["documents"])
+        return stats["bytes"] / max(targets, 1)
+    tokens = corpus(config, tokenizer, split)  # (validation and test: the cached one)
+    targets = len(tokens) - (1 if tokens.stream else len(tokens.doc_starts))
+    num_bytes = sum(len(d.text.encode("utf-8")) for d in _documents(config, split))
+    return num_bytes / max(targets, 1)
 
 
 def get_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,

@@ -145,8 +145,9 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None,
     tasks accuracy and macro-F1 over examples (and exact match for text2text), with the
     confusion matrix [true, predicted] if `with_confusion`.
 
-    `bytes_per_token` is a function giving the validation split's UTF-8 bytes per token, called
-    only when bits per byte apply; pass a cached one when evaluating repeatedly.
+    `bytes_per_token` is a function giving the validation split's UTF-8 bytes per target token
+    (`inputs.bytes_per_token`), called only when bits per byte apply; pass a cached one when
+    evaluating repeatedly.
 
     A mixture (data.sources) evaluates each source's validation split on its own (`steps`
     batches each, or all of it) and returns their token-weighted total with the sources'
@@ -178,6 +179,8 @@ def evaluate(params, eval_step, config, tokenizer, steps: int | None,
         if bytes_per_token is None:
             bytes_per_token = functools.partial(inputs.bytes_per_token, config, tokenizer,
                                                 split)
+        # the summed cross-entropy / ln 2 / the split's bytes; a partial pass (`steps`) reads a
+        # seeded sample of the windows and scales its mean loss by the split's targets / bytes
         metrics["bits_per_byte"] = loss / math.log(2) / bytes_per_token()
     return metrics
 
@@ -278,7 +281,8 @@ def _evaluate_mixture(params, eval_step, mixture, tokenizer, steps, placement,
              "accuracy": sum(m["accuracy"] * tokens[name] for name, m in by_source.items()) / n,
              "num_tokens": n}
     if all("bits_per_byte" in m for m in by_source.values()):
-        # bits per byte = all the sources' bits over all their bytes (cached: computed above)
+        # bits per byte = all the sources' bits over all their bytes (cached: computed above;
+        # bytes per target token times the targets scored)
         num_bytes = sum(source_bytes_per_token[name]() * tokens[name] for name in by_source)
         total["bits_per_byte"] = loss * n / math.log(2) / num_bytes
     if parts and len(parts) == len(by_source):
