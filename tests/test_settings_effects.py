@@ -155,3 +155,8 @@ def test_the_keys_a_family_never_reads_change_nothing_and_are_named_at_the_start
     warnings = startup.unintended_settings(lstm_config(num_heads=8, position="none"))
     assert warnings == ["warning: model.family='lstm' never reads num_heads=8, "
                         "position='none': they change nothing"]
+    # layer types it has no layers for: the same warning, not a refusal naming causality
+    config = lstm_config(layer_types="mamba2")
+    configs.validate_config(config, num_devices=1, num_processes=1, files=False)
+    assert startup.unintended_settings(config) == [
+        "warning: model.family='lstm' never reads layer_types='mamba2': they change nothing"]

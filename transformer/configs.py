@@ -259,6 +259,8 @@ def _validate_mixers(config: ml_collections.ConfigDict, mesh_sizes: dict[str, in
     whose every token reads only earlier ones."""
     if not config.model.get("layer_types") and config.model.get("attention_kind", "mha") == "mha":
         return
+    if (reads := family_of(config).reads) is not None and "layer_types" not in reads:
+        return  # a family without token-mixer layers (the LSTM): its start warns of the keys
     stack = transformer_config(config.model)
     types = dict.fromkeys(stack.layer_type(i) for i in range(stack.num_layers))
     recurrent = [name for name in types if MIXERS[name].decode_state == "recurrent state"]
