@@ -115,8 +115,8 @@ class TransformerConfig:
          + ", ".join(MIXERS) + " (each optionally *n)"))
     attention_kind: str = key(
         "mha", "The attention of full and sliding layers: `mha` (multi-head; GQA/MQA by "
-        "num_kv_heads) or `mla` (DeepSeek's multi-head latent attention, model.mla). Self-attention "
-        "only: an encoder-decoder's cross-attention stays multi-head.",
+        "num_kv_heads) or `mla` (DeepSeek's multi-head latent attention, model.mla). "
+        "Self-attention only: an encoder-decoder's cross-attention stays multi-head.",
         choice(tuple(ATTENTION_KINDS)))
     attention_gate: str = key(
         "", "Gated attention (Qwen3-Next): sigmoid(x W_gate) of the attention's input multiplies "
