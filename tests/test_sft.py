@@ -198,6 +198,45 @@ def test_the_end_of_turn_is_the_template_s(llama3_dir, tmp_path):
     assert chatml.decode([chat.end_of_turn_id(chatml)]) == "<|im_end|>"
 
 
+def marked_content(opening: str = "", end: str = "<|im_end|>") -> str:
+    """ChatML whose {% generation %} marks an assistant's content alone, the end of turn after
+    the marks (`opening` before the content of every assistant turn but the last)."""
+    return ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
+            "{{ '<|im_start|>assistant\n' }}{% if not loop.last %}{{ '" + opening + "' }}"
+            "{% endif %}{% generation %}{{ message['content'] }}{% endgeneration %}"
+            "{{ '" + end + "\n' }}{% else %}{{ '<|im_start|>' + message['role'] + '\n' + "
+            "message['content'] + '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_generation_marks_on_the_content_alone_still_mask_the_end_of_turn(tmp_path, capsys):
+    """`{% generation %}{{ content }}{% endgeneration %}<|im_end|>`: transformers' mask lacks
+    the end of turn, so the model would never learn to stop; the end of turn the template
+    renders after the marks joins the mask, as the unmarked template's mask has it."""
+    marked = tokenizers_lib.load_hf_tokenizer(
+        str(build_tokenizer(tmp_path / "marked", marked_content())))
+    plain = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path / "plain", CHATML)))
+    for seed in range(8):
+        messages = conversation(seed, turns=1 + seed % 3)
+        ids, mask = chat.assistant_tokens(marked, messages)
+        assert (ids.tolist(), mask.tolist()) == tuple(
+            x.tolist() for x in chat.assistant_tokens(plain, messages))
+    assert marked.decode([chat.end_of_turn_id(marked)]) == "<|im_end|>"
+    # Turns that render differently by what follows: the special token after each mark.
+    earlier = tokenizers_lib.load_hf_tokenizer(
+        str(build_tokenizer(tmp_path / "earlier", marked_content(opening="Earlier: "))))
+    messages = conversation(3, turns=3)
+    ids, mask = chat.assistant_tokens(earlier, messages)
+    assert [earlier.decode(ids[a:b]) for a, b in spans(mask)] == \
+        [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+    # No special token ends a turn: eos, with a warning line rather than silently.
+    bare = tokenizers_lib.load_hf_tokenizer(
+        str(build_tokenizer(tmp_path / "bare", marked_content(end="\n"))))
+    assert chat.end_of_turn_id(bare) == bare.require("eos", "")
+    assert "warning: the chat template ends an assistant turn with no special token" in \
+        capsys.readouterr().err
+
+
 def test_chat_replies_open_the_assistant_turn_and_stop_at_its_end(llama3_dir, monkeypatch):
     """generate --chat: the prompt is the conversation with the assistant turn open, exactly
     as transformers renders it; decoding stops at the template's end of turn (never banned),
@@ -494,6 +533,41 @@ def test_a_long_conversation_is_refused_or_truncated_and_counted(tmp_path, llama
     assert f"data.sft_truncate: cut {long} of 10 validation conversations to seq_len + 1 = 41 " \
         "tokens" in capsys.readouterr().out
     assert all(b["inputs"].shape == (4, 40) for b in passes)
+
+
+def test_truncation_that_cuts_every_assistant_token_says_so(tmp_path, llama3_dir, capsys):
+    config = sft_config(tmp_path, llama3_dir, sft_truncate=True)
+    config.seq_len = 32
+    rows = [[{"role": "system", "content": "the king who loved the sea " * 10},
+             {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]] * 3
+    config.data.validation_path = str(write_jsonl(tmp_path / "long.jsonl", rows))
+    with pytest.raises(ValueError, match=r"^the validation split's 3 conversations have no "
+                                         r"assistant tokens to take the loss on: all cut by "
+                                         r"data.sft_truncate at seq_len \+ 1 = 33: expected a "
+                                         r"larger seq_len$"):
+        batches(config, "validation", num_epochs=1)
+    assert "data.sft_truncate: cut 3 of 3 validation conversations" in capsys.readouterr().out
+
+
+def test_compressed_conversation_files_read_as_plain_ones(tmp_path):
+    import gzip
+
+    plain = write_jsonl(tmp_path / "val.jsonl", [conversation(s) for s in range(5)])
+    expected = [c.messages for c in chat.read_conversations(str(plain))]
+    with gzip.open(tmp_path / "val.jsonl.gz", "wb") as f:
+        f.write(plain.read_bytes())
+    gz = chat.read_conversations(str(tmp_path / "val.jsonl.gz"))
+    assert [c.messages for c in gz] == expected and gz[1].where.endswith("val.jsonl.gz:2")
+    # Bytes that are not UTF-8 (a compressed file under a plain name): one line naming it.
+    (tmp_path / "packed.jsonl").write_bytes((tmp_path / "val.jsonl.gz").read_bytes())
+    with pytest.raises(ValueError, match=r"packed.jsonl: not UTF-8 after line 0 .*: expected "
+                                         r"JSONL text \(.jsonl, or compressed .jsonl.gz"):
+        chat.read_conversations(str(tmp_path / "packed.jsonl"))
+    zstandard = pytest.importorskip("zstandard")
+    (tmp_path / "val.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        plain.read_bytes()))
+    assert [c.messages for c in chat.read_conversations(str(tmp_path / "val.jsonl.zst"))] == \
+        expected
 
 
 def test_sft_needs_a_decoder_family():

@@ -4,7 +4,8 @@ A conversation is one JSON line with a `messages` list of {"role", "content"} (t
 Hugging Face chat datasets). It is rendered and tokenized with the tokenizer's own chat
 template by `transformers` itself (`apply_chat_template`), so the ids are exactly those a
 Hugging Face pipeline gives the model. The loss is taken on the assistant's tokens only:
-where the template marks them with `{% generation %}`, transformers' assistant mask; otherwise
+where the template marks them with `{% generation %}`, transformers' assistant mask and the end
+of turn the template renders after each marked span; otherwise
 each assistant message's tokens are those of the text that rendering the conversation through
 that message adds to rendering the messages before it with the assistant turn opened
 (`add_generation_prompt`): its content and the template's end of turn.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import io
 import json
 import re
 import sys
@@ -31,7 +33,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from transformer.data import pipeline, sources, tasks
+from transformer.data import formats, pipeline, sources, tasks
 from transformer.data.features import next_token_features
 
 OBJECTIVES = pipeline.CHAT_OBJECTIVES  # ("sft",)
@@ -82,14 +84,20 @@ def parse_conversation(line: str, where: str) -> Conversation:
 
 
 def read_conversations(path: str) -> list[Conversation]:
-    """Every conversation of the JSONL file(s) at `path` (a file, a directory or a glob), in
-    file order; blank lines are skipped."""
+    """Every conversation of the JSONL file(s) at `path` (a file, a directory or a glob; .gz /
+    .zst compressed or not), in file order; blank lines are skipped."""
     out = []
     for file in sources._files(path):
-        with open(file, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    out.append(parse_conversation(line, f"{file}:{number}"))
+        # (.jsonl.gz / .jsonl.zst decompressed, gs:// read, as the corpus reader does)
+        number = 0
+        try:
+            with io.TextIOWrapper(formats._open_binary(file), encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):  # noqa: B007 - read in the except
+                    if line.strip():
+                        out.append(parse_conversation(line, f"{file}:{number}"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{file}: not UTF-8 after line {number} ({e.reason}): expected "
+                             "JSONL text (.jsonl, or compressed .jsonl.gz / .jsonl.zst)") from None
     return out
 
 
@@ -157,39 +165,90 @@ def assistant_tokens(tokenizer, messages, where: str = "") -> tuple[np.ndarray, 
     """(ids, mask): a conversation's ids and 1 on its assistants' tokens (content and end of
     turn), 0 elsewhere (see the module docstring). The text each assistant message adds is a
     span of characters of the rendered conversation; the tokens overlapping a span are masked
-    (by their offsets, as transformers maps {% generation %} spans onto tokens)."""
+    (by their offsets, as transformers maps {% generation %} spans onto tokens). A template's
+    {% generation %} marks give transformers' mask plus the end of turn rendered after them."""
     with _template_errors(where):
         return _assistant_tokens(_transformers_tokenizer(tokenizer), messages, where)
 
 
 def _assistant_tokens(hf, messages, where: str) -> tuple[np.ndarray, np.ndarray]:
     messages = list(messages)
-    if _GENERATION.search(hf.chat_template):
-        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                     return_assistant_tokens_mask=True)
-        return (np.asarray(out["input_ids"], np.int32),
-                np.asarray(out["assistant_masks"], np.int32))
-    render = lambda m, prompt=False: hf.apply_chat_template(
-        m, tokenize=False, add_generation_prompt=prompt) if m else _opening(hf, messages[0])
-    text, spans = render(messages), []
+    generation = bool(_GENERATION.search(hf.chat_template))
+    text = _render(hf, messages)
+    spans = _turn_spans(hf, messages, text, where, strict=not generation)
+    # The conversation's ids exactly as apply_chat_template(tokenize=True) encodes its text.
+    encoding = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(encoding["input_ids"], np.int32)
+    offsets = np.asarray(encoding["offset_mapping"], np.int64).reshape(len(ids), 2)
+    if not generation:
+        mask = np.zeros(len(ids), bool)
+        for start, stop in spans:
+            mask |= (offsets[:, 0] < stop) & (offsets[:, 1] > start)
+        return ids, mask.astype(np.int32)
+    out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)
+    marked = np.asarray(out["assistant_masks"], bool)
+    if list(out["input_ids"]) != ids.tolist():  # (not expected: no offsets to extend by)
+        return np.asarray(out["input_ids"], np.int32), marked.astype(np.int32)
+    specials = {i for i, token in hf.added_tokens_decoder.items() if token.special}
+    return ids, _with_end_of_turn(marked, offsets, spans, [int(i) in specials for i in ids],
+                                  text).astype(np.int32)
+
+
+def _render(hf, messages, prompt: bool = False, first: dict | None = None) -> str:
+    if not messages:
+        return _opening(hf, first)
+    return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+
+
+def _turn_spans(hf, messages, text: str, where: str,
+                strict: bool) -> list[tuple[int, int]] | None:
+    """Each assistant message's [start, stop) characters of the rendered conversation: what
+    rendering through it adds to rendering the messages before it with the assistant turn
+    opened. A template whose turns render differently by what follows is an error if `strict`,
+    else None."""
+    spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, through = render(messages[:i], True), render(messages[:i + 1])
+        before = _render(hf, messages[:i], True, messages[0])
+        through = _render(hf, messages[:i + 1])
         if not (through.startswith(before) and text.startswith(through)):
+            if not strict:
+                return None
             raise ValueError(f"{where}: the chat template renders the conversation before "
                              f"message {i} (assistant) differently from its start: expected a "
                              "template whose turns render the same whatever follows, or one "
                              "that marks assistant text with {% generation %}")
         spans.append((len(before), len(through)))
-    # The conversation's ids exactly as apply_chat_template(tokenize=True) encodes its text.
-    encoding = hf(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(encoding["input_ids"], np.int32)
-    offsets = np.asarray(encoding["offset_mapping"], np.int64).reshape(len(ids), 2)
-    mask = np.zeros(len(ids), bool)
-    for start, stop in spans:
-        mask |= (offsets[:, 0] < stop) & (offsets[:, 1] > start)
-    return ids, mask.astype(np.int32)
+    return spans
+
+
+def _with_end_of_turn(marked, offsets, spans, special, text) -> np.ndarray:
+    """A {% generation %} mask with the end of turn that the template renders after each
+    marked reply (often outside the marks: `{% endgeneration %}<|im_end|>`), so the model
+    learns to stop: the rest of the reply's turn (`spans`), or where its turns render
+    differently by what follows (spans None), the special token right after each marked run
+    that has none (past whitespace only)."""
+    mask = marked.copy()
+    if spans is not None:
+        for start, stop in spans:
+            inside = np.flatnonzero((offsets[:, 0] < stop) & (offsets[:, 1] > start))
+            taken = inside[marked[inside]]
+            if taken.size:  # (a template may leave a turn unmarked on purpose)
+                mask[inside[inside > taken[-1]]] = True
+        return mask
+    edges = np.diff(np.concatenate([[0], marked.astype(np.int8), [0]]))
+    runs = zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1), strict=True)
+    for start, stop in runs:
+        if any(special[start:stop]):
+            continue
+        j = stop
+        while j < len(special) and not special[j] and not text[slice(*offsets[j])].strip():
+            j += 1
+        if j < len(special) and special[j]:
+            mask[stop:j + 1] = True
+    return mask
 
 
 def _opening(hf, first: dict) -> str:
@@ -206,12 +265,19 @@ def _opening(hf, first: dict) -> str:
 
 def end_of_turn_id(tokenizer) -> int:
     """The token that ends an assistant turn in the template (Llama 3's <|eot_id|>, ChatML's
-    <|im_end|>): the last special token of a probe reply's masked tokens; else <eos>."""
+    <|im_end|>): the last special token of a probe reply's masked tokens; else <eos>, with a
+    warning line."""
     messages = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"})
     ids, mask = assistant_tokens(tokenizer, messages)
     specials = set(tokenizer.special_names)
     ends = [int(i) for i in ids[mask.astype(bool)] if int(i) in specials]
-    return ends[-1] if ends else tokenizer.require("eos", "to end an assistant turn")
+    if ends:
+        return ends[-1]
+    eos = tokenizer.require("eos", "to end an assistant turn")
+    sources.warn_once(f"the chat template ends an assistant turn with no special token (a "
+                      f"probe reply masks {tokenizer.decode(ids[mask.astype(bool)])!r}): "
+                      f"stopping at eos ({tokenizer.decode([eos])!r}) alone")
+    return eos
 
 
 # --- feature converter and packing ---------------------------------------------------------
@@ -332,10 +398,11 @@ def _tokenized(paths, fingerprints, fraction, seq_len, truncate, tokenizer, spli
     config = ml_collections.ConfigDict({"seq_len": seq_len, "data": {
         "path": paths[0], "validation_path": paths[1], "test_path": paths[2],
         "validation_fraction": fraction}})
-    width, examples, cut, roles = seq_len + 1, [], 0, set()
+    width, examples, cut, roles, uncut = seq_len + 1, [], 0, set(), False
     for conversation in split_conversations(config, split):
         roles |= {str(m["role"]) for m in conversation.messages}
         ids, mask = assistant_tokens(tokenizer, conversation.messages, conversation.where)
+        uncut = uncut or bool(mask[1:].any())
         if len(ids) > width:
             if not truncate:
                 raise ValueError(f"{conversation.where}: the conversation has {len(ids)} tokens, "
@@ -343,13 +410,18 @@ def _tokenized(paths, fingerprints, fraction, seq_len, truncate, tokenizer, spli
                                  "conversations, a larger seq_len, or data.sft_truncate=True")
             ids, mask, cut = ids[:width], mask[:width], cut + 1
         examples.append((ids, mask))
-    if examples and not any(mask[1:].any() for _, mask in examples):  # a loss of 0 throughout
-        raise ValueError(f"the {split} split's {len(examples)} conversations have no assistant "
-                         f"tokens to take the loss on (roles {sorted(roles)}): expected "
-                         "messages with \"role\": \"assistant\"")
     if cut and jax.process_index() == 0:
         print(f"data.sft_truncate: cut {cut} of {len(examples)} {split} conversations to "
               f"seq_len + 1 = {width} tokens")
+    if examples and not any(mask[1:].any() for _, mask in examples):  # a loss of 0 throughout
+        if uncut:  # (there were some: truncation left none)
+            raise ValueError(f"the {split} split's {len(examples)} conversations have no "
+                             "assistant tokens to take the loss on: all cut by "
+                             f"data.sft_truncate at seq_len + 1 = {width}: expected a larger "
+                             "seq_len")
+        raise ValueError(f"the {split} split's {len(examples)} conversations have no assistant "
+                         f"tokens to take the loss on (roles {sorted(roles)}): expected "
+                         "messages with \"role\": \"assistant\"")
     return examples
 
 
