@@ -4,6 +4,7 @@ through the CLI on an imported tiny Llama: checkpoints of the adapters alone nam
 (a different base is refused in one line), resume, a mesh equal to one device, and both
 exports loaded by transformers and peft with our logits."""
 
+import contextlib
 import subprocess
 import sys
 
@@ -505,6 +506,43 @@ def test_a_deleted_base_is_named_as_the_adapters_base(tmp_path):
                                                 r"adapters need the base they were trained on\)"):
         finetune.with_lora_base(config, state.params, abstract.params, shardings.params,
                                 {"init_from": config.init_from, "fingerprint": "x"})
+
+
+def test_a_lora_model_with_params_its_base_lacks_is_refused_in_one_line(tmp_path):
+    """A classifier head is new on an LM base: LoRA would freeze it at its random init, so a
+    LoRA model is refused, naming the head; without LoRA the same base loads, the head new."""
+    base = tiny_llama(tmp_path / "base")
+    reports = []
+    for rank in (0, 4):
+        config = small_config(rank=rank)
+        config.model.update(vocab_size=300, head="classify", num_classes=3)
+        abstract, shardings, make = initial_state(config, build_model(config.model),
+                                                  sharding.make_mesh(config.mesh))
+        with pytest.raises(ValueError) if rank else contextlib.nullcontext() as error:
+            reports.append(finetune.load_params(f"hf:{base}", make(jax.random.key(0)).params,
+                                                shardings.params)[1])
+    assert reports[0].new == ["classifier/bias", "classifier/kernel"]
+    message = str(error.value)
+    assert message.startswith(f"model.lora.rank=4 with params init_from hf:{base} does not "
+                              "supply (classifier/bias, classifier/kernel): LoRA trains the "
+                              "adapters only") and "\n" not in message
+
+
+@pytest.mark.slow
+def test_a_lora_classifier_on_an_lm_base_stops_before_writing_anything(tmp_path):
+    """Through the CLI: one error line naming the head, and no workdir."""
+    from test_train import run_cli
+
+    base = tiny_llama(tmp_path / "base")
+    flags = lora_flags(base, 2)
+    flags[0] = "--config=experiments/gpt_finetune_cls.py"
+    result = run_cli("transformer.train", *flags, f"--workdir={tmp_path / 'run'}",
+                     logs=tmp_path / "logs")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "does not supply (classifier/bias, classifier/kernel)" in \
+        errors[0], result.stderr[-2000:]
+    assert not (tmp_path / "run").exists() and "step 1" not in result.stdout
 
 
 def test_a_qlora_run_exports_merged_or_not_at_all(monkeypatch, tmp_path):

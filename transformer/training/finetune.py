@@ -283,9 +283,12 @@ def match(source: dict[str, tuple], target: dict[str, tuple], name: str) -> Load
     return report
 
 
-def load_params(init_from: str, params, shardings) -> tuple[object, LoadReport]:
+def load_params(init_from: str, params, shardings,
+                lora_base: bool = False) -> tuple[object, LoadReport]:
     """`params` (a fresh init, laid out by `shardings`) with every matching param replaced by
-    the `init_from` source's value (see the module docstring)."""
+    the `init_from` source's value (see the module docstring). A LoRA model (with adapters)
+    whose other params the source does not all supply is refused (`_frozen_fresh`), unless
+    `lora_base`: a LoRA checkpoint's base read again, whose gaps `with_lora_base` names."""
     kind, path, step = fileio.parse_init_from(init_from)
     target = _flat(params)
     target_shardings = _flat(shardings)
@@ -294,6 +297,8 @@ def load_params(init_from: str, params, shardings) -> tuple[object, LoadReport]:
         source = _hf_params(path, scanned)
         report = match({k: np.shape(v) for k, v in source.items()},
                        {k: _shape(v) for k, v in target.items()}, init_from)
+        if not lora_base:
+            _frozen_fresh(report, target)
         values = {k: _as_target(np.asarray(source[k]), target[k], target_shardings[k])
                   for k in report.loaded}
     else:
@@ -302,6 +307,8 @@ def load_params(init_from: str, params, shardings) -> tuple[object, LoadReport]:
             raise ValueError(_adapters_only(init_from, f"{path}@{step}"))
         report = match({k: m.shape for k, m in metadata.items()},
                        {k: _shape(v) for k, v in target.items()}, f"{path}@{step}")
+        if not lora_base:
+            _frozen_fresh(report, target)
         wanted = {tuple(k.split("/")): jax.ShapeDtypeStruct(
             metadata[k].shape, metadata[k].dtype,
             sharding=target_shardings[k]["qvalue"] if lora.is_quantized(target_shardings[k])
@@ -313,6 +320,20 @@ def load_params(init_from: str, params, shardings) -> tuple[object, LoadReport]:
     merged = {k: values.get(k, v) for k, v in target.items()}
     out = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in merged.items()})
     return type(params)(out) if not isinstance(params, dict) else out, report
+
+
+def _frozen_fresh(report: LoadReport, target: dict) -> None:
+    """Refuses a LoRA model with params the source lacks (a new classifier head): LoRA freezes
+    every param but the adapters, so these would stay at their random init."""
+    ranks = [_shape(v)[-1] for k, v in target.items() if k.endswith("_lora_a")]
+    fresh = [k for k in report.new if not lora.is_adapter(k)]
+    if ranks and fresh:
+        names = ", ".join(fresh[:8]) + (f", ... ({len(fresh)})" if len(fresh) > 8 else "")
+        raise ValueError(
+            f"model.lora.rank={ranks[0]} with params init_from {report.source} does not supply "
+            f"({names}): LoRA trains the adapters only, so they would stay at their random "
+            "init: expected a source that has them (fine-tune them first without LoRA, then "
+            "init_from that run), or model.lora.rank=0")
 
 
 def _as_target(value, target, sharding):
@@ -334,7 +355,8 @@ def with_lora_base(config: ml_collections.ConfigDict, adapters, abstract_params,
     source = record.get("init_from") or config.init_from
     target = {**lora.trainable(abstract_params)[1], **lora.trainable(adapters)[0]}
     try:
-        params, _ = load_params(source, traverse_util.unflatten_dict(target), shardings)
+        params, _ = load_params(source, traverse_util.unflatten_dict(target), shardings,
+                                lora_base=True)
     except FileNotFoundError as error:  # say that it is the adapters' base that went missing
         raise FileNotFoundError(f"the LoRA checkpoint's base init_from={source}: {error} (the "
                                 "adapters need the base they were trained on)") from None
