@@ -137,6 +137,29 @@ def test_a_variant_stopped_by_a_signal_stops_the_sweep_with_its_exit_status(swep
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == [first]  # none after it
 
 
+def test_a_run_another_sweep_trains_is_skipped_and_a_save_in_flight_is_no_checkpoint(
+        swept, tmp_path, monkeypatch, capsys):
+    """Two sweeps on one workdir: the one that finds a run in use skips it (no error.txt that
+    would call it failed). A run killed while writing its first checkpoint has none to resume:
+    it is `training` (starts again), not `partial`."""
+    from transformer.training.workdir import WorkdirBusy
+
+    experiment, _, _ = swept
+    configs = sweep.variant_configs(_experiment_config(experiment),
+                                    sweep.load_sweep(str(experiment)))
+    monkeypatch.setattr(sweep, "_train", lambda names, *_: {
+        name: WorkdirBusy("workdir is in use by another training") for name in names})
+    assert sweep.run(configs, str(tmp_path / "sweep")) is None
+    assert "skipped: workdir is in use" in capsys.readouterr().out
+    assert not list((tmp_path / "sweep").glob("*/error.txt"))
+
+    run = tmp_path / "killed"
+    (run / "checkpoints" / "6.orbax-checkpoint-tmp").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 6, "loss": 4.2}\n')
+    config = next(iter(configs.values()))
+    assert sweep.report.status(str(run), config) == "training"
+
+
 def test_a_finished_sweep_is_skipped_and_launch_commands_carry_the_overrides(swept):
     experiment, workdir, _ = swept
     base = sweep.load_sweep(str(experiment))

@@ -92,6 +92,7 @@ from transformer.sweeps.statistics import (  # noqa: F401
     window_pairs,
 )
 from transformer.training import progress
+from transformer.training import workdir as workdir_lib
 from transformer.utils import keys
 
 
@@ -149,8 +150,9 @@ def changed_settings(directory: str, config) -> list[str]:
 
 def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
         explicit: dict[str, set[str]] | None = None, batched: bool = False) -> int | None:
-    """Trains each variant in workdir/<name>, skipping finished ones. A variant's exception is
-    written to its error.txt and the sweep goes on. Returns None when every variant is done;
+    """Trains each variant in workdir/<name>, skipping finished ones and ones another command
+    is training (`WorkdirBusy`). A variant's exception is written to its error.txt and the
+    sweep goes on. Returns None when every variant is done;
     if a signal stopped a variant (the sweep stops too; rerun to resume), the exit status a
     stopped training gives, 128 + the signal. `explicit`: per variant, the keys the
     command line and the variant set (an init_from=hf:DIR refuses ones that contradict DIR).
@@ -178,6 +180,9 @@ def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
         for name, result in _train(todo, configs, workdir, explicit or {}).items():
             header = f"[{names.index(name) + 1}/{len(names)}] {name}"
             error_file = os.path.join(workdir, name, "error.txt")
+            if isinstance(result, workdir_lib.WorkdirBusy):  # another sweep is training it
+                print(f"{header}: skipped: {result}", flush=True)
+                continue
             if isinstance(result, Exception):
                 message = f"{type(result).__name__}: {result}"
                 print(f"{header}: failed: {message}", flush=True)

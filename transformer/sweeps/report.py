@@ -31,8 +31,8 @@ from transformer.training import evaluation, metrics, progress
 
 def status(workdir: str, config) -> str:
     """finished | failed | partial | training | new: where the variant in `workdir` stands
-    (training: it has logged metrics but saved no checkpoint yet, so is under way, or was
-    stopped before its first and would start again from step 0)."""
+    (training: it has logged metrics but saved no complete checkpoint yet, so is under way,
+    or was stopped before its first and would start again from step 0)."""
     summary = os.path.join(workdir, "summary.json")
     if os.path.exists(summary):
         with open(summary) as f:
@@ -40,7 +40,7 @@ def status(workdir: str, config) -> str:
                 return "finished"
     if os.path.exists(os.path.join(workdir, "error.txt")):
         return "failed"
-    if checkpoint_lib.has_checkpoints(workdir):
+    if checkpoint_lib.complete_steps(workdir):
         return "partial"
     log = os.path.join(workdir, "metrics.jsonl")
     return "training" if os.path.exists(log) and os.path.getsize(log) else "new"

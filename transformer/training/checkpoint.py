@@ -67,6 +67,15 @@ def has_checkpoints(workdir: str) -> bool:
     return (fileio.path(workdir) / CHECKPOINTS).is_dir()
 
 
+def complete_steps(workdir: str) -> list[int]:
+    """The complete checkpoint steps of `workdir`, oldest first (none while its first save is
+    still being written: a step directory Orbax has not yet renamed into place)."""
+    if not has_checkpoints(workdir):
+        return []
+    with contextlib.closing(_reader(workdir)) as reader:
+        return sorted(reader.all_steps())
+
+
 def _reader(workdir: str, **item_handlers) -> ocp.CheckpointManager:
     """A manager that only reads WORKDIR/checkpoints: it creates, cleans up and deletes nothing,
     so it is safe beside a training that is writing there (Orbax's temporary directories of a
