@@ -15,7 +15,7 @@ from transformer.nn import lora, mixers
 from transformer.parallel import pipeline_parallel
 from transformer.training import checkpoint_manager, evaluation, finetune, progress
 from transformer.training import placement as placement_lib
-from transformer.utils import fileio
+from transformer.utils import fileio, keys
 
 
 def resolve(config: ml_collections.ConfigDict, workdir: str | None):
@@ -184,21 +184,21 @@ def fresh_state(config: ml_collections.ConfigDict, init, shardings, is_main: boo
 
 def unread_settings(model: ml_collections.ConfigDict) -> list[str]:
     """`KEY=VALUE` for each model key set off its default that the family never reads
-    (`Family.reads`), in the config's order.
+    (`Family.reads`), by dotted key.
 
     >>> model = default_model_config()
     >>> model.update(family="lstm", d_model=64, num_heads=8, position="none")
+    >>> model.mla.kv_lora_rank = 16
     >>> unread_settings(model)
-    ['num_heads=8', "position='none'"]
+    ['mla.kv_lora_rank=16', 'num_heads=8', "position='none'"]
     """
     reads = family_of(model).reads
     if reads is None:
         return []
-    defaults = default_model_config()
-    plain = lambda value: value.to_dict() if isinstance(value, ml_collections.ConfigDict) \
-        else value
-    return [f"{key}={plain(model[key])!r}" for key in model
-            if key not in reads + ALWAYS_READ and plain(model[key]) != plain(defaults[key])]
+    defaults = keys.dotted(default_model_config())
+    # dotted: a group's one changed key is named (mla.kv_lora_rank=16), not the whole group
+    return [f"{key}={value!r}" for key, value in keys.dotted(model).items()
+            if key.split(".")[0] not in reads + ALWAYS_READ and value != defaults.get(key)]
 
 
 def unintended_settings(config: ml_collections.ConfigDict) -> list[str]:
