@@ -65,13 +65,14 @@ def forward_matmul_flops(config, rows: int = 2) -> tuple[float, dict]:
 
 
 @pytest.mark.parametrize("family,head", [("gpt", "mlm"), ("gpt", "classify"), ("bert", "mlm"),
-                                         ("bert", "classify")])
+                                         ("bert", "classify"), ("lstm", "mlm")])
 def test_the_flops_are_3_x_the_matmuls_the_forward_runs_whatever_the_head(family, head):
     """6 N + attention is 3 x the forward's matmuls, counted in its program, but for the params
     no matmul runs on every token: the norms' and biases' (charged 6 each, as nanoGPT does),
     BERT's token-type table (a lookup that N still counts) and a class head's kernels (pooler,
     classifier: they run once a row, on the last or [CLS] vector, charged 6 a token like the
-    rest). A class head never multiplies by the tied token embedding: not in N."""
+    rest). A class head never multiplies by the tied token embedding: not in N. The LSTM never
+    reads small_config's position="learned": it has no position table to leave out of N."""
     config = small_config(head=head, num_classes=3 if head == "classify" else 0)
     config.model.family = family
     forward, params = forward_matmul_flops(config)

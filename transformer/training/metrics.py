@@ -47,7 +47,9 @@ def matmul_params(config, num_params: int) -> int:
     positions, and the token embedding wherever no tied LM head multiplies by it: the output
     head is separate, or model.head is not the LM head: GPT's and BERT's class head or none)."""
     m = config.model
-    lookups = m.max_len * m.d_model if m.get("position") == "learned" else 0
+    reads = family_of(config).reads  # a family that never reads `position` has no such table
+    learned = m.get("position") == "learned" and (reads is None or "position" in reads)
+    lookups = m.max_len * m.d_model if learned else 0
     # model.head is read by the families with a head choice (GPT, prefix LM, BERT); the others
     # keep its default "mlm" (a ViT's class head is `Family.classifier`'s, with no token table).
     if not m.get("tie_embeddings", True) or m.get("head", "mlm") != "mlm":
