@@ -71,6 +71,12 @@ spec:
 """
 
 
+def check_name(name: str | None, num_slices: int, accelerator) -> None:
+    """--name, and the longest pod host name the JobSet makes from it (JOBSET-slice-J-P, each
+    pod's DNS name), in 63 characters."""
+    tpu.check_name(name, f"{name}-slice-{num_slices - 1}-{accelerator.hosts - 1}")
+
+
 def xpk_command(launch: tpu.Launch, image: str, cluster: str) -> list[str]:
     """`xpk workload create`; without a project or zone, no flag for it: xpk uses gcloud's
     configured default."""
@@ -89,10 +95,10 @@ def main(argv: Sequence[str]) -> int:
     train_args = list(argv[1:])
     if train_args[:1] == ["--"]:
         train_args = train_args[1:]
-    tpu.check_name(FLAGS.name)
     if not FLAGS.image:
         raise ValueError("--image: expected a container image with the project installed")
     accelerator = accelerators.parse(FLAGS.accelerator)
+    check_name(FLAGS.name, FLAGS.num_slices, accelerator)
     launch = tpu.Launch(FLAGS.name, FLAGS.project or "", FLAGS.zone or "", accelerator,
                         accelerator.generation.runtime_version, num_slices=FLAGS.num_slices,
                         train_args=tpu.train_arguments(train_args))

@@ -477,18 +477,25 @@ def run(launch: Launch, runner: Runner, *, restart_on_preemption: bool, max_rest
 # --- command line ---------------------------------------------------------------------------
 
 
-def check_name(name: str | None) -> None:
-    """A TPU VM, queued resource or JobSet name (it also goes unquoted into shell commands)."""
+def check_name(name: str | None, longest: str | None = None) -> None:
+    """A TPU VM, queued resource or JobSet name (it also goes unquoted into shell commands);
+    `longest`, the longest name made from it (a slice's node NAME-7, a pod's host name), must
+    fit in 63 characters too: the cloud would refuse it only after the compile and the upload."""
     if not name:
         raise ValueError("--name: expected a value")
     if not NAME.fullmatch(name):
         raise ValueError(f"--name={name}: expected lowercase letters, digits and hyphens, "
                          "starting with a letter, not ending with a hyphen, at most 63 "
                          "characters (a TPU and Kubernetes name)")
+    if longest and len(longest) > 63:
+        raise ValueError(f"--name={name}: the name {longest} made from it has {len(longest)} "
+                         f"characters: expected a name of at most {63 - len(longest) + len(name)}"
+                         " (TPU and Kubernetes names end at 63)")
 
 
 def make_launch(flags_values, train_args: Sequence[str]) -> Launch:
-    check_name(flags_values.name)
+    slices = flags_values.num_slices
+    check_name(flags_values.name, f"{flags_values.name}-{slices - 1}" if slices > 1 else None)
     for name in ("project", "zone"):
         if not getattr(flags_values, name):
             raise ValueError(f"--{name}: expected a value")

@@ -248,6 +248,10 @@ def test_bad_launcher_flags_are_refused_up_front():
                          (dict(name="1run"), "--name=1run: expected"),
                          (dict(name="a;rm -rf ~"), "--name=a;rm -rf ~: expected"),
                          (dict(name="x" * 64), "at most 63 characters"),
+                         # its slices' nodes are NAME-0 and NAME-1
+                         (dict(name="x" * 62, num_slices=2), f"--name={'x' * 62}: the name "
+                          f"{'x' * 62}-1 made from it has 64 characters: expected a name of "
+                          "at most 61"),
                          (dict(num_slices=0), "--num_slices=0: expected a number >= 1"),
                          (dict(max_restarts=-5), "--max_restarts=-5: expected a number >= 0"),
                          (dict(poll_seconds=-1.0), "--poll_seconds=-1.0: expected a number >= 0")]:
@@ -255,6 +259,12 @@ def test_bad_launcher_flags_are_refused_up_front():
             tpu.make_launch(types.SimpleNamespace(**{**good, **bad}), [])
     with pytest.raises(ValueError, match=re.escape("status: unexpected arguments ['extra']")):
         tpu.main(["launch.tpu", "status", "extra"])
+    tpu.make_launch(types.SimpleNamespace(**{**good, "name": "x" * 61, "num_slices": 2}), [])
+    # a JobSet's pods are named NAME-slice-J-P: 4 hosts of a v5p-32, 2 slices
+    from launch import gke
+    gke.check_name("x" * 53, 2, accelerators.parse("v5p-32"))
+    with pytest.raises(ValueError, match=re.escape(f"{'x' * 54}-slice-1-3 made from it has 64")):
+        gke.check_name("x" * 54, 2, accelerators.parse("v5p-32"))
 
 
 def test_stop_signals_training_alone():
