@@ -284,3 +284,14 @@ def test_a_diverged_run_reports_no_accuracy(tmp_path):
                                                         for r in records[:n]))
         row = report.variant_row("v", types.SimpleNamespace(steps=3), str(tmp_path))
         assert row["val_accuracy"] == (0.0 if n == 1 else None)
+
+
+def test_a_damaged_summary_is_named_in_one_line(tmp_path):
+    """A summary.json cut short (an interrupted copy, a full disk) names its file; json's own
+    message named no run."""
+    from transformer.sweeps import report
+
+    (tmp_path / "summary.json").write_text('{"steps": 3, "final_loss": 2.')
+    with pytest.raises(ValueError, match=r"summary\.json: not JSON \(") as error:
+        report.read_summary(str(tmp_path))
+    assert str(tmp_path) in str(error.value) and "\n" not in str(error.value)

@@ -58,7 +58,11 @@ def read_summary(directory: str) -> dict:
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as error:  # training writes it whole: damaged since
+            raise ValueError(f"{path}: not JSON ({error}): expected the summary the run "
+                             "wrote at its end") from None
 
 
 def _fmt(value, digits: int = 4) -> str:
