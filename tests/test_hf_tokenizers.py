@@ -205,6 +205,49 @@ def test_own_sentinels_of_a_t5_style_vocabulary(tmp_path):
         tokenizers_lib.load_hf_tokenizer(str(path), num_sentinels=100)
 
 
+def test_the_export_carries_appended_sentinels_as_special_tokens_at_their_ids(gpt2_dir,
+                                                                             tmp_path):
+    """A byte-level BPE with 5 sentinels appended (as a T5 run attaches them), saved and read
+    back as train and export do, written by the export's `_tokenizer_files`: `AutoTokenizer`
+    has the sentinels as additional special tokens at our ids, and every other text keeps its
+    ids."""
+    from transformer.export import _tokenizer_files
+
+    tokenizers_lib.load_hf_tokenizer(str(gpt2_dir), num_sentinels=5).save(str(tmp_path / "w"))
+    tok = tokenizers_lib.load_tokenizer(str(tmp_path / "w"))
+    (out := tmp_path / "export").mkdir()
+    _tokenizer_files(tok, str(out), "t5")
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    names = [f"<extra_id_{i}>" for i in range(5)]
+    assert len(auto) == tok.vocab_size and set(names) <= set(auto.all_special_tokens)
+    assert auto.convert_tokens_to_ids(names) == [tok.sentinel_id(i) for i in range(5)]
+    ids = [tok.sentinel_id(0), *tok.encode("Romeo"), tok.sentinel_id(1), tok.sentinel_id(4)]
+    assert auto.decode(ids) == tok.decode(ids) == "<extra_id_0>Romeo<extra_id_1><extra_id_4>"
+    for i, name in enumerate(names):
+        assert auto(name, add_special_tokens=False)["input_ids"] == [tok.sentinel_id(i)]
+    library = tokenizers_hf.Tokenizer.from_file(str(out / "tokenizer.json"))
+    for text in [t for t in TEXTS if "<extra_id" not in t] + corpus()[:50]:
+        assert auto(text, add_special_tokens=False)["input_ids"] == tok.encode(text).tolist()
+        assert library.encode(text, add_special_tokens=False).ids == tok.encode(text).tolist()
+        assert auto.decode(tok.encode(text)) == tok.decode(tok.encode(text))
+    # Read back, the export's sentinels are its own, at the same ids.
+    again = tokenizers_lib.load_hf_tokenizer(str(out))
+    assert (again.num_sentinels, again.sentinel_ids) == (5, tok.sentinel_ids)
+    # The tokenizer's own additional special tokens stay, first.
+    own = type(tok)(tok.tokenizer_json, tok.specials, 2,
+                    settings={"additional_special_tokens": ["<|endoftext|>"]})
+    assert own.hugging_face()[1]["additional_special_tokens"] == [
+        "<|endoftext|>", "<extra_id_1>", "<extra_id_0>"]
+
+
+def test_a_tokenizer_without_appended_sentinels_is_exported_unchanged(gpt2_dir, tmp_path):
+    for tok in (tokenizers_lib.load_hf_tokenizer(str(gpt2_dir), num_sentinels=0),
+                tokenizers_lib.load_hf_tokenizer(str(t5_style(tmp_path / "t5.json")))):
+        tokenizer_json, config = tok.hugging_face()
+        assert tokenizer_json == tok.tokenizer_json
+        assert "additional_special_tokens" not in config
+
+
 @pytest.mark.parametrize("change,match", [
     (lambda c: c.update(eos_token="<nope>"), "eos token '<nope>' is not in the tokenizer's"),
     (lambda c: c.update(pad_token={"content": "<also nope>"}), "pad token '<also nope>'"),

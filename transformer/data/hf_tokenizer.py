@@ -66,7 +66,8 @@ class HFTokenizer(Tokenizer):
     - The tokenizer.json's `padding` and `truncation` are turned off: every text gives all of
       its ids, as `AutoTokenizer(text, add_special_tokens=False)` does.
     - `settings`: the directory's `TRANSFORMERS_KEYS` entries, written back by `hugging_face`
-      with the tokenizer.json unchanged (its post-processor, padding and truncation included).
+      with the tokenizer.json unchanged (its post-processor, padding and truncation included)
+      but for the appended sentinels, which it adds as special tokens.
     - `stop_ids`: the ids at which the checkpoint's `generate` stops (its
       generation_config.json `eos_token_id`, in its order; () if it names none): generation
       stops at each and never bans them, and the export writes them back.
@@ -201,12 +202,47 @@ class HFTokenizer(Tokenizer):
         return {"model_file": HF_FILE, "specials": self.specials, **chat, **settings}
 
     def hugging_face(self) -> tuple[str, dict[str, Any]]:
-        """Its own tokenizer.json, with its roles, settings (and chat template) in the config."""
+        """Its own tokenizer.json, with its roles, settings (and chat template) in the config.
+        Appended sentinels become special tokens <extra_id_i> at their ids, listed among the
+        additional special tokens (as T5's own tokenizers have them: `AutoTokenizer` encodes
+        "<extra_id_0>" in text as the sentinel, where `encode` reads it as text); a vocabulary
+        with its own sentinels, or none, is written unchanged."""
         roles = {f"{role}_token": token for role, token in self.specials.items()
                  if token is not None}
         chat = {"chat_template": self.chat_template} if self.chat_template else {}
-        return self.tokenizer_json, {"tokenizer_class": "PreTrainedTokenizerFast",
-                                     **self.settings, **roles, **chat}
+        tokenizer_json, settings = self._with_sentinels()
+        return tokenizer_json, {"tokenizer_class": "PreTrainedTokenizerFast",
+                                **settings, **roles, **chat}
+
+    def _with_sentinels(self) -> tuple[str, dict[str, Any]]:
+        """(tokenizer.json, settings) with the appended sentinels added as special tokens."""
+        import tokenizers
+
+        appended = {self.sentinel_id(i): f"<extra_id_{i}>" for i in range(self.num_sentinels)
+                    if self._tok.token_to_id(f"<extra_id_{i}>") is None}
+        if not appended:  # no sentinels, or the vocabulary's own
+            return self.tokenizer_json, self.settings
+        # A fresh copy: self._tok has its padding and truncation turned off. Added tokens only
+        # match their own literal text (before normalizing and pre-tokenizing), so every other
+        # text (byte-level BPE included) keeps its ids.
+        tok = tokenizers.Tokenizer.from_str(self.tokenizer_json)
+        tok.add_special_tokens([tokenizers.AddedToken(name, special=True, normalized=False)
+                                for _, name in sorted(appended.items())])
+        if got := {i: tok.token_to_id(n) for i, n in appended.items() if tok.token_to_id(n) != i}:
+            raise ValueError(f"the exported tokenizer puts sentinels at ids {list(got.values())}: "
+                             f"expected {list(got)} (its vocabulary's ids are not 0 .. "
+                             f"{self._base_size - 1} without gaps)")
+        settings = dict(self.settings)
+        # transformers 5 reads either list; keep the tokenizer's own entries first
+        key = ("extra_special_tokens" if isinstance(settings.get("extra_special_tokens"), list)
+               and "additional_special_tokens" not in settings else "additional_special_tokens")
+        listed = list(settings.get(key) or [])
+        settings[key] = listed + [n for _, n in sorted(appended.items()) if n not in listed]
+        if isinstance(settings.get("added_tokens_decoder"), dict):
+            settings["added_tokens_decoder"] = {**settings["added_tokens_decoder"], **{
+                str(i): {"content": n, "lstrip": False, "normalized": False, "rstrip": False,
+                         "single_word": False, "special": True} for i, n in appended.items()}}
+        return tok.to_str(pretty=True), settings
 
     def __getstate__(self) -> dict[str, Any]:  # for multiprocess data loaders
         return {"tokenizer_json": self.tokenizer_json, "specials": self.specials,
