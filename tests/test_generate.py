@@ -505,3 +505,120 @@ def test_a_prompt_with_unknown_characters_warns_once_naming_them(capsys):
                           temperature=0.0, max_new_tokens=2)
     assert capsys.readouterr().err == ""
     assert tokenizers.ByteTokenizer().unknown_chars("a€ß") == []
+
+
+# --- prompts laid out as training rows; the command's checks and streaming ---------------------
+
+
+def _byte_setup(family):
+    """(model, tokenizer, config) of a tiny untrained `family` with the byte tokenizer."""
+    tokenizer = tokenizers.ByteTokenizer(num_sentinels=0)
+    config = base_config()
+    config.seq_len = 12
+    config.model.update(family=family, num_layers=1, d_model=16, num_heads=2, d_ff=32,
+                        vocab_size=tokenizer.vocab_size)
+    return build_model(config.model), tokenizer, config
+
+
+def test_a_prefix_lm_reads_the_prompt_as_its_training_rows_begin_a_document(monkeypatch):
+    """The prefix_lm objective's rows start at a document's first token (position 0, no <eos>
+    before it): sampling and beam search hand a prefix LM the prompt's ids alone, equal to the
+    start of the training row of a document beginning with the prompt. A causal LM still
+    continues <eos> + prompt; an empty prompt gives a prefix LM a lone <eos>."""
+    from transformer.data import features, pipeline, sources, windows
+    from transformer.generation import text
+
+    read = []
+
+    def fake_decode(model, params, prompts, *, max_new_tokens, prefix_lm, **kwargs):
+        read.append((np.asarray(prompts[0]).tolist(), prefix_lm))
+        return np.full((len(prompts), max_new_tokens), tokenizers.EOS_ID, np.int32), None
+
+    monkeypatch.setattr(text, "decode", fake_decode)
+    monkeypatch.setattr(text, "beam_search", lambda *a, **k: (*fake_decode(*a, **k), None))
+    model, tokenizer, config = _byte_setup("prefix_lm")
+    corpus = windows.tokenize_documents([sources.Document("d", "abcdef")], tokenizer)
+    rows = pipeline._rows_of(corpus, "prefix_lm", config.seq_len, 0, True, True, 0.15, 3.0, "t")
+    row = features.prefix_lm_features({k: v[None] for k, v in rows.row(0).items()},
+                                      np.random.default_rng(0))
+    start = row["inputs"][0, :3].tolist()
+    assert row["positions"][0, :3].tolist() == [0, 1, 2]
+    assert text.sample_texts(model, None, tokenizer, config, num_samples=1, prompt="abc",
+                             max_new_tokens=2) == ["abc"]
+    assert text.beam_search_text(model, None, tokenizer, config, prompt="abc",
+                                 max_new_tokens=2) == "abc"
+    assert read == [(start, True)] * 2
+    read.clear()
+    text.sample_texts(model, None, tokenizer, config, num_samples=1, prompt="", max_new_tokens=2)
+    assert read == [([tokenizers.EOS_ID], True)]
+    read.clear()
+    gpt, _, config = _byte_setup("gpt")
+    text.sample_texts(gpt, None, tokenizer, config, num_samples=1, prompt="abc", max_new_tokens=2)
+    assert read == [([tokenizers.EOS_ID] + start, False)]
+
+
+def _command_flags(*args):
+    """The generate command's flags, parsed from `args` into their own FlagValues."""
+    from absl import flags
+
+    flag_values = flags.FlagValues()
+    generate._define_flags(flag_values)
+    flag_values(["generate", "--workdir=unused", *args])
+    return flag_values
+
+
+class _Loaded(Exception):
+    """Raised by a stand-in load_workdir: the command got past its up-front checks."""
+
+
+def test_beam_search_refuses_an_lstm_and_the_sampling_flags_in_one_line(monkeypatch):
+    """An LSTM has no KV cache to beam-search on: refused before anything compiles (params
+    None). Beam search does not sample: --temperature, --top_k, --top_p and --seed other than
+    their defaults are refused before loading; not passing them (or passing a default) is fine."""
+    model, tokenizer, config = _byte_setup("lstm")
+    with pytest.raises(ValueError, match=r"^beam search with model.family='lstm': expected a "
+                                         r"family with a KV cache \['gpt', 'prefix_lm', 't5'\]"):
+        generate.beam_search_text(model, None, tokenizer, config, prompt="ab", beam_size=2,
+                                  max_new_tokens=6)
+    monkeypatch.setattr(generate, "load_workdir", lambda *a: (model, None, tokenizer, config))
+    with pytest.raises(ValueError, match=r"^beam search with model.family='lstm'"):
+        generate.main([], _command_flags("--prompt=ab", "--beam_size=2", "--max_new_tokens=6"))
+
+    def loaded(*args):
+        raise _Loaded
+
+    monkeypatch.setattr(generate, "load_workdir", loaded)
+    for flag in ("--temperature=0.5", "--top_k=3", "--top_p=0.9", "--seed=3"):
+        with pytest.raises(ValueError, match=rf"^--beam_size=2 with {flag}: beam search does "
+                                             r"not sample; expected no sampling flags"):
+            generate.main([], _command_flags("--beam_size=2", flag))
+    for args in ((), ("--temperature=0.8", "--seed=0")):
+        with pytest.raises(_Loaded):
+            generate.main([], _command_flags("--beam_size=2", *args))
+    with pytest.raises(_Loaded):  # sampling takes them
+        generate.main([], _command_flags("--temperature=0.5", "--seed=3"))
+
+
+def test_the_streamed_text_ends_as_piped_output_does(monkeypatch):
+    """On a terminal the text streams, holding back a trailing U+FFFD (a partial UTF-8
+    character) mid-stream; the final text's own trailing U+FFFD are printed as when piped."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    model, tokenizer, config = _byte_setup("gpt")
+    monkeypatch.setattr(generate, "load_workdir", lambda *a: (model, None, tokenizer, config))
+
+    def sample_texts(*args, callback=None, **kwargs):
+        if callback is not None:
+            callback(["ab\ufffd"])  # mid-stream: maybe the start of a character
+        return ["ab\ufffd\ufffd"]
+
+    monkeypatch.setattr(generate, "sample_texts", sample_texts)
+    for out in (Terminal(), io.StringIO()):
+        monkeypatch.setattr(sys, "stdout", out)
+        generate.main([], _command_flags("--prompt=ab"))
+        assert out.getvalue() == "ab\ufffd\ufffd\n"

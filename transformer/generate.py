@@ -25,8 +25,9 @@ The decoding library is transformer.generation; its calls are re-exported here
   * `speculative`: `speculative_decode`, decoding drafted by the model's multi-token
     prediction modules (model.mtp.depth > 0): greedy, equal to greedy `decode` token for token;
     sampling, drawing from the distribution `decode` samples.
-  * `text`: `sample_texts` / `beam_search_text` / `chat_replies`: text in, texts out, for a model
-    of any family (LSTM: full recomputation). They never emit ids without text (`banned_ids`:
+  * `text`: `sample_texts` / `beam_search_text` / `chat_replies`: text in, texts out
+    (`sample_texts` for a model of any family, the LSTM by full recomputation; beam search
+    needs a KV cache, so not the LSTM). They never emit ids without text (`banned_ids`:
     specials other than <eos>, sentinels, ids past the tokenizer), and warn on prompt
     characters the tokenizer lacks.
 """
@@ -82,23 +83,30 @@ def load_workdir(workdir: str, step: int | None = None):
 class _Streamer:
     """Prints the growing text of one sample, holding back a trailing partial UTF-8 character."""
 
-    def __init__(self, out=sys.stdout):
-        self.out, self.printed = out, ""
+    def __init__(self, out=None):
+        self.out, self.printed = sys.stdout if out is None else out, ""
 
-    def __call__(self, texts: list[str]) -> None:
-        text = texts[0].rstrip("\ufffd")
+    def __call__(self, texts: list[str], final: bool = False) -> None:
+        """Prints what is new in texts[0]; `final`: the finished text, whose trailing U+FFFD
+        are its own (nothing more will complete them), printed as piped output has them."""
+        text = texts[0] if final else texts[0].rstrip("\ufffd")
         if text.startswith(self.printed):
             self.out.write(text[len(self.printed):])
             self.out.flush()
             self.printed = text
 
 
-def main(argv) -> None:
+# Sampling's flags, which beam search (the most likely continuation) has no use for.
+_SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "seed")
+
+
+def main(argv, flag_values=None) -> None:
+    """The command, on absl's FLAGS (or `flag_values`, defined by `_define_flags`)."""
     from absl import flags, logging
 
     del argv
     logging.set_verbosity(logging.WARNING)
-    f = flags.FLAGS
+    f = flags.FLAGS if flag_values is None else flag_values
     s = sampling(f.temperature, f.top_k, f.top_p)  # bad flags fail before any loading
     check_max_new_tokens(f.max_new_tokens)
     if f.num_samples < 1:
@@ -109,6 +117,11 @@ def main(argv) -> None:
     if f.beam_size and (f.chat is not None or f.num_samples != 1):
         raise ValueError(f"--beam_size={f.beam_size}: expected the one best continuation of "
                          "--prompt (no --chat or --num_samples)")
+    changed = [f"--{name}={f[name].value}" for name in _SAMPLING_FLAGS
+               if f[name].value != f[name].default]
+    if f.beam_size and changed:
+        raise ValueError(f"--beam_size={f.beam_size} with {' '.join(changed)}: beam search "
+                         "does not sample; expected no sampling flags (or --beam_size=0)")
     if f.speculative and (f.beam_size or f.chat is not None or f.num_samples != 1):
         raise ValueError("--speculative: expected one continuation of --prompt (no --beam_size, "
                          "--chat or --num_samples)")
@@ -149,7 +162,7 @@ def main(argv) -> None:
                          top_p=s.top_p, max_new_tokens=f.max_new_tokens,
                          chunk_size=f.chunk_size if stream else None, callback=streamer)
     if stream:
-        streamer([texts[0]])
+        streamer([texts[0]], final=True)
         print()
         return
     for i, text in enumerate(texts):
@@ -158,29 +171,39 @@ def main(argv) -> None:
         print(text)
 
 
-if __name__ == "__main__":
+def _define_flags(flag_values=None) -> None:
+    """The command's flags, in absl's FLAGS (or `flag_values`)."""
     from absl import flags
 
-    from transformer.utils import cli
-
-    flags.DEFINE_string("workdir", None, "Training workdir to sample from.", required=True)
-    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-    flags.DEFINE_string("prompt", "", "Text to continue (t5: the encoder input).")
+    into = {"flag_values": flags.FLAGS if flag_values is None else flag_values}
+    flags.DEFINE_string("workdir", None, "Training workdir to sample from.", required=True,
+                        **into)
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).", **into)
+    flags.DEFINE_string("prompt", "", "Text to continue (t5: the encoder input).", **into)
     flags.DEFINE_integer("max_new_tokens", None, "Tokens to generate (default: fill the "
-                         "training context seq_len; 0: print the prompt alone).")
-    flags.DEFINE_float("temperature", 0.8, "0: greedy.")
-    flags.DEFINE_integer("top_k", 0, "Sample among the k best tokens (0: all).")
-    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set reaching p (1: all).")
-    flags.DEFINE_integer("seed", 0, "Sampling seed.")
-    flags.DEFINE_integer("num_samples", 1, "Continuations to generate (as one batch).")
-    flags.DEFINE_integer("beam_size", 0, "Beam search with this many beams (0: sample).")
-    flags.DEFINE_float("length_penalty", 0.6, "Beam search: GNMT length penalty alpha.")
+                         "training context seq_len; 0: print the prompt alone).", **into)
+    flags.DEFINE_float("temperature", 0.8, "0: greedy.", **into)
+    flags.DEFINE_integer("top_k", 0, "Sample among the k best tokens (0: all).", **into)
+    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set reaching p (1: all).",
+                       **into)
+    flags.DEFINE_integer("seed", 0, "Sampling seed.", **into)
+    flags.DEFINE_integer("num_samples", 1, "Continuations to generate (as one batch).", **into)
+    flags.DEFINE_integer("beam_size", 0, "Beam search with this many beams (0: sample; not "
+                         "with the sampling flags, nor an LSTM).", **into)
+    flags.DEFINE_float("length_penalty", 0.6, "Beam search: GNMT length penalty alpha.", **into)
     flags.DEFINE_string("chat", None, "Answer as the assistant: a JSON/JSONL file of "
                         "conversations ({\"messages\": [...]} per line) or inline JSON, rendered "
-                        "with the tokenizer's chat template (--prompt: one more user turn).")
+                        "with the tokenizer's chat template (--prompt: one more user turn).",
+                        **into)
     flags.DEFINE_bool("speculative", False, "Decoding drafted by the model's multi-token "
                       "prediction modules (model.mtp.depth > 0), in fewer passes: greedy unless "
                       "--temperature is given (the same text), else sampling (the same "
-                      "distribution).")
-    flags.DEFINE_integer("chunk_size", 8, "Streaming: tokens per jitted chunk on a terminal.")
-    cli.run(main)
+                      "distribution).", **into)
+    flags.DEFINE_integer("chunk_size", 8, "Streaming: tokens per jitted chunk on a terminal.",
+                         **into)
+
+
+if __name__ == "__main__":
+    from transformer.utils import cli
+
+    cli.run(main, _define_flags)

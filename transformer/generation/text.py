@@ -1,5 +1,6 @@
-"""Text in, texts out, for a model of any family (LSTM: full recomputation): `sample_texts`,
-`beam_search_text`, `chat_replies` (and `read_chat`, the conversations of --chat). They stop at
+"""Text in, texts out: `sample_texts` (a model of any family; LSTM: full recomputation),
+`beam_search_text` (the families with a KV cache), `chat_replies` (decoder LMs) and
+`read_chat`, the conversations of --chat. They stop at
 the tokenizer's `stop_ids` (<eos>, and the stop ids of an imported checkpoint's
 generation_config.json), never emit ids without text (`banned_ids`: the other specials,
 sentinels, ids past the tokenizer) and warn on prompt characters the tokenizer lacks."""
@@ -104,6 +105,21 @@ def _start_id(tokenizer, decoding: str) -> int:
     return tokenizer.decoder_start_id if decoding == "encoder_decoder" else BOS_ID
 
 
+def _prompt_ids(encoded: np.ndarray, eos: int, decoding: str) -> tuple[np.ndarray, np.ndarray]:
+    """(the ids the model reads, the ids the printed text starts with) of an encoded prompt,
+    laid out as the family's training rows are. An encoder-decoder reads prompt + <eos> and
+    prints what it decodes. A causal LM (and the LSTM) continues <eos> + prompt. A prefix LM
+    reads the prompt alone as its prefix, from position 0: its rows (`windows.Chunks`) begin at
+    a document's first token, with no <eos> before it. An empty prompt gives a prefix LM a lone
+    <eos> (training never has an empty prefix; the nearest thing to a document start)."""
+    if decoding == "encoder_decoder":
+        return np.concatenate([encoded, [eos]]).astype(np.int32), np.zeros(0, np.int32)
+    if decoding == "prefix" and len(encoded):
+        return np.asarray(encoded, np.int32), np.asarray(encoded, np.int32)
+    ids = np.concatenate([[eos], encoded]).astype(np.int32)
+    return ids, ids[1:]
+
+
 def _until_eos(ids: np.ndarray, stops: tuple[int, ...]) -> np.ndarray:
     """`ids` before the first of the `stops`."""
     ends = np.flatnonzero(np.isin(ids, stops))
@@ -144,9 +160,10 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     """`num_samples` continuations of `prompt`, each ending at EOS (any of `stop_ids`) or after
     `max_new_tokens` (`past_eos`: always after `max_new_tokens`, each stop a paragraph break).
 
-    Decoder LMs continue the prompt after an <eos> (a document start) and return prompt +
-    continuation; by default they fill the training context of config.seq_len tokens. An
-    encoder-decoder reads prompt + <eos> and returns what it decodes (default: seq_len tokens).
+    Decoder LMs return prompt + continuation, the prompt read as training's rows begin
+    (`_prompt_ids`: a causal LM after an <eos>, a prefix LM's prefix alone); by default they
+    fill the training context of config.seq_len tokens. An encoder-decoder reads prompt +
+    <eos> and returns what it decodes (default: seq_len tokens).
     With `chunk_size`, `callback` gets the texts so far after every chunk of tokens.
     """
     decoding = _decoding(config)
@@ -155,13 +172,8 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     check_max_new_tokens(max_new_tokens)
     encoded = _encode_prompt(tokenizer, prompt)
     banned = _banned_for(tokenizer, model, config)
-    eos, stops = tokenizer.eos_id, stop_ids(tokenizer)
-    if decoding == "encoder_decoder":
-        prompt_ids = np.concatenate([encoded, [eos]]).astype(np.int32)
-        keep = np.zeros(0, np.int32)
-    else:
-        prompt_ids = np.concatenate([[eos], encoded]).astype(np.int32)
-        keep = prompt_ids[1:]
+    stops = stop_ids(tokenizer)
+    prompt_ids, keep = _prompt_ids(encoded, tokenizer.eos_id, decoding)
     n = _new_tokens(max_new_tokens, config, decoding, len(prompt_ids))
 
     def to_texts(rows):
@@ -256,23 +268,30 @@ def _decoding(config) -> str:
     return family.decoding
 
 
+def check_beam_family(config) -> None:
+    """One-line error unless the config's model has a KV cache that beam search runs on (not
+    the LSTM, which `sample_texts` decodes by full recomputation)."""
+    if _decoding(config) == "recompute":
+        cached = [name for name, f in FAMILIES.items() if f.decoding not in (None, "recompute")]
+        raise ValueError(f"beam search with model.family={config.model.family!r}: expected a "
+                         f"family with a KV cache {cached}; sample instead (--beam_size=0)")
+
+
 def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size: int = 4,
                      max_new_tokens: int | None = None, length_penalty: float = 0.6) -> str:
-    """The best beam for `prompt` (an encoder-decoder reads prompt + <eos>; a decoder LM
-    continues <eos> + prompt and the result includes the prompt)."""
+    """The best beam for `prompt`, read as in `sample_texts` (an encoder-decoder's result is
+    what it decodes; a decoder LM's includes the prompt). Families with a KV cache only: the
+    LSTM is refused (one line, before any compile)."""
     decoding = _decoding(config)
     check_max_new_tokens(max_new_tokens)
+    check_beam_family(config)
     encoded = _encode_prompt(tokenizer, prompt)
-    eos, stops = tokenizer.eos_id, stop_ids(tokenizer)
-    if decoding == "encoder_decoder":
-        ids, keep = np.concatenate([encoded, [eos]]), np.zeros(0, np.int32)
-    else:
-        ids = np.concatenate([[eos], encoded])
-        keep = ids[1:]
+    stops = stop_ids(tokenizer)
+    ids, keep = _prompt_ids(encoded, tokenizer.eos_id, decoding)
     n = _new_tokens(max_new_tokens, config, decoding, len(ids))
     if n == 0:
         return tokenizer.decode(keep)
-    tokens, _, _ = beam_search(model, params, [ids.astype(np.int32)], beam_size=beam_size,
+    tokens, _, _ = beam_search(model, params, [ids], beam_size=beam_size,
                                max_new_tokens=n, length_penalty=length_penalty,
                                prefix_lm=decoding == "prefix",
                                banned_ids=_banned_for(tokenizer, model, config),
