@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -145,6 +146,44 @@ def test_other_base_models_without_a_head_run_as_they_are(name):
     got = jax.jit(model.apply)({"params": params}, jnp.asarray(ids),
                                **{k: jnp.asarray(v) for k, v in kwargs(mask).items()})
     assert difference(got, hidden_states(hf, ids, mask)) <= 1e-5
+
+
+def tied_llama_likes():
+    """Tiny tied configs of three Llama-like families: their base model (*Model) saves no
+    lm_head.weight, and neither does their *ForCausalLM."""
+    sizes = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 tie_word_embeddings=True)
+    return {"llama": (transformers.LlamaConfig(**sizes), "Llama"),
+            "qwen3": (transformers.Qwen3Config(**sizes, head_dim=8), "Qwen3"),
+            "gemma2": (transformers.Gemma2Config(**sizes, head_dim=8, query_pre_attn_scalar=8,
+                                                 sliding_window=4), "Gemma2")}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])
+def test_a_saved_tied_llama_like_base_model_is_head_none_and_its_causal_lm_mlm(name, tmp_path):
+    """config.json's architectures decide: a tied LlamaModel / Qwen3Model / Gemma2Model gives
+    head 'none' and HF's last_hidden_state (it gave 'mlm' and vocab logits, lacking
+    lm_head.weight as a tied *ForCausalLM does), and the tied *ForCausalLM stays 'mlm' with
+    HF's logits; init_from of the base model keeps the run's LM head, its embedding loaded."""
+    hf_config, kind = tied_llama_likes()[name]
+    ids = np.random.default_rng(3).integers(0, 97, (2, 9))
+    for cls, head in (("Model", "none"), ("ForCausalLM", "mlm")):
+        hf = randomized(getattr(transformers, kind + cls)(hf_config))
+        hf.save_pretrained(tmp_path / cls)
+        assert "lm_head.weight" not in finetune._safetensors(str(tmp_path / cls))()
+        _, config, flat = finetune.hf_convert(str(tmp_path / cls))
+        assert config.head == head
+        params = traverse_util.unflatten_dict(flat, sep="/")
+        got = jax.jit(build_model(config).apply)({"params": params}, jnp.asarray(ids))
+        with torch.no_grad():
+            out = hf(input_ids=torch.tensor(ids))
+        expected = (out.last_hidden_state if head == "none" else out.logits).numpy()
+        assert got.shape == expected.shape and difference(got, expected) <= 1e-4
+    run = configs.experiment("gpt_tiny")
+    run.init_from = f"hf:{tmp_path / 'Model'}"
+    resolved = finetune.resolve_init_config(run)
+    assert (resolved.model.head, resolved.model.tie_embeddings) == ("mlm", True)
 
 
 # --- init_from=hf:DIR takes the architecture from DIR ----------------------------------------
@@ -307,3 +346,26 @@ def test_train_cli_with_init_from_hf_and_no_model_flags(minilm, tmp_path):
     assert result.returncode == 2
     assert "model.family='gpt': " in result.stderr and "experiments/bert_mlm.py" in result.stderr
     assert not (tmp_path / "bad").exists() and not (tmp_path / "gpt").exists()
+
+
+def test_a_tokenizer_larger_than_the_checkpoints_vocabulary_is_refused_naming_both(minilm,
+                                                                                   tmp_path):
+    """With data.num_sentinels=0 said, a tokenizer of 3 ids more than the embedding was
+    refused as "expected data.num_sentinels <= -3"; the line now names both sizes."""
+    import shutil
+
+    directory, hf = minilm
+    size = hf.config.vocab_size
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=size - 3, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=32)).save_pretrained(tmp_path)
+    shutil.copy(directory / "tokenizer.json", tmp_path)
+    config = configs.experiment("gpt_tiny")
+    config.init_from = f"hf:{tmp_path}"
+    config.data.update(tokenizer="hf", num_sentinels=0)
+    with pytest.raises(ValueError) as error:
+        finetune.resolve_init_config(config, explicit={"data.num_sentinels"})
+    assert str(error.value) == (
+        f"the tokenizer at {tmp_path} has {size} ids but hf:{tmp_path}'s embedding has "
+        f"{size - 3}: expected a tokenizer whose ids fit the checkpoint's vocabulary (its own "
+        "tokenizer)")

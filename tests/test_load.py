@@ -152,3 +152,27 @@ def test_a_t5_with_its_sentinels_loads_and_only_language_models_score(tmp_path):
             assert str(error.value) == (f"Loaded.{method} with {named}: expected a causal "
                                         "language model (gpt or lstm), whose rows predict the "
                                         "next token")
+
+
+def test_a_base_model_without_an_lm_head_is_refused_by_logits_score_and_generate(tmp_path):
+    """A Qwen3Model (no lm_head) imports with head 'none', whose rows are hidden states
+    [T, d_model]: logits gave them as if vocab logits, score NaN and generate a broadcasting
+    traceback. Each now refuses it in one line."""
+    transformers = pytest.importorskip("transformers")
+    from transformer.data.tokenizers import ByteTokenizer
+    from transformer.export import _tokenizer_files
+
+    tokenizer = ByteTokenizer(num_sentinels=0)
+    transformers.Qwen3Model(transformers.Qwen3Config(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=64, tie_word_embeddings=False)).save_pretrained(tmp_path)
+    _tokenizer_files(tokenizer, str(tmp_path))
+    lm = transformer.load(f"hf:{tmp_path}")
+    assert lm.config.model.head == "none"
+    for method in ("logits", "score", "generate"):
+        with pytest.raises(ValueError) as error:
+            getattr(lm, method)("First")
+        assert str(error.value) == (f"Loaded.{method} with model.head='none' (a base model "
+                                    "without an LM head): expected a causal language model, "
+                                    "whose rows predict the next token")

@@ -43,11 +43,20 @@ class Loaded:
         return np.concatenate([[self.tokenizer.eos_id], self.tokenizer.encode(text)]).astype(
             np.int32)
 
+    def _check_head(self, method: str) -> None:
+        """One line for a base model without an LM head (head 'none': an imported LlamaModel,
+        BertModel, ...), whose outputs are hidden states [T, d_model], not vocab logits."""
+        if self.config.model.get("head") == "none":
+            raise ValueError(f"Loaded.{method} with model.head='none' (a base model without an "
+                             "LM head): expected a causal language model, whose rows predict "
+                             "the next token")
+
     def _check_language_model(self, method: str) -> None:
-        """One line for a model whose output is no next-token distribution: an encoder (BERT
-        sees the token it would predict), an encoder-decoder, a class head."""
+        """One line for a model whose output is no next-token distribution: no LM head, an
+        encoder (BERT sees the token it would predict), an encoder-decoder, a class head."""
         from transformer.models import family_of
 
+        self._check_head(method)
         family = family_of(self.config)
         head = family.classifier(self.config.model)
         if head or not family.continues_text or family.decoding == "prefix":
@@ -105,6 +114,7 @@ class Loaded:
         `max_new_tokens` (default: fill the training context), as `transformer.generate`."""
         from transformer.generation.text import sample_texts
 
+        self._check_head("generate")  # (an encoder-decoder does generate)
         return sample_texts(self.model, self.params, self.tokenizer, self.config,
                             num_samples=1, prompt=prompt, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, max_new_tokens=max_new_tokens)[0]

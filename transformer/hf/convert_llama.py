@@ -94,7 +94,8 @@ LLAMA_LIKE = {
 
 def llama(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """LlamaForCausalLM / LlamaModel -> (config for `DecoderLM`: RMSNorm, SwiGLU, RoPE, GQA, no
-    biases; params). A LlamaModel with untied embeddings (no lm_head.weight) gives head "none".
+    biases; params). A LlamaModel (config.json's architectures; in memory, one with untied
+    embeddings and no lm_head.weight) gives head "none".
     Settings this model cannot represent are refused, naming them."""
     return _llama_like("Llama", hf_config, state_dict, dtype)
 
@@ -311,6 +312,17 @@ def _windows(name, hf_config) -> dict[str, Any]:
     return {"sliding_window": int(window), "sliding_window_pattern": period}
 
 
+def _base_model(hf_config, state_dict, tie: bool) -> bool:
+    """Whether a Llama-like checkpoint is a base model without an LM head (LlamaModel,
+    Qwen3Model, ...: head "none"). config.json's `architectures` says so: a tied
+    `*ForCausalLM` saves no lm_head.weight either. Without it (an in-memory config), an
+    untied checkpoint without lm_head.weight is one."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if architectures and architectures[0].endswith(("Model", "ForCausalLM")):
+        return architectures[0].endswith("Model")
+    return not tie and "lm_head.weight" not in state_dict
+
+
 def _llama_like_config(name, hf_config, state_dict, rope=None, mapped=(),
                        **knobs) -> ml_collections.ConfigDict:
     """The model config of a Llama-like HF config; `rope`: its RoPE settings where `_rope`
@@ -336,7 +348,7 @@ def _llama_like_config(name, hf_config, state_dict, rope=None, mapped=(),
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     return model_config(
         family="gpt", vocab_size=hf_config.vocab_size, tie_embeddings=tie,
-        head="none" if not tie and "lm_head.weight" not in state_dict else "mlm",
+        head="none" if _base_model(hf_config, state_dict, tie) else "mlm",
         num_layers=hf_config.num_hidden_layers, d_model=d, num_heads=n,
         num_kv_heads=None if kv == n else kv, head_dim=None if head_dim * n == d else head_dim,
         d_ff=hf_config.intermediate_size, activation=activations[act], norm="rmsnorm",

@@ -254,6 +254,10 @@ def _resolve_sentinels(config, init_from: str, vocab_size: int, explicit) -> Non
         config.data.num_sentinels = own.num_sentinels
         return
     wanted, base = config.data.num_sentinels, own.vocab_size - own.num_sentinels
+    if base > vocab_size:  # no count of sentinels fits: say so, not "<= -3"
+        raise ValueError(f"the tokenizer at {path} has {base} ids but {init_from}'s embedding "
+                         f"has {vocab_size}: expected a tokenizer whose ids fit the "
+                         "checkpoint's vocabulary (its own tokenizer)")
     if isinstance(wanted, int) and not own.num_sentinels and base + wanted > vocab_size:
         raise ValueError(
             f"data.num_sentinels={wanted}: {init_from}'s vocabulary has {vocab_size} ids, "
