@@ -150,3 +150,32 @@ def test_a_failure_raised_while_ctrl_c_unwinds_is_the_interrupt(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 130, describe(result)
     assert result.stderr.strip().splitlines()[-1] == "error: interrupted", describe(result)
+
+
+def test_a_config_override_of_none_sets_none_where_the_key_allows_it():
+    """`--config.KEY=None`: ml_collections parsed it by the value's type (float("None") for
+    model.init_std=0.02, int("None") for the num_kv_heads placeholder) and refused it; the keys
+    whose values include None take it, and the others are refused by their own check."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from transformer import configs
+    from transformer.utils import cli
+
+    cli._none_overrides()
+    values, argv = flags.FlagValues(), [
+        "prog", f"--config={REPO / 'experiments' / 'gpt_tiny.py'}",
+        "--config.model.init_std=None", "--config.model.num_kv_heads=None",
+        "--config.model.qkv_bias=None", "--config.model.d_model=None",
+        "--config.model.num_heads=2", "--config.data.tokenizer=None"]
+    config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
+    values(argv)
+    model = values.config.model
+    assert (model.init_std, model.num_kv_heads, model.qkv_bias, model.num_heads) == (
+        None, None, None, 2)
+    assert values.config.data.tokenizer is None
+    for refused in (r"data\.tokenizer=None: expected one of", r"model\.d_model=None: expected a "
+                    "positive int"):
+        with pytest.raises(ValueError, match=refused):
+            configs.validate_config(values.config, num_devices=1, num_processes=1, files=False)
+        values.config.data.tokenizer = "byte"

@@ -42,6 +42,7 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
 
     _cpu_without_accelerators()
     _keep_freed_memory_on_cpu()
+    _none_overrides()
     verbose = _verbose_requested(sys.argv)
     try:
         if "verbose" not in flags.FLAGS:
@@ -158,6 +159,30 @@ def _exit(text: str, status: int) -> None:
         sys.stdout.flush()
         os._exit(status)
     sys.exit(status)
+
+
+def _none_overrides() -> None:
+    """`--config.KEY=None` sets KEY to None: ml_collections parses an override by the type of
+    the key's value or placeholder (`model.init_std=0.02` a float, `model.num_kv_heads` an int
+    placeholder), and had no way to say None. Whether None is allowed is the key's own check
+    (`validate_config`: `model.init_std` "None or a number > 0" takes it; `steps=None` is
+    refused in one line)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    class NoneOr(flags.ArgumentParser):
+        def __init__(self, parser: flags.ArgumentParser):
+            self.parser = parser
+
+        def parse(self, argument):
+            return None if argument == "None" else self.parser.parse(argument)
+
+        def flag_type(self) -> str:
+            return self.parser.flag_type()
+
+    for field_type, parser in ((int, flags.IntegerParser()), (float, flags.FloatParser()),
+                               (bool, flags.BooleanParser()), (str, flags.ArgumentParser())):
+        config_flags.register_flag_parser_for_type(field_type, NoneOr(parser))
 
 
 def _verbose_requested(argv: list[str]) -> bool:
