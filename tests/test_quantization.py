@@ -111,6 +111,19 @@ def test_quantize_head_quantizes_the_tied_head_too(float_params):
     assert found.count(("int8", "int8")) == LAYERS * PROJECTIONS + 1
 
 
+@pytest.mark.parametrize("scan", [False, True])
+def test_quantize_head_leaves_a_linear_mixers_projections_in_float(scan):
+    """The head's rule matched every module (".*"): a short-conv hybrid's own projections,
+    which stay in model.dtype, were quantized too under quantize_head."""
+    layout = (("layer_types", "conv,full_attention"), ("scan_layers", scan))
+    params = layout_params(layout)
+    plain = dots(lambda p: logits(model_config("int8", **dict(layout)), p), params)
+    head = dots(lambda p: logits(model_config("int8", quantize_head=True, **dict(layout)), p),
+                params)
+    assert head.count(("int8", "int8")) == plain.count(("int8", "int8")) + 1  # the head alone
+    assert len(head) == len(plain) and plain.count(("int8", "int8")) < len(plain) - 3
+
+
 def kernel_gradients(config, params):
     def loss(p):
         return jnp.mean(jnp.square(logits(config, p).astype(jnp.float32)))

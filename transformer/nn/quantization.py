@@ -41,6 +41,10 @@ SCHEMES = {
 # A block's sublayers: fullmatch over Qwix's module path, e.g. "decoder/layers_0/mlp" or
 # "encoder/layers/self_attention" (scan_layers).
 BLOCK_MODULES = r"(.*/)?(self_attention|cross_attention|mlp)"
+# What model.quantize_head adds: every module outside the layer stacks ("embed" for a tied head,
+# "lm_head", a multi-token prediction module's projection), not the linear mixers' own
+# projections inside a layer ("decoder/layers_0/mixer"), which stay in model.dtype.
+HEAD_MODULES = r"(?!(.*/)?layers(_\d+)?(/|$)).*"
 # The methods callers `apply` (transformer.training.evaluation, generate, speculative decoding's
 # draft), by name: each must be intercepted. A method passed as a function (`method=Cls.draft`)
 # bypasses Qwix's wrapper and runs in float.
@@ -120,7 +124,7 @@ def rules(model_config: ml_collections.ConfigDict) -> list:
                  op_names=("dot_general",))
     found = [qwix.QtRule(module_path=BLOCK_MODULES, **types)]
     if model_config.get("quantize_head", False):
-        found.append(qwix.QtRule(module_path=".*", **types))  # the head, tied or not
+        found.append(qwix.QtRule(module_path=HEAD_MODULES, **types))  # the head, tied or not
     return found
 
 
