@@ -9,6 +9,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import pathlib
 import random
 import re
 import signal
@@ -562,6 +563,132 @@ def test_a_prepare_inside_its_input_directory_resumes(tmp_path, monkeypatch):
     assert prepare.prepare(str(out), source, num_shards=2) == \
         json.loads((reference / "prepare.json").read_text())
     assert files_of(out) == files_of(reference)
+
+
+def test_settings_a_prepare_would_ignore_or_refuse_after_training_are_refused_up_front(
+        tmp_path, monkeypatch):
+    """A vocab_size for a tokenizer not trained to one, and what a .bin shard cannot hold (a
+    count past int32, ids past uint16 once the 100 sentinels are above the vocabulary) are one
+    line before any document is read: they were ignored, or refused once SentencePiece had
+    trained, leaving a directory the corrected command met. (--tokens_per_shard with ArrayRecord:
+    the command's test.)"""
+    source, out = three_files(tmp_path), tmp_path / "out"
+
+    def trained(*args, **kwargs):
+        raise AssertionError("a tokenizer was built before the arguments were checked")
+
+    monkeypatch.setattr(prepare_units, "_build_tokenizer", trained)
+    for settings, error in [
+            ({"vocab_size": 8000}, "vocab_size=8000 with tokenizer='byte': expected no "
+             "vocab_size (only a SentencePiece tokenizer is trained to one)"),
+            ({"tokenizer": "char", "vocab_size": 300}, "vocab_size=300 with tokenizer='char'"),
+            ({"tokenizer": "hf", "tokenizer_path": str(tmp_path), "vocab_size": 50000},
+             "vocab_size=50000 with tokenizer='hf'"),
+            ({"format": "bin", "tokens_per_shard": 3_000_000_000}, "tokens_per_shard="
+             "3000000000: expected 1 to 2**31 - 1 (a modded-nanogpt shard's int32 count)"),
+            ({"format": "bin", "tokenizer": "sentencepiece_bpe", "vocab_size": 65500},
+             "vocab_size=65500 with format='bin': expected at most 65536 ids (uint16) with "
+             "its 100 sentinels, so vocab_size at most 65436")]:
+        with pytest.raises(ValueError) as raised:
+            prepare.prepare(str(out), source, **settings)
+        assert str(raised.value).startswith(error)
+        assert not out.exists()
+    prepare._check_arguments("sentencepiece_unigram", "", "bin", 1, 1, 65436, 0.1, 2**31 - 1)
+
+
+def test_a_directory_holding_a_tokenizer_is_refused_and_a_resume_still_resumes(
+        tmp_path, monkeypatch):
+    """A Hugging Face tokenizer folder (or an export) as --output_dir: prepare overwrote its
+    tokenizer.json with its own. Refused in one line, untouched; a prepare's own tokenizer, in
+    a directory it began (.prepare/), is resumed over as before."""
+    source = three_files(tmp_path)
+    for name in ("tokenizer.json", "sentencepiece.model", "hf_tokenizer.json"):
+        out = tmp_path / name.replace(".", "_")
+        out.mkdir()
+        (out / name).write_bytes(b"someone else's")
+        with pytest.raises(FileExistsError) as error:
+            prepare.prepare(str(out), source)
+        assert str(error.value) == (
+            f"{out}: already holds a tokenizer ({name}), which prepare would overwrite with its "
+            "own: expected a directory without one (another --output_dir)")
+        assert sorted(p.name for p in out.iterdir()) == [".prepare.lock", name]
+        assert (out / name).read_bytes() == b"someone else's"
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    original = pathlib.Path(hf_tokenizer_json(hf_dir / "tokenizer.json")).read_bytes()
+    with pytest.raises(FileExistsError, match=r"holds a tokenizer \(tokenizer\.json\)"):
+        prepare.prepare(str(hf_dir), source, tokenizer="hf", tokenizer_path=str(hf_dir))
+    assert (hf_dir / "tokenizer.json").read_bytes() == original
+    assert not (hf_dir / "hf_tokenizer.json").exists()
+    reference, out = tmp_path / "reference", tmp_path / "resumed"
+    prepare.prepare(str(reference), source, tokenizer="char")
+    stopped_after_one_file(monkeypatch, str(out), source, tokenizer="char")
+    assert (out / "tokenizer.json").is_file()
+    prepare.prepare(str(out), source, tokenizer="char")
+    assert files_of(out) == files_of(reference)
+    killed = tmp_path / "killed"  # killed once its tokenizer was saved, before its settings
+    (killed / ".prepare").mkdir(parents=True)
+    tokenizers_lib.build_tokenizer("char", ["xyz"]).save(str(killed))
+    prepare.prepare(str(killed), source, tokenizer="char")
+    assert files_of(killed) == files_of(reference)
+
+
+@pytest.mark.slow
+def test_the_command_refuses_a_tokenizer_folder_and_tokens_per_shard_with_array_record(
+        tmp_path):
+    """The probe's commands: --output_dir the --tokenizer_path folder, and --tokens_per_shard
+    given (its default is not) with --format=array_record; --format=bin still takes it."""
+    source, hf_dir = three_files(tmp_path), tmp_path / "hf"
+    hf_dir.mkdir()
+    original = pathlib.Path(hf_tokenizer_json(hf_dir / "tokenizer.json")).read_bytes()
+    result = run_prepare([f"--input={source}", f"--output_dir={hf_dir}", "--tokenizer=hf",
+                          f"--tokenizer_path={hf_dir}", "--format=bin"])
+    assert_one_line_error(result, 2, f"{hf_dir}: already holds a tokenizer (tokenizer.json)")
+    assert (hf_dir / "tokenizer.json").read_bytes() == original
+    result = run_prepare([f"--input={source}", f"--output_dir={tmp_path / 'out'}",
+                          "--tokens_per_shard=1000"])
+    assert_one_line_error(result, 2, "--tokens_per_shard=1000 with --format=array_record: "
+                          "expected --format=bin (--num_shards sizes ArrayRecord shards)")
+    assert not (tmp_path / "out").exists()
+    result = run_prepare([f"--input={source}", f"--output_dir={tmp_path / 'bin'}",
+                          "--format=bin", "--tokens_per_shard=1000"])
+    assert result.returncode == 0, describe(result)
+    assert json.loads((tmp_path / "bin" / "prepare.json").read_text())["tokens_per_shard"] == 1000
+
+
+def test_training_refuses_prepared_data_missing_a_shard_its_prepare_json_lists(tmp_path):
+    """A .bin or ArrayRecord shard deleted from (or added to) a prepared directory: the split
+    trained and evaluated on part of its tokens while bits per byte took prepare.json's counts.
+    The train corpus, read before training, names the files of either split in one line."""
+    source = three_files(tmp_path)
+    for format, split, deleted in [("bin", "validation", "validation_000001_000000.bin"),
+                                   ("array_record", "train",
+                                    "train-000002-00000-of-00001.array_record")]:
+        out = tmp_path / format
+        counts = prepare.prepare(str(out), source, format=format)
+        assert deleted in counts[split]["files"]
+        config = config_for(out, tokenizer="byte")
+        tokenizer = inputs.get_tokenizer(config)
+        whole = len(inputs.corpus(config, tokenizer, "train"))
+        (out / deleted).rename(tmp_path / deleted)
+        with pytest.raises(ValueError) as error:
+            inputs.corpus(config, tokenizer, "train")
+        assert str(error.value) == (
+            f"data.path={str(out)!r}: its {split} shards are not those of its prepare.json "
+            f"(missing: [{deleted!r}], not listed: []): expected the files prepare wrote "
+            "(prepare the data again)")
+        extra = deleted.replace("00000", "00009", 1)
+        (tmp_path / deleted).rename(out / extra)
+        with pytest.raises(ValueError, match=re.escape(
+                f"(missing: [{deleted!r}], not listed: [{extra!r}])")):
+            inputs.get_dataset(config, tokenizer, "train")
+        (out / extra).rename(out / deleted)
+        summary = json.loads((out / "prepare.json").read_text())
+        for one in sources.SPLITS:  # a prepare.json from before the lists: not checked
+            del summary[one]["files"]
+        (out / "prepare.json").write_text(json.dumps(summary))
+        (out / deleted).unlink()
+        assert len(inputs.corpus(config, tokenizer, "train")) <= whole
 
 
 def test_a_tokenizing_worker_that_dies_fails_the_prepare_in_one_line(tmp_path):

@@ -89,6 +89,35 @@ def test_invalid_utf8_names_file_and_byte(tmp_path):
     assert str(path) in str(e.value) and "byte 3" in str(e.value)
 
 
+def test_a_text_files_byte_order_mark_is_not_text(tmp_path):
+    """A UTF-8 byte-order mark starting a .txt file is skipped (as JSON Lines skip it): it
+    became the first document's first character, and a file of only the mark a document. An
+    invalid byte is still named by its offset in the file, the mark counted; the fingerprint
+    marks a file read without it now (a checkpoint of a run that read it as text)."""
+    bom = tmp_path / "a.txt"
+    bom.write_bytes(b"\xef\xbb\xbfHello world\n\nsecond\n")
+    assert [d.text for d in sources.file_documents(str(bom), split="paragraph")] == [
+        "Hello world\n\n", "second\n"]
+    assert [d.text for d in sources.read_text(str(bom), split="file")] == [
+        "Hello world\n\nsecond\n"]
+    only = tmp_path / "only" / "b.txt"
+    only.parent.mkdir()
+    only.write_bytes(b"\xef\xbb\xbf")
+    assert list(sources.file_documents(str(only), split="file")) == []
+    with pytest.raises(ValueError, match="no text in 1 file"):
+        sources.read_text(str(only.parent))
+    # One file's fingerprint is of its size and bytes, whatever its name, but for the mark
+    for data, same in ((b"Hello world\n", True), (b"\xef\xbb\xbfHello world\n", False)):
+        (tmp_path / "a.jsonl").write_bytes(data)
+        (tmp_path / "c.txt").write_bytes(data)
+        assert (sources.fingerprint(str(tmp_path / "a.jsonl")) ==
+                sources.fingerprint(str(tmp_path / "c.txt"))) == same
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xef\xbb\xbfok\n\xff")
+    with pytest.raises(ValueError, match=r"invalid UTF-8 at byte 6: "):
+        sources.read_text(str(bad))
+
+
 def test_missing_and_empty_inputs(tmp_path):
     for missing in (tmp_path / "nope.txt", tmp_path / "*.nope"):
         with pytest.raises(FileNotFoundError, match="nope"):

@@ -340,6 +340,26 @@ def _interleaved_units(path: str) -> bool:
     return any(len(unit) > 1 for unit in prepare_units.array_record_units(path, "train"))
 
 
+def _check_prepared_files(prepared: str, summary: dict) -> None:
+    """A one-line error if the prepared directory's shards of a split are not those its
+    prepare.json `summary` lists (one deleted or added since: the split's counts, and so bits
+    per byte, would not be its tokens'). Every split is checked, so the train corpus, read
+    before training, checks the validation one too; a prepare.json without the lists is not."""
+    for split in sources.SPLITS:
+        listed = (summary.get(split) or {}).get("files")
+        if listed is None:
+            continue
+        pattern = f"{split}_*.bin" if summary.get("format") == "bin" else \
+            f"{split}-*.array_record"
+        found = {os.path.basename(p)
+                 for p in glob.glob(os.path.join(glob.escape(prepared), pattern))}
+        missing, extra = sorted(set(listed) - found), sorted(found - set(listed))
+        if missing or extra:
+            raise ValueError(f"data.path={prepared!r}: its {split} shards are not those of its "
+                             f"prepare.json (missing: {missing}, not listed: {extra}): expected "
+                             "the files prepare wrote (prepare the data again)")
+
+
 def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.Corpus:
     """A split's tokens as a `windows.Corpus`: its documents (each ending in <eos>) end to end,
     read as one stream under data.unit="stream". A prepared directory's .bin shards are always a
@@ -351,7 +371,9 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.
         return windows.Corpus(_token_shards(config, split), stream=True)
     if prepared := _prepared_dir(config):
         with open(os.path.join(prepared, "prepare.json")) as f:
-            layout = json.load(f).get("format", "array_record")
+            summary = json.load(f)
+        layout = summary.get("format", "array_record")
+        _check_prepared_files(prepared, summary)
         if layout == "bin":
             return windows.Corpus(shards.TokenShards(
                 os.path.join(glob.escape(prepared), f"{split}_*.bin")), stream=True)

@@ -27,10 +27,11 @@ A killed prepare resumes: the same command continues from the input files it fin
 shards were renamed into DIR when complete; DIR/.prepare/ holds the progress) and writes the same
 bytes as an uninterrupted run; another setting, or an input file changed since it was read,
 is refused in one line, and so is a second prepare while one is writing DIR. A DIR that holds a
-finished prepare, or ArrayRecord or .bin files of its own, is refused, so prepared data is never
-overwritten. --num_workers processes tokenize (default: every core); the output is the same
-bytes for any number. --engine=beam runs the same units as an Apache Beam pipeline
-(transformer.data.prepare_beam), for the same bytes again.
+finished prepare, ArrayRecord or .bin files or a tokenizer of its own is refused, so prepared
+data, a Hugging Face tokenizer folder or an export is never overwritten. --num_workers
+processes tokenize (default: every core); the output is the same bytes for any number.
+--engine=beam runs the same units as an Apache Beam pipeline (transformer.data.prepare_beam),
+for the same bytes again.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ from transformer.utils import fileio
 
 FORMATS = ("array_record", "bin")
 ENGINES = ("processes", "beam")
+TOKENS_PER_SHARD = 100_000_000  # format="bin"'s default
+MAX_TOKENS_PER_SHARD = 2**31 - 1  # a modded-nanogpt shard header's int32 count
+# The sentinels above a built tokenizer's vocabulary: build_tokenizer's default, which prepare uses
+_SENTINELS = tokenizers_lib.build_tokenizer.__kwdefaults__["num_sentinels"]
 _WORKER_TOKENIZER = None  # a worker process's tokenizer (_load_worker_tokenizer)
 
 
@@ -103,14 +108,19 @@ def _encoder(tok, tokenizer_dir: str, num_workers: int):
 
 
 def _check_arguments(tokenizer: str, tokenizer_path: str, format: str, num_shards: int,
-                     num_workers: int, vocab_size: int | None,
-                     validation_fraction: float) -> None:
-    """One-line errors for `prepare`'s arguments, before any document is read."""
+                     num_workers: int, vocab_size: int | None, validation_fraction: float,
+                     tokens_per_shard: int | None = None) -> None:
+    """One-line errors for `prepare`'s arguments, before any document is read (so before a
+    tokenizer is trained, or anything written to --output_dir)."""
     if tokenizer not in tokenizers_lib.KINDS:
         raise ValueError(f"tokenizer={tokenizer!r}: expected one of {tokenizers_lib.KINDS}")
     if (tokenizer == "hf") != bool(tokenizer_path):
         raise ValueError(f"tokenizer={tokenizer!r} with tokenizer_path={tokenizer_path!r}: "
                          "expected a path exactly with tokenizer='hf'")
+    trained = tokenizer.startswith("sentencepiece_")  # the kinds that take a vocab_size
+    if vocab_size is not None and not trained:
+        raise ValueError(f"vocab_size={vocab_size} with tokenizer={tokenizer!r}: expected no "
+                         "vocab_size (only a SentencePiece tokenizer is trained to one)")
     if format not in FORMATS:
         raise ValueError(f"format={format!r}: expected one of {FORMATS}")
     if num_shards < 1:
@@ -123,15 +133,23 @@ def _check_arguments(tokenizer: str, tokenizer_path: str, format: str, num_shard
     if format == "bin" and num_shards != 1:
         raise ValueError(f"num_shards={num_shards} with format='bin': expected tokens_per_shard "
                          "to size .bin shards")
-    if format == "bin" and (vocab_size or 0) > prepare_units.MAX_BIN_VOCAB:  # before training
-        raise ValueError(f"vocab_size={vocab_size} with format='bin': expected at most "
-                         f"{prepare_units.MAX_BIN_VOCAB} (uint16 token ids)")
+    if format == "bin" and tokens_per_shard is not None and \
+            not 1 <= tokens_per_shard <= MAX_TOKENS_PER_SHARD:
+        raise ValueError(f"tokens_per_shard={tokens_per_shard}: expected 1 to 2**31 - 1 "
+                         "(a modded-nanogpt shard's int32 count)")
+    # A SentencePiece tokenizer's ids reach vocab_size + its sentinels; other tokenizers' sizes
+    # are checked once built (`prepare_units`).
+    limit = prepare_units.MAX_BIN_VOCAB
+    if format == "bin" and trained and (vocab_size or 0) + _SENTINELS > limit:
+        raise ValueError(f"vocab_size={vocab_size} with format='bin': expected at most {limit} "
+                         f"ids (uint16) with its {_SENTINELS} sentinels, so vocab_size at most "
+                         f"{limit - _SENTINELS}")
 
 
 def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "byte",
             vocab_size: int | None = None, num_shards: int = 1, validation_fraction: float = 0.05,
             unit: str = "paragraph", format: str = "array_record",
-            tokens_per_shard: int = 100_000_000, tokenizer_path: str = "",
+            tokens_per_shard: int | None = None, tokenizer_path: str = "",
             text_field: str = "text", num_workers: int = 1, engine: str = "processes",
             beam_options: str = "") -> dict:
     """Builds the tokenizer on the train split of `input_path` (the embedded corpus if None; a
@@ -139,7 +157,8 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
     `output_dir`, and writes each input file's documents of each split, tokenized with <eos>
     appended, to its own shards: "{output_dir}/{split}-{i:06d}-*.array_record"
     (format="array_record", `num_shards` files) or modded-nanogpt shards
-    "{output_dir}/{split}_{i:06d}_*.bin" (format="bin", `tokens_per_shard` tokens each).
+    "{output_dir}/{split}_{i:06d}_*.bin" (format="bin", `tokens_per_shard` tokens each,
+    default TOKENS_PER_SHARD; the command refuses it with array_record).
     Returns the counts also written to prepare.json (`prepare_units.finish`). `num_workers`
     processes tokenize (the output is the same bytes for any number), or with engine="beam"
     an Apache Beam pipeline of `beam_options` does (`prepare_beam`; the same bytes again).
@@ -147,7 +166,8 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
     """
     output_dir = os.fspath(output_dir)
     _check_arguments(tokenizer, tokenizer_path, format, num_shards, num_workers, vocab_size,
-                     validation_fraction)
+                     validation_fraction, tokens_per_shard)
+    tokens_per_shard = tokens_per_shard or TOKENS_PER_SHARD  # (array_record: unused)
     if unit not in sources.UNITS:
         raise ValueError(f"unit={unit!r}: expected one of {sources.UNITS}")
     if fileio.is_remote(output_dir):
@@ -219,6 +239,9 @@ def _main(argv):
     if f.engine == "beam" and f.num_workers is not None:
         raise app.UsageError(f"--num_workers={f.num_workers} with --engine=beam: expected the "
                              "runner's own workers in --beam_options (--direct_num_workers=N)")
+    if f.tokens_per_shard is not None and f.format != "bin":  # (None: not given)
+        raise app.UsageError(f"--tokens_per_shard={f.tokens_per_shard} with --format={f.format}: "
+                             "expected --format=bin (--num_shards sizes ArrayRecord shards)")
     if f.engine != "beam" and f.beam_options:
         raise app.UsageError(f"--beam_options={f.beam_options!r} with --engine={f.engine}: "
                              "expected --engine=beam")
@@ -248,7 +271,8 @@ def _define_flags():
     flags.DEFINE_enum("format", "array_record", FORMATS,
                       "array_record: one record per document; bin: modded-nanogpt uint16 shards.")
     flags.DEFINE_integer("num_shards", 1, "ArrayRecord files per split.", lower_bound=1)
-    flags.DEFINE_integer("tokens_per_shard", 100_000_000, "Tokens per .bin shard.", lower_bound=1)
+    flags.DEFINE_integer("tokens_per_shard", None, "Tokens per .bin shard (--format=bin; "
+                         f"default {TOKENS_PER_SHARD:,}).", lower_bound=1)
     flags.DEFINE_float("validation_fraction", 0.05, "Fraction of documents for validation.",
                        lower_bound=0.0, upper_bound=1.0)
     flags.DEFINE_enum("unit", "paragraph", sources.UNITS, "Document unit of text files.")

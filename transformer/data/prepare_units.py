@@ -243,6 +243,20 @@ def _existing_shards(output_dir: str) -> str | None:
     return None
 
 
+# Files a saved tokenizer may write (`Tokenizer.save`), which a fresh prepare would overwrite.
+_TOKENIZER_FILES = (tokenizers_lib.CONFIG_FILE, tokenizers_lib.SENTENCEPIECE_FILE,
+                    tokenizers_lib.HF_FILE)
+
+
+def _existing_tokenizer(output_dir: str) -> str | None:
+    """A tokenizer file of another's in `output_dir` (a Hugging Face tokenizer folder, an export),
+    or None. One a prepare saved before it was killed, with its .prepare/ begun, is its own."""
+    if os.path.isdir(_progress(output_dir)):
+        return None
+    return next((name for name in _TOKENIZER_FILES
+                 if os.path.exists(os.path.join(output_dir, name))), None)
+
+
 @contextlib.contextmanager
 def exclusive(output_dir: str) -> Iterator[None]:
     """Holds local `output_dir` (made if missing) for one prepare: an exclusive lock on its
@@ -288,6 +302,10 @@ def begin(output_dir: str, settings: dict) -> tuple[dict, tokenizers_lib.Tokeniz
         if os.path.isfile(os.path.join(output_dir, SUMMARY)):
             raise FileExistsError(f"{output_dir}: already holds a finished prepare "
                                   f"({SUMMARY}): expected a directory without prepared data")
+        if existing := _existing_tokenizer(output_dir):
+            raise FileExistsError(f"{output_dir}: already holds a tokenizer ({existing}), which "
+                                  "prepare would overwrite with its own: expected a directory "
+                                  "without one (another --output_dir)")
         if settings["tokenizer"] not in ("hf", "byte"):  # trained on every input file
             settings = {**settings, "fingerprints": [sources.fingerprint(unit or None)
                                                      for unit in settings["units"]]}
