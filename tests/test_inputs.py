@@ -136,10 +136,10 @@ def test_embedded_corpus_feeds_every_objective_without_a_download():
     # bytes per target token: a packed document's targets are its tokens and <eos> but its
     # first, as many as its bytes under the byte tokenizer
     assert tokenizer.kind == "byte" and ratio == 1.0
-    # 64 rows from a split of 17 documents: rows are windows through the split's tokens, not
-    # documents, so any batch size works.
-    config.batch_size, config.model.family = 64, "gpt"
-    assert len(sources.load_documents(None, "validation")) < 64
+    # 64 rows from a split of 17 documents (whole files): rows are windows through the split's
+    # tokens, not documents, so any batch size works.
+    config.batch_size, config.model.family, config.data.unit = 64, "gpt", "file"
+    assert len(sources.load_documents(None, "validation", unit="file")) < 64
     batch = next(iter(inputs.get_dataset(config, tokenizer, "validation", num_epochs=1)))
     assert batch["inputs"].shape == (64, config.seq_len) and batch["weights"].all()
 

@@ -176,11 +176,13 @@ def test_split_rejects_bad_arguments():
 
 
 def test_load_documents(tmp_path):
-    corpus = sources.embedded_corpus()
+    corpus = sources.embedded_corpus("paragraph")  # the default unit's documents
     validation = sources.load_documents(None, "validation")
     assert validation == sources.load_documents("", "validation")
     assert 0 < len(validation) < len(corpus) / 5
     assert set(validation) <= set(corpus)
+    files = sources.load_documents(None, "validation", unit="file")
+    assert set(files) <= set(sources.embedded_corpus()) and len(files) < len(validation)
     file = write(tmp_path / "a.txt", TEXT)
     assert sources.load_documents(file, "train", validation_fraction=0.0) == sources.read_text(file)
     assert len(sources.load_documents(file, "train", unit="file", validation_fraction=0)) == 1
@@ -432,3 +434,17 @@ def test_a_truncated_jsonl_gz_names_the_last_row_it_read(tmp_path):
     assert 0 < len(read) < 5000 and read == list(range(len(read)))
     assert str(error.value).startswith(
         f"{path}: unreadable after row {read[-1]} (line {len(read)}): EOFError: ")
+
+
+def test_the_modules_tasks_test_paragraphs_are_not_in_the_embedded_corpus_pretraining():
+    """tasks.py's promise: pretrained on the embedded corpus with the same validation_fraction,
+    a model never saw a test paragraph of the `modules` task. The corpus was split by whole file
+    whatever data.unit said, while the task splits paragraphs: 412 of its 644 test paragraphs
+    were in pretraining's train split."""
+    from transformer.data import tasks
+
+    train = "".join(d.text for d in sources.load_documents(None, "train", validation_fraction=0.15))
+    test = tasks.make_task("modules", "", 8, 0.15).splits["test"]
+    # the long ones: a short paragraph ("    Example:\n\n") may recur inside another
+    long = [e.source for e in test if len(e.source) > 200]
+    assert len(long) > 50 and not [text for text in long if text in train]

@@ -98,7 +98,7 @@ def unit_documents(settings: dict, index: int) -> Iterator[tuple[str, sources.Do
     stream = settings["unit"] == "stream"
     docs = sources.read_text(settings["input"], split="file" if stream else settings["unit"],
                              text_field=settings["text_field"]) if settings["input"] else \
-        sources.embedded_corpus()
+        sources.embedded_corpus("file" if stream else settings["unit"])
     for split in sources.SPLITS:
         chosen = sources.split_stream(docs, split, fraction) if stream else \
             sources.split_documents(docs, split, fraction)

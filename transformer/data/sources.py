@@ -50,11 +50,14 @@ def _embedded_corpus() -> tuple[Document, ...]:
     return tuple(sorted(docs, key=lambda doc: doc.name))
 
 
-def embedded_corpus() -> list[Document]:
+def embedded_corpus(unit: str = "file") -> list[Document]:
     """Text every Python installation ships, so no download is needed: one document per topic of
     `pydoc_data.topics` ("pydoc:<topic>") and per top-level standard-library `*.py` file
-    ("stdlib:<file>"), sorted by name. About 5 MB; read once per process."""
-    return list(_embedded_corpus())
+    ("stdlib:<file>"), sorted by name; unit="paragraph" cuts each as a text file's
+    ("stdlib:abc.py#3"). About 5 MB; read once per process."""
+    return list(_embedded_corpus()) if unit != "paragraph" else [
+        Document(f"{d.name}#{k}", p) for d in _embedded_corpus()
+        for k, p in enumerate(split_paragraphs(d.text))]
 
 
 _BOM = "\ufeff"  # a UTF-8 byte-order mark (bytes EF BB BF), which some editors write first
@@ -376,9 +379,9 @@ def load_documents(path: str | None, split: str, *, validation_fraction: float =
         chosen = read(test_path)  # (text that is all blank is an error)
     elif validation_path:
         source = path if split == "train" else validation_path
-        chosen = read(source) if source else embedded_corpus()
+        chosen = read(source) if source else embedded_corpus(read_as)
     else:
-        docs = embedded_corpus() if not path else read(path)
+        docs = embedded_corpus(read_as) if not path else read(path)
         chosen = split_stream(docs, split, validation_fraction) if unit == "stream" else \
             split_documents(docs, split, validation_fraction)
         where = f"{path or 'the embedded corpus'}"
