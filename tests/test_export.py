@@ -572,6 +572,73 @@ def test_the_exported_tokenizers_default_call_gives_what_the_model_read(experime
     assert auto.decode(auto(text)["input_ids"], skip_special_tokens=True) == text
 
 
+def test_a_classifiers_label_names_are_not_read_from_data_changed_since_training(tmp_path,
+                                                                                 capsys):
+    """400 speeches of a new speaker appended after training made him class 0 of the
+    export's id2label, every trained class's name shifted, silently: with the checkpoint's
+    saved stream, changed data leaves LABEL_i, with a warning."""
+    from test_finetune import play_text, task_config
+
+    from transformer.data import inputs
+
+    play = tmp_path / "play.txt"
+    play.write_text(play_text())
+    config = task_config(play)
+    saved = inputs.data_stream(config)  # as the checkpoint saved it
+    assert export.task_labels(config, saved) == ["ROMEO", "JULIET", "NURSE"]
+    moved = tmp_path / "moved.txt"  # (a new path: tasks are built once per process and path)
+    moved.write_text(play.read_text())
+    config.data.path = str(moved)
+    assert export.task_labels(config, saved) == ["ROMEO", "JULIET", "NURSE"]  # only moved
+    changed = tmp_path / "changed.txt"
+    changed.write_text(play_text() + "".join(f"\nAARON:\nwords {i}.\n" for i in range(400)))
+    config.data.path = str(changed)
+    assert export.task_labels(config)[0] == "AARON"  # the new data's classes
+    assert export.task_labels(config, saved) is None
+    err = capsys.readouterr().err
+    assert "the data changed since the checkpoint was saved (a different fingerprint)" in err
+    assert "LABEL_0" in err
+
+
+def test_an_exported_classifiers_tokenizer_truncates_as_training_did(tmp_path):
+    """A text longer than seq_len crashed the exported BERT classifier's pipeline (146
+    position ids for 64): model_max_length is the run's seq_len, so `truncation=True` gives
+    training's row ([CLS] text [SEP] cut to seq_len), and HF's logits on it equal ours."""
+    from flax import linen as nn
+    from safetensors.numpy import save_file
+
+    from transformer import configs
+    from transformer import export as export_cli
+    from transformer.data import tasks, tokenizers
+
+    config = configs.experiment("bert_finetune_cls")
+    tokenizer = tokenizers.ByteTokenizer(num_sentinels=0)
+    config.update(seq_len=32)
+    config.model.update(**TINY_MODEL, max_len=32, num_classes=3, dropout_rate=0.0,
+                        attention_dropout_rate=0.0, vocab_size=tokenizer.vocab_size)
+    model = build_model(config.model)
+    text = "Now is the winter of our discontent made glorious summer by this sun of York"
+    ids = tokenizer.encode(text)
+    row = tasks.classification_features(ids, 0, seq_len=32, tokenizer=tokenizer, cls=True)
+    params = nn.unbox(model.init(jax.random.key(0), row["inputs"][None])["params"])
+    hf_config, state = export.to_hf(config.model, params)
+    hf_config.save_pretrained(tmp_path)
+    save_file(state, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    export_cli._tokenizer_files(tokenizer, str(tmp_path), hf_config.model_type, config)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert auto.model_max_length == 32
+    cut = auto(text, truncation=True, return_tensors="pt")
+    assert cut["input_ids"][0].tolist() == row["inputs"].tolist()  # full: no padding
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        expected = hf(**cut).logits.numpy()
+    got = np.asarray(model.apply({"params": params}, row["inputs"][None],
+                                 segment_ids=row["segment_ids"][None]))
+    assert relative_difference(got, expected) <= 1e-4
+    pipe = transformers.pipeline("text-classification", model=hf, tokenizer=auto)
+    assert pipe(text, truncation=True)[0]["label"] == f"LABEL_{int(got.argmax())}"
+
+
 @pytest.mark.parametrize("style", ["gpt2", "bert"])
 def test_a_hub_tokenizers_post_processor_gives_way_to_the_template_only_where_it_differs(
         style, tmp_path):

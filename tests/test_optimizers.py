@@ -496,6 +496,23 @@ def test_fine_tuning_groups_work_with_every_optimizer(gpt_params, name):
     assert sum(moved) == (len(moved) - 1 if name == "schedule_free_adamw" else 0)
 
 
+def test_a_head_regex_matching_no_param_is_refused_before_training(gpt_params, tmp_path):
+    """optimizer.head='^clasifier/' (a typo) trained no param at head_learning_rate, silently:
+    like optimizer.freeze, a head regex matching no param is one line, before any step."""
+    from transformer.training import state
+
+    _, params, _ = gpt_params
+    state.check_freeze(params, tiny(head="final_norm"))
+    message = (r"^optimizer.head='\^clasifier/' matches no param: expected a regex over param "
+               r"paths such as embed/embedding($|\n)")
+    with pytest.raises(ValueError, match=message):
+        state.check_freeze(params, tiny(head="^clasifier/"))
+    with pytest.raises(ValueError, match=message):
+        train.train_and_evaluate(tiny(head="^clasifier/", head_learning_rate=1e-2),
+                                 str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("decay", optim.DECAYS)
 def test_without_warmup_every_schedule_starts_at_the_peak(decay):
     """warmup_steps=0: update 0 runs at the peak learning rate (cosine's optax warmup of one

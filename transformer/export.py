@@ -36,8 +36,11 @@ def _tokenizer_files(tokenizer, directory: str, model_type: str | None = None,
     """tokenizer.json and tokenizer_config.json, so `AutoTokenizer` gives the run's ids (and a
     Hugging Face tokenizer's specials, inputs and settings), and its default call the inputs
     the run's model read (`_with_template`). Where the tokenizer names no `model_input_names`,
-    they are those of `model_type`'s own tokenizer class (BERT's include token_type_ids)."""
+    they are those of `model_type`'s own tokenizer class (BERT's include token_type_ids). A
+    classifier's model_max_length is the run's seq_len: `truncation=True` cuts as training did."""
     import json
+
+    from transformer.models import family_of
 
     tokenizer_json, config = tokenizer.hugging_face()
     if run_config is not None:
@@ -45,6 +48,9 @@ def _tokenizer_files(tokenizer, directory: str, model_type: str | None = None,
     if model_type and "model_input_names" not in config and (
             names := _model_input_names(model_type)):
         config["model_input_names"] = names
+    if run_config is not None and family_of(run_config).classifier(run_config.model):
+        # `truncation=True` then cuts a long text as training did ([CLS] text [SEP] in seq_len)
+        config["model_max_length"] = int(run_config.seq_len)
     fileio.path(directory).joinpath("tokenizer.json").write_text(tokenizer_json,
                                                                   encoding="utf-8")
     fileio.path(directory).joinpath("tokenizer_config.json").write_text(
@@ -170,8 +176,10 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
                       {"step": step, "architecture": "a peft LoRA adapter"})
     if adapters:
         params = lora.merged_params(params, state_lib.model_lora(config))
+    labels = hf_export.task_labels(config, checkpoint_lib.saved_stream(workdir, step,
+                                                                        or_newer=True))
     hf_config, state = hf_export.to_hf(hf_export.base_model_config(config.model), params,
-                                       labels=hf_export.task_labels(config))
+                                       labels=labels)
     for role in ("bos", "eos", "pad"):
         value = getattr(tokenizer, f"{role}_id", None)
         if value is not None:

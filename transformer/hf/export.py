@@ -222,11 +222,13 @@ def _t5(config, params, transformers):
     return hf_config, out
 
 
-def task_labels(config) -> list[str] | None:
+def task_labels(config, saved_stream: dict | None = None) -> list[str] | None:
     """The class names of a run config's labeled task, in class order, for a classifier's
     exported id2label (None: the model has no class head). Reads the task's data, as
-    training did; where it is not there (an export on another machine), a warning says the
-    names stay transformers' LABEL_i, and None."""
+    training did; where it is not there (an export on another machine), or where its content
+    fingerprints differ from `saved_stream`'s (the checkpoint's, `checkpoint.saved_stream`:
+    the names would be the new data's, not the trained classes'), a warning says the names
+    stay transformers' LABEL_i, and None."""
     import sys
 
     from transformer.data import inputs
@@ -234,13 +236,21 @@ def task_labels(config) -> list[str] | None:
 
     if not family_of(config).classifier(config.model):
         return None
+    fallback = "id2label stays LABEL_0, LABEL_1, ..."
     try:
         task = inputs.labeled_task(config)
     except FileNotFoundError as error:
         print(f"warning: data.path={config.data.path!r}: the classifier's label names come from "
-              f"its task's data ({error}): id2label stays LABEL_0, LABEL_1, ...",
-              file=sys.stderr)
+              f"its task's data ({error}): {fallback}", file=sys.stderr)
         return None
+    if task is not None and saved_stream is not None:
+        changed = [key for key, value in inputs.data_stream(config).items()
+                   if key.endswith("fingerprint") and saved_stream.get(key) != value]
+        if changed:
+            print(f"warning: data.path={config.data.path!r}: the data changed since the "
+                  f"checkpoint was saved (a different {', '.join(changed)}), so its class names "
+                  f"may not be the trained ones: {fallback}", file=sys.stderr)
+            return None
     return None if task is None else list(task.labels)
 
 

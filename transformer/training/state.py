@@ -104,11 +104,15 @@ def active_params(abstract_state: TrainState, config: ml_collections.ConfigDict,
 
 def check_freeze(params, config: ml_collections.ConfigDict) -> None:
     """One line if optimizer.freeze matches every param (nothing would train) or none (it
-    would do nothing). `params`: a model's, unboxed."""
-    freeze = config.optimizer.get("freeze", "")
+    would do nothing), or optimizer.head matches none (head_learning_rate would train
+    nothing). `params`: a model's, unboxed."""
+    freeze, head = config.optimizer.get("freeze", ""), config.optimizer.get("head", "")
+    names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    if head and not any(re.search(head, name) for name in names):
+        raise ValueError(f"optimizer.head={head!r} matches no param: expected a regex over "
+                         f"param paths such as {names[-1]}")
     if not freeze:
         return
-    names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     matched = sum(bool(re.search(freeze, name)) for name in names)
     if matched == len(names):
         raise ValueError(f"optimizer.freeze={freeze!r} matches every param, so nothing would "
