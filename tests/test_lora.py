@@ -25,6 +25,7 @@ from transformer.nn.layers import MLP
 from transformer.nn.lora import LoraConfig
 from transformer.parallel import sharding
 from transformer.training import finetune, optim
+from transformer.training import state as state_lib
 from transformer.training.state import initial_state
 from transformer.training.step import make_train_step
 
@@ -185,6 +186,11 @@ def test_qlora_keeps_int8_kernels_and_its_forward_is_close_to_loras(trained):
     q_model, _, q_state = init(q_config)  # the same seed: the same float init, quantized
     kernels = {k: v for k, v in flat(q_state.params).items() if k.endswith("/qvalue")}
     assert len(kernels) == 7 * 2 and all(v.dtype == jnp.int8 for v in kernels.values())
+    # Its params are LoRA's: a kernel's per-channel scales are not params (the count, the
+    # active params and so MFU counted them)
+    assert state_lib.num_params(q_state) == state_lib.num_params(state) == lora.counts(
+        q_state.params)[0]
+    assert state_lib.active_params(q_state, q_config) == state_lib.active_params(state, config)
     ids = lm_batch(7)["inputs"]
     ours, theirs = logits(q_model, q_state.params, ids), logits(model, state.params, ids)
     assert 0 < np.abs(ours - theirs).mean() / np.abs(theirs).mean() < 0.03

@@ -74,7 +74,8 @@ def model_lora(config: ml_collections.ConfigDict) -> lora_lib.LoraConfig:
 
 
 def num_params(abstract_state: TrainState) -> int:
-    return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(abstract_state.params))
+    """Its params; a QLoRA kernel counts its values, not its per-channel scales."""
+    return lora_lib.counts(abstract_state.params)[0]
 
 
 def param_name(path) -> str:
@@ -91,11 +92,13 @@ def active_params(abstract_state: TrainState, config: ml_collections.ConfigDict,
     moe = config.model.get("moe")
     routed = moe.num_experts if moe else 0
     total = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+            abstract_state.params, is_leaf=lora_lib.is_quantized)[0]:
         if matching is not None and not re.search(matching, param_name(path)):
             continue
         keys = [getattr(k, "key", None) for k in path]
-        size = int(np.prod(leaf.shape))
+        # a QLoRA kernel counts its values, not its scales (as num_params, lora.counts)
+        size = int(np.prod((leaf["qvalue"] if lora_lib.is_quantized(leaf) else leaf).shape))
         total += size
         if routed and "moe" in keys[:-1] and keys[-1] in moe_lib.EXPERT_WEIGHTS:
             total -= size * (routed - moe.top_k) // routed
