@@ -204,13 +204,20 @@ def notes(model_config) -> list[str]:
     >>> moe = ml_collections.ConfigDict({"moe": {"num_experts": 8, "capacity_factor": 1.25}})
     >>> notes(moe)  # doctest: +ELLIPSIS
     ["note: moe.capacity_factor=1.25: Hugging Face's experts are dropless, ..."]
+    >>> notes(ml_collections.ConfigDict({"quantization": "int8"}))  # doctest: +ELLIPSIS
+    ["note: model.quantization='int8': the export holds the float weights, ..."]
     """
-    moe = model_config.get("moe") or {}
+    moe, out = model_config.get("moe") or {}, []
     if moe.get("num_experts") and moe.get("capacity_factor", 0) > 0:
-        return [f"note: moe.capacity_factor={moe['capacity_factor']}: Hugging Face's experts "
-                "are dropless, so the export's logits differ from this model's where its "
-                "experts dropped tokens over capacity (at moe.capacity_factor=0 they are equal)"]
-    return []
+        out.append(f"note: moe.capacity_factor={moe['capacity_factor']}: Hugging Face's experts "
+                   "are dropless, so the export's logits differ from this model's where its "
+                   "experts dropped tokens over capacity (at moe.capacity_factor=0 they are "
+                   "equal)")
+    if scheme := model_config.get("quantization"):
+        out.append(f"note: model.quantization={scheme!r}: the export holds the float weights, "
+                   "which Hugging Face multiplies in float, so its logits differ from this "
+                   f"model's {scheme} matmuls by their rounding (the float model's, within 1e-4)")
+    return out
 
 
 def _write(output: str, write, result: dict) -> dict:
