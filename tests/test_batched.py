@@ -176,14 +176,19 @@ def test_every_seeds_clock_leaves_out_the_other_seeds_setups(tmp_path, monkeypat
     monkeypatch.setattr(train, "setup", slow_setup)
     configs = [seed_config(k, steps=2, eval_every=100, checkpoint_every=100) for k in range(2)]
     batched.train_seeds(configs, [str(tmp_path / f"seed_{k}") for k in range(2)])
+    # the train records: one clock reading for all seeds (each seed's validation record comes
+    # after the seeds before it are evaluated, later by their evaluations: 0.33 s under CI load)
     elapsed = [{r["step"]: r["elapsed"] for r in map(json.loads, (
-        tmp_path / f"seed_{k}" / "metrics.jsonl").read_text().splitlines())} for k in range(2)]
+        tmp_path / f"seed_{k}" / "metrics.jsonl").read_text().splitlines())
+        if r["split"] == "train"} for k in range(2)]
     summaries = [json.loads((tmp_path / f"seed_{k}" / "summary.json").read_text())
                  for k in range(2)]
     assert sorted(elapsed[0]) == sorted(elapsed[1]) == [1, 2]
     for step in (1, 2):
-        assert abs(elapsed[0][step] - elapsed[1][step]) < 0.25, elapsed
-    assert abs(summaries[0]["elapsed"] - summaries[1]["elapsed"]) < 0.25
+        assert abs(elapsed[0][step] - elapsed[1][step]) < 0.05, elapsed
+    # each summary after the seeds before it finished: within half the 1 s a clock that kept
+    # another seed's setup would add
+    assert abs(summaries[0]["elapsed"] - summaries[1]["elapsed"]) < 0.5
     for k in range(2):  # the setup it was charged is its own (1 s of seed 1's: not seed 0's)
         startup = summaries[k]["goodput"]["startup_seconds"]
         assert own[k] - 0.01 < startup < own[k] + 0.5, (k, startup, own)
