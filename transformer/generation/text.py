@@ -217,8 +217,8 @@ def speculative_text(model, params, tokenizer, config, *, prompt: str = "",
                          "causal decoder LM (family gpt) with model.mtp.depth > 0")
     check_max_new_tokens(max_new_tokens)
     encoded = _encode_prompt(tokenizer, prompt)
-    eos, stops = tokenizer.eos_id, stop_ids(tokenizer)
-    prompt_ids = np.concatenate([[eos], encoded]).astype(np.int32)
+    stops = stop_ids(tokenizer)
+    prompt_ids, _ = _prompt_ids(encoded, tokenizer.eos_id, "causal")
     n = _new_tokens(max_new_tokens, config, "causal", len(prompt_ids))
     if max_new_tokens is None and config.model.get("position") == "learned":
         # the drafts checked past the last new token need positions in the table too

@@ -260,9 +260,13 @@ def counts(params) -> tuple[int, int]:
     """(total params, trainable adapter params) of a params tree (arrays or abstract); a QLoRA
     kernel counts its values (not its scales)."""
     flat = traverse_util.flatten_dict(dict(params), is_leaf=lambda _, x: is_quantized(x))
-    size = lambda x: int(np.prod((x["qvalue"] if is_quantized(x) else x).shape))
-    return sum(map(size, flat.values())), \
-        sum(size(v) for k, v in flat.items() if is_adapter(k[-1]))
+    return sum(map(stored_size, flat.values())), \
+        sum(stored_size(v) for k, v in flat.items() if is_adapter(k[-1]))
+
+
+def stored_size(param) -> int:
+    """A param's count: a QLoRA kernel's values (not its scales), else its size."""
+    return int(np.prod((param["qvalue"] if is_quantized(param) else param).shape))
 
 
 def merged_params(params, lora: LoraConfig):

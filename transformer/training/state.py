@@ -97,8 +97,7 @@ def active_params(abstract_state: TrainState, config: ml_collections.ConfigDict,
         if matching is not None and not re.search(matching, param_name(path)):
             continue
         keys = [getattr(k, "key", None) for k in path]
-        # a QLoRA kernel counts its values, not its scales (as num_params, lora.counts)
-        size = int(np.prod((leaf["qvalue"] if lora_lib.is_quantized(leaf) else leaf).shape))
+        size = lora_lib.stored_size(leaf)  # a QLoRA kernel's values, not its scales
         total += size
         if routed and "moe" in keys[:-1] and keys[-1] in moe_lib.EXPERT_WEIGHTS:
             total -= size * (routed - moe.top_k) // routed
