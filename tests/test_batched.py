@@ -161,23 +161,25 @@ def test_the_profilers_start_and_stop_are_outside_every_seeds_timed_steps(tmp_pa
 
 @pytest.mark.slow
 def test_every_seeds_clock_leaves_out_the_other_seeds_setups(tmp_path, monkeypatch):
-    """The seeds are set up one after another (each made 1 s slower here), then train in one
-    program: every seed's `elapsed` at a step is the same, and its goodput start-up is its own
-    setup, not the later seeds' as well."""
+    """The seeds are set up one after another (each made 2 s slower here), then train in one
+    program: every seed's `elapsed` at a step is the same (to the writes' own spread), and its
+    goodput start-up is its own setup, not the later seeds' as well."""
     own, setup = [], train.setup
 
     def slow_setup(*args, **kwargs):
         began = time.perf_counter()
         run = setup(*args, **kwargs)
-        time.sleep(1.0)  # after the run's metrics log opened
+        time.sleep(2.0)  # after the run's metrics log opened
         own.append(time.perf_counter() - began)
         return run
 
     monkeypatch.setattr(train, "setup", slow_setup)
     configs = [seed_config(k, steps=2, eval_every=100, checkpoint_every=100) for k in range(2)]
     batched.train_seeds(configs, [str(tmp_path / f"seed_{k}") for k in range(2)])
-    # the train records: one clock reading for all seeds (each seed's validation record comes
-    # after the seeds before it are evaluated, later by their evaluations: 0.33 s under CI load)
+    # Each record's `elapsed` is read when it is written, one seed after another (0.21 s apart
+    # under CI load at the last step, whose log also fetches and checks): within half the 2 s
+    # that a clock keeping another seed's setup would add. The validation records come after
+    # the seeds before them were evaluated, so the train records are compared.
     elapsed = [{r["step"]: r["elapsed"] for r in map(json.loads, (
         tmp_path / f"seed_{k}" / "metrics.jsonl").read_text().splitlines())
         if r["split"] == "train"} for k in range(2)]
@@ -185,13 +187,11 @@ def test_every_seeds_clock_leaves_out_the_other_seeds_setups(tmp_path, monkeypat
                  for k in range(2)]
     assert sorted(elapsed[0]) == sorted(elapsed[1]) == [1, 2]
     for step in (1, 2):
-        assert abs(elapsed[0][step] - elapsed[1][step]) < 0.05, elapsed
-    # each summary after the seeds before it finished: within half the 1 s a clock that kept
-    # another seed's setup would add
-    assert abs(summaries[0]["elapsed"] - summaries[1]["elapsed"]) < 0.5
-    for k in range(2):  # the setup it was charged is its own (1 s of seed 1's: not seed 0's)
+        assert abs(elapsed[0][step] - elapsed[1][step]) < 1.0, elapsed
+    assert abs(summaries[0]["elapsed"] - summaries[1]["elapsed"]) < 1.0
+    for k in range(2):  # the setup it was charged is its own (2 s of seed 1's: not seed 0's)
         startup = summaries[k]["goodput"]["startup_seconds"]
-        assert own[k] - 0.01 < startup < own[k] + 0.5, (k, startup, own)
+        assert own[k] - 0.01 < startup < own[k] + 1.0, (k, startup, own)
 
 
 @pytest.mark.slow
