@@ -311,7 +311,7 @@ def test_sample_texts():
     small = default_model_config()
     small.update(vocab_size=tokenizer.vocab_size, num_layers=1, d_model=16, num_heads=2,
                  d_ff=32)
-    config = type("Config", (), {})()
+    config = base_config()
     config.seq_len, config.model = 12, small
     for family in ("gpt", "lstm"):
         small.family = family
@@ -330,7 +330,7 @@ def test_end_of_run_samples_run_past_document_ends():
     tokenizer = tokenizers.ByteTokenizer(num_sentinels=0)
     small = default_model_config()
     small.update(vocab_size=tokenizer.vocab_size, num_layers=1, d_model=16, num_heads=2, d_ff=32)
-    config = type("Config", (), {})()
+    config = base_config()
     config.seq_len, config.model = 12, small
     model = build_model(small)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 4), jnp.int32))[
@@ -552,9 +552,53 @@ def test_a_prefix_lm_reads_the_prompt_as_its_training_rows_begin_a_document(monk
     text.sample_texts(model, None, tokenizer, config, num_samples=1, prompt="", max_new_tokens=2)
     assert read == [([tokenizers.EOS_ID], True)]
     read.clear()
-    gpt, _, config = _byte_setup("gpt")
+    gpt, _, config = _byte_setup("gpt")  # packed documents: the prompt alone, as a row begins
     text.sample_texts(gpt, None, tokenizer, config, num_samples=1, prompt="abc", max_new_tokens=2)
-    assert read == [([tokenizers.EOS_ID] + start, False)]
+    assert read == [(start, False)]
+    read.clear()
+    config.data.unit = "stream"  # each document after the previous one's <eos>
+    text.sample_texts(gpt, None, tokenizer, config, num_samples=1, prompt="abc", max_new_tokens=2)
+    text.beam_search_text(gpt, None, tokenizer, config, prompt="abc", max_new_tokens=2)
+    assert read == [([tokenizers.EOS_ID] + start, False)] * 2
+
+
+def test_a_decoder_lm_reads_a_document_start_as_its_training_rows_began_one(tmp_path):
+    """<eos> before a text where training ran its documents on as one stream (data.unit
+    "stream", a folder of token shards, a prepared folder's .bin shards, a mixture with one
+    such source) or the weights are a Hugging Face checkpoint's; nothing where training packed
+    them (the default unit) or for a prefix LM; <eos> before an empty text."""
+    from transformer.data import prepare
+    from transformer.generation.text import document_prefix
+
+    eos = tokenizers.EOS_ID
+    config = base_config()
+    assert document_prefix(config, eos) == [] and document_prefix(config, eos, True) == [eos]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"paragraph {i} of a corpus.\n\n" for i in range(40)))
+    for unit in ("file", "stream"):
+        config.data.unit = unit
+        assert document_prefix(config, eos) == [eos] * (unit == "stream"), unit
+    config.data.unit = "paragraph"
+    shards = tmp_path / "shards"  # nanoGPT's train.bin / val.bin
+    shards.mkdir()
+    for name in ("train.bin", "val.bin"):
+        np.arange(3, 40, dtype=np.uint16).tofile(shards / name)
+    prepare.prepare(str(tmp_path / "bin"), str(corpus), format="bin")
+    prepare.prepare(str(tmp_path / "array_record"), str(corpus))
+    for path, streams in ((shards, True), (tmp_path / "bin", True),
+                          (tmp_path / "array_record", False), (corpus, False)):
+        config.data.path = str(path)
+        assert document_prefix(config, eos) == [eos] * streams, path
+        config.data.path = ""
+        config.data.sources = (f"name=text,path={corpus},weight=0.5",
+                               f"name=other,path={path},weight=0.5")
+        assert document_prefix(config, eos) == [eos] * streams, path
+        config.data.sources = ()
+    config.init_from = "hf:/models/llama"
+    assert document_prefix(config, eos) == [eos]
+    config.init_from, config.data.unit = "", "stream"
+    config.model.family = "prefix_lm"
+    assert document_prefix(config, eos) == [] and document_prefix(config, eos, True) == [eos]
 
 
 def _command_flags(*args):

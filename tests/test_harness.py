@@ -76,13 +76,24 @@ def forward(model):
     return jax.jit(model.apply)
 
 
-def direct_logprob(lm, context: str, continuation: str) -> float:
-    """log p(continuation | <eos> context) from one forward pass, byte tokens (concatenative)."""
-    ids = [lm.eos] + lm.tokenizer.encode(context + continuation).tolist()
+def direct_logprob(lm, context: str, continuation: str, streamed: bool = False) -> float:
+    """log p(continuation | context) from one forward pass, byte tokens (concatenative): the
+    context read as training's rows begin a document, alone where it packed them (gpt_tiny),
+    behind <eos> where it streamed them, or where the context is empty."""
+    ids = [lm.eos] * (streamed or not context) + lm.tokenizer.encode(
+        context + continuation).tolist()
     n = len(lm.tokenizer.encode(continuation))
     logits = forward(lm.model)({"params": lm.params}, jnp.asarray([ids[:-1]]))
     logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)))[0]
     return float(sum(logp[t, ids[t + 1]] for t in range(len(ids) - 1 - n, len(ids) - 1)))
+
+
+def window_logprob(lm, context: list[int], target: list[int]) -> float:
+    """log p(target | context) of token ids, from one forward pass of context + target."""
+    fed = (context + target)[:-1]
+    logits = forward(lm.model)({"params": lm.params}, jnp.asarray([fed]))
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)))[0]
+    return float(sum(logp[len(fed) - len(target) + k, t] for k, t in enumerate(target)))
 
 
 def evaluate(lm, tmp_path, task):
@@ -120,12 +131,12 @@ def test_rolling_log_likelihood_covers_every_token_once(workdir, tmp_path):
     total, n_bytes, predicted = 0.0, 0, 0
     for doc in TEXTS:  # the harness's windows, each scored by one direct forward pass
         ids = lm.tokenizer.encode(doc["text"]).tolist()
-        for context, target in map(make_disjoint_window, get_rolling_token_windows(
-                ids, prefix_token=lm.eos, max_seq_len=16, context_len=1)):
-            fed = (context + target)[:-1]
-            logits = forward(lm.model)({"params": lm.params}, jnp.asarray([fed]))
-            logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)))[0]
-            total += sum(logp[len(fed) - len(target) + k, t] for k, t in enumerate(target))
+        # gpt_tiny packs its documents: the first token is read behind <eos> (nothing else
+        # predicts it), the others behind the text alone
+        windows = [([lm.eos], ids[:1])] + list(map(make_disjoint_window, get_rolling_token_windows(
+            ids[1:], prefix_token=ids[0], max_seq_len=16, context_len=1)))
+        for context, target in windows:
+            total += window_logprob(lm, context, target)
             predicted += len(target)
         n_bytes += len(doc["text"].encode())
     assert predicted == sum(len(lm.tokenizer.encode(d["text"])) for d in TEXTS)
@@ -228,6 +239,39 @@ def test_a_bad_workdir_is_one_line_and_exit_2(tmp_path):
         [f"error: {str(bad)!r} holds no checkpoints: expected a training workdir"]
     result = run_main(f"harness.TransformerLM(workdir={str(bad)!r})", "--verbose")
     assert result.returncode == 1 and "Traceback" in result.stderr  # --verbose: the traceback
+
+
+def test_a_stream_trained_model_reads_every_request_behind_eos():
+    """A model whose training ran its documents on as one stream (each after the previous
+    one's <eos>) reads every context behind <eos>, and a rolling text's first token too; a
+    packed one (the default unit) reads a context alone (`direct_logprob`)."""
+    import flax.linen as nn
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    from transformer.data.tokenizers import ByteTokenizer
+    from transformer.models import build_model
+
+    tokenizer = ByteTokenizer(num_sentinels=0)
+    config = configs.experiment("gpt_tiny")
+    config.seq_len = 16
+    config.model.update(**TINY_MODEL, vocab_size=tokenizer.vocab_size)
+    model = build_model(config.model)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), np.ones((1, 8), np.int32))[
+        "params"])
+    pairs = [("import", " os"), ("", "x = 1")]
+    requests = [type("R", (), {"args": pair})() for pair in pairs]
+    for unit, streamed in (("paragraph", False), ("stream", True)):
+        config.data.unit = unit
+        lm = TransformerLM.from_params(model, params, tokenizer, config, batch_size=2)
+        np.testing.assert_allclose([score for score, _ in lm.loglikelihood(requests)],
+                                   [direct_logprob(lm, *pair, streamed) for pair in pairs],
+                                   rtol=1e-5)
+    ids = tokenizer.encode("a text of more than sixteen bytes").tolist()
+    total = sum(window_logprob(lm, context, target) for context, target in map(
+        make_disjoint_window, get_rolling_token_windows(ids, prefix_token=lm.eos,
+                                                        max_seq_len=16, context_len=1)))
+    rolling = lm.loglikelihood_rolling([type("R", (), {"args": (tokenizer.decode(ids),)})()])
+    assert rolling == [pytest.approx(total, rel=1e-5)]
 
 
 def test_a_capacity_routed_mixture_of_experts_scores_as_its_unpadded_forward():

@@ -1,7 +1,7 @@
 """`transformer.load`: a training workdir or a Hugging Face directory as a model ready to use in
-Python. Its logits are the forward pass on <eos> + the text, `score` the log-probability from
-them, `generate` the CLI's greedy text, and an imported model stops at its tokenizer's own end
-of sequence; logits of a Hugging Face Llama equal transformers'."""
+Python. Its logits are the forward pass on the text as a document's start (`ids`), `score` the
+log-probability from them, `generate` the CLI's greedy text, and an imported model stops at its
+tokenizer's own end of sequence; logits of a Hugging Face Llama equal transformers'."""
 
 from __future__ import annotations
 
@@ -30,19 +30,27 @@ def workdir(tmp_path_factory):
 @pytest.mark.slow
 def test_a_workdir_loads_with_logits_score_and_generate(workdir):
     lm = transformer.load(str(workdir))
-    ids = np.concatenate([[lm.tokenizer.eos_id], lm.tokenizer.encode("def f(x):")])
-    want = np.asarray(jax.jit(lm.model.apply)({"params": lm.params}, ids[None]))[0]
+    forward = jax.jit(lm.model.apply)
+    ids = lm.tokenizer.encode("def f(x):")  # gpt_tiny packs its documents: the text alone
+    assert lm.ids("def f(x):").tolist() == ids.tolist()
+    want = np.asarray(forward({"params": lm.params}, ids[None]))[0]
     np.testing.assert_allclose(lm.logits("def f(x):"), want, rtol=1e-5, atol=1e-5)
+
+    def log_probs(ids):  # float64 log-softmax of the forward pass
+        logits = np.asarray(forward({"params": lm.params}, ids[None]))[0].astype(np.float64)
+        top = logits.max(-1, keepdims=True)
+        return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
     # score: the sum of log p(token | before) over the text's tokens, after the context
-    full = np.concatenate([[lm.tokenizer.eos_id], lm.tokenizer.encode("def f(x): return")])
-    logits = lm.logits("def f(x): return").astype(np.float64)  # a float64 log-softmax
-    top = logits.max(-1, keepdims=True)
-    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-    start = len(ids)
-    want_score = sum(logp[t - 1, full[t]] for t in range(start, len(full)))
+    full = lm.tokenizer.encode("def f(x): return")
+    logp = log_probs(full)
+    want_score = sum(logp[t - 1, full[t]] for t in range(len(ids), len(full)))
     assert lm.score(" return", context="def f(x):") == pytest.approx(want_score, rel=1e-5)
+    behind = np.concatenate([[lm.tokenizer.eos_id], ids])  # no context: the first token's
+    logp = log_probs(behind)                                # only predecessor is <eos>
     assert lm.score("def f(x):") == pytest.approx(
-        sum(logp[t - 1, full[t]] for t in range(1, start)), rel=1e-5)
+        sum(logp[t - 1, behind[t]] for t in range(1, len(behind))), rel=1e-5)
+    assert lm.ids("").tolist() == [lm.tokenizer.eos_id]
     model, params, tokenizer, config = generate.load_workdir(str(workdir))
     assert lm.generate("def ", max_new_tokens=12) == generate.sample_texts(
         model, params, tokenizer, config, num_samples=1, prompt="def ", temperature=0.0,
@@ -112,12 +120,18 @@ def test_a_text_past_the_learned_positions_is_refused_and_no_text_scores_zero():
     params = jax.jit(lambda: nn.unbox(model.init(jax.random.key(0), np.ones((1, 8), np.int32))[
         "params"]))()
     lm = Loaded(model, params, tokenizer, config)
-    assert np.isfinite(lm.logits("x" * 15)).all() and np.isfinite(lm.score("y" * 14, "x"))
-    for call in (lambda: lm.logits("x" * 16), lambda: lm.score("y" * 15, context="x")):
+    # (packed documents: a text is read alone, and behind <eos> without a context)
+    assert np.isfinite(lm.logits("x" * 16)).all() and np.isfinite(lm.score("y" * 15, "x"))
+    assert np.isfinite(lm.score("y" * 15))
+    for call in (lambda: lm.logits("x" * 17), lambda: lm.score("y" * 16, context="x")):
         with pytest.raises(ValueError) as error:
             call()
-        assert str(error.value) == ("text of 16 tokens (after <eos>): expected at most 15, the "
-                                    "model's learned positions end at max_len=16")
+        assert str(error.value) == ("text of 17 tokens: expected at most 16, the model's "
+                                    "learned positions end at max_len=16")
+    with pytest.raises(ValueError) as error:
+        lm.score("y" * 16)
+    assert str(error.value) == ("text of 16 tokens (after <eos>): expected at most 15, the "
+                                "model's learned positions end at max_len=16")
     assert lm.score("") == 0.0 and lm.score("", context="x" * 30) == 0.0
 
 

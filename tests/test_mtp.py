@@ -296,11 +296,11 @@ def test_speculative_text_by_default_fills_what_a_learned_position_table_holds()
     config = mtp_config(depth=2, vocab=tokenizer.vocab_size, position="learned", max_len=16)
     model, params = build(config)  # seq_len 16 = max_len, as the char experiments train
     text, stats = speculative_text(model, params, tokenizer, config, prompt="ab")
-    assert stats.tokens == 16 - 3 - 4  # <eos>, a, b and the drafts' 2 x 2 positions
+    assert stats.tokens == 16 - 2 - 4  # a, b (packed documents: no <eos>) and the drafts' 2 x 2
     assert text == sample_texts(model, params, tokenizer, config, num_samples=1, prompt="ab",
-                                temperature=0.0, max_new_tokens=9)[0]
-    with pytest.raises(ValueError, match=r"max_len=16 \(max_new_tokens <= 9\)$"):
-        speculative_text(model, params, tokenizer, config, prompt="ab", max_new_tokens=10)
+                                temperature=0.0, max_new_tokens=10)[0]
+    with pytest.raises(ValueError, match=r"max_len=16 \(max_new_tokens <= 10\)$"):
+        speculative_text(model, params, tokenizer, config, prompt="ab", max_new_tokens=11)
 
 
 def sampling_probs(logits, temperature, top_k, top_p, banned):

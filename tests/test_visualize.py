@@ -62,7 +62,11 @@ def gpt():
 
 def test_gpt_maps_are_causal_probability_rows(gpt):
     _, _, tokens, maps = gpt
-    assert tokens.tolist() == [tokenizers.EOS_ID, *TOKENIZER.encode(TEXT).tolist()]
+    assert tokens.tolist() == TOKENIZER.encode(TEXT).tolist()  # packed documents: alone
+    config = tiny("gpt")
+    config.data.unit = "stream"  # each document after the previous one's <eos>
+    assert visualize.encode_text(config, TOKENIZER, TEXT)[0].tolist() == [
+        tokenizers.EOS_ID, *tokens.tolist()]
     assert list(maps) == ["decoder/self_attention"]
     weights = maps["decoder/self_attention"]
     t = len(tokens)
@@ -406,17 +410,17 @@ def test_the_cli_draws_a_saved_run(tmp_path):
                "decoder.self_attention_grid.png", "input.json"]
     assert sorted(p.name for p in out.iterdir()) == written
     assert result.stdout.splitlines() == [
-        "decoder/self_attention: [1, 2, 10, 10] (1 layers x 2 heads, 10 queries x 10 keys; "
+        "decoder/self_attention: [1, 2, 9, 9] (1 layers x 2 heads, 9 queries x 9 keys; "
         "layers 0)",
         *(str(out / name) for name in (written[0], written[2], written[1], written[3]))]
     assert json.loads((out / "input.json").read_text()) == {
         "step": 1, "text": TEXT, "target": "", "prefix_length": None}
     data = np.load(out / "attention.npz")
     weights = data["decoder.self_attention"]
-    assert weights.shape == (1, 2, 10, 10) and data["decoder.self_attention.layers"].tolist() == [0]
+    assert weights.shape == (1, 2, 9, 9) and data["decoder.self_attention.layers"].tolist() == [0]
     np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
-    assert data["decoder.self_attention.query_labels"].tolist() == [
-        "<eos>", "d", "e", "f", "␣", "f", "(", "x", ")", ":"]
+    assert data["decoder.self_attention.query_labels"].tolist() == [  # packed: the text alone
+        "d", "e", "f", "␣", "f", "(", "x", ")", ":"]
     for name in written[1:3]:
         image = matplotlib.image.imread(out / name)
         assert image.size and image.shape[0] > 100 and image.std() > 0

@@ -3,7 +3,7 @@ training workdir (`runs/gpt_tiny`, `runs/gpt_tiny@600` for a step) or a Hugging 
 `save_pretrained` directory (`hf:/models/llama`, or any directory with a config.json):
 
     lm = transformer.load("runs/gpt_tiny")
-    lm.logits("def f").shape            # [tokens, vocab]: <eos> then the text's tokens
+    lm.logits("def f").shape            # [len(lm.ids("def f")), vocab]: row t predicts id t + 1
     lm.score("return x", context="def f(x):\\n    ")   # log-probability of the text
     lm.generate("def ", max_new_tokens=40)              # greedy unless temperature > 0
 
@@ -38,10 +38,20 @@ class Loaded:
     _forward: object = dataclasses.field(default=None, repr=False)
     _log_probs: object = dataclasses.field(default=None, repr=False)
 
-    def _ids(self, text: str) -> np.ndarray:
-        """<eos> then the text's tokens: a decoder LM reads a text as a document's start."""
-        return np.concatenate([[self.tokenizer.eos_id], self.tokenizer.encode(text)]).astype(
-            np.int32)
+    def ids(self, text: str) -> np.ndarray:
+        """The ids the model reads for `text` as a document's start: `text.document_prefix`
+        (<eos> where training streamed its documents or the weights came from a Hugging Face
+        checkpoint; nothing where training packed them, except before an empty text), then
+        the text's tokens. Row t of `logits(text)` predicts `ids(text)[t + 1]`."""
+        return self._read(text)[0]
+
+    def _read(self, text: str) -> tuple[np.ndarray, int]:
+        """(`ids(text)`, how many of them come before the text's tokens)."""
+        from transformer.generation.text import document_prefix
+
+        encoded = self.tokenizer.encode(text)
+        prefix = document_prefix(self.config, self.tokenizer.eos_id, empty=not len(encoded))
+        return np.concatenate([prefix, encoded]).astype(np.int32), len(prefix)
 
     def _check_head(self, method: str) -> None:
         """One line for a base model without an LM head (head 'none': an imported LlamaModel,
@@ -64,36 +74,46 @@ class Loaded:
                              " and a class head" * head + ": expected a causal language "
                              "model (gpt or lstm), whose rows predict the next token")
 
-    def _fits(self, ids: np.ndarray) -> np.ndarray:
-        """`ids`, or a one-line error if they run past a learned position table (whose rows
-        beyond max_len are NaN: the logits would be NaN with no error)."""
+    def _fits(self, ids: np.ndarray, prefix: int) -> np.ndarray:
+        """`ids` (`prefix` of them before the text), or a one-line error if they run past a
+        learned position table (whose rows beyond max_len are NaN: the logits would be NaN
+        with no error)."""
         cfg = getattr(self.model, "config", None)
         if getattr(cfg, "position", None) == "learned" and len(ids) > cfg.max_len:
-            raise ValueError(f"text of {len(ids) - 1} tokens (after <eos>): expected at most "
-                             f"{cfg.max_len - 1}, the model's learned positions end at "
+            behind = " (after <eos>)" if prefix else ""
+            raise ValueError(f"text of {len(ids) - prefix} tokens{behind}: expected at most "
+                             f"{cfg.max_len - prefix}, the model's learned positions end at "
                              f"max_len={cfg.max_len}")
         return ids
 
     def logits(self, text: str) -> np.ndarray:
-        """float32 logits [T + 1, V] of <eos> + the text's T tokens; row t predicts token t + 1
-        (row 0 the text's first token)."""
+        """float32 logits [len(ids(text)), V] of the ids the model reads for the text (`ids`:
+        the text's T tokens, behind an <eos> where training streamed); row t predicts
+        `ids(text)[t + 1]`, the last row what follows the text."""
         self._check_language_model("logits")
         if self._forward is None:  # compiled once per Loaded (and per text length)
             self._forward = jax.jit(lambda p, x: self.model.apply({"params": p}, x))
-        return np.asarray(self._forward(self.params, self._fits(self._ids(text))[None])[0],
-                          np.float32)
+        ids = self._fits(*self._read(text))
+        return np.asarray(self._forward(self.params, ids[None])[0], np.float32)
 
     def score(self, text: str, context: str = "") -> float:
-        """The log-probability (nats) of `text`'s tokens following `context` (after <eos>): the
-        sum of log p(token | everything before it) over the text's tokens (0 for no text)."""
+        """The log-probability (nats) of `text`'s tokens following `context`, read as `ids`
+        reads a document's start: the sum of log p(token | everything before it) over the
+        text's tokens (0 for no text). Without a context the text's first token is predicted
+        from <eos>, the nearest thing to a document start."""
+        from transformer.generation.text import document_prefix
+
         self._check_language_model("score")
         if not text:
             return 0.0
-        before = len(self._ids(context))
-        ids = self._fits(self._ids(context + text))
-        if len(ids) <= before or not np.array_equal(ids[:before], self._ids(context)):
+        head = self.tokenizer.encode(context)
+        whole = self.tokenizer.encode(context + text)
+        if len(whole) <= len(head) or not np.array_equal(whole[:len(head)], head):
             raise ValueError(f"text={text!r}: expected text whose tokens follow context="
                              f"{context!r}'s (the tokenizer merges them across the boundary)")
+        prefix = document_prefix(self.config, self.tokenizer.eos_id, empty=not len(head))
+        ids = self._fits(np.concatenate([prefix, whole]).astype(np.int32), len(prefix))
+        before = len(prefix) + len(head)
         return float(np.sum(self._token_log_probs(ids)[before - 1:], dtype=np.float64))
 
     def _token_log_probs(self, ids: np.ndarray) -> np.ndarray:
@@ -164,5 +184,6 @@ def _load_hf(directory: str) -> Loaded:
     params = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
     config = configs.base_config()
     config.model = model_config
+    config.init_from = f"hf:{directory}"  # (its documents read behind <eos>, as before)
     tokenizer = load_hf_tokenizer(directory, num_sentinels=None)  # its own sentinels, if any
     return Loaded(build_model(model_config), params, tokenizer, config)

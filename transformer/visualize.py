@@ -14,9 +14,10 @@ linear_attention, mamba2 or conv layers) have no map; the command names them. Th
 directory, WORKDIR/attention/step<N>-<hash of the text>, is one per checkpoint and text (its
 input.json names them), so the pictures of another text never overwrite these.
 
-The model reads the text the way it was trained: GPT and prefix LMs after an <eos> (a document
-start), BERT as is, T5 with an <eos> appended in the encoder and `--target` after <bos> in the
-decoder, which gives encoder self-, decoder self- and cross-attention maps.
+The model reads the text the way it was trained: a decoder LM as a document's start
+(`text.document_prefix`: behind an <eos> where training streamed its documents), BERT as is, T5 with
+an <eos> appended in the encoder and `--target` after <bos> in the decoder, which gives encoder
+self-, decoder self- and cross-attention maps.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import jax
 import numpy as np
 
 from transformer.data import tokenizers as tokenizers_lib
+from transformer.generation.text import document_prefix
 from transformer.models import FAMILIES, Family, family_of, shift_right, transformer_config
 from transformer.nn.blocks import scan_segments
 from transformer.nn.mixers import RECURRENT
@@ -52,7 +54,8 @@ def encode_text(config, tokenizer, text: str, target: str = "") -> tuple[np.ndar
                                                                          np.ndarray | None]:
     """(tokens, decoder_tokens) the model reads for `text`, as in training and generation.
 
-    GPT / prefix LM: <eos> + text (an <eos> marks a document start). BERT: the text. T5: the
+    GPT / prefix LM / LSTM: the text as a document's start (`text.document_prefix`: behind an
+    <eos> where training streamed its documents, else alone). BERT: the text. T5: the
     encoder reads text + <eos>, the decoder the target shifted right behind <bos> (just <bos>
     without a target). decoder_tokens is None except for T5.
     """
@@ -66,8 +69,10 @@ def encode_text(config, tokenizer, text: str, target: str = "") -> tuple[np.ndar
     if target:
         raise ValueError(f"target={target!r}: only a t5 model reads a target, this is "
                          f"model.family={family.name!r}")
-    # A decoder LM reads <eos> + text, as in generation: <eos> marks a document start.
-    return (np.concatenate([eos, ids]) if family.continues_text else ids), None
+    if not family.continues_text:
+        return ids, None
+    prefix = document_prefix(config, tokenizer.eos_id, empty=not len(ids))
+    return np.concatenate([prefix, ids]).astype(np.int32), None  # as generation reads it
 
 
 def _check_tokens(name: str, tokens, config) -> np.ndarray:

@@ -79,6 +79,26 @@ def prepared_settings(config: ml_collections.ConfigDict) -> dict | None:
             "format": summary.get("format", "array_record")}
 
 
+
+def streamed(config: ml_collections.ConfigDict) -> bool:
+    """Whether training read its documents as one stream, each after the previous one's <eos>
+    (data.unit="stream", a directory of token shards, a prepared directory's .bin shards:
+    `corpus`), rather than packed, each from position 0 of its own segment with nothing before
+    it. A mixture streams if one of its sources does. A data.path no longer on this machine
+    reads as its data.unit says.
+
+    >>> config = ml_collections.ConfigDict({"data": {"path": "", "unit": "paragraph",
+    ...                                              "sources": ()}})
+    >>> streamed(config)
+    False
+    >>> config.data.unit = "stream"
+    >>> streamed(config)
+    True
+    """
+    return any(one.data.unit == "stream" or token_shard_dir(one.data.path) or
+               (prepared_settings(one) or {}).get("format") == "bin"
+               for one in list(source_configs(config).values()) or [config])
+
 # A directory of token shards given as data.path (no prepare.json): each split's files by name,
 # as nanoGPT (train.bin, val.bin) and modded-nanogpt (fineweb_train_000001.bin,
 # fineweb_val_000000.bin) name them.

@@ -105,19 +105,42 @@ def _start_id(tokenizer, decoding: str) -> int:
     return tokenizer.decoder_start_id if decoding == "encoder_decoder" else BOS_ID
 
 
-def _prompt_ids(encoded: np.ndarray, eos: int, decoding: str) -> tuple[np.ndarray, np.ndarray]:
+def document_prefix(config, eos: int, empty: bool = False) -> list[int]:
+    """What the config's decoder LM reads before a document's first token, as its training rows
+    began one: [eos] where training ran its documents on as one stream, each after the
+    previous one's <eos> (`inputs.streamed`), and for weights from a Hugging Face checkpoint
+    (init_from="hf:..."; their pretraining's layout is not known here); nothing where it
+    packed them (the default data.unit), each from position 0 of its own segment, nor for a
+    prefix LM (the prefix_lm rows, `windows.Chunks`, begin at a document's first token).
+    Before an `empty` text there is nothing to predict its first token from: [eos], the
+    nearest thing to a document start.
+
+    >>> import ml_collections
+    >>> config = ml_collections.ConfigDict({"model": {"family": "gpt", "objective": "causal"},
+    ...     "data": {"path": "", "unit": "paragraph", "sources": ()}, "init_from": ""})
+    >>> document_prefix(config, 2), document_prefix(config, 2, empty=True)
+    ([], [2])
+    >>> config.data.unit = "stream"
+    >>> document_prefix(config, 2)
+    [2]
+    """
+    from transformer.data import inputs
+
+    if empty or (_decoding(config) != "prefix" and (
+            inputs.streamed(config) or str(config.get("init_from") or "").startswith("hf:"))):
+        return [int(eos)]
+    return []
+
+
+def _prompt_ids(encoded: np.ndarray, eos: int, config) -> tuple[np.ndarray, np.ndarray]:
     """(the ids the model reads, the ids the printed text starts with) of an encoded prompt,
     laid out as the family's training rows are. An encoder-decoder reads prompt + <eos> and
-    prints what it decodes. A causal LM (and the LSTM) continues <eos> + prompt. A prefix LM
-    reads the prompt alone as its prefix, from position 0: its rows (`windows.Chunks`) begin at
-    a document's first token, with no <eos> before it. An empty prompt gives a prefix LM a lone
-    <eos> (training never has an empty prefix; the nearest thing to a document start)."""
-    if decoding == "encoder_decoder":
+    prints what it decodes. A decoder LM reads `document_prefix` then the prompt."""
+    if _decoding(config) == "encoder_decoder":
         return np.concatenate([encoded, [eos]]).astype(np.int32), np.zeros(0, np.int32)
-    if decoding == "prefix" and len(encoded):
-        return np.asarray(encoded, np.int32), np.asarray(encoded, np.int32)
-    ids = np.concatenate([[eos], encoded]).astype(np.int32)
-    return ids, ids[1:]
+    prefix = document_prefix(config, eos, empty=not len(encoded))
+    ids = np.concatenate([prefix, encoded]).astype(np.int32)
+    return ids, ids[len(prefix):]
 
 
 def _until_eos(ids: np.ndarray, stops: tuple[int, ...]) -> np.ndarray:
@@ -161,7 +184,7 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     `max_new_tokens` (`past_eos`: always after `max_new_tokens`, each stop a paragraph break).
 
     Decoder LMs return prompt + continuation, the prompt read as training's rows begin
-    (`_prompt_ids`: a causal LM after an <eos>, a prefix LM's prefix alone); by default they
+    (`document_prefix`: behind an <eos> where training streamed, else alone); by default they
     fill the training context of config.seq_len tokens. An encoder-decoder reads prompt +
     <eos> and returns what it decodes (default: seq_len tokens).
     With `chunk_size`, `callback` gets the texts so far after every chunk of tokens.
@@ -173,7 +196,7 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     encoded = _encode_prompt(tokenizer, prompt)
     banned = _banned_for(tokenizer, model, config)
     stops = stop_ids(tokenizer)
-    prompt_ids, keep = _prompt_ids(encoded, tokenizer.eos_id, decoding)
+    prompt_ids, keep = _prompt_ids(encoded, tokenizer.eos_id, config)
     n = _new_tokens(max_new_tokens, config, decoding, len(prompt_ids))
 
     def to_texts(rows):
@@ -218,7 +241,7 @@ def speculative_text(model, params, tokenizer, config, *, prompt: str = "",
     check_max_new_tokens(max_new_tokens)
     encoded = _encode_prompt(tokenizer, prompt)
     stops = stop_ids(tokenizer)
-    prompt_ids, _ = _prompt_ids(encoded, tokenizer.eos_id, "causal")
+    prompt_ids, _ = _prompt_ids(encoded, tokenizer.eos_id, config)
     n = _new_tokens(max_new_tokens, config, "causal", len(prompt_ids))
     if max_new_tokens is None and config.model.get("position") == "learned":
         # the drafts checked past the last new token need positions in the table too
@@ -287,7 +310,7 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
     check_beam_family(config)
     encoded = _encode_prompt(tokenizer, prompt)
     stops = stop_ids(tokenizer)
-    ids, keep = _prompt_ids(encoded, tokenizer.eos_id, decoding)
+    ids, keep = _prompt_ids(encoded, tokenizer.eos_id, config)
     n = _new_tokens(max_new_tokens, config, decoding, len(ids))
     if n == 0:
         return tokenizer.decode(keep)

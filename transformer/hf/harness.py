@@ -3,12 +3,14 @@
 (`training.task_eval`, through `TransformerLM.from_params`); `transformer.harness` registers the
 subclass that loads a training workdir as the `lm_eval` model "transformer" (its command).
 
-A document starts after <eos>, as in training: every request is scored behind the tokenizer's <eos>.
-`loglikelihood` encodes context + continuation together and scores the tokens past the context's own
-encoding (the harness's convention for BPE boundaries), `loglikelihood_rolling` cuts long texts into
-the harness's rolling windows of `max_length` tokens, and `generate_until` decodes with the KV cache
-in batches (greedy unless the task asks to sample; top_k and top_p apply, another generation setting
-is refused). Contexts longer than `max_length` (default: the training length, config.seq_len) keep
+A request's text starts a document as in training (`text.document_prefix`): behind the tokenizer's
+<eos> where training streamed its documents, else alone, and behind <eos> where its context is empty
+(a rolling text's first token too: there is nothing else to predict it from). `loglikelihood`
+encodes context + continuation together and scores the tokens past the context's own encoding (the
+harness's convention for BPE boundaries), `loglikelihood_rolling` cuts long texts into the harness's
+rolling windows of `max_length` tokens, and `generate_until` decodes with the KV cache in batches
+(greedy unless the task asks to sample; top_k and top_p apply, another generation setting is
+refused). Contexts longer than `max_length` (default: the training length, config.seq_len) keep
 their last tokens; a continuation longer than it is refused, and so is a generation of max_length
 tokens or more. Rows are padded to a few bucketed widths, except for a mixture of experts that
 routes with a capacity (moe.capacity_factor > 0): a row's slots per expert grow with its width, so a
@@ -144,16 +146,21 @@ class TransformerLM(LM):
                 context, continuation = context[:-spaces], context[-spaces:] + continuation
             whole = self._encode(context + continuation)
             head = self._encode(context)
-            pairs.append(([self.eos] + whole[:len(head)], whole[len(head):]))
+            pairs.append((self._document(whole[:len(head)]), whole[len(head):]))
         return self.score(pairs)
 
     def loglikelihood_rolling(self, requests) -> list[float]:
         out = []
         for request in requests:
-            (text,) = request.args
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                self._encode(text), prefix_token=self.eos, max_seq_len=self.max_length,
-                context_len=1)]
+            (document,) = request.args
+            ids = self._encode(document)
+            # Packed training never predicts a document's first token from text before it: the
+            # first token gets its own row behind <eos>, and the rest are read behind it alone.
+            packed = bool(ids) and not text.document_prefix(self.config, self.eos)
+            first, ids, prefix = ([([self.eos], ids[:1])], ids[1:], ids[0]) if packed else \
+                ([], ids, self.eos)
+            windows = first + [make_disjoint_window(w) for w in get_rolling_token_windows(
+                ids, prefix_token=prefix, max_seq_len=self.max_length, context_len=1)]
             out.append(sum(score for score, _ in self.score(windows)))
         return out
 
@@ -208,8 +215,12 @@ class TransformerLM(LM):
             raise ValueError(f"generate_until max_gen_toks={n}: expected fewer than "
                              f"max_length={self.max_length} tokens, so that the prompt keeps "
                              "some of its context; raise max_length or lower max_gen_toks")
-        prompt = ([self.eos] + self._encode(context))[-self._room(n):]
+        prompt = self._document(self._encode(context))[-self._room(n):]
         return prompt, until, settings
+
+    def _document(self, ids: list[int]) -> list[int]:
+        """`ids` read as a document's start: behind `text.document_prefix`."""
+        return text.document_prefix(self.config, self.eos, empty=not ids) + list(ids)
 
     def _room(self, new_tokens: int) -> int:
         """The most prompt ids a request keeps (its last ones), leaving `new_tokens` to come."""
