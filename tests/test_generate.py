@@ -594,6 +594,9 @@ def test_a_decoder_lm_reads_a_document_start_as_its_training_rows_began_one(tmp_
                                f"name=other,path={path},weight=0.5")
         assert document_prefix(config, eos) == [eos] * streams, path
         config.data.sources = ()
+    config.data.update(unit="stream", objective="sft")  # chat rows: a conversation at 0
+    assert document_prefix(config, eos) == []
+    config.data.update(unit="paragraph", objective="")
     config.init_from = "hf:/models/llama"
     assert document_prefix(config, eos) == [eos]
     config.init_from, config.data.unit = "", "stream"

@@ -79,7 +79,11 @@ def forward(model):
 def direct_logprob(lm, context: str, continuation: str, streamed: bool = False) -> float:
     """log p(continuation | context) from one forward pass, byte tokens (concatenative): the
     context read as training's rows begin a document, alone where it packed them (gpt_tiny),
-    behind <eos> where it streamed them, or where the context is empty."""
+    behind <eos> where it streamed them. Without a context a packed model reads the first
+    token behind <eos> (nothing else predicts it), the rest behind that token alone."""
+    if not context and not streamed and len(continuation) > 1:
+        return direct_logprob(lm, "", continuation[:1]) + direct_logprob(lm, *continuation[:1],
+                                                                          continuation[1:])
     ids = [lm.eos] * (streamed or not context) + lm.tokenizer.encode(
         context + continuation).tolist()
     n = len(lm.tokenizer.encode(continuation))

@@ -46,10 +46,11 @@ def test_a_workdir_loads_with_logits_score_and_generate(workdir):
     logp = log_probs(full)
     want_score = sum(logp[t - 1, full[t]] for t in range(len(ids), len(full)))
     assert lm.score(" return", context="def f(x):") == pytest.approx(want_score, rel=1e-5)
-    behind = np.concatenate([[lm.tokenizer.eos_id], ids])  # no context: the first token's
-    logp = log_probs(behind)                                # only predecessor is <eos>
+    # no context: the first token from <eos> (nothing else predicts it), the rest behind it alone
+    first = log_probs(np.asarray([lm.tokenizer.eos_id, ids[0]]))[0, ids[0]]
+    logp = log_probs(ids)
     assert lm.score("def f(x):") == pytest.approx(
-        sum(logp[t - 1, behind[t]] for t in range(1, len(behind))), rel=1e-5)
+        first + sum(logp[t - 1, ids[t]] for t in range(1, len(ids))), rel=1e-5)
     assert lm.ids("").tolist() == [lm.tokenizer.eos_id]
     model, params, tokenizer, config = generate.load_workdir(str(workdir))
     assert lm.generate("def ", max_new_tokens=12) == generate.sample_texts(
@@ -120,18 +121,22 @@ def test_a_text_past_the_learned_positions_is_refused_and_no_text_scores_zero():
     params = jax.jit(lambda: nn.unbox(model.init(jax.random.key(0), np.ones((1, 8), np.int32))[
         "params"]))()
     lm = Loaded(model, params, tokenizer, config)
-    # (packed documents: a text is read alone, and behind <eos> without a context)
+    # (packed documents: a text is read alone)
     assert np.isfinite(lm.logits("x" * 16)).all() and np.isfinite(lm.score("y" * 15, "x"))
-    assert np.isfinite(lm.score("y" * 15))
-    for call in (lambda: lm.logits("x" * 17), lambda: lm.score("y" * 16, context="x")):
+    assert np.isfinite(lm.score("y" * 16))
+    for call in (lambda: lm.logits("x" * 17), lambda: lm.score("y" * 16, context="x"),
+                 lambda: lm.score("y" * 17)):
         with pytest.raises(ValueError) as error:
             call()
         assert str(error.value) == ("text of 17 tokens: expected at most 16, the model's "
                                     "learned positions end at max_len=16")
-    with pytest.raises(ValueError) as error:
-        lm.score("y" * 16)
-    assert str(error.value) == ("text of 16 tokens (after <eos>): expected at most 15, the "
-                                "model's learned positions end at max_len=16")
+    lm.config.data.unit = "stream"  # streamed documents: behind <eos>
+    assert np.isfinite(lm.logits("x" * 15)).all()
+    for call in (lambda: lm.logits("x" * 16), lambda: lm.score("y" * 15, context="x")):
+        with pytest.raises(ValueError) as error:
+            call()
+        assert str(error.value) == ("text of 16 tokens (after <eos>): expected at most 15, the "
+                                    "model's learned positions end at max_len=16")
     assert lm.score("") == 0.0 and lm.score("", context="x" * 30) == 0.0
 
 

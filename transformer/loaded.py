@@ -99,8 +99,10 @@ class Loaded:
     def score(self, text: str, context: str = "") -> float:
         """The log-probability (nats) of `text`'s tokens following `context`, read as `ids`
         reads a document's start: the sum of log p(token | everything before it) over the
-        text's tokens (0 for no text). Without a context the text's first token is predicted
-        from <eos>, the nearest thing to a document start."""
+        text's tokens (0 for no text). Without a context the first token is predicted from
+        <eos>, the nearest thing to a document start; a model trained on packed documents then
+        reads the rest behind the first token alone, as it read every document (and as the
+        harness's rolling log-likelihood does)."""
         from transformer.generation.text import document_prefix
 
         self._check_language_model("score")
@@ -112,9 +114,15 @@ class Loaded:
             raise ValueError(f"text={text!r}: expected text whose tokens follow context="
                              f"{context!r}'s (the tokenizer merges them across the boundary)")
         prefix = document_prefix(self.config, self.tokenizer.eos_id, empty=not len(head))
+        total = 0.0
+        if not len(head) and not document_prefix(self.config, self.tokenizer.eos_id):
+            first = np.asarray([self.tokenizer.eos_id, whole[0]], np.int32)
+            total, prefix, head = float(self._token_log_probs(first)[0]), [], whole[:1]
+            if len(whole) == 1:
+                return total
         ids = self._fits(np.concatenate([prefix, whole]).astype(np.int32), len(prefix))
         before = len(prefix) + len(head)
-        return float(np.sum(self._token_log_probs(ids)[before - 1:], dtype=np.float64))
+        return total + float(np.sum(self._token_log_probs(ids)[before - 1:], dtype=np.float64))
 
     def _token_log_probs(self, ids: np.ndarray) -> np.ndarray:
         """float32 [T - 1]: log p(ids[t + 1] | ids[:t + 1]), computed where the model runs (one

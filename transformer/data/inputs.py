@@ -84,17 +84,20 @@ def streamed(config: ml_collections.ConfigDict) -> bool:
     """Whether training read its documents as one stream, each after the previous one's <eos>
     (data.unit="stream", a directory of token shards, a prepared directory's .bin shards:
     `corpus`), rather than packed, each from position 0 of its own segment with nothing before
-    it. A mixture streams if one of its sources does. A data.path no longer on this machine
-    reads as its data.unit says.
+    it. Only the next_token objective reads a stream; the others lay out their own rows (sft: a
+    conversation from position 0, whatever data.unit says). A mixture streams if one of its
+    sources does. A data.path no longer on this machine reads as its data.unit says.
 
     >>> config = ml_collections.ConfigDict({"data": {"path": "", "unit": "paragraph",
-    ...                                              "sources": ()}})
+    ...     "sources": (), "objective": "next_token"}, "model": {"family": "gpt"}})
     >>> streamed(config)
     False
     >>> config.data.unit = "stream"
     >>> streamed(config)
     True
     """
+    if pipeline.objective_for(config) != "next_token":
+        return False
     return any(one.data.unit == "stream" or token_shard_dir(one.data.path) or
                (prepared_settings(one) or {}).get("format") == "bin"
                for one in list(source_configs(config).values()) or [config])

@@ -80,6 +80,9 @@ class TransformerLM(LM):
             raise ValueError(f"max_length={self.max_length}: learned positions go up to "
                              f"model.max_len={limit}")
         self.eos = int(self.tokenizer.eos_id)
+        # what a text reads first, by whether it is empty (read once: it looks at data.path)
+        self.prefixes = {empty: text.document_prefix(self.config, self.eos, empty)
+                         for empty in (False, True)}
         self.stops = text.stop_ids(self.tokenizer)  # <eos> and an imported checkpoint's stops
         self.banned = text.banned_ids(self.tokenizer, self.config.model.vocab_size)
         moe = self.config.model.get("moe") or {}
@@ -137,8 +140,8 @@ class TransformerLM(LM):
         return self.tokenizer.encode(text).tolist()
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        pairs = []
-        for request in requests:
+        pairs, owners = [], []
+        for i, request in enumerate(requests):
             context, continuation = request.args
             # Trailing spaces belong to the continuation (the harness's convention).
             spaces = len(context) - len(context.rstrip(" "))
@@ -146,19 +149,32 @@ class TransformerLM(LM):
                 context, continuation = context[:-spaces], context[-spaces:] + continuation
             whole = self._encode(context + continuation)
             head = self._encode(context)
-            pairs.append((self._document(whole[:len(head)]), whole[len(head):]))
-        return self.score(pairs)
+            for pair in self._pairs(whole[:len(head)], whole[len(head):]):
+                pairs.append(pair)
+                owners.append(i)
+        results = [(0.0, True)] * len(requests)
+        for i, (score, greedy) in zip(owners, self.score(pairs), strict=True):
+            results[i] = (results[i][0] + score, results[i][1] and greedy)
+        return results
+
+    def _pairs(self, context: list[int], continuation: list[int]) -> list[tuple[list, list]]:
+        """The (context, continuation) pairs that score `continuation` after `context` read as
+        a document's start: one, behind `text.document_prefix`; for a packed model without a
+        context, two: the first token behind <eos> (nothing else predicts it), then the rest
+        behind it alone, as packed training read them (and `loglikelihood_rolling` does)."""
+        if context or self.prefixes[False] or len(continuation) < 2:
+            return [(self._document(context), continuation)]
+        return [([self.eos], continuation[:1]), (continuation[:1], continuation[1:])]
 
     def loglikelihood_rolling(self, requests) -> list[float]:
         out = []
         for request in requests:
             (document,) = request.args
             ids = self._encode(document)
-            # Packed training never predicts a document's first token from text before it: the
-            # first token gets its own row behind <eos>, and the rest are read behind it alone.
-            packed = bool(ids) and not text.document_prefix(self.config, self.eos)
-            first, ids, prefix = ([([self.eos], ids[:1])], ids[1:], ids[0]) if packed else \
-                ([], ids, self.eos)
+            # A packed model's first token gets its own row behind <eos> (`_pairs`), and the
+            # windows then read the rest behind it alone.
+            first = self._pairs([], ids)[:-1]
+            ids, prefix = (ids[1:], ids[0]) if first else (ids, self.eos)
             windows = first + [make_disjoint_window(w) for w in get_rolling_token_windows(
                 ids, prefix_token=prefix, max_seq_len=self.max_length, context_len=1)]
             out.append(sum(score for score, _ in self.score(windows)))
@@ -220,7 +236,7 @@ class TransformerLM(LM):
 
     def _document(self, ids: list[int]) -> list[int]:
         """`ids` read as a document's start: behind `text.document_prefix`."""
-        return text.document_prefix(self.config, self.eos, empty=not ids) + list(ids)
+        return self.prefixes[not ids] + list(ids)
 
     def _room(self, new_tokens: int) -> int:
         """The most prompt ids a request keeps (its last ones), leaving `new_tokens` to come."""
