@@ -647,8 +647,11 @@ def test_the_command_refuses_a_tokenizer_folder_and_tokens_per_shard_with_array_
     assert (hf_dir / "tokenizer.json").read_bytes() == original
     result = run_prepare([f"--input={source}", f"--output_dir={tmp_path / 'out'}",
                           "--tokens_per_shard=1000"])
-    assert_one_line_error(result, 2, "--tokens_per_shard=1000 with --format=array_record: "
-                          "expected --format=bin (--num_shards sizes ArrayRecord shards)")
+    assert_one_line_error(result, 2, "tokens_per_shard=1000 with format='array_record': "
+                          "expected format='bin' (num_shards sizes ArrayRecord shards)")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"^tokens_per_shard=1000 with format='array_record'"):
+        prepare.prepare(str(tmp_path / "out"), str(source), tokens_per_shard=1000)  # as Python
     assert not (tmp_path / "out").exists()
     result = run_prepare([f"--input={source}", f"--output_dir={tmp_path / 'bin'}",
                           "--format=bin", "--tokens_per_shard=1000"])

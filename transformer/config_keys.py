@@ -149,9 +149,9 @@ KEYS: dict[str, Key] = {
                                 "holding one; \"\" with `init_from=\"hf:DIR\"` reads DIR's.", STR),
     "data.vocab_size": _key(0, "SentencePiece vocabulary size.",
                             int_(ge=0, note="0 for byte and char; required for SentencePiece")),
-    "data.num_sentinels": _key(100, "T5 sentinel ids appended above the vocabulary (or the "
-                               "vocabulary's own `<extra_id_i>`); 0 keeps a pretrained "
-                               "vocabulary's size.", int_(ge=0)),
+    "data.num_sentinels": _key(tokenizers.NUM_SENTINELS, "T5 sentinel ids appended above the "
+                               "vocabulary (or the vocabulary's own `<extra_id_i>`); 0 keeps a "
+                               "pretrained vocabulary's size.", int_(ge=0)),
     # Its choices: pipeline.objective_for, in validate_config.
     "data.objective": _key("", "The training objective; \"\": the model family's.",
                            described(STR, f"\"\" or one of {_OBJECTIVES}")),

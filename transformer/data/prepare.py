@@ -57,8 +57,7 @@ FORMATS = ("array_record", "bin")
 ENGINES = ("processes", "beam")
 TOKENS_PER_SHARD = 100_000_000  # format="bin"'s default
 MAX_TOKENS_PER_SHARD = 2**31 - 1  # a modded-nanogpt shard header's int32 count
-# The sentinels above a built tokenizer's vocabulary: build_tokenizer's default, which prepare uses
-_SENTINELS = tokenizers_lib.build_tokenizer.__kwdefaults__["num_sentinels"]
+_SENTINELS = tokenizers_lib.NUM_SENTINELS  # above a built tokenizer's vocabulary (its default)
 _WORKER_TOKENIZER = None  # a worker process's tokenizer (_load_worker_tokenizer)
 
 
@@ -133,8 +132,10 @@ def _check_arguments(tokenizer: str, tokenizer_path: str, format: str, num_shard
     if format == "bin" and num_shards != 1:
         raise ValueError(f"num_shards={num_shards} with format='bin': expected tokens_per_shard "
                          "to size .bin shards")
-    if format == "bin" and tokens_per_shard is not None and \
-            not 1 <= tokens_per_shard <= MAX_TOKENS_PER_SHARD:
+    if format != "bin" and tokens_per_shard is not None:  # (None: not given)
+        raise ValueError(f"tokens_per_shard={tokens_per_shard} with format={format!r}: expected "
+                         "format='bin' (num_shards sizes ArrayRecord shards)")
+    if tokens_per_shard is not None and not 1 <= tokens_per_shard <= MAX_TOKENS_PER_SHARD:
         raise ValueError(f"tokens_per_shard={tokens_per_shard}: expected 1 to 2**31 - 1 "
                          "(a modded-nanogpt shard's int32 count)")
     # A SentencePiece tokenizer's ids reach vocab_size + its sentinels; other tokenizers' sizes
@@ -239,9 +240,6 @@ def _main(argv):
     if f.engine == "beam" and f.num_workers is not None:
         raise app.UsageError(f"--num_workers={f.num_workers} with --engine=beam: expected the "
                              "runner's own workers in --beam_options (--direct_num_workers=N)")
-    if f.tokens_per_shard is not None and f.format != "bin":  # (None: not given)
-        raise app.UsageError(f"--tokens_per_shard={f.tokens_per_shard} with --format={f.format}: "
-                             "expected --format=bin (--num_shards sizes ArrayRecord shards)")
     if f.engine != "beam" and f.beam_options:
         raise app.UsageError(f"--beam_options={f.beam_options!r} with --engine={f.engine}: "
                              "expected --engine=beam")

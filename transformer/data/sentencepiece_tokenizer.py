@@ -17,6 +17,7 @@ from transformer.data.tokenizer_base import (
     BOS_ID,
     EOS_ID,
     MASK_ID,
+    NUM_SENTINELS,
     NUM_SPECIAL,
     PAD_ID,
     SENTENCEPIECE_FILE,
@@ -100,7 +101,7 @@ class SentencePieceTokenizer(Tokenizer):
     is lossless and decoding is plain concatenation of pieces.
     """
 
-    def __init__(self, model_proto: bytes, num_sentinels: int = 100):
+    def __init__(self, model_proto: bytes, num_sentinels: int = NUM_SENTINELS):
         import sentencepiece
 
         self.model_proto = bytes(model_proto)

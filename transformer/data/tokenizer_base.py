@@ -21,6 +21,7 @@ from transformer.utils import fileio
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>", "<mask>", "<cls>", "<sep>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID, CLS_ID, SEP_ID = range(7)
 NUM_SPECIAL = 7
+NUM_SENTINELS = 100  # T5 sentinel ids above the vocabulary, by default (data.num_sentinels)
 ROLES = ("pad", "bos", "eos", "unk", "mask", "cls", "sep")  # the special tokens, by role
 
 FORMAT_VERSION = 1
@@ -229,7 +230,7 @@ class ByteTokenizer(Tokenizer):
 
     kind = "byte"
 
-    def __init__(self, num_sentinels: int = 100):
+    def __init__(self, num_sentinels: int = NUM_SENTINELS):
         self._finish([bytes([b]) for b in range(256)], num_sentinels)
 
     def encode(self, text: str) -> np.ndarray:
@@ -263,7 +264,7 @@ class CharTokenizer(Tokenizer):
 
     kind = "char"
 
-    def __init__(self, chars: str, num_sentinels: int = 100):
+    def __init__(self, chars: str, num_sentinels: int = NUM_SENTINELS):
         if not isinstance(chars, str) or not chars:
             raise ValueError(f"chars={chars!r}: expected a non-empty str")
         self.chars = "".join(sorted(set(chars)))

@@ -39,6 +39,7 @@ from transformer.data.tokenizer_base import (
     FORMAT_VERSION,
     HF_FILE,
     MASK_ID,
+    NUM_SENTINELS,
     NUM_SPECIAL,
     PAD_ID,
     ROLES,
@@ -57,7 +58,8 @@ from transformer.utils import fileio
 
 __all__ = [
     "BOS_ID", "CLS_ID", "CONFIG_FILE", "EOS_ID", "FORMAT_VERSION", "HF_FILE", "KINDS", "MASK_ID",
-    "NUM_SPECIAL", "PAD_ID", "ROLES", "SENTENCEPIECE_FILE", "SEP_ID", "SPECIAL_TOKENS", "UNK_ID",
+    "NUM_SENTINELS", "NUM_SPECIAL", "PAD_ID", "ROLES", "SENTENCEPIECE_FILE", "SEP_ID",
+    "SPECIAL_TOKENS", "UNK_ID",
     "ByteTokenizer", "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer",
     "build_tokenizer", "load_hf_tokenizer", "load_tokenizer",
 ]
@@ -105,7 +107,8 @@ def load_tokenizer(directory: str) -> Tokenizer:
 
 
 def build_tokenizer(kind: str, texts: Iterable[str] | None = None, *,
-                    vocab_size: int | None = None, num_sentinels: int = 100) -> Tokenizer:
+                    vocab_size: int | None = None,
+                    num_sentinels: int = NUM_SENTINELS) -> Tokenizer:
     """Builds (for char / SentencePiece: trains on `texts`) a tokenizer of one of `KINDS`.
 
     byte needs no texts and char no vocab_size (both derive their size, so passing vocab_size is
