@@ -171,6 +171,11 @@ def test_match_reports_loaded_new_and_dropped_and_rejects_mismatches():
     unrolled = {"embed/embedding": (10, 4), "encoder/layers_0/w": (4, 4)}
     with pytest.raises(ValueError, match="num_layers and model.scan_layers"):
         finetune.match(source, unrolled, "src")
+    tuned = {**target, "classifier/bias": (3,), "classifier/kernel": (4, 3)}  # a 3-class run
+    with pytest.raises(ValueError, match=r"^init_from src: its class head classifier/bias has 3 "
+                                         r"classes but this run's has 5 \(model.num_classes"):
+        finetune.match(tuned, {**tuned, "classifier/bias": (5,), "classifier/kernel": (4, 5)},
+                       "src")
 
 
 @pytest.mark.slow

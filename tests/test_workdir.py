@@ -400,12 +400,17 @@ def test_init_from_over_another_runs_checkpoints_is_refused(tmp_path, text, trai
     assert result.returncode == 2, describe(result)
     assert error_line(result) == (
         f"error: init_from='{base}': {workdir} already holds checkpoint 2 (trained from "
-        "init_from=''): expected to resume it (drop init_from), fresh_start=True to set it "
+        "init_from=''): expected no init_from to resume it, fresh_start=True to set it "
         "aside and start from init_from, or another workdir")
     assert file_hashes(workdir) == before
-    # A fine-tune relaunched with its own command resumes.
+    # A fine-tune relaunched with its own command resumes; without its init_from it is refused.
     tuned = tmp_path / "tuned"
     assert_succeeded(train(tuned, text, f"--config.init_from={base}", steps=2))
+    result = train(tuned, text, steps=4)
+    assert result.returncode == 2 and error_line(result).endswith(
+        f"(trained from init_from='{base}'): expected init_from='{base}' to resume it, "
+        "fresh_start=True to set it aside and start from init_from, or another workdir"), \
+        describe(result)
     assert_succeeded(train(tuned, text, f"--config.init_from={base}", steps=4))
     assert checkpoint_steps(tuned) == [2, 4]
 

@@ -12,7 +12,8 @@ params the model has no place for (a pretraining head) are dropped. A shape mism
 error naming the param, and so is a dropped param inside a layer stack (a different depth or
 `scan_layers`), which would otherwise silently train most of the model from scratch. Only
 params are loaded: the optimizer, step and data start fresh. A run that has its own
-checkpoints resumes from them and ignores `init_from`.
+checkpoints resumes from them (its params, not init_from's) when its command gives the same
+`init_from` as they were trained from; another one is refused (`fresh_start=True` sets them aside).
 
 The architecture (every model key but `RUN_SETTINGS`, and `ROPE_SETTINGS` where the run sets
 them: context extension) comes from the source (`resolve_init_config`): a workdir's saved
@@ -269,6 +270,11 @@ def match(source: dict[str, tuple], target: dict[str, tuple], name: str) -> Load
     """Names loaded / new / dropped between flat {name: shape} trees, or a one-line error."""
     loaded = sorted(set(source) & set(target))
     for key in loaded:
+        if tuple(source[key]) != tuple(target[key]) and key.startswith("classifier/"):
+            raise ValueError(f"init_from {name}: its class head {key} has {source[key][-1]} "
+                             f"classes but this run's has {target[key][-1]} (model.num_classes, "
+                             "or the task's labels): expected the same classes, or a source "
+                             "without a class head (its pretraining run)")
         if tuple(source[key]) != tuple(target[key]):
             raise ValueError(f"init_from {name}: param {key} has shape {tuple(source[key])} "
                              f"there but {tuple(target[key])} in this model: expected the same "

@@ -95,9 +95,10 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: str,
         return
     saved_init = manager.saved_config(latest).get("init_from", "")
     if config.get("init_from", "") != saved_init:  # resuming a fine-tune keeps its init_from
+        resume = f"init_from={saved_init!r}" if saved_init else "no init_from"
         raise ValueError(f"init_from={config.init_from!r}: {workdir} already holds checkpoint "
-                         f"{latest} (trained from init_from={saved_init!r}): expected to resume "
-                         "it (drop init_from), fresh_start=True to set it aside and start from "
+                         f"{latest} (trained from init_from={saved_init!r}): expected {resume} "
+                         "to resume it, fresh_start=True to set it aside and start from "
                          "init_from, or another workdir")
     if latest > config.steps:
         raise ValueError(f"steps={config.steps}: {workdir} already holds step {latest}: expected "

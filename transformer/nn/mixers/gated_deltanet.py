@@ -84,7 +84,7 @@ class GatedDeltaNetConfig:
 
 
 def _compute_dtype(x: Array):
-    return jnp.promote_types(x.dtype, jnp.float32)  # float32, or float64 under x64
+    return jnp.promote_types(x.dtype, jnp.float32)  # float32, or float64 given float64
 
 
 def _segments(segment_ids: Array | None, batch: int, length: int) -> tuple[Array, Array]:
@@ -295,6 +295,9 @@ class GatedDeltaNet(nn.Module):
     Decode ('cache'): `conv_state` [B, W - 1, C] (the last q, k, v inputs, concatenated in
     that order) and `recurrent_state` [B, N, K, V], float32. One token runs the recurrence, more
     (a prefill) the chunked form, both from the cached state.
+
+    Precision: the module runs its conv, gates, delta rule and gated norm in float32 even in a
+    float64 model, as Hugging Face's does (the pure functions above keep float64 when given it).
     """
 
     settings: GatedDeltaNetSettings

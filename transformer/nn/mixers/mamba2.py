@@ -308,7 +308,9 @@ def _a_log_init(rng, shape, dtype=jnp.float32):
 
 
 class Mamba2(nn.Module):
-    """The Mamba 2 mixer (module docstring), called as every mixer is (`base`).
+    """The Mamba 2 mixer (module docstring), called as every mixer is (`base`). Its per-head
+    params (A_log, D, dt_bias), dt and gated norm are float32 even in a float64 model, as in
+    Hugging Face's; the scan runs in the widest of its inputs' dtypes (`ssd_chunked`).
 
     Params, with logical axes, and where HF's `Mamba2Mixer` has them (E = H P):
       z, x [embed, heads, kv]; B, C [embed, kv_heads, state] (the groups split over `tensor`
