@@ -23,6 +23,7 @@ from absl import app, flags
 
 from transformer import generate
 from transformer.generation.speculative import speculative_decode
+from transformer.generation.text import document_prefix
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Training workdirs of models with "
                               "model.mtp.depth > 0.", required=True)
@@ -49,7 +50,8 @@ def measure(workdir: str, new_tokens: int, rows: int, repeats: int,
             temperature: float = 0.0) -> dict:
     model, params, tokenizer, config = generate.load_workdir(workdir)
     text = tokenizer.encode(_PROMPT_TEXT)
-    prompts = [[tokenizer.eos_id, *text[i * 7:i * 7 + 16]] for i in range(rows)]
+    start = document_prefix(config, tokenizer.eos_id)  # as generation reads a prompt
+    prompts = [[*start, *text[i * 7:i * 7 + 16]] for i in range(rows)]
     plain_s, (want, _) = best_time(lambda: generate.decode(
         model, params, prompts, max_new_tokens=new_tokens, temperature=temperature,
         eos_id=None), repeats)
