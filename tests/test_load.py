@@ -61,6 +61,34 @@ def test_a_workdir_loads_with_logits_score_and_generate(workdir):
         transformer.load(str(workdir), merge_lora=True)
 
 
+@pytest.mark.slow
+def test_a_run_on_bin_shards_reads_texts_behind_eos_once_its_data_is_gone(tmp_path):
+    """A run on prepared .bin shards read its documents as one stream whatever data.unit said:
+    its checkpoints record that, so a text is read behind <eos> from anywhere (another
+    directory, the data moved or deleted), not as the data.unit left in its config says."""
+    from transformer.data import inputs, prepare
+    from transformer.training import checkpoint, checkpoint_manager
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"paragraph {i}: some words of text.\n\n" for i in range(60)))
+    prepare.prepare(str(tmp_path / "bin"), str(corpus), format="bin")
+    config = configs.experiment("gpt_tiny")
+    config.update(steps=2, batch_size=2, seq_len=16, log_every=1, eval_every=2, eval_steps=1,
+                  checkpoint_every=2)
+    config.data.path = str(tmp_path / "bin")
+    config.model.update(**TINY_MODEL)
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+    eos = transformer.load(str(tmp_path / "run")).tokenizer.eos_id
+    (tmp_path / "bin").rename(tmp_path / "moved")
+    lm = transformer.load(str(tmp_path / "run"))
+    assert lm.ids("ab").tolist() == [eos, *lm.tokenizer.encode("ab").tolist()]
+    stream = checkpoint.saved_stream(str(tmp_path / "run"), 2)
+    assert stream[inputs.DOCUMENTS] == "stream"
+    # a checkpoint saved before the record resumes: it is derived, never a difference
+    older = {k: v for k, v in stream.items() if k != inputs.DOCUMENTS}
+    assert checkpoint_manager.stream_differences(older, stream) == []
+
+
 def test_a_hugging_face_directory_loads_with_transformers_logits_and_its_own_eos(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

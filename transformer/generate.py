@@ -69,14 +69,21 @@ from transformer.generation.text import (  # noqa: F401
 
 def load_workdir(workdir: str, step: int | None = None):
     """(model, params, tokenizer, config) of checkpoint `step` (default: the latest) of a
-    training workdir, with the tokenizer saved beside the checkpoints."""
+    training workdir, with the tokenizer saved beside the checkpoints; the config's data.unit
+    is "stream" where the checkpoint records that training read its documents as one stream."""
     from transformer.data import inputs
     from transformer.models import build_model
+    from transformer.training import checkpoint as checkpoint_lib
     from transformer.training import finetune
     from transformer.utils import fileio
 
     saved = finetune.restore_params(workdir, step)
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
+    stream = checkpoint_lib.saved_stream(workdir, saved.step, or_newer=True)
+    if (stream or {}).get(inputs.DOCUMENTS) == "stream":  # token shards, .bin: read as a stream
+        # whatever data.path is from here (another directory, moved, deleted), so that texts
+        # are read as its documents were (`text.document_prefix`)
+        saved.config.data.unit = "stream"
     return build_model(saved.config.model), saved.params, tokenizer, saved.config
 
 

@@ -327,7 +327,8 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
         data["sources"] = [sources.canonical_source(spec) for spec in data["sources"]]
     stream = {"pipeline": PIPELINE_VERSION, "batch_size": config.batch_size,
               "seq_len": config.seq_len, "seed": config.seed, "data": data,
-              "fingerprint": sources.fingerprint(config.data.path or None)}
+              "fingerprint": sources.fingerprint(config.data.path or None),
+              DOCUMENTS: "stream" if streamed(config) else "packed"}
     if config.data.get("validation_path"):
         stream["validation_fingerprint"] = sources.fingerprint(config.data.validation_path)
     if token_shard_dir(config.data.path) and any(  # (read into both splits before `shard_split`)
@@ -344,6 +345,13 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
         if in_order := [name for name, s in per_source.items() if _IN_INPUT_ORDER in s]:
             stream[_IN_INPUT_ORDER] = in_order
     return stream
+
+
+# How training laid out its documents (`streamed`), recorded with each checkpoint so that
+# generation and scoring read texts the same way wherever the workdir is read
+# (`generate.load_workdir`), the data moved or not. Derived from the data settings and content
+# the stream holds already: never a difference on resume (`stream_differences`).
+DOCUMENTS = "documents"
 
 
 # Prepared ArrayRecord data whose units have several shards (--num_shards > 1) trained shard

@@ -37,6 +37,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from transformer.data import inputs
 from transformer.models import MODEL_KEYS, default_model_config
 from transformer.nn import lora
 from transformer.nn.config import TransformerConfig
@@ -145,6 +146,8 @@ def stream_differences(saved: dict, current: dict) -> list[str]:
     moved = {"data.path": "fingerprint", "data.validation_path": "validation_fingerprint"}
     differences = []
     for key in sorted(set(saved) | set(current)):
+        if key == inputs.DOCUMENTS:  # derived from the rest (older checkpoints lack it)
+            continue
         if key in moved and saved.get(moved[key]) == current.get(moved[key]):
             continue  # the same content elsewhere
         if saved.get(key) != current.get(key):
