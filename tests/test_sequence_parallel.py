@@ -257,6 +257,18 @@ def test_evaluate_at_a_length_the_axis_does_not_split_says_so_and_one_device_eva
     assert np.isfinite(metrics["by_seq_len"]["10"]["loss"])
 
 @pytest.mark.slow
+def test_generate_reads_a_run_trained_on_more_devices_than_it_has(cli_runs, tmp_path):
+    """The data=2 x sequence=2 run's checkpoint on one device: generation reads it data
+    parallel with a note (it failed, calling the intact checkpoint unreadable)."""
+    result = run_cli("transformer.generate", f"--workdir={cli_runs[4][0]}", "--prompt=ab",
+                     "--max_new_tokens=4", logs=tmp_path, devices=1)
+    assert_succeeded(result)
+    assert "sequence=2 x tensor=1; reading it data parallel over 1 of the 1 devices here" in \
+        result.stderr, result.stderr
+    assert result.stdout.startswith("ab")
+
+
+@pytest.mark.slow
 def test_a_seq_len_the_axis_does_not_split_is_refused_before_anything_runs(results):
     assert results["errors"]["seq_len"] == (
         "seq_len=40: expected a multiple of 2 x mesh.sequence=8 (load-balanced chunks)")

@@ -27,7 +27,6 @@ import jax
 
 from transformer.data import inputs
 from transformer.models import build_model
-from transformer.parallel import sharding
 from transformer.training import checkpoint as checkpoint_lib
 from transformer.training import evaluation, finetune
 from transformer.training import placement as placement_lib
@@ -75,7 +74,7 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
         raise ValueError(f"split={split!r}: expected 'validation'" + (
             " or 'test'" if has_test else
             " (only labeled tasks and runs with data.test_path have a test split)"))
-    config, devices, note = local_mesh(config)
+    config, devices, note = placement_lib.local_mesh(config, "evaluating")
     for seq_len in seq_lens:  # before anything is restored or compiled, on the mesh used here
         evaluation.check_eval_seq_len(config, seq_len)
     if note:
@@ -119,27 +118,6 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
                      f"{metrics['accuracy']:.3f}, macro-F1 {metrics['macro_f1']:.3f}")
         _writing(path, fileio.write_atomic, path, json.dumps(metrics, indent=2))
     return metrics
-
-
-def local_mesh(config):
-    """(config, devices, note) for this machine's devices: the run's own mesh where they fit
-    it (devices None: all), else data parallel over the most devices that divide the batch, the
-    config's mesh set to it (a checkpoint restores onto any mesh), with a note saying so (else
-    note None)."""
-    devices = jax.devices()
-    try:
-        sharding.mesh_shape(config.mesh, len(devices))
-        return config, None, None
-    except ValueError:
-        if jax.process_count() > 1:  # every host must agree: the run's mesh or its error
-            raise
-    data = max(d for d in range(1, len(devices) + 1) if config.batch_size % d == 0)
-    trained = sharding.describe_mesh({axis: config.mesh.get(axis, 1)
-                                      for axis in sharding.MESH_AXES})
-    config = config.copy_and_resolve_references()
-    config.mesh.update({axis: data if axis == "data" else 1 for axis in sharding.MESH_AXES})
-    return config, devices[:data], (f"note: the run trained on mesh {trained}; evaluating data "
-                                     f"parallel over {data} of the {len(devices)} devices here")
 
 
 def data_changes(workdir: str, step: int, config) -> list[str]:

@@ -69,15 +69,23 @@ from transformer.generation.text import (  # noqa: F401
 
 def load_workdir(workdir: str, step: int | None = None):
     """(model, params, tokenizer, config) of checkpoint `step` (default: the latest) of a
-    training workdir, with the tokenizer saved beside the checkpoints; the config's data.unit
-    is "stream" where the checkpoint records that training read its documents as one stream."""
+    training workdir (on a mesh this machine's devices hold: `placement.local_mesh`), with the
+    tokenizer saved beside the checkpoints; the config's data.unit is "stream" where the
+    checkpoint records that training read its documents as one stream."""
     from transformer.data import inputs
     from transformer.models import build_model
+    from transformer.parallel import sharding
     from transformer.training import checkpoint as checkpoint_lib
-    from transformer.training import finetune
+    from transformer.training import finetune, placement
     from transformer.utils import fileio
 
-    saved = finetune.restore_params(workdir, step)
+    # a run trained on more devices than this machine has reads onto data parallel here
+    fitted, devices, note = placement.local_mesh(checkpoint_lib.saved_run(workdir, step)[1],
+                                                 "reading it")
+    if note:
+        print(note, file=sys.stderr)
+    mesh = None if note is None else sharding.make_mesh(fitted.mesh, devices)
+    saved = finetune.restore_params(workdir, step, mesh)
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
     stream = checkpoint_lib.saved_stream(workdir, saved.step, or_newer=True)
     if (stream or {}).get(inputs.DOCUMENTS) == "stream":  # token shards, .bin: read as a stream

@@ -258,3 +258,24 @@ def agreed(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+
+
+def local_mesh(config, doing: str):
+    """(config, devices, note) for this machine's devices: the run's own mesh where they fit
+    it (devices None: all), else data parallel over the most devices that divide the batch, the
+    config's mesh set to it (a checkpoint restores onto any mesh), with a note saying so (else
+    note None): "the run trained on mesh ...; `doing` data parallel over ...")."""
+    devices = jax.devices()
+    try:
+        sharding.mesh_shape(config.mesh, len(devices))
+        return config, None, None
+    except ValueError:
+        if jax.process_count() > 1:  # every host must agree: the run's mesh or its error
+            raise
+    data = max(d for d in range(1, len(devices) + 1) if config.batch_size % d == 0)
+    trained = sharding.describe_mesh({axis: config.mesh.get(axis, 1)
+                                      for axis in sharding.MESH_AXES})
+    config = config.copy_and_resolve_references()
+    config.mesh.update({axis: data if axis == "data" else 1 for axis in sharding.MESH_AXES})
+    return config, devices[:data], (f"note: the run trained on mesh {trained}; {doing} data "
+                                     f"parallel over {data} of the {len(devices)} devices here")
