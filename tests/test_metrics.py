@@ -400,3 +400,55 @@ def test_the_encoder_decoder_step_runs_the_matmuls_it_is_charged():
     norms = (2 * 2 * 32 + 32) + (3 * 32 + 32) * t / s  # encoder's; decoder's, at T
     assert counted / (2 * s) == \
         metrics.model_flops_per_token(config, t5_abstract(config, batch), batch) - 6 * norms
+
+
+def image_text_config(family: str, **model):
+    """A tiny CLIP / captioner / ViT on 8 x 8 images in 2 x 2 patches (16 patches, + [CLS] where
+    it pools by it), width 32 (2 heads of 16), 2 layers, 24 text tokens a row."""
+    config = configs.base_config()
+    config.seq_len = 17 if family == "vit" else 24  # a ViT's seq_len is its image tokens
+    config.model.update(family=family, num_layers=2, d_model=32, num_heads=2, d_ff=64,
+                        image_size=8, patch_size=2, channels=1, vocab_size=300,
+                        projection_dim=16, num_classes=10, **model)
+    return config
+
+
+@pytest.mark.parametrize("family,model", [
+    ("clip", {"pooling": "cls", "position": "none"}),
+    ("clip", {"pooling": "mean", "patch_position": "learned"}),
+    ("captioner", {"position": "learned"}),
+    ("vit", {"pooling": "cls"}),
+])
+def test_image_text_models_are_charged_3_x_their_forward_with_each_tower_at_its_length(
+        family, model):
+    """tok/s counts B x seq_len (the text tokens) a step, so flops_per_token x seq_len is a
+    row's (an image's and its text's) model FLOPs: 3 x the matmuls its forward runs, with the
+    image tower's at its S tokens (not the text's T), the captioner's cross-attention key and
+    value on the patches and its scores T x S, CLIP's projections once a row, and no lookup
+    table (positions, [CLS], CLIP's text tokens) in N. What remains over 3 x the forward is
+    the convention's: each norm scale and bias charged 6 a token of its tower though no matmul
+    runs on it (at most 6 x vectors x max(S, T) a row), and the [CLS] row charged the patch
+    embedding's kernel; under it only CLIP's B x B logits (3 x 2 B P a row, not charged)."""
+    config = image_text_config(family, **model)
+    rows, t = 2, config.seq_len
+    images = jnp.zeros((rows, 8, 8, 1))
+    tokens = jnp.ones((rows, t), jnp.int32)
+    args = {"clip": (images, tokens, tokens), "captioner": (images, tokens)}.get(
+        family, (images,))
+    module = build_model(config.model)
+    params = nn.unbox(jax.eval_shape(module.init, jax.random.key(0), *args)["params"])
+    jaxpr = jax.make_jaxpr(lambda p: module.apply({"params": p}, *args))(params).jaxpr
+    forward = metrics.program_matmul_flops(jaxpr) / rows
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    vectors = sum(x.size for path, x in leaves if path[-1].key.endswith(("bias", "scale")))
+    charged = metrics.flops_per_token(config, sum(x.size for _, x in leaves)) * t
+    s = 16 + (config.model.pooling == "cls" and family != "captioner")
+    logits = 3 * 2 * rows * 16 if family == "clip" else 0
+    cls_row = 6 * 4 * 32 if s == 17 else 0  # the patch kernel [p p C, D] on [CLS] too
+    # the ViT's generic count charges its class head's kernel (once a row) and [CLS] a token
+    vit = 6 * (32 * 10 * (t - 1) + 32 * t) if family == "vit" else 0
+    assert -logits < charged - 3 * forward <= 6 * vectors * max(s, t) + cls_row + vit
+    assert charged / (3 * forward) == pytest.approx(1, rel=0.1)
+    if family != "vit":  # a run's count, of its params' split, is the summary's
+        abstract = t5_abstract(config, None)
+        assert metrics.model_flops_per_token(config, abstract, {}) * t == charged

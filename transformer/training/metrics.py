@@ -12,10 +12,12 @@ import os
 import platform
 import sys
 import time
+from types import SimpleNamespace
 
+import flax.linen as nn
 import jax
 
-from transformer.models import family_of, transformer_config
+from transformer.models import build_model, family_of, transformer_config, vision
 from transformer.training import state as state_lib
 from transformer.utils import fileio
 
@@ -70,10 +72,13 @@ def flops_per_token(config, num_params: int,
     head (6 V D: the head's params are shared, so N counts them once). An encoder-decoder (T5)
     given `encoder_decoder`, (its encoder's active params, its decoder's length), counts each
     stack at its own length (`encoder_decoder_flops`); without it (`transformer.scaling`, from
-    a summary) its decoder counts as if it read seq_len tokens too, an overcount."""
+    a summary) its decoder counts as if it read seq_len tokens too, an overcount. A CLIP or a
+    captioner counts each tower at its own length (`image_text_flops`)."""
     m = config.model
     if m.family == "t5" and encoder_decoder is not None:
         return encoder_decoder_flops(config, num_params, *encoder_decoder)
+    if m.family in ("clip", "captioner"):
+        return image_text_flops(config, num_params)
     mixing = 0
     if family_of(config).attention:
         stack = transformer_config(m)
@@ -119,11 +124,61 @@ def encoder_decoder_flops(config, num_params: int, encoder_params: int,
     return 6 * n_encoder + encoder_mixing + (6 * n_decoder + decoder_mixing) * t / s
 
 
+# The params of an image-text model (CLIP, captioner; state.param_name's) by the rows they run
+# on. IMAGE_SIDE: the image tower's (on its S tokens) and the captioner's cross-attention key
+# and value projections (they project the patches). LOOKUPS: tables only indexed or added, no
+# matmul (learned positions, [CLS], CLIP's text token table: no head multiplies by it, where
+# the captioner's tied embedding is its output head), and CLIP's temperature. PER_PAIR: CLIP's
+# projections, once an image and once a text. The rest run on each of the T text tokens.
+IMAGE_SIDE = (r"^image_encoder/(?!cls$)(?!.*position_embedding)"
+              r"|^decoder/.*cross_attention/(key|value)")
+LOOKUPS = r"position_embedding|^image_encoder/cls$|^logit_scale$|^text_encoder/embed/"
+PER_PAIR = r"^(image|text)_projection/"
+
+
+def image_text_params(config, abstract_state=None) -> tuple[int, int, int]:
+    """The active params (`state.active_params`) of a CLIP or captioner matching IMAGE_SIDE,
+    LOOKUPS and PER_PAIR; of `abstract_state`'s params, else of the model `config` builds
+    (shapes only: a summary has the total, not this split)."""
+    if abstract_state is None:
+        args = family_of(config).init_args(state_lib.example_batch(config))
+        params = jax.eval_shape(build_model(config.model).init, jax.random.key(0), *args)
+        abstract_state = SimpleNamespace(params=nn.unbox(params["params"]))
+    return tuple(state_lib.active_params(abstract_state, config, regex)
+                 for regex in (IMAGE_SIDE, LOOKUPS, PER_PAIR))
+
+
+def image_text_flops(config, num_params: int, split: tuple[int, int, int] | None = None
+                     ) -> float:
+    """`flops_per_token` of a CLIP or captioner, a row an image and T = seq_len text tokens
+    (what tok/s counts), per text token: per row 6 N_img S and the image tower's mixers at S
+    over its S tokens (S: the patches, + [CLS] where CLIP pools by it), 6 N_text T and the text
+    stack's mixers at T over T tokens (a captioner's also its cross-attention, T queries x S
+    keys: 12 D S a token and layer) and 6 N_pair once; over T. N_img, the lookups and N_pair
+    are `split` (`image_text_params`, counted from config when None); N_text the rest of
+    `num_params`. (CLIP's B x B logits, B P a row, are left out.)"""
+    m, t = config.model, config.seq_len
+    image_side, lookups, pair = split or image_text_params(config)
+    text_side = num_params - image_side - lookups - pair
+    clip = m.family == "clip"
+    s = vision.image_tokens(m) if clip else (m.image_size // m.patch_size) ** 2
+    stack = transformer_config(m)  # both towers'
+    image = 6 * image_side + sum(stack.mixer(i).flops_per_token(stack, s)
+                                 for i in range(stack.num_layers))
+    text = 6 * text_side + sum(stack.mixer(i).flops_per_token(stack, t) + (
+        0 if clip else 12 * stack.num_heads * stack.resolved_head_dim * s)
+        for i in range(stack.num_layers))
+    return (image * s + text * t + 6 * pair) / t
+
+
 def model_flops_per_token(config, abstract_state, batch: dict) -> float:
     """A run's `flops_per_token`: of its active params (`state.active_params`), and for an
     encoder-decoder of its encoder side's and of `batch`'s decoder length (decoder_inputs
-    [B, T], a training batch: the length the run trains on)."""
+    [B, T], a training batch: the length the run trains on), for a CLIP or captioner of its
+    towers' (`image_text_params`)."""
     active = state_lib.active_params(abstract_state, config)
+    if config.model.family in ("clip", "captioner"):  # (the split of the params it has)
+        return image_text_flops(config, active, image_text_params(config, abstract_state))
     if config.model.family != "t5":
         return flops_per_token(config, active)
     return flops_per_token(config, active, (state_lib.active_params(
