@@ -72,9 +72,11 @@ def tiny_flags(steps: int, *, checkpoint_every: int | None = None, family: str =
     """`tiny_config`'s overrides as flags; `measure_peak`: MFU against the CPU's measured peak,
     as runs do by default (else against `PEAK`); `samples`: the end-of-run samples, as runs
     print by default (the experiments' runs here print them)."""
-    # (a ViT's seq_len is its image's token count, which validation checks)
+    # (a ViT's seq_len is its image's token count, which validation checks; CLIP's and the
+    # captioner's holds their longest caption, which the data checks)
     flags = [f"--config.steps={steps}", "--config.batch_size=2",
-             *([] if family == "vit" else ["--config.seq_len=16"]), "--config.log_every=1",
+             *([] if family in ("vit", "clip", "captioner") else ["--config.seq_len=16"]),
+             "--config.log_every=1",
              f"--config.eval_every={steps}", "--config.eval_steps=1",
              f"--config.checkpoint_every={checkpoint_every or steps}",
              *([] if samples else ["--config.samples=0"])]

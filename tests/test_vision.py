@@ -229,3 +229,83 @@ def test_clip_text_padding_takes_no_expert_slot():
     embed = jax.jit(functools.partial(model.apply, method="embed_texts"))
     np.testing.assert_allclose(embed(params, padded, segments),
                                embed(params, real, np.ones_like(real)), atol=1e-5)
+
+
+def _param_paths(model_config) -> set[str]:
+    """The '/'-joined param paths of a vision model (shapes only: nothing runs)."""
+    model = build_model(model_config)
+    image, tokens = jnp.zeros((1, 8, 8, 1)), jnp.zeros((1, 8), jnp.int32)
+    args = {"vit": (image,), "clip": (image, tokens, tokens),
+            "captioner": (image, tokens)}[model_config.family]
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), *args))["params"]
+    return {"/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+            for path, _ in jax.tree_util.tree_leaves_with_path(params)}
+
+
+@pytest.mark.parametrize("family", ["vit", "clip", "captioner"])
+def test_the_image_tower_adds_no_1d_positions_on_top_of_its_patch_positions(family):
+    """model.position is the text side's (CLIP's text tower, the captioner's decoder): with
+    patch positions the image tower's stack has none of its own ([CLS] gets no position 0);
+    with patch_position 'none' the stack's own position is the image tower's only one."""
+    config = base_config().model
+    config.update(family=family, vocab_size=300, num_classes=3, projection_dim=16,
+                  pooling="mean" if family == "clip" else "cls",
+                  **{**TINY, "position": "learned", "max_len": 32})
+    table = "image_encoder/encoder/position_embedding/embedding"
+    paths = _param_paths(config)
+    assert table not in paths and not any("image_encoder/encoder/" in p and "position" in p
+                                          for p in paths)
+    if family != "vit":  # the text side keeps its table
+        assert any("position_embedding" in p and not p.startswith("image_encoder")
+                   for p in paths)
+    config.patch_position = "none"
+    assert table in _param_paths(config)
+    # RoPE's keys (read by the text side) do not stop the image tower from dropping RoPE.
+    config.update(position="rope", rope_theta=500.0, patch_position="sinusoidal_2d")
+    assert not any("image_encoder/encoder/" in p and "position" in p
+                   for p in _param_paths(config))
+
+
+def test_the_shipped_captioner_has_one_position_table_its_decoders():
+    from transformer.training import startup
+
+    config = configs.experiment("caption_digits")
+    config.model.vocab_size = 300
+    paths = _param_paths(config.model)
+    assert [p for p in paths if "position" in p] == [
+        "decoder/position_embedding/embedding"]
+    assert startup.unread_settings(config.model) == []  # the decoder reads model.position
+
+
+@pytest.mark.parametrize("objective", ["contrastive", "captioning"])
+def test_a_seq_len_that_would_cut_the_captions_is_refused(objective):
+    """At seq_len=16 every class's caption read "a photo of the d": zero-shot and rank
+    classification always answered class 0. The longest caption + <eos> is 27 bytes."""
+    tokenizer = tokenizers.build_tokenizer("byte", num_sentinels=0)
+    assert images.caption_length(objective, tokenizer) == (27, "a photo of the digit three")
+    assert images.caption_length(objective) == (27, "a photo of the digit three")
+    config = base_config()
+    config.update(batch_size=8, seq_len=16)
+    config.model.family = "clip" if objective == "contrastive" else "captioner"
+    config.data.update(objective=objective, validation_fraction=0.15)
+    message = "^seq_len=16: .* expected seq_len >= 27"
+    with pytest.raises(ValueError, match=message):
+        images.make_dataset(config, tokenizer, "train")
+    with pytest.raises(ValueError, match=message):
+        images.class_captions(tokenizer, 16, decoder=objective == "captioning")
+    with pytest.raises(ValueError, match="seq_len=26: "):
+        images.check_seq_len(26, objective, tokenizer)
+    rows = images.class_captions(tokenizer, 27, decoder=objective == "captioning")
+    first = next(iter(rows.values()))
+    assert len({row.tobytes() for row in first}) == 10  # ten distinct captions
+
+
+@pytest.mark.parametrize("family", ["vit", "clip"])
+def test_pooling_none_is_refused_where_a_head_reads_one_vector_an_image(family):
+    config = base_config()
+    config.seq_len = 16  # a ViT's 16 patches without [CLS]
+    config.model.update(family=family, pooling="none", **TINY)
+    config.data.objective = "image_classification" if family == "vit" else "contrastive"
+    with pytest.raises(ValueError, match=f"^model.pooling='none' with family '{family}': "
+                                         "expected one of \\('cls', 'mean'\\)"):
+        configs.validate_config(config)

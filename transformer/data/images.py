@@ -78,6 +78,35 @@ def caption(label: int, template: int = 0) -> str:
     return TEMPLATES[template].format(name=DIGIT_NAMES[label], digit=label)
 
 
+def caption_length(objective: str, tokenizer=None) -> tuple[int, str]:
+    """(the tokens of the longest caption `objective` feeds, + 1 for <eos>; that caption):
+    every template's in contrastive training, the first template's in captioning (and in
+    either's evaluation). Counted in `tokenizer`'s tokens, or without one in UTF-8 bytes (the
+    byte tokenizer's count).
+
+    >>> caption_length("captioning")
+    (27, 'a photo of the digit three')
+    """
+    templates = range(len(TEMPLATES)) if objective == "contrastive" else (0,)
+    texts = [caption(c, t) for t in templates for c in range(len(DIGIT_NAMES))]
+    count = (lambda text: len(text.encode())) if tokenizer is None else \
+        (lambda text: len(tokenizer.encode(text)))
+    longest = max(texts, key=count)
+    return count(longest) + 1, longest
+
+
+def check_seq_len(seq_len: int, objective: str, tokenizer=None) -> None:
+    """Refuses a seq_len that would cut a caption (`caption_length`): cut, two classes'
+    captions can read the same ("a photo of the d"), and zero-shot or rank classification
+    can no longer tell them apart."""
+    need, longest = caption_length(objective, tokenizer)
+    if seq_len < need:
+        counted = "bytes" if tokenizer is None else "tokens"
+        raise ValueError(f"seq_len={seq_len}: data.objective={objective!r} feeds captions of up "
+                         f"to {need} {counted} ({longest!r} + <eos>): expected seq_len >= "
+                         f"{need}, or its captions are cut")
+
+
 def caption_features(text: str, tokenizer, seq_len: int) -> dict[str, np.ndarray]:
     """A caption -> byte tokens + <eos> (the text tower reads the last token), padded.
 
@@ -94,7 +123,9 @@ def caption_features(text: str, tokenizer, seq_len: int) -> dict[str, np.ndarray
 
 def class_captions(tokenizer, seq_len: int, *, decoder: bool = False) -> dict[str, np.ndarray]:
     """Each class's caption in the first template, [10, seq_len] rows: text-tower inputs
-    (zero-shot CLIP), or with `decoder` the captioner's targets (rank classification)."""
+    (zero-shot CLIP), or with `decoder` the captioner's targets (rank classification).
+    Refuses a seq_len that would cut its objective's captions (`check_seq_len`)."""
+    check_seq_len(seq_len, "captioning" if decoder else "contrastive", tokenizer)
     rows = [tasks.decoder_features(tokenizer.encode(caption(c)), seq_len, tokenizer) if decoder else
             caption_features(caption(c), tokenizer, seq_len) for c in range(len(DIGIT_NAMES))]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
@@ -124,11 +155,14 @@ def make_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
     """This process's `rows` of each global batch of `split` (see the module docstring).
 
     Training (`num_epochs=None`) repeats and reshuffles every epoch; evaluation reads every
-    image once, the last batch padded with rows of weight 0.
+    image once, the last batch padded with rows of weight 0. Refuses a seq_len that would cut
+    the captions (`check_seq_len`).
     """
     objective = config.data.objective
     if objective not in OBJECTIVES:
         raise ValueError(f"data.objective={objective!r}: expected one of {OBJECTIVES}")
+    if objective != "image_classification":
+        check_seq_len(config.seq_len, objective, tokenizer)
     images, labels = split_digits(split, config.data.validation_fraction)
     dataset = grain.MapDataset.source(list(zip(images, labels, strict=True)))
     if shuffle:

@@ -67,8 +67,9 @@ MODEL_KEYS: dict[str, Key] = {
     "channels": Key(1, "Images: channels.", int_(gt=0)),
     "pooling": Key("cls", "Images: the pooled vector, [CLS] or the mean; none: every patch's "
                    "vector (the captioner's cross-attention).", one_of(vision.POOLINGS)),
-    "patch_position": Key("sinusoidal_2d", "Images: patch positions (the stack's own "
-                          "`position` should then be `none`).", one_of(vision.PATCH_POSITIONS)),
+    "patch_position": Key("sinusoidal_2d", "Images: patch positions (the image tower then "
+                          "adds no `position` of its own; none: `position` is its only one).",
+                          one_of(vision.PATCH_POSITIONS)),
     "projection_dim": Key(64, "CLIP: the shared embedding width of the two towers.",
                           int_(gt=0)),
     # Compute settings (params stay float): a resume may change them (and says so).

@@ -5,6 +5,7 @@ bidirectional `TransformerStack` reads; CLIP pairs that image tower with a text 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -78,12 +79,25 @@ def sinusoidal_2d(grid_height: int, grid_width: int, dim: int) -> Array:
                             positions.sinusoidal_positions(jnp.asarray(cols), dim // 2)], -1)
 
 
+def without_positions(cfg: TransformerConfig) -> TransformerConfig:
+    """The stack config with no positions of its own (position "none"; RoPE's keys, which
+    refuse any other position, back at their defaults)."""
+    rope = {f.name: f.default for f in dataclasses.fields(cfg) if f.name.startswith("rope_")}
+    return dataclasses.replace(cfg, position="none", **rope)
+
+
 class ImageEncoder(nn.Module):
     """Patch embedding -> (+ [CLS]) -> 2-D or learned positions -> bidirectional stack -> pooled
     vector [B, D] ([CLS]'s final vector, or the mean over patches), or with pooling "none" the
-    patch vectors [B, N, D]."""
+    patch vectors [B, N, D].
 
-    config: TransformerConfig  # position="none": the encoder adds its own patch positions
+    With patch positions (patch_position not "none") the stack adds none of its own, whatever
+    `config.position` (which CLIP's text tower and the captioner's decoder read): a 1-D table
+    would number [CLS] and the patches in reading order on top of their 2-D places. With
+    patch_position "none", `config.position` is the image tower's only position.
+    """
+
+    config: TransformerConfig
     image_size: int
     patch_size: int
     channels: int = 1
@@ -112,7 +126,8 @@ class ImageEncoder(nn.Module):
                 "position_embedding", nn.with_logical_partitioning(
                     nn.initializers.normal(0.02), ("length", "embed")),
                 (self.grid ** 2, cfg.d_model), cfg.param_dtype)
-        self.encoder = TransformerStack(cfg, bidirectional=True)
+        self.encoder = TransformerStack(
+            cfg if self.patch_position == "none" else without_positions(cfg), bidirectional=True)
 
     @property
     def grid(self) -> int:
@@ -316,19 +331,25 @@ def image_tokens(model_config) -> int:
     return grid * grid + (model_config["pooling"] == "cls")
 
 
-def _image_settings(model_config) -> dict:
+def _image_settings(model_config, pooled: bool = False) -> dict:
+    """The image tower's keys; `pooled`: its head reads one vector an image (ViT's classifier,
+    CLIP's projection), so pooling "none" is refused (validate_config builds the model)."""
+    if pooled and model_config.pooling == "none":
+        raise ValueError(f"pooling='none' with family {model_config.family!r}: expected one of "
+                         f"{POOLINGS[:-1]} (its head reads one pooled vector an image; 'none' is "
+                         "the captioner's every patch)")
     return {k: model_config[k] for k in ("image_size", "patch_size", "channels", "pooling",
                                          "patch_position")}
 
 
 def _build_vit(model_config) -> ViTClassifier:
     return ViTClassifier(transformer_config(model_config), model_config.num_classes,
-                         **_image_settings(model_config))
+                         **_image_settings(model_config, pooled=True))
 
 
 def _build_clip(model_config) -> CLIP:
     return CLIP(transformer_config(model_config), model_config.vocab_size,
-                model_config.projection_dim, **_image_settings(model_config))
+                model_config.projection_dim, **_image_settings(model_config, pooled=True))
 
 
 def _build_captioner(model_config) -> Captioner:
