@@ -227,6 +227,23 @@ def test_edge_values_that_mean_something_are_accepted(overrides):
     configs.validate_config(_with(overrides), num_devices=1, num_processes=1)
 
 
+def test_a_t5_is_evaluated_only_at_lengths_its_sentinels_cover():
+    """Span corruption at another length makes another number of spans: past the sentinels,
+    span i's sentinel would be a real token's id (evaluate --eval_seq_len and the run's
+    eval_seq_lens read it silently)."""
+    from transformer.training import evaluation, startup
+
+    config = _with({"model.family": "t5", "seq_len": 64, "data.num_sentinels": 3})
+    configs.validate_config(config, num_devices=1, num_processes=1)
+    evaluation.check_eval_seq_len(config, 64)
+    with pytest.raises(ValueError, match=r"^data.num_sentinels=3: span corruption of "
+                                         r"eval_seq_len=512 makes 28 noise spans a row .* "
+                                         r"expected data.num_sentinels >= 28, or a smaller "
+                                         r"eval_seq_len or noise_density$"):
+        evaluation.check_eval_seq_len(config, 512)
+    assert startup.evaluable(config, 64) and not startup.evaluable(config, 512)
+
+
 def test_each_objectives_rows_hold_the_features_validation_says():
     """configs.ROW_FEATURES (what a family's features are checked against) against the rows
     the converters make."""

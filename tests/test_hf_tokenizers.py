@@ -186,6 +186,14 @@ def test_bert_wordpiece_roles_and_sep_ends_documents(tmp_path):
     selected = corrupted["weights"] == 1
     assert selected.any() and not np.isin(rows[selected], tok.special_ids).any()
     assert (corrupted["inputs"][selected] == tok.mask_id).mean() > 0.6
+    # padding (segment 0) is never selected, whatever its id: windows pad with id 0, a real
+    # token of vocabularies whose [PAD] is elsewhere (ModernBERT's); here a word's id stands in
+    word = int(tok.encode("hear")[0])
+    assert word not in tok.special_ids
+    batch["tokens"][:, 5:], batch["tokens_segment_ids"][:, 5:] = word, 0
+    corrupted = features.mlm_features(batch, np.random.default_rng(0), tokenizer=tok, rate=0.5)
+    assert corrupted["weights"][:, :5].any() and not corrupted["weights"][:, 5:].any()
+    assert (corrupted["inputs"][:, 5:] == word).all()
 
 
 def test_own_sentinels_of_a_t5_style_vocabulary(tmp_path):

@@ -23,7 +23,7 @@ from transformer.models import (
     transformer_config,
     vision,
 )
-from transformer.nn import objectives, sequence_parallel
+from transformer.nn import sequence_parallel
 from transformer.nn.mixers import MIXERS
 from transformer.parallel import pipeline_parallel, sharding
 from transformer.training import checkpoint as checkpoint_lib
@@ -299,15 +299,7 @@ def _validate_objective(config: ml_collections.ConfigDict) -> None:
                              f"its rows hold no {missing} for the model to read: expected one "
                              f"of {able}")
     if objective == "span_corruption":
-        spans = objectives.span_corruption_spans(config.seq_len, data.noise_density,
-                                                 data.mean_span_length)
-        if spans > data.num_sentinels:  # span i's sentinel would be a real token's id
-            raise ValueError(f"data.num_sentinels={data.num_sentinels}: span corruption of "
-                             f"seq_len={config.seq_len} makes {spans} noise spans a row "
-                             f"(data.noise_density={data.noise_density}, data.mean_span_length="
-                             f"{data.mean_span_length}), each its own sentinel: expected "
-                             f"data.num_sentinels >= {spans}, or a smaller seq_len or "
-                             "noise_density")
+        pipeline.check_span_sentinels(data, config.seq_len)
 
 
 def _validate_unread(config: ml_collections.ConfigDict) -> None:

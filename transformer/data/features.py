@@ -122,8 +122,11 @@ def _mlm_features(batch, keys, *, tokenizer, rate):
             keys, batch["tokens"], vocab_size=tokenizer.vocab_size,
             mask_id=tokenizer.require("mask", "for data.objective='mlm'"),
             special_ids=tuple(tokenizer.special_ids), rate=rate)
-    return {"inputs": np.asarray(inputs), "targets": np.asarray(targets),
-            "weights": np.asarray(weights), "segment_ids": batch["tokens_segment_ids"],
+    # padding (segment 0) is no token, whatever its id: a pretrained vocabulary's id 0 is text
+    real = batch["tokens_segment_ids"] > 0
+    return {"inputs": np.where(real, inputs, batch["tokens"]), "targets": np.asarray(targets),
+            "weights": np.where(real, weights, 0).astype(np.asarray(weights).dtype),
+            "segment_ids": batch["tokens_segment_ids"],
             "positions": batch["tokens_positions"]}
 
 

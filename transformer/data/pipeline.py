@@ -33,6 +33,20 @@ IMAGE_OBJECTIVES = ("image_classification", "contrastive", "captioning")  # data
 CHAT_OBJECTIVES = ("sft",)  # supervised fine-tuning on chat JSONL: transformer.data.chat
 
 
+def check_span_sentinels(data: ml_collections.ConfigDict, seq_len: int,
+                         name: str = "seq_len") -> None:
+    """One line unless span corruption of `seq_len` tokens (`name`: the setting that gives it)
+    makes at most data.num_sentinels noise spans a row: each span gets its own sentinel, and
+    span i's past the count would be a real token's id."""
+    spans = objectives.span_corruption_spans(seq_len, data.noise_density, data.mean_span_length)
+    if spans > data.num_sentinels:
+        raise ValueError(f"data.num_sentinels={data.num_sentinels}: span corruption of "
+                         f"{name}={seq_len} makes {spans} noise spans a row (data.noise_density="
+                         f"{data.noise_density}, data.mean_span_length={data.mean_span_length}), "
+                         f"each its own sentinel: expected data.num_sentinels >= {spans}, or a "
+                         f"smaller {name} or noise_density")
+
+
 def objective_for(config: ml_collections.ConfigDict) -> str:
     """`data.objective`, or the model family's pretraining objective when it is empty."""
     family = FAMILIES.get(config.model.family)

@@ -308,6 +308,8 @@ def check_eval_seq_len(config, seq_len: int) -> None:
     if sequence > 1:
         sequence_parallel.check_length(seq_len, sequence, load_balance=sequence_balanced(config),
                                        what="eval_seq_len")
+    if pipeline.objective_for(config) == "span_corruption":  # (as training's length is)
+        pipeline.check_span_sentinels(config.data, seq_len, "eval_seq_len")
     if config.model.get("position") == "learned" and seq_len > config.model.max_len:
         raise ValueError(f"eval_seq_len={seq_len}: the model learned positions for "
                          f"{config.model.max_len} tokens (model.max_len), and a learned "
