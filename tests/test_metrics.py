@@ -452,3 +452,24 @@ def test_image_text_models_are_charged_3_x_their_forward_with_each_tower_at_its_
     if family != "vit":  # a run's count, of its params' split, is the summary's
         abstract = t5_abstract(config, None)
         assert metrics.model_flops_per_token(config, abstract, {}) * t == charged
+
+
+def test_a_ragged_dot_and_its_gradients_count_each_row_against_its_own_group():
+    """The experts' matmul (`ragged_dot`: each row times its group's [in, out] block) costs
+    2 M in out forward and twice that backward, as one dense matmul of the rows: its weight
+    gradient [G, in, out] sums each group's rows into its block (it was counted G times)."""
+    import jax
+    import jax.numpy as jnp
+
+    rows, width, out, groups = 64, 8, 16, 4
+    x, w = jnp.ones((rows, width)), jnp.ones((groups, width, out))
+    sizes = jnp.asarray([10, 30, 0, 24], jnp.int32)
+
+    def loss(x, w):
+        return jax.lax.ragged_dot(x, w, sizes).sum()
+
+    def count(fn):
+        return metrics.program_matmul_flops(jax.make_jaxpr(fn)(x, w).jaxpr)
+
+    assert count(loss) == 2 * rows * width * out
+    assert count(jax.grad(loss, argnums=(0, 1))) == 3 * 2 * rows * width * out

@@ -206,10 +206,16 @@ def program_matmul_flops(jaxpr) -> float | None:
     for eqn in jaxpr.eqns:
         name, out = eqn.primitive.name, eqn.outvars[0].aval.shape if eqn.outvars else ()
         if name in ("dot_general", "ragged_dot_general"):
-            numbers = eqn.params.get("dimension_numbers") or \
-                eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+            ragged = eqn.params.get("ragged_dot_dimension_numbers")
+            numbers = eqn.params["dimension_numbers"] if ragged is None else \
+                ragged.dot_dimension_numbers
             lhs = eqn.invars[0].aval.shape
-            total += 2 * math.prod(out) * math.prod(lhs[d] for d in numbers[0][0])
+            flops = 2 * math.prod(out) * math.prod(lhs[d] for d in numbers[0][0])
+            if ragged is not None and set(ragged.lhs_ragged_dimensions) & set(numbers[0][0]):
+                # the ragged rows are summed into one [in, out] block a group (the experts'
+                # weight gradient [G, in, out]): each row meets its own group's block only
+                flops /= eqn.invars[2].aval.shape[0]
+            total += flops
         elif name == "conv_general_dilated":  # each output, the kernel's taps x input features
             kernel = eqn.invars[1].aval.shape
             total += 2 * math.prod(out) * math.prod(kernel) / kernel[
