@@ -251,6 +251,25 @@ def test_init_from_a_workdir_takes_its_architecture_and_refuses_a_contradicting_
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_run_from_a_workdir_takes_its_tokenizers_sentinel_count(gpt_base):
+    """The run reads text with the source's tokenizer, so data.num_sentinels is its count (a
+    T5 from a 3-sentinel workdir checked its spans against the default 100); a different count
+    set on the command line is refused."""
+    from test_train import tiny_config
+
+    from transformer.data import tokenizers
+
+    own = tokenizers.load_tokenizer(str(gpt_base / "tokenizer")).num_sentinels
+    config = tiny_config(init_from=str(gpt_base))
+    config.data.num_sentinels = own + 3  # an experiment file's value
+    assert finetune.resolve_init_config(config).data.num_sentinels == own
+    with pytest.raises(ValueError) as error:
+        finetune.resolve_init_config(config, explicit={"data.num_sentinels"})
+    assert str(error.value) == (
+        f"data.num_sentinels={own + 3}: the tokenizer of init_from={str(gpt_base)!r}, which the "
+        f"run reads text with, has {own}: expected data.num_sentinels={own}")
+
+
 def test_context_extension_sets_rope_frequencies_over_the_source(gpt_base, tmp_path, capsys,
                                                                   caplog):
     """RoPE's frequency keys (finetune.ROPE_SETTINGS) change no param: a run from a workdir

@@ -202,7 +202,27 @@ def resolve_init_config(config: ml_collections.ConfigDict,
         resolved.model.update_from_flattened_dict({key: value})
     if config.init_from.startswith("hf:"):
         _resolve_sentinels(resolved, config.init_from, theirs["vocab_size"], explicit)
+    else:
+        _workdir_sentinels(resolved, config.init_from, explicit)
     return resolved
+
+
+def _workdir_sentinels(config, init_from: str, explicit) -> None:
+    """data.num_sentinels of a run from a workdir: its tokenizer's (`inputs.get_tokenizer`
+    reads text with the source's), so that what is checked against it (span corruption's spans
+    a row) and recorded is what the run uses; a different explicit count is refused."""
+    from transformer.data import inputs, tokenizers
+
+    source = fileio.parse_init_from(init_from)[1]
+    folder = fileio.join(source, inputs.TOKENIZER_DIR)
+    if not fileio.path(folder).joinpath(tokenizers.CONFIG_FILE).is_file():
+        return  # (get_tokenizer names what is missing)
+    own = tokenizers.load_tokenizer(folder).num_sentinels
+    if "data.num_sentinels" in explicit and config.data.num_sentinels != own:
+        raise ValueError(f"data.num_sentinels={config.data.num_sentinels}: the tokenizer of "
+                         f"init_from={init_from!r}, which the run reads text with, has {own}: "
+                         f"expected data.num_sentinels={own}")
+    config.data.num_sentinels = own
 
 
 def _source_architecture(init_from) -> tuple[dict, str, str] | None:
