@@ -116,6 +116,7 @@ class Loaded:
         prefix = document_prefix(self.config, self.tokenizer.eos_id, empty=not len(head))
         total = 0.0
         if not len(head) and not document_prefix(self.config, self.tokenizer.eos_id):
+            # packed, no context: the first token from <eos>, then the rest behind it alone
             first = np.asarray([self.tokenizer.eos_id, whole[0]], np.int32)
             total, prefix, head = float(self._token_log_probs(first)[0]), [], whole[:1]
             if len(whole) == 1:

@@ -79,7 +79,6 @@ def prepared_settings(config: ml_collections.ConfigDict) -> dict | None:
             "format": summary.get("format", "array_record")}
 
 
-
 def streamed(config: ml_collections.ConfigDict) -> bool:
     """Whether training read its documents as one stream, each after the previous one's <eos>
     (data.unit="stream", a directory of token shards, a prepared directory's .bin shards:
@@ -101,6 +100,7 @@ def streamed(config: ml_collections.ConfigDict) -> bool:
     return any(one.data.unit == "stream" or token_shard_dir(one.data.path) or
                (prepared_settings(one) or {}).get("format") == "bin"
                for one in list(source_configs(config).values()) or [config])
+
 
 # A directory of token shards given as data.path (no prepare.json): each split's files by name,
 # as nanoGPT (train.bin, val.bin) and modded-nanogpt (fineweb_train_000001.bin,
