@@ -258,14 +258,21 @@ def test_evaluate_at_a_length_the_axis_does_not_split_says_so_and_one_device_eva
 
 @pytest.mark.slow
 def test_generate_reads_a_run_trained_on_more_devices_than_it_has(cli_runs, tmp_path):
-    """The data=2 x sequence=2 run's checkpoint on one device: generation reads it data
-    parallel with a note (it failed, calling the intact checkpoint unreadable)."""
+    """The data=2 x sequence=2 run's checkpoint on one device: generation and visualize read it
+    data parallel with a note (they failed, calling the intact checkpoint unreadable)."""
     result = run_cli("transformer.generate", f"--workdir={cli_runs[4][0]}", "--prompt=ab",
                      "--max_new_tokens=4", logs=tmp_path, devices=1)
     assert_succeeded(result)
     assert "sequence=2 x tensor=1; reading it data parallel over 1 of the 1 devices here" in \
         result.stderr, result.stderr
     assert result.stdout.startswith("ab")
+    # visualize reads it the same way (it failed so after generate was fixed)
+    pictures = run_cli("transformer.visualize", f"--workdir={cli_runs[4][0]}", "--text=ab",
+                       f"--output_dir={tmp_path / 'maps'}", "--layer=0", logs=tmp_path / "maps",
+                       devices=1)
+    assert_succeeded(pictures)
+    assert "reading it data parallel over 1 of the 1 devices here" in pictures.stderr
+    assert list((tmp_path / "maps").glob("*.png")), pictures.stdout
 
 
 @pytest.mark.slow

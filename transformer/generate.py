@@ -74,18 +74,12 @@ def load_workdir(workdir: str, step: int | None = None):
     checkpoint records that training read its documents as one stream."""
     from transformer.data import inputs
     from transformer.models import build_model
-    from transformer.parallel import sharding
     from transformer.training import checkpoint as checkpoint_lib
-    from transformer.training import finetune, placement
+    from transformer.training import finetune
     from transformer.utils import fileio
 
-    # a run trained on more devices than this machine has reads onto data parallel here
-    fitted, devices, note = placement.local_mesh(checkpoint_lib.saved_run(workdir, step)[1],
-                                                 "reading it")
-    if note:
-        print(note, file=sys.stderr)
-    mesh = None if note is None else sharding.make_mesh(fitted.mesh, devices)
-    saved = finetune.restore_params(workdir, step, mesh)
+    # (a run trained on more devices than this machine has reads onto data parallel here)
+    saved = finetune.restore_params(workdir, step)
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
     stream = checkpoint_lib.saved_stream(workdir, saved.step, or_newer=True)
     if (stream or {}).get(inputs.DOCUMENTS) == "stream":  # token shards, .bin: read as a stream

@@ -27,8 +27,7 @@ from flax import traverse_util
 
 from transformer.models import build_model
 from transformer.nn import lora
-from transformer.parallel import sharding
-from transformer.training import optim
+from transformer.training import optim, placement
 from transformer.training import state as state_lib
 from transformer.utils import fileio
 
@@ -198,7 +197,7 @@ def restore_params(workdir: str, step: int | None = None,
     then-newest step is read (see `SavedParams.step` for the one read)."""
     def read(step: int) -> SavedParams:
         _, config = saved_run(workdir, step)
-        where = sharding.make_mesh(config.mesh) if mesh is None else mesh
+        where = placement.reading_mesh(config) if mesh is None else mesh
         abstract, shardings, _ = state_lib.initial_state(config, build_model(config.model), where)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract.params, shardings.params)

@@ -417,14 +417,13 @@ def restore_params(workdir: str, step: int | None = None, mesh=None,
     """`checkpoint.restore_params`, with a LoRA run's base read again (`with_lora_base`): the
     params evaluation, generation and export read."""
     from transformer.models import build_model
-    from transformer.parallel import sharding
     from transformer.training import state as state_lib
 
     saved = checkpoint_lib.restore_params(workdir, step, mesh, or_newer)
     if not lora.enabled(saved.config):
         return saved
     record = checkpoint_lib.saved_lora_base(workdir, saved.step)
-    where = sharding.make_mesh(saved.config.mesh) if mesh is None else mesh
+    where = jax.tree.leaves(saved.params)[0].sharding.mesh  # the one the adapters were read onto
     abstract, shardings, _ = state_lib.initial_state(saved.config,
                                                      build_model(saved.config.model), where)
     params = with_lora_base(saved.config, saved.params, abstract.params, shardings.params,

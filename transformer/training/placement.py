@@ -279,3 +279,13 @@ def local_mesh(config, doing: str):
     config.mesh.update({axis: data if axis == "data" else 1 for axis in sharding.MESH_AXES})
     return config, devices[:data], (f"note: the run trained on mesh {trained}; {doing} data "
                                      f"parallel over {data} of the {len(devices)} devices here")
+
+
+def reading_mesh(config) -> jax.sharding.Mesh:
+    """The mesh to read a run's checkpoint onto here: its own where this machine's devices hold
+    it, else data parallel over them (`local_mesh`; a checkpoint restores onto any mesh), with
+    local_mesh's note on stderr."""
+    fitted, devices, note = local_mesh(config, "reading it")
+    if note:
+        print(note, file=sys.stderr)
+    return sharding.make_mesh(fitted.mesh, devices)
