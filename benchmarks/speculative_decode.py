@@ -50,7 +50,7 @@ def measure(workdir: str, new_tokens: int, rows: int, repeats: int,
             temperature: float = 0.0) -> dict:
     model, params, tokenizer, config = generate.load_workdir(workdir)
     text = tokenizer.encode(_PROMPT_TEXT)
-    start = document_prefix(config, tokenizer.eos_id)  # as generation reads a prompt
+    start = document_prefix(config, tokenizer)  # as generation reads a prompt
     prompts = [[*start, *text[i * 7:i * 7 + 16]] for i in range(rows)]
     plain_s, (want, _) = best_time(lambda: generate.decode(
         model, params, prompts, max_new_tokens=new_tokens, temperature=temperature,

@@ -567,17 +567,21 @@ def test_a_decoder_lm_reads_a_document_start_as_its_training_rows_began_one(tmp_
     "stream", a folder of token shards, a prepared folder's .bin shards, a mixture with one
     such source) or the weights are a Hugging Face checkpoint's; nothing where training packed
     them (the default unit) or for a prefix LM; <eos> before an empty text."""
+    import tokenizers as tokenizers_lib
+
     from transformer.data import prepare
+    from transformer.data.hf_tokenizer import HFTokenizer
     from transformer.generation.text import document_prefix
 
-    eos = tokenizers.EOS_ID
+    byte = tokenizers.build_tokenizer("byte")
+    eos = byte.eos_id
     config = base_config()
-    assert document_prefix(config, eos) == [] and document_prefix(config, eos, True) == [eos]
+    assert document_prefix(config, byte) == [] and document_prefix(config, byte, True) == [eos]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"paragraph {i} of a corpus.\n\n" for i in range(40)))
     for unit in ("file", "stream"):
         config.data.unit = unit
-        assert document_prefix(config, eos) == [eos] * (unit == "stream"), unit
+        assert document_prefix(config, byte) == [eos] * (unit == "stream"), unit
     config.data.unit = "paragraph"
     shards = tmp_path / "shards"  # nanoGPT's train.bin / val.bin
     shards.mkdir()
@@ -588,20 +592,30 @@ def test_a_decoder_lm_reads_a_document_start_as_its_training_rows_began_one(tmp_
     for path, streams in ((shards, True), (tmp_path / "bin", True),
                           (tmp_path / "array_record", False), (corpus, False)):
         config.data.path = str(path)
-        assert document_prefix(config, eos) == [eos] * streams, path
+        assert document_prefix(config, byte) == [eos] * streams, path
         config.data.path = ""
         config.data.sources = (f"name=text,path={corpus},weight=0.5",
                                f"name=other,path={path},weight=0.5")
-        assert document_prefix(config, eos) == [eos] * streams, path
+        assert document_prefix(config, byte) == [eos] * streams, path
         config.data.sources = ()
     config.data.update(unit="stream", objective="sft")  # chat rows: a conversation at 0
-    assert document_prefix(config, eos) == []
+    assert document_prefix(config, byte) == []
     config.data.update(unit="paragraph", objective="")
     config.init_from = "hf:/models/llama"
-    assert document_prefix(config, eos) == [eos]
+    assert document_prefix(config, byte) == [eos]
+    # an imported checkpoint's tokenizer: its BOS where it puts one before a text (Llama,
+    # Gemma), else its <eos> (GPT-2, Qwen: documents follow an <|endoftext|>)
+    for template, expected in (("<s> $A", [0]), ("$A", [2]), ("<s> $A </s>", [0])):
+        tok = tokenizers_lib.Tokenizer(tokenizers_lib.models.WordLevel(
+            {"<s>": 0, "a": 1, "</s>": 2}, unk_token="a"))
+        tok.post_processor = tokenizers_lib.processors.TemplateProcessing(
+            single=template, special_tokens=[("<s>", 0), ("</s>", 2)])
+        hf = HFTokenizer(tok.to_str(), {"bos": "<s>", "eos": "</s>"})
+        assert document_prefix(config, hf) == expected, template
+        assert document_prefix(config, hf, empty=True) == expected, template
     config.init_from, config.data.unit = "", "stream"
     config.model.family = "prefix_lm"
-    assert document_prefix(config, eos) == [] and document_prefix(config, eos, True) == [eos]
+    assert document_prefix(config, byte) == [] and document_prefix(config, byte, True) == [eos]
 
 
 def _command_flags(*args):

@@ -92,11 +92,17 @@ def test_a_run_on_bin_shards_reads_texts_behind_eos_once_its_data_is_gone(tmp_pa
 def test_a_hugging_face_directory_loads_with_transformers_logits_and_its_own_eos(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    import tokenizers
     from test_sft import LLAMA3, build_tokenizer
 
     directory = build_tokenizer(tmp_path / "llama", LLAMA3)
     vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
-    eos = vocab["<|end_of_text|>"]
+    eos, bos = vocab["<|end_of_text|>"], vocab["<|begin_of_text|>"]
+    # the hub's Llama 3 tokenizer.json: its post-processor puts <|begin_of_text|> first
+    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    tok.save(str(directory / "tokenizer.json"))
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -109,7 +115,10 @@ def test_a_hugging_face_directory_loads_with_transformers_logits_and_its_own_eos
     assert len(set(index["weight_map"].values())) > 2
     lm = transformer.load(f"hf:{directory}")
     assert lm.tokenizer.eos_id == eos
-    ids = np.concatenate([[eos], lm.tokenizer.encode("the cat sat")])
+    # a document starts as transformers' tokenizer starts one: behind its BOS
+    ids = np.asarray(transformers.AutoTokenizer.from_pretrained(directory)("the cat sat")[
+        "input_ids"])
+    assert ids[0] == bos and lm.ids("the cat sat").tolist() == ids.tolist()
     with torch.no_grad():
         want = hf(input_ids=torch.tensor(ids[None])).logits[0].numpy()
     np.testing.assert_allclose(lm.logits("the cat sat"), want, atol=1e-4)

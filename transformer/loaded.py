@@ -40,9 +40,9 @@ class Loaded:
 
     def ids(self, text: str) -> np.ndarray:
         """The ids the model reads for `text` as a document's start: `text.document_prefix`
-        (<eos> where training streamed its documents or the weights came from a Hugging Face
-        checkpoint; nothing where training packed them, except before an empty text), then
-        the text's tokens. Row t of `logits(text)` predicts `ids(text)[t + 1]`."""
+        (<eos> where training streamed its documents, or a Hugging Face checkpoint's BOS or
+        <eos>; nothing where training packed them, except before an empty text), then the
+        text's tokens. Row t of `logits(text)` predicts `ids(text)[t + 1]`."""
         return self._read(text)[0]
 
     def _read(self, text: str) -> tuple[np.ndarray, int]:
@@ -50,7 +50,7 @@ class Loaded:
         from transformer.generation.text import document_prefix
 
         encoded = self.tokenizer.encode(text)
-        prefix = document_prefix(self.config, self.tokenizer.eos_id, empty=not len(encoded))
+        prefix = document_prefix(self.config, self.tokenizer, empty=not len(encoded))
         return np.concatenate([prefix, encoded]).astype(np.int32), len(prefix)
 
     def _check_head(self, method: str) -> None:
@@ -113,9 +113,9 @@ class Loaded:
         if len(whole) <= len(head) or not np.array_equal(whole[:len(head)], head):
             raise ValueError(f"text={text!r}: expected text whose tokens follow context="
                              f"{context!r}'s (the tokenizer merges them across the boundary)")
-        prefix = document_prefix(self.config, self.tokenizer.eos_id, empty=not len(head))
+        prefix = document_prefix(self.config, self.tokenizer, empty=not len(head))
         total = 0.0
-        if not len(head) and not document_prefix(self.config, self.tokenizer.eos_id):
+        if not len(head) and not document_prefix(self.config, self.tokenizer):
             # packed, no context: the first token from <eos>, then the rest behind it alone
             first = np.asarray([self.tokenizer.eos_id, whole[0]], np.int32)
             total, prefix, head = float(self._token_log_probs(first)[0]), [], whole[:1]

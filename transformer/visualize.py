@@ -71,7 +71,7 @@ def encode_text(config, tokenizer, text: str, target: str = "") -> tuple[np.ndar
                          f"model.family={family.name!r}")
     if not family.continues_text:
         return ids, None
-    prefix = document_prefix(config, tokenizer.eos_id, empty=not len(ids))
+    prefix = document_prefix(config, tokenizer, empty=not len(ids))
     return np.concatenate([prefix, ids]).astype(np.int32), None  # as generation reads it
 
 

@@ -187,6 +187,25 @@ class HFTokenizer(Tokenizer):
         return text.encode()
 
     @property
+    def document_start(self) -> list[int]:
+        """The ids the tokenizer.json's post-processor puts before a text (transformers'
+        `tokenizer(text)`): Llama's, Gemma's and Mistral's BOS; none for GPT-2's or Qwen's.
+
+        >>> import tokenizers
+        >>> tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<s>": 0, "a": 1}))
+        >>> tok.post_processor = tokenizers.processors.TemplateProcessing(
+        ...     single="<s> $A", special_tokens=[("<s>", 0)])
+        >>> HFTokenizer(tok.to_str(), {"bos": "<s>"}).document_start
+        [0]
+        """
+        # (the leading specials of a one-token text: a template may also append some, BERT's
+        # [SEP], and an empty text would not tell those apart)
+        probe = next(iter(self._tok.get_vocab(with_added_tokens=False)), "")
+        encoding = self._tok.encode(probe, add_special_tokens=True)
+        mask = list(encoding.special_tokens_mask) + [0]
+        return list(encoding.ids[:mask.index(0)])
+
+    @property
     def special_names(self) -> dict[int, str]:
         return dict(self._names)
 

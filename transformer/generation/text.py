@@ -105,40 +105,46 @@ def _start_id(tokenizer, decoding: str) -> int:
     return tokenizer.decoder_start_id if decoding == "encoder_decoder" else BOS_ID
 
 
-def document_prefix(config, eos: int, empty: bool = False) -> list[int]:
+def document_prefix(config, tokenizer, empty: bool = False) -> list[int]:
     """What the config's decoder LM reads before a document's first token, as its training rows
     began one: [eos] where training ran its documents on as one stream, each after the
-    previous one's <eos> (`inputs.streamed`), and for weights from a Hugging Face checkpoint
-    (init_from="hf:..."; their pretraining's layout is not known here); nothing where it
-    packed them (the default data.unit), each from position 0 of its own segment, nor for a
-    prefix LM (the prefix_lm rows, `windows.Chunks`, begin at a document's first token).
-    Before an `empty` text there is nothing to predict its first token from: [eos], the
-    nearest thing to a document start.
+    previous one's <eos> (`inputs.streamed`); for weights from a Hugging Face checkpoint
+    (init_from="hf:..."), what its tokenizer puts before a text (`HFTokenizer.document_start`:
+    Llama's or Gemma's BOS), else [eos] (GPT-2's and Qwen's documents follow an
+    <|endoftext|>); nothing where training packed them (the default data.unit), each from
+    position 0 of its own segment, nor for a prefix LM (the prefix_lm rows, `windows.Chunks`,
+    begin at a document's first token). Before an `empty` text there is nothing to predict its
+    first token from: [eos] (or the checkpoint's BOS), the nearest thing to a document start.
 
     >>> import ml_collections
+    >>> from transformer.data import tokenizers
     >>> config = ml_collections.ConfigDict({"model": {"family": "gpt", "objective": "causal"},
     ...     "data": {"path": "", "unit": "paragraph", "sources": ()}, "init_from": ""})
-    >>> document_prefix(config, 2), document_prefix(config, 2, empty=True)
+    >>> byte = tokenizers.build_tokenizer("byte")
+    >>> document_prefix(config, byte), document_prefix(config, byte, empty=True)
     ([], [2])
     >>> config.data.unit = "stream"
-    >>> document_prefix(config, 2)
+    >>> document_prefix(config, byte)
     [2]
     """
     from transformer.data import inputs
 
-    if empty or (_decoding(config) != "prefix" and (
-            inputs.streamed(config) or str(config.get("init_from") or "").startswith("hf:"))):
-        return [int(eos)]
-    return []
+    eos = [int(tokenizer.eos_id)]
+    if _decoding(config) == "prefix":
+        return eos if empty else []
+    if str(config.get("init_from") or "").startswith("hf:"):
+        return list(getattr(tokenizer, "document_start", [])) or eos
+    return eos if empty or inputs.streamed(config) else []
 
 
-def _prompt_ids(encoded: np.ndarray, eos: int, config) -> tuple[np.ndarray, np.ndarray]:
+def _prompt_ids(encoded: np.ndarray, tokenizer, config) -> tuple[np.ndarray, np.ndarray]:
     """(the ids the model reads, the ids the printed text starts with) of an encoded prompt,
     laid out as the family's training rows are. An encoder-decoder reads prompt + <eos> and
     prints what it decodes. A decoder LM reads `document_prefix` then the prompt."""
     if _decoding(config) == "encoder_decoder":
-        return np.concatenate([encoded, [eos]]).astype(np.int32), np.zeros(0, np.int32)
-    prefix = document_prefix(config, eos, empty=not len(encoded))
+        return (np.concatenate([encoded, [tokenizer.eos_id]]).astype(np.int32),
+                np.zeros(0, np.int32))
+    prefix = document_prefix(config, tokenizer, empty=not len(encoded))
     ids = np.concatenate([prefix, encoded]).astype(np.int32)
     return ids, ids[len(prefix):]
 
@@ -196,7 +202,7 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     encoded = _encode_prompt(tokenizer, prompt)
     banned = _banned_for(tokenizer, model, config)
     stops = stop_ids(tokenizer)
-    prompt_ids, keep = _prompt_ids(encoded, tokenizer.eos_id, config)
+    prompt_ids, keep = _prompt_ids(encoded, tokenizer, config)
     n = _new_tokens(max_new_tokens, config, decoding, len(prompt_ids))
 
     def to_texts(rows):
@@ -241,7 +247,7 @@ def speculative_text(model, params, tokenizer, config, *, prompt: str = "",
     check_max_new_tokens(max_new_tokens)
     encoded = _encode_prompt(tokenizer, prompt)
     stops = stop_ids(tokenizer)
-    prompt_ids, _ = _prompt_ids(encoded, tokenizer.eos_id, config)
+    prompt_ids, _ = _prompt_ids(encoded, tokenizer, config)
     n = _new_tokens(max_new_tokens, config, "causal", len(prompt_ids))
     if max_new_tokens is None and config.model.get("position") == "learned":
         # the drafts checked past the last new token need positions in the table too
@@ -310,7 +316,7 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
     check_beam_family(config)
     encoded = _encode_prompt(tokenizer, prompt)
     stops = stop_ids(tokenizer)
-    ids, keep = _prompt_ids(encoded, tokenizer.eos_id, config)
+    ids, keep = _prompt_ids(encoded, tokenizer, config)
     n = _new_tokens(max_new_tokens, config, decoding, len(ids))
     if n == 0:
         return tokenizer.decode(keep)

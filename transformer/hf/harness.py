@@ -4,8 +4,9 @@
 subclass that loads a training workdir as the `lm_eval` model "transformer" (its command).
 
 A request's text starts a document as in training (`text.document_prefix`): behind the tokenizer's
-<eos> where training streamed its documents, else alone, and behind <eos> where its context is empty
-(a rolling text's first token too: there is nothing else to predict it from). `loglikelihood`
+<eos> where training streamed its documents (an imported checkpoint's BOS where its tokenizer puts
+one first), else alone, and behind <eos> where its context is empty (a rolling text's first token
+too: there is nothing else to predict it from). `loglikelihood`
 encodes context + continuation together and scores the tokens past the context's own encoding (the
 harness's convention for BPE boundaries), `loglikelihood_rolling` cuts long texts into the harness's
 rolling windows of `max_length` tokens, and `generate_until` decodes with the KV cache in batches
@@ -81,7 +82,7 @@ class TransformerLM(LM):
                              f"model.max_len={limit}")
         self.eos = int(self.tokenizer.eos_id)
         # what a text reads first, by whether it is empty (read once: it looks at data.path)
-        self.prefixes = {empty: text.document_prefix(self.config, self.eos, empty)
+        self.prefixes = {empty: text.document_prefix(self.config, self.tokenizer, empty)
                          for empty in (False, True)}
         self.stops = text.stop_ids(self.tokenizer)  # <eos> and an imported checkpoint's stops
         self.banned = text.banned_ids(self.tokenizer, self.config.model.vocab_size)
