@@ -378,7 +378,11 @@ def test_the_default_length_fits_a_learned_position_table_shorter_than_seq_len()
     assert text._new_tokens(None, config, "causal", 5) == 27
     assert text._new_tokens(9, config, "causal", 5) == 9  # a length asked for stays
     with pytest.raises(ValueError, match=r"^prompt of 32 tokens: expected < model.max_len=32"):
-        text._new_tokens(None, config, "causal", 32)
+        text._new_tokens(None, config, "causal", 32, 32)
+    # the <eos> read before a stream-trained model's prompt is named apart from the prompt's
+    with pytest.raises(ValueError, match=r"^prompt of 31 tokens and the 1 read before it \(a "
+                                         r"document's start\): expected < model.max_len=32 in all"):
+        text._new_tokens(None, config, "causal", 32, 31)
     config.model.position = "rope"  # no table: seq_len
     assert text._new_tokens(None, config, "causal", 5) == 123
 

@@ -203,7 +203,7 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     banned = _banned_for(tokenizer, model, config)
     stops = stop_ids(tokenizer)
     prompt_ids, keep = _prompt_ids(encoded, tokenizer, config)
-    n = _new_tokens(max_new_tokens, config, decoding, len(prompt_ids))
+    n = _new_tokens(max_new_tokens, config, decoding, len(prompt_ids), len(keep))
 
     def to_texts(rows):
         if past_eos:
@@ -247,8 +247,8 @@ def speculative_text(model, params, tokenizer, config, *, prompt: str = "",
     check_max_new_tokens(max_new_tokens)
     encoded = _encode_prompt(tokenizer, prompt)
     stops = stop_ids(tokenizer)
-    prompt_ids, _ = _prompt_ids(encoded, tokenizer, config)
-    n = _new_tokens(max_new_tokens, config, "causal", len(prompt_ids))
+    prompt_ids, keep = _prompt_ids(encoded, tokenizer, config)
+    n = _new_tokens(max_new_tokens, config, "causal", len(prompt_ids), len(keep))
     if max_new_tokens is None and config.model.get("position") == "learned":
         # the drafts checked past the last new token need positions in the table too
         n = max(min(n, new_tokens_that_fit(config.model, len(prompt_ids))), 1)
@@ -271,10 +271,13 @@ def check_max_new_tokens(max_new_tokens) -> None:
                          "(0: the prompt alone)")
 
 
-def _new_tokens(max_new_tokens: int | None, config, decoding: str, prompt_length: int) -> int:
+def _new_tokens(max_new_tokens: int | None, config, decoding: str, prompt_length: int,
+                typed: int | None = None) -> int:
     """`max_new_tokens`, or by default seq_len tokens (an encoder-decoder's output) or what
     fills the training context after the prompt (a decoder LM), within a learned position
-    table (model.max_len: an imported checkpoint's context can be shorter than seq_len)."""
+    table (model.max_len: an imported checkpoint's context can be shorter than seq_len).
+    `typed`: how many of the prompt's `prompt_length` ids are the user's (the rest are the
+    `document_prefix` read before them)."""
     if max_new_tokens is not None:
         return int(max_new_tokens)
     if decoding == "encoder_decoder":
@@ -283,8 +286,10 @@ def _new_tokens(max_new_tokens: int | None, config, decoding: str, prompt_length
     if config.model.get("position") == "learned" and config.model.max_len < context:
         context, name = config.model.max_len, "model.max_len"
     if prompt_length >= context:
-        raise ValueError(f"prompt of {prompt_length} tokens: expected < {name}={context} (or "
-                         "pass max_new_tokens)")
+        before = prompt_length - (prompt_length if typed is None else typed)
+        read = f" and the {before} read before it (a document's start)" if before else ""
+        raise ValueError(f"prompt of {prompt_length - before} tokens{read}: expected < "
+                         f"{name}={context} in all (or pass max_new_tokens)")
     return context - prompt_length
 
 
@@ -317,7 +322,7 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
     encoded = _encode_prompt(tokenizer, prompt)
     stops = stop_ids(tokenizer)
     ids, keep = _prompt_ids(encoded, tokenizer, config)
-    n = _new_tokens(max_new_tokens, config, decoding, len(ids))
+    n = _new_tokens(max_new_tokens, config, decoding, len(ids), len(keep))
     if n == 0:
         return tokenizer.decode(keep)
     tokens, _, _ = beam_search(model, params, [ids], beam_size=beam_size,
