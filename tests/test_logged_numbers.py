@@ -95,11 +95,11 @@ def test_train_perplexity_is_exp_plain_ce_for_one_or_two_micro_batches():
 FREEZE = "^(embed|decoder/layers)"
 
 
-def frozen_run(max_grad_norm=0.0):
+def frozen_run(max_grad_norm=0.0, freeze=FREEZE):
     """(params before, the gradients, the step's state and metrics) of one step of a run
-    freezing all but the final norm under adamw with clipping."""
+    freezing all but the final norm (`freeze`) under adamw with clipping."""
     config = tiny_config(max_grad_norm=max_grad_norm)
-    config.optimizer.update(freeze=FREEZE, warmup_steps=0)
+    config.optimizer.update(freeze=freeze, warmup_steps=0)
     model, params, batch, _ = build(config)
     optimizer = optim.make_optimizer(config)
     state = TrainState(np.zeros((), np.int32), params, optimizer.init(params),
@@ -113,11 +113,15 @@ def frozen_run(max_grad_norm=0.0):
 def test_grad_norm_and_max_grad_norm_count_only_the_trainable_params():
     params, grads, new, logged = frozen_run()
     flat = traverse_util.flatten_dict(grads, sep="/")
-    trainable = [np.asarray(g, np.float64) for name, g in flat.items()
+    every = traverse_util.flatten_dict(frozen_run(freeze="")[1], sep="/")  # nothing frozen
+    trainable = [np.asarray(g, np.float64) for name, g in every.items()
                  if not re.search(FREEZE, name)]
     assert trainable and len(trainable) < len(flat)
+    for name, g in flat.items():  # a frozen param's gradient is never computed: zeros
+        np.testing.assert_allclose(g, 0 if re.search(FREEZE, name) else every[name],
+                                   rtol=1e-6, atol=0, err_msg=name)
     norm = np.sqrt(sum((g**2).sum() for g in trainable))
-    full = np.sqrt(sum((np.asarray(g, np.float64) ** 2).sum() for g in flat.values()))
+    full = np.sqrt(sum((np.asarray(g, np.float64) ** 2).sum() for g in every.values()))
     assert full > 3 * norm  # the frozen params' gradients dominate the full norm
     np.testing.assert_allclose(float(logged["grad_norm"]), norm, rtol=1e-5)
     # A limit between the two passes the step (and the final norm trains) ...

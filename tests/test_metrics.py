@@ -87,9 +87,9 @@ def test_the_flops_are_3_x_the_matmuls_the_forward_runs_whatever_the_head(family
         3 * forward + 6 * (vectors + types) + 6 * per_row * (1 - 1 / config.seq_len), rel=1e-12)
 
 
-def step_matmul_flops(remat_policy: str, batch: dict) -> float:
+def step_matmul_flops(remat_policy: str, batch: dict, freeze: str = "") -> float:
     """`metrics.hardware_flops_per_token` of small_config's train step (SGD: no matmuls of
-    its own) under `remat_policy`, counted in the step's program."""
+    its own) under `remat_policy` (and optimizer.freeze), counted in the step's program."""
     import numpy as np
     import optax
 
@@ -98,6 +98,7 @@ def step_matmul_flops(remat_policy: str, batch: dict) -> float:
 
     config = small_config(remat_policy=remat_policy)
     config.batch_size, config.seq_len = batch["inputs"].shape
+    config.optimizer.freeze = freeze
     model = build_model(config.model)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))[
         "params"])
@@ -128,6 +129,10 @@ def test_hardware_flops_are_the_matmuls_the_step_runs_under_each_remat_policy():
     # nothing saved: the forward again, but for the MLP's output matmul and the head
     assert step_matmul_flops("full", batch) == 3 * forward + forward - 2 * mlp_out - head
     assert step_matmul_flops("dots_no_batch", batch) == 3 * forward + 2 * attention
+    # frozen MLPs: their weight gradients are never computed (both layers' wi and wo); the
+    # gradient through them still is
+    assert step_matmul_flops("full", batch, freeze="mlp/") == \
+        step_matmul_flops("full", batch) - 2 * (mlp_in + mlp_out)
 
 
 def test_the_attention_gate_counts_in_n_so_in_the_flops():
@@ -377,10 +382,13 @@ def test_an_encoder_decoder_counts_each_stack_at_its_own_length_against_a_hand_c
         6 * total + 2 * 12 * width * s + 2 * 12 * width * s
 
 
-def test_the_encoder_decoder_step_runs_the_matmuls_it_is_charged():
+@pytest.mark.parametrize("freeze", ["", "^encoder/"])
+def test_the_encoder_decoder_step_runs_the_matmuls_it_is_charged(freeze):
     """The dense T5's train step (SGD: no matmuls of its own) runs 3 x its forward's matmuls:
     the model FLOPs but 6 x the norm scales' params, at each stack's length (the decoder's
-    rows shorter than the encoder's)."""
+    rows shorter than the encoder's). With its encoder frozen (optimizer.freeze) the encoder's
+    weight gradients are never computed, and each of its params counts 4, not 6 (the
+    gradient through it still runs: the shared token table below it trains)."""
     import numpy as np
     import optax
 
@@ -389,6 +397,7 @@ def test_the_encoder_decoder_step_runs_the_matmuls_it_is_charged():
 
     config, s, t = t5_config(), 16, 6
     config.batch_size = 2
+    config.optimizer.freeze = freeze
     batch = t5_batch(2, s, t)
     model, optimizer = build_model(config.model), optax.sgd(0.1)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch["encoder_inputs"],
@@ -397,9 +406,11 @@ def test_the_encoder_decoder_step_runs_the_matmuls_it_is_charged():
                        np.asarray(-1, np.int32))
     step = jax.jit(make_train_step(model, config, optimizer))
     counted = metrics.program_matmul_flops(step.trace(state, batch).jaxpr.jaxpr)
-    norms = (2 * 2 * 32 + 32) + (3 * 32 + 32) * t / s  # encoder's; decoder's, at T
-    assert counted / (2 * s) == \
-        metrics.model_flops_per_token(config, t5_abstract(config, batch), batch) - 6 * norms
+    # the norm scales' params: the encoder's (counting 4 where frozen); the decoder's, at T
+    norms = (4 if freeze else 6) * (2 * 2 * 32 + 32) + 6 * (3 * 32 + 32) * t / s
+    assert counted / (2 * s) == pytest.approx(
+        metrics.model_flops_per_token(config, t5_abstract(config, batch), batch) - norms,
+        rel=1e-12)
 
 
 def image_text_config(family: str, **model):
@@ -473,3 +484,25 @@ def test_a_ragged_dot_and_its_gradients_count_each_row_against_its_own_group():
 
     assert count(loss) == 2 * rows * width * out
     assert count(jax.grad(loss, argnums=(0, 1))) == 3 * 2 * rows * width * out
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_frozen_param_counts_4_flops_a_token_and_a_frozen_lookup_table_none(tie):
+    """optimizer.freeze: a frozen matmul param runs its forward and the gradient through it,
+    no weight gradient (4 of 6 N); the token table frozen counts so where a tied head
+    multiplies by it, and not at all where it is only looked up (untied)."""
+    from transformer.parallel import sharding
+    from transformer.training import state as state_lib
+
+    def flops(freeze):
+        config = small_config(tie_embeddings=tie)
+        config.optimizer.freeze = freeze
+        abstract = state_lib.initial_state(config, build_model(config.model), sharding.make_mesh(
+            config.mesh, jax.devices()[:1]))[0]
+        return metrics.model_flops_per_token(config, abstract, {})
+
+    mlp = 2 * (64 * 256 + 256 + 256 * 64 + 64)  # both layers' wi, wo and their biases
+    assert flops("mlp/") == pytest.approx(flops("") - 2 * mlp, rel=1e-12)
+    table = 256 * 64
+    assert flops("^embed/") == pytest.approx(flops("") - 2 * table * tie, rel=1e-12)
+    assert flops("position_embedding") == flops("")  # learned positions: looked up

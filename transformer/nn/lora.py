@@ -9,12 +9,12 @@ attention's query/key/value/out, multi-head latent attention's q_a/q_b/kv_a (or 
 MLP's wi/wi_gate/wi_up/wo).
 
 Only the adapters train: the optimizer has no state for the rest (`training.optim`), and the
-train step differentiates only the adapters (`trainable`). A run's checkpoints hold the
-adapters and name their base (init_from and `fingerprint`), read again on resume
-(`transformer.training.checkpoint`). QLoRA (`model.lora.base_quantization="int8"`) stores the frozen
-targeted kernels quantized by Qwix (`qwix.quantize`: int8 values, a float scale per output
-channel), kept as plain {"qvalue", "scale"} params, and dequantizes them on the fly
-(`qwix.dequantize`, in `project`).
+train step differentiates only the adapters (`step.trained_value_and_grad`). A run's
+checkpoints hold the adapters and name their base (init_from and `fingerprint`), read again on
+resume (`transformer.training.checkpoint`). QLoRA (`model.lora.base_quantization="int8"`)
+stores the frozen targeted kernels quantized by Qwix (`qwix.quantize`: int8 values, a float
+scale per output channel), kept as plain {"qvalue", "scale"} params, and dequantizes them on
+the fly (`qwix.dequantize`, in `project`).
 """
 
 from __future__ import annotations
@@ -172,15 +172,6 @@ def adapters_only(params):
 def merge(adapters: dict, rest: dict):
     """The params tree of `trainable`'s two halves."""
     return traverse_util.unflatten_dict({**rest, **adapters})
-
-
-def value_and_grad(loss_fn, params):
-    """jax.value_and_grad(loss_fn, has_aux=True) over the adapters only: ((loss, aux), grads)
-    with zero gradients for the frozen rest (an int8 QLoRA base cannot be differentiated)."""
-    adapters, rest = trainable(params)
-    frozen = jax.tree.map(jax.lax.stop_gradient, rest)
-    out, grads = jax.value_and_grad(lambda a: loss_fn(merge(a, frozen)), has_aux=True)(adapters)
-    return out, merge(grads, zero_grads(rest))
 
 
 def zero_grads(tree):

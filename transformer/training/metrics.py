@@ -172,17 +172,43 @@ def image_text_flops(config, num_params: int, split: tuple[int, int, int] | None
 
 
 def model_flops_per_token(config, abstract_state, batch: dict) -> float:
-    """A run's `flops_per_token`: of its active params (`state.active_params`), and for an
+    """A run's `flops_per_token`: of its active params (`state.active_params`), each frozen
+    matmul param (`frozen_matmul_params`) counting 4 FLOPs a token, not 6; for an
     encoder-decoder of its encoder side's and of `batch`'s decoder length (decoder_inputs
     [B, T], a training batch: the length the run trains on), for a CLIP or captioner of its
     towers' (`image_text_params`)."""
-    active = state_lib.active_params(abstract_state, config)
+    def trained(matching=None) -> float:  # (a frozen one as 2/3 of a param in 6 N)
+        return (state_lib.active_params(abstract_state, config, matching)
+                - frozen_matmul_params(config, abstract_state, matching) / 3)
+
     if config.model.family in ("clip", "captioner"):  # (the split of the params it has)
-        return image_text_flops(config, active, image_text_params(config, abstract_state))
+        return image_text_flops(config, trained(), tuple(
+            trained(regex) for regex in (IMAGE_SIDE, LOOKUPS, PER_PAIR)))
     if config.model.family != "t5":
-        return flops_per_token(config, active)
-    return flops_per_token(config, active, (state_lib.active_params(
-        abstract_state, config, ENCODER_SIDE), batch["decoder_inputs"].shape[1]))
+        return flops_per_token(config, trained())
+    return flops_per_token(config, trained(), (trained(ENCODER_SIDE),
+                                               batch["decoder_inputs"].shape[1]))
+
+
+def frozen_matmul_params(config, abstract_state, matching: str | None = None) -> int:
+    """The active matmul params (`matmul_params`'s; of those `matching` finds) that no update
+    changes (`optim.frozen_regex`: optimizer.freeze's, a LoRA run's base): the forward and the
+    gradient through them run, their weight gradient never does (`step.trained_value_and_grad`).
+    """
+    from transformer.training import optim
+
+    frozen = optim.frozen_regex(config)
+    if not frozen:
+        return 0
+    m = config.model
+    if m.family in ("clip", "captioner"):
+        lookups = LOOKUPS
+    else:  # learned positions, T5's relative buckets, a token table no head multiplies by
+        untied = not m.get("tie_embeddings", True) or m.get("head", "mlm") != "mlm"
+        lookups = "position_embedding|rel_embedding" + (r"|(^|/)embed/" if untied else "")
+    chosen = (frozen,) if matching is None else (frozen, matching)
+    return (state_lib.active_params(abstract_state, config, chosen)
+            - state_lib.active_params(abstract_state, config, (*chosen, lookups)))
 
 
 def hardware_flops_per_token(config, model_flops: float, train_step, *args) -> float | None:

@@ -84,17 +84,19 @@ def param_name(path) -> str:
 
 
 def active_params(abstract_state: TrainState, config: ml_collections.ConfigDict,
-                  matching: str | None = None) -> int:
+                  matching: str | tuple[str, ...] | None = None) -> int:
     """The params a token passes through: all of them less, in each mixture-of-experts layer,
     the experts it is not routed to (E - top_k of E; the router and shared experts are active).
     A dense model's active params are all its params. `matching`: only those whose name
-    (`param_name`) the regex finds a match in (e.g. an encoder-decoder's encoder side)."""
+    (`param_name`) the regex (each of the regexes) finds a match in (e.g. an encoder-decoder's
+    encoder side)."""
     moe = config.model.get("moe")
     routed = moe.num_experts if moe else 0
+    patterns = (matching,) if isinstance(matching, str) else tuple(matching or ())
     total = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(
             abstract_state.params, is_leaf=lora_lib.is_quantized)[0]:
-        if matching is not None and not re.search(matching, param_name(path)):
+        if not all(re.search(pattern, param_name(path)) for pattern in patterns):
             continue
         keys = [getattr(k, "key", None) for k in path]
         size = lora_lib.stored_size(leaf)  # a QLoRA kernel's values, not its scales

@@ -3,6 +3,8 @@ the record of the first non-finite step (transformer.training.nonfinite reads it
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -13,7 +15,7 @@ from transformer.nn import lora as lora_lib
 from transformer.nn import mtp as mtp_lib
 from transformer.parallel import pipeline_parallel
 from transformer.training import optim
-from transformer.training.state import TrainState
+from transformer.training.state import TrainState, param_name
 
 
 def make_train_step(model, config, optimizer):
@@ -54,10 +56,8 @@ def _halves(model, config, optimizer):
         def loss_fn(p):
             return family.loss_and_metrics(model, config, p, batch, rng, deterministic=False,
                                            loads=True, mtp=True, mtp_ratio=mtp_ratio)
-        if lora_lib.enabled(config):  # the adapters' gradients alone
-            (_, metrics), grads = lora_lib.value_and_grad(loss_fn, params)
-        else:
-            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (_, metrics), grads = trained_value_and_grad(loss_fn, params,
+                                                     optim.frozen_regex(config))
         return grads, metrics
 
     def gradients(state: TrainState, batch, base_rng):
@@ -141,6 +141,30 @@ def _mtp_ratio(config, batch):
     # weights, so the micro-batches' counts add up to this one.
     tokens = jnp.sum(batch["weights"], dtype=jnp.float32)
     return mtp_lib.token_counts(batch, depth) / jnp.maximum(tokens, 1.0)
+
+
+def trained_value_and_grad(loss_fn, params, frozen: str):
+    """jax.value_and_grad(loss_fn, has_aux=True)(params), differentiated by the params the regex
+    `frozen` (`optim.frozen_regex`: optimizer.freeze's, a LoRA run's base) does not match by
+    name alone: ((loss, aux), grads), zeros for the frozen ones. The optimizer zeroes their
+    gradients before clipping anyway; never computing them keeps their weight gradients out
+    of the traced step (the work HFU counts) and never differentiates QLoRA's int8 base."""
+    if not frozen:
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    still = [bool(re.search(frozen, param_name(path))) for path, _ in leaves]
+    values = [leaf for _, leaf in leaves]
+
+    def loss_of(trained):
+        trained = iter(trained)
+        return loss_fn(tree.unflatten([jax.lax.stop_gradient(v) if f else next(trained)
+                                       for v, f in zip(values, still, strict=True)]))
+
+    out, grads = jax.value_and_grad(loss_of, has_aux=True)(
+        [v for v, f in zip(values, still, strict=True) if not f])
+    grads = iter(grads)
+    return out, tree.unflatten([lora_lib.zero_grads(v) if f else next(grads)
+                                for v, f in zip(values, still, strict=True)])
 
 
 def trainable_grad_norm(config, grads) -> jax.Array:
