@@ -65,6 +65,13 @@ def test_legal_but_surely_unintended_values_are_one_line_warnings():
     assert "attention_softcap=1e-30" in warnings[4] and all("\n" not in w for w in warnings)
     assert startup.unintended_settings(tiny_config(**{
         "model.mup_base_width": 64, "model.parametrization": "mup"})) == []
+    # a ViT over patch positions reads no model.position (CLIP's text tower would)
+    vit = {"model.family": "vit", "model.position": "learned"}
+    assert startup.unintended_settings(tiny_config(**vit)) == [
+        "warning: model.position='learned' has no effect without model.patch_position='none'"]
+    assert startup.unintended_settings(tiny_config(**{**vit, "model.family": "clip"})) == []
+    assert startup.unintended_settings(tiny_config(
+        **vit, **{"model.patch_position": "none"})) == []
 
 
 def params_of(config):

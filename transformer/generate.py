@@ -156,8 +156,8 @@ def main(argv, flag_values=None) -> None:
         if stats is not None:
             print(f"speculative: {stats.tokens} new tokens from {1 + stats.rounds.sum()} "
                   f"passes of the model (the prompt's, then {stats.rounds.sum()} checking "
-                  f"{stats.depth}-token drafts: {stats.tokens_per_pass:.2f} tokens a checking pass); "
-                  f"{stats.acceptance_rate:.1%} of the drafts accepted", file=sys.stderr)
+                  f"{stats.depth}-token drafts: {stats.tokens_per_pass:.2f} tokens a checking "
+                  f"pass); {stats.acceptance_rate:.1%} of the drafts accepted", file=sys.stderr)
         return
     if f.beam_size:
         print(beam_search_text(model, params, tokenizer, config, prompt=f.prompt,

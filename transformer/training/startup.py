@@ -213,7 +213,11 @@ def unintended_settings(config: ml_collections.ConfigDict) -> list[str]:
         (model.get("quantize_head") and not model.get("quantization"),
          "model.quantize_head=True", "model.quantization 'int8' or 'fp8'"),
         (config.pipeline.repeats > 1 and config.mesh.get("stage", 1) == 1,
-         f"pipeline.repeats={config.pipeline.repeats}", "mesh.stage > 1"))
+         f"pipeline.repeats={config.pipeline.repeats}", "mesh.stage > 1"),
+        # (a ViT's only stack, its image tower, reads patch positions instead: models.vision)
+        (model.family == "vit" and model.get("patch_position") != "none"
+         and model.get("position") != default_model_config().position,
+         f"model.position={model.get('position')!r}", "model.patch_position='none'"))
     out += [f"warning: {setting} has no effect without {needs}" for bad, setting, needs in idle
             if bad]
     warmup = config.optimizer.get("warmup_steps", 0)
