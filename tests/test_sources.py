@@ -448,3 +448,74 @@ def test_the_modules_tasks_test_paragraphs_are_not_in_the_embedded_corpus_pretra
     # the long ones: a short paragraph ("    Example:\n\n") may recur inside another
     long = [e.source for e in test if len(e.source) > 200]
     assert len(long) > 50 and not [text for text in long if text in train]
+
+
+def test_a_broken_link_in_a_folder_or_glob_is_refused_naming_it(tmp_path):
+    """A Hugging Face hub cache after an interrupted download: snapshots/<rev>/b.jsonl links to a
+    blob that is not there. It was skipped, and the run went on with less data."""
+    snapshot = tmp_path / "snapshots" / "rev"
+    write(snapshot / "a.jsonl", "".join(json.dumps({"text": f"row {k}"}) + "\n" for k in range(30)))
+    os.symlink("../../blobs/0123abcd", snapshot / "b.jsonl")
+    os.symlink("/nonexistent/.hidden.jsonl", snapshot / ".hidden.jsonl")  # hidden: skipped
+    broken = (f"{snapshot / 'b.jsonl'}: a broken symbolic link to {tmp_path / 'blobs' / '0123abcd'}"
+              ", which does not exist: expected the file it links to (download it again, or "
+              "remove the link)")
+    for where in (snapshot, snapshot / "*.jsonl", tmp_path / "snapshots" / "*",
+                  snapshot / "b.jsonl", tmp_path / "**" / "*.jsonl"):
+        with pytest.raises(FileNotFoundError) as error:
+            sources.read_text(str(where))
+        assert str(error.value) == broken, where
+    os.remove(snapshot / "b.jsonl")
+    os.symlink("a.jsonl", snapshot / "b.jsonl")  # a link to a file that is there is read
+    assert len(sources.read_text(str(snapshot))) == 60
+
+
+@pytest.mark.parametrize("kind, column_type", [
+    ("large_string", "large_string"), ("string_view", "string_view"),
+    ("categorical", "dictionary<values=string, indices=int8, ordered=0>"),
+    ("dictionary", "dictionary<values=string, indices=int32, ordered=0>")])
+def test_parquet_text_held_as_a_view_large_string_or_categorical_is_read(tmp_path, kind,
+                                                                         column_type):
+    """Text columns as pandas (a categorical) or Arrow (string views, large strings, dictionary
+    encoding) write them: read as strings; a bad row is still refused by its number."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def write_texts(texts):
+        path = str(tmp_path / f"{kind}.parquet")
+        column = pa.array(texts, pa.string_view() if kind == "string_view" else
+                          pa.large_string() if kind == "large_string" else pa.string())
+        if kind == "categorical":  # pandas' Categorical of a few values: int8 codes
+            column = column.dictionary_encode().cast(pa.dictionary(pa.int8(), pa.string()))
+        elif kind == "dictionary":
+            column = column.dictionary_encode()
+        pq.write_table(pa.table({"text": column}), path)
+        assert str(pq.read_schema(path).field("text").type) == column_type
+        return path
+
+    path = write_texts(["first", "second", "first"])
+    assert [d.text for d in sources.read_text(path)] == ["first", "second", "first"]
+    with pytest.raises(ValueError, match=r"\.parquet: row 2: text=None is NoneType: expected"):
+        sources.read_text(write_texts(["first", "second", None]))
+    if kind in ("string_view", "dictionary"):  # invalid UTF-8 (Arrow checks none on write)
+        column = pa.array([b"ok", b"x\xff"], pa.binary()).view(pa.string())
+        column = column.cast(pa.string_view()) if kind == "string_view" else \
+            column.dictionary_encode()
+        pq.write_table(pa.table({"text": column}), path)
+        with pytest.raises(ValueError, match=r"row 1: text holds invalid UTF-8 at byte 1: "):
+            sources.read_text(path)
+
+
+def test_a_parquet_column_that_holds_no_text_is_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name, column in (("ints", pa.array([1, 2])), ("bytes", pa.array([b"a", b"b"])),
+                         ("codes", pa.array([1, 2]).dictionary_encode())):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"text": column}), str(path))
+        with pytest.raises(ValueError) as error:
+            sources.read_text(str(path))
+        assert str(error.value) == (f"{path}: row 0: the 'text' column holds "
+                                    f"{pq.read_schema(path).field('text').type}: expected strings "
+                                    "of text")

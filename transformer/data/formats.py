@@ -211,15 +211,27 @@ def _jsonl_rows(path: str, field: str) -> Iterator[tuple[int, str]]:
                          "file") from None
 
 
+def _holds_text(column_type) -> bool:
+    """Whether a column of `column_type` holds strings: string, large_string, string_view, or a
+    dictionary of them (what a pandas categorical column is written as); to_pylist reads each
+    as Python strings."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(column_type):
+        column_type = column_type.value_type
+    is_view = getattr(pa.types, "is_string_view", None)  # pyarrow >= 16, which added views
+    return (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)
+            or bool(is_view and is_view(column_type)))
+
+
 def _table_rows(batches, path: str, field: str, schema) -> Iterator[tuple[int, str]]:
     """Rows of Arrow record batches whose schema has `field` as a string column."""
-    import pyarrow as pa
 
     if field not in schema.names:
         raise ValueError(f"{path}: no {field!r} column (it has {schema.names}): expected "
                          "data.text_field to name the column that holds the text")
     column_type = schema.field(field).type
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+    if not _holds_text(column_type):
         raise ValueError(f"{path}: row 0: the {field!r} column holds {column_type}: expected "
                          "strings of text")
     row = 0

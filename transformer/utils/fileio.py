@@ -162,9 +162,20 @@ def open_binary(p: str):
     return fs.open(inner, "rb")
 
 
+def _refuse_broken_link(p: str) -> None:
+    """Raises for a local symlink to a missing file (as an interrupted download leaves in a
+    Hugging Face hub cache, snapshots/<rev>/x.parquet -> ../../blobs/<hash>): skipped, it would
+    leave the run with less data and no word of it."""
+    if os.path.islink(p) and not os.path.exists(p):
+        raise FileNotFoundError(f"{p}: a broken symbolic link to {os.path.realpath(p)}, which "
+                                "does not exist: expected the file it links to (download it "
+                                "again, or remove the link)")
+
+
 def files_under(directory: str) -> list[str]:
     """The regular files under `directory`, recursively, skipping hidden files and folders.
-    Symlinked folders are followed (as a glob over them does), each real folder once."""
+    Symlinked folders are followed (as a glob over them does), each real folder once; a broken
+    link is refused (`_refuse_broken_link`)."""
     if not is_remote(directory):
         found, seen = [], {os.path.realpath(directory)}
         for root, dirs, names in os.walk(directory, followlinks=True):
@@ -175,8 +186,11 @@ def files_under(directory: str) -> list[str]:
                     seen.add(real)
                     kept.append(d)
             dirs[:] = kept
-            found += [os.path.join(root, n) for n in names
-                      if not n.startswith(".") and os.path.isfile(os.path.join(root, n))]
+            for name in sorted(n for n in names if not n.startswith(".")):
+                file = os.path.join(root, name)
+                _refuse_broken_link(file)
+                if os.path.isfile(file):
+                    found.append(file)
         return found
     fs, inner = _fs(directory)
     root = inner.rstrip("/")
@@ -185,7 +199,8 @@ def files_under(directory: str) -> list[str]:
 
 
 def glob_files(pattern: str) -> list[str]:
-    """The regular files a glob `pattern` matches, with those under matching folders."""
+    """The regular files a glob `pattern` matches, with those under matching folders; a broken
+    link among them is refused (`_refuse_broken_link`)."""
     if not is_remote(pattern):
         matches = glob.glob(pattern, recursive=True)
     else:
@@ -197,4 +212,6 @@ def glob_files(pattern: str) -> list[str]:
             found.update(files_under(match))
         elif isfile(match):
             found.add(match)
+        elif not is_remote(match):
+            _refuse_broken_link(match)
     return sorted(found)
