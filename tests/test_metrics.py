@@ -439,9 +439,10 @@ def test_image_text_models_are_charged_3_x_their_forward_with_each_tower_at_its_
     table (positions, [CLS], CLIP's text tokens) in N. What remains over 3 x the forward is
     the convention's: each norm scale and bias charged 6 a token of its tower though no matmul
     runs on it (at most 6 x vectors x max(S, T) a row), and the [CLS] row charged the patch
-    embedding's kernel; under it only CLIP's B x B logits (3 x 2 B P a row, not charged)."""
+    embedding's kernel. CLIP's B x B logits are charged too (3 x 2 B P a row)."""
     config = image_text_config(family, **model)
     rows, t = 2, config.seq_len
+    config.batch_size = rows
     images = jnp.zeros((rows, 8, 8, 1))
     tokens = jnp.ones((rows, t), jnp.int32)
     args = {"clip": (images, tokens, tokens), "captioner": (images, tokens)}.get(
@@ -454,15 +455,21 @@ def test_image_text_models_are_charged_3_x_their_forward_with_each_tower_at_its_
     vectors = sum(x.size for path, x in leaves if path[-1].key.endswith(("bias", "scale")))
     charged = metrics.flops_per_token(config, sum(x.size for _, x in leaves)) * t
     s = 16 + (config.model.pooling == "cls" and family != "captioner")
-    logits = 3 * 2 * rows * 16 if family == "clip" else 0
     cls_row = 6 * 4 * 32 if s == 17 else 0  # the patch kernel [p p C, D] on [CLS] too
     # the ViT's generic count charges its class head's kernel (once a row) and [CLS] a token
     vit = 6 * (32 * 10 * (t - 1) + 32 * t) if family == "vit" else 0
-    assert -logits < charged - 3 * forward <= 6 * vectors * max(s, t) + cls_row + vit
+    assert 0 <= charged - 3 * forward <= 6 * vectors * max(s, t) + cls_row + vit
     assert charged / (3 * forward) == pytest.approx(1, rel=0.1)
     if family != "vit":  # a run's count, of its params' split, is the summary's
         abstract = t5_abstract(config, None)
         assert metrics.model_flops_per_token(config, abstract, {}) * t == charged
+    if family == "clip":  # twice the rows: each row's logits against twice the texts
+        wide = (images.repeat(2, 0), tokens.repeat(2, 0), tokens.repeat(2, 0))
+        more = metrics.program_matmul_flops(jax.make_jaxpr(lambda p: module.apply(
+            {"params": p}, *wide))(params).jaxpr) / (2 * rows) - forward
+        config.batch_size = 2 * rows
+        assert more == 2 * rows * 16 and 3 * more == pytest.approx(metrics.flops_per_token(
+            config, sum(x.size for _, x in leaves)) * t - charged, rel=1e-12)
 
 
 def test_a_ragged_dot_and_its_gradients_count_each_row_against_its_own_group():

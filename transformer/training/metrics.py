@@ -156,7 +156,8 @@ def image_text_flops(config, num_params: int, split: tuple[int, int, int] | None
     stack's mixers at T over T tokens (a captioner's also its cross-attention, T queries x S
     keys: 12 D S a token and layer) and 6 N_pair once; over T. N_img, the lookups and N_pair
     are `split` (`image_text_params`, counted from config when None); N_text the rest of
-    `num_params`. (CLIP's B x B logits, B P a row, are left out.)"""
+    `num_params`. CLIP adds its logits, each image's projection against the B texts of its
+    batch (B: a microbatch's rows, P = projection_dim): 6 B P a row."""
     m, t = config.model, config.seq_len
     image_side, lookups, pair = split or image_text_params(config)
     text_side = num_params - image_side - lookups - pair
@@ -168,7 +169,9 @@ def image_text_flops(config, num_params: int, split: tuple[int, int, int] | None
     text = 6 * text_side + sum(stack.mixer(i).flops_per_token(stack, t) + (
         0 if clip else 12 * stack.num_heads * stack.resolved_head_dim * s)
         for i in range(stack.num_layers))
-    return (image * s + text * t + 6 * pair) / t
+    rows = config.batch_size // config.optimizer.get("grad_accumulation_steps", 1)
+    logits = 6 * rows * m.projection_dim if clip else 0
+    return (image * s + text * t + 6 * pair + logits) / t
 
 
 def model_flops_per_token(config, abstract_state, batch: dict) -> float:
