@@ -195,6 +195,41 @@ def test_a_finished_sweep_is_skipped_and_launch_commands_carry_the_overrides(swe
     assert len(commands) == 2
 
 
+def test_a_launched_run_is_checked_against_its_checkpoint_and_report_only_checks_too(
+        swept, tmp_path):
+    """A run a --print_launch command trained has no sweep_config.json: its checkpoint's
+    resolved config is what it trained with (the vocabulary size training filled in is no
+    change). --report_only refuses runs trained with other settings, or past `steps`."""
+    import shutil
+
+    experiment, workdir, _ = swept
+    config = _experiment_config(experiment)
+    configs = sweep.variant_configs(config, sweep.load_sweep(str(experiment)),
+                                    only=["position=rope"])
+    launched = tmp_path / "runs" / "position=rope"
+    shutil.copytree(workdir / "position=rope", launched)
+    (launched / "sweep_config.json").unlink()
+    assert sweep.changed_settings(str(launched), configs["position=rope"]) == []
+    configs["position=rope"].optimizer.learning_rate = 0.01
+    with pytest.raises(ValueError, match=r"'position=rope' .*other settings \("
+                                         r"optimizer.learning_rate: trained with 0.001, now "
+                                         r"0.01\)"):
+        sweep.check_runs(configs, str(tmp_path / "runs"))
+
+    args = [f"--config={experiment}", f"--workdir={workdir}", "--report_only"]
+    for flag, error in (
+            ("--config.optimizer.learning_rate=0.01", "other settings (optimizer.learning_rate: "
+             "trained with 0.001, now 0.01)"),
+            ("--config.eval_steps=1", "other settings (eval_steps: trained with 2, now 1)"),
+            (f"--config.steps={STEPS - 1}", f"has trained to step {STEPS}, now steps="
+             f"{STEPS - 1}: expected steps >= {STEPS} (steps may only grow)")):
+        result = run_sweep(*args, flag)
+        assert result.returncode == 2, result.stderr[-3000:]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            f"error: variant 'position=learned' in {workdir} ") and error in lines[0], lines
+
+
 def _experiment_config(path: Path):
     namespace: dict = {}
     exec(compile(path.read_text(), str(path), "exec"), namespace)

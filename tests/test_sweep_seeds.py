@@ -22,6 +22,7 @@ from transformer import sweep
 from transformer.configs import base_config
 from transformer.sweeps import plots
 from transformer.training import evaluation
+from transformer.utils import keys
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -268,6 +269,60 @@ def test_seed_runs_names_options_and_refusals(tmp_path):
     sweep.check_layout(str(tmp_path / "many"), ["a"], 3)
     assert sweep.check_baseline(None, ["a", "b"]) == "a"
     assert sweep.check_baseline("b", ["a", "b"]) == "b"
+
+
+def test_only_rejoins_names_with_commas_and_runs_are_checked_before_anything(tmp_path,
+                                                                             monkeypatch):
+    """--only's comma-split pieces rejoin into product/zipped names; a relaunch or report of
+    runs trained with other settings (eval_steps too), or past a lowered `steps`, is refused in
+    one line naming the run; one without sweep_config.json is read from its checkpoint."""
+    variants = sweep.product(sweep.axis("model.position", ["rope", "alibi"]),
+                             sweep.axis("model.num_heads", [2, 4]))
+    config = base_config()
+    picked = sweep.variant_configs(config, variants, only="position=rope,num_heads=2,"
+                                   "position=alibi,num_heads=4".split(","))
+    assert list(picked) == ["position=rope,num_heads=2", "position=alibi,num_heads=4"]
+    with pytest.raises(ValueError, match=r"^--only \['num_heads=8', 'position=rope'\]: expected "
+                                         r"variant names \['position=rope,num_heads=2', .*\] \(a "
+                                         r"name with commas is given whole, e\.g\. "
+                                         r"--only=position=rope,num_heads=2\)$"):
+        sweep.variant_configs(config, variants, only=["position=rope", "num_heads=8"])
+
+    config.steps = 4
+    variants = sweep.seed_variants(sweep.named({"a": {}}), 2)
+    configs = sweep.variant_configs(config, variants)
+    for k in range(2):
+        fake_run(tmp_path / "a" / f"seed_{k}", [3.0, 2.0], 2.0)
+        (tmp_path / "a" / f"seed_{k}" / "sweep_config.json").write_text(
+            json.dumps(keys.dotted(configs[f"a/seed_{k}"].to_dict()), default=str))
+    sweep.check_runs(configs, str(tmp_path))
+    configs["a/seed_1"].eval_steps = 7
+    with pytest.raises(ValueError, match=r"^variant 'a/seed_1' in .* other settings \(eval_steps: "
+                                         r"trained with 20, now 7\)"):
+        sweep.check_runs(configs, str(tmp_path))
+    lower = sweep.variant_configs(config, variants)
+    for run in lower.values():
+        run.steps = 3
+    with pytest.raises(ValueError, match=r"^variant 'a/seed_0' in .* has trained to step 4, now "
+                                         r"steps=3: expected steps >= 4 \(steps may only grow\)"):
+        sweep.check_runs(lower, str(tmp_path))
+    for run in lower.values():
+        run.steps = 8  # extending a sweep is allowed
+    sweep.check_runs(lower, str(tmp_path))
+
+    # A --print_launch run has no sweep_config.json: its checkpoint's (resolved) config counts.
+    from transformer.training import checkpoint as checkpoint_lib
+
+    (tmp_path / "a" / "seed_0" / "sweep_config.json").unlink()
+    saved = sweep.variant_configs(config, variants)["a/seed_0"]
+    saved.model.vocab_size = 179  # filled in by training from the tokenizer: no change
+    monkeypatch.setattr(checkpoint_lib, "complete_steps", lambda directory: [4])
+    monkeypatch.setattr(checkpoint_lib, "saved_run", lambda directory: (4, saved))
+    run = sweep.variant_configs(config, variants)["a/seed_0"]
+    assert sweep.changed_settings(str(tmp_path / "a" / "seed_0"), run) == []
+    run.optimizer.learning_rate = 0.01
+    assert sweep.changed_settings(str(tmp_path / "a" / "seed_0"), run) == [
+        f"optimizer.learning_rate: trained with {saved.optimizer.learning_rate!r}, now 0.01"]
 
 
 # --- through the command line -----------------------------------------------------------------

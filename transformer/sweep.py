@@ -19,7 +19,9 @@ An experiment file declares its variants next to `get_config()`, as config overr
 Every variant is checked (unknown keys, wrong types, invalid values) before anything trains.
 Variant NAME trains in DIR/NAME like `transformer.train` would: rerunning the sweep resumes an
 interrupted variant and skips finished ones; a variant that fails is reported and the sweep goes
-on. At the end (or with `--report_only`) DIR/report.md compares the variants (final metrics,
+on. A rerun (and `--report_only`) refuses a run trained with other settings (its
+sweep_config.json, else its checkpoint's config) or past `steps`, which may only grow. At the
+end (or with `--report_only`) DIR/report.md compares the variants (final metrics,
 params, tokens/s, wall time) and links PNG plots of the validation loss against steps and wall
 time. `--print_launch` prints one `transformer.train` command per variant to run elsewhere
 (e.g. one Cloud TPU VM each) instead of training here.
@@ -100,10 +102,13 @@ def variant_configs(config, variants: Sequence[Variant], only: Sequence[str] = (
     """{name: config} of the selected variants (all if `only` is empty), each validated."""
     from transformer.configs import validate_config
 
-    unknown = sorted(set(only) - {v.name for v in variants})
+    names = [v.name for v in variants]
+    only = only_names(only, names)
+    unknown = sorted(set(only) - set(names))
     if unknown:
-        raise ValueError(f"--only {unknown}: expected variant names "
-                         f"{[v.name for v in variants]}")
+        example = next((name for name in names if "," in name), None)
+        raise ValueError(f"--only {unknown}: expected variant names {names}" + (
+            f" (a name with commas is given whole, e.g. --only={example})" if example else ""))
     configs = {}
     for variant in variants:
         if only and variant.name not in only:
@@ -116,36 +121,109 @@ def variant_configs(config, variants: Sequence[Variant], only: Sequence[str] = (
     return configs
 
 
+def only_names(pieces: Sequence[str], names: Sequence[str]) -> list[str]:
+    """--only's names: the flag splits on commas, which sweep.product and sweep.zipped put in
+    names, so consecutive pieces that join (with ",") into a variant name are one name again
+    (the longest such join first). A piece that joins into none is left as it is.
+
+    >>> only_names(["a=1", "b=2", "c"], ["a=1,b=2", "a=1", "c"])
+    ['a=1,b=2', 'c']
+    """
+    pieces, selected, i = list(pieces), [], 0
+    while i < len(pieces):
+        end = next((j for j in range(len(pieces), i, -1)
+                    if ",".join(pieces[i:j]) in names), i + 1)
+        selected.append(",".join(pieces[i:end]))
+        i = end
+    return selected
+
 
 # --- running ----------------------------------------------------------------------------
 
 
 # Settings a variant may change between runs of a sweep without invalidating what it trained.
-_MAY_CHANGE = {"experiment", "steps", "log_every", "eval_every", "eval_steps", "eval_seq_lens",
+# `steps` may only grow (`check_runs`). Not `eval_steps`: it sets how many validation windows
+# the val loss averages, and the report compares the runs' val losses as equals.
+_MAY_CHANGE = {"experiment", "steps", "log_every", "eval_every", "eval_seq_lens",
                "checkpoint_every", "keep_checkpoints", "fresh_start", "data.prefetch",
                *(f"profile.{key}" for key in ("start_step", "num_steps", "all_hosts")),
                *(f"wandb.{key}" for key in ("project", "entity", "name", "mode", "variant"))}
 
 
+# The keys training fills in when 0 (startup.resolve): a checkpoint's config has the value.
+_RESOLVED = ("model.vocab_size", "model.num_classes")
+
+
+def _as_json(config) -> dict[str, Any]:
+    return json.loads(json.dumps(keys.dotted(config.to_dict()), default=str))
+
+
+def trained_settings(directory: str) -> dict[str, Any] | None:
+    """The dotted settings the run in `directory` trained with: its sweep_config.json, else
+    (a run a --print_launch command trained) its latest checkpoint's resolved config with
+    "resolved": True; None for a run with neither."""
+    path = os.path.join(directory, definition.CONFIG_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    from transformer.training import checkpoint as checkpoint_lib
+
+    if not checkpoint_lib.complete_steps(directory):
+        return None
+    return {**_as_json(checkpoint_lib.saved_run(directory)[1]), "resolved": True}
+
+
 def changed_settings(directory: str, config) -> list[str]:
     """The settings of `config` that differ from those the variant in `directory` was trained
-    with (recorded at its first run), other than the harmless ones in _MAY_CHANGE. A key the
+    with (`trained_settings`), other than the harmless ones in _MAY_CHANGE. A key the
     record lacks was added to the code since: at its default it is what that run did (a new
-    key's default keeps the old behaviour), so only another value is a change."""
+    key's default keeps the old behaviour), so only another value is a change. Against a
+    checkpoint's resolved config, a key training fills in (`_RESOLVED` at 0; the model keys
+    and sentinel count an init_from source gives) is no change."""
     from transformer.configs import base_config
 
-    path = os.path.join(directory, definition.CONFIG_FILE)
-    if not os.path.exists(path):
+    saved = trained_settings(directory)
+    if saved is None:
         return []
-    with open(path) as f:
-        saved = json.load(f)
-    as_json = lambda config: json.loads(json.dumps(keys.dotted(config.to_dict()),
-                                                   default=str))
-    current, defaults = as_json(config), as_json(base_config())
+    current, defaults = _as_json(config), _as_json(base_config())
+    if saved.pop("resolved", False):
+        filled = {key for key in _RESOLVED if not current.get(key)}
+        filled |= {key for key in saved if key.startswith("model.")
+                   or key == "data.num_sentinels"} if current.get("init_from") else set()
+        saved = {key: value for key, value in saved.items() if key not in filled}
+        current = {key: value for key, value in current.items() if key not in filled}
     return [f"{key}: trained with {saved.get(key)!r}, now {current.get(key)!r}"
             for key in sorted(set(saved) | set(current))
             if key not in _MAY_CHANGE and saved.get(key) != current.get(key)
             and not (key not in saved and key in defaults and current[key] == defaults[key])]
+
+
+def trained_step(directory: str) -> int:
+    """The step the run in `directory` has trained to: its summary's or its latest complete
+    checkpoint's, whichever is later (0 for none)."""
+    from transformer.training import checkpoint as checkpoint_lib
+
+    return max([report.read_summary(directory).get("step", 0),
+                *checkpoint_lib.complete_steps(directory)])
+
+
+def check_runs(configs: dict[str, ml_collections.ConfigDict], workdir: str) -> None:
+    """Refuses, in one line naming the run, runs in workdir/<name> trained with other settings
+    than `configs` (an edited sweep must not mix results of two configs under one name) or
+    past their `steps` (`steps` may grow, to extend a sweep, but a lower one would leave the
+    longer runs "finished" beside shorter ones). Before anything trains or is reported."""
+    for name, config in configs.items():
+        directory = os.path.join(workdir, name)
+        changed = changed_settings(directory, config)
+        if changed:
+            raise ValueError(f"variant {name!r} in {workdir} was trained with other settings ("
+                             + "; ".join(changed) + "): expected the same settings; use another "
+                             "--workdir or move that variant's directory away")
+        step = trained_step(directory)
+        if step > config.steps:
+            raise ValueError(f"variant {name!r} in {workdir} has trained to step {step}, now "
+                             f"steps={config.steps}: expected steps >= {step} (steps may only "
+                             "grow); use another --workdir or move that variant's directory away")
 
 
 def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
@@ -158,15 +236,10 @@ def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
     command line and the variant set (an init_from=hf:DIR refuses ones that contradict DIR).
     `batched`: the seed runs NAME/seed_K of a variant train together (transformer.batched).
 
-    Raises before training anything if a variant's settings differ from those its directory
-    was trained with (an edited sweep must not mix results of two configs under one name).
+    Raises before training anything if a variant's directory was trained with other settings
+    or past its steps (`check_runs`).
     """
-    for name, config in configs.items():
-        changed = changed_settings(os.path.join(workdir, name), config)
-        if changed:
-            raise ValueError(f"variant {name!r} in {workdir} was trained with other settings ("
-                             + "; ".join(changed) + "): expected the same settings; use another "
-                             "--workdir or move that variant's directory away")
+    check_runs(configs, workdir)
     names = list(configs)
     groups: dict[str, list[str]] = {}  # with `batched`, a variant's seed runs form one group
     for name in names:
@@ -272,6 +345,8 @@ def main(argv) -> None:
         raise ValueError(f"--report_only: {workdir} is not a directory; expected the sweep's "
                          "--workdir, whose runs it reports")
     check_layout(workdir, list(configs), seeds)
+    if FLAGS.report_only:  # a report of runs trained otherwise would compare them as equals
+        check_runs(runs, workdir)
     if FLAGS.print_launch:
         for command in launch_commands(_config_arg(), cli_overrides,
                                        seed_variants(selected, seeds), workdir):
@@ -313,7 +388,8 @@ if __name__ == "__main__":
     flags.mark_flag_as_required("config")
     flags.DEFINE_string("workdir", None, "Sweep directory (default runs/<experiment>); each "
                         "variant trains in WORKDIR/<variant>.")
-    flags.DEFINE_list("only", None, "Run (and report) only these variants.")
+    flags.DEFINE_list("only", None, "Run (and report) only these variants (a name with "
+                      "commas, from sweep.product or sweep.zipped, is given whole).")
     flags.DEFINE_integer("seeds", None, "Run every variant under seeds 0..N-1, in "
                          "WORKDIR/<variant>/seed_K (default: the file's get_seeds(), else 1: "
                          "WORKDIR/<variant> with the config's seed).")
