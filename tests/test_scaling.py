@@ -343,6 +343,61 @@ def test_a_mixture_of_experts_run_is_charged_the_flops_its_mfu_counts(tmp_path):
         scaling.load_runs(str(tmp_path), str(experiment), base)
 
 
+@pytest.mark.parametrize("overrides, model", [
+    ({"model.tie_embeddings": False}, {"tie_embeddings": False}),
+    ({"model.mtp.depth": 1}, {"mtp": {"depth": 1}})], ids=["untied", "mtp"])
+def test_an_untied_or_mtp_run_is_charged_the_flops_its_training_counts(tmp_path, overrides,
+                                                                       model):
+    """With model.vocab_size 0 (the tokenizer's) in the variant, C is the run's own
+    `metrics.model_flops_per_token` (vocab filled in by `startup.resolve`) x its tokens: an
+    untied token table is a lookup, not 6 V D matmul FLOPs, and an MTP module runs the head again
+    (6 V D); the experiment's steps_for spends a budget at that count too."""
+    import types
+
+    import flax.linen as nn
+    import jax
+
+    from transformer.data import inputs, tokenizers
+    from transformer.models import build_model, family_of
+    from transformer.training import metrics, startup
+    from transformer.training import state as state_lib
+
+    module = definition.experiment_module(EXPERIMENT)
+    variant = definition.Variant("v", {**module.get_sweep()[0].overrides, **overrides})
+    config = sweep.variant_configs(module.get_config(), [variant])["v"]
+    assert config.model.vocab_size == 0
+    trained = config.copy_and_resolve_references()
+    startup.resolve(trained, None)  # training's own vocab_size
+    config_vocab = trained.model.vocab_size
+    args = family_of(trained).init_args(state_lib.example_batch(trained))
+    state = types.SimpleNamespace(params=nn.unbox(jax.eval_shape(
+        build_model(trained.model).init, jax.random.key(0), *args)["params"]))
+    n = state_lib.num_params(state)
+    per_token = metrics.model_flops_per_token(trained, state, {"inputs": args[0]})
+    tokens = config.steps * config.batch_size * config.seq_len
+    experiment = tmp_path / "v.py"
+    experiment.write_text(f"from transformer.sweeps import definition\n"
+                          f"base = definition.experiment_module({EXPERIMENT!r})\n"
+                          f"BUDGETS, get_config = ({per_token * tokens!r},), base.get_config\n\n\n"
+                          f"def get_sweep():\n    return [definition.{variant!r}]\n")
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "summary.json").write_text(json.dumps(
+        {"step": config.steps, "num_params": n, "active_params": n, "val_loss": 3.0}))
+    [run], _ = scaling.load_runs(str(tmp_path), str(experiment), module.get_config())
+    assert run.flops == pytest.approx(per_token * tokens, rel=1e-12)
+    # A run directory's saved tokenizer (a real run's, with its first checkpoint) is the one read.
+    inputs.save_tokenizer(tokenizers.build_tokenizer("byte"), str(tmp_path / "v"))
+    trained.model.vocab_size = tokenizers.build_tokenizer("byte").vocab_size
+    assert trained.model.vocab_size != config_vocab
+    [run], _ = scaling.load_runs(str(tmp_path), str(experiment), module.get_config())
+    assert run.flops == pytest.approx(metrics.flops_per_token(trained, n) * tokens, rel=1e-12)
+    # The experiment's step count for such a size spends the budget at the training's count.
+    module.SIZES["v"] = {**module.SIZES["d32_l1"], **model}
+    assert module.num_params("v") == n
+    steps = module.steps_for(1e12, "v")
+    assert steps * config.batch_size * config.seq_len * per_token == pytest.approx(1e12, rel=1e-3)
+
+
 def run_scaling(workdir, *args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     return forkserver.run([sys.executable, "-m", "transformer.scaling", f"--workdir={workdir}",

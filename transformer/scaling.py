@@ -6,7 +6,8 @@ DIR holds the sweep's runs (`transformer.sweep`): DIR/NAME per variant, or with 
 DIR/NAME/seed_K per seed (read from the layout). The experiment file declares the compute
 budgets as `BUDGETS`; every finished run's compute is recomputed as C = flops_per_token(config,
 N) x tokens trained (`metrics.flops_per_token`; tokens = steps x batch_size x seq_len; N =
-active_params, all but a mixture of experts' unrouted experts) and the run joins the declared
+active_params, all but a mixture of experts' unrouted experts; model.vocab_size 0 resolved from
+the run's tokenizer as training resolves it, `counted_config`) and the run joins the declared
 budget nearest to it in log C. A T5 is counted as if its decoder read seq_len tokens too, an
 overcount: a summary has no encoder/decoder split. A run whose val loss is not finite is left
 out, and runs of the same size and budget (seeds, copies) are averaged into one; the report
@@ -33,6 +34,7 @@ budgets or runs, a parabola without a minimum) is one line and exit status 2.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -111,12 +113,37 @@ def nearest_budget(flops: float, budgets: Sequence[float], name: str = "run") ->
     return budget
 
 
+def counted_config(config, workdir: str | None = None, built: dict | None = None):
+    """A copy of `config` whose model.vocab_size is the one its training uses: 0 (the default)
+    becomes the tokenizer's (`inputs.get_tokenizer`: the one saved in `workdir`, else built as
+    the run builds it), as `training.startup.resolve` fills it. `metrics.flops_per_token` reads
+    it: an untied token table is a lookup, not a matmul, and each MTP module runs the head again
+    (6 V D); left 0 the first is counted in 6 N and the second not at all. `built` caches the
+    sizes of tokenizers built from the data (not saved), by data config, for one sweep's runs."""
+    from transformer.data import inputs, tokenizers
+    from transformer.utils import fileio
+
+    config = copy.deepcopy(config)
+    if config.model.vocab_size:
+        return config
+    saved = workdir and fileio.path(fileio.join(workdir, inputs.TOKENIZER_DIR)).joinpath(
+        tokenizers.CONFIG_FILE).is_file()
+    if saved or built is None:
+        config.model.vocab_size = inputs.get_tokenizer(config, workdir).vocab_size
+        return config
+    key = config.data.to_json() + str(config.get("init_from", ""))  # what a build reads
+    if key not in built:
+        built[key] = inputs.get_tokenizer(config).vocab_size
+    config.model.vocab_size = built[key]
+    return config
+
+
 def load_runs(workdir: str, config_file: str, config) -> tuple[list[Run], list[str]]:
     """(the finished runs of the experiment's variants in `workdir`, with runs of one size and
     budget averaged; a note per run left out or merged). Compute C = flops_per_token(config,
     N_active) x steps x batch_size x seq_len: N_active the summary's active_params (a mixture
     of experts' per token, as its MFU counts; num_params in a summary written before it had
-    them, an overcount for a MoE)."""
+    them, an overcount for a MoE), the config's vocab_size the run's (`counted_config`)."""
     from transformer.training.metrics import flops_per_token
 
     if not os.path.isdir(workdir):
@@ -127,7 +154,7 @@ def load_runs(workdir: str, config_file: str, config) -> tuple[list[Run], list[s
         raise ValueError(f"{config_file}: expected BUDGETS, the sweep's compute budgets")
     configs = sweep.variant_configs(config, definition.load_sweep(config_file))
     seeds = definition.layout_seeds(workdir, list(configs))  # seeds: NAME/seed_K, averaged
-    runs, notes, nonfinite = [], [], []
+    runs, notes, nonfinite, built = [], [], [], {}
     for name, variant in [(run, variant) for variant_name, variant in configs.items()
                           for run in definition.run_names(variant_name, seeds)]:
         directory = os.path.join(workdir, name)
@@ -145,7 +172,7 @@ def load_runs(workdir: str, config_file: str, config) -> tuple[list[Run], list[s
         # a mixture of experts' active params, as its MFU counts them (older summaries lack
         # the key: all params, an overcount for a MoE)
         active = summary.get("active_params") or summary["num_params"]
-        flops = flops_per_token(variant, active) * tokens
+        flops = flops_per_token(counted_config(variant, directory, built), active) * tokens
         runs.append(Run(name, int(summary["num_params"]), steps, tokens, flops, float(loss),
                         nearest_budget(flops, budgets, name)))
     if nonfinite:

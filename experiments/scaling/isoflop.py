@@ -40,10 +40,15 @@ def get_config():
     return config
 
 
+@functools.cache
 def _sized(size: str):
+    """Model size `size`'s config, its vocab_size the tokenizer's as training fills it in
+    (`scaling.counted_config`: an untied or MTP size's FLOPs depend on it). Read only."""
+    from transformer import scaling
+
     config = get_config()
     config.model.update(SIZES[size])
-    return config
+    return scaling.counted_config(config)
 
 
 @functools.cache
@@ -51,12 +56,10 @@ def num_params(size: str) -> int:
     """The exact param count of model size `size` (abstract init: nothing is computed)."""
     import jax
 
-    from transformer.data import inputs
     from transformer.models import build_model, family_of
     from transformer.training.state import example_batch
 
     config = _sized(size)
-    config.model.vocab_size = inputs.get_tokenizer(config).vocab_size
     args = family_of(config).init_args(example_batch(config))
     shapes = jax.eval_shape(build_model(config.model).init, jax.random.key(0), *args)
     return sum(x.size for x in jax.tree.leaves(shapes["params"]))
@@ -67,7 +70,6 @@ def steps_for(budget: float, size: str) -> int:
     from transformer.training.metrics import flops_per_token
 
     config = _sized(size)
-    config.model.vocab_size = 1  # flops_per_token only reads the model's shape
     tokens_per_step = config.batch_size * config.seq_len
     return max(1, round(budget / (flops_per_token(config, num_params(size)) * tokens_per_step)))
 
