@@ -100,9 +100,10 @@ class Loaded:
         """The log-probability (nats) of `text`'s tokens following `context`, read as `ids`
         reads a document's start: the sum of log p(token | everything before it) over the
         text's tokens (0 for no text). Without a context the first token is predicted from
-        <eos>, the nearest thing to a document start; a model trained on packed documents then
-        reads the rest behind the first token alone, as it read every document (and as the
-        harness's rolling log-likelihood does)."""
+        the document start `ids` reads (<eos>, or an import's BOS); a model trained on packed
+        documents, which reads none, predicts it from <eos> and then reads the rest behind the
+        first token alone, as it read every document (and as the harness's rolling
+        log-likelihood does)."""
         from transformer.generation.text import document_prefix
 
         self._check_language_model("score")
@@ -113,9 +114,9 @@ class Loaded:
         if len(whole) <= len(head) or not np.array_equal(whole[:len(head)], head):
             raise ValueError(f"text={text!r}: expected text whose tokens follow context="
                              f"{context!r}'s (the tokenizer merges them across the boundary)")
-        prefix = document_prefix(self.config, self.tokenizer, empty=not len(head))
+        prefix = document_prefix(self.config, self.tokenizer)  # [] where training packed
         total = 0.0
-        if not len(head) and not document_prefix(self.config, self.tokenizer):
+        if not len(head) and not prefix:
             # packed, no context: the first token from <eos>, then the rest behind it alone
             first = np.asarray([self.tokenizer.eos_id, whole[0]], np.int32)
             total, prefix, head = float(self._token_log_probs(first)[0]), [], whole[:1]
