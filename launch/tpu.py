@@ -88,8 +88,6 @@ def validate(launch: Launch) -> None:
     from transformer import configs
     from transformer.parallel import sharding
 
-    if launch.spot and launch.reserved:
-        raise ValueError("--spot and --reserved: expected at most one")
     if launch.num_slices < 1:
         raise ValueError(f"num_slices={launch.num_slices}: expected >= 1")
     values = train_flags(launch.train_args)
@@ -429,10 +427,11 @@ def pack(launch: Launch, runner: Runner) -> None:
     runner.run(ship_commands(launch)[0])
 
 
-def copy_and_install(launch: Launch, runner: Runner) -> None:
+def copy_and_install(launch: Launch, runner: Runner) -> int:
+    """Copies the packed code to every worker and installs it there: the first failure's exit
+    status, 0 for none (a slice preempted meanwhile fails them: `run` reads its state)."""
     _, copies, installs = ship_commands(launch)
-    runner.run_many(copies)
-    runner.run_many(installs)
+    return runner.run_many(copies, check=False) or runner.run_many(installs, check=False)
 
 
 def run(launch: Launch, runner: Runner, *, restart_on_preemption: bool, max_restarts: int,
@@ -445,21 +444,22 @@ def run(launch: Launch, runner: Runner, *, restart_on_preemption: bool, max_rest
     restarts = 0
     while True:
         ensure_slice(launch, runner, poll_seconds)
-        copy_and_install(launch, runner)
-        code = runner.run_many(run_commands(launch), check=False)
+        code = copy_and_install(launch, runner)  # (a spot slice may go during the install)
+        step = "shipping the code" if code else "training"
+        code = code or runner.run_many(run_commands(launch), check=False)
         if code == 0:
             print(f"{launch.name}: " + ("dry run: the commands above, nothing was run"
                                         if runner.dry_run else "training finished"),
                   file=runner.out, flush=True)
             return 0
         state = state_after_failure(launch, runner, poll_seconds)
-        if state not in GONE and code in STOPPED:
+        if state not in GONE and code in STOPPED and step == "training":
             print(f"{launch.name}: training was stopped by {signal.Signals(code - 128).name} "
                   "(e.g. `python -m launch.tpu stop`), its checkpoint saved; the slice is "
                   f"{state}: run the same command again to resume", file=runner.out, flush=True)
             return code
         if state not in GONE:
-            print(f"{launch.name}: training failed (exit status {code}) on a {state} slice; "
+            print(f"{launch.name}: {step} failed (exit status {code}) on a {state} slice; "
                   f"see `python -m launch.tpu logs --name={launch.name} ...`", file=runner.out,
                   flush=True)
             return code
@@ -503,6 +503,8 @@ def make_launch(flags_values, train_args: Sequence[str]) -> Launch:
         if getattr(flags_values, name) < least:
             raise ValueError(f"--{name}={getattr(flags_values, name)}: expected a number >= "
                              f"{least}")
+    if flags_values.spot and flags_values.reserved:  # (create would drop --reserved)
+        raise ValueError("--spot and --reserved: expected at most one")
     accelerator = accelerators.parse(flags_values.accelerator)
     return Launch(flags_values.name, flags_values.project, flags_values.zone, accelerator,
                   flags_values.runtime_version or accelerator.generation.runtime_version,

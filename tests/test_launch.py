@@ -95,7 +95,6 @@ def test_slice_sizes_are_the_ones_cloud_tpu_offers():
         "--config.mesh.data=1", "--config.mesh.stage=2", "--config.mesh.fsdp=-1",
         "--config.model.scan_layers=True", "--config.pipeline.microbatches=3"),
      "pipeline.microbatches=3: expected a divisor of the 4 rows each data-parallel shard"),
-    (dict(accelerator="v6e-8", spot=True, reserved=True), TRAIN, "--spot and --reserved"),
     (dict(accelerator="v6e-8"), ("--workdir=gs://b/r",), "include --config=FILE"),
     (dict(accelerator="v6e-8"), TRAIN + ("--config.model.num_layrs=2",), "num_layrs"),
     # what transformer.train refuses, a launch refuses before creating the slice
@@ -393,7 +392,8 @@ FAKE_GCLOUD = textwrap.dedent("""\
     # first training command "is preempted": it fails and the slice becomes SUSPENDED. With
     # FAKE_MODE: "late", training stopped by the preemption's SIGTERM exits 143 and the slice
     # still reads ACTIVE once before SUSPENDED; "stop", training stopped by `launch.tpu stop`
-    # exits 143 on an ACTIVE slice; "reauth", every describe fails on credentials.
+    # exits 143 on an ACTIVE slice; "reauth", every describe fails on credentials; "install",
+    # the first install is the one preempted.
     import json, os, sys
     root, mode = os.environ["FAKE_GCLOUD_DIR"], os.environ.get("FAKE_MODE", "")
     args = sys.argv[1:]
@@ -417,6 +417,11 @@ FAKE_GCLOUD = textwrap.dedent("""\
         open(state_file, "w").write("ACTIVE")
     elif verb == "delete":
         os.remove(state_file)
+    elif verb == "ssh" and mode == "install" and not os.path.exists(os.path.join(root, "i")):
+        open(os.path.join(root, "i"), "w").close()
+        open(state_file, "w").write("SUSPENDED")
+        print("Connection closed by remote host", file=sys.stderr)
+        sys.exit(255)
     elif verb == "ssh" and "transformer.train" in args[-1]:
         runs = os.path.join(root, "train_runs")
         n = int(open(runs).read()) if os.path.exists(runs) else 0
@@ -424,7 +429,7 @@ FAKE_GCLOUD = textwrap.dedent("""\
         if n == 0 and mode == "stop":
             print("[worker 0] received SIGTERM: saving a checkpoint after this step")
             sys.exit(143)
-        if n == 0:
+        if n == 0 and mode != "install":
             open(state_file, "w").write("ACTIVE>SUSPENDED" if mode == "late" else "SUSPENDED")
             print("Connection closed by remote host", file=sys.stderr)
             sys.exit(143 if mode == "late" else 255)
@@ -490,6 +495,8 @@ def test_a_preempted_slice_is_recreated_and_the_same_command_rerun(tmp_path):
     (["stop", "--num_slices=0"], "--num_slices=0: expected a number >= 1"),
     (["logs", "--name=My_Run.1"], "--name=My_Run.1: expected lowercase letters"),
     (["status", "extra"], "status: unexpected arguments ['extra']"),
+    (["create", "--spot", "--reserved"], "--spot and --reserved: expected at most one"),
+    (["run", "--spot", "--reserved", "--", *TRAIN], "--spot and --reserved: expected at most"),
     (["run", "--", TRAIN[0], "--workdir=runs/tiny"], "--workdir=runs/tiny: a workdir inside"),
     (["run", "--restart_on_preemption", "--", TRAIN[0], "--workdir=/mnt/r"],
      "--workdir=/mnt/r with --restart_on_preemption"),
@@ -547,6 +554,28 @@ def test_a_preemption_the_slice_state_shows_late_is_still_a_preemption(fake_gclo
                              "describe", "delete", "create", "describe", "scp", "ssh install",
                              "ssh train"]
     assert "the slice is SUSPENDED: recreating it and resuming (restart 1/3)" in out.getvalue()
+
+
+def test_a_slice_preempted_while_the_code_is_installed_is_recreated(fake_gcloud, monkeypatch):
+    """A spot slice preempted during the minutes of `pip install` fails the install: its
+    state is read and the run goes on as for a preemption during training (it stopped with a
+    RuntimeError, never reading the state)."""
+    monkeypatch.setenv("FAKE_MODE", "install")
+    out = io.StringIO()
+    code = tpu.run(make_launch("v6e-8", spot=True), tpu.Runner(dry_run=False, out=out),
+                   restart_on_preemption=True, max_restarts=3, poll_seconds=0)
+    assert code == 0, out.getvalue()
+    assert fake_gcloud() == ["describe", "create", "describe", "scp", "ssh install",
+                             "describe", "describe", "delete", "create", "describe", "scp",
+                             "ssh install", "ssh train"]
+    assert "the slice is SUSPENDED: recreating it and resuming (restart 1/3)" in out.getvalue()
+    # without --restart_on_preemption it stops there, saying how to resume
+    (Path(os.environ["FAKE_GCLOUD_DIR"]) / "i").unlink()
+    out = io.StringIO()
+    code = tpu.run(make_launch("v6e-8", spot=True), tpu.Runner(dry_run=False, out=out),
+                   restart_on_preemption=False, max_restarts=3, poll_seconds=0)
+    assert code == 255 and "the slice is SUSPENDED (pass --restart_on_preemption" in \
+        out.getvalue().splitlines()[-1]
 
 
 def test_a_gcloud_failure_is_an_error_not_an_absent_slice(fake_gcloud, monkeypatch):

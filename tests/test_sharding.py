@@ -58,6 +58,22 @@ def test_mesh_shape_errors_name_the_bad_sizes(mesh, devices, message):
         sharding.mesh_shape(mesh, devices)
 
 
+def test_jax_distributed_without_a_cluster_says_what_it_needs():
+    """--jax_distributed off a TPU slice: jax finds no cluster and said "coordinator_address
+    should be defined", a flag nobody had passed."""
+    env = {k: v for k, v in cli_env().items()
+           if not k.startswith(("TPU_", "MEGASCALE_", "CLOUD_TPU"))}
+    result = subprocess.run(
+        [sys.executable, "-c", "from transformer.parallel import sharding; "
+         "sharding.initialize_distributed(cluster=True)"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "ValueError: --jax_distributed: no cluster environment found (a Cloud TPU VM slice or "
+        "a GKE TPU pod sets one): expected a TPU slice, or --coordinator_address, "
+        "--num_processes and --process_id")
+
+
 def test_the_mesh_axis_table_drives_the_axes_the_config_and_the_batch_sharding():
     table = sharding.MESH_AXIS_TABLE
     assert sharding.MESH_AXES == tuple(axis.name for axis in table) == (

@@ -390,6 +390,13 @@ def initialize_distributed(coordinator_address: str | None = None,
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")
     several_hosts = len(hosts) > 1 and all(re.fullmatch(r"[\w.:-]+", h) for h in hosts)
     if cluster or several_hosts or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
-        jax.distributed.initialize()
+        try:
+            jax.distributed.initialize()
+        except ValueError as error:  # jax found no cluster: "coordinator_address should be ..."
+            if "coordinator_address" not in str(error):
+                raise
+            raise ValueError("--jax_distributed: no cluster environment found (a Cloud TPU VM "
+                             "slice or a GKE TPU pod sets one): expected a TPU slice, or "
+                             "--coordinator_address, --num_processes and --process_id") from None
         return True
     return False
