@@ -195,7 +195,11 @@ def test_test_path_is_a_split_of_its_own_that_nothing_trains_on(text_file, tmp_p
         without = config_for(text_file, tokenizer="byte", unit="stream")
         assert inputs._documents(config, split) == inputs._documents(without, split)
     assert inputs.has_test_split(config) and not inputs.has_test_split(without)
-    assert inputs.data_stream(config) == inputs.data_stream(without)  # resumes either way
+    # resumes either way: the test file's fingerprint is recorded, never a difference
+    from transformer.training.checkpoint_manager import stream_differences
+
+    assert stream_differences(inputs.data_stream(without), inputs.data_stream(config)) == []
+    assert inputs.data_stream(config)[inputs.TEST_FINGERPRINT] == sources.fingerprint(held_out)
     with pytest.raises(ValueError, match="split='test' without a test_path"):
         inputs.corpus(without, tokenizer, "test")
     empty = tmp_path / "empty.txt"
@@ -229,6 +233,7 @@ def test_a_run_with_test_path_reports_the_whole_test_split_at_its_end(text_file,
     from test_train import TINY_MODEL
 
     from transformer import evaluate, train
+    from transformer.training import checkpoint
 
     held_out = tmp_path / "test.txt"
     held_out.write_text("".join(f"Test {i}: a lazy dog {i * 3}.\n\n" for i in range(40)))
@@ -251,6 +256,13 @@ def test_a_run_with_test_path_reports_the_whole_test_split_at_its_end(text_file,
     assert (workdir / f"eval_2_len{config.seq_len}_test.json").exists()
     # Evaluating after the data changed says so, in the results too (it was silent).
     assert "data_changed" not in again
+    held_out.write_text(held_out.read_text() + "A test paragraph added after training.\n")
+    changed = evaluate.evaluate_workdir(str(workdir), split="test")  # (it was not compared)
+    assert changed["data_changed"] == [
+        f"{held_out} content fingerprint: checkpoint "
+        f"{checkpoint.saved_stream(str(workdir), 2)[inputs.TEST_FINGERPRINT]!r}, config "
+        f"{sources.fingerprint(str(held_out))!r}"]
+    assert "data_changed" not in evaluate.evaluate_workdir(str(workdir))  # not validation's
     text_file.write_text(TEXT + "A paragraph added after training.\n")
     changed = evaluate.evaluate_workdir(str(workdir))
     assert changed["data_changed"][0].startswith("content fingerprint: checkpoint '")

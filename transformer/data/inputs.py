@@ -331,6 +331,8 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
               DOCUMENTS: "stream" if streamed(config) else "packed"}
     if config.data.get("validation_path"):
         stream["validation_fingerprint"] = sources.fingerprint(config.data.validation_path)
+    if config.data.get("test_path"):
+        stream[TEST_FINGERPRINT] = sources.fingerprint(config.data.test_path)
     if token_shard_dir(config.data.path) and any(  # (read into both splits before `shard_split`)
             len(_named_splits(file)) > 1
             for file in glob.glob(os.path.join(glob.escape(config.data.path), "*.bin"))):
@@ -345,6 +347,11 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
         if in_order := [name for name, s in per_source.items() if _IN_INPUT_ORDER in s]:
             stream[_IN_INPUT_ORDER] = in_order
     return stream
+
+
+# The test file's content (data.test_path): never trained on, so never a difference on resume
+# (`stream_differences`); `transformer.evaluate --split=test` compares it.
+TEST_FINGERPRINT = "test_fingerprint"
 
 
 # How training laid out its documents (`streamed`), recorded with each checkpoint so that

@@ -146,8 +146,8 @@ def stream_differences(saved: dict, current: dict) -> list[str]:
     moved = {"data.path": "fingerprint", "data.validation_path": "validation_fingerprint"}
     differences = []
     for key in sorted(set(saved) | set(current)):
-        if key == inputs.DOCUMENTS:  # derived from the rest (older checkpoints lack it)
-            continue
+        if key in (inputs.DOCUMENTS, inputs.TEST_FINGERPRINT):
+            continue  # derived from the rest (older checkpoints lack it); never trained on
         if key in moved and saved.get(moved[key]) == current.get(moved[key]):
             continue  # the same content elsewhere
         if saved.get(key) != current.get(key):
