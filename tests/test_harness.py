@@ -240,7 +240,8 @@ def test_a_bad_workdir_is_one_line_and_exit_2(tmp_path):
     result = run_main(f"harness.TransformerLM(workdir={str(bad)!r})")
     assert result.returncode == 2, describe(result)
     assert result.stderr.splitlines() == \
-        [f"error: {str(bad)!r} holds no checkpoints: expected a training workdir"]
+        [f"error: {str(bad)!r} holds no checkpoints: expected a training workdir that has "
+         "saved one"]
     result = run_main(f"harness.TransformerLM(workdir={str(bad)!r})", "--verbose")
     assert result.returncode == 1 and "Traceback" in result.stderr  # --verbose: the traceback
 

@@ -125,7 +125,7 @@ def test_the_commands_expand_a_tilde_in_workdir(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert error_line(result) == f"error: {str(home / 'x')!r} holds no checkpoints: expected " \
-                                 "a training workdir"
+                                 "a training workdir that has saved one"
     assert not (tmp_path / "~").exists()
 
 

@@ -95,7 +95,8 @@ def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collection
     """(step, resolved config) of checkpoint `step` (default: the latest complete one) of a
     training workdir, with one-line errors for a workdir without (that) checkpoint."""
     if not has_checkpoints(workdir):
-        raise FileNotFoundError(f"{workdir!r} holds no checkpoints: expected a training workdir")
+        raise FileNotFoundError(f"{workdir!r} holds no checkpoints: expected a training workdir "
+                                "that has saved one")
     for attempt in range(_READS):
         last = attempt == _READS - 1
         try:
