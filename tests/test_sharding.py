@@ -381,13 +381,15 @@ RUN_FLAGS = ["--config=experiments/gpt_tiny.py", f"--config.steps={STEPS}",
 
 
 def start(workdir: Path, logs: Path, tag: str, *, processes: int,
-          devices: int) -> list[subprocess.Popen]:
+          devices: int, flags: tuple[list[str], ...] = ()) -> list[subprocess.Popen]:
+    """The run on `processes` processes of `devices` devices each; `flags`: process i's own
+    extra flags."""
     port = free_port()
     runs = []
     for i in range(processes):
-        extra = [] if processes == 1 else [
+        extra = [*(flags[i] if flags else [])] + ([] if processes == 1 else [
             f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
-            f"--process_id={i}"]
+            f"--process_id={i}"])
         out = open(logs / f"{tag}-{i}.log", "w")  # noqa: SIM115
         runs.append(forkserver.Popen(
             [sys.executable, "-m", "transformer.train", *RUN_FLAGS, f"--workdir={workdir}",
@@ -430,6 +432,24 @@ def kill_after_first_checkpoint(runs: list[subprocess.Popen], workdir: Path, log
         run.send_signal(signal.SIGKILL)
         run.wait()
     return max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+
+
+@pytest.mark.slow
+def test_processes_started_with_other_settings_are_refused_before_anything_compiles(tmp_path):
+    """Process 1 with another steps: each process built its own schedule, the two halves of
+    the batch took different updates, and the run died at its end in a gloo "collective
+    mismatch". Every process now stops at once, naming the setting."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    runs = start(tmp_path / "run", logs, "mismatch", processes=2, devices=2,
+                 flags=([], [f"--config.steps={STEPS + 8}"]))
+    for i, run in enumerate(runs):
+        assert run.wait(TIMEOUT) == 2
+        last = (logs / f"mismatch-{i}.log").read_text().strip().splitlines()[-1]
+        assert last == (f"error: the processes were started differently (steps: process 0 "
+                        f"{STEPS}, process 1 {STEPS + 8}): expected every process to run the "
+                        "same command on the same data"), last
+    assert not (tmp_path / "run").exists()  # the workdir this start made is removed
 
 
 @pytest.mark.slow

@@ -120,6 +120,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     """setup's checks and building, registering what needs closing with `opened`."""
     is_main = jax.process_index() == 0
     stream = inputs.data_stream(config)
+    startup.check_processes_agree(config, workdir, stream)
     fresh = config.get("fresh_start")
     manager = None if fresh else checkpoint_manager.Manager(workdir, config, stream)
     if manager is not None:

@@ -7,6 +7,7 @@ import json
 
 import jax
 import ml_collections
+import numpy as np
 
 from transformer.data import inputs
 from transformer.models import default_model_config, family_of, transformer_config
@@ -38,6 +39,31 @@ def resolve(config: ml_collections.ConfigDict, workdir: str | None):
                              f"{len(task.labels)} labels: expected {len(task.labels)} (or 0 "
                              "to take the task's)")
     return tokenizer, task
+
+
+def check_processes_agree(config: ml_collections.ConfigDict, workdir: str, stream: dict) -> None:
+    """One line, on every process, where the processes of a multi-process run were started with
+    other settings, workdirs or data content (a host whose copy of the data differs): each
+    would train its rows on other data or another schedule, silently, until a collective
+    they no longer share fails with no word of why."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    mine = {**keys.dotted(config.to_dict()), "workdir": workdir,
+            "data content fingerprint": stream["fingerprint"]}
+    text = np.frombuffer(json.dumps(mine, sort_keys=True, default=str).encode(), np.uint8)
+    lengths = multihost_utils.process_allgather(np.asarray(len(text)))
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:len(text)] = text
+    rows = multihost_utils.process_allgather(padded)
+    first, *others = [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths, strict=True)]
+    for process, other in enumerate(others, 1):
+        if differ := sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k)):
+            shown = "; ".join(f"{key}: process 0 {first.get(key)!r}, process {process} "
+                              f"{other.get(key)!r}" for key in differ[:3])
+            raise ValueError(f"the processes were started differently ({shown}): expected "
+                             "every process to run the same command on the same data")
 
 
 class Finished(Exception):
