@@ -152,19 +152,19 @@ def trained_value_and_grad(loss_fn, params, frozen: str):
     if not frozen:
         return jax.value_and_grad(loss_fn, has_aux=True)(params)
     leaves, tree = jax.tree_util.tree_flatten_with_path(params)
-    still = [bool(re.search(frozen, param_name(path))) for path, _ in leaves]
+    fixed = [bool(re.search(frozen, param_name(path))) for path, _ in leaves]  # frozen leaves
     values = [leaf for _, leaf in leaves]
 
     def loss_of(trained):
         trained = iter(trained)
         return loss_fn(tree.unflatten([jax.lax.stop_gradient(v) if f else next(trained)
-                                       for v, f in zip(values, still, strict=True)]))
+                                       for v, f in zip(values, fixed, strict=True)]))
 
     out, grads = jax.value_and_grad(loss_of, has_aux=True)(
-        [v for v, f in zip(values, still, strict=True) if not f])
+        [v for v, f in zip(values, fixed, strict=True) if not f])
     grads = iter(grads)
     return out, tree.unflatten([lora_lib.zero_grads(v) if f else next(grads)
-                                for v, f in zip(values, still, strict=True)])
+                                for v, f in zip(values, fixed, strict=True)])
 
 
 def trainable_grad_norm(config, grads) -> jax.Array:
