@@ -68,7 +68,9 @@ def _halves(model, config, optimizer):
                             _mtp_ratio(config, batch))
 
     def update(state: TrainState, grads, metrics):
-        grad_norm = trainable_grad_norm(config, grads)
+        # (a frozen param's gradient is zero, never computed: `trained_value_and_grad`, so
+        # this is the trainable params' norm, the one optimizer.grad_clip_norm clips)
+        grad_norm = optax.tree.norm(grads)
         exploded = jnp.asarray(False)
         if config.get("max_grad_norm", 0.0):
             exploded = grad_norm > config.max_grad_norm
@@ -165,20 +167,6 @@ def trained_value_and_grad(loss_fn, params, frozen: str):
     grads = iter(grads)
     return out, tree.unflatten([lora_lib.zero_grads(v) if f else next(grads)
                                 for v, f in zip(values, fixed, strict=True)])
-
-
-def trainable_grad_norm(config, grads) -> jax.Array:
-    """The global norm of the gradients the optimizer keeps: those of params it does not freeze
-    (optimizer.freeze, and under LoRA everything but the adapters: `optim.make_optimizer` zeroes
-    the frozen ones before clipping), so the logged grad_norm and max_grad_norm's test see what
-    optimizer.grad_clip_norm clips."""
-    freeze = optim.frozen_regex(config)
-    if not freeze:
-        return optax.tree.norm(grads)
-    labels = jax.tree.leaves(optim.param_labels(grads, freeze, ""))
-    # The labels are static strings: the frozen leaves are left out of the program.
-    return optax.tree.norm([g for g, label in zip(jax.tree.leaves(grads), labels, strict=True)
-                            if label != "frozen"])
 
 
 def expert_balance(model, config, params, before, metrics, finite):
