@@ -458,3 +458,66 @@ def test_hf_tokenizer_settings_are_checked_before_anything_runs(gpt2_dir, tmp_pa
     with pytest.raises((ValueError, FileNotFoundError), match=match) as error:
         configs.validate_config(config)
     assert "\n" not in str(error.value)
+
+
+def test_a_fine_tune_of_an_import_reads_each_document_as_transformers_tokenizes_it(
+        gpt2_dir, tmp_path):
+    """init_from=hf:DIR whose tokenizer puts a BOS before a text (Llama 3's template): every
+    training and validation document is `AutoTokenizer(text).input_ids` then <eos>, as a
+    transformers fine-tune reads it and as generation reads a prompt; the stream records it (a
+    checkpoint trained without it resumes on it only under new_data=True), and prepared data
+    gives the same documents and bits per byte. GPT-2's template (nothing first) and a run
+    from scratch read the text alone."""
+    from test_sft import LLAMA3, build_tokenizer
+
+    from transformer.training.checkpoint_manager import stream_differences
+
+    llama = build_tokenizer(tmp_path / "llama", LLAMA3)
+    tok = tokenizers_hf.Tokenizer.from_file(str(llama / "tokenizer.json"))
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = tokenizers_hf.processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    tok.save(str(llama / "tokenizer.json"))
+    text = tmp_path / "notes.txt"  # paragraphs of uneven lengths
+    text.write_text("\n\n".join(" ".join(corpus()[i:i + 1 + i % 7]) for i in range(0, 240, 3)),
+                    encoding="utf-8")
+    config = hf_config(llama)
+    config.update(init_from=f"hf:{llama}")
+    config.data.update(path=str(text), unit="paragraph", tokenizer_path="",
+                       validation_fraction=0.2)
+    ours = tokenizers_lib.load_hf_tokenizer(str(llama))
+    auto = transformers.AutoTokenizer.from_pretrained(llama)
+
+    def documents(config, split, tokenizer=ours):
+        tokens = inputs.corpus(config, tokenizer, split)
+        ends = [*tokens.doc_starts[1:], len(tokens)]
+        return [tokens.read(a, b).tolist() for a, b in zip(tokens.doc_starts, ends, strict=True)]
+
+    for split in ("train", "validation"):
+        texts = [d.text for d in inputs._documents(config, split)]
+        expected = [auto(t)["input_ids"] + [ours.eos_id] for t in texts]
+        assert expected[0][0] == bos and documents(config, split) == expected, split
+    assert inputs.data_stream(config)[inputs.DOCUMENT_START] == [bos]
+    saved = {k: v for k, v in inputs.data_stream(config).items() if k != inputs.DOCUMENT_START}
+    assert stream_differences(saved, inputs.data_stream(config)) == [
+        f"document_start: checkpoint None, config [{bos}]"]
+    prepare.prepare(str(tmp_path / "prepared"), str(text), tokenizer="hf",
+                    tokenizer_path=str(llama), validation_fraction=0.2)
+    prepared = hf_config(llama)
+    prepared.update(init_from=f"hf:{llama}")
+    prepared.data.update(path=str(tmp_path / "prepared"), unit="paragraph", tokenizer_path="")
+    for split in ("train", "validation"):
+        assert sorted(documents(prepared, split)) == sorted(documents(config, split)), split
+        assert inputs.bytes_per_token(prepared, ours, split) == pytest.approx(
+            inputs.bytes_per_token(config, ours, split), rel=1e-12), split
+    # GPT-2's template puts nothing first; a run from scratch reads no BOS either
+    gpt2 = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir))
+    config.update(init_from=f"hf:{gpt2_dir}")
+    texts = [d.text for d in inputs._documents(config, "train")]
+    assert documents(config, "train", gpt2) == [gpt2.encode(t).tolist() + [gpt2.eos_id]
+                                                for t in texts]
+    config.update(init_from="")
+    config.data.tokenizer_path = str(llama)
+    assert documents(config, "train") == [ours.encode(t).tolist() + [ours.eos_id]
+                                          for t in texts]
+    assert inputs.DOCUMENT_START not in inputs.data_stream(config)

@@ -122,14 +122,15 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
 
 def data_changes(workdir: str, step: int, config, split: str = "validation") -> list[str]:
     """How the data's content differs from what checkpoint `step` trained on (its saved
-    stream's fingerprints, `inputs.data_stream`): files added, removed or edited since; for
-    the test split, data.test_path's too (a checkpoint saved before it was recorded: unknown)."""
+    stream's fingerprints, `inputs.data_stream`): files added, removed or edited since, and
+    ids put before each document since (`inputs.document_start`); for the test split,
+    data.test_path's too (a checkpoint saved before it was recorded: unknown)."""
     # (a training beside it may have deleted `step` since: the newest step's stream, then)
     saved = checkpoint_lib.saved_stream(workdir, step, or_newer=True)
     if saved is None:
         return []
     current = {key: value for key, value in inputs.data_stream(config).items()
-               if key.endswith("fingerprint")}
+               if key.endswith("fingerprint") or key == inputs.DOCUMENT_START}
     changes = stream_differences({key: saved.get(key) for key in current}, current)
     test = inputs.TEST_FINGERPRINT
     if split == "test" and saved.get(test) not in (None, current.get(test)):

@@ -329,6 +329,8 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
               "seq_len": config.seq_len, "seed": config.seed, "data": data,
               "fingerprint": sources.fingerprint(config.data.path or None),
               DOCUMENTS: "stream" if streamed(config) else "packed"}
+    if start := document_start(config):  # (only then: other runs' streams are as they were)
+        stream[DOCUMENT_START] = start
     if config.data.get("validation_path"):
         stream["validation_fingerprint"] = sources.fingerprint(config.data.validation_path)
     if config.data.get("test_path"):
@@ -359,6 +361,31 @@ TEST_FINGERPRINT = "test_fingerprint"
 # (`generate.load_workdir`), the data moved or not. Derived from the data settings and content
 # the stream holds already: never a difference on resume (`stream_differences`).
 DOCUMENTS = "documents"
+
+
+# The ids before each document's text (`document_start`), where there are any.
+DOCUMENT_START = "document_start"
+
+
+def document_start(config: ml_collections.ConfigDict, tokenizer=None) -> list[int]:
+    """The ids each training document begins with, before its text: for weights imported from
+    Hugging Face (init_from="hf:...") trained on next-token rows, what the run's tokenizer
+    puts before a text (`HFTokenizer.document_start`: Llama's, Gemma's, Mistral's BOS), as
+    fine-tuning with transformers reads `tokenizer(text)`, and as generation reads a prompt
+    (`text.document_prefix`); none otherwise, nor in token shards (ids already). GPT-2's and
+    Qwen's tokenizers put nothing there. `tokenizer`: the run's (default: `get_tokenizer`'s).
+
+    >>> config = ml_collections.ConfigDict({"init_from": "", "data": {"objective": "auto",
+    ...     "tokenizer": "hf"}, "model": {"family": "gpt"}})
+    >>> document_start(config)
+    []
+    """
+    if not str(config.get("init_from") or "").startswith("hf:") or \
+            pipeline.objective_for(config) != "next_token":
+        return []
+    if tokenizer is None and config.data.get("tokenizer") != "hf":
+        return []  # (only a Hugging Face tokenizer puts anything there)
+    return [int(i) for i in getattr(tokenizer or get_tokenizer(config), "document_start", [])]
 
 
 # Prepared ArrayRecord data whose units have several shards (--num_shards > 1) trained shard
@@ -415,10 +442,14 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.
         if layout == "bin":
             return windows.Corpus(shards.TokenShards(
                 os.path.join(glob.escape(prepared), f"{split}_*.bin")), stream=True)
-        return windows.Corpus.from_documents(
-            prepare_units.array_record_documents(prepared, split), stream=stream)
+        documents = prepare_units.array_record_documents(prepared, split)
+        if start := document_start(config, tokenizer):
+            documents = [np.concatenate([np.asarray(start, np.int32), d]) for d in documents]
+        return windows.Corpus.from_documents(documents, stream=stream)
+    start = document_start(config, tokenizer)
     if split == "train":  # built once per run
-        return windows.tokenize_documents(_documents(config, split), tokenizer, stream=stream)
+        return windows.tokenize_documents(_documents(config, split), tokenizer, stream=stream,
+                                          start=start)
     # A run reads its validation / test text again at every evaluation: keep the tokens of the
     # last few, keyed by the data settings, the files' fingerprints and the tokenizer.
     data = config.data
@@ -427,7 +458,7 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.
            tuple(sources.fingerprint(p) if p else "" for p in paths))
     if key not in _EVAL_CORPORA:
         _EVAL_CORPORA[key] = windows.tokenize_documents(_documents(config, split), tokenizer,
-                                                         stream=stream)
+                                                         stream=stream, start=start)
         while len(_EVAL_CORPORA) > _EVAL_CORPORA_KEPT:
             _EVAL_CORPORA.pop(next(iter(_EVAL_CORPORA)))
     return _EVAL_CORPORA[key]
@@ -475,7 +506,9 @@ def bytes_per_token(config: ml_collections.ConfigDict, tokenizer, split: str) ->
         stats = summary[split]
         # .bin shards are always read as a stream (`corpus`)
         stream = config.data.unit == "stream" or summary.get("format") == "bin"
-        targets = stats["tokens"] - (1 if stream else stats["documents"])
+        tokens = stats["tokens"] + (0 if summary.get("format") == "bin" else  # (see `corpus`)
+                                    stats["documents"] * len(document_start(config, tokenizer)))
+        targets = tokens - (1 if stream else stats["documents"])
         return stats["bytes"] / max(targets, 1)
     tokens = corpus(config, tokenizer, split)  # (validation and test: the cached one)
     targets = len(tokens) - (1 if tokens.stream else len(tokens.doc_starts))

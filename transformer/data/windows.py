@@ -172,9 +172,12 @@ class Chunks:
         return {"tokens": tokens, "tokens_segment_ids": segments}
 
 
-def tokenize_documents(documents, tokenizer, *, stream: bool = False) -> Corpus:
-    """Documents -> a `Corpus` of their tokens, each document ending with <eos>."""
+def tokenize_documents(documents, tokenizer, *, stream: bool = False,
+                       start: Sequence[int] = ()) -> Corpus:
+    """Documents -> a `Corpus` of their tokens, each document ending with <eos> and beginning
+    with the ids `start` (e.g. an imported checkpoint's BOS, `inputs.document_start`)."""
     eos = np.array([tokenizer.require("eos", "(or sep) to end each document")], np.int32)
+    start = np.asarray(start, np.int32)
     return Corpus.from_documents(
-        [np.concatenate([np.asarray(ids, np.int32), eos])
+        [np.concatenate([start, np.asarray(ids, np.int32), eos])
          for ids in tokenizer.encode_batch([d.text for d in documents])], stream=stream)

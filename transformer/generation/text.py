@@ -110,7 +110,8 @@ def document_prefix(config, tokenizer, empty: bool = False) -> list[int]:
     began one: [eos] where training ran its documents on as one stream, each after the
     previous one's <eos> (`inputs.streamed`); for weights from a Hugging Face checkpoint
     (init_from="hf:..."), what its tokenizer puts before a text (`HFTokenizer.document_start`:
-    Llama's or Gemma's BOS), else [eos] (GPT-2's and Qwen's documents follow an
+    Llama's or Gemma's BOS; a fine-tune's documents begin with it, `inputs.document_start`),
+    else [eos] (GPT-2's and Qwen's documents follow an
     <|endoftext|>); nothing where training packed them (the default data.unit), each from
     position 0 of its own segment, nor for a prefix LM (the prefix_lm rows, `windows.Chunks`,
     begin at a document's first token). Before an `empty` text there is nothing to predict its
