@@ -370,7 +370,7 @@ def free_port() -> int:
 # Two gloo processes on CPU take ~0.4 s a step (one takes 25 ms): few steps, each kill still
 # lands with a later checkpoint to come (the first is at 4, the last at STEPS).
 STEPS = 12
-RUN_FLAGS = ["--config=experiments/gpt_tiny.py", f"--config.steps={STEPS}",
+RUN_FLAGS = [f"--config={REPO}/experiments/gpt_tiny.py", f"--config.steps={STEPS}",
              "--config.batch_size=8", "--config.seq_len=32", "--config.log_every=1",
              f"--config.eval_every={STEPS}",
              "--config.eval_steps=1", "--config.checkpoint_every=4",
@@ -380,10 +380,11 @@ RUN_FLAGS = ["--config=experiments/gpt_tiny.py", f"--config.steps={STEPS}",
              "--config.peak_flops_per_device=1e11"]
 
 
-def start(workdir: Path, logs: Path, tag: str, *, processes: int,
-          devices: int, flags: tuple[list[str], ...] = ()) -> list[subprocess.Popen]:
+def start(workdir: Path, logs: Path, tag: str, *, processes: int, devices: int,
+          flags: tuple[list[str], ...] = (), cwds: tuple[Path, ...] = ()
+          ) -> list[subprocess.Popen]:
     """The run on `processes` processes of `devices` devices each; `flags`: process i's own
-    extra flags."""
+    extra flags; `cwds`: the directory each starts in (default: the repository)."""
     port = free_port()
     runs = []
     for i in range(processes):
@@ -393,7 +394,8 @@ def start(workdir: Path, logs: Path, tag: str, *, processes: int,
         out = open(logs / f"{tag}-{i}.log", "w")  # noqa: SIM115
         runs.append(forkserver.Popen(
             [sys.executable, "-m", "transformer.train", *RUN_FLAGS, f"--workdir={workdir}",
-             *extra], cwd=REPO, env=cli_env(devices), stdout=out, stderr=subprocess.STDOUT,
+             *extra], cwd=cwds[i] if cwds else REPO, env=cli_env(devices), stdout=out,
+            stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL))
     return runs
 
@@ -450,6 +452,25 @@ def test_processes_started_with_other_settings_are_refused_before_anything_compi
                         f"{STEPS}, process 1 {STEPS + 8}): expected every process to run the "
                         "same command on the same data"), last
     assert not (tmp_path / "run").exists()  # the workdir this start made is removed
+
+
+@pytest.mark.slow
+def test_a_workdir_each_host_has_its_own_copy_of_is_refused_at_the_start(tmp_path):
+    """--workdir=run on hosts whose "run" is each one's own disk (here: each process in its
+    own directory): process 1 never saw process 0's checkpoints and waited on them until a
+    timeout. Every process now stops at once, saying the workdir is not shared."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    hosts = (tmp_path / "host0", tmp_path / "host1")
+    for host in hosts:
+        host.mkdir()
+    runs = start(Path("run"), logs, "unshared", processes=2, devices=2, cwds=hosts)
+    for i, run in enumerate(runs):
+        assert run.wait(TIMEOUT) == 2
+        last = (logs / f"unshared-{i}.log").read_text().strip().splitlines()[-1]
+        assert last == ("error: workdir=run: process 1 does not see the train.lock process 0 "
+                        "holds there (a directory of its own host's?): expected a workdir every "
+                        "process shares (a gs:// bucket, or a filesystem every host mounts)"), last
 
 
 @pytest.mark.slow

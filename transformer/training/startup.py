@@ -16,6 +16,7 @@ from transformer.nn import lora, mixers
 from transformer.parallel import pipeline_parallel
 from transformer.training import checkpoint_manager, evaluation, finetune, progress
 from transformer.training import placement as placement_lib
+from transformer.training import workdir as workdir_lib
 from transformer.utils import fileio, keys
 
 
@@ -45,13 +46,16 @@ def check_processes_agree(config: ml_collections.ConfigDict, workdir: str, strea
     """One line, on every process, where the processes of a multi-process run were started with
     other settings, workdirs or data content (a host whose copy of the data differs): each
     would train its rows on other data or another schedule, silently, until a collective
-    they no longer share fails with no word of why."""
+    they no longer share fails with no word of why. Also where the workdir is a directory of
+    each host's own (a local path on a multi-host slice): process 0's checkpoints would be
+    invisible to the others, which waited on them until a timeout."""
     if jax.process_count() == 1:
         return
     from jax.experimental import multihost_utils
 
     mine = {**keys.dotted(config.to_dict()), "workdir": workdir,
-            "data content fingerprint": stream["fingerprint"]}
+            "data content fingerprint": stream["fingerprint"],
+            _LOCK: workdir_lib.lock_id(workdir)}  # (process 0 took the lock: `workdir.hold`)
     text = np.frombuffer(json.dumps(mine, sort_keys=True, default=str).encode(), np.uint8)
     lengths = multihost_utils.process_allgather(np.asarray(len(text)))
     padded = np.zeros(int(lengths.max()), np.uint8)
@@ -59,11 +63,21 @@ def check_processes_agree(config: ml_collections.ConfigDict, workdir: str, strea
     rows = multihost_utils.process_allgather(padded)
     first, *others = [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths, strict=True)]
     for process, other in enumerate(others, 1):
-        if differ := sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k)):
+        if differ := sorted(k for k in set(first) | set(other)
+                            if k != _LOCK and first.get(k) != other.get(k)):
             shown = "; ".join(f"{key}: process 0 {first.get(key)!r}, process {process} "
                               f"{other.get(key)!r}" for key in differ[:3])
             raise ValueError(f"the processes were started differently ({shown}): expected "
                              "every process to run the same command on the same data")
+    for process, other in enumerate(others, 1):
+        if other[_LOCK] != first[_LOCK]:
+            raise ValueError(
+                f"workdir={workdir}: process {process} does not see the {workdir_lib.LOCK} "
+                "process 0 holds there (a directory of its own host's?): expected a workdir "
+                "every process shares (a gs:// bucket, or a filesystem every host mounts)")
+
+
+_LOCK = "the workdir's lock id"
 
 
 class Finished(Exception):

@@ -159,6 +159,16 @@ class Lock:
                     fileio.path(self.path).unlink()
 
 
+def lock_id(workdir: str) -> str:
+    """The id of the training holding WORKDIR/train.lock, as this process reads it ("" where it
+    finds none): every process of a run must read process 0's (`startup.
+    check_processes_agree`), or the workdir is not one directory they share."""
+    try:
+        return str(_read_json(fileio.path(fileio.join(workdir, LOCK)).read_bytes()).get("id", ""))
+    except OSError:
+        return ""
+
+
 def _holds_results(workdir: str) -> bool:
     """Whether `workdir` holds a checkpoint (checkpoints/, checkpoints.nonfinite/, ...) or a
     logged metric."""
