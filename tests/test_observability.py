@@ -65,7 +65,7 @@ def test_only_process_0_traces_unless_all_hosts(monkeypatch):
 @pytest.mark.parametrize("key, value, message", [
     ("profile.num_steps", -1, "profile.num_steps=-1: expected an int >= 0 (0: no trace)"),
     ("profile.start_step", 0, "profile.start_step=0: expected an int >= 1 (the first traced"),
-    ("wandb.mode", "cloud", "wandb.mode='cloud': expected one of ('online', 'offline', "
+    ("wandb.mode", "cloud", "wandb.mode='cloud': expected one of ('', 'online', 'offline', "
                             "'disabled')"),
     ("wandb.mode", "offline", "wandb.mode='offline' with wandb.project='': expected a project"),
 ])
@@ -168,6 +168,7 @@ def test_a_failing_wandb_is_one_warning_line_and_the_training_completes(tmp_path
         raise RuntimeError("api_key not configured\n(no-tty): call wandb.login")
 
     monkeypatch.setattr(wandb, "init", broken_init)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     config = tiny_config(steps=2)
     config.wandb.project = "transformer-tests"
     result = train.train_and_evaluate(config, str(tmp_path))
@@ -190,6 +191,30 @@ def test_wandb_is_process_0s_and_a_sweep_variant_and_seed_are_its_config_fields(
     assert wandb_logging.init_arguments(config, str(tmp_path))["id"] == arguments["id"]
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     assert wandb_logging.sink(config, str(tmp_path), logger=None) is None
+
+
+def test_wandb_reads_the_environments_wandb_mode_unless_the_config_names_one(tmp_path,
+                                                                            monkeypatch):
+    """W&B's own WANDB_MODE was overridden by the config's default "online": a run its user
+    switched off (WANDB_MODE=disabled) would have uploaded."""
+    config = tiny_config()
+    config.wandb.project = "p"
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert wandb_logging.init_arguments(config, str(tmp_path))["mode"] == "online"
+    for environment, mode in (("offline", "offline"), ("dryrun", "offline"), ("run", "online"),
+                              ("disabled", "disabled")):
+        monkeypatch.setenv("WANDB_MODE", environment)
+        assert wandb_logging.mode(config.wandb) == mode, environment
+        assert wandb_logging.enabled(config) == (mode != "disabled"), environment
+    assert wandb_logging.sink(config, str(tmp_path), logger=None) is None  # disabled: no sink
+    config.wandb.mode = "offline"  # the config's own, over the environment's
+    assert wandb_logging.init_arguments(config, str(tmp_path))["mode"] == "offline"
+    config.wandb.mode = ""
+    monkeypatch.setenv("WANDB_MODE", "cloud")
+    with pytest.raises(ValueError, match=re.escape(
+            "the environment's WANDB_MODE='cloud': expected one of ('online', 'offline', "
+            "'disabled'), or a wandb.mode")):
+        configs.validate_config(config)
 
 
 # --- goodput --------------------------------------------------------------------------------

@@ -254,8 +254,9 @@ KEYS: dict[str, Key] = {
                           "extra).", STR),
     "wandb.entity": _key("", "W&B entity (user or team).", STR),
     "wandb.name": _key("", "W&B run name; \"\": the experiment's.", STR),
-    "wandb.mode": _key("online", "`offline` writes files under `WORKDIR/wandb/`.",
-                       one_of(wandb_logging.MODES)),
+    "wandb.mode": _key("", "`offline` writes files under `WORKDIR/wandb/`; \"\": W&B's own "
+                       "setting, the `WANDB_MODE` environment variable, else `online`.",
+                       one_of(("", *wandb_logging.MODES))),
     "wandb.variant": _key("", "Set by `transformer.sweep`: the variant, a W&B config field.",
                           STR),
 }

@@ -1,7 +1,8 @@
 """Weights & Biases (config.wandb, the optional `wandb` extra): a run's train and evaluation
 records (the same as metrics.jsonl's), its resolved config and, at the end, its summary.json.
 
-W&B is on when `wandb.project` is set (and `wandb.mode` is not "disabled"), on process 0 only.
+W&B is on when `wandb.project` is set (and its mode is not "disabled"), on process 0 only. The
+mode is `wandb.mode`, else W&B's own setting: the WANDB_MODE environment variable, else online.
 The run's W&B id is kept in WORKDIR/wandb.json, so a resumed training continues the same W&B
 run. Online, a resumed run first sends the records metrics.jsonl kept that W&B's server lacks
 (those a killed start had queued but not sent); offline, W&B cannot tell what the earlier
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import queue
 import sys
 import threading
@@ -29,6 +31,8 @@ import jax
 from transformer.utils import fileio
 
 MODES = ("online", "offline", "disabled")
+# WANDB_MODE's other names for them (wandb.sdk's settings accept both)
+_ALIASES = {"dryrun": "offline", "run": "online"}
 ID_FILE = "wandb.json"  # {"id": ...}: the W&B run this workdir logs to
 # After training, how long the end of the run (its last records, wandb.finish) may take.
 FINISH_TIMEOUT = 120.0
@@ -38,19 +42,29 @@ def check(config) -> None:
     """One-line errors for config.wandb before anything runs: a W&B run needs a project, and
     the wandb package when it is on."""
     settings = config.get("wandb")
-    if settings is None or settings.mode == "disabled":
+    if settings is None or mode(settings) == "disabled":
         return
     if settings.mode == "offline" and not settings.project:
         raise ValueError("wandb.mode='offline' with wandb.project='': expected a project name "
                          "(W&B logs only when wandb.project is set)")
+    if mode(settings) not in MODES:
+        raise ValueError(f"the environment's WANDB_MODE={mode(settings)!r}: expected one of "
+                         f"{MODES}, or a wandb.mode")
     if settings.project and importlib.util.find_spec("wandb") is None:
         raise ValueError(f"wandb.project={settings.project!r}: expected the wandb package "
                          "(pip install -e \".[wandb]\"), or wandb.project=''")
 
 
+def mode(settings) -> str:
+    """The run's W&B mode: `settings.mode` (config.wandb), else the WANDB_MODE environment
+    variable W&B itself reads, else "online"."""
+    chosen = settings.get("mode") or os.environ.get("WANDB_MODE", "").strip() or "online"
+    return _ALIASES.get(chosen, chosen)
+
+
 def enabled(config) -> bool:
     settings = config.get("wandb")
-    return bool(settings and settings.project and settings.mode != "disabled")
+    return bool(settings and settings.project and mode(settings) != "disabled")
 
 
 def run_id(workdir: str) -> str:
@@ -73,7 +87,7 @@ def init_arguments(config, workdir: str) -> dict:
     if settings.variant:  # a sweep's run: grouped by variant, its seed beside it
         fields.update(variant=settings.variant)
     return dict(project=settings.project, entity=settings.entity or None,
-                name=settings.name or config.experiment, mode=settings.mode,
+                name=settings.name or config.experiment, mode=mode(settings),
                 id=run_id(workdir), resume="allow", config=fields,
                 group=settings.variant or None,
                 dir=None if fileio.is_remote(workdir) else workdir)
@@ -162,7 +176,7 @@ def sink(config, workdir: str, logger) -> Sink | None:
         return None
     arguments = init_arguments(config, workdir)
     where = f" (files in {arguments['dir']}/wandb)" if arguments["dir"] else ""
-    logger.print(f"W&B: {config.wandb.mode} run {arguments['id']} in project "
+    logger.print(f"W&B: {mode(config.wandb)} run {arguments['id']} in project "
                  f"{config.wandb.project}{where}")
     return Sink(arguments, warn=lambda line: print(logger.prefix + line, file=sys.stderr,
                                                    flush=True), kept=logger.kept)
