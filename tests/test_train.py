@@ -549,14 +549,17 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(diverge
     assert all_finite(load_state(skip_dir, 4)["params"])
     assert all_finite(result["state"].params)
     # A skipped step does not advance the schedule: each logged rate is that of the updates
-    # applied so far (the optimizer's own count), and the skips are counted.
+    # applied before the step (the optimizer's own count; a skipped step's own skip is not
+    # among them), and the skips are counted.
     schedule = optim.learning_rate_schedule(config.optimizer, config.steps)
     logged = [r for r in read_metrics(skip_dir) if r["split"] == "train"]
     skips = [r["skipped_steps"] for r in logged]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
     assert skips[-1] == int(result["state"].opt_state.total_notfinite) > 0, skips
-    for r in logged:
+    assert any(b == a + 1 for a, b in zip(skips, skips[1:], strict=False)), skips
+    for r, before in zip(logged, [0, *skips], strict=False):
         assert r["learning_rate"] == pytest.approx(
-            float(schedule(r["step"] - 1 - r["skipped_steps"])), rel=1e-6), r
+            float(schedule(r["step"] - 1 - before)), rel=1e-6), r
 
 
 @pytest.mark.slow

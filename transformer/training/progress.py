@@ -52,11 +52,13 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
     nonfinite.check(run.state, config, step, run.manager, watch=run.watch)
     now = time.perf_counter() if now is None else now
     # Under nonfinite="skip" a skipped step leaves the schedule's count where it was: the
-    # rate is the one the count of updates applied gives, and the skips are counted.
+    # rate is the one the count of updates applied before this step gives (this step's own
+    # skip, if it was one, not among them), and the skips are counted.
     skipped = getattr(run.state.opt_state, "total_notfinite", None)
     skipped = 0 if skipped is None else int(placement_lib.fetch(skipped))
+    this_one = not bool(placement_lib.fetch(getattr(run.state.opt_state, "last_finite", True)))
     lr = float(optim.learning_rate_schedule(config.optimizer, config.steps)(
-        step - 1 - skipped))
+        step - 1 - skipped + this_one))
     record = {k: float(v) for k, v in metrics.items()}
     record["learning_rate"] = lr
     if config.get("nonfinite", "stop") == "skip":
