@@ -56,7 +56,8 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
     # skip, if it was one, not among them), and the skips are counted.
     skipped = getattr(run.state.opt_state, "total_notfinite", None)
     skipped = 0 if skipped is None else int(placement_lib.fetch(skipped))
-    this_one = not bool(placement_lib.fetch(getattr(run.state.opt_state, "last_finite", True)))
+    last_finite = getattr(run.state.opt_state, "last_finite", None)
+    this_one = last_finite is not None and not bool(placement_lib.fetch(last_finite))
     lr = float(optim.learning_rate_schedule(config.optimizer, config.steps)(
         step - 1 - skipped + this_one))
     record = {k: float(v) for k, v in metrics.items()}
