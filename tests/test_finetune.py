@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -249,6 +250,37 @@ def test_init_from_a_workdir_takes_its_architecture_and_refuses_a_contradicting_
     assert result.stderr.strip().splitlines()[-1] == \
         f"error: model.norm_epsilon=0.01: {gpt_base}@2's saved config says 0.001"
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_fine_tune_resumes_its_own_architecture_whatever_its_source_holds_now(tmp_path):
+    """A fine-tune's saved config names init_from=DIR, not the step it loaded, and every start
+    re-read DIR's latest config: the source retrained since with another num_layers made the
+    unchanged relaunch fail ("model.num_layers: checkpoint 2, config 3"). A run resuming from
+    its own checkpoints resolves against its latest one; a fresh start, against the source."""
+    from test_train import tiny_config
+
+    from transformer.training import checkpoint
+
+    source, run = tmp_path / "source", tmp_path / "run"
+    train.train_and_evaluate(tiny_config(), str(source))
+    train.train_and_evaluate(tiny_config(init_from=str(source)), str(run))
+    mine = tiny_config().model
+    retrained = tiny_config(fresh_start=True)
+    retrained.model.update(num_layers=mine.num_layers + 1, activation="relu")
+    train.train_and_evaluate(retrained, str(source))
+    result = train.train_and_evaluate(tiny_config(init_from=str(source), steps=4), str(run))
+    assert result["summary"]["step"] == 4
+    saved = checkpoint.saved_run(str(run))[1].model
+    assert (saved.num_layers, saved.activation) == (mine.num_layers, mine.activation)
+    relu = tiny_config(init_from=str(source))
+    relu.model.activation = "relu"
+    with pytest.raises(ValueError, match=re.escape(
+            f"model.activation='relu': this run's own checkpoint {run}@4's saved config says "
+            f"{mine.activation!r}")):
+        finetune.resolve_init_config(relu, {"model.activation"}, str(run))
+    resolved = finetune.resolve_init_config(tiny_config(init_from=str(source), fresh_start=True),
+                                            workdir=str(run))
+    assert (resolved.model.num_layers, resolved.model.activation) == (mine.num_layers + 1, "relu")
 
 
 def test_a_run_from_a_workdir_takes_its_tokenizers_sentinel_count(gpt_base):

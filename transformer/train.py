@@ -102,7 +102,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str, explicit=(),
     user set (an init_from source fills the model's other keys); `started`: when
     the run started (perf_counter; default now), its start-up's beginning (goodput)."""
     started = time.perf_counter() if started is None else started
-    config = finetune.resolve_init_config(ml_collections.ConfigDict(config.to_dict()), explicit)
+    config = finetune.resolve_init_config(ml_collections.ConfigDict(config.to_dict()), explicit,
+                                          workdir)
     validate_config(config)
     if fileio.path(workdir).exists() and not fileio.path(workdir).is_dir():
         raise NotADirectoryError(f"workdir={workdir}: is a regular file, expected a directory")

@@ -149,8 +149,8 @@ def _hf_params(directory: str, scan: bool = False) -> dict[str, np.ndarray]:
     return hf_convert(directory, scan)[2]
 
 
-def resolve_init_config(config: ml_collections.ConfigDict,
-                        explicit: Collection[str] = ()) -> ml_collections.ConfigDict:
+def resolve_init_config(config: ml_collections.ConfigDict, explicit: Collection[str] = (),
+                        workdir: str | None = None) -> ml_collections.ConfigDict:
     """`config` with its init_from's architecture: every model key but `RUN_SETTINGS` becomes
     the source's, i.e. the value `convert.from_hf` derives from an "hf:DIR"'s config.json, or
     a workdir's saved config at the step it names (default: its latest). An "hf:DIR" also sets
@@ -169,8 +169,13 @@ def resolve_init_config(config: ml_collections.ConfigDict,
     are the run's where it sets them, explicitly or to a value other than the model default
     (context extension), else the source's. Raises ValueError; reads the source's
     files, changes nothing (`config` included).
+
+    `workdir`: the run's own. Where it holds checkpoints (and fresh_start is off) the run
+    resumes, and the architecture is its latest checkpoint's (`_own_architecture`), not what
+    the source holds now: a source workdir trained on since, or an hf:DIR replaced.
     """
-    source = _source_architecture(config.get("init_from"))
+    own = _own_architecture(config, workdir)
+    source = own[0] if own else _source_architecture(config.get("init_from"))
     if source is None:
         return config
     theirs, says, kind = source
@@ -200,7 +205,10 @@ def resolve_init_config(config: ml_collections.ConfigDict,
         if f"model.{key}" in explicit:
             raise ValueError(f"model.{key}={ours.get(key)!r}: {says} says {value!r}")
         resolved.model.update_from_flattened_dict({key: value})
-    if config.init_from.startswith("hf:"):
+    if own:  # the count its tokenizer was saved with (an explicit other one: refused later)
+        if "data.num_sentinels" not in explicit:
+            resolved.data.num_sentinels = own[1].data.num_sentinels
+    elif config.init_from.startswith("hf:"):
         _resolve_sentinels(resolved, config.init_from, theirs["vocab_size"], explicit)
     else:
         _workdir_sentinels(resolved, config.init_from, explicit)
@@ -249,6 +257,27 @@ def _source_architecture(init_from) -> tuple[dict, str, str] | None:
     theirs = {**known, **keys.dotted(saved.model)}
     return ({k: v for k, v in theirs.items() if k in known}, f"{path}@{step}'s saved config",
             "training-run")
+
+
+def _own_architecture(config, workdir: str | None) -> tuple[tuple, object] | None:
+    """(`_source_architecture`'s triple, the saved config) of a run from init_from that resumes
+    from its own checkpoints (`workdir` holds one and fresh_start is off): its latest
+    checkpoint's, the architecture it trained, whatever its source holds by now (retrained,
+    deleted). None otherwise, or where that checkpoint's config is unreadable (damaged: the
+    source's then, as the restore falls back)."""
+    if not workdir or not config.get("init_from") or config.get("fresh_start") or \
+            not checkpoint_lib.complete_steps(workdir):
+        return None
+    from transformer.models import default_model_config
+
+    try:
+        step, saved = checkpoint_lib.saved_run(workdir)
+    except (FileNotFoundError, ValueError):
+        return None
+    known = keys.dotted(default_model_config())  # a key an older run lacks: its default
+    theirs = {**known, **keys.dotted(saved.model)}
+    return ({k: v for k, v in theirs.items() if k in known},
+            f"this run's own checkpoint {workdir}@{step}'s saved config", "training-run"), saved
 
 
 def _adapters_only(init_from: str, source: str) -> str:
