@@ -223,6 +223,25 @@ def test_tensorboard_drops_the_steps_a_resume_trains_again_as_metrics_jsonl_does
     assert start_purging_scalars(tmp_path / "tensorboard")["train/loss"] == expected
 
 
+def test_elapsed_continues_from_a_signalled_stops_summary_and_drops_a_killed_starts_time(
+        tmp_path):
+    """A start stopped by a signal saves at its last step after its last record, and its
+    summary.json counts that save: the next start continues from the summary (it had continued
+    from the record, losing the save's seconds). A summary of another step (a start killed
+    after a later checkpoint, an older stop) leaves the record's elapsed."""
+    first = metrics.MetricsLogger(str(tmp_path), True, 0)
+    for step in (10, 20):
+        first.write(step, "train", {"loss": float(step)})
+    first.close()
+    logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["elapsed"]
+    for summary_step, expected in ((20, logged + 7.5), (10, logged), (30, logged)):
+        (tmp_path / "summary.json").write_text(json.dumps({"step": summary_step,
+                                                           "elapsed": logged + 7.5}))
+        resumed = metrics.MetricsLogger(str(tmp_path), True, 20)
+        assert resumed.elapsed_before == expected, summary_step
+        resumed.close()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
                     reason="tensorboard (the reader itself) is not installed")
 def test_tensorboards_own_reader_drops_them_too(tmp_path):

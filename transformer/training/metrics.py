@@ -434,6 +434,17 @@ def summary_writer_class(remote: bool = True):
     return SummaryWriter
 
 
+def _stopped_at(workdir: str, step: int) -> float:
+    """The `elapsed` of the start that stopped at checkpoint `step` and said so (a signal, the
+    run's end: its summary.json is of that step), which counts its final save and evaluations
+    after its last record; 0.0 where the summary is of another step, or there is none."""
+    try:
+        summary = json.loads(fileio.path(fileio.join(workdir, "summary.json")).read_text())
+        return float(summary["elapsed"]) if summary.get("step") == step else 0.0
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
 class MetricsLogger:
     """Metrics to JSONL + TensorBoard (process 0), progress lines to the terminal.
 
@@ -443,8 +454,9 @@ class MetricsLogger:
     written again (`earlier`: a start resumed at the last step re-runs only the after-training
     evaluations it lacks). Every record carries `elapsed`: seconds of this run so far, summed
     over resumes (the time a killed run spent after its last checkpoint is dropped with its
-    records). `sink` (W&B: transformer.training.wandb_logging.Sink) gets every record too, and
-    the summary at `finish`.
+    records; a start that stopped on a signal counts to its summary, its final save included).
+    `sink` (W&B: transformer.training.wandb_logging.Sink) gets every record too, and the
+    summary at `finish`.
     """
 
     sink = None
@@ -463,6 +475,7 @@ class MetricsLogger:
             self.kept = [json.loads(line) for line in lines]
             if lines:
                 self.elapsed_before = self.kept[-1].get("elapsed", 0.0)
+                self.elapsed_before = max(self.elapsed_before, _stopped_at(workdir, start_step))
             # Object stores cannot append: a remote file is kept in memory and rewritten whole
             # at each record; a local one is appended to.
             remote = fileio.is_remote(self.path)
