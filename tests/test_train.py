@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -510,6 +511,54 @@ def test_restore_names_structural_differences(experiment_runs):
     assert snapshot(workdir) == before
 
 
+@pytest.mark.slow
+def test_a_refused_resume_names_model_optimizer_and_stream_differences_at_once(
+        experiment_runs):
+    """Structural and data-stream differences are one error, not one per try."""
+    workdir, result = experiment_runs("gpt_tiny.py")
+    assert_succeeded(result)
+    before = snapshot(workdir)
+    config = tiny_config(steps=EXPERIMENT_STEPS, batch_size=4)
+    config.model.num_layers = 2
+    config.optimizer.name = "sgd"
+    with pytest.raises(ValueError) as error:
+        train.train_and_evaluate(config, str(workdir))
+    message = str(error.value)
+    assert "\n" not in message
+    for difference in ("model.num_layers: checkpoint 1, config 2",
+                       "optimizer.name: checkpoint 'adamw', config 'sgd'",
+                       "another data stream: batch_size: checkpoint 2, config 4"):
+        assert difference in message, message
+    assert snapshot(workdir) == before
+
+
+@pytest.mark.slow
+def test_a_layout_changing_setting_is_refused_with_advice_that_works(experiment_runs):
+    """nonfinite="skip" wraps the optimizer state: the refusal points to init_from in another
+    workdir (init_from into the checkpoint's own workdir is refused)."""
+    workdir, result = experiment_runs("gpt_tiny.py")
+    assert_succeeded(result)
+    before = snapshot(workdir)
+    config = tiny_config(steps=EXPERIMENT_STEPS, nonfinite="skip")
+    with pytest.raises(ValueError, match=r"laid out otherwise .*nonfinite: checkpoint 'stop', "
+                                         r"config 'skip'.* with init_from in another workdir$"):
+        train.train_and_evaluate(config, str(workdir))
+    assert snapshot(workdir) == before
+
+
+def test_loss_and_step_settings_changed_on_resume_are_announced():
+    """label_smoothing, z_loss and max_grad_norm change what a step optimizes or applies: a
+    resume announces them like a changed learning rate; steps and logging are bookkeeping."""
+    saved = configs.base_config().to_dict()
+    current = {**saved, "label_smoothing": 0.1, "z_loss": 1e-4, "max_grad_norm": 5.0,
+               "steps": saved["steps"] + 10, "log_every": 7}
+    assert checkpoint_manager.compute_changes(saved, current) == [
+        "label_smoothing: checkpoint 0.0, config 0.1",
+        "max_grad_norm: checkpoint 0.0, config 5.0",
+        "z_loss: checkpoint 0.0, config 0.0001"]
+    assert checkpoint_manager.layout_changes(saved, current) == []  # none is refused
+
+
 # --- 6. NaN / Inf ---------------------------------------------------------------------------
 
 DIVERGING = dict(optimizer=dict(learning_rate=1e30, grad_clip_norm=0.0))
@@ -794,6 +843,43 @@ def test_damaged_checkpoints_fall_back_to_the_newest_usable_one(tmp_path, caplog
     old_steps = [json.loads(line)["step"] for line in
                  (aside[0] / "metrics.jsonl").read_text().splitlines()]
     assert max(old_steps) == 6  # the old run's metrics moved along, not dropped
+
+
+@pytest.mark.slow
+def test_a_step_missing_its_data_stream_item_is_damage_not_an_older_version(tmp_path, caplog):
+    """The newest step with its `stream` item deleted is damaged like any other item: skipped
+    with a warning, set aside, and the run resumes from the step before, at that step's data
+    position (bitwise equal to an uninterrupted run). Only steps whose Orbax record names no
+    stream item were written before streams were: those are refused as an older version's."""
+    config = tiny_config(steps=6, checkpoint_every=2)
+    reference = flat(jax.device_get(
+        train.train_and_evaluate(config, str(tmp_path / "reference"))["state"].params))
+    workdir = tmp_path / "run"
+    train.train_and_evaluate(config, str(workdir))
+    assert checkpoint_steps(workdir) == [2, 4, 6]
+    shutil.rmtree(workdir / "checkpoints" / "6" / "stream")
+    with caplog.at_level("WARNING"):
+        resumed = train.train_and_evaluate(config, str(workdir))
+    warnings = [r.getMessage() for r in caplog.records if " is unusable" in r.getMessage()]
+    assert len(warnings) == 1 and "checkpoints/6 is unusable" in warnings[0], warnings
+    assert "stream" in warnings[0], warnings
+    aside = list((workdir / "checkpoints.damaged").iterdir())
+    assert [p.name.split("-")[0] for p in aside] == ["6"]
+    assert (aside[0] / "state").is_dir() and not (aside[0] / "stream").exists()
+    resumed = flat(jax.device_get(resumed["state"].params))
+    for key, value in reference.items():
+        np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+
+    for step in checkpoint_steps(workdir):  # as an older version wrote them: no stream at all
+        step_dir = workdir / "checkpoints" / str(step)
+        shutil.rmtree(step_dir / "stream")
+        record = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+        del record["item_handlers"]["stream"]
+        (step_dir / "_CHECKPOINT_METADATA").write_text(json.dumps(record))
+    config.steps = 8
+    with pytest.raises(ValueError, match=r"checkpoints/6 was trained on another data stream: "
+                                         r"the checkpoint records no data stream \(an older"):
+        train.train_and_evaluate(config, str(workdir))
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ out of the way instead, so nothing saved is deleted.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -52,6 +53,11 @@ _COMPUTE_SETTINGS = tuple(name for name, declared in MODEL_KEYS.items()
 # declared `structural=False` (dropout, kernels, dtype, MoE loss weights, ...).
 _NON_STRUCTURAL = {name for name, declared in keys.declarations(TransformerConfig)
                    if not declared.structural} | set(_COMPUTE_SETTINGS)
+# Top-level settings that change the objective or which updates apply, and may change on resume
+# (announced): not the run's bookkeeping (steps, log_every, eval_*, checkpoint_*).
+_STEP_SETTINGS = ("label_smoothing", "max_grad_norm", "z_loss")
+# Orbax's record of a complete step (JSON), naming the items it wrote ("item_handlers").
+_STEP_RECORD = "_CHECKPOINT_METADATA"
 
 
 def _model_settings(config: dict) -> dict:
@@ -91,19 +97,26 @@ def structural_differences(saved: dict, current: dict) -> list[str]:
 
 def compute_changes(saved: dict, current: dict) -> list[str]:
     """The settings that may change on resume and did: the model's non-structural ones
-    (quantization, dtype, dropout, kernels, ...) and the optimizer's but its name (learning
-    rate, schedule, weight decay, ...; a key both configs hold). Allowed, and announced.
+    (quantization, dtype, dropout, kernels, ...), the loss and step settings at the top level
+    (`_STEP_SETTINGS`) and the optimizer's but its name (learning rate, schedule, weight decay,
+    ...); a top-level or optimizer key both configs hold. Allowed, and announced.
 
     >>> compute_changes({"model": {}}, {"model": {"quantization": "int8"}})
     ["model.quantization: checkpoint '', config 'int8'"]
     >>> compute_changes({"optimizer": {"learning_rate": 0.001}},
     ...                 {"optimizer": {"learning_rate": 0.01}})
     ['optimizer.learning_rate: checkpoint 0.001, config 0.01']
+    >>> compute_changes({"label_smoothing": 0.0, "z_loss": 1e-4, "steps": 10},
+    ...                 {"label_smoothing": 0.1, "z_loss": 1e-4, "steps": 20})
+    ['label_smoothing: checkpoint 0.0, config 0.1']
     """
     saved_model, current_model = _model_settings(saved), _model_settings(current)
     changes = [f"model.{key}: checkpoint {saved_model.get(key)!r}, config "
                f"{current_model.get(key)!r}" for key in sorted(_NON_STRUCTURAL)
                if saved_model.get(key) != current_model.get(key)]
+    changes += [f"{key}: checkpoint {saved[key]!r}, config {current[key]!r}"
+                for key in _STEP_SETTINGS if key in saved and key in current
+                and saved[key] != current[key]]
     saved_opt, current_opt = (keys.dotted(c.get("optimizer", {})) for c in (saved, current))
     return changes + [f"optimizer.{key}: checkpoint {saved_opt[key]!r}, config "
                       f"{current_opt[key]!r}" for key in sorted(set(saved_opt) & set(current_opt))
@@ -329,33 +342,54 @@ class Manager:
 
     def saved_stream(self, step: int) -> dict | None:
         """The data stream saved with `step` (None for checkpoints written before streams were
-        saved)."""
+        saved); FileNotFoundError (damage) where it was saved and is gone."""
         if "stream" not in (self._manager.item_metadata(step) or {}):
+            if self._wrote_stream(step):
+                raise FileNotFoundError(f"{self.directory}/{step}/stream: the step's data "
+                                        "stream item is missing (Orbax recorded writing it)")
             return None
         return self._manager.restore(step, args=ocp.args.Composite(
             stream=ocp.args.JsonRestore()))["stream"]
 
+    def _wrote_stream(self, step: int) -> bool:
+        """Whether `step` was saved with a data stream item: as Orbax's record of the items it
+        wrote into the step says (written as the step completed), or, where that record is
+        gone, whether any step in the folder holds one (a version that saves streams wrote
+        them). Otherwise an older version wrote it."""
+        try:
+            record = json.loads((fileio.path(self.directory) / str(step) / _STEP_RECORD)
+                                .read_text())
+            if isinstance(record.get("item_handlers"), dict):
+                return "stream" in record["item_handlers"]
+        except (OSError, ValueError, AttributeError):
+            pass
+        return any((fileio.path(self.directory) / str(other) / "stream").exists()
+                   for other in self.all_steps())
+
     def check(self, step: int) -> list[str]:
-        """Raises ConfigMismatch naming every structural difference between checkpoint `step`
-        and the config, and every difference in the data stream unless the config says
-        new_data=True; returns the data-stream differences (empty when it is the same)."""
+        """Raises ConfigMismatch naming, in one line, every structural difference between
+        checkpoint `step` and the config and every difference in the data stream unless the
+        config says new_data=True; returns the data-stream differences (empty when it is the
+        same). A missing or unreadable item raises another error (damage)."""
         where = f"checkpoint {self.directory}/{step}"
         saved_config = self.saved_config(step)
         differences = structural_differences(saved_config, self.config.to_dict())
         self.compute_changes = compute_changes(saved_config, self.config.to_dict())
-        if differences:
-            raise ConfigMismatch(f"{where} does not match the config: " + "; ".join(differences))
-        if self.stream is None:
-            return []
-        saved = self.saved_stream(step)
-        differences = ["the checkpoint records no data stream (an older version wrote it)"] \
-            if saved is None else stream_differences(saved, self.stream)
-        if differences and not self.config.get("new_data"):
-            raise ConfigMismatch(
-                f"{where} was trained on another data stream: " + "; ".join(differences) +
-                ". Expected the same data and settings to resume its position; set "
-                "new_data=True to continue its params on this data from the stream's start")
-        return differences
+        problems = ["does not match the config: " + "; ".join(differences)] \
+            if differences else []
+        stream = []
+        if self.stream is not None:
+            saved = self.saved_stream(step)
+            stream = ["the checkpoint records no data stream (an older version wrote it)"] \
+                if saved is None else stream_differences(saved, self.stream)
+        if stream and not self.config.get("new_data"):
+            problems.append(
+                "was trained on another data stream: " + "; ".join(stream) + ". Expected the "
+                "same data and settings to resume its position; set new_data=True to continue "
+                "its params on this data from the stream's start")
+        if problems:
+            raise ConfigMismatch(f"{where} " + "; and it ".join(problems))
+        return stream
 
     def restore(self, step: int, abstract_state, shardings, iterator=None):
         """The train state at `step` (and the iterator moved to where it was), or an error
@@ -408,13 +442,14 @@ class Manager:
             f"checkpoint {self.directory}/{step}: its optimizer state is laid out otherwise "
             f"than this config builds ({len(differ)} arrays differ, e.g. {differ[0][0]}): "
             "changed settings alter it (" + "; ".join(changes) + "): expected their saved "
-            "values to resume it, or start a new run from its params with init_from")
+            "values to resume it, or start a new run from its params with init_from in "
+            "another workdir")
 
     def _regrouped(self, step: int) -> str:
         return (f"checkpoint {self.directory}/{step}: its optimizer state groups the params "
                 "otherwise than this version does (muP's hidden matrices or Muon's): expected "
                 "the same groups; finish the run with the version that saved it, or start a "
-                "new run from its params with init_from")
+                "new run from its params with init_from in another workdir")
 
     def restore_latest(self, abstract_state, shardings, iterator=None):
         """The newest usable checkpoint's state (None if there are none), falling back past
