@@ -227,6 +227,33 @@ def test_edge_values_that_mean_something_are_accepted(overrides):
     configs.validate_config(_with(overrides), num_devices=1, num_processes=1)
 
 
+# A key no declaration has (a misspelling in an experiment file, which ml_collections takes as
+# a new key), refused in one line naming it and the declared key it likely means.
+TYPOS = [("evel_every", 5, "eval_every"), ("optimizer.lr", 0.5, "optimizer.learning_rate"),
+         ("data.paht", "/nonexistent", "data.path"), ("mesh.fsdpp", 2, "mesh.fsdp"),
+         ("model.moe.topk", 2, "model.moe.top_k")]
+
+
+@pytest.mark.parametrize("key,value,meant", TYPOS, ids=[key for key, _, _ in TYPOS])
+def test_an_undeclared_key_is_refused_in_one_line_naming_the_key_it_likely_means(key, value,
+                                                                                  meant):
+    with pytest.raises(ValueError) as error:
+        configs.validate_config(_with({key: value}), num_devices=1, num_processes=1)
+    assert str(error.value) == (f"unknown config key {key!r}: expected a declared key (did you "
+                                f"mean {meant!r}?)")
+
+
+def test_undeclared_keys_are_named_together_and_a_free_form_value_is_not_looked_into():
+    config = _with({"optimizer.lr": 0.5, "data.paht": "/nonexistent", "zzz": 1})
+    with pytest.raises(ValueError) as error:
+        configs.validate_config(config, num_devices=1, num_processes=1)
+    assert str(error.value) == ("unknown config keys 'data.paht' (did you mean 'data.path'?), "
+                                "'optimizer.lr' (did you mean 'optimizer.learning_rate'?), "
+                                "'zzz' (docs/config.md lists them): expected declared keys")
+    config = _with({"compiler_options": {"xla_cpu_multi_thread_eigen": False}})
+    configs.check_declared(config)  # compiler_options: XLA's option names, checked by XLA
+
+
 def test_a_t5_is_evaluated_only_at_lengths_its_sentinels_cover():
     """Span corruption at another length makes another number of spans: past the sentinels,
     span i's sentinel would be a real token's id (evaluate --eval_seq_len and the run's
@@ -309,8 +336,8 @@ def test_every_experiment_taking_an_argument_lists_its_choices_here():
                                        for args in ([(a,) for a in ARGUMENTS[name]]
                                                     if name in ARGUMENTS else [()])])
 def test_every_experiment_and_sweep_variant_validates(name, args):
-    """init_from names a pretraining workdir that need not exist here: that check reads the
-    disk, not the config."""
+    """Every key each sets is declared, and every value valid. init_from names a pretraining
+    workdir that need not exist here: that check reads the disk, not the config."""
     module = _load(name)
     config = module.get_config(*args)
     config.init_from = ""

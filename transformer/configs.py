@@ -6,6 +6,7 @@ Experiment files (`experiments/*.py`) start from `base_config()` and override wh
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 
@@ -29,7 +30,7 @@ from transformer.parallel import pipeline_parallel, sharding
 from transformer.training import checkpoint as checkpoint_lib
 from transformer.training import evaluation, optim, placement, task_eval, wandb_logging
 from transformer.utils import fileio
-from transformer.utils.keys import Check
+from transformer.utils.keys import Check, dotted
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -94,6 +95,49 @@ CHECKS: dict[str, Check] = {name: declared.check
 
 
 _MISSING = object()
+
+
+def declared_keys() -> set[str]:
+    """The dotted keys a run config may hold: `CHECKS`' and the model group's
+    (`default_model_config()`, its groups' keys included)."""
+    model = dotted(default_model_config(), "model.", empty_groups=True)
+    return set(CHECKS) | set(model)
+
+
+def check_declared(config: ml_collections.ConfigDict) -> None:
+    """One line naming the keys of `config` that no declaration has (a misspelling set in an
+    experiment file would otherwise be ignored), with the closest declared key where one is
+    near. A declared key's value is not looked into (compiler_options is a free-form dict)."""
+    declared = declared_keys()
+
+    def known(key: str) -> bool:
+        parts = key.split(".")
+        return any(".".join(parts[:n]) in declared for n in range(1, len(parts) + 1)) or \
+            any(name.startswith(key + ".") for name in declared)  # an emptied declared group
+
+    unknown = [key for key in dotted(config, empty_groups=True) if not known(key)]
+    hints = {}
+    for key in unknown:
+        close = _closest(key, sorted(declared))
+        hints[key] = f"did you mean {close!r}?" if close else "docs/config.md lists them"
+    if len(unknown) == 1:
+        raise ValueError(f"unknown config key {unknown[0]!r}: expected a declared key "
+                         f"({hints[unknown[0]]})")
+    if unknown:
+        named = ", ".join(f"{key!r} ({hint})" for key, hint in hints.items())
+        raise ValueError(f"unknown config keys {named}: expected declared keys")
+
+
+def _closest(key: str, declared: list[str]) -> str | None:
+    """The declared key `key` likely means: a key of its group whose words' initials it is
+    (optimizer.lr: optimizer.learning_rate), else the closest spelling (difflib), or None."""
+    group, _, leaf = key.rpartition(".")
+    for name in declared:
+        its_group, _, its_leaf = name.rpartition(".")
+        if its_group == group and len(leaf) > 1 and \
+                "".join(word[:1] for word in its_leaf.split("_")) == leaf:
+            return name
+    return next(iter(difflib.get_close_matches(key, declared, n=1)), None)
 
 
 def _lookup(config: ml_collections.ConfigDict, key: str):
@@ -186,14 +230,16 @@ def model_for_checks(config: ml_collections.ConfigDict) -> ml_collections.Config
 def validate_config(config: ml_collections.ConfigDict, num_devices: int | None = None,
                     num_processes: int | None = None, files: bool = True,
                     this_backend: bool = True) -> None:
-    """Checks every value against its meaning (`CHECKS`, then the rules joining several keys),
-    with one-line errors `KEY=VALUE: expected ...`, before anything runs (against this
-    runtime's devices and processes, or the given counts). `files=False` leaves out what reads
+    """Refuses keys no declaration has (`check_declared`), then checks every value against its
+    meaning (`CHECKS`, then the rules joining several keys), with one-line errors
+    `KEY=VALUE: expected ...`, before anything runs (against this runtime's devices and
+    processes, or the given counts). `files=False` leaves out what reads
     the run's files (data, tokenizer, init_from), for a launcher whose run reads them on
     another machine; `this_backend=False` leaves `compiler_options` to the XLA that compiles
     for another accelerator (a TPU's options are unknown to this machine's XLA:CPU)."""
     num_devices = jax.device_count() if num_devices is None else num_devices
     num_processes = jax.process_count() if num_processes is None else num_processes
+    check_declared(config)
     for key, (test, expected) in CHECKS.items():
         value = _lookup(config, key)
         if value is not _MISSING and not test(value):
