@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -16,8 +17,12 @@ import pytest
 
 from transformer import configs, models
 from transformer.data import chat
-from transformer.nn import lora
+from transformer.models.family import ALWAYS_READ, Family, transformer_config
+from transformer.nn import layers, lora
+from transformer.nn.config import TransformerConfig
 from transformer.training import optim, startup, state
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_config(**overrides):
@@ -120,49 +125,182 @@ def test_a_chat_message_names_what_is_wrong_with_it(message, error):
         chat.parse_conversation(line, "--chat")
 
 
-# Legal values off the defaults for transformer keys, which an LSTM never reads.
-UNREAD_BY_LSTM = {"num_heads": 8, "num_kv_heads": 2, "d_ff": 96, "position": "learned",
-                  "max_len": 32, "norm": "rmsnorm", "activation": "relu", "use_bias": False,
-                  "init_std": 0.5, "qk_norm": True, "norm_placement": "post",
-                  "scan_layers": True, "embedding_norm": True, "scale_embeddings": True,
-                  "attention_softcap": 30.0, "remat_policy": "full",
-                  "mla.kv_lora_rank": 16}
+# A legal value off its default for every model key outside `family.ALWAYS_READ` (a group by
+# one of its keys: moe.top_k, not moe.num_experts, which build_model refuses without attention).
+OFF_DEFAULT = {
+    "activation": "relu", "attention_dropout_rate": 0.1, "attention_gate": "head",
+    "attention_impl": "dense", "attention_kind": "mla", "attention_scale": 0.5,
+    "attention_sinks": True, "attention_softcap": 30.0, "channels": 3, "d_ff": 96, "d_model": 48,
+    "dropout_rate": 0.1, "dtype": "bfloat16", "embedding_norm": True, "head": "none",
+    "head_dim": 8, "image_size": 16, "init_std": 0.5, "layer_types": "mamba2,full_attention",
+    "linear_attention.chunk_size": 32, "mamba2.chunk_size": 32, "max_len": 32,
+    "mla.kv_lora_rank": 16, "moe.top_k": 1, "mtp.loss_weight": 0.5, "mup_base_width": 32,
+    "norm": "rmsnorm", "norm_epsilon": 0.1, "norm_placement": "post", "num_classes": 3,
+    "num_decoder_layers": 3, "num_heads": 8, "num_kv_heads": 2, "num_layers": 3,
+    "parallel_block": True, "param_dtype": "bfloat16", "patch_position": "none",
+    "patch_size": 4, "pooling": "mean", "position": "learned", "projection_dim": 32,
+    "qk_norm": True, "qk_norm_scope": "projection", "qkv_bias": True, "remat_policy": "full",
+    "rope_fraction": 0.5, "rope_high_freq_factor": 8.0, "rope_layout": "interleaved",
+    "rope_local_theta": 1e4, "rope_low_freq_factor": 2.0, "rope_original_max_len": 4096,
+    "rope_scale": 2.0, "rope_scaling": "yarn", "rope_theta": 1e5, "rope_yarn_beta_fast": 16.0,
+    "rope_yarn_beta_slow": 2.0, "rope_yarn_mscale": 0.5, "rope_yarn_mscale_all_dim": 1.0,
+    "rope_yarn_truncate": False, "scale_decoder_output": False, "scale_embeddings": True,
+    "scale_residual_init": True, "scan_layers": True, "sequence_load_balance": False,
+    "sequence_parallel": "ring", "t5_max_distance": 64,
+    "t5_num_buckets": 16, "tie_embeddings": False, "type_vocab_size": 3, "use_bias": False}
+# Keys left out of OFF_DEFAULT, and why: set alone, each is refused in one line outside a
+# decoder LM (build_model), or without a sliding window (refused there), so never ignored.
+REFUSED_ALONE = {"sliding_window": 4, "parametrization": "mup", "final_logit_softcap": 30.0,
+                 "sliding_window_pattern": 2}
+# The keys a declared-`reads` family's model reads which leave its outputs and params as they
+# were in the test below, and why (none yet: dropout acts, as the test applies it in training).
+READ_BUT_INERT: dict[str, str] = {}
 
 
-def lstm_config(**overrides):
+def test_every_model_key_has_an_off_default_value_or_a_refusal():
+    """So that the check below covers a key added later, whatever family reads it."""
+    covered = {key.split(".")[0] for key in OFF_DEFAULT} | set(REFUSED_ALONE)
+    assert covered | set(ALWAYS_READ) == set(models.default_model_config().keys())
+    for key, value in REFUSED_ALONE.items():
+        config = family_config("lstm", **{key: value})
+        with pytest.raises(ValueError, match=f"^{key}=.*: expected"):
+            models.build_model(config.model)
+
+
+def family_config(family, **overrides):
     config = configs.base_config()  # its transformer keys at their defaults
-    config.model.update(family="lstm", num_layers=2, d_model=32, vocab_size=64)
+    config.model.update(family=family, num_layers=2, d_model=32, vocab_size=64)
     config.update_from_flattened_dict({f"model.{k}": v for k, v in overrides.items()})
     return config
 
 
-def lstm_logits(**overrides):
-    config = lstm_config(**overrides)
-    model = models.build_model(config.model)
+def built(family, **overrides):
+    """(config, its param shapes and dtypes, a function giving (params, logits) of the family's
+    model on a tiny batch, applied as in training (dropout on), from fixed seeds)."""
+    config = family_config(family, **overrides)
+    model, fam = models.build_model(config.model), models.FAMILIES[family]
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
-    params = model.init(jax.random.key(0), tokens)
-    return config, model.apply(params, tokens)
+    made = {"inputs": tokens, "targets": tokens, "weights": jnp.ones((2, 16)),
+            "segment_ids": jnp.ones((2, 16), jnp.int32),
+            "positions": jnp.broadcast_to(jnp.arange(16), (2, 16))}
+    batch = {name: made[name] for name in fam.inputs + fam.features + ("targets", "weights")}
+    init = lambda: model.init(jax.random.key(0), *fam.init_args(batch))["params"]
+
+    def run():
+        params = init()
+        return params, fam.logits(model, params, batch, rngs={"dropout": jax.random.key(2)},
+                                  deterministic=False)
+    return config, jax.eval_shape(init), run
 
 
-def test_the_keys_a_family_never_reads_change_nothing_and_are_named_at_the_start():
-    """`Family.reads`: each transformer key set off its default leaves the LSTM's logits as
-    they were and is named in the start's one warning; the keys it reads change them."""
-    config, base = lstm_logits()
+def same(a, b) -> bool:
+    """Whether two param trees or logits are equal: structure, shapes, dtypes and values."""
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    pairs = zip(leaves_a, leaves_b, strict=False)  # (the trees' equality compares the counts)
+    return tree_a == tree_b and all(x.shape == y.shape and x.dtype == y.dtype
+                                    and np.array_equal(x, y) for x, y in pairs)
+
+
+def changes_model(family, base, **overrides) -> bool:
+    """Whether the overrides change the family's params or logits from `base`'s (`built`'s):
+    by the param shapes where they differ (none are initialised: an LSTM's orthogonal init
+    has no float16/bfloat16 QR on CPU), else by the values."""
+    _, shapes, run = built(family, **overrides)
+    if jax.tree.structure(shapes) != jax.tree.structure(base[1]) or \
+            jax.tree.leaves(shapes) != jax.tree.leaves(base[1]):
+        return True
+    return not all(map(same, run(), base[2]))
+
+
+def check_reads(family):
+    """`Family.reads`: each key it declares changes its model (params or logits), and every other
+    key set off its default (all at once) changes nothing and is named in the start's warning."""
+    reads = models.FAMILIES[family].reads
+    assert reads is not None, f"{family}: Family.reads=None (every transformer key)"
+    unknown = set(reads) - set(models.default_model_config().keys())
+    assert not unknown, f"{family}: reads names no model key {sorted(unknown)}"
+    config, shapes, run = built(family)
+    base = (config, shapes, run())
     assert startup.unread_settings(config.model) == []
-    for key, value in UNREAD_BY_LSTM.items():
-        config, logits = lstm_logits(**{key: value})
-        np.testing.assert_array_equal(logits, base, err_msg=key)
+    for key, value in OFF_DEFAULT.items():
+        if key.split(".")[0] in reads and key not in READ_BUT_INERT:
+            assert changes_model(family, base, **{key: value}), (
+                f"{family} declares it reads {key}, but {key}={value!r} changes nothing")
+            assert startup.unread_settings(family_config(family, **{key: value}).model) == []
+    unread = {k: v for k, v in OFF_DEFAULT.items() if k.split(".")[0] not in reads}
+    for group in groups_that_build(family, unread):
+        if changes_model(family, base, **group):  # name the keys it reads undeclared
+            acting = [k for k, v in group.items() if changes_model(family, base, **{k: v})]
+            pytest.fail(f"{family} reads {acting} but leaves them out of its Family.reads")
         # a group's key is named alone (mla.kv_lora_rank=16), not with the whole group
-        assert startup.unread_settings(config.model) == [f"{key}={value!r}"], key
-    for key, value in {"d_model": 48, "num_layers": 3, "tie_embeddings": False}.items():
-        config, logits = lstm_logits(**{key: value})
-        assert logits.shape != base.shape or not np.array_equal(logits, base), key
-        assert startup.unread_settings(config.model) == [], key
-    warnings = startup.unintended_settings(lstm_config(num_heads=8, position="none"))
+        assert sorted(startup.unread_settings(family_config(family, **group).model)) == sorted(
+            f"{k}={v!r}" for k, v in group.items())
+
+
+def groups_that_build(family, settings):
+    """The settings split (greedily) into groups the family's model builds with, each set at
+    once (some exclude others: parallel_block needs norm_placement 'pre'). A key refused even
+    alone (at d_model=32, attention_kind='mla' with mla.kv_lora_rank=512) is left out: it
+    cannot pass silently."""
+    groups = []
+    for key, value in settings.items():
+        for group in groups + [{}]:
+            try:
+                models.build_model(family_config(family, **group, **{key: value}).model)
+            except ValueError:
+                continue
+            if not group:
+                groups.append(group)
+            group[key] = value
+            break
+    return groups
+
+
+def test_each_family_reads_what_it_declares_and_names_the_rest():
+    """Over every registered family: a transformer family reads the transformer's keys (reads=
+    None; which act where is checked by the refusals in build_model and configs); any other
+    declares `reads`, which registration enforces and `check_reads` verifies."""
+    for name, family in models.FAMILIES.items():
+        assert family.attention or family.reads is not None, name
+        if family.reads is not None:
+            check_reads(name)
+
+
+def test_a_family_without_attention_must_declare_what_it_reads():
+    with pytest.raises(ValueError, match="^Family 'fake': attention=False with reads=None"):
+        Family("fake", models.FAMILIES["lstm"].build, inputs=("inputs",),
+               objectives=("next_token",), attention=False)
+
+
+def doc_family_module():
+    """The doc's model family recipe (docs/extending.md), its code block run as a module."""
+    text = (REPO / "docs/extending.md").read_text()
+    code = re.search(r"## A model family.*?```python\n(.*?)```", text, re.S).group(1)
+    scope = {"nn": nn, "jnp": jnp, "Family": Family, "transformer_config": transformer_config,
+             "TransformerConfig": TransformerConfig, "MLP": layers.MLP,
+             "TokenEmbedding": layers.TokenEmbedding, "norm_layer": layers.norm_layer}
+    exec(compile(code, "docs/extending.md", "exec"), scope)
+    return scope
+
+
+def test_the_docs_family_recipe_declares_what_its_model_reads(monkeypatch):
+    """The recipe's conv LM, registered, passes the check every family passes: its `reads=`
+    names exactly the keys that change it (`tie_embeddings=False`, `num_heads` warn)."""
+    monkeypatch.setitem(models.FAMILIES, "conv", doc_family_module()["CONV"])
+    check_reads("conv")
+    warnings = startup.unintended_settings(family_config("conv", tie_embeddings=False,
+                                                         num_heads=8))
+    assert warnings == ["warning: model.family='conv' never reads num_heads=8, "
+                        "tie_embeddings=False: they change nothing"]
+
+
+def test_the_start_names_a_familys_unread_keys_in_one_warning():
+    warnings = startup.unintended_settings(family_config("lstm", num_heads=8, position="none"))
     assert warnings == ["warning: model.family='lstm' never reads num_heads=8, "
                         "position='none': they change nothing"]
     # layer types it has no layers for: the same warning, not a refusal naming causality
-    config = lstm_config(layer_types="mamba2")
+    config = family_config("lstm", layer_types="mamba2")
     configs.validate_config(config, num_devices=1, num_processes=1, files=False)
     assert startup.unintended_settings(config) == [
         "warning: model.family='lstm' never reads layer_types='mamba2': they change nothing"]

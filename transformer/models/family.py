@@ -60,10 +60,10 @@ class Family:
       rather than as <eos> text (its head reads the last token).
     stacks: the config keys that give its layer stacks' depths.
     reads: the model keys its module reads, for a family that reads fewer than a transformer
-      (None: all of them); the run warns of any other key set off its default
-      (`training.startup.unintended_settings`), which would change nothing. `ALWAYS_READ` (the
-      family, LoRA, quantization) need not be named: the training reads them, and refuses them
-      where they cannot act.
+      (None: all of them; refused without attention); the run warns of any other key set off
+      its default (`training.startup.unintended_settings`), which would change nothing.
+      `ALWAYS_READ` (the family, LoRA, quantization) need not be named: the training reads
+      them, and refuses them where they cannot act.
     """
 
     name: str
@@ -80,6 +80,13 @@ class Family:
     cls_token: bool = False
     stacks: tuple[str, ...] = ("num_layers",)
     reads: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        # reads=None means "every transformer key": a model without attention never reads them
+        # all, and the ones it skips would change nothing, with no warning.
+        if not self.attention and self.reads is None:
+            raise ValueError(f"Family {self.name!r}: attention=False with reads=None: expected "
+                             "reads=(the model keys its module reads)")
 
     @property
     def objective(self) -> str:
