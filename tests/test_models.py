@@ -171,6 +171,17 @@ def test_lstm_is_causal_and_resets_at_document_boundaries():
     np.testing.assert_allclose(future[:, :4], apply(packed)[:, :4], atol=1e-6)
 
 
+def test_an_lstm_with_16_bit_params_initialises_its_recurrence_orthogonal():
+    """The orthogonal init's QR has no 16-bit kernel on CPU: a bfloat16 param_dtype raised
+    NotImplementedError before any step."""
+    model = LSTMLM(VOCAB, d_model=16, num_layers=1, param_dtype=jnp.bfloat16)
+    params = model.init(jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
+    w_h = nn.unbox(params["lstm_0"]["recurrent_kernel"])
+    assert w_h.dtype == jnp.bfloat16
+    flat = np.asarray(w_h, np.float32).reshape(-1, 16)  # orthonormal columns, to bf16 rounding
+    np.testing.assert_allclose(flat.T @ flat, np.eye(16), atol=3e-2)
+
+
 def test_build_model_rejects_unknown_keys_and_families():
     with pytest.raises(ValueError, match="model.family='gtp'"):
         build_model(small_config("gtp"))

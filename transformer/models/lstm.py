@@ -16,6 +16,12 @@ from transformer.nn.layers import OutputHead, TokenEmbedding
 Array = jax.Array
 
 
+def _orthogonal_in_float32(key, shape, dtype):
+    """An orthogonal matrix made in float32 and cast to `dtype`: the QR it takes has no 16-bit
+    kernel on CPU (a bfloat16 param_dtype raised NotImplementedError)."""
+    return nn.initializers.orthogonal(column_axis=-1)(key, shape, jnp.float32).astype(dtype)
+
+
 class LSTMLayer(nn.Module):
     """One LSTM layer over time (a `lax.scan`); the state resets where a new document starts.
 
@@ -34,8 +40,8 @@ class LSTMLayer(nn.Module):
             projection_init(None, 0, (1, 2)), ("embed", "gates", "mlp")),
             (d_in, 4, hidden), self.param_dtype)
         w_h = self.param("recurrent_kernel", nn.with_logical_partitioning(
-            nn.initializers.orthogonal(column_axis=-1), ("mlp_in", "gates", "mlp")),
-            (hidden, 4, hidden), self.param_dtype)
+            _orthogonal_in_float32, ("mlp_in", "gates", "mlp")), (hidden, 4, hidden),
+            self.param_dtype)
         bias_init = lambda key, shape, dtype: jnp.zeros(shape, dtype).at[1].set(1.0)
         bias = self.param("bias", nn.with_logical_partitioning(bias_init, ("gates", "mlp")),
                           (4, hidden), self.param_dtype)
