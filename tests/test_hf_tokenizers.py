@@ -510,6 +510,21 @@ def test_a_fine_tune_of_an_import_reads_each_document_as_transformers_tokenizes_
         assert sorted(documents(prepared, split)) == sorted(documents(config, split)), split
         assert inputs.bytes_per_token(prepared, ours, split) == pytest.approx(
             inputs.bytes_per_token(config, ours, split), rel=1e-12), split
+    # .bin shards are ids already: nothing goes before their documents, nothing is recorded;
+    # a mixture records each source's
+    prepare.prepare(str(tmp_path / "bin"), str(text), tokenizer="hf", tokenizer_path=str(llama),
+                    validation_fraction=0.2, format="bin")
+    prepared.data.path = str(tmp_path / "bin")
+    assert inputs.DOCUMENT_START not in inputs.data_stream(prepared)
+    mixture = hf_config(llama)
+    mixture.update(init_from=f"hf:{llama}")
+    mixture.data.update(path="", tokenizer_path="", sources=(
+        f"name=text,path={text},weight=0.5", f"name=ids,path={tmp_path / 'bin'},weight=0.5"))
+    assert inputs.data_stream(mixture)[inputs.DOCUMENT_START] == {"text": [bos]}
+    # evaluate reads the run's saved tokenizer: the source directory may be gone
+    (llama / "tokenizer.json").rename(tmp_path / "moved.json")
+    assert inputs.data_stream(config, ours)[inputs.DOCUMENT_START] == [bos]
+    (tmp_path / "moved.json").rename(llama / "tokenizer.json")
     # GPT-2's template puts nothing first; a run from scratch reads no BOS either
     gpt2 = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir))
     config.update(init_from=f"hf:{gpt2_dir}")

@@ -98,7 +98,7 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
             metrics = evaluation.evaluate(params, eval_step, config, tokenizer, eval_steps,
                                           placement, split=split, with_confusion=is_task)
     metrics["step"] = step
-    if changed := data_changes(workdir, step, config, split):
+    if changed := data_changes(workdir, step, config, split, tokenizer):
         metrics["data_changed"] = changed
         print(f"warning: the data changed since checkpoint {step} was saved "
               f"({'; '.join(changed)}): evaluating on it as it is now", file=sys.stderr)
@@ -120,16 +120,18 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     return metrics
 
 
-def data_changes(workdir: str, step: int, config, split: str = "validation") -> list[str]:
+def data_changes(workdir: str, step: int, config, split: str = "validation",
+                 tokenizer=None) -> list[str]:
     """How the data's content differs from what checkpoint `step` trained on (its saved
     stream's fingerprints, `inputs.data_stream`): files added, removed or edited since, and
-    ids put before each document since (`inputs.document_start`); for the test split,
-    data.test_path's too (a checkpoint saved before it was recorded: unknown)."""
+    ids put before each document since (`inputs.document_start`, of `tokenizer`: the run's);
+    for the test split, data.test_path's too (a checkpoint saved before it was recorded:
+    unknown)."""
     # (a training beside it may have deleted `step` since: the newest step's stream, then)
     saved = checkpoint_lib.saved_stream(workdir, step, or_newer=True)
     if saved is None:
         return []
-    current = {key: value for key, value in inputs.data_stream(config).items()
+    current = {key: value for key, value in inputs.data_stream(config, tokenizer).items()
                if key.endswith("fingerprint") or key == inputs.DOCUMENT_START}
     changes = stream_differences({key: saved.get(key) for key in current}, current)
     test = inputs.TEST_FINGERPRINT

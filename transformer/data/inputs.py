@@ -311,14 +311,16 @@ PIPELINE_VERSION = 2
 _NOT_STREAM = ("prefetch", "tokenizer_path", "test_path")  # (test_path: never trained on)
 
 
-def data_stream(config: ml_collections.ConfigDict) -> dict:
+def data_stream(config: ml_collections.ConfigDict, tokenizer=None) -> dict:
     """What defines the sequence of batches a run reads, so a checkpoint's iterator position
     means something only together with it: the data settings, batch size, length and seed, and
     a fingerprint of the data's content (`sources.fingerprint`; of a prepared directory, its
     tokenizer, prepare.json and every input file's shards, never its hidden .prepare/).
     A mixture's sources (paths, weights, units; `sources.canonical_source`, so 0.7 and 0.70
-    are one stream) are among the data settings, and its
-    fingerprints are per source: {"fingerprint": {"web": ..., "code": ...}}."""
+    are one stream) are among the data settings, and its fingerprints are per source:
+    {"fingerprint": {"web": ..., "code": ...}}. Where documents begin with ids of the
+    tokenizer's (`document_start`), those too (`tokenizer`: the run's, default
+    `get_tokenizer`'s)."""
     data = {k: v for k, v in config.data.to_dict().items() if k not in _NOT_STREAM}
     if data.get("text_field") == "text":  # the default: as checkpoints saved before the key
         del data["text_field"]
@@ -329,8 +331,8 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
               "seq_len": config.seq_len, "seed": config.seed, "data": data,
               "fingerprint": sources.fingerprint(config.data.path or None),
               DOCUMENTS: "stream" if streamed(config) else "packed"}
-    if start := document_start(config):  # (only then: other runs' streams are as they were)
-        stream[DOCUMENT_START] = start
+    if not source_configs(config) and (start := document_start(config, tokenizer)):
+        stream[DOCUMENT_START] = start  # (only then: other runs' streams are as they were)
     if config.data.get("validation_path"):
         stream["validation_fingerprint"] = sources.fingerprint(config.data.validation_path)
     if config.data.get("test_path"):
@@ -342,8 +344,11 @@ def data_stream(config: ml_collections.ConfigDict) -> dict:
     if _interleaved_units(config.data.path):
         stream[_IN_INPUT_ORDER] = True
     if mixture := source_configs(config):
-        per_source = {name: data_stream(one) for name, one in mixture.items()}
+        per_source = {name: data_stream(one, tokenizer) for name, one in mixture.items()}
         stream["fingerprint"] = {name: s["fingerprint"] for name, s in per_source.items()}
+        if starts := {name: s[DOCUMENT_START] for name, s in per_source.items()
+                      if DOCUMENT_START in s}:
+            stream[DOCUMENT_START] = starts
         stream["validation_fingerprint"] = {
             name: s.get("validation_fingerprint", "") for name, s in per_source.items()}
         if in_order := [name for name, s in per_source.items() if _IN_INPUT_ORDER in s]:
@@ -374,6 +379,7 @@ def document_start(config: ml_collections.ConfigDict, tokenizer=None) -> list[in
     fine-tuning with transformers reads `tokenizer(text)`, and as generation reads a prompt
     (`text.document_prefix`); none otherwise, nor in token shards (ids already). GPT-2's and
     Qwen's tokenizers put nothing there. `tokenizer`: the run's (default: `get_tokenizer`'s).
+    A single source's: a mixture's `data_stream` records each source's.
 
     >>> config = ml_collections.ConfigDict({"init_from": "", "data": {"objective": "auto",
     ...     "tokenizer": "hf"}, "model": {"family": "gpt"}})
@@ -383,6 +389,9 @@ def document_start(config: ml_collections.ConfigDict, tokenizer=None) -> list[in
     if not str(config.get("init_from") or "").startswith("hf:") or \
             pipeline.objective_for(config) != "next_token":
         return []
+    if token_shard_dir(config.data.path) or (prepared_settings(config) or {}).get("format") \
+            == "bin":
+        return []  # ids already: read as they are (`corpus`)
     if tokenizer is None and config.data.get("tokenizer") != "hf":
         return []  # (only a Hugging Face tokenizer puts anything there)
     return [int(i) for i in getattr(tokenizer or get_tokenizer(config), "document_start", [])]
