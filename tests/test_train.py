@@ -799,6 +799,17 @@ def _damage(step_dir: Path, how: str) -> None:
         (state / "_METADATA").unlink()
 
 
+def _reference_and_run(config, tmp_path) -> tuple[dict, Path]:
+    """(the params of `config` trained uninterrupted, a workdir of the same run saved at steps
+    2, 4 and 6)."""
+    reference = flat(jax.device_get(
+        train.train_and_evaluate(config, str(tmp_path / "reference"))["state"].params))
+    workdir = tmp_path / "run"
+    train.train_and_evaluate(config, str(workdir))
+    assert checkpoint_steps(workdir) == [2, 4, 6]
+    return reference, workdir
+
+
 @pytest.mark.slow
 def test_damaged_checkpoints_fall_back_to_the_newest_usable_one(tmp_path, caplog):
     """A newest step with its config cut short and a step with truncated arrays are skipped
@@ -807,11 +818,7 @@ def test_damaged_checkpoints_fall_back_to_the_newest_usable_one(tmp_path, caplog
     damaged it refuses to start fresh (and touches nothing) until fresh_start=True, which sets
     the checkpoints aside."""
     config = tiny_config(steps=6, checkpoint_every=2)
-    reference = flat(jax.device_get(
-        train.train_and_evaluate(config, str(tmp_path / "reference"))["state"].params))
-    workdir = tmp_path / "run"
-    train.train_and_evaluate(config, str(workdir))
-    assert checkpoint_steps(workdir) == [2, 4, 6]
+    reference, workdir = _reference_and_run(config, tmp_path)
     _damage(workdir / "checkpoints" / "6", "config")
     _damage(workdir / "checkpoints" / "4", "truncate")
     with caplog.at_level("WARNING"):
@@ -852,11 +859,7 @@ def test_a_step_missing_its_data_stream_item_is_damage_not_an_older_version(tmp_
     position (bitwise equal to an uninterrupted run). Only steps whose Orbax record names no
     stream item were written before streams were: those are refused as an older version's."""
     config = tiny_config(steps=6, checkpoint_every=2)
-    reference = flat(jax.device_get(
-        train.train_and_evaluate(config, str(tmp_path / "reference"))["state"].params))
-    workdir = tmp_path / "run"
-    train.train_and_evaluate(config, str(workdir))
-    assert checkpoint_steps(workdir) == [2, 4, 6]
+    reference, workdir = _reference_and_run(config, tmp_path)
     shutil.rmtree(workdir / "checkpoints" / "6" / "stream")
     with caplog.at_level("WARNING"):
         resumed = train.train_and_evaluate(config, str(workdir))
