@@ -6,9 +6,11 @@
 difference by kind of work, each op alone on the same float32 inputs: the block's GEMMs (the
 MLP's two and a weight gradient), the attention core's batched matmuls at the shapes the CPU
 query blocks run (64 queries over 64 to 256 keys, 48 = batch x heads of them), and the
-elementwise work (exact GELU, LayerNorm, an add). XLA runs each under the library choices it
-offers for dots: its Eigen runtime and XLA's own default (YNNPACK fusions, which float32 steps
-keep: `placement.compiler_options`); PyTorch under its defaults (MKL / oneDNN GEMMs). A row's
+elementwise work (exact GELU, LayerNorm, an add). XLA compiles each with the options training
+uses (`placement.compiler_options`: XLA's default YNNPACK fusions, the scheduler, the heap cap
+under glibc) and again with the same options plus the flag that turns YNNPACK off (Eigen's
+dots), so the two columns differ only in the dot library; PyTorch under its defaults (MKL /
+oneDNN GEMMs). A row's
 ratio is PyTorch's ms over XLA's with the training default: below 1.0x, XLA is slower. Every
 cell is the best of `repeats` runs, the sides taking turns. The CPU is named in the header.
 """
@@ -57,6 +59,13 @@ def cases(np, torch, jax):
     return out
 
 
+def dot_settings(training: dict) -> dict:
+    """{column: XLA options}: `training`, the options the train steps compile with, and the
+    same with YNNPACK's fusions off (XLA's dots back on Eigen), nothing else changed."""
+    return {"YNNPACK (training default)": dict(training),
+            "Eigen dots": {**training, "xla_cpu_experimental_ynn_fusion_type": ""}}
+
+
 def mean_ms(thunk, calls: int = 20) -> float:
     """ms per call of `thunk` over `calls` calls, after one untimed call (a jax result is
     waited for)."""
@@ -74,14 +83,14 @@ def main(argv) -> None:
 
     hostmem.keep_freed_memory()  # as the command lines run (docs/performance.md, "CPU runs")
     import jax
+    import ml_collections
     import numpy as np
     import torch
 
     from transformer.training import placement
 
-    # the steps compile with placement.CPU_OPTIONS (XLA's YNNPACK fusions)
-    settings = {"YNNPACK (training default)": placement.CPU_OPTIONS,
-                "Eigen dots": {"xla_cpu_experimental_ynn_fusion_type": ""}}
+    settings = dot_settings(placement.compiler_options(
+        ml_collections.ConfigDict(), jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))))
     torch.set_num_threads(_THREADS.value)
     print(f"{cpu_model()}; jax {jax.__version__}, torch {torch.__version__} "
           f"({_THREADS.value} threads); float32, best of {_REPEATS.value}\n")

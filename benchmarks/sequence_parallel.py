@@ -7,8 +7,10 @@ Sets `--xla_force_host_platform_device_count=8` itself (before JAX starts). For 
 trains a GPT (`benchmarks/compile_time.gpt_config` at the flags' shape, batch 1, RoPE, chunked
 attention, causal) with the real jitted train step on three meshes: one device (the reference),
 sequence=8 with the all-gather strategy and sequence=8 with the ring (both load-balanced).
-Prints per device the compiled memory (XLA's memory analysis: arguments + temporaries; the
-state is replicated, so it is the same for all rows) and the best step time of `--steps`.
+Prints per device the compiled memory (XLA's memory analysis: arguments + temporaries) and the
+best step time of `--steps`. The arguments are mostly the train state, which splits over the
+sequence axis as over `fsdp` (docs/scaling-out.md), so the sequence=8 rows hold a fraction of
+the one-device row's arguments.
 
 The 8 devices share this machine's cores, so the step times only compare the strategies with
 each other (their communication is a memory copy here); the memory column is what each device

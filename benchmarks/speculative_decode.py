@@ -8,10 +8,10 @@ model, on trained workdirs (e.g. the runs of experiments/ablations/mtp.py).
 Each prompt is the end-of-text id then 16 tokens of a fixed passage of Shakespeare (the opening
 of Coriolanus, `_PROMPT_TEXT`, in the run's own tokenizer), row i from its token 7 i, whatever
 data the run trained on (not its validation data); both decoders run greedily (or both sample at
-`--temperature`: speculative sampling), after a warm-up call (compiles excluded), alternating
-for `repeats` runs, and the best run of each is shown. Greedy, the tokens of the two must be
-equal (a row says so); a speed-up needs the drafts to be accepted often enough to pay for
-running the modules.
+`--temperature`: speculative sampling), after a warm-up call each (compiles excluded), taking
+turns for `repeats` runs (plain, speculative, plain, ...), and the best run of each is shown.
+Greedy, the tokens of the two must be equal (a row says so); a speed-up needs the drafts to be
+accepted often enough to pay for running the modules.
 """
 
 from __future__ import annotations
@@ -36,14 +36,17 @@ _PROMPT_TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n
                 "to famish?\n")
 
 
-def best_time(fn, repeats: int):
-    fn()  # compile
-    times, out = [], None
+def best_times(fns, repeats: int) -> list[tuple[float, object]]:
+    """[(best seconds, last output)] per function: each called once to compile, then all take
+    turns `repeats` times over, so load from elsewhere hits every side alike."""
+    outs = [fn() for fn in fns]  # compile
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), out
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            outs[i] = fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return list(zip(best, outs, strict=True))
 
 
 def measure(workdir: str, new_tokens: int, rows: int, repeats: int,
@@ -52,12 +55,11 @@ def measure(workdir: str, new_tokens: int, rows: int, repeats: int,
     text = tokenizer.encode(_PROMPT_TEXT)
     start = document_prefix(config, tokenizer)  # as generation reads a prompt
     prompts = [[*start, *text[i * 7:i * 7 + 16]] for i in range(rows)]
-    plain_s, (want, _) = best_time(lambda: generate.decode(
-        model, params, prompts, max_new_tokens=new_tokens, temperature=temperature,
-        eos_id=None), repeats)
-    fast_s, (got, _, stats) = best_time(lambda: speculative_decode(
-        model, params, prompts, max_new_tokens=new_tokens, eos_id=None,
-        temperature=temperature), repeats)
+    (plain_s, (want, _)), (fast_s, (got, _, stats)) = best_times([
+        lambda: generate.decode(model, params, prompts, max_new_tokens=new_tokens,
+                                temperature=temperature, eos_id=None),
+        lambda: speculative_decode(model, params, prompts, max_new_tokens=new_tokens,
+                                   eos_id=None, temperature=temperature)], repeats)
     tokens = rows * new_tokens
     return dict(depth=config.model.mtp.depth, plain=tokens / plain_s, fast=tokens / fast_s,
                 rate=stats.acceptance_rate, per_pass=stats.tokens_per_pass,
