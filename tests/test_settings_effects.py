@@ -204,8 +204,8 @@ def same(a, b) -> bool:
 
 def changes_model(family, base, **overrides) -> bool:
     """Whether the overrides change the family's params or logits from `base`'s (`built`'s):
-    by the param shapes where they differ (none are initialised: an LSTM's orthogonal init
-    has no float16/bfloat16 QR on CPU), else by the values."""
+    by the param shapes and dtypes where they differ (read without initialising), else by the
+    values."""
     _, shapes, run = built(family, **overrides)
     if jax.tree.structure(shapes) != jax.tree.structure(base[1]) or \
             jax.tree.leaves(shapes) != jax.tree.leaves(base[1]):
