@@ -97,9 +97,15 @@ def streamed(config: ml_collections.ConfigDict) -> bool:
     """
     if pipeline.objective_for(config) != "next_token":
         return False
-    return any(one.data.unit == "stream" or token_shard_dir(one.data.path) or
-               (prepared_settings(one) or {}).get("format") == "bin"
+    return any(one.data.unit == "stream" or _token_ids(one)
                for one in list(source_configs(config).values()) or [config])
+
+
+def _token_ids(config: ml_collections.ConfigDict) -> bool:
+    """Whether a single source's data is token ids already, read as one stream: a directory of
+    token shards, or a prepared directory's .bin shards (`corpus`)."""
+    return bool(token_shard_dir(config.data.path)) or \
+        (prepared_settings(config) or {}).get("format") == "bin"
 
 
 # A directory of token shards given as data.path (no prepare.json): each split's files by name,
@@ -389,9 +395,8 @@ def document_start(config: ml_collections.ConfigDict, tokenizer=None) -> list[in
     if not str(config.get("init_from") or "").startswith("hf:") or \
             pipeline.objective_for(config) != "next_token":
         return []
-    if token_shard_dir(config.data.path) or (prepared_settings(config) or {}).get("format") \
-            == "bin":
-        return []  # ids already: read as they are (`corpus`)
+    if _token_ids(config):
+        return []  # read as they are
     if tokenizer is None and config.data.get("tokenizer") != "hf":
         return []  # (only a Hugging Face tokenizer puts anything there)
     return [int(i) for i in getattr(tokenizer or get_tokenizer(config), "document_start", [])]
@@ -515,8 +520,7 @@ def bytes_per_token(config: ml_collections.ConfigDict, tokenizer, split: str) ->
         stats = summary[split]
         # .bin shards are always read as a stream (`corpus`)
         stream = config.data.unit == "stream" or summary.get("format") == "bin"
-        tokens = stats["tokens"] + (0 if summary.get("format") == "bin" else  # (see `corpus`)
-                                    stats["documents"] * len(document_start(config, tokenizer)))
+        tokens = stats["tokens"] + stats["documents"] * len(document_start(config, tokenizer))
         targets = tokens - (1 if stream else stats["documents"])
         return stats["bytes"] / max(targets, 1)
     tokens = corpus(config, tokenizer, split)  # (validation and test: the cached one)

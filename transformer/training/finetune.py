@@ -245,18 +245,23 @@ def _source_architecture(init_from) -> tuple[dict, str, str] | None:
         hf_config, theirs, _ = hf_convert(path)
         name = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
         return keys.dotted(theirs), f"{init_from}'s config.json", name
-    from transformer.models import default_model_config
-
     try:
         step, saved = checkpoint_lib.saved_run(path, step)
     except (FileNotFoundError, ValueError):
         return None
     if lora.enabled(saved):
         raise ValueError(_adapters_only(init_from, f"{path}@{step}"))
-    known = keys.dotted(default_model_config())  # a key an older run lacks: its default
+    return _saved_architecture(saved), f"{path}@{step}'s saved config", "training-run"
+
+
+def _saved_architecture(saved) -> dict:
+    """{dotted model key: value} of a training run's saved config, a key an older run lacks at
+    its default and one this version no longer has left out."""
+    from transformer.models import default_model_config
+
+    known = keys.dotted(default_model_config())
     theirs = {**known, **keys.dotted(saved.model)}
-    return ({k: v for k, v in theirs.items() if k in known}, f"{path}@{step}'s saved config",
-            "training-run")
+    return {k: v for k, v in theirs.items() if k in known}
 
 
 def _own_architecture(config, workdir: str | None) -> tuple[tuple, object] | None:
@@ -268,15 +273,11 @@ def _own_architecture(config, workdir: str | None) -> tuple[tuple, object] | Non
     if not workdir or not config.get("init_from") or config.get("fresh_start") or \
             not checkpoint_lib.complete_steps(workdir):
         return None
-    from transformer.models import default_model_config
-
     try:
         step, saved = checkpoint_lib.saved_run(workdir)
     except (FileNotFoundError, ValueError):
         return None
-    known = keys.dotted(default_model_config())  # a key an older run lacks: its default
-    theirs = {**known, **keys.dotted(saved.model)}
-    return ({k: v for k, v in theirs.items() if k in known},
+    return (_saved_architecture(saved),
             f"this run's own checkpoint {workdir}@{step}'s saved config", "training-run"), saved
 
 
