@@ -23,6 +23,7 @@ from test_hf_equivalence import (  # noqa: E402
 )
 from test_train import TINY_MODEL, assert_succeeded, cli_env, run_cli, tiny_flags  # noqa: E402
 
+from transformer import export as export_cli  # noqa: E402
 from transformer import generate  # noqa: E402
 from transformer.hf import convert, export  # noqa: E402
 from transformer.models import build_model, default_model_config  # noqa: E402
@@ -721,3 +722,84 @@ def test_an_adapter_peft_has_no_module_for_is_refused_not_dropped():
         r"model.lora.targets='attention/(query|gate)$' adapts decoder/layers_0/self_attention/"
         "gate, which the peft adapter export has no module for (it writes query, key, value, "
         "out, wi_gate, wi_up, wo); export with --merge_lora instead")
+
+
+def llama_import(directory):
+    """A tiny Llama save_pretrained directory whose tokenizer names no pad token (Llama 3's
+    layout: tokenizer_config.json's pad_token null) and whose config.json names a
+    pad_token_id (<|pad|>'s). Returns (directory, its vocabulary)."""
+    import json
+
+    from test_sft import LLAMA3, build_tokenizer
+
+    build_tokenizer(directory, LLAMA3)
+    meta = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**meta, "pad_token": None}))
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=len(vocab), max_position_embeddings=64,
+        tie_word_embeddings=False, bos_token_id=vocab["<|begin_of_text|>"],
+        eos_token_id=vocab["<|end_of_text|>"], pad_token_id=vocab["<|pad|>"],
+    )).save_pretrained(directory)
+    return directory, vocab
+
+
+def test_an_imports_token_ids_fill_in_the_roles_its_tokenizer_names_none(tmp_path):
+    """`transformer.export.token_ids`: the tokenizer's id for each role it defines, else the
+    config.json's of the checkpoint the run was imported from, only where it is an id of the
+    vocabulary; nothing for a run from scratch."""
+    import json
+
+    import ml_collections
+
+    from transformer.data import tokenizers
+
+    directory, vocab = llama_import(tmp_path / "llama")
+    tokenizer = tokenizers.load_hf_tokenizer(str(directory))
+    assert tokenizer.pad_id is None
+    config = ml_collections.ConfigDict({"init_from": f"hf:{directory}",
+                                        "model": {"vocab_size": len(vocab)}})
+    assert export_cli.token_ids(config, tokenizer) == {
+        "bos_token_id": vocab["<|begin_of_text|>"], "eos_token_id": vocab["<|end_of_text|>"],
+        "pad_token_id": vocab["<|pad|>"]}
+    tokenizer.pad_id = 3  # a tokenizer's own id comes first
+    assert export_cli.token_ids(config, tokenizer)["pad_token_id"] == 3
+    tokenizer.pad_id = None
+    config.init_from = ""
+    assert "pad_token_id" not in export_cli.token_ids(config, tokenizer)
+    config.init_from = f"hf:{directory}"
+    source = json.loads((directory / "config.json").read_text())
+    for bad in (len(vocab), -1, True, [len(vocab)]):  # no id of the vocabulary (LLaMA 1's -1)
+        (directory / "config.json").write_text(json.dumps({**source, "pad_token_id": bad}))
+        assert "pad_token_id" not in export_cli.token_ids(config, tokenizer), bad
+
+
+@pytest.mark.slow
+def test_an_export_of_an_import_keeps_its_pad_id_where_its_tokenizer_names_none(tmp_path):
+    """A run imported from a checkpoint whose config.json names a pad id and whose tokenizer
+    names no pad token: its export's config.json and generation_config.json keep that pad id
+    (they dropped it: only the tokenizer's ids were written), as does the export of a run
+    that started from that run's workdir."""
+    import json
+
+    from transformer import configs, train
+
+    directory, vocab = llama_import(tmp_path / "llama")
+    config = configs.experiment("gpt_tiny")
+    config.update(steps=1, batch_size=2, seq_len=16, log_every=1, eval_every=1, eval_steps=1,
+                  checkpoint_every=1, init_from=f"hf:{directory}")
+    config.data.update(tokenizer="hf", tokenizer_path="", num_sentinels=0)
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+    export_cli.export_workdir(str(tmp_path / "run"), str(tmp_path / "hf"))
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["pad_token_id"] == vocab["<|pad|>"]
+    assert exported["eos_token_id"] == vocab["<|end_of_text|>"]  # the tokenizer's
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["pad_token_id"] == vocab["<|pad|>"]
+    again = config.copy_and_resolve_references()
+    again.update(steps=2, init_from=str(tmp_path / "run"))
+    train.train_and_evaluate(again, str(tmp_path / "again"))
+    export_cli.export_workdir(str(tmp_path / "again"), str(tmp_path / "hf_again"))
+    exported = json.loads((tmp_path / "hf_again" / "config.json").read_text())
+    assert exported["pad_token_id"] == vocab["<|pad|>"]

@@ -89,6 +89,34 @@ def test_a_run_on_bin_shards_reads_texts_behind_eos_once_its_data_is_gone(tmp_pa
     assert checkpoint_manager.stream_differences(older, stream) == []
 
 
+def test_a_step_that_lost_its_stream_item_is_damaged_not_an_older_versions(workdir, tmp_path):
+    """A step whose Orbax record says it wrote a data stream, with the stream folder gone, is
+    damage: `saved_stream` names it, and evaluate's data comparison fails on it (it read it as
+    an older version's step, with no stream to compare: data changes went unreported). Only a
+    step whose record names no stream is an older version's (None)."""
+    import shutil
+
+    from transformer import evaluate
+    from transformer.training import checkpoint
+
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    step_dir = copy / "checkpoints" / "4"
+    shutil.rmtree(step_dir / "stream")
+    with pytest.raises(FileNotFoundError, match=r"checkpoints/4/stream is missing, though Orbax "
+                                                r"recorded writing it: checkpoint 4 is damaged"):
+        checkpoint.saved_stream(str(copy), 4)
+    _, config = checkpoint.saved_run(str(copy), 4)
+    with pytest.raises(RuntimeError, match=r"checkpoint 4 of .* cannot be read "
+                                           r"\(FileNotFoundError: .*checkpoint 4 is damaged"):
+        evaluate.data_changes(str(copy), 4, config)
+    record = json.loads((step_dir / checkpoint.STEP_RECORD).read_text())
+    del record["item_handlers"]["stream"]  # as an older version wrote it: no stream at all
+    (step_dir / checkpoint.STEP_RECORD).write_text(json.dumps(record))
+    assert checkpoint.saved_stream(str(copy), 4) is None
+    assert evaluate.data_changes(str(copy), 4, config) == []
+
+
 def test_a_hugging_face_directory_loads_with_transformers_logits_and_its_own_eos(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

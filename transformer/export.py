@@ -16,9 +16,11 @@ Needs `transformers` (pip install transformers); torch is not needed.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
+from typing import Any
 
 import jax
 
@@ -138,6 +140,55 @@ def _new_directory(parent: str) -> str:
             continue
 
 
+# The token ids an export's config.json names: the run's tokenizer's, else its import's.
+TOKEN_ROLES = ("bos", "eos", "pad")
+
+
+def token_ids(config, tokenizer) -> dict[str, Any]:
+    """{"bos_token_id": ..., "eos_token_id": ..., "pad_token_id": ...} for the export of a run
+    (`config`, its resolved config) with `tokenizer`: each role's id where the tokenizer defines
+    one, else the config.json's of the Hugging Face checkpoint the run was imported from
+    (`source_token_ids`), else none (left out)."""
+    ids = source_token_ids(config)
+    for role in TOKEN_ROLES:
+        if (value := getattr(tokenizer, f"{role}_id", None)) is not None:
+            ids[f"{role}_token_id"] = int(value)
+    return ids
+
+
+def source_token_ids(config) -> dict[str, Any]:
+    """The `TOKEN_ROLES` ids of the config.json of the Hugging Face checkpoint DIR a run was
+    imported from: init_from="hf:DIR", or through the workdirs it started from (init_from=
+    WORKDIR, whose saved config says where it started). Only ids of the run's vocabulary (an
+    id, or a list of them: eos); {} where there is no such DIR, or its config.json is gone."""
+    init_from, seen = str(config.get("init_from") or ""), set()
+    while init_from and not init_from.startswith("hf:") and init_from not in seen:
+        seen.add(init_from)
+        _, path, step = fileio.parse_init_from(init_from)
+        try:
+            init_from = str(checkpoint_lib.saved_run(path, step)[1].get("init_from") or "")
+        except (FileNotFoundError, ValueError):  # a source workdir moved or deleted since
+            return {}
+    file = os.path.join(init_from[3:], "config.json")
+    if not init_from.startswith("hf:") or not os.path.isfile(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            source = json.load(f)
+    except (OSError, ValueError):  # (read whole at training: changed since, the tokenizer's)
+        return {}
+    if not isinstance(source, dict):
+        return {}
+    vocab = int(config.model.vocab_size)
+
+    def valid(value) -> bool:
+        ids = value if isinstance(value, list) and value else [value]
+        return all(type(i) is int and 0 <= i < vocab for i in ids)
+
+    return {key: source[key] for role in TOKEN_ROLES
+            if valid(source.get(key := f"{role}_token_id"))}
+
+
 def export_workdir(workdir: str, output: str, step: int | None = None,
                    merge_lora: bool = False) -> dict:
     """Writes checkpoint `step` (default: the latest) of `workdir` as a `save_pretrained`
@@ -180,10 +231,8 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
                                                                         or_newer=True))
     hf_config, state = hf_export.to_hf(hf_export.base_model_config(config.model), params,
                                        labels=labels)
-    for role in ("bos", "eos", "pad"):
-        value = getattr(tokenizer, f"{role}_id", None)
-        if value is not None:
-            setattr(hf_config, f"{role}_token_id", int(value))
+    for key, value in token_ids(config, tokenizer).items():  # an import's, too
+        setattr(hf_config, key, value)
     if config.model.family == "t5":
         hf_config.decoder_start_token_id = int(tokenizer.decoder_start_id)
 

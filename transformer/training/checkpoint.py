@@ -15,6 +15,7 @@ newest one where the caller asked for the latest.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +36,8 @@ CHECKPOINTS = "checkpoints"  # WORKDIR/checkpoints/<step>/{state,data,config}
 LORA_BASE = "lora_base"  # a LoRA run's item naming its base: {"init_from", "fingerprint"}
 JSON_ITEMS = ("data", "config", "stream", LORA_BASE)
 DELETED = "deleted"  # WORKDIR/checkpoints/deleted/<step>: old steps on their way out
+# Orbax's record of a complete step (JSON), naming the items it wrote ("item_handlers").
+STEP_RECORD = "_CHECKPOINT_METADATA"
 
 # What a run writes beside its checkpoints, set aside with them (a fresh run would append to its
 # records, mix its TensorBoard events in, or overwrite its summary and tokenizer).
@@ -121,19 +124,41 @@ def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collection
 def saved_stream(workdir: str, step: int, or_newer: bool = False) -> dict | None:
     """The data stream (`inputs.data_stream`) saved with checkpoint `step` (`or_newer`: the
     newest one's, if a training beside it deleted `step` meanwhile, `_newest`); None for one
-    saved before streams were."""
+    saved before streams were (`wrote_stream`). A step that was saved with one and lost it is
+    damaged: FileNotFoundError naming it (with `or_newer`, `_newest`'s one-line error for an
+    unreadable step, unless a newer step replaced it meanwhile)."""
     def read(chosen: int) -> dict | None:
         # (by its folder: Orbax's item_metadata warns of every item it has no handler for)
         folder = fileio.path(fileio.join(workdir, CHECKPOINTS, str(chosen)))
         if not folder.exists():  # deleted meanwhile: `_newest` reads the newest
             raise FileNotFoundError(str(folder))
         if not (folder / "stream").exists():
+            if wrote_stream(fileio.join(workdir, CHECKPOINTS), chosen):
+                raise FileNotFoundError(f"{folder / 'stream'} is missing, though Orbax recorded "
+                                        f"writing it: checkpoint {chosen} is damaged (not an "
+                                        "older version's, which saved no stream)")
             return None
         with contextlib.closing(_reader(workdir, stream=ocp.JsonCheckpointHandler())) as probe:
             return probe.restore(chosen, args=ocp.args.Composite(
                 stream=ocp.args.JsonRestore()))["stream"]
 
     return _newest(workdir, step, read, or_newer=or_newer)
+
+
+def wrote_stream(directory: str, step: int) -> bool:
+    """Whether checkpoint `step` of `directory` (a WORKDIR/checkpoints) was saved with a data
+    stream item: as Orbax's record of the items it wrote into the step says (written as the
+    step completed), or, where that record is gone, whether any step in the folder holds one
+    (a version that saves streams wrote them). Otherwise an older version wrote it."""
+    folder = fileio.path(directory)
+    try:
+        record = json.loads((folder / str(step) / STEP_RECORD).read_text())
+        if isinstance(record.get("item_handlers"), dict):
+            return "stream" in record["item_handlers"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    # (step folders are named by their number; Orbax's temporary ones and DELETED are not)
+    return any((other / "stream").exists() for other in folder.iterdir() if other.name.isdigit())
 
 
 def _newest(workdir: str, step: int | None, read: Callable[[int], Any],

@@ -25,7 +25,6 @@ out of the way instead, so nothing saved is deleted.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -56,8 +55,6 @@ _NON_STRUCTURAL = {name for name, declared in keys.declarations(TransformerConfi
 # Top-level settings that change the objective or which updates apply, and may change on resume
 # (announced): not the run's bookkeeping (steps, log_every, eval_*, checkpoint_*).
 _STEP_SETTINGS = ("label_smoothing", "max_grad_norm", "z_loss")
-# Orbax's record of a complete step (JSON), naming the items it wrote ("item_handlers").
-_STEP_RECORD = "_CHECKPOINT_METADATA"
 
 
 def _model_settings(config: dict) -> dict:
@@ -344,27 +341,12 @@ class Manager:
         """The data stream saved with `step` (None for checkpoints written before streams were
         saved); FileNotFoundError (damage) where it was saved and is gone."""
         if "stream" not in (self._manager.item_metadata(step) or {}):
-            if self._wrote_stream(step):
+            if checkpoint_lib.wrote_stream(self.directory, step):
                 raise FileNotFoundError(f"{self.directory}/{step}/stream: the step's data "
                                         "stream item is missing (Orbax recorded writing it)")
             return None
         return self._manager.restore(step, args=ocp.args.Composite(
             stream=ocp.args.JsonRestore()))["stream"]
-
-    def _wrote_stream(self, step: int) -> bool:
-        """Whether `step` was saved with a data stream item: as Orbax's record of the items it
-        wrote into the step says (written as the step completed), or, where that record is
-        gone, whether any step in the folder holds one (a version that saves streams wrote
-        them). Otherwise an older version wrote it."""
-        try:
-            record = json.loads((fileio.path(self.directory) / str(step) / _STEP_RECORD)
-                                .read_text())
-            if isinstance(record.get("item_handlers"), dict):
-                return "stream" in record["item_handlers"]
-        except (OSError, ValueError, AttributeError):
-            pass
-        return any((fileio.path(self.directory) / str(other) / "stream").exists()
-                   for other in self.all_steps())
 
     def check(self, step: int) -> list[str]:
         """Raises ConfigMismatch naming, in one line, every structural difference between
