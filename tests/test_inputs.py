@@ -397,3 +397,93 @@ def test_a_shard_named_for_neither_split_is_left_out_with_a_warning(tmp_path, ca
     assert capsys.readouterr().err == (
         f"warning: data.path={str(tmp_path)!r}: fineweb_000002.bin matches neither "
         "'*train*.bin' nor '*val*.bin': not read (name a shard for its split)\n")
+
+
+# --- the tokenizer a run reads with must be the one its settings say -----------------------------
+
+
+def test_a_resume_refuses_other_sentinels_or_vocab_size_than_its_saved_tokenizer(text_file,
+                                                                                 tmp_path):
+    """A resume (new_data=True too) reads the tokenizer saved in its workdir: a changed
+    data.num_sentinels would mark T5 spans with ids of real characters, a changed vocab_size
+    would be recorded for a tokenizer that does not have it."""
+    workdir = str(tmp_path / "run")
+    config = config_for(text_file, tokenizer="char", num_sentinels=2)
+    inputs.save_tokenizer(inputs.get_tokenizer(config), workdir)
+    assert inputs.get_tokenizer(config, workdir).num_sentinels == 2  # unchanged: resumes
+    for sentinels in (4, tokenizers.NUM_SENTINELS):  # the default is a count like any other
+        with pytest.raises(ValueError) as error:
+            inputs.get_tokenizer(config_for(text_file, tokenizer="char",
+                                            num_sentinels=sentinels), workdir)
+        assert str(error.value) == (
+            f"data.num_sentinels={sentinels}: the tokenizer {workdir!r} was trained with has 2 "
+            "sentinels: expected data.num_sentinels=2")
+    spm = str(tmp_path / "spm")
+    config = config_for(text_file, tokenizer="sentencepiece_bpe", vocab_size=300)
+    inputs.save_tokenizer(inputs.get_tokenizer(config), spm)
+    assert inputs.get_tokenizer(config, spm).vocab_size == 300 + tokenizers.NUM_SENTINELS
+    with pytest.raises(ValueError) as error:
+        inputs.get_tokenizer(config_for(text_file, tokenizer="sentencepiece_bpe",
+                                        vocab_size=320), spm)
+    assert str(error.value) == (
+        f"data.vocab_size=320: the tokenizer {spm!r} was trained with has 300 pieces "
+        "(sentinels not counted): expected data.vocab_size=300")
+
+
+def test_a_resume_on_prepared_data_takes_its_sentinels_where_the_config_leaves_the_default(
+        text_file, tmp_path):
+    """Prepared data's tokenizer fixes the sentinels (a Hugging Face one's own count, here 0):
+    a config that leaves data.num_sentinels at its default resumes; another count is refused."""
+    prepared, workdir = tmp_path / "prepared", str(tmp_path / "run")
+    prepare.prepare(str(prepared), str(text_file), tokenizer="byte")
+    tokenizers.ByteTokenizer(num_sentinels=0).save(str(prepared))  # as GPT-2's would have
+    inputs.save_tokenizer(inputs.get_tokenizer(config_for(prepared)), workdir)
+    assert inputs.get_tokenizer(config_for(prepared), workdir).num_sentinels == 0
+    with pytest.raises(ValueError, match=r"^data.num_sentinels=3: the tokenizer .* was trained "
+                                         r"with has 0 sentinels: expected data.num_sentinels=0$"):
+        inputs.get_tokenizer(config_for(prepared, num_sentinels=3), workdir)
+
+
+def test_prepared_sentencepiece_data_refuses_another_vocab_size(text_file, tmp_path):
+    prepared = tmp_path / "prepared"
+    prepare.prepare(str(prepared), str(text_file), tokenizer="sentencepiece_bpe", vocab_size=300)
+    for size in (0, 300):  # unset, or the prepared tokenizer's
+        config = config_for(prepared, tokenizer="sentencepiece_bpe", vocab_size=size)
+        assert inputs.get_tokenizer(config).vocab_size == 300 + tokenizers.NUM_SENTINELS
+    with pytest.raises(ValueError) as error:
+        inputs.get_tokenizer(config_for(prepared, tokenizer="sentencepiece_bpe", vocab_size=512))
+    assert str(error.value) == (
+        f"data.vocab_size=512: the tokenizer of the prepared data {str(prepared)!r} has 300 "
+        "pieces (sentinels not counted): expected data.vocab_size=300 or 0")
+
+
+def test_characters_a_char_tokenizer_never_saw_in_train_are_warned_of(tmp_path, caplog):
+    """They read as <unk> in validation, a cheap token: bits per byte reads low. Warned once
+    per split where it is tokenized for training / evaluate, and by prepare."""
+    train, validation = tmp_path / "train.txt", tmp_path / "validation.txt"
+    train.write_text("the cat sat on the mat.\n\nthe dog ran.\n")
+    validation.write_text("the cat sat on the mat.\n\nthe dog ate the zeta\u00e9z.\n")
+    config = config_for(train, tokenizer="char", validation_path=str(validation))
+    tokenizer = inputs.get_tokenizer(config)
+    caplog.set_level("WARNING")
+    for _ in range(2):  # every evaluation reads it: one warning
+        inputs.corpus(config, tokenizer, "validation")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the validation split of data.path={str(train)!r} holds 3 characters (2 distinct: "
+        "'z', '\u00e9') that the char tokenizer has no id for (the train split it was built "
+        "from has none): each reads as <unk>, so bits per byte undercounts them"]
+    caplog.clear()
+    inputs.corpus(config, tokenizer, "train")
+    assert not caplog.records
+    # prepare: paragraphs of one character each that no other paragraph holds
+    corpus = tmp_path / "unique.txt"
+    corpus.write_text("".join(f"Paragraph {i}: the fox {chr(0x4E00 + i)}.\n\n"
+                              for i in range(200)))
+    prepare.prepare(str(tmp_path / "prepared"), str(corpus), tokenizer="char")
+    tokens = inputs.corpus(config_for(tmp_path / "prepared", tokenizer="char"), None,
+                           "validation").tokens
+    unknown = int(np.sum(np.asarray(tokens) == tokenizers.UNK_ID))
+    [record] = caplog.records
+    assert unknown > 0 and record.getMessage().startswith(
+        f"--output_dir={tmp_path / 'prepared'}: the validation split holds {unknown} "
+        f"characters ({unknown} distinct: ")

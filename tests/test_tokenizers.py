@@ -178,8 +178,65 @@ def test_sentencepiece_vocab_size_adds_sentinels(trained, kind):
     tok = trained[kind]
     assert tok._sp.get_piece_size() == SP_VOCAB
     assert tok.vocab_size == SP_VOCAB + 100 and tok.kind == kind
-    assert tok.encode("<mask>").tolist() == [MASK_ID]  # user-defined symbol, unlike byte / char
     assert trained["byte"].encode("<mask>").tolist() == [7 + b for b in b"<mask>"]
+
+
+LITERAL_SPECIALS = "A document with <mask> and <eos>, <cls><sep> <pad><bos><unk> <extra_id_0>.\n"
+
+
+@pytest.mark.parametrize("kind", SP_KINDS)
+def test_sentencepiece_reads_special_names_in_text_as_text(trained, kind):
+    """As byte and char do: a special id comes only from code that inserts it (BERT's mask, a
+    document's <eos>), never from a document that happens to hold its name."""
+    import sentencepiece
+
+    tok = trained[kind]
+    ids = tok.encode(LITERAL_SPECIALS)
+    assert not special_or_sentinel(tok, ids).any(), ids
+    assert tok.decode(ids) == LITERAL_SPECIALS
+    # The saved model itself declares them control symbols, for any reader of sentencepiece.model
+    raw = sentencepiece.SentencePieceProcessor(model_proto=tok.model_proto)
+    assert raw.encode("<mask><cls><sep>") == tok.encode("<mask><cls><sep>").tolist()
+    assert all(raw.is_control(i) for i in range(NUM_SPECIAL) if i != UNK_ID)
+
+
+def test_sentencepiece_model_with_a_normal_special_piece_is_rejected(trained):
+    proto = sentencepiece_tokenizer._model_proto_class()()
+    proto.ParseFromString(trained["sentencepiece_bpe"].model_proto)
+    proto.pieces[6].type = 1  # NORMAL: SentencePiece would read "<sep>" in text as id 6
+    with pytest.raises(ValueError, match="are not all control symbols") as error:
+        tokenizers.SentencePieceTokenizer(proto.SerializeToString())
+    assert "\n" not in str(error.value)
+
+def test_sentencepiece_saved_with_user_defined_specials_loads_alike(corpus, held_out, tmp_path,
+                                                                    monkeypatch):
+    """A model saved before the specials were control symbols (user-defined ones, which
+    SentencePiece reads from their names in text) keeps its bytes and its ids for other text,
+    and reads the names as text."""
+    import sentencepiece
+
+    train = sentencepiece.SentencePieceTrainer.train
+    new = build_tokenizer("sentencepiece_bpe", [corpus[:30_000]], vocab_size=400)
+
+    def as_before(**kwargs):
+        kwargs["user_defined_symbols"] = kwargs.pop("control_symbols")
+        return train(**kwargs)
+
+    monkeypatch.setattr(sentencepiece.SentencePieceTrainer, "train", as_before)
+    before = build_tokenizer("sentencepiece_bpe", [corpus[:30_000]], vocab_size=400)
+    raw = sentencepiece.SentencePieceProcessor(model_proto=before.model_proto)
+    assert raw.encode("<mask>") == [MASK_ID]  # what such a model read before the fix
+    before.save(str(tmp_path))
+    assert (tmp_path / "sentencepiece.model").read_bytes() == before.model_proto
+    loaded = load_tokenizer(str(tmp_path))
+    # its own bytes, which identity checks (inputs._tokenizer_identity) compare, unchanged
+    assert loaded.model_proto == before.model_proto != new.model_proto
+    for tok in (loaded, pickle.loads(pickle.dumps(loaded))):
+        assert tok.encode(held_out).tolist() == raw.encode(held_out) == \
+            new.encode(held_out).tolist()
+        ids = tok.encode(LITERAL_SPECIALS)
+        assert ids.tolist() == new.encode(LITERAL_SPECIALS).tolist()
+        assert not special_or_sentinel(tok, ids).any() and tok.decode(ids) == LITERAL_SPECIALS
 
 
 def test_decode_accepts_lists_numpy_and_jax(trained):

@@ -220,13 +220,17 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
     (deterministically, so every process of a multi-host run builds the same one).
     """
     saved = fileio.join(workdir, TOKENIZER_DIR) if workdir else None
+    kind, source, _ = fileio.parse_init_from(config.get("init_from", ""))
     # Written last (atomically), so its presence means the tokenizer was saved completely.
     if saved and fileio.path(saved).joinpath(tokenizers_lib.CONFIG_FILE).is_file():
         tokenizer = tokenizers_lib.load_tokenizer(saved)
-        _check_hf_path(config, tokenizer, f"the tokenizer {workdir!r} was trained with")
-        _check_prepared_tokenizer(config, saved, f"the tokenizer {workdir!r} was trained with")
+        what = f"the tokenizer {workdir!r} was trained with"
+        _check_hf_path(config, tokenizer, what)
+        _check_prepared_tokenizer(config, saved, what)
+        tokenizers_lib.check_settings(  # (a resume with new_data=True would keep it silently)
+            tokenizer, what, config.data, prepared=bool(_prepared_dirs(config)),
+            from_workdir=bool(source) and kind == "workdir")
         return tokenizer
-    kind, source, _ = fileio.parse_init_from(config.get("init_from", ""))
     if source and kind == "workdir":  # fine-tuning reads text as it was pretrained
         tokenizer = tokenizers_lib.load_tokenizer(fileio.join(source, TOKENIZER_DIR))
         origin = f"init_from={config.init_from!r}"
@@ -235,6 +239,8 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
     elif prepared := _prepared_dir(config):
         tokenizer = tokenizers_lib.load_tokenizer(prepared)
         origin = f"the prepared data {prepared!r}"
+        tokenizers_lib.check_settings(tokenizer, f"the tokenizer of {origin}", config.data,
+                                      prepared=True)
         _check_same_tokenizer(config, prepared)
         _check_hf_path(config, tokenizer, f"the tokenizer of the prepared data {prepared!r}")
     elif config.data.tokenizer == "hf":
@@ -471,8 +477,11 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.
     key = (json.dumps(data.to_dict(), sort_keys=True, default=str), split, tokenizer,
            tuple(sources.fingerprint(p) if p else "" for p in paths))
     if key not in _EVAL_CORPORA:
-        _EVAL_CORPORA[key] = windows.tokenize_documents(_documents(config, split), tokenizer,
-                                                         stream=stream, start=start)
+        documents = _documents(config, split)
+        tokenizers_lib.warn_unknown_chars(  # (a char tokenizer's characters are train's)
+            tokenizer, (d.text for d in documents), f"the {split} split of data.path={data.path!r}")
+        _EVAL_CORPORA[key] = windows.tokenize_documents(documents, tokenizer, stream=stream,
+                                                         start=start)
         while len(_EVAL_CORPORA) > _EVAL_CORPORA_KEPT:
             _EVAL_CORPORA.pop(next(iter(_EVAL_CORPORA)))
     return _EVAL_CORPORA[key]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import glob
 import json
 import logging
 import multiprocessing
@@ -49,7 +50,7 @@ from concurrent import futures
 import numpy as np
 import tqdm
 
-from transformer.data import prepare_units, sources
+from transformer.data import prepare_units, shards, sources
 from transformer.data import tokenizers as tokenizers_lib
 from transformer.utils import fileio
 
@@ -190,7 +191,29 @@ def prepare(output_dir: str, input_path: str | None = None, tokenizer: str = "by
             elif getattr(tok, "fast_bpe_skipped", ""):
                 print(f"encoding through tokenizers: {tok.fast_bpe_skipped}", file=sys.stderr)
             run(output_dir, settings, tok, todo)
-        return prepare_units.finish(output_dir, settings, input_path)
+        counts = prepare_units.finish(output_dir, settings, input_path)
+    _warn_unknown_chars(output_dir, settings, tok, counts["validation"]["files"])
+    return counts
+
+
+def _warn_unknown_chars(output_dir: str, settings: dict, tok, files: list[str]) -> None:
+    """A char tokenizer, built from the train split's characters, wrote the validation split's
+    others as <unk>: counted in the validation shards (`files`), then, where there are any,
+    named from the text (`tokenizers.warn_unknown_chars`: bits per byte undercounts them)."""
+    if tok.kind != "char" or not files:
+        return
+    if settings["format"] == "bin":
+        parts = (shards.TokenShards(os.path.join(glob.escape(output_dir), name))
+                 for name in files)
+        ids = (part.read(0, len(part)) for part in parts)
+    else:
+        ids = prepare_units.array_record_documents(output_dir, "validation")
+    if any(np.any(one == tokenizers_lib.UNK_ID) for one in ids):
+        texts = (doc.text for index in range(len(settings["units"]))
+                 for split, doc in prepare_units.unit_documents(settings, index)
+                 if split == "validation")
+        tokenizers_lib.warn_unknown_chars(tok, texts, f"--output_dir={output_dir}: the "
+                                          "validation split")
 
 
 def _beam_runner(engine: str, beam_options: str):

@@ -39,32 +39,37 @@ _TRAINING_THREADS = 16
 _TRAINING_SEED = 0
 _SPACE_MARK = "\u2581"  # SentencePiece's "▁", which it substitutes for " " in input text.
 _MODEL_TYPES = {1: "unigram", 2: "bpe"}  # TrainerSpec.ModelType values in the .model protobuf
+_CONTROL, _USER_DEFINED = 3, 4  # SentencePiece.Type values: never / always read from text
 
 
 @functools.cache
 def _model_proto_class():
-    """The fields of SentencePiece's ModelProto that this module reads, as a protobuf message
-    class built at run time (the rest of a .model parses as unknown fields). SentencePiece's own
-    sentencepiece_model_pb2 is generated for one protobuf major version (0.2.3's for 7) and
-    refuses another (Apache Beam holds protobuf at 6)."""
+    """The fields of SentencePiece's ModelProto that this module reads or sets, as a protobuf
+    message class built at run time (the rest of a .model parses as unknown fields, kept when it
+    is written again). SentencePiece's own sentencepiece_model_pb2 is generated for one protobuf
+    major version (0.2.3's for 7) and refuses another (Apache Beam holds protobuf at 6)."""
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
     field = descriptor_pb2.FieldDescriptorProto
     file = descriptor_pb2.FileDescriptorProto(name="transformer_sentencepiece_model.proto",
                                               package="transformer_sentencepiece")
     # (message, [(number, name, type, message type or proto2 default)]), numbers as in
-    # sentencepiece_model.proto; model_type is an enum there (a varint either way)
+    # sentencepiece_model.proto; model_type and type are enums there (a varint either way)
     for name, fields in (
             ("TrainerSpec", [(3, "model_type", field.TYPE_INT32, "1")]),
             ("NormalizerSpec", [(1, "name", field.TYPE_STRING, ""),
                                 (3, "add_dummy_prefix", field.TYPE_BOOL, "true"),
                                 (4, "remove_extra_whitespaces", field.TYPE_BOOL, "true")]),
-            ("ModelProto", [(2, "trainer_spec", field.TYPE_MESSAGE, "TrainerSpec"),
+            ("SentencePiece", [(1, "piece", field.TYPE_STRING, ""),
+                               (3, "type", field.TYPE_INT32, "1")]),
+            ("ModelProto", [(1, "pieces", field.TYPE_MESSAGE, "SentencePiece"),
+                            (2, "trainer_spec", field.TYPE_MESSAGE, "TrainerSpec"),
                             (3, "normalizer_spec", field.TYPE_MESSAGE, "NormalizerSpec")])):
         message = file.message_type.add(name=name)
         for number, field_name, kind, extra in fields:
             added = message.field.add(name=field_name, number=number, type=kind,
-                                      label=field.LABEL_OPTIONAL)
+                                      label=field.LABEL_REPEATED if field_name == "pieces"
+                                      else field.LABEL_OPTIONAL)
             if kind == field.TYPE_MESSAGE:
                 added.type_name = f".transformer_sentencepiece.{extra}"
             elif extra:
@@ -75,9 +80,13 @@ def _model_proto_class():
         pool.FindMessageTypeByName("transformer_sentencepiece.ModelProto"))
 
 
-def _model_specs(model_proto: bytes) -> tuple[int, tuple[str, bool, bool]]:
+def _parsed_model(model_proto: bytes) -> tuple[int, tuple[str, bool, bool], bytes]:
     """A .model's TrainerSpec.model_type and NormalizerSpec (name, add_dummy_prefix,
-    remove_extra_whitespaces), with proto2's defaults for fields it leaves out."""
+    remove_extra_whitespaces), with proto2's defaults for fields it leaves out, and the model
+    to encode with: the same, but with <mask>, <cls> and <sep> made control symbols where they
+    are user-defined ones (as earlier versions of `train_sentencepiece` declared them), which
+    SentencePiece's encoder would produce from their names in text. Only text holding those
+    names gets other ids."""
     from google.protobuf.message import DecodeError
 
     proto = _model_proto_class()()
@@ -87,8 +96,13 @@ def _model_specs(model_proto: bytes) -> tuple[int, tuple[str, bool, bool]]:
         raise ValueError(f"not a SentencePiece model ({error}): expected a serialized "
                          "ModelProto (.model file)") from None
     norm = proto.normalizer_spec
-    return proto.trainer_spec.model_type, (norm.name, norm.add_dummy_prefix,
-                                           norm.remove_extra_whitespaces)
+    user_defined = [piece for piece in proto.pieces[MASK_ID:NUM_SPECIAL]
+                    if piece.type == _USER_DEFINED and piece.piece in SPECIAL_TOKENS]
+    for piece in user_defined:
+        piece.type = _CONTROL
+    return (proto.trainer_spec.model_type,
+            (norm.name, norm.add_dummy_prefix, norm.remove_extra_whitespaces),
+            proto.SerializeToString() if user_defined else model_proto)
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -98,14 +112,15 @@ class SentencePieceTokenizer(Tokenizer):
     vocab_size = N + num_sentinels. `model_proto` is the serialized .model file.
 
     Text is not normalized (identity rule, whitespace kept, no dummy "▁" prefix), so encoding
-    is lossless and decoding is plain concatenation of pieces.
+    is lossless and decoding is plain concatenation of pieces. The specials are control symbols,
+    so a special's name in text ("<mask>") encodes as text, as in the byte and char tokenizers.
     """
 
     def __init__(self, model_proto: bytes, num_sentinels: int = NUM_SENTINELS):
         import sentencepiece
 
-        self.model_proto = bytes(model_proto)
-        model_type, found = _model_specs(self.model_proto)
+        self.model_proto = bytes(model_proto)  # as given: what `save` writes back
+        model_type, found, encoding_model = _parsed_model(self.model_proto)
         self.model_type = _MODEL_TYPES.get(model_type)
         if self.model_type is None:
             raise ValueError(f"SentencePiece model_type={model_type}: "
@@ -115,11 +130,14 @@ class SentencePieceTokenizer(Tokenizer):
             raise ValueError(f"SentencePiece normalizer (name, add_dummy_prefix, "
                              f"remove_extra_whitespaces) = {found}: expected lossless "
                              f"('identity', False, False)")
-        sp = self._sp = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
+        sp = self._sp = sentencepiece.SentencePieceProcessor(model_proto=encoding_model)
         found = tuple(sp.id_to_piece(i) for i in range(min(NUM_SPECIAL, sp.get_piece_size())))
         if found != SPECIAL_TOKENS or any(sp.piece_to_id(p) != i
                                           for i, p in enumerate(SPECIAL_TOKENS)):
             raise ValueError(f"SentencePiece pieces 0..6 are {found}: expected {SPECIAL_TOKENS}")
+        if not all(sp.is_control(i) or i == UNK_ID for i in range(NUM_SPECIAL)):
+            raise ValueError(f"SentencePiece pieces 0..6 {SPECIAL_TOKENS} are not all control "
+                             "symbols (<unk> aside): expected specials it never reads from text")
         byte_ids = [sp.piece_to_id(f"<0x{b:02X}>") for b in range(256)]
         if not all(sp.is_byte(i) for i in byte_ids):
             raise ValueError("SentencePiece model has no byte pieces <0x00>..<0xFF>: expected "
@@ -143,8 +161,6 @@ class SentencePieceTokenizer(Tokenizer):
     def _config(self, directory: str) -> dict[str, Any]:
         fileio.write_atomic(fileio.join(directory, SENTENCEPIECE_FILE), self.model_proto)
         return {"model_file": SENTENCEPIECE_FILE}
-
-    _found_in_text = SPECIAL_TOKENS[MASK_ID:]  # its user-defined symbols
 
     def _hf_tokenizer(self) -> Any:
         """SentencePiece's pieces with "▁" as the space it stands for, so a literal "▁" in text
@@ -174,7 +190,7 @@ class SentencePieceTokenizer(Tokenizer):
         return tok
 
     def _hf_unigram(self, pieces: dict[int, str], tokens: list[str]) -> Any:
-        """SentencePiece's lattice holds only its normal and user-defined pieces; Hugging
+        """SentencePiece's lattice holds only its normal pieces; Hugging
         Face's holds every token, so a literal "<eos>" or "<0x41>" in text could become that
         token. Those tokens get a score below any path of known characters; one spanning an
         unknown character would still win, so the text is cut after each "<" (every such name
@@ -262,7 +278,8 @@ def train_sentencepiece(texts: Iterable[str], model_type: str, vocab_size: int) 
             sentence_iterator=iter(sentences), model_writer=model, model_type=model_type,
             vocab_size=vocab_size, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
             pad_piece="<pad>", bos_piece="<bos>", eos_piece="<eos>", unk_piece="<unk>",
-            user_defined_symbols=list(SPECIAL_TOKENS[MASK_ID:]), byte_fallback=True,
+            # control, not user-defined: SentencePiece would read their names in text as them
+            control_symbols=list(SPECIAL_TOKENS[MASK_ID:]), byte_fallback=True,
             normalization_rule_name="identity", remove_extra_whitespaces=False,
             add_dummy_prefix=False, input_sentence_size=0, max_sentence_length=_MAX_SENTENCE_BYTES,
             num_threads=_TRAINING_THREADS, minloglevel=2)

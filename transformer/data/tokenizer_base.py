@@ -156,9 +156,6 @@ class Tokenizer:
         """Kind-specific tokenizer.json fields; may write extra files into `directory`."""
         return {}
 
-    # Specials this kind finds in text as text, not as roles (SentencePiece's user-defined ones)
-    _found_in_text: tuple[str, ...] = ()
-
     def _hf_tokenizer(self) -> Any:
         """A `tokenizers.Tokenizer` of ids 0 .. vocab_size - num_sentinels - 1, for
         `hugging_face`."""
@@ -176,21 +173,17 @@ class Tokenizer:
             byte fallback, "▁" written as the space it stands for.
         The specials keep their ids (named by role in the config), the sentinels are special
         tokens on top, and `split_special_tokens` makes a special's literal name in text encode
-        as text, as `encode` does. SentencePiece finds <mask>, <cls> and <sep> in text, so
-        there they are plain added tokens, not roles (a role would not be found in text)."""
+        as text, as `encode` does."""
         from tokenizers import AddedToken
 
         tok = self._hf_tokenizer()
         names = [f"<extra_id_{i}>" for i in reversed(range(self.num_sentinels))]
         tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
-        tok.add_tokens([AddedToken(n, special=False, normalized=False)
-                        for n in self._found_in_text])
         if tok.get_vocab_size(with_added_tokens=True) != self.vocab_size:
             raise ValueError(f"the Hugging Face tokenizer of {self!r} has "
                              f"{tok.get_vocab_size(with_added_tokens=True)} ids: expected "
                              f"{self.vocab_size}")
-        roles = {f"{role}_token": name for role, name in zip(ROLES, SPECIAL_TOKENS, strict=True)
-                 if name not in self._found_in_text}
+        roles = {f"{role}_token": name for role, name in zip(ROLES, SPECIAL_TOKENS, strict=True)}
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **roles,
                   "additional_special_tokens": names, "split_special_tokens": True,
                   "clean_up_tokenization_spaces": False}

@@ -26,8 +26,11 @@ their public names are imported from.
 
 from __future__ import annotations
 
+import collections
 import json
 from collections.abc import Iterable
+
+from absl import logging
 
 from transformer.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer, saved_stop_ids
 from transformer.data.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
@@ -61,7 +64,8 @@ __all__ = [
     "NUM_SENTINELS", "NUM_SPECIAL", "PAD_ID", "ROLES", "SENTENCEPIECE_FILE", "SEP_ID",
     "SPECIAL_TOKENS", "UNK_ID",
     "ByteTokenizer", "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer",
-    "build_tokenizer", "load_hf_tokenizer", "load_tokenizer",
+    "build_tokenizer", "check_settings", "load_hf_tokenizer", "load_tokenizer",
+    "warn_unknown_chars",
 ]
 
 KINDS = ("byte", "char", "sentencepiece_bpe", "sentencepiece_unigram", "hf")
@@ -154,3 +158,53 @@ def build_tokenizer(kind: str, texts: Iterable[str] | None = None, *,
     model_type = kind.removeprefix("sentencepiece_")
     return SentencePieceTokenizer(train_sentencepiece(texts, model_type, int(vocab_size)),
                                   num_sentinels)
+
+
+def check_settings(tokenizer: Tokenizer, what: str, data, *, prepared: bool = False,
+                   from_workdir: bool = False) -> None:
+    """One-line errors where a run's data settings (`data`: its config.data) are not those of
+    `tokenizer` (`what`: the one the run reads text with instead of building its own: saved in
+    its workdir, or of prepared data), which would then be kept silently. data.num_sentinels
+    must be the tokenizer's, unless `prepared` data is read and it is left at its default (the
+    prepared tokenizer's count applies: configs._validate_prepared). data.vocab_size (0:
+    unset) is checked for SentencePiece only, whose size is trained (its pieces, sentinels not
+    counted; byte, char and "hf" sizes are no setting), and not `from_workdir` (an init_from
+    workdir's tokenizer, which a start reads whatever data.vocab_size says)."""
+    sentinels = data.num_sentinels
+    if sentinels != tokenizer.num_sentinels and not (prepared and sentinels == NUM_SENTINELS):
+        raise ValueError(f"data.num_sentinels={sentinels}: {what} has "
+                         f"{tokenizer.num_sentinels} sentinels: expected "
+                         f"data.num_sentinels={tokenizer.num_sentinels}")
+    pieces, size = tokenizer.vocab_size - tokenizer.num_sentinels, data.get("vocab_size") or 0
+    if size and size != pieces and tokenizer.kind.startswith("sentencepiece_") and \
+            not from_workdir:
+        raise ValueError(f"data.vocab_size={size}: {what} has {pieces} pieces (sentinels not "
+                         f"counted): expected data.vocab_size={pieces}"
+                         + (" or 0" if prepared else ""))
+
+
+_WARNED: set[str] = set()  # warn_unknown_chars' lines already logged by this process
+
+
+def warn_unknown_chars(tokenizer: Tokenizer, texts: Iterable[str], what: str) -> int:
+    """Logs a warning (once per process for the same line) where `texts` (`what`, e.g. "the
+    validation split") hold characters a char tokenizer has no id for, because the train split
+    it was built from has none of them: each reads as one <unk>, a cheap token, so bits per
+    byte undercounts them. Returns how many such characters the texts hold (other kinds: 0;
+    byte and SentencePiece fall back to bytes)."""
+    if tokenizer.kind != "char":
+        return 0
+    counts: collections.Counter = collections.Counter()
+    for text in texts:
+        for char in tokenizer.unknown_chars(text):
+            counts[char] += text.count(char)
+    total = sum(counts.values())
+    line = (f"{what} holds {total} characters ({len(counts)} distinct: "
+            f"{', '.join(repr(c) for c, _ in counts.most_common(5))}"
+            f"{', ...' if len(counts) > 5 else ''}) that the char tokenizer has no id for (the "
+            "train split it was built from has none): each reads as <unk>, so bits per byte "
+            "undercounts them")
+    if total and line not in _WARNED:
+        _WARNED.add(line)
+        logging.warning(line)
+    return total
