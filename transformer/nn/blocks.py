@@ -357,6 +357,9 @@ class TransformerStack(nn.Module):
         microbatches, repeats = pipeline_parallel.current_schedule()
         stages = pipeline_parallel.stages_in_mesh()
         groups = cfg.num_layers // cfg.layer_period
+        # `block` keeps its own remat inside `run`'s of each stage: a stage's backward then
+        # holds one layer's activations, not its Lps layers', for a third forward of each
+        # (where a stage is one block XLA merges the two recomputes: the same FLOPs, measured).
         unit = _scanned(cfg, block, groups // (stages * repeats), kwargs, parent=None)
 
         def stage_fn(params, x_bTD, stage_args, key):
