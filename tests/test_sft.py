@@ -47,6 +47,27 @@ CHATML_GENERATION = (
     "{% endgeneration %}{% else %}{{ '<|im_start|>' + message['role'] + '\n' + "
     "message['content'] + '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# ... the usual way: the marks end at <|im_end|>, the '\n' after it is the template's.
+CHATML_GENERATION_USUAL = CHATML_GENERATION.replace(
+    "{{ message['content'] + '<|im_end|>' + '\n' }}{% endgeneration %}",
+    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}")
+assert CHATML_GENERATION_USUAL != CHATML_GENERATION
+# Qwen3's message loop (tools left out, as Qwen/Qwen3-* ship it): an assistant turn after the
+# last user message opens with <think>...</think>, so earlier turns render differently once
+# more messages follow.
+QWEN3 = (
+    "{%- set ns = namespace(last_query_index=messages|length - 1, found=false) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if not ns.found and message.role == 'user' %}{%- set ns.found = true %}"
+    "{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}{%- if message.role != 'assistant' %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- else %}{%- set reasoning = message.reasoning_content | default('') %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + "
+    "message.content.lstrip('\n') }}{%- else %}{{- '<|im_start|>assistant\n' + "
+    "message.content }}{%- endif %}{{- '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
 
 _WORDS = ("what is the capital of france paris two plus four six tell me a story about a king "
           "who loved the sea thank you hello how are you fine good night please write poem "
@@ -174,21 +195,67 @@ def test_the_mask_covers_each_assistant_reply_and_its_end_of_turn_only(llama3_di
 
 def test_the_mask_equals_transformers_generation_mask(tmp_path):
     """A template that marks assistant text ({% generation %}) gives transformers' own
-    assistant mask; the same template without the marks gives the same mask by rendering."""
-    marked = tokenizers_lib.load_hf_tokenizer(
-        str(build_tokenizer(tmp_path / "marked", CHATML_GENERATION)))
+    assistant mask, whether the marks hold ChatML's '\n' after <|im_end|> or (the usual way)
+    end at <|im_end|>; the same template without the marks gives the usual mask by rendering:
+    the reply and its <|im_end|>, never the '\n' after it."""
     plain = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path / "plain", CHATML)))
-    hf = reference(tmp_path / "marked")
-    for seed in range(10):  # the last two open with the assistant's message
-        messages = conversation(seed, turns=1 + seed % 3, system=False if seed >= 8 else None)
-        messages = messages[1:] if seed >= 8 else messages
-        expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                          return_assistant_tokens_mask=True)
-        ids, mask = chat.assistant_tokens(marked, messages)
-        assert (ids.tolist(), mask.tolist()) == (expected["input_ids"],
-                                                 expected["assistant_masks"])
-        plain_ids, plain_mask = chat.assistant_tokens(plain, messages)
-        assert (plain_ids.tolist(), plain_mask.tolist()) == (ids.tolist(), mask.tolist())
+    for name, template in (("newline", CHATML_GENERATION), ("usual", CHATML_GENERATION_USUAL)):
+        marked = tokenizers_lib.load_hf_tokenizer(
+            str(build_tokenizer(tmp_path / name, template)))
+        hf = reference(tmp_path / name)
+        for seed in range(10):  # the last two open with the assistant's message
+            messages = conversation(seed, turns=1 + seed % 3, system=False if seed >= 8 else None)
+            messages = messages[1:] if seed >= 8 else messages
+            expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=True)
+            ids, mask = chat.assistant_tokens(marked, messages)
+            assert (ids.tolist(), mask.tolist()) == (expected["input_ids"],
+                                                     expected["assistant_masks"]), name
+            if name == "usual":
+                plain_ids, plain_mask = chat.assistant_tokens(plain, messages)
+                assert (plain_ids.tolist(), plain_mask.tolist()) == (ids.tolist(),
+                                                                     mask.tolist())
+                assert [plain.decode(ids[a:b]) for a, b in spans(mask)] == \
+                    [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+
+
+def test_a_qwen3_template_masks_each_reply_of_a_multi_turn_conversation(tmp_path):
+    """Qwen3's template renders an earlier assistant turn differently once more messages
+    follow (<think></think> only after the last user message): each reply is found where the
+    whole conversation renders it, with its <|im_end|>; the last one as the model writes it
+    after the opened turn, <think></think> included."""
+    tok = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path, QWEN3)))
+    hf = reference(tmp_path)
+    for seed in range(6):
+        messages = conversation(seed, turns=1 + seed % 3)
+        ids, mask = chat.assistant_tokens(tok, messages)
+        assert ids.tolist() == hf.apply_chat_template(messages, tokenize=True)["input_ids"]
+        replies = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+        replies[-1] = "<think>\n\n</think>\n\n" + replies[-1]
+        assert [tok.decode(ids[a:b]) for a, b in spans(mask)] == replies
+    # A reply with its reasoning: the think block is the last reply's; an earlier one's
+    # reasoning is dropped by the template, so masks nothing.
+    messages = conversation(1, turns=2, system=False)
+    messages[1] = {**messages[1], "reasoning_content": "Think first."}
+    messages[3] = {**messages[3], "reasoning_content": "Think again."}
+    ids, mask = chat.assistant_tokens(tok, messages)
+    assert [tok.decode(ids[a:b]) for a, b in spans(mask)] == [
+        messages[1]["content"] + "<|im_end|>",
+        "<think>\nThink again.\n</think>\n\n" + messages[3]["content"] + "<|im_end|>"]
+    assert tok.decode([chat.end_of_turn_id(tok)]) == "<|im_end|>"
+
+
+def test_a_template_whose_replies_cannot_be_found_is_refused_with_one_line(tmp_path):
+    """Earlier turns in capitals: neither the prefixes nor a marker in a reply's place find it."""
+    shouting = CHATML.replace("'\n' + message['content'] +",
+                              "'\n' + (message['content'] if loop.last else "
+                              "message['content'] | upper) +")
+    assert shouting != CHATML
+    tok = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path, shouting)))
+    with pytest.raises(ValueError, match="^a.jsonl:4: the chat template renders the "
+                                         "conversation before message 1 .assistant. "
+                                         "differently from its start, and .*generation"):
+        chat.assistant_tokens(tok, conversation(2, turns=2, system=False), "a.jsonl:4")
 
 
 def test_the_end_of_turn_is_the_template_s(llama3_dir, tmp_path):

@@ -4,11 +4,13 @@ A conversation is one JSON line with a `messages` list of {"role", "content"} (t
 Hugging Face chat datasets). It is rendered and tokenized with the tokenizer's own chat
 template by `transformers` itself (`apply_chat_template`), so the ids are exactly those a
 Hugging Face pipeline gives the model. The loss is taken on the assistant's tokens only:
-where the template marks them with `{% generation %}`, transformers' assistant mask and the end
-of turn the template renders after each marked span; otherwise
-each assistant message's tokens are those of the text that rendering the conversation through
-that message adds to rendering the messages before it with the assistant turn opened
-(`add_generation_prompt`): its content and the template's end of turn.
+where the template marks them with `{% generation %}`, transformers' assistant mask and, where a
+reply's marks hold no special token, the end of turn the template renders after them;
+otherwise each assistant message's tokens are those of the text that rendering the
+conversation through that message adds to rendering the messages before it with the assistant
+turn opened (`add_generation_prompt`), up to its end of turn (its last special token), or
+where its turn renders differently once more messages follow (Qwen3's <think>), its content
+where the whole conversation renders it and the end of turn after that.
 
 Splits: train is `data.path` (a .jsonl file, a directory or a glob); validation is
 `data.validation_path`, else the conversations whose hash falls below
@@ -166,7 +168,8 @@ def assistant_tokens(tokenizer, messages, where: str = "") -> tuple[np.ndarray, 
     turn), 0 elsewhere (see the module docstring). The text each assistant message adds is a
     span of characters of the rendered conversation; the tokens overlapping a span are masked
     (by their offsets, as transformers maps {% generation %} spans onto tokens). A template's
-    {% generation %} marks give transformers' mask plus the end of turn rendered after them."""
+    {% generation %} marks give transformers' mask, plus the end of turn after marks that lack
+    one."""
     with _template_errors(where):
         return _assistant_tokens(_transformers_tokenizer(tokenizer), messages, where)
 
@@ -180,19 +183,26 @@ def _assistant_tokens(hf, messages, where: str) -> tuple[np.ndarray, np.ndarray]
     encoding = hf(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(encoding["input_ids"], np.int32)
     offsets = np.asarray(encoding["offset_mapping"], np.int64).reshape(len(ids), 2)
+    special = np.isin(ids, sorted(_special_ids(hf)))
     if not generation:
         mask = np.zeros(len(ids), bool)
         for start, stop in spans:
-            mask |= (offsets[:, 0] < stop) & (offsets[:, 1] > start)
+            inside = np.flatnonzero((offsets[:, 0] < stop) & (offsets[:, 1] > start))
+            ends = inside[special[inside]]
+            # Up to the turn's end of turn (its last special token), not the text after it
+            # (ChatML's '\n' after <|im_end|>), as transformers' mask of the usual marks.
+            mask[inside[inside <= ends[-1]] if ends.size else inside] = True
         return ids, mask.astype(np.int32)
     out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
                                  return_assistant_tokens_mask=True)
     marked = np.asarray(out["assistant_masks"], bool)
     if list(out["input_ids"]) != ids.tolist():  # (not expected: no offsets to extend by)
         return np.asarray(out["input_ids"], np.int32), marked.astype(np.int32)
-    specials = {i for i, token in hf.added_tokens_decoder.items() if token.special}
-    return ids, _with_end_of_turn(marked, offsets, spans, [int(i) in specials for i in ids],
-                                  text).astype(np.int32)
+    return ids, _with_end_of_turn(marked, offsets, spans, special, text).astype(np.int32)
+
+
+def _special_ids(hf) -> set[int]:
+    return {int(i) for i, token in hf.added_tokens_decoder.items() if token.special}
 
 
 def _render(hf, messages, prompt: bool = False, first: dict | None = None) -> str:
@@ -205,38 +215,65 @@ def _turn_spans(hf, messages, text: str, where: str,
                 strict: bool) -> list[tuple[int, int]] | None:
     """Each assistant message's [start, stop) characters of the rendered conversation: what
     rendering through it adds to rendering the messages before it with the assistant turn
-    opened. A template whose turns render differently by what follows is an error if `strict`,
-    else None."""
+    opened; where the template renders that turn differently once more messages follow (Qwen3
+    writes <think></think> in the last turn only), its content as rendered in the whole
+    conversation (`_content_span`) and the end of turn after it. A turn found neither way is an
+    error if `strict`, else None."""
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before = _render(hf, messages[:i], True, messages[0])
         through = _render(hf, messages[:i + 1])
-        if not (through.startswith(before) and text.startswith(through)):
-            if not strict:
-                return None
+        if through.startswith(before) and text.startswith(through):
+            spans.append((len(before), len(through)))
+        elif (span := _content_span(hf, messages, i, text)) is not None:
+            spans.append(span)
+        elif not strict:
+            return None
+        else:
             raise ValueError(f"{where}: the chat template renders the conversation before "
-                             f"message {i} (assistant) differently from its start: expected a "
-                             "template whose turns render the same whatever follows, or one "
-                             "that marks assistant text with {% generation %}")
-        spans.append((len(before), len(through)))
+                             f"message {i} (assistant) differently from its start, and "
+                             "rendering the message's content in its place changes the rest: "
+                             "expected a template whose turns render the same whatever follows, "
+                             "or one that marks assistant text with {% generation %}")
     return spans
 
 
+def _content_span(hf, messages, i: int, text: str) -> tuple[int, int] | None:
+    """Message i's content in the rendered conversation `text`, and the end-of-turn token
+    written after it (past whitespace only): where rendering the conversation with a marker as
+    that content puts the marker, if the rest renders as in `text`; else None."""
+    marker = "\x00content\x00"
+    marked = _render(hf, [*messages[:i], {**messages[i], "content": marker}, *messages[i + 1:]])
+    head, found, tail = marked.partition(marker)
+    if not found or marker in tail or len(head) + len(tail) > len(text) or \
+            not (text.startswith(head) and text.endswith(tail)):
+        return None
+    stop = len(text) - len(tail)
+    after = len(text[stop:]) - len(text[stop:].lstrip())
+    ends = [t.content for t in hf.added_tokens_decoder.values() if t.special and t.content]
+    end = next((e for e in ends if text.startswith(e, stop + after)), None)
+    return len(head), stop + after + len(end) if end else stop
+
+
 def _with_end_of_turn(marked, offsets, spans, special, text) -> np.ndarray:
-    """A {% generation %} mask with the end of turn that the template renders after each
-    marked reply (often outside the marks: `{% endgeneration %}<|im_end|>`), so the model
-    learns to stop: the rest of the reply's turn (`spans`), or where its turns render
-    differently by what follows (spans None), the special token right after each marked run
-    that has none (past whitespace only)."""
+    """A {% generation %} mask with the end of turn that the template renders after a marked
+    reply that lacks one (`{% endgeneration %}<|im_end|>`), so the model learns to stop: the
+    first special token after the reply's marked tokens in its turn (`spans`), or where the
+    turns are not found (spans None), the special token right after each marked run that has
+    none (past whitespace only). Never the text after that token; a reply whose marks hold a
+    special token keeps transformers' mask."""
     mask = marked.copy()
     if spans is not None:
         for start, stop in spans:
             inside = np.flatnonzero((offsets[:, 0] < stop) & (offsets[:, 1] > start))
             taken = inside[marked[inside]]
-            if taken.size:  # (a template may leave a turn unmarked on purpose)
-                mask[inside[inside > taken[-1]]] = True
+            # (a template may leave a turn unmarked on purpose)
+            if taken.size and not special[taken].any():
+                ends = inside[(inside > taken[-1]) & special[inside]]
+                if ends.size:
+                    mask[taken[-1]:ends[0] + 1] = True
         return mask
     edges = np.diff(np.concatenate([[0], marked.astype(np.int8), [0]]))
     runs = zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1), strict=True)
