@@ -878,3 +878,19 @@ def test_chat_through_the_cli_stops_where_hf_generate_does_and_the_export_keeps_
     assert reply.stdout == hf_tokenizer.decode(expected[:-1]) + "\n"
     run("transformer.export", f"--workdir={workdir}", f"--output={exported}")
     assert transformers.GenerationConfig.from_pretrained(exported).eos_token_id == stops
+
+
+def test_a_checkpoint_of_the_older_sft_mask_resumes_only_with_new_data(tmp_path, llama3_dir):
+    """The loss mask stopped taking the text after a reply's end of turn (ChatML's '\\n'): an
+    SFT stream records the mask's version, so a checkpoint of the older mask (no record) is a
+    data difference on resume and in `evaluate`; other objectives' streams are as they were."""
+    from transformer.training import checkpoint_manager
+
+    config = sft_config(tmp_path, llama3_dir)
+    stream = inputs.data_stream(config)
+    assert stream[inputs.SFT_MASK] == 2
+    older = {k: v for k, v in stream.items() if k != inputs.SFT_MASK}
+    assert checkpoint_manager.stream_differences(older, stream) == [
+        "sft_mask: checkpoint None, config 2"]
+    config.data.objective = "next_token"
+    assert inputs.SFT_MASK not in inputs.data_stream(config)

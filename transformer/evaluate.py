@@ -124,7 +124,8 @@ def data_changes(workdir: str, step: int, config, split: str = "validation",
                  tokenizer=None) -> list[str]:
     """How the data's content differs from what checkpoint `step` trained on (its saved
     stream's fingerprints, `inputs.data_stream`): files added, removed or edited since, and
-    ids put before each document since (`inputs.document_start`, of `tokenizer`: the run's);
+    ids put before each document since (`inputs.document_start`, of `tokenizer`: the run's),
+    SFT's loss mask since (`inputs.SFT_MASK`);
     for the test split, data.test_path's too (a checkpoint saved before it was recorded:
     unknown)."""
     # (a training beside it may have deleted `step` since: the newest step's stream, then)
@@ -132,7 +133,7 @@ def data_changes(workdir: str, step: int, config, split: str = "validation",
     if saved is None:
         return []
     current = {key: value for key, value in inputs.data_stream(config, tokenizer).items()
-               if key.endswith("fingerprint") or key == inputs.DOCUMENT_START}
+               if key.endswith("fingerprint") or key in (inputs.DOCUMENT_START, inputs.SFT_MASK)}
     changes = stream_differences({key: saved.get(key) for key in current}, current)
     test = inputs.TEST_FINGERPRINT
     if split == "test" and saved.get(test) not in (None, current.get(test)):

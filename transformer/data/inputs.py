@@ -343,6 +343,8 @@ def data_stream(config: ml_collections.ConfigDict, tokenizer=None) -> dict:
               "seq_len": config.seq_len, "seed": config.seed, "data": data,
               "fingerprint": sources.fingerprint(config.data.path or None),
               DOCUMENTS: "stream" if streamed(config) else "packed"}
+    if data["objective"] == "sft":  # (older checkpoints' masks took text after end of turn)
+        stream[SFT_MASK] = 2
     if not source_configs(config) and (start := document_start(config, tokenizer)):
         stream[DOCUMENT_START] = start  # (only then: other runs' streams are as they were)
     if config.data.get("validation_path"):
@@ -382,6 +384,8 @@ DOCUMENTS = "documents"
 
 # The ids before each document's text (`document_start`), where there are any.
 DOCUMENT_START = "document_start"
+# SFT's loss mask version (`chat.assistant_tokens`): 2 ends each reply at its end of turn.
+SFT_MASK = "sft_mask"
 
 
 def document_start(config: ml_collections.ConfigDict, tokenizer=None) -> list[int]:
