@@ -146,3 +146,24 @@ def test_scan_and_remat_give_the_plain_gradients(kind):
     # on a leaf whose largest entry is ~10); a wrong remat or scan is off by O(1)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5 * np.abs(a).max(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", RECURRENT)
+def test_a_recurrent_layer_under_a_sequence_axis_is_refused_where_it_is_traced(kind):
+    """A `sequence` axis splits the tokens a recurrent state runs through in order, and the
+    state is not passed between devices: `configs.validate_config` refuses it for the CLIs,
+    and a model built in Python (which skips it) is refused as it is traced, never run on
+    wrong numbers. Traced on an abstract mesh: no devices needed."""
+    from jax.sharding import AbstractMesh
+
+    from transformer.parallel import sharding
+
+    model, params = built(kind, scan=True)
+    mesh = AbstractMesh(tuple(2 if a == "sequence" else 1 for a in sharding.MESH_AXES),
+                        sharding.MESH_AXES)
+    with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
+        with pytest.raises(ValueError) as error:
+            jax.eval_shape(lambda p: model.apply({"params": p}, tokens()), params)
+    assert str(error.value) == MIXERS[kind].refuses(None, {"sequence": 2})
+    # the same trace without the split runs
+    assert jax.eval_shape(lambda p: model.apply({"params": p}, tokens()), params).ndim == 3

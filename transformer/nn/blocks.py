@@ -60,6 +60,10 @@ class TransformerBlock(nn.Module):
         if self.cross_attention and encoded is None and not self.decode:
             raise ValueError("a block with cross_attention=True needs `encoded` inputs")
         mixer = MIXERS[self.layer_type]
+        # (configs.validate_config refuses it for the CLIs; a model built in Python meets it here)
+        if (split := sequence_parallel.shards()) > 1 and \
+                (reason := mixer.refuses(cfg, {"sequence": split})) is not None:
+            raise ValueError(reason)
         self_mask = local_mask if mixer.local else mask
         attend = lambda h: mixer.layer(cfg, mixer.param_name)(
             h, mask=self_mask, bias=bias, q_positions=positions, segment_ids=segment_ids,
