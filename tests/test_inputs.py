@@ -469,9 +469,9 @@ def test_characters_a_char_tokenizer_never_saw_in_train_are_warned_of(tmp_path, 
     for _ in range(2):  # every evaluation reads it: one warning
         inputs.corpus(config, tokenizer, "validation")
     assert [r.getMessage() for r in caplog.records] == [
-        f"the validation split of data.path={str(train)!r} holds 3 characters (2 distinct: "
-        "'z', '\u00e9') that the char tokenizer has no id for (the train split it was built "
-        "from has none): each reads as <unk>, so bits per byte undercounts them"]
+        f"the validation split (data.validation_path={str(validation)!r}) holds 3 characters (2 "
+        "distinct: 'z', '\u00e9') that the char tokenizer has no id for (the train split it was "
+        "built from has none): each reads as <unk>, so bits per byte undercounts them"]
     caplog.clear()
     inputs.corpus(config, tokenizer, "train")
     assert not caplog.records

@@ -75,7 +75,9 @@ def test_several_processes_are_refused():
 
 def test_results_flatten_to_task_and_metric_names():
     results = {"mc": {"alias": "mc", "acc,none": 0.5, "acc_stderr,none": 0.1},
-               "gen": {"exact_match,strict": 1, "exact_match,none": 0.25, "sample_len": True}}
+               "gen": {"exact_match,strict": 1, "exact_match,none": 0.25, "sample_len": True},
+               "rolling": {"word_perplexity,none": 9.5, "sample_len": 3}}  # (3 documents)
     assert task_eval.flatten(results) == {"mc/acc": 0.5, "mc/acc_stderr": 0.1,
                                           "gen/exact_match,strict": 1.0,
-                                          "gen/exact_match": 0.25}
+                                          "gen/exact_match": 0.25,
+                                          "rolling/word_perplexity": 9.5}

@@ -482,8 +482,10 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.
            tuple(sources.fingerprint(p) if p else "" for p in paths))
     if key not in _EVAL_CORPORA:
         documents = _documents(config, split)
+        field = f"{split}_path" if data.get(f"{split}_path") else "path"  # (or held out)
         tokenizers_lib.warn_unknown_chars(  # (a char tokenizer's characters are train's)
-            tokenizer, (d.text for d in documents), f"the {split} split of data.path={data.path!r}")
+            tokenizer, (d.text for d in documents),
+            f"the {split} split (data.{field}={data.get(field)!r})")
         _EVAL_CORPORA[key] = windows.tokenize_documents(documents, tokenizer, stream=stream,
                                                          start=start)
         while len(_EVAL_CORPORA) > _EVAL_CORPORA_KEPT:

@@ -115,7 +115,8 @@ def flatten(results: dict) -> dict[str, float]:
     flat = {}
     for task, metrics in results.items():
         for key, value in metrics.items():
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if isinstance(value, bool) or not isinstance(value, int | float) or \
+                    key == "sample_len":  # (lm-eval's count of the task's documents)
                 continue
             metric, _, filter_name = key.partition(",")
             name = metric if filter_name in ("", "none") else key
