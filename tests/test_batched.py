@@ -1,6 +1,7 @@
 """Batched seeds (transformer.batched): a variant's seed runs trained as one program equal the
 same runs trained one after another, bit for bit on one device (losses, validation windows,
-params; to 1e-6 on a mesh and under the suite's -O0 flags), also
+params; to 1e-6 on a mesh, under the suite's -O0 flags, and for the params with
+max_grad_norm > 0), also
 after a kill -9 left the seeds at different steps; a seed that turns NaN stops alone; a group
 whose configs differ in more than the seed is refused. The sweep's --batched_seeds through the
 CLI, with a real kill -9 and a mesh, is in the slow tier.
@@ -235,6 +236,68 @@ def test_a_seed_that_turns_nan_stops_alone(separate, tmp_path):
         train.train_and_evaluate(configs[bad], str(alone))
     assert str(results[bad]) == str(error.value).replace(str(alone), str(dirs[bad]))
     assert records(dirs[bad]) == records(alone)
+
+
+@pytest.mark.slow
+def test_batched_steps_give_separate_steps_perplexity_bit_for_bit_with_clipping(tmp_path):
+    """Three seeds (XLA's CPU exp of a [3] vector rounds an ulp apart from its scalar exp) with
+    global-norm clipping and the explosion check (max_grad_norm), compiled as users do (a
+    subprocess without the suite's -O0 flags, under which the vector exp rounds as the scalar
+    one): each seed's loss, grad norm and perplexity equal a separate run's step's bit for bit;
+    the params to 1e-6 (the explosion check's select fuses differently inside the group's
+    per-seed update: docs/ablations.md#batched-seeds)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+           "PYTHONPATH": os.pathsep.join((str(REPO), str(REPO / "tests")))}
+    code = ("import sys, jax, test_batched as t; "
+            "jax.config.update('jax_default_prng_impl', 'threefry2x32'); "
+            "t.compare_steps(__import__('pathlib').Path(sys.argv[1]))")
+    result = forkserver.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "compared 3 seeds" in result.stdout
+
+
+def compare_steps(tmp_path: Path) -> None:
+    """The comparison above, in this process (see its docstring)."""
+    configs = [seed_config(k, max_grad_norm=1e3) for k in range(SEEDS)]
+    for config in configs:
+        config.compiler_options = XLA_FUSIONS
+        config.optimizer.update(grad_clip_norm=0.1, warmup_steps=1)  # clipping at every step
+    runs = [train.setup(c, str(tmp_path / f"seed_{k}")) for k, c in enumerate(configs)]
+    try:
+        steps, exp = 4, jax.jit(jax.numpy.exp)
+        batches = [[r.placement.global_batch(next(r.train_data)) for _ in range(steps)]
+                   for r in runs]
+        alone = []
+        for k, run in enumerate(runs):
+            state, logged = jax.tree.map(jax.numpy.copy, run.state), []
+            for batch in batches[k]:
+                state, metrics = run.train_step(state, batch)
+                logged.append(metrics)
+            alone.append((state.params, logged))
+        group = batched.Group(runs)
+        together = [group.train([b[i] for b in batches], np.ones(SEEDS, bool))[0]
+                    for i in range(steps)]
+        for k in range(SEEDS):
+            for i in range(steps):
+                mine, theirs = ({key: np.asarray(m[key]) for key in ("loss", "grad_norm")}
+                                for m in (alone[k][1][i], jax.tree.map(lambda x, k=k: x[k],
+                                                                       together[i])))
+                np.testing.assert_allclose(list(mine.values()), list(theirs.values()),
+                                           rtol=1e-6)
+                # a separate run's perplexity is the scalar exp of its loss: so is each seed's
+                assert np.asarray(together[i]["perplexity"][k]) == exp(theirs["loss"]), (k, i)
+                if i < 2:  # the params are still equal: the metrics are, bit for bit
+                    assert mine == theirs and np.asarray(alone[k][1][i]["perplexity"]) == \
+                        np.asarray(together[i]["perplexity"][k]), (k, i)
+            assert alone[k][1][-1]["grad_norm"] > 0.1  # clipped
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6),
+                         alone[k][0], group.take(k).params)
+    finally:
+        for run in runs:
+            batched._close(run)
+            run.lock.release(failed=True)
+    print(f"compared {SEEDS} seeds")
 
 
 def test_a_group_must_differ_only_in_seed(tmp_path):

@@ -11,7 +11,8 @@ row block K is seed K's batch from seed K's own iterator and the step's key is s
 (`step.make_seeded_train_step`); the optimizer's update, cheap elementwise math, then runs seed
 by seed in a `lax.map` (vmapped, XLA fuses it differently and rounds an ulp apart). So seed K
 trains as it would alone, with the same init, data order and dropout: on one CPU device its
-losses and params equal a separate run's bit for bit (tests/test_batched.py); on a mesh the
+losses and params equal a separate run's bit for bit (tests/test_batched.py; with the
+explosion check, `max_grad_norm > 0`, the params to 1e-6: docs/ablations.md); on a mesh the
 vmapped gradients' cross-device reductions round differently (equal to 1e-6 on 4 CPU devices),
 and so may an accelerator's batched matmuls. That takes JAX's default PRNG, threefry, whose
 bits under vmap are each key's own; other PRNGs (`jax_default_prng_impl=rbg`) are refused.
@@ -40,6 +41,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from transformer import train
+from transformer.models import family_of
+from transformer.models.family import token_loss
 from transformer.nn import kernels
 from transformer.training import metrics as metrics_lib
 from transformer.training import optim, progress, run_eval, startup, task_eval
@@ -135,6 +138,7 @@ class Group:
         seeded = make_seeded_train_step(first.model, first.config,
                                         optim.make_optimizer(first.config))
         placement = first.placement
+        exp_loss = _perplexity_is_exp_loss(first.config)
 
         def train_step(state, batches, keys, active):
             batch = jax.tree.map(lambda *x: jnp.stack(x), *batches)  # [seeds, rows, ...]
@@ -143,6 +147,8 @@ class Group:
             # its elementwise math differently and rounds the moments apart by an ulp, which
             # training then amplifies; so each seed's update is a separate run's, bit for bit.
             new, metrics = jax.lax.map(lambda a: seeded.update(*a), (state, grads, metrics))
+            if exp_loss:  # the vmapped exp of [seeds] rounds an ulp apart from a scalar one
+                metrics = {**metrics, "perplexity": jax.lax.map(jnp.exp, metrics["loss"])}
             if active is not None:  # the seeds ahead keep their state
                 new = jax.tree.map(
                     lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
@@ -181,6 +187,15 @@ class Group:
     def take(self, k: int):
         """Seed run k's state (a copy laid out as a separate run's)."""
         return self._take(self.state, k)
+
+
+def _perplexity_is_exp_loss(config) -> bool:
+    """Whether the train step's perplexity is exp(its loss metric), bit for bit: a token
+    cross-entropy without label smoothing (ce = nll), in one micro-batch. XLA's CPU exp of a
+    [seeds] vector rounds an ulp apart from its scalar exp for 3, 5, 6, 7 seeds (its vector
+    tails), so the group takes each seed's exp(loss) by itself, as a separate run's step does."""
+    return (family_of(config).loss is token_loss and not config.get("label_smoothing", 0.0)
+            and config.optimizer.grad_accumulation_steps == 1)
 
 
 def _with_seed_axis(sharding, mesh) -> NamedSharding:
