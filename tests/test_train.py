@@ -763,6 +763,29 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
                                                             rel=1e-5), name
 
 
+def test_accumulated_gradients_of_16_bit_params_are_summed_in_float32():
+    """bfloat16 params' micro-batch gradients are summed in float32 (weighted by their token
+    counts) and averaged back to bfloat16: the sum had started in the params' dtype, and
+    adding a float32 count turned the scan's carry to float32, which jax refuses (the first
+    step of any run with param_dtype=bfloat16 and grad_accumulation_steps > 1 crashed)."""
+    from transformer.training import step
+
+    params = {"w": jnp.zeros((3,), jnp.bfloat16)}
+    rows = jnp.asarray([[1.0, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]])
+    weights = jnp.asarray([1.0, 3.0, 2.0, 0.0])  # uneven token counts per row
+
+    def grads_of(params, batch, rng, mtp_ratio):
+        n = jnp.sum(batch["weights"])
+        grads = jnp.sum(batch["rows"] * batch["weights"][:, None], 0) / jnp.maximum(n, 1.0)
+        return {"w": grads.astype(jnp.bfloat16)}, {"num_tokens": n, "perplexity": jnp.e}
+
+    grads, metrics = jax.jit(lambda p, b: step._accumulated(
+        grads_of, p, b, jax.random.key(0), 2, None))(params, {"rows": rows, "weights": weights})
+    assert grads["w"].dtype == jnp.bfloat16 and metrics["num_tokens"] == 6
+    want = np.sum(np.asarray(rows) * np.asarray(weights)[:, None], 0) / 6  # the whole batch's
+    np.testing.assert_allclose(np.asarray(grads["w"], np.float32), want, rtol=1e-2)
+
+
 @pytest.mark.slow
 def test_bfloat16_compute_tracks_float32_training(tmp_path):
     """Mixed precision (params float32, matmuls in bfloat16, softmax and loss in float32) gives

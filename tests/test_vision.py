@@ -309,3 +309,18 @@ def test_pooling_none_is_refused_where_a_head_reads_one_vector_an_image(family):
     with pytest.raises(ValueError, match=f"^model.pooling='none' with family '{family}': "
                                          "expected one of \\('cls', 'mean'\\)"):
         configs.validate_config(config)
+
+
+def test_clip_refuses_gradient_accumulation_whose_micro_batches_change_its_objective():
+    """CLIP's other pairs are each pair's negatives: micro-batches of B / k rows would each
+    have fewer (a probe: the loss 3.49, 2.26, 1.08 at k = 1, 2, 4 on one batch), training
+    another objective. One line before anything runs; CLIP without accumulation validates."""
+    config = configs.experiment("clip_digits")
+    configs.validate_config(config, num_devices=1, files=False)
+    config.optimizer.grad_accumulation_steps = 2
+    with pytest.raises(ValueError) as error:
+        configs.validate_config(config, num_devices=1, files=False)
+    assert str(error.value) == (
+        "optimizer.grad_accumulation_steps=2 with model.family='clip': expected 1 (its loss "
+        "compares the batch's rows with each other; a micro-batch would compare fewer, another "
+        "objective)")

@@ -382,13 +382,19 @@ def _validate_sources(config: ml_collections.ConfigDict) -> None:
 
 def _validate_optimizer(config: ml_collections.ConfigDict) -> None:
     """schedule_free_adamw replaces the decay: optimizer.decay must be "constant" (its warmup is
-    optimizer.warmup_steps). muP's per-group learning rates are Adam's: an Adam-like optimizer."""
+    optimizer.warmup_steps). muP's per-group learning rates are Adam's: an Adam-like optimizer.
+    No gradient accumulation where a family's rows interact in its loss (CLIP)."""
     opt = config.optimizer
     if config.model.get("parametrization", "standard") == "mup" and \
             opt.get("name", "adamw") not in optim.ADAM_LIKE:
         raise ValueError(f"optimizer.name={opt.name!r} with model.parametrization='mup': "
                          f"expected one of {optim.ADAM_LIKE} (muP's learning rates here are "
                          "Adam's)")
+    if opt.grad_accumulation_steps > 1 and family_of(config).rows_interact:
+        raise ValueError(f"optimizer.grad_accumulation_steps={opt.grad_accumulation_steps} "
+                         f"with model.family={config.model.family!r}: expected 1 (its loss "
+                         "compares the batch's rows with each other; a micro-batch would "
+                         "compare fewer, another objective)")
     if opt.get("name") == "schedule_free_adamw" and opt.decay != "constant":
         raise ValueError(f"optimizer.decay={opt.decay!r} with optimizer.name="
                          "'schedule_free_adamw': expected 'constant' (schedule-free needs no "

@@ -59,6 +59,9 @@ class Family:
     cls_token: whether it reads a text to classify as [CLS] text [SEP] (its head pools [CLS])
       rather than as <eos> text (its head reads the last token).
     stacks: the config keys that give its layer stacks' depths.
+    rows_interact: whether its loss compares a batch's rows with each other (CLIP's other
+      pairs are each pair's negatives): gradient accumulation, whose micro-batches would
+      each compare fewer rows, is refused (`configs.validate_config`).
     reads: the model keys its module reads, for a family that reads fewer than a transformer
       (None: all of them; refused without attention); the run warns of any other key set off
       its default (`training.startup.unintended_settings`), which would change nothing.
@@ -80,6 +83,7 @@ class Family:
     cls_token: bool = False
     stacks: tuple[str, ...] = ("num_layers",)
     reads: tuple[str, ...] | None = None
+    rows_interact: bool = False
 
     def __post_init__(self):
         # reads=None means "every transformer key": a model without attention never reads them

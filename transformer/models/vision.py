@@ -365,6 +365,6 @@ def _contrastive_loss(logits, batch, **kwargs):
 VIT = Family("vit", _build_vit, inputs=("images",), objectives=("image_classification",),
              classifier=lambda model_config: True)
 CLIP_FAMILY = Family("clip", _build_clip, inputs=("images", "texts", "text_segment_ids"),
-                     objectives=("contrastive",), loss=_contrastive_loss)
+                     objectives=("contrastive",), loss=_contrastive_loss, rows_interact=True)
 CAPTIONER = Family("captioner", _build_captioner, inputs=("images", "decoder_inputs"),
                    objectives=("captioning",))

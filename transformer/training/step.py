@@ -110,7 +110,7 @@ def _accumulated(grads_of, params, batch, rng, accumulation: int, mtp_ratio):
         # below (the loss is label smoothing's objective, not that ce)
         m = {**m, "perplexity": jnp.log(m["perplexity"])}
         n = m["num_tokens"]
-        grads_sum = jax.tree.map(lambda a, g: a + g * n, grads_sum, grads)
+        grads_sum = jax.tree.map(lambda a, g: a + g.astype(a.dtype) * n, grads_sum, grads)
         sums = jax.tree.map(lambda a, v: a + v * n, sums, {k: m[k] for k in sums})
         return (grads_sum, tokens + n, sums), None
 
@@ -118,13 +118,15 @@ def _accumulated(grads_of, params, batch, rng, accumulation: int, mtp_ratio):
     # (the MoE layers' expert loads [E] too; the MTP losses through mtp_ratio).
     shapes = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], micro), rng,
                             mtp_ratio)[1]
+    # Summed in float32 (16-bit params' gradients too), each averaged back to its own dtype.
     zeros = lora_lib.zero_grads(params)
+    sum_zeros = jax.tree.map(lambda z: z.astype(jnp.float32), zeros)
     sums = {k: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), v)
             for k, v in shapes.items() if k != "num_tokens"}
     (grads_sum, tokens, sums), _ = jax.lax.scan(
-        accumulate, (zeros, 0.0, sums), (micro, jnp.arange(accumulation)))
+        accumulate, (sum_zeros, 0.0, sums), (micro, jnp.arange(accumulation)))
     denominator = jnp.maximum(tokens, 1.0)
-    grads = jax.tree.map(lambda g: g / denominator, grads_sum)
+    grads = jax.tree.map(lambda g, z: (g / denominator).astype(z.dtype), grads_sum, zeros)
     metrics = jax.tree.map(lambda v: v / denominator, sums)
     metrics.update(perplexity=jnp.exp(metrics["perplexity"]), num_tokens=tokens)
     return grads, metrics
