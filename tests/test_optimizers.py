@@ -209,6 +209,36 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(gpt_params):
             np.testing.assert_array_equal(a, w if d is None else m, err_msg=str(path))
 
 
+def test_a_muon_head_scales_its_muon_matrices_by_the_head_ratio():
+    """optimizer.head under muon: the head's Muon matrices and AdamW params (biases, norms)
+    both take head_learning_rate / learning_rate of their no-head first update (Muon's had
+    stayed at the full muon_learning_rate); the rest are unchanged."""
+    config = tiny("muon", grad_clip_norm=0.0, warmup_steps=0, decay="constant")
+    params = tiny_params(config)
+    dims = jax.tree.leaves(optim.muon_dimension_numbers(config), is_leaf=optim._IS_DIMS)
+
+    def first(config):
+        tx = optim.make_optimizer(config)
+        return tx.update(gradients(params, 0), tx.init(params), params)[0]
+
+    plain = first(config)
+    config.optimizer.update(head="^decoder/layers_1/", head_learning_rate=1e-5)
+    headed = first(config)
+    ratio = 1e-5 / config.optimizer.learning_rate
+    flat = jax.tree_util.tree_flatten_with_path(headed)[0]
+    kinds = set()
+    for (path, h), p, d in zip(flat, jax.tree.leaves(plain), dims, strict=True):
+        name = "/".join(k.key for k in path)
+        in_head = name.startswith("decoder/layers_1/")
+        kinds.add((in_head, d is not None))
+        if in_head:
+            np.testing.assert_allclose(h, np.asarray(p) * ratio, rtol=1e-5, atol=1e-12,
+                                       err_msg=name)
+        else:
+            np.testing.assert_array_equal(h, p, err_msg=name)
+    assert kinds == {(True, True), (True, False), (False, True), (False, False)}
+
+
 def updates_along(txs, params, steps: int = 3):
     """Each of `txs`' updates on the params and gradients of the first one's trajectory (one
     program)."""

@@ -386,8 +386,12 @@ def test_an_untied_or_mtp_run_is_charged_the_flops_its_training_counts(tmp_path,
     [run], _ = scaling.load_runs(str(tmp_path), str(experiment), module.get_config())
     assert run.flops == pytest.approx(per_token * tokens, rel=1e-12)
     # A run directory's saved tokenizer (a real run's, with its first checkpoint) is the one read.
-    inputs.save_tokenizer(tokenizers.build_tokenizer("byte"), str(tmp_path / "v"))
-    trained.model.vocab_size = tokenizers.build_tokenizer("byte").vocab_size
+    # (another vocabulary than the one built from the data; the config's sentinel count, which a
+    # saved tokenizer must have)
+    saved = tokenizers.build_tokenizer("char", ["a saved tokenizer"],
+                                       num_sentinels=config.data.num_sentinels)
+    inputs.save_tokenizer(saved, str(tmp_path / "v"))
+    trained.model.vocab_size = saved.vocab_size
     assert trained.model.vocab_size != config_vocab
     [run], _ = scaling.load_runs(str(tmp_path), str(experiment), module.get_config())
     assert run.flops == pytest.approx(metrics.flops_per_token(trained, n) * tokens, rel=1e-12)

@@ -224,7 +224,9 @@ KEYS: dict[str, Key] = {
     "optimizer.freeze": _key("", "Regex of param names (`encoder/layers/...`) that stay fixed.",
                              REGEX),
     "optimizer.head": _key("", "Regex of param names trained at `head_learning_rate`.", REGEX),
-    "optimizer.head_learning_rate": _key(0.0, "The head's peak rate.",
+    "optimizer.head_learning_rate": _key(0.0, "The head's peak rate (under muon: its AdamW "
+                                         "part's; its Muon matrices take muon_learning_rate "
+                                         "* head_learning_rate / learning_rate).",
                                          number(ge=0, note="0: optimizer.learning_rate")),
     # --- mesh: devices per axis (sharding.MESH_AXIS_TABLE); sharding.mesh_shape checks the
     # sizes together

@@ -94,7 +94,8 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
 
     Fine-tuning groups (`param_labels`): params matching the regex optimizer.freeze
     never change (their gradients are zeroed before clipping), and those matching
-    optimizer.head train at optimizer.head_learning_rate (0: the same rate). Under muP
+    optimizer.head train at optimizer.head_learning_rate (0: the same rate; under muon its
+    Muon matrices at muon_learning_rate * head_learning_rate / learning_rate). Under muP
     (model.parametrization="mup") the hidden matrices (`mup_hidden`) form groups of their own
     at those rates / m (`mup_multiplier`); embeddings, the output head, norms and biases keep
     them. Under nonfinite="skip", optax.apply_if_finite wraps it all.
@@ -240,7 +241,7 @@ OPTIMIZERS: dict[str, Optimizer] = {
     "adamw": Optimizer(_adamw, adam_like=True),
     "adafactor": Optimizer(_adafactor),
     "lion": Optimizer(_lion, adam_like=True),
-    "muon": Optimizer(lambda config, schedule, peak: muon(config, schedule)),
+    "muon": Optimizer(lambda config, schedule, peak: muon(config, schedule, peak)),
     "sgd": Optimizer(_sgd),
     "schedule_free_adamw": Optimizer(_schedule_free_adamw, adam_like=True),
 }
@@ -258,18 +259,22 @@ def update_rule(config: ml_collections.ConfigDict, peak: float) -> optax.Gradien
     return OPTIMIZERS[name].build(config, schedule, peak)
 
 
-def muon(config: ml_collections.ConfigDict, schedule: optax.Schedule
-         ) -> optax.GradientTransformation:
-    """Muon on the hidden matrices, AdamW (`schedule`, as optimizer.name="adamw") on the rest.
+def muon(config: ml_collections.ConfigDict, schedule: optax.Schedule,
+         peak: float) -> optax.GradientTransformation:
+    """Muon on the hidden matrices, AdamW (`schedule` to `peak`, as optimizer.name="adamw") on
+    the rest.
 
     optax.contrib.muon (Newton-Schulz orthogonalized Nesterov momentum, optimizer.muon_momentum,
-    weight_decay) at optimizer.muon_learning_rate's schedule takes the params that
-    `muon_dimension_numbers` reshapes to matrices; embeddings, the output and classifier
-    heads, norms and biases take optax.adamw.
+    weight_decay) takes the params that `muon_dimension_numbers` reshapes to matrices, at the
+    schedule to optimizer.muon_learning_rate * peak / optimizer.learning_rate: a group at its
+    own `peak` (optimizer.head's head_learning_rate) scales both parts by that ratio.
+    Embeddings, the output and classifier heads, norms and biases take optax.adamw.
     """
     opt = config.optimizer
+    ratio = peak / opt.learning_rate  # 1 but in optimizer.head's group
     dims = muon_dimension_numbers(config)
-    orthogonal = contrib.muon(learning_rate_schedule(opt, config.steps, opt.muon_learning_rate),
+    orthogonal = contrib.muon(learning_rate_schedule(opt, config.steps,
+                                                     opt.muon_learning_rate * ratio),
                               beta=opt.muon_momentum, weight_decay=opt.weight_decay,
                               nesterov=True, muon_weight_dimension_numbers=dims)
     adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
