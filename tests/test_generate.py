@@ -5,6 +5,7 @@ against brute force, streaming, text sampling and argument errors."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import flax.linen as nn
 import jax
@@ -59,7 +60,47 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert kept(top_k=3, top_p=0.6) == [1, 3]  # top-p over the renormalized top 3: 4/9 < 0.6
     ties = jnp.zeros((1, 4))  # four tokens of 0.25: the lower ids win, deterministically
     assert np.flatnonzero(generate.kept_tokens(ties, top_p=0.5)[0]).tolist() == [0, 1]
-    assert np.flatnonzero(generate.kept_tokens(ties, top_k=3)[0]).tolist() == [0, 1, 2]
+    assert np.flatnonzero(generate.kept_tokens(ties, top_k=3)[0]).tolist() == [0, 1, 2, 3]
+
+
+def _kept_by_sorting(logits, top_k, top_p):
+    """The reference: HF's top-k (every logit >= the k-th best), then top-p over a stable
+    best-first sort of the whole row (ties: lower id first)."""
+    logits = np.where(logits < np.sort(logits)[-top_k], -np.inf, logits)
+    order = np.argsort(-logits, kind="stable")
+    probs = np.exp(logits[order] - logits.max())
+    probs /= probs.sum()
+    keep = np.cumsum(probs) - probs < top_p - sampling_lib._TOP_P_TOLERANCE
+    keep[0] = True
+    return sorted(order[keep & (probs > 0)].tolist())
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth_best_as_hf():
+    """HF's TopKLogitsWarper keeps every token whose logit is >= the k-th largest (ties are
+    common in bf16 logits), so more than k tokens where the k-th best is tied; top-p after it
+    ranks those ties lower id first."""
+    logits = jnp.array([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])
+    kept = lambda **kw: np.flatnonzero(generate.kept_tokens(logits, **kw)[0]).tolist()
+    assert kept(top_k=2) == [0, 1, 2, 3]
+    assert kept(top_k=1) == [0] and kept(top_k=5) == [0, 1, 2, 3, 4]
+    # top-p over the four: e/(e+3) = 0.48, then 1/(e+3) = 0.17 each: cumulative 0.48, 0.65,
+    # 0.83, 1 (the ties past the k: ids 2 and 3)
+    assert kept(top_k=2, top_p=0.4) == [0]
+    assert kept(top_k=2, top_p=0.6) == [0, 1]
+    assert kept(top_k=2, top_p=0.7) == [0, 1, 2]
+    assert kept(top_k=2, top_p=0.9) == [0, 1, 2, 3]
+    rows = np.asarray(jax.random.randint(jax.random.key(0), (64, 12), 0, 4), np.float32)
+    for top_k, top_p in itertools.product((1, 2, 3, 5), (0.3, 0.6, 0.9, 1.0)):
+        got = np.asarray(generate.kept_tokens(jnp.asarray(rows), top_k=top_k, top_p=top_p))
+        for row, keep in zip(rows, got, strict=True):
+            assert np.flatnonzero(keep).tolist() == _kept_by_sorting(row, top_k, top_p), (
+                row, top_k, top_p)
+    tokens = generate.sample_tokens(jnp.broadcast_to(logits, (20_000, 6)), jax.random.key(1),
+                                    top_k=2)
+    counts = np.bincount(np.asarray(tokens), minlength=6)
+    assert counts[4:].sum() == 0
+    probs = np.exp([3.0, 2.0, 2.0, 2.0])
+    assert stats.chisquare(counts[:4], probs / probs.sum() * 20_000).pvalue > 1e-3
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.75)])
@@ -202,6 +243,34 @@ def test_beam_search_with_every_prefix_kept_finds_the_best_sequence(alpha, eos_i
         np.testing.assert_allclose(scores[b], want_score, rtol=1e-5)
 
 
+def _unsure_counting_step(params, context, cache, tokens_B1, positions_B1):
+    """A fake model counting up as `_counting_step`, with little confidence: the next token has
+    probability ~0.15, so a sequence that ends soon has a higher log-probability than one that
+    goes on."""
+    return jax.nn.one_hot((tokens_B1[:, 0] + context) % 10, 10) * 0.5, cache
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_one_beam_is_greedy_even_where_eos_ranks_second(alpha):
+    """beam_size=1 is greedy decoding (as HF's num_beams=1): row 0's EOS (9) ranks second
+    after the first token, and ending there would score higher than greedy's continuation,
+    which one beam must take anyway; row 1's greedy reaches EOS, and stops there."""
+    first = jnp.array([[0, 0, 0, 2.0, 0, 0, 0, 0, 0, 1.9], [0, 0, 0, 0, 0, 0, 0, 2.0, 0, 1.9]])
+    cache = jnp.zeros((2, 1))  # (the step needs none)
+    context, start = jnp.array([1, 2]), jnp.array([4, 2])
+    greedy, greedy_lengths = jax.jit(lambda: generate.generate_tokens(
+        _unsure_counting_step, None, context, cache, first, start, max_new_tokens=6,
+        eos_id=9))()
+    tokens, lengths, scores = jax.jit(lambda: generate.beam_search_tokens(
+        _unsure_counting_step, None, context, cache, first, start, beam_size=1,
+        max_new_tokens=6, length_penalty=alpha, eos_id=9))()
+    np.testing.assert_array_equal(greedy, [[3, 4, 5, 6, 7, 8], [7, 9, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(tokens, greedy)
+    np.testing.assert_array_equal(lengths, greedy_lengths)
+    ended_first = np.log(np.asarray(jax.nn.softmax(first[0]))[9])
+    assert ended_first / generate.length_penalty_factor(1, alpha) > scores[0]  # EOS would win
+
+
 # --- models -------------------------------------------------------------------------------------
 
 
@@ -296,13 +365,12 @@ def test_t5_beam_search_scores_are_length_penalized_log_probabilities(models):
     logp = (logp * (np.arange(6) < lengths[:, None])).sum(1)
     np.testing.assert_allclose(
         scores, logp / generate.length_penalty_factor(lengths, 0.6), rtol=1e-4)
-    # One beam is greedy among the non-EOS continuations: greedy up to greedy's first EOS.
-    greedy, _ = generate.decode(model, params, PROMPTS, max_new_tokens=6)
-    one_beam, _, _ = generate.beam_search(model, params, PROMPTS, beam_size=1,
-                                          max_new_tokens=6, length_penalty=0.0)
-    for row, beam_row in zip(greedy, one_beam, strict=True):
-        stop = int(np.flatnonzero(np.append(row, tokenizers.EOS_ID) == tokenizers.EOS_ID)[0])
-        np.testing.assert_array_equal(beam_row[:stop], row[:stop])
+    # One beam is greedy decoding.
+    greedy, greedy_lengths = generate.decode(model, params, PROMPTS, max_new_tokens=6)
+    one_beam, one_beam_lengths, _ = generate.beam_search(model, params, PROMPTS, beam_size=1,
+                                                         max_new_tokens=6, length_penalty=0.0)
+    np.testing.assert_array_equal(one_beam, greedy)
+    np.testing.assert_array_equal(one_beam_lengths, greedy_lengths)
 
 
 @pytest.mark.slow
@@ -630,6 +698,31 @@ def _command_flags(*args):
     generate._define_flags(flag_values)
     flag_values(["generate", "--workdir=unused", *args])
     return flag_values
+
+
+def test_the_command_generates_from_a_hugging_face_directory(tmp_path, capsys):
+    """--workdir=hf:DIR generates from a save_pretrained directory as `transformer.load` does
+    (greedy: the same text); --step, which it has none of, is refused in one line."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from test_sft import LLAMA3, build_tokenizer
+
+    import transformer
+
+    directory = build_tokenizer(tmp_path / "llama", LLAMA3)
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=32, vocab_size=len(vocab), max_position_embeddings=32,
+        eos_token_id=vocab["<|end_of_text|>"])).save_pretrained(directory)
+    args = (f"--workdir=hf:{directory}", "--prompt=the cat", "--max_new_tokens=6")
+    generate.main([], _command_flags(*args, "--temperature=0"))
+    want = transformer.load(f"hf:{directory}").generate("the cat", max_new_tokens=6)
+    assert capsys.readouterr().out == want + "\n" and len(want) > len("the cat")
+    with pytest.raises(ValueError, match=r"^step=3 with 'hf:.*': a Hugging Face checkpoint has "
+                                         "no steps; expected no step$"):
+        generate.main([], _command_flags(*args, "--step=3"))
 
 
 class _Loaded(Exception):

@@ -5,7 +5,8 @@ search and chat replies.
         [--temperature=T] [--top_k=K] [--top_p=P] [--seed=S] [--num_samples=N] [--beam_size=K]
         [--speculative]
 
-loads the latest checkpoint of a training workdir and its tokenizer and prints continuations
+loads the latest checkpoint of a training workdir (or a Hugging Face checkpoint directory,
+`--workdir=hf:DIR`) and its tokenizer and prints continuations
 (streamed as they are produced when stdout is a terminal). `--speculative` decodes with the
 model's multi-token prediction modules as the draft: greedy (unless --temperature is given),
 the same text; sampling, text drawn from the same distribution (speculative sampling). Stderr
@@ -71,7 +72,13 @@ def load_workdir(workdir: str, step: int | None = None):
     """(model, params, tokenizer, config) of checkpoint `step` (default: the latest) of a
     training workdir (on a mesh this machine's devices hold: `placement.local_mesh`), with the
     tokenizer saved beside the checkpoints; the config's data.unit is "stream" where the
-    checkpoint records that training read its documents as one stream."""
+    checkpoint records that training read its documents as one stream. `hf:DIR`: a Hugging
+    Face save_pretrained directory and its tokenizer.json, as `transformer.load("hf:DIR")`."""
+    if workdir.startswith("hf:"):
+        if step is not None:
+            raise ValueError(f"step={step} with {workdir!r}: a Hugging Face checkpoint has no "
+                             "steps; expected no step")
+        return _load_hf(workdir[len("hf:"):])
     from transformer.data import inputs
     from transformer.models import build_model
     from transformer.training import checkpoint as checkpoint_lib
@@ -87,6 +94,23 @@ def load_workdir(workdir: str, step: int | None = None):
         # are read as its documents were (`text.document_prefix`)
         saved.config.data.unit = "stream"
     return build_model(saved.config.model), saved.params, tokenizer, saved.config
+
+
+def _load_hf(directory: str):
+    from flax import traverse_util
+
+    from transformer import configs
+    from transformer.data.hf_tokenizer import load_hf_tokenizer
+    from transformer.models import build_model
+    from transformer.training import finetune
+
+    _, model_config, flat = finetune.hf_convert(directory)
+    params = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
+    config = configs.base_config()
+    config.model = model_config
+    config.init_from = f"hf:{directory}"  # a prompt reads as its documents: document_prefix
+    tokenizer = load_hf_tokenizer(directory, num_sentinels=None)  # its own sentinels, if any
+    return build_model(model_config), params, tokenizer, config
 
 
 class _Streamer:
@@ -185,8 +209,8 @@ def _define_flags(flag_values=None) -> None:
     from absl import flags
 
     into = {"flag_values": flags.FLAGS if flag_values is None else flag_values}
-    flags.DEFINE_string("workdir", None, "Training workdir to sample from.", required=True,
-                        **into)
+    flags.DEFINE_string("workdir", None, "Training workdir to sample from, or hf:DIR (a Hugging "
+                        "Face checkpoint directory).", required=True, **into)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).", **into)
     flags.DEFINE_string("prompt", "", "Text to continue (t5: the encoder input).", **into)
     flags.DEFINE_integer("max_new_tokens", None, "Tokens to generate (default: fill the "

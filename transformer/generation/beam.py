@@ -42,13 +42,20 @@ def _expand(beams: _Beams, logits_RV: Array, banned_V: Array, *, alpha, stops: t
             cache_batch_axis) -> _Beams:
     """Extends every alive beam by every allowed token, keeps the 2K best: those ending in one of
     the `stops` (EOS) compete for the finished set, the others for the alive set; reorders the
-    cache rows to match. Log-probabilities are renormalized over the allowed tokens."""
+    cache rows to match. Log-probabilities are renormalized over the allowed tokens. K = 1 keeps
+    only the best token: greedy decoding, as HF's num_beams=1 (with 2 candidates an EOS ranked
+    second would finish, and could win, where greedy goes on)."""
     batch, k, n = beams.alive.shape
     vocab = logits_RV.shape[-1]
     t = beams.step
-    logp_BKV = jax.nn.log_softmax(_allowed(logits_RV, banned_V), -1).reshape(batch, k, vocab)
+    allowed_RV = _allowed(logits_RV, banned_V)
+    logp_BKV = jax.nn.log_softmax(allowed_RV, -1).reshape(batch, k, vocab)
     scores_BX = (beams.alive_logp[:, :, None] + logp_BKV).reshape(batch, k * vocab)
-    top_B2, flat_B2 = jax.lax.top_k(scores_BX, 2 * k)
+    if k == 1:  # [B, 1]: the argmax of the logits themselves, as greedy `decode` takes it
+        flat_B2 = jnp.argmax(allowed_RV, -1)[:, None]
+        top_B2 = jnp.take_along_axis(scores_BX, flat_B2, 1)
+    else:
+        top_B2, flat_B2 = jax.lax.top_k(scores_BX, 2 * k)
     beam_B2, token_B2 = flat_B2 // vocab, (flat_B2 % vocab).astype(jnp.int32)
     seqs_B2N = jnp.take_along_axis(beams.alive, beam_B2[:, :, None], axis=1)
     seqs_B2N = jax.lax.dynamic_update_slice_in_dim(seqs_B2N, token_B2[:, :, None], t, 2)
@@ -81,7 +88,9 @@ def beam_search_tokens(step_fn: StepFn, params, context, cache, first_logits_RV:
     first logits, start positions), with `step_fn` as in `generate_tokens`. A sequence's score
     is its log-probability / ((5 + length) / 6) ** length_penalty (GNMT), length counting the
     EOS (`eos_id`: an id, several ids, or None); a sequence reaching N tokens without EOS also
-    finishes. The search stops early once no alive beam can beat the K finished ones.
+    finishes. Each step keeps the 2K best extensions, and an EOS among them finishes a
+    hypothesis (t2t's rule; HF admits one from the top K only). The search stops early once no
+    alive beam can beat the K finished ones. `beam_size=1` is greedy decoding.
     `banned`: ids never chosen, as a list or a bool [V] mask (an array, which may be traced).
     """
     k, n = beam_size, max_new_tokens

@@ -109,22 +109,43 @@ def _allowed(logits_BV: Array, banned_V: Array) -> Array:
 
 def _candidates(logits_BV: Array, top_k: int, top_p: Array | None) -> tuple[Array, Array | None]:
     """(logits [B, C], their token ids [B, C] or None for the identity) of the tokens that top-k
-    and top-p keep; the others are -inf. Ties keep the lower token id first."""
+    and top-p keep; the others are -inf. Top-k keeps every token tied with the k-th best (as
+    HF's TopKLogitsWarper); top-p ranks ties lower token id first."""
     vocab = logits_BV.shape[-1]
     if 0 < top_k < vocab:
-        values_BC, ids_BC = jax.lax.top_k(logits_BV, top_k)  # sorted, ties: lower index first
-    elif top_p is not None:
-        ids_BC = jnp.argsort(-logits_BV, axis=-1, stable=True)
-        values_BC = jnp.take_along_axis(logits_BV, ids_BC, axis=-1)
-    else:
+        values_BK, ids_BK = jax.lax.top_k(logits_BV, top_k)  # sorted, ties: lower index first
+        # (min, not values_BK[:, -1]: XLA:CPU turns a slice of top_k into a sort of the row)
+        kth_B1 = jnp.min(values_BK, axis=-1, keepdims=True)
+        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+        if top_p is not None:
+            logits_BV = _top_p_of_top_k(logits_BV, values_BK, ids_BK, kth_B1, top_p)
         return logits_BV, None
-    if top_p is not None:
-        probs_BC = jax.nn.softmax(values_BC, axis=-1)
-        before_BC = jnp.cumsum(probs_BC, axis=-1) - probs_BC  # mass of the better tokens
-        keep_BC = before_BC < top_p - _TOP_P_TOLERANCE
-        keep_BC = keep_BC.at[:, 0].set(True)
-        values_BC = jnp.where(keep_BC, values_BC, -jnp.inf)
-    return values_BC, ids_BC
+    if top_p is None:
+        return logits_BV, None
+    ids_BC = jnp.argsort(-logits_BV, axis=-1, stable=True)
+    values_BC = jnp.take_along_axis(logits_BV, ids_BC, axis=-1)
+    probs_BC = jax.nn.softmax(values_BC, axis=-1)
+    before_BC = jnp.cumsum(probs_BC, axis=-1) - probs_BC  # mass of the better tokens
+    keep_BC = (before_BC < top_p - _TOP_P_TOLERANCE).at[:, 0].set(True)
+    return jnp.where(keep_BC, values_BC, -jnp.inf), ids_BC
+
+
+def _top_p_of_top_k(logits_BV: Array, values_BK: Array, ids_BK: Array, kth_B1: Array,
+                    top_p: Array) -> Array:
+    """Top-p over what top-k kept (`logits_BV`, -inf elsewhere), without sorting the vocabulary:
+    best first, the k of `lax.top_k` come first, then the other tokens tied with the k-th
+    (equal to the k-th value: the mass before each is the k's plus one share per earlier tie)."""
+    rows = jnp.arange(logits_BV.shape[0])[:, None]
+    total_B1 = jax.nn.logsumexp(logits_BV, -1, keepdims=True)
+    probs_BK = jnp.exp(values_BK - total_B1)
+    before_BK = jnp.cumsum(probs_BK, axis=-1) - probs_BK
+    keep_BK = (before_BK < top_p - _TOP_P_TOLERANCE).at[:, 0].set(True)
+    keep_BV = jnp.zeros(logits_BV.shape, bool).at[rows, ids_BK].set(keep_BK)
+    tied_BV = (logits_BV == kth_B1).at[rows, ids_BK].set(False)
+    before_BV = (jnp.sum(probs_BK, -1, keepdims=True)
+                 + (jnp.cumsum(tied_BV, axis=-1) - 1) * jnp.exp(kth_B1 - total_B1))
+    keep_BV |= tied_BV & (before_BV < top_p - _TOP_P_TOLERANCE)
+    return jnp.where(keep_BV, logits_BV, -jnp.inf)
 
 
 def _filtered(logits_BV: Array, mode: _Mode, knobs: _Knobs):
@@ -166,14 +187,15 @@ def _kept(logits_BV, knobs, *, mode):
         return jax.nn.one_hot(jnp.argmax(logits_BV, -1), logits_BV.shape[-1], dtype=bool)
     values_BC, ids_BC = _filtered(logits_BV, mode, knobs)
     if ids_BC is None:
-        return jnp.ones(logits_BV.shape, bool)
+        return values_BC > -jnp.inf
     rows = jnp.arange(logits_BV.shape[0])[:, None]
     return jnp.zeros(logits_BV.shape, bool).at[rows, ids_BC].set(values_BC > -jnp.inf)
 
 
 def kept_tokens(logits_BV: Array, *, top_k: int = 0, top_p: float = 1.0,
                 temperature: float = 1.0) -> Array:
-    """bool [B, V]: the tokens sampling may draw (top-k, then the smallest set reaching top_p).
+    """bool [B, V]: the tokens sampling may draw (top-k, ties with the k-th best included, then
+    the smallest set reaching top_p).
 
     >>> logits = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3]]))
     >>> kept_tokens(logits, top_p=0.7).astype(int).tolist()
