@@ -260,3 +260,73 @@ def test_a_base_model_without_an_lm_head_is_refused_by_logits_score_and_generate
         assert str(error.value) == (f"Loaded.{method} with model.head='none' (a base model "
                                     "without an LM head): expected a causal language model, "
                                     "whose rows predict the next token")
+
+
+def _tiny_llama_directory(directory, head_times):
+    """A saved tiny LlamaForCausalLM whose config.json says tie_word_embeddings=True and whose
+    safetensors also hold lm_head.weight = head_times x the embedding; its HF logits on `ids`."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    from transformer.data.tokenizers import ByteTokenizer
+    from transformer.export import _tokenizer_files
+
+    tokenizer = ByteTokenizer(num_sentinels=0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, tie_word_embeddings=True)).save_pretrained(directory)
+    _tokenizer_files(tokenizer, str(directory))
+    tensors = load_file(directory / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] * head_times
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    ids = np.arange(3, 15)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        return ids, hf.eval()(input_ids=torch.tensor(ids[None])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("head_times", [2.0, 1.0], ids=["different head", "the embedding"])
+def test_a_tied_config_with_its_own_lm_head_loads_as_transformers_does(tmp_path, head_times):
+    """config.json ties the head but the file also holds lm_head.weight: transformers 5 unties
+    them where the two differ and uses the file's head (the import tied it, logits off 2x);
+    an lm_head.weight equal to the embedding (a tied save) still loads tied."""
+    ids, want = _tiny_llama_directory(tmp_path, head_times)
+    lm = transformer.load(f"hf:{tmp_path}")
+    assert lm.config.model.tie_embeddings == (head_times == 1.0)
+    assert ("lm_head" in lm.params) == (head_times != 1.0)
+    got = lm.model.apply({"params": lm.params}, ids[None].astype(np.int32))[0]
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_an_moe_layout_the_stack_cannot_hold_is_refused_naming_the_hf_keys(tmp_path, family):
+    """Qwen3-MoE decoder_sparse_step=2 over 3 layers, DeepSeek-V3 first_k_dense_replace=3 of 3
+    (no MoE layer left): refused naming config.json's keys and the directory, not our
+    model.moe keys from config validation."""
+    transformers = pytest.importorskip("transformers")
+    from transformer.data.tokenizers import ByteTokenizer
+    from transformer.export import _tokenizer_files
+
+    tokenizer = ByteTokenizer(num_sentinels=0)
+    shape = dict(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
+                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                 max_position_embeddings=64, num_experts_per_tok=2, moe_intermediate_size=16)
+    if family == "qwen3_moe":
+        hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **shape, head_dim=8, num_experts=4, decoder_sparse_step=2))
+        message = "Qwen3Moe decoder_sparse_step=2 with num_hidden_layers=3: expected a divisor"
+    else:
+        hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **shape, n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
+            first_k_dense_replace=3, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=6, rms_norm_eps=1e-6))
+        message = ("deepseek_v3 first_k_dense_replace=3 with num_hidden_layers=3: expected "
+                   "fewer (at least one mixture-of-experts layer)")
+    hf.save_pretrained(tmp_path)
+    _tokenizer_files(tokenizer, str(tmp_path))
+    with pytest.raises(ValueError) as error:
+        transformer.load(f"hf:{tmp_path}")
+    assert str(error.value).startswith(f"init_from=hf:{tmp_path}: {message}")

@@ -1,7 +1,7 @@
 """What the Hugging Face converters share (`convert` for GPT-2, BERT and T5, `convert_llama`
 for the Llama-like families; `flat_heads` for the exporters too): a state dict that reports
-missing and unused tensors, the head and norm layouts, the default model config they start
-from, and layer stacking for scan_layers."""
+missing and unused tensors, whether the LM head is tied, the head and norm layouts, the
+default model config they start from, and layer stacking for scan_layers."""
 
 from __future__ import annotations
 
@@ -48,6 +48,20 @@ class Checkpoint:
         if unused:
             raise ValueError(f"checkpoint has unexpected parameters {unused}: the converted "
                              "model has no place for them")
+
+
+def head_tied(tie: bool, state_dict: dict[str, Any], embedding: str) -> bool:
+    """Whether the LM head is the `embedding` tensor: config.json's tie_word_embeddings
+    (`tie`), unless the checkpoint also holds an lm_head.weight that differs from it as stored.
+    transformers 5 then unties them (with a warning) and uses the file's head; so does the
+    import (tie_embeddings=False, the head from lm_head.weight)."""
+    if not tie or "lm_head.weight" not in state_dict or embedding not in state_dict:
+        return tie
+    head, table = state_dict["lm_head.weight"], state_dict[embedding]
+    if hasattr(head, "equal") and getattr(head, "dtype", 0) == getattr(table, "dtype", 1):
+        return head.shape == table.shape and bool(head.equal(table))  # torch: no copies
+    stored = lambda t: t.detach().cpu().double().numpy() if hasattr(t, "detach") else t
+    return bool(np.array_equal(np.asarray(stored(head)), np.asarray(stored(table))))
 
 
 def split_heads(kernel_DX: np.ndarray, num_heads: int) -> np.ndarray:

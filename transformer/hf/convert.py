@@ -28,7 +28,14 @@ from transformer.hf import (
     convert_mamba2,
     convert_qwen3_next,
 )
-from transformer.hf.common import Checkpoint, maybe_scan, model_config, norm_params, split_heads
+from transformer.hf.common import (
+    Checkpoint,
+    head_tied,
+    maybe_scan,
+    model_config,
+    norm_params,
+    split_heads,
+)
 
 # GPT-2's activation_function and BERT's hidden_act (T5's feed-forward: _t5_activation).
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
@@ -53,7 +60,9 @@ def gpt2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
         raise ValueError(f"GPT-2 embd_pdrop={hf_config.embd_pdrop} with resid_pdrop="
                          f"{hf_config.resid_pdrop}: expected them equal (one model.dropout_rate)")
     d, n = hf_config.n_embd, hf_config.n_head
-    tie = getattr(hf_config, "tie_word_embeddings", True)
+    root = "transformer." if any(k.startswith("transformer.") for k in state_dict) else ""
+    tie = head_tied(getattr(hf_config, "tie_word_embeddings", True), state_dict,
+                    f"{root}wte.weight")
     headless = not tie and "lm_head.weight" not in state_dict
     config = model_config(
         family="gpt", vocab_size=hf_config.vocab_size, tie_embeddings=tie,
@@ -65,7 +74,6 @@ def gpt2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
         # scale_attn_weights=False: logits q.k unscaled
         attention_scale=None if getattr(hf_config, "scale_attn_weights", True) else 1.0,
         dropout_rate=hf_config.resid_pdrop, attention_dropout_rate=hf_config.attn_pdrop)
-    root = "transformer." if any(k.startswith("transformer.") for k in state_dict) else ""
     buffers = tuple(k for k in state_dict if k.endswith((".attn.bias", ".attn.masked_bias")))
     ckpt = Checkpoint(state_dict, buffers + (("lm_head.weight",) if tie else ()), dtype)
     decoder = {"position_embedding": {"embedding": ckpt(f"{root}wpe.weight")},
@@ -196,8 +204,7 @@ def t5(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDi
     d, n = hf_config.d_model, hf_config.num_heads
     # transformers 5 always ties T5's head and records the original choice as
     # `scale_decoder_outputs`; older configs say `tie_word_embeddings`. Trust the tensors.
-    tie = "lm_head.weight" not in state_dict or np.array_equal(
-        Checkpoint(state_dict)("lm_head.weight"), Checkpoint(state_dict)("shared.weight"))
+    tie = head_tied(True, state_dict, "shared.weight")
     scale = getattr(hf_config, "scale_decoder_outputs", getattr(
         hf_config, "tie_word_embeddings", True))
     encoder_only = not any(k.startswith("decoder.") for k in state_dict)  # T5EncoderModel

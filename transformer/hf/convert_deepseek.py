@@ -51,6 +51,10 @@ def _experts(hf_config) -> dict[str, Any]:
     if top_k == 1 and normalize:
         raise ValueError("deepseek_v3 num_experts_per_tok=1 with norm_topk_prob=True: expected "
                          ">= 2 or norm_topk_prob=False (our top-1 gate is its score)")
+    dense, layers = hf_config.first_k_dense_replace, hf_config.num_hidden_layers
+    if dense >= layers:
+        raise ValueError(f"deepseek_v3 first_k_dense_replace={dense} with num_hidden_layers="
+                         f"{layers}: expected fewer (at least one mixture-of-experts layer)")
     if getattr(hf_config, "topk_method", "noaux_tc") not in ("noaux_tc",):
         raise ValueError(f"deepseek_v3 topk_method={hf_config.topk_method!r}: expected "
                          "'noaux_tc' (grouped top-k of the biased sigmoid scores)")
@@ -59,7 +63,7 @@ def _experts(hf_config) -> dict[str, Any]:
                 normalize_gates=normalize, score="sigmoid", n_group=hf_config.n_group or 1,
                 topk_group=hf_config.topk_group or 1,
                 routed_scaling_factor=float(hf_config.routed_scaling_factor),
-                first_dense_layers=hf_config.first_k_dense_replace, balance_bias=True,
+                first_dense_layers=dense, balance_bias=True,
                 load_balance_loss=0.0, router_z_loss=0.0)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from transformer.hf.common import Checkpoint, maybe_scan, model_config, split_heads
+from transformer.hf.common import Checkpoint, head_tied, maybe_scan, model_config, split_heads
 
 
 def _rope(hf_config, parameters: dict | None = None) -> dict[str, Any]:
@@ -238,6 +238,10 @@ def _moe(name, hf_config) -> dict[str, Any]:
     if dense_layers:
         raise ValueError(f"{name} mlp_only_layers={dense_layers}: expected [] (dense layers "
                          "only by decoder_sparse_step)")
+    step, layers = getattr(hf_config, "decoder_sparse_step", 1), hf_config.num_hidden_layers
+    if layers % step:  # our stack repeats one period of step layers, the last one MoE
+        raise ValueError(f"{name} decoder_sparse_step={step} with num_hidden_layers={layers}: "
+                         "expected a divisor of num_hidden_layers")
     if top_k == 1 and normalize:
         raise ValueError(f"{name} num_experts_per_tok=1 with renormalised gates: expected >= 2 "
                          "or norm_topk_prob=False (our top-1 gate is the router probability)")
@@ -247,7 +251,7 @@ def _moe(name, hf_config) -> dict[str, Any]:
     aux = getattr(hf_config, "router_aux_loss_coef", 0.0) * top_k \
         if getattr(hf_config, "output_router_logits", False) else 0.0
     return dict(num_experts=experts, top_k=top_k, capacity_factor=0.0, d_ff=d_ff,
-                every_n_layers=getattr(hf_config, "decoder_sparse_step", 1),
+                every_n_layers=step,
                 num_shared=shared // d_ff if shared else 0, shared_gate=bool(shared),
                 normalize_gates=normalize, load_balance_loss=float(aux), router_z_loss=0.0)
 
@@ -345,7 +349,9 @@ def _llama_like_config(name, hf_config, state_dict, rope=None, mapped=(),
     d, n = hf_config.hidden_size, hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or n
     head_dim = getattr(hf_config, "head_dim", None) or d // n
-    tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+    root = "model." if any(k.startswith("model.") for k in state_dict) else ""
+    tie = head_tied(bool(getattr(hf_config, "tie_word_embeddings", False)), state_dict,
+                    f"{root}embed_tokens.weight")
     return model_config(
         family="gpt", vocab_size=hf_config.vocab_size, tie_embeddings=tie,
         head="none" if _base_model(hf_config, state_dict, tie) else "mlm",

@@ -9,7 +9,7 @@ import math
 import ml_collections
 import numpy as np
 
-from transformer.hf.common import Checkpoint, maybe_scan, model_config
+from transformer.hf.common import Checkpoint, head_tied, maybe_scan, model_config
 
 NO_LIMIT = 0.0  # our time_step_limit_max for HF's (0, inf)
 
@@ -38,7 +38,9 @@ def mamba2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Conf
                  time_step_floor=float(hf_config.time_step_floor),
                  time_step_limit_min=low,
                  time_step_limit_max=NO_LIMIT if math.isinf(high) else high)
-    tie = bool(getattr(hf_config, "tie_word_embeddings", True))
+    root = "backbone." if any(k.startswith("backbone.") for k in state_dict) else ""
+    tie = head_tied(bool(getattr(hf_config, "tie_word_embeddings", True)), state_dict,
+                    f"{root}embeddings.weight")
     config = model_config(
         family="gpt", vocab_size=hf_config.vocab_size, tie_embeddings=tie,
         head="none" if not tie and "lm_head.weight" not in state_dict else "mlm",
@@ -46,7 +48,6 @@ def mamba2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Conf
         layer_types="mamba2", mamba2=mixer, position="none", norm="rmsnorm",
         norm_epsilon=hf_config.layer_norm_epsilon, use_bias=False, max_len=1 << 17,
         init_std=hf_config.initializer_range, dropout_rate=0.0)
-    root = "backbone." if any(k.startswith("backbone.") for k in state_dict) else ""
     ckpt = Checkpoint(state_dict, ("lm_head.weight",) if tie else (), dtype)
     decoder = {"final_norm": {"scale": ckpt(f"{root}norm_f.weight")}}
     for i in range(config.num_layers):
