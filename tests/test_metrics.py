@@ -513,3 +513,14 @@ def test_a_frozen_param_counts_4_flops_a_token_and_a_frozen_lookup_table_none(ti
     table = 256 * 64
     assert flops("^embed/") == pytest.approx(flops("") - 2 * table * tie, rel=1e-12)
     assert flops("position_embedding") == flops("")  # learned positions: looked up
+
+
+def test_an_einsum_that_contracts_nothing_is_no_matmul():
+    """Mamba 2's decay scalings are einsums without a summed index, elementwise products that
+    XLA runs as dot_generals: HFU counted 2 FLOPs an output for each (+1,536 FLOPs a token of
+    the SSD in a probe); a real matmul beside one still counts."""
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    scaled = lambda x: jnp.einsum("bd,bd->bd", x, x)
+    jaxpr = jax.make_jaxpr(lambda x: scaled(x) @ w)(x).jaxpr
+    assert "dot_general" in str(jax.make_jaxpr(scaled)(x))  # (the product is a dot_general)
+    assert metrics.program_matmul_flops(jaxpr) == 2 * 4 * 8 * 8

@@ -227,10 +227,11 @@ def hardware_flops_per_token(config, model_flops: float, train_step, *args) -> f
 
 
 def program_matmul_flops(jaxpr) -> float | None:
-    """2 x the multiply-adds of the matmuls (dot_general, ragged_dot_general, convolutions) a
-    jaxpr runs on all its devices: a scan's body times its length, a shard_map's body times
-    the devices it is split over, a cond's costliest branch; None with a while loop that runs
-    matmuls (its trip count is not in the program; one without them, an index's, counts 0)."""
+    """2 x the multiply-adds of the matmuls (dot_general, ragged_dot_general, convolutions;
+    not a dot_general that contracts nothing, an elementwise product) a jaxpr runs on all its
+    devices: a scan's body times its length, a shard_map's body times the devices it is split
+    over, a cond's costliest branch; None with a while loop that runs matmuls (its trip count
+    is not in the program; one without them, an index's, counts 0)."""
     total = 0.0
     for eqn in jaxpr.eqns:
         name, out = eqn.primitive.name, eqn.outvars[0].aval.shape if eqn.outvars else ()
@@ -239,7 +240,10 @@ def program_matmul_flops(jaxpr) -> float | None:
             numbers = eqn.params["dimension_numbers"] if ragged is None else \
                 ragged.dot_dimension_numbers
             lhs = eqn.invars[0].aval.shape
-            flops = 2 * math.prod(out) * math.prod(lhs[d] for d in numbers[0][0])
+            # (one contracting nothing is an elementwise product, Mamba 2's decay scalings
+            # written as einsums: no matmul, and counted nowhere else either)
+            flops = 2 * math.prod(out) * math.prod(lhs[d] for d in numbers[0][0]) \
+                if numbers[0][0] else 0.0
             if ragged is not None and set(ragged.lhs_ragged_dimensions) & set(numbers[0][0]):
                 # the ragged rows are summed into one [in, out] block a group (the experts'
                 # weight gradient [G, in, out]): each row meets its own group's block only
