@@ -78,7 +78,7 @@ def load_workdir(workdir: str, step: int | None = None):
         if step is not None:
             raise ValueError(f"step={step} with {workdir!r}: a Hugging Face checkpoint has no "
                              "steps; expected no step")
-        return _load_hf(workdir[len("hf:"):])
+        return load_hf(workdir[len("hf:"):])
     from transformer.data import inputs
     from transformer.models import build_model
     from transformer.training import checkpoint as checkpoint_lib
@@ -96,7 +96,9 @@ def load_workdir(workdir: str, step: int | None = None):
     return build_model(saved.config.model), saved.params, tokenizer, saved.config
 
 
-def _load_hf(directory: str):
+def load_hf(directory: str):
+    """(model, params, tokenizer, config) of a Hugging Face directory, imported as `init_from=hf:`
+    does (`transformer.load("hf:DIR")` wraps it)."""
     from flax import traverse_util
 
     from transformer import configs

@@ -183,17 +183,6 @@ def _load_workdir(workdir: str, step: int | None, merge_lora: bool) -> Loaded:
 
 
 def _load_hf(directory: str) -> Loaded:
-    from flax import traverse_util
+    from transformer.generate import load_hf
 
-    from transformer import configs
-    from transformer.data.hf_tokenizer import load_hf_tokenizer
-    from transformer.models import build_model
-    from transformer.training import finetune
-
-    _, model_config, flat = finetune.hf_convert(directory)
-    params = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
-    config = configs.base_config()
-    config.model = model_config
-    config.init_from = f"hf:{directory}"  # (its documents read behind <eos>, as before)
-    tokenizer = load_hf_tokenizer(directory, num_sentinels=None)  # its own sentinels, if any
-    return Loaded(build_model(model_config), params, tokenizer, config)
+    return Loaded(*load_hf(directory))
