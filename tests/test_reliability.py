@@ -156,7 +156,10 @@ def test_a_failed_run_leaves_no_tokenizer_for_the_next_run(tmp_path):
     from that data."""
     workdir = tmp_path / "run"
     unknown = tmp_path / "other.txt"
-    unknown.write_text("".join(f"{chr(0x4e00 + i) * 30}\n\n" for i in range(400)))
+    # (400 distinct paragraphs of 20 characters, each character in 39 of them: the held-out
+    # ones hold none the train split lacks)
+    unknown.write_text("".join(f"{chr(0x4e00 + i % 20) * 30}{chr(0x4e00 + i // 20)}\n\n"
+                               for i in range(400)))
     failed = train(workdir, f"--config.data.path={unknown}", "--config.data.tokenizer=char",
                    "--config.max_grad_norm=1e-9")
     assert failed.returncode == 1 and "NaN/Inf" in error_line(failed)  # a runtime failure
