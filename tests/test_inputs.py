@@ -365,12 +365,15 @@ def test_prepared_data_refuses_settings_that_contradict_what_it_was_prepared_wit
         ({"text_field": "content"}, "data.text_field='content': the prepared data "
          f"{str(prepared)!r} was prepared with text_field='text': expected "
          "--config.data.text_field=text"),
-        ({"num_sentinels": 0}, "data.num_sentinels=0: the tokenizer of the prepared data "
-         f"{str(prepared)!r} has num_sentinels=100: expected --config.data.num_sentinels=100"),
     ]:
         with pytest.raises(ValueError) as error:
             configs.validate_config(config_for(prepared, unit="stream", **data))
         assert str(error.value) == message
+    with pytest.raises(ValueError) as error:  # (checked where the tokenizer is loaded)
+        inputs.get_tokenizer(config_for(prepared, unit="stream", num_sentinels=0))
+    assert str(error.value) == (
+        f"data.num_sentinels=0: the tokenizer of the prepared data {str(prepared)!r} has 100 "
+        "sentinels: expected data.num_sentinels=100")
     with pytest.raises(ValueError, match=r"data.sources 'stream': unit='paragraph': .* was "
                                          r"prepared with unit='stream': expected unit=stream in "
                                          "its entry"):
@@ -430,6 +433,23 @@ def test_a_resume_refuses_other_sentinels_or_vocab_size_than_its_saved_tokenizer
         "(sentinels not counted): expected data.vocab_size=300")
 
 
+def test_a_fine_tune_refuses_other_sentinels_than_its_init_from_tokenizer(text_file, tmp_path):
+    """init_from=WORKDIR reads text with the pretraining's tokenizer: a data.num_sentinels
+    other than its count would be dropped silently (T5 spans marked with the saved ids)."""
+    pretrained = str(tmp_path / "pretrained")
+    inputs.save_tokenizer(inputs.get_tokenizer(config_for(text_file, tokenizer="char",
+                                                          num_sentinels=2)), pretrained)
+    config = config_for(text_file, tokenizer="char", num_sentinels=2)
+    config.init_from = pretrained
+    assert inputs.get_tokenizer(config).num_sentinels == 2
+    config.data.num_sentinels = 5
+    with pytest.raises(ValueError) as error:
+        inputs.get_tokenizer(config)
+    assert str(error.value) == (
+        f"data.num_sentinels=5: the tokenizer of init_from={pretrained!r} has 2 sentinels: "
+        "expected data.num_sentinels=2")
+
+
 def test_a_resume_on_prepared_data_takes_its_sentinels_where_the_config_leaves_the_default(
         text_file, tmp_path):
     """Prepared data's tokenizer fixes the sentinels (a Hugging Face one's own count, here 0):
@@ -457,7 +477,7 @@ def test_prepared_sentencepiece_data_refuses_another_vocab_size(text_file, tmp_p
         "pieces (sentinels not counted): expected data.vocab_size=300 or 0")
 
 
-def test_characters_a_char_tokenizer_never_saw_in_train_are_warned_of(tmp_path, caplog):
+def test_characters_a_char_tokenizer_never_saw_in_train_are_warned_of(tmp_path, capsys):
     """They read as <unk> in validation, a cheap token: bits per byte reads low. Warned once
     per split where it is tokenized for training / evaluate, and by prepare."""
     train, validation = tmp_path / "train.txt", tmp_path / "validation.txt"
@@ -465,16 +485,16 @@ def test_characters_a_char_tokenizer_never_saw_in_train_are_warned_of(tmp_path, 
     validation.write_text("the cat sat on the mat.\n\nthe dog ate the zeta\u00e9z.\n")
     config = config_for(train, tokenizer="char", validation_path=str(validation))
     tokenizer = inputs.get_tokenizer(config)
-    caplog.set_level("WARNING")
+    capsys.readouterr()
     for _ in range(2):  # every evaluation reads it: one warning
         inputs.corpus(config, tokenizer, "validation")
-    assert [r.getMessage() for r in caplog.records] == [
-        f"the validation split (data.validation_path={str(validation)!r}) holds 3 characters (2 "
-        "distinct: 'z', '\u00e9') that the char tokenizer has no id for (the train split it was "
-        "built from has none): each reads as <unk>, so bits per byte undercounts them"]
-    caplog.clear()
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: the validation split (data.validation_path={str(validation)!r}) holds 3 "
+        "characters (2 distinct: 'z', '\u00e9') that the char tokenizer has no id for (the train "
+        "split it was built from has none): each reads as <unk>, so bits per byte undercounts "
+        "them"]
     inputs.corpus(config, tokenizer, "train")
-    assert not caplog.records
+    assert not capsys.readouterr().err
     # prepare: paragraphs of one character each that no other paragraph holds
     corpus = tmp_path / "unique.txt"
     corpus.write_text("".join(f"Paragraph {i}: the fox {chr(0x4E00 + i)}.\n\n"
@@ -483,7 +503,7 @@ def test_characters_a_char_tokenizer_never_saw_in_train_are_warned_of(tmp_path, 
     tokens = inputs.corpus(config_for(tmp_path / "prepared", tokenizer="char"), None,
                            "validation").tokens
     unknown = int(np.sum(np.asarray(tokens) == tokenizers.UNK_ID))
-    [record] = caplog.records
-    assert unknown > 0 and record.getMessage().startswith(
-        f"--output_dir={tmp_path / 'prepared'}: the validation split holds {unknown} "
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "no id for" in line]
+    assert unknown > 0 and line.startswith(
+        f"warning: --output_dir={tmp_path / 'prepared'}: the validation split holds {unknown} "
         f"characters ({unknown} distinct: ")

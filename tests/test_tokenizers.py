@@ -3,7 +3,6 @@ training on Shakespeare (deterministic, BPE != unigram, compresses)."""
 
 import hashlib
 import json
-import logging
 import pickle
 import re
 import subprocess
@@ -27,6 +26,7 @@ from transformer.data.tokenizers import (
     build_tokenizer,
     load_tokenizer,
 )
+from transformer.utils import cli
 
 # The excerpt of tiny Shakespeare shipped with the tests: the corpus is its first TRAIN_CHARS
 # characters, the held-out text the next 20,000 (tests/data/README.md).
@@ -210,7 +210,7 @@ def test_sentencepiece_model_with_a_normal_special_piece_is_rejected(trained):
     assert "\n" not in str(error.value)
 
 def test_sentencepiece_saved_with_user_defined_specials_loads_alike(corpus, held_out, tmp_path,
-                                                                    monkeypatch, caplog):
+                                                                    monkeypatch, capsys):
     """A model saved before the specials were control symbols (user-defined ones, which
     SentencePiece reads from their names in text) keeps its bytes and its ids for other text,
     and reads the names as text."""
@@ -224,11 +224,11 @@ def test_sentencepiece_saved_with_user_defined_specials_loads_alike(corpus, held
         return train(**kwargs)
 
     monkeypatch.setattr(sentencepiece.SentencePieceTrainer, "train", as_before)
-    sentencepiece_tokenizer._warn_once.cache_clear()
-    with caplog.at_level(logging.WARNING):
-        before = build_tokenizer("sentencepiece_bpe", [corpus[:30_000]], vocab_size=400)
+    cli.warn_once.cache_clear()
+    capsys.readouterr()
+    before = build_tokenizer("sentencepiece_bpe", [corpus[:30_000]], vocab_size=400)
     # a run resumed on such a model is told its ids for those names changed
-    assert "<mask>, <cls> and <sep> in text" in caplog.text
+    assert "<mask>, <cls> and <sep> in text" in capsys.readouterr().err
     raw = sentencepiece.SentencePieceProcessor(model_proto=before.model_proto)
     assert raw.encode("<mask>") == [MASK_ID]  # what such a model read before the fix
     before.save(str(tmp_path))

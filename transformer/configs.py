@@ -444,11 +444,12 @@ def _validate_held_out(config: ml_collections.ConfigDict) -> None:
 
 
 def _validate_prepared(config: ml_collections.ConfigDict) -> None:
-    """Prepared data (data.path, a mixture source) fixed its unit, validation split, text field
-    and tokenizer when it was prepared: a setting given otherwise is refused in one line. A
-    value left at its default reads as unset (the prepared one applies, as it always has),
-    except a unit that is "stream" on one side only: training reads ArrayRecord documents as
-    one stream or as documents by data.unit, so that one must be said."""
+    """Prepared data (data.path, a mixture source) fixed its unit, validation split and text
+    field when it was prepared: a setting given otherwise is refused in one line. A value left
+    at its default reads as unset (the prepared one applies, as it always has), except a unit
+    that is "stream" on one side only: training reads ArrayRecord documents as one stream or as
+    documents by data.unit, so that one must be said. (Its tokenizer's settings are checked
+    where the tokenizer is loaded: tokenizers.check_settings.)"""
     keys = config_keys.all_keys()
     entries = sources.parse_sources(config.data.get("sources") or ())
     runs = zip(entries, inputs.source_configs(config).values(), strict=True) if entries \
@@ -463,8 +464,6 @@ def _validate_prepared(config: ml_collections.ConfigDict) -> None:
             chosen = {key: one.data.get(key) for key in ("unit", "validation_fraction",
                                                          "text_field")
                       if one.data.get(key) != keys[f"data.{key}"].default}
-        if config.data.num_sentinels != keys["data.num_sentinels"].default:
-            chosen["num_sentinels"] = config.data.num_sentinels
         if fixed["format"] == "array_record" and \
                 (fixed["unit"] == "stream") != (one.data.unit == "stream"):
             chosen["unit"] = one.data.unit
@@ -472,13 +471,10 @@ def _validate_prepared(config: ml_collections.ConfigDict) -> None:
             if fixed[key] is None or value == fixed[key]:
                 continue
             where = f"data.sources {entry.name!r}: " if entry else "data."
-            what = f"the tokenizer of the prepared data {one.data.path!r} has" \
-                if key == "num_sentinels" else \
-                f"the prepared data {one.data.path!r} was prepared with"
-            set_it = f"{key}={fixed[key]} in its entry" if entry and key != "num_sentinels" \
-                else f"--config.data.{key}={fixed[key]}"
-            raise ValueError(f"{where}{key}={value!r}: {what} {key}={fixed[key]!r}: expected "
-                             f"{set_it}")
+            set_it = f"{key}={fixed[key]} in its entry" if entry else \
+                f"--config.data.{key}={fixed[key]}"
+            raise ValueError(f"{where}{key}={value!r}: the prepared data {one.data.path!r} was "
+                             f"prepared with {key}={fixed[key]!r}: expected {set_it}")
 
 
 def _validate_tokenizer(config: ml_collections.ConfigDict) -> None:

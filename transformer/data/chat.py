@@ -37,6 +37,7 @@ import numpy as np
 
 from transformer.data import formats, pipeline, sources, tasks
 from transformer.data.features import next_token_features
+from transformer.utils import cli
 
 OBJECTIVES = pipeline.CHAT_OBJECTIVES  # ("sft",)
 SPLITS = ("train", "validation", "test")
@@ -183,7 +184,7 @@ def _assistant_tokens(hf, messages, where: str) -> tuple[np.ndarray, np.ndarray]
     encoding = hf(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(encoding["input_ids"], np.int32)
     offsets = np.asarray(encoding["offset_mapping"], np.int64).reshape(len(ids), 2)
-    special = np.isin(ids, sorted(_special_ids(hf)))
+    special = np.isin(ids, sorted(_special_tokens(hf)))
     if not generation:
         mask = np.zeros(len(ids), bool)
         for start, stop in spans:
@@ -201,8 +202,10 @@ def _assistant_tokens(hf, messages, where: str) -> tuple[np.ndarray, np.ndarray]
     return ids, _with_end_of_turn(marked, offsets, spans, special, text).astype(np.int32)
 
 
-def _special_ids(hf) -> set[int]:
-    return {int(i) for i, token in hf.added_tokens_decoder.items() if token.special}
+def _special_tokens(hf) -> dict[int, str]:
+    """The tokenizer's special tokens (end of turn among them): their text by id."""
+    return {int(i): token.content for i, token in hf.added_tokens_decoder.items()
+            if token.special}
 
 
 def _render(hf, messages, prompt: bool = False, first: dict | None = None) -> str:
@@ -252,7 +255,7 @@ def _content_span(hf, messages, i: int, text: str) -> tuple[int, int] | None:
         return None
     stop = len(text) - len(tail)
     after = len(text[stop:]) - len(text[stop:].lstrip())
-    ends = [t.content for t in hf.added_tokens_decoder.values() if t.special and t.content]
+    ends = [content for content in _special_tokens(hf).values() if content]
     end = next((e for e in ends if text.startswith(e, stop + after)), None)
     return len(head), stop + after + len(end) if end else stop
 
@@ -311,7 +314,7 @@ def end_of_turn_id(tokenizer) -> int:
     if ends:
         return ends[-1]
     eos = tokenizer.require("eos", "to end an assistant turn")
-    sources.warn_once(f"the chat template ends an assistant turn with no special token (a "
+    cli.warn_once(f"the chat template ends an assistant turn with no special token (a "
                       f"probe reply masks {tokenizer.decode(ids[mask.astype(bool)])!r}): "
                       f"stopping at eos ({tokenizer.decode([eos])!r}) alone")
     return eos

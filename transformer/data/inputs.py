@@ -21,7 +21,7 @@ import numpy as np
 
 from transformer.data import chat, images, pipeline, prepare_units, shards, sources, tasks, windows
 from transformer.data import tokenizers as tokenizers_lib
-from transformer.utils import fileio
+from transformer.utils import cli, fileio
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -65,9 +65,9 @@ def _prepared_dir(config: ml_collections.ConfigDict) -> str | None:
 
 def prepared_settings(config: ml_collections.ConfigDict) -> dict | None:
     """What the prepared data.path fixed of the data settings (None if it is not prepared): by
-    data key, prepare.json's unit, validation_fraction and text_field, and its tokenizer's
-    num_sentinels (None: not recorded); "format" is the shards' layout ("array_record" or
-    "bin")."""
+    data key, prepare.json's unit, validation_fraction and text_field ("format" is the shards'
+    layout, "array_record" or "bin"). Its tokenizer's settings are checked where it is loaded
+    (`get_tokenizer`)."""
     if not (prepared := _prepared_dir(config)):
         return None
     with open(os.path.join(prepared, "prepare.json")) as f:
@@ -75,7 +75,6 @@ def prepared_settings(config: ml_collections.ConfigDict) -> dict | None:
     return {"unit": summary.get("unit"),
             "validation_fraction": summary.get("validation_fraction"),
             "text_field": summary.get("text_field", "text"),
-            "num_sentinels": _tokenizer_identity(prepared)[0].get("num_sentinels"),
             "format": summary.get("format", "array_record")}
 
 
@@ -169,7 +168,7 @@ def _token_shards(config: ml_collections.ConfigDict, split: str) -> shards.Token
     found = sorted(glob.glob(os.path.join(glob.escape(path), "*.bin")))
     files = [file for file in found if shard_split(file) == split]
     if unnamed := [os.path.basename(file) for file in found if shard_split(file) is None]:
-        sources.warn_once(f"data.path={path!r}: {', '.join(unnamed[:3])}"
+        cli.warn_once(f"data.path={path!r}: {', '.join(unnamed[:3])}"
                           f"{' ...' if len(unnamed) > 3 else ''} matches neither "
                           f"{SHARD_SPLITS['train']!r} nor {SHARD_SPLITS['validation']!r}: "
                           "not read (name a shard for its split)")
@@ -236,6 +235,8 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | None = None)
         origin = f"init_from={config.init_from!r}"
         _check_prepared_tokenizer(config, fileio.join(source, TOKENIZER_DIR),
                                   f"the tokenizer of init_from={config.init_from!r}")
+        tokenizers_lib.check_settings(tokenizer, f"the tokenizer of {origin}", config.data,
+                                      prepared=bool(_prepared_dirs(config)), from_workdir=True)
     elif prepared := _prepared_dir(config):
         tokenizer = tokenizers_lib.load_tokenizer(prepared)
         origin = f"the prepared data {prepared!r}"

@@ -52,7 +52,7 @@ import numpy as np
 
 from transformer.data import shards, sources
 from transformer.data import tokenizers as tokenizers_lib
-from transformer.utils import fileio
+from transformer.utils import cli, fileio
 
 PROGRESS_DIR = ".prepare"
 LOCK = ".prepare.lock"  # hidden, in DIR: held by the prepare writing DIR (`exclusive`)
@@ -277,7 +277,7 @@ def exclusive(output_dir: str) -> Iterator[None]:
                                   "prepare at a time in an --output_dir (rerun this command "
                                   "once it has stopped)") from None
         except OSError as error:
-            sources.warn_once(f"{output_dir}: cannot be locked ({error.strerror}): run one "
+            cli.warn_once(f"{output_dir}: cannot be locked ({error.strerror}): run one "
                               "prepare at a time in it, or their data mixes")
         yield
     finally:

@@ -12,7 +12,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
-from absl import logging
 
 from transformer.data.tokenizer_base import (
     BOS_ID,
@@ -27,7 +26,7 @@ from transformer.data.tokenizer_base import (
     Tokenizer,
     checked_texts,
 )
-from transformer.utils import fileio
+from transformer.utils import cli, fileio
 
 # SentencePiece training: at most this many sentences are used (a seeded sample beyond that), and
 # a sentence is at most this many UTF-8 bytes; longer paragraphs are cut at line ends (or, for a
@@ -106,11 +105,6 @@ def _parsed_model(model_proto: bytes) -> tuple[int, tuple[str, bool, bool], byte
             proto.SerializeToString() if user_defined else model_proto)
 
 
-@functools.cache
-def _warn_once(line: str) -> None:
-    logging.warning(line)
-
-
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece BPE or unigram model whose pieces 0..6 are exactly `SPECIAL_TOKENS` and
     which has byte-fallback pieces, so no text is lost to <unk>. Build one with
@@ -128,9 +122,9 @@ class SentencePieceTokenizer(Tokenizer):
         self.model_proto = bytes(model_proto)  # as given: what `save` writes back
         model_type, found, encoding_model = _parsed_model(self.model_proto)
         if encoding_model is not self.model_proto:  # (a run resumed on it reads other ids)
-            _warn_once("this SentencePiece model was trained before 2026-12-06, when it read the "
-                       "names <mask>, <cls> and <sep> in text as those special ids: they now "
-                       "encode as text (only text holding those names gets other ids)")
+            cli.warn_once("this SentencePiece model was trained before 2026-12-06, when it read "
+                          "the names <mask>, <cls> and <sep> in text as those special ids: they "
+                          "now encode as text (only text holding those names gets other ids)")
         self.model_type = _MODEL_TYPES.get(model_type)
         if self.model_type is None:
             raise ValueError(f"SentencePiece model_type={model_type}: "

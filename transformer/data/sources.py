@@ -13,7 +13,6 @@ import operator
 import os
 import pydoc_data.topics
 import re
-import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import SupportsIndex
@@ -21,7 +20,7 @@ from typing import SupportsIndex
 import numpy as np
 
 from transformer.data import formats
-from transformer.utils import fileio
+from transformer.utils import cli, fileio
 
 SPLITS = ("train", "validation")
 UNITS = ("paragraph", "file", "stream")
@@ -169,15 +168,9 @@ def _check_layout(directory: str, files: list[str]) -> None:
                          f"{'folder' if folder else 'files'}")
     # (a .txt beside tables is often corpus too: a mixed folder; a dataset card is Markdown)
     if tables and (cards := [f for f in files if f.lower().endswith(".md")]):
-        warn_once(f"{directory}: {cards[0]} is read as text beside {len(tables)} Parquet / JSON "
-              "Lines files (its paragraphs train): if it is not corpus, point data.path at the "
-              "corpus files alone (a glob)")
-
-
-@functools.cache
-def warn_once(line: str) -> None:
-    """Prints a warning line, once per process."""
-    print(f"warning: {line}", file=sys.stderr, flush=True)
+        cli.warn_once(f"{directory}: {cards[0]} is read as text beside {len(tables)} Parquet / "
+                      "JSON Lines files (its paragraphs train): if it is not corpus, point "
+                      "data.path at the corpus files alone (a glob)")
 
 
 def document_files(path: str) -> list[str]:

@@ -30,8 +30,6 @@ import collections
 import json
 from collections.abc import Iterable
 
-from absl import logging
-
 from transformer.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer, saved_stop_ids
 from transformer.data.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
 from transformer.data.tokenizer_base import (
@@ -57,7 +55,7 @@ from transformer.data.tokenizer_base import (
     checked_texts,
     is_int,
 )
-from transformer.utils import fileio
+from transformer.utils import cli, fileio
 
 __all__ = [
     "BOS_ID", "CLS_ID", "CONFIG_FILE", "EOS_ID", "FORMAT_VERSION", "HF_FILE", "KINDS", "MASK_ID",
@@ -166,7 +164,7 @@ def check_settings(tokenizer: Tokenizer, what: str, data, *, prepared: bool = Fa
     `tokenizer` (`what`: the one the run reads text with instead of building its own: saved in
     its workdir, or of prepared data), which would then be kept silently. data.num_sentinels
     must be the tokenizer's, unless `prepared` data is read and it is left at its default (the
-    prepared tokenizer's count applies: configs._validate_prepared). data.vocab_size (0:
+    prepared tokenizer's count applies). data.vocab_size (0:
     unset) is checked for SentencePiece only, whose size is trained (its pieces, sentinels not
     counted; byte, char and "hf" sizes are no setting), and not `from_workdir` (an init_from
     workdir's tokenizer, which a start reads whatever data.vocab_size says)."""
@@ -183,11 +181,8 @@ def check_settings(tokenizer: Tokenizer, what: str, data, *, prepared: bool = Fa
                          + (" or 0" if prepared else ""))
 
 
-_WARNED: set[str] = set()  # warn_unknown_chars' lines already logged by this process
-
-
 def warn_unknown_chars(tokenizer: Tokenizer, texts: Iterable[str], what: str) -> int:
-    """Logs a warning (once per process for the same line) where `texts` (`what`, e.g. "the
+    """Warns (once per process for the same line) where `texts` (`what`, e.g. "the
     validation split") hold characters a char tokenizer has no id for, because the train split
     it was built from has none of them: each reads as one <unk>, a cheap token, so bits per
     byte undercounts them. Returns how many such characters the texts hold (other kinds: 0;
@@ -204,7 +199,6 @@ def warn_unknown_chars(tokenizer: Tokenizer, texts: Iterable[str], what: str) ->
             f"{', ...' if len(counts) > 5 else ''}) that the char tokenizer has no id for (the "
             "train split it was built from has none): each reads as <unk>, so bits per byte "
             "undercounts them")
-    if total and line not in _WARNED:
-        _WARNED.add(line)
-        logging.warning(line)
+    if total:
+        cli.warn_once(line)
     return total

@@ -17,6 +17,7 @@ A failure prints `error: <message>` and exits with
 from __future__ import annotations
 
 import ast
+import functools
 import glob
 import os
 import re
@@ -84,6 +85,12 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
         _exit(*failure)  # outside `except`: main's frames (the traceback's) are freed first
 
     app.run(guarded, flags_parser=parse)
+
+
+@functools.cache
+def warn_once(line: str) -> None:
+    """Prints `warning: <line>` on stderr, once per process for the same line."""
+    print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
 def _interrupted(error: BaseException) -> bool:
