@@ -239,7 +239,8 @@ def _moe(name, hf_config) -> dict[str, Any]:
         raise ValueError(f"{name} mlp_only_layers={dense_layers}: expected [] (dense layers "
                          "only by decoder_sparse_step)")
     step, layers = getattr(hf_config, "decoder_sparse_step", 1), hf_config.num_hidden_layers
-    if layers % step:  # our stack repeats one period of step layers, the last one MoE
+    # our stack repeats one period of step layers, the last one MoE
+    if step < 1 or layers % step:
         raise ValueError(f"{name} decoder_sparse_step={step} with num_hidden_layers={layers}: "
                          "expected a divisor of num_hidden_layers")
     if top_k == 1 and normalize:
