@@ -26,6 +26,7 @@ from pathlib import Path
 import forkserver
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -33,6 +34,7 @@ import pytest
 from transformer import configs, train
 from transformer import evaluate as evaluate_lib
 from transformer.training import checkpoint_manager, optim, placement, progress, run_eval
+from transformer.training import metrics as metrics_lib
 from transformer.utils import hostmem
 
 REPO = Path(__file__).resolve().parents[1]
@@ -732,11 +734,30 @@ def test_speed_is_timed_over_training_steps_alone_and_the_eta_counts_evaluations
     # 1.5 s a evaluation: at 3 and at 4 (its own evaluation runs after its line) those at 4
     # and 6 are to come; at 6, its own
     for step, evaluations in ((3, 2), (4, 2), (6, 1)):
-        eta = re.search(rf"step {step}/6 .* ETA 0:00:(\d\d)", out)
+        eta = re.search(rf"step {step}/6 .* ETA >?0:00:(\d\d)", out)
         assert eta and int(eta[1]) >= int(1.5 * evaluations), (step, out)
+    # at 2 no evaluation is timed yet: a lower bound, said so
+    assert re.search(r"step 2/6 .* ETA >0:00:\d\d$", out, re.M), out
     # steps after `step` that evaluate (or save): multiples of `every`, and the last
     assert [progress.remaining(step, 7, 2) for step in (0, 3, 6, 7)] == [4, 3, 1, 0]
     assert progress.remaining(0, 5, 10) == 1 and progress.remaining(3, 6, 2) == 2
+
+
+def test_the_eta_is_a_lower_bound_until_each_pause_still_to_come_is_timed():
+    """Evaluations and saves to come count at the latest one's time; before this process timed
+    one of a kind that is still due (a start's first, a resume's), the ETA says it is a lower
+    bound, and it rounds up, so 0:00:00 means nothing is left."""
+    config = ml_collections.ConfigDict({"steps": 10, "eval_every": 4, "checkpoint_every": 5})
+    untimed = {"eval": [], "save": []}
+    # after step 3: 10 s of steps, evaluations at 4, 8, 10 and saves at 5, 10 still to come
+    assert progress._eta(config, 3, 1.0, untimed) == (7.0, True)
+    assert progress._eta(config, 3, 1.0, {"eval": [2.0], "save": []}) == (13.0, True)
+    assert progress._eta(config, 3, 1.0, {"eval": [9.0, 2.0], "save": [0.5]}) == (14.0, False)
+    assert progress._eta(config, 10, 1.0, {"eval": [2.0], "save": [0.5]}) == (2.5, False)
+    config.steps = 11  # at step 10: its own save, and step 11's evaluation and save to come
+    assert progress._eta(config, 10, 1.0, {"eval": [2.0], "save": []}) == (3.0, True)
+    assert [metrics_lib.format_eta(s) for s in (0.0, 0.2, 59.01, 3600.0)] == [
+        "0:00:00", "0:00:01", "0:01:00", "1:00:00"]
 
 
 # --- 8. gradient accumulation ---------------------------------------------------------------

@@ -13,6 +13,7 @@ What each setting quantizes (the recipes MaxText's Qwix `int8` and `fp8_full` us
 
 - int8: weights int8 with one absmax scale per output channel, activations int8 with one scale
   per token (dynamic, computed every step), and the backward pass's incoming gradients int8 too.
+  A scale is absmax / 127.5 (Qwix's symmetric bound) and values round to the full -128..127.
 - fp8: the same granularity, forward operands float8_e4m3fn and gradients float8_e5m2 (more
   range, less precision, for gradients).
 

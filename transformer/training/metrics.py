@@ -356,7 +356,8 @@ def peak_flops(config, devices=None) -> tuple[float | None, str]:
 
 
 def format_eta(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
+    """H:MM:SS, rounded up (0:00:00 only when nothing is left)."""
+    seconds = math.ceil(max(seconds, 0))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 

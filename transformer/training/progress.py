@@ -22,6 +22,21 @@ def remaining(step: int, steps: int, every: int) -> int:
     return steps // every - step // every + (steps % every != 0 and step < steps)
 
 
+def _eta(config, step: int, seconds: float, pauses: dict[str, list[float]]) -> tuple[float, bool]:
+    """(seconds left after `step` at `seconds` a step, whether that is a lower bound): the
+    evaluations and saves still to come count at the time the latest one of this process took;
+    one still to come of a kind this process has not timed yet (a start before its first, a
+    resume) is left out, so the ETA is a lower bound."""
+    eta, untimed = (config.steps - step) * seconds, False
+    for kind, every in (("eval", config.eval_every), ("save", config.checkpoint_every)):
+        # this step's own evaluation and save (if due) are still to come: they run after its log
+        due = remaining(step - 1, config.steps, every)
+        if due and pauses[kind]:
+            eta += due * pauses[kind][-1]
+        untimed |= bool(due) and not pauses[kind]
+    return eta, untimed
+
+
 def log_first_step(run, start: float, chosen) -> float:
     """Records and logs the run's first step (since `start`, its compilation included, and
     the attention kernels and MoE dispatch paths `chosen` while it traced); returns when it
@@ -44,7 +59,8 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
     training steps since then, nothing else ran in between. Returns the time it finished at.
     A window of no steps (the log falls on the first step, whose compile is not training
     speed) logs no speed. The ETA adds the evaluations and saves still to come, each at the
-    time the latest one took (`pauses`: their seconds; the first evaluation also compiles).
+    time the latest one took (`pauses`: their seconds; the first evaluation also compiles);
+    before one of a kind is timed it reads ">H:MM:SS", a lower bound (`_eta`).
     `now`: when the timed steps ended (default: after fetching the metrics)."""
     config, step = run.config, run.step
     metrics = placement_lib.fetch(metrics)
@@ -73,15 +89,11 @@ def log_train(run, metrics, since: tuple[float, int], flops: tuple[float, float]
             record["mfu"] = tokens_per_s * flops[0] / (peak * len(jax.devices()))
             if flops[1] is not None and flops[1] != flops[0]:
                 record["hfu"] = tokens_per_s * flops[1] / (peak * len(jax.devices()))
-        # this step's own evaluation and save (if due) are still to come: they run after its log
-        eta = (config.steps - step) * seconds + sum(
-            remaining(step - 1, config.steps, every) * pauses[kind][-1]
-            for kind, every in (("eval", config.eval_every), ("save", config.checkpoint_every))
-            if pauses[kind])
+        eta, untimed = _eta(config, step, seconds, pauses)
         mfu = f"MFU {record['mfu']:.0%} " if "mfu" in record else ""
         mfu += f"HFU {record['hfu']:.0%} " if "hfu" in record else ""  # (remat: differs)
         speed = (f"{seconds * 1e3:,.0f} ms/step {tokens_per_s:,.0f} tok/s {mfu}"
-                 f"ETA {metrics_lib.format_eta(eta)}")
+                 f"ETA {'>' if untimed else ''}{metrics_lib.format_eta(eta)}")
     if run.mixture is not None:  # rows read from each source so far, in closed form
         batches = run.train_data.get_state().get("next_index", step)  # the stream's position
         counts = run.mixture.counts(batches * config.batch_size)
