@@ -271,6 +271,56 @@ def test_seed_runs_names_options_and_refusals(tmp_path):
     assert sweep.check_baseline("b", ["a", "b"]) == "b"
 
 
+def test_a_sweep_definition_is_refused_in_one_line_naming_the_file_and_the_name(tmp_path,
+                                                                              capsys):
+    """get_sweep() returning no list of variants, a name that is no directory name, a name two
+    values share: each refused in one line saying what to do; equal overrides warn."""
+    def load(body: str):  # a file per body: a rewrite within a second may reuse stale bytecode
+        experiment = tmp_path / str(len(list(tmp_path.iterdir()))) / "experiment.py"
+        experiment.parent.mkdir()
+        experiment.write_text(f"from transformer import sweep\n\ndef get_sweep():\n"
+                              f"    return {body}\n")
+        return [v.name for v in sweep.load_sweep(str(experiment))], experiment
+
+    lists = "expected a list of variants \\(sweep.axis / named / product / zipped\\)$"
+    for body, match in [
+            ("None", rf"experiment.py: get_sweep\(\) returned None: {lists}"),
+            ("sweep.named({'a': {}})[0]", r"get_sweep\(\) returned Variant\(name='a', .*: "
+                                          + lists),
+            ("[sweep.axis('seed', [0]), sweep.axis('steps', [5])]",
+             r"experiment.py: get_sweep\(\)'s item 0 is \[Variant\(.*\)\]: expected a variant "
+             r".*\(join sweeps with \+, or combine them with sweep.product / zipped\)$"),
+            ("sweep.axis('data.path', ['corpora/a.txt', 'corpora/b.txt'])",
+             r"experiment.py: variant name 'path=corpora/a.txt' contains the path separator '/': "
+             r"expected one directory name under --workdir \(give sweep.axis names=\[...\], or "
+             r"name the variants with sweep.named\)$"),
+            ("sweep.named({'': {}})", r"variant name '': expected a non-empty string"),
+            ("sweep.named({'..': {}, 'x': {}})", r"variant name '..' starts with '.': expected a "
+                                                 r"directory name that does not"),
+            ("sweep.axis('optimizer.learning_rate', [1e-3, 1.0000001e-3])",
+             r"variant name 'learning_rate=0.001' repeats for optimizer.learning_rate=0.001 and "
+             r"0.0010000001: expected unique names \(give sweep.axis names=\[...\], or name "
+             r"the variants with sweep.named\)$"),
+            ("sweep.axis('seed', [1, 1])", r"variant name 'seed=1' repeats: expected unique "
+                                           r"names$")]:
+        with pytest.raises(ValueError, match=match) as error:
+            load(body)
+        assert "\n" not in str(error.value)
+    assert capsys.readouterr().err == ""
+
+    # The same overrides under two names train alike: allowed, with one warning naming them.
+    names, experiment = load("sweep.named({'a': {'optimizer.learning_rate': 1e-3}, 'c': {}, "
+                             "'b': {'optimizer.learning_rate': 1e-3}})")
+    assert names == ["a", "c", "b"]
+    assert capsys.readouterr().err == (
+        f"warning: {experiment}: variants ['a', 'b'] have the same overrides "
+        "{'optimizer.learning_rate': 0.001} and train the same config (to repeat a run with "
+        "other seeds, use --seeds=N)\n")
+    assert load("sweep.axis('optimizer.learning_rate', [1e-3, 1.0000001e-3], "
+                "names=['lr1', 'lr2'])")[0] == ["lr1", "lr2"]
+    assert capsys.readouterr().err == ""
+
+
 def test_only_rejoins_names_with_commas_and_runs_are_checked_before_anything(tmp_path,
                                                                              monkeypatch):
     """--only's comma-split pieces rejoin into product/zipped names; a relaunch or report of

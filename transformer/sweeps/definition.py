@@ -15,6 +15,8 @@ from typing import Any
 
 import ml_collections
 
+from transformer.utils import cli
+
 # Each variant directory's record of the settings it was first trained with.
 CONFIG_FILE = "sweep_config.json"
 
@@ -119,20 +121,89 @@ def experiment_module(config_file: str):
 
 
 def load_sweep(config_file: str) -> list[Variant]:
-    """The variants of an experiment file's `get_sweep()`, checked for unique, usable names."""
+    """The variants of an experiment file's `get_sweep()`, checked for unique, usable names;
+    variants with the same overrides under different names get a warning (they train alike)."""
     module = experiment_module(config_file)
     if not hasattr(module, "get_sweep"):
         raise ValueError(f"{config_file}: expected a get_sweep() function declaring the variants")
-    variants = list(module.get_sweep())
+    variants = _sweep_list(config_file, module.get_sweep())
     if not variants:
         raise ValueError(f"{config_file}: get_sweep() returned no variants")
-    names = [v.name for v in variants]
-    for name in names:
-        if names.count(name) > 1:
-            raise ValueError(f"variant name {name!r} repeats: expected unique names")
-        if not name or name.startswith(".") or os.sep in name:
-            raise ValueError(f"variant name {name!r}: expected a non-empty directory name")
+    _check_names(config_file, variants)
+    _warn_identical(config_file, variants)
     return variants
+
+
+_BUILDERS = "sweep.axis / named / product / zipped"
+
+
+def _short(value, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _sweep_list(config_file: str, result) -> list[Variant]:
+    """`get_sweep()`'s `result` as a list, refused in one line unless it lists Variants."""
+    # A dict iterates as its keys and a str as characters: neither is a sweep.
+    if result is None or isinstance(result, (str, bytes, dict, Variant)) \
+            or not isinstance(result, Iterable):
+        raise ValueError(f"{config_file}: get_sweep() returned {_short(result)}: expected a "
+                         f"list of variants ({_BUILDERS})")
+    variants = list(result)
+    for i, item in enumerate(variants):
+        if not isinstance(item, Variant):
+            hint = " (join sweeps with +, or combine them with sweep.product / zipped)" \
+                if isinstance(item, (list, tuple)) else ""
+            raise ValueError(f"{config_file}: get_sweep()'s item {i} is {_short(item)}: expected "
+                             f"a variant ({_BUILDERS} return lists of them){hint}")
+    return variants
+
+
+def _check_names(config_file: str, variants: Sequence[Variant]) -> None:
+    """Refuses a name that is not one plain directory under the workdir, or that repeats."""
+    where = f"{config_file}: variant name"
+    seps = sorted({"/", os.sep, os.altsep} - {None})
+    for variant in variants:
+        name = variant.name
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where} {name!r}: expected a non-empty string (the variant's "
+                             "directory under --workdir)")
+        if name.startswith("."):
+            raise ValueError(f"{where} {name!r} starts with '.': expected a directory name that "
+                             "does not (not hidden, not '.' or '..')")
+        if sep := next((s for s in seps if s in name), None):
+            raise ValueError(f"{where} {name!r} contains the path separator {sep!r}: expected "
+                             "one directory name under --workdir (give sweep.axis names=[...], "
+                             "or name the variants with sweep.named)")
+    first: dict[str, Variant] = {}
+    for variant in variants:
+        other = first.setdefault(variant.name, variant)
+        if other is variant:
+            continue
+        values = [{k: repr(v) for k, v in x.overrides.items()} for x in (other, variant)]
+        differ = [f"{k}={values[0].get(k, 'unset')} and {values[1].get(k, 'unset')}"
+                  for k in {**values[0], **values[1]} if values[0].get(k) != values[1].get(k)]
+        if differ:  # e.g. two axis values that format alike ("{:g}")
+            raise ValueError(f"{where} {variant.name!r} repeats for {'; '.join(differ)}: "
+                             "expected unique names (give sweep.axis names=[...], or name the "
+                             "variants with sweep.named)")
+        raise ValueError(f"{where} {variant.name!r} repeats: expected unique names")
+
+
+def _warn_identical(config_file: str, variants: Sequence[Variant]) -> None:
+    """A warning per group of variants whose overrides are equal: they train the same config
+    (the same seed too), which is a mistake more often than a deliberate repeat."""
+    groups: list[list[Variant]] = []
+    for variant in variants:  # pairwise ==, as overrides may hold unhashable values
+        group = next((g for g in groups if g[0].overrides == variant.overrides), None)
+        if group is None:
+            groups.append([variant])
+        else:
+            group.append(variant)
+    for group in (g for g in groups if len(g) > 1):
+        cli.warn_once(f"{config_file}: variants {[v.name for v in group]} have the same "
+                      f"overrides {_short(group[0].overrides)} and train the same config (to "
+                      "repeat a run with other seeds, use --seeds=N)")
 
 
 def load_options(config_file: str, seeds: int | None = None, baseline: str | None = None
