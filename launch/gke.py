@@ -4,10 +4,10 @@ equivalent `xpk workload create` command.
     python -m launch.gke --print --name=NAME --accelerator=v5p-32 [--num_slices=N] \
         --image=REGISTRY/IMAGE:TAG [--xpk --cluster=CLUSTER] -- --config=... --workdir=gs://...
 
-The image must hold this project installed with its tpu extra (`pip install -e '.[tpu]'`). One
-replicated job per slice, one pod per host, every pod running the same train command with
-`--jax_distributed`; `kubectl apply -f` the printed manifest. Validation is the same as
-`launch.tpu`'s.
+The image must hold this project installed with its tpu extra (`pip install -e '.[tpu]'`) for
+its `python3`, Python 3.11 or newer. One replicated job per slice, one pod per host, every pod
+running the same train command with `--jax_distributed`; `kubectl apply -f` the printed
+manifest. Validation is the same as `launch.tpu`'s; `--noprint` validates and prints nothing.
 """
 
 from __future__ import annotations
@@ -88,10 +88,12 @@ def xpk_command(launch: tpu.Launch, image: str, cluster: str) -> list[str]:
             f"--command={shlex.join(train_command(launch))}"]
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str], flag_values=None) -> int:
+    """Validates the launch, then prints its manifest or xpk command unless --noprint;
+    `flag_values`, the parsed flags (absl's by default)."""
     from absl import flags
 
-    FLAGS = flags.FLAGS
+    FLAGS = flags.FLAGS if flag_values is None else flag_values
     train_args = list(argv[1:])
     if train_args[:1] == ["--"]:
         train_args = train_args[1:]
@@ -109,9 +111,11 @@ def main(argv: Sequence[str]) -> int:
         raise ValueError(f"workdir={workdir or None!r}: a pod restarted by the JobSet (a "
                          "preemption, exit 143) starts on a fresh disk, without the "
                          "checkpoints to resume: expected --workdir=gs://BUCKET/PATH")
+    if FLAGS.xpk and not FLAGS.cluster:
+        raise ValueError("--xpk: expected --cluster")
+    if not FLAGS.print:
+        return 0
     if FLAGS.xpk:
-        if not FLAGS.cluster:
-            raise ValueError("--xpk: expected --cluster")
         print(shlex.join(xpk_command(launch, FLAGS.image, FLAGS.cluster)))
     else:
         print(jobset_manifest(launch, FLAGS.image), end="")
@@ -123,7 +127,8 @@ if __name__ == "__main__":
 
     from launch import run_cli
 
-    flags.DEFINE_bool("print", True, "Print the manifest (or the xpk command).")
+    flags.DEFINE_bool("print", True, "Print the manifest (or the xpk command); --noprint only "
+                      "validates the launch.")
     flags.DEFINE_string("name", None, "Job name.")
     flags.DEFINE_string("accelerator", None, "TPU type, e.g. v5p-32.")
     flags.DEFINE_integer("num_slices", 1, "Slices (multi-slice over DCN).")

@@ -34,6 +34,13 @@ from launch import accelerators
 COMMANDS = ("create", "run", "status", "logs", "stop", "delete")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REMOTE_DIR = "~/transformer"
+# The workers' Python: the TPU VM images' python3 is 3.10 (Ubuntu 22.04) and the project needs
+# >= 3.11, so each worker trains in a venv of Python 3.12 made by uv (a Python uv fetches where
+# the image has none). Outside REMOTE_DIR, which every ship replaces, so it is made once. Both
+# go unquoted into the remote commands: the workers' shell expands `~`.
+VENV = "~/.venvs/transformer"
+PYTHON = f"{VENV}/bin/python"
+PYTHON_VERSION = "3.12"
 # Slice states after which the slice is gone (preempted or failed) and must be recreated.
 GONE = {"PREEMPTED", "SUSPENDED", "SUSPENDING", "FAILED", "TERMINATED", "NOT_FOUND",
         "DELETING", "STOPPED"}
@@ -134,9 +141,7 @@ def validate_run(launch: Launch, restart_on_preemption: bool) -> None:
         raise ValueError(f"{shown} with --restart_on_preemption: a recreated slice starts "
                          "with empty disks, without the checkpoints to resume from: expected "
                          "--workdir=gs://BUCKET/PATH")
-    # a relative workdir is inside ~/transformer, which every ship deletes and unpacks anew
-    if not workdir.startswith(("gs://", "/", "~")) or \
-            (workdir + "/").startswith(REMOTE_DIR + "/"):
+    if in_remote_dir(workdir):
         raise ValueError(f"{shown}: a workdir inside {REMOTE_DIR}, which every ship of the "
                          "code replaces, loses its checkpoints: expected --workdir=gs://"
                          "BUCKET/PATH")
@@ -149,6 +154,20 @@ def validate_run(launch: Launch, restart_on_preemption: bool) -> None:
                          f"({REPO}: tracked or untracked files, not ignored ones): expected "
                          "the config to be a file of the shipped tree, as a path relative "
                          "to it, e.g. experiments/gpt_tiny.py")
+
+
+def in_remote_dir(workdir: str) -> bool:
+    """Whether a workdir lies in REMOTE_DIR on the workers, which every ship deletes and unpacks
+    anew: a relative one (the train command runs there), or one in the folder REMOTE_DIR names
+    right under a home directory (~/, ~USER/, /home/USER/ or /root/ + transformer/...)."""
+    if workdir.startswith("gs://"):
+        return False
+    if not workdir.startswith(("/", "~")):
+        return True
+    parts = [part for part in os.path.normpath(workdir).split("/") if part]
+    home = 2 if parts[:1] == ["home"] else \
+        1 if parts[:1] == ["root"] or workdir.startswith("~") else None
+    return home is not None and parts[home:home + 1] == [REMOTE_DIR.removeprefix("~/")]
 
 
 def config_flags_filename(values) -> str:
@@ -277,17 +296,27 @@ def ship_commands(launch: Launch) -> tuple[list[str], list[list[str]], list[list
                            *launch.where(), "--worker=all") for node in launch.nodes]
     install = (f"rm -rf {REMOTE_DIR} && mkdir -p {REMOTE_DIR} && "
                f"tar -xzf ~/transformer.tar.gz -C {REMOTE_DIR} && cd {REMOTE_DIR} && "
-               "python3 -m pip install -q -e '.[tpu]'")
+               f"{venv_remote()} && python3 -m uv pip install -q --python {PYTHON} -e '.[tpu]'")
     return pack, copies, ssh_commands(launch, install)
 
 
+def venv_remote() -> str:
+    """The shell command that installs uv for the image's python3 (`python3 -m uv`: ~/.local/bin
+    need not be on PATH) and makes the venv of Python PYTHON_VERSION at VENV, unless a ship
+    before made it (`--clear`: what an interrupted one left)."""
+    return (f"python3 -m pip install -q --user uv && (test -x {PYTHON} || "
+            f"python3 -m uv venv -q --clear --python {PYTHON_VERSION} {VENV})")
+
+
 def train_remote(launch: Launch) -> str:
-    """The shell command each worker runs: train under launch.worker (prefixed, logged)."""
-    train = ["python3", "-m", "transformer.train", *launch.train_args]
+    """The shell command each worker runs: train under launch.worker (prefixed, logged), both
+    with the venv's Python."""
+    train = ["-m", "transformer.train", *launch.train_args]
     if launch.processes > 1:
-        train.insert(3, "--jax_distributed")
-    return (f"cd {REMOTE_DIR} && python3 -m launch.worker --log={launch.log_file} -- "
-            + shlex.join(train))
+        train.insert(2, "--jax_distributed")
+    # PYTHON unquoted (shlex would quote the `~`): the worker's shell expands it, for both
+    return (f"cd {REMOTE_DIR} && {PYTHON} -m launch.worker --log={launch.log_file} -- "
+            f"{PYTHON} " + shlex.join(train))
 
 
 def run_commands(launch: Launch) -> list[list[str]]:
@@ -301,8 +330,11 @@ def logs_commands(launch: Launch) -> list[list[str]]:
 def stop_commands(launch: Launch) -> list[list[str]]:
     """SIGTERM to training on every worker: it saves a checkpoint and exits (status 143).
     Anchored at the command's start, the pattern matches training alone: not the launch.worker
-    that runs it (whose command line names it too), nor the shell running pkill."""
-    return ssh_commands(launch, "pkill -TERM -f '^python3 -m transformer[.]train ' || true")
+    that runs it (whose command line names it too), nor the shell running pkill. Training's
+    command line starts with PYTHON as the shell expanded it: `~` is $HOME."""
+    pattern = "^" + PYTHON.replace("~", "$HOME", 1).replace(".", "[.]") + \
+        " -m transformer[.]train "
+    return ssh_commands(launch, f'pkill -TERM -f "{pattern}" || true')
 
 
 def aot_command(launch: Launch) -> list[str]:

@@ -1,13 +1,14 @@
 """Runs a command on one TPU VM worker, prefixing each output line with the worker (and slice)
 and appending it to a log file that `python -m launch.tpu logs` tails.
 
-    python3 -m launch.worker --log=~/logs/NAME.log -- python3 -m transformer.train ...
+    VENV/bin/python -m launch.worker --log=~/logs/NAME.log -- VENV/bin/python -m transformer.train
 
-The worker id comes from TPU_WORKER_ID or the VM's hostname (Cloud TPU names worker i
-"...-w-i"); the slice id of a multi-slice job from MEGASCALE_SLICE_ID. The exit status is the
-command's (128 + N for a command killed by signal N, as a shell reports it). SIGTERM and SIGINT
-are passed on to the command, which keeps its output flowing until it exits: training saves
-a checkpoint first. SIGHUP (the ssh session ending) is ignored, by the command too.
+(VENV: the workers' venv, `launch.tpu.VENV`.) The worker id comes from TPU_WORKER_ID or the
+VM's hostname (Cloud TPU names worker i "...-w-i"); the slice id of a multi-slice job from
+MEGASCALE_SLICE_ID. The exit status is the command's (128 + N for a command killed by signal
+N, as a shell reports it). SIGTERM and SIGINT are passed on to the command, which keeps its
+output flowing until it exits: training saves a checkpoint first. SIGHUP (the ssh session
+ending) is ignored, by the command too.
 """
 
 from __future__ import annotations

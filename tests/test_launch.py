@@ -143,6 +143,10 @@ def test_space_separated_train_flags_are_understood_and_passed_on_joined():
     ("runs/tiny", False, "--workdir=runs/tiny: a workdir inside ~/transformer"),
     (None, False, "no --workdir (runs/<experiment>): a workdir inside ~/transformer"),
     ("~/transformer/runs/tiny", False, "a workdir inside ~/transformer"),
+    # ~/transformer as the workers' shell expands it (it passed, and the next ship deleted it)
+    ("/home/alice/transformer/runs/tiny", False,
+     "--workdir=/home/alice/transformer/runs/tiny: a workdir inside ~/transformer"),
+    ("/root/transformer/runs/tiny", False, "--workdir=/root/transformer/runs/tiny: a workdir"),
     ("/mnt/runs/tiny", True, "--workdir=/mnt/runs/tiny with --restart_on_preemption: a "
      "recreated slice starts with empty disks"),
 ])
@@ -152,7 +156,8 @@ def test_a_run_whose_checkpoints_would_be_lost_is_refused(workdir, restart, mess
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         tpu.validate_run(launch, restart_on_preemption=restart)
     assert str(error.value).endswith("expected --workdir=gs://BUCKET/PATH")
-    tpu.validate_run(make_launch("v6e-8", train=(TRAIN[0], "--workdir=/mnt/runs/tiny")), False)
+    for kept in ("/mnt/runs/tiny", "/home/alice/runs/tiny", "/home/alice/x/transformer/r"):
+        tpu.validate_run(make_launch("v6e-8", train=(TRAIN[0], f"--workdir={kept}")), False)
 
 
 def test_a_launch_that_restarts_after_preemption_refuses_fresh_start():
@@ -272,10 +277,11 @@ def test_stop_signals_training_alone():
     (pgrep for pkill: the same matching, and nothing on this machine is signalled.)"""
     remote = tpu.stop_commands(make_launch("v6e-8"))[0][-1].removeprefix("--command=")
     assert remote.startswith("pkill -TERM -f ")
-    train = "python3 -m transformer.train --config=experiments/gpt_tiny.py"
+    python = os.path.expanduser(tpu.PYTHON)  # as the workers' shell expanded it in train_remote
+    train = f"{python} -m transformer.train --config=experiments/gpt_tiny.py"
     # `exec -a` gives `sleep` the command lines of training and of its wrapper
     processes = {name: subprocess.Popen(["bash", "-c", f'exec -a "{line}" sleep 60'])
-                 for name, line in [("train", train), ("worker", "python3 -m launch.worker "
+                 for name, line in [("train", train), ("worker", f"{python} -m launch.worker "
                                                        f"--log=~/logs/x.log -- {train}")]}
     try:
         import time
@@ -291,6 +297,50 @@ def test_stop_signals_training_alone():
         for process in processes.values():
             process.kill()
             process.wait()
+
+
+FAKE_PYTHON3 = textwrap.dedent("""\
+    #!/bin/bash
+    # The image's python3 (3.10: the project's install would fail), recording its arguments;
+    # `-m uv venv ... DIR` makes DIR/bin/python, which records its own path and arguments.
+    echo "python3 $*" >> "$HOME/calls"
+    if [ "$1 $2 $3" = "-m uv venv" ]; then
+        venv="${@: -1}"
+        mkdir -p "$venv/bin"
+        printf '#!/bin/bash\\necho "$0 $*" >> "$HOME/calls"\\n' > "$venv/bin/python"
+        chmod +x "$venv/bin/python"
+    fi
+""")
+
+
+def test_the_workers_install_and_train_in_a_python_312_venv_made_once(tmp_path):
+    """The images' python3 is 3.10, the project needs >= 3.11: each worker installs uv for
+    python3, makes a venv of Python 3.12 outside the shipped tree once (not again on the next
+    ship), installs the project into it, and runs launch.worker and training with its python,
+    `~` expanded by the worker's shell. The ssh commands run by bash, a fake python3 on PATH."""
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    (home / "src").mkdir(parents=True)
+    bin_dir.mkdir()
+    (home / "src" / "setup.cfg").write_text("[metadata]\n")
+    subprocess.run(["tar", "-czf", str(home / "transformer.tar.gz"), "-C", str(home / "src"),
+                    "setup.cfg"], check=True)
+    (bin_dir / "python3").write_text(FAKE_PYTHON3)
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "HOME": str(home), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    launch = make_launch("v5p-32")
+    install = tpu.ship_commands(launch)[2][0][-1].removeprefix("--command=")
+    train = tpu.run_commands(launch)[0][-1].removeprefix("--command=")
+    for remote in (install, install, train):  # two ships, then training
+        subprocess.run(["bash", "-c", remote], env=env, check=True, timeout=60)
+    assert (home / "transformer" / "setup.cfg").is_file()  # unpacked, the venv kept outside
+    venv = home / ".venvs" / "transformer"
+    python = f"{venv}/bin/python"
+    setup = ["python3 -m pip install -q --user uv",
+             f"python3 -m uv pip install -q --python {python} -e .[tpu]"]
+    assert (home / "calls").read_text().splitlines() == [
+        setup[0], f"python3 -m uv venv -q --clear --python 3.12 {venv}", setup[1], *setup,
+        f"{python} -m launch.worker --log=~/logs/run1.log -- {python} -m transformer.train "
+        "--jax_distributed " + " ".join(TRAIN)]
 
 
 CHILD = textwrap.dedent("""\
@@ -899,6 +949,24 @@ def test_the_gke_manifest_quotes_any_argument_and_xpk_leaves_out_an_unset_projec
     unset = tpu.Launch("run1", "", "", launch.accelerator, "", train_args=TRAIN)
     xpk = gke.xpk_command(unset, "img:1", "cluster1")
     assert not [arg for arg in xpk if arg.startswith(("--project", "--zone"))], xpk
+
+
+def test_gke_noprint_validates_the_launch_and_prints_nothing(capsys):
+    """--noprint checks the launch alone (it printed the manifest all the same)."""
+    import types
+
+    from launch import gke
+
+    values = types.SimpleNamespace(print=False, name="g1", accelerator="v6e-8", num_slices=1,
+                                   image="img:1", xpk=False, cluster=None, project=None,
+                                   zone=None)
+    assert gke.main(["launch.gke", "--", *TRAIN], values) == 0
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ValueError, match=re.escape("workdir='runs/tiny': a pod restarted")):
+        gke.main(["launch.gke", "--", TRAIN[0], "--workdir=runs/tiny"], values)
+    values.print = True
+    assert gke.main(["launch.gke", "--", *TRAIN], values) == 0
+    assert capsys.readouterr().out.startswith("apiVersion: jobset.x-k8s.io/v1alpha2\n")
 
 
 @pytest.mark.slow
