@@ -519,3 +519,107 @@ def test_a_parquet_column_that_holds_no_text_is_refused(tmp_path):
         assert str(error.value) == (f"{path}: row 0: the 'text' column holds "
                                     f"{pq.read_schema(path).field('text').type}: expected strings "
                                     "of text")
+
+
+def test_a_spark_folders_underscore_files_are_skipped_and_other_text_beside_tables_warned(
+        tmp_path, monkeypatch, capsys):
+    """A Spark / Hadoop output folder: part files, _SUCCESS, _committed_<id> (JSON), and a
+    _temporary/ folder, as pyarrow.dataset reads it (skipping "_..." names, its ignore_prefixes);
+    a LICENSE and a README.md beside the tables are read, with a warning naming them (a .txt
+    without one: a mixed folder's corpus). The listing is
+    what the fingerprint covers, so a run that read the "_" files does not resume on them."""
+    spark = tmp_path / "spark"
+    part = write_parquet(spark / "part-00000-abc-c000.snappy.parquet", ["row one", "row two"])
+    write(spark / "_SUCCESS", "")
+    write(spark / "_committed_123", '{"added": ["part-00000-abc-c000.snappy.parquet"]}\n')
+    write(spark / "_temporary" / "0" / "task.txt", "half-written task output")
+    license_file = write(spark / "LICENSE", "Apache License\nVersion 2.0\n")
+    now = sources.fingerprint(str(spark))
+    monkeypatch.setattr(sources, "_beside_tables", lambda directory, files: files)
+    older = sources.fingerprint(str(spark))  # the listing before: every non-hidden file
+    monkeypatch.undo()
+
+    capsys.readouterr()
+    assert sources.document_files(str(spark)) == [license_file, part]
+    assert [d.text for d in sources.read_text(str(spark))] == [
+        "Apache License\nVersion 2.0\n", "row one", "row two"]
+    assert capsys.readouterr().err == (
+        f"warning: {spark}: {license_file} is read as text beside 1 Parquet / JSON Lines files "
+        "(its paragraphs train): if it is not corpus, point data.path at the corpus files alone "
+        "(a glob)\n")
+    # The fingerprint covers the files read: an older run's (over the "_" files too) differs,
+    # so its resume is refused as changed data; removing the skipped files changes nothing.
+    assert now != older
+    for name in ("_SUCCESS", "_committed_123", "_temporary/0/task.txt"):
+        os.remove(spark / name)
+    assert sources.fingerprint(str(spark)) == now
+
+    notes = write(spark / "notes.txt", "more corpus")  # a .txt: corpus, no word (a mixed folder)
+    write(spark / "README.md", "# A dataset card")  # several: the first named, and a count
+    assert notes in sources.document_files(str(spark))
+    sources.read_text(str(spark))
+    assert capsys.readouterr().err == (
+        f"warning: {spark}: {license_file} and 1 other files are read as text beside 1 Parquet / "
+        "JSON Lines files (their paragraphs train): if they are not corpus, point data.path at "
+        "the corpus files alone (a glob)\n")
+    text_only = tmp_path / "text"  # no tables: every non-hidden file is corpus, "_" ones too
+    for name in ("_intro.txt", "body.txt", ".hidden.txt"):
+        write(text_only / name, name)
+    assert sources.document_files(str(text_only)) == [
+        str(text_only / "_intro.txt"), str(text_only / "body.txt")]
+    assert notes in sources.document_files(str(spark / "*"))  # a glob names its files
+
+
+def test_a_corrupt_parquet_page_names_its_row_group_and_rows(tmp_path):
+    """A Parquet file corrupted inside (its footer intact): a page's compressed data, or its
+    header (Thrift's error holds line breaks). The one-line error names the row group and its
+    rows, the rows before it having been read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from transformer.data import formats
+
+    path = tmp_path / "shard.parquet"
+    texts = [f"document {i} " * 20 for i in range(30)]
+    pq.write_table(pa.table({"text": texts}), str(path), row_group_size=10, compression="snappy",
+                   use_dictionary=False)
+    written = path.read_bytes()
+    chunk = pq.ParquetFile(str(path)).metadata.row_group(1).column(0)
+    start, end = chunk.data_page_offset, chunk.data_page_offset + chunk.total_compressed_size
+    for corrupt, at, cause in (("data", (start + 40, end), "OSError: Corrupt snappy"),
+                               ("header", (start, start + 8), "OSError: Couldn't deserialize")):
+        data = bytearray(written)
+        data[at[0]:at[1]] = (b"\0" if corrupt == "data" else b"\xff") * (at[1] - at[0])
+        path.write_bytes(bytes(data))
+        read = []
+        with pytest.raises(ValueError) as error:
+            read.extend(formats.read_rows(str(path)))
+        assert read == list(enumerate(texts[:10]))
+        assert str(error.value).startswith(f"{path}: row group 1 (rows 10..19): unreadable "
+                                           f"Parquet ({cause}")
+        assert str(error.value).endswith("): expected a complete, uncorrupted Parquet file")
+        assert "\n" not in str(error.value)
+
+
+def test_two_mixture_sources_sharing_a_file_are_warned_at_start_up(tmp_path, capsys):
+    """`web/*.parquet` and `web/part-1.parquet`: the shared file would train in both and its
+    validation rows count twice in the sources' total, silently."""
+    from transformer import configs
+
+    web = tmp_path / "web"
+    for k in range(3):
+        write_parquet(web / f"part-{k}.parquet", [f"web {k} row {i}" for i in range(4)])
+    shared = str(web / "part-1.parquet")
+    config = configs.base_config()
+    config.data.sources = (f"path={web}/*.parquet,weight=0.5,name=all",
+                           f"path={shared},weight=0.5,name=p1")
+    capsys.readouterr()
+    configs.validate_config(config, num_devices=1, num_processes=1)
+    assert capsys.readouterr().err == (
+        f"warning: data.sources 'all' and 'p1' both read {shared} (their path): it trains in "
+        "both (at their combined rate), and its validation rows count twice in `validation`: "
+        "if not meant, point the paths at disjoint files\n")
+    config.data.sources = (f"path={web}/part-0.parquet,weight=0.5,name=a",  # disjoint: quiet
+                           f"path={shared},weight=0.5,name=b")
+    configs.validate_config(config, num_devices=1, num_processes=1)
+    assert capsys.readouterr().err == ""

@@ -29,7 +29,7 @@ from transformer.nn.mixers import MIXERS
 from transformer.parallel import pipeline_parallel, sharding
 from transformer.training import checkpoint as checkpoint_lib
 from transformer.training import evaluation, optim, placement, task_eval, wandb_logging
-from transformer.utils import fileio
+from transformer.utils import cli, fileio
 from transformer.utils.keys import Check, dotted
 
 
@@ -432,15 +432,37 @@ def _validate_held_out(config: ml_collections.ConfigDict) -> None:
     held += [(f"data.sources {s.name!r}: validation_path", s.validation_path) for s in mixture]
     trained = [("data.path", config.data.path)]
     trained += [(f"data.sources {s.name!r}: path", s.path) for s in mixture]
+
+    def text(path: str) -> bool:  # (prepared data and token shards are not listed as files)
+        return bool(path) and not inputs.token_shard_dir(path) and \
+            not os.path.isfile(os.path.join(path, "prepare.json"))
+
+    _warn_shared_sources(mixture, text)
     for key, held_out in held:
         for trains, path in trained:
-            if path and held_out and not inputs.token_shard_dir(path) and not os.path.isfile(
-                    os.path.join(path, "prepare.json")) and \
-                    (file := sources.shared_file(path, held_out)):
+            if text(path) and held_out and (file := sources.shared_file(path, held_out)):
                 raise ValueError(f"{key}={held_out!r}: {file} is also a training file, of "
                                  f"{trains}={path!r}: expected held-out files apart from the "
                                  "training files (point the path at the train files alone, "
                                  "e.g. a glob)")
+
+
+def _warn_shared_sources(mixture: list[sources.MixtureSource], text) -> None:
+    """A warning naming two mixture sources that read one file (`web/*.parquet`, `web/a.parquet`;
+    repeating a file may be meant, to weight it up)."""
+    for k, a in enumerate(mixture):
+        for b, key in ((b, key) for b in mixture[k + 1:] for key in ("path", "validation_path")):
+            pair = getattr(a, key), getattr(b, key)
+            if not (text(pair[0]) and text(pair[1]) and (file := sources.shared_file(*pair))):
+                continue
+            whole = [s.name for s in (a, b) if s.validation_path]  # the others split by hash
+            what = "its tokens count twice in `validation`" if key != "path" else \
+                "it trains in both (at their combined rate)" + (
+                    ", and its validation rows count twice in `validation`" if not whole else
+                    f", and {whole[0]!r} trains on the rows the other validates on"
+                    if len(whole) == 1 else "")
+            cli.warn_once(f"data.sources {a.name!r} and {b.name!r} both read {file} (their "
+                          f"{key}): {what}: if not meant, point the paths at disjoint files")
 
 
 def _validate_prepared(config: ml_collections.ConfigDict) -> None:

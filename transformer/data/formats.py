@@ -13,7 +13,8 @@ Every row is one document, named "<file>#<row>" (row counting from 0, blank JSON
 counted): `sources.read_text` reads these beside plain text. A row whose text is empty or
 whitespace gives no document (as an empty text file gives none). A missing field, a row that is
 not a string, text that is not valid Unicode (invalid UTF-8, a lone surrogate escape), or a
-corrupt or truncated file is a one-line ValueError naming the file and the row.
+corrupt or truncated file is a one-line ValueError naming the file and the row (a Parquet
+file's row group and its rows).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import gzip
 import io
 import json
 import os
+import re
 import zlib
 from collections.abc import Iterator
 
@@ -60,6 +62,46 @@ def dataset_dir_of(file: str) -> str | None:
     """The save_to_disk directory `file` belongs to (its own folder), or None."""
     parent = os.path.dirname(file)
     return parent if parent and is_dataset_dir(parent) else None
+
+
+DATASET_DICT = "dataset_dict.json"  # what DatasetDict.save_to_disk writes beside its splits
+
+
+def refuse_dataset_dict(directory: str) -> None:
+    """A one-line error if `directory` is a DatasetDict's (its splits would all be read)."""
+    if fileio.isfile(os.path.join(directory, DATASET_DICT)):
+        with fileio.open_binary(os.path.join(directory, DATASET_DICT)) as f:
+            splits = sorted(json.load(f).get("splits") or ["train"])
+        raise ValueError(f"{directory}: a DatasetDict of splits {splits}: expected one split's "
+                         f"directory (e.g. {os.path.join(directory, splits[0])})")
+
+
+# A split's file as the Hugging Face Hub names it: train-00000-of-00004.parquet (optionally
+# followed by a hash), or train.jsonl; group 1 is the split's name. The names and aliases are
+# those `datasets` infers splits from (its SPLIT_KEYWORDS): "eval" is the test split there.
+_HUB_SPLITS = {"train": "train", "training": "train", "validation": "validation",
+               "valid": "validation", "val": "validation", "dev": "validation",
+               "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
+_HUB_SPLIT_FILE = re.compile(rf"({'|'.join(_HUB_SPLITS)})(-\d+-of-\d+(-[0-9a-f]+)?)?\.")
+
+
+def hub_splits(directory: str, tables: list[str]) -> dict[str, tuple[str, bool]]:
+    """split -> (its first file, False) for split-named files (train.jsonl), or (its folder,
+    True) for files under a split-named folder below `directory` (the Hub's Parquet export:
+    default/train/0000.parquet)."""
+    splits, root = {}, directory.rstrip("/") + "/"
+    for file in tables:
+        if match := _HUB_SPLIT_FILE.match(os.path.basename(file).lower()):
+            splits.setdefault(_HUB_SPLITS[match[1]], (file, False))
+            continue
+        # folders between `directory` and the file (none when a path does not start with it)
+        folders = os.path.dirname(file)[len(root):].split("/") if file.startswith(root) else []
+        for k, folder in enumerate(folders):
+            if folder.lower() in _HUB_SPLITS:
+                path = os.path.join(directory, *folders[:k + 1])
+                splits.setdefault(_HUB_SPLITS[folder.lower()], (path, True))
+                break
+    return splits
 
 
 def read_rows(path: str, text_field: str = TEXT_FIELD) -> Iterator[tuple[int, str]]:
@@ -259,11 +301,33 @@ def _parquet_rows(path: str, field: str) -> Iterator[tuple[int, str]]:
     try:
         with fileio.open_binary(path) as file, pq.ParquetFile(file) as table:
             schema = table.schema_arrow
-            batches = table.iter_batches(columns=[field] if field in schema.names else [])
-            yield from _table_rows(batches, path, field, schema)
-    except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{path}: unreadable Parquet ({type(e).__name__}: {e}): expected a "
-                         "complete Parquet file") from None
+            columns = [field] if field in schema.names else []
+            yield from _table_rows(_row_groups(table, columns, path), path, field, schema)
+    except (pa.ArrowException, OSError) as e:  # the footer: no row group to name
+        raise ValueError(f"{path}: unreadable Parquet ({_line(e)}): expected a complete "
+                         "Parquet file") from None
+
+
+def _line(error: Exception) -> str:
+    """"Type: message" on one line (Thrift's errors hold line breaks)."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _row_groups(table, columns: list[str], path: str):
+    """The record batches of a ParquetFile, row group by row group, so that a corrupt page is
+    named by its row group and rows (a..b, both included)."""
+    import pyarrow as pa
+
+    start = 0
+    for group in range(table.num_row_groups):
+        rows = table.metadata.row_group(group).num_rows
+        try:
+            yield from table.iter_batches(row_groups=[group], columns=columns)
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{path}: row group {group} (rows {start}..{start + rows - 1}): "
+                             f"unreadable Parquet ({_line(e)}): expected a complete, "
+                             "uncorrupted Parquet file") from None
+        start += rows
 
 
 def _dataset_rows(directory: str, field: str) -> Iterator[tuple[int, str]]:

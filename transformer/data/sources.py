@@ -8,11 +8,9 @@ import dataclasses
 import functools
 import glob
 import hashlib
-import json
 import operator
 import os
 import pydoc_data.topics
-import re
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import SupportsIndex
@@ -75,12 +73,13 @@ def _read_utf8(path: str) -> str:
 
 def _files(path: str) -> list[str]:
     """A file, a directory or a glob pattern (local, or a gs:// URL) -> the sorted regular
-    files it names."""
+    files it names. A directory's hidden files are left out, and so are its files named "_..."
+    (or under a "_..." folder) when it holds Parquet / JSON Lines files (`_beside_tables`)."""
     if fileio.isdir(path):
         files = fileio.files_under(path)
         if not files:
             raise FileNotFoundError(f"{path}: no regular non-hidden files under this directory")
-        return sorted(files)
+        return sorted(_beside_tables(path, files))
     if fileio.isfile(path):
         return [path]
     files = fileio.glob_files(path)
@@ -88,6 +87,31 @@ def _files(path: str) -> list[str]:
         raise FileNotFoundError(f"{path}: no such file or directory, and no file matches it as "
                                 "a glob pattern")
     return files
+
+
+def _beside_tables(directory: str, files: list[str]) -> list[str]:
+    """`files` less the names starting with "_" below `directory` where the rest hold a Parquet
+    / JSON Lines file: a Spark or Hadoop job's _SUCCESS, _committed_*, _temporary/ beside its
+    part files, which pyarrow.dataset skips too (its ignore_prefixes); not corpus text."""
+    root = directory.rstrip("/") + "/"
+
+    def underscored(file: str) -> bool:
+        below = file[len(root):] if file.startswith(root) else os.path.basename(file)
+        return any(part.startswith("_") for part in below.split("/"))
+
+    if len(kept := [file for file in files if not underscored(file)]) == len(files):
+        return files
+    outputs = _prepare_outputs(kept)
+    tables = [f for f in kept if formats.table_kind(f) and os.path.dirname(f) not in outputs]
+    return kept if tables else files
+
+
+def _prepare_outputs(files: list[str]) -> set[str]:
+    """The folders of `files` that `prepare` writes (an --output_dir inside --input lists its
+    shards and tokenizer.json there on a resume): not corpus."""
+    folders = {os.path.dirname(file) for file in files}
+    return {d for d in folders if fileio.isfile(os.path.join(d, "prepare.json"))
+            or fileio.isdir(os.path.join(d, ".prepare"))}
 
 
 def split_paragraphs(text: str) -> list[str]:
@@ -111,52 +135,12 @@ def split_paragraphs(text: str) -> list[str]:
     return paragraphs
 
 
-_DATASET_DICT = "dataset_dict.json"  # what DatasetDict.save_to_disk writes beside its splits
-
-
-def _refuse_dataset_dict(directory: str) -> None:
-    """A one-line error if `directory` is a DatasetDict's (its splits would all be read)."""
-    if fileio.isfile(os.path.join(directory, _DATASET_DICT)):
-        with fileio.open_binary(os.path.join(directory, _DATASET_DICT)) as f:
-            splits = sorted(json.load(f).get("splits") or ["train"])
-        raise ValueError(f"{directory}: a DatasetDict of splits {splits}: expected one split's "
-                         f"directory (e.g. {os.path.join(directory, splits[0])})")
-
-
-# A split's file as the Hugging Face Hub names it: train-00000-of-00004.parquet (optionally
-# followed by a hash), or train.jsonl; group 1 is the split's name. The names and aliases are
-# those `datasets` infers splits from (its SPLIT_KEYWORDS): "eval" is the test split there.
-_HUB_SPLITS = {"train": "train", "training": "train", "validation": "validation",
-               "valid": "validation", "val": "validation", "dev": "validation",
-               "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
-_HUB_SPLIT_FILE = re.compile(rf"({'|'.join(_HUB_SPLITS)})(-\d+-of-\d+(-[0-9a-f]+)?)?\.")
-
-
-def _hub_splits(directory: str, tables: list[str]) -> dict[str, tuple[str, bool]]:
-    """split -> (its first file, False) for split-named files (train.jsonl), or (its folder,
-    True) for files under a split-named folder below `directory` (the Hub's Parquet export:
-    default/train/0000.parquet)."""
-    splits, root = {}, directory.rstrip("/") + "/"
-    for file in tables:
-        if match := _HUB_SPLIT_FILE.match(os.path.basename(file).lower()):
-            splits.setdefault(_HUB_SPLITS[match[1]], (file, False))
-            continue
-        # folders between `directory` and the file (none when a path does not start with it)
-        folders = os.path.dirname(file)[len(root):].split("/") if file.startswith(root) else []
-        for k, folder in enumerate(folders):
-            if folder.lower() in _HUB_SPLITS:
-                path = os.path.join(directory, *folders[:k + 1])
-                splits.setdefault(_HUB_SPLITS[folder.lower()], (path, True))
-                break
-    return splits
-
-
 def _check_layout(directory: str, files: list[str]) -> None:
     """A directory read whole must hold one corpus: a one-line error for files or folders of
-    several Hugging Face Hub splits (all of them would train), and a warning for Markdown
-    beside Parquet / JSON Lines files (a dataset card, whose paragraphs would train)."""
+    several Hugging Face Hub splits (all of them would train), and a warning for files read
+    as text beside Parquet / JSON Lines files (a dataset card, a LICENSE: they would train)."""
     tables = [f for f in files if formats.table_kind(f)]
-    splits = _hub_splits(directory, tables)
+    splits = formats.hub_splits(directory, tables)
     if len(splits) > 1:
         a, folder = splits.get("train") or next(iter(splits.values()))
         b = next(path for path, _ in splits.values() if path != a)
@@ -166,11 +150,19 @@ def _check_layout(directory: str, files: list[str]) -> None:
                          f"({a}, {b}), which would all train: expected a path to the train "
                          f"files alone ({train}) and data.validation_path at the validation "
                          f"{'folder' if folder else 'files'}")
-    # (a .txt beside tables is often corpus too: a mixed folder; a dataset card is Markdown)
-    if tables and (cards := [f for f in files if f.lower().endswith(".md")]):
-        cli.warn_once(f"{directory}: {cards[0]} is read as text beside {len(tables)} Parquet / "
-                      "JSON Lines files (its paragraphs train): if it is not corpus, point "
-                      "data.path at the corpus files alone (a glob)")
+    # A dataset card (README.md), a LICENSE, notes: read as text, which is rarely meant (a
+    # .txt beside tables is often corpus too: a mixed folder)
+    texts = [f for f in files if formats.kind(f) == "text" and not f.lower().endswith(".txt")
+             ] if tables else []
+    if texts and (outputs := _prepare_outputs(files)):
+        tables = [f for f in tables if os.path.dirname(f) not in outputs]
+        texts = [f for f in texts if os.path.dirname(f) not in outputs] if tables else []
+    if texts:
+        more = f" and {len(texts) - 1} other files are" if len(texts) > 1 else " is"
+        them = ("their", "they are") if len(texts) > 1 else ("its", "it is")
+        cli.warn_once(f"{directory}: {texts[0]}{more} read as text beside {len(tables)} "
+                      f"Parquet / JSON Lines files ({them[0]} paragraphs train): if {them[1]} "
+                      "not corpus, point data.path at the corpus files alone (a glob)")
 
 
 def document_files(path: str) -> list[str]:
@@ -179,11 +171,11 @@ def document_files(path: str) -> list[str]:
     directory of several Hub splits is refused (`_check_layout`)."""
     if formats.is_dataset_dir(path):
         return [path]
-    _refuse_dataset_dict(path)
+    formats.refuse_dataset_dict(path)
     entries = []
     for file in _files(path):
-        if os.path.basename(file) == _DATASET_DICT:  # under a directory or a glob
-            _refuse_dataset_dict(os.path.dirname(file))
+        if os.path.basename(file) == formats.DATASET_DICT:  # under a directory or a glob
+            formats.refuse_dataset_dict(os.path.dirname(file))
         entry = formats.dataset_dir_of(file) or file
         if entry not in entries[-1:]:  # a dataset's files are adjacent in sorted order
             entries.append(entry)

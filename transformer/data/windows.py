@@ -3,7 +3,8 @@
 A split's documents are laid end to end in one token sequence (`Corpus`) and read as windows of
 the row length (`Windows`): in training each epoch shuffles the documents, shifts the windows by
 a seeded offset and visits them in a seeded order, so every token is read once per epoch
-whatever the document lengths; an evaluation pass reads every token exactly once. prefix_lm
+whatever the document lengths (but up to about two strides at the sequence's ends, other ones
+each epoch: `Windows`); an evaluation pass reads every token exactly once. prefix_lm
 reads one document chunk per row instead (`Chunks`).
 """
 
