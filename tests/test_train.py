@@ -561,6 +561,58 @@ def test_loss_and_step_settings_changed_on_resume_are_announced():
     assert checkpoint_manager.layout_changes(saved, current) == []  # none is refused
 
 
+def _with_model(name: str = "lstm_lm", **model) -> dict:
+    config = tiny_config(name)
+    config.model.update(**model)
+    return config.to_dict()
+
+
+def test_a_resume_leaves_out_the_model_keys_its_family_never_reads():
+    """An LSTM never reads num_heads, MoE or attention settings (its start warns they change
+    nothing): changing one neither blocks its resume nor is announced; a key it reads still
+    is, and so is another family (then every key counts)."""
+    saved = _with_model()
+    unread = _with_model(num_heads=4, position="none", attention_impl="cudnn",
+                        moe={**saved["model"]["moe"], "num_experts": 4})
+    assert checkpoint_manager.structural_differences(saved, unread) == []
+    assert checkpoint_manager.compute_changes(saved, unread) == []
+    assert checkpoint_manager.structural_differences(saved, _with_model(num_layers=2)) == [
+        "model.num_layers: checkpoint 1, config 2"]
+    assert checkpoint_manager.compute_changes(saved, _with_model(dropout_rate=0.1)) == [
+        "model.dropout_rate: checkpoint 0.0, config 0.1"]
+    vocab = saved["model"]["vocab_size"]  # read by every family (ALWAYS_READ)
+    assert checkpoint_manager.structural_differences(saved, _with_model(vocab_size=300)) == [
+        f"model.vocab_size: checkpoint {vocab}, config 300"]
+    gpt = _with_model(family="gpt", num_heads=4)
+    assert checkpoint_manager.structural_differences(saved, gpt) == [
+        "model.family: checkpoint 'lstm', config 'gpt'",
+        "model.num_heads: checkpoint 2, config 4"]
+    # A config saved before the MoE and MLA groups existed: their defaults, unread all the same.
+    old = {**saved, "model": {k: v for k, v in saved["model"].items() if k not in ("moe", "mla")}}
+    assert checkpoint_manager.structural_differences(old, unread) == []
+    # A transformer reads every key.
+    assert checkpoint_manager.structural_differences(
+        _with_model("gpt_tiny"), _with_model("gpt_tiny", num_heads=4)) == [
+        "model.num_heads: checkpoint 2, config 4"]
+
+
+def test_an_lstm_resumes_with_a_changed_key_it_never_reads(tmp_path, capsys):
+    """The probe's run: an LSTM trained with one num_heads continues with another (nothing
+    announced changed); one with another depth is refused."""
+    def lstm(steps: int, **model):
+        config = tiny_config("lstm_lm", steps=steps, samples=0)
+        config.model.update(**model)  # after tiny_config's TINY_MODEL
+        return config
+
+    workdir = tmp_path / "lstm"
+    train.train_and_evaluate(lstm(2), str(workdir))
+    train.train_and_evaluate(lstm(3, num_heads=4, attention_dropout_rate=0.1), str(workdir))
+    assert checkpoint_steps(workdir)[-1] == 3
+    assert "changed on resume" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"model\.num_layers: checkpoint 1, config 2$"):
+        train.train_and_evaluate(lstm(4, num_layers=2), str(workdir))
+
+
 # --- 6. NaN / Inf ---------------------------------------------------------------------------
 
 DIVERGING = dict(optimizer=dict(learning_rate=1e30, grad_clip_norm=0.0))

@@ -92,6 +92,11 @@ class Family:
             raise ValueError(f"Family {self.name!r}: attention=False with reads=None: expected "
                              "reads=(the model keys its module reads)")
 
+    def reads_key(self, key: str) -> bool:
+        """Whether the training reads model key `key` under this family (`reads` or
+        `ALWAYS_READ`; a dotted key, "moe.top_k", by its group)."""
+        return self.reads is None or key.split(".")[0] in self.reads + ALWAYS_READ
+
     @property
     def objective(self) -> str:
         return self.objectives[0]

@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from transformer.data import inputs
-from transformer.models import MODEL_KEYS, default_model_config
+from transformer.models import FAMILIES, MODEL_KEYS, default_model_config
 from transformer.nn import lora
 from transformer.nn.config import TransformerConfig
 from transformer.training import checkpoint as checkpoint_lib
@@ -64,18 +64,32 @@ def _model_settings(config: dict) -> dict:
             **keys.dotted(config.get("model", {}))}
 
 
+def _read_model_settings(saved: dict, current: dict) -> tuple[dict, dict]:
+    """`_model_settings` of both configs less the keys their family never reads
+    (`Family.reads_key`, model.family kept) where both name the same family (else every key):
+    such a key changes nothing (the run's start warns so), so a change to it neither blocks a
+    resume nor is announced."""
+    saved_model, current_model = _model_settings(saved), _model_settings(current)
+    family = FAMILIES.get(saved_model["family"])
+    if family is None or saved_model["family"] != current_model["family"]:
+        return saved_model, current_model
+    return tuple({key: value for key, value in model.items() if family.reads_key(key)}
+                 for model in (saved_model, current_model))
+
+
 def structural_differences(saved: dict, current: dict) -> list[str]:
     """Model settings, the tokenizer and optimizer.name (its state's layout; "adamw" for a
     config from before the key) that differ between two resolved configs. Other optimizer
     settings and `steps` may change on resume (a WSD run continued to a larger `steps`),
     unless they change the state's arrays (`layout_changes`, refused by `Manager.restore`).
+    A model key the family never reads is left out (`_read_model_settings`).
 
     >>> structural_differences({"model": {"num_layers": 4, "dropout_rate": 0.1}},
     ...                        {"model": {"num_layers": 6, "dropout_rate": 0.0}})
     ['model.num_layers: checkpoint 4, config 6']
     """
     differences = []
-    saved_model, current_model = _model_settings(saved), _model_settings(current)
+    saved_model, current_model = _read_model_settings(saved, current)
     for key in sorted(set(saved_model) | set(current_model)):
         if key in _NON_STRUCTURAL:
             continue
@@ -96,7 +110,8 @@ def compute_changes(saved: dict, current: dict) -> list[str]:
     """The settings that may change on resume and did: the model's non-structural ones
     (quantization, dtype, dropout, kernels, ...), the loss and step settings at the top level
     (`_STEP_SETTINGS`) and the optimizer's but its name (learning rate, schedule, weight decay,
-    ...); a top-level or optimizer key both configs hold. Allowed, and announced.
+    ...); a top-level or optimizer key both configs hold, a model key the family reads
+    (`_read_model_settings`). Allowed, and announced.
 
     >>> compute_changes({"model": {}}, {"model": {"quantization": "int8"}})
     ["model.quantization: checkpoint '', config 'int8'"]
@@ -107,7 +122,7 @@ def compute_changes(saved: dict, current: dict) -> list[str]:
     ...                 {"label_smoothing": 0.1, "z_loss": 1e-4, "steps": 20})
     ['label_smoothing: checkpoint 0.0, config 0.1']
     """
-    saved_model, current_model = _model_settings(saved), _model_settings(current)
+    saved_model, current_model = _read_model_settings(saved, current)
     changes = [f"model.{key}: checkpoint {saved_model.get(key)!r}, config "
                f"{current_model.get(key)!r}" for key in sorted(_NON_STRUCTURAL)
                if saved_model.get(key) != current_model.get(key)]

@@ -11,7 +11,6 @@ import numpy as np
 
 from transformer.data import inputs
 from transformer.models import default_model_config, family_of, transformer_config
-from transformer.models.family import ALWAYS_READ
 from transformer.nn import lora, mixers
 from transformer.parallel import pipeline_parallel
 from transformer.training import checkpoint_manager, evaluation, finetune, progress
@@ -233,13 +232,13 @@ def unread_settings(model: ml_collections.ConfigDict) -> list[str]:
     >>> unread_settings(model)
     ['mla.kv_lora_rank=16', 'num_heads=8', "position='none'"]
     """
-    reads = family_of(model).reads
-    if reads is None:
+    family = family_of(model)
+    if family.reads is None:
         return []
     defaults = keys.dotted(default_model_config())
     # dotted: a group's one changed key is named (mla.kv_lora_rank=16), not the whole group
     return [f"{key}={value!r}" for key, value in keys.dotted(model).items()
-            if key.split(".")[0] not in reads + ALWAYS_READ and value != defaults.get(key)]
+            if not family.reads_key(key) and value != defaults.get(key)]
 
 
 def unintended_settings(config: ml_collections.ConfigDict) -> list[str]:
