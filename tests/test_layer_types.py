@@ -110,6 +110,40 @@ def test_bad_layer_types_get_one_line(model, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+# Every key declared `attention_only` (softmax attention's alone: the linear mixers, Mamba 2 and
+# conv never read it), with a value off its default. A new such key needs its row here. (Not
+# the kernel choices, attention_impl and sequence_parallel: compute settings a launch may set
+# for every run, whatever its mixers.)
+ATTENTION_ONLY = dict(
+    qk_norm=True, qk_norm_scope="projection", attention_kind="mla",
+    attention_gate="element", attention_softcap=30.0, attention_sinks=True, qkv_bias=True,
+    attention_scale=0.5, attention_dropout_rate=0.1, t5_num_buckets=16, t5_max_distance=64,
+    rope_theta=500000.0,
+    rope_layout="interleaved", rope_scale=8.0, rope_scaling="yarn", rope_low_freq_factor=2.0,
+    rope_high_freq_factor=8.0, rope_original_max_len=4096, rope_yarn_beta_fast=16.0,
+    rope_yarn_beta_slow=2.0, rope_yarn_mscale=0.707, rope_yarn_mscale_all_dim=0.707,
+    rope_yarn_truncate=False, rope_fraction=0.25, rope_local_theta=10000.0)
+
+
+def test_the_attention_only_keys_are_those_declared():
+    from transformer.utils.keys import declarations
+    assert {name for name, key in declarations(TransformerConfig) if key.attention_only} == set(
+        ATTENTION_ONLY)
+
+
+@pytest.mark.parametrize("name", ATTENTION_ONLY)
+def test_a_softmax_attention_key_without_attention_layers_is_refused(name):
+    """On a stack of conv and Gated DeltaNet layers the key would do nothing (same params, same
+    logits): refused off its default in one line, accepted at it."""
+    value, types = ATTENTION_ONLY[name], "conv,linear_attention"
+    with pytest.raises(ValueError) as error:
+        _check(layer_types=types, **{name: value})
+    assert str(error.value) == (
+        f"model.{name}={value!r} with layer_types={types!r}: expected a full_attention or "
+        "sliding_attention layer (it sets softmax attention, which no layer has)")
+    _check(layer_types=types, **{name: TransformerConfig.__dataclass_fields__[name].default})
+
+
 def test_good_layer_types_pass():
     _check(num_layers=4, sliding_window=2, layer_types="sliding_attention*3,full_attention")
     assert jnp.isfinite(_init_apply(model_config(num_layers=4, sliding_window=2, layer_types=(

@@ -195,10 +195,11 @@ KEYS: dict[str, Key] = {
                          number(ge=0, lt=1)),
     "optimizer.b2": _key(0.99, "Adam's (and Lion's, schedule-free's) second-moment decay.",
                          number(ge=0, lt=1)),
-    "optimizer.weight_decay": _key(0.1, "Decoupled weight decay, lr * weight_decay * p a "
-                                   "step, on matrices only (not biases or norm scales, stacked "
-                                   "or not) for adamw, lion, adafactor and muon's AdamW part; "
-                                   "every param for schedule_free_adamw; L2 for sgd.",
+    "optimizer.weight_decay": _key(0.1, "Weight decay, by default decoupled (lr * "
+                                   "weight_decay * p a step) and on matrices only (not biases "
+                                   "or norm scales, stacked or not: `optim.decay_mask`); where "
+                                   "an optimizer departs from that (e.g. sgd's is L2), its "
+                                   "builder's docstring in `optim.OPTIMIZERS` says so.",
                                    number(ge=0)),
     "optimizer.momentum": _key(0.9, "sgd's momentum.", number(ge=0, lt=1, note="0: none")),
     "optimizer.nesterov": _key(False, "sgd: Nesterov momentum.", BOOL),

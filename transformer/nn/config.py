@@ -99,17 +99,18 @@ class TransformerConfig:
         "post_sublayer x + N'(f(x)) (OLMo 2).", choice(NORM_PLACEMENTS))
     norm_epsilon: float = key(1e-5, "The norms' epsilon.", number(gt=0))
     qk_norm: bool = key(False, "RMSNorm with a learned scale on q and k, before RoPE (Qwen3, "
-                        "Gemma 3, OLMo 2).", BOOL)
+                        "Gemma 3, OLMo 2).", BOOL, attention_only=True)
     qk_norm_scope: str = key("head", "qk_norm over each head (`head`) or the whole projection "
-                             "(`projection`).", choice(QK_NORM_SCOPES))
+                             "(`projection`).", choice(QK_NORM_SCOPES), attention_only=True)
     layer_types: str = key(
-        "", "The token mixer of each layer, comma-separated, as Hugging Face's layer_types names "
-        "them: full_attention, sliding_attention (through sliding_window), linear_attention "
-        "(Gated DeltaNet, model.linear_attention), mamba2 (model.mamba2), conv (LFM2's short "
-        "convolution); `name*n` repeats a "
-        "name. Fewer names than num_layers repeat as a pattern: 'linear_attention*3,"
-        "full_attention' is three linear layers, then one full, over and over. \"\": every layer "
-        "full, or sliding as sliding_window and sliding_window_pattern say.",
+        "", "The token mixer of each layer, comma-separated, by its name in the registry "
+        "(`nn.mixers.MIXERS`, Hugging Face's layer_types names; the allowed values list them), "
+        "e.g. full_attention, sliding_attention (through sliding_window) or linear_attention "
+        "(Gated DeltaNet, model.linear_attention); what each mixer is and its keys: "
+        "docs/experiments.md, Token mixers. `name*n` repeats a name. Fewer names than "
+        "num_layers repeat as a pattern: 'linear_attention*3,full_attention' is three linear "
+        "layers, then one full, over and over. \"\": every layer full, or sliding as "
+        "sliding_window and sliding_window_pattern say.",
         # a string here; its names are checked with the other layer settings (one line each)
         (lambda value: isinstance(value, str), "a string of comma-separated names from "
          + ", ".join(MIXERS) + " (each optionally *n)"))
@@ -117,16 +118,17 @@ class TransformerConfig:
         "mha", "The attention of full and sliding layers: `mha` (multi-head; GQA/MQA by "
         "num_kv_heads) or `mla` (DeepSeek's multi-head latent attention, model.mla). "
         "Self-attention only: an encoder-decoder's cross-attention stays multi-head.",
-        choice(tuple(ATTENTION_KINDS)))
+        choice(tuple(ATTENTION_KINDS)), attention_only=True)
     attention_gate: str = key(
         "", "Gated attention (Qwen3-Next): sigmoid(x W_gate) of the attention's input multiplies "
         "its output before W_o, one gate per head (`head`) or per head_dim element (`element`); "
-        "\"\": off.", choice(ATTENTION_GATES))
+        "\"\": off.", choice(ATTENTION_GATES), attention_only=True)
     attention_softcap: float = key(
         0.0, "Caps the scaled attention logits: cap * tanh(logits / cap) (Gemma 2: 50); 0: off.",
-        number(ge=0, note="0: off"))
+        number(ge=0, note="0: off"), attention_only=True)
     attention_sinks: bool = key(False, "A learned logit per head that joins each softmax's "
-                                "denominator with no value (gpt-oss, StreamingLLM).", BOOL)
+                                "denominator with no value (gpt-oss, StreamingLLM).", BOOL,
+                                attention_only=True)
     final_logit_softcap: float = key(
         0.0, "The same cap on a decoder LM's output logits (Gemma 2: 30); 0: off.",
         described(number(ge=0, note="0: off"), "a number >= 0 (0: off; gpt and prefix_lm)"))
@@ -147,51 +149,58 @@ class TransformerConfig:
     position: str = key("rope", "Positional encoding (`t5`: relative buckets).",
                         choice(POSITIONS))
     max_len: int = key(512, "Positions of a learned position table.", POSITIVE_INT)
-    rope_theta: float = key(10000.0, "RoPE's base.", number(gt=0))
+    # RoPE's keys and T5's buckets act in softmax attention alone (the other mixers ignore
+    # positions): attention_only
+    rope_theta: float = key(10000.0, "RoPE's base.", number(gt=0), attention_only=True)
     rope_layout: str = key("half", "RoPE pairs the two halves (`half`) or neighbours "
-                           "(`interleaved`).", choice(("half", "interleaved")))
+                           "(`interleaved`).", choice(("half", "interleaved")),
+                           attention_only=True)
     rope_scale: float = key(1.0, "> 1: positions stretched by this factor, as `rope_scaling` "
-                            "says.", number(gt=0, note="1: no scaling"))
+                            "says.", number(gt=0, note="1: no scaling"), attention_only=True)
     rope_scaling: str = key("linear", "`linear` (position interpolation), `llama3` (Llama "
                             "3.1) or `yarn` (YaRN, DeepSeek-V2/V3).",
-                            choice(("linear", "llama3", "yarn")))
+                            choice(("linear", "llama3", "yarn")), attention_only=True)
     rope_low_freq_factor: float = key(1.0, "llama3 scaling's low-frequency factor "
                                       "(positions.rope_frequencies).",
-                                      (is_number, "a number, 0 < low < high"))
+                                      (is_number, "a number, 0 < low < high"),
+                                      attention_only=True)
     rope_high_freq_factor: float = key(4.0, "llama3 scaling's high-frequency factor.",
-                                       (is_number, "a number > rope_low_freq_factor"))
+                                       (is_number, "a number > rope_low_freq_factor"),
+                                       attention_only=True)
     rope_original_max_len: int = key(8192, "llama3 and yarn scaling: the context length "
-                                     "trained at before rope_scale stretched it.", int_(gt=0))
+                                     "trained at before rope_scale stretched it.", int_(gt=0),
+                                     attention_only=True)
     # YaRN (rope_scaling "yarn", positions.yarn_frequencies): rope_scale is its factor,
     # rope_original_max_len its original_max_position_embeddings
     rope_yarn_beta_fast: float = key(32.0, "yarn: pairs turning more often than this over "
                                      "rope_original_max_len keep their frequency.",
-                                     number(gt=0))
+                                     number(gt=0), attention_only=True)
     rope_yarn_beta_slow: float = key(1.0, "yarn: pairs turning less often are interpolated "
-                                     "by rope_scale.", number(gt=0))
+                                     "by rope_scale.", number(gt=0), attention_only=True)
     rope_yarn_mscale: float = key(
         1.0, "yarn: RoPE's rotated q and k are multiplied by mscale(rope_scale, this) / "
         "mscale(rope_scale, rope_yarn_mscale_all_dim) where both are > 0, else by "
         "mscale(rope_scale, 1) (HF's attention_factor; positions.rope_attention_factor).",
-        number(ge=0))
+        number(ge=0), attention_only=True)
     rope_yarn_mscale_all_dim: float = key(
         0.0, "yarn: > 0 also multiplies MLA's logit scale by mscale(rope_scale, this)^2 "
-        "(DeepSeek).", number(ge=0))
+        "(DeepSeek).", number(ge=0), attention_only=True)
     rope_yarn_truncate: bool = key(True, "yarn: round the ramp's ends to whole pairs (HF's "
-                                   "default; gpt-oss: False).", BOOL)
+                                   "default; gpt-oss: False).", BOOL, attention_only=True)
     rope_fraction: float = key(1.0, "The fraction of each head's dims RoPE rotates (the first "
                                "ones; Qwen3-Next's partial_rotary_factor: 0.25).",
-                               number(gt=0, le=1))
+                               number(gt=0, le=1), attention_only=True)
     rope_local_theta: float | None = key(
         None, "The sliding layers' RoPE base, unscaled (Gemma 3: 10,000; the full layers keep "
         "rope_theta and its scaling); None: one RoPE for every layer.",
-        optional(number(gt=0), "None or a number > 0"))
-    t5_num_buckets: int = key(32, "T5 relative-position buckets.", int_(gt=0))
+        optional(number(gt=0), "None or a number > 0"), attention_only=True)
+    t5_num_buckets: int = key(32, "T5 relative-position buckets.", int_(gt=0),
+                              attention_only=True)
     t5_max_distance: int = key(128, "T5 relative positions: the distance the largest bucket "
-                               "starts at.", int_(gt=0))
+                               "starts at.", int_(gt=0), attention_only=True)
     use_bias: bool = key(True, "Biases on the projections and the feed-forward layer.", BOOL)
     qkv_bias: bool | None = key(None, "Biases on q/k/v only; None: = use_bias (Qwen2: True).",
-                                optional(BOOL, "None or a bool"))
+                                optional(BOOL, "None or a bool"), attention_only=True)
     sliding_window: int | None = key(
         None, "Decoder LMs: each token sees the last W positions, itself included (Mistral); "
         "None: no limit.", optional(POSITIVE_INT, "None, or an int > 0 (family gpt)"))
@@ -201,7 +210,7 @@ class TransformerConfig:
         "2: 2, Gemma 3: 6); 0: every layer windowed.", int_(ge=0))
     attention_scale: float | None = key(
         None, "Attention logit scale; None: 1/sqrt(head_dim) (T5: 1.0).",
-        optional(number(), "None or a number"))
+        optional(number(), "None or a number"), attention_only=True)
     embedding_norm: bool = key(False, "A norm after adding absolute positions (BERT).", BOOL)
     scale_embeddings: bool = key(False, "Inputs times sqrt(d_model) before positions (Vaswani "
                                  "et al.).", BOOL)
@@ -209,7 +218,7 @@ class TransformerConfig:
                               number(ge=0, lt=1), structural=False, export_neutral=True)
     attention_dropout_rate: float = key(
         0.0, "Dropout on the attention weights (runs the dense kernel).", number(ge=0, lt=1),
-        structural=False, export_neutral=True)
+        structural=False, export_neutral=True, attention_only=True)
     init_std: float | None = key(
         None, "Normal init std of the kernels; None: fan-in scaling (GPT-2: 0.02).",
         optional(number(gt=0), "None or a number > 0"), export_neutral=True)
@@ -328,20 +337,21 @@ class TransformerConfig:
 
     def _check_mixers(self) -> None:
         """The config group of each mixer the layers use checks itself against the model
-        (`check(config)`): e.g. mamba2's head_dim must divide expand x d_model."""
+        (`check(config)`): e.g. mamba2's head_dim must divide expand x d_model. Without a full
+        or sliding attention layer, a key declared `attention_only` is refused off its default
+        (it would do nothing)."""
         used = {self.layer_type(i) for i in range(self.num_layers)}
         records = [MIXERS[name] for name in used]
         if used & {"full_attention", "sliding_attention"}:
             records.append(ATTENTION_KINDS[self.attention_kind])
-        else:  # softmax attention's own settings would be silently idle
-            defaults = {f.name: f.default for f in dataclasses.fields(self)}
-            for name in ("attention_kind", "attention_gate", "attention_sinks", "qk_norm",
-                         "attention_softcap"):
-                value = getattr(self, name)
-                if value != defaults[name]:
-                    raise ValueError(f"{name}={value!r} with layer_types={self.layer_types!r}: "
-                                     "expected a full_attention or sliding_attention layer "
-                                     "(it sets softmax attention, which no layer has)")
+        else:
+            for field in dataclasses.fields(self):
+                declared, value = field.metadata.get("key"), getattr(self, field.name)
+                if declared and declared.attention_only and value != field.default:
+                    raise ValueError(f"{field.name}={value!r} with layer_types="
+                                     f"{self.layer_types!r}: expected a full_attention or "
+                                     "sliding_attention layer (it sets softmax attention, which "
+                                     "no layer has)")
         groups = tuple(m.config for m in records if m.config is not None)
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)

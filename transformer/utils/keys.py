@@ -25,13 +25,17 @@ class Key:
     checkpoint's params or optimizer state depend on it, so a resume must keep it), and, for a
     model key, whether it is export-neutral (it changes how the model is computed, stored,
     initialised or trained, not the function a Hugging Face export maps: every exporter
-    accepts it at any value; `hf.allowlist`)."""
+    accepts it at any value; `hf.allowlist`), and whether it is a setting of softmax attention
+    alone (`attention_only`: a model key no other token mixer reads, refused off its default
+    on a stack without full or sliding attention layers, where it would do nothing;
+    `TransformerConfig._check_mixers`)."""
 
     default: Any
     meaning: str
     check: Check
     structural: bool = True
     export_neutral: bool = False
+    attention_only: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.meaning, str) and self.meaning.strip()):
@@ -43,9 +47,9 @@ class Key:
 
 
 def key(default, meaning: str, check: Check, *, structural: bool = True,
-        export_neutral: bool = False):
+        export_neutral: bool = False, attention_only: bool = False):
     """A dataclass field with its declaration in `metadata["key"]`."""
-    declaration = Key(default, meaning, check, structural, export_neutral)
+    declaration = Key(default, meaning, check, structural, export_neutral, attention_only)
     return dataclasses.field(default=default, metadata={"key": declaration})
 
 
