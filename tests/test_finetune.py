@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -300,6 +301,114 @@ def test_a_run_from_a_workdir_takes_its_tokenizers_sentinel_count(gpt_base):
     assert str(error.value) == (
         f"data.num_sentinels={own + 3}: the tokenizer of init_from={str(gpt_base)!r}, which the "
         f"run reads text with, has {own}: expected data.num_sentinels={own}")
+
+
+def _save_then_delete(steps: Path, step: int) -> None:
+    """What a training saving every step with keep_checkpoints=1 does to a reader of `step`:
+    it saves a newer step (written aside, renamed into place) and deletes `step` (one rename
+    into checkpoints/deleted/)."""
+    newer = steps / f"{step + 2}.orbax-checkpoint-tmp-1"
+    shutil.copytree(steps / str(step), newer)
+    newer.rename(steps / str(step + 2))
+    (steps / "deleted").mkdir(exist_ok=True)
+    (steps / str(step)).rename(steps / "deleted" / str(step))
+
+
+@pytest.mark.parametrize("orbax_says", [None, "Found incomplete checkpoint at {}."])
+def test_init_from_a_training_workdir_reads_metadata_and_params_of_one_step(
+        gpt_base, tmp_path, monkeypatch, orbax_says):
+    """A fine-tune beside a training that saves every step (keep_checkpoints=1): the step
+    init_from chose was deleted between reading its params' metadata and its params, and
+    Orbax failed (a missing step, "Found incomplete checkpoint", a missing file or a truncated
+    read). Both are read again, together, from the then-newest step, which the report names;
+    a given @STEP deleted so is one line naming it."""
+    from transformer.training import checkpoint
+
+    source = tmp_path / "source"
+    shutil.copytree(gpt_base, source)
+    saved = checkpoint.restore_params(str(source))
+    real, reads = checkpoint.read_params, []
+
+    def racing(workdir, step, *args, **kwargs):
+        if not reads:  # the first read: the training moves on meanwhile
+            _save_then_delete(source / "checkpoints", step)
+            if orbax_says:
+                reads.append(step)
+                raise ValueError(orbax_says.format(source / "checkpoints" / str(step)))
+        reads.append(step)
+        return real(workdir, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "read_params", racing)
+    fresh = jax.tree.map(jnp.zeros_like, saved.params)
+    shardings = jax.tree.map(lambda a: a.sharding, saved.params)
+    params, report = finetune.load_params(str(source), fresh, shardings)
+    assert reads == [2, 4] and report.source == f"{source}@4" and not report.new
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params),
+                                                     jax.tree.leaves(saved.params), strict=True))
+    reads.clear()
+    with pytest.raises(ValueError, match=rf"^step=4: checkpoint 4 of {re.escape(str(source))} "
+                                         r"was deleted while it was read \(.*\): expected a "
+                                         r"step it keeps, or no step \(the newest\)$"):
+        finetune.load_params(f"{source}@4", fresh, shardings)
+
+
+def test_a_step_deleted_while_the_steps_are_listed_is_listed_again(gpt_base, monkeypatch):
+    """Orbax's CheckpointManager lists the steps as it opens, reading each one's record (or,
+    without it, its folder's time): a step deleted meanwhile made a fine-tune's whole error
+    "[Errno 2] No such file or directory: '.../checkpoints/889'". Readers open it again."""
+    from transformer.training import checkpoint
+
+    real, opened = checkpoint.ocp.CheckpointManager, []
+
+    def racing(directory, *args, **kwargs):
+        opened.append(directory)
+        if len(opened) == 1:
+            raise FileNotFoundError(2, "No such file or directory", f"{directory}/1")
+        return real(directory, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.ocp, "CheckpointManager", racing)
+    assert checkpoint.complete_steps(str(gpt_base)) == [2] and len(opened) == 2
+
+
+def test_a_step_deleted_while_its_config_is_read_gives_way_and_the_source_is_never_skipped(
+        gpt_base, tmp_path, monkeypatch):
+    """Orbax says "Found incomplete checkpoint" (a ValueError) of a step deleted while it
+    reads it: the fine-tune's start exited 2, or, worse, read it as no source at all and built
+    the experiment's model rather than the source's (another activation here). The config is
+    read from the then-newest step; an error left names init_from."""
+    from test_train import tiny_config
+
+    from transformer.training import checkpoint
+
+    source = tmp_path / "source"
+    shutil.copytree(gpt_base, source)
+    steps = source / "checkpoints"
+    real = checkpoint._reader
+
+    def racing(*args, **kwargs):
+        reader = real(*args, **kwargs)
+        restore = reader.restore
+
+        def deleting(step, *more, **kwargs):
+            if step == 2 and not (steps / "4").exists():
+                _save_then_delete(steps, 2)
+                raise ValueError(f"Found incomplete checkpoint at {steps / '2'}.")
+            return restore(step, *more, **kwargs)
+
+        reader.restore = deleting
+        return reader
+
+    monkeypatch.setattr(checkpoint, "_reader", racing)
+    config = tiny_config(init_from=str(source))
+    assert finetune.resolve_init_config(config).model.activation == "relu"  # the source's
+    assert (steps / "4").exists() and not (steps / "2").exists()
+
+    def damaged(*args):
+        raise ValueError("Expecting value: line 1 column 1 (char 0)")
+
+    monkeypatch.setattr(checkpoint, "saved_run", damaged)
+    with pytest.raises(ValueError, match=rf"^init_from='{re.escape(str(source))}': Expecting"):
+        finetune.resolve_init_config(config)
 
 
 def test_context_extension_sets_rope_frequencies_over_the_source(gpt_base, tmp_path, capsys,

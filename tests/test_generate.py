@@ -780,3 +780,23 @@ def test_the_streamed_text_ends_as_piped_output_does(monkeypatch):
         monkeypatch.setattr(sys, "stdout", out)
         generate.main([], _command_flags("--prompt=ab"))
         assert out.getvalue() == "ab\ufffd\ufffd\n"
+
+
+def test_the_command_names_the_step_it_read_on_stderr(monkeypatch, capsys):
+    """A training beside the command may delete the latest step (keep_checkpoints) and save
+    another: stderr names the one the text came from, as export and evaluate do; stdout stays
+    the text alone (it may be piped)."""
+    from transformer.training import checkpoint, finetune
+
+    model, tokenizer, config = _byte_setup("gpt")
+    params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"]
+    monkeypatch.setattr(finetune, "restore_params",  # the latest: 7, when it read
+                        lambda workdir, step: checkpoint.SavedParams(step or 7, config, params))
+    monkeypatch.setattr(tokenizers, "load_tokenizer", lambda folder: tokenizer)
+    monkeypatch.setattr(checkpoint, "saved_stream", lambda *args, **kwargs: None)
+    args = ("--workdir=runs/live", "--prompt=ab", "--max_new_tokens=3", "--temperature=0")
+    generate.main([], _command_flags(*args))
+    out, err = capsys.readouterr()
+    assert err == "step 7 of runs/live\n" and out.startswith("ab") and "step" not in out
+    generate.main([], _command_flags(*args, "--step=5"))
+    assert capsys.readouterr().err == "step 5 of runs/live\n"

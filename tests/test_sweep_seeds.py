@@ -516,3 +516,36 @@ def test_seeds_with_a_seeded_variant_or_a_seed_flag_are_refused(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "error: variant 's' sets seed=3 and --seeds=2 sets seeds 0..1: expected one of the two"]
     assert not workdir.exists()
+
+
+def test_a_run_another_sweep_trains_is_not_announced_as_training(tmp_path, monkeypatch, capsys):
+    """Two sweeps on one folder: the second printed `[1/2] base: resuming in ...` and at once
+    `skipped: ... in use by another training`, a resume that never happened. It looks at the
+    run's lock first: the run it will skip gets the one line that says so."""
+    from transformer.training import workdir as workdir_lib
+
+    config = base_config()
+    config.steps = 4
+    configs = sweep.variant_configs(config, sweep.named({"base": {},
+                                                         "other": {"model.num_heads": 4}}))
+
+    def train(names, *_):  # as train.setup does first: take the run's lock
+        results = {}
+        for name in names:
+            try:
+                workdir_lib.Lock(str(tmp_path / name)).acquire().release()
+                results[name] = {"summary": {"step": 4}}
+            except workdir_lib.WorkdirBusy as busy:
+                results[name] = busy
+        return results
+
+    monkeypatch.setattr(sweep, "_train", train)
+    other_sweep = workdir_lib.Lock(str(tmp_path / "base")).acquire()
+    try:
+        assert sweep.run(configs, str(tmp_path)) is None
+    finally:
+        other_sweep.release()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"[1/2] base: skipped: workdir={tmp_path}/base "
+                                                   "is in use by another training (pid "), lines
+    assert lines[1] == f"[2/2] other: training in {tmp_path / 'other'}"

@@ -68,12 +68,14 @@ from transformer.generation.text import (  # noqa: F401
 # --- command line -------------------------------------------------------------------------------
 
 
-def load_workdir(workdir: str, step: int | None = None):
+def load_workdir(workdir: str, step: int | None = None, say_step: bool = False):
     """(model, params, tokenizer, config) of checkpoint `step` (default: the latest) of a
     training workdir (on a mesh this machine's devices hold: `placement.local_mesh`), with the
     tokenizer saved beside the checkpoints; the config's data.unit is "stream" where the
     checkpoint records that training read its documents as one stream. `hf:DIR`: a Hugging
-    Face save_pretrained directory and its tokenizer.json, as `transformer.load("hf:DIR")`."""
+    Face save_pretrained directory and its tokenizer.json, as `transformer.load("hf:DIR")`.
+    `say_step`: print `step N of WORKDIR`, the step read, on stderr (the command's note: a
+    training beside it may have deleted the latest meanwhile, and stdout is the text)."""
     if workdir.startswith("hf:"):
         if step is not None:
             raise ValueError(f"step={step} with {workdir!r}: a Hugging Face checkpoint has no "
@@ -87,6 +89,8 @@ def load_workdir(workdir: str, step: int | None = None):
 
     # (a run trained on more devices than this machine has reads onto data parallel here)
     saved = finetune.restore_params(workdir, step)
+    if say_step:
+        print(f"step {saved.step} of {workdir}", file=sys.stderr, flush=True)
     tokenizer = tokenizers_lib.load_tokenizer(fileio.join(workdir, inputs.TOKENIZER_DIR))
     stream = checkpoint_lib.saved_stream(workdir, saved.step, or_newer=True)
     if (stream or {}).get(inputs.DOCUMENTS) == "stream":  # token shards, .bin: read as a stream
@@ -160,7 +164,7 @@ def main(argv, flag_values=None) -> None:
     if f.speculative and (f.beam_size or f.chat is not None or f.num_samples != 1):
         raise ValueError("--speculative: expected one continuation of --prompt (no --beam_size, "
                          "--chat or --num_samples)")
-    model, params, tokenizer, config = load_workdir(f.workdir, f.step)
+    model, params, tokenizer, config = load_workdir(f.workdir, f.step, True)
     if f.chat is not None:
         conversations = read_chat(f.chat)
         if f.prompt:  # one more user turn

@@ -287,13 +287,27 @@ def _announce(header: str, config, directory: str) -> bool:
     if state == "finished":
         print(f"{header}: finished, skipped", flush=True)
         return False
-    print(f"{header}: {'resuming' if state == 'partial' else 'training'} in {directory}",
-          flush=True)
+    if not _held_elsewhere(directory):  # else its training is refused, and `run` says skipped
+        print(f"{header}: {'resuming' if state == 'partial' else 'training'} in {directory}",
+              flush=True)
     if _is_main() and not os.path.exists(os.path.join(directory, definition.CONFIG_FILE)):
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, definition.CONFIG_FILE), "w") as f:
             json.dump(keys.dotted(config.to_dict()), f, indent=1, default=str)
     return True
+
+
+def _held_elsewhere(directory: str) -> bool:
+    """Whether another training (another sweep's) holds `directory` now: its lock, taken and
+    given back at once on process 0 (the one that takes it to train) of a local directory (a
+    bucket's lease takes seconds to take). Only what is printed depends on it."""
+    if not _is_main() or not os.path.isdir(directory):
+        return False
+    try:
+        workdir_lib.Lock(directory).acquire().release()
+    except workdir_lib.WorkdirBusy:
+        return True
+    return False
 
 
 def _train(names: list[str], configs, workdir: str, explicit: dict) -> dict[str, Any]:

@@ -9,7 +9,8 @@ Orbax's WORKDIR/checkpoints/deleted/ for steps on their way out; the run's other
 The readers (`saved_run`, `restore_params`, `read_params`, `params_metadata`,
 `saved_lora_base`) create, clean up and delete nothing, so they are safe beside a training that
 is writing the same workdir; a step that training deletes while it is read gives way to the
-newest one where the caller asked for the latest.
+newest one where the caller asked for the latest (`read_newest`: a caller's reads of one step
+are retried together).
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ def _reader(workdir: str, **item_handlers) -> ocp.CheckpointManager:
     # (Orbax's read_only=True means the same, with a warning line on every command.)
     options = ocp.CheckpointManagerOptions(create=False, cleanup_tmp_directories=False,
                                            max_to_keep=None, enable_async_checkpointing=False)
+    for _ in range(_READS - 1):  # it lists the steps: one deleted meanwhile is a missing file
+        with contextlib.suppress(FileNotFoundError):
+            return ocp.CheckpointManager(fileio.join(workdir, CHECKPOINTS), options=options,
+                                         item_handlers=item_handlers)
     return ocp.CheckpointManager(fileio.join(workdir, CHECKPOINTS), options=options,
                                  item_handlers=item_handlers)
 
@@ -94,6 +99,14 @@ def _reader(workdir: str, **item_handlers) -> ocp.CheckpointManager:
 _READS = 10
 
 
+def _gone(workdir: str, step: int | None) -> bool:
+    """Whether checkpoint `step` has left WORKDIR/checkpoints (a training deleted it): the one
+    sign of a step deleted mid-read, which Orbax reports as any of several errors (a missing
+    file, "Found incomplete checkpoint", a truncated read)."""
+    return step is not None and not fileio.path(
+        fileio.join(workdir, CHECKPOINTS, str(step))).exists()
+
+
 def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collections.ConfigDict]:
     """(step, resolved config) of checkpoint `step` (default: the latest complete one) of a
     training workdir, with one-line errors for a workdir without (that) checkpoint."""
@@ -101,7 +114,7 @@ def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collection
         raise FileNotFoundError(f"{workdir!r} holds no checkpoints: expected a training workdir "
                                 "that has saved one")
     for attempt in range(_READS):
-        last = attempt == _READS - 1
+        last, chosen = attempt == _READS - 1, None
         try:
             with contextlib.closing(_reader(workdir, config=ocp.JsonCheckpointHandler())) as probe:
                 steps = sorted(probe.all_steps())
@@ -113,8 +126,9 @@ def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collection
                     break
                 return chosen, ml_collections.ConfigDict(probe.restore(
                     chosen, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
-        except FileNotFoundError:  # a training deleted a step while it was listed or read
-            if last:
+        except Exception as error:  # noqa: BLE001 - a training deleted a step while it was
+            # listed or read (then `step`, if given, is among the saved steps no more: below)
+            if last or not (isinstance(error, FileNotFoundError) or _gone(workdir, chosen)):
                 raise
     if not steps:
         raise FileNotFoundError(f"{workdir!r} holds no complete checkpoint")
@@ -123,14 +137,14 @@ def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collection
 
 def saved_stream(workdir: str, step: int, or_newer: bool = False) -> dict | None:
     """The data stream (`inputs.data_stream`) saved with checkpoint `step` (`or_newer`: the
-    newest one's, if a training beside it deleted `step` meanwhile, `_newest`); None for one
+    newest one's, if a training beside it deleted `step` meanwhile, `read_newest`); None for one
     saved before streams were (`wrote_stream`). A step that was saved with one and lost it is
-    damaged: FileNotFoundError naming it (with `or_newer`, `_newest`'s one-line error for an
+    damaged: FileNotFoundError naming it (with `or_newer`, `read_newest`'s one-line error for an
     unreadable step, unless a newer step replaced it meanwhile)."""
     def read(chosen: int) -> dict | None:
         # (by its folder: Orbax's item_metadata warns of every item it has no handler for)
         folder = fileio.path(fileio.join(workdir, CHECKPOINTS, str(chosen)))
-        if not folder.exists():  # deleted meanwhile: `_newest` reads the newest
+        if not folder.exists():  # deleted meanwhile: `read_newest` reads the newest
             raise FileNotFoundError(str(folder))
         if not (folder / "stream").exists():
             if wrote_stream(fileio.join(workdir, CHECKPOINTS), chosen):
@@ -142,7 +156,7 @@ def saved_stream(workdir: str, step: int, or_newer: bool = False) -> dict | None
             return probe.restore(chosen, args=ocp.args.Composite(
                 stream=ocp.args.JsonRestore()))["stream"]
 
-    return _newest(workdir, step, read, or_newer=or_newer)
+    return read_newest(workdir, step, read, or_newer=or_newer)
 
 
 def wrote_stream(directory: str, step: int) -> bool:
@@ -161,19 +175,27 @@ def wrote_stream(directory: str, step: int) -> bool:
     return any((other / "stream").exists() for other in folder.iterdir() if other.name.isdigit())
 
 
-def _newest(workdir: str, step: int | None, read: Callable[[int], Any],
-            or_newer: bool = False) -> Any:
+def read_newest(workdir: str, step: int | None, read: Callable[[int], Any],
+                or_newer: bool = False) -> Any:
     """`read(step)` of checkpoint `step`, or of the newest one when `step` is None: a training
-    writing the workdir may delete the step being read (its keep_checkpoints), and then the
-    then-newest step is read instead (also for a given `step` with `or_newer`). A step that
-    stays the newest and cannot be read is one line naming it."""
+    writing the workdir may delete the step being read (its keep_checkpoints), and then `read`
+    runs again, whole, on the then-newest step (also for a given `step` with `or_newer`), so
+    that all it reads comes from the one step it is given. A step that stays the newest and
+    cannot be read is one line naming it; so is a given `step` deleted while it was read."""
     for attempt in range(_READS):
-        chosen = step
+        chosen, listed = step, False
         try:
             chosen, _ = saved_run(workdir, step)
+            listed = True
             return read(chosen)
         except Exception as error:  # noqa: BLE001 - a step deleted mid-read fails in many ways
             if not (step is None or or_newer) or chosen is None:
+                if listed and _gone(workdir, chosen):
+                    raise ValueError(
+                        f"step={chosen}: checkpoint {chosen} of {workdir} was deleted while it "
+                        "was read (the training writing it keeps only its newest "
+                        "keep_checkpoints): expected a step it keeps, or no step (the "
+                        "newest)") from error
                 raise
             try:
                 newest = saved_run(workdir)[0]
@@ -231,7 +253,7 @@ def restore_params(workdir: str, step: int | None = None,
             target = lora.adapters_only(target)
         return SavedParams(step, config, read_params(workdir, step, target, config))
 
-    return _newest(workdir, step, read, or_newer)
+    return read_newest(workdir, step, read, or_newer)
 
 
 def params_metadata(workdir: str, step: int | None = None) -> tuple[int, dict[str, Any]]:
@@ -242,7 +264,7 @@ def params_metadata(workdir: str, step: int | None = None) -> tuple[int, dict[st
         return step, {"/".join(k): v
                       for k, v in traverse_util.flatten_dict(dict(metadata)).items()}
 
-    return _newest(workdir, step, read)
+    return read_newest(workdir, step, read)
 
 
 def read_params(workdir: str, step: int, target, config: ml_collections.ConfigDict | None = None):

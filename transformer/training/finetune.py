@@ -235,7 +235,9 @@ def _workdir_sentinels(config, init_from: str, explicit) -> None:
 
 def _source_architecture(init_from) -> tuple[dict, str, str] | None:
     """({dotted model key: value}, what says so, what kind of checkpoint) of an init_from
-    source; None without one, or for one that is not there."""
+    source; None without one, or for one that is not there (no config.json, no checkpoints
+    folder). A workdir whose checkpoint cannot be read is a one-line error, as in
+    validate_config (`saved_run` reads the newest again where a training deletes one)."""
     if not isinstance(init_from, str) or not init_from:
         return None
     kind, path, step = fileio.parse_init_from(init_from)
@@ -245,10 +247,12 @@ def _source_architecture(init_from) -> tuple[dict, str, str] | None:
         hf_config, theirs, _ = hf_convert(path)
         name = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
         return keys.dotted(theirs), f"{init_from}'s config.json", name
-    try:
-        step, saved = checkpoint_lib.saved_run(path, step)
-    except (FileNotFoundError, ValueError):
+    if not checkpoint_lib.has_checkpoints(path):
         return None
+    try:  # (not None: the experiment's model keys would build another model than the source's)
+        step, saved = checkpoint_lib.saved_run(path, step)
+    except (FileNotFoundError, ValueError) as error:  # as validate_config says it
+        raise type(error)(f"init_from={init_from!r}: {error}") from None
     if lora.enabled(saved):
         raise ValueError(_adapters_only(init_from, f"{path}@{step}"))
     return _saved_architecture(saved), f"{path}@{step}'s saved config", "training-run"
@@ -362,24 +366,46 @@ def load_params(init_from: str, params, shardings,
         values = {k: _as_target(np.asarray(source[k]), target[k], target_shardings[k])
                   for k in report.loaded}
     else:
-        step, metadata = checkpoint_lib.params_metadata(path, step)
-        if metadata and all(lora.is_adapter(k) for k in metadata):
-            raise ValueError(_adapters_only(init_from, f"{path}@{step}"))
-        report = match({k: m.shape for k, m in metadata.items()},
-                       {k: _shape(v) for k, v in target.items()}, f"{path}@{step}")
-        if not lora_base:
-            _frozen_fresh(report, target)
-        wanted = {tuple(k.split("/")): jax.ShapeDtypeStruct(
-            metadata[k].shape, metadata[k].dtype,
-            sharding=target_shardings[k]["qvalue"] if lora.is_quantized(target_shardings[k])
-            else target_shardings[k])
-            for k in report.loaded}
-        restored = checkpoint_lib.read_params(path, step, traverse_util.unflatten_dict(wanted))
+        report, restored = _workdir_params(init_from, step, target, target_shardings, lora_base)
         values = {k: _as_target(v, target[k], target_shardings[k])
                   for k, v in _flat(restored).items()}
     merged = {k: values.get(k, v) for k, v in target.items()}
     out = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in merged.items()})
     return type(params)(out) if not isinstance(params, dict) else out, report
+
+
+def _workdir_params(init_from: str, step: int | None, target: dict, target_shardings: dict,
+                    lora_base: bool) -> tuple[LoadReport, object]:
+    """(report, the params read) of `load_params` from a training workdir: checkpoint `step`'s
+    (default: the latest) params metadata, then the params `target` has, from that one step.
+    If a training there deletes the step meanwhile (its keep_checkpoints), both are read again
+    from the then-newest one (`checkpoint.read_newest`), which the report names; a given
+    `step` deleted meanwhile is a one-line error naming it."""
+    path = fileio.parse_init_from(init_from)[1]
+
+    def read(chosen: int) -> tuple[LoadReport | ValueError, object]:
+        metadata = checkpoint_lib.params_metadata(path, chosen)[1]
+        try:
+            if metadata and all(lora.is_adapter(k) for k in metadata):
+                raise ValueError(_adapters_only(init_from, f"{path}@{chosen}"))
+            report = match({k: m.shape for k, m in metadata.items()},
+                           {k: _shape(v) for k, v in target.items()}, f"{path}@{chosen}")
+            if not lora_base:
+                _frozen_fresh(report, target)
+        except ValueError as refused:  # the source does not fit this model (no step would):
+            return refused, None  # raised as it is, not read again as a step deleted mid-read
+        wanted = {tuple(k.split("/")): jax.ShapeDtypeStruct(
+            metadata[k].shape, metadata[k].dtype,
+            sharding=target_shardings[k]["qvalue"] if lora.is_quantized(target_shardings[k])
+            else target_shardings[k])
+            for k in report.loaded}
+        return report, checkpoint_lib.read_params(path, chosen,
+                                                  traverse_util.unflatten_dict(wanted))
+
+    report, restored = checkpoint_lib.read_newest(path, step, read)
+    if isinstance(report, ValueError):
+        raise report
+    return report, restored
 
 
 def _frozen_fresh(report: LoadReport, target: dict) -> None:
