@@ -111,6 +111,15 @@ def test_logits_equal_transformers(q_lora_rank, converted):
     assert difference(our_logits(config, params), hf_logits(hf)) <= 1e-4
 
 
+@pytest.mark.parametrize("hidden_size", [28, 30])
+def test_a_width_whose_heads_mla_does_not_use_imports(hidden_size):
+    """MLA's heads are sized by its own dims: a hidden_size that 4 heads split into an odd 7,
+    or do not divide (30), is a valid DeepSeek-V3, not a RoPE head_dim to refuse."""
+    hf = deepseek(seed=2, hidden_size=hidden_size)
+    config, params = convert.from_hf(hf.config, hf.state_dict())
+    assert difference(our_logits(config, params), hf_logits(hf)) <= 1e-4
+
+
 def test_scanned_import_gives_the_same_logits(converted):
     """Scanned, the dense first layer and the expert layers stack apart."""
     _, config, params = converted

@@ -287,12 +287,14 @@ class TransformerConfig:
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads={self.num_kv_heads}: expected a divisor of "
                              f"num_heads={self.num_heads}")
-        if self.head_dim is None and self.d_model % self.num_heads:
+        # (MLA sizes its heads by model.mla's keys, which check themselves: head_dim is idle)
+        mha = self.attention_kind != "mla"
+        if mha and self.head_dim is None and self.d_model % self.num_heads:
             raise ValueError(
                 f"d_model={self.d_model}: expected a multiple of num_heads={self.num_heads} "
                 "(or set head_dim)"
             )
-        if self.position == "rope" and self.resolved_head_dim % 2:
+        if mha and self.position == "rope" and self.resolved_head_dim % 2:
             raise ValueError(f"head_dim={self.resolved_head_dim}: RoPE needs an even head dim")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"d_model={self.d_model}: sinusoidal positions need an even width")
