@@ -154,13 +154,15 @@ def test_a_recurrent_layer_under_a_sequence_axis_is_refused_where_it_is_traced(k
     state is not passed between devices: `configs.validate_config` refuses it for the CLIs,
     and a model built in Python (which skips it) is refused as it is traced, never run on
     wrong numbers. Traced on an abstract mesh: no devices needed."""
-    from jax.sharding import AbstractMesh
+    from jax.sharding import AbstractMesh, AxisType
 
     from transformer.parallel import sharding
 
     model, params = built(kind, scan=True)
+    # Auto axes, as the run's meshes have (sharding.make_mesh): newer JAX makes an abstract
+    # mesh's axes Explicit by default, under which the sharding constraints would assert
     mesh = AbstractMesh(tuple(2 if a == "sequence" else 1 for a in sharding.MESH_AXES),
-                        sharding.MESH_AXES)
+                        sharding.MESH_AXES, axis_types=(AxisType.Auto,) * len(sharding.MESH_AXES))
     with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
         with pytest.raises(ValueError) as error:
             jax.eval_shape(lambda p: model.apply({"params": p}, tokens()), params)
