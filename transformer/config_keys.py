@@ -197,9 +197,10 @@ KEYS: dict[str, Key] = {
                          number(ge=0, lt=1)),
     "optimizer.weight_decay": _key(0.1, "Weight decay, by default decoupled (lr * "
                                    "weight_decay * p a step) and on matrices only (not biases "
-                                   "or norm scales, stacked or not: `optim.decay_mask`); where "
-                                   "an optimizer departs from that (e.g. sgd's is L2), its "
-                                   "builder's docstring in `optim.OPTIMIZERS` says so.",
+                                   "or norm scales, stacked or not: `optim.decay_mask`); "
+                                   "schedule_free_adamw decays every param and sgd's is L2; "
+                                   "each optimizer's builder in `optim.OPTIMIZERS` says its "
+                                   "own.",
                                    number(ge=0)),
     "optimizer.momentum": _key(0.9, "sgd's momentum.", number(ge=0, lt=1, note="0: none")),
     "optimizer.nesterov": _key(False, "sgd: Nesterov momentum.", BOOL),
