@@ -27,7 +27,7 @@ import re
 import zlib
 from collections.abc import Iterator
 
-from transformer.utils import fileio
+from transformer.utils import cli, fileio
 
 TEXT_FIELD = "text"
 _JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst", ".ndjson")
@@ -113,7 +113,7 @@ def read_rows(path: str, text_field: str = TEXT_FIELD) -> Iterator[tuple[int, st
 
 def _text(value, path: str, row: int, field: str) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"{path}: row {row}: {field}={_short(value)} is "
+        raise ValueError(f"{path}: row {row}: {field}={cli.short_repr(value)} is "
                          f"{type(value).__name__}: expected a string of text")
     return value
 
@@ -127,11 +127,6 @@ def _unicode(text: str, path: str, row: int, field: str) -> str:
         raise ValueError(f"{path}: row {row}: {field} holds {text[e.start]!r} at character "
                          f"{e.start}, a lone surrogate: expected valid Unicode text") from None
     return text
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class _Zstd(io.RawIOBase):

@@ -137,25 +137,21 @@ def load_sweep(config_file: str) -> list[Variant]:
 _BUILDERS = "sweep.axis / named / product / zipped"
 
 
-def _short(value, width: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
-
-
 def _sweep_list(config_file: str, result) -> list[Variant]:
     """`get_sweep()`'s `result` as a list, refused in one line unless it lists Variants."""
     # A dict iterates as its keys and a str as characters: neither is a sweep.
     if result is None or isinstance(result, (str, bytes, dict, Variant)) \
             or not isinstance(result, Iterable):
-        raise ValueError(f"{config_file}: get_sweep() returned {_short(result)}: expected a "
-                         f"list of variants ({_BUILDERS})")
+        raise ValueError(f"{config_file}: get_sweep() returned {cli.short_repr(result)}: "
+                         f"expected a list of variants ({_BUILDERS})")
     variants = list(result)
     for i, item in enumerate(variants):
         if not isinstance(item, Variant):
             hint = " (join sweeps with +, or combine them with sweep.product / zipped)" \
                 if isinstance(item, (list, tuple)) else ""
-            raise ValueError(f"{config_file}: get_sweep()'s item {i} is {_short(item)}: expected "
-                             f"a variant ({_BUILDERS} return lists of them){hint}")
+            raise ValueError(f"{config_file}: get_sweep()'s item {i} is "
+                             f"{cli.short_repr(item)}: expected a variant ({_BUILDERS} return "
+                             f"lists of them){hint}")
     return variants
 
 
@@ -202,8 +198,8 @@ def _warn_identical(config_file: str, variants: Sequence[Variant]) -> None:
             group.append(variant)
     for group in (g for g in groups if len(g) > 1):
         cli.warn_once(f"{config_file}: variants {[v.name for v in group]} have the same "
-                      f"overrides {_short(group[0].overrides)} and train the same config (to "
-                      "repeat a run with other seeds, use --seeds=N)")
+                      f"overrides {cli.short_repr(group[0].overrides)} and train the same "
+                      "config (to repeat a run with other seeds, use --seeds=N)")
 
 
 def load_options(config_file: str, seeds: int | None = None, baseline: str | None = None

@@ -87,6 +87,12 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
     app.run(guarded, flags_parser=parse)
 
 
+def short_repr(value, width: int = 60) -> str:
+    """repr(value), cut to `width` characters ("..." last) for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 @functools.cache
 def warn_once(line: str) -> None:
     """Prints `warning: <line>` on stderr, once per process for the same line."""
