@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import ml_collections
 import numpy as np
@@ -361,6 +362,66 @@ def test_a_stream_is_one_unit_of_work(tmp_path):
     docs = sources.load_documents(source, "validation", unit="stream", validation_fraction=0.2)
     expected = [i for d in docs for i in [*tokenizers_lib.ByteTokenizer().encode(d.text), 2]]
     assert tokens[:].tolist() == expected  # the last 20% of the characters
+
+
+def long_text(seed: int = 0) -> str:
+    """One text file's worth of lines of every kind: CRLF, unicode, blank lines, indented
+    code, and runs of thousands of characters without a newline."""
+    rng = random.Random(seed)
+    lines = web_documents(60, seed) + [
+        "naïve café 日本語のテキスト 한국어 👩‍👩‍👧‍👦 🇺🇳 e\u0301\r\nCRLF line\r\n",
+        "\n\n\n", "    def f(x):\n        return x\n", " ".join(["run"] * 1500),
+        "x" * 5000, "\t\ttabbed\u2028sep\x85nel"]
+    return "\n".join(rng.choice(lines) for _ in range(150))
+
+
+def metaspace_tokenizer_json(path, byte_fallback: bool) -> str:
+    """A SentencePiece-shaped tokenizer.json: a Metaspace pre-tokenizer that prepends "▁" to
+    an encode's first word, or (`byte_fallback`, Llama 2's) a Prepend("▁") normalizer and
+    byte fallback. Both add a prefix at every encode call."""
+    hf = pytest.importorskip("tokenizers")
+    tok = hf.Tokenizer(hf.models.BPE(unk_token="<unk>", byte_fallback=byte_fallback))
+    if byte_fallback:
+        tok.normalizer = hf.normalizers.Sequence([hf.normalizers.Prepend("▁"),
+                                                  hf.normalizers.Replace(" ", "▁")])
+    else:
+        tok.pre_tokenizer = hf.pre_tokenizers.Metaspace(prepend_scheme="first")
+    special = ["<unk>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] * byte_fallback
+    tok.train_from_iterator(web_documents(), hf.trainers.BpeTrainer(
+        vocab_size=500 + len(special), special_tokens=special, limit_alphabet=200))
+    tok.save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("tokenizer", ["byte_level_bpe", "metaspace", "byte_fallback", "char",
+                                       "byte"])
+def test_a_long_stream_encoded_in_pieces_writes_the_bytes_of_one_encode(
+        tmp_path, monkeypatch, tokenizer):
+    """A --unit=stream text used to be encoded as one string (~140x its size in memory): it is
+    encoded in pieces cut where the ids stay the same, else whole."""
+    source = tmp_path / "input.txt"
+    source.write_text(long_text(), newline="")
+    settings = {"tokenizer": tokenizer, "validation_fraction": 0.3}
+    if tokenizer == "byte_level_bpe":
+        pytest.importorskip("tiktoken")
+        settings.update(tokenizer="hf", tokenizer_path=hf_tokenizer_json(tmp_path / "t.json"))
+    elif tokenizer in ("metaspace", "byte_fallback"):
+        settings.update(tokenizer="hf", tokenizer_path=metaspace_tokenizer_json(
+            tmp_path / "t.json", tokenizer == "byte_fallback"))
+    whole = prepare.prepare(str(tmp_path / "whole"), str(source), unit="stream", **settings)
+    assert source.stat().st_size < prepare_units.PIECE_CHARS  # one encode
+
+    pieces, cut = [], prepare_units._pieces
+    monkeypatch.setattr(prepare_units, "_pieces",
+                        lambda *args: (pieces.append(p) or p for p in cut(*args)))
+    monkeypatch.setattr(prepare_units, "PIECE_CHARS", 4000)
+    workers = 2 if tokenizer == "char" else 1
+    assert prepare.prepare(str(tmp_path / "pieces"), str(source), unit="stream",
+                           num_workers=workers, **settings) == {**whole, "input": str(source)}
+    assert files_of(tmp_path / "pieces") == files_of(tmp_path / "whole")
+    assert "".join(pieces) == source.read_bytes().decode()  # the train and validation splits
+    if tokenizer not in ("metaspace", "byte_fallback"):  # (every cut adds a "▁" to them)
+        assert len(pieces) > 5
 
 
 # Runs `python -m transformer.data.prepare`'s main and kills it, as kill -9 of its process group
@@ -710,6 +771,54 @@ def test_a_tokenizing_worker_that_dies_fails_the_prepare_in_one_line(tmp_path):
     assert str(error.value) == (
         "a tokenizing worker process (of --num_workers=2) died (killed, or out of memory?): "
         "rerun the same command to resume the prepare from the input files it finished")
+
+
+# A prepare's tokenizing workers at work: prints their process ids, then keeps encoding.
+BUSY_WORKERS = """
+import multiprocessing, sys
+from transformer.data import prepare, tokenizers
+tokenizer = tokenizers.build_tokenizer("byte")
+tokenizer.save(sys.argv[1])
+with prepare._encoder(tokenizer, sys.argv[1], 2) as encode:
+    encoded = encode(iter([["a document " * 1000] * 64] * 1_000_000))
+    next(encoded)
+    print(*[child.pid for child in multiprocessing.active_children()], flush=True)
+    for _ in encoded:
+        pass
+"""
+
+
+def running(pids: list[int]) -> list[int]:
+    """The processes of `pids` still running (not gone, not a zombie)."""
+    def state(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return "gone"
+    return [pid for pid in pids if state(pid) not in ("gone", "Z", "X")]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_prepare_killed_by_kill_9_takes_its_tokenizing_workers_with_it(tmp_path):
+    """kill -9 (the OOM killer) of a prepare used to leave its workers waiting forever."""
+    parent = subprocess.Popen([sys.executable, "-c", BUSY_WORKERS, str(tmp_path)], cwd=REPO,
+                              env=cli_env(), stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    workers = []
+    try:
+        workers = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(workers) == 2 and running(workers) == workers
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while running(workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running(workers) == []
+    finally:
+        parent.kill()
+        for pid in running(workers):  # (left by a failure)
+            os.kill(pid, signal.SIGKILL)
 
 
 # --- prepare as an Apache Beam pipeline --------------------------------------------------------

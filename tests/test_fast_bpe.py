@@ -154,3 +154,20 @@ def test_a_difference_on_the_probe_or_the_first_batch_falls_back(tokenizer_jsons
     assert fast_bpe.tiktoken_encoder(text, library) == (None, "tiktoken and tokenizers split "
                                                               "the probe text differently")
     assert fast is not None
+
+
+def test_the_first_batch_check_encodes_only_a_prefix_of_a_long_text(tokenizer_jsons,
+                                                                    monkeypatch):
+    """The check used to encode whole documents through `tokenizers` (a --unit=stream text:
+    its whole Encoding in memory)."""
+    text = tokenizer_jsons["gpt2"]
+    monkeypatch.setattr(fast_bpe, "_CHECKED_CHARS", 500)
+    tok = HFTokenizer(text, {})
+    assert tok.encoder == "tiktoken"
+    checked = []
+    reference = tok._encode_batch
+    monkeypatch.setattr(tok, "_encode_batch", lambda texts: checked.extend(texts) or
+                        reference(texts))
+    texts = ["".join(DOCUMENTS[5:200]), DOCUMENTS[3]]
+    assert [i.tolist() for i in tok.encode_batch(texts)] == reference_ids(text, texts)
+    assert checked == [texts[0][:500], DOCUMENTS[3]] and tok._fast

@@ -44,7 +44,8 @@ PROBE = ("Hello, world! It's 2026; they'll say \"we've\" — I'M sure WE'LL, DON
          "العربية עברית Ελληνικά Кириллица\n"
          "e\u0301 a\u0308 \u200b\u200d\ufeff 👩‍👩‍👧‍👦 👍🏽 🇺🇳 🫠 🪿 \U0001fae8 \U00011f00 "
          "ꬰ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \x00\x07\x7f def f(x):\n    return x  # ok\n    \n")
-_FIRST_BATCH_CHECKED = 16  # documents of the first batch also encoded by `tokenizers`
+_FIRST_BATCH_CHECKED = 16  # documents of the first batch also encoded by `tokenizers`,
+_CHECKED_CHARS = 1 << 16  # each up to this many characters (a whole long text is too costly)
 
 
 def byte_symbols() -> list[str]:
@@ -195,8 +196,11 @@ class TiktokenBPE:
         if not self._checked:
             sample = [i for i, ids in enumerate(out) if ids is not None][:_FIRST_BATCH_CHECKED]
             self._checked = bool(sample)
-            want = reference([texts[i] for i in sample]) if sample else []
-            if any(not np.array_equal(out[i], w) for i, w in zip(sample, want, strict=True)):
+            prefixes = [texts[i][:_CHECKED_CHARS] for i in sample]
+            want = reference(prefixes) if sample else []
+            got = [out[i] if len(texts[i]) <= _CHECKED_CHARS else self.encode(prefix)
+                   for i, prefix in zip(sample, prefixes, strict=True)]
+            if any(not np.array_equal(g, w) for g, w in zip(got, want, strict=True)):
                 return None
         rest = [i for i, ids in enumerate(out) if ids is None]
         for i, ids in zip(rest, reference([texts[i] for i in rest]) if rest else [], strict=True):

@@ -43,6 +43,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from concurrent import futures
@@ -62,8 +63,26 @@ _SENTINELS = tokenizers_lib.NUM_SENTINELS  # above a built tokenizer's vocabular
 _WORKER_TOKENIZER = None  # a worker process's tokenizer (_load_worker_tokenizer)
 
 
-def _load_worker_tokenizer(directory: str) -> None:
+def _die_with(parent: int) -> None:
+    """Has the kernel kill this worker process when its parent dies (Linux's PR_SET_PDEATHSIG;
+    elsewhere nothing): a prepare killed by kill -9 or the OOM killer used to leave its workers
+    waiting forever, holding their memory."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the prctl
+        os._exit(1)
+
+
+def _load_worker_tokenizer(directory: str, parent: int | None = None) -> None:
     global _WORKER_TOKENIZER
+    if parent is not None:
+        _die_with(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a process: the pool is the
     _WORKER_TOKENIZER = tokenizers_lib.load_tokenizer(directory)  # parallelism
 
@@ -85,7 +104,7 @@ def _encoder(tok, tokenizer_dir: str, num_workers: int):
     # spawn: a fork of a process that holds threads (a Hugging Face tokenizer's) can deadlock
     pool = futures.ProcessPoolExecutor(num_workers, multiprocessing.get_context("spawn"),
                                        initializer=_load_worker_tokenizer,
-                                       initargs=(tokenizer_dir,))
+                                       initargs=(tokenizer_dir, os.getpid()))
 
     def encode(batches):
         pending = collections.deque()
@@ -252,7 +271,8 @@ def _run(output_dir: str, settings: dict, tok, todo: list[int], num_workers: int
                                 f"{rate:,.0f} tokens/s")
 
         for index in todo:
-            prepare_units.prepare_unit(output_dir, settings, index, encode, progress)
+            prepare_units.prepare_unit(output_dir, settings, index, encode, progress,
+                                       encode_now=tok.encode_batch)  # (a long text's cuts)
             bar.update(1)
 
 

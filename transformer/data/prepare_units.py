@@ -58,6 +58,12 @@ PROGRESS_DIR = ".prepare"
 LOCK = ".prepare.lock"  # hidden, in DIR: held by the prepare writing DIR (`exclusive`)
 SUMMARY = "prepare.json"
 ENCODE_BATCH = 1024  # documents encoded at once (a Hugging Face tokenizer does them in parallel)
+# A longer document (a --unit=stream input) is encoded in pieces of about this many characters
+# (`_pieces`), so a tokenizer's working memory is one piece's, not the whole text's.
+PIECE_CHARS = 1 << 20
+CUT_CONTEXT = 2048  # characters each side of a cut that encoding checks (`_clean_cut`)
+CUT_TRIES = 8  # cuts checked for a piece's end; where all fail the piece grows by PIECE_CHARS
+_CUT = re.compile(r"\n(?=\S)")  # a cut goes after a newline that text follows
 MAX_BIN_VOCAB = 65536  # uint16 ids
 # The settings a resumed prepare must share with the one it continues (named as the flags).
 ARGUMENTS = ("input", "unit", "validation_fraction", "text_field", "tokenizer", "vocab_size",
@@ -65,6 +71,8 @@ ARGUMENTS = ("input", "unit", "validation_fraction", "text_field", "tokenizer", 
 
 # encode(batches of texts) -> their token ids, batch by batch in the same order.
 Encode = Callable[[Iterator[list[str]]], Iterable[list]]
+# encode_now(texts) -> their token ids at once (the checks of `_pieces`' cuts).
+EncodeNow = Callable[[list[str]], list]
 
 
 def settings_for(input_path: str | None, **arguments) -> dict:
@@ -190,35 +198,102 @@ class _UnitWriter:
             self.counts[split]["files"] = [os.path.basename(p) for p in writer.close()]
 
 
-def _encoded(pairs: Iterator[tuple[str, sources.Document]], encode: Encode):
-    """(batch of (split, document), their ids) for batches of ENCODE_BATCH documents."""
-    pending = collections.deque()
+def _clean_cut(text: str, cuts: list[int], encode_now: EncodeNow) -> int | None:
+    """The first of `cuts` (offsets in `text`) where the CUT_CONTEXT characters either side
+    encode, joined, to the ids of the two sides encoded apart, or None. This refuses a cut
+    inside a pre-tokenizer's word, and every cut of a tokenizer that adds something at each
+    encode (a Metaspace or Prepend("▁") prefix)."""
+    texts = []
+    for cut in cuts:
+        low, high = max(0, cut - CUT_CONTEXT), cut + CUT_CONTEXT
+        texts += [text[low:high], text[low:cut], text[cut:high]]
+    ids = [np.asarray(one, np.int64) for one in encode_now(texts)]
+    return next((cut for k, cut in enumerate(cuts) if np.array_equal(
+        ids[3 * k], np.concatenate([ids[3 * k + 1], ids[3 * k + 2]]))), None)
+
+
+def _pieces(text: str, encode_now: EncodeNow) -> Iterator[str]:
+    """`text` in pieces of about PIECE_CHARS characters whose ids, encoded apart and joined,
+    are the ids of `text` (as far as CUT_CONTEXT characters show): each cut is the first
+    `_clean_cut` of up to CUT_TRIES newlines past PIECE_CHARS; where none is, the piece grows
+    by PIECE_CHARS, up to the whole text (one encode, as shorter documents are)."""
+    start = 0
+    target = PIECE_CHARS
+    while target < len(text):
+        cuts = [m.end() for m in itertools.islice(_CUT.finditer(text, target), CUT_TRIES)]
+        if not cuts:
+            break
+        # the first alone (it is clean in most text), then the others at once
+        cut = _clean_cut(text, cuts[:1], encode_now)
+        if cut is None and len(cuts) > 1:
+            cut = _clean_cut(text, cuts[1:], encode_now)
+        if cut is None:
+            target = cuts[-1] + PIECE_CHARS
+            continue
+        yield text[start:cut]
+        start, target = cut, cut + PIECE_CHARS
+    yield text[start:]
+
+
+def _encoded(pairs: Iterator[tuple[str, sources.Document]], encode: Encode,
+             encode_now: EncodeNow):
+    """(batch of (split, document), their ids) for batches of up to ENCODE_BATCH documents; a
+    document over PIECE_CHARS characters is a batch of its own, encoded in `_pieces` (one a
+    batch) whose int32 ids are joined."""
+    pending = collections.deque()  # (batch, None), or ((split, document), its last piece?)
 
     def texts():
-        while batch := list(itertools.islice(pairs, ENCODE_BATCH)):
-            pending.append(batch)
-            yield [doc.text for _, doc in batch]
+        batch = []
+        for split, doc in pairs:
+            long = len(doc.text) > PIECE_CHARS
+            batch += [] if long else [(split, doc)]
+            if batch and (long or len(batch) == ENCODE_BATCH):
+                pending.append((batch, None))
+                yield [one.text for _, one in batch]
+                batch = []
+            if long:
+                pieces = _pieces(doc.text, encode_now)
+                piece = next(pieces)
+                for after in itertools.chain(pieces, [None]):
+                    pending.append(((split, doc), after is None))
+                    yield [piece]
+                    piece = after
+        if batch:
+            pending.append((batch, None))
+            yield [one.text for _, one in batch]
 
+    parts = []
     for ids in encode(texts()):
-        yield pending.popleft(), ids
+        entry, last = pending.popleft()
+        if last is None:
+            yield entry, ids
+            continue
+        parts.append(np.asarray(ids[0], np.int32))
+        if last:
+            yield [entry], [np.concatenate(parts)]
+            parts = []
 
 
 def prepare_unit(output_dir: str, settings: dict, index: int, encode: Encode,
-                 progress: Callable[[int, int], None] | None = None) -> dict:
-    """Tokenizes unit `index` (`encode` turns batches of texts into ids), writes its shards
+                 progress: Callable[[int, int], None] | None = None,
+                 encode_now: EncodeNow | None = None) -> dict:
+    """Tokenizes unit `index` (`encode` turns batches of texts into ids; `encode_now` a few
+    texts at once, by default through `encode`), writes its shards
     under temporary names, renames them into `output_dir` when all are complete, then writes
     its record and returns it: {"unit", "input", "fingerprint", "train": {"documents",
     "tokens", "bytes", "files"}, "validation": {...}}. `progress(documents, tokens)` after each
     batch. The same settings and unit give the same bytes, whoever runs it."""
     unit = settings["units"][index]
     fingerprint = sources.fingerprint(unit or None)
+    encode_now = encode_now or (lambda texts: next(iter(encode(iter([texts])))))
     os.makedirs(_progress(output_dir, "tmp"), exist_ok=True)
     temp = tempfile.mkdtemp(prefix=f"{index}-", dir=_progress(output_dir, "tmp"))
     try:
         with fileio.staged(temp) as stage:
             writer = _UnitWriter(output_dir, settings, index, stage)
             try:
-                for batch, ids in _encoded(unit_documents(settings, index), encode):
+                for batch, ids in _encoded(unit_documents(settings, index), encode,
+                                           encode_now):
                     tokens = sum(writer.add(split, doc, one)
                                  for (split, doc), one in zip(batch, ids, strict=True))
                     if progress:
