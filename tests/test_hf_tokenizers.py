@@ -5,6 +5,7 @@ sentinels, a bare tokenizer.json); ids must be exactly those of the library and 
 fine-tunes an imported model and generates with them."""
 
 import json
+import os
 import pickle
 from pathlib import Path
 
@@ -120,6 +121,29 @@ def test_save_load_and_pickle_give_the_same_mapping(gpt2_dir, tmp_path):
         assert other.kind == "hf" and other.vocab_size == tok.vocab_size
         assert other.specials == tok.specials and other.eos_id == tok.eos_id
         assert [other.encode(t).tolist() for t in TEXTS] == [tok.encode(t).tolist() for t in TEXTS]
+
+
+def test_roles_filled_in_from_well_known_tokens_leave_the_tokenizers_identity(gpt2_dir,
+                                                                             tmp_path):
+    """A bare tokenizer.json's roles are filled in from well-known tokens and saved as such
+    (`unnamed`: chat templates do not see them); a tokenizer saved before that list was kept
+    tokenizes alike, so prepared data and workdirs holding either are one tokenizer's."""
+    directory = tmp_path / "bare"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_bytes((gpt2_dir / "tokenizer.json").read_bytes())
+    tok = tokenizers_lib.load_hf_tokenizer(str(directory))
+    assert tok.unnamed and tok.specials["eos"] == "<|endoftext|>"
+    tok.save(str(tmp_path / "new"))
+    saved = json.loads((tmp_path / "new" / tokenizers_lib.CONFIG_FILE).read_text())
+    assert saved["specials"]["unnamed"] == list(tok.unnamed)
+    del saved["specials"]["unnamed"]  # as saved before the list was kept
+    (tmp_path / "old").mkdir()
+    for name in os.listdir(tmp_path / "new"):
+        (tmp_path / "old" / name).write_bytes((tmp_path / "new" / name).read_bytes())
+    (tmp_path / "old" / tokenizers_lib.CONFIG_FILE).write_text(json.dumps(saved))
+    assert inputs._tokenizer_identity(str(tmp_path / "old")) == inputs._tokenizer_identity(
+        str(tmp_path / "new"))
+    assert tokenizers_lib.load_tokenizer(str(tmp_path / "old")).unnamed == ()
 
 
 def test_a_checkpoints_generation_config_stop_ids_are_kept_saved_and_checked(gpt2_dir,

@@ -260,6 +260,32 @@ def test_qlora_without_lora_is_refused(tmp_path):
                                        "model.lora.rank > 0")
 
 
+@pytest.mark.parametrize("key,value", [("targets", "mlp/wi$"), ("alpha", 3.0), ("dropout", 0.1)])
+def test_lora_settings_without_a_rank_are_refused(key, value, tmp_path):
+    """rank 0 trains the whole model: adapter settings there would be silently ignored."""
+    (tmp_path / "config.json").write_text("{}")
+    config = small_config(rank=0, alpha=16.0)
+    config.init_from = f"hf:{tmp_path}"
+    validate_config(config)  # (the defaults: a full fine-tune)
+    config.model.lora[key] = value
+    with pytest.raises(ValueError) as error:
+        validate_config(config)
+    assert str(error.value).startswith(f"model.lora.{key}={value!r} with model.lora.rank=0 ")
+    assert "\n" not in str(error.value)
+
+
+def test_init_from_a_peft_adapter_folder_says_to_merge_it(tmp_path):
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    config = small_config()
+    config.init_from = f"hf:{tmp_path}"
+    with pytest.raises(FileNotFoundError) as error:
+        validate_config(config)
+    assert str(error.value).startswith(f"init_from='hf:{tmp_path}': expected a save_pretrained ")
+    assert "this is a peft adapter folder" in str(error.value)
+    assert "merge_and_unload()" in str(error.value) and "\n" not in str(error.value)
+
+
 # --- end to end: an imported tiny Llama, the CLI, transformers and peft ----------------------
 
 

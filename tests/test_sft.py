@@ -158,6 +158,30 @@ def test_tokens_equal_transformers_apply_chat_template(tmp_path, template, where
         chat.encode_chat(ours, conversation(4), add_generation_prompt=True).tolist()
 
 
+def test_roles_the_directory_does_not_name_are_not_the_template_s(tmp_path):
+    """A tokenizer_config.json without bos_token: AutoTokenizer has no BOS, so a template's
+    {{ bos_token }} writes nothing, for us too (whose bos is the well-known <|begin_of_text|>
+    the vocabulary has, for other uses), also once saved into a workdir and loaded back."""
+    import pickle
+
+    directory = build_tokenizer(tmp_path, "{{ bos_token }}" + CHATML)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    del config["bos_token"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    ours, hf = tokenizers_lib.load_hf_tokenizer(str(directory)), reference(directory)
+    assert hf.bos_token is None and ours.decode([ours.bos_id]) == "<|begin_of_text|>"
+    ours.save(str(tmp_path / "saved"))
+    again = tokenizers_lib.load_tokenizer(str(tmp_path / "saved"))
+    for tok in (ours, again, pickle.loads(pickle.dumps(ours))):
+        assert tok.bos_id == ours.bos_id
+        for seed in range(3):
+            messages = conversation(seed)
+            assert chat.encode_chat(tok, messages).tolist() == \
+                hf.apply_chat_template(messages, tokenize=True)["input_ids"]
+            ids, _ = chat.assistant_tokens(tok, messages)
+            assert ids.tolist() == hf.apply_chat_template(messages, tokenize=True)["input_ids"]
+
+
 def test_the_template_raise_exception_is_one_line(tmp_path):
     tok = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path, CHATML)))
     with pytest.raises(ValueError, match="^--chat: the chat template refused it: unknown role "
@@ -302,6 +326,22 @@ def test_generation_marks_on_the_content_alone_still_mask_the_end_of_turn(tmp_pa
     assert chat.end_of_turn_id(bare) == bare.require("eos", "")
     assert "warning: the chat template ends an assistant turn with no special token" in \
         capsys.readouterr().err
+
+
+def test_an_empty_reply_s_end_of_turn_is_masked_with_generation_marks_too(tmp_path):
+    """An assistant message with content "": its marks hold no token, yet its end of turn is
+    in the mask, as the unmarked template's mask has it."""
+    marked = tokenizers_lib.load_hf_tokenizer(
+        str(build_tokenizer(tmp_path / "marked", marked_content())))
+    plain = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path / "plain", CHATML)))
+    whole = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": "Tell me a story."},
+                {"role": "assistant", "content": "A king loved the sea."}]
+    for messages in (whole, whole[:2]):
+        ids, mask = chat.assistant_tokens(marked, messages)
+        assert (ids.tolist(), mask.tolist()) == tuple(
+            x.tolist() for x in chat.assistant_tokens(plain, messages))
+        assert marked.decode(ids[spans(mask)[0][0]:spans(mask)[0][1]]) == "<|im_end|>"
 
 
 def test_chat_replies_open_the_assistant_turn_and_stop_at_its_end(llama3_dir, monkeypatch):

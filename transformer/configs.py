@@ -24,6 +24,7 @@ from transformer.models import (
     transformer_config,
     vision,
 )
+from transformer.nn import lora as lora_lib
 from transformer.nn import sequence_parallel
 from transformer.nn.mixers import MIXERS
 from transformer.parallel import pipeline_parallel, sharding
@@ -165,24 +166,6 @@ def check_sequence_split(config: ml_collections.ConfigDict, mesh_sizes: dict[str
                              "reorders)")
 
 
-def _validate_lora(config: ml_collections.ConfigDict) -> None:
-    """LoRA adapts a pretrained base (init_from), which its checkpoints name and which stays
-    frozen (MoE balance biases included); QLoRA is LoRA's."""
-    group = config.model.get("lora") or {}
-    if group.get("rank") and not config.get("init_from"):
-        raise ValueError(f"model.lora.rank={group.rank}: expected init_from (a pretrained "
-                         "workdir or hf:DIR) for the adapters' frozen base")
-    if group.get("base_quantization") and not group.get("rank"):
-        raise ValueError(f"model.lora.base_quantization={group.base_quantization!r}: expected "
-                         "model.lora.rank > 0 (QLoRA quantizes LoRA's frozen base)")
-    rate = (config.model.get("moe") or {}).get("bias_update_rate")
-    if group.get("rank") and rate:  # the step would move the frozen base's balance biases
-        raise ValueError(f"model.moe.bias_update_rate={rate!r} with model.lora.rank="
-                         f"{group.rank}: expected 0 (--config.model.moe.bias_update_rate=0; "
-                         "an adapter run keeps its base's MoE balance biases frozen), or "
-                         "model.lora.rank=0 to fine-tune the whole model with them moving")
-
-
 def check_pipeline(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int]) -> None:
     """One-line errors for a pipeline (mesh.stage > 1) that cannot run: another family than
     the decoder LMs, unscanned layers, a sequence axis or an attention-bias position, layer
@@ -265,7 +248,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int | None =
         _validate_finetuning(config)
     _validate_objective(config)
     _validate_unread(config)
-    _validate_lora(config)
+    lora_lib.validate(config)
     task_eval.check(config, family_of(config).decoding, num_processes)
     wandb_logging.check(config)
     model = model_for_checks(config)
@@ -587,8 +570,9 @@ def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
             except (FileNotFoundError, ValueError) as error:
                 raise type(error)(f"init_from={config.init_from!r}: {error}") from None
         elif not fileio.path(path).joinpath("config.json").is_file():
+            peft = fileio.path(path).joinpath("adapter_config.json").is_file()
             raise FileNotFoundError(f"init_from={config.init_from!r}: expected a save_pretrained "
-                                    "directory with config.json")
+                                    "directory with config.json" + (lora_lib.PEFT_FOLDER * peft))
         elif fileio.path(path).joinpath("tokenizer.json").is_file() and \
                 config.data.tokenizer != "hf":
             # Its weights read the ids of its own tokenizer; no other tokenizer's ids mean the same.

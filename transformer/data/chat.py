@@ -115,8 +115,10 @@ def _kind(tokenizer) -> str:
 
 
 def _transformers_tokenizer(tokenizer):
-    """The `transformers` tokenizer with this tokenizer's vocabulary, specials and chat
-    template (built once per tokenizer), or a one-line error for a tokenizer without one."""
+    """The `transformers` tokenizer with this tokenizer's vocabulary, chat template and the
+    special-token roles its directory names (`named_specials`: those AutoTokenizer sets, not
+    the ones filled in from well-known tokens), built once per tokenizer; or a one-line error
+    for a tokenizer without a chat template."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(f"the {_kind(tokenizer)} tokenizer has no chat template: expected a "
@@ -133,8 +135,7 @@ def _transformers_tokenizer(tokenizer):
     backend = tokenizers.Tokenizer.from_str(tokenizer.tokenizer_json)
     backend.no_padding()
     backend.no_truncation()
-    roles = {f"{role}_token": token for role, token in tokenizer.specials.items()
-             if token is not None}
+    roles = {f"{role}_token": token for role, token in tokenizer.named_specials.items()}
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=template,
                                               **roles)
     tokenizer.__dict__["_transformers_chat"] = hf
@@ -199,7 +200,9 @@ def _assistant_tokens(hf, messages, where: str) -> tuple[np.ndarray, np.ndarray]
     marked = np.asarray(out["assistant_masks"], bool)
     if list(out["input_ids"]) != ids.tolist():  # (not expected: no offsets to extend by)
         return np.asarray(out["input_ids"], np.int32), marked.astype(np.int32)
-    return ids, _with_end_of_turn(marked, offsets, spans, special, text).astype(np.int32)
+    empty = [not m.get("content") for m in messages if m["role"] == "assistant"]
+    mask = _with_end_of_turn(marked, offsets, spans, special, text, empty)
+    return ids, mask.astype(np.int32)
 
 
 def _special_tokens(hf) -> dict[int, str]:
@@ -260,23 +263,27 @@ def _content_span(hf, messages, i: int, text: str) -> tuple[int, int] | None:
     return len(head), stop + after + len(end) if end else stop
 
 
-def _with_end_of_turn(marked, offsets, spans, special, text) -> np.ndarray:
+def _with_end_of_turn(marked, offsets, spans, special, text, empty) -> np.ndarray:
     """A {% generation %} mask with the end of turn that the template renders after a marked
     reply that lacks one (`{% endgeneration %}<|im_end|>`), so the model learns to stop: the
     first special token after the reply's marked tokens in its turn (`spans`), or where the
     turns are not found (spans None), the special token right after each marked run that has
     none (past whitespace only). Never the text after that token; a reply whose marks hold a
-    special token keeps transformers' mask."""
+    special token keeps transformers' mask. An empty reply (`empty`, per assistant message)
+    marks no token: its end of turn is the first special token of its turn, as unmarked."""
     mask = marked.copy()
     if spans is not None:
-        for start, stop in spans:
+        for (start, stop), blank in zip(spans, empty, strict=True):
             inside = np.flatnonzero((offsets[:, 0] < stop) & (offsets[:, 1] > start))
             taken = inside[marked[inside]]
-            # (a template may leave a turn unmarked on purpose)
+            ends = inside[special[inside]]
+            # (a template may leave a turn unmarked on purpose: a non-empty one with no marks)
             if taken.size and not special[taken].any():
-                ends = inside[(inside > taken[-1]) & special[inside]]
+                ends = ends[ends > taken[-1]]
                 if ends.size:
                     mask[taken[-1]:ends[0] + 1] = True
+            elif blank and not taken.size and ends.size:
+                mask[ends[0]] = True
         return mask
     edges = np.diff(np.concatenate([[0], marked.astype(np.int8), [0]]))
     runs = zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1), strict=True)

@@ -45,13 +45,18 @@ TRANSFORMERS_KEYS = ("added_tokens_decoder", "additional_special_tokens", "extra
 # Where a saved "hf" tokenizer keeps its `stop_ids`, beside CONFIG_FILE: a file of its own, so
 # that tokenizer.json stays what says how text becomes ids (prepared data is checked against it).
 STOP_IDS_FILE = "stop_ids.json"
+# The `specials` entry listing the roles `load_hf_tokenizer` filled in from _WELL_KNOWN (the
+# directory's config files name none): transformers leaves those unset, so its chat templates see
+# no such token. Kept in a saved tokenizer's specials, so that a reload renders chats the same.
+UNNAMED = "unnamed"
 
 
 class HFTokenizer(Tokenizer):
     """A Hugging Face `tokenizers` tokenizer (`tokenizer_json`: the text of a tokenizer.json)
     with its own ids. `specials` maps roles (`ROLES`) to token strings of its vocabulary, or
     None where it has no such token; read them from a save_pretrained directory with
-    `load_hf_tokenizer`.
+    `load_hf_tokenizer`. `specials[UNNAMED]` (optional) lists the roles that were filled in
+    rather than named by the directory: `named_specials` leaves them out.
 
     - Documents end with <eos>; a vocabulary without one but with [SEP] (BERT) ends them with
       [SEP]. A role a feature needs and the vocabulary lacks is a clear error there (e.g. the
@@ -96,6 +101,11 @@ class HFTokenizer(Tokenizer):
         self.fast_bpe_skipped = ""  # why not, where the tokenizer is not encoded by tiktoken
         vocab = self._tok.get_vocab(with_added_tokens=True)
         size = max(vocab.values()) + 1
+        specials = dict(specials)
+        unnamed = specials.pop(UNNAMED, None) or []
+        if not isinstance(unnamed, list | tuple) or set(unnamed) - set(ROLES):
+            raise ValueError(f"specials[{UNNAMED!r}]={unnamed!r}: expected a list of {ROLES}")
+        self.unnamed = tuple(role for role in ROLES if role in unnamed)
         unknown = sorted(set(specials) - set(ROLES))
         if unknown:
             raise ValueError(f"special roles {unknown}: expected some of {ROLES}")
@@ -209,6 +219,17 @@ class HFTokenizer(Tokenizer):
     def special_names(self) -> dict[int, str]:
         return dict(self._names)
 
+    @property
+    def named_specials(self) -> dict[str, str]:
+        """{role: token} of the roles its directory names, the ones `AutoTokenizer` sets on
+        the same directory and a chat template's `bos_token`, `eos_token`, ... render: the
+        `specials` but those filled in from well-known tokens (`unnamed`)."""
+        return {role: token for role, token in self.specials.items()
+                if token is not None and role not in self.unnamed}
+
+    def _saved_specials(self) -> dict[str, Any]:
+        return {**self.specials, **({UNNAMED: list(self.unnamed)} if self.unnamed else {})}
+
     def _config(self, directory: str) -> dict[str, Any]:
         fileio.write_atomic(fileio.join(directory, HF_FILE), self.tokenizer_json.encode())
         chat = {"chat_template": self.chat_template} if self.chat_template else {}
@@ -218,7 +239,8 @@ class HFTokenizer(Tokenizer):
             fileio.write_atomic(str(stops), json.dumps(list(self.stop_ids)).encode())
         else:  # (none: a directory saved over keeps no other tokenizer's)
             stops.unlink(missing_ok=True)
-        return {"model_file": HF_FILE, "specials": self.specials, **chat, **settings}
+        return {"model_file": HF_FILE, "specials": self._saved_specials(), **chat,
+                **settings}
 
     def hugging_face(self) -> tuple[str, dict[str, Any]]:
         """Its own tokenizer.json, with its roles, settings (and chat template) in the config.
@@ -264,7 +286,7 @@ class HFTokenizer(Tokenizer):
         return tok.to_str(pretty=True), settings
 
     def __getstate__(self) -> dict[str, Any]:  # for multiprocess data loaders
-        return {"tokenizer_json": self.tokenizer_json, "specials": self.specials,
+        return {"tokenizer_json": self.tokenizer_json, "specials": self._saved_specials(),
                 "num_sentinels": self.num_sentinels, "chat_template": self.chat_template,
                 "settings": self.settings, "stop_ids": self.stop_ids}
 
@@ -332,7 +354,8 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
     `save_pretrained` directory). Each role comes from the directory's tokenizer_config.json
     (its `bos_token`, `eos_token`, ... entries; null names none), else special_tokens_map.json;
     a role neither names (all of them for a bare tokenizer.json) is the first well-known token
-    (<pad>, [PAD], </s>, <|endoftext|>, [CLS], ...) the vocabulary has. The first file's
+    (<pad>, [PAD], </s>, <|endoftext|>, [CLS], ...) the vocabulary has, listed as `unnamed`
+    (transformers leaves it unset: chat templates do not see it). The first file's
     `TRANSFORMERS_KEYS` entries are kept for the export, and a generation_config.json's
     `eos_token_id` (one id or several) becomes the `stop_ids`.
     """
@@ -359,6 +382,7 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
         vocab = _vocab(text, file)
         named.update({role: next((t for t in _WELL_KNOWN[role] if t in vocab), None)
                       for role in unnamed})
+        named[UNNAMED] = [role for role in unnamed if named[role] is not None]
     stops = _generation_stop_ids(file.parent)
     try:
         return HFTokenizer(text, named, num_sentinels, _chat_template(file.parent),

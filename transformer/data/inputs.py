@@ -283,6 +283,7 @@ def _tokenizer_identity(directory: str) -> tuple[dict, bytes | None]:
     """A saved tokenizer's settings and model file (SentencePiece's, a Hugging Face
     tokenizer.json): equal for two directories exactly when they tokenize alike."""
     config = json.loads(fileio.path(directory).joinpath(tokenizers_lib.CONFIG_FILE).read_text())
+    config.get("specials", {}).pop("unnamed", None)  # (which roles chat templates see, not ids)
     model = config.get("model_file")
     return config, fileio.path(directory).joinpath(model).read_bytes() if model else None
 

@@ -68,6 +68,38 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
+# What `init_from=hf:DIR` of a peft adapter folder (adapter_config.json, no config.json) adds to
+# its error: the base model it adapts is not in it.
+PEFT_FOLDER = (" (this is a peft adapter folder: merge the adapters into their base with "
+               "PeftModel.from_pretrained(base, DIR).merge_and_unload().save_pretrained(OUT), "
+               "then init_from=hf:OUT)")
+
+
+def validate(config) -> None:
+    """One-line errors for `config.model.lora`: LoRA adapts a pretrained base (init_from), which
+    its checkpoints name and which stays frozen (MoE balance biases included); QLoRA is LoRA's;
+    without a rank (the whole model trains) the adapters' other settings would be ignored."""
+    group = config.model.get("lora") or {}
+    if group.get("rank") and not config.get("init_from"):
+        raise ValueError(f"model.lora.rank={group.rank}: expected init_from (a pretrained "
+                         "workdir or hf:DIR) for the adapters' frozen base")
+    if group.get("base_quantization") and not group.get("rank"):
+        raise ValueError(f"model.lora.base_quantization={group.base_quantization!r}: expected "
+                         "model.lora.rank > 0 (QLoRA quantizes LoRA's frozen base)")
+    for name in ("targets", "alpha", "dropout"):
+        default = getattr(LoraConfig(), name)
+        if not group.get("rank") and group.get(name, default) != default:
+            raise ValueError(f"model.lora.{name}={group[name]!r} with model.lora.rank=0 (no "
+                             "adapters: the whole model trains): expected model.lora.rank > 0, "
+                             f"or model.lora.{name} left at {default!r}")
+    rate = (config.model.get("moe") or {}).get("bias_update_rate")
+    if group.get("rank") and rate:  # the step would move the frozen base's balance biases
+        raise ValueError(f"model.moe.bias_update_rate={rate!r} with model.lora.rank="
+                         f"{group.rank}: expected 0 (--config.model.moe.bias_update_rate=0; "
+                         "an adapter run keeps its base's MoE balance biases frozen), or "
+                         "model.lora.rank=0 to fine-tune the whole model with them moving")
+
+
 def check_targets(params, lora: LoraConfig) -> None:
     """One line if `lora.targets` matches a param that got no adapter (a token mixer or a
     norm without LoRA: nothing would train there, silently). `params`: a model's, unboxed.
