@@ -246,6 +246,21 @@ def test_a_bad_workdir_is_one_line_and_exit_2(tmp_path):
     assert result.returncode == 1 and "Traceback" in result.stderr  # --verbose: the traceback
 
 
+def test_the_command_checks_a_local_tasks_splits_before_the_model_loads(tmp_path):
+    """The tasks as the command resolved them (a YAML file given as a task: its config) reach
+    `task_eval.check_splits` before lm-eval builds them: one line, where lm-eval's own error
+    was a bare KeyError ('tst'); the model ('none') is never loaded."""
+    tasks = write_tasks(tmp_path / "tasks")
+    config = {"task": "mine", "dataset_path": "json", "test_split": "tst",
+              "dataset_kwargs": {"data_files": {"test": str(tasks / "mc.jsonl")}}}
+    result = run_main("__import__('lm_eval.evaluator').evaluator.simple_evaluate("
+                      f"model='none', tasks=[{config!r}])")
+    assert result.returncode == 2, describe(result)
+    assert result.stderr.splitlines()[-1] == (
+        "error: task 'mine': test_split='tst' is not among its data_files' splits ['test']: "
+        "expected one of those")
+
+
 def test_a_stream_trained_model_reads_every_request_behind_eos():
     """A model whose training ran its documents on as one stream (each after the previous
     one's <eos>) reads every context behind <eos>, and a rolling text's first token too; a
@@ -309,3 +324,48 @@ def test_a_capacity_routed_mixture_of_experts_scores_as_its_unpadded_forward():
     with pytest.raises(ValueError, match=r"^a continuation of 40 tokens: expected at most "
                                          r"max_length=32$"):
         lm.loglikelihood([type("R", (), {"args": ("x", "y" * 40)})()])
+
+
+def test_an_imported_llamas_rolling_text_starts_behind_its_bos(tmp_path):
+    """A checkpoint whose tokenizer puts a BOS first reads a rolling text's first token behind
+    that BOS, as loglikelihood("", text) and lm-eval's own HF model (its prefix_token_id) do;
+    it was read behind <eos>. Every window equals transformers' log-probs (float32)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import tokenizers
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from test_sft import LLAMA3, build_tokenizer
+
+    directory = build_tokenizer(tmp_path / "llama", LLAMA3)
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    eos, bos = vocab["<|end_of_text|>"], vocab["<|begin_of_text|>"]
+    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    tok.save(str(directory / "tokenizer.json"))
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=len(vocab), max_position_embeddings=64,
+        tie_word_embeddings=False, bos_token_id=bos, eos_token_id=eos)).eval()
+    hf.save_pretrained(directory)
+
+    def direct(context, target):
+        fed = torch.tensor([(context + target)[:-1]])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(input_ids=fed).logits[0].float(), -1).numpy()
+        return float(sum(logp[len(context) - 1 + k, t] for k, t in enumerate(target)))
+
+    lm = TransformerLM(workdir=f"hf:{directory}", batch_size=2, max_length=16)
+    assert lm.prefixes == {False: [bos], True: [bos]}
+    short, long = "tell me a story about a king", " ".join(["the sea and the king"] * 9)
+    ids = {text: lm.tokenizer.encode(text).tolist() for text in (short, long)}
+    assert len(ids[short]) < 16 < 2 * 16 < len(ids[long])  # one window; several
+    rolling = lm.loglikelihood_rolling([type("R", (), {"args": (t,)})() for t in (short, long)])
+    want = [sum(direct(*make_disjoint_window(w)) for w in get_rolling_token_windows(
+        ids[t], prefix_token=bos, max_seq_len=16, context_len=1)) for t in (short, long)]
+    np.testing.assert_allclose(rolling, want, rtol=1e-5, atol=1e-4)
+    assert rolling[0] == pytest.approx(direct([bos], ids[short]), abs=1e-4)
+    assert abs(rolling[0] - direct([eos], ids[short])) > 1e-2  # (what it read before)
+    (empty, _), = lm.loglikelihood([type("R", (), {"args": ("", short)})()])
+    assert empty == pytest.approx(rolling[0], abs=1e-4)

@@ -81,3 +81,51 @@ def test_results_flatten_to_task_and_metric_names():
                                           "gen/exact_match,strict": 1.0,
                                           "gen/exact_match": 0.25,
                                           "rolling/word_perplexity": 9.5}
+
+
+def bad_tasks(directory):
+    """Local tasks lm-eval cannot build (its error was a bare KeyError, or StopIteration): a
+    split their data_files lack (from an `include:`d template), an empty file."""
+    (directory / "empty.jsonl").write_text("\n")
+    (directory / "_mc_template").write_text(
+        "dataset_path: json\ntest_split: tst\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: answer\n")
+    for name, split, path in (("badsplit", "tst", "mc.jsonl"), ("empty", "test", "empty.jsonl")):
+        (directory / f"{name}.yaml").write_text(
+            f"include: _mc_template\ntask: local_{name}\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {directory / path}\n" + ("test_split: test\n" if split == "test" else ""))
+    return directory
+
+
+BAD_SPLIT = ("task 'local_badsplit': test_split='tst' is not among its data_files' splits "
+             "['test']: expected one of those")
+
+
+def test_a_local_tasks_missing_or_empty_split_is_one_line(tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    tasks_dir = bad_tasks(write_tasks(tmp_path / "tasks"))
+    manager = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+    task_eval.check_splits(["local_mc", "local_rolling", "local_gen", "hellaswag"], manager)
+    empty = (f"task 'local_empty': its test_split 'test' has no documents "
+             f"({tasks_dir / 'empty.jsonl'} is empty): expected at least one")
+    for name, message in (("local_badsplit", BAD_SPLIT), ("local_empty", empty)):
+        with pytest.raises(ValueError) as error:
+            task_eval.check_splits(["local_mc", name], manager)
+        assert str(error.value) == message
+    # a YAML file given as a task (the command's --tasks my_task.yaml) comes as its config;
+    # a lone file list is datasets' "train" split
+    config = {"task": "mine", "dataset_path": "json", "test_split": "test",
+              "dataset_kwargs": {"data_files": str(tasks_dir / "mc.jsonl")}}
+    with pytest.raises(ValueError, match=r"^task 'mine': test_split='test' is not among its "
+                                         r"data_files' splits \['train'\]: expected one"):
+        task_eval.check_splits([config], None)
+    task_eval.check_splits([{**config, "test_split": "train"}], None)
+
+
+@pytest.mark.slow  # (lm-eval's index of its own tasks: 15 s)
+def test_a_local_tasks_missing_split_is_refused_before_training(tmp_path):
+    config = tiny_config(bad_tasks(write_tasks(tmp_path / "tasks")))
+    config.eval_tasks = (str(tmp_path / "tasks" / "badsplit.yaml"),)
+    with pytest.raises(ValueError, match=r"^eval_tasks: " + BAD_SPLIT.replace("[", r"\[")):
+        configs.validate_config(config)

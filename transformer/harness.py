@@ -13,12 +13,14 @@ over params in memory; `TransformerLM` here loads them from a workdir (`generate
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from lm_eval.api.registry import register_model
 
 from transformer import generate
 from transformer.hf import harness
+from transformer.training import task_eval
 
 
 @register_model("transformer")
@@ -45,10 +47,24 @@ class TransformerLM(harness.TransformerLM):
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
 
+def _checking_splits(simple_evaluate):
+    """`simple_evaluate` that first checks its local tasks' splits (`task_eval.check_splits`),
+    the tasks as the command resolved them: one line before the model loads, where lm-eval's
+    own error was a bare KeyError or StopIteration."""
+
+    @functools.wraps(simple_evaluate)
+    def checked(*args, **kwargs):
+        task_eval.check_splits(list(kwargs.get("tasks") or []), kwargs.get("task_manager"))
+        return simple_evaluate(*args, **kwargs)
+
+    return checked
+
+
 def main() -> None:
     """The `lm_eval` command with the "transformer" model registered, run by `cli.run` as every
     command is: the same platform choice (the CPU, where there is no TPU or GPU, without probing
-    libtpu) and one-line errors. The flags are lm_eval's, but for this project's --verbose."""
+    libtpu) and one-line errors (a local task's missing or empty split too, before the model
+    loads). The flags are lm_eval's, but for this project's --verbose."""
     from absl import logging
     from lm_eval.__main__ import cli_evaluate
 
@@ -58,7 +74,10 @@ def main() -> None:
     theirs = [a for a in sys.argv[1:] if a not in ours]
 
     def evaluate(argv: list[str]) -> None:
+        from lm_eval import evaluator
+
         logging.set_verbosity(logging.WARNING)  # absl's; lm_eval's own logs are as they were
+        evaluator.simple_evaluate = _checking_splits(evaluator.simple_evaluate)
         sys.argv = ["lm_eval", *theirs]
         cli_evaluate()
 

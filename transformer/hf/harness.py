@@ -5,8 +5,8 @@ subclass that loads a training workdir as the `lm_eval` model "transformer" (its
 
 A request's text starts a document as in training (`text.document_prefix`): behind the tokenizer's
 <eos> where training streamed its documents (an imported checkpoint's BOS where its tokenizer puts
-one first), else alone, and behind <eos> where its context is empty (a rolling text's first token
-too: there is nothing else to predict it from). `loglikelihood`
+one first), else alone, and behind <eos> (or that BOS) where its context is empty (a rolling
+text's first token too: there is nothing else to predict it from). `loglikelihood`
 encodes context + continuation together and scores the tokens past the context's own encoding (the
 harness's convention for BPE boundaries), `loglikelihood_rolling` cuts long texts into the harness's
 rolling windows of `max_length` tokens, and `generate_until` decodes with the KV cache in batches
@@ -173,9 +173,11 @@ class TransformerLM(LM):
             (document,) = request.args
             ids = self._encode(document)
             # A packed model's first token gets its own row behind <eos> (`_pairs`), and the
-            # windows then read the rest behind it alone.
+            # windows then read the rest behind it alone; otherwise the first window reads
+            # the text behind the document prefix (an imported Llama's BOS, as
+            # loglikelihood("", text) and lm-eval's HF model read it; else <eos>).
             first = self._pairs([], ids)[:-1]
-            ids, prefix = (ids[1:], ids[0]) if first else (ids, self.eos)
+            ids, prefix = (ids[1:], ids[0]) if first else (ids, self.prefixes[True][-1])
             windows = first + [make_disjoint_window(w) for w in get_rolling_token_windows(
                 ids, prefix_token=prefix, max_seq_len=self.max_length, context_len=1)]
             out.append(sum(score for score, _ in self.score(windows)))

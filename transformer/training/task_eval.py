@@ -17,6 +17,7 @@ path and its `task:` name is what runs. Causal decoder LMs (model.family "gpt") 
 from __future__ import annotations
 
 import functools
+import glob
 import math
 import os
 import time
@@ -51,8 +52,9 @@ def tasks(config: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
 def check(config: ml_collections.ConfigDict, family_decoding: str | None,
           num_processes: int) -> None:
     """One-line errors before anything runs: a model the adapter cannot score, several
-    processes, a missing YAML file, a task name lm-eval does not know or a generation as long
-    as the context."""
+    processes, a missing YAML file, a task name lm-eval does not know, a local task's split
+    its data_files lack or that has no documents (`check_splits`), or a generation as long as
+    the context."""
     entries = config.get("eval_tasks") or ()
     if not entries:
         return
@@ -72,11 +74,83 @@ def check(config: ml_collections.ConfigDict, family_decoding: str | None,
     if unknown := [name for name in names if name not in known]:
         raise ValueError(f"eval_tasks: unknown lm-eval task(s) {unknown}: expected names "
                          "lm_eval --tasks list shows, or local YAML files")
+    check_splits(names, manager(tuple(include)), lead="eval_tasks: ")
     for name, tokens in generation_lengths(names, include).items():
         if tokens >= config.seq_len:  # (the adapter's max_length in training)
             raise ValueError(f"eval_tasks: {name!r} generates max_gen_toks={tokens} tokens: "
                              f"expected fewer than seq_len={config.seq_len}, so that its "
                              "prompts keep some of their context")
+
+
+# The task config keys that name a split lm-eval reads as it builds the task.
+SPLIT_KEYS = ("test_split", "validation_split", "training_split", "fewshot_split")
+
+
+def check_splits(tasks: list, task_manager, lead: str = "") -> None:
+    """One line for a task whose documents are local files (dataset_kwargs.data_files) where
+    lm-eval's own error would be a bare KeyError (a split its data_files do not name) or
+    StopIteration (an empty file): the task, the split and what was expected. `tasks`: names
+    in `task_manager`'s index, or task configs (a YAML file given as a task); a group's tasks,
+    and datasets from elsewhere, are left to lm-eval. `lead` starts the line."""
+    index = getattr(task_manager, "task_index", None) or {}
+    for task in tasks:
+        if isinstance(task, dict):
+            config = task
+        elif getattr(entry := index.get(task), "yaml_path", None):
+            config = _task_config(entry)
+        else:
+            continue
+        if isinstance(config.get("task"), str) and (problem := _split_problem(config)):
+            raise ValueError(lead + problem)
+
+
+def _task_config(entry) -> dict:
+    """An index entry's task config with its `include:`s merged, as lm-eval builds it."""
+    try:
+        from lm_eval.tasks._yaml_loader import load_yaml
+    except ImportError:  # (another lm-eval: the entry's own keys)
+        return dict(getattr(entry, "cfg", None) or {})
+    return load_yaml(entry.yaml_path, resolve_func=False)
+
+
+def _split_problem(config: dict) -> str | None:
+    """What is wrong with a task's splits, where its data_files are on this machine."""
+    files = (config.get("dataset_kwargs") or {}).get("data_files")
+    if not files or config.get("custom_dataset"):
+        return None
+    if not isinstance(files, dict):  # (datasets names a lone file list "train")
+        files = {"train": files}
+    files = {split: [paths] if isinstance(paths, str) else list(paths)
+             for split, paths in files.items()}
+    if any(not isinstance(p, str) or "://" in p for paths in files.values() for p in paths):
+        return None  # remote files: lm-eval's (datasets') to read
+    task = config["task"]
+    for key in SPLIT_KEYS:
+        if (split := config.get(key)) is not None and split not in files:
+            return (f"task {task!r}: {key}={split!r} is not among its data_files' splits "
+                    f"{sorted(files)}: expected one of those")
+    key = "test_split" if config.get("test_split") is not None else "validation_split"
+    if (split := config.get(key)) is None:
+        return None
+    # datasets reads relative data_files from a local dataset_path directory, else from here
+    base = str(config.get("dataset_path") or "")
+    base = os.path.expanduser(base) if os.path.isdir(os.path.expanduser(base)) else ""
+    found = [f for p in files[split] for f in glob.glob(os.path.join(base, os.path.expanduser(p)))]
+    if found and all(_blank(f) for f in found):
+        return (f"task {task!r}: its {key} {split!r} has no documents ({', '.join(found)} "
+                f"{'is' if len(found) == 1 else 'are'} empty): expected at least one")
+    return None
+
+
+def _blank(path: str) -> bool:
+    """Whether a file holds nothing but whitespace (read up to its first other byte)."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def generation_lengths(names: list[str], include: list[str]) -> dict[str, int]:
