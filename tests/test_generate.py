@@ -725,6 +725,140 @@ def test_the_command_generates_from_a_hugging_face_directory(tmp_path, capsys):
         generate.main([], _command_flags(*args, "--step=3"))
 
 
+def _tiny_hf(tmp_path, kind: str, positions: int):
+    """A tiny save_pretrained Llama (RoPE) or GPT-2 (a learned table) of `positions`
+    max_position_embeddings, with a byte-level BPE tokenizer.json (its BOS read first)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from test_sft import LLAMA3, build_tokenizer
+
+    directory = build_tokenizer(tmp_path / f"{kind}{positions}", LLAMA3)
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    eos = vocab["<|end_of_text|>"]
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=32, vocab_size=len(vocab), max_position_embeddings=positions,
+            eos_token_id=eos))
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=1, n_embd=16, n_head=2, n_positions=positions, vocab_size=len(vocab),
+            eos_token_id=eos, bos_token_id=eos))
+    model.save_pretrained(directory)
+    return directory
+
+
+def _decoded_lengths(monkeypatch) -> list[int]:
+    """The max_new_tokens of every `programs.decode` and `beam_search` that text generation
+    runs from now on."""
+    from transformer.generation import text
+
+    asked = []
+
+    def spy(run):
+        def counted(*args, max_new_tokens, **kwargs):
+            asked.append(max_new_tokens)
+            return run(*args, max_new_tokens=max_new_tokens, **kwargs)
+        return counted
+    for name in ("decode", "beam_search"):
+        monkeypatch.setattr(text, name, spy(getattr(text, name)))
+    return asked
+
+
+def test_an_imported_checkpoint_s_context_is_its_max_position_embeddings(tmp_path, monkeypatch):
+    """An imported checkpoint has no training context (seq_len is base_config's 128, which no
+    one set): the default length fills its max_position_embeddings after the prompt, at most
+    seq_len tokens (a 131k context makes no 131k cache unasked; a seq_len set is honoured), and
+    a prompt that fills it is refused in one line naming it."""
+    import transformer
+
+    asked = _decoded_lengths(monkeypatch)
+    short = _tiny_hf(tmp_path, "llama", 32)  # shorter than seq_len
+    args = (f"--workdir=hf:{short}",)
+    prompt = "the cat"
+    lm = transformer.load(f"hf:{short}")
+    P = len(lm.ids(prompt))  # its BOS, then the prompt's tokens
+    generate.main([], _command_flags(*args, f"--prompt={prompt}"))
+    generate.main([], _command_flags(*args, f"--prompt={prompt}", "--beam_size=2"))
+    assert asked == [32 - P, 32 - P]
+    long_prompt = "the cat " * 10
+    P_long = len(lm.ids(long_prompt))
+    assert P_long >= 32
+    with pytest.raises(ValueError, match=rf"^prompt of {P_long - 1} tokens and the 1 read before "
+                                         r"it \(a document's start\): expected < the checkpoint's "
+                                         r"max_position_embeddings=32 in all \(or pass "
+                                         r"max_new_tokens\)$"):
+        generate.main([], _command_flags(*args, f"--prompt={long_prompt}"))
+
+    lm = transformer.load(f"hf:{_tiny_hf(tmp_path, 'llama', 256)}")  # longer than seq_len
+    assert lm.config.seq_len == 128
+    lm.generate(prompt)
+    assert asked[-1] == 128  # seq_len bounds it
+    long_prompt = "the cat " * 45  # past seq_len, within the 256 positions
+    P_long = len(lm.ids(long_prompt))
+    assert 128 < P_long < 256
+    assert lm.generate(long_prompt).startswith(long_prompt)
+    assert asked[-1] == 256 - P_long
+    lm.config.seq_len = 10  # a seq_len set is honoured
+    lm.generate(prompt)
+    assert asked[-1] == 10
+
+
+def test_max_new_tokens_past_an_imported_rope_model_s_positions_warns_and_a_table_refuses(
+        tmp_path, monkeypatch, capsys):
+    """An explicit --max_new_tokens that runs a RoPE checkpoint past its max_position_embeddings
+    warns on stderr (as HF `generate` does) and decodes: RoPE extrapolates; a learned table
+    (GPT-2's) has no rows there and refuses it in one line. Its default stays inside."""
+    from transformer.utils import cli
+
+    asked = _decoded_lengths(monkeypatch)
+    cli.warn_once.cache_clear()
+    rope = _tiny_hf(tmp_path, "llama", 32)
+    capsys.readouterr()  # (what saving it printed)
+    args = (f"--workdir=hf:{rope}", "--temperature=0", "--prompt=the cat")
+    P = len(generate.load_hf(str(rope))[2].encode("the cat")) + 1  # after its BOS
+    generate.main([], _command_flags(*args, f"--max_new_tokens={33 - P}"))  # the last fits
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("the cat")
+    generate.main([], _command_flags(*args, "--max_new_tokens=40"))
+    out, err = capsys.readouterr()
+    assert asked == [33 - P, 40] and out.startswith("the cat")
+    assert err == (f"warning: prompt of {P} tokens + max_new_tokens=40 - 1 = {P + 39} "
+                   "positions, past the checkpoint's max_position_embeddings=32: "
+                   "model.position='rope' runs beyond the positions it was trained on, and the "
+                   "text may degrade\n")
+
+    learned = _tiny_hf(tmp_path, "gpt2", 32)
+    capsys.readouterr()
+    args = (f"--workdir=hf:{learned}", "--temperature=0", "--prompt=the cat")
+    with pytest.raises(ValueError, match=rf"^prompt of {P} tokens \+ max_new_tokens=40 - 1 = "
+                                         rf"{P + 39} positions: expected <= the model's "
+                                         r"max_len=32$"):
+        generate.main([], _command_flags(*args, "--max_new_tokens=40"))
+    generate.main([], _command_flags(*args))
+    assert asked[-1] == 32 - P and capsys.readouterr().err == ""
+
+
+def test_a_trained_workdir_keeps_its_training_context_seq_len(capsys):
+    """A trained run's context is seq_len, also a fine-tune of an imported checkpoint
+    (init_from="hf:DIR"): its default fills seq_len past a RoPE model's max_len, and a longer
+    max_new_tokens has no warning (only `generate.load_hf`'s config is `text.imported`)."""
+    from transformer.generation import text
+
+    config = base_config()
+    config.seq_len = 128
+    config.init_from = "hf:/models/llama"
+    config.model.update(position="rope", max_len=32)
+    assert text._new_tokens(None, config, "causal", 5, 4) == 123
+    assert text._new_tokens(200, config, "causal", 5, 4) == 200
+    with pytest.raises(ValueError, match=r"^prompt of 127 tokens and the 1 read before it \(a "
+                                         r"document's start\): expected < seq_len=128 in all "
+                                         r"\(or pass max_new_tokens\)$"):
+        text._new_tokens(None, config, "causal", 128, 127)
+    assert capsys.readouterr().err == ""
+
+
 class _Loaded(Exception):
     """Raised by a stand-in load_workdir: the command got past its up-front checks."""
 

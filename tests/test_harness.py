@@ -369,3 +369,5 @@ def test_an_imported_llamas_rolling_text_starts_behind_its_bos(tmp_path):
     assert abs(rolling[0] - direct([eos], ids[short])) > 1e-2  # (what it read before)
     (empty, _), = lm.loglikelihood([type("R", (), {"args": ("", short)})()])
     assert empty == pytest.approx(rolling[0], abs=1e-4)
+    # without max_length, the checkpoint's context (max_position_embeddings), not seq_len 128
+    assert TransformerLM(workdir=f"hf:{directory}", batch_size=2).max_length == 64

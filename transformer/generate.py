@@ -115,6 +115,9 @@ def load_hf(directory: str):
     config = configs.base_config()
     config.model = model_config
     config.init_from = f"hf:{directory}"  # a prompt reads as its documents: document_prefix
+    # no training context: generation's is model.max_len, the checkpoint's
+    # max_position_embeddings, seq_len (128) bounding the default length (`text.imported`)
+    config.imported = True
     tokenizer = load_hf_tokenizer(directory, num_sentinels=None)  # its own sentinels, if any
     return build_model(model_config), params, tokenizer, config
 
@@ -220,7 +223,8 @@ def _define_flags(flag_values=None) -> None:
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).", **into)
     flags.DEFINE_string("prompt", "", "Text to continue (t5: the encoder input).", **into)
     flags.DEFINE_integer("max_new_tokens", None, "Tokens to generate (default: fill the "
-                         "training context seq_len; 0: print the prompt alone).", **into)
+                         "training context seq_len; hf:DIR: up to seq_len=128 within its "
+                         "max_position_embeddings; 0: print the prompt alone).", **into)
     flags.DEFINE_float("temperature", 0.8, "0: greedy.", **into)
     flags.DEFINE_integer("top_k", 0, "Sample among the k best tokens (0: all).", **into)
     flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set reaching p (1: all).",

@@ -141,7 +141,9 @@ class Loaded:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0) -> str:
         """The prompt and its continuation, to the tokenizer's end of sequence or
-        `max_new_tokens` (default: fill the training context), as `transformer.generate`."""
+        `max_new_tokens` (default: fill the training context; an imported checkpoint's: up
+        to config.seq_len=128 tokens within its max_position_embeddings), as
+        `transformer.generate`."""
         from transformer.generation.text import sample_texts
 
         self._check_head("generate")  # (an encoder-decoder does generate)

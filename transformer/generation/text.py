@@ -28,6 +28,7 @@ from transformer.generation.sampling import (
 )
 from transformer.generation.speculative import new_tokens_that_fit, speculative_decode
 from transformer.models import FAMILIES, family_of
+from transformer.utils import cli
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "length", "mode"))
@@ -192,7 +193,8 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
 
     Decoder LMs return prompt + continuation, the prompt read as training's rows begin
     (`document_prefix`: behind an <eos> where training streamed, else alone); by default they
-    fill the training context of config.seq_len tokens. An encoder-decoder reads prompt +
+    fill the training context of config.seq_len tokens (an `imported` checkpoint's: at most
+    seq_len tokens, within its max_position_embeddings). An encoder-decoder reads prompt +
     <eos> and returns what it decodes (default: seq_len tokens).
     With `chunk_size`, `callback` gets the texts so far after every chunk of tokens.
     """
@@ -272,26 +274,64 @@ def check_max_new_tokens(max_new_tokens) -> None:
                          "(0: the prompt alone)")
 
 
+def imported(config) -> bool:
+    """Whether `config` is a Hugging Face checkpoint's as loaded (`generate.load_hf`: `--workdir=
+    hf:DIR`, `transformer.load("hf:DIR")`), which has no training context: its context is
+    model.max_len, the checkpoint's max_position_embeddings. A fine-tune of one
+    (init_from="hf:DIR") trained on seq_len tokens a row, its context."""
+    return bool(config.get("imported"))
+
+
 def _new_tokens(max_new_tokens: int | None, config, decoding: str, prompt_length: int,
                 typed: int | None = None) -> int:
     """`max_new_tokens`, or by default seq_len tokens (an encoder-decoder's output) or what
     fills the training context after the prompt (a decoder LM), within a learned position
-    table (model.max_len: an imported checkpoint's context can be shorter than seq_len).
+    table (model.max_len). An `imported` checkpoint's decoder LM: `_imported_new_tokens`.
     `typed`: how many of the prompt's `prompt_length` ids are the user's (the rest are the
     `document_prefix` read before them)."""
+    if decoding == "encoder_decoder":
+        return config.seq_len if max_new_tokens is None else int(max_new_tokens)
+    if imported(config):
+        return _imported_new_tokens(max_new_tokens, config, prompt_length, typed)
     if max_new_tokens is not None:
         return int(max_new_tokens)
-    if decoding == "encoder_decoder":
-        return config.seq_len
     context, name = config.seq_len, "seq_len"
     if config.model.get("position") == "learned" and config.model.max_len < context:
         context, name = config.model.max_len, "model.max_len"
     if prompt_length >= context:
-        before = prompt_length - (prompt_length if typed is None else typed)
-        read = f" and the {before} read before it (a document's start)" if before else ""
-        raise ValueError(f"prompt of {prompt_length - before} tokens{read}: expected < "
-                         f"{name}={context} in all (or pass max_new_tokens)")
+        raise _too_long(prompt_length, typed, f"{name}={context}", " (or pass max_new_tokens)")
     return context - prompt_length
+
+
+def _imported_new_tokens(max_new_tokens: int | None, config, prompt_length: int,
+                         typed: int | None) -> int:
+    """An imported checkpoint's context is its max_position_embeddings (model.max_len): by
+    default what fills it after the prompt, but at most seq_len tokens (128 unless set), so
+    that a 131k-token context does not make a 131k-position cache unasked. `max_new_tokens`
+    that runs past it is a warning (as HF `generate` gives) where the positions are not a
+    learned table: RoPE does run past its trained positions (the text may degrade); a learned
+    table has no rows there (`programs._program` refuses it)."""
+    max_len, learned = config.model.max_len, config.model.get("position") == "learned"
+    if max_new_tokens is None:
+        if prompt_length >= max_len:
+            raise _too_long(prompt_length, typed, f"the checkpoint's max_position_embeddings="
+                            f"{max_len}", "" if learned else " (or pass max_new_tokens)")
+        return min(max_len - prompt_length, config.seq_len)
+    positions = prompt_length + max_new_tokens - 1  # the last new token is never read
+    if max_new_tokens and positions > max_len and not learned:
+        cli.warn_once(f"prompt of {prompt_length} tokens + max_new_tokens={max_new_tokens} - 1 "
+                      f"= {positions} positions, past the checkpoint's max_position_embeddings="
+                      f"{max_len}: model.position={config.model.get('position')!r} runs beyond "
+                      "the positions it was trained on, and the text may degrade")
+    return int(max_new_tokens)
+
+
+def _too_long(prompt_length: int, typed: int | None, limit: str, way_out: str) -> ValueError:
+    """The one-line error for a prompt that leaves no room in a context of `limit` tokens."""
+    before = prompt_length - (prompt_length if typed is None else typed)
+    read = f" and the {before} read before it (a document's start)" if before else ""
+    return ValueError(f"prompt of {prompt_length - before} tokens{read}: expected < {limit} in "
+                      f"all{way_out}")
 
 
 def _decoding(config) -> str:

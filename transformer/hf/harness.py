@@ -76,7 +76,10 @@ class TransformerLM(LM):
                              "decoder LMs (model.family 'gpt')")
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         limit = self.config.model.max_len if self.config.model.position == "learned" else None
-        self.max_length = int(max_length or self.config.seq_len)
+        # an imported checkpoint's context is its max_position_embeddings (lm-eval's HF model's
+        # too); a trained one's, the rows it trained on
+        self.max_length = int(max_length or (self.config.model.max_len if text.imported(
+            self.config) else self.config.seq_len))
         if limit is not None and self.max_length > limit:
             raise ValueError(f"max_length={self.max_length}: learned positions go up to "
                              f"model.max_len={limit}")
