@@ -14,6 +14,7 @@ that fits none of the three (UNDECIDED, with the evidence) waits for the convert
 """
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -96,6 +97,8 @@ METADATA = {"_name_or_path", "architectures", "model_type", "transformers_versio
 ROPE_LINEAR = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
         "original_max_position_embeddings": 16}
+# dynamic NTK scaling: the Llama-like converters take default, linear, llama3 and yarn only
+ROPE_DYNAMIC = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
 LLAMA_HONOURED = {
     "num_hidden_layers": {"num_hidden_layers": 3}, "hidden_size": {"hidden_size": 48},
     "num_attention_heads": {"num_attention_heads": 8}, "intermediate_size":
@@ -116,7 +119,8 @@ QWEN_MOE_HONOURED = {
     "num_experts_per_tok": {"num_experts_per_tok": 3},
     "moe_intermediate_size": {"moe_intermediate_size": 8}, "norm_topk_prob":
     {"norm_topk_prob": True}, "decoder_sparse_step": {"decoder_sparse_step": 1}}
-MOE_REFUSED = {"hidden_act": {"hidden_act": "gelu"}, "rope_parameters": {"rope_parameters": YARN},
+MOE_REFUSED = {"hidden_act": {"hidden_act": "gelu"},
+               "rope_parameters": {"rope_parameters": ROPE_DYNAMIC},
                "mlp_only_layers": {"mlp_only_layers": [1]}}
 MOE_INERT = {**LLAMA_INERT, "output_router_logits": {"output_router_logits": True},
              "router_aux_loss_coef": {"router_aux_loss_coef": 0.5}}
@@ -253,24 +257,27 @@ REFUSED = {
     "t5": {"is_decoder": {"is_decoder": True}, "dense_act_fn": {"dense_act_fn": "tanh"}},
     "llama": {"attention_bias": {"attention_bias": True}, "mlp_bias": {"mlp_bias": True},
               "pretraining_tp": {"pretraining_tp": 2}, "hidden_act": {"hidden_act": "gelu"},
-              "rope_parameters": {"rope_parameters": YARN}},
+              "rope_parameters": {"rope_parameters": ROPE_DYNAMIC}},
     "mistral": {"hidden_act": {"hidden_act": "gelu"}, "rope_parameters":
-                {"rope_parameters": YARN}},
-    "qwen2": {"hidden_act": {"hidden_act": "gelu"}, "rope_parameters": {"rope_parameters": YARN},
+                {"rope_parameters": ROPE_DYNAMIC}},
+    "qwen2": {"hidden_act": {"hidden_act": "gelu"},
+              "rope_parameters": {"rope_parameters": ROPE_DYNAMIC},
               "use_sliding_window": {"use_sliding_window": True, "sliding_window": 4,
                                      "max_window_layers": 1},
               "layer_types": {"layer_types": ["sliding_attention", "full_attention"]}},
     "qwen3": {"attention_bias": {"attention_bias": True}, "hidden_act": {"hidden_act": "gelu"},
-              "rope_parameters": {"rope_parameters": YARN},
+              "rope_parameters": {"rope_parameters": ROPE_DYNAMIC},
               "layer_types": {"layer_types": ["full_attention", "sliding_attention"],
                               "use_sliding_window": True, "sliding_window": 3}},
     "gemma2": {"attention_bias": {"attention_bias": True}, "hidden_activation":
-               {"hidden_activation": "silu"}, "rope_parameters": {"rope_parameters": YARN},
+               {"hidden_activation": "silu"},
+               "rope_parameters": {"rope_parameters": ROPE_DYNAMIC},
                "use_bidirectional_attention": {"use_bidirectional_attention": True}},
     "olmo2": {"attention_bias": {"attention_bias": True}, "hidden_act": {"hidden_act": "gelu"},
-              "rope_parameters": {"rope_parameters": YARN}},
+              "rope_parameters": {"rope_parameters": ROPE_DYNAMIC}},
     # top-1 with renormalised gates (HF's gate 1); training-time router noise
-    "mixtral": {"hidden_act": {"hidden_act": "gelu"}, "rope_parameters": {"rope_parameters": YARN},
+    "mixtral": {"hidden_act": {"hidden_act": "gelu"},
+                "rope_parameters": {"rope_parameters": ROPE_DYNAMIC},
                 "num_experts_per_tok": {"num_experts_per_tok": 1},
                 "router_jitter_noise": {"router_jitter_noise": 0.1}},
     "qwen2_moe": {**MOE_REFUSED, "use_sliding_window": {
@@ -457,6 +464,60 @@ def test_inert_fields_do_not_change_hf_logits(name, field, change):
         np.testing.assert_array_equal(hf_logits(changed, hf_inputs),
                                       hf_logits(default, hf_inputs))
     assert relative_difference(our_logits(changed, args), hf_logits(default, hf_inputs)) <= 1e-4
+
+
+# YaRN on a Llama-like model (the long-context setting Qwen's model cards give): 4 x an original
+# context of 16. Heads of 16 with theta 100 put pairs on both sides of YaRN's ramp and one in it,
+# so beta_fast, beta_slow and truncate move it.
+LLAMA_YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+              "original_max_position_embeddings": 16}
+# name: (family, changes to LLAMA_YARN, whether they move HF's logits from LLAMA_YARN's)
+YARN_CASES = {
+    "qwen3": ("qwen3", {}, True),  # ... from plain RoPE's
+    "llama": ("llama", {}, True),
+    "qwen3_betas": ("qwen3", {"beta_fast": 2.0, "beta_slow": 0.25}, True),
+    "qwen3_untruncated": ("qwen3", {"truncate": False}, True),
+    "qwen3_mscales": ("qwen3", {"mscale": 0.9, "mscale_all_dim": 0.7}, True),
+    # the Llama-like classes take the mscale ratio only with both set (unlike DeepSeek's)
+    "qwen3_mscale_alone": ("qwen3", {"mscale": 0.9}, False),
+    "qwen3_attention_factor_as_derived": ("qwen3", {"attention_factor": 1 + 0.1 * math.log(4)},
+                                          False),
+    "qwen3_factor_from_lengths": ("qwen3", {"factor": None}, False),  # 64 / 16
+}
+
+
+@pytest.mark.parametrize("case", list(YARN_CASES))
+def test_llama_like_yarn_logits_equal_hfs_past_the_original_context(case):
+    """50 tokens, past the original 16 (max_position_embeddings 64): every field transformers'
+    `_compute_yarn_parameters` reads for these classes, with its defaults, is honoured."""
+    family, changes, moves = YARN_CASES[case]
+    model = hf_model(family, hf_config(family, head_dim=16,
+                                       rope_parameters={**LLAMA_YARN, **changes}))
+    ids = tokens(13, (2, 50))
+    expected = hf_logits(model, dict(input_ids=ids))
+    assert relative_difference(our_logits(model, (ids,)), expected) <= 1e-5
+    # ... and the case changes HF's logits or not, as said: from plain YaRN's (plain RoPE's)
+    plain = LLAMA_YARN if changes else {"rope_type": "default", "rope_theta": 100.0}
+    reference = getattr(transformers, MODELS[family][1])(
+        hf_config(family, head_dim=16, rope_parameters=plain))
+    reference.load_state_dict(model.state_dict())
+    assert np.allclose(hf_logits(reference.eval(), dict(input_ids=ids)), expected) != moves
+
+
+@pytest.mark.parametrize("rope,match", [
+    (ROPE_DYNAMIC, r"^rope scaling type 'dynamic': expected 'default', 'linear', 'llama3' or "
+     r"'yarn' \(dynamic NTK and longrope scaling are not implemented\)$"),
+    ({"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+      "long_factor": [2.0] * 4, "original_max_position_embeddings": 16},
+     r"^rope scaling type 'longrope': expected 'default', 'linear', 'llama3' or 'yarn'"),
+    (dict(YARN, attention_factor=1.5), r"^rope attention_factor=1.5 \(rope_type 'yarn'\): "
+     r"expected unset or 1.1386"),
+    (dict(YARN, factor=0.0), r"^rope factor=0.0 \(rope_type 'yarn'\): expected > 0$"),
+])
+def test_llama_like_rope_we_cannot_honour_is_refused_in_one_line(rope, match):
+    with pytest.raises(ValueError, match=match) as error:
+        convert.from_hf(hf_config("qwen3", rope_parameters=rope), {})
+    assert "\n" not in str(error.value)
 
 
 def test_every_none_default_model_key_can_be_set_from_the_command_line(monkeypatch):

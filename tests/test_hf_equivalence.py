@@ -480,9 +480,8 @@ def test_gpt2_llama_and_t5_base_models_without_a_head_import():
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                           "original_max_position_embeddings": 16}),
-     "rope scaling type 'yarn': expected 'default', 'linear' or 'llama3'"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+     "rope scaling type 'dynamic': expected 'default', 'linear', 'llama3' or 'yarn'"),
     (dict(attention_bias=True), "Llama attention_bias=True: expected False"),
     (dict(mlp_bias=True), "Llama mlp_bias=True: expected False"),
     (dict(hidden_act="gelu"), "Llama hidden_act='gelu': expected 'silu'"),
@@ -512,7 +511,7 @@ MIXED = ["full_attention", "sliding_attention"]
     ("Gemma2", dict(layer_types=MIXED), r"Gemma2 layer_types=\['full_attention', "),
     ("Gemma2", dict(sliding_window=None), "Gemma2 layer_types=.* with sliding_window=None"),
     ("Gemma2", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
-     "rope scaling type 'dynamic': expected 'default', 'linear' or 'llama3'"),
+     "rope scaling type 'dynamic': expected 'default', 'linear', 'llama3' or 'yarn'"),
     ("Olmo2", dict(attention_bias=True), "Olmo2 attention_bias=True: expected False"),
     ("Olmo2", dict(hidden_act="relu"), "Olmo2 hidden_act='relu': expected 'silu'"),
 ])

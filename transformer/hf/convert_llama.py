@@ -6,19 +6,21 @@ and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE): each family's conver
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import ml_collections
 import numpy as np
 
 from transformer.hf.common import Checkpoint, head_tied, maybe_scan, model_config, split_heads
+from transformer.nn.positions import rope_attention_factor
 
 
 def _rope(hf_config, parameters: dict | None = None) -> dict[str, Any]:
     """The model's RoPE settings of a Llama-family config: transformers 5 keeps them in
     `rope_parameters` ({"rope_type", "rope_theta", "factor", ...}), older configs in
     `rope_theta` / `rope_scaling`; `parameters`: these instead of the config's. Types other than
-    default, linear and llama3 are refused."""
+    default, linear, llama3 and yarn (`_yarn`) are refused."""
     rope = dict(parameters or getattr(hf_config, "rope_parameters", None) or {})
     # transformers 5 may key them by layer type (OLMo 3, Gemma 3), beside stale flat keys
     types = set(getattr(hf_config, "layer_types", None) or ())
@@ -41,10 +43,52 @@ def _rope(hf_config, parameters: dict | None = None) -> dict[str, Any]:
                         rope_low_freq_factor=float(rope["low_freq_factor"]),
                         rope_high_freq_factor=float(rope["high_freq_factor"]),
                         rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    elif kind == "yarn":
+        settings.update(_yarn(rope, hf_config))
     elif kind != "default":
-        raise ValueError(f"rope scaling type {kind!r}: expected 'default', 'linear' or "
-                         "'llama3' (this model has no other position interpolation)")
+        raise ValueError(f"rope scaling type {kind!r}: expected 'default', 'linear', 'llama3' "
+                         "or 'yarn' (dynamic NTK and longrope scaling are not implemented)")
     return settings
+
+
+def _yarn(rope: dict, hf_config) -> dict[str, Any]:
+    """The settings of rope_type "yarn" as transformers' `_compute_yarn_parameters` reads it for
+    the Llama-like classes: `factor` (None: max_position_embeddings over the original),
+    `beta_fast` / `beta_slow` (unset or 0: 32 and 1), `truncate`, and cos and sin times
+    `attention_factor`, by default mscale(factor, mscale) / mscale(factor, mscale_all_dim) where
+    both are non-zero, else mscale(factor) (`positions.rope_attention_factor`: unlike
+    DeepSeek's, mscale alone changes nothing). An explicit attention_factor other than that is
+    refused, as is a factor <= 0."""
+    original = int(rope.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
+    factor = rope.get("factor")
+    factor = float(hf_config.max_position_embeddings / original if factor is None else factor)
+    if not factor > 0:
+        raise ValueError(f"rope factor={factor} (rope_type 'yarn'): expected > 0")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    both = bool(mscale and mscale_all_dim)  # HF takes the ratio only when both are non-zero
+    settings = dict(
+        rope_scaling="yarn", rope_scale=factor, rope_original_max_len=original,
+        rope_yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
+        rope_yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
+        rope_yarn_mscale=float(mscale) if both else 1.0,
+        rope_yarn_mscale_all_dim=float(mscale_all_dim) if both else 0.0,
+        rope_yarn_truncate=_nested(hf_config) or bool(rope.get("truncate", True)))
+    derived = rope_attention_factor("yarn", factor, settings["rope_yarn_mscale"],
+                                    settings["rope_yarn_mscale_all_dim"])
+    given = rope.get("attention_factor")
+    if given is not None and not math.isclose(float(given), derived, rel_tol=1e-6):
+        raise ValueError(f"rope attention_factor={given} (rope_type 'yarn'): expected unset or "
+                         f"{derived} (derived from factor, mscale and mscale_all_dim; RoPE here "
+                         "scales cos and sin by no other)")
+    return settings
+
+
+def _nested(hf_config) -> bool:
+    """Whether `rope_parameters` is keyed by layer type: transformers then reads YaRN's
+    `truncate` off the top level, where there is none, so truncates whatever a type says."""
+    return any(isinstance(value, dict) for value in
+               (getattr(hf_config, "rope_parameters", None) or {}).values())
 
 
 @dataclasses.dataclass(frozen=True)

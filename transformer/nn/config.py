@@ -158,7 +158,7 @@ class TransformerConfig:
     rope_scale: float = key(1.0, "> 1: positions stretched by this factor, as `rope_scaling` "
                             "says.", number(gt=0, note="1: no scaling"), attention_only=True)
     rope_scaling: str = key("linear", "`linear` (position interpolation), `llama3` (Llama "
-                            "3.1) or `yarn` (YaRN, DeepSeek-V2/V3).",
+                            "3.1) or `yarn` (YaRN: DeepSeek-V2/V3, gpt-oss, Qwen).",
                             choice(("linear", "llama3", "yarn")), attention_only=True)
     rope_low_freq_factor: float = key(1.0, "llama3 scaling's low-frequency factor "
                                       "(positions.rope_frequencies).",
