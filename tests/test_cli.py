@@ -38,7 +38,23 @@ def assert_one_line_error(result: subprocess.CompletedProcess, status: int, *wor
 # (module, args (WORKDIR, FILE: paths in tmp_path), exit status, words in the error line)
 CASES = {
     "unknown_key": ("transformer.train", ["--workdir=WORKDIR", "--config.modle=x"], 2,
-                    ["unknown key 'modle'", 'Did you mean "model"']),
+                    ["unknown key 'modle' in --config.modle: did you mean --config.model?"]),
+    # ConfigDict names only the missing part: the message names the whole override
+    "unknown_nested_key": ("transformer.train", ["--workdir=WORKDIR",
+                                                 "--config.optimizer.learnin_rate=1"], 2,
+                           ["unknown key 'learnin_rate' in --config.optimizer.learnin_rate: "
+                            "did you mean --config.optimizer.learning_rate?"]),
+    "unknown_group_in_a_key": ("transformer.train", ["--workdir=WORKDIR",
+                                                     "--config.modle.d_model=64"], 2,
+                               ["unknown key 'modle' in --config.modle.d_model: "
+                                "did you mean --config.model.d_model?"]),
+    # a dict-valued key holds no keys to override one by one: it is given whole
+    "key_under_a_dict": ("transformer.train",
+                         ["--config=experiments/gpt_tiny.py", "--workdir=WORKDIR",
+                          "--config.compiler_options.xla_cpu_multi_thread_eigen=False"], 2,
+                         ["in --config.compiler_options.xla_cpu_multi_thread_eigen: "
+                          "compiler_options takes a whole dict (--config.compiler_options="
+                          "\"{'xla_cpu_multi_thread_eigen': False}\")"]),
     "unknown_flag": ("transformer.train", ["--workdir=WORKDIR", "--nosuchflag"], 2,
                      ["nosuchflag"]),
     "missing_config_train": ("transformer.train", ["--config=nope.py", "--workdir=WORKDIR"], 2,
@@ -91,6 +107,29 @@ def test_bad_input_is_one_line_and_changes_nothing(name, tmp_path):
     result = run_cli(module, *args, logs=tmp_path / "logs")
     assert_one_line_error(result, status, *words)
     assert (file_hashes(tmp_path / "workdir"), file.read_bytes()) == before
+
+
+@pytest.mark.parametrize("module, flag", [
+    ("transformer.train", "--help"), ("transformer.evaluate", "--help"),
+    ("transformer.generate", "--help"), ("transformer.export", "--help"),
+    ("transformer.sweep", "--help"), ("transformer.visualize", "--helpfull")])
+def test_help_exits_0(module, flag, tmp_path):
+    """absl's help flags print the help, then exit 1, which the commands document as a runtime
+    failure: asking for help succeeds. A misspelled flag beside it is still bad usage (2)."""
+    result = run_cli(module, flag, logs=tmp_path / "logs")
+    assert result.returncode == 0, describe(result)
+    assert "--workdir" in result.stdout and "error:" not in result.stderr, describe(result)
+    result = run_cli(module, "--help=false", "--nosuchflag", logs=tmp_path / "logs")
+    assert_one_line_error(result, 2, "nosuchflag")
+
+
+def test_the_whole_dict_an_unknown_key_error_suggests_is_accepted(tmp_path):
+    """The form the `key_under_a_dict` error gives parses: the run gets as far as validation."""
+    result = run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                     f"--workdir={tmp_path / 'workdir'}", "--config.steps=0",
+                     "--config.compiler_options={'xla_cpu_multi_thread_eigen': False}",
+                     logs=tmp_path / "logs")
+    assert_one_line_error(result, 2, "steps=0: expected")
 
 
 def test_verbose_shows_the_traceback(tmp_path):

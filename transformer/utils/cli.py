@@ -11,7 +11,8 @@ A failure prints `error: <message>` and exits with
         as it unwinds, such as a checkpoint write it cut short);
     143 a training stopped by SIGTERM, its checkpoint saved (128 + the signal: 130 for one
         Ctrl-C, which it also handles): rerun the command to continue.
-`main` returning an int exits with it. `--verbose` (on every command) shows the traceback.
+`main` returning an int exits with it. `--help` (`--helpfull`, `--helpxml`) exits 0.
+`--verbose` (on every command) shows the traceback.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import glob
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +59,12 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
 
     def parse(argv: list[str]) -> list[str]:
         try:
-            rest = flags.FLAGS(argv)
+            try:
+                rest = flags.FLAGS(argv)
+            except SystemExit as stop:  # absl's --help, --helpfull, --helpxml exit 1
+                if stop.code == 1 and _help_shown(argv):
+                    raise SystemExit(0) from None
+                raise
             if len(rest) > 1 and not positional:  # `--report_only false`: "false" dropped
                 raise ValueError(f"unexpected arguments {rest[1:]}: expected only flags "
                                  "(--name=value)")
@@ -85,6 +92,15 @@ def run(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | Non
         _exit(*failure)  # outside `except`: main's frames (the traceback's) are freed first
 
     app.run(guarded, flags_parser=parse)
+
+
+# absl's help flags (`-?` is --help's short name), which print the help and then exit 1.
+_HELP = re.compile(r"-(\?|-(help|helpfull|helpshort|helpxml)(=(true|1))?)")
+
+
+def _help_shown(argv: list[str]) -> bool:
+    """Whether `argv` asks for help (absl then exits 1 once it is printed)."""
+    return any(_HELP.fullmatch(arg) for arg in argv[1:])
 
 
 def short_repr(value, width: int = 60) -> str:
@@ -127,6 +143,7 @@ def message(error: BaseException) -> str:
     text = args[0] if len(args) == 1 and isinstance(args[0], str) else str(error)
     if isinstance(error, (KeyError, AttributeError)):
         text = _unquote_key(text, bare_is_key=isinstance(error, KeyError))
+        text = _name_override(text, error, sys.argv)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         return type(error).__name__
@@ -161,6 +178,49 @@ def _unquote_key(text: str, bare_is_key: bool) -> str:
     elif bare_is_key and re.fullmatch(r"[^'\"\s]+", first) and not newline:
         first = f"unknown key {first!r}"
     return first + newline + rest
+
+
+def _name_override(text: str, error: BaseException, argv: list[str]) -> str:
+    """`unknown key 'name'` from a `--config.KEY=VALUE` that ml_collections could not apply,
+    with the override it is in: ConfigDict names only the missing part. Its "Did you mean"
+    becomes the whole override; under a field that holds an empty dict (compiler_options) the
+    key is no typo, and the field is given whole."""
+    from ml_collections import ConfigDict
+
+    found = re.match(r"unknown key '([^'\s]+)'", text)
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    if not found or not any("config_flags" in f.f_code.co_filename for f in frames):
+        return text  # not an override's, e.g. a KeyError in the command's own code
+    key, rest = found[1], text[found.end():].strip()
+    for arg in argv[1:]:  # overrides apply in order: the first with the key failed
+        override = re.fullmatch(r"--?(no)?(\w+)\.([\w.]+)(?:=(.*))?", arg, re.S)
+        if override and key in override[3].split("."):
+            break
+    else:
+        return text
+    negated, flag, path, value = override.groups()
+    parts = path.split(".")
+    at = parts.index(key)
+    text = f"unknown key {key!r} in --{flag}.{path}"
+    # The innermost ConfigDict method's `self` (__getattr__'s) is the key's holder.
+    holders = [f.f_locals["self"] for f in frames
+               if isinstance(f.f_locals.get("self"), ConfigDict)]
+    if at and holders and not len(holders[-1]):
+        if value is None:
+            value = "False" if negated else "True"
+        try:
+            ast.literal_eval(value)
+        except (ValueError, SyntaxError, TypeError):
+            value = repr(value)  # a string, as its override would give it
+        for part in reversed(parts[at:]):
+            value = f"{{{part!r}: {value}}}"
+        field = ".".join(parts[:at])
+        return f'{text}: {field} takes a whole dict (--{flag}.{field}="{value}")'
+    meant = re.fullmatch(r'\.?\s*Did you mean "([^"]+)" instead of "[^"]+"\?', rest)
+    if meant:
+        return text + ": did you mean --" + ".".join([flag, *parts[:at], meant[1],
+                                                       *parts[at + 1:]]) + "?"
+    return text + (rest and f"\n{rest}")
 
 
 def _exit(text: str, status: int) -> None:
