@@ -98,6 +98,18 @@ def test_scanned_params_export_as_the_unrolled_ones():
     assert all(np.array_equal(scanned[k], unrolled[k]) for k in unrolled)
 
 
+@pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "gemma3_local_rope", "mixtral_top2"])
+def test_a_causal_lm_export_names_no_token_ids_of_its_class(case):
+    """A transformers config class's default ids (GPT-2's 50256, Llama's bos 1 / eos 2) are
+    not our vocabulary's: to_hf names none, and transformer.export sets the tokenizer's."""
+    torch.manual_seed(0)
+    hf = randomized(CASES[case]()[0])
+    config, params = convert.from_hf(hf.config, hf.state_dict())
+    hf_config, _ = export.to_hf(config, params)
+    assert (hf_config.bos_token_id, hf_config.eos_token_id, hf_config.pad_token_id) == (
+        None, None, None)
+
+
 ROPE = dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False)
 
 
@@ -339,6 +351,36 @@ def test_a_hugging_face_tokenizer_is_exported_with_its_roles(tmp_path):
     assert hf_config.eos_token_id == ours.eos_id and hf_config.vocab_size == ours.vocab_size
     # generation_config.json: HF generate stops at the tokenizer's own <eos>
     assert transformers.GenerationConfig.from_pretrained(output).eos_token_id == ours.eos_id
+
+
+@pytest.mark.slow
+def test_an_exports_token_ids_are_its_tokenizers_alone(tmp_path):
+    """A Mamba 2 run whose tokenizer names bos and eos but no pad: config.json and
+    generation_config.json name its bos and eos and no pad (not Mamba2Config's default 1)."""
+    import json
+
+    from test_hf_tokenizers import SHAKESPEARE, gpt2_style
+
+    from transformer.data import tokenizers
+
+    tokenizer_dir = gpt2_style(tmp_path / "tokenizer")
+    workdir, output = tmp_path / "run", tmp_path / "hf"
+    mamba2 = dict(layer_types="mamba2", position="none", d_ff=0, norm="rmsnorm",
+                  use_bias=False, **{"mamba2.head_dim": 16, "mamba2.state_size": 16})
+    assert_succeeded(run_cli(
+        "transformer.train", "--config=experiments/gpt_tiny.py", f"--workdir={workdir}",
+        *tiny_flags(1), *[f"--config.model.{k}={v}" for k, v in mamba2.items()],
+        f"--config.data.path={SHAKESPEARE}", "--config.data.unit=stream",
+        "--config.data.tokenizer=hf", f"--config.data.tokenizer_path={tokenizer_dir}",
+        "--config.data.num_sentinels=0", logs=tmp_path))
+    assert_succeeded(run_cli("transformer.export", f"--workdir={workdir}", f"--output={output}",
+                             logs=tmp_path))
+    ours = tokenizers.load_hf_tokenizer(str(tokenizer_dir))
+    assert ours.pad_id is None
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((output / name).read_text())
+        assert (written.get("bos_token_id"), written.get("eos_token_id"),
+                written.get("pad_token_id")) == (ours.bos_id, ours.eos_id, None), name
 
 
 def hub_bert(directory, model_input_names: bool):
@@ -795,8 +837,11 @@ def test_an_export_of_an_import_keeps_its_pad_id_where_its_tokenizer_names_none(
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert exported["pad_token_id"] == vocab["<|pad|>"]
     assert exported["eos_token_id"] == vocab["<|end_of_text|>"]  # the tokenizer's
+    assert exported["bos_token_id"] == vocab["<|begin_of_text|>"]  # (to_hf names none)
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert generation["pad_token_id"] == vocab["<|pad|>"]
+    assert generation["bos_token_id"] == vocab["<|begin_of_text|>"]
+    assert vocab["<|end_of_text|>"] in np.atleast_1d(generation["eos_token_id"])
     again = config.copy_and_resolve_references()
     again.update(steps=2, init_from=str(tmp_path / "run"))
     train.train_and_evaluate(again, str(tmp_path / "again"))

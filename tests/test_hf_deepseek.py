@@ -347,3 +347,34 @@ def test_the_mtp_layer_of_a_hub_checkpoint_imports_and_gives_deepseeks_predictio
     state["model.layers.3.shared_head.head.weight"] = state["lm_head.weight"] + 1
     with pytest.raises(ValueError, match="shared_head.head.weight: expected a copy"):
         convert.from_hf(hf.config, state)
+
+
+@pytest.mark.parametrize("routing", ["deepseek", "default"])
+def test_a_dense_mla_model_is_refused_on_export_for_having_no_experts(converted, routing):
+    """DeepSeek-V3 routes to experts after first_k_dense_replace: without experts the export
+    wrote n_routed_experts 0 and dense mlp tensors transformers cannot load (DeepSeek's routing
+    keys, unused, passed the allowlist), or named the default moe.score instead."""
+    from transformer.hf import export
+    from transformer.models import default_model_config
+
+    _, config, params = converted
+    dense = config.copy_and_resolve_references()
+    if routing == "default":
+        dense.moe = default_model_config().moe
+    dense.moe.num_experts, dense.moe.first_dense_layers = 0, 0
+    with pytest.raises(ValueError, match=r"^export to deepseek_v3: model.moe.num_experts=0 has "
+                                         r"no Hugging Face DeepSeek-V3 equivalent \(expected >= "
+                                         r"1: DeepSeek-V3's layers after first_k_dense_replace "
+                                         r"route to experts\)$"):
+        export.to_hf(dense, params)
+
+
+def test_the_export_names_no_token_ids_of_its_class(converted):
+    """DeepseekV3Config's default ids are no ids of our vocabulary: none are written (the CLI
+    sets the run's tokenizer's)."""
+    from transformer.hf import export
+
+    _, config, params = converted
+    hf_config, _ = export.to_hf(config, params)
+    assert (hf_config.bos_token_id, hf_config.eos_token_id, hf_config.pad_token_id) == (
+        None, None, None)

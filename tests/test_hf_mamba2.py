@@ -126,3 +126,14 @@ def test_an_unused_activation_does_not_block_the_export(converted):
     back = transformers.Mamba2ForCausalLM(hf_config)
     back.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     assert difference(our_logits(changed, params), hf_logits(back.eval())) <= 1e-4
+
+
+def test_the_export_names_no_token_ids_of_its_class(converted):
+    """Mamba2Config's default ids (bos 0, eos 2, pad 1) are no ids of our vocabulary: none are
+    written (the CLI sets the run's tokenizer's)."""
+    from transformer.hf import export
+
+    _, config, params = converted
+    hf_config, _ = export.to_hf(config, params)
+    assert (hf_config.bos_token_id, hf_config.eos_token_id, hf_config.pad_token_id) == (
+        None, None, None)

@@ -123,3 +123,22 @@ def test_top1_routing_exports_without_renormalised_gates(converted, tmp_path):
     assert difference(want, hf_logits(loaded)) <= 1e-4
     config_back, params_back = convert.from_hf(hf_config, state)
     assert difference(our_logits(config_back, params_back), want) <= 1e-6
+
+
+@pytest.mark.parametrize("routing", ["qwen3_next", "default"])
+def test_a_model_without_experts_is_refused_on_export_for_that(converted, routing):
+    """Without experts the refusal names moe.num_experts, not a routing key (moe.shared_gate at
+    its default) that such a model does not use."""
+    from transformer.hf import export
+    from transformer.models import default_model_config
+
+    _, config, params = converted
+    dense = config.copy_and_resolve_references()
+    if routing == "default":
+        dense.moe = default_model_config().moe
+    dense.moe.num_experts = 0
+    with pytest.raises(ValueError, match=r"^export to qwen3_next: model.moe.num_experts=0 has no "
+                                         r"Hugging Face Qwen3-Next equivalent \(expected >= 1: "
+                                         r"Qwen3-Next's layers route to experts\)$"):
+        export.to_hf(dense, params)
+

@@ -96,8 +96,7 @@ def _gpt2(config, params, transformers):
         layer_norm_epsilon=config.norm_epsilon, tie_word_embeddings=config.tie_embeddings,
         resid_pdrop=config.dropout_rate, embd_pdrop=config.dropout_rate,
         attn_pdrop=config.attention_dropout_rate, initializer_range=config.init_std or 0.02,
-        scale_attn_weights=config.attention_scale is None, architectures=["GPT2LMHeadModel"],
-        bos_token_id=None, eos_token_id=None)  # not GPT-2's 50256: the tokenizer's, if any
+        scale_attn_weights=config.attention_scale is None, architectures=["GPT2LMHeadModel"])
     decoder, out = params["decoder"], {}
     out["transformer.wte.weight"] = params["embed"]["embedding"]
     out["transformer.wpe.weight"] = decoder["position_embedding"]["embedding"]
@@ -254,12 +253,37 @@ def task_labels(config, saved_stream: dict | None = None) -> list[str] | None:
     return None if task is None else list(task.labels)
 
 
+# The classes with experts in every layer (DeepSeek-V3's after its first_k_dense_replace dense
+# ones): a model without experts has no such class, whatever its (then unused) moe.* keys say.
+_NEEDS_EXPERTS = {"deepseek_v3": "DeepSeek-V3's layers after first_k_dense_replace route to "
+                                 "experts", "qwen3_next": "Qwen3-Next's layers route to experts"}
+
+
+def _check(exporter: Exporter, model_config) -> None:
+    """`allowlist.check`, after refusing a model without experts for a class that has them (its
+    routing keys at their defaults would be named instead, or pass and write a broken model)."""
+    experts = model_config.moe.num_experts if model_config.get("moe") else 0
+    if exporter.name in _NEEDS_EXPERTS and not experts:
+        raise allowlist.refusal(exporter, "moe.num_experts", experts,
+                                f">= 1: {_NEEDS_EXPERTS[exporter.name]}")
+    allowlist.check(exporter, model_config)
+
+
+def _without_token_ids(hf_config) -> None:
+    """No bos / eos / pad ids: a transformers config class's defaults (GPT-2's 50256, Llama's 1
+    and 2, Mamba 2's 0, 2 and 1) are its tokenizer's, not ours; `transformer.export` writes the
+    run's tokenizer's (or its import's) ids."""
+    for role in ("bos", "eos", "pad"):
+        setattr(hf_config, f"{role}_token_id", None)
+
+
 def to_hf(model_config, params, labels=None) -> tuple[Any, dict[str, np.ndarray]]:
     """(transformers config, state dict of float32 NumPy arrays) of a model of this project:
     the checkpoint `convert.from_hf` reads back into the same params. Refuses, with a one-line
     ValueError naming the setting, what no Hugging Face class represents (a LoRA model's
     adapters included: merge them first, with `base_model_config`). `labels`: a classifier's
-    class names (`task_labels`), its id2label; None leaves transformers' LABEL_i."""
+    class names (`task_labels`), its id2label; None leaves transformers' LABEL_i. A causal
+    LM's config names no token ids (`_without_token_ids`): the caller sets its tokenizer's."""
     import transformers
 
     family = model_config.family
@@ -274,13 +298,13 @@ def to_hf(model_config, params, labels=None) -> tuple[Any, dict[str, np.ndarray]
                              "LM (head 'mlm'); a GPT classifier is not exported")
         exporter = {"learned": _gpt2, "rope": export_llama.export}.get(model_config.position)
         if model_config.get("layer_types") == "mamba2":  # no positions, no feed-forward
-            allowlist.check(convert_mamba2.exporter(), model_config)
+            _check(convert_mamba2.exporter(), model_config)
             exporter = convert_mamba2.to_hf
         if "linear_attention" in (model_config.get("layer_types") or ""):
-            allowlist.check(convert_qwen3_next.exporter(), model_config)
+            _check(convert_qwen3_next.exporter(), model_config)
             exporter = convert_qwen3_next.to_hf
         if model_config.get("attention_kind") == "mla":
-            allowlist.check(convert_deepseek.exporter(), model_config)
+            _check(convert_deepseek.exporter(), model_config)
             exporter = convert_deepseek.to_hf
         if exporter is None:
             raise ValueError(f"model.position={model_config.position!r}: the GPT export needs "
@@ -296,6 +320,8 @@ def to_hf(model_config, params, labels=None) -> tuple[Any, dict[str, np.ndarray]
         raise ValueError(f"model.family={family!r}: expected 'gpt', 'bert' or 't5' (the "
                          "families with a Hugging Face counterpart)")
     hf_config, state = exporter(model_config, params, transformers)
+    if family == "gpt":
+        _without_token_ids(hf_config)
     if labels is not None and model_config.get("head") == "classify":
         hf_config.id2label = dict(enumerate(labels))  # one name per class (training checked)
         hf_config.label2id = {name: i for i, name in enumerate(labels)}
