@@ -59,8 +59,9 @@ class Mamba2Config:
     num_groups: int = key(1, "Groups of heads sharing B and C (HF's n_groups); divides the "
                           "heads.", int_(ge=1))
     conv_kernel: int = key(4, "Taps of the causal depthwise convolution on x, B, C.", int_(ge=1))
-    chunk_size: int = key(64, "Tokens per chunk of the chunked SSD (numerics only).",
-                          int_(ge=1), structural=False, export_neutral=True)
+    chunk_size: int = key(64, "Tokens per chunk of the chunked SSD (memory and work per token "
+                          "grow with it; results do not change).", int_(ge=1), structural=False,
+                          export_neutral=True)
     use_conv_bias: bool = key(True, "A bias on the convolution.", BOOL)
     norm_before_gate: bool = key(False, "RMSNorm(y) * SiLU(z) rather than RMSNorm(y * SiLU(z)) "
                                  "(HF: False).", BOOL)
