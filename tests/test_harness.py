@@ -371,3 +371,20 @@ def test_an_imported_llamas_rolling_text_starts_behind_its_bos(tmp_path):
     assert empty == pytest.approx(rolling[0], abs=1e-4)
     # without max_length, the checkpoint's context (max_position_embeddings), not seq_len 128
     assert TransformerLM(workdir=f"hf:{directory}", batch_size=2).max_length == 64
+
+
+def test_an_imported_model_without_positions_scores_lm_evals_default_length(tmp_path):
+    """A Mamba 2 import has no position limit (its max_len is a converter's bound, 2^17): its
+    max_length is lm-eval's HF model's default for such a config, 2048, not 2^17 tokens."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from test_sft import LLAMA3, build_tokenizer
+
+    directory = build_tokenizer(tmp_path / "mamba", LLAMA3)
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+        vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, state_size=8, head_dim=8,
+        num_heads=4, n_groups=1, expand=2, conv_kernel=4, chunk_size=8)).save_pretrained(directory)
+    lm = TransformerLM(workdir=f"hf:{directory}", batch_size=2)
+    assert lm.config.model.max_len == 1 << 17 and lm.max_length == 2048
+    assert TransformerLM(workdir=f"hf:{directory}", batch_size=2, max_length=96).max_length == 96

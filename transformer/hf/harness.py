@@ -34,6 +34,7 @@ from transformer.models import family_of
 
 # generate_until's max_gen_toks where a task names none
 MAX_GEN_TOKS = 64
+IMPORT_WITHOUT_POSITIONS = 2048  # an import's max_length without a position limit (lm-eval's)
 
 
 def _bucket(n: int, limit: int) -> int:
@@ -76,10 +77,12 @@ class TransformerLM(LM):
                              "decoder LMs (model.family 'gpt')")
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         limit = self.config.model.max_len if self.config.model.position == "learned" else None
-        # an imported checkpoint's context is its max_position_embeddings (lm-eval's HF model's
-        # too); a trained one's, the rows it trained on
-        self.max_length = int(max_length or (self.config.model.max_len if text.imported(
-            self.config) else self.config.seq_len))
+        if not max_length and text.imported(self.config):
+            # an import's context: its max_position_embeddings, as lm-eval's HF model reads
+            # it; a model without positions (Mamba 2) has none: lm-eval's default, 2048
+            max_length = self.config.model.max_len if self.config.model.position != "none" \
+                else IMPORT_WITHOUT_POSITIONS
+        self.max_length = int(max_length or self.config.seq_len)  # a trained one's rows
         if limit is not None and self.max_length > limit:
             raise ValueError(f"max_length={self.max_length}: learned positions go up to "
                              f"model.max_len={limit}")
