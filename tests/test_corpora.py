@@ -394,11 +394,14 @@ def metaspace_tokenizer_json(path, byte_fallback: bool) -> str:
 
 
 @pytest.mark.parametrize("tokenizer", ["byte_level_bpe", "metaspace", "byte_fallback", "char",
-                                       "byte"])
+                                       "byte", "sentencepiece_bpe"])
 def test_a_long_stream_encoded_in_pieces_writes_the_bytes_of_one_encode(
         tmp_path, monkeypatch, tokenizer):
     """A --unit=stream text used to be encoded as one string (~140x its size in memory): it is
-    encoded in pieces cut where the ids stay the same, else whole."""
+    encoded in pieces cut where the ids stay the same. A tokenizer that prefixes every encode
+    with "▁" (Metaspace, Llama 2's Prepend("▁"), SentencePiece's) used to have no such cut and
+    encoded whole: it is cut before a space, the piece after it encoded with the space (its
+    "▁") or, for Prepend("▁"), without it (the prefix stands for it)."""
     source = tmp_path / "input.txt"
     source.write_text(long_text(), newline="")
     settings = {"tokenizer": tokenizer, "validation_fraction": 0.3}
@@ -408,6 +411,8 @@ def test_a_long_stream_encoded_in_pieces_writes_the_bytes_of_one_encode(
     elif tokenizer in ("metaspace", "byte_fallback"):
         settings.update(tokenizer="hf", tokenizer_path=metaspace_tokenizer_json(
             tmp_path / "t.json", tokenizer == "byte_fallback"))
+    elif tokenizer == "sentencepiece_bpe":
+        settings.update(vocab_size=400)
     whole = prepare.prepare(str(tmp_path / "whole"), str(source), unit="stream", **settings)
     assert source.stat().st_size < prepare_units.PIECE_CHARS  # one encode
 
@@ -419,9 +424,11 @@ def test_a_long_stream_encoded_in_pieces_writes_the_bytes_of_one_encode(
     assert prepare.prepare(str(tmp_path / "pieces"), str(source), unit="stream",
                            num_workers=workers, **settings) == {**whole, "input": str(source)}
     assert files_of(tmp_path / "pieces") == files_of(tmp_path / "whole")
-    assert "".join(pieces) == source.read_bytes().decode()  # the train and validation splits
-    if tokenizer not in ("metaspace", "byte_fallback"):  # (every cut adds a "▁" to them)
-        assert len(pieces) > 5
+    # the train and validation splits, each piece's text with whether its space was dropped
+    assert "".join(piece for piece, _ in pieces) == source.read_bytes().decode()
+    assert len(pieces) > 5
+    dropped = sum(drop for _, drop in pieces)  # (each split's first piece is whole)
+    assert dropped == (len(pieces) - 2 if tokenizer == "byte_fallback" else 0)
 
 
 # Runs `python -m transformer.data.prepare`'s main and kills it, as kill -9 of its process group

@@ -63,7 +63,8 @@ ENCODE_BATCH = 1024  # documents encoded at once (a Hugging Face tokenizer does 
 PIECE_CHARS = 1 << 20
 CUT_CONTEXT = 2048  # characters each side of a cut that encoding checks (`_clean_cut`)
 CUT_TRIES = 8  # cuts checked for a piece's end; where all fail the piece grows by PIECE_CHARS
-_CUT = re.compile(r"\n(?=\S)")  # a cut goes after a newline that text follows
+# A cut goes after a newline that text follows, or before a single space between two words.
+_CUT = re.compile(r"\n(?=\S)|(?<=\S)(?= \S)")
 MAX_BIN_VOCAB = 65536  # uint16 ids
 # The settings a resumed prepare must share with the one it continues (named as the flags).
 ARGUMENTS = ("input", "unit", "validation_fraction", "text_field", "tokenizer", "vocab_size",
@@ -198,41 +199,50 @@ class _UnitWriter:
             self.counts[split]["files"] = [os.path.basename(p) for p in writer.close()]
 
 
-def _clean_cut(text: str, cuts: list[int], encode_now: EncodeNow) -> int | None:
+def _clean_cut(text: str, cuts: list[int], encode_now: EncodeNow) -> tuple[int, bool] | None:
     """The first of `cuts` (offsets in `text`) where the CUT_CONTEXT characters either side
-    encode, joined, to the ids of the two sides encoded apart, or None. This refuses a cut
-    inside a pre-tokenizer's word, and every cut of a tokenizer that adds something at each
-    encode (a Metaspace or Prepend("▁") prefix)."""
-    texts = []
+    encode, joined, to the ids of the two sides encoded apart, as (cut, drop), or None. The
+    right side is tried as is, then, at a space, without it (drop=True: a tokenizer whose
+    every encode starts with "▁", Llama 2's Prepend("▁") normalizer, has that "▁" stand for
+    the space). This refuses a cut inside a pre-tokenizer's word, and a newline cut of a
+    tokenizer that adds something at each encode (a Metaspace or Prepend("▁") prefix)."""
+    texts, windows = [], []
     for cut in cuts:
         low, high = max(0, cut - CUT_CONTEXT), cut + CUT_CONTEXT
-        texts += [text[low:high], text[low:cut], text[cut:high]]
-    ids = [np.asarray(one, np.int64) for one in encode_now(texts)]
-    return next((cut for k, cut in enumerate(cuts) if np.array_equal(
-        ids[3 * k], np.concatenate([ids[3 * k + 1], ids[3 * k + 2]]))), None)
+        rights = [text[cut:high]] + [text[cut + 1:high]] * (text[cut] == " ")
+        texts += [text[low:high], text[low:cut], *rights]
+        windows.append((cut, len(rights)))
+    ids = iter([np.asarray(one, np.int64) for one in encode_now(texts)])
+    for cut, tries in windows:
+        joined, left, *rights = (next(ids) for _ in range(2 + tries))
+        for drop, right in enumerate(rights):
+            if np.array_equal(joined, np.concatenate([left, right])):
+                return cut, bool(drop)
+    return None
 
 
-def _pieces(text: str, encode_now: EncodeNow) -> Iterator[str]:
-    """`text` in pieces of about PIECE_CHARS characters whose ids, encoded apart and joined,
-    are the ids of `text` (as far as CUT_CONTEXT characters show): each cut is the first
-    `_clean_cut` of up to CUT_TRIES newlines past PIECE_CHARS; where none is, the piece grows
-    by PIECE_CHARS, up to the whole text (one encode, as shorter documents are)."""
-    start = 0
+def _pieces(text: str, encode_now: EncodeNow) -> Iterator[tuple[str, bool]]:
+    """`text` in pieces of about PIECE_CHARS characters, each with whether it is encoded
+    without its first character (a space, `_clean_cut`'s drop), whose ids, encoded so apart
+    and joined, are the ids of `text` (as far as CUT_CONTEXT characters show): each cut is the
+    first `_clean_cut` of up to CUT_TRIES `_CUT`s past PIECE_CHARS; where none is, the piece
+    grows by PIECE_CHARS, up to the whole text (one encode, as shorter documents are)."""
+    start, drop = 0, False
     target = PIECE_CHARS
     while target < len(text):
         cuts = [m.end() for m in itertools.islice(_CUT.finditer(text, target), CUT_TRIES)]
         if not cuts:
             break
         # the first alone (it is clean in most text), then the others at once
-        cut = _clean_cut(text, cuts[:1], encode_now)
-        if cut is None and len(cuts) > 1:
-            cut = _clean_cut(text, cuts[1:], encode_now)
-        if cut is None:
+        found = _clean_cut(text, cuts[:1], encode_now)
+        if found is None and len(cuts) > 1:
+            found = _clean_cut(text, cuts[1:], encode_now)
+        if found is None:
             target = cuts[-1] + PIECE_CHARS
             continue
-        yield text[start:cut]
-        start, target = cut, cut + PIECE_CHARS
-    yield text[start:]
+        yield text[start:found[0]], drop
+        (start, drop), target = found, found[0] + PIECE_CHARS
+    yield text[start:], drop
 
 
 def _encoded(pairs: Iterator[tuple[str, sources.Document]], encode: Encode,
@@ -252,7 +262,8 @@ def _encoded(pairs: Iterator[tuple[str, sources.Document]], encode: Encode,
                 yield [one.text for _, one in batch]
                 batch = []
             if long:
-                pieces = _pieces(doc.text, encode_now)
+                pieces = (piece[1:] if drop else piece
+                          for piece, drop in _pieces(doc.text, encode_now))
                 piece = next(pieces)
                 for after in itertools.chain(pieces, [None]):
                     pending.append(((split, doc), after is None))
