@@ -16,7 +16,8 @@ from transformer.data.tokenizers import EOS_ID
 from transformer.training import evaluation
 
 TOKENIZER = fake_tokenizer(300, 0)
-WEIGHTS = [(0.7, 0.2, 0.1), (0.55, 0.45), (1, 1, 1), (0.6, 0.25, 0.15), (5, 0.3, 0.01)]
+WEIGHTS = [(0.7, 0.2, 0.1), (0.55, 0.45), (1, 1, 1), (0.6, 0.25, 0.15), (5, 0.3, 0.01),
+           (3e-6, 1e-6, 5e-7)]  # (weights so small that rounding each alone moved them)
 # Each source's tokens in its own range, so a row tells which source it came from.
 RANGES = [(10, 90), (100, 180), (200, 280)]
 
@@ -64,6 +65,18 @@ def test_every_prefix_of_whole_blocks_meets_the_weights_within_one_sample(weight
         # Within a block each source gets w * K samples, give or take less than two.
         assert np.all(np.abs(counts - previous - w * K) < 2)
         previous = counts
+
+
+def test_weights_keep_their_ratios_at_any_scale_and_a_too_small_one_is_named():
+    """Weights are ratios: (8e-7, 6e-7) is (4, 3), block for block; one under 2**-20 of the
+    total is refused as that (it read "expected each > 0" for a weight of 1e-7)."""
+    for small, large in (((8e-7, 6e-7), (4, 3)), ((3e-6, 1e-6, 5e-7), (6, 2, 1))):
+        a, b = Mixture(small, seed=0), Mixture(large, seed=0)
+        assert a.block == b.block
+        assert [a.locate(i) for i in range(50)] == [b.locate(i) for i in range(50)]
+    with pytest.raises(ValueError, match=r"the smallest is 1\.00e-07 of the total: expected "
+                                         r"at least 2\*\*-20"):
+        Mixture((1.0, 1e-7), seed=0)
 
 
 @pytest.mark.parametrize("weights", WEIGHTS[:3])

@@ -34,20 +34,27 @@ class Mixture:
     """
 
     def __init__(self, weights: Sequence[float], seed: int):
-        weights = [fractions.Fraction(w).limit_denominator(2**20) for w in weights]
-        if not weights or any(w <= 0 for w in weights):
+        exact = [fractions.Fraction(w) for w in weights]
+        if not exact or any(w <= 0 for w in exact):
             raise ValueError(f"weights={[float(w) for w in weights]}: expected at least one "
                              "weight, each > 0")
+        total = sum(exact)
+        if min(exact) / total < fractions.Fraction(1, 2**20):
+            raise ValueError(f"weights={[float(w) for w in weights]}: the smallest is "
+                             f"{float(min(exact) / total):.2e} of the total: expected at "
+                             "least 2**-20")
+        weights = [w.limit_denominator(2**20) for w in exact]  # 0.6 as 3/5, not its float
+        if any(abs(r / sum(weights) - w / total) > w / total / 10**6
+               for r, w in zip(weights, exact, strict=True)):
+            # weights so small that rounding each alone moved their ratios (1e-6 -> 1/2**20):
+            # the normalized ones, rounded
+            weights = [(w / total).limit_denominator(2**20) for w in exact]
         # Integer weights m_s (exact arithmetic: float quotas drift on long runs).
         denominator = math.lcm(*(w.denominator for w in weights))
         self._m = [int(w * denominator) for w in weights]
         self._total = sum(self._m)
         # K * w_s >= 1 for every s keeps C_s(b) non-decreasing (no source loses a sample).
         self.block = -(-self._total // min(self._m))
-        if self.block > 2**20:
-            raise ValueError(f"weights={[float(w) for w in weights]}: the smallest is "
-                             f"{min(self._m) / self._total:.2e} of the total: expected at "
-                             "least 2**-20")
         self.weights = np.array(self._m) / self._total
         self.seed = seed
         self._cached: tuple[int, np.ndarray, np.ndarray] = (-1, np.zeros(0), np.zeros(0))
