@@ -5,6 +5,7 @@ refused before anything is written."""
 
 import re
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -167,6 +168,14 @@ ROPE = dict(position="rope", norm="rmsnorm", activation="swiglu", use_bias=False
      "export to qwen3_moe: model.moe.num_shared=1 has no Hugging Face Qwen3-MoE equivalent"),
     (dict(position="learned", moe=dict(num_experts=4)),
      "a mixture of experts is not exported but as a RoPE GPT"),
+    # transformers reads YaRN's truncate off the top level of a per-layer-type rope_parameters
+    (dict(ROPE, norm_placement="post_sublayer", qk_norm=True, qk_norm_scope="projection",
+          sliding_window=4, rope_scaling="yarn", rope_scale=4.0, rope_yarn_truncate=False),
+     r"^export to olmo3: model.rope_yarn_truncate=False has no Hugging Face OLMo 3 equivalent "
+     r"\(expected True: its RoPE is per layer type, and transformers then always truncates\)$"),
+    (dict(ROPE, norm_placement="sandwich", activation="geglu", scale_embeddings=True,
+          qk_norm=True, rope_scaling="yarn", rope_scale=4.0, rope_yarn_truncate=False),
+     "^export to gemma3_text: model.rope_yarn_truncate=False has no Hugging Face Gemma 3"),
 ])
 def test_architectures_without_a_hugging_face_class_are_refused(overrides, match):
     config = default_model_config()
@@ -174,6 +183,56 @@ def test_architectures_without_a_hugging_face_class_are_refused(overrides, match
     with pytest.raises(ValueError, match=match) as error:
         export.to_hf(config, {})
     assert "\n" not in str(error.value)
+
+
+# YaRN on a Llama-like model (Qwen's long-context setting): 4 x an original context of 16 in 64
+# positions; heads of 16 at base 100 put RoPE pairs on both sides of YaRN's ramp and one in it,
+# so each setting below moves transformers' logits (test_hf_config_fields' YARN_CASES).
+YARN = dict(ROPE, num_layers=2, head_dim=16, max_len=64, rope_theta=100.0, rope_scaling="yarn",
+            rope_scale=4.0, rope_original_max_len=16)
+YARN_EXPORTS = {
+    "qwen3": ("Qwen3ForCausalLM", dict(qk_norm=True)),
+    "llama": ("LlamaForCausalLM", {}),
+    "qwen3_betas_untruncated": ("Qwen3ForCausalLM", dict(
+        qk_norm=True, rope_yarn_beta_fast=2.0, rope_yarn_beta_slow=0.25,
+        rope_yarn_truncate=False)),
+    "llama_mscales": ("LlamaForCausalLM", dict(rope_yarn_mscale=0.9,
+                                               rope_yarn_mscale_all_dim=0.7)),
+    # RoPE written per layer type (and the local layers' plain)
+    "olmo3_mscales": ("Olmo3ForCausalLM", dict(
+        norm_placement="post_sublayer", qk_norm=True, qk_norm_scope="projection",
+        sliding_window=4, sliding_window_pattern=2, rope_yarn_mscale=0.9,
+        rope_yarn_mscale_all_dim=0.7)),
+    "gemma3_local_rope": ("Gemma3ForCausalLM", dict(
+        norm_placement="sandwich", activation="geglu", scale_embeddings=True, qk_norm=True,
+        sliding_window=4, sliding_window_pattern=2, rope_local_theta=50.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(YARN_EXPORTS))
+def test_a_llama_like_yarn_model_exports_with_our_logits_and_imports_back_alike(case, tmp_path):
+    """The HF class loaded from the export gives our logits on 50 tokens, past the original
+    context, and importing the export gives back our config."""
+    from safetensors.numpy import save_file
+
+    architecture, overrides = YARN_EXPORTS[case]
+    config = default_model_config()
+    config.update(**{**TINY_MODEL, **YARN, **overrides, "vocab_size": 101})
+    ids = tokens(13, (2, 50))
+    model = build_model(config)
+    params = jax.tree.map(np.asarray, nn.unbox(model.init(jax.random.PRNGKey(0), ids)["params"]))
+    rng = np.random.default_rng(1)  # norm scales away from 1 as well
+    params = jax.tree.map(lambda p: p + rng.normal(0, 0.2, p.shape).astype(np.float32), params)
+    hf_config, state = export.to_hf(config, params)
+    hf_config.save_pretrained(tmp_path)
+    save_file(state, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    hf = getattr(transformers, architecture).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor(ids)).logits.numpy()
+    assert relative_difference(np.asarray(model.apply({"params": params}, ids)), expected) <= 1e-5
+    again, _ = convert.from_hf(hf.config, state)
+    assert {k: again[k] for k in config if k.startswith("rope")} == {
+        k: config[k] for k in config if k.startswith("rope")}
 
 
 TITLES = {"gpt2": "GPT-2", "bert": "BERT", "t5": "T5", "llama": "Llama", "mistral": "Mistral",

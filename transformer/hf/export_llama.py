@@ -17,11 +17,16 @@ from transformer.hf.allowlist import ANY, SHAPES, Exporter
 from transformer.hf.common import flat_heads
 from transformer.hf.convert_llama import LLAMA_LIKE
 
-# What every Llama-like class maps: RMSNorm, RoPE (default, linear or llama3), no biases, GQA.
+# What every Llama-like class maps: RMSNorm, RoPE (default, linear, llama3 or yarn: see
+# `_rope_parameters`), no biases, GQA.
 _BASE = dict(family=("gpt",), head=("mlm",), position=("rope",), norm=("rmsnorm",))
 _ROPE = dict(rope_layout=("half",), rope_theta=ANY, rope_scale=ANY,
-             rope_scaling=("linear", "llama3"), rope_low_freq_factor=ANY,
-             rope_high_freq_factor=ANY, rope_original_max_len=ANY)
+             rope_scaling=("linear", "llama3", "yarn"), rope_low_freq_factor=ANY,
+             rope_high_freq_factor=ANY, rope_original_max_len=ANY,
+             **{f"rope_yarn_{k}": ANY for k in ("beta_fast", "beta_slow", "mscale",
+                                                "mscale_all_dim", "truncate")})
+# The classes whose RoPE is written per layer type (transformers 5 reads it so)
+_PER_LAYER_TYPE_ROPE = ("Olmo3", "Gemma3")
 _MAPPED = dict(**SHAPES, tie_embeddings=ANY, num_kv_heads=ANY, head_dim=ANY)
 _NO_BIAS = dict(qkv_bias=(None, False))
 _WINDOW = dict(sliding_window=ANY)
@@ -55,8 +60,7 @@ _CLASSES = {
     # sinks, biases everywhere, alternating windows, YaRN, experts with the clamped SwiGLU
     "GptOss": ("gpt_oss", "gpt-oss", {
         "use_bias": (True,), "qkv_bias": (None, True), "attention_sinks": (True,),
-        **_LAYER_WINDOWS, "rope_scaling": ("linear", "yarn"), "rope_yarn_beta_fast": ANY,
-        "rope_yarn_beta_slow": ANY, "rope_yarn_truncate": ANY, "moe.use_bias": (True,),
+        **_LAYER_WINDOWS, "rope_scaling": ("linear", "yarn"), "moe.use_bias": (True,),
         "moe.swiglu_limit": ANY, "moe.normalize_gates": (True,), "moe.every_n_layers": (1,),
         **_MOE}),
     # moe.num_shared >= 1: checked in _moe_settings
@@ -181,24 +185,7 @@ def export(config, params, transformers):
     family = LLAMA_LIKE[kind]
     activation = family.activations[0]  # (HF's name, ours)
     head_dim = config.head_dim or config.d_model // config.num_heads
-    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
-    if config.rope_scaling == "llama3":
-        rope.update(rope_type="llama3", factor=float(config.rope_scale),
-                    low_freq_factor=float(config.rope_low_freq_factor),
-                    high_freq_factor=float(config.rope_high_freq_factor),
-                    original_max_position_embeddings=int(config.rope_original_max_len))
-    elif config.rope_scaling == "yarn":
-        rope.update(rope_type="yarn", factor=float(config.rope_scale),
-                    original_max_position_embeddings=int(config.rope_original_max_len),
-                    beta_fast=float(config.rope_yarn_beta_fast),
-                    beta_slow=float(config.rope_yarn_beta_slow),
-                    truncate=bool(config.rope_yarn_truncate))
-    elif config.rope_scale != 1.0:
-        rope.update(rope_type="linear", factor=float(config.rope_scale))
-    if kind in ("Olmo3", "Gemma3"):  # transformers 5 reads these per layer type
-        local = config.get("rope_local_theta")
-        rope = {"full_attention": rope, "sliding_attention": rope if local is None else {
-            "rope_type": "default", "rope_theta": float(local)}}
+    rope = _rope_parameters(config, kind)
     hf_config = getattr(transformers, "Gemma3TextConfig" if kind == "Gemma3" else
                         f"{kind}Config")(
         vocab_size=config.vocab_size, hidden_size=config.d_model,
@@ -212,6 +199,40 @@ def export(config, params, transformers):
         initializer_range=config.init_std or 0.02, architectures=[f"{kind}ForCausalLM"],
         **_llama_like_settings(config, kind, head_dim))
     return hf_config, _llama_like_state(config, params, family)
+
+
+def _rope_parameters(config, kind: str) -> dict[str, Any]:
+    """HF's `rope_parameters` of our RoPE (the inverse of `convert_llama._rope`). YaRN's
+    attention factor is left to transformers to derive: mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) where both are set, else mscale(factor), as
+    `positions.rope_attention_factor` says (so mscale and mscale_all_dim are written only
+    where both are non-zero: otherwise neither changes it)."""
+    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    if config.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=float(config.rope_scale),
+                    low_freq_factor=float(config.rope_low_freq_factor),
+                    high_freq_factor=float(config.rope_high_freq_factor),
+                    original_max_position_embeddings=int(config.rope_original_max_len))
+    elif config.rope_scaling == "yarn":
+        rope.update(rope_type="yarn", factor=float(config.rope_scale),
+                    original_max_position_embeddings=int(config.rope_original_max_len),
+                    beta_fast=float(config.rope_yarn_beta_fast),
+                    beta_slow=float(config.rope_yarn_beta_slow),
+                    truncate=bool(config.rope_yarn_truncate))
+        if config.rope_yarn_mscale and config.rope_yarn_mscale_all_dim:
+            rope.update(mscale=float(config.rope_yarn_mscale),
+                        mscale_all_dim=float(config.rope_yarn_mscale_all_dim))
+    elif config.rope_scale != 1.0:
+        rope.update(rope_type="linear", factor=float(config.rope_scale))
+    if kind not in _PER_LAYER_TYPE_ROPE:
+        return rope
+    # transformers reads YaRN's truncate off rope_parameters' top level, which holds none here
+    if rope.get("truncate") is False:
+        raise allowlist.refusal(EXPORTERS[kind], "rope_yarn_truncate", False, "True: its "
+                                "RoPE is per layer type, and transformers then always truncates")
+    local = config.get("rope_local_theta")
+    return {"full_attention": rope, "sliding_attention": rope if local is None else {
+        "rope_type": "default", "rope_theta": float(local)}}
 
 
 def _llama_like_state(config, params, family) -> dict[str, np.ndarray]:
