@@ -316,6 +316,31 @@ def test_a_role_no_file_names_comes_from_the_next_file_or_the_well_known_names(g
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (None, end, end)
 
 
+def test_a_directory_without_a_chat_template_is_read_without_transformers(gpt2_dir, tmp_path):
+    """The roles AutoTokenizer's class would give matter only to a chat template: GPT-2's hub
+    layout without one keeps the well-known roles (unnamed), and loading it, saving it and
+    unpickling it never import transformers (a data-loading worker does not pay for it)."""
+    import subprocess
+    import sys
+
+    directory = tmp_path / "gpt2"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_bytes((gpt2_dir / "tokenizer.json").read_bytes())
+    (directory / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
+    (directory / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    script = ("import pickle, sys\n"
+              "from transformer.data import tokenizers\n"
+              f"tok = tokenizers.load_hf_tokenizer({str(directory)!r})\n"
+              f"tok.save({str(tmp_path / 'saved')!r})\n"
+              f"tokenizers.load_tokenizer({str(tmp_path / 'saved')!r})\n"
+              "pickle.loads(pickle.dumps(tok))\n"
+              "print(tok.specials['bos'], tok.specials['unk'], tok.unnamed, "
+              "'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], check=True).stdout
+    assert out.split("\n")[-2] == "<|endoftext|> None ('bos', 'eos') False"
+
+
 def test_token_bytes_are_each_tokens_own_bytes(gpt2_dir):
     """A byte-level token that is part of a character is its byte(s), not the "\ufffd" that
     decoding it alone gives (visualize labels tokens by these)."""

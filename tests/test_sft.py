@@ -182,6 +182,108 @@ def test_roles_the_directory_does_not_name_are_not_the_template_s(tmp_path):
             assert ids.tolist() == hf.apply_chat_template(messages, tokenize=True)["input_ids"]
 
 
+def llama_style(directory: Path, config: dict, template: str) -> Path:
+    """A SentencePiece-shaped BPE (Metaspace, <unk> <s> </s> first, as Llama 2 and Mistral
+    lay it out) with ChatML's specials, saved with `config` as tokenizer_config.json."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    tok.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+    lines = [" ".join(_WORDS[i:i + 7]) + "\n\n" for i in range(len(_WORDS))]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=list(string.printable) + ["▁"]))
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                 "chat_template": template}))
+    return directory
+
+
+# A template writing every role transformers passes it (an unset one writes nothing).
+ROLES_TEMPLATE = "{{ bos_token }}{{ unk_token }}{{ pad_token }}" + CHATML.replace(
+    "'<|im_end|>' + '\n'", "'<|im_end|>' + (eos_token or '') + '\n'")
+assert ROLES_TEMPLATE.count("eos_token") == 1
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def hub_layout(directory: Path, layout: str) -> Path:
+    """A directory laid out as one on the hub, ROLES_TEMPLATE its chat template."""
+    template, config = ROLES_TEMPLATE, None
+    if layout == "gpt2_hub":  # openai-community/gpt2's: no roles, no class, config.json's type
+        build_tokenizer(directory, template, specials=CHATML_SPECIALS)
+        config = {"model_max_length": 1024, "chat_template": template}
+        (directory / "config.json").write_text('{"model_type": "gpt2"}')
+    elif layout == "gpt2_class":  # ... naming its class; here with other well-known tokens too
+        build_tokenizer(directory, template, specials=SPECIALS + ["<|endoftext|>"])
+        config = {"model_max_length": 1024, "tokenizer_class": "GPT2Tokenizer",
+                  "chat_template": template}
+    elif layout == "llama_without_bos":
+        return llama_style(directory, {"tokenizer_class": "LlamaTokenizerFast",
+                                       "eos_token": "</s>"}, template)
+    elif layout == "qwen25_bos_null":
+        build_tokenizer(directory, template, specials=CHATML_SPECIALS)
+        config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None,
+                  "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+                  "chat_template": template}
+    elif layout == "bare_with_jinja":  # a bare tokenizer.json: no roles at all
+        build_tokenizer(directory, template, "chat_template.jinja", specials=CHATML_SPECIALS)
+        (directory / "tokenizer_config.json").unlink()
+    if config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return directory
+
+
+@pytest.mark.parametrize("layout,roles", [
+    ("gpt2_hub", {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>"}),
+    ("gpt2_class", {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>"}),
+    ("llama_without_bos", {"bos": "<s>", "eos": "</s>", "unk": "<unk>"}),
+    ("qwen25_bos_null", {"eos": "<|im_end|>", "pad": "<|endoftext|>"}),
+    ("bare_with_jinja", {}),
+])
+def test_the_template_sees_the_roles_autotokenizer_sets(tmp_path, layout, roles):
+    """A role no config file names but the tokenizer class AutoTokenizer loads the directory
+    as has by default (GPT2Tokenizer's <|endoftext|>, found from tokenizer_class or
+    config.json's model_type; LlamaTokenizer's <s>) is the template's too, while one nothing
+    names (Qwen's null bos, a bare tokenizer.json's) stays unset: ids equal transformers',
+    also once saved and loaded back, and pickled."""
+    import pickle
+
+    directory = hub_layout(tmp_path / layout, layout)
+    ours, hf = tokenizers_lib.load_hf_tokenizer(str(directory)), reference(directory)
+    assert {r: t for r in tokenizers_lib.ROLES if (t := getattr(hf, f"{r}_token"))} == roles
+    assert ours.named_specials == roles
+    ours.save(str(tmp_path / "saved"))
+    again = tokenizers_lib.load_tokenizer(str(tmp_path / "saved"))
+    for tok in (ours, again, pickle.loads(pickle.dumps(ours))):
+        assert tok.named_specials == roles
+        for seed in range(3):
+            messages = conversation(seed)
+            for prompt in (False, True):
+                assert chat.encode_chat(tok, messages, add_generation_prompt=prompt).tolist() \
+                    == hf.apply_chat_template(messages, tokenize=True,
+                                              add_generation_prompt=prompt)["input_ids"]
+            ids, _ = chat.assistant_tokens(tok, messages)
+            assert ids.tolist() == hf.apply_chat_template(messages, tokenize=True)["input_ids"]
+
+
+def test_a_directory_transformers_cannot_load_keeps_the_well_known_roles(tmp_path):
+    """A custom tokenizer class (auto_map: trust_remote_code, never granted here): its roles
+    are read as before, the ones no file names filled in from well-known tokens and unnamed."""
+    directory = build_tokenizer(tmp_path, ROLES_TEMPLATE, specials=CHATML_SPECIALS)
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "auto_map": {"AutoTokenizer": ["tokenization_mine.MyTokenizer", None]},
+        "tokenizer_class": "MyTokenizer", "chat_template": ROLES_TEMPLATE}))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        reference(directory)
+    tok = tokenizers_lib.load_hf_tokenizer(str(directory))
+    assert (tok.specials["eos"], tok.unnamed, tok.named_specials) == \
+        ("<|endoftext|>", ("bos", "eos"), {})
+
+
 def test_the_template_raise_exception_is_one_line(tmp_path):
     tok = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path, CHATML)))
     with pytest.raises(ValueError, match="^--chat: the chat template refused it: unknown role "

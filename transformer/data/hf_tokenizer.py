@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,9 +46,10 @@ TRANSFORMERS_KEYS = ("added_tokens_decoder", "additional_special_tokens", "extra
 # Where a saved "hf" tokenizer keeps its `stop_ids`, beside CONFIG_FILE: a file of its own, so
 # that tokenizer.json stays what says how text becomes ids (prepared data is checked against it).
 STOP_IDS_FILE = "stop_ids.json"
-# The `specials` entry listing the roles `load_hf_tokenizer` filled in from _WELL_KNOWN (the
-# directory's config files name none): transformers leaves those unset, so its chat templates see
-# no such token. Kept in a saved tokenizer's specials, so that a reload renders chats the same.
+# The `specials` entry listing the roles `load_hf_tokenizer` filled in from _WELL_KNOWN (neither
+# the directory's config files nor its tokenizer class name them): transformers leaves those
+# unset, so its chat templates see no such token. Kept in a saved tokenizer's specials (and its
+# pickle), so that a reload renders chats the same without asking transformers again.
 UNNAMED = "unnamed"
 
 
@@ -221,9 +223,10 @@ class HFTokenizer(Tokenizer):
 
     @property
     def named_specials(self) -> dict[str, str]:
-        """{role: token} of the roles its directory names, the ones `AutoTokenizer` sets on
-        the same directory and a chat template's `bos_token`, `eos_token`, ... render: the
-        `specials` but those filled in from well-known tokens (`unnamed`)."""
+        """{role: token} of the roles its directory names (its config files, or the defaults
+        of the tokenizer class it loads as), the ones `AutoTokenizer` sets on the same
+        directory and a chat template's `bos_token`, `eos_token`, ... render: the `specials`
+        but those filled in from well-known tokens (`unnamed`)."""
         return {role: token for role, token in self.specials.items()
                 if token is not None and role not in self.unnamed}
 
@@ -355,7 +358,10 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
     (its `bos_token`, `eos_token`, ... entries; null names none), else special_tokens_map.json;
     a role neither names (all of them for a bare tokenizer.json) is the first well-known token
     (<pad>, [PAD], </s>, <|endoftext|>, [CLS], ...) the vocabulary has, listed as `unnamed`
-    (transformers leaves it unset: chat templates do not see it). The first file's
+    (transformers leaves it unset: chat templates do not see it). Where the directory has a
+    chat template, a role neither file names but `AutoTokenizer` sets (the defaults of the
+    class it picks: GPT-2's <|endoftext|>, Llama's <s>; `_class_defaults`) is that token, so
+    the template renders it as transformers does. The first file's
     `TRANSFORMERS_KEYS` entries are kept for the export, and a generation_config.json's
     `eos_token_id` (one id or several) becomes the `stop_ids`.
     """
@@ -377,18 +383,53 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
                           if role not in named and f"{role}_token" in config})
             if settings is None:
                 settings = {key: config[key] for key in TRANSFORMERS_KEYS if key in config}
+    template = _chat_template(file.parent)
     if unnamed := [role for role in ROLES if role not in named]:
         # e.g. GPT-2's hub tokenizer_config.json names no role (its class's defaults do)
         vocab = _vocab(text, file)
+        # (they matter only to a chat template: other directories never import transformers)
+        if template and file.name == "tokenizer.json":
+            defaults = _class_defaults(file.parent, unnamed)
+            named.update({role: token for role, (token, i) in defaults.items()
+                          if vocab.get(token) == i})  # (not a token transformers added)
+            unnamed = [role for role in unnamed if role not in named]
         named.update({role: next((t for t in _WELL_KNOWN[role] if t in vocab), None)
                       for role in unnamed})
         named[UNNAMED] = [role for role in unnamed if named[role] is not None]
     stops = _generation_stop_ids(file.parent)
     try:
-        return HFTokenizer(text, named, num_sentinels, _chat_template(file.parent),
-                           settings or {}, stops)
+        return HFTokenizer(text, named, num_sentinels, template, settings or {}, stops)
     except Exception as e:
         raise ValueError(f"{str(file)!r}: {e}") from None
+
+
+def _class_defaults(directory, roles: list[str]) -> dict[str, tuple[str, int]]:
+    """{role: (token, id)} of those of `roles` that `transformers.AutoTokenizer` sets loading
+    the local `directory` (the defaults of the class it picks from tokenizer_config.json's
+    tokenizer_class, else config.json's model_type, and from the tokenizer.json: GPT2Tokenizer's
+    <|endoftext|> as bos, eos and unk); {} where transformers is missing or cannot load it (a
+    remote directory, a custom class needing trust_remote_code): the well-known names then."""
+    if fileio.is_remote(directory):
+        return {}
+    try:
+        import transformers
+    except ImportError:
+        return {}
+    logs = transformers.utils.logging
+    verbosity = logs.get_verbosity()
+    logs.set_verbosity_error()  # (its notes on the directory's layout are no concern here)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hf = transformers.AutoTokenizer.from_pretrained(
+                str(directory), local_files_only=True, trust_remote_code=False)
+        tokens = {role: getattr(hf, f"{role}_token", None) for role in roles}
+        return {role: (token, hf.convert_tokens_to_ids(token))
+                for role, token in tokens.items() if isinstance(token, str)}
+    except Exception:  # (whatever it is: the directory is read as before)
+        return {}
+    finally:
+        logs.set_verbosity(verbosity)
 
 
 def _vocab(text: str, file) -> dict[str, int]:
