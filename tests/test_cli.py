@@ -55,6 +55,23 @@ CASES = {
                          ["in --config.compiler_options.xla_cpu_multi_thread_eigen: "
                           "compiler_options takes a whole dict (--config.compiler_options="
                           "\"{'xla_cpu_multi_thread_eigen': False}\")"]),
+    # the override named is the one that fails, not the first with the key in its path
+    "unknown_key_after_a_valid_one": ("transformer.train",
+                                      ["--workdir=WORKDIR", "--config.model.d_model=64",
+                                       "--config.optimizer.d_model=1"], 2,
+                                      ["unknown key 'd_model' in --config.optimizer.d_model"]),
+    "unknown_negated_key": ("transformer.train", ["--workdir=WORKDIR", "--noconfig.foo"], 2,
+                            ["unknown key 'foo' in --noconfig.foo"]),
+    # ml_collections resolves every override's parents before any leaf: sources fails first
+    "key_under_a_tuple": ("transformer.train",
+                          ["--workdir=WORKDIR", "--config.optimizer.learning_rate.x=1",
+                           "--config.data.sources.x.weight=1"], 2,
+                          ["--config.data.sources.x.weight: data.sources is a tuple: give it "
+                           "whole (--config.data.sources=\"(...)\")"]),
+    "key_under_a_float": ("transformer.train",
+                          ["--workdir=WORKDIR", "--config.optimizer.learning_rate.x=1"], 2,
+                          ["--config.optimizer.learning_rate.x: optimizer.learning_rate is a "
+                           "float, with no keys"]),
     "unknown_flag": ("transformer.train", ["--workdir=WORKDIR", "--nosuchflag"], 2,
                      ["nosuchflag"]),
     "missing_config_train": ("transformer.train", ["--config=nope.py", "--workdir=WORKDIR"], 2,

@@ -143,6 +143,7 @@ def message(error: BaseException) -> str:
     text = args[0] if len(args) == 1 and isinstance(args[0], str) else str(error)
     if isinstance(error, (KeyError, AttributeError)):
         text = _unquote_key(text, bare_is_key=isinstance(error, KeyError))
+    if isinstance(error, (KeyError, AttributeError, TypeError)):
         text = _name_override(text, error, sys.argv)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
@@ -155,7 +156,7 @@ def message(error: BaseException) -> str:
             text += " " + line
         else:
             text += (". " if line[0].isupper() else "; ") + line
-    if type(error).__module__ == "builtins" and not text.startswith("unknown key") and \
+    if type(error).__module__ == "builtins" and not re.match(r"unknown key|--?\w+\.", text) and \
             not isinstance(error, (*USAGE_ERRORS, OSError, RuntimeError, FloatingPointError)):
         text = f"{type(error).__name__}: {text}"  # e.g. an AttributeError: say what it is
     return text
@@ -181,31 +182,39 @@ def _unquote_key(text: str, bare_is_key: bool) -> str:
 
 
 def _name_override(text: str, error: BaseException, argv: list[str]) -> str:
-    """`unknown key 'name'` from a `--config.KEY=VALUE` that ml_collections could not apply,
-    with the override it is in: ConfigDict names only the missing part. Its "Did you mean"
-    becomes the whole override; under a field that holds an empty dict (compiler_options) the
-    key is no typo, and the field is given whole."""
+    """An error from a `--config.KEY=VALUE` that ml_collections could not apply, as the
+    override it is in: ConfigDict names only the missing part (`unknown key 'name'`), a key
+    under a tuple or a scalar gets Python's own message. Its "Did you mean" becomes the whole
+    override; under a field that holds an empty dict (compiler_options) the key is no typo,
+    and the field is given whole; a tuple is given whole; a scalar has no keys."""
     from ml_collections import ConfigDict
 
-    found = re.match(r"unknown key '([^'\s]+)'", text)
     frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
-    if not found or not any("config_flags" in f.f_code.co_filename for f in frames):
+    # The outermost ml_collections frame with a `config` is the flag's _parse: the root.
+    parse = next((f for f in frames if "config_flags" in f.f_code.co_filename
+                  and isinstance(f.f_locals.get("config"), ConfigDict)), None)
+    if parse is None:
         return text  # not an override's, e.g. a KeyError in the command's own code
-    key, rest = found[1], text[found.end():].strip()
-    for arg in argv[1:]:  # overrides apply in order: the first with the key failed
-        override = re.fullmatch(r"--?(no)?(\w+)\.([\w.]+)(?:=(.*))?", arg, re.S)
-        if override and key in override[3].split("."):
-            break
-    else:
+    found = re.match(r"unknown key '([^'\s]+)'", text)
+    key, rest = (found[1], text[found.end():].strip()) if found else (None, "")
+    failed = _failed_override(parse.f_locals["config"], getattr(
+        parse.f_locals.get("self"), "name", None), argv, key)
+    if failed is None:
         return text
-    negated, flag, path, value = override.groups()
+    override, at, holder = failed
+    written, negated, flag, path, value = override.groups()  # written: `--noconfig`
     parts = path.split(".")
-    at = parts.index(key)
-    text = f"unknown key {key!r} in --{flag}.{path}"
-    # The innermost ConfigDict method's `self` (__getattr__'s) is the key's holder.
-    holders = [f.f_locals["self"] for f in frames
-               if isinstance(f.f_locals.get("self"), ConfigDict)]
-    if at and holders and not len(holders[-1]):
+    field = ".".join(parts[:at])
+    if not isinstance(holder, ConfigDict):
+        kind = type(holder).__name__
+        if not isinstance(holder, (tuple, list)):
+            return f"{written}.{path}: {field} is {'an' if kind[0] in 'aeiou' else 'a'} " \
+                   f"{kind}, with no keys"
+        whole = repr(holder) if holder and len(repr(holder)) <= 60 else "(...)"
+        return f'{written}.{path}: {field} is a {kind}: give it whole (--{flag}.{field}=' \
+               f'"{whole}")'
+    text = f"unknown key {key!r} in {written}.{path}"
+    if at and not len(holder):
         if value is None:
             value = "False" if negated else "True"
         try:
@@ -214,13 +223,40 @@ def _name_override(text: str, error: BaseException, argv: list[str]) -> str:
             value = repr(value)  # a string, as its override would give it
         for part in reversed(parts[at:]):
             value = f"{{{part!r}: {value}}}"
-        field = ".".join(parts[:at])
         return f'{text}: {field} takes a whole dict (--{flag}.{field}="{value}")'
     meant = re.fullmatch(r'\.?\s*Did you mean "([^"]+)" instead of "[^"]+"\?', rest)
     if meant:
-        return text + ": did you mean --" + ".".join([flag, *parts[:at], meant[1],
-                                                       *parts[at + 1:]]) + "?"
+        return text + ": did you mean " + ".".join([written, *parts[:at], meant[1],
+                                                     *parts[at + 1:]]) + "?"
     return text + (rest and f"\n{rest}")
+
+
+def _failed_override(config, flag: str | None, argv: list[str], key: str | None):
+    """(override's match, index of the failing part, its holder) for the `--FLAG.PATH` in
+    `argv` that ml_collections failed on: the first whose path does not resolve in `config`,
+    in its order (the parents of every override first, then each leaf; a path given twice
+    counts where last given), failing at `key` if the error names one, else under a value
+    that is no ConfigDict. None if no override fits."""
+    from ml_collections import ConfigDict
+
+    name = re.escape(flag) if flag else r"\w+"
+    overrides = {}
+    for arg in argv[1:]:
+        override = re.fullmatch(rf"(--?(no)?({name}))\.([\w.]+)(?:=(.*))?", arg, re.S)
+        if override:
+            overrides.pop(override[4], None)
+            overrides[override[4]] = override
+    failed = []
+    for path, override in overrides.items():
+        node, parts = config, path.split(".")
+        for at, part in enumerate(parts):
+            if not (isinstance(node, ConfigDict) and part in node):
+                if part == key if key else not isinstance(node, ConfigDict):
+                    failed.append((override, at, node))
+                break
+            node = node[part]
+    failed.sort(key=lambda f: f[1] == f[0][4].count("."))  # stable: parents' failures first
+    return failed[0] if failed else None
 
 
 def _exit(text: str, status: int) -> None:
