@@ -324,3 +324,13 @@ def test_clip_refuses_gradient_accumulation_whose_micro_batches_change_its_objec
         "optimizer.grad_accumulation_steps=2 with model.family='clip': expected 1 (its loss "
         "compares the batch's rows with each other; a micro-batch would compare fewer, another "
         "objective)")
+
+
+def test_a_patch_size_that_does_not_divide_the_image_is_refused_before_seq_len_is_checked():
+    """The ViT's seq_len check counts the image's tokens; with a patch size that does not
+    divide the image, it suggested a seq_len that the next check refused."""
+    config = base_config()
+    config.model.update(family="vit", **{**TINY, "patch_size": 3})
+    config.data.objective = "image_classification"
+    with pytest.raises(ValueError, match="^image_size=8: expected a multiple of patch_size=3$"):
+        configs.validate_config(config)

@@ -327,7 +327,10 @@ def image_tokens(model_config) -> int:
     >>> image_tokens({"image_size": 8, "patch_size": 2, "pooling": "cls"})
     17
     """
-    grid = model_config["image_size"] // model_config["patch_size"]
+    size, patch = model_config["image_size"], model_config["patch_size"]
+    if size % patch:  # (before anything counts its tokens)
+        raise ValueError(f"image_size={size}: expected a multiple of patch_size={patch}")
+    grid = size // patch
     return grid * grid + (model_config["pooling"] == "cls")
 
 
