@@ -332,17 +332,10 @@ def test_an_imported_llamas_rolling_text_starts_behind_its_bos(tmp_path):
     it was read behind <eos>. Every window equals transformers' log-probs (float32)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    import tokenizers
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-    from test_sft import LLAMA3, build_tokenizer
+    from test_sft import llama3_with_bos
 
-    directory = build_tokenizer(tmp_path / "llama", LLAMA3)
-    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
-    eos, bos = vocab["<|end_of_text|>"], vocab["<|begin_of_text|>"]
-    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tok.post_processor = tokenizers.processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
-    tok.save(str(directory / "tokenizer.json"))
+    directory, vocab, bos, eos = llama3_with_bos(tmp_path / "llama")
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

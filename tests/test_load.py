@@ -120,17 +120,10 @@ def test_a_step_that_lost_its_stream_item_is_damaged_not_an_older_versions(workd
 def test_a_hugging_face_directory_loads_with_transformers_logits_and_its_own_eos(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    import tokenizers
-    from test_sft import LLAMA3, build_tokenizer
+    from test_sft import llama3_with_bos
 
-    directory = build_tokenizer(tmp_path / "llama", LLAMA3)
-    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
-    eos, bos = vocab["<|end_of_text|>"], vocab["<|begin_of_text|>"]
     # the hub's Llama 3 tokenizer.json: its post-processor puts <|begin_of_text|> first
-    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tok.post_processor = tokenizers.processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
-    tok.save(str(directory / "tokenizer.json"))
+    directory, vocab, bos, eos = llama3_with_bos(tmp_path / "llama")
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

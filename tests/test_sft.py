@@ -116,6 +116,21 @@ def build_tokenizer(directory: Path, template: str, where: str = "tokenizer_conf
     return directory
 
 
+def llama3_with_bos(directory: Path) -> tuple[Path, dict, int, int]:
+    """`build_tokenizer`'s Llama 3 directory whose tokenizer.json's post-processor puts
+    <|begin_of_text|> first, as the hub's does: (directory, vocab, bos id, eos id)."""
+    import tokenizers
+
+    directory = build_tokenizer(directory, LLAMA3)
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    eos, bos = vocab["<|end_of_text|>"], vocab["<|begin_of_text|>"]
+    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    tok.save(str(directory / "tokenizer.json"))
+    return directory, vocab, bos, eos
+
+
 @pytest.fixture(scope="module")
 def llama3_dir(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("llama3"), LLAMA3)
