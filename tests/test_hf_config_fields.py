@@ -285,9 +285,10 @@ REFUSED = {
         "layer_types": {"layer_types": ["sliding_attention", "full_attention"]},
         "shared_expert_intermediate_size": {"shared_expert_intermediate_size": 24}},
     "qwen3_moe": {**MOE_REFUSED, "attention_bias": {"attention_bias": True}},
+    # a sliding layers' scaling unlike the full layers' (one alike is one RoPE for all layers)
     "gemma3": {"attention_bias": {"attention_bias": True}, "hidden_activation":
                {"hidden_activation": "silu"}, "rope_parameters": {"rope_parameters": {
-                   "sliding_attention": ROPE_LINEAR, "full_attention": ROPE_LINEAR}},
+                   "sliding_attention": ROPE_LINEAR, "full_attention": YARN}},
                "use_bidirectional_attention": {"use_bidirectional_attention": True},
                "layer_types": {"layer_types": ["full_attention", "sliding_attention"]}},
     # YaRN on the full layers alone (where transformers 5 puts a legacy rope_scaling)
@@ -517,6 +518,59 @@ def test_llama_like_yarn_logits_equal_hfs_past_the_original_context(case):
 def test_llama_like_rope_we_cannot_honour_is_refused_in_one_line(rope, match):
     with pytest.raises(ValueError, match=match) as error:
         convert.from_hf(hf_config("qwen3", rope_parameters=rope), {})
+    assert "\n" not in str(error.value)
+
+
+# Our Gemma 3 without rope_local_theta: one RoPE, scaled, for every layer (the export writes it
+# for both layer types, and transformers scales the sliding layers' too); heads of 16 at base
+# 100 over 50 tokens, past YaRN's original 16, with a window of 4.
+GEMMA3_ONE_ROPE = dict(
+    num_layers=2, d_model=32, num_heads=2, head_dim=16, d_ff=64, vocab_size=VOCAB, max_len=64,
+    position="rope", norm="rmsnorm", activation="geglu", use_bias=False,
+    norm_placement="sandwich", scale_embeddings=True, qk_norm=True, sliding_window=4,
+    sliding_window_pattern=2, rope_theta=100.0)
+GEMMA3_SCALINGS = {
+    "yarn": dict(rope_scaling="yarn", rope_scale=4.0, rope_original_max_len=16),
+    "linear": dict(rope_scale=4.0),
+    "llama3": dict(rope_scaling="llama3", rope_scale=4.0, rope_original_max_len=16),
+}
+
+
+@pytest.mark.parametrize("scaling", list(GEMMA3_SCALINGS))
+def test_a_gemma3_export_with_one_scaled_rope_imports_back_with_hfs_logits(scaling, tmp_path):
+    import flax.linen as nn
+    import jax
+    from safetensors.numpy import save_file
+
+    from transformer.hf import export
+    from transformer.models import default_model_config
+
+    config = default_model_config()
+    config.update(**GEMMA3_ONE_ROPE, **GEMMA3_SCALINGS[scaling])
+    ids = tokens(13, (2, 50))
+    model = build_model(config)
+    params = jax.tree.map(np.asarray, nn.unbox(model.init(jax.random.PRNGKey(0), ids)["params"]))
+    rng = np.random.default_rng(1)  # norm scales away from 1 as well
+    params = jax.tree.map(lambda p: p + rng.normal(0, 0.2, p.shape).astype(np.float32), params)
+    hf_config_, state = export.to_hf(config, params)
+    hf_config_.save_pretrained(tmp_path)
+    save_file(state, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    hf = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path).eval()
+    expected = hf_logits(hf, dict(input_ids=ids))
+    again, _ = convert.from_hf(hf.config, hf.state_dict())
+    keys = [k for k in config if k.startswith(("rope", "sliding_window"))]
+    assert {k: again[k] for k in keys} == {k: config[k] for k in keys}
+    assert again.rope_local_theta is None
+    assert relative_difference(our_logits(hf, (ids,)), expected) <= 1e-5
+
+
+def test_a_gemma3_sliding_scaling_of_its_own_is_refused_in_one_line():
+    config = hf_config("gemma3", rope_parameters={"sliding_attention": YARN,
+                                                  "full_attention": dict(YARN, factor=2.0)})
+    with pytest.raises(ValueError, match=r"^Gemma3 sliding_attention rope_parameters=.*'yarn'"
+                       r".*: expected rope_type 'default' or the full_attention layers' own "
+                       r"RoPE .*not implemented$") as error:
+        convert.from_hf(config, {})
     assert "\n" not in str(error.value)
 
 

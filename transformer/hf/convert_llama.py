@@ -194,16 +194,12 @@ def gemma2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Conf
 def gemma3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
     """Gemma3ForCausalLM / Gemma3TextModel (`gemma3_text`): Gemma 2 without soft-caps, with
     per-head q / k RMSNorms (1 + weight, as its other norms), and its local layers' own RoPE:
-    `rope_parameters` by layer type, the sliding layers' plain RoPE at their base
-    (`rope_local_theta`), the full layers' possibly scaled."""
+    `rope_parameters` by layer type, the full layers' possibly scaled (`_gemma3_local_theta`)."""
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     local, full = rope.get("sliding_attention"), rope.get("full_attention")
     if not (isinstance(local, dict) and isinstance(full, dict)):
         raise ValueError(f"Gemma3 rope_parameters={rope}: expected one per layer type "
                          "(sliding_attention, full_attention), as transformers 5 writes them")
-    if local.get("rope_type", "default") != "default":
-        raise ValueError(f"Gemma3 sliding_attention rope_type={local.get('rope_type')!r}: "
-                         "expected 'default' (its local layers' RoPE is plain)")
     if getattr(hf_config, "use_bidirectional_attention", None):
         raise ValueError("Gemma3 use_bidirectional_attention=True: expected False or None (a "
                          "causal decoder LM)")
@@ -214,11 +210,26 @@ def gemma3(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Conf
     return _llama_like(
         "Gemma3", hf_config, state_dict, dtype, scale_embeddings=True,
         rope=_rope(hf_config, full),
-        rope_local_theta=float(local["rope_theta"]) if windows["sliding_window"] else None,
+        rope_local_theta=_gemma3_local_theta(hf_config, local, full) if windows["sliding_window"]
+        else None,
         attention_scale=None if scalar == head_dim else float(scalar) ** -0.5,
         # no attention_softcap: HF's Gemma 3 keeps attn_logit_softcapping but never applies it
         final_logit_softcap=float(getattr(hf_config, "final_logit_softcapping", None) or 0.0),
         **windows)
+
+
+def _gemma3_local_theta(hf_config, local: dict, full: dict) -> float | None:
+    """rope_local_theta of Gemma 3's sliding layers' `rope_parameters`: plain RoPE -> its base;
+    the full layers' own RoPE, scaled alike -> None (one RoPE for every layer: what the export
+    writes for a model without rope_local_theta, and what transformers then applies to both).
+    A sliding scaling of its own is refused: only the full layers' RoPE is scaled here."""
+    if local.get("rope_type", "default") == "default":
+        return float(local["rope_theta"])
+    if _rope(hf_config, local) != _rope(hf_config, full):
+        raise ValueError(f"Gemma3 sliding_attention rope_parameters={local}: expected rope_type "
+                         f"'default' or the full_attention layers' own RoPE ({full}); a scaling "
+                         "of the sliding layers' own is not implemented")
+    return None
 
 
 def olmo2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
