@@ -96,7 +96,8 @@ def _gpt2(config, params, transformers):
         layer_norm_epsilon=config.norm_epsilon, tie_word_embeddings=config.tie_embeddings,
         resid_pdrop=config.dropout_rate, embd_pdrop=config.dropout_rate,
         attn_pdrop=config.attention_dropout_rate, initializer_range=config.init_std or 0.02,
-        scale_attn_weights=config.attention_scale is None, architectures=["GPT2LMHeadModel"])
+        scale_attn_weights=config.attention_scale is None, architectures=["GPT2LMHeadModel"],
+        bos_token_id=None, eos_token_id=None)  # (GPT-2's 50256 warns past a smaller vocabulary)
     decoder, out = params["decoder"], {}
     out["transformer.wte.weight"] = params["embed"]["embedding"]
     out["transformer.wpe.weight"] = decoder["position_embedding"]["embedding"]
