@@ -74,9 +74,9 @@ def main() -> None:
     theirs = [a for a in sys.argv[1:] if a not in ours]
 
     def evaluate(argv: list[str]) -> None:
-        from lm_eval import evaluator
-
         logging.set_verbosity(logging.WARNING)  # absl's; lm_eval's own logs are as they were
+        from lm_eval import evaluator  # (after: importing it logs `datasets`' INFO lines)
+
         evaluator.simple_evaluate = _checking_splits(evaluator.simple_evaluate)
         sys.argv = ["lm_eval", *theirs]
         cli_evaluate()
