@@ -209,23 +209,30 @@ YARN_EXPORTS = {
 }
 
 
+def export_perturbed(config, ids, directory):
+    """(model, params, exported state dict) of `config` initialised on `ids` plus N(0, 0.2)
+    noise (norm scales away from 1 as well), exported into `directory` as save_pretrained."""
+    from safetensors.numpy import save_file
+
+    model = build_model(config)
+    params = jax.tree.map(np.asarray, nn.unbox(model.init(jax.random.PRNGKey(0), ids)["params"]))
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda p: p + rng.normal(0, 0.2, p.shape).astype(np.float32), params)
+    hf_config, state = export.to_hf(config, params)
+    hf_config.save_pretrained(directory)
+    save_file(state, f"{directory}/model.safetensors", metadata={"format": "pt"})
+    return model, params, state
+
+
 @pytest.mark.parametrize("case", list(YARN_EXPORTS))
 def test_a_llama_like_yarn_model_exports_with_our_logits_and_imports_back_alike(case, tmp_path):
     """The HF class loaded from the export gives our logits on 50 tokens, past the original
     context, and importing the export gives back our config."""
-    from safetensors.numpy import save_file
-
     architecture, overrides = YARN_EXPORTS[case]
     config = default_model_config()
     config.update(**{**TINY_MODEL, **YARN, **overrides, "vocab_size": 101})
     ids = tokens(13, (2, 50))
-    model = build_model(config)
-    params = jax.tree.map(np.asarray, nn.unbox(model.init(jax.random.PRNGKey(0), ids)["params"]))
-    rng = np.random.default_rng(1)  # norm scales away from 1 as well
-    params = jax.tree.map(lambda p: p + rng.normal(0, 0.2, p.shape).astype(np.float32), params)
-    hf_config, state = export.to_hf(config, params)
-    hf_config.save_pretrained(tmp_path)
-    save_file(state, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    model, params, state = export_perturbed(config, ids, tmp_path)
     hf = getattr(transformers, architecture).from_pretrained(tmp_path).eval()
     with torch.no_grad():
         expected = hf(input_ids=torch.tensor(ids)).logits.numpy()

@@ -538,23 +538,14 @@ GEMMA3_SCALINGS = {
 
 @pytest.mark.parametrize("scaling", list(GEMMA3_SCALINGS))
 def test_a_gemma3_export_with_one_scaled_rope_imports_back_with_hfs_logits(scaling, tmp_path):
-    import flax.linen as nn
-    import jax
-    from safetensors.numpy import save_file
+    from test_export import export_perturbed
 
-    from transformer.hf import export
     from transformer.models import default_model_config
 
     config = default_model_config()
     config.update(**GEMMA3_ONE_ROPE, **GEMMA3_SCALINGS[scaling])
     ids = tokens(13, (2, 50))
-    model = build_model(config)
-    params = jax.tree.map(np.asarray, nn.unbox(model.init(jax.random.PRNGKey(0), ids)["params"]))
-    rng = np.random.default_rng(1)  # norm scales away from 1 as well
-    params = jax.tree.map(lambda p: p + rng.normal(0, 0.2, p.shape).astype(np.float32), params)
-    hf_config_, state = export.to_hf(config, params)
-    hf_config_.save_pretrained(tmp_path)
-    save_file(state, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    model, params, _ = export_perturbed(config, ids, tmp_path)
     hf = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path).eval()
     expected = hf_logits(hf, dict(input_ids=ids))
     again, _ = convert.from_hf(hf.config, hf.state_dict())
