@@ -548,6 +548,21 @@ def test_kv_cache_greedy_decoding_matches_hf_generate(case):
     np.testing.assert_array_equal(got[0], expected)
 
 
+@pytest.mark.parametrize("labels,problem", [(1, None), (1, "regression"),
+                                            (3, "multi_label_classification")])
+def test_bert_regression_and_multi_label_classifiers_are_refused(labels, problem):
+    """transformers trains these with MSE / per-label sigmoids; our classify head is a softmax
+    (with one label its loss is always 0), so importing them as one would be silently wrong."""
+    config = transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        vocab_size=VOCAB, num_labels=labels, problem_type=problem)
+    state = transformers.BertForSequenceClassification(config).state_dict()
+    with pytest.raises(ValueError, match=f"BERT problem_type={problem!r} with {labels} label"):
+        convert.from_hf(config, state)
+    config.num_labels, config.problem_type = 2, "single_label_classification"
+    convert.from_hf(config, transformers.BertForSequenceClassification(config).state_dict())
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(scale_attn_by_inverse_layer_idx=True), "GPT-2 scale_attn_by_inverse_layer_idx=True"),
     (dict(reorder_and_upcast_attn=True), "GPT-2 reorder_and_upcast_attn=True"),

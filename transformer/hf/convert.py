@@ -125,6 +125,12 @@ def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
     classify = any(k.startswith("classifier.") for k in state_dict)
     mlm = any(k.startswith("cls.predictions.") for k in state_dict)
     num_classes = int(np.shape(state_dict["classifier.weight"])[0]) if classify else 0
+    problem = getattr(hf_config, "problem_type", None)  # None: regression if one label
+    if classify and (problem or ("regression" if num_classes == 1 else None)) not in (
+            None, "single_label_classification"):
+        raise ValueError(f"BERT problem_type={problem!r} with {num_classes} label(s): expected "
+                         "single-label classification (num_labels >= 2); regression and "
+                         "multi-label heads are not represented")
     config = model_config(
         family="bert", vocab_size=hf_config.vocab_size, num_layers=hf_config.num_hidden_layers,
         d_model=d, num_heads=n, d_ff=hf_config.intermediate_size,

@@ -1,9 +1,10 @@
 """Our params and model config as a Hugging Face model: `to_hf(model_config, params)` is the
-inverse of `transformer.hf.convert.from_hf`. A GPT becomes GPT-2 (learned positions, LayerNorm,
-biases) or one of the Llama-like classes (RoPE: `export_llama`), a BERT BertForMaskedLM (or
-BertForSequenceClassification for a [CLS] classifier), and a T5 T5ForConditionalGeneration
-(tied head, v1.0 or v1.1 feed-forward). `peft_state` gives a LoRA run's adapters as a peft
-adapter.
+inverse of `transformer.hf.convert.from_hf` for models with a head (an imported BertModel or
+T5EncoderModel, head "none", is refused: no task class holds it). A GPT becomes GPT-2 (learned
+positions, LayerNorm, biases) or one of the Llama-like classes (RoPE: `export_llama`), a BERT
+BertForMaskedLM (or BertForSequenceClassification for a [CLS] classifier), and a T5
+T5ForConditionalGeneration (tied head, v1.0 or v1.1 feed-forward). `peft_state` gives a LoRA
+run's adapters as a peft adapter.
 
 Each exporter lists the model keys it maps (`allowlist.Exporter`); any other model key set away
 from its default, or a listed key at a value the class cannot hold, is refused with a one-line
