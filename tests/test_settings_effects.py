@@ -303,4 +303,4 @@ def test_the_start_names_a_familys_unread_keys_in_one_warning():
     config = family_config("lstm", layer_types="mamba2")
     configs.validate_config(config, num_devices=1, num_processes=1, files=False)
     assert startup.unintended_settings(config) == [
-        "warning: model.family='lstm' never reads layer_types='mamba2': they change nothing"]
+        "warning: model.family='lstm' never reads layer_types='mamba2': it changes nothing"]

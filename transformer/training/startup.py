@@ -266,7 +266,7 @@ def unintended_settings(config: ml_collections.ConfigDict) -> list[str]:
                    "over all of them and never decays")
     if unread := unread_settings(config.model):
         out.append(f"warning: model.family={model.family!r} never reads {', '.join(unread)}: "
-                   "they change nothing")
+                   + ("it changes" if len(unread) == 1 else "they change") + " nothing")
     if 0 < (cap := config.model.get("attention_softcap", 0.0)) < 1:
         out.append(f"warning: model.attention_softcap={cap}: every attention logit is squashed "
                    "into (-cap, cap), so attention is nearly uniform (Gemma 2 caps at 50)")
