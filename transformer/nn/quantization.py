@@ -21,8 +21,9 @@ Rounding is straight-through: the gradient of a quantized matmul is the float ma
 evaluated at the quantized operands. Only the dense projections (`projection_dot`: an
 activation times a param kernel) are quantized, so the attention scores and weighted values
 (activation x activation) stay in the compute dtype, as do the token embedding lookup,
-mixture-of-experts einsums and, unless `model.quantize_head`, the projections outside the blocks:
-the output head (the tied embedding's logits, `lm_head`, classifier heads) and any other.
+mixture-of-experts layers (router, experts and shared experts alike) and, unless
+`model.quantize_head`, the projections outside the blocks: the output head (the tied
+embedding's logits, `lm_head`, classifier heads) and any other.
 """
 
 from __future__ import annotations
