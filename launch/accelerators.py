@@ -97,8 +97,9 @@ def _grid(chips: int, dims: int) -> list[int]:
     return sorted(sizes)
 
 
-def parse(name: str) -> Accelerator:
-    """The accelerator type `name` ("v5p-32"), with a one-line error for unknown ones.
+def parse(name: str, flag: str = "accelerator") -> Accelerator:
+    """The accelerator type `name` ("v5p-32"), with a one-line error for unknown ones naming
+    `flag` (the flag that gave it).
 
     >>> a = parse("v5p-32"); (a.chips, a.hosts, a.topology_name)
     (16, 4, 'v5p:2x2x4')
@@ -108,16 +109,16 @@ def parse(name: str) -> Accelerator:
     match = re.fullmatch(r"([a-z0-9]+)-(\d+)", name or "")
     known = ", ".join(f"{g}-N" for g in GENERATIONS)
     if not match:
-        raise ValueError(f"accelerator={name!r}: expected a TPU type like v5p-32 or v6e-8 "
+        raise ValueError(f"{flag}={name!r}: expected a TPU type like v5p-32 or v6e-8 "
                          f"({known})")
     prefix, count = _ALIASES.get(match[1], match[1]), int(match[2])
     if prefix not in GENERATIONS:
-        raise ValueError(f"accelerator={name!r}: unknown TPU generation {match[1]!r}: expected "
+        raise ValueError(f"{flag}={name!r}: unknown TPU generation {match[1]!r}: expected "
                          f"one of {known}")
     g = GENERATIONS[prefix]
     chips, remainder = divmod(count, g.cores_per_chip)
     if remainder or chips not in g.chip_counts:
         sizes = ", ".join(str(n * g.cores_per_chip) for n in g.chip_counts)
-        raise ValueError(f"accelerator={name!r}: expected {prefix}-N with N one of {sizes} "
+        raise ValueError(f"{flag}={name!r}: expected {prefix}-N with N one of {sizes} "
                          "(the slice sizes Cloud TPU offers)")
     return Accelerator(f"{prefix}-{count}", g, chips)

@@ -265,7 +265,8 @@ def format_report(report: Report, config) -> str:
               if report.active_params and report.active_params != report.num_params else "")
     lines = [f"{config.experiment}: {m.family}, {report.num_params:,} params{active}, "
              f"{m.num_layers} layers x {m.d_model} wide, batch {config.batch_size} x "
-             f"{config.seq_len}, on {report.accelerator} ({report.chips} chips), mesh {mesh}"]
+             f"{config.seq_len}, on {report.accelerator} ({report.chips} chip"
+             f"{'s' if report.chips > 1 else ''}), mesh {mesh}"]
     if report.error:
         return "\n".join(lines + [f"does not fit: XLA refused to compile it: {report.error}"])
     rows = [("arguments (state + batch)", report.argument_bytes),
@@ -307,7 +308,7 @@ def main(argv) -> int:
     FLAGS = flags.FLAGS
     if FLAGS.num_slices < 1:
         raise ValueError(f"--num_slices={FLAGS.num_slices}: expected an int >= 1")
-    accelerator = accelerators.parse(FLAGS.topology)
+    accelerator = accelerators.parse(FLAGS.topology, "--topology")
     from ml_collections import config_flags
 
     from transformer.configs import validate_config

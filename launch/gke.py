@@ -5,9 +5,11 @@ equivalent `xpk workload create` command.
         --image=REGISTRY/IMAGE:TAG [--xpk --cluster=CLUSTER] -- --config=... --workdir=gs://...
 
 The image must hold this project installed with its tpu extra (`pip install -e '.[tpu]'`) for
-its `python3`, Python 3.11 or newer. One replicated job per slice, one pod per host, every pod
-running the same train command with `--jax_distributed`; `kubectl apply -f` the printed
-manifest. Validation is the same as `launch.tpu`'s; `--noprint` validates and prints nothing.
+its `python3`, Python 3.11 or newer, its working directory the project's checkout (the
+manifest sets none; `--config` is a file of this checkout, relative to it). One replicated job
+per slice (multi-host slices: GKE's Multislice), one pod per host, every pod running the same
+train command with `--jax_distributed`; `kubectl apply -f` the printed manifest. Validation is
+the same as `launch.tpu`'s; `--noprint` validates and prints nothing.
 """
 
 from __future__ import annotations
@@ -100,11 +102,21 @@ def main(argv: Sequence[str], flag_values=None) -> int:
     if not FLAGS.image:
         raise ValueError("--image: expected a container image with the project installed")
     accelerator = accelerators.parse(FLAGS.accelerator)
+    if FLAGS.num_slices > 1 and accelerator.hosts == 1:  # GKE's Multislice docs say so
+        g = accelerator.generation
+        smallest = min(n for n in g.chip_counts if n > g.max_single_host_chips)
+        raise ValueError(f"--num_slices={FLAGS.num_slices} with --accelerator={accelerator.name}"
+                         ", a single-host slice: GKE runs Multislice on multi-host TPU slices "
+                         f"only: expected --num_slices=1 or {g.name}-"
+                         f"{smallest * g.cores_per_chip} or larger")
     check_name(FLAGS.name, FLAGS.num_slices, accelerator)
     launch = tpu.Launch(FLAGS.name, FLAGS.project or "", FLAGS.zone or "", accelerator,
                         accelerator.generation.runtime_version, num_slices=FLAGS.num_slices,
                         train_args=tpu.train_arguments(train_args))
     tpu.validate(launch)
+    # the pods run the command in the image's working directory, which must be this checkout
+    tpu.check_config_in_tree(tpu.train_flags(launch.train_args),
+                             "the image is expected to hold as its working directory")
     tpu.check_restartable(launch, "a JobSet (it restarts preempted pods)")
     workdir = tpu.train_flags(launch.train_args).workdir or ""
     if not workdir.startswith("gs://"):  # a restarted pod's disk is a new one

@@ -114,8 +114,9 @@ def validate(launch: Launch) -> None:
         configs.validate_config(config, chips, launch.processes, files=False,
                                 this_backend=False)
     except ValueError as error:
+        hosts = f"{launch.processes} host" + ("s" if launch.processes > 1 else "")
         raise ValueError(f"{error}; on {launch.num_slices} x {launch.accelerator.name} "
-                         f"({launch.processes} hosts)") from None
+                         f"({hosts})") from None
 
 
 def check_restartable(launch: Launch, restarter: str) -> None:
@@ -145,12 +146,19 @@ def validate_run(launch: Launch, restart_on_preemption: bool) -> None:
         raise ValueError(f"{shown}: a workdir inside {REMOTE_DIR}, which every ship of the "
                          "code replaces, loses its checkpoints: expected --workdir=gs://"
                          "BUCKET/PATH")
+    check_config_in_tree(values, "that run ships")
+
+
+def check_config_in_tree(values, holder: str) -> None:
+    """The parsed --config's file as a path relative to this checkout, of the files `run`
+    ships, as the workers (or a GKE image, working there) read it; `holder`: who has the
+    tree."""
     files = shipped_files()
     config_file = config_flags_filename(values)
     relative = os.path.relpath(os.path.abspath(config_file), REPO)  # as the workers read it
     if os.path.isabs(config_file) or relative != os.path.normpath(config_file) or \
             relative not in set(files):
-        raise ValueError(f"--config={config_file}: not in the working tree that run ships "
+        raise ValueError(f"--config={config_file}: not in the working tree {holder} "
                          f"({REPO}: tracked or untracked files, not ignored ones): expected "
                          "the config to be a file of the shipped tree, as a path relative "
                          "to it, e.g. experiments/gpt_tiny.py")
@@ -220,18 +228,21 @@ def train_flags(args: Sequence[str]):
 
 
 def train_arguments(args: Sequence[str]) -> tuple[str, ...]:
-    """The train arguments checked (`train_flags`), each flag with its value as --NAME=VALUE
-    (absl also takes `--NAME VALUE`): what the workers and launch.aot are given."""
+    """The train arguments checked (`train_flags`), each flag written --NAME=VALUE (absl also
+    takes `-NAME=VALUE` and `--NAME VALUE`): what the workers, the JobSet and launch.aot get
+    (launch.aot takes the `--config` ones alone)."""
     values = train_flags(args)
     joined, i = [], 0
     while i < len(args):
-        match = re.fullmatch(r"--?([\w.]+)", args[i])
-        if match and match[1] in values and not values[match[1]].boolean and i + 1 < len(args):
-            joined.append(f"--{match[1]}={args[i + 1]}")
-            i += 2
-        else:
+        match = re.fullmatch(r"--?([\w.]+)(=.*)?", args[i], re.DOTALL)
+        if not (match and match[1] in values):  # (e.g. --noFLAG: kept as it is)
             joined.append(args[i])
+        elif match[2] is not None or values[match[1]].boolean or i + 1 == len(args):
+            joined.append(f"--{match[1]}{match[2] or ''}")
+        else:
+            joined.append(f"--{match[1]}={args[i + 1]}")
             i += 1
+        i += 1
     return tuple(joined)
 
 

@@ -997,3 +997,145 @@ def test_an_sft_config_compiles_on_packed_conversation_batches():
     assert sorted(spec) == ["inputs", "positions", "segment_ids", "targets", "weights"]
     assert {s.shape for s in spec.values()} == {(8, 64)}
     assert spec["weights"].dtype == "float32" and spec["inputs"].dtype == "int32"
+
+
+TPU_ENV = """ACCELERATOR_TYPE: 'v5p-32'
+MEGASCALE_COORDINATOR_ADDRESS: '10.130.0.7'
+MEGASCALE_NUM_SLICES: '2'
+MEGASCALE_SLICE_ID: '1'
+TPU_WORKER_ID: '3'
+ZONE: 'us-east5-a'
+"""
+
+
+@pytest.fixture
+def metadata_server(monkeypatch):
+    """A stand-in for a TPU VM's metadata server at $GCE_METADATA_IP: its requests' paths and
+    Metadata-Flavor headers, listed."""
+    import http.server
+    import threading
+
+    requests = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            requests.append((self.path, self.headers.get("Metadata-Flavor")))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(TPU_ENV.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("GCE_METADATA_IP", f"127.0.0.1:{server.server_port}")
+    yield requests
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_worker_label_reads_the_slice_from_the_tpu_vms_metadata(metadata_server):
+    """A TPU VM's ssh session has no MEGASCALE_SLICE_ID: it is in the `tpu-env` metadata. Off a
+    TPU VM (its host name says so) no request is made; an empty variable counts as unset."""
+    from launch import worker
+
+    host = "t1v-n-0a1b2c3d-w-3"
+    assert worker.worker_label({}, host) == "slice 1 worker 3"
+    assert metadata_server == [("/computeMetadata/v1/instance/attributes/tpu-env", "Google")]
+    assert worker.worker_label({"TPU_WORKER_ID": "", "MEGASCALE_SLICE_ID": "0"}, host) == \
+        "slice 0 worker 3"
+    assert worker.worker_label({}, "build-box-w-2") == "worker 2"
+    assert len(metadata_server) == 1
+    assert worker.tpu_env_value("MEGASCALE_NUM_SLICES") == "2"
+    assert worker.tpu_env_value("TPU_ACCELERATOR_TYPE") is None
+
+
+def test_the_worker_label_without_a_metadata_server_has_no_slice(monkeypatch):
+    import socket
+    import time
+
+    from launch import worker
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("GCE_METADATA_IP", f"127.0.0.1:{s.getsockname()[1]}")
+        start = time.monotonic()
+        assert worker.worker_label({"TPU_WORKER_ID": ""}, "t1v-n-0a1b2c3d-w-3") == "worker 3"
+    assert time.monotonic() - start < 2
+
+
+def test_the_worker_says_in_one_line_that_the_command_is_not_there(tmp_path):
+    """As a shell: exit status 127, one line (it was a traceback), in the log too."""
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.worker", f"--log={tmp_path / 'w.log'}", "--",
+         str(tmp_path / "no-such-python"), "-m", "transformer.train"], cwd=REPO,
+        capture_output=True, text=True, timeout=60, env={**os.environ, "TPU_WORKER_ID": "3"})
+    assert result.returncode == 127 and result.stdout == ""
+    line = (f"[worker 3] launch.worker: {tmp_path / 'no-such-python'}: No such file or "
+            "directory: expected a command that exists and can run\n")
+    assert result.stderr == line
+    assert (tmp_path / "w.log").read_text() == line
+
+
+def test_single_dash_train_flags_are_passed_on_as_double_dash_ones():
+    """absl takes `-config=FILE`: launch.aot, which keeps the `--config` flags, got none."""
+    train = ("-config=experiments/gpt_tiny.py", "-workdir", "gs://b/r", "-config.batch_size=16",
+             "-jax_distributed")
+    assert tpu.train_arguments(train) == (
+        "--config=experiments/gpt_tiny.py", "--workdir=gs://b/r", "--config.batch_size=16",
+        "--jax_distributed")
+    launch = make_launch("v5p-32", train=tpu.train_arguments(train))
+    assert tpu.aot_command(launch)[-2:] == ["--config=experiments/gpt_tiny.py",
+                                            "--config.batch_size=16"]
+
+
+def _gke_values(**kwargs):
+    import types
+
+    return types.SimpleNamespace(**{**dict(
+        print=False, name="g1", accelerator="v6e-8", num_slices=1, image="img:1", xpk=False,
+        cluster=None, project=None, zone=None), **kwargs})
+
+
+def test_gke_refuses_multislice_of_single_host_slices():
+    """GKE's Multislice needs multi-host TPU slice node pools."""
+    from launch import gke
+
+    for accelerator, least in (("v6e-8", "v6e-16"), ("v5p-8", "v5p-16"), ("v4-8", "v4-16")):
+        with pytest.raises(ValueError, match=re.escape(
+                f"--num_slices=2 with --accelerator={accelerator}, a single-host slice: GKE "
+                f"runs Multislice on multi-host TPU slices only: expected --num_slices=1 or "
+                f"{least} or larger")):
+            gke.main(["launch.gke", "--", *TRAIN], _gke_values(accelerator=accelerator,
+                                                               num_slices=2))
+    assert gke.main(["launch.gke", "--", *TRAIN], _gke_values(accelerator="v6e-16",
+                                                              num_slices=2)) == 0
+
+
+def test_gke_refuses_a_config_the_image_would_not_hold():
+    """Each pod reads --config relative to the image's working directory, the checkout: an
+    absolute local path (or one outside the checkout) failed in every pod, restart after
+    restart."""
+    from launch import gke
+
+    for config in (str(REPO / "experiments" / "gpt_tiny.py"),
+                   str(Path("..") / REPO.name / "experiments" / "gpt_tiny.py")):
+        with pytest.raises(ValueError, match=re.escape(
+                f"--config={config}: not in the working tree the image is expected to hold "
+                "as its working directory")):
+            gke.main(["launch.gke", "--", f"--config={config}", *TRAIN[1:]], _gke_values())
+
+
+def test_a_bad_topology_names_the_flag_and_one_host_is_singular():
+    launch = make_launch("v6e-8", train=TRAIN[:2] + ("--config.batch_size=12",))
+    with pytest.raises(ValueError, match=re.escape("; on 1 x v6e-8 (1 host)")):
+        tpu.validate(launch)
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.aot", "--config=experiments/gpt_tiny.py",
+         "--topology=v5p-31"], cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --topology='v5p-31': expected v5p-N with N one of 8, 16, 32, 64, 128, 256, "
+        "512, 1024, 2048, 4096, 8192, 12288 (the slice sizes Cloud TPU offers)"]
