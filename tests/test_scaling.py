@@ -137,6 +137,27 @@ def test_approach2_interval_covers_the_true_exponent_at_its_stated_rate():
     assert 0.9 <= np.mean(covered) <= 0.99, np.mean(covered)
 
 
+def test_tokens_per_param_keep_their_significant_digits():
+    """D/N printed with one decimal showed a run of 0.04 tokens a param as 0.0: three
+    significant digits now, whole numbers from 1,000 (the runs table and approach 2's)."""
+    import dataclasses
+
+    runs = [scaling.Run("small", 1_000_000, 10, 40_000.0, 1e12, 3.0, 1e12),
+            scaling.Run("mid", 100_000, 10, 2_000_000.0, 1e12, 3.0, 1e12),
+            scaling.Run("big", 1_000, 10, 12_345_678.0, 1e12, 3.0, 1e12)]
+    ratio = {line.split(" | ")[0][2:]: line.split(" | ")[6]
+             for line in scaling._runs_table(runs)[2:]}
+    assert ratio == {"small": "0.04", "mid": "20", "big": "12,346"}
+    flops, n, d, loss, groups = synthetic()
+    fit = scaling.fit_approach2(flops, n, d, loss, groups)
+    first = fit.budgets[0]
+    fit = dataclasses.replace(fit, budgets=(dataclasses.replace(
+        first, d_opt=0.0123 * first.n_opt),) + fit.budgets[1:])
+    row = next(line for line in scaling.approach2_section(fit, scaling.Bootstrap({}, 0, 0))
+               if line.startswith(f"| {first.flops:.3g} | "))
+    assert row.split(" | ")[4] == "0.0123", row
+
+
 def test_an_optimum_past_the_largest_size_is_flagged_and_left_out():
     """At the largest budget the sizes stop short of the optimum (the loss still falls at the
     largest size, yet the parabola's vertex lands inside the sizes): that budget is flagged

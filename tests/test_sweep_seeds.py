@@ -166,6 +166,83 @@ def test_the_report_over_seeds(tmp_path, monkeypatch):
         sweep.write_report(configs, variants, str(tmp_path), "t", seeds=4, baseline="nope")
 
 
+def test_a_non_finite_seed_is_left_out_of_every_column_alike_and_named(tmp_path):
+    """A finished seed whose final val loss is NaN (diverged) said "- ± - [-, -]" under
+    seeds 2/2, its val acc was the other seed's alone as if a mean of two, and the difference
+    a bare number from one pair. Non-finite counts as missing everywhere (the statistics, the
+    paired differences, the window pairs); a cell over fewer than the finished seeds says its
+    n, and a note names the run."""
+    nan = float("nan")
+    assert sweep.estimate([2.0, nan, 4.0, float("inf")]) == sweep.estimate([2.0, 4.0])
+    assert sweep.estimate([nan]) is None
+    assert sweep.paired_difference({0: 3.0, 1: nan, 2: 3.5}, {0: 2.0, 1: 2.0, 2: float("-inf")}
+                                   ) == sweep.Estimate(1, 1.0)
+    config = base_config()
+    config.steps = 4
+    variants = sweep.named({"base": {}, "diverged": {"model.num_heads": 4}})
+    configs = sweep.variant_configs(config, variants)
+    for k in range(3):
+        fake_run(tmp_path / "base" / f"seed_{k}", [BASE[k] + 1, BASE[k]], 2.0 + k)
+        fake_run(tmp_path / "diverged" / f"seed_{k}",
+                 [SHIFTED[k] + 1, nan if k == 1 else SHIFTED[k]], 2.0 + k)
+    report = open(sweep.write_report(configs, variants, str(tmp_path), "t", seeds=3,
+                                     baseline="base")).read()
+    summary, differences, per_seed = tables(report)
+    mean, std, low, high = reference([SHIFTED[0], SHIFTED[2]])
+    row = summary["diverged"]
+    assert row["seeds"] == "3/3" and row["status"] == "finished"
+    assert row["val loss"] == f"{mean:.4f} ± {std:.4f} [{low:.4f}, {high:.4f}] (n=2)"
+    assert row["val acc"] == "0.500 ± 0.000 [0.500, 0.500] (n=2)"  # the same two seeds
+    assert row["train loss"] == summary["base"]["train loss"]  # finite in all 3: no n
+    assert "(n=" not in summary["base"]["val loss"]
+    mean, _, low, high = reference(np.subtract(SHIFTED, BASE)[[0, 2]])
+    assert differences["diverged"]["val loss"] == \
+        f"{mean:+.4f} [{low:+.4f}, {high:+.4f}] within noise (n=2)"
+    assert differences["diverged"]["val acc"] == "+0.000 [+0.000, +0.000] within noise (n=2)"
+    assert "(n=" not in differences["diverged"]["train loss"]
+    assert per_seed["diverged/seed_1"]["val loss"] == "-"
+    assert "\n- diverged/seed_1: val loss nan\n" in report
+    # The same seed's windows, NaN where it diverged, are not paired either.
+    windows = {"loss_sum": np.array([1.0, 2.0]), "num_tokens": np.array([4.0, 4.0]),
+               "fingerprint": "f"}
+    diverged = {**windows, "loss_sum": np.array([1.0, nan])}
+    pairs, notes = sweep.window_pairs({0: windows, 1: diverged}, {0: windows, 1: windows})
+    assert len(pairs) == 1 and notes == [
+        "seed 1: non-finite window losses in its run (diverged?): not paired"]
+    assert sweep.window_pairs({1: windows}, {1: diverged})[1] == [
+        "seed 1: non-finite window losses in the baseline's (diverged?): not paired"]
+
+
+def test_variants_trained_for_other_steps_or_tokens_than_the_baseline_are_named(tmp_path):
+    """A difference from a baseline that trained another number of steps or tokens mixes the
+    variant's effect with the budget's: a line under the difference table names them, with
+    seeds and with one."""
+    config = base_config()
+    config.steps = 4
+    variants = sweep.named({"base": {}, "heads": {"model.num_heads": 4}, "longer": {"steps": 8},
+                            "shorter_rows": {"seq_len": 32}})
+    configs = sweep.variant_configs(config, variants)
+    tokens = 4 * config.batch_size * config.seq_len
+    want = (f"Trained other steps or tokens than the baseline `base` (4 steps, {tokens:,} "
+            f"tokens): longer (8 steps, {2 * tokens:,} tokens); shorter_rows (4 steps, "
+            f"{4 * config.batch_size * 32:,} tokens).")
+    for seeds, layout in ((2, [f"/seed_{k}" for k in range(2)]), (1, [""])):
+        workdir = tmp_path / str(seeds)
+        for name in configs:
+            for k, suffix in enumerate(layout):
+                fake_run(workdir / (name + suffix), [BASE[k] + 1, BASE[k]], 2.0,
+                         steps=configs[name].steps)
+        report = open(sweep.write_report(configs, variants, str(workdir), "t", seeds=seeds,
+                                         baseline="base")).read().splitlines()
+        differences = report.index(next(line for line in report if line.startswith(
+            "| heads |") and line.count("|") < 10))  # the difference table's row
+        assert report[differences + 3:differences + 5] == ["", want], seeds
+    # With every variant at the baseline's steps and tokens, no line.
+    del configs["longer"], configs["shorter_rows"]
+    report = open(sweep.write_report(configs, variants[:2], str(tmp_path / "1"), "t")).read()
+    assert "Trained other steps" not in report
+
+
 def test_a_half_written_last_line_is_dropped_and_a_run_under_way_is_training(tmp_path, capsys):
     """A run killed mid-write leaves its metrics.jsonl's last line half-written: the report
     reads the records before it (as a resume does); a line that does not parse elsewhere is
@@ -516,6 +593,30 @@ def test_seeds_with_a_seeded_variant_or_a_seed_flag_are_refused(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "error: variant 's' sets seed=3 and --seeds=2 sets seeds 0..1: expected one of the two"]
     assert not workdir.exists()
+
+
+@pytest.mark.slow
+def test_a_refused_rerun_announces_nothing_first(tmp_path):
+    """A rerun with other settings printed "sweep seeds: 2 variants x 2 seeds in ..." and then
+    refused: the runs are checked before the sweep is announced."""
+    experiment, workdir = tmp_path / "seeds.py", tmp_path / "runs"
+    experiment.write_text(EXPERIMENT)
+    namespace: dict = {}
+    exec(compile(EXPERIMENT, str(experiment), "exec"), namespace)
+    configs = sweep.variant_configs(namespace["get_config"](), sweep.seed_variants(
+        sweep.load_sweep(str(experiment)), 2))
+    for name, config in configs.items():  # as a first sweep leaves them
+        fake_run(workdir / name, [3.0, 2.0], 2.0, steps=STEPS)
+        (workdir / name / "sweep_config.json").write_text(
+            json.dumps(keys.dotted(config.to_dict()), default=str))
+    result = run_sweep(f"--config={experiment}", f"--workdir={workdir}", "--seeds=2",
+                       "--config.eval_steps=1")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: variant 'position=rope/seed_0' in {workdir} was trained with other settings "
+        "(eval_steps: trained with 2, now 1)"), lines
 
 
 def test_a_run_another_sweep_trains_is_not_announced_as_training(tmp_path, monkeypatch, capsys):

@@ -276,12 +276,17 @@ def _interval(value: Interval, spec: str = ".3f") -> str:
     return f"{value.value:{spec}} [{value.low:{spec}}, {value.high:{spec}}]"
 
 
+def _ratio(value: float) -> str:
+    """Tokens per param: 3 significant digits (a small ratio is not 0.0), whole above 1,000."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
 def _runs_table(runs: Sequence[Run]) -> list[str]:
     lines = ["| run | budget C | params N | steps | tokens D | C (FLOPs) | D/N | val loss |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(runs, key=lambda r: (r.budget, r.num_params)):
         lines.append(f"| {r.name} | {r.budget:.3g} | {r.num_params:,} | {r.steps:,} | "
-                     f"{r.tokens:,.0f} | {r.flops:.3g} | {r.tokens / r.num_params:.1f} | "
+                     f"{r.tokens:,.0f} | {r.flops:.3g} | {_ratio(r.tokens / r.num_params)} | "
                      f"{r.loss:.4f} |")
     return lines
 
@@ -300,7 +305,7 @@ def approach2_section(fit: Approach2, boot: Bootstrap) -> list[str]:
         where = "inside" if b.parabola.inside else \
             f"**past the {b.parabola.beyond} size: left out**"
         lines.append(f"| {b.flops:.3g} | {b.num_runs} | {b.n_opt:,.0f} | {b.d_opt:,.0f} | "
-                     f"{b.d_opt / b.n_opt:.1f} | {b.parabola.loss_min:.4f} | {where} |")
+                     f"{_ratio(b.d_opt / b.n_opt)} | {b.parabola.loss_min:.4f} | {where} |")
     fitted = {"a": fit.n_law.exponent, "b": fit.d_law.exponent}
     shown = {k: _interval(boot.intervals[k]) if boot.intervals else f"{v:.3f} (no interval)"
              for k, v in fitted.items()}

@@ -359,7 +359,9 @@ def main(argv) -> None:
         raise ValueError(f"--report_only: {workdir} is not a directory; expected the sweep's "
                          "--workdir, whose runs it reports")
     check_layout(workdir, list(configs), seeds)
-    if FLAGS.report_only:  # a report of runs trained otherwise would compare them as equals
+    # A report of runs trained otherwise would compare them as equals; a rerun is checked
+    # here too, so that a refused one announces nothing first.
+    if FLAGS.report_only or not FLAGS.print_launch:
         check_runs(runs, workdir)
     if FLAGS.print_launch:
         for command in launch_commands(_config_arg(), cli_overrides,

@@ -20,6 +20,7 @@ from transformer.sweeps.statistics import (
     BOOTSTRAP_RESAMPLES,
     Estimate,
     estimate,
+    finite,
     paired_difference,
     verdict,
     window_bootstrap,
@@ -175,28 +176,66 @@ def _run_table(rows: Sequence[dict], overrides: dict[str, dict], columns) -> lis
     return lines
 
 
-def _fmt_estimate(value: Estimate | None, digits: int = 4) -> str:
-    """"mean ± std [low, high]" (the mean alone from one seed)."""
+def _fewer(value: Estimate | None, of: int | None) -> str:
+    """" (n=K)" where the estimate is over K values, fewer than the `of` seeds it stands for
+    (the others' missing or non-finite); else nothing."""
+    return f" (n={value.n})" if value is not None and of is not None and value.n < of else ""
+
+
+def _fmt_estimate(value: Estimate | None, digits: int = 4, of: int | None = None) -> str:
+    """"mean ± std [low, high]" (the mean alone from one seed), " (n=K)" where K < `of`."""
     if value is None:
         return "-"
     if value.std is None:
-        return _fmt(value.mean, digits)
+        return _fmt(value.mean, digits) + _fewer(value, of)
     return (f"{_fmt(value.mean, digits)} ± {_fmt(value.std, digits)} "
-            f"[{_fmt(value.low, digits)}, {_fmt(value.high, digits)}]")
+            f"[{_fmt(value.low, digits)}, {_fmt(value.high, digits)}]" + _fewer(value, of))
 
 
-def _fmt_difference(value: Estimate | None, digits: int = 4, verdicts: bool = True) -> str:
+def _fmt_difference(value: Estimate | None, digits: int = 4, verdicts: bool = True,
+                    of: int | None = None) -> str:
     """"+mean [low, high] within noise|differs" (the mean alone from one pair of seeds; no
-    verdict with `verdicts=False`)."""
+    verdict with `verdicts=False`), " (n=K)" where it pairs K < `of` seeds."""
     def signed(x):
         return f"{x:+.{digits}f}" if x is not None and math.isfinite(x) else "-"
 
     if value is None:
         return "-"
     if value.std is None:
-        return signed(value.mean)
+        return signed(value.mean) + _fewer(value, of)
     cell = f"{signed(value.mean)} [{signed(value.low)}, {signed(value.high)}]"
-    return f"{cell} {verdict(value)}" if verdicts else cell
+    return (f"{cell} {verdict(value)}" if verdicts else cell) + _fewer(value, of)
+
+
+def _nonfinite_notes(rows: Sequence[dict], columns) -> list[str]:
+    """A note naming each finished run whose final value of a metric column is non-finite
+    (diverged): the statistics leave it out, so the cells say their n."""
+    lines = [f"- {row['variant']}: " + ", ".join(
+        f"{title} {row[key]}" for key, title, _ in columns
+        if row.get(key) is not None and not finite(row[key]))
+        for row in rows if row["status"] == "finished" and any(
+            row.get(key) is not None and not finite(row[key]) for key, _, _ in columns)]
+    if not lines:
+        return []
+    return ["", "Non-finite final values (a diverged run?), left out of the statistics and "
+            "differences above as missing values are (a non-finite val loss takes its val acc "
+            "along); a cell over fewer of a variant's finished seeds says (n=K):", ""] + lines
+
+
+def _budget_note(configs: dict[str, ml_collections.ConfigDict], baseline: str) -> list[str]:
+    """A line naming the variants that train other steps, or other tokens (steps x batch_size
+    x seq_len), than the baseline: their differences are not at equal training."""
+    def budget(config):
+        return config.steps, config.steps * config.batch_size * config.seq_len
+
+    other = [f"{name} ({steps:,} steps, {tokens:,} tokens)"
+             for name, (steps, tokens) in ((n, budget(c)) for n, c in configs.items())
+             if (steps, tokens) != budget(configs[baseline])]
+    if not other:
+        return []
+    steps, tokens = budget(configs[baseline])
+    return ["", f"Trained other steps or tokens than the baseline `{baseline}` ({steps:,} "
+            f"steps, {tokens:,} tokens): " + "; ".join(other) + "."]
 
 
 def _seed_status(rows: Sequence[dict]) -> str:
@@ -207,9 +246,10 @@ def _seed_status(rows: Sequence[dict]) -> str:
 
 
 def _seed_tables(runs: dict[str, list[dict]], overrides: dict[str, dict], columns,
-                 baseline: str) -> list[str]:
+                 configs: dict[str, ml_collections.ConfigDict], baseline: str) -> list[str]:
     """The statistics over the seeds (one line per variant), then each variant's difference
-    from the baseline, paired by seed. Only finished seeds count."""
+    from the baseline, paired by seed. Only finished seeds count, and of those only finite
+    values (a cell over fewer says its n)."""
     seeds = len(next(iter(runs.values())))
     done = {name: {k: row for k, row in enumerate(rows) if row["status"] == "finished"}
             for name, rows in runs.items()}
@@ -217,7 +257,8 @@ def _seed_tables(runs: dict[str, list[dict]], overrides: dict[str, dict], column
     lines = [f"{len(runs)} variants x {seeds} seeds, written {time.strftime('%Y-%m-%d %H:%M:%S')}."
              f" Run NAME/seed_K trained with seed=K (its init, dropout and data order): seed K "
              "gives every variant the same data. A metric is the mean ± std over the variant's "
-             "finished seeds [its 95% confidence interval: Student t, n - 1 degrees of freedom]; "
+             "finished seeds [its 95% confidence interval: Student t, n - 1 degrees of freedom], "
+             "(n=K) where only K of them have a finite value; "
              "tokens/s and wall time are means over those seeds.", ""]
     lines += _table_head(header + ["tokens/s", "wall time", "status"])
     for name, rows in runs.items():
@@ -226,14 +267,15 @@ def _seed_tables(runs: dict[str, list[dict]], overrides: dict[str, dict], column
                           for key in ("tokens_per_s", "elapsed"))
         cells = [name, _overrides_cell(overrides[name]),
                  f"{rows[0]['params']:,}" if rows[0]["params"] else "-", f"{len(finished)}/{seeds}"]
-        cells += [_fmt_estimate(estimate([row.get(key) for row in finished]), digits)
-                  for key, _, digits in columns]
+        cells += [_fmt_estimate(estimate([row.get(key) for row in finished]), digits,
+                                of=len(finished)) for key, _, digits in columns]
         cells += [_fmt(speed.mean, 0) if speed else "-", _duration(elapsed and elapsed.mean),
                   _seed_status(rows)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"## Difference from the baseline `{baseline}`", "",
               "Each variant minus the baseline, seed by seed (same seed, same data), over the "
-              "seeds both finished: the mean difference [its 95% t interval]. **within noise**: "
+              "seeds both finished with a finite value: the mean difference [its 95% t interval], "
+              "(n=K) where only K of those both finished. **within noise**: "
               "the interval includes 0, so other seeds could well reverse the sign; **differs**: "
               "it excludes 0.", ""]
     # The verdict is the seed interval's: the window interval holds the models fixed.
@@ -241,12 +283,15 @@ def _seed_tables(runs: dict[str, list[dict]], overrides: dict[str, dict], column
                                    baseline, verdicts=False)
     lines += _table_head(["variant"] + [title for _, title, _ in columns] + [SEEDS_WINDOW_COLUMN])
     for name in runs:
+        both = len(set(done[name]) & set(done[baseline]))  # the seeds both finished
         cells = [name] + [
             "baseline" if name == baseline else _fmt_difference(paired_difference(
                 {k: row.get(key) for k, row in done[name].items()},
-                {k: row.get(key) for k, row in done[baseline].items()}), digits)
+                {k: row.get(key) for k, row in done[baseline].items()}), digits, of=both)
             for key, _, digits in columns]
         lines.append("| " + " | ".join(cells + [windows[name]]) + " |")
+    lines += _budget_note(configs, baseline)
+    lines += _nonfinite_notes([row for rows in runs.values() for row in rows], columns)
     return lines + _window_notes(notes, SEEDS_WINDOW_COLUMN) + [
         "", "With several seeds the verdict is the seed interval's alone: seeds can disagree "
         "in sign while every window interval excludes 0."]
@@ -293,7 +338,7 @@ def _window_table(runs: dict[str, list[dict]], configs, baseline: str) -> list[s
     lines = ["", f"## Difference from the baseline `{baseline}`", ""]
     lines += _table_head(["variant", WINDOW_COLUMN])
     lines += [f"| {name} | {cells[name]} |" for name in runs]
-    return lines + _window_notes(notes)
+    return lines + _budget_note(configs, baseline) + _window_notes(notes)
 
 
 def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequence[Variant],
@@ -318,7 +363,8 @@ def write_report(configs: dict[str, ml_collections.ConfigDict], variants: Sequen
         if len(runs) > 1:
             lines += _window_table(runs, configs, check_baseline(baseline, list(runs)))
     else:
-        lines += _seed_tables(runs, overrides, columns, check_baseline(baseline, list(runs)))
+        lines += _seed_tables(runs, overrides, columns, configs,
+                              check_baseline(baseline, list(runs)))
         lines += ["", "## Per seed", "", "Final metrics are the last logged; tokens/s is the "
                   "median over the train logs that timed training steps (compiling, evaluations "
                   "and saves are in none); wall time is the run's last logged `elapsed`: its "

@@ -21,12 +21,19 @@ class Estimate:
     high: float | None = None
 
 
+def finite(value: float | None) -> bool:
+    """Whether `value` is a measurement: not missing (None) and not non-finite (a diverged
+    run's NaN or inf)."""
+    return value is not None and math.isfinite(value)
+
+
 def estimate(values: Sequence[float | None], level: float = 0.95) -> Estimate | None:
-    """The Estimate of the values given (None ones left out); None when there are none."""
+    """The Estimate of the values given, missing and non-finite ones left out (`finite`: its
+    n counts the rest); None when none is left."""
     import numpy as np
     from scipy import stats
 
-    x = np.asarray([v for v in values if v is not None], np.float64)
+    x = np.asarray([v for v in values if finite(v)], np.float64)
     if len(x) == 0:
         return None
     if len(x) == 1:
@@ -38,10 +45,10 @@ def estimate(values: Sequence[float | None], level: float = 0.95) -> Estimate | 
 
 def paired_difference(values: dict[int, float | None], baseline: dict[int, float | None]
                       ) -> Estimate | None:
-    """The Estimate of variant minus baseline, seed by seed, over the seeds both have a value
-    for (the same seed is the same data, so the pair differs only by the variant)."""
+    """The Estimate of variant minus baseline, seed by seed, over the seeds both have a finite
+    value for (the same seed is the same data, so the pair differs only by the variant)."""
     seeds = [k for k in sorted(set(values) & set(baseline))
-             if values[k] is not None and baseline[k] is not None]
+             if finite(values[k]) and finite(baseline[k])]
     return estimate([values[k] - baseline[k] for k in seeds])
 
 
@@ -93,7 +100,8 @@ def window_pairs(variant: dict[int, dict | None], baseline: dict[int, dict | Non
                  ) -> tuple[list[tuple[dict, dict]], list[str]]:
     """(the seeds' (variant, baseline) windows that pair, notes on the seeds that do not).
     Windows pair when both runs saved them for the same rows: same fingerprint and count, and
-    the same tokens per window."""
+    the same tokens per window; and neither run's window losses hold a non-finite value (a
+    diverged run's, which the seed statistics leave out too)."""
     import numpy as np
 
     pairs, notes = [], []
@@ -111,6 +119,9 @@ def window_pairs(variant: dict[int, dict | None], baseline: dict[int, dict | Non
         elif not np.array_equal(mine["num_tokens"], theirs["num_tokens"]):
             notes.append(f"seed {k}: the windows' token counts differ from the baseline's: "
                          "not paired")
+        elif not (np.isfinite(mine["loss_sum"]).all() and np.isfinite(theirs["loss_sum"]).all()):
+            run = "its run" if not np.isfinite(mine["loss_sum"]).all() else "the baseline's"
+            notes.append(f"seed {k}: non-finite window losses in {run} (diverged?): not paired")
         else:
             pairs.append((mine, theirs))
     return pairs, notes
