@@ -179,14 +179,18 @@ KEYS: dict[str, Key] = {
                            one_of(optim.NAMES), structural=True),
     "optimizer.learning_rate": _key(1e-3, "The peak learning rate (under muon: the AdamW "
                                     "part's).", number(gt=0)),
-    "optimizer.warmup_steps": _key(100, "Steps of linear warmup to the peak (at most `steps`: "
-                                    "a shorter run warms up over all of its steps).",
+    "optimizer.warmup_steps": _key(100, "Steps of linear warmup to the peak, from 0 (the first "
+                                    "update's rate is 0, as in transformers' warmup "
+                                    "schedules; at most `steps`: a shorter run warms up over "
+                                    "all of its steps).",
                                     int_(ge=0)),
     "optimizer.decay": _key("cosine", "The schedule after the warmup "
                             "(`optim.learning_rate_schedule`); `schedule_free_adamw` takes "
                             "`constant`.", one_of(optim.DECAYS)),
-    "optimizer.min_learning_rate_ratio": _key(0.1, "Where cosine, linear and wsd end, as a "
-                                              "share of the peak.", number(ge=0, le=1)),
+    "optimizer.min_learning_rate_ratio": _key(0.1, "Where cosine, linear and wsd end at "
+                                              "`steps`, as a share of the peak (update s "
+                                              "applies the rate at s - 1: the last one's is a "
+                                              "step above it).", number(ge=0, le=1)),
     "optimizer.decay_fraction": _key(0.2, "wsd: the last share of the steps that decays.",
                                      number(ge=0, le=1, note="wsd: 0 never decays")),
     "optimizer.decay_shape": _key("linear", "wsd: the shape of the final decay.",
@@ -197,7 +201,8 @@ KEYS: dict[str, Key] = {
                          number(ge=0, lt=1)),
     "optimizer.weight_decay": _key(0.1, "Weight decay, by default decoupled (lr * "
                                    "weight_decay * p a step) and on matrices only (not biases "
-                                   "or norm scales, stacked or not: `optim.decay_mask`); "
+                                   "or norm scales, stacked or not: `optim.decay_mask`; T5's "
+                                   "relative-position table is an embedding, decayed); "
                                    "schedule_free_adamw decays every param and sgd's is L2; "
                                    "each optimizer's builder in `optim.OPTIMIZERS` says its "
                                    "own.",
@@ -206,7 +211,10 @@ KEYS: dict[str, Key] = {
     "optimizer.nesterov": _key(False, "sgd: Nesterov momentum.", BOOL),
     "optimizer.muon_learning_rate": _key(0.02, "muon: the hidden matrices' peak rate (the rest "
                                          "take `learning_rate`).", number(gt=0)),
-    "optimizer.muon_momentum": _key(0.95, "muon's (Nesterov) momentum.", number(ge=0, lt=1)),
+    "optimizer.muon_momentum": _key(0.95, "muon's Nesterov momentum (optax.contrib.muon's, "
+                                    "bias-corrected as Adam's: its first steps are larger "
+                                    "than the uncorrected reference Muon's).",
+                                    number(ge=0, lt=1)),
     # adafactor as T5: learning_rate 0.01, decay inverse_sqrt, warmup_steps 10000, weight_decay 0
     "optimizer.adafactor_decay_rate": _key(0.8, "adafactor: second moments decay as 1 - "
                                            "step^-rate.", number(ge=0, le=1)),
