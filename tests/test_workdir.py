@@ -4,7 +4,9 @@ at once, "last good" checkpoints that are good, and starts that change nothing w
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -139,6 +141,35 @@ def test_a_lease_is_refused_while_renewed_and_taken_over_when_stale_or_dead(tmp_
         workdir_lib.Lock(workdir, lease=True).acquire()
 
 
+@pytest.mark.parametrize("cause", [errno.EACCES, errno.EROFS], ids=["EACCES", "EROFS"])
+def test_a_workdir_that_cannot_be_written_is_one_line_of_bad_usage(tmp_path, monkeypatch,
+                                                                    cause):
+    """A read-only workdir (empty, or a finished run resumed) or a read-only disk: one line
+    naming it, exit 2, not `[Errno 13] Permission denied: '.../train.lock'` and exit 1. (The
+    tests run as root, which the kernel lets write anywhere: the refusal is made here.)"""
+    from transformer.utils import cli
+
+    workdir, real_open = tmp_path / "run", os.open
+    workdir.mkdir()
+    lock_path = str(workdir / workdir_lib.LOCK)
+
+    def refusing(path, *args, **kwargs):
+        if os.fspath(path) == lock_path:
+            raise (PermissionError if cause == errno.EACCES else OSError)(
+                cause, os.strerror(cause), lock_path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+    with pytest.raises(workdir_lib.NotWritable) as refused:
+        workdir_lib.hold(str(workdir))
+    assert str(refused.value) == (
+        f"workdir={workdir} is not writable ({os.strerror(cause)}: {lock_path}): expected a "
+        "directory this user can write (a training keeps its train.lock, checkpoints and logs "
+        "there)")
+    assert isinstance(refused.value, cli.USAGE_ERRORS)  # exit 2
+    assert list(workdir.iterdir()) == []
+
+
 def test_a_failed_start_removes_only_a_workdir_it_made(tmp_path):
     made = workdir_lib.Lock(str(tmp_path / "new")).acquire()
     made.release(failed=True)
@@ -157,7 +188,8 @@ def test_a_failed_start_removes_only_a_workdir_it_made(tmp_path):
 def test_readers_beside_a_training_never_fail_it_and_never_fail(tmp_path, text):
     """A training saving every step while generate, evaluate, visualize and export read its
     workdir in turn, then SIGTERM (the training runs until every reader has read):
-    the training stops with every step it trained saved and logged, and every read succeeds."""
+    the training stops with every step it trained saved and logged, and every read succeeds,
+    names the step it read, and leaves no traceback of a read that a deleted step cut short."""
     workdir = tmp_path / "run"
     trainer = start_cli("transformer.train", f"--workdir={workdir}", *data_flags(text),
                         *tiny_flags(10_000, checkpoint_every=1), "--config.keep_checkpoints=2",
@@ -185,8 +217,13 @@ def test_readers_beside_a_training_never_fail_it_and_never_fail(tmp_path, text):
         if trainer.process.poll() is None:
             trainer.process.kill()
             trainer.process.wait()
-    for result in reads:
+    for (module, _), result in zip(readers, reads, strict=True):
         assert_succeeded(result)
+        assert "Traceback" not in result.stderr, describe(result)  # nothing a cut-off read left
+        if module != "transformer.visualize":  # (its paths name the step: attention/stepN-...)
+            named = result.stdout if module == "transformer.export" else result.stderr
+            assert re.search(rf"^step \d+ of {re.escape(str(workdir))}", named, re.M), \
+                describe(result)
     stopped_at = json.loads((workdir / "summary.json").read_text())["step"]
     train_steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
     assert train_steps == list(range(1, stopped_at + 1))
@@ -225,6 +262,82 @@ def test_a_listing_that_races_a_save_is_read_again(tmp_path, trained, monkeypatc
 
     monkeypatch.setattr(checkpoint_lib, "_reader", racing)
     assert checkpoint_lib.saved_run(str(workdir))[0] == 2
+
+
+def test_evaluate_names_the_step_it_read(tmp_path, trained, capsys):
+    """`step N of DIR` on stderr, once the step is read (as generate and export say it): beside
+    a training that deletes steps it may not be the newest when evaluate started."""
+    from transformer import evaluate as evaluate_lib
+
+    workdir = copy_of(trained, tmp_path / "run")
+    metrics = evaluate_lib.evaluate_workdir(str(workdir), eval_steps=1, say_step=True)
+    assert metrics["step"] == 2
+    assert capsys.readouterr().err.splitlines() == [f"step 2 of {workdir}"]
+
+
+def in_flight_transfer():
+    """A tensorstore transfer awaited on an event loop that then closed, as Orbax's loop closes
+    when a read fails with others still in flight; `finish()` completes it."""
+    import asyncio
+
+    import tensorstore as ts
+
+    promise, transfer = ts.Promise.new()
+    loop = asyncio.new_event_loop()
+
+    async def await_it():
+        waiting = transfer.__await__()
+        return waiting, next(waiting)
+
+    held = [loop.run_until_complete(await_it())]  # the await, suspended, and its future
+    loop.close()
+
+    def finish():
+        promise.set_result(b"")  # its callback finds the loop closed
+        held.clear()
+    return finish
+
+
+def test_a_read_cut_off_by_a_deleted_step_leaves_stderr_quiet(tmp_path, trained, monkeypatch,
+                                                              capfd, caplog):
+    """A training deleting the step being read (keep_checkpoints=1) cuts the read short:
+    tensorstore reports each transfer still in flight ("Event loop is closed", once Orbax's
+    loop has closed; 38 tracebacks under one evaluate in a probe), and Orbax warns that the
+    step's metadata does not exist. The reader reads the then-newest step and prints neither;
+    a step that is there without its metadata is still warned of."""
+    from orbax.checkpoint._src.metadata import checkpoint as orbax_metadata
+
+    workdir = copy_of(trained, tmp_path / "run")
+    steps = workdir / "checkpoints"
+    shutil.copytree(steps / "2", steps / "1")  # an older step to fall back to
+    # Python's own hook, which prints; and the absl logger as a fresh process has it
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+    absl = logging.getLogger("absl")
+    monkeypatch.setattr(absl, "filters", [f for f in absl.filters
+                                          if f is not checkpoint_lib._not_a_deleted_step])
+    caplog.set_level(logging.INFO)
+    metadata = orbax_metadata.metadata_store(enable_write=False)
+
+    def read(step: int) -> int:
+        if step == 2:  # deleted (as Orbax deletes: one rename) while it was read
+            finish = in_flight_transfer()
+            (steps / "deleted").mkdir()
+            (steps / "2").rename(steps / "deleted" / "2")
+            assert metadata.read(steps / "2" / checkpoint_lib.STEP_RECORD) is None
+            finish()
+            raise FileNotFoundError(steps / "2" / "state")
+        return step
+
+    assert checkpoint_lib.read_newest(str(workdir), None, read) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Event loop is closed" not in err, err
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not warned, warned
+
+    (steps / "1" / checkpoint_lib.STEP_RECORD).unlink()  # there, without its metadata
+    assert metadata.read(steps / "1" / checkpoint_lib.STEP_RECORD) is None
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"Metadata file does not exist: {steps / '1' / checkpoint_lib.STEP_RECORD}"]
 
 
 def test_an_unreadable_newest_step_is_one_line_naming_it(tmp_path, trained):
@@ -499,6 +612,29 @@ def test_fresh_start_sets_the_whole_previous_run_aside(tmp_path, text, trained):
     steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
     assert steps == [1, 2]
     assert json.loads((workdir / "summary.json").read_text())["step"] == 2
+
+
+def test_a_refused_resume_on_the_embedded_corpus_says_it_is_this_pythons_text():
+    """The default corpus (data.path '') is the running Python's docs and standard library: a
+    checkpoint trained under another Python has another fingerprint (a probe: 3.11's run
+    resumed under 3.12). The refusal says why, not just two hashes; a file's changed
+    content keeps the bare fingerprints."""
+    import platform
+
+    from transformer.data import inputs
+
+    stream = inputs.data_stream(configs.experiment("gpt_tiny"))
+    assert stream["data"]["path"] == ""
+    other = format(int(stream["fingerprint"], 16) ^ 1, "016x")  # another Python's corpus
+    other_python = {**stream, "fingerprint": other}
+    bare = f"content fingerprint: checkpoint {other!r}, config {stream['fingerprint']!r}"
+    assert checkpoint_manager.stream_differences(other_python, stream) == [
+        f"{bare} (data.path is empty: the embedded corpus, which is the running Python's own "
+        "documentation and standard library, and differs between Python versions; this is "
+        f"Python {platform.python_version()}: resume under the Python that trained it)"]
+    a_file = {**stream, "data": {**stream["data"], "path": "/data/play.txt"}}
+    assert checkpoint_manager.stream_differences({**a_file, "fingerprint": other}, a_file) == \
+        [bare]
 
 
 # --- a signal during the last step --------------------------------------------------------------

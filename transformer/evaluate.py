@@ -3,9 +3,10 @@
     python -m transformer.evaluate --workdir=DIR [--step=N] [--eval_steps=N] [--split=test]
     python -m transformer.evaluate --workdir=DIR --eval_seq_len=128,256,512
 
-Uses the config and tokenizer saved in the workdir; prints the metrics, then writes them to
-DIR/eval_<step>.json (eval_<step>_test.json for the test split; a partial evaluation,
---eval_steps=N, to eval_<step>_stepsN.json, never over the whole split's). If they cannot be
+Uses the config and tokenizer saved in the workdir; names the step it read on stderr (`step N
+of DIR`), prints the metrics, then writes them to DIR/eval_<step>.json (eval_<step>_test.json
+for the test split; a partial evaluation, --eval_steps=N, to eval_<step>_stepsN.json, never
+over the whole split's). If they cannot be
 written, one line says so (exit status 1) below the printed metrics. A fine-tuned classifier
 (a labeled task, transformer.data.tasks) gets accuracy, macro-F1 and its confusion matrix, also
 drawn to DIR/confusion_<step>_<split>.png. The data is read as it is now; content changed
@@ -53,14 +54,16 @@ def results_name(step: int, *, eval_steps: int | None = None, seq_lens: tuple[in
 
 def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | None = None,
                      seq_lens: tuple[int, ...] = (), split: str = "validation", *,
-                     show: Callable[[dict], None] | None = None) -> dict:
+                     show: Callable[[dict], None] | None = None, say_step: bool = False) -> dict:
     """Restores `step` (default: the latest) of the run in `workdir` and evaluates it on
     `split` ("test" for labeled tasks, which hold one out, and runs with data.test_path).
 
     Returns the metrics at the training length, or with `seq_lens` {"step": ...,
     "train_seq_len": ..., "split": ..., "by_seq_len": {L: metrics at length L}}, after
     `show(metrics)` (if given) and writing them to WORKDIR/`results_name(...)`; a failed write
-    raises `NotWritten`, naming the file and the cause.
+    raises `NotWritten`, naming the file and the cause. `say_step`: print `step N of WORKDIR`,
+    the step read, on stderr once it is read (a training beside it may have deleted the latest
+    meanwhile), as generate and export do.
     """
     if eval_steps is not None and (isinstance(eval_steps, bool) or eval_steps < 1):
         raise ValueError(f"eval_steps={eval_steps!r}: expected an int >= 1 (or none: the whole "
@@ -85,6 +88,8 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     # A training beside it may delete the newest step meanwhile: then the next one is read.
     step, _, params = finetune.restore_params(workdir, step, placement.mesh,
                                                     or_newer=newest)
+    if say_step:
+        print(f"step {step} of {workdir}", file=sys.stderr, flush=True)
     eval_step = placement.jit_eval_step(evaluation.make_eval_step(model, config, tokenizer),
                                         jax.tree.map(lambda x: x.sharding, params))
     with placement.context():
@@ -186,7 +191,7 @@ def main(argv) -> None:
     seq_lens = tuple(_positive_int(value) for value in FLAGS.eval_seq_len or ())
     try:
         metrics = evaluate_workdir(FLAGS.workdir, FLAGS.step, FLAGS.eval_steps, seq_lens,
-                                   FLAGS.split, show=print_metrics)
+                                   FLAGS.split, show=print_metrics, say_step=True)
     except NotWritten as error:
         raise NotWritten(f"{error}; the metrics are above") from None
     names = [results_name(metrics["step"], eval_steps=steps, seq_lens=seq_lens,

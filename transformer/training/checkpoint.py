@@ -10,7 +10,8 @@ The readers (`saved_run`, `restore_params`, `read_params`, `params_metadata`,
 `saved_lora_base`) create, clean up and delete nothing, so they are safe beside a training that
 is writing the same workdir; a step that training deletes while it is read gives way to the
 newest one where the caller asked for the latest (`read_newest`: a caller's reads of one step
-are retried together).
+are retried together), and what the read cut short leaves behind stays off stderr
+(`quiet_cut_off_io`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -79,10 +82,56 @@ def complete_steps(workdir: str) -> list[int]:
         return sorted(reader.all_steps())
 
 
+def quiet_cut_off_io() -> None:
+    """Keeps off stderr what a checkpoint read or write cut short leaves behind (installed once
+    per process, by the readers and by a training's `checkpoint_manager.Manager`); the read is
+    retried or named in one line (`read_newest`), the failed write is one `WriteError`:
+
+    - tensorstore's "Event loop is closed" traceback for each transfer still in flight when
+      Orbax's event loop closed on the failure (dozens for a step that a training deleted while
+      it was read, or one that a full disk failed: `_quiet_closed_loop`);
+    - Orbax's "Metadata file does not exist" warning of a step deleted meanwhile (a step that is
+      there without its metadata is still warned of: `_not_a_deleted_step`);
+    - the coroutines of a failed save's writes that never started, collected at exit.
+    """
+    absl = logging.getLogger("absl")
+    if _not_a_deleted_step not in absl.filters:
+        absl.addFilter(_not_a_deleted_step)
+    if not getattr(sys.unraisablehook, "quiet_closed_loop", False):
+        sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
+        warnings.filterwarnings("ignore", r"coroutine '.*serialize.*' was never awaited",
+                                RuntimeWarning)
+
+
+def _quiet_closed_loop(hook):
+    """`hook` (a sys.unraisablehook) without tensorstore's "Event loop is closed" errors."""
+    def quiet(unraisable):
+        if not (unraisable.exc_type is RuntimeError and
+                str(unraisable.exc_value) == "Event loop is closed"):
+            hook(unraisable)
+    quiet.quiet_closed_loop = True
+    return quiet
+
+
+_NO_METADATA = "Metadata file does not exist: %s"  # Orbax's warning, its argument the file
+
+
+def _not_a_deleted_step(record: logging.LogRecord) -> bool:
+    """False for Orbax's warning that DIR/<step>/_CHECKPOINT_METADATA does not exist where the
+    step's folder is gone too (deleted while it was listed or read)."""
+    if record.msg != _NO_METADATA or not isinstance(record.args, tuple) or not record.args:
+        return True
+    try:
+        return fileio.path(str(record.args[0])).parent.exists()
+    except Exception:  # noqa: BLE001 - a warning the check cannot judge is kept
+        return True
+
+
 def _reader(workdir: str, **item_handlers) -> ocp.CheckpointManager:
     """A manager that only reads WORKDIR/checkpoints: it creates, cleans up and deletes nothing,
     so it is safe beside a training that is writing there (Orbax's temporary directories of a
     step being saved are the training's; `all_steps` lists only the complete steps)."""
+    quiet_cut_off_io()
     # (Orbax's read_only=True means the same, with a warning line on every command.)
     options = ocp.CheckpointManagerOptions(create=False, cleanup_tmp_directories=False,
                                            max_to_keep=None, enable_async_checkpointing=False)

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import re
-import sys
 import time
-import warnings
 
 import jax
 import ml_collections
@@ -161,7 +160,8 @@ def _opt_layout(tree) -> dict[str, tuple]:
 
 def stream_differences(saved: dict, current: dict) -> list[str]:
     """What differs between two data streams (`inputs.data_stream` dicts). A different data.path
-    with the same content fingerprint is data that moved, not a difference.
+    with the same content fingerprint is data that moved, not a difference. The embedded
+    corpus's fingerprint (data.path '' in both) says why it changed (`_embedded_hint`).
 
     >>> stream_differences({"batch_size": 8, "data": {"path": "a"}, "fingerprint": "f0"},
     ...                    {"batch_size": 16, "data": {"path": "b"}, "fingerprint": "f0"})
@@ -178,8 +178,24 @@ def stream_differences(saved: dict, current: dict) -> list[str]:
         if saved.get(key) != current.get(key):
             what = "content fingerprint" if key == "fingerprint" else key
             differences.append(f"{what}: checkpoint {saved.get(key)!r}, config "
-                               f"{current.get(key)!r}")
+                               f"{current.get(key)!r}" + _embedded_hint(key, saved, current))
     return differences
+
+
+def _embedded_hint(key: str, saved: dict, current: dict) -> str:
+    """Why the embedded corpus's fingerprint changed (`key`: the differing key of two dotted
+    streams): it is the running Python's own text. Checkpoints record no Python version, so
+    this one's is named.
+
+    >>> _embedded_hint("fingerprint", {"data.path": ""}, {"data.path": ""})[:52]
+    ' (data.path is empty: the embedded corpus, which is '
+    """
+    if key != "fingerprint" or saved.get("data.path", None) != "" or \
+            current.get("data.path", None) != "":
+        return ""
+    return (" (data.path is empty: the embedded corpus, which is the running Python's own "
+            "documentation and standard library, and differs between Python versions; this is "
+            f"Python {platform.python_version()}: resume under the Python that trained it)")
 
 
 def _not_orbax_error(record: logging.LogRecord) -> bool:
@@ -193,18 +209,6 @@ logging.getLogger("absl").addFilter(_not_orbax_error)
 # retrieved", with a traceback).
 logging.getLogger("asyncio").addFilter(
     lambda record: not (record.levelno >= logging.ERROR and "orbax" in record.getMessage()))
-
-
-def _quiet_closed_loop(hook):
-    """sys.unraisablehook without the "Event loop is closed" errors that tensorstore reports for
-    each write still in flight when a failed save's event loop has closed (dozens on a full
-    disk): the failed save itself is reported as one `WriteError`."""
-    def quiet(unraisable):
-        if not (unraisable.exc_type is RuntimeError and
-                str(unraisable.exc_value) == "Event loop is closed"):
-            hook(unraisable)
-    quiet.quiet_closed_loop = True
-    return quiet
 
 
 class WriteError(RuntimeError):
@@ -239,11 +243,7 @@ class Manager:
         """`stream`: the run's `inputs.data_stream`, saved with each step and compared on
         restore (None: a manager that only reads)."""
         self.config, self.stream = config, stream
-        if not getattr(sys.unraisablehook, "quiet_closed_loop", False):
-            sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
-            # ... and the writes of a failed save that never started, collected at exit
-            warnings.filterwarnings("ignore", r"coroutine '.*serialize.*' was never awaited",
-                                    RuntimeWarning)
+        checkpoint_lib.quiet_cut_off_io()  # a failed write's tracebacks
         self.stream_changes: list[str] = []  # set by restore under new_data=True
         self.compute_changes: list[str] = []  # set by restore: compute_changes
         self._keep = config.get("keep_checkpoints", 3)

@@ -14,7 +14,9 @@ WORKDIR/train.lock before it changes anything there, and holds it to the end:
   write a lease: each reads it back after `SETTLE` seconds and the one whose lease is no longer
   there stops.
 
-Only process 0 of a multi-process run holds the lock; every process stops if it cannot.
+Only process 0 of a multi-process run holds the lock; every process stops if it cannot. A
+workdir this user cannot write (a finished run made read-only, resumed) stops the start at the
+lock, in one line (`NotWritable`, exit 2).
 Readers (evaluate, generate, visualize, export, harness, finetune's init_from) take no lock: they
 open checkpoints read-only (transformer.training.checkpoint).
 """
@@ -22,6 +24,7 @@ open checkpoints read-only (transformer.training.checkpoint).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -43,6 +46,10 @@ SETTLE = 2.0  # seconds before a new lease is read back
 
 class WorkdirBusy(RuntimeError):
     """Another training holds the workdir."""
+
+
+class NotWritable(ValueError):
+    """The workdir (or the folder to make it in) cannot be written: bad usage, exit 2."""
 
 
 def _owner() -> dict:
@@ -88,8 +95,16 @@ class Lock:
 
     def acquire(self) -> Lock:
         self.created = not fileio.path(self.workdir).exists()  # release(failed=True) removes it
-        fileio.path(self.workdir).mkdir(parents=True, exist_ok=True)
-        self._acquire_lease() if self.lease else self._acquire_flock()
+        try:
+            fileio.path(self.workdir).mkdir(parents=True, exist_ok=True)
+            self._acquire_lease() if self.lease else self._acquire_flock()
+        except OSError as error:  # a read-only workdir, folder above it, or disk
+            if not isinstance(error, PermissionError) and error.errno != errno.EROFS:
+                raise
+            where = f": {error.filename}" if error.filename else ""
+            raise NotWritable(f"workdir={self.workdir} is not writable ({error.strerror}{where}): "
+                              "expected a directory this user can write (a training keeps its "
+                              f"{LOCK}, checkpoints and logs there)") from error
         return self
 
     def _acquire_flock(self) -> None:
@@ -196,10 +211,10 @@ def hold(workdir: str) -> Lock:
     if jax.process_index() == 0:
         try:
             lock.acquire()
-        except WorkdirBusy as error:
+        except (WorkdirBusy, NotWritable) as error:
             busy = error
     if placement_lib.agreed(busy is not None):
-        raise busy or WorkdirBusy(f"workdir={workdir} is in use by another training (process 0 "
-                                  "could not lock it)")
+        raise busy or WorkdirBusy(f"workdir={workdir} could not be locked by process 0 (in use "
+                                  "by another training, or not writable)")
     fileio.path(workdir).mkdir(parents=True, exist_ok=True)
     return lock
