@@ -135,6 +135,18 @@ def test_hardware_flops_are_the_matmuls_the_step_runs_under_each_remat_policy():
         step_matmul_flops("full", batch) - 2 * (mlp_in + mlp_out)
 
 
+def test_a_pipelined_step_counts_its_programs_matmuls_without_remat_too():
+    """Pipelining runs every stage through the bubble's iterations: the hardware FLOPs are the
+    traced program's under any remat policy, not the model FLOPs only where remat is off."""
+    config = small_config()
+    config.batch_size, config.seq_len = 2, 4
+    step = jax.jit(lambda a, b: a @ b)  # 2 x 8 x 16 x 32 FLOPs
+    args = (jnp.ones((8, 16)), jnp.ones((16, 32)))
+    assert metrics.hardware_flops_per_token(config, -1.0, step, *args) == -1.0
+    config.mesh.stage = 2
+    assert metrics.hardware_flops_per_token(config, -1.0, step, *args) == 2 * 8 * 16 * 32 / 8
+
+
 def test_the_attention_gate_counts_in_n_so_in_the_flops():
     plain, gated = small_config(), small_config(attention_gate="element")
     extra = 2 * (64 * 4 * 16 + 4 * 16)  # per layer: the gate kernel [D, N, H] and its bias

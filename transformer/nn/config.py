@@ -228,7 +228,9 @@ class TransformerConfig:
     param_dtype: Any = key(jnp.float32, "Dtype the params are kept in.", one_of(DTYPES),
                            export_neutral=True)
     scan_layers: bool = key(False, "Run the stack as one `nn.scan` over layers (faster "
-                            "compiles).", BOOL, export_neutral=True)
+                            "compiles; the same params give the same results, but a fresh "
+                            "init draws other values, so curves from scratch differ).", BOOL,
+                            export_neutral=True)
     remat_policy: str = key("none", "What the backward pass recomputes: none, everything "
                             "(`full`) or all but the matmuls.", choice(tuple(REMAT_POLICIES)),
                             structural=False, export_neutral=True)

@@ -215,12 +215,14 @@ def frozen_matmul_params(config, abstract_state, matching: str | None = None) ->
 
 
 def hardware_flops_per_token(config, model_flops: float, train_step, *args) -> float | None:
-    """FLOPs the hardware runs per trained token: under rematerialisation (model.remat_policy),
-    the matmuls of the train step's program (`program_matmul_flops` of `train_step` traced on
-    `args`: the forward, what the backward recomputes as JAX wrote it, the backward, and the
-    optimizer's) over the step's tokens; None where it cannot count them. Without it,
-    `model_flops` (utilisation is then MFU)."""
-    if config.model.get("remat_policy", "none") == "none":
+    """FLOPs the hardware runs per trained token: under rematerialisation (model.remat_policy)
+    or pipelining (mesh.stage > 1, whose program also runs every stage through the bubble's
+    iterations), the matmuls of the train step's program (`program_matmul_flops` of
+    `train_step` traced on `args`: the forward, what the backward recomputes as JAX wrote it,
+    the backward, and the optimizer's) over the step's tokens; None where it cannot count
+    them. Otherwise `model_flops` (utilisation is then MFU)."""
+    if config.model.get("remat_policy", "none") == "none" and \
+            config.get("mesh", {}).get("stage", 1) <= 1:
         return model_flops
     flops = program_matmul_flops(train_step.trace(*args).jaxpr.jaxpr)
     return None if flops is None else flops / (config.batch_size * config.seq_len)
