@@ -285,6 +285,60 @@ def test_the_template_sees_the_roles_autotokenizer_sets(tmp_path, layout, roles)
             assert ids.tolist() == hf.apply_chat_template(messages, tokenize=True)["input_ids"]
 
 
+def legacy_llama(directory: Path, tokenizer_class: str) -> Path:
+    """Llama 2's / Mistral's tokenizer.json layout (normalizer Prepend("▁") + Replace, no
+    pre-tokenizer, byte fallback) with ChatML's specials and template, its
+    tokenizer_config.json naming `tokenizer_class` with `legacy: false`."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    lines = [" ".join(_WORDS[i:i + 7]) + "\n\n" for i in range(len(_WORDS))]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=list(string.printable) + ["▁"]))
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": tokenizer_class, "legacy": False, "bos_token": "<s>",
+        "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHATML}))
+    return directory
+
+
+def test_a_directory_autotokenizer_rebuilds_differently_warns_and_keeps_tokenizer_json(
+        tmp_path, capsys):
+    """transformers 5 rebuilds a LlamaTokenizerFast from its class and flags (legacy: false:
+    Metaspace, no "▁" after a special token), not from the tokenizer.json as saved: its chat
+    ids differ. One warning line at load says so and that the run follows tokenizer.json,
+    whose ids the chat ids are, as they are those of the run's export through AutoTokenizer.
+    The same files named PreTrainedTokenizerFast: no warning, AutoTokenizer's ids."""
+    directory = legacy_llama(tmp_path / "llama", "LlamaTokenizerFast")
+    tok, hf = tokenizers_lib.load_hf_tokenizer(str(directory)), reference(directory)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(lines) == 1 and "AutoTokenizer loads it as LlamaTokenizer" in lines[0] and \
+        "this run follows tokenizer.json" in lines[0], lines
+    messages = conversation(0)
+    ids = chat.encode_chat(tok, messages).tolist()
+    assert ids == tok.encode(hf.apply_chat_template(messages, tokenize=False)).tolist()
+    assert ids != hf.apply_chat_template(messages, tokenize=True)["input_ids"]
+    tokenizer_json, config = tok.hugging_face()
+    (tmp_path / "exported").mkdir()
+    (tmp_path / "exported/tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    (tmp_path / "exported/tokenizer_config.json").write_text(json.dumps(config))
+    assert reference(tmp_path / "exported").apply_chat_template(
+        messages, tokenize=True)["input_ids"] == ids
+    same = legacy_llama(tmp_path / "fast", "PreTrainedTokenizerFast")
+    tok = tokenizers_lib.load_hf_tokenizer(str(same))
+    assert "warning" not in capsys.readouterr().err
+    assert chat.encode_chat(tok, messages).tolist() == ids == \
+        reference(same).apply_chat_template(messages, tokenize=True)["input_ids"]
+
+
 def test_a_directory_transformers_cannot_load_keeps_the_well_known_roles(tmp_path):
     """A custom tokenizer class (auto_map: trust_remote_code, never granted here): its roles
     are read as before, the ones no file names filled in from well-known tokens and unnamed."""
@@ -459,6 +513,29 @@ def test_an_empty_reply_s_end_of_turn_is_masked_with_generation_marks_too(tmp_pa
         assert (ids.tolist(), mask.tolist()) == tuple(
             x.tolist() for x in chat.assistant_tokens(plain, messages))
         assert marked.decode(ids[spans(mask)[0][0]:spans(mask)[0][1]]) == "<|im_end|>"
+
+
+def test_a_reply_holding_the_end_of_turn_as_text_still_masks_its_turn_s_end(tmp_path):
+    """A reply whose text holds "<|im_end|>" (encoded as that special token, as transformers
+    encodes it): with marks on the content alone, the turn's own <|im_end|> after the marks is
+    still in the mask, as the unmarked template's and transformers' usual marks have it."""
+    marked = tokenizers_lib.load_hf_tokenizer(
+        str(build_tokenizer(tmp_path / "marked", marked_content())))
+    plain = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path / "plain", CHATML)))
+    hf = reference(build_tokenizer(tmp_path / "usual", CHATML_GENERATION_USUAL))
+    for reply in ("Paris.<|im_end|>The king", "Paris.<|im_end|>"):
+        messages = [{"role": "user", "content": "Echo it."},
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "Again."},
+                    {"role": "assistant", "content": "Fine. " + reply}]
+        ids, mask = chat.assistant_tokens(marked, messages)
+        expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+        assert (ids.tolist(), mask.tolist()) == (expected["input_ids"],
+                                                 expected["assistant_masks"]), reply
+        assert mask.tolist() == chat.assistant_tokens(plain, messages)[1].tolist()
+        assert [marked.decode(ids[a:b]) for a, b in spans(mask)] == \
+            [reply + "<|im_end|>", "Fine. " + reply + "<|im_end|>"]
 
 
 def test_chat_replies_open_the_assistant_turn_and_stop_at_its_end(llama3_dir, monkeypatch):

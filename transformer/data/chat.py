@@ -1,16 +1,17 @@
 """Supervised fine-tuning on chat data (`data.objective = "sft"`).
 
 A conversation is one JSON line with a `messages` list of {"role", "content"} (the format of
-Hugging Face chat datasets). It is rendered and tokenized with the tokenizer's own chat
-template by `transformers` itself (`apply_chat_template`), so the ids are exactly those a
-Hugging Face pipeline gives the model. The loss is taken on the assistant's tokens only:
-where the template marks them with `{% generation %}`, transformers' assistant mask and, where a
-reply's marks hold no special token, the end of turn the template renders after them;
-otherwise each assistant message's tokens are those of the text that rendering the
-conversation through that message adds to rendering the messages before it with the assistant
-turn opened (`add_generation_prompt`), up to its end of turn (its last special token), or
-where its turn renders differently once more messages follow (Qwen3's <think>), its content
-where the whole conversation renders it and the end of turn after that.
+Hugging Face chat datasets). It is rendered with the tokenizer's own chat template by
+`transformers` itself (`apply_chat_template`) and encoded by its tokenizer.json as saved, so
+the ids are exactly those a Hugging Face pipeline gives the model (where `AutoTokenizer`
+rebuilds the directory's tokenizer class into other ids, `load_hf_tokenizer` warns). The loss
+is taken on the assistant's tokens only: where the template marks them with
+`{% generation %}`, transformers' assistant mask and, where a reply's marks end before its
+turn's end of turn, that end of turn; otherwise each assistant message's tokens are those of
+the text that rendering the conversation through that message adds to rendering the messages
+before it with the assistant turn opened (`add_generation_prompt`), up to its end of turn (its
+last special token), or where its turn renders differently once more messages follow (Qwen3's
+<think>), its content where the whole conversation renders it and the end of turn after that.
 
 Splits: train is `data.path` (a .jsonl file, a directory or a glob); validation is
 `data.validation_path`, else the conversations whose hash falls below
@@ -145,7 +146,8 @@ def _transformers_tokenizer(tokenizer):
 def encode_chat(tokenizer, messages, *, add_generation_prompt: bool = False,
                 where: str = "") -> np.ndarray:
     """The ids of `messages` rendered with the tokenizer's chat template: exactly
-    `apply_chat_template(messages, tokenize=True)["input_ids"]`."""
+    `apply_chat_template(messages, tokenize=True)["input_ids"]` of the tokenizer.json as
+    saved (PreTrainedTokenizerFast's)."""
     hf = _transformers_tokenizer(tokenizer)
     with _template_errors(where):
         ids = hf.apply_chat_template(list(messages), tokenize=True, return_dict=True,
@@ -170,8 +172,8 @@ def assistant_tokens(tokenizer, messages, where: str = "") -> tuple[np.ndarray, 
     turn), 0 elsewhere (see the module docstring). The text each assistant message adds is a
     span of characters of the rendered conversation; the tokens overlapping a span are masked
     (by their offsets, as transformers maps {% generation %} spans onto tokens). A template's
-    {% generation %} marks give transformers' mask, plus the end of turn after marks that lack
-    one."""
+    {% generation %} marks give transformers' mask, plus the turn's end of turn where the
+    marks end before it."""
     with _template_errors(where):
         return _assistant_tokens(_transformers_tokenizer(tokenizer), messages, where)
 
@@ -265,24 +267,27 @@ def _content_span(hf, messages, i: int, text: str) -> tuple[int, int] | None:
 
 def _with_end_of_turn(marked, offsets, spans, special, text, empty) -> np.ndarray:
     """A {% generation %} mask with the end of turn that the template renders after a marked
-    reply that lacks one (`{% endgeneration %}<|im_end|>`), so the model learns to stop: the
-    first special token after the reply's marked tokens in its turn (`spans`), or where the
-    turns are not found (spans None), the special token right after each marked run that has
-    none (past whitespace only). Never the text after that token; a reply whose marks hold a
-    special token keeps transformers' mask. An empty reply (`empty`, per assistant message)
-    marks no token: its end of turn is the first special token of its turn, as unmarked."""
+    reply's marks (`{% endgeneration %}<|im_end|>`), so the model learns to stop: the first
+    special token of the reply's turn (`spans`) after its last marked token (none where the
+    marks end the turn, `<|im_end|>{% endgeneration %}`); or where the turns are not found
+    (spans None), the special token right after each marked run that has none (past
+    whitespace only). Never the text after that token. An empty reply (`empty`, per assistant
+    message) marks no token: its end of turn is the first special token of its turn, as
+    unmarked."""
     mask = marked.copy()
     if spans is not None:
         for (start, stop), blank in zip(spans, empty, strict=True):
             inside = np.flatnonzero((offsets[:, 0] < stop) & (offsets[:, 1] > start))
             taken = inside[marked[inside]]
             ends = inside[special[inside]]
-            # (a template may leave a turn unmarked on purpose: a non-empty one with no marks)
-            if taken.size and not special[taken].any():
+            # (a template may leave a turn unmarked on purpose: a non-empty one with no marks).
+            # Not "marks that hold a special token": a reply's text "<|im_end|>" encodes as
+            # that token (as transformers encodes it) inside the marks, its turn's own after.
+            if taken.size:
                 ends = ends[ends > taken[-1]]
                 if ends.size:
                     mask[taken[-1]:ends[0] + 1] = True
-            elif blank and not taken.size and ends.size:
+            elif blank and ends.size:
                 mask[ends[0]] = True
         return mask
     edges = np.diff(np.concatenate([[0], marked.astype(np.int8), [0]]))

@@ -20,7 +20,7 @@ from transformer.data.tokenizer_base import (
     check_num_sentinels,
     is_int,
 )
-from transformer.utils import fileio
+from transformer.utils import cli, fileio
 
 # Where a Hugging Face directory names no roles (a bare tokenizer.json), a role is taken by the
 # first of these tokens its vocabulary has: the names GPT-2, BERT, Llama and T5 use.
@@ -361,9 +361,11 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
     (transformers leaves it unset: chat templates do not see it). Where the directory has a
     chat template, a role neither file names but `AutoTokenizer` sets (the defaults of the
     class it picks: GPT-2's <|endoftext|>, Llama's <s>; `_class_defaults`) is that token, so
-    the template renders it as transformers does. The first file's
-    `TRANSFORMERS_KEYS` entries are kept for the export, and a generation_config.json's
-    `eos_token_id` (one id or several) becomes the `stop_ids`.
+    the template renders it as transformers does; where that `AutoTokenizer` encodes a probe
+    chat into other ids than the tokenizer.json as saved (`_differs_from_transformers`), one
+    warning line says so: the tokenizer encodes as tokenizer.json does, whatever the class.
+    The first file's `TRANSFORMERS_KEYS` entries are kept for the export, and a
+    generation_config.json's `eos_token_id` (one id or several) becomes the `stop_ids`.
     """
     location = fileio.path(path)
     file = location.joinpath("tokenizer.json") if location.is_dir() else location
@@ -384,12 +386,13 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
             if settings is None:
                 settings = {key: config[key] for key in TRANSFORMERS_KEYS if key in config}
     template = _chat_template(file.parent)
+    # (transformers matters only to a chat template: other directories never import it)
+    auto = _auto_tokenizer(file.parent) if template and file.name == "tokenizer.json" else None
     if unnamed := [role for role in ROLES if role not in named]:
         # e.g. GPT-2's hub tokenizer_config.json names no role (its class's defaults do)
         vocab = _vocab(text, file)
-        # (they matter only to a chat template: other directories never import transformers)
-        if template and file.name == "tokenizer.json":
-            defaults = _class_defaults(file.parent, unnamed)
+        if auto is not None:
+            defaults = _class_defaults(auto, unnamed)
             named.update({role: token for role, (token, i) in defaults.items()
                           if vocab.get(token) == i})  # (not a token transformers added)
             unnamed = [role for role in unnamed if role not in named]
@@ -398,38 +401,91 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
         named[UNNAMED] = [role for role in unnamed if named[role] is not None]
     stops = _generation_stop_ids(file.parent)
     try:
-        return HFTokenizer(text, named, num_sentinels, template, settings or {}, stops)
+        tokenizer = HFTokenizer(text, named, num_sentinels, template, settings or {}, stops)
     except Exception as e:
         raise ValueError(f"{str(file)!r}: {e}") from None
+    if auto is not None and (differs := _differs_from_transformers(auto, text)):
+        cli.warn_once(f"{str(file.parent)!r}: {differs}: this run follows tokenizer.json, as "
+                      "its prepared data, generation and export (which AutoTokenizer reads as "
+                      "saved) do, so its chat ids are not this directory's AutoTokenizer "
+                      "apply_chat_template ids")
+    return tokenizer
 
 
-def _class_defaults(directory, roles: list[str]) -> dict[str, tuple[str, int]]:
-    """{role: (token, id)} of those of `roles` that `transformers.AutoTokenizer` sets loading
-    the local `directory` (the defaults of the class it picks from tokenizer_config.json's
-    tokenizer_class, else config.json's model_type, and from the tokenizer.json: GPT2Tokenizer's
-    <|endoftext|> as bos, eos and unk); {} where transformers is missing or cannot load it (a
-    remote directory, a custom class needing trust_remote_code): the well-known names then."""
+def _auto_tokenizer(directory):
+    """`transformers.AutoTokenizer` loading the local `directory` (the class it picks from
+    tokenizer_config.json's tokenizer_class, else config.json's model_type); None where
+    transformers is missing or cannot load it (a remote directory, a custom class needing
+    trust_remote_code): the well-known names then, and no comparison of ids."""
     if fileio.is_remote(directory):
-        return {}
+        return None
     try:
         import transformers
     except ImportError:
-        return {}
+        return None
     logs = transformers.utils.logging
     verbosity = logs.get_verbosity()
     logs.set_verbosity_error()  # (its notes on the directory's layout are no concern here)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            hf = transformers.AutoTokenizer.from_pretrained(
+            return transformers.AutoTokenizer.from_pretrained(
                 str(directory), local_files_only=True, trust_remote_code=False)
-        tokens = {role: getattr(hf, f"{role}_token", None) for role in roles}
-        return {role: (token, hf.convert_tokens_to_ids(token))
-                for role, token in tokens.items() if isinstance(token, str)}
     except Exception:  # (whatever it is: the directory is read as before)
-        return {}
+        return None
     finally:
         logs.set_verbosity(verbosity)
+
+
+def _class_defaults(hf, roles: list[str]) -> dict[str, tuple[str, int]]:
+    """{role: (token, id)} of those of `roles` that the `AutoTokenizer` `hf` sets: its
+    class's defaults, and the tokenizer.json's (GPT2Tokenizer's <|endoftext|> as bos, eos and
+    unk)."""
+    tokens = {role: getattr(hf, f"{role}_token", None) for role in roles}
+    return {role: (token, hf.convert_tokens_to_ids(token))
+            for role, token in tokens.items() if isinstance(token, str)}
+
+
+# A probe chat for `_differs_from_transformers`: blank lines, double spaces, a number.
+_PROBE = ({"role": "user", "content": "Hello, world!\n\nHow  are you?"},
+          {"role": "assistant", "content": "Fine, thanks.\n\n  42 ok"})
+
+
+def _differs_from_transformers(hf, tokenizer_json: str) -> str:
+    """How the `AutoTokenizer` `hf` encodes a probe text differently from `tokenizer_json` as
+    saved ("" where alike): transformers 5 rebuilds the pipeline of a class with its own
+    (LlamaTokenizer(Fast), Qwen2Tokenizer, GPT2Tokenizer, ...) from tokenizer_class and its
+    flags (legacy, add_prefix_space), keeping the vocabulary and merges; PreTrainedTokenizerFast
+    reads tokenizer.json as saved. The probe: the probe chat as the template renders it, and
+    text around special tokens."""
+    import tokenizers
+
+    backend = tokenizers.Tokenizer.from_str(tokenizer_json)
+    backend.no_padding()
+    backend.no_truncation()
+    specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+    try:
+        text = hf.apply_chat_template(list(_PROBE), tokenize=False)
+    except Exception:  # (a template refusing the probe: the text around specials still tells)
+        text = ""
+    text = (text if isinstance(text, str) else "") + "".join(
+        f"{s}user\nHello  there\n\n{s}\n" for s in specials[:4])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = list(hf(text, add_special_tokens=False)["input_ids"])
+    except Exception:  # (a tokenizer transformers cannot run: nothing to compare)
+        return ""
+    ours = backend.encode(text, add_special_tokens=False).ids
+    if ours == theirs:
+        return ""
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+              min(len(ours), len(theirs)))
+    token = lambda ids: backend.id_to_token(ids[at]) if at < len(ids) else None
+    return (f"AutoTokenizer loads it as {type(hf).__name__}, which transformers rebuilds from "
+            f"tokenizer_class and its flags, and encodes a probe chat into {len(theirs)} ids, "
+            f"tokenizer.json as saved into {len(ours)} (token {at}: {token(theirs)!r} there, "
+            f"{token(ours)!r} here)")
 
 
 def _vocab(text: str, file) -> dict[str, int]:
