@@ -326,22 +326,31 @@ def test_a_capacity_routed_mixture_of_experts_scores_as_its_unpadded_forward():
         lm.loglikelihood([type("R", (), {"args": ("x", "y" * 40)})()])
 
 
+def tiny_llama(directory, vocab_size: int, bos: int, eos: int, max_positions: int = 128):
+    """A 2-layer float32 Llama (seed 0) saved beside the tokenizer in `directory`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=vocab_size, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, bos_token_id=bos, eos_token_id=eos)).eval()
+    hf.save_pretrained(directory)
+    return hf
+
+
 def test_an_imported_llamas_rolling_text_starts_behind_its_bos(tmp_path):
     """A checkpoint whose tokenizer puts a BOS first reads a rolling text's first token behind
     that BOS, as loglikelihood("", text) and lm-eval's own HF model (its prefix_token_id) do;
     it was read behind <eos>. Every window equals transformers' log-probs (float32)."""
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
     from test_sft import llama3_with_bos
 
     directory, vocab, bos, eos = llama3_with_bos(tmp_path / "llama")
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, vocab_size=len(vocab), max_position_embeddings=64,
-        tie_word_embeddings=False, bos_token_id=bos, eos_token_id=eos)).eval()
-    hf.save_pretrained(directory)
+    hf = tiny_llama(directory, len(vocab), bos, eos, max_positions=64)
 
     def direct(context, target):
         fed = torch.tensor([(context + target)[:-1]])
@@ -381,3 +390,103 @@ def test_an_imported_model_without_positions_scores_lm_evals_default_length(tmp_
     lm = TransformerLM(workdir=f"hf:{directory}", batch_size=2)
     assert lm.config.model.max_len == 1 << 17 and lm.max_length == 2048
     assert TransformerLM(workdir=f"hf:{directory}", batch_size=2, max_length=96).max_length == 96
+
+
+@pytest.mark.parametrize("template,adds_bos", [("chatml", True), ("llama3", True),
+                                               ("chatml", False)],
+                         ids=["chatml_after_the_tokenizers_bos", "llama3_writing_its_bos",
+                              "chatml_without_bos"])
+def test_apply_chat_template_scores_what_lm_evals_hf_model_scores(tmp_path, template, adds_bos):
+    """lm-eval's --apply_chat_template (a system instruction, a few-shot example as a turn of
+    its own): the adapter renders each request's context as lm-eval's HF model does on the same
+    checkpoint, and scores the same ids: behind the BOS the tokenizer puts first (once, where
+    the template writes it too: Llama 3's), behind nothing where it puts none (Qwen's layout,
+    whose plain texts read behind <eos>), the context's trailing newline moved to the
+    continuation; so every log-likelihood is HF's. It was NotImplementedError."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import tokenizers
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from test_sft import CHATML, LLAMA3, build_tokenizer
+
+    directory = build_tokenizer(tmp_path / template, {"chatml": CHATML, "llama3": LLAMA3}[
+        template])
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    bos, eos = vocab["<|begin_of_text|>"], vocab["<|end_of_text|>"]
+    if adds_bos:  # (as llama3_with_bos)
+        tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        tok.post_processor = tokenizers.processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+        tok.save(str(directory / "tokenizer.json"))
+    tiny_llama(directory, len(vocab), bos, eos)
+    manager = TaskManager(include_path=str(write_tasks(tmp_path / "tasks")),
+                          include_defaults=False)
+    ours = TransformerLM(workdir=f"hf:{directory}", batch_size=4)
+    theirs = HFLM(pretrained=str(directory), dtype="float32", device="cpu", batch_size=4)
+    samples = {}
+    for name, lm in (("ours", ours), ("hf", theirs)):
+        out = lm_eval.simple_evaluate(
+            model=lm, tasks=["local_mc"], task_manager=manager, apply_chat_template=True,
+            system_instruction="Answer briefly.", num_fewshot=1, limit=2, log_samples=True)
+        samples[name] = out["samples"]["local_mc"]
+    contexts = [s["arguments"] for s in samples["hf"]]
+    assert [s["arguments"] for s in samples["ours"]] == contexts
+    context = contexts[0][0][0]
+    assert context.startswith("<|begin_of_text|>" if template == "llama3" else "<|im_start|>")
+    assert "Answer briefly." in context and context.count("assistant") == 2  # shot, then ours
+    scored = ours._document(ours._encode(context.rstrip()))
+    assert scored == theirs.tok_encode(context.rstrip())
+    assert scored[:2].count(bos) == adds_bos  # one BOS where the template writes one too
+    np.testing.assert_allclose(
+        [float(r[0][0]) for s in samples["ours"] for r in s["resps"]],
+        [float(r[0][0]) for s in samples["hf"] for r in s["resps"]], rtol=1e-5, atol=1e-5)
+    assert ours.chat_template(True) == theirs.chat_template(True)
+
+
+def test_a_model_without_a_chat_template_refuses_apply_chat_template_in_one_line():
+    """As lm-eval's HF model (transformers refuses a tokenizer without a chat template): one
+    line naming what is missing, where it was lm-eval's NotImplementedError."""
+    import flax.linen as nn
+
+    from transformer.data.tokenizers import ByteTokenizer
+    from transformer.models import build_model
+
+    tokenizer = ByteTokenizer(num_sentinels=0)
+    config = configs.experiment("gpt_tiny")
+    config.model.update(**TINY_MODEL, vocab_size=tokenizer.vocab_size)
+    model = build_model(config.model)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), np.ones((1, 8), np.int32))[
+        "params"])
+    lm = TransformerLM.from_params(model, params, tokenizer, config)
+    assert lm.chat_template(True) is None and lm.tokenizer_name.startswith("ByteTokenizer-")
+    with pytest.raises(ValueError, match=r"^the byte tokenizer has no chat template: "):
+        lm.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_a_template_refusing_the_system_role_renders_as_lm_evals_hf_model(tmp_path, caplog):
+    """As lm-eval's HF model: a template that refuses a system message (Gemma's, Mistral's) gets
+    the conversation without it, with a warning; a task's gen_prefix (add_generation_prompt=
+    False) continues the last message rather than closing its turn."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from lm_eval.models.huggingface import HFLM
+    from test_sft import CHATML, build_tokenizer
+
+    refusing = CHATML.replace("['system', 'user', ", "['user', ")
+    assert refusing != CHATML
+    directory = build_tokenizer(tmp_path / "chat", refusing)
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    tiny_llama(directory, len(vocab), vocab["<|begin_of_text|>"], vocab["<|end_of_text|>"])
+    ours = TransformerLM(workdir=f"hf:{directory}", batch_size=2)
+    theirs = HFLM(pretrained=str(directory), dtype="float32", device="cpu", batch_size=2)
+    history = [{"role": "system", "content": "Answer briefly."},
+               {"role": "user", "content": "The capital of France is"},
+               {"role": "assistant", "content": "Answer:"}]
+    for messages, prompt in ((history[:2], True), (history, False)):
+        with caplog.at_level("WARNING"):
+            rendered = ours.apply_chat_template(messages, prompt)
+        assert rendered == theirs.apply_chat_template(messages, prompt)
+        assert "system" not in rendered and rendered.endswith(
+            "assistant\n" if prompt else "Answer:")
+    assert "without its system messages" in caplog.text

@@ -17,11 +17,20 @@ tokens or more. Rows are padded to a few bucketed widths, except for a mixture o
 routes with a capacity (moe.capacity_factor > 0): a row's slots per expert grow with its width, so a
 padded row would drop other choices than the text alone; its rows go unpadded, batched by length
 (one compile per length).
+
+With lm-eval's --apply_chat_template (`apply_chat_template`, `chat_template`, `tokenizer_name`)
+a request's context is its conversation rendered by the tokenizer's chat template, as lm-eval's
+HF model renders it; such a text opens with a special token (the template's BOS or turn marker)
+and is read as that model reads it: behind the tokenizer's own document start (an import's BOS;
+nothing for GPT-2's or Qwen's, nor for a model trained here, whose SFT rows start a conversation
+at position 0), which is not repeated where the template writes it.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +99,11 @@ class TransformerLM(LM):
         # what a text reads first, by whether it is empty (read once: it looks at data.path)
         self.prefixes = {empty: text.document_prefix(self.config, self.tokenizer, empty)
                          for empty in (False, True)}
+        # what a text opening with a special token reads first (`_document`): lm-eval's HF
+        # model reads what the tokenizer puts first (no <eos> where it puts nothing)
+        self.chat_start = list(getattr(self.tokenizer, "document_start", [])) if str(
+            self.config.get("init_from") or "").startswith("hf:") else self.prefixes[False]
+        self.specials = frozenset(int(i) for i in self.tokenizer.special_ids)
         self.stops = text.stop_ids(self.tokenizer)  # <eos> and an imported checkpoint's stops
         self.banned = text.banned_ids(self.tokenizer, self.config.model.vocab_size)
         moe = self.config.model.get("moe") or {}
@@ -150,8 +164,9 @@ class TransformerLM(LM):
         pairs, owners = [], []
         for i, request in enumerate(requests):
             context, continuation = request.args
-            # Trailing spaces belong to the continuation (the harness's convention).
-            spaces = len(context) - len(context.rstrip(" "))
+            # Trailing whitespace belongs to the continuation (the harness's convention: a
+            # chat template's context ends in its assistant opening's newline)
+            spaces = len(context) - len(context.rstrip())
             if spaces:
                 context, continuation = context[:-spaces], context[-spaces:] + continuation
             whole = self._encode(context + continuation)
@@ -244,9 +259,57 @@ class TransformerLM(LM):
         return prompt, until, settings
 
     def _document(self, ids: list[int]) -> list[int]:
-        """`ids` read as a document's start: behind `text.document_prefix`."""
-        return self.prefixes[not ids] + list(ids)
+        """`ids` read as a document's start: behind `text.document_prefix`; a text that opens
+        with a special token (a chat template's BOS or turn marker) behind `chat_start`, unless
+        it opens with that itself (one BOS, where the template writes it)."""
+        ids = list(ids)
+        if not ids or ids[0] not in self.specials:
+            return self.prefixes[not ids] + ids
+        start = self.chat_start
+        return ids if ids[:len(start)] == start else start + ids
 
     def _room(self, new_tokens: int) -> int:
         """The most prompt ids a request keeps (its last ones), leaving `new_tokens` to come."""
         return self.max_length - new_tokens
+
+    # --- chat templates (lm-eval's --apply_chat_template) ---------------------------------------
+
+    @property
+    def tokenizer_name(self) -> str:
+        """What lm-eval's request cache keys chat-rendered requests by: the tokenizer's kind and
+        a digest of its vocabulary and chat template."""
+        digest = hashlib.sha256()
+        for part in (getattr(self.tokenizer, "tokenizer_json", ""),
+                     getattr(self.tokenizer, "chat_template", None) or ""):
+            digest.update(part.encode() + b"\0")
+        return f"{type(self.tokenizer).__name__}-{digest.hexdigest()[:16]}"
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The tokenizer's chat template (lm-eval logs it with the results), None where
+        `chat_template` is False or None or the tokenizer has none, as lm-eval's HF model."""
+        if chat_template is False or chat_template is None:
+            return None
+        return getattr(self.tokenizer, "chat_template", None) or None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """`chat_history` rendered by the tokenizer's chat template as lm-eval's HF model renders
+        it: ending in the assistant's opening where `add_generation_prompt`, else continuing the
+        last message (a task's gen_prefix); a template that refuses it renders it without its
+        system messages (a warning says so). A tokenizer without a chat template: one line."""
+        import jinja2
+
+        from transformer.data import chat
+
+        hf = chat._transformers_tokenizer(self.tokenizer)  # (one line without a template)
+        render = functools.partial(hf.apply_chat_template, tokenize=False,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=not add_generation_prompt)
+        try:
+            return render(list(chat_history))
+        except jinja2.TemplateError as e:
+            logging.getLogger(__name__).warning(
+                "the chat template refused the conversation (%s): rendering it without its "
+                "system messages, as lm-eval's HF model does", e)
+        with chat._template_errors("lm-eval's conversation"):
+            return render([m for m in chat_history if m["role"] != "system"])
