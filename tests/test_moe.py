@@ -20,7 +20,7 @@ from transformer.parallel import sharding
 from transformer.training import checkpoint_manager, metrics, optim
 from transformer.training import state as state_lib
 from transformer.training.state import TrainState
-from transformer.training.step import make_train_step
+from transformer.training.step import make_seeded_train_step, make_train_step
 
 B, T, D, F = 2, 8, 8, 12
 
@@ -305,6 +305,51 @@ def test_the_training_loss_adds_the_weighted_router_losses_averaged_over_the_moe
     assert 0.0 <= float(metrics["moe_dropped"]) < 1.0
     # The balance loss reaches the router: its gradient changes with the loss's weight.
     assert np.abs(np.asarray(router_grad) - np.asarray(router_grad0)).max() > 1e-4
+
+
+def packed_batch(rows=4, length=16, vocab=64):
+    """Packed documents of uneven lengths and right padding, so that micro-batches hold
+    different shares of the targets (a document's last token has none) and of the valid
+    tokens (padding has neither)."""
+    batch = text_batch(rows, length, vocab)
+    lengths = {0: [3], 1: [5, 11], 2: [2, 4], 3: [16]}
+    segments, positions = (np.zeros((rows, length), np.int32) for _ in range(2))
+    weights = np.zeros((rows, length), np.float32)
+    for row, docs in lengths.items():
+        start = 0
+        for i, n in enumerate(docs):
+            segments[row, start:start + n] = i + 1
+            positions[row, start:start + n] = np.arange(n)
+            weights[row, start:start + n - 1] = 1.0
+            start += n
+    return {**batch, "segment_ids": segments, "positions": positions, "weights": weights}
+
+
+def test_micro_batches_give_the_whole_batch_router_z_loss_and_gradients():
+    """Under gradient accumulation the router z-loss (a mean over the valid tokens), the
+    dropped fraction and the expert loads are the whole batch's, not a mean of the
+    micro-batches' weighted by their targets: with uneven packing these differ."""
+    config = gpt_config(capacity_factor=2.0, load_balance_loss=0.0, router_z_loss=1.0)
+    batch = packed_batch()
+    model = models.build_model(config.model)
+    params = nn.unbox(jax.jit(lambda x: model.init(jax.random.key(0), x))(
+        batch["inputs"])["params"])
+    optimizer = optax.sgd(0.0)
+    state = TrainState(np.zeros((), np.int32), params, optimizer.init(params),
+                       np.asarray(-1, np.int32))
+    results = []
+    for accumulation in (1, 2):
+        config.optimizer.grad_accumulation_steps = accumulation
+        gradients = make_seeded_train_step(model, config, optimizer).gradients
+        results.append(jax.jit(gradients)(state, batch, jax.random.key(0)))
+    (grads1, m1), (grads2, m2) = results
+    assert float(m2["moe_router_z"]) == pytest.approx(float(m1["moe_router_z"]), rel=1e-6)
+    assert float(m2["moe_dropped"]) == pytest.approx(float(m1["moe_dropped"]), abs=1e-6)
+    for a, b in zip(jax.tree.leaves(m1["moe_expert_load"]), jax.tree.leaves(m2["moe_expert_load"]),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads2), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_active_params_leave_out_the_experts_a_token_skips_and_flops_count_them():

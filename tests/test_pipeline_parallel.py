@@ -262,3 +262,56 @@ def losses(workdir: Path, split: str = "train") -> list[float]:
         if record.get("split") == split:
             by_step[record["step"]] = record["loss"]
     return [by_step[s] for s in sorted(by_step)]
+
+
+PADDED_MICROBATCHES = """
+import json, sys
+import jax, numpy as np
+sys.path.insert(0, "tests")
+from mesh_check import BATCH, LENGTH, VOCAB, Run, small_config
+from transformer.training import placement
+
+rng = np.random.default_rng(0)
+tokens = rng.integers(7, VOCAB, (BATCH, LENGTH + 1)).astype(np.int32)
+segments = np.ones((BATCH, LENGTH), np.int32)
+segments[1::2, 5:] = 2  # odd rows: two documents
+segments[0::2, 3:] = 0  # even rows: 3 real tokens, then padding
+weights = (segments > 0) & (segments == np.roll(segments, -1, axis=1))  # none at a document end
+positions = np.tile(np.arange(LENGTH, dtype=np.int32), (BATCH, 1))
+positions[1::2, 5:] -= 5
+batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments,
+         "weights": weights.astype(np.float32), "positions": positions}
+out, start = {}, None
+for stage, accumulation in ((1, 1), (2, 1), (2, 2)):
+    config = small_config()
+    config.model.update(num_layers=4, scan_layers=True)
+    config.mesh.update({"data": 1, "stage": stage})
+    config.pipeline.update(microbatches=2, repeats=1)
+    config.optimizer.grad_accumulation_steps = accumulation
+    config.model.moe.update(num_experts=4, capacity_factor=0.0, load_balance_loss=0.0,
+                            router_z_loss=1.0)
+    run = Run(config, jax.devices()[:stage])
+    state = run.init(jax.random.key(0)) if start is None else run.place(start)
+    if start is None:
+        start = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state)
+    state = run.placement.train_order(state)
+    with run.placement.context():
+        _, metrics = run.step(state, run.placement.global_batch(batch))
+    metrics = placement.fetch(metrics)
+    out[f"{stage} {accumulation}"] = {k: float(metrics[k]) for k in ("moe_router_z", "grad_norm")}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_pipeline_microbatches_with_different_padding_give_the_whole_batch_router_z_loss():
+    """The router z-loss is a mean over the valid tokens: pipelined (stage=2, 2 microbatches,
+    one nearly all padding), also with gradient accumulation, it and its gradient are one
+    device's, not the microbatches' mean."""
+    result = forkserver.run([sys.executable, "-c", PADDED_MICROBATCHES], env=cli_env(2),
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for case in ("2 1", "2 2"):
+        for name in ("moe_router_z", "grad_norm"):
+            assert out[case][name] == pytest.approx(out["1 1"][name], rel=1e-5), (case, out)

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 
 from transformer.nn import kernels
 from transformer.nn.activations import clamped_swiglu
-from transformer.nn.routing import SCORES, Routing, capacity, route
+from transformer.nn.routing import SCORES, Routing, capacity, current_token_weight, route
 from transformer.parallel import pipeline_parallel, sharding
 from transformer.utils.keys import BOOL, check_fields, choice, described, int_, key, number
 
@@ -227,7 +227,8 @@ class MoEFeedForward(nn.Module):
         routing = route(logits_BTE,
                         self.top_k, slots, self.normalize_gates, score=self.score,
                         bias_E=bias_E, groups=self.groups, top_groups=self.top_groups,
-                        scale=self.scale, valid_BT=None if segment_ids is None else segment_ids > 0)
+                        scale=self.scale, valid_BT=None if segment_ids is None else segment_ids > 0,
+                        per_token=self._per_token())
         # Beside the bias's path (losses/.../moe/expert_load), for the train step to move it.
         self.sow("losses", "expert_load", routing.load_E)
 
@@ -296,6 +297,16 @@ class MoEFeedForward(nn.Module):
     def _bias(self, name: str, size: int, axis: str) -> Array:
         return self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, (
             "expert", axis)), (self.num_experts, size), self.param_dtype).astype(self.dtype)
+
+    @staticmethod
+    def _per_token():
+        """A valid token's weight in the routing's token means (`routing.token_weight`; None:
+        their own means). Inside a pipeline stage, the M microbatches' values are averaged
+        (`pipeline_parallel.run`): each counts M times its share of the batch."""
+        weight = current_token_weight()
+        if weight is not None and pipeline_parallel.in_stage():
+            weight = weight * pipeline_parallel.current_schedule()[0]
+        return weight
 
     def _ragged(self, x_BTD: Array, routing: Routing, weights, sharded: bool) -> Array:
         """Dropless experts: the (token, choice) pairs sorted by expert, each expert's run of

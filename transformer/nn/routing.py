@@ -28,6 +28,8 @@ come from group 0.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -36,6 +38,27 @@ from flax import struct
 
 Array = jax.Array
 SCORES = ("softmax", "sigmoid")
+
+_TOKEN_WEIGHT = contextvars.ContextVar("routing_token_weight", default=None)
+
+
+@contextlib.contextmanager
+def token_weight(weight: Array | float):
+    """Inside, the MoE layers' token means (`Routing.router_z`, `dropped`, `load_E`) weigh each
+    valid token by `weight` (a scalar, traced or not) rather than 1 / the valid tokens of the
+    batch they see: the train step sets it so that its average over parts of the batch
+    (gradient accumulation's micro-batches, the pipeline's microbatches) is the whole batch's
+    token mean. The load-balance loss, a product of two means, stays each part's own."""
+    token = _TOKEN_WEIGHT.set(weight)
+    try:
+        yield
+    finally:
+        _TOKEN_WEIGHT.reset(token)
+
+
+def current_token_weight() -> Array | float | None:
+    """`token_weight`'s weight in this context (None: outside one)."""
+    return _TOKEN_WEIGHT.get()
 
 
 @struct.dataclass
@@ -46,7 +69,8 @@ class Routing:
     load_balance  E * sum_e f_e * P_e: f_e the fraction of (token, choice) pairs routed to
                   expert e, P_e the mean of its score normalised over experts (Switch / GShard;
                   1 when balanced);
-    router_z      mean over tokens of logsumexp(router logits)^2 (ST-MoE);
+    router_z      mean over tokens of logsumexp(router logits)^2 (ST-MoE; with `per_token`,
+                  this and the next two are weighted sums);
     dropped       the fraction of (token, choice) pairs dropped for capacity;
     load_E        f_e itself, before capacity drops anything (what the expert bias balances).
     """
@@ -90,10 +114,13 @@ def choose(scores_BTE: Array, top_k: int, groups: int = 1, top_groups: int = 1) 
 
 def route(logits_BTE: Array, top_k: int, slots: int | None, normalize: bool = True, *,
           score: str = "softmax", bias_E: Array | None = None, groups: int = 1,
-          top_groups: int = 1, scale: float = 1.0, valid_BT: Array | None = None) -> Routing:
+          top_groups: int = 1, scale: float = 1.0, valid_BT: Array | None = None,
+          per_token: Array | float | None = None) -> Routing:
     """Top-k routing of router logits [B, T, E] (module docstring) into `slots` per expert;
     `slots=None`: dropless, every choice kept and no dispatch tensors built. `valid_BT` (bool,
     None: all): padding (False) takes no slot and counts in none of the auxiliary quantities.
+    `per_token` (None: 1 / the valid tokens): each valid token's weight in `router_z`,
+    `dropped` and `load_E`, sums then rather than means (`token_weight`).
 
     Slots are handed out in priority order, every token's first choice before any token's
     second (GShard), and in token order within a choice; a choice that finds its expert's
@@ -137,8 +164,10 @@ def route(logits_BTE: Array, top_k: int, slots: int | None, normalize: bool = Tr
         slot_onehot_BKTEC = slot_onehot_BNEC.reshape(batch, top_k, tokens, experts, slots)
         dispatch_BTEC = jnp.sum(slot_onehot_BKTEC, axis=1)
         combine_BTEC = jnp.einsum("bktec,btk->btec", slot_onehot_BKTEC, gates_BTK)
-        dropped = 1.0 - jnp.sum(kept_BNE) / pairs
+        dropped = (1.0 - jnp.sum(kept_BNE) / pairs if per_token is None
+                   else (top_k * jnp.sum(valid_BT) - jnp.sum(kept_BNE)) * (per_token / top_k))
     fraction_E = jnp.sum(flat_BNE, axis=(0, 1)) / pairs
+    z_BT = jax.nn.logsumexp(logits_BTE, axis=-1) ** 2 * valid_BT
     # P_e: the scores as a distribution over experts (softmax's already are).
     share_BTE = probs_BTE / jnp.sum(probs_BTE, axis=-1, keepdims=True)
     return Routing(
@@ -148,9 +177,10 @@ def route(logits_BTE: Array, top_k: int, slots: int | None, normalize: bool = Tr
         combine_BTEC=combine_BTEC,
         load_balance=experts * jnp.sum(
             fraction_E * jnp.sum(share_BTE * valid_BT[..., None], axis=(0, 1)) / real),
-        router_z=jnp.sum(jax.nn.logsumexp(logits_BTE, axis=-1) ** 2 * valid_BT) / real,
+        router_z=jnp.sum(z_BT) / real if per_token is None else jnp.sum(z_BT) * per_token,
         dropped=dropped,
-        load_E=fraction_E,
+        load_E=fraction_E if per_token is None
+        else jnp.sum(flat_BNE, axis=(0, 1)) * (per_token / top_k),
     )
 
 
@@ -178,5 +208,5 @@ def update_balance_bias(bias_E: Array, load_E: Array, rate: float) -> Array:
     return bias_E + rate * jnp.sign(error).astype(bias_E.dtype)
 
 
-__all__ = ["Routing", "SCORES", "capacity", "choose", "imbalance", "route",
-           "update_balance_bias"]
+__all__ = ["Routing", "SCORES", "capacity", "choose", "current_token_weight", "imbalance",
+           "route", "token_weight", "update_balance_bias"]

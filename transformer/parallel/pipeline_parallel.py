@@ -183,7 +183,8 @@ def run(stage_fn: Callable, params, x_BTD: jax.Array, args, *, stages: int, micr
     Lps layer groups (params with a leading [Lps] axis) to a microbatch, `aux` a dict of scalars
     (each a mean over those groups). `params` has a leading [G] axis, in layer order (inside
     `reading_stage_major`: stage-major). Returns (y_BTD, aux averaged over every (microbatch,
-    stage, repeat)). `remat_policy`: each iteration's stages are rematerialised under it
+    stage, repeat); MoE layers weigh their token means for that, `MoEFeedForward._per_token`).
+    `remat_policy`: each iteration's stages are rematerialised under it
     (`jax.checkpoint`): the backward pass keeps their inputs, not the repeat's params each
     picked (R > 1) nor what the policy does not save."""
     S, M, R = stages, microbatches, repeats

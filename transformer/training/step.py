@@ -3,6 +3,7 @@ the record of the first non-finite step (transformer.training.nonfinite reads it
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from transformer.models import family_of, transformer_config
-from transformer.nn import blocks
+from transformer.nn import blocks, routing
 from transformer.nn import lora as lora_lib
 from transformer.nn import mtp as mtp_lib
 from transformer.parallel import pipeline_parallel
@@ -52,20 +53,24 @@ def _halves(model, config, optimizer):
     accumulation = config.optimizer.grad_accumulation_steps
     family = family_of(config)
 
-    def grads_of(params, batch, rng, mtp_ratio=None):
+    def grads_of(params, batch, rng, mtp_ratio=None, per_token=None):
         def loss_fn(p):
             return family.loss_and_metrics(model, config, p, batch, rng, deterministic=False,
                                            loads=True, mtp=True, mtp_ratio=mtp_ratio)
-        (_, metrics), grads = trained_value_and_grad(loss_fn, params,
-                                                     optim.frozen_regex(config))
+        with (contextlib.nullcontext() if per_token is None
+              else routing.token_weight(per_token)):
+            (_, metrics), grads = trained_value_and_grad(loss_fn, params,
+                                                         optim.frozen_regex(config))
         return grads, metrics
 
     def gradients(state: TrainState, batch, base_rng):
         rng = jax.random.fold_in(base_rng, state.step)
+        ratio = _token_ratio(config, batch, accumulation)
         if accumulation == 1:
-            return grads_of(state.params, batch, rng)
+            return grads_of(state.params, batch, rng,
+                            per_token=None if ratio is None else _per_token(ratio, batch))
         return _accumulated(grads_of, state.params, batch, rng, accumulation,
-                            _mtp_ratio(config, batch))
+                            _mtp_ratio(config, batch), ratio)
 
     def update(state: TrainState, grads, metrics):
         # (a frozen param's gradient is zero, never computed: `trained_value_and_grad`, so
@@ -93,9 +98,10 @@ def _halves(model, config, optimizer):
     return gradients, update
 
 
-def _accumulated(grads_of, params, batch, rng, accumulation: int, mtp_ratio):
+def _accumulated(grads_of, params, batch, rng, accumulation: int, mtp_ratio, ratio=None):
     """(grads, metrics) of the batch as `accumulation` micro-batches: `grads_of`'s (params,
-    micro-batch, rng, mtp_ratio) -> (grads, metrics), averaged weighted by token counts."""
+    micro-batch, rng, mtp_ratio, per_token) -> (grads, metrics), averaged weighted by token
+    counts; `ratio` (`_token_ratio`) sets the MoE layers' per-token weight."""
     # Micro-batch i takes rows i, i + k, i + 2k, ...: each device keeps its own rows
     # (a contiguous split would move rows between data-parallel shards).
     micro = jax.tree.map(
@@ -105,7 +111,8 @@ def _accumulated(grads_of, params, batch, rng, accumulation: int, mtp_ratio):
     def accumulate(carry, inputs):
         grads_sum, tokens, sums = carry
         micro_batch, i = inputs
-        grads, m = grads_of(params, micro_batch, jax.random.fold_in(rng, i), mtp_ratio)
+        grads, m = grads_of(params, micro_batch, jax.random.fold_in(rng, i), mtp_ratio,
+                            None if ratio is None else _per_token(ratio, micro_batch))
         # perplexity = exp(mean unsmoothed ce): its log is averaged and exp'd back
         # below (the loss is label smoothing's objective, not that ce)
         m = {**m, "perplexity": jnp.log(m["perplexity"])}
@@ -114,10 +121,11 @@ def _accumulated(grads_of, params, batch, rng, accumulation: int, mtp_ratio):
         sums = jax.tree.map(lambda a, v: a + v * n, sums, {k: m[k] for k in sums})
         return (grads_sum, tokens + n, sums), None
 
-    # Every metric but the counts is a token-weighted mean over the micro-batches
-    # (the MoE layers' expert loads [E] too; the MTP losses through mtp_ratio).
+    # Every metric but the counts is a token-weighted mean over the micro-batches (the MTP
+    # losses through mtp_ratio; the MoE layers' router z-loss, dropped fraction and expert
+    # loads [E] through `ratio`).
     shapes = jax.eval_shape(grads_of, params, jax.tree.map(lambda x: x[0], micro), rng,
-                            mtp_ratio)[1]
+                            mtp_ratio, ratio)[1]
     # Summed in float32 (16-bit params' gradients too), each averaged back to its own dtype.
     zeros = lora_lib.zero_grads(params)
     sum_zeros = jax.tree.map(lambda z: z.astype(jnp.float32), zeros)
@@ -145,6 +153,32 @@ def _mtp_ratio(config, batch):
     # weights, so the micro-batches' counts add up to this one.
     tokens = jnp.sum(batch["weights"], dtype=jnp.float32)
     return mtp_lib.token_counts(batch, depth) / jnp.maximum(tokens, 1.0)
+
+
+def _token_ratio(config, batch, accumulation: int):
+    """N / V, the batch's target count (the sum of its weights) over its valid tokens
+    (segment_ids > 0: the tokens its MoE layers route), where the step averages the MoE
+    layers' token means over parts of the batch (accumulation > 1, or a pipeline's
+    microbatches); else None. The step weighs a micro-batch's values by its n targets, the
+    pipeline its M microbatches' equally (`MoEFeedForward._per_token`): a valid token's weight
+    N / (V n) (`_per_token`) makes either the whole batch's token mean. Only families whose
+    loss is `token_loss` (n: the sum of the weights) and whose MoE layers route the batch's
+    `segment_ids` (gpt, prefix_lm, bert); the others' micro-batches keep their own means."""
+    if accumulation == 1 and pipeline_parallel.stages_in_mesh() == 1:
+        return None  # (one part: the ordinary step, untouched)
+    family = family_of(config)
+    if (not config.model.get("moe", {}).get("num_experts") or not family.per_row
+            or "segment_ids" not in family.features or "weights" not in batch):
+        return None
+    valid = jnp.sum(batch["segment_ids"] > 0, dtype=jnp.float32)
+    return jnp.sum(batch["weights"], dtype=jnp.float32) / jnp.maximum(valid, 1.0)
+
+
+def _per_token(ratio, batch):
+    """A valid token's weight (`routing.token_weight`) in a part of the batch whose values the
+    step weighs by its n targets: ratio / n (0 without targets: weighed by 0 anyway)."""
+    n = jnp.sum(batch["weights"], dtype=jnp.float32)
+    return jnp.where(n > 0, ratio / jnp.where(n > 0, n, 1.0), 0.0)
 
 
 def trained_value_and_grad(loss_fn, params, frozen: str):
