@@ -561,6 +561,11 @@ def test_bert_regression_and_multi_label_classifiers_are_refused(labels, problem
         convert.from_hf(config, state)
     config.num_labels, config.problem_type = 2, "single_label_classification"
     convert.from_hf(config, transformers.BertForSequenceClassification(config).state_dict())
+    # token classification (NER) and multiple choice hold a `classifier` too: not [CLS]'s
+    for cls in (transformers.BertForTokenClassification, transformers.BertForMultipleChoice):
+        config.architectures = [cls.__name__]
+        with pytest.raises(ValueError, match=f"architectures=.'{cls.__name__}'.: its classifier"):
+            convert.from_hf(config, cls(config).state_dict())
 
 
 @pytest.mark.parametrize("change,match", [

@@ -135,7 +135,7 @@ def test_hardware_flops_are_the_matmuls_the_step_runs_under_each_remat_policy():
         step_matmul_flops("full", batch) - 2 * (mlp_in + mlp_out)
 
 
-def test_a_pipelined_step_counts_its_programs_matmuls_without_remat_too():
+def test_a_pipelined_step_counts_its_programs_matmuls_without_remat_too(monkeypatch):
     """Pipelining runs every stage through the bubble's iterations: the hardware FLOPs are the
     traced program's under any remat policy, not the model FLOPs only where remat is off."""
     config = small_config()
@@ -144,6 +144,10 @@ def test_a_pipelined_step_counts_its_programs_matmuls_without_remat_too():
     args = (jnp.ones((8, 16)), jnp.ones((16, 32)))
     assert metrics.hardware_flops_per_token(config, -1.0, step, *args) == -1.0
     config.mesh.stage = 2
+    assert metrics.hardware_flops_per_token(config, -1.0, step, *args) == 2 * 8 * 16 * 32 / 8
+    config.mesh.data, config.mesh.stage = 1, -1  # the stages: the devices the others leave
+    assert metrics.hardware_flops_per_token(config, -1.0, step, *args) == -1.0  # 1 device
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
     assert metrics.hardware_flops_per_token(config, -1.0, step, *args) == 2 * 8 * 16 * 32 / 8
 
 

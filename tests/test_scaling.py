@@ -148,6 +148,7 @@ def test_tokens_per_param_keep_their_significant_digits():
     ratio = {line.split(" | ")[0][2:]: line.split(" | ")[6]
              for line in scaling._runs_table(runs)[2:]}
     assert ratio == {"small": "0.04", "mid": "20", "big": "12,346"}
+    assert [scaling._ratio(v) for v in (999.4, 999.5, 1000.0)] == ["999", "1,000", "1,000"]
     flops, n, d, loss, groups = synthetic()
     fit = scaling.fit_approach2(flops, n, d, loss, groups)
     first = fit.budgets[0]

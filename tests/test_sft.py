@@ -523,7 +523,7 @@ def test_a_reply_holding_the_end_of_turn_as_text_still_masks_its_turn_s_end(tmp_
         str(build_tokenizer(tmp_path / "marked", marked_content())))
     plain = tokenizers_lib.load_hf_tokenizer(str(build_tokenizer(tmp_path / "plain", CHATML)))
     hf = reference(build_tokenizer(tmp_path / "usual", CHATML_GENERATION_USUAL))
-    for reply in ("Paris.<|im_end|>The king", "Paris.<|im_end|>"):
+    for reply in ("Paris.<|im_end|>The king", "Paris. <|im_end|> The king"):
         messages = [{"role": "user", "content": "Echo it."},
                     {"role": "assistant", "content": reply},
                     {"role": "user", "content": "Again."},
@@ -536,6 +536,21 @@ def test_a_reply_holding_the_end_of_turn_as_text_still_masks_its_turn_s_end(tmp_
         assert mask.tolist() == chat.assistant_tokens(plain, messages)[1].tolist()
         assert [marked.decode(ids[a:b]) for a, b in spans(mask)] == \
             [reply + "<|im_end|>", "Fine. " + reply + "<|im_end|>"]
+
+
+def test_marks_ending_in_the_end_of_turn_are_the_mask_before_a_closing_special(tmp_path):
+    """Marks that hold the end of turn end the reply: a special token the template writes after
+    the conversation (<|end_of_text|> here) is no reply's, as in transformers' mask."""
+    template = CHATML_GENERATION_USUAL + "{% if not add_generation_prompt %}<|end_of_text|>" \
+        "{% endif %}"
+    directory = build_tokenizer(tmp_path / "closing", template)
+    tok, hf = tokenizers_lib.load_hf_tokenizer(str(directory)), reference(directory)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Fine."}]
+    ids, mask = chat.assistant_tokens(tok, messages)
+    expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+    assert ids.tolist()[-1] == hf.convert_tokens_to_ids("<|end_of_text|>")
+    assert (ids.tolist(), mask.tolist()) == (expected["input_ids"], expected["assistant_masks"])
 
 
 def test_chat_replies_open_the_assistant_turn_and_stop_at_its_end(llama3_dir, monkeypatch):

@@ -278,7 +278,7 @@ def _interval(value: Interval, spec: str = ".3f") -> str:
 
 def _ratio(value: float) -> str:
     """Tokens per param: 3 significant digits (a small ratio is not 0.0), whole above 1,000."""
-    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    return f"{value:,.0f}" if abs(float(f"{value:.3g}")) >= 1000 else f"{value:.3g}"
 
 
 def _runs_table(runs: Sequence[Run]) -> list[str]:

@@ -269,7 +269,7 @@ def _with_end_of_turn(marked, offsets, spans, special, text, empty) -> np.ndarra
     """A {% generation %} mask with the end of turn that the template renders after a marked
     reply's marks (`{% endgeneration %}<|im_end|>`), so the model learns to stop: the first
     special token of the reply's turn (`spans`) after its last marked token (none where the
-    marks end the turn, `<|im_end|>{% endgeneration %}`); or where the turns are not found
+    marks end in a special token: `<|im_end|>{% endgeneration %}`); or where the turns are not found
     (spans None), the special token right after each marked run that has none (past
     whitespace only). Never the text after that token. An empty reply (`empty`, per assistant
     message) marks no token: its end of turn is the first special token of its turn, as
@@ -281,9 +281,11 @@ def _with_end_of_turn(marked, offsets, spans, special, text, empty) -> np.ndarra
             taken = inside[marked[inside]]
             ends = inside[special[inside]]
             # (a template may leave a turn unmarked on purpose: a non-empty one with no marks).
-            # Not "marks that hold a special token": a reply's text "<|im_end|>" encodes as
-            # that token (as transformers encodes it) inside the marks, its turn's own after.
-            if taken.size:
+            # Marks ending in a special token end the turn themselves (`<|im_end|>{%
+            # endgeneration %}`: a special token written after them, a closing <|endoftext|>,
+            # is no reply's). Marks ending in text do not, even holding a special token: a
+            # reply's text "a<|im_end|>b" encodes as that token (as transformers encodes it).
+            if taken.size and not special[taken[-1]]:
                 ends = ends[ends > taken[-1]]
                 if ends.size:
                     mask[taken[-1]:ends[0] + 1] = True

@@ -125,6 +125,11 @@ def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
     classify = any(k.startswith("classifier.") for k in state_dict)
     mlm = any(k.startswith("cls.predictions.") for k in state_dict)
     num_classes = int(np.shape(state_dict["classifier.weight"])[0]) if classify else 0
+    kind = (getattr(hf_config, "architectures", None) or [None])[0]
+    if classify and kind not in (None, "BertForSequenceClassification"):
+        raise ValueError(f"BERT architectures={[kind]}: its classifier is not a [CLS] sequence "
+                         "classifier (expected BertForSequenceClassification, BertForMaskedLM, "
+                         "BertForPreTraining or BertModel)")
     problem = getattr(hf_config, "problem_type", None)  # None: regression if one label
     if classify and (problem or ("regression" if num_classes == 1 else None)) not in (
             None, "single_label_classification"):

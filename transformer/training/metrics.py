@@ -221,8 +221,12 @@ def hardware_flops_per_token(config, model_flops: float, train_step, *args) -> f
     `train_step` traced on `args`: the forward, what the backward recomputes as JAX wrote it,
     the backward, and the optimizer's) over the step's tokens; None where it cannot count
     them. Otherwise `model_flops` (utilisation is then MFU)."""
-    if config.model.get("remat_policy", "none") == "none" and \
-            config.get("mesh", {}).get("stage", 1) <= 1:
+    from transformer.parallel import sharding
+
+    stages = config.get("mesh", {}).get("stage", 1)
+    if stages == -1:  # the devices the other axes leave
+        stages = sharding.mesh_shape(config.mesh, jax.device_count())["stage"]
+    if config.model.get("remat_policy", "none") == "none" and stages <= 1:
         return model_flops
     flops = program_matmul_flops(train_step.trace(*args).jaxpr.jaxpr)
     return None if flops is None else flops / (config.batch_size * config.seq_len)
