@@ -102,11 +102,8 @@ def gpt2(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
     return config, maybe_scan(config, params, "decoder")
 
 
-def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
-    """BertForMaskedLM / BertForPreTraining (MLM part) / BertForSequenceClassification, or a
-    BertModel (keys with or without "bert."; every sentence-transformers checkpoint): head
-    "none", the encoder's params, and its pooler's if it has one (unused by head "none"; a
-    classifier's `init_from` loads it; `init_from` starts any other head fresh)."""
+def _check_bert(hf_config, classify: bool, num_classes: int) -> None:
+    """Refuses, in one line, a BERT setting or head the bert family does not represent."""
     if getattr(hf_config, "position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"BERT position_embedding_type={hf_config.position_embedding_type!r}: "
                          "expected 'absolute'")
@@ -120,11 +117,6 @@ def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
         raise ValueError(f"BERT classifier_dropout={dropout} with hidden_dropout_prob="
                          f"{hf_config.hidden_dropout_prob}: expected None or equal (one "
                          "model.dropout_rate)")
-    d, n = hf_config.hidden_size, hf_config.num_attention_heads
-    root = "bert." if any(k.startswith("bert.") for k in state_dict) else ""
-    classify = any(k.startswith("classifier.") for k in state_dict)
-    mlm = any(k.startswith("cls.predictions.") for k in state_dict)
-    num_classes = int(np.shape(state_dict["classifier.weight"])[0]) if classify else 0
     kind = (getattr(hf_config, "architectures", None) or [None])[0]
     if classify and kind not in (None, "BertForSequenceClassification"):
         raise ValueError(f"BERT architectures={[kind]}: its classifier is not a [CLS] sequence "
@@ -136,6 +128,19 @@ def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.Config
         raise ValueError(f"BERT problem_type={problem!r} with {num_classes} label(s): expected "
                          "single-label classification (num_labels >= 2); regression and "
                          "multi-label heads are not represented")
+
+
+def bert(hf_config, state_dict, dtype=np.float32) -> tuple[ml_collections.ConfigDict, dict]:
+    """BertForMaskedLM / BertForPreTraining (MLM part) / BertForSequenceClassification, or a
+    BertModel (keys with or without "bert."; every sentence-transformers checkpoint): head
+    "none", the encoder's params, and its pooler's if it has one (unused by head "none"; a
+    classifier's `init_from` loads it; `init_from` starts any other head fresh)."""
+    d, n = hf_config.hidden_size, hf_config.num_attention_heads
+    root = "bert." if any(k.startswith("bert.") for k in state_dict) else ""
+    classify = any(k.startswith("classifier.") for k in state_dict)
+    mlm = any(k.startswith("cls.predictions.") for k in state_dict)
+    num_classes = int(np.shape(state_dict["classifier.weight"])[0]) if classify else 0
+    _check_bert(hf_config, classify, num_classes)
     config = model_config(
         family="bert", vocab_size=hf_config.vocab_size, num_layers=hf_config.num_hidden_layers,
         d_model=d, num_heads=n, d_ff=hf_config.intermediate_size,
