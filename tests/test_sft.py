@@ -197,22 +197,31 @@ def test_roles_the_directory_does_not_name_are_not_the_template_s(tmp_path):
             assert ids.tolist() == hf.apply_chat_template(messages, tokenize=True)["input_ids"]
 
 
+def train_and_save(tok, directory: Path, vocab_size: int) -> None:
+    """Trains the BPE `tok` on a few lines with a Llama-2-like set of special tokens and saves
+    it as directory/tokenizer.json."""
+    import string
+
+    from tokenizers import trainers
+
+    lines = [" ".join(_WORDS[i:i + 7]) + "\n\n" for i in range(len(_WORDS))]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=list(string.printable) + ["▁"]))
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+
+
 def llama_style(directory: Path, config: dict, template: str) -> Path:
     """A SentencePiece-shaped BPE (Metaspace, <unk> <s> </s> first, as Llama 2 and Mistral
     lay it out) with ChatML's specials, saved with `config` as tokenizer_config.json."""
-    import string
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
     tok.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
-    lines = [" ".join(_WORDS[i:i + 7]) + "\n\n" for i in range(len(_WORDS))]
-    tok.train_from_iterator(lines, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=list(string.printable) + ["▁"]))
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
+    train_and_save(tok, directory, vocab_size=400)
     (directory / "tokenizer_config.json").write_text(json.dumps({**config,
                                                                  "chat_template": template}))
     return directory
@@ -289,21 +298,14 @@ def legacy_llama(directory: Path, tokenizer_class: str) -> Path:
     """Llama 2's / Mistral's tokenizer.json layout (normalizer Prepend("▁") + Replace, no
     pre-tokenizer, byte fallback) with ChatML's specials and template, its
     tokenizer_config.json naming `tokenizer_class` with `legacy: false`."""
-    import string
-
-    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
                                            normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                      decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    lines = [" ".join(_WORDS[i:i + 7]) + "\n\n" for i in range(len(_WORDS))]
-    tok.train_from_iterator(lines, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=list(string.printable) + ["▁"]))
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
+    train_and_save(tok, directory, vocab_size=300)
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": tokenizer_class, "legacy": False, "bos_token": "<s>",
         "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHATML}))
