@@ -847,7 +847,7 @@ def test_accumulated_gradients_of_16_bit_params_are_summed_in_float32():
     rows = jnp.asarray([[1.0, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]])
     weights = jnp.asarray([1.0, 3.0, 2.0, 0.0])  # uneven token counts per row
 
-    def grads_of(params, batch, rng, mtp_ratio):
+    def grads_of(params, batch, rng, mtp_ratio, per_token=None):
         n = jnp.sum(batch["weights"])
         grads = jnp.sum(batch["rows"] * batch["weights"][:, None], 0) / jnp.maximum(n, 1.0)
         return {"w": grads.astype(jnp.bfloat16)}, {"num_tokens": n, "perplexity": jnp.e}
