@@ -114,11 +114,11 @@ def main(argv: Sequence[str], flag_values=None) -> int:
                         accelerator.generation.runtime_version, num_slices=FLAGS.num_slices,
                         train_args=tpu.train_arguments(train_args))
     tpu.validate(launch)
+    values = tpu.train_flags(launch.train_args)
     # the pods run the command in the image's working directory, which must be this checkout
-    tpu.check_config_in_tree(tpu.train_flags(launch.train_args),
-                             "the image is expected to hold as its working directory")
+    tpu.check_config_in_tree(values, "the image is expected to hold as its working directory")
     tpu.check_restartable(launch, "a JobSet (it restarts preempted pods)")
-    workdir = tpu.train_flags(launch.train_args).workdir or ""
+    workdir = values.workdir or ""
     if not workdir.startswith("gs://"):  # a restarted pod's disk is a new one
         raise ValueError(f"workdir={workdir or None!r}: a pod restarted by the JobSet (a "
                          "preemption, exit 143) starts on a fresh disk, without the "

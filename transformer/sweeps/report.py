@@ -210,11 +210,12 @@ def _fmt_difference(value: Estimate | None, digits: int = 4, verdicts: bool = Tr
 def _nonfinite_notes(rows: Sequence[dict], columns) -> list[str]:
     """A note naming each finished run whose final value of a metric column is non-finite
     (diverged): the statistics leave it out, so the cells say their n."""
-    lines = [f"- {row['variant']}: " + ", ".join(
-        f"{title} {row[key]}" for key, title, _ in columns
-        if row.get(key) is not None and not finite(row[key]))
-        for row in rows if row["status"] == "finished" and any(
-            row.get(key) is not None and not finite(row[key]) for key, _, _ in columns)]
+    lines = []
+    for row in rows:
+        bad = [f"{title} {row[key]}" for key, title, _ in columns
+               if row.get(key) is not None and not finite(row[key])]
+        if bad and row["status"] == "finished":
+            lines.append(f"- {row['variant']}: " + ", ".join(bad))
     if not lines:
         return []
     return ["", "Non-finite final values (a diverged run?), left out of the statistics and "
