@@ -404,7 +404,7 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
         tokenizer = HFTokenizer(text, named, num_sentinels, template, settings or {}, stops)
     except Exception as e:
         raise ValueError(f"{str(file)!r}: {e}") from None
-    if auto is not None and (differs := _differs_from_transformers(auto, text)):
+    if auto is not None and (differs := _differs_from_transformers(auto, tokenizer._tok)):
         cli.warn_once(f"{str(file.parent)!r}: {differs}: this run follows tokenizer.json, as "
                       "its prepared data, generation and export (which AutoTokenizer reads as "
                       "saved) do, so its chat ids are not this directory's AutoTokenizer "
@@ -451,18 +451,13 @@ _PROBE = ({"role": "user", "content": "Hello, world!\n\nHow  are you?"},
           {"role": "assistant", "content": "Fine, thanks.\n\n  42 ok"})
 
 
-def _differs_from_transformers(hf, tokenizer_json: str) -> str:
-    """How the `AutoTokenizer` `hf` encodes a probe text differently from `tokenizer_json` as
-    saved ("" where alike): transformers 5 rebuilds the pipeline of a class with its own
-    (LlamaTokenizer(Fast), Qwen2Tokenizer, GPT2Tokenizer, ...) from tokenizer_class and its
-    flags (legacy, add_prefix_space), keeping the vocabulary and merges; PreTrainedTokenizerFast
-    reads tokenizer.json as saved. The probe: the probe chat as the template renders it, and
-    text around special tokens."""
-    import tokenizers
-
-    backend = tokenizers.Tokenizer.from_str(tokenizer_json)
-    backend.no_padding()
-    backend.no_truncation()
+def _differs_from_transformers(hf, backend) -> str:
+    """How the `AutoTokenizer` `hf` encodes a probe text differently from the run's `backend`
+    (a `tokenizers.Tokenizer`: the tokenizer.json as saved; "" where alike): transformers 5
+    rebuilds the pipeline of a class with its own (LlamaTokenizer(Fast), Qwen2Tokenizer,
+    GPT2Tokenizer, ...) from tokenizer_class and its flags (legacy, add_prefix_space), keeping
+    the vocabulary and merges; PreTrainedTokenizerFast reads tokenizer.json as saved. The
+    probe: the probe chat as the template renders it, and text around special tokens."""
     specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
     try:
         text = hf.apply_chat_template(list(_PROBE), tokenize=False)
