@@ -117,6 +117,22 @@ def test_a_step_that_lost_its_stream_item_is_damaged_not_an_older_versions(workd
     assert evaluate.data_changes(str(copy), 4, config) == []
 
 
+def test_evaluate_says_why_the_embedded_corpus_changed(workdir, monkeypatch):
+    """A checkpoint trained on the embedded corpus (data.path '') under another Python has
+    another fingerprint: evaluate's data-changed warning says why, as a refused resume does."""
+    from transformer import evaluate
+    from transformer.training import checkpoint
+
+    stream = checkpoint.saved_stream(str(workdir), 4)
+    assert stream["data"]["path"] == ""
+    other = {**stream, "fingerprint": "0" * 16}  # as another Python's corpus
+    monkeypatch.setattr(evaluate.checkpoint_lib, "saved_stream", lambda *args, **kw: other)
+    _, config = checkpoint.saved_run(str(workdir), 4)
+    (change,) = evaluate.data_changes(str(workdir), 4, config)
+    assert change.startswith(f"content fingerprint: checkpoint '{'0' * 16}', config ")
+    assert "(data.path is empty: the embedded corpus, which is the running Python's" in change
+
+
 def test_a_hugging_face_directory_loads_with_transformers_logits_and_its_own_eos(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -137,9 +137,10 @@ def data_changes(workdir: str, step: int, config, split: str = "validation",
     saved = checkpoint_lib.saved_stream(workdir, step, or_newer=True)
     if saved is None:
         return []
-    current = {key: value for key, value in inputs.data_stream(config, tokenizer).items()
-               if key.endswith("fingerprint") or key in (inputs.DOCUMENT_START, inputs.SFT_MASK)}
-    changes = stream_differences({key: saved.get(key) for key in current}, current)
+    current = inputs.data_stream(config, tokenizer)
+    changes = stream_differences(saved, current, [
+        key for key in current
+        if key.endswith("fingerprint") or key in (inputs.DOCUMENT_START, inputs.SFT_MASK)])
     test = inputs.TEST_FINGERPRINT
     if split == "test" and saved.get(test) not in (None, current.get(test)):
         changes.append(f"{config.data.test_path} content fingerprint: checkpoint "

@@ -30,6 +30,7 @@ import os
 import platform
 import re
 import time
+from collections.abc import Sequence
 
 import jax
 import ml_collections
@@ -158,10 +159,12 @@ def _opt_layout(tree) -> dict[str, tuple]:
             and getattr(leaf, "shape", None) is not None}
 
 
-def stream_differences(saved: dict, current: dict) -> list[str]:
-    """What differs between two data streams (`inputs.data_stream` dicts). A different data.path
-    with the same content fingerprint is data that moved, not a difference. The embedded
-    corpus's fingerprint (data.path '' in both) says why it changed (`_embedded_hint`).
+def stream_differences(saved: dict, current: dict,
+                       compared: Sequence[str] | None = None) -> list[str]:
+    """What differs between two data streams (`inputs.data_stream` dicts), in their `compared`
+    dotted keys (default: all). A different data.path with the same content fingerprint is
+    data that moved, not a difference. The embedded corpus's fingerprint (data.path '' in
+    both) says why it changed (`_embedded_hint`).
 
     >>> stream_differences({"batch_size": 8, "data": {"path": "a"}, "fingerprint": "f0"},
     ...                    {"batch_size": 16, "data": {"path": "b"}, "fingerprint": "f0"})
@@ -170,7 +173,7 @@ def stream_differences(saved: dict, current: dict) -> list[str]:
     saved, current = keys.dotted(saved), keys.dotted(current)
     moved = {"data.path": "fingerprint", "data.validation_path": "validation_fingerprint"}
     differences = []
-    for key in sorted(set(saved) | set(current)):
+    for key in sorted(set(saved) | set(current) if compared is None else compared):
         if key in (inputs.DOCUMENTS, inputs.TEST_FINGERPRINT):
             continue  # derived from the rest (older checkpoints lack it); never trained on
         if key in moved and saved.get(moved[key]) == current.get(moved[key]):
