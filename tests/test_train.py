@@ -1187,19 +1187,23 @@ def test_a_start_killed_in_the_after_training_evaluations_redoes_only_the_missin
     assert [s for s, _ in scalars["validation_32/loss"]] == [2]
 
 
-def test_the_profilers_start_and_stop_are_outside_the_timed_steps(tmp_path, monkeypatch):
+@pytest.mark.parametrize("start, timed_steps", [(3, [2, 5, 6, 7]), (6, [2, 3, 4, 5])])
+def test_the_profilers_start_and_stop_are_outside_the_timed_steps(tmp_path, monkeypatch, start,
+                                                                  timed_steps):
     """Starting and stopping the trace (made 1.5 s slower each here, as writing a big trace
     is) are pauses: no tok/s window holds them, and goodput counts them as other, not as
-    training steps."""
+    training steps. A window running past the last step (6..7 of 6..7 here) stops after the
+    last step, in the loop: the last step is not timed with the profiler on, and the
+    evaluations after training are not traced."""
     profiler = {name: getattr(jax.profiler, name) for name in ("start_trace", "stop_trace")}
     for name, call in profiler.items():
         monkeypatch.setattr(jax.profiler, name, lambda *args, call=call: (
             time.sleep(1.5), call(*args))[1])
     config = tiny_config(steps=7)
-    config.profile.update(start_step=3, num_steps=2)  # started in step 3, stopped after 4
+    config.profile.update(start_step=start, num_steps=2 if start == 3 else 5)
     summary = train.train_and_evaluate(config, str(tmp_path))["summary"]
     timed = [r for r in read_metrics(tmp_path) if r["split"] == "train" and "step_time" in r]
-    assert [r["step"] for r in timed] == [2, 5, 6, 7]  # the windows restart after 3 and 4
+    assert [r["step"] for r in timed] == timed_steps  # windows restart after start and stop
     assert max(r["step_time"] for r in timed) < 0.75, timed
     goodput = summary["goodput"]
     assert goodput["other_seconds"] >= 3.0

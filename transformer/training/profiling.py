@@ -1,11 +1,12 @@
 """Profiler traces of chosen training steps (config.profile).
 
 `profile.num_steps` > 0 traces steps `start_step` .. `start_step + num_steps - 1` (step 1 is the
-one that compiles) with `jax.profiler` into WORKDIR/profile/ (plugins/profile/<time>/
-<host>.xplane.pb), which XProf or TensorBoard's profile plugin opens; each step is marked with a
-`StepTraceAnnotation`, so their step view splits it by step. On a multi-host run, process 0
-traces, or every host with `profile.all_hosts` (each host writes its own file). A run resumed
-past the window traces nothing; one resumed inside it traces the steps still to come.
+one that compiles; a window past the last step ends at it) with `jax.profiler` into
+WORKDIR/profile/ (plugins/profile/<time>/<host>.xplane.pb), which XProf or TensorBoard's profile
+plugin opens; each step is marked with a `StepTraceAnnotation`, so their step view splits it by
+step. On a multi-host run, process 0 traces, or every host with `profile.all_hosts` (each host
+writes its own file). A run resumed past the window traces nothing; one resumed inside it traces
+the steps still to come.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ class Tracer:
     def __init__(self, config, workdir: str):
         profile = config.get("profile") or {}
         self.first = profile.get("start_step", 1)
-        self.last = self.first + profile.get("num_steps", 0) - 1
+        # a window running past the last step stops after it, in the loop (not timed with the
+        # profiler on, and the evaluations after training left out of the trace)
+        self.last = min(self.first + profile.get("num_steps", 0) - 1, config.steps)
         self.enabled = self.last >= self.first and (jax.process_index() == 0 or
                                                     profile.get("all_hosts", False))
         self.directory = fileio.join(workdir, "profile")
