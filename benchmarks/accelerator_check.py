@@ -432,7 +432,8 @@ def run_logged(command: list[str], cwd: str, log_path: str, env=None) -> float:
             command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, errors="replace") as process:
         for line in process.stdout:
-            log.write(f"{time.perf_counter() - start:10.3f} | {line}")
+            # microseconds: a GPU's log window is ~100 ms, so ms stamps would round its rate
+            log.write(f"{time.perf_counter() - start:14.6f} | {line}")
             log.flush()
         status = process.wait()
     seconds = time.perf_counter() - start
