@@ -90,7 +90,7 @@ def main() -> None:
     print("peak = temp + argument + output bytes of jax.jit(fwd+bwd).lower(...).compile()"
           ".memory_analysis()\n")
     header = (f"{'length':>7} {'dense peak':>12} {'chunked peak':>13} {'chunked temp':>13} "
-              f"{'x per doubling':>15} {'tiles computed':>15}")
+              f"{'x prev. length':>15} {'tiles computed':>15}")
     print(header)
     print("-" * len(header))
     notes, previous = [], None

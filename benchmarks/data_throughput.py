@@ -5,8 +5,9 @@
 
 Prints tokens/s (and batches/s) of the Grain pipeline on the embedded corpus (byte and
 SentencePiece BPE tokenizers, each objective) beside the train step's tokens/s for
-experiments/gpt_tiny.py, and the ratio (the pipeline must deliver >= 10x). `--batch_size` /
-`--seq_len` override the pipeline's shape (the train step keeps gpt_tiny's).
+experiments/gpt_tiny.py, and the ratio (the pipeline must deliver >= 10x). Both count token
+slots (batch x seq_len, a padded row's padding included), as training's tok/s does.
+`--batch_size` / `--seq_len` override the pipeline's shape (the train step keeps gpt_tiny's).
 
     taskset -c 0 python benchmarks/data_throughput.py --shard_tokens=20000000
 

@@ -163,7 +163,7 @@ def benchmark(*, batch_sizes, new_tokens: int, prompt_len: int, layers: int, d_m
                          same=bool(np.array_equal(ours, theirs)),
                          agree=float((ours == theirs).mean())))
 
-    line = (f"Memory-bandwidth ceiling at batch 1: {weight_bytes / 1e6:.0f} MB of weights read "
+    line = (f"Memory-bandwidth ceiling at batch 1: {weight_bytes / 1e6:.2f} MB of weights read "
             f"per token at {bandwidth / 1e9:.1f} GB/s (measured) = {ceiling:,.0f} tokens/s at most")
     if hf_token_seconds:
         line += f", {ceiling * hf_token_seconds:.2f}x HF's batch-1 speed"
