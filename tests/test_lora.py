@@ -239,6 +239,8 @@ def test_adapters_take_their_kernels_logical_axes():
                                             "one of ('', 'int8')"),
     ("model.lora.targets", "(", "model.lora.targets='(': expected a regular expression"),
     ("init_from", "", "model.lora.rank=4: expected init_from"),
+    # Muon takes only the hidden matrices, which LoRA freezes: it would update nothing
+    ("optimizer.name", "muon", "optimizer.name='muon' with model.lora.rank=4: Muon "),
 ])
 def test_bad_lora_settings_are_one_line_errors(key, value, says, tmp_path):
     (tmp_path / "config.json").write_text("{}")
@@ -284,6 +286,29 @@ def test_init_from_a_peft_adapter_folder_says_to_merge_it(tmp_path):
     assert str(error.value).startswith(f"init_from='hf:{tmp_path}': expected a save_pretrained ")
     assert "this is a peft adapter folder" in str(error.value)
     assert "merge_and_unload()" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_model_with_a_peft_adapter_beside_it_is_refused_by_every_import(tmp_path):
+    """transformers' from_pretrained(DIR) applies an adapter saved beside the model; our import
+    would read the base alone: validate_config, the architecture read at startup and
+    transformer.load refuse it in one line, naming the merge."""
+    import transformer
+
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama(tmp_path))
+    peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(
+        tmp_path)
+    assert (tmp_path / "adapter_config.json").is_file() and (tmp_path / "config.json").is_file()
+    config = small_config()
+    config.init_from = f"hf:{tmp_path}"
+    says = f"init_from='hf:{tmp_path}' holds a peft adapter (adapter_config.json)"
+    for read in (validate_config, finetune.resolve_init_config,
+                 lambda _: transformer.load(f"hf:{tmp_path}")):
+        with pytest.raises(ValueError) as error:
+            read(config)
+        assert str(error.value).startswith(says) and "\n" not in str(error.value)
+        assert "merge_and_unload().save_pretrained(OUT)" in str(error.value)
 
 
 # --- end to end: an imported tiny Llama, the CLI, transformers and peft ----------------------

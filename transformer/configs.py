@@ -573,9 +573,11 @@ def _validate_finetuning(config: ml_collections.ConfigDict) -> None:
             peft = fileio.path(path).joinpath("adapter_config.json").is_file()
             raise FileNotFoundError(f"init_from={config.init_from!r}: expected a save_pretrained "
                                     "directory with config.json" + (lora_lib.PEFT_FOLDER * peft))
-        elif fileio.path(path).joinpath("tokenizer.json").is_file() and \
-                config.data.tokenizer != "hf":
-            # Its weights read the ids of its own tokenizer; no other tokenizer's ids mean the same.
-            raise ValueError(f"data.tokenizer={config.data.tokenizer!r}: init_from="
-                             f"{config.init_from!r} comes with its Hugging Face tokenizer: "
-                             "expected data.tokenizer='hf'")
+        else:
+            lora_lib.check_not_peft(path)  # (transformers would apply a peft adapter beside it)
+            if fileio.path(path).joinpath("tokenizer.json").is_file() and \
+                    config.data.tokenizer != "hf":
+                # Its weights read its own tokenizer's ids; no other tokenizer's mean the same.
+                raise ValueError(f"data.tokenizer={config.data.tokenizer!r}: init_from="
+                                 f"{config.init_from!r} comes with its Hugging Face tokenizer: "
+                                 "expected data.tokenizer='hf'")

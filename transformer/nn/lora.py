@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from transformer.utils import keys
+from transformer.utils import fileio, keys
 
 # Softmax attention's projections, MLA's included (q_a, q_b, kv_a; its k_b / v_b take no
 # adapters), not a linear_attention layer's (it takes none)
@@ -68,17 +68,29 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-# What `init_from=hf:DIR` of a peft adapter folder (adapter_config.json, no config.json) adds to
-# its error: the base model it adapts is not in it.
-PEFT_FOLDER = (" (this is a peft adapter folder: merge the adapters into their base with "
-               "PeftModel.from_pretrained(base, DIR).merge_and_unload().save_pretrained(OUT), "
-               "then init_from=hf:OUT)")
+# How to import a peft adapter (adapter_config.json) of an `init_from=hf:DIR`
+MERGE = ("merge the adapters into their base with PeftModel.from_pretrained(base, DIR)"
+         ".merge_and_unload().save_pretrained(OUT), then init_from=hf:OUT")
+# What a peft adapter folder (adapter_config.json, no config.json) adds to its error: the base
+# model it adapts is not in it.
+PEFT_FOLDER = f" (this is a peft adapter folder: {MERGE})"
+
+
+def check_not_peft(directory: str) -> None:
+    """One line if the Hugging Face `directory` (init_from=hf:DIR) holds a peft adapter
+    (adapter_config.json) beside its model: transformers' from_pretrained(DIR) applies it over
+    the weights, which `transformer.hf.convert` reads alone (another model, silently)."""
+    if fileio.path(directory).joinpath("adapter_config.json").is_file():
+        raise ValueError(f"init_from='hf:{directory}' holds a peft adapter (adapter_config.json),"
+                         " which transformers applies over its model and this import would "
+                         f"leave out: expected a directory without one ({MERGE})")
 
 
 def validate(config) -> None:
     """One-line errors for `config.model.lora`: LoRA adapts a pretrained base (init_from), which
-    its checkpoints name and which stays frozen (MoE balance biases included); QLoRA is LoRA's;
-    without a rank (the whole model trains) the adapters' other settings would be ignored."""
+    its checkpoints name and which stays frozen (MoE balance biases included, and Muon's
+    hidden matrices); QLoRA is LoRA's; without a rank (the whole model trains) the adapters'
+    other settings would be ignored."""
     group = config.model.get("lora") or {}
     if group.get("rank") and not config.get("init_from"):
         raise ValueError(f"model.lora.rank={group.rank}: expected init_from (a pretrained "
@@ -92,6 +104,12 @@ def validate(config) -> None:
             raise ValueError(f"model.lora.{name}={group[name]!r} with model.lora.rank=0 (no "
                              "adapters: the whole model trains): expected model.lora.rank > 0, "
                              f"or model.lora.{name} left at {default!r}")
+    # (optim.muon is the one optimizer whose rule takes only the hidden matrices, by their axes)
+    if group.get("rank") and config.optimizer.get("name") == "muon":
+        raise ValueError(f"optimizer.name='muon' with model.lora.rank={group.rank}: Muon "
+                         "orthogonalizes the hidden weight matrices, which LoRA freezes (the "
+                         "adapters would train with AdamW, optimizer.muon_learning_rate unused):"
+                         " expected optimizer.name='adamw' (or another) for a LoRA fine-tune")
     rate = (config.model.get("moe") or {}).get("bias_update_rate")
     if group.get("rank") and rate:  # the step would move the frozen base's balance biases
         raise ValueError(f"model.moe.bias_update_rate={rate!r} with model.lora.rank="

@@ -94,11 +94,14 @@ def _shape(param) -> tuple:
 
 def hf_convert(directory: str, scan: bool = False):
     """(Hugging Face config, model config, flat params) of a save_pretrained directory; with
-    `scan`, its layer stacks stacked for a model with scan_layers=True."""
+    `scan`, its layer stacks stacked for a model with scan_layers=True. Refuses a directory
+    holding a peft adapter too (`lora.check_not_peft`): every import of an hf: directory
+    (init_from, transformer.load, generate) comes here."""
     import transformers
 
     from transformer.hf import convert, quantized
 
+    lora.check_not_peft(directory)
     tensors = _safetensors(directory)
     hf_config = transformers.AutoConfig.from_pretrained(directory)
     state_dict = quantized.dequantized(hf_config, tensors, f"init_from=hf:{directory}")
