@@ -903,3 +903,31 @@ def test_a_corpus_in_a_bucket_reads_and_prepares_as_on_a_local_disk(tmp_path):
     memory.pipe(bucket.removeprefix("memory://") + "/z.parquet", b"PAR1 cut short")
     with pytest.raises(ValueError, match=r"^memory://.*/z\.parquet: unreadable Parquet"):
         sources.read_text(bucket)
+
+
+def test_a_big_direct_corpus_warns_once_with_the_prepare_command_and_evaluation_reads_it_once(
+        tmp_path, monkeypatch, capsys):
+    from transformer.data import direct_reads
+    from transformer.utils import cli
+
+    path = write_jsonl(tmp_path / "web.jsonl.gz", web_documents(120))
+    config = config_for(path, tokenizer="byte", validation_fraction=0.1)
+    monkeypatch.setattr(direct_reads, "WARN_BYTES", os.path.getsize(path) - 1)  # as stored
+    cli.warn_once.cache_clear()
+    tokenizer = inputs.get_tokenizer(config)
+    for split in ("train", "validation", "validation"):
+        inputs.corpus(config, tokenizer, split)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "prepare" in line]
+    assert warnings == [
+        f"warning: data.path={path!r}: 0 MB on disk, read whole into memory at start-up "
+        "(several times that at its peak, docs/data.md): tokenize it once, python -m "
+        f"transformer.data.prepare --input={path} --output_dir=prepared --tokenizer=byte "
+        "--validation_fraction=0.1, and train on that directory"]
+    reads = []  # bits per byte and the samples take the evaluated split's kept text
+    monkeypatch.setattr(sources, "load_documents", lambda *a, **k: reads.append(a) or [])
+    assert inputs.bytes_per_token(config, tokenizer, "validation") > 0
+    assert inputs.sample_prompt(config) and reads == []
+    monkeypatch.setattr(direct_reads, "WARN_BYTES", os.path.getsize(path))
+    cli.warn_once.cache_clear()
+    inputs.corpus(config_for(path, tokenizer="byte"), tokenizer, "train")
+    assert "prepare" not in capsys.readouterr().err

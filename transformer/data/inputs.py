@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from transformer.data import chat, images, pipeline, prepare_units, shards, sources, tasks, windows
+from transformer.data import direct_reads as direct
 from transformer.data import tokenizers as tokenizers_lib
 from transformer.utils import cli, fileio
 
@@ -70,12 +71,16 @@ def prepared_settings(config: ml_collections.ConfigDict) -> dict | None:
     (`get_tokenizer`)."""
     if not (prepared := _prepared_dir(config)):
         return None
-    with open(os.path.join(prepared, "prepare.json")) as f:
-        summary = json.load(f)
-    return {"unit": summary.get("unit"),
-            "validation_fraction": summary.get("validation_fraction"),
+    summary = _summary(prepared)
+    return {"unit": summary.get("unit"), "validation_fraction": summary.get("validation_fraction"),
             "text_field": summary.get("text_field", "text"),
             "format": summary.get("format", "array_record")}
+
+
+def _summary(prepared: str) -> dict:
+    """A prepared directory's prepare.json."""
+    with open(os.path.join(prepared, "prepare.json")) as f:
+        return json.load(f)
 
 
 def streamed(config: ml_collections.ConfigDict) -> bool:
@@ -201,6 +206,8 @@ def _documents(config: ml_collections.ConfigDict, split: str) -> list[sources.Do
     if mixture := source_configs(config):
         return [doc for one in mixture.values() for doc in _documents(one, split)]
     data = config.data
+    if data.path and (split == "train" or split != "test" and not data.get("validation_path")):
+        direct.warn_big_corpus(data)  # (before the read)
     return sources.load_documents(data.path or None, split, unit=data.unit,
                                   validation_fraction=data.validation_fraction,
                                   validation_path=data.get("validation_path", ""),
@@ -423,11 +430,9 @@ _IN_INPUT_ORDER = "documents_in_input_order"
 
 def _interleaved_units(path: str) -> bool:
     """Whether `path` is prepared ArrayRecord data with a unit of several shards."""
-    if not path or not os.path.isfile(os.path.join(path, "prepare.json")):
+    if not path or not os.path.isfile(os.path.join(path, "prepare.json")) or \
+            _summary(path).get("format", "array_record") != "array_record":
         return False
-    with open(os.path.join(path, "prepare.json")) as f:
-        if json.load(f).get("format", "array_record") != "array_record":
-            return False
     return any(len(unit) > 1 for unit in prepare_units.array_record_units(path, "train"))
 
 
@@ -437,8 +442,7 @@ def _check_prepared_files(prepared: str, summary: dict) -> None:
     per byte, would not be its tokens'). Every split is checked, so the train corpus, read
     before training, checks the validation one too; a prepare.json without the lists is not."""
     for split in sources.SPLITS:
-        listed = (summary.get(split) or {}).get("files")
-        if listed is None:
+        if (listed := (summary.get(split) or {}).get("files")) is None:
             continue
         pattern = f"{split}_*.bin" if summary.get("format") == "bin" else \
             f"{split}-*.array_record"
@@ -461,11 +465,8 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.
     if token_shard_dir(config.data.path):
         return windows.Corpus(_token_shards(config, split), stream=True)
     if prepared := _prepared_dir(config):
-        with open(os.path.join(prepared, "prepare.json")) as f:
-            summary = json.load(f)
-        layout = summary.get("format", "array_record")
-        _check_prepared_files(prepared, summary)
-        if layout == "bin":
+        _check_prepared_files(prepared, summary := _summary(prepared))
+        if summary.get("format", "array_record") == "bin":
             return windows.Corpus(shards.TokenShards(
                 os.path.join(glob.escape(prepared), f"{split}_*.bin")), stream=True)
         documents = prepare_units.array_record_documents(prepared, split)
@@ -476,23 +477,22 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.
     if split == "train":  # built once per run
         return windows.tokenize_documents(_documents(config, split), tokenizer, stream=stream,
                                           start=start)
-    # A run reads its validation / test text again at every evaluation: keep the tokens of the
-    # last few, keyed by the data settings, the files' fingerprints and the tokenizer.
-    data = config.data
-    paths = (data.path, data.get("validation_path", ""), data.get("test_path", ""))
-    key = (json.dumps(data.to_dict(), sort_keys=True, default=str), split, tokenizer,
-           tuple(sources.fingerprint(p) if p else "" for p in paths))
+    # A run reads its validation / test split again at every evaluation, for bits per byte and
+    # for its samples: keep the tokens, bytes and prompt line (`direct.split_text`) of
+    # the last few, keyed by the data settings, the files' fingerprints and the tokenizer.
+    key = (*direct.split_key(config.data, split), tokenizer)
     if key not in _EVAL_CORPORA:
-        documents = _documents(config, split)
+        documents, data = _documents(config, split), config.data
         field = f"{split}_path" if data.get(f"{split}_path") else "path"  # (or held out)
         tokenizers_lib.warn_unknown_chars(  # (a char tokenizer's characters are train's)
             tokenizer, (d.text for d in documents),
             f"the {split} split (data.{field}={data.get(field)!r})")
-        _EVAL_CORPORA[key] = windows.tokenize_documents(documents, tokenizer, stream=stream,
-                                                         start=start)
+        _EVAL_CORPORA[key] = (windows.tokenize_documents(documents, tokenizer, stream=stream,
+                                                         start=start),
+                              *direct.split_text(documents))
         while len(_EVAL_CORPORA) > _EVAL_CORPORA_KEPT:
             _EVAL_CORPORA.pop(next(iter(_EVAL_CORPORA)))
-    return _EVAL_CORPORA[key]
+    return _EVAL_CORPORA[key][0]
 
 
 _EVAL_CORPORA: dict = {}  # insertion-ordered: the oldest goes first
@@ -500,22 +500,21 @@ _EVAL_CORPORA_KEPT = 8
 
 
 def sample_prompt(config: ml_collections.ConfigDict, max_chars: int = 32) -> str:
-    """A prompt suited to the data for end-of-training samples: the start of the first line of
-    the validation documents that is a sentence rather than a heading (at least 24 characters;
-    cut to `max_chars` at a word's end), else the first line; "" for token shards, prepared
-    data and mixtures, whose text is not at hand.
+    """A prompt suited to the data for end-of-training samples: the start of the validation
+    split's `direct.split_text` line (cut to `max_chars` at a word's end), kept from its
+    evaluation (`corpus`) if any; "" for token shards, prepared data and mixtures (no text at hand).
 
     >>> config = ml_collections.ConfigDict({"data": {"path": "", "unit": "paragraph",
     ...     "validation_fraction": 0.05, "validation_path": "", "sources": ()}})
     >>> 0 < len(sample_prompt(config)) <= 32
     True
     """
-    data = config.data
-    if data.get("sources") or token_shard_dir(data.path) or _prepared_dir(config):
+    if config.data.get("sources") or token_shard_dir(config.data.path) or _prepared_dir(config):
         return ""
-    docs = _documents(config, "validation")
-    lines = [line.strip() for doc in docs[:20] for line in doc.text.split("\n") if line.strip()]
-    line = next((line for line in lines if len(line) >= 24), lines[0] if lines else "")
+    key = direct.split_key(config.data, "validation")  # (kept: any tokenizer's)
+    if (line := next((kept[2] for at, kept in _EVAL_CORPORA.items() if at[:-1] == key),
+                     None)) is None:
+        line = direct.split_text(_documents(config, "validation"))[1]
     if len(line) <= max_chars:
         return line
     cut = line[:max_chars + 1].rfind(" ")
@@ -532,17 +531,16 @@ def bytes_per_token(config: ml_collections.ConfigDict, tokenizer, split: str) ->
     next_token_features` gives a prediction across a document start weight 0)."""
     _single_source(config, "bytes_per_token")
     if prepared := _prepared_dir(config):
-        with open(os.path.join(prepared, "prepare.json")) as f:
-            summary = json.load(f)
-        stats = summary[split]
+        stats = (summary := _summary(prepared))[split]
         # .bin shards are always read as a stream (`corpus`)
         stream = config.data.unit == "stream" or summary.get("format") == "bin"
         tokens = stats["tokens"] + stats["documents"] * len(document_start(config, tokenizer))
         targets = tokens - (1 if stream else stats["documents"])
         return stats["bytes"] / max(targets, 1)
-    tokens = corpus(config, tokenizer, split)  # (validation and test: the cached one)
+    tokens = corpus(config, tokenizer, split)  # (validation and test: the kept one)
+    kept = _EVAL_CORPORA.get((*direct.split_key(config.data, split), tokenizer))
+    num_bytes = kept[1] if kept else direct.split_text(_documents(config, split))[0]
     targets = len(tokens) - (1 if tokens.stream else len(tokens.doc_starts))
-    num_bytes = sum(len(d.text.encode("utf-8")) for d in _documents(config, split))
     return num_bytes / max(targets, 1)
 
 
@@ -563,12 +561,11 @@ def get_dataset(config: ml_collections.ConfigDict, tokenizer, split: str, *,
             images if objective in images.OBJECTIVES else chat
         return module.make_dataset(config, tokenizer, split, num_epochs=num_epochs,
                                    shuffle=shuffle, rows=rows)
-    weights = None
-    if (mixture := source_configs(config)) and split == "train" and num_epochs is None:
+    weights, mixture = None, source_configs(config)
+    if mixture and split == "train" and num_epochs is None:
         weights = mixture_weights(config)
-        split_tokens = [corpus(one, tokenizer, split) for one in mixture.values()]
-    else:
-        split_tokens = corpus(config, tokenizer, split)
+    split_tokens = [corpus(one, tokenizer, split) for one in mixture.values()] if weights \
+        else corpus(config, tokenizer, split)
     return pipeline.make_dataset(
         split_tokens, weights=weights, objective=objective,
         tokenizer=tokenizer, seq_len=config.seq_len, batch_size=config.batch_size,

@@ -82,8 +82,7 @@ def _files(path: str) -> list[str]:
         return sorted(_beside_tables(path, files))
     if fileio.isfile(path):
         return [path]
-    files = fileio.glob_files(path)
-    if not files:
+    if not (files := fileio.glob_files(path)):
         raise FileNotFoundError(f"{path}: no such file or directory, and no file matches it as "
                                 "a glob pattern")
     return files
@@ -353,10 +352,7 @@ def load_documents(path: str | None, split: str, *, validation_fraction: float =
     if unit not in UNITS:
         raise ValueError(f"unit={unit!r}: expected one of {UNITS}")
     read_as = "file" if unit == "stream" else unit
-
-    def read(where: str) -> list[Document]:
-        return read_text(where, split=read_as, text_field=text_field)
-
+    read = functools.partial(read_text, split=read_as, text_field=text_field)
     if split == "test":
         if not test_path:
             raise ValueError("split='test' without a test_path: expected data.test_path (text "
@@ -369,11 +365,11 @@ def load_documents(path: str | None, split: str, *, validation_fraction: float =
         docs = embedded_corpus(read_as) if not path else read(path)
         chosen = split_stream(docs, split, validation_fraction) if unit == "stream" else \
             split_documents(docs, split, validation_fraction)
-        where = f"{path or 'the embedded corpus'}"
         if not chosen:
-            raise ValueError(f"the {split} split of {where} is empty ({len(docs)} documents, "
-                             f"validation_fraction={validation_fraction}): expected more "
-                             "documents or another validation_fraction")
+            raise ValueError(f"the {split} split of {path or 'the embedded corpus'} is empty "
+                             f"({len(docs)} documents, validation_fraction="
+                             f"{validation_fraction}): expected more documents or another "
+                             "validation_fraction")
     return chosen
 
 
