@@ -508,3 +508,75 @@ def test_a_run_resumes_on_another_process_count_like_one_uninterrupted_run(tmp_p
         assert "batch 8 global, 2 per data-parallel shard" in log_text
         if after == 2:
             assert "steps" not in (logs / "resumed-2-1.log").read_text()  # process 1 is quiet
+
+
+def test_a_process_whose_coordinator_is_not_listening_says_so_in_one_line(monkeypatch, capsys):
+    """Process 1 pointed at an address nobody listens on waited 5 minutes in silence, then
+    aborted with a C++ trace ("another task died"). It now says it is waiting, then stops
+    with one line."""
+    monkeypatch.setattr(sharding, "COORDINATOR_WAIT_S", 0.3)
+    monkeypatch.setattr(sharding, "COORDINATOR_NOTICE_S", 0.1)
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)  # (not gloo in this process)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args: pytest.fail("initialized"))
+    port = free_port()  # closed again: nothing listens there
+    with pytest.raises(ConnectionError) as error:
+        sharding.initialize_distributed(f"127.0.0.1:{port}", num_processes=2, process_id=1)
+    assert str(error.value) == (f"coordinator_address=127.0.0.1:{port}: nothing listening after "
+                                "0.3 s: expected process 0 to be started with the same address")
+    assert capsys.readouterr().err == (f"waiting for process 0 to listen at coordinator_address="
+                                       f"127.0.0.1:{port} (at most 0.3 s)\n")
+
+
+def test_processes_with_other_device_counts_are_refused_in_one_line(monkeypatch):
+    """Process 0 with 2 devices, process 1 with 3: the first collective failed with "cannot
+    reshape array of size 5 into shape (2,2)"."""
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args: None)
+    monkeypatch.setattr(jax, "devices", lambda: [SimpleNamespace(process_index=p)
+                                                 for p in (0, 0, 1, 1, 1)])
+    with pytest.raises(ValueError) as error:
+        sharding.initialize_distributed("127.0.0.1:1234", num_processes=2, process_id=0)
+    assert str(error.value) == ("process 0 has 2 devices, process 1 has 3: expected the same "
+                                "count on every process")
+
+
+def test_a_start_up_check_one_process_fails_is_raised_on_every_process(monkeypatch):
+    """startup.agreed, as process 0 of two sees it: its own check passed, process 1's did
+    not; every process raises process 1's line (a usage error stays one: status 2)."""
+    from transformer.training import startup
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    shared = []
+    monkeypatch.setattr(startup, "_allgather_text", lambda text: shared.append(text) or [
+        text, "usage /data/x.txt: no such file or directory"])
+    with pytest.raises(ValueError) as error:
+        startup.agreed(lambda path: path, "data.txt")
+    assert shared == [""]  # this process's check passed
+    assert str(error.value) == ("process 1 failed its start-up checks: /data/x.txt: no such "
+                                "file or directory")
+    monkeypatch.setattr(jax, "process_count", lambda: 1)  # one process: the check itself
+    assert startup.agreed(lambda path: path, "data.txt") == "data.txt"
+
+
+@pytest.mark.slow
+def test_one_process_failing_a_start_up_check_stops_every_process(tmp_path):
+    """Process 1 given a data path that does not exist printed its error and never exited:
+    process 0 waited for it in its next collective, and it for process 0 in jax.distributed's
+    shutdown, for ever. Every process now stops, naming process 1's error."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    missing = tmp_path / "missing.txt"
+    runs = start(tmp_path / "run", logs, "nodata", processes=2, devices=2,
+                 flags=([], [f"--config.data.path={missing}"]))
+    for i, run in enumerate(runs):
+        try:
+            code = run.wait(120)
+        except subprocess.TimeoutExpired:
+            for r in runs:
+                r.kill()
+            raise
+        last = (logs / f"nodata-{i}.log").read_text().strip().splitlines()[-1]
+        assert code == 2 and last == (
+            f"error: process 1 failed its start-up checks: {missing}: no such file or "
+            "directory, and no file matches it as a glob pattern"), (code, last)
+    assert not (tmp_path / "run").exists()  # the workdir this start made is removed

@@ -102,11 +102,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str, explicit=(),
     user set (an init_from source fills the model's other keys); `started`: when
     the run started (perf_counter; default now), its start-up's beginning (goodput)."""
     started = time.perf_counter() if started is None else started
-    config = finetune.resolve_init_config(ml_collections.ConfigDict(config.to_dict()), explicit,
-                                          workdir)
-    validate_config(config)
-    if fileio.path(workdir).exists() and not fileio.path(workdir).is_dir():
-        raise NotADirectoryError(f"workdir={workdir}: is a regular file, expected a directory")
+    # This process's own checks, agreed: one failing stops every process (startup.agreed)
+    config = startup.agreed(_checked_config, config, workdir, explicit)
     with contextlib.ExitStack() as opened:  # if a check fails, what was opened is closed
         lock = workdir_lib.hold(workdir)  # before anything in the workdir changes
         opened.callback(lock.release, failed=True)  # a workdir this start made is removed
@@ -117,10 +114,20 @@ def setup(config: ml_collections.ConfigDict, workdir: str, explicit=(),
     return run
 
 
+def _checked_config(config: ml_collections.ConfigDict, workdir: str, explicit) -> Any:
+    """`config` resolved (init_from's model) and validated; the workdir no regular file."""
+    config = finetune.resolve_init_config(ml_collections.ConfigDict(config.to_dict()), explicit,
+                                          workdir)
+    validate_config(config)
+    if fileio.path(workdir).exists() and not fileio.path(workdir).is_dir():
+        raise NotADirectoryError(f"workdir={workdir}: is a regular file, expected a directory")
+    return config
+
+
 def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.ExitStack) -> Run:
     """setup's checks and building, registering what needs closing with `opened`."""
     is_main = jax.process_index() == 0
-    stream = inputs.data_stream(config)
+    stream = startup.agreed(inputs.data_stream, config)
     startup.check_processes_agree(config, workdir, stream)
     fresh = config.get("fresh_start")
     manager = None if fresh else checkpoint_manager.Manager(workdir, config, stream)

@@ -16,7 +16,10 @@ import dataclasses
 import math
 import os
 import re
+import socket
+import sys
 import textwrap
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -384,8 +387,11 @@ def initialize_distributed(coordinator_address: str | None = None,
         if not 0 <= process_id < num_processes:
             raise ValueError(f"process_id={process_id}: expected 0 <= id < num_processes="
                              f"{num_processes}")
+        if process_id != 0:  # process 0 serves the address; the others connect to it
+            _wait_for_coordinator(coordinator_address)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
+        check_devices_per_process(jax.devices())
         return True
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")
     several_hosts = len(hosts) > 1 and all(re.fullmatch(r"[\w.:-]+", h) for h in hosts)
@@ -398,5 +404,53 @@ def initialize_distributed(coordinator_address: str | None = None,
             raise ValueError("--jax_distributed: no cluster environment found (a Cloud TPU VM "
                              "slice or a GKE TPU pod sets one): expected a TPU slice, or "
                              "--coordinator_address, --num_processes and --process_id") from None
+        check_devices_per_process(jax.devices())
         return True
     return False
+
+
+# How long a process other than 0 waits for process 0 to listen at --coordinator_address (as
+# long as jax.distributed's own wait, which was silent, then aborted with a C++ trace: hosts
+# started by hand may start minutes apart), and when it says it is waiting.
+COORDINATOR_WAIT_S = 300
+COORDINATOR_NOTICE_S = 10
+
+
+def _wait_for_coordinator(address: str) -> None:
+    """Returns once something accepts TCP connections at `address` ("HOST:PORT"); says it is
+    waiting after `COORDINATOR_NOTICE_S` seconds, and raises one line after
+    `COORDINATOR_WAIT_S` seconds of trying."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"coordinator_address={address}: expected HOST:PORT")
+    start = time.monotonic()
+    noticed = False
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+                return
+        except OSError:  # refused (not started yet), unreachable, or a name that does not resolve
+            waited = time.monotonic() - start
+            if waited >= COORDINATOR_WAIT_S:
+                break
+            if waited >= COORDINATOR_NOTICE_S and not noticed:
+                print(f"waiting for process 0 to listen at coordinator_address={address} (at "
+                      f"most {COORDINATOR_WAIT_S} s)", file=sys.stderr, flush=True)
+                noticed = True
+            time.sleep(min(1.0, COORDINATOR_WAIT_S / 10))
+    raise ConnectionError(f"coordinator_address={address}: nothing listening after "
+                          f"{COORDINATOR_WAIT_S} s: expected process 0 to be started with the "
+                          "same address")
+
+
+def check_devices_per_process(devices) -> None:
+    """One line unless every process has the same number of `devices` (the global ones): a
+    mesh and every batch split assume it (uneven hosts failed in a collective, "cannot
+    reshape array of size 5 into shape (2,2)")."""
+    counts: dict[int, int] = {}
+    for device in devices:
+        counts[device.process_index] = counts.get(device.process_index, 0) + 1
+    first, *rest = sorted(counts.items())
+    if other := next(((p, n) for p, n in rest if n != first[1]), None):
+        raise ValueError(f"process {first[0]} has {first[1]} devices, process {other[0]} has "
+                         f"{other[1]}: expected the same count on every process")

@@ -16,7 +16,7 @@ from transformer.parallel import pipeline_parallel
 from transformer.training import checkpoint_manager, evaluation, finetune, progress
 from transformer.training import placement as placement_lib
 from transformer.training import workdir as workdir_lib
-from transformer.utils import fileio, keys
+from transformer.utils import cli, fileio, keys
 
 
 def resolve(config: ml_collections.ConfigDict, workdir: str | None):
@@ -50,17 +50,11 @@ def check_processes_agree(config: ml_collections.ConfigDict, workdir: str, strea
     invisible to the others, which waited on them until a timeout."""
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
     mine = {**keys.dotted(config.to_dict()), "workdir": workdir,
             "data content fingerprint": stream["fingerprint"],
             _LOCK: workdir_lib.lock_id(workdir)}  # (process 0 took the lock: `workdir.hold`)
-    text = np.frombuffer(json.dumps(mine, sort_keys=True, default=str).encode(), np.uint8)
-    lengths = multihost_utils.process_allgather(np.asarray(len(text)))
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[:len(text)] = text
-    rows = multihost_utils.process_allgather(padded)
-    first, *others = [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths, strict=True)]
+    rows = _allgather_text(json.dumps(mine, sort_keys=True, default=str))
+    first, *others = [json.loads(row) for row in rows]
     for process, other in enumerate(others, 1):
         if differ := sorted(k for k in set(first) | set(other)
                             if k != _LOCK and first.get(k) != other.get(k)):
@@ -77,6 +71,39 @@ def check_processes_agree(config: ml_collections.ConfigDict, workdir: str, strea
 
 
 _LOCK = "the workdir's lock id"
+
+
+def agreed(check, *args):
+    """`check(*args)`, a start-up check of this process's own (its config, its files), run so
+    that every process of a multi-process run stops if any fails: alone, the failing process
+    stopped while the others waited for it in their next collective, for ever. Its error
+    becomes one line, raised on every process: "process I failed its start-up checks: ...".
+    Returns what `check` returns; with one process, exactly `check(*args)`."""
+    if jax.process_count() == 1:
+        return check(*args)
+    try:
+        result, failure = check(*args), ""
+    except Exception as error:  # noqa: BLE001 - shared with the other processes first
+        usage = isinstance(error, cli.USAGE_ERRORS)
+        result, failure = None, ("usage " if usage else "runtime ") + cli.message(error)
+    for process, text in enumerate(_allgather_text(failure)):
+        if text:  # the first process that failed (each names its own values)
+            kind, line = text.split(" ", 1)
+            raise (ValueError if kind == "usage" else RuntimeError)(
+                f"process {process} failed its start-up checks: {line}")
+    return result
+
+
+def _allgather_text(text: str) -> list[str]:
+    """Every process's `text`, in process order (a collective: every process must call it)."""
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(text.encode(), np.uint8)
+    lengths = multihost_utils.process_allgather(np.asarray(len(mine)))
+    padded = np.zeros(max(int(lengths.max()), 1), np.uint8)  # (all empty: one byte each)
+    padded[:len(mine)] = mine
+    rows = multihost_utils.process_allgather(padded)
+    return [bytes(row[:n]).decode() for row, n in zip(rows, lengths, strict=True)]
 
 
 class Finished(Exception):
