@@ -144,6 +144,71 @@ def test_a_softmax_attention_key_without_attention_layers_is_refused(name):
     _check(layer_types=types, **{name: TransformerConfig.__dataclass_fields__[name].default})
 
 
+
+# With attention_kind='mla', the attention-only keys multi-head latent attention has no place
+# for: refused off their default in one line (mla.HONOURED leaves them out). Every other key of
+# ATTENTION_ONLY must change the MLA layer's params or output, so a new attention knob fails
+# below (MLA refuses it) until it is wired into MLA, or named here as refused.
+MLA_REFUSES = ("qk_norm", "qk_norm_scope", "attention_gate", "t5_num_buckets", "t5_max_distance",
+               "rope_fraction")
+_MLA = dict(num_layers=1, d_model=32, num_heads=4, use_bias=False, init_std=0.3,
+            attention_kind="mla", mla=dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                                           qk_rope_head_dim=16, v_head_dim=8))
+_LLAMA3, _YARN = dict(rope_scaling="llama3", rope_scale=8.0), dict(rope_scaling="yarn",
+                                                                  rope_scale=8.0)
+# What a key needs beside it to act at all (as under multi-head attention): its RoPE scaling, a
+# sliding layer (and a base other than rope_theta's); at 16 RoPE dims
+_MLA_CONTEXT = dict(
+    rope_scaling=dict(rope_scale=8.0), rope_low_freq_factor=_LLAMA3,
+    rope_high_freq_factor=_LLAMA3, rope_original_max_len=_LLAMA3,
+    rope_yarn_beta_fast=dict(_YARN, rope_yarn_truncate=False),  # (whole pairs: the same ramp)
+    rope_yarn_beta_slow=_YARN, rope_yarn_mscale=dict(_YARN, rope_yarn_mscale_all_dim=1.0),
+    rope_yarn_mscale_all_dim=_YARN, rope_yarn_truncate=_YARN,
+    rope_local_theta=dict(layer_types="sliding_attention", sliding_window=4))
+
+
+def _mla_layer(**fields):
+    """(param shapes, params, output) of one MLA layer, dropout on, from fixed seeds."""
+    cfg = TransformerConfig(**_MLA, **fields)
+    layer = cfg.mixer(0).layer(cfg, "attention")
+    x = jax.random.normal(jax.random.key(1), (2, 8, 32))
+    params = layer.init(jax.random.key(0), x)["params"]
+    out = layer.apply({"params": params}, x, deterministic=False,
+                      rngs={"dropout": jax.random.key(2)})
+    return jax.tree.map(lambda a: (a.shape, a.dtype), params), params, out
+
+
+@pytest.mark.parametrize("name", [n for n in ATTENTION_ONLY if n != "attention_kind"])
+def test_each_attention_only_key_acts_on_mla_or_is_refused(name):
+    context = _MLA_CONTEXT.get(name, {})
+    value = 500.0 if name == "rope_local_theta" else ATTENTION_ONLY[name]
+    if name in MLA_REFUSES:
+        with pytest.raises(ValueError) as error:
+            TransformerConfig(**_MLA, **context, **{name: value})
+        assert str(error.value).startswith(f"{name}={value!r} with attention_kind='mla': ")
+        assert "\n" not in str(error.value)
+        return
+    shapes, params, out = _mla_layer(**context)
+    new_shapes, new_params, new_out = _mla_layer(**context, **{name: value})
+    assert new_shapes != shapes or not np.array_equal(new_out, out), (
+        f"{name}={value!r} changes nothing in an attention_kind='mla' layer: wire it into "
+        "nn/mixers/mla.py, or leave it out of mla.HONOURED (refused) and add it to MLA_REFUSES")
+
+
+def test_the_docs_mixer_recipe_shows_short_convs_own_code():
+    """docs/extending.md's ShortConv snippet is the file's code, line for line in order (the
+    file may hold more: docstrings, imports), not placeholders that drift from it."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    doc = (repo / "docs/extending.md").read_text()
+    snippet = re.search(r"## A token mixer.*?```python\n(.*?)```", doc, re.S).group(1)
+    source = iter((repo / "transformer/nn/mixers/short_conv.py").read_text().splitlines())
+    missing = next((line for line in snippet.splitlines() if line.strip()
+                    and line not in source), None)  # (`in` consumes: in order)
+    assert missing is None, f"docs/extending.md's ShortConv line {missing!r}: not in the file"
+
 def test_good_layer_types_pass():
     _check(num_layers=4, sliding_window=2, layer_types="sliding_attention*3,full_attention")
     assert jnp.isfinite(_init_apply(model_config(num_layers=4, sliding_window=2, layer_types=(

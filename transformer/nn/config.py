@@ -305,9 +305,9 @@ class TransformerConfig:
         self._check_window_pattern()
         self._check_mixers()
         self._check_rope_keys()
-        if self.rope_fraction < 1 and (self.position != "rope" or self.attention_kind == "mla"):
-            raise ValueError(f"rope_fraction={self.rope_fraction}: expected position='rope' "
-                             "and attention_kind 'mha' (MLA rotates its own RoPE dims whole)")
+        # (attention_kind 'mla' refuses it in _check_mixers: MLA's RoPE dims rotate whole)
+        if self.rope_fraction < 1 and self.position != "rope":
+            raise ValueError(f"rope_fraction={self.rope_fraction}: expected position='rope'")
         if self.rope_local_theta is not None and (
                 self.position != "rope" or "sliding_attention" not in self.layer_pattern):
             raise ValueError(f"rope_local_theta={self.rope_local_theta}: expected position="

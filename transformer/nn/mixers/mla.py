@@ -49,6 +49,23 @@ from transformer.utils.keys import check_fields, int_, is_int, key
 
 Array = jax.Array
 
+# The model keys declared `attention_only` that this layer honours, and how (as `kernels.FEATURES`
+# lists what a kernel takes). `MLAConfig.check` refuses every other attention-only key set off
+# its default: a knob added for `MultiHeadAttention` is refused here until it is wired into
+# `MLASettings` and named in this table.
+HONOURED = {
+    "attention_kind": "selects this layer",
+    "attention_softcap": "the kernel's logit soft-cap",
+    "attention_sinks": "a learned sink logit per head (param `sinks`)",
+    "attention_scale": "the logit scale, before YaRN's mscale (`MLASettings.softmax_scale`)",
+    "attention_dropout_rate": "dropout on the softmax weights",
+    "qkv_bias": "biases on W_qa and W_kva",
+    # apply_rope's arguments, on q_rope and k_r; not rope_fraction: MLA's RoPE dims rotate whole
+    **{name: "RoPE of q_rope and k_r" for name in positions_lib.ROPE_KEYS.values()
+       if name != "rope_fraction"},
+    "rope_local_theta": "the sliding layers' RoPE base (`softmax_attention._local`)",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
@@ -76,7 +93,8 @@ class MLAConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def check(self, cfg) -> None:
-        """The rules across these keys and the model's (`cfg`, a `TransformerConfig`).
+        """The rules across these keys and the model's (`cfg`, a `TransformerConfig`); an
+        attention-only key outside `HONOURED` is refused off its default.
 
         >>> from types import SimpleNamespace
         >>> MLAConfig(kv_lora_rank=96).check(SimpleNamespace(d_model=64, position="rope"))
@@ -90,11 +108,14 @@ class MLAConfig:
         if cfg.position != "rope":
             raise ValueError(f"position={cfg.position!r}: expected 'rope' with multi-head "
                              "latent attention (its decoupled RoPE key)")
-        for name in ("attention_gate", "qk_norm"):  # (DeepSeek's layer has neither)
-            if getattr(cfg, name, None):
-                raise ValueError(f"{name}={getattr(cfg, name)!r} with attention_kind='mla': "
-                                 "expected it off (multi-head latent attention has no output "
-                                 "gate or q/k norm; it norms its low-rank latents)")
+        # (e.g. attention_gate, qk_norm: DeepSeek's layer has no output gate or q/k norm)
+        for field in dataclasses.fields(cfg):
+            declared, value = field.metadata.get("key"), getattr(cfg, field.name)
+            if (declared and declared.attention_only and field.name not in HONOURED
+                    and value != field.default):
+                raise ValueError(f"{field.name}={value!r} with attention_kind='mla': expected it "
+                                 f"off ({field.default!r}): multi-head latent attention does not "
+                                 "read it (mla.HONOURED lists the attention keys it does)")
 
 
 @dataclasses.dataclass(frozen=True)
