@@ -345,6 +345,37 @@ def test_streaming_in_chunks_gives_the_same_tokens(models):
     np.testing.assert_array_equal(seen[-1], tokens)
 
 
+def test_a_capacity_routed_moe_decodes_a_batched_prompt_as_alone():
+    """A capacity-routed MoE's row is one routing group whose slots per expert grow with its
+    width, so a padded prompt would drop other tokens than alone: prompts of different lengths
+    decode in batches of one length, put back in order (greedy and beam search), and a sampled
+    row draws with its key in the whole batch, however the rows are grouped."""
+    config = default_model_config()
+    config.update(family="gpt", num_layers=2, d_model=32, num_heads=4, d_ff=64,
+                  vocab_size=VOCAB, position="rope", max_len=64, init_std=1.0)
+    config.moe.update(num_experts=4, top_k=1, capacity_factor=1.25)
+    model = build_model(config)
+    params = jax.jit(model.init)(jax.random.key(1), jnp.ones((1, 4), jnp.int32))["params"]
+    assert programs.routes_with_capacity(model)
+    long, short = list(range(5, 17)), [10, 11]
+    padded = jax.jit(model.apply)({"params": params}, jnp.array([short + [0] * 10]))[0, :2]
+    alone = jax.jit(model.apply)({"params": params}, jnp.array([short]))[0]
+    assert not np.allclose(padded, alone, atol=1e-3)  # (a padded row routes otherwise)
+    kw = dict(max_new_tokens=8, eos_id=None)
+    both, lengths = generate.decode(model, params, [long, short], **kw)
+    assert lengths.tolist() == [8, 8]
+    for prompt, row in zip([long, short], both, strict=True):
+        np.testing.assert_array_equal(generate.decode(model, params, [prompt], **kw)[0][0], row)
+    beams, _, _ = generate.beam_search(model, params, [short, long], beam_size=1, **kw)
+    np.testing.assert_array_equal(beams, both[::-1])  # one beam: greedy, in the input order
+    kw.update(temperature=1.0, seed=3)
+    # (JAX's default PRNG: conftest's rbg draws other bits for a key in a batch of another size)
+    with jax.default_prng_impl("threefry2x32"):
+        sampled, _ = generate.decode(model, params, [long, short], **kw)
+        batched, _ = generate.decode(model, params, [[7, 8], short], **kw)  # one batch
+    np.testing.assert_array_equal(sampled[1], batched[1])
+
+
 @pytest.mark.slow
 def test_t5_beam_search_scores_are_length_penalized_log_probabilities(models):
     model, params = models["t5"]
@@ -843,7 +874,8 @@ def test_max_new_tokens_past_an_imported_rope_model_s_positions_warns_and_a_tabl
 def test_a_trained_workdir_keeps_its_training_context_seq_len(capsys):
     """A trained run's context is seq_len, also a fine-tune of an imported checkpoint
     (init_from="hf:DIR"): its default fills seq_len past a RoPE model's max_len, and a longer
-    max_new_tokens has no warning (only `generate.load_hf`'s config is `text.imported`)."""
+    max_new_tokens within seq_len has no warning (only `generate.load_hf`'s config is
+    `text.imported`)."""
     from transformer.generation import text
 
     config = base_config()
@@ -851,12 +883,47 @@ def test_a_trained_workdir_keeps_its_training_context_seq_len(capsys):
     config.init_from = "hf:/models/llama"
     config.model.update(position="rope", max_len=32)
     assert text._new_tokens(None, config, "causal", 5, 4) == 123
-    assert text._new_tokens(200, config, "causal", 5, 4) == 200
+    assert text._new_tokens(124, config, "causal", 5, 4) == 124
     with pytest.raises(ValueError, match=r"^prompt of 127 tokens and the 1 read before it \(a "
                                          r"document's start\): expected < seq_len=128 in all "
                                          r"\(or pass max_new_tokens\)$"):
         text._new_tokens(None, config, "causal", 128, 127)
     assert capsys.readouterr().err == ""
+
+
+def test_max_new_tokens_past_a_trained_workdir_s_positions_warns_as_an_import_s(capsys):
+    """An explicit max_new_tokens that runs a trained workdir past the positions it learned
+    (seq_len; a fine-tune's imported max_position_embeddings where more) warns in one line, as
+    for an imported checkpoint, and decodes; not where a learned table refuses it, nor an LSTM."""
+    from transformer.generation import text
+    from transformer.utils import cli
+
+    cli.warn_once.cache_clear()
+    config = base_config()
+    config.seq_len = 64
+    config.model.update(position="rope", max_len=32)
+    capsys.readouterr()
+    assert text._new_tokens(60, config, "causal", 5, 4) == 60  # 64 positions: within
+    assert capsys.readouterr().err == ""
+    assert text._new_tokens(61, config, "prefix", 5, 4) == 61
+    assert capsys.readouterr().err == (
+        "warning: prompt of 5 tokens + max_new_tokens=61 - 1 = 65 positions, past the "
+        "training context seq_len=64: model.position='rope' runs beyond the positions it was "
+        "trained on, and the text may degrade\n")
+    assert text._new_tokens(99, config, "recompute", 5, 4) == 99  # an LSTM: no positions
+    config.model.update(position="learned", max_len=80)  # rows past seq_len never trained
+    text._new_tokens(70, config, "causal", 5, 4)
+    assert "74 positions, past the training context seq_len=64: model.position='learned'" in \
+        capsys.readouterr().err
+    text._new_tokens(90, config, "causal", 5, 4)  # past the table: `programs` refuses it
+    config.init_from = "hf:/models/llama"
+    config.model.update(position="rope", max_len=128)  # its import learned 128 positions
+    text._new_tokens(120, config, "causal", 5, 4)
+    text._new_tokens(125, config, "causal", 5, 4)
+    assert capsys.readouterr().err == (
+        "warning: prompt of 5 tokens + max_new_tokens=125 - 1 = 129 positions, past the "
+        "imported checkpoint's max_position_embeddings=128: model.position='rope' runs beyond "
+        "the positions it was trained on, and the text may degrade\n")
 
 
 class _Loaded(Exception):

@@ -20,7 +20,7 @@ The decoding library is transformer.generation; its calls are re-exported here
     jittable. The prompt is prefilled in one pass, then a jitted `lax.while_loop` emits one token
     per step (no Python per token), stopping at `max_new_tokens` or when every row has emitted
     `eos_id`. Prompts of different lengths share a batch: each row writes and reads its own
-    cache positions.
+    cache positions (a capacity-routed MoE's decode in one batch per length, unpadded).
   * `programs`: `decode` / `beam_search`, those loops over a `DecoderLM` (gpt, prefix_lm) or
     `EncoderDecoder` (t5), each compiled once per shape and setting.
   * `speculative`: `speculative_decode`, decoding drafted by the model's multi-token

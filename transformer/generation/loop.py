@@ -54,9 +54,12 @@ def _emit(state: DecodeState, logits_BV: Array, mode: _Mode) -> DecodeState:
 
 
 def _start_state(cache, context, first_logits_BV, start_B, seed, knobs, *, max_new_tokens,
-                 mode) -> DecodeState:
+                 mode, keys=None) -> DecodeState:
+    """The state after the first token. `keys` [B]: the rows' PRNG keys, in place of `seed`'s
+    split (`programs.decode` passes a row its key in the whole batch when it decodes the rows
+    in groups)."""
     batch = first_logits_BV.shape[0]
-    keys = jax.random.split(jax.random.key(seed), batch)
+    keys = jax.random.split(jax.random.key(seed), batch) if keys is None else keys
     state = DecodeState(cache, context, jnp.full((batch, max_new_tokens), PAD_ID, jnp.int32),
                         jnp.zeros(batch, jnp.int32), jnp.zeros((), jnp.int32),
                         jnp.zeros(batch, bool), jnp.asarray(start_B, jnp.int32), keys, knobs)

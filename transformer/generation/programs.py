@@ -103,10 +103,10 @@ class _Seq2SeqProgram:
 
 
 @functools.partial(jax.jit, static_argnames=("program", "mode", "max_new_tokens"))
-def _prefill(params, inputs, lengths, seed, knobs, *, program, mode, max_new_tokens):
+def _prefill(params, inputs, lengths, keys, knobs, *, program, mode, max_new_tokens):
     first, cache, context, start = program.prefill(params, inputs, lengths)
-    return _start_state(cache, context, first, start, seed, knobs, max_new_tokens=max_new_tokens,
-                        mode=mode)
+    return _start_state(cache, context, first, start, None, knobs, max_new_tokens=max_new_tokens,
+                        mode=mode, keys=keys)
 
 
 @functools.partial(jax.jit, static_argnames=("program", "mode"), donate_argnums=1)
@@ -196,6 +196,40 @@ def _program(model, prompt_length: int, max_new_tokens: int, *, prefix_lm: bool,
                      "with a KV cache)")
 
 
+def routes_with_capacity(model: nn.Module) -> bool:
+    """Whether a mixture-of-experts layer of `model` routes with a capacity (moe.num_experts > 0
+    and moe.capacity_factor > 0): each row is one routing group whose slots per expert grow with
+    its width, so padding a prompt changes which of its tokens are dropped."""
+    configs = (getattr(model, name, None) for name in ("config", "encoder_config",
+                                                       "decoder_config"))
+    moes = [getattr(c, "moe", None) for c in configs]
+    return any(m is not None and m.num_experts and m.capacity_factor for m in moes)
+
+
+def _groups(model, inputs, lengths, max_new_tokens, **program_kw) -> list[tuple]:
+    """(rows, inputs, lengths, program) of each batch the prompts decode in: all of them in one,
+    or where the model `routes_with_capacity`, the prompts of each length in their own batch
+    unpadded, so that a prompt's tokens do not depend on the other prompts. Every program is
+    checked before any compiles."""
+    if not routes_with_capacity(model):
+        return [(np.arange(len(lengths)), inputs, lengths,
+                 _program(model, inputs.shape[1], max_new_tokens, **program_kw))]
+    groups = []
+    for n in np.unique(lengths):
+        rows = np.flatnonzero(lengths == n)
+        groups.append((rows, inputs[rows, :n], lengths[rows],
+                       _program(model, int(n), max_new_tokens, **program_kw)))
+    return groups
+
+
+def _scatter(groups, parts, batch: int) -> np.ndarray:
+    """The groups' rows (`parts`, in `_groups`' order) put back in the batch's order."""
+    out = np.empty((batch, *parts[0].shape[1:]), parts[0].dtype)
+    for (rows, *_), part in zip(groups, parts, strict=True):
+        out[rows] = part
+    return out
+
+
 def decode(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarray, *,
            max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            seed: int = 0, eos_id: int | Sequence[int] | None = EOS_ID, prefix_lm: bool = False,
@@ -208,37 +242,49 @@ def decode(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.ndarr
     `prompts` are token lists of any lengths, or a right-padded [B, P] array with `lengths`.
     For a `DecoderLM` they are the sequence's start (`prefix_lm=True`: the bidirectional prefix
     of a prefix LM); for an `EncoderDecoder` the encoder inputs, decoding starting from
-    `start_id` (a tokenizer's `decoder_start_id`).
-    Sampling is per `Sampling`, seeded per row. A row stops after `eos_id` (an id, several ids
-    such as a checkpoint's generation_config.json list, or None: never) and is PAD_ID after;
-    lengths count the tokens up to and including that stop. `banned_ids` are never
-    emitted (for text, `banned_ids(tokenizer, ...)`); changing them does not recompile.
+    `start_id` (a tokenizer's `decoder_start_id`); where the model `routes_with_capacity`,
+    the prompts of each length decode as their own unpadded batch.
+    Sampling is per `Sampling`, seeded per row (a row's key is its key in the whole batch).
+    A row stops after `eos_id` (an id, several ids such as a checkpoint's
+    generation_config.json list, or None: never) and is PAD_ID after; lengths count the tokens
+    up to and including that stop. `banned_ids` are never emitted (for text,
+    `banned_ids(tokenizer, ...)`); changing them does not recompile.
 
     With `chunk_size`, the jitted loop runs `chunk_size` tokens at a time and `callback` gets
     the tokens so far, [B, n], after each chunk (for streaming).
     """
     s = sampling(temperature, top_k, top_p)
     inputs, lengths = _as_batch(prompts, lengths, model.vocab_size)
-    program = _program(model, inputs.shape[1], max_new_tokens, prefix_lm=prefix_lm,
-                       start_id=start_id)
+    groups = _groups(model, inputs, lengths, max_new_tokens, prefix_lm=prefix_lm,
+                     start_id=start_id)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size={chunk_size!r}: expected an int >= 1 or None")
     _check_seed_and_eos(seed, eos_id)
     n = int(max_new_tokens)
     mode, knobs = _split(s, model.vocab_size, eos_id, banned_ids)
-    state = _prefill(params, inputs, lengths, np.int32(seed), knobs, program=program, mode=mode,
-                     max_new_tokens=n)
+    # each row's key is its key in the whole batch, however the rows are grouped
+    keys = jax.random.split(jax.random.key(np.int32(seed)), len(inputs))
+    states = [_prefill(params, x, lx, keys if len(groups) == 1 else keys[rows], knobs,
+                       program=program, mode=mode, max_new_tokens=n)
+              for rows, x, lx, program in groups]
+
+    def tokens_so_far(step):
+        return _scatter(groups, [np.array(state.tokens)[:, :step] for state in states],
+                        len(inputs))
+
     streaming = callback is not None and chunk_size is not None
     if streaming:
-        callback(np.array(state.tokens)[:, :1])
+        callback(tokens_so_far(1))
     step = 1
-    while step < n and not np.asarray(state.done).all():
+    while step < n and not all(np.asarray(state.done).all() for state in states):
         limit = n if chunk_size is None else min(step + chunk_size, n)
-        state = _continue(params, state, np.int32(limit), program=program, mode=mode)
-        step = int(state.step)
+        states = [state if np.asarray(state.done).all() else
+                  _continue(params, state, np.int32(limit), program=group[3], mode=mode)
+                  for group, state in zip(groups, states, strict=True)]
+        step = max(int(state.step) for state in states)  # < limit once every row is done
         if streaming:
-            callback(np.array(state.tokens)[:, :step])
-    tokens = np.array(state.tokens)
+            callback(tokens_so_far(step))
+    tokens = tokens_so_far(n)
     if callback is not None and not streaming:
         callback(tokens)
     return tokens, _lengths(tokens, eos_id)
@@ -251,7 +297,8 @@ def beam_search(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.
                 start_id: int = BOS_ID) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The best of `beam_size` beams per prompt: (tokens [B, N], lengths [B], scores [B]) as
     NumPy; score = log-probability / ((5 + length) / 6) ** length_penalty. Prompts as in
-    `decode` (encoder inputs of an `EncoderDecoder`, or the start of a `DecoderLM` sequence).
+    `decode` (encoder inputs of an `EncoderDecoder`, or the start of a `DecoderLM` sequence;
+    grouped by length where the model `routes_with_capacity`).
     `banned_ids` are never chosen; the log-probabilities are then over the allowed ids."""
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size={beam_size!r}: expected an int >= 1")
@@ -260,11 +307,14 @@ def beam_search(model: nn.Module, params, prompts: Sequence[Sequence[int]] | np.
         raise ValueError(f"length_penalty={length_penalty!r}: expected a finite float >= 0")
     stops = _check_seed_and_eos(0, eos_id)
     inputs, lengths = _as_batch(prompts, lengths, model.vocab_size)
-    program = _program(model, inputs.shape[1], max_new_tokens, prefix_lm=prefix_lm,
-                       repeat=beam_size, start_id=start_id)
+    groups = _groups(model, inputs, lengths, max_new_tokens, prefix_lm=prefix_lm,
+                     repeat=beam_size, start_id=start_id)
     banned_V = _banned_mask(banned_ids, model.vocab_size)
-    out = _beam_search(params, inputs, lengths, banned_V, program=program, beam_size=beam_size,
-                       max_new_tokens=int(max_new_tokens), length_penalty=float(length_penalty),
-                       eos_id=stops)  # a tuple: static, hashable
-    tokens, _, scores = (np.asarray(x) for x in out)
+    outs = [_beam_search(params, x, lx, banned_V, program=program, beam_size=beam_size,
+                         max_new_tokens=int(max_new_tokens),
+                         length_penalty=float(length_penalty),
+                         eos_id=stops)  # a tuple: static, hashable
+            for _, x, lx, program in groups]
+    tokens = _scatter(groups, [np.asarray(out[0]) for out in outs], len(inputs))
+    scores = _scatter(groups, [np.asarray(out[2]) for out in outs], len(inputs))
     return tokens, _lengths(tokens, stops), scores

@@ -286,14 +286,19 @@ def _new_tokens(max_new_tokens: int | None, config, decoding: str, prompt_length
                 typed: int | None = None) -> int:
     """`max_new_tokens`, or by default seq_len tokens (an encoder-decoder's output) or what
     fills the training context after the prompt (a decoder LM), within a learned position
-    table (model.max_len). An `imported` checkpoint's decoder LM: `_imported_new_tokens`.
-    `typed`: how many of the prompt's `prompt_length` ids are the user's (the rest are the
+    table (model.max_len); a `max_new_tokens` past the positions it was trained on warns
+    (`_warn_past`). An `imported` checkpoint's decoder LM: `_imported_new_tokens`. `typed`:
+    how many of the prompt's `prompt_length` ids are the user's (the rest are the
     `document_prefix` read before them)."""
     if decoding == "encoder_decoder":
         return config.seq_len if max_new_tokens is None else int(max_new_tokens)
     if imported(config):
         return _imported_new_tokens(max_new_tokens, config, prompt_length, typed)
     if max_new_tokens is not None:
+        if decoding != "recompute":  # (an LSTM has no positions)
+            learned = config.model.get("position") == "learned"
+            _warn_past(prompt_length, max_new_tokens, *_trained_positions(config), config,
+                       refused_past=config.model.max_len if learned else None)
         return int(max_new_tokens)
     context, name = config.seq_len, "seq_len"
     if config.model.get("position") == "learned" and config.model.max_len < context:
@@ -301,6 +306,16 @@ def _new_tokens(max_new_tokens: int | None, config, decoding: str, prompt_length
     if prompt_length >= context:
         raise _too_long(prompt_length, typed, f"{name}={context}", " (or pass max_new_tokens)")
     return context - prompt_length
+
+
+def _trained_positions(config) -> tuple[str, int]:
+    """(name, count) of the positions a trained workdir's model learned: its rows' seq_len, or
+    a fine-tune's imported checkpoint's (init_from="hf:DIR") max_position_embeddings where
+    that is more."""
+    if str(config.get("init_from") or "").startswith("hf:") and \
+            config.model.max_len > config.seq_len:
+        return "the imported checkpoint's max_position_embeddings", config.model.max_len
+    return "the training context seq_len", config.seq_len
 
 
 def _imported_new_tokens(max_new_tokens: int | None, config, prompt_length: int,
@@ -317,13 +332,23 @@ def _imported_new_tokens(max_new_tokens: int | None, config, prompt_length: int,
             raise _too_long(prompt_length, typed, f"the checkpoint's max_position_embeddings="
                             f"{max_len}", "" if learned else " (or pass max_new_tokens)")
         return min(max_len - prompt_length, config.seq_len)
-    positions = prompt_length + max_new_tokens - 1  # the last new token is never read
-    if max_new_tokens and positions > max_len and not learned:
-        cli.warn_once(f"prompt of {prompt_length} tokens + max_new_tokens={max_new_tokens} - 1 "
-                      f"= {positions} positions, past the checkpoint's max_position_embeddings="
-                      f"{max_len}: model.position={config.model.get('position')!r} runs beyond "
-                      "the positions it was trained on, and the text may degrade")
+    _warn_past(prompt_length, max_new_tokens, "the checkpoint's max_position_embeddings",
+               max_len, config, refused_past=max_len if learned else None)
     return int(max_new_tokens)
+
+
+def _warn_past(prompt_length: int, max_new_tokens: int, name: str, limit: int, config,
+               refused_past: int | None) -> None:
+    """One warning line (as HF `generate` gives) where the prompt and `max_new_tokens` run
+    past the `limit` positions the model was trained on (`name`), unless they also run past
+    `refused_past` (a learned table's rows), which `programs._program` refuses."""
+    positions = prompt_length + max_new_tokens - 1  # the last new token is never read
+    if max_new_tokens and positions > limit and not (
+            refused_past is not None and positions > refused_past):
+        cli.warn_once(f"prompt of {prompt_length} tokens + max_new_tokens={max_new_tokens} - 1 "
+                      f"= {positions} positions, past {name}={limit}: model.position="
+                      f"{config.model.get('position')!r} runs beyond the positions it was "
+                      "trained on, and the text may degrade")
 
 
 def _too_long(prompt_length: int, typed: int | None, limit: str, way_out: str) -> ValueError:
