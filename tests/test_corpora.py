@@ -931,3 +931,10 @@ def test_a_big_direct_corpus_warns_once_with_the_prepare_command_and_evaluation_
     cli.warn_once.cache_clear()
     inputs.corpus(config_for(path, tokenizer="byte"), tokenizer, "train")
     assert "prepare" not in capsys.readouterr().err
+    # with a validation file, the advice says prepare makes its own split instead
+    monkeypatch.setattr(direct_reads, "WARN_BYTES", 0)
+    config.data.validation_path = str(path)
+    direct_reads.warn_big_corpus(config.data)
+    assert capsys.readouterr().err.rstrip().endswith(
+        ", and train on that directory (prepare splits its input by --validation_fraction: a "
+        "prepared data.path takes no data.validation_path)")

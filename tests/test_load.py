@@ -133,6 +133,21 @@ def test_evaluate_says_why_the_embedded_corpus_changed(workdir, monkeypatch):
     assert "(data.path is empty: the embedded corpus, which is the running Python's" in change
 
 
+def test_evaluate_names_an_edited_mixture_source(workdir, monkeypatch):
+    """A mixture's fingerprint is a dict of its sources': evaluate's data comparison looks
+    under it (it compared the top-level key alone, and an edited source went unreported)."""
+    from transformer import evaluate
+    from transformer.training import checkpoint
+
+    _, config = checkpoint.saved_run(str(workdir), 4)
+    current = {"fingerprint": {"a": "f-a", "b": "f-b"}, "batch_size": 4}
+    saved = {"fingerprint": {"a": "EDITED", "b": "f-b"}, "batch_size": 4}
+    monkeypatch.setattr(evaluate.checkpoint_lib, "saved_stream", lambda *args, **kw: saved)
+    monkeypatch.setattr(evaluate.inputs, "data_stream", lambda *args: current)
+    assert evaluate.data_changes(str(workdir), 4, config) == [
+        "fingerprint.a: checkpoint 'EDITED', config 'f-a'"]
+
+
 def test_a_hugging_face_directory_loads_with_transformers_logits_and_its_own_eos(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

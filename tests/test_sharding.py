@@ -558,6 +558,28 @@ def test_a_start_up_check_one_process_fails_is_raised_on_every_process(monkeypat
     assert startup.agreed(lambda path: path, "data.txt") == "data.txt"
 
 
+def test_a_process_interrupted_in_a_start_up_check_tells_the_others(monkeypatch):
+    """A Ctrl-C in one process's check (hosts started by hand): it shares that it stopped, then
+    goes on with its interrupt; the others raise one line naming it (they failed in a gloo
+    timeout, then a C++ abort, saying nothing of process 1)."""
+    from transformer.training import startup
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    shared = []
+    monkeypatch.setattr(startup, "_allgather_text", lambda text: shared.append(text) or [
+        "", "interrupted -"])
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        startup.agreed(interrupted)
+    assert shared == ["interrupted -"]
+    with pytest.raises(RuntimeError, match=r"^process 1 was interrupted during its start-up "
+                                           r"checks$"):
+        startup.agreed(lambda: None)
+
+
 @pytest.mark.slow
 def test_one_process_failing_a_start_up_check_stops_every_process(tmp_path):
     """Process 1 given a data path that does not exist printed its error and never exited:

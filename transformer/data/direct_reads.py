@@ -37,7 +37,9 @@ def warn_big_corpus(data: Mapping) -> None:
     cli.warn_once(f"data.path={path!r}: {size / 1e6:,.0f} MB on disk, read whole into memory at "
                   "start-up (several times that at its peak, docs/data.md): tokenize it once, "
                   f"python -m transformer.data.prepare --input={shlex.quote(path)} "
-                  f"--output_dir=prepared{flags}, and train on that directory")
+                  f"--output_dir=prepared{flags}, and train on that directory"
+                  + (" (prepare splits its input by --validation_fraction: a prepared data.path"
+                     " takes no data.validation_path)" if data.get("validation_path") else ""))
 
 
 def split_key(data: ml_collections.ConfigDict, split: str) -> tuple:

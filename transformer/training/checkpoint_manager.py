@@ -162,7 +162,8 @@ def _opt_layout(tree) -> dict[str, tuple]:
 def stream_differences(saved: dict, current: dict,
                        compared: Sequence[str] | None = None) -> list[str]:
     """What differs between two data streams (`inputs.data_stream` dicts), in their `compared`
-    dotted keys (default: all). A different data.path with the same content fingerprint is
+    keys and the dotted keys under them (default: all; a mixture's "fingerprint" is a dict of
+    its sources'). A different data.path with the same content fingerprint is
     data that moved, not a difference. The embedded corpus's fingerprint (data.path '' in
     both) says why it changed (`_embedded_hint`).
 
@@ -173,7 +174,9 @@ def stream_differences(saved: dict, current: dict,
     saved, current = keys.dotted(saved), keys.dotted(current)
     moved = {"data.path": "fingerprint", "data.validation_path": "validation_fingerprint"}
     differences = []
-    for key in sorted(set(saved) | set(current) if compared is None else compared):
+    under = tuple(compared or ())
+    for key in sorted(k for k in set(saved) | set(current) if compared is None or k in under
+                      or k.startswith(tuple(f"{c}." for c in under))):
         if key in (inputs.DOCUMENTS, inputs.TEST_FINGERPRINT):
             continue  # derived from the rest (older checkpoints lack it); never trained on
         if key in moved and saved.get(moved[key]) == current.get(moved[key]):

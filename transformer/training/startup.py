@@ -86,9 +86,15 @@ def agreed(check, *args):
     except Exception as error:  # noqa: BLE001 - shared with the other processes first
         usage = isinstance(error, cli.USAGE_ERRORS)
         result, failure = None, ("usage " if usage else "runtime ") + cli.message(error)
+    except BaseException:  # Ctrl-C or an exit in this process: the others are told, then it goes on
+        _allgather_text("interrupted -")
+        raise
     for process, text in enumerate(_allgather_text(failure)):
         if text:  # the first process that failed (each names its own values)
             kind, line = text.split(" ", 1)
+            if kind == "interrupted":
+                raise RuntimeError(f"process {process} was interrupted during its start-up "
+                                   "checks")
             raise (ValueError if kind == "usage" else RuntimeError)(
                 f"process {process} failed its start-up checks: {line}")
     return result
