@@ -160,7 +160,8 @@ def test_generate_until_is_greedy_kv_cache_decoding_cut_at_the_stop_string(workd
         tokens, lengths = generate.decode(lm.model, lm.params, [prompt], max_new_tokens=8,
                                           eos_id=lm.eos, banned_ids=lm.banned)
         ids = tokens[0, :lengths[0]]
-        assert text == lm.tokenizer.decode(ids[ids != lm.eos]).split("\n")[0]
+        ids = ids[~np.isin(ids, list(lm.specials))]  # (the text leaves specials out)
+        assert text == lm.tokenizer.decode(ids).split("\n")[0]
     result = evaluate(lm, tmp_path, "local_gen")
     expected = np.mean([t == p["target"] for t, p in zip(got, PROMPTS, strict=True)])
     assert result["exact_match,none"] == pytest.approx(expected)
@@ -236,14 +237,48 @@ def test_the_command_chooses_its_platform_like_the_other_commands():
 
 @pytest.mark.slow
 def test_a_bad_workdir_is_one_line_and_exit_2(tmp_path):
-    bad = tmp_path / "none"
-    result = run_main(f"harness.TransformerLM(workdir={str(bad)!r})")
-    assert result.returncode == 2, describe(result)
-    assert result.stderr.splitlines() == \
-        [f"error: {str(bad)!r} holds no checkpoints: expected a training workdir that has "
-         "saved one"]
+    bad, empty = tmp_path / "none", tmp_path / "empty"
+    empty.mkdir()
+    for args, line in (
+            (f"workdir={bad}", f"workdir={str(bad)!r} does not exist: expected a training "
+                               "workdir (or hf:DIR, a Hugging Face checkpoint)"),
+            (f"workdir={empty}", f"{str(empty)!r} holds no checkpoints: expected a training "
+                                 "workdir that has saved one"),
+            (f"workdir={bad},foo=1", "--model_args foo: the model 'transformer' takes only "
+                                     "workdir, step, batch_size, max_length"),
+            (f"workdir={bad},batch_size=abc", "batch_size='abc': expected a positive int or "
+                                              "'auto'")):
+        result = run_main(f"harness.TransformerLM.create_from_arg_string({args!r})")
+        assert result.returncode == 2, describe(result)
+        assert result.stderr.splitlines() == [f"error: {line}"]
     result = run_main(f"harness.TransformerLM(workdir={str(bad)!r})", "--verbose")
     assert result.returncode == 1 and "Traceback" in result.stderr  # --verbose: the traceback
+
+
+@pytest.mark.parametrize("args,message", [
+    ("workdir=runs/gpt,foo=1,bar=x", r"^--model_args bar, foo: the model 'transformer' takes "
+                                     r"only workdir, step, batch_size, max_length$"),
+    ("workdir=runs/gpt,batch_size=abc", r"^batch_size='abc': expected a positive int or "
+                                        r"'auto'$"),
+    ("workdir=runs/gpt,batch_size=0", r"^batch_size=0: expected a positive int or 'auto'$"),
+    ("workdir=runs/gpt,batch_size=1.5", r"^batch_size=1\.5: expected a positive int or "
+                                        r"'auto'$"),
+    ("workdir=runs/gpt,max_length=-3", r"^max_length=-3: expected a positive int$"),
+    ("workdir=runs/gpt,step=latest", r"^step='latest': expected an int >= 0$"),
+    ("workdir={missing}", r"^workdir='.*nonexist' does not exist: expected a training workdir"),
+    ("workdir={file}", r"^workdir='.*\.jsonl' is a file: expected a training workdir"),
+], ids=["unknown_keys", "batch_size_text", "batch_size_zero", "batch_size_float",
+        "max_length_negative", "step_text", "workdir_missing", "workdir_a_file"])
+def test_bad_model_args_are_one_line_before_any_checkpoint_is_read(tmp_path, args, message):
+    """--model_args as the command passes them (`create_from_arg_string`): an unknown key, a
+    batch_size, max_length or step that is no int (a TypeError or "invalid literal for int()"),
+    a workdir that does not exist (it said "holds no checkpoints"): one line naming it, and
+    what was expected (the command prints it, exit 2). No workdir is read: runs/gpt is none."""
+    file = tmp_path / "mc.jsonl"
+    file.write_text("{}\n")
+    args = args.format(missing=tmp_path / "nonexist", file=file)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        TransformerLM.create_from_arg_string(args, {"batch_size": "1"})
 
 
 def test_the_command_checks_a_local_tasks_splits_before_the_model_loads(tmp_path):
@@ -490,3 +525,45 @@ def test_a_template_refusing_the_system_role_renders_as_lm_evals_hf_model(tmp_pa
         assert "system" not in rendered and rendered.endswith(
             "assistant\n" if prompt else "Answer:")
     assert "without its system messages" in caplog.text
+
+
+def test_generate_until_drops_a_generated_special_as_lm_evals_hf_model(tmp_path):
+    """A base Llama 3 whose greedy pick is a special token that does not end a sample
+    (<|start_header_id|>: its lm_head row outscores the argmax's): as HF generate, the adapter
+    emits it (it was banned, so the next-best token was taken and the text went on elsewhere),
+    and as lm-eval's HF model leaves it out of the text (skip_special_tokens) before cutting at
+    `until`: the same strings as HFLM's, batched and alone."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from test_sft import llama3_with_bos
+
+    directory, vocab, bos, eos = llama3_with_bos(tmp_path / "llama")
+    hf = tiny_llama(directory, len(vocab), bos, eos)
+    header = vocab["<|start_header_id|>"]
+    prompts = ["the sea and the king", "tell me a story"]
+    with torch.no_grad():  # the header outscores whatever the first prompt's greedy pick is
+        ids = torch.tensor([[bos, *lm_eval_ids(directory, prompts[0])]])
+        top = int(hf(input_ids=ids).logits[0, -1].argmax())
+        hf.lm_head.weight[header] = 1.5 * hf.lm_head.weight[top]
+    hf.save_pretrained(directory)
+    theirs = HFLM(pretrained=str(directory), dtype="float32", device="cpu", batch_size=2)
+    raw = hf.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert header in raw and eos not in raw  # a special generated, not a stop
+    requests = [Instance("generate_until", {}, (p, {"until": ["\n\n"], "max_gen_toks": 12}), i)
+                for i, p in enumerate(prompts)]
+    want = theirs.generate_until(requests)
+    assert want[0] == theirs.tok_decode(raw).split("\n\n")[0]
+    for batch_size in (2, 1):
+        ours = TransformerLM(workdir=f"hf:{directory}", batch_size=batch_size, max_length=64)
+        assert ours.generate_until(requests) == want
+    assert ours.banned == ()  # (the padded vocabulary only: none here)
+
+
+def lm_eval_ids(directory, text: str) -> list[int]:
+    """`text`'s ids without specials, as the directory's tokenizer.json encodes it."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    return tok.encode(text, add_special_tokens=False).ids

@@ -21,21 +21,37 @@ from lm_eval.api.registry import register_model
 from transformer import generate
 from transformer.hf import harness
 from transformer.training import task_eval
+from transformer.utils import fileio
 
 
 @register_model("transformer")
 class TransformerLM(harness.TransformerLM):
     """A causal decoder LM (model.family "gpt") restored from a training workdir."""
 
+    ARGS = ("workdir", "step", "batch_size", "max_length")  # its --model_args
+
     def __init__(self, workdir: str, step: int | None = None, batch_size: int | str = 8,
                  max_length: int | None = None):
-        super().__init__(*generate.load_workdir(workdir, None if step in (None, "") else int(step)),
-                         batch_size, max_length)
+        # (checked before the checkpoint is read)
+        step = None if step in (None, "") else harness.int_arg("step", step, least=0)
+        harness.int_arg("batch_size", batch_size, auto=True)
+        if max_length not in (None, "", 0):
+            harness.int_arg("max_length", max_length)
+        workdir = str(workdir)
+        if not workdir.startswith("hf:") and not fileio.isdir(workdir):
+            raise FileNotFoundError(f"workdir={workdir!r} " + (
+                "is a file" if fileio.isfile(workdir) else "does not exist") +
+                ": expected a training workdir (or hf:DIR, a Hugging Face checkpoint)")
+        super().__init__(*generate.load_workdir(workdir, step), batch_size, max_length)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict, additional_config=None):
         # The command's --batch_size (default 1) yields to a batch_size in --model_args; its
         # device / max_batch_size do not apply (JAX places the model itself).
+        unknown = sorted(set(arg_dict) - set(cls.ARGS))
+        if unknown:
+            raise ValueError(f"--model_args {', '.join(unknown)}: the model 'transformer' takes "
+                             f"only {', '.join(cls.ARGS)}")
         extra = {k: v for k, v in (additional_config or {}).items()
                  if k == "batch_size" and v is not None and k not in arg_dict}
         return cls(**arg_dict, **extra)

@@ -112,10 +112,11 @@ def document_prefix(config, tokenizer, empty: bool = False) -> list[int]:
     previous one's <eos> (`inputs.streamed`); for weights from a Hugging Face checkpoint
     (init_from="hf:..."), what its tokenizer puts before a text (`HFTokenizer.document_start`:
     Llama's or Gemma's BOS; a fine-tune's documents begin with it, `inputs.document_start`),
-    else [eos] (GPT-2's and Qwen's documents follow an
-    <|endoftext|>); nothing where training packed them (the default data.unit), each from
-    position 0 of its own segment, nor for a prefix LM (the prefix_lm rows, `windows.Chunks`,
-    begin at a document's first token). Before an `empty` text there is nothing to predict its
+    else [eos], the token its tokenizer names eos (GPT-2's and a Qwen base model's documents
+    follow it, <|endoftext|>; a Qwen instruct checkpoint names <|im_end|>); nothing where
+    training packed them (the default data.unit), each from position 0 of its own segment,
+    nor for a prefix LM (the prefix_lm rows, `windows.Chunks`, begin at a document's first
+    token). Before an `empty` text there is nothing to predict its
     first token from: [eos] (or the checkpoint's BOS), the nearest thing to a document start.
 
     >>> import ml_collections

@@ -11,7 +11,8 @@ encodes context + continuation together and scores the tokens past the context's
 harness's convention for BPE boundaries), `loglikelihood_rolling` cuts long texts into the harness's
 rolling windows of `max_length` tokens, and `generate_until` decodes with the KV cache in batches
 (greedy unless the task asks to sample; top_k and top_p apply, another generation setting is
-refused). Contexts longer than `max_length` (default: the training length, config.seq_len) keep
+refused) until a stop id, leaving the special tokens it generates out of the text, as lm-eval's HF
+model does. Contexts longer than `max_length` (default: the training length, config.seq_len) keep
 their last tokens; a continuation longer than it is refused, and so is a generation of max_length
 tokens or more. Rows are padded to a few bucketed widths, except for a mixture of experts that
 routes with a capacity (moe.capacity_factor > 0): a row's slots per expert grow with its width, so a
@@ -31,6 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,19 @@ from transformer.models import family_of
 # generate_until's max_gen_toks where a task names none
 MAX_GEN_TOKS = 64
 IMPORT_WITHOUT_POSITIONS = 2048  # an import's max_length without a position limit (lm-eval's)
+
+
+def int_arg(name: str, value, auto: bool = False, least: int = 1) -> int | None:
+    """A model arg's `value` (an int, or its digits as --model_args gives a string) as an int
+    of at least `least`; "auto" is None where `auto`; anything else is one line naming it."""
+    if auto and value == "auto":
+        return None
+    whole = isinstance(value, numbers.Integral) and not isinstance(value, bool) or \
+        isinstance(value, str) and value.strip().isdigit()
+    if whole and int(value) >= least:
+        return int(value)
+    expected = "a positive int" if least == 1 else f"an int >= {least}"
+    raise ValueError(f"{name}={value!r}: expected {expected}" + (" or 'auto'" if auto else ""))
 
 
 def _bucket(n: int, limit: int) -> int:
@@ -84,7 +99,8 @@ class TransformerLM(LM):
         if family.decoding != "causal":
             raise ValueError(f"model.family={family.name!r}: the harness adapter scores causal "
                              "decoder LMs (model.family 'gpt')")
-        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
+        self.batch_size = int_arg("batch_size", batch_size, auto=True) or 8
+        max_length = None if max_length in (None, "", 0) else int_arg("max_length", max_length)
         limit = self.config.model.max_len if self.config.model.position == "learned" else None
         if not max_length and text.imported(self.config):
             # an import's context: its max_position_embeddings, as lm-eval's HF model reads
@@ -105,7 +121,10 @@ class TransformerLM(LM):
             self.config.get("init_from") or "").startswith("hf:") else self.prefixes[False]
         self.specials = frozenset(int(i) for i in self.tokenizer.special_ids)
         self.stops = text.stop_ids(self.tokenizer)  # <eos> and an imported checkpoint's stops
-        self.banned = text.banned_ids(self.tokenizer, self.config.model.vocab_size)
+        # generate_until emits any real token, a special too (as HF generate does; decoding
+        # drops it): only the padded vocabulary past the tokenizer's, which has no text
+        self.banned = tuple(range(self.tokenizer.vocab_size, self.config.model.vocab_size))
+        self.unwritten = np.asarray(sorted(self.specials | set(self.stops)), np.int32)
         moe = self.config.model.get("moe") or {}
         self.unpadded = bool(moe.get("num_experts") and moe.get("capacity_factor"))
 
@@ -207,8 +226,10 @@ class TransformerLM(LM):
     # --- generation -----------------------------------------------------------------------------
 
     def generate_until(self, requests) -> list[str]:
-        """Greedy (or sampled, as each request's settings say) KV-cache continuations cut at
-        the first stop string, decoded in batches of requests that share their settings."""
+        """Greedy (or sampled, as each request's settings say) KV-cache continuations, decoded
+        in batches of requests that share their settings until a stop id, as lm-eval's HF model
+        reads them: special tokens generated (not banned) but left out of the text, which is cut
+        at the first stop string."""
         jobs = [self._generation(request) for request in requests]
         out = [""] * len(jobs)
         by_settings: dict[tuple, list[int]] = {}
@@ -228,8 +249,9 @@ class TransformerLM(LM):
                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                     eos_id=self.stops, banned_ids=self.banned)
                 for b, i in enumerate(chunk):
+                    # lm-eval's HF model decodes with skip_special_tokens, then cuts
                     ids = tokens[b, :ends[b]]
-                    text = self.tokenizer.decode(ids[~np.isin(ids, self.stops)])
+                    text = self.tokenizer.decode(ids[~np.isin(ids, self.unwritten)])
                     cut = min([text.find(s) for s in jobs[i][1] if s and s in text] or
                               [len(text)])
                     out[i] = text[:cut]
