@@ -51,7 +51,7 @@ def test_the_profile_trace_holds_the_chosen_train_steps(tmp_path, capsys):
 
 
 def test_only_process_0_traces_unless_all_hosts(monkeypatch):
-    config = tiny_config(steps=3)
+    config = tiny_config(steps=6)  # (the window, step 5, inside the run)
     config.profile.num_steps = 1
     assert profiling.Tracer(config, "w").enabled
     monkeypatch.setattr(jax, "process_index", lambda: 1)
