@@ -227,6 +227,10 @@ def test_a_text_past_the_learned_positions_is_refused_and_no_text_scores_zero():
         assert str(error.value) == ("text of 16 tokens (after <eos>): expected at most 15, the "
                                     "model's learned positions end at max_len=16")
     assert lm.score("") == 0.0 and lm.score("", context="x" * 30) == 0.0
+    # the model itself, called on more rows than its table holds (with no positions given)
+    with pytest.raises(ValueError, match=r"^17 tokens: expected at most model.max_len=16, "
+                                         r"where the learned position table ends"):
+        model.apply({"params": params}, np.ones((1, 17), np.int32))
 
 
 def test_a_t5_with_its_sentinels_loads_and_only_language_models_score(tmp_path):
