@@ -233,6 +233,26 @@ def test_a_text_past_the_learned_positions_is_refused_and_no_text_scores_zero():
         model.apply({"params": params}, np.ones((1, 17), np.int32))
 
 
+def test_a_sequence_mesh_refuses_rows_past_the_learned_table_too(monkeypatch):
+    """Load-balanced sequence parallelism lays positions out zig-zag, made by the model before
+    the stack: it refuses rows past max_len as the stack does (it gave NaN logits)."""
+    import flax.linen as nn
+
+    from transformer.models import build_model
+    from transformer.nn import sequence_parallel
+
+    config = configs.base_config()
+    config.model.update(**TINY_MODEL, position="learned", max_len=16, vocab_size=64,
+                        sequence_load_balance=True)
+    model = build_model(config.model)
+    params = jax.jit(lambda: nn.unbox(model.init(jax.random.key(0), np.ones((1, 8), np.int32))[
+        "params"]))()
+    monkeypatch.setattr(sequence_parallel, "shards", lambda: 2)  # as under mesh.sequence=2
+    with pytest.raises(ValueError, match=r"^32 tokens: expected at most model.max_len=16, "
+                                         r"where the learned position table ends"):
+        model.apply({"params": params}, np.ones((1, 32), np.int32))
+
+
 def test_a_t5_with_its_sentinels_loads_and_only_language_models_score(tmp_path):
     """A T5 directory whose tokenizer has its 100 <extra_id_i> (every hub T5, and every export
     of a run with the default data.num_sentinels) loads (it was refused, asking for

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from transformer.models.family import Family, transformer_config
 from transformer.nn import masks, sequence_parallel
 from transformer.nn import mtp as mtp_lib
+from transformer.nn import positions as positions_lib
 from transformer.nn.blocks import TransformerBlock, TransformerStack
 from transformer.nn.config import REMAT_POLICIES, TransformerConfig
 from transformer.nn.layers import OutputHead, TokenEmbedding, norm_layer
@@ -129,6 +130,7 @@ class DecoderLM(nn.Module):
         if balance:  # lay the sequence out zig-zag; the mask still sees original positions
             length = tokens_BT.shape[1]
             if positions is None:
+                positions_lib.check_learned_length(self.config, length)
                 positions = jnp.arange(length, dtype=jnp.int32)[None]
             tokens_BT = sequence_parallel.to_zigzag(tokens_BT, split)
             positions = sequence_parallel.to_zigzag(positions, split)

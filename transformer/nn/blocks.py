@@ -288,9 +288,7 @@ class TransformerStack(nn.Module):
         cfg = self.config
         length = x_BTD.shape[1]
         if positions is None:
-            if cfg.position == "learned" and length > cfg.max_len:  # (its rows beyond: NaN)
-                raise ValueError(f"{length} tokens: expected at most model.max_len={cfg.max_len}"
-                                 ", where the learned position table ends")
+            positions_lib.check_learned_length(cfg, length)
             positions = jnp.arange(length, dtype=jnp.int32)[None]
         x_BTD = x_BTD.astype(cfg.dtype)
         if cfg.scale_embeddings:

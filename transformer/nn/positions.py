@@ -55,6 +55,20 @@ def sinusoidal_positions(positions, dim: int, max_timescale: float = 10000.0) ->
     return pe.reshape(*angle.shape[:-1], dim)
 
 
+def check_learned_length(config, length: int) -> None:
+    """One line where a model with a learned position table (`config`: a TransformerConfig)
+    makes positions 0..length-1 itself past the table's `max_len` rows (they would read NaN).
+
+    >>> from types import SimpleNamespace
+    >>> check_learned_length(SimpleNamespace(position="learned", max_len=16), 17)
+    Traceback (most recent call last):
+    ValueError: 17 tokens: expected at most model.max_len=16, where the learned position table ends
+    """
+    if config.position == "learned" and length > config.max_len:
+        raise ValueError(f"{length} tokens: expected at most model.max_len={config.max_len}, "
+                         "where the learned position table ends")
+
+
 class LearnedPositionEmbedding(nn.Module):
     """A trainable table of absolute position vectors, looked up by position id."""
 
