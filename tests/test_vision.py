@@ -260,6 +260,14 @@ def test_the_image_tower_adds_no_1d_positions_on_top_of_its_patch_positions(fami
                    for p in paths)
     config.patch_position = "none"
     assert table in _param_paths(config)
+    # that table must hold the tower's tokens (16 patches, [CLS] for ViT): past it, NaN
+    tokens = 16 + (family == "vit")
+    config.max_len = tokens - 1
+    with pytest.raises(ValueError, match=rf"^patch_position='none' with position='learned': "
+                                         rf"the image tower reads {tokens} tokens .*expected "
+                                         rf"max_len >= {tokens}, or patch positions"):
+        _param_paths(config)
+    config.max_len = 32
     # RoPE's keys (read by the text side) do not stop the image tower from dropping RoPE.
     config.update(position="rope", rope_theta=500.0, patch_position="sinusoidal_2d")
     assert not any("image_encoder/encoder/" in p and "position" in p

@@ -341,6 +341,15 @@ def _image_settings(model_config, pooled: bool = False) -> dict:
         raise ValueError(f"pooling='none' with family {model_config.family!r}: expected one of "
                          f"{POOLINGS[:-1]} (its head reads one pooled vector an image; 'none' is "
                          "the captioner's every patch)")
+    # patch_position "none": the stack's own table numbers the tokens (the captioner's: patches)
+    tokens = image_tokens(model_config if pooled else {**model_config, "pooling": "none"})
+    if model_config.patch_position == "none" and model_config.position == "learned" and \
+            tokens > model_config.max_len:
+        raise ValueError(f"patch_position='none' with position='learned': the image tower "
+                         f"reads {tokens} tokens (image_size={model_config.image_size}, "
+                         f"patch_size={model_config.patch_size}), past model.max_len="
+                         f"{model_config.max_len}: expected max_len >= {tokens}, or patch "
+                         "positions of their own (patch_position 'sinusoidal_2d' or 'learned')")
     return {k: model_config[k] for k in ("image_size", "patch_size", "channels", "pooling",
                                          "patch_position")}
 
