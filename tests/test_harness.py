@@ -267,8 +267,11 @@ def test_a_bad_workdir_is_one_line_and_exit_2(tmp_path):
     ("workdir=runs/gpt,step=latest", r"^step='latest': expected an int >= 0$"),
     ("workdir={missing}", r"^workdir='.*nonexist' does not exist: expected a training workdir"),
     ("workdir={file}", r"^workdir='.*\.jsonl' is a file: expected a training workdir"),
+    ("batch_size=4", r"^--model_args workdir=\.\.\.: expected a training workdir or hf:DIR"),
+    ("workdir={missing},batch_size=auto:4", r"^workdir='.*nonexist' does not exist"),
 ], ids=["unknown_keys", "batch_size_text", "batch_size_zero", "batch_size_float",
-        "max_length_negative", "step_text", "workdir_missing", "workdir_a_file"])
+        "max_length_negative", "step_text", "workdir_missing", "workdir_a_file", "no_workdir",
+        "batch_size_auto_n"])
 def test_bad_model_args_are_one_line_before_any_checkpoint_is_read(tmp_path, args, message):
     """--model_args as the command passes them (`create_from_arg_string`): an unknown key, a
     batch_size, max_length or step that is no int (a TypeError or "invalid literal for int()"),

@@ -52,6 +52,9 @@ class TransformerLM(harness.TransformerLM):
         if unknown:
             raise ValueError(f"--model_args {', '.join(unknown)}: the model 'transformer' takes "
                              f"only {', '.join(cls.ARGS)}")
+        if not arg_dict.get("workdir"):
+            raise ValueError("--model_args workdir=...: expected a training workdir or hf:DIR "
+                             "(a Hugging Face checkpoint) to evaluate")
         extra = {k: v for k, v in (additional_config or {}).items()
                  if k == "batch_size" and v is not None and k not in arg_dict}
         return cls(**arg_dict, **extra)

@@ -33,6 +33,7 @@ import functools
 import hashlib
 import logging
 import numbers
+import re
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +51,9 @@ IMPORT_WITHOUT_POSITIONS = 2048  # an import's max_length without a position lim
 
 def int_arg(name: str, value, auto: bool = False, least: int = 1) -> int | None:
     """A model arg's `value` (an int, or its digits as --model_args gives a string) as an int
-    of at least `least`; "auto" is None where `auto`; anything else is one line naming it."""
-    if auto and value == "auto":
+    of at least `least`; "auto" (or lm-eval's "auto:N", N retunings) is None where `auto`;
+    anything else is one line naming it."""
+    if auto and isinstance(value, str) and re.fullmatch(r"auto(:\d+)?", value.strip()):
         return None
     whole = isinstance(value, numbers.Integral) and not isinstance(value, bool) or \
         isinstance(value, str) and value.strip().isdigit()
