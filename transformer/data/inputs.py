@@ -473,13 +473,15 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.
         if start := document_start(config, tokenizer):
             documents = [np.concatenate([np.asarray(start, np.int32), d]) for d in documents]
         return windows.Corpus.from_documents(documents, stream=stream)
-    start = document_start(config, tokenizer)
     if split == "train":  # built once per run
         return windows.tokenize_documents(_documents(config, split), tokenizer, stream=stream,
-                                          start=start)
-    # A run reads its validation / test split again at every evaluation, for bits per byte and
-    # for its samples: keep the tokens, bytes and prompt line (`direct.split_text`) of
-    # the last few, keyed by the data settings, the files' fingerprints and the tokenizer.
+                                          start=document_start(config, tokenizer))
+    return _kept_split(config, tokenizer, split)[0]
+
+
+def _kept_split(config: ml_collections.ConfigDict, tokenizer, split: str) -> tuple:
+    """(tokens, UTF-8 bytes, prompt line) of a direct validation / test split, which every
+    evaluation reads: the last few kept, keyed by data settings, file fingerprints, tokenizer."""
     key = (*direct.split_key(config.data, split), tokenizer)
     if key not in _EVAL_CORPORA:
         documents, data = _documents(config, split), config.data
@@ -487,12 +489,12 @@ def corpus(config: ml_collections.ConfigDict, tokenizer, split: str) -> windows.
         tokenizers_lib.warn_unknown_chars(  # (a char tokenizer's characters are train's)
             tokenizer, (d.text for d in documents),
             f"the {split} split (data.{field}={data.get(field)!r})")
-        _EVAL_CORPORA[key] = (windows.tokenize_documents(documents, tokenizer, stream=stream,
-                                                         start=start),
-                              *direct.split_text(documents))
+        _EVAL_CORPORA[key] = (windows.tokenize_documents(
+            documents, tokenizer, stream=data.unit == "stream",
+            start=document_start(config, tokenizer)), *direct.split_text(documents))
         while len(_EVAL_CORPORA) > _EVAL_CORPORA_KEPT:
             _EVAL_CORPORA.pop(next(iter(_EVAL_CORPORA)))
-    return _EVAL_CORPORA[key][0]
+    return _EVAL_CORPORA[key]
 
 
 _EVAL_CORPORA: dict = {}  # insertion-ordered: the oldest goes first
@@ -537,9 +539,8 @@ def bytes_per_token(config: ml_collections.ConfigDict, tokenizer, split: str) ->
         tokens = stats["tokens"] + stats["documents"] * len(document_start(config, tokenizer))
         targets = tokens - (1 if stream else stats["documents"])
         return stats["bytes"] / max(targets, 1)
-    tokens = corpus(config, tokenizer, split)  # (validation and test: the kept one)
-    kept = _EVAL_CORPORA.get((*direct.split_key(config.data, split), tokenizer))
-    num_bytes = kept[1] if kept else direct.split_text(_documents(config, split))[0]
+    tokens, num_bytes, _ = _kept_split(config, tokenizer, split) if split != "train" else (
+        corpus(config, tokenizer, split), *direct.split_text(_documents(config, split)))
     targets = len(tokens) - (1 if tokens.stream else len(tokens.doc_starts))
     return num_bytes / max(targets, 1)
 

@@ -127,8 +127,7 @@ class TransformerLM(LM):
         # drops it): only the padded vocabulary past the tokenizer's, which has no text
         self.banned = tuple(range(self.tokenizer.vocab_size, self.config.model.vocab_size))
         self.unwritten = np.asarray(sorted(self.specials | set(self.stops)), np.int32)
-        moe = self.config.model.get("moe") or {}
-        self.unpadded = bool(moe.get("num_experts") and moe.get("capacity_factor"))
+        self.unpadded = programs.routes_with_capacity(self.model)
 
     # --- scoring --------------------------------------------------------------------------------
 
