@@ -244,6 +244,41 @@ def test_sentencepiece_saved_with_user_defined_specials_loads_alike(corpus, held
         assert not special_or_sentinel(tok, ids).any() and tok.decode(ids) == LITERAL_SPECIALS
 
 
+CJK = "我们今天在北京学习自然语言处理和机器学习的方法。日本語のテキストを読みます。"
+
+
+@pytest.mark.parametrize("kind", SP_KINDS)
+def test_sentencepiece_trained_without_spaces_keeps_them(kind, monkeypatch, capsys):
+    """Text with (almost) no spaces (Chinese, Japanese) gave SentencePiece no "▁" piece: a
+    space fell back to the bytes of "▁" and decoded as "▁", the same ids as a literal "▁".
+    Training now requires the piece; a model saved without it encodes a space as <0x20>,
+    as its export does, and says so."""
+    import sentencepiece
+    from tokenizers import Tokenizer
+
+    text = "北京 学习 hello world\nand ▁ literal"
+    tok = build_tokenizer(kind, [CJK * 400], vocab_size=320)
+    assert tok._sp.piece_to_id("\u2581") != UNK_ID
+    train = sentencepiece.SentencePieceTrainer.train
+
+    def as_before(**kwargs):
+        kwargs.pop("required_chars")
+        return train(**kwargs)
+
+    monkeypatch.setattr(sentencepiece.SentencePieceTrainer, "train", as_before)
+    cli.warn_once.cache_clear()
+    capsys.readouterr()
+    before = build_tokenizer(kind, [CJK * 400], vocab_size=320)
+    assert "a space now encodes as the byte <0x20>" in capsys.readouterr().err
+    assert before._sp.decode(before._sp.encode(text)) != text  # what such a model read
+    for t in (tok, before, pickle.loads(pickle.dumps(before))):
+        ids = t.encode(text)
+        assert t.decode(ids) == text
+        assert t.encode("北京 学习").tolist() != t.encode("北京\u2581学习").tolist()
+        exported = Tokenizer.from_str(t.hugging_face()[0])
+        assert exported.encode(text, add_special_tokens=False).ids == ids.tolist()
+
+
 def test_decode_accepts_lists_numpy_and_jax(trained):
     tok = trained["sentencepiece_bpe"]
     ids = tok.encode(SAMPLES[0])

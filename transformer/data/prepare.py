@@ -314,8 +314,8 @@ def _define_flags():
     flags.DEFINE_integer("num_shards", 1, "ArrayRecord files per split.", lower_bound=1)
     flags.DEFINE_integer("tokens_per_shard", None, "Tokens per .bin shard (--format=bin; "
                          f"default {TOKENS_PER_SHARD:,}).", lower_bound=1)
-    flags.DEFINE_float("validation_fraction", 0.05, "Fraction of documents for validation.",
-                       lower_bound=0.0, upper_bound=1.0)
+    flags.DEFINE_float("validation_fraction", 0.05,
+                       "Fraction of documents for validation, in (0, 1).")
     flags.DEFINE_enum("unit", "paragraph", sources.UNITS, "Document unit of text files.")
     flags.DEFINE_integer("num_workers", None, "Processes that tokenize (default: every core); "
                          "the output is the same for any number.", lower_bound=1)

@@ -146,20 +146,25 @@ class SentencePieceTokenizer(Tokenizer):
         if not all(sp.is_byte(i) for i in byte_ids):
             raise ValueError("SentencePiece model has no byte pieces <0x00>..<0xFF>: expected "
                              "one trained with byte_fallback=True")
-        self._space_mark_ids = [byte_ids[b] for b in _SPACE_MARK.encode()]
+        # SentencePiece reads a literal "▁" as a space: it encodes as its UTF-8 bytes instead
+        self._as_bytes = {_SPACE_MARK: [byte_ids[b] for b in _SPACE_MARK.encode()]}
+        if sp.piece_to_id(_SPACE_MARK) == UNK_ID:  # (so a space would decode as "▁")
+            cli.warn_once("this SentencePiece model has no '\u2581' piece (trained before "
+                          "2026-12-07 on text with few spaces, when its spaces decoded as "
+                          "'\u2581'): a space now encodes as the byte <0x20>, as its export does")
+            self._as_bytes[" "] = [byte_ids[0x20]]
+        self._split = re.compile(f"([{''.join(self._as_bytes)}])").split
         regular = [bytes([int(sp.id_to_piece(i)[3:5], 16)]) if sp.is_byte(i)
                    else sp.id_to_piece(i).replace(_SPACE_MARK, " ").encode()
                    for i in range(NUM_SPECIAL, sp.get_piece_size())]
         self._finish(regular, num_sentinels)
 
     def encode(self, text: str) -> np.ndarray:
-        if _SPACE_MARK not in text:
+        if not any(c in text for c in self._as_bytes):
             return np.asarray(self._sp.encode(text), np.int32)
-        # SentencePiece reads a literal "▁" as a space; emit its UTF-8 bytes instead.
-        parts = [self._sp.encode(part) for part in text.split(_SPACE_MARK)]
-        ids = parts[0]
-        for part in parts[1:]:
-            ids += self._space_mark_ids + part
+        ids = []  # (the split's odd parts are the characters encoded as bytes)
+        for i, part in enumerate(self._split(text)):
+            ids += self._as_bytes[part] if i % 2 else self._sp.encode(part)
         return np.asarray(ids, np.int32)
 
     def _config(self, directory: str) -> dict[str, Any]:
@@ -284,6 +289,8 @@ def train_sentencepiece(texts: Iterable[str], model_type: str, vocab_size: int) 
             pad_piece="<pad>", bos_piece="<bos>", eos_piece="<eos>", unk_piece="<unk>",
             # control, not user-defined: SentencePiece would read their names in text as them
             control_symbols=list(SPECIAL_TOKENS[MASK_ID:]), byte_fallback=True,
+            # a "▁" piece even for text with few spaces, without which spaces decode as "▁"
+            required_chars=_SPACE_MARK,
             normalization_rule_name="identity", remove_extra_whitespaces=False,
             add_dummy_prefix=False, input_sentence_size=0, max_sentence_length=_MAX_SENTENCE_BYTES,
             num_threads=_TRAINING_THREADS, minloglevel=2)
