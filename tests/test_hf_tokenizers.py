@@ -15,7 +15,14 @@ import pytest
 tokenizers_hf = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from test_train import SHAKESPEARE, TINY_MODEL, assert_succeeded, run_cli, tiny_flags  # noqa: E402
+from test_train import (  # noqa: E402
+    SHAKESPEARE,
+    TINY_MODEL,
+    assert_succeeded,
+    describe,
+    run_cli,
+    tiny_flags,
+)
 
 from transformer import configs, train  # noqa: E402
 from transformer.data import features, inputs, prepare, shards, sources, windows  # noqa: E402
@@ -444,6 +451,26 @@ def test_prepare_writes_token_shards_with_an_hf_tokenizer(gpt2_dir, tmp_path):
     assert corpus_.read(0, 200).tolist() == head.tolist()
     with pytest.raises(ValueError, match="expected a path exactly with tokenizer='hf'"):
         prepare.prepare(str(tmp_path / "x"), str(SHAKESPEARE), tokenizer="hf")
+
+
+def test_span_corruption_on_prepared_data_needs_its_tokenizers_sentinels(gpt2_dir, tmp_path):
+    """A prepared directory's tokenizer keeps its own sentinels (data.num_sentinels left at
+    its default takes them): a GPT-2 vocabulary has none, so span corruption marked its spans
+    with the ids of real tokens. The run stops in one line before anything is written."""
+    prepare.prepare(str(tmp_path / "prepared"), str(SHAKESPEARE), tokenizer="hf",
+                    tokenizer_path=str(gpt2_dir), validation_fraction=0.2)
+    workdir = tmp_path / "run"
+    result = run_cli("transformer.train", "--config=experiments/t5_span.py",
+                     f"--workdir={workdir}", *tiny_flags(2, family="t5"),
+                     f"--config.data.path={tmp_path / 'prepared'}", "--config.data.tokenizer=hf",
+                     "--config.seq_len=64", logs=tmp_path / "logs")
+    assert result.returncode == 2, describe(result)
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: the tokenizer has 0 sentinels: span corruption of seq_len=64 makes 3 noise spans "
+        "a row (data.noise_density=0.15, data.mean_span_length=3.0), each its own sentinel: "
+        "expected a tokenizer with sentinels (data.num_sentinels, or a T5 tokenizer's "
+        "<extra_id_i>) >= 3, or a smaller seq_len or noise_density")
+    assert not (workdir / "checkpoints").exists()
 
 
 @pytest.mark.slow

@@ -184,6 +184,16 @@ def test_a_wrong_version_is_refused(tmp_path):
     assert_one_line(e, path, "version 2", "expected 1")
 
 
+def test_a_raw_file_opening_with_the_magic_says_it_may_be_one(tmp_path):
+    """Raw uint16 ids 55432, 308 are the int32 magic 20240520: such a nanoGPT file (a vocabulary
+    past 55432) is refused as a broken modded shard, naming the raw reading too."""
+    path = tmp_path / "train.bin"
+    path.write_bytes(np.array([55432, 308, 7, 9, 11, 13], np.uint16).tobytes())
+    with pytest.raises(ValueError) as e:
+        TokenShards(str(path))
+    assert_one_line(e, str(path), "version", "raw nanoGPT token file opening with ids 55432, 308")
+
+
 def test_an_odd_sized_raw_file_is_refused(tmp_path):
     path = tmp_path / "odd.bin"
     path.write_bytes(b"\x01\x00\x02")

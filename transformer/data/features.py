@@ -134,11 +134,19 @@ def span_corruption_features(batch, rng, *, tokenizer, noise_density, mean_span_
     """Full rows of raw length L -> T5 features (`objectives.span_corrupt`).
 
     The encoder reads the corrupted row; the decoder reads the targets shifted right behind
-    <bos> (teacher forcing). For raw tokens [a b c d e f g] (L = 7, one span `c d`):
+    <bos> (teacher forcing). For raw tokens [a b c d e f g] (L = 7; density 0.15 gives one
+    noise token, so one span, and a row always ends with noise):
 
-        encoder_inputs   a  b  X0 e  f  g  E          (X0 = <extra_id_0>, E = <eos>)
-        decoder_inputs   B  X0 c  d                   (B = <bos>)
-        targets          X0 c  d  E                   weights 1 1 1 1
+        encoder_inputs   a  b  c  d  e  f  X0 E       (X0 = <extra_id_0>, E = <eos>)
+        decoder_inputs   B  X0 g                      (B = <bos>)
+        targets          X0 g  E                      weights 1 1 1
+
+    >>> from transformer.data.tokenizers import ByteTokenizer
+    >>> row = np.array([[97, 98, 99, 100, 101, 102, 103]])  # "abcdefg"
+    >>> f = span_corruption_features({"tokens": row}, np.random.default_rng(0),
+    ...     tokenizer=ByteTokenizer(), noise_density=0.15, mean_span_length=3.0)
+    >>> f["encoder_inputs"].tolist(), f["decoder_inputs"].tolist()  # X0 362, E 2, B 1
+    ([[97, 98, 99, 100, 101, 102, 362, 2]], [[1, 362, 103]])
     """
     return _span_corruption_features(batch, _row_keys(rng, len(batch["tokens"])),
                                      tokenizer=tokenizer, noise_density=noise_density,

@@ -38,13 +38,18 @@ def check_span_sentinels(data: ml_collections.ConfigDict, seq_len: int,
     """One line unless span corruption of `seq_len` tokens (`name`: the setting that gives it)
     makes at most data.num_sentinels noise spans a row: each span gets its own sentinel, and
     span i's past the count would be a real token's id."""
-    spans = objectives.span_corruption_spans(seq_len, data.noise_density, data.mean_span_length)
-    if spans > data.num_sentinels:
-        raise ValueError(f"data.num_sentinels={data.num_sentinels}: span corruption of "
-                         f"{name}={seq_len} makes {spans} noise spans a row (data.noise_density="
-                         f"{data.noise_density}, data.mean_span_length={data.mean_span_length}), "
-                         f"each its own sentinel: expected data.num_sentinels >= {spans}, or a "
-                         f"smaller {name} or noise_density")
+    _check_sentinels(data.num_sentinels, f"data.num_sentinels={data.num_sentinels}", seq_len,
+                     name, data.noise_density, data.mean_span_length, "data.num_sentinels >=")
+
+
+def _check_sentinels(count: int, what: str, seq_len: int, name: str, noise_density: float,
+                     mean_span_length: float, expected: str) -> None:
+    spans = objectives.span_corruption_spans(seq_len, noise_density, mean_span_length)
+    if spans > count:
+        raise ValueError(f"{what}: span corruption of {name}={seq_len} makes {spans} noise "
+                         f"spans a row (data.noise_density={noise_density}, "
+                         f"data.mean_span_length={mean_span_length}), each its own sentinel: "
+                         f"expected {expected} {spans}, or a smaller {name} or noise_density")
 
 
 def objective_for(config: ml_collections.ConfigDict) -> str:
@@ -158,6 +163,11 @@ def make_dataset(
         raise ValueError(f"seq_len={seq_len!r}: expected an int >= 2")
     if num_epochs not in (None, 1):
         raise ValueError(f"num_epochs={num_epochs!r}: expected None (training) or 1 (a pass)")
+    if objective == "span_corruption":  # (a prepared or a workdir's tokenizer keeps its count)
+        _check_sentinels(tokenizer.num_sentinels, f"the tokenizer has {tokenizer.num_sentinels} "
+                         "sentinels", seq_len, "seq_len", noise_density, mean_span_length,
+                         "a tokenizer with sentinels (data.num_sentinels, or a T5 tokenizer's "
+                         "<extra_id_i>) >=")
     if rows is None:
         rows = _process_block(batch_size, process_index, process_count)
     rows = _check_rows(rows, batch_size)

@@ -41,19 +41,23 @@ def shard_format(path: str) -> tuple[str, int, int]:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(12)
-    # A nanoGPT file whose first two tokens are 54984, 308 would read as the magic; the version
+    # A nanoGPT file whose first two tokens are 55432, 308 would read as the magic; the version
     # and size checks then reject it rather than misread it (GPT-2's ids stop at 50256).
     if len(head) >= 4 and int(np.frombuffer(head[:4], "<i4")[0]) == MAGIC:
+        raw = (" (or a raw nanoGPT token file opening with ids 55432, 308, which read as the "
+               "header's magic number: no such file can be read)")
         if len(head) < 12:
             raise ValueError(f"{path}: modded-nanogpt shard of {size} bytes: expected at least "
-                             f"a {HEADER_BYTES}-byte header")
+                             f"a {HEADER_BYTES}-byte header{raw}")
         _, version, count = (int(v) for v in np.frombuffer(head, "<i4"))
         if version != VERSION:
-            raise ValueError(f"{path}: modded-nanogpt shard version {version}: expected {VERSION}")
+            raise ValueError(f"{path}: modded-nanogpt shard version {version}: expected "
+                             f"{VERSION}{raw}")
         expected = HEADER_BYTES + _TOKEN.itemsize * count
         if count < 0 or size != expected:
             raise ValueError(f"{path}: modded-nanogpt shard of {count} tokens is {size} bytes: "
-                             f"expected {expected} ({HEADER_BYTES}-byte header + 2 per token)")
+                             f"expected {expected} ({HEADER_BYTES}-byte header + 2 per "
+                             f"token){raw}")
         return "modded", HEADER_BYTES, count
     if size % _TOKEN.itemsize:
         raise ValueError(f"{path}: raw uint16 token file of {size} bytes: expected an even size")
