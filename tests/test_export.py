@@ -26,6 +26,8 @@ from test_train import TINY_MODEL, assert_succeeded, cli_env, run_cli, tiny_flag
 
 from transformer import export as export_cli  # noqa: E402
 from transformer import generate  # noqa: E402
+from transformer.data import tokenizers  # noqa: E402
+from transformer.generation import text  # noqa: E402
 from transformer.hf import convert, export  # noqa: E402
 from transformer.models import build_model, default_model_config  # noqa: E402
 
@@ -362,12 +364,22 @@ def test_a_trained_workdir_exports_and_hf_gives_our_logits_and_greedy_tokens(
         expected = hf(input_ids=torch.tensor(ids)).logits.numpy()
     got = np.asarray(jax.jit(ours.apply)({"params": saved.params}, ids))
     assert relative_difference(got, expected) <= 1e-4
+    # generation_config.json suppresses what our generate never emits (the specials other than
+    # <eos>: sentinels, a padded vocabulary's ids past the tokenizer's); HF applies the file:
+    # the greedy continuations are ours (10 tokens: <eos> held off on both sides)
+    tokenizer = tokenizers.load_tokenizer(str(workdir / "tokenizer"))
+    banned = text.banned_for(tokenizer, saved.config.model.vocab_size, saved.config)
+    assert transformers.GenerationConfig.from_pretrained(output).suppress_tokens == list(banned)
+    assert set(tokenizer.sentinel_ids) <= set(banned) and tokenizer.eos_id not in banned
     prompt = ids[:1, :5]
     with torch.no_grad():
-        hf_tokens = hf.generate(torch.tensor(prompt), max_new_tokens=10, do_sample=False,
-                                min_new_tokens=10, pad_token_id=0).numpy()[0, 5:]
-    our_tokens, _ = generate.decode(ours, saved.params, prompt, max_new_tokens=10, eos_id=None)
-    np.testing.assert_array_equal(our_tokens[0], hf_tokens)
+        out = hf.generate(torch.tensor(prompt), max_new_tokens=10, do_sample=False,
+                          min_new_tokens=10, pad_token_id=0, output_scores=True,
+                          return_dict_in_generate=True)
+    assert all(np.isneginf(step[0, list(banned)].numpy()).all() for step in out.scores)
+    our_tokens, _ = generate.decode(ours, saved.params, prompt, max_new_tokens=10, eos_id=None,
+                                    banned_ids=(*banned, tokenizer.eos_id))
+    np.testing.assert_array_equal(our_tokens[0], out.sequences[0, 5:].numpy())
     assert_imports_back(hf, saved.params)
     # An existing output is never overwritten.
     result = run_cli("transformer.export", f"--workdir={workdir}", f"--output={output}",
@@ -583,8 +595,12 @@ def test_a_trained_t5_exports_and_hf_gives_our_logits_and_greedy_tokens(tmp_path
     with torch.no_grad():
         hf_tokens = hf.generate(torch.tensor(enc[:1]), max_new_tokens=8, do_sample=False,
                                 min_new_tokens=8).numpy()[0, 1:]  # after the start token
+    # span corruption's decoder writes sentinels: the export suppresses the other specials only
+    banned = hf.generation_config.suppress_tokens
+    assert banned and not set(banned) & {*range(vocab - 100, vocab), hf.config.eos_token_id}
     our_tokens, _ = generate.decode(ours, saved.params, enc[:1], max_new_tokens=8, eos_id=None,
-                                    start_id=hf.config.decoder_start_token_id)
+                                    start_id=hf.config.decoder_start_token_id,
+                                    banned_ids=(*banned, hf.config.eos_token_id))
     np.testing.assert_array_equal(our_tokens[0], hf_tokens)
     assert_imports_back(hf, saved.params)
 

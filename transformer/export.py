@@ -110,21 +110,25 @@ def _model_input_names(model_type: str) -> list[str] | None:
     return list(cls.model_input_names) if cls is not None else None
 
 
-def _generation_config(hf_config, tokenizer):
+def _generation_config(hf_config, tokenizer, config=None):
     """generation_config.json: `generate` stops where ours does (`text.stop_ids`): at an imported
     checkpoint's own stop ids, in its order, at <eos>, and at a chat template's end of turn
-    (Llama 3's <|eot_id|>, ChatML's <|im_end|>) where the tokenizer has one."""
+    (Llama 3's <|eot_id|>, ChatML's <|im_end|>) where the tokenizer has one. With the run's
+    `config`, it never emits what ours never does either (`suppress_tokens`: `text.banned_for`,
+    the other specials and a padded vocabulary's ids past the tokenizer's, which have no text),
+    so its greedy continuation is ours."""
     import transformers
 
     from transformer.data import chat
-    from transformer.generation.text import stop_ids
+    from transformer.generation.text import banned_for, stop_ids
 
     end = chat.end_of_turn_id(tokenizer) if getattr(tokenizer, "chat_template", None) else None
     stops = list(stop_ids(tokenizer, end))
     ids = {role: getattr(hf_config, f"{role}_token_id", None) for role in ("bos", "pad")}
+    banned = [] if config is None else list(banned_for(tokenizer, hf_config.vocab_size, config))
     return transformers.GenerationConfig(
         eos_token_id=stops[0] if len(stops) == 1 else (stops or None),
-        bos_token_id=ids["bos"], pad_token_id=ids["pad"],
+        bos_token_id=ids["bos"], pad_token_id=ids["pad"], suppress_tokens=banned or None,
         **({"decoder_start_token_id": hf_config.decoder_start_token_id}
            if getattr(hf_config, "decoder_start_token_id", None) is not None else {}))
 
@@ -240,7 +244,7 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
         hf_config.save_pretrained(staging)
         save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
         _tokenizer_files(tokenizer, staging, hf_config.model_type, config)
-        _generation_config(hf_config, tokenizer).save_pretrained(staging)
+        _generation_config(hf_config, tokenizer, config).save_pretrained(staging)
 
     return _write(output, write, {"step": step, "architecture": hf_config.architectures[0],
                                   "notes": notes(config.model)})

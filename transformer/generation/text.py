@@ -87,8 +87,9 @@ def _emits_sentinels(config) -> bool:
         pipeline.objective_for(config) == "span_corruption"
 
 
-def _banned_for(tokenizer, model, config) -> tuple[int, ...]:
-    return banned_ids(tokenizer, model.vocab_size, sentinels_allowed=_emits_sentinels(config))
+def banned_for(tokenizer, vocab_size: int, config) -> tuple[int, ...]:
+    """`banned_ids` of a run's model (`config`): sentinels allowed where it writes them."""
+    return banned_ids(tokenizer, vocab_size, sentinels_allowed=_emits_sentinels(config))
 
 
 def _encode_prompt(tokenizer, prompt: str) -> np.ndarray:
@@ -204,7 +205,7 @@ def sample_texts(model, params, tokenizer, config, *, num_samples: int = 3, prom
     _check_seed_and_eos(seed, None)
     check_max_new_tokens(max_new_tokens)
     encoded = _encode_prompt(tokenizer, prompt)
-    banned = _banned_for(tokenizer, model, config)
+    banned = banned_for(tokenizer, model.vocab_size, config)
     stops = stop_ids(tokenizer)
     prompt_ids, keep = _prompt_ids(encoded, tokenizer, config)
     n = _new_tokens(max_new_tokens, config, decoding, len(prompt_ids), len(keep))
@@ -260,8 +261,8 @@ def speculative_text(model, params, tokenizer, config, *, prompt: str = "",
         return tokenizer.decode(encoded), None
     tokens, _, stats = speculative_decode(
         model, params, [prompt_ids], max_new_tokens=n, eos_id=stops,
-        banned_ids=_banned_for(tokenizer, model, config), temperature=temperature, top_k=top_k,
-        top_p=top_p, seed=seed)
+        banned_ids=banned_for(tokenizer, model.vocab_size, config), temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed)
     return tokenizer.decode(np.concatenate([encoded, _until_eos(tokens[0], stops)])), stats
 
 
@@ -395,7 +396,7 @@ def beam_search_text(model, params, tokenizer, config, *, prompt: str, beam_size
     tokens, _, _ = beam_search(model, params, [ids], beam_size=beam_size,
                                max_new_tokens=n, length_penalty=length_penalty,
                                prefix_lm=decoding == "prefix",
-                               banned_ids=_banned_for(tokenizer, model, config),
+                               banned_ids=banned_for(tokenizer, model.vocab_size, config),
                                eos_id=stops, start_id=_start_id(tokenizer, decoding))
     return tokenizer.decode(np.concatenate([keep, _until_eos(tokens[0], stops)]))
 
@@ -419,7 +420,7 @@ def chat_replies(model, params, tokenizer, config, conversation, *, num_samples:
     n = _new_tokens(max_new_tokens, config, "causal", len(prompt))
     if n == 0:
         return [""] * num_samples
-    banned = tuple(i for i in _banned_for(tokenizer, model, config) if i not in stops)
+    banned = tuple(i for i in banned_for(tokenizer, model.vocab_size, config) if i not in stops)
     tokens, _ = decode(model, params, [prompt] * num_samples, max_new_tokens=n,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        prefix_lm=_decoding(config) == "prefix", banned_ids=banned, eos_id=stops)
