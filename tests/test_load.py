@@ -35,6 +35,14 @@ def test_a_workdir_loads_with_logits_score_and_generate(workdir):
     assert lm.ids("def f(x):").tolist() == ids.tolist()
     want = np.asarray(forward({"params": lm.params}, ids[None]))[0]
     np.testing.assert_allclose(lm.logits("def f(x):"), want, rtol=1e-5, atol=1e-5)
+    # ids as given, with no document start (a list or an array)
+    behind = np.concatenate([[lm.tokenizer.eos_id], ids]).astype(np.int32)
+    np.testing.assert_allclose(lm.logits(behind.tolist()),
+                               np.asarray(forward({"params": lm.params}, behind[None]))[0],
+                               rtol=1e-5, atol=1e-5)
+    for bad in ([], [[1, 2]], [1.5], [lm.model.vocab_size]):
+        with pytest.raises(ValueError, match=r"expected a str, or a 1-D sequence of token ids"):
+            lm.logits(bad)
 
     def log_probs(ids):  # float64 log-softmax of the forward pass
         logits = np.asarray(forward({"params": lm.params}, ids[None]))[0].astype(np.float64)

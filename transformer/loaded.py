@@ -86,15 +86,26 @@ class Loaded:
                              f"max_len={cfg.max_len}")
         return ids
 
-    def logits(self, text: str) -> np.ndarray:
+    def logits(self, text) -> np.ndarray:
         """float32 logits [len(ids(text)), V] of the ids the model reads for the text (`ids`:
         the text's T tokens, behind an <eos> where training streamed); row t predicts
-        `ids(text)[t + 1]`, the last row what follows the text."""
+        `ids(text)[t + 1]`, the last row what follows the text. Given token ids instead (a 1-D
+        sequence of ints), exactly those: to compare models that read a text's start apart
+        (an export read back as `hf:DIR`, and its workdir) on the same ids."""
         self._check_language_model("logits")
         if self._forward is None:  # compiled once per Loaded (and per text length)
             self._forward = jax.jit(lambda p, x: self.model.apply({"params": p}, x))
-        ids = self._fits(*self._read(text))
+        ids = self._fits(*self._read(text)) if isinstance(text, str) else \
+            self._fits(self._checked_ids(text), 0)
         return np.asarray(self._forward(self.params, ids[None])[0], np.float32)
+
+    def _checked_ids(self, ids) -> np.ndarray:
+        array, vocab = np.asarray(ids), self.model.vocab_size
+        if array.ndim != 1 or not len(array) or array.dtype.kind not in "iu" or \
+                array.min() < 0 or array.max() >= vocab:
+            raise ValueError(f"logits of {type(ids).__name__} {array.dtype} {array.shape}: "
+                             f"expected a str, or a 1-D sequence of token ids in [0, {vocab})")
+        return array.astype(np.int32)
 
     def score(self, text: str, context: str = "") -> float:
         """The log-probability (nats) of `text`'s tokens following `context`, read as `ids`
