@@ -330,3 +330,111 @@ def test_a_damaged_summary_is_named_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"summary\.json: not JSON \(") as error:
         report.read_summary(str(tmp_path))
     assert str(tmp_path) in str(error.value) and "\n" not in str(error.value)
+
+
+def _lr_runs(**learning_rates: float) -> dict:
+    """{name: config} of tiny runs that differ in their learning rate, as a sweep gives them."""
+    config = base_config()
+    config.update(steps=3, batch_size=2, seq_len=16)
+    return sweep.variant_configs(config, sweep.named(
+        {name: {"optimizer.learning_rate": lr} for name, lr in learning_rates.items()}))
+
+
+def _finish(runs: dict, workdir: Path, outcome) -> None:
+    variants = [sweep.Variant(name, {"optimizer.learning_rate": config.optimizer.learning_rate})
+                for name, config in runs.items()]
+    sweep.finish(runs, runs, variants, str(workdir), "Sweep: t", 1, None, outcome)
+
+
+def _fake_train(trained: list, during=None, fail=()):
+    """A stand-in for sweep._train: records (name, learning rate), calls `during(name)` as
+    each run trains (another command starting meanwhile), and finishes the run (its
+    summary.json) or raises FloatingPointError for the names in `fail`."""
+    def train(names, configs, workdir, explicit):
+        results = {}
+        for name in names:
+            trained.append((name, configs[name].optimizer.learning_rate))
+            if during:
+                during(name)
+            if name in fail:
+                results[name] = FloatingPointError("loss became NaN at step 2")
+                continue
+            summary = {"step": configs[name].steps, "final_loss": 4.0}
+            (Path(workdir) / name / "summary.json").write_text(json.dumps(summary))
+            results[name] = {"summary": summary}
+        return results
+    return train
+
+
+def test_a_second_sweep_with_other_settings_on_the_workdir_mixes_nothing(tmp_path, monkeypatch,
+                                                                         capsys):
+    """Sweep B (b's learning rate edited) starts on A's workdir while A trains a, and trains b
+    first: A then skips b, saying why, instead of reporting it under A's settings, and its
+    report is refused as --report_only's would be; b's record keeps B's settings."""
+    workdir, trained = tmp_path / "sweep", []
+    runs_a, runs_b = _lr_runs(a=1e-3, b=2e-3), _lr_runs(b=5e-2)
+
+    def sweep_b(name):
+        if name == "a":
+            assert sweep.run(runs_b, str(workdir)) is None
+
+    monkeypatch.setattr(sweep, "_train", _fake_train(trained, during=sweep_b))
+    assert sweep.run(runs_a, str(workdir)) == sweep.FAILED
+    assert trained == [("a", 1e-3), ("b", 5e-2)]  # A trained no b of its own
+    out = capsys.readouterr().out
+    assert (f"[2/2] b: skipped: variant 'b' in {workdir} was trained with other settings "
+            "(optimizer.learning_rate: trained with 0.05, now 0.002)") in out
+    assert json.loads((workdir / "b" / "sweep_config.json").read_text())[
+        "optimizer.learning_rate"] == 0.05
+    with pytest.raises(ValueError, match=r"variant 'b' .*other settings \(optimizer"
+                                         r".learning_rate: trained with 0.05, now 0.002\)"):
+        _finish(runs_a, workdir, sweep.FAILED)
+    assert not (workdir / "report.md").exists()
+    _finish(runs_b, workdir, None)  # B's report: b, under the settings it trained with
+    assert "`optimizer.learning_rate=0.05`" in (workdir / "report.md").read_text()
+
+
+def test_a_settings_record_another_sweep_wrote_first_is_kept_and_refuses(tmp_path,
+                                                                         monkeypatch):
+    """B records b's settings between A's check and A's own record (both unfinished, neither
+    yet holding b's lock): A's record does not replace B's, and A refuses b rather than
+    train it under B's record."""
+    workdir, trained = tmp_path / "sweep", []
+    runs_a, runs_b = _lr_runs(b=2e-3), _lr_runs(b=5e-2)
+    record = workdir / "b" / "sweep_config.json"
+    link = os.link
+
+    def b_first(source, target):
+        record.write_text(json.dumps(sweep._as_json(runs_b["b"])))
+        link(source, target)
+
+    monkeypatch.setattr(os, "link", b_first)
+    monkeypatch.setattr(sweep, "_train", _fake_train(trained))
+    assert sweep.run(runs_a, str(workdir)) == sweep.FAILED
+    assert trained == []
+    assert json.loads(record.read_text())["optimizer.learning_rate"] == 0.05
+    assert sorted(p.name for p in (workdir / "b").iterdir()) == ["sweep_config.json"]
+
+
+def test_a_sweep_with_a_failed_run_writes_its_report_then_fails(tmp_path, monkeypatch, capsys):
+    """A run that fails (NaN) is in the report, and then the sweep fails (exit status 1, as
+    docs/experiments.md says of every command); a run another command holds is no failure."""
+    from transformer.training.workdir import WorkdirBusy
+
+    workdir, trained = tmp_path / "sweep", []
+    runs = _lr_runs(a=1e-3, boom=1e12)
+    monkeypatch.setattr(sweep, "_train", _fake_train(trained, fail={"boom"}))
+    outcome = sweep.run(runs, str(workdir))
+    assert outcome == sweep.FAILED
+    with pytest.raises(RuntimeError, match=r"^1 of 2 runs failed \(boom\) in .*error.txt"):
+        _finish(runs, workdir, outcome)
+    report = (workdir / "report.md").read_text()
+    assert "FloatingPointError: loss became NaN" in report
+    assert table_rows(report)["boom"]["status"] == "failed"
+
+    capsys.readouterr()
+    monkeypatch.setattr(sweep, "_train", lambda names, *_: {
+        name: WorkdirBusy("workdir is in use by another training") for name in names})
+    outcome = sweep.run(runs, str(workdir))
+    assert outcome is None and "boom: skipped: workdir is in use" in capsys.readouterr().out
+    _finish(runs, workdir, outcome)  # no error: the command holding it reports it

@@ -19,8 +19,11 @@ An experiment file declares its variants next to `get_config()`, as config overr
 Every variant is checked (unknown keys, wrong types, invalid values) before anything trains.
 Variant NAME trains in DIR/NAME like `transformer.train` would: rerunning the sweep resumes an
 interrupted variant and skips finished ones; a variant that fails is reported and the sweep goes
-on. A rerun (and `--report_only`) refuses a run trained with other settings (its
-sweep_config.json, else its checkpoint's config) or past `steps`, which may only grow. At the
+on, and exits 1 after writing the report. A rerun (and `--report_only`) refuses a run trained
+with other settings (its sweep_config.json, else its checkpoint's config) or past `steps`,
+which may only grow. Two sweeps may share DIR: each skips (exit status 0) the runs the other
+holds; one whose settings for a run differ from those the other recorded (sweep_config.json,
+created once, compared as each run starts) skips it and refuses to write the report. At the
 end (or with `--report_only`) DIR/report.md compares the variants (final metrics,
 params, tokens/s, wall time) and links PNG plots of the validation loss against steps and wall
 time. `--print_launch` prints one `transformer.train` command per variant to run elsewhere
@@ -53,6 +56,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -226,11 +230,17 @@ def check_runs(configs: dict[str, ml_collections.ConfigDict], workdir: str) -> N
                              "grow); use another --workdir or move that variant's directory away")
 
 
+# run()'s status when a run failed (its error.txt) or was refused (`_settings_refusal`).
+FAILED = 1
+
+
 def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
         explicit: dict[str, set[str]] | None = None, batched: bool = False) -> int | None:
     """Trains each variant in workdir/<name>, skipping finished ones and ones another command
     is training (`WorkdirBusy`). A variant's exception is written to its error.txt and the
-    sweep goes on. Returns None when every variant is done;
+    sweep goes on; so it does past a run that another sweep on this workdir has since given
+    other settings (`_settings_refusal`: skipped, saying why). Returns None when every
+    variant is done or held by another command, FAILED when one failed or was refused, and
     if a signal stopped a variant (the sweep stops too; rerun to resume), the exit status a
     stopped training gives, 128 + the signal. `explicit`: per variant, the keys the
     command line and the variant set (an init_from=hf:DIR refuses ones that contradict DIR).
@@ -244,10 +254,12 @@ def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
     groups: dict[str, list[str]] = {}  # with `batched`, a variant's seed runs form one group
     for name in names:
         groups.setdefault(name.rsplit("/seed_", 1)[0] if batched else name, []).append(name)
+    failed = False
     for group in groups.values():
-        todo = [name for name in group
-                if _announce(f"[{names.index(name) + 1}/{len(names)}] {name}", configs[name],
-                             os.path.join(workdir, name))]
+        states = {name: _announce(f"[{names.index(name) + 1}/{len(names)}] {name}", name,
+                                  configs[name], workdir) for name in group}
+        failed |= "refused" in states.values()
+        todo = [name for name in group if states[name] == "train"]
         if not todo:
             continue
         for name, result in _train(todo, configs, workdir, explicit or {}).items():
@@ -257,6 +269,7 @@ def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
                 print(f"{header}: skipped: {result}", flush=True)
                 continue
             if isinstance(result, Exception):
+                failed = True
                 message = f"{type(result).__name__}: {result}"
                 print(f"{header}: failed: {message}", flush=True)
                 if _is_main():
@@ -272,7 +285,7 @@ def run(configs: dict[str, ml_collections.ConfigDict], workdir: str,
                 from transformer import train
 
                 return train.stopped_status(result)
-    return None
+    return FAILED if failed else None
 
 
 def _is_main() -> bool:
@@ -281,19 +294,64 @@ def _is_main() -> bool:
     return jax.process_index() == 0
 
 
-def _announce(header: str, config, directory: str) -> bool:
-    """Prints what becomes of a run and writes its settings file; whether it is to train."""
+def _announce(header: str, name: str, config, workdir: str) -> str:
+    """Prints what becomes of run `name` and records its settings (`_settings_refusal`):
+    "train", "finished" or "refused"."""
+    directory = os.path.join(workdir, name)
+    refusal = _settings_refusal(name, config, workdir)
+    if refusal:
+        print(f"{header}: skipped: {refusal}", flush=True)
+        return "refused"
     state = report.status(directory, config)
     if state == "finished":
         print(f"{header}: finished, skipped", flush=True)
-        return False
+        return "finished"
     if not _held_elsewhere(directory):  # else its training is refused, and `run` says skipped
         print(f"{header}: {'resuming' if state == 'partial' else 'training'} in {directory}",
               flush=True)
-    if _is_main() and not os.path.exists(os.path.join(directory, definition.CONFIG_FILE)):
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, definition.CONFIG_FILE), "w") as f:
+    return "train"
+
+
+def _settings_refusal(name: str, config, workdir: str) -> str | None:
+    """Why this sweep may not train run `name` now (`check_runs`' line: another sweep on the
+    workdir gave it other settings since this one started), else None, with `config` recorded
+    as the run's sweep_config.json if it had none and is unfinished. The file is created whole
+    and never replaced (`_record`), and compared once it exists: of two sweeps that give a run
+    different settings, only the first to record them trains it, whichever then takes its
+    lock. Process 0 decides, for every process."""
+    from transformer.training import placement
+
+    refusal = None
+    if _is_main():
+        directory = os.path.join(workdir, name)
+        try:
+            check_runs({name: config}, workdir)
+            if report.status(directory, config) != "finished" and not _record(config, directory):
+                check_runs({name: config}, workdir)  # another sweep's file may be there now
+        except ValueError as error:
+            refusal = str(error)
+    if placement.agreed(refusal is not None):
+        return refusal or f"variant {name!r}: refused on process 0 (trained with other settings)"
+    return None
+
+
+def _record(config, directory: str) -> bool:
+    """Writes `config` as directory's sweep_config.json unless it has one; whether it did. The
+    file appears whole or not at all: a temporary file hard-linked into place, which fails
+    where another sweep's appeared first."""
+    path = os.path.join(directory, definition.CONFIG_FILE)
+    if os.path.exists(path):
+        return False
+    os.makedirs(directory, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=".sweep_config.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
             json.dump(keys.dotted(config.to_dict()), f, indent=1, default=str)
+        os.link(temporary, path)
+    except FileExistsError:
+        return False
+    finally:
+        os.remove(temporary)
     return True
 
 
@@ -375,14 +433,41 @@ def main(argv) -> None:
         os.makedirs(workdir, exist_ok=True)
         explicit = {v.name: set(cli_overrides) | set(v.overrides)
                     for v in seed_variants(selected, seeds)}
-        if status := run(runs, workdir, explicit, batched=FLAGS.batched_seeds):
-            sys.exit(status)  # stopped by a signal: the interrupted run saved a checkpoint
+        outcome = run(runs, workdir, explicit, batched=FLAGS.batched_seeds)
+        if outcome not in (None, FAILED):
+            sys.exit(outcome)  # stopped by a signal: the interrupted run saved a checkpoint
+        finish(runs, configs, selected, workdir, f"Sweep: {FLAGS.config.experiment}", seeds,
+               baseline, outcome)
+    elif jax.process_index() == 0:
+        _print_report(write_report(configs, selected, workdir,
+                                   f"Sweep: {FLAGS.config.experiment}", seeds, baseline))
+
+
+def finish(runs: dict[str, ml_collections.ConfigDict], configs, variants: Sequence[Variant],
+           workdir: str, title: str, seeds: int, baseline: str | None,
+           outcome: int | None) -> None:
+    """After `run` (`outcome`: what it returned, None or FAILED): the report of the variants
+    `configs`, written by process 0 and printed, then a RuntimeError naming the runs that
+    failed if any did. Refused first (`check_runs`), as --report_only would, if another sweep
+    on the workdir has since trained a run with other settings or past its steps: the report
+    would show that run under settings it was not trained with."""
+    import jax
+
+    check_runs(runs, workdir)
     if jax.process_index() == 0:
-        path = write_report(configs, selected, workdir, f"Sweep: {FLAGS.config.experiment}",
-                            seeds, baseline)
-        with open(path) as f:
-            print(f.read())
-        print(f"report: {path}")
+        _print_report(write_report(configs, variants, workdir, title, seeds, baseline))
+    if outcome == FAILED:
+        failed = [name for name, config in runs.items()
+                  if report.status(os.path.join(workdir, name), config) == "failed"]
+        raise RuntimeError(f"{len(failed) or 'some'} of {len(runs)} runs failed"
+                           + (f" ({', '.join(failed)})" if failed else "") + f" in {workdir}: "
+                           "see the report and each one's error.txt")
+
+
+def _print_report(path: str) -> None:
+    with open(path) as f:
+        print(f.read())
+    print(f"report: {path}")
 
 
 def _config_arg() -> str:
