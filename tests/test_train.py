@@ -613,6 +613,51 @@ def test_an_lstm_resumes_with_a_changed_key_it_never_reads(tmp_path, capsys):
         train.train_and_evaluate(lstm(4, num_layers=2), str(workdir))
 
 
+def test_a_resume_under_another_runtime_or_on_moved_data_says_so(tmp_path, capsys):
+    """A checkpoint records the jax, jaxlib, backend and device count that wrote it: a resume
+    under others continues, saying that its steps are no longer bit-identical to an
+    uninterrupted run's (a probe's run trained under jax 0.10.2 and resumed under 0.12.0.1 was
+    silent). A data.path moved to a file of the same fingerprint is said too: here a copy
+    edited in the middle, which the fingerprint cannot see. A step saved before the record
+    resumes without a line."""
+    from transformer.training import checkpoint
+
+    def lstm(steps: int, path: Path):
+        config = tiny_config("lstm_lm", steps=steps, samples=0)
+        config.data.path = str(path)
+        return config
+
+    old, new = tmp_path / "a.txt", tmp_path / "b.txt"
+    text = SHAKESPEARE.read_bytes()
+    old.write_bytes(text)
+    middle = len(text) // 2
+    new.write_bytes(text[:middle] + b"EDITED" + text[middle + 6:])  # the same size
+    workdir = tmp_path / "run"
+    train.train_and_evaluate(lstm(2, old), str(workdir))
+    record = workdir / "checkpoints" / "2" / "stream" / "metadata"
+    stream = json.loads(record.read_text())
+    assert stream[checkpoint.RUNTIME] == checkpoint.runtime()
+    devices = jax.device_count()
+    record.write_text(json.dumps({**stream, checkpoint.RUNTIME: {
+        **stream[checkpoint.RUNTIME], "jax": "0.0.1", "devices": devices + 7}}))
+    capsys.readouterr()
+    train.train_and_evaluate(lstm(3, new), str(workdir))
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("changed on resume")] == [
+        f"changed on resume: jax 0.0.1 -> {jax.__version__}, devices {devices + 7} -> "
+        f"{devices} (steps from here are not bit-identical to an uninterrupted run's)",
+        f"changed on resume: data.path {str(old)!r} -> {str(new)!r} (the same names, sizes "
+        "and ends: read as the same data moved; an edit in the middle of a file is not "
+        "detected)"]
+    record = workdir / "checkpoints" / "3" / "stream" / "metadata"
+    stream = json.loads(record.read_text())
+    del stream[checkpoint.RUNTIME]  # as a version that recorded no runtime saved it
+    record.write_text(json.dumps(stream))
+    train.train_and_evaluate(lstm(4, new), str(workdir))
+    assert checkpoint_steps(workdir)[-1] == 4
+    assert "changed on resume" not in capsys.readouterr().out
+
+
 # --- 6. NaN / Inf ---------------------------------------------------------------------------
 
 DIVERGING = dict(optimizer=dict(learning_rate=1e30, grad_clip_norm=0.0))

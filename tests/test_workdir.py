@@ -637,6 +637,42 @@ def test_a_refused_resume_on_the_embedded_corpus_says_it_is_this_pythons_text():
         [bare]
 
 
+def test_a_path_moved_with_the_same_fingerprint_is_named_but_no_stream_difference():
+    """A data.path or data.validation_path that changed while its content fingerprint did not
+    is the same data moved: no difference (the resume goes on), but `moved_data` names it, as
+    the fingerprint does not read a file's middle. Not a path that stayed, one whose content
+    changed (a difference), or a key an older checkpoint lacks. The runtime record that a
+    checkpoint's stream holds is no difference either."""
+    from transformer.data import inputs
+
+    stream = inputs.data_stream(configs.experiment("gpt_tiny"))
+    saved = {**stream, "data": {**stream["data"], "path": "/data/a.txt",
+                                "validation_path": "/data/v.txt"},
+             "fingerprint": "f0", "validation_fingerprint": "v0",
+             checkpoint_lib.RUNTIME: checkpoint_lib.runtime()}
+    moved = {**saved, "data": {**saved["data"], "path": "/mnt/a.txt",
+                               "validation_path": "/mnt/v.txt"}}
+    del moved[checkpoint_lib.RUNTIME]  # (a run's own stream, as `Manager.check` compares)
+    assert checkpoint_manager.stream_differences(saved, moved) == []
+    note = (" (the same names, sizes and ends: read as the same data moved; an edit in the "
+            "middle of a file is not detected)")
+    assert checkpoint_manager.moved_data(saved, moved) == [
+        f"data.path '/data/a.txt' -> '/mnt/a.txt'{note}",
+        f"data.validation_path '/data/v.txt' -> '/mnt/v.txt'{note}"]
+    assert checkpoint_manager.moved_data(saved, saved) == []
+    edited = {**moved, "fingerprint": "f1"}
+    assert checkpoint_manager.stream_differences(saved, edited) == [
+        "data.path: checkpoint '/data/a.txt', config '/mnt/a.txt'",
+        "content fingerprint: checkpoint 'f0', config 'f1'"]
+    assert checkpoint_manager.moved_data(saved, edited) == [
+        f"data.validation_path '/data/v.txt' -> '/mnt/v.txt'{note}"]
+    older = {**saved, "data": {k: v for k, v in saved["data"].items()
+                               if k != "validation_path"}}
+    del older["validation_fingerprint"]
+    plain = {**older, "data": {**older["data"], "validation_path": ""}}
+    assert checkpoint_manager.moved_data(older, plain) == []
+
+
 # --- a signal during the last step --------------------------------------------------------------
 
 

@@ -2,7 +2,8 @@
 
 This is the only module that knows the layout: WORKDIR/checkpoints/<step>/ with the items
 `state` (params, optimizer state, step), `data` (the iterator position), `config` (the resolved
-config), `stream` (`transformer.data.inputs.data_stream`) and, for a LoRA run, `lora_base`;
+config), `stream` (`transformer.data.inputs.data_stream`, with the `RUNTIME` that wrote the step)
+and, for a LoRA run, `lora_base`;
 Orbax's WORKDIR/checkpoints/deleted/ for steps on their way out; the run's other files beside
 (`RUN_FILES`). Saving and resuming a run: `checkpoint_manager.Manager`.
 
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jaxlib
 import ml_collections
 import orbax.checkpoint as ocp
 from flax import traverse_util
@@ -49,6 +51,40 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer", "val_w
              "goodput.json", "wandb.json", "wandb", "profile", "attention")
 # ... and what `evaluate` wrote of its checkpoints (a fresh run's own would overwrite them).
 RUN_FILE_PATTERNS = ("eval_*.json", "confusion_*.png")
+
+# The stream item's record of the runtime that wrote the step (`runtime`; a step saved before
+# it has none). Not part of the data stream: never a difference on resume.
+RUNTIME = "runtime"
+
+
+def runtime() -> dict:
+    """What decides a step's bits besides the checkpoint and the config: jax's and jaxlib's
+    versions (other kernels and fusions), the backend and the device count (another reduction
+    order)."""
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "backend": jax.default_backend(), "devices": jax.device_count()}
+
+
+def runtime_changes(saved_stream: dict | None, current: dict | None = None) -> list[str]:
+    """One line naming how `current` (default: this process's `runtime`) differs from the
+    runtime that wrote a checkpoint (recorded in its stream item, `saved_stream`), or none;
+    none for a step saved before the record was. Allowed: the run resumes, but is no longer
+    bit for bit the uninterrupted run.
+
+    >>> runtime_changes({RUNTIME: {"jax": "0.10.2", "jaxlib": "0.10.2", "devices": 8}},
+    ...                 {"jax": "0.12.0.1", "jaxlib": "0.12.0.1", "devices": 8})[0][:51]
+    'jax 0.10.2 -> 0.12.0.1, jaxlib 0.10.2 -> 0.12.0.1 ('
+    >>> runtime_changes({"fingerprint": "f0"})  # an older step's stream
+    []
+    """
+    saved = (saved_stream or {}).get(RUNTIME)
+    if not isinstance(saved, dict):
+        return []
+    current = runtime() if current is None else current
+    changed = [f"{key} {saved[key]} -> {current.get(key)}" for key in current
+               if key in saved and saved[key] != current[key]]
+    return [", ".join(changed) + " (steps from here are not bit-identical to an uninterrupted "
+            "run's)"] if changed else []
 
 
 def set_aside(workdir: str) -> str | None:

@@ -4,7 +4,9 @@ position and the resolved config.
 A checkpoint holds everything needed to continue exactly: params, optimizer state and step (the
 per-step RNG is derived from the seed and the step), the data iterator's position (one global
 batch index, the same on every process, so a run resumes on any number of processes), the config
-and what defines the data stream (`transformer.data.inputs.data_stream`). The tokenizer lives
+and what defines the data stream (`transformer.data.inputs.data_stream`), with the jax and
+jaxlib versions, backend and device count that wrote it (`checkpoint.RUNTIME`: a resume under
+others is announced, its steps no longer bit for bit the uninterrupted run's). The tokenizer lives
 beside the checkpoints in the workdir. Restoring checks that the structural settings of the
 checkpoint and the current config agree, that the data stream is the same one the iterator
 position belongs to and that the optimizer state holds the arrays the config builds (read from
@@ -42,7 +44,7 @@ from transformer.models import FAMILIES, MODEL_KEYS, default_model_config
 from transformer.nn import lora
 from transformer.nn.config import TransformerConfig
 from transformer.training import checkpoint as checkpoint_lib
-from transformer.training.checkpoint import CHECKPOINTS, DELETED, JSON_ITEMS, LORA_BASE
+from transformer.training.checkpoint import CHECKPOINTS, DELETED, JSON_ITEMS, LORA_BASE, RUNTIME
 from transformer.utils import fileio, keys
 
 # Compute settings (params stay float whatever they are) that a resumed run announces changed.
@@ -163,29 +165,52 @@ def stream_differences(saved: dict, current: dict,
                        compared: Sequence[str] | None = None) -> list[str]:
     """What differs between two data streams (`inputs.data_stream` dicts), in their `compared`
     keys and the dotted keys under them (default: all; a mixture's "fingerprint" is a dict of
-    its sources'). A different data.path with the same content fingerprint is
-    data that moved, not a difference. The embedded corpus's fingerprint (data.path '' in
+    its sources'). A different data.path with the same content fingerprint is data that
+    moved, not a difference (`moved_data` names it). The runtime that wrote the checkpoint
+    (`RUNTIME`) is no part of the stream. The embedded corpus's fingerprint (data.path '' in
     both) says why it changed (`_embedded_hint`).
 
     >>> stream_differences({"batch_size": 8, "data": {"path": "a"}, "fingerprint": "f0"},
     ...                    {"batch_size": 16, "data": {"path": "b"}, "fingerprint": "f0"})
     ['batch_size: checkpoint 8, config 16']
     """
-    saved, current = keys.dotted(saved), keys.dotted(current)
-    moved = {"data.path": "fingerprint", "data.validation_path": "validation_fingerprint"}
+    saved, current = (keys.dotted({k: v for k, v in stream.items() if k != RUNTIME})
+                      for stream in (saved, current))
     differences = []
     under = tuple(compared or ())
     for key in sorted(k for k in set(saved) | set(current) if compared is None or k in under
                       or k.startswith(tuple(f"{c}." for c in under))):
         if key in (inputs.DOCUMENTS, inputs.TEST_FINGERPRINT):
             continue  # derived from the rest (older checkpoints lack it); never trained on
-        if key in moved and saved.get(moved[key]) == current.get(moved[key]):
+        if key in _MOVED and saved.get(_MOVED[key]) == current.get(_MOVED[key]):
             continue  # the same content elsewhere
         if saved.get(key) != current.get(key):
             what = "content fingerprint" if key == "fingerprint" else key
             differences.append(f"{what}: checkpoint {saved.get(key)!r}, config "
                                f"{current.get(key)!r}" + _embedded_hint(key, saved, current))
     return differences
+
+
+# A path whose data may move (`stream_differences`): its fingerprint's key.
+_MOVED = {"data.path": "fingerprint", "data.validation_path": "validation_fingerprint"}
+
+
+def moved_data(saved: dict, current: dict) -> list[str]:
+    """A line for each path of two data streams that differs while its content fingerprint
+    matches: taken for the same data moved (`stream_differences`), and said so, since the
+    fingerprint reads names, sizes and each file's first and last 4 KiB only.
+
+    >>> moved_data({"data": {"path": "a"}, "fingerprint": "f0"},
+    ...            {"data": {"path": "b"}, "fingerprint": "f0"})[0][:61]
+    "data.path 'a' -> 'b' (the same names, sizes and ends: read as"
+    """
+    saved, current = keys.dotted(saved), keys.dotted(current)
+    return [f"{key} {saved[key]!r} -> {current[key]!r} (the same names, sizes and ends: read "
+            "as the same data moved; an edit in the middle of a file is not detected)"
+            for key, fingerprint in _MOVED.items()
+            if saved.get(key) and current.get(key) and saved[key] != current[key]
+            and saved.get(fingerprint) is not None
+            and saved.get(fingerprint) == current.get(fingerprint)]
 
 
 def _embedded_hint(key: str, saved: dict, current: dict) -> str:
@@ -252,6 +277,9 @@ class Manager:
         checkpoint_lib.quiet_cut_off_io()  # a failed write's tracebacks
         self.stream_changes: list[str] = []  # set by restore under new_data=True
         self.compute_changes: list[str] = []  # set by restore: compute_changes
+        # set by restore, announced as they are: another runtime (`checkpoint.runtime_changes`),
+        # data moved (`moved_data`)
+        self.resume_notes: list[str] = []
         self._keep = config.get("keep_checkpoints", 3)
         self._written: list[int] = []  # steps this manager saved: the only ones it may delete
         self.pruned: list[int] = []  # the steps it deleted (keep_checkpoints)
@@ -291,7 +319,8 @@ class Manager:
                      "data": ocp.args.JsonSave(iterator.get_state()),
                      "config": ocp.args.JsonSave(self.config.to_dict())}
             if self.stream is not None:
-                items["stream"] = ocp.args.JsonSave(self.stream)
+                items["stream"] = ocp.args.JsonSave(
+                    {**self.stream, RUNTIME: checkpoint_lib.runtime()})
             if lora.enabled(self.config):  # the adapters, and the name of their base
                 if self.lora_base is None:
                     # the step a workdir base was read at: the adapters' base stays that
@@ -380,11 +409,14 @@ class Manager:
         self.compute_changes = compute_changes(saved_config, self.config.to_dict())
         problems = ["does not match the config: " + "; ".join(differences)] \
             if differences else []
-        stream = []
+        stream, self.resume_notes = [], []
         if self.stream is not None:
             saved = self.saved_stream(step)
             stream = ["the checkpoint records no data stream (an older version wrote it)"] \
                 if saved is None else stream_differences(saved, self.stream)
+            # (data read from its start, under new_data, moved or not)
+            self.resume_notes = checkpoint_lib.runtime_changes(saved) + (
+                [] if stream else moved_data(saved, self.stream))
         if stream and not self.config.get("new_data"):
             problems.append(
                 "was trained on another data stream: " + "; ".join(stream) + ". Expected the "

@@ -129,7 +129,8 @@ def finished_result(config: ml_collections.ConfigDict, workdir: str, done: Finis
 def announce(run, mesh_summary: str) -> None:
     """The lines a training's start prints: the run (model, size, batch, steps, workdir), a new
     data stream (also a `new_data` record), the layer types and their decode cache (where not
-    all multi-head attention), the mesh and shardings, a labeled task's classes."""
+    all multi-head attention), what changed on resume (settings, the runtime, the data's
+    path), the mesh and shardings, a labeled task's classes."""
     config, start_step, changes = run.config, run.start_step, run.manager.stream_changes
     active = ("" if run.active_params == run.num_params else
               f" ({run.active_params:,} active per token)")
@@ -149,6 +150,8 @@ def announce(run, mesh_summary: str) -> None:
     for change in getattr(run.manager, "compute_changes", ()):
         run.logger.print(f"changed on resume: {change} (allowed: the run continues from the "
                          "checkpoint's params and optimizer state)")
+    for note in getattr(run.manager, "resume_notes", ()):  # (each says what it means itself)
+        run.logger.print(f"changed on resume: {note}")
     run.logger.print(mesh_summary)
     stages = run.placement.mesh.shape.get(pipeline_parallel.STAGE_AXIS, 1)
     if schedule := pipeline_parallel.describe(stages, *run.placement.schedule):
