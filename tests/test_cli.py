@@ -72,6 +72,25 @@ CASES = {
                           ["--workdir=WORKDIR", "--config.optimizer.learning_rate.x=1"], 2,
                           ["--config.optimizer.learning_rate.x: optimizer.learning_rate is a "
                            "float, with no keys"]),
+    # the hint comes from every key of the config: a leaf's initials, or its name elsewhere
+    "unknown_key_by_its_initials": ("transformer.train",
+                                    ["--workdir=WORKDIR", "--config.optimizer.lr=1e-3"], 2,
+                                    ["error: unknown key 'lr' in --config.optimizer.lr: did you "
+                                     "mean --config.optimizer.learning_rate?"]),
+    "unknown_key_of_another_group": ("transformer.train",
+                                     ["--workdir=WORKDIR", "--config.learning_rate=1e-3"], 2,
+                                     ["error: unknown key 'learning_rate' in "
+                                      "--config.learning_rate: did you mean "
+                                      "--config.optimizer.learning_rate?"]),
+    # an index is no key (ml_collections cannot even parse the path)
+    "index_under_a_tuple": ("transformer.train",
+                            ["--workdir=WORKDIR", "--config.eval_seq_lens.0=64"], 2,
+                            ["error: --config.eval_seq_lens.0: eval_seq_lens is a tuple: give "
+                             "it whole (--config.eval_seq_lens=\"(...)\")"]),
+    "index_under_a_group": ("transformer.train", ["--workdir=WORKDIR", "--config.model.moe.0=1"],
+                            2, ["error: unknown key '0' in --config.model.moe.0"]),
+    "float_for_an_int": ("transformer.train", ["--workdir=WORKDIR", "--config.steps=1.5"], 2,
+                         ["error: flag --config.steps=1.5: expected an int"]),
     "unknown_flag": ("transformer.train", ["--workdir=WORKDIR", "--nosuchflag"], 2,
                      ["nosuchflag"]),
     "missing_config_train": ("transformer.train", ["--config=nope.py", "--workdir=WORKDIR"], 2,

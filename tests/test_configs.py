@@ -353,6 +353,16 @@ def test_every_experiment_and_sweep_variant_validates(name, args):
         sweep.check_baseline(baseline, [variant.name for variant in module.get_sweep()])
 
 
+def test_a_bad_hybrids_length_is_named_before_it_divides():
+    """hybrids.py's argument that is no int >= 2 is refused in one line by the file, before
+    1024 // length divides by it (`:0` was a ZeroDivisionError)."""
+    assert _load("ablations/hybrids").get_config("4096").batch_size == 1
+    for argument, shown in (("0", "0"), ("-64", "-64"), ("4k", "'4k'")):
+        with pytest.raises(ValueError) as error:
+            _load("ablations/hybrids").get_config(argument)
+        assert str(error.value) == f"seq_len={shown}: expected an int >= 2 (config file argument)"
+
+
 # --- through the CLI ----------------------------------------------------------------------------
 
 

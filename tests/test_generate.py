@@ -958,6 +958,29 @@ def test_beam_search_refuses_an_lstm_and_the_sampling_flags_in_one_line(monkeypa
         generate.main([], _command_flags("--temperature=0.5", "--seed=3"))
 
 
+def test_chunk_size_and_length_penalty_are_checked_before_loading_where_unused_too(monkeypatch):
+    """--chunk_size (read only when stdout is a terminal: here it is not) and --length_penalty
+    (read by beam search) are refused in one line before the checkpoint loads."""
+    def loaded(*args):
+        raise _Loaded
+
+    monkeypatch.setattr(generate, "load_workdir", loaded)
+    for args, line in [(("--chunk_size=0",), "chunk_size=0: expected an int >= 1 (tokens a "
+                                              "streamed chunk)"),
+                       (("--chunk_size=-2",), "chunk_size=-2: expected an int >= 1 (tokens a "
+                                               "streamed chunk)"),
+                       (("--length_penalty=-1", "--beam_size=2"),
+                        "length_penalty=-1.0: expected a finite float >= 0"),
+                       (("--length_penalty=nan",), "length_penalty=nan: expected a finite float "
+                                                   ">= 0")]:
+        with pytest.raises(ValueError) as error:
+            generate.main([], _command_flags(*args))
+        assert str(error.value) == line
+    with pytest.raises(_Loaded):
+        generate.main([], _command_flags("--chunk_size=1", "--length_penalty=0",
+                                         "--beam_size=2"))
+
+
 def test_the_streamed_text_ends_as_piped_output_does(monkeypatch):
     """On a terminal the text streams, holding back a trailing U+FFFD (a partial UTF-8
     character) mid-stream; the final text's own trailing U+FFFD are printed as when piped."""

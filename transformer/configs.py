@@ -6,7 +6,6 @@ Experiment files (`experiments/*.py`) start from `base_config()` and override wh
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 
@@ -119,7 +118,7 @@ def check_declared(config: ml_collections.ConfigDict) -> None:
     unknown = [key for key in dotted(config, empty_groups=True) if not known(key)]
     hints = {}
     for key in unknown:
-        close = _closest(key, sorted(declared))
+        close = cli.closest(key, declared)  # the one `--config.KEY` typos get
         hints[key] = f"did you mean {close!r}?" if close else "docs/config.md lists them"
     if len(unknown) == 1:
         raise ValueError(f"unknown config key {unknown[0]!r}: expected a declared key "
@@ -127,18 +126,6 @@ def check_declared(config: ml_collections.ConfigDict) -> None:
     if unknown:
         named = ", ".join(f"{key!r} ({hint})" for key, hint in hints.items())
         raise ValueError(f"unknown config keys {named}: expected declared keys")
-
-
-def _closest(key: str, declared: list[str]) -> str | None:
-    """The declared key `key` likely means: a key of its group whose words' initials it is
-    (optimizer.lr: optimizer.learning_rate), else the closest spelling (difflib), or None."""
-    group, _, leaf = key.rpartition(".")
-    for name in declared:
-        its_group, _, its_leaf = name.rpartition(".")
-        if its_group == group and len(leaf) > 1 and \
-                "".join(word[:1] for word in its_leaf.split("_")) == leaf:
-            return name
-    return next(iter(difflib.get_close_matches(key, declared, n=1)), None)
 
 
 def _lookup(config: ml_collections.ConfigDict, key: str):

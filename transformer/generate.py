@@ -35,6 +35,7 @@ The decoding library is transformer.generation; its calls are re-exported here
 
 from __future__ import annotations
 
+import math
 import sys
 
 from transformer.data import tokenizers as tokenizers_lib
@@ -142,14 +143,11 @@ class _Streamer:
 _SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "seed")
 
 
-def main(argv, flag_values=None) -> None:
-    """The command, on absl's FLAGS (or `flag_values`, defined by `_define_flags`)."""
-    from absl import flags, logging
-
-    del argv
-    logging.set_verbosity(logging.WARNING)
-    f = flags.FLAGS if flag_values is None else flag_values
-    s = sampling(f.temperature, f.top_k, f.top_p)  # bad flags fail before any loading
+def _checked_flags(f) -> Sampling:
+    """The sampling the flags ask for, once every flag is checked: a bad one is refused in one
+    line before any loading, whether or not this run reads it (--chunk_size when not on a
+    terminal, --length_penalty without --beam_size)."""
+    s = sampling(f.temperature, f.top_k, f.top_p)
     check_max_new_tokens(f.max_new_tokens)
     if f.num_samples < 1:
         raise ValueError(f"num_samples={f.num_samples}: expected >= 1")
@@ -167,6 +165,22 @@ def main(argv, flag_values=None) -> None:
     if f.speculative and (f.beam_size or f.chat is not None or f.num_samples != 1):
         raise ValueError("--speculative: expected one continuation of --prompt (no --beam_size, "
                          "--chat or --num_samples)")
+    if f.chunk_size < 1:
+        raise ValueError(f"chunk_size={f.chunk_size}: expected an int >= 1 (tokens a streamed "
+                         "chunk)")
+    if not (math.isfinite(f.length_penalty) and f.length_penalty >= 0):
+        raise ValueError(f"length_penalty={f.length_penalty}: expected a finite float >= 0")
+    return s
+
+
+def main(argv, flag_values=None) -> None:
+    """The command, on absl's FLAGS (or `flag_values`, defined by `_define_flags`)."""
+    from absl import flags, logging
+
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    f = flags.FLAGS if flag_values is None else flag_values
+    s = _checked_flags(f)  # bad flags fail before any loading
     model, params, tokenizer, config = load_workdir(f.workdir, f.step, True)
     if f.chat is not None:
         conversations = read_chat(f.chat)

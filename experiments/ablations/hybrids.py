@@ -13,6 +13,8 @@ attention at equal steps; linear-only stacks trail it on recall.
         --workdir=runs/ablations/hybrids --batched_seeds
 """
 
+import re
+
 from transformer import sweep
 from transformer.configs import small_char_lm
 
@@ -20,8 +22,12 @@ LINEAR = {"model.linear_attention.key_head_dim": 32, "model.linear_attention.val
 
 
 def get_config(seq_len: str = "512"):
+    """The model at `seq_len` tokens a row, 1,024 tokens a step. Set the length here
+    (`hybrids.py:4096`): `--config.seq_len` alone keeps 512's rows a step and model.max_len."""
+    length = int(seq_len) if re.fullmatch(r"[+-]?\d+", str(seq_len).strip()) else seq_len
+    if not isinstance(length, int) or length < 2:  # before 1024 // length divides by it
+        raise ValueError(f"seq_len={length!r}: expected an int >= 2 (config file argument)")
     config = small_char_lm()
-    length = int(seq_len)
     config.experiment = f"hybrids_{length}"
     config.update(seq_len=length, batch_size=max(1, 1024 // length))
     config.model.max_len = length

@@ -18,13 +18,14 @@ A failure prints `error: <message>` and exits with
 from __future__ import annotations
 
 import ast
+import difflib
 import functools
 import glob
 import os
 import re
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 USAGE_ERRORS = (ValueError, KeyError, TypeError, FileNotFoundError, NotADirectoryError,
@@ -143,7 +144,8 @@ def message(error: BaseException) -> str:
     text = args[0] if len(args) == 1 and isinstance(args[0], str) else str(error)
     if isinstance(error, (KeyError, AttributeError)):
         text = _unquote_key(text, bare_is_key=isinstance(error, KeyError))
-    if isinstance(error, (KeyError, AttributeError, TypeError)):
+    if isinstance(error, (KeyError, AttributeError, TypeError)) or \
+            isinstance(error, ValueError) and text.startswith("Could not parse '"):
         text = _name_override(text, error, sys.argv)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
@@ -184,9 +186,11 @@ def _unquote_key(text: str, bare_is_key: bool) -> str:
 def _name_override(text: str, error: BaseException, argv: list[str]) -> str:
     """An error from a `--config.KEY=VALUE` that ml_collections could not apply, as the
     override it is in: ConfigDict names only the missing part (`unknown key 'name'`), a key
-    under a tuple or a scalar gets Python's own message. Its "Did you mean" becomes the whole
-    override; under a field that holds an empty dict (compiler_options) the key is no typo,
-    and the field is given whole; a tuple is given whole; a scalar has no keys."""
+    under a tuple or a scalar gets Python's own message, and a part that is a number
+    (`eval_seq_lens.0`) a SyntaxError. The key it likely means (`closest`, over every key of
+    the config; else ConfigDict's "Did you mean") is given as a whole override; under a field
+    that holds an empty dict (compiler_options) the key is no typo, and the field is given
+    whole; a tuple is given whole; a scalar has no keys."""
     from ml_collections import ConfigDict
 
     frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
@@ -195,10 +199,14 @@ def _name_override(text: str, error: BaseException, argv: list[str]) -> str:
                   and isinstance(f.f_locals.get("config"), ConfigDict)), None)
     if parse is None:
         return text  # not an override's, e.g. a KeyError in the command's own code
+    config = parse.f_locals["config"]
     found = re.match(r"unknown key '([^'\s]+)'", text)
     key, rest = (found[1], text[found.end():].strip()) if found else (None, "")
-    failed = _failed_override(parse.f_locals["config"], getattr(
-        parse.f_locals.get("self"), "name", None), argv, key)
+    unparsed = re.match(r"Could not parse '([\w.]+)'", text)
+    if unparsed:  # a part that is no name (`sources.0`): ml_collections' path syntax refused it
+        key = _unresolved(config, unparsed[1])
+    failed = _failed_override(config, getattr(parse.f_locals.get("self"), "name", None), argv,
+                              key)
     if failed is None:
         return text
     override, at, holder = failed
@@ -224,11 +232,64 @@ def _name_override(text: str, error: BaseException, argv: list[str]) -> str:
         for part in reversed(parts[at:]):
             value = f"{{{part!r}: {value}}}"
         return f'{text}: {field} takes a whole dict (--{flag}.{field}="{value}")'
+    groups = at + 1 < len(parts)  # the part named is a group: `modle` in modle.d_model
+    close = closest(".".join(parts[:at + 1]), [p for p, group in _paths(config)
+                                               if group or not groups])
+    if close:
+        return f"{text}: did you mean {'.'.join([written, close, *parts[at + 1:]])}?"
     meant = re.fullmatch(r'\.?\s*Did you mean "([^"]+)" instead of "[^"]+"\?', rest)
     if meant:
         return text + ": did you mean " + ".".join([written, *parts[:at], meant[1],
                                                      *parts[at + 1:]]) + "?"
     return text + (rest and f"\n{rest}")
+
+
+def closest(key: str, keys: Iterable[str]) -> str | None:
+    """The dotted key of `keys` that the unknown `key` likely means, or None: a key of its
+    group whose words' initials it is (optimizer.lr: optimizer.learning_rate), else the only
+    key anywhere with its last part or those initials (learning_rate: optimizer.learning_rate),
+    else the closest spelling (difflib) in its group, or anywhere if its group is unknown too.
+    """
+    keys = sorted(keys)
+    group, _, leaf = key.rpartition(".")
+
+    def named(name: str) -> bool:
+        its_leaf = name.rpartition(".")[2]
+        return its_leaf == leaf or len(leaf) > 1 and \
+            "".join(word[:1] for word in its_leaf.split("_")) == leaf
+
+    alike = [name for name in keys if named(name)]
+    if mine := [name for name in alike if name.rpartition(".")[0] == group]:
+        return mine[0]
+    if len(alike) == 1:
+        return alike[0]
+    if group and not any(name.startswith(group + ".") for name in keys):
+        return next(iter(difflib.get_close_matches(key, keys, n=1)), None)
+    siblings = {name.rpartition(".")[2]: name for name in keys
+                if name.rpartition(".")[0] == group}
+    meant = difflib.get_close_matches(leaf, sorted(siblings), n=1)
+    return siblings[meant[0]] if meant else None
+
+
+def _paths(config, prefix: str = ""):
+    """(dotted path, whether a group) of every key of ConfigDict `config`, at any depth."""
+    from ml_collections import ConfigDict
+
+    for name, value in config.items():
+        yield prefix + name, isinstance(value, ConfigDict)
+        if isinstance(value, ConfigDict):
+            yield from _paths(value, f"{prefix}{name}.")
+
+
+def _unresolved(config, path: str) -> str | None:
+    """The first part of dotted `path` that names no key of ConfigDict `config`."""
+    from ml_collections import ConfigDict
+
+    for part in path.split("."):
+        if not (isinstance(config, ConfigDict) and part in config):
+            return part
+        config = config[part]
+    return None
 
 
 def _failed_override(config, flag: str | None, argv: list[str], key: str | None):
@@ -280,18 +341,22 @@ def _none_overrides() -> None:
     from ml_collections import config_flags
 
     class NoneOr(flags.ArgumentParser):
-        def __init__(self, parser: flags.ArgumentParser):
-            self.parser = parser
+        def __init__(self, parser: flags.ArgumentParser, expected: str):
+            self.parser, self.expected = parser, expected
 
         def parse(self, argument):
-            return None if argument == "None" else self.parser.parse(argument)
+            try:
+                return None if argument == "None" else self.parser.parse(argument)
+            except ValueError:  # absl: `flag --config.steps=1.5: <this>`
+                raise ValueError(f"expected {self.expected}") from None
 
         def flag_type(self) -> str:
             return self.parser.flag_type()
 
-    for field_type, parser in ((int, flags.IntegerParser()), (float, flags.FloatParser()),
-                               (bool, flags.BooleanParser()), (str, flags.ArgumentParser())):
-        config_flags.register_flag_parser_for_type(field_type, NoneOr(parser))
+    for field_type, parser, expected in (
+            (int, flags.IntegerParser(), "an int"), (float, flags.FloatParser(), "a number"),
+            (bool, flags.BooleanParser(), "true or false"), (str, flags.ArgumentParser(), "")):
+        config_flags.register_flag_parser_for_type(field_type, NoneOr(parser, expected))
 
 
 def _verbose_requested(argv: list[str]) -> bool:
