@@ -1060,15 +1060,21 @@ def test_an_export_stops_generate_at_the_templates_end_of_turn(llama3_dir):
     `generate` ends an assistant reply where training ended it."""
     import types
 
-    from transformer import export
+    from transformer import export, generate
 
     tokenizer = tokenizers_lib.load_hf_tokenizer(str(llama3_dir))
-    hf_config = types.SimpleNamespace(bos_token_id=tokenizer.bos_id, pad_token_id=None)
-    generation = export._generation_config(hf_config, tokenizer)
+    hf_config = types.SimpleNamespace(bos_token_id=tokenizer.bos_id, pad_token_id=None,
+                                      vocab_size=tokenizer.vocab_size)
+    config = configs.experiment("sft_chat")
+    generation = export._generation_config(hf_config, tokenizer, config)
     end = chat.end_of_turn_id(tokenizer)
     assert end != tokenizer.eos_id
     assert generation.eos_token_id == [tokenizer.eos_id, end]
     assert generation.bos_token_id == tokenizer.bos_id
+    # what our generate never emits is suppressed, but not the end of turn it stops at (a
+    # special, which a plain continuation does not write)
+    assert end in generate.banned_ids(tokenizer, tokenizer.vocab_size)
+    assert end not in generation.suppress_tokens and tokenizer.bos_id in generation.suppress_tokens
 
 
 def tiny_llama31(directory: Path, prompt: list[int]) -> list[int]:

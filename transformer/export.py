@@ -125,7 +125,8 @@ def _generation_config(hf_config, tokenizer, config=None):
     end = chat.end_of_turn_id(tokenizer) if getattr(tokenizer, "chat_template", None) else None
     stops = list(stop_ids(tokenizer, end))
     ids = {role: getattr(hf_config, f"{role}_token_id", None) for role in ("bos", "pad")}
-    banned = [] if config is None else list(banned_for(tokenizer, hf_config.vocab_size, config))
+    banned = [] if config is None else [  # (an end of turn is a stop: a chat reply ends there)
+        i for i in banned_for(tokenizer, hf_config.vocab_size, config) if i not in stops]
     return transformers.GenerationConfig(
         eos_token_id=stops[0] if len(stops) == 1 else (stops or None),
         bos_token_id=ids["bos"], pad_token_id=ids["pad"], suppress_tokens=banned or None,
