@@ -473,6 +473,28 @@ def test_span_corruption_on_prepared_data_needs_its_tokenizers_sentinels(gpt2_di
     assert not (workdir / "checkpoints").exists()
 
 
+def test_an_eval_length_past_a_prepared_tokenizers_sentinels_is_skipped_and_named(tmp_path):
+    """The validation lengths a span-corruption run evaluates at are checked against the
+    sentinels of the tokenizer it reads (a prepared directory's 5), as its seq_len is: a longer
+    one is skipped (or refused by evaluate) before anything runs, named as eval_seq_len."""
+    from transformer.training import evaluation, startup
+
+    path = t5_style(tmp_path / "t5" / "tokenizer.json")
+    prepare.prepare(str(tmp_path / "prepared"), str(SHAKESPEARE), tokenizer="hf",
+                    tokenizer_path=str(path), validation_fraction=0.2)
+    config = configs.experiment("t5_span")
+    config.data.update(path=str(tmp_path / "prepared"), tokenizer="hf")
+    config.update(seq_len=64, eval_seq_lens=(64, 512))
+    tokenizer = inputs.get_tokenizer(config)
+    assert tokenizer.num_sentinels == 5 and config.data.num_sentinels == 100
+    assert startup.evaluable(config, 64, tokenizer) and startup.evaluable(config, 512)
+    assert not startup.evaluable(config, 512, tokenizer)
+    with pytest.raises(ValueError) as error:
+        evaluation.check_eval_seq_len(config, 512, tokenizer)
+    assert str(error.value).startswith("the tokenizer has 5 sentinels: span corruption of "
+                                       "eval_seq_len=512 makes 28 noise spans a row")
+
+
 @pytest.mark.slow
 def test_nanogpt_train_bin_and_val_bin_as_data_path(gpt2_dir, tmp_path):
     """nanoGPT's prepared layout (train.bin, val.bin: raw uint16 ids) trains as data.path with

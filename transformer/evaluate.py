@@ -83,6 +83,8 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
     if note:
         print(note, file=sys.stderr)
     tokenizer = inputs.get_tokenizer(config, workdir)
+    for seq_len in seq_lens:  # span corruption: the sentinels of the tokenizer read
+        evaluation.check_eval_seq_len(config, seq_len, tokenizer)
     model = build_model(config.model)
     placement = placement_lib.Placement.from_config(config, devices)
     # A training beside it may delete the newest step meanwhile: then the next one is read.

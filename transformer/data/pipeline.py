@@ -34,12 +34,23 @@ CHAT_OBJECTIVES = ("sft",)  # supervised fine-tuning on chat JSONL: transformer.
 
 
 def check_span_sentinels(data: ml_collections.ConfigDict, seq_len: int,
-                         name: str = "seq_len") -> None:
+                         name: str = "seq_len", tokenizer=None) -> None:
     """One line unless span corruption of `seq_len` tokens (`name`: the setting that gives it)
-    makes at most data.num_sentinels noise spans a row: each span gets its own sentinel, and
-    span i's past the count would be a real token's id."""
+    makes at most data.num_sentinels noise spans a row, and at most `tokenizer`'s sentinels if
+    given (a prepared directory's or a workdir's keeps its own count): each span gets its own
+    sentinel, and span i's past the count would be a real token's id."""
     _check_sentinels(data.num_sentinels, f"data.num_sentinels={data.num_sentinels}", seq_len,
                      name, data.noise_density, data.mean_span_length, "data.num_sentinels >=")
+    if tokenizer is not None:
+        _check_tokenizer_sentinels(tokenizer, seq_len, name, data.noise_density,
+                                   data.mean_span_length)
+
+
+def _check_tokenizer_sentinels(tokenizer, seq_len, name, noise_density, mean_span_length):
+    _check_sentinels(tokenizer.num_sentinels, f"the tokenizer has {tokenizer.num_sentinels} "
+                     "sentinels", seq_len, name, noise_density, mean_span_length,
+                     "a tokenizer with sentinels (data.num_sentinels, or a T5 tokenizer's "
+                     "<extra_id_i>) >=")
 
 
 def _check_sentinels(count: int, what: str, seq_len: int, name: str, noise_density: float,
@@ -164,10 +175,8 @@ def make_dataset(
     if num_epochs not in (None, 1):
         raise ValueError(f"num_epochs={num_epochs!r}: expected None (training) or 1 (a pass)")
     if objective == "span_corruption":  # (a prepared or a workdir's tokenizer keeps its count)
-        _check_sentinels(tokenizer.num_sentinels, f"the tokenizer has {tokenizer.num_sentinels} "
-                         "sentinels", seq_len, "seq_len", noise_density, mean_span_length,
-                         "a tokenizer with sentinels (data.num_sentinels, or a T5 tokenizer's "
-                         "<extra_id_i>) >=")
+        _check_tokenizer_sentinels(tokenizer, seq_len, "seq_len", noise_density,
+                                   mean_span_length)
     if rows is None:
         rows = _process_block(batch_size, process_index, process_count)
     rows = _check_rows(rows, batch_size)

@@ -297,10 +297,11 @@ def sequence_balanced(config) -> bool:
             and config.model.get("sequence_load_balance", True))
 
 
-def check_eval_seq_len(config, seq_len: int) -> None:
+def check_eval_seq_len(config, seq_len: int, tokenizer=None) -> None:
     """One-line error for a validation length the model cannot run at: on config.mesh (the
     mesh the evaluation runs on), the length must split over its `sequence` axis as training's
-    seq_len did (`configs.check_sequence_split`)."""
+    seq_len did (`configs.check_sequence_split`); span corruption's spans need as many
+    sentinels (data.num_sentinels, and `tokenizer`'s if given)."""
     check_length(seq_len, "eval_seq_len")
     sequence = config.mesh.get("sequence", 1)
     if sequence == -1:  # the devices the other axes leave
@@ -309,7 +310,7 @@ def check_eval_seq_len(config, seq_len: int) -> None:
         sequence_parallel.check_length(seq_len, sequence, load_balance=sequence_balanced(config),
                                        what="eval_seq_len")
     if pipeline.objective_for(config) == "span_corruption":  # (as training's length is)
-        pipeline.check_span_sentinels(config.data, seq_len, "eval_seq_len")
+        pipeline.check_span_sentinels(config.data, seq_len, "eval_seq_len", tokenizer)
     if config.model.get("position") == "learned" and seq_len > config.model.max_len:
         raise ValueError(f"eval_seq_len={seq_len}: the model learned positions for "
                          f"{config.model.max_len} tokens (model.max_len), and a learned "
@@ -328,7 +329,7 @@ def evaluate_at_length(params, eval_step, config, tokenizer, seq_len: int,
     """`split`'s metrics with rows of `seq_len` tokens (length extrapolation: a model trained
     at config.seq_len read at another length). `eval_steps` counts batches at config.seq_len
     and is scaled, so every length reads about as many tokens; None reads the whole split."""
-    check_eval_seq_len(config, seq_len)
+    check_eval_seq_len(config, seq_len, tokenizer)
     at_length = ml_collections.ConfigDict(config.to_dict())
     at_length.seq_len = seq_len
     steps = eval_steps and max(1, round(eval_steps * config.seq_len / seq_len))

@@ -71,7 +71,7 @@ def after_training(run) -> None:
         run.last_metrics.update({f"test_{k}": v for k, v in result.items()})
     for seq_len in config.get("eval_seq_lens") or ():
         try:
-            evaluation.check_eval_seq_len(config, seq_len)
+            evaluation.check_eval_seq_len(config, seq_len, run.tokenizer)
         except ValueError as error:
             run.logger.print(f"validation at length {seq_len}: skipped: {error}")
             run.last_metrics[f"val_loss@{seq_len}"] = None

@@ -213,7 +213,7 @@ def check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> Non
     evaluation."""
     splits = ["validation"] + (["test"] if inputs.has_test_split(config) else [])
     lengths = [config.seq_len] + [n for n in config.get("eval_seq_lens") or ()
-                                  if evaluable(config, n)]
+                                  if evaluable(config, n, tokenizer)]
     # A mixture evaluates each source's validation split on its own.
     mixture = inputs.source_configs(config)
     for split, one, where in [("validation", c, f"data.sources {name!r}")
@@ -235,11 +235,11 @@ def check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> Non
                     "batch_size / seq_len")
 
 
-def evaluable(config: ml_collections.ConfigDict, seq_len: int) -> bool:
+def evaluable(config: ml_collections.ConfigDict, seq_len: int, tokenizer=None) -> bool:
     """Whether `run_eval.after_training` evaluates at `seq_len` (it skips lengths the model
     cannot run at)."""
     try:
-        evaluation.check_eval_seq_len(config, seq_len)
+        evaluation.check_eval_seq_len(config, seq_len, tokenizer)
     except ValueError:
         return False
     return True
