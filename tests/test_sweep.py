@@ -416,6 +416,33 @@ def test_a_settings_record_another_sweep_wrote_first_is_kept_and_refuses(tmp_pat
     assert sorted(p.name for p in (workdir / "b").iterdir()) == ["sweep_config.json"]
 
 
+def test_a_settings_record_without_hard_links_is_created_readable_by_others(tmp_path,
+                                                                            monkeypatch):
+    """Where the filesystem has no hard links (gcsfuse: EPERM), the record is created
+    exclusively instead (the sweep failed before training anything); either way it is the
+    user's umask's file, as the run's others (it was owner-only)."""
+    import errno
+
+    workdir, trained = tmp_path / "sweep", []
+    runs = _lr_runs(a=1e-3)
+
+    def no_links(source, target):
+        raise PermissionError(errno.EPERM, "Operation not permitted", source, target)
+
+    monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr(sweep, "_train", _fake_train(trained))
+    old = os.umask(0o022)
+    try:
+        assert sweep.run(runs, str(workdir)) is None
+    finally:
+        os.umask(old)
+    assert trained == [("a", 1e-3)]
+    record = workdir / "a" / "sweep_config.json"
+    assert json.loads(record.read_text())["optimizer.learning_rate"] == 1e-3
+    assert record.stat().st_mode & 0o777 == 0o644
+    assert not [p.name for p in (workdir / "a").iterdir() if p.name.startswith(".")]
+
+
 def test_a_sweep_with_a_failed_run_writes_its_report_then_fails(tmp_path, monkeypatch, capsys):
     """A run that fails (NaN) is in the report, and then the sweep fails (exit status 1, as
     docs/experiments.md says of every command); a run another command holds is no failure."""

@@ -55,8 +55,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
-import tempfile
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -338,18 +338,26 @@ def _settings_refusal(name: str, config, workdir: str) -> str | None:
 def _record(config, directory: str) -> bool:
     """Writes `config` as directory's sweep_config.json unless it has one; whether it did. The
     file appears whole or not at all: a temporary file hard-linked into place, which fails
-    where another sweep's appeared first."""
+    where another sweep's appeared first; where the filesystem has no hard links (gcsfuse),
+    the file itself is created exclusively."""
     path = os.path.join(directory, definition.CONFIG_FILE)
     if os.path.exists(path):
         return False
     os.makedirs(directory, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=".sweep_config.", suffix=".tmp", dir=directory)
+    text = json.dumps(keys.dotted(config.to_dict()), indent=1, default=str)
+    temporary = os.path.join(directory, f".sweep_config.{os.getpid()}.{secrets.token_hex(4)}")
+    with open(temporary, "x") as f:  # (the user's umask, as the run's other files)
+        f.write(text)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(keys.dotted(config.to_dict()), f, indent=1, default=str)
         os.link(temporary, path)
     except FileExistsError:
         return False
+    except OSError:  # no hard links here
+        try:
+            with open(path, "x") as f:
+                f.write(text)
+        except FileExistsError:
+            return False
     finally:
         os.remove(temporary)
     return True
