@@ -158,6 +158,11 @@ BAD_VALUES = [
     ({"optimizer.grad_clip_norm": -1.0}, "(0: no clipping)"),
     ({"optimizer.grad_accumulation_steps": 0}, "expected an int >= 1"),
     ({"optimizer.freeze": "("}, "expected a regular expression"),
+    # a WSD decay of one step never leaves the peak (half to even: 2.5 rounds to 2, 0.5 to 0)
+    ({"optimizer.decay_fraction": 0.1, "optimizer.decay": "wsd", "steps": 10,
+      "optimizer.warmup_steps": 0}, "a decay of 1 step(s) never leaves the peak"),
+    ({"optimizer.decay_fraction": 0.05, "optimizer.decay": "wsd", "steps": 10},
+     "a decay of 0 step(s) never leaves the peak"),
     ({"optimizer.head": "[a-"}, "expected a regular expression"),
     ({"optimizer.head_learning_rate": -1.0}, "(0: optimizer.learning_rate)"),
     # mesh
@@ -213,6 +218,8 @@ def test_a_bad_value_is_a_one_line_error_naming_its_dotted_key(overrides, expect
     {"optimizer.grad_clip_norm": 0},  # no clipping
     {"optimizer.warmup_steps": 0, "optimizer.weight_decay": 0},
     {"optimizer.min_learning_rate_ratio": 1, "optimizer.b1": 0},
+    {"optimizer.decay": "wsd", "optimizer.decay_fraction": 0.15, "steps": 10},  # 2 steps
+    {"optimizer.decay": "wsd", "optimizer.decay_fraction": 0, "steps": 10},  # no decay
     {"data.validation_fraction": 0, "data.prefetch": 0, "max_nonfinite_skips": 0},
     {"data.tokenizer": "sentencepiece_bpe", "data.vocab_size": 1000},
     {"mesh.data": 1, "mesh.fsdp": -1},

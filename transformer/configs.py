@@ -365,6 +365,7 @@ def _validate_optimizer(config: ml_collections.ConfigDict) -> None:
                          f"with model.family={config.model.family!r}: expected 1 (its loss "
                          "compares the batch's rows with each other; a micro-batch would "
                          "compare fewer, another objective)")
+    optim.check_schedule(opt, config.steps)
     if opt.get("name") == "schedule_free_adamw" and opt.decay != "constant":
         raise ValueError(f"optimizer.decay={opt.decay!r} with optimizer.name="
                          "'schedule_free_adamw': expected 'constant' (schedule-free needs no "

@@ -59,7 +59,7 @@ def _wsd(opt, steps: int, warmup: int, peak: float, end: float) -> optax.Schedul
     linear, cosine or 1-sqrt: end + (peak - end) * f(p), p the decay's progress in [0, 1),
     f(p) = 1 - p, (1 + cos(pi p)) / 2 or 1 - sqrt(p). The decay starts at steps - its length,
     so a run resumed with larger `steps` stays at the peak longer and decays at its new end."""
-    start = max(steps - round(opt.decay_fraction * steps), warmup)
+    start = max(steps - round(opt.decay_fraction * steps), warmup)  # (round: half to even)
     length = max(steps - start, 1)
     shape = opt.get("decay_shape", "linear")
     if shape == "linear":
@@ -72,6 +72,19 @@ def _wsd(opt, steps: int, warmup: int, peak: float, end: float) -> optax.Schedul
         raise ValueError(f"optimizer.decay_shape={shape!r}: expected one of {DECAY_SHAPES}")
     return optax.join_schedules([optax.linear_schedule(0.0, peak, max(warmup, 1)),
                                  optax.constant_schedule(peak), decay], [warmup, start])
+
+
+def check_schedule(opt: ml_collections.ConfigDict, steps: int) -> None:
+    """One line for a WSD decay_fraction that decays nothing: its first update takes the peak
+    (progress 0), so a decay of one step (decay_fraction * steps rounding to 1, or to 0)
+    trains at a constant rate. (A warmup as long as the run leaves no decay either, as it
+    leaves cosine's none.)"""
+    length = round(opt.decay_fraction * steps)
+    if opt.decay == "wsd" and opt.decay_fraction > 0 and length < 2:
+        raise ValueError(f"optimizer.decay_fraction={opt.decay_fraction} with steps={steps}: "
+                         f"a decay of {length} step(s) never leaves the peak (its first "
+                         "update takes it): expected decay_fraction * steps >= 1.5 (2 steps "
+                         "or more), or decay_fraction=0")
 
 
 def _inverse_sqrt(warmup: int, peak: float) -> optax.Schedule:
