@@ -388,6 +388,34 @@ def test_a_trained_workdir_exports_and_hf_gives_our_logits_and_greedy_tokens(
 
 
 @pytest.mark.slow
+def test_a_gpt_trained_with_multi_token_prediction_exports_without_its_modules(tmp_path):
+    """The MTP modules only train the model (its next-token logits are the same without them),
+    and only DeepSeek-V3's files hold them: a GPT-2 export leaves them out, saying so (it was
+    refused), and HF gives the trained model's logits."""
+    from transformer.training import checkpoint
+
+    workdir, output = tmp_path / "run", tmp_path / "hf"
+    assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                             f"--workdir={workdir}", *tiny_flags(2),
+                             "--config.model.position=learned", "--config.model.max_len=64",
+                             "--config.model.mtp.depth=2", logs=tmp_path))
+    result = run_cli("transformer.export", f"--workdir={workdir}", f"--output={output}",
+                     logs=tmp_path)
+    assert_succeeded(result)
+    assert "note: model.mtp.depth=2: the export leaves out the multi-token prediction" in \
+        result.stdout + result.stderr
+    hf = transformers.AutoModelForCausalLM.from_pretrained(output).eval()
+    assert type(hf).__name__ == "GPT2LMHeadModel"
+    saved = checkpoint.restore_params(str(workdir))
+    assert any(name.startswith("mtp_") for name in saved.params)
+    ids = tokens(8, (2, 16)) % saved.config.model.vocab_size
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor(ids)).logits.numpy()
+    got = np.asarray(build_model(saved.config.model).apply({"params": saved.params}, ids))
+    assert relative_difference(got, expected) <= 1e-4
+
+
+@pytest.mark.slow
 def test_a_refused_export_writes_nothing(tmp_path):
     workdir, output = tmp_path / "run", tmp_path / "hf"
     assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",

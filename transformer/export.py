@@ -234,8 +234,8 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
         params = lora.merged_params(params, state_lib.model_lora(config))
     labels = hf_export.task_labels(config, checkpoint_lib.saved_stream(workdir, step,
                                                                         or_newer=True))
-    hf_config, state = hf_export.to_hf(hf_export.base_model_config(config.model), params,
-                                       labels=labels)
+    model_config, params = _without_mtp(hf_export.base_model_config(config.model), params)
+    hf_config, state = hf_export.to_hf(model_config, params, labels=labels)
     for key, value in token_ids(config, tokenizer).items():  # an import's, too
         setattr(hf_config, key, value)
     if config.model.family == "t5":
@@ -251,6 +251,18 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
                                   "notes": notes(config.model)})
 
 
+def _without_mtp(model_config, params):
+    """(model config, params) without the multi-token prediction modules where the export has
+    no place for them (every architecture but DeepSeek-V3's, whose files hold them): they
+    only trained the model, whose next-token logits are the same without them (`notes`)."""
+    mtp = model_config.get("mtp")
+    if not (mtp and mtp.depth) or model_config.get("attention_kind") == "mla":
+        return model_config, params
+    model_config = model_config.copy_and_resolve_references()
+    model_config.mtp.depth = 0
+    return model_config, {k: v for k, v in params.items() if not k.startswith("mtp_")}
+
+
 def notes(model_config) -> list[str]:
     """What an export computes otherwise than the trained model, said after it is written.
 
@@ -262,6 +274,11 @@ def notes(model_config) -> list[str]:
     ["note: model.quantization='int8': the export holds the float weights, ..."]
     """
     moe, out = model_config.get("moe") or {}, []
+    if (mtp := model_config.get("mtp")) and mtp.get("depth") and \
+            model_config.get("attention_kind") != "mla":
+        out.append(f"note: model.mtp.depth={mtp['depth']}: the export leaves out the multi-token "
+                   "prediction modules (only DeepSeek-V3's files hold them); they trained the "
+                   "model, and its next-token logits are the same without them")
     if moe.get("num_experts") and moe.get("capacity_factor", 0) > 0:
         out.append(f"note: moe.capacity_factor={moe['capacity_factor']}: Hugging Face's experts "
                    "are dropless, so the export's logits differ from this model's where its "
