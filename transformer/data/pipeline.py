@@ -168,15 +168,7 @@ def make_dataset(
     weighted mixture: each source gets its own rows (windows or chunks, its own epochs) and
     `mixture.Mixture(weights, seed)` says which source each global sample reads.
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective={objective!r}: expected one of {OBJECTIVES}")
-    if not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"seq_len={seq_len!r}: expected an int >= 2")
-    if num_epochs not in (None, 1):
-        raise ValueError(f"num_epochs={num_epochs!r}: expected None (training) or 1 (a pass)")
-    if objective == "span_corruption":  # (a prepared or a workdir's tokenizer keeps its count)
-        _check_tokenizer_sentinels(tokenizer, seq_len, "seq_len", noise_density,
-                                   mean_span_length)
+    _check_arguments(objective, seq_len, num_epochs, tokenizer, noise_density, mean_span_length)
     if rows is None:
         rows = _process_block(batch_size, process_index, process_count)
     rows = _check_rows(rows, batch_size)
@@ -208,6 +200,21 @@ def make_dataset(
         dataset = grain_experimental.ThreadPrefetchIterDataset(dataset,
                                                                prefetch_buffer_size=prefetch)
     return dataset
+
+
+def _check_arguments(objective, seq_len, num_epochs, tokenizer, noise_density,
+                     mean_span_length) -> None:
+    """`make_dataset`'s one-line errors; span corruption's spans need the sentinels of the
+    tokenizer read (a prepared directory's or a workdir's keeps its own count)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r}: expected one of {OBJECTIVES}")
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len={seq_len!r}: expected an int >= 2")
+    if num_epochs not in (None, 1):
+        raise ValueError(f"num_epochs={num_epochs!r}: expected None (training) or 1 (a pass)")
+    if objective == "span_corruption":
+        _check_tokenizer_sentinels(tokenizer, seq_len, "seq_len", noise_density,
+                                   mean_span_length)
 
 
 def _process_block(batch_size: int, process_index: int | None,
