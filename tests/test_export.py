@@ -747,7 +747,9 @@ def test_a_classifiers_label_names_are_not_read_from_data_changed_since_training
     changed.write_text(play_text() + "".join(f"\nAARON:\nwords {i}.\n" for i in range(400)))
     config.data.path = str(changed)
     assert export.task_labels(config)[0] == "AARON"  # the new data's classes
-    assert export.task_labels(config, saved) is None
+    # the names the checkpoint records, the data unread; saved before they were: LABEL_i
+    assert export.task_labels(config, saved) == ["ROMEO", "JULIET", "NURSE"]
+    assert export.task_labels(config, {k: v for k, v in saved.items() if k != "labels"}) is None
     err = capsys.readouterr().err
     assert "the data changed since the checkpoint was saved (a different fingerprint)" in err
     assert "LABEL_0" in err

@@ -119,6 +119,122 @@ def test_task_errors_name_the_bad_value(play):
     assert config.model.num_classes == 3
 
 
+def test_speakers_of_any_script_or_with_digits_are_read_and_skipped_paragraphs_counted(
+        tmp_path):
+    """`[A-Z][A-Za-z' .-]*` read ASCII names only: `ÉLISE:` and `CITIZEN2:` were dropped, and
+    so were a speech on the name's line and an empty one, without a word."""
+    path = tmp_path / "play.txt"
+    path.write_text(play_text(60) + "\nÉLISE:\nBonjour mon ami.\n\nCITIZEN2:\nWe are poor.\n"
+                    "\nROMEO: same line text\n\nJULIET:\n   \n\nEnter Romeo.\n")
+    task = tasks.make_task("speakers", str(path), 0, 0.15)  # 0: every speaker
+    assert set(task.labels) == {*SPEAKERS, "ÉLISE", "CITIZEN2"}
+    assert sum(map(len, task.splits.values())) == 62  # the 60 speeches are read as before
+    assert task.balance().splitlines()[-1] == (
+        "skipped 3 of 65 paragraphs as no speech: 2 without a `NAME:` line of their own (the "
+        "first: 'ROMEO: same line text'), 1 with an empty speech (the first: 'JULIET:')")
+    for lower in ("élise:\nOui.\n", "2CITIZEN:\nAy.\n"):  # not a name: skipped, counted
+        assert tasks.speaker_speeches(lower, skipped := []) == [] and len(skipped) == 1
+
+
+def test_num_classes_0_keeps_every_label_and_1_is_refused(play, tmp_path):
+    config = task_config(play)
+    config.data.num_classes = 0  # the declared "0: all the task's labels"
+    configs.validate_config(config)
+    assert set(tasks.task_for(config).labels) == set(SPEAKERS)
+    with pytest.raises(ValueError, match=r"data.num_classes=1: expected an int >= 2, or 0 "
+                                         r"\(all the task's labels\)$"):
+        tasks.make_task("speakers", str(play), 1, 0.15)
+    alone = tmp_path / "alone.txt"
+    alone.write_text("".join(f"ROMEO:\nline {i}.\n\n" for i in range(40)))
+    with pytest.raises(ValueError, match="data.num_classes=0: the text has only 1 labels "
+                                         r"\(\['ROMEO'\]...\): expected at least 2$"):
+        tasks.make_task("speakers", str(alone), 0, 0.15)
+
+
+class _Position:
+    """A data iterator's position, as the checkpoint manager saves it."""
+
+    def get_state(self) -> dict:
+        return {"batch": 1}
+
+
+def _saved_classifier(workdir: Path, config, *, record: bool = True) -> None:
+    """Step 1 of a classifier run as training saves it (its config and data stream), its state
+    a stand-in (nothing here restores it); `record=False`: as saved before the data stream
+    recorded the class names."""
+    from transformer.data import inputs
+    from transformer.training import checkpoint_manager
+
+    stream = inputs.data_stream(config)
+    if not record:
+        del stream[tasks.LABELS]
+    manager = checkpoint_manager.Manager(str(workdir), config, stream)
+    manager.save(1, {"params": {"w": np.zeros(2, np.float32)}}, _Position())
+    manager.close()
+
+
+def test_a_checkpoint_records_its_class_names_and_other_classes_are_refused(tmp_path):
+    """The class ids are the task's labels by frequency, derived from the data each time: with
+    80 NURSE speeches added, NURSE became class 0 and `evaluate --split=test` scored the
+    model's 0 (trained as ROMEO) as NURSE, saying only that the content fingerprint changed;
+    a new_data=True resume and an init_from of the classifier trained on it silently."""
+    from transformer import evaluate
+    from transformer.data import inputs
+    from transformer.hf import export
+    from transformer.training import checkpoint, checkpoint_manager
+
+    path, run, old = tmp_path / "play.txt", tmp_path / "cls", tmp_path / "old"
+    path.write_text(play_text())
+    config = task_config(path, family="gpt")
+    config.model.num_classes = 3
+    _saved_classifier(run, config)
+    _saved_classifier(old, config, record=False)
+    trained = ["ROMEO", "JULIET", "NURSE"]
+    assert checkpoint.saved_stream(str(run), 1)[tasks.LABELS] == trained
+    for workdir in (run, old):  # the same data: resumed as before
+        assert checkpoint_manager.Manager(str(workdir), config,
+                                          inputs.data_stream(config)).check(1) == []
+    path.write_text(play_text() + "".join(f"\nNURSE:\nextra nurse line {i}.\n"
+                                          for i in range(200)))
+    tasks._cached_task.cache_clear()  # (the process read the task before the data changed)
+    now = ["NURSE", "ROMEO", "JULIET"]
+    assert list(tasks.task_for(config).labels) == now
+    lists = (f"was trained on the classes {trained}, but the task's data now gives {now} (class "
+             "i is the i-th name: its class ids would stand for other names)")
+    with pytest.raises(ValueError) as error:  # before the restore (a stand-in state)
+        evaluate.evaluate_workdir(str(run), split="test")
+    assert str(error.value) == f"checkpoint 1 of {run} {lists}: expected the data it was " \
+        "trained on (the classes are the task's data.num_classes most frequent labels)"
+    stream = inputs.data_stream(config)
+    for new_data in (True, False):
+        config.new_data = new_data
+        with pytest.raises(checkpoint_manager.ConfigMismatch) as error:
+            checkpoint_manager.Manager(str(run), config, stream).check(1)
+        assert str(error.value) == (
+            f"checkpoint {run}/checkpoints/1 {lists}: expected data that gives the same classes "
+            "in the same order (new_data=True too); or fine-tune from its pretraining source "
+            "in another workdir")
+    source = task_config(path, family="gpt")
+    source.init_from = str(run)
+    with pytest.raises(ValueError) as error:
+        finetune.resolve_init_config(source)
+    assert str(error.value) == (
+        f"init_from={str(run)!r}: its checkpoint 1, whose class head this run loads, {lists}: "
+        "expected a source without a class head (its pretraining run), or data that gives the "
+        "same classes in the same order")
+    # The export names the trained classes, with no data read (moved away) ...
+    config.data.path = str(tmp_path / "moved.txt")
+    assert export.task_labels(config, checkpoint.saved_stream(str(run), 1)) == trained
+    # ... and a checkpoint saved before the names were recorded reads as it did.
+    config.data.path, config.new_data = str(path), True
+    assert checkpoint_manager.Manager(str(old), config, stream).check(1) == [
+        f"content fingerprint: checkpoint {checkpoint.saved_stream(str(old), 1)['fingerprint']!r}"
+        f", config {stream['fingerprint']!r}"]
+    evaluate.check_labels(str(old), 1, now)
+    source.init_from = str(old)
+    assert finetune.resolve_init_config(source).init_from == str(old)
+
+
 def test_an_exported_classifier_takes_its_tasks_label_names(play, tmp_path, capsys):
     from transformer.hf import export
 

@@ -169,7 +169,7 @@ KEYS: dict[str, Key] = {
                       "(the embedded corpus); \"\": none.",
                       described(STR, "\"\" or one of ('speakers', 'modules')")),
     "data.num_classes": _key(0, "The task's most frequent labels kept as classes.",
-                             int_(ge=0, note="0: the task's")),
+                             int_(ge=0, note="0: all the task's labels; else >= 2")),
     "data.sft_truncate": _key(False, "`objective=\"sft\"`: cut conversations longer than seq_len "
                               "+ 1 tokens (and say how many); False: such a conversation is an "
                               "error.", BOOL),

@@ -10,7 +10,9 @@ over the whole split's). If they cannot be
 written, one line says so (exit status 1) below the printed metrics. A fine-tuned classifier
 (a labeled task, transformer.data.tasks) gets accuracy, macro-F1 and its confusion matrix, also
 drawn to DIR/confusion_<step>_<split>.png. The data is read as it is now; content changed
-since the checkpoint was saved is said in a warning and in the results (`data_changed`).
+since the checkpoint was saved is said in a warning and in the results (`data_changed`), and
+where it now gives other classes than the checkpoint records (`tasks.label_change`: new
+speakers that outnumber old ones), the evaluation is refused in one line, before the restore.
 
 `--eval_seq_len` evaluates at other sequence lengths than the run trained at (length
 extrapolation), reading about the same number of tokens at each length; a model with learned
@@ -26,7 +28,7 @@ from collections.abc import Callable
 
 import jax
 
-from transformer.data import inputs
+from transformer.data import inputs, tasks
 from transformer.models import build_model
 from transformer.training import checkpoint as checkpoint_lib
 from transformer.training import evaluation, finetune
@@ -77,6 +79,8 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
         raise ValueError(f"split={split!r}: expected 'validation'" + (
             " or 'test'" if has_test else
             " (only labeled tasks and runs with data.test_path have a test split)"))
+    if task is not None:
+        check_labels(workdir, step, task.labels, or_newer=newest)
     config, devices, note = placement_lib.local_mesh(config, "evaluating")
     for seq_len in seq_lens:  # before anything is restored or compiled, on the mesh used here
         evaluation.check_eval_seq_len(config, seq_len)
@@ -125,6 +129,17 @@ def evaluate_workdir(workdir: str, step: int | None = None, eval_steps: int | No
                      f"{metrics['accuracy']:.3f}, macro-F1 {metrics['macro_f1']:.3f}")
         _writing(path, fileio.write_atomic, path, json.dumps(metrics, indent=2))
     return metrics
+
+
+def check_labels(workdir: str, step: int, labels, or_newer: bool = False) -> None:
+    """Raises ValueError, in one line naming both lists, where the class names checkpoint
+    `step` records (its stream's) are not the task's `labels` now: each class id would be
+    scored as another class. A checkpoint saved before they were recorded passes."""
+    saved = checkpoint_lib.saved_stream(workdir, step, or_newer=or_newer) or {}
+    if change := tasks.label_change(saved.get(tasks.LABELS), labels):
+        raise ValueError(f"checkpoint {step} of {workdir} {change}: expected the data it was "
+                         "trained on (the classes are the task's data.num_classes most frequent "
+                         "labels)")
 
 
 def data_changes(workdir: str, step: int, config, split: str = "validation",

@@ -341,7 +341,7 @@ def data_stream(config: ml_collections.ConfigDict, tokenizer=None) -> dict:
     are one stream) are among the data settings, and its fingerprints are per source:
     {"fingerprint": {"web": ..., "code": ...}}. Where documents begin with ids of the
     tokenizer's (`document_start`), those too (`tokenizer`: the run's, default
-    `get_tokenizer`'s)."""
+    `get_tokenizer`'s). A labeled task's class names, in class order (`tasks.stream_labels`)."""
     data = {k: v for k, v in config.data.to_dict().items() if k not in _NOT_STREAM}
     if data.get("text_field") == "text":  # the default: as checkpoints saved before the key
         del data["text_field"]
@@ -351,7 +351,7 @@ def data_stream(config: ml_collections.ConfigDict, tokenizer=None) -> dict:
     stream = {"pipeline": PIPELINE_VERSION, "batch_size": config.batch_size,
               "seq_len": config.seq_len, "seed": config.seed, "data": data,
               "fingerprint": sources.fingerprint(config.data.path or None),
-              DOCUMENTS: "stream" if streamed(config) else "packed"}
+              DOCUMENTS: "stream" if streamed(config) else "packed", **tasks.stream_labels(config)}
     if data["objective"] == "sft":  # (older checkpoints' masks took text after end of turn)
         stream[SFT_MASK] = 2
     if not source_configs(config) and (start := document_start(config, tokenizer)):

@@ -3,14 +3,20 @@
 A task turns text into (text, label) examples of `data.num_classes` classes:
 
 * `"speakers"`: which speaker says a speech of play text (`data.path`: tinyshakespeare-style
-  text, one speech per paragraph, its first line `NAME:`); the classes are the most frequent
-  speakers.
+  text, one speech per paragraph, its first line `NAME:` alone, NAME an uppercase letter of any
+  script, then letters, digits, spaces and ' . -); the classes are the most frequent speakers.
+  Other paragraphs are skipped, and counted in the task's `balance`.
 * `"modules"`: which standard-library module a paragraph of source comes from, derived from the
   embedded corpus (no `data.path`); the classes are the modules with the most paragraphs.
 
 Splits use the same hash as pretraining (`sources.split_documents`) on the *whole paragraph*:
 hash < f (f = `data.validation_fraction`) is "test", [f, 2f) "validation", the rest "train". So
 a model pretrained on the same text with the same f never saw a test paragraph.
+
+The classes are derived from the data (by frequency) each time it is read, so a classifier's
+checkpoint records their names in class order with its data stream (`stream_labels`): resuming,
+evaluating or starting from it where the data now gives other classes is refused
+(`label_change`).
 
 Features per objective (`data.objective`):
 * `"classification"` (bert, gpt, prefix_lm): token rows + one integer target per row, weight 1
@@ -38,7 +44,13 @@ from transformer.models import family_of
 TASKS = ("speakers", "modules")
 OBJECTIVES = pipeline.TASK_OBJECTIVES  # ("classification", "text2text")
 SPLITS = ("train", "validation", "test")
-_SPEAKER = re.compile(r"([A-Z][A-Za-z' .-]*):[ \t]*")
+# A speaker's line: NAME, then `:`. NAME starts with a letter ([^\W\d_]: of any script; the
+# first must be uppercase, checked apart: `re` has no class for it), then letters or digits
+# ([^\W_]) and ' . - or spaces ("First Citizen", "ÉLISE", "CITIZEN2").
+_SPEAKER = re.compile(r"([^\W\d_](?:[^\W_]|[' .-])*):[ \t]*")
+_NO_NAME, _NO_SPEECH = "without a `NAME:` line of their own", "with an empty speech"
+# The data stream's key for a labeled task's class names (`stream_labels`).
+LABELS = "labels"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,31 +65,56 @@ class Task:
     name: str
     labels: tuple[str, ...]  # class names; class id = index
     splits: dict[str, tuple[Example, ...]]
+    skipped: str = ""  # a line counting the paragraphs that are no example (`_skipped_note`)
 
     def balance(self) -> str:
-        """One line per split: examples per class."""
+        """One line per split: examples per class; and the paragraphs skipped, if any."""
         lines = []
         for split, examples in self.splits.items():
             counts = collections.Counter(e.label for e in examples)
             lines.append(f"{split} ({len(examples)}): " + ", ".join(
                 f"{name} {counts[i]}" for i, name in enumerate(self.labels)))
-        return "\n".join(lines)
+        return "\n".join(lines + [self.skipped] * bool(self.skipped))
 
 
-def speaker_speeches(text: str) -> list[tuple[str, str, str]]:
-    """(speaker, speech, paragraph) of each paragraph of play text whose first line is `NAME:`.
+def speaker_speeches(text: str, skipped: list | None = None) -> list[tuple[str, str, str]]:
+    """(speaker, speech, paragraph) of each paragraph of play text whose first line is `NAME:`
+    (see the module docstring); `skipped` (a list) gets (why, first line) of every other one.
 
     >>> speaker_speeches("ROMEO:\\nBut soft!\\n\\nJULIET:\\nAy me!\\nO Romeo.\\n\\nStage.\\n")
     [('ROMEO', 'But soft!', 'ROMEO:\\nBut soft!\\n\\n'), ('JULIET', 'Ay me!\\nO Romeo.', \
 'JULIET:\\nAy me!\\nO Romeo.\\n\\n')]
+    >>> [name for name, _, _ in speaker_speeches("ÉLISE:\\nOui.\\n\\nCITIZEN2:\\nAy.\\n")]
+    ['ÉLISE', 'CITIZEN2']
     """
     speeches = []
     for paragraph in sources.split_paragraphs(text):
         first, _, rest = paragraph.strip("\n").partition("\n")
         match = _SPEAKER.fullmatch(first.strip())
-        if match and rest.strip():
+        named = match is not None and match.group(1)[0].isupper()
+        if named and rest.strip():
             speeches.append((match.group(1), rest.strip(), paragraph))
+        elif skipped is not None:
+            skipped.append((_NO_SPEECH if named else _NO_NAME, first.strip()))
     return speeches
+
+
+def _skipped_note(skipped: list[tuple[str, str]], total: int) -> str:
+    """One line counting the paragraphs `speaker_speeches` skipped, with the first line of the
+    first of each kind; "" where there are none.
+
+    >>> _skipped_note([(_NO_NAME, "ROMEO: Hi."), (_NO_SPEECH, "JULIET:"), (_NO_NAME, "x")], 9)
+    "skipped 3 of 9 paragraphs as no speech: 2 without a `NAME:` line of their own (the first: \
+'ROMEO: Hi.'), 1 with an empty speech (the first: 'JULIET:')"
+    """
+    if not skipped:
+        return ""
+    counts = collections.Counter(why for why, _ in skipped)
+    first = {}
+    for why, line in skipped:
+        first.setdefault(why, line)
+    return f"skipped {len(skipped)} of {total} paragraphs as no speech: " + ", ".join(
+        f"{count} {why} (the first: {first[why][:60]!r})" for why, count in counts.items())
 
 
 def module_paragraphs() -> list[tuple[str, str, str]]:
@@ -98,11 +135,14 @@ def split_of(paragraph: str, fraction: float) -> str:
 
 
 def make_task(name: str, path: str, num_classes: int, fraction: float) -> Task:
-    """The task's examples of its `num_classes` most frequent labels (ties by name), split."""
+    """The task's examples of its `num_classes` most frequent labels (ties by name; 0: all its
+    labels), split."""
     if name not in TASKS:
         raise ValueError(f"data.task={name!r}: expected one of {TASKS}")
-    if not isinstance(num_classes, int) or num_classes < 2:
-        raise ValueError(f"data.num_classes={num_classes!r}: expected an int >= 2")
+    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 0 \
+            or num_classes == 1:
+        raise ValueError(f"data.num_classes={num_classes!r}: expected an int >= 2, or 0 (all the "
+                         "task's labels)")
     if not 0.0 < fraction < 0.5:
         raise ValueError(f"data.validation_fraction={fraction}: expected a number in (0, 0.5) "
                          "(test and validation take that fraction each)")
@@ -110,18 +150,21 @@ def make_task(name: str, path: str, num_classes: int, fraction: float) -> Task:
         if not path:
             raise ValueError("data.task='speakers' reads play text: expected data.path (e.g. "
                              "tinyshakespeare.txt)")
+        skipped: list[tuple[str, str]] = []
         rows = [r for doc in sources.read_text(path, split="file")
-                for r in speaker_speeches(doc.text)]
+                for r in speaker_speeches(doc.text, skipped)]
+        note = _skipped_note(skipped, len(rows) + len(skipped))
     else:
         if path:
             raise ValueError(f"data.task='modules' derives its text from the embedded corpus: "
                              f"expected data.path='', not {path!r}")
-        rows = module_paragraphs()
+        rows, note = module_paragraphs(), ""
     counts = collections.Counter(label for label, _, _ in rows)
-    if len(counts) < num_classes:
+    if len(counts) < max(num_classes, 2):
         raise ValueError(f"data.num_classes={num_classes}: the text has only {len(counts)} "
-                         f"labels ({sorted(counts)[:10]}...)")
-    labels = tuple(sorted(counts, key=lambda k: (-counts[k], k))[:num_classes])
+                         f"labels ({sorted(counts)[:10]}...)" +
+                         ": expected at least 2" * (num_classes == 0))
+    labels = tuple(sorted(counts, key=lambda k: (-counts[k], k))[:num_classes or None])
     index = {label: i for i, label in enumerate(labels)}
     splits: dict[str, list[Example]] = {s: [] for s in SPLITS}
     for label, text, paragraph in rows:
@@ -131,7 +174,7 @@ def make_task(name: str, path: str, num_classes: int, fraction: float) -> Task:
         if not examples:
             raise ValueError(f"the {split} split of task {name!r} is empty: expected more text "
                              "or a larger data.validation_fraction")
-    return Task(name, labels, {s: tuple(e) for s, e in splits.items()})
+    return Task(name, labels, {s: tuple(e) for s, e in splits.items()}, note)
 
 
 @functools.cache
@@ -143,6 +186,31 @@ def task_for(config: ml_collections.ConfigDict) -> Task:
     """The config's task (built once per process)."""
     data = config.data
     return _cached_task(data.task, data.path, data.num_classes, data.validation_fraction)
+
+
+def stream_labels(config: ml_collections.ConfigDict) -> dict:
+    """{LABELS: the class names, in class order} of a classifier's labeled task, for its data
+    stream (`inputs.data_stream`): what its checkpoints' class ids stand for. {} for other runs
+    (text2text's decoder writes the names themselves)."""
+    if pipeline.objective_for(config) != "classification":
+        return {}
+    return {LABELS: list(task_for(config).labels)}
+
+
+def label_change(saved, labels) -> str | None:
+    """Where a checkpoint's recorded class names (`saved`, its stream's LABELS) differ from the
+    task's now (`labels`), what is wrong, to follow "checkpoint ... "; None where they agree or
+    either is unknown (a checkpoint saved before they were recorded).
+
+    >>> label_change(["ROMEO", "NURSE"], ("NURSE", "ROMEO"))
+    "was trained on the classes ['ROMEO', 'NURSE'], but the task's data now gives ['NURSE', \
+'ROMEO'] (class i is the i-th name: its class ids would stand for other names)"
+    """
+    if saved is None or labels is None or list(saved) == list(labels):
+        return None
+    return (f"was trained on the classes {list(saved)}, but the task's data now gives "
+            f"{list(labels)} (class i is the i-th name: its class ids would stand for other "
+            "names)")
 
 
 # --- feature converters ---------------------------------------------------------------------

@@ -225,18 +225,21 @@ def _t5(config, params, transformers):
 
 def task_labels(config, saved_stream: dict | None = None) -> list[str] | None:
     """The class names of a run config's labeled task, in class order, for a classifier's
-    exported id2label (None: the model has no class head). Reads the task's data, as
-    training did; where it is not there (an export on another machine), or where its content
-    fingerprints differ from `saved_stream`'s (the checkpoint's, `checkpoint.saved_stream`:
-    the names would be the new data's, not the trained classes'), a warning says the names
-    stay transformers' LABEL_i, and None."""
+    exported id2label (None: the model has no class head): the ones `saved_stream` (the
+    checkpoint's, `checkpoint.saved_stream`) records (`tasks.LABELS`), with no data read.
+    A checkpoint saved before they were recorded: the task's data is read, as training did;
+    where it is not there (an export on another machine), or where its content fingerprints
+    differ from `saved_stream`'s (the names would be the new data's, not the trained
+    classes'), a warning says the names stay transformers' LABEL_i, and None."""
     import sys
 
-    from transformer.data import inputs
+    from transformer.data import inputs, tasks
     from transformer.models import family_of
 
     if not family_of(config).classifier(config.model):
         return None
+    if saved_stream is not None and saved_stream.get(tasks.LABELS) is not None:
+        return list(saved_stream[tasks.LABELS])
     fallback = "id2label stays LABEL_0, LABEL_1, ..."
     try:
         task = inputs.labeled_task(config)

@@ -39,7 +39,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from transformer.data import inputs
+from transformer.data import inputs, tasks
 from transformer.models import FAMILIES, MODEL_KEYS, default_model_config
 from transformer.nn import lora
 from transformer.nn.config import TransformerConfig
@@ -180,8 +180,10 @@ def stream_differences(saved: dict, current: dict,
     under = tuple(compared or ())
     for key in sorted(k for k in set(saved) | set(current) if compared is None or k in under
                       or k.startswith(tuple(f"{c}." for c in under))):
-        if key in (inputs.DOCUMENTS, inputs.TEST_FINGERPRINT):
-            continue  # derived from the rest (older checkpoints lack it); never trained on
+        if key in (inputs.DOCUMENTS, inputs.TEST_FINGERPRINT, tasks.LABELS):
+            # derived from the rest (older checkpoints lack them: the class names are compared
+            # apart, `tasks.label_change`); never trained on
+            continue
         if key in _MOVED and saved.get(_MOVED[key]) == current.get(_MOVED[key]):
             continue  # the same content elsewhere
         if saved.get(key) != current.get(key):
@@ -402,14 +404,16 @@ class Manager:
         """Raises ConfigMismatch naming, in one line, every structural difference between
         checkpoint `step` and the config and every difference in the data stream unless the
         config says new_data=True; returns the data-stream differences (empty when it is the
-        same). A missing or unreadable item raises another error (damage)."""
+        same). A labeled task's class names other than the checkpoint's are refused under
+        new_data=True too (`tasks.label_change`). A missing or unreadable item raises another
+        error (damage)."""
         where = f"checkpoint {self.directory}/{step}"
         saved_config = self.saved_config(step)
         differences = structural_differences(saved_config, self.config.to_dict())
         self.compute_changes = compute_changes(saved_config, self.config.to_dict())
         problems = ["does not match the config: " + "; ".join(differences)] \
             if differences else []
-        stream, self.resume_notes = [], []
+        stream, self.resume_notes, change = [], [], None
         if self.stream is not None:
             saved = self.saved_stream(step)
             stream = ["the checkpoint records no data stream (an older version wrote it)"] \
@@ -417,7 +421,12 @@ class Manager:
             # (data read from its start, under new_data, moved or not)
             self.resume_notes = checkpoint_lib.runtime_changes(saved) + (
                 [] if stream else moved_data(saved, self.stream))
-        if stream and not self.config.get("new_data"):
+            if change := tasks.label_change((saved or {}).get(tasks.LABELS),
+                                            self.stream.get(tasks.LABELS)):
+                problems.append(change + ": expected data that gives the same classes in the "
+                                "same order (new_data=True too); or fine-tune from its "
+                                "pretraining source in another workdir")
+        if stream and not self.config.get("new_data") and not change:  # (new_data: no help)
             problems.append(
                 "was trained on another data stream: " + "; ".join(stream) + ". Expected the "
                 "same data and settings to resume its position; set new_data=True to continue "

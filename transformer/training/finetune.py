@@ -20,7 +20,8 @@ them: context extension) comes from the source (`resolve_init_config`): a workdi
 config, or "hf:DIR"'s config.json through the converter that maps the weights (and
 `data.num_sentinels` from DIR's tokenizer: 0 but for T5's own sentinels); the experiment file
 gives the family, the head and the training settings. A model key set on the command line that
-contradicts the source is refused in one line.
+contradicts the source is refused in one line, and so is a classifier workdir whose class head
+was trained on other class names than this run's task gives (`_check_source_labels`).
 """
 
 from __future__ import annotations
@@ -215,7 +216,33 @@ def resolve_init_config(config: ml_collections.ConfigDict, explicit: Collection[
         _resolve_sentinels(resolved, config.init_from, theirs["vocab_size"], explicit)
     else:
         _workdir_sentinels(resolved, config.init_from, explicit)
+        _check_source_labels(resolved)
     return resolved
+
+
+def _check_source_labels(config) -> None:
+    """Refuses a classifier run whose init_from workdir's class head, loaded by shape, was
+    trained on other class names (in class order) than the run's task gives: its class i would
+    start as the source's i-th (`tasks.label_change`). Passes where the source records none
+    (saved before they were), or where the task cannot be read yet (validation says why)."""
+    from transformer.data import pipeline, tasks
+    from transformer.models import family_of
+
+    path, step = fileio.parse_init_from(config.init_from)[1:]
+    step, saved = checkpoint_lib.saved_run(path, step)
+    if pipeline.objective_for(config) != "classification" or \
+            not family_of(saved).classifier(saved.model):
+        return
+    before = (checkpoint_lib.saved_stream(path, step) or {}).get(tasks.LABELS)
+    try:
+        labels = None if before is None else tasks.task_for(config).labels
+    except (FileNotFoundError, ValueError):
+        return
+    if change := tasks.label_change(before, labels):
+        raise ValueError(f"init_from={config.init_from!r}: its checkpoint {step}, whose class "
+                         f"head this run loads, {change}: expected a source without a class "
+                         "head (its pretraining run), or data that gives the same classes in "
+                         "the same order")
 
 
 def _workdir_sentinels(config, init_from: str, explicit) -> None:
