@@ -125,7 +125,10 @@ def _generation_config(hf_config, tokenizer, config=None):
     end = chat.end_of_turn_id(tokenizer) if getattr(tokenizer, "chat_template", None) else None
     stops = list(stop_ids(tokenizer, end))
     ids = {role: getattr(hf_config, f"{role}_token_id", None) for role in ("bos", "pad")}
-    banned = [] if config is None else [  # (an end of turn is a stop: a chat reply ends there)
+    from transformer.models import family_of
+
+    generates = config is not None and family_of(config).decoding is not None  # (not BERT)
+    banned = [] if not generates else [  # (an end of turn is a stop: a chat reply ends there)
         i for i in banned_for(tokenizer, hf_config.vocab_size, config) if i not in stops]
     return transformers.GenerationConfig(
         eos_token_id=stops[0] if len(stops) == 1 else (stops or None),
