@@ -360,6 +360,24 @@ def test_every_experiment_and_sweep_variant_validates(name, args):
         sweep.check_baseline(baseline, [variant.name for variant in module.get_sweep()])
 
 
+@pytest.mark.parametrize("typo, meant", [
+    ("optimizer.lr", "optimizer.learning_rate"), ("learning_rate", "optimizer.learning_rate"),
+    ("model.act", "model.activation"), ("model.dropout", "model.dropout_rate"),
+    ("vocab_size", "data.vocab_size or model.vocab_size"), ("train_steps", "steps"),
+    ("model.n_head", "model.num_heads"), ("model.n_layers", "model.num_layers"),
+    ("model.kv_heads", "model.num_kv_heads"), ("data.tokeniser", "data.tokenizer"),
+    ("model.moe.num_expert", "model.moe.num_experts"), ("modle.d_model", "model.d_model"),
+    ("batchsize", "batch_size"), ("optimizer.wd", "optimizer.weight_decay"),
+])
+def test_a_mistyped_key_gets_the_key_meant(typo, meant):
+    """`--config.KEY` typos and experiment files' unknown keys are answered with the declared
+    key meant, its own group first (model.act was answered with an optimizer key whose
+    initials it is, model.dropout with lora.dropout, vocab_size with batch_size)."""
+    from transformer.utils import cli, keys
+
+    assert cli.closest(typo, keys.dotted(configs.base_config().to_dict())) == meant
+
+
 def test_a_bad_hybrids_length_is_named_before_it_divides():
     """hybrids.py's argument that is no int >= 2 is refused in one line by the file, before
     1024 // length divides by it (`:0` was a ZeroDivisionError)."""

@@ -245,30 +245,45 @@ def _name_override(text: str, error: BaseException, argv: list[str]) -> str:
 
 
 def closest(key: str, keys: Iterable[str]) -> str | None:
-    """The dotted key of `keys` that the unknown `key` likely means, or None: a key of its
-    group whose words' initials it is (optimizer.lr: optimizer.learning_rate), else the only
-    key anywhere with its last part or those initials (learning_rate: optimizer.learning_rate),
-    else the closest spelling (difflib) in its group, or anywhere if its group is unknown too.
-    """
+    """The dotted key of `keys` that the unknown `key` likely means, or None. Its own group
+    first: the one key whose words' initials it is (optimizer.lr: optimizer.learning_rate), or
+    that it begins or ends (model.act: model.activation, train_steps: steps), or whose words
+    its words begin (n_head: num_heads), else the closest spelling (difflib). Then elsewhere:
+    the keys with its last part (learning_rate: optimizer.learning_rate; several joined by
+    " or "; before the spelling for a top-level name), the one with those initials, and the
+    closest spelling anywhere if its group is unknown too (modle.d_model: model.d_model)."""
     keys = sorted(keys)
     group, _, leaf = key.rpartition(".")
-
-    def named(name: str) -> bool:
-        its_leaf = name.rpartition(".")[2]
-        return its_leaf == leaf or len(leaf) > 1 and \
-            "".join(word[:1] for word in its_leaf.split("_")) == leaf
-
-    alike = [name for name in keys if named(name)]
-    if mine := [name for name in alike if name.rpartition(".")[0] == group]:
-        return mine[0]
-    if len(alike) == 1:
-        return alike[0]
-    if group and not any(name.startswith(group + ".") for name in keys):
-        return next(iter(difflib.get_close_matches(key, keys, n=1)), None)
     siblings = {name.rpartition(".")[2]: name for name in keys
                 if name.rpartition(".")[0] == group}
-    meant = difflib.get_close_matches(leaf, sorted(siblings), n=1)
-    return siblings[meant[0]] if meant else None
+
+    def initials(name: str) -> bool:
+        return len(leaf) > 1 and "".join(w[:1] for w in name.split("_")) == leaf
+
+    def affix(name: str) -> bool:
+        return len(leaf) > 2 and (name.startswith(leaf) or len(name) > 3 and
+                                  leaf.endswith("_" + name))
+
+    def words(name: str) -> bool:  # n_head: num_heads
+        mine, its = leaf.split("_"), name.split("_")
+        return len(mine) == len(its) > 1 and all(
+            b.startswith(a) for a, b in zip(mine, its, strict=True))
+
+    for rule in (initials, words, affix):
+        if len(found := [name for name in siblings if rule(name)]) == 1:
+            return siblings[found[0]]
+    same = [name for name in keys if name.rpartition(".")[2] == leaf]
+    if same and not group:  # a top-level name is a group's key written without its group
+        return " or ".join(same)
+    if meant := difflib.get_close_matches(leaf, sorted(siblings), n=1):
+        return siblings[meant[0]]
+    if same:
+        return " or ".join(same)
+    if len(found := [name for name in keys if initials(name.rpartition(".")[2])]) == 1:
+        return found[0]
+    if group and not siblings:
+        return next(iter(difflib.get_close_matches(key, keys, n=1)), None)
+    return None
 
 
 def _paths(config, prefix: str = ""):
