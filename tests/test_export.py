@@ -416,6 +416,40 @@ def test_a_gpt_trained_with_multi_token_prediction_exports_without_its_modules(t
 
 
 @pytest.mark.slow
+def test_a_lora_run_with_multi_token_prediction_exports_its_peft_adapter(tmp_path):
+    """A LoRA fine-tune of a Llama-shaped model trained with MTP: its peft adapter leaves the
+    MTP modules out as the merged export does (it was refused, naming mtp.depth), and peft
+    on the base's export gives the fine-tune's logits."""
+    peft = pytest.importorskip("peft")
+    from transformer.training import finetune
+
+    base, tuned, base_hf, adapter = (tmp_path / name for name in ("base", "tuned", "base_hf",
+                                                                   "adapter"))
+    flags = [*tiny_flags(2), *(f"--config.model.{k}={v}" for k, v in LLAMA_SHAPED.items()),
+             "--config.model.mtp.depth=1"]
+    assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                             f"--workdir={base}", *flags, logs=tmp_path))
+    assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",
+                             f"--workdir={tuned}", *flags, f"--config.init_from={base}",
+                             "--config.model.lora.rank=2", "--config.optimizer.learning_rate=0.05",
+                             logs=tmp_path))
+    assert_succeeded(run_cli("transformer.export", f"--workdir={base}", f"--output={base_hf}",
+                             logs=tmp_path))
+    result = run_cli("transformer.export", f"--workdir={tuned}", f"--output={adapter}",
+                     logs=tmp_path)
+    assert_succeeded(result)
+    assert "as a peft LoRA adapter" in result.stdout and "model.mtp.depth=1" in result.stdout
+    saved = finetune.restore_params(str(tuned))
+    ids = tokens(8, (2, 12)) % saved.config.model.vocab_size
+    ours = np.asarray(build_model(saved.config.model).apply({"params": saved.params}, ids))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_hf).eval()
+    with torch.no_grad():
+        got = peft.PeftModel.from_pretrained(hf, adapter).eval()(
+            input_ids=torch.tensor(ids)).logits.numpy()
+    assert relative_difference(ours, got) <= 1e-4
+
+
+@pytest.mark.slow
 def test_a_refused_export_writes_nothing(tmp_path):
     workdir, output = tmp_path / "run", tmp_path / "hf"
     assert_succeeded(run_cli("transformer.train", "--config=experiments/gpt_tiny.py",

@@ -231,8 +231,11 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
     # A training beside it may delete the newest step meanwhile: then the next one is read.
     step, _, params = finetune.restore_params(workdir, step, one_device, or_newer=newest)
     if adapters and not merge_lora:
-        return _write(output, lambda staging: _peft_files(config, params, staging),
-                      {"step": step, "architecture": "a peft LoRA adapter"})
+        peft_config = config.copy_and_resolve_references()
+        peft_config.model, params = _without_mtp(config.model, params)
+        return _write(output, lambda staging: _peft_files(peft_config, params, staging),
+                      {"step": step, "architecture": "a peft LoRA adapter",
+                       "notes": notes(config.model)})
     if adapters:
         params = lora.merged_params(params, state_lib.model_lora(config))
     labels = hf_export.task_labels(config, checkpoint_lib.saved_stream(workdir, step,
