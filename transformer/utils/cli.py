@@ -247,8 +247,8 @@ def _name_override(text: str, error: BaseException, argv: list[str]) -> str:
 def closest(key: str, keys: Iterable[str]) -> str | None:
     """The dotted key of `keys` that the unknown `key` likely means, or None. Its own group
     first: the one key whose words' initials it is (optimizer.lr: optimizer.learning_rate), or
-    that it begins or ends (model.act: model.activation, train_steps: steps), or whose words
-    its words begin (n_head: num_heads), else the closest spelling (difflib). Then elsewhere:
+    whose words its words begin (n_head: num_heads), or that ends it (train_steps: steps), else
+    the closest spelling (difflib), else the one it begins (model.act: model.activation). Then:
     the keys with its last part (learning_rate: optimizer.learning_rate; several joined by
     " or "; before the spelling for a top-level name), the one with those initials, and the
     closest spelling anywhere if its group is unknown too (modle.d_model: model.d_model)."""
@@ -260,23 +260,30 @@ def closest(key: str, keys: Iterable[str]) -> str | None:
     def initials(name: str) -> bool:
         return len(leaf) > 1 and "".join(w[:1] for w in name.split("_")) == leaf
 
-    def affix(name: str) -> bool:
-        return len(leaf) > 2 and (name.startswith(leaf) or len(name) > 3 and
-                                  leaf.endswith("_" + name))
+    def suffix(name: str) -> bool:  # train_steps: steps
+        return len(name) > 3 and leaf.endswith("_" + name)
+
+    def prefix(name: str) -> bool:  # act: activation
+        return len(leaf) > 2 and name.startswith(leaf)
 
     def words(name: str) -> bool:  # n_head: num_heads
         mine, its = leaf.split("_"), name.split("_")
         return len(mine) == len(its) > 1 and all(
             b.startswith(a) for a, b in zip(mine, its, strict=True))
 
-    for rule in (initials, words, affix):
-        if len(found := [name for name in siblings if rule(name)]) == 1:
-            return siblings[found[0]]
+    def one(rule) -> str | None:
+        found = [name for name in siblings if rule(name)]
+        return siblings[found[0]] if len(found) == 1 else None
+
+    if found := one(initials) or one(words) or one(suffix):
+        return found
     same = [name for name in keys if name.rpartition(".")[2] == leaf]
     if same and not group:  # a top-level name is a group's key written without its group
         return " or ".join(same)
     if meant := difflib.get_close_matches(leaf, sorted(siblings), n=1):
         return siblings[meant[0]]
+    if found := one(prefix):
+        return found
     if same:
         return " or ".join(same)
     if len(found := [name for name in keys if initials(name.rpartition(".")[2])]) == 1:
