@@ -29,7 +29,9 @@ class Checkpoint:
     def __call__(self, name: str, transpose: bool = False) -> np.ndarray:
         if name not in self._tensors:
             raise KeyError(f"checkpoint is missing parameter {name!r} "
-                           f"({len(self._tensors)} tensors present)")
+                           f"({len(self._tensors)} tensors present): expected the tensors its "
+                           "config.json describes (a config edited since the weights were "
+                           "saved, or a weights file missing)")
         self._used.add(name)
         tensor = self._tensors[name]
         if hasattr(tensor, "detach"):  # torch.Tensor
