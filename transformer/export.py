@@ -257,12 +257,17 @@ def export_workdir(workdir: str, output: str, step: int | None = None,
                                   "notes": notes(config.model)})
 
 
-def _without_mtp(model_config, params):
-    """(model config, params) without the multi-token prediction modules where the export has
-    no place for them (every architecture but DeepSeek-V3's, whose files hold them): they
-    only trained the model, whose next-token logits are the same without them (`notes`)."""
+def _dropped_mtp(model_config) -> int:
+    """The multi-token prediction modules an export leaves out: all of them (mtp.depth) but in
+    DeepSeek-V3's architecture (MLA), whose files hold them; they only trained the model, whose
+    next-token logits are the same without them."""
     mtp = model_config.get("mtp")
-    if not (mtp and mtp.depth) or model_config.get("attention_kind") == "mla":
+    return 0 if not mtp or model_config.get("attention_kind") == "mla" else mtp.get("depth", 0)
+
+
+def _without_mtp(model_config, params):
+    """(model config, params) without the `_dropped_mtp` modules."""
+    if not _dropped_mtp(model_config):
         return model_config, params
     model_config = model_config.copy_and_resolve_references()
     model_config.mtp.depth = 0
@@ -280,9 +285,8 @@ def notes(model_config) -> list[str]:
     ["note: model.quantization='int8': the export holds the float weights, ..."]
     """
     moe, out = model_config.get("moe") or {}, []
-    if (mtp := model_config.get("mtp")) and mtp.get("depth") and \
-            model_config.get("attention_kind") != "mla":
-        out.append(f"note: model.mtp.depth={mtp['depth']}: the export leaves out the multi-token "
+    if depth := _dropped_mtp(model_config):
+        out.append(f"note: model.mtp.depth={depth}: the export leaves out the multi-token "
                    "prediction modules (only DeepSeek-V3's files hold them); they trained the "
                    "model, and its next-token logits are the same without them")
     if moe.get("num_experts") and moe.get("capacity_factor", 0) > 0:
