@@ -39,9 +39,10 @@ import sys
 import tempfile
 import threading
 
-# Read after start-up: XLA_FLAGS when the backend starts (which the server never does), and
+# Read after start-up: XLA_FLAGS when the backend starts (which the server never does), PATH
+# when the command runs a program (the tests' fake gcloud, FAKE_GCLOUD_DIR its folder), and
 # pytest's name of the running test by nothing at all.
-LATE_VARIABLES = frozenset({"XLA_FLAGS", "PYTEST_CURRENT_TEST"})
+LATE_VARIABLES = frozenset({"XLA_FLAGS", "PATH", "FAKE_GCLOUD_DIR", "PYTEST_CURRENT_TEST"})
 REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 # The imports a fork inherits: transformer.train imports nearly all of the package; the HF
 # commands (export, init_from=hf, HF tokenizers) import torch and transformers when they run.

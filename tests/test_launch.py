@@ -18,7 +18,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import forkserver
 import pytest
+from test_train import cli_env
 
 from launch import accelerators, tpu
 
@@ -563,12 +565,12 @@ def test_bad_input_is_one_line_before_anything_is_created_or_compiled(tmp_path, 
     gcloud = bin_dir / "gcloud"
     gcloud.write_text(FAKE_GCLOUD.format(python=sys.executable))
     gcloud.chmod(gcloud.stat().st_mode | stat.S_IEXEC)
-    result = subprocess.run(
+    result = forkserver.run(
         [sys.executable, "-m", "launch.tpu", command[0], "--name=run1", "--project=proj",
          "--zone=us-east5-a", "--accelerator=v6e-8", *command[1:]],
         cwd=REPO, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-             "FAKE_GCLOUD_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"})
+        env={**cli_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+             "FAKE_GCLOUD_DIR": str(tmp_path)})
     assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines

@@ -24,11 +24,18 @@ def tiny_config(tasks_dir, **more):
     return config
 
 
+@pytest.fixture(scope="module")
+def shared_tasks(tmp_path_factory):
+    """The local tasks, good and bad (`bad_tasks`), in one folder that the tests below share:
+    lm-eval's index of its own tasks and of that folder (task_eval.manager) is built once per
+    process (seconds each time)."""
+    return bad_tasks(write_tasks(tmp_path_factory.mktemp("tasks")))
+
+
 @pytest.mark.slow
-def test_tasks_are_scored_during_training_and_logged_like_validation(tmp_path):
-    tasks_dir = write_tasks(tmp_path / "tasks")
+def test_tasks_are_scored_during_training_and_logged_like_validation(shared_tasks, tmp_path):
     workdir = tmp_path / "run"
-    train.train_and_evaluate(tiny_config(tasks_dir), str(workdir))
+    train.train_and_evaluate(tiny_config(shared_tasks), str(workdir))
     records = [r for r in read_metrics(workdir) if r["split"] == "tasks"]
     assert [r["step"] for r in records] == [10, 20]
     summary = json.loads((workdir / "summary.json").read_text())
@@ -52,9 +59,9 @@ def test_tasks_are_scored_during_training_and_logged_like_validation(tmp_path):
     ({}, dict(family="bert"), "eval_tasks with model.family='bert': expected a causal decoder "
                               "LM ('gpt')"),
 ])
-def test_tasks_that_cannot_run_are_refused_in_one_line_before_training(tmp_path, more, model,
+def test_tasks_that_cannot_run_are_refused_in_one_line_before_training(shared_tasks, more, model,
                                                                         message):
-    tasks_dir = write_tasks(tmp_path / "tasks")
+    tasks_dir = shared_tasks
     config = tiny_config(tasks_dir)
     more = {k: (str(tasks_dir / v),) if k == "tasks" else v for k, v in more.items()}
     config.update({"eval_tasks" if k == "tasks" else k: v for k, v in more.items()})
@@ -124,8 +131,8 @@ def test_a_local_tasks_missing_or_empty_split_is_one_line(tmp_path):
 
 
 @pytest.mark.slow  # (lm-eval's index of its own tasks: 15 s)
-def test_a_local_tasks_missing_split_is_refused_before_training(tmp_path):
-    config = tiny_config(bad_tasks(write_tasks(tmp_path / "tasks")))
-    config.eval_tasks = (str(tmp_path / "tasks" / "badsplit.yaml"),)
+def test_a_local_tasks_missing_split_is_refused_before_training(shared_tasks):
+    config = tiny_config(shared_tasks)
+    config.eval_tasks = (str(shared_tasks / "badsplit.yaml"),)
     with pytest.raises(ValueError, match=r"^eval_tasks: " + BAD_SPLIT.replace("[", r"\[")):
         configs.validate_config(config)

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import flax.linen as nn
+import forkserver
 import jax
 import matplotlib.image
 import numpy as np
 import pytest
 from test_mla import reference_weights
+from test_train import cli_env
 
 from transformer import visualize
 from transformer.configs import base_config
@@ -390,9 +391,8 @@ def tiny_run_config():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "transformer.visualize", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
+    return forkserver.run([sys.executable, "-m", "transformer.visualize", *args], cwd=REPO,
+                          env=cli_env(), capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
