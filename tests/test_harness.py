@@ -271,8 +271,9 @@ def test_a_bad_workdir_is_one_line_and_exit_2(tmp_path):
 def test_bad_model_args_are_one_line_before_any_checkpoint_is_read(tmp_path, args, message):
     """--model_args as the command passes them (`create_from_arg_string`): an unknown key, a
     batch_size, max_length or step that is no int (a TypeError or "invalid literal for int()"),
-    a workdir that does not exist (it said "holds no checkpoints"): one line naming it, and
-    what was expected (the command prints it, exit 2). No workdir is read: runs/gpt is none."""
+    a workdir that does not exist (it said "holds no checkpoints"), one that holds none: one
+    line naming it, and what was expected (the command prints it, exit 2; the test above runs
+    it). No checkpoint is read: runs/gpt is none."""
     file = tmp_path / "mc.jsonl"
     file.write_text("{}\n")
     (tmp_path / "empty").mkdir()
