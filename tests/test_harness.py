@@ -251,7 +251,8 @@ def test_a_bad_workdir_is_one_line_and_exit_2(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     ("workdir=runs/gpt,foo=1,bar=x", r"^--model_args bar, foo: the model 'transformer' takes "
-                                     r"only workdir, step, batch_size, max_length$"),
+                                     r"only workdir, step, batch_size, max_length, "
+                                     r"chat_template_args, enable_thinking, think_end_token$"),
     ("workdir=runs/gpt,batch_size=abc", r"^batch_size='abc': expected a positive int or "
                                         r"'auto'$"),
     ("workdir=runs/gpt,batch_size=0", r"^batch_size=0: expected a positive int or 'auto'$"),
@@ -265,13 +266,25 @@ def test_a_bad_workdir_is_one_line_and_exit_2(tmp_path):
     ("workdir={missing},batch_size=auto:4", r"^workdir='.*nonexist' does not exist"),
     ("workdir={empty}", r"^'.*empty' holds no checkpoints: expected a training workdir that "
                         r"has saved one$"),
+    ("workdir={missing},enable_thinking=true", r"^enable_thinking=True: expected a "
+                                               r"think_end_token too \(the text or id"),
+    ("workdir=runs/gpt,enable_thinking=maybe", r"^enable_thinking='maybe': expected true or "
+                                               r"false$"),
+    ("workdir=runs/gpt,think_end_token=-1", r"^think_end_token=-1: expected the text or the "
+                                            r"id of the token that ends the thinking"),
+    ("workdir=runs/gpt,chat_template_args=x", r"^chat_template_args='x': expected a dict of "
+                                              r"chat template variables \(give --model_args "
+                                              r"as JSON"),
 ], ids=["unknown_keys", "batch_size_text", "batch_size_zero", "batch_size_float",
         "max_length_negative", "step_text", "workdir_missing", "workdir_a_file", "no_workdir",
-        "batch_size_auto_n", "workdir_empty"])
+        "batch_size_auto_n", "workdir_empty", "thinking_without_its_end", "thinking_text",
+        "think_end_negative", "chat_template_args_text"])
 def test_bad_model_args_are_one_line_before_any_checkpoint_is_read(tmp_path, args, message):
     """--model_args as the command passes them (`create_from_arg_string`): an unknown key, a
     batch_size, max_length or step that is no int (a TypeError or "invalid literal for int()"),
-    a workdir that does not exist (it said "holds no checkpoints"), one that holds none: one
+    a chat option lm-eval's HF model would refuse or misread (enable_thinking without its
+    think_end_token, before the workdir is looked at), a workdir that does not exist (it said
+    "holds no checkpoints"), one that holds none: one
     line naming it, and what was expected (the command prints it, exit 2; the test above runs
     it). No checkpoint is read: runs/gpt is none."""
     file = tmp_path / "mc.jsonl"
@@ -568,3 +581,102 @@ def lm_eval_ids(directory, text: str) -> list[int]:
 
     tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     return tok.encode(text, add_special_tokens=False).ids
+
+
+# Qwen3's generation prompt as Qwen/Qwen3-* ship it: enable_thinking false writes an empty think
+# block after the assistant's opening.
+QWEN3_THINKING_PROMPT = (
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def test_chat_options_render_as_lm_evals_hf_model(tmp_path):
+    """lm-eval's HF model's chat options reach the chat template as they reach its own:
+    Qwen3's `enable_thinking=false` (or `chat_template_args={"enable_thinking": false}`) writes
+    the empty think block, true or unset does not, and the rendered contexts equal HFLM's with
+    the same options. Rendered contexts are cached by `tokenizer_name`, which tells the options
+    apart (HFLM's key, the tokenizer's name, does not). With enable_thinking true a
+    log-likelihood request is refused, as HFLM refuses it. The options were refused as unknown
+    --model_args."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from test_sft import QWEN3, build_tokenizer
+
+    template = QWEN3.replace("{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+                             "{%- endif %}", QWEN3_THINKING_PROMPT.replace("\\n", "\n"))
+    assert template != QWEN3
+    directory = build_tokenizer(tmp_path / "qwen3", template)
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    tiny_llama(directory, len(vocab), vocab["<|begin_of_text|>"], vocab["<|im_end|>"])
+    history = [{"role": "system", "content": "Answer briefly."},
+               {"role": "user", "content": "The capital of France is"}]
+    options = {"unset": {}, "off": {"enable_thinking": False},
+               "off_by_args": {"chat_template_args": {"enable_thinking": False}},
+               "on": {"enable_thinking": True, "think_end_token": "</think>"}}
+    rendered, names = {}, {}
+    for name, chat in options.items():
+        ours = TransformerLM(workdir=f"hf:{directory}", batch_size=1, **chat)
+        theirs = HFLM(pretrained=str(directory), dtype="float32", device="cpu", batch_size=1,
+                      **chat)
+        rendered[name], names[name] = ours.apply_chat_template(history), ours.tokenizer_name
+        assert rendered[name] == theirs.apply_chat_template(history), name
+    empty_block = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert rendered["off"].endswith(empty_block) and rendered["off_by_args"] == rendered["off"]
+    assert rendered["unset"] == rendered["on"] == rendered["off"].removesuffix(
+        "<think>\n\n</think>\n\n")
+    # a cache key per rendering: the same options by either name share one
+    assert names["off"] == names["off_by_args"] and len(set(names.values())) == 3
+    request = Instance("loglikelihood", {}, ("The capital", " of"), 0, metadata=("mc", 0, 1))
+    with pytest.raises(ValueError, match=r"^enable_thinking=True: log-likelihood requests "
+                                         r"\(task mc\) have no generation to think in"):
+        ours.loglikelihood([request])
+
+
+def test_think_end_token_keeps_the_answer_after_the_thinking_as_lm_evals_hf_model(tmp_path):
+    """`think_end_token` (the end of a reasoning trace: its text, or its id) keeps only what
+    a generation says after its last occurrence, its leading space stripped, before the stop
+    strings cut it: the same strings as HFLM's with the same option, batched, where the plain
+    generation keeps the trace."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from test_sft import llama3_with_bos
+
+    directory, vocab, bos, eos = llama3_with_bos(tmp_path / "llama")
+    hf = tiny_llama(directory, len(vocab), bos, eos)
+    prompts = ["the sea and the king", "tell me a story"]
+    raws = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([[bos, *lm_eval_ids(directory, prompt)]])
+            raws.append(hf.generate(ids, max_new_tokens=12, do_sample=False)[
+                0, ids.shape[1]:].tolist())
+    decode = HFLM(pretrained=str(directory), dtype="float32", device="cpu").tok_decode
+
+    def after(raw, token):  # what follows the token's last occurrence
+        return raw[len(raw) - raw[::-1].index(token):]
+
+    # think ends among the greedy tokens, as a reasoning model writes </think>: one the first
+    # generation repeats (a random model repeats itself; the last occurrence counts), one
+    # followed by a space (stripped)
+    repeated = next(t for t in raws[0] if raws[0].count(t) > 1)
+    spaced = next(t for raw in raws for t in raw[:-1] if decode(after(raw, t))[:1] == " ")
+    requests = [Instance("generate_until", {}, (p, {"until": ["\n\n"], "max_gen_toks": 12}), i)
+                for i, p in enumerate(prompts)]
+    kept = TransformerLM(workdir=f"hf:{directory}", batch_size=2, max_length=64
+                         ).generate_until(requests)
+    for think_id in (repeated, spaced):
+        for think_end in (think_id, str(think_id), decode([think_id]).strip()):
+            theirs = HFLM(pretrained=str(directory), dtype="float32", device="cpu",
+                          batch_size=2, think_end_token=think_end)
+            want = theirs.generate_until(requests)
+            ours = TransformerLM(workdir=f"hf:{directory}", batch_size=2, max_length=64,
+                                 think_end_token=think_end)
+            assert ours.generate_until(requests) == want, think_end
+            cut = [i for i, raw in enumerate(raws) if think_id in raw]
+            assert all(kept[i] != want[i] and kept[i].endswith(want[i]) for i in cut), want
+        assert think_id != spaced or any(kept[i].endswith(" " + want[i]) for i in cut), want

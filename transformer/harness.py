@@ -28,21 +28,24 @@ from transformer.utils import fileio
 class TransformerLM(harness.TransformerLM):
     """A causal decoder LM (model.family "gpt") restored from a training workdir."""
 
-    ARGS = ("workdir", "step", "batch_size", "max_length")  # its --model_args
+    # its --model_args: lm-eval's HF model's chat options too (`harness.chat_options`)
+    ARGS = ("workdir", "step", "batch_size", "max_length", "chat_template_args",
+            "enable_thinking", "think_end_token")
 
     def __init__(self, workdir: str, step: int | None = None, batch_size: int | str = 8,
-                 max_length: int | None = None):
+                 max_length: int | None = None, **chat):
         # (checked before the checkpoint is read)
         step = None if step in (None, "") else harness.int_arg("step", step, least=0)
         harness.int_arg("batch_size", batch_size, auto=True)
         if max_length not in (None, "", 0):
             harness.int_arg("max_length", max_length)
+        harness.chat_options(**chat)
         workdir = str(workdir)
         if not workdir.startswith("hf:") and not fileio.isdir(workdir):
             raise FileNotFoundError(f"workdir={workdir!r} " + (
                 "is a file" if fileio.isfile(workdir) else "does not exist") +
                 ": expected a training workdir (or hf:DIR, a Hugging Face checkpoint)")
-        super().__init__(*generate.load_workdir(workdir, step), batch_size, max_length)
+        super().__init__(*generate.load_workdir(workdir, step), batch_size, max_length, **chat)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict, additional_config=None):

@@ -24,13 +24,17 @@ a request's context is its conversation rendered by the tokenizer's chat templat
 HF model renders it; such a text opens with a special token (the template's BOS or turn marker)
 and is read as that model reads it: behind the tokenizer's own document start (an import's BOS;
 nothing for GPT-2's or Qwen's, nor for a model trained here, whose SFT rows start a conversation
-at position 0), which is not repeated where the template writes it.
+at position 0), which is not repeated where the template writes it. The chat options of lm-eval's
+HF model apply as there: `chat_template_args` (more variables for the template), `enable_thinking`
+(joins them where set; true needs a `think_end_token` and refuses log-likelihood requests) and
+`think_end_token` (a generation keeps only its text after the last one: a token's text, or its id).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import numbers
 import re
@@ -63,6 +67,38 @@ def int_arg(name: str, value, auto: bool = False, least: int = 1) -> int | None:
     raise ValueError(f"{name}={value!r}: expected {expected}" + (" or 'auto'" if auto else ""))
 
 
+def chat_options(chat_template_args=None, enable_thinking=None, think_end_token=None) -> dict:
+    """lm-eval's HF model's chat options checked, as `TransformerLM` keeps them: the template's
+    extra variables (`enable_thinking` among them where it is set) and the think end (a token's
+    text, or its id: digits as --model_args gives them). A bad one is one line naming it.
+
+    >>> chat_options(enable_thinking=False)["chat_template_args"]
+    {'enable_thinking': False}
+    >>> chat_options(think_end_token="151668")["think_end_token"]  # Qwen3's </think>
+    151668
+    """
+    if not isinstance(chat_template_args, dict | None):
+        raise ValueError(f"chat_template_args={chat_template_args!r}: expected a dict of chat "
+                         "template variables (give --model_args as JSON: '{\"workdir\": ..., "
+                         "\"chat_template_args\": {...}}')")
+    if not (enable_thinking is None or isinstance(enable_thinking, bool)):
+        raise ValueError(f"enable_thinking={enable_thinking!r}: expected true or false")
+    if isinstance(think_end_token, numbers.Integral) and not isinstance(think_end_token, bool) \
+            and think_end_token >= 0 or isinstance(think_end_token, str) and \
+            think_end_token.strip().isdigit():
+        think_end_token = int(think_end_token)  # a token's id (digits: as --model_args gives it)
+    elif think_end_token is not None and not (isinstance(think_end_token, str) and
+                                              think_end_token):
+        raise ValueError(f"think_end_token={think_end_token!r}: expected the text or the id "
+                         "of the token that ends the thinking (Qwen3's </think>)")
+    if enable_thinking and think_end_token is None:
+        raise ValueError("enable_thinking=True: expected a think_end_token too (the text or id "
+                         "that ends the thinking, Qwen3's </think>), as lm-eval's HF model asks")
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    return {"chat_template_args": {**(chat_template_args or {}), **extra},
+            "enable_thinking": enable_thinking, "think_end_token": think_end_token}
+
+
 def _bucket(n: int, limit: int) -> int:
     """Rows are padded to a power of two (at least 16, at most `limit`) so a handful of shapes
     compile, not one per batch."""
@@ -82,17 +118,24 @@ class TransformerLM(LM):
     """A causal decoder LM (model.family "gpt") over params in memory."""
 
     def __init__(self, model, params, tokenizer, config, batch_size: int | str = 8,
-                 max_length: int | None = None):
+                 max_length: int | None = None, **chat):
+        """`chat`: lm-eval's HF model's chat options (`chat_options`)."""
         super().__init__()
         self._setup(model, params, tokenizer, config, batch_size, max_length)
+        vars(self).update(chat_options(**chat))
+        if isinstance(self.think_end_token, int) and \
+                self.think_end_token >= self.tokenizer.vocab_size:
+            raise ValueError(f"think_end_token={self.think_end_token}: expected a token id "
+                             f"below the tokenizer's {self.tokenizer.vocab_size}")
 
     @classmethod
     def from_params(cls, model, params, tokenizer, config, batch_size: int | str = 8,
-                    max_length: int | None = None) -> TransformerLM:
+                    max_length: int | None = None, **chat) -> TransformerLM:
         """The adapter over params in memory (a training run's: `training.task_eval`), also
         for a subclass whose own constructor takes other arguments."""
         lm = cls.__new__(cls)
-        TransformerLM.__init__(lm, model, params, tokenizer, config, batch_size, max_length)
+        TransformerLM.__init__(lm, model, params, tokenizer, config, batch_size, max_length,
+                               **chat)
         return lm
 
     def _setup(self, model, params, tokenizer, config, batch_size, max_length) -> None:
@@ -181,6 +224,11 @@ class TransformerLM(LM):
         return self.tokenizer.encode(text).tolist()
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        if self.enable_thinking:  # (as lm-eval's HF model: a score has no room to think)
+            tasks = ", ".join(sorted({getattr(r, "task_name", None) or "?" for r in requests}))
+            raise ValueError(f"enable_thinking=True: log-likelihood requests (task {tasks}) "
+                             "have no generation to think in; expected generative tasks only, "
+                             "or enable_thinking false")
         pairs, owners = [], []
         for i, request in enumerate(requests):
             context, continuation = request.args
@@ -250,13 +298,21 @@ class TransformerLM(LM):
                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                     eos_id=self.stops, banned_ids=self.banned)
                 for b, i in enumerate(chunk):
-                    # lm-eval's HF model decodes with skip_special_tokens, then cuts
-                    ids = tokens[b, :ends[b]]
-                    text = self.tokenizer.decode(ids[~np.isin(ids, self.unwritten)])
-                    cut = min([text.find(s) for s in jobs[i][1] if s and s in text] or
-                              [len(text)])
-                    out[i] = text[:cut]
+                    out[i] = self._answer(tokens[b, :ends[b]], jobs[i][1])
         return out
+
+    def _answer(self, ids: np.ndarray, until: list[str]) -> str:
+        """A generation's text as lm-eval's HF model reads it: after the last think end (an id
+        among `ids`, else its text in the decoded text), decoded without special tokens
+        (skip_special_tokens), cut at the first stop string."""
+        end = self.think_end_token
+        if isinstance(end, int) and end in ids:
+            ids = ids[len(ids) - list(ids[::-1]).index(end):]
+        text = self.tokenizer.decode(ids[~np.isin(ids, self.unwritten)])
+        if end is not None:  # (after a think end id, the stripped leading space too)
+            text = (text.split(end)[-1] if isinstance(end, str) else text).lstrip()
+        cut = min([text.find(s) for s in until if s and s in text] or [len(text)])
+        return text[:cut]
 
     def _generation(self, request) -> tuple[list[int], list[str], tuple]:
         """(prompt ids, stop strings, (max_new_tokens, temperature, top_k, top_p, seed)) of a
@@ -300,10 +356,11 @@ class TransformerLM(LM):
     @property
     def tokenizer_name(self) -> str:
         """What lm-eval's request cache keys chat-rendered requests by: the tokenizer's kind and
-        a digest of its vocabulary and chat template."""
+        a digest of its vocabulary, chat template and chat_template_args."""
         digest = hashlib.sha256()
         for part in (getattr(self.tokenizer, "tokenizer_json", ""),
-                     getattr(self.tokenizer, "chat_template", None) or ""):
+                     getattr(self.tokenizer, "chat_template", None) or "",
+                     json.dumps(self.chat_template_args, sort_keys=True, default=str)):
             digest.update(part.encode() + b"\0")
         return f"{type(self.tokenizer).__name__}-{digest.hexdigest()[:16]}"
 
@@ -327,7 +384,8 @@ class TransformerLM(LM):
         hf = chat._transformers_tokenizer(self.tokenizer)  # (one line without a template)
         render = functools.partial(hf.apply_chat_template, tokenize=False,
                                    add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=not add_generation_prompt)
+                                   continue_final_message=not add_generation_prompt,
+                                   **self.chat_template_args)
         try:
             return render(list(chat_history))
         except jinja2.TemplateError as e:
