@@ -290,7 +290,7 @@ def test_what_the_model_cannot_represent_is_one_line_naming_the_checkpoint(tmp_p
         intermediate_size=32, position_embedding_type="relative_key")).save_pretrained(tmp_path)
     with pytest.raises(ValueError) as error:
         finetune.resolve_init_config(bert_config(tmp_path))
-    assert str(error.value) == (f"init_from=hf:{tmp_path}: BERT position_embedding_type="
+    assert str(error.value) == (f"init_from='hf:{tmp_path}': BERT position_embedding_type="
                                 "'relative_key': expected 'absolute'")
 
 

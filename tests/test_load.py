@@ -385,12 +385,12 @@ def test_an_moe_layout_the_stack_cannot_hold_is_refused_naming_the_hf_keys(tmp_p
     _tokenizer_files(tokenizer, str(tmp_path))
     with pytest.raises(ValueError) as error:
         transformer.load(f"hf:{tmp_path}")
-    assert str(error.value).startswith(f"init_from=hf:{tmp_path}: {message}")
+    assert str(error.value).startswith(f"'hf:{tmp_path}': {message}")
     if family == "qwen3_moe":  # 0, which no count divides (HF's modulo fails on it)
         config = json.loads((tmp_path / "config.json").read_text())
         (tmp_path / "config.json").write_text(json.dumps({**config, "decoder_sparse_step": 0}))
         with pytest.raises(ValueError) as error:
             transformer.load(f"hf:{tmp_path}")
         assert str(error.value).startswith(
-            f"init_from=hf:{tmp_path}: Qwen3Moe decoder_sparse_step=0 with "
+            f"'hf:{tmp_path}': Qwen3Moe decoder_sparse_step=0 with "
             "num_hidden_layers=3: expected a divisor")

@@ -17,6 +17,7 @@ import pytest
 from flax import traverse_util
 from test_train import cli_env
 
+from transformer import generate
 from transformer.configs import base_config, validate_config
 from transformer.models import build_model, family_of
 from transformer.nn import lora
@@ -290,8 +291,9 @@ def test_init_from_a_peft_adapter_folder_says_to_merge_it(tmp_path):
 
 def test_a_model_with_a_peft_adapter_beside_it_is_refused_by_every_import(tmp_path):
     """transformers' from_pretrained(DIR) applies an adapter saved beside the model; our import
-    would read the base alone: validate_config, the architecture read at startup and
-    transformer.load refuse it in one line, naming the merge."""
+    would read the base alone: validate_config, the architecture read at startup,
+    transformer.load and generate's (and the harness's) workdir=hf:DIR refuse it in one line,
+    naming the merge and the setting as the user gave it (it said init_from= for them all)."""
     import transformer
 
     peft = pytest.importorskip("peft")
@@ -302,12 +304,16 @@ def test_a_model_with_a_peft_adapter_beside_it_is_refused_by_every_import(tmp_pa
     assert (tmp_path / "adapter_config.json").is_file() and (tmp_path / "config.json").is_file()
     config = small_config()
     config.init_from = f"hf:{tmp_path}"
-    says = f"init_from='hf:{tmp_path}' holds a peft adapter (adapter_config.json)"
-    for read in (validate_config, finetune.resolve_init_config,
-                 lambda _: transformer.load(f"hf:{tmp_path}")):
+    says = "{} holds a peft adapter (adapter_config.json)"
+    for read, source in ((validate_config, f"init_from='hf:{tmp_path}'"),
+                         (finetune.resolve_init_config, f"init_from='hf:{tmp_path}'"),
+                         (lambda _: transformer.load(f"hf:{tmp_path}"), f"'hf:{tmp_path}'"),
+                         (lambda _: generate.load_workdir(f"hf:{tmp_path}"),
+                          f"workdir='hf:{tmp_path}'")):
         with pytest.raises(ValueError) as error:
             read(config)
-        assert str(error.value).startswith(says) and "\n" not in str(error.value)
+        assert str(error.value).startswith(says.format(source)) and "\n" not in str(
+            error.value)
         assert "merge_and_unload().save_pretrained(OUT)" in str(error.value)
 
 

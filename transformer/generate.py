@@ -81,7 +81,7 @@ def load_workdir(workdir: str, step: int | None = None, say_step: bool = False):
         if step is not None:
             raise ValueError(f"step={step} with {workdir!r}: a Hugging Face checkpoint has no "
                              "steps; expected no step")
-        return load_hf(workdir[len("hf:"):])
+        return load_hf(workdir[len("hf:"):], source=f"workdir={workdir!r}")
     from transformer.data import inputs
     from transformer.models import build_model
     from transformer.training import checkpoint as checkpoint_lib
@@ -101,9 +101,10 @@ def load_workdir(workdir: str, step: int | None = None, say_step: bool = False):
     return build_model(saved.config.model), saved.params, tokenizer, saved.config
 
 
-def load_hf(directory: str):
+def load_hf(directory: str, source: str | None = None):
     """(model, params, tokenizer, config) of a Hugging Face directory, imported as `init_from=hf:`
-    does (`transformer.load("hf:DIR")` wraps it)."""
+    does (`transformer.load("hf:DIR")` wraps it); `source`: what its errors name, as the user
+    gave it (`finetune.hf_convert`)."""
     from flax import traverse_util
 
     from transformer import configs
@@ -111,7 +112,7 @@ def load_hf(directory: str):
     from transformer.models import build_model
     from transformer.training import finetune
 
-    _, model_config, flat = finetune.hf_convert(directory)
+    _, model_config, flat = finetune.hf_convert(directory, source=source)
     params = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
     config = configs.base_config()
     config.model = model_config

@@ -172,7 +172,7 @@ def load(source: str, step: int | None = None, merge_lora: bool = False) -> Load
                                             os.path.isfile(os.path.join(source, "config.json"))
                                             else f"hf:{source}")
     if kind == "hf":
-        return _load_hf(path)
+        return _load_hf(path)  # (its errors name 'hf:DIR')
     return _load_workdir(path, step if step is not None else at, merge_lora)
 
 
@@ -198,4 +198,4 @@ def _load_workdir(workdir: str, step: int | None, merge_lora: bool) -> Loaded:
 def _load_hf(directory: str) -> Loaded:
     from transformer.generate import load_hf
 
-    return Loaded(*load_hf(directory))
+    return Loaded(*load_hf(directory, source=repr(f"hf:{directory}")))

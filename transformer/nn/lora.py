@@ -76,12 +76,14 @@ MERGE = ("merge the adapters into their base with PeftModel.from_pretrained(base
 PEFT_FOLDER = f" (this is a peft adapter folder: {MERGE})"
 
 
-def check_not_peft(directory: str) -> None:
+def check_not_peft(directory: str, source: str | None = None) -> None:
     """One line if the Hugging Face `directory` (init_from=hf:DIR) holds a peft adapter
     (adapter_config.json) beside its model: transformers' from_pretrained(DIR) applies it over
-    the weights, which `transformer.hf.convert` reads alone (another model, silently)."""
+    the weights, which `transformer.hf.convert` reads alone (another model, silently).
+    `source`: what the line names (default `init_from='hf:DIR'`)."""
     if fileio.path(directory).joinpath("adapter_config.json").is_file():
-        raise ValueError(f"init_from='hf:{directory}' holds a peft adapter (adapter_config.json),"
+        source = source or f"init_from='hf:{directory}'"
+        raise ValueError(f"{source} holds a peft adapter (adapter_config.json),"
                          " which transformers applies over its model and this import would "
                          f"leave out: expected a directory without one ({MERGE})")
 

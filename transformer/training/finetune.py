@@ -93,32 +93,34 @@ def _shape(param) -> tuple:
     return tuple((param["qvalue"] if lora.is_quantized(param) else param).shape)
 
 
-def hf_convert(directory: str, scan: bool = False):
+def hf_convert(directory: str, scan: bool = False, source: str | None = None):
     """(Hugging Face config, model config, flat params) of a save_pretrained directory; with
     `scan`, its layer stacks stacked for a model with scan_layers=True. Refuses a directory
     holding a peft adapter too (`lora.check_not_peft`): every import of an hf: directory
-    (init_from, transformer.load, generate) comes here."""
+    (init_from, transformer.load, generate) comes here. `source`: what its one-line errors
+    name, as the user gave it (default `init_from='hf:DIR'`; `workdir='hf:DIR'`, ...)."""
     import transformers
 
     from transformer.hf import convert, quantized
 
-    lora.check_not_peft(directory)
-    tensors = _safetensors(directory)
+    source = source or f"init_from='hf:{directory}'"
+    lora.check_not_peft(directory, source)
+    tensors = _safetensors(directory, source)
     hf_config = transformers.AutoConfig.from_pretrained(directory)
-    state_dict = quantized.dequantized(hf_config, tensors, f"init_from=hf:{directory}")
+    state_dict = quantized.dequantized(hf_config, tensors, source)
     try:
         model_config, params = convert.from_hf(hf_config, state_dict)
     except ValueError as error:  # what the model cannot represent, naming the setting
-        raise ValueError(f"init_from=hf:{directory}: {error}") from None
+        raise ValueError(f"{source}: {error}") from None
     if scan:
         params = convert.scan_params(model_config, params)
     return hf_config, model_config, _flat(params)
 
 
-def _safetensors(directory: str):
+def _safetensors(directory: str, source: str):
     """A function reading a save_pretrained directory's tensors: model.safetensors, or the
     shards model.safetensors.index.json lists (as the hub keeps checkpoints over 5 GB); a
-    one-line error, now, if there are neither."""
+    one-line error naming `source`, now, if there are neither."""
     import json
 
     from safetensors.numpy import load_file
@@ -128,14 +130,14 @@ def _safetensors(directory: str):
     if os.path.isfile(single):
         return lambda: load_file(single)
     if not os.path.isfile(index):
-        raise FileNotFoundError(f"init_from=hf:{directory}: expected a save_pretrained directory "
+        raise FileNotFoundError(f"{source}: expected a save_pretrained directory "
                                 "with config.json and model.safetensors (or its shards and "
                                 "model.safetensors.index.json)")
     with open(index) as f:
         weight_map = json.load(f)["weight_map"]
     shards = sorted(set(weight_map.values()))
     if missing := [s for s in shards if not os.path.isfile(os.path.join(directory, s))]:
-        raise FileNotFoundError(f"init_from=hf:{directory}: {missing[0]}, listed in "
+        raise FileNotFoundError(f"{source}: {missing[0]}, listed in "
                                 "model.safetensors.index.json, is missing: expected every shard")
 
     def read() -> dict[str, np.ndarray]:
@@ -143,7 +145,7 @@ def _safetensors(directory: str):
         for shard in shards:
             tensors.update(load_file(os.path.join(directory, shard)))
         if absent := sorted(set(weight_map) - set(tensors)):
-            raise ValueError(f"init_from=hf:{directory}: {absent[0]} is in no shard: expected "
+            raise ValueError(f"{source}: {absent[0]} is in no shard: expected "
                              "the tensors model.safetensors.index.json lists")
         return tensors
     return read
