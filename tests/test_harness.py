@@ -546,7 +546,8 @@ def test_generate_until_drops_a_generated_special_as_lm_evals_hf_model(tmp_path)
     (<|start_header_id|>: its lm_head row outscores the argmax's): as HF generate, the adapter
     emits it (it was banned, so the next-best token was taken and the text went on elsewhere),
     and as lm-eval's HF model leaves it out of the text (skip_special_tokens) before cutting at
-    `until`: the same strings as HFLM's, batched and alone."""
+    `until`: the same strings as HFLM's, batched and alone. A stop string that is its text
+    ends the generation there (it went on past it: the text has no such string to cut at)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from lm_eval.api.instance import Instance
@@ -569,9 +570,19 @@ def test_generate_until_drops_a_generated_special_as_lm_evals_hf_model(tmp_path)
                 for i, p in enumerate(prompts)]
     want = theirs.generate_until(requests)
     assert want[0] == theirs.tok_decode(raw).split("\n\n")[0]
+    # A stop string that is the special's text ends the generation at it (HF generate's
+    # stopping criteria read the text with the specials written), the text leaving it out;
+    # HFLM alone (batched, its rows go on until every row has stopped)
+    stopping = [Instance("generate_until", {}, (p, {"until": ["<|start_header_id|>"],
+                                                    "max_gen_toks": 12}), i)
+                for i, p in enumerate(prompts)]
+    alone = HFLM(pretrained=str(directory), dtype="float32", device="cpu", batch_size=1)
+    stopped = alone.generate_until(stopping)
+    assert want[0].startswith(stopped[0]) and len(stopped[0]) < len(want[0])
     for batch_size in (2, 1):
         ours = TransformerLM(workdir=f"hf:{directory}", batch_size=batch_size, max_length=64)
         assert ours.generate_until(requests) == want
+        assert ours.generate_until(stopping) == stopped
     assert ours.banned == ()  # (the padded vocabulary only: none here)
 
 

@@ -12,7 +12,7 @@ harness's convention for BPE boundaries), `loglikelihood_rolling` cuts long text
 rolling windows of `max_length` tokens, and `generate_until` decodes with the KV cache in batches
 (greedy unless the task asks to sample; top_k and top_p apply, another generation setting is
 refused) until a stop id, leaving the special tokens it generates out of the text, as lm-eval's HF
-model does. Contexts longer than `max_length` (default: the training length, config.seq_len) keep
+model does (a stop string that is a special token's text ends the text at that token there too). Contexts longer than `max_length` (default: the training length, config.seq_len) keep
 their last tokens; a continuation longer than it is refused, and so is a generation of max_length
 tokens or more. Rows are padded to a few bucketed widths, except for a mixture of experts that
 routes with a capacity (moe.capacity_factor > 0): a row's slots per expert grow with its width, so a
@@ -302,9 +302,11 @@ class TransformerLM(LM):
         return out
 
     def _answer(self, ids: np.ndarray, until: list[str]) -> str:
-        """A generation's text as lm-eval's HF model reads it: after the last think end (an id
-        among `ids`, else its text in the decoded text), decoded without special tokens
-        (skip_special_tokens), cut at the first stop string."""
+        """A generation's text as lm-eval's HF model reads it: its tokens up to the first stop
+        string (`_stop_at`), after the last think end (an id among them, else its text in the
+        decoded text), decoded without special tokens (skip_special_tokens), cut at the first
+        stop string."""
+        ids = ids[:self._stop_at(ids, until)]
         end = self.think_end_token
         if isinstance(end, int) and end in ids:
             ids = ids[len(ids) - list(ids[::-1]).index(end):]
@@ -313,6 +315,25 @@ class TransformerLM(LM):
             text = (text.split(end)[-1] if isinstance(end, str) else text).lstrip()
         cut = min([text.find(s) for s in until if s and s in text] or [len(text)])
         return text[:cut]
+
+    def _stop_at(self, ids: np.ndarray, until: list[str]) -> int:
+        """How many of `ids` HF generate keeps under lm-eval's stopping criteria: up to the
+        token with which a stop string first appears in their text with the special tokens
+        written, so that a stop that is a special token's text (Qwen's <|im_end|> where it is no
+        stop id) ends the generation there, though the text then leaves that token out."""
+        until = [s for s in until if s]
+
+        def stopped(k: int) -> bool:
+            text = self.tokenizer.decode(ids[:k])
+            return any(s in text for s in until)
+
+        low, high = 1, len(ids)  # the fewest tokens that hold a stop, found by bisection
+        if not until or not stopped(high):
+            return len(ids)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if stopped(middle) else (middle + 1, high)
+        return low
 
     def _generation(self, request) -> tuple[list[int], list[str], tuple]:
         """(prompt ids, stop strings, (max_new_tokens, temperature, top_k, top_p, seed)) of a
