@@ -12,9 +12,10 @@ harness's convention for BPE boundaries), `loglikelihood_rolling` cuts long text
 rolling windows of `max_length` tokens, and `generate_until` decodes with the KV cache in batches
 (greedy unless the task asks to sample; top_k and top_p apply, another generation setting is
 refused) until a stop id, leaving the special tokens it generates out of the text, as lm-eval's HF
-model does (a stop string that is a special token's text ends the text at that token there too). Contexts longer than `max_length` (default: the training length, config.seq_len) keep
-their last tokens; a continuation longer than it is refused, and so is a generation of max_length
-tokens or more. Rows are padded to a few bucketed widths, except for a mixture of experts that
+model does (a stop string that is a special token's text ends the text at that token there too).
+Contexts longer than `max_length` (default: the training length, config.seq_len) keep their last
+tokens; a continuation longer than it is refused, and so is a generation of max_length tokens or
+more. Rows are padded to a few bucketed widths, except for a mixture of experts that
 routes with a capacity (moe.capacity_factor > 0): a row's slots per expert grow with its width, so a
 padded row would drop other choices than the text alone; its rows go unpadded, batched by length
 (one compile per length).
