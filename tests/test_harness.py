@@ -644,13 +644,57 @@ def test_chat_options_render_as_lm_evals_hf_model(tmp_path):
     with pytest.raises(ValueError, match=r"^enable_thinking=True: log-likelihood requests "
                                          r"\(task mc\) have no generation to think in"):
         ours.loglikelihood([request])
+    for key in ("tokenize", "add_generation_prompt"):  # (a TypeError in functools.partial)
+        with pytest.raises(ValueError, match=rf"^chat_template_args key '{key}': the adapter "
+                                             "sets it as lm-eval's HF model does"):
+            TransformerLM.create_from_arg_obj({"workdir": "runs/gpt",
+                                               "chat_template_args": {key: True}})
 
 
-def test_think_end_token_keeps_the_answer_after_the_thinking_as_lm_evals_hf_model(tmp_path):
+def test_thinking_refuses_log_likelihood_tasks_before_the_model_loads(tmp_path):
+    """The command with enable_thinking=true refuses a log-likelihood task (multiple choice
+    too, in a group or a tag) in one line before the model loads, as the docs promise; lm-eval
+    and the adapter refused it only once every generation had run, and the results were lost.
+    Rolling and generative tasks run; enable_thinking false runs anything."""
+    from lm_eval.tasks import TaskManager
+
+    from transformer import harness
+
+    tasks = write_tasks(tmp_path / "tasks")
+    (tasks / "group.yaml").write_text("group: local_group\ntask:\n  - local_gen\n"
+                                      "  - task: local_mc\n")
+    (tasks / "tagged.yaml").write_text((tasks / "mc.yaml").read_text().replace(
+        "task: local_mc\n", "task: local_tagged\ntag: local_tag\n"))
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    ran = []
+    evaluate = harness._checking_tasks(lambda **kwargs: ran.append(kwargs["tasks"]))
+    thinking = {"workdir": "runs/gpt", "enable_thinking": True, "think_end_token": "</think>"}
+    for names, refused in ((["local_gen", "local_rolling"], None),
+                           (["local_rolling", "local_mc"], "local_mc"),
+                           (["local_group"], "local_mc"), (["local_tag"], "local_tagged")):
+        for model_args in (thinking, "workdir=runs/gpt,enable_thinking=true,think_end_token=9"):
+            if refused is None:
+                evaluate(model="transformer", model_args=model_args, tasks=names,
+                         task_manager=manager)
+                assert ran.pop() == names
+                continue
+            with pytest.raises(ValueError, match=rf"^enable_thinking=True: log-likelihood "
+                                                 rf"requests \(task {refused}\) have no"):
+                evaluate(model="transformer", model_args=model_args, tasks=names,
+                         task_manager=manager)
+        evaluate(model="transformer", model_args={**thinking, "enable_thinking": False},
+                 tasks=names, task_manager=manager)
+        assert ran == [names]
+        ran.clear()
+
+
+def test_think_end_token_keeps_the_answer_after_the_thinking_as_lm_evals_hf_model(tmp_path,
+                                                                                 caplog):
     """`think_end_token` (the end of a reasoning trace: its text, or its id) keeps only what
     a generation says after its last occurrence, its leading space stripped, before the stop
     strings cut it: the same strings as HFLM's with the same option, batched, where the plain
-    generation keeps the trace."""
+    generation keeps the trace; a stop string inside the trace ends the generation there, as
+    in HFLM. A special token's text as the think end is warned about (it never matches)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from lm_eval.api.instance import Instance
@@ -691,3 +735,20 @@ def test_think_end_token_keeps_the_answer_after_the_thinking_as_lm_evals_hf_mode
             cut = [i for i, raw in enumerate(raws) if think_id in raw]
             assert all(kept[i] != want[i] and kept[i].endswith(want[i]) for i in cut), want
         assert think_id != spaced or any(kept[i].endswith(" " + want[i]) for i in cut), want
+    # A stop string inside the trace ends the generation there (HF generate's stopping
+    # criteria; HFLM alone: batched, its rows go on until every row has stopped): the trace,
+    # before its last think end, is then the answer
+    last = len(raws[0]) - raws[0][::-1].index(repeated) - 1
+    stop = next(text for t in raws[0][:last] if t != repeated and (
+        text := decode([t]).strip()).isascii() and text.isalpha())
+    in_trace = [Instance("generate_until", {}, (p, {"until": [stop], "max_gen_toks": 12}), i)
+                for i, p in enumerate(prompts)]
+    alone = HFLM(pretrained=str(directory), dtype="float32", device="cpu", batch_size=1,
+                 think_end_token=repeated)
+    ours = TransformerLM(workdir=f"hf:{directory}", batch_size=2, max_length=64,
+                         think_end_token=repeated)
+    assert ours.generate_until(in_trace) == alone.generate_until(in_trace)
+    # A special token's text never matches (the text leaves the specials out, in HFLM too)
+    with caplog.at_level("WARNING"):
+        TransformerLM(workdir=f"hf:{directory}", batch_size=2, think_end_token="<|eot_id|>")
+    assert f"give its id, think_end_token={vocab['<|eot_id|>']}" in caplog.text

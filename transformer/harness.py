@@ -69,17 +69,32 @@ class TransformerLM(harness.TransformerLM):
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
 
-def _checking_splits(simple_evaluate):
-    """`simple_evaluate` that first checks its local tasks' splits (`task_eval.check_splits`),
-    the tasks as the command resolved them: one line before the model loads, where lm-eval's
-    own error was a bare KeyError or StopIteration."""
+def _checking_tasks(simple_evaluate):
+    """`simple_evaluate` that first checks its tasks as the command resolved them, in one line
+    before the model loads: a local task's splits (`task_eval.check_splits`; lm-eval's own
+    error was a bare KeyError or StopIteration), and log-likelihood tasks under
+    enable_thinking=true (lm-eval's HF model refuses them only after every generation ran)."""
 
     @functools.wraps(simple_evaluate)
     def checked(*args, **kwargs):
-        task_eval.check_splits(list(kwargs.get("tasks") or []), kwargs.get("task_manager"))
+        tasks, manager = list(kwargs.get("tasks") or []), kwargs.get("task_manager")
+        task_eval.check_splits(tasks, manager)
+        if _thinking(kwargs.get("model"), kwargs.get("model_args")) and (scored := [
+                task for task, kind in task_eval.output_types(tasks, manager).items()
+                if kind in harness.SCORED]):
+            raise harness.thinking_refuses(scored)
         return simple_evaluate(*args, **kwargs)
 
     return checked
+
+
+def _thinking(model, model_args) -> bool:
+    """Whether simple_evaluate's model is this one ("transformer") with enable_thinking=true."""
+    if isinstance(model_args, str):
+        from lm_eval.utils import simple_parse_args_string
+
+        model_args = simple_parse_args_string(model_args)
+    return model == "transformer" and (model_args or {}).get("enable_thinking") is True
 
 
 def main() -> None:
@@ -99,7 +114,7 @@ def main() -> None:
         logging.set_verbosity(logging.WARNING)  # absl's; lm_eval's own logs are as they were
         from lm_eval import evaluator  # (after: importing it logs `datasets`' INFO lines)
 
-        evaluator.simple_evaluate = _checking_splits(evaluator.simple_evaluate)
+        evaluator.simple_evaluate = _checking_tasks(evaluator.simple_evaluate)
         sys.argv = ["lm_eval", *theirs]
         cli_evaluate()
 

@@ -82,6 +82,9 @@ def chat_options(chat_template_args=None, enable_thinking=None, think_end_token=
         raise ValueError(f"chat_template_args={chat_template_args!r}: expected a dict of chat "
                          "template variables (give --model_args as JSON: '{\"workdir\": ..., "
                          "\"chat_template_args\": {...}}')")
+    if clash := sorted(set(chat_template_args or {}) & set(RENDERING)):
+        raise ValueError(f"chat_template_args key {clash[0]!r}: the adapter sets it as lm-eval's "
+                         "HF model does: expected the template's own variables")
     if not (enable_thinking is None or isinstance(enable_thinking, bool)):
         raise ValueError(f"enable_thinking={enable_thinking!r}: expected true or false")
     if isinstance(think_end_token, numbers.Integral) and not isinstance(think_end_token, bool) \
@@ -98,6 +101,20 @@ def chat_options(chat_template_args=None, enable_thinking=None, think_end_token=
     extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     return {"chat_template_args": {**(chat_template_args or {}), **extra},
             "enable_thinking": enable_thinking, "think_end_token": think_end_token}
+
+
+# apply_chat_template's arguments the adapter sets itself (not chat_template_args')
+RENDERING = ("tokenize", "add_generation_prompt", "continue_final_message")
+# The task output types whose requests are log-likelihoods, which enable_thinking refuses.
+SCORED = ("loglikelihood", "multiple_choice")
+
+
+def thinking_refuses(tasks) -> ValueError:
+    """The one line for enable_thinking=True with log-likelihood `tasks` (as lm-eval's HF
+    model refuses them): the command says it before the model loads."""
+    return ValueError(f"enable_thinking=True: log-likelihood requests (task "
+                      f"{', '.join(sorted(tasks))}) have no generation to think in; expected "
+                      "generative tasks only, or enable_thinking false")
 
 
 def _bucket(n: int, limit: int) -> int:
@@ -124,10 +141,16 @@ class TransformerLM(LM):
         super().__init__()
         self._setup(model, params, tokenizer, config, batch_size, max_length)
         vars(self).update(chat_options(**chat))
-        if isinstance(self.think_end_token, int) and \
-                self.think_end_token >= self.tokenizer.vocab_size:
-            raise ValueError(f"think_end_token={self.think_end_token}: expected a token id "
-                             f"below the tokenizer's {self.tokenizer.vocab_size}")
+        end = self.think_end_token
+        if isinstance(end, int) and end >= self.tokenizer.vocab_size:
+            raise ValueError(f"think_end_token={end}: expected a token id below the "
+                             f"tokenizer's {self.tokenizer.vocab_size}")
+        if isinstance(end, str) and (ids := [i for i in self.unwritten.tolist()
+                                             if self.tokenizer.decode([i]) == end]):
+            logging.getLogger(__name__).warning(
+                "think_end_token=%r is a special token's text, which the decoded text leaves "
+                "out (skip_special_tokens, as in lm-eval's HF model), so it never matches: give "
+                "its id, think_end_token=%d", end, ids[0])
 
     @classmethod
     def from_params(cls, model, params, tokenizer, config, batch_size: int | str = 8,
@@ -226,10 +249,7 @@ class TransformerLM(LM):
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         if self.enable_thinking:  # (as lm-eval's HF model: a score has no room to think)
-            tasks = ", ".join(sorted({getattr(r, "task_name", None) or "?" for r in requests}))
-            raise ValueError(f"enable_thinking=True: log-likelihood requests (task {tasks}) "
-                             "have no generation to think in; expected generative tasks only, "
-                             "or enable_thinking false")
+            raise thinking_refuses({getattr(r, "task_name", None) or "?" for r in requests})
         pairs, owners = [], []
         for i, request in enumerate(requests):
             context, continuation = request.args

@@ -104,6 +104,43 @@ def check_splits(tasks: list, task_manager, lead: str = "") -> None:
             raise ValueError(lead + problem)
 
 
+def output_types(tasks: list, task_manager) -> dict[str, str]:
+    """{task: output_type} of the tasks among `tasks` (names in `task_manager`'s index, or task
+    configs) and in their groups and tags, as far as the index's YAML files say (a task built
+    otherwise is left out): read before lm-eval builds any task or downloads its data."""
+    index = getattr(task_manager, "task_index", None) or {}
+    found: dict[str, str] = {}
+    seen: set[str] = set()
+
+    def visit(task, depth: int = 0) -> None:
+        if isinstance(task, dict):
+            if depth == 0 and isinstance(task.get("task"), str):  # a task's own config
+                found[task["task"]] = task.get("output_type") or ""
+                return
+            task = task.get("task")  # a group's member, given with overrides
+        if not isinstance(task, str) or task in seen or depth > 16:
+            return
+        seen.add(task)
+        entry = index.get(task)
+        kind = getattr(getattr(entry, "kind", None), "name", "")
+        if kind == "TAG":  # (its tasks name it among their tags)
+            for name, other in index.items():
+                if task in (getattr(other, "tags", None) or ()):
+                    visit(name, depth + 1)
+        elif getattr(entry, "yaml_path", None):
+            config = _task_config(entry)
+            if kind == "GROUP":
+                members = config.get("task") or []
+                for member in [members] if isinstance(members, str | dict) else members:
+                    visit(member, depth + 1)
+            elif isinstance(config.get("output_type"), str):
+                found[task] = config["output_type"]
+
+    for task in tasks:
+        visit(task)
+    return found
+
+
 def _task_config(entry) -> dict:
     """An index entry's task config with its `include:`s merged, as lm-eval builds it."""
     try:
