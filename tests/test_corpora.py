@@ -232,6 +232,18 @@ def test_one_json_document_is_named_as_such_and_a_bom_is_skipped(tmp_path):
     assert row_error(tmp_path / "hub") == (
         f"{infos}: one JSON document, not JSON Lines (one record a line): expected JSON Lines; "
         "if it is not corpus, point data.path at the corpus files alone (a glob)")
+    # ... on one line, as datasets writes it (and a JSON array, as to_json(lines=False) does)
+    infos.write_text(json.dumps({"default": {"features": {"text": "string"}}}))
+    assert row_error(tmp_path / "hub") == (
+        f"{infos}: row 0 (line 1) has no 'text' field (it has ['default']): expected "
+        "data.text_field to name the field that holds the text; if the file is not corpus (one "
+        "JSON document, such as dataset_infos.json), point data.path at the corpus files alone "
+        "(a glob)")
+    infos.write_text(json.dumps([{"text": "a"}, {"text": "b"}]))
+    assert row_error(tmp_path / "hub").startswith(
+        f"{infos}: one JSON document (list), not JSON Lines (one record a line): ")
+    one_row = write_jsonl(tmp_path / "one.jsonl", ["a row"], field="content")  # a corpus
+    assert row_error(one_row).endswith("(a glob)") and "row 0 (line 1)" in row_error(one_row)
     cut = tmp_path / "cut.jsonl"  # a broken first line is still not JSON
     cut.write_text('{"text": "cut\n{"text": "b"}\n')
     assert row_error(cut).startswith(f"{cut}: row 0 (line 1): not JSON (")
@@ -541,6 +553,21 @@ def stopped_after_one_file(monkeypatch, *args, **kwargs) -> None:
         patch.setattr(prepare_units, "prepare_unit", stop_after_one)
         with pytest.raises(KeyboardInterrupt):
             prepare.prepare(*args, **kwargs)
+
+
+def test_a_prepare_that_failed_on_its_first_row_says_how_to_start_over(tmp_path):
+    """A prepare stopped by a bad --text_field on its first row has saved its settings and
+    tokenizer, so the corrected command is refused as another prepare's resume: the line now
+    says that it finished no file and that removing the directory starts over."""
+    source, out = write_jsonl(tmp_path / "web.jsonl", web_documents(20)), tmp_path / "out"
+    with pytest.raises(ValueError, match=r"row 0 \(line 1\) has no 'content' field"):
+        prepare.prepare(str(out), source, text_field="content")
+    with pytest.raises(ValueError) as error:
+        prepare.prepare(str(out), source)
+    assert str(error.value) == (
+        f"{out}: holds an unfinished prepare with --text_field=content, not text: expected its "
+        f"settings to resume it, or another --output_dir (it finished no input file: removing "
+        f"{out} starts over)")
 
 
 @pytest.mark.slow

@@ -210,6 +210,23 @@ def _one_json_document(path: str) -> bool:
         return False
 
 
+def _no_field(path: str, row: int, line_number: int, record, field: str) -> None:
+    """The one line for a JSON Lines row that is no object holding `field`. A first row that
+    is the whole file may be metadata on one line (datasets writes dataset_infos.json so; a
+    JSON array): that is said too."""
+    whole = row == 0 and _one_json_document(path)
+    if whole and not isinstance(record, dict):
+        raise ValueError(f"{path}: one JSON document ({type(record).__name__}), not JSON Lines "
+                         "(one record a line): expected JSON Lines; if it is not corpus, point "
+                         "data.path at the corpus files alone (a glob)")
+    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    raise ValueError(f"{path}: row {row} (line {line_number}) has no {field!r} field (it has "
+                     f"{keys}): expected data.text_field to name the field that holds the text"
+                     + ("; if the file is not corpus (one JSON document, such as "
+                        "dataset_infos.json), point data.path at the corpus files alone (a glob)"
+                        if whole else ""))
+
+
 def _jsonl_rows(path: str, field: str) -> Iterator[tuple[int, str]]:
     import zstandard
 
@@ -231,10 +248,7 @@ def _jsonl_rows(path: str, field: str) -> Iterator[tuple[int, str]]:
                     raise ValueError(f"{path}: row {row} (line {line_number}): not JSON ({e}): "
                                      "expected JSON Lines, one JSON object per line") from None
                 if not isinstance(record, dict) or field not in record:
-                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                    raise ValueError(f"{path}: row {row} (line {line_number}) has no "
-                                     f"{field!r} field (it has {keys}): expected data.text_field "
-                                     "to name the field that holds the text")
+                    _no_field(path, row, line_number, record, field)
                 text = _text(record[field], path, row, field)
                 yield row, _unicode(text, path, row, field) if "\\u" in line else text
                 row += 1

@@ -405,8 +405,8 @@ def begin(output_dir: str, settings: dict) -> tuple[dict, tokenizers_lib.Tokeniz
         return settings, tokenizer, {}
     with open(manifest) as f:
         saved = json.load(f)
-    _check_same(output_dir, saved, settings)
     records = _records(output_dir, saved)
+    _check_same(output_dir, saved, settings, bool(records))
     # The files its trained tokenizer read (a prepare begun before they were recorded resumes
     # unchecked), and the finished ones.
     read = dict(zip(saved["units"], saved.get("fingerprints", []), strict=False))
@@ -425,15 +425,19 @@ def begin(output_dir: str, settings: dict) -> tuple[dict, tokenizers_lib.Tokeniz
     return saved, tokenizers_lib.load_tokenizer(output_dir), records
 
 
-def _check_same(output_dir: str, saved: dict, settings: dict) -> None:
+def _check_same(output_dir: str, saved: dict, settings: dict, started: bool) -> None:
     """One-line errors for a resume with other `ARGUMENTS` or other input files than the
-    unfinished prepare `saved` in `output_dir`. Files under `output_dir` that it did not list
-    are its own output (a DIR inside a directory --input), not input."""
+    unfinished prepare `saved` in `output_dir` (where it finished no file yet, `started`
+    False, e.g. it failed on its first row: that removing the directory starts over). Files
+    under `output_dir` that it did not list are its own output (a DIR inside a directory
+    --input), not input."""
     for key in ARGUMENTS:
         if saved.get(key) != settings[key]:
             raise ValueError(f"{output_dir}: holds an unfinished prepare with --{key}="
                              f"{saved.get(key)}, not {settings[key]}: expected its settings to "
-                             "resume it, or another --output_dir")
+                             "resume it, or another --output_dir" + ("" if started else (
+                                 f" (it finished no input file: removing {output_dir} "
+                                 "starts over)")))
     inside = os.path.join(os.path.realpath(output_dir), "")
     units = [unit for unit in settings["units"] if unit in saved["units"] or not unit or
              fileio.is_remote(unit) or not os.path.realpath(unit).startswith(inside)]

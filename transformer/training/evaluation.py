@@ -263,9 +263,11 @@ def load_windows(workdir: str) -> dict | None:
 
 def _evaluate_mixture(params, eval_step, mixture, tokenizer, steps, placement,
                       bytes_per_token, windows: bool = False) -> dict:
-    """Each source's validation metrics and their total, every token counting once: the loss
-    and accuracy averaged over all sources' tokens, bits per byte over all their bytes. With
-    `windows`, the total's windows are the sources' one after another."""
+    """Each source's validation metrics and their total, every token evaluated counting once:
+    the loss and accuracy averaged over all sources' tokens, bits per byte over all their bytes
+    (with `steps`, each source's `steps` batches: the sources count alike, not by their splits'
+    sizes as in a whole pass). With `windows`, the total's windows are the sources' one after
+    another."""
     by_source, source_bytes_per_token = {}, {}
     for name, one in mixture.items():
         source_bytes_per_token[name] = functools.cache(
