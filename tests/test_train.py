@@ -843,16 +843,19 @@ def test_speed_is_timed_over_training_steps_alone_and_the_eta_counts_evaluations
 def test_the_eta_is_a_lower_bound_until_each_pause_still_to_come_is_timed():
     """Evaluations and saves to come count at the latest one's time; before this process timed
     one of a kind that is still due (a start's first, a resume's), the ETA says it is a lower
-    bound, and it rounds up, so 0:00:00 means nothing is left."""
+    bound, but not while the evaluations to come count at the first one, which compiled (it
+    said '>' of an ETA 4 s above the time left); it rounds up, so 0:00:00 means nothing is
+    left."""
     config = ml_collections.ConfigDict({"steps": 10, "eval_every": 4, "checkpoint_every": 5})
     untimed = {"eval": [], "save": []}
     # after step 3: 10 s of steps, evaluations at 4, 8, 10 and saves at 5, 10 still to come
     assert progress._eta(config, 3, 1.0, untimed) == (7.0, True)
-    assert progress._eta(config, 3, 1.0, {"eval": [2.0], "save": []}) == (13.0, True)
+    assert progress._eta(config, 3, 1.0, {"eval": [2.0], "save": []}) == (13.0, False)
+    assert progress._eta(config, 3, 1.0, {"eval": [9.0, 2.0], "save": []}) == (13.0, True)
     assert progress._eta(config, 3, 1.0, {"eval": [9.0, 2.0], "save": [0.5]}) == (14.0, False)
     assert progress._eta(config, 10, 1.0, {"eval": [2.0], "save": [0.5]}) == (2.5, False)
     config.steps = 11  # at step 10: its own save, and step 11's evaluation and save to come
-    assert progress._eta(config, 10, 1.0, {"eval": [2.0], "save": []}) == (3.0, True)
+    assert progress._eta(config, 10, 1.0, {"eval": [5.0, 2.0], "save": []}) == (3.0, True)
     assert [metrics_lib.format_eta(s) for s in (0.0, 0.2, 59.01, 3600.0)] == [
         "0:00:00", "0:00:01", "0:01:00", "1:00:00"]
 

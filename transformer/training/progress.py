@@ -26,15 +26,17 @@ def _eta(config, step: int, seconds: float, pauses: dict[str, list[float]]) -> t
     """(seconds left after `step` at `seconds` a step, whether that is a lower bound): the
     evaluations and saves still to come count at the time the latest one of this process took;
     one still to come of a kind this process has not timed yet (a start before its first, a
-    resume) is left out, so the ETA is a lower bound."""
-    eta, untimed = (config.steps - step) * seconds, False
+    resume) is left out, so the ETA is a lower bound, unless the evaluations to come count at
+    this process's first one, which compiled (then the ETA runs high, and is no bound)."""
+    eta, untimed, high = (config.steps - step) * seconds, False, False
     for kind, every in (("eval", config.eval_every), ("save", config.checkpoint_every)):
         # this step's own evaluation and save (if due) are still to come: they run after its log
         due = remaining(step - 1, config.steps, every)
         if due and pauses[kind]:
             eta += due * pauses[kind][-1]
         untimed |= bool(due) and not pauses[kind]
-    return eta, untimed
+        high |= kind == "eval" and bool(due) and len(pauses[kind]) == 1
+    return eta, untimed and not high
 
 
 def log_first_step(run, start: float, chosen) -> float:
