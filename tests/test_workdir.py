@@ -417,6 +417,39 @@ def test_a_checkpoint_whose_params_gave_nan_is_not_the_last_good_one(tmp_path, t
 
 
 @pytest.mark.slow
+def test_a_run_that_diverged_keeping_no_checkpoint_is_set_aside_not_overwritten(tmp_path,
+                                                                                text):
+    """A run whose every checkpoint blew up keeps none in checkpoints/: a relaunch is refused
+    in one line before it touches a file (it trained from step 0 over the diverged run's
+    records, cutting metrics.jsonl and merging goodput), and fresh_start=True sets the whole
+    run aside, the non-finite steps with it (it moved nothing: there was no checkpoint)."""
+    workdir = tmp_path / "run"
+    diverging = ("--config.optimizer.learning_rate=1e4", "--config.optimizer.grad_clip_norm=0",
+                 "--config.optimizer.warmup_steps=0")
+    result = train(workdir, text, *diverging, steps=8, checkpoint_every=1)
+    assert result.returncode == 1 and "no good checkpoint is left: none was saved before it" \
+        in error_line(result), describe(result)
+    assert checkpoint_steps(workdir) == [] and list((workdir / "checkpoints.nonfinite").iterdir())
+    before = file_hashes(workdir)
+    relaunched = train(workdir, text, steps=4, logs="relaunched")
+    assert relaunched.returncode == 2, describe(relaunched)
+    assert re.fullmatch(rf"error: workdir='{workdir}': its run diverged and kept no good "
+                        rf"checkpoint \({workdir}/checkpoints\.nonfinite holds \[.*\]\): "
+                        "expected fresh_start=True to set that run aside and start over, or "
+                        "another workdir", error_line(relaunched))
+    assert file_hashes(workdir) == before
+    assert_succeeded(train(workdir, text, "--config.fresh_start=True", steps=4, logs="fresh"))
+    (aside,) = workdir.glob("checkpoints.set-aside-*")
+    assert {"checkpoints.nonfinite", "metrics.jsonl", "goodput.json", "tensorboard"} <= {
+        p.name for p in aside.iterdir()} and not (workdir / "checkpoints.nonfinite").exists()
+    moved = file_hashes(aside)
+    assert all(moved[name] == before[name] for name in before if name.startswith((
+        "metrics.jsonl", "goodput.json", "tensorboard/", "checkpoints.nonfinite/"))), moved
+    assert [r["step"] for r in read_metrics(workdir) if r["split"] == "train"] == [1, 2, 3, 4]
+    assert json.loads((workdir / "summary.json").read_text())["goodput"]["starts"] == 1
+
+
+@pytest.mark.slow
 def test_skipped_steps_set_aside_the_checkpoints_saved_while_skipping(tmp_path, text):
     """Under nonfinite='skip' the params stay those of the step before the skips began: that
     checkpoint and every one saved while skipping are set aside, and the blown-up ones before

@@ -51,6 +51,8 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "tensorboard", "tokenizer", "val_w
              "goodput.json", "wandb.json", "wandb", "profile", "attention")
 # ... and what `evaluate` wrote of its checkpoints (a fresh run's own would overwrite them).
 RUN_FILE_PATTERNS = ("eval_*.json", "confusion_*.png")
+# ... and the steps a run set aside itself (`checkpoint_manager.Manager._set_aside`).
+SET_ASIDE = (f"{CHECKPOINTS}.nonfinite", f"{CHECKPOINTS}.damaged")
 
 # The stream item's record of the runtime that wrote the step (`runtime`; a step saved before
 # it has none). Not part of the data stream: never a difference on resume.
@@ -89,19 +91,31 @@ def runtime_changes(saved_stream: dict | None, current: dict | None = None) -> l
 
 def set_aside(workdir: str) -> str | None:
     """Renames WORKDIR/checkpoints to checkpoints.set-aside-<time> and moves the run's other
-    records (`RUN_FILES`, `RUN_FILE_PATTERNS`) into it (for an explicit fresh start); returns
-    the new path, or None if there were no checkpoints. Nothing is deleted."""
-    directory = fileio.path(workdir) / CHECKPOINTS
-    if not directory.is_dir() or not any(directory.iterdir()):
+    records into it (`RUN_FILES`, `RUN_FILE_PATTERNS`, and the steps it set aside as
+    non-finite or damaged), for an explicit fresh start; returns the new path, or None if
+    the workdir held none of them. A run that kept no checkpoint (killed before its first
+    save, or diverged with every step set aside) is moved too. Nothing is deleted."""
+    root, directory = fileio.path(workdir), fileio.path(workdir) / CHECKPOINTS
+    names = [*RUN_FILES, *SET_ASIDE, *(found.name for pattern in RUN_FILE_PATTERNS
+                                       for found in root.glob(pattern))]
+    steps = directory.is_dir() and any(directory.iterdir())
+    if not steps and not any((root / name).exists() for name in names):
         return None
     target = f"{directory}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
-    fileio.move(directory, target)
-    names = [*RUN_FILES, *(found.name for pattern in RUN_FILE_PATTERNS
-                           for found in fileio.path(workdir).glob(pattern))]
+    if steps:
+        fileio.move(directory, target)
+    else:
+        fileio.path(target).mkdir(parents=True)
     for name in names:
-        if (fileio.path(workdir) / name).exists():
-            fileio.move(fileio.path(workdir) / name, fileio.join(target, name))
+        if (root / name).exists():
+            fileio.move(root / name, fileio.join(target, name))
     return target
+
+
+def diverged_steps(workdir: str) -> list[str]:
+    """What WORKDIR/checkpoints.nonfinite holds (steps a run set aside as non-finite)."""
+    folder = fileio.path(workdir) / f"{CHECKPOINTS}.nonfinite"
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
 
 
 def has_checkpoints(workdir: str) -> bool:

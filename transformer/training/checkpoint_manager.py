@@ -296,7 +296,7 @@ class Manager:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None, create=False, enable_async_checkpointing=True,
             cleanup_tmp_directories=True, todelete_subdir=DELETED)
-        self.directory = fileio.join(workdir, CHECKPOINTS)
+        self.workdir, self.directory = workdir, fileio.join(workdir, CHECKPOINTS)
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -519,6 +519,12 @@ class Manager:
             raise RuntimeError(f"no usable checkpoint in {self.directory}: " +
                                "; ".join(failures) + ". Fix or move them, or set "
                                "fresh_start=True to set them aside and start from step 0")
+        if diverged := checkpoint_lib.diverged_steps(self.workdir):
+            # (a start from step 0 here would append to, and cut, the diverged run's records)
+            raise ValueError(f"workdir={self.workdir!r}: its run diverged and kept no good "
+                             f"checkpoint ({self.directory}.nonfinite holds {diverged}): "
+                             "expected fresh_start=True to set that run aside and start over, "
+                             "or another workdir")
         return None
 
     def _set_aside(self, steps: list[int], kind: str, what: str) -> str:
