@@ -549,15 +549,18 @@ def test_a_layout_changing_setting_is_refused_with_advice_that_works(experiment_
 
 
 def test_loss_and_step_settings_changed_on_resume_are_announced():
-    """label_smoothing, z_loss and max_grad_norm change what a step optimizes or applies: a
-    resume announces them like a changed learning rate; steps and logging are bookkeeping."""
+    """label_smoothing, z_loss and max_grad_norm change what a step optimizes or applies, and
+    eval_steps which validation windows a val loss averages (it changed silently): a resume
+    announces them like a changed learning rate; steps and logging are bookkeeping."""
     saved = configs.base_config().to_dict()
     current = {**saved, "label_smoothing": 0.1, "z_loss": 1e-4, "max_grad_norm": 5.0,
-               "steps": saved["steps"] + 10, "log_every": 7}
+               "eval_steps": (saved["eval_steps"] or 0) + 5, "steps": saved["steps"] + 10,
+               "log_every": 7, "eval_every": 3}
     assert checkpoint_manager.compute_changes(saved, current) == [
         "label_smoothing: checkpoint 0.0, config 0.1",
         "max_grad_norm: checkpoint 0.0, config 5.0",
-        "z_loss: checkpoint 0.0, config 0.0001"]
+        "z_loss: checkpoint 0.0, config 0.0001",
+        f"eval_steps: checkpoint {saved['eval_steps']!r}, config {current['eval_steps']!r}"]
     assert checkpoint_manager.layout_changes(saved, current) == []  # none is refused
 
 

@@ -54,9 +54,10 @@ _COMPUTE_SETTINGS = tuple(name for name, declared in MODEL_KEYS.items()
 # declared `structural=False` (dropout, kernels, dtype, MoE loss weights, ...).
 _NON_STRUCTURAL = {name for name, declared in keys.declarations(TransformerConfig)
                    if not declared.structural} | set(_COMPUTE_SETTINGS)
-# Top-level settings that change the objective or which updates apply, and may change on resume
-# (announced): not the run's bookkeeping (steps, log_every, eval_*, checkpoint_*).
-_STEP_SETTINGS = ("label_smoothing", "max_grad_norm", "z_loss")
+# Top-level settings that change the objective or which updates apply, or which validation
+# windows a val loss averages (eval_steps: its curve changes meaning), and may change on resume
+# (announced): not the run's bookkeeping (steps, log_every, eval_every, checkpoint_*).
+_STEP_SETTINGS = ("label_smoothing", "max_grad_norm", "z_loss", "eval_steps")
 
 
 def _model_settings(config: dict) -> dict:
@@ -110,8 +111,8 @@ def structural_differences(saved: dict, current: dict) -> list[str]:
 
 def compute_changes(saved: dict, current: dict) -> list[str]:
     """The settings that may change on resume and did: the model's non-structural ones
-    (quantization, dtype, dropout, kernels, ...), the loss and step settings at the top level
-    (`_STEP_SETTINGS`) and the optimizer's but its name (learning rate, schedule, weight decay,
+    (quantization, dtype, dropout, kernels, ...), the loss, step and validation settings at the
+    top level (`_STEP_SETTINGS`) and the optimizer's but its name (learning rate, schedule, weight decay,
     ...); a top-level or optimizer key both configs hold, a model key the family reads
     (`_read_model_settings`). Allowed, and announced.
 
