@@ -117,10 +117,11 @@ def hf_convert(directory: str, scan: bool = False, source: str | None = None):
     return hf_config, model_config, _flat(params)
 
 
-def _safetensors(directory: str, source: str):
+def _safetensors(directory: str, source: str | None = None):
     """A function reading a save_pretrained directory's tensors: model.safetensors, or the
     shards model.safetensors.index.json lists (as the hub keeps checkpoints over 5 GB); a
-    one-line error naming `source`, now, if there are neither."""
+    one-line error naming `source` (default init_from='hf:DIR'), now, if there are neither."""
+    source = source or f"init_from='hf:{directory}'"
     import json
 
     from safetensors.numpy import load_file
