@@ -532,7 +532,7 @@ def test_a_hybrid_takes_adapters_on_its_softmax_attention_and_a_bare_target_is_r
 def test_a_workdir_base_that_trains_on_keeps_the_step_the_adapters_were_trained_on(tmp_path):
     """init_from=BASE (its latest step, 2) records BASE@2 as the adapters' base: once BASE
     trains on to step 4, evaluate and the resumed run still read step 2, where they refused
-    the newer params."""
+    the newer params; once that step is gone, the line names the adapters' base."""
     import json
 
     from test_train import assert_succeeded, run_cli, tiny_flags
@@ -555,6 +555,13 @@ def test_a_workdir_base_that_trains_on_keeps_the_step_the_adapters_were_trained_
     assert json.loads(result.stdout[result.stdout.index("{"):])["step"] == 2
     assert_succeeded(run_cli("transformer.train", *lora_args, *tiny_flags(3),
                              logs=tmp_path / "resume"))
+    # that step gone (pruned, cleaned up): one line naming the adapters' base, where it read
+    # as the LoRA workdir's own step=2 missing
+    (base / "checkpoints" / "2").rename(tmp_path / "aside")
+    result = run_cli("transformer.evaluate", f"--workdir={run}", logs=tmp_path / "eval_gone")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"error: the LoRA checkpoint's base init_from={base}@2: step=2: expected one of the "
+        "saved steps [4] (the adapters need the base they were trained on)"], result.stderr
 
 
 def test_a_deleted_base_is_named_as_the_adapters_base(tmp_path):

@@ -54,6 +54,11 @@ RUN_FILE_PATTERNS = ("eval_*.json", "confusion_*.png")
 # ... and the steps a run set aside itself (`checkpoint_manager.Manager._set_aside`).
 SET_ASIDE = (f"{CHECKPOINTS}.nonfinite", f"{CHECKPOINTS}.damaged")
 
+class MissingStep(ValueError):
+    """A checkpoint step asked for that the workdir does not hold (its one line names the
+    steps it does)."""
+
+
 # The stream item's record of the runtime that wrote the step (`runtime`; a step saved before
 # it has none). Not part of the data stream: never a difference on resume.
 RUNTIME = "runtime"
@@ -231,7 +236,7 @@ def saved_run(workdir: str, step: int | None = None) -> tuple[int, ml_collection
                 raise
     if not steps:
         raise FileNotFoundError(f"{workdir!r} holds no complete checkpoint")
-    raise ValueError(f"step={chosen}: expected one of the saved steps {steps}")
+    raise MissingStep(f"step={chosen}: expected one of the saved steps {steps}")
 
 
 def saved_stream(workdir: str, step: int, or_newer: bool = False) -> dict | None:

@@ -476,7 +476,7 @@ def with_lora_base(config: ml_collections.ConfigDict, adapters, abstract_params,
     try:
         params, _ = load_params(source, traverse_util.unflatten_dict(target), shardings,
                                 lora_base=True)
-    except FileNotFoundError as error:  # say that it is the adapters' base that went missing
+    except (FileNotFoundError, checkpoint_lib.MissingStep) as error:  # the adapters' base: say so
         raise FileNotFoundError(f"the LoRA checkpoint's base init_from={source}: {error} (the "
                                 "adapters need the base they were trained on)") from None
     missing = [k for k, v in _flat(params).items()
