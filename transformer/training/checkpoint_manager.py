@@ -112,8 +112,8 @@ def structural_differences(saved: dict, current: dict) -> list[str]:
 def compute_changes(saved: dict, current: dict) -> list[str]:
     """The settings that may change on resume and did: the model's non-structural ones
     (quantization, dtype, dropout, kernels, ...), the loss, step and validation settings at the
-    top level (`_STEP_SETTINGS`) and the optimizer's but its name (learning rate, schedule, weight decay,
-    ...); a top-level or optimizer key both configs hold, a model key the family reads
+    top level (`_STEP_SETTINGS`) and the optimizer's but its name (learning rate, schedule,
+    weight decay, ...); a top-level or optimizer key both configs hold, a model key the family reads
     (`_read_model_settings`). Allowed, and announced.
 
     >>> compute_changes({"model": {}}, {"model": {"quantization": "int8"}})
