@@ -54,6 +54,7 @@ RUN_FILE_PATTERNS = ("eval_*.json", "confusion_*.png")
 # ... and the steps a run set aside itself (`checkpoint_manager.Manager._set_aside`).
 SET_ASIDE = (f"{CHECKPOINTS}.nonfinite", f"{CHECKPOINTS}.damaged")
 
+
 class MissingStep(ValueError):
     """A checkpoint step asked for that the workdir does not hold (its one line names the
     steps it does)."""

@@ -121,10 +121,11 @@ def _safetensors(directory: str, source: str | None = None):
     """A function reading a save_pretrained directory's tensors: model.safetensors, or the
     shards model.safetensors.index.json lists (as the hub keeps checkpoints over 5 GB); a
     one-line error naming `source` (default init_from='hf:DIR'), now, if there are neither."""
-    source = source or f"init_from='hf:{directory}'"
     import json
 
     from safetensors.numpy import load_file
+
+    source = source or f"init_from='hf:{directory}'"
 
     single = os.path.join(directory, "model.safetensors")
     index = os.path.join(directory, "model.safetensors.index.json")
