@@ -118,7 +118,7 @@ def output_types(tasks: list, task_manager) -> dict[str, str]:
                 found[task["task"]] = task.get("output_type") or ""
                 return
             task = task.get("task")  # a group's member, given with overrides
-        if not isinstance(task, str) or task in seen or depth > 16:
+        if not isinstance(task, str) or task in seen:  # (seen: no cycle is followed twice)
             return
         seen.add(task)
         entry = index.get(task)
