@@ -558,10 +558,13 @@ def stopped_after_one_file(monkeypatch, *args, **kwargs) -> None:
 def test_a_prepare_that_failed_on_its_first_row_says_how_to_start_over(tmp_path):
     """A prepare stopped by a bad --text_field on its first row has saved its settings and
     tokenizer, so the corrected command is refused as another prepare's resume: the line now
-    says that it finished no file and that removing the directory starts over."""
+    says that it finished no file and that removing the directory starts over. The first line
+    names the command's flag (the readers' own words are training's `data.text_field`)."""
     source, out = write_jsonl(tmp_path / "web.jsonl", web_documents(20)), tmp_path / "out"
-    with pytest.raises(ValueError, match=r"row 0 \(line 1\) has no 'content' field"):
-        prepare.prepare(str(out), source, text_field="content")
+    assert_one_line_error(
+        run_prepare([f"--output_dir={out}", f"--input={source}", "--text_field=content"]), 2,
+        "row 0 (line 1) has no 'content' field (it has ['id', 'meta', 'text']): expected "
+        "--text_field to name")
     with pytest.raises(ValueError) as error:
         prepare.prepare(str(out), source)
     assert str(error.value) == (

@@ -276,6 +276,11 @@ def _run(output_dir: str, settings: dict, tok, todo: list[int], num_workers: int
             bar.update(1)
 
 
+# What the corpus readers (transformer.data.formats, sources) call their settings in a
+# training config, and the flag of this command that sets each.
+_FLAGS_OF_SETTINGS = {"data.text_field": "--text_field", "data.path": "--input"}
+
+
 def _main(argv):
     from absl import app, flags
 
@@ -286,12 +291,18 @@ def _main(argv):
     if f.engine != "beam" and f.beam_options:
         raise app.UsageError(f"--beam_options={f.beam_options!r} with --engine={f.engine}: "
                              "expected --engine=beam")
-    counts = prepare(f.output_dir, f.input, tokenizer=f.tokenizer, vocab_size=f.vocab_size,
-                     num_shards=f.num_shards, validation_fraction=f.validation_fraction,
-                     unit=f.unit, format=f.format, tokens_per_shard=f.tokens_per_shard,
-                     tokenizer_path=f.tokenizer_path, text_field=f.text_field,
-                     num_workers=f.num_workers or os.cpu_count() or 1, engine=f.engine,
-                     beam_options=f.beam_options)
+    try:
+        counts = prepare(f.output_dir, f.input, tokenizer=f.tokenizer, vocab_size=f.vocab_size,
+                         num_shards=f.num_shards, validation_fraction=f.validation_fraction,
+                         unit=f.unit, format=f.format, tokens_per_shard=f.tokens_per_shard,
+                         tokenizer_path=f.tokenizer_path, text_field=f.text_field,
+                         num_workers=f.num_workers or os.cpu_count() or 1, engine=f.engine,
+                         beam_options=f.beam_options)
+    except ValueError as error:  # the readers name training's settings; here they are flags
+        text = str(error)
+        for setting, flag in _FLAGS_OF_SETTINGS.items():
+            text = text.replace(setting, flag)
+        raise ValueError(text) from None
     print(json.dumps(counts, indent=2))
 
 
