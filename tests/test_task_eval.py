@@ -112,22 +112,41 @@ def test_a_local_tasks_missing_or_empty_split_is_one_line(tmp_path):
     from lm_eval.tasks import TaskManager
 
     tasks_dir = bad_tasks(write_tasks(tmp_path / "tasks"))
+    # a group (with its own YAML) of tasks and of a tag, overriding a member's settings
+    (tasks_dir / "gen_tagged.yaml").write_text(
+        (tasks_dir / "gen.yaml").read_text().replace("task: local_gen", "task: local_gen2\n"
+                                                     "tag: [local_tag]"))
+    (tasks_dir / "group.yaml").write_text(
+        "group: local_group\ntask:\n  - local_mc\n  - local_tag\n  - task: local_gen\n"
+        "    generation_kwargs:\n      until: ['\\n']\n      max_gen_toks: 40\n")
+    (tasks_dir / "bad_group.yaml").write_text(
+        "group: local_bad_group\ntask:\n  - local_group\n  - local_badsplit\n")
     manager = TaskManager(include_path=str(tasks_dir), include_defaults=False)
-    task_eval.check_splits(["local_mc", "local_rolling", "local_gen", "hellaswag"], manager)
+
+    def check(tasks):
+        task_eval.check_splits(task_eval.task_configs(tasks, manager))
+
+    check(["local_mc", "local_rolling", "local_gen", "hellaswag", "local_group"])
     empty = (f"task 'local_empty': its test_split 'test' has no documents "
              f"({tasks_dir / 'empty.jsonl'} is empty): expected at least one")
-    for name, message in (("local_badsplit", BAD_SPLIT), ("local_empty", empty)):
+    for names, message in ((["local_badsplit"], BAD_SPLIT), (["local_empty"], empty),
+                           (["local_bad_group"], BAD_SPLIT)):  # (a task in a group)
         with pytest.raises(ValueError) as error:
-            task_eval.check_splits(["local_mc", name], manager)
+            check(["local_mc", *names])
         assert str(error.value) == message
+    # The generations' lengths: the group's override of local_gen's, the tag's task's own.
+    configs = task_eval.task_configs(["local_group"], manager)
+    assert sorted(configs) == ["local_gen", "local_gen2", "local_mc"]
+    assert task_eval.generation_lengths(configs) == {"local_gen": 40, "local_gen2": 8}
+    assert configs["local_mc"]["output_type"] == "multiple_choice"
     # a YAML file given as a task (the command's --tasks my_task.yaml) comes as its config;
     # a lone file list is datasets' "train" split
     config = {"task": "mine", "dataset_path": "json", "test_split": "test",
               "dataset_kwargs": {"data_files": str(tasks_dir / "mc.jsonl")}}
     with pytest.raises(ValueError, match=r"^task 'mine': test_split='test' is not among its "
                                          r"data_files' splits \['train'\]: expected one"):
-        task_eval.check_splits([config], None)
-    task_eval.check_splits([{**config, "test_split": "train"}], None)
+        task_eval.check_splits(task_eval.task_configs([config], None))
+    task_eval.check_splits(task_eval.task_configs([{**config, "test_split": "train"}], None))
 
 
 @pytest.mark.slow  # (lm-eval's index of its own tasks: 15 s)

@@ -77,11 +77,12 @@ def _checking_tasks(simple_evaluate):
 
     @functools.wraps(simple_evaluate)
     def checked(*args, **kwargs):
-        tasks, manager = list(kwargs.get("tasks") or []), kwargs.get("task_manager")
-        task_eval.check_splits(tasks, manager)
+        configs = task_eval.task_configs(list(kwargs.get("tasks") or []),
+                                         kwargs.get("task_manager"))
+        task_eval.check_splits(configs)
         if _thinking(kwargs.get("model"), kwargs.get("model_args")) and (scored := [
-                task for task, kind in task_eval.output_types(tasks, manager).items()
-                if kind in harness.SCORED]):
+                task for task, config in configs.items()
+                if config.get("output_type") in harness.SCORED]):
             raise harness.thinking_refuses(scored)
         return simple_evaluate(*args, **kwargs)
 

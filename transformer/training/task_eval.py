@@ -74,8 +74,9 @@ def check(config: ml_collections.ConfigDict, family_decoding: str | None,
     if unknown := [name for name in names if name not in known]:
         raise ValueError(f"eval_tasks: unknown lm-eval task(s) {unknown}: expected names "
                          "lm_eval --tasks list shows, or local YAML files")
-    check_splits(names, manager(tuple(include)), lead="eval_tasks: ")
-    for name, tokens in generation_lengths(names, include).items():
+    configs = task_configs(names, manager(tuple(include)))
+    check_splits(configs, lead="eval_tasks: ")
+    for name, tokens in generation_lengths(configs).items():
         if tokens >= config.seq_len:  # (the adapter's max_length in training)
             raise ValueError(f"eval_tasks: {name!r} generates max_gen_toks={tokens} tokens: "
                              f"expected fewer than seq_len={config.seq_len}, so that its "
@@ -86,37 +87,36 @@ def check(config: ml_collections.ConfigDict, family_decoding: str | None,
 SPLIT_KEYS = ("test_split", "validation_split", "training_split", "fewshot_split")
 
 
-def check_splits(tasks: list, task_manager, lead: str = "") -> None:
+def check_splits(configs: dict[str, dict], lead: str = "") -> None:
     """One line for a task whose documents are local files (dataset_kwargs.data_files) where
     lm-eval's own error would be a bare KeyError (a split its data_files do not name) or
-    StopIteration (an empty file): the task, the split and what was expected. `tasks`: names
-    in `task_manager`'s index, or task configs (a YAML file given as a task); a group's tasks,
-    and datasets from elsewhere, are left to lm-eval. `lead` starts the line."""
-    index = getattr(task_manager, "task_index", None) or {}
-    for task in tasks:
-        if isinstance(task, dict):
-            config = task
-        elif getattr(entry := index.get(task), "yaml_path", None):
-            config = _task_config(entry)
-        else:
-            continue
-        if isinstance(config.get("task"), str) and (problem := _split_problem(config)):
+    StopIteration (an empty file): the task, the split and what was expected. `configs`: the
+    tasks' configs (`task_configs`); datasets from elsewhere are left to lm-eval. `lead` starts
+    the line."""
+    for config in configs.values():
+        if problem := _split_problem(config):
             raise ValueError(lead + problem)
 
 
-def output_types(tasks: list, task_manager) -> dict[str, str]:
-    """{task: output_type} of the tasks among `tasks` (names in `task_manager`'s index, or task
-    configs) and in their groups and tags, as far as the index's YAML files say (a task built
-    otherwise is left out): read before lm-eval builds any task or downloads its data."""
+def task_configs(tasks: list, task_manager) -> dict[str, dict]:
+    """{task: config} of the tasks among `tasks` (names in `task_manager`'s index, or task
+    configs) and in their groups and tags, each with its `include:`s merged and a group's
+    overrides for it applied, as far as the index's YAML files say (a task built otherwise is
+    left out): read before lm-eval builds any task or downloads its data.
+
+    E.g. a group `g` whose YAML lists `task: [a, {task: b, num_fewshot: 5}]` gives
+    {"a": a.yaml's config, "b": b.yaml's config with num_fewshot 5}."""
     index = getattr(task_manager, "task_index", None) or {}
-    found: dict[str, str] = {}
+    found: dict[str, dict] = {}
     seen: set[str] = set()
 
     def visit(task, depth: int = 0) -> None:
+        overrides = {}
         if isinstance(task, dict):
             if depth == 0 and isinstance(task.get("task"), str):  # a task's own config
-                found[task["task"]] = task.get("output_type") or ""
+                found[task["task"]] = task
                 return
+            overrides = {key: value for key, value in task.items() if key != "task"}
             task = task.get("task")  # a group's member, given with overrides
         if not isinstance(task, str) or task in seen:  # (seen: no cycle is followed twice)
             return
@@ -133,8 +133,8 @@ def output_types(tasks: list, task_manager) -> dict[str, str]:
                 members = config.get("task") or []
                 for member in [members] if isinstance(members, str | dict) else members:
                     visit(member, depth + 1)
-            elif isinstance(config.get("output_type"), str):
-                found[task] = config["output_type"]
+            elif isinstance(config.get("task"), str):
+                found[task] = {**config, **overrides}
 
     for task in tasks:
         visit(task)
@@ -190,20 +190,12 @@ def _blank(path: str) -> bool:
     return True
 
 
-def generation_lengths(names: list[str], include: list[str]) -> dict[str, int]:
-    """{task: max_gen_toks} of the generate_until tasks among `names` that lm-eval's task index
-    describes (a group's tasks, or an lm-eval whose index this does not read, are checked by
-    the adapter when they run)."""
+def generation_lengths(configs: dict[str, dict]) -> dict[str, int]:
+    """{task: max_gen_toks} of the generate_until tasks among `configs` (`task_configs`)."""
     from transformer.hf.harness import MAX_GEN_TOKS
 
-    index = getattr(manager(tuple(include)), "task_index", None) or {}
-    lengths = {}
-    for name in names:
-        task = getattr(index.get(name), "cfg", None) or {}
-        if task.get("output_type") == "generate_until":
-            kwargs = task.get("generation_kwargs") or {}
-            lengths[name] = int(kwargs.get("max_gen_toks", MAX_GEN_TOKS))
-    return lengths
+    return {name: int((config.get("generation_kwargs") or {}).get("max_gen_toks", MAX_GEN_TOKS))
+            for name, config in configs.items() if config.get("output_type") == "generate_until"}
 
 
 @functools.cache
