@@ -341,6 +341,23 @@ def test_a_directory_autotokenizer_rebuilds_differently_warns_and_keeps_tokenize
         reference(same).apply_chat_template(messages, tokenize=True)["input_ids"]
 
 
+def test_a_class_autotokenizer_rebuilds_differently_warns_without_a_chat_template(tmp_path,
+                                                                                   capsys):
+    """Pretraining or fine-tuning on plain text from the same Llama 2-style directory, no chat
+    template: a text starting with a space gets an extra "▁" from the saved Prepend("▁") that
+    the rebuilt class leaves out. One warning line; the ids are tokenizer.json's."""
+    directory = legacy_llama(tmp_path / "llama", "LlamaTokenizerFast")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    tok, hf = tokenizers_lib.load_hf_tokenizer(str(directory)), reference(directory)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(lines) == 1 and "AutoTokenizer loads it as LlamaTokenizer" in lines[0] and \
+        "this run follows tokenizer.json" in lines[0], lines
+    assert tok.encode(" a").tolist() == tok._tok.encode(" a", add_special_tokens=False).ids \
+        != hf(" a", add_special_tokens=False)["input_ids"]
+
+
 def test_a_directory_transformers_cannot_load_keeps_the_well_known_roles(tmp_path):
     """A custom tokenizer class (auto_map: trust_remote_code, never granted here): its roles
     are read as before, the ones no file names filled in from well-known tokens and unnamed."""

@@ -51,6 +51,9 @@ STOP_IDS_FILE = "stop_ids.json"
 # unset, so its chat templates see no such token. Kept in a saved tokenizer's specials (and its
 # pickle), so that a reload renders chats the same without asking transformers again.
 UNNAMED = "unnamed"
+# The tokenizer classes with which transformers 5 reads a tokenizer.json as saved (others, such
+# as LlamaTokenizerFast, rebuild its pipeline from the class: `_differs_from_transformers`).
+AS_SAVED = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 class HFTokenizer(Tokenizer):
@@ -361,9 +364,10 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
     (transformers leaves it unset: chat templates do not see it). Where the directory has a
     chat template, a role neither file names but `AutoTokenizer` sets (the defaults of the
     class it picks: GPT-2's <|endoftext|>, Llama's <s>; `_class_defaults`) is that token, so
-    the template renders it as transformers does; where that `AutoTokenizer` encodes a probe
-    chat into other ids than the tokenizer.json as saved (`_differs_from_transformers`), one
-    warning line says so: the tokenizer encodes as tokenizer.json does, whatever the class.
+    the template renders it as transformers does. Where that `AutoTokenizer`, or the one of a
+    tokenizer_class transformers rebuilds (not `AS_SAVED`), encodes a probe text into other ids
+    than the tokenizer.json as saved (`_differs_from_transformers`), one warning line says so:
+    the tokenizer encodes as tokenizer.json does, whatever the class.
     The first file's `TRANSFORMERS_KEYS` entries are kept for the export, and a
     generation_config.json's `eos_token_id` (one id or several) becomes the `stop_ids`.
     """
@@ -377,21 +381,24 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
         raise ValueError(f"{str(file)!r} is JSON but not a tokenizer (it has no \"model\"): "
                          f"expected {expected}")
     text = file.read_text(encoding="utf-8")
-    named, settings = {}, None
+    named, settings, tokenizer_class = {}, None, None
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (meta := file.parent.joinpath(name)).is_file():
             config = _json_object(meta, f"a Hugging Face {name}")
+            tokenizer_class = tokenizer_class or config.get("tokenizer_class")
             named.update({role: _token_content(config[f"{role}_token"]) for role in ROLES
                           if role not in named and f"{role}_token" in config})
             if settings is None:
                 settings = {key: config[key] for key in TRANSFORMERS_KEYS if key in config}
     template = _chat_template(file.parent)
-    # (transformers matters only to a chat template: other directories never import it)
-    auto = _auto_tokenizer(file.parent) if template and file.name == "tokenizer.json" else None
+    # transformers matters to a chat template (the roles it sets) and to a class it rebuilds
+    # (the ids it gives); other directories never import it
+    auto = _auto_tokenizer(file.parent) if file.name == "tokenizer.json" and (
+        template or tokenizer_class not in (None, *AS_SAVED)) else None
     if unnamed := [role for role in ROLES if role not in named]:
         # e.g. GPT-2's hub tokenizer_config.json names no role (its class's defaults do)
         vocab = _vocab(text, file)
-        if auto is not None:
+        if auto is not None and template:
             defaults = _class_defaults(auto, unnamed)
             named.update({role: token for role, (token, i) in defaults.items()
                           if vocab.get(token) == i})  # (not a token transformers added)
@@ -407,8 +414,8 @@ def load_hf_tokenizer(path: str, num_sentinels: int | None = None) -> HFTokenize
     if auto is not None and (differs := _differs_from_transformers(auto, tokenizer._tok)):
         cli.warn_once(f"{str(file.parent)!r}: {differs}: this run follows tokenizer.json, as "
                       "its prepared data, generation and export (which AutoTokenizer reads as "
-                      "saved) do, so its chat ids are not this directory's AutoTokenizer "
-                      "apply_chat_template ids")
+                      "saved) do, so its ids (and chat ids) are not this directory's "
+                      "AutoTokenizer's")
     return tokenizer
 
 
@@ -446,9 +453,12 @@ def _class_defaults(hf, roles: list[str]) -> dict[str, tuple[str, int]]:
             for role, token in tokens.items() if isinstance(token, str)}
 
 
-# A probe chat for `_differs_from_transformers`: blank lines, double spaces, a number.
+# A probe chat for `_differs_from_transformers`: blank lines, double spaces, a number; and a
+# probe text starting with a space (a Prepend("▁") normalizer and Metaspace's prepend_scheme
+# "first" differ there).
 _PROBE = ({"role": "user", "content": "Hello, world!\n\nHow  are you?"},
           {"role": "assistant", "content": "Fine, thanks.\n\n  42 ok"})
+_PROBE_TEXT = " Hello  there,\n\n world 42\n"
 
 
 def _differs_from_transformers(hf, backend) -> str:
@@ -457,13 +467,14 @@ def _differs_from_transformers(hf, backend) -> str:
     rebuilds the pipeline of a class with its own (LlamaTokenizer(Fast), Qwen2Tokenizer,
     GPT2Tokenizer, ...) from tokenizer_class and its flags (legacy, add_prefix_space), keeping
     the vocabulary and merges; PreTrainedTokenizerFast reads tokenizer.json as saved. The
-    probe: the probe chat as the template renders it, and text around special tokens."""
+    probe: a text starting with a space, the probe chat as the template renders it (where
+    there is one), and text around special tokens."""
     specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
     try:
         text = hf.apply_chat_template(list(_PROBE), tokenize=False)
     except Exception:  # (a template refusing the probe: the text around specials still tells)
         text = ""
-    text = (text if isinstance(text, str) else "") + "".join(
+    text = _PROBE_TEXT + (text if isinstance(text, str) else "") + "".join(
         f"{s}user\nHello  there\n\n{s}\n" for s in specials[:4])
     try:
         with warnings.catch_warnings():
@@ -478,7 +489,7 @@ def _differs_from_transformers(hf, backend) -> str:
               min(len(ours), len(theirs)))
     token = lambda ids: backend.id_to_token(ids[at]) if at < len(ids) else None
     return (f"AutoTokenizer loads it as {type(hf).__name__}, which transformers rebuilds from "
-            f"tokenizer_class and its flags, and encodes a probe chat into {len(theirs)} ids, "
+            f"tokenizer_class and its flags, and encodes a probe text into {len(theirs)} ids, "
             f"tokenizer.json as saved into {len(ours)} (token {at}: {token(theirs)!r} there, "
             f"{token(ours)!r} here)")
 
