@@ -120,6 +120,27 @@ def test_specials_keep_their_pretrained_ids_and_sentinels_go_on_top(gpt2_dir):
         tok.require("mask", "for data.objective='mlm'")
 
 
+def test_the_document_start_is_the_templates_leading_specials_whatever_the_vocab_order():
+    """BERT's template puts [CLS] before a text and [SEP] after it: the document start is
+    [CLS] alone. It is probed with a one-token text; tokens that the normalizer erases (accents
+    under strip_accents) encode to nothing, so a probe among them would read [CLS] [SEP] as
+    the start (the probe was whichever token the vocabulary's hash order gave first)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    marks = [chr(c) for c in range(0x300, 0x314)]  # combining accents: erased
+    vocab = {token: i for i, token in enumerate(["[UNK]", *marks, "[CLS]", "[SEP]", "a"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.StripAccents()])
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]),
+                                                 ("[SEP]", vocab["[SEP]"])])
+    assert tok.encode(marks[0]).ids == [vocab["[CLS]"], vocab["[SEP]"]]
+    for _ in range(5):  # (the vocabulary's order differs between tokenizers built alike)
+        hf = tokenizers_lib.HFTokenizer(tok.to_str(), {"bos": "[CLS]", "eos": "[SEP]"})
+        assert hf.document_start == [vocab["[CLS]"]]
+
+
 def test_save_load_and_pickle_give_the_same_mapping(gpt2_dir, tmp_path):
     tok = tokenizers_lib.load_hf_tokenizer(str(gpt2_dir), num_sentinels=2)
     tok.save(str(tmp_path / "saved"))

@@ -214,8 +214,11 @@ class HFTokenizer(Tokenizer):
         [0]
         """
         # (the leading specials of a one-token text: a template may also append some, BERT's
-        # [SEP], and an empty text would not tell those apart)
-        probe = next(iter(self._tok.get_vocab(with_added_tokens=False)), "")
+        # [SEP], and an empty text would not tell those apart. The probe is the vocabulary's
+        # first token by id that the normalizer leaves something of: the same in every process)
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        probe = next((token for token in sorted(vocab, key=vocab.get)
+                      if self._tok.encode(token, add_special_tokens=False).ids), "")
         encoding = self._tok.encode(probe, add_special_tokens=True)
         mask = list(encoding.special_tokens_mask) + [0]
         return list(encoding.ids[:mask.index(0)])
