@@ -933,7 +933,8 @@ class _Loaded(Exception):
 def test_beam_search_refuses_an_lstm_and_the_sampling_flags_in_one_line(monkeypatch):
     """An LSTM has no KV cache to beam-search on: refused before anything compiles (params
     None). Beam search does not sample: --temperature, --top_k, --top_p and --seed other than
-    their defaults are refused before loading; not passing them (or passing a default) is fine."""
+    their defaults are refused before loading; not passing them (or passing a default) is fine.
+    Nor does --speculative without --temperature (greedy): --top_k, --top_p or --seed alone."""
     model, tokenizer, config = _byte_setup("lstm")
     with pytest.raises(ValueError, match=r"^beam search with model.family='lstm': expected a "
                                          r"family with a KV cache \['gpt', 'prefix_lm', 't5'\]"):
@@ -956,6 +957,13 @@ def test_beam_search_refuses_an_lstm_and_the_sampling_flags_in_one_line(monkeypa
             generate.main([], _command_flags("--beam_size=2", *args))
     with pytest.raises(_Loaded):  # sampling takes them
         generate.main([], _command_flags("--temperature=0.5", "--seed=3"))
+    # --speculative decodes greedily unless --temperature is given: the others alone, refused
+    for flag in ("--top_k=3", "--top_p=0.9", "--seed=3"):
+        with pytest.raises(ValueError, match=rf"^--speculative with {flag} but no --temperature"):
+            generate.main([], _command_flags("--speculative", flag))
+    for args in ((), ("--temperature=0.8", "--top_k=3"), ("--seed=0",)):
+        with pytest.raises(_Loaded):
+            generate.main([], _command_flags("--speculative", *args))
 
 
 def test_chunk_size_and_length_penalty_are_checked_before_loading_where_unused_too(monkeypatch):

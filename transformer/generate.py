@@ -166,6 +166,10 @@ def _checked_flags(f) -> Sampling:
     if f.speculative and (f.beam_size or f.chat is not None or f.num_samples != 1):
         raise ValueError("--speculative: expected one continuation of --prompt (no --beam_size, "
                          "--chat or --num_samples)")
+    if f.speculative and not f["temperature"].present and changed:  # (greedy without it)
+        raise ValueError(f"--speculative with {' '.join(changed)} but no --temperature: it "
+                         "decodes greedily unless --temperature is given; expected "
+                         "--temperature to sample (or no sampling flags)")
     if f.chunk_size < 1:
         raise ValueError(f"chunk_size={f.chunk_size}: expected an int >= 1 (tokens a streamed "
                          "chunk)")
