@@ -297,7 +297,7 @@ def test_a_t5_with_its_sentinels_loads_and_only_language_models_score(tmp_path):
 def test_a_base_model_without_an_lm_head_is_refused_by_logits_score_and_generate(tmp_path):
     """A Qwen3Model (no lm_head) imports with head 'none', whose rows are hidden states
     [T, d_model]: logits gave them as if vocab logits, score NaN and generate a broadcasting
-    traceback. Each now refuses it in one line."""
+    traceback. Each now refuses it in one line, as the generate command does."""
     transformers = pytest.importorskip("transformers")
     from transformer.data.tokenizers import ByteTokenizer
     from transformer.export import _tokenizer_files
@@ -316,6 +316,15 @@ def test_a_base_model_without_an_lm_head_is_refused_by_logits_score_and_generate
         assert str(error.value) == (f"Loaded.{method} with model.head='none' (a base model "
                                     "without an LM head): expected a causal language model, "
                                     "whose rows predict the next token")
+    # The generate command too, whichever way it decodes (it failed in the ban mask's shapes)
+    from test_generate import _command_flags
+
+    from transformer import generate
+
+    for args in ((), ("--beam_size=2",), ("--speculative",), ("--chat=x.json",)):
+        with pytest.raises(ValueError, match=rf"^--workdir='hf:{tmp_path}' with model.head="
+                                             r"'none' \(a base model without an LM head\)"):
+            generate.main([], _command_flags(f"--workdir=hf:{tmp_path}", *args))
 
 
 def _tiny_llama_directory(directory, head_times):

@@ -59,6 +59,7 @@ from transformer.generation.text import (  # noqa: F401
     banned_ids,
     beam_search_text,
     chat_replies,
+    check_head,
     check_max_new_tokens,
     print_samples,
     read_chat,
@@ -187,6 +188,7 @@ def main(argv, flag_values=None) -> None:
     f = flags.FLAGS if flag_values is None else flag_values
     s = _checked_flags(f)  # bad flags fail before any loading
     model, params, tokenizer, config = load_workdir(f.workdir, f.step, True)
+    check_head(config, f"--workdir={f.workdir!r}")
     if f.chat is not None:
         conversations = read_chat(f.chat)
         if f.prompt:  # one more user turn

@@ -54,12 +54,9 @@ class Loaded:
         return np.concatenate([prefix, encoded]).astype(np.int32), len(prefix)
 
     def _check_head(self, method: str) -> None:
-        """One line for a base model without an LM head (head 'none': an imported LlamaModel,
-        BertModel, ...), whose outputs are hidden states [T, d_model], not vocab logits."""
-        if self.config.model.get("head") == "none":
-            raise ValueError(f"Loaded.{method} with model.head='none' (a base model without an "
-                             "LM head): expected a causal language model, whose rows predict "
-                             "the next token")
+        from transformer.generation.text import check_head
+
+        check_head(self.config, f"Loaded.{method}")
 
     def _check_language_model(self, method: str) -> None:
         """One line for a model whose output is no next-token distribution: no LM head, an

@@ -361,6 +361,15 @@ def _too_long(prompt_length: int, typed: int | None, limit: str, way_out: str) -
                       f"all{way_out}")
 
 
+def check_head(config, what: str) -> None:
+    """One line for a base model without an LM head (head 'none': an imported LlamaModel,
+    BertModel, ...), whose outputs are hidden states [T, d_model], not vocab logits: `what`
+    (e.g. "Loaded.generate") needs next-token logits."""
+    if config.model.get("head") == "none":
+        raise ValueError(f"{what} with model.head='none' (a base model without an LM head): "
+                         "expected a causal language model, whose rows predict the next token")
+
+
 def _decoding(config) -> str:
     """How the config's model family generates (`Family.decoding`), or a one-line error."""
     family = family_of(config)
