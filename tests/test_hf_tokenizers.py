@@ -180,7 +180,7 @@ def test_a_checkpoints_generation_config_stop_ids_are_kept_saved_and_checked(gpt
     tokenizer's stop_ids, which saving, loading and pickling keep. They are saved beside the
     tokenizer's own tokenizer.json, which stays as it was (prepared data is checked against
     it), and a tokenizer saved without them (before they were kept) loads with none. A bad
-    entry is a one-line error naming the file or the ids."""
+    entry is a one-line error naming the file or the ids. Without the file, config.json's."""
     directory = tmp_path / "tok"
     directory.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -188,6 +188,13 @@ def test_a_checkpoints_generation_config_stop_ids_are_kept_saved_and_checked(gpt
     plain = tokenizers_lib.load_hf_tokenizer(str(directory))
     assert plain.stop_ids == ()
     plain.save(str(tmp_path / "plain"))
+    # Without generation_config.json, config.json's (its text config's where it has none), as
+    # transformers' generate takes them then (GenerationConfig.from_model_config)
+    (directory / "config.json").write_text(json.dumps({"eos_token_id": [5, 3]}))
+    assert tokenizers_lib.load_hf_tokenizer(str(directory)).stop_ids == (5, 3)
+    (directory / "config.json").write_text(json.dumps({"eos_token_id": None,
+                                                       "text_config": {"eos_token_id": 6}}))
+    assert tokenizers_lib.load_hf_tokenizer(str(directory)).stop_ids == (6,)
     generation = directory / "generation_config.json"
     generation.write_text(json.dumps({"eos_token_id": 7}))
     assert tokenizers_lib.load_hf_tokenizer(str(directory)).stop_ids == (7,)
@@ -203,9 +210,9 @@ def test_a_checkpoints_generation_config_stop_ids_are_kept_saved_and_checked(gpt
     (saved / "stop_ids.json").unlink()  # as a tokenizer saved before they were kept
     assert tokenizers_lib.load_tokenizer(str(saved)).stop_ids == ()
     for value, match in (("2", "has eos_token_id='2': expected a token id or a list of them"),
-                         ([1, 4000], r"stop ids \[1, 4000\] \(generation_config.json's "
-                                     r"eos_token_id\): expected ids of the tokenizer's "
-                                     r"vocabulary, in \[0, 400\)")):
+                         ([1, 4000], r"stop ids \[1, 4000\] \(the eos_token_id of "
+                                     r"generation_config.json, or of config.json without one\): "
+                                     r"expected ids of the tokenizer's vocabulary, in \[0, 400\)")):
         generation.write_text(json.dumps({"eos_token_id": value}))
         with pytest.raises(ValueError, match=match) as error:
             tokenizers_lib.load_hf_tokenizer(str(directory))

@@ -311,7 +311,8 @@ def _checked_stop_ids(ids: Sequence[int], size: int) -> tuple[int, ...]:
     """`ids` as distinct ids (in their order) of a vocabulary of `size`, or a one-line error."""
     ids = tuple(ids)
     if not all(is_int(i) and 0 <= i < size for i in ids):
-        raise ValueError(f"stop ids {list(ids)} (generation_config.json's eos_token_id): "
+        raise ValueError(f"stop ids {list(ids)} (the eos_token_id of generation_config.json, "
+                         "or of config.json without one): "
                          f"expected ids of the tokenizer's vocabulary, in [0, {size})")
     return tuple(dict.fromkeys(int(i) for i in ids))
 
@@ -326,11 +327,18 @@ def saved_stop_ids(directory: str) -> tuple[int, ...]:
 def _generation_stop_ids(directory) -> tuple[int, ...]:
     """The ids `generate` stops at per a save_pretrained directory's generation_config.json:
     its `eos_token_id`, one id or a list (Llama 3.1 Instruct: <|end_of_text|>, <|eom_id|>,
-    <|eot_id|>); () without the file or the entry."""
+    <|eot_id|>); without that file, config.json's (its text config's), as transformers builds
+    the generation config from the model's then; () without either or the entry."""
     file = directory.joinpath("generation_config.json")
-    if not file.is_file():
+    if file.is_file():
+        value = _json_object(file, "a Hugging Face generation_config.json").get("eos_token_id")
+    elif (file := directory.joinpath("config.json")).is_file():
+        config = _json_object(file, "a Hugging Face config.json")
+        value, text = config.get("eos_token_id"), config.get("text_config")
+        if value is None and isinstance(text, dict):
+            value = text.get("eos_token_id")
+    else:
         return ()
-    value = _json_object(file, "a Hugging Face generation_config.json").get("eos_token_id")
     ids = [] if value is None else [value] if is_int(value) else value
     if not isinstance(ids, list) or not all(is_int(i) for i in ids):
         raise ValueError(f"{str(file)!r} has eos_token_id={value!r}: expected a token id or a "
