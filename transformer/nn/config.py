@@ -84,9 +84,10 @@ class TransformerConfig:
     num_heads: int = key(4, "Query heads.", POSITIVE_INT)
     num_kv_heads: int | None = key(
         None, "Key/value heads: None = num_heads (MHA); 1: MQA; otherwise GQA.",
-        optional(POSITIVE_INT, "None, or an int > 0 dividing num_heads"))
+        optional(POSITIVE_INT, "None, or an int > 0 dividing num_heads"), attention_only=True)
     head_dim: int | None = key(None, "Width of a head; None: d_model // num_heads.",
-                               optional(POSITIVE_INT, "None, or an int > 0 (even with RoPE)"))
+                               optional(POSITIVE_INT, "None, or an int > 0 (even with RoPE)"),
+                               attention_only=True)
     d_ff: int = key(256, "Hidden units of the feed-forward layer (and of each expert); 0: "
                     "no feed-forward sublayer (Mamba 2's blocks: the mixer alone).",
                     int_(ge=0, note="0: none"))

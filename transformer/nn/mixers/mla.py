@@ -71,7 +71,8 @@ HONOURED = {
 class MLAConfig:
     """Multi-head latent attention's settings (`model.mla.*`), HF `DeepseekV3Config`'s names
     (its q_lora_rank None is 0 here); the defaults are DeepSeek-V2/V3's head shapes. The layer
-    has `model.num_heads` heads; `head_dim` and `num_kv_heads` do not apply to it."""
+    has `model.num_heads` heads; `head_dim` and `num_kv_heads` do not apply to it (refused off
+    their defaults)."""
 
     q_lora_rank: int = key(0, "Rank of the query's low-rank projection, with an RMSNorm in "
                            "between (DeepSeek-V3: 1536); 0: one full-rank W_q.",
