@@ -134,6 +134,41 @@ def test_grad_norm_and_max_grad_norm_count_only_the_trainable_params():
     assert int(new.first_nonfinite_step) == 1
 
 
+def test_grad_norm_and_its_clipping_are_summed_in_float32_under_bfloat16_params():
+    """Under model.param_dtype="bfloat16" the gradients are bfloat16: optax sums their norm in
+    bfloat16 (the logged number was rounded to 3 digits, and a deep model's came out low as
+    the small leaves' squares were rounded away). The logged grad_norm is the float64 norm of
+    the step's bfloat16 gradients to float32 precision, and the clip scales by that norm."""
+    config = tiny_config()
+    config.model.param_dtype = "bfloat16"
+    model, params, batch, _ = build(config)
+    assert {p.dtype for p in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    optimizer = optim.make_optimizer(config)
+    state = TrainState(np.zeros((), np.int32), params, optimizer.init(params),
+                       np.asarray(-1, np.int32))
+    step = make_seeded_train_step(model, config, optimizer)
+    grads, logged = jax.jit(step.gradients)(state, batch, jax.random.key(0))
+    _, logged = jax.jit(step.update)(state, grads, logged)
+    leaves = [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
+    norm = np.sqrt(sum((g**2).sum() for g in leaves))
+    assert logged["grad_norm"].dtype == jnp.float32
+    np.testing.assert_allclose(float(logged["grad_norm"]), norm, rtol=1e-5)
+    # The clip: many small leaves beside a big one, whose bfloat16 sum drops their squares
+    tree = {"big": jnp.full((4,), 8.0, jnp.bfloat16),
+            "small": [jnp.full((64,), 0.05, jnp.bfloat16) for _ in range(64)]}
+    want = np.sqrt(sum((np.asarray(x, np.float64) ** 2).sum() for x in jax.tree.leaves(tree)))
+    clipped, _ = optim.clip_by_global_norm(1.0).update(tree, optax.EmptyState())
+    assert {x.dtype for x in jax.tree.leaves(clipped)} == {jnp.dtype(jnp.bfloat16)}
+    np.testing.assert_allclose(float(clipped["big"][0]), 8.0 / want, rtol=4e-3)  # (bf16's ulp)
+    # under float32, exactly optax's
+    tree32 = optax.tree.cast(tree, jnp.float32)
+    mine, theirs = (clip.update(tree32, optax.EmptyState())[0] for clip in (
+        optim.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(mine),
+                                                     jax.tree.leaves(theirs), strict=True))
+
+
 # Uneven validation documents in three files (multi-byte characters: bytes are not characters)
 VALIDATION_FILES = ["a\n\nthe quick brown fox jumps over it\n\nxy\n",
                     "ünïcode ✓ text\n\n" + "b" * 47 + "\n",

@@ -101,6 +101,20 @@ def _inverse_sqrt(warmup: int, peak: float) -> optax.Schedule:
     return schedule
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm` on the updates cast to float32, then cast back: optax sums
+    the norm in the updates' own dtype, and under bfloat16 params a sum over many leaves rounds
+    their small squares away (a 48-layer GPT's norm came out 1.2% low). The norm clipped is
+    then the logged `grad_norm`. Under float32 params the casts do nothing."""
+    clip = optax.clip_by_global_norm(max_norm)
+
+    def update(updates, state, params=None):
+        clipped, state = clip.update(optax.tree.cast(updates, jnp.float32), state, params)
+        return optax.tree.cast_like(clipped, updates), state
+
+    return optax.GradientTransformation(clip.init, update)
+
+
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """optimizer.name's update rule (`update_rule`) at the warmup + decay schedule, after
     global-norm clipping (optimizer.grad_clip_norm; 0: no clipping).
@@ -114,8 +128,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     them. Under nonfinite="skip", optax.apply_if_finite wraps it all.
     """
     opt = config.optimizer
-    clip = optax.clip_by_global_norm(opt.grad_clip_norm) if opt.grad_clip_norm else \
-        optax.identity()
+    clip = clip_by_global_norm(opt.grad_clip_norm) if opt.grad_clip_norm else optax.identity()
     freeze, head = frozen_regex(config), opt.get("head", "")
     m = mup_multiplier(config)
     if freeze or head or m != 1.0:

@@ -74,8 +74,9 @@ def _halves(model, config, optimizer):
 
     def update(state: TrainState, grads, metrics):
         # (a frozen param's gradient is zero, never computed: `trained_value_and_grad`, so
-        # this is the trainable params' norm, the one optimizer.grad_clip_norm clips)
-        grad_norm = optax.tree.norm(grads)
+        # this is the trainable params' norm, the one optimizer.grad_clip_norm clips; summed
+        # in float32 as `optim.clip_by_global_norm` sums it, whatever the params' dtype)
+        grad_norm = optax.tree.norm(optax.tree.cast(grads, jnp.float32))
         exploded = jnp.asarray(False)
         if config.get("max_grad_norm", 0.0):
             exploded = grad_norm > config.max_grad_norm
