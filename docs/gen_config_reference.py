@@ -59,6 +59,12 @@ def _default(value) -> str:
     return f"`{_cell(repr(value))}`"
 
 
+def meaning(declaration) -> str:
+    """A key's meaning, and what it acts only with (`Key.needs`: the start warns without it)."""
+    needs = f" Acts only with {declaration.needs[1]}." if declaration.needs else ""
+    return declaration.meaning + needs
+
+
 def render() -> str:
     """The page; a KeyError names the keys of base_config() without a declaration."""
     from transformer import configs
@@ -73,7 +79,7 @@ def render() -> str:
         title = next(title for title, prefix in GROUPS if key.startswith(prefix))
         declaration = declarations[key]
         rows[title].append(f"| `{key}` | {_default(value)} | {_cell(declaration.check[1])} | "
-                           f"{_cell(declaration.meaning)} |")
+                           f"{_cell(meaning(declaration))} |")
     lines = [
         "# Config reference",
         "",

@@ -49,7 +49,7 @@ def _load_generator():
 
 def test_config_reference_has_a_line_for_every_key():
     """Each key of base_config() has its line: its default, its allowed values (its check's
-    words) and its meaning, all from its one declaration."""
+    words) and its meaning (with what it acts only with), all from its one declaration."""
     generator = _load_generator()
     declared = generator.declared()
     with open(generator.PAGE) as f:
@@ -57,8 +57,9 @@ def test_config_reference_has_a_line_for_every_key():
     for key, default in generator.flat_keys(configs.base_config()):
         line = (f"\n| `{key}` | {generator._default(default)} | "
                 f"{generator._cell(declared[key].check[1])} | "
-                f"{generator._cell(declared[key].meaning)} |\n")
+                f"{generator._cell(generator.meaning(declared[key]))} |\n")
         assert line in page, f"{key}: no such line in docs/config.md, rerun the generator"
+    assert "Acts only with optimizer.name='muon'. |" in page  # (`Key.needs`)
 
 
 def test_config_reference_is_current():

@@ -15,12 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import configs, models
+from transformer import config_keys, configs, models
+from transformer.config_keys import KEYS
 from transformer.data import chat
 from transformer.models.family import ALWAYS_READ, Family, transformer_config
 from transformer.nn import layers, lora
 from transformer.nn.config import TransformerConfig
 from transformer.training import optim, startup, state
+from transformer.utils.keys import declarations
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +41,8 @@ def tiny_config(**overrides):
      "model.sliding_window_pattern=3: expected <= model.num_layers=2"),
     ({"profile.num_steps": 2, "profile.start_step": 11},
      "profile.start_step=11: expected <= steps=10"),
-], ids=["window_pattern", "profile"])
+    ({"model.mtp.depth": 16}, "model.mtp.depth=16: expected < seq_len=16"),
+], ids=["window_pattern", "profile", "mtp_depth"])
 def test_a_setting_with_no_effect_is_refused_before_anything_runs(overrides, message):
     config = tiny_config(**overrides)
     with pytest.raises(ValueError, match="^" + re.escape(message)):
@@ -54,9 +57,10 @@ def test_legal_but_surely_unintended_values_are_one_line_warnings():
     hold it for the variants that set the other, as experiments/ablations/mup_transfer.py),
     and so do values that defeat themselves."""
     assert startup.unintended_settings(tiny_config()) == []
-    warnings = startup.unintended_settings(tiny_config(**{
+    config = tiny_config(**{
         "model.mup_base_width": 64, "model.quantize_head": True, "pipeline.repeats": 2,
-        "optimizer.warmup_steps": 20, "model.attention_softcap": 1e-30}))
+        "optimizer.warmup_steps": 20, "model.attention_softcap": 1e-30})
+    warnings = startup.unintended_settings(config, config_keys.idle_settings(config))
     assert warnings[:3] == [
         "warning: model.mup_base_width=64 has no effect without model.parametrization='mup'",
         "warning: model.quantize_head=True has no effect without model.quantization 'int8' or "
@@ -77,6 +81,66 @@ def test_legal_but_surely_unintended_values_are_one_line_warnings():
     assert startup.unintended_settings(tiny_config(**{**vit, "model.family": "clip"})) == []
     assert startup.unintended_settings(tiny_config(
         **vit, **{"model.patch_position": "none"})) == []
+
+
+# An off-default value for each run-config key declared with `needs` (config_keys.KEYS): a new
+# such key needs its row here.
+NEEDY_RUN_KEYS = {
+    "optimizer.decay_fraction": 0.3, "optimizer.decay_shape": "cosine",
+    "optimizer.min_learning_rate_ratio": 0.0, "optimizer.muon_learning_rate": 0.05,
+    "optimizer.muon_momentum": 0.9, "optimizer.momentum": 0.5, "optimizer.nesterov": True,
+    "optimizer.adafactor_decay_rate": 0.5, "optimizer.adafactor_clipping_threshold": 0.0,
+    "optimizer.adafactor_parameter_scale": False,
+    "optimizer.adafactor_min_dim_size_to_factor": 16, "optimizer.adafactor_momentum": 0.9,
+    "optimizer.head_learning_rate": 0.1, "pipeline.microbatches": 2, "pipeline.repeats": 2}
+
+
+def needy_model_keys() -> set[str]:
+    """The model keys that act only with another setting: declared with `needs`, or in a
+    group whose class says `NEEDS` (`model.moe.*`)."""
+    return {name for name, key in declarations(TransformerConfig) if key.needs}
+
+
+@pytest.mark.slow  # (a model built and run: 5 s)
+def test_a_key_that_acts_only_with_another_warns_without_it_and_changes_nothing():
+    """Probe p2 of stop 109: muon_learning_rate under adamw, a WSD knob under cosine, moe.* with
+    no experts, mtp.* at depth 0, mla.* under multi-head attention, mamba2.* and
+    linear_attention.* without such a layer, pipeline.microbatches without stages passed without
+    a word. Each now warns at the start, where what it needs is off, and not where it is on;
+    the model keys among them, set all at once, change neither the params nor the logits."""
+    assert {name for name, key in KEYS.items() if key.needs} == set(NEEDY_RUN_KEYS)
+    config = tiny_config(**NEEDY_RUN_KEYS)  # adamw, cosine, no stages, no head regex
+    warned = dict(config_keys.idle_settings(config))
+    idle = {k for k in NEEDY_RUN_KEYS if k != "optimizer.min_learning_rate_ratio"}  # (cosine)
+    assert set(warned) == {f"{k}={v!r}" for k, v in NEEDY_RUN_KEYS.items() if k in idle}
+    assert warned["optimizer.muon_learning_rate=0.05"] == "optimizer.name='muon'"
+    for needed, acting in (({"optimizer.name": "muon"}, "muon_"), ({"optimizer.decay": "wsd"},
+                           "decay_"), ({"optimizer.name": "sgd"}, ("momentum=", "nesterov"))):
+        assert not any(k.startswith("optimizer." + a) for k in dict(config_keys.idle_settings(
+            tiny_config(**NEEDY_RUN_KEYS, **needed))) for a in ((acting,) if isinstance(
+                acting, str) else acting))
+    base = transformer_config(family_config("gpt").model)  # what each key needs is off here
+    model_keys = {k: v for k, v in OFF_DEFAULT.items() if k in needy_model_keys()
+                  and not dict(declarations(TransformerConfig))[k].needs[0](base)}
+    assert "head_dim" in needy_model_keys() and {k.split(".")[0] for k in model_keys} >= {
+        "moe", "mtp", "mla", "mamba2", "linear_attention", "qk_norm_scope", "rope_yarn_beta_fast",
+        "rope_low_freq_factor"}
+    config, shapes, run = built("gpt")
+    assert not changes_model("gpt", (config, shapes, run()), **model_keys)
+    idle = dict(config_keys.idle_settings(family_config("gpt", **model_keys)))
+    assert set(idle) == {f"model.{k}={v!r}" for k, v in model_keys.items()}
+    assert idle["model.moe.top_k=1"] == "model.moe.num_experts > 0"
+    config = family_config("gpt", **model_keys)
+    warnings = startup.unintended_settings(config, config_keys.idle_settings(config))
+    assert "warning: model.mtp.loss_weight=0.5 has no effect without model.mtp.depth > 0" in \
+        warnings
+    # where what they need is on, they act: no warning
+    for needed, key in (({"moe.num_experts": 2}, "moe.top_k"), ({"mtp.depth": 1},
+                        "mtp.loss_weight"), ({"qk_norm": True}, "qk_norm_scope"),
+                        ({"rope_scaling": "yarn", "rope_scale": 2.0}, "rope_yarn_beta_fast"),
+                        ({"layer_types": "mamba2,full_attention"}, "mamba2.chunk_size")):
+        config = family_config("gpt", **needed, **{key: OFF_DEFAULT[key]})
+        assert config_keys.idle_settings(config) == [], key
 
 
 def params_of(config):

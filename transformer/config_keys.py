@@ -10,11 +10,12 @@ declared on their dataclass fields (`nn.config.TransformerConfig`, `nn.moe.MoECo
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import ml_collections
 
 from transformer.data import pipeline, sources, tokenizers
-from transformer.models import MODEL_KEYS
+from transformer.models import MODEL_KEYS, family_of, transformer_config
 from transformer.nn.config import TransformerConfig
 from transformer.parallel import sharding
 from transformer.training import optim, wandb_logging
@@ -26,6 +27,7 @@ from transformer.utils.keys import (
     Key,
     declarations,
     described,
+    dotted,
     int_,
     is_int,
     number,
@@ -33,10 +35,25 @@ from transformer.utils.keys import (
 )
 
 
-def _key(default, meaning: str, check, structural: bool = False) -> Key:
+def _key(default, meaning: str, check, structural: bool = False, needs=None) -> Key:
     """A run-config key; structural ones (a checkpoint's params or optimizer state depend on
-    them) are marked so: a resume must keep them."""
-    return Key(default, meaning, check, structural)
+    them) are marked so: a resume must keep them. `needs`: what it acts only with (`Key`)."""
+    return Key(default, meaning, check, structural, needs=needs)
+
+
+def _optimizer(*names: str):
+    """`needs` of a key that only these optimizers read."""
+    return (lambda config: config.optimizer.name in names,
+            f"optimizer.name={names[0]!r}" if len(names) == 1 else f"optimizer.name in {names}")
+
+
+def _decay(*names: str):
+    """`needs` of a key that only these schedules read."""
+    return (lambda config: config.optimizer.decay in names,
+            f"optimizer.decay={names[0]!r}" if len(names) == 1 else f"optimizer.decay in {names}")
+
+
+_STAGES = (lambda config: config.mesh.get("stage", 1) > 1, "mesh.stage > 1")
 
 
 def _tuple_of(test, text: str):
@@ -190,11 +207,13 @@ KEYS: dict[str, Key] = {
     "optimizer.min_learning_rate_ratio": _key(0.1, "Where cosine, linear and wsd end at "
                                               "`steps`, as a share of the peak (update s "
                                               "applies the rate at s - 1: the last one's is a "
-                                              "step above it).", number(ge=0, le=1)),
+                                              "step above it).", number(ge=0, le=1),
+                                              needs=_decay("cosine", "linear", "wsd")),
     "optimizer.decay_fraction": _key(0.2, "wsd: the last share of the steps that decays.",
-                                     number(ge=0, le=1, note="wsd: 0 never decays")),
+                                     number(ge=0, le=1, note="wsd: 0 never decays"),
+                                     needs=_decay("wsd")),
     "optimizer.decay_shape": _key("linear", "wsd: the shape of the final decay.",
-                                  one_of(optim.DECAY_SHAPES)),
+                                  one_of(optim.DECAY_SHAPES), needs=_decay("wsd")),
     "optimizer.b1": _key(0.9, "Adam's (and Lion's, schedule-free's) first-moment decay.",
                          number(ge=0, lt=1)),
     "optimizer.b2": _key(0.99, "Adam's (and Lion's, schedule-free's) second-moment decay.",
@@ -207,26 +226,32 @@ KEYS: dict[str, Key] = {
                                    "each optimizer's builder in `optim.OPTIMIZERS` says its "
                                    "own.",
                                    number(ge=0)),
-    "optimizer.momentum": _key(0.9, "sgd's momentum.", number(ge=0, lt=1, note="0: none")),
-    "optimizer.nesterov": _key(False, "sgd: Nesterov momentum.", BOOL),
+    "optimizer.momentum": _key(0.9, "sgd's momentum.", number(ge=0, lt=1, note="0: none"),
+                               needs=_optimizer("sgd")),
+    "optimizer.nesterov": _key(False, "sgd: Nesterov momentum.", BOOL, needs=_optimizer("sgd")),
     "optimizer.muon_learning_rate": _key(0.02, "muon: the hidden matrices' peak rate (the rest "
-                                         "take `learning_rate`).", number(gt=0)),
+                                         "take `learning_rate`).", number(gt=0),
+                                         needs=_optimizer("muon")),
     "optimizer.muon_momentum": _key(0.95, "muon's Nesterov momentum (optax.contrib.muon's, "
                                     "bias-corrected as Adam's: its first steps are larger "
                                     "than the uncorrected reference Muon's).",
-                                    number(ge=0, lt=1)),
+                                    number(ge=0, lt=1), needs=_optimizer("muon")),
     # adafactor as T5: learning_rate 0.01, decay inverse_sqrt, warmup_steps 10000, weight_decay 0
     "optimizer.adafactor_decay_rate": _key(0.8, "adafactor: second moments decay as 1 - "
-                                           "step^-rate.", number(ge=0, le=1)),
+                                           "step^-rate.", number(ge=0, le=1),
+                                           needs=_optimizer("adafactor")),
     "optimizer.adafactor_clipping_threshold": _key(1.0, "adafactor: update RMS clipping.",
-                                                   number(ge=0, note="0: off")),
+                                                   number(ge=0, note="0: off"),
+                                                   needs=_optimizer("adafactor")),
     "optimizer.adafactor_parameter_scale": _key(True, "adafactor: the rate is relative to each "
-                                                "param's RMS.", BOOL),
+                                                "param's RMS.", BOOL,
+                                                needs=_optimizer("adafactor")),
     "optimizer.adafactor_min_dim_size_to_factor": _key(128, "adafactor: smallest dimension "
                                                        "whose second moments are factored.",
-                                                       int_(ge=1)),
+                                                       int_(ge=1), needs=_optimizer("adafactor")),
     "optimizer.adafactor_momentum": _key(0.0, "adafactor's first-moment decay.",
-                                         number(ge=0, lt=1, note="0: none")),
+                                         number(ge=0, lt=1, note="0: none"),
+                                         needs=_optimizer("adafactor")),
     "optimizer.grad_clip_norm": _key(1.0, "Global-norm gradient clipping.",
                                      number(ge=0, note="0: no clipping")),
     "optimizer.grad_accumulation_steps": _key(1, "Micro-batches per step (the batch is split "
@@ -237,7 +262,9 @@ KEYS: dict[str, Key] = {
     "optimizer.head_learning_rate": _key(0.0, "The head's peak rate (under muon: its AdamW "
                                          "part's; its Muon matrices take muon_learning_rate "
                                          "* head_learning_rate / learning_rate).",
-                                         number(ge=0, note="0: optimizer.learning_rate")),
+                                         number(ge=0, note="0: optimizer.learning_rate"),
+                                         needs=(lambda config: bool(config.optimizer.head),
+                                                "optimizer.head (a regex)")),
     # --- mesh: devices per axis (sharding.MESH_AXIS_TABLE); sharding.mesh_shape checks the
     # sizes together
     **{f"mesh.{axis.name}": _key(
@@ -250,11 +277,11 @@ KEYS: dict[str, Key] = {
                                   "(accumulation) step's rows split into on the pipeline; the "
                                   "bubble is (S-1)/(M*R+S-1).",
                                   int_(ge=1, note="each (accumulation) step's rows split into "
-                                       "them")),
+                                       "them"), needs=_STAGES),
     "pipeline.repeats": _key(1, "With `mesh.stage` > 1: > 1 runs the circular schedule, each "
                              "stage holding this many blocks of layers spread through the stack "
                              "(a smaller bubble; needs microbatches >= stages).",
-                             int_(ge=1, note="> 1: the circular schedule")),
+                             int_(ge=1, note="> 1: the circular schedule"), needs=_STAGES),
     # --- profile: a jax.profiler trace (transformer.training.profiling)
     "profile.start_step": _key(5, "The first step traced by `jax.profiler` into "
                                "`WORKDIR/profile/`.",
@@ -304,3 +331,29 @@ def build(model_group: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             node[leaf] = _default(declared)
     return config
 
+
+def idle_settings(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
+    """(`KEY=VALUE`, what it needs) of each key set off its default that acts only with
+    another setting the config leaves off: a key declared with `needs` (`utils.keys.Key`; the
+    keys of a model group whose class says `NEEDS`, as `model.moe.*` without experts).
+
+    >>> from transformer.models import default_model_config
+    >>> config = build(default_model_config())
+    >>> config.optimizer.update(decay_shape="cosine")
+    >>> config.model.moe.top_k = 1
+    >>> idle_settings(config)
+    [("optimizer.decay_shape='cosine'", "optimizer.decay='wsd'"), \
+('model.moe.top_k=1', 'model.moe.num_experts > 0')]
+    """
+    flat = dotted(config)
+    out = [(f"{name}={flat[name]!r}", key.needs[1]) for name, key in KEYS.items()
+           if key.needs and name in flat and flat[name] != key.default
+           and not key.needs[0](config)]
+    if family_of(config).reads is not None:  # (its unread keys: startup.unread_settings)
+        return out
+    stack = transformer_config(config.model)
+    for name, key in declarations(type(stack)):
+        value = functools.reduce(getattr, name.split("."), stack)
+        if key.needs and value != key.default and not key.needs[0](stack):
+            out.append((f"model.{name}={value!r}", key.needs[1]))
+    return out

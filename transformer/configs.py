@@ -260,6 +260,9 @@ def _validate_effects(config: ml_collections.ConfigDict) -> None:
          f"model.sliding_window_pattern={model.get('sliding_window_pattern')}: expected <= "
          f"model.num_layers={model.get('num_layers')} (layer P - 1 is the first full one; "
          "past the stack, every layer stays windowed)"),
+        ((depth := (model.get("mtp") or {}).get("depth", 0)) >= config.seq_len,
+         f"model.mtp.depth={depth}: expected < seq_len={config.seq_len} (module k predicts the "
+         "token k + 1 ahead: modules past the row have no targets, and dilute mtp_loss)"),
         (config.profile.num_steps and config.profile.start_step > config.steps,
          f"profile.start_step={config.profile.start_step}: expected <= steps={config.steps} "
          "(no step would be traced)"),

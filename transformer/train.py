@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from transformer import config_keys
 from transformer.configs import validate_config
 from transformer.data import inputs, pipeline
 from transformer.data.mixture import Mixture
@@ -187,7 +188,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, opened: contextlib.E
     run.last_metrics = progress.resumed_metrics(run.logger)  # summary.json's, if no step runs
     run.logger.sink = wandb_logging.sink(config, workdir, run.logger)
     startup.announce(run, sharding.summary(placement.mesh, abstract, state_sharding,
-                                           config.batch_size))
+                                           config.batch_size), config_keys.idle_settings(config))
     return run
 
 

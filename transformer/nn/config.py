@@ -73,6 +73,24 @@ REMAT_POLICIES = {
 }
 
 
+# `needs` of keys that act only with another one (`utils.keys.Key`): the start warns of them
+_QK_NORM = (lambda cfg: cfg.qk_norm, "model.qk_norm=True")
+# head_dim sizes multi-head attention's heads, and Gated DeltaNet's where its own is 0; not
+# MLA's (mla.*_head_dim), Mamba 2's or a conv's
+_HEAD_DIM = (lambda cfg: (cfg.attention_kind == "mha" and bool(
+    cfg.used_layer_types & {"full_attention", "sliding_attention"})) or (
+    "linear_attention" in cfg.used_layer_types and not cfg.linear_attention.key_head_dim),
+    "a multi-head attention layer (attention_kind='mha') or a linear_attention layer whose "
+    "linear_attention.key_head_dim is 0")
+
+
+def _scaling(*kinds: str):
+    """`needs` of a key only these rope_scaling kinds read."""
+    return (lambda cfg: cfg.rope_scaling in kinds,
+            f"model.rope_scaling={kinds[0]!r}" if len(kinds) == 1 else
+            f"model.rope_scaling in {kinds}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     """Architecture of one stack of blocks (and of the layers inside it). Each field declares
@@ -87,7 +105,7 @@ class TransformerConfig:
         optional(POSITIVE_INT, "None, or an int > 0 dividing num_heads"), attention_only=True)
     head_dim: int | None = key(None, "Width of a head; None: d_model // num_heads.",
                                optional(POSITIVE_INT, "None, or an int > 0 (even with RoPE)"),
-                               attention_only=True)
+                               needs=_HEAD_DIM)
     d_ff: int = key(256, "Hidden units of the feed-forward layer (and of each expert); 0: "
                     "no feed-forward sublayer (Mamba 2's blocks: the mixer alone).",
                     int_(ge=0, note="0: none"))
@@ -102,7 +120,8 @@ class TransformerConfig:
     qk_norm: bool = key(False, "RMSNorm with a learned scale on q and k, before RoPE (Qwen3, "
                         "Gemma 3, OLMo 2).", BOOL, attention_only=True)
     qk_norm_scope: str = key("head", "qk_norm over each head (`head`) or the whole projection "
-                             "(`projection`).", choice(QK_NORM_SCOPES), attention_only=True)
+                             "(`projection`).", choice(QK_NORM_SCOPES), attention_only=True,
+                             needs=_QK_NORM)
     layer_types: str = key(
         "", "The token mixer of each layer, comma-separated, by its name in the registry "
         "(`nn.mixers.MIXERS`, Hugging Face's layer_types names; the allowed values list them), "
@@ -164,30 +183,32 @@ class TransformerConfig:
     rope_low_freq_factor: float = key(1.0, "llama3 scaling's low-frequency factor "
                                       "(positions.rope_frequencies).",
                                       (is_number, "a number, 0 < low < high"),
-                                      attention_only=True)
+                                      attention_only=True, needs=_scaling("llama3"))
     rope_high_freq_factor: float = key(4.0, "llama3 scaling's high-frequency factor.",
                                        (is_number, "a number > rope_low_freq_factor"),
-                                       attention_only=True)
+                                       attention_only=True, needs=_scaling("llama3"))
     rope_original_max_len: int = key(8192, "llama3 and yarn scaling: the context length "
                                      "trained at before rope_scale stretched it.", int_(gt=0),
-                                     attention_only=True)
+                                     attention_only=True, needs=_scaling("llama3", "yarn"))
     # YaRN (rope_scaling "yarn", positions.yarn_frequencies): rope_scale is its factor,
     # rope_original_max_len its original_max_position_embeddings
     rope_yarn_beta_fast: float = key(32.0, "yarn: pairs turning more often than this over "
                                      "rope_original_max_len keep their frequency.",
-                                     number(gt=0), attention_only=True)
+                                     number(gt=0), attention_only=True, needs=_scaling("yarn"))
     rope_yarn_beta_slow: float = key(1.0, "yarn: pairs turning less often are interpolated "
-                                     "by rope_scale.", number(gt=0), attention_only=True)
+                                     "by rope_scale.", number(gt=0), attention_only=True,
+                                     needs=_scaling("yarn"))
     rope_yarn_mscale: float = key(
         1.0, "yarn: RoPE's rotated q and k are multiplied by mscale(rope_scale, this) / "
         "mscale(rope_scale, rope_yarn_mscale_all_dim) where both are > 0, else by "
         "mscale(rope_scale, 1) (HF's attention_factor; positions.rope_attention_factor).",
-        number(ge=0), attention_only=True)
+        number(ge=0), attention_only=True, needs=_scaling("yarn"))
     rope_yarn_mscale_all_dim: float = key(
         0.0, "yarn: > 0 also multiplies MLA's logit scale by mscale(rope_scale, this)^2 "
-        "(DeepSeek).", number(ge=0), attention_only=True)
+        "(DeepSeek).", number(ge=0), attention_only=True, needs=_scaling("yarn"))
     rope_yarn_truncate: bool = key(True, "yarn: round the ramp's ends to whole pairs (HF's "
-                                   "default; gpt-oss: False).", BOOL, attention_only=True)
+                                   "default; gpt-oss: False).", BOOL, attention_only=True,
+                                   needs=_scaling("yarn"))
     rope_fraction: float = key(1.0, "The fraction of each head's dims RoPE rotates (the first "
                                "ones; Qwen3-Next's partial_rotary_factor: 0.25).",
                                number(gt=0, le=1), attention_only=True)
@@ -345,7 +366,7 @@ class TransformerConfig:
         (`check(config)`): e.g. mamba2's head_dim must divide expand x d_model. Without a full
         or sliding attention layer, a key declared `attention_only` is refused off its default
         (it would do nothing)."""
-        used = {self.layer_type(i) for i in range(self.num_layers)}
+        used = self.used_layer_types
         records = [MIXERS[name] for name in used]
         if used & {"full_attention", "sliding_attention"}:
             records.append(ATTENTION_KINDS[self.attention_kind])
@@ -449,6 +470,11 @@ class TransformerConfig:
         """
         pattern = self.layer_pattern
         return pattern[layer % len(pattern)]
+
+    @property
+    def used_layer_types(self) -> set[str]:
+        """The token mixers the stack's layers use (`layer_type` of each)."""
+        return {self.layer_type(i) for i in range(self.num_layers)}
 
     def mixer(self, layer: int):
         """The `mixers.base.Mixer` record of layer `layer`."""

@@ -123,6 +123,9 @@ class MoEConfig:
         "[-limit, limit], out (up + 1) * gate * sigmoid(1.702 gate); 0: the stack's "
         "activation.", number(ge=0, note="0: off"))
 
+    # what its keys act only with (`utils.keys.Key.needs`), given the stack's config
+    NEEDS = (lambda cfg: cfg.moe.num_experts > 0, "model.moe.num_experts > 0")
+
     def __post_init__(self):
         check_fields(self, prefix="moe.")
         if not self.num_experts:

@@ -43,6 +43,9 @@ class MTPConfig:
                              "(DeepSeek-V3: 0.3, then 0.1).", number(ge=0), structural=False,
                              export_neutral=True)
 
+    # what its keys act only with (`utils.keys.Key.needs`), given the stack's config
+    NEEDS = (lambda cfg: cfg.mtp.depth > 0, "model.mtp.depth > 0")
+
     def __post_init__(self):
         check_fields(self, prefix="mtp.")
 

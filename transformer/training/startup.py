@@ -4,6 +4,7 @@ workdir or data cannot work (transformer.train.setup calls them before anything 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import jax
 import ml_collections
@@ -126,7 +127,7 @@ def finished_result(config: ml_collections.ConfigDict, workdir: str, done: Finis
             "config": config}
 
 
-def announce(run, mesh_summary: str) -> None:
+def announce(run, mesh_summary: str, idle: Sequence[tuple[str, str]] = ()) -> None:
     """The lines a training's start prints: the run (model, size, batch, steps, workdir), a new
     data stream (also a `new_data` record), the layer types and their decode cache (where not
     all multi-head attention), what changed on resume (settings, the runtime, the data's
@@ -137,7 +138,7 @@ def announce(run, mesh_summary: str) -> None:
     run.logger.print(f"{config.experiment}: {config.model.family}, {run.num_params:,} params"
                      f"{active}, batch {config.batch_size} x {config.seq_len}, "
                      f"steps {start_step}..{config.steps}, workdir {run.workdir}")
-    for warning in unintended_settings(config):
+    for warning in unintended_settings(config, idle):
         run.logger.print(warning)
     if changes:
         run.logger.print(f"new_data: step {start_step}'s params continue on a new data stream, "
@@ -277,24 +278,25 @@ def unread_settings(model: ml_collections.ConfigDict) -> list[str]:
             if not family.reads_key(key) and value != defaults.get(key)]
 
 
-def unintended_settings(config: ml_collections.ConfigDict) -> list[str]:
+def unintended_settings(config: ml_collections.ConfigDict,
+                        idle: Sequence[tuple[str, str]] = ()) -> list[str]:
     """Legal values that are surely not what was meant, each as a one-line warning the run
     prints at its start: a key that acts only with another one left off (legal in a sweep's
-    shared base config, where a variant sets the other), and values that defeat themselves."""
+    shared base config, where a variant sets the other; `idle`: those its declaration says,
+    `config_keys.idle_settings`), and values that defeat themselves."""
     model, out = config.model, []
-    idle = (
+    rules = (
         (model.get("mup_base_width") and model.get("parametrization", "standard") != "mup",
          f"model.mup_base_width={model.get('mup_base_width')}", "model.parametrization='mup'"),
         (model.get("quantize_head") and not model.get("quantization"),
          "model.quantize_head=True", "model.quantization 'int8' or 'fp8'"),
-        (config.pipeline.repeats > 1 and config.mesh.get("stage", 1) == 1,
-         f"pipeline.repeats={config.pipeline.repeats}", "mesh.stage > 1"),
         # (a ViT's only stack, its image tower, reads patch positions instead: models.vision)
         (model.family == "vit" and model.get("patch_position") != "none"
          and model.get("position") != default_model_config().position,
          f"model.position={model.get('position')!r}", "model.patch_position='none'"))
-    out += [f"warning: {setting} has no effect without {needs}" for bad, setting, needs in idle
-            if bad]
+    out += [f"warning: {setting} has no effect without {needs}" for bad, setting, needs in rules
+            if bad] + [f"warning: {setting} has no effect without {needs}"
+                       for setting, needs in idle]
     warmup = config.optimizer.get("warmup_steps", 0)
     if warmup > config.steps:
         out.append(f"warning: optimizer.warmup_steps={warmup} > steps={config.steps}: the "

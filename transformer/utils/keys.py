@@ -28,7 +28,12 @@ class Key:
     accepts it at any value; `hf.allowlist`), and whether it is a setting of softmax attention
     alone (`attention_only`: a model key no other token mixer reads, refused off its default
     on a stack without full or sliding attention layers, where it would do nothing;
-    `TransformerConfig._check_mixers`)."""
+    `TransformerConfig._check_mixers`), and what it needs to act at all (`needs`: (test of the
+    config holding it, what the test asks for), e.g. a WSD knob needs optimizer.decay='wsd'):
+    off its default where the test fails, the run's start warns that it has no effect
+    (`config_keys.idle_settings`; legal, as a sweep's shared base config may hold
+    it for the variants that set the other). A group of keys (`model.moe`) says the same for
+    all of its keys by a class attribute `NEEDS` of the same form."""
 
     default: Any
     meaning: str
@@ -36,6 +41,7 @@ class Key:
     structural: bool = True
     export_neutral: bool = False
     attention_only: bool = False
+    needs: Check | None = None
 
     def __post_init__(self):
         if not (isinstance(self.meaning, str) and self.meaning.strip()):
@@ -47,9 +53,9 @@ class Key:
 
 
 def key(default, meaning: str, check: Check, *, structural: bool = True,
-        export_neutral: bool = False, attention_only: bool = False):
+        export_neutral: bool = False, attention_only: bool = False, needs: Check | None = None):
     """A dataclass field with its declaration in `metadata["key"]`."""
-    declaration = Key(default, meaning, check, structural, export_neutral, attention_only)
+    declaration = Key(default, meaning, check, structural, export_neutral, attention_only, needs)
     return dataclasses.field(default=default, metadata={"key": declaration})
 
 
@@ -69,14 +75,19 @@ def dotted(tree, prefix: str = "", *, empty_groups: bool = False) -> dict[str, A
     return flat
 
 
-def declarations(cls, prefix: str = "") -> Iterator[tuple[str, Key]]:
+def declarations(cls, prefix: str = "", needs: Check | None = None
+                 ) -> Iterator[tuple[str, Key]]:
     """(dotted name, Key) of a dataclass's declared fields, in order; a field whose default is a
-    dataclass (a group, e.g. `moe`) contributes its own, under `group.`."""
+    dataclass (a group, e.g. `moe`) contributes its own, under `group.`, each needing what the
+    group's class says it `NEEDS` (`Key.needs`) where it says nothing itself."""
     for field in dataclasses.fields(cls):
         if "key" in field.metadata:
-            yield prefix + field.name, field.metadata["key"]
+            declared = field.metadata["key"]
+            yield prefix + field.name, (dataclasses.replace(declared, needs=needs)
+                                        if needs and not declared.needs else declared)
         elif dataclasses.is_dataclass(field.default):
-            yield from declarations(type(field.default), f"{prefix}{field.name}.")
+            group = type(field.default)
+            yield from declarations(group, f"{prefix}{field.name}.", getattr(group, "NEEDS", None))
 
 
 def check_fields(obj, prefix: str = "", skip: Sequence[str] = ()) -> None:

@@ -66,6 +66,10 @@ class GatedDeltaNetConfig:
                           "and work per token grow with it; results do not change).", int_(ge=1),
                           structural=False, export_neutral=True)
 
+    # what its keys act only with (`utils.keys.Key.needs`), given the stack's config
+    NEEDS = (lambda cfg: "linear_attention" in cfg.used_layer_types,
+             "a linear_attention layer (model.layer_types)")
+
     def __post_init__(self):
         check_fields(self, prefix="linear_attention.")
         self.check()

@@ -78,6 +78,10 @@ class Mamba2Config:
     time_step_limit_max: float = key(0.0, "dt clipped above at this after softplus; 0: no "
                                      "limit (HF's inf).", number(ge=0, note="0: no limit"))
 
+    # what its keys act only with (`utils.keys.Key.needs`), given the stack's config
+    NEEDS = (lambda cfg: "mamba2" in cfg.used_layer_types,
+             "a mamba2 layer (model.layer_types)")
+
     def __post_init__(self):
         check_fields(self, prefix="mamba2.")
         if 0 < self.time_step_limit_max <= self.time_step_limit_min:

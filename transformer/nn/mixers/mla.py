@@ -71,8 +71,8 @@ HONOURED = {
 class MLAConfig:
     """Multi-head latent attention's settings (`model.mla.*`), HF `DeepseekV3Config`'s names
     (its q_lora_rank None is 0 here); the defaults are DeepSeek-V2/V3's head shapes. The layer
-    has `model.num_heads` heads; `head_dim` and `num_kv_heads` do not apply to it (refused off
-    their defaults)."""
+    has `model.num_heads` heads; `num_kv_heads` does not apply to it (refused off its default),
+    nor does `head_dim` (a warning at the start, where no other layer reads it)."""
 
     q_lora_rank: int = key(0, "Rank of the query's low-rank projection, with an RMSNorm in "
                            "between (DeepSeek-V3: 1536); 0: one full-rank W_q.",
@@ -85,6 +85,9 @@ class MLAConfig:
                                 (lambda v: is_int(v) and v >= 2 and v % 2 == 0,
                                  "an even int >= 2"))
     v_head_dim: int = key(128, "Each head's value width.", int_(ge=1))
+
+    # what its keys act only with (`utils.keys.Key.needs`), given the stack's config
+    NEEDS = (lambda cfg: cfg.attention_kind == "mla", "model.attention_kind='mla'")
 
     def __post_init__(self):
         check_fields(self, prefix="mla.")
