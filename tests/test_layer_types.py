@@ -115,7 +115,7 @@ def test_bad_layer_types_get_one_line(model, message):
 # the kernel choices, attention_impl and sequence_parallel: compute settings a launch may set
 # for every run, whatever its mixers.)
 ATTENTION_ONLY = dict(
-    num_kv_heads=2, qk_norm=True, qk_norm_scope="projection", attention_kind="mla",
+    qk_norm=True, qk_norm_scope="projection", attention_kind="mla",
     attention_gate="element", attention_softcap=30.0, attention_sinks=True, qkv_bias=True,
     attention_scale=0.5, attention_dropout_rate=0.1, t5_num_buckets=16, t5_max_distance=64,
     rope_theta=500000.0,
@@ -149,8 +149,8 @@ def test_a_softmax_attention_key_without_attention_layers_is_refused(name):
 # for: refused off their default in one line (mla.HONOURED leaves them out). Every other key of
 # ATTENTION_ONLY must change the MLA layer's params or output, so a new attention knob fails
 # below (MLA refuses it) until it is wired into MLA, or named here as refused.
-MLA_REFUSES = ("num_kv_heads", "qk_norm", "qk_norm_scope", "attention_gate", "t5_num_buckets",
-               "t5_max_distance", "rope_fraction")
+MLA_REFUSES = ("qk_norm", "qk_norm_scope", "attention_gate", "t5_num_buckets", "t5_max_distance",
+               "rope_fraction")
 _MLA = dict(num_layers=1, d_model=32, num_heads=4, use_bias=False, init_std=0.3,
             attention_kind="mla", mla=dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
                                            qk_rope_head_dim=16, v_head_dim=8))

@@ -141,6 +141,12 @@ def test_a_key_that_acts_only_with_another_warns_without_it_and_changes_nothing(
                         ({"layer_types": "mamba2,full_attention"}, "mamba2.chunk_size")):
         config = family_config("gpt", **needed, **{key: OFF_DEFAULT[key]})
         assert config_keys.idle_settings(config) == [], key
+    # Under MLA, num_kv_heads sizes no head of a decoder LM; an encoder-decoder's
+    # cross-attention stays multi-head and reads it
+    mla = {"attention_kind": "mla", "num_kv_heads": 2, "mla.kv_lora_rank": 16}
+    assert config_keys.idle_settings(family_config("gpt", **mla)) == [
+        ("model.num_kv_heads=2", "a multi-head attention layer (attention_kind='mha')")]
+    assert config_keys.idle_settings(family_config("t5", **mla)) == []
 
 
 def params_of(config):

@@ -16,7 +16,7 @@ import ml_collections
 
 from transformer.data import pipeline, sources, tokenizers
 from transformer.models import MODEL_KEYS, family_of, transformer_config
-from transformer.nn.config import TransformerConfig
+from transformer.nn.config import CROSS_KEYS, TransformerConfig
 from transformer.parallel import sharding
 from transformer.training import optim, wandb_logging
 from transformer.utils.keys import (
@@ -352,8 +352,10 @@ def idle_settings(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
     if family_of(config).reads is not None:  # (its unread keys: startup.unread_settings)
         return out
     stack = transformer_config(config.model)
+    cross = family_of(config).decoding == "encoder_decoder"  # (multi-head cross-attention)
     for name, key in declarations(type(stack)):
         value = functools.reduce(getattr, name.split("."), stack)
-        if key.needs and value != key.default and not key.needs[0](stack):
+        if key.needs and value != key.default and not key.needs[0](stack) and not (
+                cross and name in CROSS_KEYS):
             out.append((f"model.{name}={value!r}", key.needs[1]))
     return out

@@ -75,13 +75,17 @@ REMAT_POLICIES = {
 
 # `needs` of keys that act only with another one (`utils.keys.Key`): the start warns of them
 _QK_NORM = (lambda cfg: cfg.qk_norm, "model.qk_norm=True")
-# head_dim sizes multi-head attention's heads, and Gated DeltaNet's where its own is 0; not
-# MLA's (mla.*_head_dim), Mamba 2's or a conv's
-_HEAD_DIM = (lambda cfg: (cfg.attention_kind == "mha" and bool(
-    cfg.used_layer_types & {"full_attention", "sliding_attention"})) or (
+# num_kv_heads and head_dim size multi-head attention's heads (head_dim Gated DeltaNet's too,
+# where its own is 0); not MLA's (mla.*_head_dim), Mamba 2's or a conv's. An encoder-decoder's
+# cross-attention is multi-head whatever attention_kind (config_keys.idle_settings: CROSS_KEYS).
+_mha = lambda cfg: cfg.attention_kind == "mha" and bool(
+    cfg.used_layer_types & {"full_attention", "sliding_attention"})
+_MHA = (_mha, "a multi-head attention layer (attention_kind='mha')")
+_HEAD_DIM = (lambda cfg: _mha(cfg) or (
     "linear_attention" in cfg.used_layer_types and not cfg.linear_attention.key_head_dim),
     "a multi-head attention layer (attention_kind='mha') or a linear_attention layer whose "
     "linear_attention.key_head_dim is 0")
+CROSS_KEYS = ("num_kv_heads", "head_dim")  # what a cross-attention reads of the keys with needs
 
 
 def _scaling(*kinds: str):
@@ -102,7 +106,7 @@ class TransformerConfig:
     num_heads: int = key(4, "Query heads.", POSITIVE_INT)
     num_kv_heads: int | None = key(
         None, "Key/value heads: None = num_heads (MHA); 1: MQA; otherwise GQA.",
-        optional(POSITIVE_INT, "None, or an int > 0 dividing num_heads"), attention_only=True)
+        optional(POSITIVE_INT, "None, or an int > 0 dividing num_heads"), needs=_MHA)
     head_dim: int | None = key(None, "Width of a head; None: d_model // num_heads.",
                                optional(POSITIVE_INT, "None, or an int > 0 (even with RoPE)"),
                                needs=_HEAD_DIM)

@@ -71,8 +71,8 @@ HONOURED = {
 class MLAConfig:
     """Multi-head latent attention's settings (`model.mla.*`), HF `DeepseekV3Config`'s names
     (its q_lora_rank None is 0 here); the defaults are DeepSeek-V2/V3's head shapes. The layer
-    has `model.num_heads` heads; `num_kv_heads` does not apply to it (refused off its default),
-    nor does `head_dim` (a warning at the start, where no other layer reads it)."""
+    has `model.num_heads` heads; `num_kv_heads` and `head_dim` do not apply to it (a warning at
+    the start, where no other attention reads them: `Key.needs`)."""
 
     q_lora_rank: int = key(0, "Rank of the query's low-rank projection, with an RMSNorm in "
                            "between (DeepSeek-V3: 1536); 0: one full-rank W_q.",
