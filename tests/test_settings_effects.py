@@ -149,6 +149,21 @@ def test_a_key_that_acts_only_with_another_warns_without_it_and_changes_nothing(
     assert config_keys.idle_settings(family_config("t5", **mla)) == []
 
 
+def test_a_structural_key_idle_in_both_configs_does_not_block_a_resume():
+    """moe.top_k on a dense model changes nothing (the start warns so): a resume that changes
+    it was refused as a different model (probe p2 of stop 109); with experts it is one."""
+    from transformer.training.checkpoint_manager import structural_differences
+
+    dense, top_k = tiny_config(), {"model.moe.top_k": 1}
+    assert structural_differences(dense.to_dict(), tiny_config(**top_k).to_dict()) == []
+    experts = {"model.moe.num_experts": 4}
+    assert structural_differences(tiny_config(**experts).to_dict(), tiny_config(
+        **experts, **top_k).to_dict()) == ["model.moe.top_k: checkpoint 2, config 1"]
+    # idle in one config only (experts added): every difference counts
+    assert "model.moe.num_experts: checkpoint 0, config 4" in structural_differences(
+        dense.to_dict(), tiny_config(**experts, **top_k).to_dict())
+
+
 def params_of(config):
     model = models.build_model(config.model)
     return nn.unbox(jax.eval_shape(model.init, jax.random.key(0),

@@ -10,13 +10,12 @@ declared on their dataclass fields (`nn.config.TransformerConfig`, `nn.moe.MoECo
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import ml_collections
 
 from transformer.data import pipeline, sources, tokenizers
 from transformer.models import MODEL_KEYS, family_of, transformer_config
-from transformer.nn.config import CROSS_KEYS, TransformerConfig
+from transformer.nn.config import TransformerConfig
 from transformer.parallel import sharding
 from transformer.training import optim, wandb_logging
 from transformer.utils.keys import (
@@ -353,9 +352,5 @@ def idle_settings(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
         return out
     stack = transformer_config(config.model)
     cross = family_of(config).decoding == "encoder_decoder"  # (multi-head cross-attention)
-    for name, key in declarations(type(stack)):
-        value = functools.reduce(getattr, name.split("."), stack)
-        if key.needs and value != key.default and not key.needs[0](stack) and not (
-                cross and name in CROSS_KEYS):
-            out.append((f"model.{name}={value!r}", key.needs[1]))
-    return out
+    return out + [(f"model.{name}={value!r}", needs)
+                  for name, (value, needs) in stack.idle_keys(cross).items()]

@@ -4,6 +4,7 @@ Models build one from their `model` config group and pass it down to the layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -25,6 +26,7 @@ from transformer.utils.keys import (
     POSITIVE_INT,
     check_fields,
     choice,
+    declarations,
     described,
     int_,
     is_number,
@@ -474,6 +476,26 @@ class TransformerConfig:
         """
         pattern = self.layer_pattern
         return pattern[layer % len(pattern)]
+
+    def idle_keys(self, cross_attention: bool = False,
+                  set_only: bool = True) -> dict[str, tuple[Any, str]]:
+        """{dotted key: (value, what it needs)} of the keys set off their defaults (`set_only`;
+        else at any value) that act only with another setting this stack leaves off
+        (`Key.needs`; a group class's `NEEDS`). `cross_attention`: an encoder-decoder's stack,
+        whose multi-head cross-attention reads `CROSS_KEYS` whatever attention_kind.
+
+        >>> TransformerConfig(num_kv_heads=2, attention_kind="mla", mla=dict(kv_lora_rank=16),
+        ...                   d_model=64).idle_keys()
+        {'num_kv_heads': (2, "a multi-head attention layer (attention_kind='mha')")}
+        """
+        idle = {}
+        for name, declared in declarations(type(self)):
+            value = functools.reduce(getattr, name.split("."), self)
+            read = not declared.needs or declared.needs[0](self) or (
+                cross_attention and name in CROSS_KEYS)
+            if not read and (value != declared.default or not set_only):
+                idle[name] = (value, declared.needs[1])
+        return idle
 
     @property
     def used_layer_types(self) -> set[str]:

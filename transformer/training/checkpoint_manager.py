@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from transformer.data import inputs, tasks
-from transformer.models import FAMILIES, MODEL_KEYS, default_model_config
+from transformer.models import FAMILIES, MODEL_KEYS, default_model_config, transformer_config
 from transformer.nn import lora
 from transformer.nn.config import TransformerConfig
 from transformer.training import checkpoint as checkpoint_lib
@@ -69,15 +69,27 @@ def _model_settings(config: dict) -> dict:
 
 def _read_model_settings(saved: dict, current: dict) -> tuple[dict, dict]:
     """`_model_settings` of both configs less the keys their family never reads
-    (`Family.reads_key`, model.family kept) where both name the same family (else every key):
-    such a key changes nothing (the run's start warns so), so a change to it neither blocks a
-    resume nor is announced."""
+    (`Family.reads_key`, model.family kept) and the keys idle in both (`_idle`) where both name
+    the same family (else every key): such a key changes nothing (the run's start warns so), so
+    a change to it neither blocks a resume nor is announced."""
     saved_model, current_model = _model_settings(saved), _model_settings(current)
     family = FAMILIES.get(saved_model["family"])
     if family is None or saved_model["family"] != current_model["family"]:
         return saved_model, current_model
-    return tuple({key: value for key, value in model.items() if family.reads_key(key)}
+    idle = _idle(saved, family) & _idle(current, family)  # (moe.top_k without experts)
+    return tuple({key: value for key, value in model.items()
+                  if family.reads_key(key) and key not in idle}
                  for model in (saved_model, current_model))
+
+
+def _idle(config: dict, family) -> set[str]:
+    """The model keys that act only with a setting the config's stack leaves off, whatever
+    their values (`TransformerConfig.idle_keys`); none where its model group builds no stack."""
+    try:
+        stack = transformer_config(ml_collections.ConfigDict(config.get("model", {})))
+    except (ValueError, TypeError):  # (an older checkpoint's group: compared key by key)
+        return set()
+    return set(stack.idle_keys(family.decoding == "encoder_decoder", set_only=False))
 
 
 def structural_differences(saved: dict, current: dict) -> list[str]:
