@@ -90,9 +90,13 @@ _HEAD_DIM = (lambda cfg: _mha(cfg) or (
 CROSS_KEYS = ("num_kv_heads", "head_dim")  # what a cross-attention reads of the keys with needs
 
 
+_ROPE = (lambda cfg: cfg.position == "rope", "model.position='rope'")
+_T5 = (lambda cfg: cfg.position == "t5", "model.position='t5'")
+
+
 def _scaling(*kinds: str):
-    """`needs` of a key only these rope_scaling kinds read."""
-    return (lambda cfg: cfg.rope_scaling in kinds,
+    """`needs` of a key only these rope_scaling kinds read (with RoPE)."""
+    return (lambda cfg: cfg.position == "rope" and cfg.rope_scaling in kinds,
             f"model.rope_scaling={kinds[0]!r}" if len(kinds) == 1 else
             f"model.rope_scaling in {kinds}")
 
@@ -177,15 +181,16 @@ class TransformerConfig:
     max_len: int = key(512, "Positions of a learned position table.", POSITIVE_INT)
     # RoPE's keys and T5's buckets act in softmax attention alone (the other mixers ignore
     # positions): attention_only
-    rope_theta: float = key(10000.0, "RoPE's base.", number(gt=0), attention_only=True)
+    rope_theta: float = key(10000.0, "RoPE's base.", number(gt=0), attention_only=True, needs=_ROPE)
     rope_layout: str = key("half", "RoPE pairs the two halves (`half`) or neighbours "
                            "(`interleaved`).", choice(("half", "interleaved")),
-                           attention_only=True)
+                           attention_only=True, needs=_ROPE)
     rope_scale: float = key(1.0, "> 1: positions stretched by this factor, as `rope_scaling` "
-                            "says.", number(gt=0, note="1: no scaling"), attention_only=True)
+                            "says.", number(gt=0, note="1: no scaling"), attention_only=True,
+                            needs=_ROPE)
     rope_scaling: str = key("linear", "`linear` (position interpolation), `llama3` (Llama "
                             "3.1) or `yarn` (YaRN: DeepSeek-V2/V3, gpt-oss, Qwen).",
-                            choice(("linear", "llama3", "yarn")), attention_only=True)
+                            choice(("linear", "llama3", "yarn")), attention_only=True, needs=_ROPE)
     rope_low_freq_factor: float = key(1.0, "llama3 scaling's low-frequency factor "
                                       "(positions.rope_frequencies).",
                                       (is_number, "a number, 0 < low < high"),
@@ -217,15 +222,15 @@ class TransformerConfig:
                                    needs=_scaling("yarn"))
     rope_fraction: float = key(1.0, "The fraction of each head's dims RoPE rotates (the first "
                                "ones; Qwen3-Next's partial_rotary_factor: 0.25).",
-                               number(gt=0, le=1), attention_only=True)
+                               number(gt=0, le=1), attention_only=True, needs=_ROPE)
     rope_local_theta: float | None = key(
         None, "The sliding layers' RoPE base, unscaled (Gemma 3: 10,000; the full layers keep "
         "rope_theta and its scaling); None: one RoPE for every layer.",
         optional(number(gt=0), "None or a number > 0"), attention_only=True)
     t5_num_buckets: int = key(32, "T5 relative-position buckets.", int_(gt=0),
-                              attention_only=True)
+                              attention_only=True, needs=_T5)
     t5_max_distance: int = key(128, "T5 relative positions: the distance the largest bucket "
-                               "starts at.", int_(gt=0), attention_only=True)
+                               "starts at.", int_(gt=0), attention_only=True, needs=_T5)
     use_bias: bool = key(True, "Biases on the projections and the feed-forward layer.", BOOL)
     qkv_bias: bool | None = key(None, "Biases on q/k/v only; None: = use_bias (Qwen2: True).",
                                 optional(BOOL, "None or a bool"), attention_only=True)
