@@ -87,8 +87,8 @@ def _idle(config: dict, family) -> set[str]:
     their values (`TransformerConfig.idle_keys`); none where its model group builds no stack."""
     try:
         stack = transformer_config(ml_collections.ConfigDict(config.get("model", {})))
-    except (ValueError, TypeError):  # (an older checkpoint's group: compared key by key)
-        return set()
+    except (ValueError, TypeError, AttributeError, KeyError):  # (e.g. an older checkpoint's
+        return set()  # group that no longer builds: its keys are compared one by one)
     return set(stack.idle_keys(family.decoding == "encoder_decoder", set_only=False))
 
 
