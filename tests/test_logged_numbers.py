@@ -100,6 +100,12 @@ def frozen_run(max_grad_norm=0.0, freeze=FREEZE):
     freezing all but the final norm (`freeze`) under adamw with clipping."""
     config = tiny_config(max_grad_norm=max_grad_norm)
     config.optimizer.update(freeze=freeze, warmup_steps=0)
+    return one_step(config)
+
+
+def one_step(config):
+    """(params before, the gradients, the step's state and metrics) of one step of `config`'s
+    optimizer on `build`'s params and batch."""
     model, params, batch, _ = build(config)
     optimizer = optim.make_optimizer(config)
     state = TrainState(np.zeros((), np.int32), params, optimizer.init(params),
@@ -141,14 +147,8 @@ def test_grad_norm_and_its_clipping_are_summed_in_float32_under_bfloat16_params(
     the step's bfloat16 gradients to float32 precision, and the clip scales by that norm."""
     config = tiny_config()
     config.model.param_dtype = "bfloat16"
-    model, params, batch, _ = build(config)
+    params, grads, _, logged = one_step(config)
     assert {p.dtype for p in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
-    optimizer = optim.make_optimizer(config)
-    state = TrainState(np.zeros((), np.int32), params, optimizer.init(params),
-                       np.asarray(-1, np.int32))
-    step = make_seeded_train_step(model, config, optimizer)
-    grads, logged = jax.jit(step.gradients)(state, batch, jax.random.key(0))
-    _, logged = jax.jit(step.update)(state, grads, logged)
     leaves = [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
     norm = np.sqrt(sum((g**2).sum() for g in leaves))
