@@ -4,6 +4,7 @@ and `load_hf_tokenizer` reads one with its roles, chat template and stop ids fro
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -201,7 +202,7 @@ class HFTokenizer(Tokenizer):
             return bytes(_BYTE_LEVEL[c] for c in token)
         return text.encode()
 
-    @property
+    @functools.cached_property  # (each prompt's prefix asks: a sort of the vocabulary)
     def document_start(self) -> list[int]:
         """The ids the tokenizer.json's post-processor puts before a text (transformers'
         `tokenizer(text)`): Llama's, Gemma's and Mistral's BOS; none for GPT-2's or Qwen's.
