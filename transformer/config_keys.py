@@ -10,6 +10,7 @@ declared on their dataclass fields (`nn.config.TransformerConfig`, `nn.moe.MoECo
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import ml_collections
 
@@ -40,16 +41,16 @@ def _key(default, meaning: str, check, structural: bool = False, needs=None) -> 
     return Key(default, meaning, check, structural, needs=needs)
 
 
-def _optimizer(*names: str):
-    """`needs` of a key that only these optimizers read."""
-    return (lambda config: config.optimizer.name in names,
-            f"optimizer.name={names[0]!r}" if len(names) == 1 else f"optimizer.name in {names}")
+def _one_of(setting: str, *values: str):
+    """`needs` of a key read only where the optimizer's `setting` is one of `values` (only
+    these optimizers, or these schedules, read it)."""
+    return (lambda config: config.optimizer[setting] in values,
+            f"optimizer.{setting}={values[0]!r}" if len(values) == 1
+            else f"optimizer.{setting} in {values}")
 
 
-def _decay(*names: str):
-    """`needs` of a key that only these schedules read."""
-    return (lambda config: config.optimizer.decay in names,
-            f"optimizer.decay={names[0]!r}" if len(names) == 1 else f"optimizer.decay in {names}")
+_optimizer = functools.partial(_one_of, "name")
+_decay = functools.partial(_one_of, "decay")
 
 
 _STAGES = (lambda config: config.mesh.get("stage", 1) > 1, "mesh.stage > 1")
