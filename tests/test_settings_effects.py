@@ -61,7 +61,7 @@ def test_legal_but_surely_unintended_values_are_one_line_warnings():
         "model.mup_base_width": 64, "model.quantize_head": True, "pipeline.repeats": 2,
         "optimizer.warmup_steps": 20, "model.attention_softcap": 1e-30})
     warnings = startup.unintended_settings(config, config_keys.idle_settings(config))
-    assert warnings[:3] == [
+    assert sorted(warnings[:3]) == [
         "warning: model.mup_base_width=64 has no effect without model.parametrization='mup'",
         "warning: model.quantize_head=True has no effect without model.quantization 'int8' or "
         "'fp8'",
@@ -72,8 +72,9 @@ def test_legal_but_surely_unintended_values_are_one_line_warnings():
     rates = [float(optim.learning_rate_schedule(opt, 10)(t)) for t in range(10)]
     np.testing.assert_allclose(rates, opt.learning_rate * np.arange(10) / 10, rtol=1e-6)
     assert "attention_softcap=1e-30" in warnings[4] and all("\n" not in w for w in warnings)
-    assert startup.unintended_settings(tiny_config(**{
-        "model.mup_base_width": 64, "model.parametrization": "mup"})) == []
+    for acting in ({"model.mup_base_width": 64, "model.parametrization": "mup"},
+                   {"model.quantize_head": True, "model.quantization": "int8"}):
+        assert config_keys.idle_settings(tiny_config(**acting)) == [], acting
     # a ViT over patch positions reads no model.position (CLIP's text tower would)
     vit = {"model.family": "vit", "model.position": "learned"}
     assert startup.unintended_settings(tiny_config(**vit)) == [
@@ -92,7 +93,8 @@ NEEDY_RUN_KEYS = {
     "optimizer.adafactor_decay_rate": 0.5, "optimizer.adafactor_clipping_threshold": 0.0,
     "optimizer.adafactor_parameter_scale": False,
     "optimizer.adafactor_min_dim_size_to_factor": 16, "optimizer.adafactor_momentum": 0.9,
-    "optimizer.head_learning_rate": 0.1, "pipeline.microbatches": 2, "pipeline.repeats": 2}
+    "optimizer.head_learning_rate": 0.1, "pipeline.microbatches": 2, "pipeline.repeats": 2,
+    "model.quantize_head": True}
 
 
 def needy_model_keys() -> set[str]:

@@ -15,7 +15,7 @@ import functools
 import ml_collections
 
 from transformer.data import pipeline, sources, tokenizers
-from transformer.models import MODEL_KEYS, family_of, transformer_config
+from transformer.models import MODEL_KEYS, default_model_config, family_of, transformer_config
 from transformer.nn.config import TransformerConfig
 from transformer.parallel import sharding
 from transformer.training import optim, wandb_logging
@@ -345,10 +345,11 @@ def idle_settings(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
     [("optimizer.decay_shape='cosine'", "optimizer.decay='wsd'"), \
 ('model.moe.top_k=1', 'model.moe.num_experts > 0')]
     """
-    flat = dotted(config)
+    flat, model_defaults = dotted(config), default_model_config()
     out = [(f"{name}={flat[name]!r}", key.needs[1]) for name, key in KEYS.items()
-           if key.needs and name in flat and flat[name] != key.default
-           and not key.needs[0](config)]
+           if key.needs and name in flat and not key.needs[0](config) and flat[name] != (
+               model_defaults[name[len("model."):]] if key.default is NO_DEFAULT
+               else key.default)]
     if family_of(config).reads is not None:  # (its unread keys: startup.unread_settings)
         return out
     stack = transformer_config(config.model)

@@ -80,7 +80,9 @@ MODEL_KEYS: dict[str, Key] = {
                         export_neutral=True),
     "quantize_head": Key(False, "With model.quantization: quantize the output head too (the "
                          "tied embedding's logits or lm_head).", BOOL, structural=False,
-                         export_neutral=True),
+                         export_neutral=True,
+                         needs=(lambda config: bool(config.model.quantization),
+                                "model.quantization 'int8' or 'fp8'")),
 }
 
 

@@ -175,7 +175,9 @@ class TransformerConfig:
         "standard", "`mup`: muP, a model wider than `mup_base_width` trains like the base (GPT "
         "and prefix LM).", choice(PARAMETRIZATIONS))
     mup_base_width: int = key(0, "muP: the width the hyperparameters were tuned at; 0: d_model.",
-                              int_(ge=0, note="0: d_model"))
+                              int_(ge=0, note="0: d_model"),
+                              needs=(lambda cfg: cfg.parametrization == "mup",
+                                     "model.parametrization='mup'"))
     position: str = key("rope", "Positional encoding (`t5`: relative buckets).",
                         choice(POSITIONS))
     max_len: int = key(512, "Positions of a learned position table.", POSITIVE_INT)

@@ -285,18 +285,11 @@ def unintended_settings(config: ml_collections.ConfigDict,
     shared base config, where a variant sets the other; `idle`: those its declaration says,
     `config_keys.idle_settings`), and values that defeat themselves."""
     model, out = config.model, []
-    rules = (
-        (model.get("mup_base_width") and model.get("parametrization", "standard") != "mup",
-         f"model.mup_base_width={model.get('mup_base_width')}", "model.parametrization='mup'"),
-        (model.get("quantize_head") and not model.get("quantization"),
-         "model.quantize_head=True", "model.quantization 'int8' or 'fp8'"),
-        # (a ViT's only stack, its image tower, reads patch positions instead: models.vision)
-        (model.family == "vit" and model.get("patch_position") != "none"
-         and model.get("position") != default_model_config().position,
-         f"model.position={model.get('position')!r}", "model.patch_position='none'"))
-    out += [f"warning: {setting} has no effect without {needs}" for bad, setting, needs in rules
-            if bad] + [f"warning: {setting} has no effect without {needs}"
-                       for setting, needs in idle]
+    # (a ViT's only stack, its image tower, reads patch positions instead: models.vision)
+    if (model.family == "vit" and model.get("patch_position") != "none"
+            and model.get("position") != default_model_config().position):
+        idle = [*idle, (f"model.position={model.get('position')!r}", "model.patch_position='none'")]
+    out += [f"warning: {setting} has no effect without {needs}" for setting, needs in idle]
     warmup = config.optimizer.get("warmup_steps", 0)
     if warmup > config.steps:
         out.append(f"warning: optimizer.warmup_steps={warmup} > steps={config.steps}: the "
