@@ -94,7 +94,7 @@ NEEDY_RUN_KEYS = {
     "optimizer.adafactor_parameter_scale": False,
     "optimizer.adafactor_min_dim_size_to_factor": 16, "optimizer.adafactor_momentum": 0.9,
     "optimizer.head_learning_rate": 0.1, "pipeline.microbatches": 2, "pipeline.repeats": 2,
-    "model.quantize_head": True}
+    "model.quantize_head": True, "optimizer.b1": 0.8, "optimizer.b2": 0.95}
 
 
 def needy_model_keys() -> set[str]:
@@ -113,9 +113,13 @@ def test_a_key_that_acts_only_with_another_warns_without_it_and_changes_nothing(
     assert {name for name, key in KEYS.items() if key.needs} == set(NEEDY_RUN_KEYS)
     config = tiny_config(**NEEDY_RUN_KEYS)  # adamw, cosine, no stages, no head regex
     warned = dict(config_keys.idle_settings(config))
-    idle = {k for k in NEEDY_RUN_KEYS if k != "optimizer.min_learning_rate_ratio"}  # (cosine)
+    idle = {k for k in NEEDY_RUN_KEYS if k not in (  # (cosine, adamw)
+        "optimizer.min_learning_rate_ratio", "optimizer.b1", "optimizer.b2")}
     assert set(warned) == {f"{k}={v!r}" for k, v in NEEDY_RUN_KEYS.items() if k in idle}
     assert warned["optimizer.muon_learning_rate=0.05"] == "optimizer.name='muon'"
+    assert dict(config_keys.idle_settings(tiny_config(**NEEDY_RUN_KEYS, **{
+        "optimizer.name": "sgd"})))["optimizer.b2=0.95"] == (
+            "optimizer.name in ('adamw', 'lion', 'schedule_free_adamw', 'muon')")
     for needed, acting in (({"optimizer.name": "muon"}, "muon_"), ({"optimizer.decay": "wsd"},
                            "decay_"), ({"optimizer.name": "sgd"}, ("momentum=", "nesterov"))):
         assert not any(k.startswith("optimizer." + a) for k in dict(config_keys.idle_settings(

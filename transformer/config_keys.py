@@ -51,6 +51,9 @@ def _one_of(setting: str, *values: str):
 
 _optimizer = functools.partial(_one_of, "name")
 _decay = functools.partial(_one_of, "decay")
+# b1 and b2: every optimizer's but adafactor's (adafactor_momentum) and sgd's (momentum); muon's
+# AdamW steps the params that are no hidden matrices
+_ADAM_BETAS = _optimizer("adamw", "lion", "schedule_free_adamw", "muon")
 
 
 _STAGES = (lambda config: config.mesh.get("stage", 1) > 1, "mesh.stage > 1")
@@ -214,10 +217,10 @@ KEYS: dict[str, Key] = {
                                      needs=_decay("wsd")),
     "optimizer.decay_shape": _key("linear", "wsd: the shape of the final decay.",
                                   one_of(optim.DECAY_SHAPES), needs=_decay("wsd")),
-    "optimizer.b1": _key(0.9, "Adam's (and Lion's, schedule-free's) first-moment decay.",
-                         number(ge=0, lt=1)),
-    "optimizer.b2": _key(0.99, "Adam's (and Lion's, schedule-free's) second-moment decay.",
-                         number(ge=0, lt=1)),
+    "optimizer.b1": _key(0.9, "Adam's (and Lion's, schedule-free's, Muon's AdamW) first-moment "
+                         "decay.", number(ge=0, lt=1), needs=_ADAM_BETAS),
+    "optimizer.b2": _key(0.99, "Adam's (and Lion's, schedule-free's, Muon's AdamW) second-moment "
+                         "decay.", number(ge=0, lt=1), needs=_ADAM_BETAS),
     "optimizer.weight_decay": _key(0.1, "Weight decay, by default decoupled (lr * "
                                    "weight_decay * p a step) and on matrices only (not biases "
                                    "or norm scales, stacked or not: `optim.decay_mask`; T5's "
