@@ -322,6 +322,24 @@ def test_load_runs_leaves_out_non_finite_losses_and_averages_duplicates(tmp_path
     assert len(scaling.fit_approach2(flops, n, d, loss, budgets).budgets) == 4
 
 
+def test_runs_trained_with_other_settings_are_refused_before_their_flops_are_counted(tmp_path):
+    """C is counted from the experiment's config (and this command's overrides): a run the sweep
+    trained with another FLOP-changing setting (tie_embeddings, 17% of C here) is refused in
+    one line, as the sweep's report refuses it (probe p4 of stop 110: C came out silently
+    17% off)."""
+    names = fake_sweep(tmp_path)
+    module = definition.experiment_module(EXPERIMENT)
+    configs = sweep.variant_configs(module.get_config(), definition.load_sweep(EXPERIMENT))
+    assert sweep._record(configs[names[0]], str(tmp_path / names[0]))  # what the sweep saves
+    runs, _ = scaling.load_runs(str(tmp_path), EXPERIMENT, module.get_config())
+    assert len(runs) == len(names)  # the same settings: counted
+    untied = module.get_config()
+    untied.model.tie_embeddings = not configs[names[0]].model.tie_embeddings
+    with pytest.raises(ValueError, match=rf"^variant '{names[0]}' in .* was trained with other "
+                       r"settings \(model.tie_embeddings: trained with True, now False\)"):
+        scaling.load_runs(str(tmp_path), EXPERIMENT, untied)
+
+
 def test_a_mixture_of_experts_run_is_charged_the_flops_its_mfu_counts(tmp_path):
     """A MoE run's C is the FLOPs a token its own MFU counts (`metrics.model_flops_per_token`:
     of the params a token passes through, 1 of 8 experts) x its tokens, not all its experts';

@@ -152,11 +152,14 @@ def load_runs(workdir: str, config_file: str, config) -> tuple[list[Run], list[s
     budgets = getattr(module, "BUDGETS", None)
     if not budgets:
         raise ValueError(f"{config_file}: expected BUDGETS, the sweep's compute budgets")
-    configs = sweep.variant_configs(config, definition.load_sweep(config_file))
-    seeds = definition.layout_seeds(workdir, list(configs))  # seeds: NAME/seed_K, averaged
+    variants = definition.load_sweep(config_file)
+    seeds = definition.layout_seeds(workdir, [v.name for v in variants])  # NAME/seed_K, averaged
+    configs = sweep.variant_configs(config, definition.seed_variants(variants, seeds))
+    # C is counted from these configs: a run trained with other settings (an override the
+    # sweep had and this command has not) is refused in one line, as the sweep's report does
+    sweep.check_runs(configs, workdir)
     runs, notes, nonfinite, built = [], [], [], {}
-    for name, variant in [(run, variant) for variant_name, variant in configs.items()
-                          for run in definition.run_names(variant_name, seeds)]:
+    for name, variant in configs.items():
         directory = os.path.join(workdir, name)
         summary = report.read_summary(directory)
         row = report.variant_row(name, variant, directory)
