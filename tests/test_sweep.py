@@ -195,6 +195,28 @@ def test_a_finished_sweep_is_skipped_and_launch_commands_carry_the_overrides(swe
     assert len(commands) == 2
 
 
+def test_launch_commands_parse_back_to_the_variants_tuples():
+    """A tuple's strings are quoted: a comma inside one (a data.sources entry) split it and
+    the printed command failed to parse (probe p4 of stop 110), and a one-item tuple came back
+    as the string '(copy.yaml,)'."""
+    import shlex
+
+    from absl import flags
+    from ml_collections import config_flags
+
+    tuples = {"data.sources": ("path=a.txt,weight=0.7", "path=b.txt,weight=0.3"),
+              "eval_tasks": ("copy.yaml",)}
+    [command] = sweep.launch_commands("experiments/gpt_tiny.py", {"optimizer.b2": 0.95},
+                                      [sweep.Variant("mix", tuples)], "/w")
+    argv = ["train", *(a for a in shlex.split(command)[3:] if not a.startswith("--workdir="))]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
+    values(argv)
+    assert values.config.data.sources == tuples["data.sources"]
+    assert values.config.eval_tasks == tuples["eval_tasks"]
+    assert values.config.optimizer.b2 == 0.95
+
+
 def test_a_launched_run_is_checked_against_its_checkpoint_and_report_only_checks_too(
         swept, tmp_path):
     """A run a --print_launch command trained has no sweep_config.json: its checkpoint's

@@ -326,7 +326,13 @@ def launch_commands(config_file: str, cli_overrides: dict[str, Any], variants: S
 
 
 def flag_value(value) -> str:
+    """`value` as a --config.KEY= flag's text that ml_collections parses back to it: a string
+    as it is, a tuple as a Python literal (its strings quoted: a comma inside one, as in a
+    data.sources entry, must not split it).
+
+    >>> flag_value("wsd"), flag_value(("path=a.txt,weight=0.7", "b.txt")), flag_value(["x"])
+    ('wsd', "('path=a.txt,weight=0.7', 'b.txt')", "('x',)")
+    """
     if isinstance(value, (tuple, list)):
-        return "(" + ",".join(flag_value(v) for v in value) + ("," if len(value) == 1 else "") \
-            + ")"
+        return repr(tuple(value))
     return str(value)
