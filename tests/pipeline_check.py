@@ -41,6 +41,10 @@ MOE = {"model.moe.num_experts": 4, "model.moe.capacity_factor": 0.0,
 # ... and a multi-token prediction module, whose MoE layer sits outside the stages: the z-loss
 # is the mean over all 9 MoE layers, the stages' 8 counting 8 times.
 MOE_MTP = {**MOE, "model.mtp.depth": 1}
+# LoRA adapters on a frozen base, targeted by a regex naming the stack: a stage's blocks apply
+# on their own, and their paths must still read decoder/layers/... (`lora.applied_at`).
+LORA = {"model.lora.rank": 4,
+        "model.lora.targets": r"^decoder/layers/(self_attention/(query|value)|mlp/wo)$"}
 
 
 def pipeline_config(mesh: dict, microbatches: int, repeats: int, settings: dict):
@@ -68,14 +72,16 @@ def train(config, steps: int = STEPS, start=None):
 
 def main() -> None:
     results, starts = {}, {}
-    references = {"single": {}, "moe single": MOE, "moe mtp single": MOE_MTP}
+    references = {"single": {}, "moe single": MOE, "moe mtp single": MOE_MTP, "lora single": LORA}
     for name, settings in references.items():
         params, losses, _, starts[name] = train(pipeline_config({}, 1, 1, settings))
         results[name] = {"losses": losses, "params": params}
     cases = {**MESHES, "moe stage=2 x expert=2": ({"stage": 2, "expert": 2}, 2, 1, MOE),
-             "moe mtp stage=2": ({"stage": 2}, 2, 1, MOE_MTP)}
+             "moe mtp stage=2": ({"stage": 2}, 2, 1, MOE_MTP),
+             "lora stage=2": ({"stage": 2}, 2, 1, LORA)}
     for name, case in cases.items():
-        reference = name.split(" stage")[0] + " single" if name.startswith("moe") else "single"
+        reference = name.split(" stage")[0] + " single" if name.startswith(("moe", "lora")) \
+            else "single"
         # The meshes start from the single run's state, but for accumulation (its optimizer
         # state differs) and the dropout run below, which compile their own sharded init.
         start = None if "accumulation" in name else starts[reference]
@@ -85,6 +91,10 @@ def main() -> None:
     _, losses, _, _ = train(pipeline_config({"stage": 2}, 2, 1, {"model.dropout_rate": 0.1}),
                          steps=4)
     results["dropout stage=2"] = {"losses": losses}
+    lora_dropout = {**LORA, "model.lora.dropout": 0.1}
+    _, losses, _, _ = train(pipeline_config({"stage": 2}, 2, 1, lora_dropout),
+                            start=starts["lora single"])
+    results["lora dropout stage=2"] = {"losses": losses}
     for reference in references:
         del results[reference]["params"]
     print(json.dumps(results))

@@ -204,6 +204,21 @@ def test_a_pipelined_moe_trains_like_one_device(mesh_results, case):
 
 
 @pytest.mark.slow
+def test_lora_adapters_train_under_the_pipeline_as_on_one_device(mesh_results):
+    """Probe p1 of stop 110: a targets regex naming the stack (decoder/layers/...) matched
+    nothing inside a stage, so the adapters got no gradient (gnorm 0, exit 0); LoRA dropout
+    without model dropout had no RNG in the stages and failed. The adapters now train as on
+    one device, and their dropout applies (the losses move off the run without it)."""
+    got, want = mesh_results["lora stage=2"], mesh_results["lora single"]
+    np.testing.assert_allclose(got["losses"], want["losses"], atol=1e-5, rtol=0)
+    assert got["max_param_diff"] < 1e-5 and got["stage_sharded"]
+    dropped = np.array(mesh_results["lora dropout stage=2"]["losses"])
+    # (the adapters' B starts at 0 and the first step's rate is 0 (warmup): the third step is
+    # the first whose forward reads a dropped-out adapter)
+    assert np.all(np.isfinite(dropped)) and abs(dropped[2] - got["losses"][2]) > 1e-6
+
+
+@pytest.mark.slow
 def test_dropout_trains_under_the_pipeline(mesh_results):
     """Dropout draws its masks per (iteration, stage), not as one device does: the losses are
     finite, near those without dropout, and not equal to them (the masks apply)."""

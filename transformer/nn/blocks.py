@@ -13,8 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer.nn import lora, sequence_parallel
 from transformer.nn import positions as positions_lib
-from transformer.nn import sequence_parallel
 from transformer.nn.activations import ACTIVATIONS, GATED
 from transformer.nn.attention import AttentionSettings, MultiHeadAttention
 from transformer.nn.config import REMAT_POLICIES, TransformerConfig
@@ -373,12 +373,13 @@ class TransformerStack(nn.Module):
                                            mutable=["losses"])
             return y_bTD, moe_aux(state.get("losses", {}))
 
-        rng = None if deterministic or not (cfg.dropout_rate or cfg.attention_dropout_rate) \
-            else self.make_rng("dropout")
-        x_BTD, aux = pipeline_parallel.run(
-            stage_fn, self.variables["params"]["layers"], x_BTD, args, stages=stages,
-            microbatches=microbatches, repeats=repeats, rng=rng,
-            remat_policy=REMAT_POLICIES[cfg.remat_policy])
+        dropout = cfg.dropout_rate or cfg.attention_dropout_rate or cfg.lora.dropout
+        rng = None if deterministic or not dropout else self.make_rng("dropout")
+        with lora.applied_at((*self.scope.path, "layers")):  # (traced inside `run`)
+            x_BTD, aux = pipeline_parallel.run(
+                stage_fn, self.variables["params"]["layers"], x_BTD, args, stages=stages,
+                microbatches=microbatches, repeats=repeats, rng=rng,
+                remat_policy=REMAT_POLICIES[cfg.remat_policy])
         # The stack's mean counts once per MoE layer in `moe_aux`'s mean over all the model's
         # layers (an MTP module's own MoE layers sow theirs beside it).
         moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers))

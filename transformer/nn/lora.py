@@ -19,6 +19,8 @@ the fly (`qwix.dequantize`, in `project`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import math
@@ -184,6 +186,24 @@ def _quantized(value, qtype: str, channelwise) -> dict:
     return {"qvalue": q.qvalue, "scale": q.scale}
 
 
+# The model path of a unit applied on its own (a pipeline stage's blocks, `parent=None`, whose
+# scope paths start at the unit): `project` matches targets against the model's param paths.
+_APPLIED_AT: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("lora_applied_at",
+                                                                              default=())
+
+
+@contextlib.contextmanager
+def applied_at(path: tuple[str, ...]):
+    """Within it, the modules applied on their own sit at `path` in the model (their params'
+    place there): a `targets` regex naming the stack (`decoder/layers/`) matches them as it
+    matches the stack's own."""
+    token = _APPLIED_AT.set(tuple(path))
+    try:
+        yield
+    finally:
+        _APPLIED_AT.reset(token)
+
+
 def project(module: nn.Module, name: str, x, kernel, names: tuple, contract: int,
             lora: LoraConfig, dtype, param_dtype, deterministic: bool, matmul):
     """x times the kernel param `name` (contracting its first `contract` dims; `names` its
@@ -192,7 +212,7 @@ def project(module: nn.Module, name: str, x, kernel, names: tuple, contract: int
     (`is_quantized`) is dequantized first. `matmul`: transformer.nn.attention's."""
     kernel = _dequantized(kernel)
     y = matmul(x, kernel, contract, dtype=dtype)
-    path = "/".join((*module.scope.path, name))
+    path = "/".join((*_APPLIED_AT.get(), *module.scope.path, name))
     if not lora.rank or not re.search(lora.targets, path):
         return y
     in_shape, out_shape = kernel.shape[:contract], kernel.shape[contract:]
