@@ -84,6 +84,27 @@ def test_legal_but_surely_unintended_values_are_one_line_warnings():
         **vit, **{"model.patch_position": "none"})) == []
 
 
+def test_lengths_a_run_cannot_evaluate_are_refused_or_said_at_the_start():
+    """Probe p3 of stop 110: `evaluate --eval_seq_len=5,16,24` on a ViT printed three rows of
+    the same images (its rows are images, whatever the length); probe p2: an eval_seq_lens
+    entry the model or mesh cannot run at was dropped only after the whole training."""
+    from transformer.models import vision
+    from transformer.training import evaluation
+
+    vit = family_config("vit")
+    tokens = vision.image_tokens(vit.model)
+    evaluation.check_eval_seq_len(vit, tokens)
+    with pytest.raises(ValueError, match=rf"^eval_seq_len=24: a ViT reads {tokens} tokens an "
+                                         rf"image .*: expected only seq_len={tokens}$"):
+        evaluation.check_eval_seq_len(vit, 24)
+    config = tiny_config(**{"model.position": "learned", "model.max_len": 32,
+                            "eval_seq_lens": (32, 64)})
+    assert [w for w in startup.unintended_settings(config) if "eval_seq_lens" in w] == [
+        "warning: the eval_seq_lens entry 64 will be skipped after training: eval_seq_len=64: "
+        "the model learned positions for 32 tokens (model.max_len), and a learned position "
+        "table cannot extrapolate: expected <= 32"]
+
+
 # An off-default value for each run-config key declared with `needs` (config_keys.KEYS): a new
 # such key needs its row here.
 NEEDY_RUN_KEYS = {

@@ -83,7 +83,9 @@ KEYS: dict[str, Key] = {
     "eval_steps": _key(20, "Validation batches per evaluation (a fixed seeded sample of the "
                        "windows).", int_(ge=1, note="validation batches at each evaluation")),
     "eval_seq_lens": _key((), "Extra validation lengths evaluated at the end of training "
-                          "(length extrapolation), e.g. `(256, 512)`.",
+                          "(length extrapolation), e.g. `(256, 512)`; one the model or mesh "
+                          "cannot run at (learned positions past max_len, a length the "
+                          "sequence axis does not split) is skipped, and the start says so.",
                           _tuple_of(lambda n: is_int(n) and n >= 2, "a tuple of ints >= 2")),
     # Their family, process count, files and names: task_eval.check, in validate_config.
     "eval_tasks": _key((), "lm-eval tasks scored during training (`training.task_eval`): task "

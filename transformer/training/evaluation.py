@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 from transformer.data import inputs, pipeline
-from transformer.models import family_of
+from transformer.models import family_of, vision
 from transformer.nn import sequence_parallel
 from transformer.parallel import sharding
 from transformer.training import placement as placement_lib
@@ -305,6 +305,11 @@ def check_eval_seq_len(config, seq_len: int, tokenizer=None) -> None:
     seq_len did (`configs.check_sequence_split`); span corruption's spans need as many
     sentinels (data.num_sentinels, and `tokenizer`'s if given)."""
     check_length(seq_len, "eval_seq_len")
+    if family_of(config.model) is vision.VIT and seq_len != (
+            tokens := vision.image_tokens(config.model)):  # (as training's seq_len is refused)
+        raise ValueError(f"eval_seq_len={seq_len}: a ViT reads {tokens} tokens an image "
+                         "whatever the length (its rows are images): expected only "
+                         f"seq_len={tokens}")
     sequence = config.mesh.get("sequence", 1)
     if sequence == -1:  # the devices the other axes leave
         sequence = sharding.mesh_shape(config.mesh, jax.device_count())["sequence"]

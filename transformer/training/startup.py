@@ -298,6 +298,12 @@ def unintended_settings(config: ml_collections.ConfigDict,
     if unread := unread_settings(config.model):
         out.append(f"warning: model.family={model.family!r} never reads {', '.join(unread)}: "
                    + ("it changes" if len(unread) == 1 else "they change") + " nothing")
+    for seq_len in config.get("eval_seq_lens") or ():  # (skipped after training: say so now)
+        try:
+            evaluation.check_eval_seq_len(config, seq_len)
+        except ValueError as error:
+            out.append(f"warning: the eval_seq_lens entry {seq_len} will be skipped after "
+                       f"training: {error}")
     if 0 < (cap := config.model.get("attention_softcap", 0.0)) < 1:
         out.append(f"warning: model.attention_softcap={cap}: every attention logit is squashed "
                    "into (-cap, cap), so attention is nearly uniform (Gemma 2 caps at 50)")
