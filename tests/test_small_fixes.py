@@ -151,3 +151,21 @@ def test_evaluate_reads_a_run_trained_on_more_devices_than_it_has(tmp_path):
             "note: the run trained on mesh data=1 x stage=1 x fsdp=2 x expert=1 x sequence=1 x "
             "tensor=2; evaluating data parallel over 1 of the 1 devices here"]), notes
     assert results[1]["loss"] == pytest.approx(results[4]["loss"], rel=1e-5)
+
+
+def test_a_batch_that_does_not_split_over_this_machines_devices_is_read_data_parallel(
+        monkeypatch):
+    """Probe p2 of stop 110: a run trained on one device with mesh.data=-1 and batch_size=12,
+    evaluated on 8 devices: the -1 axis took all 8, which do not split 12 rows, and evaluate
+    failed with JAX's sharding error. It now evaluates data parallel over 6, with the note."""
+    from transformer import configs
+    from transformer.training import placement
+
+    config = configs.base_config()
+    config.batch_size = 12  # mesh.data=-1, the default
+    monkeypatch.setattr(placement.jax, "devices", lambda: list(range(8)))
+    fitted, devices, note = placement.local_mesh(config, "evaluating")
+    assert devices == list(range(6)) and fitted.mesh.data == 6 and fitted.mesh.fsdp == 1
+    assert note.endswith("; evaluating data parallel over 6 of the 8 devices here"), note
+    config.batch_size = 16
+    assert placement.local_mesh(config, "evaluating") == (config, None, None)

@@ -262,12 +262,14 @@ def agreed(flag: bool) -> bool:
 
 def local_mesh(config, doing: str):
     """(config, devices, note) for this machine's devices: the run's own mesh where they fit
-    it (devices None: all), else data parallel over the most devices that divide the batch, the
-    config's mesh set to it (a checkpoint restores onto any mesh), with a note saying so (else
-    note None): "the run trained on mesh ...; `doing` data parallel over ...")."""
+    it and its batch splits over them (devices None: all), else data parallel over the most
+    devices that divide the batch, the config's mesh set to it (a checkpoint restores onto any
+    mesh), with a note saying so (else note None): "the run trained on mesh ...; `doing` data
+    parallel over ...")."""
     devices = jax.devices()
     try:
-        sharding.mesh_shape(config.mesh, len(devices))
+        sizes = sharding.mesh_shape(config.mesh, len(devices))
+        sharding.check_batch_split(config.batch_size, sizes)  # (a -1 axis takes more devices)
         return config, None, None
     except ValueError:
         if jax.process_count() > 1:  # every host must agree: the run's mesh or its error
