@@ -617,12 +617,13 @@ def test_an_lstm_resumes_with_a_changed_key_it_never_reads(tmp_path, capsys):
 
 
 def test_a_resume_under_another_runtime_or_on_moved_data_says_so(tmp_path, capsys):
-    """A checkpoint records the jax, jaxlib, backend and device count that wrote it: a resume
-    under others continues, saying that its steps are no longer bit-identical to an
-    uninterrupted run's (a probe's run trained under jax 0.10.2 and resumed under 0.12.0.1 was
-    silent). A data.path moved to a file of the same fingerprint is said too: here a copy
-    edited in the middle, which the fingerprint cannot see. A step saved before the record
-    resumes without a line."""
+    """A checkpoint records the jax, jaxlib, backend, device count and mesh that wrote it (a
+    mesh of as many devices laid out otherwise sums in another order: probe p2 of stop 110 was
+    told nothing): a resume under others continues, saying that its steps are no longer
+    bit-identical to an uninterrupted run's (a probe's run trained under jax 0.10.2 and resumed
+    under 0.12.0.1 was silent). A data.path moved to a file of the same fingerprint is said
+    too: here a copy edited in the middle, which the fingerprint cannot see. A step saved
+    before the record resumes without a line."""
     from transformer.training import checkpoint
 
     def lstm(steps: int, path: Path):
@@ -639,16 +640,19 @@ def test_a_resume_under_another_runtime_or_on_moved_data_says_so(tmp_path, capsy
     train.train_and_evaluate(lstm(2, old), str(workdir))
     record = workdir / "checkpoints" / "2" / "stream" / "metadata"
     stream = json.loads(record.read_text())
-    assert stream[checkpoint.RUNTIME] == checkpoint.runtime()
+    assert stream[checkpoint.RUNTIME] == checkpoint.runtime(lstm(2, old).mesh)
+    assert stream[checkpoint.RUNTIME]["mesh"] == "one device"
     devices = jax.device_count()
     record.write_text(json.dumps({**stream, checkpoint.RUNTIME: {
-        **stream[checkpoint.RUNTIME], "jax": "0.0.1", "devices": devices + 7}}))
+        **stream[checkpoint.RUNTIME], "jax": "0.0.1", "devices": devices + 7,
+        "mesh": "fsdp=2 x tensor=4"}}))
     capsys.readouterr()
     train.train_and_evaluate(lstm(3, new), str(workdir))
     out = capsys.readouterr().out
     assert [line for line in out.splitlines() if line.startswith("changed on resume")] == [
         f"changed on resume: jax 0.0.1 -> {jax.__version__}, devices {devices + 7} -> "
-        f"{devices} (steps from here are not bit-identical to an uninterrupted run's)",
+        f"{devices}, mesh fsdp=2 x tensor=4 -> one device (steps from here are not "
+        "bit-identical to an uninterrupted run's)",
         f"changed on resume: data.path {str(old)!r} -> {str(new)!r} (the same names, sizes "
         "and ends: read as the same data moved; an edit in the middle of a file is not "
         "detected)"]

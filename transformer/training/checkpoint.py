@@ -34,6 +34,7 @@ from flax import traverse_util
 
 from transformer.models import build_model
 from transformer.nn import lora
+from transformer.parallel import sharding
 from transformer.training import optim, placement
 from transformer.training import state as state_lib
 from transformer.utils import fileio
@@ -65,12 +66,21 @@ class MissingStep(ValueError):
 RUNTIME = "runtime"
 
 
-def runtime() -> dict:
+def runtime(mesh=None) -> dict:
     """What decides a step's bits besides the checkpoint and the config: jax's and jaxlib's
-    versions (other kernels and fusions), the backend and the device count (another reduction
-    order)."""
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "backend": jax.default_backend(), "devices": jax.device_count()}
+    versions (other kernels and fusions), the backend, the device count and, given the config's
+    `mesh` group, the axes it lays them out on (another layout, another reduction order).
+
+    >>> runtime({"data": -1, "fsdp": 1})["mesh"]  # one device
+    'one device'
+    """
+    out = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+           "backend": jax.default_backend(), "devices": jax.device_count()}
+    if mesh is not None:
+        sizes = sharding.mesh_shape(mesh, out["devices"])
+        out["mesh"] = " x ".join(f"{axis}={n}" for axis, n in sizes.items() if n > 1) \
+            or "one device"
+    return out
 
 
 def runtime_changes(saved_stream: dict | None, current: dict | None = None) -> list[str]:

@@ -5,7 +5,7 @@ A checkpoint holds everything needed to continue exactly: params, optimizer stat
 per-step RNG is derived from the seed and the step), the data iterator's position (one global
 batch index, the same on every process, so a run resumes on any number of processes), the config
 and what defines the data stream (`transformer.data.inputs.data_stream`), with the jax and
-jaxlib versions, backend and device count that wrote it (`checkpoint.RUNTIME`: a resume under
+jaxlib versions, backend, device count and mesh that wrote it (`checkpoint.RUNTIME`: a resume under
 others is announced, its steps no longer bit for bit the uninterrupted run's). The tokenizer lives
 beside the checkpoints in the workdir. Restoring checks that the structural settings of the
 checkpoint and the current config agree, that the data stream is the same one the iterator
@@ -335,7 +335,7 @@ class Manager:
                      "config": ocp.args.JsonSave(self.config.to_dict())}
             if self.stream is not None:
                 items["stream"] = ocp.args.JsonSave(
-                    {**self.stream, RUNTIME: checkpoint_lib.runtime()})
+                    {**self.stream, RUNTIME: checkpoint_lib.runtime(self.config.mesh)})
             if lora.enabled(self.config):  # the adapters, and the name of their base
                 if self.lora_base is None:
                     # the step a workdir base was read at: the adapters' base stays that
@@ -432,7 +432,8 @@ class Manager:
             stream = ["the checkpoint records no data stream (an older version wrote it)"] \
                 if saved is None else stream_differences(saved, self.stream)
             # (data read from its start, under new_data, moved or not)
-            self.resume_notes = checkpoint_lib.runtime_changes(saved) + (
+            self.resume_notes = checkpoint_lib.runtime_changes(
+                saved, checkpoint_lib.runtime(self.config.mesh)) + (
                 [] if stream else moved_data(saved, self.stream))
             if change := tasks.label_change((saved or {}).get(tasks.LABELS),
                                             self.stream.get(tasks.LABELS)):
