@@ -205,6 +205,23 @@ def test_a_freeze_regex_matching_every_param_or_none_is_refused():
     with pytest.raises(ValueError, match=r"optimizer.freeze='encoder/' matches no param: "
                                          r"expected a regex over param paths such as "):
         state.check_freeze(params, tiny_config(**{"optimizer.freeze": "encoder/"}))
+    # Under LoRA the base is frozen too (probe p1 of stop 110: freeze='_lora_' trained nothing,
+    # exit 0, and the start line counted every adapter trainable; a head regex on the base
+    # trained nothing at head_learning_rate)
+    adapted = {"model.lora.rank": 4}
+    params = params_of(tiny_config(**adapted))
+    with pytest.raises(ValueError, match=r"^optimizer.freeze='_lora_' matches every param that "
+                                         r"would train or LoRA's frozen base, so nothing"):
+        state.check_freeze(params, tiny_config(**adapted, **{"optimizer.freeze": "_lora_"}))
+    with pytest.raises(ValueError, match=r"^optimizer.head='embed' matches only frozen params "
+                                         r"\(optimizer.freeze or LoRA's frozen base\), so "):
+        state.check_freeze(params, tiny_config(**adapted, **{"optimizer.head": "embed"}))
+    state.check_freeze(params, tiny_config(**adapted, **{"optimizer.freeze": "mlp/",
+                                                         "optimizer.head": "attention/"}))
+    total, adapters = lora.counts(params)
+    mlp = sum(x.size for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+              if "/mlp/" in state.param_name(path) and "_lora_" in state.param_name(path))
+    assert mlp and lora.counts(params, "mlp/") == (total, adapters - mlp)
 
 
 def test_lora_targets_matching_nothing_or_a_rank_above_full_rank_are_refused():

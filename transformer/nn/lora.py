@@ -319,12 +319,14 @@ def fingerprint(params) -> str:
     return digest.hexdigest()[:16]
 
 
-def counts(params) -> tuple[int, int]:
-    """(total params, trainable adapter params) of a params tree (arrays or abstract); a QLoRA
-    kernel counts its values (not its scales)."""
+def counts(params, freeze: str = "") -> tuple[int, int]:
+    """(total params, trainable adapter params: those the regex `freeze`, optimizer.freeze,
+    leaves out) of a params tree (arrays or abstract); a QLoRA kernel counts its values (not
+    its scales)."""
     flat = traverse_util.flatten_dict(dict(params), is_leaf=lambda _, x: is_quantized(x))
-    return sum(map(stored_size, flat.values())), \
-        sum(stored_size(v) for k, v in flat.items() if is_adapter(k[-1]))
+    return sum(map(stored_size, flat.values())), sum(
+        stored_size(v) for k, v in flat.items()
+        if is_adapter(k[-1]) and not (freeze and re.search(freeze, "/".join(k))))
 
 
 def stored_size(param) -> int:
@@ -374,7 +376,7 @@ def summary(config, state) -> str:
     optimizer state and params on one device, measured from the arrays."""
     from transformer.parallel.sharding import format_bytes
 
-    total, adapters = counts(state.params)
+    total, adapters = counts(state.params, config.optimizer.get("freeze", ""))
     group = config.model.lora
     base = f", base {group.base_quantization}" if group.base_quantization else ""
     return (f"lora: rank {group.rank}{base}, {total:,} params, {adapters:,} trainable "

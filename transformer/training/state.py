@@ -107,20 +107,25 @@ def active_params(abstract_state: TrainState, config: ml_collections.ConfigDict,
 
 
 def check_freeze(params, config: ml_collections.ConfigDict) -> None:
-    """One line if optimizer.freeze matches every param (nothing would train) or none (it
-    would do nothing), or optimizer.head matches none (head_learning_rate would train
-    nothing). `params`: a model's, unboxed."""
+    """One line if optimizer.freeze matches every param that would train (nothing would; under
+    LoRA the base is frozen too, `lora.frozen_regex`) or none (it would do nothing), or
+    optimizer.head matches no param that trains (head_learning_rate would train nothing).
+    `params`: a model's, unboxed."""
     freeze, head = config.optimizer.get("freeze", ""), config.optimizer.get("head", "")
     names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    frozen = lora_lib.frozen_regex(freeze) if lora_lib.enabled(config) else freeze
+    trained = [name for name in names if not (frozen and re.search(frozen, name))]
+    base = " or LoRA's frozen base" if frozen != freeze else ""
+    if freeze and not any(re.search(freeze, name) for name in names):
+        raise ValueError(f"optimizer.freeze={freeze!r} matches no param: expected a regex over "
+                         f"param paths such as {names[0]}")
+    if freeze and not trained:
+        raise ValueError(f"optimizer.freeze={freeze!r} matches every param that would train"
+                         f"{base}, so nothing would train: expected a regex that leaves some out")
     if head and not any(re.search(head, name) for name in names):
         raise ValueError(f"optimizer.head={head!r} matches no param: expected a regex over "
                          f"param paths such as {names[-1]}")
-    if not freeze:
-        return
-    matched = sum(bool(re.search(freeze, name)) for name in names)
-    if matched == len(names):
-        raise ValueError(f"optimizer.freeze={freeze!r} matches every param, so nothing would "
-                         "train: expected a regex that leaves some out")
-    if not matched:
-        raise ValueError(f"optimizer.freeze={freeze!r} matches no param: expected a regex over "
-                         f"param paths such as {names[0]}")
+    if head and not any(re.search(head, name) for name in trained):
+        raise ValueError(f"optimizer.head={head!r} matches only frozen params (optimizer.freeze"
+                         f"{base}), so head_learning_rate would train nothing: expected a regex "
+                         f"over trained params such as {trained[-1]}")
