@@ -75,6 +75,11 @@ def test_legal_but_surely_unintended_values_are_one_line_warnings():
     for acting in ({"model.mup_base_width": 64, "model.parametrization": "mup"},
                    {"model.quantize_head": True, "model.quantization": "int8"}):
         assert config_keys.idle_settings(tiny_config(**acting)) == [], acting
+    # probe p3 of stop 110: a causal model on masked-LM rows trained without a word
+    for family, warned in (("gpt", True), ("lstm", True), ("prefix_lm", False)):
+        said = [w for w in startup.unintended_settings(tiny_config(**{
+            "model.family": family, "data.objective": "mlm"})) if "data.objective='mlm'" in w]
+        assert len(said) == warned, (family, said)
     # a ViT over patch positions reads no model.position (CLIP's text tower would)
     vit = {"model.family": "vit", "model.position": "learned"}
     assert startup.unintended_settings(tiny_config(**vit)) == [

@@ -10,7 +10,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from transformer.data import inputs
+from transformer.data import inputs, pipeline
 from transformer.models import default_model_config, family_of, transformer_config
 from transformer.nn import lora, mixers
 from transformer.parallel import pipeline_parallel
@@ -298,6 +298,11 @@ def unintended_settings(config: ml_collections.ConfigDict,
     if unread := unread_settings(config.model):
         out.append(f"warning: model.family={model.family!r} never reads {', '.join(unread)}: "
                    + ("it changes" if len(unread) == 1 else "they change") + " nothing")
+    if pipeline.objective_for(config) == "mlm" and family_of(config).decoding in (
+            "causal", "recompute"):  # (a legal ablation, surely not what a user meant)
+        out.append(f"warning: data.objective='mlm' with model.family={model.family!r}: each "
+                   "target is its own position's input token, which a causal model reads (kept "
+                   "or swapped in 20% of them), with no context to its right")
     for seq_len in config.get("eval_seq_lens") or ():  # (skipped after training: say so now)
         try:
             evaluation.check_eval_seq_len(config, seq_len)
