@@ -117,13 +117,20 @@ def resolved_config(config, explicit=()):
 def resolved_vocab_size(config) -> int:
     if config.model.vocab_size:
         return config.model.vocab_size
-    if config.data.tokenizer == "byte":
-        from transformer.data import tokenizers
+    from transformer.data import inputs, tokenizers
 
+    if config.data.tokenizer == "byte":
         return tokenizers.build_tokenizer("byte", num_sentinels=config.data.num_sentinels)\
             .vocab_size
+    if config.data.tokenizer == "hf":
+        try:  # its tokenizer.json, where this machine has it too
+            return inputs.get_tokenizer(config).vocab_size
+        except (OSError, ValueError):
+            pass
     raise ValueError(f"model.vocab_size=0 with data.tokenizer={config.data.tokenizer!r}: "
-                     "expected --config.model.vocab_size (the tokenizer is built from data)")
+                     "expected --config.model.vocab_size (the tokenizer is "
+                     + ("a file this machine lacks" if config.data.tokenizer == "hf"
+                        else "built from the data") + ")")
 
 
 def _compile(config, devices, accelerator: accelerators.Accelerator):
@@ -142,7 +149,8 @@ def _compile(config, devices, accelerator: accelerators.Accelerator):
     config.model.vocab_size = resolved_vocab_size(config)
     slices = sharding.num_slices(devices)
     processes = accelerator.hosts * slices
-    validate_config(config, len(devices), processes, this_backend=False)
+    # (the files it reads, on the slice: a gcsfuse mount this machine may lack)
+    validate_config(config, len(devices), processes, files=False, this_backend=False)
     model = build_model(config.model)
     optimizer = optim.make_optimizer(config)
     mesh = sharding.make_mesh(config.mesh, devices)

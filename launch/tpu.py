@@ -349,10 +349,19 @@ def stop_commands(launch: Launch) -> list[list[str]]:
 
 
 def aot_command(launch: Launch) -> list[str]:
-    """launch.aot for the slice with the config flags of `train_arguments` (--NAME=VALUE)."""
+    """launch.aot for the slice, on the config the train arguments give as transformer.train
+    reads them: its file and each override however it was given (`--config.KEY=VALUE`,
+    `--noconfig.KEY`, a `--flagfile`'s), as --config.KEY=VALUE."""
+    from ml_collections import config_flags
+
+    from transformer.sweeps.definition import flag_value
+
+    flag = train_flags(launch.train_args)["config"]
+    overrides = config_flags.get_override_values(flag)  # {dotted key: value}
     return [sys.executable, "-m", "launch.aot", f"--topology={launch.accelerator.name}",
-            f"--num_slices={launch.num_slices}", *(a for a in launch.train_args
-                                                   if re.match(r"--config[.=]", a))]
+            f"--num_slices={launch.num_slices}",
+            f"--config={config_flags.get_config_filename(flag)}",
+            *(f"--config.{key}={flag_value(value)}" for key, value in overrides.items())]
 
 
 # --- running them ---------------------------------------------------------------------------

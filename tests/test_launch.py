@@ -666,6 +666,9 @@ def test_a_tiny_gpt_compiles_for_a_v5p_slice_and_reports_its_memory():
     config.model.update(num_layers=3, d_model=64, num_heads=4, d_ff=128, vocab_size=512,
                         scan_layers=True)
     config.mesh.update(data=1, fsdp=4)
+    # read on the slice (a gcsfuse mount), not here (probe p5 of stop 110: refused here)
+    config.data.sources = ("path=/mnt/bucket-not-on-this-machine/a.txt,weight=0.7",
+                           "path=/mnt/bucket-not-on-this-machine/b.txt,weight=0.3")
     accelerator = accelerators.parse("v5p-8")
     devices = aot.tpu_topology(accelerator)
     assert len(devices) == 4 and "TPU" in devices[0].device_kind
@@ -1090,6 +1093,44 @@ def test_single_dash_train_flags_are_passed_on_as_double_dash_ones():
     launch = make_launch("v5p-32", train=tpu.train_arguments(train))
     assert tpu.aot_command(launch)[-2:] == ["--config=experiments/gpt_tiny.py",
                                             "--config.batch_size=16"]
+
+
+def test_the_aot_check_compiles_the_config_the_workers_train(tmp_path):
+    """Probe p5 of stop 110: launch.aot got only the --config[.=] arguments, so a
+    --noconfig.KEY or a --flagfile's overrides reached the workers but not the memory check
+    (it reported another model's memory). It now gets every override as train reads them."""
+    flagfile = tmp_path / "more.flags"
+    flagfile.write_text("--config.model.num_layers=3\n")
+    train = ("--config=experiments/gpt_tiny.py", "--workdir=gs://b/r",
+             "--noconfig.model.tie_embeddings", f"--flagfile={flagfile}",
+             "--config.batch_size=16")
+    launch = make_launch("v5p-32", train=tpu.train_arguments(train))
+    tpu.validate(launch)
+    assert tpu.aot_command(launch)[-4:] == [
+        "--config=experiments/gpt_tiny.py", "--config.model.tie_embeddings=False",
+        "--config.model.num_layers=3", "--config.batch_size=16"]
+
+
+def test_the_aot_vocabulary_of_an_hf_tokenizer_is_its_files_where_this_machine_has_it(
+        tmp_path):
+    """Training takes data.tokenizer='hf''s vocabulary from its tokenizer.json; launch.aot
+    refused it without model.vocab_size, saying the tokenizer is built from data (probe p5
+    of stop 110). It reads the file where it is here, and says so where it is not."""
+    pytest.importorskip("transformers")
+    from test_hf_tokenizers import gpt2_style
+
+    from launch import aot
+    from transformer.configs import base_config
+    from transformer.data import inputs
+
+    config = base_config()
+    config.data.update(tokenizer="hf", tokenizer_path=str(gpt2_style(tmp_path / "tok")))
+    assert aot.resolved_vocab_size(config) == inputs.get_tokenizer(config).vocab_size > 400
+    config.data.tokenizer_path = str(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"^model.vocab_size=0 with data.tokenizer='hf': expected "
+                                         r"--config.model.vocab_size \(the tokenizer is a file "
+                                         r"this machine lacks\)$"):
+        aot.resolved_vocab_size(config)
 
 
 def _gke_values(**kwargs):
