@@ -517,16 +517,18 @@ class MetricsLogger:
             return  # (already in metrics.jsonl, TensorBoard and W&B)
         line = json.dumps({"step": step, "split": split, **metrics,
                            "elapsed": self.elapsed()}) + "\n"
+        # TensorBoard first: a record metrics.jsonl holds is never written again (`earlier`),
+        # so one killed between the two would stay missing from TensorBoard for good
+        for name, value in metrics.items():
+            if isinstance(value, int | float):  # e.g. not new_data's list of changes
+                self.tensorboard.add_scalar(f"{split}/{name}", value, step)
+        self.tensorboard.flush()
         if self.jsonl is None:
             self.lines.append(line)
             fileio.write_atomic(self.path, "".join(self.lines))
         else:
             self.jsonl.write(line)
             self.jsonl.flush()
-        for name, value in metrics.items():
-            if isinstance(value, int | float):  # e.g. not new_data's list of changes
-                self.tensorboard.add_scalar(f"{split}/{name}", value, step)
-        self.tensorboard.flush()
         if self.sink is not None:
             self.sink.log(step, split, metrics)
 
