@@ -291,6 +291,9 @@ def format_report(report: Report, config) -> str:
         how = "XLA cost analysis of the stack unrolled"  # one unit deep: nothing to extrapolate
     if _pipelined(config):
         how = "XLA cost analysis of the pipeline, its loop bodies counted once: too low"
+    if (accumulation := config.optimizer.grad_accumulation_steps) > 1:  # (a lax.scan)
+        how += (f"; its loop over {accumulation} accumulated micro-batches counted once: about "
+                f"{accumulation}x too low")
     lines.append(f"FLOPs per step: {report.flops_per_chip:.3e} per chip ({how}), "
                  f"{report.flops_per_chip * report.chips:.3e} in all; model FLOPs "
                  f"{report.model_flops:.3e} (6N per token + attention, without remat). XLA "
