@@ -863,6 +863,16 @@ def test_the_eta_is_a_lower_bound_until_each_pause_still_to_come_is_timed():
     assert progress._eta(config, 10, 1.0, {"eval": [2.0], "save": [0.5]}) == (2.5, False)
     config.steps = 11  # at step 10: its own save, and step 11's evaluation and save to come
     assert progress._eta(config, 10, 1.0, {"eval": [5.0, 2.0], "save": []}) == (3.0, True)
+    # lm-eval tasks count at their own latest time, not validation's (probe p6 of stop 110: an
+    # 8 s task evaluation was charged to each validation to come, an ETA 8x the time left)
+    config.update(steps=60, eval_every=10, checkpoint_every=60, eval_tasks=("copy.yaml",),
+                  eval_tasks_every=30)
+    timed = {"eval": [0.5, 0.5], "tasks": [8.0, 8.0], "save": [1.0]}
+    # after step 35: 25 steps, validations at 40, 50, 60, tasks at 60, the save at 60
+    assert progress._eta(config, 35, 0.1, timed) == (pytest.approx(2.5 + 1.5 + 8.0 + 1.0), False)
+    config.eval_tasks_every = 0  # the last step's only
+    assert progress._eta(config, 35, 0.1, {**timed, "tasks": []}) == (
+        pytest.approx(2.5 + 1.5 + 1.0), True)
     assert [metrics_lib.format_eta(s) for s in (0.0, 0.2, 59.01, 3600.0)] == [
         "0:00:00", "0:00:01", "0:01:00", "1:00:00"]
 

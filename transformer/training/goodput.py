@@ -71,7 +71,7 @@ class Clock:
         self.data = 0.0
         self.after = {"evaluation": 0.0, "checkpoint": 0.0}  # after the loop
         # the loop's evaluations, saves and profiler trace starts and stops, in seconds
-        self.pauses = {"eval": [], "save": [], "profile": []}
+        self.pauses = {"eval": [], "tasks": [], "save": [], "profile": []}
         self.record = {"start_step": start_step, "step": start_step,
                        "marks": [[start_step, 0.0]]}
         self.previous = self._read() if enabled else []
@@ -89,7 +89,8 @@ class Clock:
         now = time.perf_counter()
         start = now if self.loop_start is None else self.loop_start
         end = now if self.loop_end is None else self.loop_end
-        evaluation, saves = sum(self.pauses["eval"]), sum(self.pauses["save"])
+        evaluation = sum(self.pauses["eval"]) + sum(self.pauses["tasks"])
+        saves = sum(self.pauses["save"])
         profile = sum(self.pauses["profile"])
         in_loop = max(end - start, 0.0) - self.data - evaluation - saves - profile
         compilation = in_loop if self.compilation is None else self.compilation
@@ -120,8 +121,8 @@ class Clock:
 
     @contextlib.contextmanager
     def pause(self, kind: str):
-        """Times an evaluation ("eval"), a save ("save") or the profiler's trace start or stop
-        ("profile") in the loop, into `pauses`."""
+        """Times a validation ("eval"), the lm-eval tasks ("tasks"), a save ("save") or the
+        profiler's trace start or stop ("profile") in the loop, into `pauses`."""
         began = time.perf_counter()
         try:
             yield

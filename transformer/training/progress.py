@@ -29,13 +29,16 @@ def _eta(config, step: int, seconds: float, pauses: dict[str, list[float]]) -> t
     resume) is left out, so the ETA is a lower bound, unless the evaluations to come count at
     this process's first one, which compiled (then the ETA runs high, and is no bound)."""
     eta, untimed, high = (config.steps - step) * seconds, False, False
-    for kind, every in (("eval", config.eval_every), ("save", config.checkpoint_every)):
+    # the lm-eval tasks: every eval_tasks_every steps (0: only the last) and at the last
+    tasks = (config.get("eval_tasks_every", 0) or config.steps) if config.get("eval_tasks") else 0
+    for kind, every in (("eval", config.eval_every), ("tasks", tasks),
+                        ("save", config.checkpoint_every)):
         # this step's own evaluation and save (if due) are still to come: they run after its log
-        due = remaining(step - 1, config.steps, every)
+        due = remaining(step - 1, config.steps, every) if every else 0
         if due and pauses[kind]:
             eta += due * pauses[kind][-1]
         untimed |= bool(due) and not pauses[kind]
-        high |= kind == "eval" and bool(due) and len(pauses[kind]) == 1
+        high |= kind != "save" and bool(due) and len(pauses[kind]) == 1
     return eta, untimed and not high
 
 

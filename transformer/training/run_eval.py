@@ -22,8 +22,8 @@ def during_training(run, last: bool) -> bool:
             run.last_metrics = {**run.last_metrics,
                                 **{f"val_{k}": v for k, v in result.items()}}
     tasks = task_eval.due(config, run.step, last)
-    if tasks:
-        with run.goodput.pause("eval"):
+    if tasks:  # (timed apart: the ETA counts each kind at its own latest time)
+        with run.goodput.pause("tasks"):
             task_eval.evaluate(run, optim.eval_params(run.placement.layer_order(run.state),
                                                       config))
     return validation or tasks
