@@ -4,7 +4,8 @@ equivalent `xpk workload create` command.
     python -m launch.gke --print --name=NAME --accelerator=v5p-32 [--num_slices=N] \
         --image=REGISTRY/IMAGE:TAG [--xpk --cluster=CLUSTER] -- --config=... --workdir=gs://...
 
-The image must hold this project installed with its tpu extra (`pip install -e '.[tpu]'`) for
+The image must hold this project installed with the extras its runs need (`pip install -e
+'.[tpu,chat,wandb]'`, as `launch.tpu` installs on each worker) for
 its `python3`, Python 3.11 or newer, its working directory the project's checkout (the
 manifest sets none; `--config` is a file of this checkout, relative to it). One replicated job
 per slice (multi-host slices: GKE's Multislice), one pod per host, every pod running the same

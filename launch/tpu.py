@@ -297,17 +297,24 @@ def file_list_path(launch: Launch) -> str:
     return os.path.join(".launch", f"{launch.name}.files")
 
 
+# What each worker installs: validation runs here, where the test extras bring transformers and
+# wandb, so a config needing them passed and then failed on every worker (probe p5, stop 110).
+WORKER_EXTRAS = "tpu,chat,wandb"
+
+
 def ship_commands(launch: Launch) -> tuple[list[str], list[list[str]], list[list[str]]]:
     """(pack, copies, installs): pack the working tree (`shipped_files`, listed in
     `file_list_path` by `pack`), copy it to every worker of each slice, unpack it there and
-    install the project with its TPU extra."""
+    install the project with the extras a run may need there: tpu, chat (transformers:
+    init_from="hf:DIR", SFT's chat template) and wandb (config.wandb)."""
     archive = archive_path(launch)
     pack = ["tar", "-czf", archive, "--null", f"--files-from={file_list_path(launch)}"]
     copies = [_gcloud_tpus("tpu-vm", "scp", archive, f"{node}:~/transformer.tar.gz",
                            *launch.where(), "--worker=all") for node in launch.nodes]
     install = (f"rm -rf {REMOTE_DIR} && mkdir -p {REMOTE_DIR} && "
                f"tar -xzf ~/transformer.tar.gz -C {REMOTE_DIR} && cd {REMOTE_DIR} && "
-               f"{venv_remote()} && python3 -m uv pip install -q --python {PYTHON} -e '.[tpu]'")
+               f"{venv_remote()} && python3 -m uv pip install -q --python {PYTHON} "
+               f"-e '.[{WORKER_EXTRAS}]'")
     return pack, copies, ssh_commands(launch, install)
 
 

@@ -338,7 +338,7 @@ def test_the_workers_install_and_train_in_a_python_312_venv_made_once(tmp_path):
     venv = home / ".venvs" / "transformer"
     python = f"{venv}/bin/python"
     setup = ["python3 -m pip install -q --user uv",
-             f"python3 -m uv pip install -q --python {python} -e .[tpu]"]
+             f"python3 -m uv pip install -q --python {python} -e .[tpu,chat,wandb]"]
     assert (home / "calls").read_text().splitlines() == [
         setup[0], f"python3 -m uv venv -q --clear --python 3.12 {venv}", setup[1], *setup,
         f"{python} -m launch.worker --log=~/logs/run1.log -- {python} -m transformer.train "
