@@ -250,6 +250,46 @@ def log_killed_then_resumed(workdir):
     return [(10, 10.0), (20, 20.0), (30, 30.5), (40, 40.5)]
 
 
+class _Killed(Exception):
+    pass
+
+
+class _KilledWriting:
+    """A file whose writes are a kill -9 (the process stops inside them)."""
+
+    def __getattr__(self, name):
+        if name == "write":
+            raise _Killed
+        return getattr(self.file, name)
+
+    def __init__(self, file):
+        self.file = file
+
+
+@pytest.mark.parametrize("killed_in", ["tensorboard", "metrics.jsonl"])
+def test_a_record_killed_in_the_middle_of_its_writes_is_in_both_after_the_resume(tmp_path,
+                                                                                killed_in):
+    """Probe p6 of stop 110: metrics.jsonl's line was written first, and a record it holds is
+    never written again on resume (`earlier`): a kill before TensorBoard's flush left the
+    record out of TensorBoard for good. TensorBoard's comes first now: wherever the kill
+    falls, the resumed start writes it to both."""
+    first = metrics.MetricsLogger(str(tmp_path), True, 0)
+    first.write(10, "train", {"loss": 10.0})
+    if killed_in == "tensorboard":
+        first.tensorboard.flush = lambda: (_ for _ in ()).throw(_Killed())
+    else:
+        first.jsonl = _KilledWriting(first.jsonl)
+    with pytest.raises(_Killed):
+        first.write(10, "validation", {"loss": 9.0})
+    time.sleep(1.05 - time.time() % 1)  # a file name per second: each start its own file
+    resumed = metrics.MetricsLogger(str(tmp_path), True, 10)  # (the checkpoint at 10)
+    resumed.write(10, "validation", {"loss": 9.0})
+    resumed.close()
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["step"], r["split"]) for r in records] == [(10, "train"), (10, "validation")]
+    assert start_purging_scalars(tmp_path / "tensorboard")["validation/loss"] == [(10, 9.0)]
+
+
 def test_tensorboard_drops_the_steps_a_resume_trains_again_as_metrics_jsonl_does(tmp_path):
     expected = log_killed_then_resumed(tmp_path)
     assert len(glob.glob(f"{tmp_path}/tensorboard/events.out.tfevents.*")) == 2
