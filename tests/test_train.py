@@ -1252,6 +1252,35 @@ def test_a_start_killed_in_the_after_training_evaluations_redoes_only_the_missin
     assert [s for s, _ in scalars["validation_32/loss"]] == [2]
 
 
+@pytest.mark.slow
+def test_sigterm_in_the_after_training_evaluations_stops_the_run_and_the_rerun_ends_them(
+        tmp_path, monkeypatch):
+    """Probe p7 of stop 110: a SIGTERM during the after-training evaluations was lost: the run
+    ran them all and exited 0 (a sweep then trained its next variants). Now it stops after the
+    evaluation under way, exits 143 (its summary says after_training false), and the rerun
+    runs only the lengths left."""
+    import signal
+
+    from transformer.training import evaluation
+
+    config = tiny_config(steps=2, eval_seq_lens=(32, 64))
+    workdir = tmp_path / "run"
+    at_length = evaluation.evaluate_at_length
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # (the run's handler: stop after this one)
+        return at_length(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate_at_length", signalled)
+    result = train.train_and_evaluate(config, str(workdir))
+    assert records_at(workdir, 2) == ["train", "validation", "validation@32"]
+    assert progress.unfinished(result["summary"], 2) and train.stopped_status(result) == 143
+    monkeypatch.setattr(evaluation, "evaluate_at_length", at_length)
+    result = train.train_and_evaluate(config, str(workdir))
+    assert records_at(workdir, 2) == ["train", "validation", "validation@32", "validation@64"]
+    assert not progress.unfinished(result["summary"], 2)
+
+
 @pytest.mark.parametrize("start, timed_steps", [(3, [2, 5, 6, 7]), (6, [2, 3, 4, 5])])
 def test_the_profilers_start_and_stop_are_outside_the_timed_steps(tmp_path, monkeypatch, start,
                                                                   timed_steps):

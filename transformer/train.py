@@ -306,7 +306,8 @@ def train_to_end(runs: list[Run], loop_fn) -> list[dict[str, Any] | Exception]:
                     if not stopped and run.step == run.config.steps and run.error is None:
                         with run.goodput.after_loop("evaluation"):
                             run_eval.after_training(run)
-                        run.evaluated = True
+                        # (a signal during them stops the run: the rerun does what is left)
+                        run.evaluated = run.signal is None
             finally:
                 for run in runs:
                     run.goodput.end_loop()  # (a trace still open stops after it)

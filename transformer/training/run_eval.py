@@ -64,12 +64,14 @@ def evaluate_split(run, split: str, steps: int | None, seq_len: int | None = Non
 
 def after_training(run) -> None:
     """After the last step: the test split (a labeled task's, or data.test_path: all of it),
-    then validation at other lengths."""
+    then validation at other lengths, until a signal (`run.signal`) stops them."""
     config = run.config
     if inputs.has_test_split(config):
         result = evaluate_split(run, "test", None)
         run.last_metrics.update({f"test_{k}": v for k, v in result.items()})
     for seq_len in config.get("eval_seq_lens") or ():
+        if run.signal is not None:  # SIGTERM / Ctrl-C: stop; the rerun runs the ones left
+            return
         try:
             evaluation.check_eval_seq_len(config, seq_len, run.tokenizer)
         except ValueError as error:
