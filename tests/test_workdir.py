@@ -513,6 +513,29 @@ def test_a_failed_save_stops_the_run_at_once_with_one_line(tmp_path, text):
     assert not (workdir / "checkpoints" / "20").exists()
 
 
+def test_a_failed_saves_error_is_the_one_reported_where_closing_after_it_fails_too(
+        tmp_path, monkeypatch):
+    """Probe p7 of stop 110: on a full disk, closing the logger after the failed save (its
+    TensorBoard flush, on the same disk) raised in the run's cleanup, and the run's one line
+    was that error ("error: [Errno 28] No space left on device"), not the save's."""
+    from test_train import tiny_config
+
+    from transformer import train
+    from transformer.training import checkpoint_manager, metrics
+
+    def full(self, step, *args):
+        raise checkpoint_manager.WriteError(f"writing checkpoint step {step} failed (No space "
+                                            "left on device)")
+
+    def flush_fails(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_manager.Manager, "save", full)
+    monkeypatch.setattr(metrics.MetricsLogger, "close", flush_fails)
+    with pytest.raises(checkpoint_manager.WriteError, match="^writing checkpoint step 2 failed"):
+        train.train_and_evaluate(tiny_config(steps=2), str(tmp_path / "run"))
+
+
 def test_a_failed_background_write_is_found_by_the_next_check_not_the_next_save(tmp_path):
     """The per-step check (train.loop calls it after every step) raises as soon as the
     background write has failed, without waiting for one still in progress."""

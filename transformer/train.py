@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -309,12 +310,17 @@ def train_to_end(runs: list[Run], loop_fn) -> list[dict[str, Any] | Exception]:
                         # (a signal during them stops the run: the rerun does what is left)
                         run.evaluated = run.signal is None
             finally:
+                # (an error on its way, a full disk's failed save, stays the one reported:
+                # closing after it fails too, the logger's flush on that disk)
+                quiet = contextlib.suppress(Exception) if sys.exc_info()[0] else \
+                    contextlib.nullcontext()
                 for run in runs:
                     run.goodput.end_loop()  # (a trace still open stops after it)
                     run.tracer.close(run)
-                    with run.goodput.after_loop("checkpoint"):
+                    with run.goodput.after_loop("checkpoint"), quiet:
                         run.manager.close()  # waits for async saves to finish
-                    run.logger.close()
+                    with quiet:
+                        run.logger.close()
                     run.train_data.close()  # stops Grain's prefetch thread before shutdown
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
