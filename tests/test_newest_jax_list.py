@@ -73,3 +73,15 @@ def test_the_selection_charges_a_shared_fixture_to_the_first_test_that_needs_it(
     # the fixture's own line is run only through a or b: one of them, last, paying it once
     assert chosen[:2] == ["c", "d"] and chosen[2:] in (["a"], ["b"])
     assert seconds == pytest.approx(1.0 + 0.5 + 0.1 + 30.0)
+    # three cheap tests picked first, then one running their lines and a fourth: they go
+    lines = {"a": {("m.py", 1)}, "b": {("m.py", 2)}, "c": {("m.py", 3)},
+             "d": {("m.py", n) for n in (1, 2, 3, 4)}, "e": {("m.py", 4)}}
+    cheap = {t: {"seconds": 0.01 if t in "abc" else 1.0 if t == "d" else 10.0,
+                 "fixtures": set()} for t in lines}
+    assert select_newest_jax.select(cheap, {}, lines) == (["d"], pytest.approx(1.0))
+    lines = {"a": {("m.py", 1), ("m.py", 2)}, "b": {("m.py", 3)},
+             "c": {("m.py", 1), ("m.py", 2), ("m.py", 3)},
+             "fixture m.py::trained[0]": {("m.py", 4)}, "d": {("m.py", 5)}}
+    # at 80% of the 5 lines, the one line only the 30 s fixture runs is left out
+    assert select_newest_jax.select(tests, {"m.py::trained[0]": 30.0}, lines, 0.8) == (
+        ["c", "d"], pytest.approx(1.5))
