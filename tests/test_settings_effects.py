@@ -216,10 +216,10 @@ def test_a_freeze_regex_matching_every_param_or_none_is_refused():
     adapted = {"model.lora.rank": 4}
     params = params_of(tiny_config(**adapted))
     with pytest.raises(ValueError, match=r"^optimizer.freeze='_lora_' matches every param that "
-                                         r"would train or LoRA's frozen base, so nothing"):
+                                         r"would train \(LoRA freezes the base\), so nothing"):
         state.check_freeze(params, tiny_config(**adapted, **{"optimizer.freeze": "_lora_"}))
     with pytest.raises(ValueError, match=r"^optimizer.head='embed' matches only frozen params "
-                                         r"\(optimizer.freeze or LoRA's frozen base\), so "):
+                                         r"\(LoRA freezes the base\), so head_learning_rate"):
         state.check_freeze(params, tiny_config(**adapted, **{"optimizer.head": "embed"}))
     state.check_freeze(params, tiny_config(**adapted, **{"optimizer.freeze": "mlp/",
                                                          "optimizer.head": "attention/"}))

@@ -115,7 +115,7 @@ def check_freeze(params, config: ml_collections.ConfigDict) -> None:
     names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     frozen = lora_lib.frozen_regex(freeze) if lora_lib.enabled(config) else freeze
     trained = [name for name in names if not (frozen and re.search(frozen, name))]
-    base = " or LoRA's frozen base" if frozen != freeze else ""
+    base = " (LoRA freezes the base)" if frozen != freeze else ""
     if freeze and not any(re.search(freeze, name) for name in names):
         raise ValueError(f"optimizer.freeze={freeze!r} matches no param: expected a regex over "
                          f"param paths such as {names[0]}")
@@ -126,6 +126,6 @@ def check_freeze(params, config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"optimizer.head={head!r} matches no param: expected a regex over "
                          f"param paths such as {names[-1]}")
     if head and not any(re.search(head, name) for name in trained):
-        raise ValueError(f"optimizer.head={head!r} matches only frozen params (optimizer.freeze"
-                         f"{base}), so head_learning_rate would train nothing: expected a regex "
-                         f"over trained params such as {trained[-1]}")
+        raise ValueError(f"optimizer.head={head!r} matches only frozen params{base}, so "
+                         "head_learning_rate would train nothing: expected a regex over trained "
+                         f"params such as {(trained or names)[-1]}")
