@@ -789,3 +789,30 @@ def test_a_signal_during_the_last_step_leaves_the_final_evaluations_to_the_rerun
     assert saved["after_training"] and saved["val_loss@32"] == rerun["summary"]["val_loss@32"]
     with pytest.raises(startup.Finished):
         train.setup(config.copy_and_resolve_references(), str(tmp_path))
+
+
+def test_an_orbax_read_closed_unfinished_prints_nothing_and_other_unraisables_do():
+    """Probe p7 of stop 110: an export beside a training that deleted the step it read printed
+    ~190 lines of Orbax's per-array read coroutines, collected unfinished (their GeneratorExit
+    re-raised as "Encountered error while reading array index"); CI's log showed them too."""
+    import types
+
+    from transformer.training import checkpoint
+
+    seen = []
+    quiet = checkpoint._quiet_closed_loop(seen.append)
+
+    async def _read_array_index_and_device_put():
+        pass
+
+    coroutine = _read_array_index_and_device_put()
+    coroutine.close()
+    error = Exception("Encountered error while reading array index (0,) for ...")
+    error.__cause__ = GeneratorExit()
+    quiet(types.SimpleNamespace(exc_type=Exception, exc_value=error, object=coroutine))
+    assert seen == []
+    for other in (Exception("a real error"), ValueError("no GeneratorExit cause")):
+        unraisable = types.SimpleNamespace(exc_type=type(other), exc_value=other,
+                                           object=coroutine)
+        quiet(unraisable)
+        assert seen[-1] is unraisable

@@ -170,10 +170,17 @@ def quiet_cut_off_io() -> None:
 
 
 def _quiet_closed_loop(hook):
-    """`hook` (a sys.unraisablehook) without tensorstore's "Event loop is closed" errors."""
+    """`hook` (a sys.unraisablehook) without tensorstore's "Event loop is closed" errors, nor
+    Orbax's per-array read coroutines closed unfinished (a read a deleted step cut short, or
+    abandoned: their GeneratorExit re-raised as "Encountered error while reading array index"
+    when they are collected, dozens of lines about a read that had already failed or ended)."""
     def quiet(unraisable):
-        if not (unraisable.exc_type is RuntimeError and
-                str(unraisable.exc_value) == "Event loop is closed"):
+        closed_loop = unraisable.exc_type is RuntimeError and \
+            str(unraisable.exc_value) == "Event loop is closed"
+        abandoned_read = isinstance(getattr(unraisable.exc_value, "__cause__", None),
+                                    GeneratorExit) and \
+            getattr(unraisable.object, "__name__", "") == "_read_array_index_and_device_put"
+        if not (closed_loop or abandoned_read):
             hook(unraisable)
     quiet.quiet_closed_loop = True
     return quiet
