@@ -239,11 +239,17 @@ def check_splits(config: ml_collections.ConfigDict, tokenizer, placement) -> Non
 def evaluable(config: ml_collections.ConfigDict, seq_len: int, tokenizer=None) -> bool:
     """Whether `run_eval.after_training` evaluates at `seq_len` (it skips lengths the model
     cannot run at)."""
+    return skip_reason(config, seq_len, tokenizer) is None
+
+
+def skip_reason(config: ml_collections.ConfigDict, seq_len: int, tokenizer=None) -> str | None:
+    """Why `run_eval.after_training` skips `seq_len` (`evaluation.check_eval_seq_len`'s line),
+    or None where it evaluates there."""
     try:
         evaluation.check_eval_seq_len(config, seq_len, tokenizer)
-    except ValueError:
-        return False
-    return True
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def fresh_state(config: ml_collections.ConfigDict, init, shardings, is_main: bool):
@@ -304,11 +310,9 @@ def unintended_settings(config: ml_collections.ConfigDict,
                    "target is its own position's input token, which a causal model reads (kept "
                    "or swapped in 20% of them), with no context to its right")
     for seq_len in config.get("eval_seq_lens") or ():  # (skipped after training: say so now)
-        try:
-            evaluation.check_eval_seq_len(config, seq_len)
-        except ValueError as error:
+        if (reason := skip_reason(config, seq_len)) is not None:
             out.append(f"warning: the eval_seq_lens entry {seq_len} will be skipped after "
-                       f"training: {error}")
+                       f"training: {reason}")
     if 0 < (cap := config.model.get("attention_softcap", 0.0)) < 1:
         out.append(f"warning: model.attention_softcap={cap}: every attention logit is squashed "
                    "into (-cap, cap), so attention is nearly uniform (Gemma 2 caps at 50)")
